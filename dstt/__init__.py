@@ -1,0 +1,69 @@
+"""dstt: lazy asynchronous LLM training checkpoints you can travel through.
+
+The public surface is imported lazily (PEP 562) so that ``import dstt`` — and the zarr
+``bfloat16`` entry point, which imports ``dstt.store.bfloat16`` — pulls in neither torch nor
+xarray until a name that needs them is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    CaptureError,
+    ChecksumError,
+    CorruptRunError,
+    DsttError,
+    FormatVersionError,
+    MissingFileError,
+    NotARunError,
+    RaceError,
+    ReadOnlyRunError,
+    RunLockedError,
+    SchemaError,
+    StepNotFoundError,
+    StorageError,
+    TimelineError,
+    UnsafeObjectError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureError",
+    "ChecksumError",
+    "CorruptRunError",
+    "DsttError",
+    "FormatVersionError",
+    "MissingFileError",
+    "NotARunError",
+    "RaceError",
+    "ReadOnlyRunError",
+    "RunLockedError",
+    "SchemaError",
+    "StepNotFoundError",
+    "StorageError",
+    "TimelineError",
+    "UnsafeObjectError",
+    "__version__",
+]
+
+_LAZY: dict[str, str] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        mod, _, attr = _LAZY[name].partition(":")
+        value = getattr(importlib.import_module(mod), attr) if attr else importlib.import_module(mod)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dstt' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    pass

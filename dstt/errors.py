@@ -1,0 +1,92 @@
+"""The one error tree of dstt.
+
+Every error dstt raises on purpose is a ``DsttError``; each subclass also subclasses the
+builtin a caller would naturally catch (``FileNotFoundError``, ``ValueError``, ``OSError`` ...),
+so ``except FileNotFoundError`` keeps working for code that does not know dstt. Messages say
+what is wrong, which file or step, and what to do.
+
+Rejected alternative: one flat ``DsttError`` with codes — callers could not catch by meaning.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CaptureError",
+    "ChecksumError",
+    "CorruptRunError",
+    "DsttError",
+    "FormatVersionError",
+    "MissingFileError",
+    "NotARunError",
+    "RaceError",
+    "ReadOnlyRunError",
+    "RunLockedError",
+    "SchemaError",
+    "StepNotFoundError",
+    "StorageError",
+    "TimelineError",
+    "UnsafeObjectError",
+]
+
+
+class DsttError(Exception):
+    """Base class of every error dstt raises on purpose."""
+
+
+class NotARunError(DsttError, FileNotFoundError):
+    """The path is not a dstt run (no run metadata where one was expected)."""
+
+
+class StepNotFoundError(DsttError, KeyError):
+    """The requested step (or slot) is not committed on the timeline asked for."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class TimelineError(DsttError, ValueError):
+    """A timeline name is unknown, already taken or malformed."""
+
+
+class CorruptRunError(DsttError, ValueError):
+    """Bytes on disk do not match what the commit manifest promised."""
+
+
+class ChecksumError(CorruptRunError):
+    """A chunk, object or manifest failed its crc32c check."""
+
+
+class FormatVersionError(CorruptRunError):
+    """A manifest or run was written by an unknown (newer) format version."""
+
+
+class RunLockedError(DsttError, BlockingIOError):
+    """Another writer holds the run's lock."""
+
+
+class ReadOnlyRunError(DsttError, PermissionError):
+    """The run cannot be written (read-only directory or opened for reading)."""
+
+
+class StorageError(DsttError, OSError):
+    """An I/O operation on the run's storage failed (disk full, permission, device error)."""
+
+
+class CaptureError(DsttError, RuntimeError):
+    """The capture engine failed to checkpoint a step (the cause is chained)."""
+
+
+class RaceError(CaptureError):
+    """A captured tensor was modified in place while it was being copied."""
+
+
+class UnsafeObjectError(DsttError, PermissionError):
+    """Loading this object would unpickle; pass ``trusted=True`` only for runs you trust."""
+
+
+class SchemaError(DsttError, ValueError):
+    """A tensor's dtype or shape differs from what the run already stores under its name."""
+
+
+class MissingFileError(StorageError, FileNotFoundError):
+    """A file the run needs is not there."""

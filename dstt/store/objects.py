@@ -1,0 +1,105 @@
+"""Safe serialization of Python objects stored beside the tensors (RNG, scheduler, data position).
+
+Default encoding is *tagged JSON*: plain JSON for dict/list/str/int/float/bool/None, plus tags
+for tuples, bytes, non-string dict keys, non-finite floats and numpy arrays. Reading it can never
+run code, so opening someone else's run is safe. ``pickle`` is available for arbitrary user
+objects but only when the writer asks for it, and the reader must pass ``trusted=True`` to load
+it. Rejected alternative: pickle everything (what torch.save did before ``weights_only``) — one
+malicious run directory would own the analyst's notebook.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import pickle
+from typing import Any, Literal
+
+import numpy as np
+
+from ..errors import UnsafeObjectError
+
+__all__ = ["Encoding", "UnsafeObjectError", "decode_object", "encode_object"]
+
+Encoding = Literal["json", "pickle", "raw"]
+
+
+
+def _enc(x: Any) -> Any:
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, int):
+        return int(x)
+    if isinstance(x, float):
+        return x if math.isfinite(x) else {"$float": repr(x)}
+    if isinstance(x, np.generic):
+        return _enc(x.item())
+    if isinstance(x, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in x):
+            return {k: _enc(v) for k, v in x.items()}
+        return {"$dict": [[_enc(k), _enc(v)] for k, v in x.items()]}
+    if isinstance(x, list):
+        return [_enc(v) for v in x]
+    if isinstance(x, tuple):
+        return {"$tuple": [_enc(v) for v in x]}
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return {"$bytes": base64.b64encode(bytes(x)).decode()}
+    if isinstance(x, np.ndarray):
+        if x.dtype.hasobject:
+            raise TypeError("object arrays cannot be stored as JSON; use encoding='pickle'")
+        a = np.ascontiguousarray(x)
+        return {"$ndarray": {"dtype": a.dtype.str, "shape": list(a.shape),
+                             "data": base64.b64encode(a.tobytes()).decode()}}
+    raise TypeError(
+        f"cannot store {type(x).__name__} as tagged JSON; convert it to plain data "
+        "(dict/list/str/number/bytes/numpy array) or pass encoding='pickle'"
+    )
+
+
+def _dec(x: Any) -> Any:
+    if isinstance(x, list):
+        return [_dec(v) for v in x]
+    if isinstance(x, dict):
+        if len(x) == 1:
+            ((tag, val),) = x.items()
+            if tag == "$float":
+                return float(val)
+            if tag == "$tuple":
+                return tuple(_dec(v) for v in val)
+            if tag == "$bytes":
+                return base64.b64decode(val)
+            if tag == "$dict":
+                return {_dec(k): _dec(v) for k, v in val}
+            if tag == "$ndarray":
+                raw = base64.b64decode(val["data"])
+                return np.frombuffer(raw, dtype=np.dtype(val["dtype"])).reshape(val["shape"]).copy()
+        return {k: _dec(v) for k, v in x.items()}
+    return x
+
+
+def encode_object(obj: Any, encoding: Encoding = "json") -> bytes:
+    if encoding == "json":
+        return json.dumps(_enc(obj), separators=(",", ":"), allow_nan=False).encode()
+    if encoding == "pickle":
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    if encoding == "raw":
+        if not isinstance(obj, (bytes, bytearray, memoryview)):
+            raise TypeError(f"encoding='raw' needs bytes, got {type(obj).__name__}")
+        return bytes(obj)
+    raise ValueError(f"unknown object encoding {encoding!r}; use 'json', 'pickle' or 'raw'")
+
+
+def decode_object(data: bytes, encoding: str, *, trusted: bool = False, where: str = "") -> Any:
+    if encoding == "json":
+        return _dec(json.loads(data))
+    if encoding == "raw":
+        return data
+    if encoding == "pickle":
+        if not trusted:
+            raise UnsafeObjectError(
+                f"object {where} was stored with pickle; loading it runs code from the run "
+                "directory. Pass trusted=True if you trust this run."
+            )
+        return pickle.loads(data)  # noqa: S301 - explicit opt-in above
+    raise ValueError(f"unknown object encoding {encoding!r} in {where}")

@@ -1,0 +1,272 @@
+"""Reading committed steps: refs → lineage of commit headers → arrays tables → verified chunks.
+
+A reader only ever looks at slots reachable from a timeline ref, so torn or orphaned writes are
+invisible by construction. Every chunk read is checked (size, crc32c against the arrays table
+and the chunk's own trailer); every header and table is checked against its envelope crc.
+Headers are immutable once written except for gc's tombstones, so they are cached until
+``refresh()``. Rejected alternative: listing slots from the ``step`` coordinate — it is written
+after the commit point and cannot tell timelines apart.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import (
+    ChecksumError,
+    CorruptRunError,
+    NotARunError,
+    StepNotFoundError,
+    TimelineError,
+)
+from .layout import (
+    COMMITS_PREFIX,
+    HEAD_KEY,
+    REFS_PREFIX,
+    commit_arrays_key,
+    commit_key,
+    parse_commit_name,
+)
+from .manifest import (
+    ArrayRecord,
+    CommitHeader,
+    RefInfo,
+    checksum,
+    parse_arrays,
+    parse_head,
+    parse_header,
+    parse_ref,
+)
+from .objects import decode_object
+from .zarr_meta import numpy_dtype
+
+if TYPE_CHECKING:
+    from .backend import Storage
+
+__all__ = ["Reader"]
+
+
+class Reader:
+    """Read-only view of a run's committed state."""
+
+    def __init__(self, storage: Storage, *, table_cache: int = 8) -> None:
+        self.storage = storage
+        self._headers: dict[int, CommitHeader] = {}
+        self._tables: OrderedDict[int, dict[str, ArrayRecord]] = OrderedDict()
+        self._table_cache = table_cache
+        self.refresh()
+
+    # -- refs -----------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Re-read HEAD and refs (cheap); drop cached headers that gc may have pruned."""
+        st = self.storage
+        try:
+            self.current_timeline = parse_head(st.read(HEAD_KEY), f"{st.location}/{HEAD_KEY}")
+        except FileNotFoundError:
+            raise NotARunError(f"{st.location} is not a dstt run (no {HEAD_KEY})") from None
+        refs = {}
+        for name in st.list(REFS_PREFIX):
+            if name.endswith(".json"):
+                key = f"{REFS_PREFIX}/{name}"
+                r = parse_ref(st.read(key), f"{st.location}/{key}")
+                refs[r.name] = r
+        self._refs = refs
+        self._headers = {s: h for s, h in self._headers.items() if not h.pruned}
+
+    @property
+    def timelines(self) -> dict[str, RefInfo]:
+        return dict(self._refs)
+
+    def ref(self, timeline: str | None = None) -> RefInfo:
+        name = timeline or self.current_timeline
+        try:
+            return self._refs[name]
+        except KeyError:
+            raise TimelineError(
+                f"no timeline {name!r} in {self.storage.location}; "
+                f"timelines: {sorted(self._refs)}"
+            ) from None
+
+    # -- headers and lineage --------------------------------------------------------------
+    def header(self, slot: int) -> CommitHeader:
+        h = self._headers.get(slot)
+        if h is None:
+            key = commit_key(slot)
+            try:
+                data = self.storage.read(key)
+            except FileNotFoundError:
+                raise CorruptRunError(
+                    f"{self.storage.location}/{key}: commit header missing, but a ref or "
+                    "parent points at it"
+                ) from None
+            h = parse_header(data, f"{self.storage.location}/{key}")
+            if h.slot != slot:
+                raise CorruptRunError(f"{self.storage.location}/{key}: header names slot {h.slot}")
+            self._headers[slot] = h
+        return h
+
+    def lineage(self, timeline: str | None = None) -> list[CommitHeader]:
+        """Commits of a timeline, oldest first (pruned tombstones included)."""
+        out: list[CommitHeader] = []
+        slot = self.ref(timeline).head
+        seen: set[int] = set()
+        while slot is not None:
+            if slot in seen:
+                raise CorruptRunError(f"{self.storage.location}: parent cycle at slot {slot}")
+            seen.add(slot)
+            h = self.header(slot)
+            out.append(h)
+            slot = h.parent
+        out.reverse()
+        return out
+
+    def head(self, timeline: str | None = None) -> CommitHeader | None:
+        slot = self.ref(timeline).head
+        return None if slot is None else self.header(slot)
+
+    def find(self, step: int, timeline: str | None = None) -> CommitHeader:
+        """The commit of ``step`` on a timeline; ``StepNotFoundError`` if unknown or pruned."""
+        name = timeline or self.current_timeline
+        line = self.lineage(name)
+        for h in reversed(line):
+            if h.step == step:
+                if h.pruned:
+                    raise StepNotFoundError(
+                        f"step {step} of timeline {name!r} was pruned by gc; kept steps: "
+                        f"{_describe([x.step for x in line if not x.pruned])}"
+                    )
+                return h
+        raise StepNotFoundError(
+            f"no committed step {step} on timeline {name!r} of {self.storage.location}; "
+            f"committed steps: {_describe([x.step for x in line if not x.pruned])}"
+        )
+
+    def max_slot(self) -> int:
+        """Highest slot with any commit header (committed, orphaned or pruned), or -1."""
+        slots = [parse_commit_name(n) for n in self.storage.list(COMMITS_PREFIX)]
+        return max((s for s in slots if s is not None), default=-1)
+
+    def all_slots(self) -> list[int]:
+        slots = (parse_commit_name(n) for n in self.storage.list(COMMITS_PREFIX))
+        return sorted(s for s in slots if s is not None)
+
+    # -- arrays ---------------------------------------------------------------------------
+    def arrays(self, header: CommitHeader) -> dict[str, ArrayRecord]:
+        """The arrays table of a commit (verified against the header's crc32c)."""
+        if header.pruned:
+            raise StepNotFoundError(f"step {header.step} (slot {header.slot}) was pruned by gc")
+        table = self._tables.get(header.slot)
+        if table is not None:
+            self._tables.move_to_end(header.slot)
+            return table
+        key = commit_arrays_key(header.slot)
+        where = f"{self.storage.location}/{key}"
+        try:
+            data = self.storage.read(key)
+        except FileNotFoundError:
+            self._raise_missing(header, where)
+        if len(data) != header.arrays_nbytes or checksum(data) != header.arrays_crc32c:
+            raise ChecksumError(f"{where}: arrays table does not match its commit header")
+        table = parse_arrays(data, where)
+        self._tables[header.slot] = table
+        if len(self._tables) > self._table_cache:
+            self._tables.popitem(last=False)
+        return table
+
+    def _raise_missing(self, header: CommitHeader, where: str) -> Any:
+        self._headers.pop(header.slot, None)
+        try:
+            now = self.header(header.slot)
+        except CorruptRunError:
+            now = header
+        if now.pruned:
+            raise StepNotFoundError(f"step {header.step} was pruned by gc while being read")
+        raise CorruptRunError(f"{where}: file missing; step {header.step} is damaged")
+
+    def record(self, header: CommitHeader, path: str) -> ArrayRecord:
+        table = self.arrays(header)
+        try:
+            return table[path]
+        except KeyError:
+            raise StepNotFoundError(
+                f"step {header.step} has no array {path!r}"
+            ) from None
+
+    def read_chunk(self, header: CommitHeader, path: str, index: int) -> memoryview:
+        """Verified bytes of chunk ``index`` of ``path`` (edge padding removed)."""
+        rec = self.record(header, path)
+        chunk = rec.chunks[index]
+        where = f"{self.storage.location}/{chunk.key}"
+        try:
+            data = self.storage.read(chunk.key)
+        except FileNotFoundError:
+            self._raise_missing(header, where)
+        if len(data) != chunk.nbytes:
+            raise CorruptRunError(
+                f"{where}: {len(data)} bytes on disk, {chunk.nbytes} committed (truncated?)"
+            )
+        body = memoryview(data)[:-4]
+        (trailer,) = struct.unpack("<I", data[-4:])
+        crc = checksum(body)
+        if crc != chunk.crc32c or trailer != chunk.crc32c:
+            raise ChecksumError(f"{where}: crc32c mismatch (chunk {index} of {path!r}, "
+                                f"step {header.step}); the chunk is damaged")
+        start, stop = rec.plan.byte_range(index)
+        return body[: stop - start]
+
+    def read_array(self, header: CommitHeader, path: str) -> np.ndarray:
+        """The whole tensor as a numpy array (bfloat16 as ``ml_dtypes.bfloat16``)."""
+        rec = self.record(header, path)
+        plan = rec.plan
+        out = np.empty(plan.nbytes, dtype=np.uint8)
+        for i in range(plan.n_chunks):
+            start, stop = plan.byte_range(i)
+            out[start:stop] = np.frombuffer(self.read_chunk(header, path, i), dtype=np.uint8)
+        return out.view(numpy_dtype(rec.dtype)).reshape(rec.shape)
+
+    def read_rows(self, header: CommitHeader, path: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of axis 0 of a tensor, reading only the chunks that hold them."""
+        rec = self.record(header, path)
+        plan = rec.plan
+        if not rec.shape:
+            return self.read_array(header, path)
+        start, stop = max(0, start), min(rec.shape[0], stop)
+        dt = numpy_dtype(rec.dtype)
+        if stop <= start:
+            return np.empty((0, *rec.shape[1:]), dtype=dt)
+        first, last = start // plan.rows, (stop - 1) // plan.rows
+        parts = [np.frombuffer(self.read_chunk(header, path, i), dtype=np.uint8)
+                 for i in range(first, last + 1)]
+        flat = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        block = flat.view(dt).reshape(-1, *rec.shape[1:])
+        lo = start - first * plan.rows
+        return block[lo: lo + (stop - start)]
+
+    def read_object(self, header: CommitHeader, name: str, *, trusted: bool = False) -> Any:
+        try:
+            rec = header.objects[name]
+        except KeyError:
+            raise StepNotFoundError(
+                f"step {header.step} has no object {name!r}; objects: {sorted(header.objects)}"
+            ) from None
+        where = f"{self.storage.location}/{rec.key}"
+        try:
+            data = self.storage.read(rec.key)
+        except FileNotFoundError:
+            self._raise_missing(header, where)
+        if len(data) != rec.nbytes or checksum(data) != rec.crc32c:
+            raise ChecksumError(f"{where}: object {name!r} does not match its commit")
+        return decode_object(data, rec.encoding, trusted=trusted, where=where)
+
+
+def _describe(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    if len(steps) <= 8:
+        return ", ".join(map(str, steps))
+    return f"{len(steps)} steps from {steps[0]} to {steps[-1]}"
+

@@ -1,0 +1,175 @@
+"""Small real storages for tests: an in-memory store that can "lose power", and a wrapper that
+injects I/O faults. Shipped with the package (like zarr's ``testing``) so users can test their
+own integrations against the same fakes. Rejected alternative: mocks — they test call
+sequences, not whether a run survives a crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as _errno
+import re
+import threading
+from collections.abc import Callable, Iterator
+
+from ..errors import RunLockedError, StorageError
+from .backend import Data, Storage, as_parts, missing
+
+__all__ = ["FaultyStorage", "MemoryStorage"]
+
+
+class MemoryStorage(Storage):
+    """Keys in a dict. ``crash()`` returns what would survive a power cut: only durable data."""
+
+    def __init__(self) -> None:
+        self.location = f"memory://{id(self):x}"
+        self.data: dict[str, bytes] = {}
+        self.durable: dict[str, bytes] = {}
+        self._pending: set[str] = set()
+        self._mu = threading.Lock()
+        self._locks: set[str] = set()
+
+    def read(self, key: str) -> bytes:
+        try:
+            return self.data[key]
+        except KeyError:
+            raise missing(self.location, key) from None
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        return self.read(key)[start: start + length]
+
+    def write(self, key: str, data: Data) -> None:
+        value = b"".join(bytes(p) for p in as_parts(data))
+        with self._mu:
+            self.data[key] = value
+            self._pending.add(key)
+
+    def write_durable(self, key: str, data: Data) -> None:
+        self.write(key, data)
+        with self._mu:
+            self.durable[key] = self.data[key]
+            self._pending.discard(key)
+
+    def barrier(self) -> None:
+        with self._mu:
+            for k in self._pending:
+                if k in self.data:
+                    self.durable[k] = self.data[k]
+            self._pending.clear()
+
+    def exists(self, key: str) -> bool:
+        return key in self.data
+
+    def size(self, key: str) -> int:
+        return len(self.read(key))
+
+    def list(self, prefix: str) -> Iterator[str]:
+        pre = f"{prefix}/" if prefix else ""
+        names = {k[len(pre):].split("/", 1)[0] for k in list(self.data) if k.startswith(pre)}
+        return iter(sorted(names))
+
+    def delete(self, key: str) -> None:
+        with self._mu:
+            for k in [k for k in self.data if k == key or k.startswith(key + "/")]:
+                del self.data[k]
+                self.durable.pop(k, None)  # deletes are treated as durable at once
+                self._pending.discard(k)
+
+    @contextlib.contextmanager
+    def lock(self, name: str) -> Iterator[None]:
+        with self._mu:
+            if name in self._locks:
+                raise RunLockedError(f"run {self.location} is locked by another writer")
+            self._locks.add(name)
+        try:
+            yield
+        finally:
+            with self._mu:
+                self._locks.discard(name)
+
+    def crash(self) -> MemoryStorage:
+        """A new storage holding only what was durable (un-barriered writes are lost)."""
+        out = MemoryStorage()
+        out.data = dict(self.durable)
+        out.durable = dict(self.durable)
+        return out
+
+
+class FaultyStorage(Storage):
+    """Delegates to ``inner`` but fails writes per a rule, e.g. a disk that fills up.
+
+    ``fail_after_writes=N``: the (N+1)-th and later writes fail; ``fail_keys``: a regex, writes
+    to matching keys fail; ``fail_reads``: a regex for reads. ``heal()`` stops failing.
+    """
+
+    def __init__(self, inner: Storage, *, fail_after_writes: int | None = None,
+                 fail_keys: str | None = None, fail_reads: str | None = None,
+                 errno: int = _errno.ENOSPC,
+                 on_write: Callable[[str], None] | None = None) -> None:
+        self.inner = inner
+        self.location = inner.location
+        self.fail_after_writes = fail_after_writes
+        self.fail_keys = re.compile(fail_keys) if fail_keys else None
+        self.fail_reads = re.compile(fail_reads) if fail_reads else None
+        self.errno = errno
+        self.on_write = on_write
+        self.writes = 0
+        self.failures = 0
+        self._mu = threading.Lock()
+
+    def heal(self) -> None:
+        self.fail_after_writes = None
+        self.fail_keys = None
+        self.fail_reads = None
+
+    def _maybe_fail(self, key: str) -> None:
+        if self.on_write:
+            self.on_write(key)
+        with self._mu:
+            self.writes += 1
+            n = self.writes
+        bad = (self.fail_after_writes is not None and n > self.fail_after_writes) or (
+            self.fail_keys is not None and self.fail_keys.search(key))
+        if bad:
+            self.failures += 1
+            import os
+
+            raise StorageError(self.errno, f"cannot write {key!r} in {self.location}: "
+                               f"{os.strerror(self.errno)} (injected)")
+
+    def read(self, key: str) -> bytes:
+        if self.fail_reads is not None and self.fail_reads.search(key):
+            raise StorageError(_errno.EIO, f"cannot read {key!r}: I/O error (injected)")
+        return self.inner.read(key)
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        return self.inner.read_range(key, start, length)
+
+    def write(self, key: str, data: Data) -> None:
+        self._maybe_fail(key)
+        self.inner.write(key, data)
+
+    def write_durable(self, key: str, data: Data) -> None:
+        self._maybe_fail(key)
+        self.inner.write_durable(key, data)
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def size(self, key: str) -> int:
+        return self.inner.size(key)
+
+    def list(self, prefix: str) -> Iterator[str]:
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def lock(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return self.inner.lock(name)
+
+    def check_writable(self) -> None:
+        self.inner.check_writable()

@@ -1,0 +1,294 @@
+"""The single writer of a run and its transactions (one per committed step).
+
+A ``Writer`` holds the run's lock for its lifetime and hands out ``Transaction`` objects. A
+transaction owns a fresh *slot* (axis 0 of every array): chunks and objects go to keys no commit
+references yet, so nothing visible is ever overwritten. ``commit`` is the only place that makes
+a step visible, in this order: barrier (chunks and objects durable) → arrays table → commit
+header (the commit point) → step coordinate → timeline ref. A crash anywhere before the header
+leaves garbage that no reader looks at; a crash after it leaves a complete commit that simply
+is not the head yet (gc removes such orphans).
+
+The parent of a commit is resolved *at commit time* (the timeline's head then), so the engine
+can stage step k+1 while step k is still flushing, and a step that fails and is skipped does not
+break the chain. Rejected alternative: parent fixed at ``begin`` — a skipped step would leave
+its successor pointing at a slot that never committed.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ..errors import DsttError, SchemaError
+from .layout import (
+    DEFAULT_CHUNK_BYTES,
+    LOCK_KEY,
+    STEP_ARRAY,
+    ChunkPlan,
+    array_meta_key,
+    check_array_path,
+    chunk_key,
+    commit_arrays_key,
+    commit_key,
+    group_meta_key,
+    object_key,
+    plan_chunks,
+    ref_key,
+)
+from .manifest import (
+    ArrayRecord,
+    ChunkRecord,
+    CommitHeader,
+    Metric,
+    ObjectRecord,
+    checksum,
+    dump_arrays,
+    dump_header,
+    dump_ref,
+)
+from .objects import Encoding, encode_object
+from .zarr_meta import array_document, dtype_itemsize, dump, with_capacity
+
+if TYPE_CHECKING:
+    from .repository import Repository
+
+__all__ = ["Transaction", "Writer"]
+
+_ZERO = bytes(1 << 16)
+
+
+class Writer:
+    """Exclusive writer of one run; use as a context manager."""
+
+    def __init__(self, repo: Repository, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.repo = repo
+        self.storage = repo.storage
+        self.chunk_bytes = chunk_bytes
+        self.storage.check_writable()
+        self._lock_cm = self.storage.lock(LOCK_KEY)
+        self._lock_cm.__enter__()
+        self._closed = False
+        self._meta_lock = threading.Lock()
+        self._commit_lock = threading.Lock()
+        self.reader = repo.reader()
+        self._arrays: dict[str, dict[str, Any]] = {}  # path -> zarr.json document
+        self._groups: set[str] = set()
+        self._capacity = repo.slot_capacity()
+        self._next_slot = self.reader.max_slot() + 1
+        self._open: set[int] = set()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._lock_cm.__exit__(None, None, None)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DsttError("this writer is closed; open a new one with repo.writer()")
+
+    def begin(self, step: int, *, timeline: str | None = None) -> Transaction:
+        """Start writing ``step`` into a fresh slot of ``timeline`` (default: current)."""
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self.reader.refresh()
+        name = timeline or self.reader.current_timeline
+        self.reader.ref(name)  # validates the timeline exists
+        with self._meta_lock:
+            slot = self._next_slot
+            self._next_slot += 1
+            if slot >= self._capacity:
+                self._grow(slot + 1)
+            self._open.add(slot)
+        return Transaction(self, slot, step, name)
+
+    # -- metadata -------------------------------------------------------------------------
+    def _ensure_groups(self, path: str) -> None:
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            g = "/".join(parts[:i])
+            if g in self._groups:
+                continue
+            key = group_meta_key(g)
+            if not self.storage.exists(key):
+                self.storage.write(key, dump({"zarr_format": 3, "node_type": "group"}))
+            self._groups.add(g)
+
+    def declare(self, path: str, dtype: str, shape: tuple[int, ...]) -> ChunkPlan:
+        check_array_path(path)
+        itemsize = dtype_itemsize(dtype)
+        shape = tuple(int(s) for s in shape)
+        with self._meta_lock:
+            doc = self._arrays.get(path)
+            if doc is None:
+                doc = self.repo.array_document(path)
+            if doc is None:
+                plan = plan_chunks(shape, itemsize, self.chunk_bytes)
+                self._ensure_groups(path)
+                doc = array_document(path, dtype, plan, self._capacity)
+                self.storage.write(array_meta_key(path), dump(doc))
+            elif doc["data_type"] != dtype or tuple(doc["shape"][1:]) != shape:
+                raise SchemaError(
+                    f"array {path!r} is stored as {doc['data_type']}{tuple(doc['shape'][1:])}, "
+                    f"but this step has {dtype}{shape}; a tensor's dtype and shape must stay "
+                    "fixed within a run (start a new run for a changed model)"
+                )
+            self._arrays[path] = doc
+            rows = doc["chunk_grid"]["configuration"]["chunk_shape"][1] if shape else 1
+            return ChunkPlan(shape, itemsize, int(rows))
+
+    def _grow(self, needed: int) -> None:
+        """Double the slot axis of every array until it holds ``needed`` slots (metadata only)."""
+        cap = self._capacity
+        while cap < needed:
+            cap *= 2
+        for path, doc in self.repo.iter_array_documents():
+            new = with_capacity(doc, cap)
+            self.storage.write(array_meta_key(path), dump(new))
+            if path in self._arrays:
+                self._arrays[path] = new
+        self.repo.write_root(cap, durable=False)
+        self._capacity = cap
+
+    # -- commit ---------------------------------------------------------------------------
+    def _commit(self, txn: Transaction, metrics: Mapping[str, Metric]) -> CommitHeader:
+        with self._commit_lock:
+            self._check_open()
+            st = self.storage
+            st.barrier()
+            table = dump_arrays(txn.slot, txn.records())
+            st.write_durable(commit_arrays_key(txn.slot), table)
+            self.reader.refresh()
+            ref = self.reader.ref(txn.timeline)
+            if ref.head is not None:
+                parent = self.reader.header(ref.head)
+                if txn.step <= parent.step:
+                    raise ValueError(
+                        f"step {txn.step} is not after the head of timeline {txn.timeline!r} "
+                        f"(step {parent.step}); steps must increase along a timeline — use "
+                        "rollback to go back"
+                    )
+            header = CommitHeader(
+                slot=txn.slot, step=txn.step, timeline=txn.timeline, parent=ref.head,
+                time=time.time(), metrics=dict(metrics), objects=dict(txn.objects),
+                arrays_crc32c=checksum(table), arrays_nbytes=len(table),
+            )
+            st.write_durable(commit_key(txn.slot), dump_header(header))
+            value = struct.pack("<q", txn.step)
+            st.write_durable(chunk_key(STEP_ARRAY, txn.slot, ()),
+                             [value, struct.pack("<I", checksum(value))])
+            st.write_durable(ref_key(txn.timeline), dump_ref(replace(ref, head=txn.slot)))
+            self._open.discard(txn.slot)
+            return header
+
+
+class Transaction:
+    """The chunks, objects and metrics of one step on its way to a commit."""
+
+    def __init__(self, writer: Writer, slot: int, step: int, timeline: str) -> None:
+        self.writer, self.slot, self.step, self.timeline = writer, slot, step, timeline
+        self._plans: dict[str, tuple[str, ChunkPlan]] = {}
+        self._chunks: dict[str, list[ChunkRecord | None]] = {}
+        self.objects: dict[str, ObjectRecord] = {}
+        self._lock = threading.Lock()
+        self.state = "open"
+        self.bytes_written = 0
+
+    def _check(self) -> None:
+        if self.state != "open":
+            raise DsttError(f"transaction for step {self.step} is already {self.state}")
+
+    def declare(self, path: str, dtype: str, shape: tuple[int, ...]) -> ChunkPlan:
+        """Announce a tensor of this step; returns how to cut it into chunks."""
+        self._check()
+        plan = self.writer.declare(path, dtype, tuple(shape))
+        with self._lock:
+            if path in self._plans:
+                raise ValueError(f"array {path!r} declared twice in step {self.step}")
+            self._plans[path] = (dtype, plan)
+            self._chunks[path] = [None] * plan.n_chunks
+        return plan
+
+    def put_chunk(self, path: str, index: int, data: Any) -> ChunkRecord:
+        """Write chunk ``index`` of ``path`` (its exact byte range); thread-safe."""
+        self._check()
+        try:
+            _, plan = self._plans[path]
+        except KeyError:
+            raise ValueError(f"array {path!r} was not declared in step {self.step}") from None
+        start, stop = plan.byte_range(index)
+        view = memoryview(data).cast("B")
+        if len(view) != stop - start:
+            raise ValueError(f"chunk {index} of {path!r} needs {stop - start} bytes, "
+                             f"got {len(view)}")
+        parts: list[Any] = [view]
+        crc = checksum(view)
+        pad = plan.chunk_nbytes - len(view)
+        while pad > 0:  # zarr stores edge chunks full size
+            z = memoryview(_ZERO)[: min(pad, len(_ZERO))]
+            parts.append(z)
+            crc = checksum(z, crc)
+            pad -= len(z)
+        parts.append(struct.pack("<I", crc))
+        key = chunk_key(path, self.slot, plan.index(index))
+        self.writer.storage.write(key, parts)
+        rec = ChunkRecord(key, plan.chunk_nbytes + 4, crc)
+        with self._lock:
+            self._chunks[path][index] = rec
+            self.bytes_written += plan.chunk_nbytes + 4
+        return rec
+
+    def put_object(self, name: str, obj: Any, *, encoding: Encoding = "json") -> ObjectRecord:
+        """Store a Python object for this step (tagged JSON unless told otherwise)."""
+        self._check()
+        data = encode_object(obj, encoding)
+        key = object_key(self.slot, name)
+        self.writer.storage.write(key, data)
+        rec = ObjectRecord(key, len(data), checksum(data), encoding)
+        with self._lock:
+            if name in self.objects:
+                raise ValueError(f"object {name!r} stored twice in step {self.step}")
+            self.objects[name] = rec
+            self.bytes_written += len(data)
+        return rec
+
+    def records(self) -> dict[str, ArrayRecord]:
+        out = {}
+        for path, (dtype, plan) in self._plans.items():
+            chunks = self._chunks[path]
+            missing = [i for i, c in enumerate(chunks) if c is None]
+            if missing:
+                raise DsttError(f"step {self.step}: chunks {missing[:8]} of {path!r} were "
+                                "never written; refusing to commit an incomplete step")
+            out[path] = ArrayRecord(path, dtype, plan.shape, plan.rows,
+                                    tuple(c for c in chunks if c is not None))
+        return out
+
+    def commit(self, metrics: Mapping[str, Metric] | None = None) -> CommitHeader:
+        """Make the step durable and visible; returns its header."""
+        self._check()
+        self.state = "committing"
+        try:
+            header = self.writer._commit(self, metrics or {})
+        except BaseException:
+            self.state = "failed"
+            raise
+        self.state = "committed"
+        return header
+
+    def abort(self) -> None:
+        """Drop the step; its slot stays unused (gc removes stray chunk files)."""
+        if self.state in ("open", "failed"):
+            self.state = "aborted"
+            self.writer._open.discard(self.slot)
