@@ -40,22 +40,30 @@ __all__ = [
     "NotARunError",
     "RaceError",
     "ReadOnlyRunError",
+    "Run",
     "RunLockedError",
     "SchemaError",
+    "Snapshot",
     "StepNotFoundError",
     "StorageError",
     "TimelineError",
     "UnsafeObjectError",
     "__version__",
+    "open",
 ]
 
-_LAZY: dict[str, str] = {}
+_LAZY: dict[str, str] = {
+    "Run": "dstt._run:Run",
+    "Snapshot": "dstt._run:Snapshot",
+    "open": "dstt._run:open_run",
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         mod, _, attr = _LAZY[name].partition(":")
-        value = getattr(importlib.import_module(mod), attr) if attr else importlib.import_module(mod)
+        module = importlib.import_module(mod)
+        value = getattr(module, attr) if attr else module
         globals()[name] = value
         return value
     raise AttributeError(f"module 'dstt' has no attribute {name!r}")

@@ -64,12 +64,12 @@ class RunLockedError(DsttError, BlockingIOError):
     """Another writer holds the run's lock."""
 
 
-class ReadOnlyRunError(DsttError, PermissionError):
-    """The run cannot be written (read-only directory or opened for reading)."""
-
-
 class StorageError(DsttError, OSError):
     """An I/O operation on the run's storage failed (disk full, permission, device error)."""
+
+
+class ReadOnlyRunError(StorageError, PermissionError):
+    """The run cannot be written (read-only directory or opened for reading)."""
 
 
 class CaptureError(DsttError, RuntimeError):

@@ -45,6 +45,8 @@ def save(path: str | os.PathLike[str] | Storage, step: int, arrays: Mapping[str,
             for name, arr in arrays.items():
                 a = np.asarray(arr)
                 a = a if a.flags.c_contiguous else a.copy(order="C")
+                if a.dtype.byteorder == ">":  # chunks are little-endian; convert the values
+                    a = a.astype(a.dtype.newbyteorder("<"))
                 plan = txn.declare(name, dtype_name(a.dtype), a.shape)
                 flat = a.reshape(-1).view(np.uint8)
                 for i in range(plan.n_chunks):

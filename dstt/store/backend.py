@@ -33,7 +33,8 @@ __all__ = ["Data", "Durability", "LocalStorage", "Storage", "as_parts", "missing
 Durability = Literal["fsync", "syncfs", "none"]
 Buffer: TypeAlias = "bytes | bytearray | memoryview"
 #: a value to write: one buffer, or several written back to back (no concatenation copy)
-Data: TypeAlias = "bytes | bytearray | memoryview | list[bytes | bytearray | memoryview] | tuple[bytes | bytearray | memoryview, ...]"
+Data: TypeAlias = ("bytes | bytearray | memoryview | list[bytes | bytearray | memoryview]"
+                   " | tuple[bytes | bytearray | memoryview, ...]")
 
 
 def as_parts(data: Data) -> list[memoryview]:
@@ -87,8 +88,12 @@ class Storage(ABC):
     def lock(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Exclusive, non-blocking writer lock; ``RunLockedError`` if held elsewhere."""
 
-    def check_writable(self) -> None:
+    def check_writable(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Raise ``ReadOnlyRunError`` now if writes would fail (checked at session start)."""
+
+    def remove_temporaries(self) -> int:
+        """Delete leftovers of interrupted writes; only call while holding the writer lock."""
+        return 0
 
 
 def missing(location: str, key: str) -> MissingFileError:
@@ -134,12 +139,19 @@ class LocalStorage(Storage):
             raise ValueError(f"invalid storage key {key!r}")
         return os.path.join(self.location, key)
 
-    def _ensure_parent(self, path: str) -> str:
+    def _ensure_parent(self, path: str) -> tuple[str, list[str]]:
+        """Create the parent folder of ``path``; return it and the folders that gained an entry
+        because a new folder was made in them (their entries must be synced too)."""
         parent = os.path.dirname(path)
+        grown: list[str] = []
         if parent not in self._made_dirs:
+            d = parent
+            while d and not os.path.isdir(d):
+                d, _ = os.path.split(d)
+                grown.append(d)
             os.makedirs(parent, exist_ok=True)
             self._made_dirs.add(parent)
-        return parent
+        return parent, grown
 
     def _write_tmp(self, path: str, data: Data, fsync: bool) -> str:
         tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
@@ -190,7 +202,7 @@ class LocalStorage(Storage):
     def write(self, key: str, data: Data) -> None:
         path = self._path(key)
         try:
-            parent = self._ensure_parent(path)
+            parent, grown = self._ensure_parent(path)
             tmp = self._write_tmp(path, data, fsync=False)
             os.rename(tmp, path)
         except OSError as e:
@@ -199,6 +211,7 @@ class LocalStorage(Storage):
             with self._dirty_lock:
                 self._dirty_files.add(path)
                 self._dirty_dirs.add(parent)
+                self._dirty_dirs.update(grown)
         elif self.durability == "syncfs":
             with self._dirty_lock:
                 self._dirty_files.add(path)
@@ -206,11 +219,12 @@ class LocalStorage(Storage):
     def write_durable(self, key: str, data: Data) -> None:
         path = self._path(key)
         try:
-            parent = self._ensure_parent(path)
+            parent, grown = self._ensure_parent(path)
             tmp = self._write_tmp(path, data, fsync=self.durability != "none")
             os.rename(tmp, path)
             if self.durability != "none":
-                self._fsync_dir(parent)
+                for d in (parent, *grown):  # a new folder's name lives in its parent
+                    self._fsync_dir(d)
         except OSError as e:
             raise self._io_error(e, "write", key) from e
 
@@ -271,6 +285,9 @@ class LocalStorage(Storage):
                 import shutil
 
                 shutil.rmtree(path)
+                # forget the folders just removed, or a later write into them fails (ENOENT)
+                self._made_dirs = {d for d in self._made_dirs
+                                   if d != path and not d.startswith(path + os.sep)}
             else:
                 os.unlink(path)
         except FileNotFoundError:
@@ -300,6 +317,16 @@ class LocalStorage(Storage):
             yield
         finally:
             os.close(fd)  # closing releases the flock; the kernel also drops it on SIGKILL
+
+    def remove_temporaries(self) -> int:
+        n = 0
+        for folder, _, files in os.walk(self.location):
+            for f in files:
+                if ".tmp." in f:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(folder, f))
+                        n += 1
+        return n
 
     def check_writable(self) -> None:
         probe = os.path.join(self.location, f".dstt-probe.{os.getpid()}")

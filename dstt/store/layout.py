@@ -16,6 +16,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from ..errors import TimelineError
+
 __all__ = [
     "ARRAYS_PREFIX",
     "COMMITS_PREFIX",
@@ -71,8 +73,8 @@ def check_array_path(path: str) -> str:
 
 
 def check_timeline_name(name: str) -> str:
-    if not _TIMELINE.match(name):
-        raise ValueError(
+    if not isinstance(name, str) or not _TIMELINE.match(name):
+        raise TimelineError(
             f"invalid timeline name {name!r}: 1-64 characters of letters, digits, '_', '-', '.'"
         )
     return name

@@ -124,6 +124,27 @@ def verify(repo: Repository, *, progress: Progress = None) -> VerifyReport:
     return rep
 
 
+def _sweep(repo: Repository, committed: set[int]) -> int:
+    """Delete chunk files of slots without a commit header (aborted or crashed steps)."""
+    st, n = repo.storage, 0
+    for path, _ in repo.iter_array_documents():
+        for name in st.list(path):
+            if name.startswith("c."):
+                slot = name.split(".")[1]
+                if slot.isdigit() and int(slot) not in committed:
+                    st.delete(f"{path}/{name}")
+                    n += 1
+    for name in st.list(STEP_ARRAY):
+        if name.startswith("c.") and name[2:].isdigit() and int(name[2:]) not in committed:
+            st.delete(f"{STEP_ARRAY}/{name}")
+            n += 1
+    for name in st.list(OBJECTS_PREFIX):
+        if name.isdigit() and int(name) not in committed:
+            st.delete(f"{OBJECTS_PREFIX}/{name}")
+            n += 1
+    return n
+
+
 @dataclass(frozen=True)
 class GcReport:
     pruned_steps: tuple[tuple[str, int], ...]
@@ -137,8 +158,8 @@ def _keep_set(line: list[CommitHeader], keep_last: int | None, keep_every: int |
               keep_steps: set[int]) -> set[int]:
     live = [h for h in line if not h.pruned]
     keep = {h.slot for h in live if h.step in keep_steps}
-    if keep_last is not None:
-        keep |= {h.slot for h in live[len(live) - keep_last:]} if keep_last > 0 else set()
+    if keep_last:  # max(0, ...): keep_last larger than the timeline keeps all of it
+        keep |= {h.slot for h in live[max(0, len(live) - keep_last):]}
     if keep_every:
         keep |= {h.slot for h in live if h.step % keep_every == 0}
     if live:
@@ -154,9 +175,10 @@ def gc(repo: Repository, *, keep_last: int | None = None, keep_every: int | None
     With no policy given nothing committed is pruned; only orphans (slots that crashed
     before their ref moved, aborted steps) are removed.
     """
-    for v, n in ((keep_last, "keep_last"), (keep_every, "keep_every")):
-        if v is not None and v < 0:
-            raise ValueError(f"{n} must be >= 0, got {v}")
+    if keep_last is not None and keep_last < 0:
+        raise ValueError(f"keep_last must be >= 0, got {keep_last}")
+    if keep_every is not None and keep_every < 1:  # 0 would prune everything but the heads
+        raise ValueError(f"keep_every must be >= 1 (or None), got {keep_every}")
     st = repo.storage
     policy = keep_last is not None or keep_every is not None or bool(keep_steps)
     with st.lock(LOCK_KEY):
@@ -177,26 +199,26 @@ def gc(repo: Repository, *, keep_last: int | None = None, keep_every: int | None
         # chunk keys still needed by kept commits (a future dedup may share chunks)
         needed: set[str] = set()
         for s in keep:
-            h = reachable.get(s)
-            if h is not None and not h.pruned:
-                needed |= {c.key for rec in r.arrays(h).values() for c in rec.chunks}
+            kept = reachable.get(s)
+            if kept is not None and not kept.pruned:
+                needed |= {c.key for rec in r.arrays(kept).values() for c in rec.chunks}
         removed = freed = 0
         pruned_steps = []
         doomed = prune + orphans
         for n, slot in enumerate(doomed):
             if progress:
                 progress(n, len(doomed))
-            h = reachable.get(slot)
+            dead: CommitHeader | None = reachable.get(slot)
             keys: list[str] = []
             try:
-                hh = h or r.header(slot)
+                hh = dead or r.header(slot)
                 if not hh.pruned:
                     keys = [c.key for rec in r.arrays(hh).values() for c in rec.chunks]
             except DsttError:
-                hh = None
+                pass  # a damaged orphan: its stray chunks are swept below
             keys = [k for k in keys if k not in needed]
-            if h is not None:
-                pruned_steps.append((h.timeline, h.step))
+            if dead is not None:
+                pruned_steps.append((dead.timeline, dead.step))
             sizes = []
             for k in keys:
                 try:
@@ -207,15 +229,19 @@ def gc(repo: Repository, *, keep_last: int | None = None, keep_every: int | None
             freed += sum(z for z in sizes if z > 0)
             if dry_run:
                 continue
-            if h is not None:  # reachable: a durable tombstone first hides the step
-                st.write_durable(commit_key(slot), dump_header(replace(h, pruned=True)))
-            else:
-                st.delete(commit_key(slot))
+            if dead is not None:  # reachable: a durable tombstone first hides the step
+                st.write_durable(commit_key(slot), dump_header(replace(dead, pruned=True)))
             for k in keys:
                 st.delete(k)
             st.delete(commit_arrays_key(slot))
             st.delete(f"{OBJECTS_PREFIX}/{slot:012d}")
             st.delete(chunk_key(STEP_ARRAY, slot, ()))
+            if dead is None:  # an orphan's header goes last, so a crash leaves it findable
+                st.delete(commit_key(slot))
+        if not dry_run:
+            committed = set(r.all_slots())
+            removed += _sweep(repo, committed)
+            removed += st.remove_temporaries()
         if progress:
             progress(len(doomed), len(doomed))
         return GcReport(tuple(pruned_steps), tuple(orphans), removed, freed, dry_run)

@@ -26,6 +26,22 @@ Encoding = Literal["json", "pickle", "raw"]
 
 
 
+def _dtype_out(dt: np.dtype[Any]) -> str:
+    # ml_dtypes types (bfloat16, float8_*) have no numpy type string: ``.str`` is '<V2', which
+    # would decode as raw void bytes; store their name instead
+    if dt.kind == "V" and dt.fields is None and dt.type.__module__.startswith("ml_dtypes"):
+        return dt.name
+    return dt.str
+
+
+def _dtype_in(s: str) -> np.dtype[Any]:
+    if s.isidentifier():  # a name written by _dtype_out, e.g. "bfloat16"
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, s))
+    return np.dtype(s)
+
+
 def _enc(x: Any) -> Any:
     if x is None or isinstance(x, (bool, str)):
         return x
@@ -48,8 +64,9 @@ def _enc(x: Any) -> Any:
     if isinstance(x, np.ndarray):
         if x.dtype.hasobject:
             raise TypeError("object arrays cannot be stored as JSON; use encoding='pickle'")
+        # x.shape, not a.shape: ascontiguousarray turns a 0-d array into a 1-d one
         a = np.ascontiguousarray(x)
-        return {"$ndarray": {"dtype": a.dtype.str, "shape": list(a.shape),
+        return {"$ndarray": {"dtype": _dtype_out(a.dtype), "shape": list(x.shape),
                              "data": base64.b64encode(a.tobytes()).decode()}}
     raise TypeError(
         f"cannot store {type(x).__name__} as tagged JSON; convert it to plain data "
@@ -73,7 +90,8 @@ def _dec(x: Any) -> Any:
                 return {_dec(k): _dec(v) for k, v in val}
             if tag == "$ndarray":
                 raw = base64.b64decode(val["data"])
-                return np.frombuffer(raw, dtype=np.dtype(val["dtype"])).reshape(val["shape"]).copy()
+                dt = _dtype_in(val["dtype"])
+                return np.frombuffer(raw, dtype=dt).reshape(tuple(val["shape"])).copy()
         return {k: _dec(v) for k, v in x.items()}
     return x
 
@@ -101,5 +119,5 @@ def decode_object(data: bytes, encoding: str, *, trusted: bool = False, where: s
                 f"object {where} was stored with pickle; loading it runs code from the run "
                 "directory. Pass trusted=True if you trust this run."
             )
-        return pickle.loads(data)  # noqa: S301 - explicit opt-in above
+        return pickle.loads(data)  # explicit opt-in above
     raise ValueError(f"unknown object encoding {encoding!r} in {where}")

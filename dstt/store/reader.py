@@ -11,6 +11,7 @@ after the commit point and cannot tell timelines apart.
 from __future__ import annotations
 
 import struct
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,7 @@ class Reader:
         self._headers: dict[int, CommitHeader] = {}
         self._tables: OrderedDict[int, dict[str, ArrayRecord]] = OrderedDict()
         self._table_cache = table_cache
+        self._cache_lock = threading.Lock()
         self.refresh()
 
     # -- refs -----------------------------------------------------------------------------
@@ -75,7 +77,8 @@ class Reader:
                 r = parse_ref(st.read(key), f"{st.location}/{key}")
                 refs[r.name] = r
         self._refs = refs
-        self._headers = {s: h for s, h in self._headers.items() if not h.pruned}
+        # tombstones are final; any other header may have become one since
+        self._headers = {s: h for s, h in self._headers.items() if h.pruned}
 
     @property
     def timelines(self) -> dict[str, RefInfo]:
@@ -159,10 +162,11 @@ class Reader:
         """The arrays table of a commit (verified against the header's crc32c)."""
         if header.pruned:
             raise StepNotFoundError(f"step {header.step} (slot {header.slot}) was pruned by gc")
-        table = self._tables.get(header.slot)
-        if table is not None:
-            self._tables.move_to_end(header.slot)
-            return table
+        with self._cache_lock:
+            table = self._tables.get(header.slot)
+            if table is not None:
+                self._tables.move_to_end(header.slot)
+                return table
         key = commit_arrays_key(header.slot)
         where = f"{self.storage.location}/{key}"
         try:
@@ -171,10 +175,12 @@ class Reader:
             self._raise_missing(header, where)
         if len(data) != header.arrays_nbytes or checksum(data) != header.arrays_crc32c:
             raise ChecksumError(f"{where}: arrays table does not match its commit header")
-        table = parse_arrays(data, where)
-        self._tables[header.slot] = table
-        if len(self._tables) > self._table_cache:
-            self._tables.popitem(last=False)
+        # the header's crc32c covers the whole file, so the envelope's own check is redundant
+        table = parse_arrays(data, where, verified=True)
+        with self._cache_lock:
+            self._tables[header.slot] = table
+            if len(self._tables) > self._table_cache:
+                self._tables.popitem(last=False)
         return table
 
     def _raise_missing(self, header: CommitHeader, where: str) -> Any:

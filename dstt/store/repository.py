@@ -63,10 +63,15 @@ class Repository:
             repo.root_attributes()
             return repo
         storage.check_writable()
+        if not _empty_or_interrupted_create(storage):  # before the lock file is made
+            raise NotARunError(
+                f"{storage.location} exists and is not empty but is not a dstt run; "
+                "choose an empty or new directory"
+            )
         with storage.lock(LOCK_KEY):
             if storage.exists("zarr.json"):
                 return repo
-            if any(n for n in storage.list("") if n not in ("_dstt",) and not n.startswith(".")):
+            if not _empty_or_interrupted_create(storage):
                 raise NotARunError(
                     f"{storage.location} exists and is not empty but is not a dstt run; "
                     "choose an empty or new directory"
@@ -162,7 +167,8 @@ class Repository:
             r = self.reader()
             base_name = timeline or r.current_timeline
             base = r.find(to_step, base_name)
-            new = name or _fresh_name(f"{base_name.split('@')[0]}-from-{to_step}", r.timelines)
+            new = name if name is not None else _fresh_name(
+                f"{base_name.split('@')[0]}-from-{to_step}", r.timelines)
             check_timeline_name(new)
             if new in r.timelines:
                 raise TimelineError(f"timeline {new!r} already exists; pick another name")
@@ -191,6 +197,21 @@ class Repository:
         from .maintenance import verify
 
         return verify(self, progress=progress)
+
+
+def _empty_or_interrupted_create(storage: Storage) -> bool:
+    """Whether the location holds nothing but what an interrupted ``create`` leaves behind.
+
+    ``create`` writes ``step/zarr.json`` and ``_dstt/`` before the root ``zarr.json``; a crash in
+    between must not make the directory unusable forever.
+    """
+    for n in storage.list(""):
+        if n.startswith(".") or n == "_dstt":
+            continue
+        if n == STEP_ARRAY and set(storage.list(STEP_ARRAY)) <= {"zarr.json"}:
+            continue
+        return False
+    return True
 
 
 def _fresh_name(base: str, taken: dict[str, RefInfo]) -> str:

@@ -173,3 +173,6 @@ class FaultyStorage(Storage):
 
     def check_writable(self) -> None:
         self.inner.check_writable()
+
+    def remove_temporaries(self) -> int:
+        return self.inner.remove_temporaries()

@@ -201,6 +201,7 @@ class Transaction:
         self._plans: dict[str, tuple[str, ChunkPlan]] = {}
         self._chunks: dict[str, list[ChunkRecord | None]] = {}
         self.objects: dict[str, ObjectRecord] = {}
+        self._object_keys: dict[str, str] = {}  # storage key -> object name
         self._lock = threading.Lock()
         self.state = "open"
         self.bytes_written = 0
@@ -254,11 +255,24 @@ class Transaction:
         self._check()
         data = encode_object(obj, encoding)
         key = object_key(self.slot, name)
-        self.writer.storage.write(key, data)
+        # checked *before* writing: a second write to the same file would leave the first
+        # record pointing at bytes that no longer match its crc32c (an unreadable commit)
+        with self._lock:
+            other = self._object_keys.get(key)
+            if other == name:
+                raise ValueError(f"object {name!r} stored twice in step {self.step}")
+            if other is not None:
+                raise ValueError(f"object names {other!r} and {name!r} map to the same file "
+                                 f"{key!r} in step {self.step}; rename one of them")
+            self._object_keys[key] = name
+        try:
+            self.writer.storage.write(key, data)
+        except BaseException:
+            with self._lock:
+                del self._object_keys[key]
+            raise
         rec = ObjectRecord(key, len(data), checksum(data), encoding)
         with self._lock:
-            if name in self.objects:
-                raise ValueError(f"object {name!r} stored twice in step {self.step}")
             self.objects[name] = rec
             self.bytes_written += len(data)
         return rec

@@ -1,0 +1,89 @@
+"""Shared helpers of the store tests: deterministic sample arrays and bit-exact comparison."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from dstt.store import Repository, Transaction
+
+DTYPES = ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+          "uint8", "bool"]
+
+
+def np_dtype(name: str) -> np.dtype[Any]:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def sample(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Random *bit patterns* of a dtype: NaN payloads, -0.0, subnormals and infs included."""
+    rng = np.random.default_rng(seed)
+    dt = np_dtype(name)
+    n = math.prod(shape)
+    if name == "bool":
+        return (rng.integers(0, 2, n) == 1).reshape(shape)
+    raw = rng.integers(0, 256, n * dt.itemsize, dtype=np.uint8)
+    return raw.view(dt).reshape(shape)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal dtype, shape and bytes (so NaN == NaN and -0.0 != 0.0)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes())
+
+
+def assert_same_arrays(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert same_bits(got[k], want[k]), (k, got[k], want[k])
+
+
+def put_array(txn: Transaction, path: str, arr: np.ndarray, order: list[int] | None = None) -> int:
+    """Declare ``arr`` in ``txn`` and write its chunks (in ``order`` if given); chunk count."""
+    a = np.ascontiguousarray(arr)
+    name = "bfloat16" if a.dtype == np_dtype("bfloat16") else a.dtype.name
+    plan = txn.declare(path, name, a.shape)
+    flat = a.reshape(-1).view(np.uint8)
+    for i in order if order is not None else range(plan.n_chunks):
+        start, stop = plan.byte_range(i)
+        txn.put_chunk(path, i, flat[start:stop])
+    return plan.n_chunks
+
+
+def commit_arrays(repo: Repository, step: int, arrays: Mapping[str, np.ndarray], *,
+                  objects: Mapping[str, Any] | None = None, chunk_bytes: int = 64,
+                  timeline: str | None = None, metrics: Mapping[str, Any] | None = None) -> Any:
+    with repo.writer(chunk_bytes=chunk_bytes) as w:
+        txn = w.begin(step, timeline=timeline)
+        for p, a in arrays.items():
+            put_array(txn, p, a)
+        for n, o in (objects or {}).items():
+            txn.put_object(n, o)
+        return txn.commit(metrics)
+
+
+def deep_equal(a: Any, b: Any) -> bool:
+    """Structural equality that also checks types, NaN == NaN and numpy arrays bit-exactly."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, np.ndarray):
+        return same_bits(a, b)
+    if isinstance(a, float):
+        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) ==
+                                                     math.copysign(1, b))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(deep_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        if len(a) != len(b):
+            return False
+        kb = list(b)
+        for i, (k, v) in enumerate(a.items()):  # insertion order is kept too
+            if not deep_equal(k, kb[i]) or not deep_equal(v, b[kb[i]]):
+                return False
+        return True
+    return bool(a == b)

@@ -1,0 +1,310 @@
+"""Crash safety: a reader only ever sees complete commits.
+
+Two levels:
+
+* real processes: a child commits in a loop on a real directory and is SIGKILLed at random
+  points; after every kill the head is a complete, verified commit whose content is exactly
+  that step's. (SIGKILL keeps the page cache, so this proves atomicity and ordering of what
+  reaches the filesystem, not durability across a power cut.)
+* every write: a storage wrapper cuts the power before or right after the k-th write of one
+  operation, for every k; ``MemoryStorage.crash()`` keeps only what was made durable (and a
+  harsher variant keeps a random part of the non-durable writes too). This is what proves the
+  barrier/fsync ordering.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dstt.errors import NotARunError, StepNotFoundError
+from dstt.store import Repository, Storage, load
+from dstt.store.backend import Data
+from dstt.store.testing import FaultyStorage, MemoryStorage
+
+from ._util import assert_same_arrays, deep_equal
+from .crash_child import CHUNK_BYTES, commit, expected
+
+CHILD = Path(__file__).with_name("crash_child.py")
+
+
+def check_run(path: Any, allowed_heads: set[int], timeline: str | None = None) -> int:
+    """The head is complete and exact, verify() is clean, no step before it is lost."""
+    repo = Repository.open(path)
+    rep = repo.verify()
+    assert rep.ok, rep.problems
+    snap = load(path, timeline=timeline)
+    step = snap.header.step
+    assert step in allowed_heads, (step, allowed_heads)
+    arrays, objects = expected(step)
+    assert_same_arrays(snap.arrays, arrays)
+    assert deep_equal(snap.objects, objects)
+    return step
+
+
+# -- real processes, SIGKILL -----------------------------------------------------------------
+
+@pytest.mark.parametrize("durability", ["syncfs", "fsync"])
+def test_sigkill_at_random_points(tmp_path: Path, durability: str) -> None:
+    path = tmp_path / "run"
+    with Repository.create(path, durability=durability).writer(chunk_bytes=CHUNK_BYTES) as w:
+        commit(w, 0)
+    rng = random.Random(f"kill-{durability}")
+    kills, mid_loop = 16, 0
+    for k in range(kills):
+        proc = subprocess.Popen([sys.executable, str(CHILD), str(path), durability],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        if not first.startswith("ready"):
+            proc.kill()
+            pytest.fail(f"child did not start: {first!r} {proc.communicate()[1][-2000:]}")
+        ready = int(first.split()[1])
+        lines = []
+        if k % 2:  # kill somewhere in the steady commit loop
+            lines.append(proc.stdout.readline())
+            time.sleep(rng.uniform(0, 0.03))
+        else:  # kill anywhere from writer start-up on
+            time.sleep(rng.uniform(0, 0.1))
+        proc.send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGKILL, err[-2000:]
+        announced = [int(x.split()[1]) for x in [*lines, *out.splitlines()]
+                     if x.startswith("committed ")]
+        assert announced == list(range(ready, ready + len(announced)))
+        mid_loop += bool(announced)
+        last = announced[-1] if announced else ready - 1
+        # killed after commit() returned but before the print: the head is one ahead
+        head = check_run(path, {last, last + 1})
+        r = Repository.open(path).reader()
+        assert [h.step for h in r.lineage()] == list(range(head + 1))  # nothing lost
+    assert mid_loop >= kills // 2  # the odd kills always land after a commit
+    # the run stays usable: gc removes the debris, a new writer continues
+    Repository.open(path).gc()
+    head = check_run(path, set(range(10**6)))
+    with Repository.open(path).writer(chunk_bytes=CHUNK_BYTES) as w:
+        commit(w, head + 1)
+    assert check_run(path, {head + 1}) == head + 1
+
+
+# -- power cut at every write ----------------------------------------------------------------
+
+class PowerCut(Exception):
+    """Raised by ``CutAt`` where the power goes."""
+
+
+class CutAt(FaultyStorage):
+    """Passes writes through and raises ``PowerCut`` before, or right after, the k-th one."""
+
+    def __init__(self, inner: Storage, k: int = 0, *, after: bool = False) -> None:
+        super().__init__(inner)
+        self.k, self.after, self.n = k, after, 0
+        self.keys: list[str] = []
+
+    def _write(self, fn: Callable[[str, Data], None], key: str, data: Data) -> None:
+        self.n += 1
+        self.keys.append(key)
+        if self.n == self.k and not self.after:
+            raise PowerCut(key)
+        fn(key, data)
+        if self.n == self.k and self.after:
+            raise PowerCut(key)
+
+    def write(self, key: str, data: Data) -> None:
+        self._write(self.inner.write, key, data)
+
+    def write_durable(self, key: str, data: Data) -> None:
+        self._write(self.inner.write_durable, key, data)
+
+
+def torn_crash(mem: MemoryStorage, rng: random.Random) -> MemoryStorage:
+    """Power cut where the page cache had written back a random part of the pending writes."""
+    out = mem.crash()
+    for key in sorted(mem._pending):
+        if key in mem.data and rng.random() < 0.5:
+            out.data[key] = out.durable[key] = mem.data[key]
+    return out
+
+
+def base_run(steps: list[int]) -> MemoryStorage:
+    mem = MemoryStorage()
+    repo = Repository.create(mem)
+    with repo.writer(chunk_bytes=CHUNK_BYTES) as w:
+        for s in steps:
+            commit(w, s)
+    return mem
+
+
+def copy(mem: MemoryStorage) -> MemoryStorage:
+    return mem.crash()  # every write of a finished operation is durable: a full copy
+
+
+def do_commit(storage: Storage, step: int, timeline: str | None = None) -> None:
+    with Repository(storage).writer(chunk_bytes=CHUNK_BYTES) as w:
+        arrays, objects = expected(step)
+        txn = w.begin(step, timeline=timeline)
+        for path, a in arrays.items():
+            plan = txn.declare(path, "bfloat16" if a.dtype.name == "bfloat16" else a.dtype.name,
+                               a.shape)
+            flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            for i in reversed(range(plan.n_chunks)):
+                start, stop = plan.byte_range(i)
+                txn.put_chunk(path, i, flat[start:stop])
+        for name, obj in objects.items():
+            txn.put_object(name, obj)
+        txn.commit()
+
+
+def every_cut(base: MemoryStorage, op: Callable[[Storage], None],
+              check: Callable[[MemoryStorage, bool], None]) -> int:
+    """Run ``op`` on copies of ``base`` cutting the power at each write; ``check`` each result.
+
+    ``check(storage, done)``: ``done`` tells whether the operation's last write happened.
+    """
+    probe = CutAt(copy(base))
+    op(probe)
+    total = probe.n
+    assert total > 0
+    rng = random.Random(total)
+    for k in range(1, total + 1):
+        for after in (False, True):
+            for torn in (False, True):
+                mem = copy(base)
+                cut = CutAt(mem, k, after=after)
+                with pytest.raises(PowerCut):
+                    op(cut)
+                assert cut.keys == probe.keys[:k]  # the same writes in the same order
+                crashed = torn_crash(mem, rng) if torn else mem.crash()
+                check(crashed, after and k == total)
+    return total
+
+
+def commit_check(prev: int | None, new: int, timeline: str | None = None,
+                 older: tuple[int, ...] = ()) -> Callable[[MemoryStorage, bool], None]:
+    def check(st: MemoryStorage, done: bool) -> None:
+        allowed = {new} if done else ({prev} if prev is not None else set())
+        if prev is None and not done:
+            assert Repository.open(st).reader().head(timeline) is None
+        else:
+            check_run(st, allowed, timeline)
+        for s in older:  # earlier commits are untouched
+            snap = load(st, step=s, timeline=timeline)
+            assert_same_arrays(snap.arrays, expected(s)[0])
+        assert Repository(st).verify().ok
+        # a new writer continues from whatever is visible
+        nxt = new + 1
+        do_commit(st, nxt, timeline)
+        check_run(st, {nxt}, timeline)
+        r = Repository.open(st).reader()
+        line = [h.step for h in r.lineage(timeline)]
+        assert line[-1] == nxt and (len(line) > 1 and line[-2] == new) == done
+    return check
+
+
+def test_power_cut_at_every_write_of_the_first_commit() -> None:
+    base = MemoryStorage()
+    Repository.create(base)
+    n = every_cut(copy(base), lambda st: do_commit(st, 0), commit_check(None, 0))
+    assert n >= 12  # groups, array docs, chunks, objects, table, header, step, ref
+
+
+def test_power_cut_at_every_write_of_a_later_commit() -> None:
+    base = base_run([0, 1, 2])
+    every_cut(base, lambda st: do_commit(st, 3), commit_check(2, 3, older=(0, 1)))
+
+
+def test_power_cut_while_the_slot_axis_grows() -> None:
+    base = base_run(list(range(64)))
+    assert Repository(base).slot_capacity() == 64
+    n = every_cut(base, lambda st: do_commit(st, 64), commit_check(63, 64, older=(0, 40)))
+    assert n > 10  # includes the rewritten zarr.json documents
+
+
+def test_power_cut_at_every_write_on_a_rolled_back_timeline() -> None:
+    base = base_run([0, 1, 2, 3])
+    tl = Repository(base).rollback(1).name
+    inner = commit_check(1, 2, tl, older=(0,))
+
+    def check(st: MemoryStorage, done: bool) -> None:
+        # the old timeline is untouched by whatever happened on the new one
+        main = Repository(st).reader().lineage("main")
+        assert [h.step for h in main] == [0, 1, 2, 3]
+        assert_same_arrays(load(st, step=3, timeline="main").arrays, expected(3)[0])
+        inner(st, done)
+
+    every_cut(base, lambda st: do_commit(st, 2, tl), check)
+
+
+def test_power_cut_while_creating_a_run() -> None:
+    def check(st: MemoryStorage, done: bool) -> None:
+        try:
+            Repository.open(st)
+            opened = True
+        except NotARunError:
+            opened = False
+        assert opened or not done
+        # creating again must always work, whatever an interrupted create left behind
+        repo = Repository.create(st)
+        assert repo.verify().ok
+        do_commit(st, 0)
+        check_run(st, {0})
+
+    every_cut(MemoryStorage(), lambda st: Repository.create(st), check)
+
+
+def test_power_cut_during_gc() -> None:
+    base = base_run(list(range(8)))
+    tl = Repository(base).rollback(5).name
+    do_commit(base, 6, tl)
+
+    def op(st: Storage) -> None:
+        Repository(st).gc(keep_last=2)
+
+    def check(st: MemoryStorage, done: bool) -> None:
+        repo = Repository(st)
+        assert repo.verify().ok
+        r = repo.reader()
+        for timeline, want in (("main", list(range(8))), (tl, [0, 1, 2, 3, 4, 5, 6])):
+            line = r.lineage(timeline)
+            assert [h.step for h in line] == want  # tombstones keep the chain
+            for h in line:
+                try:
+                    snap = load(st, step=h.step, timeline=timeline)
+                except StepNotFoundError as e:
+                    assert "pruned" in str(e)
+                    continue
+                assert_same_arrays(snap.arrays, expected(h.step)[0])
+        kept = {h.step for h in r.lineage("main") if not h.pruned}
+        assert {6, 7} <= kept
+        if done:  # all of gc's writes happened
+            assert kept == {5, 6, 7}  # 5 is kept by the other timeline's keep_last
+        # gc can simply be run again after the crash
+        repo.gc(keep_last=2)
+        assert repo.verify().ok
+        assert {h.step for h in repo.reader().lineage("main") if not h.pruned} == {5, 6, 7}
+
+    every_cut(base, op, check)
+
+
+def test_fsync_mode_syncs_the_parents_of_new_folders(tmp_path: Path) -> None:
+    """White-box (a power cut cannot be staged here): a chunk in a folder that the write had to
+    create is durable only once every folder that gained an entry is fsynced as well."""
+    from dstt.store import LocalStorage
+
+    st = LocalStorage(tmp_path, durability="fsync")
+    st.write("params/layers/0/c.0", b"x")
+    assert st._dirty_dirs == {str(tmp_path / "params/layers/0"), str(tmp_path / "params/layers"),
+                              str(tmp_path / "params"), str(tmp_path)}
+    st.barrier()
+    assert not st._dirty_dirs
+    st.write("params/layers/0/c.1", b"y")  # folder known: only it changes
+    assert st._dirty_dirs == {str(tmp_path / "params/layers/0")}

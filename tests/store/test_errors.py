@@ -1,0 +1,529 @@
+"""Bad input and damaged runs: each is a typed error (a DsttError that is also the builtin a
+caller would catch) whose message names the file, step or timeline at fault."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dstt.errors import (
+    ChecksumError,
+    CorruptRunError,
+    DsttError,
+    FormatVersionError,
+    MissingFileError,
+    NotARunError,
+    ReadOnlyRunError,
+    RunLockedError,
+    StepNotFoundError,
+    StorageError,
+    TimelineError,
+)
+from dstt.store import LocalStorage, Repository, Transaction, load, save
+from dstt.store.layout import HEAD_KEY, chunk_key, commit_arrays_key, commit_key, ref_key
+from dstt.store.manifest import checksum, parse_header
+from dstt.store.testing import FaultyStorage, MemoryStorage
+
+from ._util import assert_same_arrays, commit_arrays, sample
+
+
+def two_steps(path: Path | MemoryStorage) -> dict[int, dict[str, np.ndarray]]:
+    arrays = {s: {"params/w": sample("float32", (8, 4), seed=s),
+                  "params/b": sample("bfloat16", (3,), seed=10 + s)} for s in (1, 2)}
+    for s, a in arrays.items():
+        save(path, s, a, objects={"rng": {"s": s}}, metrics={"loss": 0.5, "lr": 1e-05},
+             chunk_bytes=64)
+    return arrays
+
+
+# -- not a run -------------------------------------------------------------------------------
+
+def test_missing_directory_is_not_a_run(tmp_path: Path) -> None:
+    where = tmp_path / "nope"
+    for call in (lambda: Repository.open(where), lambda: load(where)):
+        with pytest.raises(NotARunError) as ei:
+            call()
+        assert isinstance(ei.value, FileNotFoundError) and str(where) in str(ei.value)
+
+
+@pytest.mark.parametrize("content", ["empty", "files", "plain_zarr_group", "bad_json"])
+def test_directory_that_is_not_a_run(tmp_path: Path, content: str) -> None:
+    d = tmp_path / "d"
+    d.mkdir()
+    if content == "files":
+        (d / "notes.txt").write_text("hello")
+    elif content == "plain_zarr_group":
+        (d / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group"}')
+    elif content == "bad_json":
+        (d / "zarr.json").write_text("{not json")
+    with pytest.raises(NotARunError) as ei:
+        Repository.open(d)
+    assert isinstance(ei.value, FileNotFoundError) and str(d) in str(ei.value)
+    with pytest.raises(FileNotFoundError):  # catchable without knowing dstt
+        load(d)
+
+
+def test_save_refuses_a_foreign_non_empty_directory(tmp_path: Path) -> None:
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(NotARunError, match="not empty"):
+        save(d, 1, {"params/w": np.zeros(2, np.float32)})
+    assert sorted(os.listdir(d)) == ["model.safetensors"]  # nothing written into it
+    # a stray "step" folder is not mistaken for an interrupted create
+    e = tmp_path / "e"
+    (e / "step").mkdir(parents=True)
+    (e / "step" / "data.csv").write_text("1,2")
+    with pytest.raises(NotARunError):
+        Repository.create(e)
+
+
+# -- damaged manifests -------------------------------------------------------------------------
+
+def _flips(data: bytes) -> Iterator[bytes]:
+    for i in range(len(data)):
+        for bit in range(8):
+            b = bytearray(data)
+            b[i] ^= 1 << bit
+            yield bytes(b)
+
+
+@pytest.mark.parametrize("which", ["header", "arrays", "ref", "HEAD"])
+def test_every_single_bit_flip_in_a_manifest_is_caught(which: str) -> None:
+    """Exhaustive: each of the 8 x len(file) one-bit corruptions raises CorruptRunError,
+    unless it decodes to the very same document (e.g. '1e-05' -> '1E-05')."""
+    st = MemoryStorage()
+    two_steps(st)
+    r0 = Repository(st).reader()
+    head = r0.head()
+    assert head is not None
+    key = {"header": commit_key(head.slot), "arrays": commit_arrays_key(head.slot),
+           "ref": ref_key("main"), "HEAD": HEAD_KEY}[which]
+    good = st.data[key]
+    want = (head, r0.arrays(head), r0.timelines, r0.current_timeline)
+    caught = benign = 0
+    for bad in _flips(good):
+        st.data[key] = bad
+        try:
+            r = Repository(st).reader()
+            h = r.head()
+            got = (h, r.arrays(h), r.timelines, r.current_timeline) if h else None
+        except CorruptRunError as e:
+            assert key in str(e), str(e)  # names the file
+            caught += 1
+            continue
+        assert got == want, (which, bad)
+        benign += 1
+    st.data[key] = good
+    assert caught + benign == 8 * len(good)
+    assert benign <= 2  # only the 'e' -> 'E' exponent of 1e-05 parses to the same header
+    if which == "arrays":
+        assert benign == 0  # the header's crc32c of the whole file catches everything
+
+
+def test_flipped_byte_on_disk_is_reported_with_the_file(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    arrays = two_steps(run)
+    h = Repository.open(run).reader().head()
+    assert h is not None
+    for key, err in ((commit_arrays_key(h.slot), ChecksumError), (commit_key(h.slot), None)):
+        shutil.rmtree(tmp_path / "copy", ignore_errors=True)
+        shutil.copytree(run, tmp_path / "copy")
+        f = tmp_path / "copy" / key
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x04
+        f.write_bytes(bytes(data))
+        with pytest.raises(CorruptRunError) as ei:
+            load(tmp_path / "copy")
+        assert isinstance(ei.value, ValueError)
+        assert err is None or isinstance(ei.value, err)
+        assert str(f) in str(ei.value)
+        rep = Repository.open(tmp_path / "copy").verify()
+        assert not rep.ok and any(str(f) in p.message or p.key == key for p in rep.problems)
+        if key == commit_arrays_key(h.slot):  # the older step is still fine
+            assert_same_arrays(load(tmp_path / "copy", step=1).arrays, arrays[1])
+
+
+# -- damaged chunks and objects ----------------------------------------------------------------
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "flipped", "grown"])
+def test_damaged_chunk(tmp_path: Path, damage: str) -> None:
+    run = tmp_path / "run"
+    arrays = two_steps(run)
+    r = Repository.open(run).reader()
+    h = r.head()
+    assert h is not None
+    key = r.arrays(h)["params/w"].chunks[1].key
+    f = run / key
+    if damage == "missing":
+        f.unlink()
+    elif damage == "truncated":
+        f.write_bytes(f.read_bytes()[:-7])
+    elif damage == "flipped":
+        data = bytearray(f.read_bytes())
+        data[3] ^= 0x80
+        f.write_bytes(bytes(data))
+    else:
+        f.write_bytes(f.read_bytes() + b"\x00")
+    with pytest.raises(CorruptRunError) as ei:
+        load(run)
+    assert isinstance(ei.value, ValueError) and str(f) in str(ei.value)
+    if damage == "flipped":
+        assert isinstance(ei.value, ChecksumError)
+    rep = Repository.open(run).verify()
+    assert [p.key for p in rep.problems] == [key]
+    assert rep.chunks > 1  # it went on checking the rest
+    assert_same_arrays(load(run, step=1).arrays, arrays[1])  # other steps unaffected
+
+
+def test_damaged_object_and_step_coordinate_are_reported(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    two_steps(run)
+    h = Repository.open(run).reader().head()
+    assert h is not None
+    obj = run / h.objects["rng"].key
+    obj.write_bytes(b'{"s":3}')
+    with pytest.raises(ChecksumError, match="rng") as ei:
+        load(run)
+    assert str(obj) in str(ei.value)
+    step_chunk = run / chunk_key("step", h.slot, ())
+    step_chunk.write_bytes(b"\x00" * 12)
+    rep = Repository.open(run).verify()
+    assert {p.key for p in rep.problems} == {h.objects["rng"].key, chunk_key("step", h.slot, ())}
+
+
+def test_missing_arrays_table(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    two_steps(run)
+    h = Repository.open(run).reader().head()
+    assert h is not None
+    (run / commit_arrays_key(h.slot)).unlink()
+    with pytest.raises(CorruptRunError, match="missing") as ei:
+        load(run)
+    assert commit_arrays_key(h.slot) in str(ei.value)
+    assert [p.key for p in Repository.open(run).verify().problems] == [commit_arrays_key(h.slot)]
+
+
+def test_missing_file_error_is_both_storage_and_file_not_found(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    two_steps(run)
+    with pytest.raises(MissingFileError) as ei:
+        LocalStorage(run).read("params/nothing/here")
+    assert isinstance(ei.value, FileNotFoundError) and isinstance(ei.value, StorageError)
+    assert "params/nothing/here" in str(ei.value)
+
+
+# -- versions ------------------------------------------------------------------------------------
+
+def test_unknown_format_version_of_the_run(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    two_steps(run)
+    doc = json.loads((run / "zarr.json").read_text())
+    doc["attributes"]["dstt"]["format"] = 2
+    (run / "zarr.json").write_text(json.dumps(doc))
+    with pytest.raises(FormatVersionError, match="format 2") as ei:
+        Repository.open(run)
+    assert str(run) in str(ei.value)
+
+
+def test_unknown_format_version_of_a_commit() -> None:
+    st = MemoryStorage()
+    two_steps(st)
+    h = Repository(st).reader().head()
+    assert h is not None
+    key = commit_key(h.slot)
+    body = json.loads(st.data[key])["body"]
+    body["format"] = 2  # what a newer dstt would write, with a valid checksum
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    st.data[key] = b'{"crc32c":%d,"body":' % checksum(raw) + raw + b"}\n"
+    with pytest.raises(FormatVersionError, match="Upgrade dstt") as ei:
+        Repository(st).reader().head()
+    assert key in str(ei.value) and isinstance(ei.value, CorruptRunError)
+    with pytest.raises(FormatVersionError):
+        parse_header(st.data[key], key)
+
+
+# -- steps and timelines --------------------------------------------------------------------------
+
+def test_step_that_does_not_exist(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    two_steps(run)
+    with pytest.raises(StepNotFoundError) as ei:
+        load(run, step=7)
+    assert isinstance(ei.value, KeyError)
+    msg = str(ei.value)
+    assert "7" in msg and str(run) in msg and "1, 2" in msg  # what exists instead
+    r = Repository.open(run).reader()
+    h = r.head()
+    assert h is not None
+    with pytest.raises(StepNotFoundError, match="params/nope"):
+        r.read_array(h, "params/nope")
+    with pytest.raises(StepNotFoundError, match="nope"):
+        r.read_object(h, "nope")
+
+
+def test_empty_run_has_no_step(tmp_path: Path) -> None:
+    Repository.create(tmp_path / "run")
+    with pytest.raises(StepNotFoundError, match="no committed step"):
+        load(tmp_path / "run")
+
+
+def test_pruned_step(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    arrays = two_steps(run)
+    report = Repository.open(run).gc(keep_last=1)
+    assert report.pruned_steps == (("main", 1),) and report.files_removed > 0
+    with pytest.raises(StepNotFoundError, match="pruned") as ei:
+        load(run, step=1)
+    assert isinstance(ei.value, KeyError) and "2" in str(ei.value)
+    assert_same_arrays(load(run, step=2).arrays, arrays[2])
+    with pytest.raises(StepNotFoundError, match="pruned"):  # cannot branch off it either
+        Repository.open(run).rollback(1)
+
+
+def test_reader_holding_a_step_that_gc_prunes(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    two_steps(run)
+    r = Repository.open(run).reader()
+    old = r.find(1)
+    Repository.open(run).gc(keep_last=1)
+    with pytest.raises(StepNotFoundError, match="pruned"):
+        r.read_array(old, "params/w")
+
+
+def test_unknown_or_bad_timeline(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    two_steps(run)
+    repo = Repository.open(run)
+    for call in (lambda: load(run, timeline="nope"),
+                 lambda: repo.reader().head("nope"),
+                 lambda: repo.switch("nope"),
+                 lambda: repo.rollback(1, timeline="nope")):
+        with pytest.raises(TimelineError, match="nope") as ei:
+            call()
+        assert isinstance(ei.value, ValueError) and "main" in str(ei.value)  # lists the real ones
+    with repo.writer() as w, pytest.raises(TimelineError, match="nope"):
+        w.begin(3, timeline="nope")
+    with pytest.raises(TimelineError, match="already exists"):
+        repo.rollback(1, name="main")
+    for bad in ("", "a/b", "../x", "-x", "x" * 65):
+        with pytest.raises(TimelineError, match="invalid timeline name"):
+            repo.rollback(1, name=bad)
+    assert set(repo.reader().timelines) == {"main"}
+
+
+def test_bad_gc_policy() -> None:
+    st = MemoryStorage()
+    two_steps(st)
+    for kw in ({"keep_last": -1}, {"keep_every": -2}, {"keep_every": 0}):
+        with pytest.raises(ValueError, match="keep_"):
+            Repository(st).gc(**kw)  # type: ignore[arg-type]
+    assert [h.pruned for h in Repository(st).reader().lineage()] == [False, False]
+
+
+# -- locking -------------------------------------------------------------------------------------
+
+def test_second_writer_in_the_same_process(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    two_steps(run)
+    repo = Repository.open(run)
+    with repo.writer():
+        with pytest.raises(RunLockedError) as ei:
+            repo.writer()
+        assert isinstance(ei.value, BlockingIOError)
+        assert str(run) in str(ei.value) and f"pid={os.getpid()}" in str(ei.value)
+        with pytest.raises(RunLockedError):
+            Repository.open(run).gc()
+        with pytest.raises(RunLockedError):
+            repo.rollback(1)
+        assert load(run).header.step == 2  # readers are never blocked
+    with repo.writer():  # released on close
+        pass
+
+
+HOLDER = """
+    import sys
+    from dstt.store import Repository
+    w = Repository.open(sys.argv[1]).writer()
+    print("locked", flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("release", ["exit", "sigkill"])
+def test_second_writer_from_another_process(tmp_path: Path, release: str) -> None:
+    run = tmp_path / "run"
+    two_steps(run)
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), str(run)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+        with pytest.raises(RunLockedError) as ei:
+            Repository.open(run).writer()
+        assert f"pid={proc.pid}" in str(ei.value)
+        with pytest.raises(RunLockedError):
+            save(run, 3, {"params/w": np.zeros((8, 4), np.float32)})
+        assert load(run).header.step == 2
+    finally:
+        if release == "exit":
+            proc.communicate("", timeout=30)
+        else:
+            proc.kill()
+            proc.wait(timeout=30)
+    # the kernel drops the lock with the process, however it ended
+    commit_arrays(Repository.open(run), 3, {"params/w": np.zeros((8, 4), np.float32)})
+    assert load(run).header.step == 3
+
+
+# -- read-only and failing storage ----------------------------------------------------------------
+
+@contextlib.contextmanager
+def read_only(path: Path) -> Iterator[str]:
+    """Make ``path`` unwritable. As root, mode bits do not stop writes, so the ext4 immutable
+    attribute is used (it stops root too); yields the mechanism used."""
+    if os.geteuid() != 0:
+        dirs = [path, *(p for p in path.rglob("*") if p.is_dir())]
+        for d in dirs:
+            d.chmod(0o555)
+        try:
+            yield "chmod"
+        finally:
+            for d in dirs:
+                d.chmod(0o755)
+        return
+    if shutil.which("chattr") is None:
+        pytest.skip("running as root without chattr: cannot make a directory read-only")
+    res = subprocess.run(["chattr", "-R", "+i", str(path)], capture_output=True, text=True)
+    if res.returncode != 0:  # e.g. no CAP_LINUX_IMMUTABLE in a container
+        subprocess.run(["chattr", "-R", "-i", str(path)], capture_output=True)
+        pytest.skip(f"chattr +i not supported here: {res.stderr.strip()}")
+    try:
+        yield "chattr +i"
+    finally:
+        subprocess.run(["chattr", "-R", "-i", str(path)], check=True)
+
+
+def test_read_only_run_directory(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    arrays = two_steps(run)
+    with read_only(run):
+        with pytest.raises(ReadOnlyRunError) as ei:
+            Repository.open(run).writer()
+        assert isinstance(ei.value, PermissionError) and str(run) in str(ei.value)
+        with pytest.raises(ReadOnlyRunError):
+            save(run, 3, arrays[2])
+        with pytest.raises(ReadOnlyRunError):  # below check_writable: a plain write too
+            LocalStorage(run).write("params/w/zarr.json", b"{}")
+        # reading a read-only run works
+        assert_same_arrays(load(run, step=1).arrays, arrays[1])
+        assert Repository.open(run).verify().ok
+    commit_arrays(Repository.open(run), 3, arrays[2])  # writable again afterwards
+
+
+def test_cannot_create_a_run_inside_a_read_only_directory(tmp_path: Path) -> None:
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    with read_only(parent), pytest.raises(ReadOnlyRunError) as ei:
+        Repository.create(parent / "run")
+    assert str(parent / "run") in str(ei.value)
+
+
+def _write_step(txn: Transaction, arrays: dict[str, np.ndarray]) -> None:
+    for p, a in arrays.items():
+        plan = txn.declare(p, "float32" if a.dtype == np.float32 else "bfloat16", a.shape)
+        flat = a.reshape(-1).view(np.uint8)
+        for i in range(plan.n_chunks):
+            txn.put_chunk(p, i, flat[slice(*plan.byte_range(i))])
+
+
+def test_disk_full_at_every_write_of_a_commit(tmp_path: Path) -> None:
+    """The disk fills up after n writes, for n = 0, 1, ... until a whole commit fits."""
+    run = tmp_path / "run"
+    arrays = two_steps(run)
+    for n in itertools.count():
+        st = FaultyStorage(LocalStorage(run), fail_after_writes=n)
+        new = {"params/w": sample("float32", (8, 4), seed=300 + n),
+               "params/b": sample("bfloat16", (3,), seed=301 + n)}
+        with Repository(st).writer(chunk_bytes=64) as w:
+            txn = w.begin(3 + n)
+            try:
+                _write_step(txn, new)
+                txn.commit()
+            except StorageError as e:
+                assert isinstance(e, OSError) and e.errno == errno.ENOSPC
+                assert str(run) in str(e)
+                txn.abort()
+            else:
+                break  # n writes are enough for a whole commit
+            # the previous commit is intact and still the head
+            assert load(run).header.step == 2 + n
+            assert Repository.open(run).verify().ok
+            st.heal()  # space freed: the same writer commits the step
+            txn = w.begin(3 + n)
+            _write_step(txn, new)
+            txn.commit()
+        assert_same_arrays(load(run).arrays, new)
+        assert st.failures == 1
+    assert n >= 6  # chunks, object-less table, header, step coordinate, ref
+    assert Repository.open(run).verify().ok
+    assert_same_arrays(load(run, step=1).arrays, arrays[1])
+
+
+def test_failing_reads_are_storage_errors(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    two_steps(run)
+    st = FaultyStorage(LocalStorage(run), fail_reads=r"params/w/c\.")
+    with pytest.raises(StorageError, match="I/O error"):
+        load(st)
+    rep = Repository(st).verify()
+    assert rep.problems and all(p.key.startswith("params/w/c.") for p in rep.problems)
+
+
+def test_errors_are_dstt_errors() -> None:
+    for cls in (NotARunError, CorruptRunError, ChecksumError, FormatVersionError,
+                StepNotFoundError, TimelineError, RunLockedError, ReadOnlyRunError,
+                StorageError, MissingFileError):
+        assert issubclass(cls, DsttError)
+
+
+def test_failed_commit_then_gc_then_commit_with_the_same_storage(tmp_path: Path) -> None:
+    """A commit that fails after its header leaves an orphan; gc removes it (folders too) and
+    the next writer reuses the slot — through the very same storage object."""
+    run = tmp_path / "run"
+    arrays = two_steps(run)
+    st = FaultyStorage(LocalStorage(run), fail_keys=r"_dstt/refs/")
+    repo = Repository(st)
+    new = {"params/w": sample("float32", (8, 4), seed=3), "params/b": sample("bfloat16", (3,), 4)}
+    with repo.writer(chunk_bytes=64) as w:
+        txn = w.begin(3)
+        _write_step(txn, new)
+        txn.put_object("rng", {"s": 3})
+        with pytest.raises(StorageError, match="refs"):
+            txn.commit()
+    assert load(run).header.step == 2
+    st.heal()
+    report = repo.gc()
+    assert len(report.orphan_slots) == 1 and report.pruned_steps == ()
+    with repo.writer(chunk_bytes=64) as w:
+        txn = w.begin(3)
+        _write_step(txn, new)
+        txn.put_object("rng", {"s": 3})
+        h = txn.commit()
+    assert h.slot == report.orphan_slots[0]  # the orphan's slot was reused
+    snap = load(run)
+    assert_same_arrays(snap.arrays, new)
+    assert snap.objects == {"rng": {"s": 3}}
+    assert_same_arrays(load(run, step=2).arrays, arrays[2])
+    assert Repository.open(run).verify().ok
