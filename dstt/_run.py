@@ -1,0 +1,300 @@
+"""``Run`` and ``Snapshot``: read-only views over a committed run, plus rollback and gc.
+
+``dstt.open(path)`` returns a :class:`Run`. A run is a set of timelines; the *current* one
+(what training resumes) is the default everywhere. Views are lazy xarray objects built by
+:mod:`dstt.inspect`; every byte is read through :mod:`dstt.store` (refs -> lineage -> arrays
+table -> crc-checked chunks), so aborted, orphaned or pruned data is never shown.
+
+The run is read as of ``open`` (or the last :meth:`Run.refresh`): a notebook inspecting a live
+training run calls ``run.refresh()`` to see new steps. Rejected alternative: re-reading refs on
+every attribute access — steps would change between two cells that the user reads together.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from .errors import StepNotFoundError
+from .inspect.compare import diff_commits
+from .inspect.html import run_html, run_summary
+from .inspect.lazy import ReaderPool
+from .inspect.naming import array_path, optim_state, select, tensor_dims, user_name
+from .inspect.summaries import (
+    SUMMARIES_OBJECT,
+    Spike,
+    find_spikes,
+    metrics_dataset,
+    rank_tensors,
+    summaries_dataset,
+)
+from .inspect.views import layer_tree, tensor_dataarray, trajectory_dataarray
+from .store import Repository, Storage
+
+__all__ = ["Run", "Snapshot", "open_run"]
+
+Steps = slice | int | Iterable[int] | None
+
+
+def open_run(path: str | os.PathLike[str] | Repository | Storage) -> Run:
+    """Open a run for inspection; ``NotARunError`` if ``path`` is not one."""
+    repo = path if isinstance(path, Repository) else Repository.open(path)
+    return Run(repo)
+
+
+class Run:
+    """A committed run: its timelines, steps, metrics, summaries and snapshots."""
+
+    def __init__(self, repo: Repository) -> None:
+        self.repo = repo
+        self.path = repo.storage.location
+        self._readers = ReaderPool(repo.storage)
+        self._reader = self._readers.primary
+        self._lines: dict[str, list[Any]] = {}
+
+    # -- timelines and steps ----------------------------------------------------------------
+    def refresh(self) -> Run:
+        """Re-read refs and commits (new steps of a live run, after rollback or gc)."""
+        # fresh readers, not Reader.refresh(): that keeps cached live headers, which gc may
+        # have turned into tombstones since (store bug, reported)
+        self._readers = ReaderPool(self.repo.storage)
+        self._reader = self._readers.primary
+        self._lines.clear()
+        return self
+
+    @property
+    def timeline(self) -> str:
+        """The current timeline (the one training resumes)."""
+        return str(self._reader.current_timeline)
+
+    @property
+    def timelines(self) -> dict[str, Any]:
+        """``{name: RefInfo}`` of every timeline."""
+        return self._reader.timelines
+
+    def commits(self, timeline: str | None = None) -> list[Any]:
+        """Commit headers of a timeline, oldest first, pruned ones excluded."""
+        name = timeline or self.timeline
+        if name not in self._lines:
+            self._lines[name] = [h for h in self._reader.lineage(name) if not h.pruned]
+        return self._lines[name]
+
+    @property
+    def steps(self) -> list[int]:
+        """Committed steps of the current timeline (pruned steps excluded), ascending."""
+        return [h.step for h in self.commits()]
+
+    def _header(self, step: int | None, timeline: str | None) -> Any:
+        if step is None:
+            line = self.commits(timeline)
+            if not line:
+                raise StepNotFoundError(
+                    f"timeline {timeline or self.timeline!r} of {self.path} has no commits yet")
+            return line[-1]
+        return self._reader.find(int(step), timeline)
+
+    def select_steps(self, steps: Steps, timeline: str | None = None) -> list[Any]:
+        """Headers for ``steps``: None (all), an int, an iterable of steps, or a slice of step
+        *values* inclusive at both ends like ``.sel`` (``slice.step`` keeps every k-th)."""
+        line = self.commits(timeline)
+        if steps is None:
+            return list(line)
+        if isinstance(steps, slice):
+            lo = -np.inf if steps.start is None else steps.start
+            hi = np.inf if steps.stop is None else steps.stop
+            picked = [h for h in line if lo <= h.step <= hi]
+            return picked[::steps.step or 1]
+        if isinstance(steps, (int, np.integer)):
+            steps = [int(steps)]
+        by_step = {h.step: h for h in line}
+        return [by_step.get(int(s)) or self._header(int(s), timeline) for s in steps]
+
+    # -- views ------------------------------------------------------------------------------
+    def at(self, step: int | None = None, timeline: str | None = None) -> Snapshot:
+        """The snapshot of ``step`` (default: the head) on ``timeline`` (default: current)."""
+        return Snapshot(self, self._header(step, timeline))
+
+    def trajectory(self, name: str, steps: Steps = None, *, timeline: str | None = None,
+                   state: str | None = None, chunks: Any = None) -> xr.DataArray:
+        """Lazy DataArray of one tensor over steps, leading dim ``step`` (index) + ``slot``.
+
+        ``name`` is a dotted torch name or a store path; ``state`` picks an optimizer state
+        (``exp_avg``). ``steps`` as in :meth:`select_steps`. Nothing is read until values are;
+        then only that tensor's chunks of the selected steps (``.isel``/``.sel`` first!).
+        """
+        headers = self.select_steps(steps, timeline)
+        if not headers:
+            raise StepNotFoundError(f"no committed steps match {steps!r} on timeline "
+                                    f"{timeline or self.timeline!r}")
+        newest = self._reader.arrays(headers[-1])
+        path = array_path(name, newest, state)
+        return trajectory_dataarray(self._readers, headers, path, newest, chunks=chunks)
+
+    def metrics(self, timeline: str | None = None) -> xr.Dataset:
+        """Logged metrics (``s.log(...)``) per committed step as a Dataset over ``step``."""
+        return metrics_dataset(self.commits(timeline))
+
+    def summaries(self, steps: Steps = None, *, timeline: str | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> xr.Dataset:
+        """Write-time per-tensor statistics, dims ``step`` x ``tensor`` (see
+        :func:`dstt.inspect.summaries.summaries_dataset`); empty if none were written."""
+        return summaries_dataset(self.select_steps(steps, timeline),
+                                 lambda h: self._reader.read_object(h, SUMMARIES_OBJECT),
+                                 progress)
+
+    def spikes(self, metric: str = "loss", *, window: int = 50, z: float = 4.0,
+               around: int = 2, top: int = 10, timeline: str | None = None) -> list[Spike]:
+        """Spikes of a logged metric by the rolling z-score rule of
+        :mod:`dstt.inspect.summaries`, each with the ``top`` tensors by update ratio within
+        ``around`` commits of it (empty lists when the run has no summaries)."""
+        ds = self.metrics(timeline)
+        if metric not in ds:
+            logged = sorted(map(str, ds.data_vars))
+            raise KeyError(f"metric {metric!r} was never logged; logged: {logged}")
+        found = find_spikes(ds["step"].values, ds[metric].values.astype(np.float64),
+                            window=window, z=z)
+        if not found:
+            return []
+        line = self.commits(timeline)
+        index = {h.step: i for i, h in enumerate(line)}
+        near = sorted({j for s, *_ in found for j in range(max(0, index[s] - around),
+                                                           min(len(line), index[s] + around + 1))})
+        # only the summaries around the spikes are read, not the whole run's
+        sums = summaries_dataset([line[j] for j in near],
+                                 lambda h: self._reader.read_object(h, SUMMARIES_OBJECT))
+        return [Spike(s, v, zi, mu, sd, rank_tensors(sums, s, around)[:top])
+                for s, v, zi, mu, sd in found]
+
+    def diff(self, a: int, b: int, *, timeline: str | None = None, selector: str | None = None,
+             progress: Callable[[int], None] | None = None) -> xr.Dataset:
+        """Per-tensor change from step ``a`` to step ``b`` (see :mod:`dstt.inspect.compare`);
+        ``selector`` restricts to a layer selector (:func:`dstt.inspect.naming.select`)."""
+        ha, hb = self._header(a, timeline), self._header(b, timeline)
+        paths = None
+        if selector is not None:
+            paths = select(selector, sorted(set(self._reader.arrays(ha))
+                                           | set(self._reader.arrays(hb))))
+            if not paths:
+                raise KeyError(f"selector {selector!r} matches no tensor at steps {a} or {b}")
+        return diff_commits(self._reader, ha, hb, paths, progress=progress)
+
+    # -- changes --------------------------------------------------------------------------
+    def rollback(self, to: int, skip_data: int = 0, *, timeline: str | None = None) -> str:
+        """Start a new timeline at step ``to`` (the old one is kept) and make it current;
+        training resumed on this run continues from there, skipping ``skip_data`` batches.
+        Returns the new timeline's name."""
+        ref = self.repo.rollback(int(to), skip_data=int(skip_data), timeline=timeline)
+        self.refresh()
+        return str(ref.name)
+
+    def gc(self, *, keep_last: int | None = None, keep_every: int | None = None,
+           keep_steps: Iterable[int] = (), dry_run: bool = False,
+           progress: Callable[[int, int], None] | None = None) -> Any:
+        """Prune steps outside the policy (never a timeline head); returns the store's report."""
+        report = self.repo.gc(keep_last=keep_last, keep_every=keep_every,
+                              keep_steps=keep_steps, dry_run=dry_run, progress=progress)
+        self.refresh()
+        return report
+
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> Any:
+        """Check every reachable byte; the store's report (``.problems``, ``.ok``)."""
+        return self.repo.verify(progress=progress)
+
+    # -- display ----------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """Plain-data overview (what ``dstt ls --json`` prints and the HTML repr shows)."""
+        return run_summary(self)
+
+    def arrays(self, header: Any) -> dict[str, Any]:
+        """The arrays table of a commit header (cached)."""
+        return self._reader.arrays(header)
+
+    def __repr__(self) -> str:
+        s = self.summary()
+        span = f" [{s['first_step']}..{s['last_step']}]" if s["n_steps"] else ""
+        return (f"<dstt.Run {s['path']!r} timeline={s['timeline']!r} "
+                f"steps={s['n_steps']}{span} arrays={s['n_arrays']}>")
+
+    def _repr_html_(self) -> str:
+        return run_html(self.summary())
+
+
+class Snapshot:
+    """One committed step: lazy tensors by torch name, layer trees, objects, export."""
+
+    def __init__(self, run: Run, header: Any) -> None:
+        self.run, self.header = run, header
+        self.step, self.slot = int(header.step), int(header.slot)
+        self.timeline, self.time = str(header.timeline), float(header.time)
+        self.metrics = dict(header.metrics)
+        self.arrays = run.arrays(header)
+        self._model_paths = [p for p in sorted(self.arrays) if optim_state(p) is None]
+        self._dims_of = tensor_dims(self.arrays)
+
+    def __repr__(self) -> str:
+        return (f"<dstt.Snapshot step={self.step} timeline={self.timeline!r} slot={self.slot} "
+                f"tensors={len(self.arrays)}>")
+
+    def names(self, optim: bool = False) -> list[str]:
+        """User names of the tensors (optimizer states too when ``optim``)."""
+        return [user_name(p) for p in (sorted(self.arrays) if optim else self._model_paths)]
+
+    @property
+    def objects(self) -> list[str]:
+        return sorted(self.header.objects)
+
+    def object(self, name: str, *, trusted: bool = False) -> Any:
+        """A stored object (RNG state, scheduler, summaries...); pickled ones need trusted."""
+        return self.run._reader.read_object(self.header, name, trusted=trusted)
+
+    def tensor(self, name: str, *, state: str | None = None, chunks: Any = None) -> xr.DataArray:
+        """Lazy DataArray of one tensor (bf16 shown as float32; ``state`` for optimizer
+        states; ``chunks`` for a dask array, when dask is installed)."""
+        path = array_path(name, self.arrays, state)
+        return tensor_dataarray(self.run._readers, self.header, self.arrays, path, chunks=chunks,
+                                dims_of=self._dims_of)
+
+    def to_numpy(self, name: str, *, state: str | None = None, native: bool = False) -> np.ndarray:
+        """Values of one tensor: float32 for bf16 (as in views) or, with ``native``, the
+        stored dtype (``ml_dtypes.bfloat16``)."""
+        path = array_path(name, self.arrays, state)
+        if native:
+            return self.run._reader.read_array(self.header, path)
+        return self.tensor(name, state=state).values
+
+    def layer(self, selector: str, optim: bool = False, *, chunks: Any = None) -> xr.DataTree:
+        """Lazy DataTree of the tensors ``selector`` picks, laid out by module path.
+
+        Selector rule (:func:`dstt.inspect.naming.select`): a glob (``layers.*.attn``) is
+        matched against dotted names and their module prefixes; otherwise the dotted
+        components must appear contiguously (``layers.0.attn``, an exact tensor name,
+        ``q_proj.weight``), and only if that finds nothing, in any order (``attn.0`` finds
+        ``layers.0.attn``). ``optim=True`` adds the optimizer states of the selected tensors
+        under ``optim/<state>/<module path>``. bf16 is shown as float32 (exact).
+        """
+        pool = sorted(self.arrays) if optim else self._model_paths
+        paths = select(selector, pool)
+        if not paths:
+            tops = sorted({user_name(p).split(".")[0] for p in pool})
+            raise KeyError(f"selector {selector!r} matches no tensor at step {self.step}; "
+                           f"top-level modules: {', '.join(tops[:20])}")
+        return layer_tree(self.run._readers, self.header, self.arrays, paths, chunks=chunks,
+                          dims_of=self._dims_of)
+
+    def tree(self, optim: bool = False) -> xr.DataTree:
+        """Every tensor of the step as one lazy DataTree."""
+        return self.layer("*", optim)
+
+    def export(self, out: str | os.PathLike[str], format: str = "safetensors", *,
+               include_all: bool = False, progress: Callable[[int], None] | None = None
+               ) -> dict[str, Any]:
+        """Write this step as a flat torch state dict (see :mod:`dstt.inspect.export`)."""
+        from .inspect.export import export_commit
+
+        return export_commit(self.run._reader, self.header, out, format,  # type: ignore[arg-type]
+                             include_all=include_all, progress=progress)
+

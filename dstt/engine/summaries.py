@@ -1,0 +1,202 @@
+"""Write-time per-tensor summaries, computed on the host copy in the engine's flush threads.
+
+For each tensor of each step the engine stores, in the commit object ``summaries``::
+
+    {array_path: {"l2", "rms", "maxabs", "nan", "inf", "update_l2", "update_ratio",
+                  "probe", "update_exact"}}
+
+so spike studies over thousands of steps read a few KB per step instead of whole tensors.
+
+What is exact and what is estimated:
+
+* ``l2``, ``rms``, ``maxabs`` (over the *finite* elements, accumulated in float64), ``nan`` and
+  ``inf`` (counts) are exact.
+* ``probe``: the values (as float) of up to ``PROBE_SIZE`` elements at fixed flat indices drawn
+  without replacement by a generator seeded from the array path, so the same elements are
+  probed at every step, in every process and every run (:func:`probe_indices`).
+* ``update_l2`` = ||x_t - x_{t-1}||: exact (``update_exact: true``) when the caller passes the
+  previous step's host copy; otherwise *estimated* from the probes of this and the previous
+  step as ``sqrt(numel / k * sum((p_t - p_{t-1})**2))``, an unbiased estimate of the squared
+  norm under the uniform probe, noisy for sparse updates. None at the first step.
+* ``update_ratio`` = ``update_l2 / l2`` (the current weights' norm); None when either is
+  unknown or ``l2`` is 0.
+
+A tensor staged in chunks (the host cache may be smaller than the tensor) is summarised with a
+:class:`SummaryAccumulator` fed chunk by chunk, from any thread, in any order; ``tensor_summary``
+is the one-shot form. A :class:`SummaryBook` (one per session) remembers each path's last probe
+so the next step's update can be estimated; the engine's flush threads use it as::
+
+    acc = book.accumulator(path, numel)          # when the tensor's first chunk is staged
+    acc.add(offset, host_chunk)                  # per chunk, in the flush thread
+    summaries[path] = book.finish(path, acc)     # after its last chunk; -> put_object
+ Rejected alternative: computing summaries on the device at stage time —
+it would add kernels and a sync to the training stream, the one place dstt must not slow.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "PROBE_SIZE",
+    "SummaryAccumulator",
+    "SummaryBook",
+    "probe_indices",
+    "tensor_summary",
+]
+
+PROBE_SIZE = 16
+_BLOCK = 1 << 20  # elements per float64 block: bounds the temporary memory of one summary
+
+
+@functools.lru_cache(maxsize=65536)
+def _probe_indices(path: str, numel: int, k: int) -> np.ndarray:
+    rng = np.random.default_rng(zlib.crc32(path.encode()))
+    idx = rng.choice(numel, size=min(k, numel), replace=False)
+    idx.sort()
+    idx.setflags(write=False)
+    return idx
+
+
+def probe_indices(path: str, numel: int, k: int = PROBE_SIZE) -> np.ndarray:
+    """Sorted flat indices probed for ``path`` (deterministic in path, numel and k)."""
+    return _probe_indices(path, int(numel), int(k))
+
+
+class SummaryAccumulator:
+    """Accumulates the summary of one tensor from its chunks (flat C-order element ranges).
+
+    Thread-safe: chunks may be added concurrently and in any order. Call :meth:`result` once
+    every element has been added.
+    """
+
+    def __init__(self, path: str, numel: int, *, prev_probe: Sequence[float] | None = None,
+                 probe_size: int = PROBE_SIZE) -> None:
+        self.path, self.numel = path, int(numel)
+        self.idx = probe_indices(path, self.numel, probe_size)
+        self.probe = np.full(len(self.idx), np.nan)
+        self.prev_probe = None if prev_probe is None else np.asarray(prev_probe, dtype=float)
+        self._lock = threading.Lock()
+        self._sumsq = self._maxabs = self._upd_sumsq = 0.0
+        self._finite = self._nan = self._inf = self._seen = self._upd_seen = 0
+
+    def add(self, offset: int, chunk: torch.Tensor, prev_chunk: torch.Tensor | None = None) -> None:
+        """Add elements ``[offset, offset + chunk.numel())``; ``prev_chunk`` is the same range
+        of the previous step's copy (makes ``update_l2`` exact)."""
+        flat = chunk.reshape(-1)
+        prev_flat = None if prev_chunk is None else prev_chunk.reshape(-1)
+        if prev_flat is not None and prev_flat.numel() != flat.numel():
+            raise ValueError(f"{self.path}: previous chunk has {prev_flat.numel()} elements, "
+                             f"this one {flat.numel()}")
+        sumsq = maxabs = upd = 0.0
+        finite = nan = inf = 0
+        for s in range(0, flat.numel(), _BLOCK):
+            x = flat[s:s + _BLOCK].to(torch.float64)
+            ok = torch.isfinite(x)
+            n_ok = int(ok.sum())
+            if n_ok != x.numel():
+                n_nan = int(torch.isnan(x).sum())
+                nan, inf = nan + n_nan, inf + x.numel() - n_ok - n_nan
+                x = x[ok]
+            finite += n_ok
+            if x.numel():
+                sumsq += float(torch.dot(x, x))
+                maxabs = max(maxabs, float(x.abs().max()))
+            if prev_flat is not None:
+                d = flat[s:s + _BLOCK].to(torch.float64) - prev_flat[s:s + _BLOCK].to(torch.float64)
+                upd += float(torch.dot(d, d))
+        lo = np.searchsorted(self.idx, offset)
+        hi = np.searchsorted(self.idx, offset + flat.numel())
+        vals = flat[torch.from_numpy(self.idx[lo:hi] - offset)].to(torch.float64).numpy()
+        with self._lock:
+            self._sumsq += sumsq
+            self._maxabs = max(self._maxabs, maxabs)
+            self._finite += finite
+            self._nan += nan
+            self._inf += inf
+            self._seen += flat.numel()
+            if prev_flat is not None:
+                self._upd_sumsq += upd
+                self._upd_seen += flat.numel()
+            self.probe[lo:hi] = vals
+
+    def result(self) -> dict[str, Any]:
+        """The summary dict (plain floats/ints/None, ready for tagged JSON)."""
+        with self._lock:
+            if self._seen != self.numel:
+                raise ValueError(f"{self.path}: summarised {self._seen} of {self.numel} elements")
+            l2 = math.sqrt(self._sumsq)
+            rms = math.sqrt(self._sumsq / self._finite) if self._finite else float("nan")
+            maxabs = self._maxabs if self._finite else float("nan")
+            update, exact = None, False
+            if self._upd_seen == self.numel and self.numel:
+                update, exact = math.sqrt(self._upd_sumsq), True
+            elif self.prev_probe is not None and len(self.prev_probe) == len(self.probe) > 0:
+                d = self.probe - self.prev_probe
+                if np.all(np.isfinite(d)):
+                    update = math.sqrt(self.numel / len(d) * float(np.dot(d, d)))
+            ratio = update / l2 if update is not None and l2 > 0 else None
+            return {"l2": l2, "rms": rms, "maxabs": maxabs, "nan": self._nan, "inf": self._inf,
+                    "update_l2": update, "update_ratio": ratio,
+                    "probe": [float(v) for v in self.probe], "update_exact": exact}
+
+
+def tensor_summary(t: torch.Tensor, path: str, *, prev: torch.Tensor | None = None,
+                   prev_probe: Sequence[float] | None = None,
+                   probe_size: int = PROBE_SIZE) -> dict[str, Any]:
+    """Summary of host tensor ``t`` stored at ``path``.
+
+    ``prev`` (the previous step's copy, same shape) makes ``update_l2`` exact; otherwise
+    ``prev_probe`` (the previous step's ``"probe"`` list) gives an estimate; with neither the
+    update fields are None. Runs on CPU tensors of any dtype dstt stores (bf16 included).
+    """
+    if prev is not None and tuple(prev.shape) != tuple(t.shape):
+        raise ValueError(f"{path}: previous copy has shape {tuple(prev.shape)}, "
+                         f"this one {tuple(t.shape)}")
+    acc = SummaryAccumulator(path, t.numel(), prev_probe=prev_probe, probe_size=probe_size)
+    acc.add(0, t.detach(), None if prev is None else prev.detach())
+    return acc.result()
+
+
+class SummaryBook:
+    """Per-session memory of each tensor's last probe (thread-safe), for update estimates."""
+
+    def __init__(self, probe_size: int = PROBE_SIZE) -> None:
+        self.probe_size = probe_size
+        self._probes: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+
+    def accumulator(self, path: str, numel: int) -> SummaryAccumulator:
+        with self._lock:
+            prev = self._probes.get(path)
+        return SummaryAccumulator(path, numel, prev_probe=prev, probe_size=self.probe_size)
+
+    def finish(self, path: str, acc: SummaryAccumulator) -> dict[str, Any]:
+        """The summary of ``acc``; remembers its probe for the next step of ``path``."""
+        out = acc.result()
+        with self._lock:
+            self._probes[path] = out["probe"]
+        return out
+
+    def summarize(self, path: str, t: torch.Tensor, prev: torch.Tensor | None = None
+                  ) -> dict[str, Any]:
+        """One-shot form of ``accumulator`` + ``add`` + ``finish``."""
+        acc = self.accumulator(path, t.numel())
+        acc.add(0, t.detach(), None if prev is None else prev.detach())
+        return self.finish(path, acc)
+
+    def forget(self, path: str | None = None) -> None:
+        """Drop remembered probes (all, or one path) — e.g. after a resume or rollback."""
+        with self._lock:
+            if path is None:
+                self._probes.clear()
+            else:
+                self._probes.pop(path, None)

@@ -1,0 +1,86 @@
+"""The run overview as plain data and as a static HTML table (Jupyter ``_repr_html_``).
+
+One function gathers the facts (:func:`run_summary`: path, timelines, step range, arrays and
+bytes of the head), two render them: ``Run.__repr__``/``dstt ls`` as text and :func:`run_html`
+as HTML with every value escaped. Static HTML, no JavaScript, so it renders the same in
+JupyterLab, VS Code, GitHub and nbconvert. Rejected alternative: an ipywidgets summary — it
+renders nothing without a live kernel.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from typing import Any
+
+__all__ = ["human_bytes", "run_html", "run_summary"]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def run_summary(run: Any) -> dict[str, Any]:
+    """Facts about a run, JSON-ready. Reads headers and the head's arrays table only."""
+    timelines = []
+    for name, ref in sorted(run.timelines.items()):
+        line = run.commits(name)
+        timelines.append({
+            "name": name, "current": name == run.timeline, "commits": len(line),
+            "first_step": line[0].step if line else None,
+            "head_step": line[-1].step if line else None,
+            "base_timeline": ref.base_timeline, "base_step": ref.base_step,
+            "skip_data": ref.skip_data,
+        })
+    line = run.commits()
+    head = line[-1] if line else None
+    table = run.arrays(head) if head is not None else {}
+    return {
+        "path": run.path,
+        "timeline": run.timeline,
+        "timelines": timelines,
+        "n_steps": len(line),
+        "first_step": line[0].step if line else None,
+        "last_step": head.step if head is not None else None,
+        "head_time": head.time if head is not None else None,
+        "n_arrays": len(table),
+        "bytes_per_step": sum(r.plan.nbytes for r in table.values()),
+        "metrics": sorted({k for h in line[-1:] for k in h.metrics}),
+    }
+
+
+def run_html(s: dict[str, Any]) -> str:
+    """Static HTML of :func:`run_summary`'s result."""
+    e = html.escape
+
+    def row(k: str, v: Any) -> str:
+        return f"<tr><th style='text-align:left'>{e(k)}</th><td>{e(str(v))}</td></tr>"
+
+    when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["head_time"]))
+            if s["head_time"] else "—")
+    steps = (f"{s['n_steps']} ({s['first_step']} … {s['last_step']})" if s["n_steps"]
+             else "none yet")
+    head = "".join([
+        row("path", s["path"]), row("current timeline", s["timeline"]), row("steps", steps),
+        row("last commit", when), row("arrays", s["n_arrays"]),
+        row("bytes per step", human_bytes(s["bytes_per_step"])),
+        row("metrics", ", ".join(s["metrics"]) or "—"),
+    ])
+    tl_rows = "".join(
+        "<tr>" + "".join(f"<td>{e(str(x))}</td>" for x in (
+            ("● " if t["current"] else "") + t["name"], t["commits"],
+            f"{t['first_step']} … {t['head_step']}" if t["commits"] else "—",
+            f"{t['base_timeline']}@{t['base_step']}" if t["base_timeline"] else "—",
+            t["skip_data"])) + "</tr>"
+        for t in s["timelines"])
+    tl_head = "".join(f"<th>{h}</th>" for h in ("timeline", "commits", "steps", "from",
+                                                 "skip data"))
+    return (
+        "<div class='dstt-run'><strong>dstt run</strong>"
+        f"<table>{head}</table>"
+        f"<table><thead><tr>{tl_head}</tr></thead><tbody>{tl_rows}</tbody></table></div>"
+    )

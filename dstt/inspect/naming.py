@@ -1,0 +1,157 @@
+"""Names: store array paths <-> the names a PyTorch user types, and the layer selector rule.
+
+The store keeps one array per tensor under ``params/<module path with '/'>/<param>``,
+``buffers/...`` and ``optim/<state>/<module path>/<param>``. Users think in dotted torch names
+(``layers.0.attn.q_proj.weight``), so every view speaks those: a parameter or buffer is named
+by its dotted name, anything else (optimizer states, user arrays) by its store path, which
+always contains a ``/`` and therefore never collides with a dotted name.
+
+Rejected alternative: a ``state:name`` mini-syntax for optimizer states — one more grammar to
+learn, where the store path is already unique, printable and what ``dstt show`` prints.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Mapping
+
+__all__ = [
+    "MODEL_KINDS",
+    "array_path",
+    "optim_state",
+    "select",
+    "tensor_dims",
+    "tree_location",
+    "user_name",
+]
+
+#: top-level groups whose arrays are named by their dotted torch name (torch state_dict keys)
+MODEL_KINDS = ("params", "buffers")
+_GLOB_CHARS = set("*?[")
+
+
+def user_name(path: str) -> str:
+    """``params/layers/0/attn/weight`` -> ``layers.0.attn.weight``; other paths unchanged."""
+    kind, _, rest = path.partition("/")
+    if kind in MODEL_KINDS and rest:
+        return rest.replace("/", ".")
+    return path
+
+
+def optim_state(path: str) -> str | None:
+    """``optim/exp_avg/layers/0/w`` -> ``exp_avg``; None for non-optimizer arrays."""
+    parts = path.split("/")
+    return parts[1] if len(parts) >= 3 and parts[0] == "optim" else None
+
+
+def array_path(name: str, available: Iterable[str] | Mapping[str, object],
+               state: str | None = None) -> str:
+    """Resolve a user name to the store path present in ``available``.
+
+    ``name`` is a dotted torch name (looked up under ``params/`` then ``buffers/``, or under
+    ``optim/<state>/`` when ``state`` is given) or a store path containing ``/``.
+    Raises ``KeyError`` with close matches when nothing fits.
+    """
+    avail = available if isinstance(available, Mapping) else set(available)
+    if "/" in name:
+        candidates = [name]
+    elif state is not None:
+        candidates = [f"optim/{state}/{name.replace('.', '/')}"]
+    else:
+        candidates = [f"{kind}/{name.replace('.', '/')}" for kind in MODEL_KINDS]
+    for c in candidates:
+        if c in avail:
+            return c
+    close = _close_matches(name, avail)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    what = f"optimizer state {state!r} of " if state else ""
+    raise KeyError(f"no {what}tensor named {name!r} in this commit{hint}")
+
+
+def _close_matches(name: str, avail: Iterable[str]) -> list[str]:
+    import difflib
+
+    names = [user_name(p) for p in avail]
+    return difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+
+
+def _components(path: str) -> list[str]:
+    """Dotted components of the tensor's name without kind/state prefix."""
+    parts = path.split("/")
+    if parts[0] in MODEL_KINDS:
+        return parts[1:]
+    if parts[0] == "optim" and len(parts) >= 3:
+        return parts[2:]
+    return parts
+
+
+def select(selector: str, paths: Iterable[str]) -> list[str]:
+    """Store paths whose tensors ``selector`` picks. The rule, in order:
+
+    1. **Glob** (the selector contains ``*``, ``?`` or ``[``): ``fnmatch`` against the dotted
+       tensor name and each of its module prefixes, so ``layers.*.attn`` picks every tensor
+       under any ``layers.<i>.attn`` and ``layers.*.attn.*`` the same tensors; ``*`` also
+       crosses dots.
+    2. **Contiguous components**: the dotted selector's components appear as a contiguous run
+       in the tensor's dotted name. ``layers.0.attn`` picks the subtree ``layers.0.attn.*``,
+       ``q_proj.weight`` every q_proj weight, an exact tensor name picks that tensor. Matching
+       is by whole components: ``layers.1`` never picks ``layers.10``.
+    3. **All components, any order** (only when rule 2 picks nothing): every component of
+       the selector appears in the name. ``attn.0`` picks ``layers.0.attn.*`` in a model whose
+       modules are spelled that way.
+
+    Optimizer-state paths are matched on their module path (the ``optim/<state>`` prefix is
+    ignored), so one selector picks a parameter and its optimizer states alike. Returns the
+    matching paths in input order; an empty list when nothing matches.
+    """
+    paths = list(paths)
+    dotted = {p: ".".join(_components(p)) for p in paths}
+    if _GLOB_CHARS & set(selector):
+        def hit(p: str) -> bool:
+            c = dotted[p].split(".")
+            return any(fnmatch.fnmatchcase(".".join(c[:k]), selector)
+                       for k in range(1, len(c) + 1))
+        return [p for p in paths if hit(p)]
+    want = [s for s in selector.split(".") if s]
+    if not want:
+        return paths
+    # components never contain '.', so a contiguous run of them is a '.'-bounded substring
+    needle = "." + ".".join(want) + "."
+    found = [p for p in paths if needle in f".{dotted[p]}."]
+    if found:
+        return found
+    return [p for p in paths if set(want) <= set(dotted[p].split("."))]
+
+
+def tree_location(path: str) -> tuple[str, str]:
+    """(DataTree node path, variable name) of a store path.
+
+    Parameters and buffers land at their module path (``layers/0/attn`` holds ``weight`` and
+    ``bias``); everything else keeps its store group (``optim/exp_avg/layers/0/attn``).
+    """
+    parts = path.split("/")
+    if parts[0] in MODEL_KINDS:
+        parts = parts[1:]
+    return "/".join(parts[:-1]), parts[-1]
+
+
+def tensor_dims(all_paths: Iterable[str]) -> Callable[[str, int], tuple[str, ...]]:
+    """A function giving the dimension names of one tensor: ``<param>_<i>`` (``weight_0``).
+
+    xarray's DataTree requires a node's dimensions to agree in size with its ancestors' ones,
+    so when an ancestor node (among ``all_paths``, the whole commit rather than a selection, so
+    names do not depend on what was selected) holds a tensor of the same name, the dims use the
+    full dotted name instead (``layers.0.sub.weight_0``).
+    """
+    held = {tree_location(p) for p in all_paths}
+
+    def dims(path: str, ndim: int) -> tuple[str, ...]:
+        node, var = tree_location(path)
+        parts = node.split("/") if node else []
+        clash = any(("/".join(parts[:k]), var) in held for k in range(len(parts)))
+        prefix = path.replace("/", ".") if clash else var
+        if clash and path.split("/")[0] in MODEL_KINDS:
+            prefix = user_name(path)
+        return tuple(f"{prefix}_{i}" for i in range(ndim))
+
+    return dims

@@ -1,0 +1,177 @@
+"""Read side of write-time summaries, logged metrics as xarray, and loss-spike detection.
+
+Summaries are the per-commit object ``summaries`` written by the engine
+(:mod:`dstt.engine.summaries` documents what each field means and which are estimates).
+:func:`summaries_dataset` turns them into one ``Dataset`` with dims ``step`` x ``tensor`` (and
+``probe_index`` for the probed elements) by reading one small object per commit, never a tensor.
+
+Spike rule (:func:`find_spikes`): for each step, the trailing window of the previous
+``window`` finite values of the metric gives a mean and a sample standard deviation; the step
+is a spike when ``(value - mean) / std > z`` (upward only: a loss spike), once at least
+``min_periods`` values precede it. Consecutive flagged steps form one spike, reported at its
+largest z-score. Tensors are ranked by their largest ``update_ratio`` over the commits within
+``around`` commits either side of the spike (before: what moved; after: the reaction to the
+spike's gradient). Rejected alternative: a global z-score over the whole run — the loss trend
+of training makes early steps look like spikes and hides late ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from .naming import user_name
+
+__all__ = [
+    "SCALAR_FIELDS",
+    "Spike",
+    "find_spikes",
+    "metrics_dataset",
+    "rank_tensors",
+    "summaries_dataset",
+]
+
+SCALAR_FIELDS = ("l2", "rms", "maxabs", "nan", "inf", "update_l2", "update_ratio")
+SUMMARIES_OBJECT = "summaries"
+
+
+def _as_float(v: Any) -> float:
+    if v is None or isinstance(v, (str, bytes)):
+        return math.nan
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def metrics_dataset(headers: Sequence[Any]) -> xr.Dataset:
+    """Logged metrics of ``headers`` (commits in step order) as a Dataset over ``step``.
+
+    Numeric metrics become float64 variables (NaN where a step did not log them); string
+    metrics become object variables ('' where missing). Coordinates: ``step``, ``slot`` and
+    ``time`` (commit wall-clock time, seconds since the epoch).
+    """
+    names = sorted({k for h in headers for k in h.metrics})
+    data: dict[str, Any] = {}
+    for k in names:
+        vals = [h.metrics.get(k) for h in headers]
+        if any(isinstance(v, str) for v in vals):
+            data[k] = ("step", np.array(["" if v is None else str(v) for v in vals], dtype=object))
+        else:
+            data[k] = ("step", np.array([_as_float(v) for v in vals], dtype=np.float64))
+    coords = {
+        "step": ("step", np.array([h.step for h in headers], dtype=np.int64)),
+        "slot": ("step", np.array([h.slot for h in headers], dtype=np.int64)),
+        "time": ("step", np.array([h.time for h in headers], dtype=np.float64)),
+    }
+    return xr.Dataset(data, coords=coords)
+
+
+def summaries_dataset(headers: Sequence[Any], read: Callable[[Any], dict[str, Any]],
+                      progress: Callable[[int, int], None] | None = None) -> xr.Dataset:
+    """Summaries of the commits in ``headers`` that have them (``read(header)`` loads one).
+
+    Variables over ``(step, tensor)``: ``l2 rms maxabs nan inf update_l2 update_ratio`` as
+    float64 (NaN where unknown or absent), ``update_exact`` (bool), and ``probe`` over
+    ``(step, tensor, probe_index)`` (NaN-padded). ``tensor`` holds user names
+    (:func:`dstt.inspect.naming.user_name`); ``store_path`` is a coordinate along it.
+    """
+    with_sum = [h for h in headers if SUMMARIES_OBJECT in h.objects]
+    per_step: list[dict[str, Any]] = []
+    for i, h in enumerate(with_sum):
+        if progress:
+            progress(i, len(with_sum))
+        per_step.append(read(h))
+    paths = sorted({p for s in per_step for p in s})
+    col = {p: j for j, p in enumerate(paths)}
+    n_probe = max((len(v.get("probe") or ()) for s in per_step for v in s.values()), default=0)
+    shape = (len(with_sum), len(paths))
+    arrays = {f: np.full(shape, np.nan) for f in SCALAR_FIELDS}
+    exact = np.zeros(shape, dtype=bool)
+    probe = np.full((*shape, n_probe), np.nan)
+    for i, s in enumerate(per_step):
+        for p, v in s.items():
+            j = col[p]
+            for f in SCALAR_FIELDS:
+                arrays[f][i, j] = _as_float(v.get(f))
+            exact[i, j] = bool(v.get("update_exact", False))
+            pr = [_as_float(x) for x in (v.get("probe") or ())]
+            probe[i, j, :len(pr)] = pr
+    data: dict[str, Any] = {f: (("step", "tensor"), a) for f, a in arrays.items()}
+    data["update_exact"] = (("step", "tensor"), exact)
+    data["probe"] = (("step", "tensor", "probe_index"), probe)
+    coords = {
+        "step": ("step", np.array([h.step for h in with_sum], dtype=np.int64)),
+        "tensor": ("tensor", np.array([user_name(p) for p in paths], dtype=object)),
+        "store_path": ("tensor", np.array(paths, dtype=object)),
+    }
+    return xr.Dataset(data, coords=coords)
+
+
+@dataclass(frozen=True)
+class Spike:
+    """One loss spike: where, how big, and the tensors that moved most around it."""
+
+    step: int
+    value: float
+    zscore: float
+    baseline: float
+    std: float
+    tensors: list[tuple[str, float]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        top = ", ".join(f"{n} ({r:.3g})" for n, r in self.tensors[:3]) or "no summaries"
+        return (f"step {self.step}: {self.value:.4g} (baseline {self.baseline:.4g}, "
+                f"z={self.zscore:.1f}); top update ratios: {top}")
+
+
+def find_spikes(steps: np.ndarray, values: np.ndarray, *, window: int = 50, z: float = 4.0,
+                min_periods: int | None = None) -> list[tuple[int, float, float, float, float]]:
+    """``(step, value, zscore, mean, std)`` of each spike by the module's rolling z rule."""
+    if window < 2:
+        raise ValueError(f"window must be >= 2, got {window}")
+    min_periods = max(2, window // 4) if min_periods is None else max(2, min_periods)
+    ok = np.isfinite(values)
+    steps, values = np.asarray(steps)[ok], np.asarray(values, dtype=np.float64)[ok]
+    flagged: list[tuple[int, float, float, float, float]] = []
+    for i in range(len(values)):
+        prior = values[max(0, i - window):i]
+        if len(prior) < min_periods:
+            continue
+        mu, sd = float(prior.mean()), float(prior.std(ddof=1))
+        sd = max(sd, 1e-12 * max(abs(mu), 1.0))
+        zi = (float(values[i]) - mu) / sd
+        if zi > z:
+            flagged.append((i, float(values[i]), zi, mu, sd))
+    events: list[tuple[int, float, float, float, float]] = []
+    last = -2
+    for i, v, zi, mu, sd in flagged:
+        spike = (int(steps[i]), v, zi, mu, sd)
+        if i == last + 1:  # consecutive flagged values: one spike, kept at its peak z
+            if zi > events[-1][2]:
+                events[-1] = spike
+        else:
+            events.append(spike)
+        last = i
+    return events
+
+
+def rank_tensors(summaries: xr.Dataset, step: int, around: int) -> list[tuple[str, float]]:
+    """Tensors by largest ``update_ratio`` within ``around`` commits of ``step``, descending."""
+    if summaries.sizes.get("step", 0) == 0 or summaries.sizes.get("tensor", 0) == 0:
+        return []
+    s = summaries["step"].values
+    c = int(np.searchsorted(s, step))
+    lo, hi = max(0, c - around), min(len(s), c + around + 1)
+    ratio = summaries["update_ratio"].values[lo:hi]
+    if ratio.size == 0:
+        return []
+    best = np.where(np.isnan(ratio), -np.inf, ratio).max(axis=0)
+    order = np.argsort(-best, kind="stable")
+    names = summaries["tensor"].values
+    return [(str(names[j]), float(best[j])) for j in order if np.isfinite(best[j])]

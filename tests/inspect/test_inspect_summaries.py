@@ -1,0 +1,213 @@
+"""Write-time summaries (engine side, torch) and their read side, metrics and spikes."""
+
+from __future__ import annotations
+
+import math
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from inspect_helpers import new_repo, write_steps
+
+from dstt._run import open_run
+from dstt.engine.summaries import SummaryAccumulator, probe_indices, tensor_summary
+from dstt.inspect.summaries import find_spikes
+
+
+def test_exact_statistics_match_numpy() -> None:
+    t = torch.randn(300, 70, generator=torch.Generator().manual_seed(1))
+    s = tensor_summary(t, "params/w")
+    x = t.numpy().astype(np.float64)
+    assert s["l2"] == pytest.approx(np.linalg.norm(x), rel=1e-12)
+    assert s["rms"] == pytest.approx(np.sqrt(np.mean(x * x)), rel=1e-12)
+    assert s["maxabs"] == float(np.abs(x).max())
+    assert (s["nan"], s["inf"]) == (0, 0)
+    assert s["update_l2"] is None and s["update_ratio"] is None
+
+
+def test_non_finite_values_are_counted_and_excluded() -> None:
+    t = torch.tensor([3.0, float("nan"), 4.0, float("inf"), -float("inf"), float("nan")])
+    s = tensor_summary(t, "params/w")
+    assert (s["nan"], s["inf"]) == (2, 2)
+    assert s["l2"] == 5.0 and s["maxabs"] == 4.0
+    assert s["rms"] == pytest.approx(5.0 / math.sqrt(2))
+
+
+def test_probe_is_fixed_per_path_and_reads_those_elements() -> None:
+    t = torch.arange(10_000, dtype=torch.float32)
+    idx = probe_indices("params/layers/0/w", 10_000)
+    assert len(idx) == 16 and len(set(idx.tolist())) == 16 and idx.max() < 10_000
+    np.testing.assert_array_equal(idx, probe_indices("params/layers/0/w", 10_000))
+    assert not np.array_equal(idx, probe_indices("params/layers/1/w", 10_000))
+    s = tensor_summary(t, "params/layers/0/w")
+    assert s["probe"] == [float(i) for i in idx]
+    assert len(tensor_summary(torch.ones(3), "params/b")["probe"]) == 3
+
+
+def test_chunked_accumulation_in_any_order_equals_one_shot() -> None:
+    g = torch.Generator().manual_seed(2)
+    t, prev = torch.randn(1000, 33, generator=g), torch.randn(1000, 33, generator=g)
+    one = tensor_summary(t, "params/w", prev=prev)
+    flat, pflat = t.reshape(-1), prev.reshape(-1)
+    acc = SummaryAccumulator("params/w", t.numel())
+    bounds = list(range(0, t.numel(), 4096))
+    random.Random(0).shuffle(bounds)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda s: acc.add(s, flat[s:s + 4096], pflat[s:s + 4096]), bounds))
+    many = acc.result()
+    for k in ("l2", "rms", "maxabs", "update_l2", "update_ratio"):
+        assert many[k] == pytest.approx(one[k], rel=1e-12), k
+    assert many["probe"] == one["probe"] and many["update_exact"] and one["update_exact"]
+
+
+def test_incomplete_accumulation_is_refused() -> None:
+    acc = SummaryAccumulator("params/w", 10)
+    acc.add(0, torch.ones(4))
+    with pytest.raises(ValueError, match="4 of 10"):
+        acc.result()
+
+
+def test_update_exact_with_previous_copy_and_estimated_from_probe() -> None:
+    g = torch.Generator().manual_seed(3)
+    prev = torch.randn(200, 50, generator=g)
+    t = prev + 0.01
+    exact = tensor_summary(t, "params/w", prev=prev)
+    assert exact["update_l2"] == pytest.approx(0.01 * math.sqrt(t.numel()), rel=1e-5)
+    assert exact["update_ratio"] == pytest.approx(exact["update_l2"] / exact["l2"])
+    before = tensor_summary(prev, "params/w")
+    est = tensor_summary(t, "params/w", prev_probe=before["probe"])
+    assert est["update_exact"] is False
+    # a uniform update makes the probe estimate exact up to float32 rounding
+    assert est["update_l2"] == pytest.approx(exact["update_l2"], rel=1e-3)
+
+
+def test_bfloat16_tensors_are_summarised() -> None:
+    t = torch.tensor([1.5, -2.0, 0.25], dtype=torch.bfloat16)
+    s = tensor_summary(t, "params/w")
+    assert s["l2"] == pytest.approx(math.sqrt(1.5**2 + 4 + 0.0625))
+    assert s["maxabs"] == 2.0
+
+
+def _training_like_run(path: Path, n: int = 40, spike_at: int = 30) -> dict[int, np.ndarray]:
+    """Two tensors; 'layers.1.w' takes a large update at the spike step."""
+    written: dict[int, dict[str, np.ndarray]] = {}
+    probes: dict[str, list[float]] = {}
+    g = torch.Generator().manual_seed(4)
+    state = {"params/layers/0/w": torch.randn(20, 10, generator=g),
+             "params/layers/1/w": torch.randn(30, generator=g)}
+    prev: dict[str, torch.Tensor] = {}
+
+    def arrays(step: int) -> dict[str, np.ndarray]:
+        for k, v in state.items():
+            scale = 1.0 if (k.endswith("1/w") and step == spike_at) else 0.001
+            state[k] = v + scale * torch.randn(v.shape, generator=g)
+        written[step] = {k: v.numpy().copy() for k, v in state.items()}
+        return written[step]
+
+    def objects(step: int) -> dict[str, object]:
+        out = {}
+        for k, v in state.items():
+            out[k] = tensor_summary(v, k, prev=prev.get(k), prev_probe=probes.get(k))
+            probes[k] = out[k]["probe"]
+            prev[k] = v.clone()
+        return {"summaries": out}
+
+    rng = np.random.default_rng(5)
+    losses = {s: 2.0 - 0.01 * s + 0.01 * rng.standard_normal() for s in range(n)}
+    losses[spike_at] += 1.0
+    write_steps(new_repo(path), list(range(n)), arrays, objects_at=objects,
+                metrics_at=lambda s: {"loss": losses[s], "lr": 1e-3, "phase": "warm"})
+    return written
+
+
+def test_summaries_dataset_matches_written_tensors(tmp_path: Path) -> None:
+    written = _training_like_run(tmp_path / "run")
+    ds = open_run(tmp_path / "run").summaries()
+    assert ds["l2"].dims == ("step", "tensor")
+    assert list(ds["tensor"].values) == ["layers.0.w", "layers.1.w"]
+    l2 = ds["l2"].sel(tensor="layers.0.w").values
+    np.testing.assert_allclose(l2, [np.linalg.norm(written[s]["params/layers/0/w"].astype(
+        np.float64)) for s in range(40)], rtol=1e-12)
+    upd = ds["update_l2"].sel(tensor="layers.1.w")
+    assert np.isnan(upd.values[0])
+    np.testing.assert_allclose(upd.values[1:], [np.linalg.norm(
+        written[s]["params/layers/1/w"].astype(np.float64)
+        - written[s - 1]["params/layers/1/w"]) for s in range(1, 40)], rtol=1e-6)
+    assert ds["probe"].sizes["probe_index"] == 16 and "probe" in ds.data_vars
+    assert bool(ds["update_exact"].isel(step=5).all())
+
+
+def test_metrics_dataset(tmp_path: Path) -> None:
+    _training_like_run(tmp_path / "run")
+    m = open_run(tmp_path / "run").metrics()
+    assert m["loss"].dims == ("step",) and m.sizes["step"] == 40
+    assert float(m["lr"].sel(step=7)) == 1e-3 and m["phase"].values[0] == "warm"
+    assert m["slot"].dims == ("step",)
+
+
+def test_spikes_find_the_spike_and_the_tensor_that_moved(tmp_path: Path) -> None:
+    _training_like_run(tmp_path / "run")
+    spikes = open_run(tmp_path / "run").spikes("loss", window=20, z=5.0)
+    assert [s.step for s in spikes] == [30]
+    assert spikes[0].tensors[0][0] == "layers.1.w"
+    assert spikes[0].zscore > 5 and "step 30" in str(spikes[0])
+    with pytest.raises(KeyError, match="never logged"):
+        open_run(tmp_path / "run").spikes("accuracy")
+
+
+def test_spike_rule_merges_consecutive_steps_and_ignores_the_trend() -> None:
+    steps = np.arange(200)
+    loss = 5.0 * np.exp(-steps / 50.0) + 0.001 * np.sin(steps)  # smooth decreasing trend
+    assert find_spikes(steps, loss, window=20, z=6.0) == []
+    loss2 = loss.copy()
+    loss2[100:103] += [1.0, 2.0, 1.5]
+    got = find_spikes(steps, loss2, window=20, z=6.0)
+    assert [g[0] for g in got] == [101]  # three flagged steps, one spike at its peak z
+    with pytest.raises(ValueError):
+        find_spikes(steps, loss, window=1)
+
+
+def test_without_summaries_spikes_have_no_tensors(tmp_path: Path) -> None:
+    loss = {s: 1.0 + (3.0 if s == 15 else 0.0) + 0.01 * (s % 3) for s in range(20)}
+    write_steps(new_repo(tmp_path / "run"), list(range(20)),
+                lambda s: {"params/w": np.zeros(2, np.float32)},
+                metrics_at=lambda s: {"loss": loss[s]})
+    run = open_run(tmp_path / "run")
+    ds = run.summaries()
+    assert ds.sizes["step"] == 0 and {"l2", "probe"} <= set(ds.data_vars)
+    spikes = run.spikes("loss", window=10, z=5.0)
+    assert [(s.step, s.tensors) for s in spikes] == [(15, [])]
+
+
+def test_summary_book_carries_probes_between_steps() -> None:
+    from dstt.engine.summaries import SummaryBook
+
+    book = SummaryBook()
+    w0 = torch.zeros(50, 40)
+    first = book.summarize("params/w", w0)
+    assert first["update_l2"] is None
+    acc = book.accumulator("params/w", 2000)
+    w1 = w0 + 0.5
+    for s in range(0, 2000, 300):
+        acc.add(s, w1.reshape(-1)[s:s + 300])
+    second = book.finish("params/w", acc)
+    assert second["update_l2"] == pytest.approx(0.5 * math.sqrt(2000))  # estimated, exact here
+    assert second["update_exact"] is False and second["update_ratio"] == pytest.approx(1.0)
+    book.forget()
+    assert book.summarize("params/w", w1)["update_l2"] is None
+
+
+def test_spikes_read_only_the_summaries_around_them(tmp_path: Path) -> None:
+    from inspect_helpers import CountingStorage
+
+    from dstt.store import LocalStorage, Repository
+
+    _training_like_run(tmp_path / "run")
+    storage = CountingStorage(LocalStorage(tmp_path / "run"))
+    spikes = open_run(Repository(storage)).spikes("loss", window=20, z=5.0, around=2)
+    assert [s.step for s in spikes] == [30]
+    read = sorted(k for k in storage.reads if k.endswith("/summaries"))
+    assert len(read) == 5  # commits of steps 28..32, not all 40

@@ -1,0 +1,187 @@
+"""The ``dstt`` command line: every command in-process via ``main([...])``, and the installed
+entry point once in a subprocess. Bad input must give one clear line and a non-zero code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dstt.cli import EXIT_BAD_INPUT, EXIT_OK, EXIT_PROBLEMS, EXIT_RUN, main
+from dstt.store import Repository, save
+
+
+def _arrays(step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(step)
+    return {
+        "params/layers/0/attn/weight": rng.standard_normal((6, 4)).astype(ml_dtypes.bfloat16),
+        "params/layers/1/mlp/weight": rng.standard_normal((5, 3)).astype(np.float32),
+        "optim/exp_avg/layers/1/mlp/weight": rng.standard_normal((5, 3)).astype(np.float32),
+    }
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "exp1"
+    for s in (1, 2, 3, 4):
+        save(path, s, _arrays(s), metrics={"loss": 1.0 / s})
+    monkeypatch.delenv("DSTT_RUN", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return path
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> object:
+    code, out, err = _run(capsys, *argv, "--json")
+    assert code == EXIT_OK, err
+    return json.loads(out)
+
+
+def test_ls_finds_the_run_by_argument_env_and_cwd(
+        run_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out, _ = _run(capsys, "ls", str(run_dir))
+    assert code == EXIT_OK and "4 steps (1 … 4)" in out and "* main" in out
+    doc = _json(capsys, "ls", "--run", str(run_dir))
+    assert doc["n_steps"] == 4 and doc["n_arrays"] == 3  # type: ignore[index]
+    monkeypatch.setenv("DSTT_RUN", str(run_dir))
+    assert _json(capsys, "ls")["last_step"] == 4  # type: ignore[index]
+    monkeypatch.delenv("DSTT_RUN")
+    monkeypatch.chdir(run_dir)
+    assert _json(capsys, "ls")["path"] == str(run_dir)  # type: ignore[index]
+
+
+def test_log_lists_newest_first(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _json(capsys, "--run", str(run_dir), "log")
+    assert [c["step"] for c in doc] == [4, 3, 2, 1]  # type: ignore[union-attr,index]
+    assert doc[0]["metrics"] == {"loss": 0.25}  # type: ignore[index]
+    code, out, _ = _run(capsys, "log", "--run", str(run_dir), "-n", "2")
+    assert code == EXIT_OK and len(out.splitlines()) == 2 and "loss=0.25" in out
+
+
+def test_show_lists_tensors_of_a_step(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "show", "--run", str(run_dir), "--step", "2")
+    assert code == EXIT_OK
+    assert "layers.0.attn.weight" in out and "bfloat16" in out and "exp_avg" not in out
+    doc = _json(capsys, "show", "--run", str(run_dir), "--step", "2", "--optim",
+                "--select", "layers.1")
+    names = [t["name"] for t in doc["tensors"]]  # type: ignore[index]
+    assert names == ["optim/exp_avg/layers/1/mlp/weight", "layers.1.mlp.weight"]
+    assert doc["step"] == 2 and doc["metrics"] == {"loss": 0.5}  # type: ignore[index]
+
+
+def test_diff_prints_change_norms(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _json(capsys, "diff", "1", "3", "--run", str(run_dir), "--top", "0")
+    rows = {r["name"]: r for r in doc["tensors"]}  # type: ignore[index]
+    a = _arrays(1)["params/layers/1/mlp/weight"].astype(np.float64)
+    b = _arrays(3)["params/layers/1/mlp/weight"].astype(np.float64)
+    assert rows["layers.1.mlp.weight"]["delta_l2"] == pytest.approx(np.linalg.norm(b - a))
+    code, out, _ = _run(capsys, "diff", "1", "3", "--run", str(run_dir), "--top", "1")
+    assert code == EXIT_OK and "2 more" in out
+
+
+def test_verify_ok_then_finds_a_damaged_chunk(run_dir: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "verify", "--run", str(run_dir))
+    assert code == EXIT_OK and out.startswith("ok: 4 commits")
+    r = Repository.open(run_dir).reader()
+    key = r.arrays(r.find(2))["params/layers/1/mlp/weight"].chunks[0].key
+    f = run_dir / key
+    data = bytearray(f.read_bytes())
+    data[0] ^= 0xFF
+    f.write_bytes(bytes(data))
+    code, out, _ = _run(capsys, "verify", "--run", str(run_dir))
+    assert code == EXIT_PROBLEMS
+    assert f"PROBLEM {key}" in out and "1 problem(s)" in out
+    doc = json.loads(_run(capsys, "verify", "--run", str(run_dir), "--json")[1])
+    assert doc["ok"] is False and doc["problems"][0]["key"] == key
+
+
+def test_rollback_then_gc(run_dir: Path, capsys: pytest.CaptureFixture[str],
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(run_dir)  # "dstt rollback --to 2" must work as written from inside the run
+    code, out, _ = _run(capsys, "rollback", "--to", "2", "--skip-data", "3")
+    assert code == EXIT_OK and "is current" in out
+    ls = _json(capsys, "ls")
+    assert ls["timeline"] != "main" and ls["last_step"] == 2  # type: ignore[index]
+    code, _, err = _run(capsys, "gc")
+    assert code == EXIT_BAD_INPUT and "retention policy" in err
+    dry = _json(capsys, "gc", "--keep-last", "1", "--dry-run")
+    assert dry["dry_run"] is True and len(dry["pruned"]) == 2  # type: ignore[index,arg-type]
+    doc = _json(capsys, "gc", "--keep-last", "1")
+    assert sorted(p["step"] for p in doc["pruned"]) == [1, 3]  # type: ignore[index,union-attr]
+    assert _json(capsys, "log", "--timeline", "main")[0]["step"] == 4  # type: ignore[index]
+
+
+def test_export_writes_a_loadable_state_dict(run_dir: Path, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    out = tmp_path / "s3.safetensors"
+    code, text, _ = _run(capsys, "export", "--run", str(run_dir), "--step", "3", "-o", str(out))
+    assert code == EXIT_OK and "2 tensors" in text
+    sd = load_file(out)
+    np.testing.assert_array_equal(sd["layers.1.mlp.weight"].numpy(),
+                                  _arrays(3)["params/layers/1/mlp/weight"])
+    assert sd["layers.0.attn.weight"].dtype == torch.bfloat16
+    doc = _json(capsys, "export", "--run", str(run_dir), "--format", "torch", "--all")
+    assert doc["tensors"] == 3 and doc["path"] == "step4.pt"  # type: ignore[index]
+    assert set(torch.load("step4.pt", weights_only=True)) >= {"optim/exp_avg/layers/1/mlp/weight"}
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["ls"], "no run given"),
+    (["show", "--step", "99", "--run", "{run}"], "no committed step 99"),
+    (["show", "--step", "two", "--run", "{run}"], "invalid int value"),
+    (["log", "--timeline", "nope", "--run", "{run}"], "no timeline 'nope'"),
+    (["diff", "1", "--run", "{run}"], "required: B"),
+    (["rollback", "--to", "2", "--skip-data", "-1", "--run", "{run}"], "number >= 0"),
+    (["frobnicate"], "invalid choice"),
+    (["--run", "{missing}", "verify"], "no such directory"),
+    (["ls", "{plain}"], "is not a dstt run"),
+    (["show", "--run", "{run}", "--select", "decoder.*"], "matches no tensor"),
+])
+def test_bad_input_gives_one_line_and_code_2(run_dir: Path, tmp_path: Path, argv: list[str],
+                                             needle: str, capsys: pytest.CaptureFixture[str]
+                                             ) -> None:
+    (tmp_path / "plain").mkdir(exist_ok=True)
+    subs = {"run": str(run_dir), "missing": str(tmp_path / "nope"),
+            "plain": str(tmp_path / "plain")}
+    code, out, err = _run(capsys, *[a.format(**subs) for a in argv])
+    assert code == EXIT_BAD_INPUT
+    assert needle in err and err.startswith("dstt: ") and len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err and out == ""
+
+
+def test_locked_run_is_exit_3(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with Repository.open(run_dir).writer():
+        code, _, err = _run(capsys, "rollback", "--to", "2", "--run", str(run_dir))
+    assert code == EXIT_RUN and "locked" in err and len(err.strip().splitlines()) == 1
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "--help")
+    assert code == EXIT_OK and "exit codes" in out and "rollback" in out
+
+
+def test_installed_entry_point(run_dir: Path) -> None:
+    exe = Path(sys.executable).parent / "dstt"
+    assert exe.exists(), "install the package: pip install -e . (declares dstt = dstt.cli:main)"
+    ok = subprocess.run([str(exe), "ls", "--json", str(run_dir)], capture_output=True, text=True,
+                        check=False)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["n_steps"] == 4
+    bad = subprocess.run([str(exe), "show", "--step", "99", "--run", str(run_dir)],
+                         capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith("dstt: no committed step 99") and "Traceback" not in bad.stderr
