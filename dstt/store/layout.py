@@ -35,6 +35,7 @@ __all__ = [
     "chunk_key",
     "commit_arrays_key",
     "commit_key",
+    "delta_key",
     "group_meta_key",
     "object_key",
     "plan_chunks",
@@ -61,11 +62,11 @@ _RESERVED_TOP = {"_dstt", STEP_ARRAY, "zarr.json"}
 def check_array_path(path: str) -> str:
     """Validate an array path such as ``params/layers/0/attn/weight``; return it."""
     parts = path.split("/")
-    if not path or any(not _SEGMENT.match(p) or p in ("zarr.json",) or p.startswith("c.")
+    if not path or any(not _SEGMENT.match(p) or p in ("zarr.json",) or p.startswith(("c.", "d."))
                        for p in parts):
         raise ValueError(
             f"invalid array path {path!r}: use '/'-separated segments of letters, digits, "
-            "'_', '-', '.', not starting with 'c.'"
+            "'_', '-', '.', not starting with 'c.' or 'd.'"
         )
     if parts[0] in _RESERVED_TOP:
         raise ValueError(f"invalid array path {path!r}: {parts[0]!r} is reserved by dstt")
@@ -91,6 +92,11 @@ def group_meta_key(path: str) -> str:
 def chunk_key(path: str, slot: int, index: tuple[int, ...]) -> str:
     """Zarr v3 default chunk key encoding with separator '.': ``c.<slot>.<i>.<j>...``."""
     return f"{path}/c." + ".".join(str(i) for i in (slot, *index))
+
+
+def delta_key(path: str, slot: int, index: tuple[int, ...]) -> str:
+    """A delta chunk: not a Zarr chunk key, so plain readers see the slot as missing."""
+    return f"{path}/d." + ".".join(str(i) for i in (slot, *index))
 
 
 def commit_key(slot: int) -> str:

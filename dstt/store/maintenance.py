@@ -124,12 +124,27 @@ def verify(repo: Repository, *, progress: Progress = None) -> VerifyReport:
     return rep
 
 
+def _delta_bases(r: Reader, reachable: dict[int, CommitHeader], keep: set[int]) -> set[int]:
+    """Slots that kept delta chunks need to be reconstructed (transitively)."""
+    todo, bases = list(keep), set()
+    while todo:
+        h = reachable.get(todo.pop())
+        if h is None or h.pruned:
+            continue
+        for rec in r.arrays(h).values():
+            for c in rec.chunks:
+                if c.base is not None and c.base not in keep and c.base not in bases:
+                    bases.add(c.base)
+                    todo.append(c.base)
+    return bases
+
+
 def _sweep(repo: Repository, committed: set[int]) -> int:
     """Delete chunk files of slots without a commit header (aborted or crashed steps)."""
     st, n = repo.storage, 0
     for path, _ in repo.iter_array_documents():
         for name in st.list(path):
-            if name.startswith("c."):
+            if name.startswith(("c.", "d.")):
                 slot = name.split(".")[1]
                 if slot.isdigit() and int(slot) not in committed:
                     st.delete(f"{path}/{name}")
@@ -194,6 +209,7 @@ def gc(repo: Repository, *, keep_last: int | None = None, keep_every: int | None
             head = r.ref(tl).head
             if head is not None:
                 keep.add(head)
+        keep |= _delta_bases(r, reachable, keep)
         prune = sorted(s for s, h in reachable.items() if not h.pruned and s not in keep)
         orphans = [s for s in r.all_slots() if s not in reachable]
         # chunk keys still needed by kept commits (a future dedup may share chunks)

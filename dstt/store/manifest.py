@@ -52,11 +52,37 @@ def checksum(data: bytes | memoryview, value: int = 0) -> int:
 
 @dataclass(frozen=True)
 class ChunkRecord:
-    """One chunk file: its storage key, size on disk and crc32c of its data part."""
+    """One chunk: its file's key, size on disk and crc32c of its data part.
+
+    ``encoding`` is ``"raw"`` (a plain Zarr chunk) or ``"xor1"`` (a delta against the same
+    chunk of slot ``base``; ``raw_crc32c`` is the crc32c of the reconstructed full chunk).
+    A record whose key lies in an older slot is a dedup reference.
+    """
 
     key: str
     nbytes: int
     crc32c: int
+    encoding: str = "raw"
+    base: int | None = None
+    raw_crc32c: int | None = None
+
+    @property
+    def content_crc32c(self) -> int:
+        """crc32c of the chunk's full raw bytes, whatever its encoding."""
+        return self.crc32c if self.raw_crc32c is None else self.raw_crc32c
+
+    def as_json(self) -> list[Any]:
+        if self.encoding == "raw":
+            return [self.key, self.nbytes, self.crc32c]
+        return [self.key, self.nbytes, self.crc32c, self.encoding, self.base, self.raw_crc32c]
+
+    @classmethod
+    def from_json(cls, v: list[Any]) -> ChunkRecord:
+        if len(v) == 3:
+            return cls(str(v[0]), int(v[1]), int(v[2]))
+        if len(v) == 6 and v[3] == "xor1":
+            return cls(str(v[0]), int(v[1]), int(v[2]), "xor1", int(v[4]), int(v[5]))
+        raise ValueError(f"unknown chunk record {v!r}")
 
 
 @dataclass(frozen=True)
@@ -211,7 +237,7 @@ def parse_header(data: bytes, where: str) -> CommitHeader:
 def dump_arrays(slot: int, arrays: Mapping[str, ArrayRecord]) -> bytes:
     return _seal("arrays", {"slot": slot, "arrays": {
         p: {"dtype": a.dtype, "shape": list(a.shape), "rows": a.rows,
-            "chunks": [[c.key, c.nbytes, c.crc32c] for c in a.chunks]}
+            "chunks": [c.as_json() for c in a.chunks]}
         for p, a in sorted(arrays.items())
     }})
 
@@ -225,7 +251,7 @@ def parse_arrays(data: bytes, where: str, *, verified: bool = False) -> dict[str
         for p, a in b["arrays"].items():
             shape = tuple(int(s) for s in a["shape"])
             rec = ArrayRecord(p, str(a["dtype"]), shape, int(a["rows"]),
-                              tuple(ChunkRecord(str(k), int(n), int(c)) for k, n, c in a["chunks"]))
+                              tuple(ChunkRecord.from_json(c) for c in a["chunks"]))
             if rec.plan.n_chunks != len(rec.chunks):
                 raise ValueError(f"array {p}: {len(rec.chunks)} chunks recorded, "
                                  f"{rec.plan.n_chunks} expected")

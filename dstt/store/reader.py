@@ -24,6 +24,7 @@ from ..errors import (
     StepNotFoundError,
     TimelineError,
 )
+from .codec import xor_decode
 from .layout import (
     COMMITS_PREFIX,
     HEAD_KEY,
@@ -34,6 +35,7 @@ from .layout import (
 )
 from .manifest import (
     ArrayRecord,
+    ChunkRecord,
     CommitHeader,
     RefInfo,
     checksum,
@@ -54,12 +56,14 @@ __all__ = ["Reader"]
 class Reader:
     """Read-only view of a run's committed state."""
 
-    def __init__(self, storage: Storage, *, table_cache: int = 8) -> None:
+    def __init__(self, storage: Storage, *, table_cache: int = 8,
+                 decoded_cache_bytes: int = 256 << 20) -> None:
         self.storage = storage
         self._headers: dict[int, CommitHeader] = {}
         self._tables: OrderedDict[int, dict[str, ArrayRecord]] = OrderedDict()
         self._table_cache = table_cache
         self._cache_lock = threading.Lock()
+        self._decoded = _ByteLRU(decoded_cache_bytes)
         self.refresh()
 
     # -- refs -----------------------------------------------------------------------------
@@ -205,7 +209,10 @@ class Reader:
     def read_chunk(self, header: CommitHeader, path: str, index: int) -> memoryview:
         """Verified bytes of chunk ``index`` of ``path`` (edge padding removed)."""
         rec = self.record(header, path)
-        chunk = rec.chunks[index]
+        start, stop = rec.plan.byte_range(index)
+        return self._chunk(header, path, index, rec.chunks[index], stop - start, 0)
+
+    def _file(self, header: CommitHeader, chunk: ChunkRecord, what: str) -> memoryview:
         where = f"{self.storage.location}/{chunk.key}"
         try:
             data = self.storage.read(chunk.key)
@@ -217,12 +224,39 @@ class Reader:
             )
         body = memoryview(data)[:-4]
         (trailer,) = struct.unpack("<I", data[-4:])
-        crc = checksum(body)
-        if crc != chunk.crc32c or trailer != chunk.crc32c:
-            raise ChecksumError(f"{where}: crc32c mismatch (chunk {index} of {path!r}, "
-                                f"step {header.step}); the chunk is damaged")
-        start, stop = rec.plan.byte_range(index)
-        return body[: stop - start]
+        if checksum(body) != chunk.crc32c or trailer != chunk.crc32c:
+            raise ChecksumError(f"{where}: crc32c mismatch ({what}, step {header.step}); "
+                                "the chunk is damaged")
+        return body
+
+    def _chunk(self, header: CommitHeader, path: str, index: int, chunk: ChunkRecord,
+               size: int, depth: int) -> memoryview:
+        what = f"chunk {index} of {path!r}"
+        if chunk.encoding == "raw":
+            return self._file(header, chunk, what)[:size]
+        cached = self._decoded.get(chunk.key)
+        if cached is not None:
+            return cached.data
+        if depth > 4096 or chunk.base is None:
+            raise CorruptRunError(f"{self.storage.location}/{chunk.key}: broken delta chain")
+        payload = self._file(header, chunk, what)
+        base_header = self.header(chunk.base)
+        base_rec = self.record(base_header, path).chunks[index]
+        base = np.frombuffer(self._chunk(base_header, path, index, base_rec, size, depth + 1),
+                             dtype=np.uint8)
+        try:
+            raw = xor_decode(payload, base)
+        except (ValueError, RuntimeError) as e:
+            raise CorruptRunError(f"{self.storage.location}/{chunk.key}: {e}") from None
+        full = self.record(header, path).plan.chunk_nbytes
+        crc = checksum(raw.data)
+        if full > size:
+            crc = checksum(bytes(full - size), crc)
+        if crc != chunk.raw_crc32c:
+            raise ChecksumError(f"{self.storage.location}/{chunk.key}: reconstructed {what} "
+                                f"of step {header.step} fails its crc32c")
+        self._decoded.put(chunk.key, raw)
+        return raw.data
 
     def read_array(self, header: CommitHeader, path: str) -> np.ndarray:
         """The whole tensor as a numpy array (bfloat16 as ``ml_dtypes.bfloat16``)."""
@@ -267,6 +301,34 @@ class Reader:
         if len(data) != rec.nbytes or checksum(data) != rec.crc32c:
             raise ChecksumError(f"{where}: object {name!r} does not match its commit")
         return decode_object(data, rec.encoding, trusted=trusted, where=where)
+
+
+class _ByteLRU:
+    """Decoded delta chunks by key, bounded in bytes (trajectories walk chains in order)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.size = limit, 0
+        self._d: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._mu = threading.Lock()
+
+    def get(self, key: str) -> np.ndarray | None:
+        with self._mu:
+            v = self._d.get(key)
+            if v is not None:
+                self._d.move_to_end(key)
+            return v
+
+    def put(self, key: str, value: np.ndarray) -> None:
+        if value.nbytes > self.limit:
+            return
+        with self._mu:
+            if key in self._d:
+                return
+            self._d[key] = value
+            self.size += value.nbytes
+            while self.size > self.limit:
+                _, old = self._d.popitem(last=False)
+                self.size -= old.nbytes
 
 
 def _describe(steps: list[int]) -> str:

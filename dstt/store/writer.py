@@ -24,6 +24,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DsttError, SchemaError
+from .codec import DeltaPolicy
+from .delta import DeltaEncoder, EncodeStats, Shadow
 from .layout import (
     DEFAULT_CHUNK_BYTES,
     LOCK_KEY,
@@ -64,7 +66,8 @@ _ZERO = bytes(1 << 16)
 class Writer:
     """Exclusive writer of one run; use as a context manager."""
 
-    def __init__(self, repo: Repository, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(self, repo: Repository, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 encoding: DeltaPolicy | None = None) -> None:
         self.repo = repo
         self.storage = repo.storage
         self.chunk_bytes = chunk_bytes
@@ -80,6 +83,7 @@ class Writer:
         self._capacity = repo.slot_capacity()
         self._next_slot = self.reader.max_slot() + 1
         self._open: set[int] = set()
+        self.encoder = DeltaEncoder(encoding) if encoding is not None else None
 
     # -- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> Writer:
@@ -190,6 +194,8 @@ class Writer:
                              [value, struct.pack("<I", checksum(value))])
             st.write_durable(ref_key(txn.timeline), dump_ref(replace(ref, head=txn.slot)))
             self._open.discard(txn.slot)
+            if self.encoder is not None:
+                self.encoder.promote(txn.timeline, txn.pending)
             return header
 
 
@@ -204,7 +210,16 @@ class Transaction:
         self._object_keys: dict[str, str] = {}  # storage key -> object name
         self._lock = threading.Lock()
         self.state = "open"
-        self.bytes_written = 0
+        self._object_bytes = 0
+        #: set False to write this step raw (e.g. when the encoder cannot keep up)
+        self.encode = True
+        self.stats = EncodeStats()
+        self.pending: dict[tuple[str, int], Shadow] = {}
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes this step wrote so far (after dedup and deltas), objects included."""
+        return self.stats.written_bytes + self._object_bytes
 
     def _check(self) -> None:
         if self.state != "open":
@@ -233,21 +248,38 @@ class Transaction:
         if len(view) != stop - start:
             raise ValueError(f"chunk {index} of {path!r} needs {stop - start} bytes, "
                              f"got {len(view)}")
-        parts: list[Any] = [view]
         crc = checksum(view)
         pad = plan.chunk_nbytes - len(view)
+        pads: list[Any] = []
         while pad > 0:  # zarr stores edge chunks full size
             z = memoryview(_ZERO)[: min(pad, len(_ZERO))]
-            parts.append(z)
+            pads.append(z)
             crc = checksum(z, crc)
             pad -= len(z)
-        parts.append(struct.pack("<I", crc))
+        enc = self.writer.encoder
+        pending = None
+        if enc is not None and not self.encode:
+            self.stats.raw_fallback = True
+        if enc is not None and self.encode:
+            rec, pending = enc.encode(self.writer.storage.write, path=path, index=index,
+                                      plan=plan, slot=self.slot, timeline=self.timeline,
+                                      data=view, raw_crc=crc, stats=self.stats)
+            if rec is not None:
+                return self._record(path, index, rec, pending)
         key = chunk_key(path, self.slot, plan.index(index))
-        self.writer.storage.write(key, parts)
+        self.writer.storage.write(key, [view, *pads, struct.pack("<I", crc)])
         rec = ChunkRecord(key, plan.chunk_nbytes + 4, crc)
+        self.stats.add(len(view), rec.nbytes, "key")
+        if pending is not None:
+            pending = replace(pending, record=rec)
+        return self._record(path, index, rec, pending)
+
+    def _record(self, path: str, index: int, rec: ChunkRecord,
+                pending: Shadow | None) -> ChunkRecord:
         with self._lock:
             self._chunks[path][index] = rec
-            self.bytes_written += plan.chunk_nbytes + 4
+            if pending is not None:
+                self.pending[(path, index)] = pending
         return rec
 
     def put_object(self, name: str, obj: Any, *, encoding: Encoding = "json") -> ObjectRecord:
@@ -274,7 +306,7 @@ class Transaction:
         rec = ObjectRecord(key, len(data), checksum(data), encoding)
         with self._lock:
             self.objects[name] = rec
-            self.bytes_written += len(data)
+            self._object_bytes += len(data)
         return rec
 
     def records(self) -> dict[str, ArrayRecord]:
