@@ -34,6 +34,7 @@ __all__ = [
     "CaptureError",
     "ChecksumError",
     "CorruptRunError",
+    "DeltaPolicy",
     "DsttError",
     "FormatVersionError",
     "MissingFileError",
@@ -43,19 +44,26 @@ __all__ = [
     "Run",
     "RunLockedError",
     "SchemaError",
+    "Session",
     "Snapshot",
+    "StepMetrics",
     "StepNotFoundError",
     "StorageError",
     "TimelineError",
     "UnsafeObjectError",
     "__version__",
     "open",
+    "session",
 ]
 
 _LAZY: dict[str, str] = {
     "Run": "dstt._run:Run",
     "Snapshot": "dstt._run:Snapshot",
+    "DeltaPolicy": "dstt.store.codec:DeltaPolicy",
+    "Session": "dstt._session:Session",
+    "StepMetrics": "dstt.engine.pipeline:StepMetrics",
     "open": "dstt._run:open_run",
+    "session": "dstt._session:session",
 }
 
 

@@ -2,6 +2,8 @@
 
 from .api import Snapshot, dtype_name, load, save
 from .backend import Durability, LocalStorage, Storage
+from .codec import DeltaPolicy
+from .delta import EncodeStats
 from .layout import ChunkPlan, plan_chunks
 from .maintenance import GcReport, Problem, VerifyReport
 from .manifest import ArrayRecord, ChunkRecord, CommitHeader, ObjectRecord, RefInfo
@@ -14,7 +16,9 @@ __all__ = [
     "ChunkPlan",
     "ChunkRecord",
     "CommitHeader",
+    "DeltaPolicy",
     "Durability",
+    "EncodeStats",
     "GcReport",
     "LocalStorage",
     "ObjectRecord",

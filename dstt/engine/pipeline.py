@@ -1,0 +1,503 @@
+"""The flush pipeline: one copy thread, a pool of writer threads, one committer, per-step metrics.
+
+A staged step is a ``Flight``. The training thread only snapshots references, versions and small
+objects (``stage``) and later waits for the copies (``wait_copied``); everything else runs on
+background threads:
+
+    copy thread   begin txn → declare arrays → for each chunk: reserve lease (may block: the
+                  byte budget) → copy → hand to writers; stage-time objects go to writers too
+    writers       wait chunk ready → ``txn.put_chunk`` → release lease (objects: ``put_object``)
+    committer     in step order: wait copied + sealed (boundary objects, metrics, race check
+                  passed) + all writes done → write-time summaries (``summaries.py``, computed
+                  by the writers on the host copies of ``params/``) → ``txn.commit`` — or
+                  ``txn.abort`` if anything failed
+
+A step is never committed unless every chunk and object of it was written and the session
+declared it clean (``seal``); errors are recorded on the flight, the transaction is aborted, and
+the error is handed to the training thread via ``take_errors`` — threads never raise into the
+void and never end the process. Commits run strictly in step order (the store resolves a
+commit's parent at commit time, so a failed step simply drops out of the lineage).
+Rejected alternative: ``concurrent.futures`` executors — their non-daemon workers keep a process
+with a hung filesystem alive at exit, and ordering the commits would need a second mechanism.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CaptureError
+from ..store.layout import ChunkPlan
+from ._convert import flat_bytes
+from .providers import TensorSpec
+from .staging import Copier, HostCache, Lease, RaceReport, Ready, VersionGuard
+from .summaries import SummaryAccumulator, SummaryBook
+
+__all__ = ["Flight", "Pipeline", "StepMetrics"]
+
+MiB = 1024 * 1024
+SUMMARIES_OBJECT = "summaries"  # read by dstt.inspect.summaries
+SUMMARIZED = ("params/",)  # array prefixes that get write-time summaries
+METRICS_KEPT = 100_000  # per-step metrics kept in memory (the newest)
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What capturing one step cost (times in seconds, sizes in bytes)."""
+
+    step: int
+    committed: bool
+    bytes: int  # tensor bytes staged
+    blocked_s: float  # training thread waited for this step's copies
+    copy_s: float  # stage → last chunk on the host
+    stall_s: float  # copy thread waited for a free slab (backpressure of the budget)
+    flush_s: float  # stage → commit returned (or the step was dropped)
+    cache_bytes: int  # cache bytes leased when the step was staged
+    cache_peak_bytes: int  # peak leased bytes so far
+    cache_capacity: int
+    backlog: int  # earlier steps not yet committed when this one was staged
+    error: str | None = None
+    written_bytes: int = 0  # bytes the step put on disk (after deltas and dedup)
+    keyframes: int = 0  # chunks written whole
+    deltas: int = 0  # chunks written as XOR deltas (DeltaPolicy)
+    dedups: int = 0  # unchanged chunks referenced, not written
+    raw_fallback: bool = False  # encoding skipped: the flush was behind (DeltaPolicy)
+
+
+def _encode_metrics(txn: Any) -> dict[str, Any]:
+    st = getattr(txn, "stats", None)
+    if st is None:
+        return {}
+    return {"written_bytes": txn.bytes_written, "keyframes": st.keyframes, "deltas": st.deltas,
+            "dedups": st.dedups, "raw_fallback": st.raw_fallback}
+
+
+class _Aborted(Exception):
+    """Marker cause of a flight the session dropped on purpose."""
+
+
+class Flight:
+    """One staged step on its way to a commit."""
+
+    def __init__(self, step: int, tensors: Mapping[str, torch.Tensor],
+                 objects: Mapping[str, Any], verify: bool) -> None:
+        self.step = step
+        self.tensors = dict(tensors)
+        self.specs = {p: TensorSpec.of(p, t) for p, t in self.tensors.items()}
+        sources = {}
+        for p, t in self.tensors.items():
+            sources[p] = flat_bytes(t if t.is_contiguous() else t.contiguous())
+        self.sources: dict[str, torch.Tensor] = sources
+        self.nbytes = sum(s.numel() for s in sources.values())
+        self.objects = dict(objects)
+        self.guard = VersionGuard(self.tensors, {p: t.element_size()
+                                                 for p, t in self.tensors.items()}, verify=verify)
+        self.marks = Copier.mark(sources.values())
+        self.txn: Any = None
+        self.plans: dict[str, ChunkPlan] = {}
+        self.summaries: dict[str, SummaryAccumulator] = {}
+        self.copied = threading.Event()
+        self.done = threading.Event()
+        self._cond = threading.Condition()
+        self.pending = 0
+        self.sealed = False
+        self.seal_objects: dict[str, Any] = {}
+        self.metrics: dict[str, Any] = {}
+        self.error: BaseException | None = None
+        self.reported = False  # the training thread already raised/warned about ``error``
+        self.header: Any = None
+        self.t_stage = time.perf_counter()
+        self.t_copied = self.t_stage
+        self.blocked_s = self.stall_s = 0.0
+        self.cache_bytes = self.backlog = 0
+
+    def __repr__(self) -> str:
+        state = ("committed" if self.header is not None else
+                 f"failed: {self.error!r}" if self.error is not None else "in flight")
+        return f"<Flight step={self.step} {state}>"
+
+    # -- state --------------------------------------------------------------------------
+    @property
+    def dead(self) -> bool:
+        return self.error is not None
+
+    def fail(self, error: BaseException, *, reported: bool = False) -> None:
+        with self._cond:
+            if self.error is None:
+                self.error, self.reported = error, reported
+            self._cond.notify_all()
+
+    def add_pending(self) -> None:
+        with self._cond:
+            self.pending += 1
+
+    def task_done(self) -> None:
+        with self._cond:
+            self.pending -= 1
+            if self.pending == 0:
+                self._cond.notify_all()
+
+    def wait_writes(self) -> None:
+        with self._cond:
+            while self.pending:
+                self._cond.wait()
+
+    def seal(self, objects: Mapping[str, Any]) -> None:
+        with self._cond:
+            self.seal_objects = dict(objects)
+            self.sealed = True
+            self._cond.notify_all()
+
+    def wait_sealed(self) -> None:
+        with self._cond:
+            while not (self.sealed or self.dead):
+                self._cond.wait()
+
+    def add_metrics(self, metrics: Mapping[str, Any]) -> None:
+        with self._cond:
+            self.metrics.update(metrics)
+
+
+class Pipeline:
+    """Copies staged steps into a fixed host cache and flushes them to a store ``Writer``."""
+
+    def __init__(self, writer: Any, *, budget_bytes: int, writers: int = 4,
+                 verify: bool = False, max_backlog: int = 16,
+                 summaries: bool = True) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+        if max_backlog < 1:
+            raise ValueError(f"max_backlog must be at least 1, got {max_backlog}")
+        self.writer = writer
+        self.budget_bytes = budget_bytes
+        self.max_backlog = max_backlog
+        self.verify = verify
+        self._book = SummaryBook() if summaries else None
+        self.cache: HostCache | None = None
+        self._copier = Copier()
+        self._flights: list[Flight] = []
+        self._lock = threading.Lock()
+        self._errors: list[Flight] = []
+        self._metrics: deque[StepMetrics] = deque(maxlen=METRICS_KEPT)
+        self._pickled: set[str] = set()
+        self._copy_q: queue.SimpleQueue[Flight | None] = queue.SimpleQueue()
+        self._commit_q: queue.SimpleQueue[Flight | None] = queue.SimpleQueue()
+        self._write_q: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._closed = False
+        self._copy_thread = self._spawn(self._copy_loop, "dstt-copy")
+        self._commit_thread = self._spawn(self._commit_loop, "dstt-commit")
+        self._writers = [self._spawn(self._write_loop, f"dstt-write-{i}")
+                         for i in range(max(1, writers))]
+
+    @staticmethod
+    def _spawn(target: Any, name: str) -> threading.Thread:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        return t
+
+    # -- training thread ----------------------------------------------------------------
+    def stage(self, step: int, tensors: Mapping[str, torch.Tensor],
+              objects: Mapping[str, Any]) -> Flight:
+        """Start capturing ``step``; returns at once (copies run in the background)."""
+        if self._closed:
+            raise CaptureError("the capture pipeline is closed")
+        f = Flight(step, tensors, objects, self.verify)
+        with self._lock:
+            f.backlog = sum(1 for x in self._flights if not x.done.is_set())
+            self._flights = [x for x in self._flights if not x.done.is_set()] + [f]
+        f.cache_bytes = self.cache.leased_bytes if self.cache else 0
+        self._copy_q.put(f)
+        self._commit_q.put(f)
+        return f
+
+    def wait_copied(self, f: Flight) -> float:
+        """Block until every chunk of ``f`` is on the host and fewer than ``max_backlog``
+        earlier steps await their commit; returns the seconds blocked."""
+        t0 = time.perf_counter()
+        f.copied.wait()
+        while True:  # a disk slower than training: stall here rather than pile up steps
+            older = [x for x in self.pending() if x is not f]
+            if len(older) < self.max_backlog:
+                break
+            older[0].done.wait()
+        blocked = time.perf_counter() - t0
+        f.blocked_s += blocked
+        return blocked
+
+    def check(self, f: Flight) -> list[RaceReport]:
+        """Tensors of ``f`` written in place since ``stage`` (call after ``wait_copied``)."""
+        return f.guard.check(f.tensors)
+
+    def recopy(self, f: Flight, paths: list[str]) -> None:
+        """Synchronously copy and write ``paths`` of ``f`` again (after a detected race)."""
+        f.wait_writes()  # earlier writes of these chunks must land first (last write wins)
+        if f.dead or f.txn is None:
+            return
+        assert self.cache is not None
+        for path in paths:
+            t = f.tensors[path]
+            src = flat_bytes(t if t.is_contiguous() else t.contiguous())
+            f.guard.reset(path, t)
+            plan = f.plans[path]
+            acc = f.summaries.get(path)
+            if acc is not None and self._book is not None:
+                acc = f.summaries[path] = self._book.accumulator(path, acc.numel)
+            for i in range(plan.n_chunks):
+                start, stop = plan.byte_range(i)
+                lease = self.cache.reserve(stop - start)
+                try:
+                    self._copier.copy(src, start, stop, lease).wait()
+                    if self.verify:
+                        f.guard.add_copy(path, lease.view)
+                    f.txn.put_chunk(path, i, lease.view.numpy())
+                    if acc is not None:
+                        acc.add(start // plan.itemsize, lease.view.view(t.dtype))
+                finally:
+                    self.cache.release(lease)
+            self.cache.seal()
+
+    def seal(self, f: Flight, objects: Mapping[str, Any]) -> None:
+        """Declare ``f`` clean and complete; it commits once its writes are done."""
+        f.seal(objects)
+
+    def abort(self, f: Flight, error: BaseException | None = None, *,
+              reported: bool = True) -> None:
+        """Drop ``f``: it will never be committed."""
+        f.fail(error or _Aborted(f"step {f.step} dropped"), reported=reported)
+
+    def take_errors(self) -> list[Flight]:
+        """Failed flights not yet reported to the training thread (each returned once)."""
+        with self._lock:
+            out, self._errors = self._errors, []
+        for f in out:
+            f.reported = True
+        return out
+
+    @property
+    def metrics(self) -> tuple[StepMetrics, ...]:
+        with self._lock:
+            return tuple(self._metrics)
+
+    def pending(self) -> list[Flight]:
+        with self._lock:
+            return [f for f in self._flights if not f.done.is_set()]
+
+    def drain(self) -> None:
+        """Wait until every staged step is committed or dropped."""
+        for f in self.pending():
+            f.done.wait()
+
+    def close(self, *, abort: bool = False) -> None:
+        """Stop the threads; unsealed steps (all steps with ``abort``) are dropped."""
+        if self._closed:
+            return
+        self._closed = True
+        for f in self.pending():
+            if abort or not f.sealed:
+                self.abort(f, reported=True)
+        self._copy_q.put(None)
+        self._copy_thread.join()
+        self._commit_q.put(None)
+        self._commit_thread.join()
+        for _ in self._writers:
+            self._write_q.put(None)
+        for t in self._writers:
+            t.join()
+        if self.cache is not None:
+            self.cache.close()
+
+    # -- copy thread --------------------------------------------------------------------
+    def _copy_loop(self) -> None:
+        while True:
+            f = self._copy_q.get()
+            if f is None:
+                return
+            try:
+                self._copy(f)
+            except BaseException as e:  # recorded; surfaced on the training thread
+                f.fail(e)
+            finally:
+                f.t_copied = time.perf_counter()
+                f.sources = {}
+                f.copied.set()
+
+    def _ensure_cache(self, f: Flight) -> HostCache:
+        largest = max((min(p.chunk_nbytes, p.nbytes) for p in f.plans.values()), default=1)
+        if self.cache is None:
+            if largest > self.budget_bytes:
+                raise CaptureError(
+                    f"budget_bytes={self.budget_bytes} cannot hold one chunk of {largest} bytes; "
+                    "raise budget_bytes (this run's arrays were created with larger chunks)"
+                )
+            total = max(f.nbytes, 1)
+            slab = max(largest, min(self.budget_bytes // 8, 4 * MiB, total // 4 + 1))
+            slab = (slab + 63) // 64 * 64
+            capacity = max(slab, min(self.budget_bytes, 2 * total + 2 * slab))
+            pin = torch.cuda.is_available() and any(s.is_cuda for s in f.sources.values())
+            self.cache = HostCache(capacity, slab, pin=pin)
+        elif largest > self.cache.slab_bytes:
+            raise CaptureError(f"step {f.step}: a chunk of {largest} bytes exceeds the host "
+                               f"cache slab ({self.cache.slab_bytes} bytes); raise budget_bytes")
+        return self.cache
+
+    def _copy(self, f: Flight) -> None:
+        f.txn = self.writer.begin(f.step)
+        # encoding costs CPU in the writer threads: when earlier steps are still waiting to
+        # commit, the flush is behind, so this step is written raw (reported in the metrics)
+        f.txn.encode = f.backlog < 2
+        for path, spec in f.specs.items():
+            f.plans[path] = f.txn.declare(path, spec.dtype, spec.shape)
+        cache = self._ensure_cache(f)
+        if self._book is not None:
+            for path, plan in f.plans.items():
+                if path.startswith(SUMMARIZED):
+                    f.summaries[path] = self._book.accumulator(path, plan.nbytes // plan.itemsize)
+        for name, obj in f.objects.items():
+            f.add_pending()
+            self._write_q.put((f, "object", name, obj))
+        self._copier.begin(f.marks)
+        last: dict[torch.device, Ready] = {}  # chunk events of one stream complete in order
+        try:
+            for path, plan in f.plans.items():
+                src = f.sources[path]
+                for i in range(plan.n_chunks):
+                    if f.dead:
+                        return
+                    start, stop = plan.byte_range(i)
+                    lease = cache.reserve(stop - start)
+                    f.stall_s += lease.waited_s
+                    try:
+                        ready = self._copier.copy(src, start, stop, lease)
+                        if self.verify:
+                            ready.wait()
+                            f.guard.add_copy(path, lease.view)
+                    except BaseException:
+                        cache.release(lease)
+                        raise
+                    f.add_pending()
+                    self._write_q.put((f, "chunk", path, i, lease, ready))
+                    last[src.device] = ready
+        finally:
+            cache.seal()
+            for r in last.values():
+                r.wait()
+
+    # -- writer threads -----------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            task = self._write_q.get()
+            if task is None:
+                return
+            f = task[0]
+            try:
+                if task[1] == "chunk":
+                    self._write_chunk(f, task[2], task[3], task[4], task[5])
+                elif not f.dead:
+                    self._put_object(f, task[2], task[3])
+            except BaseException as e:
+                f.fail(e)
+            finally:
+                f.task_done()
+
+    def _write_chunk(self, f: Flight, path: str, i: int, lease: Lease, ready: Ready) -> None:
+        assert self.cache is not None
+        try:
+            ready.wait()
+            if not f.dead:
+                f.txn.put_chunk(path, i, lease.view.numpy())
+                acc = f.summaries.get(path)
+                if acc is not None:  # on the host copy, off the training thread
+                    plan = f.plans[path]
+                    values = lease.view.view(f.tensors[path].dtype)
+                    acc.add(plan.byte_range(i)[0] // plan.itemsize, values)
+        finally:
+            self.cache.release(lease)
+
+    def _put_object(self, f: Flight, name: str, obj: Any) -> None:
+        try:
+            f.txn.put_object(name, obj)
+        except TypeError:
+            if name not in self._pickled:
+                self._pickled.add(name)
+                warnings.warn(
+                    f"object {name!r} is not plain data; storing it with pickle (reading it "
+                    "back needs trusted=True)", RuntimeWarning, stacklevel=2)
+            f.txn.put_object(name, obj, encoding="pickle")
+
+    # -- committer ----------------------------------------------------------------------
+    def _commit_loop(self) -> None:
+        while True:
+            f = self._commit_q.get()
+            if f is None:
+                return
+            try:
+                self._finish(f)
+            except BaseException as e:  # pragma: no cover - _finish records its own errors
+                f.fail(e)
+            finally:
+                f.done.set()
+
+    def _finish(self, f: Flight) -> None:
+        f.copied.wait()
+        f.wait_sealed()
+        if not f.dead:
+            for name, obj in f.seal_objects.items():
+                try:
+                    self._put_object(f, name, obj)
+                except BaseException as e:
+                    f.fail(e)
+                    break
+        f.wait_writes()
+        if not f.dead and f.summaries:
+            try:
+                self._put_object(f, SUMMARIES_OBJECT, self._summaries(f))
+            except BaseException as e:
+                f.fail(e)
+        if not f.dead:
+            try:
+                with f._cond:
+                    metrics = dict(f.metrics)
+                f.header = f.txn.commit(metrics=metrics)
+            except BaseException as e:
+                f.fail(e)
+        if f.dead and f.txn is not None:
+            try:
+                f.txn.abort()
+            except BaseException as e:  # pragma: no cover - abort touches no storage
+                f.error.add_note(f"aborting the transaction also failed: {e!r}")  # type: ignore[union-attr]
+        self._record(f)
+
+    def _summaries(self, f: Flight) -> dict[str, Any]:
+        """Finish the write-time summaries of ``f`` (committer thread, in step order, so the
+        update estimate compares with the previous *committed* step's probe)."""
+        assert self._book is not None
+        out = {}
+        for path, acc in f.summaries.items():
+            acc.prev_probe = self._book.accumulator(path, acc.numel).prev_probe
+            out[path] = self._book.finish(path, acc)
+        return out
+
+    def _record(self, f: Flight) -> None:
+        now = time.perf_counter()
+        cache = self.cache
+        m = StepMetrics(
+            step=f.step, committed=f.header is not None, bytes=f.nbytes,
+            blocked_s=f.blocked_s, copy_s=f.t_copied - f.t_stage, stall_s=f.stall_s,
+            flush_s=now - f.t_stage, cache_bytes=f.cache_bytes,
+            cache_peak_bytes=cache.peak_bytes if cache else 0,
+            cache_capacity=cache.capacity if cache else 0, backlog=f.backlog,
+            error=None if f.error is None else f"{type(f.error).__name__}: {f.error}",
+            **_encode_metrics(f.txn),
+        )
+        with self._lock:
+            self._metrics.append(m)
+            if f.dead and not f.reported and not isinstance(f.error, _Aborted):
+                self._errors.append(f)

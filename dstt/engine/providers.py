@@ -1,0 +1,250 @@
+"""What to capture: ``StateProvider``, the seam between a trainer's live state and the engine.
+
+A provider names pieces of training state and can put them back:
+
+* ``tensors()`` — array path → *live* tensor. The engine copies these asynchronously, chunk by
+  chunk, so a provider must hand out the real tensors (not copies) and must not change them
+  until the engine's wait before the next optimizer step.
+* ``objects()`` — object name → a *snapshot* of plain data (dict/list/tuple/numbers/str/bytes/
+  numpy arrays; tensors are allowed and stored as raw bytes). Called synchronously at capture
+  time, so it must be cheap and must return values that later training does not mutate.
+* ``restore(source)`` — load a committed step back into the live objects, bit-exactly.
+
+Three building blocks cover most state: ``TensorProvider`` (a named dict of tensors, static or
+recomputed per step), ``ObjectProvider`` (a getter/setter pair) and ``CompositeProvider``.
+Rejected alternative: one ``state_dict()``-style nested dict per provider — the engine could not
+tell a 4 GiB tensor to stream in chunks from a 40-byte counter to serialize, and nested state
+dicts lose the flat array paths inspection relies on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ..errors import SchemaError
+from ..store.layout import check_array_path
+from ._convert import from_plain, store_dtype, tensor_from_numpy, to_plain
+
+__all__ = [
+    "CompositeProvider",
+    "ObjectProvider",
+    "RestoreSource",
+    "StateProvider",
+    "StoreSource",
+    "TensorProvider",
+    "TensorSpec",
+    "load_into",
+]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """How one captured tensor is stored: array path, store dtype name, shape."""
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @staticmethod
+    def of(path: str, t: torch.Tensor) -> TensorSpec:
+        return TensorSpec(path, store_dtype(t.dtype, what=f"tensor {path!r}"), tuple(t.shape))
+
+
+class RestoreSource(Protocol):
+    """One committed step, as providers see it while restoring."""
+
+    @property
+    def step(self) -> int: ...
+
+    def has_array(self, path: str) -> bool: ...
+
+    def array(self, path: str) -> torch.Tensor:
+        """The stored tensor as a CPU tensor of its stored dtype and shape."""
+        ...
+
+    def has_object(self, name: str) -> bool: ...
+
+    def object(self, name: str) -> Any:
+        """The stored object (tensors tagged by ``to_plain`` are *not* decoded)."""
+        ...
+
+
+@runtime_checkable
+class StateProvider(Protocol):
+    """A piece of training state the engine captures every checkpointed step."""
+
+    def tensors(self) -> Mapping[str, torch.Tensor]: ...
+
+    def objects(self) -> Mapping[str, Any]: ...
+
+    def restore(self, source: RestoreSource) -> None: ...
+
+
+TensorsArg = Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]]
+
+
+class TensorProvider:
+    """A named set of live tensors; array path → tensor.
+
+    ``tensors`` may be a mapping (fixed set) or a callable returning one (recomputed at each
+    capture, e.g. optimizer state that appears after the first step). ``restore`` copies each
+    stored array into the live tensor in place; dtype and shape must match exactly
+    (``SchemaError`` otherwise). With ``strict=False`` a tensor missing from the step is left
+    untouched instead of raising.
+
+    ``snapshot=True`` hands the engine a clone taken at capture time instead of the live tensor
+    (on the tensor's device, so on GPU it is an async kernel on the compute stream). Use it for
+    small tensors that training legitimately writes between optimizer steps, such as
+    BatchNorm running statistics, which the version guard would otherwise report as races.
+    """
+
+    def __init__(self, tensors: TensorsArg, *, strict: bool = True,
+                 snapshot: bool = False) -> None:
+        self._get = tensors if callable(tensors) else (lambda: tensors)
+        self.strict = strict
+        self.snapshot = snapshot
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        out = dict(self._get())
+        for path in out:
+            check_array_path(path)
+        return out
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        live = self._live()
+        if self.snapshot:
+            return {p: t.detach().clone() for p, t in live.items()}
+        return live
+
+    def objects(self) -> Mapping[str, Any]:
+        return {}
+
+    def restore(self, source: RestoreSource) -> None:
+        for path, live in self._live().items():
+            if not source.has_array(path):
+                if self.strict:
+                    raise SchemaError(
+                        f"step {source.step} has no array {path!r}, but the live model has it; "
+                        "was the run written by a different model?"
+                    )
+                continue
+            load_into(live, source.array(path), path)
+
+    def __repr__(self) -> str:
+        return f"TensorProvider({len(self._live())} tensors)"
+
+
+def load_into(live: torch.Tensor, stored: torch.Tensor, path: str) -> None:
+    """Copy ``stored`` into ``live`` in place, bit-exactly; ``SchemaError`` on mismatch."""
+    if stored.dtype != live.dtype or tuple(stored.shape) != tuple(live.shape):
+        raise SchemaError(
+            f"array {path!r} is stored as {stored.dtype}{tuple(stored.shape)} but the live "
+            f"tensor is {live.dtype}{tuple(live.shape)}"
+        )
+    with torch.no_grad():
+        live.copy_(stored)
+
+
+class ObjectProvider:
+    """One named object captured through ``get()`` and restored through ``set(value)``.
+
+    ``get`` must return a snapshot (a fresh value, not a live reference that training keeps
+    mutating). Tensors inside the value are stored as raw bytes and come back as CPU tensors
+    (or on their CUDA device when it exists). ``required=False`` tolerates steps without it.
+    """
+
+    def __init__(self, name: str, get: Callable[[], Any],
+                 set: Callable[[Any], None] | None = None, *, required: bool = True) -> None:
+        self.name = name
+        self._get = get
+        self._set = set
+        self.required = required
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return {}
+
+    def objects(self) -> Mapping[str, Any]:
+        return {self.name: to_plain(self._get())}
+
+    def restore(self, source: RestoreSource) -> None:
+        if self._set is None:
+            return
+        if not source.has_object(self.name):
+            if self.required:
+                raise SchemaError(f"step {source.step} has no object {self.name!r}")
+            return
+        self._set(from_plain(source.object(self.name)))
+
+    def __repr__(self) -> str:
+        return f"ObjectProvider({self.name!r})"
+
+
+class CompositeProvider:
+    """Several providers as one; names must not collide. Restores in the given order."""
+
+    def __init__(self, providers: Iterable[StateProvider] = ()) -> None:
+        self.providers: list[StateProvider] = list(providers)
+
+    def add(self, provider: StateProvider) -> None:
+        self.providers.append(provider)
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for p in self.providers:
+            for path, t in p.tensors().items():
+                if path in out:
+                    raise ValueError(f"two providers capture the array {path!r}")
+                out[path] = t
+        return out
+
+    def objects(self) -> Mapping[str, Any]:
+        out: dict[str, Any] = {}
+        for p in self.providers:
+            for name, v in p.objects().items():
+                if name in out:
+                    raise ValueError(f"two providers capture the object {name!r}")
+                out[name] = v
+        return out
+
+    def restore(self, source: RestoreSource) -> None:
+        for p in self.providers:
+            p.restore(source)
+
+    def __repr__(self) -> str:
+        return f"CompositeProvider({self.providers!r})"
+
+
+class StoreSource:
+    """A committed step of a run as a ``RestoreSource`` (reads through a store ``Reader``).
+
+    Objects are read with ``trusted=True``: resuming hands the run's state to the live
+    training process anyway (like ``torch.load`` of one's own checkpoint), and user state that
+    is not plain data was stored with pickle.
+    """
+
+    def __init__(self, reader: Any, header: Any) -> None:
+        self._reader, self._header = reader, header
+        self._arrays = reader.arrays(header)
+
+    @property
+    def step(self) -> int:
+        return int(self._header.step)
+
+    def has_array(self, path: str) -> bool:
+        return path in self._arrays
+
+    def array(self, path: str) -> torch.Tensor:
+        if path not in self._arrays:
+            raise SchemaError(f"step {self.step} has no array {path!r}")
+        rec = self._arrays[path]
+        return tensor_from_numpy(self._reader.read_array(self._header, path), rec.dtype)
+
+    def has_object(self, name: str) -> bool:
+        return name in self._header.objects
+
+    def object(self, name: str) -> Any:
+        return self._reader.read_object(self._header, name, trusted=True)

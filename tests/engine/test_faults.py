@@ -1,0 +1,82 @@
+"""Background I/O errors surface on the training thread as typed errors; no torn commits."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+
+from dstt._session import session
+from dstt.errors import CaptureError, StorageError
+from dstt.store import Repository
+from dstt.store.testing import FaultyStorage, MemoryStorage
+
+from ._helpers import MLP, committed_steps, mlp_batch, same_bits, stored, train_step
+
+
+def _faulty_run(**faults: object) -> tuple[Repository, FaultyStorage, Repository]:
+    inner = MemoryStorage()
+    Repository.create(inner)
+    faulty = FaultyStorage(inner, errno=errno.ENOSPC, **faults)  # type: ignore[arg-type]
+    return Repository(faulty), faulty, Repository(inner)
+
+
+@pytest.mark.filterwarnings("ignore:dstt. step .* was not checkpointed")  # later steps, at exit
+def test_disk_full_raises_capture_error_chained_to_storage_error() -> None:
+    repo, faulty, plain = _faulty_run()
+    m = MLP()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    after: dict[int, torch.Tensor] = {}
+    with pytest.raises(CaptureError) as info, session(m, opt, run=repo) as s:
+        for i in range(40):
+            if i == 4:
+                faulty.fail_after_writes = faulty.writes  # the disk is full from now on
+            train_step(m, opt, *mlp_batch(i))
+            after[s.step] = m.l1.weight.detach().clone()
+    err = info.value
+    assert isinstance(err.__cause__, StorageError)
+    assert err.__cause__.errno == errno.ENOSPC
+    assert "could not be checkpointed" in str(err)
+    assert s.step < 40  # raised on the training thread, at a step, not at exit
+    steps = committed_steps(plain)
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) <= 4
+    for step in steps:  # what is committed is whole and correct
+        assert same_bits(stored(plain, step, "params/l1/weight"), after[step])
+    assert plain.verify().problems == []
+
+
+def test_skip_policy_warns_drops_failed_steps_and_recovers() -> None:
+    repo, faulty, plain = _faulty_run()
+    m = MLP()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    after: dict[int, torch.Tensor] = {}
+    with pytest.warns(RuntimeWarning, match="not checkpointed"), \
+            session(m, opt, run=repo, error_policy="skip") as s:
+        for i in range(12):
+            if i == 3:
+                faulty.fail_after_writes = faulty.writes
+            if i == 7:
+                s.wait()  # let the failing steps finish before the disk "recovers"
+                faulty.heal()
+            train_step(m, opt, *mlp_batch(i))
+            after[s.step] = m.l1.weight.detach().clone()
+    assert s.step == 12  # training never stopped
+    steps = committed_steps(plain)
+    assert steps[-1] == 12 and len(steps) < 12  # later steps commit again; failed ones are gone
+    assert sorted(steps) == steps
+    for step in steps:
+        assert same_bits(stored(plain, step, "params/l1/weight"), after[step])
+    failed = [x for x in s.metrics if not x.committed]
+    assert failed and all("ENOSPC" in (x.error or "") or "No space" in (x.error or "")
+                          for x in failed)
+    assert plain.verify().problems == []
+
+
+def test_a_failure_on_the_first_step_surfaces_at_exit_if_training_ends() -> None:
+    repo, _, plain = _faulty_run(fail_keys=r"/c\.\d")  # every chunk file fails
+    m = MLP()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    with pytest.raises(CaptureError), session(m, opt, run=repo):
+        train_step(m, opt, *mlp_batch(0))  # the only step: its error can only surface at exit
+    assert committed_steps(plain) == []

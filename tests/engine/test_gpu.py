@@ -1,0 +1,91 @@
+"""The CUDA path: side-stream copies into a pinned cache, events, resume on the device.
+
+Skipped without a CUDA device; run on a GPU machine with ``pytest -m gpu tests/engine``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dstt._session import session
+from dstt.engine._convert import flat_bytes
+from dstt.engine.staging import Copier, HostCache
+from dstt.errors import RaceError
+from dstt.store import Repository
+from dstt.testing.models import SyntheticBatches, TinyGPT
+
+from ._helpers import committed_steps, same_bits, stored
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_side_stream_copy_into_pinned_slabs_is_exact() -> None:
+    src = torch.randn(1000, 37, device="cuda").to(torch.bfloat16)
+    flat = flat_bytes(src)
+    cache = HostCache(1 << 16, 1 << 14, pin=True)
+    assert cache.pinned
+    copier = Copier()
+    copier.begin(Copier.mark([src]))
+    out = torch.empty(flat.numel(), dtype=torch.uint8)
+    step = 1 << 14
+    for start in range(0, flat.numel(), step):
+        stop = min(start + step, flat.numel())
+        lease = cache.reserve(stop - start)
+        copier.copy(flat, start, stop, lease).wait()
+        out[start:stop] = lease.view
+        cache.release(lease)
+    assert torch.equal(out, flat.cpu())
+
+
+def _gpt(seed: int):
+    torch.manual_seed(seed)
+    m = TinyGPT(layers=2).cuda()
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    return m, opt
+
+
+def test_cuda_session_commits_exact_values_and_resumes(tmp_path: Path) -> None:
+    m, opt = _gpt(0)
+    after = {}
+    with session(m, opt, run=tmp_path / "run", budget_bytes=1 << 20) as s:
+        for x, y in s.data(SyntheticBatches(6)):
+            _, loss = m(x.cuda(), y.cuda())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            after[s.step] = m.layers[0].qkv.weight.detach().clone()
+            s.log(loss=loss)
+    repo = Repository.open(tmp_path / "run")
+    assert committed_steps(repo) == list(range(1, 7))
+    for step, w in after.items():
+        assert same_bits(stored(repo, step, "params/layers/0/qkv/weight"), w)
+    m2, opt2 = _gpt(1)
+    with session(m2, opt2, run=tmp_path / "run", resume=True) as s2:
+        assert s2.step == 6
+    for p, q in zip(m.parameters(), m2.parameters(), strict=True):
+        assert same_bits(p, q)
+
+
+def test_cuda_in_place_race_is_detected(tmp_path: Path) -> None:
+    m, opt = _gpt(0)
+    armed = [False]
+
+    def hook(mod, args):
+        if armed[0]:
+            with torch.no_grad():
+                mod.weight.mul_(1.0)
+
+    m.layers[0].qkv.register_forward_pre_hook(hook)
+    x, y = SyntheticBatches(2)[0]
+    with pytest.raises(RaceError), session(m, opt, run=tmp_path / "run"):
+        for _ in range(2):
+            _, loss = m(x.cuda(), y.cuda())
+            loss.backward()
+            opt.step()
+            armed[0] = True

@@ -1,0 +1,140 @@
+"""Host cache, chunk copies and the version guard, without a store."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dstt.engine._convert import flat_bytes
+from dstt.engine.staging import (
+    CacheClosedError,
+    Copier,
+    HostCache,
+    VersionGuard,
+    tensor_checksum,
+)
+from dstt.store.layout import plan_chunks
+
+
+def test_cache_packs_small_chunks_into_one_slab() -> None:
+    cache = HostCache(4 * 1024, 1024)
+    leases = [cache.reserve(100) for _ in range(5)]
+    assert len({id(le.slab) for le in leases}) == 1
+    assert cache.slabs_in_use == 1
+    for le in leases:
+        cache.release(le)
+    cache.seal()
+    assert cache.slabs_in_use == 0 and cache.leased_bytes == 0
+
+
+def test_cache_applies_backpressure_until_a_slab_is_released() -> None:
+    cache = HostCache(2 * 1024, 1024)
+    a, b = cache.reserve(1024), cache.reserve(1024)
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(cache.reserve(512)))
+    t.start()
+    time.sleep(0.1)
+    assert got == []  # both slabs leased: the third reservation waits
+    cache.release(a)
+    t.join(2)
+    assert len(got) == 1 and cache.stall_s > 0.05
+    cache.release(b)
+
+
+def test_cache_close_wakes_a_blocked_reservation() -> None:
+    cache = HostCache(1024, 1024)
+    cache.reserve(1024)
+    errors: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            cache.reserve(10)
+        except CacheClosedError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.05)
+    cache.close()
+    t.join(2)
+    assert len(errors) == 1
+
+
+def test_cache_rejects_a_chunk_larger_than_a_slab() -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        HostCache(4096, 1024).reserve(2000)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(0, 40), min_size=0, max_size=3),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8]),
+       chunk=st.integers(8, 600), slabs=st.integers(1, 4))
+def test_chunked_copy_through_a_small_cache_is_byte_exact(shape, dtype, chunk, slabs) -> None:
+    """Any tensor, copied chunk by chunk through a cache smaller than itself, arrives intact."""
+    t = (torch.randn(shape) * 1000).to(dtype)
+    src = flat_bytes(t)
+    plan = plan_chunks(tuple(shape), t.element_size(), chunk)
+    slab = (max(1, min(plan.chunk_nbytes, plan.nbytes)) + 63) // 64 * 64
+    cache = HostCache(slabs * slab, slab)
+    out = torch.empty_like(src)
+    copier = Copier()
+    for i in range(plan.n_chunks):
+        start, stop = plan.byte_range(i)
+        lease = cache.reserve(stop - start)
+        copier.copy(src, start, stop, lease).wait()
+        out[start:stop] = lease.view  # what a writer thread would write
+        cache.release(lease)
+    cache.seal()
+    assert torch.equal(out, src)
+    assert cache.slabs_in_use == 0
+
+
+def test_checksum_is_additive_over_chunks() -> None:
+    t = torch.randn(33, 7).to(torch.bfloat16)
+    src = flat_bytes(t)
+    plan = plan_chunks((33, 7), 2, 50)
+    total = 0
+    for i in range(plan.n_chunks):
+        a, b = plan.byte_range(i)
+        total += int(tensor_checksum(src[a:b], 2))
+    assert total & (2**64 - 1) == int(tensor_checksum(src, 2)) & (2**64 - 1)
+
+
+def test_version_guard_sees_in_place_writes_only() -> None:
+    w = torch.nn.Parameter(torch.ones(4))
+    guard = VersionGuard({"w": w}, {"w": 4})
+    assert guard.check({"w": w}) == []
+    with torch.no_grad():
+        w.data.add_(1)  # bypasses the version counter
+    assert guard.check({"w": w}) == []
+    with torch.no_grad():
+        w.mul_(2)
+    (report,) = guard.check({"w": w})
+    assert report.path == "w" and "version" in report.reason
+
+
+def test_verify_mode_catches_data_writes_before_or_after_the_copy() -> None:
+    for write_before_copy in (True, False):
+        w = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
+        guard = VersionGuard({"w": w}, {"w": 4}, verify=True)
+        if write_before_copy:
+            w.data[0] = 100.0
+        guard.add_copy("w", flat_bytes(w).clone())
+        if not write_before_copy:
+            w.data[0] = 100.0
+        (report,) = guard.check({"w": w})
+        assert ".data" in report.reason
+
+
+def test_verify_mode_passes_an_untouched_tensor() -> None:
+    w = torch.randn(10, 3)
+    guard = VersionGuard({"w": w}, {"w": 4}, verify=True)
+    src = flat_bytes(w)
+    guard.add_copy("w", src[:60].clone())
+    guard.add_copy("w", src[60:].clone())
+    assert guard.check({"w": w}) == []
