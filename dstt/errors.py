@@ -19,6 +19,7 @@ __all__ = [
     "MissingFileError",
     "NotARunError",
     "RaceError",
+    "RankError",
     "ReadOnlyRunError",
     "RunLockedError",
     "SchemaError",
@@ -78,6 +79,11 @@ class CaptureError(DsttError, RuntimeError):
 
 class RaceError(CaptureError):
     """A captured tensor was modified in place while it was being copied."""
+
+
+class RankError(DsttError, RuntimeError):
+    """The ranks of a multi-rank run disagree: a rank prepared another step for the same slot,
+    did not prepare its part in time, or a step cannot be restored into this world size."""
 
 
 class UnsafeObjectError(DsttError, PermissionError):

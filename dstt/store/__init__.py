@@ -7,8 +7,10 @@ from .delta import EncodeStats
 from .layout import ChunkPlan, plan_chunks
 from .maintenance import GcReport, Problem, VerifyReport
 from .manifest import ArrayRecord, ChunkRecord, CommitHeader, ObjectRecord, RefInfo
+from .parts import Part
 from .reader import Reader
 from .repository import Repository
+from .shards import LogicalArray, Piece
 from .writer import Transaction, Writer
 
 __all__ = [
@@ -21,7 +23,10 @@ __all__ = [
     "EncodeStats",
     "GcReport",
     "LocalStorage",
+    "LogicalArray",
     "ObjectRecord",
+    "Part",
+    "Piece",
     "Problem",
     "Reader",
     "RefInfo",

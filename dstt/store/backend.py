@@ -102,6 +102,8 @@ def missing(location: str, key: str) -> MissingFileError:
 
 
 _libc: ctypes.CDLL | None = None
+#: folders ``LocalStorage`` remembers having made (forgetting one costs an ``isdir`` check)
+_MADE_DIRS_KEPT = 4096
 
 
 def _syncfs(fd: int) -> None:
@@ -150,6 +152,8 @@ class LocalStorage(Storage):
                 d, _ = os.path.split(d)
                 grown.append(d)
             os.makedirs(parent, exist_ok=True)
+            if len(self._made_dirs) >= _MADE_DIRS_KEPT:  # a cache: each step's objects folder
+                self._made_dirs.clear()  # is new, so unbounded it grows with the run (a leak)
             self._made_dirs.add(parent)
         return parent, grown
 
@@ -329,13 +333,31 @@ class LocalStorage(Storage):
         return n
 
     def check_writable(self) -> None:
-        probe = os.path.join(self.location, f".dstt-probe.{os.getpid()}")
+        # the run folder and the folders every commit writes into, where they exist already:
+        # one made read-only on its own would otherwise fail the first commit, mid-training
+        from .layout import COMMITS_PREFIX, OBJECTS_PREFIX, REFS_PREFIX, STEP_ARRAY
+
+        for folder in ("", "_dstt", COMMITS_PREFIX, REFS_PREFIX, OBJECTS_PREFIX, STEP_ARRAY):
+            where = os.path.join(self.location, folder) if folder else self.location
+            if not folder or os.path.isdir(where):
+                self._probe(where)
+
+    def _probe(self, folder: str) -> None:
+        # ".tmp." in the name: listings skip it, like any in-flight temporary file
+        probe = os.path.join(folder, f".dstt-probe.tmp.{os.getpid()}")
         try:
-            with open(probe, "wb") as f:
-                f.write(b"x")
-            os.unlink(probe)
+            try:
+                with open(probe, "wb") as f:
+                    f.write(b"x")
+            finally:  # a full disk creates the file, then fails the write
+                with contextlib.suppress(OSError):
+                    os.unlink(probe)
         except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):  # disk full, I/O error
+                raise StorageError(e.errno, f"cannot write to run directory {folder} "
+                                   f"({e.strerror}); free space or fix the device, then retry",
+                                   folder) from e
             raise ReadOnlyRunError(
-                f"run directory {self.location} is not writable ({e.strerror}); "
+                f"run directory {folder} is not writable ({e.strerror}); "
                 "open it read-only with dstt.open() or choose another run path"
             ) from e

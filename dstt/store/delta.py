@@ -73,6 +73,7 @@ class DeltaEncoder:
         self._shadow: dict[tuple[str, int], Shadow] = {}
         self._timeline: str | None = None
         self._ratios: dict[str, float] = {}
+        self._skips: dict[str, int] = {}  # steps an unprofitable array skipped encoding
         self._bytes = 0
         self._mu = threading.Lock()
 
@@ -95,7 +96,8 @@ class DeltaEncoder:
                     and np.array_equal(cur, sh.data)):
                 stats.add(cur.nbytes, 0, "dedup")
                 return sh.record, sh
-            if self.policy.delta and sh.depth + 1 < self.chain_limit(path):
+            if self.policy.delta and sh.depth + 1 < self.chain_limit(path) and self._worth(
+                    path, index):
                 t0 = time.perf_counter()
                 payload = xor_encode(cur, sh.data, plan.itemsize, self.policy)
                 dt = time.perf_counter() - t0
@@ -114,6 +116,16 @@ class DeltaEncoder:
         if room:
             pending = Shadow(ChunkRecord("", 0, raw_crc), cur.copy(), 0, slot)
         return None, pending
+
+    def _worth(self, path: str, index: int) -> bool:
+        """False while an array's deltas do not pay; every ``retry_every`` steps, try again."""
+        r = self._ratios.get(path)
+        if r is None or r >= self.policy.min_ratio:
+            return True
+        if index == 0:
+            with self._mu:
+                self._skips[path] = self._skips.get(path, 0) + 1
+        return self._skips.get(path, 0) % self.policy.retry_every == 0
 
     def promote(self, timeline: str, pending: dict[tuple[str, int], Shadow]) -> None:
         """After a commit: its chunks become the bases of the next step's deltas."""

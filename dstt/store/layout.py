@@ -26,6 +26,7 @@ __all__ = [
     "HEAD_KEY",
     "LOCK_KEY",
     "OBJECTS_PREFIX",
+    "PARTS_PREFIX",
     "REFS_PREFIX",
     "STEP_ARRAY",
     "ChunkPlan",
@@ -38,6 +39,7 @@ __all__ = [
     "delta_key",
     "group_meta_key",
     "object_key",
+    "part_key",
     "plan_chunks",
     "ref_key",
 ]
@@ -51,6 +53,7 @@ ARRAYS_PREFIX = ""  # arrays live under their own group paths (params/..., optim
 COMMITS_PREFIX = "_dstt/commits"
 OBJECTS_PREFIX = "_dstt/objects"
 REFS_PREFIX = "_dstt/refs"
+PARTS_PREFIX = "_dstt/parts"  # multi-rank commits: one part manifest per rank (parts.py)
 HEAD_KEY = "_dstt/HEAD.json"
 LOCK_KEY = "_dstt/lock"
 
@@ -116,6 +119,10 @@ def parse_commit_name(name: str) -> int | None:
 def object_key(slot: int, name: str) -> str:
     safe = re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
     return f"{OBJECTS_PREFIX}/{slot:012d}/{safe}"
+
+
+def part_key(slot: int, rank: int) -> str:
+    return f"{PARTS_PREFIX}/{slot:012d}/{rank:06d}.json"
 
 
 def ref_key(timeline: str) -> str:

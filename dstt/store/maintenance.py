@@ -13,10 +13,12 @@ around pruned commits — it would mutate committed headers.
 
 from __future__ import annotations
 
+import functools
+import json
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DsttError
 from .layout import (
@@ -24,12 +26,15 @@ from .layout import (
     OBJECTS_PREFIX,
     REFS_PREFIX,
     STEP_ARRAY,
+    array_meta_key,
     chunk_key,
     commit_arrays_key,
     commit_key,
 )
-from .manifest import CommitHeader, checksum, dump_header
+from .manifest import ArrayRecord, CommitHeader, checksum, dump_header
+from .parts import remove_parts
 from .reader import Reader
+from .zarr_meta import array_document
 
 if TYPE_CHECKING:
     from .repository import Repository
@@ -77,12 +82,13 @@ def verify(repo: Repository, *, progress: Progress = None) -> VerifyReport:
             problem(f"{REFS_PREFIX}/{name}", "unexpected file among refs")
     slots: dict[int, CommitHeader] = {}
     for tl in r.timelines:
-        try:
-            for h in r.lineage(tl):
+        try:  # walk, not lineage: a damaged header keeps the commits above it checked
+            for h in r.walk(tl):
                 slots[h.slot] = h
         except DsttError as e:
             problem(f"timeline {tl}", e)
     todo = sorted(slots)
+    described: dict[str, ArrayRecord] = {}  # every array some commit holds: its zarr.json
     for n, slot in enumerate(todo):
         h = slots[slot]
         rep.commits += 1
@@ -92,10 +98,11 @@ def verify(repo: Repository, *, progress: Progress = None) -> VerifyReport:
             continue
         try:
             table = r.arrays(h)
-        except DsttError as e:
+        except DsttError as e:  # its chunks cannot be located; objects and step entry can
             problem(commit_arrays_key(slot), e)
-            continue
+            table = {}
         for path, rec in table.items():
+            described.setdefault(path, rec)
             for i, c in enumerate(rec.chunks):
                 rep.chunks += 1
                 try:
@@ -119,9 +126,44 @@ def verify(repo: Repository, *, progress: Progress = None) -> VerifyReport:
                 problem(skey, f"step coordinate of slot {slot} is damaged (expected {h.step})")
         except OSError as e:
             problem(skey, e)
+    _verify_zarr_metadata(repo, described, max(todo, default=-1), problem)
     if progress:
         progress(len(todo), len(todo))
     return rep
+
+
+#: the fields of an array's zarr.json a plain Zarr reader needs to find and decode the chunks
+_READ_FIELDS = ("zarr_format", "node_type", "data_type", "chunk_grid", "chunk_key_encoding",
+                "fill_value", "codecs", "dimension_names")
+
+
+def _array_document(rec: ArrayRecord, capacity: int) -> dict[str, Any]:
+    return array_document(rec.path, rec.dtype, rec.plan, capacity)
+
+
+def _verify_zarr_metadata(repo: Repository, arrays: dict[str, ArrayRecord], top_slot: int,
+                          problem: Callable[[str, str], None]) -> None:
+    """The Zarr documents must still describe the committed chunks: zarr-python, xarray and
+    tensorstore read them without dstt (and a resumed writer trusts them)."""
+    from .repository import _step_document
+
+    docs: dict[str, Callable[[int], dict[str, Any]]] = {STEP_ARRAY: _step_document}
+    for path, rec in sorted(arrays.items()):
+        docs[path] = functools.partial(_array_document, rec)
+    for path, expected in docs.items():
+        key = array_meta_key(path)
+        try:
+            doc = json.loads(repo.storage.read(key))
+            cap = int(doc["shape"][0])
+            want = expected(cap)
+            wrong = [f for f in (*_READ_FIELDS, "shape") if doc.get(f) != want[f]]
+        except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
+            problem(key, f"Zarr metadata unreadable ({type(e).__name__}: {e})")
+            continue
+        if wrong:
+            problem(key, f"Zarr metadata does not match the committed array: {wrong}")
+        elif cap <= top_slot:
+            problem(key, f"Zarr shape holds {cap} slots, but slot {top_slot} is committed")
 
 
 def _delta_bases(r: Reader, reachable: dict[int, CommitHeader], keep: set[int]) -> set[int]:
@@ -157,6 +199,9 @@ def _sweep(repo: Repository, committed: set[int]) -> int:
         if name.isdigit() and int(name) not in committed:
             st.delete(f"{OBJECTS_PREFIX}/{name}")
             n += 1
+    # part manifests of multi-rank commits: gc holds the lock, so no commit is in flight and
+    # every part left is either merged already or from a crashed session
+    n += remove_parts(st)
     return n
 
 

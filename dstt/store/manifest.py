@@ -33,6 +33,8 @@ __all__ = [
     "Metric",
     "ObjectRecord",
     "RefInfo",
+    "arrays_from_json",
+    "arrays_json",
     "checksum",
     "dump_arrays",
     "dump_header",
@@ -234,31 +236,39 @@ def parse_header(data: bytes, where: str) -> CommitHeader:
 
 # -- arrays tables ------------------------------------------------------------------------
 
+def arrays_json(arrays: Mapping[str, ArrayRecord]) -> dict[str, Any]:
+    """The ``arrays`` field of an arrays table (also used by multi-rank part manifests)."""
+    return {p: {"dtype": a.dtype, "shape": list(a.shape), "rows": a.rows,
+                "chunks": [c.as_json() for c in a.chunks]}
+            for p, a in sorted(arrays.items())}
+
+
+def arrays_from_json(arrays: Mapping[str, Any]) -> dict[str, ArrayRecord]:
+    """Inverse of :func:`arrays_json`; ``TypeError``/``ValueError``/``KeyError`` if malformed."""
+    out: dict[str, ArrayRecord] = {}
+    for p, a in arrays.items():
+        shape = tuple(int(s) for s in a["shape"])
+        rec = ArrayRecord(p, str(a["dtype"]), shape, int(a["rows"]),
+                          tuple(ChunkRecord.from_json(c) for c in a["chunks"]))
+        if rec.plan.n_chunks != len(rec.chunks):
+            raise ValueError(f"array {p}: {len(rec.chunks)} chunks recorded, "
+                             f"{rec.plan.n_chunks} expected")
+        out[p] = rec
+    return out
+
+
 def dump_arrays(slot: int, arrays: Mapping[str, ArrayRecord]) -> bytes:
-    return _seal("arrays", {"slot": slot, "arrays": {
-        p: {"dtype": a.dtype, "shape": list(a.shape), "rows": a.rows,
-            "chunks": [c.as_json() for c in a.chunks]}
-        for p, a in sorted(arrays.items())
-    }})
+    return _seal("arrays", {"slot": slot, "arrays": arrays_json(arrays)})
 
 
 def parse_arrays(data: bytes, where: str, *, verified: bool = False) -> dict[str, ArrayRecord]:
     """Parse an arrays table; ``verified``: the caller already checked the file's crc32c."""
     b = _open(data, "arrays", where, verified=verified)
     _fields(b, {"slot", "arrays"}, set(), where)
-    out: dict[str, ArrayRecord] = {}
     try:
-        for p, a in b["arrays"].items():
-            shape = tuple(int(s) for s in a["shape"])
-            rec = ArrayRecord(p, str(a["dtype"]), shape, int(a["rows"]),
-                              tuple(ChunkRecord.from_json(c) for c in a["chunks"]))
-            if rec.plan.n_chunks != len(rec.chunks):
-                raise ValueError(f"array {p}: {len(rec.chunks)} chunks recorded, "
-                                 f"{rec.plan.n_chunks} expected")
-            out[p] = rec
-    except (TypeError, ValueError, KeyError) as e:
+        return arrays_from_json(b["arrays"])
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
         raise CorruptRunError(f"{where}: malformed arrays table ({e})") from None
-    return out
 
 
 # -- refs ---------------------------------------------------------------------------------

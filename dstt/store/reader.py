@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -116,9 +117,12 @@ class Reader:
             self._headers[slot] = h
         return h
 
-    def lineage(self, timeline: str | None = None) -> list[CommitHeader]:
-        """Commits of a timeline, oldest first (pruned tombstones included)."""
-        out: list[CommitHeader] = []
+    def walk(self, timeline: str | None = None) -> Iterator[CommitHeader]:
+        """Commits of a timeline, newest first (pruned tombstones included), read lazily.
+
+        A damaged header raises ``CorruptRunError`` only when the walk reaches it, so the
+        commits above it stay reachable (``find``, ``verify``).
+        """
         slot = self.ref(timeline).head
         seen: set[int] = set()
         while slot is not None:
@@ -126,8 +130,12 @@ class Reader:
                 raise CorruptRunError(f"{self.storage.location}: parent cycle at slot {slot}")
             seen.add(slot)
             h = self.header(slot)
-            out.append(h)
+            yield h
             slot = h.parent
+
+    def lineage(self, timeline: str | None = None) -> list[CommitHeader]:
+        """Commits of a timeline, oldest first (pruned tombstones included)."""
+        out = list(self.walk(timeline))
         out.reverse()
         return out
 
@@ -138,15 +146,16 @@ class Reader:
     def find(self, step: int, timeline: str | None = None) -> CommitHeader:
         """The commit of ``step`` on a timeline; ``StepNotFoundError`` if unknown or pruned."""
         name = timeline or self.current_timeline
-        line = self.lineage(name)
-        for h in reversed(line):
+        for h in self.walk(name):  # newest first: a damaged older header does not hide it
             if h.step == step:
                 if h.pruned:
+                    line = self.lineage(name)
                     raise StepNotFoundError(
                         f"step {step} of timeline {name!r} was pruned by gc; kept steps: "
                         f"{_describe([x.step for x in line if not x.pruned])}"
                     )
                 return h
+        line = self.lineage(name)
         raise StepNotFoundError(
             f"no committed step {step} on timeline {name!r} of {self.storage.location}; "
             f"committed steps: {_describe([x.step for x in line if not x.pruned])}"

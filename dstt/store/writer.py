@@ -8,6 +8,10 @@ header (the commit point) → step coordinate → timeline ref. A crash anywhere
 leaves garbage that no reader looks at; a crash after it leaves a complete commit that simply
 is not the head yet (gc removes such orphans).
 
+Several ranks can write one commit (``parts.py``): a writer opened with ``exclusive=False``
+takes no lock, writes only its own arrays into slots it is told, and ``prepare``s a part
+manifest instead of committing; the exclusive writer merges the parts in ``commit(parts=...)``.
+
 The parent of a commit is resolved *at commit time* (the timeline's head then), so the engine
 can stage step k+1 while step k is still flushing, and a step that fails and is skipped does not
 break the chain. Rejected alternative: parent fixed at ``begin`` — a skipped step would leave
@@ -19,7 +23,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +42,7 @@ from .layout import (
     commit_key,
     group_meta_key,
     object_key,
+    part_key,
     plan_chunks,
     ref_key,
 )
@@ -53,6 +58,7 @@ from .manifest import (
     dump_ref,
 )
 from .objects import Encoding, encode_object
+from .parts import Part, dump_part, merge_parts, remove_parts
 from .zarr_meta import array_document, dtype_itemsize, dump, with_capacity
 
 if TYPE_CHECKING:
@@ -67,21 +73,32 @@ class Writer:
     """Exclusive writer of one run; use as a context manager."""
 
     def __init__(self, repo: Repository, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 encoding: DeltaPolicy | None = None) -> None:
+                 encoding: DeltaPolicy | None = None, exclusive: bool = True) -> None:
         self.repo = repo
         self.storage = repo.storage
         self.chunk_bytes = chunk_bytes
+        self.exclusive = exclusive
         self.storage.check_writable()
-        self._lock_cm = self.storage.lock(LOCK_KEY)
-        self._lock_cm.__enter__()
+        if exclusive:
+            self._lock_cm: Any = self.storage.lock(LOCK_KEY)
+            self._lock_cm.__enter__()
+        elif encoding is not None:
+            raise ValueError("a part writer (exclusive=False) cannot encode deltas: its bases "
+                             "would not be known to be committed")
+        else:
+            self._lock_cm = None
         self._closed = False
         self._meta_lock = threading.Lock()
         self._commit_lock = threading.Lock()
-        self.reader = repo.reader()
+        try:
+            self.reader = repo.reader()
+            self._capacity = repo.slot_capacity()
+            self._next_slot = self.reader.max_slot() + 1
+        except BaseException:  # a damaged run: release the lock now, not when gc collects us
+            self.close()
+            raise
         self._arrays: dict[str, dict[str, Any]] = {}  # path -> zarr.json document
         self._groups: set[str] = set()
-        self._capacity = repo.slot_capacity()
-        self._next_slot = self.reader.max_slot() + 1
         self._open: set[int] = set()
         self.encoder = DeltaEncoder(encoding) if encoding is not None else None
 
@@ -95,14 +112,25 @@ class Writer:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._lock_cm.__exit__(None, None, None)
+            if self._lock_cm is not None:
+                self._lock_cm.__exit__(None, None, None)
 
     def _check_open(self) -> None:
         if self._closed:
             raise DsttError("this writer is closed; open a new one with repo.writer()")
 
-    def begin(self, step: int, *, timeline: str | None = None) -> Transaction:
-        """Start writing ``step`` into a fresh slot of ``timeline`` (default: current)."""
+    @property
+    def next_slot(self) -> int:
+        """The slot the next ``begin`` without ``slot=`` takes."""
+        return self._next_slot
+
+    def begin(self, step: int, *, timeline: str | None = None,
+              slot: int | None = None) -> Transaction:
+        """Start writing ``step`` into a fresh slot of ``timeline`` (default: current).
+
+        ``slot`` picks the slot explicitly (multi-rank commits: every rank writes the same
+        slot); it must not be below a slot this writer already handed out.
+        """
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -110,8 +138,12 @@ class Writer:
         name = timeline or self.reader.current_timeline
         self.reader.ref(name)  # validates the timeline exists
         with self._meta_lock:
-            slot = self._next_slot
-            self._next_slot += 1
+            if slot is None:
+                slot = self._next_slot
+            elif slot < self._next_slot and self.exclusive:
+                raise ValueError(f"slot {slot} is already used (next free slot: "
+                                 f"{self._next_slot})")
+            self._next_slot = max(self._next_slot, slot + 1)
             if slot >= self._capacity:
                 self._grow(slot + 1)
             self._open.add(slot)
@@ -157,21 +189,49 @@ class Writer:
         cap = self._capacity
         while cap < needed:
             cap *= 2
+        if not self.exclusive:  # a part writer grows only its own arrays, never the root
+            for path, doc in list(self._arrays.items()):
+                self._arrays[path] = new = with_capacity(doc, cap)
+                self.storage.write(array_meta_key(path), dump(new))
+            self._capacity = cap
+            return
         for path, doc in self.repo.iter_array_documents():
             new = with_capacity(doc, cap)
             self.storage.write(array_meta_key(path), dump(new))
             if path in self._arrays:
                 self._arrays[path] = new
-        self.repo.write_root(cap, durable=False)
+        # every array must hold the new capacity before the root says so: a power cut that
+        # kept the root but not all array documents would hide new slots from Zarr readers
+        self.storage.barrier()
+        self.repo.write_root(cap, durable=True)
         self._capacity = cap
 
     # -- commit ---------------------------------------------------------------------------
-    def _commit(self, txn: Transaction, metrics: Mapping[str, Metric]) -> CommitHeader:
+    def _prepare(self, txn: Transaction, *, rank: int, world: int, session: str,
+                 metrics: Mapping[str, Metric]) -> Part:
+        """Part writer: make this rank's share durable and vote for the slot (parts.py)."""
+        with self._commit_lock:
+            self._check_open()
+            self.storage.barrier()
+            part = Part(slot=txn.slot, step=txn.step, rank=rank, world=world, session=session,
+                        arrays=txn.records(), objects=dict(txn.objects), metrics=dict(metrics))
+            self.storage.write_durable(part_key(txn.slot, rank), dump_part(part))
+            self._open.discard(txn.slot)
+            return part
+
+    def _commit(self, txn: Transaction, metrics: Mapping[str, Metric],
+                parts: Sequence[Part] = ()) -> CommitHeader:
+        if not self.exclusive:
+            raise DsttError("a part writer (exclusive=False) cannot commit; prepare() its part "
+                            "and let the exclusive writer merge it")
         with self._commit_lock:
             self._check_open()
             st = self.storage
             st.barrier()
-            table = dump_arrays(txn.slot, txn.records())
+            records, objects = txn.records(), dict(txn.objects)
+            if parts:
+                records, objects = merge_parts(records, objects, parts)
+            table = dump_arrays(txn.slot, records)
             st.write_durable(commit_arrays_key(txn.slot), table)
             self.reader.refresh()
             ref = self.reader.ref(txn.timeline)
@@ -185,7 +245,7 @@ class Writer:
                     )
             header = CommitHeader(
                 slot=txn.slot, step=txn.step, timeline=txn.timeline, parent=ref.head,
-                time=time.time(), metrics=dict(metrics), objects=dict(txn.objects),
+                time=time.time(), metrics=dict(metrics), objects=objects,
                 arrays_crc32c=checksum(table), arrays_nbytes=len(table),
             )
             st.write_durable(commit_key(txn.slot), dump_header(header))
@@ -193,6 +253,8 @@ class Writer:
             st.write_durable(chunk_key(STEP_ARRAY, txn.slot, ()),
                              [value, struct.pack("<I", checksum(value))])
             st.write_durable(ref_key(txn.timeline), dump_ref(replace(ref, head=txn.slot)))
+            if parts:  # merged: the votes are no longer needed (gc sweeps any left behind)
+                remove_parts(st, txn.slot)
             self._open.discard(txn.slot)
             if self.encoder is not None:
                 self.encoder.promote(txn.timeline, txn.pending)
@@ -321,17 +383,34 @@ class Transaction:
                                     tuple(c for c in chunks if c is not None))
         return out
 
-    def commit(self, metrics: Mapping[str, Metric] | None = None) -> CommitHeader:
-        """Make the step durable and visible; returns its header."""
+    def commit(self, metrics: Mapping[str, Metric] | None = None, *,
+               parts: Sequence[Part] = ()) -> CommitHeader:
+        """Make the step durable and visible; returns its header. ``parts``: the other ranks'
+        prepared parts of this slot, merged into this commit (``parts.collect_parts``)."""
         self._check()
         self.state = "committing"
         try:
-            header = self.writer._commit(self, metrics or {})
+            header = self.writer._commit(self, metrics or {}, parts)
         except BaseException:
             self.state = "failed"
             raise
         self.state = "committed"
         return header
+
+    def prepare(self, *, rank: int, world: int, session: str,
+                metrics: Mapping[str, Metric] | None = None) -> Part:
+        """Part writers: make this rank's chunks and objects durable, then write its part
+        manifest (the "prepared" vote the exclusive writer waits for). Returns the part."""
+        self._check()
+        self.state = "committing"
+        try:
+            part = self.writer._prepare(self, rank=rank, world=world, session=session,
+                                        metrics=metrics or {})
+        except BaseException:
+            self.state = "failed"
+            raise
+        self.state = "prepared"
+        return part
 
     def abort(self) -> None:
         """Drop the step; its slot stays unused (gc removes stray chunk files)."""

@@ -1,0 +1,188 @@
+"""Multi-writer commits: each rank prepares a *part*, rank 0 merges the parts into one commit.
+
+Training with several ranks (data parallel, ZeRO) gives every rank state that only it holds.
+Each rank writes only the arrays it owns (chunk boundaries = ownership: two ranks never write
+one chunk file) into the same slot, makes them durable, and then writes a small **part
+manifest** ``_dstt/parts/<slot>/<rank>.json`` (an envelope of kind ``part``: step, rank, world
+size, session id, its arrays table and object records). The part file is the rank's "prepared"
+vote. Rank 0 — the run's only lock holder and only ref writer — waits for every rank's part of
+the slot, checks that they are votes for the same step of the same session (no mixing of ranks
+from different steps), merges their arrays and objects into one ordinary format-v1 arrays table
+and commit header, and commits as usual. Readers never look at parts: a merged commit is
+indistinguishable from a single-writer one, and a step is visible only once every rank's bytes
+are durable. Part files of committed slots are deleted after the commit (gc sweeps leftovers).
+
+Coordination goes through the store, so writer threads never call a collective (collectives
+from background threads deadlock with the training process group). The slot each step uses is
+agreed once at start (rank 0's next free slot, broadcast on the main thread); every rank then
+takes slots in the same order.
+Rejected alternative: a per-rank arrays table referenced from the header — every reader would
+have to learn a second table kind, and format v1 readers would see only rank 0's arrays.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..errors import CorruptRunError, RankError
+from .layout import PARTS_PREFIX, part_key
+from .manifest import (
+    ArrayRecord,
+    Metric,
+    ObjectRecord,
+    _fields,
+    _metric_in,
+    _metric_out,
+    _open,
+    _seal,
+    arrays_from_json,
+    arrays_json,
+)
+
+if TYPE_CHECKING:
+    from .backend import Storage
+
+__all__ = ["Part", "abort_vote", "collect_parts", "dump_part", "merge_parts", "parse_part",
+           "part_slots", "remove_parts"]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One rank's prepared share of a slot."""
+
+    slot: int
+    step: int
+    rank: int
+    world: int
+    session: str
+    arrays: Mapping[str, ArrayRecord] = field(default_factory=dict)
+    objects: Mapping[str, ObjectRecord] = field(default_factory=dict)
+    metrics: Mapping[str, Metric] = field(default_factory=dict)
+    #: set in an *abort vote*: the rank could not write its share of this step
+    error: str | None = None
+
+
+_PART_FIELDS = {"slot", "step", "rank", "world", "session", "arrays", "objects", "metrics"}
+
+
+def dump_part(p: Part) -> bytes:
+    return _seal("part", {
+        "slot": p.slot, "step": p.step, "rank": p.rank, "world": p.world, "session": p.session,
+        "arrays": arrays_json(p.arrays),
+        "objects": {k: [o.key, o.nbytes, o.crc32c, o.encoding] for k, o in p.objects.items()},
+        "metrics": {k: _metric_out(v) for k, v in p.metrics.items()},
+        **({"error": p.error} if p.error is not None else {}),
+    })
+
+
+def parse_part(data: bytes, where: str) -> Part:
+    b = _open(data, "part", where)
+    _fields(b, _PART_FIELDS, {"error"}, where)
+    try:
+        return Part(
+            slot=int(b["slot"]), step=int(b["step"]), rank=int(b["rank"]),
+            world=int(b["world"]), session=str(b["session"]),
+            arrays=arrays_from_json(b["arrays"]),
+            objects={k: ObjectRecord(str(o[0]), int(o[1]), int(o[2]), str(o[3]))
+                     for k, o in b["objects"].items()},
+            metrics={k: _metric_in(v) for k, v in b["metrics"].items()},
+            error=None if b.get("error") is None else str(b["error"]),
+        )
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        raise CorruptRunError(f"{where}: malformed part manifest ({e})") from None
+
+
+def collect_parts(storage: Storage, *, slot: int, step: int, ranks: Sequence[int],
+                  world: int, session: str, timeout: float = 600.0,
+                  cancel: threading.Event | None = None) -> list[Part]:
+    """Wait until every rank in ``ranks`` has prepared ``slot``; return their parts by rank.
+
+    A part for this slot from another step, world size or session is a ``RankError`` at once
+    (ranks out of step, or a leftover of a crashed session that was not cleaned); so is a rank
+    that has not prepared within ``timeout`` seconds, or ``cancel`` being set (shutdown).
+    """
+    found: dict[int, Part] = {}
+    deadline = time.monotonic() + timeout
+    delay = 0.0005
+    while True:
+        for r in ranks:
+            if r in found:
+                continue
+            key = part_key(slot, r)
+            try:
+                data = storage.read(key)
+            except FileNotFoundError:
+                continue
+            p = parse_part(data, f"{storage.location}/{key}")
+            if p.session != session:
+                continue  # a leftover of an earlier session; ours will replace it
+            if (p.slot, p.step, p.rank, p.world) != (slot, step, r, world):
+                raise RankError(
+                    f"rank {r} prepared step {p.step} (slot {p.slot}, world {p.world}) where "
+                    f"rank 0 commits step {step} (slot {slot}, world {world}): the ranks are "
+                    "out of step; the step is not committed"
+                )
+            if p.error is not None:
+                raise RankError(f"rank {r} could not write its share of step {step} "
+                                f"({p.error}); the step is not committed")
+            found[r] = p
+        if len(found) == len(ranks):
+            return [found[r] for r in sorted(found)]
+        missing = sorted(set(ranks) - set(found))
+        if cancel is not None and cancel.is_set():
+            raise RankError(f"step {step}: stopped while waiting for ranks {missing}")
+        if time.monotonic() > deadline:
+            raise RankError(
+                f"step {step}: ranks {missing} did not prepare slot {slot} within "
+                f"{timeout:.0f} s (crashed or stalled); the step is not committed"
+            )
+        if cancel is not None:
+            cancel.wait(delay)
+        else:
+            time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def abort_vote(storage: Storage, *, slot: int, step: int, rank: int, world: int,
+               session: str, error: str) -> None:
+    """Tell the committing rank at once that this rank dropped ``step`` (best effort: without
+    it, the committer waits for the part until its timeout)."""
+    storage.write(part_key(slot, rank), dump_part(Part(slot=slot, step=step, rank=rank,
+                                                       world=world, session=session,
+                                                       error=error)))
+
+
+def merge_parts(arrays: Mapping[str, ArrayRecord], objects: Mapping[str, ObjectRecord],
+                parts: Sequence[Part]) -> tuple[dict[str, ArrayRecord], dict[str, ObjectRecord]]:
+    """Union of rank 0's arrays/objects and the parts'; ``RankError`` if two ranks wrote one
+    array or object (ownership must be disjoint)."""
+    out_a, out_o = dict(arrays), dict(objects)
+    for p in parts:
+        for path, rec in p.arrays.items():
+            if path in out_a:
+                raise RankError(f"array {path!r} was written by rank {p.rank} and another rank; "
+                                "each array must have exactly one owner")
+            out_a[path] = rec
+        for name, orec in p.objects.items():
+            if name in out_o:
+                raise RankError(f"object {name!r} was written by rank {p.rank} and another "
+                                "rank; per-rank objects need per-rank names")
+            out_o[name] = orec
+    return out_a, out_o
+
+
+def remove_parts(storage: Storage, slot: int | None = None) -> int:
+    """Delete the part files of ``slot`` (all slots when None); returns folders named."""
+    names = [f"{slot:012d}"] if slot is not None else list(storage.list(PARTS_PREFIX))
+    for name in names:
+        storage.delete(f"{PARTS_PREFIX}/{name}")
+    return len(names)
+
+
+def part_slots(storage: Storage) -> list[int]:
+    """Slots that have a parts folder."""
+    return sorted(int(n) for n in storage.list(PARTS_PREFIX) if n.isdigit())

@@ -1,0 +1,207 @@
+"""Multi-writer commits (parts) and logical arrays (shard maps), without torch.
+
+Ranks are simulated by writers in one process over one run directory: the exclusive writer is
+rank 0, part writers (``exclusive=False``) are the other ranks. That is what the engine does
+across processes; the protocol only goes through the storage.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from dstt.errors import CorruptRunError, DsttError, RankError
+from dstt.store import DeltaPolicy, Repository
+from dstt.store.layout import PARTS_PREFIX
+from dstt.store.parts import abort_vote, collect_parts, part_slots
+from dstt.store.shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
+
+from ._util import put_array, same_bits
+
+
+def _two_rank_commit(repo: Repository, step: int, *, slot: int | None = None,
+                     session: str = "s1", chunk_bytes: int = 64) -> tuple[object, dict]:
+    a0 = np.arange(10, dtype=np.float32) + step
+    a1 = np.arange(7, dtype=np.float32) * -1 - step
+    with repo.writer(chunk_bytes=chunk_bytes) as w0, \
+            repo.writer(chunk_bytes=chunk_bytes, exclusive=False) as w1:
+        slot = w0.next_slot if slot is None else slot
+        t1 = w1.begin(step, slot=slot)
+        put_array(t1, "zero/r1/flat", a1)
+        t1.put_object("rng/r1", {"seed": 1})
+        t1.prepare(rank=1, world=2, session=session, metrics={"loss": 9.0})
+        t0 = w0.begin(step, slot=slot)
+        put_array(t0, "zero/r0/flat", a0)
+        t0.put_object("rng/r0", {"seed": 0})
+        parts = collect_parts(repo.storage, slot=slot, step=step, ranks=[1], world=2,
+                              session=session, timeout=5)
+        h = t0.commit({"loss": 1.0}, parts=parts)
+    return h, {"zero/r0/flat": a0, "zero/r1/flat": a1}
+
+
+def test_merged_commit_is_a_plain_commit(tmp_path: Path) -> None:
+    repo = Repository.create(tmp_path / "run")
+    h, want = _two_rank_commit(repo, 3)
+    r = repo.reader()
+    assert [x.step for x in r.lineage()] == [3]
+    assert set(r.arrays(h)) == set(want)
+    for p, a in want.items():
+        assert same_bits(r.read_array(h, p), a)
+    assert r.read_object(h, "rng/r1") == {"seed": 1}
+    assert h.metrics == {"loss": 1.0}  # rank 0's metrics
+    assert part_slots(repo.storage) == []  # votes removed once merged
+    assert repo.verify().ok
+    # plain Zarr sees both ranks' arrays at the slot
+    g = zarr.open_group(str(tmp_path / "run"), mode="r", zarr_format=3)
+    assert same_bits(g["zero/r1/flat"][h.slot], want["zero/r1/flat"])
+
+
+def test_ranks_out_of_step_are_refused(tmp_path: Path) -> None:
+    repo = Repository.create(tmp_path / "run")
+    with repo.writer(chunk_bytes=64) as w0, repo.writer(exclusive=False) as w1:
+        slot = w0.next_slot
+        t1 = w1.begin(8, slot=slot)  # rank 1 thinks this slot is step 8
+        put_array(t1, "zero/r1/flat", np.ones(3, np.float32))
+        t1.prepare(rank=1, world=2, session="s")
+        with pytest.raises(RankError, match="out of step"):
+            collect_parts(repo.storage, slot=slot, step=7, ranks=[1], world=2, session="s",
+                          timeout=5)
+        # a leftover of another session is ignored (and then the wait times out)
+        with pytest.raises(RankError, match="did not prepare"):
+            collect_parts(repo.storage, slot=slot, step=7, ranks=[1], world=2,
+                          session="other", timeout=0.05)
+    assert repo.reader().head() is None
+    assert part_slots(repo.storage) == [slot]
+    report = repo.gc(keep_last=1)
+    assert report.files_removed >= 1
+    assert part_slots(repo.storage) == []
+
+
+def test_abort_vote_fails_the_step_at_once(tmp_path: Path) -> None:
+    repo = Repository.create(tmp_path / "run")
+    abort_vote(repo.storage, slot=0, step=1, rank=2, world=3, session="s", error="disk full")
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 2 could not write.*disk full"):
+        collect_parts(repo.storage, slot=0, step=1, ranks=[1, 2], world=3, session="s",
+                      timeout=30)
+    assert time.monotonic() - t0 < 5
+
+
+def test_collect_can_be_cancelled(tmp_path: Path) -> None:
+    repo = Repository.create(tmp_path / "run")
+    stop = threading.Event()
+    threading.Timer(0.05, stop.set).start()
+    with pytest.raises(RankError, match="stopped"):
+        collect_parts(repo.storage, slot=0, step=1, ranks=[1, 2], world=3, session="s",
+                      cancel=stop)
+
+
+def test_two_ranks_never_write_one_array(tmp_path: Path) -> None:
+    repo = Repository.create(tmp_path / "run")
+    with repo.writer(chunk_bytes=64) as w0, repo.writer(exclusive=False) as w1:
+        slot = w0.next_slot
+        t1 = w1.begin(1, slot=slot)
+        put_array(t1, "params/w", np.ones(3, np.float32))
+        t1.prepare(rank=1, world=2, session="s")
+        t0 = w0.begin(1, slot=slot)
+        put_array(t0, "params/w", np.ones(3, np.float32))
+        parts = collect_parts(repo.storage, slot=slot, step=1, ranks=[1], world=2, session="s")
+        with pytest.raises(RankError, match="exactly one owner"):
+            t0.commit(parts=parts)
+    assert repo.reader().head() is None
+
+
+def test_part_writer_limits(tmp_path: Path) -> None:
+    repo = Repository.create(tmp_path / "run")
+    with pytest.raises(ValueError, match="cannot encode"):
+        repo.writer(exclusive=False, encoding=DeltaPolicy())
+    with repo.writer(exclusive=False) as w1:
+        t = w1.begin(1, slot=0)
+        with pytest.raises(DsttError, match="cannot commit"):
+            t.commit()
+    with repo.writer() as w0, pytest.raises(ValueError, match="already used"):
+        w0.begin(1, slot=-1)  # (the part writer above took no lock)
+
+
+def test_slot_capacity_grows_per_owner(tmp_path: Path) -> None:
+    repo = Repository.create(tmp_path / "run")
+    cap = repo.slot_capacity()
+    _two_rank_commit(repo, 1, slot=0)
+    h, want = _two_rank_commit(repo, 2, slot=cap + 3)  # beyond the capacity
+    assert repo.slot_capacity() >= cap + 4
+    g = zarr.open_group(str(tmp_path / "run"), mode="r", zarr_format=3)
+    for p, a in want.items():
+        assert g[p].shape[0] == repo.slot_capacity()
+        assert same_bits(g[p][h.slot], a)
+    assert repo.verify().ok
+
+
+def test_parts_folder_is_not_a_zarr_node_problem(tmp_path: Path) -> None:
+    repo = Repository.create(tmp_path / "run")
+    _two_rank_commit(repo, 1)
+    assert not (tmp_path / "run" / PARTS_PREFIX / "000000000000").exists()
+
+
+# -- logical arrays -----------------------------------------------------------------------
+
+def _sharded_commit(repo: Repository, pieces: dict[str, list[Piece]],
+                    shape: tuple[int, ...] = (4, 5)) -> object:
+    """Two ranks each hold a flat buffer; logical ``params/w`` spans both."""
+    flat0 = np.arange(12, dtype=np.float32)
+    flat1 = np.arange(12, 24, dtype=np.float32)
+    with repo.writer(chunk_bytes=16) as w:
+        t = w.begin(1)
+        put_array(t, "zero/r0/fp32", flat0)
+        put_array(t, "zero/r1/fp32", flat1)
+        for name, ps in pieces.items():
+            t.put_object(name, shard_map([LogicalArray("params/w", "float32", shape,
+                                                       tuple(ps))]))
+        return t.commit()
+
+
+def test_logical_array_reads_across_ranks(tmp_path: Path) -> None:
+    repo = Repository.create(tmp_path / "run")
+    # logical w (20 elements) = r0[2:12] ++ r1[0:10]
+    h = _sharded_commit(repo, {"shards/r0": [Piece("zero/r0/fp32", 2, 0, 10)],
+                               "shards/r1": [Piece("zero/r1/fp32", 0, 10, 10)]})
+    r = repo.reader()
+    la = logical_arrays(r, h)
+    assert list(la) == ["params/w"]
+    want = np.concatenate([np.arange(2, 12), np.arange(12, 22)]).astype(np.float32)
+    assert same_bits(read_logical(r, h, la["params/w"]), want)
+    assert same_bits(read_logical(r, h, la["params/w"], 7, 13), want[7:13])
+    assert read_logical(r, h, la["params/w"], 5, 5).size == 0
+
+
+@pytest.mark.parametrize(("pieces", "match"), [
+    ({"shards/r0": [Piece("zero/r0/fp32", 0, 0, 10)]}, "cover 10 of its 20"),
+    ({"shards/r0": [Piece("zero/r0/fp32", 0, 0, 12), Piece("zero/r1/fp32", 0, 10, 10)]},
+     "gap or overlap"),
+    ({"shards/r0": [Piece("zero/r9/fp32", 0, 0, 20)]}, "does not hold"),
+    ({"shards/r0": [Piece("zero/r0/fp32", 5, 0, 10), Piece("zero/r1/fp32", 0, 10, 10)]},
+     "out of its source"),
+])
+def test_bad_shard_maps_are_corrupt(tmp_path: Path, pieces: dict, match: str) -> None:
+    repo = Repository.create(tmp_path / "run")
+    h = _sharded_commit(repo, pieces)
+    with pytest.raises(CorruptRunError, match=match):
+        logical_arrays(repo.reader(), h)
+
+
+def test_shard_maps_must_agree_on_shape(tmp_path: Path) -> None:
+    repo = Repository.create(tmp_path / "run")
+    with repo.writer(chunk_bytes=16) as w:
+        t = w.begin(1)
+        put_array(t, "zero/r0/fp32", np.zeros(4, np.float32))
+        t.put_object("shards/r0", shard_map([LogicalArray("params/w", "float32", (2, 2),
+                                                          (Piece("zero/r0/fp32", 0, 0, 2),))]))
+        t.put_object("shards/r1", shard_map([LogicalArray("params/w", "float32", (4,),
+                                                          (Piece("zero/r0/fp32", 2, 2, 2),))]))
+        h = t.commit()
+    with pytest.raises(CorruptRunError, match="in another shard map"):
+        logical_arrays(repo.reader(), h)
