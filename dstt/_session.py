@@ -32,9 +32,9 @@ from typing import Any, Literal
 
 import torch
 
-from .engine.pipeline import Flight, Pipeline, StepMetrics
+from .engine.pipeline import SUMMARIES_OBJECT, Flight, Pipeline, StepMetrics
 from .engine.providers import ObjectProvider, StoreSource
-from .engine.torch_state import DataPosition, Stateful, TrackedData, discover
+from .engine.torch_state import DataPosition, Stateful, TorchState, TrackedData, discover
 from .errors import CaptureError, RaceError, TimelineError
 from .store import DeltaPolicy, Repository, Storage
 from .store.layout import DEFAULT_CHUNK_BYTES
@@ -57,7 +57,7 @@ class Session:
                  scheduler: Any = None, resume: bool = False,
                  budget_bytes: int = DEFAULT_BUDGET, race_policy: RacePolicy = "raise",
                  verify: bool = False, error_policy: ErrorPolicy = "raise",
-                 extra_state: Mapping[str, Stateful] | None = None, writers: int = 4,
+                 extra_state: Mapping[str, Stateful] | None = None, writers: int | None = None,
                  max_backlog: int = 16, summaries: bool = True,
                  encoding: DeltaPolicy | None = None) -> None:
         if not isinstance(every, int) or every < 1:
@@ -75,13 +75,14 @@ class Session:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.every, self.resume = every, resume
         self.budget_bytes, self.race_policy = budget_bytes, race_policy
+        # leave a core to training: on 2 cores, more writers only steal CPU from the step
+        writers = writers or min(4, max(1, (os.cpu_count() or 2) - 1))
         self.verify, self.error_policy, self.writers = verify, error_policy, writers
         self.max_backlog, self.summaries = max_backlog, summaries
         self._run_arg = run
+        self.summaries_object = SUMMARIES_OBJECT  # per rank under DeepSpeed
         self.repo: Repository | None = None
-        self._state = discover(model, optimizer, scheduler=scheduler, extra_state=extra_state,
-                               extra=[ObjectProvider("data", self._data_state, self._set_data,
-                                                     required=False)])
+        self._state = self._discover(scheduler, extra_state)
         self._writer: Any = None
         self._pipeline: Pipeline | None = None
         self._hooks: list[Any] = []
@@ -142,6 +143,46 @@ class Session:
         self._before_step()
         self._after_step()
 
+    # -- seams (DeepSpeedSession overrides these) ----------------------------------------
+    def _discover(self, scheduler: Any,
+                  extra_state: Mapping[str, Stateful] | None) -> TorchState:
+        return discover(self.model, self.optimizer, scheduler=scheduler,
+                        extra_state=extra_state,
+                        extra=[ObjectProvider("data", self._data_state, self._set_data,
+                                              required=False)])
+
+    def _open(self, chunk: int) -> tuple[Any, Any, Any]:
+        """Open the run for writing: ``(writer, reader, head to restore or None)``."""
+        run = self._run_arg
+        self.repo = run if isinstance(run, Repository) else Repository.create(run)
+        writer = self.repo.writer(chunk_bytes=chunk, encoding=self.encoding)
+        try:
+            reader = self.repo.reader()
+            head = reader.head()
+            if head is not None and not self.resume:
+                raise TimelineError(
+                    f"run {self.repo.storage.location} already has committed steps (timeline "
+                    f"{reader.current_timeline!r} is at step {head.step}); pass resume=True to "
+                    "continue it, or choose a new run path"
+                )
+        except BaseException:
+            writer.close()
+            raise
+        return writer, reader, head
+
+    def _restore_state(self, source: StoreSource, reader: Any, head: Any) -> None:
+        self._state.step_state.restore(source)
+        self._state.boundary_state.restore(source)
+
+    def _attach(self) -> list[Any]:
+        """Install the step hooks; returns handles with ``remove()``."""
+        if self.optimizer is None:
+            return []
+        return [
+            self.optimizer.register_step_pre_hook(lambda *_: self._before_step()),
+            self.optimizer.register_step_post_hook(lambda *_: self._after_step()),
+        ]
+
     # -- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> Session:
         self.start()
@@ -154,30 +195,17 @@ class Session:
         if self._started:
             raise CaptureError("this session was already started")
         self._started = True
-        run = self._run_arg
-        self.repo = run if isinstance(run, Repository) else Repository.create(run)
         chunk = min(DEFAULT_CHUNK_BYTES, max(4096, self.budget_bytes // 4))
-        self._writer = self.repo.writer(chunk_bytes=chunk, encoding=self.encoding)
+        self._writer, reader, head = self._open(chunk)
         try:
-            reader = self.repo.reader()
-            head = reader.head()
-            if head is not None and not self.resume:
-                raise TimelineError(
-                    f"run {self.repo.storage.location} already has committed steps (timeline "
-                    f"{reader.current_timeline!r} is at step {head.step}); pass resume=True to "
-                    "continue it, or choose a new run path"
-                )
             if head is not None:
                 self._restore(reader, head)
             self._pipeline = Pipeline(self._writer, budget_bytes=self.budget_bytes,
                                       writers=self.writers, verify=self.verify,
                                       max_backlog=self.max_backlog,
-                                      summaries=self.summaries)
-            if self.optimizer is not None:
-                self._hooks = [
-                    self.optimizer.register_step_pre_hook(lambda *_: self._before_step()),
-                    self.optimizer.register_step_post_hook(lambda *_: self._after_step()),
-                ]
+                                      summaries=self.summaries,
+                                      summaries_object=self.summaries_object)
+            self._hooks = self._attach()
         except BaseException:
             self._writer.close()
             raise
@@ -307,9 +335,7 @@ class Session:
         self._tracked = None
 
     def _restore(self, reader: Any, head: Any) -> None:
-        source = StoreSource(reader, head)
-        self._state.step_state.restore(source)
-        self._state.boundary_state.restore(source)
+        self._restore_state(StoreSource(reader, head), reader, head)
         self._step = head.step
         ref = reader.ref()
         if ref.skip_data and head.slot == ref.base_slot:  # fresh rollback: skip bad batches
@@ -324,10 +350,14 @@ def session(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | No
             scheduler: Any = None, resume: bool = False, budget_bytes: int = DEFAULT_BUDGET,
             race_policy: RacePolicy = "raise", verify: bool = False,
             error_policy: ErrorPolicy = "raise",
-            extra_state: Mapping[str, Stateful] | None = None, writers: int = 4,
+            extra_state: Mapping[str, Stateful] | None = None, writers: int | None = None,
             max_backlog: int = 16, summaries: bool = True,
             encoding: DeltaPolicy | None = None) -> Session:
     """Capture every ``every``-th optimizer step of ``model``/``optimizer`` into ``run``.
+
+    ``model`` may also be a DeepSpeed engine (``deepspeed.initialize``'s first result; leave
+    ``optimizer`` unset): every rank then captures its own share — ZeRO partitions included —
+    and rank 0 commits a step once every rank's part is durable (see ``dstt._ds_session``).
 
     Use as a context manager. ``resume=True`` restores the latest committed step of the run's
     current timeline (model, optimizer, scheduler, RNG, data position, ``extra_state``)
@@ -335,16 +365,28 @@ def session(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | No
     ``budget_bytes`` bounds the host cache (allocated once; copies wait when it is full) and
     ``max_backlog`` the steps awaiting their commit; both stall training honestly (at the next
     optimizer step, measured in ``s.metrics``) when the disk is slower than training.
-    ``writers`` is the number of writer threads. ``summaries`` stores write-time statistics of
-    every parameter per step (norms, NaN/Inf counts, update estimates; see
-    ``dstt.engine.summaries``), computed on the host copies by the writer threads.
+    ``writers`` is the number of writer threads (default: one less than the cores, at most 4).
+    ``summaries`` stores write-time statistics of every parameter per step (norms, NaN/Inf
+    counts, update estimates; see ``dstt.engine.summaries``), computed on the host copies by
+    the writer threads.
     ``encoding=dstt.DeltaPolicy()`` writes fewer bytes: XOR deltas against the previous step,
     keyframes every K steps, unchanged chunks referenced instead of rewritten (docs/design.md).
     """
-    return Session(model, optimizer, run=run, every=every, scheduler=scheduler, resume=resume,
-                   budget_bytes=budget_bytes, race_policy=race_policy, verify=verify,
-                   error_policy=error_policy, extra_state=extra_state, writers=writers,
-                   max_backlog=max_backlog, summaries=summaries, encoding=encoding)
+    cls: type[Session] = Session
+    if model is not None and _is_deepspeed_engine(model):
+        from ._ds_session import DeepSpeedSession
+
+        cls = DeepSpeedSession
+    return cls(model, optimizer, run=run, every=every, scheduler=scheduler, resume=resume,
+               budget_bytes=budget_bytes, race_policy=race_policy, verify=verify,
+               error_policy=error_policy, extra_state=extra_state, writers=writers,
+               max_backlog=max_backlog, summaries=summaries, encoding=encoding)
+
+
+def _is_deepspeed_engine(obj: Any) -> bool:
+    from .engine.deepspeed import is_deepspeed_engine
+
+    return is_deepspeed_engine(obj)
 
 
 def _metric(name: str, v: Any) -> float | int | str | bool:

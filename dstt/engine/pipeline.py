@@ -65,6 +65,9 @@ class StepMetrics:
     cache_capacity: int
     backlog: int  # earlier steps not yet committed when this one was staged
     error: str | None = None
+    #: CPU seconds the writer threads spent on this step: on a machine with few cores this,
+    #: not ``blocked_s``, is what slows training (it competes for cores and the GIL)
+    writer_cpu_s: float = 0.0
     written_bytes: int = 0  # bytes the step put on disk (after deltas and dedup)
     keyframes: int = 0  # chunks written whole
     deltas: int = 0  # chunks written as XOR deltas (DeltaPolicy)
@@ -117,7 +120,10 @@ class Flight:
         self.t_stage = time.perf_counter()
         self.t_copied = self.t_stage
         self.blocked_s = self.stall_s = 0.0
+        self.cpu_s = 0.0  # CPU the writer threads spent on this step (competes with training)
+        self._cpu_lock = threading.Lock()
         self.cache_bytes = self.backlog = 0
+        self.writers_behind = False
 
     def __repr__(self) -> str:
         state = ("committed" if self.header is not None else
@@ -138,6 +144,10 @@ class Flight:
     def add_pending(self) -> None:
         with self._cond:
             self.pending += 1
+
+    def add_cpu(self, seconds: float) -> None:
+        with self._cpu_lock:
+            self.cpu_s += seconds
 
     def task_done(self) -> None:
         with self._cond:
@@ -171,7 +181,8 @@ class Pipeline:
 
     def __init__(self, writer: Any, *, budget_bytes: int, writers: int = 4,
                  verify: bool = False, max_backlog: int = 16,
-                 summaries: bool = True) -> None:
+                 summaries: bool = True, summaries_object: str = SUMMARIES_OBJECT,
+                 min_slab_bytes: int = 0) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         if max_backlog < 1:
@@ -181,6 +192,10 @@ class Pipeline:
         self.max_backlog = max_backlog
         self.verify = verify
         self._book = SummaryBook() if summaries else None
+        self.summaries_object = summaries_object
+        #: slabs at least this large: for callers whose first step is not the largest (one
+        #: DeepSpeed checkpoint file per flight); 0 sizes them from the first step
+        self.min_slab_bytes = min(min_slab_bytes, budget_bytes)
         self.cache: HostCache | None = None
         self._copier = Copier()
         self._flights: list[Flight] = []
@@ -211,7 +226,10 @@ class Pipeline:
             raise CaptureError("the capture pipeline is closed")
         f = Flight(step, tensors, objects, self.verify)
         with self._lock:
-            f.backlog = sum(1 for x in self._flights if not x.done.is_set())
+            live = [x for x in self._flights if not x.done.is_set()]
+            f.backlog = len(live)
+            # the writers are behind when an earlier step still has chunks to write now
+            f.writers_behind = any(x.pending for x in live)
             self._flights = [x for x in self._flights if not x.done.is_set()] + [f]
         f.cache_bytes = self.cache.leased_bytes if self.cache else 0
         self._copy_q.put(f)
@@ -338,7 +356,8 @@ class Pipeline:
                     "raise budget_bytes (this run's arrays were created with larger chunks)"
                 )
             total = max(f.nbytes, 1)
-            slab = max(largest, min(self.budget_bytes // 8, 4 * MiB, total // 4 + 1))
+            slab = max(largest, self.min_slab_bytes,
+                       min(self.budget_bytes // 8, 4 * MiB, total // 4 + 1))
             slab = (slab + 63) // 64 * 64
             capacity = max(slab, min(self.budget_bytes, 2 * total + 2 * slab))
             pin = torch.cuda.is_available() and any(s.is_cuda for s in f.sources.values())
@@ -350,19 +369,22 @@ class Pipeline:
 
     def _copy(self, f: Flight) -> None:
         f.txn = self.writer.begin(f.step)
-        # encoding costs CPU in the writer threads: when earlier steps are still waiting to
-        # commit, the flush is behind, so this step is written raw (reported in the metrics)
-        f.txn.encode = f.backlog < 2
+        # encoding costs CPU in the writer threads: when an earlier step's chunks were still
+        # being written as this step started, the flush is behind, so this step is written raw
+        # (reported as raw_fallback in the metrics)
+        f.txn.encode = not f.writers_behind
         for path, spec in f.specs.items():
             f.plans[path] = f.txn.declare(path, spec.dtype, spec.shape)
+        for name, obj in f.objects.items():
+            f.add_pending()
+            self._write_q.put((f, "object", name, obj))
+        if not f.plans:  # objects only: nothing to copy (and no cache sized for nothing)
+            return
         cache = self._ensure_cache(f)
         if self._book is not None:
             for path, plan in f.plans.items():
                 if path.startswith(SUMMARIZED):
                     f.summaries[path] = self._book.accumulator(path, plan.nbytes // plan.itemsize)
-        for name, obj in f.objects.items():
-            f.add_pending()
-            self._write_q.put((f, "object", name, obj))
         self._copier.begin(f.marks)
         last: dict[torch.device, Ready] = {}  # chunk events of one stream complete in order
         try:
@@ -397,6 +419,7 @@ class Pipeline:
             if task is None:
                 return
             f = task[0]
+            t0 = time.thread_time()
             try:
                 if task[1] == "chunk":
                     self._write_chunk(f, task[2], task[3], task[4], task[5])
@@ -405,6 +428,7 @@ class Pipeline:
             except BaseException as e:
                 f.fail(e)
             finally:
+                f.add_cpu(time.thread_time() - t0)
                 f.task_done()
 
     def _write_chunk(self, f: Flight, path: str, i: int, lease: Lease, ready: Ready) -> None:
@@ -458,7 +482,7 @@ class Pipeline:
         f.wait_writes()
         if not f.dead and f.summaries:
             try:
-                self._put_object(f, SUMMARIES_OBJECT, self._summaries(f))
+                self._put_object(f, self.summaries_object, self._summaries(f))
             except BaseException as e:
                 f.fail(e)
         if not f.dead:
@@ -495,6 +519,7 @@ class Pipeline:
             cache_peak_bytes=cache.peak_bytes if cache else 0,
             cache_capacity=cache.capacity if cache else 0, backlog=f.backlog,
             error=None if f.error is None else f"{type(f.error).__name__}: {f.error}",
+            writer_cpu_s=f.cpu_s,
             **_encode_metrics(f.txn),
         )
         with self._lock:

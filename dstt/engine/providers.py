@@ -231,6 +231,16 @@ class StoreSource:
         self._arrays = reader.arrays(header)
 
     @property
+    def reader(self) -> Any:
+        """The store ``Reader`` (for providers that read beyond whole arrays)."""
+        return self._reader
+
+    @property
+    def header(self) -> Any:
+        """The commit header being restored."""
+        return self._header
+
+    @property
     def step(self) -> int:
         return int(self._header.step)
 

@@ -123,7 +123,7 @@ def test_race_policy_recopy_commits_the_value_seen_by_the_next_step(tmp_path: Pa
     assert same_bits(stored(repo, 1, "params/l1/weight"), seen[0])
     r = repo.reader()  # the write-time summary describes the recopied values, once
     summary = r.read_object(r.find(1), "summaries")["params/l1/weight"]
-    assert summary["l2"] == pytest.approx(float(seen[0].double().norm()), rel=1e-12)
+    assert summary["l2"] == pytest.approx(float(seen[0].double().norm()), rel=1e-6)
 
 
 def test_race_policy_warn_commits_and_warns(tmp_path: Path) -> None:
@@ -378,7 +378,7 @@ def test_write_time_summaries_match_the_committed_tensors(tmp_path: Path) -> Non
         assert set(summ) == {"params/l1/weight", "params/l1/bias", "params/l2/weight",
                              "params/l2/bias"}
         w = stored(repo, h.step, "params/l1/weight").double()
-        assert math.isclose(summ["params/l1/weight"]["l2"], float(w.norm()), rel_tol=1e-12)
+        assert math.isclose(summ["params/l1/weight"]["l2"], float(w.norm()), rel_tol=1e-6)
         assert summ["params/l1/weight"]["nan"] == 0
         assert (summ["params/l1/weight"]["update_l2"] is None) == (h.step == 1)
     with session(m, opt, run=tmp_path / "run", resume=True, summaries=False):

@@ -1,0 +1,293 @@
+"""DeepSpeed: what a DeepSpeed engine holds, per rank, and where its steps begin and end.
+
+``discover_deepspeed(engine, info)`` builds the same two provider sets the plain-PyTorch path
+uses (``TorchState``: *step state* captured right after optimizer step k, *boundary state* at
+the end of iteration k), for one rank of a DeepSpeed engine:
+
+* ZeRO stage 1-3: the rank's flat fp32 partitions and their optimizer state (``zero.py``),
+  owned by the rank by construction;
+* replicated tensors — every parameter and optimizer state under stage 0, frozen parameters
+  under stage 1/2 — are split among the ranks by size (greedy, deterministic: every rank
+  computes the same owners), so each writes only its share;
+* module buffers are rank 0's (DeepSpeed does not synchronise them; rank 0's are the ones a
+  resume puts on every rank, as DDP's ``broadcast_buffers`` would);
+* per rank (objects named ``.../r<rank>``): RNG, data position, user ``extra_state``;
+* from rank 0: ``deepspeed/engine`` (global/micro/skipped steps, samples, the LR scheduler,
+  the wrapped optimizer's hyperparameters, the loss scaler) and ``deepspeed/meta``
+  (world size, ZeRO stage), which every rank reads back on resume.
+
+Steps: the wait for step k's copies is a pre-step hook on the *wrapped torch optimizer*, the
+last moment before the master weights change (after gradient reduction, norms and clipping);
+it fires once per parameter group under ZeRO, and only the first call waits. Capture happens
+when ``engine.step()`` returns having taken a step (``global_steps`` advanced and the step was
+not skipped for overflow): only then are the bit16 weights updated and gathered and the LR
+scheduler stepped. ``engine.step`` is wrapped per instance for that (DeepSpeed has no post-step
+hook). Rejected alternative: the wrapped optimizer's post-step hook — ZeRO calls that optimizer
+once per group (stage 3: per sub-group), so no single call marks the end of a step.
+
+This module never imports ``deepspeed`` (detection is by class name), so ``dstt`` works where
+DeepSpeed is not installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ..errors import CaptureError, RankError, SchemaError
+from ._convert import from_plain, to_plain
+from .providers import CompositeProvider, ObjectProvider, RestoreSource, TensorProvider
+from .ranks import RankInfo
+from .torch_state import (
+    OptimizerStateProvider,
+    Stateful,
+    TorchState,
+    _get_rng,
+    _set_rng,
+    model_buffers,
+    param_names,
+    tensor_path,
+)
+from .zero import ZeroState
+
+__all__ = [
+    "ENGINE_OBJECT",
+    "META_OBJECT",
+    "DeepSpeedState",
+    "EngineStepHook",
+    "discover_deepspeed",
+    "is_deepspeed_engine",
+    "owners",
+    "per_rank_object",
+]
+
+ENGINE_OBJECT = "deepspeed/engine"
+META_OBJECT = "deepspeed/meta"
+_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+
+
+def is_deepspeed_engine(obj: Any) -> bool:
+    """Whether ``obj`` is a ``deepspeed.DeepSpeedEngine`` (without importing deepspeed)."""
+    return any(c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed")
+               for c in type(obj).__mro__)
+
+
+def owners(sizes: Mapping[str, int], world: int) -> dict[str, int]:
+    """Rank that writes each replicated array: largest first to the least loaded rank."""
+    load = [0] * world
+    out: dict[str, int] = {}
+    for path in sorted(sizes, key=lambda p: (-sizes[p], p)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        out[path] = r
+        load[r] += sizes[path]
+    return out
+
+
+class OwnedTensors:
+    """Replicated tensors of several providers; ``tensors()`` yields this rank's share only
+    (``rank0``: rank 0 owns them all). Objects come from rank 0 only; ``restore`` reads every
+    array (all ranks hold them all)."""
+
+    def __init__(self, providers: Iterable[Any], info: RankInfo, *, rank0: bool = False) -> None:
+        self.inner = CompositeProvider(providers)
+        self.info, self.rank0 = info, rank0
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        if self.rank0:
+            return self.inner.tensors() if self.info.rank == 0 else {}
+        every = self.inner.tensors()
+        mine = owners({p: t.numel() * t.element_size() for p, t in every.items()},
+                      self.info.world)
+        return {p: t for p, t in every.items() if mine[p] == self.info.rank}
+
+    def objects(self) -> Mapping[str, Any]:
+        return self.inner.objects() if self.info.rank == 0 else {}
+
+    def restore(self, source: RestoreSource) -> None:
+        self.inner.restore(source)
+
+
+def per_rank_object(name: str, info: RankInfo, get: Callable[[], Any],
+              set: Callable[[Any], None] | None, *, fallback: bool) -> ObjectProvider:
+    """An object each rank stores under ``name/r<rank>``; on resume into more ranks than were
+    saved, ranks without their own copy take rank 0's when ``fallback``."""
+    p = ObjectProvider(f"{name}/r{info.rank}", get, set, required=False)
+    restore = p.restore
+
+    def restore_any(source: RestoreSource) -> None:
+        if source.has_object(p.name) or not fallback or set is None:
+            restore(source)
+        elif source.has_object(f"{name}/r0"):
+            set(from_plain(source.object(f"{name}/r0")))
+
+    p.restore = restore_any  # type: ignore[method-assign]
+    return p
+
+
+class _EngineProvider:
+    """``deepspeed/engine``: counters, LR scheduler, hyperparameters, loss scaler (rank 0)."""
+
+    def __init__(self, engine: Any, inner: torch.optim.Optimizer, info: RankInfo) -> None:
+        self.engine, self.inner, self.info = engine, inner, info
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return {}
+
+    def objects(self) -> Mapping[str, Any]:
+        if self.info.rank != 0:
+            return {}
+        e = self.engine
+        scaler = getattr(e.optimizer, "loss_scaler", None)
+        state = {
+            "counters": {k: int(getattr(e, k, 0)) for k in _COUNTERS},
+            "lr_scheduler": None if e.lr_scheduler is None else e.lr_scheduler.state_dict(),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                             for g in self.inner.param_groups],
+            "loss_scaler": None if scaler is None else {
+                k: v for k, v in vars(scaler).items() if isinstance(v, int | float | bool)},
+        }
+        return {ENGINE_OBJECT: to_plain(state)}
+
+    def restore(self, source: RestoreSource) -> None:
+        if not source.has_object(ENGINE_OBJECT):
+            raise SchemaError(f"step {source.step} has no {ENGINE_OBJECT!r}; it was not "
+                              "written by a DeepSpeed session")
+        state = from_plain(source.object(ENGINE_OBJECT))
+        e = self.engine
+        for k, v in state["counters"].items():
+            setattr(e, k, v)
+        if state["lr_scheduler"] is not None and e.lr_scheduler is not None:
+            e.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        groups = state["param_groups"]
+        if len(groups) != len(self.inner.param_groups):
+            raise SchemaError(f"step {source.step} has {len(groups)} optimizer param groups, "
+                              f"the engine has {len(self.inner.param_groups)}")
+        for live, saved in zip(self.inner.param_groups, groups, strict=True):
+            live.update(saved)
+        scaler = getattr(e.optimizer, "loss_scaler", None)
+        if scaler is not None and state["loss_scaler"]:
+            for k, v in state["loss_scaler"].items():
+                setattr(scaler, k, v)
+
+
+class _MetaProvider:
+    def __init__(self, stage: int, info: RankInfo) -> None:
+        self.stage, self.info = stage, info
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return {}
+
+    def objects(self) -> Mapping[str, Any]:
+        if self.info.rank != 0:
+            return {}
+        return {META_OBJECT: {"format": 1, "world": self.info.world, "stage": self.stage}}
+
+    def restore(self, source: RestoreSource) -> None:
+        meta = source.object(META_OBJECT) if source.has_object(META_OBJECT) else None
+        if meta is None:
+            raise SchemaError(f"step {source.step} was not written by a DeepSpeed session")
+        if (meta["stage"] == 0) != (self.stage == 0):
+            raise RankError(
+                f"step {source.step} was written with ZeRO stage {meta['stage']} and cannot be "
+                f"resumed with stage {self.stage} (ZeRO 1-3 restore into each other and into "
+                "any world size; stage 0 only into stage 0). Inspect it with dstt.open(run).")
+
+
+class DeepSpeedState:
+    """The providers of one rank of a DeepSpeed engine (see the module docstring)."""
+
+    def __init__(self, engine: Any, info: RankInfo, *,
+                 extra_state: Mapping[str, Stateful] | None = None,
+                 extra: Iterable[Any] = ()) -> None:
+        self.engine, self.info = engine, info
+        self.stage = int(engine.zero_optimization_stage())
+        opt = engine.optimizer
+        if opt is None:
+            raise CaptureError("the DeepSpeed engine has no optimizer; dstt captures training")
+        self.zero = ZeroState(engine, info) if self.stage > 0 else None
+        inner = opt.optimizer if self.zero is not None else opt
+        if not isinstance(inner, torch.optim.Optimizer):
+            if self.zero is None:
+                raise CaptureError(
+                    f"ZeRO stage 0 with fp16/bf16 runs DeepSpeed's {type(opt).__name__}, whose "
+                    "master weights dstt does not capture yet; use ZeRO stage 1-3 (or fp32)")
+            raise CaptureError(f"the engine's optimizer {type(opt).__name__} wraps "
+                               f"{type(inner).__name__}, not a torch optimizer; dstt needs one "
+                               "to hook (pass a torch optimizer to deepspeed.initialize)")
+        self.inner: torch.optim.Optimizer = inner
+        module = engine.module
+        names = param_names(module)
+        if self.zero is None:
+            replicated: list[Any] = [
+                TensorProvider(lambda: {tensor_path("params", n): p
+                                        for n, p in module.named_parameters()}),
+                OptimizerStateProvider(inner, names)]
+        else:
+            frozen = {n: p for n, p in module.named_parameters() if n not in self.zero.shapes}
+            if frozen and self.stage == 3:
+                raise CaptureError(f"ZeRO-3 parameters outside the optimizer ({sorted(frozen)[:3]}"
+                                   "...) are not supported yet")
+            replicated = [TensorProvider({tensor_path("params", n): p
+                                          for n, p in frozen.items()})]
+        buffers = TensorProvider(lambda: model_buffers(module), snapshot=True)
+        step = CompositeProvider([OwnedTensors(replicated, info),
+                                  OwnedTensors([buffers], info, rank0=True)])
+        if self.zero is not None:
+            step.add(self.zero)
+        step.add(_MetaProvider(self.stage, info))
+        for p in extra:
+            step.add(p)
+        step.add(per_rank_object("rng", info, _get_rng, _set_rng, fallback=True))
+        boundary = CompositeProvider([_EngineProvider(engine, inner, info)])
+        for name, obj in (extra_state or {}).items():
+            if not isinstance(obj, Stateful):
+                raise TypeError(f"extra_state[{name!r}] needs state_dict() and load_state_dict()")
+            boundary.add(per_rank_object(f"extra/{name}", info, obj.state_dict, obj.load_state_dict,
+                                   fallback=True))
+        self.state = TorchState(step, boundary)
+
+    def restore(self, source: RestoreSource) -> None:
+        """Resume from a ``StoreSource`` (every rank restores the same commit): the stage
+        check first, then the replicated and per-rank state, the ZeRO partitions, and the
+        boundary state (which does not touch RNG: the committed RNG state stays)."""
+        providers = self.state.step_state.providers
+        meta = next(p for p in providers if isinstance(p, _MetaProvider))
+        meta.restore(source)
+        for p in providers:
+            if p is not self.zero and p is not meta:
+                p.restore(source)
+        if self.zero is not None:
+            self.zero.restore(source)
+        self.state.boundary_state.restore(source)
+
+
+class EngineStepHook:
+    """Wraps ``engine.step`` of one engine instance: ``before()`` at entry, ``after()`` once a
+    step was taken. ``remove()`` restores the class method."""
+
+    def __init__(self, engine: Any, before: Callable[[], None],
+                 after: Callable[[], None]) -> None:
+        self.engine = engine
+        original = engine.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            before()
+            taken = engine.global_steps
+            out = original(*args, **kwargs)
+            if engine.global_steps != taken and engine.was_step_applied():
+                after()
+            return out
+
+        self._fn = step
+        engine.step = step
+
+    def remove(self) -> None:
+        if self.engine.__dict__.get("step") is self._fn:
+            del self.engine.step
+
+
+def discover_deepspeed(engine: Any, info: RankInfo, **kw: Any) -> DeepSpeedState:
+    """``DeepSpeedState`` for ``engine`` on this rank."""
+    return DeepSpeedState(engine, info, **kw)

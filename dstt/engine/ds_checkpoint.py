@@ -1,0 +1,355 @@
+"""A DeepSpeed ``CheckpointEngine`` that writes ``engine.save_checkpoint()`` into a dstt run.
+
+DeepSpeed's checkpoint engines receive, per rank, the state dicts of one checkpoint tag
+(``save(state_dict, path)`` per file: model states on data-parallel rank 0, ZeRO optimizer
+partitions on every rank) between ``create(info)`` and ``commit(info)``. This one is
+*decoupled* (DeepSpeed calls ``commit`` at the next ``engine.step()``, before the optimizer
+step), which is exactly the DataStates contract:
+
+* ``save`` stages the file's tensors for lazy copying (no clone: ``preserves_storage_sharing``
+  is False) and writes a small JSON *stub* at ``path`` naming the run, step and file, so
+  DeepSpeed's own file discovery (``glob`` of model-state files) keeps working;
+* ``commit`` (next step) waits only until the copies are on the host — the optimizer may then
+  change the tensors — and checks them for in-place races; flushing continues in background;
+* rank 0 commits the tag once every rank's part is durable (``dstt.engine.ranks``), and only
+  then writes ``<save_dir>/latest`` (tmp + fsync + rename + directory fsync). DeepSpeed is told
+  ``save_latest=False`` so it never moves ``latest`` itself before the data is durable;
+* ``load(path)`` reads the stub and rebuilds the state dict from the run (waiting for this
+  engine's own in-flight saves first), so ``engine.load_checkpoint()`` works unchanged.
+
+One tag is one dstt commit (step: ``engine.global_steps`` when attached with ``attach``,
+metric ``tag``); the run defaults to ``<save_dir>/dstt``. DeepSpeed's ``zero_to_fp32.py`` does
+not read stubs: use ``dstt export`` instead.
+Rejected alternative: writing ``torch.save`` files from a background thread (DeepSpeed's
+decoupled engine) — a pickle per rank per tag has no checksums, no atomic global commit, and
+cannot be inspected lazily.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
+    CheckpointCommitInfo,
+    CheckpointEngine,
+)
+
+from ..errors import CaptureError, RaceError, RankError
+from ..store import Repository
+from ..store.layout import DEFAULT_CHUNK_BYTES
+from ._convert import tensor_from_numpy
+from ._statedict import flatten, rebuild, segment
+from .pipeline import Flight, Pipeline
+from .ranks import DEFAULT_RANK_TIMEOUT, RankWriter, dist_info, open_ranks
+
+__all__ = ["DsttCheckpointEngine"]
+
+STUB_FORMAT = 1
+
+
+@dataclasses.dataclass
+class _Save:
+    """One tag on its way to a commit."""
+
+    info: CheckpointCommitInfo
+    step: int
+    timeline: str
+    flights: list[Flight] = dataclasses.field(default_factory=list)
+    stubs: list[str] = dataclasses.field(default_factory=list)
+    total: int | None = None  # flights including the final one, once known
+    begun: int = 0
+    txn: Any = None
+
+
+class _FileDone:
+    """What a file flight's ``commit`` returns: its part of the tag's transaction is done."""
+
+
+class _SharedTxn:
+    """The tag's transaction as seen by one of its flights (all flights share one slot)."""
+
+    def __init__(self, txn: Any, final: bool) -> None:
+        self._txn, self.final = txn, final
+
+    def declare(self, path: str, dtype: str, shape: tuple[int, ...]) -> Any:
+        return self._txn.declare(path, dtype, shape)
+
+    def put_chunk(self, path: str, index: int, data: Any) -> Any:
+        return self._txn.put_chunk(path, index, data)
+
+    def put_object(self, name: str, obj: Any, **kw: Any) -> Any:
+        return self._txn.put_object(name, obj, **kw)
+
+    def abort(self) -> None:
+        self._txn.abort()
+
+    encode = property(lambda self: False, lambda self, v: None)
+    stats = property(lambda self: self._txn.stats)
+    bytes_written = property(lambda self: self._txn.bytes_written)
+
+    def commit(self, metrics: Any = None) -> Any:
+        return self._txn.commit(metrics) if self.final else _FileDone()
+
+
+class _TagWriter:
+    """Pipeline-facing writer: every flight of a tag writes into the tag's one transaction."""
+
+    def __init__(self, rw: RankWriter, saves: dict[int, _Save]) -> None:
+        self.rw, self.saves = rw, saves
+
+    def begin(self, step: int) -> _SharedTxn:
+        save = self.saves[step]  # added before its first flight was staged
+        if save.txn is None:
+            save.txn = self.rw.begin(step)
+        save.begun += 1
+        return _SharedTxn(save.txn, final=save.total is not None and save.begun == save.total)
+
+
+def _durable_write(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DsttCheckpointEngine(CheckpointEngine):
+    """``engine.save_checkpoint``/``load_checkpoint`` through dstt (see the module docstring).
+
+    Use ``DsttCheckpointEngine.attach(engine, run=None)`` after ``deepspeed.initialize``
+    (DeepSpeed has no engine registry; replacing ``engine.checkpoint_engine`` is the seam).
+    Call ``close()`` (or ``engine.destroy()``) at the end so the last tag commits.
+    """
+
+    def __init__(self, config_params: Any = None, *,
+                 run: str | os.PathLike[str] | None = None, budget_bytes: int = 256 << 20,
+                 writers: int = 4, rank_timeout: float = DEFAULT_RANK_TIMEOUT) -> None:
+        super().__init__(config_params)
+        self.name = "DsttCheckpointEngine"
+        self.run = None if run is None else Path(run)
+        self.budget_bytes, self.writers, self.rank_timeout = budget_bytes, writers, rank_timeout
+        self.engine: Any = None
+        self._rw: RankWriter | None = None
+        self._pipe: Pipeline | None = None
+        self._saves: dict[int, _Save] = {}
+        self._pending: _Save | None = None
+        self._staged: _Save | None = None  # the newest tag, until a flush saw it committed
+        self._last_step = -1
+        self._lock = threading.Lock()
+
+    @classmethod
+    def attach(cls, engine: Any, run: str | os.PathLike[str] | None = None,
+               **kw: Any) -> DsttCheckpointEngine:
+        """Make ``engine`` save and load through a new ``DsttCheckpointEngine``."""
+        old = getattr(engine, "checkpoint_engine", None)
+        if old is not None and old.is_decoupled():
+            old.cleanup()
+        ce = cls(run=run, **kw)
+        ce.engine = engine
+        engine.checkpoint_engine = ce
+        return ce
+
+    # -- CheckpointEngine -------------------------------------------------------------------
+    def create(self, info: CheckpointCommitInfo) -> None:
+        if self._pending is not None:  # two saves without a step between them
+            self.commit(self._pending.info)
+        self._open(info.save_dir)
+        assert self._rw is not None
+        step = int(self.engine.global_steps) if self.engine is not None else \
+            int(re.sub(r"\D", "", str(info.tag)) or 0)
+        step = max(step, self._last_step + 1)
+        self._last_step = step
+        save = _Save(info, step, self._rw.writer.reader.current_timeline)
+        with self._lock:
+            self._saves[step] = save
+        self._pending = self._staged = save
+
+    def save(self, state_dict: Any, path: str) -> None:
+        save, pipe = self._pending, self._pipe
+        if save is None or pipe is None:
+            raise CaptureError("save() outside create()/commit(); use engine.save_checkpoint")
+        fid = segment(Path(path).name.removesuffix(".pt"), set())
+        tensors: dict[str, torch.Tensor] = {}
+        skeleton = flatten(state_dict, f"files/{fid}", tensors)
+        f = pipe.stage(save.step, tensors, {f"files/{fid}": pickle.dumps(skeleton)})
+        save.flights.append(f)
+        assert self.run is not None
+        stub = {"dstt_checkpoint": STUB_FORMAT, "run": os.path.relpath(self.run, Path(path).parent),
+                "step": save.step, "timeline": save.timeline, "tag": str(save.info.tag),
+                "file": fid}
+        tmp = f"{path}.tmp.{os.getpid()}"
+        Path(tmp).write_text(json.dumps(stub))
+        os.rename(tmp, path)  # made durable by the committer before the tag commits
+        save.stubs.append(path)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        save, pipe = self._pending, self._pipe
+        self._pending = None
+        if save is None or pipe is None:
+            return True
+        err: RaceError | None = None
+        for f in save.flights:  # the only wait on the training thread: host copies
+            pipe.wait_copied(f)
+            races = pipe.check(f) if not f.dead else []
+            if races and err is None:
+                err = RaceError(f"checkpoint {save.info.tag}: tensors were modified in place "
+                                "while being copied: " + ", ".join(r.path for r in races[:5]))
+        save.total = len(save.flights) + 1
+        final = pipe.stage(save.step, {}, {})  # commits the tag's transaction
+        final.add_metrics({"tag": str(save.info.tag)})
+        save.flights.append(final)
+        for f in save.flights:
+            if err is None:
+                pipe.seal(f, {})
+            else:
+                pipe.abort(f, err)
+        if err is not None:
+            raise err
+        self._surface()
+        return True
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        try:
+            stub = json.loads(Path(path).read_text())
+            if stub.get("dstt_checkpoint") != STUB_FORMAT:
+                raise ValueError
+        except (ValueError, UnicodeDecodeError):
+            return torch.load(path, map_location=map_location, weights_only=False)
+        self.flush()
+        repo = Repository.open(Path(path).parent / stub["run"])
+        reader = repo.reader()
+        header = reader.find(int(stub["step"]), stub["timeline"])
+        skeleton = pickle.loads(reader.read_object(header, f"files/{stub['file']}"))
+        table = reader.arrays(header)
+
+        def read(apath: str) -> torch.Tensor:
+            t = tensor_from_numpy(reader.read_array(header, apath), table[apath].dtype)
+            # a device moves the tensor; torch.load's callables/dicts keep it on the CPU
+            return t.to(map_location) if isinstance(map_location, str | torch.device) else t
+
+        return rebuild(skeleton, read)
+
+    def get_commit_info(self) -> CheckpointCommitInfo | None:
+        if self._pending is None:
+            return None
+        return dataclasses.replace(self._pending.info, save_latest=False)  # we write latest
+
+    def is_decoupled(self) -> bool:
+        return True
+
+    def preserves_storage_sharing(self) -> bool:
+        return False
+
+    def cleanup(self) -> None:
+        self.close()
+
+    # -- ours -------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Commit the pending tag and wait until every tag is durable and visible (and
+        ``latest`` moved) — on every rank, so a ``load`` right after sees the tag."""
+        last = self._pending
+        if last is not None:
+            self.commit(last.info)
+        if self._pipe is not None:
+            self._pipe.drain()
+        self._surface()
+        rw = self._rw
+        if rw is not None and rw.info.rank != 0 and self._staged is not None:
+            self._wait_visible(rw, self._staged)
+        self._staged = None
+
+    def _wait_visible(self, rw: RankWriter, save: _Save) -> None:
+        """Ranks other than 0: poll the store until rank 0 has committed ``save``."""
+        deadline = time.monotonic() + self.rank_timeout
+        latest = os.path.join(save.info.save_dir, "latest")
+        while True:
+            head = rw.repo.reader().head(save.timeline)
+            at = -1 if head is None else int(head.step)
+            done = at >= save.step
+            if done and save.info.save_latest and at == save.step:
+                try:  # rank 0 writes latest right after the commit
+                    done = Path(latest).read_text() == str(save.info.tag)
+                except OSError:
+                    done = False
+            if done:
+                return
+            if time.monotonic() > deadline:
+                raise RankError(f"rank 0 did not commit checkpoint {save.info.tag!r} within "
+                                f"{self.rank_timeout:.0f} s")
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        """Flush, then stop the threads and release the run (idempotent)."""
+        try:
+            self.flush()
+        finally:
+            pipe, rw = self._pipe, self._rw
+            self._pipe = self._rw = None
+            if pipe is not None:
+                pipe.close()
+            if rw is not None:
+                rw.close()
+
+    def _open(self, save_dir: str) -> None:
+        if self._rw is not None:
+            return
+        if self.run is None:
+            self.run = Path(save_dir) / "dstt"
+        chunk = min(DEFAULT_CHUNK_BYTES, max(4096, self.budget_bytes // 4))
+        rw, head = open_ranks(self.run, dist_info(), resume=True, chunk_bytes=chunk,
+                              timeout=self.rank_timeout)
+        self._last_step = int(head.step) if head is not None else -1
+        rw.before_commit.append(self._make_stubs_durable)
+        rw.after_commit.append(self._write_latest)
+        self._rw = rw
+        self._pipe = Pipeline(_TagWriter(rw, self._saves), budget_bytes=self.budget_bytes,
+                              writers=self.writers, summaries=False, min_slab_bytes=chunk)
+
+    def _make_stubs_durable(self, txn: Any) -> None:
+        """Committer thread, before this rank's part (or rank 0's commit): stubs durable."""
+        with self._lock:
+            save = self._saves.get(txn.step)
+            if save is not None and txn.rank != 0:  # rank 0 still needs it for ``latest``
+                del self._saves[txn.step]
+        stubs = save.stubs if save is not None else []
+        for p in stubs:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        for d in {os.path.dirname(p) for p in stubs}:
+            _fsync_dir(d)
+
+    def _write_latest(self, header: Any) -> None:
+        with self._lock:
+            save = self._saves.pop(header.step, None)
+        if save is not None and save.info.save_latest:
+            _durable_write(os.path.join(save.info.save_dir, "latest"), str(save.info.tag).encode())
+
+    def _surface(self) -> None:
+        pipe = self._pipe
+        failed = pipe.take_errors() if pipe is not None else []
+        if failed:
+            f = failed[0]
+            raise CaptureError(f"checkpoint step {f.step} was not saved: "
+                               f"{type(f.error).__name__}: {f.error}") from f.error
