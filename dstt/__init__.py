@@ -19,6 +19,7 @@ from .errors import (
     MissingFileError,
     NotARunError,
     RaceError,
+    RankError,
     ReadOnlyRunError,
     RunLockedError,
     SchemaError,
@@ -40,6 +41,7 @@ __all__ = [
     "MissingFileError",
     "NotARunError",
     "RaceError",
+    "RankError",
     "ReadOnlyRunError",
     "Run",
     "RunLockedError",
@@ -53,7 +55,9 @@ __all__ = [
     "UnsafeObjectError",
     "__version__",
     "open",
+    "plots",
     "session",
+    "widgets",
 ]
 
 _LAZY: dict[str, str] = {
@@ -63,7 +67,9 @@ _LAZY: dict[str, str] = {
     "Session": "dstt._session:Session",
     "StepMetrics": "dstt.engine.pipeline:StepMetrics",
     "open": "dstt._run:open_run",
+    "plots": "dstt.plots",
     "session": "dstt._session:session",
+    "widgets": "dstt.widgets",
 }
 
 

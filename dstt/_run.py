@@ -24,6 +24,7 @@ from .inspect.compare import diff_commits
 from .inspect.html import run_html, run_summary
 from .inspect.lazy import ReaderPool
 from .inspect.naming import array_path, optim_state, select, tensor_dims, user_name
+from .inspect.sharded import shard_sources
 from .inspect.summaries import (
     SUMMARIES_OBJECT,
     Spike,
@@ -143,8 +144,7 @@ class Run:
         """Write-time per-tensor statistics, dims ``step`` x ``tensor`` (see
         :func:`dstt.inspect.summaries.summaries_dataset`); empty if none were written."""
         return summaries_dataset(self.select_steps(steps, timeline),
-                                 lambda h: self._reader.read_object(h, SUMMARIES_OBJECT),
-                                 progress)
+                                 self._read_summaries, progress)
 
     def spikes(self, metric: str = "loss", *, window: int = 50, z: float = 4.0,
                around: int = 2, top: int = 10, timeline: str | None = None) -> list[Spike]:
@@ -165,16 +165,28 @@ class Run:
                                                            min(len(line), index[s] + around + 1))})
         # only the summaries around the spikes are read, not the whole run's
         sums = summaries_dataset([line[j] for j in near],
-                                 lambda h: self._reader.read_object(h, SUMMARIES_OBJECT))
+                                 self._read_summaries)
         return [Spike(s, v, zi, mu, sd, rank_tensors(sums, s, around)[:top])
                 for s, v, zi, mu, sd in found]
 
-    def diff(self, a: int, b: int, *, timeline: str | None = None, selector: str | None = None,
+    def _read_summaries(self, h: Any) -> dict[str, Any]:
+        """The summaries of one commit; multi-rank runs add one object per other rank."""
+        out = dict(self._reader.read_object(h, SUMMARIES_OBJECT))
+        for name in h.objects:
+            if name.startswith(f"{SUMMARIES_OBJECT}/"):
+                out.update(self._reader.read_object(h, name))
+        return out
+
+    def diff(self, a: int, b: int, *, timeline: str | None = None,
+             timeline_b: str | None = None, selector: str | None = None,
+             paths: Iterable[str] | None = None,
              progress: Callable[[int], None] | None = None) -> xr.Dataset:
         """Per-tensor change from step ``a`` to step ``b`` (see :mod:`dstt.inspect.compare`);
-        ``selector`` restricts to a layer selector (:func:`dstt.inspect.naming.select`)."""
-        ha, hb = self._header(a, timeline), self._header(b, timeline)
-        paths = None
+        ``b`` is read from ``timeline_b`` if given (compare two timelines), else ``timeline``.
+        ``selector`` restricts to a layer selector (:func:`dstt.inspect.naming.select`),
+        ``paths`` to store array paths (``params/...``)."""
+        ha, hb = self._header(a, timeline), self._header(b, timeline_b or timeline)
+        paths = None if paths is None else list(paths)
         if selector is not None:
             paths = select(selector, sorted(set(self._reader.arrays(ha))
                                            | set(self._reader.arrays(hb))))
@@ -232,7 +244,9 @@ class Snapshot:
         self.timeline, self.time = str(header.timeline), float(header.time)
         self.metrics = dict(header.metrics)
         self.arrays = run.arrays(header)
-        self._model_paths = [p for p in sorted(self.arrays) if optim_state(p) is None]
+        hidden = shard_sources(self.arrays)  # ZeRO flat buffers: shown as logical tensors
+        self._pool = [p for p in sorted(self.arrays) if p not in hidden]
+        self._model_paths = [p for p in self._pool if optim_state(p) is None]
         self._dims_of = tensor_dims(self.arrays)
 
     def __repr__(self) -> str:
@@ -241,7 +255,7 @@ class Snapshot:
 
     def names(self, optim: bool = False) -> list[str]:
         """User names of the tensors (optimizer states too when ``optim``)."""
-        return [user_name(p) for p in (sorted(self.arrays) if optim else self._model_paths)]
+        return [user_name(p) for p in (self._pool if optim else self._model_paths)]
 
     @property
     def objects(self) -> list[str]:
@@ -276,7 +290,7 @@ class Snapshot:
         ``layers.0.attn``). ``optim=True`` adds the optimizer states of the selected tensors
         under ``optim/<state>/<module path>``. bf16 is shown as float32 (exact).
         """
-        pool = sorted(self.arrays) if optim else self._model_paths
+        pool = self._pool if optim else self._model_paths
         paths = select(selector, pool)
         if not paths:
             tops = sorted({user_name(p).split(".")[0] for p in pool})

@@ -44,19 +44,21 @@ class _Parser(argparse.ArgumentParser):
 
 # -- helpers --------------------------------------------------------------------------------
 
-def _resolve_run(args: argparse.Namespace) -> Any:
-    from ._run import open_run
+def _resolve_run(args: argparse.Namespace, *, opener: Any = None) -> Any:
+    """The run named by the arguments, opened with ``opener`` (default ``dstt.open``)."""
+    if opener is None:
+        from ._run import open_run as opener
 
     path = getattr(args, "path", None) or getattr(args, "run", None) or os.environ.get("DSTT_RUN")
     if not path:
         try:
-            return open_run(os.getcwd())
+            return opener(os.getcwd())
         except NotARunError:
             raise UsageError("no run given and the current directory is not a dstt run; "
                              "pass --run PATH or set DSTT_RUN") from None
     if not os.path.isdir(path):
         raise UsageError(f"no run at {path}: no such directory")
-    return open_run(path)
+    return opener(path)
 
 
 def _jsonable(x: Any) -> Any:
@@ -203,7 +205,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    run = _resolve_run(args)
+    from .store import Repository
+
+    # the repository, not a Run: a Run reads HEAD and the refs up front, so a damaged one
+    # would end here as "unreadable" (exit 3) instead of being reported as a problem
+    run = _resolve_run(args, opener=Repository.open)
     with _bar(args, None, "commit") as bar:
         rep = run.verify(progress=_counter(bar))
     problems = [{"key": p.key, "message": p.message} for p in rep.problems]

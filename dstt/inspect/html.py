@@ -48,7 +48,9 @@ def run_summary(run: Any) -> dict[str, Any]:
         "last_step": head.step if head is not None else None,
         "head_time": head.time if head is not None else None,
         "n_arrays": len(table),
-        "bytes_per_step": sum(r.plan.nbytes for r in table.values()),
+        # stored bytes: logical tensors of sharded runs are views of the flat buffers
+        "bytes_per_step": sum(r.plan.nbytes for r in table.values()
+                              if getattr(r, "logical", None) is None),
         "metrics": sorted({k for h in line[-1:] for k in h.metrics}),
     }
 

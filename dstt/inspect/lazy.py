@@ -34,6 +34,7 @@ from xarray.core import indexing
 
 from ..store import Reader
 from ..store.zarr_meta import numpy_dtype
+from .sharded import LogicalRecord, read_logical_chunk, with_logical
 
 __all__ = ["CommitArray", "ReaderPool", "TrajectoryArray", "read_outer", "variable", "view_dtype"]
 
@@ -75,7 +76,8 @@ class _TableCache:
 
 
 class _SharedReader(Reader):
-    """A ``Reader`` whose arrays tables come from (and go to) a shared cache."""
+    """A ``Reader`` whose arrays tables come from (and go to) a shared cache, augmented with
+    the logical tensors of sharded (ZeRO) commits (:mod:`dstt.inspect.sharded`)."""
 
     def __init__(self, storage: Any, tables: _TableCache) -> None:
         super().__init__(storage, table_cache=1)
@@ -85,8 +87,15 @@ class _SharedReader(Reader):
         table = None if header.pruned else self._shared.get(header.slot)
         if table is None:
             table = super().arrays(header)  # verifies; raises for pruned steps
+            table = with_logical(self, header, table)
             self._shared.put(header.slot, table)
         return table
+
+    def read_chunk(self, header: Any, path: str, index: int) -> memoryview:
+        rec = self.arrays(header).get(path)
+        if isinstance(rec, LogicalRecord):
+            return read_logical_chunk(self, header, rec, index)
+        return super().read_chunk(header, path, index)
 
 
 class ReaderPool:

@@ -1,0 +1,64 @@
+"""Logical tensors of sharded commits (ZeRO partitions) as ordinary arrays-table records.
+
+A commit written by several ranks under ZeRO stores flat per-rank buffers
+(``zero/r<rank>/g<group>/fp32`` ...) plus shard maps (``dstt.store.shards``). For inspection
+the arrays table of such a commit is *augmented*: every logical tensor (``params/l1/weight``,
+``optim/exp_avg/l1/weight``) gets a ``LogicalRecord`` — an ``ArrayRecord`` whose chunks are
+virtual: chunk ``i`` covers the same rows a stored array of that shape would have, and reading
+it assembles those elements from the pieces (only the source chunks that hold them). Every view
+built on records and ``read_chunk`` (``CommitArray``, trajectories, diff, export) therefore
+works unchanged, lazily, and a snapshot looks the same whatever the parallelism. The flat
+sources stay in the table (``shard_sources`` names them so views can hide them).
+Rejected alternative: a second kind of backend array for logical tensors — every view
+(tensor, layer, trajectory, diff, export) would need a branch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..store.layout import DEFAULT_CHUNK_BYTES, plan_chunks
+from ..store.manifest import ArrayRecord
+from ..store.shards import LogicalArray, logical_arrays, read_logical
+from ..store.zarr_meta import dtype_itemsize
+
+__all__ = ["LogicalRecord", "read_logical_chunk", "shard_sources", "with_logical"]
+
+
+@dataclass(frozen=True)
+class LogicalRecord(ArrayRecord):
+    """An arrays-table record of a logical tensor (no chunk files of its own)."""
+
+    logical: LogicalArray | None = None
+
+
+def with_logical(reader: Any, header: Any, table: dict[str, Any]) -> dict[str, Any]:
+    """``table`` plus a ``LogicalRecord`` per logical tensor of the commit."""
+    found = logical_arrays(reader, header, table)
+    if not found:
+        return table  # unsharded: the table as it is
+    out = dict(table)
+    for path, a in found.items():
+        rows = plan_chunks(a.shape, dtype_itemsize(a.dtype), DEFAULT_CHUNK_BYTES).rows
+        out[path] = LogicalRecord(path, a.dtype, a.shape, rows, (), a)
+    return out
+
+
+def read_logical_chunk(reader: Any, header: Any, rec: LogicalRecord, index: int) -> memoryview:
+    """Bytes of virtual chunk ``index`` of a logical tensor (no padding), like ``read_chunk``."""
+    assert rec.logical is not None
+    plan = rec.plan
+    start, stop = plan.byte_range(index)
+    data = read_logical(reader, header, rec.logical, start // plan.itemsize,
+                        stop // plan.itemsize)
+    return data.reshape(-1).view(np.uint8).data
+
+
+def shard_sources(table: Mapping[str, Any]) -> set[str]:
+    """Stored arrays that only serve as pieces of logical tensors (hidden in layer views)."""
+    return {p.source for rec in table.values() if isinstance(rec, LogicalRecord)
+            and rec.logical is not None for p in rec.logical.pieces}

@@ -1,0 +1,146 @@
+"""Matplotlib plots of a run, usable in any notebook or script (``import dstt.plots``).
+
+- :func:`loss`            a logged metric over steps, per timeline, with detected spikes marked
+- :func:`update_heatmap`  per-tensor update ratio (or norm) over steps, spikes as dashed lines
+- :func:`norms`           weight-norm trajectories
+- :func:`layer_change`    per-tensor change of one step versus a reference step
+- :func:`tensor`          one tensor as a heatmap (rank >= 2) or histogram (1-D)
+
+Each takes ``ax=`` (or makes a new figure through pyplot, the matplotlib convention, so it
+shows inline) and returns the ``Axes``. The numbers come from :mod:`dstt.plots.series`
+(write-time summaries when the run has them); the drawing from :mod:`dstt.plots.draw`.
+matplotlib is imported on first use, not by ``import dstt.plots``.
+
+Rejected alternative: ``xarray``'s own ``.plot()`` on the views — it knows nothing of spikes,
+timelines or summaries, and users would have to assemble the step x tensor matrix themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from .._optional import require
+from .draw import draw_bars, draw_curves, draw_heatmap, draw_tensor
+from .series import param_names, step_change, tensor_stats
+
+__all__ = [
+    "layer_change",
+    "loss",
+    "norms",
+    "param_names",
+    "step_change",
+    "tensor",
+    "tensor_stats",
+    "update_heatmap",
+]
+
+
+def _axes(ax: Any, figsize: tuple[float, float]) -> Any:
+    if ax is not None:
+        return ax
+    plt = require("matplotlib.pyplot", "dstt.plots")
+    _, new = plt.subplots(figsize=figsize, layout="constrained")
+    return new
+
+
+def _timelines(run: Any, timelines: str | Iterable[str] | None) -> list[str]:
+    if timelines is None:
+        return [run.timeline]
+    if timelines == "all":
+        return sorted(run.timelines, key=lambda t: (t != run.timeline, t))
+    return [timelines] if isinstance(timelines, str) else list(timelines)
+
+
+def _spike_points(run: Any, metric: str, timeline: str | None, window: int,
+                  z: float) -> list[tuple[float, float]]:
+    if metric not in run.metrics(timeline):
+        return []
+    return [(s.step, s.value) for s in run.spikes(metric, window=window, z=z, top=0,
+                                                   timeline=timeline)]
+
+
+def loss(run: Any, metric: str = "loss", *, timelines: str | Iterable[str] | None = None,
+         spikes: bool = True, step: int | None = None, window: int = 50, z: float = 4.0,
+         logy: bool = False, ax: Any = None) -> Any:
+    """``metric`` over steps for the current timeline (or ``timelines``: names or ``"all"``),
+    spikes (:meth:`dstt.Run.spikes` with ``window``/``z``) marked, ``step`` as a cursor."""
+    ax = _axes(ax, (8, 3.5))
+    curves, points = [], []
+    for tl in _timelines(run, timelines):
+        ds = run.metrics(tl)
+        if metric not in ds:
+            continue
+        curves.append((tl, ds["step"].values, ds[metric].values))
+        if spikes:
+            points += _spike_points(run, metric, tl, window, z)
+    if not curves:
+        raise KeyError(f"metric {metric!r} was never logged on {_timelines(run, timelines)}")
+    draw_curves(ax, curves, spikes=sorted(set(points)), cursor=step, ylabel=metric, logy=logy)
+    return ax
+
+
+def update_heatmap(run: Any, steps: Any = None, *, timeline: str | None = None,
+                   selector: str | None = None, field: str = "update_ratio", log: bool = True,
+                   spikes: str | None = "loss", window: int = 50, z: float = 4.0,
+                   ax: Any = None) -> Any:
+    """Per-parameter ``field`` (``update_ratio``, ``update_l2`` or ``l2``) over steps as a
+    heatmap; the spikes of metric ``spikes`` (None: none; ``window``/``z`` as in
+    :func:`loss`) as dashed lines."""
+    ds = tensor_stats(run, steps, timeline=timeline, selector=selector)
+    names = [str(n) for n in ds["tensor"].values]
+    ax = _axes(ax, (9, max(2.5, 0.18 * len(names) + 1)))
+    marks: list[int] = []
+    if spikes:
+        lo, hi = (int(ds["step"].min()), int(ds["step"].max())) if ds.sizes["step"] else (0, -1)
+        marks = [int(s) for s, _ in _spike_points(run, spikes, timeline, window, z)
+                 if lo <= s <= hi]
+    draw_heatmap(ax, ds["step"].values, names, ds[field].values.T, label=field, log=log,
+                 marks=marks)
+    ax.set_title(f"{field} per tensor ({ds.attrs.get('source')})", fontsize="medium")
+    return ax
+
+
+def norms(run: Any, selector: str | None = None, steps: Any = None, *,
+          timeline: str | None = None, relative: bool = False, legend_max: int = 12,
+          ax: Any = None) -> Any:
+    """L2 norm of each selected parameter over steps (``relative``: divided by the first)."""
+    ds = tensor_stats(run, steps, timeline=timeline, selector=selector)
+    ax = _axes(ax, (8, 3.5))
+    x = ds["step"].values
+    for j, name in enumerate(ds["tensor"].values):
+        y = ds["l2"].values[:, j]
+        if relative and y.size and np.isfinite(y[0]) and y[0] != 0:
+            y = y / y[0]
+        ax.plot(x, y, lw=1, label=str(name))
+    ax.set_xlabel("step")
+    ax.set_ylabel("‖w‖ / ‖w₀‖" if relative else "‖w‖₂")
+    ax.grid(alpha=0.3)
+    if 0 < ds.sizes["tensor"] <= legend_max:
+        ax.legend(fontsize="x-small", loc="best")
+    return ax
+
+
+def layer_change(run: Any, step: int, reference: int | None = None, *,
+                 timeline: str | None = None, top: int | None = 30, ax: Any = None) -> Any:
+    """Bars of ``||w_step - w_ref|| / ||w||`` per parameter (default reference: the previous
+    commit), largest first, at most ``top`` of them."""
+    ds = step_change(run, step, reference, timeline=timeline)
+    ratio = ds["ratio"].values
+    order = np.argsort(-np.where(np.isfinite(ratio), ratio, -np.inf), kind="stable")[:top]
+    ax = _axes(ax, (7, max(2.5, 0.2 * len(order) + 1)))
+    ref = ds.attrs.get("reference")
+    draw_bars(ax, [str(ds["tensor"].values[i]) for i in order], ratio[order],
+              xlabel="‖Δw‖ / ‖w‖", title=f"step {step} vs {ref if ref is not None else '—'}")
+    return ax
+
+
+def tensor(values: Any, *, title: str | None = None, diverging: bool = False,
+           ax: Any = None) -> Any:
+    """One tensor (numpy array or DataArray): heatmap for rank >= 2, histogram for 1-D."""
+    ax = _axes(ax, (6, 4))
+    name = title if title is not None else str(getattr(values, "name", "") or "")
+    draw_tensor(ax, np.asarray(values), title=name, diverging=diverging)
+    return ax

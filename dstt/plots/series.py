@@ -1,0 +1,163 @@
+"""Per-step, per-tensor numbers behind the plots and widgets: norms, updates, change vs a step.
+
+Two sources, one shape. When every selected commit carries the engine's write-time
+``summaries`` object (:mod:`dstt.engine.summaries`), the numbers come from it: a few KB per
+step, no tensor is read. Otherwise they are computed from the tensors themselves, one
+trajectory per tensor (every step of one tensor at a time, so memory is bounded by one tensor
+times the number of steps, checked against ``max_bytes``). Every result says which it used in
+``attrs["source"]`` (``"summaries"`` or ``"tensors"``).
+
+Only model parameters are included (``params/...``): buffers are often integer masks and
+optimizer states have their own scale, so neither belongs on a "which layer moved" chart.
+
+``update_ratio`` means ``||w_t - w_prev|| / ||w_t||`` (the engine's definition). A change
+against an arbitrary reference step (:func:`step_change`) is exact, streamed chunk by chunk by
+:mod:`dstt.inspect.compare`, with ``ratio = ||w_t - w_ref|| / ||w_ref||``.
+
+Rejected alternative: always computing from the tensors — a 1000-step heatmap of a real model
+would read the whole run, where the summaries answer it from kilobytes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from ..inspect.naming import select, user_name
+from ..inspect.summaries import SUMMARIES_OBJECT
+
+__all__ = ["param_names", "step_change", "tensor_stats"]
+
+STAT_FIELDS = ("l2", "update_l2", "update_ratio")
+DEFAULT_MAX_BYTES = 512 * 1024 * 1024
+
+
+def _is_param(path: str) -> bool:
+    return path.startswith("params/")
+
+
+def param_names(run: Any, step: int | None = None, *, timeline: str | None = None,
+                selector: str | None = None) -> list[str]:
+    """Dotted names of the parameters at ``step`` (default: head), optionally selected."""
+    arrays = run.at(step, timeline).arrays
+    paths = sorted(p for p in arrays if _is_param(p))
+    if selector is not None:
+        paths = select(selector, paths)
+    return [user_name(p) for p in paths]
+
+
+def tensor_stats(run: Any, steps: Any = None, *, timeline: str | None = None,
+                 selector: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> xr.Dataset:
+    """``l2``, ``update_l2``, ``update_ratio`` over ``(step, tensor)`` for the parameters.
+
+    ``steps`` as in :meth:`dstt.Run.select_steps`; ``selector`` picks tensors by the layer
+    selector rule. From summaries when every selected commit has them, else from the tensors
+    (``MemoryError`` beyond ``max_bytes`` per tensor trajectory: narrow ``steps``).
+    """
+    headers = run.select_steps(steps, timeline)
+    if headers and all(SUMMARIES_OBJECT in h.objects for h in headers):
+        ds = run.summaries([h.step for h in headers], timeline=timeline)
+        params = [p for p in map(str, ds["store_path"].values) if _is_param(p)]
+        keep = set(params if selector is None else select(selector, params))
+        mask = np.array([str(p) in keep for p in ds["store_path"].values], dtype=bool)
+        out = ds[list(STAT_FIELDS)].isel(tensor=np.flatnonzero(mask))
+        out.attrs["source"] = "summaries"
+        return out
+    return _stats_from_tensors(run, headers, timeline, selector, max_bytes)
+
+
+def _stats_from_tensors(run: Any, headers: list[Any], timeline: str | None,
+                        selector: str | None, max_bytes: int) -> xr.Dataset:
+    steps = [h.step for h in headers]
+    names = param_names(run, steps[-1], timeline=timeline, selector=selector) if steps else []
+    n = len(steps)
+    l2 = np.full((n, len(names)), np.nan)
+    upd = np.full((n, len(names)), np.nan)
+    for j, name in enumerate(names):
+        traj = run.trajectory(name, steps, timeline=timeline)
+        nbytes = traj.size * traj.dtype.itemsize
+        if nbytes > max_bytes:
+            raise MemoryError(f"{name}: {n} steps need {nbytes / 2**20:.0f} MiB "
+                              f"(max_bytes={max_bytes / 2**20:.0f} MiB); select fewer steps")
+        flat = traj.values.astype(np.float64).reshape(n, -1)
+        l2[:, j] = np.sqrt(np.einsum("ij,ij->i", flat, flat))
+        if n > 1:
+            d = np.diff(flat, axis=0)
+            upd[1:, j] = np.sqrt(np.einsum("ij,ij->i", d, d))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(l2 > 0, upd / l2, np.nan)
+    dims = ("step", "tensor")
+    return xr.Dataset(
+        {"l2": (dims, l2), "update_l2": (dims, upd), "update_ratio": (dims, ratio)},
+        coords={"step": ("step", np.array(steps, dtype=np.int64)),
+                "tensor": ("tensor", np.array(names, dtype=object))},
+        attrs={"source": "tensors"},
+    )
+
+
+def _previous(run: Any, step: int, timeline: str | None) -> Any | None:
+    line = run.commits(timeline)
+    idx = next((i for i, h in enumerate(line) if h.step == step), None)
+    return line[idx - 1] if idx else None
+
+
+def step_change(run: Any, step: int, reference: int | None = None, *,
+                timeline: str | None = None, reference_timeline: str | None = None
+                ) -> xr.Dataset:
+    """Per-parameter change of ``step`` versus ``reference`` (default: the previous commit).
+
+    Variables over ``tensor``: ``delta_l2``, ``norm`` and ``ratio = delta_l2 / norm``. With
+    the default reference and a ``summaries`` object at ``step``, they come from the summaries
+    (``norm`` is then the current weights' L2, the engine's ``update_ratio`` convention);
+    otherwise both commits are diffed exactly and ``norm`` is the reference's L2.
+    ``attrs``: ``step``, ``reference`` (None at the first commit: everything NaN),
+    ``source``.
+    """
+    head = run.at(step, timeline).header
+    if reference is None:
+        ref = _previous(run, int(head.step), timeline)
+        if ref is not None and SUMMARIES_OBJECT in head.objects:
+            return _change_from_summaries(run, head, ref)
+    else:
+        ref = run.at(reference, reference_timeline or timeline).header
+    if ref is None:
+        names = param_names(run, step, timeline=timeline)
+        nan = np.full(len(names), np.nan)
+        return xr.Dataset({"delta_l2": ("tensor", nan), "norm": ("tensor", nan.copy()),
+                           "ratio": ("tensor", nan.copy())},
+                          coords={"tensor": ("tensor", np.array(names, dtype=object))},
+                          attrs={"step": int(head.step), "reference": None, "source": "none"})
+    return diff_headers(run, ref, head)
+
+
+def diff_headers(run: Any, ref: Any, head: Any) -> xr.Dataset:
+    """Exact per-parameter change between two commit headers (any timelines)."""
+    paths = sorted(p for p in set(run.arrays(ref)) | set(run.arrays(head)) if _is_param(p))
+    ds = run.diff(int(ref.step), int(head.step), timeline=str(ref.timeline),
+                  timeline_b=str(head.timeline), paths=paths)
+    out = xr.Dataset({"delta_l2": ds["delta_l2"], "norm": ds["a_l2"], "ratio": ds["ratio"]})
+    out = out.assign_coords(status=ds["status"])
+    out.attrs.update(step=int(head.step), reference=int(ref.step), source="tensors",
+                     timeline=str(head.timeline), reference_timeline=str(ref.timeline))
+    return out
+
+
+def _change_from_summaries(run: Any, head: Any, ref: Any) -> xr.Dataset:
+    s = run.at(int(head.step), str(head.timeline)).object(SUMMARIES_OBJECT)
+    paths = sorted(p for p in s if _is_param(p))
+
+    def num(v: Any) -> float:
+        return math.nan if v is None else float(v)
+
+    upd = np.array([num(s[p].get("update_l2")) for p in paths])
+    l2 = np.array([num(s[p].get("l2")) for p in paths])
+    ratio = np.array([num(s[p].get("update_ratio")) for p in paths])
+    return xr.Dataset({"delta_l2": ("tensor", upd), "norm": ("tensor", l2),
+                       "ratio": ("tensor", ratio)},
+                      coords={"tensor": ("tensor", np.array([user_name(p) for p in paths],
+                                                            dtype=object))},
+                      attrs={"step": int(head.step), "reference": int(ref.step),
+                             "source": "summaries"})

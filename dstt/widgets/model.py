@@ -1,0 +1,353 @@
+"""The scrubber's state as a plain Python object: what is selected, and the numbers it shows.
+
+:class:`ScrubberModel` holds the selection (timeline, step, tensor, reference step, view mode)
+and computes what the views draw (metric curve, spikes, the tensor's values, per-tensor change),
+caching loaded steps in a small LRU. It imports neither ipywidgets nor matplotlib: tests drive
+it directly and assert on it, and the widget layer (:mod:`dstt.widgets.scrubber`) only mirrors
+it. Observers registered with :meth:`ScrubberModel.observe` are called synchronously with the
+set of fields that changed.
+
+Rejected alternative: keeping the state in the widgets' traitlets — then every test needs
+ipywidgets, and logic such as "snap the step when the timeline changes" ends up split across
+observer callbacks whose firing order is the widget library's business.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any, Generic, Literal, TypeVar
+
+import numpy as np
+import xarray as xr
+
+from ..inspect.naming import user_name
+from ..plots.draw import image_strides
+from ..plots.series import step_change
+
+__all__ = ["LRU", "Mode", "ScrubberModel"]
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+Mode = Literal["values", "change"]
+Observer = Callable[[set[str]], None]
+
+
+class LRU(Generic[K, V]):
+    """A small least-recently-used cache with hit/miss counters (for tests and tuning)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.hits = self.misses = 0
+        self._items: OrderedDict[K, V] = OrderedDict()
+
+    def get(self, key: K, make: Callable[[], V]) -> V:
+        if key in self._items:
+            self.hits += 1
+            self._items.move_to_end(key)
+            return self._items[key]
+        self.misses += 1
+        value = make()
+        self._items[key] = value
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+        return value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        self._items.clear()
+
+
+def default_metric(metrics: xr.Dataset) -> str | None:
+    """``loss`` if logged, else the first numeric metric, else None."""
+    numeric = [str(k) for k, v in metrics.data_vars.items() if v.dtype.kind in "fiub"]
+    return "loss" if "loss" in numeric else (numeric[0] if numeric else None)
+
+
+class ScrubberModel:
+    """Selection and derived data of a scrubber over one run (see the module docstring).
+
+    ``reference`` None means "the previous committed step"; an int pins a step. ``mode``
+    ``"values"`` shows the tensor, ``"change"`` its difference from the reference.
+    """
+
+    def __init__(self, run: Any, *, timeline: str | None = None, step: int | None = None,
+                 tensor: str | None = None, metric: str | None = None,
+                 reference: int | None = None, mode: Mode = "values", cache_size: int = 16,
+                 spike_window: int = 50, spike_z: float = 4.0, max_side: int = 256) -> None:
+        self.run = run
+        self.spike_window, self.spike_z, self.max_side = spike_window, spike_z, max_side
+        self.cache: LRU[tuple[Any, ...], Any] = LRU(cache_size)
+        self._observers: list[Observer] = []
+        self._metric_arg = metric
+        self._timeline = timeline or run.timeline
+        self._load_timeline()
+        self._step = self._snap(step if step is not None else self.steps[-1])
+        if reference is not None and reference not in self.steps:
+            raise KeyError(f"reference step {reference} is not on timeline {self._timeline!r}")
+        if mode not in ("values", "change"):
+            raise ValueError(f"mode must be 'values' or 'change', not {mode!r}")
+        self._reference = reference
+        self._mode: Mode = mode
+        names = self.tensors
+        self._tensor = tensor if tensor is not None else self._default_tensor(names)
+        if self._tensor not in names:
+            raise KeyError(f"no tensor {self._tensor!r} at step {self._step}; have {names[:8]}")
+
+    # -- observers --------------------------------------------------------------------------
+    def observe(self, fn: Observer) -> Observer:
+        """Call ``fn(changed_fields)`` after every change; returns ``fn``."""
+        self._observers.append(fn)
+        return fn
+
+    def _notify(self, changed: set[str]) -> None:
+        if changed:
+            for fn in list(self._observers):
+                fn(changed)
+
+    # -- timeline -------------------------------------------------------------------------
+    def _load_timeline(self) -> None:
+        steps = [h.step for h in self.run.commits(self._timeline)]
+        if not steps:
+            raise ValueError(f"timeline {self._timeline!r} has no committed steps")
+        self.steps: list[int] = list(steps)
+        self.metrics: xr.Dataset = self.run.metrics(self._timeline)
+        self.metric = self._metric_arg or default_metric(self.metrics)
+        if self.metric is not None and self.metric not in self.metrics:
+            raise KeyError(f"metric {self.metric!r} was never logged on {self._timeline!r}")
+        self.spikes = [] if self.metric is None else self.run.spikes(
+            self.metric, window=self.spike_window, z=self.spike_z, timeline=self._timeline)
+
+    @property
+    def timelines(self) -> list[str]:
+        """Every timeline of the run, the run's current one first."""
+        return sorted(self.run.timelines, key=lambda t: (t != self.run.timeline, t))
+
+    @property
+    def timeline(self) -> str:
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, name: str) -> None:
+        if name == self._timeline:
+            return
+        if name not in self.run.timelines:
+            raise KeyError(f"no timeline {name!r}; have {self.timelines}")
+        old_step, old_ref = self._step, self._reference
+        self._timeline = name
+        self._load_timeline()
+        self._step = self._snap(old_step)
+        if old_ref is not None and old_ref not in self.steps:
+            self._reference = None
+        changed = {"timeline", "steps", "metrics", "spikes"}
+        changed |= {"step"} if self._step != old_step else set()
+        changed |= {"reference"} if self._reference != old_ref else set()
+        if self._tensor not in self.tensors:
+            self._tensor = self._default_tensor(self.tensors)
+            changed.add("tensor")
+        self._notify(changed)
+
+    def refresh(self) -> None:
+        """Re-read the run (new steps of a live run, after a rollback or gc elsewhere)."""
+        old = (self.steps, self._step, self._reference, self._tensor)
+        self.run.refresh()
+        self.cache.clear()
+        if self._timeline not in self.run.timelines:
+            self._timeline = self.run.timeline
+        self._load_timeline()
+        self._step = self._snap(self._step)
+        if self._reference is not None and self._reference not in self.steps:
+            self._reference = None
+        if self._tensor not in self.tensors:
+            self._tensor = self._default_tensor(self.tensors)
+        changed = {"timeline", "metrics", "spikes"}
+        for name, before, now in zip(("steps", "step", "reference", "tensor"), old,
+                                     (self.steps, self._step, self._reference, self._tensor),
+                                     strict=True):
+            if before != now:
+                changed.add(name)
+        self._notify(changed)
+
+    def _snap(self, step: int) -> int:
+        """The latest step <= ``step`` on this timeline (the first step if none)."""
+        i = int(np.searchsorted(self.steps, step, side="right")) - 1
+        return self.steps[max(i, 0)]
+
+    # -- step -------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        step = int(step)
+        if step not in self.steps:
+            raise KeyError(f"step {step} is not committed on timeline {self._timeline!r}")
+        if step != self._step:
+            self._step = step
+            changed = {"step"}
+            if self._tensor not in self.tensors:
+                self._tensor = self._default_tensor(self.tensors)
+                changed.add("tensor")
+            self._notify(changed)
+
+    @property
+    def index(self) -> int:
+        """Position of the current step in :attr:`steps`."""
+        return self.steps.index(self._step)
+
+    @index.setter
+    def index(self, i: int) -> None:
+        self.step = self.steps[i]
+
+    def next(self, n: int = 1) -> None:
+        """Move ``n`` committed steps forward (negative: back), clamped to the ends."""
+        self.index = min(max(self.index + n, 0), len(self.steps) - 1)
+
+    # -- tensor, reference, mode ----------------------------------------------------------
+    def snapshot(self, step: int | None = None) -> Any:
+        s = self._step if step is None else int(step)
+        return self.cache.get(("snapshot", self._timeline, s),
+                              lambda: self.run.at(s, self._timeline))
+
+    @property
+    def tensors(self) -> list[str]:
+        """Parameter names at the current step (buffers and optimizer states left out)."""
+        return [user_name(p) for p in sorted(self.snapshot().arrays) if p.startswith("params/")]
+
+    def _default_tensor(self, names: list[str]) -> str:
+        """The first matrix-shaped parameter (the heatmap is the interesting view), else the
+        first parameter."""
+        arrays = self.snapshot().arrays
+        mats = [n for n in names if len(arrays[f"params/{n.replace('.', '/')}"].shape) >= 2]
+        return (mats or names or [""])[0]
+
+    @property
+    def tensor(self) -> str:
+        return self._tensor
+
+    @tensor.setter
+    def tensor(self, name: str) -> None:
+        if name not in self.tensors:
+            raise KeyError(f"no parameter {name!r} at step {self._step}")
+        if name != self._tensor:
+            self._tensor = name
+            self._notify({"tensor"})
+
+    @property
+    def reference(self) -> int | None:
+        """The pinned reference step, or None for "the previous committed step"."""
+        return self._reference
+
+    @reference.setter
+    def reference(self, step: int | None) -> None:
+        if step is not None:
+            step = int(step)
+            if step not in self.steps:
+                raise KeyError(f"step {step} is not committed on timeline {self._timeline!r}")
+        if step != self._reference:
+            self._reference = step
+            self._notify({"reference"})
+
+    @property
+    def reference_step(self) -> int | None:
+        """The step compared against now (None at the first step with no pinned reference)."""
+        if self._reference is not None:
+            return self._reference
+        i = self.index
+        return self.steps[i - 1] if i > 0 else None
+
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: Mode) -> None:
+        if mode not in ("values", "change"):
+            raise ValueError(f"mode must be 'values' or 'change', not {mode!r}")
+        if mode != self._mode:
+            self._mode = mode
+            self._notify({"mode"})
+
+    # -- derived data ---------------------------------------------------------------------
+    @property
+    def metric_value(self) -> float | None:
+        if self.metric is None:
+            return None
+        v = self.metrics[self.metric].sel(step=self._step).item()
+        return float(v) if np.isfinite(v) else None
+
+    @property
+    def spike(self) -> Any | None:
+        """The detected spike at the current step, if any."""
+        return next((s for s in self.spikes if s.step == self._step), None)
+
+    def strides(self) -> tuple[int, int]:
+        """Subsampling of the tensor's matrix view (1-D tensors are histogrammed whole)."""
+        rec = self.snapshot().arrays[f"params/{self._tensor.replace('.', '/')}"]
+        shape = tuple(rec.shape)
+        return image_strides(shape, self.max_side) if len(shape) >= 2 else (1, 1)
+
+    def values(self, step: int | None = None) -> np.ndarray:
+        """The current tensor's values at ``step`` (default: current), subsampled by
+        :meth:`strides` along its matrix view for big tensors; cached."""
+        s = self._step if step is None else int(step)
+        key = ("values", self._timeline, s, self._tensor, self.max_side)
+        return self.cache.get(key, lambda: self._load_values(s))
+
+    def _load_values(self, step: int) -> np.ndarray:
+        da = self.snapshot(step).tensor(self._tensor)
+        rs, cs = self.strides()
+        if da.ndim >= 1 and rs > 1:
+            da = da.isel({da.dims[0]: slice(None, None, rs)})
+        if da.ndim == 2 and cs > 1:
+            da = da.isel({da.dims[1]: slice(None, None, cs)})
+        v = np.asarray(da.values)
+        if v.ndim > 2 and cs > 1:
+            v = v.reshape(v.shape[0], -1)[:, ::cs]
+        return v
+
+    def shown(self) -> tuple[np.ndarray | None, str]:
+        """What the tensor view draws now and its title: values, or the change since the
+        reference (None when there is no reference to compare with)."""
+        name, step = self._tensor, self._step
+        rs, cs = self.strides()
+        every = f" (every {rs}x{cs})" if rs * cs > 1 else ""
+        if self._mode == "values":
+            return self.values(), f"{name} @ {step}{every}"
+        ref = self.reference_step
+        if ref is None:
+            return None, f"{name}: no reference step before {step}"
+        cur, old = self.values(), self.values(ref)
+        if cur.shape != old.shape:
+            return None, f"{name}: shape changed between {ref} and {step}"
+        return cur.astype(np.float64) - old, f"{name} @ {step} - @ {ref}{every}"
+
+    def change(self) -> xr.Dataset:
+        """Per-parameter change of the current step vs the reference (cached); see
+        :func:`dstt.plots.series.step_change`."""
+        key = ("change", self._timeline, self._step, self._reference)
+        return self.cache.get(key, lambda: step_change(self.run, self._step, self._reference,
+                                                       timeline=self._timeline))
+
+    def label(self) -> str:
+        """One line describing the selection (what the widget's label shows)."""
+        parts = [f"step {self._step}", f"timeline {self._timeline}",
+                 f"{self.index + 1}/{len(self.steps)}"]
+        v = self.metric_value
+        if v is not None:
+            parts.append(f"{self.metric} {v:.4g}")
+        sp = self.spike
+        if sp is not None:
+            parts.append(f"SPIKE z={sp.zscore:.1f}")
+        ref = self.reference_step
+        pin = "pinned" if self._reference is not None else "previous"
+        parts.append(f"reference {ref if ref is not None else '—'} ({pin})")
+        return " · ".join(parts)

@@ -1,0 +1,207 @@
+"""``dstt.widgets.scrubber(run)``: travel through a run's steps in JupyterLab.
+
+Layout: a ``Play`` button jslinked to the step ``SelectionSlider``'s index (playback runs in the
+browser, the kernel only sees the steps it lands on), ◀/▶ buttons, timeline and tensor pickers,
+a ⟳ button (re-read a live run), a values/change toggle, reference pin buttons, a one-line
+label, then three views: the loss curve (spikes marked, cursor at the step), the selected
+tensor as a heatmap (histogram for 1-D; or its change since the reference) and per-tensor
+change versus the reference step.
+
+All state lives in :class:`~dstt.widgets.model.ScrubberModel`; this class only mirrors it into
+widgets and back. The slider has ``continuous_update=False``: dragging loads one step, on
+release. Rejected alternative: ``interactive_output`` over the slider — it re-runs one big
+function per change, so moving the step would redraw (and re-read) everything, where here the
+model's change set decides which views to redraw.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from .._optional import require
+from .model import Mode, ScrubberModel
+from .views import FigureView, draw_change, draw_loss, draw_shown
+
+__all__ = ["Scrubber", "scrubber"]
+
+#: which views each model field invalidates
+_REDRAW = {
+    "timeline": {"loss", "tensor", "change"},
+    "metrics": {"loss"},
+    "steps": {"loss"},
+    "step": {"loss", "tensor", "change"},
+    "tensor": {"tensor", "change"},
+    "mode": {"tensor"},
+    "reference": {"loss", "tensor", "change"},
+}
+
+
+class Scrubber:
+    """The scrubber widget over a :class:`ScrubberModel`; display it (last expression of a
+    cell) or use ``.widget``. ``.model`` holds the state; ``.views`` the figures."""
+
+    def __init__(self, model: ScrubberModel, *, play_interval: int = 700) -> None:
+        w = require("ipywidgets", "dstt.widgets.scrubber")
+        self.model = model
+        self.error: BaseException | None = None
+        self._syncing = False
+        m = model
+        self.slider = w.SelectionSlider(options=m.steps, value=m.step, description="step",
+                                        continuous_update=False,
+                                        layout=w.Layout(width="55%"))
+        self.play = w.Play(min=0, max=len(m.steps) - 1, value=m.index, step=1,
+                           interval=play_interval, description="play")
+        self.link = w.jslink((self.play, "value"), (self.slider, "index"))
+        self.prev_button = w.Button(description="◀", tooltip="previous step",
+                                    layout=w.Layout(width="3em"))
+        self.next_button = w.Button(description="▶", tooltip="next step",
+                                    layout=w.Layout(width="3em"))
+        self.timeline_picker = w.Dropdown(options=m.timelines, value=m.timeline,
+                                          description="timeline")
+        self.tensor_picker = w.Dropdown(options=m.tensors, value=m.tensor, description="tensor",
+                                        layout=w.Layout(width="40%"))
+        self.mode_picker = w.ToggleButtons(options=["values", "change"], value=m.mode,
+                                           tooltips=["the tensor at this step",
+                                                     "this step minus the reference step"])
+        self.refresh_button = w.Button(description="⟳", tooltip="re-read the run (new steps)",
+                                       layout=w.Layout(width="3em"))
+        self.pin_button = w.Button(description="pin step as reference",
+                                   layout=w.Layout(width="auto"))
+        self.unpin_button = w.Button(description="reference: previous step",
+                                     layout=w.Layout(width="auto"))
+        self.label = w.HTML()
+        self.label.add_class("dstt-scrubber-label")
+        self.views = {"loss": FigureView((8, 2.6)), "tensor": FigureView((5, 3.8)),
+                      "change": FigureView((5, 3.8))}
+        self.images = {k: w.Image(format="png") for k in self.views}
+        self._wire()
+        self.widget = w.VBox([
+            w.HBox([self.play, self.prev_button, self.slider, self.next_button]),
+            w.HBox([self.timeline_picker, self.tensor_picker, self.refresh_button]),
+            w.HBox([self.mode_picker, self.pin_button, self.unpin_button]),
+            self.label,
+            self.images["loss"],
+            w.HBox([self.images["tensor"], self.images["change"]]),
+        ])
+        self.widget.add_class("dstt-scrubber")
+        self._redraw(set(self.views))
+
+    # -- display ----------------------------------------------------------------------------
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    @property
+    def figures(self) -> dict[str, Any]:
+        """The matplotlib figures by view name (``loss``, ``tensor``, ``change``)."""
+        return {k: v.fig for k, v in self.views.items()}
+
+    # -- wiring -----------------------------------------------------------------------------
+    def _wire(self) -> None:
+        m = self.model
+
+        def from_widget(setter: Any) -> Any:
+            def handler(change: dict[str, Any]) -> None:
+                if not self._syncing:
+                    self._guard(lambda: setter(change["new"]))
+            return handler
+
+        def set_step(v: int) -> None:
+            m.step = v
+
+        def set_timeline(v: str) -> None:
+            m.timeline = v
+
+        def set_tensor(v: str) -> None:
+            m.tensor = v
+
+        def set_mode(v: Mode) -> None:
+            m.mode = v
+
+        def set_reference(v: int | None) -> None:
+            m.reference = v
+
+        self.slider.observe(from_widget(set_step), "value")
+        self.timeline_picker.observe(from_widget(set_timeline), "value")
+        self.tensor_picker.observe(from_widget(set_tensor), "value")
+        self.mode_picker.observe(from_widget(set_mode), "value")
+        self.prev_button.on_click(lambda _: self._guard(lambda: m.next(-1)))
+        self.next_button.on_click(lambda _: self._guard(lambda: m.next(1)))
+        self.pin_button.on_click(lambda _: self._guard(lambda: set_reference(m.step)))
+        self.unpin_button.on_click(lambda _: self._guard(lambda: set_reference(None)))
+        self.refresh_button.on_click(lambda _: self._guard(m.refresh))
+        m.observe(self._on_model)
+
+    def _guard(self, fn: Any) -> None:
+        """Run a widget-triggered action; show an error in the label instead of losing it in
+        the kernel log (``.error`` keeps it for tests)."""
+        try:
+            fn()
+        except Exception as e:
+            self.error = e
+            self.label.value = (f"<span style='color:#b00'>error: "
+                                f"{html.escape(f'{type(e).__name__}: {e}')}</span>")
+
+    def _on_model(self, changed: set[str]) -> None:
+        m = self.model
+        self._syncing = True
+        try:
+            if "steps" in changed:
+                self.slider.options = m.steps
+                self.play.max = len(m.steps) - 1
+            if self.slider.value != m.step:
+                self.slider.value = m.step
+            if self.play.value != m.index:
+                self.play.value = m.index
+            if {"step", "timeline"} & changed:
+                names = m.tensors
+                if list(self.tensor_picker.options) != names:
+                    self.tensor_picker.options = names
+            if self.tensor_picker.value != m.tensor:
+                self.tensor_picker.value = m.tensor
+            if list(self.timeline_picker.options) != m.timelines:
+                self.timeline_picker.options = m.timelines
+            if self.timeline_picker.value != m.timeline:
+                self.timeline_picker.value = m.timeline
+            if self.mode_picker.value != m.mode:
+                self.mode_picker.value = m.mode
+        finally:
+            self._syncing = False
+        self._redraw(set().union(*(_REDRAW.get(c, set()) for c in changed)))
+
+    def _redraw(self, which: set[str]) -> None:
+        m = self.model
+        draw = {"loss": draw_loss, "tensor": draw_shown, "change": draw_change}
+        for name in ("loss", "tensor", "change"):
+            if name in which:
+                view = self.views[name]
+                view.redraw(lambda ax, f=draw[name]: f(ax, m))  # type: ignore[misc]
+                self.images[name].value = view.png()
+        spike = " spike" if m.spike is not None else ""
+        self.label.value = (f"<span class='dstt-step{spike}' data-step='{m.step}'>"
+                            f"{html.escape(m.label())}</span>")
+        self.error = None
+
+
+def scrubber(run: Any, *, timeline: str | None = None, step: int | None = None,
+             tensor: str | None = None, metric: str | None = None,
+             reference: int | None = None, mode: Mode = "values", cache_size: int = 16,
+             spike_window: int = 50, spike_z: float = 4.0, max_side: int = 256,
+             play_interval: int = 700) -> Scrubber:
+    """A step scrubber over ``run`` (a :class:`dstt.Run` or a path).
+
+    Starts at ``step`` (default: the head) of ``timeline`` (default: current) showing
+    ``tensor`` (default: the first parameter). ``reference`` pins the step that changes are
+    measured against (default: the previous committed step). ``cache_size`` steps' data are
+    kept in an LRU; tensors are subsampled to at most ``max_side`` rows/columns.
+    Spikes of ``metric`` (default ``loss``) use :meth:`dstt.Run.spikes` with
+    ``spike_window`` / ``spike_z``.
+    """
+    if not hasattr(run, "steps"):
+        from .._run import open_run
+
+        run = open_run(run)
+    model = ScrubberModel(run, timeline=timeline, step=step, tensor=tensor, metric=metric,
+                          reference=reference, mode=mode, cache_size=cache_size,
+                          spike_window=spike_window, spike_z=spike_z, max_side=max_side)
+    return Scrubber(model, play_interval=play_interval)

@@ -1,0 +1,116 @@
+"""Figures of the scrubber and compare widgets: matplotlib ``Figure`` objects rendered to PNG.
+
+Each view owns one ``matplotlib.figure.Figure`` (not pyplot: no global figure registry, no
+inline backend printing stray copies) and a dict of the artists of its last drawing, which
+tests assert on. The widget shows ``view.png()`` in an ``ipywidgets.Image``.
+
+Rejected alternative: ``Output`` + ``display(fig)`` — it needs a live kernel to route the
+output (in plain pytest it prints a repr), flickers on ``clear_output``, and leaves nothing to
+assert on but a MIME bundle.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._optional import require
+from ..plots.draw import draw_bars, draw_curves, draw_tensor
+from .model import ScrubberModel
+
+__all__ = ["FigureView", "draw_change", "draw_loss", "draw_shown"]
+
+TOP_BARS = 24
+
+
+class FigureView:
+    """One figure, redrawn from scratch by a draw function; ``artists`` of the last draw.
+
+    Margins are set by hand (``left`` grows with the longest tick label): constrained layout
+    would double the cost of every frame (it draws the figure once more to measure it)."""
+
+    def __init__(self, figsize: tuple[float, float], dpi: int = 80) -> None:
+        figure = require("matplotlib.figure", "dstt.widgets")
+        self.fig = figure.Figure(figsize=figsize, dpi=dpi)
+        self.artists: dict[str, Any] = {}
+        self.renders = 0
+
+    @property
+    def ax(self) -> Any:
+        return self.fig.axes[0] if self.fig.axes else None
+
+    def redraw(self, draw: Callable[[Any], dict[str, Any]]) -> None:
+        """Clear the figure, call ``draw(axes)``, keep the artists it returns."""
+        self.fig.clear()
+        self.artists = draw(self.fig.add_subplot())
+        self.fit()
+
+    def fit(self) -> None:
+        """Left margin for the longest y tick label (0.6 em per character), at most 45%."""
+        dpi = self.fig.dpi
+        width_px = self.fig.get_figwidth() * dpi
+        longest = max((0.6 * t.get_fontsize() * dpi / 72 * max(len(t.get_text()), 4)
+                       for ax in self.fig.axes[:1] for t in ax.get_yticklabels()), default=30.0)
+        left = min(0.45, (longest + 30) / width_px)
+        self.fig.subplots_adjust(left=left, right=0.97, bottom=0.17, top=0.9, wspace=0.35)
+
+    def png(self) -> bytes:
+        buf = io.BytesIO()
+        self.fig.savefig(buf, format="png")
+        self.renders += 1
+        return buf.getvalue()
+
+
+def draw_loss(ax: Any, model: ScrubberModel) -> dict[str, Any]:
+    """The metric of the model's timeline, its spikes, and the current step's cursor."""
+    if model.metric is None:
+        ax.text(0.5, 0.5, "no metrics logged (s.log(loss=...))", ha="center", va="center",
+                transform=ax.transAxes)
+        ax.set_axis_off()
+        return {}
+    ds = model.metrics
+    curves = [(model.timeline, ds["step"].values, ds[model.metric].values)]
+    spikes = [(s.step, s.value) for s in model.spikes]
+    out = draw_curves(ax, curves, spikes=spikes, cursor=model.step, ylabel=model.metric)
+    ref = model.reference
+    if ref is not None:
+        out["reference"] = ax.axvline(ref, color="tab:green", ls=":", lw=1.2)
+    ax.set_title(f"{model.metric} · step {model.step}", fontsize="medium")
+    return out
+
+
+def draw_shown(ax: Any, model: ScrubberModel) -> dict[str, Any]:
+    """The current tensor (or its change since the reference) as heatmap or histogram."""
+    values, title = model.shown()
+    if values is None:
+        ax.text(0.5, 0.5, title, ha="center", va="center", transform=ax.transAxes,
+                wrap=True)
+        ax.set_axis_off()
+        return {}
+    return draw_tensor(ax, values, title=title, diverging=model.mode == "change")
+
+
+def draw_change(ax: Any, model: ScrubberModel, top: int = TOP_BARS) -> dict[str, Any]:
+    """Per-parameter ``||Δw|| / ||w||`` versus the reference, largest ``top`` first; the
+    selected tensor is highlighted (and always shown)."""
+    ds = model.change()
+    ref = ds.attrs.get("reference")
+    if ref is None:
+        ax.text(0.5, 0.5, f"step {model.step}: no earlier step to compare with",
+                ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return {}
+    names = [str(n) for n in ds["tensor"].values]
+    ratio = ds["ratio"].values.astype(float)
+    order = list(np.argsort(-np.where(np.isfinite(ratio), ratio, -np.inf), kind="stable")[:top])
+    if model.tensor in names and names.index(model.tensor) not in order:
+        order[-1] = names.index(model.tensor)
+    out = draw_bars(ax, [names[i] for i in order], ratio[order], xlabel="‖Δw‖ / ‖w‖",
+                    highlight=model.tensor,
+                    title=f"change {ref} → {model.step} ({ds.attrs.get('source')})")
+    out["names"] = [names[i] for i in order]
+    out["ratios"] = ratio[order]
+    return out
