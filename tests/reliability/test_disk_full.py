@@ -1,0 +1,276 @@
+"""Disk full and I/O errors while training: a clear error (``error_policy="raise"``) or a
+skipped step with a warning (``"skip"``), no committed step damaged, and the run recovers when
+space returns.
+
+Three sources of failure, all on real files: ``FaultyStorage`` over a ``LocalStorage`` (errors
+at chosen writes: EIO, a ref that cannot be written), a real ``RLIMIT_FSIZE`` in a child
+process (the kernel refuses writes past a file size: ``EFBIG``), and a real 3 MiB tmpfs that
+fills up (``ENOSPC``). tests/engine/test_faults.py covers ENOSPC from ``FaultyStorage`` over
+``MemoryStorage``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dstt
+from dstt.errors import CaptureError, ReadOnlyRunError, StorageError
+from dstt.store import LocalStorage, Repository
+from dstt.store.testing import FaultyStorage
+from dstt.testing.models import SyntheticBatches
+
+from ._helpers import assert_params, env, model_and_optimizer, params, stored_params, train
+
+CHILD = Path(__file__).with_name("fsize_child.py")
+
+
+def committed(run: Path | Repository) -> list[int]:
+    repo = run if isinstance(run, Repository) else Repository.open(run)
+    return [h.step for h in repo.reader().lineage() if not h.pruned]
+
+
+def check_intact(run: Path, after: dict[int, dict[str, np.ndarray]]) -> list[int]:
+    """verify passes and every committed step holds exactly the parameters of that step."""
+    rep = Repository.open(run).verify()
+    assert rep.ok, rep.problems
+    steps = committed(run)
+    assert steps == sorted(steps)
+    for s in steps:
+        assert_params(stored_params(run, s), after[s])
+    return steps
+
+
+# -- FaultyStorage over a real directory --------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:dstt. step .* was not checkpointed")  # dropped at exit
+def test_io_error_raises_then_resume_recovers(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    ref_after, ref_losses = train(tmp_path / "reference", 12)
+    faulty = FaultyStorage(LocalStorage(run, create=True), errno=errno.EIO)
+    model, opt = model_and_optimizer()
+    after: dict[int, dict[str, np.ndarray]] = {}
+    with pytest.raises(CaptureError) as ei, dstt.session(model, opt, run=faulty,
+                                                         budget_bytes=1 << 14) as s:
+        for x, y in s.data(SyntheticBatches(12)):
+            if s.step == 4:
+                while not {1, 2} <= set(done := {m.step: m.committed for m in s.metrics}):
+                    time.sleep(0.001)  # commits are asynchronous: let the first two land
+                assert done[1] and done[2]
+                faulty.fail_keys = re.compile(r"/c\.\d")  # chunk files fail
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            after[s.step] = params(model)
+    assert isinstance(ei.value.__cause__, StorageError)
+    assert ei.value.__cause__.errno == errno.EIO and "Input/output error" in str(ei.value)
+    assert s.step < 12  # raised while training, at an optimizer step
+    steps = check_intact(run, after)
+    assert steps[:2] == [1, 2] and steps[-1] <= 4
+    # the device works again: resume continues from the head, bit-exactly
+    _, losses = train(run, 12, resume=True)
+    assert losses == ref_losses[steps[-1]:]
+    assert committed(run) == list(range(1, 13))
+    assert_params(stored_params(run, 12), ref_after[12])
+
+
+def test_unwritable_ref_skips_steps_then_commits_resume(tmp_path: Path) -> None:
+    """A commit that fails at its very last write (the ref) leaves an orphan, not a head."""
+    run = tmp_path / "run"
+    faulty = FaultyStorage(LocalStorage(run, create=True), errno=errno.ENOSPC)
+    model, opt = model_and_optimizer()
+    after: dict[int, dict[str, np.ndarray]] = {}
+    with pytest.warns(RuntimeWarning, match="not checkpointed") as record, \
+            dstt.session(model, opt, run=faulty, error_policy="skip") as s:
+        for i, (x, y) in enumerate(s.data(SyntheticBatches(14))):
+            if i == 3:
+                faulty.fail_keys = re.compile(r"_dstt/refs/")
+            if i == 9:
+                while not any(not m.committed for m in s.metrics):
+                    time.sleep(0.001)  # commits are asynchronous: let one fail first
+                faulty.heal()
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            after[s.step] = params(model)
+    assert s.step == 14
+    assert any("No space left" in str(w.message) for w in record)
+    steps = check_intact(run, after)
+    assert steps[-1] == 14 and len(steps) < 14  # failed ones are gone
+    repo = Repository.open(run)
+    r = repo.reader()
+    orphans = set(r.all_slots()) - {h.slot for h in r.lineage()}
+    assert orphans  # complete commits that never became the head
+    report = repo.gc()
+    assert set(report.orphan_slots) == orphans and repo.verify().ok
+
+
+# -- a real file-size limit: RLIMIT_FSIZE -------------------------------------------------------
+
+def fsize_child(run: Path, policy: str) -> dict[str, list[str]]:
+    out = subprocess.run([sys.executable, str(CHILD), str(run), policy, "1024"],
+                         capture_output=True, text=True, env=env(), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines: dict[str, list[str]] = {}
+    for line in out.stdout.splitlines():
+        kind, _, rest = line.partition(" ")
+        lines.setdefault(kind, []).append(rest)
+    return lines
+
+
+def digest(arrays: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for _, a in sorted(arrays.items()):
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def check_digests(run: Path, lines: dict[str, list[str]]) -> list[int]:
+    rep = Repository.open(run).verify()
+    assert rep.ok, rep.problems
+    want = dict(x.split() for x in lines["params"])
+    steps = committed(run)
+    for s in steps:
+        assert digest(stored_params(run, s)) == want[str(s)], s
+    return steps
+
+
+@pytest.mark.filterwarnings("ignore:dstt. step .* was not checkpointed")
+def test_real_file_size_limit_raises_efbig_then_resume_recovers(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    lines = fsize_child(run, "raise")
+    kind, cause, err, step = lines["raised"][0].split()
+    assert (kind, cause, int(err)) == ("CaptureError", "StorageError", errno.EFBIG)
+    steps = check_digests(run, lines)
+    assert steps[:2] == [1, 2] and steps == list(range(1, steps[-1] + 1))
+    assert steps[-1] < int(step)  # raised at a later step, while training
+    # space returns (no limit in this process): the run resumes and commits again
+    ref_after, ref_losses = train(tmp_path / "reference", 16)
+    _, losses = train(run, 16, resume=True)
+    assert losses == ref_losses[steps[-1]:]
+    assert committed(run) == list(range(1, 17))
+    assert_params(stored_params(run, 16), ref_after[16])
+    assert Repository.open(run).verify().ok
+
+
+def test_real_file_size_limit_skips_steps_until_it_is_lifted(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    lines = fsize_child(run, "skip")
+    assert "raised" not in lines
+    assert int(lines["warned"][0]) >= 1 and lines["lifted"][0] != "None"
+    lifted, done = int(lines["lifted"][0]), int(lines["done"][0])
+    steps = check_digests(run, lines)
+    assert set(range(lifted + 1, done + 1)) <= set(steps)  # after it was lifted
+    assert set(range(3, lifted)) - set(steps)  # steps under the limit were skipped
+
+
+# -- a real full filesystem: a small tmpfs ------------------------------------------------------
+
+@contextlib.contextmanager
+def small_fs(where: Path, size: str) -> Iterator[Path]:
+    where.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip()}); needs root")
+    try:
+        yield where
+    finally:
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def remount(where: Path, size: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(where)], check=True)
+
+
+def test_full_filesystem_raises_enospc_then_recovers_when_space_returns(tmp_path: Path) -> None:
+    with small_fs(tmp_path / "fs", "3m") as fs:
+        run = fs / "run"
+        ref_after, ref_losses = train(tmp_path / "reference", 20)
+        after: dict[int, dict[str, np.ndarray]] = {}
+        model, opt = model_and_optimizer()
+        with pytest.raises(CaptureError) as ei, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the in-flight steps dropped at exit
+            with dstt.session(model, opt, run=run, budget_bytes=1 << 14) as s:
+                for x, y in s.data(SyntheticBatches(20)):
+                    _, loss = model(x, y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    after[s.step] = params(model)
+        cause = ei.value.__cause__
+        assert isinstance(cause, StorageError) and cause.errno == errno.ENOSPC
+        assert "No space left on device" in str(ei.value) and str(run) in str(ei.value)
+        assert s.step < 20
+        steps = check_intact(run, after)
+        assert steps == list(range(1, steps[-1] + 1)) and steps[-1] >= 1
+        # still full: a new session fails at its start, clearly, and not as "read-only"
+        filler = fs / "filler"
+        with contextlib.suppress(OSError), open(filler, "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+        with pytest.raises(StorageError) as ei2:
+            train(run, 20, resume=True)
+        assert ei2.value.errno == errno.ENOSPC and not isinstance(ei2.value, ReadOnlyRunError)
+        assert check_intact(run, after) == steps
+        filler.unlink()
+        # space returns: the run resumes bit-exactly and commits every further step
+        remount(fs, "64m")
+        _, losses = train(run, 20, resume=True)
+        assert losses == ref_losses[steps[-1]:]
+        assert committed(run) == list(range(1, 21))
+        assert_params(stored_params(run, 20), ref_after[20])
+        repo = Repository.open(run)
+        repo.gc()  # the debris of the failed steps
+        assert repo.verify().ok
+        assert not [p for p in run.rglob("*") if ".tmp." in p.name]
+
+
+def test_full_filesystem_skip_policy_warns_and_commits_again(tmp_path: Path) -> None:
+    with small_fs(tmp_path / "fs", "6m") as fs:
+        run = fs / "run"
+        filler = fs / "filler"
+        filler.write_bytes(b"\0" * (4 << 20))  # 2 MiB left
+        model, opt = model_and_optimizer()
+        after: dict[int, dict[str, np.ndarray]] = {}
+        freed_at = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with dstt.session(model, opt, run=run, budget_bytes=1 << 14,
+                              error_policy="skip") as s:
+                for x, y in s.data(SyntheticBatches(60)):
+                    skipped = [w for w in caught if "not checkpointed" in str(w.message)]
+                    if skipped and freed_at is None:
+                        freed_at = s.step + 2
+                    if freed_at is not None and s.step == freed_at:
+                        filler.unlink()  # space returns
+                        remount(fs, "64m")
+                    if freed_at is not None and s.step >= freed_at + 4:
+                        break
+                    _, loss = model(x, y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    after[s.step] = params(model)
+        assert freed_at is not None, "the filesystem never filled up"
+        assert all("No space left" in str(w.message) for w in skipped)
+        steps = check_intact(run, after)
+        assert s.step == freed_at + 4  # training never stopped
+        assert set(range(freed_at + 1, s.step + 1)) <= set(steps)  # commits resumed
+        assert len(steps) < s.step  # the steps that met a full disk are not in the run
+        assert os.statvfs(fs).f_bfree > 0
