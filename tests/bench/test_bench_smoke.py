@@ -1,0 +1,70 @@
+"""Smoke tests of the benchmark scripts: each runs with ``--quick`` in a subprocess and writes its
+JSON with the expected keys. No timing assertions — the numbers mean nothing at this size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_quick(script: str, tmp_path: Path) -> dict:
+    out = tmp_path / "result.json"
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), "--quick", "--json", str(out),
+         "--dir", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert out.exists(), proc.stdout[-2000:]
+    # the scripts clean up after themselves: only the JSON is left in --dir
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(120)
+def test_capture_bench_quick(tmp_path: Path) -> None:
+    res = run_quick("capture_bench.py", tmp_path)
+    assert res["benchmark"] == "capture" and res["quick"] is True
+    assert set(res["sizes"]) == {"small", "large"}
+    for name, size in res["sizes"].items():
+        assert {"model", "disk", "disk_s_per_step", "floor_s", "modes", "targets"} <= set(size)
+        assert size["disk"]["write_bytes_per_s"] > 0
+        expected = {"none", "dstt", "torch_save", "dcp"} | ({"dstt_delta"} if name == "large"
+                                                            else set())
+        assert set(size["modes"]) == expected
+        for mode, row in size["modes"].items():
+            assert {"s_per_iter", "ratio_vs_none", "vs_floor", "blocked_s_per_step",
+                    "iter_median_s", "cpu_s_per_iter", "spread"} <= set(row), mode
+            assert row["s_per_iter"] > 0
+        assert size["modes"]["dstt"]["steps_measured"] > 0
+        assert size["modes"]["dstt"]["written_bytes_per_step"] > 0
+    assert "delta_below_disk_floor" in res["sizes"]["large"]["targets"]
+
+
+@pytest.mark.timeout(120)
+def test_delta_bench_quick(tmp_path: Path) -> None:
+    res = run_quick("delta_bench.py", tmp_path)
+    assert res["benchmark"] == "delta" and res["quick"] is True
+    classes = {"fp32 params", "fp32 exp_avg", "fp32 exp_avg_sq", "fp32 Adam state (all 3)",
+               "bf16 params", "fp16 params"}
+    assert res["points"]
+    for point in res["points"].values():
+        assert classes <= set(point)
+        for c in classes:
+            assert point[c]["ratio"] > 0 and point[c]["xor_bound_ratio"] >= 1
+    assert {"fp32 params", "fp32 exp_avg", "fp32 exp_avg_sq"} <= set(res["session_classes"])
+    assert {r["transform"] for r in res["variants"]} == {"xor", "sub", "zigzag"}
+    for r in res["speed"].values():
+        assert r["encode_gb_s"] > 0 and r["decode_gb_s"] > 0 and "encode_vs_disk" in r
+    rl = res["read_latency"]
+    assert rl["keyframe"]["vs_keyframe"] == 1.0
+    assert "xor1" in rl["delta depth 1"]["encodings"]
+    assert {"met", "fp32_adam_state_ratio_library", "best_fp32_variant"} <= set(res["targets"])
