@@ -45,6 +45,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from ..errors import CaptureError, RaceError, RankError
 from ..store import Repository
+from ..store.backend import fsync_dir
 from ..store.layout import DEFAULT_CHUNK_BYTES
 from ._convert import tensor_from_numpy
 from ._statedict import flatten, rebuild, segment
@@ -121,15 +122,7 @@ def _durable_write(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(os.path.dirname(path) or ".")
 
 
 class DsttCheckpointEngine(CheckpointEngine):
@@ -338,7 +331,7 @@ class DsttCheckpointEngine(CheckpointEngine):
             finally:
                 os.close(fd)
         for d in {os.path.dirname(p) for p in stubs}:
-            _fsync_dir(d)
+            fsync_dir(d)
 
     def _write_latest(self, header: Any) -> None:
         with self._lock:

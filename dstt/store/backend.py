@@ -28,7 +28,7 @@ from typing import Literal, TypeAlias
 
 from ..errors import MissingFileError, NotARunError, ReadOnlyRunError, RunLockedError, StorageError
 
-__all__ = ["Data", "Durability", "LocalStorage", "Storage", "as_parts", "missing"]
+__all__ = ["Data", "Durability", "LocalStorage", "Storage", "as_parts", "fsync_dir", "missing"]
 
 Durability = Literal["fsync", "syncfs", "none"]
 Buffer: TypeAlias = "bytes | bytearray | memoryview"
@@ -99,6 +99,15 @@ class Storage(ABC):
 def missing(location: str, key: str) -> MissingFileError:
     return MissingFileError(errno.ENOENT, f"missing file {key!r} in {location}",
                             f"{location}/{key}")
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (new or renamed names) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 _libc: ctypes.CDLL | None = None
@@ -228,17 +237,10 @@ class LocalStorage(Storage):
             os.rename(tmp, path)
             if self.durability != "none":
                 for d in (parent, *grown):  # a new folder's name lives in its parent
-                    self._fsync_dir(d)
+                    fsync_dir(d)
         except OSError as e:
             raise self._io_error(e, "write", key) from e
 
-    @staticmethod
-    def _fsync_dir(path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def barrier(self) -> None:
         with self._dirty_lock:
@@ -261,7 +263,7 @@ class LocalStorage(Storage):
                     finally:
                         os.close(fd)
                 for d in dirs:
-                    self._fsync_dir(d)
+                    fsync_dir(d)
         except OSError as e:
             raise self._io_error(e, "sync", "") from e
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno as _errno
+import os
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -15,7 +16,7 @@ from collections.abc import Callable, Iterator
 from ..errors import RunLockedError, StorageError
 from .backend import Data, Storage, as_parts, missing
 
-__all__ = ["FaultyStorage", "MemoryStorage"]
+__all__ = ["DelegatingStorage", "FaultyStorage", "MemoryStorage"]
 
 
 class MemoryStorage(Storage):
@@ -95,62 +96,23 @@ class MemoryStorage(Storage):
         return out
 
 
-class FaultyStorage(Storage):
-    """Delegates to ``inner`` but fails writes per a rule, e.g. a disk that fills up.
+class DelegatingStorage(Storage):
+    """Passes every call to ``inner``; subclass it to observe or perturb a storage."""
 
-    ``fail_after_writes=N``: the (N+1)-th and later writes fail; ``fail_keys``: a regex, writes
-    to matching keys fail; ``fail_reads``: a regex for reads. ``heal()`` stops failing.
-    """
-
-    def __init__(self, inner: Storage, *, fail_after_writes: int | None = None,
-                 fail_keys: str | None = None, fail_reads: str | None = None,
-                 errno: int = _errno.ENOSPC,
-                 on_write: Callable[[str], None] | None = None) -> None:
+    def __init__(self, inner: Storage) -> None:
         self.inner = inner
         self.location = inner.location
-        self.fail_after_writes = fail_after_writes
-        self.fail_keys = re.compile(fail_keys) if fail_keys else None
-        self.fail_reads = re.compile(fail_reads) if fail_reads else None
-        self.errno = errno
-        self.on_write = on_write
-        self.writes = 0
-        self.failures = 0
-        self._mu = threading.Lock()
-
-    def heal(self) -> None:
-        self.fail_after_writes = None
-        self.fail_keys = None
-        self.fail_reads = None
-
-    def _maybe_fail(self, key: str) -> None:
-        if self.on_write:
-            self.on_write(key)
-        with self._mu:
-            self.writes += 1
-            n = self.writes
-        bad = (self.fail_after_writes is not None and n > self.fail_after_writes) or (
-            self.fail_keys is not None and self.fail_keys.search(key))
-        if bad:
-            self.failures += 1
-            import os
-
-            raise StorageError(self.errno, f"cannot write {key!r} in {self.location}: "
-                               f"{os.strerror(self.errno)} (injected)")
 
     def read(self, key: str) -> bytes:
-        if self.fail_reads is not None and self.fail_reads.search(key):
-            raise StorageError(_errno.EIO, f"cannot read {key!r}: I/O error (injected)")
         return self.inner.read(key)
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
         return self.inner.read_range(key, start, length)
 
     def write(self, key: str, data: Data) -> None:
-        self._maybe_fail(key)
         self.inner.write(key, data)
 
     def write_durable(self, key: str, data: Data) -> None:
-        self._maybe_fail(key)
         self.inner.write_durable(key, data)
 
     def barrier(self) -> None:
@@ -176,3 +138,56 @@ class FaultyStorage(Storage):
 
     def remove_temporaries(self) -> int:
         return self.inner.remove_temporaries()
+
+
+class FaultyStorage(DelegatingStorage):
+    """Delegates to ``inner`` but fails writes per a rule, e.g. a disk that fills up.
+
+    ``fail_after_writes=N``: the (N+1)-th and later writes fail; ``fail_keys``: a regex, writes
+    to matching keys fail; ``fail_reads``: a regex for reads. ``heal()`` stops failing.
+    """
+
+    def __init__(self, inner: Storage, *, fail_after_writes: int | None = None,
+                 fail_keys: str | None = None, fail_reads: str | None = None,
+                 errno: int = _errno.ENOSPC,
+                 on_write: Callable[[str], None] | None = None) -> None:
+        super().__init__(inner)
+        self.fail_after_writes = fail_after_writes
+        self.fail_keys = re.compile(fail_keys) if fail_keys else None
+        self.fail_reads = re.compile(fail_reads) if fail_reads else None
+        self.errno = errno
+        self.on_write = on_write
+        self.writes = 0
+        self.failures = 0
+        self._mu = threading.Lock()
+
+    def heal(self) -> None:
+        self.fail_after_writes = None
+        self.fail_keys = None
+        self.fail_reads = None
+
+    def _maybe_fail(self, key: str) -> None:
+        if self.on_write:
+            self.on_write(key)
+        with self._mu:
+            self.writes += 1
+            n = self.writes
+        bad = (self.fail_after_writes is not None and n > self.fail_after_writes) or (
+            self.fail_keys is not None and self.fail_keys.search(key))
+        if bad:
+            self.failures += 1
+            raise StorageError(self.errno, f"cannot write {key!r} in {self.location}: "
+                               f"{os.strerror(self.errno)} (injected)")
+
+    def read(self, key: str) -> bytes:
+        if self.fail_reads is not None and self.fail_reads.search(key):
+            raise StorageError(_errno.EIO, f"cannot read {key!r}: I/O error (injected)")
+        return self.inner.read(key)
+
+    def write(self, key: str, data: Data) -> None:
+        self._maybe_fail(key)
+        self.inner.write(key, data)
+
+    def write_durable(self, key: str, data: Data) -> None:
+        self._maybe_fail(key)
+        self.inner.write_durable(key, data)

@@ -6,10 +6,9 @@ pytest's default import mode, and is not a package (it would shadow the stdlib `
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +16,14 @@ import ml_dtypes
 import numpy as np
 
 from dstt.store import Repository, Storage, dtype_name
+from dstt.store.testing import DelegatingStorage
 
 
-class CountingStorage(Storage):
+class CountingStorage(DelegatingStorage):
     """Delegates to another storage and counts every key read (whole or ranged)."""
 
     def __init__(self, inner: Storage) -> None:
-        self.inner = inner
-        self.location = inner.location
+        super().__init__(inner)
         self.reads: Counter[str] = Counter()
         self._mu = threading.Lock()
 
@@ -44,30 +43,6 @@ class CountingStorage(Storage):
     def read_range(self, key: str, start: int, length: int) -> bytes:
         self._count(key)
         return self.inner.read_range(key, start, length)
-
-    def write(self, key: str, data: Any) -> None:
-        self.inner.write(key, data)
-
-    def write_durable(self, key: str, data: Any) -> None:
-        self.inner.write_durable(key, data)
-
-    def barrier(self) -> None:
-        self.inner.barrier()
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def size(self, key: str) -> int:
-        return self.inner.size(key)
-
-    def list(self, prefix: str) -> Iterator[str]:
-        return self.inner.list(prefix)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def lock(self, name: str) -> contextlib.AbstractContextManager[None]:
-        return self.inner.lock(name)
 
 
 Arrays = Mapping[str, np.ndarray]
