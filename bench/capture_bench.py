@@ -62,8 +62,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from _common import source_state
 
 import dstt
+from dstt.store.backend import fsync_dir
 from dstt.testing.models import TinyGPT, make_batch
 
 MiB = 1024 * 1024
@@ -94,36 +96,6 @@ def spread(xs: list[float]) -> float:
         return 0.0
     m = statistics.median(xs)
     return (max(xs) - min(xs)) / m if m else float("nan")
-
-
-def source_state() -> dict[str, Any]:
-    """Which library code produced the numbers: git HEAD, dirty flag, hash of dstt/**/*.py."""
-    import hashlib
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for p in sorted((root / "dstt").rglob("*.py")):
-        h.update(p.relative_to(root).as_posix().encode())
-        h.update(p.read_bytes())
-    out: dict[str, Any] = {"dstt_sources_sha256": h.hexdigest()[:16]}
-    try:
-        out["git_head"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, text=True,
-                                         capture_output=True, check=True).stdout.strip()
-        out["dstt_dirty"] = bool(subprocess.run(
-            ["git", "status", "--porcelain", "--", "dstt"], cwd=root, text=True,
-            capture_output=True, check=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return out
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def disk_bandwidth(root: Path, total: int) -> float:

@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch
+from _common import source_state
 from numcodecs import Blosc
 
 import dstt
@@ -65,28 +66,6 @@ _INT = {2: np.int16, 4: np.int32, 8: np.int64}
 
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
-
-
-def source_state() -> dict[str, Any]:
-    """Which library code produced the numbers: git HEAD, dirty flag, hash of dstt/**/*.py."""
-    import hashlib
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for p in sorted((root / "dstt").rglob("*.py")):
-        h.update(p.relative_to(root).as_posix().encode())
-        h.update(p.read_bytes())
-    out: dict[str, Any] = {"dstt_sources_sha256": h.hexdigest()[:16]}
-    try:
-        out["git_head"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, text=True,
-                                         capture_output=True, check=True).stdout.strip()
-        out["dstt_dirty"] = bool(subprocess.run(
-            ["git", "status", "--porcelain", "--", "dstt"], cwd=root, text=True,
-            capture_output=True, check=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return out
 
 
 def timed(fn: Any, repeats: int) -> float:

@@ -50,7 +50,7 @@ from ..store.layout import DEFAULT_CHUNK_BYTES
 from ._convert import tensor_from_numpy
 from ._statedict import flatten, rebuild, segment
 from .pipeline import Flight, Pipeline
-from .ranks import DEFAULT_RANK_TIMEOUT, RankWriter, dist_info, open_ranks
+from .ranks import DEFAULT_RANK_TIMEOUT, RankWriter, TransactionProxy, dist_info, open_ranks
 
 __all__ = ["DsttCheckpointEngine"]
 
@@ -75,23 +75,12 @@ class _FileDone:
     """What a file flight's ``commit`` returns: its part of the tag's transaction is done."""
 
 
-class _SharedTxn:
+class _SharedTxn(TransactionProxy):
     """The tag's transaction as seen by one of its flights (all flights share one slot)."""
 
     def __init__(self, txn: Any, final: bool) -> None:
-        self._txn, self.final = txn, final
-
-    def declare(self, path: str, dtype: str, shape: tuple[int, ...]) -> Any:
-        return self._txn.declare(path, dtype, shape)
-
-    def put_chunk(self, path: str, index: int, data: Any) -> Any:
-        return self._txn.put_chunk(path, index, data)
-
-    def put_object(self, name: str, obj: Any, **kw: Any) -> Any:
-        return self._txn.put_object(name, obj, **kw)
-
-    def abort(self) -> None:
-        self._txn.abort()
+        super().__init__(txn)
+        self.final = final
 
     encode = property(lambda self: False, lambda self, v: None)
     stats = property(lambda self: self._txn.stats)

@@ -53,14 +53,13 @@ def dist_info() -> RankInfo:
     return RankInfo(0, 1)
 
 
-class RankTransaction:
-    """A store transaction of one rank; ``commit`` merges (rank 0) or prepares (others)."""
+class TransactionProxy:
+    """Passes what the pipeline uses (declare, put_chunk, put_object, abort) to a store
+    transaction; subclasses change how the step is committed."""
 
-    def __init__(self, owner: RankWriter, txn: Any) -> None:
-        self._owner, self._txn = owner, txn
-        self.slot, self.step, self.rank = txn.slot, txn.step, owner.info.rank
+    def __init__(self, txn: Any) -> None:
+        self._txn = txn
 
-    # what the pipeline uses, passed through
     def declare(self, path: str, dtype: str, shape: tuple[int, ...]) -> Any:
         return self._txn.declare(path, dtype, shape)
 
@@ -72,6 +71,18 @@ class RankTransaction:
 
     def abort(self) -> None:
         self._txn.abort()
+
+
+class RankTransaction(TransactionProxy):
+    """A store transaction of one rank; ``commit`` merges (rank 0) or prepares (others)."""
+
+    def __init__(self, owner: RankWriter, txn: Any) -> None:
+        super().__init__(txn)
+        self._owner = owner
+        self.slot, self.step, self.rank = txn.slot, txn.step, owner.info.rank
+
+    def abort(self) -> None:
+        super().abort()
         o = self._owner
         if o.info.rank != 0 and not o.cancel.is_set():  # rank 0 should not wait for us
             with contextlib.suppress(Exception):
