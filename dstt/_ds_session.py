@@ -39,6 +39,8 @@ __all__ = ["DeepSpeedSession"]
 class DeepSpeedSession(Session):
     """A capturing session over one rank of a DeepSpeed engine; use ``dstt.session(engine)``."""
 
+    _prefetch_restore = False  # each rank reads only its own partitions
+
     def __init__(self, engine: Any, optimizer: Any = None, *,
                  run: str | os.PathLike[str] | Repository | Storage, every: int = 1,
                  scheduler: Any = None, resume: bool = False,

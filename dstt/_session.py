@@ -51,6 +51,10 @@ DEFAULT_BUDGET = 256 * MiB
 class Session:
     """A capturing session over one model/optimizer and one run; use ``dstt.session(...)``."""
 
+    #: read and verify the whole step before restoring anything (a damaged step then leaves
+    #: the live model untouched); the DeepSpeed session reads per-rank partitions instead
+    _prefetch_restore = True
+
     def __init__(self, model: torch.nn.Module | None,
                  optimizer: torch.optim.Optimizer | None = None, *,
                  run: str | os.PathLike[str] | Repository | Storage, every: int = 1,
@@ -335,7 +339,8 @@ class Session:
         self._tracked = None
 
     def _restore(self, reader: Any, head: Any) -> None:
-        self._restore_state(StoreSource(reader, head), reader, head)
+        source = StoreSource(reader, head, prefetch=self._prefetch_restore)
+        self._restore_state(source, reader, head)
         self._step = head.step
         ref = reader.ref()
         if ref.skip_data and head.slot == ref.base_slot:  # fresh rollback: skip bad batches

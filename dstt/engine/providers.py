@@ -224,11 +224,24 @@ class StoreSource:
     Objects are read with ``trusted=True``: resuming hands the run's state to the live
     training process anyway (like ``torch.load`` of one's own checkpoint), and user state that
     is not plain data was stored with pickle.
+
+    ``prefetch=True`` reads (and verifies) every array and object of the step up front, so a
+    damaged step is refused before any live tensor is touched — at the cost of one host copy
+    of the state during the resume. Rejected alternative: verifying everything, then reading
+    it again to restore (twice the I/O of a large checkpoint).
     """
 
-    def __init__(self, reader: Any, header: Any) -> None:
+    def __init__(self, reader: Any, header: Any, *, prefetch: bool = False) -> None:
         self._reader, self._header = reader, header
         self._arrays = reader.arrays(header)
+        self._cached: dict[str, torch.Tensor] = {}
+        self._cached_objects: dict[str, Any] = {}
+        if prefetch:
+            for path, rec in self._arrays.items():
+                self._cached[path] = tensor_from_numpy(reader.read_array(header, path),
+                                                       rec.dtype)
+            for name in header.objects:
+                self._cached_objects[name] = reader.read_object(header, name, trusted=True)
 
     @property
     def reader(self) -> Any:
@@ -250,6 +263,9 @@ class StoreSource:
     def array(self, path: str) -> torch.Tensor:
         if path not in self._arrays:
             raise SchemaError(f"step {self.step} has no array {path!r}")
+        cached = self._cached.pop(path, None)  # each array is restored once: free as we go
+        if cached is not None:
+            return cached
         rec = self._arrays[path]
         return tensor_from_numpy(self._reader.read_array(self._header, path), rec.dtype)
 
@@ -257,4 +273,6 @@ class StoreSource:
         return name in self._header.objects
 
     def object(self, name: str) -> Any:
+        if name in self._cached_objects:
+            return self._cached_objects[name]
         return self._reader.read_object(self._header, name, trusted=True)

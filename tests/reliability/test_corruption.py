@@ -316,9 +316,6 @@ def test_a_flipped_chunk_bit_is_a_checksum_error(pristine: Pristine, damaged: Pa
     assert not isinstance(ei.value, ChecksumError)
 
 
-@pytest.mark.xfail(strict=True, reason="restore copies tensor by tensor into the live model; "
-                   "a damaged chunk late in the order leaves earlier tensors overwritten "
-                   "(docs/reliability.md, gaps)")
 def test_a_refused_resume_leaves_the_live_model_untouched(pristine: Pristine,
                                                           damaged: Path) -> None:
     h = pristine.headers[pristine.head]
