@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import Any
+
+from dstt.store.backend import fsync_dir
+
+MiB = 1024 * 1024
 
 
 def source_state() -> dict[str, Any]:
@@ -26,3 +32,27 @@ def source_state() -> dict[str, Any]:
     except (OSError, subprocess.CalledProcessError):
         pass
     return out
+
+
+def disk_bandwidth(root: Path, total: int) -> float:
+    """Bytes/s writing ``total`` bytes as 64 MiB writes into one new file, then fsync."""
+    piece = min(64 * MiB, total)
+    buf = memoryview(os.urandom(piece))
+    path = root / "disk-probe.bin"
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        done = 0
+        while done < total:
+            part = buf[: min(piece, total - done)]
+            while part:
+                n = os.write(fd, part)
+                part = part[n:]
+                done += n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(root)
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return total / dt

@@ -62,7 +62,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from _common import source_state
+from _common import disk_bandwidth, source_state
 
 import dstt
 from dstt.store.backend import fsync_dir
@@ -96,30 +96,6 @@ def spread(xs: list[float]) -> float:
         return 0.0
     m = statistics.median(xs)
     return (max(xs) - min(xs)) / m if m else float("nan")
-
-
-def disk_bandwidth(root: Path, total: int) -> float:
-    """Bytes/s writing ``total`` bytes as 64 MiB writes into one new file, then fsync."""
-    piece = min(64 * MiB, total)
-    buf = memoryview(os.urandom(piece))
-    path = root / "disk-probe.bin"
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        done = 0
-        while done < total:
-            part = buf[: min(piece, total - done)]
-            while part:
-                n = os.write(fd, part)
-                part = part[n:]
-                done += n
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fsync_dir(root)
-    dt = time.perf_counter() - t0
-    path.unlink()
-    return total / dt
 
 
 def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch
-from _common import source_state
+from _common import disk_bandwidth, source_state
 from numcodecs import Blosc
 
 import dstt
@@ -306,28 +306,6 @@ def variants(prev: dict[str, np.ndarray], cur: dict[str, np.ndarray],
 
 
 # -- speed and read latency -------------------------------------------------------------------
-def disk_bandwidth(root: Path, total: int) -> float:
-    piece = min(64 * MiB, total)
-    buf = memoryview(os.urandom(piece))
-    path = root / "disk-probe.bin"
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        done = 0
-        while done < total:
-            part = buf[: min(piece, total - done)]
-            while part:
-                k = os.write(fd, part)
-                part = part[k:]
-                done += k
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    dt = time.perf_counter() - t0
-    path.unlink()
-    return total / dt
-
-
 def speed(prev: dict[str, np.ndarray], cur: dict[str, np.ndarray], repeats: int,
           disk_bps: float) -> dict[str, Any]:
     pol = DeltaPolicy()

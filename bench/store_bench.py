@@ -38,6 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dstt.store import Repository
+from dstt.store.backend import fsync_dir
 
 BIG = 16 * 1024 * 1024
 SMALL = 4096
@@ -65,14 +66,6 @@ def make_state(size_mib: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     return buf, tensors
 
 
-def sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def raw_write(buf: np.ndarray, path: Path, piece: int | None) -> float:
     """Seconds to write ``buf`` to a new file (one write, or ``piece``-byte writes) + fsync."""
     view = memoryview(buf).cast("B")
@@ -87,7 +80,7 @@ def raw_write(buf: np.ndarray, path: Path, piece: int | None) -> float:
         os.fsync(fd)
     finally:
         os.close(fd)
-    sync_dir(path.parent)
+    fsync_dir(str(path.parent))
     elapsed = time.perf_counter() - t0
     path.unlink()
     return elapsed
