@@ -2,15 +2,17 @@
 
 Consecutive training steps are close: most bits of a float barely move, so ``cur XOR prev``
 is mostly zero bits in the high bytes; a byte shuffle by element size groups those zeros and
-zstd squeezes them (Blosc does shuffle + zstd in one multi-threaded C pass). A chunk that did
-not change at all is not written: its record points at the older file (dedup).
+lz4 (or zstd) squeezes them (Blosc does both in one C pass). A chunk that did not change at
+all is not written: its record points at the older file (dedup). Adam(W) state goes further:
+``predict.py`` XORs against a prediction from the update rule instead of the previous step.
 
 Keyframes stay plain Zarr chunk files (``c.<slot>...``); delta files are named ``d.<slot>...``
 so a plain Zarr reader sees a delta slot as missing (fill value NaN) rather than as garbage.
 Reconstructing a delta chunk reads its chain back to a keyframe, so chains are bounded:
 ``keyframe_every`` (K) if given, else chosen per array from the measured compression ratio
 ``r`` and a read-amplification bound ``A`` (bytes read to reconstruct the worst slot ÷ raw
-bytes): the worst slot reads ``raw · (1 + (K-1)/r)``, so ``K = 1 + (A-1)·r``, clamped.
+bytes): the worst slot reads ``raw · (1 + (K-1)/r)``, so ``K = 1 + (A-1)·r``, clamped
+(predicted groups: ``DeltaEncoder.group_limit``).
 
 Rejected alternatives: deltas against a fixed base (drift grows, ratios decay), and lossy
 quantised deltas (restores must be bit-exact).
@@ -34,18 +36,27 @@ class DeltaPolicy:
 
     #: keyframe every K slots along a chain; None = choose per array from the measured ratio
     keyframe_every: int | None = None
-    #: bound on bytes read to reconstruct the worst slot, as a multiple of its raw size
-    read_amplification: float = 4.0
+    #: bound on bytes read to reconstruct the worst slot, as a multiple of its raw size (for
+    #: a predicted group: of the group's raw size). 8, not 4: keyframes dominate otherwise
+    read_amplification: float = 8.0
     max_chain: int = 32
     delta: bool = True
     dedup: bool = True
+    #: encode Adam(W) ``exp_avg_sq`` and parameters as predictions from the optimizer's
+    #: update rule (``predict.py``) when the session knows the optimizer
+    predict: bool = True
     #: a delta that does not shrink the chunk by this factor is written as a keyframe instead
     min_ratio: float = 1.15
     clevel: int = 1
     #: lz4: ~3x the speed of zstd here for ~6 % more bytes; zstd alone is slower than the disk
     cname: str = "lz4"
+    #: prediction residuals (``predict.py``) are mostly zero bits: zstd halves them vs lz4
+    residual_cname: str = "zstd"
     #: an array whose deltas stay under ``min_ratio`` is written raw, re-measured every N steps
     retry_every: int = 8
+    #: write a step raw when encoding would need more writer CPU than the time between steps
+    #: leaves (``dstt/engine/governor.py``); False: always encode (disk space comes first)
+    raw_when_busy: bool = True
     #: host memory for the last committed copy of each chunk (the delta bases)
     shadow_bytes: int = 4 << 30
 
@@ -73,14 +84,19 @@ def _words(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint64) if a.nbytes % 8 == 0 else a
 
 
-def xor_encode(data: np.ndarray, base: np.ndarray, itemsize: int, policy: DeltaPolicy) -> bytes:
-    """Encode uint8 ``data`` against uint8 ``base`` of the same length."""
+def xor_encode(data: np.ndarray, base: np.ndarray, itemsize: int, policy: DeltaPolicy,
+               cname: str | None = None, out: np.ndarray | None = None) -> bytes:
+    """Encode uint8 ``data`` against uint8 ``base`` of the same length (``out``: a uint8
+    work array of that length for the XOR, possibly ``base`` itself)."""
     from numcodecs import Blosc
 
-    x = np.bitwise_xor(_words(data), _words(base)).view(np.uint8)
+    if out is None:
+        x = np.bitwise_xor(_words(data), _words(base)).view(np.uint8)
+    else:
+        x = np.bitwise_xor(_words(data), _words(base), out=_words(out)).view(np.uint8)
     if x.nbytes % itemsize == 0:  # blosc takes the shuffle's element size from the buffer
         x = x.view(_UINT.get(itemsize, np.uint8))
-    codec = Blosc(cname=policy.cname, clevel=policy.clevel, shuffle=Blosc.SHUFFLE)
+    codec = Blosc(cname=cname or policy.cname, clevel=policy.clevel, shuffle=Blosc.SHUFFLE)
     return bytes(codec.encode(x))
 
 

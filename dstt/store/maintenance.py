@@ -175,9 +175,10 @@ def _delta_bases(r: Reader, reachable: dict[int, CommitHeader], keep: set[int]) 
             continue
         for rec in r.arrays(h).values():
             for c in rec.chunks:
-                if c.base is not None and c.base not in keep and c.base not in bases:
-                    bases.add(c.base)
-                    todo.append(c.base)
+                for slot in c.slots:
+                    if slot not in keep and slot not in bases:
+                        bases.add(slot)
+                        todo.append(slot)
     return bases
 
 

@@ -56,9 +56,11 @@ def checksum(data: bytes | memoryview, value: int = 0) -> int:
 class ChunkRecord:
     """One chunk: its file's key, size on disk and crc32c of its data part.
 
-    ``encoding`` is ``"raw"`` (a plain Zarr chunk) or ``"xor1"`` (a delta against the same
-    chunk of slot ``base``; ``raw_crc32c`` is the crc32c of the reconstructed full chunk).
-    A record whose key lies in an older slot is a dedup reference.
+    ``encoding`` is ``"raw"`` (a plain Zarr chunk), ``"xor1"`` (a delta against the same
+    chunk of slot ``base``) or ``"pred1"`` (the XOR of the chunk and what ``predictor``
+    computes from the chunk of slot ``base`` and the same chunk of the ``inputs`` arrays at
+    their slots, with ``coeffs``: ``predict.py``). ``raw_crc32c`` is the crc32c of the
+    reconstructed full chunk. A record whose key lies in an older slot is a dedup reference.
     """
 
     key: str
@@ -67,16 +69,28 @@ class ChunkRecord:
     encoding: str = "raw"
     base: int | None = None
     raw_crc32c: int | None = None
+    predictor: str | None = None
+    inputs: tuple[tuple[str, int], ...] = ()
+    coeffs: tuple[float, ...] = ()
 
     @property
     def content_crc32c(self) -> int:
         """crc32c of the chunk's full raw bytes, whatever its encoding."""
         return self.crc32c if self.raw_crc32c is None else self.raw_crc32c
 
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """Other slots whose chunks this one is reconstructed from (delta base, inputs)."""
+        base = () if self.base is None else (self.base,)
+        return base + tuple(s for _, s in self.inputs)
+
     def as_json(self) -> list[Any]:
         if self.encoding == "raw":
             return [self.key, self.nbytes, self.crc32c]
-        return [self.key, self.nbytes, self.crc32c, self.encoding, self.base, self.raw_crc32c]
+        head = [self.key, self.nbytes, self.crc32c, self.encoding, self.base, self.raw_crc32c]
+        if self.encoding == "xor1":
+            return head
+        return [*head, self.predictor, [[p, s] for p, s in self.inputs], list(self.coeffs)]
 
     @classmethod
     def from_json(cls, v: list[Any]) -> ChunkRecord:
@@ -84,6 +98,10 @@ class ChunkRecord:
             return cls(str(v[0]), int(v[1]), int(v[2]))
         if len(v) == 6 and v[3] == "xor1":
             return cls(str(v[0]), int(v[1]), int(v[2]), "xor1", int(v[4]), int(v[5]))
+        if len(v) == 9 and v[3] == "pred1":
+            inputs = tuple((str(p), int(s)) for p, s in v[7])
+            return cls(str(v[0]), int(v[1]), int(v[2]), "pred1", int(v[4]), int(v[5]),
+                       str(v[6]), inputs, tuple(float(c) for c in v[8]))
         raise ValueError(f"unknown chunk record {v!r}")
 
 

@@ -25,7 +25,7 @@ from ..errors import (
     StepNotFoundError,
     TimelineError,
 )
-from .codec import xor_decode
+from .codec import XOR, xor_decode
 from .layout import (
     COMMITS_PREFIX,
     HEAD_KEY,
@@ -46,6 +46,7 @@ from .manifest import (
     parse_ref,
 )
 from .objects import decode_object
+from .predict import PRED, predict
 from .zarr_meta import numpy_dtype
 
 if TYPE_CHECKING:
@@ -249,11 +250,13 @@ class Reader:
         if depth > 4096 or chunk.base is None:
             raise CorruptRunError(f"{self.storage.location}/{chunk.key}: broken delta chain")
         payload = self._file(header, chunk, what)
-        base_header = self.header(chunk.base)
-        base_rec = self.record(base_header, path).chunks[index]
-        base = np.frombuffer(self._chunk(base_header, path, index, base_rec, size, depth + 1),
-                             dtype=np.uint8)
+        base = self._input(chunk.base, path, index, size, depth)
         try:
+            if chunk.encoding == PRED and chunk.predictor is not None:
+                inputs = [self._input(slot, p, index, size, depth) for p, slot in chunk.inputs]
+                base = predict(chunk.predictor, base, inputs, chunk.coeffs)
+            elif chunk.encoding != XOR:
+                raise ValueError(f"unknown chunk encoding {chunk.encoding!r}")
             raw = xor_decode(payload, base)
         except (ValueError, RuntimeError) as e:
             raise CorruptRunError(f"{self.storage.location}/{chunk.key}: {e}") from None
@@ -266,6 +269,21 @@ class Reader:
                                 f"of step {header.step} fails its crc32c")
         self._decoded.put(chunk.key, raw)
         return raw.data
+
+    def _input(self, slot: int, path: str, index: int, size: int, depth: int) -> np.ndarray:
+        """Raw bytes of chunk ``index`` of ``path`` at ``slot``: a delta's base or input."""
+        h = self.header(slot)
+        rec = self.record(h, path)
+        if index >= len(rec.chunks):
+            raise CorruptRunError(f"{self.storage.location}: step {h.step} has no chunk "
+                                  f"{index} of {path!r}, which a delta is based on")
+        start, stop = rec.plan.byte_range(index)
+        if stop - start != size:
+            raise CorruptRunError(f"{self.storage.location}: chunk {index} of {path!r} in step "
+                                  f"{h.step} has {stop - start} bytes; a delta based on it "
+                                  f"expects {size}")
+        data = self._chunk(h, path, index, rec.chunks[index], size, depth + 1)
+        return np.frombuffer(data, dtype=np.uint8)
 
     def read_array(self, header: CommitHeader, path: str) -> np.ndarray:
         """The whole tensor as a numpy array (bfloat16 as ``ml_dtypes.bfloat16``)."""

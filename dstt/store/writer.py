@@ -59,6 +59,7 @@ from .manifest import (
 )
 from .objects import Encoding, encode_object
 from .parts import Part, dump_part, merge_parts, remove_parts
+from .predict import Prediction
 from .zarr_meta import array_document, dtype_itemsize, dump, with_capacity
 
 if TYPE_CHECKING:
@@ -73,7 +74,11 @@ class Writer:
     """Exclusive writer of one run; use as a context manager."""
 
     def __init__(self, repo: Repository, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 encoding: DeltaPolicy | None = None, exclusive: bool = True) -> None:
+                 encoding: DeltaPolicy | None = None, exclusive: bool = True,
+                 inflight_bases: bool = False) -> None:
+        """``inflight_bases``: a step may be encoded against the previous step before that
+        one commits (for callers that overlap steps and commit them in order, like the
+        engine); a step based on one that then fails to commit cannot commit either."""
         self.repo = repo
         self.storage = repo.storage
         self.chunk_bytes = chunk_bytes
@@ -101,6 +106,7 @@ class Writer:
         self._groups: set[str] = set()
         self._open: set[int] = set()
         self.encoder = DeltaEncoder(encoding) if encoding is not None else None
+        self.inflight_bases = inflight_bases
 
     # -- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> Writer:
@@ -147,7 +153,10 @@ class Writer:
             if slot >= self._capacity:
                 self._grow(slot + 1)
             self._open.add(slot)
-        return Transaction(self, slot, step, name)
+        txn = Transaction(self, slot, step, name)
+        if self.encoder is not None and self.inflight_bases:
+            self.encoder.open(slot, name, txn._pending, txn.deps)
+        return txn
 
     # -- metadata -------------------------------------------------------------------------
     def _ensure_groups(self, path: str) -> None:
@@ -226,6 +235,8 @@ class Writer:
                             "and let the exclusive writer merge it")
         with self._commit_lock:
             self._check_open()
+            if self.encoder is not None:
+                self.encoder.check_deps(txn.slot, txn.deps)
             st = self.storage
             st.barrier()
             records, objects = txn.records(), dict(txn.objects)
@@ -257,7 +268,7 @@ class Writer:
                 remove_parts(st, txn.slot)
             self._open.discard(txn.slot)
             if self.encoder is not None:
-                self.encoder.promote(txn.timeline, txn.pending)
+                self.encoder.promote(txn.slot, txn.timeline, txn.pending)
             return header
 
 
@@ -277,6 +288,9 @@ class Transaction:
         self.encode = True
         self.stats = EncodeStats()
         self.pending: dict[tuple[str, int], Shadow] = {}
+        self._predictions: dict[str, Prediction] = {}
+        #: slots of steps in flight this step's deltas are based on (``inflight_bases``)
+        self.deps: set[int] = set()
 
     @property
     def bytes_written(self) -> int:
@@ -297,6 +311,20 @@ class Transaction:
             self._plans[path] = (dtype, plan)
             self._chunks[path] = [None] * plan.n_chunks
         return plan
+
+    def predict(self, predictions: Mapping[str, Prediction]) -> None:
+        """Arrays of this step to encode as predictions (``predict.py``) when the writer
+        encodes; write each prediction's ``"cur"`` inputs before the arrays that use them."""
+        self._check()
+        for path, pred in predictions.items():
+            if not isinstance(pred, Prediction):
+                raise TypeError(f"predictions[{path!r}] must be a Prediction, not {pred!r}")
+        with self._lock:
+            self._predictions.update(predictions)
+
+    def _pending(self, path: str, index: int) -> Shadow | None:
+        with self._lock:
+            return self.pending.get((path, index))
 
     def put_chunk(self, path: str, index: int, data: Any) -> ChunkRecord:
         """Write chunk ``index`` of ``path`` (its exact byte range); thread-safe."""
@@ -322,10 +350,13 @@ class Transaction:
         pending = None
         if enc is not None and not self.encode:
             self.stats.raw_fallback = True
+            pending = enc.keep(path, index, self.timeline, view, crc, self.slot)
         if enc is not None and self.encode:
             rec, pending = enc.encode(self.writer.storage.write, path=path, index=index,
                                       plan=plan, slot=self.slot, timeline=self.timeline,
-                                      data=view, raw_crc=crc, stats=self.stats)
+                                      data=view, raw_crc=crc, stats=self.stats,
+                                      prediction=self._predictions.get(path),
+                                      pending=self._pending, deps=self.deps)
             if rec is not None:
                 return self._record(path, index, rec, pending)
         key = chunk_key(path, self.slot, plan.index(index))
@@ -417,3 +448,5 @@ class Transaction:
         if self.state in ("open", "failed"):
             self.state = "aborted"
             self.writer._open.discard(self.slot)
+            if self.writer.encoder is not None:
+                self.writer.encoder.discard(self.slot)

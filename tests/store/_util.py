@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -65,6 +65,53 @@ def commit_arrays(repo: Repository, step: int, arrays: Mapping[str, np.ndarray],
         for n, o in (objects or {}).items():
             txn.put_object(n, o)
         return txn.commit(metrics)
+
+
+def crash_at_every_write(commit: Callable[[Any, int], Any], want: Callable[[int], Mapping[str,
+                         np.ndarray]], **writer_options: Any) -> tuple[int, bool]:
+    """Commit steps 1 and 2 with ``commit(writer, step)`` (returns the transaction), then
+    step 3 with a power cut at its k-th storage write, for k = 1, 2, ... until step 3
+    completes. After every cut the run must hold step 2 or 3 whole (``want(step)``) and
+    verify clean. Returns (writes step 3 took, whether it wrote any delta)."""
+    from dstt.store import load
+    from dstt.store.testing import FaultyStorage, MemoryStorage
+
+    class Cut(Exception):
+        pass
+
+    k, saw_delta = 0, False
+    while True:
+        k += 1
+        mem = MemoryStorage()
+        armed = {"on": False, "n": 0}
+
+        def cut(key: str, _a: dict[str, Any] = armed, _k: int = k) -> None:
+            if _a["on"]:
+                _a["n"] += 1
+                if _a["n"] == _k:
+                    raise Cut(key)
+
+        repo = Repository.create(FaultyStorage(mem, on_write=cut))
+        finished = False
+        with repo.writer(**writer_options) as w:
+            commit(w, 1)
+            commit(w, 2)
+            armed["on"] = True  # the shadow now holds step 2: step 3 is written as deltas
+            try:
+                txn = commit(w, 3)
+                saw_delta = saw_delta or txn.stats.deltas > 0
+                finished = True
+            except Cut:
+                pass
+        after = mem.crash()
+        head = Repository(after).reader().head()
+        assert head is not None and head.step in (2, 3)
+        got = load(after).arrays
+        for name, a in want(head.step).items():
+            assert same_bits(got[name], a), (k, name)
+        assert Repository(after).verify().ok
+        if finished:
+            return k, saw_delta
 
 
 def deep_equal(a: Any, b: Any) -> bool:

@@ -11,7 +11,8 @@ import pytest
 
 from dstt.store import Repository, load
 from dstt.store.codec import DeltaPolicy, chain_limit
-from dstt.store.testing import FaultyStorage, MemoryStorage
+
+from ._util import crash_at_every_write
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -162,44 +163,8 @@ def test_gc_keeps_the_keyframes_kept_slots_need(tmp_path: Path) -> None:
 def test_crash_at_every_write_of_an_encoded_commit() -> None:
     t = _Trainer(6, "float32")
     steps = [t.step() for _ in range(3)]
-
-    class Cut(Exception):
-        pass
-
-    k, saw_delta = 0, False
-    while True:
-        k += 1
-        mem = MemoryStorage()
-        armed = {"on": False, "n": 0}
-
-        def cut(key: str, _a=armed, _k=k) -> None:  # type: ignore[no-untyped-def]
-            if _a["on"]:
-                _a["n"] += 1
-                if _a["n"] == _k:
-                    raise Cut(key)
-
-        repo = Repository.create(FaultyStorage(mem, on_write=cut))
-        finished = False
-        with repo.writer(encoding=DeltaPolicy()) as w:
-            _commit(w, 1, steps[0])
-            _commit(w, 2, steps[1])
-            armed["on"] = True  # the shadow now holds step 2: step 3 is written as deltas
-            try:
-                txn = _commit(w, 3, steps[2])
-                saw_delta = saw_delta or txn.stats.deltas > 0
-                finished = True
-            except Cut:
-                pass
-        after = mem.crash()
-        head = Repository(after).reader().head()
-        assert head is not None and head.step in (2, 3)
-        expect = steps[1] if head.step == 2 else steps[2]
-        got = load(after).arrays
-        for name in expect:
-            assert _same(got[name], expect[name]), (k, name)
-        assert Repository(after).verify().ok
-        if finished:
-            break
+    k, saw_delta = crash_at_every_write(lambda w, step: _commit(w, step, steps[step - 1]),
+                                        lambda step: steps[step - 1], encoding=DeltaPolicy())
     assert k > 5 and saw_delta
 
 
