@@ -36,7 +36,9 @@ import torch
 
 from ..errors import CaptureError
 from ..store.layout import ChunkPlan
+from ..store.predict import CUR, Prediction
 from ._convert import flat_bytes
+from .governor import EncodeGovernor
 from .providers import TensorSpec
 from .staging import Copier, HostCache, Lease, RaceReport, Ready, VersionGuard
 from .summaries import SummaryAccumulator, SummaryBook
@@ -75,6 +77,28 @@ class StepMetrics:
     raw_fallback: bool = False  # encoding skipped: the flush was behind (DeltaPolicy)
 
 
+def write_order(tensors: Mapping[str, Any],
+                predictions: Mapping[str, Prediction]) -> list[str]:
+    """Paths in capture order, except that an array comes after the arrays its prediction
+    reads from the same step (chunks are copied, and with one writer written, in this order)."""
+    done: set[str] = set()
+    order: list[str] = []
+
+    def visit(path: str, seen: tuple[str, ...]) -> None:
+        if path in done or path in seen:
+            return
+        pred = predictions.get(path)
+        for role, src in (pred.inputs if pred is not None else ()):
+            if role == CUR and src in tensors:
+                visit(src, (*seen, path))
+        done.add(path)
+        order.append(path)
+
+    for path in tensors:
+        visit(path, ())
+    return order
+
+
 def _encode_metrics(txn: Any) -> dict[str, Any]:
     st = getattr(txn, "stats", None)
     if st is None:
@@ -91,9 +115,12 @@ class Flight:
     """One staged step on its way to a commit."""
 
     def __init__(self, step: int, tensors: Mapping[str, torch.Tensor],
-                 objects: Mapping[str, Any], verify: bool) -> None:
+                 objects: Mapping[str, Any], verify: bool,
+                 predictions: Mapping[str, Prediction] | None = None) -> None:
         self.step = step
-        self.tensors = dict(tensors)
+        self.predictions = {p: x for p, x in (predictions or {}).items()
+                            if all(g in tensors for g in x.group)}
+        self.tensors = {p: tensors[p] for p in write_order(tensors, self.predictions)}
         self.specs = {p: TensorSpec.of(p, t) for p, t in self.tensors.items()}
         sources = {}
         for p, t in self.tensors.items():
@@ -121,9 +148,10 @@ class Flight:
         self.t_copied = self.t_stage
         self.blocked_s = self.stall_s = 0.0
         self.cpu_s = 0.0  # CPU the writer threads spent on this step (competes with training)
+        self.wall_s = 0.0  # wall time of the writer tasks of this step
         self._cpu_lock = threading.Lock()
         self.cache_bytes = self.backlog = 0
-        self.writers_behind = False
+        self.encode = False  # the writers encode this step (DeltaPolicy; see governor.py)
 
     def __repr__(self) -> str:
         state = ("committed" if self.header is not None else
@@ -145,9 +173,10 @@ class Flight:
         with self._cond:
             self.pending += 1
 
-    def add_cpu(self, seconds: float) -> None:
+    def add_cpu(self, seconds: float, wall: float = 0.0) -> None:
         with self._cpu_lock:
             self.cpu_s += seconds
+            self.wall_s += wall
 
     def task_done(self) -> None:
         with self._cond:
@@ -209,6 +238,10 @@ class Pipeline:
         self._closed = False
         self._copy_thread = self._spawn(self._copy_loop, "dstt-copy")
         self._commit_thread = self._spawn(self._commit_loop, "dstt-commit")
+        enc = getattr(writer, "encoder", None)
+        self._governor = (EncodeGovernor(max(1, writers), enabled=enc.policy.raw_when_busy,
+                                         retry_every=enc.policy.retry_every)
+                          if enc is not None else None)
         self._writers = [self._spawn(self._write_loop, f"dstt-write-{i}")
                          for i in range(max(1, writers))]
 
@@ -220,18 +253,19 @@ class Pipeline:
 
     # -- training thread ----------------------------------------------------------------
     def stage(self, step: int, tensors: Mapping[str, torch.Tensor],
-              objects: Mapping[str, Any]) -> Flight:
-        """Start capturing ``step``; returns at once (copies run in the background)."""
+              objects: Mapping[str, Any],
+              predictions: Mapping[str, Prediction] | None = None) -> Flight:
+        """Start capturing ``step``; returns at once (copies run in the background).
+        ``predictions``: encoding hints for the store (used when the writer encodes)."""
         if self._closed:
             raise CaptureError("the capture pipeline is closed")
-        f = Flight(step, tensors, objects, self.verify)
+        f = Flight(step, tensors, objects, self.verify, predictions)
         with self._lock:
             live = [x for x in self._flights if not x.done.is_set()]
             f.backlog = len(live)
-            # the writers are behind when an earlier step still has chunks to write now
-            f.writers_behind = any(x.pending for x in live)
             self._flights = [x for x in self._flights if not x.done.is_set()] + [f]
         f.cache_bytes = self.cache.leased_bytes if self.cache else 0
+        f.encode = self._governor.decide() if self._governor is not None else False
         self._copy_q.put(f)
         self._commit_q.put(f)
         return f
@@ -369,10 +403,11 @@ class Pipeline:
 
     def _copy(self, f: Flight) -> None:
         f.txn = self.writer.begin(f.step)
-        # encoding costs CPU in the writer threads: when an earlier step's chunks were still
-        # being written as this step started, the flush is behind, so this step is written raw
-        # (reported as raw_fallback in the metrics)
-        f.txn.encode = not f.writers_behind
+        # encoding costs writer CPU: the governor decided at stage time whether this step
+        # has it to spare (a raw step is reported as raw_fallback in the metrics)
+        f.txn.encode = f.encode
+        if f.predictions and getattr(self.writer, "encoder", None) is not None:
+            f.txn.predict(f.predictions)
         for path, spec in f.specs.items():
             f.plans[path] = f.txn.declare(path, spec.dtype, spec.shape)
         for name, obj in f.objects.items():
@@ -419,7 +454,7 @@ class Pipeline:
             if task is None:
                 return
             f = task[0]
-            t0 = time.thread_time()
+            t0, w0 = time.thread_time(), time.perf_counter()
             try:
                 if task[1] == "chunk":
                     self._write_chunk(f, task[2], task[3], task[4], task[5])
@@ -428,13 +463,15 @@ class Pipeline:
             except BaseException as e:
                 f.fail(e)
             finally:
-                f.add_cpu(time.thread_time() - t0)
+                f.add_cpu(time.thread_time() - t0, time.perf_counter() - w0)
                 f.task_done()
 
     def _write_chunk(self, f: Flight, path: str, i: int, lease: Lease, ready: Ready) -> None:
         assert self.cache is not None
         try:
+            t0 = time.perf_counter()
             ready.wait()
+            f.add_cpu(0.0, t0 - time.perf_counter())  # waiting for the copy is not disk time
             if not f.dead:
                 f.txn.put_chunk(path, i, lease.view.numpy())
                 acc = f.summaries.get(path)
@@ -489,7 +526,9 @@ class Pipeline:
             try:
                 with f._cond:
                     metrics = dict(f.metrics)
+                t0 = time.perf_counter()
                 f.header = f.txn.commit(metrics=metrics)
+                self._observe(f, time.perf_counter() - t0)
             except BaseException as e:
                 f.fail(e)
         if f.dead and f.txn is not None:
@@ -498,6 +537,17 @@ class Pipeline:
             except BaseException as e:  # pragma: no cover - abort touches no storage
                 f.error.add_note(f"aborting the transaction also failed: {e!r}")  # type: ignore[union-attr]
         self._record(f)
+
+    def _observe(self, f: Flight, commit_s: float) -> None:
+        """Tell the encode governor what this step's flush cost (CPU, and waiting for the
+        disk: writer time off the CPU plus the commit, whose barrier waits for the disk)."""
+        if self._governor is None:
+            return
+        st = f.txn.stats
+        if f.encode and not (st.deltas or st.dedups):
+            return  # keyframes only (a first step, a new chain): says nothing about encoding
+        self._governor.observe(f.encode, f.cpu_s, max(0.0, f.wall_s - f.cpu_s) + commit_s,
+                               f.txn.bytes_written)
 
     def _summaries(self, f: Flight) -> dict[str, Any]:
         """Finish the write-time summaries of ``f`` (committer thread, in step order, so the

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import SchemaError
 from ..store.layout import check_array_path
+from ..store.predict import Prediction
 from ._convert import from_plain, store_dtype, tensor_from_numpy, to_plain
 
 __all__ = [
@@ -208,6 +209,16 @@ class CompositeProvider:
                 if name in out:
                     raise ValueError(f"two providers capture the object {name!r}")
                 out[name] = v
+        return out
+
+    def predictions(self) -> Mapping[str, Prediction]:
+        """Predictions offered by the providers that have a ``predictions()`` method
+        (optional: encoding hints for ``DeltaPolicy``, see ``dstt.store.predict``)."""
+        out: dict[str, Prediction] = {}
+        for p in self.providers:
+            get = getattr(p, "predictions", None)
+            if callable(get):
+                out.update(get())
         return out
 
     def restore(self, source: RestoreSource) -> None:

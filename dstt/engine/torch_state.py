@@ -34,7 +34,9 @@ import numpy as np
 import torch
 
 from ..errors import SchemaError
+from ..store.predict import Prediction
 from ._convert import from_plain, to_plain
+from .predictions import adam_state_predictions
 from .providers import (
     CompositeProvider,
     ObjectProvider,
@@ -128,6 +130,10 @@ class OptimizerStateProvider:
                 if _is_array_state(v):
                     out[tensor_path(f"optim/{key}", name)] = v
         return out
+
+    def predictions(self) -> Mapping[str, Prediction]:
+        """Arrays of the step just taken that the store may encode as predictions."""
+        return adam_state_predictions(self.optimizer, self.params(), tensor_path)
 
     def objects(self) -> Mapping[str, Any]:
         state: dict[str, Any] = {}

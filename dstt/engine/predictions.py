@@ -1,0 +1,72 @@
+"""Which captured arrays the store may encode as predictions (``dstt.store.predict``).
+
+For torch's ``Adam``/``AdamW`` with float32 state, the step's ``exp_avg_sq`` and parameter
+follow from the update rule; this module reads the coefficients the optimizer used in the step
+just taken (learning rate, betas, eps, weight decay, the state's step count) and names the
+arrays of each parameter. It runs on the training thread in the post-step hook, so it only
+reads Python floats and host scalars: an optimizer whose step count or learning rate lives on
+an accelerator (``capturable=True``) gets no predictions rather than a device sync.
+
+Only a hint: a prediction that does not match what the optimizer did costs bytes, never
+correctness. Rejected alternative: predicting any optimizer by fitting a linear model of the
+previous steps at write time — more CPU in the flush path for less than the exact rule gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ..store.predict import Prediction, adam_predictions
+
+__all__ = ["adam_state_predictions"]
+
+
+def _host_float(v: Any) -> float | None:
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1 or not v.is_cpu:
+            return None
+        return float(v.item())
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _fp32(*ts: Any) -> bool:
+    first = ts[0]
+    return all(isinstance(t, torch.Tensor) and t.dtype == torch.float32
+               and t.shape == first.shape for t in ts)
+
+
+def adam_state_predictions(optimizer: torch.optim.Optimizer,
+                           params: Iterable[tuple[torch.Tensor, str]],
+                           path: Callable[[str, str], str]) -> Mapping[str, Prediction]:
+    """Predictions for every float32 parameter of a torch ``Adam``/``AdamW`` (no amsgrad);
+    ``path(prefix, dotted name)`` gives array paths (``params``, ``optim/exp_avg``, ...)."""
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
+        return {}
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    out: dict[str, Prediction] = {}
+    for p, name in params:
+        g = groups.get(id(p))
+        st = optimizer.state.get(p)
+        if g is None or not st or g.get("amsgrad") or g.get("differentiable"):
+            continue
+        m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+        if not _fp32(p, m, v):
+            continue
+        lr, step = _host_float(g.get("lr")), _host_float(st.get("step"))
+        b1, b2 = (_host_float(b) for b in g.get("betas", (None, None)))
+        eps, wd = _host_float(g.get("eps")), _host_float(g.get("weight_decay", 0.0))
+        if lr is None or step is None or b1 is None or b2 is None or eps is None or wd is None:
+            continue
+        decoupled = bool(g.get("decoupled_weight_decay",
+                               isinstance(optimizer, torch.optim.AdamW)))
+        out.update(adam_predictions(
+            param=path("params", name), exp_avg=path("optim/exp_avg", name),
+            exp_avg_sq=path("optim/exp_avg_sq", name), lr=lr, betas=(b1, b2), eps=eps,
+            weight_decay=wd, decoupled=decoupled, step=step))
+    return out

@@ -1,0 +1,217 @@
+"""Predictive coding through the session: which arrays get predictions, the order they are
+written in, the CPU governor, and bit-exact time travel and resume of predicted steps."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dstt import DeltaPolicy
+from dstt._session import session
+from dstt.engine.governor import EncodeGovernor
+from dstt.engine.pipeline import write_order
+from dstt.engine.predictions import adam_state_predictions
+from dstt.engine.torch_state import tensor_path
+from dstt.store import Repository
+from dstt.testing.models import SyntheticBatches, TinyGPT
+
+from ._helpers import same_bits, stored, train_step
+
+
+def _stepped(opt_cls: type, **kw: object) -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4)
+    opt = opt_cls(lin.parameters(), **kw)
+    for _ in range(3):
+        lin(torch.randn(5, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return lin, opt
+
+
+def _preds(lin: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:  # type: ignore[type-arg]
+    names = {id(p): n for n, p in lin.named_parameters()}
+    params = [(p, names[id(p)]) for g in opt.param_groups for p in g["params"]]
+    return dict(adam_state_predictions(opt, params, tensor_path))
+
+
+def test_adamw_gets_predictions_with_the_steps_coefficients() -> None:
+    lin, opt = _stepped(torch.optim.AdamW, lr=2e-3, betas=(0.8, 0.9), eps=1e-6,
+                        weight_decay=0.5)
+    preds = _preds(lin, opt)
+    assert set(preds) == {"params/weight", "params/bias", "optim/exp_avg_sq/weight",
+                          "optim/exp_avg_sq/bias"}
+    p = preds["params/weight"]
+    assert p.fn == "adam_p" and p.inputs == (("cur", "optim/exp_avg/weight"),
+                                             ("cur", "optim/exp_avg_sq/weight"))
+    decay, bias2_sqrt, eps, step_size = p.coeffs
+    assert decay == pytest.approx(1 - 2e-3 * 0.5, rel=1e-6)  # decoupled weight decay
+    assert bias2_sqrt == pytest.approx(math.sqrt(1 - 0.9 ** 3), rel=1e-6)  # three steps taken
+    assert step_size == pytest.approx(2e-3 / (1 - 0.8 ** 3), rel=1e-6)
+    assert eps == pytest.approx(1e-6, rel=1e-6)
+    v = preds["optim/exp_avg_sq/weight"]
+    assert v.fn == "adam_v"
+    assert v.coeffs[0] == pytest.approx(0.8) and v.coeffs[2] == pytest.approx(0.9)
+
+
+def test_adam_with_l2_decay_predicts_without_decoupled_decay() -> None:
+    lin, opt = _stepped(torch.optim.Adam, lr=1e-3, weight_decay=0.1)
+    assert _preds(lin, opt)["params/weight"].coeffs[0] == 1.0
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _stepped(torch.optim.SGD, lr=0.1, momentum=0.9),
+    lambda: _stepped(torch.optim.AdamW, lr=1e-3, amsgrad=True),
+])
+def test_other_optimizers_get_none(make) -> None:  # type: ignore[no-untyped-def]
+    assert _preds(*make()) == {}
+
+
+def test_non_fp32_state_gets_none() -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-3)
+    lin(torch.randn(5, 8, dtype=torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    assert _preds(lin, opt) == {}
+
+
+def test_inputs_are_written_before_the_arrays_predicted_from_them() -> None:
+    lin, opt = _stepped(torch.optim.AdamW, lr=1e-3)
+    preds = _preds(lin, opt)
+    tensors = {f"params/{n}": p for n, p in lin.named_parameters()}
+    for key in ("exp_avg", "exp_avg_sq"):
+        tensors.update({f"optim/{key}/{n}": opt.state[p][key] for n, p in lin.named_parameters()})
+    order = write_order(tensors, preds)
+    assert sorted(order) == sorted(tensors)
+    for path, pred in preds.items():
+        for role, src in pred.inputs:
+            if role == "cur":
+                assert order.index(src) < order.index(path), (src, path)
+
+
+def test_governor_encodes_when_it_flushes_faster_and_re_measures() -> None:
+    g = EncodeGovernor(writers=1, cores=2, retry_every=4)
+    assert g.decide()  # nothing measured yet: measure encoding first
+    g.observe(True, 0.3, 0.4, 100)  # encoded: 0.3 s CPU, 100 bytes written
+    assert not g.decide()  # then one raw step to compare with...
+    assert g.decide() and g.decide()  # ...and encode until it committed (commits lag)
+    g.observe(False, 0.2, 1.2, 300)  # raw: less CPU, 3x the bytes; the disk: 250 B/s
+    assert g.estimates() == {"encoded": pytest.approx(0.4), "raw": pytest.approx(1.2)}
+    decisions = [g.decide() for _ in range(8)]
+    assert decisions == [True, True, True, False] * 2  # encode; every 4th step re-measure raw
+    for _ in range(16):  # the disk got fast: now the CPU binds, and raw needs less of it
+        g.observe(False, 0.2, 0.01, 300)
+    assert g.estimates() == {"encoded": pytest.approx(0.3), "raw": pytest.approx(0.2)}
+    decisions = [g.decide() for _ in range(8)]
+    assert decisions == [False, False, False, True] * 2
+
+
+def test_governor_counts_the_cores_the_writers_get() -> None:
+    g = EncodeGovernor(writers=4, cores=8)
+    g.observe(True, 0.8, 0.0, 100)  # 0.8 s of CPU over 4 writer threads: 0.2 s
+    g.observe(False, 0.6, 0.0, 300)  # 0.15 s
+    assert g.estimates() == {"encoded": pytest.approx(0.2), "raw": pytest.approx(0.15)}
+    assert not g.decide()
+
+
+def test_governor_disabled_always_encodes() -> None:
+    g = EncodeGovernor(writers=1, cores=2, enabled=False)
+    g.observe(True, 100.0, 0.0, 1)
+    g.observe(False, 0.0, 0.0, 1)
+    assert all(g.decide() for _ in range(5))
+
+
+def _model() -> tuple[TinyGPT, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = TinyGPT(vocab=64, d=32, layers=2, heads=4, seq=16, dropout=0.0)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
+    return m, opt
+
+
+def test_session_writes_predicted_steps_that_read_back_bit_exactly(tmp_path: Path) -> None:
+    m, opt = _model()
+    data = SyntheticBatches(14, batch_size=4, seq=16, vocab=64, seed=3)
+    path = "layers/0/qkv/weight"
+    after: dict[int, dict[str, torch.Tensor]] = {}
+    with session(m, opt, run=tmp_path / "run", max_backlog=1,
+                 encoding=DeltaPolicy(keyframe_every=6, raw_when_busy=False)) as s:
+        for x, y in s.data(data):
+            train_step(m, opt, x, y)
+            p = m.layers[0].qkv.weight
+            after[s.step] = {f"params/{path}": p.detach().clone(),
+                             f"optim/exp_avg/{path}": opt.state[p]["exp_avg"].clone(),
+                             f"optim/exp_avg_sq/{path}": opt.state[p]["exp_avg_sq"].clone()}
+            s.wait()
+            time.sleep(0.03)  # let the step commit: predictions need committed bases
+    repo = Repository.open(tmp_path / "run")
+    r = repo.reader()
+    kinds = {c.encoding for h in r.lineage() for c in r.arrays(h)[f"params/{path}"].chunks}
+    assert "pred1" in kinds
+    for step, tensors in after.items():
+        for name, t in tensors.items():
+            assert same_bits(stored(repo, step, name), t), (step, name)
+    assert repo.verify().ok
+    ms = s.metrics
+    between = [x for x in ms[1:] if x.deltas > x.keyframes]
+    assert between and all(x.written_bytes < 0.6 * x.bytes for x in between)
+
+
+def test_resume_from_a_predicted_step_continues_bit_exactly(tmp_path: Path) -> None:
+    data = SyntheticBatches(16, batch_size=4, seq=16, vocab=64, seed=5)
+    m, opt = _model()
+    ref = [train_step(m, opt, x, y) for x, y in data]
+    m, opt = _model()
+    pol = DeltaPolicy(keyframe_every=20, raw_when_busy=False)
+    with session(m, opt, run=tmp_path / "run", encoding=pol, max_backlog=1) as s:
+        for x, y in s.data(data):
+            train_step(m, opt, x, y)
+            s.wait()
+            time.sleep(0.03)
+            if s.step == 9:
+                break
+    r = Repository.open(tmp_path / "run").reader()
+    head = r.head()
+    assert head is not None and head.step == 9
+    assert any(c.encoding == "pred1" for a in r.arrays(head).values() for c in a.chunks)
+    m2, opt2 = _model()
+    with session(m2, opt2, run=tmp_path / "run", resume=True, encoding=pol) as s:
+        got = [train_step(m2, opt2, x, y) for x, y in s.data(data)]
+    assert got == ref[9:]
+
+
+def test_a_failed_step_takes_only_the_steps_based_on_it(tmp_path: Path) -> None:
+    """Step 4's commit fails; a step encoded against it while it was in flight is dropped
+    too; the run recovers with keyframes and every committed step reads back exactly."""
+    import errno
+    import warnings
+
+    from dstt.store.testing import FaultyStorage, MemoryStorage
+
+    inner = MemoryStorage()
+    Repository.create(inner)
+    faulty = FaultyStorage(inner, errno=errno.EIO, fail_keys=r"commits/000000000003\.json")
+    m, opt = _model()
+    after: dict[int, torch.Tensor] = {}
+    data = SyntheticBatches(10, batch_size=4, seq=16, vocab=64, seed=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with session(m, opt, run=Repository(faulty), error_policy="skip",
+                     encoding=DeltaPolicy(raw_when_busy=False)) as s:
+            for x, y in s.data(data):
+                train_step(m, opt, x, y)
+                after[s.step] = m.layers[0].qkv.weight.detach().clone()
+    plain = Repository(inner)
+    steps = [h.step for h in plain.reader().lineage()]
+    assert 4 not in steps and steps[-1] == 10 and steps[:3] == [1, 2, 3]
+    dropped = [x for x in s.metrics if not x.committed]
+    assert {x.step for x in dropped} <= {4, 5, 6}
+    for x in dropped:
+        assert x.step == 4 or "did not commit" in (x.error or ""), x.error
+    for step in steps:
+        assert same_bits(stored(plain, step, "params/layers/0/qkv/weight"), after[step])
+    assert plain.verify().problems == []
