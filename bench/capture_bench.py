@@ -25,7 +25,11 @@ a rotated order, so a noisy neighbour or a slow patch of the disk hits every mod
                   unless ``--delta-all``.
 
 Experiments, only with ``--modes``: ``dstt_nice`` (dstt's background threads at nice 19, set
-from outside the library) and ``dstt_lean`` (nice 19 + ``summaries=False`` + ``writers=1``).
+from outside the library), ``dstt_lean`` (nice 19 + ``summaries=False`` + ``writers=1``),
+``dstt_delta_always`` (``DeltaPolicy(raw_when_busy=False)``: never falls back to raw),
+``dstt_delta_lz4`` (lz4 for prediction residuals) and ``dstt_xor`` (XOR deltas only, no
+predictions). Where the disk binds (issue 8's target) is measured by capping the disk:
+``bench/slow_disk.sh 250000000 python bench/capture_bench.py --sizes large ...``.
 
 Per repeat and mode: ``s/iter`` = (timed iterations + the final drain of pending saves) / N —
 what a run of N steps costs; the per-iteration median (steady state) is reported beside it.
@@ -220,6 +224,23 @@ def run_dstt_delta(tr: Trainer, warmup: int, iters: int, root: Path, **_: Any) -
 
 
 # experiments (not run by default; pass --modes): what the findings in docs/benchmarks.md suggest
+def run_dstt_delta_lz4(tr: Trainer, warmup: int, iters: int, root: Path,
+                       **_: Any) -> dict[str, Any]:
+    """DeltaPolicy with lz4 instead of zstd for prediction residuals (less CPU, more bytes)."""
+    return _run_dstt(tr, warmup, iters, root, dstt.DeltaPolicy(residual_cname="lz4"))
+
+
+def run_dstt_delta_always(tr: Trainer, warmup: int, iters: int, root: Path,
+                          **_: Any) -> dict[str, Any]:
+    """DeltaPolicy that never falls back to raw (disk space first)."""
+    return _run_dstt(tr, warmup, iters, root, dstt.DeltaPolicy(raw_when_busy=False))
+
+
+def run_dstt_xor(tr: Trainer, warmup: int, iters: int, root: Path, **_: Any) -> dict[str, Any]:
+    """DeltaPolicy without predictions: XOR deltas only (the first version of issue 8)."""
+    return _run_dstt(tr, warmup, iters, root, dstt.DeltaPolicy(predict=False))
+
+
 def run_dstt_nice(tr: Trainer, warmup: int, iters: int, root: Path, **_: Any) -> dict[str, Any]:
     """dstt with its background threads at nice 19 (the training thread keeps its priority)."""
     return _run_dstt(tr, warmup, iters, root, None, nice=True)
@@ -343,7 +364,9 @@ def run_dcp(tr: Trainer, warmup: int, iters: int, root: Path, **_: Any) -> dict[
 
 
 RUNNERS = {"none": run_none, "dstt": run_dstt, "torch_save": run_torch_save, "dcp": run_dcp,
-           "dstt_delta": run_dstt_delta, "dstt_nice": run_dstt_nice, "dstt_lean": run_dstt_lean}
+           "dstt_delta": run_dstt_delta, "dstt_nice": run_dstt_nice, "dstt_lean": run_dstt_lean,
+           "dstt_delta_lz4": run_dstt_delta_lz4, "dstt_xor": run_dstt_xor,
+           "dstt_delta_always": run_dstt_delta_always}
 
 
 # -- driver ---------------------------------------------------------------------------------
