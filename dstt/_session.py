@@ -76,6 +76,7 @@ class Session:
         if encoding is not None and not isinstance(encoding, DeltaPolicy):
             raise TypeError(f"encoding must be a dstt.DeltaPolicy or None, not {encoding!r}")
         self.encoding = encoding
+        self._keyframe_next = False  # keyframe(): the next captured step is written whole
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.every, self.resume = every, resume
         self.budget_bytes, self.race_policy = budget_bytes, race_policy
@@ -141,6 +142,12 @@ class Session:
         Only needed without an optimizer: call it before changing captured tensors yourself.
         """
         self._before_step()
+
+    def keyframe(self) -> None:
+        """Write the next captured step whole, whatever ``encoding`` says: every chunk a plain
+        Zarr chunk (readable without dstt; a cheap starting point for reads), and the next
+        steps' deltas chain from it. Use it at milestones (an eval, a learning-rate change)."""
+        self._keyframe_next = True
 
     def mark_step(self) -> None:
         """Count one step and capture it (for loops without an optimizer to hook)."""
@@ -283,7 +290,9 @@ class Session:
         self._boundary = None
         predictions = (self._state.step_state.predictions()
                        if self.encoding is not None and self.encoding.predict else None)
-        self._flight = self._pipeline.stage(self._step, tensors, objects, predictions)
+        self._flight = self._pipeline.stage(self._step, tensors, objects, predictions,
+                                            keyframe=self._keyframe_next)
+        self._keyframe_next = False
 
     def _settle(self, f: Flight) -> None:
         pipe = self._pipeline

@@ -152,6 +152,7 @@ class Flight:
         self._cpu_lock = threading.Lock()
         self.cache_bytes = self.backlog = 0
         self.encode = False  # the writers encode this step (DeltaPolicy; see governor.py)
+        self.keyframe = False  # written whole on request (Session.keyframe)
 
     def __repr__(self) -> str:
         state = ("committed" if self.header is not None else
@@ -254,9 +255,11 @@ class Pipeline:
     # -- training thread ----------------------------------------------------------------
     def stage(self, step: int, tensors: Mapping[str, torch.Tensor],
               objects: Mapping[str, Any],
-              predictions: Mapping[str, Prediction] | None = None) -> Flight:
+              predictions: Mapping[str, Prediction] | None = None, *,
+              keyframe: bool = False) -> Flight:
         """Start capturing ``step``; returns at once (copies run in the background).
-        ``predictions``: encoding hints for the store (used when the writer encodes)."""
+        ``predictions``: encoding hints for the store (used when the writer encodes);
+        ``keyframe``: write every chunk whole (plain Zarr) even when the writer encodes."""
         if self._closed:
             raise CaptureError("the capture pipeline is closed")
         f = Flight(step, tensors, objects, self.verify, predictions)
@@ -266,6 +269,7 @@ class Pipeline:
             self._flights = [x for x in self._flights if not x.done.is_set()] + [f]
         f.cache_bytes = self.cache.leased_bytes if self.cache else 0
         f.encode = self._governor.decide() if self._governor is not None else False
+        f.keyframe = keyframe
         self._copy_q.put(f)
         self._commit_q.put(f)
         return f
@@ -406,6 +410,7 @@ class Pipeline:
         # encoding costs writer CPU: the governor decided at stage time whether this step
         # has it to spare (a raw step is reported as raw_fallback in the metrics)
         f.txn.encode = f.encode
+        f.txn.keyframe = f.keyframe
         if f.predictions and getattr(self.writer, "encoder", None) is not None:
             f.txn.predict(f.predictions)
         for path, spec in f.specs.items():

@@ -286,6 +286,8 @@ class Transaction:
         self._object_bytes = 0
         #: set False to write this step raw (e.g. when the encoder cannot keep up)
         self.encode = True
+        #: set True to write this step whole on request: plain Zarr chunks, new chains
+        self.keyframe = False
         self.stats = EncodeStats()
         self.pending: dict[tuple[str, int], Shadow] = {}
         self._predictions: dict[str, Prediction] = {}
@@ -348,10 +350,10 @@ class Transaction:
             pad -= len(z)
         enc = self.writer.encoder
         pending = None
-        if enc is not None and not self.encode:
-            self.stats.raw_fallback = True
+        if enc is not None and (self.keyframe or not self.encode):
+            self.stats.raw_fallback = not self.keyframe
             pending = enc.keep(path, index, self.timeline, view, crc, self.slot)
-        if enc is not None and self.encode:
+        elif enc is not None:
             rec, pending = enc.encode(self.writer.storage.write, path=path, index=index,
                                       plan=plan, slot=self.slot, timeline=self.timeline,
                                       data=view, raw_crc=crc, stats=self.stats,

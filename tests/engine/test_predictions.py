@@ -215,3 +215,30 @@ def test_a_failed_step_takes_only_the_steps_based_on_it(tmp_path: Path) -> None:
     for step in steps:
         assert same_bits(stored(plain, step, "params/layers/0/qkv/weight"), after[step])
     assert plain.verify().problems == []
+
+
+def test_keyframe_on_request_writes_the_next_step_whole(tmp_path: Path) -> None:
+    import numpy as np
+    import zarr
+
+    m, opt = _model()
+    with session(m, opt, run=tmp_path / "run", max_backlog=1,
+                 encoding=DeltaPolicy(keyframe_every=30, raw_when_busy=False)) as s:
+        for x, y in s.data(SyntheticBatches(8, batch_size=4, seq=16, vocab=64, seed=2)):
+            train_step(m, opt, x, y)
+            s.wait()
+            time.sleep(0.03)
+            if s.step == 5:
+                s.keyframe()
+    r = Repository.open(tmp_path / "run").reader()
+    kinds = {h.step: {c.encoding for a in r.arrays(h).values() for c in a.chunks}
+             for h in r.lineage()}
+    assert kinds[5] != {"raw"} and kinds[6] == {"raw"} and "pred1" in kinds[7]
+    h7 = r.find(7)
+    assert {c.base for c in r.arrays(h7)["params/layers/0/qkv/weight"].chunks} == {r.find(6).slot}
+    plain = zarr.open_array(tmp_path / "run" / "params" / "layers" / "0" / "qkv" / "weight",
+                            mode="r", zarr_format=3)
+    got = stored(Repository.open(tmp_path / "run"), 6, "params/layers/0/qkv/weight")
+    assert np.array_equal(plain[r.find(6).slot], got.numpy())  # plain Zarr reads step 6
+    assert np.isnan(plain[r.find(7).slot]).all()  # and sees the predicted step 7 as missing
+    assert [x.raw_fallback for x in s.metrics] == [False] * 8
