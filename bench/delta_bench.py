@@ -11,17 +11,17 @@ the end a chain of consecutive states is kept.
 
 The library's scheme (``dstt/store/predict.py``): ``exp_avg`` (m) carries the step's new
 information and is written as an XOR delta against the previous step (Blosc byte-shuffle +
-lz4, ``DeltaPolicy.cname``), or raw when that does not pay ``min_ratio``; ``exp_avg_sq`` (v)
-and the parameter (p) are predicted from the Adam update rule (``adam_v`` from v_prev, m,
-m_prev; ``adam_p`` from p_prev, m, v) and written as ``actual XOR predicted`` ("pred1",
-Blosc byte-shuffle + zstd, ``DeltaPolicy.residual_cname``). Then:
+lz4 for fp32: ``DeltaPolicy.cname="auto"``), or raw when that does not pay ``min_ratio``;
+``exp_avg_sq`` (v) and the parameter (p) are predicted from the Adam update rule (``adam_v``
+from v_prev, m, m_prev; ``adam_p`` from p_prev, m, v) and written as ``actual XOR predicted``
+("pred1", Blosc byte-shuffle + zstd, ``DeltaPolicy.residual_cname``). Then:
 
 1. **bytes per step** as written/raw, per tensor class: fp32 params, fp32 Adam moments
    (``exp_avg``, ``exp_avg_sq``), the whole fp32 Adam state (the three together), and the same
    params cast to bf16 and fp16 (as a mixed-precision run would hold them):
    a. *XOR only*: ``dstt.store.codec.xor_encode`` against the previous step with the default
-      policy, per tensor (whatever its ratio). Beside it: plain shuffle + lz4 (the policy's
-      codec) of the new state (no delta; JSON key ``plain_zstd_ratio``, kept for history), and
+      policy, per tensor (whatever its ratio). Beside it: plain shuffle + the policy's codec
+      of the new state (no delta; JSON key ``plain_zstd_ratio``, kept for history), and
       the *XOR bound*: bits / (bits - leading zero bits of cur^prev) per element, near the
       ceiling of any XOR-against-the-previous-step scheme.
    b. *library* (``DeltaPolicy()`` with the session's predictions), emulated per tensor as the
@@ -369,7 +369,7 @@ def ratios_at(prev: Snap, cur: Snap) -> dict[str, Any]:
         b = prev.arrays[k]
         size = a.dtype.itemsize
         xor_n[k] = len(xor_encode(u8(a), u8(b), size, pol))
-        plain_n[k] = blosc_size(a.reshape(-1).view(_UINT[size]), pol.cname, pol.clevel,
+        plain_n[k] = blosc_size(a.reshape(-1).view(_UINT[size]), pol.codec_for(size), pol.clevel,
                                 Blosc.SHUFFLE)
         lz[k], bits[k] = xor_bound_bits(a, b)
         pr = preds.get(k)
@@ -607,15 +607,16 @@ def print_tables(res: dict[str, Any]) -> None:
     last = res["points"][pts[-1]]
     sc = res["session_classes"]
     print("\n== XOR only: bytes per step / raw (xor_encode vs the previous step: Blosc "
-          "byte-shuffle + lz4 1, whatever the ratio)")
+          "byte-shuffle + the policy's codec: lz4 for fp32, zstd for 16-bit; whatever the "
+          "ratio)")
     print(f"{'class':>26} " + " ".join(f"{'step ' + p:>14}" for p in pts)
-          + f" {'plain lz4':>10} {'XOR bound':>10}")
+          + f" {'plain':>10} {'XOR bound':>10}")
     for c in CLASSES:
         cells = " ".join(f"{res['points'][p][c]['written_over_raw']:6.3f} "
                          f"({res['points'][p][c]['ratio']:4.2f}x)" for p in pts)
         print(f"{c:>26} {cells} {1 / last[c]['plain_zstd_ratio']:10.3f} "
               f"{1 / last[c]['xor_bound_ratio']:10.3f}")
-    print("  (written/raw; ratio raw/written in brackets; plain lz4 = shuffle+lz4 of the new "
+    print("  (written/raw; ratio raw/written in brackets; plain = shuffle + codec of the new "
           "state, no delta; XOR bound = leading-zero-bit limit)")
     print("\n== library, DeltaPolicy() with predictions: bytes per step / raw (exp_avg XOR/lz4, "
           "exp_avg_sq and params predicted, residual zstd 1; raw when under min_ratio)")

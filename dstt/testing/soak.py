@@ -108,7 +108,8 @@ def child_main(mode: str, run: str, steps: int, seed: int, delta: bool = False) 
         # a small host cache: most tensors span several chunk files (more files to tear)
         with dstt.session(model, opt, run=storage, scheduler=sched, resume=True,
                           budget_bytes=1 << 14, writers=2,
-                          encoding=dstt.DeltaPolicy() if delta else None) as s:
+                          encoding=dstt.DeltaPolicy(raw_when_busy=False) if delta else None
+                          ) as s:
             loop(s, s.data(batches))
     h = hashlib.sha256()
     for p in model.parameters():

@@ -176,3 +176,12 @@ def test_chain_limit_rule() -> None:
     assert chain_limit(DeltaPolicy(keyframe_every=9), 2.0) == 9
     with pytest.raises(ValueError):
         DeltaPolicy(keyframe_every=0)
+
+
+def test_codec_choice_and_bad_codec_names() -> None:
+    assert DeltaPolicy().codec_for(2) == "zstd" and DeltaPolicy().codec_for(4) == "lz4"
+    assert DeltaPolicy(cname="zstd").codec_for(4) == "zstd"
+    with pytest.raises(ValueError, match="cname='snappy'"):
+        DeltaPolicy(cname="snappy")
+    with pytest.raises(ValueError, match="residual_cname='auto'"):
+        DeltaPolicy(residual_cname="auto")
