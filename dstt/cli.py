@@ -157,8 +157,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         if not paths:
             raise UsageError(f"selector {args.select!r} matches no tensor at step {snap.step}")
     tensors = [{"name": user_name(p), "store_path": p, "dtype": snap.arrays[p].dtype,
-                "shape": list(snap.arrays[p].shape), "bytes": snap.arrays[p].plan.nbytes}
-               for p in paths]
+                "shape": list(snap.arrays[p].shape), "bytes": snap.arrays[p].plan.nbytes,
+                **_stored(snap.arrays[p], snap.slot)} for p in paths]
     doc = {"step": snap.step, "slot": snap.slot, "timeline": snap.timeline, "time": snap.time,
            "metrics": snap.metrics, "objects": snap.objects, "tensors": tensors}
 
@@ -168,12 +168,33 @@ def cmd_show(args: argparse.Namespace) -> int:
             yield f"metrics: {_metrics_text(snap.metrics)}"
         yield f"objects: {', '.join(snap.objects) or '—'}"
         width = max((len(t["name"]) for t in tensors), default=10)
+        yield f"  {'':<{width}}  {'':<8} {'':<18} {'size':>10}  {'written':>10}  stored as"
         for t in tensors:
             yield (f"  {t['name']:<{width}}  {t['dtype']:<8} {tuple(t['shape'])!s:<18} "
-                   f"{human_bytes(t['bytes']):>10}")
-        yield f"{len(tensors)} tensors, {human_bytes(sum(t['bytes'] for t in tensors))}"
+                   f"{human_bytes(t['bytes']):>10}  {human_bytes(t['written_bytes']):>10}  "
+                   f"{'+'.join(t['stored_as'])}")
+        size = sum(t["bytes"] for t in tensors)
+        written = sum(t["written_bytes"] for t in tensors)
+        yield (f"{len(tensors)} tensors, {human_bytes(size)}; this step wrote "
+               f"{human_bytes(written)} of them"
+               + (f" ({size / written:.1f}x fewer bytes)" if 0 < written < size else ""))
     _emit(args, doc, text)
     return EXIT_OK
+
+
+_STORED_AS = {"raw": "raw", "xor1": "xor", "pred1": "pred"}
+
+
+def _stored(rec: Any, slot: int) -> dict[str, Any]:
+    """What the step put on disk for a tensor: bytes of the files written in its own slot,
+    and how its chunks are stored (raw, xor, pred; ref = unchanged, an older file)."""
+    from .store.layout import key_slot
+
+    mine = [c for c in rec.chunks if key_slot(c.key) == slot]
+    kinds = {_STORED_AS.get(c.encoding, c.encoding) for c in mine}
+    if len(mine) < len(rec.chunks):
+        kinds.add("ref")
+    return {"written_bytes": sum(c.nbytes for c in mine), "stored_as": sorted(kinds)}
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

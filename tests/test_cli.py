@@ -185,3 +185,31 @@ def test_installed_entry_point(run_dir: Path) -> None:
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.startswith("dstt: no committed step 99") and "Traceback" not in bad.stderr
+
+
+def test_show_tells_what_each_tensor_cost_on_disk(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from dstt.store import DeltaPolicy
+
+    run = tmp_path / "enc"
+    repo = Repository.create(run)
+    rng = np.random.default_rng(0)
+    frozen = rng.standard_normal((64, 32)).astype(np.float32)
+    w = rng.standard_normal((64, 32)).astype(np.float32)
+    with repo.writer(encoding=DeltaPolicy(keyframe_every=4)) as wr:
+        for step in (1, 2):
+            txn = wr.begin(step)
+            for path, a in (("params/frozen", frozen), ("params/w", w)):
+                txn.declare(path, "float32", a.shape)
+                txn.put_chunk(path, 0, a.reshape(-1).view(np.uint8))
+            txn.commit()
+            w = (w * np.float32(1.0001)).astype(np.float32)  # a small change: an XOR delta
+    first = {t["name"]: t for t in _json(capsys, "show", "--run", str(run), "--step", "1")[
+        "tensors"]}  # type: ignore[index]
+    assert first["w"]["stored_as"] == ["raw"] and first["w"]["written_bytes"] > 8192
+    doc = _json(capsys, "show", "--run", str(run), "--step", "2")
+    t = {x["name"]: x for x in doc["tensors"]}  # type: ignore[index]
+    assert t["frozen"]["stored_as"] == ["ref"] and t["frozen"]["written_bytes"] == 0
+    assert t["w"]["stored_as"] == ["xor"] and 0 < t["w"]["written_bytes"] < t["w"]["bytes"]
+    code, out, _ = _run(capsys, "show", "--run", str(run), "--step", "2")
+    assert code == EXIT_OK and "fewer bytes" in out and " ref" in out

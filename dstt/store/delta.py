@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import DsttError
 from .buffers import Scratch, ShadowPool
 from .codec import XOR, DeltaPolicy, chain_limit, xor_encode
-from .layout import ChunkPlan, delta_key
+from .layout import ChunkPlan, delta_key, key_slot
 from .manifest import ChunkRecord, checksum
 from .predict import CUR, PRED, Prediction, predict
 
@@ -208,7 +208,7 @@ class DeltaEncoder:
         if sh is not None:
             if (self.policy.dedup and sh.record.content_crc32c == raw_crc
                     and np.array_equal(cur, sh.data)):
-                self._depend(deps, from_slot, *sh.record.slots, _key_slot(sh.record))
+                self._depend(deps, from_slot, *sh.record.slots, key_slot(sh.record.key))
                 stats.add(cur.nbytes, 0, "dedup")
                 return sh.record, sh
             keyframe = False
@@ -354,10 +354,3 @@ class DeltaEncoder:
             with self._mu:
                 self._limits[group] = limit
 
-
-def _key_slot(rec: ChunkRecord) -> int | None:
-    """The slot whose folder holds a record's file (``c.<slot>...`` / ``d.<slot>...``)."""
-    try:
-        return int(rec.key.rsplit("/", 1)[-1].split(".")[1])
-    except (IndexError, ValueError):
-        return None

@@ -38,6 +38,7 @@ __all__ = [
     "commit_key",
     "delta_key",
     "group_meta_key",
+    "key_slot",
     "object_key",
     "part_key",
     "plan_chunks",
@@ -100,6 +101,16 @@ def chunk_key(path: str, slot: int, index: tuple[int, ...]) -> str:
 def delta_key(path: str, slot: int, index: tuple[int, ...]) -> str:
     """A delta chunk: not a Zarr chunk key, so plain readers see the slot as missing."""
     return f"{path}/d." + ".".join(str(i) for i in (slot, *index))
+
+
+def key_slot(key: str) -> int | None:
+    """The slot a chunk or delta file belongs to (``.../c.<slot>...``, ``.../d.<slot>...``);
+    a record whose key is in an older slot than its commit is a dedup reference."""
+    name = key.rsplit("/", 1)[-1]
+    parts = name.split(".")
+    if len(parts) < 2 or parts[0] not in ("c", "d") or not parts[1].isdigit():
+        return None
+    return int(parts[1])
 
 
 def commit_key(slot: int) -> str:
