@@ -1,9 +1,10 @@
 """Which captured arrays the store may encode as predictions (``dstt.store.predict``).
 
 For torch's ``Adam``/``AdamW`` with float32 state, the step's ``exp_avg_sq`` and parameter
-follow from the update rule; this module reads the coefficients the optimizer used in the step
-just taken (learning rate, betas, eps, weight decay, the state's step count) and names the
-arrays of each parameter. It runs on the training thread in the post-step hook, so it only
+follow from the update rule, and for ``SGD`` with momentum the parameter follows from its
+momentum buffer; this module reads the coefficients the optimizer used in the step just taken
+(learning rate, betas, eps, weight decay, the state's step count) and names the arrays of each
+parameter. It runs on the training thread in the post-step hook, so it only
 reads Python floats and host scalars: an optimizer whose step count or learning rate lives on
 an accelerator (``capturable=True``) gets no predictions rather than a device sync.
 
@@ -19,9 +20,22 @@ from typing import Any
 
 import torch
 
-from ..store.predict import Prediction, adam_predictions
+from ..store.predict import Prediction, adam_predictions, sgd_predictions
 
-__all__ = ["adam_state_predictions"]
+__all__ = ["adam_state_predictions", "optimizer_predictions", "sgd_state_predictions"]
+
+Params = Iterable[tuple[torch.Tensor, str]]
+PathOf = Callable[[str, str], str]
+
+
+def optimizer_predictions(optimizer: torch.optim.Optimizer, params: Params,
+                          path: PathOf) -> Mapping[str, Prediction]:
+    """Predictions for the optimizers this module knows (none for the others)."""
+    if isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
+        return adam_state_predictions(optimizer, params, path)
+    if isinstance(optimizer, torch.optim.SGD):
+        return sgd_state_predictions(optimizer, params, path)
+    return {}
 
 
 def _host_float(v: Any) -> float | None:
@@ -41,9 +55,8 @@ def _fp32(*ts: Any) -> bool:
                and t.shape == first.shape for t in ts)
 
 
-def adam_state_predictions(optimizer: torch.optim.Optimizer,
-                           params: Iterable[tuple[torch.Tensor, str]],
-                           path: Callable[[str, str], str]) -> Mapping[str, Prediction]:
+def adam_state_predictions(optimizer: torch.optim.Optimizer, params: Params,
+                           path: PathOf) -> Mapping[str, Prediction]:
     """Predictions for every float32 parameter of a torch ``Adam``/``AdamW`` (no amsgrad);
     ``path(prefix, dotted name)`` gives array paths (``params``, ``optim/exp_avg``, ...)."""
     if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
@@ -69,4 +82,26 @@ def adam_state_predictions(optimizer: torch.optim.Optimizer,
             param=path("params", name), exp_avg=path("optim/exp_avg", name),
             exp_avg_sq=path("optim/exp_avg_sq", name), lr=lr, betas=(b1, b2), eps=eps,
             weight_decay=wd, decoupled=decoupled, step=step))
+    return out
+
+
+def sgd_state_predictions(optimizer: torch.optim.Optimizer, params: Params,
+                          path: PathOf) -> Mapping[str, Prediction]:
+    """Predictions for every float32 parameter of a torch ``SGD`` with momentum, not Nesterov
+    (whose update also needs the gradient, which is not captured)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return {}
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    out: dict[str, Prediction] = {}
+    for p, name in params:
+        g = groups.get(id(p))
+        st = optimizer.state.get(p)
+        if g is None or not st or g.get("nesterov") or not g.get("momentum"):
+            continue
+        buf = st.get("momentum_buffer")
+        lr = _host_float(g.get("lr"))
+        if lr is None or not _fp32(p, buf):
+            continue
+        out.update(sgd_predictions(param=path("params", name),
+                                   momentum_buffer=path("optim/momentum_buffer", name), lr=lr))
     return out

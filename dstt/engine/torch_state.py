@@ -36,7 +36,7 @@ import torch
 from ..errors import SchemaError
 from ..store.predict import Prediction
 from ._convert import from_plain, to_plain
-from .predictions import adam_state_predictions
+from .predictions import optimizer_predictions
 from .providers import (
     CompositeProvider,
     ObjectProvider,
@@ -133,7 +133,7 @@ class OptimizerStateProvider:
 
     def predictions(self) -> Mapping[str, Prediction]:
         """Arrays of the step just taken that the store may encode as predictions."""
-        return adam_state_predictions(self.optimizer, self.params(), tensor_path)
+        return optimizer_predictions(self.optimizer, self.params(), tensor_path)
 
     def objects(self) -> Mapping[str, Any]:
         state: dict[str, Any] = {}

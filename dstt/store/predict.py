@@ -6,7 +6,8 @@ and their previous values. So instead of an XOR against the previous step (which
 a float32's mantissa bits noisy: ~1.2x), ``exp_avg_sq`` and the parameter are predicted from
 the optimizer's update rule and only ``actual XOR predicted`` is written — mostly zero bits,
 often all of them, which Blosc shrinks 15-200x. ``exp_avg`` is written as usual (raw or XOR), so
-a step of fp32 Adam state costs about one tensor's worth of bytes instead of three.
+a step of fp32 Adam state costs about one tensor's worth of bytes instead of three. SGD with
+momentum is simpler still: ``p -= lr * buf``, so the parameter follows from its momentum buffer.
 
 Always lossless: a prediction only has to be *reproducible*, not right. Predictors are fixed
 sequences of single numpy float32 operations (``+ - * / sqrt``, each correctly rounded by
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PREDICTORS", "Prediction", "adam_predictions", "predict"]
+__all__ = ["PREDICTORS", "Prediction", "adam_predictions", "predict", "sgd_predictions"]
 
 PRED = "pred1"  # encoding name in the arrays table: a Blosc frame of actual XOR predicted
 
@@ -100,6 +101,15 @@ def _adam_p(prev: np.ndarray, inputs: Sequence[np.ndarray], c: Sequence[float],
         np.subtract(out, d, out=out)
 
 
+def _sgd_p(prev: np.ndarray, inputs: Sequence[np.ndarray], c: Sequence[float],
+           out: np.ndarray, tmp: np.ndarray) -> None:
+    """param after SGD with momentum: p ≈ p_prev + c·buf (c = -lr; weight decay is in buf)."""
+    (buf,) = inputs
+    with np.errstate(all="ignore"):
+        np.multiply(buf, np.float32(c[0]), out=tmp)
+        np.add(prev, tmp, out=out)
+
+
 Predictor = Callable[[np.ndarray, Sequence[np.ndarray], Sequence[float], np.ndarray,
                       np.ndarray], None]
 
@@ -107,6 +117,7 @@ Predictor = Callable[[np.ndarray, Sequence[np.ndarray], Sequence[float], np.ndar
 PREDICTORS: dict[str, tuple[tuple[str, ...], int, Predictor]] = {
     "adam_v": ((CUR, PREV), 4, _adam_v),
     "adam_p": ((CUR, CUR), 4, _adam_p),
+    "sgd_p": ((CUR,), 1, _sgd_p),
 }
 
 
@@ -150,3 +161,15 @@ def adam_predictions(*, param: str, exp_avg: str, exp_avg_sq: str, lr: float,
     except (ValueError, OverflowError):
         return {}
     return {exp_avg_sq: v, param: p}
+
+
+def sgd_predictions(*, param: str, momentum_buffer: str, lr: float) -> Mapping[str, Prediction]:
+    """Prediction of ``param`` after a step of SGD with momentum (not Nesterov): the update
+    is ``p -= lr * buf`` with weight decay and dampening already inside ``buf``."""
+    if not math.isfinite(lr):
+        return {}
+    try:
+        return {param: Prediction("sgd_p", ((CUR, momentum_buffer),), (f32(-lr),),
+                                  (momentum_buffer, param))}
+    except ValueError:
+        return {}

@@ -14,7 +14,7 @@ from dstt import DeltaPolicy
 from dstt._session import session
 from dstt.engine.governor import EncodeGovernor
 from dstt.engine.pipeline import write_order
-from dstt.engine.predictions import adam_state_predictions
+from dstt.engine.predictions import optimizer_predictions
 from dstt.engine.torch_state import tensor_path
 from dstt.store import Repository
 from dstt.testing.models import SyntheticBatches, TinyGPT
@@ -36,7 +36,7 @@ def _stepped(opt_cls: type, **kw: object) -> tuple[torch.nn.Linear, torch.optim.
 def _preds(lin: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:  # type: ignore[type-arg]
     names = {id(p): n for n, p in lin.named_parameters()}
     params = [(p, names[id(p)]) for g in opt.param_groups for p in g["params"]]
-    return dict(adam_state_predictions(opt, params, tensor_path))
+    return dict(optimizer_predictions(opt, params, tensor_path))
 
 
 def test_adamw_gets_predictions_with_the_steps_coefficients() -> None:
@@ -64,11 +64,53 @@ def test_adam_with_l2_decay_predicts_without_decoupled_decay() -> None:
 
 
 @pytest.mark.parametrize("make", [
-    lambda: _stepped(torch.optim.SGD, lr=0.1, momentum=0.9),
+    lambda: _stepped(torch.optim.SGD, lr=0.1),  # no momentum buffer
+    lambda: _stepped(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True),
     lambda: _stepped(torch.optim.AdamW, lr=1e-3, amsgrad=True),
+    lambda: _stepped(torch.optim.RMSprop, lr=1e-3),
 ])
 def test_other_optimizers_get_none(make) -> None:  # type: ignore[no-untyped-def]
     assert _preds(*make()) == {}
+
+
+def test_sgd_with_momentum_predicts_the_parameter_from_its_buffer() -> None:
+    lin, opt = _stepped(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=1e-4)
+    preds = _preds(lin, opt)
+    assert set(preds) == {"params/weight", "params/bias"}
+    p = preds["params/weight"]
+    assert p.fn == "sgd_p" and p.inputs == (("cur", "optim/momentum_buffer/weight"),)
+    assert p.coeffs == (pytest.approx(-0.05),)
+
+
+def test_session_with_sgd_momentum_writes_predictions_and_resumes_exactly(
+        tmp_path: Path) -> None:
+    data = SyntheticBatches(12, batch_size=4, seq=16, vocab=64, seed=9)
+
+    def make() -> tuple[TinyGPT, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = TinyGPT(vocab=64, d=32, layers=2, heads=4, seq=16, dropout=0.0)
+        return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+    m, opt = make()
+    ref = [train_step(m, opt, x, y) for x, y in data]
+    m, opt = make()
+    pol = DeltaPolicy(keyframe_every=20, raw_when_busy=False)
+    with session(m, opt, run=tmp_path / "run", encoding=pol, max_backlog=1) as s:
+        for x, y in s.data(data):
+            train_step(m, opt, x, y)
+            s.wait()
+            time.sleep(0.03)
+            if s.step == 7:
+                break
+    r = Repository.open(tmp_path / "run").reader()
+    head = r.head()
+    assert head is not None
+    recs = r.arrays(head)["params/layers/0/qkv/weight"].chunks
+    assert {c.encoding for c in recs} == {"pred1"} and recs[0].predictor == "sgd_p"
+    m2, opt2 = make()
+    with session(m2, opt2, run=tmp_path / "run", resume=True, encoding=pol) as s:
+        got = [train_step(m2, opt2, x, y) for x, y in s.data(data)]
+    assert got == ref[7:]
 
 
 def test_non_fp32_state_gets_none() -> None:

@@ -200,6 +200,43 @@ def test_crash_at_every_write_of_a_predicted_commit() -> None:
     assert k > 5 and saw_delta
 
 
+def test_sgd_momentum_parameters_cost_almost_nothing(tmp_path: Path) -> None:
+    from dstt.store.predict import sgd_predictions
+
+    run = tmp_path / "run"
+    repo = Repository.create(run)
+    rng = np.random.default_rng(3)
+    p = rng.standard_normal((200, 64)).astype(np.float32)
+    buf = np.zeros_like(p)
+    lr, mom = np.float32(0.05), np.float32(0.9)
+    written, stats = {}, []
+    with repo.writer(encoding=DeltaPolicy(keyframe_every=10), chunk_bytes=16384) as w:
+        for step in range(1, 8):
+            g = (rng.standard_normal(p.shape) * 0.01).astype(np.float32)
+            buf = buf * mom + g
+            p = p - lr * buf
+            arrays = {"optim/momentum_buffer/w": buf.copy(), P: p.copy()}
+            written[step] = arrays
+            txn = w.begin(step)
+            txn.predict(sgd_predictions(param=P, momentum_buffer="optim/momentum_buffer/w",
+                                        lr=float(lr)))
+            for name, a in arrays.items():  # the buffer first: the parameter reads it
+                plan = txn.declare(name, "float32", a.shape)
+                flat = a.reshape(-1).view(np.uint8)
+                for i in range(plan.n_chunks):
+                    lo, hi = plan.byte_range(i)
+                    txn.put_chunk(name, i, flat[lo:hi])
+            txn.commit()
+            stats.append(txn.stats)
+    for step, arrays in written.items():
+        got = load(run, step).arrays
+        assert all(_same(got[n], a) for n, a in arrays.items()), step
+    r = repo.reader()
+    last = r.arrays(r.head())[P]  # type: ignore[arg-type]
+    assert {c.encoding for c in last.chunks} == {"pred1"}
+    assert sum(c.nbytes for c in last.chunks) < p.nbytes / 50  # exact: all residual bits zero
+
+
 def test_pred_records_round_trip_and_reject_garbage() -> None:
     rec = ChunkRecord("p/d.3.0", 99, 7, "pred1", 2, 11, "adam_p",
                       (("optim/exp_avg/w", 3), ("optim/exp_avg_sq/w", 3)), (0.5, 1.0, 1e-8, 0.1))
@@ -223,7 +260,7 @@ def test_prediction_specs_are_checked() -> None:
     with pytest.raises(ValueError, match="do not match"):
         predict("adam_v", np.zeros(8, np.uint8), [np.zeros(8, np.uint8), np.zeros(4, np.uint8)],
                 (0.9, 0.1, 0.95, 0.05))
-    assert set(PREDICTORS) == {"adam_v", "adam_p"}
+    assert set(PREDICTORS) == {"adam_v", "adam_p", "sgd_p"}
 
 
 def test_predictions_are_reproducible_float32_arithmetic() -> None:
