@@ -15,7 +15,7 @@ previous steps at write time — more CPU in the flush path for less than the ex
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -55,18 +55,26 @@ def _fp32(*ts: Any) -> bool:
                and t.shape == first.shape for t in ts)
 
 
+def _stepped(optimizer: torch.optim.Optimizer, params: Params,
+             ) -> Iterator[tuple[torch.Tensor, str, Mapping[str, Any], Mapping[str, Any]]]:
+    """(parameter, name, its param group, its state) for parameters that have state."""
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for p, name in params:
+        g = groups.get(id(p))
+        st = optimizer.state.get(p)
+        if g is not None and st:
+            yield p, name, g, st
+
+
 def adam_state_predictions(optimizer: torch.optim.Optimizer, params: Params,
                            path: PathOf) -> Mapping[str, Prediction]:
     """Predictions for every float32 parameter of a torch ``Adam``/``AdamW`` (no amsgrad);
     ``path(prefix, dotted name)`` gives array paths (``params``, ``optim/exp_avg``, ...)."""
     if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
         return {}
-    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out: dict[str, Prediction] = {}
-    for p, name in params:
-        g = groups.get(id(p))
-        st = optimizer.state.get(p)
-        if g is None or not st or g.get("amsgrad") or g.get("differentiable"):
+    for p, name, g, st in _stepped(optimizer, params):
+        if g.get("amsgrad") or g.get("differentiable"):
             continue
         m, v = st.get("exp_avg"), st.get("exp_avg_sq")
         if not _fp32(p, m, v):
@@ -91,12 +99,9 @@ def sgd_state_predictions(optimizer: torch.optim.Optimizer, params: Params,
     (whose update also needs the gradient, which is not captured)."""
     if not isinstance(optimizer, torch.optim.SGD):
         return {}
-    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out: dict[str, Prediction] = {}
-    for p, name in params:
-        g = groups.get(id(p))
-        st = optimizer.state.get(p)
-        if g is None or not st or g.get("nesterov") or not g.get("momentum"):
+    for p, name, g, st in _stepped(optimizer, params):
+        if g.get("nesterov") or not g.get("momentum"):
             continue
         buf = st.get("momentum_buffer")
         lr = _host_float(g.get("lr"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,6 +38,31 @@ def _preds(lin: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:  # type: i
     names = {id(p): n for n, p in lin.named_parameters()}
     params = [(p, names[id(p)]) for g in opt.param_groups for p in g["params"]]
     return dict(optimizer_predictions(opt, params, tensor_path))
+
+
+def _stop_and_resume(run: Path, make: Any, data: SyntheticBatches, *, stop: int) -> Any:
+    """Train with predictions until ``stop``, resume in a fresh model and optimizer, and
+    check the resumed losses against an uninterrupted run; returns the arrays table of the
+    step resumed from."""
+    m, opt = make()
+    ref = [train_step(m, opt, x, y) for x, y in data]
+    m, opt = make()
+    pol = DeltaPolicy(keyframe_every=20, raw_when_busy=False)
+    with session(m, opt, run=run, encoding=pol, max_backlog=1) as s:
+        for x, y in s.data(data):
+            train_step(m, opt, x, y)
+            s.wait()
+            time.sleep(0.03)  # let the step commit: predictions need committed bases
+            if s.step == stop:
+                break
+    r = Repository.open(run).reader()
+    head = r.head()
+    assert head is not None and head.step == stop
+    m2, opt2 = make()
+    with session(m2, opt2, run=run, resume=True, encoding=pol) as s:
+        got = [train_step(m2, opt2, x, y) for x, y in s.data(data)]
+    assert got == ref[stop:]
+    return r.arrays(head)
 
 
 def test_adamw_gets_predictions_with_the_steps_coefficients() -> None:
@@ -91,26 +117,9 @@ def test_session_with_sgd_momentum_writes_predictions_and_resumes_exactly(
         m = TinyGPT(vocab=64, d=32, layers=2, heads=4, seq=16, dropout=0.0)
         return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
 
-    m, opt = make()
-    ref = [train_step(m, opt, x, y) for x, y in data]
-    m, opt = make()
-    pol = DeltaPolicy(keyframe_every=20, raw_when_busy=False)
-    with session(m, opt, run=tmp_path / "run", encoding=pol, max_backlog=1) as s:
-        for x, y in s.data(data):
-            train_step(m, opt, x, y)
-            s.wait()
-            time.sleep(0.03)
-            if s.step == 7:
-                break
-    r = Repository.open(tmp_path / "run").reader()
-    head = r.head()
-    assert head is not None
-    recs = r.arrays(head)["params/layers/0/qkv/weight"].chunks
+    head = _stop_and_resume(tmp_path / "run", make, data, stop=7)
+    recs = head["params/layers/0/qkv/weight"].chunks
     assert {c.encoding for c in recs} == {"pred1"} and recs[0].predictor == "sgd_p"
-    m2, opt2 = make()
-    with session(m2, opt2, run=tmp_path / "run", resume=True, encoding=pol) as s:
-        got = [train_step(m2, opt2, x, y) for x, y in s.data(data)]
-    assert got == ref[7:]
 
 
 def test_non_fp32_state_gets_none() -> None:
@@ -205,25 +214,8 @@ def test_session_writes_predicted_steps_that_read_back_bit_exactly(tmp_path: Pat
 
 def test_resume_from_a_predicted_step_continues_bit_exactly(tmp_path: Path) -> None:
     data = SyntheticBatches(16, batch_size=4, seq=16, vocab=64, seed=5)
-    m, opt = _model()
-    ref = [train_step(m, opt, x, y) for x, y in data]
-    m, opt = _model()
-    pol = DeltaPolicy(keyframe_every=20, raw_when_busy=False)
-    with session(m, opt, run=tmp_path / "run", encoding=pol, max_backlog=1) as s:
-        for x, y in s.data(data):
-            train_step(m, opt, x, y)
-            s.wait()
-            time.sleep(0.03)
-            if s.step == 9:
-                break
-    r = Repository.open(tmp_path / "run").reader()
-    head = r.head()
-    assert head is not None and head.step == 9
-    assert any(c.encoding == "pred1" for a in r.arrays(head).values() for c in a.chunks)
-    m2, opt2 = _model()
-    with session(m2, opt2, run=tmp_path / "run", resume=True, encoding=pol) as s:
-        got = [train_step(m2, opt2, x, y) for x, y in s.data(data)]
-    assert got == ref[9:]
+    head = _stop_and_resume(tmp_path / "run", _model, data, stop=9)
+    assert any(c.encoding == "pred1" for a in head.values() for c in a.chunks)
 
 
 def test_a_failed_step_takes_only_the_steps_based_on_it(tmp_path: Path) -> None:
