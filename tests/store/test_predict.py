@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dstt.store import Repository, load
+from dstt.store import Repository, Transaction, load
 from dstt.store.codec import DeltaPolicy
 from dstt.store.manifest import ChunkRecord
 from dstt.store.predict import PREDICTORS, Prediction, adam_predictions, predict
 
-from ._util import crash_at_every_write
+from ._util import crash_at_every_write, put_array
 
 P, M, V = "params/w", "optim/exp_avg/w", "optim/exp_avg_sq/w"
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -53,17 +53,17 @@ class _Adam:
                                      step=float(self.t)))
 
 
+def _put(txn: Transaction, arrays: dict[str, np.ndarray],
+         preds: dict[str, Prediction]) -> None:
+    txn.predict(preds)
+    for name in (M, V, P):  # inputs before the arrays predicted from them
+        put_array(txn, name, arrays[name])
+
+
 def _commit(w, step: int, arrays: dict[str, np.ndarray],  # type: ignore[no-untyped-def]
             preds: dict[str, Prediction]):
     txn = w.begin(step)
-    txn.predict(preds)
-    for name in (M, V, P):  # inputs before the arrays predicted from them
-        a = arrays[name]
-        plan = txn.declare(name, "float32", a.shape)
-        flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        for i in range(plan.n_chunks):
-            s, e = plan.byte_range(i)
-            txn.put_chunk(name, i, flat[s:e])
+    _put(txn, arrays, preds)  # inputs before the arrays predicted from them
     txn.commit()
     return txn
 
@@ -273,17 +273,6 @@ def test_predictions_are_reproducible_float32_arithmetic() -> None:
     g = (m - f(0.9) * m0) / f(0.1)
     want = v * f(0.95) + (g * g) * f(0.05)
     assert got.tobytes() == want.astype(np.float32).tobytes()
-
-
-def _put(txn, arrays: dict[str, np.ndarray], preds: dict[str, Prediction]) -> None:  # type: ignore[no-untyped-def]
-    txn.predict(preds)
-    for name in (M, V, P):
-        a = arrays[name]
-        plan = txn.declare(name, "float32", a.shape)
-        flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        for i in range(plan.n_chunks):
-            s, e = plan.byte_range(i)
-            txn.put_chunk(name, i, flat[s:e])
 
 
 def test_a_step_in_flight_is_the_base_of_the_next(tmp_path: Path) -> None:
