@@ -253,9 +253,9 @@ class DeltaEncoder:
             k = self._limits.get(group)
         return k if k is not None else self.group_limit(group)
 
-    @staticmethod
-    def _depend(deps: set[int], *slots: int | None) -> None:
-        deps.update(s for s in slots if s is not None)
+    def _depend(self, deps: set[int], *slots: int | None) -> None:
+        with self._mu:  # ``discard`` and ``check_deps`` read the set from other threads
+            deps.update(s for s in slots if s is not None)
 
     def _predicted(self, storage_write: object, path: str, index: int, plan: ChunkPlan,
                    slot: int, timeline: str, cur: np.ndarray, raw_crc: int,
