@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +58,15 @@ def disk_bandwidth(root: Path, total: int) -> float:
     dt = time.perf_counter() - t0
     path.unlink()
     return total / dt
+
+
+def finish(res: dict[str, Any], out_json: Path, t_start: float,
+           report: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Close a bench run: load and wall time into ``res``, print it, write it as JSON."""
+    res["machine"]["loadavg_after"] = os.getloadavg()
+    res["wall_s"] = time.perf_counter() - t_start
+    report(res)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"\nwrote {out_json} ({res['wall_s']:.0f} s)")
+    return res

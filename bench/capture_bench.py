@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import platform
 import shutil
@@ -66,7 +65,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from _common import disk_bandwidth, source_state
+from _common import disk_bandwidth, finish, source_state
 
 import dstt
 from dstt.store.backend import fsync_dir
@@ -556,13 +555,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    res["machine"]["loadavg_after"] = os.getloadavg()
-    res["wall_s"] = time.perf_counter() - t_start
-    print_table(res)
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"\nwrote {out_json} ({res['wall_s']:.0f} s)")
-    return res
+    return finish(res, out_json, t_start, print_table)
 
 
 if __name__ == "__main__":
