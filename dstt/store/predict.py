@@ -24,6 +24,7 @@ replaying in torch (kernels differ across CPUs and versions, e.g. FMA in ``lerp`
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -139,28 +140,42 @@ def predict(fn: str, prev: np.ndarray, inputs: Sequence[np.ndarray], coeffs: Seq
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _adam_coeffs(lr: float, b1: float, b2: float, eps: float, weight_decay: float,
+                 decoupled: bool, step: float,
+                 ) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """The float32 coefficients of ``adam_v`` and ``adam_p`` (cached: every parameter of a
+    group shares them, and this runs on the training thread each step)."""
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0 and step >= 1 and math.isfinite(lr)):
+        return None
+    bias1 = 1.0 - b1 ** step
+    bias2 = 1.0 - b2 ** step
+    if bias1 <= 0.0 or bias2 <= 0.0:
+        return None
+    decay = 1.0 - lr * weight_decay if decoupled else 1.0
+    v = (f32(b1), f32(1.0 - b1), f32(b2), f32(1.0 - b2))
+    p = (f32(decay), f32(math.sqrt(bias2)), f32(eps), f32(lr / bias1))
+    if not all(math.isfinite(c) for c in (*v, *p)):
+        return None
+    return v, p
+
+
 def adam_predictions(*, param: str, exp_avg: str, exp_avg_sq: str, lr: float,
                      betas: tuple[float, float], eps: float, weight_decay: float,
                      decoupled: bool, step: float) -> Mapping[str, Prediction]:
     """Predictions of ``exp_avg_sq`` and ``param`` after Adam(W) step number ``step``
     (``lr`` the learning rate that step used). Empty when the hyperparameters are unusable."""
-    b1, b2 = float(betas[0]), float(betas[1])
-    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0 and step >= 1 and math.isfinite(lr)):
-        return {}
-    bias1 = 1.0 - b1 ** step
-    bias2 = 1.0 - b2 ** step
-    if bias1 <= 0.0 or bias2 <= 0.0:
-        return {}
-    decay = 1.0 - lr * weight_decay if decoupled else 1.0
-    group = (exp_avg, exp_avg_sq, param)
     try:
-        v = Prediction("adam_v", ((CUR, exp_avg), (PREV, exp_avg)),
-                       (f32(b1), f32(1.0 - b1), f32(b2), f32(1.0 - b2)), group)
-        p = Prediction("adam_p", ((CUR, exp_avg), (CUR, exp_avg_sq)),
-                       (f32(decay), f32(math.sqrt(bias2)), f32(eps), f32(lr / bias1)), group)
-    except (ValueError, OverflowError):
+        coeffs = _adam_coeffs(float(lr), float(betas[0]), float(betas[1]), float(eps),
+                              float(weight_decay), bool(decoupled), float(step))
+    except OverflowError:
         return {}
-    return {exp_avg_sq: v, param: p}
+    if coeffs is None:
+        return {}
+    group = (exp_avg, exp_avg_sq, param)
+    return {exp_avg_sq: Prediction("adam_v", ((CUR, exp_avg), (PREV, exp_avg)), coeffs[0],
+                                   group),
+            param: Prediction("adam_p", ((CUR, exp_avg), (CUR, exp_avg_sq)), coeffs[1], group)}
 
 
 def sgd_predictions(*, param: str, momentum_buffer: str, lr: float) -> Mapping[str, Prediction]:
