@@ -28,7 +28,8 @@ from typing import Literal, TypeAlias
 
 from ..errors import MissingFileError, NotARunError, ReadOnlyRunError, RunLockedError, StorageError
 
-__all__ = ["Data", "Durability", "LocalStorage", "Storage", "as_parts", "fsync_dir", "missing"]
+__all__ = ["Blob", "Data", "Durability", "LocalStorage", "Storage", "as_parts", "fsync_dir",
+           "missing"]
 
 Durability = Literal["fsync", "syncfs", "none"]
 Buffer: TypeAlias = "bytes | bytearray | memoryview"
@@ -40,6 +41,55 @@ Data: TypeAlias = ("bytes | bytearray | memoryview | list[bytes | bytearray | me
 def as_parts(data: Data) -> list[memoryview]:
     parts = data if isinstance(data, (list, tuple)) else [data]
     return [memoryview(p).cast("B") for p in parts]
+
+
+class Blob(ABC):
+    """One value written in pieces at byte offsets (from several threads), then published
+    atomically under its key: a reader sees nothing before ``publish`` and the whole value
+    after. Step files are written this way, straight from the host cache."""
+
+    key: str
+
+    @abstractmethod
+    def write_at(self, offset: int, data: Data) -> None:
+        """Write ``data`` (one buffer or several back to back) at ``offset``; thread-safe."""
+
+    @abstractmethod
+    def publish(self, *, durable: bool = False) -> None:
+        """Make the value visible under ``key``; durable now (``durable``) or after the
+        storage's next ``barrier``."""
+
+    @abstractmethod
+    def discard(self) -> None:
+        """Drop an unpublished value (no error if already published or discarded)."""
+
+
+class _BufferedBlob(Blob):
+    """The portable blob: pieces collected in memory, one ``write`` on publish."""
+
+    def __init__(self, storage: Storage, key: str) -> None:
+        self.storage, self.key = storage, key
+        self._buf = bytearray()
+        self._mu = threading.Lock()
+        self._done = False
+
+    def write_at(self, offset: int, data: Data) -> None:
+        with self._mu:
+            for view in as_parts(data):
+                end = offset + len(view)
+                if end > len(self._buf):
+                    self._buf.extend(bytes(end - len(self._buf)))
+                self._buf[offset:end] = view
+                offset = end
+
+    def publish(self, *, durable: bool = False) -> None:
+        with self._mu:
+            data, self._done = bytes(self._buf), True
+        (self.storage.write_durable if durable else self.storage.write)(self.key, data)
+
+    def discard(self) -> None:
+        with self._mu:
+            self._buf, self._done = bytearray(), True
 
 
 class Storage(ABC):
@@ -87,6 +137,10 @@ class Storage(ABC):
     @abstractmethod
     def lock(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Exclusive, non-blocking writer lock; ``RunLockedError`` if held elsewhere."""
+
+    def open_blob(self, key: str) -> Blob:
+        """A value to write in pieces and publish atomically (default: buffered in memory)."""
+        return _BufferedBlob(self, key)
 
     def check_writable(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Raise ``ReadOnlyRunError`` now if writes would fail (checked at session start)."""
@@ -220,14 +274,7 @@ class LocalStorage(Storage):
             os.rename(tmp, path)
         except OSError as e:
             raise self._io_error(e, "write", key) from e
-        if self.durability == "fsync":
-            with self._dirty_lock:
-                self._dirty_files.add(path)
-                self._dirty_dirs.add(parent)
-                self._dirty_dirs.update(grown)
-        elif self.durability == "syncfs":
-            with self._dirty_lock:
-                self._dirty_files.add(path)
+        self._published(path, parent, grown)
 
     def write_durable(self, key: str, data: Data) -> None:
         path = self._path(key)
@@ -241,6 +288,20 @@ class LocalStorage(Storage):
         except OSError as e:
             raise self._io_error(e, "write", key) from e
 
+
+    def open_blob(self, key: str) -> Blob:
+        return _FileBlob(self, key)
+
+    def _published(self, path: str, parent: str, grown: list[str]) -> None:
+        """A file renamed into place without fsync: the next barrier makes it durable."""
+        if self.durability == "fsync":
+            with self._dirty_lock:
+                self._dirty_files.add(path)
+                self._dirty_dirs.add(parent)
+                self._dirty_dirs.update(grown)
+        elif self.durability == "syncfs":
+            with self._dirty_lock:
+                self._dirty_files.add(path)
 
     def barrier(self) -> None:
         with self._dirty_lock:
@@ -337,9 +398,9 @@ class LocalStorage(Storage):
     def check_writable(self) -> None:
         # the run folder and the folders every commit writes into, where they exist already:
         # one made read-only on its own would otherwise fail the first commit, mid-training
-        from .layout import COMMITS_PREFIX, OBJECTS_PREFIX, REFS_PREFIX, STEP_ARRAY
+        from .layout import COMMITS_PREFIX, REFS_PREFIX, STEPS_PREFIX
 
-        for folder in ("", "_dstt", COMMITS_PREFIX, REFS_PREFIX, OBJECTS_PREFIX, STEP_ARRAY):
+        for folder in ("", "_dstt", COMMITS_PREFIX, REFS_PREFIX, STEPS_PREFIX):
             where = os.path.join(self.location, folder) if folder else self.location
             if not folder or os.path.isdir(where):
                 self._probe(where)
@@ -363,3 +424,66 @@ class LocalStorage(Storage):
                 f"run directory {folder} is not writable ({e.strerror}); "
                 "open it read-only with dstt.open() or choose another run path"
             ) from e
+
+
+_IOV_MAX = 1024
+
+
+class _FileBlob(Blob):
+    """A temporary file written with ``pwritev`` at offsets, renamed into place on publish."""
+
+    def __init__(self, storage: LocalStorage, key: str) -> None:
+        self.storage, self.key = storage, key
+        self.path = storage._path(key)
+        try:
+            self.parent, self.grown = storage._ensure_parent(self.path)
+            self.tmp = f"{self.path}.tmp.{os.getpid()}.{id(self):x}"
+            self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise storage._io_error(e, "write", key) from e
+
+    def write_at(self, offset: int, data: Data) -> None:
+        fd = self.fd
+        if fd is None:
+            raise ValueError(f"blob {self.key!r} is already published or discarded")
+        views = as_parts(data)
+        try:
+            for i in range(0, len(views), _IOV_MAX):
+                batch = views[i:i + _IOV_MAX]
+                want = sum(len(v) for v in batch)
+                n = os.pwritev(fd, batch, offset)
+                while n < want:  # a short write: finish the rest the slow way
+                    flat = b"".join(bytes(v) for v in batch)[n:]
+                    n += os.pwrite(fd, flat, offset + n)
+                offset += want
+        except OSError as e:
+            raise self.storage._io_error(e, "write", self.key) from e
+
+    def publish(self, *, durable: bool = False) -> None:
+        fd, self.fd = self.fd, None
+        if fd is None:
+            raise ValueError(f"blob {self.key!r} is already published or discarded")
+        st = self.storage
+        try:
+            try:
+                if durable and st.durability != "none":
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(self.tmp, self.path)
+            if durable and st.durability != "none":
+                for d in (self.parent, *self.grown):
+                    fsync_dir(d)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(self.tmp)
+            raise st._io_error(e, "write", self.key) from e
+        if not durable:
+            st._published(self.path, self.parent, self.grown)
+
+    def discard(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(self.tmp)

@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import DsttError
 from .buffers import Scratch, ShadowPool
 from .codec import XOR, DeltaPolicy, chain_limit, xor_encode
-from .layout import ChunkPlan, delta_key, key_slot
+from .layout import ChunkPlan, key_slot
 from .manifest import ChunkRecord, checksum
 from .predict import CUR, PRED, Prediction, predict
 
@@ -313,9 +313,9 @@ class DeltaEncoder:
         if ratio < self.policy.min_ratio:
             return None
         crc = checksum(payload)
-        key = delta_key(path, slot, plan.index(index))
-        storage_write(key, [payload, struct.pack("<I", crc)])  # type: ignore[operator]
-        rec = replace(template, key=key, nbytes=len(payload) + 4, crc32c=crc)
+        # appended to the step's side file (not the zip: plain readers see a missing chunk)
+        key, offset = storage_write([payload, struct.pack("<I", crc)])  # type: ignore[operator]
+        rec = replace(template, key=key, offset=offset, nbytes=len(payload) + 4, crc32c=crc)
         stats.add(cur.nbytes, len(payload) + 4, "delta", seconds)
         return rec, Shadow(rec, self._pool.copy(cur), depth, slot)
 

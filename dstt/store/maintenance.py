@@ -13,30 +13,29 @@ around pruned commits — it would mutate committed headers.
 
 from __future__ import annotations
 
-import functools
 import json
-import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..errors import DsttError
+from ..errors import CorruptRunError, DsttError
 from .layout import (
     LOCK_KEY,
-    OBJECTS_PREFIX,
     REFS_PREFIX,
-    STEP_ARRAY,
+    STEPS_PREFIX,
     array_meta_key,
-    chunk_key,
-    commit_arrays_key,
     commit_key,
+    key_slot,
+    zarr_chunk_key,
 )
 from .manifest import ArrayRecord, CommitHeader, checksum, dump_header
 from .parts import remove_parts
 from .reader import Reader
 from .zarr_meta import array_document
+from .zipfmt import Entry, crc32, parse_directory
 
 if TYPE_CHECKING:
+    from .backend import Storage
     from .repository import Repository
 
 __all__ = ["GcReport", "Problem", "VerifyReport", "gc", "verify"]
@@ -88,7 +87,6 @@ def verify(repo: Repository, *, progress: Progress = None) -> VerifyReport:
         except DsttError as e:
             problem(f"timeline {tl}", e)
     todo = sorted(slots)
-    described: dict[str, ArrayRecord] = {}  # every array some commit holds: its zarr.json
     for n, slot in enumerate(todo):
         h = slots[slot]
         rep.commits += 1
@@ -98,11 +96,10 @@ def verify(repo: Repository, *, progress: Progress = None) -> VerifyReport:
             continue
         try:
             table = r.arrays(h)
-        except DsttError as e:  # its chunks cannot be located; objects and step entry can
-            problem(commit_arrays_key(slot), e)
+        except DsttError as e:  # its chunks cannot be located; its objects can
+            problem(h.arrays.key if h.arrays else commit_key(slot), e)
             table = {}
         for path, rec in table.items():
-            described.setdefault(path, rec)
             for i, c in enumerate(rec.chunks):
                 rep.chunks += 1
                 try:
@@ -112,21 +109,12 @@ def verify(repo: Repository, *, progress: Progress = None) -> VerifyReport:
         for oname, o in h.objects.items():
             rep.objects += 1
             try:
-                data = st.read(o.key)
+                data = st.read_range(o.key, o.offset, o.nbytes)
                 if len(data) != o.nbytes or checksum(data) != o.crc32c:
                     problem(o.key, f"object {oname!r} of step {h.step}: crc32c/size mismatch")
             except OSError as e:
                 problem(o.key, e)
-        skey = chunk_key(STEP_ARRAY, slot, ())
-        try:
-            data = st.read(skey)
-            ok = (len(data) == 12 and struct.unpack("<q", data[:8])[0] == h.step
-                  and struct.unpack("<I", data[8:])[0] == checksum(data[:8]))
-            if not ok:
-                problem(skey, f"step coordinate of slot {slot} is damaged (expected {h.step})")
-        except OSError as e:
-            problem(skey, e)
-    _verify_zarr_metadata(repo, described, max(todo, default=-1), problem)
+        _verify_step_files(st, h, table, problem)
     if progress:
         progress(len(todo), len(todo))
     return rep
@@ -137,33 +125,75 @@ _READ_FIELDS = ("zarr_format", "node_type", "data_type", "chunk_grid", "chunk_ke
                 "fill_value", "codecs", "dimension_names")
 
 
-def _array_document(rec: ArrayRecord, capacity: int) -> dict[str, Any]:
-    return array_document(rec.path, rec.dtype, rec.plan, capacity)
+def read_directory(st: Storage, key: str) -> dict[str, Entry]:
+    """The entries of a step file, from its central directory (``CorruptRunError``)."""
+    size = st.size(key)
+    tail = st.read_range(key, max(0, size - (1 << 16)), 1 << 16)
+    try:
+        return parse_directory(tail, size, f"{st.location}/{key}")
+    except CorruptRunError as e:
+        if "outside the read tail" not in str(e):
+            raise
+    return parse_directory(st.read(key), size, f"{st.location}/{key}")
 
 
-def _verify_zarr_metadata(repo: Repository, arrays: dict[str, ArrayRecord], top_slot: int,
-                          problem: Callable[[str, str], None]) -> None:
-    """The Zarr documents must still describe the committed chunks: zarr-python, xarray and
-    tensorstore read them without dstt (and a resumed writer trusts them)."""
-    from .repository import _step_document
-
-    docs: dict[str, Callable[[int], dict[str, Any]]] = {STEP_ARRAY: _step_document}
-    for path, rec in sorted(arrays.items()):
-        docs[path] = functools.partial(_array_document, rec)
-    for path, expected in docs.items():
-        key = array_meta_key(path)
+def _verify_step_files(st: Storage, h: CommitHeader, table: dict[str, ArrayRecord],
+                       problem: Callable[[str, str], None]) -> None:
+    """Each zip this commit wrote must be a plain Zarr hierarchy that holds its chunks: the
+    central directory lists every chunk where the manifest says, with a correct CRC-32
+    (zarr-python checks it), and every array's zarr.json matches the committed array."""
+    own: dict[str, list[tuple[str, ArrayRecord, int]]] = {}
+    for path, rec in table.items():
+        for i, c in enumerate(rec.chunks):
+            if c.encoding == "raw" and key_slot(c.key) == h.slot and c.key.endswith(".zip"):
+                own.setdefault(c.key, []).append((path, rec, i))
+    files = set(own) | {f"{STEPS_PREFIX}/{h.slot:012d}.zip"}
+    for key in sorted(files):
         try:
-            doc = json.loads(repo.storage.read(key))
-            cap = int(doc["shape"][0])
-            want = expected(cap)
-            wrong = [f for f in (*_READ_FIELDS, "shape") if doc.get(f) != want[f]]
-        except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
-            problem(key, f"Zarr metadata unreadable ({type(e).__name__}: {e})")
+            entries = read_directory(st, key)
+        except (OSError, DsttError) as e:
+            problem(key, f"step {h.step}: the zip cannot be listed ({e})")
             continue
-        if wrong:
-            problem(key, f"Zarr metadata does not match the committed array: {wrong}")
-        elif cap <= top_slot:
-            problem(key, f"Zarr shape holds {cap} slots, but slot {top_slot} is committed")
+        if "zarr.json" not in entries:
+            problem(key, f"step {h.step}: the zip has no root zarr.json")
+        for path, rec, i in own.get(key, []):
+            c = rec.chunks[i]
+            name = zarr_chunk_key(path, rec.plan.index(i))
+            e = entries.get(name)
+            if e is None or e.data_offset != c.offset or e.size != c.nbytes:
+                problem(key, f"step {h.step}: zip entry {name!r} is missing or not where the "
+                             "commit manifest says")
+                continue
+            try:
+                if crc32(st.read_range(key, c.offset, c.nbytes)) != e.crc32:
+                    problem(key, f"step {h.step}: zip entry {name!r} fails its CRC-32")
+            except OSError as err:
+                problem(key, str(err))
+        for rec in {x[1].path: x[1] for x in own.get(key, [])}.values():
+            _verify_array_document(st, key, entries, rec, problem)
+
+
+#: the fields of an array's zarr.json a plain Zarr reader needs to find and decode the chunks
+_READ_FIELDS = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid",
+                "chunk_key_encoding", "fill_value", "codecs", "dimension_names")
+
+
+def _verify_array_document(st: Storage, key: str, entries: dict[str, Entry],
+                           rec: ArrayRecord, problem: Callable[[str, str], None]) -> None:
+    name = array_meta_key(rec.path)
+    e = entries.get(name)
+    if e is None:
+        problem(key, f"zip entry {name!r} missing")
+        return
+    try:
+        doc = json.loads(st.read_range(key, e.data_offset, e.size))
+        want = array_document(rec.path, rec.dtype, rec.plan)
+        wrong = [f for f in _READ_FIELDS if doc.get(f) != want[f]]
+    except (OSError, ValueError, TypeError, AttributeError) as err:
+        problem(key, f"{name}: Zarr metadata unreadable ({type(err).__name__}: {err})")
+        return
+    if wrong:
+        problem(key, f"{name}: Zarr metadata does not match the committed array: {wrong}")
 
 
 def _delta_bases(r: Reader, reachable: dict[int, CommitHeader], keep: set[int]) -> set[int]:
@@ -182,28 +212,19 @@ def _delta_bases(r: Reader, reachable: dict[int, CommitHeader], keep: set[int]) 
     return bases
 
 
-def _sweep(repo: Repository, committed: set[int]) -> int:
-    """Delete chunk files of slots without a commit header (aborted or crashed steps)."""
-    st, n = repo.storage, 0
-    for path, _ in repo.iter_array_documents():
-        for name in st.list(path):
-            if name.startswith(("c.", "d.")):
-                slot = name.split(".")[1]
-                if slot.isdigit() and int(slot) not in committed:
-                    st.delete(f"{path}/{name}")
-                    n += 1
-    for name in st.list(STEP_ARRAY):
-        if name.startswith("c.") and name[2:].isdigit() and int(name[2:]) not in committed:
-            st.delete(f"{STEP_ARRAY}/{name}")
-            n += 1
-    for name in st.list(OBJECTS_PREFIX):
-        if name.isdigit() and int(name) not in committed:
-            st.delete(f"{OBJECTS_PREFIX}/{name}")
-            n += 1
-    # part manifests of multi-rank commits: gc holds the lock, so no commit is in flight and
-    # every part left is either merged already or from a crashed session
-    n += remove_parts(st)
-    return n
+def _step_files(st: Storage) -> list[str]:
+    """Every step and side file of the run (temporaries excluded)."""
+    return [f"{STEPS_PREFIX}/{n}" for n in st.list(STEPS_PREFIX)
+            if key_slot(f"{STEPS_PREFIX}/{n}") is not None]
+
+
+def _files_of(r: Reader, h: CommitHeader) -> set[str]:
+    """The files a live commit reads: its chunks' and objects' files and its arrays table's."""
+    keys = {c.key for rec in r.arrays(h).values() for c in rec.chunks}
+    keys |= {o.key for o in h.objects.values()}
+    if h.arrays is not None:
+        keys.add(h.arrays.key)
+    return keys
 
 
 @dataclass(frozen=True)
@@ -258,53 +279,40 @@ def gc(repo: Repository, *, keep_last: int | None = None, keep_every: int | None
         keep |= _delta_bases(r, reachable, keep)
         prune = sorted(s for s, h in reachable.items() if not h.pruned and s not in keep)
         orphans = [s for s in r.all_slots() if s not in reachable]
-        # chunk keys still needed by kept commits (a future dedup may share chunks)
+        # files still needed by kept commits (deltas and dedups read older steps' files)
         needed: set[str] = set()
         for s in keep:
             kept = reachable.get(s)
             if kept is not None and not kept.pruned:
-                needed |= {c.key for rec in r.arrays(kept).values() for c in rec.chunks}
-        removed = freed = 0
-        pruned_steps = []
-        doomed = prune + orphans
-        for n, slot in enumerate(doomed):
-            if progress:
-                progress(n, len(doomed))
-            dead: CommitHeader | None = reachable.get(slot)
-            keys: list[str] = []
+                needed |= _files_of(r, kept)
+        doomed = [k for k in _step_files(st) if k not in needed]
+        sizes = {}
+        for k in doomed:
             try:
-                hh = dead or r.header(slot)
-                if not hh.pruned:
-                    keys = [c.key for rec in r.arrays(hh).values() for c in rec.chunks]
-            except DsttError:
-                pass  # a damaged orphan: its stray chunks are swept below
-            keys = [k for k in keys if k not in needed]
-            if dead is not None:
-                pruned_steps.append((dead.timeline, dead.step))
-            sizes = []
-            for k in keys:
-                try:
-                    sizes.append(st.size(k))
-                except OSError:
-                    sizes.append(-1)
-            removed += sum(1 for z in sizes if z >= 0)
-            freed += sum(z for z in sizes if z > 0)
-            if dry_run:
-                continue
-            if dead is not None:  # reachable: a durable tombstone first hides the step
-                st.write_durable(commit_key(slot), dump_header(replace(dead, pruned=True)))
-            for k in keys:
-                st.delete(k)
-            st.delete(commit_arrays_key(slot))
-            st.delete(f"{OBJECTS_PREFIX}/{slot:012d}")
-            st.delete(chunk_key(STEP_ARRAY, slot, ()))
-            if dead is None:  # an orphan's header goes last, so a crash leaves it findable
-                st.delete(commit_key(slot))
+                sizes[k] = st.size(k)
+            except OSError:
+                sizes[k] = -1
+        removed = sum(1 for z in sizes.values() if z >= 0)
+        freed = sum(z for z in sizes.values() if z > 0)
+        pruned_steps = tuple((reachable[s].timeline, reachable[s].step) for s in prune)
         if not dry_run:
-            committed = set(r.all_slots())
-            removed += _sweep(repo, committed)
+            # tombstones first, durably: from here on no reader looks at the doomed files,
+            # so a crash between any two deletes below leaves every kept step intact
+            for n, slot in enumerate(prune):
+                if progress:
+                    progress(n, len(prune) + len(doomed))
+                st.write_durable(commit_key(slot),
+                                 dump_header(replace(reachable[slot], pruned=True, arrays=None)))
+            for n, k in enumerate(doomed):
+                if progress:
+                    progress(len(prune) + n, len(prune) + len(doomed))
+                st.delete(k)
+            for slot in orphans:  # an orphan's header goes last: a crash leaves it findable
+                st.delete(commit_key(slot))
+            # part manifests of multi-rank commits: gc holds the lock, so no commit is in
+            # flight and every part left is either merged already or from a crashed session
+            removed += remove_parts(st)
             removed += st.remove_temporaries()
         if progress:
-            progress(len(doomed), len(doomed))
-        return GcReport(tuple(pruned_steps), tuple(orphans), removed, freed, dry_run)
-
+            progress(1, 1)
+        return GcReport(pruned_steps, tuple(orphans), removed, freed, dry_run)

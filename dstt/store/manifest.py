@@ -1,9 +1,10 @@
 """Commit manifests and refs: frozen dataclasses and their strict, checksummed JSON.
 
-A commit is two files: the *arrays table* (every chunk written, with crc32c and size) and the
-small *commit header* (step, timeline, parent, objects, metrics, and the crc32c of the arrays
-table). The header is written last and is the commit point. Splitting them lets a reader walk a
-timeline of thousands of steps by reading only headers (~1 KB each) instead of every chunk table.
+A commit is the small *commit header* (step, timeline, parent, objects, metrics, and where the
+*arrays table* sits: a byte range of the step's side file, with its crc32c) plus that table
+(every chunk: file, offset, size, crc32c). The header is written last and is the commit point.
+Splitting them lets a reader walk a timeline of thousands of steps by reading only headers
+(~1 KB each) instead of every chunk table.
 
 Every document is an envelope ``{"crc32c": N, "body": {...}}`` whose crc32c covers the canonical
 serialization of the body (sorted keys, no spaces), so a flipped byte anywhere is detected.
@@ -30,6 +31,7 @@ __all__ = [
     "ArrayRecord",
     "ChunkRecord",
     "CommitHeader",
+    "Location",
     "Metric",
     "ObjectRecord",
     "RefInfo",
@@ -39,6 +41,8 @@ __all__ = [
     "dump_arrays",
     "dump_header",
     "dump_ref",
+    "object_from_json",
+    "object_json",
     "parse_arrays",
     "parse_header",
     "parse_ref",
@@ -54,7 +58,8 @@ def checksum(data: bytes | memoryview, value: int = 0) -> int:
 
 @dataclass(frozen=True)
 class ChunkRecord:
-    """One chunk: its file's key, size on disk and crc32c of its data part.
+    """One chunk: the file that holds it, where its bytes start, their size (data + the
+    4-byte crc32c trailer) and the crc32c of its data part.
 
     ``encoding`` is ``"raw"`` (a plain Zarr chunk), ``"xor1"`` (a delta against the same
     chunk of slot ``base``) or ``"pred1"`` (the XOR of the chunk and what ``predictor``
@@ -72,6 +77,7 @@ class ChunkRecord:
     predictor: str | None = None
     inputs: tuple[tuple[str, int], ...] = ()
     coeffs: tuple[float, ...] = ()
+    offset: int = 0
 
     @property
     def content_crc32c(self) -> int:
@@ -86,22 +92,24 @@ class ChunkRecord:
 
     def as_json(self) -> list[Any]:
         if self.encoding == "raw":
-            return [self.key, self.nbytes, self.crc32c]
-        head = [self.key, self.nbytes, self.crc32c, self.encoding, self.base, self.raw_crc32c]
+            return [self.key, self.offset, self.nbytes, self.crc32c]
+        head = [self.key, self.offset, self.nbytes, self.crc32c, self.encoding, self.base,
+                self.raw_crc32c]
         if self.encoding == "xor1":
             return head
         return [*head, self.predictor, [[p, s] for p, s in self.inputs], list(self.coeffs)]
 
     @classmethod
     def from_json(cls, v: list[Any]) -> ChunkRecord:
-        if len(v) == 3:
-            return cls(str(v[0]), int(v[1]), int(v[2]))
-        if len(v) == 6 and v[3] == "xor1":
-            return cls(str(v[0]), int(v[1]), int(v[2]), "xor1", int(v[4]), int(v[5]))
-        if len(v) == 9 and v[3] == "pred1":
-            inputs = tuple((str(p), int(s)) for p, s in v[7])
-            return cls(str(v[0]), int(v[1]), int(v[2]), "pred1", int(v[4]), int(v[5]),
-                       str(v[6]), inputs, tuple(float(c) for c in v[8]))
+        if len(v) == 4:
+            return cls(str(v[0]), int(v[2]), int(v[3]), offset=int(v[1]))
+        if len(v) == 7 and v[4] == "xor1":
+            return cls(str(v[0]), int(v[2]), int(v[3]), "xor1", int(v[5]), int(v[6]),
+                       offset=int(v[1]))
+        if len(v) == 10 and v[4] == "pred1":
+            inputs = tuple((str(p), int(s)) for p, s in v[8])
+            return cls(str(v[0]), int(v[2]), int(v[3]), "pred1", int(v[5]), int(v[6]),
+                       str(v[7]), inputs, tuple(float(c) for c in v[9]), offset=int(v[1]))
         raise ValueError(f"unknown chunk record {v!r}")
 
 
@@ -122,10 +130,23 @@ class ArrayRecord:
 
 @dataclass(frozen=True)
 class ObjectRecord:
+    """One object: a byte range ``[offset, offset + nbytes)`` of the step's side file."""
+
     key: str
     nbytes: int
     crc32c: int
     encoding: str
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class Location:
+    """A checksummed byte range of a file of the run (e.g. the arrays table of a commit)."""
+
+    key: str
+    offset: int
+    nbytes: int
+    crc32c: int
 
 
 @dataclass(frozen=True)
@@ -139,8 +160,7 @@ class CommitHeader:
     time: float
     metrics: Mapping[str, Metric] = field(default_factory=dict)
     objects: Mapping[str, ObjectRecord] = field(default_factory=dict)
-    arrays_crc32c: int = 0
-    arrays_nbytes: int = 0
+    arrays: Location | None = None  # the arrays table (None only in tombstones)
     pruned: bool = False
 
 
@@ -226,13 +246,24 @@ def dump_header(h: CommitHeader) -> bytes:
         "slot": h.slot, "step": h.step, "timeline": h.timeline, "parent": h.parent,
         "time": h.time, "pruned": h.pruned,
         "metrics": {k: _metric_out(v) for k, v in h.metrics.items()},
-        "objects": {k: [o.key, o.nbytes, o.crc32c, o.encoding] for k, o in h.objects.items()},
-        "arrays_crc32c": h.arrays_crc32c, "arrays_nbytes": h.arrays_nbytes,
+        "objects": {k: object_json(o) for k, o in h.objects.items()},
+        "arrays": None if h.arrays is None else [h.arrays.key, h.arrays.offset,
+                                                  h.arrays.nbytes, h.arrays.crc32c],
     })
 
 
+def object_json(o: ObjectRecord) -> list[Any]:
+    return [o.key, o.offset, o.nbytes, o.crc32c, o.encoding]
+
+
+def object_from_json(o: list[Any]) -> ObjectRecord:
+    if len(o) != 5:
+        raise ValueError(f"malformed object record {o!r}")
+    return ObjectRecord(str(o[0]), int(o[2]), int(o[3]), str(o[4]), int(o[1]))
+
+
 _HEADER_FIELDS = {"slot", "step", "timeline", "parent", "time", "pruned", "metrics", "objects",
-                  "arrays_crc32c", "arrays_nbytes"}
+                  "arrays"}
 
 
 def parse_header(data: bytes, where: str) -> CommitHeader:
@@ -243,9 +274,10 @@ def parse_header(data: bytes, where: str) -> CommitHeader:
             slot=int(b["slot"]), step=int(b["step"]), timeline=str(b["timeline"]),
             parent=None if b["parent"] is None else int(b["parent"]), time=float(b["time"]),
             metrics={k: _metric_in(v) for k, v in b["metrics"].items()},
-            objects={k: ObjectRecord(str(o[0]), int(o[1]), int(o[2]), str(o[3]))
-                     for k, o in b["objects"].items()},
-            arrays_crc32c=int(b["arrays_crc32c"]), arrays_nbytes=int(b["arrays_nbytes"]),
+            objects={k: object_from_json(o) for k, o in b["objects"].items()},
+            arrays=None if b["arrays"] is None else Location(
+                str(b["arrays"][0]), int(b["arrays"][1]), int(b["arrays"][2]),
+                int(b["arrays"][3])),
             pruned=bool(b["pruned"]),
         )
     except (TypeError, ValueError, KeyError, IndexError) as e:

@@ -41,6 +41,8 @@ from .manifest import (
     _seal,
     arrays_from_json,
     arrays_json,
+    object_from_json,
+    object_json,
 )
 
 if TYPE_CHECKING:
@@ -73,7 +75,7 @@ def dump_part(p: Part) -> bytes:
     return _seal("part", {
         "slot": p.slot, "step": p.step, "rank": p.rank, "world": p.world, "session": p.session,
         "arrays": arrays_json(p.arrays),
-        "objects": {k: [o.key, o.nbytes, o.crc32c, o.encoding] for k, o in p.objects.items()},
+        "objects": {k: object_json(o) for k, o in p.objects.items()},
         "metrics": {k: _metric_out(v) for k, v in p.metrics.items()},
         **({"error": p.error} if p.error is not None else {}),
     })
@@ -87,8 +89,7 @@ def parse_part(data: bytes, where: str) -> Part:
             slot=int(b["slot"]), step=int(b["step"]), rank=int(b["rank"]),
             world=int(b["world"]), session=str(b["session"]),
             arrays=arrays_from_json(b["arrays"]),
-            objects={k: ObjectRecord(str(o[0]), int(o[1]), int(o[2]), str(o[3]))
-                     for k, o in b["objects"].items()},
+            objects={k: object_from_json(o) for k, o in b["objects"].items()},
             metrics={k: _metric_in(v) for k, v in b["metrics"].items()},
             error=None if b.get("error") is None else str(b["error"]),
         )

@@ -30,7 +30,6 @@ from .layout import (
     COMMITS_PREFIX,
     HEAD_KEY,
     REFS_PREFIX,
-    commit_arrays_key,
     commit_key,
     parse_commit_name,
 )
@@ -181,14 +180,18 @@ class Reader:
             if table is not None:
                 self._tables.move_to_end(header.slot)
                 return table
-        key = commit_arrays_key(header.slot)
-        where = f"{self.storage.location}/{key}"
+        loc = header.arrays
+        if loc is None:
+            raise CorruptRunError(f"{self.storage.location}: commit of step {header.step} "
+                                  "names no arrays table")
+        where = f"{self.storage.location}/{loc.key}"
         try:
-            data = self.storage.read(key)
+            data = self.storage.read_range(loc.key, loc.offset, loc.nbytes)
         except FileNotFoundError:
             self._raise_missing(header, where)
-        if len(data) != header.arrays_nbytes or checksum(data) != header.arrays_crc32c:
-            raise ChecksumError(f"{where}: arrays table does not match its commit header")
+        if len(data) != loc.nbytes or checksum(data) != loc.crc32c:
+            raise ChecksumError(f"{where}: arrays table (bytes {loc.offset}-"
+                                f"{loc.offset + loc.nbytes}) does not match its commit header")
         # the header's crc32c covers the whole file, so the envelope's own check is redundant
         table = parse_arrays(data, where, verified=True)
         with self._cache_lock:
@@ -225,12 +228,13 @@ class Reader:
     def _file(self, header: CommitHeader, chunk: ChunkRecord, what: str) -> memoryview:
         where = f"{self.storage.location}/{chunk.key}"
         try:
-            data = self.storage.read(chunk.key)
+            data = self.storage.read_range(chunk.key, chunk.offset, chunk.nbytes)
         except FileNotFoundError:
             self._raise_missing(header, where)
         if len(data) != chunk.nbytes:
             raise CorruptRunError(
-                f"{where}: {len(data)} bytes on disk, {chunk.nbytes} committed (truncated?)"
+                f"{where}: {len(data)} bytes at offset {chunk.offset}, {chunk.nbytes} "
+                "committed (truncated?)"
             )
         body = memoryview(data)[:-4]
         (trailer,) = struct.unpack("<I", data[-4:])
@@ -244,7 +248,7 @@ class Reader:
         what = f"chunk {index} of {path!r}"
         if chunk.encoding == "raw":
             return self._file(header, chunk, what)[:size]
-        cached = self._decoded.get(chunk.key)
+        cached = self._decoded.get((chunk.key, chunk.offset))
         if cached is not None:
             return cached.data
         if depth > 4096 or chunk.base is None:
@@ -267,7 +271,7 @@ class Reader:
         if crc != chunk.raw_crc32c:
             raise ChecksumError(f"{self.storage.location}/{chunk.key}: reconstructed {what} "
                                 f"of step {header.step} fails its crc32c")
-        self._decoded.put(chunk.key, raw)
+        self._decoded.put((chunk.key, chunk.offset), raw)
         return raw.data
 
     def _input(self, slot: int, path: str, index: int, size: int, depth: int) -> np.ndarray:
@@ -322,7 +326,7 @@ class Reader:
             ) from None
         where = f"{self.storage.location}/{rec.key}"
         try:
-            data = self.storage.read(rec.key)
+            data = self.storage.read_range(rec.key, rec.offset, rec.nbytes)
         except FileNotFoundError:
             self._raise_missing(header, where)
         if len(data) != rec.nbytes or checksum(data) != rec.crc32c:
@@ -335,17 +339,17 @@ class _ByteLRU:
 
     def __init__(self, limit: int) -> None:
         self.limit, self.size = limit, 0
-        self._d: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._d: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
         self._mu = threading.Lock()
 
-    def get(self, key: str) -> np.ndarray | None:
+    def get(self, key: tuple[str, int]) -> np.ndarray | None:
         with self._mu:
             v = self._d.get(key)
             if v is not None:
                 self._d.move_to_end(key)
             return v
 
-    def put(self, key: str, value: np.ndarray) -> None:
+    def put(self, key: tuple[str, int], value: np.ndarray) -> None:
         if value.nbytes > self.limit:
             return
         with self._mu:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from ..errors import FormatVersionError, NotARunError, TimelineError
@@ -21,8 +21,6 @@ from .layout import (
     FORMAT_VERSION,
     HEAD_KEY,
     LOCK_KEY,
-    STEP_ARRAY,
-    array_meta_key,
     check_timeline_name,
     group_meta_key,
     ref_key,
@@ -34,7 +32,6 @@ from .zarr_meta import dump, group_document, root_attributes
 
 __all__ = ["Repository"]
 
-INITIAL_CAPACITY = 64
 MAIN = "main"
 
 
@@ -76,14 +73,13 @@ class Repository:
                     f"{storage.location} exists and is not empty but is not a dstt run; "
                     "choose an empty or new directory"
                 )
-            storage.write(group_meta_key(STEP_ARRAY), dump(_step_document(INITIAL_CAPACITY)))
             # an empty group document keeps zarr from warning about the _dstt folder
             storage.write(group_meta_key("_dstt"), dump(group_document()))
             storage.write_durable(ref_key(MAIN), dump_ref(RefInfo(MAIN, None, created=time.time())))
             storage.write_durable(HEAD_KEY, dump_head(MAIN))
             storage.barrier()
             # the root zarr.json goes last: its presence marks a complete, openable run
-            repo.write_root(INITIAL_CAPACITY, durable=True)
+            storage.write_durable("zarr.json", dump(group_document(root_attributes())))
         return repo
 
     # -- root metadata --------------------------------------------------------------------
@@ -100,53 +96,20 @@ class Repository:
             raise NotARunError(
                 f"{st.location} is a Zarr group but not a dstt run (no attributes.dstt)"
             )
-        if attrs.get("format") != FORMAT_VERSION:
+        fmt = attrs.get("format")
+        if fmt == 1:
             raise FormatVersionError(
-                f"{st.location}/zarr.json: dstt format {attrs.get('format')!r}; this dstt "
-                f"reads format {FORMAT_VERSION}"
+                f"{st.location} is a dstt format 1 run (a file per tensor per step); this dstt "
+                f"reads format {FORMAT_VERSION} only. Read it with dstt 0.1 (pip install "
+                "'dstt<0.2'), e.g. export its steps, or start a new run"
+            )
+        if fmt != FORMAT_VERSION:
+            raise FormatVersionError(
+                f"{st.location}/zarr.json: dstt format {fmt!r}; this dstt reads format "
+                f"{FORMAT_VERSION}. Upgrade dstt to read it."
             )
         return attrs
 
-    def slot_capacity(self) -> int:
-        return int(self.root_attributes()["slot_capacity"])
-
-    def write_root(self, capacity: int, *, durable: bool) -> None:
-        doc = dump(group_document(root_attributes(capacity)))
-        step_doc = dump(_step_document(capacity))
-        if durable:
-            self.storage.write_durable(group_meta_key(STEP_ARRAY), step_doc)
-            self.storage.write_durable("zarr.json", doc)
-        else:
-            self.storage.write(group_meta_key(STEP_ARRAY), step_doc)
-            self.storage.write("zarr.json", doc)
-
-    def array_document(self, path: str) -> dict[str, Any] | None:
-        try:
-            doc = json.loads(self.storage.read(array_meta_key(path)))
-        except FileNotFoundError:
-            return None
-        if doc.get("node_type") != "array":
-            raise ValueError(f"{path!r} is a group in this run, not an array")
-        return doc  # type: ignore[no-any-return]
-
-    def iter_array_documents(self, prefix: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
-        """Every tensor array of the run (the ``step`` coordinate excluded)."""
-        for name in self.storage.list(prefix):
-            if name in ("zarr.json", "_dstt", STEP_ARRAY) and not prefix:
-                continue
-            if name == "zarr.json" or name.startswith("c."):
-                continue
-            path = f"{prefix}/{name}" if prefix else name
-            try:
-                doc = json.loads(self.storage.read(group_meta_key(path)))
-            except FileNotFoundError:
-                continue
-            if doc.get("node_type") == "array":
-                yield path, doc
-            else:
-                yield from self.iter_array_documents(path)
-
-    # -- access ---------------------------------------------------------------------------
     def reader(self) -> Reader:
         return Reader(self.storage)
 
@@ -202,13 +165,11 @@ class Repository:
 def _empty_or_interrupted_create(storage: Storage) -> bool:
     """Whether the location holds nothing but what an interrupted ``create`` leaves behind.
 
-    ``create`` writes ``step/zarr.json`` and ``_dstt/`` before the root ``zarr.json``; a crash in
+    ``create`` writes ``_dstt/`` before the root ``zarr.json``; a crash in
     between must not make the directory unusable forever.
     """
     for n in storage.list(""):
         if n.startswith(".") or n == "_dstt":
-            continue
-        if n == STEP_ARRAY and set(storage.list(STEP_ARRAY)) <= {"zarr.json"}:
             continue
         return False
     return True
@@ -221,20 +182,3 @@ def _fresh_name(base: str, taken: dict[str, RefInfo]) -> str:
     while f"{base}.{i}" in taken:
         i += 1
     return f"{base}.{i}"
-
-
-def _step_document(capacity: int) -> dict[str, Any]:
-    return {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": [capacity],
-        "data_type": "int64",
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
-        "fill_value": -1,
-        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
-        "attributes": {"dstt": {"format": FORMAT_VERSION,
-                                "description": "training step held by each slot; -1 = none"}},
-        "dimension_names": ["slot"],
-    }
-

@@ -1,12 +1,13 @@
 """The single writer of a run and its transactions (one per committed step).
 
 A ``Writer`` holds the run's lock for its lifetime and hands out ``Transaction`` objects. A
-transaction owns a fresh *slot* (axis 0 of every array): chunks and objects go to keys no commit
-references yet, so nothing visible is ever overwritten. ``commit`` is the only place that makes
-a step visible, in this order: barrier (chunks and objects durable) → arrays table → commit
-header (the commit point) → step coordinate → timeline ref. A crash anywhere before the header
-leaves garbage that no reader looks at; a crash after it leaves a complete commit that simply
-is not the head yet (gc removes such orphans).
+transaction owns a fresh *slot* and writes its step into two new files no commit references yet
+(``stepfile.py``: the zip of Zarr chunks, and the side file of objects and deltas), so nothing
+visible is ever overwritten. ``commit`` is the only place that makes a step visible, in this
+order: arrays table (into the side file) → zip central directory → publish both files →
+barrier (durable) → commit header (the commit point) → timeline ref. A crash anywhere before
+the header leaves garbage that no reader looks at; a crash after it leaves a complete commit
+that simply is not the head yet (gc removes such orphans).
 
 Several ranks can write one commit (``parts.py``): a writer opened with ``exclusive=False``
 takes no lock, writes only its own arrays into slots it is told, and ``prepare``s a part
@@ -20,6 +21,7 @@ its successor pointing at a slot that never committed.
 
 from __future__ import annotations
 
+import secrets
 import struct
 import threading
 import time
@@ -33,23 +35,23 @@ from .delta import DeltaEncoder, EncodeStats, Shadow
 from .layout import (
     DEFAULT_CHUNK_BYTES,
     LOCK_KEY,
-    STEP_ARRAY,
     ChunkPlan,
     array_meta_key,
     check_array_path,
-    chunk_key,
-    commit_arrays_key,
     commit_key,
     group_meta_key,
-    object_key,
     part_key,
     plan_chunks,
     ref_key,
+    side_file_key,
+    step_file_key,
+    zarr_chunk_key,
 )
 from .manifest import (
     ArrayRecord,
     ChunkRecord,
     CommitHeader,
+    Location,
     Metric,
     ObjectRecord,
     checksum,
@@ -60,7 +62,9 @@ from .manifest import (
 from .objects import Encoding, encode_object
 from .parts import Part, dump_part, merge_parts, remove_parts
 from .predict import Prediction
-from .zarr_meta import array_document, dtype_itemsize, dump, with_capacity
+from .stepfile import SideFile, StepFile
+from .zarr_meta import array_document, dtype_itemsize, dump, group_document, root_attributes
+from .zipfmt import crc32
 
 if TYPE_CHECKING:
     from .repository import Repository
@@ -75,14 +79,19 @@ class Writer:
 
     def __init__(self, repo: Repository, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  encoding: DeltaPolicy | None = None, exclusive: bool = True,
-                 inflight_bases: bool = False) -> None:
+                 inflight_bases: bool = False, rank: int | None = None) -> None:
         """``inflight_bases``: a step may be encoded against the previous step before that
         one commits (for callers that overlap steps and commit them in order, like the
-        engine); a step based on one that then fails to commit cannot commit either."""
+        engine); a step based on one that then fails to commit cannot commit either.
+        ``rank``: names a part writer's files (``steps/<slot>.r00001.zip``)."""
         self.repo = repo
         self.storage = repo.storage
         self.chunk_bytes = chunk_bytes
         self.exclusive = exclusive
+        #: suffix of this writer's step files: empty for the committer, the rank (or a random
+        #: id) for a part writer, so every rank's files of one slot have their own names
+        self.file_tag = "" if exclusive else (f"r{rank:05d}" if rank is not None
+                                              else secrets.token_hex(4))
         self.storage.check_writable()
         if exclusive:
             self._lock_cm: Any = self.storage.lock(LOCK_KEY)
@@ -97,13 +106,13 @@ class Writer:
         self._commit_lock = threading.Lock()
         try:
             self.reader = repo.reader()
-            self._capacity = repo.slot_capacity()
             self._next_slot = self.reader.max_slot() + 1
         except BaseException:  # a damaged run: release the lock now, not when gc collects us
             self.close()
             raise
-        self._arrays: dict[str, dict[str, Any]] = {}  # path -> zarr.json document
-        self._groups: set[str] = set()
+        #: path -> (dtype, plan, zarr.json bytes): documents built once while shapes hold
+        self._arrays: dict[str, tuple[str, ChunkPlan, bytes]] = {}
+        self._stored: dict[str, tuple[str, tuple[int, ...]]] | None = None
         self._open: set[int] = set()
         self.encoder = DeltaEncoder(encoding) if encoding is not None else None
         self.inflight_bases = inflight_bases
@@ -150,8 +159,6 @@ class Writer:
                 raise ValueError(f"slot {slot} is already used (next free slot: "
                                  f"{self._next_slot})")
             self._next_slot = max(self._next_slot, slot + 1)
-            if slot >= self._capacity:
-                self._grow(slot + 1)
             self._open.add(slot)
         txn = Transaction(self, slot, step, name)
         if self.encoder is not None and self.inflight_bases:
@@ -159,61 +166,52 @@ class Writer:
         return txn
 
     # -- metadata -------------------------------------------------------------------------
-    def _ensure_groups(self, path: str) -> None:
-        parts = path.split("/")
-        for i in range(1, len(parts)):
-            g = "/".join(parts[:i])
-            if g in self._groups:
-                continue
-            key = group_meta_key(g)
-            if not self.storage.exists(key):
-                self.storage.write(key, dump({"zarr_format": 3, "node_type": "group"}))
-            self._groups.add(g)
+    def _stored_schema(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """dtype and shape of every array at the head of the current timeline (what a
+        resuming session must match)."""
+        if self._stored is None:
+            head = self.reader.head()
+            self._stored = {} if head is None or head.pruned else {
+                p: (a.dtype, a.shape) for p, a in self.reader.arrays(head).items()}
+        return self._stored
 
     def declare(self, path: str, dtype: str, shape: tuple[int, ...]) -> ChunkPlan:
-        check_array_path(path)
-        itemsize = dtype_itemsize(dtype)
         shape = tuple(int(s) for s in shape)
         with self._meta_lock:
-            doc = self._arrays.get(path)
-            if doc is None:
-                doc = self.repo.array_document(path)
-            if doc is None:
-                plan = plan_chunks(shape, itemsize, self.chunk_bytes)
-                self._ensure_groups(path)
-                doc = array_document(path, dtype, plan, self._capacity)
-                self.storage.write(array_meta_key(path), dump(doc))
-            elif doc["data_type"] != dtype or tuple(doc["shape"][1:]) != shape:
+            known = self._arrays.get(path)
+            if known is not None and known[0] == dtype and known[1].shape == shape:
+                return known[1]
+            check_array_path(path)
+            itemsize = dtype_itemsize(dtype)
+            was = (known[0], known[1].shape) if known is not None else \
+                self._stored_schema().get(path)
+            if was is not None and was != (dtype, shape):
                 raise SchemaError(
-                    f"array {path!r} is stored as {doc['data_type']}{tuple(doc['shape'][1:])}, "
-                    f"but this step has {dtype}{shape}; a tensor's dtype and shape must stay "
-                    "fixed within a run (start a new run for a changed model)"
+                    f"array {path!r} is stored as {was[0]}{was[1]}, but this step has "
+                    f"{dtype}{shape}; a tensor's dtype and shape must stay fixed within a run "
+                    "(start a new run for a changed model)"
                 )
-            self._arrays[path] = doc
-            rows = doc["chunk_grid"]["configuration"]["chunk_shape"][1] if shape else 1
-            return ChunkPlan(shape, itemsize, int(rows))
+            plan = plan_chunks(shape, itemsize, self.chunk_bytes)
+            doc = dump(array_document(path, dtype, plan))
+            self._arrays[path] = (dtype, plan, doc)
+            return plan
 
-    def _grow(self, needed: int) -> None:
-        """Double the slot axis of every array until it holds ``needed`` slots (metadata only)."""
-        cap = self._capacity
-        while cap < needed:
-            cap *= 2
-        if not self.exclusive:  # a part writer grows only its own arrays, never the root
-            for path, doc in list(self._arrays.items()):
-                self._arrays[path] = new = with_capacity(doc, cap)
-                self.storage.write(array_meta_key(path), dump(new))
-            self._capacity = cap
-            return
-        for path, doc in self.repo.iter_array_documents():
-            new = with_capacity(doc, cap)
-            self.storage.write(array_meta_key(path), dump(new))
-            if path in self._arrays:
-                self._arrays[path] = new
-        # every array must hold the new capacity before the root says so: a power cut that
-        # kept the root but not all array documents would hide new slots from Zarr readers
-        self.storage.barrier()
-        self.repo.write_root(cap, durable=True)
-        self._capacity = cap
+    def _metadata(self, txn: Transaction) -> None:
+        """The zarr.json entries of a step file: root, every group, every array."""
+        z = txn.zip
+        root = group_document(root_attributes(step=txn.step, timeline=txn.timeline,
+                                              slot=txn.slot))
+        z.add_bytes(group_meta_key(""), dump(root))
+        groups: set[str] = set()
+        for path in txn._plans:
+            parts = path.split("/")
+            for i in range(1, len(parts)):
+                groups.add("/".join(parts[:i]))
+        gdoc = dump(group_document())
+        for g in sorted(groups):
+            z.add_bytes(group_meta_key(g), gdoc)
+        for path in txn._plans:
+            z.add_bytes(array_meta_key(path), self._arrays[path][2])
 
     # -- commit ---------------------------------------------------------------------------
     def _prepare(self, txn: Transaction, *, rank: int, world: int, session: str,
@@ -221,9 +219,13 @@ class Writer:
         """Part writer: make this rank's share durable and vote for the slot (parts.py)."""
         with self._commit_lock:
             self._check_open()
+            records = txn.records()
+            self._metadata(txn)
+            txn.zip.publish()
+            txn.side.publish()
             self.storage.barrier()
             part = Part(slot=txn.slot, step=txn.step, rank=rank, world=world, session=session,
-                        arrays=txn.records(), objects=dict(txn.objects), metrics=dict(metrics))
+                        arrays=records, objects=dict(txn.objects), metrics=dict(metrics))
             self.storage.write_durable(part_key(txn.slot, rank), dump_part(part))
             self._open.discard(txn.slot)
             return part
@@ -238,12 +240,9 @@ class Writer:
             if self.encoder is not None:
                 self.encoder.check_deps(txn.slot, txn.deps)
             st = self.storage
-            st.barrier()
             records, objects = txn.records(), dict(txn.objects)
             if parts:
                 records, objects = merge_parts(records, objects, parts)
-            table = dump_arrays(txn.slot, records)
-            st.write_durable(commit_arrays_key(txn.slot), table)
             self.reader.refresh()
             ref = self.reader.ref(txn.timeline)
             if ref.head is not None:
@@ -254,15 +253,17 @@ class Writer:
                         f"(step {parent.step}); steps must increase along a timeline — use "
                         "rollback to go back"
                     )
+            table = dump_arrays(txn.slot, records)
+            where = Location(txn.side.key, txn.side.append(table), len(table), checksum(table))
+            self._metadata(txn)
+            txn.zip.publish()
+            txn.side.publish()
+            st.barrier()  # every byte of the step durable before the header names it
             header = CommitHeader(
                 slot=txn.slot, step=txn.step, timeline=txn.timeline, parent=ref.head,
-                time=time.time(), metrics=dict(metrics), objects=objects,
-                arrays_crc32c=checksum(table), arrays_nbytes=len(table),
+                time=time.time(), metrics=dict(metrics), objects=objects, arrays=where,
             )
             st.write_durable(commit_key(txn.slot), dump_header(header))
-            value = struct.pack("<q", txn.step)
-            st.write_durable(chunk_key(STEP_ARRAY, txn.slot, ()),
-                             [value, struct.pack("<I", checksum(value))])
             st.write_durable(ref_key(txn.timeline), dump_ref(replace(ref, head=txn.slot)))
             if parts:  # merged: the votes are no longer needed (gc sweeps any left behind)
                 remove_parts(st, txn.slot)
@@ -280,7 +281,8 @@ class Transaction:
         self._plans: dict[str, tuple[str, ChunkPlan]] = {}
         self._chunks: dict[str, list[ChunkRecord | None]] = {}
         self.objects: dict[str, ObjectRecord] = {}
-        self._object_keys: dict[str, str] = {}  # storage key -> object name
+        self.zip = StepFile(writer.storage, step_file_key(slot, writer.file_tag))
+        self.side = SideFile(writer.storage, side_file_key(slot, writer.file_tag))
         self._lock = threading.Lock()
         self.state = "open"
         self._object_bytes = 0
@@ -354,20 +356,29 @@ class Transaction:
             self.stats.raw_fallback = not self.keyframe
             pending = enc.keep(path, index, self.timeline, view, crc, self.slot)
         elif enc is not None:
-            rec, pending = enc.encode(self.writer.storage.write, path=path, index=index,
+            rec, pending = enc.encode(self._side_write, path=path, index=index,
                                       plan=plan, slot=self.slot, timeline=self.timeline,
                                       data=view, raw_crc=crc, stats=self.stats,
                                       prediction=self._predictions.get(path),
                                       pending=self._pending, deps=self.deps)
             if rec is not None:
                 return self._record(path, index, rec, pending)
-        key = chunk_key(path, self.slot, plan.index(index))
-        self.writer.storage.write(key, [view, *pads, struct.pack("<I", crc)])
-        rec = ChunkRecord(key, plan.chunk_nbytes + 4, crc)
+        trailer = struct.pack("<I", crc)
+        zcrc = crc32(view)
+        for z in pads:
+            zcrc = crc32(z, zcrc)
+        zcrc = crc32(trailer, zcrc)
+        size = plan.chunk_nbytes + 4
+        offset = self.zip.add(zarr_chunk_key(path, plan.index(index)), [view, *pads, trailer],
+                              size, zcrc)
+        rec = ChunkRecord(self.zip.key, size, crc, offset=offset)
         self.stats.add(len(view), rec.nbytes, "key")
         if pending is not None:
             pending = replace(pending, record=rec)
         return self._record(path, index, rec, pending)
+
+    def _side_write(self, parts: list[Any]) -> tuple[str, int]:
+        return self.side.key, self.side.append(parts)
 
     def _record(self, path: str, index: int, rec: ChunkRecord,
                 pending: Shadow | None) -> ChunkRecord:
@@ -381,24 +392,18 @@ class Transaction:
         """Store a Python object for this step (tagged JSON unless told otherwise)."""
         self._check()
         data = encode_object(obj, encoding)
-        key = object_key(self.slot, name)
-        # checked *before* writing: a second write to the same file would leave the first
-        # record pointing at bytes that no longer match its crc32c (an unreadable commit)
         with self._lock:
-            other = self._object_keys.get(key)
-            if other == name:
+            if name in self.objects:
                 raise ValueError(f"object {name!r} stored twice in step {self.step}")
-            if other is not None:
-                raise ValueError(f"object names {other!r} and {name!r} map to the same file "
-                                 f"{key!r} in step {self.step}; rename one of them")
-            self._object_keys[key] = name
+            # reserved before writing: two threads storing one name would both write
+            self.objects[name] = ObjectRecord("", 0, 0, encoding)
         try:
-            self.writer.storage.write(key, data)
+            offset = self.side.append(data)
         except BaseException:
             with self._lock:
-                del self._object_keys[key]
+                del self.objects[name]
             raise
-        rec = ObjectRecord(key, len(data), checksum(data), encoding)
+        rec = ObjectRecord(self.side.key, len(data), checksum(data), encoding, offset)
         with self._lock:
             self.objects[name] = rec
             self._object_bytes += len(data)
@@ -446,9 +451,11 @@ class Transaction:
         return part
 
     def abort(self) -> None:
-        """Drop the step; its slot stays unused (gc removes stray chunk files)."""
+        """Drop the step; its slot stays unused (gc removes stray step files)."""
         if self.state in ("open", "failed"):
             self.state = "aborted"
             self.writer._open.discard(self.slot)
+            self.zip.discard()  # unpublished files vanish; published ones are gc's garbage
+            self.side.discard()
             if self.writer.encoder is not None:
                 self.writer.encoder.discard(self.slot)

@@ -21,7 +21,6 @@ __all__ = [
     "dump",
     "group_document",
     "numpy_dtype",
-    "with_capacity",
 ]
 
 #: store dtype name -> (itemsize, fill value as Zarr v3 JSON)
@@ -71,16 +70,16 @@ def group_document(attributes: dict[str, Any] | None = None) -> dict[str, Any]:
     return doc
 
 
-def root_attributes(capacity: int) -> dict[str, Any]:
-    return {"dstt": {"format": FORMAT_VERSION, "slot_capacity": capacity}}
+def root_attributes(**extra: Any) -> dict[str, Any]:
+    return {"dstt": {"format": FORMAT_VERSION, **extra}}
 
 
-def array_document(path: str, dtype: str, plan: ChunkPlan, capacity: int,
+def array_document(path: str, dtype: str, plan: ChunkPlan,
                    attributes: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Zarr v3 metadata of one tensor array with leading slot axis of length ``capacity``."""
+    """Zarr v3 metadata of one tensor array of a step file."""
     itemsize, fill = DTYPES[dtype]
     name = path.rsplit("/", 1)[-1]
-    dims = ["slot", *(f"{name}_{i}" for i in range(len(plan.shape)))]
+    dims = [f"{name}_{i}" for i in range(len(plan.shape))]
     codecs: list[dict[str, Any]] = []
     if itemsize > 1:
         codecs.append({"name": "bytes", "configuration": {"endian": "little"}})
@@ -90,20 +89,13 @@ def array_document(path: str, dtype: str, plan: ChunkPlan, capacity: int,
     return {
         "zarr_format": 3,
         "node_type": "array",
-        "shape": [capacity, *plan.shape],
+        "shape": list(plan.shape),
         "data_type": dtype,
         "chunk_grid": {"name": "regular",
-                       "configuration": {"chunk_shape": [1, *plan.chunk_shape]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+                       "configuration": {"chunk_shape": list(plan.chunk_shape)}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": fill,
         "codecs": codecs,
         "attributes": {"dstt": {"format": FORMAT_VERSION, **(attributes or {})}},
         "dimension_names": dims,
     }
-
-
-def with_capacity(doc: dict[str, Any], capacity: int) -> dict[str, Any]:
-    """The same array document with the slot axis grown to ``capacity`` (metadata only)."""
-    out = dict(doc)
-    out["shape"] = [capacity, *doc["shape"][1:]]
-    return out

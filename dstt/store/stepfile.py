@@ -1,0 +1,132 @@
+"""The two files of one step of one rank, built in one pass by several writer threads.
+
+``StepFile`` is the stored zip (a plain Zarr v3 hierarchy): a writer thread reserves the byte
+range of its entry under a lock (O(1) work), then writes the local header and the bytes there
+without the lock (``Blob.write_at``), so writer threads never wait for each other's I/O. The
+central directory is appended by ``finish`` once every entry is in. ``SideFile`` is the
+dstt-only companion (objects, delta payloads, the arrays table): a plain concatenation of
+checksummed byte ranges that the manifest points into, so a plain Zarr listing of the zip
+never meets a non-Zarr entry (zarr would warn about one).
+
+Rejected alternative: buffering the whole step and writing it at commit — the host cache
+would have to hold every chunk until the last one is copied, and the disk would idle during
+the copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..errors import DsttError
+from .backend import Blob, Data, as_parts
+from .zipfmt import Entry, central_directory, crc32, header_size, local_header
+
+if TYPE_CHECKING:
+    from .backend import Storage
+
+__all__ = ["SideFile", "StepFile"]
+
+
+class StepFile:
+    """A stored zip written entry by entry at reserved offsets; ``finish`` seals it."""
+
+    def __init__(self, storage: Storage, key: str) -> None:
+        self.key = key
+        self._storage = storage
+        self._blob: Blob | None = None
+        self._mu = threading.Lock()
+        self._cursor = 0
+        self._entries: list[Entry] = []
+        self._names: set[str] = set()
+        self._finished = False
+
+    def _open(self) -> Blob:
+        if self._blob is None:
+            self._blob = self._storage.open_blob(self.key)
+        return self._blob
+
+    @property
+    def nbytes(self) -> int:
+        return self._cursor
+
+    def add(self, name: str, parts: Sequence[bytes | bytearray | memoryview], size: int,
+            crc: int) -> int:
+        """Write entry ``name`` whose bytes are ``parts`` (``size`` bytes, ZIP CRC-32
+        ``crc``); returns the offset of its first data byte. Thread-safe."""
+        with self._mu:
+            if self._finished:
+                raise DsttError(f"{self.key}: step file already finished")
+            if name in self._names:
+                raise ValueError(f"{self.key}: entry {name!r} written twice")
+            blob = self._open()
+            off = self._cursor
+            data_off = off + header_size(name, size, off)
+            self._cursor = data_off + size
+            self._names.add(name)
+            self._entries.append(Entry(name, off, size, crc))
+        blob.write_at(off, [local_header(name, size, crc, off), *parts])
+        return data_off
+
+    def add_bytes(self, name: str, data: bytes) -> int:
+        return self.add(name, [data], len(data), crc32(data))
+
+    def finish(self) -> None:
+        """Append the central directory (every ``add`` must have returned)."""
+        with self._mu:
+            if self._finished:
+                return
+            self._finished = True
+            blob, start = self._open(), self._cursor
+            tail = central_directory(self._entries, start)
+            self._cursor += len(tail)
+        blob.write_at(start, tail)
+
+    def publish(self, *, durable: bool = False) -> None:
+        self.finish()
+        assert self._blob is not None
+        self._blob.publish(durable=durable)
+
+    def discard(self) -> None:
+        with self._mu:
+            blob, self._blob, self._finished = self._blob, None, True
+        if blob is not None:
+            blob.discard()
+
+
+class SideFile:
+    """Checksummed byte ranges appended at reserved offsets; created on the first append."""
+
+    def __init__(self, storage: Storage, key: str) -> None:
+        self.key = key
+        self._storage = storage
+        self._blob: Blob | None = None
+        self._mu = threading.Lock()
+        self._cursor = 0
+
+    @property
+    def used(self) -> bool:
+        return self._blob is not None
+
+    def append(self, data: Data) -> int:
+        """Write ``data`` after everything reserved so far; returns its offset. Thread-safe."""
+        parts = as_parts(data)
+        n = sum(len(p) for p in parts)
+        with self._mu:
+            if self._blob is None:
+                self._blob = self._storage.open_blob(self.key)
+            blob, off = self._blob, self._cursor
+            self._cursor += n
+        blob.write_at(off, parts)
+        return off
+
+    def publish(self, *, durable: bool = False) -> None:
+        if self._blob is not None:
+            self._blob.publish(durable=durable)
+
+    def discard(self) -> None:
+        with self._mu:
+            blob, self._blob = self._blob, None
+        if blob is not None:
+            blob.discard()
