@@ -23,6 +23,8 @@ with a hung filesystem alive at exit, and ordering the commits would need a seco
 
 from __future__ import annotations
 
+import json
+import math
 import queue
 import threading
 import time
@@ -38,10 +40,11 @@ from ..errors import CaptureError
 from ..store.layout import ChunkPlan
 from ..store.predict import CUR, Prediction
 from ._convert import flat_bytes
+from .flatlane import FlatPlan, StepBuffers, plan_key
 from .governor import EncodeGovernor
 from .providers import TensorSpec
 from .staging import Copier, HostCache, Lease, RaceReport, Ready, VersionGuard
-from .summaries import SummaryAccumulator, SummaryBook
+from .summaries import FlatSummarizer, SummaryAccumulator, SummaryBook
 
 __all__ = ["Flight", "Pipeline", "StepMetrics"]
 
@@ -107,6 +110,25 @@ def _encode_metrics(txn: Any) -> dict[str, Any]:
             "dedups": st.dedups, "raw_fallback": st.raw_fallback}
 
 
+def _json(obj: Any) -> bytes:
+    """Tagged JSON (``store/objects.py``) of plain data: the C encoder, and the tags for
+    non-finite floats only when there are any."""
+    try:
+        return json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
+    except ValueError:
+        return json.dumps(_tag_floats(obj), allow_nan=False, separators=(",", ":")).encode()
+
+
+def _tag_floats(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return {"$float": repr(x)}
+    if isinstance(x, dict):
+        return {k: _tag_floats(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_tag_floats(v) for v in x]
+    return x
+
+
 class _Aborted(Exception):
     """Marker cause of a flight the session dropped on purpose."""
 
@@ -116,21 +138,35 @@ class Flight:
 
     def __init__(self, step: int, tensors: Mapping[str, torch.Tensor],
                  objects: Mapping[str, Any], verify: bool,
-                 predictions: Mapping[str, Prediction] | None = None) -> None:
+                 predictions: Mapping[str, Prediction] | None = None, *,
+                 flat: FlatPlan | None = None) -> None:
         self.step = step
-        self.predictions = {p: x for p, x in (predictions or {}).items()
-                            if all(g in tensors for g in x.group)}
-        self.tensors = {p: tensors[p] for p in write_order(tensors, self.predictions)}
-        self.specs = {p: TensorSpec.of(p, t) for p, t in self.tensors.items()}
-        sources = {}
-        for p, t in self.tensors.items():
-            sources[p] = flat_bytes(t if t.is_contiguous() else t.contiguous())
-        self.sources: dict[str, torch.Tensor] = sources
-        self.nbytes = sum(s.numel() for s in sources.values())
+        #: the flat lane's plan (one batched copy into a whole-step buffer), or None for the
+        #: chunk lane (``flatlane.py``)
+        self.flat = flat
+        self.buffer: int | None = None  # the flat lane's step buffer, while held
+        self.flat_stats: dict[str, Any] = {}
+        self.sources: dict[str, torch.Tensor] = {}
+        if flat is not None:  # the hot path: nothing per tensor but the version snapshot
+            self.predictions: dict[str, Prediction] = {}
+            self.tensors = dict(tensors)
+            self.specs: dict[str, TensorSpec] = {}
+            self.nbytes = flat.nbytes
+            self.guard = VersionGuard(self.tensors, {}, verify=False)
+            self.marks = Copier.mark(self.tensors.values()) if flat.cuda else {}
+        else:
+            self.predictions = {p: x for p, x in (predictions or {}).items()
+                                if all(g in tensors for g in x.group)}
+            self.tensors = {p: tensors[p] for p in write_order(tensors, self.predictions)}
+            self.specs = {p: TensorSpec.of(p, t) for p, t in self.tensors.items()}
+            for p, t in self.tensors.items():
+                self.sources[p] = flat_bytes(t if t.is_contiguous() else t.contiguous())
+            self.nbytes = sum(s.numel() for s in self.sources.values())
+            self.guard = VersionGuard(self.tensors, {p: t.element_size()
+                                                     for p, t in self.tensors.items()},
+                                      verify=verify)
+            self.marks = Copier.mark(self.sources.values())
         self.objects = dict(objects)
-        self.guard = VersionGuard(self.tensors, {p: t.element_size()
-                                                 for p, t in self.tensors.items()}, verify=verify)
-        self.marks = Copier.mark(sources.values())
         self.txn: Any = None
         self.plans: dict[str, ChunkPlan] = {}
         self.summaries: dict[str, SummaryAccumulator] = {}
@@ -227,6 +263,13 @@ class Pipeline:
         #: DeepSpeed checkpoint file per flight); 0 sizes them from the first step
         self.min_slab_bytes = min(min_slab_bytes, budget_bytes)
         self.cache: HostCache | None = None
+        #: the flat lane (``flatlane.py``): for writers that take a whole step at once and
+        #: do not encode; steps larger than half the budget use the chunk lane
+        self._flat_ok = (hasattr(writer, "flat_layout") and not verify
+                         and getattr(writer, "encoder", None) is None)
+        self._plans: dict[tuple[object, ...], FlatPlan] = {}
+        self._summarizers: dict[int, FlatSummarizer] = {}
+        self.steps: StepBuffers | None = None
         self._copier = Copier()
         self._flights: list[Flight] = []
         self._lock = threading.Lock()
@@ -262,17 +305,44 @@ class Pipeline:
         ``keyframe``: write every chunk whole (plain Zarr) even when the writer encodes."""
         if self._closed:
             raise CaptureError("the capture pipeline is closed")
-        f = Flight(step, tensors, objects, self.verify, predictions)
+        plan = self._flat_plan(tensors) if self._flat_ok else None
+        f = Flight(step, tensors, objects, self.verify, predictions, flat=plan)
         with self._lock:
             live = [x for x in self._flights if not x.done.is_set()]
             f.backlog = len(live)
             self._flights = [x for x in self._flights if not x.done.is_set()] + [f]
-        f.cache_bytes = self.cache.leased_bytes if self.cache else 0
+        f.cache_bytes = (self.cache.leased_bytes if self.cache else 0) + (
+            self.steps.in_use * self.steps.nbytes if self.steps else 0)
         f.encode = self._governor.decide() if self._governor is not None else False
         f.keyframe = keyframe
         self._copy_q.put(f)
         self._commit_q.put(f)
         return f
+
+    def _flat_plan(self, tensors: Mapping[str, torch.Tensor]) -> FlatPlan | None:
+        """The cached flat plan of these tensors, or None where the chunk lane must serve
+        (no tensors, or a step too large for two whole-step buffers in the budget)."""
+        if not tensors:
+            return None
+        key = plan_key(tensors)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = FlatPlan.build(self.writer, tensors)
+            if len(self._plans) >= 4:  # a model that keeps changing: do not pile up plans
+                self._plans.clear()
+            self._plans[key] = plan
+        if 2 * plan.nbytes > self.budget_bytes:
+            return None
+        if self.steps is not None and plan.nbytes > self.steps.nbytes:
+            return None  # larger than the buffers already allocated: chunk lane
+        return plan
+
+    def _ensure_steps(self, plan: FlatPlan) -> StepBuffers:
+        if self.steps is None:
+            count = max(2, min(4, self.budget_bytes // plan.nbytes))
+            pin = plan.cuda and torch.cuda.is_available()
+            self.steps = StepBuffers(plan.nbytes, count, pin=pin)
+        return self.steps
 
     def wait_copied(self, f: Flight) -> float:
         """Block until every chunk of ``f`` is on the host and fewer than ``max_backlog``
@@ -294,6 +364,17 @@ class Pipeline:
 
     def recopy(self, f: Flight, paths: list[str]) -> None:
         """Synchronously copy and write ``paths`` of ``f`` again (after a detected race)."""
+        if f.flat is not None:  # its buffer is written only once sealed: copy into it again
+            if f.dead or f.buffer is None:
+                return
+            assert self.steps is not None
+            views = f.flat.views(f.buffer, self.steps.buffers[f.buffer])
+            where = {p: i for i, p in enumerate(f.flat.order)}
+            for path in paths:
+                t = f.tensors[path]
+                views[where[path]].copy_(t.detach())
+                f.guard.reset(path, t)
+            return
         f.wait_writes()  # earlier writes of these chunks must land first (last write wins)
         if f.dead or f.txn is None:
             return
@@ -369,6 +450,8 @@ class Pipeline:
             t.join()
         if self.cache is not None:
             self.cache.close()
+        if self.steps is not None:
+            self.steps.close()
 
     # -- copy thread --------------------------------------------------------------------
     def _copy_loop(self) -> None:
@@ -413,11 +496,14 @@ class Pipeline:
         f.txn.keyframe = f.keyframe
         if f.predictions and getattr(self.writer, "encoder", None) is not None:
             f.txn.predict(f.predictions)
-        for path, spec in f.specs.items():
+        for path, spec in f.specs.items():  # (none in the flat lane)
             f.plans[path] = f.txn.declare(path, spec.dtype, spec.shape)
         for name, obj in f.objects.items():
             f.add_pending()
             self._write_q.put((f, "object", name, obj))
+        if f.flat is not None:
+            self._copy_flat(f, f.flat)
+            return
         if not f.plans:  # objects only: nothing to copy (and no cache sized for nothing)
             return
         cache = self._ensure_cache(f)
@@ -452,6 +538,18 @@ class Pipeline:
             for r in last.values():
                 r.wait()
 
+    def _copy_flat(self, f: Flight, plan: FlatPlan) -> None:
+        """One batched copy of every tensor into a free whole-step buffer."""
+        steps = self._ensure_steps(plan)
+        index, waited = steps.acquire()
+        f.buffer = index
+        f.stall_s += waited
+        dst = plan.views(index, steps.buffers[index])
+        self._copier.begin(f.marks)
+        self._copier.copy_all(dst, plan.sources(f.tensors)).wait()
+        f.add_pending()
+        self._write_q.put((f, "flat"))
+
     # -- writer threads -----------------------------------------------------------------
     def _write_loop(self) -> None:
         while True:
@@ -463,6 +561,8 @@ class Pipeline:
             try:
                 if task[1] == "chunk":
                     self._write_chunk(f, task[2], task[3], task[4], task[5])
+                elif task[1] == "flat":
+                    self._write_flat(f)
                 elif not f.dead:
                     self._put_object(f, task[2], task[3])
             except BaseException as e:
@@ -486,6 +586,31 @@ class Pipeline:
                     acc.add(plan.byte_range(i)[0] // plan.itemsize, values)
         finally:
             self.cache.release(lease)
+
+    def _write_flat(self, f: Flight) -> None:
+        """Write a flat step once sealed (a detected race may still recopy into its buffer
+        until then), summarise it from the same buffer, then free the buffer."""
+        assert self.steps is not None and f.flat is not None and f.buffer is not None
+        try:
+            f.wait_sealed()
+            if f.dead:
+                return
+            buf = self.steps.buffers[f.buffer]
+            f.txn.put_flat(f.flat.layout, buf.numpy())
+            if self._book is not None:
+                f.flat_stats = self._summarizer(f.flat).stats(buf)
+        finally:
+            index, f.buffer = f.buffer, None
+            self.steps.release(index)
+
+    def _summarizer(self, plan: FlatPlan) -> FlatSummarizer:
+        s = self._summarizers.get(id(plan))
+        if s is None:
+            s = self._summarizers[id(plan)] = FlatSummarizer(
+                [(a.path, a.offset, a.nbytes // a.plan.itemsize, dt)
+                 for a, dt in zip(plan.layout.arrays, plan.dtypes, strict=True)
+                 if a.path.startswith(SUMMARIZED)])
+        return s
 
     def _put_object(self, f: Flight, name: str, obj: Any) -> None:
         try:
@@ -522,9 +647,12 @@ class Pipeline:
                     f.fail(e)
                     break
         f.wait_writes()
-        if not f.dead and f.summaries:
+        if not f.dead and (f.summaries or f.flat_stats):
             try:
-                self._put_object(f, self.summaries_object, self._summaries(f))
+                if f.flat_stats:
+                    f.txn.put_encoded(self.summaries_object, _json(self._flat_summaries(f)))
+                else:
+                    self._put_object(f, self.summaries_object, self._summaries(f))
             except BaseException as e:
                 f.fail(e)
         if not f.dead:
@@ -563,6 +691,13 @@ class Pipeline:
             acc.prev_probe = self._book.accumulator(path, acc.numel).prev_probe
             out[path] = self._book.finish(path, acc)
         return out
+
+    def _flat_summaries(self, f: Flight) -> dict[str, Any]:
+        assert self._book is not None and f.flat is not None
+        index = f.flat.layout.index()
+        return {path: self._book.finish_flat(path, index[path].nbytes
+                                             // max(1, index[path].plan.itemsize), st)
+                for path, st in f.flat_stats.items()}
 
     def _record(self, f: Flight) -> None:
         now = time.perf_counter()

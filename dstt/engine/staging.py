@@ -229,6 +229,40 @@ class Copier:
         return DONE
 
 
+    def copy_all(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Ready:
+        """Copy every ``src`` into its ``dst`` (same shapes) with one batched call; CUDA
+        sources go through the side stream of their device (``begin`` first)."""
+        devices = {t.device for t in src if t.is_cuda}
+        if not devices:
+            torch._foreach_copy_(dst, src)
+            return DONE
+        events = []
+        for dev in devices:
+            idx = [i for i, t in enumerate(src) if t.device == dev]
+            stream = self._stream(dev)
+            with torch.cuda.stream(stream):
+                torch._foreach_copy_([dst[i] for i in idx], [src[i] for i in idx],
+                                     non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            events.append(ev)
+        host = [i for i, t in enumerate(src) if not t.is_cuda]
+        if host:
+            torch._foreach_copy_([dst[i] for i in host], [src[i] for i in host])
+        return _Events(events)
+
+
+class _Events:
+    __slots__ = ("events",)
+
+    def __init__(self, events: list[torch.cuda.Event]) -> None:
+        self.events = events
+
+    def wait(self) -> None:
+        for ev in self.events:
+            ev.synchronize()
+
+
 _WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -51,8 +51,10 @@ class Blob(ABC):
     key: str
 
     @abstractmethod
-    def write_at(self, offset: int, data: Data) -> None:
-        """Write ``data`` (one buffer or several back to back) at ``offset``; thread-safe."""
+    def write_at(self, offset: int, data: Data, *, raw: bool = False) -> None:
+        """Write ``data`` (one buffer or several back to back) at ``offset``; thread-safe.
+        ``raw``: ``data`` is a list of byte buffers already (bytes, bytearray or 1-d byte
+        memoryviews), so no per-part normalisation is needed (the hot path)."""
 
     @abstractmethod
     def publish(self, *, durable: bool = False) -> None:
@@ -73,9 +75,9 @@ class _BufferedBlob(Blob):
         self._mu = threading.Lock()
         self._done = False
 
-    def write_at(self, offset: int, data: Data) -> None:
+    def write_at(self, offset: int, data: Data, *, raw: bool = False) -> None:
         with self._mu:
-            for view in as_parts(data):
+            for view in (data if raw else as_parts(data)):  # type: ignore[union-attr]
                 end = offset + len(view)
                 if end > len(self._buf):
                     self._buf.extend(bytes(end - len(self._buf)))
@@ -442,15 +444,15 @@ class _FileBlob(Blob):
         except OSError as e:
             raise storage._io_error(e, "write", key) from e
 
-    def write_at(self, offset: int, data: Data) -> None:
+    def write_at(self, offset: int, data: Data, *, raw: bool = False) -> None:
         fd = self.fd
         if fd is None:
             raise ValueError(f"blob {self.key!r} is already published or discarded")
-        views = as_parts(data)
+        views: list[bytes | bytearray | memoryview] = data if raw else as_parts(data)  # type: ignore[assignment]
         try:
             for i in range(0, len(views), _IOV_MAX):
                 batch = views[i:i + _IOV_MAX]
-                want = sum(len(v) for v in batch)
+                want = sum(map(len, batch))
                 n = os.pwritev(fd, batch, offset)
                 while n < want:  # a short write: finish the rest the slow way
                     flat = b"".join(bytes(v) for v in batch)[n:]

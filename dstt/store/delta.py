@@ -69,6 +69,12 @@ class EncodeStats:
             else:
                 self.dedups += 1
 
+    def add_many(self, raw: int, written: int, *, keyframes: int) -> None:
+        with self._lock:
+            self.raw_bytes += raw
+            self.written_bytes += written
+            self.keyframes += keyframes
+
     @property
     def ratio(self) -> float:
         return self.raw_bytes / self.written_bytes if self.written_bytes else float("inf")

@@ -32,7 +32,7 @@ from .manifest import ArrayRecord, CommitHeader, checksum, dump_header
 from .parts import remove_parts
 from .reader import Reader
 from .zarr_meta import array_document
-from .zipfmt import Entry, crc32, parse_directory
+from .zipfmt import Entry, crc32, local_header, parse_directory
 
 if TYPE_CHECKING:
     from .backend import Storage
@@ -120,11 +120,6 @@ def verify(repo: Repository, *, progress: Progress = None) -> VerifyReport:
     return rep
 
 
-#: the fields of an array's zarr.json a plain Zarr reader needs to find and decode the chunks
-_READ_FIELDS = ("zarr_format", "node_type", "data_type", "chunk_grid", "chunk_key_encoding",
-                "fill_value", "codecs", "dimension_names")
-
-
 def read_directory(st: Storage, key: str) -> dict[str, Entry]:
     """The entries of a step file, from its central directory (``CorruptRunError``)."""
     size = st.size(key)
@@ -163,10 +158,14 @@ def _verify_step_files(st: Storage, h: CommitHeader, table: dict[str, ArrayRecor
             if e is None or e.data_offset != c.offset or e.size != c.nbytes:
                 problem(key, f"step {h.step}: zip entry {name!r} is missing or not where the "
                              "commit manifest says")
-                continue
+        for e in entries.values():  # every entry, metadata included: zipfile checks CRC-32
             try:
-                if crc32(st.read_range(key, c.offset, c.nbytes)) != e.crc32:
-                    problem(key, f"step {h.step}: zip entry {name!r} fails its CRC-32")
+                head = local_header(e.name, e.size, e.crc32, e.offset)
+                if st.read_range(key, e.offset, len(head)) != head:
+                    problem(key, f"step {h.step}: local header of zip entry {e.name!r} is "
+                                 "damaged")
+                elif crc32(st.read_range(key, e.data_offset, e.size)) != e.crc32:
+                    problem(key, f"step {h.step}: zip entry {e.name!r} fails its CRC-32")
             except OSError as err:
                 problem(key, str(err))
         for rec in {x[1].path: x[1] for x in own.get(key, [])}.values():

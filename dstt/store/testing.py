@@ -180,9 +180,16 @@ class FaultyStorage(DelegatingStorage):
                                f"{os.strerror(self.errno)} (injected)")
 
     def read(self, key: str) -> bytes:
+        self._maybe_fail_read(key)
+        return self.inner.read(key)
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        self._maybe_fail_read(key)
+        return self.inner.read_range(key, start, length)
+
+    def _maybe_fail_read(self, key: str) -> None:
         if self.fail_reads is not None and self.fail_reads.search(key):
             raise StorageError(_errno.EIO, f"cannot read {key!r}: I/O error (injected)")
-        return self.inner.read(key)
 
     def write(self, key: str, data: Data) -> None:
         self._maybe_fail(key)

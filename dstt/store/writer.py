@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import DsttError, SchemaError
 from .codec import DeltaPolicy
 from .delta import DeltaEncoder, EncodeStats, Shadow
+from .flat import FlatLayout
 from .layout import (
     DEFAULT_CHUNK_BYTES,
     LOCK_KEY,
@@ -112,7 +113,9 @@ class Writer:
             raise
         #: path -> (dtype, plan, zarr.json bytes): documents built once while shapes hold
         self._arrays: dict[str, tuple[str, ChunkPlan, bytes]] = {}
-        self._stored: dict[str, tuple[str, tuple[int, ...]]] | None = None
+        self._stored: dict[str, tuple[str, tuple[int, ...], int]] | None = None
+        self._meta_cache: dict[tuple[str, ...], tuple[list[str], list[list[bytes]], list[int],
+                                                     list[int]]] = {}
         self._open: set[int] = set()
         self.encoder = DeltaEncoder(encoding) if encoding is not None else None
         self.inflight_bases = inflight_bases
@@ -166,13 +169,13 @@ class Writer:
         return txn
 
     # -- metadata -------------------------------------------------------------------------
-    def _stored_schema(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """dtype and shape of every array at the head of the current timeline (what a
-        resuming session must match)."""
+    def _stored_schema(self) -> dict[str, tuple[str, tuple[int, ...], int]]:
+        """dtype, shape and rows per chunk of every array at the head of the current
+        timeline: a resuming session must match the first two and keeps the chunking."""
         if self._stored is None:
             head = self.reader.head()
             self._stored = {} if head is None or head.pruned else {
-                p: (a.dtype, a.shape) for p, a in self.reader.arrays(head).items()}
+                p: (a.dtype, a.shape, a.rows) for p, a in self.reader.arrays(head).items()}
         return self._stored
 
     def declare(self, path: str, dtype: str, shape: tuple[int, ...]) -> ChunkPlan:
@@ -183,35 +186,48 @@ class Writer:
                 return known[1]
             check_array_path(path)
             itemsize = dtype_itemsize(dtype)
-            was = (known[0], known[1].shape) if known is not None else \
+            was = (known[0], known[1].shape, known[1].rows) if known is not None else \
                 self._stored_schema().get(path)
-            if was is not None and was != (dtype, shape):
+            if was is not None and was[:2] != (dtype, shape):
                 raise SchemaError(
                     f"array {path!r} is stored as {was[0]}{was[1]}, but this step has "
                     f"{dtype}{shape}; a tensor's dtype and shape must stay fixed within a run "
                     "(start a new run for a changed model)"
                 )
-            plan = plan_chunks(shape, itemsize, self.chunk_bytes)
+            plan = (ChunkPlan(shape, itemsize, was[2]) if was is not None
+                    else plan_chunks(shape, itemsize, self.chunk_bytes))
             doc = dump(array_document(path, dtype, plan))
             self._arrays[path] = (dtype, plan, doc)
             return plan
 
+    def flat_layout(self, arrays: Sequence[tuple[str, str, tuple[int, ...]]]) -> FlatLayout:
+        """Declare ``arrays`` (path, dtype, shape) for this writer and lay them out in one
+        flat buffer (``flat.py``); reuse the result while the arrays do not change."""
+        return FlatLayout.build([(p, d, self.declare(p, d, tuple(sh))) for p, d, sh in arrays])
+
     def _metadata(self, txn: Transaction) -> None:
-        """The zarr.json entries of a step file: root, every group, every array."""
-        z = txn.zip
+        """The zarr.json entries of a step file: root, every group, every array (the group
+        and array documents are built once per set of arrays and reused)."""
+        paths = tuple(txn._plans)
+        with self._meta_lock:
+            entries = self._meta_cache.get(paths)
+            if entries is None:
+                groups: set[str] = set()
+                for path in paths:
+                    parts = path.split("/")
+                    groups.update("/".join(parts[:i]) for i in range(1, len(parts)))
+                gdoc = dump(group_document())
+                docs = [(group_meta_key(g), gdoc) for g in sorted(groups)]
+                docs += [(array_meta_key(p), self._arrays[p][2]) for p in paths]
+                entries = ([k for k, _ in docs], [[d] for _, d in docs],
+                           [len(d) for _, d in docs], [crc32(d) for _, d in docs])
+                if len(self._meta_cache) > 8:
+                    self._meta_cache.clear()
+                self._meta_cache[paths] = entries
         root = group_document(root_attributes(step=txn.step, timeline=txn.timeline,
                                               slot=txn.slot))
-        z.add_bytes(group_meta_key(""), dump(root))
-        groups: set[str] = set()
-        for path in txn._plans:
-            parts = path.split("/")
-            for i in range(1, len(parts)):
-                groups.add("/".join(parts[:i]))
-        gdoc = dump(group_document())
-        for g in sorted(groups):
-            z.add_bytes(group_meta_key(g), gdoc)
-        for path in txn._plans:
-            z.add_bytes(array_meta_key(path), self._arrays[path][2])
+        txn.zip.add_bytes(group_meta_key(""), dump(root))
+        txn.zip.add_many(*entries)
 
     # -- commit ---------------------------------------------------------------------------
     def _prepare(self, txn: Transaction, *, rank: int, world: int, session: str,
@@ -377,6 +393,68 @@ class Transaction:
             pending = replace(pending, record=rec)
         return self._record(path, index, rec, pending)
 
+    def put_flat(self, layout: FlatLayout, buf: Any) -> None:
+        """Write every tensor of ``layout`` from the flat buffer ``buf`` (``flat.py``), raw:
+        the hot path of the engine. Thread-safe against other puts of the same step."""
+        self._check()
+        view = memoryview(buf).cast("B")
+        if len(view) < layout.nbytes:
+            raise ValueError(f"flat buffer of {len(view)} bytes, layout needs {layout.nbytes}")
+        enc = self.writer.encoder
+        if enc is not None and self.encode and not self.keyframe:
+            raise DsttError("put_flat writes raw steps; set txn.encode = False (or keyframe) "
+                            "when the writer encodes, or use put_chunk")
+        with self._lock:
+            for a in layout.arrays:
+                if a.path in self._plans:
+                    raise ValueError(f"array {a.path!r} declared twice in step {self.step}")
+                self._plans[a.path] = (a.dtype, a.plan)
+                self._chunks[a.path] = [None] * a.plan.n_chunks
+        names: list[str] = []
+        bodies: list[list[Any]] = []
+        sizes: list[int] = []
+        zcrcs: list[int] = []
+        crcs: list[int] = []
+        for _, _, start, stop, name, full in layout.chunks:
+            v = view[start:stop]
+            crc = checksum(v)
+            z = crc32(v)
+            body: list[Any] = [v]
+            if full > stop - start:  # an edge chunk: zarr stores it full size
+                pad = bytes(full - (stop - start))
+                crc = checksum(pad, crc)
+                z = crc32(pad, z)
+                body.append(pad)
+            trailer = struct.pack("<I", crc)
+            body.append(trailer)
+            names.append(name)
+            bodies.append(body)
+            sizes.append(full + 4)
+            zcrcs.append(crc32(trailer, z))
+            crcs.append(crc)
+        offsets = self.zip.add_many(names, bodies, sizes, zcrcs)
+        key, arrays = self.zip.key, layout.arrays
+        raw = 0
+        with self._lock:
+            for (k, i, start, stop, _, _), off, size, crc in zip(layout.chunks, offsets, sizes,
+                                                                   crcs, strict=True):
+                self._chunks[arrays[k].path][i] = ChunkRecord(key, size, crc, offset=off)
+                raw += stop - start
+        self.stats.add_many(raw, sum(sizes), keyframes=len(sizes))
+        if enc is not None:  # a raw step of an encoding writer still seeds the next deltas
+            self.stats.raw_fallback = not self.keyframe
+            for k, i, start, stop, _, _ in layout.chunks:
+                a = arrays[k]
+                sh = enc.keep(a.path, i, self.timeline, view[start:stop],
+                              self._chunks[a.path][i].content_crc32c, self.slot)  # type: ignore[union-attr]
+                if sh is not None:
+                    self.pending[(a.path, i)] = replace(sh, record=self._chunks[a.path][i])
+
+    def put_encoded(self, name: str, data: bytes, encoding: Encoding = "json") -> ObjectRecord:
+        """Store an object already encoded (e.g. JSON built by the caller) as ``name``."""
+        self._check()
+        return self._put_object_bytes(name, data, encoding)
+
     def _side_write(self, parts: list[Any]) -> tuple[str, int]:
         return self.side.key, self.side.append(parts)
 
@@ -391,7 +469,9 @@ class Transaction:
     def put_object(self, name: str, obj: Any, *, encoding: Encoding = "json") -> ObjectRecord:
         """Store a Python object for this step (tagged JSON unless told otherwise)."""
         self._check()
-        data = encode_object(obj, encoding)
+        return self._put_object_bytes(name, encode_object(obj, encoding), encoding)
+
+    def _put_object_bytes(self, name: str, data: bytes, encoding: Encoding) -> ObjectRecord:
         with self._lock:
             if name in self.objects:
                 raise ValueError(f"object {name!r} stored twice in step {self.step}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import CorruptRunError
 
@@ -49,8 +49,7 @@ def crc32(data: bytes | memoryview, value: int = 0) -> int:
     return int(_crc32(data, value))
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """One stored entry: its name, where its local header starts, its size and CRC-32."""
 
     name: str

@@ -14,12 +14,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_quick(script: str, tmp_path: Path) -> dict:
+def run_quick(script: str, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "result.json"
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), "--quick", "--json", str(out),
-         "--dir", str(tmp_path)],
+         "--dir", str(tmp_path), *extra],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -68,3 +68,31 @@ def test_delta_bench_quick(tmp_path: Path) -> None:
     assert rl["keyframe"]["vs_keyframe"] == 1.0
     assert "xor1" in rl["delta depth 1"]["encodings"]
     assert {"met", "fp32_adam_state_ratio_library", "best_fp32_variant"} <= set(res["targets"])
+
+
+@pytest.mark.timeout(60)
+def test_hotpath_bench_quick(tmp_path: Path) -> None:
+    modes = ["none", "bare", "torch_save"]
+    res = run_quick("hotpath_bench.py", tmp_path, "--workloads", "lin360", "--threads", "1",
+                    "--modes", ",".join(modes), "--iters", "2", "--disk-mib", "8")
+    assert res["benchmark"] == "hotpath" and res["quick"] is True
+    assert res["repeats"] == 1 and res["warmup"] == 1 and res["iters"] == 2
+    assert set(res["runs"]) == {"1"} and res["runs"]["1"]["threads"] == 1
+    w = res["runs"]["1"]["workloads"]
+    assert set(w) == {"lin360"}
+    lin = w["lin360"]
+    assert {"model", "disk", "check", "modes"} <= set(lin)
+    assert lin["model"]["tensors"] == 360 and lin["model"]["state_bytes"] > 5e6
+    assert lin["disk"]["write_bytes_per_s"] > 0
+    assert lin["check"]["disk_s_per_step"] > 0 and isinstance(lin["check"]["disk_below_iter"], bool)
+    assert list(lin["modes"]) == modes
+    for mode, row in lin["modes"].items():
+        assert {"s_per_iter", "ratio_vs_none", "ratio_vs_bare", "blocked_s_per_step",
+                "engine_cpu_s_per_step", "iter_median_s", "cpu_s_per_iter"} <= set(row), mode
+        assert row["s_per_iter"] > 0 and row["ratio_vs_none"] > 0 and row["ratio_vs_bare"] > 0
+    assert lin["modes"]["none"]["ratio_vs_none"] == 1.0
+    bare = lin["modes"]["bare"]
+    assert bare["tensors"] == 360 and bare["bytes_per_step"] >= lin["model"]["state_bytes"] - 4096
+    assert bare["blocked_s_per_step"] > 0 and bare["copy_s"] > 0 and bare["write_s"] > 0
+    assert bare["engine_cpu_s_per_step"] is not None
+    assert lin["modes"]["torch_save"]["blocked_s_per_step"] > 0

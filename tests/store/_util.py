@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import struct
+import zipfile
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -35,6 +38,20 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     return (a.dtype == b.dtype and a.shape == b.shape
             and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes())
+
+
+def zip_entry(path: Path, name: str) -> tuple[int, int]:
+    """``(offset, size)`` of the bytes of entry ``name`` of a stored zip, found with the
+    standard library's reader (independent of dstt's own zip code)."""
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo(name)
+        assert info.compress_type == zipfile.ZIP_STORED, name
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        local = f.read(30)
+    assert local[:4] == b"PK\x03\x04", name
+    n_name, n_extra = struct.unpack("<HH", local[26:30])
+    return info.header_offset + 30 + n_name + n_extra, info.file_size
 
 
 def assert_same_arrays(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray]) -> None:

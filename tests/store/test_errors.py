@@ -32,11 +32,19 @@ from dstt.errors import (
     TimelineError,
 )
 from dstt.store import LocalStorage, Repository, Transaction, load, save
-from dstt.store.layout import HEAD_KEY, chunk_key, commit_arrays_key, commit_key, ref_key
-from dstt.store.manifest import checksum, parse_header
+from dstt.store.layout import (
+    HEAD_KEY,
+    STEPS_PREFIX,
+    array_meta_key,
+    commit_key,
+    ref_key,
+    side_file_key,
+    step_file_key,
+)
+from dstt.store.manifest import CommitHeader, Location, checksum, parse_header
 from dstt.store.testing import FaultyStorage, MemoryStorage
 
-from ._util import assert_same_arrays, commit_arrays, sample
+from ._util import assert_same_arrays, commit_arrays, sample, zip_entry
 
 
 def two_steps(path: Path | MemoryStorage) -> dict[int, dict[str, np.ndarray]]:
@@ -82,39 +90,58 @@ def test_save_refuses_a_foreign_non_empty_directory(tmp_path: Path) -> None:
     with pytest.raises(NotARunError, match="not empty"):
         save(d, 1, {"params/w": np.zeros(2, np.float32)})
     assert sorted(os.listdir(d)) == ["model.safetensors"]  # nothing written into it
-    # a stray "step" folder is not mistaken for an interrupted create
-    e = tmp_path / "e"
-    (e / "step").mkdir(parents=True)
-    (e / "step" / "data.csv").write_text("1,2")
-    with pytest.raises(NotARunError):
-        Repository.create(e)
+    # a stray "step" or "steps" folder (the name format 2 stores steps under) is not
+    # mistaken for an interrupted create
+    for name in ("step", STEPS_PREFIX):
+        e = tmp_path / f"e_{name}"
+        (e / name).mkdir(parents=True)
+        (e / name / "data.csv").write_text("1,2")
+        with pytest.raises(NotARunError):
+            Repository.create(e)
+        assert sorted(os.listdir(e)) == [name]
 
 
 # -- damaged manifests -------------------------------------------------------------------------
 
-def _flips(data: bytes) -> Iterator[bytes]:
-    for i in range(len(data)):
+def _flips(data: bytes, start: int = 0, stop: int | None = None) -> Iterator[bytes]:
+    """Every one-bit corruption of ``data[start:stop]`` (the rest left alone)."""
+    for i in range(start, len(data) if stop is None else stop):
         for bit in range(8):
             b = bytearray(data)
             b[i] ^= 1 << bit
             yield bytes(b)
 
 
+def _table(h: CommitHeader | None) -> Location:
+    """Where a commit's arrays table lies: a byte range of the step's side file."""
+    assert h is not None and h.arrays is not None
+    assert h.arrays.key == side_file_key(h.slot)
+    return h.arrays
+
+
 @pytest.mark.parametrize("which", ["header", "arrays", "ref", "HEAD"])
 def test_every_single_bit_flip_in_a_manifest_is_caught(which: str) -> None:
-    """Exhaustive: each of the 8 x len(file) one-bit corruptions raises CorruptRunError,
-    unless it decodes to the very same document (e.g. '1e-05' -> '1E-05')."""
+    """Exhaustive: each of the 8 x len(document) one-bit corruptions raises CorruptRunError,
+    unless it decodes to the very same document (e.g. '1e-05' -> '1E-05'). The arrays table
+    is a byte range of the side file: every bit of that range is flipped."""
     st = MemoryStorage()
     two_steps(st)
     r0 = Repository(st).reader()
     head = r0.head()
     assert head is not None
-    key = {"header": commit_key(head.slot), "arrays": commit_arrays_key(head.slot),
+    key = {"header": commit_key(head.slot), "arrays": side_file_key(head.slot),
            "ref": ref_key("main"), "HEAD": HEAD_KEY}[which]
     good = st.data[key]
+    start, stop = 0, len(good)
+    if which == "arrays":
+        loc = _table(head)
+        start, stop = loc.offset, loc.offset + loc.nbytes
+        assert good[start:stop].startswith(b'{"crc32c":')  # really the table's envelope
+        assert stop == len(good)  # the table is the side file's last record
+        assert start > 0  # the rng object comes first
     want = (head, r0.arrays(head), r0.timelines, r0.current_timeline)
     caught = benign = 0
-    for bad in _flips(good):
+    for bad in _flips(good, start, stop):
         st.data[key] = bad
         try:
             r = Repository(st).reader()
@@ -127,10 +154,11 @@ def test_every_single_bit_flip_in_a_manifest_is_caught(which: str) -> None:
         assert got == want, (which, bad)
         benign += 1
     st.data[key] = good
-    assert caught + benign == 8 * len(good)
+    assert caught + benign == 8 * (stop - start)
     assert benign <= 2  # only the 'e' -> 'E' exponent of 1e-05 parses to the same header
     if which == "arrays":
-        assert benign == 0  # the header's crc32c of the whole file catches everything
+        assert benign == 0  # the header's crc32c of the table's byte range catches everything
+    assert Repository(st).verify().ok  # restored
 
 
 def test_flipped_byte_on_disk_is_reported_with_the_file(tmp_path: Path) -> None:
@@ -138,12 +166,16 @@ def test_flipped_byte_on_disk_is_reported_with_the_file(tmp_path: Path) -> None:
     arrays = two_steps(run)
     h = Repository.open(run).reader().head()
     assert h is not None
-    for key, err in ((commit_arrays_key(h.slot), ChecksumError), (commit_key(h.slot), None)):
+    loc = _table(h)
+    for key, err in ((side_file_key(h.slot), ChecksumError), (commit_key(h.slot), None)):
         shutil.rmtree(tmp_path / "copy", ignore_errors=True)
         shutil.copytree(run, tmp_path / "copy")
         f = tmp_path / "copy" / key
         data = bytearray(f.read_bytes())
-        data[len(data) // 2] ^= 0x04
+        if key == side_file_key(h.slot):  # a byte in the middle of the arrays table
+            data[loc.offset + loc.nbytes // 2] ^= 0x04
+        else:
+            data[len(data) // 2] ^= 0x04
         f.write_bytes(bytes(data))
         with pytest.raises(CorruptRunError) as ei:
             load(tmp_path / "copy")
@@ -152,68 +184,120 @@ def test_flipped_byte_on_disk_is_reported_with_the_file(tmp_path: Path) -> None:
         assert str(f) in str(ei.value)
         rep = Repository.open(tmp_path / "copy").verify()
         assert not rep.ok and any(str(f) in p.message or p.key == key for p in rep.problems)
-        if key == commit_arrays_key(h.slot):  # the older step is still fine
+        if key == side_file_key(h.slot):  # the older step is still fine
             assert_same_arrays(load(tmp_path / "copy", step=1).arrays, arrays[1])
+            # and the damaged step's objects (same side file, before the table) still read
+            assert Repository.open(tmp_path / "copy").reader().read_object(h, "rng") == {"s": 2}
 
 
 # -- damaged chunks and objects ----------------------------------------------------------------
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "flipped", "grown"])
 def test_damaged_chunk(tmp_path: Path, damage: str) -> None:
+    """Chunk 1 of params/w lives in the step's zip at the offset its record says; damage
+    there (or to the whole zip) is reported against the zip, and only that step suffers."""
     run = tmp_path / "run"
     arrays = two_steps(run)
     r = Repository.open(run).reader()
     h = r.head()
     assert h is not None
-    key = r.arrays(h)["params/w"].chunks[1].key
+    rec = r.arrays(h)["params/w"].chunks[1]
+    key = rec.key
+    assert key == step_file_key(h.slot)
     f = run / key
-    if damage == "missing":
+    data = f.read_bytes()
+    assert zip_entry(f, "params/w/c/1/0") == (rec.offset, rec.nbytes)
+    if damage == "missing":  # the whole step file
         f.unlink()
-    elif damage == "truncated":
-        f.write_bytes(f.read_bytes()[:-7])
+    elif damage == "truncated":  # the zip cut off in the middle of the chunk
+        f.write_bytes(data[: rec.offset + rec.nbytes - 7])
     elif damage == "flipped":
-        data = bytearray(f.read_bytes())
-        data[3] ^= 0x80
-        f.write_bytes(bytes(data))
-    else:
-        f.write_bytes(f.read_bytes() + b"\x00")
+        b = bytearray(data)
+        b[rec.offset + 3] ^= 0x80
+        f.write_bytes(bytes(b))
+    else:  # one byte more inside the chunk: everything after it moves
+        f.write_bytes(data[: rec.offset + 3] + b"\x00" + data[rec.offset + 3:])
     with pytest.raises(CorruptRunError) as ei:
         load(run)
     assert isinstance(ei.value, ValueError) and str(f) in str(ei.value)
     if damage == "flipped":
         assert isinstance(ei.value, ChecksumError)
+    if damage == "missing":
+        assert "missing" in str(ei.value)
+    with pytest.raises(CorruptRunError):  # the chunk itself, not only the step, is bad
+        r.read_chunk(h, "params/w", 1)
+    if damage != "missing":  # chunk 0 precedes the damage and still reads
+        assert bytes(r.read_chunk(h, "params/w", 0)) == arrays[2]["params/w"][:4].tobytes()
     rep = Repository.open(run).verify()
-    assert [p.key for p in rep.problems] == [key]
+    assert rep.problems and {p.key for p in rep.problems} == {key}
+    msgs = [p.message for p in rep.problems]
+    if damage == "flipped":  # the chunk's crc32c and the zip entry's CRC-32 both fail
+        assert len(msgs) == 2, msgs
+        assert any("crc32c" in m for m in msgs) and any("CRC-32" in m for m in msgs), msgs
+    else:  # the zip itself cannot be listed any more
+        assert any("cannot be listed" in m for m in msgs), msgs
     assert rep.chunks > 1  # it went on checking the rest
     assert_same_arrays(load(run, step=1).arrays, arrays[1])  # other steps unaffected
 
 
-def test_damaged_object_and_step_coordinate_are_reported(tmp_path: Path) -> None:
+def test_damaged_object_and_array_document_are_reported(tmp_path: Path) -> None:
+    """An object is a byte range of the side file; an array's zarr.json is an entry of the
+    step zip (what a plain Zarr reader decodes the chunks with): verify checks both."""
     run = tmp_path / "run"
     two_steps(run)
     h = Repository.open(run).reader().head()
     assert h is not None
-    obj = run / h.objects["rng"].key
-    obj.write_bytes(b'{"s":3}')
+    o = h.objects["rng"]
+    assert o.key == side_file_key(h.slot)
+    side = run / o.key
+    data = bytearray(side.read_bytes())
+    assert bytes(data[o.offset: o.offset + o.nbytes]) == b'{"s":2}'
+    data[o.offset: o.offset + o.nbytes] = b'{"s":3}'  # same size, other value
+    side.write_bytes(bytes(data))
     with pytest.raises(ChecksumError, match="rng") as ei:
         load(run)
-    assert str(obj) in str(ei.value)
-    step_chunk = run / chunk_key("step", h.slot, ())
-    step_chunk.write_bytes(b"\x00" * 12)
+    assert str(side) in str(ei.value)
+    # the params/w zarr.json in the zip now declares another dtype, of the same length
+    zkey = step_file_key(h.slot)
+    z = run / zkey
+    off, size = zip_entry(z, array_meta_key("params/w"))
+    raw = bytearray(z.read_bytes())
+    doc = bytes(raw[off: off + size])
+    assert doc.count(b'"float32"') == 1
+    raw[off: off + size] = doc.replace(b'"float32"', b'"float64"')
+    z.write_bytes(bytes(raw))
     rep = Repository.open(run).verify()
-    assert {p.key for p in rep.problems} == {h.objects["rng"].key, chunk_key("step", h.slot, ())}
+    assert {p.key for p in rep.problems} == {o.key, zkey}
+    assert any(p.key == zkey and "data_type" in p.message for p in rep.problems), rep.problems
+    assert any(p.key == o.key and "rng" in p.message for p in rep.problems), rep.problems
+    assert rep.chunks > 0  # the chunks themselves are fine and were all checked
 
 
-def test_missing_arrays_table(tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_missing_arrays_table(tmp_path: Path, damage: str) -> None:
+    """The arrays table is the last record of the side file: without the side file, or with
+    the file cut short inside the table, the step cannot be located and says so."""
     run = tmp_path / "run"
-    two_steps(run)
+    arrays = two_steps(run)
     h = Repository.open(run).reader().head()
     assert h is not None
-    (run / commit_arrays_key(h.slot)).unlink()
-    with pytest.raises(CorruptRunError, match="missing") as ei:
+    loc = _table(h)
+    side = run / loc.key
+    if damage == "missing":
+        side.unlink()
+    else:
+        side.write_bytes(side.read_bytes()[: loc.offset + loc.nbytes // 2])
+    with pytest.raises(CorruptRunError, match="missing" if damage == "missing" else
+                       "arrays table") as ei:
         load(run)
-    assert commit_arrays_key(h.slot) in str(ei.value)
-    assert [p.key for p in Repository.open(run).verify().problems] == [commit_arrays_key(h.slot)]
+    assert loc.key in str(ei.value)
+    rep = Repository.open(run).verify()
+    assert {p.key for p in rep.problems} == {loc.key}
+    assert any("arrays table" in p.message or "missing" in p.message for p in rep.problems)
+    if damage == "truncated":  # the object before the table is still whole
+        assert len(rep.problems) == 1 and rep.objects == 2  # rng of steps 1 and 2
+        assert Repository.open(run).reader().read_object(h, "rng") == {"s": 2}
+    assert_same_arrays(load(run, step=1).arrays, arrays[1])
 
 
 def test_missing_file_error_is_both_storage_and_file_not_found(tmp_path: Path) -> None:
@@ -227,15 +311,21 @@ def test_missing_file_error_is_both_storage_and_file_not_found(tmp_path: Path) -
 
 # -- versions ------------------------------------------------------------------------------------
 
-def test_unknown_format_version_of_the_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fmt", [1, 3])
+def test_unknown_format_version_of_the_run(tmp_path: Path, fmt: int) -> None:
+    """Format 3 is a newer dstt's; format 1 (a file per chunk per step) is no longer read."""
     run = tmp_path / "run"
     two_steps(run)
     doc = json.loads((run / "zarr.json").read_text())
-    doc["attributes"]["dstt"]["format"] = 2
+    assert doc["attributes"]["dstt"]["format"] == 2
+    doc["attributes"]["dstt"]["format"] = fmt
     (run / "zarr.json").write_text(json.dumps(doc))
-    with pytest.raises(FormatVersionError, match="format 2") as ei:
-        Repository.open(run)
-    assert str(run) in str(ei.value)
+    for call in (lambda: Repository.open(run), lambda: load(run), lambda: save(run, 3, {})):
+        with pytest.raises(FormatVersionError, match=f"format {fmt}") as ei:
+            call()
+        assert str(run) in str(ei.value)
+        assert ("dstt<0.2" if fmt == 1 else "Upgrade dstt") in str(ei.value)
+    assert not (run / commit_key(2)).exists()  # nothing written into it
 
 
 def test_unknown_format_version_of_a_commit() -> None:
@@ -245,7 +335,8 @@ def test_unknown_format_version_of_a_commit() -> None:
     assert h is not None
     key = commit_key(h.slot)
     body = json.loads(st.data[key])["body"]
-    body["format"] = 2  # what a newer dstt would write, with a valid checksum
+    assert body["format"] == 2
+    body["format"] = 3  # what a newer dstt would write, with a valid checksum
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     st.data[key] = b'{"crc32c":%d,"body":' % checksum(raw) + raw + b"}\n"
     with pytest.raises(FormatVersionError, match="Upgrade dstt") as ei:
@@ -425,7 +516,9 @@ def test_read_only_run_directory(tmp_path: Path) -> None:
         with pytest.raises(ReadOnlyRunError):
             save(run, 3, arrays[2])
         with pytest.raises(ReadOnlyRunError):  # below check_writable: a plain write too
-            LocalStorage(run).write("params/w/zarr.json", b"{}")
+            LocalStorage(run).write(f"{STEPS_PREFIX}/{9:012d}.zip", b"PK")
+        with pytest.raises(ReadOnlyRunError):  # and a step file written in pieces
+            LocalStorage(run).open_blob(step_file_key(9))
         # reading a read-only run works
         assert_same_arrays(load(run, step=1).arrays, arrays[1])
         assert Repository.open(run).verify().ok
@@ -476,7 +569,7 @@ def test_disk_full_at_every_write_of_a_commit(tmp_path: Path) -> None:
             txn.commit()
         assert_same_arrays(load(run).arrays, new)
         assert st.failures == 1
-    assert n >= 6  # chunks, object-less table, header, step coordinate, ref
+    assert n == 4  # one write per file: step zip, side file (the table), header, ref
     assert Repository.open(run).verify().ok
     assert_same_arrays(load(run, step=1).arrays, arrays[1])
 
@@ -484,11 +577,13 @@ def test_disk_full_at_every_write_of_a_commit(tmp_path: Path) -> None:
 def test_failing_reads_are_storage_errors(tmp_path: Path) -> None:
     run = tmp_path / "run"
     two_steps(run)
-    st = FaultyStorage(LocalStorage(run), fail_reads=r"params/w/c\.")
+    # the chunks of every step live in the step zips (read by byte range)
+    st = FaultyStorage(LocalStorage(run), fail_reads=rf"^{STEPS_PREFIX}/\d+\.zip$")
     with pytest.raises(StorageError, match="I/O error"):
         load(st)
     rep = Repository(st).verify()
-    assert rep.problems and all(p.key.startswith("params/w/c.") for p in rep.problems)
+    assert rep.problems and all(p.key.endswith(".zip") for p in rep.problems)
+    assert {p.key for p in rep.problems} == {step_file_key(0), step_file_key(1)}
 
 
 def test_errors_are_dstt_errors() -> None:

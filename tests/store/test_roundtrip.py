@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,7 +14,13 @@ import pytest
 
 from dstt.errors import DsttError, SchemaError, UnsafeObjectError
 from dstt.store import Repository, load, save
-from dstt.store.layout import chunk_key
+from dstt.store.layout import (
+    STEPS_PREFIX,
+    commit_key,
+    side_file_key,
+    step_file_key,
+    zarr_chunk_key,
+)
 from dstt.store.testing import MemoryStorage
 
 from ._util import (
@@ -25,6 +32,7 @@ from ._util import (
     put_array,
     same_bits,
     sample,
+    zip_entry,
 )
 
 # () 0-d · (0,) and (3, 0, 2) empty · (7,) one chunk · (33, 5) many chunks with an edge chunk
@@ -88,10 +96,18 @@ def test_edge_chunk_written_full_size_with_zero_padding(tmp_path: Path) -> None:
     assert h is not None
     rec = r.arrays(h)["params/w"]
     assert (rec.rows, rec.plan.n_chunks) == (4, 3)
-    edge = (tmp_path / "run" / chunk_key("params/w", h.slot, (2, 0))).read_bytes()
+    zpath = tmp_path / "run" / step_file_key(h.slot)
+    assert rec.chunks[2].key == step_file_key(h.slot)
+    # the edge chunk is the zip entry params/w/c/2/0, where the manifest says it is
+    offset, size = zip_entry(zpath, zarr_chunk_key("params/w", (2, 0)))
+    assert (rec.chunks[2].offset, rec.chunks[2].nbytes) == (offset, size)
+    with zipfile.ZipFile(zpath) as zf:
+        edge = zf.read(zarr_chunk_key("params/w", (2, 0)))  # checks the entry's CRC-32 too
     assert len(edge) == 4 * 3 * 4 + 4  # full chunk + crc32c trailer
     assert edge[:24] == a[8:].tobytes() and edge[24:48] == bytes(24)
     assert rec.chunks[2].nbytes == len(edge)
+    raw = zpath.read_bytes()
+    assert raw[offset: offset + size] == edge
 
 
 def test_large_tensor_many_chunks(tmp_path: Path) -> None:
@@ -198,13 +214,16 @@ def test_metrics_round_trip_including_non_finite(tmp_path: Path) -> None:
     for k, v in metrics.items():
         assert deep_equal(h.metrics[k], v), k
     # the header on disk is strict JSON (no NaN/Infinity tokens)
-    raw = (tmp_path / "run" / "_dstt" / "commits" / f"{h.slot:012d}.json").read_text()
+    raw = (tmp_path / "run" / commit_key(h.slot)).read_text()
     json.loads(raw, parse_constant=lambda c: pytest.fail(f"non-standard JSON token {c}"))
 
 
-def test_many_steps_grow_slot_capacity_by_doubling(tmp_path: Path) -> None:
+def test_many_steps_each_in_its_own_step_file(tmp_path: Path) -> None:
+    """Format 2 has no run-wide slot axis to grow: every step is its own zip (a Zarr
+    hierarchy whose arrays have the tensor's shape) plus side file, and all stay readable."""
     repo = Repository.create(tmp_path / "run", durability="none")
     want = {}
+    slots = {}
     with repo.writer(chunk_bytes=32) as w:
         for step in range(0, 150):
             arrays = {"params/w": sample("float32", (9,), seed=step),
@@ -212,19 +231,30 @@ def test_many_steps_grow_slot_capacity_by_doubling(tmp_path: Path) -> None:
             txn = w.begin(step)
             for p, a in arrays.items():
                 put_array(txn, p, a)
-            txn.commit({"step": step})
+            slots[step] = txn.commit({"step": step}).slot
             want[step] = arrays
-            if step == 63:
-                assert repo.slot_capacity() == 64
-            if step == 64:
-                assert repo.slot_capacity() == 128
-    assert repo.slot_capacity() == 256
-    for p in ("params/w", "params/b", "step"):
-        doc = json.loads((tmp_path / "run" / p / "zarr.json").read_text())
-        assert doc["shape"][0] == 256
+    assert sorted(slots.values()) == list(range(150))
+    steps_dir = tmp_path / "run" / STEPS_PREFIX
+    assert sorted(p.name for p in steps_dir.iterdir()) == sorted(
+        [step_file_key(s).split("/")[-1] for s in range(150)]
+        + [side_file_key(s).split("/")[-1] for s in range(150)])
+    assert not (tmp_path / "run" / "params").exists()  # no run-wide arrays any more
     r = Repository.open(tmp_path / "run").reader()
     assert [h.step for h in r.lineage()] == list(range(150))
+    for h in r.lineage():
+        for rec in r.arrays(h).values():  # every chunk of a step lives in that step's zip
+            assert {c.key for c in rec.chunks} == {step_file_key(h.slot)}
+        assert h.arrays is not None and h.arrays.key == side_file_key(h.slot)
     for step in (0, 1, 63, 64, 65, 127, 128, 149):
+        slot = slots[step]
+        with zipfile.ZipFile(steps_dir / step_file_key(slot).split("/")[-1]) as zf:
+            root = json.loads(zf.read("zarr.json"))
+            assert root["attributes"]["dstt"] == {"format": 2, "step": step,
+                                                  "timeline": "main", "slot": slot}
+            for p, shape in (("params/w", [9]), ("params/b", [3, 2])):
+                doc = json.loads(zf.read(f"{p}/zarr.json"))
+                assert doc["shape"] == shape  # no slot axis
+            assert zf.testzip() is None  # every entry's CRC-32 holds
         assert_same_arrays(load(tmp_path / "run", step=step).arrays, want[step])
     assert Repository.open(tmp_path / "run").verify().ok
 
@@ -314,7 +344,7 @@ def test_bfloat16_exact_including_nan_payloads(tmp_path: Path) -> None:
     assert got.view(np.uint16).tolist() == bits.tolist()
 
 
-def test_object_names_that_clash_are_refused_before_anything_is_overwritten() -> None:
+def test_object_name_stored_twice_is_refused_before_anything_is_overwritten() -> None:
     st = MemoryStorage()
     repo = Repository.create(st)
     with repo.writer() as w:
@@ -322,11 +352,14 @@ def test_object_names_that_clash_are_refused_before_anything_is_overwritten() ->
         txn.put_object("rng/torch", {"a": 1})
         with pytest.raises(ValueError, match="stored twice"):
             txn.put_object("rng/torch", {"a": 2})
-        with pytest.raises(ValueError, match="same file"):  # '/' is stored as '_'
-            txn.put_object("rng_torch", {"b": 3})
+        # format 2 keeps objects in the side file, named only in the header: names that a
+        # file-per-object layout would have mapped to one file stay apart
+        txn.put_object("rng_torch", {"b": 3})
         txn.put_object("rng.torch", 4)
-        txn.commit()
-    assert load(st).objects == {"rng/torch": {"a": 1}, "rng.torch": 4}
+        h = txn.commit()
+    assert load(st).objects == {"rng/torch": {"a": 1}, "rng_torch": {"b": 3}, "rng.torch": 4}
+    assert {o.key for o in h.objects.values()} == {side_file_key(h.slot)}
+    assert len({o.offset for o in h.objects.values()}) == 3  # three separate byte ranges
     assert Repository(st).verify().ok
 
 

@@ -1,0 +1,133 @@
+"""The hot path: a whole step copied with one batched copy into one reused host buffer.
+
+A ``FlatPlan`` is made once per set of captured tensors (path, dtype, shape) and reused while
+it holds: the store's ``FlatLayout`` (where each tensor sits in the buffer, how it becomes zip
+entries) plus, per host buffer, the typed views the batched copy writes into. A step then costs
+the training thread a version snapshot and a plan lookup; the copy thread one
+``torch._foreach_copy_`` (CUDA: on a side stream after an event of the compute stream, into
+pinned memory); a writer thread one ``Transaction.put_flat`` and the write-time summaries over
+the same buffer. Python work per step is O(1) calls into C per *chunk* at most, never a
+Python-level loop over bytes.
+
+``StepBuffers`` is the bounded host cache of this lane: a ring of whole-step buffers allocated
+once (so copies land in warm, reused pages: 6-12 GB/s here against ~1 GB/s into fresh ones).
+A buffer is released only once its step is written, so a disk slower than training makes the
+copy thread wait for a free buffer — the honest backpressure — and the training thread waits
+at the next optimizer step only if the copy has not finished by then.
+Rejected alternative: the chunk ring of ``staging.HostCache`` for every step — one copy call,
+lease and queue item per chunk (~0.3 ms of Python per tensor per step at 1,200 tensors); it
+stays the lane for encoded steps and for states larger than half the budget.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..store.flat import FlatLayout
+from ._convert import store_dtype
+
+__all__ = ["FlatPlan", "StepBuffers", "plan_key"]
+
+
+def plan_key(tensors: Mapping[str, torch.Tensor]) -> tuple[object, ...]:
+    """What a ``FlatPlan`` depends on: every tensor's path, dtype and shape, in order."""
+    return tuple((p, t.dtype, t.shape) for p, t in tensors.items())
+
+
+def _order(paths: Sequence[str], tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Buffer order: parameters first, grouped by dtype (so each dtype's parameters form one
+    region the summaries can scan), then everything else as captured."""
+    params = [p for p in paths if p.startswith("params/")]
+    rest = [p for p in paths if not p.startswith("params/")]
+    params.sort(key=lambda p: str(tensors[p].dtype))  # stable: capture order within a dtype
+    return params + rest
+
+
+@dataclass
+class FlatPlan:
+    """One cached layout of a step's tensors and the copy views into each buffer."""
+
+    layout: FlatLayout
+    order: list[str]  # buffer order of the paths
+    dtypes: list[torch.dtype]
+    shapes: list[torch.Size]
+    nbytes: int
+    cuda: bool  # some tensor lives on a CUDA device (pinned buffers, side-stream copies)
+    _views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, writer: object, tensors: Mapping[str, torch.Tensor]) -> FlatPlan:
+        order = _order(list(tensors), tensors)
+        specs = [(p, store_dtype(tensors[p].dtype, what=f"tensor {p!r}"),
+                  tuple(tensors[p].shape)) for p in order]
+        layout = writer.flat_layout(specs)  # type: ignore[attr-defined]
+        return cls(layout, order, [tensors[p].dtype for p in order],
+                   [tensors[p].shape for p in order], layout.nbytes,
+                   any(t.is_cuda for t in tensors.values()))
+
+    def views(self, index: int, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Typed views of buffer ``index`` where each tensor is copied (cached per buffer)."""
+        v = self._views.get(index)
+        if v is None:
+            v = []
+            for a, dt, shape in zip(self.layout.arrays, self.dtypes, self.shapes, strict=True):
+                v.append(buf[a.offset:a.offset + a.nbytes].view(dt).view(shape))
+            self._views[index] = v
+        return v
+
+    def sources(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        return [tensors[p].detach() for p in self.order]
+
+
+class StepBuffers:
+    """A fixed ring of whole-step host buffers (pinned when copying from CUDA)."""
+
+    def __init__(self, nbytes: int, count: int, *, pin: bool = False) -> None:
+        if count < 1:
+            raise ValueError("StepBuffers needs at least one buffer")
+        self.nbytes, self.count, self.pinned = nbytes, count, pin
+        # zeroed once: padding between tensors stays zero (the summaries scan across it)
+        self.buffers = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+                        for _ in range(count)]
+        self._free = list(range(count))
+        self._cond = threading.Condition()
+        self._closed = False
+        self.stall_s = 0.0
+
+    @property
+    def capacity(self) -> int:
+        return self.nbytes * self.count
+
+    @property
+    def in_use(self) -> int:
+        with self._cond:
+            return self.count - len(self._free)
+
+    def acquire(self) -> tuple[int, float]:
+        """A free buffer's index and the seconds waited for it (blocks while none is free)."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while not self._free:
+                if self._closed:
+                    raise RuntimeError("step buffers closed")
+                self._cond.wait()
+            if self._closed:
+                raise RuntimeError("step buffers closed")
+            waited = time.perf_counter() - t0
+            self.stall_s += waited
+            return self._free.pop(0), waited
+
+    def release(self, index: int) -> None:
+        with self._cond:
+            self._free.append(index)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
