@@ -32,6 +32,7 @@ from .inspect.summaries import (
     metrics_dataset,
     rank_tensors,
     summaries_dataset,
+    summary_rows,
 )
 from .inspect.views import layer_tree, tensor_dataarray, trajectory_dataarray
 from .store import Repository, Storage
@@ -171,10 +172,10 @@ class Run:
 
     def _read_summaries(self, h: Any) -> dict[str, Any]:
         """The summaries of one commit; multi-rank runs add one object per other rank."""
-        out = dict(self._reader.read_object(h, SUMMARIES_OBJECT))
+        out = summary_rows(self._reader.read_object(h, SUMMARIES_OBJECT))
         for name in h.objects:
             if name.startswith(f"{SUMMARIES_OBJECT}/"):
-                out.update(self._reader.read_object(h, name))
+                out.update(summary_rows(self._reader.read_object(h, name)))
         return out
 
     def diff(self, a: int, b: int, *, timeline: str | None = None,

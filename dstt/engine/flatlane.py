@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,9 +35,10 @@ from ._convert import store_dtype
 __all__ = ["FlatPlan", "StepBuffers", "plan_key"]
 
 
-def plan_key(tensors: Mapping[str, torch.Tensor]) -> tuple[object, ...]:
-    """What a ``FlatPlan`` depends on: every tensor's path, dtype and shape, in order."""
-    return tuple((p, t.dtype, t.shape) for p, t in tensors.items())
+def plan_key(tensors: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
+    """The paths a ``FlatPlan`` is looked up by (``FlatPlan.fits`` then checks the dtypes
+    and shapes: two list comparisons instead of a tuple per tensor)."""
+    return tuple(tensors)
 
 
 def _order(paths: Sequence[str], tensors: Mapping[str, torch.Tensor]) -> list[str]:
@@ -58,6 +60,9 @@ class FlatPlan:
     shapes: list[torch.Size]
     nbytes: int
     cuda: bool  # some tensor lives on a CUDA device (pinned buffers, side-stream copies)
+    #: dtypes and shapes in the order of the tensors it was built from
+    given_dtypes: list[torch.dtype] = field(default_factory=list)
+    given_shapes: list[torch.Size] = field(default_factory=list)
     _views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
@@ -68,7 +73,14 @@ class FlatPlan:
         layout = writer.flat_layout(specs)  # type: ignore[attr-defined]
         return cls(layout, order, [tensors[p].dtype for p in order],
                    [tensors[p].shape for p in order], layout.nbytes,
-                   any(t.is_cuda for t in tensors.values()))
+                   any(t.is_cuda for t in tensors.values()),
+                   [t.dtype for t in tensors.values()], [t.shape for t in tensors.values()])
+
+    def fits(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Whether ``tensors`` (the same paths in the same order) still match this plan."""
+        values = tensors.values()
+        return ([t.shape for t in values] == self.given_shapes
+                and [t.dtype for t in values] == self.given_dtypes)
 
     def views(self, index: int, buf: torch.Tensor) -> list[torch.Tensor]:
         """Typed views of buffer ``index`` where each tensor is copied (cached per buffer)."""
@@ -81,7 +93,7 @@ class FlatPlan:
         return v
 
     def sources(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        return [tensors[p].detach() for p in self.order]
+        return [tensors[p] for p in self.order]  # copied under no_grad: no detach needed
 
 
 class StepBuffers:
@@ -94,6 +106,8 @@ class StepBuffers:
         # zeroed once: padding between tensors stays zero (the summaries scan across it)
         self.buffers = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
                         for _ in range(count)]
+        #: per buffer: the store's prebuilt zip images by start offset (``FlatImage``)
+        self.images: list[dict[int, Any]] = [{} for _ in range(count)]
         self._free = list(range(count))
         self._cond = threading.Condition()
         self._closed = False

@@ -23,8 +23,6 @@ with a hung filesystem alive at exit, and ordering the commits would need a seco
 
 from __future__ import annotations
 
-import json
-import math
 import queue
 import threading
 import time
@@ -37,6 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import CaptureError
+from ..store.flatstats import DigestPlan, digest
 from ..store.layout import ChunkPlan
 from ..store.predict import CUR, Prediction
 from ._convert import flat_bytes
@@ -44,7 +43,7 @@ from .flatlane import FlatPlan, StepBuffers, plan_key
 from .governor import EncodeGovernor
 from .providers import TensorSpec
 from .staging import Copier, HostCache, Lease, RaceReport, Ready, VersionGuard
-from .summaries import FlatSummarizer, SummaryAccumulator, SummaryBook
+from .summaries import SummaryAccumulator, SummaryBook, flat_digest_plan
 
 __all__ = ["Flight", "Pipeline", "StepMetrics"]
 
@@ -108,25 +107,6 @@ def _encode_metrics(txn: Any) -> dict[str, Any]:
         return {}
     return {"written_bytes": txn.bytes_written, "keyframes": st.keyframes, "deltas": st.deltas,
             "dedups": st.dedups, "raw_fallback": st.raw_fallback}
-
-
-def _json(obj: Any) -> bytes:
-    """Tagged JSON (``store/objects.py``) of plain data: the C encoder, and the tags for
-    non-finite floats only when there are any."""
-    try:
-        return json.dumps(obj, allow_nan=False, separators=(",", ":")).encode()
-    except ValueError:
-        return json.dumps(_tag_floats(obj), allow_nan=False, separators=(",", ":")).encode()
-
-
-def _tag_floats(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return {"$float": repr(x)}
-    if isinstance(x, dict):
-        return {k: _tag_floats(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_tag_floats(v) for v in x]
-    return x
 
 
 class _Aborted(Exception):
@@ -268,7 +248,7 @@ class Pipeline:
         self._flat_ok = (hasattr(writer, "flat_layout") and not verify
                          and getattr(writer, "encoder", None) is None)
         self._plans: dict[tuple[object, ...], FlatPlan] = {}
-        self._summarizers: dict[int, FlatSummarizer] = {}
+        self._digests: dict[int, DigestPlan] = {}
         self.steps: StepBuffers | None = None
         self._copier = Copier()
         self._flights: list[Flight] = []
@@ -326,7 +306,7 @@ class Pipeline:
             return None
         key = plan_key(tensors)
         plan = self._plans.get(key)
-        if plan is None:
+        if plan is None or not plan.fits(tensors):
             plan = FlatPlan.build(self.writer, tensors)
             if len(self._plans) >= 4:  # a model that keeps changing: do not pile up plans
                 self._plans.clear()
@@ -596,21 +576,22 @@ class Pipeline:
             if f.dead:
                 return
             buf = self.steps.buffers[f.buffer]
-            f.txn.put_flat(f.flat.layout, buf.numpy())
+            f.txn.put_flat(f.flat.layout, buf.numpy(), self.steps.images[f.buffer])
             if self._book is not None:
-                f.flat_stats = self._summarizer(f.flat).stats(buf)
+                plan = self._digest_plan(f.flat)
+                f.flat_stats = {"paths": plan.paths, "numel": plan.numel,
+                                **digest(plan, buf.numpy())}
         finally:
             index, f.buffer = f.buffer, None
             self.steps.release(index)
 
-    def _summarizer(self, plan: FlatPlan) -> FlatSummarizer:
-        s = self._summarizers.get(id(plan))
-        if s is None:
-            s = self._summarizers[id(plan)] = FlatSummarizer(
-                [(a.path, a.offset, a.nbytes // a.plan.itemsize, dt)
-                 for a, dt in zip(plan.layout.arrays, plan.dtypes, strict=True)
-                 if a.path.startswith(SUMMARIZED)])
-        return s
+    def _digest_plan(self, plan: FlatPlan) -> DigestPlan:
+        d = self._digests.get(id(plan))
+        if d is None:
+            d = self._digests[id(plan)] = flat_digest_plan(
+                [(a.path, a.dtype, a.offset, a.nbytes // a.plan.itemsize)
+                 for a in plan.layout.arrays if a.path.startswith(SUMMARIZED)])
+        return d
 
     def _put_object(self, f: Flight, name: str, obj: Any) -> None:
         try:
@@ -650,7 +631,7 @@ class Pipeline:
         if not f.dead and (f.summaries or f.flat_stats):
             try:
                 if f.flat_stats:
-                    f.txn.put_encoded(self.summaries_object, _json(self._flat_summaries(f)))
+                    self._put_object(f, self.summaries_object, self._flat_summaries(f))
                 else:
                     self._put_object(f, self.summaries_object, self._summaries(f))
             except BaseException as e:
@@ -693,11 +674,9 @@ class Pipeline:
         return out
 
     def _flat_summaries(self, f: Flight) -> dict[str, Any]:
-        assert self._book is not None and f.flat is not None
-        index = f.flat.layout.index()
-        return {path: self._book.finish_flat(path, index[path].nbytes
-                                             // max(1, index[path].plan.itemsize), st)
-                for path, st in f.flat_stats.items()}
+        assert self._book is not None
+        st = dict(f.flat_stats)
+        return self._book.finish_columns(st.pop("paths"), st.pop("numel"), st)
 
     def _record(self, f: Flight) -> None:
         now = time.perf_counter()

@@ -232,6 +232,10 @@ class Copier:
     def copy_all(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Ready:
         """Copy every ``src`` into its ``dst`` (same shapes) with one batched call; CUDA
         sources go through the side stream of their device (``begin`` first)."""
+        with torch.no_grad():
+            return self._copy_all(dst, src)
+
+    def _copy_all(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Ready:
         devices = {t.device for t in src if t.is_cuda}
         if not devices:
             torch._foreach_copy_(dst, src)

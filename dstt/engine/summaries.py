@@ -49,11 +49,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..store.flatstats import DigestPlan
+
 __all__ = [
     "PROBE_SIZE",
-    "FlatSummarizer",
     "SummaryAccumulator",
     "SummaryBook",
+    "flat_digest_plan",
     "probe_indices",
     "tensor_summary",
 ]
@@ -191,6 +193,7 @@ class SummaryBook:
     def __init__(self, probe_size: int = PROBE_SIZE) -> None:
         self.probe_size = probe_size
         self._probes: dict[str, list[float]] = {}
+        self._columns: dict[tuple[str, ...], np.ndarray] = {}  # the flat lane's last probes
         self._lock = threading.Lock()
 
     def accumulator(self, path: str, numel: int) -> SummaryAccumulator:
@@ -212,116 +215,70 @@ class SummaryBook:
         acc.add(0, t.detach(), None if prev is None else prev.detach())
         return self.finish(path, acc)
 
-    def finish_flat(self, path: str, numel: int,
-                    st: tuple[float, float, int, int, int, list[float]]) -> dict[str, Any]:
-        """The summary of one tensor from :class:`FlatSummarizer` stats, in step order."""
+    def finish_columns(self, paths: Sequence[str], numel: np.ndarray,
+                       st: dict[str, np.ndarray]) -> dict[str, Any]:
+        """The columnar summaries object of one flat step (in step order: it remembers the
+        probes for the next step's update estimate)."""
+        key = tuple(paths)
         with self._lock:
-            prev = self._probes.get(path)
-        out = finish_stats(numel, st, prev)
+            prev = self._columns.get(key)
+            if prev is None and any(p in self._probes for p in paths):
+                prev = np.full(st["probe"].shape, np.nan)
+                for i, p in enumerate(paths):
+                    old = self._probes.get(p)
+                    if old is not None and len(old) == st["probe_len"][i]:
+                        prev[i, :len(old)] = old
+        out = finish_columns(numel, st, prev)
+        out["path"] = list(paths)
         with self._lock:
-            self._probes[path] = out["probe"]
+            self._columns = {key: st["probe"]}
         return out
 
     def forget(self, path: str | None = None) -> None:
         """Drop remembered probes (all, or one path) — e.g. after a resume or rollback."""
         with self._lock:
+            self._columns.clear()
             if path is None:
                 self._probes.clear()
             else:
                 self._probes.pop(path, None)
 
 
-class FlatSummarizer:
-    """Write-time summaries of every ``params/`` tensor of a flat step buffer at once.
+def flat_digest_plan(items: Sequence[tuple[str, str, int, int]],
+                     probe_size: int = PROBE_SIZE) -> DigestPlan:
+    """The store's :class:`~dstt.store.flatstats.DigestPlan` for tensors of a flat buffer:
+    ``items`` are (path, store dtype, byte offset, numel); probes as ``probe_indices``."""
+    return DigestPlan([(p, dt, off, n, probe_indices(p, n, probe_size) if n else
+                        np.empty(0, np.intp)) for p, dt, off, n in items], probe_size)
 
-    The flat lane (``flatlane.py``) lays parameters out first, grouped by dtype, so each
-    dtype's parameters are one region of the buffer. Per region: one conversion to float32
-    where needed (bf16/fp16), one ``maximum.reduceat``/``minimum.reduceat`` pass for max|x|
-    (the zero padding between tensors cannot change it), one gather of all probes; per tensor
-    one BLAS ``dot`` for the sum of squares (a non-finite result sends that tensor to the
-    exact float64 path of :class:`SummaryAccumulator`, as NaN/Inf/overflow do there). The
-    results equal the accumulator's (same probes, same estimator).
+
+def finish_columns(numel: np.ndarray, st: dict[str, np.ndarray],
+                   prev_probe: np.ndarray | None) -> dict[str, Any]:
+    """The columnar summaries object of one flat step from ``flatstats.digest`` columns.
+
+    Same fields and estimators as ``SummaryAccumulator.result``, one array each
+    (``update_l2``/``update_ratio`` NaN where unknown); ``dstt.inspect.summaries`` reads it.
     """
-
-    def __init__(self, items: Sequence[tuple[str, int, int, torch.dtype]],
-                 probe_size: int = PROBE_SIZE) -> None:
-        """``items``: (path, byte offset in the buffer, numel, dtype) of each tensor."""
-        self.probe_size = probe_size
-        self.regions: list[tuple[torch.dtype, int, int, list[tuple[str, int, int]],
-                                 np.ndarray, np.ndarray, list[int]]] = []
-        run: list[tuple[str, int, int, torch.dtype]] = []
-        for it in [*items, ("", 0, 0, None)]:  # a sentinel closes the last run
-            if run and (it[3] != run[0][3]):
-                self._add_region(run)
-                run = []
-            if it[3] is not None:
-                run.append(it)  # type: ignore[arg-type]
-
-    def _add_region(self, run: list[tuple[str, int, int, torch.dtype]]) -> None:
-        dt = run[0][3]
-        size = torch.empty((), dtype=dt).element_size()
-        start = run[0][1]
-        end = run[-1][1] + run[-1][2] * size
-        members = [(p, (off - start) // size, n) for p, off, n, _ in run]
-        starts = np.array([s for _, s, n in members if n > 0], dtype=np.intp)
-        idx = [probe_indices(p, n, self.probe_size) + s if n else np.empty(0, np.intp)
-               for p, s, n in members]
-        bounds = np.cumsum([0, *(len(i) for i in idx)]).tolist()
-        gidx = np.concatenate(idx) if idx else np.empty(0, np.intp)
-        self.regions.append((dt, start, end, members, starts, gidx.astype(np.intp), bounds))
-
-    def stats(self, host: torch.Tensor) -> dict[str, tuple[float, float, int, int, int,
-                                                            list[float]]]:
-        """Per path: (sum of squares, max|x|, finite, nan, inf, probe values)."""
-        out: dict[str, tuple[float, float, int, int, int, list[float]]] = {}
-        for dt, start, end, members, starts, gidx, bounds in self.regions:
-            raw = host[start:end].view(dt)
-            x = (raw if dt in (torch.float32, torch.float64) else raw.to(torch.float32)).numpy()
-            if len(starts):
-                hi = np.maximum.reduceat(x, starts)
-                lo = np.minimum.reduceat(x, starts)
-            probes = x[gidx].astype(np.float64).tolist()
-            k = 0
-            for j, (path, s, n) in enumerate(members):
-                probe = probes[bounds[j]:bounds[j + 1]]
-                if n == 0:
-                    out[path] = (0.0, 0.0, 0, 0, 0, probe)
-                    continue
-                seg = x[s:s + n]
-                ss = 0.0
-                for b in range(0, n, _BLOCK):
-                    part = seg[b:b + _BLOCK]
-                    ss += float(np.dot(part, part))
-                m = max(float(hi[k]), -float(lo[k]))
-                k += 1
-                if math.isfinite(ss) and math.isfinite(m):
-                    out[path] = (ss, m, n, 0, 0, probe)
-                    continue
-                x64 = seg.astype(np.float64)
-                ok = np.isfinite(x64)
-                n_ok = int(ok.sum())
-                n_nan = int(np.isnan(x64).sum())
-                good = x64[ok]
-                out[path] = (float(np.dot(good, good)),
-                             float(np.abs(good).max()) if n_ok else 0.0,
-                             n_ok, n_nan, n - n_ok - n_nan, probe)
-        return out
+    finite = st["finite"]
+    l2 = np.sqrt(st["sumsq"])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rms = np.where(finite > 0, np.sqrt(st["sumsq"] / np.maximum(finite, 1)), np.nan)
+        maxabs = np.where(finite > 0, st["maxabs"], np.nan)
+        update = np.full(len(l2), np.nan)
+        if prev_probe is not None and prev_probe.shape == st["probe"].shape:
+            d = st["probe"] - prev_probe
+            k = st["probe_len"]
+            good = (k > 0) & _rows_finite(d, k)
+            d0 = np.where(np.isfinite(d), d, 0.0)
+            d2 = (d0 * d0).sum(axis=1)
+            update = np.where(good, np.sqrt(numel / np.maximum(k, 1) * d2), np.nan)
+        ratio = np.where(l2 > 0, update / np.where(l2 > 0, l2, 1.0), np.nan)
+    return {"columns": 1, "l2": l2, "rms": rms, "maxabs": maxabs, "nan": st["nan"],
+            "inf": st["inf"], "update_l2": update, "update_ratio": ratio,
+            "probe": st["probe"], "probe_len": st["probe_len"]}
 
 
-def finish_stats(numel: int, st: tuple[float, float, int, int, int, list[float]],
-                 prev_probe: Sequence[float] | None) -> dict[str, Any]:
-    """The summary dict from :meth:`FlatSummarizer.stats` (as ``SummaryAccumulator.result``)."""
-    sumsq, maxabs, finite, nan, inf, probe = st
-    l2 = math.sqrt(sumsq)
-    rms = math.sqrt(sumsq / finite) if finite else float("nan")
-    update = None
-    if prev_probe is not None and len(prev_probe) == len(probe) > 0:
-        d2 = 0.0
-        for a, b in zip(probe, prev_probe, strict=True):
-            d2 += (a - b) * (a - b)
-        if math.isfinite(d2):
-            update = math.sqrt(numel / len(probe) * d2)
-    ratio = update / l2 if update is not None and l2 > 0 else None
-    return {"l2": l2, "rms": rms, "maxabs": maxabs if finite else float("nan"), "nan": nan,
-            "inf": inf, "update_l2": update, "update_ratio": ratio, "probe": probe,
-            "update_exact": False}
+def _rows_finite(d: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Per row: every one of its first ``k[i]`` values is finite (padding is NaN)."""
+    mask = np.arange(d.shape[1])[None, :] < k[:, None]
+    return np.all(np.isfinite(d) | ~mask, axis=1)

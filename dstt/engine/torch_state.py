@@ -25,6 +25,7 @@ rules), built from stored arrays, so a fresh optimizer with no state yet restore
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ import torch
 
 from ..errors import SchemaError
 from ..store.predict import Prediction
-from ._convert import from_plain, to_plain
+from ._convert import flat_bytes, from_plain, store_dtype, to_plain, torch_dtype
 from .predictions import optimizer_predictions
 from .providers import (
     CompositeProvider,
@@ -72,8 +73,10 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> Any: ...
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def tensor_path(prefix: str, dotted: str) -> str:
-    """``params`` + ``layers.0.attn.weight`` → ``params/layers/0/attn/weight``."""
+    """``params`` + ``layers.0.attn.weight`` → ``params/layers/0/attn/weight`` (cached: it
+    runs for every tensor of every captured step)."""
     return f"{prefix}/{dotted.replace('.', '/')}"
 
 
@@ -136,29 +139,52 @@ class OptimizerStateProvider:
         return optimizer_predictions(self.optimizer, self.params(), tensor_path)
 
     def objects(self) -> Mapping[str, Any]:
-        state: dict[str, Any] = {}
+        """The non-array state, packed: 0-d tensors (Adam's ``step`` of every parameter) go
+        into one array per (key, dtype, device) with a single ``torch.stack`` — a snapshot
+        taken here, on the training thread, at the cost of one call instead of a tagged
+        object per parameter (~10 µs each); anything else stays a plain value."""
+        names: list[str] = []
+        arrays: list[list[str]] = []
+        scalars: dict[tuple[str, torch.dtype, torch.device], tuple[list[int],
+                                                                   list[torch.Tensor]]] = {}
+        values: dict[str, dict[str, Any]] = {}
         for p, name in self.params():
             st = self.optimizer.state.get(p)
             if st is None:
                 continue
-            state[name] = {
-                "arrays": [k for k, v in st.items() if _is_array_state(v)],
-                "values": {k: to_plain(v) for k, v in st.items() if not _is_array_state(v)},
-            }
-        return {self.OBJECT: state}
+            i = len(names)
+            names.append(name)
+            keys: list[str] = []
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    if v.dim() > 0 or not v.is_cpu:
+                        keys.append(k)
+                        continue
+                    idx, ts = scalars.setdefault((k, v.dtype, v.device), ([], []))
+                    idx.append(i)
+                    ts.append(v)
+                else:
+                    values.setdefault(name, {})[k] = to_plain(v)
+            arrays.append(keys)
+        packed = [{"key": k, "dtype": store_dtype(dt, what=f"optimizer state {k!r}"),
+                   "params": idx, "values": _scalar_bytes(ts, dt)}
+                  for (k, dt, _), (idx, ts) in scalars.items()]
+        return {self.OBJECT: {"packed": 1, "params": names, "arrays": arrays,
+                              "scalars": packed, "values": values}}
 
     def restore(self, source: RestoreSource) -> None:
         saved = source.object(self.OBJECT) if source.has_object(self.OBJECT) else {}
+        entries = _unpack_state(saved)
         state: dict[int, dict[str, Any]] = {}
         for idx, (_, name) in enumerate(self.params()):
-            entry = saved.get(name)
+            entry = entries.get(name)
             if entry is None:
                 continue
             values = {k: from_plain(v) for k, v in entry["values"].items()}
             for key in entry["arrays"]:
                 values[key] = source.array(tensor_path(f"optim/{key}", name))
             state[idx] = values
-        unknown = set(saved) - {name for _, name in self.params()}
+        unknown = set(entries) - {name for _, name in self.params()}
         if unknown:
             raise SchemaError(
                 f"step {source.step} has optimizer state for parameters the live optimizer "
@@ -166,6 +192,32 @@ class OptimizerStateProvider:
             )
         groups = self.optimizer.state_dict()["param_groups"]
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _scalar_bytes(ts: list[torch.Tensor], dtype: torch.dtype) -> np.ndarray:
+    """The values of 0-d CPU tensors as raw bytes (a snapshot): ``item()`` per tensor is
+    ~10x cheaper than ``torch.stack`` of many 0-d tensors, and exact for every dtype
+    (Python floats hold float64; bf16/fp16 values convert back exactly)."""
+    col = torch.tensor([t.item() for t in ts], dtype=dtype)
+    return flat_bytes(col).numpy().copy()
+
+
+def _unpack_state(saved: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{param name: {"arrays": [keys], "values": {key: plain value}}}`` from the packed
+    object written by ``OptimizerStateProvider.objects``."""
+    if not saved:
+        return {}
+    names = list(saved["params"])
+    out: dict[str, dict[str, Any]] = {
+        n: {"arrays": list(keys), "values": dict(saved["values"].get(n, {}))}
+        for n, keys in zip(names, saved["arrays"], strict=True)}
+    for sc in saved["scalars"]:
+        dt = torch_dtype(sc["dtype"])
+        raw = np.asarray(sc["values"], dtype=np.uint8).copy()
+        col = torch.from_numpy(raw).view(dt)
+        for j, i in enumerate(sc["params"]):
+            out[names[i]]["values"][sc["key"]] = col[j].clone()
+    return out
 
 
 def optimizer_groups_provider(optimizer: torch.optim.Optimizer,

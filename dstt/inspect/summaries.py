@@ -34,6 +34,7 @@ __all__ = [
     "metrics_dataset",
     "rank_tensors",
     "summaries_dataset",
+    "summary_rows",
 ]
 
 SCALAR_FIELDS = ("l2", "rms", "maxabs", "nan", "inf", "update_l2", "update_ratio")
@@ -47,6 +48,31 @@ def _as_float(v: Any) -> float:
         return float(v)
     except (TypeError, ValueError):
         return math.nan
+
+
+def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
+    """One commit's summaries object as ``{array path: {field: value}}``.
+
+    The engine writes either that mapping (its chunk lane) or, from its flat lane, one
+    *columnar* object ``{"columns": 1, "path": [...], "l2": array, ..., "probe": array
+    (tensor, probe_index) NaN-padded, "probe_len": array}``; both read the same here.
+    """
+    if not (isinstance(obj, dict) and obj.get("columns") == 1):
+        return dict(obj)
+    paths = list(obj["path"])
+    cols = {f: np.asarray(obj[f]).tolist() for f in SCALAR_FIELDS}
+    probe = np.asarray(obj["probe"])
+    lens = np.asarray(obj["probe_len"]).tolist()
+    out: dict[str, dict[str, Any]] = {}
+    for i, p in enumerate(paths):
+        row: dict[str, Any] = {f: cols[f][i] for f in SCALAR_FIELDS}
+        for f in ("update_l2", "update_ratio"):
+            if math.isnan(row[f]):  # unknown (first step, no probe); an inf stays inf
+                row[f] = None
+        row["probe"] = probe[i, :lens[i]].tolist()
+        row["update_exact"] = False
+        out[p] = row
+    return out
 
 
 def metrics_dataset(headers: Sequence[Any]) -> xr.Dataset:

@@ -27,7 +27,7 @@ import numpy as np
 import xarray as xr
 
 from ..inspect.naming import select, user_name
-from ..inspect.summaries import SUMMARIES_OBJECT
+from ..inspect.summaries import SUMMARIES_OBJECT, summary_rows
 
 __all__ = ["param_names", "step_change", "tensor_stats"]
 
@@ -146,7 +146,7 @@ def diff_headers(run: Any, ref: Any, head: Any) -> xr.Dataset:
 
 
 def _change_from_summaries(run: Any, head: Any, ref: Any) -> xr.Dataset:
-    s = run.at(int(head.step), str(head.timeline)).object(SUMMARIES_OBJECT)
+    s = summary_rows(run.at(int(head.step), str(head.timeline)).object(SUMMARIES_OBJECT))
     paths = sorted(p for p in s if _is_param(p))
 
     def num(v: Any) -> float:

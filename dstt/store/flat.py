@@ -13,11 +13,15 @@ lock, a dataclass and a write call per tensor holding the GIL, ~0.3 ms per tenso
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from .layout import ChunkPlan, zarr_chunk_key
+from .manifest import checksum
+from .zipfmt import Entry, crc32, directory_records, local_header
 
-__all__ = ["FlatArray", "FlatLayout"]
+__all__ = ["FlatArray", "FlatImage", "FlatLayout"]
 
 ALIGN = 64
 
@@ -49,6 +53,12 @@ class FlatLayout:
     #: per chunk, in buffer order: (array index, chunk index, start, stop, zip entry name,
     #: padded chunk bytes)
     chunks: tuple[tuple[int, int, int, int, str, int], ...]
+    #: per array: (path, first chunk, end chunk) in ``chunks``
+    spans: tuple[tuple[str, int, int], ...] = ()
+    #: tensor bytes (without padding)
+    raw_nbytes: int = 0
+    #: the zip entry names of the chunks
+    names: frozenset[str] = field(default_factory=frozenset)
 
     @classmethod
     def build(cls, arrays: Sequence[tuple[str, str, ChunkPlan]]) -> FlatLayout:
@@ -63,7 +73,106 @@ class FlatLayout:
                 chunks.append((k, i, pos + start, pos + stop,
                                zarr_chunk_key(path, plan.index(i)), plan.chunk_nbytes))
             pos += plan.nbytes
-        return cls(tuple(out), max(pos, 1), tuple(chunks))
+        spans, lo = [], 0
+        for a in out:
+            spans.append((a.path, lo, lo + a.plan.n_chunks))
+            lo += a.plan.n_chunks
+        return cls(tuple(out), max(pos, 1), tuple(chunks), tuple(spans),
+                   sum(a.nbytes for a in out), frozenset(c[4] for c in chunks))
 
     def index(self) -> dict[str, FlatArray]:
         return {a.path: a for a in self.arrays}
+
+
+_HEADER_CRC = 14  # offset of the CRC-32 field in a local file header
+_CENTRAL_CRC = 16  # ... and in a central directory record
+
+
+class FlatImage:
+    """The zip entries of a ``FlatLayout`` placed at offset ``start`` of a step file, over
+    one buffer: every local header, trailer and central directory record is built once, and
+    a step only patches their checksum fields (numpy, no Python per chunk) — ``fill`` then
+    costs two checksum calls per chunk, ``iov`` is written as it is.
+
+    Not thread-safe: one image per (layout, start, buffer), used by one step at a time
+    (the engine's buffers are held by one step each; the flusher process is serial).
+    """
+
+    def __init__(self, layout: FlatLayout, start: int, buf: memoryview | None) -> None:
+        self.layout, self.start = layout, start
+        n = len(layout.chunks)
+        headers = bytearray()
+        hdr_at: list[int] = []
+        entries: list[Entry] = []
+        self.offsets: list[int] = []  # data offset of each chunk (what the manifest records)
+        self.sizes: list[int] = []
+        off = start
+        for _, _, _, _, name, full in layout.chunks:
+            size = full + 4
+            head = local_header(name, size, 0, off)
+            hdr_at.append(len(headers))
+            headers += head
+            entries.append(Entry(name, off, size, 0))
+            off += len(head) + size
+            self.offsets.append(off - size)
+            self.sizes.append(size)
+        self.nbytes = off - start
+        self.headers = headers
+        self.trailers = bytearray(4 * n)
+        directory = bytearray(directory_records(entries))
+        cd_at, pos = [], 0
+        for e in entries:
+            cd_at.append(pos)
+            pos += 46 + len(e.name.encode()) + (0 if e.size < 0xFFFFFFFF and e.offset <
+                                                 0xFFFFFFFF else 4 + 8 * (
+                (2 if e.size >= 0xFFFFFFFF else 0) + (1 if e.offset >= 0xFFFFFFFF else 0)))
+        self.directory = directory
+        four = np.arange(4, dtype=np.intp)
+        self._hdr_idx = (np.asarray(hdr_at, dtype=np.intp) + _HEADER_CRC)[:, None] + four
+        self._cd_idx = (np.asarray(cd_at, dtype=np.intp) + _CENTRAL_CRC)[:, None] + four
+        self.count = n
+        self.iov: list[bytes | bytearray | memoryview] = []
+        self._views: list[memoryview] = []
+        self._pads: dict[int, bytes] = {}
+        if buf is not None:
+            self.bind(buf)
+
+    def bind(self, buf: memoryview) -> None:
+        """Point the image at a buffer (the data parts of ``iov``)."""
+        hv, tv = memoryview(self.headers), memoryview(self.trailers)
+        iov: list[bytes | bytearray | memoryview] = []
+        views: list[memoryview] = []
+        pos = 0
+        for j, (_, _, s, e, _, full) in enumerate(self.layout.chunks):
+            hlen = self.offsets[j] - (self.start if j == 0 else
+                                      self.offsets[j - 1] + self.sizes[j - 1])
+            iov.append(hv[pos:pos + hlen])
+            pos += hlen
+            v = buf[s:e]
+            views.append(v)
+            iov.append(v)
+            if full > e - s:
+                self._pads[j] = pad = bytes(full - (e - s))
+                iov.append(pad)
+            iov.append(tv[4 * j:4 * j + 4])
+        self.iov, self._views = iov, views
+
+    def fill(self) -> tuple[list[int], list[int]]:
+        """Checksum the bound buffer: patch trailers, headers and directory; returns the
+        crc32c of each chunk and the ZIP CRC-32 of each entry."""
+        crcs = [checksum(v) for v in self._views]
+        zips = [crc32(v) for v in self._views]
+        for j, pad in self._pads.items():
+            crcs[j] = checksum(pad, crcs[j])
+            zips[j] = crc32(pad, zips[j])
+        self.trailers[:] = np.asarray(crcs, dtype="<u4").tobytes()
+        tv = memoryview(self.trailers)
+        zips = [crc32(tv[4 * j:4 * j + 4], z) for j, z in enumerate(zips)]
+        zb = np.frombuffer(np.asarray(zips, dtype="<u4").tobytes(), dtype=np.uint8).reshape(-1, 4)
+        np.frombuffer(self.headers, dtype=np.uint8)[self._hdr_idx] = zb
+        np.frombuffer(self.directory, dtype=np.uint8)[self._cd_idx] = zb
+        return crcs, zips
+
+    @property
+    def names(self) -> frozenset[str]:
+        return self.layout.names

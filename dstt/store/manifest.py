@@ -35,6 +35,7 @@ __all__ = [
     "Metric",
     "ObjectRecord",
     "RefInfo",
+    "TableBuilder",
     "arrays_from_json",
     "arrays_json",
     "checksum",
@@ -286,38 +287,145 @@ def parse_header(data: bytes, where: str) -> CommitHeader:
 
 # -- arrays tables ------------------------------------------------------------------------
 
+class TableBuilder:
+    """The columnar arrays table of one commit, built array by array (``arrays_json``).
+
+    Columns, not a record per chunk: a 1,200-tensor step is a few lists of integers, which
+    the C JSON encoder writes in a millisecond, and a reader can locate any tensor's bytes
+    without parsing per-chunk objects. Layout (docs/format.md §3)::
+
+        {"files": [key, ...],                       # files the chunks live in
+         "arrays": {"path": [...], "dtype": [...], "shape": [[...], ...], "rows": [...]},
+         "chunks": {"file": [...], "offset": [...], "nbytes": [...], "crc32c": [...]},
+         "codecs": {"<chunk number>": [encoding, base, raw_crc32c, (predictor, inputs,
+                                                                      coeffs)]}}
+
+    Chunks are listed array by array, each array's ``n_chunks`` in order.
+    """
+
+    def __init__(self) -> None:
+        self.files: list[str] = []
+        self._file_index: dict[str, int] = {}
+        self.path: list[str] = []
+        self.dtype: list[str] = []
+        self.shape: list[list[int]] = []
+        self.rows: list[int] = []
+        self.file: list[int] = []
+        self.offset: list[int] = []
+        self.nbytes: list[int] = []
+        self.crc32c: list[int] = []
+        self.codecs: dict[str, list[Any]] = {}
+
+    def file_id(self, key: str) -> int:
+        i = self._file_index.get(key)
+        if i is None:
+            i = self._file_index[key] = len(self.files)
+            self.files.append(key)
+        return i
+
+    def add_array(self, path: str, dtype: str, shape: tuple[int, ...], rows: int) -> None:
+        self.path.append(path)
+        self.dtype.append(dtype)
+        self.shape.append(list(shape))
+        self.rows.append(rows)
+
+    def add_chunks(self, file_id: int, offsets: list[int], nbytes: list[int],
+                   crcs: list[int]) -> None:
+        """Raw chunks, all in one file (the hot path: three list extends)."""
+        self.file.extend([file_id] * len(offsets))
+        self.offset.extend(offsets)
+        self.nbytes.extend(nbytes)
+        self.crc32c.extend(crcs)
+
+    def add_record(self, c: ChunkRecord) -> None:
+        if c.encoding != "raw":
+            head = [c.encoding, c.base, c.raw_crc32c]
+            if c.encoding != "xor1":
+                head += [c.predictor, [[p, s] for p, s in c.inputs], list(c.coeffs)]
+            self.codecs[str(len(self.offset))] = head
+        self.file.append(self.file_id(c.key))
+        self.offset.append(c.offset)
+        self.nbytes.append(c.nbytes)
+        self.crc32c.append(c.crc32c)
+
+    def add(self, a: ArrayRecord) -> None:
+        self.add_array(a.path, a.dtype, a.shape, a.rows)
+        for c in a.chunks:
+            self.add_record(c)
+
+    def json(self) -> dict[str, Any]:
+        return {"files": self.files,
+                "arrays": {"path": self.path, "dtype": self.dtype, "shape": self.shape,
+                           "rows": self.rows},
+                "chunks": {"file": self.file, "offset": self.offset, "nbytes": self.nbytes,
+                           "crc32c": self.crc32c},
+                "codecs": self.codecs}
+
+
 def arrays_json(arrays: Mapping[str, ArrayRecord]) -> dict[str, Any]:
-    """The ``arrays`` field of an arrays table (also used by multi-rank part manifests)."""
-    return {p: {"dtype": a.dtype, "shape": list(a.shape), "rows": a.rows,
-                "chunks": [c.as_json() for c in a.chunks]}
-            for p, a in sorted(arrays.items())}
+    """The columnar table of ``arrays`` (arrays tables and multi-rank part manifests)."""
+    b = TableBuilder()
+    for _, a in sorted(arrays.items()):
+        b.add(a)
+    return b.json()
 
 
-def arrays_from_json(arrays: Mapping[str, Any]) -> dict[str, ArrayRecord]:
+def _codec_record(key: str, offset: int, nbytes: int, crc: int, codec: list[Any] | None,
+                  ) -> ChunkRecord:
+    if codec is None:
+        return ChunkRecord(key, nbytes, crc, offset=offset)
+    if codec[0] == "xor1" and len(codec) == 3:
+        return ChunkRecord(key, nbytes, crc, "xor1", int(codec[1]), int(codec[2]),
+                           offset=offset)
+    if codec[0] == "pred1" and len(codec) == 6:
+        inputs = tuple((str(p), int(s)) for p, s in codec[4])
+        return ChunkRecord(key, nbytes, crc, "pred1", int(codec[1]), int(codec[2]),
+                           str(codec[3]), inputs, tuple(float(c) for c in codec[5]),
+                           offset=offset)
+    raise ValueError(f"unknown chunk codec {codec!r}")
+
+
+def arrays_from_json(doc: Mapping[str, Any]) -> dict[str, ArrayRecord]:
     """Inverse of :func:`arrays_json`; ``TypeError``/``ValueError``/``KeyError`` if malformed."""
+    files = [str(f) for f in doc["files"]]
+    a, c, codecs = doc["arrays"], doc["chunks"], doc["codecs"]
+    file, offset, nbytes, crc = c["file"], c["offset"], c["nbytes"], c["crc32c"]
+    if not len(file) == len(offset) == len(nbytes) == len(crc):
+        raise ValueError("chunk columns differ in length")
+    paths = a["path"]
+    if not len(paths) == len(a["dtype"]) == len(a["shape"]) == len(a["rows"]):
+        raise ValueError("array columns differ in length")
     out: dict[str, ArrayRecord] = {}
-    for p, a in arrays.items():
-        shape = tuple(int(s) for s in a["shape"])
-        rec = ArrayRecord(p, str(a["dtype"]), shape, int(a["rows"]),
-                          tuple(ChunkRecord.from_json(c) for c in a["chunks"]))
-        if rec.plan.n_chunks != len(rec.chunks):
-            raise ValueError(f"array {p}: {len(rec.chunks)} chunks recorded, "
-                             f"{rec.plan.n_chunks} expected")
-        out[p] = rec
+    pos = 0
+    for path, dtype, shape, rows in zip(paths, a["dtype"], a["shape"], a["rows"], strict=True):
+        shape_t = tuple(int(s) for s in shape)
+        plan = ChunkPlan(shape_t, dtype_itemsize(str(dtype)), int(rows))
+        n = plan.n_chunks
+        if pos + n > len(offset):
+            raise ValueError(f"array {path}: {n} chunks expected, the table ends first")
+        chunks = tuple(_codec_record(files[file[k]], int(offset[k]), int(nbytes[k]),
+                                     int(crc[k]), codecs.get(str(k)))
+                       for k in range(pos, pos + n))
+        pos += n
+        out[str(path)] = ArrayRecord(str(path), str(dtype), shape_t, int(rows), chunks)
+    if pos != len(offset):
+        raise ValueError(f"{len(offset) - pos} chunks in the table belong to no array")
     return out
 
 
-def dump_arrays(slot: int, arrays: Mapping[str, ArrayRecord]) -> bytes:
-    return _seal("arrays", {"slot": slot, "arrays": arrays_json(arrays)})
+def dump_arrays(slot: int, arrays: Mapping[str, ArrayRecord] | TableBuilder) -> bytes:
+    table = arrays if isinstance(arrays, TableBuilder) else None
+    body = table.json() if table is not None else arrays_json(arrays)  # type: ignore[arg-type]
+    return _seal("arrays", {"slot": slot, **body})
 
 
 def parse_arrays(data: bytes, where: str, *, verified: bool = False) -> dict[str, ArrayRecord]:
     """Parse an arrays table; ``verified``: the caller already checked the file's crc32c."""
     b = _open(data, "arrays", where, verified=verified)
-    _fields(b, {"slot", "arrays"}, set(), where)
+    _fields(b, {"slot", "files", "arrays", "chunks", "codecs"}, set(), where)
     try:
-        return arrays_from_json(b["arrays"])
-    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        return arrays_from_json(b)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
         raise CorruptRunError(f"{where}: malformed arrays table ({e})") from None
 
 

@@ -16,17 +16,24 @@ the copy.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import DsttError
 from .backend import Blob, Data, as_parts
-from .zipfmt import Entry, central_directory, crc32, header_size, local_header
+from .zipfmt import (
+    Entry,
+    crc32,
+    directory_records,
+    end_records,
+    header_size,
+    local_header,
+)
 
 if TYPE_CHECKING:
     from .backend import Storage
 
-__all__ = ["SideFile", "StepFile"]
+__all__ = ["Block", "SideFile", "StepFile"]
 
 
 class StepFile:
@@ -39,6 +46,8 @@ class StepFile:
         self._mu = threading.Lock()
         self._cursor = 0
         self._entries: list[Entry] = []
+        #: central directory records of entries written elsewhere (blocks, flat images)
+        self._prebuilt: list[tuple[bytes, int]] = []  # (records, how many entries)
         self._names: set[str] = set()
         self._finished = False
 
@@ -98,6 +107,60 @@ class StepFile:
         blob.write_at(start, iov, raw=True)
         return out
 
+    @property
+    def cursor(self) -> int:
+        with self._mu:
+            return self._cursor
+
+    def add_block(self, block: Block) -> bool:
+        """Write a prebuilt run of entries (``Block``) if the file is at ``block.start``;
+        False (nothing written) otherwise."""
+        with self._mu:
+            if self._finished:
+                raise DsttError(f"{self.key}: step file already finished")
+            if self._cursor != block.start or not block.names.isdisjoint(self._names):
+                return False
+            self._names |= block.names
+            self._prebuilt.append((block.directory, block.count))
+            self._cursor = block.start + block.nbytes
+            blob = self._open()
+        blob.write_at(block.start, block.iov, raw=True)
+        return True
+
+    def reserve(self, names: frozenset[str], nbytes_at: Callable[[int], int]) -> int:
+        """Reserve the byte range of entries ``names`` written by someone else (a flat
+        image: this thread, or the flusher process): returns where it starts; the range is
+        ``nbytes_at(start)`` bytes. Their directory comes later (:meth:`add_directory`)."""
+        with self._mu:
+            if self._finished:
+                raise DsttError(f"{self.key}: step file already finished")
+            if not names.isdisjoint(self._names):
+                raise ValueError(f"{self.key}: entry {sorted(names & self._names)[0]!r} "
+                                 "written twice")
+            self._open()
+            start = self._cursor
+            self._cursor = start + nbytes_at(start)
+            self._names |= names
+            return start
+
+    def add_directory(self, records: bytes, count: int) -> None:
+        """The central directory records of ``count`` entries of a reserved range."""
+        with self._mu:
+            self._prebuilt.append((records, count))
+
+    def write_at(self, offset: int, iov: list[bytes | bytearray | memoryview]) -> None:
+        """Write byte buffers into a reserved range."""
+        blob = self._blob
+        if blob is None:
+            raise DsttError(f"{self.key}: nothing reserved")
+        blob.write_at(offset, iov, raw=True)
+
+    @property
+    def local_path(self) -> str | None:
+        """The temporary file being written, where the blob is one (``LocalStorage``)."""
+        blob = self._blob
+        return getattr(blob, "tmp", None) if blob is not None else None
+
     def add_bytes(self, name: str, data: bytes) -> int:
         return self.add(name, [data], len(data), crc32(data))
 
@@ -108,7 +171,11 @@ class StepFile:
                 return
             self._finished = True
             blob, start = self._open(), self._cursor
-            tail = central_directory(self._entries, start)
+            parts = [records for records, _ in self._prebuilt]
+            parts.append(directory_records(self._entries))
+            count = len(self._entries) + sum(n for _, n in self._prebuilt)
+            cd = b"".join(parts)
+            tail = cd + end_records(count, len(cd), start)
             self._cursor += len(tail)
         blob.write_at(start, tail)
 
@@ -122,6 +189,30 @@ class StepFile:
             blob, self._blob, self._finished = self._blob, None, True
         if blob is not None:
             blob.discard()
+
+
+class Block:
+    """A run of zip entries laid out once for a given start offset (e.g. the zarr.json
+    documents of a step's arrays, the same at every step of a run): their bytes and their
+    central directory records, reused while the step files have the same shape."""
+
+    def __init__(self, start: int, names: Sequence[str], datas: Sequence[bytes]) -> None:
+        self.start = start
+        self.names = frozenset(names)
+        if len(self.names) != len(names):
+            raise ValueError("a block names an entry twice")
+        iov: list[bytes] = []
+        entries: list[Entry] = []
+        off = start
+        for name, data in zip(names, datas, strict=True):
+            crc = crc32(data)
+            head = local_header(name, len(data), crc, off)
+            entries.append(Entry(name, off, len(data), crc))
+            iov += [head, data]
+            off += len(head) + len(data)
+        self.iov, self.count, self.nbytes = iov, len(entries), off - start
+        self.directory = directory_records(entries)
+        self.entries = entries
 
 
 class SideFile:

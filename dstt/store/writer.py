@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import DsttError, SchemaError
 from .codec import DeltaPolicy
 from .delta import DeltaEncoder, EncodeStats, Shadow
-from .flat import FlatLayout
+from .flat import FlatImage, FlatLayout
 from .layout import (
     DEFAULT_CHUNK_BYTES,
     LOCK_KEY,
@@ -55,6 +55,7 @@ from .manifest import (
     Location,
     Metric,
     ObjectRecord,
+    TableBuilder,
     checksum,
     dump_arrays,
     dump_header,
@@ -63,7 +64,7 @@ from .manifest import (
 from .objects import Encoding, encode_object
 from .parts import Part, dump_part, merge_parts, remove_parts
 from .predict import Prediction
-from .stepfile import SideFile, StepFile
+from .stepfile import Block, SideFile, StepFile
 from .zarr_meta import array_document, dtype_itemsize, dump, group_document, root_attributes
 from .zipfmt import crc32
 
@@ -114,8 +115,7 @@ class Writer:
         #: path -> (dtype, plan, zarr.json bytes): documents built once while shapes hold
         self._arrays: dict[str, tuple[str, ChunkPlan, bytes]] = {}
         self._stored: dict[str, tuple[str, tuple[int, ...], int]] | None = None
-        self._meta_cache: dict[tuple[str, ...], tuple[list[str], list[list[bytes]], list[int],
-                                                     list[int]]] = {}
+        self._meta_cache: dict[tuple[tuple[str, ...], int], Block] = {}
         self._open: set[int] = set()
         self.encoder = DeltaEncoder(encoding) if encoding is not None else None
         self.inflight_bases = inflight_bases
@@ -206,12 +206,14 @@ class Writer:
         return FlatLayout.build([(p, d, self.declare(p, d, tuple(sh))) for p, d, sh in arrays])
 
     def _metadata(self, txn: Transaction) -> None:
-        """The zarr.json entries of a step file: root, every group, every array (the group
-        and array documents are built once per set of arrays and reused)."""
+        """The zarr.json entries of a step file: every group, every array, then the root.
+        The groups' and arrays' documents are one prebuilt ``Block`` per set of arrays and
+        start offset — at every step of a steady run the same bytes at the same place."""
         paths = tuple(txn._plans)
+        start = txn.zip.cursor
         with self._meta_lock:
-            entries = self._meta_cache.get(paths)
-            if entries is None:
+            block = self._meta_cache.get((paths, start))
+            if block is None:
                 groups: set[str] = set()
                 for path in paths:
                     parts = path.split("/")
@@ -219,15 +221,17 @@ class Writer:
                 gdoc = dump(group_document())
                 docs = [(group_meta_key(g), gdoc) for g in sorted(groups)]
                 docs += [(array_meta_key(p), self._arrays[p][2]) for p in paths]
-                entries = ([k for k, _ in docs], [[d] for _, d in docs],
-                           [len(d) for _, d in docs], [crc32(d) for _, d in docs])
+                block = Block(start, [k for k, _ in docs], [d for _, d in docs])
                 if len(self._meta_cache) > 8:
                     self._meta_cache.clear()
-                self._meta_cache[paths] = entries
+                self._meta_cache[(paths, start)] = block
+        if not txn.zip.add_block(block):  # another thread moved the cursor: lay it out anew
+            txn.zip.add_many([e.name for e in block.entries],
+                             [[d] for d in block.iov[1::2]],
+                             [e.size for e in block.entries], [e.crc32 for e in block.entries])
         root = group_document(root_attributes(step=txn.step, timeline=txn.timeline,
                                               slot=txn.slot))
         txn.zip.add_bytes(group_meta_key(""), dump(root))
-        txn.zip.add_many(*entries)
 
     # -- commit ---------------------------------------------------------------------------
     def _prepare(self, txn: Transaction, *, rank: int, world: int, session: str,
@@ -256,9 +260,12 @@ class Writer:
             if self.encoder is not None:
                 self.encoder.check_deps(txn.slot, txn.deps)
             st = self.storage
-            records, objects = txn.records(), dict(txn.objects)
+            objects = dict(txn.objects)
             if parts:
-                records, objects = merge_parts(records, objects, parts)
+                records, objects = merge_parts(txn.records(), objects, parts)
+                table = dump_arrays(txn.slot, records)
+            else:
+                table = dump_arrays(txn.slot, txn.table())
             self.reader.refresh()
             ref = self.reader.ref(txn.timeline)
             if ref.head is not None:
@@ -269,7 +276,6 @@ class Writer:
                         f"(step {parent.step}); steps must increase along a timeline — use "
                         "rollback to go back"
                     )
-            table = dump_arrays(txn.slot, records)
             where = Location(txn.side.key, txn.side.append(table), len(table), checksum(table))
             self._metadata(txn)
             txn.zip.publish()
@@ -297,6 +303,10 @@ class Transaction:
         self._plans: dict[str, tuple[str, ChunkPlan]] = {}
         self._chunks: dict[str, list[ChunkRecord | None]] = {}
         self.objects: dict[str, ObjectRecord] = {}
+        #: chunks written by ``put_flat``: per call (offsets, sizes, crc32c), and per array
+        #: its span of them — columns, not a record object per chunk
+        self._flat: list[tuple[list[int], list[int], list[int]]] = []
+        self._flat_span: dict[str, tuple[int, int, int]] = {}
         self.zip = StepFile(writer.storage, step_file_key(slot, writer.file_tag))
         self.side = SideFile(writer.storage, side_file_key(slot, writer.file_tag))
         self._lock = threading.Lock()
@@ -393,62 +403,66 @@ class Transaction:
             pending = replace(pending, record=rec)
         return self._record(path, index, rec, pending)
 
-    def put_flat(self, layout: FlatLayout, buf: Any) -> None:
+    def put_flat(self, layout: FlatLayout, buf: Any,
+                 images: dict[int, FlatImage] | None = None) -> None:
         """Write every tensor of ``layout`` from the flat buffer ``buf`` (``flat.py``), raw:
-        the hot path of the engine. Thread-safe against other puts of the same step."""
-        self._check()
+        the hot path of the engine. ``images``: a cache of this buffer's ``FlatImage`` by
+        start offset, kept by the caller with the buffer (headers are then built once)."""
         view = memoryview(buf).cast("B")
         if len(view) < layout.nbytes:
             raise ValueError(f"flat buffer of {len(view)} bytes, layout needs {layout.nbytes}")
+        cache = images if images is not None else {}
+
+        def image_at(start: int) -> FlatImage:
+            im = cache.get(start)
+            if im is None or im.layout is not layout:
+                im = cache[start] = FlatImage(layout, start, view)
+            return im
+
+        start = self.reserve_flat(layout, lambda s: image_at(s).nbytes)
+        image = image_at(start)
+        crcs, _ = image.fill()
+        self.zip.write_at(start, image.iov)
+        self.complete_flat(layout, image.offsets, image.sizes, crcs, bytes(image.directory))
+        enc = self.writer.encoder
+        if enc is not None:  # a raw step of an encoding writer still seeds the next deltas
+            key, arrays = self.zip.key, layout.arrays
+            for (k, i, s, e, _, _), off, size, crc in zip(layout.chunks, image.offsets,
+                                                          image.sizes, crcs, strict=True):
+                a = arrays[k]
+                sh = enc.keep(a.path, i, self.timeline, view[s:e], crc, self.slot)
+                if sh is not None:
+                    rec = ChunkRecord(key, size, crc, offset=off)
+                    self.pending[(a.path, i)] = replace(sh, record=rec)
+
+    def reserve_flat(self, layout: FlatLayout, nbytes_at: Any) -> int:
+        """First half of a flat write done elsewhere (the flusher process): declare the
+        layout's arrays in this step and reserve their zip range; returns its start."""
+        self._check()
         enc = self.writer.encoder
         if enc is not None and self.encode and not self.keyframe:
-            raise DsttError("put_flat writes raw steps; set txn.encode = False (or keyframe) "
+            raise DsttError("a flat write is raw; set txn.encode = False (or keyframe) "
                             "when the writer encodes, or use put_chunk")
+        plans = {a.path: (a.dtype, a.plan) for a in layout.arrays}
         with self._lock:
-            for a in layout.arrays:
-                if a.path in self._plans:
-                    raise ValueError(f"array {a.path!r} declared twice in step {self.step}")
-                self._plans[a.path] = (a.dtype, a.plan)
-                self._chunks[a.path] = [None] * a.plan.n_chunks
-        names: list[str] = []
-        bodies: list[list[Any]] = []
-        sizes: list[int] = []
-        zcrcs: list[int] = []
-        crcs: list[int] = []
-        for _, _, start, stop, name, full in layout.chunks:
-            v = view[start:stop]
-            crc = checksum(v)
-            z = crc32(v)
-            body: list[Any] = [v]
-            if full > stop - start:  # an edge chunk: zarr stores it full size
-                pad = bytes(full - (stop - start))
-                crc = checksum(pad, crc)
-                z = crc32(pad, z)
-                body.append(pad)
-            trailer = struct.pack("<I", crc)
-            body.append(trailer)
-            names.append(name)
-            bodies.append(body)
-            sizes.append(full + 4)
-            zcrcs.append(crc32(trailer, z))
-            crcs.append(crc)
-        offsets = self.zip.add_many(names, bodies, sizes, zcrcs)
-        key, arrays = self.zip.key, layout.arrays
-        raw = 0
+            if not self._plans.keys().isdisjoint(plans):
+                dup = sorted(self._plans.keys() & plans.keys())
+                raise ValueError(f"array {dup[0]!r} declared twice in step {self.step}")
+            self._plans.update(plans)
+        return self.zip.reserve(layout.names, nbytes_at)
+
+    def complete_flat(self, layout: FlatLayout, offsets: list[int], sizes: list[int],
+                      crcs: list[int], directory: bytes) -> None:
+        """Second half: the chunks are written; record where (columns) and their zip
+        central directory records."""
+        self.zip.add_directory(directory, len(offsets))
         with self._lock:
-            for (k, i, start, stop, _, _), off, size, crc in zip(layout.chunks, offsets, sizes,
-                                                                   crcs, strict=True):
-                self._chunks[arrays[k].path][i] = ChunkRecord(key, size, crc, offset=off)
-                raw += stop - start
-        self.stats.add_many(raw, sum(sizes), keyframes=len(sizes))
-        if enc is not None:  # a raw step of an encoding writer still seeds the next deltas
+            put = len(self._flat)
+            self._flat.append((offsets, sizes, crcs))
+            self._flat_span.update({p: (put, lo, hi) for p, lo, hi in layout.spans})
+        self.stats.add_many(layout.raw_nbytes, sum(sizes), keyframes=len(sizes))
+        if self.writer.encoder is not None:
             self.stats.raw_fallback = not self.keyframe
-            for k, i, start, stop, _, _ in layout.chunks:
-                a = arrays[k]
-                sh = enc.keep(a.path, i, self.timeline, view[start:stop],
-                              self._chunks[a.path][i].content_crc32c, self.slot)  # type: ignore[union-attr]
-                if sh is not None:
-                    self.pending[(a.path, i)] = replace(sh, record=self._chunks[a.path][i])
 
     def put_encoded(self, name: str, data: bytes, encoding: Encoding = "json") -> ObjectRecord:
         """Store an object already encoded (e.g. JSON built by the caller) as ``name``."""
@@ -489,9 +503,42 @@ class Transaction:
             self._object_bytes += len(data)
         return rec
 
+    def table(self) -> TableBuilder:
+        """The columnar arrays table of this step (``manifest.TableBuilder``)."""
+        b = TableBuilder()
+        zip_id = b.file_id(self.zip.key)
+        for path, (dtype, plan) in self._plans.items():
+            b.add_array(path, dtype, plan.shape, plan.rows)
+            span = self._flat_span.get(path)
+            if span is not None:
+                offs, sizes, crcs = self._flat[span[0]]
+                lo, hi = span[1], span[2]
+                b.add_chunks(zip_id, offs[lo:hi], sizes[lo:hi], crcs[lo:hi])
+                continue
+            for c in self._complete(path):
+                b.add_record(c)
+        return b
+
+    def _complete(self, path: str) -> list[ChunkRecord]:
+        span = self._flat_span.get(path)
+        if span is not None:
+            offs, sizes, crcs = self._flat[span[0]]
+            return [ChunkRecord(self.zip.key, sizes[k], crcs[k], offset=offs[k])
+                    for k in range(span[1], span[2])]
+        chunks = self._chunks[path]
+        missing = [i for i, c in enumerate(chunks) if c is None]
+        if missing:
+            raise DsttError(f"step {self.step}: chunks {missing[:8]} of {path!r} were "
+                            "never written; refusing to commit an incomplete step")
+        return chunks  # type: ignore[return-value]
+
     def records(self) -> dict[str, ArrayRecord]:
         out = {}
         for path, (dtype, plan) in self._plans.items():
+            if path in self._flat_span:
+                out[path] = ArrayRecord(path, dtype, plan.shape, plan.rows,
+                                        tuple(self._complete(path)))
+                continue
             chunks = self._chunks[path]
             missing = [i for i, c in enumerate(chunks) if c is None]
             if missing:

@@ -28,7 +28,8 @@ try:  # ISA-L: the same CRC-32, 4x faster; optional
 except ImportError:  # pragma: no cover - isal is a dependency, but keep the fallback honest
     _crc32 = zlib.crc32
 
-__all__ = ["Entry", "central_directory", "crc32", "local_header", "parse_directory"]
+__all__ = ["Entry", "central_directory", "crc32", "directory_records", "end_records",
+           "local_header", "parse_directory"]
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
@@ -85,6 +86,12 @@ def local_header(name: str, size: int, crc: int, offset: int) -> bytes:
 
 def central_directory(entries: Sequence[Entry], start: int) -> bytes:
     """Central directory + end records for ``entries``, to be written at offset ``start``."""
+    cd = directory_records(entries)
+    return cd + end_records(len(entries), len(cd), start)
+
+
+def directory_records(entries: Sequence[Entry]) -> bytes:
+    """The central directory records of ``entries`` (without the end records)."""
     parts: list[bytes] = []
     for e in entries:
         raw = e.name.encode()
@@ -105,17 +112,18 @@ def central_directory(entries: Sequence[Entry], start: int) -> bytes:
             _SIG_CENTRAL, _MADE_BY, need, _UTF8, 0, 0, _DOS_DATE, e.crc32,
             size32 or e.size, size32 or e.size, len(raw), len(extra), 0, 0, 0, _ATTRS,
             off32 or e.offset) + raw + extra)
-    cd = b"".join(parts)
-    n, end = len(entries), start + len(cd)
-    tail = b""
-    if n >= _MAX16 or start >= _MAX32 or len(cd) >= _MAX32:
-        tail = _EOCD64.pack(_SIG_EOCD64, 44, _MADE_BY, 45, 0, 0, n, n, len(cd), start)
-        tail += _LOC64.pack(_SIG_LOC64, 0, end, 1)
-        tail += _EOCD.pack(_SIG_EOCD, 0, 0, min(n, _MAX16), min(n, _MAX16),
-                           min(len(cd), _MAX32), min(start, _MAX32), 0)
-    else:
-        tail = _EOCD.pack(_SIG_EOCD, 0, 0, n, n, len(cd), start, 0)
-    return cd + tail
+    return b"".join(parts)
+
+
+def end_records(n: int, cd_size: int, start: int) -> bytes:
+    """The end of central directory record(s) of ``n`` entries whose directory of
+    ``cd_size`` bytes starts at ``start`` (zip64 records where a field overflows)."""
+    if n >= _MAX16 or start >= _MAX32 or cd_size >= _MAX32:
+        tail = _EOCD64.pack(_SIG_EOCD64, 44, _MADE_BY, 45, 0, 0, n, n, cd_size, start)
+        tail += _LOC64.pack(_SIG_LOC64, 0, start + cd_size, 1)
+        return tail + _EOCD.pack(_SIG_EOCD, 0, 0, min(n, _MAX16), min(n, _MAX16),
+                                 min(cd_size, _MAX32), min(start, _MAX32), 0)
+    return _EOCD.pack(_SIG_EOCD, 0, 0, n, n, cd_size, start, 0)
 
 
 def parse_directory(data: bytes, file_size: int, where: str) -> dict[str, Entry]:

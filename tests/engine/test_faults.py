@@ -74,7 +74,7 @@ def test_skip_policy_warns_drops_failed_steps_and_recovers() -> None:
 
 
 def test_a_failure_on_the_first_step_surfaces_at_exit_if_training_ends() -> None:
-    repo, _, plain = _faulty_run(fail_keys=r"/c\.\d")  # every chunk file fails
+    repo, _, plain = _faulty_run(fail_keys=r"^steps/\d+\.zip$")  # every step file fails
     m = MLP()
     opt = torch.optim.SGD(m.parameters(), lr=1e-2)
     with pytest.raises(CaptureError), session(m, opt, run=repo):

@@ -19,6 +19,7 @@ from dstt.engine.providers import (
 )
 from dstt.engine.torch_state import (
     OptimizerStateProvider,
+    _unpack_state,
     discover,
     model_tensors,
     param_names,
@@ -202,5 +203,9 @@ def test_optimizer_provider_names_state_by_module_path() -> None:
     assert "optim/exp_avg_sq/tok/weight" in paths
     assert not any("/step/" in p for p in paths)  # 0-d CPU step counters go in the object
     (obj,) = prov.objects().values()
-    assert obj["tok.weight"]["arrays"] == ["exp_avg", "exp_avg_sq"]
-    assert "step" in obj["tok.weight"]["values"]
+    assert obj["packed"] == 1 and "tok.weight" in obj["params"]
+    state = _unpack_state(obj)  # the packed object, back to one entry per parameter
+    assert set(state) == set(obj["params"])
+    assert state["tok.weight"]["arrays"] == ["exp_avg", "exp_avg_sq"]
+    assert "step" in state["tok.weight"]["values"]
+    assert float(state["tok.weight"]["values"]["step"]) == 1.0  # one optimizer step taken

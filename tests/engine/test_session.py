@@ -10,6 +10,7 @@ import torch
 
 from dstt._session import session
 from dstt.errors import RaceError, TimelineError
+from dstt.inspect.summaries import summary_rows
 from dstt.store import Repository
 from dstt.testing.models import SyntheticBatches, TinyGPT
 
@@ -122,7 +123,7 @@ def test_race_policy_recopy_commits_the_value_seen_by_the_next_step(tmp_path: Pa
     assert committed_steps(repo) == [1, 2]
     assert same_bits(stored(repo, 1, "params/l1/weight"), seen[0])
     r = repo.reader()  # the write-time summary describes the recopied values, once
-    summary = r.read_object(r.find(1), "summaries")["params/l1/weight"]
+    summary = summary_rows(r.read_object(r.find(1), "summaries"))["params/l1/weight"]
     assert summary["l2"] == pytest.approx(float(seen[0].double().norm()), rel=1e-6)
 
 
@@ -374,7 +375,7 @@ def test_write_time_summaries_match_the_committed_tensors(tmp_path: Path) -> Non
     repo = Repository.open(tmp_path / "run")
     r = repo.reader()
     for h in r.lineage():
-        summ = r.read_object(h, "summaries")
+        summ = summary_rows(r.read_object(h, "summaries"))
         assert set(summ) == {"params/l1/weight", "params/l1/bias", "params/l2/weight",
                              "params/l2/bias"}
         w = stored(repo, h.step, "params/l1/weight").double()

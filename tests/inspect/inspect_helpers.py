@@ -7,7 +7,6 @@ pytest's default import mode, and is not a package (it would shadow the stdlib `
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -15,34 +14,107 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from dstt.store import Repository, Storage, dtype_name
+from dstt.store import Reader, Repository, Storage, dtype_name
 from dstt.store.testing import DelegatingStorage
+
+#: what a read touched: ("array", (step, path, chunk index)), ("object", (step, name)) or
+#: ("table", step) -- the arrays table of a commit
+Touched = tuple[str, Any]
 
 
 class CountingStorage(DelegatingStorage):
-    """Delegates to another storage and counts every key read (whole or ranged)."""
+    """Delegates to another storage and records every read as ``(key, start, length)``.
+
+    A step's tensors, objects and arrays table are byte ranges of a few files per step (the
+    step's zip and side file), so counting reads per key says nothing; instead each read is
+    resolved to what its bytes hold, using the commits reachable from any timeline (read
+    through the *inner* storage, so resolving is not counted): chunks of arrays (arrays
+    tables: chunk file and offset), objects (commit headers: side file and offset) and arrays
+    tables. A read is resolved to every recorded byte range it overlaps; a whole-file read
+    (``read``, recorded with ``length`` None) to everything in that file.
+    """
 
     def __init__(self, inner: Storage) -> None:
         super().__init__(inner)
-        self.reads: Counter[str] = Counter()
+        #: every read, in order: (key, start, length); length None = the whole file
+        self.reads: list[tuple[str, int, int | None]] = []
         self._mu = threading.Lock()
 
-    def _count(self, key: str) -> None:
+    def _record(self, key: str, start: int, length: int | None) -> None:
         with self._mu:
-            self.reads[key] += 1
-
-    def data_reads(self) -> set[str]:
-        """Keys read that hold tensor bytes (everything but metadata and dstt's own files)."""
-        return {k for k in self.reads
-                if not k.startswith("_dstt/") and not k.endswith("zarr.json")}
+            self.reads.append((key, start, length))
 
     def read(self, key: str) -> bytes:
-        self._count(key)
+        self._record(key, 0, None)
         return self.inner.read(key)
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
-        self._count(key)
+        self._record(key, start, length)
         return self.inner.read_range(key, start, length)
+
+    # -- resolving reads ------------------------------------------------------------------
+    def _extents(self) -> dict[str, list[tuple[int, int, Touched]]]:
+        """Per file key: (start, stop, what) of every chunk, object and arrays table of every
+        commit reachable from a timeline (sorted by start)."""
+        r = Reader(self.inner)
+        out: dict[str, list[tuple[int, int, Touched]]] = {}
+
+        def add(key: str, offset: int, nbytes: int, what: Touched) -> None:
+            out.setdefault(key, []).append((offset, offset + nbytes, what))
+
+        seen: set[int] = set()
+        for timeline in r.timelines:
+            for h in r.walk(timeline):
+                if h.pruned or h.slot in seen:
+                    continue
+                seen.add(h.slot)
+                if h.arrays is not None:
+                    add(h.arrays.key, h.arrays.offset, h.arrays.nbytes, ("table", h.step))
+                for name, o in h.objects.items():
+                    add(o.key, o.offset, o.nbytes, ("object", (h.step, name)))
+                for path, a in r.arrays(h).items():
+                    for i, c in enumerate(a.chunks):  # a dedup record points at an older file
+                        add(c.key, c.offset, c.nbytes, ("array", (h.step, path, i)))
+        for v in out.values():
+            v.sort(key=lambda e: (e[0], e[1]))
+        return out
+
+    def resolved(self) -> list[tuple[tuple[str, int, int | None], set[Touched]]]:
+        """Every read so far with what its bytes hold (empty: headers, refs, zip metadata)."""
+        extents = self._extents()
+        with self._mu:
+            reads = list(self.reads)
+        out = []
+        for key, start, length in reads:
+            stop = None if length is None else start + length
+            touched = {what for lo, hi, what in extents.get(key, ())
+                       if stop is None or (lo < stop and start < hi)}
+            out.append(((key, start, length), touched))
+        return out
+
+    def _touched(self, kind: str) -> set[Any]:
+        return {what for _, ts in self.resolved() for k, what in ts if k == kind}
+
+    def chunk_reads(self) -> set[tuple[int, str, int]]:
+        """(step, array path, chunk index) of every chunk whose bytes were read."""
+        return self._touched("array")
+
+    def data_reads(self) -> set[str]:
+        """Array paths whose tensor bytes were read (at any step)."""
+        return {path for _, path, _ in self.chunk_reads()}
+
+    def object_reads(self) -> set[tuple[int, str]]:
+        """(step, object name) of every object whose bytes were read."""
+        return self._touched("object")
+
+    def table_reads(self) -> set[int]:
+        """Steps whose arrays tables were read."""
+        return self._touched("table")
+
+    def whole_file_reads(self) -> set[str]:
+        """Keys read whole (``read``, not ``read_range``)."""
+        with self._mu:
+            return {key for key, _, length in self.reads if length is None}
 
 
 Arrays = Mapping[str, np.ndarray]

@@ -209,5 +209,6 @@ def test_spikes_read_only_the_summaries_around_them(tmp_path: Path) -> None:
     storage = CountingStorage(LocalStorage(tmp_path / "run"))
     spikes = open_run(Repository(storage)).spikes("loss", window=20, z=5.0, around=2)
     assert [s.step for s in spikes] == [30]
-    read = sorted(k for k in storage.reads if k.endswith("/summaries"))
-    assert len(read) == 5  # commits of steps 28..32, not all 40
+    read = sorted(step for step, name in storage.object_reads() if name == "summaries")
+    assert read == [28, 29, 30, 31, 32]  # commits of steps 28..32, not all 40
+    assert storage.data_reads() == set()  # and never a tensor

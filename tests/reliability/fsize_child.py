@@ -4,7 +4,7 @@
 
 From step 4 on (once steps 1 and 2 are committed), the soft ``RLIMIT_FSIZE`` is ``LIMIT``
 bytes (``SIGXFSZ`` ignored, so a write past it fails with ``EFBIG`` instead of killing the
-process): chunk files and arrays tables no longer fit. ``POLICY`` is the session's ``error_policy``:
+process): step files and side files no longer fit. ``POLICY`` is the session's ``error_policy``:
 
 * ``raise``: trains until the session raises; prints ``raised <type> <cause type> <errno>
   <step>``;

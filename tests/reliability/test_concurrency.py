@@ -29,6 +29,8 @@ import pytest
 import dstt
 from dstt.errors import RunLockedError, StepNotFoundError
 from dstt.store import Repository, save
+from dstt.store.layout import key_slot
+from dstt.store.manifest import checksum
 from dstt.testing.soak import child_env
 
 from ._helpers import assert_params, cli, env, model_and_optimizer, params, stored_params, train
@@ -279,14 +281,17 @@ def test_views_held_across_gc_fail_cleanly(tmp_path: Path) -> None:
     head = view.at(8)
     traj = view.trajectory(TENSOR)  # lazy: nothing read yet
     h2 = Repository.open(run).reader().find(2)
-    key = Repository.open(run).reader().arrays(h2)[f"params/{TENSOR.replace('.', '/')}"]
-    f = open(run / key.chunks[0].key, "rb")  # noqa: SIM115 - held across gc on purpose
+    chunk = Repository.open(run).reader().arrays(h2)[
+        f"params/{TENSOR.replace('.', '/')}"].chunks[0]
+    assert key_slot(chunk.key) == h2.slot  # in step 2's own step file
+    f = open(run / chunk.key, "rb")  # noqa: SIM115 - held across gc on purpose
     try:
         code, doc, err = cli("gc", "--run", str(run), "--keep-last", "2")
         assert code == 0 and doc["pruned"], err
-        assert not (run / key.chunks[0].key).exists()
-        data = f.read()
-        assert len(data) == key.chunks[0].nbytes  # the open file still reads whole
+        assert not (run / chunk.key).exists()  # the whole step file is gone
+        f.seek(chunk.offset)
+        data = f.read(chunk.nbytes)  # the open file still reads whole
+        assert len(data) == chunk.nbytes and checksum(data[:-4]) == chunk.crc32c
     finally:
         f.close()
     with pytest.raises(StepNotFoundError, match="pruned"):

@@ -69,7 +69,7 @@ def test_io_error_raises_then_resume_recovers(tmp_path: Path) -> None:
                 while not {1, 2} <= set(done := {m.step: m.committed for m in s.metrics}):
                     time.sleep(0.001)  # commits are asynchronous: let the first two land
                 assert done[1] and done[2]
-                faulty.fail_keys = re.compile(r"/c\.\d")  # chunk files fail
+                faulty.fail_keys = re.compile(r"^steps/\d{12}\.zip$")  # step files fail
             _, loss = model(x, y)
             loss.backward()
             opt.step()

@@ -6,15 +6,21 @@ Two levels:
   points; after every kill the head is a complete, verified commit whose content is exactly
   that step's. (SIGKILL keeps the page cache, so this proves atomicity and ordering of what
   reaches the filesystem, not durability across a power cut.)
-* every write: a storage wrapper cuts the power before or right after the k-th write of one
-  operation, for every k; ``MemoryStorage.crash()`` keeps only what was made durable (and a
-  harsher variant keeps a random part of the non-durable writes too). This is what proves the
-  barrier/fsync ordering.
+* every write: a storage wrapper cuts the power before or right after the k-th write (or
+  delete) of one operation, for every k; ``MemoryStorage.crash()`` keeps only what was made
+  durable (and a harsher variant keeps a random part of the non-durable writes too). This is
+  what proves the barrier/fsync ordering. In format 2 a commit is four writes (step file,
+  side file, header, ref) whatever its size; a multi-rank commit adds each rank's files and
+  vote, gc a tombstone per pruned step and a delete per file.
+
+And white-box, on a real directory: what ``LocalStorage`` syncs per commit in each durability
+mode, and that a step is at most three new files.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import random
 import signal
 import subprocess
@@ -28,10 +34,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dstt.errors import NotARunError, StepNotFoundError
-from dstt.store import Repository, Storage, load
+from dstt.errors import NotARunError, StepNotFoundError, StorageError
+from dstt.store import Durability, Repository, Storage, load
 from dstt.store.backend import Data
 from dstt.store.layout import (
+    COMMITS_PREFIX,
     PARTS_PREFIX,
     STEPS_PREFIX,
     commit_key,
@@ -44,7 +51,7 @@ from dstt.store.layout import (
 from dstt.store.parts import collect_parts
 from dstt.store.testing import FaultyStorage, MemoryStorage
 
-from ._util import assert_same_arrays, deep_equal, put_array
+from ._util import assert_same_arrays, deep_equal
 from .crash_child import CHUNK_BYTES, commit, expected
 
 CHILD = Path(__file__).with_name("crash_child.py")
@@ -168,17 +175,22 @@ def copy(mem: MemoryStorage) -> MemoryStorage:
     return mem.crash()  # every write of a finished operation is durable: a full copy
 
 
+def put_tensor(txn: Any, path: str, a: np.ndarray) -> None:
+    """Declare ``a`` (0-d too) and write its chunks, last chunk first."""
+    plan = txn.declare(path, "bfloat16" if a.dtype.name == "bfloat16" else a.dtype.name,
+                       a.shape)
+    flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    for i in reversed(range(plan.n_chunks)):
+        start, stop = plan.byte_range(i)
+        txn.put_chunk(path, i, flat[start:stop])
+
+
 def do_commit(storage: Storage, step: int, timeline: str | None = None) -> None:
     with Repository(storage).writer(chunk_bytes=CHUNK_BYTES) as w:
         arrays, objects = expected(step)
         txn = w.begin(step, timeline=timeline)
         for path, a in arrays.items():
-            plan = txn.declare(path, "bfloat16" if a.dtype.name == "bfloat16" else a.dtype.name,
-                               a.shape)
-            flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-            for i in reversed(range(plan.n_chunks)):
-                start, stop = plan.byte_range(i)
-                txn.put_chunk(path, i, flat[start:stop])
+            put_tensor(txn, path, a)
         for name, obj in objects.items():
             txn.put_object(name, obj)
         txn.commit()
@@ -262,7 +274,7 @@ def commit_many(storage: Storage, step: int) -> None:
     with Repository(storage).writer(chunk_bytes=24) as w:  # 2 rows a chunk: 3 chunks each
         txn = w.begin(step)
         for path, a in many_arrays(step).items():
-            put_array(txn, path, a)
+            put_tensor(txn, path, a)
         txn.put_object("meta", expected(step)[1]["meta"])
         txn.commit()
 
@@ -310,12 +322,12 @@ def two_rank_commit(storage: Storage, step: int) -> None:
         slot = w0.next_slot
         t1 = w1.begin(step, slot=slot)
         for p, a in theirs.items():
-            put_array(t1, p, a)
+            put_tensor(t1, p, a)
         t1.put_object("rank1", {"step": step})
         t1.prepare(rank=1, world=2, session=f"s{step}")
         t0 = w0.begin(step, slot=slot)
         for p, a in mine.items():
-            put_array(t0, p, a)
+            put_tensor(t0, p, a)
         for name, obj in objects.items():
             t0.put_object(name, obj)
         parts = collect_parts(storage, slot=slot, step=step, ranks=[1], world=2,
@@ -435,16 +447,214 @@ def test_power_cut_during_gc() -> None:
     every_cut(base, op, check)
 
 
+def evolving(step: int, branch: bool = False) -> dict[str, np.ndarray]:
+    """Slowly changing weights (XOR deltas), a frozen tensor (dedup) and a 0-d counter."""
+    rng = np.random.default_rng(8 if branch else 7)
+    w = rng.standard_normal((32, 16)).astype(np.float32)
+    frozen = rng.standard_normal(300).astype(np.float32)
+    return {"params/w": w * np.float32(1 + 1e-4 * step), "params/frozen": frozen,
+            "optim/step": np.array(step, dtype=np.int64)}
+
+
+def _commit_evolving(w: Any, step: int, timeline: str | None = None) -> Any:
+    txn = w.begin(step, timeline=timeline)
+    for path, a in evolving(step, timeline is not None).items():
+        put_tensor(txn, path, a)
+    txn.put_object("meta", {"step": step})
+    return txn.commit()
+
+
+def _gc_state(st: MemoryStorage) -> tuple[set[str], dict[str, list[tuple[int, bool]]]]:
+    r = Repository(st).reader()
+    return set(st.data), {tl: [(h.step, h.pruned) for h in r.lineage(tl)] for tl in r.timelines}
+
+
+@pytest.mark.parametrize("encoded", [False, True], ids=["raw", "deltas"])
+def test_power_cut_between_any_two_gc_deletes(encoded: bool) -> None:
+    """gc deletes whole step files now; a power cut between any two deletes (and at each
+    tombstone) must leave every kept step readable bit-exactly and verify clean, and running
+    gc again must end where an uninterrupted gc ends. With deltas and dedup, kept steps read
+    chunks from the step files of pruned ones: those files must survive every cut."""
+    from dstt.store.codec import DeltaPolicy
+
+    base = MemoryStorage()
+    repo = Repository.create(base)
+    enc = {"encoding": DeltaPolicy(keyframe_every=4)} if encoded else {}
+    with repo.writer(chunk_bytes=256, **enc) as w:
+        for step in range(10):
+            _commit_evolving(w, step)
+    tl = repo.rollback(5).name
+    with repo.writer(chunk_bytes=256, **enc) as w:
+        for step in (6, 7):
+            _commit_evolving(w, step, tl)
+    # debris gc must also remove: a complete commit whose ref never moved (an orphan) ...
+    with pytest.raises(StorageError), \
+            Repository(FaultyStorage(base, fail_keys="_dstt/refs/")).writer() as w:
+        _commit_evolving(w, 10)
+    # ... and the published step files of a commit that died before its header
+    with pytest.raises(StorageError), \
+            Repository(FaultyStorage(base, fail_keys="_dstt/commits/")).writer() as w:
+        _commit_evolving(w, 10)
+    r = repo.reader()
+    if encoded:  # kept steps really depend on older steps' files
+        older = [c for h in r.lineage() for rec in r.arrays(h).values() for c in rec.chunks
+                 if c.base is not None or int(c.key.split("/")[1][:12]) < h.slot]
+        assert older
+    lines = {"main": list(range(10)), tl: [0, 1, 2, 3, 4, 5, 6, 7]}
+
+    ref = copy(base)
+    Repository(ref).gc(keep_last=2)
+    want = _gc_state(ref)
+    kept_at_end = {t: {s for s, pruned in line if not pruned} for t, line in want[1].items()}
+    assert kept_at_end["main"] >= {8, 9} and kept_at_end["main"] != set(lines["main"])
+
+    def check(st: MemoryStorage, done: bool) -> None:
+        repo = Repository(st)
+        rep = repo.verify()
+        assert rep.ok, rep.problems
+        r = repo.reader()
+        for timeline, steps in lines.items():
+            line = r.lineage(timeline)
+            assert [h.step for h in line] == steps  # tombstones keep the chain
+            for h in line:
+                if h.pruned:
+                    with pytest.raises(StepNotFoundError, match="pruned"):
+                        load(st, step=h.step, timeline=timeline)
+                    continue
+                snap = load(st, step=h.step, timeline=timeline)
+                assert_same_arrays(snap.arrays, evolving(h.step, timeline == tl and h.step > 5))
+                assert snap.objects == {"meta": {"step": h.step}}
+            assert {h.step for h in line if not h.pruned} >= kept_at_end[timeline]
+        if done:
+            assert _gc_state(st) == want
+        repo.gc(keep_last=2)  # gc can simply be run again after the crash
+        assert repo.verify().ok
+        assert _gc_state(st) == want
+
+    keys = every_cut(base, lambda st: Repository(st).gc(keep_last=2), check)
+    deletes = [k for k in keys if k.startswith("delete ")]
+    first = keys.index(deletes[0])
+    assert all(k.startswith(COMMITS_PREFIX) for k in keys[:first])  # tombstones first
+    assert keys[first:] == deletes and len(deletes) >= 6
+    assert any(k.endswith(".zip") for k in deletes) and any(k.endswith(".dstt") for k in deletes)
+
+
 def test_fsync_mode_syncs_the_parents_of_new_folders(tmp_path: Path) -> None:
-    """White-box (a power cut cannot be staged here): a chunk in a folder that the write had to
-    create is durable only once every folder that gained an entry is fsynced as well."""
+    """White-box (a power cut cannot be staged here): a file in a folder that the write had to
+    create — a rank's vote in a slot's new parts folder — is durable only once every folder
+    that gained an entry is fsynced as well."""
     from dstt.store import LocalStorage
 
     st = LocalStorage(tmp_path, durability="fsync")
-    st.write("params/layers/0/c.0", b"x")
-    assert st._dirty_dirs == {str(tmp_path / "params/layers/0"), str(tmp_path / "params/layers"),
-                              str(tmp_path / "params"), str(tmp_path)}
+    st.write(part_key(1, 1), b"x")
+    slot_dir = tmp_path / PARTS_PREFIX / f"{1:012d}"
+    assert st._dirty_dirs == {str(slot_dir), str(tmp_path / PARTS_PREFIX),
+                              str(tmp_path / "_dstt"), str(tmp_path)}
     st.barrier()
     assert not st._dirty_dirs
-    st.write("params/layers/0/c.1", b"y")  # folder known: only it changes
-    assert st._dirty_dirs == {str(tmp_path / "params/layers/0")}
+    st.write(part_key(1, 2), b"y")  # folder known: only it changes
+    assert st._dirty_dirs == {str(slot_dir)}
+
+
+# -- what LocalStorage syncs per commit --------------------------------------------------------
+
+def _fd_path(fd: int) -> str:
+    """The file an fd is open on, with an in-flight temporary's suffix removed."""
+    return os.readlink(f"/proc/self/fd/{fd}").split(".tmp.", 1)[0]
+
+
+@pytest.mark.parametrize("durability", ["fsync", "syncfs", "none"])
+def test_each_commit_syncs_its_step_files_before_the_header(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: Durability) -> None:
+    """White-box, on a real directory (a power cut cannot be staged here): count what
+    ``LocalStorage`` syncs per commit. The step and side file are published without a sync
+    and made durable by one barrier — an fsync of each and of ``steps/`` (``"fsync"``) or one
+    ``syncfs`` (``"syncfs"``) — strictly before the header is written; header and ref are
+    each fsynced with their folder. A no-op barrier fails this test."""
+    from dstt.store import LocalStorage, backend
+
+    run = tmp_path / "run"
+    repo = Repository.create(LocalStorage(run, durability=durability, create=True))
+    events: list[tuple[str, str]] = []
+    real_fsync, real_syncfs = os.fsync, backend._syncfs
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", _fd_path(fd)))
+        real_fsync(fd)
+
+    def syncfs(fd: int) -> None:
+        # what the kernel is asked to flush: the step files are in place, the header is not
+        slot = len(list((run / COMMITS_PREFIX).glob("*.json"))) if (
+            run / COMMITS_PREFIX).is_dir() else 0
+        events.append(("syncfs", _fd_path(fd)))
+        assert (run / step_file_key(slot)).is_file() and (run / side_file_key(slot)).is_file()
+        real_syncfs(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(backend, "_syncfs", syncfs)
+    root = str(run)
+    steps, commits, refs = (f"{root}/{d}" for d in (STEPS_PREFIX, COMMITS_PREFIX, "_dstt/refs"))
+    for step in range(4):
+        events.clear()
+        with repo.writer(chunk_bytes=CHUNK_BYTES) as w:
+            commit(w, step)
+        slot = step
+        zip_, side = f"{root}/{step_file_key(slot)}", f"{root}/{side_file_key(slot)}"
+        header, ref = f"{root}/{commit_key(slot)}", f"{root}/{ref_key('main')}"
+        if durability == "none":
+            assert events == []
+            continue
+        fsyncs = [p for kind, p in events if kind == "fsync"]
+        syncfs_calls = [p for kind, p in events if kind == "syncfs"]
+        # the commit point and the ref: file, then its folder (a new folder: its parent too)
+        at_header = events.index(("fsync", header))
+        new_folders = [f"{root}/_dstt"] if step == 0 else []  # _dstt/commits is new
+        assert events[at_header:] == [("fsync", header), ("fsync", commits),
+                                      *[("fsync", d) for d in new_folders],
+                                      ("fsync", ref), ("fsync", refs)]
+        before = events[:at_header]
+        if durability == "fsync":
+            assert syncfs_calls == []
+            # both step files and every folder that gained an entry, each exactly once
+            grown = [root] if step == 0 else []  # steps/ itself is new in the first commit
+            assert sorted(before) == sorted(("fsync", p) for p in [zip_, side, steps, *grown])
+            assert len(fsyncs) == 7 + 2 * (step == 0)
+        else:
+            assert before == [("syncfs", root)]  # one syncfs for the whole step
+            assert len(fsyncs) == 4 + (step == 0)
+    assert Repository.open(run).verify().ok
+
+
+def _run_files(run: Path) -> set[str]:
+    """Files of a run, without the ones that do not grow with the steps (refs, HEAD, lock)."""
+    skip = ("_dstt/refs/", "_dstt/HEAD.json", "_dstt/lock")
+    return {str(p.relative_to(run)) for p in run.rglob("*")
+            if p.is_file() and not str(p.relative_to(run)).startswith(skip)}
+
+
+@pytest.mark.parametrize("tensors", [5, 500])
+def test_a_committed_step_is_at_most_three_files(tmp_path: Path, tensors: int) -> None:
+    """Format 2's point: files per step do not grow with the tensor count (format 1 wrote one
+    file per chunk). A step of 5 or of 500 tensors, each of several chunks, plus objects, is
+    its step file, its side file and its commit header."""
+    run = tmp_path / "run"
+    repo = Repository.create(run)
+    rng = np.random.default_rng(tensors)
+    before = _run_files(run)
+    for step in (1, 2):
+        with repo.writer(chunk_bytes=16) as w:
+            txn = w.begin(step)
+            for i in range(tensors):
+                put_tensor(txn, f"params/layers/{i}/w", rng.standard_normal((3, 4)).astype(
+                    np.float32))
+            txn.put_object("rng", {"seed": step})
+            txn.put_object("data", {"batch": step})
+            h = txn.commit()
+        now = _run_files(run)
+        new = now - before
+        assert len(new) <= 3
+        assert new == {step_file_key(h.slot), side_file_key(h.slot), commit_key(h.slot)}
+        with zipfile.ZipFile(run / step_file_key(h.slot)) as zf:  # all 3 * N chunks inside
+            assert sum("/c/" in n for n in zf.namelist()) == 3 * tensors
+        before = now
+    assert repo.verify().ok

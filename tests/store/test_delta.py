@@ -3,6 +3,7 @@ and a crash in the middle of an encoded commit leaves the previous commit readab
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import ml_dtypes
@@ -11,6 +12,7 @@ import pytest
 
 from dstt.store import Repository, load
 from dstt.store.codec import DeltaPolicy, chain_limit
+from dstt.store.layout import step_file_key
 
 from ._util import crash_at_every_write
 
@@ -93,13 +95,25 @@ def test_frozen_tensors_are_not_rewritten(tmp_path: Path) -> None:
     with repo.writer(encoding=DeltaPolicy()) as w:
         for step in range(1, 6):
             _commit(w, step, t.step())
-    files = sorted(p.name for p in (run / "params" / "frozen").iterdir() if p.name != "zarr.json")
-    assert files == ["c.0.0"]  # written once, referenced by every later step
+    r = repo.reader()
+    first = r.lineage()[0]
+    for h in r.lineage():  # every step references the bytes written by the first one
+        assert [c.key for c in r.arrays(h)["params/frozen"].chunks] == [step_file_key(first.slot)]
+        assert r.arrays(h)["params/frozen"].chunks == r.arrays(first)["params/frozen"].chunks
+    holders = []
+    for h in r.lineage():  # and only the first step file holds a chunk entry of it
+        with zipfile.ZipFile(run / step_file_key(h.slot)) as zf:
+            names = zf.namelist()
+        assert "params/frozen/zarr.json" in names  # every step is a whole Zarr hierarchy
+        if any(n.startswith("params/frozen/c/") for n in names):
+            holders.append(h.slot)
+    assert holders == [first.slot]  # written once
     assert _same(load(run, 5).arrays["params/frozen"], t.frozen)
 
 
 def test_delta_slots_read_as_missing_by_plain_zarr(tmp_path: Path) -> None:
     import zarr
+    from zarr.storage import ZipStore
 
     run = tmp_path / "run"
     repo = Repository.create(run)
@@ -108,9 +122,17 @@ def test_delta_slots_read_as_missing_by_plain_zarr(tmp_path: Path) -> None:
         first = t.step()
         _commit(w, 1, first)
         _commit(w, 2, t.step())
-    a = zarr.open_array(run / "params" / "w", mode="r", zarr_format=3)
-    assert np.array_equal(a[0], first["params/w"])  # keyframe: plain Zarr
-    assert np.isnan(a[1]).all()  # delta: documented as missing for plain readers
+    r = repo.reader()
+    h1, h2 = r.find(1), r.find(2)
+    assert {c.encoding for c in r.arrays(h2)["params/w"].chunks} == {"xor1"}
+
+    def plain(slot: int) -> np.ndarray:
+        a = zarr.open_array(ZipStore(run / step_file_key(slot), mode="r"), path="params/w",
+                            mode="r", zarr_format=3)
+        return np.asarray(a[...])
+
+    assert np.array_equal(plain(h1.slot), first["params/w"])  # keyframe: plain Zarr
+    assert np.isnan(plain(h2.slot)).all()  # delta: documented as missing for plain readers
 
 
 def test_rollback_never_chains_across_timelines(tmp_path: Path) -> None:
@@ -165,7 +187,7 @@ def test_crash_at_every_write_of_an_encoded_commit() -> None:
     steps = [t.step() for _ in range(3)]
     k, saw_delta = crash_at_every_write(lambda w, step: _commit(w, step, steps[step - 1]),
                                         lambda step: steps[step - 1], encoding=DeltaPolicy())
-    assert k > 5 and saw_delta
+    assert k == 5 and saw_delta  # cut before each of its 4 writes (step, side, header, ref)
 
 
 def test_chain_limit_rule() -> None:

@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
+from zarr.storage import ZipStore
 
 from dstt.errors import CorruptRunError, DsttError, RankError
-from dstt.store import DeltaPolicy, Repository
-from dstt.store.layout import PARTS_PREFIX
+from dstt.store import CommitHeader, DeltaPolicy, Repository
+from dstt.store.layout import PARTS_PREFIX, STEPS_PREFIX, side_file_key, step_file_key
 from dstt.store.parts import abort_vote, collect_parts, part_slots
 from dstt.store.shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
 
@@ -25,11 +26,12 @@ from ._util import put_array, same_bits
 
 
 def _two_rank_commit(repo: Repository, step: int, *, slot: int | None = None,
-                     session: str = "s1", chunk_bytes: int = 64) -> tuple[object, dict]:
+                     session: str = "s1",
+                     chunk_bytes: int = 64) -> tuple[CommitHeader, dict[str, np.ndarray]]:
     a0 = np.arange(10, dtype=np.float32) + step
     a1 = np.arange(7, dtype=np.float32) * -1 - step
     with repo.writer(chunk_bytes=chunk_bytes) as w0, \
-            repo.writer(chunk_bytes=chunk_bytes, exclusive=False) as w1:
+            repo.writer(chunk_bytes=chunk_bytes, exclusive=False, rank=1) as w1:
         slot = w0.next_slot if slot is None else slot
         t1 = w1.begin(step, slot=slot)
         put_array(t1, "zero/r1/flat", a1)
@@ -56,9 +58,24 @@ def test_merged_commit_is_a_plain_commit(tmp_path: Path) -> None:
     assert h.metrics == {"loss": 1.0}  # rank 0's metrics
     assert part_slots(repo.storage) == []  # votes removed once merged
     assert repo.verify().ok
-    # plain Zarr sees both ranks' arrays at the slot
-    g = zarr.open_group(str(tmp_path / "run"), mode="r", zarr_format=3)
-    assert same_bits(g["zero/r1/flat"][h.slot], want["zero/r1/flat"])
+    # each rank's share is in its own files of the slot: rank 0's step file is the plain one
+    table = r.arrays(h)
+    files = {p: {c.key for c in rec.chunks} for p, rec in table.items()}
+    assert files == {"zero/r0/flat": {step_file_key(h.slot)},
+                     "zero/r1/flat": {step_file_key(h.slot, "r00001")}}
+    assert h.objects["rng/r1"].key == side_file_key(h.slot, "r00001")
+    assert h.objects["rng/r0"].key == side_file_key(h.slot)
+    assert h.arrays is not None and h.arrays.key == side_file_key(h.slot)
+    # plain Zarr sees each rank's arrays in that rank's step file (a Zarr v3 hierarchy each)
+    for rank, path in ((0, "zero/r0/flat"), (1, "zero/r1/flat")):
+        zkey = step_file_key(h.slot, "r00001" if rank else "")
+        store = ZipStore(tmp_path / "run" / zkey, mode="r")
+        arr = zarr.open_array(store, path=path, mode="r", zarr_format=3)
+        assert same_bits(np.asarray(arr[...]), want[path])
+        g = zarr.open_group(store, mode="r", zarr_format=3)
+        other = "zero/r1/flat" if rank == 0 else "zero/r0/flat"
+        with pytest.raises(KeyError):
+            g[other]
 
 
 def test_ranks_out_of_step_are_refused(tmp_path: Path) -> None:
@@ -77,9 +94,14 @@ def test_ranks_out_of_step_are_refused(tmp_path: Path) -> None:
                           session="other", timeout=0.05)
     assert repo.reader().head() is None
     assert part_slots(repo.storage) == [slot]
+    # rank 1's prepared share: its step file (no objects, so no side file), named by a
+    # random tag as the writer was given no rank
+    assert list(repo.storage.list(STEPS_PREFIX)) == [f"{slot:012d}.{w1.file_tag}.zip"]
     report = repo.gc(keep_last=1)
-    assert report.files_removed >= 1
+    assert report.files_removed == 2  # the step file and the folder of votes
     assert part_slots(repo.storage) == []
+    assert list(repo.storage.list(STEPS_PREFIX)) == []
+    assert repo.verify().ok
 
 
 def test_abort_vote_fails_the_step_at_once(tmp_path: Path) -> None:
@@ -128,16 +150,58 @@ def test_part_writer_limits(tmp_path: Path) -> None:
         w0.begin(1, slot=-1)  # (the part writer above took no lock)
 
 
-def test_slot_capacity_grows_per_owner(tmp_path: Path) -> None:
-    repo = Repository.create(tmp_path / "run")
-    cap = repo.slot_capacity()
+def test_a_slot_far_ahead_names_every_ranks_files(tmp_path: Path) -> None:
+    """Format 1 grew every array's slot axis for such a slot; format 2 only names files by
+    it: both ranks' step files of slot 40 are complete Zarr hierarchies, the slots between
+    stay unused, and the next commit continues after it."""
+    run = tmp_path / "run"
+    repo = Repository.create(run)
     _two_rank_commit(repo, 1, slot=0)
-    h, want = _two_rank_commit(repo, 2, slot=cap + 3)  # beyond the capacity
-    assert repo.slot_capacity() >= cap + 4
-    g = zarr.open_group(str(tmp_path / "run"), mode="r", zarr_format=3)
-    for p, a in want.items():
-        assert g[p].shape[0] == repo.slot_capacity()
-        assert same_bits(g[p][h.slot], a)
+    h, want = _two_rank_commit(repo, 2, slot=40)
+    assert h.slot == 40
+    assert sorted(repo.storage.list(STEPS_PREFIX)) == sorted(
+        k.split("/")[1] for s in (0, 40) for k in (step_file_key(s), side_file_key(s),
+                                                    step_file_key(s, "r00001"),
+                                                    side_file_key(s, "r00001")))
+    for tag, p in (("", "zero/r0/flat"), ("r00001", "zero/r1/flat")):
+        store = ZipStore(run / step_file_key(40, tag), mode="r")
+        a = zarr.open_array(store, path=p, mode="r", zarr_format=3)
+        assert same_bits(np.asarray(a[...]), want[p])
+        attrs = zarr.open_group(store, mode="r", zarr_format=3).attrs.asdict()
+        assert attrs["dstt"] == {"format": 2, "step": 2, "timeline": "main", "slot": 40}
+    assert repo.verify().ok
+    with repo.writer() as w:
+        assert w.next_slot == 41
+    h3, want3 = _two_rank_commit(repo, 3)
+    assert h3.slot == 41 and h3.parent == 40
+    assert [x.step for x in repo.reader().lineage()] == [1, 2, 3]
+    assert same_bits(repo.reader().read_array(h3, "zero/r1/flat"), want3["zero/r1/flat"])
+
+
+def test_part_writers_without_a_rank_never_share_files(tmp_path: Path) -> None:
+    """A part writer opened without ``rank=`` names its files with a random tag, so two of
+    them writing one slot cannot overwrite each other's step files."""
+    repo = Repository.create(tmp_path / "run")
+    with repo.writer(chunk_bytes=64) as w0, repo.writer(exclusive=False) as wa, \
+            repo.writer(exclusive=False) as wb:
+        slot = w0.next_slot
+        ta, tb = wa.begin(1, slot=slot), wb.begin(1, slot=slot)
+        put_array(ta, "zero/r1/flat", np.arange(5, dtype=np.float32))
+        put_array(tb, "zero/r2/flat", np.arange(6, dtype=np.float32) * 2)
+        ta.prepare(rank=1, world=3, session="s")
+        tb.prepare(rank=2, world=3, session="s")
+        t0 = w0.begin(1, slot=slot)
+        put_array(t0, "zero/r0/flat", np.ones(4, np.float32))
+        parts = collect_parts(repo.storage, slot=slot, step=1, ranks=[1, 2], world=3,
+                              session="s", timeout=5)
+        h = t0.commit(parts=parts)
+    table = repo.reader().arrays(h)
+    keys = {p: {c.key for c in rec.chunks} for p, rec in table.items()}
+    assert len({k for ks in keys.values() for k in ks}) == 3  # three different step files
+    assert keys["zero/r0/flat"] == {step_file_key(slot)}
+    for p, want in (("zero/r1/flat", np.arange(5, dtype=np.float32)),
+                    ("zero/r2/flat", np.arange(6, dtype=np.float32) * 2)):
+        assert same_bits(repo.reader().read_array(h, p), want)
     assert repo.verify().ok
 
 
