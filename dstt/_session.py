@@ -167,7 +167,7 @@ class Session:
         run = self._run_arg
         self.repo = run if isinstance(run, Repository) else Repository.create(run)
         writer = self.repo.writer(chunk_bytes=chunk, encoding=self.encoding,
-                                  inflight_bases=True)
+                                  inflight_bases=True, lazy_refs=True)
         try:
             reader = self.repo.reader()
             head = reader.head()

@@ -99,13 +99,22 @@ class FlatPlan:
 class StepBuffers:
     """A fixed ring of whole-step host buffers (pinned when copying from CUDA)."""
 
-    def __init__(self, nbytes: int, count: int, *, pin: bool = False) -> None:
+    def __init__(self, nbytes: int, count: int, *, pin: bool = False,
+                 memory: list[Any] | None = None) -> None:
+        """``memory``: ``count`` writable buffers of ``nbytes`` to use (the flusher's shared
+        memory, zero-filled) instead of allocating."""
         if count < 1:
             raise ValueError("StepBuffers needs at least one buffer")
         self.nbytes, self.count, self.pinned = nbytes, count, pin
-        # zeroed once: padding between tensors stays zero (the summaries scan across it)
-        self.buffers = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
-                        for _ in range(count)]
+        if memory is not None:
+            self.buffers = [torch.frombuffer(m, dtype=torch.uint8, count=nbytes)
+                            for m in memory]
+            if pin:
+                self.pinned = all(_register_pinned(b) for b in self.buffers)
+        else:
+            # zeroed once: padding between tensors stays zero (the summaries scan across it)
+            self.buffers = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+                            for _ in range(count)]
         #: per buffer: the store's prebuilt zip images by start offset (``FlatImage``)
         self.images: list[dict[int, Any]] = [{} for _ in range(count)]
         self._free = list(range(count))
@@ -145,3 +154,13 @@ class StepBuffers:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+
+def _register_pinned(buf: torch.Tensor) -> bool:
+    """Page-lock shared memory for the CUDA driver (so device copies into it are async);
+    False where that is refused (the copies then still work, synchronously staged)."""
+    try:
+        rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+    except (RuntimeError, AttributeError):
+        return False
+    return int(rc) == 0

@@ -23,6 +23,7 @@ with a hung filesystem alive at exit, and ordering the commits would need a seco
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -34,8 +35,11 @@ from typing import Any
 
 import torch
 
-from ..errors import CaptureError
+from ..errors import CaptureError, StorageError
+from ..store.backend import LocalStorage
+from ..store.flat import FlatImage
 from ..store.flatstats import DigestPlan, digest
+from ..store.flusher import Flusher, flusher_supported
 from ..store.layout import ChunkPlan
 from ..store.predict import CUR, Prediction
 from ._convert import flat_bytes
@@ -228,7 +232,10 @@ class Pipeline:
     def __init__(self, writer: Any, *, budget_bytes: int, writers: int = 4,
                  verify: bool = False, max_backlog: int = 16,
                  summaries: bool = True, summaries_object: str = SUMMARIES_OBJECT,
-                 min_slab_bytes: int = 0) -> None:
+                 min_slab_bytes: int = 0, flusher: bool | None = None) -> None:
+        """``flusher``: write flat steps from a child process (``store/flusher.py``): None
+        (default) where the storage is local files and the platform allows, ``False``
+        never (writer threads), ``True`` always where possible."""
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         if max_backlog < 1:
@@ -250,6 +257,12 @@ class Pipeline:
         self._plans: dict[tuple[object, ...], FlatPlan] = {}
         self._digests: dict[int, DigestPlan] = {}
         self.steps: StepBuffers | None = None
+        if flusher is None:  # DSTT_FLUSHER=0 turns it off without touching the code
+            flusher = os.environ.get("DSTT_FLUSHER", "1") != "0"
+        self._want_flusher = flusher and flusher_supported() and isinstance(
+            getattr(writer, "storage", None), LocalStorage)
+        self.flusher: Flusher | None = None
+        self._images: dict[tuple[int, int], FlatImage] = {}  # (id(layout), start) -> sizes
         self._copier = Copier()
         self._flights: list[Flight] = []
         self._lock = threading.Lock()
@@ -321,7 +334,16 @@ class Pipeline:
         if self.steps is None:
             count = max(2, min(4, self.budget_bytes // plan.nbytes))
             pin = plan.cuda and torch.cuda.is_available()
-            self.steps = StepBuffers(plan.nbytes, count, pin=pin)
+            memory = None
+            if self._want_flusher:
+                try:
+                    self.flusher = Flusher(plan.nbytes, count)
+                    memory = self.flusher.buffers
+                except (OSError, StorageError) as e:  # no memfd, no fork: writer threads
+                    warnings.warn(f"dstt: writing from threads, the flusher process could "
+                                  f"not start ({e})", RuntimeWarning, stacklevel=2)
+                    self.flusher = None
+            self.steps = StepBuffers(plan.nbytes, count, pin=pin, memory=memory)
         return self.steps
 
     def wait_copied(self, f: Flight) -> float:
@@ -432,6 +454,8 @@ class Pipeline:
             self.cache.close()
         if self.steps is not None:
             self.steps.close()
+        if self.flusher is not None:
+            self.flusher.close()
 
     # -- copy thread --------------------------------------------------------------------
     def _copy_loop(self) -> None:
@@ -576,14 +600,33 @@ class Pipeline:
             if f.dead:
                 return
             buf = self.steps.buffers[f.buffer]
-            f.txn.put_flat(f.flat.layout, buf.numpy(), self.steps.images[f.buffer])
-            if self._book is not None:
-                plan = self._digest_plan(f.flat)
-                f.flat_stats = {"paths": plan.paths, "numel": plan.numel,
-                                **digest(plan, buf.numpy())}
+            layout = f.flat.layout
+            plan = self._digest_plan(f.flat) if self._book is not None else None
+            fl = self.flusher
+            if fl is not None and not fl.dead and getattr(f.txn, "zip", None) is not None:
+                start = f.txn.reserve_flat(layout, lambda s: self._image(layout, s).nbytes)
+                path = f.txn.zip.local_path
+                crcs, directory, stats = fl.write(f.buffer, layout, start, path, plan)
+                im = self._image(layout, start)
+                f.txn.complete_flat(layout, im.offsets, im.sizes, crcs, directory)
+            else:
+                f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer])
+                stats = digest(plan, buf.numpy()) if plan is not None else None
+            if plan is not None and stats is not None:
+                f.flat_stats = {"paths": plan.paths, "numel": plan.numel, **stats}
         finally:
             index, f.buffer = f.buffer, None
             self.steps.release(index)
+
+    def _image(self, layout: Any, start: int) -> FlatImage:
+        """Where the entries of ``layout`` land when placed at ``start`` (no buffer)."""
+        key = (id(layout), start)
+        im = self._images.get(key)
+        if im is None or im.layout is not layout:
+            if len(self._images) > 16:
+                self._images.clear()
+            im = self._images[key] = FlatImage(layout, start, None)
+        return im
 
     def _digest_plan(self, plan: FlatPlan) -> DigestPlan:
         d = self._digests.get(id(plan))

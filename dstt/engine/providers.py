@@ -108,11 +108,14 @@ class TensorProvider:
         self._get = tensors if callable(tensors) else (lambda: tensors)
         self.strict = strict
         self.snapshot = snapshot
+        self._checked: set[str] = set()  # paths validated already (this runs every step)
 
     def _live(self) -> dict[str, torch.Tensor]:
         out = dict(self._get())
-        for path in out:
-            check_array_path(path)
+        if not self._checked.issuperset(out):
+            for path in out:
+                check_array_path(path)
+            self._checked.update(out)
         return out
 
     def tensors(self) -> Mapping[str, torch.Tensor]:

@@ -26,6 +26,7 @@ rules), built from stored arrays, so a fresh optimizer with no state yet restore
 from __future__ import annotations
 
 import functools
+import operator
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import torch
 
 from ..errors import SchemaError
 from ..store.predict import Prediction
-from ._convert import flat_bytes, from_plain, store_dtype, to_plain, torch_dtype
+from ._convert import from_plain, to_plain
 from .predictions import optimizer_predictions
 from .providers import (
     CompositeProvider,
@@ -90,6 +91,71 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**model_params(model), **model_buffers(model)}
 
 
+_generation = [0]  # bumped whenever any module registers a module, parameter or buffer
+_hooked = [False]
+
+
+def _bump(*_: Any) -> None:
+    _generation[0] += 1
+
+
+def _install_registration_hooks() -> None:
+    if _hooked[0]:
+        return
+    from torch.nn.modules import module as m
+
+    for name in ("register_module_module_registration_hook",
+                 "register_module_parameter_registration_hook",
+                 "register_module_buffer_registration_hook"):
+        reg = getattr(m, name, None)
+        if reg is not None:
+            reg(_bump)
+    _hooked[0] = True
+
+
+class ModelTensors:
+    """``model_params``/``model_buffers`` of one model, cached across steps.
+
+    Walking ``named_parameters()`` costs ~5 µs per module, on the training thread, at every
+    captured step. Instead the (module dict, name) slot of every tensor is found once; a step
+    reads the slots (one dict lookup each) and rebuilds the mapping only when a tensor object
+    changed — or when any module registered a module, parameter or buffer since (torch's
+    global registration hooks bump a generation counter). ``buffers=True``: the persistent
+    buffers (``state_dict``'s), each once, not parameters.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, buffers: bool = False) -> None:
+        _install_registration_hooks()
+        self.model, self.buffers = model, buffers
+        self._gen = -1
+        self._slots: list[tuple[dict[str, Any], str]] = []
+        self._values: list[Any] = []
+        self._out: dict[str, torch.Tensor] = {}
+
+    def _rebuild(self) -> None:
+        out = model_buffers(self.model) if self.buffers else model_params(self.model)
+        where = {id(t): (d, k) for mod in self.model.modules()
+                 for d in (mod._buffers if self.buffers else mod._parameters,)
+                 for k, t in d.items() if t is not None}
+        self._slots = [where[id(t)] for t in out.values()]
+        self._values = list(out.values())
+        self._out = out
+        self._gen = _generation[0]
+
+    def __call__(self) -> dict[str, torch.Tensor]:
+        if self._gen != _generation[0]:
+            self._rebuild()
+            return self._out
+        try:
+            now = [d[k] for d, k in self._slots]
+        except KeyError:
+            now = None
+        if now is None or len(now) != len(self._values) or not all(
+                map(operator.is_, now, self._values)):
+            self._rebuild()
+        return self._out
+
+
 def model_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {tensor_path("params", name): p for name, p in model.named_parameters()}
 
@@ -107,10 +173,6 @@ def model_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _is_array_state(v: Any) -> bool:
-    return isinstance(v, torch.Tensor) and (v.dim() > 0 or not v.is_cpu)
-
-
 class OptimizerStateProvider:
     """Per-parameter optimizer state (Adam/AdamW/SGD/...): tensors as arrays, scalars packed."""
 
@@ -119,6 +181,12 @@ class OptimizerStateProvider:
     def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> None:
         self.optimizer = optimizer
         self._names = names
+        self._plist: list[tuple[torch.Tensor, str]] = []
+        self._plist_key: tuple[Any, ...] = ()
+        self._sig_keys: list[str] = []
+        self._sig_values: list[Any] = []
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._object: dict[str, Any] | None = None
 
     def params(self) -> Iterator[tuple[torch.Tensor, str]]:
         """Parameters in ``state_dict`` order with their dotted names."""
@@ -126,55 +194,71 @@ class OptimizerStateProvider:
             for pi, p in enumerate(group["params"]):
                 yield p, self._names.get(id(p), f"unnamed.group{gi}.param{pi}")
 
+    def _param_list(self) -> list[tuple[torch.Tensor, str]]:
+        groups = self.optimizer.param_groups
+        key = tuple((id(g["params"]), len(g["params"])) for g in groups)
+        if key != self._plist_key:
+            self._plist, self._plist_key = list(self.params()), key
+        return self._plist
+
+    def _changed(self) -> list[tuple[str, dict[str, Any]]] | None:
+        """The (name, state) of every parameter with state, or None when no key or value
+        object changed since the last call (a step of Adam changes values in place)."""
+        state = self.optimizer.state
+        items = [(name, st) for p, name in self._param_list() if (st := state.get(p))]
+        keys = [k for _, st in items for k in st]
+        values = [v for _, st in items for v in st.values()]
+        if (keys == self._sig_keys and len(values) == len(self._sig_values)
+                and all(map(operator.is_, values, self._sig_values))):
+            return None
+        self._sig_keys, self._sig_values = keys, values
+        return items
+
     def tensors(self) -> Mapping[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for p, name in self.params():
-            for key, v in self.optimizer.state.get(p, {}).items():
-                if _is_array_state(v):
-                    out[tensor_path(f"optim/{key}", name)] = v
-        return out
+        """Every tensor of the state (0-d step counters included: the engine copies them
+        with the rest, in one batched copy) by array path; cached while unchanged."""
+        items = self._changed()
+        if items is not None:
+            self._object = None
+            self._tensors = {tensor_path(f"optim/{key}", name): v
+                             for name, st in items for key, v in st.items()
+                             if isinstance(v, torch.Tensor)}
+        return self._tensors
 
     def predictions(self) -> Mapping[str, Prediction]:
         """Arrays of the step just taken that the store may encode as predictions."""
         return optimizer_predictions(self.optimizer, self.params(), tensor_path)
 
     def objects(self) -> Mapping[str, Any]:
-        """The non-array state, packed: 0-d tensors (Adam's ``step`` of every parameter) go
-        into one array per (key, dtype, device) with a single ``torch.stack`` — a snapshot
-        taken here, on the training thread, at the cost of one call instead of a tagged
-        object per parameter (~10 µs each); anything else stays a plain value."""
-        names: list[str] = []
-        arrays: list[list[str]] = []
-        scalars: dict[tuple[str, torch.dtype, torch.device], tuple[list[int],
-                                                                   list[torch.Tensor]]] = {}
-        values: dict[str, dict[str, Any]] = {}
-        for p, name in self.params():
+        """Which keys of each parameter's state are arrays, and the values of the others
+        (plain data, snapshot now). While the state holds only tensors — Adam, AdamW, SGD
+        with momentum — this is the same object at every step (cheap to encode again)."""
+        items = self._changed()
+        if items is not None:
+            self._object = None
+            self._tensors = {tensor_path(f"optim/{key}", name): v
+                             for name, st in items for key, v in st.items()
+                             if isinstance(v, torch.Tensor)}
+        if self._object is not None:
+            return {self.OBJECT: self._object}
+        state: dict[str, Any] = {}
+        plain = False
+        for p, name in self._param_list():
             st = self.optimizer.state.get(p)
-            if st is None:
+            if not st:
                 continue
-            i = len(names)
-            names.append(name)
-            keys: list[str] = []
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    if v.dim() > 0 or not v.is_cpu:
-                        keys.append(k)
-                        continue
-                    idx, ts = scalars.setdefault((k, v.dtype, v.device), ([], []))
-                    idx.append(i)
-                    ts.append(v)
-                else:
-                    values.setdefault(name, {})[k] = to_plain(v)
-            arrays.append(keys)
-        packed = [{"key": k, "dtype": store_dtype(dt, what=f"optimizer state {k!r}"),
-                   "params": idx, "values": _scalar_bytes(ts, dt)}
-                  for (k, dt, _), (idx, ts) in scalars.items()]
-        return {self.OBJECT: {"packed": 1, "params": names, "arrays": arrays,
-                              "scalars": packed, "values": values}}
+            values = {k: to_plain(v) for k, v in st.items() if not isinstance(v, torch.Tensor)}
+            plain = plain or bool(values)
+            state[name] = {"arrays": [k for k, v in st.items() if isinstance(v, torch.Tensor)],
+                           "values": values}
+        obj = {"format": 2, "params": state}
+        if not plain:  # nothing to snapshot: reuse while the structure holds
+            self._object = obj
+        return {self.OBJECT: obj}
 
     def restore(self, source: RestoreSource) -> None:
         saved = source.object(self.OBJECT) if source.has_object(self.OBJECT) else {}
-        entries = _unpack_state(saved)
+        entries = saved.get("params", {}) if saved else {}
         state: dict[int, dict[str, Any]] = {}
         for idx, (_, name) in enumerate(self.params()):
             entry = entries.get(name)
@@ -192,32 +276,6 @@ class OptimizerStateProvider:
             )
         groups = self.optimizer.state_dict()["param_groups"]
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-def _scalar_bytes(ts: list[torch.Tensor], dtype: torch.dtype) -> np.ndarray:
-    """The values of 0-d CPU tensors as raw bytes (a snapshot): ``item()`` per tensor is
-    ~10x cheaper than ``torch.stack`` of many 0-d tensors, and exact for every dtype
-    (Python floats hold float64; bf16/fp16 values convert back exactly)."""
-    col = torch.tensor([t.item() for t in ts], dtype=dtype)
-    return flat_bytes(col).numpy().copy()
-
-
-def _unpack_state(saved: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """``{param name: {"arrays": [keys], "values": {key: plain value}}}`` from the packed
-    object written by ``OptimizerStateProvider.objects``."""
-    if not saved:
-        return {}
-    names = list(saved["params"])
-    out: dict[str, dict[str, Any]] = {
-        n: {"arrays": list(keys), "values": dict(saved["values"].get(n, {}))}
-        for n, keys in zip(names, saved["arrays"], strict=True)}
-    for sc in saved["scalars"]:
-        dt = torch_dtype(sc["dtype"])
-        raw = np.asarray(sc["values"], dtype=np.uint8).copy()
-        col = torch.from_numpy(raw).view(dt)
-        for j, i in enumerate(sc["params"]):
-            out[names[i]]["values"][sc["key"]] = col[j].clone()
-    return out
 
 
 def optimizer_groups_provider(optimizer: torch.optim.Optimizer,
@@ -352,9 +410,9 @@ def discover(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | N
     step, boundary = CompositeProvider(), CompositeProvider()
     names = param_names(model) if model is not None else {}
     if model is not None:
-        step.add(TensorProvider(lambda: model_params(model)))
+        step.add(TensorProvider(ModelTensors(model)))
         # buffers change legitimately inside forward (BatchNorm statistics): clone at capture
-        step.add(TensorProvider(lambda: model_buffers(model), snapshot=True))
+        step.add(TensorProvider(ModelTensors(model, buffers=True), snapshot=True))
     if optimizer is not None:
         step.add(OptimizerStateProvider(optimizer, names))
         boundary.add(optimizer_groups_provider(optimizer, names))

@@ -29,7 +29,7 @@ from typing import Literal, TypeAlias
 from ..errors import MissingFileError, NotARunError, ReadOnlyRunError, RunLockedError, StorageError
 
 __all__ = ["Blob", "Data", "Durability", "LocalStorage", "Storage", "as_parts", "fsync_dir",
-           "missing"]
+           "missing", "pwrite_all"]
 
 Durability = Literal["fsync", "syncfs", "none"]
 Buffer: TypeAlias = "bytes | bytearray | memoryview"
@@ -431,6 +431,19 @@ class LocalStorage(Storage):
 _IOV_MAX = 1024
 
 
+def pwrite_all(fd: int, views: list[bytes | bytearray | memoryview], offset: int) -> None:
+    """Write byte buffers back to back at ``offset`` with ``pwritev`` (``IOV_MAX`` at a
+    time), finishing short writes."""
+    for i in range(0, len(views), _IOV_MAX):
+        batch = views[i:i + _IOV_MAX]
+        want = sum(map(len, batch))
+        n = os.pwritev(fd, batch, offset)
+        while n < want:  # a short write: finish the rest the slow way
+            flat = b"".join(bytes(v) for v in batch)[n:]
+            n += os.pwrite(fd, flat, offset + n)
+        offset += want
+
+
 class _FileBlob(Blob):
     """A temporary file written with ``pwritev`` at offsets, renamed into place on publish."""
 
@@ -450,14 +463,7 @@ class _FileBlob(Blob):
             raise ValueError(f"blob {self.key!r} is already published or discarded")
         views: list[bytes | bytearray | memoryview] = data if raw else as_parts(data)  # type: ignore[assignment]
         try:
-            for i in range(0, len(views), _IOV_MAX):
-                batch = views[i:i + _IOV_MAX]
-                want = sum(map(len, batch))
-                n = os.pwritev(fd, batch, offset)
-                while n < want:  # a short write: finish the rest the slow way
-                    flat = b"".join(bytes(v) for v in batch)[n:]
-                    n += os.pwrite(fd, flat, offset + n)
-                offset += want
+            pwrite_all(fd, views, offset)
         except OSError as e:
             raise self.storage._io_error(e, "write", self.key) from e
 

@@ -6,7 +6,9 @@ flush runs — a writer thread, or the flusher process, which has no torch and n
 with training. Per dtype region of parameters (the flat layout groups them): one conversion
 to float32 where needed (bf16/fp16/ints), one ``maximum.reduceat``/``minimum.reduceat`` pass
 for max|x| (the zero padding between tensors cannot change it), one gather of every probe;
-per tensor one BLAS ``dot`` per block of 2^20 elements for the sum of squares. A non-finite
+per tensor one ``einsum`` per block of 2^20 elements for the sum of squares (not BLAS
+``dot``: OpenBLAS wakes its thread pool for vectors this long, and its spinning threads took
+CPU from training — measured; einsum is single-threaded, as fast, and as exact). A non-finite
 sum sends that tensor to an exact float64 pass that counts NaN/Inf and skips them.
 """
 
@@ -105,7 +107,7 @@ def digest(plan: DigestPlan, buf: np.ndarray | memoryview) -> dict[str, np.ndarr
             ss = 0.0
             for blk in range(0, n, BLOCK):
                 part = seg[blk:blk + BLOCK]
-                ss += float(np.dot(part, part))
+                ss += float(np.einsum("i,i->", part, part))
             m = max(float(hi[k]), -float(lo[k]))
             k += 1
             if math.isfinite(ss) and math.isfinite(m):

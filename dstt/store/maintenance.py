@@ -284,7 +284,11 @@ def gc(repo: Repository, *, keep_last: int | None = None, keep_every: int | None
             kept = reachable.get(s)
             if kept is not None and not kept.pruned:
                 needed |= _files_of(r, kept)
-        doomed = [k for k in _step_files(st) if k not in needed]
+        files = _step_files(st)
+        # every file of a kept slot stays, whatever its tensors reference: each rank's zip
+        # is that step's plain Zarr hierarchy even where all its chunks are deltas or dedups
+        live = {s for s in keep if s in reachable and not reachable[s].pruned}
+        doomed = [k for k in files if k not in needed and key_slot(k) not in live]
         sizes = {}
         for k in doomed:
             try:
@@ -297,7 +301,9 @@ def gc(repo: Repository, *, keep_last: int | None = None, keep_every: int | None
         if not dry_run:
             # tombstones first, durably: from here on no reader looks at the doomed files,
             # so a crash between any two deletes below leaves every kept step intact
-            for n, slot in enumerate(prune):
+            # newest first: a delta's bases and inputs are in older slots, so at every point
+            # a cut can stop, each live commit's bases are still live
+            for n, slot in enumerate(sorted(prune, reverse=True)):
                 if progress:
                     progress(n, len(prune) + len(doomed))
                 st.write_durable(commit_key(slot),

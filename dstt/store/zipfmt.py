@@ -153,7 +153,10 @@ def parse_directory(data: bytes, file_size: int, where: str) -> dict[str, Entry]
         if f[0] != _SIG_CENTRAL or f[4] != 0:
             raise CorruptRunError(f"{where}: central directory entry damaged or compressed")
         nlen, xlen, clen = f[10], f[11], f[12]
-        name = data[pos + 46: pos + 46 + nlen].decode()
+        try:
+            name = data[pos + 46: pos + 46 + nlen].decode()
+        except UnicodeDecodeError:
+            raise CorruptRunError(f"{where}: an entry name is not UTF-8 (damaged)") from None
         size, offset = f[9], f[16]
         x = pos + 46 + nlen
         xend = x + xlen

@@ -64,9 +64,18 @@ def _announcing_storage(path: str) -> Any:
 
         last_step = -1
 
+        def write(self, key: str, data: Any) -> None:
+            super().write(key, data)
+            self._seen(key, data)
+
         def write_durable(self, key: str, data: Any) -> None:
             super().write_durable(key, data)
-            if key.startswith(COMMITS_PREFIX + "/") and not key.endswith(".arrays.json"):
+            self._seen(key, data)
+
+        def _seen(self, key: str, data: Any) -> None:
+            # a ref is written (lazily synced by the session) once its step's files and
+            # header are durable: from here a SIGKILL must not lose the step
+            if key.startswith(COMMITS_PREFIX + "/"):
                 raw = b"".join(bytes(p) for p in data) if isinstance(data, list | tuple) \
                     else bytes(data)
                 self.last_step = parse_header(raw, key).step

@@ -49,15 +49,22 @@ def test_rss_and_descriptors_stay_flat_over_hundreds_of_steps(tmp_path: Path) ->
             s.log(loss=loss.item())
             if s.step % 50 == 0:
                 samples[s.step] = usage(proc)
-        assert s._pipeline is not None and s._pipeline.cache is not None
-        assert s._pipeline.cache.capacity <= budget  # the cache is the budgeted one
+        pipe = s._pipeline
+        assert pipe is not None and (pipe.cache is not None or pipe.steps is not None)
+        # the host cache is the budgeted one, whichever lane captured the steps
+        assert (pipe.cache.capacity if pipe.cache else 0) + (
+            pipe.steps.capacity if pipe.steps else 0) <= budget
     rss, fds, threads = usage(proc)
     assert dstt.open(tmp_path / "run").steps == list(range(1, STEPS + 1))
     # after warm-up, 200 more checkpointed steps: a leak of one state (~370 KiB) per step
     # would be ~70 MiB; what the engine keeps per step (metrics) is well under 1 MiB
     growth = samples[STEPS][0] - samples[WARM][0]
     assert growth < 16, samples
-    assert max(f for _, f, _ in samples.values()) <= base_fds + 8, samples  # not per step
+    # not per step: the run's lock, the flusher's two pipes, and two open files (zip and side
+    # file) per step in flight, of which there are at most a handful
+    fd_counts = [f for _, f, _ in samples.values()]
+    assert max(fd_counts) <= base_fds + 16, samples
+    assert fd_counts[-1] <= fd_counts[0] + 4, samples
     assert fds == base_fds and threads == base_threads  # all returned when the session closed
     assert rss - base_rss < 256  # the whole session: cache, torch, zarr/xarray imports
 

@@ -123,7 +123,7 @@ def test_read_only_run_inspects_fully_and_refuses_writers_at_start(
     assert dstt.open(run).steps == list(range(1, STEPS + 3))
 
 
-@pytest.mark.parametrize("folder", ["_dstt/refs", "_dstt/commits", "_dstt/objects", "step"])
+@pytest.mark.parametrize("folder", ["_dstt/refs", "_dstt/commits", "steps"])
 def test_a_read_only_commit_folder_is_refused_at_start_too(
         trained: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path, folder: str) -> None:
     """Only a folder every commit writes to is immutable, not the run root: the session must

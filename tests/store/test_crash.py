@@ -567,10 +567,12 @@ def _fd_path(fd: int) -> str:
 def test_each_commit_syncs_its_step_files_before_the_header(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: Durability) -> None:
     """White-box, on a real directory (a power cut cannot be staged here): count what
-    ``LocalStorage`` syncs per commit. The step and side file are published without a sync
-    and made durable by one barrier — an fsync of each and of ``steps/`` (``"fsync"``) or one
-    ``syncfs`` (``"syncfs"``) — strictly before the header is written; header and ref are
-    each fsynced with their folder. A no-op barrier fails this test."""
+    ``LocalStorage`` syncs per commit. The step file, side file and header are written
+    without a sync and made durable by ONE barrier — an fsync of each and of every folder that
+    gained an entry (``"fsync"``) or one ``syncfs`` (``"syncfs"``) — strictly before the ref,
+    the commit point, is written and fsynced with its folder. With ``lazy_refs`` the ref is
+    written without a sync and made durable by the next barrier (the next commit's, or the
+    writer's close). A no-op barrier fails this test."""
     from dstt.store import LocalStorage, backend
 
     run = tmp_path / "run"
@@ -583,46 +585,57 @@ def test_each_commit_syncs_its_step_files_before_the_header(
         real_fsync(fd)
 
     def syncfs(fd: int) -> None:
-        # what the kernel is asked to flush: the step files are in place, the header is not
-        slot = len(list((run / COMMITS_PREFIX).glob("*.json"))) if (
-            run / COMMITS_PREFIX).is_dir() else 0
+        # what the kernel is asked to flush: the step's files and header are in place
+        slot = len(list((run / STEPS_PREFIX).glob("*.zip"))) - 1
         events.append(("syncfs", _fd_path(fd)))
         assert (run / step_file_key(slot)).is_file() and (run / side_file_key(slot)).is_file()
+        assert (run / commit_key(slot)).is_file()
         real_syncfs(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(backend, "_syncfs", syncfs)
     root = str(run)
     steps, commits, refs = (f"{root}/{d}" for d in (STEPS_PREFIX, COMMITS_PREFIX, "_dstt/refs"))
+    ref = f"{root}/{ref_key('main')}"
     for step in range(4):
         events.clear()
         with repo.writer(chunk_bytes=CHUNK_BYTES) as w:
             commit(w, step)
         slot = step
         zip_, side = f"{root}/{step_file_key(slot)}", f"{root}/{side_file_key(slot)}"
-        header, ref = f"{root}/{commit_key(slot)}", f"{root}/{ref_key('main')}"
+        header = f"{root}/{commit_key(slot)}"
         if durability == "none":
             assert events == []
             continue
-        fsyncs = [p for kind, p in events if kind == "fsync"]
-        syncfs_calls = [p for kind, p in events if kind == "syncfs"]
-        # the commit point and the ref: file, then its folder (a new folder: its parent too)
-        at_header = events.index(("fsync", header))
-        new_folders = [f"{root}/_dstt"] if step == 0 else []  # _dstt/commits is new
-        assert events[at_header:] == [("fsync", header), ("fsync", commits),
-                                      *[("fsync", d) for d in new_folders],
-                                      ("fsync", ref), ("fsync", refs)]
-        before = events[:at_header]
+        # the commit point: the ref file, then its folder — after everything else
+        assert events[-2:] == [("fsync", ref), ("fsync", refs)]
+        before = events[:-2]
         if durability == "fsync":
-            assert syncfs_calls == []
-            # both step files and every folder that gained an entry, each exactly once
-            grown = [root] if step == 0 else []  # steps/ itself is new in the first commit
-            assert sorted(before) == sorted(("fsync", p) for p in [zip_, side, steps, *grown])
-            assert len(fsyncs) == 7 + 2 * (step == 0)
+            # the step's three files and every folder that gained an entry, each exactly once
+            grown = [root, f"{root}/_dstt"] if step == 0 else []  # steps/, commits/ are new
+            assert sorted(before) == sorted(
+                ("fsync", p) for p in [zip_, side, header, steps, commits, *grown])
         else:
             assert before == [("syncfs", root)]  # one syncfs for the whole step
-            assert len(fsyncs) == 4 + (step == 0)
+    # lazy refs: the commit syncs nothing after its barrier; close() makes the ref durable
+    events.clear()
+    with repo.writer(chunk_bytes=CHUNK_BYTES, lazy_refs=True) as w:
+        commit(w, 4)
+        after_commit = list(events)
+        commit(w, 5)
+        after_second = list(events)
+    if durability == "fsync":
+        assert ("fsync", ref) not in after_commit
+        # the second commit's barrier carries the first one's ref (and its folder)
+        assert ("fsync", ref) in after_second[len(after_commit):]
+        assert events[-2:] == [("fsync", ref), ("fsync", refs)]  # close: the last ref
+    elif durability == "syncfs":
+        assert after_commit == [("syncfs", root)] and after_second == [("syncfs", root)] * 2
+        assert events == [("syncfs", root)] * 3  # close: one more barrier
+    else:
+        assert events == []
     assert Repository.open(run).verify().ok
+    assert Repository.open(run).reader().head().step == 5  # type: ignore[union-attr]
 
 
 def _run_files(run: Path) -> set[str]:

@@ -1,0 +1,226 @@
+"""The flusher process: a flat step's checksums, zip entries, digests and writes, off the GIL.
+
+Python threads share one interpreter lock with training, so even a writer thread that only
+calls into C (checksums, ``pwritev``) costs the training thread a GIL hand-off per call, and
+at a thousand tensors per step those hand-offs, not the bytes, are what slows training
+(measured: docs/benchmarks.md). The flusher is a child process (``python -m
+dstt.store.flusher``, no torch) that shares the engine's whole-step host buffers through
+``memfd`` shared memory: per step the parent sends one small message (which buffer, which
+layout, where in which temporary zip) and gets back the chunk checksums, the zip central
+directory records and the write-time digests. The child runs at ``SCHED_IDLE`` where the OS
+allows, so it only ever uses CPU that training leaves idle.
+
+What stays in the parent: the commit protocol (manifest, barrier, header, ref), objects,
+and every decision. The child only fills bytes the parent reserved in a file the parent
+created and will publish; it never renames, syncs or deletes. If it dies, the parent's write
+fails with a ``StorageError`` (the step is dropped, never half-committed) and the engine
+falls back to writing in its own threads. The child exits when the parent's end of the pipe
+closes (the parent exited or was killed), so no orphan outlives a crashed trainer.
+
+Rejected alternatives: ``multiprocessing`` (its spawn start method re-imports the user's
+``__main__``, i.e. re-runs an unguarded training script) and a C extension (a compiler on
+every user's machine, for the same effect).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as _errno
+import mmap
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+from typing import IO, Any
+
+from ..errors import StorageError
+from .backend import pwrite_all
+from .flat import FlatImage, FlatLayout
+from .flatstats import DigestPlan, digest
+
+__all__ = ["Flusher", "flusher_supported"]
+
+_LEN = struct.Struct("<Q")
+
+
+def flusher_supported() -> bool:
+    """Whether this platform has what the flusher needs (Linux ``memfd_create``)."""
+    return hasattr(os, "memfd_create") and sys.platform.startswith("linux")
+
+
+def _send(out: IO[bytes], obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    out.write(_LEN.pack(len(data)))
+    out.write(data)
+    out.flush()
+
+
+def _recv(inp: IO[bytes]) -> Any:
+    head = inp.read(_LEN.size)
+    if len(head) < _LEN.size:
+        raise EOFError("flusher pipe closed")
+    (n,) = _LEN.unpack(head)
+    data = inp.read(n)
+    if len(data) < n:
+        raise EOFError("flusher pipe closed mid-message")
+    return pickle.loads(data)
+
+
+class Flusher:
+    """The parent's handle: ``count`` shared buffers of ``nbytes`` and the child process."""
+
+    def __init__(self, nbytes: int, count: int, *, sched: str = "idle") -> None:
+        if not flusher_supported():
+            raise OSError(_errno.ENOSYS, "the flusher needs Linux memfd_create")
+        self.nbytes, self.count = nbytes, count
+        self._fds: list[int] = []
+        self.buffers: list[mmap.mmap] = []
+        self.proc: subprocess.Popen[bytes] | None = None
+        try:
+            for i in range(count):
+                fd = os.memfd_create(f"dstt-step-{i}", 0)
+                self._fds.append(fd)
+                os.ftruncate(fd, nbytes)
+                self.buffers.append(mmap.mmap(fd, nbytes))
+            env = dict(os.environ)
+            env.pop("PYTHONSTARTUP", None)
+            # one thread each: a BLAS/OpenMP pool in the child would spin on the cores
+            # training needs (thread pools are made at import, before SCHED_IDLE applies)
+            env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dstt.store.flusher", sched],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=self._fds, env=env)
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self._out, self._in = self.proc.stdin, self.proc.stdout
+            _send(self._out, ("init", [(fd, nbytes) for fd in self._fds]))
+            self._expect("ready")
+            for fd in self._fds:  # the child has its copies, the parent its mappings
+                os.close(fd)
+            self._fds = []
+        except BaseException:
+            self.close()
+            raise
+        self._mu = threading.Lock()
+        self._sent: dict[int, object] = {}  # id -> the layout/plan object sent under that id
+        self.dead = False
+
+    def _expect(self, what: str) -> Any:
+        reply = _recv(self._in)
+        if reply[0] == "err":
+            raise StorageError(reply[1] or _errno.EIO, f"flusher: {reply[2]}")
+        if reply[0] != what:
+            raise StorageError(_errno.EPROTO, f"flusher: unexpected reply {reply[0]!r}")
+        return reply
+
+    def _ensure(self, kind: str, obj: object) -> int:
+        key = id(obj)
+        if self._sent.get(key) is not obj:
+            _send(self._out, (kind, key, obj))
+            self._sent[key] = obj
+        return key
+
+    def write(self, buffer: int, layout: FlatLayout, start: int, path: str,
+              plan: DigestPlan | None) -> tuple[list[int], bytes, dict[str, Any] | None]:
+        """Fill the zip entries of ``layout`` from shared buffer ``buffer`` into the file at
+        ``path`` at ``start`` (a range the parent reserved); returns each chunk's crc32c, the
+        entries' central directory records and, with ``plan``, the digest columns."""
+        with self._mu:
+            if self.dead:
+                raise StorageError(_errno.EPIPE, "the flusher process is gone")
+            try:
+                lid = self._ensure("layout", layout)
+                pid = self._ensure("plan", plan) if plan is not None else None
+                _send(self._out, ("flat", buffer, lid, start, path, pid))
+                reply = self._expect("ok")
+            except (EOFError, OSError, pickle.PickleError) as e:
+                self.dead = True
+                code = self.proc.poll() if self.proc is not None else None
+                raise StorageError(_errno.EPIPE, f"the flusher process died (exit {code}): "
+                                   f"{e}") from e
+        return reply[1], reply[2], reply[3]
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            with contextlib.suppress(OSError, ValueError):
+                _send(proc.stdin, ("exit",))  # type: ignore[arg-type]
+            for stream in (proc.stdin, proc.stdout):
+                with contextlib.suppress(OSError):
+                    if stream is not None:
+                        stream.close()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # pragma: no cover - a hung write
+                proc.kill()
+                proc.wait()
+        for b in self.buffers:
+            with contextlib.suppress(BufferError):  # views still exported: let gc unmap
+                b.close()
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
+
+
+# -- the child ---------------------------------------------------------------------------
+
+def _lower_priority(sched: str) -> None:
+    if sched != "idle":
+        return
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        with contextlib.suppress(OSError):
+            os.nice(19)
+
+
+def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
+    _lower_priority(sched)
+    maps: list[memoryview] = []
+    objs: dict[int, Any] = {}
+    images: dict[tuple[int, int, int], FlatImage] = {}
+    while True:
+        try:
+            msg = _recv(inp)
+        except EOFError:
+            return  # the parent is gone
+        kind = msg[0]
+        if kind == "exit":
+            return
+        try:
+            if kind == "init":
+                maps = [memoryview(mmap.mmap(fd, n)) for fd, n in msg[1]]
+                _send(out, ("ready",))
+            elif kind in ("layout", "plan"):
+                objs[msg[1]] = msg[2]
+                for k in [k for k in images if k[0] == msg[1]]:
+                    del images[k]
+            elif kind == "flat":
+                _, buffer, lid, start, path, pid = msg
+                image = images.get((lid, buffer, start))
+                if image is None:
+                    image = images[(lid, buffer, start)] = FlatImage(objs[lid], start,
+                                                                     maps[buffer])
+                crcs, _ = image.fill()
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    pwrite_all(fd, image.iov, start)
+                finally:
+                    os.close(fd)
+                stats = digest(objs[pid], maps[buffer]) if pid is not None else None
+                _send(out, ("ok", crcs, bytes(image.directory), stats))
+            else:
+                raise ValueError(f"unknown request {kind!r}")
+        except Exception as e:  # reported to the parent, which fails the step
+            _send(out, ("err", getattr(e, "errno", None), f"{type(e).__name__}: {e}"))
+
+
+def main() -> None:
+    sched = sys.argv[1] if len(sys.argv) > 1 else "idle"
+    _serve(sys.stdin.buffer, sys.stdout.buffer, sched)
+
+
+if __name__ == "__main__":
+    main()
