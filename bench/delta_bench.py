@@ -250,7 +250,7 @@ def session_classes(run: Path) -> dict[str, dict[str, Any]]:
     # a prediction from such a base is a two-step guess and costs bytes
     stale: dict[str, Counter[str]] = defaultdict(Counter)
     stale_bytes: dict[str, int] = defaultdict(int)
-    seen: set[str] = set()
+    seen: set[tuple[str, int]] = set()
     prev_slot: int | None = None
     for h in r.lineage():
         for path, rec in r.arrays(h).items():
@@ -259,10 +259,11 @@ def session_classes(run: Path) -> dict[str, dict[str, Any]]:
                 continue
             raw[c] += rec.plan.nbytes
             for ch in rec.chunks:
-                if ch.key in seen:
+                where = (ch.key, ch.offset)  # format 2: a byte range of a step's file
+                if where in seen:
                     dedup[c] += 1
-                    continue  # a dedup reference to an older file
-                seen.add(ch.key)
+                    continue  # a dedup reference to an older step's bytes
+                seen.add(where)
                 written[c] += ch.nbytes
                 by_enc[c][ch.encoding] += 1
                 bytes_enc[c][ch.encoding] += ch.nbytes

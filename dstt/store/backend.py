@@ -22,9 +22,9 @@ import fcntl
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 from ..errors import MissingFileError, NotARunError, ReadOnlyRunError, RunLockedError, StorageError
 
@@ -34,12 +34,11 @@ __all__ = ["Blob", "Data", "Durability", "LocalStorage", "Storage", "as_parts", 
 Durability = Literal["fsync", "syncfs", "none"]
 Buffer: TypeAlias = "bytes | bytearray | memoryview"
 #: a value to write: one buffer, or several written back to back (no concatenation copy)
-Data: TypeAlias = ("bytes | bytearray | memoryview | list[bytes | bytearray | memoryview]"
-                   " | tuple[bytes | bytearray | memoryview, ...]")
+Data: TypeAlias = ("bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]")
 
 
 def as_parts(data: Data) -> list[memoryview]:
-    parts = data if isinstance(data, (list, tuple)) else [data]
+    parts: Sequence[Any] = data if isinstance(data, (list, tuple)) else [data]
     return [memoryview(p).cast("B") for p in parts]
 
 
@@ -76,8 +75,10 @@ class _BufferedBlob(Blob):
         self._done = False
 
     def write_at(self, offset: int, data: Data, *, raw: bool = False) -> None:
+        views: Sequence[bytes | bytearray | memoryview] = (
+            data if raw else as_parts(data))  # type: ignore[assignment]
         with self._mu:
-            for view in (data if raw else as_parts(data)):  # type: ignore[union-attr]
+            for view in views:
                 end = offset + len(view)
                 if end > len(self._buf):
                     self._buf.extend(bytes(end - len(self._buf)))
@@ -431,7 +432,7 @@ class LocalStorage(Storage):
 _IOV_MAX = 1024
 
 
-def pwrite_all(fd: int, views: list[bytes | bytearray | memoryview], offset: int) -> None:
+def pwrite_all(fd: int, views: Sequence[bytes | bytearray | memoryview], offset: int) -> None:
     """Write byte buffers back to back at ``offset`` with ``pwritev`` (``IOV_MAX`` at a
     time), finishing short writes."""
     for i in range(0, len(views), _IOV_MAX):
@@ -461,7 +462,8 @@ class _FileBlob(Blob):
         fd = self.fd
         if fd is None:
             raise ValueError(f"blob {self.key!r} is already published or discarded")
-        views: list[bytes | bytearray | memoryview] = data if raw else as_parts(data)  # type: ignore[assignment]
+        views: Sequence[bytes | bytearray | memoryview] = (
+            data if raw else as_parts(data))  # type: ignore[assignment]
         try:
             pwrite_all(fd, views, offset)
         except OSError as e:

@@ -154,18 +154,18 @@ def _verify_step_files(st: Storage, h: CommitHeader, table: dict[str, ArrayRecor
         for path, rec, i in own.get(key, []):
             c = rec.chunks[i]
             name = zarr_chunk_key(path, rec.plan.index(i))
-            e = entries.get(name)
-            if e is None or e.data_offset != c.offset or e.size != c.nbytes:
+            got = entries.get(name)
+            if got is None or got.data_offset != c.offset or got.size != c.nbytes:
                 problem(key, f"step {h.step}: zip entry {name!r} is missing or not where the "
                              "commit manifest says")
-        for e in entries.values():  # every entry, metadata included: zipfile checks CRC-32
+        for ent in entries.values():  # every entry, metadata included: zipfile checks CRC-32
             try:
-                head = local_header(e.name, e.size, e.crc32, e.offset)
-                if st.read_range(key, e.offset, len(head)) != head:
-                    problem(key, f"step {h.step}: local header of zip entry {e.name!r} is "
+                head = local_header(ent.name, ent.size, ent.crc32, ent.offset)
+                if st.read_range(key, ent.offset, len(head)) != head:
+                    problem(key, f"step {h.step}: local header of zip entry {ent.name!r} is "
                                  "damaged")
-                elif crc32(st.read_range(key, e.data_offset, e.size)) != e.crc32:
-                    problem(key, f"step {h.step}: zip entry {e.name!r} fails its CRC-32")
+                elif crc32(st.read_range(key, ent.data_offset, ent.size)) != ent.crc32:
+                    problem(key, f"step {h.step}: zip entry {ent.name!r} fails its CRC-32")
             except OSError as err:
                 problem(key, str(err))
         for rec in {x[1].path: x[1] for x in own.get(key, [])}.values():

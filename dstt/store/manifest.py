@@ -339,7 +339,7 @@ class TableBuilder:
 
     def add_record(self, c: ChunkRecord) -> None:
         if c.encoding != "raw":
-            head = [c.encoding, c.base, c.raw_crc32c]
+            head: list[Any] = [c.encoding, c.base, c.raw_crc32c]
             if c.encoding != "xor1":
                 head += [c.predictor, [[p, s] for p, s in c.inputs], list(c.coeffs)]
             self.codecs[str(len(self.offset))] = head

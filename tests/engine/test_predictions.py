@@ -208,8 +208,9 @@ def test_session_writes_predicted_steps_that_read_back_bit_exactly(tmp_path: Pat
             assert same_bits(stored(repo, step, name), t), (step, name)
     assert repo.verify().ok
     ms = s.metrics
-    between = [x for x in ms[1:] if x.deltas > x.keyframes]
-    assert between and all(x.written_bytes < 0.6 * x.bytes for x in between)
+    # steps between keyframes (exp_avg and the 0-d step counters stay raw: new information)
+    between = [x for x in ms[1:] if x.deltas > 0]
+    assert len(between) >= 8 and all(x.written_bytes < 0.6 * x.bytes for x in between)
 
 
 def test_resume_from_a_predicted_step_continues_bit_exactly(tmp_path: Path) -> None:

@@ -19,7 +19,6 @@ from dstt.engine.providers import (
 )
 from dstt.engine.torch_state import (
     OptimizerStateProvider,
-    _unpack_state,
     discover,
     model_tensors,
     param_names,
@@ -201,11 +200,18 @@ def test_optimizer_provider_names_state_by_module_path() -> None:
     paths = set(prov.tensors())
     assert "optim/exp_avg/layers/0/qkv/weight" in paths
     assert "optim/exp_avg_sq/tok/weight" in paths
-    assert not any("/step/" in p for p in paths)  # 0-d CPU step counters go in the object
+    # 0-d step counters are arrays too: copied with the rest in one batched copy, not
+    # snapshot one by one on the training thread
+    assert float(prov.tensors()["optim/step/tok/weight"]) == 1.0  # one optimizer step taken
     (obj,) = prov.objects().values()
-    assert obj["packed"] == 1 and "tok.weight" in obj["params"]
-    state = _unpack_state(obj)  # the packed object, back to one entry per parameter
-    assert set(state) == set(obj["params"])
-    assert state["tok.weight"]["arrays"] == ["exp_avg", "exp_avg_sq"]
-    assert "step" in state["tok.weight"]["values"]
-    assert float(state["tok.weight"]["values"]["step"]) == 1.0  # one optimizer step taken
+    assert obj["format"] == 2 and "tok.weight" in obj["params"]
+    assert obj["params"]["tok.weight"] == {"arrays": ["step", "exp_avg", "exp_avg_sq"],
+                                           "values": {}}
+    again = prov.objects()[OptimizerStateProvider.OBJECT]
+    assert again is obj  # unchanged structure: the same object, encoded once
+    train_step(m, opt, *make_batch(1))
+    assert prov.objects()[OptimizerStateProvider.OBJECT] is obj  # Adam updates in place
+    assert float(prov.tensors()["optim/step/tok/weight"]) == 2.0
+    opt.state[m.tok.weight]["exp_avg"] = torch.zeros_like(m.tok.weight)  # replaced, not in place
+    assert prov.tensors()["optim/exp_avg/tok/weight"] is opt.state[m.tok.weight]["exp_avg"]
+    assert prov.objects()[OptimizerStateProvider.OBJECT] is not obj  # noticed: rebuilt
