@@ -26,7 +26,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ._session import DEFAULT_BUDGET, ErrorPolicy, RacePolicy, Session
+from ._session import DEFAULT_BUDGET, CopyMode, ErrorPolicy, RacePolicy, Session
 from .engine.deepspeed import DeepSpeedState, EngineStepHook, per_rank_object
 from .engine.providers import StoreSource
 from .engine.ranks import DEFAULT_RANK_TIMEOUT, RankInfo, dist_info, open_ranks
@@ -49,7 +49,7 @@ class DeepSpeedSession(Session):
                  extra_state: Mapping[str, Stateful] | None = None,
                  writers: int | None = None,
                  max_backlog: int = 16, summaries: bool = True,
-                 encoding: DeltaPolicy | None = None,
+                 encoding: DeltaPolicy | None = None, copy: CopyMode = "async",
                  rank_timeout: float = DEFAULT_RANK_TIMEOUT,
                  info: RankInfo | None = None) -> None:
         if optimizer is not None:
@@ -64,7 +64,8 @@ class DeepSpeedSession(Session):
         super().__init__(engine, None, run=run, every=every, scheduler=None, resume=resume,
                          budget_bytes=budget_bytes, race_policy=race_policy, verify=verify,
                          error_policy=error_policy, extra_state=extra_state, writers=writers,
-                         max_backlog=max_backlog, summaries=summaries, encoding=encoding)
+                         max_backlog=max_backlog, summaries=summaries, encoding=encoding,
+                         copy=copy)
         if self.info.rank:  # each rank summarises the params/ arrays it writes
             self.summaries_object = f"{self.summaries_object}/r{self.info.rank}"
 
@@ -83,7 +84,7 @@ class DeepSpeedSession(Session):
     def _open(self, chunk: int) -> tuple[Any, Any, Any]:
         writer, head = open_ranks(self._run_arg, self.info, resume=self.resume,
                                   chunk_bytes=chunk, encoding=self.encoding,
-                                  timeout=self.rank_timeout)
+                                  timeout=self.rank_timeout, lazy_refs=True)
         self.repo = writer.repo
         return writer, self.repo.reader(), head
 

@@ -41,6 +41,7 @@ from .store.layout import DEFAULT_CHUNK_BYTES
 
 __all__ = ["ErrorPolicy", "RacePolicy", "Session", "session"]
 
+CopyMode = Literal["async", "sync", "auto"]
 RacePolicy = Literal["raise", "recopy", "warn"]
 ErrorPolicy = Literal["raise", "skip"]
 
@@ -63,7 +64,7 @@ class Session:
                  verify: bool = False, error_policy: ErrorPolicy = "raise",
                  extra_state: Mapping[str, Stateful] | None = None, writers: int | None = None,
                  max_backlog: int = 16, summaries: bool = True,
-                 encoding: DeltaPolicy | None = None) -> None:
+                 encoding: DeltaPolicy | None = None, copy: CopyMode = "async") -> None:
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
         if race_policy not in ("raise", "recopy", "warn"):
@@ -71,6 +72,9 @@ class Session:
                 f"race_policy must be 'raise', 'recopy' or 'warn', not {race_policy!r}")
         if error_policy not in ("raise", "skip"):
             raise ValueError(f"error_policy must be 'raise' or 'skip', not {error_policy!r}")
+        if copy not in ("async", "sync", "auto"):
+            raise ValueError(f"copy must be 'async', 'sync' or 'auto', not {copy!r}")
+        self.copy = copy
         if budget_bytes < 4096:
             raise ValueError(f"budget_bytes={budget_bytes} is too small (at least 4096)")
         if encoding is not None and not isinstance(encoding, DeltaPolicy):
@@ -216,7 +220,8 @@ class Session:
                                       writers=self.writers, verify=self.verify,
                                       max_backlog=self.max_backlog,
                                       summaries=self.summaries,
-                                      summaries_object=self.summaries_object)
+                                      summaries_object=self.summaries_object,
+                                      copy=self.copy)
             self._hooks = self._attach()
         except BaseException:
             self._writer.close()
@@ -369,7 +374,7 @@ def session(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | No
             error_policy: ErrorPolicy = "raise",
             extra_state: Mapping[str, Stateful] | None = None, writers: int | None = None,
             max_backlog: int = 16, summaries: bool = True,
-            encoding: DeltaPolicy | None = None) -> Session:
+            encoding: DeltaPolicy | None = None, copy: CopyMode = "async") -> Session:
     """Capture every ``every``-th optimizer step of ``model``/``optimizer`` into ``run``.
 
     ``model`` may also be a DeepSpeed engine (``deepspeed.initialize``'s first result; leave
@@ -390,6 +395,11 @@ def session(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | No
     Adam(W) ``exp_avg_sq`` and parameters predicted from the update rule (about 2.6x fewer
     bytes for fp32 Adam state), keyframes every K steps, unchanged chunks referenced instead
     of rewritten; a step is written raw when the writers lack the CPU (docs/design.md).
+    ``copy``: when host tensors are copied into the host cache. ``"async"`` (default) on a
+    copy thread while the next forward/backward runs (the lazy copy; a version guard catches
+    in-place writes in that window); ``"sync"`` on the training thread before the optimizer
+    hook returns (no window, no hand-off; a few ms per step); ``"auto"`` sync only where torch
+    already uses every core. CUDA tensors are always copied lazily on a side stream.
     """
     cls: type[Session] = Session
     if model is not None and _is_deepspeed_engine(model):
@@ -399,7 +409,7 @@ def session(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | No
     return cls(model, optimizer, run=run, every=every, scheduler=scheduler, resume=resume,
                budget_bytes=budget_bytes, race_policy=race_policy, verify=verify,
                error_policy=error_policy, extra_state=extra_state, writers=writers,
-               max_backlog=max_backlog, summaries=summaries, encoding=encoding)
+               max_backlog=max_backlog, summaries=summaries, encoding=encoding, copy=copy)
 
 
 def _is_deepspeed_engine(obj: Any) -> bool:

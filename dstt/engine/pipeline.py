@@ -129,6 +129,7 @@ class Flight:
         #: chunk lane (``flatlane.py``)
         self.flat = flat
         self.buffer: int | None = None  # the flat lane's step buffer, while held
+        self.precopied = False  # copied on the training thread at stage
         self.flat_stats: dict[str, Any] = {}
         self.sources: dict[str, torch.Tensor] = {}
         if flat is not None:  # the hot path: nothing per tensor but the version snapshot
@@ -232,7 +233,8 @@ class Pipeline:
     def __init__(self, writer: Any, *, budget_bytes: int, writers: int = 4,
                  verify: bool = False, max_backlog: int = 16,
                  summaries: bool = True, summaries_object: str = SUMMARIES_OBJECT,
-                 min_slab_bytes: int = 0, flusher: bool | None = None) -> None:
+                 min_slab_bytes: int = 0, flusher: bool | None = None,
+                 copy: str = "async") -> None:
         """``flusher``: write flat steps from a child process (``store/flusher.py``): None
         (default) where the storage is local files and the platform allows, ``False``
         never (writer threads), ``True`` always where possible."""
@@ -257,6 +259,9 @@ class Pipeline:
         self._plans: dict[tuple[object, ...], FlatPlan] = {}
         self._digests: dict[int, DigestPlan] = {}
         self.steps: StepBuffers | None = None
+        if copy not in ("async", "sync", "auto"):
+            raise ValueError(f"copy must be 'async', 'sync' or 'auto', not {copy!r}")
+        self.copy = copy
         if flusher is None:  # DSTT_FLUSHER=0 turns it off without touching the code
             flusher = os.environ.get("DSTT_FLUSHER", "1") != "0"
         self._want_flusher = flusher and flusher_supported() and isinstance(
@@ -300,6 +305,16 @@ class Pipeline:
             raise CaptureError("the capture pipeline is closed")
         plan = self._flat_plan(tensors) if self._flat_ok else None
         f = Flight(step, tensors, objects, self.verify, predictions, flat=plan)
+        if plan is not None and self._copy_now(plan):
+            # copied here, on the training thread, before it returns: no copy window (the
+            # version guard has nothing to watch) and no thread hand-off
+            steps = self._ensure_steps(plan)
+            index, waited = steps.acquire()
+            f.buffer, f.stall_s, f.precopied = index, waited, True
+            with torch.no_grad():
+                torch._foreach_copy_(plan.views(index, steps.buffers[index]),
+                                     plan.sources(f.tensors))
+            f.guard = VersionGuard({}, {}, verify=False)
         with self._lock:
             live = [x for x in self._flights if not x.done.is_set()]
             f.backlog = len(live)
@@ -311,6 +326,14 @@ class Pipeline:
         self._copy_q.put(f)
         self._commit_q.put(f)
         return f
+
+    def _copy_now(self, plan: FlatPlan) -> bool:
+        """Copy on the training thread? Only host tensors, and only where training already
+        uses every core (``copy="auto"``): a copy thread then buys no overlap, only
+        contention and GIL hand-offs. With a core to spare, or from CUDA, copy lazily."""
+        if plan.cuda or self.copy == "async":
+            return False
+        return self.copy == "sync" or torch.get_num_threads() >= (os.cpu_count() or 1)
 
     def _flat_plan(self, tensors: Mapping[str, torch.Tensor]) -> FlatPlan | None:
         """The cached flat plan of these tensors, or None where the chunk lane must serve
@@ -544,6 +567,10 @@ class Pipeline:
 
     def _copy_flat(self, f: Flight, plan: FlatPlan) -> None:
         """One batched copy of every tensor into a free whole-step buffer."""
+        if f.precopied:
+            f.add_pending()
+            self._write_q.put((f, "flat"))
+            return
         steps = self._ensure_steps(plan)
         index, waited = steps.acquire()
         f.buffer = index

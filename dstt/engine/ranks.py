@@ -69,6 +69,33 @@ class TransactionProxy:
     def put_object(self, name: str, obj: Any, **kw: Any) -> Any:
         return self._txn.put_object(name, obj, **kw)
 
+    def put_encoded(self, name: str, data: bytes, encoding: Any = "json") -> Any:
+        return self._txn.put_encoded(name, data, encoding)
+
+    def put_flat(self, layout: Any, buf: Any, images: Any = None) -> None:
+        self._txn.put_flat(layout, buf, images)
+
+    def reserve_flat(self, layout: Any, nbytes_at: Any) -> int:
+        return int(self._txn.reserve_flat(layout, nbytes_at))
+
+    def complete_flat(self, *args: Any) -> None:
+        self._txn.complete_flat(*args)
+
+    def predict(self, predictions: Any) -> None:
+        self._txn.predict(predictions)
+
+    @property
+    def zip(self) -> Any:
+        return self._txn.zip
+
+    @property
+    def keyframe(self) -> bool:
+        return bool(self._txn.keyframe)
+
+    @keyframe.setter
+    def keyframe(self, value: bool) -> None:
+        self._txn.keyframe = value
+
     def abort(self) -> None:
         self._txn.abort()
 
@@ -142,6 +169,16 @@ class RankWriter:
     def repo(self) -> Repository:
         return self.writer.repo  # type: ignore[no-any-return]
 
+    @property
+    def encoder(self) -> Any:
+        """The store writer's delta encoder (None without ``DeltaPolicy``): the pipeline
+        decides per step from it whether to encode (it read ``None`` here before, so a
+        one-rank DeltaPolicy run wrote every step raw)."""
+        return getattr(self.writer, "encoder", None)
+
+    def flat_layout(self, arrays: Any) -> Any:
+        return self.writer.flat_layout(arrays)
+
     def begin(self, step: int) -> RankTransaction:
         with self._lock:
             slot = self.base_slot + self._n
@@ -178,12 +215,15 @@ def _all_ok(ok: bool, msg: str, info: RankInfo) -> None:
 
 def open_ranks(run: str | os.PathLike[str] | Repository | Storage, info: RankInfo, *,
                resume: bool, chunk_bytes: int, encoding: DeltaPolicy | None = None,
-               timeout: float = DEFAULT_RANK_TIMEOUT) -> tuple[RankWriter, Any]:
+               timeout: float = DEFAULT_RANK_TIMEOUT,
+               lazy_refs: bool = False) -> tuple[RankWriter, Any]:
     """Open ``run`` on every rank (call on the main thread of all ranks together).
 
     Returns this rank's ``RankWriter`` and the commit header every rank restores from (rank 0's
     head of the current timeline, or None for a new run). Rank 0 creates the run, takes the
     lock and removes part files a crashed session left; the others open part writers.
+    ``lazy_refs``: rank 0's ref is synced by the next barrier (``Writer(lazy_refs=...)``);
+    not for callers that publish a pointer of their own after each commit (``latest``).
     """
     if encoding is not None and info.world > 1:
         raise ValueError("encoding (XOR deltas) is not supported with several ranks yet; "
@@ -193,7 +233,8 @@ def open_ranks(run: str | os.PathLike[str] | Repository | Storage, info: RankInf
     if info.rank == 0:
         try:
             repo = run if isinstance(run, Repository) else Repository.create(run)
-            writer = repo.writer(chunk_bytes=chunk_bytes, encoding=encoding)
+            writer = repo.writer(chunk_bytes=chunk_bytes, encoding=encoding,
+                                 lazy_refs=lazy_refs)
             remove_parts(repo.storage)
             reader = repo.reader()
             head = reader.head()
@@ -218,7 +259,7 @@ def open_ranks(run: str | os.PathLike[str] | Repository | Storage, info: RankInf
     try:
         if info.rank != 0:
             repo = run if isinstance(run, Repository) else Repository.open(run)
-            writer = repo.writer(chunk_bytes=chunk_bytes, exclusive=False)
+            writer = repo.writer(chunk_bytes=chunk_bytes, exclusive=False, rank=info.rank)
         head = None if payload["head"] is None else writer.reader.header(payload["head"])
     except Exception as e:
         ok, msg = False, f"{type(e).__name__}: {e}"

@@ -29,7 +29,7 @@ from typing import Any, Literal, TypeAlias
 from ..errors import MissingFileError, NotARunError, ReadOnlyRunError, RunLockedError, StorageError
 
 __all__ = ["Blob", "Data", "Durability", "LocalStorage", "Storage", "as_parts", "fsync_dir",
-           "missing", "pwrite_all"]
+           "missing", "pwrite_all", "start_writeback"]
 
 Durability = Literal["fsync", "syncfs", "none"]
 Buffer: TypeAlias = "bytes | bytearray | memoryview"
@@ -145,6 +145,9 @@ class Storage(ABC):
         """A value to write in pieces and publish atomically (default: buffered in memory)."""
         return _BufferedBlob(self, key)
 
+    def evict(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Hint: these values are durable and will not be read soon (drop cached copies)."""
+
     def check_writable(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Raise ``ReadOnlyRunError`` now if writes would fail (checked at session start)."""
 
@@ -170,6 +173,23 @@ def fsync_dir(path: str) -> None:
 _libc: ctypes.CDLL | None = None
 #: folders ``LocalStorage`` remembers having made (forgetting one costs an ``isdir`` check)
 _MADE_DIRS_KEPT = 4096
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing ``fd``'s dirty pages now, without waiting (Linux
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; a no-op elsewhere). The disk then works while
+    the commit is still being prepared, and the barrier that follows waits less. It makes
+    nothing durable by itself."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(_libc, "sync_file_range", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # best effort: errors change nothing
 
 
 def _syncfs(fd: int) -> None:
@@ -294,6 +314,25 @@ class LocalStorage(Storage):
 
     def open_blob(self, key: str) -> Blob:
         return _FileBlob(self, key)
+
+    def evict(self, keys: Sequence[str]) -> None:
+        """Drop the files' pages from the page cache (``POSIX_FADV_DONTNEED``; they must be
+        durable, so clean). A checkpoint written every step would otherwise fill the page
+        cache with data nobody reads soon, and new writes then land in fresh pages — on this
+        project's VMs 10x slower to fill (measured: 0.4 against 4 GB/s) than recycled ones."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for key in keys:
+            try:
+                fd = os.open(self._path(key), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
 
     def _published(self, path: str, parent: str, grown: list[str]) -> None:
         """A file renamed into place without fsync: the next barrier makes it durable."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno as _errno
+import gc
 import mmap
 import os
 import pickle
@@ -36,7 +37,7 @@ import threading
 from typing import IO, Any
 
 from ..errors import StorageError
-from .backend import pwrite_all
+from .backend import pwrite_all, start_writeback
 from .flat import FlatImage, FlatLayout
 from .flatstats import DigestPlan, digest
 
@@ -71,7 +72,8 @@ def _recv(inp: IO[bytes]) -> Any:
 class Flusher:
     """The parent's handle: ``count`` shared buffers of ``nbytes`` and the child process."""
 
-    def __init__(self, nbytes: int, count: int, *, sched: str = "idle") -> None:
+    def __init__(self, nbytes: int, count: int, *, sched: str | None = None) -> None:
+        sched = sched or os.environ.get("DSTT_FLUSHER_SCHED", "idle")
         if not flusher_supported():
             raise OSError(_errno.ENOSYS, "the flusher needs Linux memfd_create")
         self.nbytes, self.count = nbytes, count
@@ -178,6 +180,9 @@ def _lower_priority(sched: str) -> None:
 
 def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
     _lower_priority(sched)
+    # nothing here makes reference cycles worth a collector pass per few hundred allocations
+    # (each pass walks every cached image); collect once per new layout instead
+    gc.disable()
     maps: list[memoryview] = []
     objs: dict[int, Any] = {}
     images: dict[tuple[int, int, int], FlatImage] = {}
@@ -195,6 +200,7 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
                 _send(out, ("ready",))
             elif kind in ("layout", "plan"):
                 objs[msg[1]] = msg[2]
+                gc.collect()
                 for k in [k for k in images if k[0] == msg[1]]:
                     del images[k]
             elif kind == "flat":
@@ -207,6 +213,7 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
                 fd = os.open(path, os.O_WRONLY)
                 try:
                     pwrite_all(fd, image.iov, start)
+                    start_writeback(fd)  # the disk starts now; the parent's barrier waits
                 finally:
                     os.close(fd)
                 stats = digest(objs[pid], maps[buffer]) if pid is not None else None

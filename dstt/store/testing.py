@@ -11,7 +11,7 @@ import errno as _errno
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from ..errors import RunLockedError, StorageError
 from .backend import Data, Storage, as_parts, missing
@@ -135,6 +135,9 @@ class DelegatingStorage(Storage):
 
     def check_writable(self) -> None:
         self.inner.check_writable()
+
+    def evict(self, keys: Sequence[str]) -> None:
+        self.inner.evict(keys)
 
     def remove_temporaries(self) -> int:
         return self.inner.remove_temporaries()

@@ -313,6 +313,7 @@ class Writer:
             # fewer fsyncs per commit); the ref, the visibility point, moves only after it
             st.write(commit_key(txn.slot), dump_header(header))
             st.barrier()
+            st.evict([txn.zip.key, txn.side.key])  # durable now; nobody reads it soon
             moved = replace(ref, head=txn.slot)
             new_ref = dump_ref(moved)
             if self.lazy_refs:  # durable with the next commit's barrier, or at close

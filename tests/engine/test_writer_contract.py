@@ -1,0 +1,95 @@
+"""One contract for every writer the capture pipeline talks to.
+
+The pipeline drives a store ``Writer`` in a single-rank session, a ``RankWriter`` (through its
+``RankTransaction`` proxies) under torch.distributed or DeepSpeed, and the DeepSpeed checkpoint
+engine's tag writer. They must behave alike: the same steps committed bit-exactly, in both
+capture lanes (flat and chunked), and the same encoding decisions. A proxy that drops an
+attribute the pipeline reads (``encoder`` once: a one-rank DeltaPolicy run then wrote every
+step raw) fails here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dstt.engine.pipeline import Pipeline
+from dstt.engine.ranks import RankInfo, open_ranks
+from dstt.store import DeltaPolicy, Repository
+
+from ._helpers import same_bits, stored
+
+
+def _store_writer(run: Path, encoding: DeltaPolicy | None) -> Any:
+    return Repository.create(run).writer(chunk_bytes=1 << 12, encoding=encoding,
+                                         inflight_bases=True)
+
+
+def _rank_writer(run: Path, encoding: DeltaPolicy | None) -> Any:
+    rw, _ = open_ranks(run, RankInfo(0, 1), resume=False, chunk_bytes=1 << 12,
+                       encoding=encoding)
+    return rw
+
+
+WRITERS: dict[str, Callable[[Path, DeltaPolicy | None], Any]] = {
+    "store": _store_writer, "rank": _rank_writer}
+
+
+def _tensors(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    base = {f"params/l{i}/w": torch.randn(24, 16, generator=g) for i in range(3)}
+    base["params/l0/b"] = torch.randn(16, generator=g).to(torch.bfloat16)
+    # a slowly moving state, so XOR deltas pay
+    return {p: t + (step * 1e-3 if t.dtype == torch.float32 else 0) for p, t in base.items()}
+
+
+def _capture(writer: Any, steps: int, budget: int) -> dict[int, dict[str, torch.Tensor]]:
+    pipe = Pipeline(writer, budget_bytes=budget, writers=1, flusher=False)
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    try:
+        for step in range(1, steps + 1):
+            ts = _tensors(step)
+            seen[step] = {p: t.clone() for p, t in ts.items()}
+            f = pipe.stage(step, ts, {"meta": {"step": step}})
+            pipe.wait_copied(f)
+            pipe.seal(f, {})
+            f.done.wait()
+        assert not pipe.take_errors()
+        return seen
+    finally:
+        pipe.close()
+        writer.close()
+
+
+@pytest.mark.parametrize("name", sorted(WRITERS))
+@pytest.mark.parametrize("budget", [1 << 20, 4096], ids=["flat", "chunked"])
+def test_every_writer_commits_the_same_steps_bit_exactly(tmp_path: Path, name: str,
+                                                         budget: int) -> None:
+    run = tmp_path / "run"
+    seen = _capture(WRITERS[name](run, None), 4, budget)
+    repo = Repository.open(run)
+    assert [h.step for h in repo.reader().lineage()] == [1, 2, 3, 4]
+    for step, ts in seen.items():
+        for path, t in ts.items():
+            assert same_bits(stored(repo, step, path), t), (name, step, path)
+        assert repo.reader().read_object(repo.reader().find(step), "meta") == {"step": step}
+    assert repo.verify().ok
+
+
+@pytest.mark.parametrize("name", sorted(WRITERS))
+def test_every_writer_encodes_when_its_store_writer_does(tmp_path: Path, name: str) -> None:
+    """DeltaPolicy(raw_when_busy=False) always encodes: steps after the first are deltas
+    whichever writer the pipeline holds (the RankWriter hid its encoder from the pipeline)."""
+    run = tmp_path / "run"
+    writer = WRITERS[name](run, DeltaPolicy(raw_when_busy=False, min_ratio=1.0))
+    assert writer.encoder is not None
+    _capture(writer, 4, 1 << 20)
+    r = Repository.open(run).reader()
+    encodings = [{c.encoding for a in r.arrays(h).values() for c in a.chunks}
+                 for h in r.lineage()]
+    assert encodings[0] == {"raw"}
+    assert all(e - {"raw"} for e in encodings[1:]), encodings
