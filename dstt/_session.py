@@ -36,8 +36,7 @@ from .engine.pipeline import SUMMARIES_OBJECT, Flight, Pipeline, StepMetrics
 from .engine.providers import ObjectProvider, StoreSource
 from .engine.torch_state import DataPosition, Stateful, TorchState, TrackedData, discover
 from .errors import CaptureError, RaceError, TimelineError
-from .store import DeltaPolicy, Repository, Storage
-from .store.layout import DEFAULT_CHUNK_BYTES
+from .store import DEFAULT_CHUNK_BYTES, DeltaPolicy, Repository, Storage
 
 __all__ = ["ErrorPolicy", "RacePolicy", "Session", "session"]
 

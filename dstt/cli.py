@@ -188,7 +188,7 @@ _STORED_AS = {"raw": "raw", "xor1": "xor", "pred1": "pred"}
 def _stored(rec: Any, slot: int) -> dict[str, Any]:
     """What the step put on disk for a tensor: bytes of the files written in its own slot,
     and how its chunks are stored (raw, xor, pred; ref = unchanged, an older file)."""
-    from .store.layout import key_slot
+    from .store import key_slot
 
     mine = [c for c in rec.chunks if key_slot(c.key) == slot]
     kinds = {_STORED_AS.get(c.encoding, c.encoding) for c in mine}

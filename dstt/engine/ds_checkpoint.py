@@ -44,9 +44,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from ..errors import CaptureError, RaceError, RankError
-from ..store import Repository
-from ..store.backend import fsync_dir
-from ..store.layout import DEFAULT_CHUNK_BYTES
+from ..store import DEFAULT_CHUNK_BYTES, Repository, fsync_dir
 from ._convert import tensor_from_numpy
 from ._statedict import flatten, rebuild, segment
 from .pipeline import Flight, Pipeline

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..store.flat import FlatLayout
+from ..store import FlatLayout
 from ._convert import store_dtype
 
 __all__ = ["FlatPlan", "StepBuffers", "plan_key"]

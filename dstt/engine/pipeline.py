@@ -36,12 +36,17 @@ from typing import Any
 import torch
 
 from ..errors import CaptureError, StorageError
-from ..store.backend import LocalStorage
-from ..store.flat import FlatImage
-from ..store.flatstats import DigestPlan, digest
-from ..store.flusher import Flusher, flusher_supported
-from ..store.layout import ChunkPlan
-from ..store.predict import CUR, Prediction
+from ..store import (
+    CUR,
+    ChunkPlan,
+    DigestPlan,
+    FlatImage,
+    Flusher,
+    LocalStorage,
+    Prediction,
+    digest,
+    flusher_supported,
+)
 from ._convert import flat_bytes
 from .flatlane import FlatPlan, StepBuffers, plan_key
 from .governor import EncodeGovernor

@@ -26,8 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ..errors import SchemaError
-from ..store.layout import check_array_path
-from ..store.predict import Prediction
+from ..store import Prediction, check_array_path
 from ._convert import from_plain, store_dtype, tensor_from_numpy, to_plain
 
 __all__ = [

@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RankError, TimelineError
-from ..store import DeltaPolicy, Repository, Storage
-from ..store.parts import abort_vote, collect_parts, remove_parts
+from ..store import DeltaPolicy, Repository, Storage, abort_vote, collect_parts, remove_parts
 
 __all__ = ["RankInfo", "RankTransaction", "RankWriter", "dist_info", "open_ranks"]
 

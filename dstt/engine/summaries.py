@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..store.flatstats import DigestPlan
+from ..store import DigestPlan
 
 __all__ = [
     "PROBE_SIZE",

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ..errors import SchemaError
-from ..store.predict import Prediction
+from ..store import Prediction
 from ._convert import from_plain, to_plain
 from .predictions import optimizer_predictions
 from .providers import (

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..errors import RankError, SchemaError
-from ..store.shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
+from ..store import LogicalArray, Piece, logical_arrays, read_logical, shard_map
 from ._convert import from_plain, to_plain
 from .providers import RestoreSource
 from .ranks import RankInfo

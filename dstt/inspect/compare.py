@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from ..store.zarr_meta import numpy_dtype
+from ..store import numpy_dtype
 from .naming import user_name
 
 __all__ = ["diff_commits"]

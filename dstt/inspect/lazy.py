@@ -32,8 +32,7 @@ import xarray as xr
 from xarray.backends import BackendArray
 from xarray.core import indexing
 
-from ..store import Reader
-from ..store.zarr_meta import numpy_dtype
+from ..store import Reader, numpy_dtype
 from .sharded import LogicalRecord, read_logical_chunk, with_logical
 
 __all__ = ["CommitArray", "ReaderPool", "TrajectoryArray", "read_outer", "variable", "view_dtype"]

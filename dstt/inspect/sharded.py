@@ -21,10 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from ..store.layout import DEFAULT_CHUNK_BYTES, plan_chunks
-from ..store.manifest import ArrayRecord
-from ..store.shards import LogicalArray, logical_arrays, read_logical
-from ..store.zarr_meta import dtype_itemsize
+from ..store import (
+    DEFAULT_CHUNK_BYTES,
+    ArrayRecord,
+    LogicalArray,
+    dtype_itemsize,
+    logical_arrays,
+    plan_chunks,
+    read_logical,
+)
 
 __all__ = ["LogicalRecord", "read_logical_chunk", "shard_sources", "with_logical"]
 

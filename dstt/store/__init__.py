@@ -1,32 +1,56 @@
-"""Everything about bytes on disk: Zarr v3 arrays, commit manifests, refs. Knows no torch."""
+"""Everything about bytes on disk: step files (Zarr v3 in a stored ZIP), commit manifests,
+refs. Knows no torch. The only way in from the rest of dstt: every name the engine,
+inspection and CLI use is imported from here, never from a module of the store."""
 
 from .api import Snapshot, dtype_name, load, save
-from .backend import Durability, LocalStorage, Storage
+from .backend import Durability, LocalStorage, Storage, fsync_dir
 from .codec import DeltaPolicy
 from .delta import EncodeStats
-from .layout import ChunkPlan, plan_chunks
+from .flat import FlatImage, FlatLayout
+from .flatstats import DigestPlan, digest
+from .flusher import Flusher, flusher_supported
+from .layout import (
+    COMMITS_PREFIX,
+    DEFAULT_CHUNK_BYTES,
+    REFS_PREFIX,
+    ChunkPlan,
+    check_array_path,
+    key_slot,
+    plan_chunks,
+)
 from .maintenance import GcReport, Problem, VerifyReport
-from .manifest import ArrayRecord, ChunkRecord, CommitHeader, ObjectRecord, RefInfo
-from .parts import Part
+from .manifest import ArrayRecord, ChunkRecord, CommitHeader, ObjectRecord, RefInfo, parse_header
+from .parts import Part, abort_vote, collect_parts, remove_parts
+from .predict import CUR, Prediction, adam_predictions, sgd_predictions
 from .reader import Reader
 from .repository import Repository
-from .shards import LogicalArray, Piece
+from .shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
 from .writer import Transaction, Writer
+from .zarr_meta import dtype_itemsize, numpy_dtype
 
 __all__ = [
+    "COMMITS_PREFIX",
+    "CUR",
+    "DEFAULT_CHUNK_BYTES",
+    "REFS_PREFIX",
     "ArrayRecord",
     "ChunkPlan",
     "ChunkRecord",
     "CommitHeader",
     "DeltaPolicy",
+    "DigestPlan",
     "Durability",
     "EncodeStats",
+    "FlatImage",
+    "FlatLayout",
+    "Flusher",
     "GcReport",
     "LocalStorage",
     "LogicalArray",
     "ObjectRecord",
     "Part",
     "Piece",
+    "Prediction",
     "Problem",
     "Reader",
     "RefInfo",
@@ -36,8 +60,24 @@ __all__ = [
     "Transaction",
     "VerifyReport",
     "Writer",
+    "abort_vote",
+    "adam_predictions",
+    "check_array_path",
+    "collect_parts",
+    "digest",
+    "dtype_itemsize",
     "dtype_name",
+    "flusher_supported",
+    "fsync_dir",
+    "key_slot",
     "load",
+    "logical_arrays",
+    "numpy_dtype",
+    "parse_header",
     "plan_chunks",
+    "read_logical",
+    "remove_parts",
     "save",
+    "sgd_predictions",
+    "shard_map",
 ]

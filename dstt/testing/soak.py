@@ -55,9 +55,7 @@ def _say(line: str) -> None:
 
 
 def _announcing_storage(path: str) -> Any:
-    from dstt.store import LocalStorage
-    from dstt.store.layout import COMMITS_PREFIX, REFS_PREFIX
-    from dstt.store.manifest import parse_header
+    from dstt.store import COMMITS_PREFIX, REFS_PREFIX, LocalStorage, parse_header
 
     class Announcing(LocalStorage):
         """A real ``LocalStorage`` that prints ``committed <step>`` after each ref write."""
