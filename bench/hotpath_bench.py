@@ -77,7 +77,7 @@ GPT87 = dict(vocab=8192, d=256, layers=2, heads=4, seq=128, batch=4)
 LIN_BLOCKS = {"lin1200": 100, "lin360": 30}
 LIN_WIDTH, LIN_BATCH = 128, 64
 WORKLOADS = ("lin1200", "lin360", "gpt87")
-ALL_MODES = ("none", "bare", "dstt", "dstt_delta", "torch_save", "dcp")
+ALL_MODES = ("none", "bare", "dstt", "dstt_sync", "dstt_delta", "torch_save", "dcp")
 PIECE = 64 * MiB  # os.write size of the bare writer
 ALIGN = 64  # byte alignment of every tensor's slot in the bare buffer
 
@@ -228,9 +228,15 @@ def run_bare(tr: cb.Trainer, warmup: int, iters: int, root: Path, **kw: Any) -> 
             "proc_cpu_s": proc_cpu}
 
 
+def run_dstt_sync(tr: cb.Trainer, warmup: int, iters: int, root: Path,
+                  **_: Any) -> dict[str, Any]:
+    """dstt with ``copy="sync"``: the batched copy on the training thread (no copy thread)."""
+    return cb._run_dstt(tr, warmup, iters, root, None, copy="sync")
+
+
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
-    "none": cb.run_none, "bare": run_bare, "dstt": cb.run_dstt, "dstt_delta": cb.run_dstt_delta,
-    "torch_save": cb.run_torch_save, "dcp": cb.run_dcp}
+    "none": cb.run_none, "bare": run_bare, "dstt": cb.run_dstt, "dstt_sync": run_dstt_sync,
+    "dstt_delta": cb.run_dstt_delta, "torch_save": cb.run_torch_save, "dcp": cb.run_dcp}
 
 
 # -- driver ---------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from ..store import (
     Flusher,
     LocalStorage,
     Prediction,
+    StepWriter,
     digest,
     flusher_supported,
 )
@@ -235,7 +236,7 @@ class Flight:
 class Pipeline:
     """Copies staged steps into a fixed host cache and flushes them to a store ``Writer``."""
 
-    def __init__(self, writer: Any, *, budget_bytes: int, writers: int = 4,
+    def __init__(self, writer: StepWriter, *, budget_bytes: int, writers: int = 4,
                  verify: bool = False, max_backlog: int = 16,
                  summaries: bool = True, summaries_object: str = SUMMARIES_OBJECT,
                  min_slab_bytes: int = 0, flusher: bool | None = None,

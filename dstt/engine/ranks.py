@@ -58,6 +58,8 @@ class TransactionProxy:
 
     def __init__(self, txn: Any) -> None:
         self._txn = txn
+        self.slot: int = txn.slot
+        self.step: int = txn.step
 
     def declare(self, path: str, dtype: str, shape: tuple[int, ...]) -> Any:
         return self._txn.declare(path, dtype, shape)

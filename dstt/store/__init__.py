@@ -22,6 +22,7 @@ from .maintenance import GcReport, Problem, VerifyReport
 from .manifest import ArrayRecord, ChunkRecord, CommitHeader, ObjectRecord, RefInfo, parse_header
 from .parts import Part, abort_vote, collect_parts, remove_parts
 from .predict import CUR, Prediction, adam_predictions, sgd_predictions
+from .protocols import FlatStepWriter, StepTransaction, StepWriter
 from .reader import Reader
 from .repository import Repository
 from .shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
@@ -43,6 +44,7 @@ __all__ = [
     "EncodeStats",
     "FlatImage",
     "FlatLayout",
+    "FlatStepWriter",
     "Flusher",
     "GcReport",
     "LocalStorage",
@@ -56,6 +58,8 @@ __all__ = [
     "RefInfo",
     "Repository",
     "Snapshot",
+    "StepTransaction",
+    "StepWriter",
     "Storage",
     "Transaction",
     "VerifyReport",

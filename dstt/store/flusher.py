@@ -4,7 +4,7 @@ Python threads share one interpreter lock with training, so even a writer thread
 calls into C (checksums, ``pwritev``) costs the training thread a GIL hand-off per call, and
 at a thousand tensors per step those hand-offs, not the bytes, are what slows training
 (measured: docs/benchmarks.md). The flusher is a child process (``python -m
-dstt.store.flusher``, no torch) that shares the engine's whole-step host buffers through
+dstt.store._flusher_main``, no torch) that shares the engine's whole-step host buffers through
 ``memfd`` shared memory: per step the parent sends one small message (which buffer, which
 layout, where in which temporary zip) and gets back the chunk checksums, the zip central
 directory records and the write-time digests. The child runs at ``SCHED_IDLE`` where the OS
@@ -92,7 +92,7 @@ class Flusher:
             # training needs (thread pools are made at import, before SCHED_IDLE applies)
             env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dstt.store.flusher", sched],
+                [sys.executable, "-m", "dstt.store._flusher_main", sched],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=self._fds, env=env)
             assert self.proc.stdin is not None and self.proc.stdout is not None
             self._out, self._in = self.proc.stdin, self.proc.stdout
@@ -228,6 +228,3 @@ def main() -> None:
     sched = sys.argv[1] if len(sys.argv) > 1 else "idle"
     _serve(sys.stdin.buffer, sys.stdout.buffer, sched)
 
-
-if __name__ == "__main__":
-    main()

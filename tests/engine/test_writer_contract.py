@@ -19,7 +19,7 @@ import torch
 
 from dstt.engine.pipeline import Pipeline
 from dstt.engine.ranks import RankInfo, open_ranks
-from dstt.store import DeltaPolicy, Repository
+from dstt.store import DeltaPolicy, FlatStepWriter, Repository, StepTransaction
 
 from ._helpers import same_bits, stored
 
@@ -48,6 +48,7 @@ def _tensors(step: int) -> dict[str, torch.Tensor]:
 
 
 def _capture(writer: Any, steps: int, budget: int) -> dict[int, dict[str, torch.Tensor]]:
+    assert isinstance(writer, FlatStepWriter)  # every name the pipeline uses is there
     pipe = Pipeline(writer, budget_bytes=budget, writers=1, flusher=False)
     seen: dict[int, dict[str, torch.Tensor]] = {}
     try:
@@ -56,6 +57,7 @@ def _capture(writer: Any, steps: int, budget: int) -> dict[int, dict[str, torch.
             seen[step] = {p: t.clone() for p, t in ts.items()}
             f = pipe.stage(step, ts, {"meta": {"step": step}})
             pipe.wait_copied(f)
+            assert isinstance(f.txn, StepTransaction)
             pipe.seal(f, {})
             f.done.wait()
         assert not pipe.take_errors()
