@@ -214,15 +214,19 @@ class OptimizerStateProvider:
         self._sig_keys, self._sig_values = keys, values
         return items
 
-    def tensors(self) -> Mapping[str, torch.Tensor]:
-        """Every tensor of the state (0-d step counters included: the engine copies them
-        with the rest, in one batched copy) by array path; cached while unchanged."""
+    def _refresh(self) -> None:
+        """Rebuild the cached tensors (and drop the cached object) if the state changed."""
         items = self._changed()
         if items is not None:
             self._object = None
             self._tensors = {tensor_path(f"optim/{key}", name): v
                              for name, st in items for key, v in st.items()
                              if isinstance(v, torch.Tensor)}
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """Every tensor of the state (0-d step counters included: the engine copies them
+        with the rest, in one batched copy) by array path; cached while unchanged."""
+        self._refresh()
         return self._tensors
 
     def predictions(self) -> Mapping[str, Prediction]:
@@ -233,12 +237,7 @@ class OptimizerStateProvider:
         """Which keys of each parameter's state are arrays, and the values of the others
         (plain data, snapshot now). While the state holds only tensors — Adam, AdamW, SGD
         with momentum — this is the same object at every step (cheap to encode again)."""
-        items = self._changed()
-        if items is not None:
-            self._object = None
-            self._tensors = {tensor_path(f"optim/{key}", name): v
-                             for name, st in items for key, v in st.items()
-                             if isinstance(v, torch.Tensor)}
+        self._refresh()
         if self._object is not None:
             return {self.OBJECT: self._object}
         state: dict[str, Any] = {}
