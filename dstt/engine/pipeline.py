@@ -136,6 +136,7 @@ class Flight:
         self.flat = flat
         self.buffer: int | None = None  # the flat lane's step buffer, while held
         self.precopied = False  # copied on the training thread at stage
+        self.flat_queued = False  # its write task (which frees the buffer) is queued
         self.flat_stats: dict[str, Any] = {}
         self.sources: dict[str, torch.Tensor] = {}
         if flat is not None:  # the hot path: nothing per tensor but the version snapshot
@@ -316,10 +317,14 @@ class Pipeline:
             # version guard has nothing to watch) and no thread hand-off
             steps = self._ensure_steps(plan)
             index, waited = steps.acquire()
+            try:
+                with torch.no_grad():
+                    torch._foreach_copy_(plan.views(index, steps.buffers[index]),
+                                         plan.sources(f.tensors))
+            except BaseException:
+                steps.release(index)
+                raise
             f.buffer, f.stall_s, f.precopied = index, waited, True
-            with torch.no_grad():
-                torch._foreach_copy_(plan.views(index, steps.buffers[index]),
-                                     plan.sources(f.tensors))
             f.guard = VersionGuard({}, {}, verify=False)
         with self._lock:
             live = [x for x in self._flights if not x.done.is_set()]
@@ -497,6 +502,9 @@ class Pipeline:
             except BaseException as e:  # recorded; surfaced on the training thread
                 f.fail(e)
             finally:
+                if f.buffer is not None and not f.flat_queued and self.steps is not None:
+                    self.steps.release(f.buffer)  # failed before its write: free the buffer
+                    f.buffer = None
                 f.t_copied = time.perf_counter()
                 f.sources = {}
                 f.copied.set()
@@ -575,16 +583,22 @@ class Pipeline:
         """One batched copy of every tensor into a free whole-step buffer."""
         if f.precopied:
             f.add_pending()
+            f.flat_queued = True
             self._write_q.put((f, "flat"))
             return
         steps = self._ensure_steps(plan)
         index, waited = steps.acquire()
-        f.buffer = index
         f.stall_s += waited
-        dst = plan.views(index, steps.buffers[index])
-        self._copier.begin(f.marks)
-        self._copier.copy_all(dst, plan.sources(f.tensors)).wait()
+        try:
+            dst = plan.views(index, steps.buffers[index])
+            self._copier.begin(f.marks)
+            self._copier.copy_all(dst, plan.sources(f.tensors)).wait()
+        except BaseException:
+            steps.release(index)  # the step fails; its buffer goes back to the ring
+            raise
+        f.buffer = index
         f.add_pending()
+        f.flat_queued = True
         self._write_q.put((f, "flat"))
 
     # -- writer threads -----------------------------------------------------------------

@@ -95,3 +95,48 @@ def test_every_writer_encodes_when_its_store_writer_does(tmp_path: Path, name: s
                  for h in r.lineage()]
     assert encodings[0] == {"raw"}
     assert all(e - {"raw"} for e in encodings[1:]), encodings
+
+
+class _FailsAtBegin:
+    """A store writer whose ``begin`` fails for one step (a storage error before any byte)."""
+
+    def __init__(self, writer: Any, bad_step: int) -> None:
+        self._w, self.bad_step = writer, bad_step
+        self.encoder = writer.encoder
+
+    def begin(self, step: int) -> Any:
+        if step == self.bad_step:
+            raise OSError(5, "injected failure at begin")
+        return self._w.begin(step)
+
+    def flat_layout(self, arrays: Any) -> Any:
+        return self._w.flat_layout(arrays)
+
+    def close(self) -> None:
+        self._w.close()
+
+
+@pytest.mark.parametrize("copy", ["async", "sync"])
+def test_a_step_that_fails_before_its_write_gives_its_buffer_back(tmp_path: Path,
+                                                                   copy: str) -> None:
+    """The flat lane's ring has two buffers here: were a failed step to keep its buffer,
+    the second failure would leave none and the next copy would wait forever."""
+    writer = _FailsAtBegin(_store_writer(tmp_path / "run", None), bad_step=2)
+    nbytes = sum(t.numel() * t.element_size() for t in _tensors(0).values())
+    pipe = Pipeline(writer, budget_bytes=2 * nbytes + 1024, writers=1, flusher=False,
+                    copy=copy)
+    try:
+        for step in range(1, 8):
+            f = pipe.stage(step, _tensors(step), {})
+            pipe.wait_copied(f)
+            pipe.seal(f, {})
+            f.done.wait(timeout=60)
+            assert f.done.is_set(), f"step {step} never finished"
+            assert pipe.steps is not None and pipe.steps.in_use == 0
+        failed = [g.step for g in pipe.take_errors()]
+        assert failed == [2]
+    finally:
+        pipe.close()
+        writer.close()
+    assert [h.step for h in Repository.open(tmp_path / "run").reader().lineage()] == [
+        1, 3, 4, 5, 6, 7]
