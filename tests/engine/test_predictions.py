@@ -13,8 +13,8 @@ import torch
 
 from dstt import DeltaPolicy
 from dstt._session import session
+from dstt.engine.flight import write_order
 from dstt.engine.governor import EncodeGovernor
-from dstt.engine.pipeline import write_order
 from dstt.engine.predictions import optimizer_predictions
 from dstt.engine.torch_state import tensor_path
 from dstt.store import Repository

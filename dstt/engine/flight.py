@@ -1,0 +1,198 @@
+"""One staged step (``Flight``) and what capturing it cost (``StepMetrics``).
+
+A flight carries a step from the training thread's ``stage`` to the committer: its tensors
+and version snapshot, the lane that captures it (the flat lane's plan and step buffer, or the
+chunk lane's sources and plans), its objects, its transaction, and the events and counters the
+pipeline's threads coordinate through. Kept apart from ``pipeline.py`` (the threads that move
+flights) so each module has one job.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..store import CUR, ChunkPlan, Prediction
+from ._convert import flat_bytes
+from .flatlane import FlatPlan
+from .providers import TensorSpec
+from .staging import Copier, VersionGuard
+from .summaries import SummaryAccumulator
+
+__all__ = ["Flight", "StepMetrics", "write_order"]
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What capturing one step cost (times in seconds, sizes in bytes)."""
+
+    step: int
+    committed: bool
+    bytes: int  # tensor bytes staged
+    blocked_s: float  # training thread waited for this step's copies
+    copy_s: float  # stage → last chunk on the host
+    stall_s: float  # copy thread waited for a free slab (backpressure of the budget)
+    flush_s: float  # stage → commit returned (or the step was dropped)
+    cache_bytes: int  # cache bytes leased when the step was staged
+    cache_peak_bytes: int  # peak leased bytes so far
+    cache_capacity: int
+    backlog: int  # earlier steps not yet committed when this one was staged
+    error: str | None = None
+    #: CPU seconds the writer threads spent on this step: on a machine with few cores this,
+    #: not ``blocked_s``, is what slows training (it competes for cores and the GIL)
+    writer_cpu_s: float = 0.0
+    written_bytes: int = 0  # bytes the step put on disk (after deltas and dedup)
+    keyframes: int = 0  # chunks written whole
+    deltas: int = 0  # chunks written as XOR deltas (DeltaPolicy)
+    dedups: int = 0  # unchanged chunks referenced, not written
+    raw_fallback: bool = False  # encoding skipped: the flush was behind (DeltaPolicy)
+
+
+def write_order(tensors: Mapping[str, Any],
+                predictions: Mapping[str, Prediction]) -> list[str]:
+    """Paths in capture order, except that an array comes after the arrays its prediction
+    reads from the same step (chunks are copied, and with one writer written, in this order)."""
+    done: set[str] = set()
+    order: list[str] = []
+
+    def visit(path: str, seen: tuple[str, ...]) -> None:
+        if path in done or path in seen:
+            return
+        pred = predictions.get(path)
+        for role, src in (pred.inputs if pred is not None else ()):
+            if role == CUR and src in tensors:
+                visit(src, (*seen, path))
+        done.add(path)
+        order.append(path)
+
+    for path in tensors:
+        visit(path, ())
+    return order
+
+
+def _encode_metrics(txn: Any) -> dict[str, Any]:
+    st = getattr(txn, "stats", None)
+    if st is None:
+        return {}
+    return {"written_bytes": txn.bytes_written, "keyframes": st.keyframes, "deltas": st.deltas,
+            "dedups": st.dedups, "raw_fallback": st.raw_fallback}
+
+
+class _Aborted(Exception):
+    """Marker cause of a flight the session dropped on purpose."""
+
+
+class Flight:
+    """One staged step on its way to a commit."""
+
+    def __init__(self, step: int, tensors: Mapping[str, torch.Tensor],
+                 objects: Mapping[str, Any], verify: bool,
+                 predictions: Mapping[str, Prediction] | None = None, *,
+                 flat: FlatPlan | None = None) -> None:
+        self.step = step
+        #: the flat lane's plan (one batched copy into a whole-step buffer), or None for the
+        #: chunk lane (``flatlane.py``)
+        self.flat = flat
+        self.buffer: int | None = None  # the flat lane's step buffer, while held
+        self.precopied = False  # copied on the training thread at stage
+        self.flat_queued = False  # its write task (which frees the buffer) is queued
+        self.flat_stats: dict[str, Any] = {}
+        self.sources: dict[str, torch.Tensor] = {}
+        if flat is not None:  # the hot path: nothing per tensor but the version snapshot
+            self.predictions: dict[str, Prediction] = {}
+            self.tensors = dict(tensors)
+            self.specs: dict[str, TensorSpec] = {}
+            self.nbytes = flat.nbytes
+            self.guard = VersionGuard(self.tensors, {}, verify=False)
+            self.marks = Copier.mark(self.tensors.values()) if flat.cuda else {}
+        else:
+            self.predictions = {p: x for p, x in (predictions or {}).items()
+                                if all(g in tensors for g in x.group)}
+            self.tensors = {p: tensors[p] for p in write_order(tensors, self.predictions)}
+            self.specs = {p: TensorSpec.of(p, t) for p, t in self.tensors.items()}
+            for p, t in self.tensors.items():
+                self.sources[p] = flat_bytes(t if t.is_contiguous() else t.contiguous())
+            self.nbytes = sum(s.numel() for s in self.sources.values())
+            self.guard = VersionGuard(self.tensors, {p: t.element_size()
+                                                     for p, t in self.tensors.items()},
+                                      verify=verify)
+            self.marks = Copier.mark(self.sources.values())
+        self.objects = dict(objects)
+        self.txn: Any = None
+        self.plans: dict[str, ChunkPlan] = {}
+        self.summaries: dict[str, SummaryAccumulator] = {}
+        self.copied = threading.Event()
+        self.done = threading.Event()
+        self._cond = threading.Condition()
+        self.pending = 0
+        self.sealed = False
+        self.seal_objects: dict[str, Any] = {}
+        self.metrics: dict[str, Any] = {}
+        self.error: BaseException | None = None
+        self.reported = False  # the training thread already raised/warned about ``error``
+        self.header: Any = None
+        self.t_stage = time.perf_counter()
+        self.t_copied = self.t_stage
+        self.blocked_s = self.stall_s = 0.0
+        self.cpu_s = 0.0  # CPU the writer threads spent on this step (competes with training)
+        self.wall_s = 0.0  # wall time of the writer tasks of this step
+        self._cpu_lock = threading.Lock()
+        self.cache_bytes = self.backlog = 0
+        self.encode = False  # the writers encode this step (DeltaPolicy; see governor.py)
+        self.keyframe = False  # written whole on request (Session.keyframe)
+
+    def __repr__(self) -> str:
+        state = ("committed" if self.header is not None else
+                 f"failed: {self.error!r}" if self.error is not None else "in flight")
+        return f"<Flight step={self.step} {state}>"
+
+    # -- state --------------------------------------------------------------------------
+    @property
+    def dead(self) -> bool:
+        return self.error is not None
+
+    def fail(self, error: BaseException, *, reported: bool = False) -> None:
+        with self._cond:
+            if self.error is None:
+                self.error, self.reported = error, reported
+            self._cond.notify_all()
+
+    def add_pending(self) -> None:
+        with self._cond:
+            self.pending += 1
+
+    def add_cpu(self, seconds: float, wall: float = 0.0) -> None:
+        with self._cpu_lock:
+            self.cpu_s += seconds
+            self.wall_s += wall
+
+    def task_done(self) -> None:
+        with self._cond:
+            self.pending -= 1
+            if self.pending == 0:
+                self._cond.notify_all()
+
+    def wait_writes(self) -> None:
+        with self._cond:
+            while self.pending:
+                self._cond.wait()
+
+    def seal(self, objects: Mapping[str, Any]) -> None:
+        with self._cond:
+            self.seal_objects = dict(objects)
+            self.sealed = True
+            self._cond.notify_all()
+
+    def wait_sealed(self) -> None:
+        with self._cond:
+            while not (self.sealed or self.dead):
+                self._cond.wait()
+
+    def add_metrics(self, metrics: Mapping[str, Any]) -> None:
+        with self._cond:
+            self.metrics.update(metrics)
