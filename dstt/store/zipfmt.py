@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from ..errors import CorruptRunError
@@ -28,8 +28,8 @@ try:  # ISA-L: the same CRC-32, 4x faster; optional
 except ImportError:  # pragma: no cover - isal is a dependency, but keep the fallback honest
     _crc32 = zlib.crc32
 
-__all__ = ["Entry", "central_directory", "crc32", "directory_records", "end_records",
-           "local_header", "parse_directory"]
+__all__ = ["Entry", "crc32", "directory_records", "end_records", "local_header",
+           "parse_directory"]
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
@@ -82,12 +82,6 @@ def local_header(name: str, size: int, crc: int, offset: int) -> bytes:
                            len(raw), len(extra)) + raw + extra
     return _LOCAL.pack(_SIG_LOCAL, 20, _UTF8, 0, 0, _DOS_DATE, crc, size, size,
                        len(raw), 0) + raw
-
-
-def central_directory(entries: Sequence[Entry], start: int) -> bytes:
-    """Central directory + end records for ``entries``, to be written at offset ``start``."""
-    cd = directory_records(entries)
-    return cd + end_records(len(entries), len(cd), start)
 
 
 def directory_records(entries: Sequence[Entry]) -> bytes:
@@ -173,9 +167,3 @@ def parse_directory(data: bytes, file_size: int, where: str) -> dict[str, Entry]
         out[name] = Entry(name, offset, size, f[7])
         pos = xend + clen
     return out
-
-
-def iter_entry_parts(name: str, offset: int, body: Iterable[memoryview], size: int,
-                     crc: int) -> list[bytes | memoryview]:
-    """The buffers of one entry whose header starts at ``offset``: header, then ``body``."""
-    return [local_header(name, size, crc, offset), *body]
