@@ -3,13 +3,14 @@ refs. Knows no torch. The only way in from the rest of dstt: every name the engi
 inspection and CLI use is imported from here, never from a module of the store."""
 
 from .api import Snapshot, dtype_name, load, save
-from .backend import Durability, LocalStorage, Storage, fsync_dir
-from .codec import DeltaPolicy
-from .delta import EncodeStats
-from .flat import FlatImage, FlatLayout
+from .codec.delta import EncodeStats
+from .codec.predict import CUR, Prediction, adam_predictions, sgd_predictions
+from .codec.xor import DeltaPolicy
+from .commit import DEFAULT_RANK_TIMEOUT, RankInfo, RankTransaction, RankWriter, TransactionProxy
 from .flatstats import DigestPlan, digest
 from .flusher import Flusher, flusher_supported
-from .layout import (
+from .format.flat import FlatImage, FlatLayout
+from .format.layout import (
     COMMITS_PREFIX,
     DEFAULT_CHUNK_BYTES,
     REFS_PREFIX,
@@ -18,21 +19,30 @@ from .layout import (
     key_slot,
     plan_chunks,
 )
+from .format.manifest import (
+    ArrayRecord,
+    ChunkRecord,
+    CommitHeader,
+    ObjectRecord,
+    RefInfo,
+    parse_header,
+)
+from .format.zarr_meta import dtype_itemsize, numpy_dtype
 from .maintenance import GcReport, Problem, VerifyReport
-from .manifest import ArrayRecord, ChunkRecord, CommitHeader, ObjectRecord, RefInfo, parse_header
 from .parts import Part, abort_vote, collect_parts, remove_parts
-from .predict import CUR, Prediction, adam_predictions, sgd_predictions
 from .protocols import FlatStepWriter, StepTransaction, StepWriter
 from .reader import Reader
 from .repository import Repository
 from .shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
+from .storage.base import Durability, Storage
+from .storage.local import LocalStorage, fsync_dir
 from .writer import Transaction, Writer
-from .zarr_meta import dtype_itemsize, numpy_dtype
 
 __all__ = [
     "COMMITS_PREFIX",
     "CUR",
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_RANK_TIMEOUT",
     "REFS_PREFIX",
     "ArrayRecord",
     "ChunkPlan",
@@ -54,6 +64,9 @@ __all__ = [
     "Piece",
     "Prediction",
     "Problem",
+    "RankInfo",
+    "RankTransaction",
+    "RankWriter",
     "Reader",
     "RefInfo",
     "Repository",
@@ -62,6 +75,7 @@ __all__ = [
     "StepWriter",
     "Storage",
     "Transaction",
+    "TransactionProxy",
     "VerifyReport",
     "Writer",
     "abort_vote",

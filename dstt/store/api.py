@@ -14,9 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from .backend import Storage
-from .manifest import CommitHeader, Metric
+from ..errors import StepNotFoundError
+from .format.manifest import CommitHeader, Metric
+from .format.zarr_meta import dtype_itemsize
 from .repository import Repository
+from .storage.base import Storage
 
 __all__ = ["Snapshot", "dtype_name", "load", "save"]
 
@@ -26,8 +28,6 @@ def dtype_name(dtype: np.dtype[Any]) -> str:
     if dtype.name == "bfloat16":
         return "bfloat16"
     name = np.dtype(dtype).name
-    from .zarr_meta import dtype_itemsize
-
     dtype_itemsize(name)
     return name
 
@@ -74,8 +74,6 @@ def load(path: str | os.PathLike[str] | Storage, step: int | None = None, *,
     if step is None:
         h = r.head(timeline)
         if h is None:
-            from ..errors import StepNotFoundError
-
             raise StepNotFoundError(f"{r.storage.location} has no committed step yet")
     else:
         h = r.find(step, timeline)

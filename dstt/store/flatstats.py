@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .zarr_meta import dtype_itemsize, numpy_dtype
+from .format.zarr_meta import dtype_itemsize, numpy_dtype
 
 __all__ = ["BLOCK", "DigestPlan", "digest"]
 

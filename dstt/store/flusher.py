@@ -37,9 +37,9 @@ import threading
 from typing import IO, Any
 
 from ..errors import StorageError
-from .backend import pwrite_all, start_writeback
-from .flat import FlatImage, FlatLayout
 from .flatstats import DigestPlan, digest
+from .format.flat import FlatImage, FlatLayout
+from .storage.local import pwrite_all, start_writeback
 
 __all__ = ["Flusher", "flusher_supported"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ..errors import CorruptRunError, DsttError
-from .layout import (
+from .format.layout import (
     LOCK_KEY,
     REFS_PREFIX,
     STEPS_PREFIX,
@@ -28,15 +28,15 @@ from .layout import (
     key_slot,
     zarr_chunk_key,
 )
-from .manifest import ArrayRecord, CommitHeader, checksum, dump_header
+from .format.manifest import ArrayRecord, CommitHeader, checksum, dump_header
+from .format.zarr_meta import array_document
+from .format.zipfmt import Entry, crc32, local_header, parse_directory
 from .parts import remove_parts
 from .reader import Reader
-from .zarr_meta import array_document
-from .zipfmt import Entry, crc32, local_header, parse_directory
 
 if TYPE_CHECKING:
-    from .backend import Storage
     from .repository import Repository
+    from .storage.base import Storage
 
 __all__ = ["GcReport", "Problem", "VerifyReport", "gc", "verify"]
 

@@ -1,23 +1,20 @@
-"""Multi-writer commits: each rank prepares a *part*, rank 0 merges the parts into one commit.
+"""A rank's vote in a multi-rank commit (its *part*), and collecting and merging votes.
 
 Training with several ranks (data parallel, ZeRO) gives every rank state that only it holds.
-Each rank writes only the arrays it owns (chunk boundaries = ownership: two ranks never write
-one chunk file) into the same slot, makes them durable, and then writes a small **part
+Each rank writes only the arrays it owns (ownership is disjoint: each rank writes its own step
+file of the slot), makes them durable, and then writes a small **part
 manifest** ``_dstt/parts/<slot>/<rank>.json`` (an envelope of kind ``part``: step, rank, world
 size, session id, its arrays table and object records). The part file is the rank's "prepared"
 vote. Rank 0 — the run's only lock holder and only ref writer — waits for every rank's part of
 the slot, checks that they are votes for the same step of the same session (no mixing of ranks
-from different steps), merges their arrays and objects into one ordinary format-v1 arrays table
+from different steps), merges their arrays and objects into one ordinary arrays table
 and commit header, and commits as usual. Readers never look at parts: a merged commit is
 indistinguishable from a single-writer one, and a step is visible only once every rank's bytes
 are durable. Part files of committed slots are deleted after the commit (gc sweeps leftovers).
 
-Coordination goes through the store, so writer threads never call a collective (collectives
-from background threads deadlock with the training process group). The slot each step uses is
-agreed once at start (rank 0's next free slot, broadcast on the main thread); every rank then
-takes slots in the same order.
+Who calls these, and when, is ``commit.py`` (the ``RankWriter`` protocol).
 Rejected alternative: a per-rank arrays table referenced from the header — every reader would
-have to learn a second table kind, and format v1 readers would see only rank 0's arrays.
+have to learn a second table kind.
 """
 
 from __future__ import annotations
@@ -29,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import CorruptRunError, RankError
-from .layout import PARTS_PREFIX, part_key
-from .manifest import (
+from .format.layout import PARTS_PREFIX, part_key
+from .format.manifest import (
     ArrayRecord,
     Metric,
     ObjectRecord,
@@ -46,7 +43,7 @@ from .manifest import (
 )
 
 if TYPE_CHECKING:
-    from .backend import Storage
+    from .storage.base import Storage
 
 __all__ = ["Part", "abort_vote", "collect_parts", "dump_part", "merge_parts", "parse_part",
            "part_slots", "remove_parts"]

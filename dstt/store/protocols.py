@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from .delta import EncodeStats
-from .flat import FlatLayout
-from .layout import ChunkPlan
-from .manifest import CommitHeader, Metric
-from .predict import Prediction
-from .stepfile import StepFile
+from .codec.delta import EncodeStats
+from .codec.predict import Prediction
+from .format.flat import FlatLayout
+from .format.layout import ChunkPlan
+from .format.manifest import CommitHeader, Metric
+from .format.stepfile import StepFile
 
 __all__ = ["FlatStepWriter", "StepTransaction", "StepWriter"]
 

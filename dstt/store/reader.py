@@ -11,13 +11,12 @@ after the commit point and cannot tell timelines apart.
 from __future__ import annotations
 
 import struct
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._lru import LRU
 from ..errors import (
     ChecksumError,
     CorruptRunError,
@@ -25,15 +24,16 @@ from ..errors import (
     StepNotFoundError,
     TimelineError,
 )
-from .codec import XOR, xor_decode
-from .layout import (
+from .codec.predict import PRED, predict
+from .codec.xor import XOR, xor_decode
+from .format.layout import (
     COMMITS_PREFIX,
     HEAD_KEY,
     REFS_PREFIX,
     commit_key,
     parse_commit_name,
 )
-from .manifest import (
+from .format.manifest import (
     ArrayRecord,
     ChunkRecord,
     CommitHeader,
@@ -44,12 +44,11 @@ from .manifest import (
     parse_header,
     parse_ref,
 )
-from .objects import decode_object
-from .predict import PRED, predict
-from .zarr_meta import numpy_dtype
+from .format.objects import decode_object
+from .format.zarr_meta import numpy_dtype
 
 if TYPE_CHECKING:
-    from .backend import Storage
+    from .storage.base import Storage
 
 __all__ = ["Reader"]
 
@@ -61,10 +60,10 @@ class Reader:
                  decoded_cache_bytes: int = 256 << 20) -> None:
         self.storage = storage
         self._headers: dict[int, CommitHeader] = {}
-        self._tables: OrderedDict[int, dict[str, ArrayRecord]] = OrderedDict()
-        self._table_cache = table_cache
-        self._cache_lock = threading.Lock()
-        self._decoded = _ByteLRU(decoded_cache_bytes)
+        self._tables: LRU[int, dict[str, ArrayRecord]] = LRU(table_cache)
+        #: decoded delta chunks (trajectories walk chains in order), bounded in bytes
+        self._decoded: LRU[tuple[str, int], np.ndarray] = LRU(
+            1 << 30, weigh=lambda a: int(a.nbytes), max_weight=decoded_cache_bytes)
         self.refresh()
 
     # -- refs -----------------------------------------------------------------------------
@@ -175,11 +174,9 @@ class Reader:
         """The arrays table of a commit (verified against the header's crc32c)."""
         if header.pruned:
             raise StepNotFoundError(f"step {header.step} (slot {header.slot}) was pruned by gc")
-        with self._cache_lock:
-            table = self._tables.get(header.slot)
-            if table is not None:
-                self._tables.move_to_end(header.slot)
-                return table
+        table = self._tables.get(header.slot)
+        if table is not None:
+            return table
         loc = header.arrays
         if loc is None:
             raise CorruptRunError(f"{self.storage.location}: commit of step {header.step} "
@@ -194,10 +191,7 @@ class Reader:
                                 f"{loc.offset + loc.nbytes}) does not match its commit header")
         # the header's crc32c covers the whole file, so the envelope's own check is redundant
         table = parse_arrays(data, where, verified=True)
-        with self._cache_lock:
-            self._tables[header.slot] = table
-            if len(self._tables) > self._table_cache:
-                self._tables.popitem(last=False)
+        self._tables.put(header.slot, table)
         return table
 
     def _raise_missing(self, header: CommitHeader, where: str) -> Any:
@@ -332,34 +326,6 @@ class Reader:
         if len(data) != rec.nbytes or checksum(data) != rec.crc32c:
             raise ChecksumError(f"{where}: object {name!r} does not match its commit")
         return decode_object(data, rec.encoding, trusted=trusted, where=where)
-
-
-class _ByteLRU:
-    """Decoded delta chunks by key, bounded in bytes (trajectories walk chains in order)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.size = limit, 0
-        self._d: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
-        self._mu = threading.Lock()
-
-    def get(self, key: tuple[str, int]) -> np.ndarray | None:
-        with self._mu:
-            v = self._d.get(key)
-            if v is not None:
-                self._d.move_to_end(key)
-            return v
-
-    def put(self, key: tuple[str, int], value: np.ndarray) -> None:
-        if value.nbytes > self.limit:
-            return
-        with self._mu:
-            if key in self._d:
-                return
-            self._d[key] = value
-            self.size += value.nbytes
-            while self.size > self.limit:
-                _, old = self._d.popitem(last=False)
-                self.size -= old.nbytes
 
 
 def _describe(steps: list[int]) -> str:

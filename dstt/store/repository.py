@@ -16,19 +16,22 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import FormatVersionError, NotARunError, TimelineError
-from .backend import LocalStorage, Storage
-from .layout import (
+from .format.layout import (
     FORMAT_VERSION,
     HEAD_KEY,
     LOCK_KEY,
+    WRITTEN_PREFIXES,
     check_timeline_name,
     group_meta_key,
     ref_key,
 )
-from .manifest import RefInfo, dump_head, dump_ref
+from .format.manifest import RefInfo, dump_head, dump_ref
+from .format.zarr_meta import dump, group_document, root_attributes
+from .maintenance import GcReport, VerifyReport, gc, verify
 from .reader import Reader
+from .storage.base import Storage
+from .storage.local import LocalStorage
 from .writer import Writer
-from .zarr_meta import dump, group_document, root_attributes
 
 __all__ = ["Repository"]
 
@@ -59,7 +62,7 @@ class Repository:
         if storage.exists("zarr.json"):
             repo.root_attributes()
             return repo
-        storage.check_writable()
+        storage.check_writable(WRITTEN_PREFIXES)
         if not _empty_or_interrupted_create(storage):  # before the lock file is made
             raise NotARunError(
                 f"{storage.location} exists and is not empty but is not a dstt run; "
@@ -150,15 +153,11 @@ class Repository:
     # -- maintenance (implemented in maintenance.py) --------------------------------------
     def gc(self, *, keep_last: int | None = None, keep_every: int | None = None,
            keep_steps: Iterable[int] = (), dry_run: bool = False,
-           progress: Any = None) -> Any:
-        from .maintenance import gc
-
+           progress: Any = None) -> GcReport:
         return gc(self, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
                   dry_run=dry_run, progress=progress)
 
-    def verify(self, *, progress: Any = None) -> Any:
-        from .maintenance import verify
-
+    def verify(self, *, progress: Any = None) -> VerifyReport:
         return verify(self, progress=progress)
 
 

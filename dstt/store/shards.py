@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptRunError
-from .zarr_meta import numpy_dtype
+from .format.zarr_meta import numpy_dtype
 
 __all__ = [
     "SHARDS_PREFIX",

@@ -30,12 +30,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DsttError, SchemaError
-from .codec import DeltaPolicy
-from .delta import DeltaEncoder, EncodeStats, Shadow
-from .flat import FlatImage, FlatLayout
-from .layout import (
+from .codec.delta import DeltaEncoder, EncodeStats, Shadow
+from .codec.predict import Prediction
+from .codec.xor import DeltaPolicy
+from .format.flat import FlatImage, FlatLayout
+from .format.layout import (
     DEFAULT_CHUNK_BYTES,
     LOCK_KEY,
+    WRITTEN_PREFIXES,
     ChunkPlan,
     array_meta_key,
     check_array_path,
@@ -48,7 +50,7 @@ from .layout import (
     step_file_key,
     zarr_chunk_key,
 )
-from .manifest import (
+from .format.manifest import (
     ArrayRecord,
     ChunkRecord,
     CommitHeader,
@@ -61,12 +63,11 @@ from .manifest import (
     dump_header,
     dump_ref,
 )
-from .objects import Encoding, encode_object
+from .format.objects import Encoding, encode_object
+from .format.stepfile import Block, SideFile, StepFile
+from .format.zarr_meta import array_document, dtype_itemsize, dump, group_document, root_attributes
+from .format.zipfmt import crc32
 from .parts import Part, dump_part, merge_parts, remove_parts
-from .predict import Prediction
-from .stepfile import Block, SideFile, StepFile
-from .zarr_meta import array_document, dtype_itemsize, dump, group_document, root_attributes
-from .zipfmt import crc32
 
 if TYPE_CHECKING:
     from .repository import Repository
@@ -103,7 +104,7 @@ class Writer:
         #: id) for a part writer, so every rank's files of one slot have their own names
         self.file_tag = "" if exclusive else (f"r{rank:05d}" if rank is not None
                                               else secrets.token_hex(4))
-        self.storage.check_writable()
+        self.storage.check_writable(WRITTEN_PREFIXES)
         if exclusive:
             self._lock_cm: Any = self.storage.lock(LOCK_KEY)
             self._lock_cm.__enter__()

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..errors import UnsafeObjectError
+from ...errors import UnsafeObjectError
 
 __all__ = ["Encoding", "UnsafeObjectError", "decode_object", "encode_object"]
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import crc32c as _crc
 
-from ..errors import ChecksumError, CorruptRunError, FormatVersionError
+from ...errors import ChecksumError, CorruptRunError, FormatVersionError
 from .layout import FORMAT_VERSION, ChunkPlan
 from .zarr_meta import dtype_itemsize
 

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..errors import DsttError
+from ...errors import DsttError
+from ..format.layout import ChunkPlan, key_slot
+from ..format.manifest import ChunkRecord, checksum
 from .buffers import Scratch, ShadowPool
-from .codec import XOR, DeltaPolicy, chain_limit, xor_encode
-from .layout import ChunkPlan, key_slot
-from .manifest import ChunkRecord, checksum
 from .predict import CUR, PRED, Prediction, predict
+from .xor import XOR, DeltaPolicy, chain_limit, xor_encode
 
 __all__ = ["DeltaEncoder", "EncodeStats", "Shadow"]
 

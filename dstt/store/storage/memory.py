@@ -13,8 +13,8 @@ import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from ..errors import RunLockedError, StorageError
-from .backend import Data, Storage, as_parts, missing
+from ...errors import RunLockedError, StorageError
+from .base import Data, Storage, as_parts, missing
 
 __all__ = ["DelegatingStorage", "FaultyStorage", "MemoryStorage"]
 
@@ -133,8 +133,8 @@ class DelegatingStorage(Storage):
     def lock(self, name: str) -> contextlib.AbstractContextManager[None]:
         return self.inner.lock(name)
 
-    def check_writable(self) -> None:
-        self.inner.check_writable()
+    def check_writable(self, prefixes: Sequence[str] = ()) -> None:
+        self.inner.check_writable(prefixes)
 
     def evict(self, keys: Sequence[str]) -> None:
         self.inner.evict(keys)

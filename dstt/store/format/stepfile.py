@@ -19,8 +19,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from ..errors import DsttError
-from .backend import Blob, Data, as_parts
+from ...errors import DsttError
+from ..storage.base import Blob, Data, as_parts
 from .zipfmt import (
     Entry,
     crc32,
@@ -31,7 +31,7 @@ from .zipfmt import (
 )
 
 if TYPE_CHECKING:
-    from .backend import Storage
+    from ..storage.base import Storage
 
 __all__ = ["Block", "SideFile", "StepFile"]
 

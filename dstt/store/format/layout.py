@@ -21,7 +21,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..errors import TimelineError
+from ...errors import TimelineError
 
 __all__ = [
     "COMMITS_PREFIX",
@@ -62,6 +62,11 @@ _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _TIMELINE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _RESERVED_TOP = {"_dstt", "zarr.json", STEPS_PREFIX}
 _STEP_FILE = re.compile(r"^(\d{12})(?:\.([A-Za-z0-9]+))?\.(zip|dstt)$")
+
+
+
+#: the folders every commit writes into (a read-only one would fail the first commit)
+WRITTEN_PREFIXES = ("_dstt", COMMITS_PREFIX, REFS_PREFIX, STEPS_PREFIX)
 
 
 def check_array_path(path: str) -> str:

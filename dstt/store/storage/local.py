@@ -1,16 +1,10 @@
-"""Storage backends: the only code that touches the bytes of a run.
+"""``LocalStorage``: the storage contract on a POSIX filesystem.
 
-One small ABC, ``Storage``, with key/value semantics over '/'-separated keys. Every write is
-*atomically visible* (a reader sees the whole value or nothing); durability is explicit:
-``write`` may sit in the page cache until ``barrier()``, ``write_durable`` is durable on return.
-The commit protocol (``commit.py``) is written only against this interface, so an object store
-(PUTs are atomic and durable, ``barrier`` is a no-op) can follow without touching the engine.
-
-``LocalStorage`` implements it on POSIX: tmp file + ``rename`` for atomicity, and a barrier that
-either fsyncs every dirty file and directory (``durability="fsync"``) or issues one
-``syncfs(2)`` for the whole filesystem (``"syncfs"``, much cheaper when a step writes hundreds of
-small files). Rejected alternative: fsync inside every ``write`` — with one file per small tensor
-per step that costs ~1 ms per file on this machine's ext4 and serialises the writer threads.
+Atomic visibility by tmp file + ``rename``; a barrier that either fsyncs every dirty file and
+directory (``durability="fsync"``) or issues one ``syncfs(2)`` for the whole filesystem
+(``"syncfs"``); step files written as blobs with ``pwritev`` at offsets. Rejected alternative:
+fsync inside every ``write`` — it serialises the writer threads and costs ~1 ms per file on
+this machine's ext4, where one barrier per commit makes everything of the step durable at once.
 """
 
 from __future__ import annotations
@@ -21,144 +15,13 @@ import errno
 import fcntl
 import os
 import threading
-from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeAlias
 
-from ..errors import MissingFileError, NotARunError, ReadOnlyRunError, RunLockedError, StorageError
+from ...errors import NotARunError, ReadOnlyRunError, RunLockedError, StorageError
+from .base import Blob, Data, Durability, Storage, as_parts, missing
 
-__all__ = ["Blob", "Data", "Durability", "LocalStorage", "Storage", "as_parts", "fsync_dir",
-           "missing", "pwrite_all", "start_writeback"]
-
-Durability = Literal["fsync", "syncfs", "none"]
-Buffer: TypeAlias = "bytes | bytearray | memoryview"
-#: a value to write: one buffer, or several written back to back (no concatenation copy)
-Data: TypeAlias = ("bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]")
-
-
-def as_parts(data: Data) -> list[memoryview]:
-    parts: Sequence[Any] = data if isinstance(data, (list, tuple)) else [data]
-    return [memoryview(p).cast("B") for p in parts]
-
-
-class Blob(ABC):
-    """One value written in pieces at byte offsets (from several threads), then published
-    atomically under its key: a reader sees nothing before ``publish`` and the whole value
-    after. Step files are written this way, straight from the host cache."""
-
-    key: str
-
-    @abstractmethod
-    def write_at(self, offset: int, data: Data, *, raw: bool = False) -> None:
-        """Write ``data`` (one buffer or several back to back) at ``offset``; thread-safe.
-        ``raw``: ``data`` is a list of byte buffers already (bytes, bytearray or 1-d byte
-        memoryviews), so no per-part normalisation is needed (the hot path)."""
-
-    @abstractmethod
-    def publish(self, *, durable: bool = False) -> None:
-        """Make the value visible under ``key``; durable now (``durable``) or after the
-        storage's next ``barrier``."""
-
-    @abstractmethod
-    def discard(self) -> None:
-        """Drop an unpublished value (no error if already published or discarded)."""
-
-
-class _BufferedBlob(Blob):
-    """The portable blob: pieces collected in memory, one ``write`` on publish."""
-
-    def __init__(self, storage: Storage, key: str) -> None:
-        self.storage, self.key = storage, key
-        self._buf = bytearray()
-        self._mu = threading.Lock()
-        self._done = False
-
-    def write_at(self, offset: int, data: Data, *, raw: bool = False) -> None:
-        views: Sequence[bytes | bytearray | memoryview] = (
-            data if raw else as_parts(data))  # type: ignore[assignment]
-        with self._mu:
-            for view in views:
-                end = offset + len(view)
-                if end > len(self._buf):
-                    self._buf.extend(bytes(end - len(self._buf)))
-                self._buf[offset:end] = view
-                offset = end
-
-    def publish(self, *, durable: bool = False) -> None:
-        with self._mu:
-            data, self._done = bytes(self._buf), True
-        (self.storage.write_durable if durable else self.storage.write)(self.key, data)
-
-    def discard(self) -> None:
-        with self._mu:
-            self._buf, self._done = bytearray(), True
-
-
-class Storage(ABC):
-    """Key/value bytes with atomic visibility and an explicit durability barrier."""
-
-    #: a human-readable location used in error messages
-    location: str
-    #: whether ``lock`` gives real mutual exclusion between processes
-    supports_locking: bool = True
-
-    @abstractmethod
-    def read(self, key: str) -> bytes:
-        """Return the whole value; ``FileNotFoundError`` (a ``StorageError``) if missing."""
-
-    @abstractmethod
-    def read_range(self, key: str, start: int, length: int) -> bytes:
-        """Return ``length`` bytes from ``start``."""
-
-    @abstractmethod
-    def write(self, key: str, data: Data) -> None:
-        """Store ``data`` atomically; durable only after the next ``barrier``."""
-
-    @abstractmethod
-    def write_durable(self, key: str, data: Data) -> None:
-        """Store ``data`` atomically and durably (value and its name) before returning."""
-
-    @abstractmethod
-    def barrier(self) -> None:
-        """Make every ``write`` that returned before this call durable."""
-
-    @abstractmethod
-    def exists(self, key: str) -> bool: ...
-
-    @abstractmethod
-    def size(self, key: str) -> int: ...
-
-    @abstractmethod
-    def list(self, prefix: str) -> Iterator[str]:
-        """Names (not full keys) directly under ``prefix``; empty if there are none."""
-
-    @abstractmethod
-    def delete(self, key: str) -> None:
-        """Remove ``key`` if present (no error when missing)."""
-
-    @abstractmethod
-    def lock(self, name: str) -> contextlib.AbstractContextManager[None]:
-        """Exclusive, non-blocking writer lock; ``RunLockedError`` if held elsewhere."""
-
-    def open_blob(self, key: str) -> Blob:
-        """A value to write in pieces and publish atomically (default: buffered in memory)."""
-        return _BufferedBlob(self, key)
-
-    def evict(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional hook, no-op by default
-        """Hint: these values are durable and will not be read soon (drop cached copies)."""
-
-    def check_writable(self) -> None:  # noqa: B027 - optional hook, no-op by default
-        """Raise ``ReadOnlyRunError`` now if writes would fail (checked at session start)."""
-
-    def remove_temporaries(self) -> int:
-        """Delete leftovers of interrupted writes; only call while holding the writer lock."""
-        return 0
-
-
-def missing(location: str, key: str) -> MissingFileError:
-    return MissingFileError(errno.ENOENT, f"missing file {key!r} in {location}",
-                            f"{location}/{key}")
+__all__ = ["LocalStorage", "fsync_dir", "pwrite_all", "start_writeback"]
 
 
 def fsync_dir(path: str) -> None:
@@ -437,12 +300,10 @@ class LocalStorage(Storage):
                         n += 1
         return n
 
-    def check_writable(self) -> None:
+    def check_writable(self, prefixes: Sequence[str] = ()) -> None:
         # the run folder and the folders every commit writes into, where they exist already:
         # one made read-only on its own would otherwise fail the first commit, mid-training
-        from .layout import COMMITS_PREFIX, REFS_PREFIX, STEPS_PREFIX
-
-        for folder in ("", "_dstt", COMMITS_PREFIX, REFS_PREFIX, STEPS_PREFIX):
+        for folder in ("", *prefixes):
             where = os.path.join(self.location, folder) if folder else self.location
             if not folder or os.path.isdir(where):
                 self._probe(where)

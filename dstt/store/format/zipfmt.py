@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ..errors import CorruptRunError
+from ...errors import CorruptRunError
 
 try:  # ISA-L: the same CRC-32, 4x faster; optional
     from isal.isal_zlib import crc32 as _crc32

@@ -1,0 +1,7 @@
+"""Fewer bytes per step, losslessly: XOR deltas and their policy (``xor``), Adam/SGD state
+predicted from the update rule (``predict``), the per-step encoder/decoder (``delta``) and its
+reusable scratch memory (``buffers``)."""
+
+from .xor import DeltaPolicy
+
+__all__ = ["DeltaPolicy"]

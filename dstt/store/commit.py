@@ -1,0 +1,189 @@
+"""The multi-rank commit: every rank writes its own step file, rank 0 commits once all are durable.
+
+Every rank runs its own capture pipeline against a ``RankWriter`` instead of a plain ``Writer``;
+its transactions behave like store transactions except for ``commit``:
+
+* rank 0 holds the run's lock (the store's exclusive writer). Its ``commit`` waits, on its
+  committer thread, for the *part manifests* of every other rank for the same slot (polling
+  the store, ``parts.collect_parts``), checks they are votes for the same step of the same
+  session, and merges them into one ordinary commit. Refs move only after it.
+* every other rank holds a part writer (no lock) and its ``commit`` *prepares*: barrier, then
+  its part manifest, written durably. Nothing of it is visible until rank 0 merges it.
+
+Slots: each rank's n-th step takes slot ``base + n``, where ``base`` is rank 0's next free slot,
+agreed once when the ranks open the run (the engine's ``open_ranks`` does that with one
+collective on the main thread, before any background thread exists). Afterwards ranks
+coordinate only through the store: background threads never call a collective.
+Rejected alternatives: a gloo barrier per step from the committer thread (a rank that stops
+checkpointing would hang every other rank's committer, and per-step collectives serialise the
+ranks' flushes); this code in the engine (it knows nothing of torch and is the store's commit
+protocol, so it lives beside the single-writer one and is held to the same contract tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .parts import abort_vote, collect_parts
+
+if TYPE_CHECKING:
+    from .repository import Repository
+    from .storage.base import Storage
+    from .writer import Writer
+
+__all__ = ["DEFAULT_RANK_TIMEOUT", "RankInfo", "RankTransaction", "RankWriter",
+           "TransactionProxy"]
+
+DEFAULT_RANK_TIMEOUT = 600.0
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This process's rank and the world size."""
+
+    rank: int
+    world: int
+
+
+
+class TransactionProxy:
+    """Passes what the pipeline uses (declare, put_chunk, put_object, abort) to a store
+    transaction; subclasses change how the step is committed."""
+
+    def __init__(self, txn: Any) -> None:
+        self._txn = txn
+        self.slot: int = txn.slot
+        self.step: int = txn.step
+
+    def declare(self, path: str, dtype: str, shape: tuple[int, ...]) -> Any:
+        return self._txn.declare(path, dtype, shape)
+
+    def put_chunk(self, path: str, index: int, data: Any) -> Any:
+        return self._txn.put_chunk(path, index, data)
+
+    def put_object(self, name: str, obj: Any, **kw: Any) -> Any:
+        return self._txn.put_object(name, obj, **kw)
+
+    def put_encoded(self, name: str, data: bytes, encoding: Any = "json") -> Any:
+        return self._txn.put_encoded(name, data, encoding)
+
+    def put_flat(self, layout: Any, buf: Any, images: Any = None) -> None:
+        self._txn.put_flat(layout, buf, images)
+
+    def reserve_flat(self, layout: Any, nbytes_at: Any) -> int:
+        return int(self._txn.reserve_flat(layout, nbytes_at))
+
+    def complete_flat(self, *args: Any) -> None:
+        self._txn.complete_flat(*args)
+
+    def predict(self, predictions: Any) -> None:
+        self._txn.predict(predictions)
+
+    @property
+    def zip(self) -> Any:
+        return self._txn.zip
+
+    @property
+    def keyframe(self) -> bool:
+        return bool(self._txn.keyframe)
+
+    @keyframe.setter
+    def keyframe(self, value: bool) -> None:
+        self._txn.keyframe = value
+
+    def abort(self) -> None:
+        self._txn.abort()
+
+
+class RankTransaction(TransactionProxy):
+    """A store transaction of one rank; ``commit`` merges (rank 0) or prepares (others)."""
+
+    def __init__(self, owner: RankWriter, txn: Any) -> None:
+        super().__init__(txn)
+        self._owner = owner
+        self.slot, self.step, self.rank = txn.slot, txn.step, owner.info.rank
+
+    def abort(self) -> None:
+        super().abort()
+        o = self._owner
+        if o.info.rank != 0 and not o.cancel.is_set():  # rank 0 should not wait for us
+            with contextlib.suppress(Exception):
+                abort_vote(o.storage, slot=self.slot, step=self.step, rank=o.info.rank,
+                           world=o.info.world, session=o.session,
+                           error=f"rank {o.info.rank} dropped the step")
+
+    @property
+    def encode(self) -> bool:
+        return bool(self._txn.encode)
+
+    @encode.setter
+    def encode(self, value: bool) -> None:
+        self._txn.encode = value
+
+    @property
+    def stats(self) -> Any:
+        return self._txn.stats
+
+    @property
+    def bytes_written(self) -> int:
+        return int(self._txn.bytes_written)
+
+    def commit(self, metrics: Mapping[str, Any] | None = None) -> Any:
+        o = self._owner
+        for hook in o.before_commit:
+            hook(self)
+        if o.info.rank != 0:
+            return self._txn.prepare(rank=o.info.rank, world=o.info.world, session=o.session,
+                                     metrics=metrics)
+        parts = collect_parts(o.storage, slot=self.slot, step=self.step,
+                              ranks=range(1, o.info.world), world=o.info.world,
+                              session=o.session, timeout=o.timeout, cancel=o.cancel)
+        header = self._txn.commit(metrics, parts=parts)
+        for hook in o.after_commit:
+            hook(header)
+        return header
+
+
+class RankWriter:
+    """The pipeline-facing writer of one rank (see the module docstring)."""
+
+    def __init__(self, writer: Writer, info: RankInfo, *, base_slot: int, session: str,
+                 timeout: float = DEFAULT_RANK_TIMEOUT) -> None:
+        self.writer, self.info = writer, info
+        self.storage: Storage = writer.storage
+        self.base_slot, self.session, self.timeout = base_slot, session, timeout
+        self.cancel = threading.Event()
+        self._n = 0
+        self._lock = threading.Lock()
+        #: called on the committer thread: before a commit/prepare (with the transaction) and,
+        #: on rank 0, after the global commit (with its header)
+        self.before_commit: list[Callable[[RankTransaction], None]] = []
+        self.after_commit: list[Callable[[Any], None]] = []
+
+    @property
+    def repo(self) -> Repository:
+        return self.writer.repo
+
+    @property
+    def encoder(self) -> Any:
+        """The store writer's delta encoder (None without ``DeltaPolicy``): the pipeline
+        decides per step from it whether to encode (it read ``None`` here before, so a
+        one-rank DeltaPolicy run wrote every step raw)."""
+        return self.writer.encoder
+
+    def flat_layout(self, arrays: Any) -> Any:
+        return self.writer.flat_layout(arrays)
+
+    def begin(self, step: int) -> RankTransaction:
+        with self._lock:
+            slot = self.base_slot + self._n
+            self._n += 1
+        return RankTransaction(self, self.writer.begin(step, slot=slot))
+
+    def close(self) -> None:
+        self.cancel.set()
+        self.writer.close()

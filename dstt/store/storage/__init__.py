@@ -1,0 +1,2 @@
+"""Where a run's bytes live: the ``Storage`` contract (``base``), POSIX files (``local``) and the
+in-memory fake with a crash model (``memory``). The commit protocol above sees only ``base``."""
