@@ -9,7 +9,7 @@ k+1 are cloned, with the Adam(W) coefficients each step used (the lr read right 
 ``opt.step()``, before ``sched.step()``, betas, eps, weight decay, the state's step count); at
 the end a chain of consecutive states is kept.
 
-The library's scheme (``dstt/store/predict.py``): ``exp_avg`` (m) carries the step's new
+The library's scheme (``dstt/store/codec/predict.py``): ``exp_avg`` (m) carries the step's new
 information and is written as an XOR delta against the previous step (Blosc byte-shuffle +
 lz4 for fp32: ``DeltaPolicy.cname="auto"``), or raw when that does not pay ``min_ratio``;
 ``exp_avg_sq`` (v) and the parameter (p) are predicted from the Adam update rule (``adam_v``
@@ -19,7 +19,7 @@ from v_prev, m, m_prev; ``adam_p`` from p_prev, m, v) and written as ``actual XO
 1. **bytes per step** as written/raw, per tensor class: fp32 params, fp32 Adam moments
    (``exp_avg``, ``exp_avg_sq``), the whole fp32 Adam state (the three together), and the same
    params cast to bf16 and fp16 (as a mixed-precision run would hold them):
-   a. *XOR only*: ``dstt.store.codec.xor_encode`` against the previous step with the default
+   a. *XOR only*: ``dstt.store.codec.xor.xor_encode`` against the previous step with the default
       policy, per tensor (whatever its ratio). Beside it: plain shuffle + the policy's codec
       of the new state (no delta; JSON key ``plain_zstd_ratio``, kept for history), and
       the *XOR bound*: bits / (bits - leading zero bits of cur^prev) per element, near the
@@ -79,8 +79,8 @@ from numcodecs import Blosc
 
 import dstt
 from dstt.store import DeltaPolicy, Repository
-from dstt.store.codec import chain_limit, xor_decode, xor_encode
-from dstt.store.predict import CUR, Prediction, adam_predictions, predict
+from dstt.store.codec.predict import CUR, Prediction, adam_predictions, predict
+from dstt.store.codec.xor import chain_limit, xor_decode, xor_encode
 from dstt.testing.models import TinyGPT, make_batch
 
 MiB = 1024 * 1024

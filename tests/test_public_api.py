@@ -119,3 +119,25 @@ def test_module_imports_have_no_cycles() -> None:
         if n not in state:
             visit(n, [n])
     assert not cycles, cycles
+
+
+def test_store_rooms_import_downward_only() -> None:
+    """Inside the store: ``storage`` knows no format or codec, ``format`` no codec, and no room
+    imports the store's top level (repository, writer, reader, ...)."""
+    rooms = ("storage", "format", "codec")
+    allowed = {"storage": {"storage"}, "format": {"storage", "format"},
+               "codec": {"storage", "format", "codec"}}
+    bad = []
+    mods = _dstt_modules()
+    for name, path in mods.items():
+        parts = name.split(".")
+        if parts[:2] != ["dstt", "store"] or len(parts) < 3 or parts[2] not in rooms:
+            continue
+        pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for imp in _module_imports(path, pkg, nested=True):
+            ip = imp.split(".")
+            if ip[:2] != ["dstt", "store"] or imp not in mods:
+                continue
+            if len(ip) < 3 or ip[2] not in allowed[parts[2]]:
+                bad.append(f"{name} imports {imp}")
+    assert not bad, bad

@@ -1,4 +1,4 @@
-"""Which captured arrays the store may encode as predictions (``dstt.store.predict``).
+"""Which captured arrays the store may encode as predictions (``dstt.store.codec.predict``).
 
 For torch's ``Adam``/``AdamW`` with float32 state, the step's ``exp_avg_sq`` and parameter
 follow from the update rule, and for ``SGD`` with momentum the parameter follows from its

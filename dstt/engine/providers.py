@@ -215,7 +215,7 @@ class CompositeProvider:
 
     def predictions(self) -> Mapping[str, Prediction]:
         """Predictions offered by the providers that have a ``predictions()`` method
-        (optional: encoding hints for ``DeltaPolicy``, see ``dstt.store.predict``)."""
+        (optional: encoding hints for ``DeltaPolicy``, see ``dstt.store.codec.predict``)."""
         out: dict[str, Prediction] = {}
         for p in self.providers:
             get = getattr(p, "predictions", None)

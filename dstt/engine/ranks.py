@@ -1,46 +1,36 @@
-"""Several ranks, one run: who writes what, which slot each step takes, and the global commit.
+"""Several ranks, one run, from the training side: rank and world size from torch.distributed,
+and opening the run on every rank together.
 
-Every rank runs its own capture pipeline. The pipeline talks to a ``RankWriter`` instead of a
-store ``Writer``; its transactions behave like store transactions except for ``commit``:
-
-* rank 0 holds the run's lock (the store's exclusive writer). Its ``commit`` waits, on its
-  committer thread, for the *part manifests* of every other rank for the same slot (polling
-  the store, ``dstt.store.parts``), checks they are votes for the same step of the same session,
-  and merges them into one ordinary commit. ``latest``-style pointers move only after it.
-* every other rank opens a part writer (no lock) and its ``commit`` *prepares*: barrier, then
-  its part manifest, written durably. Nothing of it is visible until rank 0 merges it.
-
-Slots: each rank's n-th staged step takes slot ``base + n``, where ``base`` is rank 0's next
-free slot, agreed once in ``open_ranks`` on the main thread (one ``broadcast_object_list`` on
-the default process group). That is the only collective dstt issues, and it runs before any
-background thread exists; background threads coordinate only through the store.
-Rejected alternative: a gloo barrier per step on a side group from the committer thread — a
-rank that stops checkpointing (error, shutdown) would hang every other rank's committer, and
-per-step collectives serialise the ranks' flushes.
+``open_ranks`` runs on the main thread of every rank at once: rank 0 creates the run, takes
+the lock and removes part files a crashed session left; the others open part writers; one
+``broadcast_object_list`` agrees the first slot and the session id, one ``all_gather_object``
+checks every rank opened. Those are the only collectives dstt issues, and they run before any
+background thread exists. What happens per step — parts, votes, rank 0's merged commit — is
+the store's multi-rank commit protocol (``dstt.store.RankWriter``, store/commit.py), which
+needs no torch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RankError, TimelineError
-from ..store import DeltaPolicy, Repository, Storage, abort_vote, collect_parts, remove_parts
+from ..store import (
+    DEFAULT_RANK_TIMEOUT,
+    DeltaPolicy,
+    RankInfo,
+    RankTransaction,
+    RankWriter,
+    Repository,
+    Storage,
+    TransactionProxy,
+    remove_parts,
+)
 
-__all__ = ["RankInfo", "RankTransaction", "RankWriter", "dist_info", "open_ranks"]
-
-DEFAULT_RANK_TIMEOUT = 600.0
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    rank: int
-    world: int
+__all__ = ["DEFAULT_RANK_TIMEOUT", "RankInfo", "RankTransaction", "RankWriter", "TransactionProxy",
+           "dist_info", "open_ranks"]
 
 
 def dist_info() -> RankInfo:
@@ -50,145 +40,6 @@ def dist_info() -> RankInfo:
     if dist.is_available() and dist.is_initialized():
         return RankInfo(dist.get_rank(), dist.get_world_size())
     return RankInfo(0, 1)
-
-
-class TransactionProxy:
-    """Passes what the pipeline uses (declare, put_chunk, put_object, abort) to a store
-    transaction; subclasses change how the step is committed."""
-
-    def __init__(self, txn: Any) -> None:
-        self._txn = txn
-        self.slot: int = txn.slot
-        self.step: int = txn.step
-
-    def declare(self, path: str, dtype: str, shape: tuple[int, ...]) -> Any:
-        return self._txn.declare(path, dtype, shape)
-
-    def put_chunk(self, path: str, index: int, data: Any) -> Any:
-        return self._txn.put_chunk(path, index, data)
-
-    def put_object(self, name: str, obj: Any, **kw: Any) -> Any:
-        return self._txn.put_object(name, obj, **kw)
-
-    def put_encoded(self, name: str, data: bytes, encoding: Any = "json") -> Any:
-        return self._txn.put_encoded(name, data, encoding)
-
-    def put_flat(self, layout: Any, buf: Any, images: Any = None) -> None:
-        self._txn.put_flat(layout, buf, images)
-
-    def reserve_flat(self, layout: Any, nbytes_at: Any) -> int:
-        return int(self._txn.reserve_flat(layout, nbytes_at))
-
-    def complete_flat(self, *args: Any) -> None:
-        self._txn.complete_flat(*args)
-
-    def predict(self, predictions: Any) -> None:
-        self._txn.predict(predictions)
-
-    @property
-    def zip(self) -> Any:
-        return self._txn.zip
-
-    @property
-    def keyframe(self) -> bool:
-        return bool(self._txn.keyframe)
-
-    @keyframe.setter
-    def keyframe(self, value: bool) -> None:
-        self._txn.keyframe = value
-
-    def abort(self) -> None:
-        self._txn.abort()
-
-
-class RankTransaction(TransactionProxy):
-    """A store transaction of one rank; ``commit`` merges (rank 0) or prepares (others)."""
-
-    def __init__(self, owner: RankWriter, txn: Any) -> None:
-        super().__init__(txn)
-        self._owner = owner
-        self.slot, self.step, self.rank = txn.slot, txn.step, owner.info.rank
-
-    def abort(self) -> None:
-        super().abort()
-        o = self._owner
-        if o.info.rank != 0 and not o.cancel.is_set():  # rank 0 should not wait for us
-            with contextlib.suppress(Exception):
-                abort_vote(o.storage, slot=self.slot, step=self.step, rank=o.info.rank,
-                           world=o.info.world, session=o.session,
-                           error=f"rank {o.info.rank} dropped the step")
-
-    @property
-    def encode(self) -> bool:
-        return bool(self._txn.encode)
-
-    @encode.setter
-    def encode(self, value: bool) -> None:
-        self._txn.encode = value
-
-    @property
-    def stats(self) -> Any:
-        return self._txn.stats
-
-    @property
-    def bytes_written(self) -> int:
-        return int(self._txn.bytes_written)
-
-    def commit(self, metrics: Mapping[str, Any] | None = None) -> Any:
-        o = self._owner
-        for hook in o.before_commit:
-            hook(self)
-        if o.info.rank != 0:
-            return self._txn.prepare(rank=o.info.rank, world=o.info.world, session=o.session,
-                                     metrics=metrics)
-        parts = collect_parts(o.storage, slot=self.slot, step=self.step,
-                              ranks=range(1, o.info.world), world=o.info.world,
-                              session=o.session, timeout=o.timeout, cancel=o.cancel)
-        header = self._txn.commit(metrics, parts=parts)
-        for hook in o.after_commit:
-            hook(header)
-        return header
-
-
-class RankWriter:
-    """The pipeline-facing writer of one rank (see the module docstring)."""
-
-    def __init__(self, writer: Any, info: RankInfo, *, base_slot: int, session: str,
-                 timeout: float = DEFAULT_RANK_TIMEOUT) -> None:
-        self.writer, self.info = writer, info
-        self.storage: Storage = writer.storage
-        self.base_slot, self.session, self.timeout = base_slot, session, timeout
-        self.cancel = threading.Event()
-        self._n = 0
-        self._lock = threading.Lock()
-        #: called on the committer thread: before a commit/prepare (with the transaction) and,
-        #: on rank 0, after the global commit (with its header)
-        self.before_commit: list[Callable[[RankTransaction], None]] = []
-        self.after_commit: list[Callable[[Any], None]] = []
-
-    @property
-    def repo(self) -> Repository:
-        return self.writer.repo  # type: ignore[no-any-return]
-
-    @property
-    def encoder(self) -> Any:
-        """The store writer's delta encoder (None without ``DeltaPolicy``): the pipeline
-        decides per step from it whether to encode (it read ``None`` here before, so a
-        one-rank DeltaPolicy run wrote every step raw)."""
-        return getattr(self.writer, "encoder", None)
-
-    def flat_layout(self, arrays: Any) -> Any:
-        return self.writer.flat_layout(arrays)
-
-    def begin(self, step: int) -> RankTransaction:
-        with self._lock:
-            slot = self.base_slot + self._n
-            self._n += 1
-        return RankTransaction(self, self.writer.begin(step, slot=slot))
-
-    def close(self) -> None:
-        self.cancel.set()
-        self.writer.close()
 
 
 def _broadcast(obj: Any, info: RankInfo) -> Any:

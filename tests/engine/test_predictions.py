@@ -19,8 +19,7 @@ from dstt.engine.predictions import optimizer_predictions
 from dstt.engine.torch_state import tensor_path
 from dstt.store import Repository
 from dstt.testing.models import SyntheticBatches, TinyGPT
-
-from ._helpers import same_bits, stored, train_step
+from tests.engine._helpers import same_bits, stored, train_step
 
 
 def _stepped(opt_cls: type, **kw: object) -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
@@ -225,7 +224,7 @@ def test_a_failed_step_takes_only_the_steps_based_on_it(tmp_path: Path) -> None:
     import errno
     import warnings
 
-    from dstt.store.testing import FaultyStorage, MemoryStorage
+    from dstt.store.storage.memory import FaultyStorage, MemoryStorage
 
     inner = MemoryStorage()
     Repository.create(inner)

@@ -26,10 +26,9 @@ from dstt.engine.torch_state import (
 )
 from dstt.errors import SchemaError
 from dstt.store import Repository
-from dstt.store.testing import MemoryStorage
+from dstt.store.storage.memory import MemoryStorage
 from dstt.testing.models import TinyGPT, make_batch
-
-from ._helpers import same_bits, train_step
+from tests.engine._helpers import same_bits, train_step
 
 
 def capture(repo: Repository, step: int, provider: StateProvider,

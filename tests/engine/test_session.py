@@ -13,8 +13,7 @@ from dstt.errors import RaceError, TimelineError
 from dstt.inspect.summaries import summary_rows
 from dstt.store import Repository
 from dstt.testing.models import SyntheticBatches, TinyGPT
-
-from ._helpers import MLP, committed_steps, mlp_batch, same_bits, stored, train_step
+from tests.engine._helpers import MLP, committed_steps, mlp_batch, same_bits, stored, train_step
 
 
 def test_every_step_is_committed_with_its_logged_metrics(tmp_path: Path) -> None:
@@ -347,7 +346,7 @@ def test_manual_steps_without_an_optimizer(tmp_path: Path) -> None:
 def test_a_slow_disk_stalls_training_instead_of_exceeding_the_budget(tmp_path: Path) -> None:
     import time
 
-    from dstt.store.testing import FaultyStorage, MemoryStorage
+    from dstt.store.storage.memory import FaultyStorage, MemoryStorage
 
     inner = MemoryStorage()
     Repository.create(inner)

@@ -11,8 +11,7 @@ from dstt import DeltaPolicy, StepMetrics
 from dstt._session import session
 from dstt.store import Repository
 from dstt.testing.models import SyntheticBatches, TinyGPT
-
-from ._helpers import same_bits, stored, train_step
+from tests.engine._helpers import same_bits, stored, train_step
 
 
 def _model() -> tuple[TinyGPT, torch.optim.Optimizer]:

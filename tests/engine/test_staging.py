@@ -18,7 +18,7 @@ from dstt.engine.staging import (
     VersionGuard,
     tensor_checksum,
 )
-from dstt.store.layout import plan_chunks
+from dstt.store.format.layout import plan_chunks
 
 
 def test_cache_packs_small_chunks_into_one_slab() -> None:

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from dstt.store import Reader, Repository, Storage, dtype_name
-from dstt.store.testing import DelegatingStorage
+from dstt.store.storage.memory import DelegatingStorage
 
 #: what a read touched: ("array", (step, path, chunk index)), ("object", (step, name)) or
 #: ("table", step) -- the arrays table of a commit

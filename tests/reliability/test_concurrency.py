@@ -29,11 +29,18 @@ import pytest
 import dstt
 from dstt.errors import RunLockedError, StepNotFoundError
 from dstt.store import Repository, save
-from dstt.store.layout import key_slot
-from dstt.store.manifest import checksum
+from dstt.store.format.layout import key_slot
+from dstt.store.format.manifest import checksum
 from dstt.testing.soak import child_env
-
-from ._helpers import assert_params, cli, env, model_and_optimizer, params, stored_params, train
+from tests.reliability._helpers import (
+    assert_params,
+    cli,
+    env,
+    model_and_optimizer,
+    params,
+    stored_params,
+    train,
+)
 
 READER = Path(__file__).with_name("reader_child.py")
 TENSOR = "layers.0.qkv.weight"

@@ -32,9 +32,15 @@ import pytest
 import dstt
 from dstt.errors import ChecksumError, CorruptRunError
 from dstt.store import CommitHeader, Repository, Snapshot, load
-from dstt.store.layout import HEAD_KEY, commit_key, ref_key, step_file_key
-
-from ._helpers import assert_params, cli, model_and_optimizer, params, same_bits, train
+from dstt.store.format.layout import HEAD_KEY, commit_key, ref_key, step_file_key
+from tests.reliability._helpers import (
+    assert_params,
+    cli,
+    model_and_optimizer,
+    params,
+    same_bits,
+    train,
+)
 
 STEPS = 5
 #: objects the session reads back on resume (the write-time summaries are not restored)

@@ -29,10 +29,16 @@ import pytest
 import dstt
 from dstt.errors import CaptureError, ReadOnlyRunError, StorageError
 from dstt.store import LocalStorage, Repository
-from dstt.store.testing import FaultyStorage
+from dstt.store.storage.memory import FaultyStorage
 from dstt.testing.models import SyntheticBatches
-
-from ._helpers import assert_params, env, model_and_optimizer, params, stored_params, train
+from tests.reliability._helpers import (
+    assert_params,
+    env,
+    model_and_optimizer,
+    params,
+    stored_params,
+    train,
+)
 
 CHILD = Path(__file__).with_name("fsize_child.py")
 

@@ -18,10 +18,9 @@ import torch
 
 import dstt
 from dstt.store import LocalStorage
-from dstt.store.backend import _MADE_DIRS_KEPT
+from dstt.store.storage.local import _MADE_DIRS_KEPT
 from dstt.testing.models import SyntheticBatches
-
-from ._helpers import model_and_optimizer
+from tests.reliability._helpers import model_and_optimizer
 
 MiB = 1 << 20
 STEPS = 300
@@ -61,10 +60,11 @@ def test_rss_and_descriptors_stay_flat_over_hundreds_of_steps(tmp_path: Path) ->
     growth = samples[STEPS][0] - samples[WARM][0]
     assert growth < 16, samples
     # not per step: the run's lock, the flusher's two pipes, and two open files (zip and side
-    # file) per step in flight, of which there are at most a handful
+    # file) per step awaiting its commit, of which there are at most ``max_backlog`` (a busy
+    # machine gets there: the bound, not a handful, is what holds). One descriptor leaked per
+    # step would be 300 here.
     fd_counts = [f for _, f, _ in samples.values()]
-    assert max(fd_counts) <= base_fds + 16, samples
-    assert fd_counts[-1] <= fd_counts[0] + 4, samples
+    assert max(fd_counts) <= base_fds + 2 * pipe.max_backlog + 6, samples
     assert fds == base_fds and threads == base_threads  # all returned when the session closed
     assert rss - base_rss < 256  # the whole session: cache, torch, zarr/xarray imports
 

@@ -24,8 +24,14 @@ import pytest
 import dstt
 from dstt.errors import ReadOnlyRunError
 from dstt.store import load
-
-from ._helpers import assert_params, cli, model_and_optimizer, params, stored_params, train
+from tests.reliability._helpers import (
+    assert_params,
+    cli,
+    model_and_optimizer,
+    params,
+    stored_params,
+    train,
+)
 
 STEPS = 4
 

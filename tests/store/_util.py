@@ -91,7 +91,7 @@ def crash_at_every_write(commit: Callable[[Any, int], Any], want: Callable[[int]
     completes. After every cut the run must hold step 2 or 3 whole (``want(step)``) and
     verify clean. Returns (writes step 3 took, whether it wrote any delta)."""
     from dstt.store import load
-    from dstt.store.testing import FaultyStorage, MemoryStorage
+    from dstt.store.storage.memory import FaultyStorage, MemoryStorage
 
     class Cut(Exception):
         pass

@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 
-from dstt.store.buffers import Scratch, ShadowPool
+from dstt.store.codec.buffers import Scratch, ShadowPool
 
 
 def test_a_retired_buffer_is_not_reused_while_an_older_encode_runs() -> None:

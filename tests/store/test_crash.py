@@ -36,8 +36,7 @@ import pytest
 
 from dstt.errors import NotARunError, StepNotFoundError, StorageError
 from dstt.store import Durability, Repository, Storage, load
-from dstt.store.backend import Data
-from dstt.store.layout import (
+from dstt.store.format.layout import (
     COMMITS_PREFIX,
     PARTS_PREFIX,
     STEPS_PREFIX,
@@ -49,10 +48,10 @@ from dstt.store.layout import (
     step_file_key,
 )
 from dstt.store.parts import collect_parts
-from dstt.store.testing import FaultyStorage, MemoryStorage
-
-from ._util import assert_same_arrays, deep_equal
-from .crash_child import CHUNK_BYTES, commit, expected
+from dstt.store.storage.base import Data
+from dstt.store.storage.memory import FaultyStorage, MemoryStorage
+from tests.store._util import assert_same_arrays, deep_equal
+from tests.store.crash_child import CHUNK_BYTES, commit, expected
 
 CHILD = Path(__file__).with_name("crash_child.py")
 
@@ -475,7 +474,7 @@ def test_power_cut_between_any_two_gc_deletes(encoded: bool) -> None:
     tombstone) must leave every kept step readable bit-exactly and verify clean, and running
     gc again must end where an uninterrupted gc ends. With deltas and dedup, kept steps read
     chunks from the step files of pruned ones: those files must survive every cut."""
-    from dstt.store.codec import DeltaPolicy
+    from dstt.store.codec.xor import DeltaPolicy
 
     base = MemoryStorage()
     repo = Repository.create(base)
@@ -573,7 +572,8 @@ def test_each_commit_syncs_its_step_files_before_the_header(
     the commit point, is written and fsynced with its folder. With ``lazy_refs`` the ref is
     written without a sync and made durable by the next barrier (the next commit's, or the
     writer's close). A no-op barrier fails this test."""
-    from dstt.store import LocalStorage, backend
+    from dstt.store import LocalStorage
+    from dstt.store.storage import local as backend
 
     run = tmp_path / "run"
     repo = Repository.create(LocalStorage(run, durability=durability, create=True))

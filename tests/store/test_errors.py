@@ -32,7 +32,7 @@ from dstt.errors import (
     TimelineError,
 )
 from dstt.store import LocalStorage, Repository, Transaction, load, save
-from dstt.store.layout import (
+from dstt.store.format.layout import (
     HEAD_KEY,
     STEPS_PREFIX,
     array_meta_key,
@@ -41,10 +41,9 @@ from dstt.store.layout import (
     side_file_key,
     step_file_key,
 )
-from dstt.store.manifest import CommitHeader, Location, checksum, parse_header
-from dstt.store.testing import FaultyStorage, MemoryStorage
-
-from ._util import assert_same_arrays, commit_arrays, sample, zip_entry
+from dstt.store.format.manifest import CommitHeader, Location, checksum, parse_header
+from dstt.store.storage.memory import FaultyStorage, MemoryStorage
+from tests.store._util import assert_same_arrays, commit_arrays, sample, zip_entry
 
 
 def two_steps(path: Path | MemoryStorage) -> dict[int, dict[str, np.ndarray]]:

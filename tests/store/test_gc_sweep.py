@@ -11,8 +11,8 @@ import pytest
 
 from dstt.errors import StorageError
 from dstt.store import LocalStorage, Repository, Transaction, load, save
-from dstt.store.layout import COMMITS_PREFIX, STEPS_PREFIX, side_file_key, step_file_key
-from dstt.store.testing import FaultyStorage
+from dstt.store.format.layout import COMMITS_PREFIX, STEPS_PREFIX, side_file_key, step_file_key
+from dstt.store.storage.memory import FaultyStorage
 
 
 def _files(root: Path) -> set[str]:

@@ -21,10 +21,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from dstt.errors import StepNotFoundError
 from dstt.store import Repository
-from dstt.store.layout import HEAD_KEY, commit_key, ref_key
-from dstt.store.testing import MemoryStorage
-
-from .test_crash import CutAt, PowerCut, torn_crash
+from dstt.store.format.layout import HEAD_KEY, commit_key, ref_key
+from dstt.store.storage.memory import MemoryStorage
+from tests.store.test_crash import CutAt, PowerCut, torn_crash
 
 
 @dataclass(frozen=True)

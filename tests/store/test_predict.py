@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 
 from dstt.store import Repository, Transaction, load
-from dstt.store.codec import DeltaPolicy
-from dstt.store.layout import step_file_key
-from dstt.store.manifest import ChunkRecord
-from dstt.store.predict import PREDICTORS, Prediction, adam_predictions, predict
-
-from ._util import crash_at_every_write, put_array
+from dstt.store.codec.predict import PREDICTORS, Prediction, adam_predictions, predict
+from dstt.store.codec.xor import DeltaPolicy
+from dstt.store.format.layout import step_file_key
+from dstt.store.format.manifest import ChunkRecord
+from tests.store._util import crash_at_every_write, put_array
 
 P, M, V = "params/w", "optim/exp_avg/w", "optim/exp_avg_sq/w"
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -210,7 +209,7 @@ def test_crash_at_every_write_of_a_predicted_commit() -> None:
 
 
 def test_sgd_momentum_parameters_cost_almost_nothing(tmp_path: Path) -> None:
-    from dstt.store.predict import sgd_predictions
+    from dstt.store.codec.predict import sgd_predictions
 
     run = tmp_path / "run"
     repo = Repository.create(run)

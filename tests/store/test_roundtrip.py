@@ -14,16 +14,15 @@ import pytest
 
 from dstt.errors import DsttError, SchemaError, UnsafeObjectError
 from dstt.store import Repository, load, save
-from dstt.store.layout import (
+from dstt.store.format.layout import (
     STEPS_PREFIX,
     commit_key,
     side_file_key,
     step_file_key,
     zarr_chunk_key,
 )
-from dstt.store.testing import MemoryStorage
-
-from ._util import (
+from dstt.store.storage.memory import MemoryStorage
+from tests.store._util import (
     DTYPES,
     assert_same_arrays,
     commit_arrays,
