@@ -15,7 +15,8 @@ from dstt.engine.ranks import RankInfo, open_ranks
 from dstt.errors import TimelineError
 from dstt.store import DeltaPolicy, Repository
 from dstt.store.format.layout import check_array_path
-from tests.engine._helpers import same_bits
+
+from ._helpers import same_bits
 
 
 def test_state_dict_roundtrip_keeps_tensors_live() -> None:

@@ -11,7 +11,8 @@ from dstt._session import session
 from dstt.errors import CaptureError, StorageError
 from dstt.store import Repository
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage
-from tests.engine._helpers import MLP, committed_steps, mlp_batch, same_bits, stored, train_step
+
+from ._helpers import MLP, committed_steps, mlp_batch, same_bits, stored, train_step
 
 
 def _faulty_run(**faults: object) -> tuple[Repository, FaultyStorage, Repository]:

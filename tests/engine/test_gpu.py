@@ -16,7 +16,8 @@ from dstt.engine.staging import Copier, HostCache
 from dstt.errors import RaceError
 from dstt.store import Repository
 from dstt.testing.models import SyntheticBatches, TinyGPT
-from tests.engine._helpers import committed_steps, same_bits, stored
+
+from ._helpers import committed_steps, same_bits, stored
 
 pytestmark = [
     pytest.mark.gpu,

@@ -19,7 +19,8 @@ from dstt.engine.predictions import optimizer_predictions
 from dstt.engine.torch_state import tensor_path
 from dstt.store import Repository
 from dstt.testing.models import SyntheticBatches, TinyGPT
-from tests.engine._helpers import same_bits, stored, train_step
+
+from ._helpers import same_bits, stored, train_step
 
 
 def _stepped(opt_cls: type, **kw: object) -> tuple[torch.nn.Linear, torch.optim.Optimizer]:

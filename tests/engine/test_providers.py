@@ -28,7 +28,8 @@ from dstt.errors import SchemaError
 from dstt.store import Repository
 from dstt.store.storage.memory import MemoryStorage
 from dstt.testing.models import TinyGPT, make_batch
-from tests.engine._helpers import same_bits, train_step
+
+from ._helpers import same_bits, train_step
 
 
 def capture(repo: Repository, step: int, provider: StateProvider,

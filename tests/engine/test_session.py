@@ -13,7 +13,8 @@ from dstt.errors import RaceError, TimelineError
 from dstt.inspect.summaries import summary_rows
 from dstt.store import Repository
 from dstt.testing.models import SyntheticBatches, TinyGPT
-from tests.engine._helpers import MLP, committed_steps, mlp_batch, same_bits, stored, train_step
+
+from ._helpers import MLP, committed_steps, mlp_batch, same_bits, stored, train_step
 
 
 def test_every_step_is_committed_with_its_logged_metrics(tmp_path: Path) -> None:

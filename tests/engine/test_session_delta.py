@@ -11,7 +11,8 @@ from dstt import DeltaPolicy, StepMetrics
 from dstt._session import session
 from dstt.store import Repository
 from dstt.testing.models import SyntheticBatches, TinyGPT
-from tests.engine._helpers import same_bits, stored, train_step
+
+from ._helpers import same_bits, stored, train_step
 
 
 def _model() -> tuple[TinyGPT, torch.optim.Optimizer]:

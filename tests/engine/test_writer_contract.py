@@ -20,7 +20,8 @@ import torch
 from dstt.engine.pipeline import Pipeline
 from dstt.engine.ranks import RankInfo, open_ranks
 from dstt.store import DeltaPolicy, FlatStepWriter, Repository, StepTransaction
-from tests.engine._helpers import same_bits, stored
+
+from ._helpers import same_bits, stored
 
 
 def _store_writer(run: Path, encoding: DeltaPolicy | None) -> Any:

@@ -32,7 +32,8 @@ from dstt.store import Repository, save
 from dstt.store.format.layout import key_slot
 from dstt.store.format.manifest import checksum
 from dstt.testing.soak import child_env
-from tests.reliability._helpers import (
+
+from ._helpers import (
     assert_params,
     cli,
     env,

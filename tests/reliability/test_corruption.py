@@ -33,7 +33,8 @@ import dstt
 from dstt.errors import ChecksumError, CorruptRunError
 from dstt.store import CommitHeader, Repository, Snapshot, load
 from dstt.store.format.layout import HEAD_KEY, commit_key, ref_key, step_file_key
-from tests.reliability._helpers import (
+
+from ._helpers import (
     assert_params,
     cli,
     model_and_optimizer,

@@ -31,7 +31,8 @@ from dstt.errors import CaptureError, ReadOnlyRunError, StorageError
 from dstt.store import LocalStorage, Repository
 from dstt.store.storage.memory import FaultyStorage
 from dstt.testing.models import SyntheticBatches
-from tests.reliability._helpers import (
+
+from ._helpers import (
     assert_params,
     env,
     model_and_optimizer,

@@ -20,7 +20,8 @@ import dstt
 from dstt.store import LocalStorage
 from dstt.store.storage.local import _MADE_DIRS_KEPT
 from dstt.testing.models import SyntheticBatches
-from tests.reliability._helpers import model_and_optimizer
+
+from ._helpers import model_and_optimizer
 
 MiB = 1 << 20
 STEPS = 300

@@ -24,7 +24,8 @@ import pytest
 import dstt
 from dstt.errors import ReadOnlyRunError
 from dstt.store import load
-from tests.reliability._helpers import (
+
+from ._helpers import (
     assert_params,
     cli,
     model_and_optimizer,

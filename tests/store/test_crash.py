@@ -50,8 +50,9 @@ from dstt.store.format.layout import (
 from dstt.store.parts import collect_parts
 from dstt.store.storage.base import Data
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage
-from tests.store._util import assert_same_arrays, deep_equal
-from tests.store.crash_child import CHUNK_BYTES, commit, expected
+
+from ._util import assert_same_arrays, deep_equal
+from .crash_child import CHUNK_BYTES, commit, expected
 
 CHILD = Path(__file__).with_name("crash_child.py")
 

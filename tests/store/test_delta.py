@@ -13,7 +13,8 @@ import pytest
 from dstt.store import Repository, load
 from dstt.store.codec.xor import DeltaPolicy, chain_limit
 from dstt.store.format.layout import step_file_key
-from tests.store._util import crash_at_every_write
+
+from ._util import crash_at_every_write
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 

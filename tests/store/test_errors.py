@@ -43,7 +43,8 @@ from dstt.store.format.layout import (
 )
 from dstt.store.format.manifest import CommitHeader, Location, checksum, parse_header
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage
-from tests.store._util import assert_same_arrays, commit_arrays, sample, zip_entry
+
+from ._util import assert_same_arrays, commit_arrays, sample, zip_entry
 
 
 def two_steps(path: Path | MemoryStorage) -> dict[int, dict[str, np.ndarray]]:

@@ -18,7 +18,8 @@ from dstt.errors import DsttError
 from dstt.store import Repository, Transaction, load
 from dstt.store.codec.xor import DeltaPolicy
 from dstt.store.storage.memory import MemoryStorage
-from tests.store.test_predict import M, P, V, _Adam, _put, _same
+
+from .test_predict import M, P, V, _Adam, _put, _same
 
 
 def _note(what: str) -> None:

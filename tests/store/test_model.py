@@ -23,7 +23,8 @@ from dstt.errors import StepNotFoundError
 from dstt.store import Repository
 from dstt.store.format.layout import HEAD_KEY, commit_key, ref_key
 from dstt.store.storage.memory import MemoryStorage
-from tests.store.test_crash import CutAt, PowerCut, torn_crash
+
+from .test_crash import CutAt, PowerCut, torn_crash
 
 
 @dataclass(frozen=True)

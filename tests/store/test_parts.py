@@ -21,7 +21,8 @@ from dstt.store import CommitHeader, DeltaPolicy, Repository
 from dstt.store.format.layout import PARTS_PREFIX, STEPS_PREFIX, side_file_key, step_file_key
 from dstt.store.parts import abort_vote, collect_parts, part_slots
 from dstt.store.shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
-from tests.store._util import put_array, same_bits
+
+from ._util import put_array, same_bits
 
 
 def _two_rank_commit(repo: Repository, step: int, *, slot: int | None = None,

@@ -17,7 +17,8 @@ from dstt.store.codec.predict import PREDICTORS, Prediction, adam_predictions, p
 from dstt.store.codec.xor import DeltaPolicy
 from dstt.store.format.layout import step_file_key
 from dstt.store.format.manifest import ChunkRecord
-from tests.store._util import crash_at_every_write, put_array
+
+from ._util import crash_at_every_write, put_array
 
 P, M, V = "params/w", "optim/exp_avg/w", "optim/exp_avg_sq/w"
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

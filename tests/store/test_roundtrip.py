@@ -22,7 +22,8 @@ from dstt.store.format.layout import (
     zarr_chunk_key,
 )
 from dstt.store.storage.memory import MemoryStorage
-from tests.store._util import (
+
+from ._util import (
     DTYPES,
     assert_same_arrays,
     commit_arrays,
