@@ -137,8 +137,10 @@ class Run:
         return trajectory_dataarray(self._readers, headers, path, newest, chunks=chunks)
 
     def metrics(self, timeline: str | None = None) -> xr.Dataset:
-        """Logged metrics (``s.log(...)``) per committed step as a Dataset over ``step``."""
-        return metrics_dataset(self.commits(timeline))
+        """Logged metrics (``s.log(...)``) per step as a Dataset over ``step``: every
+        committed step's, and those of the steps ``every=K`` did not checkpoint (``slot`` -1;
+        the next commit carries them)."""
+        return metrics_dataset(self.commits(timeline), self._reader.read_object)
 
     def summaries(self, steps: Steps = None, *, timeline: str | None = None,
                   progress: Callable[[int, int], None] | None = None) -> xr.Dataset:

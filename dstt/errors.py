@@ -13,6 +13,7 @@ from __future__ import annotations
 __all__ = [
     "CaptureError",
     "ChecksumError",
+    "ConfigError",
     "CorruptRunError",
     "DsttError",
     "FormatVersionError",
@@ -77,6 +78,11 @@ class CaptureError(DsttError, RuntimeError):
     """The capture engine failed to checkpoint a step (the cause is chained)."""
 
 
+class ConfigError(DsttError, ValueError):
+    """``dstt.session`` was given objects that cannot be captured together (an optimizer that
+    holds none of the model's trainable parameters, or parameters the model does not have)."""
+
+
 class RaceError(CaptureError):
     """A captured tensor was modified in place while it was being copied."""
 
@@ -96,3 +102,10 @@ class SchemaError(DsttError, ValueError):
 
 class MissingFileError(StorageError, FileNotFoundError):
     """A file the run needs is not there."""
+
+
+class DsttWarning(UserWarning):
+    """Something dstt accepted but that may not do what the caller meant (an optimizer that
+    leaves trainable parameters out, metrics logged where they cannot be kept); filter it
+    with ``warnings.filterwarnings("error", category=dstt.errors.DsttWarning)``. A warning, not
+    an error, so it stays out of ``__all__`` (the error tree)."""

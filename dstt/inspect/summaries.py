@@ -75,25 +75,39 @@ def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def metrics_dataset(headers: Sequence[Any]) -> xr.Dataset:
+METRICS_HISTORY_OBJECT = "metrics/history"  # written by dstt._session_metrics
+
+
+def metrics_dataset(headers: Sequence[Any],
+                    read: Callable[[Any, str], Any] | None = None) -> xr.Dataset:
     """Logged metrics of ``headers`` (commits in step order) as a Dataset over ``step``.
 
     Numeric metrics become float64 variables (NaN where a step did not log them); string
     metrics become object variables ('' where missing). Coordinates: ``step``, ``slot`` and
-    ``time`` (commit wall-clock time, seconds since the epoch).
+    ``time`` (commit wall-clock time, seconds since the epoch). With ``read(header, name)``
+    (loads a commit object), the steps a commit carries in ``metrics/history`` (steps that
+    ``every=K`` did not checkpoint) come too, before it: ``slot`` -1 (no commit), ``time`` of
+    their first ``s.log``.
     """
-    names = sorted({k for h in headers for k in h.metrics})
+    rows: list[tuple[int, int, float, Any]] = []
+    for h in headers:
+        if read is not None and METRICS_HISTORY_OBJECT in h.objects:
+            hist = read(h, METRICS_HISTORY_OBJECT)
+            rows += [(int(k), -1, float(t), m) for k, t, m in
+                     zip(hist["steps"], hist["time"], hist["metrics"], strict=True)]
+        rows.append((h.step, h.slot, h.time, h.metrics))
+    names = sorted({k for *_, m in rows for k in m})
     data: dict[str, Any] = {}
     for k in names:
-        vals = [h.metrics.get(k) for h in headers]
+        vals = [m.get(k) for *_, m in rows]
         if any(isinstance(v, str) for v in vals):
             data[k] = ("step", np.array(["" if v is None else str(v) for v in vals], dtype=object))
         else:
             data[k] = ("step", np.array([_as_float(v) for v in vals], dtype=np.float64))
     coords = {
-        "step": ("step", np.array([h.step for h in headers], dtype=np.int64)),
-        "slot": ("step", np.array([h.slot for h in headers], dtype=np.int64)),
-        "time": ("step", np.array([h.time for h in headers], dtype=np.float64)),
+        "step": ("step", np.array([r[0] for r in rows], dtype=np.int64)),
+        "slot": ("step", np.array([r[1] for r in rows], dtype=np.int64)),
+        "time": ("step", np.array([r[2] for r in rows], dtype=np.float64)),
     }
     return xr.Dataset(data, coords=coords)
 
