@@ -31,6 +31,7 @@ from .inspect.summaries import (
     find_spikes,
     metrics_dataset,
     rank_tensors,
+    spike_cause,
     summaries_dataset,
     summary_rows,
 )
@@ -150,27 +151,46 @@ class Run:
                                  self._read_summaries, progress)
 
     def spikes(self, metric: str = "loss", *, window: int = 50, z: float = 4.0,
-               around: int = 2, top: int = 10, timeline: str | None = None) -> list[Spike]:
-        """Spikes of a logged metric by the rolling z-score rule of
-        :mod:`dstt.inspect.summaries`, each with the ``top`` tensors by update ratio within
-        ``around`` commits of it (empty lists when the run has no summaries)."""
-        ds = self.metrics(timeline)
+               around: int = 0, top: int = 10, timeline: str | None = None) -> list[Spike]:
+        """Spikes of a logged metric (rolling z-score rule of :mod:`dstt.inspect.summaries`),
+        each with the committed update that caused it.
+
+        Step rule: the metric filed under step *k* was computed on the weights of step
+        *k - 1*, so a jump first seen at *k* (``Spike.start``) was caused by the update
+        ``parent -> cause`` = ``(k - 2) -> (k - 1)`` (with sparser commits: the committed
+        interval holding it). ``Spike.tensors`` are the ``top`` tensors by that update's
+        ratio in the cause commit's summaries (``around`` > 0 adds that many commits either
+        side of the cause; empty lists when the run has no summaries). Open the bad update in
+        a widget with ``dstt.widgets.scrubber(run, spike=sp)`` or ``compare(run, spike=sp)``.
+        """
+        name = timeline or self.timeline
+        ds = self.metrics(name)
         if metric not in ds:
             logged = sorted(map(str, ds.data_vars))
-            raise KeyError(f"metric {metric!r} was never logged; logged: {logged}")
+            raise KeyError(f"metric {metric!r} was never logged on timeline {name!r}; "
+                           f"logged: {logged}")
         found = find_spikes(ds["step"].values, ds[metric].values.astype(np.float64),
                             window=window, z=z)
         if not found:
             return []
-        line = self.commits(timeline)
-        index = {h.step: i for i, h in enumerate(line)}
-        near = sorted({j for s, *_ in found for j in range(max(0, index[s] - around),
-                                                           min(len(line), index[s] + around + 1))})
-        # only the summaries around the spikes are read, not the whole run's
-        sums = summaries_dataset([line[j] for j in near],
-                                 self._read_summaries)
-        return [Spike(s, v, zi, mu, sd, rank_tensors(sums, s, around)[:top])
-                for s, v, zi, mu, sd in found]
+        line = self.commits(name)
+        steps = [h.step for h in line]
+        causes = [spike_cause(steps, start) for *_, start in found]
+        windows: list[list[int]] = []
+        for _, cause in causes:
+            if cause is None or top <= 0:
+                windows.append([])
+                continue
+            i = steps.index(cause)
+            windows.append(steps[max(0, i - around):i + around + 1])
+        # only the summaries of the causes (and ``around``) are read, not the whole run's
+        need = sorted({st for w in windows for st in w})
+        by_step = {h.step: h for h in line}
+        sums = summaries_dataset([by_step[st] for st in need], self._read_summaries)
+        return [Spike(s, v, zi, mu, sd, rank_tensors(sums, w)[:max(top, 0)], start=start,
+                      cause=cause, parent=parent, timeline=name)
+                for (s, v, zi, mu, sd, start), (parent, cause), w
+                in zip(found, causes, windows, strict=True)]
 
     def _read_summaries(self, h: Any) -> dict[str, Any]:
         """The summaries of one commit; multi-rank runs add one object per other rank."""

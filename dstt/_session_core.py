@@ -42,23 +42,21 @@ from typing import Any, Literal
 
 import torch
 
+from ._session_checks import capture_error, check_optimizer, warn_skipped
 from ._session_metrics import METRICS_HISTORY_OBJECT, MetricLog, metric_value
 from .engine.pipeline import SUMMARIES_OBJECT, Flight, Pipeline, StepMetrics
 from .engine.providers import ObjectProvider, StoreSource
 from .engine.torch_state import DataPosition, Stateful, TorchState, TrackedData, discover
 from .errors import (
     CaptureError,
-    ConfigError,
     DsttError,
-    DsttWarning,
     NotARunError,
     RaceError,
     TimelineError,
 )
 from .store import DEFAULT_CHUNK_BYTES, DeltaPolicy, Repository, Storage
 
-__all__ = ["DEFAULT_BUDGET", "CopyMode", "ErrorPolicy", "RacePolicy", "Session",
-           "check_optimizer"]
+__all__ = ["DEFAULT_BUDGET", "CopyMode", "ErrorPolicy", "RacePolicy", "Session"]
 
 CopyMode = Literal["async", "sync", "auto"]
 RacePolicy = Literal["raise", "recopy", "warn"]
@@ -330,10 +328,10 @@ class Session:
             failed = pipe.take_errors()
             if failed:
                 if clean and self.error_policy == "raise" and pending_error is None:
-                    pending_error = _capture_error(failed)
+                    pending_error = capture_error(failed)
                 else:
                     for f in failed:
-                        _warn_skipped(f, continuing=False)
+                        warn_skipped(f, continuing=False)
         if pending_error is not None:
             raise pending_error
 
@@ -442,9 +440,9 @@ class Session:
         if not failed:
             return
         if self.error_policy == "raise":
-            raise _capture_error(failed)
+            raise capture_error(failed)
         for f in failed:
-            _warn_skipped(f)
+            warn_skipped(f)
 
     # -- data position and resume ---------------------------------------------------------
     def _current_position(self) -> DataPosition:
@@ -471,58 +469,3 @@ class Session:
                                           p.total + ref.skip_data)
             self._skip += ref.skip_data
 
-
-def check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer whose state a resume would lose: one that holds none of the
-    model's trainable parameters, or parameters the model does not have (``ConfigError``).
-    Trainable parameters left out of the optimizer warn (``DsttWarning``): they are captured
-    and restored, but nothing updates them. Frozen ones (``requires_grad=False``) are fine."""
-    in_model = {id(p): name for name, p in model.named_parameters()}
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    in_opt = [p for g in optimizer.param_groups for p in g["params"]]
-    foreign = [p for p in in_opt if id(p) not in in_model]
-    if foreign:
-        shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:3])
-        raise ConfigError(
-            f"the optimizer holds {len(foreign)} parameter(s) that are not the model's "
-            f"(shapes {shapes}{', ...' if len(foreign) > 3 else ''}); dstt names optimizer "
-            "state by the model's parameter names, so it could not restore it. Build the "
-            "optimizer from this model's parameters (model.parameters()), or pass the model "
-            "that owns them")
-    held = {id(p) for p in in_opt}
-    if trainable and not held & trainable:
-        raise ConfigError(
-            f"the optimizer holds none of the model's {len(trainable)} trainable parameters, "
-            "so no optimizer state would be captured and a resume would lose it. Pass the "
-            "optimizer that trains this model (torch.optim.AdamW(model.parameters(), ...))")
-    left_out = [in_model[i] for i in in_model if i in trainable and i not in held]
-    if left_out:
-        names = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more"
-                                            if len(left_out) > 5 else "")
-        warnings.warn(
-            f"dstt: {len(left_out)} trainable parameter(s) are not in the optimizer: {names}. "
-            "They are captured and restored, but no optimizer updates them; freeze them "
-            "(requires_grad_(False)) if that is meant, or add them to the optimizer",
-            DsttWarning, stacklevel=4)
-
-
-def _capture_error(failed: list[Flight]) -> CaptureError:
-    first = failed[0]
-    steps = ", ".join(str(f.step) for f in failed)
-    err = first.error
-    if isinstance(err, CaptureError):
-        err.add_note(f"dstt: steps not checkpointed: {steps}")
-        return err
-    out = CaptureError(
-        f"step{'s' if len(failed) > 1 else ''} {steps} could not be checkpointed: "
-        f"{type(err).__name__}: {err}. Earlier committed steps are intact. Fix the cause "
-        "(e.g. free disk space) or pass error_policy='skip' to keep training without them."
-    )
-    out.__cause__ = err
-    return out
-
-
-def _warn_skipped(f: Flight, *, continuing: bool = True) -> None:
-    tail = "; training continues" if continuing else ""
-    warnings.warn(f"dstt: step {f.step} was not checkpointed ({type(f.error).__name__}: "
-                  f"{f.error}){tail}", RuntimeWarning, stacklevel=3)
