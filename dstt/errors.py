@@ -17,6 +17,7 @@ __all__ = [
     "CorruptRunError",
     "DsttError",
     "FormatVersionError",
+    "MetricNotFoundError",
     "MissingFileError",
     "NotARunError",
     "RaceError",
@@ -26,6 +27,7 @@ __all__ = [
     "SchemaError",
     "StepNotFoundError",
     "StorageError",
+    "TensorNotFoundError",
     "TimelineError",
     "UnsafeObjectError",
 ]
@@ -39,11 +41,25 @@ class NotARunError(DsttError, FileNotFoundError):
     """The path is not a dstt run (no run metadata where one was expected)."""
 
 
-class StepNotFoundError(DsttError, KeyError):
-    """The requested step (or slot) is not committed on the timeline asked for."""
+class _LookupMessage(KeyError):
+    """A ``KeyError`` whose ``str()`` is its message (``KeyError`` quotes its argument)."""
 
-    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+    def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class StepNotFoundError(DsttError, _LookupMessage):
+    """The requested step (or slot, or object of a step) is not committed on the timeline
+    asked for."""
+
+
+class TensorNotFoundError(DsttError, _LookupMessage):
+    """No tensor (or optimizer state of it) has that name at the step, or a layer selector
+    matches none; the message names the closest ones and how to list them all."""
+
+
+class MetricNotFoundError(DsttError, _LookupMessage):
+    """The metric was never logged on the timeline asked for."""
 
 
 class TimelineError(DsttError, ValueError):
