@@ -75,6 +75,8 @@ class Scrubber:
         self.views = {"loss": FigureView((8, 2.6)), "tensor": FigureView((5, 3.8)),
                       "change": FigureView((5, 3.8))}
         self.images = {k: w.Image(format="png") for k in self.views}
+        for k, img in self.images.items():
+            img.add_class(f"dstt-view-{k}")  # for tests and user CSS
         self._wire()
         self.widget = w.VBox([
             w.HBox([self.play, self.prev_button, self.slider, self.next_button]),

@@ -198,6 +198,31 @@ def test_widgets_opened_from_a_spike_show_the_update_that_caused_it(
         s.model.open_spike(7)
 
 
+def test_images_show_the_step(run: Any) -> None:
+    """The PNG bytes the browser gets follow the step: every view's image changes when the
+    step does, equals its figure rendered now, and comes back when the step does."""
+    s = scrub(run, tensor="layers.0.attn.weight")
+    png = {k: bytes(img.value) for k, img in s.images.items()}
+    s.slider.value = 5
+    moved = {k: bytes(img.value) for k, img in s.images.items()}
+    for k in ("loss", "tensor", "change"):
+        assert moved[k] != png[k], k
+        assert moved[k] == s.views[k].png(), k
+    s.mode_picker.value = "change"
+    assert bytes(s.images["tensor"].value) not in (png["tensor"], moved["tensor"])
+    s.mode_picker.value = "values"
+    s.slider.value = STEPS[-1]
+    assert {k: bytes(img.value) for k, img in s.images.items()} == png
+
+
+def test_compare_images_follow_the_tensor(run: Any) -> None:
+    c = W.compare(run, 10, 25)
+    before = bytes(c.images["tensors"].value)
+    c.tensor_picker.value = "emb.weight"
+    after = bytes(c.images["tensors"].value)
+    assert after != before and after == c.views["tensors"].png()
+
+
 def test_lru_caches_loaded_steps(run: Any) -> None:
     s = scrub(run, cache_size=6)
     cache = s.model.cache
