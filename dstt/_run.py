@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
@@ -38,11 +38,15 @@ from .inspect.summaries import (
     find_spikes,
     metrics_dataset,
     rank_tensors,
+    spike_cause,
     summaries_dataset,
     summary_rows,
 )
 from .inspect.views import layer_tree, tensor_dataarray, trajectory_dataarray
 from .store import Repository, Storage
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Run", "Snapshot", "open_run"]
 
@@ -192,28 +196,46 @@ class Run:
                                  self._read_summaries, progress)
 
     def spikes(self, metric: str = "loss", *, window: int = 50, z: float = 4.0,
-               around: int = 2, top: int = 10, timeline: str | None = None) -> list[Spike]:
-        """Spikes of a logged metric by the rolling z-score rule of
-        :mod:`dstt.inspect.summaries`, each with the ``top`` tensors by update ratio within
-        ``around`` commits of it (empty lists when the run has no summaries)."""
-        ds = self.metrics(timeline)
+               around: int = 0, top: int = 10, timeline: str | None = None) -> list[Spike]:
+        """Spikes of a logged metric (rolling z-score rule of :mod:`dstt.inspect.summaries`),
+        each with the committed update that caused it.
+
+        Step rule: the metric filed under step *k* was computed on the weights of step
+        *k - 1*, so a jump first seen at *k* (``Spike.start``) was caused by the update
+        ``parent -> cause`` = ``(k - 2) -> (k - 1)`` (with sparser commits: the committed
+        interval holding it). ``Spike.tensors`` are the ``top`` tensors by that update's
+        ratio in the cause commit's summaries (``around`` > 0 adds that many commits either
+        side of the cause; empty lists when the run has no summaries). Open the bad update in
+        a widget with ``dstt.widgets.scrubber(run, spike=sp)`` or ``compare(run, spike=sp)``.
+        """
+        name = timeline or self.timeline
+        ds = self.metrics(name)
         if metric not in ds:
             logged = sorted(map(str, ds.data_vars))
             raise MetricNotFoundError(f"metric {metric!r} was never logged on timeline "
-                                      f"{timeline or self.timeline!r}; logged: {logged}")
+                                      f"{name!r}; logged: {logged}")
         found = find_spikes(ds["step"].values, ds[metric].values.astype(np.float64),
                             window=window, z=z)
         if not found:
             return []
-        line = self.commits(timeline)
-        index = {h.step: i for i, h in enumerate(line)}
-        near = sorted({j for s, *_ in found for j in range(max(0, index[s] - around),
-                                                           min(len(line), index[s] + around + 1))})
-        # only the summaries around the spikes are read, not the whole run's
-        sums = summaries_dataset([line[j] for j in near],
-                                 self._read_summaries)
-        return [Spike(s, v, zi, mu, sd, rank_tensors(sums, s, around)[:top])
-                for s, v, zi, mu, sd in found]
+        line = self.commits(name)
+        steps = [h.step for h in line]
+        causes = [spike_cause(steps, start) for *_, start in found]
+        windows: list[list[int]] = []
+        for _, cause in causes:
+            if cause is None or top <= 0:
+                windows.append([])
+                continue
+            i = steps.index(cause)
+            windows.append(steps[max(0, i - around):i + around + 1])
+        # only the summaries of the causes (and ``around``) are read, not the whole run's
+        need = sorted({st for w in windows for st in w})
+        by_step = {h.step: h for h in line}
+        sums = summaries_dataset([by_step[st] for st in need], self._read_summaries)
+        return [Spike(s, v, zi, mu, sd, rank_tensors(sums, w)[:max(top, 0)], start=start,
+                      cause=cause, parent=parent, timeline=name)
+                for (s, v, zi, mu, sd, start), (parent, cause), w
+                in zip(found, causes, windows, strict=True)]
 
     def _read_summaries(self, h: Any) -> dict[str, Any]:
         """The summaries of one commit; multi-rank runs add one object per other rank."""
@@ -354,12 +376,40 @@ class Snapshot:
         """Every tensor of the step as one lazy DataTree."""
         return self.layer("*", optim)
 
+    # -- back to torch: export, state dicts, loading into live objects ---------------------
     def export(self, out: str | os.PathLike[str], format: str = "safetensors", *,
-               include_all: bool = False, progress: Callable[[int], None] | None = None
-               ) -> dict[str, Any]:
-        """Write this step as a flat torch state dict (see :mod:`dstt.inspect.export`)."""
+               include_all: bool = False, overwrite: bool = False,
+               progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+        """Write this step to the file ``out`` (see :mod:`dstt.inspect.export`): safetensors,
+        the model's tensors by dotted name; torch, ``torch.save`` of :meth:`state_dict`.
+        Missing folders are created; an existing file is replaced only with ``overwrite``."""
         from .inspect.export import export_commit
 
         return export_commit(self.run._reader, self.header, out, format,  # type: ignore[arg-type]
-                             include_all=include_all, progress=progress)
+                             include_all=include_all, overwrite=overwrite, progress=progress)
+
+    def state_dict(self, *, trusted: bool = False) -> dict[str, Any]:
+        """This step in torch's own formats: ``{"model": ..., "optimizer": ...,
+        "scheduler": ...}``, as ``model.state_dict()``, ``optimizer.state_dict()`` and
+        ``scheduler.state_dict()`` gave them at the end of iteration ``step`` (after its
+        ``scheduler.step()``; what ``resume=True`` restores). CPU tensors in their stored
+        dtypes, bit-exact; a part the run did not capture is None; a tied parameter appears
+        once, under its first name. ``trusted`` allows pickled objects (see :meth:`object`).
+        See :mod:`dstt.inspect.restore`."""
+        from .inspect.restore import step_state
+
+        return step_state(self.run._reader, self.header, trusted=trusted)
+
+    def load_into(self, model: torch.nn.Module | None = None,
+                  optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None, *,
+                  strict: bool = True, trusted: bool = False) -> Any:
+        """Load this step into live objects (any may be left out), bit-exactly: training on
+        from here gives the original run's next step. Everything is read and checked first;
+        a step that does not fit (``strict``: missing or unexpected names; always: other
+        dtypes, shapes or param groups) raises ``SchemaError`` naming them and changes
+        nothing. Returns ``(missing_keys, unexpected_keys)`` like ``load_state_dict``."""
+        from .inspect.restore import load_step
+
+        return load_step(self.run._reader, self.header, model, optimizer, scheduler,
+                         strict=strict, trusted=trusted)
 
