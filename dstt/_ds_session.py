@@ -23,14 +23,16 @@ path too, for code that already calls it.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from ._session import DEFAULT_BUDGET, CopyMode, ErrorPolicy, RacePolicy, Session
+from ._session_core import DEFAULT_BUDGET, CopyMode, ErrorPolicy, RacePolicy, Session
 from .engine.deepspeed import DeepSpeedState, EngineStepHook, per_rank_object
 from .engine.providers import StoreSource
 from .engine.ranks import DEFAULT_RANK_TIMEOUT, RankInfo, dist_info, open_ranks
 from .engine.torch_state import Stateful, TorchState
+from .errors import DsttWarning
 from .store import DeltaPolicy, Repository, Storage
 
 __all__ = ["DeepSpeedSession"]
@@ -40,6 +42,7 @@ class DeepSpeedSession(Session):
     """A capturing session over one rank of a DeepSpeed engine; use ``dstt.session(engine)``."""
 
     _prefetch_restore = False  # each rank reads only its own partitions
+    _tail_on_error = False  # the other ranks may be gone: rank 0 would wait for their parts
 
     def __init__(self, engine: Any, optimizer: Any = None, *,
                  run: str | os.PathLike[str] | Repository | Storage, every: int = 1,
@@ -61,6 +64,7 @@ class DeepSpeedSession(Session):
         if scheduler is not None and scheduler is not engine.lr_scheduler:
             extra_state = {**(extra_state or {}), "scheduler": scheduler}
         self._ds: DeepSpeedState | None = None
+        self._warned_log = False
         super().__init__(engine, None, run=run, every=every, scheduler=None, resume=resume,
                          budget_bytes=budget_bytes, race_policy=race_policy, verify=verify,
                          error_policy=error_policy, extra_state=extra_state, writers=writers,
@@ -72,6 +76,18 @@ class DeepSpeedSession(Session):
     @property
     def rank(self) -> int:
         return self.info.rank
+
+    def _keeps_metrics(self) -> bool:
+        """Rank 0 commits each step with its metrics; another rank's ``s.log`` warns once."""
+        if self.info.rank == 0:
+            return True
+        if not self._warned_log:
+            self._warned_log = True
+            warnings.warn(
+                f"dstt: s.log on rank {self.info.rank} is not recorded: rank 0 commits each "
+                "step with rank 0's metrics. Reduce the metric to rank 0 (e.g. "
+                "torch.distributed.all_reduce) and log it there", DsttWarning, stacklevel=3)
+        return False
 
     def _discover(self, scheduler: Any,
                   extra_state: Mapping[str, Stateful] | None) -> TorchState:

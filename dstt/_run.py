@@ -14,16 +14,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
 
-from .errors import StepNotFoundError
+from .errors import MetricNotFoundError, NotARunError, StepNotFoundError
 from .inspect.compare import diff_commits
 from .inspect.html import run_html, run_summary
 from .inspect.lazy import ReaderPool
-from .inspect.naming import array_path, optim_state, select, tensor_dims, user_name
+from .inspect.naming import (
+    array_path,
+    optim_state,
+    select,
+    selector_miss,
+    tensor_dims,
+    user_name,
+)
 from .inspect.sharded import shard_sources
 from .inspect.summaries import (
     SUMMARIES_OBJECT,
@@ -31,11 +38,15 @@ from .inspect.summaries import (
     find_spikes,
     metrics_dataset,
     rank_tensors,
+    spike_cause,
     summaries_dataset,
     summary_rows,
 )
 from .inspect.views import layer_tree, tensor_dataarray, trajectory_dataarray
 from .store import Repository, Storage
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Run", "Snapshot", "open_run"]
 
@@ -44,8 +55,41 @@ Steps = slice | int | Iterable[int] | None
 
 def open_run(path: str | os.PathLike[str] | Repository | Storage) -> Run:
     """Open a run for inspection; ``NotARunError`` if ``path`` is not one."""
-    repo = path if isinstance(path, Repository) else Repository.open(path)
-    return Run(repo)
+    if isinstance(path, Repository):
+        return Run(path)
+    if not isinstance(path, (str, os.PathLike)):
+        return Run(Repository.open(path))
+    p = os.path.abspath(os.fspath(path))
+    if not os.path.exists(p):
+        raise NotARunError(f"no run at {path}: no such file or directory")
+    if not os.path.isdir(p):
+        raise NotARunError(f"{path} is a file, not a run directory; pass the run's directory "
+                           "(the folder holding zarr.json and _dstt/), or a new path for a new run")
+    try:
+        return Run(Repository.open(path))
+    except NotARunError:
+        root = find_run_root(os.path.dirname(p))
+        if root is None:
+            raise
+        raise NotARunError(f"{path} is a folder inside the run {root}; open the run itself: "
+                           f"dstt.open({root!r})") from None
+
+
+def find_run_root(path: str | os.PathLike[str]) -> str | None:
+    """The run directory holding ``path`` (``path`` itself or its nearest parent that is a
+    run, as git finds a repository from any folder inside it); None when there is none."""
+    d = os.path.abspath(os.fspath(path))
+    while True:
+        if os.path.isfile(os.path.join(d, "zarr.json")) and os.path.isdir(os.path.join(d, "_dstt")):
+            try:
+                Repository.open(d)
+                return d
+            except NotARunError:
+                pass
+        parent = os.path.dirname(d)
+        if parent == d:
+            return None
+        d = parent
 
 
 class Run:
@@ -133,12 +177,16 @@ class Run:
             raise StepNotFoundError(f"no committed steps match {steps!r} on timeline "
                                     f"{timeline or self.timeline!r}")
         newest = self._reader.arrays(headers[-1])
-        path = array_path(name, newest, state)
+        step = headers[-1].step
+        path = array_path(name, newest, state, where=f"at step {step}, the newest selected step",
+                          listing=f"run.at({step}).names(optim=True)")
         return trajectory_dataarray(self._readers, headers, path, newest, chunks=chunks)
 
     def metrics(self, timeline: str | None = None) -> xr.Dataset:
-        """Logged metrics (``s.log(...)``) per committed step as a Dataset over ``step``."""
-        return metrics_dataset(self.commits(timeline))
+        """Logged metrics (``s.log(...)``) per step as a Dataset over ``step``: every
+        committed step's, and those of the steps ``every=K`` did not checkpoint (``slot`` -1;
+        the next commit carries them)."""
+        return metrics_dataset(self.commits(timeline), self._reader.read_object)
 
     def summaries(self, steps: Steps = None, *, timeline: str | None = None,
                   progress: Callable[[int, int], None] | None = None) -> xr.Dataset:
@@ -148,27 +196,46 @@ class Run:
                                  self._read_summaries, progress)
 
     def spikes(self, metric: str = "loss", *, window: int = 50, z: float = 4.0,
-               around: int = 2, top: int = 10, timeline: str | None = None) -> list[Spike]:
-        """Spikes of a logged metric by the rolling z-score rule of
-        :mod:`dstt.inspect.summaries`, each with the ``top`` tensors by update ratio within
-        ``around`` commits of it (empty lists when the run has no summaries)."""
-        ds = self.metrics(timeline)
+               around: int = 0, top: int = 10, timeline: str | None = None) -> list[Spike]:
+        """Spikes of a logged metric (rolling z-score rule of :mod:`dstt.inspect.summaries`),
+        each with the committed update that caused it.
+
+        Step rule: the metric filed under step *k* was computed on the weights of step
+        *k - 1*, so a jump first seen at *k* (``Spike.start``) was caused by the update
+        ``parent -> cause`` = ``(k - 2) -> (k - 1)`` (with sparser commits: the committed
+        interval holding it). ``Spike.tensors`` are the ``top`` tensors by that update's
+        ratio in the cause commit's summaries (``around`` > 0 adds that many commits either
+        side of the cause; empty lists when the run has no summaries). Open the bad update in
+        a widget with ``dstt.widgets.scrubber(run, spike=sp)`` or ``compare(run, spike=sp)``.
+        """
+        name = timeline or self.timeline
+        ds = self.metrics(name)
         if metric not in ds:
             logged = sorted(map(str, ds.data_vars))
-            raise KeyError(f"metric {metric!r} was never logged; logged: {logged}")
+            raise MetricNotFoundError(f"metric {metric!r} was never logged on timeline "
+                                      f"{name!r}; logged: {logged}")
         found = find_spikes(ds["step"].values, ds[metric].values.astype(np.float64),
                             window=window, z=z)
         if not found:
             return []
-        line = self.commits(timeline)
-        index = {h.step: i for i, h in enumerate(line)}
-        near = sorted({j for s, *_ in found for j in range(max(0, index[s] - around),
-                                                           min(len(line), index[s] + around + 1))})
-        # only the summaries around the spikes are read, not the whole run's
-        sums = summaries_dataset([line[j] for j in near],
-                                 self._read_summaries)
-        return [Spike(s, v, zi, mu, sd, rank_tensors(sums, s, around)[:top])
-                for s, v, zi, mu, sd in found]
+        line = self.commits(name)
+        steps = [h.step for h in line]
+        causes = [spike_cause(steps, start) for *_, start in found]
+        windows: list[list[int]] = []
+        for _, cause in causes:
+            if cause is None or top <= 0:
+                windows.append([])
+                continue
+            i = steps.index(cause)
+            windows.append(steps[max(0, i - around):i + around + 1])
+        # only the summaries of the causes (and ``around``) are read, not the whole run's
+        need = sorted({st for w in windows for st in w})
+        by_step = {h.step: h for h in line}
+        sums = summaries_dataset([by_step[st] for st in need], self._read_summaries)
+        return [Spike(s, v, zi, mu, sd, rank_tensors(sums, w)[:max(top, 0)], start=start,
+                      cause=cause, parent=parent, timeline=name)
+                for (s, v, zi, mu, sd, start), (parent, cause), w
+                in zip(found, causes, windows, strict=True)]
 
     def _read_summaries(self, h: Any) -> dict[str, Any]:
         """The summaries of one commit; multi-rank runs add one object per other rank."""
@@ -192,7 +259,9 @@ class Run:
             paths = select(selector, sorted(set(self._reader.arrays(ha))
                                            | set(self._reader.arrays(hb))))
             if not paths:
-                raise KeyError(f"selector {selector!r} matches no tensor at steps {a} or {b}")
+                raise selector_miss(selector, set(self._reader.arrays(ha))
+                                    | set(self._reader.arrays(hb)), f"at steps {a} or {b}",
+                                    f"run.at({b}).names(optim=True)")
         return diff_commits(self._reader, ha, hb, paths, progress=progress)
 
     # -- changes --------------------------------------------------------------------------
@@ -266,17 +335,21 @@ class Snapshot:
         """A stored object (RNG state, scheduler, summaries...); pickled ones need trusted."""
         return self.run._reader.read_object(self.header, name, trusted=trusted)
 
+    def _path(self, name: str, state: str | None) -> str:
+        return array_path(name, self.arrays, state, where=f"at step {self.step}",
+                          listing=f"run.at({self.step}).names(optim=True)")
+
     def tensor(self, name: str, *, state: str | None = None, chunks: Any = None) -> xr.DataArray:
         """Lazy DataArray of one tensor (bf16 shown as float32; ``state`` for optimizer
         states; ``chunks`` for a dask array, when dask is installed)."""
-        path = array_path(name, self.arrays, state)
+        path = self._path(name, state)
         return tensor_dataarray(self.run._readers, self.header, self.arrays, path, chunks=chunks,
                                 dims_of=self._dims_of)
 
     def to_numpy(self, name: str, *, state: str | None = None, native: bool = False) -> np.ndarray:
         """Values of one tensor: float32 for bf16 (as in views) or, with ``native``, the
         stored dtype (``ml_dtypes.bfloat16``)."""
-        path = array_path(name, self.arrays, state)
+        path = self._path(name, state)
         if native:
             return self.run._reader.read_array(self.header, path)
         return self.tensor(name, state=state).values
@@ -294,9 +367,8 @@ class Snapshot:
         pool = self._pool if optim else self._model_paths
         paths = select(selector, pool)
         if not paths:
-            tops = sorted({user_name(p).split(".")[0] for p in pool})
-            raise KeyError(f"selector {selector!r} matches no tensor at step {self.step}; "
-                           f"top-level modules: {', '.join(tops[:20])}")
+            raise selector_miss(selector, pool, f"at step {self.step}",
+                                f"run.at({self.step}).names({'optim=True' if optim else ''})")
         return layer_tree(self.run._readers, self.header, self.arrays, paths, chunks=chunks,
                           dims_of=self._dims_of)
 
@@ -304,12 +376,40 @@ class Snapshot:
         """Every tensor of the step as one lazy DataTree."""
         return self.layer("*", optim)
 
+    # -- back to torch: export, state dicts, loading into live objects ---------------------
     def export(self, out: str | os.PathLike[str], format: str = "safetensors", *,
-               include_all: bool = False, progress: Callable[[int], None] | None = None
-               ) -> dict[str, Any]:
-        """Write this step as a flat torch state dict (see :mod:`dstt.inspect.export`)."""
+               include_all: bool = False, overwrite: bool = False,
+               progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+        """Write this step to the file ``out`` (see :mod:`dstt.inspect.export`): safetensors,
+        the model's tensors by dotted name; torch, ``torch.save`` of :meth:`state_dict`.
+        Missing folders are created; an existing file is replaced only with ``overwrite``."""
         from .inspect.export import export_commit
 
         return export_commit(self.run._reader, self.header, out, format,  # type: ignore[arg-type]
-                             include_all=include_all, progress=progress)
+                             include_all=include_all, overwrite=overwrite, progress=progress)
+
+    def state_dict(self, *, trusted: bool = False) -> dict[str, Any]:
+        """This step in torch's own formats: ``{"model": ..., "optimizer": ...,
+        "scheduler": ...}``, as ``model.state_dict()``, ``optimizer.state_dict()`` and
+        ``scheduler.state_dict()`` gave them at the end of iteration ``step`` (after its
+        ``scheduler.step()``; what ``resume=True`` restores). CPU tensors in their stored
+        dtypes, bit-exact; a part the run did not capture is None; a tied parameter appears
+        once, under its first name. ``trusted`` allows pickled objects (see :meth:`object`).
+        See :mod:`dstt.inspect.restore`."""
+        from .inspect.restore import step_state
+
+        return step_state(self.run._reader, self.header, trusted=trusted)
+
+    def load_into(self, model: torch.nn.Module | None = None,
+                  optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None, *,
+                  strict: bool = True, trusted: bool = False) -> Any:
+        """Load this step into live objects (any may be left out), bit-exactly: training on
+        from here gives the original run's next step. Everything is read and checked first;
+        a step that does not fit (``strict``: missing or unexpected names; always: other
+        dtypes, shapes or param groups) raises ``SchemaError`` naming them and changes
+        nothing. Returns ``(missing_keys, unexpected_keys)`` like ``load_state_dict``."""
+        from .inspect.restore import load_step
+
+        return load_step(self.run._reader, self.header, model, optimizer, scheduler,
+                         strict=strict, trusted=trusted)
 

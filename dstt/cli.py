@@ -1,16 +1,23 @@
 """``dstt``: the command line over a run (``ls log show diff verify rollback gc export``).
 
 Thin by design: argparse, one call into :mod:`dstt._run` (or the store behind it), printing.
-The run is ``--run PATH`` (``dstt ls PATH`` too), else ``$DSTT_RUN``, else the current directory
-when it is a run, so ``dstt rollback --to 1180`` works from inside the run. ``--json`` prints one
-JSON document on stdout for scripts; progress bars (tqdm) go to stderr on a terminal only.
+The run is the optional first positional ``RUN`` of a command or ``--run PATH``, else
+``$DSTT_RUN``, else the current directory; whichever is given may be any folder inside the run,
+which is found the way git finds a repository: the nearest of the folder and its parents that
+is a run (holds ``zarr.json`` with dstt attributes and ``_dstt/``). So ``dstt rollback --to
+1180`` works from anywhere inside the run. ``--json`` prints one JSON document on stdout for
+scripts; progress bars (tqdm) go to stderr on a terminal only.
 
 Exit codes: 0 ok · 1 ``verify`` found problems · 2 usage or bad input (no run there, unknown
-step, timeline or tensor, bad flag) · 3 the run could not be read or written (locked by a
-writer, damaged, I/O error) · 4 internal error (a bug; the traceback is printed). Errors are one
-line on stderr, ``dstt: <what is wrong and what to do>``, without a traceback.
+step, timeline, tensor or metric, bad flag) · 3 the run could not be read or written (locked by
+a writer, damaged, I/O error), or any other ``DsttError`` · 4 internal error (a bug; the
+traceback is printed) · 141 stdout was closed early (``dstt log | head``): the rest is dropped
+quietly, as a tool killed by SIGPIPE would exit (128 + 13). User mistakes are ``DsttError``s,
+so "internal error" means a bug. Errors are one line on stderr, ``dstt: <what is wrong and what
+to do>``, without a traceback.
 
-Rejected alternative: click/typer — a dependency for eight subcommands that argparse covers.
+Rejected alternatives: click/typer — a dependency for eight subcommands that argparse covers;
+exit 0 on a closed pipe — a script could not tell a truncated listing from a complete one.
 """
 
 from __future__ import annotations
@@ -26,15 +33,32 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from .errors import DsttError, NotARunError, StepNotFoundError, TimelineError
+from .errors import (
+    DsttError,
+    MetricNotFoundError,
+    NotARunError,
+    SchemaError,
+    StepNotFoundError,
+    TensorNotFoundError,
+    TimelineError,
+    UnsafeObjectError,
+)
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERNAL", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_RUN", "main"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERNAL", "EXIT_OK", "EXIT_PIPE", "EXIT_PROBLEMS", "EXIT_RUN",
+           "main"]
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_BAD_INPUT, EXIT_RUN, EXIT_INTERNAL = 0, 1, 2, 3, 4
+EXIT_PIPE = 128 + 13  # SIGPIPE: what a shell reports for a tool stopped by a closed pipe
 
 
 class UsageError(Exception):
     """Bad input found after parsing (exit 2)."""
+
+
+#: the errors that are the user's input (exit 2); every other ``DsttError`` is about the run
+BAD_INPUT: tuple[type[BaseException], ...] = (
+    UsageError, NotARunError, StepNotFoundError, TimelineError, TensorNotFoundError,
+    MetricNotFoundError, SchemaError, UnsafeObjectError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,17 +72,40 @@ def _resolve_run(args: argparse.Namespace, *, opener: Any = None) -> Any:
     """The run named by the arguments, opened with ``opener`` (default ``dstt.open``)."""
     if opener is None:
         from ._run import open_run as opener
+    return opener(_run_root(args))
 
-    path = getattr(args, "path", None) or getattr(args, "run", None) or os.environ.get("DSTT_RUN")
+
+def _run_root(args: argparse.Namespace) -> str:
+    """The root of the run given as ``RUN``, ``--run``, ``$DSTT_RUN`` or the current directory,
+    any of which may be a folder inside the run (found by walking up, as git does)."""
+    from ._run import find_run_root
+    from .store import Repository
+
+    positional, flag = getattr(args, "path", None), getattr(args, "run", None)
+    if positional and flag and os.path.abspath(positional) != os.path.abspath(flag):
+        raise UsageError(f"two runs given: {positional} and --run {flag}; give one")
+    path, source = positional or flag, ""
+    if not path and os.environ.get("DSTT_RUN"):
+        path, source = os.environ["DSTT_RUN"], " (from $DSTT_RUN)"
     if not path:
-        try:
-            return opener(os.getcwd())
-        except NotARunError:
-            raise UsageError("no run given and the current directory is not a dstt run; "
-                             "pass --run PATH or set DSTT_RUN") from None
+        root = find_run_root(os.getcwd())
+        if root is None:
+            raise UsageError("no run given and the current directory is not inside a dstt run; "
+                             "pass RUN or --run PATH, or set DSTT_RUN")
+        return root
+    if not os.path.exists(path):
+        hint = f"; for step {path}, use --step {path}" if path.isdigit() else ""
+        raise NotARunError(f"no run at {path}{source}: no such directory{hint}")
     if not os.path.isdir(path):
-        raise UsageError(f"no run at {path}: no such directory")
-    return opener(path)
+        raise NotARunError(f"{path}{source} is a file, not a run; pass the run's directory")
+    root = find_run_root(path)
+    if root is None:
+        try:
+            Repository.open(path)  # the store's own reason (no zarr.json, bad JSON ...)
+        except NotARunError as e:
+            raise NotARunError(f"{e}{source}, nor a folder inside one") from None
+        root = path
+    return root
 
 
 def _jsonable(x: Any) -> Any:
@@ -71,6 +118,10 @@ def _jsonable(x: Any) -> Any:
     if hasattr(x, "item") and callable(x.item):
         return _jsonable(x.item())
     return x
+
+
+def _fmt(x: float | None, spec: str = ".4g") -> str:
+    return "—" if x is None or not math.isfinite(x) else format(x, spec)
 
 
 def _emit(args: argparse.Namespace, doc: Any, text: Callable[[], Iterator[str]]) -> None:
@@ -136,31 +187,87 @@ def cmd_log(args: argparse.Namespace) -> int:
     line = list(reversed(run.commits(args.timeline)))
     if args.n:
         line = line[:args.n]
+    spikes = _spikes(run, args)
     doc = [{"step": h.step, "slot": h.slot, "timeline": h.timeline, "time": h.time,
-            "metrics": dict(h.metrics), "objects": sorted(h.objects)} for h in line]
+            "metrics": dict(h.metrics), "objects": sorted(h.objects),
+            "spike": spikes.get(h.step)} for h in line]
 
     def text() -> Iterator[str]:
         for h in line:
-            yield f"step {h.step:>8}  {_when(h.time)}  {h.timeline}  {_metrics_text(h.metrics)}"
+            sp = spikes.get(h.step)
+            mark = (f"  <- {sp['metric']} spike (z={sp['zscore']:.1f}, baseline "
+                    f"{sp['baseline']:.4g})" if sp else "")
+            yield (f"step {h.step:>8}  {_when(h.time)}  {h.timeline}  "
+                   f"{_metrics_text(h.metrics)}{mark}")
     _emit(args, doc, text)
     return EXIT_OK
 
 
+def _spikes(run: Any, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    """Spikes of ``--spikes METRIC`` (default ``loss``, skipped when never logged) by step."""
+    metric = args.spikes or "loss"
+    if args.spikes is None and metric not in run.metrics(args.timeline):
+        return {}
+    return {sp.step: {"metric": metric, "zscore": sp.zscore, "baseline": sp.baseline,
+                      "tensors": [n for n, _ in sp.tensors]}
+            for sp in run.spikes(metric, timeline=args.timeline, top=3)}
+
+
+def _visible(snap: Any, optim: bool) -> list[str]:
+    """Store paths a user sees at a snapshot: tensors (logical ones of ZeRO runs, not their
+    flat sources), optimizer states only with ``optim``."""
+    from .inspect.naming import optim_state
+    from .inspect.sharded import shard_sources
+
+    hidden = shard_sources(snap.arrays)
+    return [p for p in sorted(snap.arrays)
+            if p not in hidden and (optim or optim_state(p) is None)]
+
+
+def _summary_of(run: Any, snap: Any) -> dict[str, tuple[float | None, float | None]]:
+    """``{store path: (l2, update ratio)}`` from the step's write-time summaries (if any)."""
+    ds = run.summaries(snap.step, timeline=snap.timeline)
+    if ds.sizes.get("step", 0) == 0:
+        return {}
+
+    def val(x: Any) -> float | None:
+        v = float(x)
+        return v if math.isfinite(v) else None
+    return {str(p): (val(ds["l2"].values[0, j]), val(ds["update_ratio"].values[0, j]))
+            for j, p in enumerate(ds["store_path"].values)}
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from .inspect.html import human_bytes
-    from .inspect.naming import optim_state, select, user_name
+    from .inspect.naming import select, selector_miss, user_name
+    from .inspect.sharded import LogicalRecord, shard_sources
 
-    snap = _resolve_run(args).at(args.step, args.timeline)
-    paths = [p for p in sorted(snap.arrays) if args.optim or optim_state(p) is None]
+    run = _resolve_run(args)
+    snap = run.at(args.step, args.timeline)
+    visible = _visible(snap, args.optim)
+    # ZeRO runs: the flat buffers the logical tensors are views of are what is on disk
+    sources = sorted(shard_sources(snap.arrays))
+    paths = visible + [p for p in sources if p not in visible]
     if args.select:
         paths = select(args.select, paths)
         if not paths:
-            raise UsageError(f"selector {args.select!r} matches no tensor at step {snap.step}")
-    tensors = [{"name": user_name(p), "store_path": p, "dtype": snap.arrays[p].dtype,
-                "shape": list(snap.arrays[p].shape), "bytes": snap.arrays[p].plan.nbytes,
-                **_stored(snap.arrays[p], snap.slot)} for p in paths]
+            raise selector_miss(args.select, visible, f"at step {snap.step}",
+                                f"dstt show --step {snap.step}"
+                                + (" --optim" if args.optim else ""))
+    sums = _summary_of(run, snap)
+    tensors = []
+    for p in paths:
+        rec = snap.arrays[p]
+        stored = not isinstance(rec, LogicalRecord)
+        l2, ratio = sums.get(p, (None, None))
+        tensors.append({"name": user_name(p), "store_path": p, "dtype": rec.dtype,
+                        "shape": list(rec.shape), "bytes": rec.plan.nbytes if stored else 0,
+                        "stored": stored, "l2": l2, "update_ratio": ratio,
+                        **(_stored(rec, snap.slot) if stored
+                           else {"written_bytes": 0, "stored_as": ["view"]})})
     doc = {"step": snap.step, "slot": snap.slot, "timeline": snap.timeline, "time": snap.time,
-           "metrics": snap.metrics, "objects": snap.objects, "tensors": tensors}
+           "metrics": snap.metrics, "objects": snap.objects, "optim": args.optim,
+           "tensors": tensors}
 
     def text() -> Iterator[str]:
         yield f"step {snap.step} (timeline {snap.timeline}, slot {snap.slot}, {_when(snap.time)})"
@@ -168,16 +275,23 @@ def cmd_show(args: argparse.Namespace) -> int:
             yield f"metrics: {_metrics_text(snap.metrics)}"
         yield f"objects: {', '.join(snap.objects) or '—'}"
         width = max((len(t["name"]) for t in tensors), default=10)
-        yield f"  {'':<{width}}  {'':<8} {'':<18} {'size':>10}  {'written':>10}  stored as"
+        yield (f"  {'tensor':<{width}}  {'dtype':<8} {'shape':<18} {'norm':>10} "
+               f"{'upd ratio':>10} {'size':>10}  {'written':>10}  stored as")
         for t in tensors:
+            size = human_bytes(t["bytes"]) if t["stored"] else "—"
             yield (f"  {t['name']:<{width}}  {t['dtype']:<8} {tuple(t['shape'])!s:<18} "
-                   f"{human_bytes(t['bytes']):>10}  {human_bytes(t['written_bytes']):>10}  "
-                   f"{'+'.join(t['stored_as'])}")
-        size = sum(t["bytes"] for t in tensors)
-        written = sum(t["written_bytes"] for t in tensors)
-        yield (f"{len(tensors)} tensors, {human_bytes(size)}; this step wrote "
+                   f"{_fmt(t['l2']):>10} {_fmt(t['update_ratio'], '.3g'):>10} {size:>10}  "
+                   f"{human_bytes(t['written_bytes']):>10}  {'+'.join(t['stored_as'])}")
+        real = [t for t in tensors if t["stored"]]
+        size = sum(t["bytes"] for t in real)
+        written = sum(t["written_bytes"] for t in real)
+        views = len(tensors) - len(real)
+        yield (f"{len(real)} stored arrays, {human_bytes(size)}; this step wrote "
                f"{human_bytes(written)} of them"
-               + (f" ({size / written:.1f}x fewer bytes)" if 0 < written < size else ""))
+               + (f" ({size / written:.1f}x fewer bytes)" if 0 < written < size else "")
+               + (f"; {views} tensors are views of the stored ZeRO shards" if views else ""))
+        if not args.optim:
+            yield "optimizer states not shown (--optim shows them)"
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -198,17 +312,27 @@ def _stored(rec: Any, slot: int) -> dict[str, Any]:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    from .inspect.naming import select, selector_miss
+
     run = _resolve_run(args)
+    sa, sb = run.at(args.a, args.timeline), run.at(args.b, args.timeline)
+    paths = sorted(set(_visible(sa, args.optim)) | set(_visible(sb, args.optim)))
+    if args.select:
+        paths = select(args.select, paths)
+        if not paths:
+            raise selector_miss(args.select, set(_visible(sa, True)) | set(_visible(sb, True)),
+                                f"at steps {args.a} or {args.b}" + (
+                                    "" if args.optim else " (optimizer states excluded)"),
+                                f"dstt show --step {args.b}")
     with _bar(args, None, "B") as bar:
-        ds = run.diff(args.a, args.b, timeline=args.timeline, selector=args.select,
-                      progress=bar.update)
+        ds = run.diff(args.a, args.b, timeline=args.timeline, paths=paths, progress=bar.update)
     fields = ("delta_l2", "a_l2", "b_l2", "ratio", "max_abs_delta")
     rows: list[dict[str, Any]] = [
         {"name": str(n), "status": str(st), **{f: float(ds[f].values[i]) for f in fields}}
         for i, (n, st) in enumerate(zip(ds["tensor"].values, ds["status"].values, strict=True))]
     rows.sort(key=lambda r: -r["delta_l2"] if math.isfinite(r["delta_l2"]) else math.inf)
     shown = rows if args.top == 0 else rows[:args.top]
-    doc = {"a": args.a, "b": args.b, "tensors": shown, "total": len(rows)}
+    doc = {"a": args.a, "b": args.b, "optim": args.optim, "tensors": shown, "total": len(rows)}
 
     def text() -> Iterator[str]:
         width = max((len(r["name"]) for r in shown), default=10)
@@ -221,6 +345,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
                    f"{r['ratio']:>9.3g} {r['max_abs_delta']:>11.4g}")
         if len(shown) < len(rows):
             yield f"… {len(rows) - len(shown)} more (--top 0 shows all)"
+        if not args.optim:
+            yield "optimizer states not compared (--optim compares them)"
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -277,8 +403,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     def text() -> Iterator[str]:
         verb = "would prune" if rep.dry_run else "pruned"
+        for t, s in sorted(rep.pruned_steps, key=lambda ts: (ts[0], ts[1])):
+            yield f"{verb} step {s} of timeline {t}"
         yield (f"{verb} {len(rep.pruned_steps)} steps and {len(rep.orphan_slots)} orphaned slots:"
-               f" {rep.files_removed} files, {human_bytes(rep.bytes_freed)}")
+               f" {rep.files_removed} files, {human_bytes(rep.bytes_freed)}"
+               + ("; nothing was deleted (--dry-run)" if rep.dry_run else ""))
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -312,15 +441,32 @@ def _nonneg(s: str) -> int:
     return v
 
 
+def _positive(s: str) -> int:
+    v = _nonneg(s)
+    if v == 0:
+        raise argparse.ArgumentTypeError("expected a number >= 1, got 0")
+    return v
+
+
+EPILOG = """\
+the run: RUN (the optional first argument of ls, log, show, diff, verify, rollback, gc) or
+--run PATH, else $DSTT_RUN, else the current directory; any folder inside a run finds it, as
+git finds a repository (diff: "dstt diff [RUN] A B", the run before the two steps).
+
+exit codes: 0 ok, 1 verify found problems, 2 usage or bad input, 3 run unreadable/locked/
+damaged, 4 internal error (a bug: please report it), 141 stdout closed early (dstt log | head)
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument("--run", metavar="PATH", default=argparse.SUPPRESS,
-                        help="the run directory (default: $DSTT_RUN, else the current directory)")
+                        help="the run, or a folder inside it (default: $DSTT_RUN, else the "
+                        "current directory)")
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print one JSON document for scripts")
     p = _Parser(prog="dstt", parents=[common], description="Inspect and travel through a dstt "
-                "run.", epilog="exit codes: 0 ok, 1 verify found problems, 2 usage or bad "
-                "input, 3 run unreadable/locked/damaged, 4 internal error")
+                "run.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -332,32 +478,51 @@ def build_parser() -> argparse.ArgumentParser:
     def timeline(sp: Any) -> None:
         sp.add_argument("--timeline", help="timeline to read (default: the current one)")
 
+    def run_arg(sp: Any) -> None:
+        sp.add_argument("path", nargs="?", metavar="RUN",
+                        help="the run, or a folder inside it (same as --run)")
+
+    def optim(sp: Any, verb: str) -> None:
+        sp.add_argument("--optim", action="store_true",
+                        help=f"{verb} optimizer states too (default: model tensors only)")
+
     sp = add("ls", cmd_ls, "overview: timelines, steps, arrays")
-    sp.add_argument("path", nargs="?", help="the run (same as --run)")
-    sp = add("log", cmd_log, "committed steps, newest first, with logged metrics")
+    run_arg(sp)
+    sp = add("log", cmd_log, "committed steps, newest first, with logged metrics and spikes")
+    run_arg(sp)
     timeline(sp)
     sp.add_argument("-n", type=_nonneg, default=0, help="show at most N steps (0: all)")
-    sp = add("show", cmd_show, "tensors, metrics and objects of one step")
+    sp.add_argument("--spikes", metavar="METRIC",
+                    help="mark spikes of this metric (default: loss, when logged)")
+    sp = add("show", cmd_show, "tensors of one step: norms, update ratios, bytes on disk")
+    run_arg(sp)
     sp.add_argument("--step", type=int, help="the step (default: the head)")
     sp.add_argument("--select", help="layer selector, e.g. 'layers.0.attn' or 'layers.*.mlp'")
-    sp.add_argument("--optim", action="store_true", help="include optimizer states")
+    optim(sp, "list")
     timeline(sp)
     sp = add("diff", cmd_diff, "per-tensor change norms from step A to step B")
+    run_arg(sp)
     sp.add_argument("a", type=int, metavar="A")
     sp.add_argument("b", type=int, metavar="B")
     sp.add_argument("--select", help="restrict to a layer selector")
+    optim(sp, "compare")
     sp.add_argument("--top", type=_nonneg, default=20, help="largest N changes (0: all)")
     timeline(sp)
-    add("verify", cmd_verify, "check every committed byte against its checksum")
+    sp = add("verify", cmd_verify, "check every committed byte against its checksum")
+    run_arg(sp)
     sp = add("rollback", cmd_rollback, "start a new timeline at an old step (old one kept)")
+    run_arg(sp)
     sp.add_argument("--to", type=int, required=True, metavar="STEP")
     sp.add_argument("--skip-data", type=_nonneg, default=0, metavar="N",
                     help="batches to skip when training resumes there")
     timeline(sp)
     sp = add("gc", cmd_gc, "prune old steps (timeline heads are always kept)")
+    run_arg(sp)
     sp.add_argument("--keep-last", type=_nonneg, metavar="N", help="keep the last N steps")
-    sp.add_argument("--keep-every", type=_nonneg, metavar="K", help="keep steps divisible by K")
-    sp.add_argument("--dry-run", action="store_true", help="report, delete nothing")
+    sp.add_argument("--keep-every", type=_positive, metavar="K",
+                    help="keep steps divisible by K")
+    sp.add_argument("--dry-run", action="store_true",
+                    help="list the steps it would prune, delete nothing")
     sp = add("export", cmd_export, "write one step as a torch state dict")
     sp.add_argument("--step", type=int, help="the step (default: the head)")
     sp.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
@@ -369,28 +534,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _message(e: BaseException) -> str:
-    if isinstance(e, KeyError) and e.args:
-        return str(e.args[0])
     return str(e) or type(e).__name__
+
+
+def _drop_stdout() -> None:
+    """After a closed pipe: point stdout at /dev/null so the interpreter's final flush cannot
+    fail again (the pattern of the Python docs, "Note on SIGPIPE")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is no file (captured in a test)
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (the ``dstt`` script exits with it)."""
     try:
         args = build_parser().parse_args(argv)
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return code
     except SystemExit as e:  # --help, --version
         return int(e.code or 0) if not isinstance(e.code, str) else EXIT_BAD_INPUT
-    except (UsageError, NotARunError, StepNotFoundError, TimelineError) as e:
+    except BrokenPipeError:  # dstt log | head: the reader has all it wants
+        _drop_stdout()
+        return EXIT_PIPE
+    except BAD_INPUT as e:
         print(f"dstt: {_message(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except DsttError as e:
         print(f"dstt: {_message(e)}", file=sys.stderr)
         return EXIT_RUN
-    except (KeyError, ValueError) as e:
-        print(f"dstt: {_message(e)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except OSError as e:
+    except OSError as e:  # the operating system's, reading or writing the run (EIO, EACCES)
         print(f"dstt: {e}", file=sys.stderr)
         return EXIT_RUN
     except KeyboardInterrupt:

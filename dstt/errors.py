@@ -13,9 +13,11 @@ from __future__ import annotations
 __all__ = [
     "CaptureError",
     "ChecksumError",
+    "ConfigError",
     "CorruptRunError",
     "DsttError",
     "FormatVersionError",
+    "MetricNotFoundError",
     "MissingFileError",
     "NotARunError",
     "RaceError",
@@ -25,6 +27,7 @@ __all__ = [
     "SchemaError",
     "StepNotFoundError",
     "StorageError",
+    "TensorNotFoundError",
     "TimelineError",
     "UnsafeObjectError",
 ]
@@ -38,11 +41,25 @@ class NotARunError(DsttError, FileNotFoundError):
     """The path is not a dstt run (no run metadata where one was expected)."""
 
 
-class StepNotFoundError(DsttError, KeyError):
-    """The requested step (or slot) is not committed on the timeline asked for."""
+class _LookupMessage(KeyError):
+    """A ``KeyError`` whose ``str()`` is its message (``KeyError`` quotes its argument)."""
 
-    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+    def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class StepNotFoundError(DsttError, _LookupMessage):
+    """The requested step (or slot, or object of a step) is not committed on the timeline
+    asked for."""
+
+
+class TensorNotFoundError(DsttError, _LookupMessage):
+    """No tensor (or optimizer state of it) has that name at the step, or a layer selector
+    matches none; the message names the closest ones and how to list them all."""
+
+
+class MetricNotFoundError(DsttError, _LookupMessage):
+    """The metric was never logged on the timeline asked for."""
 
 
 class TimelineError(DsttError, ValueError):
@@ -77,6 +94,11 @@ class CaptureError(DsttError, RuntimeError):
     """The capture engine failed to checkpoint a step (the cause is chained)."""
 
 
+class ConfigError(DsttError, ValueError):
+    """``dstt.session`` was given objects that cannot be captured together (an optimizer that
+    holds none of the model's trainable parameters, or parameters the model does not have)."""
+
+
 class RaceError(CaptureError):
     """A captured tensor was modified in place while it was being copied."""
 
@@ -96,3 +118,10 @@ class SchemaError(DsttError, ValueError):
 
 class MissingFileError(StorageError, FileNotFoundError):
     """A file the run needs is not there."""
+
+
+class DsttWarning(UserWarning):
+    """Something dstt accepted but that may not do what the caller meant (an optimizer that
+    leaves trainable parameters out, metrics logged where they cannot be kept); filter it
+    with ``warnings.filterwarnings("error", category=dstt.errors.DsttWarning)``. A warning, not
+    an error, so it stays out of ``__all__`` (the error tree)."""

@@ -86,7 +86,7 @@ def test_diff_prints_change_norms(run_dir: Path, capsys: pytest.CaptureFixture[s
     b = _arrays(3)["params/layers/1/mlp/weight"].astype(np.float64)
     assert rows["layers.1.mlp.weight"]["delta_l2"] == pytest.approx(np.linalg.norm(b - a))
     code, out, _ = _run(capsys, "diff", "1", "3", "--run", str(run_dir), "--top", "1")
-    assert code == EXIT_OK and "2 more" in out
+    assert code == EXIT_OK and "1 more" in out
 
 
 def test_verify_ok_then_finds_a_damaged_chunk(run_dir: Path,
@@ -213,3 +213,182 @@ def test_show_tells_what_each_tensor_cost_on_disk(tmp_path: Path,
     assert t["w"]["stored_as"] == ["xor"] and 0 < t["w"]["written_bytes"] < t["w"]["bytes"]
     code, out, _ = _run(capsys, "show", "--run", str(run), "--step", "2")
     assert code == EXIT_OK and "fewer bytes" in out and " ref" in out
+
+
+# -- issue 15: what a new user trips on ------------------------------------------------------
+
+@pytest.mark.parametrize("argv, code, needle", [
+    (["show", "{run}", "--select", "layers.0.atn"], EXIT_BAD_INPUT, "did you mean 'layers.0.attn'"),
+    (["diff", "{run}", "1", "3", "--select", "decoder"], EXIT_BAD_INPUT, "matches no tensor"),
+    (["log", "{run}", "--spikes", "acc"], EXIT_BAD_INPUT, "'acc' was never logged"),
+    (["ls", "{file}"], EXIT_BAD_INPUT, "is a file, not a run"),
+    (["show", "3"], EXIT_BAD_INPUT, "for step 3, use --step 3"),
+    (["ls", "{run}", "--run", "{plain}"], EXIT_BAD_INPUT, "two runs given"),
+    (["gc", "{run}", "--keep-every", "0"], EXIT_BAD_INPUT, "number >= 1"),
+    (["rollback", "{run}", "--to", "99"], EXIT_BAD_INPUT, "no committed step 99"),
+    (["diff", "{run}", "1", "99"], EXIT_BAD_INPUT, "no committed step 99"),
+    (["show", "{run}", "--timeline", "nope"], EXIT_BAD_INPUT, "no timeline 'nope'"),
+    (["verify", "{plain}"], EXIT_BAD_INPUT, "not a dstt run"),
+    (["log", "{zarr}"], EXIT_BAD_INPUT, "not a dstt run"),
+])
+def test_user_mistakes_print_their_message_never_internal_error(
+        run_dir: Path, tmp_path: Path, argv: list[str], code: int, needle: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "plain").mkdir(exist_ok=True)
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "z").mkdir(exist_ok=True)
+    (tmp_path / "z" / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group"}')
+    subs = {"run": str(run_dir), "plain": str(tmp_path / "plain"),
+            "file": str(tmp_path / "notes.txt"), "zarr": str(tmp_path / "z")}
+    got, out, err = _run(capsys, *[a.format(**subs) for a in argv])
+    assert (got, out) == (code, "")
+    assert err.startswith("dstt: ") and needle in err and len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err and "internal error" not in err
+    assert not err.startswith(("dstt: '", 'dstt: "')), err  # no KeyError quoting
+
+
+def test_a_bug_is_still_an_internal_error(run_dir: Path, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import dstt.cli as cli
+
+    def broken(args: object) -> int:
+        return {}["a bug"]  # type: ignore[no-any-return]
+    monkeypatch.setattr(cli, "cmd_ls", broken)
+    code, _, err = _run(capsys, "ls", str(run_dir))
+    assert code == cli.EXIT_INTERNAL and "Traceback" in err and "internal error" in err
+
+
+def test_closed_pipe_exits_quietly(run_dir: Path) -> None:
+    exe = Path(sys.executable).parent / "dstt"
+    proc = subprocess.Popen([str(exe), "log", str(run_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before dstt writes a line (dstt log | true)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and err == b""
+    head = subprocess.run(f"'{exe}' log '{run_dir}' | head -n 1", shell=True,
+                          capture_output=True, text=True, check=False)
+    assert head.stdout.startswith("step        4") and head.stderr == ""
+
+
+def test_every_command_takes_the_run_positionally_and_finds_it_from_inside(
+        run_dir: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    inside = str(run_dir / "_dstt")
+    for argv in (["ls", inside], ["log", inside], ["show", inside], ["diff", inside, "1", "2"],
+                 ["verify", inside], ["gc", inside, "--keep-last", "9", "--dry-run"]):
+        code, out, err = _run(capsys, *argv)
+        assert code in (EXIT_OK,) and out and err == "", (argv, err)
+    assert _json(capsys, "log", "--run", inside)[0]["step"] == 4  # type: ignore[index]
+    assert _json(capsys, "diff", "1", "2", "--run", str(run_dir))["a"] == 1  # type: ignore[index]
+    monkeypatch.setenv("DSTT_RUN", inside)
+    assert _json(capsys, "show", "--step", "2")["step"] == 2  # type: ignore[index]
+    monkeypatch.delenv("DSTT_RUN")
+    monkeypatch.chdir(run_dir / "_dstt")
+    code, out, _ = _run(capsys, "rollback", "--to", "3")
+    assert code == EXIT_OK and "is current" in out
+    assert _json(capsys, "ls")["path"] == str(run_dir)  # type: ignore[index]
+
+
+def test_show_prints_norms_and_update_ratios_from_summaries(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "sums"
+    rows = {"params/layers/1/mlp/weight": {"l2": 2.5, "update_l2": 0.025,
+                                            "update_ratio": 0.01}}
+    save(path, 1, _arrays(1), objects={"summaries": rows})
+    doc = _json(capsys, "show", str(path))
+    t = {x["name"]: x for x in doc["tensors"]}  # type: ignore[index]
+    assert t["layers.1.mlp.weight"]["l2"] == 2.5
+    assert t["layers.1.mlp.weight"]["update_ratio"] == 0.01
+    assert t["layers.0.attn.weight"]["l2"] is None  # no summary for it: unknown, not 0
+    code, out, _ = _run(capsys, "show", str(path))
+    line = next(x for x in out.splitlines() if "layers.1.mlp.weight" in x)
+    assert code == EXIT_OK and "norm" in out and " 2.5 " in line and " 0.01 " in line
+
+
+def test_log_marks_loss_spikes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "spiky"
+    rng = np.random.default_rng(0)
+    for s in range(1, 31):
+        loss = 10.0 if s == 24 else 2.0 + 0.01 * float(rng.standard_normal())
+        save(path, s, {"params/w": np.full(2, s, np.float32)}, metrics={"loss": loss})
+    doc = _json(capsys, "log", str(path))
+    marked = [c["step"] for c in doc if c["spike"]]  # type: ignore[union-attr,index]
+    assert marked == [24]
+    code, out, _ = _run(capsys, "log", str(path), "-n", "8")
+    spiky = [x for x in out.splitlines() if "spike" in x]
+    assert code == EXIT_OK and len(spiky) == 1 and spiky[0].startswith("step       24")
+    assert "loss spike (z=" in spiky[0]
+
+
+def test_show_and_diff_agree_on_optimizer_states(run_dir: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    optim = "optim/exp_avg/layers/1/mlp/weight"
+    for extra, want in (([], False), (["--optim"], True)):
+        shown = {t["name"] for t in _json(capsys, "show", str(run_dir), *extra)["tensors"]}  # type: ignore[index]
+        diffed = {t["name"] for t in _json(capsys, "diff", str(run_dir), "1", "2", "--top", "0",
+                                           *extra)["tensors"]}  # type: ignore[index]
+        assert shown == diffed and (optim in shown) is want
+
+
+def _tree(path: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file's mtime and bytes; the lock file's mtime is left out (taking the lock
+    rewrites it with the same bytes)."""
+    return {str(p.relative_to(path)): (0 if p.name == "lock" else p.stat().st_mtime_ns,
+                                       p.read_bytes())
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_gc_dry_run_lists_the_steps_and_changes_nothing(
+        run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = _tree(run_dir)
+    code, out, _ = _run(capsys, "gc", str(run_dir), "--keep-last", "2", "--dry-run")
+    assert code == EXIT_OK
+    assert "would prune step 1 of timeline main" in out
+    assert "would prune step 2 of timeline main" in out and "step 3" not in out
+    assert "nothing was deleted" in out
+    assert _tree(run_dir) == before
+    assert _json(capsys, "log", str(run_dir))[-1]["step"] == 1  # type: ignore[index]
+
+
+def _sharded(path: Path, step: int) -> None:
+    """One commit by two writers the way ZeRO partitions a flat buffer (no DeepSpeed): the
+    logical tensors a and b are views of zero/r0 and zero/r1 (as tests/inspect does)."""
+    from dstt.store import LogicalArray, Piece, collect_parts, shard_map
+
+    repo = Repository.create(path)
+    flat = np.arange(16, dtype=np.float32) + step
+    writers = [repo.writer(), repo.writer(exclusive=False)]
+    slot = writers[0].next_slot
+    txns = []
+    for r, w in enumerate(writers):
+        t = w.begin(step, slot=slot)
+        src = f"zero/r{r}/g0/fp32"
+        t.declare(src, "float32", (8,))
+        t.put_chunk(src, 0, flat[8 * r:8 * r + 8].view(np.uint8))
+        name = "params/a" if r == 0 else "params/b"
+        t.put_object(f"shards/r{r}", shard_map([LogicalArray(name, "float32", (2, 4),
+                                                             (Piece(src, 0, 0, 8),))]))
+        txns.append(t)
+    txns[1].prepare(rank=1, world=2, session="s")
+    parts = collect_parts(repo.storage, slot=slot, step=step, ranks=[1], world=2, session="s")
+    txns[0].commit({"loss": 1.0}, parts=parts)
+    for w in writers:
+        w.close()
+
+
+def test_show_on_a_zero_run_counts_only_what_is_stored(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "zero"
+    _sharded(path, 1)
+    _sharded(path, 2)
+    doc = _json(capsys, "show", str(path))
+    t = {x["name"]: x for x in doc["tensors"]}  # type: ignore[index]
+    assert t["a"]["stored"] is False and t["a"]["bytes"] == 0 and t["a"]["stored_as"] == ["view"]
+    stored = [x for x in t.values() if x["stored"]]
+    assert sorted(x["name"] for x in stored) == ["zero/r0/g0/fp32", "zero/r1/g0/fp32"]
+    assert sum(x["bytes"] for x in stored) == 64
+    code, out, _ = _run(capsys, "show", str(path))
+    last = next(x for x in out.splitlines() if "stored arrays" in x)
+    assert code == EXIT_OK and last.startswith("2 stored arrays, 64 B")
+    assert "fewer bytes" not in out and "2 tensors are views" in last

@@ -272,6 +272,14 @@ class Pipeline:
         """Drop ``f``: it will never be committed."""
         f.fail(error or _Aborted(f"step {f.step} dropped"), reported=reported)
 
+    def seed_summaries(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Remember the probes of ``tensors`` (the parameters a resume loaded from the parent
+        step) so the first step's update is measured against the parent's."""
+        if self._book is not None:
+            for path, t in tensors.items():
+                if path.startswith(SUMMARIZED):
+                    self._book.seed(path, t)
+
     def take_errors(self) -> list[Flight]:
         """Failed flights not yet reported to the training thread (each returned once)."""
         with self._lock:

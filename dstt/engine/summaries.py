@@ -21,7 +21,9 @@ What is exact and what is estimated:
 * ``update_l2`` = ||x_t - x_{t-1}||: exact (``update_exact: true``) when the caller passes the
   previous step's host copy; otherwise *estimated* from the probes of this and the previous
   step as ``sqrt(numel / k * sum((p_t - p_{t-1})**2))``, an unbiased estimate of the squared
-  norm under the uniform probe, noisy for sparse updates. None at the first step.
+  norm under the uniform probe, noisy for sparse updates. None at the first step of a run;
+  after a resume the book is seeded with the restored (parent) parameters
+  (:meth:`SummaryBook.seed`), so the first resumed step is measured against its parent.
 * ``update_ratio`` = ``update_l2 / l2`` (the current weights' norm); None when either is
   unknown or ``l2`` is 0.
 
@@ -233,6 +235,18 @@ class SummaryBook:
         with self._lock:
             self._columns = {key: st["probe"]}
         return out
+
+    def seed(self, path: str, t: torch.Tensor) -> None:
+        """Remember the probe of ``t`` as ``path``'s last one: after a resume, the restored
+        parameters are the parent step's, so the next step's update is estimated against it
+        (instead of being unknown)."""
+        flat = t.detach().reshape(-1)
+        idx = probe_indices(path, flat.numel(), self.probe_size)
+        where = torch.from_numpy(idx.astype(np.int64)).to(flat.device)
+        probe = flat[where].to(torch.float64).cpu()
+        with self._lock:
+            self._columns.clear()
+            self._probes[path] = [float(v) for v in probe.tolist()]
 
     def forget(self, path: str | None = None) -> None:
         """Drop remembered probes (all, or one path) — e.g. after a resume or rollback."""

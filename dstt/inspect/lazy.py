@@ -32,6 +32,7 @@ import xarray as xr
 from xarray.backends import BackendArray
 from xarray.core import indexing
 
+from ..errors import SchemaError
 from ..store import Reader, numpy_dtype
 from .sharded import LogicalRecord, read_logical_chunk, with_logical
 
@@ -232,7 +233,7 @@ class TrajectoryArray(BackendArray):
     Construction reads nothing: each step's arrays table is looked up when that step is read.
     A step where the tensor is absent (e.g. an optimizer state before the first update) reads
     as NaN (float tensors; other dtypes raise); a step where it has another shape or dtype
-    raises ``ValueError``.
+    raises ``SchemaError`` (a ``ValueError``).
     """
 
     def __init__(self, readers: ReaderPool, headers: Sequence[Any], path: str,
@@ -251,12 +252,12 @@ class TrajectoryArray(BackendArray):
         record = reader.arrays(header).get(self.path)
         if record is None:
             if self.dtype.kind != "f":
-                raise ValueError(f"{self.path!r} is missing at step {header.step} and has dtype "
+                raise SchemaError(f"{self.path!r} is missing at step {header.step} and has dtype "
                                  f"{self.store_dtype}, which has no NaN; narrow the steps")
             out[...] = np.nan
             return
         if tuple(record.shape) != self.shape[1:] or record.dtype != self.store_dtype:
-            raise ValueError(
+            raise SchemaError(
                 f"{self.path!r} is {record.dtype}{tuple(record.shape)} at step {header.step} "
                 f"but {self.store_dtype}{self.shape[1:]} at the newest selected step; "
                 "select steps on one side of the change")

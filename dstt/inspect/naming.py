@@ -15,11 +15,14 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping
 
+from ..errors import TensorNotFoundError
+
 __all__ = [
     "MODEL_KINDS",
     "array_path",
     "optim_state",
     "select",
+    "selector_miss",
     "tensor_dims",
     "tree_location",
     "user_name",
@@ -45,12 +48,15 @@ def optim_state(path: str) -> str | None:
 
 
 def array_path(name: str, available: Iterable[str] | Mapping[str, object],
-               state: str | None = None) -> str:
+               state: str | None = None, *, where: str = "in this commit",
+               listing: str = "") -> str:
     """Resolve a user name to the store path present in ``available``.
 
     ``name`` is a dotted torch name (looked up under ``params/`` then ``buffers/``, or under
     ``optim/<state>/`` when ``state`` is given) or a store path containing ``/``.
-    Raises ``KeyError`` with close matches when nothing fits.
+    Raises ``TensorNotFoundError`` (a ``KeyError``) naming the closest names, or the states the
+    tensor does have, when nothing fits; ``where`` says where it was looked for (``at step
+    3``) and ``listing`` how to list every name (``run.at(3).names()``).
     """
     avail = available if isinstance(available, Mapping) else set(available)
     if "/" in name:
@@ -62,10 +68,22 @@ def array_path(name: str, available: Iterable[str] | Mapping[str, object],
     for c in candidates:
         if c in avail:
             return c
+    see = f" (all names: {listing})" if listing else ""
+    if state is not None and "/" not in name:
+        tail = "/" + name.replace(".", "/")
+        states = sorted({s for p in avail if p.endswith(tail)
+                         and (s := optim_state(p)) is not None and p == f"optim/{s}{tail}"})
+        if states:
+            raise TensorNotFoundError(
+                f"tensor {name!r} has no optimizer state {state!r} {where}; its states: "
+                f"{', '.join(states)}")
+        if any(f"{kind}{tail}" in avail for kind in MODEL_KINDS):
+            raise TensorNotFoundError(
+                f"tensor {name!r} has no optimizer states {where} (none saved yet, or the "
+                f"optimizer keeps none for it); leave state unset for its values{see}")
     close = _close_matches(name, avail)
     hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    what = f"optimizer state {state!r} of " if state else ""
-    raise KeyError(f"no {what}tensor named {name!r} in this commit{hint}")
+    raise TensorNotFoundError(f"no tensor named {name!r} {where}{hint}{see}")
 
 
 def _close_matches(name: str, avail: Iterable[str]) -> list[str]:
@@ -155,3 +173,23 @@ def tensor_dims(all_paths: Iterable[str]) -> Callable[[str, int], tuple[str, ...
         return tuple(f"{prefix}_{i}" for i in range(ndim))
 
     return dims
+
+
+def selector_miss(selector: str, paths: Iterable[str], where: str,
+                  listing: str = "") -> TensorNotFoundError:
+    """The error for a layer selector that picks nothing among ``paths``: the closest module
+    paths and tensor names, or the top-level modules when none is close."""
+    import difflib
+
+    names = {".".join(_components(p)) for p in paths}  # optimizer states: their module path
+    prefixes = sorted({".".join(n.split(".")[:k]) for n in names
+                       for k in range(1, n.count(".") + 2)})
+    close = difflib.get_close_matches(selector, prefixes, n=3, cutoff=0.6)
+    if close:
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?"
+    else:
+        tops = sorted({n.split(".")[0] for n in names})
+        more = f" … ({len(tops)} in all)" if len(tops) > 20 else ""
+        hint = f"; top-level modules: {', '.join(tops[:20]) or '—'}{more}"
+    see = f" (all names: {listing})" if listing else ""
+    return TensorNotFoundError(f"selector {selector!r} matches no tensor {where}{hint}{see}")

@@ -9,14 +9,25 @@ Spike rule (:func:`find_spikes`): for each step, the trailing window of the prev
 ``window`` finite values of the metric gives a mean and a sample standard deviation; the step
 is a spike when ``(value - mean) / std > z`` (upward only: a loss spike), once at least
 ``min_periods`` values precede it. Consecutive flagged steps form one spike, reported at its
-largest z-score. Tensors are ranked by their largest ``update_ratio`` over the commits within
-``around`` commits either side of the spike (before: what moved; after: the reaction to the
-spike's gradient). Rejected alternative: a global z-score over the whole run — the loss trend
-of training makes early steps look like spikes and hides late ones.
+largest z-score; ``start`` is its first flagged step. Rejected alternative: a global z-score
+over the whole run — the loss trend of training makes early steps look like spikes and hides
+late ones.
+
+Cause rule (:func:`spike_cause`): a metric filed under step *k* was computed on the weights of
+step *k - 1* (the loss of step *k* is the forward pass before the *k*-th optimizer step), so a
+jump at *k* was caused by the update that made step *k - 1*: ``parent -> cause`` =
+``(k - 2) -> (k - 1)`` when every step is committed. With sparser commits (``every=``, gc)
+``cause`` is the first committed step >= *k - 1* and ``parent`` the commit before it: the
+committed interval that contains that update. Tensors are ranked by the ``update_ratio`` in the
+*cause* commit's summaries (that update's ``||w_cause - w_parent|| / ||w_cause||``); the update
+into *k* itself is the optimizer's reaction to the bad loss, not its cause. Rejected
+alternative: ranking over a window around *k* — the reaction is often the larger update and
+then names the wrong tensors.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +44,7 @@ __all__ = [
     "find_spikes",
     "metrics_dataset",
     "rank_tensors",
+    "spike_cause",
     "summaries_dataset",
     "summary_rows",
 ]
@@ -75,25 +87,39 @@ def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def metrics_dataset(headers: Sequence[Any]) -> xr.Dataset:
+METRICS_HISTORY_OBJECT = "metrics/history"  # written by dstt._session_metrics
+
+
+def metrics_dataset(headers: Sequence[Any],
+                    read: Callable[[Any, str], Any] | None = None) -> xr.Dataset:
     """Logged metrics of ``headers`` (commits in step order) as a Dataset over ``step``.
 
     Numeric metrics become float64 variables (NaN where a step did not log them); string
     metrics become object variables ('' where missing). Coordinates: ``step``, ``slot`` and
-    ``time`` (commit wall-clock time, seconds since the epoch).
+    ``time`` (commit wall-clock time, seconds since the epoch). With ``read(header, name)``
+    (loads a commit object), the steps a commit carries in ``metrics/history`` (steps that
+    ``every=K`` did not checkpoint) come too, before it: ``slot`` -1 (no commit), ``time`` of
+    their first ``s.log``.
     """
-    names = sorted({k for h in headers for k in h.metrics})
+    rows: list[tuple[int, int, float, Any]] = []
+    for h in headers:
+        if read is not None and METRICS_HISTORY_OBJECT in h.objects:
+            hist = read(h, METRICS_HISTORY_OBJECT)
+            rows += [(int(k), -1, float(t), m) for k, t, m in
+                     zip(hist["steps"], hist["time"], hist["metrics"], strict=True)]
+        rows.append((h.step, h.slot, h.time, h.metrics))
+    names = sorted({k for *_, m in rows for k in m})
     data: dict[str, Any] = {}
     for k in names:
-        vals = [h.metrics.get(k) for h in headers]
+        vals = [m.get(k) for *_, m in rows]
         if any(isinstance(v, str) for v in vals):
             data[k] = ("step", np.array(["" if v is None else str(v) for v in vals], dtype=object))
         else:
             data[k] = ("step", np.array([_as_float(v) for v in vals], dtype=np.float64))
     coords = {
-        "step": ("step", np.array([h.step for h in headers], dtype=np.int64)),
-        "slot": ("step", np.array([h.slot for h in headers], dtype=np.int64)),
-        "time": ("step", np.array([h.time for h in headers], dtype=np.float64)),
+        "step": ("step", np.array([r[0] for r in rows], dtype=np.int64)),
+        "slot": ("step", np.array([r[1] for r in rows], dtype=np.int64)),
+        "time": ("step", np.array([r[2] for r in rows], dtype=np.float64)),
     }
     return xr.Dataset(data, coords=coords)
 
@@ -141,7 +167,16 @@ def summaries_dataset(headers: Sequence[Any], read: Callable[[Any], dict[str, An
 
 @dataclass(frozen=True)
 class Spike:
-    """One loss spike: where, how big, and the tensors that moved most around it."""
+    """One loss spike: where the metric jumped, and the committed update that caused it.
+
+    ``step`` is the metric's step at the spike's peak, ``start`` its first flagged step (the
+    same for a one-step spike). ``cause`` is the committed step whose weights produced the
+    jump (``start - 1`` when every step is committed; the module's cause rule otherwise) and
+    ``parent`` the commit before it, so the bad update is ``parent -> cause`` (``update``).
+    ``cause`` is None when the jump was computed on weights from before the first commit,
+    ``parent`` None when ``cause`` is the first commit. ``tensors``: ``(name, update ratio)``
+    of the cause's update, largest first.
+    """
 
     step: int
     value: float
@@ -149,16 +184,44 @@ class Spike:
     baseline: float
     std: float
     tensors: list[tuple[str, float]] = field(default_factory=list)
+    start: int | None = None
+    cause: int | None = None
+    parent: int | None = None
+    timeline: str | None = None
+
+    @property
+    def update(self) -> tuple[int, int] | None:
+        """``(parent, cause)``: the committed update that caused the spike, if both known."""
+        if self.parent is None or self.cause is None:
+            return None
+        return self.parent, self.cause
 
     def __str__(self) -> str:
         top = ", ".join(f"{n} ({r:.3g})" for n, r in self.tensors[:3]) or "no summaries"
+        if self.update is not None:
+            why = f"caused by the update {self.parent} -> {self.cause}"
+        elif self.cause is not None:
+            why = f"caused by the update into {self.cause} (the first commit)"
+        else:
+            why = "computed on weights from before the first commit"
         return (f"step {self.step}: {self.value:.4g} (baseline {self.baseline:.4g}, "
-                f"z={self.zscore:.1f}); top update ratios: {top}")
+                f"z={self.zscore:.1f}); {why}; top update ratios: {top}")
+
+
+def spike_cause(steps: Sequence[int], start: int) -> tuple[int | None, int | None]:
+    """``(parent, cause)`` of a jump first seen at step ``start`` by the module's cause rule;
+    ``steps`` are the timeline's committed steps, ascending."""
+    i = bisect.bisect_left(steps, start - 1)
+    if i >= len(steps) or (i == 0 and steps[0] >= start):
+        return None, None
+    return (int(steps[i - 1]) if i > 0 else None), int(steps[i])
 
 
 def find_spikes(steps: np.ndarray, values: np.ndarray, *, window: int = 50, z: float = 4.0,
-                min_periods: int | None = None) -> list[tuple[int, float, float, float, float]]:
-    """``(step, value, zscore, mean, std)`` of each spike by the module's rolling z rule."""
+                min_periods: int | None = None
+                ) -> list[tuple[int, float, float, float, float, int]]:
+    """``(step, value, zscore, mean, std, start)`` of each spike by the module's rolling z
+    rule: ``step`` at the peak z-score, ``start`` the first flagged step."""
     if window < 2:
         raise ValueError(f"window must be >= 2, got {window}")
     min_periods = max(2, window // 4) if min_periods is None else max(2, min_periods)
@@ -174,29 +237,27 @@ def find_spikes(steps: np.ndarray, values: np.ndarray, *, window: int = 50, z: f
         zi = (float(values[i]) - mu) / sd
         if zi > z:
             flagged.append((i, float(values[i]), zi, mu, sd))
-    events: list[tuple[int, float, float, float, float]] = []
+    events: list[tuple[int, float, float, float, float, int]] = []
     last = -2
     for i, v, zi, mu, sd in flagged:
-        spike = (int(steps[i]), v, zi, mu, sd)
         if i == last + 1:  # consecutive flagged values: one spike, kept at its peak z
             if zi > events[-1][2]:
-                events[-1] = spike
+                events[-1] = (int(steps[i]), v, zi, mu, sd, events[-1][5])
         else:
-            events.append(spike)
+            events.append((int(steps[i]), v, zi, mu, sd, int(steps[i])))
         last = i
     return events
 
 
-def rank_tensors(summaries: xr.Dataset, step: int, around: int) -> list[tuple[str, float]]:
-    """Tensors by largest ``update_ratio`` within ``around`` commits of ``step``, descending."""
+def rank_tensors(summaries: xr.Dataset, steps: Sequence[int]) -> list[tuple[str, float]]:
+    """Tensors by their largest ``update_ratio`` over the commits of ``steps`` (those present
+    in ``summaries``), descending; tensors without a known ratio are left out."""
     if summaries.sizes.get("step", 0) == 0 or summaries.sizes.get("tensor", 0) == 0:
         return []
-    s = summaries["step"].values
-    c = int(np.searchsorted(s, step))
-    lo, hi = max(0, c - around), min(len(s), c + around + 1)
-    ratio = summaries["update_ratio"].values[lo:hi]
-    if ratio.size == 0:
+    rows = np.flatnonzero(np.isin(summaries["step"].values, np.asarray(list(steps))))
+    if rows.size == 0:
         return []
+    ratio = summaries["update_ratio"].values[rows]
     best = np.where(np.isnan(ratio), -np.inf, ratio).max(axis=0)
     order = np.argsort(-best, kind="stable")
     names = summaries["tensor"].values

@@ -1,7 +1,7 @@
 """Matplotlib plots of a run, usable in any notebook or script (``import dstt.plots``).
 
-- :func:`loss`            a logged metric over steps, per timeline, with detected spikes marked
-- :func:`update_heatmap`  per-tensor update ratio (or norm) over steps, spikes as dashed lines
+- :func:`loss`            a logged metric over steps, per timeline, spikes and their causes marked
+- :func:`update_heatmap`  per-tensor update ratio (or norm) over steps, spike causes dashed
 - :func:`norms`           weight-norm trajectories
 - :func:`layer_change`    per-tensor change of one step versus a reference step
 - :func:`tensor`          one tensor as a heatmap (rank >= 2) or histogram (1-D)
@@ -54,31 +54,33 @@ def _timelines(run: Any, timelines: str | Iterable[str] | None) -> list[str]:
     return [timelines] if isinstance(timelines, str) else list(timelines)
 
 
-def _spike_points(run: Any, metric: str, timeline: str | None, window: int,
-                  z: float) -> list[tuple[float, float]]:
+def _spikes(run: Any, metric: str, timeline: str | None, window: int, z: float) -> list[Any]:
     if metric not in run.metrics(timeline):
         return []
-    return [(s.step, s.value) for s in run.spikes(metric, window=window, z=z, top=0,
-                                                   timeline=timeline)]
+    return list(run.spikes(metric, window=window, z=z, top=0, timeline=timeline))
 
 
 def loss(run: Any, metric: str = "loss", *, timelines: str | Iterable[str] | None = None,
          spikes: bool = True, step: int | None = None, window: int = 50, z: float = 4.0,
          logy: bool = False, ax: Any = None) -> Any:
     """``metric`` over steps for the current timeline (or ``timelines``: names or ``"all"``),
-    spikes (:meth:`dstt.Run.spikes` with ``window``/``z``) marked, ``step`` as a cursor."""
+    spikes (:meth:`dstt.Run.spikes` with ``window``/``z``) marked at their loss step and the
+    update that caused each (``parent -> cause``) shaded, ``step`` as a cursor."""
     ax = _axes(ax, (8, 3.5))
-    curves, points = [], []
+    curves, found = [], []
     for tl in _timelines(run, timelines):
         ds = run.metrics(tl)
         if metric not in ds:
             continue
         curves.append((tl, ds["step"].values, ds[metric].values))
         if spikes:
-            points += _spike_points(run, metric, tl, window, z)
+            found += _spikes(run, metric, tl, window, z)
     if not curves:
         raise KeyError(f"metric {metric!r} was never logged on {_timelines(run, timelines)}")
-    draw_curves(ax, curves, spikes=sorted(set(points)), cursor=step, ylabel=metric, logy=logy)
+    points = sorted({(s.step, s.value) for s in found})
+    causes = sorted({s.update for s in found if s.update is not None})
+    draw_curves(ax, curves, spikes=points, causes=causes, cursor=step, ylabel=metric,
+                logy=logy)
     return ax
 
 
@@ -87,16 +89,17 @@ def update_heatmap(run: Any, steps: Any = None, *, timeline: str | None = None,
                    spikes: str | None = "loss", window: int = 50, z: float = 4.0,
                    ax: Any = None) -> Any:
     """Per-parameter ``field`` (``update_ratio``, ``update_l2`` or ``l2``) over steps as a
-    heatmap; the spikes of metric ``spikes`` (None: none; ``window``/``z`` as in
-    :func:`loss`) as dashed lines."""
+    heatmap; the updates that caused the spikes of metric ``spikes`` (None: none;
+    ``window``/``z`` as in :func:`loss`) as dashed lines at ``Spike.cause``: the column whose
+    weights produced the bad loss, one step before the loss jumped."""
     ds = tensor_stats(run, steps, timeline=timeline, selector=selector)
     names = [str(n) for n in ds["tensor"].values]
     ax = _axes(ax, (9, max(2.5, 0.18 * len(names) + 1)))
     marks: list[int] = []
     if spikes:
         lo, hi = (int(ds["step"].min()), int(ds["step"].max())) if ds.sizes["step"] else (0, -1)
-        marks = [int(s) for s, _ in _spike_points(run, spikes, timeline, window, z)
-                 if lo <= s <= hi]
+        marks = sorted({int(s.cause) for s in _spikes(run, spikes, timeline, window, z)
+                        if s.cause is not None and lo <= s.cause <= hi})
     draw_heatmap(ax, ds["step"].values, names, ds[field].values.T, label=field, log=log,
                  marks=marks)
     ax.set_title(f"{field} per tensor ({ds.attrs.get('source')})", fontsize="medium")

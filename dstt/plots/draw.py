@@ -50,14 +50,19 @@ def as_matrix(values: np.ndarray) -> np.ndarray:
 
 
 def draw_curves(ax: Any, curves: Sequence[Curve], *, spikes: Sequence[tuple[float, float]] = (),
-                cursor: float | None = None, ylabel: str = "", logy: bool = False
-                ) -> dict[str, Any]:
-    """Metric curves (label, steps, values), spike markers and a vertical step cursor.
+                causes: Sequence[tuple[float, float]] = (), cursor: float | None = None,
+                ylabel: str = "", logy: bool = False) -> dict[str, Any]:
+    """Metric curves (label, steps, values), spike markers, the updates that caused them
+    (``causes``: ``(parent, cause)`` steps, shaded) and a vertical step cursor.
 
     Artists: ``lines`` (list), ``spikes`` (``PathCollection``, offsets = (step, value)),
-    ``cursor`` (vertical ``Line2D`` at the step) and ``point`` (marker on the first curve).
+    ``causes`` (list of shaded spans), ``cursor`` (vertical ``Line2D`` at the step) and
+    ``point`` (marker on the first curve).
     """
-    out: dict[str, Any] = {"lines": []}
+    out: dict[str, Any] = {"lines": [], "causes": []}
+    for i, (a, b) in enumerate(causes):
+        out["causes"].append(ax.axvspan(a, b, color=SPIKE_COLOR, alpha=0.18, lw=0, zorder=1,
+                                        label="update that caused it" if i == 0 else None))
     for label, x, y in curves:
         (line,) = ax.plot(np.asarray(x), np.asarray(y, dtype=float), lw=1.2, label=label)
         out["lines"].append(line)
@@ -78,7 +83,7 @@ def draw_curves(ax: Any, curves: Sequence[Curve], *, spikes: Sequence[tuple[floa
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    if len(curves) > 1 or len(sx):
+    if len(curves) > 1 or len(sx) or out["causes"]:
         ax.legend(loc="best", fontsize="small")
     return out
 

@@ -20,6 +20,7 @@ import numpy as np
 import xarray as xr
 
 from .._optional import require
+from ..errors import StepNotFoundError
 from ..inspect.naming import user_name
 from ..plots.draw import draw_bars, draw_curves, draw_tensor, image_strides
 from ..plots.series import diff_headers
@@ -167,16 +168,28 @@ class Compare:
 def compare(run: Any, step_a: int | None = None, step_b: int | None = None, *,
             timeline_a: str | None = None, timeline_b: str | None = None,
             tensor: str | None = None, metric: str | None = None,
-            max_side: int = 256) -> Compare:
+            max_side: int = 256, spike: Any = None) -> Compare:
     """Compare step ``step_a`` of ``timeline_a`` with ``step_b`` of ``timeline_b``.
 
     Timelines default to the run's current one (``timeline_b`` to ``timeline_a``); a step of
     None is that timeline's head. ``tensor`` defaults to the parameter that changed most.
+    ``spike`` (a ``Spike`` from ``run.spikes()``) compares the update that caused it:
+    ``spike.parent`` -> ``spike.cause`` on its timeline (the loss of step *k* was computed on
+    the weights of step *k - 1*, so that is *(k - 2) -> (k - 1)*).
     """
     if not hasattr(run, "steps"):
         from .._run import open_run
 
         run = open_run(run)
+    if spike is not None:
+        if spike.update is None:
+            raise StepNotFoundError(
+                f"the update that caused the spike at step {spike.step} was not captured "
+                f"(cause {spike.cause}, parent {spike.parent}); compare two steps instead")
+        if step_a is not None or step_b is not None:
+            raise TypeError("compare(): pass either spike= or the two steps, not both")
+        step_a, step_b = spike.update
+        timeline_a = timeline_b = spike.timeline or timeline_a
     return Compare(CompareModel(run, step_a, step_b, timeline_a=timeline_a,
                                 timeline_b=timeline_b, tensor=tensor, metric=metric,
                                 max_side=max_side))

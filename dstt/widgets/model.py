@@ -21,6 +21,7 @@ from typing import Any, Generic, Literal, TypeVar
 import numpy as np
 import xarray as xr
 
+from ..errors import StepNotFoundError
 from ..inspect.naming import user_name
 from ..plots.draw import image_strides
 from ..plots.series import step_change
@@ -289,6 +290,57 @@ class ScrubberModel:
         """The detected spike at the current step, if any."""
         return next((s for s in self.spikes if s.step == self._step), None)
 
+    @property
+    def caused(self) -> Any | None:
+        """The detected spike whose cause is the current step's update, if any."""
+        return next((s for s in self.spikes if s.cause == self._step), None)
+
+    def open_spike(self, spike: Any) -> None:
+        """Show the update that caused ``spike`` (a :class:`~dstt.inspect.summaries.Spike`,
+        or the loss step of one of :attr:`spikes`): its timeline, step = ``spike.cause``,
+        reference = the previous commit (``spike.parent``), mode ``change``, and the tensor
+        that moved most in that update.
+
+        Step rule (:meth:`dstt.Run.spikes`): the loss filed under step *k* was computed on the
+        weights of step *k - 1*, so the update to look at is *(k - 2) -> (k - 1)*, not the
+        update into *k* (the optimizer's reaction to the bad loss).
+        """
+        if not hasattr(spike, "cause"):
+            found = next((s for s in self.spikes if s.step == int(spike)), None)
+            if found is None:
+                raise StepNotFoundError(
+                    f"no spike at step {spike} on timeline {self._timeline!r}; spikes at "
+                    f"{[s.step for s in self.spikes]} (spike_window={self.spike_window}, "
+                    f"spike_z={self.spike_z}) — or pass a Spike from run.spikes()")
+            spike = found
+        if spike.cause is None:
+            raise StepNotFoundError(
+                f"the spike at step {spike.step} was computed on weights from before the first "
+                f"commit: no captured update caused it")
+        timeline = getattr(spike, "timeline", None)
+        if timeline and timeline != self._timeline:
+            self.timeline = timeline
+        if spike.cause not in self.steps:
+            raise StepNotFoundError(f"the cause of the spike at {spike.step}, step "
+                                    f"{spike.cause}, is not committed on {self._timeline!r}")
+        before = (self._step, self._reference, self._mode, self._tensor)
+        self._step, self._reference, self._mode = int(spike.cause), None, "change"
+        names = self.tensors
+        moved = [str(n) for n, _ in spike.tensors if n in names] or [
+            n for n, r in self._ranked_change() if n in names]
+        self._tensor = moved[0] if moved else (
+            self._tensor if self._tensor in names else self._default_tensor(names))
+        self._notify({f for f, b, a in zip(("step", "reference", "mode", "tensor"), before,
+                                           (self._step, self._reference, self._mode,
+                                            self._tensor), strict=True) if b != a})
+
+    def _ranked_change(self) -> list[tuple[str, float]]:
+        ds = self.change()
+        ratio = np.where(np.isfinite(ds["ratio"].values), ds["ratio"].values, -np.inf)
+        order = np.argsort(-ratio, kind="stable")
+        return [(str(ds["tensor"].values[i]), float(ratio[i])) for i in order
+                if np.isfinite(ratio[i])]
+
     def strides(self) -> tuple[int, int]:
         """Subsampling of the tensor's matrix view (1-D tensors are histogrammed whole)."""
         rec = self.snapshot().arrays[f"params/{self._tensor.replace('.', '/')}"]
@@ -346,7 +398,12 @@ class ScrubberModel:
             parts.append(f"{self.metric} {v:.4g}")
         sp = self.spike
         if sp is not None:
-            parts.append(f"SPIKE z={sp.zscore:.1f}")
+            why = (f"caused by the update {sp.parent} → {sp.cause}" if sp.update is not None
+                   else "cause not captured")
+            parts.append(f"SPIKE z={sp.zscore:.1f}, {why}")
+        cause = self.caused
+        if cause is not None:
+            parts.append(f"this update is the cause of the spike at {cause.step}")
         ref = self.reference_step
         pin = "pinned" if self._reference is not None else "previous"
         parts.append(f"reference {ref if ref is not None else '—'} ({pin})")

@@ -75,6 +75,8 @@ class Scrubber:
         self.views = {"loss": FigureView((8, 2.6)), "tensor": FigureView((5, 3.8)),
                       "change": FigureView((5, 3.8))}
         self.images = {k: w.Image(format="png") for k in self.views}
+        for k, img in self.images.items():
+            img.add_class(f"dstt-view-{k}")  # for tests and user CSS
         self._wire()
         self.widget = w.VBox([
             w.HBox([self.play, self.prev_button, self.slider, self.next_button]),
@@ -187,7 +189,7 @@ def scrubber(run: Any, *, timeline: str | None = None, step: int | None = None,
              tensor: str | None = None, metric: str | None = None,
              reference: int | None = None, mode: Mode = "values", cache_size: int = 16,
              spike_window: int = 50, spike_z: float = 4.0, max_side: int = 256,
-             play_interval: int = 700) -> Scrubber:
+             play_interval: int = 700, spike: Any = None) -> Scrubber:
     """A step scrubber over ``run`` (a :class:`dstt.Run` or a path).
 
     Starts at ``step`` (default: the head) of ``timeline`` (default: current) showing
@@ -195,7 +197,10 @@ def scrubber(run: Any, *, timeline: str | None = None, step: int | None = None,
     measured against (default: the previous committed step). ``cache_size`` steps' data are
     kept in an LRU; tensors are subsampled to at most ``max_side`` rows/columns.
     Spikes of ``metric`` (default ``loss``) use :meth:`dstt.Run.spikes` with
-    ``spike_window`` / ``spike_z``.
+    ``spike_window`` / ``spike_z``. ``spike`` (a ``Spike`` from ``run.spikes()``, or the
+    loss step of a detected one) opens on the update that caused it
+    (:meth:`ScrubberModel.open_spike`): the loss of step *k* was computed on the weights of
+    step *k - 1*, so that is the change *(k - 2) -> (k - 1)*.
     """
     if not hasattr(run, "steps"):
         from .._run import open_run
@@ -204,4 +209,6 @@ def scrubber(run: Any, *, timeline: str | None = None, step: int | None = None,
     model = ScrubberModel(run, timeline=timeline, step=step, tensor=tensor, metric=metric,
                           reference=reference, mode=mode, cache_size=cache_size,
                           spike_window=spike_window, spike_z=spike_z, max_side=max_side)
+    if spike is not None:
+        model.open_spike(spike)
     return Scrubber(model, play_interval=play_interval)

@@ -65,7 +65,8 @@ class FigureView:
 
 
 def draw_loss(ax: Any, model: ScrubberModel) -> dict[str, Any]:
-    """The metric of the model's timeline, its spikes, and the current step's cursor."""
+    """The metric of the model's timeline, its spikes (▼ at the loss step, the update that
+    caused each shaded: ``parent -> cause``), and the current step's cursor."""
     if model.metric is None:
         ax.text(0.5, 0.5, "no metrics logged (s.log(loss=...))", ha="center", va="center",
                 transform=ax.transAxes)
@@ -74,7 +75,9 @@ def draw_loss(ax: Any, model: ScrubberModel) -> dict[str, Any]:
     ds = model.metrics
     curves = [(model.timeline, ds["step"].values, ds[model.metric].values)]
     spikes = [(s.step, s.value) for s in model.spikes]
-    out = draw_curves(ax, curves, spikes=spikes, cursor=model.step, ylabel=model.metric)
+    causes = [s.update for s in model.spikes if s.update is not None]
+    out = draw_curves(ax, curves, spikes=spikes, causes=causes, cursor=model.step,
+                      ylabel=model.metric)
     ref = model.reference
     if ref is not None:
         out["reference"] = ax.axvline(ref, color="tab:green", ls=":", lw=1.2)

@@ -45,9 +45,10 @@ def test_every_n_captures_only_multiples(tmp_path: Path) -> None:
         for i in range(10):
             train_step(m, opt, *mlp_batch(i))
     assert s.step == 10
-    assert committed_steps(Repository.open(tmp_path / "run")) == [3, 6, 9]
+    # multiples of 3, and the last step at close (the end of training is never lost)
+    assert committed_steps(Repository.open(tmp_path / "run")) == [3, 6, 9, 10]
     with session(MLP(), None, run=tmp_path / "run", resume=True, every=3) as s2:
-        assert s2.step == 9
+        assert s2.step == 10
 
 
 def test_a_run_with_steps_needs_resume(tmp_path: Path) -> None:

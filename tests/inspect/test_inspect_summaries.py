@@ -91,8 +91,12 @@ def test_bfloat16_tensors_are_summarised() -> None:
     assert s["maxabs"] == 2.0
 
 
-def _training_like_run(path: Path, n: int = 40, spike_at: int = 30) -> dict[int, np.ndarray]:
-    """Two tensors; 'layers.1.w' takes a large update at the spike step."""
+def _training_like_run(path: Path, n: int = 40, spike_at: int = 30,
+                       reaction: bool = False) -> dict[int, np.ndarray]:
+    """Two tensors; 'layers.1.w' takes a large update into step ``spike_at - 1`` and the loss
+    filed under ``spike_at`` jumps (dstt's step rule: the loss of step k was computed on the
+    weights of step k - 1). With ``reaction``, 'layers.0.w' takes an even larger update into
+    ``spike_at`` (the optimizer answering the bad loss's gradient): after the cause."""
     written: dict[int, dict[str, np.ndarray]] = {}
     probes: dict[str, list[float]] = {}
     g = torch.Generator().manual_seed(4)
@@ -102,7 +106,11 @@ def _training_like_run(path: Path, n: int = 40, spike_at: int = 30) -> dict[int,
 
     def arrays(step: int) -> dict[str, np.ndarray]:
         for k, v in state.items():
-            scale = 1.0 if (k.endswith("1/w") and step == spike_at) else 0.001
+            scale = 0.001
+            if k.endswith("1/w") and step == spike_at - 1:
+                scale = 1.0
+            if reaction and k.endswith("0/w") and step == spike_at:
+                scale = 3.0
             state[k] = v + scale * torch.randn(v.shape, generator=g)
         written[step] = {k: v.numpy().copy() for k, v in state.items()}
         return written[step]
@@ -158,6 +166,37 @@ def test_spikes_find_the_spike_and_the_tensor_that_moved(tmp_path: Path) -> None
         open_run(tmp_path / "run").spikes("accuracy")
 
 
+def test_spike_names_the_update_that_caused_it(tmp_path: Path) -> None:
+    # the big update is the one into step 29 (28 -> 29); the loss filed under step 30 was
+    # computed on the weights of step 29; the larger update into 30 is the reaction to it
+    _training_like_run(tmp_path / "run", reaction=True)
+    run = open_run(tmp_path / "run")
+    (sp,) = run.spikes("loss", window=20, z=5.0)
+    assert (sp.step, sp.start) == (30, 30)
+    assert (sp.parent, sp.cause, sp.timeline) == (28, 29, "main")
+    assert sp.update == (28, 29)
+    # ranked by the causing update's summaries, not by the reaction that followed it
+    ratio = run.summaries(29)["update_ratio"].sel(step=29)
+    assert sp.tensors[0] == ("layers.1.w", pytest.approx(float(ratio.sel(tensor="layers.1.w"))))
+    assert [n for n, _ in sp.tensors] == ["layers.1.w", "layers.0.w"]
+    assert "caused by the update 28 -> 29" in str(sp)
+    # around widens the ranking to neighbouring commits: then the reaction shows up first
+    (wide,) = run.spikes("loss", window=20, z=5.0, around=1)
+    assert wide.tensors[0][0] == "layers.0.w" and wide.cause == 29
+
+
+def test_spike_cause_rule_with_sparse_and_first_commits() -> None:
+    from dstt.inspect.summaries import spike_cause
+
+    assert spike_cause([1, 2, 3, 4], 4) == (2, 3)
+    # every 10th step committed: the update into k - 1 lies inside one committed interval
+    assert spike_cause([10, 20, 30], 21) == (10, 20)  # weights of 20: exactly a commit
+    assert spike_cause([10, 20, 30], 25) == (20, 30)  # weights of 24: made inside 20 -> 30
+    assert spike_cause([10, 20, 30], 30) == (20, 30)
+    assert spike_cause([5, 6, 7], 6) == (None, 5)  # the update into 5 was not captured
+    assert spike_cause([5, 6, 7], 5) == (None, None)  # computed on weights before any commit
+
+
 def test_spike_rule_merges_consecutive_steps_and_ignores_the_trend() -> None:
     steps = np.arange(200)
     loss = 5.0 * np.exp(-steps / 50.0) + 0.001 * np.sin(steps)  # smooth decreasing trend
@@ -166,6 +205,7 @@ def test_spike_rule_merges_consecutive_steps_and_ignores_the_trend() -> None:
     loss2[100:103] += [1.0, 2.0, 1.5]
     got = find_spikes(steps, loss2, window=20, z=6.0)
     assert [g[0] for g in got] == [101]  # three flagged steps, one spike at its peak z
+    assert [g[5] for g in got] == [100]  # ... which started one step earlier
     with pytest.raises(ValueError):
         find_spikes(steps, loss, window=1)
 
@@ -179,7 +219,7 @@ def test_without_summaries_spikes_have_no_tensors(tmp_path: Path) -> None:
     ds = run.summaries()
     assert ds.sizes["step"] == 0 and {"l2", "probe"} <= set(ds.data_vars)
     spikes = run.spikes("loss", window=10, z=5.0)
-    assert [(s.step, s.tensors) for s in spikes] == [(15, [])]
+    assert [(s.step, s.cause, s.tensors) for s in spikes] == [(15, 14, [])]
 
 
 def test_summary_book_carries_probes_between_steps() -> None:
@@ -208,7 +248,7 @@ def test_spikes_read_only_the_summaries_around_them(tmp_path: Path) -> None:
     _training_like_run(tmp_path / "run")
     storage = CountingStorage(LocalStorage(tmp_path / "run"))
     spikes = open_run(Repository(storage)).spikes("loss", window=20, z=5.0, around=2)
-    assert [s.step for s in spikes] == [30]
+    assert [(s.step, s.cause) for s in spikes] == [(30, 29)]
     read = sorted(step for step, name in storage.object_reads() if name == "summaries")
-    assert read == [28, 29, 30, 31, 32]  # commits of steps 28..32, not all 40
+    assert read == [27, 28, 29, 30, 31]  # commits within 2 of the cause, not all 40
     assert storage.data_reads() == set()  # and never a tensor

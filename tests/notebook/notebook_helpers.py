@@ -1,10 +1,13 @@
 """Helpers for the notebook-experience tests: small runs written through ``dstt.store.save``.
 
 Imported by name (``from notebook_helpers import ...``): tests/notebook is on sys.path under
-pytest's default import mode and is not a package. The run has a smooth loss with one spike at
-``SPIKE_STEP`` and a jump in ``layers.1.mlp.weight`` at that step, so the widgets have something
-to find. Rejected alternative: training a model here — slower, and the exact tensors would not
-be known to the assertions.
+pytest's default import mode and is not a package. The run follows dstt's step rule (the loss
+filed under step k was computed on the weights of step k - 1): ``layers.1.mlp.weight`` jumps in
+the update into ``CAUSE_STEP`` (from ``CAUSE_STEP - 1``), so the loss filed under
+``SPIKE_STEP = CAUSE_STEP + 1`` spikes; the update into ``SPIKE_STEP`` moves ``emb.weight``
+(the optimizer's reaction to the bad loss), a decoy for code that looks one update too late.
+Rejected alternative: training a model here — slower, and the exact tensors would not be known
+to the assertions.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from dstt.store import LocalStorage, save
 
 STEPS = list(range(1, 31))
 SPIKE_STEP = 20
+CAUSE_STEP = SPIKE_STEP - 1
 JUMPER = "layers.1.mlp.weight"
+REACTOR = "emb.weight"
 
 
 def arrays_at(step: int, shift: float = 0.0) -> dict[str, np.ndarray]:
@@ -37,8 +42,10 @@ def arrays_at(step: int, shift: float = 0.0) -> dict[str, np.ndarray]:
     for k, v in base.items():
         d = drift.standard_normal(v.shape)
         w = v + 0.01 * step * d + shift
-        if k == "params/layers/1/mlp/weight" and step >= SPIKE_STEP:
-            w = w + 5.0  # the "blow-up" at the spike
+        if k == "params/layers/1/mlp/weight" and step >= CAUSE_STEP:
+            w = w + 5.0  # the "blow-up": the update that causes the spike
+        if k == "params/emb/weight" and step >= SPIKE_STEP:
+            w = w + 0.5  # the reaction to the spike's gradient
         out[k] = w.astype(np.float32)
     out["buffers/layers/0/mask"] = np.array([1, 0, 1], dtype=np.int8)
     out["optim/exp_avg/layers/0/attn/weight"] = np.full((8, 6), 0.1 * step, np.float32)

@@ -3,8 +3,11 @@
 A small prepared notebook (a 12-step run written with ``dstt.store.save``, then the scrubber)
 is opened in JupyterLab on 127.0.0.1 with a random token; the test runs all cells, waits for
 the widget's label, moves the step slider with the keyboard (the browser's own slider, not
-the Python model), and checks that the kernel answered: the label names the new step. A
-screenshot lands in the test's tmp_path.
+the Python model), and checks that the kernel answered and the page shows it: the label names
+the new step, and the PNG bytes behind each view's ``<img>`` (the loss curve with its cursor,
+the tensor heatmap, the change bars) differ from before the move and are the bytes the kernel
+drew for the new step (read back through the kernel connection). A screenshot lands in the
+test's tmp_path.
 
 Skipped only where chromium, python playwright or jupyterlab is absent. Rejected alternative:
 playwright's bundled browser — it is downloaded at install time, which CI here cannot do.
@@ -12,6 +15,7 @@ playwright's bundled browser — it is downloaded at install time, which CI here
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -132,6 +136,49 @@ def _jupyterlab(root: Path, home: Path) -> Iterator[str]:
         log.close()
 
 
+VIEWS = ("loss", "tensor", "change")
+#: the PNG bytes behind a view's <img> (a blob: URL in ipywidgets 8), base64, once loaded
+IMAGE_JS = """async (cls) => {
+  const img = document.querySelector(`.dstt-scrubber img.${cls}`);
+  if (!img || !img.src || !img.complete || img.naturalWidth === 0) return null;
+  const bytes = new Uint8Array(await (await fetch(img.src)).arrayBuffer());
+  let s = "";
+  for (const b of bytes) s += String.fromCharCode(b);
+  return btoa(s);
+}"""
+#: run code in the notebook's kernel (no cell): what the kernel holds, for comparison
+KERNEL_JS = """async (code) => {
+  const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+  return (await kernel.requestExecute({code}).done).content.status;
+}"""
+DUMP = """\
+from pathlib import Path
+for _k, _img in scrubber.images.items():
+    Path(f"kernel-{_k}.png").write_bytes(_img.value)
+"""
+
+
+def _shown(page: Any) -> dict[str, bytes | None]:
+    """The bytes each view's <img> shows now (None while one is not loaded)."""
+    out: dict[str, bytes | None] = {}
+    for k in VIEWS:
+        b64 = page.evaluate(IMAGE_JS, f"dstt-view-{k}")
+        out[k] = None if b64 is None else base64.b64decode(b64)
+    return out
+
+
+def _wait_shown(page: Any, ok: Any, what: str, timeout: float = 30.0) -> dict[str, bytes | None]:
+    deadline = time.monotonic() + timeout
+    while True:
+        shown = _shown(page)
+        if ok(shown):
+            return shown
+        if time.monotonic() > deadline:
+            sizes = {k: None if v is None else len(v) for k, v in shown.items()}
+            raise AssertionError(f"the page never showed {what}; image bytes now: {sizes}")
+        time.sleep(0.2)
+
+
 def _label_step(page: Any) -> int:
     el = page.wait_for_selector(".dstt-scrubber-label .dstt-step", timeout=90_000)
     return int(el.get_attribute("data-step"))
@@ -165,6 +212,8 @@ def test_scrubber_moves_in_jupyterlab(tmp_path: Path) -> None:
             assert _label_step(page) == STEPS
             label = page.locator(".dstt-scrubber-label")
             expect(label).to_contain_text(f"step {STEPS} ·", timeout=30_000)
+            before = _wait_shown(page, lambda v: all(v.values()), "all three views")
+            assert all(b is not None and b.startswith(b"\x89PNG") for b in before.values())
 
             handle = page.locator(".dstt-scrubber .noUi-handle").first
             handle.focus()
@@ -176,6 +225,14 @@ def test_scrubber_moves_in_jupyterlab(tmp_path: Path) -> None:
             expect(label).to_contain_text("SPIKE", timeout=10_000)
             expect(page.locator(".dstt-scrubber .widget-readout").first).to_contain_text(
                 str(STEPS - 3))
+
+            # what the user sees moved too: every view's pixels are the kernel's new drawing
+            assert page.evaluate(KERNEL_JS, DUMP) == "ok"
+            drawn = {k: (root / f"kernel-{k}.png").read_bytes() for k in VIEWS}
+            after = _wait_shown(page, lambda v: v == drawn,
+                                f"the kernel's drawing of step {STEPS - 3}")
+            for k in VIEWS:
+                assert after[k] != before[k], f"the {k} view did not change with the step"
             page.screenshot(path=str(tmp_path / "scrubber.png"), full_page=True)
         except Exception:
             with contextlib.suppress(Exception):

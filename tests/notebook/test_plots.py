@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from notebook_helpers import JUMPER, SPIKE_STEP, STEPS, arrays_at, loss_at
+from notebook_helpers import CAUSE_STEP, JUMPER, SPIKE_STEP, STEPS, arrays_at, loss_at
 
 import dstt.plots as P
 
@@ -72,6 +72,8 @@ def test_loss_marks_spikes_and_the_step(run: Any) -> None:
     np.testing.assert_allclose(line.get_ydata(), [loss_at(s) for s in STEPS])
     offsets = ax.collections[0].get_offsets()
     np.testing.assert_allclose(offsets, [[SPIKE_STEP, loss_at(SPIKE_STEP)]])
+    (span,) = ax.patches  # the update that caused it, shaded: its loss shows one step later
+    assert (span.get_x(), span.get_x() + span.get_width()) == (CAUSE_STEP - 1, CAUSE_STEP)
     assert any(list(ln.get_xdata()) == [7, 7] for ln in ax.get_lines())
     with pytest.raises(KeyError, match="never logged"):
         P.loss(run, "nope", ax=axes())
@@ -94,7 +96,9 @@ def test_update_heatmap_draws_the_ratio_matrix(summarized_run: Any) -> None:
     np.testing.assert_allclose(got.filled(np.nan).reshape(want.shape),
                                want.filled(np.nan), rtol=1e-5)
     assert [t.get_text() for t in ax.get_yticklabels()] == PARAMS
-    assert [ln.get_xdata()[0] for ln in ax.get_lines()] == [SPIKE_STEP]
+    # the dashed line marks the update that caused the spike: the column whose weights
+    # produced the bad loss, one step before the loss jumped
+    assert [ln.get_xdata()[0] for ln in ax.get_lines()] == [CAUSE_STEP]
     assert "summaries" in ax.get_title()
 
 
@@ -103,7 +107,7 @@ def test_norms_and_layer_change(run: Any) -> None:
     lines = ax.get_lines()
     assert [ln.get_label() for ln in lines] == ["layers.0.attn.bias", "layers.0.attn.weight"]
     assert lines[0].get_ydata()[0] == pytest.approx(1.0)
-    ax = P.layer_change(run, SPIKE_STEP, ax=axes())
+    ax = P.layer_change(run, CAUSE_STEP, ax=axes())
     assert ax.get_yticklabels()[0].get_text() == JUMPER
     ax = P.layer_change(run, 12, reference=3, ax=axes())
     assert "step 12 vs 3" in ax.get_title()

@@ -10,7 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 from notebook_helpers import (
+    CAUSE_STEP,
     JUMPER,
+    REACTOR,
     SPIKE_STEP,
     STEPS,
     arrays_at,
@@ -75,8 +77,11 @@ def test_spike_is_marked_and_labelled(run: Any) -> None:
     offsets = s.views["loss"].artists["spikes"].get_offsets()
     np.testing.assert_allclose(offsets, [[SPIKE_STEP, loss_at(SPIKE_STEP)]])
     assert "SPIKE" not in s.label.value
+    (span,) = s.views["loss"].artists["causes"]  # the update that caused it, shaded
+    assert (span.get_x(), span.get_x() + span.get_width()) == (CAUSE_STEP - 1, CAUSE_STEP)
     s.slider.value = SPIKE_STEP
     assert "SPIKE z=" in s.label.value and "spike" in s.label.value
+    assert f"caused by the update {CAUSE_STEP - 1} → {CAUSE_STEP}" in s.label.value
     assert s.model.spike is not None and s.model.spike.step == SPIKE_STEP
 
 
@@ -149,17 +154,73 @@ def test_first_step_has_no_previous_reference(run: Any) -> None:
     assert s.error is None
 
 
-def test_change_view_ranks_the_jumping_layer_first_at_the_spike(run: Any,
-                                                                summarized_run: Any) -> None:
+def test_change_view_ranks_the_jumping_layer_first_at_its_update(run: Any,
+                                                                  summarized_run: Any) -> None:
     for r in (run, summarized_run):
-        s = scrub(r, step=SPIKE_STEP)
+        s = scrub(r, step=CAUSE_STEP)
         change = s.model.change()
         assert change.attrs["source"] == ("summaries" if r is summarized_run else "tensors")
         assert s.views["change"].artists["names"][0] == JUMPER
-        prev = arrays_at(SPIKE_STEP - 1)["params/layers/1/mlp/weight"].astype(np.float64)
-        cur = arrays_at(SPIKE_STEP)["params/layers/1/mlp/weight"].astype(np.float64)
+        prev = arrays_at(CAUSE_STEP - 1)["params/layers/1/mlp/weight"].astype(np.float64)
+        cur = arrays_at(CAUSE_STEP)["params/layers/1/mlp/weight"].astype(np.float64)
         delta = float(np.linalg.norm(cur - prev))
         assert float(change["delta_l2"].sel(tensor=JUMPER)) == pytest.approx(delta, rel=1e-5)
+        s.slider.value = SPIKE_STEP  # one update later: the reaction, another tensor
+        assert s.views["change"].artists["names"][0] == REACTOR
+
+
+def test_widgets_opened_from_a_spike_show_the_update_that_caused_it(
+        run: Any, summarized_run: Any) -> None:
+    jumper = "params/layers/1/mlp/weight"
+    for r in (run, summarized_run):
+        (sp,) = r.spikes(window=WINDOW)
+        # the loss jumped at SPIKE_STEP; it was computed on the weights of CAUSE_STEP
+        assert (sp.step, sp.parent, sp.cause) == (SPIKE_STEP, CAUSE_STEP - 1, CAUSE_STEP)
+        assert [n for n, _ in sp.tensors[:1]] == ([JUMPER] if r is summarized_run else [])
+        for opened in (scrub(r, spike=sp), scrub(r, spike=SPIKE_STEP)):
+            m = opened.model
+            assert (m.step, m.reference_step, m.mode) == (CAUSE_STEP, CAUSE_STEP - 1, "change")
+            assert m.tensor == JUMPER  # the tensor that moved most in that update
+            change = opened.views["change"]
+            assert change.artists["names"][0] == JUMPER
+            assert change.fig.axes[0].get_title().startswith(
+                f"change {CAUSE_STEP - 1} → {CAUSE_STEP}")
+            np.testing.assert_allclose(
+                opened.views["tensor"].artists["image"].get_array(),
+                (arrays_at(CAUSE_STEP)[jumper].astype(np.float64)
+                 - arrays_at(CAUSE_STEP - 1)[jumper]).reshape(4, 6))
+            assert f"cause of the spike at {SPIKE_STEP}" in opened.label.value
+    c = W.compare(run, spike=sp)
+    assert (c.model.a.step, c.model.b.step) == (CAUSE_STEP - 1, CAUSE_STEP)
+    assert c.model.tensor == JUMPER and c.model.ranking()[0][0] == JUMPER
+    s = scrub(run)
+    with pytest.raises(KeyError, match="no spike at step 7"):
+        s.model.open_spike(7)
+
+
+def test_images_show_the_step(run: Any) -> None:
+    """The PNG bytes the browser gets follow the step: every view's image changes when the
+    step does, equals its figure rendered now, and comes back when the step does."""
+    s = scrub(run, tensor="layers.0.attn.weight")
+    png = {k: bytes(img.value) for k, img in s.images.items()}
+    s.slider.value = 5
+    moved = {k: bytes(img.value) for k, img in s.images.items()}
+    for k in ("loss", "tensor", "change"):
+        assert moved[k] != png[k], k
+        assert moved[k] == s.views[k].png(), k
+    s.mode_picker.value = "change"
+    assert bytes(s.images["tensor"].value) not in (png["tensor"], moved["tensor"])
+    s.mode_picker.value = "values"
+    s.slider.value = STEPS[-1]
+    assert {k: bytes(img.value) for k, img in s.images.items()} == png
+
+
+def test_compare_images_follow_the_tensor(run: Any) -> None:
+    c = W.compare(run, 10, 25)
+    before = bytes(c.images["tensors"].value)
+    c.tensor_picker.value = "emb.weight"
+    after = bytes(c.images["tensors"].value)
+    assert after != before and after == c.views["tensors"].png()
 
 
 def test_lru_caches_loaded_steps(run: Any) -> None:

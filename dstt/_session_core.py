@@ -1,0 +1,471 @@
+"""``Session``: capture every optimizer step of a plain PyTorch loop, lazily, and resume it.
+
+(``dstt.session(...)``, in ``dstt._session``, picks this class or the DeepSpeed subclass in
+``dstt._ds_session``; both import this module, which imports neither.)
+
+The session attaches to the optimizer through its step hooks and drives the capture engine:
+
+* post-step hook of step *k* → ``stage(k)``: the pipeline starts copying the model and optimizer
+  tensors into the host cache and returns at once; RNG states, the data position and
+  ``extra_state`` are snapshotted here;
+* end of iteration *k* (the loop asks ``s.data(...)`` for the next batch; without it, the next
+  pre-step hook) → snapshot the *boundary state*: optimizer hyperparameters, LR scheduler
+  (stepped by now) and ``extra_state``;
+* pre-step hook of step *k+1* → wait for step *k*'s copies (the only point that blocks
+  training), run the version guard, then *seal* step *k*: hand it to the committer, which
+  commits it with the metrics ``s.log`` attached once its chunks are on disk;
+* leaving the block seals and drains the last step, and commits the last optimizer step
+  even where ``every`` did not select it (its step state was snapshotted after its optimizer
+  step), so training never loses its end. An exception or ``KeyboardInterrupt`` inside the
+  block commits the last step only if its iteration had finished (the loop asked
+  ``s.data(...)`` for the next batch) and no optimizer step was under way; else it drops it
+  whole, and a dstt error of the engine commits nothing more. Already-sealed steps finish
+  committing. What is visible is always a complete, consistent step.
+
+Metrics: ``s.log`` files each call under the step of its iteration, whichever side of
+``optimizer.step()`` it sits (``dstt._session_metrics``); steps that are not captured hand
+their metrics to the next commit.
+
+Background errors (disk full, ...) surface on the training thread at the next optimizer step
+(``error_policy="raise"``: ``CaptureError`` chained to the cause, before the step runs) or as a
+warning (``"skip"``: the step is not committed, training goes on).
+Rejected alternative: wrapping ``optimizer.step`` — it breaks ``LRScheduler``'s own wrapper,
+``torch.compile``d steps and anyone else who patches it; the hooks are the supported seam.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import torch
+
+from ._session_checks import capture_error, check_optimizer, warn_skipped
+from ._session_metrics import METRICS_HISTORY_OBJECT, MetricLog, metric_value
+from .engine.pipeline import SUMMARIES_OBJECT, Flight, Pipeline, StepMetrics
+from .engine.providers import ObjectProvider, StoreSource
+from .engine.torch_state import DataPosition, Stateful, TorchState, TrackedData, discover
+from .errors import (
+    CaptureError,
+    DsttError,
+    NotARunError,
+    RaceError,
+    TimelineError,
+)
+from .store import DEFAULT_CHUNK_BYTES, DeltaPolicy, Repository, Storage
+
+__all__ = ["DEFAULT_BUDGET", "CopyMode", "ErrorPolicy", "RacePolicy", "Session"]
+
+CopyMode = Literal["async", "sync", "auto"]
+RacePolicy = Literal["raise", "recopy", "warn"]
+ErrorPolicy = Literal["raise", "skip"]
+
+MiB = 1024 * 1024
+DEFAULT_BUDGET = 256 * MiB
+
+
+class Session:
+    """A capturing session over one model/optimizer and one run; use ``dstt.session(...)``."""
+
+    #: read and verify the whole step before restoring anything (a damaged step then leaves
+    #: the live model untouched); the DeepSpeed session reads per-rank partitions instead
+    _prefetch_restore = True
+    #: on an exception, commit the last step ``every`` skipped (the DeepSpeed session does not:
+    #: the other ranks may not be there to write their parts)
+    _tail_on_error = True
+
+    def __init__(self, model: torch.nn.Module | None,
+                 optimizer: torch.optim.Optimizer | None = None, *,
+                 run: str | os.PathLike[str] | Repository | Storage, every: int = 1,
+                 scheduler: Any = None, resume: bool = False,
+                 budget_bytes: int = DEFAULT_BUDGET, race_policy: RacePolicy = "raise",
+                 verify: bool = False, error_policy: ErrorPolicy = "raise",
+                 extra_state: Mapping[str, Stateful] | None = None, writers: int | None = None,
+                 max_backlog: int = 16, summaries: bool = True,
+                 encoding: DeltaPolicy | None = None, copy: CopyMode = "async") -> None:
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int, got {every!r}")
+        if race_policy not in ("raise", "recopy", "warn"):
+            raise ValueError(
+                f"race_policy must be 'raise', 'recopy' or 'warn', not {race_policy!r}")
+        if error_policy not in ("raise", "skip"):
+            raise ValueError(f"error_policy must be 'raise' or 'skip', not {error_policy!r}")
+        if copy not in ("async", "sync", "auto"):
+            raise ValueError(f"copy must be 'async', 'sync' or 'auto', not {copy!r}")
+        self.copy = copy
+        if budget_bytes < 4096:
+            raise ValueError(f"budget_bytes={budget_bytes} is too small (at least 4096)")
+        if encoding is not None and not isinstance(encoding, DeltaPolicy):
+            raise TypeError(f"encoding must be a dstt.DeltaPolicy or None, not {encoding!r}")
+        self.encoding = encoding
+        self._keyframe_next = False  # keyframe(): the next captured step is written whole
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        if model is not None and optimizer is not None:
+            check_optimizer(model, optimizer)
+        self.every, self.resume = every, resume
+        self.budget_bytes, self.race_policy = budget_bytes, race_policy
+        # leave a core to training: on 2 cores, more writers only steal CPU from the step
+        writers = writers or min(4, max(1, (os.cpu_count() or 2) - 1))
+        self.verify, self.error_policy, self.writers = verify, error_policy, writers
+        self.max_backlog, self.summaries = max_backlog, summaries
+        self._run_arg = run
+        self.summaries_object = SUMMARIES_OBJECT  # per rank under DeepSpeed
+        self.repo: Repository | None = None
+        self._state = self._discover(scheduler, extra_state)
+        self._writer: Any = None
+        self._pipeline: Pipeline | None = None
+        self._hooks: list[Any] = []
+        self._flight: Flight | None = None
+        self._boundary: Mapping[str, Any] | None = None  # boundary state of ``_flight``
+        self._step = 0
+        self._taken = 0  # optimizer steps taken in this session
+        self._in_step = False  # between the pre- and post-step hooks (tensors half-updated)
+        self._last_staged = 0  # the newest step staged (or restored)
+        #: step state of the last step ``every`` skipped, snapshotted after its optimizer
+        #: step, and whether its iteration ended: what ``close`` commits it with
+        self._tail: Mapping[str, Any] | None = None
+        self._tail_ended = False
+        self._log = MetricLog(0)
+        self._position = DataPosition()
+        self._tracked: TrackedData | None = None
+        self._skip = 0
+        self._started = self._closed = False
+
+    # -- public ---------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Optimizer steps already taken (the restored step after a resume; 0 for a new run)."""
+        return self._step
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the data position (passes completed through ``data()``)."""
+        return self._current_position().epoch
+
+    @property
+    def metrics(self) -> tuple[StepMetrics, ...]:
+        """Engine metrics of every finished (committed or dropped) step, oldest first."""
+        return self._pipeline.metrics if self._pipeline else ()
+
+    def data(self, loader: Iterable[Any]) -> TrackedData:
+        """Wrap an iterable so the session records (and on resume restores) the data position.
+
+        One pass over the wrapper is one epoch; after a resume the first pass skips the batches
+        the restored step had consumed. Call it inside the ``with`` block (after the restore).
+        """
+        if not self._started:
+            raise CaptureError("call s.data(...) inside the `with dstt.session(...)` block, "
+                               "after the session has restored its data position")
+        self._tracked = TrackedData(loader, self._current_position(), skip=self._skip,
+                                    on_next=self._at_boundary)
+        self._skip = 0
+        return self._tracked
+
+    def log(self, step: int | None = None, **metrics: Any) -> None:
+        """Record scalar metrics (``loss=..., lr=...``) of the current iteration's step.
+
+        A call belongs to the optimizer step of its iteration, before or after
+        ``optimizer.step()`` alike: the session learns the placement from the first call (made
+        before any optimizer step of this session: each call belongs to the next step; else to
+        the step just taken). ``step=k`` names the step explicitly. Metrics of steps that
+        ``every`` does not capture are carried by the next commit; ``dstt.open(run).metrics()``
+        shows every step's.
+        """
+        clean = {k: metric_value(k, v) for k, v in metrics.items()}
+        if not self._keeps_metrics():
+            return
+        if step is None:
+            step = self._log.target(self._step, self._taken)
+        elif not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise TypeError(f"s.log(step=...) takes a positive int, not {step!r}")
+        self._log.add(step, clean)
+
+    def wait(self) -> None:
+        """Wait for the last staged step's copies and seal it (what the pre-step hook does).
+
+        Only needed without an optimizer: call it before changing captured tensors yourself.
+        """
+        self._before_step()
+
+    def keyframe(self) -> None:
+        """Write the next captured step whole, whatever ``encoding`` says: every chunk a plain
+        Zarr chunk (readable without dstt; a cheap starting point for reads), and the next
+        steps' deltas chain from it. Use it at milestones (an eval, a learning-rate change)."""
+        self._keyframe_next = True
+
+    def mark_step(self) -> None:
+        """Count one step and capture it (for loops without an optimizer to hook)."""
+        self._before_step()
+        self._after_step()
+
+    # -- seams (DeepSpeedSession overrides these) ----------------------------------------
+    def _keeps_metrics(self) -> bool:
+        """Whether ``s.log`` on this process reaches a commit."""
+        return True
+
+    def _discover(self, scheduler: Any,
+                  extra_state: Mapping[str, Stateful] | None) -> TorchState:
+        return discover(self.model, self.optimizer, scheduler=scheduler,
+                        extra_state=extra_state,
+                        extra=[ObjectProvider("data", self._data_state, self._set_data,
+                                              required=False)])
+
+    def _open(self, chunk: int) -> tuple[Any, Any, Any]:
+        """Open the run for writing: ``(writer, reader, head to restore or None)``."""
+        run = self._run_arg
+        if isinstance(run, (str, os.PathLike)) and os.path.isfile(run):
+            raise NotARunError(f"run={os.fspath(run)!r} is a file; a run is a directory: pass "
+                               "an existing run's directory or a new path")
+        self.repo = run if isinstance(run, Repository) else Repository.create(run)
+        writer = self.repo.writer(chunk_bytes=chunk, encoding=self.encoding,
+                                  inflight_bases=True, lazy_refs=True)
+        try:
+            reader = self.repo.reader()
+            head = reader.head()
+            if head is not None and not self.resume:
+                raise TimelineError(
+                    f"run {self.repo.storage.location} already has committed steps (timeline "
+                    f"{reader.current_timeline!r} is at step {head.step}); pass resume=True to "
+                    "continue it, or choose a new run path"
+                )
+        except BaseException:
+            writer.close()
+            raise
+        return writer, reader, head
+
+    def _restore_state(self, source: StoreSource, reader: Any, head: Any) -> None:
+        self._state.step_state.restore(source)
+        self._state.boundary_state.restore(source)
+
+    def _attach(self) -> list[Any]:
+        """Install the step hooks; returns handles with ``remove()``."""
+        if self.optimizer is None:
+            return []
+        return [
+            self.optimizer.register_step_pre_hook(lambda *_: self._before_step()),
+            self.optimizer.register_step_post_hook(lambda *_: self._after_step()),
+        ]
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def __enter__(self) -> Session:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.close(exc)
+
+    def start(self) -> None:
+        if self._started:
+            raise CaptureError("this session was already started")
+        self._started = True
+        chunk = min(DEFAULT_CHUNK_BYTES, max(4096, self.budget_bytes // 4))
+        self._writer, reader, head = self._open(chunk)
+        try:
+            if head is not None:
+                self._restore(reader, head)
+            self._pipeline = Pipeline(self._writer, budget_bytes=self.budget_bytes,
+                                      writers=self.writers, verify=self.verify,
+                                      max_backlog=self.max_backlog,
+                                      summaries=self.summaries,
+                                      summaries_object=self.summaries_object,
+                                      copy=self.copy)
+            self._last_staged = self._step
+            self._log = MetricLog(self._step)
+            if head is not None:  # the first step's update is measured from the parent's
+                self._pipeline.seed_summaries(self._state.step_state.tensors())
+            self._hooks = self._attach()
+        except BaseException:
+            self._writer.close()
+            raise
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """Seal and commit the last step, stop the engine, release the run's lock."""
+        if self._closed or not self._started:
+            return
+        self._closed = True
+        pipe = self._pipeline
+        clean = exc is None
+        pending_error: BaseException | None = None
+        aborted = False
+        if clean:  # metrics logged after the last step (an eval) join the last step's
+            self._log.fold_future(self._step)
+        try:
+            if pipe is not None:
+                f, self._flight = self._flight, None
+                if f is not None:
+                    if clean or self._boundary is not None:  # its iteration did finish
+                        try:
+                            self._settle(f)
+                        except RaceError as e:
+                            pending_error = e if clean else None
+                    else:
+                        pipe.wait_copied(f)
+                        pipe.abort(f)
+                if self._tail_due(exc):
+                    try:
+                        self._commit_tail()
+                    except RaceError as e:
+                        pending_error = pending_error or (e if clean else None)
+                for g in pipe.pending():  # safety net: nothing may wait for a seal forever
+                    if not g.sealed:
+                        pipe.abort(g)
+                pipe.drain()
+        except BaseException:  # interrupted while finishing (a second Ctrl-C): drop the rest
+            aborted = True
+            raise
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            try:
+                if pipe is not None:
+                    pipe.close(abort=aborted)
+            finally:
+                self._writer.close()
+        if pipe is not None:
+            failed = pipe.take_errors()
+            if failed:
+                if clean and self.error_policy == "raise" and pending_error is None:
+                    pending_error = capture_error(failed)
+                else:
+                    for f in failed:
+                        warn_skipped(f, continuing=False)
+        if pending_error is not None:
+            raise pending_error
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _before_step(self) -> None:
+        """Pre-step: finish the previous step's copies, check it, seal it; surface errors."""
+        if self._flight is not None:
+            self._settle(self._flight)  # clears ``_flight`` once sealed or dropped
+        self._surface_errors()
+        self._in_step = True
+
+    def _after_step(self) -> None:
+        """Post-step: one more optimizer step was taken; capture it if due (else remember
+        its step state: ``close`` commits the last step whatever ``every`` says)."""
+        self._in_step = False
+        self._step += 1
+        self._taken += 1
+        if self._step % self.every:
+            self._tail = self._state.step_state.objects()
+            self._tail_ended = False
+            return
+        self._tail = None
+        assert self._pipeline is not None
+        if self._flight is not None:  # a step without the pre-hook (several optimizers?)
+            self._settle(self._flight)
+        tensors = self._state.step_state.tensors()
+        objects = self._state.step_state.objects()
+        self._boundary = None
+        predictions = (self._state.step_state.predictions()
+                       if self.encoding is not None and self.encoding.predict else None)
+        self._flight = self._pipeline.stage(self._step, tensors, objects, predictions,
+                                            keyframe=self._keyframe_next)
+        self._last_staged = self._step
+        self._keyframe_next = False
+
+    def _tail_due(self, exc: BaseException | None) -> bool:
+        """Does ``close`` commit the last step ``every`` skipped? Always on a clean exit; on
+        an exception only after its iteration ended, outside an optimizer step, and not for
+        a dstt error (the engine itself failed)."""
+        if self._tail is None or self._step <= self._last_staged:
+            return False
+        if exc is None:
+            return True
+        return (self._tail_on_error and self._tail_ended and not self._in_step
+                and not isinstance(exc, DsttError))
+
+    def _commit_tail(self) -> None:
+        """Stage the last step now (its tensors are as the optimizer left them), with the
+        step state snapshotted after its optimizer step, and seal it."""
+        assert self._pipeline is not None and self._tail is not None
+        objects, self._tail = self._tail, None
+        predictions = (self._state.step_state.predictions()
+                       if self.encoding is not None and self.encoding.predict else None)
+        f = self._pipeline.stage(self._step, self._state.step_state.tensors(), objects,
+                                 predictions, keyframe=self._keyframe_next)
+        self._last_staged = self._step
+        self._flight, self._boundary = f, None
+        try:
+            self._settle(f)
+        finally:
+            self._flight = None
+
+    def _settle(self, f: Flight) -> None:
+        pipe = self._pipeline
+        assert pipe is not None
+        pipe.wait_copied(f)
+        races = pipe.check(f) if not f.dead else []
+        if races:
+            names = ", ".join(f"{r.path} ({r.reason})" for r in races[:5])
+            more = f" and {len(races) - 5} more" if len(races) > 5 else ""
+            msg = (f"step {f.step}: tensors were modified in place while being copied: "
+                   f"{names}{more}. Something outside the optimizer writes them between "
+                   "optimizer steps (a forward hook, tied weights, a custom update); ")
+            if self.race_policy == "raise":
+                err = RaceError(msg + "step not checkpointed. Use race_policy='recopy' to copy "
+                                "them again at the next step, or 'warn' to accept the copy.")
+                pipe.abort(f, err)
+                self._flight = self._boundary = None
+                raise err
+            if self.race_policy == "recopy":
+                pipe.recopy(f, [r.path for r in races])
+            else:
+                warnings.warn(msg + "the checkpoint may mix old and new values.",
+                              RuntimeWarning, stacklevel=4)
+        boundary = dict(self._boundary if self._boundary is not None
+                        else self._state.boundary_state.objects())
+        own, history = self._log.take(f.step)
+        if own:
+            f.add_metrics(own)
+        if history is not None:
+            boundary[METRICS_HISTORY_OBJECT] = history
+        pipe.seal(f, boundary)
+        if self._flight is f:
+            self._flight = self._boundary = None
+
+    def _at_boundary(self) -> None:
+        """End of an iteration (the loop asks for the next batch): snapshot boundary state."""
+        if self._flight is not None and self._boundary is None:
+            self._boundary = self._state.boundary_state.objects()
+        if self._tail is not None:
+            self._tail_ended = True
+
+    def _surface_errors(self) -> None:
+        assert self._pipeline is not None
+        failed = self._pipeline.take_errors()
+        if not failed:
+            return
+        if self.error_policy == "raise":
+            raise capture_error(failed)
+        for f in failed:
+            warn_skipped(f)
+
+    # -- data position and resume ---------------------------------------------------------
+    def _current_position(self) -> DataPosition:
+        return self._tracked.position if self._tracked is not None else self._position
+
+    def _data_state(self) -> dict[str, int]:
+        p = self._current_position()
+        return {"epoch": p.epoch, "batch": p.batch, "total": p.total}
+
+    def _set_data(self, state: Mapping[str, int]) -> None:
+        self._position = DataPosition(int(state["epoch"]), int(state["batch"]),
+                                      int(state["total"]))
+        self._skip = self._position.batch
+        self._tracked = None
+
+    def _restore(self, reader: Any, head: Any) -> None:
+        source = StoreSource(reader, head, prefetch=self._prefetch_restore)
+        self._restore_state(source, reader, head)
+        self._step = head.step
+        ref = reader.ref()
+        if ref.skip_data and head.slot == ref.base_slot:  # fresh rollback: skip bad batches
+            p = self._position
+            self._position = DataPosition(p.epoch, p.batch + ref.skip_data,
+                                          p.total + ref.skip_data)
+            self._skip += ref.skip_data
+
