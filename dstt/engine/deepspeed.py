@@ -61,6 +61,7 @@ __all__ = [
     "is_deepspeed_engine",
     "owners",
     "per_rank_object",
+    "session_tensors",
 ]
 
 ENGINE_OBJECT = "deepspeed/engine"
@@ -286,6 +287,26 @@ class EngineStepHook:
     def remove(self) -> None:
         if self.engine.__dict__.get("step") is self._fn:
             del self.engine.step
+
+
+def session_tensors(engine: Any, info: RankInfo) -> tuple[dict[str, torch.Tensor],
+                                                         ZeroState | None]:
+    """Every live tensor a session on this rank would capture, by its array path — all of
+    them, not the rank's share — and the ``ZeroState`` whose shard map names the ZeRO
+    partitions (None at stage 0). The checkpoint engine names what it saves by these."""
+    module = engine.module
+    stage = int(engine.zero_optimization_stage())
+    out: dict[str, torch.Tensor] = dict(model_buffers(module))
+    zero = ZeroState(engine, info) if stage > 0 else None
+    if zero is None:
+        out.update({tensor_path("params", n): p for n, p in module.named_parameters()})
+        if isinstance(engine.optimizer, torch.optim.Optimizer):
+            out.update(OptimizerStateProvider(engine.optimizer, param_names(module)).tensors())
+    else:
+        out.update({tensor_path("params", n): p for n, p in module.named_parameters()
+                    if n not in zero.shapes})
+        out.update(zero.tensors())
+    return out, zero
 
 
 def discover_deepspeed(engine: Any, info: RankInfo, **kw: Any) -> DeepSpeedState:

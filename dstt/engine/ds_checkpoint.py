@@ -17,6 +17,22 @@ step), which is exactly the DataStates contract:
 * ``load(path)`` reads the stub and rebuilds the state dict from the run (waiting for this
   engine's own in-flight saves first), so ``engine.load_checkpoint()`` works unchanged.
 
+The last tag has no next step. ``attach`` wraps the engine's ``save_checkpoint`` (per
+instance) to learn when a tag is complete, and an ``atexit`` handler commits a complete tag
+still pending at a normal interpreter exit and waits until it is durable (a tag cut short by an
+exception is dropped, loudly). ``close()``/``engine.destroy()`` do the same earlier.
+Rejected alternative: a non-decoupled engine (DeepSpeed calls ``commit`` at the end of
+``save_checkpoint``) — DeepSpeed then writes ``latest`` itself right after ``commit``, before the
+tag is durable, unless ``commit`` blocks training for the whole flush.
+
+Names: a tensor a ``dstt.session`` would capture is stored under the session's array path,
+found by storage identity (``params/l1/weight`` at stage 0; ZeRO partitions as
+``zero/.../fp32`` plus the rank's shard map, so ``l1.weight`` reads as the logical fp32
+master), so ``run.at(k).names()``/``layer("l1")`` speak the model's names; every other tensor
+(ZeRO's bit16 module copy, 0-d counters) keeps its file path ``files/<file>/<keys>``. The
+stored skeleton names whichever path it used, so ``load`` hands DeepSpeed the very dicts it
+saved.
+
 One tag is one dstt commit (step: ``engine.global_steps`` when attached with ``attach``,
 metric ``tag``); the run defaults to ``<save_dir>/dstt``. DeepSpeed's ``zero_to_fp32.py`` does
 not read stubs: use ``dstt export`` instead.
@@ -27,13 +43,16 @@ cannot be inspected lazily.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
 import pickle
 import re
+import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +65,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 from ..errors import CaptureError, RaceError, RankError
 from ..store import DEFAULT_CHUNK_BYTES, Repository, fsync_dir
 from ._convert import tensor_from_numpy
-from ._statedict import flatten, rebuild, segment
+from ._statedict import SessionPaths, flatten, rebuild, segment
+from .deepspeed import session_tensors
 from .pipeline import Flight, Pipeline
 from .ranks import DEFAULT_RANK_TIMEOUT, RankWriter, TransactionProxy, dist_info, open_ranks
 
@@ -67,6 +87,8 @@ class _Save:
     total: int | None = None  # flights including the final one, once known
     begun: int = 0
     txn: Any = None
+    names: SessionPaths | None = None
+    complete: bool = False  # save_checkpoint returned (known only through ``attach``)
 
 
 class _FileDone:
@@ -117,7 +139,8 @@ class DsttCheckpointEngine(CheckpointEngine):
 
     Use ``DsttCheckpointEngine.attach(engine, run=None)`` after ``deepspeed.initialize``
     (DeepSpeed has no engine registry; replacing ``engine.checkpoint_engine`` is the seam).
-    Call ``close()`` (or ``engine.destroy()``) at the end so the last tag commits.
+    The last tag commits at the latest when the interpreter exits (``atexit``; until then the
+    engine is kept alive); ``close()`` or ``engine.destroy()`` commits it at once.
     """
 
     def __init__(self, config_params: Any = None, *,
@@ -135,6 +158,8 @@ class DsttCheckpointEngine(CheckpointEngine):
         self._staged: _Save | None = None  # the newest tag, until a flush saw it committed
         self._last_step = -1
         self._lock = threading.Lock()
+        self._exit_pid: int | None = None  # the process whose exit flushes (``atexit``)
+        self._naming_failed = False
 
     @classmethod
     def attach(cls, engine: Any, run: str | os.PathLike[str] | None = None,
@@ -146,6 +171,19 @@ class DsttCheckpointEngine(CheckpointEngine):
         ce = cls(run=run, **kw)
         ce.engine = engine
         engine.checkpoint_engine = ce
+        original = engine.save_checkpoint
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            try:
+                out = original(*args, **kwargs)
+            except BaseException as e:
+                ce._drop_pending(f"save_checkpoint raised {type(e).__name__}: {e}")
+                raise
+            if ce._pending is not None:
+                ce._pending.complete = True
+            return out
+
+        engine.save_checkpoint = save_checkpoint
         return ce
 
     # -- CheckpointEngine -------------------------------------------------------------------
@@ -158,7 +196,7 @@ class DsttCheckpointEngine(CheckpointEngine):
             int(re.sub(r"\D", "", str(info.tag)) or 0)
         step = max(step, self._last_step + 1)
         self._last_step = step
-        save = _Save(info, step, self._rw.writer.reader.current_timeline)
+        save = _Save(info, step, self._rw.writer.reader.current_timeline, names=self._names())
         with self._lock:
             self._saves[step] = save
         self._pending = self._staged = save
@@ -169,7 +207,12 @@ class DsttCheckpointEngine(CheckpointEngine):
             raise CaptureError("save() outside create()/commit(); use engine.save_checkpoint")
         fid = segment(Path(path).name.removesuffix(".pt"), set())
         tensors: dict[str, torch.Tensor] = {}
-        skeleton = flatten(state_dict, f"files/{fid}", tensors)
+        names = save.names
+        skeleton = flatten(state_dict, f"files/{fid}", tensors,
+                           None if names is None else names.place)
+        if names is not None:  # a tensor in two files (or twice in one) is written once
+            tensors = {p: t for p, t in tensors.items() if p not in names.staged}
+            names.staged.update(tensors)
         f = pipe.stage(save.step, tensors, {f"files/{fid}": pickle.dumps(skeleton)})
         save.flights.append(f)
         assert self.run is not None
@@ -194,7 +237,10 @@ class DsttCheckpointEngine(CheckpointEngine):
                 err = RaceError(f"checkpoint {save.info.tag}: tensors were modified in place "
                                 "while being copied: " + ", ".join(r.path for r in races[:5]))
         save.total = len(save.flights) + 1
-        final = pipe.stage(save.step, {}, {})  # commits the tag's transaction
+        shards = save.names.shard_map() if save.names is not None else None
+        assert self._rw is not None
+        objects = {} if shards is None else {f"shards/r{self._rw.info.rank}": shards}
+        final = pipe.stage(save.step, {}, objects)  # commits the tag's transaction
         final.add_metrics({"tag": str(save.info.tag)})
         save.flights.append(final)
         for f in save.flights:
@@ -278,7 +324,11 @@ class DsttCheckpointEngine(CheckpointEngine):
             time.sleep(0.005)
 
     def close(self) -> None:
-        """Flush, then stop the threads and release the run (idempotent)."""
+        """Flush, then stop the threads and release the run (idempotent). Runs by itself at
+        a normal interpreter exit; call it (or ``engine.destroy()``) to commit earlier."""
+        if self._exit_pid is not None:
+            atexit.unregister(self._at_exit)
+            self._exit_pid = None
         try:
             self.flush()
         finally:
@@ -288,6 +338,52 @@ class DsttCheckpointEngine(CheckpointEngine):
                 pipe.close()
             if rw is not None:
                 rw.close()
+
+    def _at_exit(self) -> None:
+        """Interpreter exit: commit the last complete tag and wait until it is durable; a tag
+        cut short (or of an engine not attached with ``attach``) is dropped, loudly."""
+        if self._exit_pid != os.getpid():  # a forked child inherited the handler
+            return
+        save = self._pending
+        if save is not None and not save.complete:
+            self._drop_pending("the process exited before save_checkpoint returned" if
+                               self.engine is not None else "the engine was not attached with "
+                               "DsttCheckpointEngine.attach and close() was not called")
+        try:
+            self.close()
+        except BaseException as e:
+            sys.stderr.write(f"dstt: the last checkpoint may not be committed: "
+                             f"{type(e).__name__}: {e}\n")
+            raise
+
+    def _drop_pending(self, why: str) -> None:
+        """Never commit the pending tag (its files are incomplete)."""
+        save, pipe = self._pending, self._pipe
+        self._pending = None
+        if save is None or pipe is None:
+            return
+        sys.stderr.write(f"dstt: checkpoint {save.info.tag!r} was not committed: {why}\n")
+        err = CaptureError(f"checkpoint {save.info.tag!r} was dropped: {why}")
+        for f in save.flights:
+            pipe.abort(f, err, reported=True)
+        with self._lock:
+            self._saves.pop(save.step, None)
+        if self._staged is save:
+            self._staged = None
+
+    def _names(self) -> SessionPaths | None:
+        """The session names of this tag's tensors (None without an attached engine)."""
+        if self.engine is None or self._naming_failed:
+            return None
+        assert self._rw is not None
+        try:
+            return SessionPaths(*session_tensors(self.engine, self._rw.info))
+        except Exception as e:  # naming is for inspection; the checkpoint must still save
+            self._naming_failed = True
+            warnings.warn(f"dstt: checkpoint arrays keep DeepSpeed's file paths (the engine's "
+                          f"state could not be named: {type(e).__name__}: {e})",
+                          RuntimeWarning, stacklevel=3)
+            return None
 
     def _open(self, save_dir: str) -> None:
         if self._rw is not None:
@@ -301,6 +397,8 @@ class DsttCheckpointEngine(CheckpointEngine):
         rw.before_commit.append(self._make_stubs_durable)
         rw.after_commit.append(self._write_latest)
         self._rw = rw
+        self._exit_pid = os.getpid()
+        atexit.register(self._at_exit)
         self._pipe = Pipeline(_TagWriter(rw, self._saves), budget_bytes=self.budget_bytes,
                               writers=self.writers, summaries=False, min_slab_bytes=chunk)
 

@@ -46,7 +46,7 @@ def free_port() -> int:
 
 
 def _spawn(phase: str, world: int, root: Path, out: Path, *args: str,
-           ports: list[int]) -> list[subprocess.Popen[bytes]]:
+           ports: list[int], stages: tuple[int, ...] = STAGES) -> list[subprocess.Popen[bytes]]:
     port = free_port()
     ports.append(port)
     procs = []
@@ -59,7 +59,7 @@ def _spawn(phase: str, world: int, root: Path, out: Path, *args: str,
         log = open(out / f"{phase}.r{rank}.log", "wb")  # noqa: SIM115 - closed with the process
         procs.append(subprocess.Popen(
             [sys.executable, str(WORKER), phase, str(root), str(out),
-             ",".join(map(str, STAGES)), *args], env=env, stdout=log, stderr=subprocess.STDOUT))
+             ",".join(map(str, stages)), *args], env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
 
 

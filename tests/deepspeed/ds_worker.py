@@ -11,6 +11,9 @@ every ZeRO stage in turn, so the suite pays the interpreter/DeepSpeed start-up o
             then ``engine.save_checkpoint`` / ``load_checkpoint`` through dstt's checkpoint
             engine; rank 0 also inspects the run with ``dstt.open``
 ``world1``  one rank resumes the runs the two ranks wrote (reshard 2 -> 1), and inspects them
+``ckexit``  for each stage: ``DsttCheckpointEngine.attach``, two ``save_checkpoint`` calls with a
+            step between them, then a normal exit WITHOUT ``close()`` (``test_ds_checkpoint``)
+``ckload``  for each stage: a fresh engine ``load_checkpoint``s what ``ckexit`` left (``latest``)
 """
 
 from __future__ import annotations
@@ -260,6 +263,50 @@ def phase_world1(root: Path, stages: list[int], out: dict[str, Any]) -> None:
     _report(out)
 
 
+def phase_ckexit(root: Path, stages: list[int], out: dict[str, Any]) -> None:
+    """The README's pattern, as a new user writes it: attach, save, exit (no ``close()``)."""
+    from dstt.engine.ds_checkpoint import DsttCheckpointEngine
+
+    for stage in stages:
+        engine = make_engine(stage)
+        DsttCheckpointEngine.attach(engine)
+        ckdir = root / f"z{stage}"
+        train_step(engine, 0)
+        engine.save_checkpoint(str(ckdir), tag="t1")
+        at1 = full_params(engine)
+        train_step(engine, 1)  # DeepSpeed commits t1 here
+        engine.save_checkpoint(str(ckdir), tag="t2")  # nothing commits t2 but the exit
+        out[str(stage)] = {"params": full_params(engine), "params1": at1}
+    if os.environ["WORLD_SIZE"] == "1":  # a save that raises half-way is never committed
+        engine = make_engine(0)
+        DsttCheckpointEngine.attach(engine)
+        ckdir = root / "raised"
+        train_step(engine, 0)
+        engine.save_checkpoint(str(ckdir), tag="t1")
+        train_step(engine, 1)
+        try:  # dstt cannot store complex tensors: the first file's save raises
+            engine.save_checkpoint(str(ckdir), tag="t2",
+                                   client_state={"z": torch.zeros(20, dtype=torch.complex64)})
+        except Exception as e:
+            out["raised"] = type(e).__name__
+        train_step(engine, 2)  # on main, this step committed the half-saved t2
+        engine.save_checkpoint(str(ckdir), tag="t3")
+    _report(out)
+
+
+def phase_ckload(root: Path, stages: list[int], out: dict[str, Any]) -> None:
+    from dstt.engine.ds_checkpoint import DsttCheckpointEngine
+
+    for stage in stages:
+        engine = make_engine(stage)
+        ce = DsttCheckpointEngine.attach(engine)
+        path, _ = engine.load_checkpoint(str(root / f"z{stage}"))
+        out[str(stage)] = {"path": str(path), "global_steps": engine.global_steps,
+                           "params": full_params(engine)}
+        ce.close()
+    _report(out)
+
+
 _OUT: Path | None = None
 _PHASE = ""
 
@@ -287,6 +334,10 @@ def main() -> None:
             phase_resume(root, stages, int(sys.argv[5]), out)
         elif _PHASE == "world1":
             phase_world1(root, stages, out)
+        elif _PHASE == "ckexit":
+            phase_ckexit(root, stages, out)
+        elif _PHASE == "ckload":
+            phase_ckload(root, stages, out)
     except BaseException:
         out["error"] = traceback.format_exc()
         _report(out)

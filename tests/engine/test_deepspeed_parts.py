@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dstt.engine._statedict import INLINE_NUMEL, flatten, rebuild, segment
+from dstt.engine._statedict import SessionPaths, flatten, rebuild, segment
 from dstt.engine.deepspeed import is_deepspeed_engine, owners
 from dstt.engine.ranks import RankInfo, open_ranks
 from dstt.errors import TimelineError
 from dstt.store import DeltaPolicy, Repository
-from dstt.store.layout import check_array_path
+from dstt.store import check_array_path
 
 from ._helpers import same_bits
 
@@ -33,7 +33,8 @@ def test_state_dict_roundtrip_keeps_tensors_live() -> None:
     assert tensors["files/x/module/l1.weight"].data_ptr() == big.data_ptr()
     for path in tensors:
         check_array_path(path)
-    assert not any(t.numel() <= INLINE_NUMEL for t in tensors.values())  # step stays inline
+    step = tensors["files/x/optimizer/state/0/step"]  # 0-d: an array too, visible to names()
+    assert step.shape == () and step.data_ptr() == sd["optimizer"]["state"][0]["step"].data_ptr()
     back = rebuild(skel, lambda p: tensors[p].clone())
     assert type(back) is collections.OrderedDict
     assert same_bits(back["module"]["l1.weight"], big)
@@ -41,6 +42,40 @@ def test_state_dict_roundtrip_keeps_tensors_live() -> None:
     assert same_bits(back["bf16"], sd["bf16"])
     assert back["shapes"] == (torch.Size([5, 7]),) and back["version"] == "0.19"
     assert back["optimizer"]["param_groups"] == [{"lr": 0.1, "params": [0]}]
+
+
+def test_state_dict_tensors_take_the_paths_place_gives() -> None:
+    w, b = torch.randn(3, 4), torch.randn(8)
+    sd = {"module": {"l1.weight": w, "l1.bias": b}, "empty": torch.empty(0)}
+    names = {w.data_ptr(): "params/l1/weight", b.data_ptr(): "params/l1/bias"}
+    tensors: dict[str, torch.Tensor] = {}
+    skel = flatten(sd, "files/m", tensors, lambda t, default: names.get(t.data_ptr(), default))
+    assert sorted(tensors) == ["params/l1/bias", "params/l1/weight"]  # 8 elements: an array
+    back = rebuild(skel, lambda p: tensors[p].clone())
+    assert same_bits(back["module"]["l1.weight"], w) and same_bits(back["module"]["l1.bias"], b)
+    assert back["empty"].shape == (0,)  # empty tensors stay inline
+
+
+class _Zero:
+    """What SessionPaths needs of a ZeroState: its shard map."""
+
+    def shard_map(self) -> dict[str, object]:
+        return {"format": 1, "arrays": {
+            "params/a": {"dtype": "float32", "shape": [6], "pieces": [["zero/g0/fp32", 0, 0, 6]]},
+            "params/pad": {"dtype": "float32", "shape": [4],
+                           "pieces": [["zero/g0/fp32", 6, 0, 4]]}}}
+
+
+def test_session_paths_by_storage_identity() -> None:
+    flat, w = torch.randn(10), torch.randn(2, 3)
+    names = SessionPaths({"zero/g0/fp32": flat, "params/w": w}, _Zero())
+    assert names.place(flat[:8], "files/f/fp32") == "zero/g0/fp32"  # unpadded prefix view
+    assert names.place(flat, "files/f/full") == "files/f/full"  # another view took the path
+    assert names.place(w.detach(), "files/m/w") == "params/w"
+    assert names.place(w.t(), "files/m/wt") == "files/m/wt"  # same storage, other view
+    assert names.place(w.clone(), "files/m/copy") == "files/m/copy"
+    # the logical array reaching past the saved prefix is left out of the rank's shard map
+    assert sorted(names.shard_map()["arrays"]) == ["params/a"]  # type: ignore[index]
 
 
 def test_segments_are_valid_and_unique() -> None:
