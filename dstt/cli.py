@@ -413,18 +413,24 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from .errors import OutputExistsError
     from .inspect.html import human_bytes
 
     snap = _resolve_run(args).at(args.step, args.timeline)
     ext = "safetensors" if args.format == "safetensors" else "pt"
     out = args.out or f"step{snap.step}.{ext}"
-    with _bar(args, sum(r.plan.nbytes for r in snap.arrays.values()), "B") as bar:
-        info = snap.export(out, args.format, include_all=args.all, progress=bar.update)
+    try:
+        with _bar(args, sum(r.plan.nbytes for r in snap.arrays.values()), "B") as bar:
+            info = snap.export(out, args.format, include_all=args.all, overwrite=args.force,
+                               progress=bar.update)
+    except OutputExistsError as e:
+        raise UsageError(str(e)) from None
     doc = {"step": snap.step, "format": args.format, **info}
+    what = "model" if args.format == "safetensors" else "model, optimizer, scheduler"
 
     def text() -> Iterator[str]:
         yield (f"wrote {info['path']}: step {snap.step}, {info['tensors']} tensors, "
-               f"{human_bytes(info['bytes'])} ({args.format})")
+               f"{human_bytes(info['bytes'])} ({args.format}: {what})")
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -523,12 +529,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep steps divisible by K")
     sp.add_argument("--dry-run", action="store_true",
                     help="list the steps it would prune, delete nothing")
-    sp = add("export", cmd_export, "write one step as a torch state dict")
+    sp = add("export", cmd_export, "write one step as a file torch loads: the model, or "
+             "model + optimizer + scheduler")
     sp.add_argument("--step", type=int, help="the step (default: the head)")
     sp.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
-    sp.add_argument("-o", "--out", help="output file (default: ./step<S>.safetensors|.pt)")
+    sp.add_argument("-o", "--out", help="output file (default: ./step<S>.safetensors|.pt); "
+                    "missing folders are created")
+    sp.add_argument("--force", action="store_true", help="replace the output file if it exists")
     sp.add_argument("--all", action="store_true",
-                    help="also optimizer states and other arrays, under their store paths")
+                    help="also every other array under its store path (safetensors: optimizer "
+                    "states too; torch: under 'arrays')")
     timeline(sp)
     return p
 

@@ -20,6 +20,7 @@ __all__ = [
     "MetricNotFoundError",
     "MissingFileError",
     "NotARunError",
+    "OutputExistsError",
     "RaceError",
     "RankError",
     "ReadOnlyRunError",
@@ -125,3 +126,8 @@ class DsttWarning(UserWarning):
     leaves trainable parameters out, metrics logged where they cannot be kept); filter it
     with ``warnings.filterwarnings("error", category=dstt.errors.DsttWarning)``. A warning, not
     an error, so it stays out of ``__all__`` (the error tree)."""
+
+
+class OutputExistsError(DsttError, FileExistsError):
+    """A file dstt was asked to write (an export) is already there, or is a folder; pass
+    ``overwrite=True`` (``--force``) to replace a file, or choose another name."""

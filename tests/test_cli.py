@@ -136,7 +136,9 @@ def test_export_writes_a_loadable_state_dict(run_dir: Path, tmp_path: Path,
     assert sd["layers.0.attn.weight"].dtype == torch.bfloat16
     doc = _json(capsys, "export", "--run", str(run_dir), "--format", "torch", "--all")
     assert doc["tensors"] == 3 and doc["path"] == "step4.pt"  # type: ignore[index]
-    assert set(torch.load("step4.pt", weights_only=True)) >= {"optim/exp_avg/layers/1/mlp/weight"}
+    full = torch.load("step4.pt", weights_only=True)  # {"model", "optimizer", "scheduler", ...}
+    assert set(full["model"]) == {"layers.0.attn.weight", "layers.1.mlp.weight"}
+    assert set(full["arrays"]) == {"optim/exp_avg/layers/1/mlp/weight"}  # --all: the rest
 
 
 @pytest.mark.parametrize("argv, needle", [
