@@ -22,7 +22,6 @@ manifest's crc32c check.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,6 +31,7 @@ import xarray as xr
 from xarray.backends import BackendArray
 from xarray.core import indexing
 
+from .._lru import LRU
 from ..errors import SchemaError
 from ..store import Reader, numpy_dtype
 from .sharded import LogicalRecord, read_logical_chunk, with_logical
@@ -48,38 +48,11 @@ def view_dtype(store_dtype: str) -> np.dtype[Any]:
 
 # -- readers ----------------------------------------------------------------------------------
 
-class _TableCache:
-    """Parsed arrays tables by slot, shared by the readers of one run (LRU, locked)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._tables: OrderedDict[int, dict[str, Any]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, slot: int) -> dict[str, Any] | None:
-        with self._lock:
-            table = self._tables.get(slot)
-            if table is not None:
-                self._tables.move_to_end(slot)
-            return table
-
-    def put(self, slot: int, table: dict[str, Any]) -> None:
-        with self._lock:
-            self._tables[slot] = table
-            self._tables.move_to_end(slot)
-            while len(self._tables) > self.capacity:
-                self._tables.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._tables.clear()
-
-
 class _SharedReader(Reader):
     """A ``Reader`` whose arrays tables come from (and go to) a shared cache, augmented with
     the logical tensors of sharded (ZeRO) commits (:mod:`dstt.inspect.sharded`)."""
 
-    def __init__(self, storage: Any, tables: _TableCache) -> None:
+    def __init__(self, storage: Any, tables: LRU[int, dict[str, Any]]) -> None:
         super().__init__(storage, table_cache=1)
         self._shared = tables
 
@@ -107,7 +80,7 @@ class ReaderPool:
 
     def __init__(self, storage: Any, *, table_cache: int = 32) -> None:
         self.storage = storage
-        self.tables = _TableCache(table_cache)
+        self.tables: LRU[int, dict[str, Any]] = LRU(table_cache)
         self._local = threading.local()
         self.primary = self.get()
 

@@ -14,13 +14,13 @@ observer callbacks whose firing order is the widget library's business.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Hashable
-from typing import Any, Generic, Literal, TypeVar
+from collections.abc import Callable
+from typing import Any, Literal
 
 import numpy as np
 import xarray as xr
 
+from .._lru import LRU
 from ..errors import StepNotFoundError
 from ..inspect.naming import user_name
 from ..plots.draw import image_strides
@@ -28,42 +28,8 @@ from ..plots.series import step_change
 
 __all__ = ["LRU", "Mode", "ScrubberModel"]
 
-K = TypeVar("K", bound=Hashable)
-V = TypeVar("V")
 Mode = Literal["values", "change"]
 Observer = Callable[[set[str]], None]
-
-
-class LRU(Generic[K, V]):
-    """A small least-recently-used cache with hit/miss counters (for tests and tuning)."""
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
-        self.hits = self.misses = 0
-        self._items: OrderedDict[K, V] = OrderedDict()
-
-    def get(self, key: K, make: Callable[[], V]) -> V:
-        if key in self._items:
-            self.hits += 1
-            self._items.move_to_end(key)
-            return self._items[key]
-        self.misses += 1
-        value = make()
-        self._items[key] = value
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
-        return value
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._items
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def clear(self) -> None:
-        self._items.clear()
 
 
 def default_metric(metrics: xr.Dataset) -> str | None:
@@ -215,8 +181,8 @@ class ScrubberModel:
     # -- tensor, reference, mode ----------------------------------------------------------
     def snapshot(self, step: int | None = None) -> Any:
         s = self._step if step is None else int(step)
-        return self.cache.get(("snapshot", self._timeline, s),
-                              lambda: self.run.at(s, self._timeline))
+        return self.cache.get_or_make(("snapshot", self._timeline, s),
+                                      lambda: self.run.at(s, self._timeline))
 
     @property
     def tensors(self) -> list[str]:
@@ -352,7 +318,7 @@ class ScrubberModel:
         :meth:`strides` along its matrix view for big tensors; cached."""
         s = self._step if step is None else int(step)
         key = ("values", self._timeline, s, self._tensor, self.max_side)
-        return self.cache.get(key, lambda: self._load_values(s))
+        return self.cache.get_or_make(key, lambda: self._load_values(s))
 
     def _load_values(self, step: int) -> np.ndarray:
         da = self.snapshot(step).tensor(self._tensor)
@@ -386,8 +352,8 @@ class ScrubberModel:
         """Per-parameter change of the current step vs the reference (cached); see
         :func:`dstt.plots.series.step_change`."""
         key = ("change", self._timeline, self._step, self._reference)
-        return self.cache.get(key, lambda: step_change(self.run, self._step, self._reference,
-                                                       timeline=self._timeline))
+        return self.cache.get_or_make(key, lambda: step_change(
+            self.run, self._step, self._reference, timeline=self._timeline))
 
     def label(self) -> str:
         """One line describing the selection (what the widget's label shows)."""

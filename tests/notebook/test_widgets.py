@@ -238,9 +238,9 @@ def test_lru_caches_loaded_steps(run: Any) -> None:
 
 def test_lru() -> None:
     c: LRU[str, int] = LRU(2)
-    assert c.get("a", lambda: 1) == 1 and c.get("b", lambda: 2) == 2
-    assert c.get("a", lambda: 0) == 1  # hit: "a" becomes most recent
-    c.get("c", lambda: 3)
+    assert c.get_or_make("a", lambda: 1) == 1 and c.get_or_make("b", lambda: 2) == 2
+    assert c.get_or_make("a", lambda: 0) == 1  # hit: "a" becomes most recent
+    c.get_or_make("c", lambda: 3)
     assert "a" in c and "b" not in c and len(c) == 2
     with pytest.raises(ValueError):
         LRU(0)
