@@ -622,3 +622,18 @@ def test_failed_commit_then_gc_then_commit_with_the_same_storage(tmp_path: Path)
     assert snap.objects == {"rng": {"s": 3}}
     assert_same_arrays(load(run, step=2).arrays, arrays[2])
     assert Repository.open(run).verify().ok
+
+
+def test_a_run_path_that_is_a_file_or_missing_says_so_plainly(tmp_path: Path) -> None:
+    f = tmp_path / "notes.txt"
+    f.write_text("x")
+    for create in (True, False):
+        with pytest.raises(NotARunError) as e:
+            LocalStorage(f, create=create)
+        assert "is a file, not a run" in str(e.value) and "Errno" not in str(e.value)
+    with pytest.raises(NotARunError) as e:
+        LocalStorage(f / "run", create=True)  # a parent is a file
+    assert "parent of it is a file" in str(e.value)
+    with pytest.raises(NotARunError) as e:
+        LocalStorage(tmp_path / "missing")
+    assert str(e.value).startswith("no run directory at ") and "Errno" not in str(e.value)

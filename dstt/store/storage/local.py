@@ -72,13 +72,20 @@ class LocalStorage(Storage):
         self.root = Path(root)
         self.location = str(self.root)
         self.durability = durability
+        if self.root.exists() and not self.root.is_dir():
+            raise NotARunError(f"{self.root} is a file, not a run: a run is a directory; "
+                               "pass the run's folder, or a new path to start one")
         if create:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
             except PermissionError as e:
                 raise ReadOnlyRunError(f"cannot create run directory {self.root}: {e}") from e
+            except (FileExistsError, NotADirectoryError):  # a file above the run folder
+                raise NotARunError(f"cannot create run directory {self.root}: a parent of it "
+                                   "is a file, not a folder") from None
         elif not self.root.is_dir():
-            raise NotARunError(errno.ENOENT, f"no run directory at {self.root}", str(self.root))
+            raise NotARunError(f"no run directory at {self.root}; check the path (runs are "
+                               "created by dstt.session or Repository.create)")
         self._dirty_files: set[str] = set()
         self._dirty_dirs: set[str] = set()
         self._dirty_lock = threading.Lock()
