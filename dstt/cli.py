@@ -37,6 +37,7 @@ from .errors import (
     DsttError,
     MetricNotFoundError,
     NotARunError,
+    OutputExistsError,
     SchemaError,
     StepNotFoundError,
     TensorNotFoundError,
@@ -58,7 +59,7 @@ class UsageError(Exception):
 #: the errors that are the user's input (exit 2); every other ``DsttError`` is about the run
 BAD_INPUT: tuple[type[BaseException], ...] = (
     UsageError, NotARunError, StepNotFoundError, TimelineError, TensorNotFoundError,
-    MetricNotFoundError, SchemaError, UnsafeObjectError)
+    MetricNotFoundError, SchemaError, UnsafeObjectError, OutputExistsError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -413,18 +414,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .errors import OutputExistsError
     from .inspect.html import human_bytes
 
     snap = _resolve_run(args).at(args.step, args.timeline)
     ext = "safetensors" if args.format == "safetensors" else "pt"
     out = args.out or f"step{snap.step}.{ext}"
-    try:
-        with _bar(args, sum(r.plan.nbytes for r in snap.arrays.values()), "B") as bar:
-            info = snap.export(out, args.format, include_all=args.all, overwrite=args.force,
-                               progress=bar.update)
-    except OutputExistsError as e:
-        raise UsageError(str(e)) from None
+    with _bar(args, sum(r.plan.nbytes for r in snap.arrays.values()), "B") as bar:
+        info = snap.export(out, args.format, include_all=args.all, overwrite=args.force,
+                           progress=bar.update)
     doc = {"step": snap.step, "format": args.format, **info}
     what = "model" if args.format == "safetensors" else "model, optimizer, scheduler"
 
@@ -531,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="list the steps it would prune, delete nothing")
     sp = add("export", cmd_export, "write one step as a file torch loads: the model, or "
              "model + optimizer + scheduler")
+    run_arg(sp)
     sp.add_argument("--step", type=int, help="the step (default: the head)")
     sp.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
     sp.add_argument("-o", "--out", help="output file (default: ./step<S>.safetensors|.pt); "

@@ -278,7 +278,9 @@ def test_every_command_takes_the_run_positionally_and_finds_it_from_inside(
         monkeypatch: pytest.MonkeyPatch) -> None:
     inside = str(run_dir / "_dstt")
     for argv in (["ls", inside], ["log", inside], ["show", inside], ["diff", inside, "1", "2"],
-                 ["verify", inside], ["gc", inside, "--keep-last", "9", "--dry-run"]):
+                 ["verify", inside], ["gc", inside, "--keep-last", "9", "--dry-run"],
+                 ["export", inside, "--step", "2", "-o", str(run_dir.parent / "e" / "s2.pt"),
+                  "--format", "torch"]):
         code, out, err = _run(capsys, *argv)
         assert code in (EXIT_OK,) and out and err == "", (argv, err)
     assert _json(capsys, "log", "--run", inside)[0]["step"] == 4  # type: ignore[index]
