@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .._optional import require
+from ..errors import MetricNotFoundError
 from .draw import draw_bars, draw_curves, draw_heatmap, draw_tensor
 from .series import param_names, step_change, tensor_stats
 
@@ -76,7 +77,8 @@ def loss(run: Any, metric: str = "loss", *, timelines: str | Iterable[str] | Non
         if spikes:
             found += _spikes(run, metric, tl, window, z)
     if not curves:
-        raise KeyError(f"metric {metric!r} was never logged on {_timelines(run, timelines)}")
+        raise MetricNotFoundError(
+            f"metric {metric!r} was never logged on {_timelines(run, timelines)}")
     points = sorted({(s.step, s.value) for s in found})
     causes = sorted({s.update for s in found if s.update is not None})
     draw_curves(ax, curves, spikes=points, causes=causes, cursor=step, ylabel=metric,

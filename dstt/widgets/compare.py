@@ -20,7 +20,7 @@ import numpy as np
 import xarray as xr
 
 from .._optional import require
-from ..errors import StepNotFoundError
+from ..errors import StepNotFoundError, TensorNotFoundError
 from ..inspect.naming import user_name
 from ..plots.draw import draw_bars, draw_curves, draw_tensor, image_strides
 from ..plots.series import diff_headers
@@ -50,7 +50,7 @@ class CompareModel:
         self.metric = metric or default_metric(self.metrics[ta])
         self._tensor = tensor if tensor is not None else self.ranking()[0][0]
         if self._tensor not in self.tensors:
-            raise KeyError(f"{self._tensor!r} is not a parameter at both steps")
+            raise TensorNotFoundError(f"{self._tensor!r} is not a parameter at both steps")
 
     @property
     def tensor(self) -> str:
@@ -59,7 +59,7 @@ class CompareModel:
     @tensor.setter
     def tensor(self, name: str) -> None:
         if name not in self.tensors:
-            raise KeyError(f"{name!r} is not a parameter at both steps")
+            raise TensorNotFoundError(f"{name!r} is not a parameter at both steps")
         self._tensor = name
 
     def ranking(self) -> list[tuple[str, float]]:

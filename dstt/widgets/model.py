@@ -21,7 +21,7 @@ import numpy as np
 import xarray as xr
 
 from .._lru import LRU
-from ..errors import StepNotFoundError
+from ..errors import MetricNotFoundError, StepNotFoundError, TensorNotFoundError, TimelineError
 from ..inspect.naming import user_name
 from ..plots.draw import image_strides
 from ..plots.series import step_change
@@ -58,7 +58,8 @@ class ScrubberModel:
         self._load_timeline()
         self._step = self._snap(step if step is not None else self.steps[-1])
         if reference is not None and reference not in self.steps:
-            raise KeyError(f"reference step {reference} is not on timeline {self._timeline!r}")
+            raise StepNotFoundError(
+                f"reference step {reference} is not on timeline {self._timeline!r}")
         if mode not in ("values", "change"):
             raise ValueError(f"mode must be 'values' or 'change', not {mode!r}")
         self._reference = reference
@@ -66,7 +67,8 @@ class ScrubberModel:
         names = self.tensors
         self._tensor = tensor if tensor is not None else self._default_tensor(names)
         if self._tensor not in names:
-            raise KeyError(f"no tensor {self._tensor!r} at step {self._step}; have {names[:8]}")
+            raise TensorNotFoundError(
+                f"no tensor {self._tensor!r} at step {self._step}; have {names[:8]}")
 
     # -- observers --------------------------------------------------------------------------
     def observe(self, fn: Observer) -> Observer:
@@ -88,7 +90,8 @@ class ScrubberModel:
         self.metrics: xr.Dataset = self.run.metrics(self._timeline)
         self.metric = self._metric_arg or default_metric(self.metrics)
         if self.metric is not None and self.metric not in self.metrics:
-            raise KeyError(f"metric {self.metric!r} was never logged on {self._timeline!r}")
+            raise MetricNotFoundError(
+                f"metric {self.metric!r} was never logged on {self._timeline!r}")
         self.spikes = [] if self.metric is None else self.run.spikes(
             self.metric, window=self.spike_window, z=self.spike_z, timeline=self._timeline)
 
@@ -106,7 +109,7 @@ class ScrubberModel:
         if name == self._timeline:
             return
         if name not in self.run.timelines:
-            raise KeyError(f"no timeline {name!r}; have {self.timelines}")
+            raise TimelineError(f"no timeline {name!r}; have {self.timelines}")
         old_step, old_ref = self._step, self._reference
         self._timeline = name
         self._load_timeline()
@@ -156,7 +159,7 @@ class ScrubberModel:
     def step(self, step: int) -> None:
         step = int(step)
         if step not in self.steps:
-            raise KeyError(f"step {step} is not committed on timeline {self._timeline!r}")
+            raise StepNotFoundError(f"step {step} is not committed on timeline {self._timeline!r}")
         if step != self._step:
             self._step = step
             changed = {"step"}
@@ -203,7 +206,7 @@ class ScrubberModel:
     @tensor.setter
     def tensor(self, name: str) -> None:
         if name not in self.tensors:
-            raise KeyError(f"no parameter {name!r} at step {self._step}")
+            raise TensorNotFoundError(f"no parameter {name!r} at step {self._step}")
         if name != self._tensor:
             self._tensor = name
             self._notify({"tensor"})
@@ -218,7 +221,8 @@ class ScrubberModel:
         if step is not None:
             step = int(step)
             if step not in self.steps:
-                raise KeyError(f"step {step} is not committed on timeline {self._timeline!r}")
+                raise StepNotFoundError(
+                    f"step {step} is not committed on timeline {self._timeline!r}")
         if step != self._reference:
             self._reference = step
             self._notify({"reference"})

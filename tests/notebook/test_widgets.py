@@ -23,6 +23,7 @@ from notebook_helpers import (
 
 import dstt
 import dstt.widgets as W
+from dstt.errors import StepNotFoundError, TensorNotFoundError, TimelineError
 from dstt.widgets.model import LRU, ScrubberModel
 
 pytest.importorskip("ipywidgets")
@@ -272,10 +273,12 @@ def test_timeline_picker_follows_a_rollback(tmp_path: Path) -> None:
 
 def test_model_rejects_unknown_steps_and_widget_shows_errors(run: Any) -> None:
     m = ScrubberModel(run, spike_window=WINDOW)
-    with pytest.raises(KeyError):
+    with pytest.raises(StepNotFoundError):  # dstt's errors, still KeyErrors
         m.step = 999
-    with pytest.raises(KeyError):
+    with pytest.raises(TensorNotFoundError, match="no parameter 'nope'"):
         m.tensor = "nope"
+    with pytest.raises(TimelineError, match="no timeline 'nope'"):
+        m.timeline = "nope"
     with pytest.raises(ValueError):
         m.mode = "bogus"  # type: ignore[assignment]
     s = scrub(run)
