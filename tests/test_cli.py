@@ -396,3 +396,7 @@ def test_show_on_a_zero_run_counts_only_what_is_stored(
     last = next(x for x in out.splitlines() if "stored arrays" in x)
     assert code == EXIT_OK and last.startswith("2 stored arrays, 64 B")
     assert "fewer bytes" not in out and "2 tensors are views" in last
+    ls = _json(capsys, "ls", str(path))
+    # two logical tensors a user can name; the two flat shards are what is on disk
+    assert ls["n_arrays"] == 2 and ls["n_stored"] == 2, ls  # type: ignore[index]
+    assert ls["bytes_per_step"] == 64  # type: ignore[index]

@@ -13,6 +13,8 @@ import html
 import time
 from typing import Any
 
+from .sharded import shard_sources
+
 __all__ = ["human_bytes", "run_html", "run_summary"]
 
 
@@ -47,7 +49,10 @@ def run_summary(run: Any) -> dict[str, Any]:
         "first_step": line[0].step if line else None,
         "last_step": head.step if head is not None else None,
         "head_time": head.time if head is not None else None,
-        "n_arrays": len(table),
+        # tensors as a user names them: on sharded runs the logical tensors, not also the
+        # flat buffers they are views of (``n_stored``: the arrays really on disk)
+        "n_arrays": len(table) - len(shard_sources(table)),
+        "n_stored": sum(1 for r in table.values() if getattr(r, "logical", None) is None),
         # stored bytes: logical tensors of sharded runs are views of the flat buffers
         "bytes_per_step": sum(r.plan.nbytes for r in table.values()
                               if getattr(r, "logical", None) is None),
