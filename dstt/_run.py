@@ -145,7 +145,9 @@ class Run:
 
     def select_steps(self, steps: Steps, timeline: str | None = None) -> list[Any]:
         """Headers for ``steps``: None (all), an int, an iterable of steps, or a slice of step
-        *values* inclusive at both ends like ``.sel`` (``slice.step`` keeps every k-th)."""
+        *values* inclusive at both ends like ``.sel`` (``slice.step`` keeps every k-th).
+
+        Ascending, each step once: ``step`` is the index of every view built from them."""
         line = self.commits(timeline)
         if steps is None:
             return list(line)
@@ -157,7 +159,8 @@ class Run:
         if isinstance(steps, (int, np.integer)):
             steps = [int(steps)]
         by_step = {h.step: h for h in line}
-        return [by_step.get(int(s)) or self._header(int(s), timeline) for s in steps]
+        wanted = sorted({int(s) for s in steps})
+        return [by_step.get(s) or self._header(s, timeline) for s in wanted]
 
     # -- views ------------------------------------------------------------------------------
     def at(self, step: int | None = None, timeline: str | None = None) -> Snapshot:

@@ -45,8 +45,10 @@ __all__ = [
     "metrics_dataset",
     "rank_tensors",
     "spike_cause",
+    "step_coords",
     "summaries_dataset",
     "summary_rows",
+    "utc_datetimes",
 ]
 
 SCALAR_FIELDS = ("l2", "rms", "maxabs", "nan", "inf", "update_l2", "update_ratio")
@@ -90,50 +92,77 @@ def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
 METRICS_HISTORY_OBJECT = "metrics/history"  # written by dstt._session_metrics
 
 
+def step_coords(steps: Sequence[int], slots: Sequence[int], timelines: Sequence[str],
+                times: Sequence[float]) -> dict[str, Any]:
+    """The coordinates every per-step view shares: ``step`` (the index: unique and ascending
+    along one timeline, so ``.sel(step=k)`` works after a rollback too), and ``slot``,
+    ``timeline`` and ``time`` (``datetime64[ns]``, UTC) as plain coordinates along it."""
+    return {
+        "step": ("step", np.asarray(steps, dtype=np.int64)),
+        "slot": ("step", np.asarray(slots, dtype=np.int64)),
+        "timeline": ("step", np.asarray([str(t) for t in timelines], dtype=object)),
+        "time": ("step", utc_datetimes(times)),
+    }
+
+
+def utc_datetimes(seconds: Sequence[float]) -> np.ndarray:
+    """Seconds since the epoch (the store's commit times) as ``datetime64[ns]`` (UTC, naive as
+    numpy's are), rounded to the microsecond the float holds exactly."""
+    us = np.round(np.asarray(seconds, dtype=np.float64) * 1e6)
+    return us.astype(np.int64).astype("datetime64[us]").astype("datetime64[ns]")
+
+
 def metrics_dataset(headers: Sequence[Any],
                     read: Callable[[Any, str], Any] | None = None) -> xr.Dataset:
-    """Logged metrics of ``headers`` (commits in step order) as a Dataset over ``step``.
+    """Logged metrics of ``headers`` (commits of one timeline in step order) as a Dataset over
+    ``step``.
 
     Numeric metrics become float64 variables (NaN where a step did not log them); string
-    metrics become object variables ('' where missing). Coordinates: ``step``, ``slot`` and
-    ``time`` (commit wall-clock time, seconds since the epoch). With ``read(header, name)``
-    (loads a commit object), the steps a commit carries in ``metrics/history`` (steps that
-    ``every=K`` did not checkpoint) come too, before it: ``slot`` -1 (no commit), ``time`` of
-    their first ``s.log``.
+    metrics become object variables ('' where missing). Coordinates (:func:`step_coords`):
+    ``step`` (index, unique and ascending), ``slot``, ``timeline`` and ``time`` (commit
+    wall-clock time, ``datetime64[ns]`` UTC). With ``read(header, name)`` (loads a commit
+    object), the steps a commit carries in ``metrics/history`` (steps that ``every=K`` did not
+    checkpoint) come too, before it: ``slot`` -1 (no commit), the carrying commit's
+    ``timeline``, ``time`` of their first ``s.log``. A step met twice along the lineage keeps
+    its later row (the newer commit's word).
     """
-    rows: list[tuple[int, int, float, Any]] = []
+    rows: dict[int, tuple[int, str, float, Any]] = {}
     for h in headers:
         if read is not None and METRICS_HISTORY_OBJECT in h.objects:
             hist = read(h, METRICS_HISTORY_OBJECT)
-            rows += [(int(k), -1, float(t), m) for k, t, m in
-                     zip(hist["steps"], hist["time"], hist["metrics"], strict=True)]
-        rows.append((h.step, h.slot, h.time, h.metrics))
-    names = sorted({k for *_, m in rows for k in m})
+            for k, t, m in zip(hist["steps"], hist["time"], hist["metrics"], strict=True):
+                rows.pop(int(k), None)
+                rows[int(k)] = (-1, h.timeline, float(t), m)
+        rows.pop(int(h.step), None)
+        rows[int(h.step)] = (h.slot, h.timeline, h.time, h.metrics)
+    steps = sorted(rows)
+    ordered = [rows[k] for k in steps]
+    names = sorted({k for *_, m in ordered for k in m})
     data: dict[str, Any] = {}
     for k in names:
-        vals = [m.get(k) for *_, m in rows]
+        vals = [m.get(k) for *_, m in ordered]
         if any(isinstance(v, str) for v in vals):
             data[k] = ("step", np.array(["" if v is None else str(v) for v in vals], dtype=object))
         else:
             data[k] = ("step", np.array([_as_float(v) for v in vals], dtype=np.float64))
-    coords = {
-        "step": ("step", np.array([r[0] for r in rows], dtype=np.int64)),
-        "slot": ("step", np.array([r[1] for r in rows], dtype=np.int64)),
-        "time": ("step", np.array([r[2] for r in rows], dtype=np.float64)),
-    }
+    coords = step_coords(steps, [r[0] for r in ordered], [r[1] for r in ordered],
+                         [r[2] for r in ordered])
     return xr.Dataset(data, coords=coords)
 
 
 def summaries_dataset(headers: Sequence[Any], read: Callable[[Any], dict[str, Any]],
                       progress: Callable[[int, int], None] | None = None) -> xr.Dataset:
-    """Summaries of the commits in ``headers`` that have them (``read(header)`` loads one).
+    """Summaries of the commits in ``headers`` (one timeline, ascending steps) that have
+    them (``read(header)`` loads one).
 
     Variables over ``(step, tensor)``: ``l2 rms maxabs nan inf update_l2 update_ratio`` as
     float64 (NaN where unknown or absent), ``update_exact`` (bool), and ``probe`` over
     ``(step, tensor, probe_index)`` (NaN-padded). ``tensor`` holds user names
-    (:func:`dstt.inspect.naming.user_name`); ``store_path`` is a coordinate along it.
+    (:func:`dstt.inspect.naming.user_name`); ``store_path`` is a coordinate along it; along
+    ``step`` the coordinates of :func:`step_coords`.
     """
-    with_sum = [h for h in headers if SUMMARIES_OBJECT in h.objects]
+    by_step = {int(h.step): h for h in headers if SUMMARIES_OBJECT in h.objects}
+    with_sum = [by_step[k] for k in sorted(by_step)]  # ``step`` stays a unique index
     per_step: list[dict[str, Any]] = []
     for i, h in enumerate(with_sum):
         if progress:
@@ -157,11 +186,10 @@ def summaries_dataset(headers: Sequence[Any], read: Callable[[Any], dict[str, An
     data: dict[str, Any] = {f: (("step", "tensor"), a) for f, a in arrays.items()}
     data["update_exact"] = (("step", "tensor"), exact)
     data["probe"] = (("step", "tensor", "probe_index"), probe)
-    coords = {
-        "step": ("step", np.array([h.step for h in with_sum], dtype=np.int64)),
-        "tensor": ("tensor", np.array([user_name(p) for p in paths], dtype=object)),
-        "store_path": ("tensor", np.array(paths, dtype=object)),
-    }
+    coords = step_coords([h.step for h in with_sum], [h.slot for h in with_sum],
+                         [h.timeline for h in with_sum], [h.time for h in with_sum])
+    coords["tensor"] = ("tensor", np.array([user_name(p) for p in paths], dtype=object))
+    coords["store_path"] = ("tensor", np.array(paths, dtype=object))
     return xr.Dataset(data, coords=coords)
 
 

@@ -5,7 +5,8 @@ values are asked for. A snapshot selection becomes a ``DataTree`` mirroring modu
 (``layers.0.attn.q_proj.weight`` -> node ``layers/0/attn/q_proj``, variable ``weight``) with the
 scalar ``step`` coordinate at the root; each tensor keeps its own local dims
 (:func:`dstt.inspect.naming.tensor_dims`). A trajectory is a ``DataArray`` with a leading
-``step`` dimension (index) and a ``slot`` coordinate.
+``step`` dimension (index, unique and ascending) and ``slot``, ``timeline`` and ``time``
+(``datetime64[ns]``, UTC) coordinates along it.
 
 Rejected alternative: one flat ``Dataset`` keyed by dotted names — it loses the module
 hierarchy users navigate by, and xarray's dotted variable names do not tab-complete.
@@ -21,6 +22,7 @@ import xarray as xr
 
 from .lazy import CommitArray, ReaderPool, TrajectoryArray, variable
 from .naming import tensor_dims, tree_location, user_name
+from .summaries import step_coords
 
 __all__ = ["layer_tree", "tensor_dataarray", "trajectory_dataarray"]
 
@@ -70,7 +72,8 @@ def layer_tree(readers: ReaderPool, header: Any, arrays: Mapping[str, Any], path
 
 def trajectory_dataarray(readers: ReaderPool, headers: Sequence[Any], path: str,
                          newest: Mapping[str, Any], *, chunks: Any = None) -> xr.DataArray:
-    """Lazy DataArray of tensor ``path`` over ``headers`` (commits in step order).
+    """Lazy DataArray of tensor ``path`` over ``headers`` (commits of one timeline, ascending
+    unique steps).
 
     Shape, dtype and dim names come from ``newest`` (the arrays table of the newest commit
     holding the tensor); the other steps' tables are read only when their values are.
@@ -80,9 +83,7 @@ def trajectory_dataarray(readers: ReaderPool, headers: Sequence[Any], path: str,
     dims = ("step", *tensor_dims(newest)(path, len(ref.shape)))
     attrs = _attrs(ref)
     attrs["timeline"] = headers[-1].timeline if headers else None
-    coords = {
-        "step": ("step", np.array([h.step for h in headers], dtype=np.int64)),
-        "slot": ("step", np.array([h.slot for h in headers], dtype=np.int64)),
-    }
+    coords = step_coords([h.step for h in headers], [h.slot for h in headers],
+                         [h.timeline for h in headers], [h.time for h in headers])
     return xr.DataArray(variable(backend, dims, chunks, attrs), coords=coords,
                         name=user_name(path))
