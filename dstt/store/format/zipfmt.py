@@ -28,8 +28,8 @@ try:  # ISA-L: the same CRC-32, 4x faster; optional
 except ImportError:  # pragma: no cover - isal is a dependency, but keep the fallback honest
     _crc32 = zlib.crc32
 
-__all__ = ["Entry", "crc32", "directory_records", "end_records", "local_header",
-           "parse_directory"]
+__all__ = ["Entry", "crc32", "directory_records", "end_records", "header_size", "local_data_offset",
+           "local_header", "parse_directory"]
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
@@ -60,7 +60,9 @@ class Entry(NamedTuple):
 
     @property
     def data_offset(self) -> int:
-        """Where the entry's bytes start (local header + name; dstt writes no local extra)."""
+        """Where the entry's bytes start if its local header has no extra field but zip64's
+        (dstt's metadata entries); entries written with alignment padding need
+        :func:`local_data_offset` (their local header says)."""
         return self.offset + header_size(self.name, self.size, self.offset)
 
 
@@ -68,20 +70,49 @@ def _needs64(size: int, offset: int) -> bool:
     return size >= _MAX32 or offset >= _MAX32
 
 
-def header_size(name: str, size: int, offset: int) -> int:
+_PAD_ID = 0xD935  # zipalign's padding extra field: a 2-byte alignment, then zero bytes
+
+
+def _pad_len(at: int, align: int) -> int:
+    """Bytes of a padding extra field starting at file offset ``at`` that ends on a multiple
+    of ``align`` (0: no field)."""
+    return 0 if align <= 1 else 6 + (-(at + 6)) % align
+
+
+def header_size(name: str, size: int, offset: int, *, align: int = 0) -> int:
     """Bytes of the local header that :func:`local_header` writes for such an entry."""
-    return _LOCAL.size + len(name.encode()) + (20 if _needs64(size, offset) else 0)
+    fixed = _LOCAL.size + len(name.encode()) + (20 if _needs64(size, offset) else 0)
+    return fixed + _pad_len(offset + fixed, align)
 
 
-def local_header(name: str, size: int, crc: int, offset: int) -> bytes:
-    """The local file header of a stored entry whose header starts at ``offset``."""
+def local_header(name: str, size: int, crc: int, offset: int, *, align: int = 0) -> bytes:
+    """The local file header of a stored entry whose header starts at ``offset``; with
+    ``align``, a padding extra field (id 0xD935, as zipalign writes) makes the entry's data
+    start at a multiple of ``align`` in the file."""
     raw = name.encode()
-    if _needs64(size, offset):
-        extra = struct.pack("<HHQQ", 0x0001, 16, size, size)
-        return _LOCAL.pack(_SIG_LOCAL, 45, _UTF8, 0, 0, _DOS_DATE, crc, _MAX32, _MAX32,
-                           len(raw), len(extra)) + raw + extra
-    return _LOCAL.pack(_SIG_LOCAL, 20, _UTF8, 0, 0, _DOS_DATE, crc, size, size,
-                       len(raw), 0) + raw
+    big = _needs64(size, offset)
+    extra = struct.pack("<HHQQ", 0x0001, 16, size, size) if big else b""
+    pad = _pad_len(offset + _LOCAL.size + len(raw) + len(extra), align)
+    if pad:
+        extra += struct.pack("<HHH", _PAD_ID, pad - 4, align) + bytes(pad - 6)
+    return _LOCAL.pack(_SIG_LOCAL, 45 if big else 20, _UTF8, 0, 0, _DOS_DATE, crc,
+                       _MAX32 if big else size, _MAX32 if big else size,
+                       len(raw), len(extra)) + raw + extra
+
+
+def local_data_offset(head: bytes, entry: Entry) -> int | None:
+    """Where ``entry``'s data starts, from the first ``30 + len(name)`` bytes of its local
+    header, or None if they are not a local header of that entry (damaged). Any extra field
+    (zip64 sizes, alignment padding) is allowed: its length is read from the header."""
+    raw = entry.name.encode()
+    if len(head) < _LOCAL.size + len(raw):
+        return None
+    f = _LOCAL.unpack_from(head)
+    sizes_ok = (f[7], f[8]) in ((entry.size, entry.size), (_MAX32, _MAX32))
+    if (f[0] != _SIG_LOCAL or f[3] != 0 or f[6] != entry.crc32 or not sizes_ok
+            or f[9] != len(raw) or head[_LOCAL.size:_LOCAL.size + len(raw)] != raw):
+        return None
+    return entry.offset + _LOCAL.size + len(raw) + f[10]
 
 
 def directory_records(entries: Sequence[Entry]) -> bytes:
