@@ -488,6 +488,9 @@ class Pipeline:
                 start = f.txn.reserve_flat(layout, lambda s: self._image(layout, s).nbytes)
                 path = f.txn.zip.local_path
                 crcs, directory, stats = fl.write(f.buffer, layout, start, path, plan)
+                # the child now owns the zip framing in this buffer: should this process
+                # write from it later (the flusher died), its images bind it anew
+                self.steps.images[f.buffer].clear()
                 im = self._image(layout, start)
                 f.txn.complete_flat(layout, im.offsets, im.sizes, crcs, directory)
             else:

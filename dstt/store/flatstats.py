@@ -5,7 +5,8 @@ computed here from the same host buffer the step file is written from, so they r
 flush runs — a writer thread, or the flusher process, which has no torch and no GIL shared
 with training. Per dtype region of parameters (the flat layout groups them): one conversion
 to float32 where needed (bf16/fp16/ints), one ``maximum.reduceat``/``minimum.reduceat`` pass
-for max|x| (the zero padding between tensors cannot change it), one gather of every probe;
+for max|x| (over each tensor's own elements: what lies between tensors, zero padding or zip
+headers, is left out), one gather of every probe;
 per tensor one ``einsum`` per block of 2^20 elements for the sum of squares (not BLAS
 ``dot``: OpenBLAS wakes its thread pool for vectors this long, and its spinning threads took
 CPU from training — measured; einsum is single-threaded, as fast, and as exact). A non-finite
@@ -33,7 +34,10 @@ class _Region:
     start: int  # bytes, in the buffer
     end: int
     members: tuple[tuple[int, int], ...]  # (element offset in the region, numel)
-    starts: np.ndarray  # element offsets of the non-empty members (for reduceat)
+    #: start, end, start, end... element offsets of the non-empty members, for ``reduceat``
+    #: (its even results are the members; the odd ones span what lies between them — zero
+    #: padding, or a framed layout's zip headers — and are dropped)
+    bounds_se: np.ndarray
     probe_index: np.ndarray  # every member's probes, as element offsets in the region
     bounds: tuple[int, ...]  # member j's probes are probe_index[bounds[j]:bounds[j + 1]]
 
@@ -61,15 +65,19 @@ class DigestPlan:
     def _region(run: list[tuple[str, str, int, int, np.ndarray]]) -> _Region:
         dtype = run[0][1]
         size = dtype_itemsize(dtype)
-        start = run[0][2]
-        end = run[-1][2] + run[-1][3] * size
-        members = tuple(((off - start) // size, n) for _, _, off, n, _ in run)
-        starts = np.array([s for s, n in members if n > 0], dtype=np.intp)
+        full = [it for it in run if it[3] > 0]  # an empty tensor's offset means nothing
+        start = full[0][2] if full else 0
+        end = full[-1][2] + full[-1][3] * size if full else 0
+        members = tuple(((off - start) // size if n > 0 else 0, n) for _, _, off, n, _ in run)
+        se = [v for s, n in members if n > 0 for v in (s, s + n)]
+        if se and se[-1] == (end - start) // size:
+            se.pop()  # reduceat's last segment runs to the end anyway
+        bounds_se = np.array(se, dtype=np.intp)
         idx = [np.asarray(p, dtype=np.intp) + s for (s, _), (*_, p) in zip(members, run,
                                                                            strict=True)]
         bounds = tuple(np.cumsum([0, *(len(i) for i in idx)]).tolist())
         gidx = np.concatenate(idx) if idx else np.empty(0, np.intp)
-        return _Region(dtype, start, end, members, starts, gidx.astype(np.intp), bounds)
+        return _Region(dtype, start, end, members, bounds_se, gidx.astype(np.intp), bounds)
 
 
 def _as_float(raw: np.ndarray, dtype: str) -> np.ndarray:
@@ -91,9 +99,9 @@ def digest(plan: DigestPlan, buf: np.ndarray | memoryview) -> dict[str, np.ndarr
     row = 0
     for reg in plan.regions:
         x = _as_float(host[reg.start:reg.end], reg.dtype)
-        if len(reg.starts):
-            hi = np.maximum.reduceat(x, reg.starts)
-            lo = np.minimum.reduceat(x, reg.starts)
+        if len(reg.bounds_se):
+            hi = np.maximum.reduceat(x, reg.bounds_se)[::2]
+            lo = np.minimum.reduceat(x, reg.bounds_se)[::2]
         values = x[reg.probe_index].astype(np.float64)
         k = 0
         for j, (s, n) in enumerate(reg.members):

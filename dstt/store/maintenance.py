@@ -30,7 +30,7 @@ from .format.layout import (
 )
 from .format.manifest import ArrayRecord, CommitHeader, checksum, dump_header
 from .format.zarr_meta import array_document
-from .format.zipfmt import Entry, crc32, local_header, parse_directory
+from .format.zipfmt import Entry, crc32, local_data_offset, parse_directory
 from .parts import remove_parts
 from .reader import Reader
 
@@ -151,25 +151,29 @@ def _verify_step_files(st: Storage, h: CommitHeader, table: dict[str, ArrayRecor
             continue
         if "zarr.json" not in entries:
             problem(key, f"step {h.step}: the zip has no root zarr.json")
+        data_at: dict[str, int] = {}
+        for ent in entries.values():  # every entry, metadata included: zipfile checks CRC-32
+            try:
+                at = local_data_offset(
+                    st.read_range(key, ent.offset, 30 + len(ent.name.encode())), ent)
+                if at is None:
+                    problem(key, f"step {h.step}: local header of zip entry {ent.name!r} is "
+                                 "damaged")
+                    continue
+                data_at[ent.name] = at
+                if crc32(st.read_range(key, at, ent.size)) != ent.crc32:
+                    problem(key, f"step {h.step}: zip entry {ent.name!r} fails its CRC-32")
+            except OSError as err:
+                problem(key, str(err))
         for path, rec, i in own.get(key, []):
             c = rec.chunks[i]
             name = zarr_chunk_key(path, rec.plan.index(i))
             got = entries.get(name)
-            if got is None or got.data_offset != c.offset or got.size != c.nbytes:
+            if got is None or got.size != c.nbytes or data_at.get(name, c.offset) != c.offset:
                 problem(key, f"step {h.step}: zip entry {name!r} is missing or not where the "
                              "commit manifest says")
-        for ent in entries.values():  # every entry, metadata included: zipfile checks CRC-32
-            try:
-                head = local_header(ent.name, ent.size, ent.crc32, ent.offset)
-                if st.read_range(key, ent.offset, len(head)) != head:
-                    problem(key, f"step {h.step}: local header of zip entry {ent.name!r} is "
-                                 "damaged")
-                elif crc32(st.read_range(key, ent.data_offset, ent.size)) != ent.crc32:
-                    problem(key, f"step {h.step}: zip entry {ent.name!r} fails its CRC-32")
-            except OSError as err:
-                problem(key, str(err))
         for rec in {x[1].path: x[1] for x in own.get(key, [])}.values():
-            _verify_array_document(st, key, entries, rec, problem)
+            _verify_array_document(st, key, entries, data_at, rec, problem)
 
 
 #: the fields of an array's zarr.json a plain Zarr reader needs to find and decode the chunks
@@ -178,14 +182,17 @@ _READ_FIELDS = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid",
 
 
 def _verify_array_document(st: Storage, key: str, entries: dict[str, Entry],
-                           rec: ArrayRecord, problem: Callable[[str, str], None]) -> None:
+                           data_at: dict[str, int], rec: ArrayRecord,
+                           problem: Callable[[str, str], None]) -> None:
     name = array_meta_key(rec.path)
     e = entries.get(name)
     if e is None:
         problem(key, f"zip entry {name!r} missing")
         return
+    if name not in data_at:  # its local header is damaged: reported above
+        return
     try:
-        doc = json.loads(st.read_range(key, e.data_offset, e.size))
+        doc = json.loads(st.read_range(key, data_at[name], e.size))
         want = array_document(rec.path, rec.dtype, rec.plan)
         wrong = [f for f in _READ_FIELDS if doc.get(f) != want[f]]
     except (OSError, ValueError, TypeError, AttributeError) as err:

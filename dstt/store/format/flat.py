@@ -19,7 +19,7 @@ import numpy as np
 
 from .layout import ChunkPlan, zarr_chunk_key
 from .manifest import checksum
-from .zipfmt import Entry, crc32, directory_records, local_header
+from .zipfmt import Entry, crc32, directory_records, header_size, local_header
 
 __all__ = ["FlatArray", "FlatImage", "FlatLayout"]
 
@@ -59,9 +59,21 @@ class FlatLayout:
     raw_nbytes: int = 0
     #: the zip entry names of the chunks
     names: frozenset[str] = field(default_factory=frozenset)
+    #: the buffer IS the step file's bytes ``[0, nbytes)``: each chunk's local header, data
+    #: (64-byte aligned) and crc32c trailer in place (``heads``: where each header starts)
+    framed: bool = False
+    heads: tuple[int, ...] = ()
 
     @classmethod
-    def build(cls, arrays: Sequence[tuple[str, str, ChunkPlan]]) -> FlatLayout:
+    def build(cls, arrays: Sequence[tuple[str, str, ChunkPlan]], *,
+              framed: bool | None = None) -> FlatLayout:
+        """Lay ``arrays`` out; ``framed`` (default: when every array is at most one chunk)
+        leaves room for the zip framing around each chunk, so the buffer can be written to
+        the file as it is — one write, and with ``O_DIRECT`` no copy into the page cache."""
+        if framed is None:
+            framed = bool(arrays) and all(plan.n_chunks <= 1 for _, _, plan in arrays)
+        if framed:
+            return cls._framed(arrays)
         out: list[FlatArray] = []
         chunks: list[tuple[int, int, int, int, str, int]] = []
         pos = 0
@@ -80,6 +92,33 @@ class FlatLayout:
         return cls(tuple(out), max(pos, 1), tuple(chunks), tuple(spans),
                    sum(a.nbytes for a in out), frozenset(c[4] for c in chunks))
 
+    @classmethod
+    def _framed(cls, arrays: Sequence[tuple[str, str, ChunkPlan]]) -> FlatLayout:
+        out: list[FlatArray] = []
+        chunks: list[tuple[int, int, int, int, str, int]] = []
+        spans: list[tuple[str, int, int]] = []
+        heads: list[int] = []
+        pos = 0
+        for k, (path, dtype, plan) in enumerate(arrays):
+            if plan.n_chunks > 1:
+                raise ValueError(f"a framed layout holds single-chunk arrays; {path!r} has "
+                                 f"{plan.n_chunks} chunks")
+            if plan.n_chunks == 0:  # empty: no entry, no bytes (an aligned empty view)
+                out.append(FlatArray(path, dtype, plan, 0))
+                spans.append((path, len(chunks), len(chunks)))
+                continue
+            name = zarr_chunk_key(path, plan.index(0))
+            size = plan.chunk_nbytes + 4
+            data = pos + header_size(name, size, pos, align=ALIGN)
+            heads.append(pos)
+            out.append(FlatArray(path, dtype, plan, data))
+            spans.append((path, len(chunks), len(chunks) + 1))
+            chunks.append((k, 0, data, data + plan.nbytes, name, plan.chunk_nbytes))
+            pos = data + size
+        return cls(tuple(out), max(pos, 1), tuple(chunks), tuple(spans),
+                   sum(a.nbytes for a in out), frozenset(c[4] for c in chunks),
+                   framed=True, heads=tuple(heads))
+
     def index(self) -> dict[str, FlatArray]:
         return {a.path: a for a in self.arrays}
 
@@ -94,12 +133,20 @@ class FlatImage:
     a step only patches their checksum fields (numpy, no Python per chunk) — ``fill`` then
     costs two checksum calls per chunk, ``iov`` is written as it is.
 
+    *In place* (a framed layout at ``start == 0``): the headers live in the buffer itself,
+    between the tensors, so ``iov`` is ONE view of the buffer — the file's bytes as they are,
+    ready for an ``O_DIRECT`` write. Otherwise (*gathered*) ``iov`` interleaves separate
+    header and trailer bytes with views of the tensors.
+
     Not thread-safe: one image per (layout, start, buffer), used by one step at a time
-    (the engine's buffers are held by one step each; the flusher process is serial).
+    (the engine's buffers are held by one step each; the flusher process is serial). An
+    in-place image owns the bytes between the tensors: after another layout used the same
+    buffer, :meth:`bind` it again before :meth:`fill`.
     """
 
     def __init__(self, layout: FlatLayout, start: int, buf: memoryview | None) -> None:
         self.layout, self.start = layout, start
+        self.inplace = layout.framed and start == 0 and bool(layout.chunks)
         n = len(layout.chunks)
         headers = bytearray()
         hdr_at: list[int] = []
@@ -107,10 +154,17 @@ class FlatImage:
         self.offsets: list[int] = []  # data offset of each chunk (what the manifest records)
         self.sizes: list[int] = []
         off = start
-        for _, _, _, _, name, full in layout.chunks:
+        for j, (_, _, s, _, name, full) in enumerate(layout.chunks):
             size = full + 4
-            head = local_header(name, size, 0, off)
-            hdr_at.append(len(headers))
+            if self.inplace:
+                off = layout.heads[j]
+                head = local_header(name, size, 0, off, align=ALIGN)
+                if off + len(head) != s:  # pragma: no cover - build() and this must agree
+                    raise AssertionError(f"framed layout disagrees with the header of {name!r}")
+                hdr_at.append(off)
+            else:
+                head = local_header(name, size, 0, off)
+                hdr_at.append(len(headers))
             headers += head
             entries.append(Entry(name, off, size, 0))
             off += len(head) + size
@@ -130,15 +184,25 @@ class FlatImage:
         four = np.arange(4, dtype=np.intp)
         self._hdr_idx = (np.asarray(hdr_at, dtype=np.intp) + _HEADER_CRC)[:, None] + four
         self._cd_idx = (np.asarray(cd_at, dtype=np.intp) + _CENTRAL_CRC)[:, None] + four
+        #: in place: where each chunk's crc32c trailer sits in the buffer
+        self._trl_idx = (np.asarray([o + sz - 4 for o, sz in zip(self.offsets, self.sizes,
+                                                                  strict=True)],
+                                    dtype=np.intp)[:, None] + four)
         self.count = n
         self.iov: list[bytes | bytearray | memoryview] = []
         self._views: list[memoryview] = []
         self._pads: dict[int, bytes] = {}
+        self._buf: np.ndarray | None = None
+        self._whole = memoryview(b"")
         if buf is not None:
             self.bind(buf)
 
     def bind(self, buf: memoryview) -> None:
-        """Point the image at a buffer (the data parts of ``iov``)."""
+        """Point the image at a buffer (the data parts of ``iov``); in place, also write
+        the headers into it and zero the chunk padding."""
+        if self.inplace:
+            self._bind_inplace(buf)
+            return
         hv, tv = memoryview(self.headers), memoryview(self.trailers)
         iov: list[bytes | bytearray | memoryview] = []
         views: list[memoryview] = []
@@ -157,11 +221,34 @@ class FlatImage:
             iov.append(tv[4 * j:4 * j + 4])
         self.iov, self._views = iov, views
 
+    def _bind_inplace(self, buf: memoryview) -> None:
+        if len(buf) < self.nbytes:
+            raise ValueError(f"buffer of {len(buf)} bytes, the image needs {self.nbytes}")
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        hv = memoryview(self.headers)
+        pos = 0
+        views: list[memoryview] = []
+        for j, (_, _, s, e, _, full) in enumerate(self.layout.chunks):
+            h = self.layout.heads[j]
+            buf[h:s] = hv[pos:pos + (s - h)]
+            pos += s - h
+            if full > e - s:
+                arr[e:s + full] = 0  # chunk padding (the copy writes only the tensor)
+            views.append(buf[s:e])
+        self._buf, self._views = arr, views
+        self._whole = buf[:self.nbytes]
+        self.iov = [self._whole]
+
     def fill(self) -> tuple[list[int], list[int]]:
         """Checksum the bound buffer: patch trailers, headers and directory; returns the
         crc32c of each chunk and the ZIP CRC-32 of each entry."""
         crcs = [checksum(v) for v in self._views]
         zips = [crc32(v) for v in self._views]
+        if self.inplace:
+            for j, (_, _, s, e, _, full) in enumerate(self.layout.chunks):
+                if full > e - s:
+                    crcs[j] = checksum(self._whole[e:s + full], crcs[j])
+                    zips[j] = crc32(self._whole[e:s + full], zips[j])
         for j, pad in self._pads.items():
             crcs[j] = checksum(pad, crcs[j])
             zips[j] = crc32(pad, zips[j])
@@ -169,7 +256,12 @@ class FlatImage:
         tv = memoryview(self.trailers)
         zips = [crc32(tv[4 * j:4 * j + 4], z) for j, z in enumerate(zips)]
         zb = np.frombuffer(np.asarray(zips, dtype="<u4").tobytes(), dtype=np.uint8).reshape(-1, 4)
-        np.frombuffer(self.headers, dtype=np.uint8)[self._hdr_idx] = zb
+        if self.inplace:
+            assert self._buf is not None
+            self._buf[self._trl_idx] = np.frombuffer(self.trailers, np.uint8).reshape(-1, 4)
+            self._buf[self._hdr_idx] = zb
+        else:
+            np.frombuffer(self.headers, dtype=np.uint8)[self._hdr_idx] = zb
         np.frombuffer(self.directory, dtype=np.uint8)[self._cd_idx] = zb
         return crcs, zips
 

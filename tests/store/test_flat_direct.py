@@ -1,0 +1,144 @@
+"""A framed flat layout: the step buffer is the step file's bytes (zip headers between the
+tensors, data 64-byte aligned), written in one piece — whole 4 KiB blocks with O_DIRECT."""
+
+from __future__ import annotations
+
+import errno
+import io
+import mmap
+import os
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dstt.store import flusher as flusher_mod
+from dstt.store.flatstats import DigestPlan, digest
+from dstt.store.format.flat import FlatImage, FlatLayout
+from dstt.store.format.layout import plan_chunks
+from dstt.store.format.zipfmt import end_records
+
+SPECS = [((3, 5), "float32"), ((7,), "float16"), ((), "int64"), ((0,), "float32"),
+         ((300, 40), "float32"), ((9,), "float32")]
+
+
+def _layout(chunk_bytes: int = 16 << 20) -> tuple[FlatLayout, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    arrays, values = [], {}
+    for i, (shape, dt) in enumerate(SPECS):
+        path = f"params/l{i}/w"
+        arrays.append((path, dt, plan_chunks(shape, np.dtype(dt).itemsize, chunk_bytes)))
+        values[path] = (rng.standard_normal(shape) * (i + 1)).astype(dt)
+    return FlatLayout.build(arrays), values
+
+
+def _fill(layout: FlatLayout, values: dict[str, np.ndarray]) -> mmap.mmap:
+    buf = mmap.mmap(-1, max(layout.nbytes, 1))
+    for a in layout.arrays:
+        buf[a.offset:a.offset + a.nbytes] = values[a.path].tobytes()
+    return buf
+
+
+def _as_zip(image: FlatImage, body: bytes) -> bytes:
+    cd = bytes(image.directory)
+    return body + cd + end_records(image.count, len(cd), len(body))
+
+
+def test_single_chunk_arrays_are_framed_and_the_buffer_is_the_file() -> None:
+    layout, values = _layout()
+    assert layout.framed and all(a.offset % 64 == 0 for a in layout.arrays if a.nbytes)
+    buf = _fill(layout, values)
+    image = FlatImage(layout, 0, memoryview(buf))
+    assert image.inplace and len(image.iov) == 1
+    crcs, _ = image.fill()
+    with zipfile.ZipFile(io.BytesIO(_as_zip(image, bytes(image.iov[0])))) as z:
+        assert z.testzip() is None
+        for k, _, _, _, name, _ in layout.chunks:
+            raw = z.read(name)  # the tensor's bytes, then its crc32c
+            assert raw[:-4] == values[layout.arrays[k].path].tobytes()
+    assert len(crcs) == len(layout.chunks) == len(SPECS) - 1  # the empty array has no entry
+
+
+def test_a_multi_chunk_array_keeps_the_gathered_layout() -> None:
+    layout, values = _layout(chunk_bytes=4096)  # the 300 x 40 array splits
+    assert not layout.framed
+    image = FlatImage(layout, 0, memoryview(_fill(layout, values)))
+    assert not image.inplace
+    image.fill()
+    body = b"".join(bytes(v) for v in image.iov)
+    with zipfile.ZipFile(io.BytesIO(_as_zip(image, body))) as z:
+        assert z.testzip() is None
+
+
+def test_digest_ignores_the_zip_headers_between_tensors() -> None:
+    layout, values = _layout()
+    buf = _fill(layout, values)
+    FlatImage(layout, 0, memoryview(buf)).fill()  # headers and trailers now sit in the gaps
+    items = [(a.path, a.dtype, a.offset, int(np.prod(a.shape, dtype=np.int64)),
+              np.arange(min(3, int(np.prod(a.shape, dtype=np.int64)))))
+             for a in layout.arrays if a.dtype.startswith("float")]
+    got = digest(DigestPlan(items, 3), np.frombuffer(buf, np.uint8))
+    for j, (path, *_rest) in enumerate(items):
+        x = values[path].astype(np.float64).ravel()
+        want = float(np.abs(x).max()) if x.size else 0.0
+        assert got["maxabs"][j] == pytest.approx(want, rel=1e-3), path
+        assert got["sumsq"][j] == pytest.approx(float(x @ x), rel=1e-3), path
+
+
+def test_whole_blocks_go_with_o_direct_and_the_bytes_are_the_image(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    layout, values = _layout()
+    buf = _fill(layout, values)
+    image = FlatImage(layout, 0, memoryview(buf))
+    image.fill()
+    want = bytes(image.iov[0])
+    assert len(want) > 4096  # some whole blocks, and a tail
+    flags: list[int] = []
+    real_open = os.open
+
+    def spy(path: str, f: int, *a: int) -> int:
+        flags.append(f)
+        return real_open(path, f, *a)
+
+    monkeypatch.setattr(flusher_mod.os, "open", spy)
+    out = tmp_path / "step.zip"
+    out.write_bytes(b"")
+    direct = [True]
+    flusher_mod._write_image(str(out), image, 0, direct)
+    assert out.read_bytes() == want
+    assert [bool(f & os.O_DIRECT) for f in flags] == [True, False] and direct == [True]
+
+
+def test_a_filesystem_without_o_direct_falls_back_to_the_page_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    layout, values = _layout()
+    image = FlatImage(layout, 0, memoryview(_fill(layout, values)))
+    image.fill()
+    real_open = os.open
+
+    def no_direct(path: str, f: int, *a: int) -> int:
+        if f & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT not supported")
+        return real_open(path, f, *a)
+
+    monkeypatch.setattr(flusher_mod.os, "open", no_direct)
+    out = tmp_path / "step.zip"
+    out.write_bytes(b"")
+    direct = [True]
+    flusher_mod._write_image(str(out), image, 0, direct)
+    assert out.read_bytes() == bytes(image.iov[0]) and direct == [False]
+
+
+def test_rebinding_restores_headers_another_layout_overwrote() -> None:
+    layout, values = _layout()
+    buf = _fill(layout, values)
+    image = FlatImage(layout, 0, memoryview(buf))
+    image.fill()
+    first = bytes(image.iov[0])
+    buf[:layout.nbytes] = b"\xff" * layout.nbytes  # another layout used the buffer
+    for a in layout.arrays:
+        buf[a.offset:a.offset + a.nbytes] = values[a.path].tobytes()
+    image.bind(memoryview(buf))
+    image.fill()
+    assert bytes(image.iov[0]) == first
