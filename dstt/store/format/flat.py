@@ -2,8 +2,9 @@
 
 The capture engine's hot path copies every tensor of a step into ONE host buffer (one batched
 copy) and hands the buffer to the store. ``FlatLayout`` is computed once per set of tensors
-(path, dtype, shape) and reused while they do not change: each tensor's offset in the buffer
-(64-byte aligned, so typed views of it are aligned) and its chunks, with their zip entry names.
+(path, dtype, shape, and optionally its dimension names) and reused while they do not change:
+each tensor's offset in the buffer (64-byte aligned, so typed views of it are aligned) and its
+chunks, with their zip entry names.
 ``Transaction.put_flat`` then writes the whole step with a handful of ``pwritev`` calls; the
 per-step Python work per chunk is two checksums and one header (no per-chunk objects, locks or
 file opens). Rejected alternative: one ``put_chunk`` call per chunk from the engine — a
@@ -19,6 +20,7 @@ import numpy as np
 
 from .layout import ChunkPlan, zarr_chunk_key
 from .manifest import checksum
+from .zarr_meta import check_dims
 from .zipfmt import Entry, crc32, directory_records, local_header
 
 __all__ = ["FlatArray", "FlatImage", "FlatLayout"]
@@ -34,6 +36,8 @@ class FlatArray:
     dtype: str
     plan: ChunkPlan
     offset: int
+    #: the array's ``dimension_names`` (None: the store's default, ``<name>_<i>``)
+    dims: tuple[str, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -61,13 +65,19 @@ class FlatLayout:
     names: frozenset[str] = field(default_factory=frozenset)
 
     @classmethod
-    def build(cls, arrays: Sequence[tuple[str, str, ChunkPlan]]) -> FlatLayout:
+    def build(cls, arrays: Sequence[tuple[str, str, ChunkPlan]
+                                    | tuple[str, str, ChunkPlan, Sequence[str] | None]]
+              ) -> FlatLayout:
+        """Lay out ``arrays``: (path, dtype, plan) or (path, dtype, plan, dims)."""
         out: list[FlatArray] = []
         chunks: list[tuple[int, int, int, int, str, int]] = []
         pos = 0
-        for k, (path, dtype, plan) in enumerate(arrays):
+        for k, spec in enumerate(arrays):
+            path, dtype, plan = spec[0], spec[1], spec[2]
+            dims = spec[3] if len(spec) > 3 else None  # type: ignore[misc]
             pos = (pos + ALIGN - 1) // ALIGN * ALIGN
-            out.append(FlatArray(path, dtype, plan, pos))
+            out.append(FlatArray(path, dtype, plan, pos,
+                                 None if dims is None else check_dims(path, len(plan.shape), dims)))
             for i in range(plan.n_chunks):
                 start, stop = plan.byte_range(i)
                 chunks.append((k, i, pos + start, pos + stop,
