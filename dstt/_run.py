@@ -13,7 +13,7 @@ every attribute access — steps would change between two cells that the user re
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,7 +43,7 @@ from .inspect.summaries import (
     summary_rows,
 )
 from .inspect.views import layer_tree, tensor_dataarray, trajectory_dataarray
-from .store import Repository, Storage
+from .store import Repository, Storage, is_url
 
 if TYPE_CHECKING:
     import torch
@@ -53,12 +53,14 @@ __all__ = ["Run", "Snapshot", "open_run"]
 Steps = slice | int | Iterable[int] | None
 
 
-def open_run(path: str | os.PathLike[str] | Repository | Storage) -> Run:
-    """Open a run for inspection; ``NotARunError`` if ``path`` is not one."""
+def open_run(path: str | os.PathLike[str] | Repository | Storage, *,
+             storage_options: Mapping[str, Any] | None = None) -> Run:
+    """Open a run for inspection; ``NotARunError`` if ``path`` is not one. ``path`` may be an
+    ``s3://bucket/prefix`` URL (``storage_options``: see ``dstt.store.storage_for``)."""
     if isinstance(path, Repository):
         return Run(path)
-    if not isinstance(path, (str, os.PathLike)):
-        return Run(Repository.open(path))
+    if not isinstance(path, (str, os.PathLike)) or is_url(path):
+        return Run(Repository.open(path, **(storage_options or {})))
     p = os.path.abspath(os.fspath(path))
     if not os.path.exists(p):
         raise NotARunError(f"no run at {path}: no such file or directory")

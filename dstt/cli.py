@@ -80,7 +80,7 @@ def _run_root(args: argparse.Namespace) -> str:
     """The root of the run given as ``RUN``, ``--run``, ``$DSTT_RUN`` or the current directory,
     any of which may be a folder inside the run (found by walking up, as git does)."""
     from ._run import find_run_root
-    from .store import Repository
+    from .store import Repository, is_url
 
     positional, flag = getattr(args, "path", None), getattr(args, "run", None)
     if positional and flag and os.path.abspath(positional) != os.path.abspath(flag):
@@ -94,6 +94,8 @@ def _run_root(args: argparse.Namespace) -> str:
             raise UsageError("no run given and the current directory is not inside a dstt run; "
                              "pass RUN or --run PATH, or set DSTT_RUN")
         return root
+    if is_url(path):  # an object-store run: no folders to walk up
+        return path
     if not os.path.exists(path):
         hint = f"; for step {path}, use --step {path}" if path.isdigit() else ""
         raise NotARunError(f"no run at {path}{source}: no such directory{hint}")

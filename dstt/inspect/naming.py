@@ -13,7 +13,9 @@ learn, where the store path is already unique, printable and what ``dstt show`` 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from ..errors import TensorNotFoundError
 
@@ -21,6 +23,7 @@ __all__ = [
     "MODEL_KINDS",
     "array_path",
     "optim_state",
+    "resolve_dims",
     "select",
     "selector_miss",
     "tensor_dims",
@@ -153,14 +156,27 @@ def tree_location(path: str) -> tuple[str, str]:
     return "/".join(parts[:-1]), parts[-1]
 
 
-def tensor_dims(all_paths: Iterable[str]) -> Callable[[str, int], tuple[str, ...]]:
-    """A function giving the dimension names of one tensor: ``<param>_<i>`` (``weight_0``).
+def tensor_dims(all_paths: Iterable[str] | Mapping[str, Any]
+                ) -> Callable[[str, int], tuple[str, ...]]:
+    """A function giving the dimension names of one tensor of a commit.
 
+    ``all_paths`` is the commit's arrays table (path -> record; the whole commit rather than a
+    selection, so names do not depend on what was selected) or just its paths. Records that
+    carry ``dims`` (the names the engine stored in ``zarr.json``: ``out_features``, ...) give
+    those, passed through :func:`resolve_dims` over the commit so that xarray can place them
+    (records without: ``dim<i>``). A commit whose records carry none (written before dims
+    were stored) keeps the names its ``zarr.json`` has, ``<param>_<i>`` (``weight_0``); as
     xarray's DataTree requires a node's dimensions to agree in size with its ancestors' ones,
-    so when an ancestor node (among ``all_paths``, the whole commit rather than a selection, so
-    names do not depend on what was selected) holds a tensor of the same name, the dims use the
-    full dotted name instead (``layers.0.sub.weight_0``).
+    when an ancestor node holds a tensor of the same name the dims use the full dotted name
+    instead (``layers.0.sub.weight_0``).
     """
+    records = all_paths if isinstance(all_paths, Mapping) else {}
+    stored = {p: tuple(d) for p, r in records.items() if (d := getattr(r, "dims", None))
+              is not None}
+    if stored:
+        resolved = resolve_dims({p: (stored.get(p) or tuple(f"dim{i}" for i in range(len(
+            r.shape))), tuple(r.shape)) for p, r in records.items()})
+        return lambda path, ndim: resolved[path]
     held = {tree_location(p) for p in all_paths}
 
     def dims(path: str, ndim: int) -> tuple[str, ...]:
@@ -173,6 +189,48 @@ def tensor_dims(all_paths: Iterable[str]) -> Callable[[str, int], tuple[str, ...
         return tuple(f"{prefix}_{i}" for i in range(ndim))
 
     return dims
+
+
+def _ident(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def resolve_dims(named: Mapping[str, tuple[Sequence[str], Sequence[int]]]
+                 ) -> dict[str, tuple[str, ...]]:
+    """Dimension names xarray can place, from wanted names: ``{path: (dims, shape)}`` of a
+    whole commit -> ``{path: dims}``.
+
+    A DataTree node (:func:`tree_location`) and its ancestors must not use one name for two
+    sizes. Nodes are named root first, variables in name order; a name already taken with
+    another size (in the node or an ancestor) becomes ``<dim>_<variable>``, and if that is
+    taken too ``<dim>_<node>_<variable>``. Equal sizes share a name (a Linear's weight and
+    bias share ``out_features``), and names depend only on the commit, never on a selection.
+    """
+    by_node: dict[str, list[tuple[str, str]]] = {}
+    for path in named:
+        node, var = tree_location(path)
+        by_node.setdefault(node, []).append((var, path))
+    taken: dict[str, dict[str, int]] = {}  # node -> its own names and sizes
+    out: dict[str, tuple[str, ...]] = {}
+    for node in sorted(by_node, key=lambda n: (n.count("/") if n else -1, n)):
+        parts = node.split("/") if node else []
+        visible: dict[str, int] = {}
+        for k in range(len(parts)):
+            visible.update(taken.get("/".join(parts[:k]), {}))
+        own: dict[str, int] = {}
+        for var, path in sorted(by_node[node]):
+            dims, shape = named[path]
+            names: list[str] = []
+            for d, n in zip(dims, shape, strict=True):
+                tries = [d, _ident(f"{d}_{var}"), _ident(f"{d}_{node}_{var}")]
+                tries += [f"{tries[-1]}_{i}" for i in range(len(names) + 2)]
+                name = next(t for t in tries if t not in names
+                            and own.get(t, visible.get(t, n)) == n)
+                names.append(name)
+                own[name] = int(n)
+            out[path] = tuple(names)
+        taken[node] = own
+    return out
 
 
 def selector_miss(selector: str, paths: Iterable[str], where: str,

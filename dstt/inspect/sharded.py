@@ -49,7 +49,7 @@ def with_logical(reader: Any, header: Any, table: dict[str, Any]) -> dict[str, A
     out = dict(table)
     for path, a in found.items():
         rows = plan_chunks(a.shape, dtype_itemsize(a.dtype), DEFAULT_CHUNK_BYTES).rows
-        out[path] = LogicalRecord(path, a.dtype, a.shape, rows, (), a)
+        out[path] = LogicalRecord(path, a.dtype, a.shape, rows, (), logical=a)
     return out
 
 

@@ -36,6 +36,7 @@ from .repository import Repository
 from .shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
 from .storage.base import Durability, Storage
 from .storage.local import LocalStorage, fsync_dir
+from .storage.urls import is_url, storage_for
 from .writer import Transaction, Writer
 
 __all__ = [
@@ -87,6 +88,7 @@ __all__ = [
     "dtype_name",
     "flusher_supported",
     "fsync_dir",
+    "is_url",
     "key_slot",
     "load",
     "logical_arrays",
@@ -96,6 +98,7 @@ __all__ = [
     "read_logical",
     "remove_parts",
     "save",
+    "storage_for",
     "sgd_predictions",
     "shard_map",
 ]

@@ -30,7 +30,7 @@ from .format.zarr_meta import dump, group_document, root_attributes
 from .maintenance import GcReport, VerifyReport, gc, verify
 from .reader import Reader
 from .storage.base import Storage
-from .storage.local import LocalStorage
+from .storage.urls import storage_for
 from .writer import Writer
 
 __all__ = ["Repository"]
@@ -46,9 +46,10 @@ class Repository:
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | os.PathLike[str] | Storage) -> Repository:
-        """Open an existing run; ``NotARunError`` if ``path`` is not one."""
-        storage = path if isinstance(path, Storage) else LocalStorage(path)
+    def open(cls, path: str | os.PathLike[str] | Storage, **storage_options: Any) -> Repository:
+        """Open an existing run (a folder or ``s3://bucket/prefix``); ``NotARunError`` if
+        ``path`` is not one."""
+        storage = path if isinstance(path, Storage) else storage_for(path, **storage_options)
         repo = cls(storage)
         repo.root_attributes()  # validates
         return repo
@@ -57,7 +58,7 @@ class Repository:
     def create(cls, path: str | os.PathLike[str] | Storage, **storage_options: Any) -> Repository:
         """Open a run for writing, creating it if needed."""
         storage = (path if isinstance(path, Storage)
-                   else LocalStorage(path, create=True, **storage_options))
+                   else storage_for(path, create=True, **storage_options))
         repo = cls(storage)
         if storage.exists("zarr.json"):
             repo.root_attributes()

@@ -2,8 +2,9 @@
 
 The capture engine's hot path copies every tensor of a step into ONE host buffer (one batched
 copy) and hands the buffer to the store. ``FlatLayout`` is computed once per set of tensors
-(path, dtype, shape) and reused while they do not change: each tensor's offset in the buffer
-(64-byte aligned, so typed views of it are aligned) and its chunks, with their zip entry names.
+(path, dtype, shape, and optionally its dimension names) and reused while they do not change:
+each tensor's offset in the buffer (64-byte aligned, so typed views of it are aligned) and its
+chunks, with their zip entry names.
 ``Transaction.put_flat`` then writes the whole step with a handful of ``pwritev`` calls; the
 per-step Python work per chunk is two checksums and one header (no per-chunk objects, locks or
 file opens). Rejected alternative: one ``put_chunk`` call per chunk from the engine — a
@@ -19,6 +20,7 @@ import numpy as np
 
 from .layout import ChunkPlan, zarr_chunk_key
 from .manifest import checksum
+from .zarr_meta import check_dims
 from .zipfmt import Entry, crc32, directory_records, header_size, local_header
 
 __all__ = ["FlatArray", "FlatImage", "FlatLayout"]
@@ -34,6 +36,8 @@ class FlatArray:
     dtype: str
     plan: ChunkPlan
     offset: int
+    #: the array's ``dimension_names`` (None: the store's default, ``<name>_<i>``)
+    dims: tuple[str, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -65,21 +69,27 @@ class FlatLayout:
     heads: tuple[int, ...] = ()
 
     @classmethod
-    def build(cls, arrays: Sequence[tuple[str, str, ChunkPlan]], *,
+    def build(cls, arrays: Sequence[tuple[str, str, ChunkPlan]
+                                    | tuple[str, str, ChunkPlan, Sequence[str] | None]], *,
               framed: bool | None = None) -> FlatLayout:
-        """Lay ``arrays`` out; ``framed`` (default: when every array is at most one chunk)
-        leaves room for the zip framing around each chunk, so the buffer can be written to
-        the file as it is — one write, and with ``O_DIRECT`` no copy into the page cache."""
+        """Lay out ``arrays``: (path, dtype, plan) or (path, dtype, plan, dims).
+
+        ``framed`` (default: when every array is at most one chunk) leaves room for the zip
+        framing around each chunk, so the buffer can be written to the file as it is — one
+        write, and with ``O_DIRECT`` no copy into the page cache."""
         if framed is None:
-            framed = bool(arrays) and all(plan.n_chunks <= 1 for _, _, plan in arrays)
+            framed = bool(arrays) and all(spec[2].n_chunks <= 1 for spec in arrays)
         if framed:
             return cls._framed(arrays)
         out: list[FlatArray] = []
         chunks: list[tuple[int, int, int, int, str, int]] = []
         pos = 0
-        for k, (path, dtype, plan) in enumerate(arrays):
+        for k, spec in enumerate(arrays):
+            path, dtype, plan = spec[0], spec[1], spec[2]
+            dims = spec[3] if len(spec) > 3 else None  # type: ignore[misc]
             pos = (pos + ALIGN - 1) // ALIGN * ALIGN
-            out.append(FlatArray(path, dtype, plan, pos))
+            out.append(FlatArray(path, dtype, plan, pos,
+                                 None if dims is None else check_dims(path, len(plan.shape), dims)))
             for i in range(plan.n_chunks):
                 start, stop = plan.byte_range(i)
                 chunks.append((k, i, pos + start, pos + stop,
@@ -93,25 +103,30 @@ class FlatLayout:
                    sum(a.nbytes for a in out), frozenset(c[4] for c in chunks))
 
     @classmethod
-    def _framed(cls, arrays: Sequence[tuple[str, str, ChunkPlan]]) -> FlatLayout:
+    def _framed(cls, arrays: Sequence[tuple[str, str, ChunkPlan]
+                                      | tuple[str, str, ChunkPlan, Sequence[str] | None]]
+                ) -> FlatLayout:
         out: list[FlatArray] = []
         chunks: list[tuple[int, int, int, int, str, int]] = []
         spans: list[tuple[str, int, int]] = []
         heads: list[int] = []
         pos = 0
-        for k, (path, dtype, plan) in enumerate(arrays):
+        for k, spec in enumerate(arrays):
+            path, dtype, plan = spec[0], spec[1], spec[2]
+            given = spec[3] if len(spec) > 3 else None  # type: ignore[misc]
+            dims = None if given is None else check_dims(path, len(plan.shape), given)
             if plan.n_chunks > 1:
                 raise ValueError(f"a framed layout holds single-chunk arrays; {path!r} has "
                                  f"{plan.n_chunks} chunks")
             if plan.n_chunks == 0:  # empty: no entry, no bytes (an aligned empty view)
-                out.append(FlatArray(path, dtype, plan, 0))
+                out.append(FlatArray(path, dtype, plan, 0, dims))
                 spans.append((path, len(chunks), len(chunks)))
                 continue
             name = zarr_chunk_key(path, plan.index(0))
             size = plan.chunk_nbytes + 4
             data = pos + header_size(name, size, pos, align=ALIGN)
             heads.append(pos)
-            out.append(FlatArray(path, dtype, plan, data))
+            out.append(FlatArray(path, dtype, plan, data, dims))
             spans.append((path, len(chunks), len(chunks) + 1))
             chunks.append((k, 0, data, data + plan.nbytes, name, plan.chunk_nbytes))
             pos = data + size

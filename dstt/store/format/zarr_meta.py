@@ -5,11 +5,22 @@ per array and runs at 0.1 GB/s here), but the documents are plain Zarr v3 so zar
 xarray and tensorstore read a run without dstt. Codecs are declared explicitly (zarr-python's
 default would be zstd): ``bytes`` (little endian) then ``crc32c``, so every chunk file is the raw
 C-order bytes followed by a 4-byte little-endian crc32c that any Zarr reader verifies.
+
+``dimension_names`` are what the writer is told (the engine names them from the module type:
+``out_features``/``in_features`` for a Linear weight, see ``dstt.engine.dims``); an array
+declared without names gets ``<name>_<i>`` (``weight_0``), which is also what steps written
+before names existed carry. A step's root document may carry Zarr's *consolidated metadata*
+(every group and array document of the step, ``root_document``), so xarray and zarr-python
+open a step with one read and without the "failed to open with consolidated metadata"
+warning. Rejected alternative: no consolidation — every plain ``xr.open_datatree`` of a step
+then warns, and lists the zip once per group.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from .layout import FORMAT_VERSION, ChunkPlan
@@ -17,10 +28,15 @@ from .layout import FORMAT_VERSION, ChunkPlan
 __all__ = [
     "DTYPES",
     "array_document",
+    "check_dims",
+    "consolidated_metadata",
+    "default_dims",
     "dtype_itemsize",
     "dump",
     "group_document",
     "numpy_dtype",
+    "root_document",
+    "root_document_bytes",
 ]
 
 #: store dtype name -> (itemsize, fill value as Zarr v3 JSON)
@@ -74,12 +90,34 @@ def root_attributes(**extra: Any) -> dict[str, Any]:
     return {"dstt": {"format": FORMAT_VERSION, **extra}}
 
 
-def array_document(path: str, dtype: str, plan: ChunkPlan,
-                   attributes: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Zarr v3 metadata of one tensor array of a step file."""
-    itemsize, fill = DTYPES[dtype]
+#: a dimension name: what xarray users type as a keyword (``isel(out_features=0)``)
+_DIM = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def check_dims(path: str, ndim: int, dims: Sequence[str]) -> tuple[str, ...]:
+    """``dims`` as a tuple after checking there is one identifier per axis, all distinct."""
+    out = tuple(dims)
+    if (len(out) != ndim or len(set(out)) != ndim
+            or not all(isinstance(d, str) and _DIM.match(d) for d in out)):
+        raise ValueError(f"dimension names {list(out)} of array {path!r} must be {ndim} "
+                         "distinct identifiers (letters, digits, '_'), one per axis")
+    return out
+
+
+def default_dims(path: str, ndim: int) -> tuple[str, ...]:
+    """The names of an array declared without any: ``<name>_<i>``."""
     name = path.rsplit("/", 1)[-1]
-    dims = [f"{name}_{i}" for i in range(len(plan.shape))]
+    return tuple(f"{name}_{i}" for i in range(ndim))
+
+
+def array_document(path: str, dtype: str, plan: ChunkPlan,
+                   attributes: dict[str, Any] | None = None,
+                   dims: Sequence[str] | None = None) -> dict[str, Any]:
+    """Zarr v3 metadata of one tensor array of a step file; ``dims`` its
+    ``dimension_names`` (default ``<name>_<i>``)."""
+    itemsize, fill = DTYPES[dtype]
+    names = (default_dims(path, len(plan.shape)) if dims is None
+             else check_dims(path, len(plan.shape), dims))
     codecs: list[dict[str, Any]] = []
     if itemsize > 1:
         codecs.append({"name": "bytes", "configuration": {"endian": "little"}})
@@ -97,5 +135,49 @@ def array_document(path: str, dtype: str, plan: ChunkPlan,
         "fill_value": fill,
         "codecs": codecs,
         "attributes": {"dstt": {"format": FORMAT_VERSION, **(attributes or {})}},
-        "dimension_names": dims,
+        "dimension_names": list(names),
     }
+
+
+def _tree_order(member: tuple[Any, ...]) -> tuple[int, str]:
+    """Depth, then path: zarr-python (3.1) rebuilds the tree from the flat mapping with
+    ``itertools.groupby`` over keys sorted by depth only, so the children of one group must
+    be adjacent (they are, sorted by path within a depth)."""
+    return member[0].count("/"), member[0]
+
+
+def _consolidated(metadata: dict[str, Any]) -> dict[str, Any]:
+    return {"kind": "inline", "must_understand": False, "metadata": metadata}
+
+
+def root_document(attributes: dict[str, Any],
+                  members: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """A step's root group document with Zarr's consolidated metadata of ``members``
+    (``(node path, its zarr.json document)`` for every group and array below the root), laid
+    out as zarr-python's own ``consolidate_metadata`` writes it."""
+    metadata: dict[str, Any] = {}
+    for path, doc in sorted(members, key=_tree_order):
+        if doc.get("node_type") == "group":
+            doc = {**doc, "consolidated_metadata": _consolidated({})}
+        metadata[path] = doc
+    return {**group_document(attributes), "consolidated_metadata": _consolidated(metadata)}
+
+
+def consolidated_metadata(members: Sequence[tuple[str, str, bytes]]) -> bytes:
+    """The ``consolidated_metadata`` JSON of a step from ``(node path, "group" | "array",
+    zarr.json bytes)`` of every node below the root: the array documents are spliced in as
+    they are (no parse: built once per set of arrays, reused while it holds)."""
+    parts = []
+    for path, kind, doc in sorted(members, key=_tree_order):
+        if kind == "group":
+            doc = dump({**json.loads(doc), "consolidated_metadata": _consolidated({})})
+        parts.append(json.dumps(path).encode() + b": " + doc)
+    return (b'{"kind": "inline", "must_understand": false, "metadata": {'
+            + b", ".join(parts) + b"}}")
+
+
+def root_document_bytes(attributes: dict[str, Any], consolidated: bytes) -> bytes:
+    """``dump(root_document(attributes, members))`` from ``consolidated_metadata(members)``:
+    per step only the attributes are encoded."""
+    head = dump(group_document(attributes)).rstrip()
+    return head[:-1].rstrip() + b',\n  "consolidated_metadata": ' + consolidated + b"\n}"

@@ -1,0 +1,138 @@
+"""Dimension names of captured arrays, from what the engine knows: each tensor's module type.
+
+A ``torch.nn.Linear`` weight is ``(out_features, in_features)`` and its bias
+``(out_features,)``; an ``Embedding`` weight ``(num_embeddings, embedding_dim)``; a
+``LayerNorm``/``RMSNorm`` weight or bias ``(normalized_shape,)`` (``normalized_shape_<i>``
+when it normalizes several dims); ``Conv{1,2,3}d`` weights ``(out_channels, in_channels,
+kernel_[d,h,]w)`` (``ConvTranspose``: the two channel dims swapped, as torch stores them) and
+their bias ``(out_channels,)``; BatchNorm/GroupNorm/InstanceNorm tensors ``(num_features,)``
+/ ``(num_channels,)``. Optimizer states (``optim/<state>/...``: ``exp_avg``,
+``exp_avg_sq``, ``momentum_buffer``) take the dims of their parameter when their shape is
+the parameter's; 0-d tensors have none; anything else is ``dim0, dim1, ...``.
+
+The names go into each array's ``zarr.json`` ``dimension_names``, so plain zarr/xarray
+readers see them too. Within one step they are made consistent for xarray by
+:func:`dstt.inspect.naming.resolve_dims` (a DataTree node, and a node and its ancestors, may
+not use one name for two sizes). Rejected alternative: naming by shape alone at read time —
+a bias-free Linear and an Embedding look the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from ..inspect.naming import resolve_dims
+
+__all__ = ["DimsOf", "ModelDims", "array_dims", "fallback_dims", "model_dims",
+           "module_tensor_dims"]
+
+#: store path -> shape of a step's arrays, to store path -> dimension names
+DimsOf = Callable[[Mapping[str, tuple[int, ...]]], Mapping[str, tuple[str, ...]]]
+
+_KERNEL = {1: ("kernel_w",), 2: ("kernel_h", "kernel_w"), 3: ("kernel_d", "kernel_h", "kernel_w")}
+
+
+def fallback_dims(ndim: int) -> tuple[str, ...]:
+    """``dim0, dim1, ...`` for a tensor of unknown meaning."""
+    return tuple(f"dim{i}" for i in range(ndim))
+
+
+def _norm_dims(n: int) -> tuple[str, ...]:
+    return ("normalized_shape",) if n == 1 else tuple(f"normalized_shape_{i}" for i in range(n))
+
+
+def module_tensor_dims(module: torch.nn.Module, name: str,
+                       ndim: int) -> tuple[str, ...] | None:
+    """The dims of ``module``'s own tensor ``name`` by the module's type (None: unknown)."""
+    nn = torch.nn
+    dims: tuple[str, ...] | None = None
+    if isinstance(module, nn.Linear):
+        dims = {"weight": ("out_features", "in_features"), "bias": ("out_features",)}.get(name)
+    elif isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        dims = ("num_embeddings", "embedding_dim") if name == "weight" else None
+    elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        dims = _norm_dims(ndim) if name in ("weight", "bias") else None
+    elif isinstance(module, nn.modules.conv._ConvNd):
+        k = _KERNEL.get(ndim - 2, ())
+        if name == "weight" and k:
+            chans = (("in_channels", "out_channels") if module.transposed
+                     else ("out_channels", "in_channels"))
+            dims = (*chans, *k)
+        elif name == "bias":
+            dims = ("out_channels",)
+    elif isinstance(module, nn.modules.batchnorm._NormBase):  # BatchNorm, InstanceNorm
+        if name in ("weight", "bias", "running_mean", "running_var"):
+            dims = ("num_features",)
+    elif isinstance(module, nn.GroupNorm):
+        dims = ("num_channels",) if name in ("weight", "bias") else None
+    return dims if dims is not None and len(dims) == ndim else None
+
+
+def model_dims(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """Dotted name -> dims of every parameter and buffer of ``model`` whose module type says
+    what its dims are (0-d ones: ``()``)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for mod_name, module in model.named_modules():
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, t in own:
+            dotted = f"{mod_name}.{name}" if mod_name else name
+            if t.dim() == 0:
+                out.setdefault(dotted, ())
+                continue
+            dims = module_tensor_dims(module, name, t.dim())
+            if dims is not None:
+                out.setdefault(dotted, dims)  # a tied tensor: its first module names it
+    return out
+
+
+def _dotted(path: str) -> str:
+    """The parameter a store path belongs to: ``params/a/b`` and ``optim/exp_avg/a/b`` ->
+    ``a.b``."""
+    parts = path.split("/")
+    if parts[0] in ("params", "buffers"):
+        return ".".join(parts[1:])
+    if parts[0] == "optim" and len(parts) > 2:
+        return ".".join(parts[2:])
+    return path
+
+
+def array_dims(shapes: Mapping[str, tuple[int, ...]],
+               known: Mapping[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """Dims of every array of a step (store path -> shape): by ``known`` (``model_dims``) for
+    parameters, buffers and optimizer states of a parameter's shape, else
+    :func:`fallback_dims`; then made consistent across the step by ``resolve_dims``."""
+    named: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {}
+    param_shapes = {_dotted(p): s for p, s in shapes.items()
+                    if p.split("/")[0] in ("params", "buffers")}
+    for path, shape in shapes.items():
+        dotted = _dotted(path)
+        dims = known.get(dotted) if len(shape) else ()
+        if dims is not None and path.startswith("optim/") and param_shapes.get(dotted,
+                                                                                shape) != shape:
+            dims = None  # a factored or flattened state: not the parameter's dims
+        if dims is None or len(dims) != len(shape):
+            dims = fallback_dims(len(shape))
+        named[path] = (dims, tuple(shape))
+    return resolve_dims(named)
+
+
+class ModelDims:
+    """The ``DimsOf`` of a model's captures: :func:`array_dims` with the model's module
+    types, cached per set of arrays (a step's arrays change rarely; naming them costs
+    ~1 µs per tensor)."""
+
+    def __init__(self, model: torch.nn.Module | None) -> None:
+        self.model = model
+        self._cache: dict[tuple[tuple[str, tuple[int, ...]], ...], dict[str, tuple[str, ...]]] = {}
+
+    def __call__(self, shapes: Mapping[str, tuple[int, ...]]) -> Mapping[str, tuple[str, ...]]:
+        key = tuple((p, tuple(s)) for p, s in shapes.items())
+        got = self._cache.get(key)
+        if got is None:
+            known = model_dims(self.model) if self.model is not None else {}
+            if len(self._cache) >= 4:
+                self._cache.clear()
+            got = self._cache[key] = array_dims(shapes, known)
+        return got

@@ -1,0 +1,130 @@
+"""``S3Storage`` against the loopback S3 server: the storage contract, the lease and the
+compare-and-swap refs that replace ``flock`` and ``rename`` on an object store."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+
+import pytest
+
+from dstt.errors import MissingFileError, RunLockedError
+from dstt.store import LocalStorage, storage_for
+from dstt.store.format.layout import HEAD_KEY, LOCK_KEY, ref_key
+from dstt.store.storage.s3 import DEFAULT_GUARDED, S3Storage
+
+from .conftest import S3Server
+
+
+def test_storage_for_parses_urls_and_paths(s3_url: str, tmp_path: os.PathLike[str]) -> None:
+    st = storage_for(s3_url)
+    assert isinstance(st, S3Storage) and st.location == s3_url
+    assert isinstance(storage_for(tmp_path), LocalStorage)
+
+
+def test_guarded_keys_are_the_formats_refs_and_head() -> None:
+    st = S3Storage("s3://b/p", endpoint="http://127.0.0.1:1", allow_http=True)
+    assert st._is_guarded(ref_key("main")) and st._is_guarded(HEAD_KEY)
+    assert st._is_guarded(ref_key("main-from-3"))
+    assert not st._is_guarded("steps/000000000001.zip") and not st._is_guarded(LOCK_KEY)
+    assert (ref_key("x")[: -len("x.json")], HEAD_KEY) == DEFAULT_GUARDED
+
+
+def test_contract_read_write_list_delete(s3_url: str) -> None:
+    st = storage_for(s3_url)
+    st.write("a/b/c.json", [b"he", memoryview(b"llo")])
+    st.write_durable("a/d", b"x")
+    st.barrier()
+    assert st.read("a/b/c.json") == b"hello"
+    assert st.read_range("a/b/c.json", 1, 3) == b"ell"
+    assert st.size("a/b/c.json") == 5 and st.exists("a/d") and not st.exists("a/zz")
+    assert list(st.list("a")) == ["b", "d"] and list(st.list("")) == ["a"]
+    assert list(st.list("nothing")) == []
+    with pytest.raises(MissingFileError):
+        st.read("a/zz")
+    st.delete("a/b")  # a folder: everything under it
+    assert not st.exists("a/b/c.json") and st.exists("a/d")
+    st.delete("a/missing")  # no error
+
+
+def test_blob_is_invisible_until_published_and_goes_up_multipart(s3_url: str) -> None:
+    st = storage_for(s3_url, chunk_size=5 * 1024 * 1024)
+    size = 11 * 1024 * 1024 + 7
+    data = os.urandom(size)
+    blob = st.open_blob("steps/big.zip")
+    half = size // 2
+    blob.write_at(half, [memoryview(data)[half:]], raw=True)  # out of order, like the threads
+    blob.write_at(0, data[:half])
+    assert not st.exists("steps/big.zip")
+    blob.publish(durable=True)
+    assert st.read("steps/big.zip") == data
+    assert st.read_range("steps/big.zip", size - 10, 10) == data[-10:]
+    small = st.open_blob("steps/small.zip")
+    small.write_at(0, b"abc")
+    small.discard()
+    assert not st.exists("steps/small.zip")
+
+
+def test_a_second_lease_is_refused_and_released_ones_are_taken(s3_url: str) -> None:
+    a, b = storage_for(s3_url), storage_for(s3_url)
+    with a.lock(LOCK_KEY), pytest.raises(RunLockedError, match="locked by another writer"), \
+            b.lock(LOCK_KEY):
+        pass
+    with b.lock(LOCK_KEY):  # released: taken at once
+        pass
+
+
+def test_an_expired_lease_is_taken_over_and_its_holder_writes_nothing(s3_url: str) -> None:
+    a = storage_for(s3_url, lease_ttl=1.0)
+    b = storage_for(s3_url, lease_ttl=1.0)
+    a.write(ref_key("main"), b"v0")
+    cm = a.lock(LOCK_KEY)
+    cm.__enter__()
+    lease = a._lease
+    assert lease is not None
+    lease._stop.set()  # a frozen writer: its heartbeat stops
+    lease._thread.join()  # type: ignore[union-attr]
+    time.sleep(1.2)
+    with b.lock(LOCK_KEY):  # expired: b takes it over
+        assert b.read(ref_key("main")) == b"v0"
+        with pytest.raises(RunLockedError, match="lost its lease"):
+            a.write(ref_key("main"), b"zombie")
+        b.write(ref_key("main"), b"v1")
+    cm.__exit__(None, None, None)
+    assert b.read(ref_key("main")) == b"v1"
+
+
+def test_ref_writes_are_compare_and_swap(s3_url: str) -> None:
+    a, b = storage_for(s3_url), storage_for(s3_url)
+    a.write(HEAD_KEY, b"1")  # unseen: created
+    assert b.read(HEAD_KEY) == b"1"
+    a.write(HEAD_KEY, b"2")  # a saw its own write
+    with pytest.raises(RunLockedError, match="changed by another writer"):
+        b.write(HEAD_KEY, b"stale")  # b's view is stale: refused, nothing overwritten
+    assert a.read(HEAD_KEY) == b"2"
+    c = storage_for(s3_url)
+    with pytest.raises(RunLockedError):
+        c.write(HEAD_KEY, b"blind")  # never read it: create-only, and it exists
+    b.read(HEAD_KEY)
+    b.write(HEAD_KEY, b"3")
+    assert a.read(HEAD_KEY) == b"3"
+
+
+def test_pickles_as_its_description(s3_url: str, s3_server: S3Server) -> None:
+    st = storage_for(s3_url, **s3_server.options)
+    st.write("k", b"v")
+    again = pickle.loads(pickle.dumps(st))
+    assert isinstance(again, S3Storage) and again.read("k") == b"v"
+    assert again._lease is None and again.options == st.options
+
+
+def test_gc_aborts_leftover_multipart_uploads(s3_url: str, s3_server: S3Server) -> None:
+    st = storage_for(s3_url)
+    assert isinstance(st, S3Storage)
+    key = f"{st.prefix}/steps/000000000009.zip"
+    s3_server.boto().create_multipart_upload(Bucket=st.bucket, Key=key)
+    assert st.multipart_uploads() == ("steps/000000000009.zip",)
+    with st.lock(LOCK_KEY):
+        assert st.remove_temporaries() == 1
+    assert st.multipart_uploads() == ()
