@@ -22,6 +22,7 @@ import xarray as xr
 from .errors import MetricNotFoundError, NotARunError, StepNotFoundError
 from .inspect.compare import diff_commits
 from .inspect.html import run_html, run_summary
+from .inspect.indexed import metrics_from_rows, summaries_from_rows
 from .inspect.lazy import ReaderPool
 from .inspect.naming import (
     array_path,
@@ -36,10 +37,8 @@ from .inspect.summaries import (
     SUMMARIES_OBJECT,
     Spike,
     find_spikes,
-    metrics_dataset,
     rank_tensors,
     spike_cause,
-    summaries_dataset,
     summary_rows,
 )
 from .inspect.views import layer_tree, tensor_dataarray, trajectory_dataarray
@@ -103,6 +102,7 @@ class Run:
         self._readers = ReaderPool(repo.storage)
         self._reader = self._readers.primary
         self._lines: dict[str, list[Any]] = {}
+        self._all: dict[str, list[Any]] = {}  # pruned commits included
 
     # -- timelines and steps ----------------------------------------------------------------
     def refresh(self) -> Run:
@@ -112,6 +112,7 @@ class Run:
         self._readers = ReaderPool(self.repo.storage)
         self._reader = self._readers.primary
         self._lines.clear()
+        self._all.clear()
         return self
 
     @property
@@ -128,8 +129,14 @@ class Run:
         """Commit headers of a timeline, oldest first, pruned ones excluded."""
         name = timeline or self.timeline
         if name not in self._lines:
-            self._lines[name] = [h for h in self._reader.lineage(name) if not h.pruned]
+            self._lines[name] = [h for h in self._lineage(name) if not h.pruned]
         return self._lines[name]
+
+    def _lineage(self, name: str) -> list[Any]:
+        """Every commit of a timeline, pruned ones included (gc keeps their index rows)."""
+        if name not in self._all:
+            self._all[name] = self._reader.lineage(name)
+        return self._all[name]
 
     @property
     def steps(self) -> list[int]:
@@ -191,14 +198,28 @@ class Run:
         """Logged metrics (``s.log(...)``) per step as a Dataset over ``step``: every
         committed step's, and those of the steps ``every=K`` did not checkpoint (``slot`` -1;
         the next commit carries them)."""
-        return metrics_dataset(self.commits(timeline), self._reader.read_object)
+        return metrics_from_rows(self._reader.scalar_rows(self._lineage(timeline or self.timeline),
+                                                          summaries=False))
 
     def summaries(self, steps: Steps = None, *, timeline: str | None = None,
                   progress: Callable[[int, int], None] | None = None) -> xr.Dataset:
         """Write-time per-tensor statistics, dims ``step`` x ``tensor`` (see
         :func:`dstt.inspect.summaries.summaries_dataset`); empty if none were written."""
-        return summaries_dataset(self.select_steps(steps, timeline),
-                                 self._read_summaries, progress)
+        name = timeline or self.timeline
+        if steps is None or isinstance(steps, slice):  # pruned steps' summaries stay too
+            line = self._lineage(name)
+            if isinstance(steps, slice):
+                lo = -np.inf if steps.start is None else steps.start
+                hi = np.inf if steps.stop is None else steps.stop
+                line = [h for h in line if lo <= h.step <= hi][::steps.step or 1]
+        else:
+            by_step = {h.step: h for h in self._lineage(name)}
+            wanted = [int(steps)] if isinstance(steps, (int, np.integer)) else list(steps)
+            line = [by_step.get(int(st)) or self._header(int(st), name) for st in wanted]
+        ds = summaries_from_rows(self._reader.scalar_rows(line))
+        if progress:
+            progress(len(line), len(line))
+        return ds
 
     def spikes(self, metric: str = "loss", *, window: int = 50, z: float = 4.0,
                around: int = 0, top: int = 10, timeline: str | None = None) -> list[Spike]:
@@ -236,7 +257,7 @@ class Run:
         # only the summaries of the causes (and ``around``) are read, not the whole run's
         need = sorted({st for w in windows for st in w})
         by_step = {h.step: h for h in line}
-        sums = summaries_dataset([by_step[st] for st in need], self._read_summaries)
+        sums = summaries_from_rows(self._reader.scalar_rows([by_step[st] for st in need]))
         return [Spike(s, v, zi, mu, sd, rank_tensors(sums, w)[:max(top, 0)], start=start,
                       cause=cause, parent=parent, timeline=name)
                 for (s, v, zi, mu, sd, start), (parent, cause), w

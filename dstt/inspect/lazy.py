@@ -33,7 +33,7 @@ from xarray.core import indexing
 
 from .._lru import LRU
 from ..errors import SchemaError
-from ..store import Reader, numpy_dtype
+from ..store import Index, Reader, numpy_dtype
 from .sharded import LogicalRecord, read_logical_chunk, with_logical
 
 __all__ = ["CommitArray", "ReaderPool", "TrajectoryArray", "read_outer", "variable", "view_dtype"]
@@ -52,8 +52,9 @@ class _SharedReader(Reader):
     """A ``Reader`` whose arrays tables come from (and go to) a shared cache, augmented with
     the logical tensors of sharded (ZeRO) commits (:mod:`dstt.inspect.sharded`)."""
 
-    def __init__(self, storage: Any, tables: LRU[int, dict[str, Any]]) -> None:
-        super().__init__(storage, table_cache=1)
+    def __init__(self, storage: Any, tables: LRU[int, dict[str, Any]],
+                 index: Index | None = None) -> None:
+        super().__init__(storage, table_cache=1, index=index)
         self._shared = tables
 
     def arrays(self, header: Any) -> dict[str, Any]:
@@ -65,7 +66,7 @@ class _SharedReader(Reader):
         return table
 
     def read_chunk(self, header: Any, path: str, index: int) -> memoryview:
-        rec = self.arrays(header).get(path)
+        rec = self.located(header, path) or self.arrays(header).get(path)
         if isinstance(rec, LogicalRecord):
             return read_logical_chunk(self, header, rec, index)
         return super().read_chunk(header, path, index)
@@ -81,13 +82,14 @@ class ReaderPool:
     def __init__(self, storage: Any, *, table_cache: int = 32) -> None:
         self.storage = storage
         self.tables: LRU[int, dict[str, Any]] = LRU(table_cache)
+        self.index = Index(storage)  # one index for every thread's reader
         self._local = threading.local()
         self.primary = self.get()
 
     def get(self) -> Reader:
         r = getattr(self._local, "reader", None)
         if r is None:
-            r = self._local.reader = _SharedReader(self.storage, self.tables)
+            r = self._local.reader = _SharedReader(self.storage, self.tables, self.index)
         return r
 
 
@@ -222,7 +224,8 @@ class TrajectoryArray(BackendArray):
 
     def _fill(self, i: int, rest: Key, out: np.ndarray) -> None:
         reader, header = self.readers.get(), self.headers[i]
-        record = reader.arrays(header).get(self.path)
+        # the index locates the tensor's chunks without the step's arrays table
+        record = reader.located(header, self.path) or reader.arrays(header).get(self.path)
         if record is None:
             if self.dtype.kind != "f":
                 raise SchemaError(f"{self.path!r} is missing at step {header.step} and has dtype "

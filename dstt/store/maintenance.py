@@ -31,6 +31,7 @@ from .format.layout import (
 from .format.manifest import ArrayRecord, CommitHeader, checksum, dump_header
 from .format.zarr_meta import array_document
 from .format.zipfmt import Entry, crc32, local_data_offset, parse_directory
+from .index import GC_MARKER, IndexedHeader, all_rows, check, rewrite, rows_from_headers
 from .parts import remove_parts
 from .reader import Reader
 
@@ -72,7 +73,7 @@ def verify(repo: Repository, *, progress: Progress = None) -> VerifyReport:
 
     try:
         repo.root_attributes()
-        r = Reader(st)
+        r = Reader(st, use_index=False)  # every header from its own file
     except DsttError as e:
         problem("zarr.json / refs", e)
         return rep
@@ -115,6 +116,8 @@ def verify(repo: Repository, *, progress: Progress = None) -> VerifyReport:
             except OSError as e:
                 problem(o.key, e)
         _verify_step_files(st, h, table, problem)
+    for key, message in check(r):  # the index against the headers (index.py)
+        problem(key, message)
     if progress:
         progress(len(todo), len(todo))
     return rep
@@ -306,6 +309,16 @@ def gc(repo: Repository, *, keep_last: int | None = None, keep_every: int | None
         freed = sum(z for z in sizes.values() if z > 0)
         pruned_steps = tuple((reachable[s].timeline, reachable[s].step) for s in prune)
         if not dry_run:
+            # the index keeps every row of a pruned step (index.py): rows of the steps not
+            # indexed yet are read now, while their files still exist
+            old = all_rows(st, r.index.load())
+            todo_rows = [reachable[s] for s in sorted(reachable) if s not in old]
+            if todo_rows:
+                fresh = rows_from_headers(r, todo_rows)
+                old.update({int(s): (fresh, i) for i, s in enumerate(fresh.slot.tolist())})
+            reindex = bool(prune) or st.exists(GC_MARKER) or bool(set(orphans) & set(old))
+            if prune:  # readers distrust these rows until the new index is written
+                st.write_durable(GC_MARKER, json.dumps({"slots": prune}).encode())
             # tombstones first, durably: from here on no reader looks at the doomed files,
             # so a crash between any two deletes below leaves every kept step intact
             # newest first: a delta's bases and inputs are in older slots, so at every point
@@ -313,8 +326,12 @@ def gc(repo: Repository, *, keep_last: int | None = None, keep_every: int | None
             for n, slot in enumerate(sorted(prune, reverse=True)):
                 if progress:
                     progress(n, len(prune) + len(doomed))
-                st.write_durable(commit_key(slot),
-                                 dump_header(replace(reachable[slot], pruned=True, arrays=None)))
+                h = reachable[slot]
+                h = h.full() if isinstance(h, IndexedHeader) else h
+                reachable[slot] = replace(h, pruned=True, arrays=None)
+                st.write_durable(commit_key(slot), dump_header(reachable[slot]))
+            if reindex:  # new segment, old ones deleted, then the marker: before any file
+                rewrite(st, r, [reachable[s] for s in sorted(reachable)], old)
             for n, k in enumerate(doomed):
                 if progress:
                     progress(len(prune) + n, len(prune) + len(doomed))

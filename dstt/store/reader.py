@@ -11,7 +11,7 @@ after the commit point and cannot tell timelines apart.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,7 +45,9 @@ from .format.manifest import (
     parse_ref,
 )
 from .format.objects import decode_object
+from .format.segment import RowSet
 from .format.zarr_meta import numpy_dtype
+from .index import Index, scalar_rows
 
 if TYPE_CHECKING:
     from .storage.base import Storage
@@ -57,8 +59,13 @@ class Reader:
     """Read-only view of a run's committed state."""
 
     def __init__(self, storage: Storage, *, table_cache: int = 8,
-                 decoded_cache_bytes: int = 256 << 20) -> None:
+                 decoded_cache_bytes: int = 256 << 20, index: Index | None = None,
+                 use_index: bool = True) -> None:
         self.storage = storage
+        #: the run's index (``index.py``): headers and tensor locations without a header
+        #: read per step; loaded on first use, shared by the readers of a ``ReaderPool``.
+        #: ``use_index=False``: every header from its own file (verify)
+        self.index = index if index is not None else Index(storage, enabled=use_index)
         self._headers: dict[int, CommitHeader] = {}
         self._tables: LRU[int, dict[str, ArrayRecord]] = LRU(table_cache)
         #: decoded delta chunks (trajectories walk chains in order), bounded in bytes
@@ -83,6 +90,8 @@ class Reader:
         self._refs = refs
         # tombstones are final; any other header may have become one since
         self._headers = {s: h for s, h in self._headers.items() if h.pruned}
+        if self.index._loaded:
+            self.index.load()
 
     @property
     def timelines(self) -> dict[str, RefInfo]:
@@ -102,6 +111,10 @@ class Reader:
     def header(self, slot: int) -> CommitHeader:
         h = self._headers.get(slot)
         if h is None:
+            h = self.index.header(slot)
+            if h is not None:
+                self._headers[slot] = h
+                return h
             key = commit_key(slot)
             try:
                 data = self.storage.read(key)
@@ -196,15 +209,31 @@ class Reader:
 
     def _raise_missing(self, header: CommitHeader, where: str) -> Any:
         self._headers.pop(header.slot, None)
-        try:
-            now = self.header(header.slot)
-        except CorruptRunError:
+        key = commit_key(header.slot)
+        try:  # the header file itself, not the index's copy: gc may have pruned it since
+            now = parse_header(self.storage.read(key), f"{self.storage.location}/{key}")
+        except (CorruptRunError, FileNotFoundError):
             now = header
         if now.pruned:
             raise StepNotFoundError(f"step {header.step} was pruned by gc while being read")
         raise CorruptRunError(f"{where}: file missing; step {header.step} is damaged")
 
+    def scalar_rows(self, headers: Sequence[CommitHeader], *, summaries: bool = True) -> RowSet:
+        """Metrics, metrics history and (``summaries``) write-time summaries of ``headers``
+        as columns, from the index (pruned steps included: gc keeps their rows)."""
+        return scalar_rows(self, list(headers), summaries=summaries)
+
+    def located(self, header: CommitHeader, path: str) -> ArrayRecord | None:
+        """The record of ``path`` in ``header``'s commit from the index alone (raw chunks;
+        no arrays table read), or None: then read it from ``arrays(header)``."""
+        if header.pruned:
+            return None
+        return self.index.located(header.slot, path)
+
     def record(self, header: CommitHeader, path: str) -> ArrayRecord:
+        rec = self.located(header, path)
+        if rec is not None:
+            return rec
         table = self.arrays(header)
         try:
             return table[path]

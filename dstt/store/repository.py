@@ -27,6 +27,7 @@ from .format.layout import (
 )
 from .format.manifest import RefInfo, dump_head, dump_ref
 from .format.zarr_meta import dump, group_document, root_attributes
+from .index import rebuild
 from .maintenance import GcReport, VerifyReport, gc, verify
 from .reader import Reader
 from .storage.base import Storage
@@ -158,8 +159,17 @@ class Repository:
         return gc(self, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
                   dry_run=dry_run, progress=progress)
 
-    def verify(self, *, progress: Any = None) -> VerifyReport:
+    def verify(self, *, progress: Any = None, repair: bool = False) -> VerifyReport:
+        """Check every reachable byte and the index; ``repair``: rebuild the index from
+        the commit headers first (what ``dstt verify --repair`` does)."""
+        if repair:
+            self.reindex()
         return verify(self, progress=progress)
+
+    def reindex(self) -> int:
+        """Rebuild the index from the commit headers (``dstt index``); returns its rows."""
+        with self.storage.lock(LOCK_KEY):
+            return rebuild(Reader(self.storage))
 
 
 def _empty_or_interrupted_create(storage: Storage) -> bool:

@@ -21,6 +21,7 @@ its successor pointing at a slot that never committed.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import struct
 import threading
@@ -67,6 +68,7 @@ from .format.objects import Encoding, encode_object
 from .format.stepfile import Block, SideFile, StepFile
 from .format.zarr_meta import array_document, dtype_itemsize, dump, group_document, root_attributes
 from .format.zipfmt import crc32
+from .index import EVERY, IndexWriter
 from .parts import Part, dump_part, merge_parts, remove_parts
 
 if TYPE_CHECKING:
@@ -83,7 +85,7 @@ class Writer:
     def __init__(self, repo: Repository, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  encoding: DeltaPolicy | None = None, exclusive: bool = True,
                  inflight_bases: bool = False, rank: int | None = None,
-                 lazy_refs: bool = False) -> None:
+                 lazy_refs: bool = False, index_every: int = EVERY) -> None:
         """``inflight_bases``: a step may be encoded against the previous step before that
         one commits (for callers that overlap steps and commit them in order, like the
         engine); a step based on one that then fails to commit cannot commit either.
@@ -92,7 +94,8 @@ class Writer:
         (or ``flush``/``close``) makes it durable. Visibility still implies durability (the
         ref is written only after the step's files and header are durable), but a power
         cut can lose the newest commit — never tear one. Two fewer syncs per commit: for
-        per-iteration capture, where the next commit follows in a fraction of a second."""
+        per-iteration capture, where the next commit follows in a fraction of a second.
+        ``index_every``: committed steps per new index segment (``index.py``)."""
         self.repo = repo
         self.storage = repo.storage
         self.chunk_bytes = chunk_bytes
@@ -119,6 +122,8 @@ class Writer:
         try:
             self.reader = repo.reader()
             self._next_slot = self.reader.max_slot() + 1
+            #: the index's rows of this writer's commits (and any tail a crash left)
+            self.index = IndexWriter(self.reader, every=index_every) if exclusive else None
         except BaseException:  # a damaged run: release the lock now, not when gc collects us
             self.close()
             raise
@@ -329,6 +334,11 @@ class Writer:
             self._open.discard(txn.slot)
             if self.encoder is not None:
                 self.encoder.promote(txn.slot, txn.timeline, txn.pending)
+            if self.index is not None:
+                # after the commit point: the index only ever holds committed rows. A failed
+                # segment write keeps the rows pending (readers read their headers meanwhile)
+                with contextlib.suppress(OSError):
+                    self.index.add(header)
             return header
 
 

@@ -51,7 +51,8 @@ def test_step_is_a_unique_index_along_a_rolled_back_timeline(tmp_path: Path) -> 
     assert m["step"].values.tolist() == list(range(1, 9))
     assert m.indexes["step"].is_unique and m.indexes["step"].is_monotonic_increasing
     assert m["timeline"].values.tolist() == ["main"] * 4 + [branch] * 4
-    assert set(m.coords) == {"step", "slot", "timeline", "time"} and m.xindexes.keys() == {"step"}
+    assert set(m.coords) == {"step", "slot", "timeline", "time", "pruned"}  # pruned: gc (#14)
+    assert m.xindexes.keys() == {"step"}
     assert str(m["timeline"].sel(step=3).values) == "main"
     assert str(m["timeline"].sel(step=5).values) == branch
     assert int(m["slot"].sel(step=5)) == -1  # not committed: carried by the branch's step 6

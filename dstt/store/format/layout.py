@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "FORMAT_VERSION",
     "HEAD_KEY",
+    "INDEX_PREFIX",
     "LOCK_KEY",
     "PARTS_PREFIX",
     "REFS_PREFIX",
@@ -38,7 +39,9 @@ __all__ = [
     "check_timeline_name",
     "commit_key",
     "group_meta_key",
+    "index_key",
     "key_slot",
+    "parse_index_name",
     "part_key",
     "plan_chunks",
     "ref_key",
@@ -55,6 +58,7 @@ STEPS_PREFIX = "steps"  # one zip (a Zarr v3 hierarchy) + one side file per step
 COMMITS_PREFIX = "_dstt/commits"
 REFS_PREFIX = "_dstt/refs"
 PARTS_PREFIX = "_dstt/parts"  # multi-rank commits: one part manifest per rank (parts.py)
+INDEX_PREFIX = "_dstt/index"  # the index's segments (index.py, format/segment.py)
 HEAD_KEY = "_dstt/HEAD.json"
 LOCK_KEY = "_dstt/lock"
 
@@ -139,6 +143,20 @@ def parse_commit_name(name: str) -> int | None:
     """Slot of a commit header file name, or None for other files."""
     m = re.fullmatch(r"(\d{12})\.json", name)
     return int(m.group(1)) if m else None
+
+
+_INDEX = re.compile(r"^(\d{12})-(\d{12})\.g(\d{6,})\.idx$")
+
+
+def index_key(lo: int, hi: int, gen: int) -> str:
+    """An index segment holding rows of slots ``lo..hi``, generation ``gen`` (newer wins)."""
+    return f"{INDEX_PREFIX}/{lo:012d}-{hi:012d}.g{gen:06d}.idx"
+
+
+def parse_index_name(name: str) -> tuple[int, int, int] | None:
+    """``(lo, hi, gen)`` of an index segment's file name, None for other names."""
+    m = _INDEX.match(name)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
 
 
 def part_key(slot: int, rank: int) -> str:

@@ -1,0 +1,281 @@
+"""Index segments: the columnar rows of many commits in one immutable, checksummed file.
+
+A segment (``_dstt/index/<lo>-<hi>.g<gen>.idx``, ``docs/format.md`` §9) is a cache of the
+commit headers of slots ``lo..hi`` that a reader can open without reading a header per step.
+Layout::
+
+    b"DSTTIDX1" | u64 n | directory (sealed JSON envelope, n bytes) | blobs ...
+
+The directory names each blob's byte range, crc32c, dtype and shape; blobs are grouped so one
+question is one range read: the *core* columns (slot, step, parent, timeline, pruned, time)
+come first, then the header bytes, the metrics, the write-time summaries and, per tensor, the
+*locations* block (each row's layout id, then each row's chunk crc32c: tensor-major, so one
+tensor across every row of a segment is one read). A location layout is the tuple of
+``(file, offset, nbytes)`` of a tensor's chunks, ``file`` -1 meaning the row's own step file:
+in the engine's flat lane every step of an unchanged layout has identical offsets, so a
+segment holds one layout per tensor and 4 bytes per chunk per row (the crc32c).
+
+``RowSet`` is the in-memory form: columns of any number of rows, concatenated (``concat``)
+when segments merge, so a merge is numpy work, not per-row Python. Summaries are float64
+(exact copies of the write-time objects), probes float32 (the probed values of float32 or
+narrower tensors, exact). Rejected alternatives: one JSON document per segment (a 10,000-row
+segment would be ~10 MB to parse to list steps); a row per file (the run must stay <= 3 files
+per committed step per rank); SQLite (not immutable, not checksummed per column, and a second
+on-disk format for plain readers to know).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...errors import ChecksumError, CorruptRunError
+from .manifest import _canonical, checksum
+
+__all__ = ["MAGIC", "SCALARS", "Layout", "Locations", "RowSet", "concat", "decode_core",
+           "decode_rest", "encode", "read_directory"]
+
+MAGIC = b"DSTTIDX1"
+#: the scalar fields of a write-time summary, in this order in ``RowSet.s_val``
+SCALARS = ("l2", "rms", "maxabs", "nan", "inf", "update_l2", "update_ratio")
+Layout = tuple[str, tuple[int, ...], int, tuple[tuple[int, int, int], ...]]
+_CORE = (("slot", "<i8"), ("step", "<i8"), ("parent", "<i8"), ("timeline", "<i4"),
+         ("pruned", "u1"), ("time", "<f8"))
+
+
+@dataclass
+class Locations:
+    """Where one tensor's chunks sit in each row: ``ids[row]`` indexes ``layouts`` (-1: the
+    row has no raw record of it), ``crc[row, chunk]`` its crc32c. A layout is ``(dtype,
+    shape, rows per chunk, ((file, offset, nbytes), ...))``."""
+
+    layouts: list[Layout]
+    ids: np.ndarray
+    crc: np.ndarray
+
+
+@dataclass
+class RowSet:
+    slot: np.ndarray
+    step: np.ndarray
+    parent: np.ndarray  # -1: no parent
+    timeline: np.ndarray  # index into ``timelines``
+    pruned: np.ndarray
+    time: np.ndarray
+    timelines: list[str]
+    headers: list[bytes]  # each row's commit header file, byte for byte
+    m_names: list[str] = field(default_factory=list)
+    m_num: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    m_text: list[dict[str, Any] | None] = field(default_factory=list)  # non-numeric metrics
+    m_hist: list[Any] = field(default_factory=list)  # decoded metrics/history object or None
+    s_paths: list[str] = field(default_factory=list)
+    s_has: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+    s_val: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, len(SCALARS))))
+    s_exact: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.uint8))
+    s_probe: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), np.float32))
+    files: list[str] = field(default_factory=list)  # files named by location layouts
+    loc: dict[str, Locations] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.slot)
+
+
+def _remap(cols: list[str], union: list[str]) -> np.ndarray:
+    pos = {c: i for i, c in enumerate(union)}
+    return np.array([pos[c] for c in cols], dtype=np.int64)
+
+
+def concat(sets: list[RowSet]) -> RowSet:
+    """One RowSet of every row of ``sets``, in order (columns are unioned)."""
+    sets = [s for s in sets if len(s)]
+    if len(sets) == 1:
+        return sets[0]
+    tls = sorted({t for s in sets for t in s.timelines})
+    names = sorted({m for s in sets for m in s.m_names})
+    paths = sorted({p for s in sets for p in s.s_paths})
+    files = sorted({f for s in sets for f in s.files})
+    n = sum(len(s) for s in sets)
+    k = max((s.s_probe.shape[2] for s in sets), default=0)
+    out = RowSet(
+        slot=np.concatenate([s.slot for s in sets]) if sets else np.zeros(0, np.int64),
+        step=np.concatenate([s.step for s in sets]) if sets else np.zeros(0, np.int64),
+        parent=np.concatenate([s.parent for s in sets]) if sets else np.zeros(0, np.int64),
+        timeline=np.concatenate([_remap(s.timelines, tls)[s.timeline] if len(s.timelines)
+                                 else s.timeline for s in sets]).astype(np.int32)
+        if sets else np.zeros(0, np.int32),
+        pruned=np.concatenate([s.pruned for s in sets]) if sets else np.zeros(0, np.uint8),
+        time=np.concatenate([s.time for s in sets]) if sets else np.zeros(0),
+        timelines=tls, headers=[h for s in sets for h in s.headers], m_names=names,
+        m_num=np.full((n, len(names)), np.nan),
+        m_text=[t for s in sets for t in s.m_text], m_hist=[h for s in sets for h in s.m_hist],
+        s_paths=paths, s_has=np.zeros(n, np.uint8),
+        s_val=np.full((n, len(paths), len(SCALARS)), np.nan),
+        s_exact=np.zeros((n, len(paths)), np.uint8),
+        s_probe=np.full((n, len(paths), k), np.nan, np.float32), files=files)
+    at = 0
+    for s in sets:
+        rows = slice(at, at + len(s))
+        if s.m_names:
+            out.m_num[rows, _remap(s.m_names, names)] = s.m_num
+        out.s_has[rows] = s.s_has
+        if s.s_paths:
+            cols = _remap(s.s_paths, paths)
+            out.s_val[rows, cols] = s.s_val
+            out.s_exact[rows, cols] = s.s_exact
+            out.s_probe[rows, cols, :s.s_probe.shape[2]] = s.s_probe
+        at += len(s)
+    for path in sorted({p for s in sets for p in s.loc}):
+        width = max(s.loc[path].crc.shape[1] for s in sets if path in s.loc)
+        layouts: list[Layout] = []
+        seen: dict[Layout, int] = {}
+        ids = np.full(n, -1, np.int32)
+        crc = np.zeros((n, width), np.uint32)
+        at = 0
+        for s in sets:
+            got = s.loc.get(path)
+            if got is not None:
+                fmap = _remap(s.files, files)
+                new_ids = []
+                for dt, shape, nrows, chunks in got.layouts:
+                    lay2 = (dt, shape, nrows,
+                            tuple((int(fmap[f]) if f >= 0 else f, o, b) for f, o, b in chunks))
+                    j = seen.get(lay2)
+                    if j is None:
+                        j = seen[lay2] = len(layouts)
+                        layouts.append(lay2)
+                    new_ids.append(j)
+                m = np.array([*new_ids, -1], np.int32)
+                ids[at:at + len(s)] = m[got.ids]  # -1 indexes the trailing -1
+                crc[at:at + len(s), :got.crc.shape[1]] = got.crc
+            at += len(s)
+        out.loc[path] = Locations(layouts, ids, crc)
+    return out
+
+
+# -- bytes ----------------------------------------------------------------------------------
+
+def _blob(parts: list[bytes], blobs: dict[str, list[Any]], name: str, data: Any,
+          at: list[int]) -> None:
+    if isinstance(data, np.ndarray):
+        raw = np.ascontiguousarray(data).tobytes()
+        meta: list[Any] = [data.dtype.str, list(data.shape)]
+    else:
+        raw = bytes(data)
+        meta = ["bytes", [len(raw)]]
+    blobs[name] = [at[0], len(raw), checksum(raw), *meta]
+    parts.append(raw)
+    at[0] += len(raw)
+
+
+def _json(x: Any) -> bytes:
+    return json.dumps(x, separators=(",", ":"), allow_nan=True).encode()
+
+
+def encode(rows: RowSet, gen: int) -> bytes:
+    """The bytes of a segment holding ``rows``, generation ``gen`` (newer wins on overlap)."""
+    parts: list[bytes] = []
+    blobs: dict[str, list[Any]] = {}
+    at = [0]
+    for name, dt in _CORE:
+        _blob(parts, blobs, name, np.asarray(getattr(rows, name), dtype=dt), at)
+    offs = np.zeros(len(rows) + 1, np.int64)
+    offs[1:] = np.cumsum([len(h) for h in rows.headers])
+    _blob(parts, blobs, "hdr_off", offs, at)
+    _blob(parts, blobs, "hdr", b"".join(rows.headers), at)
+    _blob(parts, blobs, "m_num", np.asarray(rows.m_num, "<f8"), at)
+    _blob(parts, blobs, "m_extra", _json({"text": {str(i): t for i, t in enumerate(rows.m_text)
+                                                   if t},
+                                          "hist": {str(i): h for i, h in enumerate(rows.m_hist)
+                                                   if h is not None}}), at)
+    for name in ("s_has", "s_val", "s_exact", "s_probe"):
+        dt = {"s_has": "u1", "s_val": "<f8", "s_exact": "u1", "s_probe": "<f4"}[name]
+        _blob(parts, blobs, name, np.asarray(getattr(rows, name), dtype=dt), at)
+    locdir: dict[str, list[Any]] = {}
+    for path, lo in rows.loc.items():
+        block = (np.asarray(lo.ids, "<i4").tobytes() + np.asarray(lo.crc, "<u4").tobytes())
+        locdir[path] = [at[0], len(block), checksum(block), int(lo.crc.shape[1]),
+                        [[dt, list(sh), r, [list(c) for c in ch]] for dt, sh, r, ch in lo.layouts]]
+        parts.append(block)
+        at[0] += len(block)
+    _blob(parts, blobs, "locdir", _json(locdir), at)
+    body = {"kind": "index-segment", "gen": gen, "n": len(rows), "timelines": rows.timelines,
+            "m_names": rows.m_names, "s_paths": rows.s_paths, "files": rows.files,
+            "blobs": blobs}
+    raw = _canonical(body)
+    directory = b'{"crc32c":%d,"body":' % checksum(raw) + raw + b"}"
+    return MAGIC + struct.pack("<Q", len(directory)) + directory + b"".join(parts)
+
+
+def read_directory(prefix: bytes, where: str) -> tuple[dict[str, Any], int] | int:
+    """The directory and where blobs start, from the first bytes of a segment; or, when
+    ``prefix`` is too short, how many bytes are needed."""
+    if len(prefix) < 16 or prefix[:8] != MAGIC:
+        if len(prefix) >= 8 and prefix[:8] != MAGIC:
+            raise CorruptRunError(f"{where}: not a dstt index segment")
+        return 16
+    (n,) = struct.unpack("<Q", prefix[8:16])
+    if len(prefix) < 16 + n:
+        return 16 + n
+    try:
+        doc = json.loads(prefix[16:16 + n])
+        body = doc["body"]
+        ok = checksum(_canonical(body)) == doc["crc32c"] and body["kind"] == "index-segment"
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptRunError(f"{where}: damaged index directory ({e})") from None
+    if not ok:
+        raise ChecksumError(f"{where}: index directory fails its crc32c")
+    return body, 16 + n
+
+
+def blob(d: dict[str, Any], name: str, data: bytes, base: int, where: str) -> Any:
+    """Blob ``name`` from ``data`` (bytes of the segment starting at file offset ``base``)."""
+    off, nbytes, crc, dt, shape = d["blobs"][name]
+    raw = data[off - base:off - base + nbytes]
+    if len(raw) != nbytes or checksum(raw) != crc:
+        raise ChecksumError(f"{where}: index blob {name!r} fails its crc32c")
+    if dt == "bytes":
+        return raw
+    return np.frombuffer(raw, dtype=dt).reshape(shape)
+
+
+def core_span(d: dict[str, Any]) -> tuple[int, int]:
+    """Byte range (relative to the blobs' start) of the core columns and header offsets."""
+    b = d["blobs"]
+    return b["slot"][0], b["hdr_off"][0] + b["hdr_off"][1]
+
+
+def decode_core(d: dict[str, Any], data: bytes, base: int, where: str) -> dict[str, np.ndarray]:
+    return {name: blob(d, name, data, base, where) for name, _ in (*_CORE, ("hdr_off", ""))}
+
+
+def decode_rest(d: dict[str, Any], core: dict[str, np.ndarray], data: bytes,
+                where: str) -> RowSet:
+    """Every column (``data``: the whole blob area) as a RowSet (merges, gc, rebuild)."""
+    offs = core["hdr_off"]
+    hdr = blob(d, "hdr", data, 0, where)
+    extra = json.loads(blob(d, "m_extra", data, 0, where))
+    n = int(d["n"])
+    text = [extra["text"].get(str(i)) for i in range(n)]
+    hist = [extra["hist"].get(str(i)) for i in range(n)]
+    locdir = json.loads(blob(d, "locdir", data, 0, where))
+    loc = {}
+    for path, (off, nbytes, crc, width, lays) in locdir.items():
+        raw = data[off:off + nbytes]
+        if len(raw) != nbytes or checksum(raw) != crc:
+            raise ChecksumError(f"{where}: index locations of {path!r} fail their crc32c")
+        ids = np.frombuffer(raw[:4 * n], "<i4")
+        crcs = np.frombuffer(raw[4 * n:], "<u4").reshape(n, width)
+        loc[path] = Locations([(str(dt), tuple(sh), int(r), tuple(tuple(c) for c in ch))
+                               for dt, sh, r, ch in lays], ids, crcs)
+    return RowSet(
+        slot=core["slot"], step=core["step"], parent=core["parent"], timeline=core["timeline"],
+        pruned=core["pruned"], time=core["time"], timelines=list(d["timelines"]),
+        headers=[bytes(hdr[offs[i]:offs[i + 1]]) for i in range(n)],
+        m_names=list(d["m_names"]), m_num=blob(d, "m_num", data, 0, where), m_text=text,
+        m_hist=hist, s_paths=list(d["s_paths"]), s_has=blob(d, "s_has", data, 0, where),
+        s_val=blob(d, "s_val", data, 0, where), s_exact=blob(d, "s_exact", data, 0, where),
+        s_probe=blob(d, "s_probe", data, 0, where), files=list(d["files"]), loc=loc)

@@ -1,0 +1,194 @@
+"""The run's index (dstt/store/index.py): gc keeps the scalars of pruned steps, a cut at any
+write leaves the index agreeing with the commits (or ignored), damage falls back to headers
+and ``reindex`` (``dstt index``) rebuilds, and a trajectory reads only its tensor's bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import dstt
+from dstt.store import Repository, Storage
+from dstt.store.format.layout import INDEX_PREFIX
+from dstt.store.index import GC_MARKER, check
+from dstt.store.storage.memory import DelegatingStorage, MemoryStorage
+
+from .test_crash import every_cut
+
+N = 40
+
+
+def _summaries(step: int) -> dict[str, Any]:
+    return {f"params/l{j}/w": {"l2": float(step + j), "rms": 1.0, "maxabs": 2.0, "nan": 0,
+                               "inf": 0, "update_l2": 0.1, "update_ratio": 0.01 * (1 + j),
+                               "probe": [float(step), float(j)], "update_exact": False}
+            for j in range(3)}
+
+
+def _commit(w: Any, step: int, loss: float) -> None:
+    txn = w.begin(step)
+    for j in range(3):
+        a = np.full((8, 4), step + j, np.float32)
+        txn.declare(f"params/l{j}/w", "float32", a.shape)
+        txn.put_chunk(f"params/l{j}/w", 0, a.reshape(-1).view(np.uint8))
+    txn.put_object("summaries", _summaries(step))
+    txn.commit({"loss": loss, "phase": "warm" if step < 5 else "main"})
+
+
+def _loss(step: int) -> float:
+    return 10.0 if step == 23 else 1.0 + 0.001 * (step % 3)  # a spike at 23
+
+
+def _run(st: Storage, steps: range = range(N), every: int = 8) -> Repository:
+    repo = Repository.create(st)
+    with repo.writer(index_every=every) as w:
+        for s in steps:
+            _commit(w, s, _loss(s))
+    return repo
+
+
+def test_metrics_and_summaries_of_pruned_steps_survive_gc() -> None:
+    st = MemoryStorage()
+    repo = _run(st)
+    before_m = dstt.open(repo).metrics()
+    before_s = dstt.open(repo).summaries()
+    repo.gc(keep_last=5, keep_every=10)
+    run = dstt.open(repo)
+    assert run.steps == [0, 10, 20, 30, *range(35, N)]
+    m = run.metrics()
+    assert m["step"].values.tolist() == list(range(N))  # the loss curve has no holes
+    assert np.array_equal(m["loss"].values, before_m["loss"].values)
+    assert m["phase"].values.tolist() == before_m["phase"].values.tolist()
+    assert m["pruned"].values.tolist() == [s not in run.steps for s in range(N)]
+    s = run.summaries()
+    assert s["step"].values.tolist() == list(range(N))
+    for f in ("l2", "update_ratio", "probe"):
+        assert np.array_equal(s[f].values, before_s[f].values, equal_nan=True), f
+    assert s["pruned"].values.sum() == N - len(run.steps)
+
+
+def test_spikes_finds_a_spike_inside_a_pruned_range() -> None:
+    st = MemoryStorage()
+    repo = _run(st)
+    repo.gc(keep_last=5, keep_every=10)
+    run = dstt.open(repo)
+    assert 23 not in run.steps
+    (sp,) = run.spikes("loss", window=10, z=5.0)
+    assert sp.step == 23 and sp.cause == 30  # the committed interval that holds 22 -> 23
+    assert sp.tensors  # ranked from the cause commit's summaries
+
+
+def _agree(st: MemoryStorage) -> None:
+    repo = Repository(st)
+    r = repo.reader()
+    assert check(Repository(st).reader()) == []
+    rep = repo.verify()
+    assert rep.ok, rep.problems
+    raw = Repository(st).reader()
+    raw.index.enabled = False
+    raw.index.load()
+    for tl in r.timelines:
+        got = [(h.slot, h.step, h.pruned, dict(h.metrics)) for h in r.lineage(tl)]
+        want = [(h.slot, h.step, h.pruned, dict(h.metrics)) for h in raw.lineage(tl)]
+        assert got == want
+
+
+def test_index_agrees_with_the_commits_after_a_cut_at_every_write_of_a_commit() -> None:
+    base = MemoryStorage()
+    _run(base, range(7), every=8)  # the next commit writes a segment
+
+    def op(st: Storage) -> None:
+        with Repository(st).writer(index_every=8) as w:
+            _commit(w, 7, 1.0)
+
+    def check_cut(st: MemoryStorage, done: bool) -> None:
+        _agree(st)
+        with Repository(st).writer(index_every=8) as w:  # a new writer indexes the tail
+            head = w.reader.head()
+            _commit(w, (head.step if head else -1) + 1, 1.0)
+        _agree(st)
+
+    keys = every_cut(base, op, check_cut)
+    assert any(k.startswith(INDEX_PREFIX) for k in keys)
+
+
+def test_index_agrees_with_the_commits_after_a_cut_at_every_write_of_gc() -> None:
+    base = MemoryStorage()
+    _run(base, range(20), every=4)
+
+    def check_cut(st: MemoryStorage, done: bool) -> None:
+        _agree(st)
+        m = dstt.open(Repository(st)).metrics()
+        assert m["step"].values.tolist() == list(range(20))  # no scalar lost at any cut
+        Repository(st).gc(keep_last=3)
+        _agree(st)
+        assert not st.exists(GC_MARKER)
+        s = dstt.open(Repository(st)).summaries()
+        assert s["step"].values.tolist() == list(range(20))
+
+    keys = every_cut(base, lambda st: Repository(st).gc(keep_last=3), check_cut)
+    assert keys[0] == GC_MARKER
+
+
+@pytest.mark.parametrize("damage", ["delete", "flip"])
+def test_damaged_index_falls_back_to_headers_and_reindex_rebuilds(damage: str) -> None:
+    st = MemoryStorage()
+    repo = _run(st)
+    want = dstt.open(repo).metrics()
+    segs = [f"{INDEX_PREFIX}/{n}" for n in st.list(INDEX_PREFIX)]
+    assert segs
+    for k in segs:
+        if damage == "delete":
+            st.delete(k)
+        else:
+            data = bytearray(st.read(k))
+            data[len(data) // 2] ^= 0xFF
+            data[40] ^= 0xFF
+            st.data[k] = st.durable[k] = bytes(data)
+    run = dstt.open(repo)
+    assert run.steps == list(range(N))
+    assert np.array_equal(run.metrics()["loss"].values, want["loss"].values)
+    assert run.at(17).to_numpy("l1.w")[0, 0] == 18
+    assert repo.verify().ok == (damage == "delete")
+    assert repo.reindex() == N
+    assert repo.verify().ok
+    assert len(Repository(st).reader().index.load().rows) == N
+
+
+class Counting(DelegatingStorage):
+    def __init__(self, inner: Storage) -> None:
+        super().__init__(inner)
+        self.bytes = 0
+
+    def read(self, key: str) -> bytes:
+        data = super().read(key)
+        self.bytes += len(data)
+        return data
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        data = super().read_range(key, start, length)
+        self.bytes += len(data)
+        return data
+
+
+def test_trajectory_reads_only_that_tensors_bytes() -> None:
+    mem = MemoryStorage()
+    repo = Repository.create(mem)
+    with repo.writer(index_every=16) as w:
+        for s in range(64):
+            txn = w.begin(s)
+            for j in range(40):
+                a = np.full((64, 16), s + j, np.float32)  # 4 KiB each
+                txn.declare(f"params/l{j}/w", "float32", a.shape)
+                txn.put_chunk(f"params/l{j}/w", 0, a.reshape(-1).view(np.uint8))
+            txn.commit({"loss": 1.0})
+    st = Counting(mem)
+    run = dstt.open(Repository(st))
+    assert len(run.steps) == 64
+    st.bytes = 0
+    values = run.trajectory("l3.w").values
+    assert values[:, 0, 0].tolist() == [s + 3 for s in range(64)]
+    amplification = st.bytes / values.nbytes
+    assert amplification <= 1.1, amplification
