@@ -33,7 +33,7 @@ from xarray.core import indexing
 
 from .._lru import LRU
 from ..errors import SchemaError
-from ..store import Index, Reader, numpy_dtype
+from ..store import Index, LocalStorage, Reader, numpy_dtype
 from .sharded import LogicalRecord, read_logical_chunk, with_logical
 
 __all__ = ["CommitArray", "ReaderPool", "TrajectoryArray", "read_outer", "variable", "view_dtype"]
@@ -86,11 +86,25 @@ class ReaderPool:
         self._local = threading.local()
         self.primary = self.get()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its storage's description (dask sends the arrays that hold a pool to
+        its workers): threads, caches and open readers are rebuilt where it lands. A
+        ``LocalStorage`` travels as its folder; other storages pickle themselves (an
+        ``S3Storage`` as its URL and options)."""
+        st = self.storage
+        where = str(st.root) if isinstance(st, LocalStorage) else st
+        return (_rebuilt_pool, (where, self.tables.capacity))
+
     def get(self) -> Reader:
         r = getattr(self._local, "reader", None)
         if r is None:
             r = self._local.reader = _SharedReader(self.storage, self.tables, self.index)
         return r
+
+
+def _rebuilt_pool(where: Any, table_cache: int) -> ReaderPool:
+    storage = LocalStorage(where) if isinstance(where, str) else where
+    return ReaderPool(storage, table_cache=table_cache)
 
 
 # -- indexing ---------------------------------------------------------------------------------

@@ -211,21 +211,30 @@ def resolve_dims(named: Mapping[str, tuple[Sequence[str], Sequence[int]]]
         node, var = tree_location(path)
         by_node.setdefault(node, []).append((var, path))
     taken: dict[str, dict[str, int]] = {}  # node -> its own names and sizes
+    above: dict[str, dict[str, int]] = {"": {}}  # node -> the names of its ancestors
+
+    def visible_of(node: str) -> dict[str, int]:
+        got = above.get(node)
+        if got is None:  # ancestors are named before their descendants: theirs are final
+            parent = node.rsplit("/", 1)[0] if "/" in node else ""
+            up, theirs = visible_of(parent), taken.get(parent)
+            got = above[node] = {**up, **theirs} if theirs else up
+        return got
+
     out: dict[str, tuple[str, ...]] = {}
     for node in sorted(by_node, key=lambda n: (n.count("/") if n else -1, n)):
-        parts = node.split("/") if node else []
-        visible: dict[str, int] = {}
-        for k in range(len(parts)):
-            visible.update(taken.get("/".join(parts[:k]), {}))
+        visible = visible_of(node)
         own: dict[str, int] = {}
         for var, path in sorted(by_node[node]):
             dims, shape = named[path]
             names: list[str] = []
             for d, n in zip(dims, shape, strict=True):
-                tries = [d, _ident(f"{d}_{var}"), _ident(f"{d}_{node}_{var}")]
-                tries += [f"{tries[-1]}_{i}" for i in range(len(names) + 2)]
-                name = next(t for t in tries if t not in names
-                            and own.get(t, visible.get(t, n)) == n)
+                name = d
+                if d in names or own.get(d, visible.get(d, n)) != n:  # rare: only then
+                    tries = [_ident(f"{d}_{var}"), _ident(f"{d}_{node}_{var}")]
+                    tries += [f"{tries[-1]}_{i}" for i in range(len(names) + 2)]
+                    name = next(t for t in tries if t not in names
+                                and own.get(t, visible.get(t, n)) == n)
                 names.append(name)
                 own[name] = int(n)
             out[path] = tuple(names)

@@ -19,8 +19,6 @@ from .format.layout import (
     key_slot,
     plan_chunks,
 )
-from .format.segment import SCALARS as SUMMARY_SCALARS
-from .format.segment import RowSet
 from .format.manifest import (
     ArrayRecord,
     ChunkRecord,
@@ -30,7 +28,6 @@ from .format.manifest import (
     parse_header,
 )
 from .format.zarr_meta import dtype_itemsize, numpy_dtype
-from .index import Index, IndexedHeader
 from .maintenance import GcReport, Problem, VerifyReport
 from .parts import Part, abort_vote, collect_parts, remove_parts
 from .protocols import FlatStepWriter, StepTransaction, StepWriter
@@ -59,8 +56,6 @@ __all__ = [
     "FlatImage",
     "FlatLayout",
     "FlatStepWriter",
-    "Index",
-    "IndexedHeader",
     "Flusher",
     "GcReport",
     "LocalStorage",
@@ -74,8 +69,6 @@ __all__ = [
     "RankTransaction",
     "RankWriter",
     "Reader",
-    "RowSet",
-    "SUMMARY_SCALARS",
     "RefInfo",
     "Repository",
     "Snapshot",
