@@ -200,8 +200,18 @@ class CommitArray(BackendArray):
     def __getitem__(self, key: indexing.ExplicitIndexer) -> np.ndarray:
         return _adapt(self, key, self._raw)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (CommitArray, (self.readers, _plain(self.header), self.record))
+
     def _raw(self, key: Key) -> np.ndarray:
         return read_outer(self.readers.get(), self.header, self.record, key)
+
+
+def _plain(header: Any) -> Any:
+    """A header that pickles: an index-backed one (which holds a closure over the index) as
+    the full header it stands for."""
+    full = getattr(header, "full", None)
+    return full() if callable(full) else header
 
 
 _POOL_LOCK = threading.Lock()
@@ -235,6 +245,11 @@ class TrajectoryArray(BackendArray):
 
     def __getitem__(self, key: indexing.ExplicitIndexer) -> np.ndarray:
         return _adapt(self, key, self._raw)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with plain headers (dask ships the array to its workers)."""
+        return (TrajectoryArray, (self.readers, [_plain(h) for h in self.headers], self.path,
+                                  self.shape[1:], self.store_dtype), {"threads": self.threads})
 
     def _fill(self, i: int, rest: Key, out: np.ndarray) -> None:
         reader, header = self.readers.get(), self.headers[i]
