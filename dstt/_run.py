@@ -202,9 +202,13 @@ class Run:
                                                           summaries=False))
 
     def summaries(self, steps: Steps = None, *, timeline: str | None = None,
-                  progress: Callable[[int, int], None] | None = None) -> xr.Dataset:
+                  progress: Callable[[int, int], None] | None = None,
+                  chunks: Any = None) -> xr.Dataset:
         """Write-time per-tensor statistics, dims ``step`` x ``tensor`` (see
-        :func:`dstt.inspect.summaries.summaries_dataset`); empty if none were written."""
+        :func:`dstt.inspect.summaries.summaries_dataset`); empty if none were written.
+        ``chunks`` (e.g. ``{"step": 1000}``): dask-backed variables, to combine with
+        ``trajectory(chunks=)`` on a cluster; the statistics themselves are read from the
+        run's index here, in one pass (a few bytes per tensor per step)."""
         name = timeline or self.timeline
         if steps is None or isinstance(steps, slice):  # pruned steps' summaries stay too
             line = self._lineage(name)
@@ -219,7 +223,7 @@ class Run:
         ds = summaries_from_rows(self._reader.scalar_rows(line))
         if progress:
             progress(len(line), len(line))
-        return ds
+        return ds if chunks is None else ds.chunk(chunks)
 
     def spikes(self, metric: str = "loss", *, window: int = 50, z: float = 4.0,
                around: int = 0, top: int = 10, timeline: str | None = None) -> list[Spike]:
