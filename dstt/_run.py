@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xarray as xr
 
-from .errors import MetricNotFoundError, NotARunError, StepNotFoundError
+from .errors import CorruptRunError, MetricNotFoundError, NotARunError, StepNotFoundError
 from .inspect.compare import diff_commits
 from .inspect.html import run_html, run_summary
 from .inspect.indexed import metrics_from_rows, summaries_from_rows
@@ -122,7 +122,10 @@ class Run:
 
     @property
     def timelines(self) -> dict[str, Any]:
-        """``{name: RefInfo}`` of every timeline."""
+        """``{name: RefInfo}`` of every timeline: ``head`` (its newest slot), where it forked
+        (``base_timeline``, ``base_step``, ``base_slot``; None for the first one),
+        ``skip_data`` and ``created``. A base timeline may since have been renamed (it
+        follows) or deleted (the name stays, as history)."""
         return self._reader.timelines
 
     def commits(self, timeline: str | None = None) -> list[Any]:
@@ -150,7 +153,26 @@ class Run:
                 raise StepNotFoundError(
                     f"timeline {timeline or self.timeline!r} of {self.path} has no commits yet")
             return line[-1]
-        return self._reader.find(int(step), timeline)
+        try:
+            return self._reader.find(int(step), timeline)
+        except StepNotFoundError as e:
+            raise StepNotFoundError(f"{e}{self._elsewhere(int(step), timeline)}") from None
+
+    def _elsewhere(self, step: int, timeline: str | None) -> str:
+        """Where else ``step`` is committed: the hint a StepNotFoundError ends with."""
+        name = timeline or self.timeline
+        found = []
+        for t in sorted(self.timelines):
+            try:
+                if t != name and any(h.step == step for h in self.commits(t)):
+                    found.append(t)
+            except CorruptRunError:  # a damaged timeline is verify's to report, not a hint's
+                continue
+        if not found:
+            return ""
+        return (f"; step {step} is on timeline{'s' if len(found) > 1 else ''} "
+                f"{', '.join(map(repr, found))}: pass timeline={found[0]!r} "
+                f"(dstt: --timeline {found[0]})")
 
     def select_steps(self, steps: Steps, timeline: str | None = None) -> list[Any]:
         """Headers for ``steps``: None (all), an int, an iterable of steps, or a slice of step
@@ -173,8 +195,10 @@ class Run:
 
     # -- views ------------------------------------------------------------------------------
     def at(self, step: int | None = None, timeline: str | None = None) -> Snapshot:
-        """The snapshot of ``step`` (default: the head) on ``timeline`` (default: current)."""
-        return Snapshot(self, self._header(step, timeline))
+        """The snapshot of ``step`` (default: the head) on ``timeline`` (default: current).
+        A step that is not on that timeline raises ``StepNotFoundError`` naming the timelines
+        that have it."""
+        return Snapshot(self, self._header(step, timeline), timeline or self.timeline)
 
     def trajectory(self, name: str, steps: Steps = None, *, timeline: str | None = None,
                    state: str | None = None, chunks: Any = None) -> xr.DataArray:
@@ -295,13 +319,40 @@ class Run:
         return diff_commits(self._reader, ha, hb, paths, progress=progress)
 
     # -- changes --------------------------------------------------------------------------
-    def rollback(self, to: int, skip_data: int = 0, *, timeline: str | None = None) -> str:
-        """Start a new timeline at step ``to`` (the old one is kept) and make it current;
-        training resumed on this run continues from there, skipping ``skip_data`` batches.
-        Returns the new timeline's name."""
-        ref = self.repo.rollback(int(to), skip_data=int(skip_data), timeline=timeline)
+    def rollback(self, to: int, skip_data: int = 0, *, timeline: str | None = None,
+                 name: str | None = None) -> str:
+        """Start a new timeline at step ``to`` of ``timeline`` (default: current; the old one
+        is kept) and make it current; training resumed on this run continues from there,
+        skipping ``skip_data`` batches. The new timeline is ``name``, by default
+        ``<timeline>-from-<to>``; a name that exists (a second rollback to the same step)
+        raises ``TimelineError``. Returns the new timeline's name."""
+        ref = self.repo.rollback(int(to), skip_data=int(skip_data), timeline=timeline,
+                                 name=name)
         self.refresh()
         return str(ref.name)
+
+    def switch(self, timeline: str) -> None:
+        """Make ``timeline`` the current one: the default everywhere here, and what training
+        resumed on this run continues."""
+        self.repo.switch(timeline)
+        self.refresh()
+
+    def rename_timeline(self, old: str, new: str) -> None:
+        """Rename a timeline; HEAD and the timelines forked from it follow. Commits keep the
+        name they were written under (``Snapshot.header.timeline``: history). Crash-safe: a
+        cut leaves both names on the same head, and renaming again finishes it."""
+        self.repo.rename_timeline(old, new)
+        self.refresh()
+
+    def delete_timeline(self, name: str, *, gc: bool = True, dry_run: bool = False) -> Any:
+        """Delete a timeline other than the current one (``CurrentTimelineError``: switch
+        first). With ``gc`` the commits no other timeline reaches and their files are freed;
+        its fork ancestry, and what timelines forked from it need, stay. ``dry_run`` only
+        reports. Returns a report: ``freed_steps``, ``kept_steps``, ``gc`` (the store's
+        :class:`GcReport`, None without ``gc``)."""
+        report = self.repo.delete_timeline(name, gc=gc, dry_run=dry_run)
+        self.refresh()
+        return report
 
     def gc(self, *, keep_last: int | None = None, keep_every: int | None = None,
            keep_steps: Iterable[int] = (), dry_run: bool = False,
@@ -338,10 +389,13 @@ class Run:
 class Snapshot:
     """One committed step: lazy tensors by torch name, layer trees, objects, export."""
 
-    def __init__(self, run: Run, header: Any) -> None:
+    def __init__(self, run: Run, header: Any, timeline: str | None = None) -> None:
         self.run, self.header = run, header
         self.step, self.slot = int(header.step), int(header.slot)
-        self.timeline, self.time = str(header.timeline), float(header.time)
+        #: the timeline it was read from; ``header.timeline`` is the one it was written on,
+        #: which a rename or delete may have retired since
+        self.timeline = timeline or str(header.timeline)
+        self.time = float(header.time)
         self.metrics = dict(header.metrics)
         self.arrays = run.arrays(header)
         hidden = shard_sources(self.arrays)  # ZeRO flat buffers: shown as logical tensors

@@ -1,4 +1,5 @@
-"""``dstt``: the command line over a run (``ls log show diff verify rollback gc export``).
+"""``dstt``: the command line over a run (``ls log show diff verify rollback timeline gc
+export``).
 
 Thin by design: argparse, one call into :mod:`dstt._run` (or the store behind it), printing.
 The run is the optional first positional ``RUN`` of a command or ``--run PATH``, else
@@ -318,7 +319,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from .inspect.naming import select, selector_miss
 
     run = _resolve_run(args)
-    sa, sb = run.at(args.a, args.timeline), run.at(args.b, args.timeline)
+    ta = args.timeline or run.timeline
+    tb = args.timeline_b or ta
+    sa, sb = run.at(args.a, ta), run.at(args.b, tb)
     paths = sorted(set(_visible(sa, args.optim)) | set(_visible(sb, args.optim)))
     if args.select:
         paths = select(args.select, paths)
@@ -328,16 +331,20 @@ def cmd_diff(args: argparse.Namespace) -> int:
                                     "" if args.optim else " (optimizer states excluded)"),
                                 f"dstt show --step {args.b}")
     with _bar(args, None, "B") as bar:
-        ds = run.diff(args.a, args.b, timeline=args.timeline, paths=paths, progress=bar.update)
+        ds = run.diff(args.a, args.b, timeline=ta, timeline_b=tb, paths=paths,
+                      progress=bar.update)
     fields = ("delta_l2", "a_l2", "b_l2", "ratio", "max_abs_delta")
     rows: list[dict[str, Any]] = [
         {"name": str(n), "status": str(st), **{f: float(ds[f].values[i]) for f in fields}}
         for i, (n, st) in enumerate(zip(ds["tensor"].values, ds["status"].values, strict=True))]
     rows.sort(key=lambda r: -r["delta_l2"] if math.isfinite(r["delta_l2"]) else math.inf)
     shown = rows if args.top == 0 else rows[:args.top]
-    doc = {"a": args.a, "b": args.b, "optim": args.optim, "tensors": shown, "total": len(rows)}
+    doc = {"a": args.a, "b": args.b, "timeline_a": ta, "timeline_b": tb, "optim": args.optim,
+           "tensors": shown, "total": len(rows)}
 
     def text() -> Iterator[str]:
+        if tb != ta:
+            yield f"A = step {args.a} of {ta}, B = step {args.b} of {tb}"
         width = max((len(r["name"]) for r in shown), default=10)
         yield f"{'tensor':<{width}}  {'||B-A||':>11} {'||A||':>11} {'ratio':>9} {'max|B-A|':>11}"
         for r in shown:
@@ -379,12 +386,95 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_rollback(args: argparse.Namespace) -> int:
     run = _resolve_run(args)
     old = args.timeline or run.timeline
-    name = run.rollback(args.to, args.skip_data, timeline=args.timeline)
+    name = run.rollback(args.to, args.skip_data, timeline=args.timeline, name=args.name)
     doc = {"timeline": name, "from_timeline": old, "step": args.to, "skip_data": args.skip_data}
 
     def text() -> Iterator[str]:
         yield (f"timeline {name!r} now starts at step {args.to} of {old!r} and is current "
                f"(skip {args.skip_data} batches on resume); {old!r} is kept")
+    _emit(args, doc, text)
+    return EXIT_OK
+
+
+def _timeline_rows(run: Any) -> list[dict[str, Any]]:
+    rows = []
+    for name, ref in sorted(run.timelines.items()):
+        line = run.commits(name)
+        rows.append({"name": name, "current": name == run.timeline, "commits": len(line),
+                     "first_step": line[0].step if line else None,
+                     "head_step": line[-1].step if line else None,
+                     "base_timeline": ref.base_timeline, "base_step": ref.base_step,
+                     "skip_data": ref.skip_data, "base_exists": ref.base_timeline is None
+                     or ref.base_timeline in run.timelines})
+    return rows
+
+
+def cmd_timeline_list(args: argparse.Namespace) -> int:
+    rows = _timeline_rows(_resolve_run(args))
+
+    def text() -> Iterator[str]:
+        for t in rows:
+            rng = f"steps {t['first_step']} … {t['head_step']}" if t["commits"] else "empty"
+            base = (f"  from {t['base_timeline']}@{t['base_step']}"
+                    f"{'' if t['base_exists'] else ' (deleted)'} (skip {t['skip_data']})"
+                    if t["base_timeline"] else "")
+            yield (f"{'*' if t['current'] else ' '} {t['name']:<24} {t['commits']:>7} commits  "
+                   f"{rng}{base}")
+    _emit(args, rows, text)
+    return EXIT_OK
+
+
+def cmd_timeline_switch(args: argparse.Namespace) -> int:
+    run = _resolve_run(args)
+    old = run.timeline
+    run.switch(args.name)
+    head = run.commits()[-1].step if run.commits() else None
+    doc = {"timeline": args.name, "previous": old, "head_step": head}
+
+    def text() -> Iterator[str]:
+        at = f"its head is step {head}" if head is not None else "it has no commits yet"
+        yield f"timeline {args.name!r} is now current (was {old!r}); {at}"
+    _emit(args, doc, text)
+    return EXIT_OK
+
+
+def cmd_timeline_rename(args: argparse.Namespace) -> int:
+    run = _resolve_run(args)
+    run.rename_timeline(args.old, args.new)
+    doc = {"old": args.old, "new": args.new, "current": run.timeline}
+
+    def text() -> Iterator[str]:
+        yield f"timeline {args.old!r} is now {args.new!r}"
+    _emit(args, doc, text)
+    return EXIT_OK
+
+
+def cmd_timeline_delete(args: argparse.Namespace) -> int:
+    from .inspect.html import human_bytes
+
+    run = _resolve_run(args)
+    if not (args.yes or args.dry_run):
+        raise UsageError(f"deleting timeline {args.name!r} frees its own steps for good; "
+                         "add --yes to do it, or --dry-run to see what it would free")
+    rep = run.delete_timeline(args.name, dry_run=args.dry_run)
+    gc = rep.gc
+    doc = {"timeline": rep.timeline, "dry_run": rep.dry_run, "freed_steps": list(rep.freed_steps),
+           "kept_steps": list(rep.kept_steps), "files_removed": gc.files_removed,
+           "bytes_freed": gc.bytes_freed}
+
+    def steps(xs: tuple[int, ...]) -> str:
+        if not xs:
+            return "none"
+        return ", ".join(map(str, xs)) if len(xs) <= 8 else f"{len(xs)} ({xs[0]} … {xs[-1]})"
+
+    def text() -> Iterator[str]:
+        verb = "would delete" if rep.dry_run else "deleted"
+        own = (f"its own steps {steps(rep.freed_steps)}" if rep.freed_steps
+               else "it had no steps of its own")
+        yield (f"{verb} timeline {rep.timeline!r}: {own} ({gc.files_removed} files, "
+               f"{human_bytes(gc.bytes_freed)}); steps shared with other timelines stay: "
+               f"{steps(rep.kept_steps)}"
+               + ("; nothing was deleted (--dry-run)" if rep.dry_run else ""))
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -512,7 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--select", help="restrict to a layer selector")
     optim(sp, "compare")
     sp.add_argument("--top", type=_nonneg, default=20, help="largest N changes (0: all)")
-    timeline(sp)
+    sp.add_argument("--timeline", help="timeline of A (default: the current one)")
+    sp.add_argument("--timeline-b", metavar="TIMELINE",
+                    help="timeline of B, to compare two timelines (default: that of A)")
     sp = add("verify", cmd_verify, "check every committed byte against its checksum")
     run_arg(sp)
     sp = add("rollback", cmd_rollback, "start a new timeline at an old step (old one kept)")
@@ -520,7 +612,34 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--to", type=int, required=True, metavar="STEP")
     sp.add_argument("--skip-data", type=_nonneg, default=0, metavar="N",
                     help="batches to skip when training resumes there")
-    timeline(sp)
+    sp.add_argument("--name", help="name of the new timeline (default: <timeline>-from-STEP;"
+                    " a second rollback to the same step needs one)")
+    sp.add_argument("--timeline", help="timeline STEP is on (default: the current one)")
+    sp = sub.add_parser("timeline", parents=[common], help="list, switch, rename or delete "
+                        "timelines", description="list, switch, rename or delete timelines")
+    tsub = sp.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
+    tsub.required = True
+
+    def tadd(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> Any:
+        tp = tsub.add_parser(name, parents=[common], help=help, description=help)
+        tp.set_defaults(func=fn)
+        run_arg(tp)
+        return tp
+
+    tadd("list", cmd_timeline_list, "every timeline: commits, steps, where it forked "
+         "(* marks the current one)")
+    tp = tadd("switch", cmd_timeline_switch, "make a timeline current (what training resumes)")
+    tp.add_argument("name", metavar="NAME")
+    tp = tadd("rename", cmd_timeline_rename, "rename a timeline (timelines forked from it "
+              "follow; commits keep the name they were written under)")
+    tp.add_argument("old", metavar="OLD")
+    tp.add_argument("new", metavar="NEW")
+    tp = tadd("delete", cmd_timeline_delete, "delete a timeline (not the current one) and the "
+              "steps only it had; steps shared with other timelines stay")
+    tp.add_argument("name", metavar="NAME")
+    tp.add_argument("--yes", action="store_true", help="really delete (required)")
+    tp.add_argument("--dry-run", action="store_true",
+                    help="say what it would free, delete nothing")
     sp = add("gc", cmd_gc, "prune old steps (timeline heads are always kept)")
     run_arg(sp)
     sp.add_argument("--keep-last", type=_nonneg, metavar="N", help="keep the last N steps")

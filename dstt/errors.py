@@ -15,6 +15,7 @@ __all__ = [
     "ChecksumError",
     "ConfigError",
     "CorruptRunError",
+    "CurrentTimelineError",
     "DsttError",
     "FormatVersionError",
     "MetricNotFoundError",
@@ -65,6 +66,11 @@ class MetricNotFoundError(DsttError, _LookupMessage):
 
 class TimelineError(DsttError, ValueError):
     """A timeline name is unknown, already taken or malformed."""
+
+
+class CurrentTimelineError(TimelineError):
+    """The timeline is the current one (what training resumes), so it cannot be deleted;
+    make another one current first (``run.switch(name)``, ``dstt timeline switch NAME``)."""
 
 
 class CorruptRunError(DsttError, ValueError):

@@ -400,3 +400,74 @@ def test_show_on_a_zero_run_counts_only_what_is_stored(
     # two logical tensors a user can name; the two flat shards are what is on disk
     assert ls["n_arrays"] == 2 and ls["n_stored"] == 2, ls  # type: ignore[index]
     assert ls["bytes_per_step"] == 64  # type: ignore[index]
+
+
+# -- timelines ---------------------------------------------------------------------------------
+
+def test_timeline_list_switch_rename_delete(run_dir: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(run_dir)
+    assert _run(capsys, "rollback", "--to", "2")[0] == EXIT_OK
+    rows = _json(capsys, "timeline", "list")
+    assert [(t["name"], t["current"], t["head_step"]) for t in rows] == [  # type: ignore
+        ("main", False, 4), ("main-from-2", True, 2)]
+    code, out, _ = _run(capsys, "timeline", "list")
+    assert code == EXIT_OK and "* main-from-2" in out and "from main@2" in out
+
+    code, out, _ = _run(capsys, "timeline", "switch", "main")
+    assert code == EXIT_OK and "'main' is now current" in out and "step 4" in out
+    assert _json(capsys, "ls")["timeline"] == "main"  # type: ignore[index]
+
+    code, out, _ = _run(capsys, "timeline", "rename", "main-from-2", "retry")
+    assert code == EXIT_OK and "is now 'retry'" in out
+    code, _, err = _run(capsys, "timeline", "rename", "retry", "main")
+    assert code == EXIT_BAD_INPUT and "already exists" in err
+
+    code, _, err = _run(capsys, "timeline", "delete", "main", "--yes")
+    assert code == EXIT_BAD_INPUT and "current one" in err and "timeline switch retry" in err
+    code, _, err = _run(capsys, "timeline", "delete", "retry")
+    assert code == EXIT_BAD_INPUT and "--yes" in err and "--dry-run" in err
+    files = sorted(p.name for p in (run_dir / "steps").iterdir())
+    assert _run(capsys, "timeline", "switch", "retry")[0] == EXIT_OK
+    dry = _json(capsys, "timeline", "delete", "main", "--dry-run")
+    assert dry["dry_run"] is True and dry["freed_steps"] == [3, 4]  # type: ignore[index]
+    assert sorted(p.name for p in (run_dir / "steps").iterdir()) == files  # nothing deleted
+    code, out, _ = _run(capsys, "timeline", "delete", "main", "--yes")
+    assert code == EXIT_OK and "its own steps 3, 4" in out and "stay: 1, 2" in out
+    assert len(list((run_dir / "steps").iterdir())) == len(files) - 4
+    rows = _json(capsys, "timeline", "list")
+    assert [t["name"] for t in rows] == ["retry"]  # type: ignore[union-attr,index]
+    assert _json(capsys, "show", "--step", "2")["step"] == 2  # type: ignore[index]
+    assert _run(capsys, "verify")[0] == EXIT_OK
+
+
+def test_rollback_to_the_same_step_twice_needs_a_name(
+        run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(capsys, "rollback", str(run_dir), "--to", "2")[0] == EXIT_OK
+    code, _, err = _run(capsys, "rollback", str(run_dir), "--to", "2", "--timeline", "main")
+    assert code == EXIT_BAD_INPUT and "--name NAME" in err and ".2" not in err
+    doc = _json(capsys, "rollback", str(run_dir), "--to", "2", "--timeline", "main",
+                "--name", "again")
+    assert doc["timeline"] == "again" and doc["from_timeline"] == "main"  # type: ignore[index]
+    assert _json(capsys, "ls", str(run_dir))["timeline"] == "again"  # type: ignore[index]
+
+
+def test_diff_across_timelines_and_steps_on_other_timelines(
+        run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(capsys, "rollback", str(run_dir), "--to", "2")[0] == EXIT_OK
+    save(run_dir, 3, _arrays(30), timeline="main-from-2")  # a different step 3
+    doc = _json(capsys, "diff", str(run_dir), "3", "3", "--timeline", "main",
+                "--timeline-b", "main-from-2")
+    assert (doc["timeline_a"], doc["timeline_b"]) == ("main", "main-from-2")  # type: ignore
+    row = next(t for t in doc["tensors"]  # type: ignore[index,union-attr]
+               if t["name"] == "layers.1.mlp.weight")
+    a, b = (_arrays(s)["params/layers/1/mlp/weight"] for s in (3, 30))
+    assert row["delta_l2"] == pytest.approx(float(np.linalg.norm(b - a)), rel=1e-6)
+    same = _json(capsys, "diff", str(run_dir), "3", "3", "--timeline", "main")
+    assert all(t["delta_l2"] == 0 for t in same["tensors"])  # type: ignore[index,union-attr]
+    code, out, _ = _run(capsys, "diff", str(run_dir), "2", "3", "--timeline-b", "main")
+    assert code == EXIT_OK and "B = step 3 of main" in out
+    for argv in (["show", str(run_dir), "--step", "4"], ["diff", str(run_dir), "1", "4"]):
+        code, _, err = _run(capsys, *argv)
+        assert code == EXIT_BAD_INPUT and "step 4 is on timeline 'main'" in err, argv
+        assert "--timeline main" in err

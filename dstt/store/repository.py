@@ -4,7 +4,10 @@
 ``attributes.dstt``), the ``step`` coordinate array, the ``main`` ref and ``HEAD`` — all
 durably — so an empty run is already a valid Zarr hierarchy and a valid dstt run.
 Vocabulary after icechunk: a *timeline* is a branch (a ref with a head slot); rollback creates
-a new timeline whose head is an old commit and makes it current; nothing is deleted.
+a new timeline whose head is an old commit and makes it current; nothing is deleted. Its
+default name is ``<timeline>-from-<step>``; a second rollback to the same step of the same
+timeline is a ``TimelineError`` asking for a name (rejected: a silent ``.2`` suffix, which
+told two attempts apart by nothing). Renaming and deleting timelines: ``timelines.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from .maintenance import GcReport, VerifyReport, gc, verify
 from .reader import Reader
 from .storage.base import Storage
 from .storage.urls import storage_for
+from .timelines import DeleteReport, delete_timeline, rename_timeline
 from .writer import Writer
 
 __all__ = ["Repository"]
@@ -135,11 +139,24 @@ class Repository:
             r = self.reader()
             base_name = timeline or r.current_timeline
             base = r.find(to_step, base_name)
-            new = name if name is not None else _fresh_name(
-                f"{base_name.split('@')[0]}-from-{to_step}", r.timelines)
-            check_timeline_name(new)
+            new = name if name is not None else f"{base_name}-from-{to_step}"
+            try:
+                check_timeline_name(new)
+            except TimelineError:
+                if name is not None:
+                    raise
+                raise TimelineError(
+                    f"the default name {new!r} is too long (64 characters at most); name the "
+                    f"new timeline: run.rollback({to_step}, name=...), dstt rollback --to "
+                    f"{to_step} --name NAME") from None
             if new in r.timelines:
-                raise TimelineError(f"timeline {new!r} already exists; pick another name")
+                if name is not None:
+                    raise TimelineError(f"timeline {new!r} already exists; pick another name")
+                raise TimelineError(
+                    f"step {to_step} of {base_name!r} was rolled back to before: timeline "
+                    f"{new!r} exists. Name the new one (run.rollback({to_step}, name=...), "
+                    f"dstt rollback --to {to_step} --name NAME), or make {new!r} current "
+                    f"(run.switch({new!r}), dstt timeline switch {new})")
             ref = RefInfo(new, base.slot, base_slot=base.slot, base_step=base.step,
                           base_timeline=base_name, skip_data=skip_data, created=time.time())
             self.storage.write_durable(ref_key(new), dump_ref(ref))
@@ -151,6 +168,17 @@ class Repository:
         with self.storage.lock(LOCK_KEY):
             self.reader().ref(timeline)
             self.storage.write_durable(HEAD_KEY, dump_head(timeline))
+
+    def rename_timeline(self, old: str, new: str) -> RefInfo:
+        """Rename a timeline (HEAD and the timelines forked from it follow); crash-safe, and
+        running it again finishes an interrupted rename (``timelines.py``)."""
+        return rename_timeline(self, old, new)
+
+    def delete_timeline(self, name: str, *, gc: bool = True,
+                        dry_run: bool = False) -> DeleteReport:
+        """Delete a timeline that is not the current one; with ``gc``, free the commits and
+        files no other timeline reaches (``timelines.py``)."""
+        return delete_timeline(self, name, sweep=gc, dry_run=dry_run)
 
     # -- maintenance (implemented in maintenance.py) --------------------------------------
     def gc(self, *, keep_last: int | None = None, keep_every: int | None = None,
@@ -184,11 +212,3 @@ def _empty_or_interrupted_create(storage: Storage) -> bool:
         return False
     return True
 
-
-def _fresh_name(base: str, taken: dict[str, RefInfo]) -> str:
-    if base not in taken:
-        return base
-    i = 2
-    while f"{base}.{i}" in taken:
-        i += 1
-    return f"{base}.{i}"

@@ -11,7 +11,7 @@ import torch
 from inspect_helpers import new_repo, small_model, write_steps
 
 from dstt._run import open_run
-from dstt.errors import NotARunError, StepNotFoundError, TimelineError
+from dstt.errors import CurrentTimelineError, NotARunError, StepNotFoundError, TimelineError
 
 
 def test_steps_timelines_and_head(small_run: Path) -> None:
@@ -149,3 +149,68 @@ def test_refresh_sees_gc_by_another_process(small_run: Path) -> None:
     assert run.steps == [1, 2, 3, 4, 5]
     open_run(small_run).gc(keep_last=2)
     assert run.refresh().steps == [4, 5]
+
+
+# -- timeline management ---------------------------------------------------------------------
+
+def test_a_second_rollback_to_the_same_step_needs_a_name(small_run: Path) -> None:
+    run = open_run(small_run)
+    first = run.rollback(to=3)
+    assert first == "main-from-3"
+    with pytest.raises(TimelineError, match=r"rolled back to before.*name=") as ei:
+        run.rollback(to=3, timeline="main")  # no silent "main-from-3.2"
+    assert "dstt rollback --to 3 --name NAME" in str(ei.value)
+    assert set(run.timelines) == {"main", first} and run.timeline == first
+    second = run.rollback(to=3, timeline="main", name="retry", skip_data=1)
+    assert run.timeline == second == "retry" and run.timelines["retry"].skip_data == 1
+    with pytest.raises(TimelineError, match="'retry' already exists"):
+        run.rollback(to=2, name="retry")
+
+
+def test_a_step_on_another_timeline_says_which(small_run: Path) -> None:
+    run = open_run(small_run)
+    run.rollback(to=3)
+    for call in (lambda: run.at(5), lambda: run.diff(1, 5)):
+        with pytest.raises(StepNotFoundError, match="no committed step 5") as ei:
+            call()
+        assert "step 5 is on timeline 'main': pass timeline='main'" in str(ei.value)
+        assert "--timeline main" in str(ei.value)
+    with pytest.raises(StepNotFoundError) as ei:
+        run.at(99)
+    assert "is on timeline" not in str(ei.value)  # nowhere: no hint
+    assert run.at(5, timeline="main").step == 5
+
+
+def test_switch_rename_and_delete_timelines(small_run: Path) -> None:
+    run = open_run(small_run)
+    side = run.rollback(to=2)
+    snap = run.at(2)
+    assert snap.timeline == side and snap.header.timeline == "main"  # read from / written on
+    run.switch("main")
+    assert run.timeline == "main" and run.steps == [1, 2, 3, 4, 5]
+    assert open_run(small_run).timeline == "main"  # durable
+    with pytest.raises(TimelineError, match="no timeline 'nope'"):
+        run.switch("nope")
+
+    run.rename_timeline(side, "side")
+    assert set(run.timelines) == {"main", "side"} and run.timeline == "main"
+    assert [h.step for h in run.commits("side")] == [1, 2]
+    run.rename_timeline("main", "trunk")  # the current one: HEAD follows, the child too
+    assert run.timeline == "trunk" and run.timelines["side"].base_timeline == "trunk"
+
+    with pytest.raises(CurrentTimelineError, match="switch") as ei:
+        run.delete_timeline("trunk")
+    assert isinstance(ei.value, TimelineError)
+    want = {s: run.at(s).to_numpy("emb.weight", native=True) for s in (1, 2)}
+    run.switch("side")
+    dry = run.delete_timeline("trunk", dry_run=True)
+    assert set(run.timelines) == {"trunk", "side"} and dry.freed_steps == (3, 4, 5)
+    rep = run.delete_timeline("trunk")
+    assert (rep.freed_steps, rep.kept_steps) == ((3, 4, 5), (1, 2))
+    assert rep.gc.files_removed == dry.gc.files_removed > 0
+    assert set(run.timelines) == {"side"} and run.steps == [1, 2]
+    for s, a in want.items():  # the shared steps stay, bit-exactly
+        assert run.at(s).to_numpy("emb.weight", native=True).tobytes() == a.tobytes()
+    assert run.verify().ok
+    steps_dir = small_run / "steps"
+    assert {int(n.name[:12]) for n in steps_dir.iterdir()} == {h.slot for h in run.commits()}

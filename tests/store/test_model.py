@@ -1,4 +1,5 @@
-"""Stateful property test: commit / rollback / switch / gc / power cuts against a plain model.
+"""Stateful property test: commit / rollback / switch / rename / delete / gc / power cuts
+against a plain model.
 
 The model is a few dicts: commits (id → step, value, parent, timeline), timelines (name → head
 id), the current timeline and the set of pruned commits. Ids are the slots the store returned
@@ -9,7 +10,7 @@ gc prunes and what survives a power cut.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ml_dtypes
@@ -19,7 +20,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from dstt.errors import StepNotFoundError
+from dstt.errors import CurrentTimelineError, StepNotFoundError, TimelineError
 from dstt.store import Repository
 from dstt.store.format.layout import HEAD_KEY, commit_key, ref_key
 from dstt.store.storage.memory import MemoryStorage
@@ -139,6 +140,14 @@ class StoreMachine(RuleBasedStateMachine):
     def rollback(self, data: st.DataObject, cut: Any) -> None:
         tl, step = data.draw(st.sampled_from(self.live()), label="rollback to")
         target = next(c for c in self.lineage(tl) if self.commits[c].step == step)
+        default = f"{tl}-from-{step}"
+        if default in self.timelines or len(default) > 64:
+            # a second rollback to the same step (or a name too long): an error asking for a
+            # name, and nothing written (no silent "-from-<step>.2")
+            with pytest.raises(TimelineError, match="name"):
+                Repository(self.mem).rollback(step, timeline=tl)
+            event("rollback: default name taken")
+            return
         result: dict[str, Any] = {}
 
         def op(storage: Any) -> None:
@@ -168,6 +177,43 @@ class StoreMachine(RuleBasedStateMachine):
         done = self.run(lambda storage: Repository(storage).switch(tl), cut)
         if done is None or HEAD_KEY in done:
             self.current = tl
+
+    @rule(data=st.data(), new=st.sampled_from(["a", "b", "main"]), cut=cuts)
+    def rename(self, data: st.DataObject, new: str, cut: Any) -> None:
+        old = data.draw(st.sampled_from(sorted(self.timelines)), label="rename")
+        if new in self.timelines:
+            r = Repository(self.mem).reader()
+            if old == new or replace(r.ref(old), name=new) != r.ref(new):
+                with pytest.raises(TimelineError):
+                    Repository(self.mem).rename_timeline(old, new)
+                return
+            event("rename: finishing an interrupted one")  # new is old's twin: allowed
+        done = self.run(lambda storage: Repository(storage).rename_timeline(old, new), cut)
+        # in order: the new ref, HEAD (if it named old), the old ref's delete; a cut may stop
+        # anywhere, leaving both names on the same head
+        if done is None or ref_key(new) in done:
+            self.timelines[new] = self.timelines[old]
+            if self.current == old and (done is None or HEAD_KEY in done):
+                self.current = new
+            if done is None or f"delete {ref_key(old)}" in done:
+                del self.timelines[old]
+        event(f"rename: {'whole' if done is None or old not in self.timelines else 'cut'}")
+
+    @rule(data=st.data(), cut=cuts)
+    def delete(self, data: st.DataObject, cut: Any) -> None:
+        name = data.draw(st.sampled_from(sorted(self.timelines)), label="delete")
+        if name == self.current:
+            with pytest.raises(CurrentTimelineError):
+                Repository(self.mem).delete_timeline(name)
+            return
+        done = self.run(lambda storage: Repository(storage).delete_timeline(name), cut)
+        if done is None or f"delete {ref_key(name)}" in done:
+            del self.timelines[name]
+            # its own commits are gone for good (gc may hand their slots to new commits)
+            reachable = {c for tl in self.timelines for c in self.lineage(tl)}
+            self.commits = {c: m for c, m in self.commits.items() if c in reachable}
+            self.pruned &= reachable
+        event(f"delete: {'whole' if done is None else 'cut'}")
 
     @rule(keep_last=st.none() | st.integers(0, 4), keep_every=st.none() | st.integers(1, 5),
           cut=cuts)

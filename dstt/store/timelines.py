@@ -1,0 +1,141 @@
+"""Timeline management: rename and delete refs without ever leaving a run half-named.
+
+A timeline is one ref file, ``_dstt/refs/<name>.json``; ``_dstt/HEAD.json`` names the current
+one. Both operations hold the writer lock (no training process can move a ref meanwhile) and
+order their writes so that a power cut between any two leaves every timeline readable and
+HEAD naming an existing ref:
+
+* **rename** ``old -> new``: (1) the ref under ``new``, durably, with ``old``'s head, base and
+  creation time; (2) the refs of timelines forked from ``old`` (``base_timeline``) rewritten
+  to name ``new``; (3) HEAD, if it named ``old``; (4) ``old``'s ref deleted. A cut leaves both
+  names with the same head (or only ``new``); renaming again finishes the job (a ``new`` that
+  holds exactly ``old``'s ref is taken as the interrupted rename's). Commit headers are
+  immutable, so ``CommitHeader.timeline`` keeps the name a commit was *written* under: it is
+  history, never a key to look a ref up by.
+* **delete** ``name``: refused for the current timeline (``CurrentTimelineError``). The ref is
+  deleted and the deletion made durable *before* any byte goes, so a cut can never bring back a
+  ref whose files are gone; then the ordinary ``gc`` with no retention policy frees what no
+  other ref reaches any more (they are orphans now): the commits only this timeline had, their
+  step files, headers. Its fork ancestry is on its parent's lineage and stays, and so do the
+  commits a timeline forked *from* it walks through (those children keep naming it as their
+  ``base_timeline``: history, like commit headers). A cut inside gc is gc's own crash safety
+  (tombstones before bytes, an orphan's header last); the next ``gc`` finishes it.
+
+Rejected alternative: marking a deleted ref instead of removing it — every reader would have
+to learn a new ref state, and the run would keep a name that cannot be reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from ..errors import CurrentTimelineError, TimelineError
+from .format.layout import HEAD_KEY, LOCK_KEY, check_timeline_name, ref_key
+from .format.manifest import RefInfo, dump_head, dump_ref
+from .maintenance import GcReport, gc
+from .reader import Reader
+from .storage.memory import DelegatingStorage
+
+if TYPE_CHECKING:
+    from .repository import Repository
+    from .storage.base import Storage
+
+__all__ = ["DeleteReport", "delete_timeline", "rename_timeline"]
+
+
+@dataclass(frozen=True)
+class DeleteReport:
+    """What deleting a timeline removed (or, with ``dry_run``, would remove).
+
+    ``freed_steps``: its commits no other timeline reaches (their files go); ``kept_steps``:
+    its commits another timeline shares (its fork ancestry, or a child's), which stay.
+    ``gc``: the sweep's report (``None`` when ``gc=False``: the files wait for the next gc).
+    """
+
+    timeline: str
+    freed_steps: tuple[int, ...]
+    kept_steps: tuple[int, ...]
+    gc: GcReport | None
+    dry_run: bool
+
+
+def rename_timeline(repo: Repository, old: str, new: str) -> RefInfo:
+    """Rename ``old`` to ``new`` in the crash-safe order of the module docstring."""
+    check_timeline_name(new)
+    st = repo.storage
+    with st.lock(LOCK_KEY):
+        r = Reader(st)
+        ref = r.ref(old)
+        if new == old:
+            raise TimelineError(f"timeline {old!r} already has that name")
+        moved = replace(ref, name=new)
+        taken = r.timelines.get(new)
+        if taken is not None and taken != moved:  # else: an interrupted rename, finished here
+            raise TimelineError(f"timeline {new!r} already exists; pick another name, or "
+                                f"delete it first (dstt timeline delete {new})")
+        st.write_durable(ref_key(new), dump_ref(moved))
+        for child in sorted(r.timelines.values(), key=lambda t: t.name):
+            if child.base_timeline == old and child.name not in (old, new):
+                st.write_durable(ref_key(child.name),
+                                 dump_ref(replace(child, base_timeline=new)))
+        if r.current_timeline == old:
+            st.write_durable(HEAD_KEY, dump_head(new))
+        st.delete(ref_key(old))
+        return moved
+
+
+def delete_timeline(repo: Repository, name: str, *, sweep: bool = True,
+                    dry_run: bool = False) -> DeleteReport:
+    """Delete the ref ``name``, then (``sweep``) gc what only it referenced."""
+    st = repo.storage
+    with st.lock(LOCK_KEY):
+        r = Reader(st)
+        r.ref(name)  # TimelineError naming the timelines there are
+        if r.current_timeline == name:
+            others = sorted(t for t in r.timelines if t != name)
+            hint = (f"make another one current first: run.switch({others[0]!r}) or dstt "
+                    f"timeline switch {others[0]}" if others else
+                    "it is the run's only timeline; delete the run's folder instead")
+            raise CurrentTimelineError(
+                f"timeline {name!r} is the current one (what training resumes) and cannot be "
+                f"deleted; {hint}")
+        shared = {h.slot for t in r.timelines if t != name for h in r.walk(t)}
+        line = [h for h in r.lineage(name) if not h.pruned]
+        freed = tuple(h.step for h in line if h.slot not in shared)
+        kept = tuple(h.step for h in line if h.slot in shared)
+        if not dry_run:
+            st.delete(ref_key(name))
+            # LocalStorage does not sync a delete; a durable write into the same folder syncs
+            # that folder, and with it the unlink, before gc may delete a byte the ref named
+            current = ref_key(r.current_timeline)
+            st.write_durable(current, st.read(current))
+    if not sweep:
+        return DeleteReport(name, freed, kept, None, dry_run)
+    report = gc(repo if not dry_run else _without_ref(repo, name), dry_run=dry_run)
+    return DeleteReport(name, freed, kept, report, dry_run)
+
+
+class _HiddenRef(DelegatingStorage):
+    """The run as it will be once a ref is deleted (for a dry run's gc report)."""
+
+    def __init__(self, inner: Storage, key: str) -> None:
+        super().__init__(inner)
+        self.hidden = key
+
+    def read(self, key: str) -> bytes:
+        if key == self.hidden:
+            raise FileNotFoundError(key)
+        return self.inner.read(key)
+
+    def exists(self, key: str) -> bool:
+        return key != self.hidden and self.inner.exists(key)
+
+    def list(self, prefix: str) -> Iterator[str]:
+        head, _, leaf = self.hidden.rpartition("/")
+        return (n for n in self.inner.list(prefix) if not (prefix == head and n == leaf))
+
+
+def _without_ref(repo: Repository, name: str) -> Repository:
+    return type(repo)(_HiddenRef(repo.storage, ref_key(name)))
