@@ -39,5 +39,9 @@ def test_trajectory_computes_on_a_two_worker_cluster(s3_url: str, s3_server: S3S
         workers = set(client.run(lambda: 1))
         assert len(workers) == 2
         mean = float(traj.mean().compute(scheduler=client))
+        sums = run.summaries(chunks={"step": 4})
+        plain = run.summaries()
+        assert sums.sizes["step"] == 8 and sums.chunks and plain.chunks == {}
+        assert sums.compute(scheduler=client).equals(plain)
     assert np.array_equal(got, np.stack(want))
     assert np.isclose(mean, np.stack(want).mean())

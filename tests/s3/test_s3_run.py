@@ -50,9 +50,11 @@ def test_train_inspect_rollback_resume_verify_gc(s3_url: str,
     traj = run.trajectory("l1.weight")
     assert traj.shape[0] == 6 and np.array_equal(traj.values[-1], w)
     assert cli_main(["log", s3_url]) == 0 and "loss" in capsys.readouterr().out
+    assert cli_main(["ls", "--run", s3_url]) == 0
+    assert cli_main(["show", s3_url, "--step", "6"]) == 0
 
     # the uninterrupted continuation of steps 4-6 from step 3, for the bit-exact resume below
-    Repository.open(s3_url).rollback(to_step=3)
+    assert cli_main(["rollback", s3_url, "--to", "3"]) == 0
     m2, _ = _train(s3_url, 3, resume=True, seed=123)
     for p, q in zip(m.parameters(), m2.parameters(), strict=True):
         assert same_bits(p, q)
@@ -62,6 +64,7 @@ def test_train_inspect_rollback_resume_verify_gc(s3_url: str,
     repo = Repository.open(s3_url)
     assert repo.verify().ok
     assert cli_main(["verify", s3_url]) == 0
+    assert cli_main(["gc", s3_url, "--keep-last", "2", "--dry-run"]) == 0
     report = repo.gc(keep_last=2)
     assert report.files_removed > 0 and report.pruned_steps
     assert [h.step for h in repo.reader().lineage() if not h.pruned][-2:] == [5, 6]

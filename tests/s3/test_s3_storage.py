@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from dstt.errors import MissingFileError, RunLockedError
-from dstt.store import LocalStorage, storage_for
+from dstt.errors import MissingFileError, NotARunError, RunLockedError
+from dstt.store import LocalStorage, Repository, storage_for
 from dstt.store.format.layout import HEAD_KEY, LOCK_KEY, ref_key
 from dstt.store.storage.s3 import DEFAULT_GUARDED, S3Storage
 
@@ -128,3 +128,10 @@ def test_gc_aborts_leftover_multipart_uploads(s3_url: str, s3_server: S3Server) 
     with st.lock(LOCK_KEY):
         assert st.remove_temporaries() == 1
     assert st.multipart_uploads() == ()
+
+
+def test_a_missing_bucket_is_a_clear_error_at_create(s3_env: S3Server) -> None:
+    with pytest.raises(NotARunError, match=r"bucket 'no-such-bucket' .* does not exist"):
+        Repository.create("s3://no-such-bucket/run")
+    with pytest.raises(NotARunError, match=r"no zarr\.json"):
+        Repository.open("s3://no-such-bucket/run")

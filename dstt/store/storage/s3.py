@@ -49,10 +49,15 @@ from typing import Any
 from urllib.parse import urlparse
 
 import obstore
-from obstore.exceptions import AlreadyExistsError, NotFoundError, PreconditionError
+from obstore.exceptions import (
+    AlreadyExistsError,
+    NotFoundError,
+    PermissionDeniedError,
+    PreconditionError,
+)
 from obstore.store import S3Store
 
-from ...errors import NotARunError, RunLockedError, StorageError
+from ...errors import NotARunError, ReadOnlyRunError, RunLockedError, StorageError
 from .base import Blob, Data, Storage, as_parts, missing
 from .local import pwrite_all
 
@@ -258,6 +263,22 @@ class S3Storage(Storage):
 
     def open_blob(self, key: str) -> Blob:
         return _S3Blob(self, key)
+
+    def check_writable(self, prefixes: Sequence[str] = ()) -> None:
+        """One probe PUT (and its delete) under the run's prefix: a missing bucket or a
+        read-only credential fails now, not at the first commit mid-training."""
+        probe = f"_dstt/.probe-{secrets.token_hex(4)}"
+        try:
+            obstore.put(self.store, probe, b"x")
+            obstore.delete(self.store, probe)
+        except PermissionDeniedError as e:
+            raise ReadOnlyRunError(f"{self.location} is not writable with these credentials "
+                                   f"({e}); open it read-only with dstt.open()") from e
+        except Exception as e:
+            if "NoSuchBucket" in str(e) or "bucket does not exist" in str(e):
+                raise NotARunError(f"bucket {self.bucket!r} of {self.location} does not exist; "
+                                   "create it first (dstt creates runs, not buckets)") from None
+            raise self._error(e, "write", probe) from e
 
     def remove_temporaries(self) -> int:
         """Abort the multipart uploads left under this run's prefix by writers that died
