@@ -88,3 +88,28 @@ def test_rollback_round_trip(tmp_path: Path, skip: int) -> None:
     for step in (41, 55, 60):
         assert run.at(step, timeline="main").to_numpy(NAME).shape == (96, 32)
     assert run.verify().ok
+
+
+def test_delete_the_abandoned_timeline_after_resuming(tmp_path: Path) -> None:
+    """After a rollback and a resume, deleting the old timeline frees its own 20 steps only:
+    the new timeline, whose steps 1..40 are the old one's commits (deltas included), reads
+    back bit-exactly, and training resumes on it again."""
+    run_dir = tmp_path / "run"
+    _train(run_dir, 60, resume=False)
+    run = dstt.open(run_dir)
+    new = run.rollback(to=40)
+    _train(run_dir, 50, resume=True)
+    run.refresh()
+    before = run.trajectory(NAME, steps=slice(1, 50)).values
+    with pytest.raises(dstt.CurrentTimelineError, match="switch"):
+        run.delete_timeline(new)
+    files = len(list((run_dir / "steps").iterdir()))
+    rep = run.delete_timeline("main")
+    assert rep.freed_steps == tuple(range(41, 61)) and rep.kept_steps == tuple(range(1, 41))
+    assert len(list((run_dir / "steps").iterdir())) == files - rep.gc.files_removed
+    assert rep.gc.files_removed > 0 and set(run.timelines) == {new}
+    after = run.trajectory(NAME, steps=slice(1, 50)).values
+    assert before.tobytes() == after.tobytes()
+    assert run.verify().ok
+    run.rename_timeline(new, "main")  # the old name is free again
+    assert _train(run_dir, 52, resume=True) and dstt.open(run_dir).steps == list(range(1, 53))
