@@ -38,6 +38,8 @@ def test_contract_read_write_list_delete(s3_url: str) -> None:
     st.barrier()
     assert st.read("a/b/c.json") == b"hello"
     assert st.read_range("a/b/c.json", 1, 3) == b"ell"
+    assert st.read_ranges([("a/b/c.json", 0, 2), ("a/d", 0, 1), ("a/b/c.json", 3, 2)]) == [
+        b"he", b"x", b"lo"]
     assert st.size("a/b/c.json") == 5 and st.exists("a/d") and not st.exists("a/zz")
     assert list(st.list("a")) == ["b", "d"] and list(st.list("")) == ["a"]
     assert list(st.list("nothing")) == []

@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlparse
@@ -175,6 +176,15 @@ class S3Storage(Storage):
             if _is_missing(e):
                 raise missing(self.location, key) from None
             raise self._error(e, "read", key) from e
+
+    def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        """Many ranged GETs at once, overlapped (``max_concurrency`` in flight): on an object
+        store a trajectory's cost is round trips, one per step file."""
+        if len(ranges) <= 1:
+            return [self.read_range(k, start, n) for k, start, n in ranges]
+        with ThreadPoolExecutor(min(self.max_concurrency, len(ranges)),
+                                thread_name_prefix="dstt-s3-read") as ex:
+            return list(ex.map(lambda r: self.read_range(*r), ranges))
 
     def write(self, key: str, data: Data) -> None:
         self._check_lease()
