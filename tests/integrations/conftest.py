@@ -1,0 +1,41 @@
+"""The integration tests run offline and import their helpers (``hf_setup``) from here.
+
+One guard: pytest's default import mode puts ``tests/`` on ``sys.path`` (for its conftest),
+so ``import deepspeed`` finds ``tests/deepspeed/`` (and a full run collects that folder as the
+top-level package ``deepspeed``). accelerate, inside the Trainer, imports DeepSpeed when it is
+installed and then fails on that empty package; so the real one is imported here first, with
+``tests/`` off the path (collected DeepSpeed tests keep their module objects).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def _unshadow_deepspeed() -> None:
+    mod = sys.modules.get("deepspeed")
+    where = getattr(mod, "__file__", None) if mod is not None else None
+    if mod is not None and (where is None
+                            or Path(where).resolve().parent != HERE.parent / "deepspeed"):
+        return  # the real one
+    for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
+        del sys.modules[name]
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE.parent]
+    try:
+        importlib.import_module("deepspeed")
+    except ImportError:
+        pass  # not installed: accelerate will not look for it either
+    finally:
+        sys.path[:] = saved
+
+
+_unshadow_deepspeed()
