@@ -91,6 +91,16 @@ def test_gradient_accumulation_commits_once_per_optimizer_step(tmp_path: Path) -
     assert all(int(st["step"]) == 3 for st in tr.optimizers[0].state.values())
 
 
+def test_manual_optimization_commits_each_step(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    m = model(manual=True)
+    rec = Recorder()
+    make_trainer([rec, DsttCallback(run=run)], steps=3).fit(m, loader())
+    heads = _heads(run)
+    assert [h.step for h in heads] == [1, 2, 3]
+    assert {h.step: h.metrics["train_loss"] for h in heads} == rec.losses
+
+
 @pytest.mark.parametrize(("stop", "stateful"), [(6, False), (6, True), (4, True)],
                          ids=["epoch-end", "epoch-end-stateful-loader",
                               "mid-epoch-stateful-loader"])
