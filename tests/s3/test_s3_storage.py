@@ -12,6 +12,7 @@ import pytest
 from dstt.errors import MissingFileError, NotARunError, RunLockedError
 from dstt.store import LocalStorage, Repository, storage_for
 from dstt.store.format.layout import HEAD_KEY, LOCK_KEY, ref_key
+from dstt.store.format.manifest import dump_head
 from dstt.store.storage.s3 import DEFAULT_GUARDED, S3Storage
 
 from .conftest import S3Server
@@ -137,3 +138,9 @@ def test_a_missing_bucket_is_a_clear_error_at_create(s3_env: S3Server) -> None:
         Repository.create("s3://no-such-bucket/run")
     with pytest.raises(NotARunError, match=r"no zarr\.json"):
         Repository.open("s3://no-such-bucket/run")
+
+
+def test_the_lease_holder_finishes_an_interrupted_create(s3_url: str) -> None:
+    storage_for(s3_url).write(HEAD_KEY, dump_head("main"))  # cut after HEAD, before zarr.json
+    repo = Repository.create(s3_url)  # a fresh process: it never read HEAD, but holds the lease
+    assert repo.reader().current_timeline == "main" and repo.verify().ok

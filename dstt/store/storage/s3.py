@@ -18,8 +18,10 @@ The commit protocol's two POSIX tools are replaced by conditional writes:
   for clock skew), refuses every further write.
 * **refs and HEAD are compare-and-swap**: keys under ``guarded`` (the refs and HEAD of
   docs/format.md §8) are written with ``If-Match`` on the ETag this storage last read or wrote
-  there, or ``If-None-Match: *`` when it has seen none. A writer that lost its lease, or any
-  second writer, cannot move a ref the other moved since: it gets ``RunLockedError``.
+  there; a key it has not seen is ``If-None-Match: *`` (create-only), or — while it holds the
+  lease — swapped against the ETag a HEAD finds (finishing an interrupted create). A writer
+  that lost its lease, or any second writer, cannot move a ref the other moved since: it gets
+  ``RunLockedError``.
 
 Guaranteed: at most one process holds the lease at any time (conditional create/takeover);
 no ref or HEAD update is lost (CAS); a writer that stalls past its lease cannot commit. Not
@@ -198,6 +200,11 @@ class S3Storage(Storage):
             return
         with self._mu:
             seen = self._etags.get(key)
+        if seen is None and self._lease is not None:
+            # the lease holder writing a ref it never read (finishing an interrupted create):
+            # swap against what is there now; without the lease, an unseen key is create-only
+            meta = self._head(key)
+            seen = None if meta is None else str(meta["e_tag"])
         mode: Any = {"e_tag": seen} if seen is not None else "create"
         try:
             res = obstore.put(self.store, key, body, mode=mode)
