@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xarray as xr
 
+from ._run_diagnose import DiagnoseMixin
 from .errors import CorruptRunError, MetricNotFoundError, NotARunError, StepNotFoundError
+from .inspect.batches import Batch, write_skips
 from .inspect.compare import diff_commits
 from .inspect.html import run_html, run_summary
 from .inspect.indexed import metrics_from_rows, summaries_from_rows
@@ -37,7 +39,6 @@ from .inspect.summaries import (
     SUMMARIES_OBJECT,
     Spike,
     find_spikes,
-    rank_tensors,
     spike_cause,
     summary_rows,
 )
@@ -93,7 +94,7 @@ def find_run_root(path: str | os.PathLike[str]) -> str | None:
         d = parent
 
 
-class Run:
+class Run(DiagnoseMixin):
     """A committed run: its timelines, steps, metrics, summaries and snapshots."""
 
     def __init__(self, repo: Repository) -> None:
@@ -250,16 +251,21 @@ class Run:
         return ds if chunks is None else ds.chunk(chunks)
 
     def spikes(self, metric: str = "loss", *, window: int = 50, z: float = 4.0,
-               around: int = 0, top: int = 10, timeline: str | None = None) -> list[Spike]:
+               around: int = 0, top: int = 10, baseline: int = 20,
+               timeline: str | None = None) -> list[Spike]:
         """Spikes of a logged metric (rolling z-score rule of :mod:`dstt.inspect.summaries`),
         each with the committed update that caused it.
 
         Step rule: the metric filed under step *k* was computed on the weights of step
         *k - 1*, so a jump first seen at *k* (``Spike.start``) was caused by the update
         ``parent -> cause`` = ``(k - 2) -> (k - 1)`` (with sparser commits: the committed
-        interval holding it). ``Spike.tensors`` are the ``top`` tensors by that update's
-        ratio in the cause commit's summaries (``around`` > 0 adds that many commits either
-        side of the cause; empty lists when the run has no summaries). Open the bad update in
+        interval holding it). ``Spike.tensors`` are the ``top`` tensors of that update,
+        ranked by how far each one's update ratio left its own trailing baseline of
+        ``baseline`` commits (robust z-score; ``Spike.ratios`` keeps the ratios; ``around`` >
+        0 adds that many commits either side of the cause; empty lists when the run has no
+        summaries). ``Spike.batches``, ``suspect``, ``samples`` and ``rollback_to`` name the
+        data (:mod:`dstt.inspect.diagnose`); ``top=0`` skips all of that (no reads).
+        Open the bad update in
         a widget with ``dstt.widgets.scrubber(run, spike=sp)`` or ``compare(run, spike=sp)``.
         """
         name = timeline or self.timeline
@@ -275,21 +281,8 @@ class Run:
         line = self.commits(name)
         steps = [h.step for h in line]
         causes = [spike_cause(steps, start) for *_, start in found]
-        windows: list[list[int]] = []
-        for _, cause in causes:
-            if cause is None or top <= 0:
-                windows.append([])
-                continue
-            i = steps.index(cause)
-            windows.append(steps[max(0, i - around):i + around + 1])
-        # only the summaries of the causes (and ``around``) are read, not the whole run's
-        need = sorted({st for w in windows for st in w})
-        by_step = {h.step: h for h in line}
-        sums = summaries_from_rows(self._reader.scalar_rows([by_step[st] for st in need]))
-        return [Spike(s, v, zi, mu, sd, rank_tensors(sums, w)[:max(top, 0)], start=start,
-                      cause=cause, parent=parent, timeline=name)
-                for (s, v, zi, mu, sd, start), (parent, cause), w
-                in zip(found, causes, windows, strict=True)]
+        return self._explain(found, causes, around=around, top=top, z=z, baseline=baseline,
+                             name=name)
 
     def _read_summaries(self, h: Any) -> dict[str, Any]:
         """The summaries of one commit; multi-rank runs add one object per other rank."""
@@ -320,14 +313,24 @@ class Run:
 
     # -- changes --------------------------------------------------------------------------
     def rollback(self, to: int, skip_data: int = 0, *, timeline: str | None = None,
-                 name: str | None = None) -> str:
+                 name: str | None = None,
+                 skip_samples: Iterable[int] | None = None,
+                 skip_batches: Iterable[int] | None = None) -> str:
         """Start a new timeline at step ``to`` of ``timeline`` (default: current; the old one
         is kept) and make it current; training resumed on this run continues from there,
         skipping ``skip_data`` batches. The new timeline is ``name``, by default
         ``<timeline>-from-<to>``; a name that exists (a second rollback to the same step)
-        raises ``TimelineError``. Returns the new timeline's name."""
+        raises ``TimelineError``. Returns the new timeline's name.
+
+        ``skip_samples`` (sample indices) and ``skip_batches`` (steps of ``timeline`` whose
+        recorded batches, ``run.batches()``, are skipped wherever they come again) are
+        dropped by every session resumed on the new timeline and those forked from it
+        (``run.skips()``; see :mod:`dstt._data`)."""
+        skips = self._skip_set(skip_samples, skip_batches, timeline)
         ref = self.repo.rollback(int(to), skip_data=int(skip_data), timeline=timeline,
                                  name=name)
+        if skips:
+            write_skips(self.repo.storage, ref, skips)
         self.refresh()
         return str(ref.name)
 
@@ -471,6 +474,10 @@ class Snapshot:
 
         return export_commit(self.run._reader, self.header, out, format,  # type: ignore[arg-type]
                              include_all=include_all, overwrite=overwrite, progress=progress)
+
+    def batch(self) -> list[Batch]:
+        """The fingerprints of the batches this step trained on (``run.batches()``)."""
+        return self.run.batches([self.step], timeline=self.timeline).get(self.step, [])
 
     def state_dict(self, *, trusted: bool = False) -> dict[str, Any]:
         """This step in torch's own formats: ``{"model": ..., "optimizer": ...,

@@ -43,6 +43,17 @@ def _sig(obj: object) -> str:
         return ""
 
 
+def _members(cls: type) -> dict[str, object]:
+    """A class's own attributes and those it inherits from dstt's mixins (``Run`` gets its
+    diagnosis methods from ``dstt._run_diagnose``), the nearest definition first."""
+    out: dict[str, object] = {}
+    for klass in cls.__mro__:
+        if klass is cls or klass.__module__.startswith("dstt"):
+            for k, v in vars(klass).items():
+                out.setdefault(k, v)
+    return out
+
+
 def api() -> str:
     out = ["# API reference", "",
            "Generated from the docstrings by `scripts/gen_docs.py`; the public surface is",
@@ -55,7 +66,7 @@ def api() -> str:
             sig = "" if kind == "class" and title == "Errors" else _sig(obj)
             out += [f"### `dstt.{name}{sig}`", "", _doc(obj), ""]
             if inspect.isclass(obj) and title != "Errors":
-                for attr, member in sorted(vars(obj).items()):
+                for attr, member in sorted(_members(obj).items()):
                     if attr.startswith("_") or not (inspect.isfunction(member)
                                                     or isinstance(member, property)):
                         continue

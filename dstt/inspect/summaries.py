@@ -202,8 +202,17 @@ class Spike:
     jump (``start - 1`` when every step is committed; the module's cause rule otherwise) and
     ``parent`` the commit before it, so the bad update is ``parent -> cause`` (``update``).
     ``cause`` is None when the jump was computed on weights from before the first commit,
-    ``parent`` None when ``cause`` is the first commit. ``tensors``: ``(name, update ratio)``
-    of the cause's update, largest first.
+    ``parent`` None when ``cause`` is the first commit. ``tensors``: ``(name, score)`` of the
+    cause's update, most abnormal first: the robust z-score of its update ratio against that
+    tensor's own recent baseline (:mod:`dstt.inspect.diagnose`; NaN without a baseline, then
+    ordered by ratio); ``ratios`` holds their absolute update ratios.
+
+    Data (:mod:`dstt.inspect.diagnose`, "which data"): ``batches`` are the recorded batch
+    fingerprints of the steps ``parent + 1 .. start`` (``run.batches()``); ``suspect`` says
+    whether the jump comes from the batch it was measured on (``"data"``) or from an abnormal
+    update (``"update"``); ``samples`` are the suspect batches' sample indices and
+    ``rollback_to`` the last commit before them, so ``run.rollback(sp.rollback_to,
+    skip_samples=sp.samples)`` continues without them.
     """
 
     step: int
@@ -216,6 +225,30 @@ class Spike:
     cause: int | None = None
     parent: int | None = None
     timeline: str | None = None
+    ratios: dict[str, float] = field(default_factory=dict)
+    batches: dict[int, list[Any]] = field(default_factory=dict)
+    suspect: str | None = None
+
+    @property
+    def suspect_steps(self) -> list[int]:
+        """The steps whose batches are suspected (see the class docstring)."""
+        if self.start is None:
+            return []
+        if self.suspect == "update" and self.cause is not None:
+            lo = self.parent + 1 if self.parent is not None else self.cause
+            return list(range(lo, self.cause + 1))
+        return [self.start]
+
+    @property
+    def samples(self) -> list[int]:
+        """Sample indices of the suspect batches ([] where only hashes were recorded)."""
+        return sorted({i for k in self.suspect_steps for b in self.batches.get(k, ())
+                       for i in b.samples})
+
+    @property
+    def rollback_to(self) -> int | None:
+        """The last commit trained on none of the suspect batches."""
+        return self.parent if self.suspect == "update" else self.cause
 
     @property
     def update(self) -> tuple[int, int] | None:
@@ -225,15 +258,20 @@ class Spike:
         return self.parent, self.cause
 
     def __str__(self) -> str:
-        top = ", ".join(f"{n} ({r:.3g})" for n, r in self.tensors[:3]) or "no summaries"
+        top = ", ".join(f"{n} (z={r:.3g}, ratio {self.ratios.get(n, math.nan):.3g})"
+                        for n, r in self.tensors[:3]) or "no summaries"
         if self.update is not None:
             why = f"caused by the update {self.parent} -> {self.cause}"
         elif self.cause is not None:
             why = f"caused by the update into {self.cause} (the first commit)"
         else:
             why = "computed on weights from before the first commit"
+        data = ""
+        if self.suspect is not None:
+            fps = [str(b) for k in self.suspect_steps for b in self.batches.get(k, ())]
+            data = f"; suspect: {self.suspect} ({'; '.join(fps) or 'no batches recorded'})"
         return (f"step {self.step}: {self.value:.4g} (baseline {self.baseline:.4g}, "
-                f"z={self.zscore:.1f}); {why}; top update ratios: {top}")
+                f"z={self.zscore:.1f}); {why}; most abnormal updates: {top}{data}")
 
 
 def spike_cause(steps: Sequence[int], start: int) -> tuple[int | None, int | None]:

@@ -177,7 +177,8 @@ def test_spike_names_the_update_that_caused_it(tmp_path: Path) -> None:
     assert sp.update == (28, 29)
     # ranked by the causing update's summaries, not by the reaction that followed it
     ratio = run.summaries(29)["update_ratio"].sel(step=29)
-    assert sp.tensors[0] == ("layers.1.w", pytest.approx(float(ratio.sel(tensor="layers.1.w"))))
+    assert sp.tensors[0][0] == "layers.1.w" and sp.tensors[0][1] > 100  # z vs its baseline
+    assert sp.ratios["layers.1.w"] == pytest.approx(float(ratio.sel(tensor="layers.1.w")))
     assert [n for n, _ in sp.tensors] == ["layers.1.w", "layers.0.w"]
     assert "caused by the update 28 -> 29" in str(sp)
     # around widens the ranking to neighbouring commits: then the reaction shows up first
