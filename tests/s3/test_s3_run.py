@@ -121,3 +121,26 @@ def test_two_gloo_ranks_write_one_run(s3_url: str, s3_server: S3Server) -> None:
         assert r.read_object(r.head(), f"rng/r{rank}") == {"seed": rank, "step": 3}
     assert repo.verify().ok
     assert not list(repo.storage.list("_dstt/parts"))
+
+
+def test_a_writer_whose_lease_was_taken_over_cannot_commit(s3_url: str) -> None:
+    def commit(w: object, step: int, value: float) -> None:
+        t = w.begin(step)  # type: ignore[attr-defined]
+        plan = t.declare("params/w", "float32", (4,))
+        t.put_chunk("params/w", 0, np.full(4, value, np.float32).view(np.uint8))
+        assert plan.n_chunks == 1
+        t.commit({"loss": value})
+
+    a = Repository.create(s3_url, lease_ttl=1.0).writer(chunk_bytes=64)
+    lease = a.storage._lease
+    lease._stop.set()  # a stalled writer: no heartbeat
+    lease._thread.join()
+    time.sleep(1.2)
+    with Repository.open(s3_url, lease_ttl=1.0).writer(chunk_bytes=64) as b:
+        commit(b, 1, 2.0)
+    with pytest.raises(RunLockedError, match="lost its lease"):
+        commit(a, 1, 1.0)
+    a.close()
+    r = Repository.open(s3_url).reader()
+    assert [h.step for h in r.lineage()] == [1]
+    assert np.all(r.read_array(r.head(), "params/w") == 2.0)
