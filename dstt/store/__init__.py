@@ -19,6 +19,8 @@ from .format.layout import (
     key_slot,
     plan_chunks,
 )
+from .format.segment import SCALARS as SUMMARY_SCALARS
+from .format.segment import RowSet
 from .format.manifest import (
     ArrayRecord,
     ChunkRecord,
@@ -28,6 +30,7 @@ from .format.manifest import (
     parse_header,
 )
 from .format.zarr_meta import dtype_itemsize, numpy_dtype
+from .index import Index, IndexedHeader
 from .maintenance import GcReport, Problem, VerifyReport
 from .parts import Part, abort_vote, collect_parts, remove_parts
 from .protocols import FlatStepWriter, StepTransaction, StepWriter
@@ -56,6 +59,8 @@ __all__ = [
     "FlatImage",
     "FlatLayout",
     "FlatStepWriter",
+    "Index",
+    "IndexedHeader",
     "Flusher",
     "GcReport",
     "LocalStorage",
@@ -69,6 +74,8 @@ __all__ = [
     "RankTransaction",
     "RankWriter",
     "Reader",
+    "RowSet",
+    "SUMMARY_SCALARS",
     "RefInfo",
     "Repository",
     "Snapshot",
