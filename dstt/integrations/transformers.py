@@ -207,13 +207,16 @@ class DsttCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
-        self.close()
+        self._close(None)
 
     # -- closing ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Commit the last step and release the run (``on_train_end`` does it; call it in a
-        ``finally`` around ``trainer.train()`` when training may raise)."""
-        self._close(None)
+        """Release the run now. ``on_train_end`` does it after a normal end; call it in a
+        ``finally`` around ``trainer.train()`` when training may raise: training did not end,
+        so the last step is committed only if its iteration had finished (as a session does
+        on an exception)."""
+        if self.session is not None:
+            self._close(_TrainerError("DsttCallback.close() before the Trainer's on_train_end"))
 
     def _close(self, exc: BaseException | None) -> None:
         s, self.session = self.session, None

@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from hf_setup import Recorder, state_hash, tiny_gpt2, trainer
+from transformers import TrainerCallback
 
 from dstt.errors import ConfigError, TimelineError
 from dstt.integrations.transformers import DsttCallback
@@ -119,6 +120,44 @@ def test_resume_without_the_trainer_resuming_is_refused(tmp_path: Path) -> None:
     assert cb.session is None  # closed, the run's lock released
     with pytest.raises(TimelineError, match="resume=True"):  # and no silent overwrite
         _train(run, tmp_path, steps=2)
+
+
+class _Boom(Exception):
+    pass
+
+
+class _RaiseAt(TrainerCallback):  # type: ignore[misc]
+    def __init__(self, step: int, where: str) -> None:
+        self.step, self.where = step, where
+
+    def on_step_begin(self, args: object, state: object, control: object, **kw: object) -> None:
+        if self.where == "forward" and state.global_step == self.step:  # type: ignore[attr-defined]
+            raise _Boom  # in the next iteration: step `step` had finished
+
+    def on_optimizer_step(self, args: object, state: object, control: object,
+                          **kw: object) -> None:
+        if self.where == "update" and state.global_step + 1 == self.step:  # type: ignore[attr-defined]
+            raise _Boom  # after the optimizer step, before the scheduler stepped
+
+
+@pytest.mark.parametrize(("where", "head"), [("forward", 3), ("update", 2)])
+def test_an_exception_commits_only_finished_steps(tmp_path: Path, where: str,
+                                                  head: int) -> None:
+    run = tmp_path / "run"
+    cb = DsttCallback(run=run)
+    tr = trainer(tiny_gpt2(), str(tmp_path / "out"), [_RaiseAt(3, where), cb], max_steps=6)
+    try:
+        with pytest.raises(_Boom):
+            tr.train()
+        assert cb.session is not None  # the Trainer has no exception hook
+    finally:
+        cb.close()
+    assert cb.session is None
+    assert [h.step for h in _heads(run)] == list(range(1, head + 1))
+    cb2 = DsttCallback(run=run, resume=True)  # the run is released and resumes
+    second = trainer(tiny_gpt2(), str(tmp_path / "out"), [cb2], max_steps=6)
+    second.train(resume_from_checkpoint=cb2.resume_from())
+    assert [h.step for h in _heads(run)] == list(range(1, 7))
 
 
 def test_resume_from_on_a_new_run_starts_fresh(tmp_path: Path) -> None:
