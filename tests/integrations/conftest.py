@@ -3,8 +3,9 @@
 One guard: pytest's default import mode puts ``tests/`` on ``sys.path`` (for its conftest),
 so ``import deepspeed`` finds ``tests/deepspeed/`` (and a full run collects that folder as the
 top-level package ``deepspeed``). accelerate, inside the Trainer, imports DeepSpeed when it is
-installed and then fails on that empty package; so the real one is imported here first, with
-``tests/`` off the path (collected DeepSpeed tests keep their module objects).
+installed and then fails on that empty package; so before these tests run (after collection:
+the DeepSpeed tests must still be collected under that name, and keep their module objects)
+a session fixture imports the real one with ``tests/`` off the path.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import importlib
 import os
 import sys
 from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -38,4 +41,6 @@ def _unshadow_deepspeed() -> None:
         sys.path[:] = saved
 
 
-_unshadow_deepspeed()
+@pytest.fixture(scope="session", autouse=True)
+def _real_deepspeed() -> None:
+    _unshadow_deepspeed()
