@@ -440,8 +440,8 @@ class Session:
         if history is not None:
             boundary[METRICS_HISTORY_OBJECT] = history
         batches = self._batches.take(f.step)
-        if batches is not None:
-            boundary[BATCHES_OBJECT] = batches
+        if batches is not None and getattr(getattr(self, "info", None), "rank", 0) == 0:
+            boundary[BATCHES_OBJECT] = batches  # under DeepSpeed: rank 0's batches, once
         pipe.seal(f, boundary)
         if self._flight is f:
             self._flight = self._boundary = None
