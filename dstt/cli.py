@@ -1,5 +1,5 @@
-"""``dstt``: the command line over a run (``ls log show diff verify rollback timeline gc
-export``).
+"""``dstt``: the command line over a run (``ls log show diff verify index rollback timeline
+gc export``).
 
 Thin by design: argparse, one call into :mod:`dstt._run` (or the store behind it), printing.
 The run is the optional first positional ``RUN`` of a command or ``--run PATH``, else
@@ -192,23 +192,17 @@ def cmd_log(args: argparse.Namespace) -> int:
     if args.n:
         line = line[:args.n]
     spikes = _spikes(run, args)
-    batches = (run.batches([h.step for h in line], timeline=args.timeline)
-               if args.batches else {})
     doc = [{"step": h.step, "slot": h.slot, "timeline": h.timeline, "time": h.time,
             "metrics": dict(h.metrics), "objects": sorted(h.objects),
             "spike": spikes.get(h.step)} for h in line]
-    if args.batches:
-        for d in doc:
-            d["batches"] = [b.plain() for b in batches.get(d["step"], [])]
 
     def text() -> Iterator[str]:
         for h in line:
             sp = spikes.get(h.step)
             mark = (f"  <- {sp['metric']} spike (z={sp['zscore']:.1f}, baseline "
-                    f"{sp['baseline']:.4g}; suspect {sp['suspect']})" if sp else "")
-            data = "".join(f"  [{b}]" for b in batches.get(h.step, []))
+                    f"{sp['baseline']:.4g})" if sp else "")
             yield (f"step {h.step:>8}  {_when(h.time)}  {h.timeline}  "
-                   f"{_metrics_text(h.metrics)}{data}{mark}")
+                   f"{_metrics_text(h.metrics)}{mark}")
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -219,8 +213,7 @@ def _spikes(run: Any, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     if args.spikes is None and metric not in run.metrics(args.timeline):
         return {}
     return {sp.step: {"metric": metric, "zscore": sp.zscore, "baseline": sp.baseline,
-                      "tensors": [n for n, _ in sp.tensors], "cause": sp.cause,
-                      "suspect": sp.suspect, "samples": sp.samples}
+                      "tensors": [n for n, _ in sp.tensors]}
             for sp in run.spikes(metric, timeline=args.timeline, top=3)}
 
 
@@ -375,10 +368,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     # would end here as "unreadable" (exit 3) instead of being reported as a problem
     run = _resolve_run(args, opener=Repository.open)
     with _bar(args, None, "commit") as bar:
-        rep = run.verify(progress=_counter(bar))
+        rep = run.verify(progress=_counter(bar), repair=args.repair)
     problems = [{"key": p.key, "message": p.message} for p in rep.problems]
     doc = {"ok": not problems, "problems": problems, "commits": rep.commits,
-           "chunks": rep.chunks, "objects": rep.objects, "bytes": rep.bytes}
+           "chunks": rep.chunks, "objects": rep.objects, "bytes": rep.bytes,
+           "repaired": bool(args.repair)}
 
     def text() -> Iterator[str]:
         for p in problems:
@@ -388,6 +382,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
                f"{rep.bytes} bytes checked")
     _emit(args, doc, text)
     return EXIT_PROBLEMS if problems else EXIT_OK
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from .store import Repository
+
+    repo = _resolve_run(args, opener=Repository.open)
+    rows = repo.reindex()
+    _emit(args, {"rows": rows}, lambda: iter([f"index rebuilt from the commit headers: "
+                                              f"{rows} commits"]))
+    return EXIT_OK
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
@@ -596,9 +600,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-n", type=_nonneg, default=0, help="show at most N steps (0: all)")
     sp.add_argument("--spikes", metavar="METRIC",
                     help="mark spikes of this metric (default: loss, when logged)")
-    sp.add_argument("--batches", action="store_true",
-                    help="show each step's batch: its sample indices or hash (s.data records "
-                         "them)")
     sp = add("show", cmd_show, "tensors of one step: norms, update ratios, bytes on disk")
     run_arg(sp)
     sp.add_argument("--step", type=int, help="the step (default: the head)")
@@ -616,6 +617,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--timeline-b", metavar="TIMELINE",
                     help="timeline of B, to compare two timelines (default: that of A)")
     sp = add("verify", cmd_verify, "check every committed byte against its checksum")
+    run_arg(sp)
+    sp.add_argument("--repair", action="store_true",
+                    help="rebuild the run's index from the commit headers first")
+    sp = add("index", cmd_index, "rebuild the run's index from the commit headers")
     run_arg(sp)
     sp = add("rollback", cmd_rollback, "start a new timeline at an old step (old one kept)")
     run_arg(sp)

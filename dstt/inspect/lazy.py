@@ -242,6 +242,7 @@ class TrajectoryArray(BackendArray):
         self.store_dtype = store_dtype
         self.dtype = view_dtype(store_dtype)
         self.threads = threads
+        self._nbytes = int(np.prod(shape)) * numpy_dtype(store_dtype).itemsize
 
     def __getitem__(self, key: indexing.ExplicitIndexer) -> np.ndarray:
         return _adapt(self, key, self._raw)
@@ -273,6 +274,18 @@ class TrajectoryArray(BackendArray):
         rest = key[1:]
         idx = [int(i) for i in np.atleast_1d(sel)]
         res = np.empty((len(idx), *_key_shape(rest, self.shape[1:])), self.dtype)
+        # the index locates the tensor in every step: one batched read of exactly its bytes
+        many = self.readers.get().read_many([self.headers[i] for i in idx], self.path)
+        if many is not None and all(len(b) == self._nbytes for b in many):
+            dt, shape = numpy_dtype(self.store_dtype), self.shape[1:]
+            if all(isinstance(k, slice) and k == slice(None) for k in rest):  # whole steps
+                block = np.frombuffer(b"".join(many), dtype=dt).reshape(len(many), *shape)
+                np.copyto(res, block, casting="unsafe")
+                return res[0, ...] if np.ndim(sel) == 0 else res
+            for j, data in enumerate(many):
+                piece = np.frombuffer(data, dtype=dt).reshape(shape)
+                np.copyto(res[j, ...], _outer(piece, rest, 0), casting="unsafe")
+            return res[0, ...] if np.ndim(sel) == 0 else res
         if self.threads and len(idx) > 1:
             list(_pool().map(lambda j: self._fill(idx[j], rest, res[j, ...]), range(len(idx))))
         else:

@@ -19,8 +19,6 @@ from .format.layout import (
     key_slot,
     plan_chunks,
 )
-from .format.segment import SCALARS as SUMMARY_SCALARS
-from .format.segment import RowSet
 from .format.manifest import (
     ArrayRecord,
     ChunkRecord,
@@ -29,6 +27,8 @@ from .format.manifest import (
     RefInfo,
     parse_header,
 )
+from .format.segment import SCALARS as SUMMARY_SCALARS
+from .format.segment import RowSet
 from .format.zarr_meta import dtype_itemsize, numpy_dtype
 from .index import Index, IndexedHeader
 from .maintenance import GcReport, Problem, VerifyReport
@@ -48,6 +48,7 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_RANK_TIMEOUT",
     "REFS_PREFIX",
+    "SUMMARY_SCALARS",
     "ArrayRecord",
     "ChunkPlan",
     "ChunkRecord",
@@ -59,10 +60,10 @@ __all__ = [
     "FlatImage",
     "FlatLayout",
     "FlatStepWriter",
-    "Index",
-    "IndexedHeader",
     "Flusher",
     "GcReport",
+    "Index",
+    "IndexedHeader",
     "LocalStorage",
     "LogicalArray",
     "ObjectRecord",
@@ -74,10 +75,9 @@ __all__ = [
     "RankTransaction",
     "RankWriter",
     "Reader",
-    "RowSet",
-    "SUMMARY_SCALARS",
     "RefInfo",
     "Repository",
+    "RowSet",
     "Snapshot",
     "StepTransaction",
     "StepWriter",
@@ -105,7 +105,7 @@ __all__ = [
     "read_logical",
     "remove_parts",
     "save",
-    "storage_for",
     "sgd_predictions",
     "shard_map",
+    "storage_for",
 ]

@@ -256,13 +256,45 @@ class Index:
         st = self.storage
 
         def fetch() -> CommitHeader:
-            return parse_header(seg.header_bytes(st, i), f"{st.location}/{seg.key} (row {i})")
+            try:
+                return parse_header(seg.header_bytes(st, i), f"{st.location}/{seg.key} (row {i})")
+            except (DsttError, OSError):  # a damaged or vanished segment: the header itself
+                key = commit_key(slot)
+                return parse_header(st.read(key), f"{st.location}/{key}")
 
         parent = int(c["parent"][i])
         return IndexedHeader(fetch, int(c["slot"][i]), int(c["step"][i]),
                              seg.timelines[int(c["timeline"][i])],
                              None if parent < 0 else parent, float(c["time"][i]),
                              bool(c["pruned"][i]))
+
+    def locate_many(self, slots: list[int], path: str
+                    ) -> list[tuple[Layout, list[int]] | None]:
+        """Per slot, the layout of ``path`` and its chunks' crc32c, or None (not indexed,
+        pruned, absent, encoded): ``located`` for many steps, without record objects."""
+        idx = self.ensure()
+        out: list[tuple[Layout, list[int]] | None] = []
+        cache: dict[str, tuple[Any, ...]] = {}
+        for slot in slots:
+            got = idx.rows.get(slot)
+            if got is None:
+                out.append(None)
+                continue
+            seg, i = got
+            loc = cache.get(seg.key)
+            if loc is None:
+                try:
+                    raw = seg.locations(self.storage, path)
+                except (DsttError, OSError, ValueError):
+                    raw = None
+                loc = cache[seg.key] = (False,) if raw is None else (
+                    True, raw[0].tolist(), raw[1].tolist(), raw[2], seg.core["pruned"].tolist())
+            if not loc[0] or loc[4][i]:
+                out.append(None)
+                continue
+            j = loc[1][i]
+            out.append(None if j < 0 else (loc[3][j], loc[2][i]))
+        return out
 
     def located(self, slot: int, path: str) -> ArrayRecord | None:
         """The arrays-table record of ``path`` in ``slot`` from the index (raw chunks only),
@@ -273,7 +305,10 @@ class Index:
         seg, i = got
         if seg.core["pruned"][i]:
             return None
-        loc = seg.locations(self.storage, path)
+        try:
+            loc = seg.locations(self.storage, path)
+        except (DsttError, OSError, ValueError):  # damaged: the arrays table knows too
+            return None
         if loc is None:
             return None
         ids, crcs, lays = loc
@@ -304,7 +339,13 @@ def scalar_rows(reader: Reader, headers: list[CommitHeader], *, summaries: bool)
         g[2].append(got[1])
     parts, order = [], []
     for seg, pos_list, rows in groups.values():
-        parts.append(take(seg.scalars(reader.storage, summaries), np.array(rows, np.int64)))
+        try:
+            cols = seg.scalars(reader.storage, summaries)
+        except (DsttError, OSError, ValueError):  # damaged: read these rows' headers instead
+            tail += pos_list
+            continue
+        whole = len(rows) == seg.n and rows == list(range(seg.n))
+        parts.append(cols if whole else take(cols, np.array(rows, np.int64)))
         order += pos_list
     if tail:
         parts.append(rows_from_headers(reader, [headers[p] for p in tail],
@@ -313,6 +354,8 @@ def scalar_rows(reader: Reader, headers: list[CommitHeader], *, summaries: bool)
     if not parts:
         return rows_from_headers(reader, [])
     out = concat(parts)
+    if order == list(range(len(order))):
+        return out
     return take(out, np.argsort(np.array(order, np.int64), kind="stable"))
 
 
@@ -543,6 +586,12 @@ class IndexWriter:
         if len(self.pending) >= self.every:
             self.flush()
 
+    def close(self) -> None:
+        """At the writer's close: write the pending rows if half a segment's worth (fewer
+        stay the tail, read from their headers: a session of a few commits adds no file)."""
+        if len(self.pending) >= max(1, self.every // 2):
+            self.flush()
+
     def flush(self) -> None:
         if not self.pending:
             return
@@ -668,6 +717,11 @@ def check(reader: Reader) -> list[tuple[str, str]]:
     st = reader.storage
     idx = Index(st).load()
     problems = list(idx.problems)
+    for seg in idx.segments:  # every blob, not only what a reader opens
+        try:
+            seg.rows(st)
+        except (DsttError, OSError, ValueError, KeyError) as e:
+            problems.append((seg.key, f"damaged index segment ({e}); run `dstt index`"))
     try:
         heads = reachable_headers(reader)
     except (DsttError, OSError):

@@ -30,8 +30,10 @@ from .format.layout import (
     COMMITS_PREFIX,
     HEAD_KEY,
     REFS_PREFIX,
+    ChunkPlan,
     commit_key,
     parse_commit_name,
+    step_file_key,
 )
 from .format.manifest import (
     ArrayRecord,
@@ -229,6 +231,68 @@ class Reader:
         if header.pruned:
             return None
         return self.index.located(header.slot, path)
+
+    def read_many(self, headers: Sequence[CommitHeader], path: str) -> list[memoryview] | None:
+        """Verified raw bytes of ``path`` at each of ``headers`` (a trajectory), or None
+        when the index does not locate it in every one of them (read step by step then).
+        One batched ``Storage.read_ranges`` of exactly the tensor's chunks: no arrays table,
+        no zip directory."""
+        found = self.index.locate_many([h.slot for h in headers], path)
+        want: list[tuple[str, int, int]] = []
+        crcs: list[int] = []
+        sizes: list[int] = []  # per step: chunks, then each chunk's data bytes
+        plans: dict[int, list[int]] = {}  # id(layout) -> [chunks, data bytes of each]
+        for h, got in zip(headers, found, strict=True):
+            if got is not None and not h.pruned:
+                lay, crc = got
+                chunks = lay[3]
+                if len(chunks) == 1 and chunks[0][0] < 0:  # the flat lane's common case
+                    want.append((step_file_key(h.slot), chunks[0][1], chunks[0][2]))
+                    crcs.append(crc[0])
+                else:
+                    files = self.index.rows[h.slot][0].d["files"]
+                    want += [(step_file_key(h.slot) if f < 0 else files[f], off, n)
+                             for f, off, n in chunks]
+                    crcs += crc[:len(chunks)]
+                known = plans.get(id(lay))
+                if known is None:
+                    p = ChunkPlan(lay[1], numpy_dtype(lay[0]).itemsize, lay[2])
+                    known = plans[id(lay)] = [p.n_chunks, *(b - a for a, b in map(
+                        p.byte_range, range(p.n_chunks)))]
+                sizes += known
+                continue
+            rec = self.arrays(h).get(path)  # the tail not indexed yet: its arrays table
+            if type(rec) is not ArrayRecord or len(rec.chunks) != rec.plan.n_chunks or any(
+                    c.encoding != "raw" for c in rec.chunks):
+                return None  # absent, a view of other arrays (ZeRO), or encoded
+            want += [(c.key, c.offset, c.nbytes) for c in rec.chunks]
+            crcs += [c.crc32c for c in rec.chunks]
+            rec_plan = rec.plan
+            n = rec_plan.n_chunks
+            sizes.append(n)
+            sizes += [b - a for a, b in map(rec_plan.byte_range, range(n))]
+        try:
+            got_bytes = self.storage.read_ranges(want)
+        except FileNotFoundError:  # pruned meanwhile, or damaged: the step-by-step path says
+            return None
+        out: list[memoryview] = []
+        k = at = 0
+        for h in headers:
+            n = sizes[at]
+            parts = []
+            for i in range(n):
+                data, want_crc = got_bytes[k], crcs[k]
+                body = memoryview(data)[:-4]
+                if (len(data) != want[k][2] or checksum(body) != want_crc
+                        or data[-4:] != struct.pack("<I", want_crc)):
+                    raise ChecksumError(f"{self.storage.location}/{want[k][0]}: crc32c "
+                                        f"mismatch (chunk {i} of {path!r}, step {h.step}); "
+                                        "the chunk is damaged")
+                parts.append(body[:sizes[at + 1 + i]])
+                k += 1
+            at += 1 + n
+            out.append(parts[0] if len(parts) == 1 else memoryview(b"".join(parts)))
+        return out
 
     def record(self, header: CommitHeader, path: str) -> ArrayRecord:
         rec = self.located(header, path)

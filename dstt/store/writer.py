@@ -119,6 +119,7 @@ class Writer:
         self._closed = False
         self._meta_lock = threading.Lock()
         self._commit_lock = threading.Lock()
+        self.index: IndexWriter | None = None
         try:
             self.reader = repo.reader()
             self._next_slot = self.reader.max_slot() + 1
@@ -140,7 +141,7 @@ class Writer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(index=exc[0] is None)  # leaving on an error: the next writer indexes
 
     def flush(self) -> None:
         """Make every commit so far durable (lazily written refs included)."""
@@ -149,11 +150,16 @@ class Writer:
                 self.storage.barrier()
                 self._unsynced = False
 
-    def close(self) -> None:
+    def close(self, *, index: bool = True) -> None:
+        """Release the run; ``index``: write the session's pending index rows (if half a
+        segment's worth, ``IndexWriter.close``)."""
         if not self._closed:
             try:
                 if self._unsynced:
                     self.flush()
+                if index and self.index is not None:  # the session's last rows
+                    with contextlib.suppress(OSError), self._commit_lock:
+                        self.index.close()
             finally:
                 self._closed = True
                 if self._lock_cm is not None:

@@ -234,11 +234,11 @@ def read_directory(prefix: bytes, where: str) -> tuple[dict[str, Any], int] | in
 def blob(d: dict[str, Any], name: str, data: bytes, base: int, where: str) -> Any:
     """Blob ``name`` from ``data`` (bytes of the segment starting at file offset ``base``)."""
     off, nbytes, crc, dt, shape = d["blobs"][name]
-    raw = data[off - base:off - base + nbytes]
+    raw = memoryview(data)[off - base:off - base + nbytes]  # no copy of a large blob
     if len(raw) != nbytes or checksum(raw) != crc:
         raise ChecksumError(f"{where}: index blob {name!r} fails its crc32c")
     if dt == "bytes":
-        return raw
+        return bytes(raw)
     return np.frombuffer(raw, dtype=dt).reshape(shape)
 
 

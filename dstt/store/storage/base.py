@@ -103,6 +103,11 @@ class Storage(ABC):
     def read_range(self, key: str, start: int, length: int) -> bytes:
         """Return ``length`` bytes from ``start``."""
 
+    def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        """Many ``read_range`` calls at once (a trajectory: one range in each step's file);
+        a backend may override it with a tighter loop."""
+        return [self.read_range(k, start, n) for k, start, n in ranges]
+
     @abstractmethod
     def write(self, key: str, data: Data) -> None:
         """Store ``data`` atomically; durable only after the next ``barrier``."""
