@@ -120,7 +120,7 @@ def step_change(run: Any, step: int, reference: int | None = None, *,
     if reference is None:
         ref = _previous(run, int(head.step), timeline)
         if ref is not None and SUMMARIES_OBJECT in head.objects:
-            return _change_from_summaries(run, head, ref)
+            return _change_from_summaries(run, head, ref, timeline)
     else:
         ref = run.at(reference, reference_timeline or timeline).header
     if ref is None:
@@ -130,23 +130,30 @@ def step_change(run: Any, step: int, reference: int | None = None, *,
                            "ratio": ("tensor", nan.copy())},
                           coords={"tensor": ("tensor", np.array(names, dtype=object))},
                           attrs={"step": int(head.step), "reference": None, "source": "none"})
-    return diff_headers(run, ref, head)
+    return diff_headers(run, ref, head, timeline=timeline,
+                        reference_timeline=reference_timeline or timeline)
 
 
-def diff_headers(run: Any, ref: Any, head: Any) -> xr.Dataset:
-    """Exact per-parameter change between two commit headers (any timelines)."""
+def diff_headers(run: Any, ref: Any, head: Any, *, timeline: str | None = None,
+                 reference_timeline: str | None = None) -> xr.Dataset:
+    """Exact per-parameter change between two commit headers, read along the timelines they
+    were found on (default: the current one). Not ``header.timeline``: that is the name a
+    commit was written under, an ancestor's perhaps, since renamed or deleted."""
+    tb = timeline or run.timeline
+    ta = reference_timeline or tb
     paths = sorted(p for p in set(run.arrays(ref)) | set(run.arrays(head)) if _is_param(p))
-    ds = run.diff(int(ref.step), int(head.step), timeline=str(ref.timeline),
-                  timeline_b=str(head.timeline), paths=paths)
+    ds = run.diff(int(ref.step), int(head.step), timeline=ta, timeline_b=tb, paths=paths)
     out = xr.Dataset({"delta_l2": ds["delta_l2"], "norm": ds["a_l2"], "ratio": ds["ratio"]})
     out = out.assign_coords(status=ds["status"])
     out.attrs.update(step=int(head.step), reference=int(ref.step), source="tensors",
-                     timeline=str(head.timeline), reference_timeline=str(ref.timeline))
+                     timeline=tb, reference_timeline=ta)
     return out
 
 
-def _change_from_summaries(run: Any, head: Any, ref: Any) -> xr.Dataset:
-    s = summary_rows(run.at(int(head.step), str(head.timeline)).object(SUMMARIES_OBJECT))
+def _change_from_summaries(run: Any, head: Any, ref: Any,
+                           timeline: str | None) -> xr.Dataset:
+    tl = timeline or run.timeline
+    s = summary_rows(run.at(int(head.step), tl).object(SUMMARIES_OBJECT))
     paths = sorted(p for p in s if _is_param(p))
 
     def num(v: Any) -> float:

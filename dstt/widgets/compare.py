@@ -42,7 +42,8 @@ class CompareModel:
         tb = timeline_b or ta
         self.a, self.b = run.at(step_a, ta), run.at(step_b, tb)
         self.timeline_a, self.timeline_b = ta, tb
-        self.diff: xr.Dataset = diff_headers(run, self.a.header, self.b.header)
+        self.diff: xr.Dataset = diff_headers(run, self.a.header, self.b.header,
+                                             timeline=tb, reference_timeline=ta)
         pa = {p for p in self.a.arrays if p.startswith("params/")}
         pb = {p for p in self.b.arrays if p.startswith("params/")}
         self.tensors = [user_name(p) for p in sorted(pa & pb)]

@@ -22,6 +22,7 @@ from notebook_helpers import (
 )
 
 import dstt
+import dstt.plots
 import dstt.widgets as W
 from dstt.errors import StepNotFoundError, TensorNotFoundError, TimelineError
 from dstt.widgets.model import LRU, ScrubberModel
@@ -374,3 +375,20 @@ def test_a_run_without_metrics_and_a_single_step(tmp_path: Path) -> None:
                                   np.arange(6).reshape(2, 3))
     s.next_button.click()
     assert s.model.step == 7 and s.error is None
+
+
+def test_change_views_work_after_the_timeline_they_were_written_on_is_renamed(
+        tmp_path: Path) -> None:
+    """Commits keep the timeline name they were written under; the views must read along
+    the timeline the user is looking at, not that (renamed) name."""
+    path = tmp_path / "run"
+    write_run(path, list(range(1, 9)))
+    run = dstt.open(path)
+    run.rename_timeline("main", "base")
+    run.refresh()
+    change = dstt.plots.step_change(run, 5)  # from the summaries
+    exact = dstt.plots.step_change(run, 5, reference=3)  # both commits diffed
+    assert change.attrs["reference"] == 4 and exact.attrs["timeline"] == "base"
+    assert np.isfinite(exact["delta_l2"].values).all()
+    cmp = W.compare(run, 3, 6)
+    assert cmp.model.diff.attrs["timeline"] == "base"
