@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 import torch
 
+from ._data import BATCHES_OBJECT, BatchLog, RecordedData, SkipSet, read_skips
 from ._session_checks import capture_error, check_optimizer, warn_skipped
 from ._session_metrics import METRICS_HISTORY_OBJECT, MetricLog, metric_value
 from .engine.pipeline import SUMMARIES_OBJECT, Flight, Pipeline, StepMetrics
@@ -131,6 +132,9 @@ class Session:
         self._position = DataPosition()
         self._tracked: TrackedData | None = None
         self._skip = 0
+        self._batches = BatchLog()  # per-step batch fingerprints (dstt._data)
+        self._skips = SkipSet()  # what this timeline drops (run.rollback(skip_samples=...))
+        self._loader_state: Any = None  # a stateful loader's saved state, with its batch count
         self._started = self._closed = False
 
     # -- public ---------------------------------------------------------------------------
@@ -153,13 +157,25 @@ class Session:
         """Wrap an iterable so the session records (and on resume restores) the data position.
 
         One pass over the wrapper is one epoch; after a resume the first pass skips the batches
-        the restored step had consumed. Call it inside the ``with`` block (after the restore).
+        the restored step had consumed: by restoring the loader's saved state when it has
+        ``state_dict()``/``load_state_dict()`` (torchdata's ``StatefulDataLoader``), else by
+        drawing and dropping them. Each batch's fingerprint (its sample indices, else a hash)
+        is recorded under its step (``run.batches()``), and the samples and batches the
+        timeline skips (``run.rollback(skip_samples=..., skip_batches=...)``) are dropped; see
+        :mod:`dstt._data`. Call it inside the ``with`` block (after the restore).
         """
         if not self._started:
             raise CaptureError("call s.data(...) inside the `with dstt.session(...)` block, "
                                "after the session has restored its data position")
-        self._tracked = TrackedData(loader, self._current_position(), skip=self._skip,
-                                    on_next=self._at_boundary)
+        skip = self._skip
+        if self._loader_state is not None and callable(getattr(loader, "load_state_dict", None)):
+            state, consumed = self._loader_state
+            loader.load_state_dict(state)  # type: ignore[attr-defined]
+            skip -= consumed  # only the rollback's skip_data is still drawn and dropped
+        self._loader_state = None
+        self._tracked = RecordedData(loader, self._current_position(), skip=skip,
+                                     on_next=self._at_boundary, step=lambda: self._step,
+                                     log=self._batches, skips=self._skips)
         self._skip = 0
         return self._tracked
 
@@ -423,6 +439,9 @@ class Session:
             f.add_metrics(own)
         if history is not None:
             boundary[METRICS_HISTORY_OBJECT] = history
+        batches = self._batches.take(f.step)
+        if batches is not None and getattr(getattr(self, "info", None), "rank", 0) == 0:
+            boundary[BATCHES_OBJECT] = batches  # under DeepSpeed: rank 0's batches, once
         pipe.seal(f, boundary)
         if self._flight is f:
             self._flight = self._boundary = None
@@ -448,14 +467,21 @@ class Session:
     def _current_position(self) -> DataPosition:
         return self._tracked.position if self._tracked is not None else self._position
 
-    def _data_state(self) -> dict[str, int]:
+    def _data_state(self) -> dict[str, Any]:
         p = self._current_position()
-        return {"epoch": p.epoch, "batch": p.batch, "total": p.total}
+        out: dict[str, Any] = {"epoch": p.epoch, "batch": p.batch, "total": p.total}
+        loader = self._tracked.loader if self._tracked is not None else None
+        if callable(getattr(loader, "state_dict", None)) and callable(
+                getattr(loader, "load_state_dict", None)):
+            out["loader"] = loader.state_dict()  # type: ignore[union-attr]
+        return out
 
-    def _set_data(self, state: Mapping[str, int]) -> None:
+    def _set_data(self, state: Mapping[str, Any]) -> None:
         self._position = DataPosition(int(state["epoch"]), int(state["batch"]),
                                       int(state["total"]))
         self._skip = self._position.batch
+        self._loader_state = ((state["loader"], self._position.batch)
+                              if state.get("loader") is not None else None)
         self._tracked = None
 
     def _restore(self, reader: Any, head: Any) -> None:
@@ -463,6 +489,7 @@ class Session:
         self._restore_state(source, reader, head)
         self._step = head.step
         ref = reader.ref()
+        self._skips = read_skips(reader.storage, reader.timelines, ref.name)
         if ref.skip_data and head.slot == ref.base_slot:  # fresh rollback: skip bad batches
             p = self._position
             self._position = DataPosition(p.epoch, p.batch + ref.skip_data,

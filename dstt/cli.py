@@ -192,17 +192,23 @@ def cmd_log(args: argparse.Namespace) -> int:
     if args.n:
         line = line[:args.n]
     spikes = _spikes(run, args)
+    batches = (run.batches([h.step for h in line], timeline=args.timeline)
+               if args.batches else {})
     doc = [{"step": h.step, "slot": h.slot, "timeline": h.timeline, "time": h.time,
             "metrics": dict(h.metrics), "objects": sorted(h.objects),
             "spike": spikes.get(h.step)} for h in line]
+    if args.batches:
+        for d in doc:
+            d["batches"] = [b.plain() for b in batches.get(d["step"], [])]
 
     def text() -> Iterator[str]:
         for h in line:
             sp = spikes.get(h.step)
             mark = (f"  <- {sp['metric']} spike (z={sp['zscore']:.1f}, baseline "
-                    f"{sp['baseline']:.4g})" if sp else "")
+                    f"{sp['baseline']:.4g}; suspect {sp['suspect']})" if sp else "")
+            data = "".join(f"  [{b}]" for b in batches.get(h.step, []))
             yield (f"step {h.step:>8}  {_when(h.time)}  {h.timeline}  "
-                   f"{_metrics_text(h.metrics)}{mark}")
+                   f"{_metrics_text(h.metrics)}{data}{mark}")
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -213,7 +219,8 @@ def _spikes(run: Any, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     if args.spikes is None and metric not in run.metrics(args.timeline):
         return {}
     return {sp.step: {"metric": metric, "zscore": sp.zscore, "baseline": sp.baseline,
-                      "tensors": [n for n, _ in sp.tensors]}
+                      "tensors": [n for n, _ in sp.tensors], "cause": sp.cause,
+                      "suspect": sp.suspect, "samples": sp.samples}
             for sp in run.spikes(metric, timeline=args.timeline, top=3)}
 
 
@@ -600,6 +607,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-n", type=_nonneg, default=0, help="show at most N steps (0: all)")
     sp.add_argument("--spikes", metavar="METRIC",
                     help="mark spikes of this metric (default: loss, when logged)")
+    sp.add_argument("--batches", action="store_true",
+                    help="show each step's batch: its sample indices or hash (s.data records "
+                         "them)")
     sp = add("show", cmd_show, "tensors of one step: norms, update ratios, bytes on disk")
     run_arg(sp)
     sp.add_argument("--step", type=int, help="the step (default: the head)")

@@ -187,7 +187,8 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
     objs: dict[int, Any] = {}
     images: dict[tuple[int, int, int], FlatImage] = {}
     bound: dict[int, FlatImage] = {}  # buffer -> the in-place image whose headers it holds
-    direct = [True]  # O_DIRECT until the filesystem refuses it once
+    # O_DIRECT until the filesystem refuses it once (DSTT_DIRECT=0: never, e.g. to compare)
+    direct = [os.environ.get("DSTT_DIRECT", "1") != "0"]
     while True:
         try:
             msg = _recv(inp)

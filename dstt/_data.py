@@ -1,0 +1,258 @@
+"""Data attribution: which samples each step trained on, and skipping exactly those on resume.
+
+``s.data(loader)`` wraps the loader in :class:`RecordedData`, which records a *fingerprint* of
+every batch it hands out, filed under the optimizer step that batch feeds (``s.step + 1`` when
+it is drawn; gradient accumulation files several under one step):
+
+* the **sample indices** when the loader is a ``torch.utils.data.DataLoader`` (or torchdata's
+  ``StatefulDataLoader``) over a map-style dataset: a tap stands in for its index sampler
+  (:func:`index_tap`) and records each index list as the loader takes it, in the main process
+  before any worker loads it, and pairs them with the batches in order (``in_order=False``
+  loaders fall back to hashes). No batch is read twice and nothing is hashed. The tap keeps
+  the sampler's ``len``, ``set_epoch`` and ``state_dict``, so a stateful loader saves and
+  restores through it; it replaces the loader's sampler attribute for good (idempotently);
+* else a **hash**: blake2b-128 of the batch's CPU tensors, arrays, numbers and strings
+  (shapes and dtypes included), up to :data:`HASH_LIMIT` bytes per batch (beyond that only
+  shapes are hashed: the fingerprint is then ``partial``); device tensors are fingerprinted by
+  shape and dtype only (hashing them would sync the device).
+
+Each commit carries the fingerprints of the steps since the previous commit as the object
+``data/batches`` (``{"steps": [...], "batches": [[fp, ...], ...]}``; an fp is
+``{"indices": [...]}`` or ``{"hash": hex, "partial": bool}``), so ``every=K`` loses none.
+Rejected alternative: the fingerprint in the per-step ``data`` position object — that object
+exists only for committed steps.
+
+Skipping (``run.rollback(to, skip_samples=[...])`` or ``skip_batches=[steps]``): the rollback
+records a *skip set* for the new timeline (:func:`write_skips`), and every session resumed on
+that timeline or one forked from it drops those samples from the index lists before they are
+fetched (a batch left empty is skipped whole) and drops batches whose fingerprint matches a
+skipped batch's (an index list before it is fetched; a hash after the batch was loaded).
+Dropped batches are not training steps; the data position counts what the loader yielded, so
+a later re-reading resume replays the same filtering. A loader with ``state_dict()`` /
+``load_state_dict()`` (``StatefulDataLoader``) is saved with every step and restored on resume
+instead of re-reading the consumed batches.
+
+The skip set is stored next to the run's refs under ``_dstt/skips/`` keyed by the new
+timeline's fork point and creation time (a rename keeps both), because the store's ref has no
+field for it yet; a crash between the rollback and that write leaves the timeline without it
+(``run.skips()`` shows what applies).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .engine.torch_state import DataPosition, TrackedData
+from .errors import ConfigError
+from .inspect.batches import BATCHES_OBJECT, Batch, SkipSet, read_skips, write_skips
+
+__all__ = ["BATCHES_OBJECT", "HASH_LIMIT", "Batch", "BatchLog", "RecordedData", "SkipSet",
+           "fingerprint", "index_tap", "read_skips", "write_skips"]
+
+HASH_LIMIT = 64 * 1024 * 1024  # bytes hashed per batch at most (about 30 ms)
+
+
+def fingerprint(batch: Any) -> Batch:
+    """The hash fingerprint of a batch (see the module docstring for what is hashed)."""
+    h = hashlib.blake2b(digest_size=16)
+    budget = [HASH_LIMIT]
+    partial = [False]
+
+    def feed(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            h.update(f"T{x.dtype}{tuple(x.shape)}".encode())
+            if x.device.type != "cpu" or x.numel() * x.element_size() > budget[0]:
+                partial[0] = True
+                return
+            t = x.detach().contiguous()
+            budget[0] -= t.numel() * t.element_size()
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, np.ndarray):
+            h.update(f"A{x.dtype}{x.shape}".encode())
+            if x.nbytes > budget[0] or x.dtype == object:
+                partial[0] = True
+                return
+            budget[0] -= x.nbytes
+            h.update(np.ascontiguousarray(x).tobytes())
+        elif isinstance(x, Mapping):
+            for k in sorted(x, key=str):
+                h.update(f"K{k!s}".encode())
+                feed(x[k])
+        elif isinstance(x, (list, tuple)):
+            h.update(f"L{len(x)}".encode())
+            for v in x:
+                feed(v)
+        else:
+            h.update(f"S{type(x).__name__}:{x!r}".encode())
+
+    feed(batch)
+    return Batch(hash=h.hexdigest(), partial=partial[0])
+
+
+class BatchLog:
+    """Fingerprints per step, from ``s.data`` to the commit that carries them."""
+
+    def __init__(self) -> None:
+        self._steps: dict[int, list[Batch]] = {}
+
+    def add(self, step: int, batch: Batch) -> None:
+        self._steps.setdefault(step, []).append(batch)
+
+    def take(self, step: int) -> dict[str, Any] | None:
+        """The ``data/batches`` object for a commit of ``step`` (None if nothing recorded)."""
+        mine = sorted(k for k in self._steps if k <= step)
+        if not mine:
+            return None
+        return {"steps": mine,
+                "batches": [[b.plain() for b in self._steps.pop(k)] for k in mine]}
+
+
+class RecordedData(TrackedData):
+    """:class:`TrackedData` that fingerprints each batch, drops skipped samples and batches,
+    and resumes a stateful loader from its saved state (see the module docstring)."""
+
+    def __init__(self, loader: Iterable[Any], position: DataPosition, *, skip: int,
+                 on_next: Callable[[], None] | None, step: Callable[[], int], log: BatchLog,
+                 skips: SkipSet) -> None:
+        super().__init__(loader, position, skip=skip, on_next=on_next)
+        self._step_of_next = step
+        self._log = log
+        self._skips = skips
+        self._skip_indices = {b.indices for b in skips.batches if b.indices is not None}
+        self._skip_hashes = {b.hash for b in skips.batches if b.indices is None}
+
+    def _watch(self) -> _Tap | None:
+        """The index tap on the loader (installed on first use), set up to record and filter
+        this pass; None when the loader does not fetch by index in order."""
+        tap = index_tap(self.loader)
+        if tap is None:
+            if self._skips.samples:
+                raise ConfigError(
+                    "this run's timeline skips samples, but the loader does not expose the "
+                    "sample indices of its batches (a torch DataLoader over a map-style "
+                    "dataset, in_order=True, does); roll back with skip_batches=[steps]")
+            return None
+        tap.queue.clear()
+        tap.samples, tap.lists = self._skips.samples, self._skip_indices
+        return tap
+
+    def __iter__(self) -> Iterator[Any]:
+        sampler = getattr(self.loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(self.position.epoch)  # type: ignore[union-attr]
+        tap = self._watch()
+        it = iter(self.loader)
+        queue = tap.queue if tap is not None else None
+        skip, self._skip = self._skip, 0
+        for _ in range(skip):
+            try:
+                next(it)
+            except StopIteration:
+                break
+            if queue:
+                queue.pop(0)
+        while True:
+            if self._on_next is not None:
+                self._on_next()  # the iteration boundary, before the loader advances
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            p = self.position
+            self.position = DataPosition(p.epoch, p.batch + 1, p.total + 1)
+            fp = Batch(indices=tuple(queue.pop(0))) if queue else fingerprint(batch)
+            if fp.indices is None and fp.hash in self._skip_hashes:
+                continue
+            self._log.add(self._step_of_next() + 1, fp)
+            yield batch
+        self.position = DataPosition(self.position.epoch + 1, 0, self.position.total)
+
+
+class _Tap:
+    """Stands in for a DataLoader's index sampler: passes its index lists through, recording
+    each (``queue``, in the order the loader fetches them: the order its batches come back)
+    and dropping the skipped samples and index lists. Everything else (``len``,
+    ``set_epoch``, ``state_dict``) is the wrapped sampler's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.queue: list[list[int]] = []
+        self.samples: frozenset[int] = frozenset()
+        self.lists: set[tuple[int, ...]] = set()
+
+    def admit(self, idx: Any) -> Any:
+        """``idx`` as the loader should fetch it (samples dropped), or None to skip it."""
+        many = isinstance(idx, Sequence)
+        flat = [int(i) for i in (idx if many else [idx])]
+        if self.samples:
+            kept = [i for i in flat if i not in self.samples]
+            if not kept:
+                return None
+            if len(kept) < len(flat):
+                flat, idx = kept, (kept if many else kept[0])
+        if tuple(flat) in self.lists:
+            return None
+        self.queue.append(flat)
+        return idx
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.inner)
+        stateful = callable(getattr(it, "state_dict", None)) and callable(
+            getattr(it, "load_state_dict", None))
+        return (_StatefulTapIter if stateful else _TapIter)(self, it)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class _TapIter:
+    def __init__(self, tap: _Tap, inner: Iterator[Any]) -> None:
+        self.tap, self.inner = tap, inner
+
+    def __iter__(self) -> _TapIter:
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            idx = self.tap.admit(next(self.inner))
+            if idx is not None:
+                return idx
+
+
+class _StatefulTapIter(_TapIter):
+    """Keeps the wrapped iterator's ``state_dict``: torchdata saves and restores it."""
+
+    def state_dict(self) -> Any:
+        return self.inner.state_dict()  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state: Any) -> None:
+        self.inner.load_state_dict(state)  # type: ignore[attr-defined]
+
+
+def index_tap(loader: Any) -> _Tap | None:
+    """The loader's :class:`_Tap`, installed in place of its index sampler on first use; None
+    for loaders that do not fetch by index in order (not a ``DataLoader``, an
+    ``IterableDataset``, ``in_order=False``)."""
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        return None
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        return None
+    if getattr(loader, "in_order", True) is False:
+        return None
+    attr = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+    current = getattr(loader, attr)
+    if isinstance(current, _Tap):
+        return current
+    tap = _Tap(current)
+    object.__setattr__(loader, attr, tap)  # DataLoader refuses a plain setattr after init
+    return tap
