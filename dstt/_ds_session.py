@@ -29,6 +29,7 @@ from typing import Any
 
 from ._session_core import DEFAULT_BUDGET, CopyMode, ErrorPolicy, RacePolicy, Session
 from .engine.deepspeed import DeepSpeedState, EngineStepHook, per_rank_object
+from .engine.dims import DimsOf, ModelDims
 from .engine.providers import StoreSource
 from .engine.ranks import DEFAULT_RANK_TIMEOUT, RankInfo, dist_info, open_ranks
 from .engine.torch_state import Stateful, TorchState
@@ -88,6 +89,9 @@ class DeepSpeedSession(Session):
                 "step with rank 0's metrics. Reduce the metric to rank 0 (e.g. "
                 "torch.distributed.all_reduce) and log it there", DsttWarning, stacklevel=3)
         return False
+
+    def _dims_of(self) -> DimsOf:
+        return ModelDims(self.engine.module)  # the store names the inner model's tensors
 
     def _discover(self, scheduler: Any,
                   extra_state: Mapping[str, Stateful] | None) -> TorchState:

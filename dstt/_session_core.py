@@ -45,6 +45,7 @@ import torch
 from ._data import BATCHES_OBJECT, BatchLog, RecordedData, SkipSet, read_skips
 from ._session_checks import capture_error, check_optimizer, warn_skipped
 from ._session_metrics import METRICS_HISTORY_OBJECT, MetricLog, metric_value
+from .engine.dims import DimsOf, ModelDims
 from .engine.pipeline import SUMMARIES_OBJECT, Flight, Pipeline, StepMetrics
 from .engine.providers import ObjectProvider, StoreSource
 from .engine.torch_state import DataPosition, Stateful, TorchState, TrackedData, discover
@@ -221,6 +222,10 @@ class Session:
         """Whether ``s.log`` on this process reaches a commit."""
         return True
 
+    def _dims_of(self) -> DimsOf:
+        """Dimension names of the captured arrays (from the model's module types)."""
+        return ModelDims(self.model)
+
     def _discover(self, scheduler: Any,
                   extra_state: Mapping[str, Stateful] | None) -> TorchState:
         return discover(self.model, self.optimizer, scheduler=scheduler,
@@ -286,7 +291,7 @@ class Session:
                                       max_backlog=self.max_backlog,
                                       summaries=self.summaries,
                                       summaries_object=self.summaries_object,
-                                      copy=self.copy)
+                                      copy=self.copy, dims=self._dims_of())
             self._last_staged = self._step
             self._log = MetricLog(self._step)
             if head is not None:  # the first step's update is measured from the parent's

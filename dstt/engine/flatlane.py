@@ -31,6 +31,7 @@ import torch
 
 from ..store import FlatLayout
 from ._convert import store_dtype
+from .dims import DimsOf
 
 __all__ = ["FlatPlan", "StepBuffers", "plan_key"]
 
@@ -66,10 +67,15 @@ class FlatPlan:
     _views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, writer: object, tensors: Mapping[str, torch.Tensor]) -> FlatPlan:
+    def build(cls, writer: object, tensors: Mapping[str, torch.Tensor],
+              dims: DimsOf | None = None) -> FlatPlan:
+        """``dims``: store path -> shape to dimension names (``dstt.engine.dims``)."""
         order = _order(list(tensors), tensors)
-        specs = [(p, store_dtype(tensors[p].dtype, what=f"tensor {p!r}"),
-                  tuple(tensors[p].shape)) for p in order]
+        specs: list[Any] = [(p, store_dtype(tensors[p].dtype, what=f"tensor {p!r}"),
+                             tuple(tensors[p].shape)) for p in order]
+        if dims is not None:
+            names = dims({p: tuple(t.shape) for p, t in tensors.items()})
+            specs = [(*s, names.get(s[0])) for s in specs]
         layout = writer.flat_layout(specs)  # type: ignore[attr-defined]
         return cls(layout, order, [tensors[p].dtype for p in order],
                    [tensors[p].shape for p in order], layout.nbytes,

@@ -46,6 +46,7 @@ from ..store import (
     flusher_supported,
 )
 from ._convert import flat_bytes
+from .dims import DimsOf
 from .flatlane import FlatPlan, StepBuffers, plan_key
 from .flight import Flight, StepMetrics, _Aborted, _encode_metrics
 from .governor import EncodeGovernor
@@ -67,15 +68,17 @@ class Pipeline:
                  verify: bool = False, max_backlog: int = 16,
                  summaries: bool = True, summaries_object: str = SUMMARIES_OBJECT,
                  min_slab_bytes: int = 0, flusher: bool | None = None,
-                 copy: str = "async") -> None:
+                 copy: str = "async", dims: DimsOf | None = None) -> None:
         """``flusher``: write flat steps from a child process (``store/flusher.py``): None
         (default) where the storage is local files and the platform allows, ``False``
-        never (writer threads), ``True`` always where possible."""
+        never (writer threads), ``True`` always where possible. ``dims`` names the
+        dimensions of a step's arrays (``dims.py``; None: the store's default names)."""
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         if max_backlog < 1:
             raise ValueError(f"max_backlog must be at least 1, got {max_backlog}")
         self.writer = writer
+        self.dims = dims
         self.budget_bytes = budget_bytes
         self.max_backlog = max_backlog
         self.verify = verify
@@ -180,7 +183,7 @@ class Pipeline:
         key = plan_key(tensors)
         plan = self._plans.get(key)
         if plan is None or not plan.fits(tensors):
-            plan = FlatPlan.build(self.writer, tensors)
+            plan = FlatPlan.build(self.writer, tensors, self.dims)
             if len(self._plans) >= 4:  # a model that keeps changing: do not pile up plans
                 self._plans.clear()
             self._plans[key] = plan
@@ -371,8 +374,11 @@ class Pipeline:
         f.txn.keyframe = f.keyframe
         if f.predictions and getattr(self.writer, "encoder", None) is not None:
             f.txn.predict(f.predictions)
+        names = (self.dims({p: s.shape for p, s in f.specs.items()})
+                 if self.dims is not None and f.specs else None)
         for path, spec in f.specs.items():  # (none in the flat lane)
-            f.plans[path] = f.txn.declare(path, spec.dtype, spec.shape)
+            f.plans[path] = (f.txn.declare(path, spec.dtype, spec.shape) if names is None
+                             else f.txn.declare(path, spec.dtype, spec.shape, names.get(path)))
         for name, obj in f.objects.items():
             f.add_pending()
             self._write_q.put((f, "object", name, obj))

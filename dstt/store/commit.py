@@ -59,8 +59,9 @@ class TransactionProxy:
         self.slot: int = txn.slot
         self.step: int = txn.step
 
-    def declare(self, path: str, dtype: str, shape: tuple[int, ...]) -> Any:
-        return self._txn.declare(path, dtype, shape)
+    def declare(self, path: str, dtype: str, shape: tuple[int, ...],
+                dims: Any = None) -> Any:
+        return self._txn.declare(path, dtype, shape, dims)
 
     def put_chunk(self, path: str, index: int, data: Any) -> Any:
         return self._txn.put_chunk(path, index, data)

@@ -177,6 +177,7 @@ def _verify_step_files(st: Storage, h: CommitHeader, table: dict[str, ArrayRecor
                              "commit manifest says")
         for rec in {x[1].path: x[1] for x in own.get(key, [])}.values():
             _verify_array_document(st, key, entries, data_at, rec, problem)
+        _verify_consolidated(st, key, entries, data_at, problem)
 
 
 #: the fields of an array's zarr.json a plain Zarr reader needs to find and decode the chunks
@@ -196,13 +197,37 @@ def _verify_array_document(st: Storage, key: str, entries: dict[str, Entry],
         return
     try:
         doc = json.loads(st.read_range(key, data_at[name], e.size))
-        want = array_document(rec.path, rec.dtype, rec.plan)
+        want = array_document(rec.path, rec.dtype, rec.plan, dims=rec.dims)
         wrong = [f for f in _READ_FIELDS if doc.get(f) != want[f]]
     except (OSError, ValueError, TypeError, AttributeError) as err:
         problem(key, f"{name}: Zarr metadata unreadable ({type(err).__name__}: {err})")
         return
     if wrong:
         problem(key, f"{name}: Zarr metadata does not match the committed array: {wrong}")
+
+
+def _verify_consolidated(st: Storage, key: str, entries: dict[str, Entry],
+                         data_at: dict[str, int], problem: Callable[[str, str], None]) -> None:
+    """The root's consolidated metadata (what xarray and zarr-python read instead of the
+    nodes' own documents) must say what every node's zarr.json says."""
+    root = entries.get("zarr.json")
+    if root is None or "zarr.json" not in data_at:  # missing or damaged: reported above
+        return
+    try:
+        cm = json.loads(st.read_range(key, data_at["zarr.json"], root.size)).get(
+            "consolidated_metadata")
+        if cm is None:  # steps written before consolidation
+            return
+        for path, doc in cm["metadata"].items():
+            name = array_meta_key(path)
+            e, at = entries.get(name), data_at.get(name)
+            own = None if e is None or at is None else json.loads(st.read_range(key, at, e.size))
+            if own is None or {k: v for k, v in doc.items() if k != "consolidated_metadata"} \
+                    != {k: v for k, v in own.items() if k != "consolidated_metadata"}:
+                problem(key, f"zarr.json: the consolidated metadata of {path!r} does not "
+                             "match its own zarr.json")
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as err:
+        problem(key, f"zarr.json: consolidated metadata unreadable ({type(err).__name__}: {err})")
 
 
 def _delta_bases(r: Reader, reachable: dict[int, CommitHeader], keep: set[int]) -> set[int]:

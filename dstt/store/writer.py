@@ -66,7 +66,15 @@ from .format.manifest import (
 )
 from .format.objects import Encoding, encode_object
 from .format.stepfile import Block, SideFile, StepFile
-from .format.zarr_meta import array_document, dtype_itemsize, dump, group_document, root_attributes
+from .format.zarr_meta import (
+    array_document,
+    consolidated_metadata,
+    dtype_itemsize,
+    dump,
+    group_document,
+    root_attributes,
+    root_document_bytes,
+)
 from .format.zipfmt import crc32
 from .index import EVERY, IndexWriter
 from .parts import Part, dump_part, merge_parts, remove_parts
@@ -130,8 +138,11 @@ class Writer:
             raise
         #: path -> (dtype, plan, zarr.json bytes): documents built once while shapes hold
         self._arrays: dict[str, tuple[str, ChunkPlan, bytes]] = {}
+        #: path -> the dimension names its document carries (None: ``<name>_<i>``)
+        self._dims: dict[str, tuple[str, ...] | None] = {}
         self._stored: dict[str, tuple[str, tuple[int, ...], int]] | None = None
-        self._meta_cache: dict[tuple[tuple[str, ...], int], Block] = {}
+        #: (paths, start) -> the groups' and arrays' documents, and their consolidated metadata
+        self._meta_cache: dict[tuple[tuple[str, ...], int], tuple[Block, bytes]] = {}
         self._open: set[int] = set()
         self.encoder = DeltaEncoder(encoding) if encoding is not None else None
         self.inflight_bases = inflight_bases
@@ -211,11 +222,16 @@ class Writer:
                 p: (a.dtype, a.shape, a.rows) for p, a in self.reader.arrays(head).items()}
         return self._stored
 
-    def declare(self, path: str, dtype: str, shape: tuple[int, ...]) -> ChunkPlan:
+    def declare(self, path: str, dtype: str, shape: tuple[int, ...],
+                dims: Sequence[str] | None = None) -> ChunkPlan:
+        """Announce an array (its ``zarr.json`` is built once while dtype, shape and
+        ``dims``, the dimension names, hold)."""
         shape = tuple(int(s) for s in shape)
+        names = None if dims is None else tuple(dims)
         with self._meta_lock:
             known = self._arrays.get(path)
-            if known is not None and known[0] == dtype and known[1].shape == shape:
+            if (known is not None and known[0] == dtype and known[1].shape == shape
+                    and self._dims.get(path) == names):
                 return known[1]
             check_array_path(path)
             itemsize = dtype_itemsize(dtype)
@@ -229,14 +245,23 @@ class Writer:
                 )
             plan = (ChunkPlan(shape, itemsize, was[2]) if was is not None
                     else plan_chunks(shape, itemsize, self.chunk_bytes))
-            doc = dump(array_document(path, dtype, plan))
+            doc = dump(array_document(path, dtype, plan, dims=names))
+            if known is not None:  # a document changed: the prebuilt blocks hold the old one
+                self._meta_cache.clear()
             self._arrays[path] = (dtype, plan, doc)
+            self._dims[path] = names
             return plan
 
-    def flat_layout(self, arrays: Sequence[tuple[str, str, tuple[int, ...]]]) -> FlatLayout:
-        """Declare ``arrays`` (path, dtype, shape) for this writer and lay them out in one
-        flat buffer (``flat.py``); reuse the result while the arrays do not change."""
-        return FlatLayout.build([(p, d, self.declare(p, d, tuple(sh))) for p, d, sh in arrays])
+    def flat_layout(self, arrays: Sequence[tuple[str, str, tuple[int, ...]]
+                                           | tuple[str, str, tuple[int, ...],
+                                                   Sequence[str] | None]]) -> FlatLayout:
+        """Declare ``arrays`` (path, dtype, shape[, dims]) for this writer and lay them out in
+        one flat buffer (``flat.py``); reuse the result while the arrays do not change."""
+        out = []
+        for a in arrays:
+            dims = a[3] if len(a) > 3 else None  # type: ignore[misc]
+            out.append((a[0], a[1], self.declare(a[0], a[1], tuple(a[2]), dims), dims))
+        return FlatLayout.build(out)
 
     def _metadata(self, txn: Transaction) -> None:
         """The zarr.json entries of a step file: every group, every array, then the root.
@@ -245,8 +270,8 @@ class Writer:
         paths = tuple(txn._plans)
         start = txn.zip.cursor
         with self._meta_lock:
-            block = self._meta_cache.get((paths, start))
-            if block is None:
+            cached = self._meta_cache.get((paths, start))
+            if cached is None:
                 groups: set[str] = set()
                 for path in paths:
                     parts = path.split("/")
@@ -254,17 +279,20 @@ class Writer:
                 gdoc = dump(group_document())
                 docs = [(group_meta_key(g), gdoc) for g in sorted(groups)]
                 docs += [(array_meta_key(p), self._arrays[p][2]) for p in paths]
-                block = Block(start, [k for k, _ in docs], [d for _, d in docs])
+                members = [(g, "group", gdoc) for g in sorted(groups)]
+                members += [(p, "array", self._arrays[p][2]) for p in paths]
+                cached = (Block(start, [k for k, _ in docs], [d for _, d in docs]),
+                          consolidated_metadata(members))
                 if len(self._meta_cache) > 8:
                     self._meta_cache.clear()
-                self._meta_cache[(paths, start)] = block
+                self._meta_cache[(paths, start)] = cached
+        block, consolidated = cached
         if not txn.zip.add_block(block):  # another thread moved the cursor: lay it out anew
             txn.zip.add_many([e.name for e in block.entries],
                              [[d] for d in block.iov[1::2]],
                              [e.size for e in block.entries], [e.crc32 for e in block.entries])
-        root = group_document(root_attributes(step=txn.step, timeline=txn.timeline,
-                                              slot=txn.slot))
-        txn.zip.add_bytes(group_meta_key(""), dump(root))
+        attrs = root_attributes(step=txn.step, timeline=txn.timeline, slot=txn.slot)
+        txn.zip.add_bytes(group_meta_key(""), root_document_bytes(attrs, consolidated))
 
     # -- commit ---------------------------------------------------------------------------
     def _prepare(self, txn: Transaction, *, rank: int, world: int, session: str,
@@ -384,10 +412,12 @@ class Transaction:
         if self.state != "open":
             raise DsttError(f"transaction for step {self.step} is already {self.state}")
 
-    def declare(self, path: str, dtype: str, shape: tuple[int, ...]) -> ChunkPlan:
-        """Announce a tensor of this step; returns how to cut it into chunks."""
+    def declare(self, path: str, dtype: str, shape: tuple[int, ...],
+                dims: Sequence[str] | None = None) -> ChunkPlan:
+        """Announce a tensor of this step (``dims``: its dimension names, for ``zarr.json``);
+        returns how to cut it into chunks."""
         self._check()
-        plan = self.writer.declare(path, dtype, tuple(shape))
+        plan = self.writer.declare(path, dtype, tuple(shape), dims)
         with self._lock:
             if path in self._plans:
                 raise ValueError(f"array {path!r} declared twice in step {self.step}")
@@ -561,7 +591,7 @@ class Transaction:
         b = TableBuilder()
         zip_id = b.file_id(self.zip.key)
         for path, (dtype, plan) in self._plans.items():
-            b.add_array(path, dtype, plan.shape, plan.rows)
+            b.add_array(path, dtype, plan.shape, plan.rows, self.writer._dims.get(path))
             span = self._flat_span.get(path)
             if span is not None:
                 offs, sizes, crcs = self._flat[span[0]]
@@ -590,7 +620,8 @@ class Transaction:
         for path, (dtype, plan) in self._plans.items():
             if path in self._flat_span:
                 out[path] = ArrayRecord(path, dtype, plan.shape, plan.rows,
-                                        tuple(self._complete(path)))
+                                        tuple(self._complete(path)),
+                                        self.writer._dims.get(path))
                 continue
             chunks = self._chunks[path]
             missing = [i for i, c in enumerate(chunks) if c is None]
@@ -598,7 +629,8 @@ class Transaction:
                 raise DsttError(f"step {self.step}: chunks {missing[:8]} of {path!r} were "
                                 "never written; refusing to commit an incomplete step")
             out[path] = ArrayRecord(path, dtype, plan.shape, plan.rows,
-                                    tuple(c for c in chunks if c is not None))
+                                    tuple(c for c in chunks if c is not None),
+                                    self.writer._dims.get(path))
         return out
 
     def commit(self, metrics: Mapping[str, Metric] | None = None, *,

@@ -13,8 +13,7 @@ from dstt.engine._statedict import SessionPaths, flatten, rebuild, segment
 from dstt.engine.deepspeed import is_deepspeed_engine, owners
 from dstt.engine.ranks import RankInfo, open_ranks
 from dstt.errors import TimelineError
-from dstt.store import DeltaPolicy, Repository
-from dstt.store import check_array_path
+from dstt.store import DeltaPolicy, Repository, check_array_path
 
 from ._helpers import same_bits
 

@@ -123,6 +123,8 @@ class ArrayRecord:
     shape: tuple[int, ...]
     rows: int
     chunks: tuple[ChunkRecord, ...]
+    #: ``dimension_names`` as declared (None: declared without, ``<name>_<i>`` in zarr.json)
+    dims: tuple[str, ...] | None = None
 
     @property
     def plan(self) -> ChunkPlan:
@@ -295,7 +297,8 @@ class TableBuilder:
     without parsing per-chunk objects. Layout (docs/format.md §3)::
 
         {"files": [key, ...],                       # files the chunks live in
-         "arrays": {"path": [...], "dtype": [...], "shape": [[...], ...], "rows": [...]},
+         "arrays": {"path": [...], "dtype": [...], "shape": [[...], ...], "rows": [...],
+                    "dims": [[name, ...] or null, ...]},   # only when some array has dims
          "chunks": {"file": [...], "offset": [...], "nbytes": [...], "crc32c": [...]},
          "codecs": {"<chunk number>": [encoding, base, raw_crc32c, (predictor, inputs,
                                                                       coeffs)]}}
@@ -310,6 +313,7 @@ class TableBuilder:
         self.dtype: list[str] = []
         self.shape: list[list[int]] = []
         self.rows: list[int] = []
+        self.dims: list[list[str] | None] = []
         self.file: list[int] = []
         self.offset: list[int] = []
         self.nbytes: list[int] = []
@@ -323,11 +327,13 @@ class TableBuilder:
             self.files.append(key)
         return i
 
-    def add_array(self, path: str, dtype: str, shape: tuple[int, ...], rows: int) -> None:
+    def add_array(self, path: str, dtype: str, shape: tuple[int, ...], rows: int,
+                  dims: tuple[str, ...] | None = None) -> None:
         self.path.append(path)
         self.dtype.append(dtype)
         self.shape.append(list(shape))
         self.rows.append(rows)
+        self.dims.append(None if dims is None else list(dims))
 
     def add_chunks(self, file_id: int, offsets: list[int], nbytes: list[int],
                    crcs: list[int]) -> None:
@@ -349,14 +355,17 @@ class TableBuilder:
         self.crc32c.append(c.crc32c)
 
     def add(self, a: ArrayRecord) -> None:
-        self.add_array(a.path, a.dtype, a.shape, a.rows)
+        self.add_array(a.path, a.dtype, a.shape, a.rows, a.dims)
         for c in a.chunks:
             self.add_record(c)
 
     def json(self) -> dict[str, Any]:
+        arrays: dict[str, Any] = {"path": self.path, "dtype": self.dtype, "shape": self.shape,
+                                  "rows": self.rows}
+        if any(d is not None for d in self.dims):  # older tables have no column: readable
+            arrays["dims"] = self.dims
         return {"files": self.files,
-                "arrays": {"path": self.path, "dtype": self.dtype, "shape": self.shape,
-                           "rows": self.rows},
+                "arrays": arrays,
                 "chunks": {"file": self.file, "offset": self.offset, "nbytes": self.nbytes,
                            "crc32c": self.crc32c},
                 "codecs": self.codecs}
@@ -395,9 +404,13 @@ def arrays_from_json(doc: Mapping[str, Any]) -> dict[str, ArrayRecord]:
     paths = a["path"]
     if not len(paths) == len(a["dtype"]) == len(a["shape"]) == len(a["rows"]):
         raise ValueError("array columns differ in length")
+    dims_col = a.get("dims") or [None] * len(paths)
+    if len(dims_col) != len(paths):
+        raise ValueError("array columns differ in length")
     out: dict[str, ArrayRecord] = {}
     pos = 0
-    for path, dtype, shape, rows in zip(paths, a["dtype"], a["shape"], a["rows"], strict=True):
+    for path, dtype, shape, rows, dims in zip(paths, a["dtype"], a["shape"], a["rows"],
+                                              dims_col, strict=True):
         shape_t = tuple(int(s) for s in shape)
         plan = ChunkPlan(shape_t, dtype_itemsize(str(dtype)), int(rows))
         n = plan.n_chunks
@@ -407,7 +420,8 @@ def arrays_from_json(doc: Mapping[str, Any]) -> dict[str, ArrayRecord]:
                                      int(crc[k]), codecs.get(str(k)))
                        for k in range(pos, pos + n))
         pos += n
-        out[str(path)] = ArrayRecord(str(path), str(dtype), shape_t, int(rows), chunks)
+        out[str(path)] = ArrayRecord(str(path), str(dtype), shape_t, int(rows), chunks,
+                                     None if dims is None else tuple(str(d) for d in dims))
     if pos != len(offset):
         raise ValueError(f"{len(offset) - pos} chunks in the table belong to no array")
     return out
