@@ -69,6 +69,7 @@ SUMMARIES = "summaries"  # the engine's write-time summaries object (+ "summarie
 HISTORY = "metrics/history"  # steps every=K did not checkpoint (dstt._session_metrics)
 EVERY = 64
 FANOUT = 8
+CLOSE_MIN = 8
 
 
 class IndexedHeader(CommitHeader):
@@ -587,9 +588,10 @@ class IndexWriter:
             self.flush()
 
     def close(self) -> None:
-        """At the writer's close: write the pending rows if half a segment's worth (fewer
-        stay the tail, read from their headers: a session of a few commits adds no file)."""
-        if len(self.pending) >= max(1, self.every // 2):
+        """At the writer's close: write the pending rows if there are ``CLOSE_MIN`` (8) or
+        more (fewer stay the tail, read from their headers and arrays tables: a session of a
+        few commits adds no file)."""
+        if len(self.pending) >= min(CLOSE_MIN, self.every):
             self.flush()
 
     def flush(self) -> None:

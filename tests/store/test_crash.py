@@ -538,10 +538,13 @@ def test_power_cut_between_any_two_gc_deletes(encoded: bool) -> None:
     keys = every_cut(base, lambda st: Repository(st).gc(keep_last=2), check)
     deletes = [k for k in keys if k.startswith("delete ")]
     first = keys.index(deletes[0])
-    # the index's marker, the tombstones, the new index, the marker gone: then the files
-    assert keys[0] == GC_MARKER and keys[first] == f"delete {GC_MARKER}"
+    # the index's marker, the tombstones, the new index, the old index and the marker gone:
+    # then the files
+    assert keys[0] == GC_MARKER
     assert all(k.startswith(COMMITS_PREFIX) for k in keys[1:first - 1])
     assert keys[first - 1].startswith(INDEX_PREFIX)
+    gone = keys.index(f"delete {GC_MARKER}")
+    assert all(k.startswith(f"delete {INDEX_PREFIX}/") for k in keys[first:gone])
     assert keys[first:] == deletes and len(deletes) >= 6
     assert any(k.endswith(".zip") for k in deletes) and any(k.endswith(".dstt") for k in deletes)
 

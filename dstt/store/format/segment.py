@@ -110,24 +110,39 @@ def concat(sets: list[RowSet]) -> RowSet:
         pruned=np.concatenate([s.pruned for s in sets]) if sets else np.zeros(0, np.uint8),
         time=np.concatenate([s.time for s in sets]) if sets else np.zeros(0),
         timelines=tls, headers=[h for s in sets for h in s.headers], m_names=names,
-        m_num=np.full((n, len(names)), np.nan),
-        m_text=[t for s in sets for t in s.m_text], m_hist=[h for s in sets for h in s.m_hist],
-        s_paths=paths, s_has=np.zeros(n, np.uint8),
-        s_val=np.full((n, len(paths), len(SCALARS)), np.nan),
-        s_exact=np.zeros((n, len(paths)), np.uint8),
-        s_probe=np.full((n, len(paths), k), np.nan, np.float32), files=files)
-    at = 0
-    for s in sets:
-        rows = slice(at, at + len(s))
-        if s.m_names:
-            out.m_num[rows, _remap(s.m_names, names)] = s.m_num
-        out.s_has[rows] = s.s_has
-        if s.s_paths:
-            cols = _remap(s.s_paths, paths)
-            out.s_val[rows, cols] = s.s_val
-            out.s_exact[rows, cols] = s.s_exact
-            out.s_probe[rows, cols, :s.s_probe.shape[2]] = s.s_probe
-        at += len(s)
+        m_num=np.empty((0, 0)), m_text=[t for s in sets for t in s.m_text],
+        m_hist=[h for s in sets for h in s.m_hist], s_paths=paths, files=files)
+    if not all(s.m_names == names for s in sets):
+        out.m_num = np.full((n, len(names)), np.nan)
+    if not all(s.s_paths == paths and s.s_probe.shape[2] == k for s in sets):
+        out.s_has = np.zeros(n, np.uint8)
+        out.s_val = np.full((n, len(paths), len(SCALARS)), np.nan)
+        out.s_exact = np.zeros((n, len(paths)), np.uint8)
+        out.s_probe = np.full((n, len(paths), k), np.nan, np.float32)
+    if all(s.m_names == names for s in sets):  # the usual case: one copy, no NaN fill first
+        out.m_num = np.concatenate([s.m_num for s in sets])
+    if all(s.s_paths == paths and s.s_probe.shape[2] == k for s in sets):
+        out.s_val = np.concatenate([s.s_val for s in sets])
+        out.s_exact = np.concatenate([s.s_exact for s in sets])
+        out.s_probe = np.concatenate([s.s_probe for s in sets])
+        out.s_has = np.concatenate([s.s_has for s in sets])
+    else:
+        at = 0
+        for s in sets:
+            rows = slice(at, at + len(s))
+            out.s_has[rows] = s.s_has
+            if s.s_paths:
+                cols = _remap(s.s_paths, paths)
+                out.s_val[rows, cols] = s.s_val
+                out.s_exact[rows, cols] = s.s_exact
+                out.s_probe[rows, cols, :s.s_probe.shape[2]] = s.s_probe
+            at += len(s)
+    if not all(s.m_names == names for s in sets):
+        at = 0
+        for s in sets:
+            if s.m_names:
+                out.m_num[at:at + len(s), _remap(s.m_names, names)] = s.m_num
+            at += len(s)
     for path in sorted({p for s in sets for p in s.loc}):
         width = max(s.loc[path].crc.shape[1] for s in sets if path in s.loc)
         layouts: list[Layout] = []

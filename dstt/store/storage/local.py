@@ -163,20 +163,25 @@ class LocalStorage(Storage):
         """``os.open``/``os.pread``/``close`` per range, no file objects: ~3x fewer
         microseconds per step of a trajectory than ``read_range``."""
         out = []
-        for key, start, length in ranges:
-            path = self._path(key)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise missing(self.location, key) from None
-            except OSError as e:
-                raise self._io_error(e, "read", key) from e
-            try:
-                out.append(os.pread(fd, length, start))
-            except OSError as e:
-                raise self._io_error(e, "read", key) from e
-            finally:
-                os.close(fd)
+        root = os.open(self.location, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for key, start, length in ranges:
+                if key.startswith("/") or ".." in key:
+                    self._path(key)  # raises for a key outside the run
+                try:
+                    fd = os.open(key, os.O_RDONLY, dir_fd=root)  # no path joins per step
+                except FileNotFoundError:
+                    raise missing(self.location, key) from None
+                except OSError as e:
+                    raise self._io_error(e, "read", key) from e
+                try:
+                    out.append(os.pread(fd, length, start))
+                except OSError as e:
+                    raise self._io_error(e, "read", key) from e
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(root)
         return out
 
     def write(self, key: str, data: Data) -> None:
