@@ -275,11 +275,16 @@ class TrajectoryArray(BackendArray):
         idx = [int(i) for i in np.atleast_1d(sel)]
         res = np.empty((len(idx), *_key_shape(rest, self.shape[1:])), self.dtype)
         # the index locates the tensor in every step: one batched read of exactly its bytes
-        many = self.readers.get().read_many([self.headers[i] for i in idx], self.path)
+        every = isinstance(key[0], slice) and len(idx) == len(self.headers)
+        many = self.readers.get().read_many(
+            self.headers if every else [self.headers[i] for i in idx], self.path)
         if many is not None and all(len(b) == self._nbytes for b in many):
             dt, shape = numpy_dtype(self.store_dtype), self.shape[1:]
             if all(isinstance(k, slice) and k == slice(None) for k in rest):  # whole steps
-                block = np.frombuffer(b"".join(many), dtype=dt).reshape(len(many), *shape)
+                block = np.frombuffer(bytearray().join(many), dtype=dt).reshape(len(many),
+                                                                                *shape)
+                if block.dtype == res.dtype:  # the joined bytes are the result: no copy
+                    return block[0, ...] if np.ndim(sel) == 0 else block
                 np.copyto(res, block, casting="unsafe")
                 return res[0, ...] if np.ndim(sel) == 0 else res
             for j, data in enumerate(many):

@@ -20,16 +20,16 @@ slots about to be pruned (readers distrust those rows while it exists and read t
 (2) the tombstones, (3) one new segment of every row with the pruned ones marked, (4) delete
 the older segments, (5) delete the marker, (6) delete the step files. A cut anywhere leaves
 rows that agree with the headers or rows a reader ignores; a writer (or ``dstt index``) that
-finds a marker re-indexes the marked slots. ``rebuild`` re-derives the whole index from the
-headers (summaries of pruned steps come from any segment that still holds them).
+finds a marker re-indexes the marked slots. ``index_repair.rebuild`` re-derives the whole
+index from the headers (summaries of pruned steps come from any segment that still holds them);
+``index_rows`` turns headers into rows.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -41,13 +41,11 @@ from .format.manifest import (
     ChunkRecord,
     CommitHeader,
     checksum,
-    dump_header,
     parse_header,
 )
 from .format.segment import (
     SCALARS,
     Layout,
-    Locations,
     RowSet,
     blob,
     concat,
@@ -57,16 +55,15 @@ from .format.segment import (
     encode,
     read_directory,
 )
+from .index_rows import dedup, keep_summaries, rows_from_headers, take
 
 if TYPE_CHECKING:
     from .reader import Reader
     from .storage.base import Storage
 
-__all__ = ["GC_MARKER", "Index", "IndexWriter", "IndexedHeader", "rebuild", "rows_from_headers"]
+__all__ = ["GC_MARKER", "Index", "IndexWriter", "IndexedHeader", "scalar_rows", "write_segment"]
 
 GC_MARKER = f"{INDEX_PREFIX}/gc.json"
-SUMMARIES = "summaries"  # the engine's write-time summaries object (+ "summaries/<rank>")
-HISTORY = "metrics/history"  # steps every=K did not checkpoint (dstt._session_metrics)
 EVERY = 64
 FANOUT = 8
 CLOSE_MIN = 8
@@ -362,171 +359,6 @@ def scalar_rows(reader: Reader, headers: list[CommitHeader], *, summaries: bool)
 
 # -- rows from headers --------------------------------------------------------------------------
 
-def _as_float(v: Any) -> float:
-    if v is None or isinstance(v, (str, bytes)):
-        return math.nan
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def _summaries(obj: Any) -> dict[str, tuple[list[float], bool, list[float]]]:
-    """``{path: (scalars, update_exact, probe)}`` of a write-time summaries object (the
-    engine's per-path mapping or its columnar flat-lane form)."""
-    out: dict[str, tuple[list[float], bool, list[float]]] = {}
-    if isinstance(obj, dict) and obj.get("columns") == 1:
-        cols = [np.asarray(obj[f], dtype=np.float64) for f in SCALARS]
-        probe = np.asarray(obj["probe"], dtype=np.float64)
-        lens = np.asarray(obj["probe_len"]).tolist()
-        for i, p in enumerate(obj["path"]):
-            out[str(p)] = ([float(c[i]) for c in cols], False,
-                           probe[i, :int(lens[i])].tolist() if probe.ndim == 2 else [])
-        return out
-    if isinstance(obj, dict):
-        for p, v in obj.items():
-            if isinstance(v, dict):
-                out[str(p)] = ([_as_float(v.get(f)) for f in SCALARS],
-                               bool(v.get("update_exact", False)),
-                               [_as_float(x) for x in (v.get("probe") or ())])
-    return out
-
-
-def rows_from_headers(reader: Reader, headers: Iterable[CommitHeader], *,
-                      summaries: bool = True, locations: bool = True) -> RowSet:
-    """Index rows of ``headers``: their metrics, and what their step files still hold of
-    metrics history, summaries and tensor locations (nothing of that for a pruned step);
-    ``summaries``/``locations`` False leaves those out (a reader's tail)."""
-    hs = [h.full() if isinstance(h, IndexedHeader) else h for h in headers]
-    n = len(hs)
-    tls = sorted({h.timeline for h in hs})
-    tl_of = {t: i for i, t in enumerate(tls)}
-    names = sorted({k for h in hs for k, v in h.metrics.items()
-                    if not isinstance(v, str)})
-    col = {k: j for j, k in enumerate(names)}
-    m_num = np.full((n, len(names)), np.nan)
-    m_text: list[dict[str, Any] | None] = []
-    m_hist: list[Any] = []
-    sums: list[dict[str, tuple[list[float], bool, list[float]]]] = []
-    files: list[str] = []
-    file_of: dict[str, int] = {}
-    locs: dict[str, list[tuple[int, Layout, list[int]]]] = {}
-    for i, h in enumerate(hs):
-        text = {}
-        for k, v in h.metrics.items():
-            if isinstance(v, str):
-                text[k] = v
-            else:
-                m_num[i, col[k]] = _as_float(v)
-        m_text.append(text or None)
-        hist = None
-        s: dict[str, tuple[list[float], bool, list[float]]] = {}
-        if not h.pruned:
-            try:
-                if HISTORY in h.objects:
-                    hist = reader.read_object(h, HISTORY)
-                for name in sorted(h.objects) if summaries else ():
-                    if name == SUMMARIES or name.startswith(f"{SUMMARIES}/"):
-                        s.update(_summaries(reader.read_object(h, name)))
-            except (DsttError, OSError, ValueError):
-                pass  # unreadable now: the row keeps its metrics; verify reports the damage
-            try:
-                table = reader.arrays(h) if locations else {}
-            except (DsttError, OSError):
-                table = {}
-            own = step_file_key(h.slot)
-            for path, rec in table.items():
-                if not isinstance(rec, ArrayRecord) or any(c.encoding != "raw"
-                                                           for c in rec.chunks):
-                    continue
-                chunks = []
-                for c in rec.chunks:
-                    f = -1
-                    if c.key != own:
-                        f = file_of.get(c.key, -2)
-                        if f == -2:
-                            f = file_of[c.key] = len(files)
-                            files.append(c.key)
-                    chunks.append((f, c.offset, c.nbytes))
-                locs.setdefault(path, []).append(
-                    (i, (rec.dtype, tuple(rec.shape), rec.rows, tuple(chunks)),
-                     [c.crc32c for c in rec.chunks]))
-        m_hist.append(_jsonable(hist))
-        sums.append(s)
-    paths = sorted({p for s in sums for p in s})
-    pcol = {p: j for j, p in enumerate(paths)}
-    width = max((len(v[2]) for s in sums for v in s.values()), default=0)
-    s_val = np.full((n, len(paths), len(SCALARS)), np.nan)
-    s_exact = np.zeros((n, len(paths)), np.uint8)
-    s_probe = np.full((n, len(paths), width), np.nan, np.float32)
-    s_has = np.zeros(n, np.uint8)
-    for i, s in enumerate(sums):
-        s_has[i] = bool(s)
-        for p, (vals, exact, probe) in s.items():
-            j = pcol[p]
-            s_val[i, j] = vals
-            s_exact[i, j] = exact
-            s_probe[i, j, :len(probe)] = probe
-    loc: dict[str, Locations] = {}
-    for path, entries in locs.items():
-        width = max(len(e[2]) for e in entries)
-        lays: list[Layout] = []
-        seen: dict[Layout, int] = {}
-        ids = np.full(n, -1, np.int32)
-        crc = np.zeros((n, width), np.uint32)
-        for i, lay, crcs in entries:
-            at = seen.get(lay)
-            if at is None:
-                at = seen[lay] = len(lays)
-                lays.append(lay)
-            ids[i] = at
-            crc[i, :len(crcs)] = crcs
-        loc[path] = Locations(lays, ids, crc)
-    return RowSet(
-        slot=np.array([h.slot for h in hs], np.int64),
-        step=np.array([h.step for h in hs], np.int64),
-        parent=np.array([-1 if h.parent is None else h.parent for h in hs], np.int64),
-        timeline=np.array([tl_of[h.timeline] for h in hs], np.int32),
-        pruned=np.array([h.pruned for h in hs], np.uint8),
-        time=np.array([h.time for h in hs], np.float64), timelines=tls,
-        headers=[dump_header(h) for h in hs], m_names=names, m_num=m_num, m_text=m_text,
-        m_hist=m_hist, s_paths=paths, s_has=s_has, s_val=s_val, s_exact=s_exact,
-        s_probe=s_probe, files=files, loc=loc)
-
-
-def _jsonable(x: Any) -> Any:
-    """The history object as plain JSON (tuples -> lists); None if it is not plain data."""
-    if x is None:
-        return None
-    try:
-        return json.loads(json.dumps(x, allow_nan=True))
-    except (TypeError, ValueError):
-        return None
-
-
-def dedup(rows: RowSet) -> RowSet:
-    """Keep the last row of each slot (later rows are newer), ordered by slot."""
-    slots = rows.slot[::-1]
-    _, first = np.unique(slots, return_index=True)
-    keep = np.sort(len(rows) - 1 - first)
-    if len(keep) == len(rows) and np.all(np.diff(rows.slot) > 0):
-        return rows
-    return take(rows, keep)
-
-
-def take(rows: RowSet, idx: np.ndarray) -> RowSet:
-    il = idx.tolist()
-    return RowSet(
-        slot=rows.slot[idx], step=rows.step[idx], parent=rows.parent[idx],
-        timeline=rows.timeline[idx], pruned=rows.pruned[idx], time=rows.time[idx],
-        timelines=rows.timelines, headers=[rows.headers[i] for i in il],
-        m_names=rows.m_names, m_num=rows.m_num[idx], m_text=[rows.m_text[i] for i in il],
-        m_hist=[rows.m_hist[i] for i in il], s_paths=rows.s_paths, s_has=rows.s_has[idx],
-        s_val=rows.s_val[idx], s_exact=rows.s_exact[idx], s_probe=rows.s_probe[idx],
-        files=rows.files,
-        loc={p: Locations(lo.layouts, lo.ids[idx], lo.crc[idx]) for p, lo in rows.loc.items()})
-
-
 def write_segment(st: Storage, rows: RowSet, gen: int) -> str:
     """Write ``rows`` (deduplicated, by slot) as a new segment, durably; returns its key."""
     rows = dedup(rows)
@@ -573,7 +405,7 @@ class IndexWriter:
                 if sel:
                     got = take(seg.rows(st), np.array(sel))
                     old.update({int(s): (got, i) for i, s in enumerate(got.slot.tolist())})
-            rows = _keep_summaries(rows, old)
+            rows = keep_summaries(rows, old)
             write_segment(st, rows, self._next_gen())
         st.delete(GC_MARKER)
         self.index.load()
@@ -621,126 +453,3 @@ class IndexWriter:
             self.index.load()
 
 
-def _keep_summaries(rows: RowSet, old: dict[int, tuple[RowSet, int]]) -> RowSet:
-    """Rows of pruned steps whose files are gone keep the summaries and history an older
-    row of theirs holds."""
-    fill = [i for i, s in enumerate(rows.slot.tolist())
-            if rows.pruned[i] and s in old and not rows.s_has[i]]
-    if not fill:
-        return rows
-    parts, picks = [rows], []
-    for i in fill:
-        src, j = old[int(rows.slot[i])]
-        parts.append(take(src, np.array([j])))
-        picks.append(i)
-    merged = concat(parts)
-    n = len(rows)
-    for k, i in enumerate(picks):
-        r = n + k
-        merged.s_has[i] = merged.s_has[r]
-        merged.s_val[i] = merged.s_val[r]
-        merged.s_exact[i] = merged.s_exact[r]
-        merged.s_probe[i] = merged.s_probe[r]
-        merged.m_hist[i] = merged.m_hist[r] if merged.m_hist[i] is None else merged.m_hist[i]
-    return take(merged, np.arange(n))
-
-
-def all_rows(st: Storage, index: Index) -> dict[int, tuple[RowSet, int]]:
-    """Every trusted row of every readable segment: slot -> (rows, i)."""
-    out: dict[int, tuple[RowSet, int]] = {}
-    for seg in index.segments:
-        try:
-            rs = seg.rows(st)
-        except (DsttError, OSError, ValueError):
-            continue
-        out.update({int(s): (rs, i) for i, s in enumerate(rs.slot.tolist())})
-    return out
-
-
-def rewrite(st: Storage, reader: Reader, headers: list[CommitHeader],
-            old: dict[int, tuple[RowSet, int]], *, reuse: bool = True) -> None:
-    """Replace the whole index by one segment of ``headers`` (gc, rebuild). With ``reuse``,
-    rows of unchanged live steps are copied from ``old`` instead of re-read from step files."""
-    index = Index(st).load()
-    gen = max((s.gen for s in index.segments), default=0) + 1
-    fresh, copied = [], []
-    for h in headers:
-        prev = old.get(h.slot)
-        if reuse and prev is not None and not h.pruned and \
-                prev[0].headers[prev[1]] == dump_header(h):
-            copied.append(prev)
-        else:
-            fresh.append(h)
-    parts = [rows_from_headers(reader, fresh)] if fresh else []
-    parts += [take(rs, np.array([i])) for rs, i in copied]
-    if parts:
-        rows = _keep_summaries(concat(parts), old)
-        key = write_segment(st, rows, gen)
-    else:
-        key = ""
-    for seg in index.segments:
-        if seg.key != key:
-            st.delete(seg.key)
-    for name in list(st.list(INDEX_PREFIX)):  # damaged segments the index ignored
-        k = f"{INDEX_PREFIX}/{name}"
-        if parse_index_name(name) is not None and k != key and st.exists(k):
-            st.delete(k)
-    if st.exists(GC_MARKER):
-        st.delete(GC_MARKER)
-    if reader.index.enabled:
-        reader.index.load()
-
-
-def reachable_headers(reader: Reader) -> dict[int, CommitHeader]:
-    """Every commit reachable from a ref, read from its header file (not the index)."""
-    out: dict[int, CommitHeader] = {}
-    for tl in reader.timelines:
-        slot = reader.ref(tl).head
-        while slot is not None and slot not in out:
-            h = parse_header(reader.storage.read(commit_key(slot)),
-                             f"{reader.storage.location}/{commit_key(slot)}")
-            out[slot] = h
-            slot = h.parent
-    return out
-
-
-def rebuild(reader: Reader) -> int:
-    """Re-derive the index from the commit headers (caller holds the run's lock); returns
-    the rows written."""
-    st = reader.storage
-    old = all_rows(st, Index(st).load())
-    heads = reachable_headers(reader)
-    rewrite(st, reader, [heads[s] for s in sorted(heads)], old, reuse=False)
-    return len(heads)
-
-
-def check(reader: Reader) -> list[tuple[str, str]]:
-    """Problems of the index against the headers: damaged segments, rows that disagree."""
-    st = reader.storage
-    idx = Index(st).load()
-    problems = list(idx.problems)
-    for seg in idx.segments:  # every blob, not only what a reader opens
-        try:
-            seg.rows(st)
-        except (DsttError, OSError, ValueError, KeyError) as e:
-            problems.append((seg.key, f"damaged index segment ({e}); run `dstt index`"))
-    try:
-        heads = reachable_headers(reader)
-    except (DsttError, OSError):
-        return problems  # a damaged header: verify reports it where its walk meets it
-    for slot, (seg, i) in sorted(idx.rows.items()):
-        h = heads.get(slot)
-        if h is None:
-            continue  # an unreachable row (e.g. a lazily written ref lost): never read
-        try:
-            got = parse_header(seg.header_bytes(st, i), seg.key)
-        except (DsttError, OSError) as e:
-            problems.append((seg.key, f"row of slot {slot}: {e}"))
-            continue
-        c = seg.core
-        core = (int(c["step"][i]), int(c["parent"][i]), bool(c["pruned"][i]))
-        want = (h.step, -1 if h.parent is None else h.parent, h.pruned)
-        if got != h or core != want:
-            problems.append((seg.key, f"row of slot {slot} (step {h.step}) disagrees with "
-                                      f"{commit_key(slot)}; run `dstt index` to rebuild"))
-    return problems

@@ -31,7 +31,9 @@ from .format.layout import (
 from .format.manifest import ArrayRecord, CommitHeader, checksum, dump_header
 from .format.zarr_meta import array_document
 from .format.zipfmt import Entry, crc32, local_data_offset, parse_directory
-from .index import GC_MARKER, IndexedHeader, all_rows, check, rewrite, rows_from_headers
+from .index import GC_MARKER, IndexedHeader
+from .index_repair import all_rows, check, rewrite
+from .index_rows import rows_from_headers
 from .parts import remove_parts
 from .reader import Reader
 

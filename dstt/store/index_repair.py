@@ -1,0 +1,129 @@
+"""Whole-index rewrites: gc's new index, ``dstt index`` (rebuild) and verify's check.
+
+All three hold the run's lock (or are read-only) and derive rows from the commit headers, the
+source of truth (``index.py``). ``rewrite`` writes one segment of every given row, then deletes
+every older segment and the gc marker: a cut before the deletes leaves overlapping segments in
+which the newer generation wins, so it never loses a row. ``rebuild`` reads every header from
+its own file (not the index it replaces) and keeps the summaries of pruned steps from any
+segment still readable — once gc deleted a step's side file, they exist nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import DsttError
+from .format.layout import INDEX_PREFIX, commit_key, parse_index_name
+from .format.manifest import CommitHeader, dump_header, parse_header
+from .format.segment import RowSet, concat
+from .index import GC_MARKER, Index, write_segment
+from .index_rows import keep_summaries, rows_from_headers, take
+
+if TYPE_CHECKING:
+    from .reader import Reader
+    from .storage.base import Storage
+
+__all__ = ["all_rows", "check", "reachable_headers", "rebuild", "rewrite"]
+
+
+def all_rows(st: Storage, index: Index) -> dict[int, tuple[RowSet, int]]:
+    """Every trusted row of every readable segment: slot -> (rows, i)."""
+    out: dict[int, tuple[RowSet, int]] = {}
+    for seg in index.segments:
+        try:
+            rs = seg.rows(st)
+        except (DsttError, OSError, ValueError):
+            continue
+        out.update({int(s): (rs, i) for i, s in enumerate(rs.slot.tolist())})
+    return out
+
+
+def rewrite(st: Storage, reader: Reader, headers: list[CommitHeader],
+            old: dict[int, tuple[RowSet, int]], *, reuse: bool = True) -> None:
+    """Replace the whole index by one segment of ``headers`` (gc, rebuild). With ``reuse``,
+    rows of unchanged live steps are copied from ``old`` instead of re-read from step files."""
+    index = Index(st).load()
+    gen = max((s.gen for s in index.segments), default=0) + 1
+    fresh, copied = [], []
+    for h in headers:
+        prev = old.get(h.slot)
+        if reuse and prev is not None and not h.pruned and \
+                prev[0].headers[prev[1]] == dump_header(h):
+            copied.append(prev)
+        else:
+            fresh.append(h)
+    parts = [rows_from_headers(reader, fresh)] if fresh else []
+    parts += [take(rs, np.array([i])) for rs, i in copied]
+    if parts:
+        rows = keep_summaries(concat(parts), old)
+        key = write_segment(st, rows, gen)
+    else:
+        key = ""
+    for seg in index.segments:
+        if seg.key != key:
+            st.delete(seg.key)
+    for name in list(st.list(INDEX_PREFIX)):  # damaged segments the index ignored
+        k = f"{INDEX_PREFIX}/{name}"
+        if parse_index_name(name) is not None and k != key and st.exists(k):
+            st.delete(k)
+    if st.exists(GC_MARKER):
+        st.delete(GC_MARKER)
+    if reader.index.enabled:
+        reader.index.load()
+
+
+def reachable_headers(reader: Reader) -> dict[int, CommitHeader]:
+    """Every commit reachable from a ref, read from its header file (not the index)."""
+    out: dict[int, CommitHeader] = {}
+    for tl in reader.timelines:
+        slot = reader.ref(tl).head
+        while slot is not None and slot not in out:
+            h = parse_header(reader.storage.read(commit_key(slot)),
+                             f"{reader.storage.location}/{commit_key(slot)}")
+            out[slot] = h
+            slot = h.parent
+    return out
+
+
+def rebuild(reader: Reader) -> int:
+    """Re-derive the index from the commit headers (caller holds the run's lock); returns
+    the rows written."""
+    st = reader.storage
+    old = all_rows(st, Index(st).load())
+    heads = reachable_headers(reader)
+    rewrite(st, reader, [heads[s] for s in sorted(heads)], old, reuse=False)
+    return len(heads)
+
+
+def check(reader: Reader) -> list[tuple[str, str]]:
+    """Problems of the index against the headers: damaged segments, rows that disagree."""
+    st = reader.storage
+    idx = Index(st).load()
+    problems = list(idx.problems)
+    for seg in idx.segments:  # every blob, not only what a reader opens
+        try:
+            seg.rows(st)
+        except (DsttError, OSError, ValueError, KeyError) as e:
+            problems.append((seg.key, f"damaged index segment ({e}); run `dstt index`"))
+    try:
+        heads = reachable_headers(reader)
+    except (DsttError, OSError):
+        return problems  # a damaged header: verify reports it where its walk meets it
+    for slot, (seg, i) in sorted(idx.rows.items()):
+        h = heads.get(slot)
+        if h is None:
+            continue  # an unreachable row (e.g. a lazily written ref lost): never read
+        try:
+            got = parse_header(seg.header_bytes(st, i), seg.key)
+        except (DsttError, OSError) as e:
+            problems.append((seg.key, f"row of slot {slot}: {e}"))
+            continue
+        c = seg.core
+        core = (int(c["step"][i]), int(c["parent"][i]), bool(c["pruned"][i]))
+        want = (h.step, -1 if h.parent is None else h.parent, h.pruned)
+        if got != h or core != want:
+            problems.append((seg.key, f"row of slot {slot} (step {h.step}) disagrees with "
+                                      f"{commit_key(slot)}; run `dstt index` to rebuild"))
+    return problems
