@@ -53,6 +53,7 @@ from .format.segment import (
     decode_core,
     decode_rest,
     encode,
+    layout_of,
     read_directory,
 )
 from .index_rows import dedup, keep_summaries, rows_from_headers, take
@@ -147,8 +148,7 @@ class _Segment:
                                         f"{path!r} fail their crc32c")
                 ids = np.frombuffer(raw[:4 * self.n], "<i4")
                 crcs = np.frombuffer(raw[4 * self.n:], "<u4").reshape(self.n, width)
-                got = (ids, crcs, [(str(dt), tuple(sh), int(r), tuple(tuple(c) for c in ch))
-                                   for dt, sh, r, ch in lays])
+                got = (ids, crcs, [layout_of(x) for x in lays])
             self._loc[path] = got
             return got
 
@@ -313,12 +313,12 @@ class Index:
         j = int(ids[i])
         if j < 0:
             return None
-        dtype, shape, nrows, chunks = lays[j]
+        dtype, shape, nrows, chunks, dims = lays[j]
         files = seg.d["files"]
         own = step_file_key(slot)
         recs = tuple(ChunkRecord(own if f < 0 else files[f], b, int(crcs[i, k]), offset=o)
                      for k, (f, o, b) in enumerate(chunks))
-        return ArrayRecord(path, dtype, shape, nrows, recs)
+        return ArrayRecord(path, dtype, shape, nrows, recs, dims)
 
 
 def scalar_rows(reader: Reader, headers: list[CommitHeader], *, summaries: bool) -> RowSet:

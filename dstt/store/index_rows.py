@@ -120,7 +120,8 @@ def rows_from_headers(reader: Reader, headers: Iterable[CommitHeader], *,
                             files.append(c.key)
                     chunks.append((f, c.offset, c.nbytes))
                 locs.setdefault(path, []).append(
-                    (i, (rec.dtype, tuple(rec.shape), rec.rows, tuple(chunks)),
+                    (i, (rec.dtype, tuple(rec.shape), rec.rows, tuple(chunks),
+                         None if rec.dims is None else tuple(rec.dims)),
                      [c.crc32c for c in rec.chunks]))
         m_hist.append(_jsonable(hist))
         sums.append(s)

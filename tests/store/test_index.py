@@ -274,3 +274,23 @@ def test_index_agrees_with_the_commits_after_sigkill_at_every_write_of_a_commit(
         with Repository(st).writer(index_every=4) as w:
             _commit(w, line[-1][1] + 1, 1.0)
         assert Repository(st).verify().ok
+
+
+def test_located_records_equal_the_arrays_tables() -> None:
+    """What the index says of a tensor is what the step's arrays table says (dims included),
+    for every row, after merges."""
+    mem = MemoryStorage()
+    repo = Repository.create(mem)
+    with repo.writer(index_every=2) as w:  # 8 segments of 2 rows merge into one
+        for s in range(16):
+            txn = w.begin(s)
+            a = np.full((4, 3), s, np.float32)
+            txn.declare("params/w", "float32", a.shape, dims=("out", "in"))
+            txn.put_chunk("params/w", 0, a.reshape(-1).view(np.uint8))
+            txn.commit()
+    r = Repository(mem).reader()
+    assert len(r.index.load().rows) == 16 and len(r.index.segments) < 8
+    for h in r.lineage():
+        got = r.index.located(h.slot, "params/w")
+        assert got is not None and got == r.arrays(h)["params/w"]
+        assert got.dims == ("out", "in")

@@ -42,7 +42,7 @@ __all__ = ["MAGIC", "SCALARS", "Layout", "Locations", "RowSet", "concat", "decod
 MAGIC = b"DSTTIDX1"
 #: the scalar fields of a write-time summary, in this order in ``RowSet.s_val``
 SCALARS = ("l2", "rms", "maxabs", "nan", "inf", "update_l2", "update_ratio")
-Layout = tuple[str, tuple[int, ...], int, tuple[tuple[int, int, int], ...]]
+Layout = tuple[str, tuple[int, ...], int, tuple[tuple[int, int, int], ...], tuple[str, ...] | None]
 _CORE = (("slot", "<i8"), ("step", "<i8"), ("parent", "<i8"), ("timeline", "<i4"),
          ("pruned", "u1"), ("time", "<f8"))
 
@@ -51,7 +51,7 @@ _CORE = (("slot", "<i8"), ("step", "<i8"), ("parent", "<i8"), ("timeline", "<i4"
 class Locations:
     """Where one tensor's chunks sit in each row: ``ids[row]`` indexes ``layouts`` (-1: the
     row has no raw record of it), ``crc[row, chunk]`` its crc32c. A layout is ``(dtype,
-    shape, rows per chunk, ((file, offset, nbytes), ...))``."""
+    shape, rows per chunk, ((file, offset, nbytes), ...), dimension names or None)``."""
 
     layouts: list[Layout]
     ids: np.ndarray
@@ -155,9 +155,10 @@ def concat(sets: list[RowSet]) -> RowSet:
             if got is not None:
                 fmap = _remap(s.files, files)
                 new_ids = []
-                for dt, shape, nrows, chunks in got.layouts:
+                for dt, shape, nrows, chunks, dims in got.layouts:
                     lay2 = (dt, shape, nrows,
-                            tuple((int(fmap[f]) if f >= 0 else f, o, b) for f, o, b in chunks))
+                            tuple((int(fmap[f]) if f >= 0 else f, o, b) for f, o, b in chunks),
+                            dims)
                     j = seen.get(lay2)
                     if j is None:
                         j = seen[lay2] = len(layouts)
@@ -213,7 +214,8 @@ def encode(rows: RowSet, gen: int) -> bytes:
     for path, lo in rows.loc.items():
         block = (np.asarray(lo.ids, "<i4").tobytes() + np.asarray(lo.crc, "<u4").tobytes())
         locdir[path] = [at[0], len(block), checksum(block), int(lo.crc.shape[1]),
-                        [[dt, list(sh), r, [list(c) for c in ch]] for dt, sh, r, ch in lo.layouts]]
+                        [[dt, list(sh), r, [list(c) for c in ch], None if dm is None else list(dm)]
+                         for dt, sh, r, ch, dm in lo.layouts]]
         parts.append(block)
         at[0] += len(block)
     _blob(parts, blobs, "locdir", _json(locdir), at)
@@ -223,6 +225,14 @@ def encode(rows: RowSet, gen: int) -> bytes:
     raw = _canonical(body)
     directory = b'{"crc32c":%d,"body":' % checksum(raw) + raw + b"}"
     return MAGIC + struct.pack("<Q", len(directory)) + directory + b"".join(parts)
+
+
+def layout_of(x: list[Any]) -> Layout:
+    """A location layout from its JSON form."""
+    dt, sh, r, ch, dm = x
+    return (str(dt), tuple(int(s) for s in sh), int(r), tuple((int(f), int(o), int(b))
+                                                               for f, o, b in ch),
+            None if dm is None else tuple(str(d) for d in dm))
 
 
 def read_directory(prefix: bytes, where: str) -> tuple[dict[str, Any], int] | int:
@@ -284,8 +294,7 @@ def decode_rest(d: dict[str, Any], core: dict[str, np.ndarray], data: bytes,
             raise ChecksumError(f"{where}: index locations of {path!r} fail their crc32c")
         ids = np.frombuffer(raw[:4 * n], "<i4")
         crcs = np.frombuffer(raw[4 * n:], "<u4").reshape(n, width)
-        loc[path] = Locations([(str(dt), tuple(sh), int(r), tuple(tuple(c) for c in ch))
-                               for dt, sh, r, ch in lays], ids, crcs)
+        loc[path] = Locations([layout_of(x) for x in lays], ids, crcs)
     return RowSet(
         slot=core["slot"], step=core["step"], parent=core["parent"], timeline=core["timeline"],
         pruned=core["pruned"], time=core["time"], timelines=list(d["timelines"]),
