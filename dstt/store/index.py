@@ -429,6 +429,12 @@ class IndexWriter:
     def flush(self) -> None:
         if not self.pending:
             return
+        # a gc run under this writer (it holds the lock) may have rewritten the index since:
+        # its rows of the pending slots are newer than what this writer remembers of them
+        self.index.load()
+        self.pending = {s: h for s, h in self.pending.items() if s not in self.index.rows}
+        if not self.pending:
+            return
         rows = rows_from_headers(self.reader, sorted(self.pending.values(),
                                                      key=lambda h: h.slot))
         write_segment(self.storage, rows, self._next_gen())

@@ -294,3 +294,21 @@ def test_located_records_equal_the_arrays_tables() -> None:
         got = r.index.located(h.slot, "params/w")
         assert got is not None and got == r.arrays(h)["params/w"]
         assert got.dims == ("out", "in")
+
+
+def test_a_writer_does_not_write_rows_an_index_rewrite_made_newer() -> None:
+    """Rows a writer still holds pending, once the index was rewritten with those slots (gc
+    running under the writer marks some pruned), are not written again over the new rows."""
+    from dstt.store.index_repair import rebuild
+
+    mem = MemoryStorage()
+    repo = Repository.create(mem)
+    with repo.writer(index_every=100) as w:
+        for s in range(6):
+            _commit(w, s, 1.0)
+        rebuild(w.reader)  # what gc's rewrite does, under the writer's lock
+        assert w.index is not None and len(w.index.pending) == 6
+        before = sorted(mem.list(INDEX_PREFIX))
+        w.index.flush()
+        assert sorted(mem.list(INDEX_PREFIX)) == before and not w.index.pending
+    assert check(Repository(mem).reader()) == []
