@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from ..store import find_spikes
 from .naming import user_name
 
 __all__ = [
@@ -281,38 +282,6 @@ def spike_cause(steps: Sequence[int], start: int) -> tuple[int | None, int | Non
     if i >= len(steps) or (i == 0 and steps[0] >= start):
         return None, None
     return (int(steps[i - 1]) if i > 0 else None), int(steps[i])
-
-
-def find_spikes(steps: np.ndarray, values: np.ndarray, *, window: int = 50, z: float = 4.0,
-                min_periods: int | None = None
-                ) -> list[tuple[int, float, float, float, float, int]]:
-    """``(step, value, zscore, mean, std, start)`` of each spike by the module's rolling z
-    rule: ``step`` at the peak z-score, ``start`` the first flagged step."""
-    if window < 2:
-        raise ValueError(f"window must be >= 2, got {window}")
-    min_periods = max(2, window // 4) if min_periods is None else max(2, min_periods)
-    ok = np.isfinite(values)
-    steps, values = np.asarray(steps)[ok], np.asarray(values, dtype=np.float64)[ok]
-    flagged: list[tuple[int, float, float, float, float]] = []
-    for i in range(len(values)):
-        prior = values[max(0, i - window):i]
-        if len(prior) < min_periods:
-            continue
-        mu, sd = float(prior.mean()), float(prior.std(ddof=1))
-        sd = max(sd, 1e-12 * max(abs(mu), 1.0))
-        zi = (float(values[i]) - mu) / sd
-        if zi > z:
-            flagged.append((i, float(values[i]), zi, mu, sd))
-    events: list[tuple[int, float, float, float, float, int]] = []
-    last = -2
-    for i, v, zi, mu, sd in flagged:
-        if i == last + 1:  # consecutive flagged values: one spike, kept at its peak z
-            if zi > events[-1][2]:
-                events[-1] = (int(steps[i]), v, zi, mu, sd, events[-1][5])
-        else:
-            events.append((int(steps[i]), v, zi, mu, sd, int(steps[i])))
-        last = i
-    return events
 
 
 def rank_tensors(summaries: xr.Dataset, steps: Sequence[int]) -> list[tuple[str, float]]:

@@ -36,6 +36,7 @@ from .parts import Part, abort_vote, collect_parts, remove_parts
 from .protocols import FlatStepWriter, StepTransaction, StepWriter
 from .reader import Reader
 from .repository import Repository
+from .retention import Retention, find_spikes
 from .shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
 from .storage.base import Durability, Storage
 from .storage.local import LocalStorage, fsync_dir
@@ -77,6 +78,7 @@ __all__ = [
     "Reader",
     "RefInfo",
     "Repository",
+    "Retention",
     "RowSet",
     "Snapshot",
     "StepTransaction",
@@ -93,6 +95,7 @@ __all__ = [
     "digest",
     "dtype_itemsize",
     "dtype_name",
+    "find_spikes",
     "flusher_supported",
     "fsync_dir",
     "is_url",

@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ..errors import CorruptRunError, DsttError
 from .format.layout import (
@@ -29,17 +31,20 @@ from .format.layout import (
     zarr_chunk_key,
 )
 from .format.manifest import ArrayRecord, CommitHeader, checksum, dump_header
+from .format.segment import RowSet
 from .format.zarr_meta import array_document
 from .format.zipfmt import Entry, crc32, local_data_offset, parse_directory
-from .index import GC_MARKER, IndexedHeader
+from .index import GC_MARKER, IndexedHeader, write_segment
 from .index_repair import all_rows, check, rewrite
-from .index_rows import rows_from_headers
+from .index_rows import keep_summaries, rows_from_headers
 from .parts import remove_parts
 from .reader import Reader
+from .retention import Retention, policy
 
 if TYPE_CHECKING:
     from .repository import Repository
     from .storage.base import Storage
+    from .writer import Writer
 
 __all__ = ["GcReport", "Problem", "VerifyReport", "gc", "verify"]
 
@@ -270,105 +275,216 @@ class GcReport:
     files_removed: int
     bytes_freed: int
     dry_run: bool
+    #: ``(timeline, first step, last step)`` of each spike window the policy kept
+    spike_windows: tuple[tuple[str, int, int], ...] = ()
 
 
-def _keep_set(line: list[CommitHeader], keep_last: int | None, keep_every: int | None,
-              keep_steps: set[int]) -> set[int]:
+def _keep_set(r: Reader, pol: Retention, line: list[CommitHeader]
+              ) -> tuple[set[int], list[tuple[int, int]]]:
+    """Slots of ``line`` (one timeline, oldest first, tombstones included) the policy keeps,
+    and its spike windows. The spike metric of every commit, pruned ones too, comes from the
+    index's metric columns (no header parsed per step)."""
     live = [h for h in line if not h.pruned]
-    keep = {h.slot for h in live if h.step in keep_steps}
-    if keep_last:  # max(0, ...): keep_last larger than the timeline keeps all of it
-        keep |= {h.slot for h in live[max(0, len(live) - keep_last):]}
-    if keep_every:
-        keep |= {h.slot for h in live if h.step % keep_every == 0}
-    if live:
-        keep.add(live[-1].slot)  # the head is never pruned
-    return keep
+    ms: Any = ()
+    mv: Any = ()
+    if pol.spike_window and line:
+        rows = r.scalar_rows(line, summaries=False)
+        if pol.spike_metric in rows.m_names:
+            order = np.argsort(rows.step, kind="stable")
+            ms = rows.step[order]
+            mv = rows.m_num[order, rows.m_names.index(pol.spike_metric)]
+    steps = pol.keep([h.step for h in live], ms, mv)
+    return {h.slot for h in live if h.step in steps}, pol.spikes(ms, mv)
+
+
+def _tombstones(r: Reader, headers: list[CommitHeader], progress: Progress,
+                total: int) -> list[CommitHeader]:
+    """Rewrite ``headers`` as tombstones, durably, before any file is deleted: from then on
+    no reader looks at the doomed files, so a crash between any two deletes leaves every kept
+    step intact. Newest first, each durable before the next, where one of them is a delta
+    (its bases are older slots: at every cut each live commit's bases are still live);
+    where none is (raw steps, the usual per-iteration capture), all of them durable together
+    with one barrier instead of two syncs each."""
+    st = r.storage
+    chained = any(c.slots for h in headers for rec in r.arrays(h).values()
+                  for c in rec.chunks)
+    out = []
+    for n, h in enumerate(sorted(headers, key=lambda x: -x.slot)):
+        if progress:
+            progress(n, total)
+        h = h.full() if isinstance(h, IndexedHeader) else h
+        t = replace(h, pruned=True, arrays=None)
+        (st.write_durable if chained else st.write)(commit_key(h.slot), dump_header(t))
+        out.append(t)
+    if out and not chained:
+        st.barrier()
+    return out[::-1]
+
+
+def _prune_live(st: Storage, r: Reader, writer: Writer, prune: list[CommitHeader],
+                progress: Progress, total: int) -> None:
+    """Tombstones and index rows of ``prune`` under a live writer, in gc's order (marker,
+    tombstones, a new segment, marker deleted; the files after), but O(pruned) instead of a
+    rewrite of every row: the new segment holds only the pruned rows and, as the newest
+    generation, wins over their older rows (``index.py``); the writer's merges compact it
+    later. Summaries and history come from each slot's older row, or (slots the writer has
+    not indexed yet) from its files, read before the tombstone is written."""
+    if not prune:
+        return
+    slots = [h.slot for h in prune]
+    old: dict[int, tuple[RowSet, int]] = {}
+    by_seg: dict[Any, list[int]] = {}
+    unindexed = []
+    index = r.index.load()
+    for h in prune:
+        got = index.rows.get(h.slot)
+        if got is None:
+            unindexed.append(h)
+        else:
+            by_seg.setdefault(got[0], []).append(h.slot)
+    for seg, want in by_seg.items():
+        try:
+            rows = seg.rows(st)
+        except (DsttError, OSError, ValueError):  # damaged: the headers' files then
+            unindexed += [h for h in prune if h.slot in set(want)]
+            continue
+        at = {int(x): i for i, x in enumerate(rows.slot.tolist())}
+        old.update({s: (rows, at[s]) for s in want})
+    if unindexed:
+        fresh = rows_from_headers(r, unindexed)
+        old.update({int(x): (fresh, i) for i, x in enumerate(fresh.slot.tolist())})
+    gen = max((seg.gen for seg in index.segments), default=0) + 1
+    st.write_durable(GC_MARKER, json.dumps({"slots": slots}).encode())
+    dead = _tombstones(r, prune, progress, total)
+    write_segment(st, keep_summaries(rows_from_headers(r, dead), old), gen)
+    st.delete(GC_MARKER)
+    if writer.index is not None:  # its queued rows of these slots are stale now
+        for s in slots:
+            writer.index.pending.pop(s, None)
+        writer.index.index.load()
 
 
 def gc(repo: Repository, *, keep_last: int | None = None, keep_every: int | None = None,
-       keep_steps: Iterable[int] = (), dry_run: bool = False,
-       progress: Progress = None) -> GcReport:
+       keep_steps: Iterable[int] = (), retention: Retention | None = None,
+       dry_run: bool = False, progress: Progress = None,
+       writer: Writer | None = None) -> GcReport:
     """Prune commits outside the retention policy and remove orphaned files.
 
-    With no policy given nothing committed is pruned; only orphans (slots that crashed
-    before their ref moved, aborted steps) are removed.
+    ``retention`` (a ``Retention``) or the keywords ``keep_last``/``keep_every``/``keep_steps``
+    say what to keep; with no policy nothing committed is pruned and only orphans (slots that
+    crashed before their ref moved, aborted steps) are removed. Timeline heads, the steps other
+    timelines fork from and the bases of kept deltas are always kept.
+
+    ``writer``: run under that live exclusive writer (it holds the run's lock: a second lock
+    would be refused) instead of taking the lock: a session's background retention
+    (``Writer.gc``). Commits wait while the index is rewritten; slots the writer has in flight
+    (and anything past the newest commit, e.g. other ranks' parts) are not touched, nor are
+    temporary files and part manifests.
     """
-    if keep_last is not None and keep_last < 0:
-        raise ValueError(f"keep_last must be >= 0, got {keep_last}")
-    if keep_every is not None and keep_every < 1:  # 0 would prune everything but the heads
-        raise ValueError(f"keep_every must be >= 1 (or None), got {keep_every}")
+    pol = policy(retention, keep_last, keep_every, keep_steps)
     st = repo.storage
-    policy = keep_last is not None or keep_every is not None or bool(keep_steps)
-    with st.lock(LOCK_KEY):
-        r = Reader(st)
-        reachable: dict[int, CommitHeader] = {}
-        keep: set[int] = set()
-        for tl in r.timelines:
-            line = r.lineage(tl)
-            for h in line:
-                reachable[h.slot] = h
-            keep |= (_keep_set(line, keep_last, keep_every, set(keep_steps)) if policy
-                     else {h.slot for h in line})
-            head = r.ref(tl).head
-            if head is not None:
-                keep.add(head)
-        keep |= _delta_bases(r, reachable, keep)
-        prune = sorted(s for s, h in reachable.items() if not h.pruned and s not in keep)
-        orphans = [s for s in r.all_slots() if s not in reachable]
-        # files still needed by kept commits (deltas and dedups read older steps' files)
-        needed: set[str] = set()
-        for s in keep:
-            kept = reachable.get(s)
-            if kept is not None and not kept.pruned:
-                needed |= _files_of(r, kept)
-        files = _step_files(st)
-        # every file of a kept slot stays, whatever its tensors reference: each rank's zip
-        # is that step's plain Zarr hierarchy even where all its chunks are deltas or dedups
-        live = {s for s in keep if s in reachable and not reachable[s].pruned}
-        doomed = [k for k in files if k not in needed and key_slot(k) not in live]
-        sizes = {}
-        for k in doomed:
-            try:
-                sizes[k] = st.size(k)
-            except OSError:
-                sizes[k] = -1
-        removed = sum(1 for z in sizes.values() if z >= 0)
-        freed = sum(z for z in sizes.values() if z > 0)
-        pruned_steps = tuple((reachable[s].timeline, reachable[s].step) for s in prune)
-        if not dry_run:
-            # the index keeps every row of a pruned step (index.py): rows of the steps not
-            # indexed yet are read now, while their files still exist
-            old = all_rows(st, r.index.load())
-            todo_rows = [reachable[s] for s in sorted(reachable) if s not in old]
-            if todo_rows:
-                fresh = rows_from_headers(r, todo_rows)
-                old.update({int(s): (fresh, i) for i, s in enumerate(fresh.slot.tolist())})
-            reindex = bool(prune) or st.exists(GC_MARKER) or bool(set(orphans) & set(old))
-            if prune:  # readers distrust these rows until the new index is written
-                st.write_durable(GC_MARKER, json.dumps({"slots": prune}).encode())
-            # tombstones first, durably: from here on no reader looks at the doomed files,
-            # so a crash between any two deletes below leaves every kept step intact
-            # newest first: a delta's bases and inputs are in older slots, so at every point
-            # a cut can stop, each live commit's bases are still live
-            for n, slot in enumerate(sorted(prune, reverse=True)):
-                if progress:
-                    progress(n, len(prune) + len(doomed))
-                h = reachable[slot]
-                h = h.full() if isinstance(h, IndexedHeader) else h
-                reachable[slot] = replace(h, pruned=True, arrays=None)
-                st.write_durable(commit_key(slot), dump_header(reachable[slot]))
-            if reindex:  # new segment, old ones deleted, then the marker: before any file
-                rewrite(st, r, [reachable[s] for s in sorted(reachable)], old)
-            for n, k in enumerate(doomed):
-                if progress:
-                    progress(len(prune) + n, len(prune) + len(doomed))
-                st.delete(k)
-            for slot in orphans:  # an orphan's header goes last: a crash leaves it findable
-                st.delete(commit_key(slot))
+    if writer is None:
+        with st.lock(LOCK_KEY):
+            return _gc(st, pol, dry_run, progress, None)
+    return _gc(st, pol, dry_run, progress, writer)
+
+
+def _gc(st: Storage, pol: Retention | None, dry_run: bool, progress: Progress,
+        writer: Writer | None) -> GcReport:
+    live_writer = writer is not None
+    if writer is not None:
+        writer._check_open()
+    r = Reader(st)
+    reachable: dict[int, CommitHeader] = {}
+    keep: set[int] = set()
+    windows: list[tuple[str, int, int]] = []
+    for tl in r.timelines:
+        line = r.lineage(tl)
+        for h in line:
+            reachable[h.slot] = h
+        if pol is not None and pol.prunes:
+            got, spans = _keep_set(r, pol, line)
+            keep |= got
+            windows += [(tl, lo, hi) for lo, hi in spans]
+        else:
+            keep |= {h.slot for h in line}
+        ref = r.ref(tl)
+        if ref.head is not None:
+            keep.add(ref.head)
+        if ref.base_slot is not None:  # a fork point: the timeline's own first parent
+            keep.add(ref.base_slot)
+    keep |= _delta_bases(r, reachable, keep)
+    prune = sorted(s for s, h in reachable.items() if not h.pruned and s not in keep)
+    # a live writer's slots in flight, and anything past its newest commit (slots other
+    # ranks are writing parts into), are not garbage
+    newest = max(reachable, default=-1)
+    busy = set(writer._open) if writer is not None else set()
+
+    def untouchable(slot: int | None) -> bool:
+        return live_writer and slot is not None and (slot in busy or slot > newest)
+
+    orphans = [s for s in r.all_slots() if s not in reachable and not untouchable(s)]
+    # files still needed by kept commits (deltas and dedups read older steps' files)
+    needed: set[str] = set()
+    for s in keep:
+        kept = reachable.get(s)
+        if kept is not None and not kept.pruned:
+            needed |= _files_of(r, kept)
+    files = _step_files(st)
+    # every file of a kept slot stays, whatever its tensors reference: each rank's zip
+    # is that step's plain Zarr hierarchy even where all its chunks are deltas or dedups
+    live = {s for s in keep if s in reachable and not reachable[s].pruned}
+    doomed = [k for k in files if k not in needed and key_slot(k) not in live
+              and not untouchable(key_slot(k))]
+    sizes = {}
+    for k in doomed:
+        try:
+            sizes[k] = st.size(k)
+        except OSError:
+            sizes[k] = -1
+    removed = sum(1 for z in sizes.values() if z >= 0)
+    freed = sum(z for z in sizes.values() if z > 0)
+    pruned_steps = tuple((reachable[s].timeline, reachable[s].step) for s in prune)
+    if not dry_run and writer is not None:  # a live writer: only the pruned rows
+        # the plan above needs no lock: commits meanwhile only add slots past ``newest``,
+        # whose parent (the head seen here) is kept; from here commits wait
+        with writer._commit_lock:
+            writer._check_open()
+            if writer._unsynced:  # the refs durable before anything is tombstoned
+                st.barrier()
+                writer._unsynced = False
+            _prune_live(st, r, writer, [reachable[s] for s in prune], progress,
+                        len(prune) + len(doomed))
+    elif not dry_run:
+        # the index keeps every row of a pruned step (index.py): rows of the steps not
+        # indexed yet are read now, while their files still exist
+        old = all_rows(st, r.index.load())
+        todo_rows = [reachable[s] for s in sorted(reachable) if s not in old]
+        if todo_rows:
+            fresh = rows_from_headers(r, todo_rows)
+            old.update({int(s): (fresh, i) for i, s in enumerate(fresh.slot.tolist())})
+        reindex = bool(prune) or st.exists(GC_MARKER) or bool(set(orphans) & set(old))
+        if prune:  # readers distrust these rows until the new index is written
+            st.write_durable(GC_MARKER, json.dumps({"slots": prune}).encode())
+        # tombstones first (durable before the index and any delete: _tombstones)
+        for t in _tombstones(r, [reachable[s] for s in prune], progress,
+                             len(prune) + len(doomed)):
+            reachable[t.slot] = t
+        if reindex:  # new segment, old ones deleted, then the marker: before any file
+            rewrite(st, r, [reachable[s] for s in sorted(reachable)], old)
+    if not dry_run:  # no reader looks at these files any more: commits need not wait
+        for n, k in enumerate(doomed):
+            if progress:
+                progress(len(prune) + n, len(prune) + len(doomed))
+            st.delete(k)
+        for slot in orphans:  # an orphan's header goes last: a crash leaves it findable
+            st.delete(commit_key(slot))
+        if writer is None:
             # part manifests of multi-rank commits: gc holds the lock, so no commit is in
             # flight and every part left is either merged already or from a crashed session
             removed += remove_parts(st)
             removed += st.remove_temporaries()
-        if progress:
-            progress(1, 1)
-        return GcReport(pruned_steps, tuple(orphans), removed, freed, dry_run)
+    if progress:
+        progress(1, 1)
+    return GcReport(pruned_steps, tuple(orphans), removed, freed, dry_run,
+                    tuple(windows))

@@ -33,6 +33,7 @@ from .format.zarr_meta import dump, group_document, root_attributes
 from .index_repair import rebuild
 from .maintenance import GcReport, VerifyReport, gc, verify
 from .reader import Reader
+from .retention import Retention
 from .storage.base import Storage
 from .storage.urls import storage_for
 from .timelines import DeleteReport, delete_timeline, rename_timeline
@@ -182,10 +183,11 @@ class Repository:
 
     # -- maintenance (implemented in maintenance.py) --------------------------------------
     def gc(self, *, keep_last: int | None = None, keep_every: int | None = None,
-           keep_steps: Iterable[int] = (), dry_run: bool = False,
-           progress: Any = None) -> GcReport:
+           keep_steps: Iterable[int] = (), retention: Retention | None = None,
+           dry_run: bool = False, progress: Any = None) -> GcReport:
+        """Prune what ``retention`` (or the keywords) does not keep (``maintenance.gc``)."""
         return gc(self, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
-                  dry_run=dry_run, progress=progress)
+                  retention=retention, dry_run=dry_run, progress=progress)
 
     def verify(self, *, progress: Any = None, repair: bool = False) -> VerifyReport:
         """Check every reachable byte and the index; ``repair``: rebuild the index from

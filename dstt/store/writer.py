@@ -77,7 +77,9 @@ from .format.zarr_meta import (
 )
 from .format.zipfmt import crc32
 from .index import EVERY, IndexWriter
+from .maintenance import GcReport, gc
 from .parts import Part, dump_part, merge_parts, remove_parts
+from .retention import Retention
 
 if TYPE_CHECKING:
     from .repository import Repository
@@ -179,6 +181,15 @@ class Writer:
     def _check_open(self) -> None:
         if self._closed:
             raise DsttError("this writer is closed; open a new one with repo.writer()")
+
+    def gc(self, retention: Retention | None = None, *, dry_run: bool = False) -> GcReport:
+        """gc under this writer (it holds the run's lock; a second one would be refused): a
+        live session's background retention. Commits wait only while the tombstones and the
+        index are written; the slots in flight are left alone (``maintenance.gc``)."""
+        self._check_open()
+        if not self.exclusive:
+            raise DsttError("a part writer (exclusive=False) holds no lock and cannot gc")
+        return gc(self.repo, retention=retention, dry_run=dry_run, writer=self)
 
     @property
     def next_slot(self) -> int:

@@ -1,0 +1,179 @@
+"""Which steps a run keeps: the retention policy shared by ``dstt gc`` and a live session.
+
+Per-iteration capture only stays usable for long runs if disk use is bounded while what matters
+stays: the recent past densely (``keep_last``), the old past thinly (``keep_every``), and the
+neighbourhood of every loss spike at full density (``spike_window``). ``Retention`` is a frozen
+policy object; ``Retention.keep`` is a pure function of one timeline's steps and one logged
+metric's values (plain arrays), so the store's gc and the session use the same rule and it
+needs neither torch nor inspection. What the policy never decides away — timeline heads, the
+steps other timelines fork from, the delta bases of kept steps — gc adds itself
+(``maintenance.py``).
+
+Spikes use the rolling z-score rule of ``dstt.inspect`` (``find_spikes``, defined here so the
+store can use it without importing inspection, which re-exports it): a value is flagged when it
+is more than ``z`` standard deviations above the mean of the ``window`` values before it. The
+rule looks only backwards, so a spike found once is found at every later gc; and it runs over
+the metrics of *every* commit, pruned ones included (their tombstones keep their metrics), so
+pruning never moves a baseline. A spike's window runs from ``spike_window`` steps before its
+first flagged step (the update that caused it is the one just before: ``Run.spikes`` names it
+``cause``) to ``spike_window`` steps after its peak.
+
+Rejected: a byte budget instead of step counts (what is kept would depend on how well each
+step compressed, and a spike window could be evicted to make room); deleting spike windows once
+they are old (the point of keeping them is to look at them later).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["Retention", "find_spikes"]
+
+
+def find_spikes(steps: np.ndarray, values: np.ndarray, *, window: int = 50, z: float = 4.0,
+                min_periods: int | None = None
+                ) -> list[tuple[int, float, float, float, float, int]]:
+    """``(step, value, zscore, mean, std, start)`` of each spike by the rolling z rule:
+    ``step`` at the peak z-score, ``start`` the first flagged step."""
+    if window < 2:
+        raise ValueError(f"window must be >= 2, got {window}")
+    min_periods = max(2, window // 4) if min_periods is None else max(2, min_periods)
+    ok = np.isfinite(values)
+    steps, values = np.asarray(steps)[ok], np.asarray(values, dtype=np.float64)[ok]
+    n = len(values)
+    mu_all, sd_all = np.full(n, np.nan), np.full(n, np.nan)
+    for i in range(min(n, window)):  # the first values: a shorter trailing window
+        prior = values[:i]
+        if len(prior) >= min_periods:
+            mu_all[i], sd_all[i] = prior.mean(), prior.std(ddof=1)
+    if n > window:  # full windows, vectorised in blocks (a gc runs this over every commit)
+        views = np.lib.stride_tricks.sliding_window_view(values, window)
+        for lo in range(0, n - window, 8192):
+            hi = min(n - window, lo + 8192)
+            block = views[lo:hi]
+            mu_all[window + lo:window + hi] = block.mean(axis=1)
+            sd_all[window + lo:window + hi] = block.std(axis=1, ddof=1)
+    flagged: list[tuple[int, float, float, float, float]] = []
+    for i in np.flatnonzero(np.isfinite(mu_all)).tolist():
+        mu, sd = float(mu_all[i]), float(sd_all[i])
+        sd = max(sd, 1e-12 * max(abs(mu), 1.0))
+        zi = (float(values[i]) - mu) / sd
+        if zi > z:
+            flagged.append((i, float(values[i]), zi, mu, sd))
+    events: list[tuple[int, float, float, float, float, int]] = []
+    last = -2
+    for i, v, zi, mu, sd in flagged:
+        if i == last + 1:  # consecutive flagged values: one spike, kept at its peak z
+            if zi > events[-1][2]:
+                events[-1] = (int(steps[i]), v, zi, mu, sd, events[-1][5])
+        else:
+            events.append((int(steps[i]), v, zi, mu, sd, int(steps[i])))
+        last = i
+    return events
+
+
+def _count(name: str, v: int | None, lo: int) -> None:
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
+        raise ValueError(f"Retention({name}=...) must be an int >= {lo}"
+                         f"{' or None' if name in ('keep_last', 'keep_every') else ''}, "
+                         f"got {v!r}")
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Keep the last ``keep_last`` live steps of each timeline, every step divisible by
+    ``keep_every``, the steps in ``keep_steps``, and every step within ``spike_window`` steps
+    of a spike of ``spike_metric`` (rolling z-score above ``spike_z`` against the
+    ``spike_baseline`` values before it; ``spike_window=0``: no spike rule). Heads, fork points
+    and the bases of kept deltas are always kept. A session applies it in the background every
+    ``every_commits`` captured steps (``dstt.session(..., retention=...)``); ``dstt gc`` and
+    ``Run.gc(retention=...)`` take the same object."""
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    spike_window: int = 0
+    spike_metric: str = "loss"
+    spike_z: float = 4.0
+    spike_baseline: int = 50
+    keep_steps: tuple[int, ...] = field(default=())
+    every_commits: int = 50
+
+    def __post_init__(self) -> None:
+        _count("keep_last", self.keep_last, 0)
+        _count("keep_every", self.keep_every, 1)  # 0 would prune all but the heads
+        _count("spike_window", self.spike_window, 0)
+        _count("spike_baseline", self.spike_baseline, 2)
+        _count("every_commits", self.every_commits, 1)
+        if not isinstance(self.spike_z, (int, float)) or not self.spike_z > 0:
+            raise ValueError(f"Retention(spike_z=...) must be a positive number, "
+                             f"got {self.spike_z!r}")
+        object.__setattr__(self, "keep_steps", tuple(int(s) for s in self.keep_steps))
+
+    @property
+    def prunes(self) -> bool:
+        """Whether the policy prunes anything at all (no rule given: it keeps everything)."""
+        return self.keep_last is not None or self.keep_every is not None or \
+            bool(self.keep_steps) or self.spike_window > 0
+
+    def spikes(self, steps: Sequence[int] | np.ndarray, values: Sequence[float] | np.ndarray
+               ) -> list[tuple[int, int]]:
+        """``(first, last)`` step of the window around each spike of ``values``."""
+        if self.spike_window <= 0 or len(steps) == 0:
+            return []
+        w = self.spike_window
+        found = find_spikes(np.asarray(steps), np.asarray(values, dtype=np.float64),
+                            window=self.spike_baseline, z=self.spike_z)
+        return [(start - w, peak + w) for peak, _, _, _, _, start in found]
+
+    def keep(self, live: Sequence[int], metric_steps: Sequence[int] | np.ndarray = (),
+             metric_values: Sequence[float] | np.ndarray = ()) -> set[int]:
+        """The steps of ``live`` (one timeline's unpruned steps, ascending) this policy keeps,
+        given the spike metric's values at ``metric_steps`` (every commit, pruned included).
+        The last live step (the head) is always kept."""
+        if not self.prunes:
+            return set(live)
+        pinned = set(self.keep_steps)
+        keep = {s for s in live if s in pinned}
+        if self.keep_last:  # keep_last larger than the timeline keeps all of it
+            keep |= set(live[max(0, len(live) - self.keep_last):])
+        if self.keep_every:
+            keep |= {s for s in live if s % self.keep_every == 0}
+        windows = self.spikes(metric_steps, metric_values)
+        if windows:
+            arr = np.asarray(live)
+            for lo, hi in windows:
+                keep |= set(arr[(arr >= lo) & (arr <= hi)].tolist())
+        if live:
+            keep.add(live[-1])
+        return keep
+
+    def bound(self, steps: int, *, spikes: int = 0, heads: int = 1) -> int:
+        """The most live steps a timeline of ``steps`` steps (numbered 1..steps) keeps under
+        this policy with ``spikes`` spikes: the tensor-bytes bound is this times the bytes of
+        one step (plus the delta bases of kept steps, under ``DeltaPolicy``)."""
+        n = heads + len(self.keep_steps) + spikes * (2 * self.spike_window + 1)
+        if self.keep_last is not None:
+            n += self.keep_last
+        if self.keep_every is not None:
+            n += math.ceil(steps / self.keep_every)
+        return min(n, steps) if self.prunes else steps
+
+
+def policy(retention: Retention | None, keep_last: int | None, keep_every: int | None,
+           keep_steps: Iterable[int]) -> Retention | None:
+    """One policy from gc's arguments: a ``Retention``, or the older keyword form."""
+    steps = tuple(keep_steps)
+    if retention is not None:
+        if keep_last is not None or keep_every is not None or steps:
+            raise ValueError("pass either retention=Retention(...) or keep_last/keep_every/"
+                             "keep_steps, not both")
+        if not isinstance(retention, Retention):
+            raise TypeError(f"retention must be a dstt.Retention, not {retention!r}")
+        return retention
+    if keep_last is None and keep_every is None and not steps:
+        return None
+    return Retention(keep_last=keep_last, keep_every=keep_every, keep_steps=steps)
