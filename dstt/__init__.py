@@ -50,6 +50,7 @@ __all__ = [
     "RaceError",
     "RankError",
     "ReadOnlyRunError",
+    "Retention",
     "Run",
     "RunLockedError",
     "SchemaError",
@@ -69,6 +70,7 @@ __all__ = [
 ]
 
 _LAZY: dict[str, str] = {
+    "Retention": "dstt.store:Retention",
     "Run": "dstt._run:Run",
     "Snapshot": "dstt._run:Snapshot",
     "DeltaPolicy": "dstt.store.codec:DeltaPolicy",

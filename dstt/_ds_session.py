@@ -34,7 +34,7 @@ from .engine.providers import StoreSource
 from .engine.ranks import DEFAULT_RANK_TIMEOUT, RankInfo, dist_info, open_ranks
 from .engine.torch_state import Stateful, TorchState
 from .errors import DsttWarning
-from .store import DeltaPolicy, Repository, Storage
+from .store import DeltaPolicy, Repository, Retention, Storage
 
 __all__ = ["DeepSpeedSession"]
 
@@ -55,7 +55,7 @@ class DeepSpeedSession(Session):
                  max_backlog: int = 16, summaries: bool = True,
                  encoding: DeltaPolicy | None = None, copy: CopyMode = "async",
                  rank_timeout: float = DEFAULT_RANK_TIMEOUT,
-                 info: RankInfo | None = None) -> None:
+                 info: RankInfo | None = None, retention: Retention | None = None) -> None:
         if optimizer is not None:
             raise ValueError("pass the DeepSpeed engine alone: dstt.session(engine, run=...); "
                              "it captures the engine's own optimizer")
@@ -70,7 +70,7 @@ class DeepSpeedSession(Session):
                          budget_bytes=budget_bytes, race_policy=race_policy, verify=verify,
                          error_policy=error_policy, extra_state=extra_state, writers=writers,
                          max_backlog=max_backlog, summaries=summaries, encoding=encoding,
-                         copy=copy)
+                         copy=copy, retention=retention)
         if self.info.rank:  # each rank summarises the params/ arrays it writes
             self.summaries_object = f"{self.summaries_object}/r{self.info.rank}"
 

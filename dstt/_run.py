@@ -129,9 +129,12 @@ class Run(DiagnoseMixin):
         follows) or deleted (the name stays, as history)."""
         return self._reader.timelines
 
-    def commits(self, timeline: str | None = None) -> list[Any]:
-        """Commit headers of a timeline, oldest first, pruned ones excluded."""
+    def commits(self, timeline: str | None = None, *, pruned: bool = False) -> list[Any]:
+        """Commit headers of a timeline, oldest first, pruned ones excluded (``pruned=True``:
+        included, as tombstones with their metrics; ``h.pruned`` tells them apart)."""
         name = timeline or self.timeline
+        if pruned:
+            return list(self._lineage(name))
         if name not in self._lines:
             self._lines[name] = [h for h in self._lineage(name) if not h.pruned]
         return self._lines[name]
@@ -358,11 +361,16 @@ class Run(DiagnoseMixin):
         return report
 
     def gc(self, *, keep_last: int | None = None, keep_every: int | None = None,
-           keep_steps: Iterable[int] = (), dry_run: bool = False,
+           keep_steps: Iterable[int] = (), retention: Any = None, dry_run: bool = False,
            progress: Callable[[int, int], None] | None = None) -> Any:
-        """Prune steps outside the policy (never a timeline head); returns the store's report."""
+        """Prune steps outside the policy: ``retention=dstt.Retention(...)`` (the object a
+        session's ``retention=`` takes: last N, every K-th, spike windows) or the keywords.
+        Timeline heads, fork points and kept deltas' bases always stay, and so do the metrics
+        and summaries of pruned steps. Returns the store's report (``pruned_steps``,
+        ``bytes_freed``, ``spike_windows``, ...)."""
         report = self.repo.gc(keep_last=keep_last, keep_every=keep_every,
-                              keep_steps=keep_steps, dry_run=dry_run, progress=progress)
+                              keep_steps=keep_steps, retention=retention, dry_run=dry_run,
+                              progress=progress)
         self.refresh()
         return report
 

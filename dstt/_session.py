@@ -20,7 +20,7 @@ from ._ds_session import DeepSpeedSession
 from ._session_core import DEFAULT_BUDGET, CopyMode, ErrorPolicy, RacePolicy, Session
 from .engine.deepspeed import is_deepspeed_engine
 from .engine.torch_state import Stateful
-from .store import DeltaPolicy, Repository, Storage
+from .store import DeltaPolicy, Repository, Retention, Storage
 
 __all__ = ["CopyMode", "DeepSpeedSession", "ErrorPolicy", "RacePolicy", "Session", "session"]
 
@@ -32,7 +32,8 @@ def session(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | No
             error_policy: ErrorPolicy = "raise",
             extra_state: Mapping[str, Stateful] | None = None, writers: int | None = None,
             max_backlog: int = 16, summaries: bool = True,
-            encoding: DeltaPolicy | None = None, copy: CopyMode = "async") -> Session:
+            encoding: DeltaPolicy | None = None, copy: CopyMode = "async",
+            retention: Retention | None = None) -> Session:
     """Capture every ``every``-th optimizer step of ``model``/``optimizer`` into ``run``, and
     the last step when the block ends (the metrics of the steps between ride with the next
     commit). ``optimizer`` must hold the model's trainable parameters (``ConfigError``
@@ -61,6 +62,12 @@ def session(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | No
     in-place writes in that window); ``"sync"`` on the training thread before the optimizer
     hook returns (no window, no hand-off; a few ms per step); ``"auto"`` sync only where torch
     already uses every core. CUDA tensors are always copied lazily on a side stream.
+    ``retention=dstt.Retention(keep_last=..., keep_every=..., spike_window=...)`` prunes the
+    run in the background while it trains (every ``every_commits`` captured steps, under this
+    session's lock), so a run of any length keeps bounded tensor bytes: the recent past, every
+    K-th older step and the window around every loss spike; heads and fork points always.
+    Metrics and summaries of pruned steps stay; the next commit after a gc carries
+    ``retention/pruned_steps`` and ``retention/freed_bytes``.
     """
     cls: type[Session] = Session
     if model is not None and is_deepspeed_engine(model):
@@ -68,4 +75,5 @@ def session(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | No
     return cls(model, optimizer, run=run, every=every, scheduler=scheduler, resume=resume,
                budget_bytes=budget_bytes, race_policy=race_policy, verify=verify,
                error_policy=error_policy, extra_state=extra_state, writers=writers,
-               max_backlog=max_backlog, summaries=summaries, encoding=encoding, copy=copy)
+               max_backlog=max_backlog, summaries=summaries, encoding=encoding, copy=copy,
+               retention=retention)

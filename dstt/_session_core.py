@@ -45,6 +45,7 @@ import torch
 from ._data import BATCHES_OBJECT, BatchLog, RecordedData, SkipSet, read_skips
 from ._session_checks import capture_error, check_optimizer, warn_skipped
 from ._session_metrics import METRICS_HISTORY_OBJECT, MetricLog, metric_value
+from ._session_retention import RetentionRunner, check_policy, store_writer
 from .engine.dims import DimsOf, ModelDims
 from .engine.pipeline import SUMMARIES_OBJECT, Flight, Pipeline, StepMetrics
 from .engine.providers import ObjectProvider, StoreSource
@@ -56,7 +57,7 @@ from .errors import (
     RaceError,
     TimelineError,
 )
-from .store import DEFAULT_CHUNK_BYTES, DeltaPolicy, Repository, Storage
+from .store import DEFAULT_CHUNK_BYTES, DeltaPolicy, GcReport, Repository, Retention, Storage
 
 __all__ = ["DEFAULT_BUDGET", "CopyMode", "ErrorPolicy", "RacePolicy", "Session"]
 
@@ -86,7 +87,8 @@ class Session:
                  verify: bool = False, error_policy: ErrorPolicy = "raise",
                  extra_state: Mapping[str, Stateful] | None = None, writers: int | None = None,
                  max_backlog: int = 16, summaries: bool = True,
-                 encoding: DeltaPolicy | None = None, copy: CopyMode = "async") -> None:
+                 encoding: DeltaPolicy | None = None, copy: CopyMode = "async",
+                 retention: Retention | None = None) -> None:
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive int, got {every!r}")
         if race_policy not in ("raise", "recopy", "warn"):
@@ -102,6 +104,12 @@ class Session:
         if encoding is not None and not isinstance(encoding, DeltaPolicy):
             raise TypeError(f"encoding must be a dstt.DeltaPolicy or None, not {encoding!r}")
         self.encoding = encoding
+        if retention is not None and not isinstance(retention, Retention):
+            raise TypeError(f"retention must be a dstt.Retention or None, not {retention!r}")
+        if retention is not None:
+            check_policy(retention)
+        self.retention = retention
+        self._retainer: RetentionRunner | None = None  # dstt._session_retention
         self._keyframe_next = False  # keyframe(): the next captured step is written whole
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         if model is not None and optimizer is not None:
@@ -153,6 +161,11 @@ class Session:
     def metrics(self) -> tuple[StepMetrics, ...]:
         """Engine metrics of every finished (committed or dropped) step, oldest first."""
         return self._pipeline.metrics if self._pipeline else ()
+
+    @property
+    def retention_runs(self) -> tuple[tuple[GcReport, float], ...]:
+        """Each background gc of ``retention`` so far: (its report, the seconds it took)."""
+        return tuple(self._retainer.runs) if self._retainer is not None else ()
 
     def data(self, loader: Iterable[Any]) -> TrackedData:
         """Wrap an iterable so the session records (and on resume restores) the data position.
@@ -297,6 +310,9 @@ class Session:
             if head is not None:  # the first step's update is measured from the parent's
                 self._pipeline.seed_summaries(self._state.step_state.tensors())
             self._hooks = self._attach()
+            gc_writer = store_writer(self._writer)
+            if self.retention is not None and self.retention.prunes and gc_writer is not None:
+                self._retainer = RetentionRunner(gc_writer, self.retention)
         except BaseException:
             self._writer.close()
             raise
@@ -341,6 +357,8 @@ class Session:
                 h.remove()
             self._hooks = []
             try:
+                if self._retainer is not None:  # a running gc finishes under the writer
+                    self._retainer.close(final=clean and not aborted)
                 if pipe is not None:
                     pipe.close(abort=aborted)
             finally:
@@ -447,7 +465,13 @@ class Session:
         batches = self._batches.take(f.step)
         if batches is not None and getattr(getattr(self, "info", None), "rank", 0) == 0:
             boundary[BATCHES_OBJECT] = batches  # under DeepSpeed: rank 0's batches, once
+        if self._retainer is not None:  # what background gcs pruned since the last commit
+            done = self._retainer.take_metrics()
+            if done:
+                f.add_metrics(done)
         pipe.seal(f, boundary)
+        if self._retainer is not None:
+            self._retainer.sealed()
         if self._flight is f:
             self._flight = self._boundary = None
 

@@ -188,15 +188,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_log(args: argparse.Namespace) -> int:
     run = _resolve_run(args)
-    line = list(reversed(run.commits(args.timeline)))
+    line = list(reversed(run.commits(args.timeline, pruned=True)))
     if args.n:
         line = line[:args.n]
     spikes = _spikes(run, args)
     batches = (run.batches([h.step for h in line], timeline=args.timeline)
                if args.batches else {})
     doc = [{"step": h.step, "slot": h.slot, "timeline": h.timeline, "time": h.time,
-            "metrics": dict(h.metrics), "objects": sorted(h.objects),
-            "spike": spikes.get(h.step)} for h in line]
+            "metrics": dict(h.metrics), "objects": [] if h.pruned else sorted(h.objects),
+            "pruned": bool(h.pruned), "spike": spikes.get(h.step)} for h in line]
     if args.batches:
         for d in doc:
             d["batches"] = [b.plain() for b in batches.get(d["step"], [])]
@@ -207,8 +207,9 @@ def cmd_log(args: argparse.Namespace) -> int:
             mark = (f"  <- {sp['metric']} spike (z={sp['zscore']:.1f}, baseline "
                     f"{sp['baseline']:.4g}; suspect {sp['suspect']})" if sp else "")
             data = "".join(f"  [{b}]" for b in batches.get(h.step, []))
+            gone = "  (pruned)" if h.pruned else ""  # gc kept its metrics, not its tensors
             yield (f"step {h.step:>8}  {_when(h.time)}  {h.timeline}  "
-                   f"{_metrics_text(h.metrics)}{data}{mark}")
+                   f"{_metrics_text(h.metrics)}{data}{mark}{gone}")
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -499,23 +500,36 @@ def cmd_timeline_delete(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from .inspect.html import human_bytes
+    from .store import Retention
 
-    if args.keep_last is None and args.keep_every is None:
-        raise UsageError("gc needs a retention policy: --keep-last N and/or --keep-every K "
-                         "(timeline heads are always kept)")
+    if args.keep_last is None and args.keep_every is None and not args.spike_window:
+        raise UsageError("gc needs a retention policy: --keep-last N, --keep-every K and/or "
+                         "--spike-window W (timeline heads are always kept)")
+    try:
+        pol = Retention(keep_last=args.keep_last, keep_every=args.keep_every,
+                        spike_window=args.spike_window or 0, spike_metric=args.spike_metric,
+                        spike_z=args.spike_z, spike_baseline=args.spike_baseline)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     run = _resolve_run(args)
+    if pol.spike_window and args.spike_metric not in run.metrics():
+        raise UsageError(f"--spike-metric {args.spike_metric!r} was never logged; pass the "
+                         "name of a logged metric (see `dstt log`)")
     with _bar(args, None, "slot") as bar:
-        rep = run.gc(keep_last=args.keep_last, keep_every=args.keep_every, dry_run=args.dry_run,
-                     progress=_counter(bar))
+        rep = run.gc(retention=pol, dry_run=args.dry_run, progress=_counter(bar))
     doc = {"dry_run": rep.dry_run, "pruned": [{"timeline": t, "step": s}
                                               for t, s in rep.pruned_steps],
            "orphan_slots": list(rep.orphan_slots), "files_removed": rep.files_removed,
-           "bytes_freed": rep.bytes_freed}
+           "bytes_freed": rep.bytes_freed,
+           "spike_windows": [{"timeline": t, "first": a, "last": b}
+                             for t, a, b in rep.spike_windows]}
 
     def text() -> Iterator[str]:
         verb = "would prune" if rep.dry_run else "pruned"
         for t, s in sorted(rep.pruned_steps, key=lambda ts: (ts[0], ts[1])):
             yield f"{verb} step {s} of timeline {t}"
+        for t, a, b in rep.spike_windows:
+            yield f"kept steps {a}-{b} of timeline {t} (around a {pol.spike_metric} spike)"
         yield (f"{verb} {len(rep.pruned_steps)} steps and {len(rep.orphan_slots)} orphaned slots:"
                f" {rep.files_removed} files, {human_bytes(rep.bytes_freed)}"
                + ("; nothing was deleted (--dry-run)" if rep.dry_run else ""))
@@ -670,6 +684,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep-last", type=_nonneg, metavar="N", help="keep the last N steps")
     sp.add_argument("--keep-every", type=_positive, metavar="K",
                     help="keep steps divisible by K")
+    sp.add_argument("--spike-window", type=_nonneg, metavar="W",
+                    help="keep every step within W steps of a spike of --spike-metric")
+    sp.add_argument("--spike-metric", default="loss", metavar="NAME",
+                    help="the metric whose spikes are kept (default: loss)")
+    sp.add_argument("--spike-z", type=float, default=4.0, metavar="Z",
+                    help="a spike is a value Z standard deviations above its baseline "
+                    "(default: 4)")
+    sp.add_argument("--spike-baseline", type=_positive, default=50, metavar="N",
+                    help="the baseline: the N values before each step (default: 50)")
     sp.add_argument("--dry-run", action="store_true",
                     help="list the steps it would prune, delete nothing")
     sp = add("export", cmd_export, "write one step as a file torch loads: the model, or "

@@ -18,7 +18,7 @@ from dstt import cli
 ROOT = Path(__file__).resolve().parents[1]
 
 SECTIONS = [
-    ("Capture", ["session", "Session", "StepMetrics", "DeltaPolicy"]),
+    ("Capture", ["session", "Session", "StepMetrics", "DeltaPolicy", "Retention"]),
     ("Inspect", ["open", "Run", "Snapshot"]),
     ("Notebook", ["widgets.scrubber", "widgets.compare"]),
     ("Errors", sorted(n for n in dstt.__all__ if n.endswith("Error"))),
