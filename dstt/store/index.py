@@ -56,6 +56,7 @@ from .format.segment import (
     layout_of,
     read_directory,
 )
+from .index_job import IndexJob
 from .index_rows import dedup, keep_summaries, rows_from_headers, take
 
 if TYPE_CHECKING:
@@ -377,10 +378,18 @@ def _tier(n: int, every: int) -> int:
 class IndexWriter:
     """The exclusive writer's side of the index: pending rows, segments, merges."""
 
-    def __init__(self, reader: Reader, *, every: int = EVERY) -> None:
+    def __init__(self, reader: Reader, *, every: int = EVERY,
+                 background: bool | None = None) -> None:
+        """``background``: write segments from a job process (default: for a run on local
+        files, unless ``DSTT_INDEX_JOBS=0``), so the committer never spends the GIL on rows."""
         self.reader, self.storage, self.every = reader, reader.storage, max(1, every)
         self.index = reader.index.load()
         self.pending: dict[int, CommitHeader] = {}
+        if background is None:
+            background = IndexJob.supported(self.storage)
+        self.background = background
+        self.job: IndexJob | None = None
+        self._job_slots: list[int] = []
         if self.index.distrusted:  # a gc was cut short: re-index the slots it marked
             self._repair_marked()
         for tl in reader.timelines:  # the tail: reachable slots without a row
@@ -414,48 +423,95 @@ class IndexWriter:
         return max((s.gen for s in self.index.segments), default=0) + 1
 
     def add(self, header: CommitHeader) -> None:
-        """A commit's ref moved: queue its row; write a segment when ``every`` are queued."""
+        """A commit's ref moved: queue its row; write a segment when ``every`` are queued
+        (in the background where a job process can do it: ``background.py``)."""
         self.pending[header.slot] = header
-        if len(self.pending) >= self.every:
-            self.flush()
+        if self.job is not None and self.job.done():
+            self._reap()
+        if len(self.pending) >= self.every and self.job is None:
+            if self.background:
+                self._start_job()
+            else:
+                self.flush()
 
     def close(self) -> None:
         """At the writer's close: write the pending rows if there are ``CLOSE_MIN`` (8) or
         more (fewer stay the tail, read from their headers and arrays tables: a session of a
         few commits adds no file)."""
+        self.wait()
         if len(self.pending) >= min(CLOSE_MIN, self.every):
             self.flush()
 
+    def wait(self) -> None:
+        """Let a background segment write finish (before anything else writes the index:
+        this writer's own flush, a gc under this writer)."""
+        if self.job is not None:
+            self.job.wait()
+            self._reap()
+
+    def _start_job(self) -> None:
+        slots = sorted(self.pending)
+        self.job = IndexJob.start(self.storage.location, slots, self.every)
+        if self.job is None:  # could not start a process: do it here
+            self.background = False
+            self.flush()
+            return
+        self._job_slots = slots
+
+    def _reap(self) -> None:
+        job, self.job = self.job, None
+        if job is None:
+            return
+        if job.ok:  # its rows are in a segment now (or had rows already)
+            for s in self._job_slots:
+                self.pending.pop(s, None)
+        else:  # its rows stay pending: written here later (a flush, or the writer's close)
+            self.background = False
+        self._job_slots = []
+        self.index.load()
+
     def flush(self) -> None:
-        if not self.pending:
-            return
-        # a gc run under this writer (it holds the lock) may have rewritten the index since:
-        # its rows of the pending slots are newer than what this writer remembers of them
-        self.index.load()
-        self.pending = {s: h for s, h in self.pending.items() if s not in self.index.rows}
-        if not self.pending:
-            return
-        rows = rows_from_headers(self.reader, sorted(self.pending.values(),
-                                                     key=lambda h: h.slot))
-        write_segment(self.storage, rows, self._next_gen())
+        self.wait()
+        flush_rows(self.storage, self.reader, self.index, self.pending, self.every)
         self.pending.clear()
-        self.index.load()
-        self.merge()
 
     def merge(self) -> None:
         """While the ``FANOUT`` newest segments are of one size tier, merge them (LSM)."""
-        while True:
-            segs = self.index.segments
-            if len(segs) < FANOUT:
-                return
-            newest = segs[-FANOUT:]
-            tiers = {_tier(s.n, self.every) for s in newest}
-            if len(tiers) != 1:
-                return
-            rows = concat([s.rows(self.storage) for s in newest])
-            write_segment(self.storage, rows, self._next_gen())
-            for s in newest:
-                self.storage.delete(s.key)
-            self.index.load()
+        merge_segments(self.storage, self.index, self.every)
+
+
+def flush_rows(st: Storage, reader: Reader, index: Index,
+               pending: dict[int, CommitHeader], every: int) -> None:
+    """Write the rows of ``pending`` as one new segment, then merge (what a flush does, in
+    this process or in a background job)."""
+    if not pending:
+        return
+    # a gc run under the writer (it holds the lock) may have rewritten the index since: its
+    # rows of the pending slots are newer than what the writer remembers of them
+    index.load()
+    todo = [h for s, h in sorted(pending.items()) if s not in index.rows]
+    if not todo:
+        return
+    rows = rows_from_headers(reader, todo)
+    write_segment(st, rows, max((s.gen for s in index.segments), default=0) + 1)
+    index.load()
+    merge_segments(st, index, every)
+
+
+def merge_segments(st: Storage, index: Index, every: int) -> None:
+    """While the ``FANOUT`` newest segments are of one size tier, merge them (LSM)."""
+    while True:
+        segs = index.segments
+        if len(segs) < FANOUT:
+            return
+        newest = segs[-FANOUT:]
+        tiers = {_tier(s.n, every) for s in newest}
+        if len(tiers) != 1:
+            return
+        rows = concat([s.rows(st) for s in newest])
+        write_segment(st, rows, max((s.gen for s in index.segments), default=0) + 1)
+        for s in newest:
+            st.delete(s.key)
+        index.load()
 
 

@@ -450,6 +450,8 @@ def _gc(st: Storage, pol: Retention | None, dry_run: bool, progress: Progress,
         # whose parent (the head seen here) is kept; from here commits wait
         with writer._commit_lock:
             writer._check_open()
+            if writer.index is not None:  # a background index job writes no segment now
+                writer.index.wait()
             if writer._unsynced:  # the refs durable before anything is tombstoned
                 st.barrier()
                 writer._unsynced = False
