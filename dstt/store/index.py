@@ -437,9 +437,15 @@ class IndexWriter:
     def close(self) -> None:
         """At the writer's close: write the pending rows if there are ``CLOSE_MIN`` (8) or
         more (fewer stay the tail, read from their headers and arrays tables: a session of a
-        few commits adds no file)."""
+        few commits adds no file). With background jobs (local files) fewer than ``every``
+        stay the tail too — a job for them would cost the close seconds at a thousand
+        tensors; the next writer queues them, a reader reads their headers meanwhile — and
+        ``every`` or more go to one last job, waited for."""
         self.wait()
-        if len(self.pending) >= min(CLOSE_MIN, self.every):
+        if self.background and len(self.pending) >= self.every:  # a segment's worth: one job
+            self._start_job()
+            self.wait()
+        elif not self.background and len(self.pending) >= min(CLOSE_MIN, self.every):
             self.flush()
 
     def wait(self) -> None:

@@ -335,7 +335,11 @@ def test_a_local_run_writes_segments_from_background_jobs(tmp_path: Path) -> Non
     assert jobs and all(j is not None and j.ok for j in jobs), [j.error for j in jobs if j]
     r = repo.reader()
     index = r.index.load()
-    assert sorted(index.rows) == sorted(h.slot for h in r.lineage())  # every commit indexed
+    slots = sorted(h.slot for h in r.lineage())
+    # every commit but a tail of fewer than ``every``: the close leaves those to the next
+    # writer (no seconds of Python at the end of a session)
+    assert set(index.rows) <= set(slots) and len(set(slots) - set(index.rows)) < 4
+    assert len(jobs) >= 2  # the commits' jobs, and the close's
     assert not check(r)  # and the rows agree with the headers
     assert len(index.segments) < N // 4  # the job merged
     got = dstt.open(tmp_path / "run").metrics()["loss"].values
