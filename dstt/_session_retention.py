@@ -115,8 +115,8 @@ class RetentionRunner:
         if self.errors:
             last = self.errors[-1]
             warnings.warn(f"background retention failed {len(self.errors)} time(s), last: "
-                          f"{type(last).__name__}: {last}; the steps it would have pruned are still "
-                          "on disk (run `dstt gc` with the same policy)", DsttWarning,
+                          f"{type(last).__name__}: {last}; the steps it would have pruned are "
+                          "still on disk (run `dstt gc` with the same policy)", DsttWarning,
                           stacklevel=3)
 
     # -- retention thread -----------------------------------------------------------------
