@@ -11,7 +11,8 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["check_every", "check_run", "numeric_metrics", "unwrap_optimizer", "unwrap_scheduler"]
+__all__ = ["check_every", "check_run", "check_session_options", "numeric_metrics",
+           "unwrap_optimizer", "unwrap_scheduler"]
 
 
 def check_every(every: int) -> int:
@@ -26,6 +27,15 @@ def check_run(run: Any) -> Any:
     if not os.fspath(run):
         raise ConfigError("run must name a directory, e.g. DsttCallback(run='runs/exp1')")
     return run
+
+
+def check_session_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``dstt.session`` keywords a callback may pass on: not what it finds itself."""
+    for bad in ("scheduler", "extra_state", "model", "optimizer"):
+        if bad in options:
+            raise ConfigError(f"DsttCallback finds the Trainer's {bad} itself; do not pass "
+                              f"{bad}=")
+    return dict(options)
 
 
 def unwrap_optimizer(opt: Any) -> Any:

@@ -34,7 +34,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from .._session_core import Session
 from ..errors import ConfigError
 from ..store import Repository
-from ._common import check_every, check_run, numeric_metrics
+from ._common import check_every, check_run, check_session_options, numeric_metrics
 
 __all__ = ["DsttCallback"]
 
@@ -68,14 +68,10 @@ class DsttCallback(Callback):  # type: ignore[misc]
 
     def __init__(self, run: str | os.PathLike[str] | Repository, *, every: int = 1,
                  resume: bool = False, **session_options: Any) -> None:
-        for bad in ("scheduler", "extra_state", "model", "optimizer"):
-            if bad in session_options:
-                raise ConfigError(f"DsttCallback finds the Trainer's {bad} itself; do not pass "
-                                  f"{bad}=")
+        self.session_options = check_session_options(session_options)
         self.run = check_run(run)
         self.every = check_every(every)
         self.resume = bool(resume)
-        self.session_options = session_options
         self.session: Session | None = None
         self._loops = _Loops()
         self._rng: tuple[Any, ...] | None = None  # restored RNG, re-applied mid-epoch

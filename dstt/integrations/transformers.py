@@ -44,7 +44,14 @@ from .._session_core import Session
 from ..engine._convert import from_plain
 from ..errors import ConfigError, DsttWarning
 from ..store import Repository
-from ._common import check_every, check_run, numeric_metrics, unwrap_optimizer, unwrap_scheduler
+from ._common import (
+    check_every,
+    check_run,
+    check_session_options,
+    numeric_metrics,
+    unwrap_optimizer,
+    unwrap_scheduler,
+)
 
 __all__ = ["DsttCallback"]
 
@@ -84,14 +91,10 @@ class DsttCallback(TrainerCallback):  # type: ignore[misc]
 
     def __init__(self, run: str | os.PathLike[str] | Repository, *, every: int = 1,
                  resume: bool = False, **session_options: Any) -> None:
-        for bad in ("scheduler", "extra_state", "model", "optimizer"):
-            if bad in session_options:
-                raise ConfigError(f"DsttCallback finds the Trainer's {bad} itself; do not pass "
-                                  f"{bad}=")
+        self.session_options = check_session_options(session_options)
         self.run = check_run(run)
         self.every = check_every(every)
         self.resume = bool(resume)
-        self.session_options = session_options
         self.session: Session | None = None
         self._progress = _Progress()
         self._args: TrainingArguments | None = None
