@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ChecksumError, CorruptRunError, DsttError
+from ..errors import ChecksumError, CorruptRunError, DsttError, StepNotFoundError
 from .format.layout import INDEX_PREFIX, commit_key, index_key, parse_index_name, step_file_key
 from .format.manifest import (
     ArrayRecord,
@@ -85,6 +85,11 @@ class IndexedHeader(CommitHeader):
         h: CommitHeader | None = self.__dict__["_h"]
         if h is None:
             h = self.__dict__["_fetch"]()
+            if (h.slot, h.step, h.timeline, h.parent) == (
+                    self.slot, self.step, self.timeline, self.parent) and h.pruned > self.pruned:
+                raise StepNotFoundError(  # a gc elsewhere pruned it since this view was read
+                    f"step {self.step} (slot {self.slot}) was pruned by gc after this view of "
+                    "the run was opened; refresh it (run.refresh()) to see what is kept")
             if (h.slot, h.step, h.timeline, h.parent, h.pruned) != (
                     self.slot, self.step, self.timeline, self.parent, self.pruned):
                 raise CorruptRunError(f"index row of slot {self.slot} disagrees with its "
@@ -393,10 +398,13 @@ class IndexWriter:
         if self.index.distrusted:  # a gc was cut short: re-index the slots it marked
             self._repair_marked()
         for tl in reader.timelines:  # the tail: reachable slots without a row
-            for h in reader.walk(tl):
-                if h.slot in self.index.rows or h.slot in self.pending:
-                    break
-                self.pending[h.slot] = h
+            try:
+                for h in reader.walk(tl):
+                    if h.slot in self.index.rows or h.slot in self.pending:
+                        break
+                    self.pending[h.slot] = h
+            except DsttError:  # a damaged header: what lies below it is verify's business;
+                continue       # the commits above it are queued, and the writer opens
 
     def _repair_marked(self) -> None:
         st = self.storage

@@ -55,6 +55,8 @@ class StoreMachine(RuleBasedStateMachine):
         Repository.create(self.mem)
         self.commits: dict[int, MCommit] = {}
         self.timelines: dict[str, int | None] = {"main": None}
+        #: each rollback timeline's fork point (gc never prunes it)
+        self.forks: dict[str, int] = {}
         self.current = "main"
         self.pruned: set[int] = set()
         self.rng = random.Random(0)
@@ -168,6 +170,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert name not in self.timelines
         assert result.get("ref") is None or result["ref"].head == target
         self.timelines[name] = target
+        self.forks[name] = target
         if done is None or HEAD_KEY in done:
             self.current = name
 
@@ -193,10 +196,13 @@ class StoreMachine(RuleBasedStateMachine):
         # anywhere, leaving both names on the same head
         if done is None or ref_key(new) in done:
             self.timelines[new] = self.timelines[old]
+            if old in self.forks:
+                self.forks[new] = self.forks[old]
             if self.current == old and (done is None or HEAD_KEY in done):
                 self.current = new
             if done is None or f"delete {ref_key(old)}" in done:
                 del self.timelines[old]
+                self.forks.pop(old, None)
         event(f"rename: {'whole' if done is None or old not in self.timelines else 'cut'}")
 
     @rule(data=st.data(), cut=cuts)
@@ -209,6 +215,7 @@ class StoreMachine(RuleBasedStateMachine):
         done = self.run(lambda storage: Repository(storage).delete_timeline(name), cut)
         if done is None or f"delete {ref_key(name)}" in done:
             del self.timelines[name]
+            self.forks.pop(name, None)
             # its own commits are gone for good (gc may hand their slots to new commits)
             reachable = {c for tl in self.timelines for c in self.lineage(tl)}
             self.commits = {c: m for c, m in self.commits.items() if c in reachable}
@@ -235,6 +242,7 @@ class StoreMachine(RuleBasedStateMachine):
                     keep |= {c for c in live if self.commits[c].step % keep_every == 0}
                 if head is not None:
                     keep.add(head)
+            keep |= set(self.forks.values())  # fork points are never pruned
             reachable = {c for tl in self.timelines for c in self.lineage(tl)}
             newly = {c for c in reachable if c not in self.pruned and c not in keep}
         if done is not None and "report" not in result:
@@ -242,6 +250,10 @@ class StoreMachine(RuleBasedStateMachine):
             # tombstones before it deletes anything, and deletes only what no live commit
             # reads, so every other commit must still read back whole)
             newly = {c for c in newly if commit_key(c) in done}
+            # raw steps' tombstones are written, then made durable by one barrier: a cut
+            # before it may lose any of them (each header is whole either way)
+            r = Repository(self.mem).reader()
+            newly = {c for c in newly if r.header(c).pruned}
             event(f"gc: power cut after {len(newly)} tombstones")
         else:
             event(f"gc pruned {'some' if newly else 'none'}")
