@@ -1,0 +1,346 @@
+"""One step on its way to a commit: its chunks, objects, metrics and the two files it fills.
+
+A ``Transaction`` belongs to the ``Writer`` (writer.py) that began it and holds a fresh slot:
+the zip of Zarr chunks and the side file of objects and deltas (``format/stepfile.py``), which
+no commit references yet. Chunks arrive one at a time (``put_chunk``, encoded when the writer
+encodes) or a whole step at once (``put_flat``, the engine's hot path, or its two halves when
+the flusher process writes the bytes); ``commit``/``prepare`` hand it back to the writer,
+which alone makes a step visible. Kept apart from the writer: the writer decides *when* and in
+which order things become durable, the transaction only *what* a step holds.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ..errors import DsttError
+from .codec.delta import EncodeStats, Shadow
+from .codec.predict import Prediction
+from .format.flat import FlatImage, FlatLayout
+from .format.layout import (
+    ChunkPlan,
+    side_file_key,
+    step_file_key,
+    zarr_chunk_key,
+)
+from .format.manifest import (
+    ArrayRecord,
+    ChunkRecord,
+    CommitHeader,
+    Metric,
+    ObjectRecord,
+    TableBuilder,
+    checksum,
+)
+from .format.objects import Encoding, encode_object
+from .format.stepfile import SideFile, StepFile
+from .format.zipfmt import crc32
+from .parts import Part
+
+if TYPE_CHECKING:
+    from .writer import Writer
+
+__all__ = ["Transaction"]
+
+_ZERO = bytes(1 << 16)  # padding of edge chunks, written from here
+
+
+class Transaction:
+    """The chunks, objects and metrics of one step on its way to a commit."""
+
+    def __init__(self, writer: Writer, slot: int, step: int, timeline: str) -> None:
+        self.writer, self.slot, self.step, self.timeline = writer, slot, step, timeline
+        self._plans: dict[str, tuple[str, ChunkPlan]] = {}
+        self._chunks: dict[str, list[ChunkRecord | None]] = {}
+        self.objects: dict[str, ObjectRecord] = {}
+        #: chunks written by ``put_flat``: per call (offsets, sizes, crc32c), and per array
+        #: its span of them — columns, not a record object per chunk
+        self._flat: list[tuple[list[int], list[int], list[int]]] = []
+        self._flat_span: dict[str, tuple[int, int, int]] = {}
+        self.zip = StepFile(writer.storage, step_file_key(slot, writer.file_tag))
+        self.side = SideFile(writer.storage, side_file_key(slot, writer.file_tag))
+        self._lock = threading.Lock()
+        self.state = "open"
+        self._object_bytes = 0
+        #: set False to write this step raw (e.g. when the encoder cannot keep up)
+        self.encode = True
+        #: set True to write this step whole on request: plain Zarr chunks, new chains
+        self.keyframe = False
+        self.stats = EncodeStats()
+        self.pending: dict[tuple[str, int], Shadow] = {}
+        self._predictions: dict[str, Prediction] = {}
+        #: slots of steps in flight this step's deltas are based on (``inflight_bases``)
+        self.deps: set[int] = set()
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes this step wrote so far (after dedup and deltas), objects included."""
+        return self.stats.written_bytes + self._object_bytes
+
+    def _check(self) -> None:
+        if self.state != "open":
+            raise DsttError(f"transaction for step {self.step} is already {self.state}")
+
+    def declare(self, path: str, dtype: str, shape: tuple[int, ...],
+                dims: Sequence[str] | None = None) -> ChunkPlan:
+        """Announce a tensor of this step (``dims``: its dimension names, for ``zarr.json``);
+        returns how to cut it into chunks."""
+        self._check()
+        plan = self.writer.declare(path, dtype, tuple(shape), dims)
+        with self._lock:
+            if path in self._plans:
+                raise ValueError(f"array {path!r} declared twice in step {self.step}")
+            self._plans[path] = (dtype, plan)
+            self._chunks[path] = [None] * plan.n_chunks
+        return plan
+
+    def predict(self, predictions: Mapping[str, Prediction]) -> None:
+        """Arrays of this step to encode as predictions (``predict.py``) when the writer
+        encodes; write each prediction's ``"cur"`` inputs before the arrays that use them."""
+        self._check()
+        for path, pred in predictions.items():
+            if not isinstance(pred, Prediction):
+                raise TypeError(f"predictions[{path!r}] must be a Prediction, not {pred!r}")
+        with self._lock:
+            self._predictions.update(predictions)
+
+    def _pending(self, path: str, index: int) -> Shadow | None:
+        with self._lock:
+            return self.pending.get((path, index))
+
+    def put_chunk(self, path: str, index: int, data: Any) -> ChunkRecord:
+        """Write chunk ``index`` of ``path`` (its exact byte range); thread-safe."""
+        self._check()
+        try:
+            _, plan = self._plans[path]
+        except KeyError:
+            raise ValueError(f"array {path!r} was not declared in step {self.step}") from None
+        start, stop = plan.byte_range(index)
+        view = memoryview(data).cast("B")
+        if len(view) != stop - start:
+            raise ValueError(f"chunk {index} of {path!r} needs {stop - start} bytes, "
+                             f"got {len(view)}")
+        crc = checksum(view)
+        pad = plan.chunk_nbytes - len(view)
+        pads: list[Any] = []
+        while pad > 0:  # zarr stores edge chunks full size
+            z = memoryview(_ZERO)[: min(pad, len(_ZERO))]
+            pads.append(z)
+            crc = checksum(z, crc)
+            pad -= len(z)
+        enc = self.writer.encoder
+        pending = None
+        if enc is not None and (self.keyframe or not self.encode):
+            self.stats.raw_fallback = not self.keyframe
+            pending = enc.keep(path, index, self.timeline, view, crc, self.slot)
+        elif enc is not None:
+            rec, pending = enc.encode(self._side_write, path=path, index=index,
+                                      plan=plan, slot=self.slot, timeline=self.timeline,
+                                      data=view, raw_crc=crc, stats=self.stats,
+                                      prediction=self._predictions.get(path),
+                                      pending=self._pending, deps=self.deps)
+            if rec is not None:
+                return self._record(path, index, rec, pending)
+        trailer = struct.pack("<I", crc)
+        zcrc = crc32(view)
+        for z in pads:
+            zcrc = crc32(z, zcrc)
+        zcrc = crc32(trailer, zcrc)
+        size = plan.chunk_nbytes + 4
+        offset = self.zip.add(zarr_chunk_key(path, plan.index(index)), [view, *pads, trailer],
+                              size, zcrc)
+        rec = ChunkRecord(self.zip.key, size, crc, offset=offset)
+        self.stats.add(len(view), rec.nbytes, "key")
+        if pending is not None:
+            pending = replace(pending, record=rec)
+        return self._record(path, index, rec, pending)
+
+    def put_flat(self, layout: FlatLayout, buf: Any,
+                 images: dict[int, FlatImage] | None = None) -> None:
+        """Write every tensor of ``layout`` from the flat buffer ``buf`` (``flat.py``), raw:
+        the hot path of the engine. ``images``: a cache of this buffer's ``FlatImage`` by
+        start offset, kept by the caller with the buffer (headers are then built once)."""
+        view = memoryview(buf).cast("B")
+        if len(view) < layout.nbytes:
+            raise ValueError(f"flat buffer of {len(view)} bytes, layout needs {layout.nbytes}")
+        cache = images if images is not None else {}
+
+        def image_at(start: int) -> FlatImage:
+            im = cache.get(start)
+            if im is None or im.layout is not layout:
+                im = cache[start] = FlatImage(layout, start, view)
+            return im
+
+        start = self.reserve_flat(layout, lambda s: image_at(s).nbytes)
+        image = image_at(start)
+        crcs, _ = image.fill()
+        self.zip.write_at(start, image.iov)
+        self.complete_flat(layout, image.offsets, image.sizes, crcs, bytes(image.directory))
+        enc = self.writer.encoder
+        if enc is not None:  # a raw step of an encoding writer still seeds the next deltas
+            key, arrays = self.zip.key, layout.arrays
+            for (k, i, s, e, _, _), off, size, crc in zip(layout.chunks, image.offsets,
+                                                          image.sizes, crcs, strict=True):
+                a = arrays[k]
+                sh = enc.keep(a.path, i, self.timeline, view[s:e], crc, self.slot)
+                if sh is not None:
+                    rec = ChunkRecord(key, size, crc, offset=off)
+                    self.pending[(a.path, i)] = replace(sh, record=rec)
+
+    def reserve_flat(self, layout: FlatLayout, nbytes_at: Any) -> int:
+        """First half of a flat write done elsewhere (the flusher process): declare the
+        layout's arrays in this step and reserve their zip range; returns its start."""
+        self._check()
+        enc = self.writer.encoder
+        if enc is not None and self.encode and not self.keyframe:
+            raise DsttError("a flat write is raw; set txn.encode = False (or keyframe) "
+                            "when the writer encodes, or use put_chunk")
+        plans = {a.path: (a.dtype, a.plan) for a in layout.arrays}
+        with self._lock:
+            if not self._plans.keys().isdisjoint(plans):
+                dup = sorted(self._plans.keys() & plans.keys())
+                raise ValueError(f"array {dup[0]!r} declared twice in step {self.step}")
+            self._plans.update(plans)
+        return self.zip.reserve(layout.names, nbytes_at)
+
+    def complete_flat(self, layout: FlatLayout, offsets: list[int], sizes: list[int],
+                      crcs: list[int], directory: bytes) -> None:
+        """Second half: the chunks are written; record where (columns) and their zip
+        central directory records."""
+        self.zip.add_directory(directory, len(offsets))
+        with self._lock:
+            put = len(self._flat)
+            self._flat.append((offsets, sizes, crcs))
+            self._flat_span.update({p: (put, lo, hi) for p, lo, hi in layout.spans})
+        self.stats.add_many(layout.raw_nbytes, sum(sizes), keyframes=len(sizes))
+        if self.writer.encoder is not None:
+            self.stats.raw_fallback = not self.keyframe
+
+    def put_encoded(self, name: str, data: bytes, encoding: Encoding = "json") -> ObjectRecord:
+        """Store an object already encoded (e.g. JSON built by the caller) as ``name``."""
+        self._check()
+        return self._put_object_bytes(name, data, encoding)
+
+    def _side_write(self, parts: list[Any]) -> tuple[str, int]:
+        return self.side.key, self.side.append(parts)
+
+    def _record(self, path: str, index: int, rec: ChunkRecord,
+                pending: Shadow | None) -> ChunkRecord:
+        with self._lock:
+            self._chunks[path][index] = rec
+            if pending is not None:
+                self.pending[(path, index)] = pending
+        return rec
+
+    def put_object(self, name: str, obj: Any, *, encoding: Encoding = "json") -> ObjectRecord:
+        """Store a Python object for this step (tagged JSON unless told otherwise)."""
+        self._check()
+        return self._put_object_bytes(name, encode_object(obj, encoding), encoding)
+
+    def _put_object_bytes(self, name: str, data: bytes, encoding: Encoding) -> ObjectRecord:
+        with self._lock:
+            if name in self.objects:
+                raise ValueError(f"object {name!r} stored twice in step {self.step}")
+            # reserved before writing: two threads storing one name would both write
+            self.objects[name] = ObjectRecord("", 0, 0, encoding)
+        try:
+            offset = self.side.append(data)
+        except BaseException:
+            with self._lock:
+                del self.objects[name]
+            raise
+        rec = ObjectRecord(self.side.key, len(data), checksum(data), encoding, offset)
+        with self._lock:
+            self.objects[name] = rec
+            self._object_bytes += len(data)
+        return rec
+
+    def table(self) -> TableBuilder:
+        """The columnar arrays table of this step (``manifest.TableBuilder``)."""
+        b = TableBuilder()
+        zip_id = b.file_id(self.zip.key)
+        for path, (dtype, plan) in self._plans.items():
+            b.add_array(path, dtype, plan.shape, plan.rows, self.writer._dims.get(path))
+            span = self._flat_span.get(path)
+            if span is not None:
+                offs, sizes, crcs = self._flat[span[0]]
+                lo, hi = span[1], span[2]
+                b.add_chunks(zip_id, offs[lo:hi], sizes[lo:hi], crcs[lo:hi])
+                continue
+            for c in self._complete(path):
+                b.add_record(c)
+        return b
+
+    def _complete(self, path: str) -> list[ChunkRecord]:
+        span = self._flat_span.get(path)
+        if span is not None:
+            offs, sizes, crcs = self._flat[span[0]]
+            return [ChunkRecord(self.zip.key, sizes[k], crcs[k], offset=offs[k])
+                    for k in range(span[1], span[2])]
+        chunks = self._chunks[path]
+        missing = [i for i, c in enumerate(chunks) if c is None]
+        if missing:
+            raise DsttError(f"step {self.step}: chunks {missing[:8]} of {path!r} were "
+                            "never written; refusing to commit an incomplete step")
+        return chunks  # type: ignore[return-value]
+
+    def records(self) -> dict[str, ArrayRecord]:
+        out = {}
+        for path, (dtype, plan) in self._plans.items():
+            if path in self._flat_span:
+                out[path] = ArrayRecord(path, dtype, plan.shape, plan.rows,
+                                        tuple(self._complete(path)),
+                                        self.writer._dims.get(path))
+                continue
+            chunks = self._chunks[path]
+            missing = [i for i, c in enumerate(chunks) if c is None]
+            if missing:
+                raise DsttError(f"step {self.step}: chunks {missing[:8]} of {path!r} were "
+                                "never written; refusing to commit an incomplete step")
+            out[path] = ArrayRecord(path, dtype, plan.shape, plan.rows,
+                                    tuple(c for c in chunks if c is not None),
+                                    self.writer._dims.get(path))
+        return out
+
+    def commit(self, metrics: Mapping[str, Metric] | None = None, *,
+               parts: Sequence[Part] = ()) -> CommitHeader:
+        """Make the step durable and visible; returns its header. ``parts``: the other ranks'
+        prepared parts of this slot, merged into this commit (``parts.collect_parts``)."""
+        self._check()
+        self.state = "committing"
+        try:
+            header = self.writer._commit(self, metrics or {}, parts)
+        except BaseException:
+            self.state = "failed"
+            raise
+        self.state = "committed"
+        return header
+
+    def prepare(self, *, rank: int, world: int, session: str,
+                metrics: Mapping[str, Metric] | None = None) -> Part:
+        """Part writers: make this rank's chunks and objects durable, then write its part
+        manifest (the "prepared" vote the exclusive writer waits for). Returns the part."""
+        self._check()
+        self.state = "committing"
+        try:
+            part = self.writer._prepare(self, rank=rank, world=world, session=session,
+                                        metrics=metrics or {})
+        except BaseException:
+            self.state = "failed"
+            raise
+        self.state = "prepared"
+        return part
+
+    def abort(self) -> None:
+        """Drop the step; its slot stays unused (gc removes stray step files)."""
+        if self.state in ("open", "failed"):
+            self.state = "aborted"
+            self.writer._open.discard(self.slot)
+            self.zip.discard()  # unpublished files vanish; published ones are gc's garbage
+            self.side.discard()
+            if self.writer.encoder is not None:
+                self.writer.encoder.discard(self.slot)
