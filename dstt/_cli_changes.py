@@ -1,0 +1,152 @@
+"""``dstt`` commands that change a run: rollback, the timeline group, gc (``dstt.cli``'s
+parser calls them; each is one call into ``dstt.Run``, then printing)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from typing import Any
+
+from ._cli_common import (
+    EXIT_OK,
+    UsageError,
+    _bar,
+    _counter,
+    _emit,
+    _resolve_run,
+)
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    run = _resolve_run(args)
+    old = args.timeline or run.timeline
+    name = run.rollback(args.to, args.skip_data, timeline=args.timeline, name=args.name)
+    doc = {"timeline": name, "from_timeline": old, "step": args.to, "skip_data": args.skip_data}
+
+    def text() -> Iterator[str]:
+        yield (f"timeline {name!r} now starts at step {args.to} of {old!r} and is current "
+               f"(skip {args.skip_data} batches on resume); {old!r} is kept")
+    _emit(args, doc, text)
+    return EXIT_OK
+
+
+def _timeline_rows(run: Any) -> list[dict[str, Any]]:
+    rows = []
+    for name, ref in sorted(run.timelines.items()):
+        line = run.commits(name)
+        rows.append({"name": name, "current": name == run.timeline, "commits": len(line),
+                     "first_step": line[0].step if line else None,
+                     "head_step": line[-1].step if line else None,
+                     "base_timeline": ref.base_timeline, "base_step": ref.base_step,
+                     "skip_data": ref.skip_data, "base_exists": ref.base_timeline is None
+                     or ref.base_timeline in run.timelines})
+    return rows
+
+
+def cmd_timeline_list(args: argparse.Namespace) -> int:
+    rows = _timeline_rows(_resolve_run(args))
+
+    def text() -> Iterator[str]:
+        for t in rows:
+            rng = f"steps {t['first_step']} … {t['head_step']}" if t["commits"] else "empty"
+            base = (f"  from {t['base_timeline']}@{t['base_step']}"
+                    f"{'' if t['base_exists'] else ' (deleted)'} (skip {t['skip_data']})"
+                    if t["base_timeline"] else "")
+            yield (f"{'*' if t['current'] else ' '} {t['name']:<24} {t['commits']:>7} commits  "
+                   f"{rng}{base}")
+    _emit(args, rows, text)
+    return EXIT_OK
+
+
+def cmd_timeline_switch(args: argparse.Namespace) -> int:
+    run = _resolve_run(args)
+    old = run.timeline
+    run.switch(args.name)
+    head = run.commits()[-1].step if run.commits() else None
+    doc = {"timeline": args.name, "previous": old, "head_step": head}
+
+    def text() -> Iterator[str]:
+        at = f"its head is step {head}" if head is not None else "it has no commits yet"
+        yield f"timeline {args.name!r} is now current (was {old!r}); {at}"
+    _emit(args, doc, text)
+    return EXIT_OK
+
+
+def cmd_timeline_rename(args: argparse.Namespace) -> int:
+    run = _resolve_run(args)
+    run.rename_timeline(args.old, args.new)
+    doc = {"old": args.old, "new": args.new, "current": run.timeline}
+
+    def text() -> Iterator[str]:
+        yield f"timeline {args.old!r} is now {args.new!r}"
+    _emit(args, doc, text)
+    return EXIT_OK
+
+
+def cmd_timeline_delete(args: argparse.Namespace) -> int:
+    from .inspect.html import human_bytes
+
+    run = _resolve_run(args)
+    if not (args.yes or args.dry_run):
+        raise UsageError(f"deleting timeline {args.name!r} frees its own steps for good; "
+                         "add --yes to do it, or --dry-run to see what it would free")
+    rep = run.delete_timeline(args.name, dry_run=args.dry_run)
+    gc = rep.gc
+    doc = {"timeline": rep.timeline, "dry_run": rep.dry_run, "freed_steps": list(rep.freed_steps),
+           "kept_steps": list(rep.kept_steps), "files_removed": gc.files_removed,
+           "bytes_freed": gc.bytes_freed}
+
+    def steps(xs: tuple[int, ...]) -> str:
+        if not xs:
+            return "none"
+        return ", ".join(map(str, xs)) if len(xs) <= 8 else f"{len(xs)} ({xs[0]} … {xs[-1]})"
+
+    def text() -> Iterator[str]:
+        verb = "would delete" if rep.dry_run else "deleted"
+        own = (f"its own steps {steps(rep.freed_steps)}" if rep.freed_steps
+               else "it had no steps of its own")
+        yield (f"{verb} timeline {rep.timeline!r}: {own} ({gc.files_removed} files, "
+               f"{human_bytes(gc.bytes_freed)}); steps shared with other timelines stay: "
+               f"{steps(rep.kept_steps)}"
+               + ("; nothing was deleted (--dry-run)" if rep.dry_run else ""))
+    _emit(args, doc, text)
+    return EXIT_OK
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .inspect.html import human_bytes
+    from .store import Retention
+
+    if args.keep_last is None and args.keep_every is None and not args.spike_window:
+        raise UsageError("gc needs a retention policy: --keep-last N, --keep-every K and/or "
+                         "--spike-window W (timeline heads are always kept)")
+    try:
+        pol = Retention(keep_last=args.keep_last, keep_every=args.keep_every,
+                        spike_window=args.spike_window or 0, spike_metric=args.spike_metric,
+                        spike_z=args.spike_z, spike_baseline=args.spike_baseline)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    run = _resolve_run(args)
+    if pol.spike_window and args.spike_metric not in run.metrics():
+        raise UsageError(f"--spike-metric {args.spike_metric!r} was never logged; pass the "
+                         "name of a logged metric (see `dstt log`)")
+    with _bar(args, None, "slot") as bar:
+        rep = run.gc(retention=pol, dry_run=args.dry_run, progress=_counter(bar))
+    doc = {"dry_run": rep.dry_run, "pruned": [{"timeline": t, "step": s}
+                                              for t, s in rep.pruned_steps],
+           "orphan_slots": list(rep.orphan_slots), "files_removed": rep.files_removed,
+           "bytes_freed": rep.bytes_freed,
+           "spike_windows": [{"timeline": t, "first": a, "last": b}
+                             for t, a, b in rep.spike_windows]}
+
+    def text() -> Iterator[str]:
+        verb = "would prune" if rep.dry_run else "pruned"
+        for t, s in sorted(rep.pruned_steps, key=lambda ts: (ts[0], ts[1])):
+            yield f"{verb} step {s} of timeline {t}"
+        for t, a, b in rep.spike_windows:
+            yield f"kept steps {a}-{b} of timeline {t} (around a {pol.spike_metric} spike)"
+        yield (f"{verb} {len(rep.pruned_steps)} steps and {len(rep.orphan_slots)} orphaned slots:"
+               f" {rep.files_removed} files, {human_bytes(rep.bytes_freed)}"
+               + ("; nothing was deleted (--dry-run)" if rep.dry_run else ""))
+    _emit(args, doc, text)
+    return EXIT_OK
