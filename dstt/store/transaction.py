@@ -35,8 +35,9 @@ from .format.manifest import (
     ObjectRecord,
     TableBuilder,
     checksum,
+    dump_arrays,
 )
-from .format.objects import Encoding, encode_object
+from .format.objects import Encoded, Encoding, encode_object
 from .format.stepfile import SideFile, StepFile
 from .format.zipfmt import crc32
 from .parts import Part
@@ -60,6 +61,7 @@ class Transaction:
         #: chunks written by ``put_flat``: per call (offsets, sizes, crc32c), and per array
         #: its span of them — columns, not a record object per chunk
         self._flat: list[tuple[list[int], list[int], list[int]]] = []
+        self._flat_layouts: list[FlatLayout] = []
         self._flat_span: dict[str, tuple[int, int, int]] = {}
         self.zip = StepFile(writer.storage, step_file_key(slot, writer.file_tag))
         self.side = SideFile(writer.storage, side_file_key(slot, writer.file_tag))
@@ -199,7 +201,7 @@ class Transaction:
         if enc is not None and self.encode and not self.keyframe:
             raise DsttError("a flat write is raw; set txn.encode = False (or keyframe) "
                             "when the writer encodes, or use put_chunk")
-        plans = {a.path: (a.dtype, a.plan) for a in layout.arrays}
+        plans = layout.plans
         with self._lock:
             if not self._plans.keys().isdisjoint(plans):
                 dup = sorted(self._plans.keys() & plans.keys())
@@ -215,6 +217,7 @@ class Transaction:
         with self._lock:
             put = len(self._flat)
             self._flat.append((offsets, sizes, crcs))
+            self._flat_layouts.append(layout)
             self._flat_span.update({p: (put, lo, hi) for p, lo, hi in layout.spans})
         self.stats.add_many(layout.raw_nbytes, sum(sizes), keyframes=len(sizes))
         if self.writer.encoder is not None:
@@ -237,8 +240,11 @@ class Transaction:
         return rec
 
     def put_object(self, name: str, obj: Any, *, encoding: Encoding = "json") -> ObjectRecord:
-        """Store a Python object for this step (tagged JSON unless told otherwise)."""
+        """Store a Python object for this step (tagged JSON unless told otherwise; an
+        ``Encoded`` value as its bytes, in its own encoding)."""
         self._check()
+        if isinstance(obj, Encoded):
+            return self._put_object_bytes(name, obj.data, obj.encoding)
         return self._put_object_bytes(name, encode_object(obj, encoding), encoding)
 
     def _put_object_bytes(self, name: str, data: bytes, encoding: Encoding) -> ObjectRecord:
@@ -274,6 +280,19 @@ class Transaction:
             for c in self._complete(path):
                 b.add_record(c)
         return b
+
+    def arrays_table(self) -> bytes:
+        """This step's sealed arrays table (``manifest.dump_arrays``). A step written whole
+        from one flat layout (the hot path) splices its offsets and checksums into the
+        layout's cached fixed columns; anything else is built array by array."""
+        if len(self._flat) == 1 and not self._chunks:
+            layout = self._flat_layouts[0]
+            offsets, sizes, crcs = self._flat[0]
+            if len(self._plans) == len(layout.arrays):
+                tpl = self.writer.table_template(layout, sizes)
+                if tpl.sizes == sizes:
+                    return tpl.dump(self.slot, self.zip.key, offsets, crcs)
+        return dump_arrays(self.slot, self.table())
 
     def _complete(self, path: str) -> list[ChunkRecord]:
         span = self._flat_span.get(path)

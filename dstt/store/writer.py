@@ -50,6 +50,7 @@ from .format.manifest import (
     CommitHeader,
     Location,
     Metric,
+    TableTemplate,
     checksum,
     dump_arrays,
     dump_header,
@@ -133,6 +134,8 @@ class Writer:
         self._stored: dict[str, tuple[str, tuple[int, ...], int]] | None = None
         #: (paths, start) -> the groups' and arrays' documents, and their consolidated metadata
         self._meta_cache: dict[tuple[tuple[str, ...], int], tuple[Block, bytes]] = {}
+        #: id(flat layout) -> (the layout, its arrays table's fixed columns)
+        self._tables: dict[int, tuple[FlatLayout, TableTemplate]] = {}
         self._open: set[int] = set()
         self.encoder = DeltaEncoder(encoding) if encoding is not None else None
         self.inflight_bases = inflight_bases
@@ -247,6 +250,7 @@ class Writer:
             doc = dump(array_document(path, dtype, plan, dims=names))
             if known is not None:  # a document changed: the prebuilt blocks hold the old one
                 self._meta_cache.clear()
+                self._tables.clear()
             self._arrays[path] = (dtype, plan, doc)
             self._dims[path] = names
             return plan
@@ -261,6 +265,21 @@ class Writer:
             dims = a[3] if len(a) > 3 else None  # type: ignore[misc]
             out.append((a[0], a[1], self.declare(a[0], a[1], tuple(a[2]), dims), dims))
         return FlatLayout.build(out)
+
+    def table_template(self, layout: FlatLayout, sizes: Sequence[int]) -> TableTemplate:
+        """The arrays table's fixed columns for steps written whole from ``layout``."""
+        with self._meta_lock:
+            hit = self._tables.get(id(layout))
+            if hit is not None and hit[0] is layout:
+                return hit[1]
+            arrays = layout.arrays
+            tpl = TableTemplate([a.path for a in arrays], [a.dtype for a in arrays],
+                                [a.shape for a in arrays], [a.plan.rows for a in arrays],
+                                [self._dims.get(a.path) for a in arrays], sizes)
+            if len(self._tables) > 8:
+                self._tables.clear()
+            self._tables[id(layout)] = (layout, tpl)
+            return tpl
 
     def _metadata(self, txn: Transaction) -> None:
         """The zarr.json entries of a step file: every group, every array, then the root.
@@ -325,7 +344,7 @@ class Writer:
                 records, objects = merge_parts(txn.records(), objects, parts)
                 table = dump_arrays(txn.slot, records)
             else:
-                table = dump_arrays(txn.slot, txn.table())
+                table = txn.arrays_table()
             # refs and HEAD change only under the run's lock, which this writer holds: its
             # reader's copy is current (no re-read per commit), and it keeps each timeline's
             # head step itself (no header read per commit)
