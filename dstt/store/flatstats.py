@@ -3,29 +3,37 @@
 The engine's write-time summaries (``dstt.engine.summaries``: what each field means) are
 computed here from the same host buffer the step file is written from, so they run where the
 flush runs — a writer thread, or the flusher process, which has no torch and no GIL shared
-with training. Per dtype region of parameters (the flat layout groups them): one conversion
-to float32 where needed (bf16/fp16/ints), one ``maximum.reduceat``/``minimum.reduceat`` pass
-for max|x| (over each tensor's own elements: what lies between tensors, zero padding or zip
-headers, is left out), one gather of every probe;
-per tensor one ``einsum`` per block of 2^20 elements for the sum of squares (not BLAS
-``dot``: OpenBLAS wakes its thread pool for vectors this long, and its spinning threads took
-CPU from training — measured; einsum is single-threaded, as fast, and as exact). A non-finite
-sum sends that tensor to an exact float64 pass that counts NaN/Inf and skips them.
+with training. Per dtype region of parameters (the flat layout groups them) a fixed number of
+numpy calls, whatever the number of tensors: one conversion to float32 where needed
+(bf16/fp16/ints), ``maximum``/``minimum.reduceat`` for max|x| and ``add.reduceat`` of the
+squares (into a reused scratch buffer) for the sum of squares — each over the tensors' own
+elements (what lies between tensors, zero padding or zip headers, falls in the odd segments
+and is dropped) — and one gather and one scatter of every probe. A tensor whose sums are not
+finite gets an exact float64 pass that counts NaN/Inf and skips them. Where the tensors are
+few and large (their mean at least ``LARGE`` elements) the squares are summed per tensor with a
+fused ``einsum`` instead: a Python call per tensor is then cheaper than a pass writing squares.
+Rejected: a loop over tensors (one ``einsum`` each, 2 ms of Python per 400 tensors per step,
+doubled next to a busy training loop), and BLAS ``dot`` (OpenBLAS wakes its thread pool for
+long vectors; its spinning threads took CPU from training — measured).
 """
 
 from __future__ import annotations
 
-import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .format.zarr_meta import dtype_itemsize, numpy_dtype
 
-__all__ = ["BLOCK", "DigestPlan", "digest"]
+__all__ = ["DigestPlan", "digest"]
 
+#: elements per ``einsum`` call (its float32 partial sums stay accurate: tested)
 BLOCK = 1 << 20
+#: a region whose tensors average this many elements sums them one by one
+LARGE = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -39,7 +47,14 @@ class _Region:
     #: padding, or a framed layout's zip headers — and are dropped)
     bounds_se: np.ndarray
     probe_index: np.ndarray  # every member's probes, as element offsets in the region
-    bounds: tuple[int, ...]  # member j's probes are probe_index[bounds[j]:bounds[j + 1]]
+    #: where each gathered probe goes: (member, column) in the probe matrix
+    probe_rows: np.ndarray
+    probe_cols: np.ndarray
+    probe_len: np.ndarray  # per member
+    full: np.ndarray  # indices (in the region) of the non-empty members
+    numel: np.ndarray  # of the non-empty members
+    #: few tensors of many elements each: a per-tensor fused sum beats writing the squares
+    few_large: bool = False
 
 
 class DigestPlan:
@@ -60,6 +75,8 @@ class DigestPlan:
                 run = []
             if it is not None:
                 run.append(it)
+        self._scratch: list[np.ndarray] = []  # float32 squares, one per concurrent digest
+        self._lock = threading.Lock()
 
     @staticmethod
     def _region(run: list[tuple[str, str, int, int, np.ndarray]]) -> _Region:
@@ -75,9 +92,36 @@ class DigestPlan:
         bounds_se = np.array(se, dtype=np.intp)
         idx = [np.asarray(p, dtype=np.intp) + s for (s, _), (*_, p) in zip(members, run,
                                                                            strict=True)]
-        bounds = tuple(np.cumsum([0, *(len(i) for i in idx)]).tolist())
+        lens = np.array([len(i) for i in idx], dtype=np.int64)
         gidx = np.concatenate(idx) if idx else np.empty(0, np.intp)
-        return _Region(dtype, start, end, members, bounds_se, gidx.astype(np.intp), bounds)
+        rows = np.repeat(np.arange(len(run), dtype=np.intp), lens)
+        cols = (np.concatenate([np.arange(n, dtype=np.intp) for n in lens]) if idx
+                else np.empty(0, np.intp))
+        nonempty = np.array([j for j, (_, n) in enumerate(members) if n > 0], dtype=np.intp)
+        numel = np.array([n for _, n in members if n > 0], np.int64)
+        few_large = bool(len(numel)) and float(numel.mean()) >= LARGE
+        return _Region(dtype, start, end, members, bounds_se, gidx.astype(np.intp), rows, cols,
+                       lens, nonempty, numel, few_large)
+
+    def __getstate__(self) -> dict[str, Any]:  # sent to the flusher process: no lock
+        return {k: v for k, v in self.__dict__.items() if k not in ("_scratch", "_lock")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._scratch, self._lock = [], threading.Lock()
+
+    def scratch(self, n: int) -> np.ndarray:
+        """A float32 buffer of at least ``n`` elements, held until :meth:`give_back`."""
+        with self._lock:
+            for i, b in enumerate(self._scratch):
+                if len(b) >= n:
+                    return self._scratch.pop(i)
+        return np.empty(n, dtype=np.float32)
+
+    def give_back(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if len(self._scratch) < 4:
+                self._scratch.append(buf)
 
 
 def _as_float(raw: np.ndarray, dtype: str) -> np.ndarray:
@@ -99,36 +143,57 @@ def digest(plan: DigestPlan, buf: np.ndarray | memoryview) -> dict[str, np.ndarr
     row = 0
     for reg in plan.regions:
         x = _as_float(host[reg.start:reg.end], reg.dtype)
-        if len(reg.bounds_se):
-            hi = np.maximum.reduceat(x, reg.bounds_se)[::2]
-            lo = np.minimum.reduceat(x, reg.bounds_se)[::2]
-        values = x[reg.probe_index].astype(np.float64)
-        k = 0
-        for j, (s, n) in enumerate(reg.members):
-            r = row + j
-            a, b = reg.bounds[j], reg.bounds[j + 1]
-            probe[r, :b - a] = values[a:b]
-            probe_len[r] = b - a
-            if n == 0:
-                continue
-            seg = x[s:s + n]
-            ss = 0.0
-            for blk in range(0, n, BLOCK):
-                part = seg[blk:blk + BLOCK]
-                ss += float(np.einsum("i,i->", part, part))
-            m = max(float(hi[k]), -float(lo[k]))
-            k += 1
-            if math.isfinite(ss) and math.isfinite(m):
-                sumsq[r], maxabs[r], counts[0, r] = ss, m, n
-                continue
-            x64 = seg.astype(np.float64)  # NaN/Inf present, or the squares overflowed
-            ok = np.isfinite(x64)
-            n_ok = int(ok.sum())
-            n_nan = int(np.isnan(x64).sum())
-            good = x64[ok]
-            sumsq[r] = float(np.dot(good, good))
-            maxabs[r] = float(np.abs(good).max()) if n_ok else 0.0
-            counts[:, r] = (n_ok, n_nan, n - n_ok - n_nan)
+        probe[row + reg.probe_rows, reg.probe_cols] = x[reg.probe_index]
+        probe_len[row:row + len(reg.members)] = reg.probe_len
+        if len(reg.full):
+            _region_sums(plan, reg, x, row, sumsq, maxabs, counts)
         row += len(reg.members)
     return {"sumsq": sumsq, "maxabs": maxabs, "finite": counts[0], "nan": counts[1],
             "inf": counts[2], "probe": probe, "probe_len": probe_len}
+
+
+def _sumsq(seg: np.ndarray) -> float:
+    return sum(float(np.einsum("i,i->", seg[b:b + BLOCK], seg[b:b + BLOCK]))
+               for b in range(0, len(seg), BLOCK))
+
+
+def _region_sums(plan: DigestPlan, reg: _Region, x: np.ndarray, row: int, sumsq: np.ndarray,
+                 maxabs: np.ndarray, counts: np.ndarray) -> None:
+    """Sum of squares and max|x| of every member: ``reduceat`` passes over the region
+    (``add`` sums pairwise: as exact as a per-tensor einsum; the squares in a reused
+    scratch buffer) or, for few large members, a fused sum each; a member whose sums are
+    not finite gets an exact float64 pass (``_exact``)."""
+    hi = np.maximum.reduceat(x, reg.bounds_se)[::2]
+    lo = np.minimum.reduceat(x, reg.bounds_se)[::2]
+    if reg.few_large:  # a handful of big tensors: a fused einsum each, no squares written
+        ss = np.array([_sumsq(x[s:s + n]) for s, n in reg.members if n > 0])
+    else:
+        sq = plan.scratch(len(x))
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):  # headers between members
+                np.square(x, out=sq[:len(x)], dtype=np.float32)
+                ss = np.add.reduceat(sq[:len(x)], reg.bounds_se)[::2].astype(np.float64)
+        finally:
+            plan.give_back(sq)
+    m = np.maximum(hi.astype(np.float64), -lo.astype(np.float64))
+    rows = row + reg.full
+    ok = np.isfinite(ss) & np.isfinite(m)
+    sumsq[rows[ok]] = ss[ok]
+    maxabs[rows[ok]] = m[ok]
+    counts[0, rows[ok]] = reg.numel[ok]
+    for k in np.flatnonzero(~ok).tolist():  # NaN/Inf present, or the squares overflowed
+        s, n = reg.members[int(reg.full[k])]
+        _exact(x[s:s + n], int(rows[k]), sumsq, maxabs, counts)
+
+
+def _exact(seg: np.ndarray, r: int, sumsq: np.ndarray, maxabs: np.ndarray,
+           counts: np.ndarray) -> None:
+    """Row ``r`` from one tensor in float64, counting and skipping NaN/Inf."""
+    x64 = seg.astype(np.float64)
+    good_mask = np.isfinite(x64)
+    n_ok = int(good_mask.sum())
+    n_nan = int(np.isnan(x64).sum())
+    good = x64[good_mask]
+    sumsq[r] = float(np.dot(good, good))
+    maxabs[r] = float(np.abs(good).max()) if n_ok else 0.0
+    counts[:, r] = (n_ok, n_nan, len(seg) - n_ok - n_nan)

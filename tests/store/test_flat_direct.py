@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dstt.store import flatstats
 from dstt.store import flusher as flusher_mod
 from dstt.store.flatstats import DigestPlan, digest
 from dstt.store.format.flat import FlatImage, FlatLayout
@@ -84,6 +85,37 @@ def test_digest_ignores_the_zip_headers_between_tensors() -> None:
         want = float(np.abs(x).max()) if x.size else 0.0
         assert got["maxabs"][j] == pytest.approx(want, rel=1e-3), path
         assert got["sumsq"][j] == pytest.approx(float(x @ x), rel=1e-3), path
+
+
+@pytest.mark.parametrize("large", [1, 1 << 30], ids=["per-tensor", "reduceat"])
+def test_digest_is_exact_either_way_it_sums(monkeypatch: pytest.MonkeyPatch, large: int) -> None:
+    """Both ways of summing squares (a fused sum per tensor, in blocks of BLOCK elements;
+    or reduceat over the whole region) agree with float64, never read past a tensor into
+    the headers after it, and count NaN/Inf exactly (the float64 fallback)."""
+    monkeypatch.setattr(flatstats, "LARGE", large)
+    monkeypatch.setattr(flatstats, "BLOCK", 100)  # several blocks per tensor, a partial last
+    layout, values = _layout()
+    values["params/l5/w"][[1, 4]] = [np.nan, np.inf]  # the (9,) float32 tensor
+    buf = _fill(layout, values)
+    FlatImage(layout, 0, memoryview(buf)).fill()
+    items = [(a.path, a.dtype, a.offset, int(np.prod(a.shape, dtype=np.int64)), np.arange(0))
+             for a in layout.arrays if a.dtype == "float32"]
+    plan = DigestPlan(items, 2)
+    assert all(r.few_large == (large == 1) for r in plan.regions)
+    exact: list[int] = []
+    real = flatstats._exact
+    monkeypatch.setattr(flatstats, "_exact", lambda seg, r, *a: (exact.append(r), real(seg, r, *a)))
+    got = digest(plan, np.frombuffer(buf, np.uint8))
+    # only the tensor with NaN/Inf takes the float64 pass (a sum that read past its
+    # tensor into the next header would be sent there too, or be wrong)
+    assert [items[r][0] for r in exact] == ["params/l5/w"]
+    for j, (path, *_rest) in enumerate(items):
+        x = values[path].astype(np.float64).ravel()
+        good = x[np.isfinite(x)]
+        assert got["sumsq"][j] == pytest.approx(float(good @ good), rel=1e-6), path
+        assert got["maxabs"][j] == (float(np.abs(good).max()) if good.size else 0.0), path
+        assert (got["finite"][j], got["nan"][j], got["inf"][j]) == (
+            good.size, int(np.isnan(x).sum()), int(np.isinf(x).sum())), path
 
 
 def test_whole_blocks_go_with_o_direct_and_the_bytes_are_the_image(

@@ -45,6 +45,10 @@ _MADE_BY = (3 << 8) | 45  # Unix, ZIP 4.5
 _ATTRS = (0o100644 << 16)  # a regular file, rw-r--r--
 
 
+#: the C function itself (``map`` it over many buffers: no Python frame per call)
+crc32_raw = _crc32
+
+
 def crc32(data: bytes | memoryview, value: int = 0) -> int:
     """The ZIP CRC-32 of ``data``, continuing from ``value``."""
     return int(_crc32(data, value))
