@@ -27,6 +27,7 @@ from .format.manifest import (
     RefInfo,
     parse_header,
 )
+from .format.objects import Encoded
 from .format.segment import SCALARS as SUMMARY_SCALARS
 from .format.segment import RowSet
 from .format.zarr_meta import dtype_itemsize, numpy_dtype
@@ -58,6 +59,7 @@ __all__ = [
     "DigestPlan",
     "Durability",
     "EncodeStats",
+    "Encoded",
     "FlatImage",
     "FlatLayout",
     "FlatStepWriter",

@@ -25,7 +25,8 @@ from dstt.engine.torch_state import (
     rng_provider,
 )
 from dstt.errors import SchemaError
-from dstt.store import Repository
+from dstt.store import Encoded, Repository
+from dstt.store.format.objects import decode_object
 from dstt.store.storage.memory import MemoryStorage
 from dstt.testing.models import TinyGPT, make_batch
 
@@ -204,8 +205,10 @@ def test_optimizer_provider_names_state_by_module_path() -> None:
     # snapshot one by one on the training thread
     assert float(prov.tensors()["optim/step/tok/weight"]) == 1.0  # one optimizer step taken
     (obj,) = prov.objects().values()
-    assert obj["format"] == 2 and "tok.weight" in obj["params"]
-    assert obj["params"]["tok.weight"] == {"arrays": ["step", "exp_avg", "exp_avg_sq"],
+    assert isinstance(obj, Encoded)  # pure-tensor state: encoded once, stored as these bytes
+    doc = decode_object(obj.data, obj.encoding)
+    assert doc["format"] == 2 and "tok.weight" in doc["params"]
+    assert doc["params"]["tok.weight"] == {"arrays": ["step", "exp_avg", "exp_avg_sq"],
                                            "values": {}}
     again = prov.objects()[OptimizerStateProvider.OBJECT]
     assert again is obj  # unchanged structure: the same object, encoded once

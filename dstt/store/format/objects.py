@@ -14,15 +14,30 @@ import base64
 import json
 import math
 import pickle
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
 from ...errors import UnsafeObjectError
 
-__all__ = ["Encoding", "UnsafeObjectError", "decode_object", "encode_object"]
+__all__ = ["Encoded", "Encoding", "UnsafeObjectError", "decode_object", "encode_object"]
 
 Encoding = Literal["json", "pickle", "raw"]
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """An object encoded once and stored as these bytes at every step that holds it: for a
+    provider whose value keeps its structure for many steps (the optimizer state's key
+    lists), so a step does not walk it again. Reads back as the decoded object."""
+
+    data: bytes
+    encoding: Encoding = "json"
+
+    @classmethod
+    def of(cls, obj: Any, encoding: Encoding = "json") -> Encoded:
+        return cls(encode_object(obj, encoding), encoding)
 
 
 
