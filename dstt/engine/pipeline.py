@@ -103,6 +103,7 @@ class Pipeline:
         self._want_flusher = flusher and flusher_supported() and isinstance(
             getattr(writer, "storage", None), LocalStorage)
         self.flusher: Flusher | None = None
+        self._lost = False  # the flusher died (warned once)
         self._images: dict[tuple[int, int], FlatImage] = {}  # (id(layout), start) -> sizes
         self._copier = Copier()
         self._flights: list[Flight] = []
@@ -120,8 +121,12 @@ class Pipeline:
         self._governor = (EncodeGovernor(max(1, writers), enabled=enc.policy.raw_when_busy,
                                          retry_every=enc.policy.retry_every)
                           if enc is not None else None)
+        # with the flusher, a writer thread mostly waits for the child: two of them keep two
+        # steps in the child, one being checksummed while the disk takes the other (not
+        # for an encoding writer: predictions need their inputs written first, in order)
+        n_writers = max(1, writers, 2 if self._want_flusher and self._flat_ok else 1)
         self._writers = [self._spawn(self._write_loop, f"dstt-write-{i}")
-                         for i in range(max(1, writers))]
+                         for i in range(n_writers)]
 
     @staticmethod
     def _spawn(target: Any, name: str) -> threading.Thread:
@@ -493,12 +498,23 @@ class Pipeline:
             if fl is not None and not fl.dead and getattr(f.txn, "zip", None) is not None:
                 start = f.txn.reserve_flat(layout, lambda s: self._image(layout, s).nbytes)
                 path = f.txn.zip.local_path
-                crcs, directory, stats = fl.write(f.buffer, layout, start, path, plan)
-                # the child now owns the zip framing in this buffer: should this process
-                # write from it later (the flusher died), its images bind it anew
+                # the child owns the zip framing in this buffer: should this process write
+                # from it later (the flusher died), its images bind it anew
                 self.steps.images[f.buffer].clear()
-                im = self._image(layout, start)
-                f.txn.complete_flat(layout, im.offsets, im.sizes, crcs, directory)
+                try:
+                    crcs, directory, stats = fl.write(f.buffer, layout, start, path, plan)
+                except StorageError:
+                    if not fl.dead:
+                        raise  # the write itself failed (the disk): the step fails
+                    # the child is gone, maybe mid-write: the range is still this step's
+                    # (the file is unpublished), write it again from here
+                    self._flusher_lost()
+                    f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer],
+                                   start=start)
+                    stats = digest(plan, buf.numpy()) if plan is not None else None
+                else:
+                    im = self._image(layout, start)
+                    f.txn.complete_flat(layout, im.offsets, im.sizes, crcs, directory)
             else:
                 f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer])
                 stats = digest(plan, buf.numpy()) if plan is not None else None
@@ -507,6 +523,13 @@ class Pipeline:
         finally:
             index, f.buffer = f.buffer, None
             self.steps.release(index)
+
+    def _flusher_lost(self) -> None:
+        with self._lock:
+            first, self._lost = not self._lost, True
+        if first:
+            warnings.warn("dstt: the flusher process died; steps are written from threads "
+                          "from now on (no step was lost)", RuntimeWarning, stacklevel=3)
 
     def _image(self, layout: Any, start: int) -> FlatImage:
         """Where the entries of ``layout`` land when placed at ``start`` (no buffer)."""

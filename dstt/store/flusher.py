@@ -30,11 +30,12 @@ import gc
 import mmap
 import os
 import pickle
+import queue
 import struct
 import subprocess
 import sys
 import threading
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from ..errors import StorageError
 from .flatstats import DigestPlan, digest
@@ -80,6 +81,7 @@ class Flusher:
         self._fds: list[int] = []
         self.buffers: list[mmap.mmap] = []
         self.proc: subprocess.Popen[bytes] | None = None
+        self._error: BaseException | None = None
         try:
             for i in range(count):
                 fd = os.memfd_create(f"dstt-step-{i}", 0)
@@ -104,14 +106,41 @@ class Flusher:
         except BaseException:
             self.close()
             raise
-        self._mu = threading.Lock()
+        self._mu = threading.Lock()  # sending (a request and the objects it names)
         self._sent: dict[int, object] = {}  # id -> the layout/plan object sent under that id
+        self._next = 0
+        self._waiting: dict[int, list[Any]] = {}  # request id -> [event, reply]
+        self._wait_mu = threading.Lock()
         self.dead = False
+        self._reader = threading.Thread(target=self._read_replies, name="dstt-flusher-replies",
+                                        daemon=True)
+        self._reader.start()
+
+    def _read_replies(self) -> None:
+        """Hand each reply to the request that waits for it (requests overlap: the child
+        checksums one step while the disk takes the previous one)."""
+        error: BaseException | None = None
+        try:
+            while True:
+                reply = _recv(self._in)
+                with self._wait_mu:
+                    slot = self._waiting.pop(reply[1], None)
+                if slot is not None:
+                    slot[1] = reply
+                    slot[0].set()
+        except (EOFError, OSError, ValueError, pickle.PickleError) as e:
+            error = e
+        with self._wait_mu:  # the child is gone: every waiter fails now, later ones at once
+            self.dead = True
+            self._error = error
+            waiting, self._waiting = self._waiting, {}
+        for slot in waiting.values():
+            slot[0].set()
 
     def _expect(self, what: str) -> Any:
         reply = _recv(self._in)
         if reply[0] == "err":
-            raise StorageError(reply[1] or _errno.EIO, f"flusher: {reply[2]}")
+            raise StorageError(reply[2] or _errno.EIO, f"flusher: {reply[3]}")
         if reply[0] != what:
             raise StorageError(_errno.EPROTO, f"flusher: unexpected reply {reply[0]!r}")
         return reply
@@ -127,21 +156,36 @@ class Flusher:
               plan: DigestPlan | None) -> tuple[list[int], bytes, dict[str, Any] | None]:
         """Fill the zip entries of ``layout`` from shared buffer ``buffer`` into the file at
         ``path`` at ``start`` (a range the parent reserved); returns each chunk's crc32c, the
-        entries' central directory records and, with ``plan``, the digest columns."""
+        entries' central directory records and, with ``plan``, the digest columns.
+        Thread-safe; several writes may be in flight (each on its own buffer)."""
+        slot: list[Any] = [threading.Event(), None]
         with self._mu:
-            if self.dead:
-                raise StorageError(_errno.EPIPE, "the flusher process is gone")
             try:
+                with self._wait_mu:
+                    if self.dead:
+                        raise EOFError("the pipe is closed")
+                    rid = self._next
+                    self._next += 1
+                    self._waiting[rid] = slot
                 lid = self._ensure("layout", layout)
                 pid = self._ensure("plan", plan) if plan is not None else None
-                _send(self._out, ("flat", buffer, lid, start, path, pid))
-                reply = self._expect("ok")
+                _send(self._out, ("flat", rid, buffer, lid, start, path, pid))
             except (EOFError, OSError, pickle.PickleError) as e:
-                self.dead = True
-                code = self.proc.poll() if self.proc is not None else None
-                raise StorageError(_errno.EPIPE, f"the flusher process died (exit {code}): "
-                                   f"{e}") from e
-        return reply[1], reply[2], reply[3]
+                self._gone(e)
+        slot[0].wait()
+        reply = slot[1]
+        if reply is None:
+            self._gone(self._error)
+        if reply[0] == "err":
+            raise StorageError(reply[2] or _errno.EIO, f"flusher: {reply[3]}")
+        return reply[2], reply[3], reply[4]
+
+    def _gone(self, cause: BaseException | None) -> NoReturn:
+        with self._wait_mu:
+            self.dead = True
+        code = self.proc.poll() if self.proc is not None else None
+        raise StorageError(_errno.EPIPE, f"the flusher process died (exit {code}): "
+                           f"{cause}") from cause
 
     def close(self) -> None:
         proc, self.proc = self.proc, None
@@ -179,6 +223,8 @@ def _lower_priority(sched: str) -> None:
 
 
 def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
+    """The child's loop: this thread checksums and digests each step, a writer thread
+    writes it and replies — so step k+1's CPU work overlaps step k's wait for the disk."""
     _lower_priority(sched)
     # nothing here makes reference cycles worth a collector pass per few hundred allocations
     # (each pass walks every cached image); collect once per new layout instead
@@ -189,41 +235,67 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
     bound: dict[int, FlatImage] = {}  # buffer -> the in-place image whose headers it holds
     # O_DIRECT until the filesystem refuses it once (DSTT_DIRECT=0: never, e.g. to compare)
     direct = [os.environ.get("DSTT_DIRECT", "1") != "0"]
-    while True:
+    send_mu = threading.Lock()
+
+    def reply(msg: tuple[Any, ...]) -> None:
+        with send_mu:
+            _send(out, msg)
+
+    writes: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+    writer = threading.Thread(target=_write_loop, args=(writes, reply, direct), daemon=True)
+    writer.start()
+    try:
+        while True:
+            try:
+                msg = _recv(inp)
+            except EOFError:
+                return  # the parent is gone
+            kind = msg[0]
+            if kind == "exit":
+                return
+            rid = msg[1] if kind == "flat" else None
+            try:
+                if kind == "init":
+                    maps = [memoryview(mmap.mmap(fd, n)) for fd, n in msg[1]]
+                    reply(("ready",))
+                elif kind in ("layout", "plan"):
+                    objs[msg[1]] = msg[2]
+                    gc.collect()
+                    for k in [k for k in images if k[0] == msg[1]]:
+                        del images[k]
+                elif kind == "flat":
+                    _, rid, buffer, lid, start, path, pid = msg
+                    image = images.get((lid, buffer, start))
+                    if image is None:
+                        image = images[(lid, buffer, start)] = FlatImage(objs[lid], start,
+                                                                         maps[buffer])
+                    elif image.inplace and bound.get(buffer) is not image:
+                        image.bind(maps[buffer])  # another layout's headers sit in this buffer
+                    if image.inplace:
+                        bound[buffer] = image
+                    crcs, _ = image.fill()
+                    stats = digest(objs[pid], maps[buffer]) if pid is not None else None
+                    writes.put((rid, path, image, start,
+                                ("ok", rid, crcs, bytes(image.directory), stats)))
+                else:
+                    raise ValueError(f"unknown request {kind!r}")
+            except Exception as e:  # reported to the parent, which fails the step
+                reply(("err", rid, getattr(e, "errno", None), f"{type(e).__name__}: {e}"))
+    finally:
+        writes.put(None)
+        writer.join()
+
+
+def _write_loop(writes: queue.SimpleQueue[tuple[Any, ...] | None], reply: Any,
+                direct: list[bool]) -> None:
+    while (task := writes.get()) is not None:
+        rid, path, image, start, done = task
         try:
-            msg = _recv(inp)
-        except EOFError:
-            return  # the parent is gone
-        kind = msg[0]
-        if kind == "exit":
-            return
-        try:
-            if kind == "init":
-                maps = [memoryview(mmap.mmap(fd, n)) for fd, n in msg[1]]
-                _send(out, ("ready",))
-            elif kind in ("layout", "plan"):
-                objs[msg[1]] = msg[2]
-                gc.collect()
-                for k in [k for k in images if k[0] == msg[1]]:
-                    del images[k]
-            elif kind == "flat":
-                _, buffer, lid, start, path, pid = msg
-                image = images.get((lid, buffer, start))
-                if image is None:
-                    image = images[(lid, buffer, start)] = FlatImage(objs[lid], start,
-                                                                     maps[buffer])
-                elif image.inplace and bound.get(buffer) is not image:
-                    image.bind(maps[buffer])  # another layout's headers sit in this buffer
-                if image.inplace:
-                    bound[buffer] = image
-                crcs, _ = image.fill()
-                _write_image(path, image, start, direct)
-                stats = digest(objs[pid], maps[buffer]) if pid is not None else None
-                _send(out, ("ok", crcs, bytes(image.directory), stats))
-            else:
-                raise ValueError(f"unknown request {kind!r}")
-        except Exception as e:  # reported to the parent, which fails the step
-            _send(out, ("err", getattr(e, "errno", None), f"{type(e).__name__}: {e}"))
+            _write_image(path, image, start, direct)
+        except Exception as e:
+            reply(("err", rid, getattr(e, "errno", None), f"{type(e).__name__}: {e}"))
+            continue
+        reply(done)
 
 
 _DIRECT_ALIGN = 4096

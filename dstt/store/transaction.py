@@ -162,10 +162,13 @@ class Transaction:
         return self._record(path, index, rec, pending)
 
     def put_flat(self, layout: FlatLayout, buf: Any,
-                 images: dict[int, FlatImage] | None = None) -> None:
+                 images: dict[int, FlatImage] | None = None, *,
+                 start: int | None = None) -> None:
         """Write every tensor of ``layout`` from the flat buffer ``buf`` (``flat.py``), raw:
         the hot path of the engine. ``images``: a cache of this buffer's ``FlatImage`` by
-        start offset, kept by the caller with the buffer (headers are then built once)."""
+        start offset, kept by the caller with the buffer (headers are then built once).
+        ``start``: the range ``reserve_flat`` already reserved for it (a write the flusher
+        process did not finish, done again here)."""
         view = memoryview(buf).cast("B")
         if len(view) < layout.nbytes:
             raise ValueError(f"flat buffer of {len(view)} bytes, layout needs {layout.nbytes}")
@@ -177,7 +180,8 @@ class Transaction:
                 im = cache[start] = FlatImage(layout, start, view)
             return im
 
-        start = self.reserve_flat(layout, lambda s: image_at(s).nbytes)
+        if start is None:
+            start = self.reserve_flat(layout, lambda s: image_at(s).nbytes)
         image = image_at(start)
         crcs, _ = image.fill()
         self.zip.write_at(start, image.iov)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import errno
+import os
+import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,3 +83,26 @@ def test_a_failure_on_the_first_step_surfaces_at_exit_if_training_ends() -> None
     with pytest.raises(CaptureError), session(m, opt, run=repo):
         train_step(m, opt, *mlp_batch(0))  # the only step: its error can only surface at exit
     assert committed_steps(plain) == []
+
+
+def test_a_killed_flusher_process_loses_no_step(tmp_path: Path) -> None:
+    """SIGKILL the flusher child mid-run: the writes it had in flight are done again from
+    the engine's threads (their ranges are still the steps' own), later steps are written
+    from threads, and every step is committed bit-exactly."""
+    m = MLP()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    after: dict[int, torch.Tensor] = {}
+    with pytest.warns(RuntimeWarning, match="flusher process died"), \
+            session(m, opt, run=tmp_path / "run", every=1) as s:
+        for i in range(12):
+            train_step(m, opt, *mlp_batch(i))
+            after[s.step] = m.l1.weight.detach().clone()
+            if i == 5:
+                pipe = s._pipeline
+                assert pipe is not None and pipe.flusher is not None  # the child is used
+                os.kill(pipe.flusher.proc.pid, signal.SIGKILL)
+    repo = Repository.open(tmp_path / "run")
+    assert committed_steps(repo) == list(range(1, 13))
+    for step, w in after.items():
+        assert same_bits(stored(repo, step, "params/l1/weight"), w), step
+    assert repo.verify().problems == []
