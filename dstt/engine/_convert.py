@@ -114,11 +114,19 @@ def to_plain(obj: Any) -> Any:
         return _tensor_to_plain(obj)
     if isinstance(obj, dict):
         return {k: to_plain(v) for k, v in obj.items()}
-    if isinstance(obj, list):
+    if isinstance(obj, list):  # a copy: the caller may keep mutating its list
+        if all(map(_LEAVES.__contains__, map(type, obj))):
+            return list(obj)  # names, RNG words: no call per element
         return [to_plain(v) for v in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        if all(map(_LEAVES.__contains__, map(type, obj))):
+            return obj
         return tuple(to_plain(v) for v in obj)
     return obj
+
+
+#: types ``to_plain`` leaves as they are (a list or tuple of only these is copied in C)
+_LEAVES = frozenset({int, float, str, bool, bytes, type(None)})
 
 
 def from_plain(obj: Any) -> Any:

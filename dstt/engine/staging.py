@@ -23,6 +23,7 @@ that bypass the version counter.
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections import deque
@@ -295,7 +296,10 @@ class VersionGuard:
     def __init__(self, tensors: Mapping[str, torch.Tensor], itemsizes: Mapping[str, int], *,
                  verify: bool = False) -> None:
         self.verify = verify
-        self.versions = {p: t._version for p, t in tensors.items()}
+        #: the paths and their versions at stage time, as two lists: a step's check is then
+        #: one C-level pass and one list comparison while nothing raced (the usual case)
+        self._paths = list(tensors)
+        self._before = list(map(_VERSION, tensors.values()))
         self.itemsizes = dict(itemsizes)
         self._source: dict[str, torch.Tensor] = {}
         self._copied: dict[str, int] = {}
@@ -310,18 +314,27 @@ class VersionGuard:
         with self._lock:
             self._copied[path] = (self._copied.get(path, 0) + s) & _MASK
 
+    @property
+    def versions(self) -> dict[str, int]:
+        """Each tensor's version at stage time (or at its last ``reset``)."""
+        return dict(zip(self._paths, self._before, strict=True))
+
     def reset(self, path: str, t: torch.Tensor) -> None:
         """Re-arm one tensor after a synchronous recopy."""
-        self.versions[path] = t._version
+        self._before[self._paths.index(path)] = t._version
         if self.verify:
             self._source[path] = tensor_checksum(_flat(t), self.itemsizes[path])
             with self._lock:
                 self._copied.pop(path, None)
 
     def check(self, tensors: Mapping[str, torch.Tensor]) -> list[RaceReport]:
+        if (not self.verify and len(tensors) == len(self._paths)
+                and list(map(_VERSION, tensors.values())) == self._before):
+            return []  # the same tensors (a flight's own dict), none written since stage
         out: list[RaceReport] = []
+        versions = self.versions
         for path, t in tensors.items():
-            before = self.versions.get(path)
+            before = versions.get(path)
             if before is not None and t._version != before:
                 out.append(RaceReport(path, f"in-place write (version {before} -> {t._version})"))
                 continue
@@ -334,6 +347,9 @@ class VersionGuard:
                     out.append(RaceReport(path, "contents changed without a version bump "
                                                 "(a .data or out-of-autograd write)"))
         return out
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
