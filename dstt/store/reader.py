@@ -43,6 +43,7 @@ from .format.manifest import (
     RefInfo,
     checksum,
     parse_arrays,
+    parse_arrays_columns,
     parse_head,
     parse_header,
     parse_ref,
@@ -193,6 +194,21 @@ class Reader:
         table = self._tables.get(header.slot)
         if table is not None:
             return table
+        data, where = self._table_bytes(header)
+        # the header's crc32c covers the whole file, so the envelope's own check is redundant
+        table = parse_arrays(data, where, verified=True)
+        self._tables.put(header.slot, table)
+        return table
+
+    def table_columns(self, header: CommitHeader) -> dict[str, Any]:
+        """The arrays table of a commit as its parsed columns (``manifest.TableBuilder``'s
+        layout), verified, not cached: what the index's rows are built from."""
+        if header.pruned:
+            raise StepNotFoundError(f"step {header.step} (slot {header.slot}) was pruned by gc")
+        data, where = self._table_bytes(header)
+        return parse_arrays_columns(data, where, verified=True)
+
+    def _table_bytes(self, header: CommitHeader) -> tuple[bytes, str]:
         loc = header.arrays
         if loc is None:
             raise CorruptRunError(f"{self.storage.location}: commit of step {header.step} "
@@ -205,10 +221,7 @@ class Reader:
         if len(data) != loc.nbytes or checksum(data) != loc.crc32c:
             raise ChecksumError(f"{where}: arrays table (bytes {loc.offset}-"
                                 f"{loc.offset + loc.nbytes}) does not match its commit header")
-        # the header's crc32c covers the whole file, so the envelope's own check is redundant
-        table = parse_arrays(data, where, verified=True)
-        self._tables.put(header.slot, table)
-        return table
+        return data, where
 
     def _raise_missing(self, header: CommitHeader, where: str) -> Any:
         self._headers.pop(header.slot, None)

@@ -46,6 +46,7 @@ __all__ = [
     "object_from_json",
     "object_json",
     "parse_arrays",
+    "parse_arrays_columns",
     "parse_header",
     "parse_ref",
 ]
@@ -474,6 +475,26 @@ def dump_arrays(slot: int, arrays: Mapping[str, ArrayRecord] | TableBuilder) -> 
     table = arrays if isinstance(arrays, TableBuilder) else None
     body = table.json() if table is not None else arrays_json(arrays)  # type: ignore[arg-type]
     return _seal("arrays", {"slot": slot, **body})
+
+
+def parse_arrays_columns(data: bytes, where: str, *, verified: bool = False) -> dict[str, Any]:
+    """An arrays table as its parsed columns (``TableBuilder``'s layout), checked for its
+    fields and column lengths but not turned into records: for callers that read many
+    tables and want the columns (the index's rows)."""
+    b = _open(data, "arrays", where, verified=verified)
+    _fields(b, {"slot", "files", "arrays", "chunks", "codecs"}, set(), where)
+    try:
+        a, c = b["arrays"], b["chunks"]
+        n, k = len(a["path"]), len(c["offset"])
+        ok = (len(a["dtype"]) == len(a["shape"]) == len(a["rows"]) == n
+              and len(a.get("dims") or [None] * n) == n
+              and len(c["file"]) == len(c["nbytes"]) == len(c["crc32c"]) == k
+              and isinstance(b["codecs"], dict) and isinstance(b["files"], list))
+    except (TypeError, KeyError, AttributeError) as e:
+        raise CorruptRunError(f"{where}: malformed arrays table ({e})") from None
+    if not ok:
+        raise CorruptRunError(f"{where}: malformed arrays table (columns differ in length)")
+    return b
 
 
 def parse_arrays(data: bytes, where: str, *, verified: bool = False) -> dict[str, ArrayRecord]:
