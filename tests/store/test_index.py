@@ -367,3 +367,36 @@ def test_a_failed_index_job_leaves_the_rows_to_the_writer(
     # CLOSE_MIN commits is left to the headers, as after any session
     assert set(slots[:4]) <= set(rows) and len(set(slots) - set(rows)) < 8
     assert not check(r)
+
+
+def test_background_jobs_are_rate_limited_but_the_tail_stays_bounded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job is an interpreter start: a fast loop starts one at its first segment's worth,
+    then at most one per ``JOB_INTERVAL_S`` — unless ``JOB_MAX_TAIL`` segments' worth are
+    pending — and the close indexes what is left; every commit ends up with a row."""
+    from dstt.store import index as index_mod
+    from dstt.store.index import IndexWriter
+
+    def count_jobs(max_tail: int) -> tuple[int, Reader]:
+        starts: list[int] = []
+        real_start = IndexWriter._start_job
+
+        def spy(self: IndexWriter) -> None:
+            starts.append(len(self.pending))
+            real_start(self)
+            self.wait()  # done before the next commit: only the rate limit holds jobs back
+
+        monkeypatch.setattr(IndexWriter, "_start_job", spy)
+        monkeypatch.setattr(index_mod, "JOB_MAX_TAIL", max_tail)
+        st = LocalStorage(tmp_path / f"run{max_tail}", create=True)
+        repo = _run(st, range(N), every=4)
+        monkeypatch.setattr(IndexWriter, "_start_job", real_start)
+        assert starts[0] == 4  # the first segment's worth goes at once
+        return len(starts), repo.reader()
+
+    few, r = count_jobs(max_tail=1000)  # N commits in well under JOB_INTERVAL_S
+    assert few == 2  # the first, and the close's
+    assert set(r.index.load().rows) == {h.slot for h in r.lineage()}
+    more, r = count_jobs(max_tail=2)  # a job whenever 8 rows are pending
+    assert more >= N // 8
+    assert set(r.index.load().rows) == {h.slot for h in r.lineage()}
