@@ -150,6 +150,7 @@ class Pipeline:
             # copied here, on the training thread, before it returns: no copy window (the
             # version guard has nothing to watch) and no thread hand-off
             steps = self._ensure_steps(plan)
+            t0 = time.perf_counter()
             index, waited = steps.acquire()
             try:
                 with torch.no_grad():
@@ -159,6 +160,7 @@ class Pipeline:
                 steps.release(index)
                 raise
             f.buffer, f.stall_s, f.precopied = index, waited, True
+            f.blocked_s += time.perf_counter() - t0  # training waited for this copy
             f.guard = VersionGuard({}, {}, verify=False)
         with self._lock:
             live = [x for x in self._flights if not x.done.is_set()]
