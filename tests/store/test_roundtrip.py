@@ -155,6 +155,11 @@ OBJECTS = {
     "np_bf16": np.arange(5, dtype=np.float32).astype(ml_dtypes.bfloat16),
     "np_nan": np.array([np.nan, -np.inf], dtype=np.float64),
     "np_in_tuple": ("rng", np.arange(3, dtype=np.uint32)),
+    # sequences encoded as they are (no call per item): words, names, finite numbers
+    "rng_words": (3, tuple(range(625)), None),
+    "names": ["a.weight", "a.bias", ""],
+    "finite": [0.5, -0.0, 2, True, 1e-310],
+    "nan_in_tuple": (1.0, float("nan")),  # not finite: the tagged path
 }
 
 

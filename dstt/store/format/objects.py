@@ -57,6 +57,19 @@ def _dtype_in(s: str) -> np.dtype[Any]:
     return np.dtype(s)
 
 
+_PLAIN = frozenset({str, int, bool, type(None)})  # JSON as they are (exact types only)
+_NUMBERS = frozenset({float, int, bool})
+
+
+def _plain_items(x: list[Any] | tuple[Any, ...]) -> bool:
+    """Every item is a str/int/bool/None, or a finite float: the sequence encodes as it is
+    (checked in C: RNG words and name lists without a Python call per item)."""
+    types = set(map(type, x))
+    if types <= _PLAIN:
+        return True
+    return types <= _NUMBERS and all(map(math.isfinite, x))
+
+
 def _enc(x: Any) -> Any:
     if x is None or isinstance(x, (bool, str)):
         return x
@@ -71,9 +84,9 @@ def _enc(x: Any) -> Any:
             return {k: _enc(v) for k, v in x.items()}
         return {"$dict": [[_enc(k), _enc(v)] for k, v in x.items()]}
     if isinstance(x, list):
-        return [_enc(v) for v in x]
+        return list(x) if _plain_items(x) else [_enc(v) for v in x]
     if isinstance(x, tuple):
-        return {"$tuple": [_enc(v) for v in x]}
+        return {"$tuple": list(x) if _plain_items(x) else [_enc(v) for v in x]}
     if isinstance(x, (bytes, bytearray, memoryview)):
         return {"$bytes": base64.b64encode(bytes(x)).decode()}
     if isinstance(x, np.ndarray):
