@@ -24,7 +24,7 @@ from __future__ import annotations
 import operator
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +129,10 @@ class StepBuffers:
         self.images: list[dict[int, Any]] = [{} for _ in range(count)]
         self._free = list(range(count))
         self._cond = threading.Condition()
+        #: called with True when a step takes the last free buffer (the writer is behind) and
+        #: with False once every buffer is free again (the flusher's priority follows it)
+        self.on_pressure: Callable[[bool], None] | None = None
+        self._pressed = False
         self._closed = False
         self.stall_s = 0.0
 
@@ -153,11 +157,19 @@ class StepBuffers:
                 raise RuntimeError("step buffers closed")
             waited = time.perf_counter() - t0
             self.stall_s += waited
-            return self._free.pop(0), waited
+            index = self._free.pop(0)
+            if not self._free and self.on_pressure is not None and not self._pressed:
+                self._pressed = True  # the last free buffer: the writer is behind, let it
+                self.on_pressure(True)  # catch up before a step has to wait for it
+            return index, waited
 
     def release(self, index: int) -> None:
         with self._cond:
             self._free.append(index)
+            if self._pressed and len(self._free) == self.count:  # caught up: all free
+                self._pressed = False
+                if self.on_pressure is not None:
+                    self.on_pressure(False)
             self._cond.notify_all()
 
     def close(self) -> None:

@@ -214,6 +214,8 @@ class Pipeline:
                                   f"not start ({e})", RuntimeWarning, stacklevel=2)
                     self.flusher = None
             self.steps = StepBuffers(plan.nbytes, count, pin=pin, memory=memory)
+            if self.flusher is not None:
+                self.steps.on_pressure = self.flusher.urgent
         return self.steps
 
     def wait_copied(self, f: Flight) -> float:

@@ -78,6 +78,7 @@ class Flusher:
         if not flusher_supported():
             raise OSError(_errno.ENOSYS, "the flusher needs Linux memfd_create")
         self.nbytes, self.count = nbytes, count
+        self._sched = sched
         self._fds: list[int] = []
         self.buffers: list[mmap.mmap] = []
         self.proc: subprocess.Popen[bytes] | None = None
@@ -115,6 +116,18 @@ class Flusher:
         self._reader = threading.Thread(target=self._read_replies, name="dstt-flusher-replies",
                                         daemon=True)
         self._reader.start()
+
+    def urgent(self, on: bool) -> None:
+        """Run the child at normal priority while the engine waits for it (``on``), at
+        ``SCHED_IDLE`` again once it has caught up. ``SCHED_IDLE`` uses only idle CPU, which
+        a training loop on every core leaves too little of: the ring of step buffers fills
+        and training blocks. Where the OS refuses (an unprivileged process whose
+        ``RLIMIT_NICE`` forbids it), the child keeps its priority."""
+        if self._sched != "idle" or self.proc is None:
+            return
+        policy = os.SCHED_OTHER if on else os.SCHED_IDLE
+        with contextlib.suppress(OSError, AttributeError):
+            os.sched_setscheduler(self.proc.pid, policy, os.sched_param(0))
 
     def _read_replies(self) -> None:
         """Hand each reply to the request that waits for it (requests overlap: the child

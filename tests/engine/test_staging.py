@@ -138,3 +138,52 @@ def test_verify_mode_passes_an_untouched_tensor() -> None:
     guard.add_copy("w", src[:60].clone())
     guard.add_copy("w", src[60:].clone())
     assert guard.check({"w": w}) == []
+
+
+def test_step_buffers_report_pressure_when_the_last_buffer_goes_and_relief_when_all_are_back(
+) -> None:
+    """The flusher runs at SCHED_IDLE until the ring runs low: taking the last free buffer
+    says so (it is raised to normal priority), and only a ring that is free again lowers it."""
+    from dstt.engine.flatlane import StepBuffers
+
+    ring = StepBuffers(64, 3)
+    calls: list[bool] = []
+    ring.on_pressure = calls.append
+    a, _ = ring.acquire()
+    b, _ = ring.acquire()
+    assert calls == []  # one left: no pressure yet
+    c, _ = ring.acquire()
+    assert calls == [True]
+    ring.release(a)
+    d, _ = ring.acquire()  # the last one again, while still pressed: said once
+    assert calls == [True]
+    for i in (b, c, d):
+        ring.release(i)
+    assert calls == [True, False]
+
+
+def test_an_urgent_flusher_runs_at_normal_priority_until_it_has_caught_up() -> None:
+    import os
+
+    from dstt.store import Flusher, flusher_supported
+
+    if not flusher_supported() or not hasattr(os, "SCHED_IDLE"):
+        pytest.skip("the flusher process needs Linux")
+    fl = Flusher(4096, 2)
+    try:
+        assert fl.proc is not None
+        pid = fl.proc.pid
+        deadline = time.monotonic() + 10  # the child lowers itself once it starts
+        while os.sched_getscheduler(pid) != os.SCHED_IDLE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+        fl.urgent(True)
+        if os.sched_getscheduler(pid) != os.SCHED_OTHER:  # refused here: urgent() tolerates
+            with pytest.raises(PermissionError):  # it, as documented; the OS refuses it
+                os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+        else:
+            assert os.sched_getscheduler(pid) == os.SCHED_OTHER
+        fl.urgent(False)
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+    finally:
+        fl.close()
