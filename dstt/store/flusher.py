@@ -79,6 +79,8 @@ class Flusher:
             raise OSError(_errno.ENOSYS, "the flusher needs Linux memfd_create")
         self.nbytes, self.count = nbytes, count
         self._sched = sched
+        #: DSTT_FLUSHER_URGENT=0: stay at SCHED_IDLE even when the engine waits (to compare)
+        self._urgent_ok = os.environ.get("DSTT_FLUSHER_URGENT", "1") != "0"
         self._fds: list[int] = []
         self.buffers: list[mmap.mmap] = []
         self.proc: subprocess.Popen[bytes] | None = None
@@ -123,7 +125,7 @@ class Flusher:
         a training loop on every core leaves too little of: the ring of step buffers fills
         and training blocks. Where the OS refuses (an unprivileged process whose
         ``RLIMIT_NICE`` forbids it), the child keeps its priority."""
-        if self._sched != "idle" or self.proc is None:
+        if self._sched != "idle" or self.proc is None or not self._urgent_ok:
             return
         policy = os.SCHED_OTHER if on else os.SCHED_IDLE
         with contextlib.suppress(OSError, AttributeError):

@@ -96,3 +96,17 @@ def test_hotpath_bench_quick(tmp_path: Path) -> None:
     assert bare["blocked_s_per_step"] > 0 and bare["copy_s"] > 0 and bare["write_s"] > 0
     assert bare["engine_cpu_s_per_step"] is not None
     assert lin["modes"]["torch_save"]["blocked_s_per_step"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_hotpath_profile_runs_and_names_the_engine_threads_and_steps() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "hotpath_profile.py"), "--workload", "lin360",
+         "--threads", "1", "--iters", "5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "lin360, torch threads 1:" in out and "x); blocked per step median" in out
+    for row in ("| training (main) |", "| dstt-commit |", "| dstt-copy |",
+                "| `Pipeline._copy_flat` |", "| `Transaction.commit` |", "| `Pipeline.stage` |"):
+        assert row in out, row
