@@ -7,7 +7,10 @@ Two views of the same loop (a checkpoint every iteration, dstt defaults), after 
   flusher, index jobs), next to the iteration time with and without dstt — what competes with
   training for the cores;
 * **per function**: CPU milliseconds per step of the engine's steps as their threads see them
-  (``time.thread_time`` around each, so waiting is not counted) — where that CPU goes.
+  (``time.thread_time`` around each, so waiting is not counted) — where that CPU goes;
+* the training thread's time off the CPU that is not dstt's blocked time: waiting for the
+  GIL the engine's threads hold, or for a core (with torch threads = 1 and a spare core,
+  mostly the GIL).
 
     python bench/hotpath_profile.py [--workload lin1200] [--threads 2] [--iters 100]
 
@@ -122,10 +125,11 @@ def main(argv: list[str] | None = None) -> None:
             cpu.clear()
             calls.clear()
             a, ca = _ticks(os.getpid()), _children()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(args.iters):
                 tr.step()
             wall = (time.perf_counter() - t0) / args.iters
+            train_cpu = (time.thread_time() - c0) / args.iters
             b, cb = _ticks(os.getpid()), _children()
             names = {str(t.native_id): t.name for t in threading.enumerate()}
             blocked = sorted(m.blocked_s for m in list(s.metrics)[-args.iters:])
@@ -136,15 +140,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.workload}, torch threads {args.threads}: {none * 1e3:.1f} ms/iter without "
           f"checkpoints, {wall * 1e3:.1f} with dstt ({wall / none:.2f}x); blocked per step "
           f"median {blocked[len(blocked) // 2] * 1e3:.2f} ms, mean "
-          f"{sum(blocked) / len(blocked) * 1e3:.2f} ms\n")
+          f"{sum(blocked) / len(blocked) * 1e3:.2f} ms")
+    off = wall - train_cpu - sum(blocked) / len(blocked)
+    print(f"training thread: {train_cpu * 1e3:.1f} ms of CPU per iteration; off the CPU and "
+          f"not blocked by dstt {off * 1e3:.1f} ms (waiting for the GIL, or for a core)\n")
     print("| thread | user ms/iter | sys ms/iter |\n|---|---:|---:|")
     for tid, (name, u, sy) in sorted(b.items(), key=lambda kv: -(kv[1][1] + kv[1][2])):
         u0, s0 = a.get(tid, (name, 0, 0))[1:]
         du, ds = (u - u0) / HZ / n * 1e3, (sy - s0) / HZ / n * 1e3
-        if du + ds >= 0.05:
-            label = names.get(tid, name)
-            label = "training (main)" if label == "MainThread" else label
-            label = "torch intra-op worker" if label == "python" else label
+        label = names.get(tid, name)
+        label = "training (main)" if label == "MainThread" else label
+        label = "torch intra-op worker" if label == "python" else label
+        if du + ds >= 0.05 or label.startswith(("dstt", "training")):  # (CPU in 1/HZ ticks)
             print(f"| {label} | {du:.2f} | {ds:.2f} |")
     for pid, (what, u, sy) in cb.items():
         u0, s0 = ca.get(pid, (what, 0, 0))[1:]
