@@ -8,7 +8,9 @@ dstt.store._flusher_main``, no torch) that shares the engine's whole-step host b
 ``memfd`` shared memory: per step the parent sends one small message (which buffer, which
 layout, where in which temporary zip) and gets back the chunk checksums, the zip central
 directory records and the write-time digests. The child runs at ``SCHED_IDLE`` where the OS
-allows, so it only ever uses CPU that training leaves idle.
+allows, so it uses CPU that training leaves idle — except while the engine runs out of step
+buffers (``urgent``): then at normal priority until it has caught up. Two requests can be in
+flight: the child checksums one step while its writer thread waits for the disk on another.
 
 What stays in the parent: the commit protocol (manifest, barrier, header, ref), objects,
 and every decision. The child only fills bytes the parent reserved in a file the parent
