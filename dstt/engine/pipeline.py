@@ -6,7 +6,8 @@ background threads:
 
     copy thread   begin txn → declare arrays → for each chunk: reserve lease (may block: the
                   byte budget) → copy → hand to writers; stage-time objects go to writers too
-    writers       wait chunk ready → ``txn.put_chunk`` → release lease (objects: ``put_object``)
+    writers       wait chunk ready → ``txn.put_chunk`` → release lease (objects: ``put_object``;
+                  a flat step: ``flatwrite.FlatLane.write``, its buffer, the flusher)
     committer     in step order: wait copied + sealed (boundary objects, metrics, race check
                   passed) + all writes done → write-time summaries (``summaries.py``, computed
                   by the writers on the host copies of ``params/``) → ``txn.commit`` — or
@@ -34,30 +35,27 @@ from typing import Any
 
 import torch
 
-from ..errors import CaptureError, StorageError
+from ..errors import CaptureError
 from ..store import (
-    DigestPlan,
-    FlatImage,
     Flusher,
     LocalStorage,
     Prediction,
     StepWriter,
-    digest,
     flusher_supported,
 )
 from ._convert import flat_bytes
 from .dims import DimsOf
-from .flatlane import FlatPlan, StepBuffers, plan_key
+from .flatlane import FlatPlan, StepBuffers
+from .flatwrite import SUMMARIZED, FlatLane
 from .flight import Flight, StepMetrics, _Aborted, _encode_metrics
 from .governor import EncodeGovernor
 from .staging import Copier, HostCache, Lease, RaceReport, Ready, VersionGuard
-from .summaries import SummaryBook, flat_digest_plan
+from .summaries import SummaryBook
 
 __all__ = ["Flight", "Pipeline", "StepMetrics"]
 
 MiB = 1024 * 1024
 SUMMARIES_OBJECT = "summaries"  # read by dstt.inspect.summaries
-SUMMARIZED = ("params/",)  # array prefixes that get write-time summaries
 METRICS_KEPT = 100_000  # per-step metrics kept in memory (the newest)
 
 
@@ -92,9 +90,6 @@ class Pipeline:
         #: do not encode; steps larger than half the budget use the chunk lane
         self._flat_ok = (hasattr(writer, "flat_layout") and not verify
                          and getattr(writer, "encoder", None) is None)
-        self._plans: dict[tuple[object, ...], FlatPlan] = {}
-        self._digests: dict[int, DigestPlan] = {}
-        self.steps: StepBuffers | None = None
         if copy not in ("async", "sync", "auto"):
             raise ValueError(f"copy must be 'async', 'sync' or 'auto', not {copy!r}")
         self.copy = copy
@@ -102,9 +97,8 @@ class Pipeline:
             flusher = os.environ.get("DSTT_FLUSHER", "1") != "0"
         self._want_flusher = flusher and flusher_supported() and isinstance(
             getattr(writer, "storage", None), LocalStorage)
-        self.flusher: Flusher | None = None
-        self._lost = False  # the flusher died (warned once)
-        self._images: dict[tuple[int, int], FlatImage] = {}  # (id(layout), start) -> sizes
+        self.flat = FlatLane(writer, budget_bytes=budget_bytes, dims=dims,
+                             flusher=self._want_flusher, summarize=summaries)
         self._copier = Copier()
         self._flights: list[Flight] = []
         self._lock = threading.Lock()
@@ -128,6 +122,16 @@ class Pipeline:
         self._writers = [self._spawn(self._write_loop, f"dstt-write-{i}")
                          for i in range(n_writers)]
 
+    @property
+    def steps(self) -> StepBuffers | None:
+        """The flat lane's ring of step buffers (None until the first flat step)."""
+        return self.flat.steps
+
+    @property
+    def flusher(self) -> Flusher | None:
+        """The flat lane's flusher process, if one runs."""
+        return self.flat.flusher
+
     @staticmethod
     def _spawn(target: Any, name: str) -> threading.Thread:
         t = threading.Thread(target=target, name=name, daemon=True)
@@ -144,12 +148,12 @@ class Pipeline:
         ``keyframe``: write every chunk whole (plain Zarr) even when the writer encodes."""
         if self._closed:
             raise CaptureError("the capture pipeline is closed")
-        plan = self._flat_plan(tensors) if self._flat_ok else None
+        plan = self.flat.plan(tensors) if self._flat_ok else None
         f = Flight(step, tensors, objects, self.verify, predictions, flat=plan)
         if plan is not None and self._copy_now(plan):
             # copied here, on the training thread, before it returns: no copy window (the
             # version guard has nothing to watch) and no thread hand-off
-            steps = self._ensure_steps(plan)
+            steps = self.flat.ensure_steps(plan)
             t0 = time.perf_counter()
             index, waited = steps.acquire()
             try:
@@ -181,42 +185,6 @@ class Pipeline:
         if plan.cuda or self.copy == "async":
             return False
         return self.copy == "sync" or torch.get_num_threads() >= (os.cpu_count() or 1)
-
-    def _flat_plan(self, tensors: Mapping[str, torch.Tensor]) -> FlatPlan | None:
-        """The cached flat plan of these tensors, or None where the chunk lane must serve
-        (no tensors, or a step too large for two whole-step buffers in the budget)."""
-        if not tensors:
-            return None
-        key = plan_key(tensors)
-        plan = self._plans.get(key)
-        if plan is None or not plan.fits(tensors):
-            plan = FlatPlan.build(self.writer, tensors, self.dims)
-            if len(self._plans) >= 4:  # a model that keeps changing: do not pile up plans
-                self._plans.clear()
-            self._plans[key] = plan
-        if 2 * plan.nbytes > self.budget_bytes:
-            return None
-        if self.steps is not None and plan.nbytes > self.steps.nbytes:
-            return None  # larger than the buffers already allocated: chunk lane
-        return plan
-
-    def _ensure_steps(self, plan: FlatPlan) -> StepBuffers:
-        if self.steps is None:
-            count = max(2, min(4, self.budget_bytes // plan.nbytes))
-            pin = plan.cuda and torch.cuda.is_available()
-            memory = None
-            if self._want_flusher:
-                try:
-                    self.flusher = Flusher(plan.nbytes, count)
-                    memory = self.flusher.buffers
-                except (OSError, StorageError) as e:  # no memfd, no fork: writer threads
-                    warnings.warn(f"dstt: writing from threads, the flusher process could "
-                                  f"not start ({e})", RuntimeWarning, stacklevel=2)
-                    self.flusher = None
-            self.steps = StepBuffers(plan.nbytes, count, pin=pin, memory=memory)
-            if self.flusher is not None:
-                self.steps.on_pressure = self.flusher.urgent
-        return self.steps
 
     def wait_copied(self, f: Flight) -> float:
         """Block until every chunk of ``f`` is on the host and fewer than ``max_backlog``
@@ -332,10 +300,7 @@ class Pipeline:
             t.join()
         if self.cache is not None:
             self.cache.close()
-        if self.steps is not None:
-            self.steps.close()
-        if self.flusher is not None:
-            self.flusher.close()
+        self.flat.close()
 
     # -- copy thread --------------------------------------------------------------------
     def _copy_loop(self) -> None:
@@ -435,7 +400,7 @@ class Pipeline:
             f.flat_queued = True
             self._write_q.put((f, "flat"))
             return
-        steps = self._ensure_steps(plan)
+        steps = self.flat.ensure_steps(plan)
         index, waited = steps.acquire()
         f.stall_s += waited
         try:
@@ -462,7 +427,7 @@ class Pipeline:
                 if task[1] == "chunk":
                     self._write_chunk(f, task[2], task[3], task[4], task[5])
                 elif task[1] == "flat":
-                    self._write_flat(f)
+                    self.flat.write(f)
                 elif not f.dead:
                     self._put_object(f, task[2], task[3])
             except BaseException as e:
@@ -486,72 +451,6 @@ class Pipeline:
                     acc.add(plan.byte_range(i)[0] // plan.itemsize, values)
         finally:
             self.cache.release(lease)
-
-    def _write_flat(self, f: Flight) -> None:
-        """Write a flat step once sealed (a detected race may still recopy into its buffer
-        until then), summarise it from the same buffer, then free the buffer."""
-        assert self.steps is not None and f.flat is not None and f.buffer is not None
-        try:
-            f.wait_sealed()
-            if f.dead:
-                return
-            buf = self.steps.buffers[f.buffer]
-            layout = f.flat.layout
-            plan = self._digest_plan(f.flat) if self._book is not None else None
-            fl = self.flusher
-            if fl is not None and not fl.dead and getattr(f.txn, "zip", None) is not None:
-                start = f.txn.reserve_flat(layout, lambda s: self._image(layout, s).nbytes)
-                path = f.txn.zip.local_path
-                # the child owns the zip framing in this buffer: should this process write
-                # from it later (the flusher died), its images bind it anew
-                self.steps.images[f.buffer].clear()
-                try:
-                    crcs, directory, stats = fl.write(f.buffer, layout, start, path, plan)
-                except StorageError:
-                    if not fl.dead:
-                        raise  # the write itself failed (the disk): the step fails
-                    # the child is gone, maybe mid-write: the range is still this step's
-                    # (the file is unpublished), write it again from here
-                    self._flusher_lost()
-                    f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer],
-                                   start=start)
-                    stats = digest(plan, buf.numpy()) if plan is not None else None
-                else:
-                    im = self._image(layout, start)
-                    f.txn.complete_flat(layout, im.offsets, im.sizes, crcs, directory)
-            else:
-                f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer])
-                stats = digest(plan, buf.numpy()) if plan is not None else None
-            if plan is not None and stats is not None:
-                f.flat_stats = {"paths": plan.paths, "numel": plan.numel, **stats}
-        finally:
-            index, f.buffer = f.buffer, None
-            self.steps.release(index)
-
-    def _flusher_lost(self) -> None:
-        with self._lock:
-            first, self._lost = not self._lost, True
-        if first:
-            warnings.warn("dstt: the flusher process died; steps are written from threads "
-                          "from now on (no step was lost)", RuntimeWarning, stacklevel=3)
-
-    def _image(self, layout: Any, start: int) -> FlatImage:
-        """Where the entries of ``layout`` land when placed at ``start`` (no buffer)."""
-        key = (id(layout), start)
-        im = self._images.get(key)
-        if im is None or im.layout is not layout:
-            if len(self._images) > 16:
-                self._images.clear()
-            im = self._images[key] = FlatImage(layout, start, None)
-        return im
-
-    def _digest_plan(self, plan: FlatPlan) -> DigestPlan:
-        d = self._digests.get(id(plan))
-        if d is None:
-            d = self._digests[id(plan)] = flat_digest_plan(
-                [(a.path, a.dtype, a.offset, a.nbytes // a.plan.itemsize)
-                 for a in plan.layout.arrays if a.path.startswith(SUMMARIZED)])
-        return d
 
     def _put_object(self, f: Flight, name: str, obj: Any) -> None:
         try:

@@ -1,0 +1,158 @@
+"""The flat lane's side of the pipeline: plans, the ring of step buffers, the flusher, one write.
+
+``flatlane.py`` holds the values (a ``FlatPlan``, the ``StepBuffers`` ring); this module holds
+what the pipeline does with them: find the cached plan of a step's tensors (or say the chunk
+lane must serve), allocate the ring once — in the flusher process's shared memory where it
+can start — and write one sealed step from its buffer: by the flusher (two steps in flight,
+normal priority while the ring runs dry), or from the calling writer thread where there is
+no flusher or it died mid-write (the reserved range is the step's own, so it is written
+again here and nothing is lost). Kept out of ``pipeline.py``, which orders the threads and
+steps and knows nothing of buffers, shared memory or zip images.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import StorageError
+from ..store import DigestPlan, FlatImage, Flusher, digest
+from .dims import DimsOf
+from .flatlane import FlatPlan, StepBuffers, plan_key
+from .flight import Flight
+from .summaries import flat_digest_plan
+
+__all__ = ["SUMMARIZED", "FlatLane"]
+
+SUMMARIZED = ("params/",)  # array prefixes that get write-time summaries
+
+
+class FlatLane:
+    """Plans, step buffers and the flusher of one pipeline's flat lane."""
+
+    def __init__(self, writer: Any, *, budget_bytes: int, dims: DimsOf | None,
+                 flusher: bool, summarize: bool) -> None:
+        """``flusher``: write from a flusher process where it starts; ``summarize``: digest
+        the parameters of every step (the write-time summaries)."""
+        self.writer, self.budget_bytes, self.dims = writer, budget_bytes, dims
+        self.want_flusher, self.summarize = flusher, summarize
+        self.steps: StepBuffers | None = None
+        self.flusher: Flusher | None = None
+        self._plans: dict[tuple[object, ...], FlatPlan] = {}
+        self._digests: dict[int, DigestPlan] = {}
+        self._images: dict[tuple[int, int], FlatImage] = {}  # (id(layout), start) -> sizes
+        self._lock = threading.Lock()
+        self._lost = False  # the flusher died (warned once)
+
+    def plan(self, tensors: Mapping[str, torch.Tensor]) -> FlatPlan | None:
+        """The cached flat plan of these tensors, or None where the chunk lane must serve
+        (no tensors, or a step too large for two whole-step buffers in the budget)."""
+        if not tensors:
+            return None
+        key = plan_key(tensors)
+        plan = self._plans.get(key)
+        if plan is None or not plan.fits(tensors):
+            plan = FlatPlan.build(self.writer, tensors, self.dims)
+            if len(self._plans) >= 4:  # a model that keeps changing: do not pile up plans
+                self._plans.clear()
+            self._plans[key] = plan
+        if 2 * plan.nbytes > self.budget_bytes:
+            return None
+        if self.steps is not None and plan.nbytes > self.steps.nbytes:
+            return None  # larger than the buffers already allocated: chunk lane
+        return plan
+
+    def ensure_steps(self, plan: FlatPlan) -> StepBuffers:
+        """The ring of step buffers, allocated at the first flat step."""
+        if self.steps is None:
+            count = max(2, min(4, self.budget_bytes // plan.nbytes))
+            pin = plan.cuda and torch.cuda.is_available()
+            memory = None
+            if self.want_flusher:
+                try:
+                    self.flusher = Flusher(plan.nbytes, count)
+                    memory = self.flusher.buffers
+                except (OSError, StorageError) as e:  # no memfd, no fork: writer threads
+                    warnings.warn(f"dstt: writing from threads, the flusher process could "
+                                  f"not start ({e})", RuntimeWarning, stacklevel=3)
+                    self.flusher = None
+            self.steps = StepBuffers(plan.nbytes, count, pin=pin, memory=memory)
+            if self.flusher is not None:
+                self.steps.on_pressure = self.flusher.urgent
+        return self.steps
+
+    def write(self, f: Flight) -> None:
+        """Write a flat step once sealed (a detected race may still recopy into its buffer
+        until then), summarise it from the same buffer, then free the buffer."""
+        assert self.steps is not None and f.flat is not None and f.buffer is not None
+        try:
+            f.wait_sealed()
+            if f.dead:
+                return
+            buf = self.steps.buffers[f.buffer]
+            layout = f.flat.layout
+            plan = self._digest_plan(f.flat) if self.summarize else None
+            fl = self.flusher
+            if fl is not None and not fl.dead and getattr(f.txn, "zip", None) is not None:
+                start = f.txn.reserve_flat(layout, lambda s: self._image(layout, s).nbytes)
+                path = f.txn.zip.local_path
+                # the child owns the zip framing in this buffer: should this process write
+                # from it later (the flusher died), its images bind it anew
+                self.steps.images[f.buffer].clear()
+                try:
+                    crcs, directory, stats = fl.write(f.buffer, layout, start, path, plan)
+                except StorageError:
+                    if not fl.dead:
+                        raise  # the write itself failed (the disk): the step fails
+                    # the child is gone, maybe mid-write: the range is still this step's
+                    # (the file is unpublished), write it again from here
+                    self._flusher_lost()
+                    f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer],
+                                   start=start)
+                    stats = digest(plan, buf.numpy()) if plan is not None else None
+                else:
+                    im = self._image(layout, start)
+                    f.txn.complete_flat(layout, im.offsets, im.sizes, crcs, directory)
+            else:
+                f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer])
+                stats = digest(plan, buf.numpy()) if plan is not None else None
+            if plan is not None and stats is not None:
+                f.flat_stats = {"paths": plan.paths, "numel": plan.numel, **stats}
+        finally:
+            index, f.buffer = f.buffer, None
+            self.steps.release(index)
+
+    def close(self) -> None:
+        if self.steps is not None:
+            self.steps.close()
+        if self.flusher is not None:
+            self.flusher.close()
+
+    def _flusher_lost(self) -> None:
+        with self._lock:
+            first, self._lost = not self._lost, True
+        if first:
+            warnings.warn("dstt: the flusher process died; steps are written from threads "
+                          "from now on (no step was lost)", RuntimeWarning, stacklevel=4)
+
+    def _image(self, layout: Any, start: int) -> FlatImage:
+        """Where the entries of ``layout`` land when placed at ``start`` (no buffer)."""
+        key = (id(layout), start)
+        im = self._images.get(key)
+        if im is None or im.layout is not layout:
+            if len(self._images) > 16:
+                self._images.clear()
+            im = self._images[key] = FlatImage(layout, start, None)
+        return im
+
+    def _digest_plan(self, plan: FlatPlan) -> DigestPlan:
+        d = self._digests.get(id(plan))
+        if d is None:
+            d = self._digests[id(plan)] = flat_digest_plan(
+                [(a.path, a.dtype, a.offset, a.nbytes // a.plan.itemsize)
+                 for a in plan.layout.arrays if a.path.startswith(SUMMARIZED)])
+        return d
