@@ -125,6 +125,7 @@ class RecordedData(TrackedData):
         self._skips = skips
         self._skip_indices = {b.indices for b in skips.batches if b.indices is not None}
         self._skip_hashes = {b.hash for b in skips.batches if b.indices is None}
+        self._queue: list[list[int]] | None = None  # this pass's tap queue
 
     def _watch(self) -> _Tap | None:
         """The index tap on the loader (installed on first use), set up to record and filter
@@ -141,36 +142,21 @@ class RecordedData(TrackedData):
         tap.samples, tap.lists = self._skips.samples, self._skip_indices
         return tap
 
-    def __iter__(self) -> Iterator[Any]:
-        sampler = getattr(self.loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(self.position.epoch)  # type: ignore[union-attr]
+    def _begin_pass(self) -> None:
         tap = self._watch()
-        it = iter(self.loader)
-        queue = tap.queue if tap is not None else None
-        skip, self._skip = self._skip, 0
-        for _ in range(skip):
-            try:
-                next(it)
-            except StopIteration:
-                break
-            if queue:
-                queue.pop(0)
-        while True:
-            if self._on_next is not None:
-                self._on_next()  # the iteration boundary, before the loader advances
-            try:
-                batch = next(it)
-            except StopIteration:
-                break
-            p = self.position
-            self.position = DataPosition(p.epoch, p.batch + 1, p.total + 1)
-            fp = Batch(indices=tuple(queue.pop(0))) if queue else fingerprint(batch)
-            if fp.indices is None and fp.hash in self._skip_hashes:
-                continue
-            self._log.add(self._step_of_next() + 1, fp)
-            yield batch
-        self.position = DataPosition(self.position.epoch + 1, 0, self.position.total)
+        self._queue = tap.queue if tap is not None else None
+
+    def _skipped(self) -> None:
+        if self._queue:
+            self._queue.pop(0)
+
+    def _keep(self, batch: Any) -> bool:
+        queue = self._queue
+        fp = Batch(indices=tuple(queue.pop(0))) if queue else fingerprint(batch)
+        if fp.indices is None and fp.hash in self._skip_hashes:
+            return False
+        self._log.add(self._step_of_next() + 1, fp)
+        return True
 
 
 class _Tap:

@@ -371,6 +371,7 @@ class TrackedData:
         sampler = getattr(self.loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.position.epoch)  # type: ignore[union-attr]
+        self._begin_pass()
         it = iter(self.loader)
         skip, self._skip = self._skip, 0
         for _ in range(skip):
@@ -378,6 +379,7 @@ class TrackedData:
                 next(it)
             except StopIteration:
                 break
+            self._skipped()
         while True:
             if self._on_next is not None:
                 self._on_next()  # the iteration boundary, before the loader advances
@@ -387,8 +389,20 @@ class TrackedData:
                 break
             p = self.position
             self.position = DataPosition(p.epoch, p.batch + 1, p.total + 1)
-            yield batch
+            if self._keep(batch):
+                yield batch
         self.position = DataPosition(self.position.epoch + 1, 0, self.position.total)
+
+    # hooks for subclasses (``dstt._data`` records and filters batches through them)
+    def _begin_pass(self) -> None:
+        """A pass starts: the epoch is set, the loader's iterator not yet made."""
+
+    def _skipped(self) -> None:
+        """One already-consumed batch was drawn and dropped (resume)."""
+
+    def _keep(self, batch: Any) -> bool:
+        """Whether to hand ``batch`` to training (it counts as consumed either way)."""
+        return True
 
     def state(self) -> dict[str, int]:
         p = self.position
