@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from ..store import find_spikes
+from ..store import SUMMARY_SCALARS, as_float, find_spikes
 from .naming import user_name
 
 __all__ = [
@@ -52,17 +52,8 @@ __all__ = [
     "utc_datetimes",
 ]
 
-SCALAR_FIELDS = ("l2", "rms", "maxabs", "nan", "inf", "update_l2", "update_ratio")
+SCALAR_FIELDS = SUMMARY_SCALARS  # the store's columns: one list of the scalar fields
 SUMMARIES_OBJECT = "summaries"
-
-
-def _as_float(v: Any) -> float:
-    if v is None or isinstance(v, (str, bytes)):
-        return math.nan
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
@@ -145,7 +136,7 @@ def metrics_dataset(headers: Sequence[Any],
         if any(isinstance(v, str) for v in vals):
             data[k] = ("step", np.array(["" if v is None else str(v) for v in vals], dtype=object))
         else:
-            data[k] = ("step", np.array([_as_float(v) for v in vals], dtype=np.float64))
+            data[k] = ("step", np.array([as_float(v) for v in vals], dtype=np.float64))
     coords = step_coords(steps, [r[0] for r in ordered], [r[1] for r in ordered],
                          [r[2] for r in ordered])
     return xr.Dataset(data, coords=coords)
@@ -180,9 +171,9 @@ def summaries_dataset(headers: Sequence[Any], read: Callable[[Any], dict[str, An
         for p, v in s.items():
             j = col[p]
             for f in SCALAR_FIELDS:
-                arrays[f][i, j] = _as_float(v.get(f))
+                arrays[f][i, j] = as_float(v.get(f))
             exact[i, j] = bool(v.get("update_exact", False))
-            pr = [_as_float(x) for x in (v.get("probe") or ())]
+            pr = [as_float(x) for x in (v.get("probe") or ())]
             probe[i, j, :len(pr)] = pr
     data: dict[str, Any] = {f: (("step", "tensor"), a) for f, a in arrays.items()}
     data["update_exact"] = (("step", "tensor"), exact)

@@ -32,6 +32,7 @@ from .format.segment import SCALARS as SUMMARY_SCALARS
 from .format.segment import RowSet
 from .format.zarr_meta import dtype_itemsize, numpy_dtype
 from .index import Index, IndexedHeader
+from .index_rows import as_float
 from .maintenance import GcReport, Problem, VerifyReport
 from .parts import Part, abort_vote, collect_parts, remove_parts
 from .protocols import FlatStepWriter, StepTransaction, StepWriter
@@ -92,6 +93,7 @@ __all__ = [
     "Writer",
     "abort_vote",
     "adam_predictions",
+    "as_float",
     "check_array_path",
     "collect_parts",
     "digest",

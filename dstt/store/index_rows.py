@@ -29,13 +29,16 @@ from .format.zarr_meta import dtype_itemsize
 if TYPE_CHECKING:
     from .reader import Reader
 
-__all__ = ["HISTORY", "SUMMARIES", "dedup", "keep_summaries", "rows_from_headers", "take"]
+__all__ = ["HISTORY", "SUMMARIES", "as_float", "dedup", "keep_summaries", "rows_from_headers",
+           "take"]
 
 SUMMARIES = "summaries"  # the engine's write-time summaries object (+ "summaries/<rank>")
 HISTORY = "metrics/history"  # steps every=K did not checkpoint (dstt._session_metrics)
 
 
-def _as_float(v: Any) -> float:
+def as_float(v: Any) -> float:
+    """A stored metric or summary value as a float (NaN for None, text, or anything else
+    that is not a number)."""
     if v is None or isinstance(v, (str, bytes)):
         return math.nan
     try:
@@ -59,9 +62,9 @@ def _summaries(obj: Any) -> dict[str, tuple[list[float], bool, list[float]]]:
     if isinstance(obj, dict):
         for p, v in obj.items():
             if isinstance(v, dict):
-                out[str(p)] = ([_as_float(v.get(f)) for f in SCALARS],
+                out[str(p)] = ([as_float(v.get(f)) for f in SCALARS],
                                bool(v.get("update_exact", False)),
-                               [_as_float(x) for x in (v.get("probe") or ())])
+                               [as_float(x) for x in (v.get("probe") or ())])
     return out
 
 
@@ -94,7 +97,7 @@ def rows_from_headers(reader: Reader, headers: Iterable[CommitHeader], *,
             if isinstance(v, str):
                 text[k] = v
             else:
-                m_num[i, col[k]] = _as_float(v)
+                m_num[i, col[k]] = as_float(v)
         m_text.append(text or None)
         hist = None
         found: list[Any] = []

@@ -395,7 +395,6 @@ class TableTemplate:
                                   "shape": [list(s) for s in shapes], "rows": list(rows)}
         if any(d is not None for d in dims):
             arrays["dims"] = [None if d is None else list(d) for d in dims]
-        self.n_chunks = len(nbytes)
         self.sizes = list(nbytes)
         self._arrays = _canonical(arrays)
         self._file = _canonical([0] * len(nbytes))
@@ -404,8 +403,8 @@ class TableTemplate:
     def dump(self, slot: int, key: str, offsets: Sequence[int], crcs: Sequence[int]) -> bytes:
         """``dump_arrays(slot, ...)`` of these arrays with chunk ``offsets`` and ``crcs``,
         all in file ``key``."""
-        if not len(offsets) == len(crcs) == self.n_chunks:
-            raise ValueError(f"a table of {self.n_chunks} chunks got {len(offsets)} offsets "
+        if not len(offsets) == len(crcs) == len(self.sizes):
+            raise ValueError(f"a table of {len(self.sizes)} chunks got {len(offsets)} offsets "
                              f"and {len(crcs)} checksums")
         raw = b"".join((
             b'{"arrays":', self._arrays, b',"chunks":{"crc32c":', _canonical(crcs),
