@@ -12,6 +12,7 @@ steps and knows nothing of buffers, shared memory or zip images.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections.abc import Mapping
@@ -83,6 +84,11 @@ class FlatLane:
             self.steps = StepBuffers(plan.nbytes, count, pin=pin, memory=memory)
             if self.flusher is not None:
                 self.steps.on_pressure = self.flusher.urgent
+                # and commits there: the commit's Python off this process's GIL
+                # (DSTT_FLUSHER_COMMIT=0: commit in this process, e.g. to compare)
+                if (hasattr(self.writer, "committer")
+                        and os.environ.get("DSTT_FLUSHER_COMMIT", "1") != "0"):
+                    self.writer.committer = self.flusher
         return self.steps
 
     def write(self, f: Flight) -> None:
@@ -97,6 +103,8 @@ class FlatLane:
             layout = f.flat.layout
             plan = self._digest_plan(f.flat) if self.summarize else None
             fl = self.flusher
+            if fl is not None and fl.dead:
+                self._flusher_lost()  # (it may have died between steps, or in a commit)
             if fl is not None and not fl.dead and getattr(f.txn, "zip", None) is not None:
                 start = f.txn.reserve_flat(layout, lambda s: self._image(layout, s).nbytes)
                 path = f.txn.zip.local_path
@@ -130,6 +138,8 @@ class FlatLane:
         if self.steps is not None:
             self.steps.close()
         if self.flusher is not None:
+            if getattr(self.writer, "committer", None) is self.flusher:
+                self.writer.committer = None
             self.flusher.close()
 
     def _flusher_lost(self) -> None:

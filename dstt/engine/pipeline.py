@@ -37,6 +37,7 @@ import torch
 
 from ..errors import CaptureError
 from ..store import (
+    Encoded,
     Flusher,
     LocalStorage,
     Prediction,
@@ -353,9 +354,13 @@ class Pipeline:
         for path, spec in f.specs.items():  # (none in the flat lane)
             f.plans[path] = (f.txn.declare(path, spec.dtype, spec.shape) if names is None
                              else f.txn.declare(path, spec.dtype, spec.shape, names.get(path)))
-        for name, obj in f.objects.items():
-            f.add_pending()
-            self._write_q.put((f, "object", name, obj))
+        if f.flat is not None:  # stored with the commit (maybe by the flusher process)
+            for name, obj in f.objects.items():
+                f.txn.defer_object(name, obj, or_pickle=True)
+        else:
+            for name, obj in f.objects.items():
+                f.add_pending()
+                self._write_q.put((f, "object", name, obj))
         if f.flat is not None:
             self._copy_flat(f, f.flat)
             return
@@ -463,6 +468,24 @@ class Pipeline:
                     "back needs trusted=True)", RuntimeWarning, stacklevel=2)
             f.txn.put_object(name, obj, encoding="pickle")
 
+    @staticmethod
+    def _defer_object(f: Flight, name: str, obj: Any) -> None:
+        f.txn.defer_object(name, obj, or_pickle=True)
+
+    def _warn_pickled(self, f: Flight) -> None:
+        """Warn once per name of an object the commit had to pickle (not plain data)."""
+        objects = getattr(f.header, "objects", None)  # (a file of a DeepSpeed tag: none)
+        if not isinstance(objects, Mapping):
+            return
+        for d in f.txn.deferred:
+            rec = objects.get(d.name)
+            if (rec is not None and rec.encoding == "pickle" and d.encoding != "pickle"
+                    and not isinstance(d.value, Encoded) and d.name not in self._pickled):
+                self._pickled.add(d.name)
+                warnings.warn(
+                    f"object {d.name!r} is not plain data; storing it with pickle (reading "
+                    "it back needs trusted=True)", RuntimeWarning, stacklevel=2)
+
     # -- committer ----------------------------------------------------------------------
     def _commit_loop(self) -> None:
         while True:
@@ -479,10 +502,11 @@ class Pipeline:
     def _finish(self, f: Flight) -> None:
         f.copied.wait()
         f.wait_sealed()
+        put = self._defer_object if f.flat is not None else self._put_object
         if not f.dead:
             for name, obj in f.seal_objects.items():
                 try:
-                    self._put_object(f, name, obj)
+                    put(f, name, obj)
                 except BaseException as e:
                     f.fail(e)
                     break
@@ -490,9 +514,9 @@ class Pipeline:
         if not f.dead and (f.summaries or f.flat_stats):
             try:
                 if f.flat_stats:
-                    self._put_object(f, self.summaries_object, self._flat_summaries(f))
+                    put(f, self.summaries_object, self._flat_summaries(f))
                 else:
-                    self._put_object(f, self.summaries_object, self._summaries(f))
+                    put(f, self.summaries_object, self._summaries(f))
             except BaseException as e:
                 f.fail(e)
         if not f.dead:
@@ -502,6 +526,8 @@ class Pipeline:
                 t0 = time.perf_counter()
                 f.header = f.txn.commit(metrics=metrics)
                 self._observe(f, time.perf_counter() - t0)
+                if f.flat is not None:
+                    self._warn_pickled(f)
             except BaseException as e:
                 f.fail(e)
         if f.dead and f.txn is not None:

@@ -51,8 +51,8 @@ class RankInfo:
 
 
 class TransactionProxy:
-    """Passes what the pipeline uses (declare, put_chunk, put_object, abort) to a store
-    transaction; subclasses change how the step is committed."""
+    """Passes what the pipeline uses (declare, put_chunk, put_object, defer_object, abort) to
+    a store transaction; subclasses change how the step is committed."""
 
     def __init__(self, txn: Any) -> None:
         self._txn = txn
@@ -71,6 +71,13 @@ class TransactionProxy:
 
     def put_encoded(self, name: str, data: bytes, encoding: Any = "json") -> Any:
         return self._txn.put_encoded(name, data, encoding)
+
+    def defer_object(self, name: str, obj: Any, **kw: Any) -> None:
+        self._txn.defer_object(name, obj, **kw)
+
+    @property
+    def deferred(self) -> list[Any]:
+        return list(self._txn.deferred)
 
     def put_flat(self, layout: Any, buf: Any, images: Any = None) -> None:
         self._txn.put_flat(layout, buf, images)

@@ -12,12 +12,15 @@ allows, so it uses CPU that training leaves idle — except while the engine run
 buffers (``urgent``): then at normal priority until it has caught up. Two requests can be in
 flight: the child checksums one step while its writer thread waits for the disk on another.
 
-What stays in the parent: the commit protocol (manifest, barrier, header, ref), objects,
-and every decision. The child only fills bytes the parent reserved in a file the parent
-created and will publish; it never renames, syncs or deletes. If it dies, the parent's write
-fails with a ``StorageError`` (the step is dropped, never half-committed) and the engine
-falls back to writing in its own threads. The child exits when the parent's end of the pipe
-closes (the parent exited or was killed), so no orphan outlives a crashed trainer.
+What stays in the parent: every decision (slots, parents, the head check, the new ref) and
+the index. The child fills bytes the parent reserved in files the parent created, and —
+where the writer hands it a flat step's commit (``stepcommit.py``, on a commit thread of its own at
+normal priority) — writes the objects, arrays table and zarr.json documents, publishes the
+files and writes the header and ref the parent decided. If it dies, the parent's write or
+commit fails with a ``StorageError`` while ``dead`` is set, and the parent does that step's
+write or commit again itself (both are idempotent: the same bytes at the same places), then
+writes from its own threads. The child exits when the parent's end of the pipe closes (the
+parent exited or was killed), so no orphan outlives a crashed trainer.
 
 Rejected alternatives: ``multiprocessing`` (its spawn start method re-imports the user's
 ``__main__``, i.e. re-runs an unguarded training script) and a C extension (a compiler on
@@ -37,16 +40,22 @@ import struct
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from typing import IO, Any, NoReturn
 
 from ..errors import StorageError
 from .flatstats import DigestPlan, digest
 from .format.flat import FlatImage, FlatLayout
-from .storage.local import pwrite_all, start_writeback
+from .format.manifest import CommitHeader
+from .format.stepfile import SideFile, StepFile, StepState
+from .stepcommit import CommitJob, NotHandedOff, run_commit
+from .storage.local import LocalStorage, pwrite_all, start_writeback
 
 __all__ = ["Flusher", "flusher_supported"]
 
 _LEN = struct.Struct("<Q")
+#: layouts, digest plans and commit constants the child keeps (sent once each)
+_SENT_KEPT = 64
 
 
 def flusher_supported() -> bool:
@@ -162,12 +171,19 @@ class Flusher:
             raise StorageError(_errno.EPROTO, f"flusher: unexpected reply {reply[0]!r}")
         return reply
 
-    def _ensure(self, kind: str, obj: object) -> int:
-        key = id(obj)
-        if self._sent.get(key) is not obj:
-            _send(self._out, (kind, key, obj))
-            self._sent[key] = obj
-        return key
+    def _ensure(self, kind: str, objs: list[Any]) -> list[int | None]:
+        """The child's ids of ``objs`` (None stays None), sending those it lacks."""
+        new = [o for o in objs if o is not None and self._sent.get(id(o)) is not o]
+        if new and len(self._sent) + len(new) > _SENT_KEPT:
+            # layouts keep changing: start afresh, there too (what came before is served)
+            _send(self._out, ("forget",))
+            self._sent.clear()
+            new = [o for o in objs if o is not None]
+        for o in new:
+            if self._sent.get(id(o)) is not o:
+                _send(self._out, (kind, id(o), o))
+                self._sent[id(o)] = o
+        return [None if o is None else id(o) for o in objs]
 
     def write(self, buffer: int, layout: FlatLayout, start: int, path: str,
               plan: DigestPlan | None) -> tuple[list[int], bytes, dict[str, Any] | None]:
@@ -184,8 +200,7 @@ class Flusher:
                     rid = self._next
                     self._next += 1
                     self._waiting[rid] = slot
-                lid = self._ensure("layout", layout)
-                pid = self._ensure("plan", plan) if plan is not None else None
+                lid, pid = self._ensure("layout", [layout, plan])
                 _send(self._out, ("flat", rid, buffer, lid, start, path, pid))
             except (EOFError, OSError, pickle.PickleError) as e:
                 self._gone(e)
@@ -196,6 +211,41 @@ class Flusher:
         if reply[0] == "err":
             raise StorageError(reply[2] or _errno.EIO, f"flusher: {reply[3]}")
         return reply[2], reply[3], reply[4]
+
+    def commit(self, root: str, durability: str, zip_state: StepState,
+               side_state: StepState, job: CommitJob) -> CommitHeader:
+        """Run a step's commit (``stepcommit.run_commit``) in the child, on files this
+        process started; returns its header. ``NotHandedOff`` (nothing sent) where the job
+        cannot be pickled; ``StorageError`` where it failed there, or the child died (then
+        ``dead``, and the job may be half done: run it here)."""
+        slot: list[Any] = [threading.Event(), None]
+        consts = (job.template, job.block, job.consolidated)
+        light = replace(job, template=None, block=None, consolidated=b"")
+        try:
+            data = pickle.dumps(light, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # an object of the step pickle refuses: commit it there
+            raise NotHandedOff(str(e)) from e
+        with self._mu:
+            try:
+                with self._wait_mu:
+                    if self.dead:
+                        raise EOFError("the pipe is closed")
+                    rid = self._next
+                    self._next += 1
+                    self._waiting[rid] = slot
+                ids = self._ensure("const", list(consts))
+                _send(self._out, ("commit", rid, root, durability, zip_state, side_state,
+                                  ids, data))
+            except (EOFError, OSError, pickle.PickleError) as e:
+                self._gone(e)
+        slot[0].wait()
+        reply = slot[1]
+        if reply is None:
+            self._gone(self._error)
+        if reply[0] == "err":
+            raise StorageError(reply[2] or _errno.EIO, f"flusher: {reply[3]}")
+        header: CommitHeader = reply[2]
+        return header
 
     def _gone(self, cause: BaseException | None) -> NoReturn:
         with self._wait_mu:
@@ -242,7 +292,6 @@ def _lower_priority(sched: str) -> None:
 def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
     """The child's loop: this thread checksums and digests each step, a writer thread
     writes it and replies — so step k+1's CPU work overlaps step k's wait for the disk."""
-    _lower_priority(sched)
     # nothing here makes reference cycles worth a collector pass per few hundred allocations
     # (each pass walks every cached image); collect once per new layout instead
     gc.disable()
@@ -259,6 +308,12 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
             _send(out, msg)
 
     writes: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+    commits: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+    # made before the priority drops: a commit is little CPU, and training waits for its
+    # step's buffer only, but a commit starved at SCHED_IDLE would pile up steps in flight
+    committer = threading.Thread(target=_commit_loop, args=(commits, reply), daemon=True)
+    committer.start()
+    _lower_priority(sched)
     writer = threading.Thread(target=_write_loop, args=(writes, reply, direct), daemon=True)
     writer.start()
     try:
@@ -270,12 +325,19 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
             kind = msg[0]
             if kind == "exit":
                 return
-            rid = msg[1] if kind == "flat" else None
+            rid = msg[1] if kind in ("flat", "commit") else None
             try:
                 if kind == "init":
                     maps = [memoryview(mmap.mmap(fd, n)) for fd, n in msg[1]]
                     reply(("ready",))
-                elif kind in ("layout", "plan"):
+                elif kind == "commit":  # in order, after this step's write (it replied)
+                    commits.put((*msg[1:6], [None if i is None else objs[i] for i in msg[6]],
+                                 msg[7]))
+                elif kind == "forget":
+                    objs.clear()
+                    images.clear()
+                    bound.clear()
+                elif kind in ("layout", "const"):
                     objs[msg[1]] = msg[2]
                     gc.collect()
                     for k in [k for k in images if k[0] == msg[1]]:
@@ -301,6 +363,28 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
     finally:
         writes.put(None)
         writer.join()
+        commits.put(None)
+        committer.join()
+
+
+def _commit_loop(commits: queue.SimpleQueue[tuple[Any, ...] | None], reply: Any) -> None:
+    """Run each step's commit on the files the parent started (``stepcommit.py``)."""
+    stores: dict[tuple[str, str], LocalStorage] = {}
+    while (task := commits.get()) is not None:
+        rid, root, durability, zip_state, side_state, consts, data = task
+        try:
+            st = stores.get((root, durability))
+            if st is None:
+                st = stores[(root, durability)] = LocalStorage(root, durability=durability)
+            template, block, consolidated = consts
+            job = replace(pickle.loads(data), template=template, block=block,
+                          consolidated=consolidated or b"")
+            header = run_commit(st, StepFile.adopt(st, zip_state),
+                                SideFile.adopt(st, side_state), job)
+        except Exception as e:
+            reply(("err", rid, getattr(e, "errno", None), f"{type(e).__name__}: {e}"))
+            continue
+        reply(("ok", rid, header))
 
 
 def _write_loop(writes: queue.SimpleQueue[tuple[Any, ...] | None], reply: Any,

@@ -34,6 +34,7 @@ from .format.manifest import (
     Metric,
     ObjectRecord,
     TableBuilder,
+    TableTemplate,
     checksum,
     dump_arrays,
 )
@@ -41,6 +42,7 @@ from .format.objects import Encoded, Encoding, encode_object
 from .format.stepfile import SideFile, StepFile
 from .format.zipfmt import crc32
 from .parts import Part
+from .stepcommit import Deferred, encode_deferred
 
 if TYPE_CHECKING:
     from .writer import Writer
@@ -63,6 +65,9 @@ class Transaction:
         self._flat: list[tuple[list[int], list[int], list[int]]] = []
         self._flat_layouts: list[FlatLayout] = []
         self._flat_span: dict[str, tuple[int, int, int]] = {}
+        #: objects stored at commit (``defer_object``), in the order they came
+        self.deferred: list[Deferred] = []
+        self._deferred_names: set[str] = set()
         self.zip = StepFile(writer.storage, step_file_key(slot, writer.file_tag))
         self.side = SideFile(writer.storage, side_file_key(slot, writer.file_tag))
         self._lock = threading.Lock()
@@ -251,9 +256,37 @@ class Transaction:
             return self._put_object_bytes(name, obj.data, obj.encoding)
         return self._put_object_bytes(name, encode_object(obj, encoding), encoding)
 
+    def defer_object(self, name: str, obj: Any, *, encoding: Encoding = "json",
+                     or_pickle: bool = False) -> None:
+        """Store ``obj`` as ``name`` when the step commits (encoded then, by whoever
+        commits: this process or the flusher's, ``stepcommit.py``); ``or_pickle``: with
+        pickle where JSON cannot hold it (the header's record then says ``"pickle"``)."""
+        self._check()
+        with self._lock:
+            if name in self.objects or name in self._deferred_names:
+                raise ValueError(f"object {name!r} stored twice in step {self.step}")
+            self._deferred_names.add(name)
+            self.deferred.append(Deferred(name, obj, encoding, or_pickle))
+
+    def count_objects(self, header: CommitHeader) -> None:
+        """Count the deferred objects' bytes, now that the commit stored them."""
+        n = sum(header.objects[d.name].nbytes for d in self.deferred if d.name in header.objects)
+        with self._lock:
+            self._object_bytes += n
+
+    def write_deferred(self) -> None:
+        """Store the deferred objects now, here (a part's vote, a merged commit: their
+        records must be known before the commit)."""
+        with self._lock:
+            todo, self.deferred = self.deferred, []
+            self._deferred_names.clear()
+        for d in todo:
+            data, encoding = encode_deferred(d)
+            self._put_object_bytes(d.name, data, encoding)  # type: ignore[arg-type]
+
     def _put_object_bytes(self, name: str, data: bytes, encoding: Encoding) -> ObjectRecord:
         with self._lock:
-            if name in self.objects:
+            if name in self.objects or name in self._deferred_names:
                 raise ValueError(f"object {name!r} stored twice in step {self.step}")
             # reserved before writing: two threads storing one name would both write
             self.objects[name] = ObjectRecord("", 0, 0, encoding)
@@ -285,17 +318,25 @@ class Transaction:
                 b.add_record(c)
         return b
 
-    def arrays_table(self) -> bytes:
-        """This step's sealed arrays table (``manifest.dump_arrays``). A step written whole
-        from one flat layout (the hot path) splices its offsets and checksums into the
-        layout's cached fixed columns; anything else is built array by array."""
+    def table_parts(self) -> tuple[TableTemplate, list[int], list[int]] | None:
+        """A step written whole from one flat layout (the hot path): its arrays table as
+        the layout's cached fixed columns and this step's offsets and checksums, spliced
+        by ``TableTemplate.dump``; None for anything else."""
         if len(self._flat) == 1 and not self._chunks:
             layout = self._flat_layouts[0]
             offsets, sizes, crcs = self._flat[0]
             if len(self._plans) == len(layout.arrays):
                 tpl = self.writer.table_template(layout, sizes)
                 if tpl.sizes == sizes:
-                    return tpl.dump(self.slot, self.zip.key, offsets, crcs)
+                    return tpl, offsets, crcs
+        return None
+
+    def arrays_table(self) -> bytes:
+        """This step's sealed arrays table (``manifest.dump_arrays``): spliced from cached
+        columns where ``table_parts`` has them, else built array by array."""
+        parts = self.table_parts()
+        if parts is not None:
+            return parts[0].dump(self.slot, self.zip.key, parts[1], parts[2])
         return dump_arrays(self.slot, self.table())
 
     def _complete(self, path: str) -> list[ChunkRecord]:

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DsttError, SchemaError
+from ..errors import DsttError, SchemaError, StorageError
 from .codec.delta import DeltaEncoder
 from .codec.xor import DeltaPolicy
 from .format.flat import FlatLayout
@@ -40,7 +40,6 @@ from .format.layout import (
     ChunkPlan,
     array_meta_key,
     check_array_path,
-    commit_key,
     group_meta_key,
     part_key,
     plan_chunks,
@@ -48,12 +47,9 @@ from .format.layout import (
 )
 from .format.manifest import (
     CommitHeader,
-    Location,
     Metric,
     TableTemplate,
-    checksum,
     dump_arrays,
-    dump_header,
     dump_ref,
 )
 from .format.stepfile import Block
@@ -64,12 +60,12 @@ from .format.zarr_meta import (
     dump,
     group_document,
     root_attributes,
-    root_document_bytes,
 )
 from .index import EVERY, IndexWriter
 from .maintenance import GcReport, gc
 from .parts import Part, dump_part, merge_parts, remove_parts
 from .retention import Retention
+from .stepcommit import CommitJob, NotHandedOff, RemoteCommitter, run_commit, write_metadata
 from .transaction import Transaction
 
 if TYPE_CHECKING:
@@ -139,6 +135,8 @@ class Writer:
         self._open: set[int] = set()
         self.encoder = DeltaEncoder(encoding) if encoding is not None else None
         self.inflight_bases = inflight_bases
+        #: commits steps in another process where it can (the engine's flusher): None here
+        self.committer: RemoteCommitter | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> Writer:
@@ -281,10 +279,11 @@ class Writer:
             self._tables[id(layout)] = (layout, tpl)
             return tpl
 
-    def _metadata(self, txn: Transaction) -> None:
-        """The zarr.json entries of a step file: every group, every array, then the root.
-        The groups' and arrays' documents are one prebuilt ``Block`` per set of arrays and
-        start offset — at every step of a steady run the same bytes at the same place."""
+    def _metadata(self, txn: Transaction) -> tuple[Block, bytes]:
+        """The zarr.json documents of a step file below the root (one prebuilt ``Block``
+        per set of arrays and start offset — at every step of a steady run the same bytes
+        at the same place) and their consolidated metadata (``stepcommit.write_metadata``
+        writes them)."""
         paths = tuple(txn._plans)
         start = txn.zip.cursor
         with self._meta_lock:
@@ -304,13 +303,32 @@ class Writer:
                 if len(self._meta_cache) > 8:
                     self._meta_cache.clear()
                 self._meta_cache[(paths, start)] = cached
-        block, consolidated = cached
-        if not txn.zip.add_block(block):  # another thread moved the cursor: lay it out anew
-            txn.zip.add_many([e.name for e in block.entries],
-                             [[d] for d in block.iov[1::2]],
-                             [e.size for e in block.entries], [e.crc32 for e in block.entries])
-        attrs = root_attributes(step=txn.step, timeline=txn.timeline, slot=txn.slot)
-        txn.zip.add_bytes(group_meta_key(""), root_document_bytes(attrs, consolidated))
+        return cached
+
+    def _run(self, txn: Transaction, job: CommitJob, *, remote: bool) -> CommitHeader:
+        """Write ``job``: in the flusher process where one is attached and the step's files
+        can be handed over (``remote``), else — or if the flusher died during it — here."""
+        rc = self.committer
+        if remote and rc is not None and not rc.dead:
+            root, durability = getattr(self.storage, "location", None), \
+                getattr(self.storage, "durability", None)
+            zs, ss = txn.zip.handoff(), txn.side.handoff()
+            if zs is not None and ss is not None and root is not None:
+                try:
+                    header = rc.commit(root, str(durability), zs, ss, job)
+                except StorageError:
+                    if not rc.dead:
+                        raise  # it failed there (the disk): the step fails
+                    # gone mid-commit: run it again here (the same bytes at the same places)
+                except NotHandedOff:
+                    pass  # the job could not travel (an object pickle refuses): run it here
+                else:
+                    txn.zip.handed_off()
+                    txn.side.handed_off()
+                    if job.lazy_ref:  # written there: this process's next barrier syncs it
+                        self.storage.note_written(ref_key(job.timeline))  # type: ignore[attr-defined]
+                    return header
+        return run_commit(self.storage, txn.zip, txn.side, job)
 
     # -- commit ---------------------------------------------------------------------------
     def _prepare(self, txn: Transaction, *, rank: int, world: int, session: str,
@@ -318,8 +336,10 @@ class Writer:
         """Part writer: make this rank's share durable and vote for the slot (parts.py)."""
         with self._commit_lock:
             self._check_open()
+            txn.write_deferred()
             records = txn.records()
-            self._metadata(txn)
+            write_metadata(txn.zip, *self._metadata(txn),
+                           root_attributes(step=txn.step, timeline=txn.timeline, slot=txn.slot))
             txn.zip.publish()
             txn.side.publish()
             self.storage.barrier()
@@ -339,12 +359,15 @@ class Writer:
             if self.encoder is not None:
                 self.encoder.check_deps(txn.slot, txn.deps)
             st = self.storage
-            objects = dict(txn.objects)
             if parts:
-                records, objects = merge_parts(txn.records(), objects, parts)
-                table = dump_arrays(txn.slot, records)
+                txn.write_deferred()
+                records, objects = merge_parts(txn.records(), dict(txn.objects), parts)
+                table: bytes | None = dump_arrays(txn.slot, records)
+                spliced = None
             else:
-                table = txn.arrays_table()
+                objects = dict(txn.objects)
+                spliced = txn.table_parts()
+                table = txn.arrays_table() if spliced is None else None
             # refs and HEAD change only under the run's lock, which this writer holds: its
             # reader's copy is current (no re-read per commit), and it keeps each timeline's
             # head step itself (no header read per commit)
@@ -358,27 +381,20 @@ class Writer:
                     f"(step {head_step}); steps must increase along a timeline — use "
                     "rollback to go back"
                 )
-            where = Location(txn.side.key, txn.side.append(table), len(table), checksum(table))
-            self._metadata(txn)
-            txn.zip.publish()
-            txn.side.publish()
-            header = CommitHeader(
-                slot=txn.slot, step=txn.step, timeline=txn.timeline, parent=ref.head,
-                time=time.time(), metrics=dict(metrics), objects=objects, arrays=where,
-            )
-            # one barrier makes the step's files and its header durable together: nothing
-            # names the header until the ref moves, so it needs no sync of its own (two
-            # fewer fsyncs per commit); the ref, the visibility point, moves only after it
-            st.write(commit_key(txn.slot), dump_header(header))
-            st.barrier()
-            st.evict([txn.zip.key, txn.side.key])  # durable now; nobody reads it soon
             moved = replace(ref, head=txn.slot)
-            new_ref = dump_ref(moved)
-            if self.lazy_refs:  # durable with the next commit's barrier, or at close
-                st.write(ref_key(txn.timeline), new_ref)
+            block, consolidated = self._metadata(txn)
+            job = CommitJob(
+                slot=txn.slot, step=txn.step, timeline=txn.timeline, parent=ref.head,
+                time=time.time(), ref=dump_ref(moved), lazy_ref=self.lazy_refs,
+                metrics=dict(metrics), objects=objects, deferred=tuple(txn.deferred),
+                table=table, template=None if spliced is None else spliced[0],
+                offsets=() if spliced is None else spliced[1],
+                crcs=() if spliced is None else spliced[2],
+                block=block, consolidated=consolidated)
+            header = self._run(txn, job, remote=not parts and self.encoder is None)
+            txn.count_objects(header)
+            if self.lazy_refs:
                 self._unsynced = True
-            else:
-                st.write_durable(ref_key(txn.timeline), new_ref)
             self.reader._refs[txn.timeline] = moved
             self._head_steps[txn.timeline] = txn.step
             if parts:  # merged: the votes are no longer needed (gc sweeps any left behind)

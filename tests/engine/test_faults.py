@@ -85,6 +85,39 @@ def test_a_failure_on_the_first_step_surfaces_at_exit_if_training_ends() -> None
     assert committed_steps(plain) == []
 
 
+@pytest.mark.parametrize("remote", [True, False], ids=["commits-there", "commits-here"])
+def test_flat_steps_are_committed_by_the_flusher_process(tmp_path: Path, remote: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit's Python runs in the flusher child, off this process (none of it here);
+    ``DSTT_FLUSHER_COMMIT=0`` keeps it in the committer thread. The same steps either way."""
+    from dstt.store import writer as writer_mod
+
+    here: list[int] = []
+    real = writer_mod.run_commit
+
+    def counted(storage: object, zf: object, side: object, job: object) -> object:
+        here.append(job.step)  # type: ignore[attr-defined]
+        return real(storage, zf, side, job)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(writer_mod, "run_commit", counted)
+    monkeypatch.setenv("DSTT_FLUSHER_COMMIT", "1" if remote else "0")
+    m = MLP()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    after: dict[int, torch.Tensor] = {}
+    with session(m, opt, run=tmp_path / "run", every=1) as s:
+        for i in range(6):
+            train_step(m, opt, *mlp_batch(i))
+            after[s.step] = m.l1.weight.detach().clone()
+        pipe = s._pipeline
+        assert pipe is not None and pipe.flusher is not None and not pipe.flusher.dead
+    assert here == ([] if remote else list(range(1, 7)))
+    repo = Repository.open(tmp_path / "run")
+    assert committed_steps(repo) == list(range(1, 7))
+    for step, w in after.items():
+        assert same_bits(stored(repo, step, "params/l1/weight"), w), step
+    assert repo.verify().problems == []
+
+
 def test_a_killed_flusher_process_loses_no_step(tmp_path: Path) -> None:
     """SIGKILL the flusher child mid-run: the writes it had in flight are done again from
     the engine's threads (their ranges are still the steps' own), later steps are written

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...errors import DsttError
@@ -33,7 +34,7 @@ from .zipfmt import (
 if TYPE_CHECKING:
     from ..storage.base import Storage
 
-__all__ = ["Block", "SideFile", "StepFile"]
+__all__ = ["Block", "SideFile", "StepFile", "StepState"]
 
 
 class StepFile:
@@ -55,6 +56,32 @@ class StepFile:
         if self._blob is None:
             self._blob = self._storage.open_blob(self.key)
         return self._blob
+
+    # -- handing the file to the flusher process to finish (``stepcommit.py``) --------------
+    def handoff(self) -> StepState | None:
+        """What another process needs to finish this file (``adopt``), or None where it
+        cannot: entries written one by one here, or a blob that is not a local file."""
+        with self._mu:
+            tmp = getattr(self._blob, "tmp", None)
+            if self._finished or self._entries or not isinstance(tmp, str):
+                return None
+            return StepState(self.key, tmp, self._cursor, tuple(self._prebuilt))
+
+    @classmethod
+    def adopt(cls, storage: Storage, state: StepState) -> StepFile:
+        """This process's handle on a file another one started (``handoff``)."""
+        f = cls(storage, state.key)
+        f._blob = storage.adopt_blob(state.key, state.tmp)  # type: ignore[attr-defined]
+        f._cursor = state.cursor
+        f._prebuilt = list(state.prebuilt)
+        return f
+
+    def handed_off(self) -> None:
+        """The other process published the file: close it here, touch it no more."""
+        with self._mu:
+            blob, self._blob, self._finished = self._blob, None, True
+        if blob is not None:
+            blob.release()  # type: ignore[attr-defined]
 
     @property
     def nbytes(self) -> int:
@@ -191,6 +218,18 @@ class StepFile:
             blob.discard()
 
 
+@dataclass(frozen=True)
+class StepState:
+    """A step file in the making, as another process takes it over: its key, the
+    temporary file being written, the end of what was written, and the central directory
+    records of the entries written so far (zip only)."""
+
+    key: str
+    tmp: str
+    cursor: int
+    prebuilt: tuple[tuple[bytes, int], ...]
+
+
 class Block:
     """A run of zip entries laid out once for a given start offset (e.g. the zarr.json
     documents of a step's arrays, the same at every step of a run): their bytes and their
@@ -228,6 +267,30 @@ class SideFile:
     @property
     def used(self) -> bool:
         return self._blob is not None
+
+    def handoff(self) -> StepState | None:
+        """What another process needs to append to and publish this file (``adopt``);
+        None where its blob is not a local file. Creates the file if nothing was written."""
+        with self._mu:
+            if self._blob is None:
+                self._blob = self._storage.open_blob(self.key)
+            tmp = getattr(self._blob, "tmp", None)
+            if not isinstance(tmp, str):
+                return None
+            return StepState(self.key, tmp, self._cursor, ())
+
+    @classmethod
+    def adopt(cls, storage: Storage, state: StepState) -> SideFile:
+        f = cls(storage, state.key)
+        f._blob = storage.adopt_blob(state.key, state.tmp)  # type: ignore[attr-defined]
+        f._cursor = state.cursor
+        return f
+
+    def handed_off(self) -> None:
+        with self._mu:
+            blob, self._blob = self._blob, None
+        if blob is not None:
+            blob.release()  # type: ignore[attr-defined]
 
     def append(self, data: Data) -> int:
         """Write ``data`` after everything reserved so far; returns its offset. Thread-safe."""

@@ -212,6 +212,17 @@ class LocalStorage(Storage):
     def open_blob(self, key: str) -> Blob:
         return _FileBlob(self, key)
 
+    def adopt_blob(self, key: str, tmp: str) -> Blob:
+        """The blob another process opened as ``tmp`` (``blob.tmp``) for ``key``: this one
+        writes into it and publishes it (the flusher process committing a step)."""
+        return _FileBlob(self, key, tmp=tmp)
+
+    def note_written(self, key: str) -> None:
+        """``key`` was written (without a sync) by another process on this filesystem:
+        the next ``barrier`` here makes it durable."""
+        path = self._path(key)
+        self._published(path, os.path.dirname(path), [])
+
     def evict(self, keys: Sequence[str]) -> None:
         """Drop the files' pages from the page cache (``POSIX_FADV_DONTNEED``; they must be
         durable, so clean). A checkpoint written every step would otherwise fill the page
@@ -382,13 +393,19 @@ def pwrite_all(fd: int, views: Sequence[bytes | bytearray | memoryview], offset:
 class _FileBlob(Blob):
     """A temporary file written with ``pwritev`` at offsets, renamed into place on publish."""
 
-    def __init__(self, storage: LocalStorage, key: str) -> None:
+    def __init__(self, storage: LocalStorage, key: str, *, tmp: str | None = None) -> None:
+        """``tmp``: adopt the temporary file another process created for ``key``."""
         self.storage, self.key = storage, key
         self.path = storage._path(key)
         try:
             self.parent, self.grown = storage._ensure_parent(self.path)
-            self.tmp = f"{self.path}.tmp.{os.getpid()}.{id(self):x}"
-            self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            if tmp is None:
+                self.tmp = f"{self.path}.tmp.{os.getpid()}.{id(self):x}"
+                self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                                              0o644)
+            else:
+                self.tmp = tmp
+                self.fd = os.open(tmp, os.O_WRONLY)
         except OSError as e:
             raise storage._io_error(e, "write", key) from e
 
@@ -412,9 +429,16 @@ class _FileBlob(Blob):
             try:
                 if durable and st.durability != "none":
                     os.fsync(fd)
+                mine = os.fstat(fd)
             finally:
                 os.close(fd)
-            os.rename(self.tmp, self.path)
+            try:
+                os.rename(self.tmp, self.path)
+            except FileNotFoundError:
+                # published already by the process this blob was shared with (the flusher
+                # committed, then died before it replied): the same file, nothing to do
+                if not os.path.samestat(mine, os.stat(self.path)):
+                    raise
             if durable and st.durability != "none":
                 for d in (self.parent, *self.grown):
                     fsync_dir(d)
@@ -431,3 +455,10 @@ class _FileBlob(Blob):
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(self.tmp)
+
+    def release(self) -> None:
+        """Let go of a blob another process published (its file is not this one's to
+        touch any more)."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
