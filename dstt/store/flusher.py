@@ -14,13 +14,14 @@ flight: the child checksums one step while its writer thread waits for the disk 
 
 What stays in the parent: every decision (slots, parents, the head check, the new ref) and
 the index. The child fills bytes the parent reserved in files the parent created, and —
-where the writer hands it a flat step's commit (``stepcommit.py``, on a commit thread of its own at
-normal priority) — writes the objects, arrays table and zarr.json documents, publishes the
-files and writes the header and ref the parent decided. If it dies, the parent's write or
-commit fails with a ``StorageError`` while ``dead`` is set, and the parent does that step's
-write or commit again itself (both are idempotent: the same bytes at the same places), then
-writes from its own threads. The child exits when the parent's end of the pipe closes (the
-parent exited or was killed), so no orphan outlives a crashed trainer.
+where the writer hands it a flat step's commit (``stepcommit.py``; a commit thread of the
+child's own, at normal priority) — writes the objects, arrays table and zarr.json
+documents, publishes the files and writes the header and ref the parent decided. If it
+dies, the parent's write or commit fails with a ``StorageError`` while ``dead`` is set, and
+the parent does that step's write or commit again itself (both are idempotent: the same
+bytes at the same places), then writes from its own threads. The child exits when the
+parent's end of the pipe closes (the parent exited or was killed), so no orphan outlives a
+crashed trainer.
 
 Rejected alternatives: ``multiprocessing`` (its spawn start method re-imports the user's
 ``__main__``, i.e. re-runs an unguarded training script) and a C extension (a compiler on
