@@ -396,8 +396,7 @@ class Session:
         assert self._pipeline is not None
         if self._flight is not None:  # a step without the pre-hook (several optimizers?)
             self._settle(self._flight)
-        tensors = self._state.step_state.tensors()
-        objects = self._state.step_state.objects()
+        tensors, objects = self._state.step_state.capture()
         self._boundary = None
         predictions = (self._state.step_state.predictions()
                        if self.encoding is not None and self.encoding.predict else None)

@@ -19,6 +19,7 @@ dicts lose the flat array paths inspection relies on.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -102,19 +103,32 @@ class TensorProvider:
     BatchNorm running statistics, which the version guard would otherwise report as races.
     """
 
+    #: ``tensors()`` returns a new mapping whenever any tensor in it changed
+    stable = True
+
     def __init__(self, tensors: TensorsArg, *, strict: bool = True,
                  snapshot: bool = False) -> None:
         self._get = tensors if callable(tensors) else (lambda: tensors)
         self.strict = strict
         self.snapshot = snapshot
         self._checked: set[str] = set()  # paths validated already (this runs every step)
+        #: a source that hands out the same mapping object until any tensor of it changes
+        #: (``ModelTensors``: ``stable = True``) is not copied again while it holds
+        self._stable = bool(getattr(tensors, "stable", False))
+        self._seen: Mapping[str, torch.Tensor] | None = None
+        self._out: dict[str, torch.Tensor] = {}
 
     def _live(self) -> dict[str, torch.Tensor]:
-        out = dict(self._get())
+        got = self._get()
+        if self._stable and got is self._seen:
+            return self._out
+        out = dict(got)
         if not self._checked.issuperset(out):
             for path in out:
                 check_array_path(path)
             self._checked.update(out)
+        if self._stable:
+            self._seen, self._out = got, out
         return out
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
@@ -160,6 +174,8 @@ class ObjectProvider:
     (or on their CUDA device when it exists). ``required=False`` tolerates steps without it.
     """
 
+    stable = True  # (its tensors: always none)
+
     def __init__(self, name: str, get: Callable[[], Any],
                  set: Callable[[Any], None] | None = None, *, required: bool = True) -> None:
         self.name = name
@@ -191,23 +207,52 @@ class CompositeProvider:
 
     def __init__(self, providers: Iterable[StateProvider] = ()) -> None:
         self.providers: list[StateProvider] = list(providers)
+        self._parts: list[Mapping[str, torch.Tensor]] = []
+        self._merged: dict[str, torch.Tensor] = {}
 
     def add(self, provider: StateProvider) -> None:
         self.providers.append(provider)
+        self._parts = []
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
+        return self._merge_tensors([p.tensors() for p in self.providers])
+
+    def objects(self) -> Mapping[str, Any]:
+        return self._merge_objects([p.objects() for p in self.providers])
+
+    def capture(self) -> tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]:
+        """``(tensors(), objects())`` at once: a provider with a ``capture`` method of its
+        own (the optimizer state's) looks at its state once, not twice."""
+        both = [p.capture() if hasattr(p, "capture") else (p.tensors(), p.objects())
+                for p in self.providers]
+        return (self._merge_tensors([t for t, _ in both]),
+                self._merge_objects([o for _, o in both]))
+
+    def _merge_tensors(self, got: list[Mapping[str, torch.Tensor]]
+                       ) -> Mapping[str, torch.Tensor]:
+        """The providers' tensors as one mapping. Where every provider is ``stable`` (it
+        returns a new mapping whenever anything in it changed: the built-in ones) and each
+        returned the same (or an empty) mapping again, it is last call's mapping, not
+        merged again tensor by tensor; a provider without the promise (one that may refill
+        its own dict in place) gets a fresh merge at every call."""
+        parts = [t for t in got if t]
+        if (len(parts) == len(self._parts) and all(map(operator.is_, parts, self._parts))
+                and all(getattr(p, "stable", False) for p in self.providers)):
+            return self._merged
         out: dict[str, torch.Tensor] = {}
-        for p in self.providers:
-            for path, t in p.tensors().items():
+        for part in parts:
+            for path, t in part.items():
                 if path in out:
                     raise ValueError(f"two providers capture the array {path!r}")
                 out[path] = t
+        self._parts, self._merged = parts, out
         return out
 
-    def objects(self) -> Mapping[str, Any]:
+    @staticmethod
+    def _merge_objects(got: list[Mapping[str, Any]]) -> Mapping[str, Any]:
         out: dict[str, Any] = {}
-        for p in self.providers:
-            for name, v in p.objects().items():
+        for part in got:
+            for name, v in part.items():
                 if name in out:
                     raise ValueError(f"two providers capture the object {name!r}")
                 out[name] = v

@@ -124,6 +124,9 @@ class ModelTensors:
     buffers (``state_dict``'s), each once, not parameters.
     """
 
+    #: the same mapping object at every call until a tensor of it changes (a new one then)
+    stable = True
+
     def __init__(self, model: torch.nn.Module, *, buffers: bool = False) -> None:
         _install_registration_hooks()
         self.model, self.buffers = model, buffers
@@ -177,6 +180,8 @@ class OptimizerStateProvider:
     """Per-parameter optimizer state (Adam/AdamW/SGD/...): tensors as arrays, scalars packed."""
 
     OBJECT = "optim/state"
+    #: ``tensors()`` returns a new mapping whenever the state's tensors changed
+    stable = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> None:
         self.optimizer = optimizer
@@ -229,6 +234,11 @@ class OptimizerStateProvider:
         self._refresh()
         return self._tensors
 
+    def capture(self) -> tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]:
+        """``(tensors(), objects())`` with one look at the optimizer's state."""
+        self._refresh()
+        return self._tensors, self._objects()
+
     def predictions(self) -> Mapping[str, Prediction]:
         """Arrays of the step just taken that the store may encode as predictions."""
         return optimizer_predictions(self.optimizer, self.params(), tensor_path)
@@ -239,6 +249,9 @@ class OptimizerStateProvider:
         with momentum — this is the same ``Encoded`` value at every step (its JSON built
         once: ~1 ms per step saved at 400 parameters)."""
         self._refresh()
+        return self._objects()
+
+    def _objects(self) -> Mapping[str, Any]:
         if self._object is not None:
             return {self.OBJECT: self._object}
         state: dict[str, Any] = {}

@@ -18,6 +18,7 @@ from dstt.engine.providers import (
     TensorProvider,
 )
 from dstt.engine.torch_state import (
+    ModelTensors,
     OptimizerStateProvider,
     discover,
     model_tensors,
@@ -218,3 +219,44 @@ def test_optimizer_provider_names_state_by_module_path() -> None:
     opt.state[m.tok.weight]["exp_avg"] = torch.zeros_like(m.tok.weight)  # replaced, not in place
     assert prov.tensors()["optim/exp_avg/tok/weight"] is opt.state[m.tok.weight]["exp_avg"]
     assert prov.objects()[OptimizerStateProvider.OBJECT] is not obj  # noticed: rebuilt
+
+
+class _RefillsInPlace:
+    """A user provider that keeps one dict and refills it (no ``stable`` promise)."""
+
+    def __init__(self) -> None:
+        self.d = {"extra/t": torch.zeros(3)}
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.d
+
+    def objects(self) -> dict[str, object]:
+        return {}
+
+    def restore(self, source: object) -> None:
+        pass
+
+
+def test_composite_reuses_its_mapping_only_while_nothing_changed() -> None:
+    """The step's mapping is last step's object while every built-in provider returned
+    the same one (the engine's checks then go by identity) — never when a tensor object
+    changed, and never past a provider that may refill its dict in place."""
+    m = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state = discover(m, opt)
+    a, objs = state.step_state.capture()
+    assert set(objs) >= {"optim/state", "rng"}
+    assert state.step_state.capture()[0] is a and state.step_state.tensors() is a
+    opt.step()  # Adam updates in place: still the same tensors
+    assert state.step_state.tensors() is a
+    m[0].weight = torch.nn.Parameter(torch.zeros(2, 3))  # a new tensor object
+    b = state.step_state.tensors()
+    assert b is not a and b["params/0/weight"] is m[0].weight
+    user = _RefillsInPlace()
+    comp = CompositeProvider([TensorProvider(ModelTensors(m)), user])  # type: ignore[list-item]
+    first = comp.tensors()
+    user.d["extra/t"] = torch.ones(3)  # the same dict, a new tensor in it
+    second = comp.tensors()
+    assert second["extra/t"] is user.d["extra/t"] and second is not first
