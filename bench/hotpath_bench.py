@@ -32,23 +32,32 @@ Modes (the mode implementations of ``bench/capture_bench.py`` are reused as they
 Protocol: for each ``--threads`` value (``torch.set_num_threads``) and workload, one model and
 optimizer train through ``--repeats`` rounds; in each round the disk's write bandwidth is
 measured, then every mode runs ``--warmup`` untimed + ``--iters`` timed iterations, the modes in
-an order rotated by one per round. ``s/iter`` = (timed iterations + the final drain of pending
-saves) / iters. Ratios (x none, x bare) are medians of per-round ratios against the same round's
-``none``/``bare``. Blocked time per step: dstt ``StepMetrics.blocked_s``; bare the wait for the
-previous write + the copy; torch.save the whole save; DCP the ``async_save`` call + the waits for
-the previous upload and staging. Engine CPU per step: dstt ``StepMetrics.writer_cpu_s``; bare the
-writer thread's CPU time per write. The check ``bytes/step / disk bandwidth < iteration time``
-(of ``none``) says whether the disk can absorb a checkpoint per iteration at all.
+an order rotated by one per round. Where an iteration is short, both counts grow so that every
+mode warms up for ``--warmup-seconds`` (default 1 s: past dstt's start — the flusher process and
+first layouts, ~0.2 s a run pays once) and is timed for ``--seconds`` (default 2 s, the same
+iteration count for every mode of a workload); the close of each mode's run (the final drain) is
+timed on its own (``close s``: for dstt the drain of the last steps and the session's last index
+job, ~1 s after a few hundred commits — a cost per run, not per step). ``s/iter`` = timed
+iterations / iters (with the close: ``s_per_iter_with_close`` in the JSON, the protocol before
+2026-12-01 17:30). Ratios (x none, x bare) are medians of per-round ratios against the same
+round's ``none``/``bare``. Blocked time per step: dstt ``StepMetrics.blocked_s``; bare the wait
+for the previous write + the copy; torch.save the whole save; DCP the ``async_save`` call + the
+waits for the previous upload and staging. Engine CPU per step: dstt
+``StepMetrics.writer_cpu_s``; bare the writer thread's CPU time per write. The check
+``bytes/step / disk bandwidth < iteration time`` (of ``none``) says whether the disk can absorb
+a checkpoint per iteration at all.
 
     python bench/hotpath_bench.py [--quick] [--workloads lin1200,lin360,gpt87]
         [--modes none,bare,dstt,dstt_delta,torch_save,dcp] [--threads 2[,1]] [--repeats 3]
-        [--warmup 3] [--iters 20] [--dir DIR] [--json bench/results/hotpath.json]
+        [--warmup 3] [--iters 20] [--seconds 2] [--warmup-seconds 1] [--dir DIR]
+        [--json bench/results/hotpath.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import platform
 import queue
@@ -245,10 +254,18 @@ def _ratios(a: list[float], b: list[float]) -> list[float]:
 
 
 def bench_workload(name: str, modes: list[str], *, repeats: int, warmup: int, iters: int,
-                   root: Path, disk_total: int, log: Any) -> dict[str, Any]:
+                   root: Path, disk_total: int, log: Any, seconds: float = 0.0,
+                   warmup_seconds: float = 0.0) -> dict[str, Any]:
     tr = make_trainer(name)
     for _ in range(3):  # allocate optimizer state, warm the allocator
         tr.step()
+    if seconds or warmup_seconds:  # at least this long per round and mode (same for all)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            tr.step()
+        it = (time.perf_counter() - t0) / 5
+        iters = max(iters, math.ceil(seconds / it))
+        warmup = max(warmup, math.ceil(warmup_seconds / it))
     sbytes = state_bytes(tr.model, tr.opt)
     hot = hot_tensors(tr)
     n_state_dict = len(tr.model.state_dict()) + sum(
@@ -269,7 +286,11 @@ def bench_workload(name: str, modes: list[str], *, repeats: int, warmup: int, it
                 r = RUNNERS[mode](tr, warmup, iters, root=d)
             finally:
                 shutil.rmtree(d, ignore_errors=True)
-            r["s_per_iter"] = r["total_s"] / iters
+            # steady state: the timed iterations; the close (the drain of the last steps
+            # and, for dstt, the session's last index job) is reported on its own
+            loop = sum(r["iter_s"])
+            r["s_per_iter"] = loop / iters
+            r["close_s"] = max(0.0, r["total_s"] - loop)
             per[mode].append(r)
             log(f"[{name}] round {rep + 1}/{repeats} {mode:>10}: "
                 f"{r['s_per_iter'] * 1e3:8.2f} ms/iter, blocked "
@@ -281,6 +302,8 @@ def bench_workload(name: str, modes: list[str], *, repeats: int, warmup: int, it
         eng = [med(r["writer_cpu_s"]) for r in rs if r.get("writer_cpu_s")]
         row: dict[str, Any] = {
             "s_per_iter": med(spi), "s_per_iter_all": spi, "spread": spread(spi),
+            "close_s": med([r["close_s"] for r in rs]),
+            "s_per_iter_with_close": med([r["total_s"] / iters for r in rs]),
             "iter_median_s": med([med(r["iter_s"]) for r in rs]),
             "ratio_vs_none": med(_ratios(spi, base["none"])) if "none" in base else None,
             "ratio_vs_none_all": _ratios(spi, base["none"]) if "none" in base else None,
@@ -317,6 +340,7 @@ def bench_workload(name: str, modes: list[str], *, repeats: int, warmup: int, it
     return {
         "model": {**tr.cfg, "params": tr.params, "state_bytes": sbytes, "tensors": len(hot),
                   "tensors_with_step_counters": n_state_dict},
+        "warmup": warmup, "iters": iters,
         "disk": {"write_bytes_per_s": med(bw), "all": bw, "spread": spread(bw),
                  "probe_bytes": disk_total, "method": "64 MiB writes into one file + fsync"},
         "check": check,
@@ -345,12 +369,12 @@ def print_tables(res: dict[str, Any]) -> None:
                      f"{chk['none_s_per_iter'] * 1e3:.1f} ms ({'ok' if ok else 'disk-bound'})")
                   + "\n")
             print("| mode | s/iter | \u00d7 none | \u00d7 bare | blocked ms/step "
-                  "| engine CPU ms/step |")
-            print("|---|---:|---:|---:|---:|---:|")
+                  "| engine CPU ms/step | close s |")
+            print("|---|---:|---:|---:|---:|---:|---:|")
             for mode, r in w["modes"].items():
                 print(f"| {mode} | {r['s_per_iter']:.4f} | {_x(r['ratio_vs_none'])} | "
                       f"{_x(r['ratio_vs_bare'])} | {_ms(r['blocked_s_per_step'])} | "
-                      f"{_ms(r['engine_cpu_s_per_step'])} |")
+                      f"{_ms(r['engine_cpu_s_per_step'])} | {r.get('close_s', 0.0):.2f} |")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -363,6 +387,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=None, help="rounds (default 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed iterations (default 3)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations (default 20)")
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="timed seconds per round and mode at least (more iterations where "
+                         "an iteration is short; default 2, quick 0: --iters only)")
+    ap.add_argument("--warmup-seconds", type=float, default=None,
+                    help="untimed seconds at least (default 1, quick 0): past dstt's start "
+                         "(the flusher process, first layouts), which a run pays once")
     ap.add_argument("--disk-mib", type=int, default=None,
                     help="MiB written by the disk probe per round (default 256, quick 32)")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
@@ -386,6 +416,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     iters = args.iters or (3 if args.quick else 20)
     disk_total = (args.disk_mib or (32 if args.quick else 256)) * MiB
+    seconds = args.seconds if args.seconds is not None else (0.0 if args.quick else 2.0)
+    warmup_seconds = (args.warmup_seconds if args.warmup_seconds is not None
+                      else (0.0 if args.quick else 1.0))
     out_json = Path(args.json) if args.json else (
         Path(__file__).parent / "results" / ("hotpath_quick.json" if args.quick
                                              else "hotpath.json"))
@@ -402,7 +435,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__, "source": source_state(),
                     "platform": platform.platform(), "loadavg_before": os.getloadavg()},
-        "repeats": repeats, "warmup": warmup, "iters": iters, "modes": modes,
+        "repeats": repeats, "warmup": warmup, "iters": iters, "seconds": seconds,
+        "warmup_seconds": warmup_seconds, "modes": modes,
         "bare_writer": {"buffers": 1, "piece_bytes": PIECE, "align": ALIGN,
                         "file": "O_TRUNC rewrite of one file + fsync per step"},
         "runs": {},
@@ -418,7 +452,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for name in names:
                 run["workloads"][name] = bench_workload(
                     name, modes, repeats=repeats, warmup=warmup, iters=iters, root=root,
-                    disk_total=disk_total, log=log)
+                    disk_total=disk_total, log=log, seconds=seconds,
+                    warmup_seconds=warmup_seconds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         import torch.distributed as dist
