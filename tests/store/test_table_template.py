@@ -3,6 +3,8 @@ built array by array, and falls back to building where a step is not one flat wr
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -71,3 +73,31 @@ def test_template_refuses_columns_of_another_length() -> None:
     tpl = TableTemplate(["a"], ["float32"], [(2,)], [2], [None], [12])
     with pytest.raises(ValueError, match="1 chunks got 2 offsets"):
         tpl.dump(1, "steps/x.zip", [0, 1], [5, 6])
+
+
+def test_the_root_document_spliced_per_step_is_the_one_encoded_whole() -> None:
+    """Per step only the root's attributes are encoded; the consolidated metadata of the
+    cached documents is spliced in: the bytes must be those of the whole document."""
+    from dstt.store.format.layout import plan_chunks
+    from dstt.store.format.zarr_meta import (
+        array_document,
+        consolidated_metadata,
+        dump,
+        group_document,
+        root_attributes,
+        root_document,
+        root_document_bytes,
+    )
+
+    arrays = {f"params/l{i}/w": dump(array_document(f"params/l{i}/w", "float32",
+                                                     plan_chunks((3, i + 1), 4, 1 << 20)))
+              for i in range(3)}
+    groups = {"params": dump(group_document())} | {
+        f"params/l{i}": dump(group_document()) for i in range(3)}
+    members = [(p, "group", d) for p, d in groups.items()] + [
+        (p, "array", d) for p, d in arrays.items()]
+    attrs = root_attributes(step=7, timeline="main", slot=6)
+    got = root_document_bytes(attrs, consolidated_metadata(members))
+    want = dump(root_document(attrs, [(p, json.loads(d)) for p, _, d in members]))
+    assert got == want
+    assert b"\n" not in got and b": " not in got  # compact: no indentation, no padding
