@@ -41,6 +41,7 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from typing import IO, Any, NoReturn
 
@@ -186,12 +187,10 @@ class Flusher:
                 self._sent[id(o)] = o
         return [None if o is None else id(o) for o in objs]
 
-    def write(self, buffer: int, layout: FlatLayout, start: int, path: str,
-              plan: DigestPlan | None) -> tuple[list[int], bytes, dict[str, Any] | None]:
-        """Fill the zip entries of ``layout`` from shared buffer ``buffer`` into the file at
-        ``path`` at ``start`` (a range the parent reserved); returns each chunk's crc32c, the
-        entries' central directory records and, with ``plan``, the digest columns.
-        Thread-safe; several writes may be in flight (each on its own buffer)."""
+    def _call(self, request: Callable[[int], tuple[Any, ...]]) -> tuple[Any, ...]:
+        """Send ``request(rid)`` (built under the send lock: the constants it names go
+        first) and wait for its reply; ``StorageError`` for an error reply or a dead child.
+        Thread-safe; several requests may be in flight."""
         slot: list[Any] = [threading.Event(), None]
         with self._mu:
             try:
@@ -201,8 +200,7 @@ class Flusher:
                     rid = self._next
                     self._next += 1
                     self._waiting[rid] = slot
-                lid, pid = self._ensure("layout", [layout, plan])
-                _send(self._out, ("flat", rid, buffer, lid, start, path, pid))
+                _send(self._out, request(rid))
             except (EOFError, OSError, pickle.PickleError) as e:
                 self._gone(e)
         slot[0].wait()
@@ -211,6 +209,19 @@ class Flusher:
             self._gone(self._error)
         if reply[0] == "err":
             raise StorageError(reply[2] or _errno.EIO, f"flusher: {reply[3]}")
+        return tuple(reply)
+
+    def write(self, buffer: int, layout: FlatLayout, start: int, path: str,
+              plan: DigestPlan | None) -> tuple[list[int], bytes, dict[str, Any] | None]:
+        """Fill the zip entries of ``layout`` from shared buffer ``buffer`` into the file at
+        ``path`` at ``start`` (a range the parent reserved); returns each chunk's crc32c, the
+        entries' central directory records and, with ``plan``, the digest columns (each
+        write on its own buffer)."""
+        def request(rid: int) -> tuple[Any, ...]:
+            lid, pid = self._ensure("layout", [layout, plan])
+            return ("flat", rid, buffer, lid, start, path, pid)
+
+        reply = self._call(request)
         return reply[2], reply[3], reply[4]
 
     def commit(self, root: str, durability: str, zip_state: StepState,
@@ -219,33 +230,18 @@ class Flusher:
         process started; returns its header. ``NotHandedOff`` (nothing sent) where the job
         cannot be pickled; ``StorageError`` where it failed there, or the child died (then
         ``dead``, and the job may be half done: run it here)."""
-        slot: list[Any] = [threading.Event(), None]
-        consts = (job.template, job.block, job.consolidated)
-        light = replace(job, template=None, block=None, consolidated=b"")
+        consts = [job.template, job.block, job.consolidated]
         try:
-            data = pickle.dumps(light, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as e:  # an object of the step pickle refuses: commit it there
+            data = pickle.dumps(replace(job, template=None, block=None, consolidated=b""),
+                                protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # an object of the step pickle refuses: commit it here
             raise NotHandedOff(str(e)) from e
-        with self._mu:
-            try:
-                with self._wait_mu:
-                    if self.dead:
-                        raise EOFError("the pipe is closed")
-                    rid = self._next
-                    self._next += 1
-                    self._waiting[rid] = slot
-                ids = self._ensure("const", list(consts))
-                _send(self._out, ("commit", rid, root, durability, zip_state, side_state,
-                                  ids, data))
-            except (EOFError, OSError, pickle.PickleError) as e:
-                self._gone(e)
-        slot[0].wait()
-        reply = slot[1]
-        if reply is None:
-            self._gone(self._error)
-        if reply[0] == "err":
-            raise StorageError(reply[2] or _errno.EIO, f"flusher: {reply[3]}")
-        header: CommitHeader = reply[2]
+
+        def request(rid: int) -> tuple[Any, ...]:
+            return ("commit", rid, root, durability, zip_state, side_state,
+                    self._ensure("const", consts), data)
+
+        header: CommitHeader = self._call(request)[2]
         return header
 
     def _gone(self, cause: BaseException | None) -> NoReturn:
