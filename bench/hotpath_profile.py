@@ -39,6 +39,7 @@ import hotpath_bench as hb
 import torch
 
 import dstt
+from dstt.engine import committer as CM
 from dstt.engine import flatwrite as FW
 from dstt.engine import pipeline as P
 from dstt.store import flusher as FL
@@ -49,7 +50,8 @@ from dstt.store.storage import local as L
 HZ = os.sysconf("SC_CLK_TCK")
 #: (owner, method names) timed per call
 TIMED: list[tuple[Any, str]] = [
-    (P.Pipeline, "stage _copy_flat _finish _put_object _flat_summaries"), (FW.FlatLane, "write"),
+    (P.Pipeline, "stage _copy_flat"), (CM.Committer, "_finish put_object _flat_summaries"),
+    (FW.FlatLane, "write"),
     (TX.Transaction, "commit put_object arrays_table reserve_flat complete_flat"),
     (W.Writer, "_metadata"), (L.LocalStorage, "barrier evict write"), (FL.Flusher, "write"),
 ]

@@ -5,13 +5,13 @@ objects (``stage``) and later waits for the copies (``wait_copied``); everything
 background threads:
 
     copy thread   begin txn → declare arrays → for each chunk: reserve lease (may block: the
-                  byte budget) → copy → hand to writers; stage-time objects go to writers too
+                  byte budget) → copy → hand to writers; stage-time objects go to writers
+                  too (a flat step's are stored with its commit, ``Transaction.defer_object``)
     writers       wait chunk ready → ``txn.put_chunk`` → release lease (objects: ``put_object``;
                   a flat step: ``flatwrite.FlatLane.write``, its buffer, the flusher)
-    committer     in step order: wait copied + sealed (boundary objects, metrics, race check
-                  passed) + all writes done → write-time summaries (``summaries.py``, computed
-                  by the writers on the host copies of ``params/``) → ``txn.commit`` — or
-                  ``txn.abort`` if anything failed
+    committer     (``committer.py``) in step order: wait copied + sealed (boundary objects,
+                  metrics, race check passed) + all writes done → write-time summaries
+                  (``summaries.py``) → ``txn.commit`` — or ``txn.abort`` if anything failed
 
 A step is never committed unless every chunk and object of it was written and the session
 declared it clean (``seal``); errors are recorded on the flight, the transaction is aborted, and
@@ -28,7 +28,6 @@ import os
 import queue
 import threading
 import time
-import warnings
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -37,7 +36,6 @@ import torch
 
 from ..errors import CaptureError
 from ..store import (
-    Encoded,
     Flusher,
     LocalStorage,
     Prediction,
@@ -45,6 +43,7 @@ from ..store import (
     flusher_supported,
 )
 from ._convert import flat_bytes
+from .committer import Committer
 from .dims import DimsOf
 from .flatlane import FlatPlan, StepBuffers
 from .flatwrite import SUMMARIZED, FlatLane
@@ -105,17 +104,16 @@ class Pipeline:
         self._lock = threading.Lock()
         self._errors: list[Flight] = []
         self._metrics: deque[StepMetrics] = deque(maxlen=METRICS_KEPT)
-        self._pickled: set[str] = set()
         self._copy_q: queue.SimpleQueue[Flight | None] = queue.SimpleQueue()
-        self._commit_q: queue.SimpleQueue[Flight | None] = queue.SimpleQueue()
         self._write_q: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._closed = False
-        self._copy_thread = self._spawn(self._copy_loop, "dstt-copy")
-        self._commit_thread = self._spawn(self._commit_loop, "dstt-commit")
         enc = getattr(writer, "encoder", None)
         self._governor = (EncodeGovernor(max(1, writers), enabled=enc.policy.raw_when_busy,
                                          retry_every=enc.policy.retry_every)
                           if enc is not None else None)
+        self._copy_thread = self._spawn(self._copy_loop, "dstt-copy")
+        self._committer = Committer(book=self._book, summaries_object=summaries_object,
+                                    governor=self._governor, record=self._record)
         # with the flusher, a writer thread mostly waits for the child: two of them keep two
         # steps in the child, one being checksummed while the disk takes the other (not
         # for an encoding writer: predictions need their inputs written first, in order)
@@ -176,7 +174,7 @@ class Pipeline:
         f.encode = self._governor.decide() if self._governor is not None else False
         f.keyframe = keyframe
         self._copy_q.put(f)
-        self._commit_q.put(f)
+        self._committer.put(f)
         return f
 
     def _copy_now(self, plan: FlatPlan) -> bool:
@@ -293,8 +291,7 @@ class Pipeline:
                 self.abort(f, reported=True)
         self._copy_q.put(None)
         self._copy_thread.join()
-        self._commit_q.put(None)
-        self._commit_thread.join()
+        self._committer.close()
         for _ in self._writers:
             self._write_q.put(None)
         for t in self._writers:
@@ -434,7 +431,7 @@ class Pipeline:
                 elif task[1] == "flat":
                     self.flat.write(f)
                 elif not f.dead:
-                    self._put_object(f, task[2], task[3])
+                    self._committer.put_object(f, task[2], task[3])
             except BaseException as e:
                 f.fail(e)
             finally:
@@ -456,112 +453,6 @@ class Pipeline:
                     acc.add(plan.byte_range(i)[0] // plan.itemsize, values)
         finally:
             self.cache.release(lease)
-
-    def _put_object(self, f: Flight, name: str, obj: Any) -> None:
-        try:
-            f.txn.put_object(name, obj)
-        except TypeError:
-            if name not in self._pickled:
-                self._pickled.add(name)
-                warnings.warn(
-                    f"object {name!r} is not plain data; storing it with pickle (reading it "
-                    "back needs trusted=True)", RuntimeWarning, stacklevel=2)
-            f.txn.put_object(name, obj, encoding="pickle")
-
-    @staticmethod
-    def _defer_object(f: Flight, name: str, obj: Any) -> None:
-        f.txn.defer_object(name, obj, or_pickle=True)
-
-    def _warn_pickled(self, f: Flight) -> None:
-        """Warn once per name of an object the commit had to pickle (not plain data)."""
-        objects = getattr(f.header, "objects", None)  # (a file of a DeepSpeed tag: none)
-        if not isinstance(objects, Mapping):
-            return
-        for d in f.txn.deferred:
-            rec = objects.get(d.name)
-            if (rec is not None and rec.encoding == "pickle" and d.encoding != "pickle"
-                    and not isinstance(d.value, Encoded) and d.name not in self._pickled):
-                self._pickled.add(d.name)
-                warnings.warn(
-                    f"object {d.name!r} is not plain data; storing it with pickle (reading "
-                    "it back needs trusted=True)", RuntimeWarning, stacklevel=2)
-
-    # -- committer ----------------------------------------------------------------------
-    def _commit_loop(self) -> None:
-        while True:
-            f = self._commit_q.get()
-            if f is None:
-                return
-            try:
-                self._finish(f)
-            except BaseException as e:  # pragma: no cover - _finish records its own errors
-                f.fail(e)
-            finally:
-                f.done.set()
-
-    def _finish(self, f: Flight) -> None:
-        f.copied.wait()
-        f.wait_sealed()
-        put = self._defer_object if f.flat is not None else self._put_object
-        if not f.dead:
-            for name, obj in f.seal_objects.items():
-                try:
-                    put(f, name, obj)
-                except BaseException as e:
-                    f.fail(e)
-                    break
-        f.wait_writes()
-        if not f.dead and (f.summaries or f.flat_stats):
-            try:
-                if f.flat_stats:
-                    put(f, self.summaries_object, self._flat_summaries(f))
-                else:
-                    put(f, self.summaries_object, self._summaries(f))
-            except BaseException as e:
-                f.fail(e)
-        if not f.dead:
-            try:
-                with f._cond:
-                    metrics = dict(f.metrics)
-                t0 = time.perf_counter()
-                f.header = f.txn.commit(metrics=metrics)
-                self._observe(f, time.perf_counter() - t0)
-                if f.flat is not None:
-                    self._warn_pickled(f)
-            except BaseException as e:
-                f.fail(e)
-        if f.dead and f.txn is not None:
-            try:
-                f.txn.abort()
-            except BaseException as e:  # pragma: no cover - abort touches no storage
-                f.error.add_note(f"aborting the transaction also failed: {e!r}")  # type: ignore[union-attr]
-        self._record(f)
-
-    def _observe(self, f: Flight, commit_s: float) -> None:
-        """Tell the encode governor what this step's flush cost (CPU, and waiting for the
-        disk: writer time off the CPU plus the commit, whose barrier waits for the disk)."""
-        if self._governor is None:
-            return
-        st = f.txn.stats
-        if f.encode and not (st.deltas or st.dedups):
-            return  # keyframes only (a first step, a new chain): says nothing about encoding
-        self._governor.observe(f.encode, f.cpu_s, max(0.0, f.wall_s - f.cpu_s) + commit_s,
-                               f.txn.bytes_written)
-
-    def _summaries(self, f: Flight) -> dict[str, Any]:
-        """Finish the write-time summaries of ``f`` (committer thread, in step order, so the
-        update estimate compares with the previous *committed* step's probe)."""
-        assert self._book is not None
-        out = {}
-        for path, acc in f.summaries.items():
-            acc.prev_probe = self._book.accumulator(path, acc.numel).prev_probe
-            out[path] = self._book.finish(path, acc)
-        return out
-
-    def _flat_summaries(self, f: Flight) -> dict[str, Any]:
-        assert self._book is not None
-        st = dict(f.flat_stats)
-        return self._book.finish_columns(st.pop("paths"), st.pop("numel"), st)
 
     def _record(self, f: Flight) -> None:
         now = time.perf_counter()

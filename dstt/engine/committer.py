@@ -1,0 +1,160 @@
+"""The committer thread: in step order, a step's last objects, its summaries and its commit.
+
+The pipeline (``pipeline.py``) stages steps and runs the copy and writer threads; this thread
+takes each staged step in the order it was staged, waits until it is copied, sealed (the
+objects of its boundary, the race check passed) and written, stores its last objects and its
+write-time summaries (``summaries.py``: finished here, in step order, because a step's update
+estimate compares with the previous *committed* step's probe), commits it — or aborts it if
+anything failed — and hands its metrics back (``record``). A flat step's objects are stored
+with its commit (``Transaction.defer_object``), so the flusher process encodes and writes them
+when it commits the step (``store/stepcommit.py``).
+
+Rejected alternative: committing from whichever writer thread finishes a step's last write —
+commits must follow step order (the store resolves a commit's parent at commit time), and a
+second ordering mechanism would be needed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..store import Encoded
+from .flight import Flight
+from .governor import EncodeGovernor
+from .summaries import SummaryBook
+
+__all__ = ["Committer"]
+
+
+class Committer:
+    """One thread committing staged steps in order."""
+
+    def __init__(self, *, book: SummaryBook | None, summaries_object: str,
+                 governor: EncodeGovernor | None, record: Callable[[Flight], None]) -> None:
+        self._book, self.summaries_object = book, summaries_object
+        self._governor, self._record = governor, record
+        self._pickled: set[str] = set()  # objects warned about (stored with pickle)
+        self._q: queue.SimpleQueue[Flight | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="dstt-commit", daemon=True)
+        self._thread.start()
+
+    def put(self, f: Flight) -> None:
+        """Commit ``f`` after the steps put before it."""
+        self._q.put(f)
+
+    def close(self) -> None:
+        """Stop after the steps already put."""
+        self._q.put(None)
+        self._thread.join()
+
+    def put_object(self, f: Flight, name: str, obj: Any) -> None:
+        """Store an object of ``f`` now (tagged JSON; pickle, warned once per name, where
+        JSON cannot hold it). Also what the writer threads call for a chunked step."""
+        try:
+            f.txn.put_object(name, obj)
+        except TypeError:
+            if name not in self._pickled:
+                self._pickled.add(name)
+                warnings.warn(
+                    f"object {name!r} is not plain data; storing it with pickle (reading it "
+                    "back needs trusted=True)", RuntimeWarning, stacklevel=2)
+            f.txn.put_object(name, obj, encoding="pickle")
+
+    @staticmethod
+    def _defer_object(f: Flight, name: str, obj: Any) -> None:
+        f.txn.defer_object(name, obj, or_pickle=True)
+
+    def _warn_pickled(self, f: Flight) -> None:
+        """Warn once per name of an object the commit had to pickle (not plain data)."""
+        objects = getattr(f.header, "objects", None)  # (a file of a DeepSpeed tag: none)
+        if not isinstance(objects, Mapping):
+            return
+        for d in f.txn.deferred:
+            rec = objects.get(d.name)
+            if (rec is not None and rec.encoding == "pickle" and d.encoding != "pickle"
+                    and not isinstance(d.value, Encoded) and d.name not in self._pickled):
+                self._pickled.add(d.name)
+                warnings.warn(
+                    f"object {d.name!r} is not plain data; storing it with pickle (reading "
+                    "it back needs trusted=True)", RuntimeWarning, stacklevel=2)
+
+    def _loop(self) -> None:
+        while True:
+            f = self._q.get()
+            if f is None:
+                return
+            try:
+                self._finish(f)
+            except BaseException as e:  # pragma: no cover - _finish records its own errors
+                f.fail(e)
+            finally:
+                f.done.set()
+
+    def _finish(self, f: Flight) -> None:
+        f.copied.wait()
+        f.wait_sealed()
+        put = self._defer_object if f.flat is not None else self.put_object
+        if not f.dead:
+            for name, obj in f.seal_objects.items():
+                try:
+                    put(f, name, obj)
+                except BaseException as e:
+                    f.fail(e)
+                    break
+        f.wait_writes()
+        if not f.dead and (f.summaries or f.flat_stats):
+            try:
+                if f.flat_stats:
+                    put(f, self.summaries_object, self._flat_summaries(f))
+                else:
+                    put(f, self.summaries_object, self._summaries(f))
+            except BaseException as e:
+                f.fail(e)
+        if not f.dead:
+            try:
+                with f._cond:
+                    metrics = dict(f.metrics)
+                t0 = time.perf_counter()
+                f.header = f.txn.commit(metrics=metrics)
+                self._observe(f, time.perf_counter() - t0)
+                if f.flat is not None:
+                    self._warn_pickled(f)
+            except BaseException as e:
+                f.fail(e)
+        if f.dead and f.txn is not None:
+            try:
+                f.txn.abort()
+            except BaseException as e:  # pragma: no cover - abort touches no storage
+                f.error.add_note(f"aborting the transaction also failed: {e!r}")  # type: ignore[union-attr]
+        self._record(f)
+
+    def _observe(self, f: Flight, commit_s: float) -> None:
+        """Tell the encode governor what this step's flush cost (CPU, and waiting for the
+        disk: writer time off the CPU plus the commit, whose barrier waits for the disk)."""
+        if self._governor is None:
+            return
+        st = f.txn.stats
+        if f.encode and not (st.deltas or st.dedups):
+            return  # keyframes only (a first step, a new chain): says nothing about encoding
+        self._governor.observe(f.encode, f.cpu_s, max(0.0, f.wall_s - f.cpu_s) + commit_s,
+                               f.txn.bytes_written)
+
+    def _summaries(self, f: Flight) -> dict[str, Any]:
+        """Finish the write-time summaries of ``f`` (committer thread, in step order, so the
+        update estimate compares with the previous *committed* step's probe)."""
+        assert self._book is not None
+        out = {}
+        for path, acc in f.summaries.items():
+            acc.prev_probe = self._book.accumulator(path, acc.numel).prev_probe
+            out[path] = self._book.finish(path, acc)
+        return out
+
+    def _flat_summaries(self, f: Flight) -> dict[str, Any]:
+        assert self._book is not None
+        st = dict(f.flat_stats)
+        return self._book.finish_columns(st.pop("paths"), st.pop("numel"), st)
