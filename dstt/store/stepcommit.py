@@ -122,15 +122,17 @@ def write_metadata(zf: StepFile, block: Block, consolidated: bytes,
 def run_commit(storage: Storage, zf: StepFile, side: SideFile, job: CommitJob) -> CommitHeader:
     """Write ``job`` (module docstring: the order, and why running it twice is safe)."""
     objects = dict(job.objects)
-    for d in job.deferred:
-        data, encoding = encode_deferred(d)
-        objects[d.name] = ObjectRecord(side.key, len(data), checksum(data), encoding,
-                                       side.append(data))
     table = job.table
     if table is None:
         assert job.template is not None, "a job names its table or the table's template"
         table = job.template.dump(job.slot, zf.key, job.offsets, job.crcs)
-    where = Location(side.key, side.append(table), len(table), checksum(table))
+    encoded = [encode_deferred(d) for d in job.deferred]
+    # the objects, then the table: one write, each at the offset it would have alone
+    at = side.append([data for data, _ in encoded] + [table])
+    for d, (data, encoding) in zip(job.deferred, encoded, strict=True):
+        objects[d.name] = ObjectRecord(side.key, len(data), checksum(data), encoding, at)
+        at += len(data)
+    where = Location(side.key, at, len(table), checksum(table))
     if job.block is not None:
         write_metadata(zf, job.block, job.consolidated,
                        root_attributes(step=job.step, timeline=job.timeline, slot=job.slot))
