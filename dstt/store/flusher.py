@@ -23,6 +23,8 @@ bytes at the same places), then writes from its own threads. The child exits whe
 parent's end of the pipe closes (the parent exited or was killed), so no orphan outlives a
 crashed trainer.
 
+The child's side — its request loop, writer and commit threads — is ``flusher_child.py``.
+
 Rejected alternatives: ``multiprocessing`` (its spawn start method re-imports the user's
 ``__main__``, i.e. re-runs an unguarded training script) and a C extension (a compiler on
 every user's machine, for the same effect).
@@ -32,11 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import errno as _errno
-import gc
 import mmap
 import os
 import pickle
-import queue
 import struct
 import subprocess
 import sys
@@ -46,12 +46,11 @@ from dataclasses import replace
 from typing import IO, Any, NoReturn
 
 from ..errors import StorageError
-from .flatstats import DigestPlan, digest
-from .format.flat import FlatImage, FlatLayout
+from .flatstats import DigestPlan
+from .format.flat import FlatLayout
 from .format.manifest import CommitHeader
-from .format.stepfile import SideFile, StepFile, StepState
-from .stepcommit import CommitJob, NotHandedOff, run_commit
-from .storage.local import LocalStorage, pwrite_all, start_writeback
+from .format.stepfile import StepState
+from .stepcommit import CommitJob, NotHandedOff
 
 __all__ = ["Flusher", "flusher_supported"]
 
@@ -272,166 +271,3 @@ class Flusher:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds = []
-
-
-# -- the child ---------------------------------------------------------------------------
-
-def _lower_priority(sched: str) -> None:
-    if sched != "idle":
-        return
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        with contextlib.suppress(OSError):
-            os.nice(19)
-
-
-def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
-    """The child's loop: this thread checksums and digests each step, a writer thread
-    writes it and replies — so step k+1's CPU work overlaps step k's wait for the disk."""
-    # nothing here makes reference cycles worth a collector pass per few hundred allocations
-    # (each pass walks every cached image); collect once per new layout instead
-    gc.disable()
-    maps: list[memoryview] = []
-    objs: dict[int, Any] = {}
-    images: dict[tuple[int, int, int], FlatImage] = {}
-    bound: dict[int, FlatImage] = {}  # buffer -> the in-place image whose headers it holds
-    # O_DIRECT until the filesystem refuses it once (DSTT_DIRECT=0: never, e.g. to compare)
-    direct = [os.environ.get("DSTT_DIRECT", "1") != "0"]
-    send_mu = threading.Lock()
-
-    def reply(msg: tuple[Any, ...]) -> None:
-        with send_mu:
-            _send(out, msg)
-
-    writes: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
-    commits: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
-    # made before the priority drops: a commit is little CPU, and training waits for its
-    # step's buffer only, but a commit starved at SCHED_IDLE would pile up steps in flight
-    committer = threading.Thread(target=_commit_loop, args=(commits, reply), daemon=True)
-    committer.start()
-    _lower_priority(sched)
-    writer = threading.Thread(target=_write_loop, args=(writes, reply, direct), daemon=True)
-    writer.start()
-    try:
-        while True:
-            try:
-                msg = _recv(inp)
-            except EOFError:
-                return  # the parent is gone
-            kind = msg[0]
-            if kind == "exit":
-                return
-            rid = msg[1] if kind in ("flat", "commit") else None
-            try:
-                if kind == "init":
-                    maps = [memoryview(mmap.mmap(fd, n)) for fd, n in msg[1]]
-                    reply(("ready",))
-                elif kind == "commit":  # in order, after this step's write (it replied)
-                    commits.put((*msg[1:6], [None if i is None else objs[i] for i in msg[6]],
-                                 msg[7]))
-                elif kind == "forget":
-                    objs.clear()
-                    images.clear()
-                    bound.clear()
-                elif kind in ("layout", "const"):
-                    objs[msg[1]] = msg[2]
-                    gc.collect()
-                    for k in [k for k in images if k[0] == msg[1]]:
-                        del images[k]
-                elif kind == "flat":
-                    _, rid, buffer, lid, start, path, pid = msg
-                    image = images.get((lid, buffer, start))
-                    if image is None:
-                        image = images[(lid, buffer, start)] = FlatImage(objs[lid], start,
-                                                                         maps[buffer])
-                    elif image.inplace and bound.get(buffer) is not image:
-                        image.bind(maps[buffer])  # another layout's headers sit in this buffer
-                    if image.inplace:
-                        bound[buffer] = image
-                    crcs, _ = image.fill()
-                    stats = digest(objs[pid], maps[buffer]) if pid is not None else None
-                    writes.put((rid, path, image, start,
-                                ("ok", rid, crcs, bytes(image.directory), stats)))
-                else:
-                    raise ValueError(f"unknown request {kind!r}")
-            except Exception as e:  # reported to the parent, which fails the step
-                reply(("err", rid, getattr(e, "errno", None), f"{type(e).__name__}: {e}"))
-    finally:
-        writes.put(None)
-        writer.join()
-        commits.put(None)
-        committer.join()
-
-
-def _commit_loop(commits: queue.SimpleQueue[tuple[Any, ...] | None], reply: Any) -> None:
-    """Run each step's commit on the files the parent started (``stepcommit.py``)."""
-    stores: dict[tuple[str, str], LocalStorage] = {}
-    while (task := commits.get()) is not None:
-        rid, root, durability, zip_state, side_state, consts, data = task
-        try:
-            st = stores.get((root, durability))
-            if st is None:
-                st = stores[(root, durability)] = LocalStorage(root, durability=durability)
-            template, block, consolidated = consts
-            job = replace(pickle.loads(data), template=template, block=block,
-                          consolidated=consolidated or b"")
-            header = run_commit(st, StepFile.adopt(st, zip_state),
-                                SideFile.adopt(st, side_state), job)
-        except Exception as e:
-            reply(("err", rid, getattr(e, "errno", None), f"{type(e).__name__}: {e}"))
-            continue
-        reply(("ok", rid, header))
-
-
-def _write_loop(writes: queue.SimpleQueue[tuple[Any, ...] | None], reply: Any,
-                direct: list[bool]) -> None:
-    while (task := writes.get()) is not None:
-        rid, path, image, start, done = task
-        try:
-            _write_image(path, image, start, direct)
-        except Exception as e:
-            reply(("err", rid, getattr(e, "errno", None), f"{type(e).__name__}: {e}"))
-            continue
-        reply(done)
-
-
-_DIRECT_ALIGN = 4096
-
-
-def _write_image(path: str, image: FlatImage, start: int, direct: list[bool]) -> None:
-    """Write ``image`` at ``start`` of ``path``. An in-place image is the file's bytes in
-    one page-aligned shared buffer: its whole 4 KiB blocks go with ``O_DIRECT`` (the disk
-    reads them straight from the buffer: no copy into the page cache, no dirty pages for
-    the kernel to write back and evict later), the last partial block through the page
-    cache. Where the filesystem refuses ``O_DIRECT`` (tmpfs, some FUSE), everything goes
-    through the page cache from then on."""
-    head = 0
-    if direct[0] and image.inplace and start % _DIRECT_ALIGN == 0:
-        head = image.nbytes // _DIRECT_ALIGN * _DIRECT_ALIGN
-    if head:
-        try:
-            fd = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
-            try:
-                pwrite_all(fd, [image.iov[0][:head]], start)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            if e.errno != _errno.EINVAL:
-                raise
-            direct[0], head = False, 0  # not supported here: the page cache it is
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        if head:
-            pwrite_all(fd, [image.iov[0][head:]], start + head)
-        else:
-            pwrite_all(fd, image.iov, start)
-        start_writeback(fd)  # the disk starts now; the parent's barrier waits
-    finally:
-        os.close(fd)
-
-
-def main() -> None:
-    sched = sys.argv[1] if len(sys.argv) > 1 else "idle"
-    _serve(sys.stdin.buffer, sys.stdout.buffer, sched)
-

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dstt.store import flatstats
-from dstt.store import flusher as flusher_mod
+from dstt.store import flusher_child as flusher_mod
 from dstt.store.flatstats import DigestPlan, digest
 from dstt.store.format.flat import FlatImage, FlatLayout
 from dstt.store.format.layout import plan_chunks
