@@ -211,3 +211,27 @@ def test_the_flusher_process_commits_a_step(tmp_path: Path) -> None:
     here = _commit_step(Repository.create(tmp_path / "here"), None, 5)
     assert _files(tmp_path / "run", header.slot) == _files(tmp_path / "here", here.slot)
     _check(tmp_path / "run", header, 5)
+
+
+@pytest.mark.skipif(not flusher_supported(), reason="the flusher needs Linux memfd")
+def test_the_flusher_forgets_old_constants_and_keeps_committing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each commit here sends three new constants (a fresh writer's table template, document
+    block, consolidated metadata): past ``_SENT_KEPT`` the parent tells the child to forget
+    them all and sends what the next request names again."""
+    from dstt.store import flusher as flusher_mod
+
+    monkeypatch.setattr(flusher_mod, "_SENT_KEPT", 4)
+    fl = Flusher(1 << 16, 2)
+    try:
+        repo = Repository.create(tmp_path / "run")
+        headers = [_commit_step(repo, fl, step) for step in range(1, 6)]
+        assert not fl.dead and len(fl._sent) <= 4
+    finally:
+        fl.close()
+    r = Repository.open(tmp_path / "run").reader()
+    for h in headers:
+        for path, want in _values(h.step).items():
+            assert same_bits(r.read_array(h, path), want), (h.step, path)
+    assert [h.step for h in r.lineage()] == [1, 2, 3, 4, 5]
+    assert Repository.open(tmp_path / "run").verify().problems == []
