@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import CorruptRunError, DsttError
 from .format.layout import ChunkPlan, step_file_key
-from .format.manifest import CommitHeader, dump_header
+from .format.manifest import CommitHeader, FileIds, dump_header
 from .format.segment import SCALARS, Layout, Locations, RowSet, concat
 from .format.zarr_meta import dtype_itemsize
 
@@ -158,21 +158,13 @@ class _Shape:
         self.crcs: list[list[int]] = []
 
 
-class _Locations:
+class _Locations(FileIds):
     """Every row's tensor locations, grouped by the shape of its arrays table."""
 
     def __init__(self, n: int) -> None:
+        super().__init__()
         self.n = n
-        self.files: list[str] = []
-        self._file_of: dict[str, int] = {}
         self._shapes: list[tuple[tuple[Any, ...], _Shape]] = []
-
-    def _file_id(self, key: str) -> int:
-        f = self._file_of.get(key)
-        if f is None:
-            f = self._file_of[key] = len(self.files)
-            self.files.append(key)
-        return f
 
     def add(self, row: int, doc: dict[str, Any], own: str) -> None:
         c = doc["chunks"]
@@ -180,7 +172,7 @@ class _Locations:
         sig = (doc["arrays"], c["file"], c["offset"], c["nbytes"], doc["codecs"], files)
         shape = next((sh for known, sh in reversed(self._shapes) if known == sig), None)
         if shape is None:  # (the newest first: a steady run's tables all match the last)
-            shape = _Shape(doc, own, self._file_id)
+            shape = _Shape(doc, own, self.file_id)
             self._shapes.append((sig, shape))
         shape.rows.append(row)
         shape.crcs.append(c["crc32c"])

@@ -31,6 +31,7 @@ __all__ = [
     "ArrayRecord",
     "ChunkRecord",
     "CommitHeader",
+    "FileIds",
     "Location",
     "Metric",
     "ObjectRecord",
@@ -295,7 +296,22 @@ def parse_header(data: bytes, where: str) -> CommitHeader:
 
 # -- arrays tables ------------------------------------------------------------------------
 
-class TableBuilder:
+class FileIds:
+    """File keys numbered in the order they are first seen: a table's ``files`` column."""
+
+    def __init__(self) -> None:
+        self.files: list[str] = []
+        self._file_index: dict[str, int] = {}
+
+    def file_id(self, key: str) -> int:
+        i = self._file_index.get(key)
+        if i is None:
+            i = self._file_index[key] = len(self.files)
+            self.files.append(key)
+        return i
+
+
+class TableBuilder(FileIds):
     """The columnar arrays table of one commit, built array by array (``arrays_json``).
 
     Columns, not a record per chunk: a 1,200-tensor step is a few lists of integers, which
@@ -313,8 +329,7 @@ class TableBuilder:
     """
 
     def __init__(self) -> None:
-        self.files: list[str] = []
-        self._file_index: dict[str, int] = {}
+        super().__init__()
         self.path: list[str] = []
         self.dtype: list[str] = []
         self.shape: list[list[int]] = []
@@ -325,13 +340,6 @@ class TableBuilder:
         self.nbytes: list[int] = []
         self.crc32c: list[int] = []
         self.codecs: dict[str, list[Any]] = {}
-
-    def file_id(self, key: str) -> int:
-        i = self._file_index.get(key)
-        if i is None:
-            i = self._file_index[key] = len(self.files)
-            self.files.append(key)
-        return i
 
     def add_array(self, path: str, dtype: str, shape: tuple[int, ...], rows: int,
                   dims: tuple[str, ...] | None = None) -> None:
