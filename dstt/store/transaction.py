@@ -68,6 +68,7 @@ class Transaction:
         #: objects stored at commit (``defer_object``), in the order they came
         self.deferred: list[Deferred] = []
         self._deferred_names: set[str] = set()
+        self.deferred_stored = False  # ``write_deferred`` stored them already (here)
         self.zip = StepFile(writer.storage, step_file_key(slot, writer.file_tag))
         self.side = SideFile(writer.storage, side_file_key(slot, writer.file_tag))
         self._lock = threading.Lock()
@@ -270,23 +271,28 @@ class Transaction:
 
     def count_objects(self, header: CommitHeader) -> None:
         """Count the deferred objects' bytes, now that the commit stored them."""
+        if self.deferred_stored:
+            return  # counted as they were stored
         n = sum(header.objects[d.name].nbytes for d in self.deferred if d.name in header.objects)
         with self._lock:
             self._object_bytes += n
 
     def write_deferred(self) -> None:
         """Store the deferred objects now, here (a part's vote, a merged commit: their
-        records must be known before the commit)."""
+        records must be known before the commit). ``deferred`` keeps listing them."""
         with self._lock:
-            todo, self.deferred = self.deferred, []
-            self._deferred_names.clear()
-        for d in todo:
+            if self.deferred_stored:
+                return
+            self.deferred_stored = True
+        for d in self.deferred:
             data, encoding = encode_deferred(d)
-            self._put_object_bytes(d.name, data, encoding)  # type: ignore[arg-type]
+            self._put_object_bytes(d.name, data, encoding, deferred=True)  # type: ignore[arg-type]
 
-    def _put_object_bytes(self, name: str, data: bytes, encoding: Encoding) -> ObjectRecord:
+    def _put_object_bytes(self, name: str, data: bytes, encoding: Encoding, *,
+                          deferred: bool = False) -> ObjectRecord:
+        """``deferred``: storing an object ``defer_object`` took (its name is known)."""
         with self._lock:
-            if name in self.objects or name in self._deferred_names:
+            if name in self.objects or (name in self._deferred_names and not deferred):
                 raise ValueError(f"object {name!r} stored twice in step {self.step}")
             # reserved before writing: two threads storing one name would both write
             self.objects[name] = ObjectRecord("", 0, 0, encoding)

@@ -386,7 +386,8 @@ class Writer:
             job = CommitJob(
                 slot=txn.slot, step=txn.step, timeline=txn.timeline, parent=ref.head,
                 time=time.time(), ref=dump_ref(moved), lazy_ref=self.lazy_refs,
-                metrics=dict(metrics), objects=objects, deferred=tuple(txn.deferred),
+                metrics=dict(metrics), objects=objects,
+                deferred=() if txn.deferred_stored else tuple(txn.deferred),
                 table=table, template=None if spliced is None else spliced[0],
                 offsets=() if spliced is None else spliced[1],
                 crcs=() if spliced is None else spliced[2],

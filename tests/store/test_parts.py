@@ -269,3 +269,30 @@ def test_shard_maps_must_agree_on_shape(tmp_path: Path) -> None:
         h = t.commit()
     with pytest.raises(CorruptRunError, match="in another shard map"):
         logical_arrays(repo.reader(), h)
+
+
+def test_deferred_objects_of_both_ranks_are_in_the_merged_commit(tmp_path: Path) -> None:
+    """Objects stored at commit (``defer_object``) are written with a part's vote and with
+    the merging rank's commit, once each, and stay listed (for the engine's warnings)."""
+    repo = Repository.create(tmp_path / "run")
+    a = np.arange(6, dtype=np.float32)
+    with repo.writer(chunk_bytes=64) as w0, \
+            repo.writer(chunk_bytes=64, exclusive=False, rank=1) as w1:
+        slot = w0.next_slot
+        t1 = w1.begin(2, slot=slot)
+        put_array(t1, "zero/r1/flat", a)
+        t1.defer_object("opaque/r1", {1, 2}, or_pickle=True)
+        part = t1.prepare(rank=1, world=2, session="s")
+        assert part.objects["opaque/r1"].encoding == "pickle"
+        assert [d.name for d in t1.deferred] == ["opaque/r1"]
+        t0 = w0.begin(2, slot=slot)
+        put_array(t0, "zero/r0/flat", a)
+        t0.defer_object("rng/r0", {"seed": 0})
+        parts = collect_parts(repo.storage, slot=slot, step=2, ranks=[1], world=2,
+                              session="s", timeout=5)
+        h = t0.commit(parts=parts)
+        assert t0.bytes_written == t0.stats.written_bytes + h.objects["rng/r0"].nbytes  # once
+    r = repo.reader()
+    assert r.read_object(h, "rng/r0") == {"seed": 0}
+    assert r.read_object(h, "opaque/r1", trusted=True) == {1, 2}
+    assert repo.verify().ok
