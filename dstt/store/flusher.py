@@ -19,9 +19,9 @@ child's own, at normal priority) — writes the objects, arrays table and zarr.j
 documents, publishes the files and writes the header and ref the parent decided. If it
 dies, the parent's write or commit fails with a ``StorageError`` while ``dead`` is set, and
 the parent does that step's write or commit again itself (both are idempotent: the same
-bytes at the same places), then writes from its own threads. The child exits when the
-parent's end of the pipe closes (the parent exited or was killed), so no orphan outlives a
-crashed trainer.
+bytes at the same places), then writes from its own threads. The kernel kills the child
+when the parent dies (``PR_SET_PDEATHSIG``), so no orphan outlives a crashed trainer to
+commit the steps it had handed over — a resumed run would race it for the ref.
 
 The child's side — its request loop, writer and commit threads — is ``flusher_child.py``.
 
@@ -109,7 +109,7 @@ class Flusher:
             # training needs (thread pools are made at import, before SCHED_IDLE applies)
             env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dstt.store._flusher_main", sched],
+                [sys.executable, "-m", "dstt.store._flusher_main", sched, str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=self._fds, env=env)
             assert self.proc.stdin is not None and self.proc.stdout is not None
             self._out, self._in = self.proc.stdin, self.proc.stdout

@@ -13,12 +13,14 @@ only what this module and its imports (no torch) bring.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno as _errno
 import gc
 import mmap
 import os
 import pickle
 import queue
+import signal
 import sys
 import threading
 from dataclasses import replace
@@ -42,6 +44,30 @@ def _lower_priority(sched: str) -> None:
     except (AttributeError, OSError):
         with contextlib.suppress(OSError):
             os.nice(19)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process the moment its parent dies (Linux
+    ``PR_SET_PDEATHSIG``), and exit now if it already has.
+
+    A trainer killed mid-run must not leave a process behind that goes on committing the
+    steps it had handed over: the requests still sit in the pipe, and a resumed run (which
+    takes the run over from the dead one) would race it for the ref. Waiting for the pipe's
+    end of file is not enough — the requests before it would still be served, and this
+    process runs at ``SCHED_IDLE``, so it may see it late. The signal is sent while the
+    parent exits, before anyone can reap it, so whoever saw the trainer die sees this
+    process dead or dying: at most the system call it was in (one rename, one fsync)
+    completes. The kernel's "parent" is the thread that started this process (the
+    training thread's first flat step); if that thread ends before the session does, this
+    process dies with it and the parent finishes the steps itself (``Flusher.dead``)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent and os.getppid() != parent:  # died before the line above
+        os._exit(1)
 
 
 def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
@@ -75,8 +101,8 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
         while True:
             try:
                 msg = _recv(inp)
-            except EOFError:
-                return  # the parent is gone
+            except EOFError:  # the parent is gone (it sends "exit" when it closes):
+                os._exit(1)  # serve nothing it left in flight, not even a commit
             kind = msg[0]
             if kind == "exit":
                 return
@@ -191,5 +217,6 @@ def _write_image(path: str, image: FlatImage, start: int, direct: list[bool]) ->
 
 def main() -> None:
     sched = sys.argv[1] if len(sys.argv) > 1 else "idle"
+    _die_with_parent(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
     _serve(sys.stdin.buffer, sys.stdout.buffer, sched)
 

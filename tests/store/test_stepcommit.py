@@ -3,6 +3,7 @@ point of it, finished here: the same committed step, byte for byte (``stepcommit
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from collections.abc import Sequence
@@ -235,3 +236,54 @@ def test_the_flusher_forgets_old_constants_and_keeps_committing(
             assert same_bits(r.read_array(h, path), want), (h.step, path)
     assert [h.step for h in r.lineage()] == [1, 2, 3, 4, 5]
     assert Repository.open(tmp_path / "run").verify().problems == []
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not flusher_supported(), reason="the flusher needs Linux memfd")
+def test_a_killed_trainer_leaves_no_flusher_behind_to_commit_what_it_handed_over(
+        tmp_path: Path) -> None:
+    """The trainer dies with a commit request in its (stopped) flusher's pipe. Once the
+    flusher may run again, it must not serve it: a resumed run would race it for the ref.
+    (Before the flusher died with its parent, it committed the step after the trainer's
+    death, then exited at the pipe's end.)"""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get(
+        "PYTHONPATH", "")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("orphan_child.py")),
+                             str(run)], stdout=subprocess.PIPE, text=True, env=env)
+    pid, lines = 0, []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("flusher "):
+                pid = int(line.split()[1])
+            elif line == "sent\n":
+                break
+        assert pid and lines[-1] == "sent\n", lines
+    finally:
+        proc.kill()
+        proc.wait(30)
+        if proc.stdout:
+            proc.stdout.close()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _gone(pid), "the flusher outlived the trainer"
+    assert Repository.open(run).reader().head() is None
+    assert Repository.open(run).verify().problems == []
