@@ -31,7 +31,7 @@ from .format.objects import Encoded
 from .format.segment import SCALARS as SUMMARY_SCALARS
 from .format.segment import RowSet
 from .format.zarr_meta import dtype_itemsize, numpy_dtype
-from .index import Index, IndexedHeader
+from .index_reader import Index, IndexedHeader
 from .index_rows import as_float
 from .maintenance import GcReport, Problem, VerifyReport
 from .parts import Part, abort_vote, collect_parts, remove_parts

@@ -18,7 +18,8 @@ from ..errors import DsttError
 from .format.layout import INDEX_PREFIX, commit_key, parse_index_name
 from .format.manifest import CommitHeader, dump_header, parse_header
 from .format.segment import RowSet, concat
-from .index import GC_MARKER, Index, write_segment
+from .index import write_segment
+from .index_reader import GC_MARKER, Index
 from .index_rows import keep_summaries, rows_from_headers, take
 
 if TYPE_CHECKING:

@@ -34,7 +34,8 @@ from .format.manifest import ArrayRecord, CommitHeader, checksum, dump_header
 from .format.segment import RowSet
 from .format.zarr_meta import array_document
 from .format.zipfmt import Entry, crc32, local_data_offset, parse_directory
-from .index import GC_MARKER, IndexedHeader, write_segment
+from .index import write_segment
+from .index_reader import GC_MARKER, IndexedHeader
 from .index_repair import all_rows, check, rewrite
 from .index_rows import keep_summaries, rows_from_headers
 from .parts import remove_parts

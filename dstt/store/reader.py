@@ -51,7 +51,7 @@ from .format.manifest import (
 from .format.objects import decode_object
 from .format.segment import RowSet
 from .format.zarr_meta import numpy_dtype
-from .index import Index, scalar_rows
+from .index_reader import Index, scalar_rows
 
 if TYPE_CHECKING:
     from .storage.base import Storage

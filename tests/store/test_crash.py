@@ -48,7 +48,7 @@ from dstt.store.format.layout import (
     side_file_key,
     step_file_key,
 )
-from dstt.store.index import GC_MARKER
+from dstt.store.index_reader import GC_MARKER
 from dstt.store.parts import collect_parts
 from dstt.store.storage.base import Data
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage

@@ -14,7 +14,7 @@ import pytest
 import dstt
 from dstt.store import LocalStorage, Reader, Repository, Storage
 from dstt.store.format.layout import INDEX_PREFIX
-from dstt.store.index import GC_MARKER
+from dstt.store.index_reader import GC_MARKER
 from dstt.store.index_repair import check
 from dstt.store.storage.memory import DelegatingStorage, MemoryStorage
 

@@ -1,0 +1,350 @@
+"""The run's index, reading side: a derived, immutable cache of the commit headers that readers
+open fast.
+
+The commit headers stay the source of truth. The index is a set of *segments*
+(``format/segment.py``), each a checksummed file of columnar rows for some slots; a reader
+loads every segment's core columns (a few range reads each), and for a slot with no row — the
+*tail* the writer has not indexed yet, a segment lost or damaged — reads the header itself. So
+a missing row costs a header read, never a wrong answer. Rows are facts about headers that
+never change once their ref moved, with one exception, gc's tombstones: while gc's marker
+``_dstt/index/gc.json`` exists, readers distrust the rows of the slots it names and read their
+headers. Where segments overlap, the newer generation's row wins.
+
+Only the reader's view lives here (``Index``, ``IndexedHeader``, ``scalar_rows``); writing
+segments, merging them and the background jobs are ``index.py``, which imports this module and
+never the other way. Rejected: one module for both sides (two jobs; a reader would load the
+writer's jobs and merges it never runs).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import ChecksumError, CorruptRunError, DsttError, StepNotFoundError
+from .format.layout import INDEX_PREFIX, commit_key, parse_index_name, step_file_key
+from .format.manifest import (
+    ArrayRecord,
+    ChunkRecord,
+    CommitHeader,
+    checksum,
+    parse_header,
+)
+from .format.segment import (
+    SCALARS,
+    Layout,
+    RowSet,
+    blob,
+    concat,
+    core_span,
+    decode_core,
+    decode_rest,
+    layout_of,
+    read_directory,
+)
+from .index_rows import rows_from_headers, take
+
+if TYPE_CHECKING:
+    from .reader import Reader
+    from .storage.base import Storage
+
+__all__ = ["GC_MARKER", "Index", "IndexedHeader", "scalar_rows"]
+
+GC_MARKER = f"{INDEX_PREFIX}/gc.json"
+
+
+class IndexedHeader(CommitHeader):
+    """A commit header known from the index: the core fields at once, the rest (metrics,
+    objects, arrays table location) parsed from the header bytes the segment keeps, on first
+    use. Equal to the header it was indexed from (``full()``)."""
+
+    def __init__(self, fetch: Callable[[], CommitHeader], slot: int, step: int, timeline: str,
+                 parent: int | None, time: float, pruned: bool) -> None:
+        self.__dict__.update(slot=slot, step=step, timeline=timeline, parent=parent, time=time,
+                             pruned=pruned, _fetch=fetch, _h=None)
+
+    def full(self) -> CommitHeader:
+        h: CommitHeader | None = self.__dict__["_h"]
+        if h is None:
+            h = self.__dict__["_fetch"]()
+            if (h.slot, h.step, h.timeline, h.parent) == (
+                    self.slot, self.step, self.timeline, self.parent) and h.pruned > self.pruned:
+                raise StepNotFoundError(  # a gc elsewhere pruned it since this view was read
+                    f"step {self.step} (slot {self.slot}) was pruned by gc after this view of "
+                    "the run was opened; refresh it (run.refresh()) to see what is kept")
+            if (h.slot, h.step, h.timeline, h.parent, h.pruned) != (
+                    self.slot, self.step, self.timeline, self.parent, self.pruned):
+                raise CorruptRunError(f"index row of slot {self.slot} disagrees with its "
+                                      "header bytes; run `dstt index` to rebuild the index")
+            self.__dict__["_h"] = h
+        return h
+
+    metrics = property(lambda self: self.full().metrics)  # type: ignore[assignment]
+    objects = property(lambda self: self.full().objects)  # type: ignore[assignment]
+    arrays = property(lambda self: self.full().arrays)  # type: ignore[assignment]
+
+
+class _Segment:
+    def __init__(self, st: Storage, name: str) -> None:
+        self.name, self.key = name, f"{INDEX_PREFIX}/{name}"
+        parsed = parse_index_name(name)
+        assert parsed is not None
+        self.lo, self.hi, self.gen = parsed
+        where = f"{st.location}/{self.key}"
+        head = st.read_range(self.key, 0, 1 << 16)
+        got = read_directory(head, where)
+        if isinstance(got, int):
+            head = st.read_range(self.key, 0, got)
+            got = read_directory(head, where)
+            if isinstance(got, int):
+                raise CorruptRunError(f"{where}: truncated index segment")
+        self.d, self.base = got
+        lo, hi = core_span(self.d)
+        data = head[self.base + lo:self.base + hi] if self.base + hi <= len(head) else \
+            st.read_range(self.key, self.base + lo, hi - lo)
+        self.core = decode_core(self.d, data, lo, where)
+        self.n = int(self.d["n"])
+        self.timelines: list[str] = list(self.d["timelines"])
+        self._loc: dict[str, tuple[np.ndarray, np.ndarray, list[Layout]] | None] = {}
+        self._locdir: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    def read_blob(self, st: Storage, name: str) -> Any:
+        off, nbytes = self.d["blobs"][name][:2]
+        data = st.read_range(self.key, self.base + off, nbytes)
+        return blob(self.d, name, data, off, f"{st.location}/{self.key}")
+
+    def header_bytes(self, st: Storage, i: int) -> bytes:
+        offs = self.core["hdr_off"]
+        at = self.base + self.d["blobs"]["hdr"][0] + int(offs[i])
+        return st.read_range(self.key, at, int(offs[i + 1] - offs[i]))
+
+    def locations(self, st: Storage, path: str) -> tuple[np.ndarray, np.ndarray,
+                                                         list[Layout]] | None:
+        with self._lock:
+            if path in self._loc:
+                return self._loc[path]
+            if self._locdir is None:
+                self._locdir = json.loads(self.read_blob(st, "locdir"))
+            ent = self._locdir.get(path)
+            got = None
+            if ent is not None:
+                off, nbytes, crc, width, lays = ent
+                raw = st.read_range(self.key, self.base + off, nbytes)
+                if len(raw) != nbytes or checksum(raw) != crc:
+                    raise ChecksumError(f"{st.location}/{self.key}: index locations of "
+                                        f"{path!r} fail their crc32c")
+                ids = np.frombuffer(raw[:4 * self.n], "<i4")
+                crcs = np.frombuffer(raw[4 * self.n:], "<u4").reshape(self.n, width)
+                got = (ids, crcs, [layout_of(x) for x in lays])
+            self._loc[path] = got
+            return got
+
+    def scalars(self, st: Storage, summaries: bool) -> RowSet:
+        """Metrics (and with ``summaries`` the write-time summaries) of every row, reading
+        only those blobs: what ``Run.metrics()``/``summaries()`` need."""
+        where = f"{st.location}/{self.key}"
+        names = ["m_num", "m_extra"] + (["s_has", "s_val", "s_exact", "s_probe"]
+                                        if summaries else [])
+        b = self.d["blobs"]
+        lo = min(b[x][0] for x in names)
+        hi = max(b[x][0] + b[x][1] for x in names)
+        data = st.read_range(self.key, self.base + lo, hi - lo)
+        got = {x: blob(self.d, x, data, lo, where) for x in names}
+        extra = json.loads(got["m_extra"])
+        n, c = self.n, self.core
+        rs = RowSet(slot=c["slot"], step=c["step"], parent=c["parent"], timeline=c["timeline"],
+                    pruned=c["pruned"], time=c["time"], timelines=self.timelines,
+                    headers=[b""] * n, m_names=list(self.d["m_names"]), m_num=got["m_num"],
+                    m_text=[extra["text"].get(str(i)) for i in range(n)],
+                    m_hist=[extra["hist"].get(str(i)) for i in range(n)])
+        if summaries:
+            rs.s_paths, rs.s_has, rs.s_val = list(self.d["s_paths"]), got["s_has"], got["s_val"]
+            rs.s_exact, rs.s_probe = got["s_exact"], got["s_probe"]
+        else:
+            rs.s_has = np.zeros(n, np.uint8)
+            rs.s_val = np.zeros((n, 0, len(SCALARS)))
+            rs.s_exact = np.zeros((n, 0), np.uint8)
+            rs.s_probe = np.zeros((n, 0, 0), np.float32)
+        return rs
+
+    def rows(self, st: Storage) -> RowSet:
+        data = st.read_range(self.key, self.base, st.size(self.key) - self.base)
+        return decode_rest(self.d, self.core, data, f"{st.location}/{self.key}")
+
+
+class Index:
+    """The reader's view of the index: which slots have rows, and what they say."""
+
+    def __init__(self, storage: Storage, *, enabled: bool = True) -> None:
+        self.storage = storage
+        self.enabled = enabled  # False: no rows (verify reads every header itself)
+        self._segs: dict[str, _Segment] = {}
+        self.problems: list[tuple[str, str]] = []  # (key, message) of segments ignored
+        self.distrusted: set[int] = set()
+        #: slot -> (segment, row)
+        self.rows: dict[int, tuple[_Segment, int]] = {}
+        self._loaded = False
+        self._lock = threading.Lock()
+
+    def load(self) -> Index:
+        """(Re-)read the list of segments; segments already read are kept (immutable)."""
+        with self._lock:
+            st = self.storage
+            names = sorted(n for n in st.list(INDEX_PREFIX) if parse_index_name(n) is not None
+                           ) if self.enabled else []
+            segs: dict[str, _Segment] = {}
+            problems = []
+            for n in names:
+                seg = self._segs.get(n)
+                if seg is None:
+                    try:
+                        seg = _Segment(st, n)
+                    except FileNotFoundError:  # merged away meanwhile: its rows are elsewhere
+                        continue
+                    except (DsttError, ValueError, KeyError, TypeError) as e:
+                        problems.append((f"{INDEX_PREFIX}/{n}", str(e)))
+                        continue
+                segs[n] = seg
+            try:
+                marker = json.loads(st.read(GC_MARKER)) if names else {"slots": []}
+                distrusted = {int(s) for s in marker["slots"]}
+            except FileNotFoundError:
+                distrusted = set()
+            except (ValueError, KeyError, TypeError):
+                distrusted = {-1}  # unreadable marker: trust no row at all
+            rows: dict[int, tuple[_Segment, int]] = {}
+            for seg in sorted(segs.values(), key=lambda s: s.gen):  # newer generations win
+                rows.update(zip(seg.core["slot"].tolist(), ((seg, i) for i in range(seg.n)),
+                                strict=True))
+            if -1 in distrusted:
+                rows.clear()
+            for s in distrusted:
+                rows.pop(s, None)
+            self._segs, self.rows, self.problems = segs, rows, problems
+            self.distrusted = distrusted
+            self._loaded = True
+            return self
+
+    @property
+    def segments(self) -> list[_Segment]:
+        return sorted(self._segs.values(), key=lambda s: s.gen)
+
+    def ensure(self) -> Index:
+        return self if self._loaded else self.load()
+
+    def header(self, slot: int) -> IndexedHeader | None:
+        got = self.ensure().rows.get(slot)
+        if got is None:
+            return None
+        seg, i = got
+        c = seg.core
+        st = self.storage
+
+        def fetch() -> CommitHeader:
+            try:
+                return parse_header(seg.header_bytes(st, i), f"{st.location}/{seg.key} (row {i})")
+            except (DsttError, OSError):  # a damaged or vanished segment: the header itself
+                key = commit_key(slot)
+                return parse_header(st.read(key), f"{st.location}/{key}")
+
+        parent = int(c["parent"][i])
+        return IndexedHeader(fetch, int(c["slot"][i]), int(c["step"][i]),
+                             seg.timelines[int(c["timeline"][i])],
+                             None if parent < 0 else parent, float(c["time"][i]),
+                             bool(c["pruned"][i]))
+
+    def locate_many(self, slots: list[int], path: str
+                    ) -> list[tuple[Layout, list[int]] | None]:
+        """Per slot, the layout of ``path`` and its chunks' crc32c, or None (not indexed,
+        pruned, absent, encoded): ``located`` for many steps, without record objects."""
+        idx = self.ensure()
+        out: list[tuple[Layout, list[int]] | None] = []
+        cache: dict[str, tuple[Any, ...]] = {}
+        for slot in slots:
+            got = idx.rows.get(slot)
+            if got is None:
+                out.append(None)
+                continue
+            seg, i = got
+            loc = cache.get(seg.key)
+            if loc is None:
+                try:
+                    raw = seg.locations(self.storage, path)
+                except (DsttError, OSError, ValueError):
+                    raw = None
+                loc = cache[seg.key] = (False,) if raw is None else (
+                    True, raw[0].tolist(), raw[1].tolist(), raw[2], seg.core["pruned"].tolist())
+            if not loc[0] or loc[4][i]:
+                out.append(None)
+                continue
+            j = loc[1][i]
+            out.append(None if j < 0 else (loc[3][j], loc[2][i]))
+        return out
+
+    def located(self, slot: int, path: str) -> ArrayRecord | None:
+        """The arrays-table record of ``path`` in ``slot`` from the index (raw chunks only),
+        or None (no row, pruned, the tensor absent or encoded: read the arrays table)."""
+        got = self.ensure().rows.get(slot)
+        if got is None:
+            return None
+        seg, i = got
+        if seg.core["pruned"][i]:
+            return None
+        try:
+            loc = seg.locations(self.storage, path)
+        except (DsttError, OSError, ValueError):  # damaged: the arrays table knows too
+            return None
+        if loc is None:
+            return None
+        ids, crcs, lays = loc
+        j = int(ids[i])
+        if j < 0:
+            return None
+        dtype, shape, nrows, chunks, dims = lays[j]
+        files = seg.d["files"]
+        own = step_file_key(slot)
+        recs = tuple(ChunkRecord(own if f < 0 else files[f], b, int(crcs[i, k]), offset=o)
+                     for k, (f, o, b) in enumerate(chunks))
+        return ArrayRecord(path, dtype, shape, nrows, recs, dims)
+
+
+def scalar_rows(reader: Reader, headers: list[CommitHeader], *, summaries: bool) -> RowSet:
+    """Index rows (metrics, history, summaries) of ``headers``, in their order: from the
+    segments where they have rows, from the headers and step files for the rest (the tail)."""
+    idx = reader.index.ensure()
+    groups: dict[str, tuple[_Segment, list[int], list[int]]] = {}
+    tail: list[int] = []
+    for pos, h in enumerate(headers):
+        got = idx.rows.get(h.slot)
+        if got is None:
+            tail.append(pos)
+            continue
+        g = groups.setdefault(got[0].key, (got[0], [], []))
+        g[1].append(pos)
+        g[2].append(got[1])
+    parts, order = [], []
+    for seg, pos_list, rows in groups.values():
+        try:
+            cols = seg.scalars(reader.storage, summaries)
+        except (DsttError, OSError, ValueError):  # damaged: read these rows' headers instead
+            tail += pos_list
+            continue
+        whole = len(rows) == seg.n and rows == list(range(seg.n))
+        parts.append(cols if whole else take(cols, np.array(rows, np.int64)))
+        order += pos_list
+    if tail:
+        parts.append(rows_from_headers(reader, [headers[p] for p in tail],
+                                       summaries=summaries, locations=False))
+        order += tail
+    if not parts:
+        return rows_from_headers(reader, [])
+    out = concat(parts)
+    if order == list(range(len(order))):
+        return out
+    return take(out, np.argsort(np.array(order, np.int64), kind="stable"))
+
