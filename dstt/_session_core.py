@@ -4,23 +4,10 @@
 ``dstt._ds_session``; both import this module, which imports neither.)
 
 The session attaches to the optimizer through its step hooks and drives the capture engine:
-
-* post-step hook of step *k* → ``stage(k)``: the pipeline starts copying the model and optimizer
-  tensors into the host cache and returns at once; RNG states, the data position and
-  ``extra_state`` are snapshotted here;
-* end of iteration *k* (the loop asks ``s.data(...)`` for the next batch; without it, the next
-  pre-step hook) → snapshot the *boundary state*: optimizer hyperparameters, LR scheduler
-  (stepped by now) and ``extra_state``;
-* pre-step hook of step *k+1* → wait for step *k*'s copies (the only point that blocks
-  training), run the version guard, then *seal* step *k*: hand it to the committer, which
-  commits it with the metrics ``s.log`` attached once its chunks are on disk;
-* leaving the block seals and drains the last step, and commits the last optimizer step
-  even where ``every`` did not select it (its step state was snapshotted after its optimizer
-  step), so training never loses its end. An exception or ``KeyboardInterrupt`` inside the
-  block commits the last step only if its iteration had finished (the loop asked
-  ``s.data(...)`` for the next batch) and no optimizer step was under way; else it drops it
-  whole, and a dstt error of the engine commits nothing more. Already-sealed steps finish
-  committing. What is visible is always a complete, consistent step.
+stage step *k* after its optimizer step, snapshot the boundary state at the end of its
+iteration, wait for its copies and seal it before step *k+1*, and at the block's exit commit
+the last step; what each hook does is ``dstt._session_steps`` (``StepHooks``, a base class of
+``Session``). This module is construction, the public surface, the lifecycle and resume.
 
 Metrics: ``s.log`` files each call under the step of its iteration, whichever side of
 ``optimizer.step()`` it sits (``dstt._session_metrics``); steps that are not captured hand
@@ -36,23 +23,22 @@ Rejected alternative: wrapping ``optimizer.step`` — it breaks ``LRScheduler``'
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import torch
 
-from ._data import BATCHES_OBJECT, BatchLog, RecordedData, SkipSet, read_skips
+from ._data import BatchLog, RecordedData, SkipSet, read_skips
 from ._session_checks import capture_error, check_optimizer, warn_skipped
-from ._session_metrics import METRICS_HISTORY_OBJECT, MetricLog, metric_value
+from ._session_metrics import MetricLog, metric_value
 from ._session_retention import RetentionRunner, check_policy, store_writer
+from ._session_steps import StepHooks
 from .engine.dims import DimsOf, ModelDims
 from .engine.pipeline import SUMMARIES_OBJECT, Flight, Pipeline, StepMetrics
 from .engine.providers import ObjectProvider, StoreSource
 from .engine.torch_state import DataPosition, Stateful, TorchState, TrackedData, discover
 from .errors import (
     CaptureError,
-    DsttError,
     NotARunError,
     RaceError,
     TimelineError,
@@ -69,7 +55,7 @@ MiB = 1024 * 1024
 DEFAULT_BUDGET = 256 * MiB
 
 
-class Session:
+class Session(StepHooks):
     """A capturing session over one model/optimizer and one run; use ``dstt.session(...)``."""
 
     #: read and verify the whole step before restoring anything (a damaged step then leaves
@@ -373,123 +359,6 @@ class Session:
                         warn_skipped(f, continuing=False)
         if pending_error is not None:
             raise pending_error
-
-    # -- hooks ----------------------------------------------------------------------------
-    def _before_step(self) -> None:
-        """Pre-step: finish the previous step's copies, check it, seal it; surface errors."""
-        if self._flight is not None:
-            self._settle(self._flight)  # clears ``_flight`` once sealed or dropped
-        self._surface_errors()
-        self._in_step = True
-
-    def _after_step(self) -> None:
-        """Post-step: one more optimizer step was taken; capture it if due (else remember
-        its step state: ``close`` commits the last step whatever ``every`` says)."""
-        self._in_step = False
-        self._step += 1
-        self._taken += 1
-        if self._step % self.every:
-            self._tail = self._state.step_state.objects()
-            self._tail_ended = False
-            return
-        self._tail = None
-        assert self._pipeline is not None
-        if self._flight is not None:  # a step without the pre-hook (several optimizers?)
-            self._settle(self._flight)
-        tensors, objects = self._state.step_state.capture()
-        self._boundary = None
-        predictions = (self._state.step_state.predictions()
-                       if self.encoding is not None and self.encoding.predict else None)
-        self._flight = self._pipeline.stage(self._step, tensors, objects, predictions,
-                                            keyframe=self._keyframe_next)
-        self._last_staged = self._step
-        self._keyframe_next = False
-
-    def _tail_due(self, exc: BaseException | None) -> bool:
-        """Does ``close`` commit the last step ``every`` skipped? Always on a clean exit; on
-        an exception only after its iteration ended, outside an optimizer step, and not for
-        a dstt error (the engine itself failed)."""
-        if self._tail is None or self._step <= self._last_staged:
-            return False
-        if exc is None:
-            return True
-        return (self._tail_on_error and self._tail_ended and not self._in_step
-                and not isinstance(exc, DsttError))
-
-    def _commit_tail(self) -> None:
-        """Stage the last step now (its tensors are as the optimizer left them), with the
-        step state snapshotted after its optimizer step, and seal it."""
-        assert self._pipeline is not None and self._tail is not None
-        objects, self._tail = self._tail, None
-        predictions = (self._state.step_state.predictions()
-                       if self.encoding is not None and self.encoding.predict else None)
-        f = self._pipeline.stage(self._step, self._state.step_state.tensors(), objects,
-                                 predictions, keyframe=self._keyframe_next)
-        self._last_staged = self._step
-        self._flight, self._boundary = f, None
-        try:
-            self._settle(f)
-        finally:
-            self._flight = None
-
-    def _settle(self, f: Flight) -> None:
-        pipe = self._pipeline
-        assert pipe is not None
-        pipe.wait_copied(f)
-        races = pipe.check(f) if not f.dead else []
-        if races:
-            names = ", ".join(f"{r.path} ({r.reason})" for r in races[:5])
-            more = f" and {len(races) - 5} more" if len(races) > 5 else ""
-            msg = (f"step {f.step}: tensors were modified in place while being copied: "
-                   f"{names}{more}. Something outside the optimizer writes them between "
-                   "optimizer steps (a forward hook, tied weights, a custom update); ")
-            if self.race_policy == "raise":
-                err = RaceError(msg + "step not checkpointed. Use race_policy='recopy' to copy "
-                                "them again at the next step, or 'warn' to accept the copy.")
-                pipe.abort(f, err)
-                self._flight = self._boundary = None
-                raise err
-            if self.race_policy == "recopy":
-                pipe.recopy(f, [r.path for r in races])
-            else:
-                warnings.warn(msg + "the checkpoint may mix old and new values.",
-                              RuntimeWarning, stacklevel=4)
-        boundary = dict(self._boundary if self._boundary is not None
-                        else self._state.boundary_state.objects())
-        own, history = self._log.take(f.step)
-        if own:
-            f.add_metrics(own)
-        if history is not None:
-            boundary[METRICS_HISTORY_OBJECT] = history
-        batches = self._batches.take(f.step)
-        if batches is not None and getattr(getattr(self, "info", None), "rank", 0) == 0:
-            boundary[BATCHES_OBJECT] = batches  # under DeepSpeed: rank 0's batches, once
-        if self._retainer is not None:  # what background gcs pruned since the last commit
-            done = self._retainer.take_metrics()
-            if done:
-                f.add_metrics(done)
-        pipe.seal(f, boundary)
-        if self._retainer is not None:
-            self._retainer.sealed()
-        if self._flight is f:
-            self._flight = self._boundary = None
-
-    def _at_boundary(self) -> None:
-        """End of an iteration (the loop asks for the next batch): snapshot boundary state."""
-        if self._flight is not None and self._boundary is None:
-            self._boundary = self._state.boundary_state.objects()
-        if self._tail is not None:
-            self._tail_ended = True
-
-    def _surface_errors(self) -> None:
-        assert self._pipeline is not None
-        failed = self._pipeline.take_errors()
-        if not failed:
-            return
-        if self.error_policy == "raise":
-            raise capture_error(failed)
-        for f in failed:
-            warn_skipped(f)
 
     # -- data position and resume ---------------------------------------------------------
     def _current_position(self) -> DataPosition:
