@@ -72,7 +72,7 @@ __all__ = [
 _LAZY: dict[str, str] = {
     "Retention": "dstt.store:Retention",
     "Run": "dstt._run:Run",
-    "Snapshot": "dstt._run:Snapshot",
+    "Snapshot": "dstt._snapshot:Snapshot",
     "DeltaPolicy": "dstt.store.codec:DeltaPolicy",
     "Session": "dstt._session:Session",
     "StepMetrics": "dstt.engine.pipeline:StepMetrics",
