@@ -19,15 +19,9 @@ from .format.layout import (
     key_slot,
     plan_chunks,
 )
-from .format.manifest import (
-    ArrayRecord,
-    ChunkRecord,
-    CommitHeader,
-    ObjectRecord,
-    RefInfo,
-    parse_header,
-)
+from .format.manifest import parse_header
 from .format.objects import Encoded
+from .format.records import ArrayRecord, ChunkRecord, CommitHeader, ObjectRecord, RefInfo
 from .format.segment import SCALARS as SUMMARY_SCALARS
 from .format.segment import RowSet
 from .format.zarr_meta import dtype_itemsize, numpy_dtype

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import StepNotFoundError
-from .format.manifest import CommitHeader, Metric
+from .format.records import CommitHeader, Metric
 from .format.zarr_meta import dtype_itemsize
 from .repository import Repository
 from .storage.base import Storage

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import DsttError
 from .format.layout import index_key
-from .format.manifest import CommitHeader
+from .format.records import CommitHeader
 from .format.segment import RowSet, concat, encode
 from .index_job import IndexJob
 from .index_reader import GC_MARKER, Index

@@ -26,14 +26,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import ChecksumError, CorruptRunError, DsttError, StepNotFoundError
+from .format.envelope import checksum
 from .format.layout import INDEX_PREFIX, commit_key, parse_index_name, step_file_key
-from .format.manifest import (
-    ArrayRecord,
-    ChunkRecord,
-    CommitHeader,
-    checksum,
-    parse_header,
-)
+from .format.manifest import parse_header
+from .format.records import ArrayRecord, ChunkRecord, CommitHeader
 from .format.segment import (
     SCALARS,
     Layout,

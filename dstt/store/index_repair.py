@@ -16,7 +16,8 @@ import numpy as np
 
 from ..errors import DsttError
 from .format.layout import INDEX_PREFIX, commit_key, parse_index_name
-from .format.manifest import CommitHeader, dump_header, parse_header
+from .format.manifest import dump_header, parse_header
+from .format.records import CommitHeader
 from .format.segment import RowSet, concat
 from .index import write_segment
 from .index_reader import GC_MARKER, Index

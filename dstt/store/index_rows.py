@@ -22,7 +22,8 @@ import numpy as np
 
 from ..errors import CorruptRunError, DsttError
 from .format.layout import ChunkPlan, step_file_key
-from .format.manifest import CommitHeader, FileIds, dump_header
+from .format.manifest import FileIds, dump_header
+from .format.records import CommitHeader
 from .format.segment import SCALARS, Layout, Locations, RowSet, concat
 from .format.zarr_meta import dtype_itemsize
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import CorruptRunError, DsttError
+from .format.envelope import checksum
 from .format.layout import (
     LOCK_KEY,
     REFS_PREFIX,
@@ -30,7 +31,8 @@ from .format.layout import (
     key_slot,
     zarr_chunk_key,
 )
-from .format.manifest import ArrayRecord, CommitHeader, checksum, dump_header
+from .format.manifest import dump_header
+from .format.records import ArrayRecord, CommitHeader
 from .format.segment import RowSet
 from .format.zarr_meta import array_document
 from .format.zipfmt import Entry, crc32, local_data_offset, parse_directory

@@ -26,21 +26,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..errors import CorruptRunError, RankError
+from .format.envelope import _fields, _metric_in, _metric_out, _open, _seal
 from .format.layout import PARTS_PREFIX, part_key
-from .format.manifest import (
-    ArrayRecord,
-    Metric,
-    ObjectRecord,
-    _fields,
-    _metric_in,
-    _metric_out,
-    _open,
-    _seal,
-    arrays_from_json,
-    arrays_json,
-    object_from_json,
-    object_json,
-)
+from .format.manifest import arrays_from_json, arrays_json, object_from_json, object_json
+from .format.records import ArrayRecord, Metric, ObjectRecord
 
 if TYPE_CHECKING:
     from .storage.base import Storage

@@ -18,7 +18,7 @@ from .codec.delta import EncodeStats
 from .codec.predict import Prediction
 from .format.flat import FlatLayout
 from .format.layout import ChunkPlan
-from .format.manifest import CommitHeader, Metric
+from .format.records import CommitHeader, Metric
 from .format.stepfile import StepFile
 
 __all__ = ["FlatStepWriter", "StepTransaction", "StepWriter"]

@@ -27,6 +27,7 @@ from ..errors import (
 )
 from .codec.predict import PRED, predict
 from .codec.xor import XOR, xor_decode
+from .format.envelope import checksum
 from .format.layout import (
     COMMITS_PREFIX,
     HEAD_KEY,
@@ -36,19 +37,9 @@ from .format.layout import (
     parse_commit_name,
     step_file_key,
 )
-from .format.manifest import (
-    ArrayRecord,
-    ChunkRecord,
-    CommitHeader,
-    RefInfo,
-    checksum,
-    parse_arrays,
-    parse_arrays_columns,
-    parse_head,
-    parse_header,
-    parse_ref,
-)
+from .format.manifest import parse_arrays, parse_arrays_columns, parse_head, parse_header, parse_ref
 from .format.objects import decode_object
+from .format.records import ArrayRecord, ChunkRecord, CommitHeader, RefInfo
 from .format.segment import RowSet
 from .format.zarr_meta import numpy_dtype
 from .index_reader import Index, scalar_rows

@@ -28,7 +28,8 @@ from .format.layout import (
     group_meta_key,
     ref_key,
 )
-from .format.manifest import RefInfo, dump_head, dump_ref
+from .format.manifest import dump_head, dump_ref
+from .format.records import RefInfo
 from .format.zarr_meta import dump, group_document, root_attributes
 from .index_repair import rebuild
 from .maintenance import GcReport, VerifyReport, gc, verify

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 
 from ..errors import CurrentTimelineError, TimelineError
 from .format.layout import HEAD_KEY, LOCK_KEY, check_timeline_name, ref_key
-from .format.manifest import RefInfo, dump_head, dump_ref
+from .format.manifest import dump_head, dump_ref
+from .format.records import RefInfo
 from .maintenance import GcReport, gc
 from .reader import Reader
 from .storage.memory import DelegatingStorage

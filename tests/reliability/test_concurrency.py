@@ -29,8 +29,8 @@ import pytest
 import dstt
 from dstt.errors import RunLockedError, StepNotFoundError
 from dstt.store import Repository, save
+from dstt.store.format.envelope import checksum
 from dstt.store.format.layout import key_slot
-from dstt.store.format.manifest import checksum
 from dstt.testing.soak import child_env
 
 from ._helpers import (

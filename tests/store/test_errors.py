@@ -32,6 +32,7 @@ from dstt.errors import (
     TimelineError,
 )
 from dstt.store import LocalStorage, Repository, Transaction, load, save
+from dstt.store.format.envelope import checksum
 from dstt.store.format.layout import (
     HEAD_KEY,
     STEPS_PREFIX,
@@ -41,7 +42,8 @@ from dstt.store.format.layout import (
     side_file_key,
     step_file_key,
 )
-from dstt.store.format.manifest import CommitHeader, Location, checksum, parse_header
+from dstt.store.format.manifest import parse_header
+from dstt.store.format.records import CommitHeader, Location
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage
 
 from ._util import assert_same_arrays, commit_arrays, sample, zip_entry

@@ -16,7 +16,7 @@ from dstt.store import Repository, Transaction, load
 from dstt.store.codec.predict import PREDICTORS, Prediction, adam_predictions, predict
 from dstt.store.codec.xor import DeltaPolicy
 from dstt.store.format.layout import step_file_key
-from dstt.store.format.manifest import ChunkRecord
+from dstt.store.format.records import ChunkRecord
 
 from ._util import crash_at_every_write, put_array
 

@@ -17,7 +17,7 @@ from dstt.errors import StorageError
 from dstt.store import Repository
 from dstt.store.flusher import Flusher, flusher_supported
 from dstt.store.format.layout import side_file_key, step_file_key
-from dstt.store.format.manifest import CommitHeader
+from dstt.store.format.records import CommitHeader
 from dstt.store.format.stepfile import SideFile, StepFile, StepState
 from dstt.store.stepcommit import CommitJob, NotHandedOff, run_commit
 from dstt.store.storage.base import Blob, Data

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ...errors import DsttError
+from ..format.envelope import checksum
 from ..format.layout import ChunkPlan, key_slot
-from ..format.manifest import ChunkRecord, checksum
+from ..format.records import ChunkRecord
 from .buffers import Scratch, ShadowPool
 from .predict import CUR, PRED, Prediction, predict
 from .xor import XOR, DeltaPolicy, chain_limit, xor_encode

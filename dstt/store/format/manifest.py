@@ -1,46 +1,34 @@
-"""Commit manifests and refs: frozen dataclasses and their strict, checksummed JSON.
+"""Commit manifests and refs as documents: the commit header, the columnar arrays table, refs
+and HEAD, each sealed in the checksummed envelope (``envelope``) over the dataclasses of
+``records``.
 
 A commit is the small *commit header* (step, timeline, parent, objects, metrics, and where the
 *arrays table* sits: a byte range of the step's side file, with its crc32c) plus that table
 (every chunk: file, offset, size, crc32c). The header is written last and is the commit point.
 Splitting them lets a reader walk a timeline of thousands of steps by reading only headers
-(~1 KB each) instead of every chunk table.
-
-Every document is an envelope ``{"crc32c": N, "body": {...}}`` whose crc32c covers the canonical
-serialization of the body (sorted keys, no spaces), so a flipped byte anywhere is detected.
-Parsing is strict: an unknown ``format`` raises ``FormatVersionError``, unknown or missing fields
-raise ``CorruptRunError``. Rejected alternative: a checksum sidecar file — two files to keep
-consistent instead of one.
+(~1 KB each) instead of every chunk table. Rejected alternative: one document per commit with
+every chunk in it — walking a timeline would parse every chunk of every step.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c as _crc
-
-from ...errors import ChecksumError, CorruptRunError, FormatVersionError
+from ...errors import CorruptRunError
+from .envelope import _canonical, _fields, _metric_in, _metric_out, _open, _seal, checksum
+from .envelope import crc32c_raw as crc32c_raw  # re-exported: format/flat.py imports it here
 from .layout import FORMAT_VERSION, ChunkPlan
+from .records import ArrayRecord, ChunkRecord, CommitHeader, Location, ObjectRecord, RefInfo
+from .records import Metric as Metric  # re-exported: transaction, writer, stepcommit import it
 from .zarr_meta import dtype_itemsize
 
 __all__ = [
-    "ArrayRecord",
-    "ChunkRecord",
-    "CommitHeader",
     "FileIds",
-    "Location",
-    "Metric",
-    "ObjectRecord",
-    "RefInfo",
     "TableBuilder",
     "TableTemplate",
     "arrays_from_json",
     "arrays_json",
-    "checksum",
     "dump_arrays",
     "dump_header",
     "dump_ref",
@@ -51,202 +39,6 @@ __all__ = [
     "parse_header",
     "parse_ref",
 ]
-
-Metric = float | int | str | bool
-
-
-#: the C function itself (``map`` it over many buffers: no Python frame per call)
-crc32c_raw = _crc.crc32c
-
-
-def checksum(data: bytes | memoryview, value: int = 0) -> int:
-    """crc32c of ``data``, continuing from ``value`` (so pieces can be checksummed in turn)."""
-    return int(_crc.crc32c(data, value))
-
-
-@dataclass(frozen=True)
-class ChunkRecord:
-    """One chunk: the file that holds it, where its bytes start, their size (data + the
-    4-byte crc32c trailer) and the crc32c of its data part.
-
-    ``encoding`` is ``"raw"`` (a plain Zarr chunk), ``"xor1"`` (a delta against the same
-    chunk of slot ``base``) or ``"pred1"`` (the XOR of the chunk and what ``predictor``
-    computes from the chunk of slot ``base`` and the same chunk of the ``inputs`` arrays at
-    their slots, with ``coeffs``: ``predict.py``). ``raw_crc32c`` is the crc32c of the
-    reconstructed full chunk. A record whose key lies in an older slot is a dedup reference.
-    """
-
-    key: str
-    nbytes: int
-    crc32c: int
-    encoding: str = "raw"
-    base: int | None = None
-    raw_crc32c: int | None = None
-    predictor: str | None = None
-    inputs: tuple[tuple[str, int], ...] = ()
-    coeffs: tuple[float, ...] = ()
-    offset: int = 0
-
-    @property
-    def content_crc32c(self) -> int:
-        """crc32c of the chunk's full raw bytes, whatever its encoding."""
-        return self.crc32c if self.raw_crc32c is None else self.raw_crc32c
-
-    @property
-    def slots(self) -> tuple[int, ...]:
-        """Other slots whose chunks this one is reconstructed from (delta base, inputs)."""
-        base = () if self.base is None else (self.base,)
-        return base + tuple(s for _, s in self.inputs)
-
-    def as_json(self) -> list[Any]:
-        if self.encoding == "raw":
-            return [self.key, self.offset, self.nbytes, self.crc32c]
-        head = [self.key, self.offset, self.nbytes, self.crc32c, self.encoding, self.base,
-                self.raw_crc32c]
-        if self.encoding == "xor1":
-            return head
-        return [*head, self.predictor, [[p, s] for p, s in self.inputs], list(self.coeffs)]
-
-    @classmethod
-    def from_json(cls, v: list[Any]) -> ChunkRecord:
-        if len(v) == 4:
-            return cls(str(v[0]), int(v[2]), int(v[3]), offset=int(v[1]))
-        if len(v) == 7 and v[4] == "xor1":
-            return cls(str(v[0]), int(v[2]), int(v[3]), "xor1", int(v[5]), int(v[6]),
-                       offset=int(v[1]))
-        if len(v) == 10 and v[4] == "pred1":
-            inputs = tuple((str(p), int(s)) for p, s in v[8])
-            return cls(str(v[0]), int(v[2]), int(v[3]), "pred1", int(v[5]), int(v[6]),
-                       str(v[7]), inputs, tuple(float(c) for c in v[9]), offset=int(v[1]))
-        raise ValueError(f"unknown chunk record {v!r}")
-
-
-@dataclass(frozen=True)
-class ArrayRecord:
-    """One tensor of one commit."""
-
-    path: str
-    dtype: str
-    shape: tuple[int, ...]
-    rows: int
-    chunks: tuple[ChunkRecord, ...]
-    #: ``dimension_names`` as declared (None: declared without, ``<name>_<i>`` in zarr.json)
-    dims: tuple[str, ...] | None = None
-
-    @property
-    def plan(self) -> ChunkPlan:
-        return ChunkPlan(self.shape, dtype_itemsize(self.dtype), self.rows)
-
-
-@dataclass(frozen=True)
-class ObjectRecord:
-    """One object: a byte range ``[offset, offset + nbytes)`` of the step's side file."""
-
-    key: str
-    nbytes: int
-    crc32c: int
-    encoding: str
-    offset: int = 0
-
-
-@dataclass(frozen=True)
-class Location:
-    """A checksummed byte range of a file of the run (e.g. the arrays table of a commit)."""
-
-    key: str
-    offset: int
-    nbytes: int
-    crc32c: int
-
-
-@dataclass(frozen=True)
-class CommitHeader:
-    """The commit point of one slot. ``pruned`` headers are tombstones left by gc."""
-
-    slot: int
-    step: int
-    timeline: str
-    parent: int | None
-    time: float
-    metrics: Mapping[str, Metric] = field(default_factory=dict)
-    objects: Mapping[str, ObjectRecord] = field(default_factory=dict)
-    arrays: Location | None = None  # the arrays table (None only in tombstones)
-    pruned: bool = False
-
-
-@dataclass(frozen=True)
-class RefInfo:
-    """A timeline: its head slot and where it branched off (``None`` for the first one)."""
-
-    name: str
-    head: int | None
-    base_slot: int | None = None
-    base_step: int | None = None
-    base_timeline: str | None = None
-    skip_data: int = 0
-    created: float = 0.0
-
-
-# -- envelope -----------------------------------------------------------------------------
-
-def _canonical(body: Any) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-
-
-def _seal(kind: str, body: dict[str, Any]) -> bytes:
-    body = {"kind": kind, "format": FORMAT_VERSION, **body}
-    raw = _canonical(body)
-    return b'{"crc32c":%d,"body":' % checksum(raw) + raw + b"}\n"
-
-
-def _open(data: bytes, kind: str, where: str, *, verified: bool = False) -> dict[str, Any]:
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptRunError(f"{where}: not valid JSON ({e}); the file is damaged") from None
-    if not isinstance(doc, dict) or set(doc) != {"crc32c", "body"} or not isinstance(
-            doc.get("body"), dict):
-        raise CorruptRunError(f"{where}: not a dstt {kind} document")
-    body = doc["body"]
-    if body.get("kind") != kind:
-        raise CorruptRunError(f"{where}: expected a {kind} document, found {body.get('kind')!r}")
-    if not verified:
-        try:
-            raw = _canonical(body)
-        except ValueError as e:
-            raise CorruptRunError(f"{where}: {e}") from None
-        if checksum(raw) != doc["crc32c"]:
-            raise ChecksumError(f"{where}: crc32c mismatch; the file is damaged")
-    fmt = body.get("format")
-    if fmt != FORMAT_VERSION:
-        raise FormatVersionError(
-            f"{where}: written by dstt format {fmt!r}; this dstt reads format {FORMAT_VERSION}. "
-            "Upgrade dstt to read it."
-        )
-    return body
-
-
-def _fields(body: dict[str, Any], required: set[str], optional: set[str], where: str) -> None:
-    keys = set(body) - {"kind", "format"}
-    missing, unknown = required - keys, keys - required - optional
-    if missing or unknown:
-        raise CorruptRunError(
-            f"{where}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}"
-        )
-
-
-def _metric_out(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return {"float": repr(v)}
-    if isinstance(v, (bool, int, float, str)):
-        return v
-    raise TypeError(f"metric values must be numbers, strings or bools, got {type(v).__name__}")
-
-
-def _metric_in(v: Any) -> Metric:
-    if isinstance(v, dict):
-        return float(v["float"])
-    return v  # type: ignore[no-any-return]
 
 
 # -- headers ------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import ChecksumError, CorruptRunError
-from .manifest import _canonical, checksum
+from .envelope import _canonical, checksum
 
 __all__ = ["MAGIC", "SCALARS", "Layout", "Locations", "RowSet", "concat", "decode_core",
            "decode_rest", "encode", "read_directory"]

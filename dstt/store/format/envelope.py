@@ -1,0 +1,92 @@
+"""The checksummed envelope every dstt document is sealed in, and the crc32c it uses.
+
+Every document is an envelope ``{"crc32c": N, "body": {...}}`` whose crc32c covers the canonical
+serialization of the body (sorted keys, no spaces), so a flipped byte anywhere is detected.
+Parsing is strict: an unknown ``format`` raises ``FormatVersionError``, unknown or missing fields
+raise ``CorruptRunError``. Metric values keep non-finite floats as ``{"float": "nan"}``. The
+documents themselves (headers, arrays tables, refs) are ``manifest``; part manifests are
+``parts``. Rejected alternative: a checksum sidecar file — two files to keep consistent
+instead of one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import crc32c as _crc
+
+from ...errors import ChecksumError, CorruptRunError, FormatVersionError
+from .layout import FORMAT_VERSION
+from .records import Metric
+
+__all__ = ["checksum", "crc32c_raw"]
+
+#: the C function itself (``map`` it over many buffers: no Python frame per call)
+crc32c_raw = _crc.crc32c
+
+
+def checksum(data: bytes | memoryview, value: int = 0) -> int:
+    """crc32c of ``data``, continuing from ``value`` (so pieces can be checksummed in turn)."""
+    return int(_crc.crc32c(data, value))
+
+
+def _canonical(body: Any) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _seal(kind: str, body: dict[str, Any]) -> bytes:
+    body = {"kind": kind, "format": FORMAT_VERSION, **body}
+    raw = _canonical(body)
+    return b'{"crc32c":%d,"body":' % checksum(raw) + raw + b"}\n"
+
+
+def _open(data: bytes, kind: str, where: str, *, verified: bool = False) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptRunError(f"{where}: not valid JSON ({e}); the file is damaged") from None
+    if not isinstance(doc, dict) or set(doc) != {"crc32c", "body"} or not isinstance(
+            doc.get("body"), dict):
+        raise CorruptRunError(f"{where}: not a dstt {kind} document")
+    body = doc["body"]
+    if body.get("kind") != kind:
+        raise CorruptRunError(f"{where}: expected a {kind} document, found {body.get('kind')!r}")
+    if not verified:
+        try:
+            raw = _canonical(body)
+        except ValueError as e:
+            raise CorruptRunError(f"{where}: {e}") from None
+        if checksum(raw) != doc["crc32c"]:
+            raise ChecksumError(f"{where}: crc32c mismatch; the file is damaged")
+    fmt = body.get("format")
+    if fmt != FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{where}: written by dstt format {fmt!r}; this dstt reads format {FORMAT_VERSION}. "
+            "Upgrade dstt to read it."
+        )
+    return body
+
+
+def _fields(body: dict[str, Any], required: set[str], optional: set[str], where: str) -> None:
+    keys = set(body) - {"kind", "format"}
+    missing, unknown = required - keys, keys - required - optional
+    if missing or unknown:
+        raise CorruptRunError(
+            f"{where}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}"
+        )
+
+
+def _metric_out(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return {"float": repr(v)}
+    if isinstance(v, (bool, int, float, str)):
+        return v
+    raise TypeError(f"metric values must be numbers, strings or bools, got {type(v).__name__}")
+
+
+def _metric_in(v: Any) -> Metric:
+    if isinstance(v, dict):
+        return float(v["float"])
+    return v  # type: ignore[no-any-return]

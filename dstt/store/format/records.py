@@ -1,0 +1,155 @@
+"""The records of a commit: frozen dataclasses of chunks, arrays, objects, the commit header
+and refs, and nothing of how they are sealed into documents.
+
+A commit is the small *commit header* (step, timeline, parent, objects, metrics, and where the
+*arrays table* sits: a byte range of the step's side file, with its crc32c) plus that table
+(every chunk: file, offset, size, crc32c). The header is written last and is the commit point.
+Their strict, checksummed JSON is ``manifest`` (the documents) over ``envelope`` (the
+checksummed wrapper), which import this module and not the other way. Rejected alternative:
+the dataclasses in ``manifest`` next to their serialization — two jobs, and every module that
+only passes records around would import the document codecs too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .layout import ChunkPlan
+from .zarr_meta import dtype_itemsize
+
+__all__ = [
+    "ArrayRecord",
+    "ChunkRecord",
+    "CommitHeader",
+    "Location",
+    "Metric",
+    "ObjectRecord",
+    "RefInfo",
+]
+
+Metric = float | int | str | bool
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One chunk: the file that holds it, where its bytes start, their size (data + the
+    4-byte crc32c trailer) and the crc32c of its data part.
+
+    ``encoding`` is ``"raw"`` (a plain Zarr chunk), ``"xor1"`` (a delta against the same
+    chunk of slot ``base``) or ``"pred1"`` (the XOR of the chunk and what ``predictor``
+    computes from the chunk of slot ``base`` and the same chunk of the ``inputs`` arrays at
+    their slots, with ``coeffs``: ``predict.py``). ``raw_crc32c`` is the crc32c of the
+    reconstructed full chunk. A record whose key lies in an older slot is a dedup reference.
+    """
+
+    key: str
+    nbytes: int
+    crc32c: int
+    encoding: str = "raw"
+    base: int | None = None
+    raw_crc32c: int | None = None
+    predictor: str | None = None
+    inputs: tuple[tuple[str, int], ...] = ()
+    coeffs: tuple[float, ...] = ()
+    offset: int = 0
+
+    @property
+    def content_crc32c(self) -> int:
+        """crc32c of the chunk's full raw bytes, whatever its encoding."""
+        return self.crc32c if self.raw_crc32c is None else self.raw_crc32c
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """Other slots whose chunks this one is reconstructed from (delta base, inputs)."""
+        base = () if self.base is None else (self.base,)
+        return base + tuple(s for _, s in self.inputs)
+
+    def as_json(self) -> list[Any]:
+        if self.encoding == "raw":
+            return [self.key, self.offset, self.nbytes, self.crc32c]
+        head = [self.key, self.offset, self.nbytes, self.crc32c, self.encoding, self.base,
+                self.raw_crc32c]
+        if self.encoding == "xor1":
+            return head
+        return [*head, self.predictor, [[p, s] for p, s in self.inputs], list(self.coeffs)]
+
+    @classmethod
+    def from_json(cls, v: list[Any]) -> ChunkRecord:
+        if len(v) == 4:
+            return cls(str(v[0]), int(v[2]), int(v[3]), offset=int(v[1]))
+        if len(v) == 7 and v[4] == "xor1":
+            return cls(str(v[0]), int(v[2]), int(v[3]), "xor1", int(v[5]), int(v[6]),
+                       offset=int(v[1]))
+        if len(v) == 10 and v[4] == "pred1":
+            inputs = tuple((str(p), int(s)) for p, s in v[8])
+            return cls(str(v[0]), int(v[2]), int(v[3]), "pred1", int(v[5]), int(v[6]),
+                       str(v[7]), inputs, tuple(float(c) for c in v[9]), offset=int(v[1]))
+        raise ValueError(f"unknown chunk record {v!r}")
+
+
+@dataclass(frozen=True)
+class ArrayRecord:
+    """One tensor of one commit."""
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    rows: int
+    chunks: tuple[ChunkRecord, ...]
+    #: ``dimension_names`` as declared (None: declared without, ``<name>_<i>`` in zarr.json)
+    dims: tuple[str, ...] | None = None
+
+    @property
+    def plan(self) -> ChunkPlan:
+        return ChunkPlan(self.shape, dtype_itemsize(self.dtype), self.rows)
+
+
+@dataclass(frozen=True)
+class ObjectRecord:
+    """One object: a byte range ``[offset, offset + nbytes)`` of the step's side file."""
+
+    key: str
+    nbytes: int
+    crc32c: int
+    encoding: str
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class Location:
+    """A checksummed byte range of a file of the run (e.g. the arrays table of a commit)."""
+
+    key: str
+    offset: int
+    nbytes: int
+    crc32c: int
+
+
+@dataclass(frozen=True)
+class CommitHeader:
+    """The commit point of one slot. ``pruned`` headers are tombstones left by gc."""
+
+    slot: int
+    step: int
+    timeline: str
+    parent: int | None
+    time: float
+    metrics: Mapping[str, Metric] = field(default_factory=dict)
+    objects: Mapping[str, ObjectRecord] = field(default_factory=dict)
+    arrays: Location | None = None  # the arrays table (None only in tombstones)
+    pruned: bool = False
+
+
+@dataclass(frozen=True)
+class RefInfo:
+    """A timeline: its head slot and where it branched off (``None`` for the first one)."""
+
+    name: str
+    head: int | None
+    base_slot: int | None = None
+    base_step: int | None = None
+    base_timeline: str | None = None
+    skip_data: int = 0
+    created: float = 0.0
