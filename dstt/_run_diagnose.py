@@ -4,7 +4,7 @@ fingerprints and skip sets of :mod:`dstt._data`.
 
 A mixin rather than more of ``_run.py``: these methods only read through the run's public
 views (``commits``, ``metrics``, ``summaries``) and its reader's objects, and keep the file
-that holds timelines and snapshots small.
+that holds the run's views and timelines (``_run.py``) small.
 """
 
 from __future__ import annotations

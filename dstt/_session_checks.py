@@ -1,11 +1,11 @@
 """What the session refuses up front and how it reports steps it could not checkpoint.
 
-Kept apart from ``_session_core`` (the capture lifecycle) so that module stays about hooks,
-flights and resume. ``check_optimizer`` runs when a session is built: a mismatch between the
-model and its optimizer is a user mistake that would otherwise surface only at resume, as
-silently lost optimizer state. Rejected alternative: checking at the first optimizer step — by
-then the user has paid for a step and the error points at the training loop, not the setup.
-"""
+Kept apart from ``_session_core`` (the capture lifecycle) so that module stays about the
+session's lifecycle, flights and resume (its per-step hooks are ``_session_steps``).
+``check_optimizer`` runs when a session is built: a mismatch between the model and its
+optimizer is a user mistake that would otherwise surface only at resume, as silently lost
+optimizer state. Rejected alternative: checking at the first optimizer step — by then the user
+has paid for a step and the error points at the training loop, not the setup."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from ._data import BatchLog, RecordedData, SkipSet, read_skips
 from ._session_checks import capture_error, check_optimizer, warn_skipped
 from ._session_metrics import MetricLog, metric_value
 from ._session_retention import RetentionRunner, check_policy, store_writer
-from ._session_steps import StepHooks
+from ._session_steps import ErrorPolicy, RacePolicy, StepHooks
 from .engine.dims import DimsOf, ModelDims
 from .engine.pipeline import SUMMARIES_OBJECT, Flight, Pipeline, StepMetrics
 from .engine.providers import ObjectProvider, StoreSource
@@ -48,8 +48,6 @@ from .store import DEFAULT_CHUNK_BYTES, DeltaPolicy, GcReport, Repository, Reten
 __all__ = ["DEFAULT_BUDGET", "CopyMode", "ErrorPolicy", "RacePolicy", "Session"]
 
 CopyMode = Literal["async", "sync", "auto"]
-RacePolicy = Literal["raise", "recopy", "warn"]
-ErrorPolicy = Literal["raise", "skip"]
 
 MiB = 1024 * 1024
 DEFAULT_BUDGET = 256 * MiB

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._data import BATCHES_OBJECT, BatchLog
 from ._session_checks import capture_error, warn_skipped
@@ -42,7 +42,10 @@ if TYPE_CHECKING:
     from .engine.torch_state import TorchState
     from .store import DeltaPolicy
 
-__all__ = ["StepHooks"]
+__all__ = ["ErrorPolicy", "RacePolicy", "StepHooks"]
+
+RacePolicy = Literal["raise", "recopy", "warn"]
+ErrorPolicy = Literal["raise", "skip"]
 
 
 class StepHooks:
@@ -51,8 +54,8 @@ class StepHooks:
     _tail_on_error: bool
     every: int
     encoding: DeltaPolicy | None
-    race_policy: str
-    error_policy: str
+    race_policy: RacePolicy
+    error_policy: ErrorPolicy
     _state: TorchState
     _pipeline: Pipeline | None
     _flight: Flight | None

@@ -16,7 +16,7 @@ training on gives the original run's step *k + 1*.
 Design choice: the bytes become tensors through the engine's own conversions
 (:mod:`dstt.engine._convert`: raw bytes reinterpreted, tagged tensors inside objects), the
 same code resume uses, so this is the one place in ``dstt.inspect`` that imports the engine
-(and torch); ``dstt._run`` imports this module only when it is used. The optimizer is rebuilt
+(and torch); ``dstt._snapshot`` imports this module only when it is used. The optimizer is rebuilt
 from the two objects the engine writes for a torch optimizer — ``optim/param_groups``
 (hyperparameters and parameter names per group) and ``optim/state`` (which keys of each
 parameter's state are arrays ``optim/<key>/<name>``, and the values of the others).

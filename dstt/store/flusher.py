@@ -48,7 +48,7 @@ from typing import IO, Any, NoReturn
 from ..errors import StorageError
 from .flatstats import DigestPlan
 from .format.flat import FlatLayout
-from .format.manifest import CommitHeader
+from .format.records import CommitHeader
 from .format.stepfile import StepState
 from .stepcommit import CommitJob, NotHandedOff
 

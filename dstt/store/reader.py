@@ -57,8 +57,9 @@ class Reader:
                  decoded_cache_bytes: int = 256 << 20, index: Index | None = None,
                  use_index: bool = True) -> None:
         self.storage = storage
-        #: the run's index (``index.py``): headers and tensor locations without a header
-        #: read per step; loaded on first use, shared by the readers of a ``ReaderPool``.
+        #: the run's index (``index_reader.py``, written by ``index.py``): headers and tensor
+        #: locations without a header read per step; loaded on first use, shared by the
+        #: readers of a ``ReaderPool``.
         #: ``use_index=False``: every header from its own file (verify)
         self.index = index if index is not None else Index(storage, enabled=use_index)
         self._headers: dict[int, CommitHeader] = {}

@@ -26,17 +26,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .format.envelope import checksum
 from .format.layout import commit_key, group_meta_key, ref_key
-from .format.manifest import (
-    CommitHeader,
-    Location,
-    Metric,
-    ObjectRecord,
-    TableTemplate,
-    checksum,
-    dump_header,
-)
+from .format.manifest import TableTemplate, dump_header
 from .format.objects import Encoded, Encoding, encode_object
+from .format.records import CommitHeader, Location, Metric, ObjectRecord
 from .format.stepfile import Block, SideFile, StepFile, StepState
 from .format.zarr_meta import root_attributes, root_document_bytes
 

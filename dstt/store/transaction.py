@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import DsttError
 from .codec.delta import EncodeStats, Shadow
 from .codec.predict import Prediction
+from .format.envelope import checksum
 from .format.flat import FlatImage, FlatLayout
 from .format.layout import (
     ChunkPlan,
@@ -27,18 +28,9 @@ from .format.layout import (
     step_file_key,
     zarr_chunk_key,
 )
-from .format.manifest import (
-    ArrayRecord,
-    ChunkRecord,
-    CommitHeader,
-    Metric,
-    ObjectRecord,
-    TableBuilder,
-    TableTemplate,
-    checksum,
-    dump_arrays,
-)
+from .format.manifest import TableBuilder, TableTemplate, dump_arrays
 from .format.objects import Encoded, Encoding, encode_object
+from .format.records import ArrayRecord, ChunkRecord, CommitHeader, Metric, ObjectRecord
 from .format.stepfile import SideFile, StepFile
 from .format.zipfmt import crc32
 from .parts import Part

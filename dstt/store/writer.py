@@ -45,13 +45,8 @@ from .format.layout import (
     plan_chunks,
     ref_key,
 )
-from .format.manifest import (
-    CommitHeader,
-    Metric,
-    TableTemplate,
-    dump_arrays,
-    dump_ref,
-)
+from .format.manifest import TableTemplate, dump_arrays, dump_ref
+from .format.records import CommitHeader, Metric
 from .format.stepfile import Block
 from .format.zarr_meta import (
     array_document,

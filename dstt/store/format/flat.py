@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .envelope import checksum, crc32c_raw
 from .layout import ChunkPlan, zarr_chunk_key
-from .manifest import checksum, crc32c_raw
 from .zarr_meta import check_dims
 from .zipfmt import Entry, crc32, crc32_raw, directory_records, header_size, local_header
 

@@ -17,10 +17,8 @@ from typing import Any
 
 from ...errors import CorruptRunError
 from .envelope import _canonical, _fields, _metric_in, _metric_out, _open, _seal, checksum
-from .envelope import crc32c_raw as crc32c_raw  # re-exported: format/flat.py imports it here
 from .layout import FORMAT_VERSION, ChunkPlan
 from .records import ArrayRecord, ChunkRecord, CommitHeader, Location, ObjectRecord, RefInfo
-from .records import Metric as Metric  # re-exported: transaction, writer, stepcommit import it
 from .zarr_meta import dtype_itemsize
 
 __all__ = [
