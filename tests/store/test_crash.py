@@ -98,7 +98,10 @@ def test_sigkill_at_random_points(tmp_path: Path, durability: str) -> None:
         else:  # kill anywhere from writer start-up on
             time.sleep(rng.uniform(0, 0.1))
         proc.send_signal(signal.SIGKILL)
-        out, err = proc.communicate(timeout=60)
+        # not communicate(): with two pipes it reads the descriptors, skipping the lines
+        # readline() already buffered (a "committed" line went missing that way)
+        out, err = proc.stdout.read(), proc.stderr.read() if proc.stderr else ""
+        proc.wait(60)
         assert proc.returncode == -signal.SIGKILL, err[-2000:]
         announced = [int(x.split()[1]) for x in [*lines, *out.splitlines()]
                      if x.startswith("committed ")]
