@@ -105,7 +105,10 @@ class FlatLane:
             fl = self.flusher
             if fl is not None and fl.dead:
                 self._flusher_lost()  # (it may have died between steps, or in a commit)
-            if fl is not None and not fl.dead and getattr(f.txn, "zip", None) is not None:
+            if f.encode and not f.keyframe:  # the writer encodes it: chunk by chunk, here
+                f.txn.put_flat_chunks(layout, buf.numpy())
+                stats = digest(plan, buf.numpy()) if plan is not None else None
+            elif fl is not None and not fl.dead and getattr(f.txn, "zip", None) is not None:
                 start = f.txn.reserve_flat(layout, lambda s: self._image(layout, s).nbytes)
                 path = f.txn.zip.local_path
                 # the child owns the zip framing in this buffer: should this process write
@@ -124,7 +127,12 @@ class FlatLane:
                     stats = digest(plan, buf.numpy()) if plan is not None else None
                 else:
                     im = self._image(layout, start)
-                    f.txn.complete_flat(layout, im.offsets, im.sizes, crcs, directory)
+                    # a keyframe the session asked for starts the next deltas' chains (its
+                    # chunks become their bases: a copy each, ~15 µs per chunk); a step
+                    # the governor wrote raw leaves the bases where they were (older
+                    # committed chunks: deltas against them are as valid, if larger)
+                    f.txn.complete_flat(layout, im.offsets, im.sizes, crcs, directory,
+                                        buf.numpy() if f.keyframe else None)
             else:
                 f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer])
                 stats = digest(plan, buf.numpy()) if plan is not None else None

@@ -103,16 +103,17 @@ class Flight:
         self.flat_queued = False  # its write task (which frees the buffer) is queued
         self.flat_stats: dict[str, Any] = {}
         self.sources: dict[str, torch.Tensor] = {}
+        # hints for an encoding writer (none otherwise): each needs its whole group captured
+        self.predictions: dict[str, Prediction] = {
+            p: x for p, x in predictions.items() if all(g in tensors for g in x.group)
+        } if predictions else {}
         if flat is not None:  # the hot path: nothing per tensor but the version snapshot
-            self.predictions: dict[str, Prediction] = {}
             self.tensors = dict(tensors)
             self.specs: dict[str, TensorSpec] = {}
             self.nbytes = flat.nbytes
             self.guard = VersionGuard(self.tensors, {}, verify=False)
             self.marks = Copier.mark(self.tensors.values()) if flat.cuda else {}
         else:
-            self.predictions = {p: x for p, x in (predictions or {}).items()
-                                if all(g in tensors for g in x.group)}
             self.tensors = {p: tensors[p] for p in write_order(tensors, self.predictions)}
             self.specs = {p: TensorSpec.of(p, t) for p, t in self.tensors.items()}
             for p, t in self.tensors.items():

@@ -8,7 +8,12 @@ writer tasks) and of the bytes a step writes, and one pooled estimate of the dis
 commit, whose barrier waits for the disk), and encodes a step only when the
 encoded estimate is no worse than the raw one: encoding never makes the flush, and so the
 backpressure on training, worse than writing raw would (issue 8). Every ``retry_every`` steps
-it runs the other mode once to re-measure (the disk, the load or the data may have changed).
+it runs the other mode once to re-measure (the disk, the load or the data may have changed);
+while the choice stays the same the interval doubles, up to ``8 * retry_every`` — at 1,200
+tensors an encoded step costs ~0.2 s of writer time, so re-measuring it every 8 steps cost
+more than the encoding it was looking for saved. It measures encoding first: the first
+encoded step only makes the bases (keyframes, which say nothing about encoding), the second
+is measured, and the steps staged before it committed are written raw.
 A raw step says so in ``StepMetrics.raw_fallback``; ``DeltaPolicy(raw_when_busy=False)``
 always encodes (disk space first).
 
@@ -57,7 +62,10 @@ class EncodeGovernor:
         #: disk's speed, pooled (a step's barrier also waits for what earlier steps left)
         self._disk: deque[tuple[int, float]] = deque(maxlen=window)
         self._since_other = 0  # steps since the mode not chosen was last measured
+        self._interval = self.retry_every  # steps between re-measures (doubles, see above)
+        self._best: bool | None = None  # the choice the last decision made
         self._raw_probe = False  # a raw step was staged to measure raw
+        self._enc_probes = 0  # encoded steps staged before encoding was measured
 
     def _seconds(self, m: _Mode) -> float | None:
         if m.cpu is None or m.bytes is None:
@@ -72,16 +80,21 @@ class EncodeGovernor:
             if not self.enabled:
                 return True
             enc, raw = self._seconds(self._enc), self._seconds(self._raw)
-            if enc is None:
-                return True  # measure encoding first
+            if enc is None:  # measure encoding first: two steps (bases, then deltas), then
+                self._enc_probes += 1  # raw until measured (again every retry_every steps)
+                return (self._enc_probes <= 2
+                        or (self._enc_probes - 2) % self.retry_every == 0)
             if raw is None:  # then one raw step to compare with (commits lag behind stages:
                 first = not self._raw_probe  # probe once, encode until it is measured)
                 self._raw_probe = True
                 return not first
             best = enc <= raw
+            if best != self._best:  # the choice changed: re-measure at the base rate again
+                self._best, self._interval, self._since_other = best, self.retry_every, 0
             self._since_other += 1
-            if self._since_other >= self.retry_every:
+            if self._since_other >= self._interval:
                 self._since_other = 0
+                self._interval = min(2 * self._interval, 8 * self.retry_every)
                 return not best
             return best
 

@@ -86,10 +86,11 @@ class Pipeline:
         #: DeepSpeed checkpoint file per flight); 0 sizes them from the first step
         self.min_slab_bytes = min(min_slab_bytes, budget_bytes)
         self.cache: HostCache | None = None
-        #: the flat lane (``flatlane.py``): for writers that take a whole step at once and
-        #: do not encode; steps larger than half the budget use the chunk lane
-        self._flat_ok = (hasattr(writer, "flat_layout") and not verify
-                         and getattr(writer, "encoder", None) is None)
+        #: the flat lane (``flatlane.py``): for writers that take a whole step at once (one
+        #: batched copy; a writer that encodes then writes an encoded step from the buffer
+        #: chunk by chunk, a raw one whole); steps larger than half the budget use the chunk
+        #: lane
+        self._flat_ok = hasattr(writer, "flat_layout") and not verify
         if copy not in ("async", "sync", "auto"):
             raise ValueError(f"copy must be 'async', 'sync' or 'auto', not {copy!r}")
         self.copy = copy
@@ -117,7 +118,8 @@ class Pipeline:
         # with the flusher, a writer thread mostly waits for the child: two of them keep two
         # steps in the child, one being checksummed while the disk takes the other (not
         # for an encoding writer: predictions need their inputs written first, in order)
-        n_writers = max(1, writers, 2 if self._want_flusher and self._flat_ok else 1)
+        n_writers = max(1, writers, 2 if self._want_flusher and self._flat_ok
+                        and getattr(writer, "encoder", None) is None else 1)
         self._writers = [self._spawn(self._write_loop, f"dstt-write-{i}")
                          for i in range(n_writers)]
 
@@ -147,6 +149,9 @@ class Pipeline:
         ``keyframe``: write every chunk whole (plain Zarr) even when the writer encodes."""
         if self._closed:
             raise CaptureError("the capture pipeline is closed")
+        # encoding costs writer CPU: the governor decides now whether this step has it to
+        # spare (a raw step is reported as raw_fallback in the metrics)
+        encode = self._governor.decide() if self._governor is not None else False
         plan = self.flat.plan(tensors) if self._flat_ok else None
         f = Flight(step, tensors, objects, self.verify, predictions, flat=plan)
         if plan is not None and self._copy_now(plan):
@@ -171,7 +176,7 @@ class Pipeline:
             self._flights = [x for x in self._flights if not x.done.is_set()] + [f]
         f.cache_bytes = (self.cache.leased_bytes if self.cache else 0) + (
             self.steps.in_use * self.steps.nbytes if self.steps else 0)
-        f.encode = self._governor.decide() if self._governor is not None else False
+        f.encode = encode
         f.keyframe = keyframe
         self._copy_q.put(f)
         self._committer.put(f)

@@ -82,6 +82,9 @@ class TransactionProxy:
     def put_flat(self, layout: Any, buf: Any, images: Any = None) -> None:
         self._txn.put_flat(layout, buf, images)
 
+    def put_flat_chunks(self, layout: Any, buf: Any) -> None:
+        self._txn.put_flat_chunks(layout, buf)
+
     def reserve_flat(self, layout: Any, nbytes_at: Any) -> int:
         return int(self._txn.reserve_flat(layout, nbytes_at))
 

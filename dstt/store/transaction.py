@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import DsttError
 from .codec.delta import EncodeStats, Shadow
-from .codec.predict import Prediction
+from .codec.predict import CUR, Prediction
 from .format.envelope import checksum
 from .format.flat import FlatImage, FlatLayout
 from .format.layout import (
@@ -183,17 +183,33 @@ class Transaction:
         image = image_at(start)
         crcs, _ = image.fill()
         self.zip.write_at(start, image.iov)
-        self.complete_flat(layout, image.offsets, image.sizes, crcs, bytes(image.directory))
-        enc = self.writer.encoder
-        if enc is not None:  # a raw step of an encoding writer still seeds the next deltas
-            key, arrays = self.zip.key, layout.arrays
-            for (k, i, s, e, _, _), off, size, crc in zip(layout.chunks, image.offsets,
-                                                          image.sizes, crcs, strict=True):
-                a = arrays[k]
-                sh = enc.keep(a.path, i, self.timeline, view[s:e], crc, self.slot)
-                if sh is not None:
-                    rec = ChunkRecord(key, size, crc, offset=off)
-                    self.pending[(a.path, i)] = replace(sh, record=rec)
+        self.complete_flat(layout, image.offsets, image.sizes, crcs, bytes(image.directory),
+                           view)
+
+
+    def put_flat_chunks(self, layout: FlatLayout, buf: Any) -> None:
+        """Write every tensor of ``layout`` from the flat buffer ``buf`` one chunk at a time
+        (``put_chunk``: delta-encoded, deduplicated or predicted when the writer encodes) —
+        a step the engine captured with one batched copy but the writer encodes. The
+        ``"cur"`` inputs of this step's predictions go first, as ``predict`` asks."""
+        self._check()
+        view = memoryview(buf).cast("B")
+        if len(view) < layout.nbytes:
+            raise ValueError(f"flat buffer of {len(view)} bytes, layout needs {layout.nbytes}")
+        plans = layout.plans
+        with self._lock:
+            if not self._plans.keys().isdisjoint(plans):
+                dup = sorted(self._plans.keys() & plans.keys())
+                raise ValueError(f"array {dup[0]!r} declared twice in step {self.step}")
+            self._plans.update(plans)
+            for path, (_, plan) in plans.items():
+                self._chunks[path] = [None] * plan.n_chunks
+            first = {src for p in self._predictions.values() for role, src in p.inputs
+                     if role == CUR}
+        arrays = layout.arrays
+        chunks = sorted(layout.chunks, key=lambda c: arrays[c[0]].path not in first)
+        for k, i, s, e, _, _ in chunks:
+            self.put_chunk(arrays[k].path, i, view[s:e])
 
     def reserve_flat(self, layout: FlatLayout, nbytes_at: Any) -> int:
         """First half of a flat write done elsewhere (the flusher process): declare the
@@ -212,9 +228,10 @@ class Transaction:
         return self.zip.reserve(layout.names, nbytes_at)
 
     def complete_flat(self, layout: FlatLayout, offsets: list[int], sizes: list[int],
-                      crcs: list[int], directory: bytes) -> None:
+                      crcs: list[int], directory: bytes, buf: Any = None) -> None:
         """Second half: the chunks are written; record where (columns) and their zip
-        central directory records."""
+        central directory records. ``buf``: the flat buffer, for a writer that encodes (a
+        raw step still seeds the next step's deltas: its chunks become their bases)."""
         self.zip.add_directory(directory, len(offsets))
         with self._lock:
             put = len(self._flat)
@@ -222,8 +239,20 @@ class Transaction:
             self._flat_layouts.append(layout)
             self._flat_span.update({p: (put, lo, hi) for p, lo, hi in layout.spans})
         self.stats.add_many(layout.raw_nbytes, sum(sizes), keyframes=len(sizes))
-        if self.writer.encoder is not None:
+        enc = self.writer.encoder
+        if enc is not None:
             self.stats.raw_fallback = not self.keyframe
+            if buf is not None:
+                view = memoryview(buf).cast("B")
+                key, arrays = self.zip.key, layout.arrays
+                for (k, i, s, e, _, _), off, size, crc in zip(layout.chunks, offsets, sizes,
+                                                              crcs, strict=True):
+                    a = arrays[k]
+                    sh = enc.keep(a.path, i, self.timeline, view[s:e], crc, self.slot)
+                    if sh is not None:
+                        rec = ChunkRecord(key, size, crc, offset=off)
+                        with self._lock:
+                            self.pending[(a.path, i)] = replace(sh, record=rec)
 
     def put_encoded(self, name: str, data: bytes, encoding: Encoding = "json") -> ObjectRecord:
         """Store an object already encoded (e.g. JSON built by the caller) as ``name``."""

@@ -387,7 +387,10 @@ class Writer:
                 offsets=() if spliced is None else spliced[1],
                 crcs=() if spliced is None else spliced[2],
                 block=block, consolidated=consolidated)
-            header = self._run(txn, job, remote=not parts and self.encoder is None)
+            # an encoded step commits here, in order with its deltas' bases (promote below); a
+            # raw one (nothing to promote, based on nothing) may commit in the flusher
+            header = self._run(txn, job, remote=not parts and (
+                self.encoder is None or not (txn.pending or txn.deps)))
             txn.count_objects(header)
             if self.lazy_refs:
                 self._unsynced = True

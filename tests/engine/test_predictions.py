@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -153,13 +154,33 @@ def test_governor_encodes_when_it_flushes_faster_and_re_measures() -> None:
     assert g.decide() and g.decide()  # ...and encode until it committed (commits lag)
     g.observe(False, 0.2, 1.2, 300)  # raw: less CPU, 3x the bytes; the disk: 250 B/s
     assert g.estimates() == {"encoded": pytest.approx(0.4), "raw": pytest.approx(1.2)}
-    decisions = [g.decide() for _ in range(8)]
-    assert decisions == [True, True, True, False] * 2  # encode; every 4th step re-measure raw
+    decisions = [g.decide() for _ in range(28)]
+    # encode; re-measure raw after 4 steps, then 8, then 16 while encoding stays the choice
+    assert decisions == [True] * 3 + [False] + [True] * 7 + [False] + [True] * 15 + [False]
     for _ in range(16):  # the disk got fast: now the CPU binds, and raw needs less of it
         g.observe(False, 0.2, 0.01, 300)
     assert g.estimates() == {"encoded": pytest.approx(0.3), "raw": pytest.approx(0.2)}
-    decisions = [g.decide() for _ in range(8)]
-    assert decisions == [False, False, False, True] * 2
+    decisions = [g.decide() for _ in range(12)]
+    assert decisions == [False] * 3 + [True] + [False] * 7 + [True]  # the base rate again
+
+
+def test_governor_backs_off_to_eight_times_retry_every() -> None:
+    g = EncodeGovernor(writers=1, cores=2, retry_every=2)
+    g.decide()
+    g.observe(True, 0.1, 0.0, 100)
+    g.decide()
+    g.observe(False, 0.5, 0.0, 300)  # raw costs more CPU: encode
+    decisions = [g.decide() for _ in range(80)]
+    gaps = [i for i, d in enumerate(decisions) if not d]
+    assert np.diff(gaps).tolist() == [4, 8, 16, 16, 16, 16]  # capped at 8 * retry_every
+
+
+def test_governor_writes_raw_until_encoding_is_measured() -> None:
+    """The first encoded step makes the bases, the second is measured; until one has
+    committed with deltas the rest go raw, with a retry every ``retry_every`` steps."""
+    g = EncodeGovernor(writers=1, cores=2, retry_every=4)
+    assert [g.decide() for _ in range(11)] == [True, True] + [False] * 3 + [True] + [False] * 3 \
+        + [True] + [False]
 
 
 def test_governor_counts_the_cores_the_writers_get() -> None:
@@ -253,7 +274,6 @@ def test_a_failed_step_takes_only_the_steps_based_on_it(tmp_path: Path) -> None:
 
 
 def test_keyframe_on_request_writes_the_next_step_whole(tmp_path: Path) -> None:
-    import numpy as np
     import zarr
 
     m, opt = _model()

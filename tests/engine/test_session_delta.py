@@ -67,7 +67,7 @@ def test_delta_encoding_writes_fewer_bytes_than_raw(tmp_path: Path) -> None:
     # always encode: the governor may otherwise write steps raw where that flushes faster
     enc = _written(tmp_path / "enc", DeltaPolicy(raw_when_busy=False))
     # no base yet: keyframes only, the same tensor bytes (the runs' objects may differ in
-    # size: raw steps take the engine's flat lane, encoded ones its chunk lane)
+    # size: a raw step is written whole, an encoded one chunk by chunk)
     first = _chunk_bytes(tmp_path / "raw", raw[0].step)
     assert first == _chunk_bytes(tmp_path / "enc", enc[0].step)
     assert {e for chunks in first.values() for e, _ in chunks} == {"raw"}
@@ -106,3 +106,62 @@ def test_metrics_report_the_writer_cpu(tmp_path: Path) -> None:
         for x, y in s.data(SyntheticBatches(3, batch_size=4, seq=16, vocab=64, seed=1)):
             train_step(m, opt, x, y)
     assert all(x.writer_cpu_s > 0 for x in s.metrics)
+
+
+def test_an_encoding_session_captures_every_step_with_one_batched_copy(tmp_path: Path) -> None:
+    """Encoded steps too are staged into the flat lane's step buffers (one batched copy, no
+    host cache of leased chunks, no copy task per tensor) and encoded from there chunk by
+    chunk; a step the governor writes raw goes out whole, through the flusher process."""
+    m, opt = _model()
+    run = tmp_path / "run"
+    with session(m, opt, run=run, encoding=DeltaPolicy(raw_when_busy=False)) as s:
+        for x, y in s.data(SyntheticBatches(5, batch_size=4, seq=16, vocab=64, seed=3)):
+            train_step(m, opt, x, y)
+            s.wait()
+            time.sleep(0.05)
+        p = s._pipeline
+        assert p is not None and p.steps is not None and p.cache is None
+        w = m.layers[0].qkv.weight
+        final = {"params/layers/0/qkv/weight": w.detach().clone(),
+                 "optim/exp_avg/layers/0/qkv/weight": opt.state[w]["exp_avg"].clone()}
+    ms = s.metrics
+    assert all(x.raw_fallback is False for x in ms)
+    assert sum(x.deltas + x.dedups for x in ms[1:]) > 0
+    r = Repository.open(run).reader()
+    kinds = [{c.encoding for a in r.arrays(h).values() for c in a.chunks} for h in r.lineage()]
+    assert kinds[0] == {"raw"} and all(k - {"raw"} for k in kinds[1:]), kinds
+    for path, want in final.items():  # the last step, encoded from the step buffer
+        assert same_bits(stored(Repository.open(run), 5, path), want), path
+
+
+def test_steps_the_governor_writes_raw_go_out_whole_and_keep_the_bases(tmp_path: Path) -> None:
+    """With a governor that always says raw after the first step, every later step is one
+    whole flat write (no deltas), and the session still resumes exactly; the next encoded
+    step deltas against the last bases that were committed."""
+    from dstt.engine.governor import EncodeGovernor
+
+    decisions = iter([True, True, False, False, False, True])
+    orig = EncodeGovernor.decide
+    EncodeGovernor.decide = lambda self: next(decisions)  # type: ignore[method-assign]
+    try:
+        m, opt = _model()
+        run = tmp_path / "run"
+        with session(m, opt, run=run, encoding=DeltaPolicy(min_ratio=1.0)) as s:
+            for x, y in s.data(SyntheticBatches(6, batch_size=4, seq=16, vocab=64, seed=3)):
+                train_step(m, opt, x, y)
+                s.wait()
+                time.sleep(0.05)
+            assert s._pipeline is not None and s._pipeline.flusher is not None
+            final = m.layers[0].qkv.weight.detach().clone()
+    finally:
+        EncodeGovernor.decide = orig  # type: ignore[method-assign]
+    ms = s.metrics
+    assert [x.raw_fallback for x in ms] == [False, False, True, True, True, False]
+    r = Repository.open(run).reader()
+    heads = {h.step: h for h in r.lineage()}
+    for step in (3, 4, 5):
+        assert {c.encoding for a in r.arrays(heads[step]).values() for c in a.chunks} == {"raw"}
+    bases = {c.base for a in r.arrays(heads[6]).values() for c in a.chunks if c.base is not None}
+    assert bases and bases <= {heads[1].slot, heads[2].slot}  # committed encoded steps
+    assert same_bits(stored(Repository.open(run), 6, "params/layers/0/qkv/weight"), final)
+    assert Repository.open(run).verify().ok
