@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -96,7 +97,9 @@ class FlatLane:
         until then), summarise it from the same buffer, then free the buffer."""
         assert self.steps is not None and f.flat is not None and f.buffer is not None
         try:
+            t0 = time.perf_counter()
             f.wait_sealed()
+            f.add_cpu(0.0, t0 - time.perf_counter())  # waiting for training is not disk time
             if f.dead:
                 return
             buf = self.steps.buffers[f.buffer]

@@ -5,15 +5,24 @@ writers get, time waiting for the disk)``; encoding raises the first and lowers 
 the governor keeps, per mode, running estimates of the writer CPU (``thread_time`` of the
 writer tasks) and of the bytes a step writes, and one pooled estimate of the disk's speed
 (bytes written over the time steps waited for the disk: writer wall time off the CPU plus the
-commit, whose barrier waits for the disk), and encodes a step only when the
-encoded estimate is no worse than the raw one: encoding never makes the flush, and so the
-backpressure on training, worse than writing raw would (issue 8). Every ``retry_every`` steps
-it runs the other mode once to re-measure (the disk, the load or the data may have changed);
-while the choice stays the same the interval doubles, up to ``8 * retry_every`` — at 1,200
-tensors an encoded step costs ~0.2 s of writer time, so re-measuring it every 8 steps cost
-more than the encoding it was looking for saved. It measures encoding first: the first
-encoded step only makes the bases (keyframes, which say nothing about encoding), the second
-is measured, and the steps staged before it committed are written raw.
+commit, whose barrier waits for the disk; raw steps' only, once there are any), and encodes a
+step only when the encoded estimate is no worse than the raw one: encoding never makes the
+flush, and so the backpressure on training, worse than writing raw would (issue 8). Every
+``retry_every`` steps it runs the other mode once to re-measure (the disk, the load or the data
+may have changed); while the choice stays the same the interval doubles, up to ``8 *
+retry_every`` — at 1,200 tensors an encoded step costs ~0.2 s of writer time, so re-measuring
+it every 8 steps cost more than the encoding it was looking for saved. It measures encoding
+first: the first encoded step only makes the bases (keyframes, which say nothing about
+encoding), the second is measured, and the steps staged before it committed are written raw.
+
+The CPU the writers get is measured too: ``min(writers, cores - the cores this process
+keeps busy outside its writers)`` (its CPU time over wall time, between observations at
+least ``_SAMPLE_S`` apart), at least a quarter of a core. Counting the idle cores alone
+(``cores - 1``, the first version) let a CPU-bound trainer on every core — whose intra-op
+workers spin rather than sleep — look as if a core were free: an encoded step then took 0.2 s
+of writer CPU at 1,200 tensors that training had to give up, and what the writers waited
+for that CPU counted as waiting for the disk, which made raw steps look slow too (dstt +
+DeltaPolicy 10x no checkpointing with 2 torch threads on 2 cores, measured).
 A raw step says so in ``StepMetrics.raw_fallback``; ``DeltaPolicy(raw_when_busy=False)``
 always encodes (disk space first).
 
@@ -28,9 +37,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import deque
 
 __all__ = ["EncodeGovernor"]
+
+#: the shortest wall time over which the process's CPU use is sampled (seconds)
+_SAMPLE_S = 0.25
 
 
 class _Mode:
@@ -51,9 +64,12 @@ class EncodeGovernor:
     def __init__(self, writers: int, *, enabled: bool = True, retry_every: int = 8,
                  cores: int | None = None, window: int = 16) -> None:
         cores = cores if cores is not None else (os.cpu_count() or 1)
+        self.writers, self.cores = writers, cores
         #: CPU-seconds per second the writers can get: their threads, at most the cores
-        #: that training leaves (one core is the training loop's)
+        #: that training leaves (one core is the training loop's until measured)
         self.capacity = float(max(1, min(writers, cores - 1)))
+        self._sample = (time.perf_counter(), time.process_time())
+        self._writer_cpu = 0.0  # writer CPU observed since the sample
         self.enabled = enabled
         self.retry_every = max(1, retry_every)
         self._mu = threading.Lock()
@@ -61,6 +77,9 @@ class EncodeGovernor:
         #: (bytes written, seconds waited for the disk) of recent steps of either mode: the
         #: disk's speed, pooled (a step's barrier also waits for what earlier steps left)
         self._disk: deque[tuple[int, float]] = deque(maxlen=window)
+        #: the same, raw steps only: what an encoded step waits for includes the interpreter
+        #: lock and the CPU its Python needs, which says nothing about the disk
+        self._raw_disk: deque[tuple[int, float]] = deque(maxlen=window)
         self._since_other = 0  # steps since the mode not chosen was last measured
         self._interval = self.retry_every  # steps between re-measures (doubles, see above)
         self._best: bool | None = None  # the choice the last decision made
@@ -70,8 +89,9 @@ class EncodeGovernor:
     def _seconds(self, m: _Mode) -> float | None:
         if m.cpu is None or m.bytes is None:
             return None
-        waited = sum(w for _, w in self._disk)
-        disk = m.bytes * waited / max(1, sum(b for b, _ in self._disk))
+        pool = self._raw_disk or self._disk
+        waited = sum(w for _, w in pool)
+        disk = m.bytes * waited / max(1, sum(b for b, _ in pool))
         return max(m.cpu / self.capacity, disk)
 
     def decide(self) -> bool:
@@ -105,6 +125,21 @@ class EncodeGovernor:
         with self._mu:
             (self._enc if encoded else self._raw).add(writer_cpu_s, written_bytes)
             self._disk.append((written_bytes, max(0.0, wait_s)))
+            if not encoded:
+                self._raw_disk.append((written_bytes, max(0.0, wait_s)))
+            self._writer_cpu += writer_cpu_s
+            self._measure_capacity()
+
+    def _measure_capacity(self) -> None:
+        """The cores this process keeps busy besides its writers, sampled; the writers get
+        what is left (module docstring)."""
+        now, cpu = time.perf_counter(), time.process_time()
+        t0, c0 = self._sample
+        if now - t0 < _SAMPLE_S:
+            return
+        busy = max(0.0, (cpu - c0 - self._writer_cpu) / (now - t0))
+        self.capacity = max(0.25, min(float(self.writers), self.cores - busy))
+        self._sample, self._writer_cpu = (now, cpu), 0.0
 
     def estimates(self) -> dict[str, float | None]:
         """Estimated flush seconds per step of each mode (None: not measured yet)."""

@@ -306,3 +306,34 @@ def test_keyframe_on_request_writes_the_next_step_whole(tmp_path: Path) -> None:
     assert np.array_equal(plain(6), got.numpy())  # plain Zarr reads step 6
     assert np.isnan(plain(7)).all()  # and sees the predicted step 7 as missing
     assert [x.raw_fallback for x in s.metrics] == [False] * 8
+
+
+def test_governor_takes_the_disk_speed_from_raw_steps() -> None:
+    """What an encoded step waits for includes the interpreter lock and CPU: it must not make
+    raw steps look slow (that fed back: more encoding, slower steps, ever slower "disk")."""
+    g = EncodeGovernor(writers=1, cores=2)
+    g.observe(True, 0.1, 5.0, 100)  # encoded: waited 5 s, not for the disk
+    g.observe(False, 0.1, 0.3, 300)  # raw: 300 bytes in 0.3 s
+    assert g.estimates() == {"encoded": pytest.approx(0.1), "raw": pytest.approx(0.3)}
+
+
+def test_governor_gives_the_writers_only_the_cores_training_leaves(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from dstt.engine import governor as gov
+
+    clock = {"wall": 0.0, "cpu": 0.0}
+    monkeypatch.setattr(gov, "time", SimpleNamespace(perf_counter=lambda: clock["wall"],
+                                                     process_time=lambda: clock["cpu"]))
+    g = EncodeGovernor(writers=2, cores=4)
+    assert g.capacity == 2
+    clock.update(wall=1.0, cpu=3.5)  # 3.5 cores busy for a second, 0.5 of it the writers'
+    g.observe(False, 0.5, 0.0, 100)
+    assert g.capacity == pytest.approx(1.0)  # 4 cores, 3 busy besides the writers
+    clock.update(wall=1.1, cpu=3.9)  # too short a sample: kept
+    g.observe(False, 0.0, 0.0, 100)
+    assert g.capacity == pytest.approx(1.0)
+    clock.update(wall=2.1, cpu=7.9)  # every core busy training (spinning workers count)
+    g.observe(False, 0.0, 0.0, 100)
+    assert g.capacity == 0.25
