@@ -17,7 +17,9 @@ encoding), the second is measured, and the steps staged before it committed are 
 
 The CPU the writers get is measured too: ``min(writers, cores - the cores this process
 keeps busy outside its writers)`` (its CPU time over wall time, between observations at
-least ``_SAMPLE_S`` apart), at least a quarter of a core. Counting the idle cores alone
+least ``_SAMPLE_S`` apart, and only over stretches of raw steps — an encoding writer's Python
+takes CPU from training, which would then look as if it needed less), at least a quarter of
+a core. Counting the idle cores alone
 (``cores - 1``, the first version) let a CPU-bound trainer on every core — whose intra-op
 workers spin rather than sleep — look as if a core were free: an encoded step then took 0.2 s
 of writer CPU at 1,200 tensors that training had to give up, and what the writers waited
@@ -39,6 +41,8 @@ import os
 import threading
 import time
 from collections import deque
+
+import torch
 
 __all__ = ["EncodeGovernor"]
 
@@ -62,14 +66,20 @@ class EncodeGovernor:
     """Thread-safe: ``decide`` on the training thread, ``observe`` on the committer."""
 
     def __init__(self, writers: int, *, enabled: bool = True, retry_every: int = 8,
-                 cores: int | None = None, window: int = 16) -> None:
-        cores = cores if cores is not None else (os.cpu_count() or 1)
+                 cores: int | None = None, train_threads: int | None = None,
+                 window: int = 16) -> None:
+        if cores is None:  # this machine, and until measured, training on torch's threads
+            cores = os.cpu_count() or 1
+            if train_threads is None:
+                train_threads = torch.get_num_threads()
         self.writers, self.cores = writers, cores
         #: CPU-seconds per second the writers can get: their threads, at most the cores
-        #: that training leaves (one core is the training loop's until measured)
-        self.capacity = float(max(1, min(writers, cores - 1)))
+        #: training leaves (``train_threads`` of them, one if not given, until measured: on a
+        #: GPU node torch's threads are mostly idle, and the first raw steps show it)
+        self.capacity = max(0.25, float(min(writers, cores - (train_threads or 1))))
         self._sample = (time.perf_counter(), time.process_time())
         self._writer_cpu = 0.0  # writer CPU observed since the sample
+        self._sample_encoded = False  # an encoded step was observed since the sample
         self.enabled = enabled
         self.retry_every = max(1, retry_every)
         self._mu = threading.Lock()
@@ -128,6 +138,7 @@ class EncodeGovernor:
             if not encoded:
                 self._raw_disk.append((written_bytes, max(0.0, wait_s)))
             self._writer_cpu += writer_cpu_s
+            self._sample_encoded |= encoded
             self._measure_capacity()
 
     def _measure_capacity(self) -> None:
@@ -137,9 +148,12 @@ class EncodeGovernor:
         t0, c0 = self._sample
         if now - t0 < _SAMPLE_S:
             return
-        busy = max(0.0, (cpu - c0 - self._writer_cpu) / (now - t0))
-        self.capacity = max(0.25, min(float(self.writers), self.cores - busy))
-        self._sample, self._writer_cpu = (now, cpu), 0.0
+        # only while the writers wrote raw: encoding Python takes CPU (and the interpreter
+        # lock) from training, which then seems to need fewer cores than it does
+        if not self._sample_encoded:
+            busy = max(0.0, (cpu - c0 - self._writer_cpu) / (now - t0))
+            self.capacity = max(0.25, min(float(self.writers), self.cores - busy))
+        self._sample, self._writer_cpu, self._sample_encoded = (now, cpu), 0.0, False
 
     def estimates(self) -> dict[str, float | None]:
         """Estimated flush seconds per step of each mode (None: not measured yet)."""

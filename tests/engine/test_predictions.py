@@ -337,3 +337,25 @@ def test_governor_gives_the_writers_only_the_cores_training_leaves(
     clock.update(wall=2.1, cpu=7.9)  # every core busy training (spinning workers count)
     g.observe(False, 0.0, 0.0, 100)
     assert g.capacity == 0.25
+
+
+def test_governor_measures_the_cores_only_over_raw_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An encoding writer's Python takes CPU from training, which then seems to need fewer
+    cores: a sample with an encoded step in it changes nothing. Until measured, training
+    is assumed to run on its torch threads."""
+    from types import SimpleNamespace
+
+    from dstt.engine import governor as gov
+
+    assert EncodeGovernor(writers=2, cores=4, train_threads=4).capacity == 0.25
+    assert EncodeGovernor(writers=2, cores=4, train_threads=3).capacity == 1.0
+    clock = {"wall": 0.0, "cpu": 0.0}
+    monkeypatch.setattr(gov, "time", SimpleNamespace(perf_counter=lambda: clock["wall"],
+                                                     process_time=lambda: clock["cpu"]))
+    g = EncodeGovernor(writers=2, cores=4, train_threads=4)
+    clock.update(wall=1.0, cpu=2.0)  # 1 core of training left next to 1 of encoding
+    g.observe(True, 1.0, 0.0, 100)
+    assert g.capacity == 0.25  # not measured: an encoded step was in the sample
+    clock.update(wall=2.0, cpu=3.0)  # raw steps only: training keeps 1 core busy
+    g.observe(False, 0.0, 0.0, 300)
+    assert g.capacity == pytest.approx(2.0)
