@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -142,16 +142,19 @@ class Pipeline:
     # -- training thread ----------------------------------------------------------------
     def stage(self, step: int, tensors: Mapping[str, torch.Tensor],
               objects: Mapping[str, Any],
-              predictions: Mapping[str, Prediction] | None = None, *,
-              keyframe: bool = False) -> Flight:
+              predictions: Mapping[str, Prediction] | Callable[[], Mapping[str, Prediction]]
+              | None = None, *, keyframe: bool = False) -> Flight:
         """Start capturing ``step``; returns at once (copies run in the background).
-        ``predictions``: encoding hints for the store (used when the writer encodes);
+        ``predictions``: encoding hints for the store (used when the writer encodes; a
+        callable is called, now, only for a step that will be encoded);
         ``keyframe``: write every chunk whole (plain Zarr) even when the writer encodes."""
         if self._closed:
             raise CaptureError("the capture pipeline is closed")
         # encoding costs writer CPU: the governor decides now whether this step has it to
         # spare (a raw step is reported as raw_fallback in the metrics)
         encode = self._governor.decide() if self._governor is not None else False
+        if callable(predictions):
+            predictions = predictions() if encode and not keyframe else None
         plan = self.flat.plan(tensors) if self._flat_ok else None
         f = Flight(step, tensors, objects, self.verify, predictions, flat=plan)
         if plan is not None and self._copy_now(plan):

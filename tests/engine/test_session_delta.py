@@ -139,10 +139,19 @@ def test_steps_the_governor_writes_raw_go_out_whole_and_keep_the_bases(tmp_path:
     whole flat write (no deltas), and the session still resumes exactly; the next encoded
     step deltas against the last bases that were committed."""
     from dstt.engine.governor import EncodeGovernor
+    from dstt.engine.providers import CompositeProvider
 
     decisions = iter([True, True, False, False, False, True])
     orig = EncodeGovernor.decide
     EncodeGovernor.decide = lambda self: next(decisions)  # type: ignore[method-assign]
+    built = []
+    orig_predictions = CompositeProvider.predictions
+
+    def predictions(self: CompositeProvider) -> object:
+        built.append(1)
+        return orig_predictions(self)
+
+    CompositeProvider.predictions = predictions  # type: ignore[assignment,method-assign]
     try:
         m, opt = _model()
         run = tmp_path / "run"
@@ -155,8 +164,10 @@ def test_steps_the_governor_writes_raw_go_out_whole_and_keep_the_bases(tmp_path:
             final = m.layers[0].qkv.weight.detach().clone()
     finally:
         EncodeGovernor.decide = orig  # type: ignore[method-assign]
+        CompositeProvider.predictions = orig_predictions  # type: ignore[method-assign]
     ms = s.metrics
     assert [x.raw_fallback for x in ms] == [False, False, True, True, True, False]
+    assert len(built) == 3  # predictions are built for the encoded steps only
     r = Repository.open(run).reader()
     heads = {h.step: h for h in r.lineage()}
     for step in (3, 4, 5):
