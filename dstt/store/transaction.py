@@ -196,12 +196,8 @@ class Transaction:
         view = memoryview(buf).cast("B")
         if len(view) < layout.nbytes:
             raise ValueError(f"flat buffer of {len(view)} bytes, layout needs {layout.nbytes}")
-        plans = layout.plans
         with self._lock:
-            if not self._plans.keys().isdisjoint(plans):
-                dup = sorted(self._plans.keys() & plans.keys())
-                raise ValueError(f"array {dup[0]!r} declared twice in step {self.step}")
-            self._plans.update(plans)
+            plans = self._declare_layout(layout)
             for path, (_, plan) in plans.items():
                 self._chunks[path] = [None] * plan.n_chunks
             first = {src for p in self._predictions.values() for role, src in p.inputs
@@ -219,13 +215,18 @@ class Transaction:
         if enc is not None and self.encode and not self.keyframe:
             raise DsttError("a flat write is raw; set txn.encode = False (or keyframe) "
                             "when the writer encodes, or use put_chunk")
-        plans = layout.plans
         with self._lock:
-            if not self._plans.keys().isdisjoint(plans):
-                dup = sorted(self._plans.keys() & plans.keys())
-                raise ValueError(f"array {dup[0]!r} declared twice in step {self.step}")
-            self._plans.update(plans)
+            self._declare_layout(layout)
         return self.zip.reserve(layout.names, nbytes_at)
+
+    def _declare_layout(self, layout: FlatLayout) -> dict[str, tuple[str, ChunkPlan]]:
+        """Declare every array of ``layout`` in this step (under ``_lock``)."""
+        plans = layout.plans
+        if not self._plans.keys().isdisjoint(plans):
+            dup = sorted(self._plans.keys() & plans.keys())
+            raise ValueError(f"array {dup[0]!r} declared twice in step {self.step}")
+        self._plans.update(plans)
+        return plans
 
     def complete_flat(self, layout: FlatLayout, offsets: list[int], sizes: list[int],
                       crcs: list[int], directory: bytes, buf: Any = None) -> None:
