@@ -246,14 +246,16 @@ class Transaction:
             if buf is not None:
                 view = memoryview(buf).cast("B")
                 key, arrays = self.zip.key, layout.arrays
+                seeded: dict[tuple[str, int], Shadow] = {}
                 for (k, i, s, e, _, _), off, size, crc in zip(layout.chunks, offsets, sizes,
                                                               crcs, strict=True):
                     a = arrays[k]
                     sh = enc.keep(a.path, i, self.timeline, view[s:e], crc, self.slot)
                     if sh is not None:
-                        rec = ChunkRecord(key, size, crc, offset=off)
-                        with self._lock:
-                            self.pending[(a.path, i)] = replace(sh, record=rec)
+                        seeded[(a.path, i)] = replace(sh, record=ChunkRecord(key, size, crc,
+                                                                             offset=off))
+                with self._lock:
+                    self.pending.update(seeded)
 
     def put_encoded(self, name: str, data: bytes, encoding: Encoding = "json") -> ObjectRecord:
         """Store an object already encoded (e.g. JSON built by the caller) as ``name``."""
