@@ -23,6 +23,10 @@ Modes (the mode implementations of ``bench/capture_bench.py`` are reused as they
                   step k+1, i.e. a write has a whole iteration to finish. Double buffering
                   would only hide the copy behind a write that is already late — where the
                   disk, not the copy, bounds the run;
+* ``bare_guarded`` the bare writer plus the per-step work dstt's guarantees and defaults need,
+                  with no engine: crc32c + CRC-32 of every tensor, the write-time summaries, a
+                  new file per step renamed into place, a manifest written last, ``syncfs``
+                  (``bench/_writers.py``) — the floor for a checkpointer that keeps them;
 * ``dstt``        ``dstt.session(model, opt, run=<fresh dir>, every=1)`` with its defaults;
 * ``dstt_delta``  the same with ``encoding=dstt.DeltaPolicy()``;
 * ``torch_save``  ``torch.save`` + fsync + ``os.replace`` + directory fsync on the training thread;
@@ -39,10 +43,11 @@ iteration count for every mode of a workload); the close of each mode's run (the
 timed on its own (``close s``: for dstt the drain of the last steps and the session's last index
 job, ~1 s after a few hundred commits — a cost per run, not per step). ``s/iter`` = timed
 iterations / iters (with the close: ``s_per_iter_with_close`` in the JSON, the protocol before
-2026-12-01 17:30). Ratios (x none, x bare) are medians of per-round ratios against the same
-round's ``none``/``bare``. Blocked time per step: dstt ``StepMetrics.blocked_s``; bare the wait
-for the previous write + the copy; torch.save the whole save; DCP the ``async_save`` call + the
-waits for the previous upload and staging. Engine CPU per step: dstt
+2026-12-01 17:30). Ratios (x none, x bare, x guarded) are medians of per-round ratios
+against the same round's ``none``/``bare``/``bare_guarded``. Blocked time per step: dstt
+``StepMetrics.blocked_s``; bare (and guarded) the wait for the previous write + the copy;
+torch.save the whole save; DCP the ``async_save`` call + the waits for the previous upload and
+staging. Engine CPU per step: dstt
 ``StepMetrics.writer_cpu_s``; bare the writer thread's CPU time per write. The check
 ``bytes/step / disk bandwidth < iteration time`` (of ``none``) says whether the disk can absorb
 a checkpoint per iteration at all.
@@ -60,12 +65,10 @@ import gc
 import math
 import os
 import platform
-import queue
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -77,6 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import capture_bench as cb
 import torch
 from _common import MiB, disk_bandwidth, finish, source_state
+from _writers import ALIGN, PIECE, BareWriter, GuardedWriter
 from capture_bench import med, spread, state_bytes
 from torch import nn
 
@@ -86,9 +90,8 @@ GPT87 = dict(vocab=8192, d=256, layers=2, heads=4, seq=128, batch=4)
 LIN_BLOCKS = {"lin1200": 100, "lin360": 30}
 LIN_WIDTH, LIN_BATCH = 128, 64
 WORKLOADS = ("lin1200", "lin360", "gpt87")
-ALL_MODES = ("none", "bare", "dstt", "dstt_sync", "dstt_delta", "torch_save", "dcp")
-PIECE = 64 * MiB  # os.write size of the bare writer
-ALIGN = 64  # byte alignment of every tensor's slot in the bare buffer
+ALL_MODES = ("none", "bare", "bare_guarded", "dstt", "dstt_sync", "dstt_delta", "torch_save",
+             "dcp")
 
 
 class LinTrainer(cb.Trainer):
@@ -135,79 +138,9 @@ def hot_tensors(tr: cb.Trainer) -> list[torch.Tensor]:
     return out
 
 
-# -- the bare background writer -------------------------------------------------------------
-class BareWriter:
-    """One flat host buffer, one ``_foreach_copy_`` per step, one writer thread, one file."""
-
-    def __init__(self, tensors: list[torch.Tensor], path: Path) -> None:
-        self.src = tensors
-        offs, n = [], 0
-        for t in tensors:
-            offs.append(n)
-            n += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        self.nbytes = n
-        self.buf = torch.zeros(n, dtype=torch.uint8)  # touched once: no page faults later
-        self.views = [self.buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                      for o, t in zip(offs, tensors, strict=True)]
-        self.mem = self.buf.numpy().data.cast("B")
-        self.path = path
-        self.todo: queue.Queue[bool] = queue.Queue()
-        self.done = threading.Semaphore(1)  # 1 = the buffer is free
-        self.write_s: list[float] = []
-        self.write_cpu_s: list[float] = []
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._loop, name="bare-writer", daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while self.todo.get():
-            t, c = time.perf_counter(), time.thread_time()
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    done = 0
-                    while done < self.nbytes:
-                        done += os.write(fd, self.mem[done:min(done + PIECE, self.nbytes)])
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except BaseException as e:  # reported on the training thread by wait()
-                self.error = e
-            self.write_cpu_s.append(time.thread_time() - c)
-            self.write_s.append(time.perf_counter() - t)
-            self.done.release()
-
-    def wait(self) -> float:
-        """Wait for the previous write; the seconds waited."""
-        t = time.perf_counter()
-        self.done.acquire()
-        if self.error is not None:
-            self.done.release()  # leave the buffer free for close()
-            raise RuntimeError("bare writer failed") from self.error
-        return time.perf_counter() - t
-
-    def drain(self) -> None:
-        """Wait for the pending write, leaving the buffer free."""
-        self.wait()
-        self.done.release()
-
-    def save(self) -> tuple[float, float]:
-        """After an optimizer step: (wait for the previous write, copy) seconds."""
-        w = self.wait()
-        t = time.perf_counter()
-        torch._foreach_copy_(self.views, self.src)
-        c = time.perf_counter() - t
-        self.todo.put(True)
-        return w, c
-
-    def close(self) -> None:
-        self.done.acquire()  # no raise: write errors reach the hot path through wait()
-        self.todo.put(False)
-        self.thread.join()
-
-
-def run_bare(tr: cb.Trainer, warmup: int, iters: int, root: Path, **kw: Any) -> dict[str, Any]:
-    bw = BareWriter(hot_tensors(tr), root / "bare.bin")  # views are rebuilt for every run
+def run_bare(tr: cb.Trainer, warmup: int, iters: int, root: Path, *,
+             writer: type[BareWriter] = BareWriter, **kw: Any) -> dict[str, Any]:
+    bw = writer(hot_tensors(tr), root / "bare.bin")  # views are rebuilt for every run
     try:
         for _ in range(warmup):
             tr.step()
@@ -237,6 +170,12 @@ def run_bare(tr: cb.Trainer, warmup: int, iters: int, root: Path, **kw: Any) -> 
             "proc_cpu_s": proc_cpu}
 
 
+def run_bare_guarded(tr: cb.Trainer, warmup: int, iters: int, root: Path,
+                     **_: Any) -> dict[str, Any]:
+    """The bare writer plus the work the guarantees need (``_writers.GuardedWriter``)."""
+    return run_bare(tr, warmup, iters, root, writer=GuardedWriter)
+
+
 def run_dstt_sync(tr: cb.Trainer, warmup: int, iters: int, root: Path,
                   **_: Any) -> dict[str, Any]:
     """dstt with ``copy="sync"``: the batched copy on the training thread (no copy thread)."""
@@ -244,7 +183,8 @@ def run_dstt_sync(tr: cb.Trainer, warmup: int, iters: int, root: Path,
 
 
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
-    "none": cb.run_none, "bare": run_bare, "dstt": cb.run_dstt, "dstt_sync": run_dstt_sync,
+    "none": cb.run_none, "bare": run_bare, "bare_guarded": run_bare_guarded,
+    "dstt": cb.run_dstt, "dstt_sync": run_dstt_sync,
     "dstt_delta": cb.run_dstt_delta, "torch_save": cb.run_torch_save, "dcp": cb.run_dcp}
 
 
@@ -295,7 +235,8 @@ def bench_workload(name: str, modes: list[str], *, repeats: int, warmup: int, it
             log(f"[{name}] round {rep + 1}/{repeats} {mode:>10}: "
                 f"{r['s_per_iter'] * 1e3:8.2f} ms/iter, blocked "
                 f"{med(r['blocked_s']) * 1e3:7.2f} ms/step")
-    base = {m: [r["s_per_iter"] for r in per[m]] for m in ("none", "bare") if m in per}
+    base = {m: [r["s_per_iter"] for r in per[m]] for m in ("none", "bare", "bare_guarded")
+            if m in per}
     out_modes: dict[str, Any] = {}
     for mode, rs in per.items():
         spi = [r["s_per_iter"] for r in rs]
@@ -308,6 +249,8 @@ def bench_workload(name: str, modes: list[str], *, repeats: int, warmup: int, it
             "ratio_vs_none": med(_ratios(spi, base["none"])) if "none" in base else None,
             "ratio_vs_none_all": _ratios(spi, base["none"]) if "none" in base else None,
             "ratio_vs_bare": med(_ratios(spi, base["bare"])) if "bare" in base else None,
+            "ratio_vs_guarded": (med(_ratios(spi, base["bare_guarded"]))
+                                 if "bare_guarded" in base else None),
             "blocked_s_per_step": med([med(r["blocked_s"]) for r in rs]),
             "blocked_s_mean_per_step": med([statistics.fmean(r["blocked_s"]) if r["blocked_s"]
                                             else 0.0 for r in rs]),
@@ -315,7 +258,7 @@ def bench_workload(name: str, modes: list[str], *, repeats: int, warmup: int, it
             "cpu_s_per_iter": med([r["proc_cpu_s"] for r in rs]),
             "train_thread_cpu_s_per_iter": med([r["train_cpu_s"] for r in rs]),
         }
-        if mode == "bare":
+        if mode in ("bare", "bare_guarded"):
             row.update({k: med([med(r[k]) for r in rs]) for k in ("wait_s", "copy_s", "write_s")})
             row.update({"bytes_per_step": rs[0]["bytes"], "tensors": rs[0]["tensors"]})
         elif mode.startswith("dstt"):
@@ -368,12 +311,13 @@ def print_tables(res: dict[str, Any]) -> None:
                   + ("" if ok is None else f" {'<' if ok else '>='} iteration "
                      f"{chk['none_s_per_iter'] * 1e3:.1f} ms ({'ok' if ok else 'disk-bound'})")
                   + "\n")
-            print("| mode | s/iter | \u00d7 none | \u00d7 bare | blocked ms/step "
+            print("| mode | s/iter | \u00d7 none | \u00d7 bare | \u00d7 guarded | blocked ms/step "
                   "| engine CPU ms/step | close s |")
-            print("|---|---:|---:|---:|---:|---:|---:|")
+            print("|---|---:|---:|---:|---:|---:|---:|---:|")
             for mode, r in w["modes"].items():
                 print(f"| {mode} | {r['s_per_iter']:.4f} | {_x(r['ratio_vs_none'])} | "
-                      f"{_x(r['ratio_vs_bare'])} | {_ms(r['blocked_s_per_step'])} | "
+                      f"{_x(r['ratio_vs_bare'])} | {_x(r.get('ratio_vs_guarded'))} | "
+                      f"{_ms(r['blocked_s_per_step'])} | "
                       f"{_ms(r['engine_cpu_s_per_step'])} | {r.get('close_s', 0.0):.2f} |")
 
 
@@ -438,7 +382,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "repeats": repeats, "warmup": warmup, "iters": iters, "seconds": seconds,
         "warmup_seconds": warmup_seconds, "modes": modes,
         "bare_writer": {"buffers": 1, "piece_bytes": PIECE, "align": ALIGN,
-                        "file": "O_TRUNC rewrite of one file + fsync per step"},
+                        "file": "O_TRUNC rewrite of one file + fsync per step",
+                        "guarded": "+ crc32c and CRC-32 per tensor, sumsq/max/min per tensor, "
+                                   "a new file per step renamed into place, a JSON manifest "
+                                   "written last, syncfs"},
         "runs": {},
     }
     try:

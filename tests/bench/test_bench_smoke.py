@@ -72,7 +72,7 @@ def test_delta_bench_quick(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_hotpath_bench_quick(tmp_path: Path) -> None:
-    modes = ["none", "bare", "torch_save"]
+    modes = ["none", "bare", "bare_guarded", "torch_save"]
     res = run_quick("hotpath_bench.py", tmp_path, "--workloads", "lin360", "--threads", "1",
                     "--modes", ",".join(modes), "--iters", "2", "--disk-mib", "8")
     assert res["benchmark"] == "hotpath" and res["quick"] is True
@@ -96,6 +96,9 @@ def test_hotpath_bench_quick(tmp_path: Path) -> None:
     assert bare["blocked_s_per_step"] > 0 and bare["copy_s"] > 0 and bare["write_s"] > 0
     assert bare["engine_cpu_s_per_step"] is not None
     assert lin["modes"]["torch_save"]["blocked_s_per_step"] > 0
+    guarded = lin["modes"]["bare_guarded"]
+    assert guarded["ratio_vs_guarded"] == 1.0 and bare["ratio_vs_guarded"] > 0
+    assert guarded["bytes_per_step"] == bare["bytes_per_step"]
 
 
 @pytest.mark.timeout(120)
