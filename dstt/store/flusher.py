@@ -114,7 +114,8 @@ class Flusher:
             assert self.proc.stdin is not None and self.proc.stdout is not None
             self._out, self._in = self.proc.stdin, self.proc.stdout
             _send(self._out, ("init", [(fd, nbytes) for fd in self._fds]))
-            self._expect("ready")
+            #: the child's threads at SCHED_IDLE (``urgent`` moves them all)
+            self.idle_threads: list[int] = list(self._expect("ready")[1])
             for fd in self._fds:  # the child has its copies, the parent its mappings
                 os.close(fd)
             self._fds = []
@@ -140,8 +141,9 @@ class Flusher:
         if self._sched != "idle" or self.proc is None or not self._urgent_ok:
             return
         policy = os.SCHED_OTHER if on else os.SCHED_IDLE
-        with contextlib.suppress(OSError, AttributeError):
-            os.sched_setscheduler(self.proc.pid, policy, os.sched_param(0))
+        for tid in self.idle_threads:  # per thread: Linux schedules threads
+            with contextlib.suppress(OSError, AttributeError):
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
 
     def _read_replies(self) -> None:
         """Hand each reply to the request that waits for it (requests overlap: the child

@@ -97,6 +97,9 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
     _lower_priority(sched)
     writer = threading.Thread(target=_write_loop, args=(writes, reply, direct), daemon=True)
     writer.start()
+    # the threads at SCHED_IDLE, for the parent's ``urgent``: the kernel schedules threads,
+    # not processes, so raising the process id alone would leave the writer behind
+    lowered = [threading.get_native_id(), writer.native_id]
     try:
         while True:
             try:
@@ -110,7 +113,7 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
             try:
                 if kind == "init":
                     maps = [memoryview(mmap.mmap(fd, n)) for fd, n in msg[1]]
-                    reply(("ready",))
+                    reply(("ready", lowered))
                 elif kind == "commit":  # in order, after this step's write (it replied)
                     commits.put((*msg[1:6], [None if i is None else objs[i] for i in msg[6]],
                                  msg[7]))
