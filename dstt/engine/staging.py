@@ -46,6 +46,7 @@ __all__ = [
 
 _ALIGN = 64
 _MASK = (1 << 64) - 1
+_IS_CUDA = operator.attrgetter("is_cuda")
 
 
 def _align(n: int) -> int:
@@ -237,10 +238,10 @@ class Copier:
             return self._copy_all(dst, src)
 
     def _copy_all(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Ready:
-        devices = {t.device for t in src if t.is_cuda}
-        if not devices:
+        if not any(map(_IS_CUDA, src)):  # C-level: no Python line per tensor on the host
             torch._foreach_copy_(dst, src)
             return DONE
+        devices = {t.device for t in src if t.is_cuda}
         events = []
         for dev in devices:
             idx = [i for i, t in enumerate(src) if t.device == dev]

@@ -26,6 +26,7 @@ rules), built from stored arrays, so a fresh optimizer with no state yet restore
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -131,7 +132,10 @@ class ModelTensors:
         _install_registration_hooks()
         self.model, self.buffers = model, buffers
         self._gen = -1
-        self._slots: list[tuple[dict[str, Any], str]] = []
+        # the (module dict, name) slot of every tensor, as two columns: a step reads them
+        # with one C-level map, no Python frame or line per tensor
+        self._dicts: list[dict[str, Any]] = []
+        self._keys: list[str] = []
         self._values: list[Any] = []
         self._out: dict[str, torch.Tensor] = {}
 
@@ -140,7 +144,9 @@ class ModelTensors:
         where = {id(t): (d, k) for mod in self.model.modules()
                  for d in (mod._buffers if self.buffers else mod._parameters,)
                  for k, t in d.items() if t is not None}
-        self._slots = [where[id(t)] for t in out.values()]
+        slots = [where[id(t)] for t in out.values()]
+        self._dicts = [d for d, _ in slots]
+        self._keys = [k for _, k in slots]
         self._values = list(out.values())
         self._out = out
         self._gen = _generation[0]
@@ -150,7 +156,7 @@ class ModelTensors:
             self._rebuild()
             return self._out
         try:
-            now = [d[k] for d, k in self._slots]
+            now = list(map(operator.getitem, self._dicts, self._keys))
         except KeyError:
             now = None
         if now is None or len(now) != len(self._values) or not all(
@@ -187,6 +193,7 @@ class OptimizerStateProvider:
         self.optimizer = optimizer
         self._names = names
         self._plist: list[tuple[torch.Tensor, str]] = []
+        self._plist_params: list[torch.Tensor] = []
         self._plist_key: tuple[Any, ...] = ()
         self._sig_keys: list[str] = []
         self._sig_values: list[Any] = []
@@ -204,20 +211,24 @@ class OptimizerStateProvider:
         key = tuple((id(g["params"]), len(g["params"])) for g in groups)
         if key != self._plist_key:
             self._plist, self._plist_key = list(self.params()), key
+            self._plist_params = [p for p, _ in self._plist]
         return self._plist
 
     def _changed(self) -> list[tuple[str, dict[str, Any]]] | None:
         """The (name, state) of every parameter with state, or None when no key or value
-        object changed since the last call (a step of Adam changes values in place)."""
+        object changed since the last call (a step of Adam changes values in place). The
+        check is C-level maps over the parameters — no Python line per parameter — and
+        the items are built only when something changed."""
         state = self.optimizer.state
-        items = [(name, st) for p, name in self._param_list() if (st := state.get(p))]
-        keys = [k for _, st in items for k in st]
-        values = [v for _, st in items for v in st.values()]
+        self._param_list()
+        sts = list(filter(None, map(state.get, self._plist_params)))
+        keys = list(itertools.chain.from_iterable(sts))
+        values = list(itertools.chain.from_iterable(map(dict.values, sts)))
         if (keys == self._sig_keys and len(values) == len(self._sig_values)
                 and all(map(operator.is_, values, self._sig_values))):
             return None
         self._sig_keys, self._sig_values = keys, values
-        return items
+        return [(name, st) for p, name in self._plist if (st := state.get(p))]
 
     def _refresh(self) -> None:
         """Rebuild the cached tensors (and drop the cached object) if the state changed."""
@@ -294,14 +305,24 @@ class OptimizerStateProvider:
 
 def optimizer_groups_provider(optimizer: torch.optim.Optimizer,
                               names: Mapping[int, str]) -> ObjectProvider:
-    """Hyperparameters of every param group (lr, betas, weight decay, ...) as one object."""
+    """Hyperparameters of every param group (lr, betas, weight decay, ...) as one object.
+    A group's parameter names are listed again only when its parameters changed (checked
+    with a C-level map): no Python line per parameter at each step."""
+    named: dict[int, tuple[list[Any], list[str]]] = {}  # group -> (its params, their names)
 
     def group_names(group: Mapping[str, Any], gi: int) -> list[str]:
-        return [names.get(id(p), f"unnamed.group{gi}.param{pi}")
-                for pi, p in enumerate(group["params"])]
+        params = group["params"]
+        hit = named.get(gi)
+        if hit is not None and len(hit[0]) == len(params) and all(
+                map(operator.is_, hit[0], params)):
+            return hit[1]
+        out = [names.get(id(p), f"unnamed.group{gi}.param{pi}") for pi, p in enumerate(params)]
+        named[gi] = (list(params), out)
+        return out
 
     def get() -> list[dict[str, Any]]:
-        return [{**{k: v for k, v in g.items() if k != "params"}, "params": group_names(g, gi)}
+        return [{**{k: v for k, v in g.items() if k != "params"},
+                 "params": list(group_names(g, gi))}
                 for gi, g in enumerate(optimizer.param_groups)]
 
     def set(groups: list[dict[str, Any]]) -> None:

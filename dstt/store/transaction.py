@@ -11,6 +11,7 @@ which order things become durable, the transaction only *what* a step holds.
 
 from __future__ import annotations
 
+import itertools
 import struct
 import threading
 from collections.abc import Mapping, Sequence
@@ -238,7 +239,9 @@ class Transaction:
             put = len(self._flat)
             self._flat.append((offsets, sizes, crcs))
             self._flat_layouts.append(layout)
-            self._flat_span.update({p: (put, lo, hi) for p, lo, hi in layout.spans})
+            paths, los, his = layout.span_columns
+            self._flat_span.update(
+                zip(paths, zip(itertools.repeat(put), los, his, strict=False), strict=True))
         self.stats.add_many(layout.raw_nbytes, sum(sizes), keyframes=len(sizes))
         enc = self.writer.encoder
         if enc is not None:

@@ -149,6 +149,15 @@ class FlatLayout:
         all at once at every step)."""
         return {a.path: (a.dtype, a.plan) for a in self.arrays}
 
+    @functools.cached_property
+    def span_columns(self) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+        """``spans`` as three columns (paths, first chunks, end chunks), built once: a step
+        records where its arrays are with C-level zips, no Python line per array."""
+        if not self.spans:
+            return (), (), ()
+        paths, los, his = zip(*self.spans, strict=True)
+        return paths, los, his
+
 
 _HEADER_CRC = 14  # offset of the CRC-32 field in a local file header
 _CENTRAL_CRC = 16  # ... and in a central directory record
