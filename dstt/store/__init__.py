@@ -27,7 +27,7 @@ from .format.segment import RowSet
 from .format.zarr_meta import dtype_itemsize, numpy_dtype
 from .index_reader import Index, IndexedHeader
 from .index_rows import as_float
-from .maintenance import GcReport, Problem, VerifyReport
+from .maintenance import GcReport
 from .parts import Part, abort_vote, collect_parts, remove_parts
 from .protocols import FlatStepWriter, StepTransaction, StepWriter
 from .reader import Reader
@@ -37,6 +37,7 @@ from .shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
 from .storage.base import Durability, Storage
 from .storage.local import LocalStorage, fsync_dir
 from .storage.urls import is_url, storage_for
+from .verify import Problem, VerifyReport
 from .writer import Transaction, Writer
 
 __all__ = [

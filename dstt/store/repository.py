@@ -32,12 +32,13 @@ from .format.manifest import dump_head, dump_ref
 from .format.records import RefInfo
 from .format.zarr_meta import dump, group_document, root_attributes
 from .index_repair import rebuild
-from .maintenance import GcReport, VerifyReport, gc, verify
+from .maintenance import GcReport, gc
 from .reader import Reader
 from .retention import Retention
 from .storage.base import Storage
 from .storage.urls import storage_for
 from .timelines import DeleteReport, delete_timeline, rename_timeline
+from .verify import VerifyReport, verify
 from .writer import Writer
 
 __all__ = ["Repository"]
@@ -182,7 +183,7 @@ class Repository:
         files no other timeline reaches (``timelines.py``)."""
         return delete_timeline(self, name, sweep=gc, dry_run=dry_run)
 
-    # -- maintenance (implemented in maintenance.py) --------------------------------------
+    # -- maintenance (implemented in maintenance.py and verify.py) -------------------------
     def gc(self, *, keep_last: int | None = None, keep_every: int | None = None,
            keep_steps: Iterable[int] = (), retention: Retention | None = None,
            dry_run: bool = False, progress: Any = None) -> GcReport:

@@ -31,7 +31,7 @@ def kill(url: str) -> None:
     import obstore
 
     from dstt.store import Repository
-    from dstt.store.storage import s3
+    from dstt.store.storage import s3_blob
 
     repo = Repository.create(url, lease_ttl=2.0, chunk_size=5 * MiB)
     real_put = obstore.put
@@ -58,7 +58,7 @@ def kill(url: str) -> None:
                         f = Dying(f)
                     return real_put(store, key, f, **kw)
 
-                s3.obstore = SimpleNamespace(  # type: ignore[assignment]
+                s3_blob.obstore = SimpleNamespace(  # type: ignore[assignment]
                     **{n: getattr(obstore, n) for n in ("get", "get_range", "head", "list",
                                                         "list_with_delimiter", "delete")},
                     put=put)

@@ -1,21 +1,22 @@
 """``S3Storage``: the storage contract on an S3-API object store, through ``obstore``.
 
 A PUT is atomic and durable, so ``write`` and ``write_durable`` are one PUT each and
-``barrier`` is a no-op. Step files are blobs: writer threads ``pwritev`` their pieces at
-offsets into a spool file (page cache), and ``publish`` uploads it under its final, immutable
-key — a multipart upload (``chunk_size`` parts, ``max_concurrency`` at once) for anything
-larger than one part. Nothing is renamed: an object is invisible until its upload completes,
-so a crash mid-upload leaves no key (only an unfinished multipart upload, which
-``remove_temporaries`` — gc — aborts).
+``barrier`` is a no-op. Step files are blobs (``_S3Blob``, ``s3_blob.py``): writer threads
+``pwritev`` their pieces at offsets into a spool file (page cache), and ``publish`` uploads it
+under its final, immutable key — a multipart upload (``chunk_size`` parts, ``max_concurrency``
+at once) for anything larger than one part. Nothing is renamed: an object is invisible until
+its upload completes, so a crash mid-upload leaves no key (only an unfinished multipart upload,
+which ``remove_temporaries`` — gc — aborts).
 
 The commit protocol's two POSIX tools are replaced by conditional writes:
 
-* **the lock is a lease** (``_S3Lease``): an object created with ``If-None-Match: *``, renewed
-  by a heartbeat thread with ``If-Match: <its ETag>`` every ``lease_ttl / 3``; an expired lease
-  (a writer that was SIGKILLed) is taken over with ``If-Match`` on the ETag the taker read, so
-  of two takers exactly one wins. A writer whose heartbeat is refused, or that has not renewed
-  within ``lease_ttl`` (measured on its own monotonic clock, a tenth of the TTL kept as margin
-  for clock skew), refuses every further write.
+* **the lock is a lease** (``_S3Lease``, ``s3_lease.py``): an object created with
+  ``If-None-Match: *``, renewed by a heartbeat thread with ``If-Match: <its ETag>`` every
+  ``lease_ttl / 3``; an expired lease (a writer that was SIGKILLed) is taken over with
+  ``If-Match`` on the ETag the taker read, so of two takers exactly one wins. A writer whose
+  heartbeat is refused, or that has not renewed within ``lease_ttl`` (measured on its own
+  monotonic clock, a tenth of the TTL kept as margin for clock skew), refuses every further
+  write.
 * **refs and HEAD are compare-and-swap**: keys under ``guarded`` (the refs and HEAD of
   docs/format.md §8) are written with ``If-Match`` on the ETag this storage last read or wrote
   there; a key it has not seen is ``If-None-Match: *`` (create-only), or — while it holds the
@@ -38,23 +39,16 @@ portable conditional PUT; a lock without expiry — a SIGKILLed writer would loc
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import secrets
-import socket
-import tempfile
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlparse
 
 import obstore
 from obstore.exceptions import (
     AlreadyExistsError,
-    NotFoundError,
     PermissionDeniedError,
     PreconditionError,
 )
@@ -62,7 +56,9 @@ from obstore.store import S3Store
 
 from ...errors import NotARunError, ReadOnlyRunError, RunLockedError, StorageError
 from .base import Blob, Data, Storage, as_parts, missing
-from .local import pwrite_all
+from .s3_blob import _S3Blob
+from .s3_config import _config, _is_missing
+from .s3_lease import _S3Lease
 
 __all__ = ["DEFAULT_GUARDED", "S3Storage"]
 
@@ -70,38 +66,6 @@ __all__ = ["DEFAULT_GUARDED", "S3Storage"]
 #: that they match ``format.layout``)
 DEFAULT_GUARDED = ("_dstt/refs/", "_dstt/HEAD.json")
 _MiB = 1024 * 1024
-_TRUE = {"1", "true", "yes", "on"}
-
-
-def _is_missing(e: BaseException) -> bool:
-    """A 404: obstore raises ``NotFoundError`` for some and a generic error for others (a
-    HEAD's bodiless 404, retried GETs)."""
-    return isinstance(e, NotFoundError) or "status: 404" in str(e)
-
-
-def _config(url: str, options: dict[str, Any]) -> tuple[str, str, dict[str, Any], bool]:
-    """Bucket, prefix, obstore config and allow_http from the URL, options and environment."""
-    u = urlparse(url)
-    if u.scheme not in ("s3", "s3a") or not u.netloc:
-        raise NotARunError(f"{url!r} is not an s3://bucket/prefix URL")
-    cfg: dict[str, Any] = {}
-    env = os.environ
-    endpoint = options.get("endpoint") or env.get("AWS_ENDPOINT_URL_S3") or env.get(
-        "AWS_ENDPOINT_URL")
-    if endpoint:
-        cfg["endpoint"] = endpoint
-    for key, var in (("access_key_id", "AWS_ACCESS_KEY_ID"),
-                     ("secret_access_key", "AWS_SECRET_ACCESS_KEY"),
-                     ("session_token", "AWS_SESSION_TOKEN")):
-        value = options.get(key) or env.get(var)
-        if value:
-            cfg[key] = value
-    cfg["region"] = (options.get("region") or env.get("AWS_REGION")
-                     or env.get("AWS_DEFAULT_REGION") or "us-east-1")
-    allow = options.get("allow_http")
-    if allow is None:
-        allow = env.get("AWS_ALLOW_HTTP", "").lower() in _TRUE
-    return u.netloc, u.path.strip("/"), cfg, bool(allow)
 
 
 class S3Storage(Storage):
@@ -336,144 +300,3 @@ class S3Storage(Storage):
 
 def _rebuild(url: str, guarded: tuple[str, ...], options: dict[str, Any]) -> S3Storage:
     return S3Storage(url, guarded=guarded, **options)
-
-
-class _S3Lease:
-    """The single-writer lease: a JSON object under the lock key (see the module docstring)."""
-
-    def __init__(self, storage: S3Storage, key: str) -> None:
-        self.storage, self.key = storage, key
-        self.ttl = storage.lease_ttl
-        self.owner = secrets.token_hex(8)
-        self.etag: str | None = None
-        self.valid_until = 0.0
-        self.lost = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._mu = threading.Lock()
-
-    def _record(self, expires: float) -> bytes:
-        return json.dumps({"owner": self.owner, "pid": os.getpid(),
-                           "host": socket.gethostname(), "expires": expires,
-                           "ttl": self.ttl}).encode()
-
-    def _put(self, mode: Any, expires: float | None = None) -> None:
-        t0 = time.monotonic()
-        exp = time.time() + self.ttl if expires is None else expires
-        res = obstore.put(self.storage.store, self.key, self._record(exp), mode=mode)
-        with self._mu:
-            self.etag = str(res["e_tag"])
-            self.valid_until = t0 + 0.9 * self.ttl
-
-    def acquire(self) -> None:
-        st = self.storage
-        for _ in range(3):
-            try:
-                self._put("create")
-                break
-            except AlreadyExistsError:
-                pass
-            try:
-                got = obstore.get(st.store, self.key)
-                etag, body = str(got.meta["e_tag"]), bytes(got.bytes())
-            except Exception as e:
-                if _is_missing(e):
-                    continue  # deleted meanwhile: try creating it again
-                raise
-            try:
-                held = json.loads(body)
-                expires = float(held.get("expires", 0))
-            except (ValueError, TypeError, AttributeError):
-                held, expires = {}, 0.0
-            if expires > time.time():
-                raise RunLockedError(
-                    f"run {st.location} is locked by another writer (pid={held.get('pid')} "
-                    f"host={held.get('host')}; its lease expires in "
-                    f"{expires - time.time():.0f} s unless renewed); stop that process or open "
-                    "the run read-only with dstt.open()")
-            try:  # expired: take it over; of two takers only one matches the ETag
-                self._put({"e_tag": etag})
-                break
-            except PreconditionError:
-                continue
-        else:
-            raise RunLockedError(f"run {st.location}: another writer took the lease at the same "
-                                 "time; retry")
-        self._thread = threading.Thread(target=self._beat, name="dstt-lease", daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
-            with self._mu:
-                etag = self.etag
-            try:
-                self._put({"e_tag": etag})
-            except PreconditionError:
-                self.lost = True  # another process took it over: we must not write again
-                return
-            except Exception:  # a network error: retry; the lease lapses if it persists
-                continue
-
-    def check(self) -> None:
-        if self.lost or time.monotonic() > self.valid_until:
-            raise RunLockedError(
-                f"this writer lost its lease on {self.storage.location} (not renewed within "
-                f"{self.ttl:.0f} s, or taken over by another writer); it writes nothing more — "
-                "reopen the run to continue")
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        if self.lost:
-            return
-        with self._mu:
-            etag = self.etag
-        # an expired record (not a delete): a delete is unconditional and could remove a lease
-        # another writer took over after ours lapsed
-        with contextlib.suppress(Exception):
-            self._put({"e_tag": etag}, expires=0.0)
-
-
-class _S3Blob(Blob):
-    """Pieces ``pwritev``-ed into an unlinked spool file; one (multipart) upload on publish."""
-
-    def __init__(self, storage: S3Storage, key: str) -> None:
-        self.storage, self.key = storage, key
-        self._file: Any = tempfile.TemporaryFile(  # noqa: SIM115 - closed by publish/discard
-            dir=storage.spool_dir, prefix="dstt-blob-")
-
-    def write_at(self, offset: int, data: Data, *, raw: bool = False) -> None:
-        f = self._file
-        if f is None:
-            raise ValueError(f"blob {self.key!r} is already published or discarded")
-        views: Sequence[bytes | bytearray | memoryview] = (
-            data if raw else as_parts(data))  # type: ignore[assignment]
-        pwrite_all(f.fileno(), views, offset)
-
-    def publish(self, *, durable: bool = False) -> None:
-        f, self._file = self._file, None
-        if f is None:
-            raise ValueError(f"blob {self.key!r} is already published or discarded")
-        st = self.storage
-        try:
-            st._check_lease()
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(0)
-            if size <= st.chunk_size:
-                obstore.put(st.store, self.key, f.read())
-            else:
-                obstore.put(st.store, self.key, f, use_multipart=True,
-                            chunk_size=st.chunk_size, max_concurrency=st.max_concurrency)
-        except (RunLockedError, StorageError):
-            raise
-        except Exception as e:
-            raise st._error(e, "write", self.key) from e
-        finally:
-            f.close()
-
-    def discard(self) -> None:
-        f, self._file = self._file, None
-        if f is not None:
-            f.close()
