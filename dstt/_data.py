@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .engine.torch_state import DataPosition, TrackedData
+from .engine.data_position import DataPosition, TrackedData
 from .errors import ConfigError
 from .inspect.batches import BATCHES_OBJECT, Batch, SkipSet, read_skips, write_skips
 

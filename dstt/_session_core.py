@@ -33,10 +33,11 @@ from ._session_checks import capture_error, check_optimizer, warn_skipped
 from ._session_metrics import MetricLog, metric_value
 from ._session_retention import RetentionRunner, check_policy, store_writer
 from ._session_steps import ErrorPolicy, RacePolicy, StepHooks
+from .engine.data_position import DataPosition, TrackedData
 from .engine.dims import DimsOf, ModelDims
 from .engine.pipeline import SUMMARIES_OBJECT, Flight, Pipeline, StepMetrics
 from .engine.providers import ObjectProvider, StoreSource
-from .engine.torch_state import DataPosition, Stateful, TorchState, TrackedData, discover
+from .engine.torch_state import Stateful, TorchState, discover
 from .errors import (
     CaptureError,
     NotARunError,

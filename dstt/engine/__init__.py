@@ -2,6 +2,7 @@
 (pipeline). ``dstt._session`` drives it for plain PyTorch; the engine never imports
 ``dstt.inspect`` and reaches the disk only through ``dstt.store``."""
 
+from .data_position import DataPosition, TrackedData
 from .pipeline import Pipeline, StepMetrics
 from .providers import (
     CompositeProvider,
@@ -12,7 +13,7 @@ from .providers import (
     TensorProvider,
     TensorSpec,
 )
-from .torch_state import DataPosition, Stateful, TorchState, TrackedData, discover
+from .torch_state import Stateful, TorchState, discover
 
 __all__ = [
     "CompositeProvider",

@@ -65,63 +65,15 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 from ..errors import CaptureError, RaceError, RankError
 from ..store import DEFAULT_CHUNK_BYTES, Repository, fsync_dir
 from ._convert import tensor_from_numpy
+from ._ds_tags import _Save, _TagWriter
 from ._statedict import SessionPaths, flatten, rebuild, segment
 from .deepspeed import session_tensors
-from .pipeline import Flight, Pipeline
-from .ranks import DEFAULT_RANK_TIMEOUT, RankWriter, TransactionProxy, dist_info, open_ranks
+from .pipeline import Pipeline
+from .ranks import DEFAULT_RANK_TIMEOUT, RankWriter, dist_info, open_ranks
 
 __all__ = ["DsttCheckpointEngine"]
 
 STUB_FORMAT = 1
-
-
-@dataclasses.dataclass
-class _Save:
-    """One tag on its way to a commit."""
-
-    info: CheckpointCommitInfo
-    step: int
-    timeline: str
-    flights: list[Flight] = dataclasses.field(default_factory=list)
-    stubs: list[str] = dataclasses.field(default_factory=list)
-    total: int | None = None  # flights including the final one, once known
-    begun: int = 0
-    txn: Any = None
-    names: SessionPaths | None = None
-    complete: bool = False  # save_checkpoint returned (known only through ``attach``)
-
-
-class _FileDone:
-    """What a file flight's ``commit`` returns: its part of the tag's transaction is done."""
-
-
-class _SharedTxn(TransactionProxy):
-    """The tag's transaction as seen by one of its flights (all flights share one slot)."""
-
-    def __init__(self, txn: Any, final: bool) -> None:
-        super().__init__(txn)
-        self.final = final
-
-    encode = property(lambda self: False, lambda self, v: None)
-    stats = property(lambda self: self._txn.stats)
-    bytes_written = property(lambda self: self._txn.bytes_written)
-
-    def commit(self, metrics: Any = None) -> Any:
-        return self._txn.commit(metrics) if self.final else _FileDone()
-
-
-class _TagWriter:
-    """Pipeline-facing writer: every flight of a tag writes into the tag's one transaction."""
-
-    def __init__(self, rw: RankWriter, saves: dict[int, _Save]) -> None:
-        self.rw, self.saves = rw, saves
-
-    def begin(self, step: int) -> _SharedTxn:
-        save = self.saves[step]  # added before its first flight was staged
-        if save.txn is None:
-            save.txn = self.rw.begin(step)
-        save.begun += 1
-        return _SharedTxn(save.txn, final=save.total is not None and save.begun == save.total)
 
 
 def _durable_write(path: str, data: bytes) -> None:

@@ -1,0 +1,73 @@
+"""One DeepSpeed checkpoint tag, one dstt transaction: the tag's file flights share it.
+
+``DsttCheckpointEngine`` (``dstt.engine.ds_checkpoint``) stages each ``save(state_dict, path)``
+of a tag as a pipeline flight, and ``commit`` stages a final one (the rank's shard map).
+``_TagWriter`` hands every flight of the tag the tag's one transaction (``_SharedTxn``: all
+flights share one slot): the first flight begins it, only the final flight's ``commit``
+commits it, the others return ``_FileDone``. So one tag is one dstt commit.
+Rejected alternative: a transaction per file flight — the tag would not be one commit, which
+rank 0 makes once every rank's part is durable (``dstt.engine.ranks``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from ._statedict import SessionPaths
+from .pipeline import Flight
+from .ranks import RankWriter, TransactionProxy
+
+if TYPE_CHECKING:
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+__all__ = ["_Save", "_TagWriter"]
+
+
+@dataclasses.dataclass
+class _Save:
+    """One tag on its way to a commit."""
+
+    info: CheckpointCommitInfo
+    step: int
+    timeline: str
+    flights: list[Flight] = dataclasses.field(default_factory=list)
+    stubs: list[str] = dataclasses.field(default_factory=list)
+    total: int | None = None  # flights including the final one, once known
+    begun: int = 0
+    txn: Any = None
+    names: SessionPaths | None = None
+    complete: bool = False  # save_checkpoint returned (known only through ``attach``)
+
+
+class _FileDone:
+    """What a file flight's ``commit`` returns: its part of the tag's transaction is done."""
+
+
+class _SharedTxn(TransactionProxy):
+    """The tag's transaction as seen by one of its flights (all flights share one slot)."""
+
+    def __init__(self, txn: Any, final: bool) -> None:
+        super().__init__(txn)
+        self.final = final
+
+    encode = property(lambda self: False, lambda self, v: None)
+    stats = property(lambda self: self._txn.stats)
+    bytes_written = property(lambda self: self._txn.bytes_written)
+
+    def commit(self, metrics: Any = None) -> Any:
+        return self._txn.commit(metrics) if self.final else _FileDone()
+
+
+class _TagWriter:
+    """Pipeline-facing writer: every flight of a tag writes into the tag's one transaction."""
+
+    def __init__(self, rw: RankWriter, saves: dict[int, _Save]) -> None:
+        self.rw, self.saves = rw, saves
+
+    def begin(self, step: int) -> _SharedTxn:
+        save = self.saves[step]  # added before its first flight was staged
+        if save.txn is None:
+            save.txn = self.rw.begin(step)
+        save.begun += 1
+        return _SharedTxn(save.txn, final=save.total is not None and save.begun == save.total)
