@@ -193,6 +193,10 @@ class OptimizerStateProvider:
         self._plist: list[tuple[torch.Tensor, str]] = []
         self._plist_params: list[torch.Tensor] = []
         self._plist_key: tuple[Any, ...] = ()
+        self._owners: list[Any] = []  # the optimizer state's keys and values last looked up
+        self._dicts: list[Any] = []
+        self._looked_up: list[tuple[torch.Tensor, str]] | None = None  # ... for this plist
+        self._per_param: list[dict[str, Any] | None] = []
         self._sig_keys: list[str] = []
         self._sig_values: list[Any] = []
         self._tensors: dict[str, torch.Tensor] = {}
@@ -218,8 +222,17 @@ class OptimizerStateProvider:
         check is C-level maps over the parameters — no Python line per parameter — and
         the items are built only when something changed."""
         state = self.optimizer.state
-        self._param_list()
-        sts = list(filter(None, map(state.get, self._plist_params)))
+        plist = self._param_list()
+        # each parameter's state dict, in parameter order. Looking a parameter up hashes it
+        # (``Tensor.__hash__`` is a Python function): done only when the state's keys or dict
+        # objects changed, read back from ``state`` itself, which iterates without hashing
+        owners, dicts = list(state), list(state.values())
+        if not (self._looked_up is plist and len(owners) == len(self._owners)
+                and all(map(operator.is_, owners, self._owners))
+                and all(map(operator.is_, dicts, self._dicts))):
+            self._owners, self._dicts, self._looked_up = owners, dicts, plist
+            self._per_param = list(map(state.get, self._plist_params))
+        sts = list(filter(None, self._per_param))  # a dict filled since counts now
         keys = list(itertools.chain.from_iterable(sts))
         values = list(itertools.chain.from_iterable(map(dict.values, sts)))
         if (keys == self._sig_keys and len(values) == len(self._sig_values)
