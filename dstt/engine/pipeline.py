@@ -18,6 +18,9 @@ declared it clean (``seal``); errors are recorded on the flight, the transaction
 the error is handed to the training thread via ``take_errors`` — threads never raise into the
 void and never end the process. Commits run strictly in step order (the store resolves a
 commit's parent at commit time, so a failed step simply drops out of the lineage).
+The chunk lane's per-chunk copy and write (the host cache, leases, ``_write_chunk``) are
+``chunklane.py``'s ``ChunkLane``, a base class of ``Pipeline``; the flat lane's are
+``flatwrite.py``'s.
 Rejected alternative: ``concurrent.futures`` executors — their non-daemon workers keep a process
 with a hung filesystem alive at exit, and ordering the commits would need a second mechanism.
 """
@@ -42,24 +45,23 @@ from ..store import (
     StepWriter,
     flusher_supported,
 )
-from ._convert import flat_bytes
+from .chunklane import ChunkLane
 from .committer import Committer
 from .dims import DimsOf
 from .flatlane import FlatPlan, StepBuffers
 from .flatwrite import SUMMARIZED, FlatLane
 from .flight import Flight, StepMetrics, _Aborted, _encode_metrics
 from .governor import EncodeGovernor
-from .staging import Copier, HostCache, Lease, RaceReport, Ready, VersionGuard
+from .staging import Copier, HostCache, RaceReport, VersionGuard
 from .summaries import SummaryBook
 
 __all__ = ["Flight", "Pipeline", "StepMetrics"]
 
-MiB = 1024 * 1024
 SUMMARIES_OBJECT = "summaries"  # read by dstt.inspect.summaries
 METRICS_KEPT = 100_000  # per-step metrics kept in memory (the newest)
 
 
-class Pipeline:
+class Pipeline(ChunkLane):
     """Copies staged steps into a fixed host cache and flushes them to a store ``Writer``."""
 
     def __init__(self, writer: StepWriter, *, budget_bytes: int, writers: int = 4,
@@ -224,31 +226,7 @@ class Pipeline:
                 views[where[path]].copy_(t.detach())
                 f.guard.reset(path, t)
             return
-        f.wait_writes()  # earlier writes of these chunks must land first (last write wins)
-        if f.dead or f.txn is None:
-            return
-        assert self.cache is not None
-        for path in paths:
-            t = f.tensors[path]
-            src = flat_bytes(t if t.is_contiguous() else t.contiguous())
-            f.guard.reset(path, t)
-            plan = f.plans[path]
-            acc = f.summaries.get(path)
-            if acc is not None and self._book is not None:
-                acc = f.summaries[path] = self._book.accumulator(path, acc.numel)
-            for i in range(plan.n_chunks):
-                start, stop = plan.byte_range(i)
-                lease = self.cache.reserve(stop - start)
-                try:
-                    self._copier.copy(src, start, stop, lease).wait()
-                    if self.verify:
-                        f.guard.add_copy(path, lease.view)
-                    f.txn.put_chunk(path, i, lease.view.numpy())
-                    if acc is not None:
-                        acc.add(start // plan.itemsize, lease.view.view(t.dtype))
-                finally:
-                    self.cache.release(lease)
-            self.cache.seal()
+        self._recopy_chunks(f, paths)
 
     def seal(self, f: Flight, objects: Mapping[str, Any]) -> None:
         """Declare ``f`` clean and complete; it commits once its writes are done."""
@@ -326,26 +304,6 @@ class Pipeline:
                 f.sources = {}
                 f.copied.set()
 
-    def _ensure_cache(self, f: Flight) -> HostCache:
-        largest = max((min(p.chunk_nbytes, p.nbytes) for p in f.plans.values()), default=1)
-        if self.cache is None:
-            if largest > self.budget_bytes:
-                raise CaptureError(
-                    f"budget_bytes={self.budget_bytes} cannot hold one chunk of {largest} bytes; "
-                    "raise budget_bytes (this run's arrays were created with larger chunks)"
-                )
-            total = max(f.nbytes, 1)
-            slab = max(largest, self.min_slab_bytes,
-                       min(self.budget_bytes // 8, 4 * MiB, total // 4 + 1))
-            slab = (slab + 63) // 64 * 64
-            capacity = max(slab, min(self.budget_bytes, 2 * total + 2 * slab))
-            pin = torch.cuda.is_available() and any(s.is_cuda for s in f.sources.values())
-            self.cache = HostCache(capacity, slab, pin=pin)
-        elif largest > self.cache.slab_bytes:
-            raise CaptureError(f"step {f.step}: a chunk of {largest} bytes exceeds the host "
-                               f"cache slab ({self.cache.slab_bytes} bytes); raise budget_bytes")
-        return self.cache
-
     def _copy(self, f: Flight) -> None:
         f.txn = self.writer.begin(f.step)
         # encoding costs writer CPU: the governor decided at stage time whether this step
@@ -371,37 +329,7 @@ class Pipeline:
             return
         if not f.plans:  # objects only: nothing to copy (and no cache sized for nothing)
             return
-        cache = self._ensure_cache(f)
-        if self._book is not None:
-            for path, plan in f.plans.items():
-                if path.startswith(SUMMARIZED):
-                    f.summaries[path] = self._book.accumulator(path, plan.nbytes // plan.itemsize)
-        self._copier.begin(f.marks)
-        last: dict[torch.device, Ready] = {}  # chunk events of one stream complete in order
-        try:
-            for path, plan in f.plans.items():
-                src = f.sources[path]
-                for i in range(plan.n_chunks):
-                    if f.dead:
-                        return
-                    start, stop = plan.byte_range(i)
-                    lease = cache.reserve(stop - start)
-                    f.stall_s += lease.waited_s
-                    try:
-                        ready = self._copier.copy(src, start, stop, lease)
-                        if self.verify:
-                            ready.wait()
-                            f.guard.add_copy(path, lease.view)
-                    except BaseException:
-                        cache.release(lease)
-                        raise
-                    f.add_pending()
-                    self._write_q.put((f, "chunk", path, i, lease, ready))
-                    last[src.device] = ready
-        finally:
-            cache.seal()
-            for r in last.values():
-                r.wait()
+        self._copy_chunks(f)
 
     def _copy_flat(self, f: Flight, plan: FlatPlan) -> None:
         """One batched copy of every tensor into a free whole-step buffer."""
@@ -445,22 +373,6 @@ class Pipeline:
             finally:
                 f.add_cpu(time.thread_time() - t0, time.perf_counter() - w0)
                 f.task_done()
-
-    def _write_chunk(self, f: Flight, path: str, i: int, lease: Lease, ready: Ready) -> None:
-        assert self.cache is not None
-        try:
-            t0 = time.perf_counter()
-            ready.wait()
-            f.add_cpu(0.0, t0 - time.perf_counter())  # waiting for the copy is not disk time
-            if not f.dead:
-                f.txn.put_chunk(path, i, lease.view.numpy())
-                acc = f.summaries.get(path)
-                if acc is not None:  # on the host copy, off the training thread
-                    plan = f.plans[path]
-                    values = lease.view.view(f.tensors[path].dtype)
-                    acc.add(plan.byte_range(i)[0] // plan.itemsize, values)
-        finally:
-            self.cache.release(lease)
 
     def _record(self, f: Flight) -> None:
         now = time.perf_counter()
