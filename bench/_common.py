@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dstt.store.storage.local import fsync_dir
+from dstt.store.storage.posix import fsync_dir
 
 MiB = 1024 * 1024
 

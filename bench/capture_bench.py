@@ -68,7 +68,7 @@ import torch
 from _common import disk_bandwidth, finish, source_state
 
 import dstt
-from dstt.store.storage.local import fsync_dir
+from dstt.store.storage.posix import fsync_dir
 from dstt.testing.models import TinyGPT, make_batch
 
 MiB = 1024 * 1024

@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dstt.store import Repository
-from dstt.store.storage.local import fsync_dir
+from dstt.store.storage.posix import fsync_dir
 
 BIG = 16 * 1024 * 1024
 SMALL = 4096

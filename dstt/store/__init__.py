@@ -35,7 +35,8 @@ from .repository import Repository
 from .retention import Retention, find_spikes
 from .shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
 from .storage.base import Durability, Storage
-from .storage.local import LocalStorage, fsync_dir
+from .storage.local import LocalStorage
+from .storage.posix import fsync_dir
 from .storage.urls import is_url, storage_for
 from .verify import Problem, VerifyReport
 from .writer import Transaction, Writer

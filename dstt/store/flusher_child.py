@@ -31,7 +31,8 @@ from .flusher import _recv, _send
 from .format.flat import FlatImage
 from .format.stepfile import SideFile, StepFile
 from .stepcommit import run_commit
-from .storage.local import LocalStorage, pwrite_all, start_writeback
+from .storage.local import LocalStorage
+from .storage.posix import pwrite_all, start_writeback
 
 __all__ = ["main"]
 

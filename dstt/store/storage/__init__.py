@@ -1,2 +1,3 @@
-"""Where a run's bytes live: the ``Storage`` contract (``base``), POSIX files (``local``) and the
-in-memory fake with a crash model (``memory``). The commit protocol above sees only ``base``."""
+"""Where a run's bytes live: the ``Storage`` contract (``base``), POSIX files (``local``; its
+blobs ``local_blob``, its system calls ``posix``) and the in-memory fake with a crash model
+(``memory``). The commit protocol above sees only ``base``."""

@@ -2,15 +2,15 @@
 
 Atomic visibility by tmp file + ``rename``; a barrier that either fsyncs every dirty file and
 directory (``durability="fsync"``) or issues one ``syncfs(2)`` for the whole filesystem
-(``"syncfs"``); step files written as blobs with ``pwritev`` at offsets. Rejected alternative:
-fsync inside every ``write`` — it serialises the writer threads and costs ~1 ms per file on
-this machine's ext4, where one barrier per commit makes everything of the step durable at once.
+(``"syncfs"``); step files written as blobs with ``pwritev`` at offsets (``local_blob.py``;
+the system calls are ``posix.py``'s). Rejected alternative: fsync inside every ``write`` — it
+serialises the writer threads and costs ~1 ms per file on this machine's ext4, where one
+barrier per commit makes everything of the step durable at once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import os
@@ -20,48 +20,14 @@ from pathlib import Path
 
 from ...errors import NotARunError, ReadOnlyRunError, RunLockedError, StorageError
 from .base import Blob, Data, Durability, Storage, as_parts, missing
+from .local_blob import _FileBlob
+from .posix import _syncfs, fsync_dir
 
-__all__ = ["LocalStorage", "fsync_dir", "pwrite_all", "start_writeback"]
-
-
-def fsync_dir(path: str) -> None:
-    """Make a directory's entries (new or renamed names) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+__all__ = ["LocalStorage"]
 
 
-_libc: ctypes.CDLL | None = None
 #: folders ``LocalStorage`` remembers having made (forgetting one costs an ``isdir`` check)
 _MADE_DIRS_KEPT = 4096
-
-
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def start_writeback(fd: int) -> None:
-    """Ask the kernel to start writing ``fd``'s dirty pages now, without waiting (Linux
-    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; a no-op elsewhere). The disk then works while
-    the commit is still being prepared, and the barrier that follows waits less. It makes
-    nothing durable by itself."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(_libc, "sync_file_range", None)
-    if fn is not None:
-        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-        fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # best effort: errors change nothing
-
-
-def _syncfs(fd: int) -> None:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    if _libc.syncfs(fd) != 0:  # pragma: no cover - kernel refused
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
 
 
 class LocalStorage(Storage):
@@ -372,93 +338,3 @@ class LocalStorage(Storage):
                 f"run directory {folder} is not writable ({e.strerror}); "
                 "open it read-only with dstt.open() or choose another run path"
             ) from e
-
-
-_IOV_MAX = 1024
-
-
-def pwrite_all(fd: int, views: Sequence[bytes | bytearray | memoryview], offset: int) -> None:
-    """Write byte buffers back to back at ``offset`` with ``pwritev`` (``IOV_MAX`` at a
-    time), finishing short writes."""
-    for i in range(0, len(views), _IOV_MAX):
-        batch = views[i:i + _IOV_MAX]
-        want = sum(map(len, batch))
-        n = os.pwritev(fd, batch, offset)
-        while n < want:  # a short write: finish the rest the slow way
-            flat = b"".join(bytes(v) for v in batch)[n:]
-            n += os.pwrite(fd, flat, offset + n)
-        offset += want
-
-
-class _FileBlob(Blob):
-    """A temporary file written with ``pwritev`` at offsets, renamed into place on publish."""
-
-    def __init__(self, storage: LocalStorage, key: str, *, tmp: str | None = None) -> None:
-        """``tmp``: adopt the temporary file another process created for ``key``."""
-        self.storage, self.key = storage, key
-        self.path = storage._path(key)
-        try:
-            self.parent, self.grown = storage._ensure_parent(self.path)
-            if tmp is None:
-                self.tmp = f"{self.path}.tmp.{os.getpid()}.{id(self):x}"
-                self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                                              0o644)
-            else:
-                self.tmp = tmp
-                self.fd = os.open(tmp, os.O_WRONLY)
-        except OSError as e:
-            raise storage._io_error(e, "write", key) from e
-
-    def write_at(self, offset: int, data: Data, *, raw: bool = False) -> None:
-        fd = self.fd
-        if fd is None:
-            raise ValueError(f"blob {self.key!r} is already published or discarded")
-        views: Sequence[bytes | bytearray | memoryview] = (
-            data if raw else as_parts(data))  # type: ignore[assignment]
-        try:
-            pwrite_all(fd, views, offset)
-        except OSError as e:
-            raise self.storage._io_error(e, "write", self.key) from e
-
-    def publish(self, *, durable: bool = False) -> None:
-        fd, self.fd = self.fd, None
-        if fd is None:
-            raise ValueError(f"blob {self.key!r} is already published or discarded")
-        st = self.storage
-        try:
-            try:
-                if durable and st.durability != "none":
-                    os.fsync(fd)
-                mine = os.fstat(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.rename(self.tmp, self.path)
-            except FileNotFoundError:
-                # published already by the process this blob was shared with (the flusher
-                # committed, then died before it replied): the same file, nothing to do
-                if not os.path.samestat(mine, os.stat(self.path)):
-                    raise
-            if durable and st.durability != "none":
-                for d in (self.parent, *self.grown):
-                    fsync_dir(d)
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(self.tmp)
-            raise st._io_error(e, "write", self.key) from e
-        if not durable:
-            st._published(self.path, self.parent, self.grown)
-
-    def discard(self) -> None:
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(self.tmp)
-
-    def release(self) -> None:
-        """Let go of a blob another process published (its file is not this one's to
-        touch any more)."""
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)

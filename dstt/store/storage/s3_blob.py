@@ -19,7 +19,7 @@ import obstore
 
 from ...errors import RunLockedError, StorageError
 from .base import Blob, Data, as_parts
-from .local import pwrite_all
+from .posix import pwrite_all
 
 if TYPE_CHECKING:
     from .s3 import S3Storage
