@@ -180,6 +180,9 @@ def model_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+_VALUES = operator.methodcaller("values")  # any mapping's, not only a dict's
+
+
 class OptimizerStateProvider:
     """Per-parameter optimizer state (Adam/AdamW/SGD/...): tensors as arrays, scalars packed."""
 
@@ -234,7 +237,7 @@ class OptimizerStateProvider:
             self._per_param = list(map(state.get, self._plist_params))
         sts = list(filter(None, self._per_param))  # a dict filled since counts now
         keys = list(itertools.chain.from_iterable(sts))
-        values = list(itertools.chain.from_iterable(map(dict.values, sts)))
+        values = list(itertools.chain.from_iterable(map(_VALUES, sts)))
         if (keys == self._sig_keys and len(values) == len(self._sig_values)
                 and all(map(operator.is_, values, self._sig_values))):
             return None

@@ -221,6 +221,32 @@ def test_optimizer_provider_names_state_by_module_path() -> None:
     assert prov.objects()[OptimizerStateProvider.OBJECT] is not obj  # noticed: rebuilt
 
 
+def test_optimizer_provider_sees_every_way_the_state_changes_without_hashing_each_step() -> None:
+    """The state is found by parameter only when its keys or dicts changed (a parameter's
+    hash is a Python call): a dict replaced, a whole state loaded, a parameter gaining state,
+    and state entries that are mappings but not dicts are all seen."""
+    from collections import UserDict
+
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    prov = OptimizerStateProvider(opt, param_names(m))
+    w0, w1 = m[0].weight, m[1].weight
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    first = prov.tensors()
+    assert prov.tensors() is first  # nothing changed: the same mapping
+    buf = "optim/momentum_buffer/0/weight"
+    opt.state[w0] = {"momentum_buffer": torch.full_like(w0, 7.0)}  # a dict replaced
+    assert float(prov.tensors()[buf][0, 0]) == 7.0
+    opt.load_state_dict(opt.state_dict())  # a whole new state object
+    assert prov.tensors()[buf] is opt.state[w0]["momentum_buffer"]
+    opt.state[w1] = UserDict({"momentum_buffer": torch.full_like(w1, 5.0)})  # not a dict
+    assert float(prov.tensors()["optim/momentum_buffer/1/weight"][0, 0]) == 5.0
+    del opt.state[w1]  # a parameter losing its state
+    assert "optim/momentum_buffer/1/weight" not in prov.tensors()
+
+
 class _RefillsInPlace:
     """A user provider that keeps one dict and refills it (no ``stable`` promise)."""
 
