@@ -14,14 +14,18 @@ from __future__ import annotations
 import itertools
 import struct
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..errors import DsttError
 from .codec.delta import EncodeStats, Shadow
+from .codec.flatdelta import DEDUP, KEY, FlatShadow, seed_shadow
 from .codec.predict import CUR, Prediction
-from .format.envelope import checksum
+from .format.envelope import checksum, crc32c_raw
 from .format.flat import FlatImage, FlatLayout
 from .format.layout import (
     ChunkPlan,
@@ -43,6 +47,19 @@ if TYPE_CHECKING:
 __all__ = ["Transaction"]
 
 _ZERO = bytes(1 << 16)  # padding of edge chunks, written from here
+_PACK = struct.Struct("<I").pack
+
+
+def _record(key: str, nbytes: int, crc: int, offset: int,
+            codec: Sequence[Any] | None) -> ChunkRecord:
+    """A chunk record from a flat step's columns and its codec entry (None: raw)."""
+    if codec is None:
+        return ChunkRecord(key, nbytes, crc, offset=offset)
+    enc, base, raw = codec[0], codec[1], codec[2]
+    if len(codec) == 3:
+        return ChunkRecord(key, nbytes, crc, enc, base, raw, offset=offset)
+    return ChunkRecord(key, nbytes, crc, enc, base, raw, codec[3],
+                       tuple((p, int(s)) for p, s in codec[4]), tuple(codec[5]), offset=offset)
 
 
 class Transaction:
@@ -57,6 +74,11 @@ class Transaction:
         #: its span of them — columns, not a record object per chunk
         self._flat: list[tuple[list[int], list[int], list[int]]] = []
         self._flat_layouts: list[FlatLayout] = []
+        #: per ``put_flat`` call of an encoded step: each chunk's file and its codec entries
+        #: (by chunk position in the layout); None for a raw one (all in this step's zip)
+        self._flat_enc: list[tuple[list[str], Mapping[int, Any]] | None] = []
+        #: the flat shadow this step leaves (``codec/flatdelta.py``), once written
+        self.flat_pending: FlatShadow | None = None
         self._flat_span: dict[str, tuple[int, int, int]] = {}
         #: objects stored at commit (``defer_object``), in the order they came
         self.deferred: list[Deferred] = []
@@ -171,6 +193,12 @@ class Transaction:
         view = memoryview(buf).cast("B")
         if len(view) < layout.nbytes:
             raise ValueError(f"flat buffer of {len(view)} bytes, layout needs {layout.nbytes}")
+        if start is None:
+            self._check_raw()
+        self._write_flat(layout, view, images, start)
+
+    def _write_flat(self, layout: FlatLayout, view: memoryview,
+                    images: dict[int, FlatImage] | None, start: int | None) -> None:
         cache = images if images is not None else {}
 
         def image_at(start: int) -> FlatImage:
@@ -180,7 +208,7 @@ class Transaction:
             return im
 
         if start is None:
-            start = self.reserve_flat(layout, lambda s: image_at(s).nbytes)
+            start = self._reserve_flat(layout, lambda s: image_at(s).nbytes)
         image = image_at(start)
         crcs, _ = image.fill()
         self.zip.write_at(start, image.iov)
@@ -197,6 +225,13 @@ class Transaction:
         view = memoryview(buf).cast("B")
         if len(view) < layout.nbytes:
             raise ValueError(f"flat buffer of {len(view)} bytes, layout needs {layout.nbytes}")
+        enc = self.writer.encoder
+        if enc is not None and layout.chunks and enc.flat_room(layout.nbytes, layout):
+            if self.encode and not self.keyframe:
+                self._put_flat_encoded(layout, view)
+            else:  # written raw, whole: its copy becomes the next step's flat base
+                self._write_flat(layout, view, None, None)
+            return
         with self._lock:
             plans = self._declare_layout(layout)
             for path, (_, plan) in plans.items():
@@ -208,14 +243,94 @@ class Transaction:
         for k, i, s, e, _, _ in chunks:
             self.put_chunk(arrays[k].path, i, view[s:e])
 
+    def _put_flat_encoded(self, layout: FlatLayout, view: memoryview) -> None:
+        """``put_flat_chunks`` as one batched encode (``codec/flatdelta.py``): deltas in
+        one append to the side file, keyframes in one batch of zip entries, dedups
+        pointing at their older records; the step's columns become the next flat base."""
+        enc = self.writer.encoder
+        assert enc is not None
+        t0 = time.perf_counter()
+        buf = np.frombuffer(view[:layout.nbytes], dtype=np.uint8)
+        got = enc.encode_step(layout, buf, self.slot, self.timeline, self._predictions)
+        if got is None:  # nothing to encode against: a keyframe, written whole
+            self._write_flat(layout, view, None, None)
+            self.stats.raw_fallback = False
+            return
+        e, base, from_slot = got
+        kinds, raw = e.kinds, e.raw_crcs
+        n = len(kinds)
+        files = np.full(n, self.zip.key, dtype=object)
+        offsets = np.zeros(n, np.int64)
+        sizes = np.zeros(n, np.int64)
+        crcs = raw.copy()
+        d = np.flatnonzero(kinds == DEDUP)
+        for col, src in ((files, base.files), (offsets, base.offsets), (sizes, base.nbytes),
+                         (crcs, base.crcs)):
+            col[d] = src[d]
+        written = 0
+        if len(e.delta_idx):
+            pcrc = list(map(crc32c_raw, e.payloads))
+            start = self.side.append(list(itertools.chain.from_iterable(
+                zip(e.payloads, map(_PACK, pcrc), strict=True))))
+            lens = np.fromiter(map(len, e.payloads), np.int64, len(e.payloads)) + 4
+            di = e.delta_idx
+            files[di] = self.side.key
+            offsets[di] = start + np.cumsum(lens) - lens
+            sizes[di] = lens
+            crcs[di] = pcrc
+            written += int(lens.sum())
+        k = np.flatnonzero(kinds == KEY)
+        if len(k):
+            offs, ks = self._put_keyframes(layout, view, k.tolist(), raw[k].tolist())
+            offsets[k] = offs
+            sizes[k] = ks
+            written += int(sum(ks))
+        cols = (offsets.tolist(), sizes.tolist(), crcs.tolist())
+        self._record_flat(layout, cols, (files.tolist(), e.codecs))
+        self.stats.add_counts(layout.raw_nbytes, written, keyframes=len(k),
+                              deltas=len(e.delta_idx), dedups=len(d),
+                              seconds=time.perf_counter() - t0)
+        if from_slot is not None and e.deps:
+            with self._lock:
+                self.deps.add(from_slot)
+        self.flat_pending = self._flat_shadow(layout, view, files.tolist(), *cols,
+                                              raw_crcs=raw, depth=e.depth, codecs=e.codecs)
+
+    def _put_keyframes(self, layout: FlatLayout, view: memoryview, chunks: list[int],
+                       raw: list[int]) -> tuple[list[int], list[int]]:
+        """Chunks of an encoded step written raw, as zip entries (one batch)."""
+        names, bodies, sizes, zcrcs = [], [], [], []
+        for j, crc in zip(chunks, raw, strict=True):
+            _, _, s, e, name, full = layout.chunks[j]
+            body: list[Any] = [view[s:e]]
+            pad = full - (e - s)
+            while pad > 0:
+                body.append(memoryview(_ZERO)[:min(pad, len(_ZERO))])
+                pad -= len(body[-1])
+            body.append(_PACK(crc))
+            zcrc = 0
+            for part in body:
+                zcrc = crc32(part, zcrc)
+            names.append(name)
+            bodies.append(body)
+            sizes.append(full + 4)
+            zcrcs.append(zcrc)
+        return self.zip.add_many(names, bodies, sizes, zcrcs), sizes
+
     def reserve_flat(self, layout: FlatLayout, nbytes_at: Any) -> int:
         """First half of a flat write done elsewhere (the flusher process): declare the
         layout's arrays in this step and reserve their zip range; returns its start."""
+        self._check_raw()
+        return self._reserve_flat(layout, nbytes_at)
+
+    def _check_raw(self) -> None:
         self._check()
         enc = self.writer.encoder
         if enc is not None and self.encode and not self.keyframe:
             raise DsttError("a flat write is raw; set txn.encode = False (or keyframe) "
-                            "when the writer encodes, or use put_chunk")
+                            "when the writer encodes, or use put_flat_chunks")
+
+    def _reserve_flat(self, layout: FlatLayout, nbytes_at: Any) -> int:
         with self._lock:
             self._declare_layout(layout)
         return self.zip.reserve(layout.names, nbytes_at)
@@ -235,30 +350,39 @@ class Transaction:
         central directory records. ``buf``: the flat buffer, for a writer that encodes (a
         raw step still seeds the next step's deltas: its chunks become their bases)."""
         self.zip.add_directory(directory, len(offsets))
-        with self._lock:
-            put = len(self._flat)
-            self._flat.append((offsets, sizes, crcs))
-            self._flat_layouts.append(layout)
-            paths, los, his = layout.span_columns
-            self._flat_span.update(
-                zip(paths, zip(itertools.repeat(put), los, his, strict=False), strict=True))
+        self._record_flat(layout, (offsets, sizes, crcs), None)
         self.stats.add_many(layout.raw_nbytes, sum(sizes), keyframes=len(sizes))
         enc = self.writer.encoder
         if enc is not None:
             self.stats.raw_fallback = not self.keyframe
-            if buf is not None:
-                view = memoryview(buf).cast("B")
-                key, arrays = self.zip.key, layout.arrays
-                seeded: dict[tuple[str, int], Shadow] = {}
-                for (k, i, s, e, _, _), off, size, crc in zip(layout.chunks, offsets, sizes,
-                                                              crcs, strict=True):
-                    a = arrays[k]
-                    sh = enc.keep(a.path, i, self.timeline, view[s:e], crc, self.slot)
-                    if sh is not None:
-                        seeded[(a.path, i)] = replace(sh, record=ChunkRecord(key, size, crc,
-                                                                             offset=off))
-                with self._lock:
-                    self.pending.update(seeded)
+            if buf is not None:  # its chunks become the next step's bases: one copy
+                self.flat_pending = self._flat_shadow(
+                    layout, memoryview(buf).cast("B"), [self.zip.key] * len(offsets), offsets,
+                    sizes, crcs)
+
+    def _flat_shadow(self, layout: FlatLayout, view: memoryview, files: list[str],
+                     offsets: Sequence[int], sizes: Sequence[int], crcs: Sequence[int],
+                     **encoded: Any) -> FlatShadow | None:
+        enc = self.writer.encoder
+        if enc is None or not enc.flat_room(layout.nbytes, layout):
+            return None
+        data = enc.flat_copy(np.frombuffer(view[:layout.nbytes], dtype=np.uint8))
+        return seed_shadow(layout, self.timeline, self.slot, data,
+                           np.asarray(files, dtype=object), offsets, sizes, crcs, **encoded)
+
+    def _record_flat(self, layout: FlatLayout, cols: tuple[list[int], list[int], list[int]],
+                     encoded: tuple[list[str], Mapping[int, Any]] | None) -> None:
+        """Where a flat write's chunks are (columns) and, encoded, their files and codecs."""
+        with self._lock:
+            if encoded is not None:  # (a raw write declared it when it reserved its range)
+                self._declare_layout(layout)
+            put = len(self._flat)
+            self._flat.append(cols)
+            self._flat_layouts.append(layout)
+            self._flat_enc.append(encoded)
+            paths, los, his = layout.span_columns
+            self._flat_span.update(
+                zip(paths, zip(itertools.repeat(put), los, his, strict=False), strict=True))
 
     def put_encoded(self, name: str, data: bytes, encoding: Encoding = "json") -> ObjectRecord:
         """Store an object already encoded (e.g. JSON built by the caller) as ``name``."""
@@ -339,13 +463,26 @@ class Transaction:
         """The columnar arrays table of this step (``manifest.TableBuilder``)."""
         b = TableBuilder()
         zip_id = b.file_id(self.zip.key)
+        ids: list[list[int] | None] = [
+            None if e is None else list(map(b.file_id, e[0])) for e in self._flat_enc]
         for path, (dtype, plan) in self._plans.items():
             b.add_array(path, dtype, plan.shape, plan.rows, self.writer._dims.get(path))
             span = self._flat_span.get(path)
             if span is not None:
-                offs, sizes, crcs = self._flat[span[0]]
-                lo, hi = span[1], span[2]
-                b.add_chunks(zip_id, offs[lo:hi], sizes[lo:hi], crcs[lo:hi])
+                put, lo, hi = span
+                offs, sizes, crcs = self._flat[put]
+                enc, fid = self._flat_enc[put], ids[put]
+                if enc is None or fid is None:
+                    b.add_chunks(zip_id, offs[lo:hi], sizes[lo:hi], crcs[lo:hi])
+                    continue
+                first = len(b.offset)
+                b.file.extend(fid[lo:hi])
+                b.offset.extend(offs[lo:hi])
+                b.nbytes.extend(sizes[lo:hi])
+                b.crc32c.extend(crcs[lo:hi])
+                codecs = enc[1]
+                b.codecs.update((str(first + j - lo), list(codecs[j]))
+                                for j in range(lo, hi) if j in codecs)
                 continue
             for c in self._complete(path):
                 b.add_record(c)
@@ -355,7 +492,7 @@ class Transaction:
         """A step written whole from one flat layout (the hot path): its arrays table as
         the layout's cached fixed columns and this step's offsets and checksums, spliced
         by ``TableTemplate.dump``; None for anything else."""
-        if len(self._flat) == 1 and not self._chunks:
+        if len(self._flat) == 1 and not self._chunks and self._flat_enc[0] is None:
             layout = self._flat_layouts[0]
             offsets, sizes, crcs = self._flat[0]
             if len(self._plans) == len(layout.arrays):
@@ -376,6 +513,10 @@ class Transaction:
         span = self._flat_span.get(path)
         if span is not None:
             offs, sizes, crcs = self._flat[span[0]]
+            enc = self._flat_enc[span[0]]
+            if enc is not None:
+                return [_record(enc[0][k], sizes[k], crcs[k], offs[k], enc[1].get(k))
+                        for k in range(span[1], span[2])]
             return [ChunkRecord(self.zip.key, sizes[k], crcs[k], offset=offs[k])
                     for k in range(span[1], span[2])]
         chunks = self._chunks[path]

@@ -204,7 +204,7 @@ class Writer:
             self._open.add(slot)
         txn = Transaction(self, slot, step, name)
         if self.encoder is not None and self.inflight_bases:
-            self.encoder.open(slot, name, txn._pending, txn.deps)
+            self.encoder.open(slot, name, txn._pending, txn.deps, lambda: txn.flat_pending)
         return txn
 
     # -- metadata -------------------------------------------------------------------------
@@ -390,7 +390,8 @@ class Writer:
             # an encoded step commits here, in order with its deltas' bases (promote below); a
             # raw one (nothing to promote, based on nothing) may commit in the flusher
             header = self._run(txn, job, remote=not parts and (
-                self.encoder is None or not (txn.pending or txn.deps)))
+                self.encoder is None
+                or not (txn.pending or txn.deps or txn.flat_pending is not None)))
             txn.count_objects(header)
             if self.lazy_refs:
                 self._unsynced = True
@@ -400,7 +401,7 @@ class Writer:
                 remove_parts(st, txn.slot)
             self._open.discard(txn.slot)
             if self.encoder is not None:
-                self.encoder.promote(txn.slot, txn.timeline, txn.pending)
+                self.encoder.promote(txn.slot, txn.timeline, txn.pending, txn.flat_pending)
             if self.index is not None:
                 # after the commit point: the index only ever holds committed rows. A failed
                 # segment write keeps the rows pending (readers read their headers meanwhile)

@@ -72,6 +72,30 @@ def put_array(txn: Transaction, path: str, arr: np.ndarray, order: list[int] | N
     return plan.n_chunks
 
 
+def put_flat_arrays(txn: Transaction, arrays: Mapping[str, np.ndarray]) -> Any:
+    """Write ``arrays`` (in their order) as one flat step with ``put_flat_chunks``, as the
+    engine does: one layout per writer and set of arrays, reused across steps (the batched
+    encoder bases a step on the last one written from the same layout). Returns it."""
+    layout, buf = flat_buffer(txn.writer, arrays)
+    txn.put_flat_chunks(layout, buf)
+    return layout
+
+
+def flat_buffer(w: Any, arrays: Mapping[str, np.ndarray]) -> tuple[Any, np.ndarray]:
+    """The writer's cached flat layout of ``arrays`` and a buffer holding them."""
+    specs = tuple((p, "bfloat16" if a.dtype == np_dtype("bfloat16") else a.dtype.name,
+                   tuple(a.shape)) for p, a in arrays.items())
+    cache = w.__dict__.setdefault("_test_layouts", {})
+    layout = cache.get(specs)
+    if layout is None:
+        layout = cache[specs] = w.flat_layout(specs)
+    buf = np.zeros(layout.nbytes, np.uint8)
+    for a in layout.arrays:
+        buf[a.offset:a.offset + a.nbytes] = np.ascontiguousarray(arrays[a.path]).reshape(-1).view(
+            np.uint8)
+    return layout, buf
+
+
 def commit_arrays(repo: Repository, step: int, arrays: Mapping[str, np.ndarray], *,
                   objects: Mapping[str, Any] | None = None, chunk_bytes: int = 64,
                   timeline: str | None = None, metrics: Mapping[str, Any] | None = None) -> Any:

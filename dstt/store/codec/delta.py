@@ -31,6 +31,7 @@ from ..format.envelope import checksum
 from ..format.layout import ChunkPlan, key_slot
 from ..format.records import ChunkRecord
 from .buffers import Scratch, ShadowPool
+from .flatdelta import FlatEncoded, FlatShadow, LayoutStates, encode_flat
 from .predict import CUR, PRED, Prediction, predict
 from .xor import XOR, DeltaPolicy, chain_limit, xor_encode
 
@@ -76,6 +77,16 @@ class EncodeStats:
             self.written_bytes += written
             self.keyframes += keyframes
 
+    def add_counts(self, raw: int, written: int, *, keyframes: int, deltas: int, dedups: int,
+                   seconds: float) -> None:
+        with self._lock:
+            self.raw_bytes += raw
+            self.written_bytes += written
+            self.keyframes += keyframes
+            self.deltas += deltas
+            self.dedups += dedups
+            self.encode_seconds += seconds
+
     @property
     def ratio(self) -> float:
         return self.raw_bytes / self.written_bytes if self.written_bytes else float("inf")
@@ -91,6 +102,8 @@ class _Inflight:
     timeline: str
     lookup: Lookup  # (path, chunk index) → its Shadow once written
     deps: set[int]  # in-flight slots its own deltas are based on
+    #: its flat shadow once written (a step written whole from one flat layout)
+    flat: Callable[[], FlatShadow | None] = lambda: None
 
 
 class DeltaEncoder:
@@ -108,14 +121,62 @@ class DeltaEncoder:
         self._members: dict[str, tuple[str, ...]] = {}  # predicted array → its group
         self._scratch = Scratch()
         self._pool = ShadowPool(policy.shadow_bytes // 4)
+        #: the newest committed flat shadow of each layout (by id; ``flatdelta.py``)
+        self._flat: dict[int, FlatShadow] = {}
+        self._flat_states = LayoutStates()
 
     # -- steps in flight -------------------------------------------------------------------
-    def open(self, slot: int, timeline: str, lookup: Lookup, deps: set[int]) -> None:
+    def open(self, slot: int, timeline: str, lookup: Lookup, deps: set[int],
+             flat: Callable[[], FlatShadow | None] | None = None) -> None:
         """Let later slots use this slot's chunks as bases before it commits; every slot
         whose chunk is based on it then records it in its ``deps`` and must not commit
-        unless this one did (``check_deps``)."""
+        unless this one did (``check_deps``). ``flat``: its flat shadow, once written."""
         with self._mu:
-            self._inflight[slot] = _Inflight(timeline, lookup, deps)
+            self._inflight[slot] = _Inflight(timeline, lookup, deps,
+                                             flat if flat is not None else (lambda: None))
+
+    # -- whole flat steps (``flatdelta.py``) -------------------------------------------------
+    def flat_room(self, nbytes: int, layout: object) -> bool:
+        """Whether a flat shadow of ``nbytes`` fits the shadow budget."""
+        with self._mu:
+            old = self._flat.get(id(layout))
+            held = sum(s.data.nbytes for s in self._flat.values()) - (
+                old.data.nbytes if old is not None else 0)
+            return self._bytes + held + nbytes <= self.policy.shadow_bytes
+
+    def flat_copy(self, buf: np.ndarray) -> np.ndarray:
+        """A copy of a step buffer to become a flat shadow (recycled memory)."""
+        return self._pool.copy(buf)
+
+    def encode_step(self, layout: object, buf: np.ndarray, slot: int, timeline: str,
+                    predictions: dict[str, Prediction],
+                    ) -> tuple[FlatEncoded, FlatShadow, int | None] | None:
+        """The step in flat buffer ``buf`` encoded against the newest flat shadow of its
+        layout before ``slot`` (with the in-flight slot it came from, or None: committed);
+        None when there is none (the step is a keyframe)."""
+        epoch = self._pool.enter()
+        try:
+            with self._mu:
+                flights = sorted(((s, f) for s, f in self._inflight.items()
+                                  if s < slot and f.timeline == timeline), reverse=True)
+                committed = self._flat.get(id(layout)) if timeline == self._timeline else None
+            base, from_slot = None, None
+            for s, f in flights:
+                sh = f.flat()
+                if sh is not None and sh.layout is layout:
+                    base, from_slot = sh, s
+                    break
+            if base is None and committed is not None and committed.layout is layout:
+                base = committed
+            if base is None:
+                return None
+            t0 = time.perf_counter()
+            out = encode_flat(self.policy, self._flat_states.get(layout),  # type: ignore[arg-type]
+                              buf, base, slot, predictions, self._scratch)
+            out.seconds = time.perf_counter() - t0
+            return out, base, from_slot
+        finally:
+            self._pool.leave(epoch)
 
     def discard(self, slot: int) -> None:
         """``slot`` will not commit: stop basing on it, and on everything based on it."""
@@ -336,15 +397,27 @@ class DeltaEncoder:
                 self._skips[path] = self._skips.get(path, 0) + 1
         return self._skips.get(path, 0) % self.policy.retry_every == 0
 
-    def promote(self, slot: int, timeline: str, pending: dict[tuple[str, int], Shadow]) -> None:
-        """After a commit: its chunks become the bases of the next step's deltas."""
+    def promote(self, slot: int, timeline: str, pending: dict[tuple[str, int], Shadow],
+                flat: FlatShadow | None = None) -> None:
+        """After a commit: its chunks become the bases of the next step's deltas (``flat``:
+        the flat shadow of a step written whole from one layout)."""
         with self._mu:
             self._inflight.pop(slot, None)
+            retired = []
             if timeline != self._timeline:
                 self._shadow.clear()
                 self._bytes = 0
                 self._timeline = timeline
-            retired = []
+                retired += [s.data for s in self._flat.values()]
+                self._flat.clear()
+            if flat is not None:
+                old_flat = self._flat.get(id(flat.layout))
+                if old_flat is not None:
+                    retired.append(old_flat.data)
+                if len(self._flat) >= 8 and old_flat is None:  # layouts that come and go
+                    retired += [s.data for s in self._flat.values()]
+                    self._flat.clear()
+                self._flat[id(flat.layout)] = flat
             groups = set()
             for k, sh in pending.items():
                 old = self._shadow.get(k)

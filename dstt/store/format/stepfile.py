@@ -295,7 +295,7 @@ class SideFile:
     def append(self, data: Data) -> int:
         """Write ``data`` after everything reserved so far; returns its offset. Thread-safe."""
         parts = as_parts(data)
-        n = sum(len(p) for p in parts)
+        n = sum(map(len, parts))
         with self._mu:
             if self._blob is None:
                 self._blob = self._storage.open_blob(self.key)
