@@ -25,10 +25,11 @@ decode on its own, so reading one tensor of a step would decode all of them.
 from __future__ import annotations
 
 import itertools
+import operator
 import struct
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -218,11 +219,57 @@ class _Group:
     roles: tuple[str, ...]
     srcs: list[tuple[str, ...]]  # per target: its input paths
     members: list[list[int]]
+    #: the predicted arrays, each with its range in the lists above
+    arrays: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def part(self, keep: set[str], coeffs: tuple[float, ...]) -> _Group:
+        """The targets of the arrays in ``keep``, with ``coeffs``."""
+        out = _Group(self.fn, coeffs, [], [[] for _ in self.inputs], self.roles, [], [])
+        for p, lo, hi in self.arrays:
+            if p in keep:
+                out.targets += self.targets[lo:hi]
+                for dst, src in zip(out.inputs, self.inputs, strict=True):
+                    dst += src[lo:hi]
+                out.srcs += self.srcs[lo:hi]
+                out.members += self.members[lo:hi]
+        return out
+
+
+_FN, _INPUTS, _GROUP, _COEFFS = (operator.attrgetter(a) for a in ("fn", "inputs", "group",
+                                                                  "coeffs"))
 
 
 def _groups(st: _LayoutState, predictions: Mapping[str, Prediction]) -> list[list[_Group]]:
     """The step's predictions by round (a round's ``"cur"`` inputs that are predicted are
-    decided in an earlier one) and by (predictor, coefficients)."""
+    decided in an earlier one) and by (predictor, coefficients). Which chunks a prediction
+    ties together is cached while the predictions' structure repeats (every step of a
+    steady run); a step only regroups by coefficients, per group when they differ."""
+    vals = list(predictions.values())
+    key = ("groups", tuple(predictions), tuple(map(_FN, vals)), tuple(map(_INPUTS, vals)),
+           tuple(map(_GROUP, vals)))
+    plan = st.cache.get(key)
+    if plan is None:
+        if len(st.cache) > 16:
+            st.cache.clear()
+        plan = st.cache[key] = _plan(st, predictions)
+    coeffs = dict(zip(predictions, map(_COEFFS, vals), strict=True))
+    rounds = []
+    for groups in plan:
+        out = []
+        for g in groups:
+            paths = [p for p, _, _ in g.arrays]
+            distinct = set(map(coeffs.__getitem__, paths))
+            if len(distinct) == 1:
+                out.append(replace(g, coeffs=distinct.pop()))
+                continue
+            for c in sorted(distinct):
+                out.append(g.part({p for p in paths if coeffs[p] == c}, c))
+        rounds.append(out)
+    return rounds
+
+
+def _plan(st: _LayoutState, predictions: Mapping[str, Prediction]) -> list[list[_Group]]:
+    """``_groups`` by predictor only (coefficients left empty): the cached part."""
     layout, where = st.layout, st.where
     spans = {p: (lo, hi) for p, lo, hi in layout.spans}
     pending = {p: pr for p, pr in predictions.items() if p in spans}
@@ -233,13 +280,14 @@ def _groups(st: _LayoutState, predictions: Mapping[str, Prediction]) -> list[lis
                  if all(r != CUR or s not in pending or s == p for r, s in pr.inputs)}
         if not ready:  # a cycle (not an optimizer's): predict none of them
             break
-        by: dict[tuple[str, tuple[float, ...]], _Group] = {}
+        by: dict[str, _Group] = {}
         for p, pr in ready.items():
             lo, hi = spans[p]
-            g = by.get((pr.fn, pr.coeffs))
+            g = by.get(pr.fn)
             if g is None:
-                g = by[(pr.fn, pr.coeffs)] = _Group(pr.fn, pr.coeffs, [], [[] for _ in pr.inputs],
-                                                    tuple(r for r, _ in pr.inputs), [], [])
+                g = by[pr.fn] = _Group(pr.fn, (), [], [[] for _ in pr.inputs],
+                                       tuple(r for r, _ in pr.inputs), [], [])
+            first = len(g.targets)
             for i in range(hi - lo):
                 ins = [where.get((s, i)) for _, s in pr.inputs]
                 mem = [where.get((m, i)) for m in pr.group]
@@ -250,6 +298,7 @@ def _groups(st: _LayoutState, predictions: Mapping[str, Prediction]) -> list[lis
                     slot.append(j)  # type: ignore[arg-type]
                 g.srcs.append(tuple(s for _, s in pr.inputs))
                 g.members.append(mem)  # type: ignore[arg-type]
+            g.arrays.append((p, first, len(g.targets)))
         rounds.append([g for g in by.values() if g.targets])
         done |= ready.keys()
         pending = {p: pr for p, pr in pending.items() if p not in done}
