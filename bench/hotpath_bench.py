@@ -29,6 +29,8 @@ Modes (the mode implementations of ``bench/capture_bench.py`` are reused as they
                   (``bench/_writers.py``) — the floor for a checkpointer that keeps them;
 * ``dstt``        ``dstt.session(model, opt, run=<fresh dir>, every=1)`` with its defaults;
 * ``dstt_delta``  the same with ``encoding=dstt.DeltaPolicy()``;
+* ``dstt_delta_always``  ``DeltaPolicy(raw_when_busy=False)``: every step encoded (what the
+  encode itself costs; not in the default set);
 * ``torch_save``  ``torch.save`` + fsync + ``os.replace`` + directory fsync on the training thread;
 * ``dcp``         ``torch.distributed.checkpoint.async_save`` with async CPU staging (see
                   capture_bench for the exact setup).
@@ -185,7 +187,8 @@ def run_dstt_sync(tr: cb.Trainer, warmup: int, iters: int, root: Path,
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
     "none": cb.run_none, "bare": run_bare, "bare_guarded": run_bare_guarded,
     "dstt": cb.run_dstt, "dstt_sync": run_dstt_sync,
-    "dstt_delta": cb.run_dstt_delta, "torch_save": cb.run_torch_save, "dcp": cb.run_dcp}
+    "dstt_delta": cb.run_dstt_delta, "dstt_delta_always": cb.run_dstt_delta_always,
+    "torch_save": cb.run_torch_save, "dcp": cb.run_dcp}
 
 
 # -- driver ---------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import struct
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -23,9 +22,10 @@ import numpy as np
 
 from ..errors import DsttError
 from .codec.delta import EncodeStats, Shadow
-from .codec.flatdelta import DEDUP, KEY, FlatShadow, seed_shadow
+from .codec.flatdelta import FlatShadow, seed_shadow
 from .codec.predict import CUR, Prediction
-from .format.envelope import checksum, crc32c_raw
+from .flat_encode import write_encoded
+from .format.envelope import checksum
 from .format.flat import FlatImage, FlatLayout
 from .format.layout import (
     ChunkPlan,
@@ -33,12 +33,12 @@ from .format.layout import (
     step_file_key,
     zarr_chunk_key,
 )
-from .format.manifest import TableBuilder, TableTemplate, dump_arrays
 from .format.objects import Encoded, Encoding, encode_object
-from .format.records import ArrayRecord, ChunkRecord, CommitHeader, Metric, ObjectRecord
+from .format.records import ChunkRecord, CommitHeader, Metric, ObjectRecord
 from .format.stepfile import SideFile, StepFile
 from .format.zipfmt import crc32
 from .parts import Part
+from .step_table import StepTableMixin
 from .stepcommit import Deferred, encode_deferred
 
 if TYPE_CHECKING:
@@ -50,19 +50,7 @@ _ZERO = bytes(1 << 16)  # padding of edge chunks, written from here
 _PACK = struct.Struct("<I").pack
 
 
-def _record(key: str, nbytes: int, crc: int, offset: int,
-            codec: Sequence[Any] | None) -> ChunkRecord:
-    """A chunk record from a flat step's columns and its codec entry (None: raw)."""
-    if codec is None:
-        return ChunkRecord(key, nbytes, crc, offset=offset)
-    enc, base, raw = codec[0], codec[1], codec[2]
-    if len(codec) == 3:
-        return ChunkRecord(key, nbytes, crc, enc, base, raw, offset=offset)
-    return ChunkRecord(key, nbytes, crc, enc, base, raw, codec[3],
-                       tuple((p, int(s)) for p, s in codec[4]), tuple(codec[5]), offset=offset)
-
-
-class Transaction:
+class Transaction(StepTableMixin):
     """The chunks, objects and metrics of one step on its way to a commit."""
 
     def __init__(self, writer: Writer, slot: int, step: int, timeline: str) -> None:
@@ -228,7 +216,7 @@ class Transaction:
         enc = self.writer.encoder
         if enc is not None and layout.chunks and enc.flat_room(layout.nbytes, layout):
             if self.encode and not self.keyframe:
-                self._put_flat_encoded(layout, view)
+                write_encoded(self, layout, view)
             else:  # written raw, whole: its copy becomes the next step's flat base
                 self._write_flat(layout, view, None, None)
             return
@@ -242,80 +230,6 @@ class Transaction:
         chunks = sorted(layout.chunks, key=lambda c: arrays[c[0]].path not in first)
         for k, i, s, e, _, _ in chunks:
             self.put_chunk(arrays[k].path, i, view[s:e])
-
-    def _put_flat_encoded(self, layout: FlatLayout, view: memoryview) -> None:
-        """``put_flat_chunks`` as one batched encode (``codec/flatdelta.py``): deltas in
-        one append to the side file, keyframes in one batch of zip entries, dedups
-        pointing at their older records; the step's columns become the next flat base."""
-        enc = self.writer.encoder
-        assert enc is not None
-        t0 = time.perf_counter()
-        buf = np.frombuffer(view[:layout.nbytes], dtype=np.uint8)
-        got = enc.encode_step(layout, buf, self.slot, self.timeline, self._predictions)
-        if got is None:  # nothing to encode against: a keyframe, written whole
-            self._write_flat(layout, view, None, None)
-            self.stats.raw_fallback = False
-            return
-        e, base, from_slot = got
-        kinds, raw = e.kinds, e.raw_crcs
-        n = len(kinds)
-        files = np.full(n, self.zip.key, dtype=object)
-        offsets = np.zeros(n, np.int64)
-        sizes = np.zeros(n, np.int64)
-        crcs = raw.copy()
-        d = np.flatnonzero(kinds == DEDUP)
-        for col, src in ((files, base.files), (offsets, base.offsets), (sizes, base.nbytes),
-                         (crcs, base.crcs)):
-            col[d] = src[d]
-        written = 0
-        if len(e.delta_idx):
-            pcrc = list(map(crc32c_raw, e.payloads))
-            start = self.side.append(list(itertools.chain.from_iterable(
-                zip(e.payloads, map(_PACK, pcrc), strict=True))))
-            lens = np.fromiter(map(len, e.payloads), np.int64, len(e.payloads)) + 4
-            di = e.delta_idx
-            files[di] = self.side.key
-            offsets[di] = start + np.cumsum(lens) - lens
-            sizes[di] = lens
-            crcs[di] = pcrc
-            written += int(lens.sum())
-        k = np.flatnonzero(kinds == KEY)
-        if len(k):
-            offs, ks = self._put_keyframes(layout, view, k.tolist(), raw[k].tolist())
-            offsets[k] = offs
-            sizes[k] = ks
-            written += int(sum(ks))
-        cols = (offsets.tolist(), sizes.tolist(), crcs.tolist())
-        self._record_flat(layout, cols, (files.tolist(), e.codecs))
-        self.stats.add_counts(layout.raw_nbytes, written, keyframes=len(k),
-                              deltas=len(e.delta_idx), dedups=len(d),
-                              seconds=time.perf_counter() - t0)
-        if from_slot is not None and e.deps:
-            with self._lock:
-                self.deps.add(from_slot)
-        self.flat_pending = self._flat_shadow(layout, view, files.tolist(), *cols,
-                                              raw_crcs=raw, depth=e.depth, codecs=e.codecs)
-
-    def _put_keyframes(self, layout: FlatLayout, view: memoryview, chunks: list[int],
-                       raw: list[int]) -> tuple[list[int], list[int]]:
-        """Chunks of an encoded step written raw, as zip entries (one batch)."""
-        names, bodies, sizes, zcrcs = [], [], [], []
-        for j, crc in zip(chunks, raw, strict=True):
-            _, _, s, e, name, full = layout.chunks[j]
-            body: list[Any] = [view[s:e]]
-            pad = full - (e - s)
-            while pad > 0:
-                body.append(memoryview(_ZERO)[:min(pad, len(_ZERO))])
-                pad -= len(body[-1])
-            body.append(_PACK(crc))
-            zcrc = 0
-            for part in body:
-                zcrc = crc32(part, zcrc)
-            names.append(name)
-            bodies.append(body)
-            sizes.append(full + 4)
-            zcrcs.append(zcrc)
-        return self.zip.add_many(names, bodies, sizes, zcrcs), sizes
 
     def reserve_flat(self, layout: FlatLayout, nbytes_at: Any) -> int:
         """First half of a flat write done elsewhere (the flusher process): declare the
@@ -458,91 +372,6 @@ class Transaction:
             self.objects[name] = rec
             self._object_bytes += len(data)
         return rec
-
-    def table(self) -> TableBuilder:
-        """The columnar arrays table of this step (``manifest.TableBuilder``)."""
-        b = TableBuilder()
-        zip_id = b.file_id(self.zip.key)
-        ids: list[list[int] | None] = [
-            None if e is None else list(map(b.file_id, e[0])) for e in self._flat_enc]
-        for path, (dtype, plan) in self._plans.items():
-            b.add_array(path, dtype, plan.shape, plan.rows, self.writer._dims.get(path))
-            span = self._flat_span.get(path)
-            if span is not None:
-                put, lo, hi = span
-                offs, sizes, crcs = self._flat[put]
-                enc, fid = self._flat_enc[put], ids[put]
-                if enc is None or fid is None:
-                    b.add_chunks(zip_id, offs[lo:hi], sizes[lo:hi], crcs[lo:hi])
-                    continue
-                first = len(b.offset)
-                b.file.extend(fid[lo:hi])
-                b.offset.extend(offs[lo:hi])
-                b.nbytes.extend(sizes[lo:hi])
-                b.crc32c.extend(crcs[lo:hi])
-                codecs = enc[1]
-                b.codecs.update((str(first + j - lo), list(codecs[j]))
-                                for j in range(lo, hi) if j in codecs)
-                continue
-            for c in self._complete(path):
-                b.add_record(c)
-        return b
-
-    def table_parts(self) -> tuple[TableTemplate, list[int], list[int]] | None:
-        """A step written whole from one flat layout (the hot path): its arrays table as
-        the layout's cached fixed columns and this step's offsets and checksums, spliced
-        by ``TableTemplate.dump``; None for anything else."""
-        if len(self._flat) == 1 and not self._chunks and self._flat_enc[0] is None:
-            layout = self._flat_layouts[0]
-            offsets, sizes, crcs = self._flat[0]
-            if len(self._plans) == len(layout.arrays):
-                tpl = self.writer.table_template(layout, sizes)
-                if tpl.sizes == sizes:
-                    return tpl, offsets, crcs
-        return None
-
-    def arrays_table(self) -> bytes:
-        """This step's sealed arrays table (``manifest.dump_arrays``): spliced from cached
-        columns where ``table_parts`` has them, else built array by array."""
-        parts = self.table_parts()
-        if parts is not None:
-            return parts[0].dump(self.slot, self.zip.key, parts[1], parts[2])
-        return dump_arrays(self.slot, self.table())
-
-    def _complete(self, path: str) -> list[ChunkRecord]:
-        span = self._flat_span.get(path)
-        if span is not None:
-            offs, sizes, crcs = self._flat[span[0]]
-            enc = self._flat_enc[span[0]]
-            if enc is not None:
-                return [_record(enc[0][k], sizes[k], crcs[k], offs[k], enc[1].get(k))
-                        for k in range(span[1], span[2])]
-            return [ChunkRecord(self.zip.key, sizes[k], crcs[k], offset=offs[k])
-                    for k in range(span[1], span[2])]
-        chunks = self._chunks[path]
-        missing = [i for i, c in enumerate(chunks) if c is None]
-        if missing:
-            raise DsttError(f"step {self.step}: chunks {missing[:8]} of {path!r} were "
-                            "never written; refusing to commit an incomplete step")
-        return chunks  # type: ignore[return-value]
-
-    def records(self) -> dict[str, ArrayRecord]:
-        out = {}
-        for path, (dtype, plan) in self._plans.items():
-            if path in self._flat_span:
-                out[path] = ArrayRecord(path, dtype, plan.shape, plan.rows,
-                                        tuple(self._complete(path)),
-                                        self.writer._dims.get(path))
-                continue
-            chunks = self._chunks[path]
-            missing = [i for i, c in enumerate(chunks) if c is None]
-            if missing:
-                raise DsttError(f"step {self.step}: chunks {missing[:8]} of {path!r} were "
-                                "never written; refusing to commit an incomplete step")
-            out[path] = ArrayRecord(path, dtype, plan.shape, plan.rows,
-                                    tuple(c for c in chunks if c is not None),
-                                    self.writer._dims.get(path))
-        return out
 
     def commit(self, metrics: Mapping[str, Metric] | None = None, *,
                parts: Sequence[Part] = ()) -> CommitHeader:

@@ -125,6 +125,8 @@ class Writer:
         self._stored: dict[str, tuple[str, tuple[int, ...], int]] | None = None
         #: (paths, start) -> the groups' and arrays' documents, and their consolidated metadata
         self._meta_cache: dict[tuple[tuple[str, ...], int], tuple[Block, bytes]] = {}
+        #: the first block of each set of arrays, to move where a step's file is elsewhere
+        self._meta_moved: dict[tuple[str, ...], tuple[Block, bytes]] = {}
         #: id(flat layout) -> (the layout, its arrays table's fixed columns)
         self._tables: dict[int, tuple[FlatLayout, TableTemplate]] = {}
         self._open: set[int] = set()
@@ -243,6 +245,7 @@ class Writer:
             doc = dump(array_document(path, dtype, plan, dims=names))
             if known is not None:  # a document changed: the prebuilt blocks hold the old one
                 self._meta_cache.clear()
+                self._meta_moved.clear()
                 self._tables.clear()
             self._arrays[path] = (dtype, plan, doc)
             self._dims[path] = names
@@ -283,6 +286,9 @@ class Writer:
         start = txn.zip.cursor
         with self._meta_lock:
             cached = self._meta_cache.get((paths, start))
+            if cached is None and paths in self._meta_moved:  # another place (an encoded
+                block, consolidated = self._meta_moved[paths]  # step's keyframes vary)
+                cached = (block.moved(start), consolidated)
             if cached is None:
                 groups: set[str] = set()
                 for path in paths:
@@ -297,7 +303,9 @@ class Writer:
                           consolidated_metadata(members))
                 if len(self._meta_cache) > 8:
                     self._meta_cache.clear()
+                    self._meta_moved.clear()
                 self._meta_cache[(paths, start)] = cached
+                self._meta_moved.setdefault(paths, cached)
         return cached
 
     def _run(self, txn: Transaction, job: CommitJob, *, remote: bool) -> CommitHeader:

@@ -71,3 +71,20 @@ def test_unaligned_headers_are_unchanged() -> None:
     """Runs written before alignment existed have these exact bytes: verify reads them."""
     h = local_header("params/w/c/0", 16, 0xDEADBEEF, 1234)
     assert len(h) == 30 + len("params/w/c/0") and h[28:30] == b"\0\0"
+
+
+def test_a_moved_block_is_the_block_built_there() -> None:
+    """``Block.moved`` patches the directory's offsets instead of rebuilding the entries
+    (an encoded step's metadata lands after a varying number of keyframes)."""
+    from dstt.store.format.stepfile import Block
+
+    names = [f"a/{i}/zarr.json" for i in range(5)] + ["b/ü/zarr.json"]
+    datas = [bytes([i]) * (10 + 7 * i) for i in range(len(names))]
+    built = Block(0, names, datas)
+    for start in (0, 1, 4096, 123_457):
+        moved, fresh = built.moved(start), Block(start, names, datas)
+        assert moved.directory == fresh.directory
+        assert moved.entries == fresh.entries and moved.iov == fresh.iov
+        assert (moved.start, moved.nbytes, moved.names) == (fresh.start, fresh.nbytes,
+                                                            fresh.names)
+        assert moved.moved(7).directory == Block(7, names, datas).directory

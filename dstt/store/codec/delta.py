@@ -31,7 +31,7 @@ from ..format.envelope import checksum
 from ..format.layout import ChunkPlan, key_slot
 from ..format.records import ChunkRecord
 from .buffers import Scratch, ShadowPool
-from .flatdelta import FlatEncoded, FlatShadow, LayoutStates, encode_flat
+from .flatdelta import FlatEncoded, FlatShadow, LayoutState, LayoutStates, encode_flat
 from .predict import CUR, PRED, Prediction, predict
 from .xor import XOR, DeltaPolicy, chain_limit, xor_encode
 
@@ -143,6 +143,9 @@ class DeltaEncoder:
             held = sum(s.data.nbytes for s in self._flat.values()) - (
                 old.data.nbytes if old is not None else 0)
             return self._bytes + held + nbytes <= self.policy.shadow_bytes
+
+    def layout_state(self, layout: object) -> LayoutState:
+        return self._flat_states.get(layout)  # type: ignore[arg-type]
 
     def flat_copy(self, buf: np.ndarray) -> np.ndarray:
         """A copy of a step buffer to become a flat shadow (recycled memory)."""

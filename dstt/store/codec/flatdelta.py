@@ -25,22 +25,23 @@ decode on its own, so reading one tensor of a step would decode all of them.
 from __future__ import annotations
 
 import itertools
-import operator
 import struct
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from numcodecs import blosc
 
 from ..format.envelope import checksum, crc32c_raw
-from ..format.flat import FlatLayout
-from .predict import CUR, PRED, PREDICTORS, Prediction
+from ..format.flat import FlatImage, FlatLayout
+from .flatpredict import groups, predict_residuals
+from .predict import CUR, PRED, Prediction
 from .xor import XOR, DeltaPolicy
 
-__all__ = ["FlatEncoded", "FlatShadow", "LayoutStates", "encode_flat", "seed_shadow", "xor_into"]
+__all__ = ["FlatEncoded", "FlatShadow", "LayoutState", "LayoutStates", "encode_flat",
+           "keyframe_image", "seed_shadow", "xor_into"]
 
 KEY, DELTA, DEDUP = 0, 1, 2
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -63,10 +64,10 @@ class FlatShadow:
     raw_crcs: np.ndarray  # int64 per chunk: crc32c of the raw (padded) chunk
     depth: np.ndarray  # int32 per chunk: deltas since its keyframe
     codecs: Mapping[int, tuple[Any, ...]]  # chunk -> codec entry of a non-raw record
-    #: per-chunk views of ``data`` (``_LayoutState.make_views``), made on first use
+    #: per-chunk views of ``data`` (``LayoutState.make_views``), made on first use
     views: dict[str, list[Any]] = field(default_factory=dict)
 
-    def chunk_views(self, st: _LayoutState, kind: str) -> list[Any]:
+    def chunk_views(self, st: LayoutState, kind: str) -> list[Any]:
         v = self.views.get(kind)
         if v is None:
             v = self.views[kind] = st.make_views(self.data, kind)
@@ -87,7 +88,7 @@ class FlatEncoded:
     seconds: float = 0.0
 
 
-class _LayoutState:
+class LayoutState:
     """What a layout needs at every step, built once: sizes, paddings, chunk views, and
     the per-chunk compression ratios measured so far."""
 
@@ -146,20 +147,20 @@ class _LayoutState:
 
 
 class LayoutStates:
-    """A writer's ``_LayoutState`` of each flat layout it encodes (a few: the engine keeps
+    """A writer's ``LayoutState`` of each flat layout it encodes (a few: the engine keeps
     one layout while shapes do not change)."""
 
     def __init__(self) -> None:
         self._mu = threading.Lock()
-        self._states: dict[int, _LayoutState] = {}
+        self._states: dict[int, LayoutState] = {}
 
-    def get(self, layout: FlatLayout) -> _LayoutState:
+    def get(self, layout: FlatLayout) -> LayoutState:
         with self._mu:
             st = self._states.get(id(layout))
             if st is None or st.layout is not layout:
                 if len(self._states) >= 8:
                     self._states.clear()
-                st = self._states[id(layout)] = _LayoutState(layout)
+                st = self._states[id(layout)] = LayoutState(layout)
             return st
 
 
@@ -186,6 +187,30 @@ def seed_shadow(layout: FlatLayout, timeline: str, slot: int, data: np.ndarray,
                       {} if codecs is None else codecs)
 
 
+def keyframe_image(st: LayoutState, chunks: tuple[int, ...], start: int,
+                   view: memoryview) -> FlatImage:
+    """The zip entries of the keyframes ``chunks`` of an encoded step placed at ``start``,
+    over ``view`` (``format/flat.py``): headers and directory built once while the same
+    chunks keyframe at the same place in the same buffer (an array whose deltas do not pay
+    keyframes at every step), so a step only checksums them."""
+    # the buffer by address: a cached image's views keep it alive, so the address is its own
+    key = ("keyframes", chunks, start, len(view), np.frombuffer(view, np.uint8).ctypes.data)
+    with st.mu:
+        im = st.cache.pop(key, None)
+    if im is None:
+        ch = st.layout.chunks
+        sub = tuple(map(ch.__getitem__, chunks))
+        part = FlatLayout(st.layout.arrays, st.layout.nbytes, sub, (),
+                          sum(c[3] - c[2] for c in sub), frozenset(c[4] for c in sub))
+        im = FlatImage(part, start, view)
+    with st.mu:
+        st.cache[key] = im  # most recent last
+        images = [k for k in st.cache if k[0] == "keyframes"]
+        for k in images[:-8]:
+            del st.cache[k]
+    return im
+
+
 def _limits(policy: DeltaPolicy, ratio: np.ndarray) -> np.ndarray:
     """K per chunk (``xor.chain_limit``, vectorised)."""
     if policy.keyframe_every is not None:
@@ -208,104 +233,7 @@ def _group_limits(policy: DeltaPolicy, ratio: np.ndarray, members: np.ndarray) -
     return np.clip(k.astype(np.int64), 2, policy.max_chain)
 
 
-@dataclass
-class _Group:
-    """Targets of one predictor with one set of coefficients, in one round."""
-
-    fn: str
-    coeffs: tuple[float, ...]
-    targets: list[int]
-    inputs: list[list[int]]  # per input role: the chunk of each target's input
-    roles: tuple[str, ...]
-    srcs: list[tuple[str, ...]]  # per target: its input paths
-    members: list[list[int]]
-    #: the predicted arrays, each with its range in the lists above
-    arrays: list[tuple[str, int, int]] = field(default_factory=list)
-
-    def part(self, keep: set[str], coeffs: tuple[float, ...]) -> _Group:
-        """The targets of the arrays in ``keep``, with ``coeffs``."""
-        out = _Group(self.fn, coeffs, [], [[] for _ in self.inputs], self.roles, [], [])
-        for p, lo, hi in self.arrays:
-            if p in keep:
-                out.targets += self.targets[lo:hi]
-                for dst, src in zip(out.inputs, self.inputs, strict=True):
-                    dst += src[lo:hi]
-                out.srcs += self.srcs[lo:hi]
-                out.members += self.members[lo:hi]
-        return out
-
-
-_FN, _INPUTS, _GROUP, _COEFFS = (operator.attrgetter(a) for a in ("fn", "inputs", "group",
-                                                                  "coeffs"))
-
-
-def _groups(st: _LayoutState, predictions: Mapping[str, Prediction]) -> list[list[_Group]]:
-    """The step's predictions by round (a round's ``"cur"`` inputs that are predicted are
-    decided in an earlier one) and by (predictor, coefficients). Which chunks a prediction
-    ties together is cached while the predictions' structure repeats (every step of a
-    steady run); a step only regroups by coefficients, per group when they differ."""
-    vals = list(predictions.values())
-    key = ("groups", tuple(predictions), tuple(map(_FN, vals)), tuple(map(_INPUTS, vals)),
-           tuple(map(_GROUP, vals)))
-    plan = st.cache.get(key)
-    if plan is None:
-        if len(st.cache) > 16:
-            st.cache.clear()
-        plan = st.cache[key] = _plan(st, predictions)
-    coeffs = dict(zip(predictions, map(_COEFFS, vals), strict=True))
-    rounds = []
-    for groups in plan:
-        out = []
-        for g in groups:
-            paths = [p for p, _, _ in g.arrays]
-            distinct = set(map(coeffs.__getitem__, paths))
-            if len(distinct) == 1:
-                out.append(replace(g, coeffs=distinct.pop()))
-                continue
-            for c in sorted(distinct):
-                out.append(g.part({p for p in paths if coeffs[p] == c}, c))
-        rounds.append(out)
-    return rounds
-
-
-def _plan(st: _LayoutState, predictions: Mapping[str, Prediction]) -> list[list[_Group]]:
-    """``_groups`` by predictor only (coefficients left empty): the cached part."""
-    layout, where = st.layout, st.where
-    spans = {p: (lo, hi) for p, lo, hi in layout.spans}
-    pending = {p: pr for p, pr in predictions.items() if p in spans}
-    rounds: list[list[_Group]] = []
-    done: set[str] = set()
-    while pending:
-        ready = {p: pr for p, pr in pending.items()
-                 if all(r != CUR or s not in pending or s == p for r, s in pr.inputs)}
-        if not ready:  # a cycle (not an optimizer's): predict none of them
-            break
-        by: dict[str, _Group] = {}
-        for p, pr in ready.items():
-            lo, hi = spans[p]
-            g = by.get(pr.fn)
-            if g is None:
-                g = by[pr.fn] = _Group(pr.fn, (), [], [[] for _ in pr.inputs],
-                                       tuple(r for r, _ in pr.inputs), [], [])
-            first = len(g.targets)
-            for i in range(hi - lo):
-                ins = [where.get((s, i)) for _, s in pr.inputs]
-                mem = [where.get((m, i)) for m in pr.group]
-                if None in ins or None in mem:
-                    continue
-                g.targets.append(lo + i)
-                for slot, j in zip(g.inputs, ins, strict=True):
-                    slot.append(j)  # type: ignore[arg-type]
-                g.srcs.append(tuple(s for _, s in pr.inputs))
-                g.members.append(mem)  # type: ignore[arg-type]
-            g.arrays.append((p, first, len(g.targets)))
-        rounds.append([g for g in by.values() if g.targets])
-        done |= ready.keys()
-        pending = {p: pr for p, pr in pending.items() if p not in done}
-    return rounds
-
-
-def _names(policy: DeltaPolicy, st: _LayoutState) -> np.ndarray:
+def _names(policy: DeltaPolicy, st: LayoutState) -> np.ndarray:
     """The Blosc codec of each chunk's XOR delta (by element size), cached per layout."""
     key = (policy.cname, "names")
     got = st.cache.get(key)
@@ -346,7 +274,7 @@ def _compress(views: list[Any], cname: str, clevel: int) -> list[bytes]:
                     itertools.repeat(clevel), itertools.repeat(blosc.SHUFFLE)))
 
 
-def encode_flat(policy: DeltaPolicy, st: _LayoutState, buf: np.ndarray, base: FlatShadow,
+def encode_flat(policy: DeltaPolicy, st: LayoutState, buf: np.ndarray, base: FlatShadow,
                 slot: int, predictions: Mapping[str, Prediction], scratch: Any) -> FlatEncoded:
     """Decide and encode every chunk of the step in ``buf`` (uint8, ``layout.nbytes``)
     against ``base``; writes nothing (``scratch``: a ``buffers.Scratch``)."""
@@ -377,11 +305,11 @@ def encode_flat(policy: DeltaPolicy, st: _LayoutState, buf: np.ndarray, base: Fl
     depth = base.depth.astype(np.int64)
     xor_ok = open_ & (depth + 1 < _limits(policy, ratio))
     predicted = np.zeros(n, bool)
-    rounds = _groups(st, predictions) if predictions else []
+    rounds = groups(st, predictions) if predictions else []
     acc = _Settled(policy, size, kinds)
     xt = st.views(x, "t")
-    for groups in rounds:
-        for g in groups:
+    for round_ in rounds:
+        for g in round_:
             t = np.asarray(g.targets, np.int64)
             ins = [np.asarray(i, np.int64) for i in g.inputs]
             fits = open_[t] & (st.itemsize[t] == 4)
@@ -396,8 +324,8 @@ def encode_flat(policy: DeltaPolicy, st: _LayoutState, buf: np.ndarray, base: Fl
             if not len(sel):
                 continue
             tsel = t[sel]
-            res = _predict(g, tsel, [i[sel] for i in ins], base.chunk_views(st, "b"), cur_b, st,
-                           scratch)
+            res = predict_residuals(g, tsel, [i[sel] for i in ins], base.chunk_views(st, "b"),
+                                    cur_b, st, scratch)
             payloads = _compress(res, policy.residual_cname, policy.clevel)
             win, ok = acc.settle(tsel, payloads)
             srcs = itertools.compress([g.srcs[k] for k in sel.tolist()], ok.tolist())
@@ -434,32 +362,3 @@ def encode_flat(policy: DeltaPolicy, st: _LayoutState, buf: np.ndarray, base: Fl
     if len(delta_idx) or len(dedup):
         out.deps.add(base.slot)
     return out
-
-
-def _predict(g: _Group, t: np.ndarray, ins: list[np.ndarray], prev_b: list[Any],
-             cur_b: list[Any], st: _LayoutState, scratch: Any) -> list[Any]:
-    """Residuals (uint32 views, one per target chunk) of ``cur XOR predicted`` for the
-    targets ``t``: their chunks and inputs gathered into contiguous float32 arrays, the
-    predictor run once over all of them."""
-    spec = PREDICTORS[g.fn]
-    sizes = st.size[t]
-    total = int(sizes.sum())
-    bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-
-    def gather(views: list[Any], idx: np.ndarray, name: str) -> np.ndarray:
-        dst = scratch.get(name, total)
-        parts = list(map(views.__getitem__, idx.tolist()))
-        arrs = list(map(np.frombuffer, parts, itertools.repeat(np.uint8)))
-        np.concatenate(arrs, out=dst)
-        return dst.view("<f4")
-
-    p_prev = gather(prev_b, t, "fp_prev")
-    inputs = [gather(cur_b if role == CUR else prev_b, i, f"fp_in{k}")
-              for k, (role, i) in enumerate(zip(g.roles, ins, strict=True))]
-    out = scratch.get("fp_out", total).view("<f4")
-    tmp = scratch.get("fp_tmp", total).view("<f4")
-    spec[2](p_prev, inputs, g.coeffs, out, tmp)
-    cur = gather(cur_b, t, "fp_cur")
-    res = np.bitwise_xor(cur.view(np.uint32), out.view(np.uint32), out=out.view(np.uint32))
-    b4 = (np.asarray(bounds) // 4).tolist()
-    return list(map(res.__getitem__, map(slice, b4[:-1], b4[1:])))

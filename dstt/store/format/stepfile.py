@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ...errors import DsttError
 from ..storage.base import Blob, Data, as_parts
 from .zipfmt import (
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
     from ..storage.base import Storage
 
 __all__ = ["Block", "SideFile", "StepFile", "StepState"]
+
+_CD_HEADER_OFFSET = 42  # of the local header's offset in a central directory record
 
 
 class StepFile:
@@ -251,7 +255,41 @@ class Block:
             off += len(head) + len(data)
         self.iov, self.count, self.nbytes = iov, len(entries), off - start
         self.directory = directory_records(entries)
-        self.entries = entries
+        self._entries, self._shift = entries, 0
+        #: where each directory record's header offset sits, and the offsets (for ``moved``)
+        self._cd_at: np.ndarray | None = None
+        self._offs: np.ndarray | None = None
+
+    @property
+    def entries(self) -> list[Entry]:
+        if self._shift:
+            return [e._replace(offset=e.offset + self._shift) for e in self._entries]
+        return self._entries
+
+    def moved(self, start: int) -> Block:
+        """The same entries placed at ``start``: local headers do not depend on where they
+        are (no alignment; below 4 GiB no zip64 fields), so only the directory's header
+        offsets change — patched with numpy, not rebuilt entry by entry. Rebuilt where
+        either place needs zip64."""
+        if start == self.start:
+            return self
+        if max(self.start, start) + self.nbytes >= 0xFFFFFFFF:
+            return Block(start, [e.name for e in self.entries], self.iov[1::2])
+        if self._cd_at is None or self._offs is None:
+            entries = self.entries
+            lens = np.fromiter((46 + len(e.name.encode()) for e in entries), np.int64,
+                               self.count)
+            self._cd_at = (np.cumsum(lens) - lens + _CD_HEADER_OFFSET)[:, None] + np.arange(4)
+            self._offs = np.fromiter((e.offset for e in entries), np.int64, self.count)
+        out = object.__new__(Block)
+        out.start, out.names, out.iov, out.count, out.nbytes = (
+            start, self.names, self.iov, self.count, self.nbytes)
+        out._entries, out._shift = self._entries, self._shift + start - self.start
+        out._cd_at, out._offs = self._cd_at, self._offs + (start - self.start)
+        cd = np.frombuffer(bytearray(self.directory), np.uint8)
+        cd[out._cd_at] = out._offs.astype("<u4").view(np.uint8).reshape(-1, 4)
+        out.directory = cd.tobytes()
+        return out
 
 
 class SideFile:
