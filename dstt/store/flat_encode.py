@@ -14,13 +14,14 @@ from __future__ import annotations
 import itertools
 import struct
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .codec.flatdelta import DEDUP, KEY, keyframe_image
+from .codec.flatdelta import DEDUP, KEY, LayoutState
 from .format.envelope import crc32c_raw
 from .format.flat import FlatLayout
+from .format.zipfmt import Entry, crc32_raw, directory_records, local_header
 
 if TYPE_CHECKING:
     from .transaction import Transaction
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 __all__ = ["write_encoded"]
 
 _PACK = struct.Struct("<I").pack
+_HEADER_CRC, _CENTRAL_CRC, _CENTRAL_OFFSET = 14, 16, 42  # field offsets in the zip records
+_FOUR = np.arange(4)
 
 
 def write_encoded(txn: Transaction, layout: FlatLayout, view: memoryview) -> None:
@@ -87,16 +90,78 @@ def write_encoded(txn: Transaction, layout: FlatLayout, view: memoryview) -> Non
 
 def _write_keyframes(txn: Transaction, layout: FlatLayout, view: memoryview, chunks: list[int]
                      ) -> tuple[list[int], list[int]]:
-    """Chunks of an encoded step written raw, as zip entries: one range of the step file
-    (``flatdelta.keyframe_image``: headers built once while the same chunks keyframe)."""
+    """Chunks of an encoded step written raw, as zip entries: one range of the step file,
+    its headers and directory records sliced from per-chunk templates built once per layout
+    and their CRC-32 and offset fields patched with numpy (no Python per entry; the set of
+    keyframes changes from step to step). Returns each chunk's data offset and size."""
     enc = txn.writer.encoder
     assert enc is not None
-    st = enc.layout_state(layout)
-    key = tuple(chunks)
-    names = frozenset(layout.chunks[j][4] for j in chunks)
-    start = txn.zip.reserve(names, lambda s: keyframe_image(st, key, s, view).nbytes)
-    im = keyframe_image(st, key, start, view)
-    im.fill()
-    txn.zip.write_at(start, im.iov)
-    txn.zip.add_directory(bytes(im.directory), len(chunks))
-    return im.offsets, im.sizes
+    t = _templates(enc.layout_state(layout))
+    idx = np.asarray(chunks, np.int64)
+    data: list[Any] = list(map(t.views(view).__getitem__, chunks))
+    if t.pads:  # edge chunks (the last of a multi-chunk array): their zero padding, copied
+        for j in np.flatnonzero(np.isin(idx, t.pad_idx)).tolist():
+            data[j] = bytes(data[j]) + bytes(t.pads[chunks[j]])
+    crcs = list(map(crc32c_raw, data))
+    trailers = list(map(_PACK, crcs))
+    zips = list(map(crc32_raw, trailers, map(crc32_raw, data)))
+    hlen, size = t.hlen[idx], t.size[idx]
+    total = int(hlen.sum() + size.sum())
+    if txn.zip.cursor + total >= 0xFFFFFFFF:  # zip64 fields: headers depend on the offset
+        names = list(map(t.names.__getitem__, chunks))
+        offs = txn.zip.add_many(names, [[d, tr] for d, tr in zip(data, trailers, strict=True)],
+                                size.tolist(), zips)
+        return offs, size.tolist()
+    start = txn.zip.reserve(frozenset(map(t.names.__getitem__, chunks)), lambda s: total)
+    heads = np.frombuffer(bytearray(b"".join(map(t.heads.__getitem__, chunks))), np.uint8)
+    hat = np.cumsum(hlen) - hlen
+    entry = start + np.cumsum(hlen + size) - (hlen + size)  # each local header's offset
+    z4 = np.asarray(zips, "<u4").view(np.uint8).reshape(-1, 4)
+    heads[(hat + _HEADER_CRC)[:, None] + _FOUR] = z4
+    cds = np.frombuffer(bytearray(b"".join(map(t.cds.__getitem__, chunks))), np.uint8)
+    cat = np.cumsum(t.cdlen[idx]) - t.cdlen[idx]
+    cds[(cat + _CENTRAL_CRC)[:, None] + _FOUR] = z4
+    cds[(cat + _CENTRAL_OFFSET)[:, None] + _FOUR] = (
+        entry.astype("<u4").view(np.uint8).reshape(-1, 4))
+    hv = memoryview(heads.data).cast("B")
+    hviews = list(map(hv.__getitem__, map(slice, hat.tolist(), (hat + hlen).tolist())))
+    txn.zip.write_at(start, list(itertools.chain.from_iterable(
+        zip(hviews, data, trailers, strict=True))))
+    txn.zip.add_directory(cds.tobytes(), len(chunks))
+    return (entry + hlen).tolist(), size.tolist()
+
+
+class _Templates:
+    """Per chunk of a layout: its zip entry's local header and central directory record
+    with zero CRC-32 and offset (below 4 GiB neither depends on where the entry is)."""
+
+    def __init__(self, layout: FlatLayout) -> None:
+        ch = layout.chunks
+        self.names = [c[4] for c in ch]
+        sizes = [c[5] + 4 for c in ch]
+        self.heads = [local_header(n, sz, 0, 0) for n, sz in zip(self.names, sizes, strict=True)]
+        self.cds = [directory_records([Entry(n, 0, sz, 0)])
+                    for n, sz in zip(self.names, sizes, strict=True)]
+        self.hlen = np.fromiter(map(len, self.heads), np.int64, len(ch))
+        self.cdlen = np.fromiter(map(len, self.cds), np.int64, len(ch))
+        self.size = np.asarray(sizes, np.int64)
+        self.pads = {j: c[5] - (c[3] - c[2]) for j, c in enumerate(ch) if c[5] > c[3] - c[2]}
+        self.pad_idx = np.asarray(sorted(self.pads), np.int64)
+        self._spans = ([c[2] for c in ch], [c[3] for c in ch])
+        self._views: tuple[int, int, list[memoryview]] | None = None
+
+    def views(self, view: memoryview) -> list[memoryview]:
+        """Each chunk's bytes in ``view`` (cached for the last buffer)."""
+        addr = np.frombuffer(view, np.uint8).ctypes.data
+        got = self._views
+        if got is None or got[0] != addr or got[1] != len(view):
+            got = self._views = (addr, len(view), list(map(view.__getitem__, map(
+                slice, *self._spans))))
+        return got[2]
+
+
+def _templates(st: LayoutState) -> _Templates:
+    t = st.cache.get("zip_templates")
+    if t is None:
+        t = st.cache["zip_templates"] = _Templates(st.layout)
+    return t  # type: ignore[no-any-return]

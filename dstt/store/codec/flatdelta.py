@@ -35,13 +35,13 @@ import numpy as np
 from numcodecs import blosc
 
 from ..format.envelope import checksum, crc32c_raw
-from ..format.flat import FlatImage, FlatLayout
+from ..format.flat import FlatLayout
 from .flatpredict import groups, predict_residuals
 from .predict import CUR, PRED, Prediction
 from .xor import XOR, DeltaPolicy
 
 __all__ = ["FlatEncoded", "FlatShadow", "LayoutState", "LayoutStates", "encode_flat",
-           "keyframe_image", "seed_shadow", "xor_into"]
+           "seed_shadow", "xor_into"]
 
 KEY, DELTA, DEDUP = 0, 1, 2
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -185,30 +185,6 @@ def seed_shadow(layout: FlatLayout, timeline: str, slot: int, data: np.ndarray,
                       crc, crc if raw_crcs is None else raw_crcs,
                       np.zeros(n, np.int32) if depth is None else depth,
                       {} if codecs is None else codecs)
-
-
-def keyframe_image(st: LayoutState, chunks: tuple[int, ...], start: int,
-                   view: memoryview) -> FlatImage:
-    """The zip entries of the keyframes ``chunks`` of an encoded step placed at ``start``,
-    over ``view`` (``format/flat.py``): headers and directory built once while the same
-    chunks keyframe at the same place in the same buffer (an array whose deltas do not pay
-    keyframes at every step), so a step only checksums them."""
-    # the buffer by address: a cached image's views keep it alive, so the address is its own
-    key = ("keyframes", chunks, start, len(view), np.frombuffer(view, np.uint8).ctypes.data)
-    with st.mu:
-        im = st.cache.pop(key, None)
-    if im is None:
-        ch = st.layout.chunks
-        sub = tuple(map(ch.__getitem__, chunks))
-        part = FlatLayout(st.layout.arrays, st.layout.nbytes, sub, (),
-                          sum(c[3] - c[2] for c in sub), frozenset(c[4] for c in sub))
-        im = FlatImage(part, start, view)
-    with st.mu:
-        st.cache[key] = im  # most recent last
-        images = [k for k in st.cache if k[0] == "keyframes"]
-        for k in images[:-8]:
-            del st.cache[k]
-    return im
 
 
 def _limits(policy: DeltaPolicy, ratio: np.ndarray) -> np.ndarray:
