@@ -11,6 +11,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 from dstt.store import Repository, Transaction
 
@@ -70,6 +71,19 @@ def put_array(txn: Transaction, path: str, arr: np.ndarray, order: list[int] | N
         start, stop = plan.byte_range(i)
         txn.put_chunk(path, i, flat[start:stop])
     return plan.n_chunks
+
+
+#: how the delta and prediction tests write a step (``write_how``)
+WRITE = {"how": "chunks"}
+
+
+@pytest.fixture(params=["chunks", "flat"])
+def write_how(request: pytest.FixtureRequest) -> Any:
+    """A test twice: chunk by chunk (``put_chunk``), and as flat steps the batched encoder
+    writes (``put_flat_chunks``, ``codec/flatdelta.py``); the test reads ``WRITE["how"]``."""
+    WRITE["how"] = request.param
+    yield request.param
+    WRITE["how"] = "chunks"
 
 
 def put_flat_arrays(txn: Transaction, arrays: Mapping[str, np.ndarray]) -> Any:

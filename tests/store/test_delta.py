@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import zipfile
 from pathlib import Path
-from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -15,7 +14,7 @@ from dstt.store import Repository, load
 from dstt.store.codec.xor import DeltaPolicy, chain_limit
 from dstt.store.format.layout import step_file_key
 
-from ._util import crash_at_every_write, put_flat_arrays
+from ._util import WRITE, crash_at_every_write, put_flat_arrays, write_how  # noqa: F401
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -39,16 +38,7 @@ class _Trainer:
                 "params/frozen": self.frozen, "params/scalar": np.array(1.0, self.dtype)}
 
 
-WRITE = {"how": "chunks"}
-
-
-@pytest.fixture(autouse=True, params=["chunks", "flat"])
-def _write_how(request: pytest.FixtureRequest) -> Any:
-    """Every test twice: chunk by chunk (``put_chunk``), and as flat steps the batched
-    encoder writes (``put_flat_chunks``, ``codec/flatdelta.py``)."""
-    WRITE["how"] = request.param
-    yield request.param
-    WRITE["how"] = "chunks"
+pytestmark = pytest.mark.usefixtures("write_how")
 
 
 def _commit(w, step: int, arrays: dict[str, np.ndarray]):  # type: ignore[no-untyped-def]

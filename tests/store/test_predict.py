@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +18,13 @@ from dstt.store.codec.xor import DeltaPolicy
 from dstt.store.format.layout import step_file_key
 from dstt.store.format.records import ChunkRecord
 
-from ._util import crash_at_every_write, put_array, put_flat_arrays
+from ._util import (  # noqa: F401  (write_how: a fixture)
+    WRITE,
+    crash_at_every_write,
+    put_array,
+    put_flat_arrays,
+    write_how,
+)
 
 P, M, V = "params/w", "optim/exp_avg/w", "optim/exp_avg_sq/w"
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -55,16 +60,7 @@ class _Adam:
                                      step=float(self.t)))
 
 
-WRITE = {"how": "chunks"}
-
-
-@pytest.fixture(autouse=True, params=["chunks", "flat"])
-def _write_how(request: pytest.FixtureRequest) -> Any:
-    """Every test twice: chunk by chunk (``put_chunk``), and as flat steps the batched
-    encoder writes (``put_flat_chunks``, ``codec/flatdelta.py``)."""
-    WRITE["how"] = request.param
-    yield request.param
-    WRITE["how"] = "chunks"
+pytestmark = pytest.mark.usefixtures("write_how")
 
 
 def _put(txn: Transaction, arrays: dict[str, np.ndarray],
