@@ -102,7 +102,27 @@ class StepTableMixin:
         parts = self.table_parts()
         if parts is not None:
             return parts[0].dump(self.slot, self.zip.key, parts[1], parts[2])
+        if (len(self._flat) == 1 and not self._chunks and self._flat_enc[0] is not None
+                and len(self._plans) == len(self._flat_layouts[0].arrays)):
+            return self._encoded_table()
         return dump_arrays(self.slot, self.table())
+
+    def _encoded_table(self) -> bytes:
+        """An encoded step written whole from one flat layout: the layout's cached fixed
+        columns spliced with this step's (``TableTemplate.dump_columns``), the same bytes
+        ``dump_arrays(slot, self.table())`` makes with Python per array."""
+        layout = self._flat_layouts[0]
+        offsets, sizes, crcs = self._flat[0]
+        enc = self._flat_enc[0]
+        assert enc is not None
+        keys, codecs = enc
+        files = list(dict.fromkeys([self.zip.key, *keys]))  # first appearance, as file_id
+        ids = dict(zip(files, range(len(files)), strict=True))
+        tpl = self.writer.table_template(layout)
+        return tpl.dump_columns(self.slot, files, list(map(ids.__getitem__, keys)), sizes,
+                                offsets, crcs,
+                                dict(zip(map(str, codecs), map(list, codecs.values()),
+                                         strict=True)))
 
     def _complete(self, path: str) -> list[ChunkRecord]:
         span = self._flat_span.get(path)

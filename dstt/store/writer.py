@@ -262,12 +262,16 @@ class Writer:
             out.append((a[0], a[1], self.declare(a[0], a[1], tuple(a[2]), dims), dims))
         return FlatLayout.build(out)
 
-    def table_template(self, layout: FlatLayout, sizes: Sequence[int]) -> TableTemplate:
-        """The arrays table's fixed columns for steps written whole from ``layout``."""
+    def table_template(self, layout: FlatLayout,
+                       sizes: Sequence[int] | None = None) -> TableTemplate:
+        """The arrays table's fixed columns for steps written whole from ``layout``
+        (``sizes``: its raw chunks' sizes, computed from the layout when not given)."""
         with self._meta_lock:
             hit = self._tables.get(id(layout))
             if hit is not None and hit[0] is layout:
                 return hit[1]
+            if sizes is None:
+                sizes = [c[5] + 4 for c in layout.chunks]
             arrays = layout.arrays
             tpl = TableTemplate([a.path for a in arrays], [a.dtype for a in arrays],
                                 [a.shape for a in arrays], [a.plan.rows for a in arrays],

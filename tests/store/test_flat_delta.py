@@ -12,6 +12,7 @@ import numpy as np
 import dstt
 from dstt.store import Repository, load
 from dstt.store.codec.xor import DeltaPolicy
+from dstt.store.format.manifest import dump_arrays
 
 from ._util import flat_buffer, put_flat_arrays
 
@@ -46,6 +47,7 @@ def test_one_step_holds_deltas_dedups_and_keyframes(tmp_path: Path) -> None:
             written[step] = {k: v.copy() for k, v in arrays.items()}
             txn = w.begin(step)
             put_flat_arrays(txn, arrays)
+            assert txn.arrays_table() == dump_arrays(txn.slot, txn.table())  # spliced
             txn.commit()
             assert txn.flat_pending is not None  # the batched encoder wrote it
             if step == 2:

@@ -16,6 +16,7 @@ from dstt.store import Repository, Transaction, load
 from dstt.store.codec.predict import PREDICTORS, Prediction, adam_predictions, predict
 from dstt.store.codec.xor import DeltaPolicy
 from dstt.store.format.layout import step_file_key
+from dstt.store.format.manifest import dump_arrays
 from dstt.store.format.records import ChunkRecord
 
 from ._util import (  # noqa: F401  (write_how: a fixture)
@@ -68,6 +69,8 @@ def _put(txn: Transaction, arrays: dict[str, np.ndarray],
     txn.predict(preds)
     if WRITE["how"] == "flat":
         put_flat_arrays(txn, {n: arrays[n] for n in (P, M, V)})
+        # an encoded step's spliced table is the table built array by array, byte for byte
+        assert txn.arrays_table() == dump_arrays(txn.slot, txn.table())
         return
     for name in (M, V, P):  # inputs before the arrays predicted from them
         put_array(txn, name, arrays[name])

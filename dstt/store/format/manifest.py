@@ -211,6 +211,22 @@ class TableTemplate:
             b',"format":%d,"kind":"arrays","slot":%d}' % (FORMAT_VERSION, slot)))
         return b'{"crc32c":%d,"body":' % checksum(raw) + raw + b"}\n"
 
+    def dump_columns(self, slot: int, files: list[str], file: Sequence[int],
+                     nbytes: Sequence[int], offsets: Sequence[int], crcs: Sequence[int],
+                     codecs: Mapping[str, Any]) -> bytes:
+        """``dump_arrays`` of these arrays with every chunk column given (an encoded step:
+        chunks in several files, with codec entries keyed by chunk number)."""
+        if not len(file) == len(nbytes) == len(offsets) == len(crcs) == len(self.sizes):
+            raise ValueError(f"a table of {len(self.sizes)} chunks got columns of "
+                             f"{[len(file), len(nbytes), len(offsets), len(crcs)]}")
+        raw = b"".join((
+            b'{"arrays":', self._arrays, b',"chunks":{"crc32c":', _canonical(crcs),
+            b',"file":', _canonical(file), b',"nbytes":', _canonical(nbytes), b',"offset":',
+            _canonical(offsets), b'},"codecs":', _canonical(codecs), b',"files":',
+            _canonical(files), b',"format":%d,"kind":"arrays","slot":%d}' % (FORMAT_VERSION,
+                                                                              slot)))
+        return b'{"crc32c":%d,"body":' % checksum(raw) + raw + b"}\n"
+
 
 def arrays_json(arrays: Mapping[str, ArrayRecord]) -> dict[str, Any]:
     """The columnar table of ``arrays`` (arrays tables and multi-rank part manifests)."""
