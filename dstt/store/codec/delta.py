@@ -31,7 +31,8 @@ from ..format.envelope import checksum
 from ..format.layout import ChunkPlan, key_slot
 from ..format.records import ChunkRecord
 from .buffers import Scratch, ShadowPool
-from .flatdelta import FlatEncoded, FlatShadow, LayoutState, LayoutStates, encode_flat
+from .flatbases import FlatBasesMixin
+from .flatdelta import FlatShadow, LayoutStates
 from .predict import CUR, PRED, Prediction, predict
 from .xor import XOR, DeltaPolicy, chain_limit, xor_encode
 
@@ -106,7 +107,7 @@ class _Inflight:
     flat: Callable[[], FlatShadow | None] = lambda: None
 
 
-class DeltaEncoder:
+class DeltaEncoder(FlatBasesMixin):
     def __init__(self, policy: DeltaPolicy) -> None:
         self.policy = policy
         self._shadow: dict[tuple[str, int], Shadow] = {}
@@ -134,52 +135,6 @@ class DeltaEncoder:
         with self._mu:
             self._inflight[slot] = _Inflight(timeline, lookup, deps,
                                              flat if flat is not None else (lambda: None))
-
-    # -- whole flat steps (``flatdelta.py``) -------------------------------------------------
-    def flat_room(self, nbytes: int, layout: object) -> bool:
-        """Whether a flat shadow of ``nbytes`` fits the shadow budget."""
-        with self._mu:
-            old = self._flat.get(id(layout))
-            held = sum(s.data.nbytes for s in self._flat.values()) - (
-                old.data.nbytes if old is not None else 0)
-            return self._bytes + held + nbytes <= self.policy.shadow_bytes
-
-    def layout_state(self, layout: object) -> LayoutState:
-        return self._flat_states.get(layout)  # type: ignore[arg-type]
-
-    def flat_copy(self, buf: np.ndarray) -> np.ndarray:
-        """A copy of a step buffer to become a flat shadow (recycled memory)."""
-        return self._pool.copy(buf)
-
-    def encode_step(self, layout: object, buf: np.ndarray, slot: int, timeline: str,
-                    predictions: dict[str, Prediction],
-                    ) -> tuple[FlatEncoded, FlatShadow, int | None] | None:
-        """The step in flat buffer ``buf`` encoded against the newest flat shadow of its
-        layout before ``slot`` (with the in-flight slot it came from, or None: committed);
-        None when there is none (the step is a keyframe)."""
-        epoch = self._pool.enter()
-        try:
-            with self._mu:
-                flights = sorted(((s, f) for s, f in self._inflight.items()
-                                  if s < slot and f.timeline == timeline), reverse=True)
-                committed = self._flat.get(id(layout)) if timeline == self._timeline else None
-            base, from_slot = None, None
-            for s, f in flights:
-                sh = f.flat()
-                if sh is not None and sh.layout is layout:
-                    base, from_slot = sh, s
-                    break
-            if base is None and committed is not None and committed.layout is layout:
-                base = committed
-            if base is None:
-                return None
-            t0 = time.perf_counter()
-            out = encode_flat(self.policy, self._flat_states.get(layout),  # type: ignore[arg-type]
-                              buf, base, slot, predictions, self._scratch)
-            out.seconds = time.perf_counter() - t0
-            return out, base, from_slot
-        finally:
-            self._pool.leave(epoch)
 
     def discard(self, slot: int) -> None:
         """``slot`` will not commit: stop basing on it, and on everything based on it."""
