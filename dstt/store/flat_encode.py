@@ -72,38 +72,40 @@ def write_encoded(txn: Transaction, layout: FlatLayout, view: memoryview) -> Non
         written += int(lens.sum())
     k = np.flatnonzero(kinds == KEY)
     if len(k):
-        offs, ks = _write_keyframes(txn, layout, view, k.tolist())
+        offs, ks = _write_keyframes(txn, layout, buf, k, raw[k].tolist())
         offsets[k] = offs
         sizes[k] = ks
         written += int(sum(ks))
     cols = (offsets.tolist(), sizes.tolist(), crcs.tolist())
-    txn._record_flat(layout, cols, (files.tolist(), e.codecs))
+    keys = files.tolist()
+    txn._record_flat(layout, cols, (keys, e.codecs))
     txn.stats.add_counts(layout.raw_nbytes, written, keyframes=len(k),
                          deltas=len(e.delta_idx), dedups=len(d),
                          seconds=time.perf_counter() - t0)
     if from_slot is not None and e.deps:
         with txn._lock:
             txn.deps.add(from_slot)
-    txn.flat_pending = txn._flat_shadow(layout, view, files.tolist(), *cols,
+    txn.flat_pending = txn._flat_shadow(layout, view, keys, *cols,
                                         raw_crcs=raw, depth=e.depth, codecs=e.codecs)
 
 
-def _write_keyframes(txn: Transaction, layout: FlatLayout, view: memoryview, chunks: list[int]
-                     ) -> tuple[list[int], list[int]]:
-    """Chunks of an encoded step written raw, as zip entries: one range of the step file,
-    its headers and directory records sliced from per-chunk templates built once per layout
-    and their CRC-32 and offset fields patched with numpy (no Python per entry; the set of
-    keyframes changes from step to step). Returns each chunk's data offset and size."""
+def _write_keyframes(txn: Transaction, layout: FlatLayout, buf: np.ndarray, idx: np.ndarray,
+                     raw: list[int]) -> tuple[list[int], list[int]]:
+    """Chunks ``idx`` of an encoded step written raw (``raw``: their crc32c, the encoder's),
+    as zip entries: one range of the step file, its headers and directory records sliced
+    from per-chunk templates built once per layout and their CRC-32 and offset fields
+    patched with numpy (no Python per entry; the set of keyframes changes from step to
+    step). Returns each chunk's data offset and size."""
     enc = txn.writer.encoder
     assert enc is not None
-    t = _templates(enc.layout_state(layout))
-    idx = np.asarray(chunks, np.int64)
-    data: list[Any] = list(map(t.views(view).__getitem__, chunks))
-    if t.pads:  # edge chunks (the last of a multi-chunk array): their zero padding, copied
+    st = enc.layout_state(layout)
+    t = _templates(st)
+    chunks = idx.tolist()
+    data: list[Any] = list(map(st.views(buf, "b").__getitem__, chunks))
+    if st.pads:  # edge chunks (the last of a multi-chunk array): their zero padding, copied
         for j in np.flatnonzero(np.isin(idx, t.pad_idx)).tolist():
-            data[j] = bytes(data[j]) + bytes(t.pads[chunks[j]])
-    crcs = list(map(crc32c_raw, data))
-    trailers = list(map(_PACK, crcs))
+            data[j] = bytes(data[j]) + bytes(st.pads[chunks[j]])
+    trailers = list(map(_PACK, raw))
     zips = list(map(crc32_raw, trailers, map(crc32_raw, data)))
     hlen, size = t.hlen[idx], t.size[idx]
     total = int(hlen.sum() + size.sum())
@@ -135,8 +137,8 @@ class _Templates:
     """Per chunk of a layout: its zip entry's local header and central directory record
     with zero CRC-32 and offset (below 4 GiB neither depends on where the entry is)."""
 
-    def __init__(self, layout: FlatLayout) -> None:
-        ch = layout.chunks
+    def __init__(self, st: LayoutState) -> None:
+        ch = st.layout.chunks
         self.names = [c[4] for c in ch]
         sizes = [c[5] + 4 for c in ch]
         self.heads = [local_header(n, sz, 0, 0) for n, sz in zip(self.names, sizes, strict=True)]
@@ -145,23 +147,11 @@ class _Templates:
         self.hlen = np.fromiter(map(len, self.heads), np.int64, len(ch))
         self.cdlen = np.fromiter(map(len, self.cds), np.int64, len(ch))
         self.size = np.asarray(sizes, np.int64)
-        self.pads = {j: c[5] - (c[3] - c[2]) for j, c in enumerate(ch) if c[5] > c[3] - c[2]}
-        self.pad_idx = np.asarray(sorted(self.pads), np.int64)
-        self._spans = ([c[2] for c in ch], [c[3] for c in ch])
-        self._views: tuple[int, int, list[memoryview]] | None = None
-
-    def views(self, view: memoryview) -> list[memoryview]:
-        """Each chunk's bytes in ``view`` (cached for the last buffer)."""
-        addr = np.frombuffer(view, np.uint8).ctypes.data
-        got = self._views
-        if got is None or got[0] != addr or got[1] != len(view):
-            got = self._views = (addr, len(view), list(map(view.__getitem__, map(
-                slice, *self._spans))))
-        return got[2]
+        self.pad_idx = np.asarray(sorted(st.pads), np.int64)
 
 
 def _templates(st: LayoutState) -> _Templates:
     t = st.cache.get("zip_templates")
     if t is None:
-        t = st.cache["zip_templates"] = _Templates(st.layout)
+        t = st.cache["zip_templates"] = _Templates(st)
     return t  # type: ignore[no-any-return]
