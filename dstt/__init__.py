@@ -55,6 +55,7 @@ __all__ = [
     "RunLockedError",
     "SchemaError",
     "Session",
+    "SessionOptions",
     "Snapshot",
     "StepMetrics",
     "StepNotFoundError",
@@ -74,11 +75,12 @@ _LAZY: dict[str, str] = {
     "Run": "dstt._run:Run",
     "Snapshot": "dstt._snapshot:Snapshot",
     "DeltaPolicy": "dstt.store.codec:DeltaPolicy",
-    "Session": "dstt._session:Session",
+    "Session": "dstt.training:Session",
+    "SessionOptions": "dstt.training:SessionOptions",
     "StepMetrics": "dstt.engine.pipeline:StepMetrics",
     "open": "dstt._run:open_run",
     "plots": "dstt.plots",
-    "session": "dstt._session:session",
+    "session": "dstt.training:session",
     "widgets": "dstt.widgets",
 }
 

@@ -91,8 +91,8 @@ def _spikes(run: Any, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
 def _visible(snap: Any, optim: bool) -> list[str]:
     """Store paths a user sees at a snapshot: tensors (logical ones of ZeRO runs, not their
     flat sources), optimizer states only with ``optim``."""
-    from .inspect.naming import optim_state
     from .inspect.sharded import shard_sources
+    from .schema import optim_state
 
     hidden = shard_sources(snap.arrays)
     return [p for p in sorted(snap.arrays)
@@ -114,8 +114,9 @@ def _summary_of(run: Any, snap: Any) -> dict[str, tuple[float | None, float | No
 
 def cmd_show(args: argparse.Namespace) -> int:
     from .inspect.html import human_bytes
-    from .inspect.naming import select, selector_miss, user_name
+    from .inspect.naming import select, selector_miss
     from .inspect.sharded import LogicalRecord, shard_sources
+    from .schema import user_name
 
     run = _resolve_run(args)
     snap = run.at(args.step, args.timeline)

@@ -323,7 +323,7 @@ class Run(DiagnoseMixin):
         ``skip_samples`` (sample indices) and ``skip_batches`` (steps of ``timeline`` whose
         recorded batches, ``run.batches()``, are skipped wherever they come again) are
         dropped by every session resumed on the new timeline and those forked from it
-        (``run.skips()``; see :mod:`dstt._data`)."""
+        (``run.skips()``; see :mod:`dstt.training.data`)."""
         skips = self._skip_set(skip_samples, skip_batches, timeline)
         ref = self.repo.rollback(int(to), skip_data=int(skip_data), timeline=timeline,
                                  name=name)

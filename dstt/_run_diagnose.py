@@ -1,6 +1,6 @@
 """The diagnosis half of :class:`dstt.Run`: spike causes, data attribution, first non-finite
 values, gradual divergence (the rules are :mod:`dstt.inspect.diagnose`'s), and the batch
-fingerprints and skip sets of :mod:`dstt._data`.
+fingerprints and skip sets of :mod:`dstt.training.data`.
 
 A mixin rather than more of ``_run.py``: these methods only read through the run's public
 views (``commits``, ``metrics``, ``summaries``) and its reader's objects, and keep the file
@@ -72,7 +72,7 @@ class DiagnoseMixin:
     def batches(self, steps: slice | Iterable[int] | None = None, *,
                 timeline: str | None = None) -> dict[int, list[Batch]]:
         """Recorded batch fingerprints per step, ``{step: [Batch, ...]}`` (several with
-        gradient accumulation; see :mod:`dstt._data`); ``steps`` a slice of step values
+        gradient accumulation; see :mod:`dstt.training.data`); ``steps`` a slice of step values
         (inclusive) or steps. Only the commits carrying those steps are read."""
         line = self.commits(timeline)
         if steps is None:

@@ -20,14 +20,13 @@ import xarray as xr
 from .inspect.batches import Batch
 from .inspect.naming import (
     array_path,
-    optim_state,
     select,
     selector_miss,
     tensor_dims,
-    user_name,
 )
 from .inspect.sharded import shard_sources
 from .inspect.views import layer_tree, tensor_dataarray
+from .schema import optim_state, user_name
 
 if TYPE_CHECKING:
     import torch

@@ -1,5 +1,5 @@
 """The capture engine: what to capture (providers), how to copy it (staging), how to flush it
-(pipeline). ``dstt._session`` drives it for plain PyTorch; the engine never imports
+(pipeline). ``dstt.training`` drives it for plain PyTorch; the engine never imports
 ``dstt.inspect`` and reaches the disk only through ``dstt.store``."""
 
 from .data_position import DataPosition, TrackedData

@@ -7,7 +7,7 @@ a loader with ``state_dict()``/``load_state_dict()`` instead). ``on_next`` runs 
 batch is drawn, the end of the previous iteration: where the session captures its boundary
 state (see ``dstt.engine.torch_state``).
 Rejected alternative: a subclass with its own copy of the iteration loop — the pass has hooks
-(``_begin_pass``, ``_skipped``, ``_keep``) through which ``dstt._data`` records and filters
+(``_begin_pass``, ``_skipped``, ``_keep``) through which ``dstt.training.data`` records and filters
 batches instead.
 """
 
@@ -75,7 +75,7 @@ class TrackedData:
                 yield batch
         self.position = DataPosition(self.position.epoch + 1, 0, self.position.total)
 
-    # hooks for subclasses (``dstt._data`` records and filters batches through them)
+    # hooks for subclasses (``dstt.training.data`` records and filters batches through them)
     def _begin_pass(self) -> None:
         """A pass starts: the epoch is set, the loader's iterator not yet made."""
 

@@ -38,16 +38,17 @@ import torch
 
 from ..errors import CaptureError, RankError, SchemaError
 from ._convert import from_plain, to_plain
-from .providers import CompositeProvider, ObjectProvider, RestoreSource, TensorProvider
+from .providers import CompositeProvider, RankObject, RestoreSource, TensorProvider
 from .ranks import RankInfo
+from .sharding import OwnedTensors
 from .torch_state import (
     OptimizerStateProvider,
     Stateful,
     TorchState,
-    _get_rng,
-    _set_rng,
+    get_rng,
     model_buffers,
     param_names,
+    set_rng,
     tensor_path,
 )
 from .zero import ZeroState
@@ -59,8 +60,6 @@ __all__ = [
     "EngineStepHook",
     "discover_deepspeed",
     "is_deepspeed_engine",
-    "owners",
-    "per_rank_object",
     "session_tensors",
 ]
 
@@ -73,58 +72,6 @@ def is_deepspeed_engine(obj: Any) -> bool:
     """Whether ``obj`` is a ``deepspeed.DeepSpeedEngine`` (without importing deepspeed)."""
     return any(c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed")
                for c in type(obj).__mro__)
-
-
-def owners(sizes: Mapping[str, int], world: int) -> dict[str, int]:
-    """Rank that writes each replicated array: largest first to the least loaded rank."""
-    load = [0] * world
-    out: dict[str, int] = {}
-    for path in sorted(sizes, key=lambda p: (-sizes[p], p)):
-        r = min(range(world), key=lambda i: (load[i], i))
-        out[path] = r
-        load[r] += sizes[path]
-    return out
-
-
-class OwnedTensors:
-    """Replicated tensors of several providers; ``tensors()`` yields this rank's share only
-    (``rank0``: rank 0 owns them all). Objects come from rank 0 only; ``restore`` reads every
-    array (all ranks hold them all)."""
-
-    def __init__(self, providers: Iterable[Any], info: RankInfo, *, rank0: bool = False) -> None:
-        self.inner = CompositeProvider(providers)
-        self.info, self.rank0 = info, rank0
-
-    def tensors(self) -> Mapping[str, torch.Tensor]:
-        if self.rank0:
-            return self.inner.tensors() if self.info.rank == 0 else {}
-        every = self.inner.tensors()
-        mine = owners({p: t.numel() * t.element_size() for p, t in every.items()},
-                      self.info.world)
-        return {p: t for p, t in every.items() if mine[p] == self.info.rank}
-
-    def objects(self) -> Mapping[str, Any]:
-        return self.inner.objects() if self.info.rank == 0 else {}
-
-    def restore(self, source: RestoreSource) -> None:
-        self.inner.restore(source)
-
-
-def per_rank_object(name: str, info: RankInfo, get: Callable[[], Any],
-              set: Callable[[Any], None] | None, *, fallback: bool) -> ObjectProvider:
-    """An object each rank stores under ``name/r<rank>``; on resume into more ranks than were
-    saved, ranks without their own copy take rank 0's when ``fallback``."""
-    p = ObjectProvider(f"{name}/r{info.rank}", get, set, required=False)
-    restore = p.restore
-
-    def restore_any(source: RestoreSource) -> None:
-        if source.has_object(p.name) or not fallback or set is None:
-            restore(source)
-        elif source.has_object(f"{name}/r0"):
-            set(from_plain(source.object(f"{name}/r0")))
-
-    p.restore = restore_any  # type: ignore[method-assign]
-    return p
 
 
 class _EngineProvider:
@@ -240,13 +187,13 @@ class DeepSpeedState:
         step.add(_MetaProvider(self.stage, info))
         for p in extra:
             step.add(p)
-        step.add(per_rank_object("rng", info, _get_rng, _set_rng, fallback=True))
+        step.add(RankObject("rng", info, get_rng, set_rng, always_suffix=True))
         boundary = CompositeProvider([_EngineProvider(engine, inner, info)])
         for name, obj in (extra_state or {}).items():
             if not isinstance(obj, Stateful):
                 raise TypeError(f"extra_state[{name!r}] needs state_dict() and load_state_dict()")
-            boundary.add(per_rank_object(f"extra/{name}", info, obj.state_dict, obj.load_state_dict,
-                                   fallback=True))
+            boundary.add(RankObject(f"extra/{name}", info, obj.state_dict,
+                                    obj.load_state_dict, always_suffix=True))
         self.state = TorchState(step, boundary)
 
     def restore(self, source: RestoreSource) -> None:

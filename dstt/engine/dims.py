@@ -23,7 +23,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ..inspect.naming import resolve_dims
+from ..schema import canonical_name, resolve_dims
+from .torch_state import module_wrappers
 
 __all__ = ["DimsOf", "ModelDims", "array_dims", "fallback_dims", "model_dims",
            "module_tensor_dims"]
@@ -74,10 +75,11 @@ def model_dims(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
     """Dotted name -> dims of every parameter and buffer of ``model`` whose module type says
     what its dims are (0-d ones: ``()``)."""
     out: dict[str, tuple[str, ...]] = {}
+    wrappers = module_wrappers(model)
     for mod_name, module in model.named_modules():
         own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
         for name, t in own:
-            dotted = f"{mod_name}.{name}" if mod_name else name
+            dotted = canonical_name(f"{mod_name}.{name}" if mod_name else name, wrappers)
             if t.dim() == 0:
                 out.setdefault(dotted, ())
                 continue

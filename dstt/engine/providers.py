@@ -24,15 +24,26 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from ..errors import SchemaError
-from ..store import Prediction, check_array_path
+from ..store import (
+    LogicalArray,
+    Prediction,
+    RankInfo,
+    check_array_path,
+    logical_arrays,
+    read_logical,
+    read_region,
+)
 from ._convert import from_plain, store_dtype, tensor_from_numpy, to_plain
+from .dtensors import restore_tensor
 
 __all__ = [
     "CompositeProvider",
     "ObjectProvider",
+    "RankObject",
     "RestoreSource",
     "StateProvider",
     "StoreSource",
@@ -65,6 +76,15 @@ class RestoreSource(Protocol):
 
     def array(self, path: str) -> torch.Tensor:
         """The stored tensor as a CPU tensor of its stored dtype and shape."""
+        ...
+
+    def shape(self, path: str) -> tuple[int, ...]:
+        """The stored tensor's (logical) shape."""
+        ...
+
+    def region(self, path: str, offsets: tuple[int, ...],
+               sizes: tuple[int, ...]) -> torch.Tensor:
+        """The box ``offsets``/``sizes`` of the stored tensor (a rank's local shard)."""
         ...
 
     def has_object(self, name: str) -> bool: ...
@@ -149,7 +169,7 @@ class TensorProvider:
                         "was the run written by a different model?"
                     )
                 continue
-            load_into(live, source.array(path), path)
+            restore_tensor(source, path, live)
 
     def __repr__(self) -> str:
         return f"TensorProvider({len(self._live())} tensors)"
@@ -202,6 +222,31 @@ class ObjectProvider:
         return f"ObjectProvider({self.name!r})"
 
 
+class RankObject(ObjectProvider):
+    """An object each rank keeps for itself: ``<name>/r<rank>`` with several ranks, ``name``
+    alone in a one-rank session. A resume restores the rank's own copy; a rank without one
+    (more ranks than were saved; a run saved by one process) takes the one-rank copy or rank
+    0's when ``fallback``. ``required``: a step holding none of them is a ``SchemaError``.
+    ``always_suffix``: ``<name>/r<rank>`` in a one-rank session too (DeepSpeed's naming)."""
+
+    def __init__(self, name: str, info: RankInfo, get: Callable[[], Any],
+                 set: Callable[[Any], None] | None, *, fallback: bool = True,
+                 required: bool = False, always_suffix: bool = False) -> None:
+        own = f"{name}/r{info.rank}" if info.world > 1 or always_suffix else name
+        super().__init__(own, get, set, required=required)
+        self.base, self.fallback = name, fallback
+
+    def restore(self, source: RestoreSource) -> None:
+        if self._set is None:
+            return
+        for name in (self.name, *((self.base, f"{self.base}/r0") if self.fallback else ())):
+            if source.has_object(name):
+                self._set(from_plain(source.object(name)))
+                return
+        if self.required:
+            raise SchemaError(f"step {source.step} has no object {self.name!r}")
+
+
 class CompositeProvider:
     """Several providers as one; names must not collide. Restores in the given order."""
 
@@ -213,6 +258,12 @@ class CompositeProvider:
     def add(self, provider: StateProvider) -> None:
         self.providers.append(provider)
         self._parts = []
+
+    @property
+    def stable(self) -> bool:
+        """Whether ``tensors()`` returns a new mapping whenever anything in it changed (every
+        provider makes that promise)."""
+        return all(getattr(p, "stable", False) for p in self.providers)
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return self._merge_tensors([p.tensors() for p in self.providers])
@@ -237,7 +288,7 @@ class CompositeProvider:
         its own dict in place) gets a fresh merge at every call."""
         parts = [t for t in got if t]
         if (len(parts) == len(self._parts) and all(map(operator.is_, parts, self._parts))
-                and all(getattr(p, "stable", False) for p in self.providers)):
+                and self.stable):
             return self._merged
         out: dict[str, torch.Tensor] = {}
         for part in parts:
@@ -283,15 +334,21 @@ class StoreSource:
     training process anyway (like ``torch.load`` of one's own checkpoint), and user state that
     is not plain data was stored with pickle.
 
-    ``prefetch=True`` reads (and verifies) every array and object of the step up front, so a
-    damaged step is refused before any live tensor is touched — at the cost of one host copy
-    of the state during the resume. Rejected alternative: verifying everything, then reading
-    it again to restore (twice the I/O of a large checkpoint).
+    Arrays are the step's stored arrays and its *logical* ones (tensors several ranks wrote
+    in parts, assembled from the shard maps: ``dstt.store.shards``): ``array`` reads a whole
+    tensor, ``region`` only the box a rank holds (its local shard), from whichever parts
+    overlap it.
+
+    ``prefetch=True`` reads (and verifies) every stored array and object of the step up
+    front, so a damaged step is refused before any live tensor is touched — at the cost of one
+    host copy of the state during the resume. Rejected alternative: verifying everything, then
+    reading it again to restore (twice the I/O of a large checkpoint).
     """
 
     def __init__(self, reader: Any, header: Any, *, prefetch: bool = False) -> None:
         self._reader, self._header = reader, header
         self._arrays = reader.arrays(header)
+        self._logical: dict[str, LogicalArray] | None = None
         self._cached: dict[str, torch.Tensor] = {}
         self._cached_objects: dict[str, Any] = {}
         if prefetch:
@@ -315,17 +372,46 @@ class StoreSource:
     def step(self) -> int:
         return int(self._header.step)
 
+    @property
+    def logical(self) -> Mapping[str, LogicalArray]:
+        """The step's logical arrays (empty unless ranks wrote tensors in parts)."""
+        if self._logical is None:
+            self._logical = logical_arrays(self._reader, self._header, self._arrays)
+        return self._logical
+
     def has_array(self, path: str) -> bool:
-        return path in self._arrays
+        return path in self._arrays or path in self.logical
+
+    def shape(self, path: str) -> tuple[int, ...]:
+        rec = self._arrays.get(path) or self.logical.get(path)
+        if rec is None:
+            raise SchemaError(f"step {self.step} has no array {path!r}")
+        return tuple(rec.shape)
+
+    def _dtype(self, path: str) -> str:
+        rec = self._arrays.get(path) or self.logical.get(path)
+        if rec is None:
+            raise SchemaError(f"step {self.step} has no array {path!r}")
+        return str(rec.dtype)
 
     def array(self, path: str) -> torch.Tensor:
         if path not in self._arrays:
-            raise SchemaError(f"step {self.step} has no array {path!r}")
+            a = self.logical.get(path)
+            if a is None:
+                raise SchemaError(f"step {self.step} has no array {path!r}")
+            data = read_logical(self._reader, self._header, a).reshape(a.shape)
+            return tensor_from_numpy(data, a.dtype)
         cached = self._cached.pop(path, None)  # each array is restored once: free as we go
         if cached is not None:
             return cached
         rec = self._arrays[path]
         return tensor_from_numpy(self._reader.read_array(self._header, path), rec.dtype)
+
+    def region(self, path: str, offsets: tuple[int, ...],
+               sizes: tuple[int, ...]) -> torch.Tensor:
+        dtype = self._dtype(path)
+        data = read_region(self._reader, self._header, path, offsets, sizes, self.logical)
+        return tensor_from_numpy(np.ascontiguousarray(data), dtype)
 
     def has_object(self, name: str) -> bool:
         return name in self._header.objects

@@ -1,22 +1,39 @@
-"""Several ranks, one run, from the training side: rank and world size from torch.distributed,
+"""Several ranks, one run, from the training side: rank and world size, the ranks' channel,
 and opening the run on every rank together.
 
-``open_ranks`` runs on the main thread of every rank at once: rank 0 creates the run, takes
-the lock and removes part files a crashed session left; the others open part writers; one
-``broadcast_object_list`` agrees the first slot and the session id, one ``all_gather_object``
-checks every rank opened. Those are the only collectives dstt issues, and they run before any
-background thread exists. What happens per step — parts, votes, rank 0's merged commit — is
-the store's multi-rank commit protocol (``dstt.store.RankWriter``, store/commit.py), which
-needs no torch.
+The ranks of a session talk through a ``RankChannel``: small JSON messages in the key-value
+store of torch.distributed's default process group (the ``TCPStore`` torchrun and
+``init_process_group`` set up), under a prefix of their own. A message is posted once and
+read by whoever waits for it, with a deadline: a rank that never comes (a session started on
+a subset of ranks) or answers late is a ``RankError`` naming the missing ranks, never a
+hang, and nothing goes through the process group's communicator (no NCCL launch, no device,
+no collective that a sibling could leave waiting).
+
+``open_ranks`` runs on the main thread of every rank at once: every rank says which run and
+options it opens (the ranks must agree: ``RankError`` on every rank otherwise), rank 0 creates
+the run, takes the lock and removes part files a crashed session left, the others open part
+writers, and every rank learns the first slot, the session id and the commit to restore. What
+happens per step — parts, votes, rank 0's merged commit — is the store's multi-rank commit
+protocol (``dstt.store.RankWriter``, store/commit.py), which needs no torch.
+Rejected alternative: ``broadcast_object_list``/``all_gather_object`` on the default group
+(what this module used first) — a rank that never joins leaves the others in the collective
+until the group's own timeout (30 min), and under NCCL each object collective needs the
+right current device.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import time
 import uuid
+import warnings
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
-from ..errors import RankError, TimelineError
+from ..errors import DsttWarning, RankError, TimelineError
 from ..store import (
     DEFAULT_RANK_TIMEOUT,
     DeltaPolicy,
@@ -29,8 +46,12 @@ from ..store import (
     remove_parts,
 )
 
-__all__ = ["DEFAULT_RANK_TIMEOUT", "RankInfo", "RankTransaction", "RankWriter", "TransactionProxy",
-           "dist_info", "open_ranks"]
+__all__ = ["DEFAULT_RANK_TIMEOUT", "RankChannel", "RankInfo", "RankTransaction", "RankWriter",
+           "TransactionProxy", "dist_info", "open_ranks", "run_identity"]
+
+#: a wait longer than this says whom it waits for (then goes on waiting until its deadline)
+_NOTICE_S = 30.0
+_channels = itertools.count()  # every process opens its sessions in the same order
 
 
 def dist_info() -> RankInfo:
@@ -42,45 +63,142 @@ def dist_info() -> RankInfo:
     return RankInfo(0, 1)
 
 
-def _broadcast(obj: Any, info: RankInfo) -> Any:
-    if info.world == 1:
-        return obj
+class RankChannel:
+    """JSON messages between the ranks of one session (see the module docstring).
+
+    ``gather(key, value)`` posts this rank's value and returns every rank's, by rank;
+    ``share(key, value)`` posts rank 0's value (others pass None) and returns it on every
+    rank. Each key is used once per channel. A channel of one rank needs no store.
+    """
+
+    def __init__(self, info: RankInfo, *, timeout: float = DEFAULT_RANK_TIMEOUT,
+                 store: Any = None, name: str | None = None) -> None:
+        self.info, self.timeout = info, float(timeout)
+        self._store = None
+        if info.world > 1:
+            if store is None:
+                store = _default_store()
+            import torch.distributed as dist
+
+            self._store = dist.PrefixStore(f"dstt/{name or next(_channels)}/", store)
+
+    def gather(self, key: str, value: Any, *, what: str = "answer") -> list[Any]:
+        if self._store is None:
+            return [value]
+        self._store.set(f"{key}/{self.info.rank}", json.dumps(value))
+        keys = [f"{key}/{r}" for r in range(self.info.world)]
+        self._wait(keys, what)
+        return [json.loads(v) for v in self._store.multi_get(keys)]
+
+    def share(self, key: str, value: Any = None, *, what: str = "answer") -> Any:
+        if self._store is None:
+            return value
+        if self.info.rank == 0:
+            self._store.set(key, json.dumps(value))
+            return value
+        self._wait([key], what, ranks=[0])
+        return json.loads(self._store.get(key))
+
+    def _wait(self, keys: Sequence[str], what: str,
+              ranks: Sequence[int] | None = None) -> None:
+        assert self._store is not None
+        deadline = time.monotonic() + self.timeout
+        noticed = False
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self._store.wait(list(keys), timedelta(seconds=max(0.001, min(left, _NOTICE_S))))
+                return
+            except Exception as e:  # a timeout (DistStoreError) or a store gone away
+                if not _is_timeout(e):
+                    raise RankError(f"rank {self.info.rank}: the ranks' store failed while "
+                                    f"waiting for their {what} ({type(e).__name__}: {e})") from e
+            missing = self._missing(keys, ranks)
+            if time.monotonic() >= deadline:
+                raise RankError(
+                    f"rank {self.info.rank}: ranks {missing} did not send their {what} within "
+                    f"{self.timeout:.0f} s. Every rank must run the same dstt.session(...) (or "
+                    "callback) at the same point of training: a session on some ranks only "
+                    "cannot commit; a rank that crashed or stalls holds the others up "
+                    "(rank_timeout= sets the wait)")
+            if not noticed:
+                noticed = True
+                warnings.warn(f"dstt: rank {self.info.rank} has waited {_NOTICE_S:.0f} s for "
+                              f"the {what} of ranks {missing}; still waiting (up to "
+                              f"{self.timeout:.0f} s)", DsttWarning, stacklevel=4)
+
+    def _missing(self, keys: Sequence[str], ranks: Sequence[int] | None) -> list[int]:
+        assert self._store is not None
+        if ranks is not None:
+            return list(ranks)
+        return [int(k.rsplit("/", 1)[1]) for k in keys if not self._store.check([k])]
+
+
+def _is_timeout(e: Exception) -> bool:
+    text = f"{type(e).__name__} {e}".lower()
+    return "timeout" in text or "timed out" in text
+
+
+def _default_store() -> Any:
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
-    box = [obj if info.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RankError("several ranks need an initialized torch.distributed process group "
+                        "(torch.distributed.init_process_group, or torchrun)")
+    get = getattr(distributed_c10d, "_get_default_store", None)
+    if get is None:  # pragma: no cover - every torch dstt supports has it
+        raise RankError("this torch.distributed has no default store; dstt cannot coordinate "
+                        "its ranks")
+    return get()
 
 
-def _all_ok(ok: bool, msg: str, info: RankInfo) -> None:
-    got: list[Any] = [(ok, msg)]
-    if info.world > 1:
-        import torch.distributed as dist
+def run_identity(run: str | os.PathLike[str] | Repository | Storage) -> str:
+    """What every rank must agree on about ``run``: its location (an absolute path or URL)."""
+    if isinstance(run, Repository):
+        return str(run.storage.location)
+    if isinstance(run, Storage):
+        return str(run.location)
+    text = os.fspath(run)
+    return text if "://" in text else os.path.abspath(text)
 
-        got = [None] * info.world
-        dist.all_gather_object(got, (ok, msg))
-    bad = [(r, m) for r, (k, m) in enumerate(got) if not k]
-    if bad:
-        raise RankError("could not open the run on every rank: " +
-                        "; ".join(f"rank {r}: {m}" for r, m in bad))
+
+def _disagreements(said: Sequence[Mapping[str, Any]]) -> list[str]:
+    out = []
+    for key in sorted(said[0]):
+        values = [s.get(key) for s in said]
+        if any(v != values[0] for v in values):
+            per = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            out.append(f"{key} ({per})")
+    return out
 
 
 def open_ranks(run: str | os.PathLike[str] | Repository | Storage, info: RankInfo, *,
                resume: bool, chunk_bytes: int, encoding: DeltaPolicy | None = None,
-               timeout: float = DEFAULT_RANK_TIMEOUT,
-               lazy_refs: bool = False) -> tuple[RankWriter, Any]:
+               timeout: float = DEFAULT_RANK_TIMEOUT, lazy_refs: bool = False,
+               agree: Mapping[str, Any] | None = None,
+               channel: RankChannel | None = None) -> tuple[RankWriter, Any]:
     """Open ``run`` on every rank (call on the main thread of all ranks together).
 
     Returns this rank's ``RankWriter`` and the commit header every rank restores from (rank 0's
     head of the current timeline, or None for a new run). Rank 0 creates the run, takes the
     lock and removes part files a crashed session left; the others open part writers.
-    ``lazy_refs``: rank 0's ref is synced by the next barrier (``Writer(lazy_refs=...)``);
-    not for callers that publish a pointer of their own after each commit (``latest``).
+    ``agree``: settings every rank must share (``every``, ...; the run's location and
+    ``resume`` always are), checked before anything is opened. ``lazy_refs``: rank 0's ref is
+    synced by the next barrier (``Writer(lazy_refs=...)``); not for callers that publish a
+    pointer of their own after each commit (``latest``).
     """
     if encoding is not None and info.world > 1:
         raise ValueError("encoding (XOR deltas) is not supported with several ranks yet; "
                          "pass encoding=None")
-    payload: dict[str, Any]
+    ch = channel or RankChannel(info, timeout=timeout)
+    said = ch.gather("hello", {"run": run_identity(run), "resume": bool(resume),
+                               "world": info.world, **(agree or {})},
+                     what="dstt.session start")
+    bad = _disagreements(said)
+    if bad:
+        raise RankError("the ranks started dstt sessions that disagree on " + "; ".join(bad) +
+                        ": every rank must pass the same run and options")
     writer: Any = None
     if info.rank == 0:
         try:
@@ -95,19 +213,21 @@ def open_ranks(run: str | os.PathLike[str] | Repository | Storage, info: RankInf
                     f"run {repo.storage.location} already has committed steps (timeline "
                     f"{reader.current_timeline!r} is at step {head.step}); pass resume=True to "
                     "continue it, or choose a new run path")
-            payload = {"error": None, "base": writer.next_slot, "session": uuid.uuid4().hex,
-                       "head": None if head is None else head.slot}
+            payload: dict[str, Any] = {
+                "error": None, "base": writer.next_slot, "session": uuid.uuid4().hex,
+                "head": None if head is None else head.slot}
         except BaseException as e:
             if writer is not None:
                 writer.close()
-            _broadcast({"error": f"{type(e).__name__}: {e}"}, info)
+            ch.share("opened", {"error": f"{type(e).__name__}: {e}"})
             raise
-        _broadcast(payload, info)
+        ch.share("opened", payload)
     else:
-        payload = _broadcast(None, info)
+        payload = ch.share("opened", what="run (from rank 0)")
         if payload["error"] is not None:
             raise RankError(f"rank 0 could not open the run: {payload['error']}")
     ok, msg = True, ""
+    head = None
     try:
         if info.rank != 0:
             repo = run if isinstance(run, Repository) else Repository.open(run)
@@ -116,7 +236,11 @@ def open_ranks(run: str | os.PathLike[str] | Repository | Storage, info: RankInf
     except Exception as e:
         ok, msg = False, f"{type(e).__name__}: {e}"
     try:
-        _all_ok(ok, msg, info)
+        got = ch.gather("ready", [ok, msg], what="opened run")
+        failed = [(r, m) for r, (k, m) in enumerate(got) if not k]
+        if failed:
+            raise RankError("could not open the run on every rank: " +
+                            "; ".join(f"rank {r}: {m}" for r, m in failed))
     except BaseException:
         if writer is not None:
             writer.close()

@@ -25,7 +25,6 @@ rules), built from stored arrays, so a fresh optimizer with no state yet restore
 
 from __future__ import annotations
 
-import functools
 import itertools
 import operator
 import random
@@ -37,31 +36,45 @@ import numpy as np
 import torch
 
 from ..errors import SchemaError
-from ..store import Encoded, Prediction
+from ..schema import canonical_name, tensor_path
+from ..store import Encoded, Prediction, RankInfo
 from ._convert import from_plain, to_plain
+from .dtensors import stored_value
 from .predictions import optimizer_predictions
 from .providers import (
     CompositeProvider,
     ObjectProvider,
+    RankObject,
     RestoreSource,
     StateProvider,
     TensorProvider,
 )
 
 __all__ = [
+    "CONFIG_OBJECT",
+    "TIED_OBJECT",
+    "ModelInfoProvider",
     "OptimizerStateProvider",
     "Stateful",
     "TorchState",
+    "canonical_names",
     "discover",
     "model_buffers",
+    "model_config",
     "model_params",
     "model_tensors",
+    "module_wrappers",
     "optimizer_groups_provider",
+    "optimizer_object",
+    "optimizers_of",
     "param_names",
     "rng_provider",
     "scheduler_provider",
-    "tensor_path",
+    "tied_names",
 ]
+
+
+ONE_RANK = RankInfo(0, 1)
 
 
 @runtime_checkable
@@ -73,16 +86,50 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> Any: ...
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def tensor_path(prefix: str, dotted: str) -> str:
-    """``params`` + ``layers.0.attn.weight`` → ``params/layers/0/attn/weight`` (cached: it
-    runs for every tensor of every captured step)."""
-    return f"{prefix}/{dotted.replace('.', '/')}"
+def module_wrappers(model: torch.nn.Module) -> frozenset[str]:
+    """Paths (as torch names them) of the DDP / ``DataParallel`` modules in ``model``: their
+    ``module`` child is a wrapper, not part of the model's names."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    return frozenset(n for n, m in model.named_modules()
+                     if isinstance(m, DistributedDataParallel | DataParallel))
+
+
+def canonical_names(model: torch.nn.Module, names: Iterable[str]) -> dict[str, str]:
+    """Each of ``names`` (as ``model`` reports them) → its canonical name
+    (``dstt.schema.canonical_name``); ``SchemaError`` if two land on one name."""
+    wrappers = module_wrappers(model)
+    out = {n: canonical_name(n, wrappers) for n in names}
+    if len(set(out.values())) != len(out):
+        seen: dict[str, str] = {}
+        for raw, c in out.items():
+            if c in seen:
+                raise SchemaError(f"tensors {seen[c]!r} and {raw!r} both have the name {c!r} "
+                                  "once wrapper prefixes are dropped; rename one of them")
+            seen[c] = raw
+    return out
 
 
 def param_names(model: torch.nn.Module) -> dict[int, str]:
-    """id(parameter) → dotted name (first name wins for tied parameters)."""
-    return {id(p): name for name, p in model.named_parameters()}
+    """id(parameter) → canonical dotted name (first name wins for tied parameters)."""
+    named = list(model.named_parameters())
+    canon = canonical_names(model, [n for n, _ in named])
+    return {id(p): canon[name] for name, p in named}
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """Tied parameters: every further canonical name of a parameter → the name it is stored
+    under (``lm_head.weight`` → ``transformer.wte.weight``); empty when nothing is tied."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    canon = canonical_names(model, dict.fromkeys(n for n, _ in named))
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in named:
+        c = canon[name]
+        stored = first.setdefault(id(p), c)
+        if stored != c:
+            out[c] = stored
+    return out
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -164,20 +211,24 @@ class ModelTensors:
 
 
 def model_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {tensor_path("params", name): p for name, p in model.named_parameters()}
+    """Parameters by array path (canonical names; tied ones once, under their first name)."""
+    named = list(model.named_parameters())
+    canon = canonical_names(model, [n for n, _ in named])
+    return {tensor_path("params", canon[n]): p for n, p in named}
 
 
 def model_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Persistent buffers (what ``state_dict`` holds), each once."""
-    out: dict[str, torch.Tensor] = {}
+    found: dict[str, torch.Tensor] = {}
     seen = {id(p) for p in model.parameters()}
     for mod_name, mod in model.named_modules():
         for bname, b in mod._buffers.items():
             if b is None or bname in mod._non_persistent_buffers_set or id(b) in seen:
                 continue
             seen.add(id(b))
-            out[tensor_path("buffers", f"{mod_name}.{bname}" if mod_name else bname)] = b
-    return out
+            found[f"{mod_name}.{bname}" if mod_name else bname] = b
+    canon = canonical_names(model, found)
+    return {tensor_path("buffers", canon[n]): b for n, b in found.items()}
 
 
 _VALUES = operator.methodcaller("values")  # any mapping's, not only a dict's
@@ -190,8 +241,12 @@ class OptimizerStateProvider:
     #: ``tensors()`` returns a new mapping whenever the state's tensors changed
     stable = True
 
-    def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[int, str],
+                 key: str = "") -> None:
         self.optimizer = optimizer
+        #: the object's name: ``optim/state``, or ``optim/state/<key>`` for one of several
+        #: optimizers (their arrays need no key: each holds other parameters)
+        self.object_name = optimizer_object(self.OBJECT, key)
         self._names = names
         self._plist: list[tuple[torch.Tensor, str]] = []
         self._plist_params: list[torch.Tensor] = []
@@ -278,7 +333,7 @@ class OptimizerStateProvider:
 
     def _objects(self) -> Mapping[str, Any]:
         if self._object is not None:
-            return {self.OBJECT: self._object}
+            return {self.object_name: self._object}
         state: dict[str, Any] = {}
         plain = False
         for p, name in self._param_list():
@@ -292,20 +347,24 @@ class OptimizerStateProvider:
         obj = {"format": 2, "params": state}
         if not plain:  # nothing to snapshot: encoded once, reused while the structure holds
             self._object = Encoded.of(obj)
-            return {self.OBJECT: self._object}
-        return {self.OBJECT: obj}
+            return {self.object_name: self._object}
+        return {self.object_name: obj}
 
     def restore(self, source: RestoreSource) -> None:
-        saved = source.object(self.OBJECT) if source.has_object(self.OBJECT) else {}
+        name = self.object_name
+        saved = source.object(name) if source.has_object(name) else {}
         entries = saved.get("params", {}) if saved else {}
         state: dict[int, dict[str, Any]] = {}
-        for idx, (_, name) in enumerate(self.params()):
+        for idx, (param, name) in enumerate(self.params()):
             entry = entries.get(name)
             if entry is None:
                 continue
             values = {k: from_plain(v) for k, v in entry["values"].items()}
             for key in entry["arrays"]:
-                values[key] = source.array(tensor_path(f"optim/{key}", name))
+                path = tensor_path(f"optim/{key}", name)
+                # a DTensor parameter's state of its shape is a DTensor of its placements
+                like = param if tuple(source.shape(path)) == tuple(param.shape) else None
+                values[key] = stored_value(source, path, like)
             state[idx] = values
         unknown = set(entries) - {name for _, name in self.params()}
         if unknown:
@@ -317,8 +376,55 @@ class OptimizerStateProvider:
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
+def optimizer_object(base: str, key: str) -> str:
+    """``optim/state`` / ``optim/param_groups`` of the only optimizer, ``<base>/<key>`` of one
+    of several (``key``: its index in the list, or its key in the dict, given to the
+    session)."""
+    return f"{base}/{key}" if key else base
+
+
+def optimizers_of(optimizer: Any) -> dict[str, torch.optim.Optimizer]:
+    """The optimizers a session captures, by key: ``{"": opt}`` for one; ``{"0": a, "1": b}``
+    for a list or tuple; a dict's own keys (strings without ``/``). Anything else is a
+    ``ConfigError`` that says what is accepted."""
+    from ..errors import ConfigError
+
+    if optimizer is None:
+        return {}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return {"": optimizer}
+    if isinstance(optimizer, Mapping):
+        items = list(optimizer.items())
+    elif isinstance(optimizer, list | tuple):
+        items = [(str(i), o) for i, o in enumerate(optimizer)]
+    else:
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer, a list of them or a dict "
+                          f"of them, not {type(optimizer).__name__}")
+    if not items:
+        raise ConfigError("the list or dict of optimizers is empty")
+    out: dict[str, torch.optim.Optimizer] = {}
+    for key, opt in items:
+        if not isinstance(key, str) or not key or "/" in key:
+            raise ConfigError(f"optimizer keys must be non-empty strings without '/', not "
+                              f"{key!r}")
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer {key!r} is a {type(opt).__name__}, not a "
+                              "torch.optim.Optimizer (unwrap framework wrappers first)")
+        out[key] = opt
+    if len(out) == 1:
+        return {"": next(iter(out.values()))}
+    seen: dict[int, str] = {}
+    for key, opt in out.items():
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if seen.setdefault(id(p), key) != key:
+                    raise ConfigError(f"optimizers {seen[id(p)]!r} and {key!r} hold the same "
+                                      "parameter; each parameter needs one optimizer")
+    return out
+
+
 def optimizer_groups_provider(optimizer: torch.optim.Optimizer,
-                              names: Mapping[int, str]) -> ObjectProvider:
+                              names: Mapping[int, str], key: str = "") -> ObjectProvider:
     """Hyperparameters of every param group (lr, betas, weight decay, ...) as one object.
     A group's parameter names are listed again only when its parameters changed (checked
     with a C-level map): no Python line per parameter at each step."""
@@ -352,14 +458,68 @@ def optimizer_groups_provider(optimizer: torch.optim.Optimizer,
                 if k != "params":
                     g[k] = v
 
-    return ObjectProvider("optim/param_groups", get, set)
+    return ObjectProvider(optimizer_object("optim/param_groups", key), get, set)
+
+
+TIED_OBJECT = "names/tied"
+CONFIG_OBJECT = "model/config"
+
+
+class ModelInfoProvider:
+    """What readers need to know of the model beyond its tensors, taken once at session
+    start and stored with every step (encoded once): ``names/tied`` — every further name of a
+    tied parameter → the name it is stored under (only when something is tied) — and
+    ``model/config`` — a Hugging Face model's ``config`` as JSON (what ``dstt export --format
+    hf`` writes as ``config.json``). Nothing to restore: they describe the model."""
+
+    stable = True
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._objects: dict[str, Encoded] = {}
+        tied = tied_names(model)
+        if tied:
+            self._objects[TIED_OBJECT] = Encoded.of(tied)
+        config = model_config(model)
+        if config is not None:
+            self._objects[CONFIG_OBJECT] = Encoded.of(config)
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return {}
+
+    def objects(self) -> Mapping[str, Any]:
+        return self._objects
+
+    def restore(self, source: RestoreSource) -> None:
+        return None
+
+
+def model_config(model: torch.nn.Module) -> dict[str, Any] | None:
+    """A Hugging Face ``PreTrainedModel``'s config as plain JSON (found through wrappers:
+    ``torch.compile``, DDP), or None."""
+    import json
+
+    seen = 0
+    while seen < 4 and getattr(model, "config", None) is None:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        model, seen = inner, seen + 1
+    config = getattr(model, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    if not callable(to_json):
+        return None
+    try:
+        out = json.loads(to_json())
+    except (TypeError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
 
 
 def scheduler_provider(scheduler: Any) -> ObjectProvider:
     return ObjectProvider("scheduler", scheduler.state_dict, scheduler.load_state_dict)
 
 
-def _get_rng() -> dict[str, Any]:
+def get_rng() -> dict[str, Any]:
     state: dict[str, Any] = {
         "torch": torch.get_rng_state().numpy().tobytes(),
         "numpy": np.random.get_state(),
@@ -370,7 +530,7 @@ def _get_rng() -> dict[str, Any]:
     return state
 
 
-def _set_rng(state: Mapping[str, Any]) -> None:
+def set_rng(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
     np.random.set_state(tuple(state["numpy"]))
     py = state["python"]
@@ -381,9 +541,10 @@ def _set_rng(state: Mapping[str, Any]) -> None:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def rng_provider() -> ObjectProvider:
-    """Global RNGs: torch CPU, CUDA (when initialized), numpy's legacy global, ``random``."""
-    return ObjectProvider("rng", _get_rng, _set_rng)
+def rng_provider(info: RankInfo = ONE_RANK) -> ObjectProvider:
+    """Global RNGs: torch CPU, CUDA (when initialized), numpy's legacy global, ``random``;
+    each rank's own (``rng/r<rank>`` with several)."""
+    return RankObject("rng", info, get_rng, set_rng, required=True)
 
 
 @dataclass(frozen=True)
@@ -394,26 +555,29 @@ class TorchState:
     boundary_state: CompositeProvider
 
 
-def discover(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None, *,
+def discover(model: torch.nn.Module | None, optimizer: Any = None, *,
              scheduler: Any = None, rng: bool = True,
              extra_state: Mapping[str, Stateful] | None = None,
              extra: Iterable[StateProvider] = ()) -> TorchState:
-    """Build the providers for a model, optimizer, scheduler, global RNGs and user state."""
+    """Build the providers for a model, its optimizer(s) (one, a list or a dict:
+    ``optimizers_of``), scheduler, global RNGs and user state."""
     step, boundary = CompositeProvider(), CompositeProvider()
     names = param_names(model) if model is not None else {}
     if model is not None:
+        step.add(ModelInfoProvider(model))
         step.add(TensorProvider(ModelTensors(model)))
         # buffers change legitimately inside forward (BatchNorm statistics): clone at capture
         step.add(TensorProvider(ModelTensors(model, buffers=True), snapshot=True))
-    if optimizer is not None:
-        step.add(OptimizerStateProvider(optimizer, names))
-        boundary.add(optimizer_groups_provider(optimizer, names))
+    for key, opt in optimizers_of(optimizer).items():
+        step.add(OptimizerStateProvider(opt, names, key))
+        boundary.add(optimizer_groups_provider(opt, names, key))
     if scheduler is not None:
         boundary.add(scheduler_provider(scheduler))
     for name, obj in (extra_state or {}).items():
         if not isinstance(obj, Stateful):
             raise TypeError(f"extra_state[{name!r}] needs state_dict() and load_state_dict()")
-        boundary.add(ObjectProvider(f"extra/{name}", obj.state_dict, obj.load_state_dict))
+        boundary.add(RankObject(f"extra/{name}", ONE_RANK, obj.state_dict, obj.load_state_dict,
+                                required=True))
     for p in extra:
         step.add(p)
     if rng:

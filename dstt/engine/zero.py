@@ -37,11 +37,11 @@ from typing import Any
 import torch
 
 from ..errors import RankError, SchemaError
+from ..schema import tensor_path
 from ..store import LogicalArray, Piece, logical_arrays, read_logical, shard_map
 from ._convert import from_plain, to_plain
 from .providers import RestoreSource
 from .ranks import RankInfo
-from .torch_state import tensor_path
 
 __all__ = ["ZeroState"]
 

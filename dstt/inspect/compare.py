@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from ..schema import user_name
 from ..store import numpy_dtype
-from .naming import user_name
 
 __all__ = ["diff_commits"]
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from ..errors import OutputExistsError, StorageError
-from .naming import MODEL_KINDS, user_name
+from ..schema import MODEL_KINDS, user_name
 
 __all__ = ["FORMATS", "export_commit", "prepare_output"]
 

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from ..schema import user_name
 from ..store import SUMMARY_SCALARS, RowSet
-from .naming import user_name
 from .summaries import METRICS_HISTORY_OBJECT, metrics_dataset, step_coords
 
 __all__ = ["metrics_from_rows", "summaries_from_rows"]

@@ -13,41 +13,15 @@ learn, where the store path is already unique, printable and what ``dstt show`` 
 from __future__ import annotations
 
 import fnmatch
-import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..errors import TensorNotFoundError
+from ..schema import MODEL_KINDS, optim_state, resolve_dims, tree_location, user_name
 
-__all__ = [
-    "MODEL_KINDS",
-    "array_path",
-    "optim_state",
-    "resolve_dims",
-    "select",
-    "selector_miss",
-    "tensor_dims",
-    "tree_location",
-    "user_name",
-]
+__all__ = ["array_path", "select", "selector_miss", "tensor_dims"]
 
-#: top-level groups whose arrays are named by their dotted torch name (torch state_dict keys)
-MODEL_KINDS = ("params", "buffers")
 _GLOB_CHARS = set("*?[")
-
-
-def user_name(path: str) -> str:
-    """``params/layers/0/attn/weight`` -> ``layers.0.attn.weight``; other paths unchanged."""
-    kind, _, rest = path.partition("/")
-    if kind in MODEL_KINDS and rest:
-        return rest.replace("/", ".")
-    return path
-
-
-def optim_state(path: str) -> str | None:
-    """``optim/exp_avg/layers/0/w`` -> ``exp_avg``; None for non-optimizer arrays."""
-    parts = path.split("/")
-    return parts[1] if len(parts) >= 3 and parts[0] == "optim" else None
 
 
 def array_path(name: str, available: Iterable[str] | Mapping[str, object],
@@ -144,18 +118,6 @@ def select(selector: str, paths: Iterable[str]) -> list[str]:
     return [p for p in paths if set(want) <= set(dotted[p].split("."))]
 
 
-def tree_location(path: str) -> tuple[str, str]:
-    """(DataTree node path, variable name) of a store path.
-
-    Parameters and buffers land at their module path (``layers/0/attn`` holds ``weight`` and
-    ``bias``); everything else keeps its store group (``optim/exp_avg/layers/0/attn``).
-    """
-    parts = path.split("/")
-    if parts[0] in MODEL_KINDS:
-        parts = parts[1:]
-    return "/".join(parts[:-1]), parts[-1]
-
-
 def tensor_dims(all_paths: Iterable[str] | Mapping[str, Any]
                 ) -> Callable[[str, int], tuple[str, ...]]:
     """A function giving the dimension names of one tensor of a commit.
@@ -189,57 +151,6 @@ def tensor_dims(all_paths: Iterable[str] | Mapping[str, Any]
         return tuple(f"{prefix}_{i}" for i in range(ndim))
 
     return dims
-
-
-def _ident(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", name)
-
-
-def resolve_dims(named: Mapping[str, tuple[Sequence[str], Sequence[int]]]
-                 ) -> dict[str, tuple[str, ...]]:
-    """Dimension names xarray can place, from wanted names: ``{path: (dims, shape)}`` of a
-    whole commit -> ``{path: dims}``.
-
-    A DataTree node (:func:`tree_location`) and its ancestors must not use one name for two
-    sizes. Nodes are named root first, variables in name order; a name already taken with
-    another size (in the node or an ancestor) becomes ``<dim>_<variable>``, and if that is
-    taken too ``<dim>_<node>_<variable>``. Equal sizes share a name (a Linear's weight and
-    bias share ``out_features``), and names depend only on the commit, never on a selection.
-    """
-    by_node: dict[str, list[tuple[str, str]]] = {}
-    for path in named:
-        node, var = tree_location(path)
-        by_node.setdefault(node, []).append((var, path))
-    taken: dict[str, dict[str, int]] = {}  # node -> its own names and sizes
-    above: dict[str, dict[str, int]] = {"": {}}  # node -> the names of its ancestors
-
-    def visible_of(node: str) -> dict[str, int]:
-        got = above.get(node)
-        if got is None:  # ancestors are named before their descendants: theirs are final
-            parent = node.rsplit("/", 1)[0] if "/" in node else ""
-            up, theirs = visible_of(parent), taken.get(parent)
-            got = above[node] = {**up, **theirs} if theirs else up
-        return got
-
-    out: dict[str, tuple[str, ...]] = {}
-    for node in sorted(by_node, key=lambda n: (n.count("/") if n else -1, n)):
-        visible = visible_of(node)
-        own: dict[str, int] = {}
-        for var, path in sorted(by_node[node]):
-            dims, shape = named[path]
-            names: list[str] = []
-            for d, n in zip(dims, shape, strict=True):
-                name = d
-                if d in names or own.get(d, visible.get(d, n)) != n:  # rare: only then
-                    tries = [_ident(f"{d}_{var}"), _ident(f"{d}_{node}_{var}")]
-                    tries += [f"{tries[-1]}_{i}" for i in range(len(names) + 2)]
-                    name = next(t for t in tries if t not in names
-                                and own.get(t, visible.get(t, n)) == n)
-                names.append(name)
-                own[name] = int(n)
-            out[path] = tuple(names)
-        taken[node] = own
-    return out
 
 
 def selector_miss(selector: str, paths: Iterable[str], where: str,

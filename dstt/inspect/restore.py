@@ -36,9 +36,9 @@ from typing import Any, NamedTuple
 import torch
 
 from ..engine._convert import from_plain, tensor_from_numpy
-from ..engine.torch_state import param_names, tensor_path
+from ..engine.torch_state import param_names
 from ..errors import SchemaError
-from .naming import MODEL_KINDS, user_name
+from ..schema import MODEL_KINDS, tensor_path, user_name
 
 __all__ = ["GROUPS_OBJECT", "PARTS", "SCHEDULER_OBJECT", "STATE_OBJECT", "LoadResult",
            "load_step", "step_state"]

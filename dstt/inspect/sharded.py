@@ -65,5 +65,5 @@ def read_logical_chunk(reader: Any, header: Any, rec: LogicalRecord, index: int)
 
 def shard_sources(table: Mapping[str, Any]) -> set[str]:
     """Stored arrays that only serve as pieces of logical tensors (hidden in layer views)."""
-    return {p.source for rec in table.values() if isinstance(rec, LogicalRecord)
-            and rec.logical is not None for p in rec.logical.pieces}
+    return {src for rec in table.values() if isinstance(rec, LogicalRecord)
+            and rec.logical is not None for src in rec.logical.sources}

@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from ..schema import user_name
 from ..store import SUMMARY_SCALARS, as_float, find_spikes
-from .naming import user_name
 
 __all__ = [
     "SCALAR_FIELDS",
@@ -81,7 +81,7 @@ def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-METRICS_HISTORY_OBJECT = "metrics/history"  # written by dstt._session_metrics
+METRICS_HISTORY_OBJECT = "metrics/history"  # written by dstt.training.metrics
 
 
 def step_coords(steps: Sequence[int], slots: Sequence[int], timelines: Sequence[str],

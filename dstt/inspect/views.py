@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from ..schema import tree_location, user_name
 from .lazy import CommitArray, ReaderPool, TrajectoryArray, variable
-from .naming import tensor_dims, tree_location, user_name
+from .naming import tensor_dims
 from .summaries import step_coords
 
 __all__ = ["layer_tree", "tensor_dataarray", "trajectory_dataarray"]

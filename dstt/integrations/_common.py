@@ -1,4 +1,4 @@
-"""What both callbacks share: the session options, unwrapping framework wrappers, metrics.
+"""What both callbacks share: their ``SessionOptions``, unwrapping framework wrappers, metrics.
 
 Kept free of either framework's import so that each callback module pays only for its own.
 """
@@ -10,32 +10,22 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError
+from ..training.options import SessionOptions
 
-__all__ = ["check_every", "check_run", "check_session_options", "numeric_metrics",
-           "unwrap_optimizer", "unwrap_scheduler"]
-
-
-def check_every(every: int) -> int:
-    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        raise ConfigError(f"every must be a positive int, got {every!r}")
-    return every
+__all__ = ["numeric_metrics", "session_options", "unwrap_optimizer", "unwrap_scheduler"]
 
 
-def check_run(run: Any) -> Any:
-    if not isinstance(run, str | os.PathLike):
-        return run
-    if not os.fspath(run):
-        raise ConfigError("run must name a directory, e.g. DsttCallback(run='runs/exp1')")
-    return run
-
-
-def check_session_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """``dstt.session`` keywords a callback may pass on: not what it finds itself."""
+def session_options(run: Any, *, every: int, resume: bool,
+                    options: Mapping[str, Any]) -> SessionOptions:
+    """The ``SessionOptions`` of a callback: ``run``, ``every``, ``resume`` and the
+    ``dstt.session`` keywords it passes on — not what the callback finds itself."""
     for bad in ("scheduler", "extra_state", "model", "optimizer"):
         if bad in options:
             raise ConfigError(f"DsttCallback finds the Trainer's {bad} itself; do not pass "
                               f"{bad}=")
-    return dict(options)
+    if isinstance(run, str | os.PathLike) and not os.fspath(run):
+        raise ConfigError("run must name a directory, e.g. DsttCallback(run='runs/exp1')")
+    return SessionOptions.of(run, every=every, resume=resume, **options)
 
 
 def unwrap_optimizer(opt: Any) -> Any:

@@ -31,10 +31,10 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from .._session_core import Session
 from ..errors import ConfigError
 from ..store import Repository
-from ._common import check_every, check_run, check_session_options, numeric_metrics
+from ..training import Session, open_session
+from ._common import numeric_metrics, session_options
 
 __all__ = ["DsttCallback"]
 
@@ -67,11 +67,10 @@ class DsttCallback(Callback):  # type: ignore[misc]
     """
 
     def __init__(self, run: str | os.PathLike[str] | Repository, *, every: int = 1,
-                 resume: bool = False, **session_options: Any) -> None:
-        self.session_options = check_session_options(session_options)
-        self.run = check_run(run)
-        self.every = check_every(every)
-        self.resume = bool(resume)
+                 resume: bool = False, **options: Any) -> None:
+        self.options = session_options(run, every=every, resume=resume,
+                                       options=options)
+        self.run, self.every, self.resume = run, self.options.every, self.options.resume
         self.session: Session | None = None
         self._loops = _Loops()
         self._rng: tuple[Any, ...] | None = None  # restored RNG, re-applied mid-epoch
@@ -97,9 +96,8 @@ class DsttCallback(Callback):  # type: ignore[misc]
         if len(configs) > 1:
             raise ConfigError(f"DsttCallback captures one LR scheduler, not {len(configs)}")
         self._loops.trainer = trainer
-        s = Session(pl_module, trainer.optimizers[0], run=self.run, every=self.every,
-                    scheduler=scheduler, resume=self.resume,
-                    extra_state={"lightning": self._loops}, **self.session_options)
+        s = open_session(pl_module, trainer.optimizers[0], self.options, scheduler=scheduler,
+                         extra_state={"lightning": self._loops})
         s.start()
         self.session = s
         restored = self._loops.restored

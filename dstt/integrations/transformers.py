@@ -40,15 +40,13 @@ import numpy as np
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .._session_core import Session
 from ..engine._convert import from_plain
 from ..errors import ConfigError, DsttWarning
 from ..store import Repository
+from ..training import Session, open_session
 from ._common import (
-    check_every,
-    check_run,
-    check_session_options,
     numeric_metrics,
+    session_options,
     unwrap_optimizer,
     unwrap_scheduler,
 )
@@ -90,11 +88,10 @@ class DsttCallback(TrainerCallback):  # type: ignore[misc]
     """
 
     def __init__(self, run: str | os.PathLike[str] | Repository, *, every: int = 1,
-                 resume: bool = False, **session_options: Any) -> None:
-        self.session_options = check_session_options(session_options)
-        self.run = check_run(run)
-        self.every = check_every(every)
-        self.resume = bool(resume)
+                 resume: bool = False, **options: Any) -> None:
+        self.options = session_options(run, every=every, resume=resume,
+                                       options=options)
+        self.run, self.every, self.resume = run, self.options.every, self.options.resume
         self.session: Session | None = None
         self._progress = _Progress()
         self._args: TrainingArguments | None = None
@@ -128,9 +125,9 @@ class DsttCallback(TrainerCallback):  # type: ignore[misc]
         head = reader.head()
         if head is None:
             return None
-        progress = (reader.read_object(head, "extra/transformers", trusted=True)
-                    if "extra/transformers" in head.objects else {})
-        rng = from_plain(reader.read_object(head, "rng", trusted=True))
+        rank = int(self._args.process_index)
+        progress = _rank_object(reader, head, "extra/transformers", rank) or {}
+        rng = from_plain(_rank_object(reader, head, "rng", rank))
         self._remove_pad()
         pad = tempfile.mkdtemp(prefix=f"dstt-resume-{head.step}-")
         self._pad = pad
@@ -143,12 +140,16 @@ class DsttCallback(TrainerCallback):  # type: ignore[misc]
                                  "eval_steps": args.eval_steps, "save_steps": args.save_steps}
         state = TrainerState(**steps, **fields)
         state.save_to_json(os.path.join(pad, "trainer_state.json"))
-        torch.save(_trainer_rng(rng, args), os.path.join(pad, "rng_state.pth"))
+        # the Trainer loads rng_state_<rank>.pth under several processes, else rng_state.pth
+        name = f"rng_state_{rank}.pth" if args.world_size > 1 else "rng_state.pth"
+        torch.save(_trainer_rng(rng, args), os.path.join(pad, name))
         model: Any = self._model
-        if hasattr(model, "save_pretrained"):
+        if hasattr(model, "save_pretrained") and args.world_size <= 1:
             model.save_pretrained(pad)
-        else:
-            torch.save(model.state_dict(), os.path.join(pad, "pytorch_model.bin"))
+        else:  # save_pretrained writes on rank 0 only; every rank's Trainer loads this pad
+            from safetensors.torch import save_model
+
+            save_model(model, os.path.join(pad, "model.safetensors"))
         return pad
 
     # -- Trainer events ---------------------------------------------------------------------
@@ -166,9 +167,9 @@ class DsttCallback(TrainerCallback):  # type: ignore[misc]
                               "is it passed to Trainer(callbacks=[...])?")
         self._args = args
         self._progress.state = state
-        s = Session(model, unwrap_optimizer(optimizer), run=self.run, every=self.every,
-                    scheduler=unwrap_scheduler(kwargs.get("lr_scheduler")), resume=self.resume,
-                    extra_state={"transformers": self._progress}, **self.session_options)
+        s = open_session(model, unwrap_optimizer(optimizer), self.options,
+                         scheduler=unwrap_scheduler(kwargs.get("lr_scheduler")),
+                         extra_state={"transformers": self._progress})
         s.start()
         self.session = s
         atexit.register(self._at_exit)
@@ -237,6 +238,15 @@ class DsttCallback(TrainerCallback):  # type: ignore[misc]
         pad, self._pad = self._pad, None
         if pad is not None:
             shutil.rmtree(pad, ignore_errors=True)
+
+
+def _rank_object(reader: Any, head: Any, name: str, rank: int) -> Any:
+    """This rank's copy of a per-rank object (``<name>/r<rank>`` under several ranks), else
+    the one-process copy or rank 0's (a run resumed on more processes than wrote it)."""
+    for candidate in (f"{name}/r{rank}", name, f"{name}/r0"):
+        if candidate in head.objects:
+            return reader.read_object(head, candidate, trusted=True)
+    return None
 
 
 def _trainer_rng(rng: Mapping[str, Any], args: TrainingArguments) -> dict[str, Any]:

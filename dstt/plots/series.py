@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from ..inspect.naming import select, user_name
+from ..inspect.naming import select
 from ..inspect.summaries import SUMMARIES_OBJECT, summary_rows
+from ..schema import user_name
 
 __all__ = ["param_names", "step_change", "tensor_stats"]
 

@@ -33,7 +33,7 @@ from .protocols import FlatStepWriter, StepTransaction, StepWriter
 from .reader import Reader
 from .repository import Repository
 from .retention import Retention, find_spikes
-from .shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
+from .shards import Box, LogicalArray, Piece, logical_arrays, read_logical, read_region, shard_map
 from .storage.base import Durability, Storage
 from .storage.local import LocalStorage
 from .storage.posix import fsync_dir
@@ -49,6 +49,7 @@ __all__ = [
     "REFS_PREFIX",
     "SUMMARY_SCALARS",
     "ArrayRecord",
+    "Box",
     "ChunkPlan",
     "ChunkRecord",
     "CommitHeader",
@@ -106,6 +107,7 @@ __all__ = [
     "parse_header",
     "plan_chunks",
     "read_logical",
+    "read_region",
     "remove_parts",
     "save",
     "sgd_predictions",

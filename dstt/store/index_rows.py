@@ -34,7 +34,7 @@ __all__ = ["HISTORY", "SUMMARIES", "as_float", "dedup", "keep_summaries", "rows_
            "take"]
 
 SUMMARIES = "summaries"  # the engine's write-time summaries object (+ "summaries/<rank>")
-HISTORY = "metrics/history"  # steps every=K did not checkpoint (dstt._session_metrics)
+HISTORY = "metrics/history"  # steps every=K did not checkpoint (dstt.training.metrics)
 
 
 def as_float(v: Any) -> float:

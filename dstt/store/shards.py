@@ -14,6 +14,15 @@ Offsets and lengths count elements of the flat C-order tensor. Each rank writes 
 ``params/layers/0/attn/weight`` looks the same whatever the parallelism that wrote it. The
 pieces of a logical array must tile it exactly (no gap, no overlap) and sources must be 1-d
 arrays of the same dtype in the same commit (``CorruptRunError`` otherwise).
+
+Format 2 adds **boxes**, for tensors sharded along their dimensions (a DTensor's local shard
+under FSDP2 ``Shard(0)``, tensor parallel ``Shard(1)``, 2-d meshes): an array entry then holds
+``"boxes": [[<source array path>, [<offset per dim>], [<size per dim>]], ...]`` instead of
+pieces, and the source is stored with the box's shape (the local tensor as it is: plain zarr
+readers see each rank's shard with its real dims). Boxes must tile the logical array exactly
+too. This is the chunk model of PyTorch DCP (``ChunkStorageMetadata``: offsets and sizes), so a
+reshard onto other placements is one rule: every live local box reads the parts of the stored
+boxes it overlaps (:func:`read_region`).
 Rejected alternative: gathering full tensors at save time — a collective and a full copy on
 the training path, and rank 0 would write everything (two ranks' bytes through one disk queue).
 """
@@ -21,7 +30,7 @@ the training path, and rank 0 would write everything (two ranks' bytes through o
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,16 +41,18 @@ from .format.zarr_meta import numpy_dtype
 
 __all__ = [
     "SHARDS_PREFIX",
+    "Box",
     "LogicalArray",
     "Piece",
     "logical_arrays",
     "merge_shard_maps",
     "read_logical",
+    "read_region",
     "shard_map",
 ]
 
 SHARDS_PREFIX = "shards/"
-SHARDS_FORMAT = 1
+SHARDS_FORMATS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -56,50 +67,125 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Box:
+    """The stored array ``source`` (of shape ``sizes``) is the logical elements from
+    ``offsets`` on, per dimension."""
+
+    source: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def overlap(self, offsets: Sequence[int], sizes: Sequence[int]
+                ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The intersection with the region ``offsets``/``sizes`` as (start, stop) per
+        dimension, in logical coordinates; None when they do not meet."""
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, offsets, strict=True))
+        hi = tuple(min(a + n, b + m) for a, n, b, m in zip(self.offsets, self.sizes, offsets,
+                                                          sizes, strict=True))
+        if any(h <= ll for ll, h in zip(lo, hi, strict=True)):
+            return None
+        return lo, hi
+
+
+@dataclass(frozen=True)
 class LogicalArray:
-    """A tensor that exists only as pieces of stored flat arrays."""
+    """A tensor that exists only as pieces of stored flat arrays (``pieces``) or as boxes of
+    stored arrays (``boxes``): one of the two."""
 
     path: str
     dtype: str
     shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
+    pieces: tuple[Piece, ...] = ()
+    boxes: tuple[Box, ...] = ()
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The stored arrays that hold it."""
+        return tuple(p.source for p in self.pieces) + tuple(b.source for b in self.boxes)
+
+
+def _entry(a: LogicalArray) -> dict[str, Any]:
+    out: dict[str, Any] = {"dtype": a.dtype, "shape": list(a.shape)}
+    if a.boxes:
+        out["boxes"] = [[b.source, list(b.offsets), list(b.sizes)] for b in a.boxes]
+    else:
+        out["pieces"] = [[p.source, p.src_start, p.dst_start, p.length] for p in a.pieces]
+    return out
+
 
 def shard_map(arrays: Iterable[LogicalArray]) -> dict[str, Any]:
-    """The object to store (as ``shards/<name>``) describing ``arrays``' pieces."""
-    return {"format": SHARDS_FORMAT, "arrays": {
-        a.path: {"dtype": a.dtype, "shape": list(a.shape),
-                 "pieces": [[p.source, p.src_start, p.dst_start, p.length] for p in a.pieces]}
-        for a in arrays}}
+    """The object to store (as ``shards/<name>``) describing ``arrays``' pieces and boxes
+    (format 1 while none has boxes, which older readers know)."""
+    entries = {a.path: _entry(a) for a in arrays}
+    boxed = any("boxes" in e for e in entries.values())
+    return {"format": 2 if boxed else 1, "arrays": entries}
 
 
 def merge_shard_maps(maps: Iterable[tuple[str, Any]]) -> dict[str, LogicalArray]:
     """Merge ``(where, shard map)`` pairs into logical arrays (pieces sorted, not checked)."""
     dtypes: dict[str, tuple[str, tuple[int, ...]]] = {}
     pieces: dict[str, list[Piece]] = {}
+    boxes: dict[str, list[Box]] = {}
     for where, m in maps:
-        if not isinstance(m, dict) or m.get("format") != SHARDS_FORMAT:
-            raise CorruptRunError(f"{where}: not a shard map of format {SHARDS_FORMAT}")
+        if not isinstance(m, dict) or m.get("format") not in SHARDS_FORMATS:
+            raise CorruptRunError(f"{where}: not a shard map of format 1 or 2")
         try:
             for path, a in m["arrays"].items():
                 kind = (str(a["dtype"]), tuple(int(s) for s in a["shape"]))
                 if dtypes.setdefault(path, kind) != kind:
                     raise CorruptRunError(f"{where}: logical array {path!r} is {kind} here and "
                                           f"{dtypes[path]} in another shard map")
-                pieces.setdefault(path, []).extend(
-                    Piece(str(p[0]), int(p[1]), int(p[2]), int(p[3])) for p in a["pieces"])
+                if "boxes" in a:
+                    boxes.setdefault(path, []).extend(
+                        Box(str(b[0]), tuple(int(o) for o in b[1]), tuple(int(n) for n in b[2]))
+                        for b in a["boxes"])
+                else:
+                    pieces.setdefault(path, []).extend(
+                        Piece(str(p[0]), int(p[1]), int(p[2]), int(p[3])) for p in a["pieces"])
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise CorruptRunError(f"{where}: malformed shard map ({e!r})") from None
+    both = set(pieces) & set(boxes)
+    if both:
+        raise CorruptRunError(f"logical array {sorted(both)[0]!r} has both pieces and boxes")
     return {path: LogicalArray(path, dtypes[path][0], dtypes[path][1],
-                               tuple(sorted(ps, key=lambda p: p.dst_start)))
-            for path, ps in pieces.items()}
+                               tuple(sorted(pieces.get(path, ()), key=lambda p: p.dst_start)),
+                               tuple(sorted(boxes.get(path, ()), key=lambda b: b.offsets)))
+            for path in dtypes}
+
+
+def _check_boxes(a: LogicalArray, table: Mapping[str, Any], where: str) -> None:
+    total = 0
+    for i, b in enumerate(a.boxes):
+        src = table.get(b.source)
+        if src is None:
+            raise CorruptRunError(f"{where}: {a.path!r} has a box in {b.source!r}, which this "
+                                  "commit does not hold")
+        if src.dtype != a.dtype or tuple(src.shape) != b.sizes:
+            raise CorruptRunError(f"{where}: box source {b.source!r} is {src.dtype}"
+                                  f"{tuple(src.shape)}, not {a.dtype}{b.sizes}")
+        if len(b.offsets) != len(a.shape) or any(
+                o < 0 or n <= 0 or o + n > s for o, n, s in zip(b.offsets, b.sizes, a.shape,
+                                                               strict=True)):
+            raise CorruptRunError(f"{where}: box {b} of {a.path!r} is out of its bounds "
+                                  f"{a.shape}")
+        for other in a.boxes[:i]:
+            if b.overlap(other.offsets, other.sizes) is not None:
+                raise CorruptRunError(f"{where}: boxes {other.source!r} and {b.source!r} of "
+                                      f"{a.path!r} overlap")
+        total += math.prod(b.sizes)
+    if total != a.numel:
+        raise CorruptRunError(f"{where}: the boxes of {a.path!r} cover {total} of its "
+                              f"{a.numel} elements")
 
 
 def _check(a: LogicalArray, table: Mapping[str, Any], where: str) -> None:
+    if a.boxes:
+        _check_boxes(a, table, where)
+        return
     pos = 0
     for p in a.pieces:
         src = table.get(p.source)
@@ -142,9 +228,19 @@ def logical_arrays(reader: Any, header: Any,
 def read_logical(reader: Any, header: Any, a: LogicalArray, start: int = 0,
                  stop: int | None = None) -> np.ndarray:
     """Elements ``[start, stop)`` of the flattened logical array, reading only the chunks of
-    the pieces that hold them (numpy, the stored dtype; bfloat16 as ``ml_dtypes``)."""
+    the pieces (or boxes) that hold them (numpy, the stored dtype; bfloat16 as
+    ``ml_dtypes``)."""
     stop = a.numel if stop is None else min(stop, a.numel)
     start = max(0, start)
+    if a.boxes:
+        if stop <= start:
+            return np.empty(0, dtype=numpy_dtype(a.dtype))
+        shape = a.shape or (1,)
+        row = math.prod(shape[1:])
+        r0, r1 = start // row, -(-stop // row)
+        rows = _read_boxes(reader, header, a, (r0, *(0,) * (len(shape) - 1)),
+                           (r1 - r0, *shape[1:])).reshape(-1)
+        return rows[start - r0 * row: stop - r0 * row]
     out = np.empty(max(0, stop - start), dtype=numpy_dtype(a.dtype))
     for p in a.pieces:
         lo, hi = max(start, p.dst_start), min(stop, p.dst_start + p.length)
@@ -153,3 +249,51 @@ def read_logical(reader: Any, header: Any, a: LogicalArray, start: int = 0,
         s = p.src_start + (lo - p.dst_start)
         out[lo - start: hi - start] = reader.read_rows(header, p.source, s, s + (hi - lo))
     return out
+
+
+def _read_boxes(reader: Any, header: Any, a: LogicalArray, offsets: Sequence[int],
+                sizes: Sequence[int]) -> np.ndarray:
+    out = np.empty(tuple(sizes), dtype=numpy_dtype(a.dtype))
+    filled = 0
+    for b in a.boxes:
+        hit = b.overlap(offsets, sizes)
+        if hit is None:
+            continue
+        lo, hi = hit
+        rows = reader.read_rows(header, b.source, lo[0] - b.offsets[0], hi[0] - b.offsets[0])
+        src = rows[(slice(None), *(slice(ll - o, h - o) for ll, h, o in zip(
+            lo[1:], hi[1:], b.offsets[1:], strict=True)))]
+        out[tuple(slice(ll - o, h - o) for ll, h, o in zip(lo, hi, offsets, strict=True))] = src
+        filled += src.size
+    if filled != out.size:
+        raise CorruptRunError(f"step {getattr(header, 'step', '?')}: the boxes of {a.path!r} "
+                              f"cover {filled} of the {out.size} elements asked for")
+    return out
+
+
+def read_region(reader: Any, header: Any, path: str, offsets: Sequence[int],
+                sizes: Sequence[int], logical: Mapping[str, LogicalArray] | None = None
+                ) -> np.ndarray:
+    """The box ``offsets``/``sizes`` of the tensor ``path`` of a commit, whether it is stored
+    whole or as a logical array of ``logical`` (``logical_arrays(reader, header)``): a rank's
+    local shard on resume, reading only the chunks that overlap it (numpy, stored dtype).
+    A 0-d tensor takes ``offsets == sizes == ()``."""
+    a = (logical or {}).get(path)
+    sizes = tuple(int(n) for n in sizes)
+    offsets = tuple(int(o) for o in offsets)
+    if a is None:
+        if not sizes:
+            return np.asarray(reader.read_array(header, path))
+        rows = reader.read_rows(header, path, offsets[0], offsets[0] + sizes[0])
+        return rows[(slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:],
+                                                                     strict=True)))]
+    if a.boxes:
+        return _read_boxes(reader, header, a, offsets, sizes)
+    shape = a.shape
+    if not shape:
+        return read_logical(reader, header, a).reshape(())
+    row = math.prod(shape[1:])
+    block = read_logical(reader, header, a, offsets[0] * row, (offsets[0] + sizes[0]) * row)
+    block = block.reshape(sizes[0], *shape[1:])
+    return block[(slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:],
+                                                                  strict=True)))]

@@ -21,9 +21,9 @@ import xarray as xr
 
 from .._optional import require
 from ..errors import StepNotFoundError, TensorNotFoundError
-from ..inspect.naming import user_name
 from ..plots.draw import draw_bars, draw_curves, draw_tensor, image_strides
 from ..plots.series import diff_headers
+from ..schema import user_name
 from .model import default_metric
 from .views import TOP_BARS, FigureView
 

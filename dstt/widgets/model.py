@@ -22,9 +22,9 @@ import xarray as xr
 
 from .._lru import LRU
 from ..errors import MetricNotFoundError, StepNotFoundError, TensorNotFoundError, TimelineError
-from ..inspect.naming import user_name
 from ..plots.draw import image_strides
 from ..plots.series import step_change
+from ..schema import user_name
 
 __all__ = ["LRU", "Mode", "ScrubberModel"]
 

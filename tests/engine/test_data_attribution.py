@@ -1,5 +1,5 @@
 """Data attribution: ``s.data`` records each step's samples, a spike is traced to them, and a
-rollback that skips exactly them continues without the spike (dstt._data)."""
+rollback that skips exactly them continues without the spike (dstt.training.data)."""
 
 from __future__ import annotations
 

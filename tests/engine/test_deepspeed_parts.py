@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from dstt.engine._statedict import SessionPaths, flatten, rebuild, segment
-from dstt.engine.deepspeed import is_deepspeed_engine, owners
+from dstt.engine.deepspeed import is_deepspeed_engine
 from dstt.engine.ranks import RankInfo, open_ranks
+from dstt.engine.sharding import owners
 from dstt.errors import TimelineError
 from dstt.store import DeltaPolicy, Repository, check_array_path
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dstt.engine.dims import ModelDims, array_dims, model_dims
-from dstt.inspect.naming import resolve_dims, tensor_dims
+from dstt.inspect.naming import tensor_dims
+from dstt.schema import resolve_dims
 from dstt.store.format.flat import FlatLayout
 from dstt.store.format.layout import plan_chunks
 from dstt.store.format.zarr_meta import array_document

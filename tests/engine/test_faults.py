@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dstt._session import session
 from dstt.errors import CaptureError, StorageError
 from dstt.store import Repository
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage
+from dstt.training import session
 
 from ._helpers import MLP, committed_steps, mlp_batch, same_bits, stored, train_step
 

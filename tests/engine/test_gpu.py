@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dstt._session import session
 from dstt.engine._convert import flat_bytes
 from dstt.engine.staging import Copier, HostCache
 from dstt.errors import RaceError
 from dstt.store import Repository
 from dstt.testing.models import SyntheticBatches, TinyGPT
+from dstt.training import session
 
 from ._helpers import committed_steps, same_bits, stored
 

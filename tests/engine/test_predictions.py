@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from dstt import DeltaPolicy
-from dstt._session import session
 from dstt.engine.flight import write_order
 from dstt.engine.governor import EncodeGovernor
 from dstt.engine.predictions import optimizer_predictions
-from dstt.engine.torch_state import tensor_path
+from dstt.schema import tensor_path
 from dstt.store import Repository
 from dstt.testing.models import SyntheticBatches, TinyGPT
+from dstt.training import session
 
 from ._helpers import same_bits, stored, train_step
 

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dstt._session import session
+import dstt
 from dstt.errors import RaceError, TimelineError
 from dstt.inspect.summaries import summary_rows
 from dstt.store import Repository
 from dstt.testing.models import SyntheticBatches, TinyGPT
+from dstt.training import session
 
 from ._helpers import MLP, committed_steps, mlp_batch, same_bits, stored, train_step
 
@@ -154,12 +155,16 @@ def test_verify_mode_passes_clean_training(tmp_path: Path) -> None:
 def test_exception_inside_the_block_leaves_only_whole_steps(tmp_path: Path) -> None:
     m = MLP()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
     after: dict[int, torch.Tensor] = {}
-    with pytest.raises(KeyboardInterrupt), session(m, opt, run=tmp_path / "run") as s:
+    with pytest.raises(KeyboardInterrupt), session(m, opt, run=tmp_path / "run",
+                                                   scheduler=sched) as s:
         for i in range(4):
             train_step(m, opt, *mlp_batch(i))
             after[s.step] = m.l2.weight.detach().clone()
-        raise KeyboardInterrupt  # mid-iteration: step 4 is staged but its iteration unfinished
+            if i < 3:
+                sched.step()
+        raise KeyboardInterrupt  # step 4 updated, but its scheduler step not taken yet
     repo = Repository.open(tmp_path / "run")
     steps = committed_steps(repo)
     assert steps == [1, 2, 3]  # step 4 is dropped whole, never half-written
@@ -171,6 +176,36 @@ def test_exception_inside_the_block_leaves_only_whole_steps(tmp_path: Path) -> N
                  resume=True) as s2:
         assert s2.step == 3
     assert same_bits(m2.l2.weight, after[3])
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_an_exception_after_a_finished_step_commits_it_with_its_metrics(
+        tmp_path: Path, every: int) -> None:
+    """Raised after step 6's optimizer step, scheduler step and s.log (in logging or eval
+    code): step 6 is the last finished step, so it is committed with its metrics (and with
+    every=4 the metrics of step 5 ride with it)."""
+    m = MLP()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    with pytest.raises(RuntimeError, match="eval broke"), session(
+            m, opt, run=tmp_path / "run", scheduler=sched, every=every) as s:
+        for i in range(6):
+            loss = train_step(m, opt, *mlp_batch(i))
+            sched.step()
+            s.log(loss=float(loss))
+        after6 = m.l2.weight.detach().clone()
+        lr6 = sched.get_last_lr()
+        raise RuntimeError("eval broke")
+    run = dstt.open(tmp_path / "run")
+    assert run.steps[-1] == 6
+    assert list(run.metrics()["loss"].dropna("step")["step"].values) == [1, 2, 3, 4, 5, 6]
+    m2 = MLP()
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.9)
+    with session(m2, opt2, run=tmp_path / "run", scheduler=sched2, resume=True) as s2:
+        assert s2.step == 6
+    assert same_bits(m2.l2.weight, after6)
+    assert sched2.get_last_lr() == lr6
 
 
 def _gpt(seed: int) -> tuple[TinyGPT, torch.optim.Optimizer, object]:

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from dstt import DeltaPolicy, StepMetrics
-from dstt._session import session
 from dstt.store import Repository
 from dstt.testing.models import SyntheticBatches, TinyGPT
+from dstt.training import session
 
 from ._helpers import same_bits, stored, train_step
 

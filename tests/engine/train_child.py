@@ -14,8 +14,8 @@ import sys
 
 import torch
 
-from dstt._session import session
 from dstt.testing.models import SyntheticBatches, TinyGPT
+from dstt.training import session
 
 
 def main(mode: str, run: str, steps: int, seed: int) -> None:

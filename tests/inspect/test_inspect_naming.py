@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from dstt.inspect.naming import array_path, optim_state, select, tensor_dims, user_name
+from dstt.inspect.naming import array_path, select, tensor_dims
+from dstt.schema import optim_state, user_name
 
 PATHS = [
     "params/embed/weight",

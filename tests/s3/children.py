@@ -33,7 +33,7 @@ def kill(url: str) -> None:
     from dstt.store import Repository
     from dstt.store.storage import s3_blob
 
-    repo = Repository.create(url, lease_ttl=2.0, chunk_size=5 * MiB)
+    repo = Repository.create(url, lease_ttl=5.0, chunk_size=5 * MiB)  # test_s3_run.LEASE_S
     real_put = obstore.put
     with repo.writer(chunk_bytes=1 * MiB) as w:
         for step in (1, 2, 3):

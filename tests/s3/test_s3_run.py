@@ -83,22 +83,26 @@ def test_a_second_writer_is_refused(s3_url: str) -> None:
             Repository.open(s3_url).rollback(to_step=1)
 
 
+LEASE_S = 5.0  # the child's lease (tests.s3.children.kill): long enough for a busy machine
+
+
 def test_sigkill_mid_upload_leaves_the_previous_commit(s3_url: str, s3_server: S3Server) -> None:
     proc = subprocess.run([sys.executable, "-m", "tests.s3.children", "kill", s3_url],
                           cwd=ROOT, env=child_env(s3_server), capture_output=True, text=True,
                           timeout=60)
+    killed = time.monotonic()
     assert proc.returncode == -9, proc.stdout + proc.stderr
     assert "committed 2" in proc.stdout and "uploading" in proc.stdout.split("committed 2")[1]
-    st = S3Storage(s3_url, lease_ttl=2.0)
-    assert st.multipart_uploads(), "the kill left an unfinished multipart upload"
+    st = S3Storage(s3_url, lease_ttl=LEASE_S)
     repo = Repository.open(st)
+    with pytest.raises(RunLockedError):  # the dead writer's lease is still live ...
+        repo.gc()
+    assert st.multipart_uploads(), "the kill left an unfinished multipart upload"
     r = repo.reader()
     assert [h.step for h in r.lineage()] == [1, 2]
     assert np.all(r.read_array(r.head(), "params/w") == 2)
     assert repo.verify().ok
-    with pytest.raises(RunLockedError):  # the dead writer's lease is still live ...
-        repo.gc()
-    time.sleep(2.2)  # ... until it expires
+    time.sleep(max(0.0, killed + LEASE_S + 0.2 - time.monotonic()))  # ... until it expires
     repo.gc()
     assert st.multipart_uploads() == ()
     assert repo.verify().ok

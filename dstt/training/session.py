@@ -1,16 +1,16 @@
 """``Session``: capture every optimizer step of a plain PyTorch loop, lazily, and resume it.
 
-(``dstt.session(...)``, in ``dstt._session``, picks this class or the DeepSpeed subclass in
-``dstt._ds_session``; both import this module, which imports neither.)
+(``dstt.session(...)``, in ``dstt.training``, picks this class or the DeepSpeed subclass in
+``dstt.training.deepspeed``; both import this module, which imports neither.)
 
 The session attaches to the optimizer through its step hooks and drives the capture engine:
 stage step *k* after its optimizer step, snapshot the boundary state at the end of its
 iteration, wait for its copies and seal it before step *k+1*, and at the block's exit commit
-the last step; what each hook does is ``dstt._session_steps`` (``StepHooks``, a base class of
+the last step; what each hook does is ``dstt.training.steps`` (``StepHooks``, a base class of
 ``Session``). This module is construction, the public surface, the lifecycle and resume.
 
 Metrics: ``s.log`` files each call under the step of its iteration, whichever side of
-``optimizer.step()`` it sits (``dstt._session_metrics``); steps that are not captured hand
+``optimizer.step()`` it sits (``dstt.training.metrics``); steps that are not captured hand
 their metrics to the next commit.
 
 Background errors (disk full, ...) surface on the training thread at the next optimizer step
@@ -23,35 +23,36 @@ Rejected alternative: wrapping ``optimizer.step`` — it breaks ``LRScheduler``'
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from ._data import BatchLog, RecordedData, SkipSet, read_skips
-from ._session_checks import capture_error, check_optimizer, warn_skipped
-from ._session_metrics import MetricLog, metric_value
-from ._session_retention import RetentionRunner, check_policy, store_writer
-from ._session_steps import ErrorPolicy, RacePolicy, StepHooks
-from .engine.data_position import DataPosition, TrackedData
-from .engine.dims import DimsOf, ModelDims
-from .engine.pipeline import SUMMARIES_OBJECT, Flight, Pipeline, StepMetrics
-from .engine.providers import ObjectProvider, StoreSource
-from .engine.torch_state import Stateful, TorchState, discover
-from .errors import (
+from ..engine.data_position import DataPosition, TrackedData
+from ..engine.dims import DimsOf, ModelDims
+from ..engine.pipeline import SUMMARIES_OBJECT, Flight, Pipeline, StepMetrics
+from ..engine.providers import RankObject, StoreSource
+from ..engine.torch_state import ONE_RANK, Stateful, TorchState, discover, optimizers_of
+from ..errors import (
     CaptureError,
     NotARunError,
     RaceError,
     TimelineError,
 )
-from .store import DEFAULT_CHUNK_BYTES, DeltaPolicy, GcReport, Repository, Retention, Storage
+from ..store import DEFAULT_CHUNK_BYTES, GcReport, Repository
+from .checks import capture_error, check_optimizer, warn_skipped
+from .data import BatchLog, RecordedData, SkipSet, read_skips
+from .metrics import MetricLog, metric_value
+from .options import DEFAULT_BUDGET, CopyMode, ErrorPolicy, RacePolicy, SessionOptions
+from .retention import RetentionRunner, store_writer
+from .steps import StepHooks
 
-__all__ = ["DEFAULT_BUDGET", "CopyMode", "ErrorPolicy", "RacePolicy", "Session"]
+__all__ = ["DEFAULT_BUDGET", "CopyMode", "ErrorPolicy", "OptimizerArg", "RacePolicy", "Session",
+           "SessionOptions"]
 
-CopyMode = Literal["async", "sync", "auto"]
-
-MiB = 1024 * 1024
-DEFAULT_BUDGET = 256 * MiB
+#: one optimizer, a list of them, or a dict of them by name
+OptimizerArg = (torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+                | Mapping[str, torch.optim.Optimizer] | None)
 
 
 class Session(StepHooks):
@@ -65,48 +66,22 @@ class Session(StepHooks):
     _tail_on_error = True
 
     def __init__(self, model: torch.nn.Module | None,
-                 optimizer: torch.optim.Optimizer | None = None, *,
-                 run: str | os.PathLike[str] | Repository | Storage, every: int = 1,
-                 scheduler: Any = None, resume: bool = False,
-                 budget_bytes: int = DEFAULT_BUDGET, race_policy: RacePolicy = "raise",
-                 verify: bool = False, error_policy: ErrorPolicy = "raise",
-                 extra_state: Mapping[str, Stateful] | None = None, writers: int | None = None,
-                 max_backlog: int = 16, summaries: bool = True,
-                 encoding: DeltaPolicy | None = None, copy: CopyMode = "async",
-                 retention: Retention | None = None) -> None:
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive int, got {every!r}")
-        if race_policy not in ("raise", "recopy", "warn"):
-            raise ValueError(
-                f"race_policy must be 'raise', 'recopy' or 'warn', not {race_policy!r}")
-        if error_policy not in ("raise", "skip"):
-            raise ValueError(f"error_policy must be 'raise' or 'skip', not {error_policy!r}")
-        if copy not in ("async", "sync", "auto"):
-            raise ValueError(f"copy must be 'async', 'sync' or 'auto', not {copy!r}")
-        self.copy = copy
-        if budget_bytes < 4096:
-            raise ValueError(f"budget_bytes={budget_bytes} is too small (at least 4096)")
-        if encoding is not None and not isinstance(encoding, DeltaPolicy):
-            raise TypeError(f"encoding must be a dstt.DeltaPolicy or None, not {encoding!r}")
-        self.encoding = encoding
-        if retention is not None and not isinstance(retention, Retention):
-            raise TypeError(f"retention must be a dstt.Retention or None, not {retention!r}")
-        if retention is not None:
-            check_policy(retention)
-        self.retention = retention
-        self._retainer: RetentionRunner | None = None  # dstt._session_retention
+                 optimizer: OptimizerArg = None, *, options: SessionOptions,
+                 scheduler: Any = None,
+                 extra_state: Mapping[str, Stateful] | None = None) -> None:
+        if not isinstance(options, SessionOptions):
+            raise TypeError(f"options must be a dstt.SessionOptions, not {options!r}")
+        self.options = options
+        self._retainer: RetentionRunner | None = None  # dstt.training.retention
         self._keyframe_next = False  # keyframe(): the next captured step is written whole
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        if model is not None and optimizer is not None:
-            check_optimizer(model, optimizer)
-        self.every, self.resume = every, resume
-        self.budget_bytes, self.race_policy = budget_bytes, race_policy
-        # leave a core to training: on 2 cores, more writers only steal CPU from the step
-        writers = writers or min(4, max(1, (os.cpu_count() or 2) - 1))
-        self.verify, self.error_policy, self.writers = verify, error_policy, writers
-        self.max_backlog, self.summaries = max_backlog, summaries
-        self._run_arg = run
-        self.summaries_object = SUMMARIES_OBJECT  # per rank under DeepSpeed
+        #: the optimizers by key (``{"": opt}`` for one; ``engine.torch_state.optimizers_of``)
+        self.optimizers = optimizers_of(optimizer)
+        self.model, self.scheduler = model, scheduler
+        #: the optimizer (the first of several)
+        self.optimizer = next(iter(self.optimizers.values()), None)
+        if model is not None and self.optimizers:
+            check_optimizer(model, self.optimizers)
+        self.summaries_object = SUMMARIES_OBJECT  # per rank when several ranks write
         self.repo: Repository | None = None
         self._state = self._discover(scheduler, extra_state)
         self._writer: Any = None
@@ -122,11 +97,12 @@ class Session(StepHooks):
         #: step, and whether its iteration ended: what ``close`` commits it with
         self._tail: Mapping[str, Any] | None = None
         self._tail_ended = False
+        self._sched_offset: int | None = None  # scheduler.last_epoch - step, at start
         self._log = MetricLog(0)
         self._position = DataPosition()
         self._tracked: TrackedData | None = None
         self._skip = 0
-        self._batches = BatchLog()  # per-step batch fingerprints (dstt._data)
+        self._batches = BatchLog()  # per-step batch fingerprints (dstt.training.data)
         self._skips = SkipSet()  # what this timeline drops (run.rollback(skip_samples=...))
         self._loader_state: Any = None  # a stateful loader's saved state, with its batch count
         self._started = self._closed = False
@@ -161,7 +137,7 @@ class Session(StepHooks):
         drawing and dropping them. Each batch's fingerprint (its sample indices, else a hash)
         is recorded under its step (``run.batches()``), and the samples and batches the
         timeline skips (``run.rollback(skip_samples=..., skip_batches=...)``) are dropped; see
-        :mod:`dstt._data`. Call it inside the ``with`` block (after the restore).
+        :mod:`dstt.training.data`. Call it inside the ``with`` block (after the restore).
         """
         if not self._started:
             raise CaptureError("call s.data(...) inside the `with dstt.session(...)` block, "
@@ -226,24 +202,23 @@ class Session(StepHooks):
 
     def _discover(self, scheduler: Any,
                   extra_state: Mapping[str, Stateful] | None) -> TorchState:
-        return discover(self.model, self.optimizer, scheduler=scheduler,
+        return discover(self.model, self.optimizers_arg(), scheduler=scheduler,
                         extra_state=extra_state,
-                        extra=[ObjectProvider("data", self._data_state, self._set_data,
-                                              required=False)])
+                        extra=[RankObject("data", ONE_RANK, self._data_state, self._set_data)])
 
     def _open(self, chunk: int) -> tuple[Any, Any, Any]:
         """Open the run for writing: ``(writer, reader, head to restore or None)``."""
-        run = self._run_arg
+        run = self.options.run
         if isinstance(run, (str, os.PathLike)) and os.path.isfile(run):
             raise NotARunError(f"run={os.fspath(run)!r} is a file; a run is a directory: pass "
                                "an existing run's directory or a new path")
         self.repo = run if isinstance(run, Repository) else Repository.create(run)
-        writer = self.repo.writer(chunk_bytes=chunk, encoding=self.encoding,
+        writer = self.repo.writer(chunk_bytes=chunk, encoding=self.options.encoding,
                                   inflight_bases=True, lazy_refs=True)
         try:
             reader = self.repo.reader()
             head = reader.head()
-            if head is not None and not self.resume:
+            if head is not None and not self.options.resume:
                 raise TimelineError(
                     f"run {self.repo.storage.location} already has committed steps (timeline "
                     f"{reader.current_timeline!r} is at step {head.step}); pass resume=True to "
@@ -258,14 +233,36 @@ class Session(StepHooks):
         self._state.step_state.restore(source)
         self._state.boundary_state.restore(source)
 
+    def optimizers_arg(self) -> Any:
+        """The optimizer(s) as ``optimizers_of`` takes them back (None, one, or a dict)."""
+        if not self.optimizers:
+            return None
+        return self.optimizer if "" in self.optimizers else dict(self.optimizers)
+
     def _attach(self) -> list[Any]:
-        """Install the step hooks; returns handles with ``remove()``."""
-        if self.optimizer is None:
-            return []
-        return [
-            self.optimizer.register_step_pre_hook(lambda *_: self._before_step()),
-            self.optimizer.register_step_post_hook(lambda *_: self._after_step()),
-        ]
+        """Install the step hooks; returns handles with ``remove()``.
+
+        With several optimizers, the first of them to step in an iteration waits for the last
+        step's copies (every pre-step hook does, and only the first finds any), and a step is
+        counted once every optimizer has stepped since the last one (the last post-step hook
+        captures it): one iteration of ``a.step(); b.step()`` is one step, and no optimizer
+        updates a tensor while its copy is in flight."""
+        opts = list(self.optimizers.values())
+        if len(opts) <= 1:
+            return [h for o in opts for h in (
+                o.register_step_pre_hook(lambda *_: self._before_step()),
+                o.register_step_post_hook(lambda *_: self._after_step()))]
+        stepped: set[int] = set()
+
+        def post(opt: torch.optim.Optimizer, *_: Any) -> None:
+            stepped.add(id(opt))
+            if len(stepped) == len(opts):
+                stepped.clear()
+                self._after_step()
+
+        return [h for o in opts for h in (
+            o.register_step_pre_hook(lambda *_: self._before_step()),
+            o.register_step_post_hook(post))]
 
     # -- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -279,25 +276,27 @@ class Session(StepHooks):
         if self._started:
             raise CaptureError("this session was already started")
         self._started = True
-        chunk = min(DEFAULT_CHUNK_BYTES, max(4096, self.budget_bytes // 4))
+        o = self.options
+        chunk = min(DEFAULT_CHUNK_BYTES, max(4096, o.budget_bytes // 4))
         self._writer, reader, head = self._open(chunk)
         try:
             if head is not None:
                 self._restore(reader, head)
-            self._pipeline = Pipeline(self._writer, budget_bytes=self.budget_bytes,
-                                      writers=self.writers, verify=self.verify,
-                                      max_backlog=self.max_backlog,
-                                      summaries=self.summaries,
+            self._pipeline = Pipeline(self._writer, budget_bytes=o.budget_bytes,
+                                      writers=o.writer_threads, verify=o.verify,
+                                      max_backlog=o.max_backlog, summaries=o.summaries,
                                       summaries_object=self.summaries_object,
-                                      copy=self.copy, dims=self._dims_of())
+                                      copy=o.copy, dims=self._dims_of())
             self._last_staged = self._step
+            epoch = getattr(self.scheduler, "last_epoch", None)
+            self._sched_offset = epoch - self._step if isinstance(epoch, int) else None
             self._log = MetricLog(self._step)
             if head is not None:  # the first step's update is measured from the parent's
                 self._pipeline.seed_summaries(self._state.step_state.tensors())
             self._hooks = self._attach()
             gc_writer = store_writer(self._writer)
-            if self.retention is not None and self.retention.prunes and gc_writer is not None:
-                self._retainer = RetentionRunner(gc_writer, self.retention)
+            if o.retention is not None and o.retention.prunes and gc_writer is not None:
+                self._retainer = RetentionRunner(gc_writer, o.retention)
         except BaseException:
             self._writer.close()
             raise
@@ -317,7 +316,10 @@ class Session(StepHooks):
             if pipe is not None:
                 f, self._flight = self._flight, None
                 if f is not None:
-                    if clean or self._boundary is not None:  # its iteration did finish
+                    if clean or self._boundary is not None or (
+                            self._tail_on_error and self._finished_on_error(exc, False)):
+                        if self._boundary is None:  # its step finished; the iteration not
+                            self._boundary = self._state.boundary_state.objects()
                         try:
                             self._settle(f)
                         except RaceError as e:
@@ -351,7 +353,7 @@ class Session(StepHooks):
         if pipe is not None:
             failed = pipe.take_errors()
             if failed:
-                if clean and self.error_policy == "raise" and pending_error is None:
+                if clean and self.options.error_policy == "raise" and pending_error is None:
                     pending_error = capture_error(failed)
                 else:
                     for f in failed:

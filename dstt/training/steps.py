@@ -17,7 +17,7 @@
   whole, and a dstt error of the engine commits nothing more. Already-sealed steps finish
   committing. What is visible is always a complete, consistent step.
 
-``StepHooks`` is a base class of ``Session`` (``dstt._session_core``), which imports this
+``StepHooks`` is a base class of ``Session`` (``dstt.training.session``), which imports this
 module and never the other way; the attributes it uses are declared here and set by
 ``Session.__init__``, and ``DeepSpeedSession`` installs the same methods on its engine. So the
 session module stays about construction, the public surface and the lifecycle. Rejected
@@ -29,33 +29,29 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from ._data import BATCHES_OBJECT, BatchLog
-from ._session_checks import capture_error, warn_skipped
-from ._session_metrics import METRICS_HISTORY_OBJECT, MetricLog
-from .engine.pipeline import Flight, Pipeline
-from .errors import DsttError, RaceError
+from ..engine.pipeline import Flight, Pipeline
+from ..errors import DsttError, RaceError
+from .checks import capture_error, warn_skipped
+from .data import BATCHES_OBJECT, BatchLog
+from .metrics import METRICS_HISTORY_OBJECT, MetricLog
 
 if TYPE_CHECKING:
-    from ._session_retention import RetentionRunner
-    from .engine.torch_state import TorchState
-    from .store import DeltaPolicy
+    from ..engine.torch_state import TorchState
+    from .options import SessionOptions
+    from .retention import RetentionRunner
 
-__all__ = ["ErrorPolicy", "RacePolicy", "StepHooks"]
-
-RacePolicy = Literal["raise", "recopy", "warn"]
-ErrorPolicy = Literal["raise", "skip"]
+__all__ = ["StepHooks"]
 
 
 class StepHooks:
     """The hooks' side of a ``Session``: stage, settle (race check, seal), the tail commit."""
 
     _tail_on_error: bool
-    every: int
-    encoding: DeltaPolicy | None
-    race_policy: RacePolicy
-    error_policy: ErrorPolicy
+    options: SessionOptions
+    scheduler: Any
+    _sched_offset: int | None
     _state: TorchState
     _pipeline: Pipeline | None
     _flight: Flight | None
@@ -84,7 +80,7 @@ class StepHooks:
         self._in_step = False
         self._step += 1
         self._taken += 1
-        if self._step % self.every:
+        if self._step % self.options.every:
             self._tail = self._state.step_state.objects()
             self._tail_ended = False
             return
@@ -96,7 +92,8 @@ class StepHooks:
         self._boundary = None
         # built only for a step the pipeline encodes (~3 µs per tensor: raw steps skip it)
         predictions = (self._state.step_state.predictions
-                       if self.encoding is not None and self.encoding.predict else None)
+                       if self.options.encoding is not None and self.options.encoding.predict
+                       else None)
         self._flight = self._pipeline.stage(self._step, tensors, objects, predictions,
                                             keyframe=self._keyframe_next)
         self._last_staged = self._step
@@ -104,14 +101,31 @@ class StepHooks:
 
     def _tail_due(self, exc: BaseException | None) -> bool:
         """Does ``close`` commit the last step ``every`` skipped? Always on a clean exit; on
-        an exception only after its iteration ended, outside an optimizer step, and not for
-        a dstt error (the engine itself failed)."""
+        an exception only for a finished step (``_finished_on_error``)."""
         if self._tail is None or self._step <= self._last_staged:
             return False
         if exc is None:
             return True
-        return (self._tail_on_error and self._tail_ended and not self._in_step
-                and not isinstance(exc, DsttError))
+        return self._tail_on_error and self._finished_on_error(exc, self._tail_ended)
+
+    def _finished_on_error(self, exc: BaseException, ended: bool) -> bool:
+        """On an exception: was the last step finished, so that ``close`` commits it? Not for
+        a dstt error (the engine itself failed) nor inside an optimizer step (tensors half
+        updated). Otherwise yes if its iteration ended (the loop asked for the next batch), or
+        if its optimizer step is done and the LR scheduler has stepped with it (the boundary
+        state is then snapshotted at ``close``: what raised came after the step's update,
+        e.g. in logging, evaluation or the next forward). A step whose scheduler had not
+        stepped yet is dropped: its resume would repeat the scheduler step."""
+        if isinstance(exc, DsttError) or self._in_step:
+            return False
+        return ended or self._scheduler_in_step()
+
+    def _scheduler_in_step(self) -> bool:
+        """Whether the scheduler (if any) has stepped once per optimizer step taken."""
+        epoch = getattr(self.scheduler, "last_epoch", None)
+        if self.scheduler is None or not isinstance(epoch, int) or self._sched_offset is None:
+            return True
+        return epoch - self._step == self._sched_offset
 
     def _commit_tail(self) -> None:
         """Stage the last step now (its tensors are as the optimizer left them), with the
@@ -120,7 +134,8 @@ class StepHooks:
         objects, self._tail = self._tail, None
         # built only for a step the pipeline encodes (~3 µs per tensor: raw steps skip it)
         predictions = (self._state.step_state.predictions
-                       if self.encoding is not None and self.encoding.predict else None)
+                       if self.options.encoding is not None and self.options.encoding.predict
+                       else None)
         f = self._pipeline.stage(self._step, self._state.step_state.tensors(), objects,
                                  predictions, keyframe=self._keyframe_next)
         self._last_staged = self._step
@@ -141,13 +156,13 @@ class StepHooks:
             msg = (f"step {f.step}: tensors were modified in place while being copied: "
                    f"{names}{more}. Something outside the optimizer writes them between "
                    "optimizer steps (a forward hook, tied weights, a custom update); ")
-            if self.race_policy == "raise":
+            if self.options.race_policy == "raise":
                 err = RaceError(msg + "step not checkpointed. Use race_policy='recopy' to copy "
                                 "them again at the next step, or 'warn' to accept the copy.")
                 pipe.abort(f, err)
                 self._flight = self._boundary = None
                 raise err
-            if self.race_policy == "recopy":
+            if self.options.race_policy == "recopy":
                 pipe.recopy(f, [r.path for r in races])
             else:
                 warnings.warn(msg + "the checkpoint may mix old and new values.",
@@ -184,7 +199,7 @@ class StepHooks:
         failed = self._pipeline.take_errors()
         if not failed:
             return
-        if self.error_policy == "raise":
+        if self.options.error_policy == "raise":
             raise capture_error(failed)
         for f in failed:
             warn_skipped(f)

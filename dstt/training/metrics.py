@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 
-from .errors import DsttWarning
+from ..errors import DsttWarning
 
 __all__ = ["METRICS_HISTORY_OBJECT", "MetricLog", "metric_value"]
 

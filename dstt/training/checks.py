@@ -1,7 +1,7 @@
 """What the session refuses up front and how it reports steps it could not checkpoint.
 
-Kept apart from ``_session_core`` (the capture lifecycle) so that module stays about the
-session's lifecycle, flights and resume (its per-step hooks are ``_session_steps``).
+Kept apart from ``dstt.training.session`` (the capture lifecycle) so that module stays about the
+session's lifecycle, flights and resume (its per-step hooks are ``dstt.training.steps``).
 ``check_optimizer`` runs when a session is built: a mismatch between the model and its
 optimizer is a user mistake that would otherwise surface only at resume, as silently lost
 optimizer state. Rejected alternative: checking at the first optimizer step — by then the user
@@ -10,23 +10,25 @@ has paid for a step and the error points at the training loop, not the setup."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 
 import torch
 
-from .engine.flight import Flight
-from .errors import CaptureError, ConfigError, DsttWarning
+from ..engine.flight import Flight
+from ..errors import CaptureError, ConfigError, DsttWarning
 
 __all__ = ["capture_error", "check_optimizer", "warn_skipped"]
 
 
-def check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse an optimizer whose state a resume would lose: one that holds none of the
+def check_optimizer(model: torch.nn.Module,
+                    optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
+    """Refuse optimizers whose state a resume would lose: ones that together hold none of the
     model's trainable parameters, or parameters the model does not have (``ConfigError``).
-    Trainable parameters left out of the optimizer warn (``DsttWarning``): they are captured
+    Trainable parameters left out of every optimizer warn (``DsttWarning``): they are captured
     and restored, but nothing updates them. Frozen ones (``requires_grad=False``) are fine."""
     in_model = {id(p): name for name, p in model.named_parameters()}
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    in_opt = [p for g in optimizer.param_groups for p in g["params"]]
+    in_opt = [p for opt in optimizers.values() for g in opt.param_groups for p in g["params"]]
     foreign = [p for p in in_opt if id(p) not in in_model]
     if foreign:
         shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:3])

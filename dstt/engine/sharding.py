@@ -1,0 +1,283 @@
+"""Which part of each captured tensor this rank writes, under PyTorch-native parallelism.
+
+Every rank captures the same logical tensors (``params/...``, ``optim/<state>/...``, in
+canonical names), each either a plain tensor (DDP: replicated on every rank) or a DTensor
+(FSDP2 ``Shard(0)``, tensor parallel ``Shard``/``Replicate``, 2-d meshes). A rank *holds* one
+box of each tensor — a plain tensor's box is the whole tensor; a DTensor's is its local shard,
+at the global offsets DTensor computes for it (``compute_local_shape_and_global_offset``, as
+DCP's planner does) — and writes it only if it is that box's *writer*:
+
+* **planning**: every rank tells the others (through the session's ``RankChannel``, no
+  collective on the process group) which boxes it holds; every rank then computes the same
+  assignment: each distinct box gets one writer among its holders, the largest boxes first,
+  each to the least-loaded holder (the rule DCP's ``dedup_save_plans`` applies centrally). So
+  a replicated tensor (DDP, ``Replicate`` placements, a TP shard repeated across data-parallel
+  groups) is written once, and the bytes spread over the ranks. A plan is made at the first
+  capture and again only when the set of tensors changes (optimizer state appearing after the
+  first step): a step whose tensors are the same objects reuses the plan and its views with
+  no Python per tensor;
+* **storing**: a box that is the whole tensor is stored under the tensor's own path, as in a
+  single-process run; any other box is stored, with its local shape, as
+  ``dtensor/w<world>/r<writer>/<path>`` and listed in the writer's shard map (``shards/r<rank>``,
+  format 2: boxes; ``dstt.store.shards``), from which every reader assembles the logical
+  tensor. The lazy copy runs on ``to_local()`` views: no gather, no all-reduce, no full copy;
+* **restoring**: ``dtensors.restore_tensor`` reads exactly the live box — a DTensor's local
+  shard, or a whole plain tensor — from whatever boxes are stored (``read_region``), so a
+  resume onto the same placements is bit-exact and one onto others (2 ranks → 1, 1 → 2,
+  another mesh) reshards.
+
+Rank-0 state (objects every rank holds alike: optimizer hyperparameters, scheduler) is
+written by rank 0 alone (``RankZeroObjects``); per-rank state (RNG, data position) goes under
+``<name>/r<rank>`` (``providers.RankObject``).
+Rejected alternatives: gathering full tensors to rank 0 (a collective and a full copy on the
+training path, every byte through one disk queue); deriving the writers from mesh coordinates
+alone (a DTensor on a sub-mesh — TP inside data-parallel groups — cannot see the ranks that
+repeat it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CaptureError
+from ..store import Box, Encoded, LogicalArray, shard_map
+from ._convert import store_dtype
+from .dtensors import held_box, local_view
+from .providers import CompositeProvider, RestoreSource, StateProvider
+from .ranks import RankChannel, RankInfo
+
+__all__ = [
+    "DTENSOR_PREFIX",
+    "Held",
+    "OwnedTensors",
+    "RankShare",
+    "RankZeroObjects",
+    "assign_writers",
+    "owners",
+]
+
+DTENSOR_PREFIX = "dtensor"
+
+
+# -- the plan -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Held:
+    """One box of a logical tensor held by a rank."""
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def whole(self) -> bool:
+        return self.sizes == self.shape
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.sizes)  # relative sizes are all the plan needs
+
+    def wire(self) -> list[Any]:
+        return [self.path, self.dtype, list(self.shape), list(self.offsets), list(self.sizes)]
+
+    @staticmethod
+    def unwire(v: Sequence[Any]) -> Held:
+        return Held(str(v[0]), str(v[1]), tuple(v[2]), tuple(v[3]), tuple(v[4]))
+
+
+def assign_writers(held: Sequence[Sequence[Held]]) -> dict[tuple[str, tuple[int, ...]], int]:
+    """``held[r]``: the boxes rank ``r`` holds → the writer of each distinct box, by
+    ``(path, offsets)``. Every rank computes the same answer from the same input. A tensor
+    held with different dtypes or shapes, or whose boxes overlap or leave a gap, is a
+    ``CaptureError`` naming it."""
+    holders: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    boxes: dict[tuple[str, tuple[int, ...]], Held] = {}
+    kinds: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for rank, items in enumerate(held):
+        for h in items:
+            kind = (h.dtype, h.shape)
+            if kinds.setdefault(h.path, kind) != kind:
+                raise CaptureError(f"{h.path!r} is {kinds[h.path]} on one rank and {kind} on "
+                                   f"rank {rank}: the ranks capture different models")
+            key = (h.path, h.offsets)
+            seen = boxes.setdefault(key, h)
+            if seen.sizes != h.sizes:
+                raise CaptureError(f"ranks hold boxes of {h.path!r} at {h.offsets} with "
+                                   f"different sizes ({seen.sizes}, {h.sizes})")
+            holders.setdefault(key, []).append(rank)
+    by_path: dict[str, list[Held]] = {}
+    for h in boxes.values():
+        by_path.setdefault(h.path, []).append(h)
+    for path, hs in by_path.items():
+        shape = kinds[path][1]
+        total = sum(math.prod(h.sizes) for h in hs)
+        overlap = any(Box("", a.offsets, a.sizes).overlap(b.offsets, b.sizes) is not None
+                      for i, a in enumerate(hs) for b in hs[:i])
+        if overlap or total != math.prod(shape):
+            raise CaptureError(
+                f"the ranks' parts of {path!r} ({len(hs)} distinct boxes, {total} of "
+                f"{math.prod(shape)} elements{', overlapping' if overlap else ''}) do not make "
+                "up the tensor: a rank that holds part of it does not run the session, or its "
+                "placements are not supported")
+    load = [0] * len(held)
+    out: dict[tuple[str, tuple[int, ...]], int] = {}
+    for key in sorted(boxes, key=lambda k: (-boxes[k].nbytes, k)):
+        rank = min(holders[key], key=lambda r: (load[r], r))
+        out[key] = rank
+        load[rank] += boxes[key].nbytes
+    return out
+
+
+def owners(sizes: Mapping[str, int], world: int) -> dict[str, int]:
+    """Rank that writes each replicated array: largest first to the least loaded rank (the
+    DeepSpeed session's rule for its replicated tensors)."""
+    load = [0] * world
+    out: dict[str, int] = {}
+    for path in sorted(sizes, key=lambda p: (-sizes[p], p)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        out[path] = r
+        load[r] += sizes[path]
+    return out
+
+
+# -- providers ------------------------------------------------------------------------------
+class RankShare:
+    """This rank's share of a provider's logical tensors (see the module docstring).
+
+    ``inner`` hands out logical tensors (plain or DTensors) by path, and should be *stable*
+    (the same mapping object while nothing changed: the built-in providers are). Its objects
+    are state every rank holds alike (``optim/state``), written by rank 0; each rank adds its
+    shard map. Restore goes to ``inner``, whose providers read their live boxes with
+    ``dtensors.restore_tensor``.
+    """
+
+    stable = True
+
+    def __init__(self, inner: StateProvider, info: RankInfo, channel: RankChannel) -> None:
+        self.inner, self.info, self.channel = inner, info, channel
+        self._seen: Mapping[str, torch.Tensor] | None = None
+        self._key: tuple[Any, ...] | None = None
+        self._mine: list[tuple[str, str]] = []  # (stored path, logical path) this rank writes
+        self._out: dict[str, torch.Tensor] = {}
+        self._map: Encoded | None = None
+        self._plans = 0
+
+    @property
+    def plans(self) -> int:
+        """How many plans were made (each a message round between the ranks)."""
+        return self._plans
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        got = self.inner.tensors()
+        if got is self._seen and getattr(self.inner, "stable", False):
+            return self._out
+        held = self._held(got)
+        key = tuple(held)
+        if key != self._key:
+            self._plan(held)
+            self._key = key
+        self._out = {stored: local_view(got[path]) for stored, path in self._mine}
+        self._seen = got
+        return self._out
+
+    def _held(self, got: Mapping[str, torch.Tensor]) -> list[Held]:
+        out = []
+        for path, t in got.items():
+            box = held_box(t)
+            if box is not None:
+                out.append(Held(path, store_dtype(t.dtype, what=f"tensor {path!r}"),
+                                tuple(t.shape), *box))
+        return out
+
+    def _plan(self, held: list[Held]) -> None:
+        every = self.channel.gather(f"plan/{self._plans}", [h.wire() for h in held],
+                                    what="captured tensors (a plan of who writes what)")
+        self._plans += 1
+        boxes = [[Held.unwire(v) for v in items] for items in every]
+        writer = assign_writers(boxes)
+        sharded = {h.path for items in boxes for h in items if not h.whole}
+        r, w = self.info.rank, self.info.world
+        mine: list[tuple[str, str]] = []
+        arrays: list[LogicalArray] = []
+        for h in held:
+            if writer[(h.path, h.offsets)] != r:
+                continue
+            if h.path not in sharded:
+                mine.append((h.path, h.path))
+                continue
+            stored = f"{DTENSOR_PREFIX}/w{w}/r{r}/{h.path}"
+            mine.append((stored, h.path))
+            arrays.append(LogicalArray(h.path, h.dtype, h.shape,
+                                       boxes=(Box(stored, h.offsets, h.sizes),)))
+        self._mine = mine
+        self._map = Encoded.of(shard_map(arrays)) if sharded else None
+
+    def objects(self) -> Mapping[str, Any]:
+        out = dict(self.inner.objects()) if self.info.rank == 0 else {}
+        if self._map is not None:
+            out[f"shards/r{self.info.rank}"] = self._map
+        return out
+
+    def capture(self) -> tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]:
+        tensors = self.tensors()
+        return tensors, self.objects()
+
+    def predictions(self) -> Mapping[str, Any]:
+        return {}
+
+    def restore(self, source: RestoreSource) -> None:
+        self.inner.restore(source)
+
+    def __repr__(self) -> str:
+        return f"RankShare({self.inner!r}, rank={self.info.rank}/{self.info.world})"
+
+
+class OwnedTensors:
+    """Replicated tensors of several providers; ``tensors()`` yields this rank's share only
+    (``rank0``: rank 0 owns them all). Objects come from rank 0 only; ``restore`` reads every
+    array (all ranks hold them all). The DeepSpeed session's replicated state."""
+
+    def __init__(self, providers: Iterable[Any], info: RankInfo, *, rank0: bool = False) -> None:
+        self.inner = CompositeProvider(providers)
+        self.info, self.rank0 = info, rank0
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        if self.rank0:
+            return self.inner.tensors() if self.info.rank == 0 else {}
+        every = self.inner.tensors()
+        mine = owners({p: t.numel() * t.element_size() for p, t in every.items()},
+                      self.info.world)
+        return {p: t for p, t in every.items() if mine[p] == self.info.rank}
+
+    def objects(self) -> Mapping[str, Any]:
+        return self.inner.objects() if self.info.rank == 0 else {}
+
+    def restore(self, source: RestoreSource) -> None:
+        self.inner.restore(source)
+
+
+class RankZeroObjects:
+    """``inner``'s objects from rank 0 only (state every rank holds alike); its tensors and
+    restore as they are."""
+
+    def __init__(self, inner: StateProvider, info: RankInfo) -> None:
+        self.inner, self.info = inner, info
+        self.stable = bool(getattr(inner, "stable", False))
+
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        return self.inner.tensors()
+
+    def objects(self) -> Mapping[str, Any]:
+        return self.inner.objects() if self.info.rank == 0 else {}
+
+    def restore(self, source: RestoreSource) -> None:
+        self.inner.restore(source)
+
+    def __repr__(self) -> str:
+        return f"RankZeroObjects({self.inner!r})"

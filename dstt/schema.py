@@ -1,0 +1,150 @@
+"""Names the training side and the readers agree on: store paths, user names, dimensions.
+
+Every tensor is stored under one **canonical name**: the dotted name a plain, unwrapped
+``model.state_dict()`` would give it. Wrappers add components of their own to the names torch
+reports — ``torch.compile`` ``_orig_mod.``, DDP and ``DataParallel`` ``module.``, FSDP1
+``_fsdp_wrapped_module.``, activation checkpointing ``_checkpoint_wrapped_module.`` — and
+:func:`canonical_name` drops them, as DCP's ``get_state_dict`` does, so a run captured through
+any wrapper opens, loads and exports under the names of the model itself. The store path of a
+tensor (:func:`tensor_path`) is its kind and its canonical name with ``/`` for ``.``:
+``params/<module path>/<name>``, ``buffers/...``, ``optim/<state>/<module path>/<name>``.
+
+This module is the one place both the engine (which writes names) and the readers (which
+resolve what a user types) take them from; it needs nothing but the standard library, so the
+store, the engine and the inspection side all import it without importing each other.
+Rejected alternative: stripping wrapper prefixes at read time only — the export, ``load_into``
+and a resume into an unwrapped model would each need the same rule again, and a run would
+store one model under two spellings depending on how it was launched.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Collection, Mapping, Sequence
+
+__all__ = [
+    "MODEL_KINDS",
+    "WRAPPER_ATTRIBUTES",
+    "canonical_name",
+    "optim_state",
+    "resolve_dims",
+    "tensor_path",
+    "tree_location",
+    "user_name",
+]
+
+#: top-level groups whose arrays are named by their dotted torch name (torch state_dict keys)
+MODEL_KINDS = ("params", "buffers")
+
+#: attributes through which wrappers hold the wrapped module, dropped wherever they appear
+#: (reserved names: torch.compile's, FSDP1's and activation checkpointing's)
+WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_fsdp_wrapped_module",
+                                "_checkpoint_wrapped_module"})
+
+
+def canonical_name(dotted: str, module_wrappers: Collection[str] = ()) -> str:
+    """``dotted`` without wrapper components.
+
+    Components in :data:`WRAPPER_ATTRIBUTES` are dropped wherever they appear; a component
+    ``module`` is dropped only right after a module path listed in ``module_wrappers`` (the
+    paths, as torch names them, of DDP/``DataParallel`` instances: ``""`` for the root), since
+    a model may have a submodule of its own named ``module``.
+    ``canonical_name("_orig_mod.module.layers.0.w", {"_orig_mod"}) == "layers.0.w"``.
+    """
+    parts = dotted.split(".")
+    if not WRAPPER_ATTRIBUTES.intersection(parts) and not (module_wrappers and "module" in parts):
+        return dotted
+    kept: list[str] = []
+    raw: list[str] = []
+    for part in parts:
+        if part in WRAPPER_ATTRIBUTES or (part == "module" and ".".join(raw) in module_wrappers):
+            raw.append(part)
+            continue
+        raw.append(part)
+        kept.append(part)
+    return ".".join(kept)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def tensor_path(prefix: str, dotted: str) -> str:
+    """``params`` + ``layers.0.attn.weight`` → ``params/layers/0/attn/weight`` (cached: it
+    runs for every tensor of every captured step)."""
+    return f"{prefix}/{dotted.replace('.', '/')}"
+
+
+def user_name(path: str) -> str:
+    """``params/layers/0/attn/weight`` -> ``layers.0.attn.weight``; other paths unchanged."""
+    kind, _, rest = path.partition("/")
+    if kind in MODEL_KINDS and rest:
+        return rest.replace("/", ".")
+    return path
+
+
+def optim_state(path: str) -> str | None:
+    """``optim/exp_avg/layers/0/w`` -> ``exp_avg``; None for non-optimizer arrays."""
+    parts = path.split("/")
+    return parts[1] if len(parts) >= 3 and parts[0] == "optim" else None
+
+
+def tree_location(path: str) -> tuple[str, str]:
+    """(DataTree node path, variable name) of a store path.
+
+    Parameters and buffers land at their module path (``layers/0/attn`` holds ``weight`` and
+    ``bias``); everything else keeps its store group (``optim/exp_avg/layers/0/attn``).
+    """
+    parts = path.split("/")
+    if parts[0] in MODEL_KINDS:
+        parts = parts[1:]
+    return "/".join(parts[:-1]), parts[-1]
+
+
+def _ident(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def resolve_dims(named: Mapping[str, tuple[Sequence[str], Sequence[int]]]
+                 ) -> dict[str, tuple[str, ...]]:
+    """Dimension names xarray can place, from wanted names: ``{path: (dims, shape)}`` of a
+    whole commit -> ``{path: dims}``.
+
+    A DataTree node (:func:`tree_location`) and its ancestors must not use one name for two
+    sizes. Nodes are named root first, variables in name order; a name already taken with
+    another size (in the node or an ancestor) becomes ``<dim>_<variable>``, and if that is
+    taken too ``<dim>_<node>_<variable>``. Equal sizes share a name (a Linear's weight and
+    bias share ``out_features``), and names depend only on the commit, never on a selection.
+    """
+    by_node: dict[str, list[tuple[str, str]]] = {}
+    for path in named:
+        node, var = tree_location(path)
+        by_node.setdefault(node, []).append((var, path))
+    taken: dict[str, dict[str, int]] = {}  # node -> its own names and sizes
+    above: dict[str, dict[str, int]] = {"": {}}  # node -> the names of its ancestors
+
+    def visible_of(node: str) -> dict[str, int]:
+        got = above.get(node)
+        if got is None:  # ancestors are named before their descendants: theirs are final
+            parent = node.rsplit("/", 1)[0] if "/" in node else ""
+            up, theirs = visible_of(parent), taken.get(parent)
+            got = above[node] = {**up, **theirs} if theirs else up
+        return got
+
+    out: dict[str, tuple[str, ...]] = {}
+    for node in sorted(by_node, key=lambda n: (n.count("/") if n else -1, n)):
+        visible = visible_of(node)
+        own: dict[str, int] = {}
+        for var, path in sorted(by_node[node]):
+            dims, shape = named[path]
+            names: list[str] = []
+            for d, n in zip(dims, shape, strict=True):
+                name = d
+                if d in names or own.get(d, visible.get(d, n)) != n:  # rare: only then
+                    tries = [_ident(f"{d}_{var}"), _ident(f"{d}_{node}_{var}")]
+                    tries += [f"{tries[-1]}_{i}" for i in range(len(names) + 2)]
+                    name = next(t for t in tries if t not in names
+                                and own.get(t, visible.get(t, n)) == n)
+                names.append(name)
+                own[name] = int(n)
+            out[path] = tuple(names)
+        taken[node] = own
+    return out

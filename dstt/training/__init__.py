@@ -1,0 +1,28 @@
+"""The training side: the session around a user's loop, and what it captures per kind of
+training (plain PyTorch, PyTorch-native parallelism, DeepSpeed).
+
+* ``factory``   — ``session()`` / ``open_session()``: picks the session class for what it is given;
+* ``options``   — ``SessionOptions``: every knob, frozen and validated once;
+* ``session``   — ``Session``: construction, lifecycle, resume (plain PyTorch);
+* ``steps``     — ``StepHooks``: what the optimizer hooks do per step;
+* ``distributed`` — ``RankedSession`` (what every multi-rank session shares) and
+  ``DistributedSession``: one rank of DDP, FSDP2, tensor parallel;
+* ``deepspeed`` — ``DeepSpeedSession``: one rank of a DeepSpeed engine;
+* ``checks``, ``metrics``, ``retention``, ``data`` — up-front checks and skipped-step
+  reports, ``s.log``, background gc, data attribution.
+
+Imports flow store ← engine ← training; nothing in the engine or the store imports this
+package. (It is ``training``, not ``session``: a ``dstt.session`` package would shadow the
+``dstt.session(...)`` function as soon as one of its modules was imported.)
+"""
+
+from __future__ import annotations
+
+from .deepspeed import DeepSpeedSession
+from .distributed import DistributedSession, RankedSession
+from .factory import open_session, session
+from .options import CopyMode, ErrorPolicy, RacePolicy, SessionOptions
+from .session import Session
+
+__all__ = ["CopyMode", "DeepSpeedSession", "DistributedSession", "ErrorPolicy", "RacePolicy",
+           "RankedSession", "Session", "SessionOptions", "open_session", "session"]

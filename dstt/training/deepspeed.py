@@ -1,0 +1,74 @@
+"""``dstt.session(engine, run=...)`` for a DeepSpeed engine: every rank captures its share.
+
+The same lifecycle as the plain-PyTorch ``Session`` (stage after step k, wait before step k+1,
+seal, commit in the background), with three differences, each delegated to the engine package:
+
+* *what* — ``dstt.engine.deepspeed`` discovers one rank's state: ZeRO flat partitions of
+  master weights and optimizer state, replicated tensors split among ranks, per-rank RNG and
+  data position, and the engine's counters, LR scheduler and loss scaler;
+* *when* — the wait is a pre-step hook on the wrapped torch optimizer and the capture happens
+  when ``engine.step()`` has taken a step;
+* *who commits* — ``dstt.engine.ranks``: rank 0 merges every rank's durable part into one
+  commit; no collective runs outside ``start`` (one broadcast, main thread).
+
+Every rank must enter and leave the session together (it is collective at ``start``), with the
+same ``run`` path on a filesystem all ranks share. ``resume=True`` restores every rank from the
+commit rank 0 chose — bit-exact in the same world size and ZeRO stage; ZeRO 1-3 partitions are
+resharded from the logical tensors into another world size or stage.
+Rejected alternative: hooking ``engine.save_checkpoint`` only — it runs synchronously on the
+training thread and at most every few hundred steps; ``dstt.engine.ds_checkpoint`` offers that
+path too, for code that already calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..engine.deepspeed import DeepSpeedState, EngineStepHook
+from ..engine.dims import DimsOf, ModelDims
+from ..engine.providers import RankObject, StoreSource
+from ..engine.ranks import RankInfo
+from ..engine.torch_state import Stateful, TorchState
+from ..errors import ConfigError
+from .distributed import RankedSession
+from .options import SessionOptions
+
+__all__ = ["DeepSpeedSession"]
+
+
+class DeepSpeedSession(RankedSession):
+    """A capturing session over one rank of a DeepSpeed engine; use ``dstt.session(engine)``."""
+
+    def __init__(self, engine: Any, optimizer: Any = None, *, options: SessionOptions,
+                 scheduler: Any = None, extra_state: Mapping[str, Stateful] | None = None,
+                 info: RankInfo | None = None) -> None:
+        if optimizer is not None:
+            raise ConfigError("pass the DeepSpeed engine alone: dstt.session(engine, run=...); "
+                              "it captures the engine's own optimizer")
+        self.engine = engine
+        if scheduler is not None and scheduler is not engine.lr_scheduler:
+            extra_state = {**(extra_state or {}), "scheduler": scheduler}
+        self._ds: DeepSpeedState | None = None
+        super().__init__(engine, None, options=options, scheduler=None, extra_state=extra_state,
+                         info=info)
+
+    def _dims_of(self) -> DimsOf:
+        return ModelDims(self.engine.module)  # the store names the inner model's tensors
+
+    def _discover(self, scheduler: Any,
+                  extra_state: Mapping[str, Stateful] | None) -> TorchState:
+        data = RankObject("data", self.info, self._data_state, self._set_data,
+                          always_suffix=True)
+        self._ds = DeepSpeedState(self.engine, self.info, extra_state=extra_state,
+                                  extra=[data])
+        return self._ds.state
+
+    def _restore_state(self, source: StoreSource, reader: Any, head: Any) -> None:
+        assert self._ds is not None
+        self._ds.restore(source)
+
+    def _attach(self) -> list[Any]:
+        assert self._ds is not None
+        return [self._ds.inner.register_step_pre_hook(lambda *_: self._before_step()),
+                EngineStepHook(self.engine, self._at_boundary, self._after_step)]

@@ -1,0 +1,157 @@
+"""Sessions with several ranks: the same ``dstt.session(...)`` call on every rank.
+
+``RankedSession`` is what every multi-rank session shares, whatever the parallelism:
+
+* *opening* — ``dstt.engine.ranks.open_ranks``: the ranks say which run and options they
+  open (they must agree: a ``RankError`` on every rank otherwise, never a hang or a lock
+  message naming a sibling), rank 0 opens the run and takes its lock, the others open part
+  writers; they talk through the process group's store, not its communicator;
+* *committing* — each rank writes its share of a step into its own step file and votes;
+  rank 0 commits the step once every rank's part is durable (``dstt.store.RankWriter``);
+* *metrics* — rank 0's ``s.log`` goes with the commit (reduce a metric to rank 0 first);
+* *resume* — every rank restores from the commit rank 0 chose, reading only what it holds;
+* *closing* — every rank leaves the block once rank 0 has committed the last step.
+
+``DistributedSession`` is the PyTorch-native one (``dstt.engine.parallel``): DDP, FSDP2
+(``fully_shard``), tensor parallel (``parallelize_module``), and a DTensor model on one
+process. ``dstt.session(model, optimizer, ...)`` picks it whenever a process group is
+initialized or the model holds DTensors; ``DeepSpeedSession`` (``dstt.training.deepspeed``)
+is the DeepSpeed one. The hooks are the plain session's: a wait before each optimizer step,
+a capture after it (``StepHooks``).
+Rejected alternative: a session on rank 0 only, gathering state to it — every step would
+need a collective and rank 0 would write every byte; and a resume would restore rank 0 alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..engine.dims import DimsOf, ModelDims
+from ..engine.parallel import ParallelState
+from ..engine.providers import RankObject, StoreSource
+from ..engine.ranks import RankChannel, RankInfo, dist_info, open_ranks
+from ..engine.torch_state import Stateful, TorchState
+from ..errors import ConfigError, DsttWarning, RankError
+from .options import SessionOptions
+from .session import Session
+
+__all__ = ["DistributedSession", "RankedSession"]
+
+
+class RankedSession(Session):
+    """What every session of one rank among several shares (see the module docstring)."""
+
+    _prefetch_restore = False  # each rank reads only what it holds
+    _tail_on_error = False  # the other ranks may be gone: rank 0 would wait for their parts
+
+    def __init__(self, model: Any, optimizer: Any = None, *, options: SessionOptions,
+                 scheduler: Any = None, extra_state: Mapping[str, Stateful] | None = None,
+                 info: RankInfo | None = None) -> None:
+        self.info = info or dist_info()
+        self.channel = RankChannel(self.info, timeout=options.rank_timeout)
+        self._warned_log = False
+        super().__init__(model, optimizer, options=options, scheduler=scheduler,
+                         extra_state=extra_state)
+        if self.info.rank:  # each rank summarises the arrays it writes
+            self.summaries_object = f"{self.summaries_object}/r{self.info.rank}"
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world(self) -> int:
+        return self.info.world
+
+    def _keeps_metrics(self) -> bool:
+        """Rank 0 commits each step with its metrics; another rank's ``s.log`` warns once."""
+        if self.info.rank == 0:
+            return True
+        if not self._warned_log:
+            self._warned_log = True
+            warnings.warn(
+                f"dstt: s.log on rank {self.info.rank} is not recorded: rank 0 commits each "
+                "step with rank 0's metrics. Reduce the metric to rank 0 (e.g. "
+                "torch.distributed.all_reduce) and log it there", DsttWarning, stacklevel=3)
+        return False
+
+    def _agreed(self) -> dict[str, Any]:
+        """Options every rank must share (the run and ``resume`` are always checked)."""
+        o = self.options
+        return {"every": o.every, "encoding": o.encoding is not None,
+                "kind": type(self).__name__}
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """Commit the last step and release the run; with several ranks every rank returns
+        once rank 0 has committed (or failed to commit) the last step, so what follows the
+        ``with`` block on any rank sees the run complete. After an exception only rank 0
+        says how it ended (the others may be gone) and no rank waits."""
+        if self._closed or not self._started:
+            return
+        failure: BaseException | None = None
+        try:
+            super().close(exc)
+        except BaseException as e:
+            failure = e
+            raise
+        finally:
+            if self.info.world > 1:
+                self._close_together(exc, failure)
+
+    def _close_together(self, exc: BaseException | None, failure: BaseException | None) -> None:
+        if self.info.rank == 0:
+            with contextlib.suppress(Exception):  # best effort: the others wait otherwise
+                self.channel.share("closed", {"error": None if failure is None else
+                                              f"{type(failure).__name__}: {failure}"})
+            return
+        if exc is not None or failure is not None:
+            return
+        said = self.channel.share("closed", what="last commit (from rank 0)")
+        if said.get("error"):
+            raise RankError(f"rank 0 could not commit the last steps: {said['error']}")
+
+    def _open(self, chunk: int) -> tuple[Any, Any, Any]:
+        o = self.options
+        writer, head = open_ranks(o.run, self.info, resume=o.resume, chunk_bytes=chunk,
+                                  encoding=o.encoding, timeout=o.rank_timeout, lazy_refs=True,
+                                  agree=self._agreed(), channel=self.channel)
+        self.repo = writer.repo
+        return writer, self.repo.reader(), head
+
+
+class DistributedSession(RankedSession):
+    """A capturing session over one rank of a PyTorch-native parallel trainer (DDP, FSDP2,
+    tensor parallel); use ``dstt.session(model, optimizer, ...)`` on every rank."""
+
+    def __init__(self, model: torch.nn.Module | None, optimizer: Any = None, *,
+                 options: SessionOptions, scheduler: Any = None,
+                 extra_state: Mapping[str, Stateful] | None = None,
+                 info: RankInfo | None = None) -> None:
+        if model is None:
+            raise ConfigError("a distributed session needs the model: dstt.session(model, "
+                              "optimizer, run=...) on every rank")
+        self._parallel: ParallelState | None = None
+        super().__init__(model, optimizer, options=options, scheduler=scheduler,
+                         extra_state=extra_state, info=info)
+
+    def _dims_of(self) -> DimsOf:
+        return ModelDims(self.model)
+
+    def _discover(self, scheduler: Any,
+                  extra_state: Mapping[str, Stateful] | None) -> TorchState:
+        assert self.model is not None
+        data = RankObject("data", self.info, self._data_state, self._set_data)
+        self._parallel = ParallelState(self.model, self.optimizers_arg(), self.info,
+                                       self.channel,
+                                       scheduler=scheduler, extra_state=extra_state,
+                                       extra=[data])
+        return self._parallel.state
+
+    def _restore_state(self, source: StoreSource, reader: Any, head: Any) -> None:
+        self._state.step_state.restore(source)
+        self._state.boundary_state.restore(source)
