@@ -41,7 +41,7 @@ from .inspect.summaries import (
     summary_rows,
 )
 from .inspect.views import trajectory_dataarray
-from .store import Repository, Storage, is_url
+from .store import Repository, Storage, fold_rows, is_url
 
 __all__ = ["Run", "open_run"]
 
@@ -288,7 +288,7 @@ class Run(DiagnoseMixin):
         for name in h.objects:
             if name.startswith(f"{SUMMARIES_OBJECT}/"):
                 out.update(summary_rows(self._reader.read_object(h, name)))
-        return out
+        return fold_rows(out)  # a sharded tensor's shards: one row
 
     def diff(self, a: int, b: int, *, timeline: str | None = None,
              timeline_b: str | None = None, selector: str | None = None,

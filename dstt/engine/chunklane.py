@@ -23,10 +23,9 @@ import torch
 
 from ..errors import CaptureError
 from ._convert import flat_bytes
-from .flatwrite import SUMMARIZED
 from .flight import Flight
 from .staging import Copier, HostCache, Lease, Ready
-from .summaries import SummaryBook
+from .summaries import SummaryBook, summarized
 
 __all__ = ["ChunkLane"]
 
@@ -69,7 +68,7 @@ class ChunkLane:
         cache = self._ensure_cache(f)
         if self._book is not None:
             for path, plan in f.plans.items():
-                if path.startswith(SUMMARIZED):
+                if summarized(path):
                     f.summaries[path] = self._book.accumulator(path, plan.nbytes // plan.itemsize)
         self._copier.begin(f.marks)
         last: dict[torch.device, Ready] = {}  # chunk events of one stream complete in order

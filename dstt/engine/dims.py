@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ..schema import canonical_name, resolve_dims
+from ..store import logical_of
 from .torch_state import module_wrappers
 
 __all__ = ["DimsOf", "ModelDims", "array_dims", "fallback_dims", "model_dims",
@@ -91,7 +92,8 @@ def model_dims(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
 
 def _dotted(path: str) -> str:
     """The parameter a store path belongs to: ``params/a/b`` and ``optim/exp_avg/a/b`` ->
-    ``a.b``."""
+    ``a.b`` (a rank's shard of one, ``dtensor/w2/r0/params/a/b``, too: same dims)."""
+    path = logical_of(path) or path
     parts = path.split("/")
     if parts[0] in ("params", "buffers"):
         return ".".join(parts[1:])

@@ -33,6 +33,7 @@ import torch
 from ..store import FlatLayout
 from ._convert import store_dtype
 from .dims import DimsOf
+from .summaries import summarized
 
 __all__ = ["FlatPlan", "StepBuffers", "plan_key"]
 
@@ -46,8 +47,8 @@ def plan_key(tensors: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
 def _order(paths: Sequence[str], tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """Buffer order: parameters first, grouped by dtype (so each dtype's parameters form one
     region the summaries can scan), then everything else as captured."""
-    params = [p for p in paths if p.startswith("params/")]
-    rest = [p for p in paths if not p.startswith("params/")]
+    params = [p for p in paths if summarized(p)]
+    rest = [p for p in paths if not summarized(p)]
     params.sort(key=lambda p: str(tensors[p].dtype))  # stable: capture order within a dtype
     return params + rest
 

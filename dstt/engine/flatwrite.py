@@ -26,11 +26,10 @@ from ..store import DigestPlan, FlatImage, Flusher, digest
 from .dims import DimsOf
 from .flatlane import FlatPlan, StepBuffers, plan_key
 from .flight import Flight
-from .summaries import flat_digest_plan
+from .summaries import flat_digest_plan, summarized
 
-__all__ = ["SUMMARIZED", "FlatLane"]
+__all__ = ["FlatLane"]
 
-SUMMARIZED = ("params/",)  # array prefixes that get write-time summaries
 
 
 class FlatLane:
@@ -175,5 +174,5 @@ class FlatLane:
         if d is None:
             d = self._digests[id(plan)] = flat_digest_plan(
                 [(a.path, a.dtype, a.offset, a.nbytes // a.plan.itemsize)
-                 for a in plan.layout.arrays if a.path.startswith(SUMMARIZED)])
+                 for a in plan.layout.arrays if summarized(a.path)])
         return d

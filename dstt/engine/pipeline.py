@@ -49,11 +49,11 @@ from .chunklane import ChunkLane
 from .committer import Committer
 from .dims import DimsOf
 from .flatlane import FlatPlan, StepBuffers
-from .flatwrite import SUMMARIZED, FlatLane
+from .flatwrite import FlatLane
 from .flight import Flight, StepMetrics, _Aborted, _encode_metrics
 from .governor import EncodeGovernor
 from .staging import Copier, HostCache, RaceReport, VersionGuard
-from .summaries import SummaryBook
+from .summaries import SummaryBook, summarized
 
 __all__ = ["Flight", "Pipeline", "StepMetrics"]
 
@@ -242,7 +242,7 @@ class Pipeline(ChunkLane):
         step) so the first step's update is measured against the parent's."""
         if self._book is not None:
             for path, t in tensors.items():
-                if path.startswith(SUMMARIZED):
+                if summarized(path):
                     self._book.seed(path, t)
 
     def take_errors(self) -> list[Flight]:

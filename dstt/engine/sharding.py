@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from ..errors import CaptureError
-from ..store import Box, Encoded, LogicalArray, shard_map
+from ..store import DTENSOR_PREFIX, Box, Encoded, LogicalArray, shard_map, shard_source
 from ._convert import store_dtype
 from .dtensors import held_box, local_view
 from .providers import CompositeProvider, RestoreSource, StateProvider
@@ -61,7 +61,6 @@ __all__ = [
     "owners",
 ]
 
-DTENSOR_PREFIX = "dtensor"
 
 
 # -- the plan -------------------------------------------------------------------------------
@@ -211,7 +210,7 @@ class RankShare:
             if h.path not in sharded:
                 mine.append((h.path, h.path))
                 continue
-            stored = f"{DTENSOR_PREFIX}/w{w}/r{r}/{h.path}"
+            stored = shard_source(w, r, h.path)
             mine.append((stored, h.path))
             arrays.append(LogicalArray(h.path, h.dtype, h.shape,
                                        boxes=(Box(stored, h.offsets, h.sizes),)))

@@ -51,18 +51,31 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..store import DigestPlan
+from ..store import DigestPlan, logical_of
 
 __all__ = [
     "PROBE_SIZE",
+    "SUMMARIZED",
     "SummaryAccumulator",
     "SummaryBook",
     "flat_digest_plan",
     "probe_indices",
+    "summarized",
     "tensor_summary",
 ]
 
 PROBE_SIZE = 16
+
+SUMMARIZED = ("params/",)  # array prefixes that get write-time summaries
+
+
+def summarized(path: str) -> bool:
+    """Whether the array ``path`` gets write-time summaries: parameters, and a rank's shard
+    of one (``dtensor/w<W>/r<R>/params/...``: readers fold the shards' rows into one)."""
+    if path.startswith(SUMMARIZED):
+        return True
+    logical = logical_of(path)
+    return logical is not None and logical.startswith(SUMMARIZED)
 _BLOCK = 1 << 20  # elements per float64 block: bounds the temporary memory of one summary
 
 

@@ -49,7 +49,11 @@ def with_logical(reader: Any, header: Any, table: dict[str, Any]) -> dict[str, A
     out = dict(table)
     for path, a in found.items():
         rows = plan_chunks(a.shape, dtype_itemsize(a.dtype), DEFAULT_CHUNK_BYTES).rows
-        out[path] = LogicalRecord(path, a.dtype, a.shape, rows, (), logical=a)
+        # a box source has the tensor's own dims (its local shape); flat ZeRO pieces have none
+        src = table.get(a.boxes[0].source) if a.boxes else None
+        dims = getattr(src, "dims", None)
+        out[path] = LogicalRecord(path, a.dtype, a.shape, rows, (), logical=a,
+                                  **({"dims": dims} if dims else {}))
     return out
 
 

@@ -33,6 +33,7 @@ from .protocols import FlatStepWriter, StepTransaction, StepWriter
 from .reader import Reader
 from .repository import Repository
 from .retention import Retention, find_spikes
+from .shard_summaries import DTENSOR_PREFIX, fold_rows, logical_of, shard_source
 from .shards import Box, LogicalArray, Piece, logical_arrays, read_logical, read_region, shard_map
 from .storage.base import Durability, Storage
 from .storage.local import LocalStorage
@@ -46,6 +47,7 @@ __all__ = [
     "CUR",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_RANK_TIMEOUT",
+    "DTENSOR_PREFIX",
     "REFS_PREFIX",
     "SUMMARY_SCALARS",
     "ArrayRecord",
@@ -98,11 +100,13 @@ __all__ = [
     "dtype_name",
     "find_spikes",
     "flusher_supported",
+    "fold_rows",
     "fsync_dir",
     "is_url",
     "key_slot",
     "load",
     "logical_arrays",
+    "logical_of",
     "numpy_dtype",
     "parse_header",
     "plan_chunks",
@@ -112,5 +116,6 @@ __all__ = [
     "save",
     "sgd_predictions",
     "shard_map",
+    "shard_source",
     "storage_for",
 ]

@@ -26,6 +26,7 @@ from .format.manifest import FileIds, dump_header
 from .format.records import CommitHeader
 from .format.segment import SCALARS, Layout, Locations, RowSet, concat
 from .format.zarr_meta import dtype_itemsize
+from .shard_summaries import fold_columns
 
 if TYPE_CHECKING:
     from .reader import Reader
@@ -272,6 +273,7 @@ def _summary_rows(n: int, objs: list[list[Any]]) -> _SummaryRows:
                     exact[i, j] = ex
                     probe_out[i, j, :] = np.nan
                     probe_out[i, j, :len(pr)] = pr
+    paths, val, exact, probe_out = fold_columns(paths, has, val, exact, probe_out)
     return _SummaryRows(paths, has, val, exact, probe_out)
 
 

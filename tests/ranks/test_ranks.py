@@ -54,6 +54,12 @@ def test_one_process_sees_logical_tensors_and_resumes_them(
     assert r["steps"] == [1, 2, 3, 4, 5, 6]
     assert r["logical_diff"] == []  # params, buffers, optimizer state: bit for bit
     assert r["names"] == NAMES  # the model's own names: no module./_fsdp prefix, no shards
+    # summaries: one row per logical tensor (the ranks' shards folded), at every step, with
+    # the statistics of the whole tensor
+    assert r["summary_tensors"] == [n for n in NAMES if n != "scale"]
+    assert r["summary_steps"] == [1, 2, 3, 4, 5, 6]
+    assert r["summary_max_rel_err"] < 1e-6
+    assert r["up_dims"] == ["out_features", "in_features"]  # the module's dims, as stored
     assert r["session"] == "Session"  # a plain model in a plain process
     assert r["resumed_at"] == 6
     assert r["restored_diff"] == []

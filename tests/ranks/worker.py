@@ -224,6 +224,22 @@ def phase_single(root: Path, out: Path, kinds: list[str]) -> dict[str, Any]:
                                                            native=True).copy())
         r["logical_diff"] = equal(got, ref)
         r["names"] = snap.names()
+        # write-time summaries: one row per logical tensor, its stats over the whole tensor
+        summ = run.summaries()
+        r["summary_tensors"] = sorted(str(t) for t in summ["tensor"].values)
+        r["summary_steps"] = [int(x) for x in summ["step"].values]
+        errs = []
+        for path, t in ref.items():
+            if not path.startswith("params/"):
+                continue
+            name = path[len("params/"):].replace("/", ".")
+            x = t.double()
+            for field, want in (("l2", x.norm()), ("maxabs", x.abs().max()),
+                                ("rms", x.pow(2).mean().sqrt())):
+                have = float(summ[field].sel(step=N, tensor=name))
+                errs.append(abs(have - float(want)) / max(float(want), 1e-30))
+        r["summary_max_rel_err"] = max(errs)
+        r["up_dims"] = list(snap.tensor("up.weight").dims)
         model, opt, sched = build(kind, plain=True)
         with dstt.session(model, opt, run=root / kind, scheduler=sched, resume=True) as s:
             r["session"] = type(s).__name__
