@@ -1,6 +1,6 @@
 """dstt under FSDP2 on two CPU ranks: capture every step, resume, then inspect in one process.
 
-    torchrun --nproc-per-node 2 examples/distributed.py [--run runs/fsdp-demo] [--parallel ddp]
+    torchrun --nproc-per-node 2 examples/distributed.py [RUN] [--parallel ddp]
 
 Every rank runs the same ``dstt.session(...)``: each writes its own shards, rank 0 commits a
 step once both are durable. The second session resumes the run bit-exactly on both ranks. At
@@ -58,12 +58,12 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, s: dstt.Session, s
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        s.log(loss=float(loss))
+        s.log(loss=loss.item())  # rank 0's are committed
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--run", default="runs/distributed-demo")
+    ap.add_argument("run", nargs="?", default="runs/distributed-demo")
     ap.add_argument("--parallel", choices=["fsdp", "ddp", "tp"], default="fsdp")
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -8,7 +8,7 @@
   writers; they talk through the process group's store, not its communicator;
 * *committing* — each rank writes its share of a step into its own step file and votes;
   rank 0 commits the step once every rank's part is durable (``dstt.store.RankWriter``);
-* *metrics* — rank 0's ``s.log`` goes with the commit (reduce a metric to rank 0 first);
+* *metrics* — rank 0's ``s.log`` goes with the commit (other ranks' calls are ignored);
 * *resume* — every rank restores from the commit rank 0 chose, reading only what it holds;
 * *closing* — every rank leaves the block once rank 0 has committed the last step.
 
@@ -25,7 +25,6 @@ need a collective and rank 0 would write every byte; and a resume would restore 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,7 +35,7 @@ from ..engine.parallel import ParallelState
 from ..engine.providers import RankObject, StoreSource
 from ..engine.ranks import RankChannel, RankInfo, dist_info, open_ranks
 from ..engine.torch_state import Stateful, TorchState
-from ..errors import ConfigError, DsttWarning, RankError
+from ..errors import ConfigError, RankError
 from .options import SessionOptions
 from .session import Session
 
@@ -54,7 +53,6 @@ class RankedSession(Session):
                  info: RankInfo | None = None) -> None:
         self.info = info or dist_info()
         self.channel = RankChannel(self.info, timeout=options.rank_timeout)
-        self._warned_log = False
         super().__init__(model, optimizer, options=options, scheduler=scheduler,
                          extra_state=extra_state)
         if self.info.rank:  # each rank summarises the arrays it writes
@@ -69,16 +67,10 @@ class RankedSession(Session):
         return self.info.world
 
     def _keeps_metrics(self) -> bool:
-        """Rank 0 commits each step with its metrics; another rank's ``s.log`` warns once."""
-        if self.info.rank == 0:
-            return True
-        if not self._warned_log:
-            self._warned_log = True
-            warnings.warn(
-                f"dstt: s.log on rank {self.info.rank} is not recorded: rank 0 commits each "
-                "step with rank 0's metrics. Reduce the metric to rank 0 (e.g. "
-                "torch.distributed.all_reduce) and log it there", DsttWarning, stacklevel=3)
-        return False
+        """Rank 0 commits each step with its metrics; ``s.log`` on another rank is ignored,
+        so the usual loop that logs on every rank needs no ``if rank == 0`` (reduce a metric
+        that differs per rank to rank 0 first if its mean is what you want)."""
+        return self.info.rank == 0
 
     def _agreed(self) -> dict[str, Any]:
         """Options every rank must share (the run and ``resume`` are always checked)."""

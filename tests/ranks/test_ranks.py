@@ -11,10 +11,13 @@ on rank 0 only, get a typed error on every rank, never a hang.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import dstt
 from dstt.store import Repository
 
 from .conftest import CRASH_KINDS, KINDS
@@ -140,3 +143,21 @@ def test_a_session_on_rank_0_only_is_a_typed_error_not_a_hang(
     assert r["subset"].startswith("RankError: ")
     assert "ranks [1] did not send" in r["subset"]
     assert r["subset_s"] < 30
+
+
+def test_the_distributed_example_runs_as_documented(tmp_path: Path) -> None:
+    """docs/distributed.md's example, launched with torchrun on 2 CPU ranks."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         str(root / "examples" / "distributed.py"), str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root),
+                                                          os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "[DistributedSession, 2 ranks] resumed at step 10" in proc.stdout
+    assert "steps: 1..15" in proc.stdout
+    assert dstt.open(tmp_path / "run").steps == list(range(1, 16))
