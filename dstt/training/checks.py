@@ -64,11 +64,22 @@ def capture_error(failed: list[Flight]) -> CaptureError:
         return err
     out = CaptureError(
         f"step{'s' if len(failed) > 1 else ''} {steps} could not be checkpointed: "
-        f"{type(err).__name__}: {err}. Earlier committed steps are intact. Fix the cause "
-        "(e.g. free disk space) or pass error_policy='skip' to keep training without them."
+        f"{type(err).__name__}: {err}. Earlier committed steps are intact. {_remedy(err)}, "
+        "or pass error_policy='skip' to keep training without them."
     )
     out.__cause__ = err
     return out
+
+
+def _remedy(err: BaseException | None) -> str:
+    """What to do about the cause: free space only where the cause is the disk."""
+    import errno
+
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return "Free disk space (or raise the file size limit)"
+    if isinstance(err, OSError):
+        return "Fix the storage problem named above"
+    return "Fix the cause named above (its traceback is chained below)"
 
 
 def warn_skipped(f: Flight, *, continuing: bool = True) -> None:

@@ -41,12 +41,28 @@ def test_disk_full_raises_capture_error_chained_to_storage_error() -> None:
     assert isinstance(err.__cause__, StorageError)
     assert err.__cause__.errno == errno.ENOSPC
     assert "could not be checkpointed" in str(err)
+    assert "Free disk space" in str(err)  # the cause is the disk: the hint says so
     assert s.step < 40  # raised on the training thread, at a step, not at exit
     steps = committed_steps(plain)
     assert steps == list(range(1, len(steps) + 1)) and len(steps) <= 4
     for step in steps:  # what is committed is whole and correct
         assert same_bits(stored(plain, step, "params/l1/weight"), after[step])
     assert plain.verify().problems == []
+
+
+@pytest.mark.parametrize(("fault", "hint"), [
+    (OSError(errno.EIO, "Input/output error"), "Fix the storage problem"),
+    (ValueError("a provider returned nonsense"), "Fix the cause named above")])
+def test_a_capture_failure_names_its_cause_not_the_disk(fault: BaseException,
+                                                      hint: str) -> None:
+    from dstt.engine.flight import Flight
+    from dstt.training.checks import capture_error
+
+    f = Flight.__new__(Flight)
+    f.step, f.error = 7, fault
+    err = capture_error([f])
+    assert str(fault) in str(err) and hint in str(err) and err.__cause__ is fault
+    assert "disk space" not in str(err)
 
 
 def test_skip_policy_warns_drops_failed_steps_and_recovers() -> None:
