@@ -7,15 +7,18 @@ xarray until a name that needs them is used.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+from importlib import metadata as _metadata
+from typing import Any as _Any
 
 from .errors import (
     CaptureError,
     ChecksumError,
+    ConfigError,
     CorruptRunError,
     CurrentTimelineError,
     DsttError,
+    DsttWarning,
     FormatVersionError,
     MetricNotFoundError,
     MissingFileError,
@@ -33,15 +36,20 @@ from .errors import (
     UnsafeObjectError,
 )
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("dstt")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "CaptureError",
     "ChecksumError",
+    "ConfigError",
     "CorruptRunError",
     "CurrentTimelineError",
     "DeltaPolicy",
     "DsttError",
+    "DsttWarning",
     "FormatVersionError",
     "MetricNotFoundError",
     "MissingFileError",
@@ -85,10 +93,10 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     if name in _LAZY:
         mod, _, attr = _LAZY[name].partition(":")
-        module = importlib.import_module(mod)
+        module = _importlib.import_module(mod)
         value = getattr(module, attr) if attr else module
         globals()[name] = value
         return value
@@ -98,6 +106,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-
-if TYPE_CHECKING:  # pragma: no cover
-    pass

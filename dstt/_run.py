@@ -23,7 +23,6 @@ import xarray as xr
 from ._run_diagnose import DiagnoseMixin
 from ._snapshot import Snapshot
 from .errors import CorruptRunError, MetricNotFoundError, NotARunError, StepNotFoundError
-from .inspect.batches import write_skips
 from .inspect.compare import diff_commits
 from .inspect.html import run_html, run_summary
 from .inspect.indexed import metrics_from_rows, summaries_from_rows
@@ -41,7 +40,7 @@ from .inspect.summaries import (
     summary_rows,
 )
 from .inspect.views import trajectory_dataarray
-from .store import Repository, Storage, fold_rows, is_url
+from .store import Repository, Storage, fold_rows, is_url, write_skips
 
 __all__ = ["Run", "open_run"]
 

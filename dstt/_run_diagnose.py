@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import MetricNotFoundError, StepNotFoundError
-from .inspect.batches import Batch, SkipSet, read_batches, read_skips
 from .inspect.diagnose import (
     Divergence,
     NonFinite,
@@ -27,6 +26,7 @@ from .inspect.diagnose import (
     suspect,
 )
 from .inspect.summaries import Spike
+from .store import Batch, SkipSet, read_batches, read_skips
 
 if TYPE_CHECKING:
     import xarray as xr

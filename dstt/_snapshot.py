@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xarray as xr
 
-from .inspect.batches import Batch
 from .inspect.naming import (
     array_path,
     select,
@@ -27,6 +26,7 @@ from .inspect.naming import (
 from .inspect.sharded import shard_sources
 from .inspect.views import layer_tree, tensor_dataarray
 from .schema import optim_state, user_name
+from .store import Batch
 
 if TYPE_CHECKING:
     import torch

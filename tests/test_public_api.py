@@ -16,6 +16,27 @@ def test_all_is_sorted_and_resolvable() -> None:
         assert getattr(dstt, name) is not None
 
 
+def test_all_is_exactly_the_public_names() -> None:
+    """Every public name of ``dstt`` is in ``__all__`` and nothing else is (as httpx's
+    exported-members test): the module namespace (eager names) plus the lazy ones, without
+    submodules and private names."""
+    import __future__
+
+    import types
+
+    public = {n for n, v in vars(dstt).items() if not n.startswith("_")
+              and not isinstance(v, types.ModuleType | __future__._Feature)}
+    public |= set(dstt._LAZY) | {"__version__"}
+    assert sorted(public) == dstt.__all__
+    assert set(errors.__all__) <= set(dstt.__all__)  # every error of the tree is public
+
+
+def test_version_comes_from_the_package_metadata() -> None:
+    from importlib import metadata
+
+    assert dstt.__version__ == metadata.version("dstt")
+
+
 def test_error_tree_subclasses_builtins() -> None:
     for name in errors.__all__:
         cls = getattr(errors, name)
@@ -36,15 +57,17 @@ def test_import_is_lazy() -> None:
     assert out.stdout.split() == ["False", "False"]
 
 
-def _module_imports(path: Path, package: str, *, nested: bool = False) -> set[str]:
-    """Modules a source file imports at module level (TYPE_CHECKING blocks excluded);
-    ``nested``: inside functions and classes too."""
+def _module_imports(path: Path, package: str, *, nested: bool = False,
+                    type_checking: bool = False) -> set[str]:
+    """Modules a source file imports at module level (TYPE_CHECKING blocks excluded unless
+    ``type_checking``); ``nested``: inside functions and classes too."""
     import ast
 
     tree = ast.parse(path.read_text())
     out: set[str] = set()
     for node in tree.body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if (isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                and not type_checking):
             continue
         top = not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
         for sub in ast.walk(node) if nested or top else ():
@@ -119,6 +142,66 @@ def test_module_imports_have_no_cycles() -> None:
         if n not in state:
             visit(n, [n])
     assert not cycles, cycles
+
+
+#: the house, bottom up: a package may import only packages of a lower layer (function-level
+#: and TYPE_CHECKING imports included); the top-level ``dstt`` module is the lazy facade
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "schema", "_optional"),
+    ("_lru",),
+    ("store",),
+    ("engine",),
+    ("training", "inspect"),
+    ("run",),  # Run, Snapshot, diagnose: dstt/_run.py, _snapshot.py, _run_diagnose.py
+    ("plots",),
+    ("widgets",),
+    ("cli", "integrations", "testing"),
+)
+_PACKAGE_OF = {"_run": "run", "_snapshot": "run", "_run_diagnose": "run", "_cli_common": "cli",
+               "_cli_changes": "cli", "_cli_inspect": "cli"}
+
+
+def _package(module: str) -> str:
+    """The house package of a dstt module (``dstt.store.reader`` -> ``store``)."""
+    head = module.split(".")[1] if "." in module else "dstt"
+    return _PACKAGE_OF.get(head, head)
+
+
+def package_arrows(mods: dict[str, Path]) -> set[tuple[str, str, str]]:
+    """(from package, to package, example import) for every import between two packages."""
+    out = set()
+    for name, path in mods.items():
+        if name == "dstt":
+            continue
+        pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for imp in _module_imports(path, pkg, nested=True, type_checking=True):
+            if not imp.startswith("dstt.") or imp == "dstt":
+                continue
+            a, b = _package(name), _package(imp)
+            if a != b:
+                out.add((a, b, f"{name} imports {imp}"))
+    return out
+
+
+def test_packages_import_down_the_layers_only() -> None:
+    """No arrow against the layering (store <- engine <- training; store <- inspect <- run <-
+    plots/widgets/cli) and so no cycle between packages; every package has a layer."""
+    rank = {p: i for i, layer in enumerate(LAYERS) for p in layer}
+    mods = _dstt_modules()
+    unknown = {_package(m) for m in mods if m != "dstt"} - set(rank)
+    assert not unknown, f"packages without a layer in LAYERS: {sorted(unknown)}"
+    bad = sorted(why for a, b, why in package_arrows(mods) if rank[b] >= rank[a])
+    assert not bad, bad
+
+
+def test_the_layer_check_catches_an_upward_import(tmp_path: Path) -> None:
+    """The check itself: an engine module importing dstt.inspect (the cycle round 2 had)."""
+    fake = tmp_path / "dstt" / "engine"
+    fake.mkdir(parents=True)
+    (fake / "naming_user.py").write_text("from ..inspect.naming import select\n")
+    arrows = package_arrows({"dstt.engine.naming_user": fake / "naming_user.py"})
+    rank = {p: i for i, layer in enumerate(LAYERS) for p in layer}
+    assert {(a, b) for a, b, _ in arrows if rank[b] >= rank[a]} == {("engine", "inspect")}
 
 
 def test_store_rooms_import_downward_only() -> None:

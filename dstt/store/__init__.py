@@ -3,6 +3,15 @@ refs. Knows no torch. The only way in from the rest of dstt: every name the engi
 inspection and CLI use is imported from here, never from a module of the store."""
 
 from .api import Snapshot, dtype_name, load, save
+from .batches import (
+    BATCHES_OBJECT,
+    Batch,
+    SkipSet,
+    batches_of,
+    read_batches,
+    read_skips,
+    write_skips,
+)
 from .codec.delta import EncodeStats
 from .codec.predict import CUR, Prediction, adam_predictions, sgd_predictions
 from .codec.xor import DeltaPolicy
@@ -43,6 +52,7 @@ from .verify import Problem, VerifyReport
 from .writer import Transaction, Writer
 
 __all__ = [
+    "BATCHES_OBJECT",
     "COMMITS_PREFIX",
     "CUR",
     "DEFAULT_CHUNK_BYTES",
@@ -51,6 +61,7 @@ __all__ = [
     "REFS_PREFIX",
     "SUMMARY_SCALARS",
     "ArrayRecord",
+    "Batch",
     "Box",
     "ChunkPlan",
     "ChunkRecord",
@@ -82,6 +93,7 @@ __all__ = [
     "Repository",
     "Retention",
     "RowSet",
+    "SkipSet",
     "Snapshot",
     "StepTransaction",
     "StepWriter",
@@ -93,6 +105,7 @@ __all__ = [
     "abort_vote",
     "adam_predictions",
     "as_float",
+    "batches_of",
     "check_array_path",
     "collect_parts",
     "digest",
@@ -110,12 +123,15 @@ __all__ = [
     "numpy_dtype",
     "parse_header",
     "plan_chunks",
+    "read_batches",
     "read_logical",
     "read_region",
+    "read_skips",
     "remove_parts",
     "save",
     "sgd_predictions",
     "shard_map",
     "shard_source",
     "storage_for",
+    "write_skips",
 ]

@@ -49,7 +49,7 @@ import torch
 
 from ..engine.data_position import DataPosition, TrackedData
 from ..errors import ConfigError
-from ..inspect.batches import BATCHES_OBJECT, Batch, SkipSet, read_skips, write_skips
+from ..store import BATCHES_OBJECT, Batch, SkipSet, read_skips, write_skips
 
 __all__ = ["BATCHES_OBJECT", "HASH_LIMIT", "Batch", "BatchLog", "RecordedData", "SkipSet",
            "fingerprint", "index_tap", "read_skips", "write_skips"]

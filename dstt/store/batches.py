@@ -1,10 +1,11 @@
-"""Read side of data attribution: batch fingerprints per step, and timelines' skip sets.
+"""Data attribution's records: batch fingerprints per step, and timelines' skip sets.
 
 The session side (what is fingerprinted, how skipping works) is :mod:`dstt.training.data`;
-this module holds what inspection needs without torch: :class:`Batch`, the commit object
-``data/batches`` (:func:`read_batches`) and the skip set a rollback records for its new
-timeline (:func:`write_skips`, :func:`read_skips`), stored under ``_dstt/skips/`` and keyed by
-the timeline's fork slot and creation time, which a rename keeps.
+this module holds the records both it and inspection need, without torch: :class:`Batch`,
+the commit object ``data/batches`` (:func:`read_batches`) and the skip set a rollback
+records for its new timeline (:func:`write_skips`, :func:`read_skips`), stored under
+``_dstt/skips/`` and keyed by the timeline's fork slot and creation time, which a rename
+keeps.
 """
 
 from __future__ import annotations
