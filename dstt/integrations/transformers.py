@@ -41,7 +41,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from ..engine._convert import from_plain
-from ..errors import ConfigError, DsttWarning
+from ..errors import ConfigError, DsttWarning, NotARunError
 from ..store import Repository
 from ..training import Session, open_session
 from ._common import (
@@ -116,11 +116,14 @@ class DsttCallback(TrainerCallback):  # type: ignore[misc]
         if self._args is None or self._model is None:
             raise ConfigError("pass the callback to the Trainer first: "
                               "Trainer(..., callbacks=[cb]), then cb.resume_from()")
-        repo = self.run if isinstance(self.run, Repository) else None
-        if repo is None:
-            if not os.path.isdir(self.run):
-                return None
-            repo = Repository.open(self.run)
+        run = self.options.run
+        if isinstance(run, Repository):
+            repo = run
+        else:
+            try:
+                repo = Repository.open(run)
+            except NotARunError:
+                return None  # a new run: nothing to resume, training starts from scratch
         reader = repo.reader()
         head = reader.head()
         if head is None:

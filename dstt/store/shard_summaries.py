@@ -116,10 +116,10 @@ def fold_rows(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]
     shard rows folded into one row under the logical path."""
     groups: dict[str, list[str]] = {}
     out: dict[str, dict[str, Any]] = {}
-    for p, row in rows.items():
+    for p, found in rows.items():
         logical = logical_of(p)
         if logical is None:
-            out[p] = dict(row)
+            out[p] = dict(found)
         else:
             groups.setdefault(logical, []).append(p)
     for logical, ps in groups.items():

@@ -317,7 +317,8 @@ class Session(StepHooks):
                 f, self._flight = self._flight, None
                 if f is not None:
                     if clean or self._boundary is not None or (
-                            self._tail_on_error and self._finished_on_error(exc, False)):
+                            exc is not None and self._tail_on_error
+                            and self._finished_on_error(exc, False)):
                         if self._boundary is None:  # its step finished; the iteration not
                             self._boundary = self._state.boundary_state.objects()
                         try:
