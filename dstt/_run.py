@@ -281,6 +281,33 @@ class Run(DiagnoseMixin):
         return self._explain(found, causes, around=around, top=top, z=z, baseline=baseline,
                              name=name)
 
+    def replay(self, step: int | Spike, model: Any, optimizer: Any, *, scheduler: Any = None,
+               loss_fn: Any = None, batches: Any = None, dataset: Any = None,
+               collate: Any = None, activations: Iterable[str] = (), per_sample: bool = True,
+               per_sample_grads: bool = False, timeline: str | None = None) -> Any:
+        """Re-execute step ``step`` (or a ``Spike``: its first flagged step) from the commit
+        before it, into the given ``model``/``optimizer``/``scheduler`` (built as the run
+        built them), on the samples it trained on, and check it against its commit.
+
+        The batches come from the step's recorded sample indices through ``dataset`` (and
+        ``collate``, default torch's), or a ``batches`` callable (indices -> batch), or are
+        ``batches`` themselves. ``loss_fn(model, batch)`` returns the loss the loop
+        back-propagated (gradient-accumulation scaling included; default: the model output's
+        ``.loss``). Returns a :class:`dstt.inspect.replay.Replay`: ``faithful`` (bit-exact
+        against the commit), the gradients (``.grads``, ``.layer(...)``, ``.top()``),
+        per-sample losses worst first (``.per_sample``, ``.worst(n)`` for
+        ``rollback(..., skip_samples=...)``) and the ``activations`` of the named modules.
+        Nothing is written to the run; the live objects end at the replayed step. See
+        docs/replay.md."""
+        from .inspect.replay import replay_step
+
+        k = (step.start if step.start is not None else step.step) if isinstance(
+            step, Spike) else int(step)
+        return replay_step(self, k, model, optimizer, scheduler=scheduler, loss_fn=loss_fn,
+                           batches=batches, dataset=dataset, collate=collate,
+                           activations=activations, per_sample=per_sample,
+                           per_sample_grads=per_sample_grads, timeline=timeline)
+
     def _read_summaries(self, h: Any) -> dict[str, Any]:
         """The summaries of one commit; multi-rank runs add one object per other rank."""
         out = summary_rows(self._reader.read_object(h, SUMMARIES_OBJECT))

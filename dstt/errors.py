@@ -25,6 +25,7 @@ __all__ = [
     "RaceError",
     "RankError",
     "ReadOnlyRunError",
+    "ReplayError",
     "RunLockedError",
     "SchemaError",
     "StepNotFoundError",
@@ -113,6 +114,11 @@ class RaceError(CaptureError):
 class RankError(DsttError, RuntimeError):
     """The ranks of a multi-rank run disagree: a rank prepared another step for the same slot,
     did not prepare its part in time, or a step cannot be restored into this world size."""
+
+
+class ReplayError(DsttError, ValueError):
+    """A step cannot be replayed as asked: its predecessor is not committed, or its batches
+    were not recorded (the message says what to pass)."""
 
 
 class UnsafeObjectError(DsttError, PermissionError):

@@ -1,0 +1,412 @@
+"""Replay a past step: recompute its gradients, per-sample losses and activations exactly.
+
+A run holds, for every committed step *k*, the state after it (model, optimizer, scheduler,
+RNG) and which samples it trained on (data attribution: ``s.data(loader)``). Re-executing
+step *k* from commit *k-1* under the same RNG, on the same samples, reproduces it; comparing
+the result with commit *k* proves the replay was faithful. :func:`replay_step`:
+
+1. restores commit *k-1* into the given live objects with the providers a resume uses
+   (``dstt.engine.torch_state.discover`` restored from a ``StoreSource``: model, optimizer
+   state and hyperparameters, scheduler, global RNGs) — the state the original step started
+   from, including the learning rate the scheduler had set for it;
+2. rebuilds step *k*'s micro-batches from their recorded sample indices through the user's
+   ``dataset`` (and ``collate``), or a ``batches`` callable (indices → batch), or takes the
+   batches themselves;
+3. runs forward/backward on each micro-batch (``loss_fn(model, batch)``: the loss the loop
+   back-propagated, gradient-accumulation scaling included), captures the gradients and, by
+   forward hooks, the activations asked for, then takes the optimizer step;
+4. compares every parameter and optimizer-state tensor with commit *k*, bit for bit
+   (``Replay.faithful``; the largest difference where it is not, e.g. on nondeterministic GPU
+   kernels);
+5. evaluates each sample of the batch alone on the weights of *k-1* (``eval()`` mode: no
+   dropout) for its loss, and its gradient norm when ``per_sample_grads``, worst first.
+
+The live objects end at the replayed step *k* (as training would have left them); nothing
+is written to the run. Rejected alternative: storing gradients and activations at capture
+time — far more bytes than the state itself at every step, for the few steps anyone studies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import xarray as xr
+
+from ..engine.providers import StoreSource
+from ..engine.torch_state import canonical_names, discover, optimizers_of, param_names
+from ..errors import ConfigError, ReplayError, StepNotFoundError
+from ..schema import tensor_path, tree_location
+
+__all__ = ["Replay", "replay_step"]
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+@dataclass
+class Replay:
+    """What replaying step ``step`` found (see the module docstring).
+
+    ``faithful``: the replayed parameters and optimizer state equal commit ``step`` bit for
+    bit; ``max_abs_diff`` the largest difference over them (0.0 when faithful) and
+    ``differs`` the tensors that differ. ``losses``: the loss of each micro-batch.
+    ``grads``: the step's gradients (summed over micro-batches, as the optimizer saw them) as
+    a DataTree in the run's naming (``replay.layer("layers.0")`` as for a snapshot);
+    ``norms``: per tensor ``grad_norm``, ``update_norm``, ``weight_norm`` and
+    ``update_ratio``; ``per_sample``: each sample's ``loss`` (and ``grad_norm``), worst first,
+    with its ``index`` in the dataset (or its position in the step's batches) and
+    ``micro_batch``. ``activations``: per module name asked for, its output for each
+    micro-batch.
+    """
+
+    step: int
+    faithful: bool
+    max_abs_diff: float
+    differs: list[str]
+    losses: list[float]
+    norms: xr.Dataset
+    per_sample: xr.Dataset
+    activations: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    _grads: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    _table: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def grads(self) -> xr.DataTree:
+        return _grad_tree(self._grads, self._table)
+
+    def grad(self, name: str) -> torch.Tensor:
+        """One tensor's gradient (its dotted name)."""
+        try:
+            return self._grads[name]
+        except KeyError:
+            import difflib
+
+            close = difflib.get_close_matches(name, list(self._grads), n=3)
+            raise ConfigError(f"no parameter named {name!r} in the replay" + (
+                f"; did you mean {', '.join(map(repr, close))}?" if close else "")) from None
+
+    def worst(self, n: int = 1) -> list[int]:
+        """The ``n`` samples with the largest loss: pass them to
+        ``run.rollback(to, skip_samples=...)``."""
+        return [int(i) for i in self.per_sample["index"].values[:n]]
+
+    def layer(self, selector: str) -> xr.DataTree:
+        """The gradients of the tensors ``selector`` picks (the snapshot selection rule)."""
+        from .naming import select, selector_miss
+
+        paths = [tensor_path("params", n) for n in self._grads]
+        picked = select(selector, paths)
+        if not picked:
+            raise selector_miss(selector, paths, f"in the gradients of step {self.step}")
+        keep = {p.partition("/")[2].replace("/", ".") for p in picked}
+        return _grad_tree({n: g for n, g in self._grads.items() if n in keep}, self._table)
+
+    def top(self, n: int = 10, by: str = "grad_norm") -> list[tuple[str, float]]:
+        """The ``n`` tensors with the largest ``by`` (``grad_norm``, ``update_ratio``)."""
+        v = self.norms[by].values
+        order = np.argsort(-np.nan_to_num(v, nan=-np.inf))[:n]
+        names = self.norms["tensor"].values
+        return [(str(names[i]), float(v[i])) for i in order]
+
+    def __repr__(self) -> str:
+        verdict = ("faithful" if self.faithful
+                   else f"NOT faithful (max |diff| {self.max_abs_diff:.3g})")
+        worst = ", ".join(f"{i}: {loss:.4g}" for i, loss in zip(
+            self.per_sample["index"].values[:3], self.per_sample["loss"].values[:3],
+            strict=False))
+        return (f"Replay(step {self.step}: {verdict}; {len(self.losses)} micro-batch(es), "
+                f"losses {[round(x, 6) for x in self.losses]}; worst samples {worst})")
+
+
+def _prev_header(reader: Any, line: Sequence[Any], step: int) -> tuple[Any, Any]:
+    """(commit of ``step``, commit of ``step - 1``) on the timeline ``line``."""
+    by_step = {int(h.step): h for h in line}
+    if step not in by_step:
+        raise StepNotFoundError(f"step {step} is not committed on this timeline; replay needs "
+                                "the step itself (to check the replay) and the one before it")
+    if step - 1 not in by_step:
+        have = sorted(by_step)
+        raise ReplayError(
+            f"step {step - 1} is not committed (committed steps near {step}: "
+            f"{[s for s in have if abs(s - step) <= 5]}): replaying step {step} starts from "
+            f"the state after step {step - 1}; capture every step (every=1) or replay a step "
+            "whose predecessor was committed")
+    prev = by_step[step - 1]
+    if getattr(prev, "pruned", False):
+        raise ReplayError(f"step {step - 1} was pruned by gc (its tensors are gone); replay a "
+                          "step whose predecessor is kept (Retention keeps spike windows)")
+    return by_step[step], prev
+
+
+def _slice(batch: Any, i: int) -> Any:
+    """Sample ``i`` of a batch (tensors, arrays, dicts, lists/tuples of them; dim 0),
+    keeping a batch dimension of 1."""
+    if isinstance(batch, torch.Tensor | np.ndarray):
+        return batch[i:i + 1]
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _slice(v, i) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, list | tuple):
+        return type(batch)(_slice(v, i) for v in batch)
+    return batch
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor | np.ndarray):
+        return int(batch.shape[0])
+    if isinstance(batch, Mapping):
+        return _batch_size(next(iter(batch.values())))
+    if isinstance(batch, list | tuple) and batch:
+        return _batch_size(batch[0])
+    raise ReplayError(f"cannot tell the batch size of a {type(batch).__name__}: per-sample "
+                      "losses need tensors (or dicts/tuples of them) with the batch on dim 0")
+
+
+def _default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    out = model(**batch) if isinstance(batch, Mapping) else model(batch)
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, tuple) and len(out) == 2:
+        loss = out[1]  # (logits, loss), as dstt.testing.models.TinyGPT
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError("replay needs loss_fn=(model, batch) -> the loss your loop "
+                          "back-propagated (the model's output has no .loss)")
+    return loss
+
+
+def _step_batches(run: Any, step: int, timeline: str | None, batches: Any, dataset: Any,
+                  collate: Callable[[list[Any]], Any] | None
+                  ) -> tuple[list[Any], list[list[int] | None]]:
+    """Step ``step``'s micro-batches and each one's sample indices (None when unknown)."""
+    if batches is not None and not callable(batches):
+        got = list(batches)
+        return got, [None] * len(got)
+    recorded = run.batches([step], timeline=timeline).get(step)
+    if not recorded:
+        raise ReplayError(
+            f"step {step} has no recorded batches: the run was captured without data "
+            "attribution. Wrap the loader as `for batch in s.data(loader):` in the session "
+            "(or pass replay(..., batches=[the step's batches]))")
+    indices = [list(b.indices) if b.indices is not None else None for b in recorded]
+    if any(ix is None for ix in indices):
+        raise ReplayError(
+            f"step {step}'s batches were recorded by hash, not by sample indices (the loader "
+            "is not a DataLoader over a map-style dataset): pass replay(..., batches=[...])")
+    known = [ix for ix in indices if ix is not None]
+    if callable(batches):
+        return [batches(ix) for ix in known], list(indices)
+    if dataset is None:
+        raise ConfigError("replay needs the data: dataset=... (with collate=...) to rebuild "
+                          "the step's batches from their sample indices, or batches=")
+    if collate is None:
+        from torch.utils.data import default_collate
+
+        collate = default_collate
+    return [collate([dataset[i] for i in ix]) for ix in known], list(indices)
+
+
+def replay_step(run: Any, step: int, model: torch.nn.Module, optimizer: Any, *,
+                scheduler: Any = None, loss_fn: LossFn | None = None, batches: Any = None,
+                dataset: Any = None, collate: Callable[[list[Any]], Any] | None = None,
+                activations: Iterable[str] = (), per_sample: bool = True,
+                per_sample_grads: bool = False, timeline: str | None = None) -> Replay:
+    """Replay step ``step`` of ``run`` into ``model``/``optimizer`` (see the module
+    docstring and :class:`Replay`)."""
+    timeline = timeline or run.timeline
+    reader = run._reader
+    head_k, head_prev = _prev_header(reader, run.commits(timeline), int(step))
+    loss_fn = loss_fn or _default_loss
+    micro, sample_ix = _step_batches(run, int(step), timeline, batches, dataset, collate)
+    state = discover(model, optimizer, scheduler=scheduler)
+    source = StoreSource(reader, head_prev, prefetch=True)
+    state.step_state.restore(source)
+    state.boundary_state.restore(source)
+    names = param_names(model)
+    params = [(names[id(p)], p) for p in model.parameters() if id(p) in names]
+    before = {n: p.detach().clone() for n, p in params}
+    hooks, acts = _hook_activations(model, activations)
+    was_training = model.training
+    model.train()
+    losses: list[float] = []
+    try:
+        for opt in optimizers_of(optimizer).values():
+            opt.zero_grad(set_to_none=True)
+        for b in micro:
+            loss = loss_fn(model, b)
+            if loss.dim() > 0:  # per-sample losses: back-propagate their mean
+                loss = loss.mean()
+            loss.backward()
+            losses.append(float(loss.detach()))
+    finally:
+        for h in hooks:
+            h.remove()
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+             for n, p in params}
+    for opt in optimizers_of(optimizer).values():
+        opt.step()
+    after = {n: p.detach().clone() for n, p in params}
+    faithful, max_diff, differs = _compare(reader, head_k, model, optimizer, names)
+    samples = (_per_sample(model, params, before, after, micro, sample_ix, loss_fn,
+                           per_sample_grads) if per_sample else _empty_samples())
+    model.train(was_training)
+    table = reader.arrays(head_k)
+    return Replay(step=int(step), faithful=faithful, max_abs_diff=max_diff, differs=differs,
+                  losses=losses, norms=_norms(grads, before, after), per_sample=samples,
+                  activations=acts, _grads=grads, _table=table)
+
+
+def _hook_activations(model: torch.nn.Module, wanted: Iterable[str]
+                      ) -> tuple[list[Any], dict[str, list[torch.Tensor]]]:
+    wanted = list(wanted)
+    if not wanted:
+        return [], {}
+    named = dict(model.named_modules())
+    canon = canonical_names(model, named)
+    by_name = {canon[n]: m for n, m in named.items()}
+    missing = [w for w in wanted if w not in by_name]
+    if missing:
+        import difflib
+
+        hints = {w: difflib.get_close_matches(w, list(by_name), n=3) for w in missing}
+        raise ConfigError("no module named " + "; ".join(
+            f"{w!r}" + (f" (did you mean {', '.join(map(repr, h))}?)" if h else "")
+            for w, h in hints.items()))
+    acts: dict[str, list[torch.Tensor]] = {w: [] for w in wanted}
+
+    def keep(name: str) -> Callable[..., None]:
+        def hook(_m: torch.nn.Module, _inp: Any, out: Any) -> None:
+            t = out[0] if isinstance(out, tuple) else out
+            if isinstance(t, torch.Tensor):
+                acts[name].append(t.detach().to("cpu", copy=True))
+        return hook
+
+    return [by_name[w].register_forward_hook(keep(w)) for w in wanted], acts
+
+
+def _compare(reader: Any, head: Any, model: torch.nn.Module, optimizer: Any,
+             names: Mapping[int, str]) -> tuple[bool, float, list[str]]:
+    """Every parameter and optimizer-state tensor against commit ``head``."""
+    source = StoreSource(reader, head)
+    live: dict[str, torch.Tensor] = {}
+    for param in model.parameters():
+        if id(param) in names:
+            live[tensor_path("params", names[id(param)])] = param.detach()
+    for opt in optimizers_of(optimizer).values():
+        for owner, st in opt.state.items():
+            for key, v in st.items():
+                if isinstance(v, torch.Tensor) and id(owner) in names:
+                    live[tensor_path(f"optim/{key}", names[id(owner)])] = v.detach()
+    max_diff, differs = 0.0, []
+    for path, t in live.items():
+        if not source.has_array(path):
+            continue
+        stored = source.array(path)
+        same = (stored.dtype == t.dtype and stored.shape == t.shape and torch.equal(
+            stored.reshape(-1).view(torch.uint8) if stored.numel() else stored,
+            t.cpu().contiguous().reshape(-1).view(torch.uint8) if t.numel() else t.cpu()))
+        if not same:
+            differs.append(path)
+            if stored.shape == t.shape and stored.is_floating_point():
+                d = (stored.double() - t.cpu().double()).abs().max()
+                max_diff = max(max_diff, float(d) if d.numel() else 0.0)
+            else:
+                max_diff = math.inf
+    return not differs, max_diff, sorted(differs)
+
+
+def _per_sample(model: torch.nn.Module, params: list[tuple[str, torch.nn.Parameter]],
+                before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor],
+                micro: list[Any], sample_ix: list[list[int] | None], loss_fn: LossFn,
+                grads: bool) -> xr.Dataset:
+    """Each sample alone, on the weights of the step before, in eval mode."""
+    with torch.no_grad():
+        for n, p in params:
+            p.copy_(before[n])
+    model.eval()
+    index: list[int] = []
+    mb: list[int] = []
+    loss_v: list[float] = []
+    gnorm: list[float] = []
+    try:
+        for m, (b, ix) in enumerate(zip(micro, sample_ix, strict=True)):
+            for i in range(_batch_size(b)):
+                one = _slice(b, i)
+                if grads:
+                    for _, p in params:
+                        p.grad = None
+                    loss = loss_fn(model, one)
+                    loss = loss.mean() if loss.dim() else loss
+                    loss.backward()
+                    sq = sum(float(p.grad.double().pow(2).sum()) for _, p in params
+                             if p.grad is not None)
+                    gnorm.append(math.sqrt(sq))
+                else:
+                    with torch.no_grad():
+                        loss = loss_fn(model, one)
+                        loss = loss.mean() if loss.dim() else loss
+                    gnorm.append(math.nan)
+                loss_v.append(float(loss.detach()))
+                index.append(ix[i] if ix is not None else len(index))
+                mb.append(m)
+    finally:
+        for _, p in params:
+            p.grad = None
+        with torch.no_grad():
+            for n, p in params:
+                p.copy_(after[n])
+    order = np.argsort(-np.nan_to_num(np.asarray(loss_v, dtype=np.float64), nan=-np.inf),
+                       kind="stable")
+    return xr.Dataset(
+        {"loss": ("sample", np.asarray(loss_v)[order]),
+         "grad_norm": ("sample", np.asarray(gnorm)[order])},
+        coords={"index": ("sample", np.asarray(index, dtype=np.int64)[order]),
+                "micro_batch": ("sample", np.asarray(mb, dtype=np.int64)[order])},
+        attrs={"order": "worst first (largest loss)", "mode": "eval (no dropout), weights of "
+               "the step before"})
+
+
+def _empty_samples() -> xr.Dataset:
+    return xr.Dataset({"loss": ("sample", np.zeros(0)), "grad_norm": ("sample", np.zeros(0))},
+                      coords={"index": ("sample", np.zeros(0, np.int64)),
+                              "micro_batch": ("sample", np.zeros(0, np.int64))})
+
+
+def _norms(grads: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor],
+           after: Mapping[str, torch.Tensor]) -> xr.Dataset:
+    names = sorted(grads)
+
+    def norm(t: torch.Tensor) -> float:
+        return float(t.detach().double().norm()) if t.numel() else 0.0
+
+    g = np.array([norm(grads[n]) for n in names])
+    u = np.array([norm(after[n].double() - before[n].double()) for n in names])
+    w = np.array([norm(before[n]) for n in names])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(w > 0, u / w, np.nan)
+    return xr.Dataset(
+        {"grad_norm": ("tensor", g), "update_norm": ("tensor", u),
+         "weight_norm": ("tensor", w), "update_ratio": ("tensor", ratio)},
+        coords={"tensor": ("tensor", np.asarray(names, dtype=object)),
+                "store_path": ("tensor", np.asarray([tensor_path("params", n) for n in names],
+                                                     dtype=object))},
+        attrs={"update_ratio": "exact: ||w_k - w_{k-1}|| / ||w_{k-1}||"})
+
+
+def _grad_tree(grads: Mapping[str, torch.Tensor], table: Mapping[str, Any]) -> xr.DataTree:
+    """The gradients as a DataTree mirroring module paths, with the stored dims."""
+    nodes: dict[str, dict[str, xr.DataArray]] = {}
+    for name, g in grads.items():
+        path = tensor_path("params", name)
+        node, var = tree_location(path)
+        rec = table.get(path)
+        dims = tuple(getattr(rec, "dims", None) or ()) or tuple(
+            f"{var}_{i}" for i in range(g.dim()))
+        arr = g.detach().cpu()
+        data = (arr.float() if arr.dtype in (torch.bfloat16, torch.float16) else arr).numpy()
+        nodes.setdefault(node, {})[var] = xr.DataArray(data, dims=dims[:g.dim()])
+    tree: dict[str, xr.Dataset] = {"/": xr.Dataset()}
+    for node, vars_ in nodes.items():
+        tree["/" + node if node else "/"] = xr.Dataset(vars_)
+    return xr.DataTree.from_dict(tree)
