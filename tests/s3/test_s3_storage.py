@@ -10,10 +10,11 @@ import time
 import pytest
 
 from dstt.errors import MissingFileError, NotARunError, RunLockedError
-from dstt.store import LocalStorage, Repository, storage_for
+from dstt.store import LocalStorage, Repository, Storage, storage_for
 from dstt.store.format.layout import HEAD_KEY, LOCK_KEY, ref_key
 from dstt.store.format.manifest import dump_head
 from dstt.store.storage.s3 import DEFAULT_GUARDED, S3Storage
+from dstt.testing.storage import StorageTests
 
 from .conftest import S3Server
 
@@ -144,3 +145,15 @@ def test_the_lease_holder_finishes_an_interrupted_create(s3_url: str) -> None:
     storage_for(s3_url).write(HEAD_KEY, dump_head("main"))  # cut after HEAD, before zarr.json
     repo = Repository.create(s3_url)  # a fresh process: it never read HEAD, but holds the lease
     assert repo.reader().current_timeline == "main" and repo.verify().ok
+
+
+class TestS3StorageConformance(StorageTests):
+    """The shipped ``Storage`` conformance suite against S3 (moto on loopback)."""
+
+    @pytest.fixture
+    def storage(self, s3_url: str) -> Storage:
+        return storage_for(s3_url)
+
+    @pytest.fixture
+    def second(self, storage: Storage, s3_url: str) -> Storage:
+        return storage_for(s3_url)  # another client: another lease holder
