@@ -1,9 +1,10 @@
 """``dstt``: the command line over a run (``ls log show diff verify index rollback timeline
-gc export``).
+gc export replay``).
 
 Thin by design: argparse, one call into :mod:`dstt._run` (or the store behind it), printing.
 This module is the parser and ``main`` (exit codes); the commands are ``dstt._cli_inspect``
-(those that look at a run) and ``dstt._cli_changes`` (those that change it).
+(those that look at a run), ``dstt._cli_changes`` (those that change it) and
+``dstt._cli_replay`` (re-executing a step from the user's script).
 The run is the optional first positional ``RUN`` of a command or ``--run PATH``, else
 ``$DSTT_RUN``, else the current directory; whichever is given may be any folder inside the run,
 which is found the way git finds a repository: the nearest of the folder and its parents that
@@ -59,6 +60,7 @@ from ._cli_inspect import (
     cmd_show,
     cmd_verify,
 )
+from ._cli_replay import cmd_replay
 from .errors import (
     DsttError,
 )
@@ -206,6 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the baseline: the N values before each step (default: 50)")
     sp.add_argument("--dry-run", action="store_true",
                     help="list the steps it would prune, delete nothing")
+    sp = add("replay", cmd_replay, "re-execute a past step from your script: faithful?, "
+             "gradient norms, the samples with the largest loss")
+    run_arg(sp)
+    sp.add_argument("--step", type=int, required=True, help="the step to replay")
+    sp.add_argument("--script", required=True, metavar="FILE.py:FUNCTION",
+                    help="a function returning {'model', 'optimizer', and any of 'scheduler', "
+                    "'dataset', 'collate', 'batches', 'loss_fn'}, built as training built them")
+    sp.add_argument("--top", type=_positive, default=10, help="tensors and samples to list")
+    sp.add_argument("--sample-grads", action="store_true",
+                    help="also each sample's gradient norm (one backward per sample)")
+    timeline(sp)
     sp = add("export", cmd_export, "write one step as a file torch loads: the model, or "
              "model + optimizer + scheduler")
     run_arg(sp)

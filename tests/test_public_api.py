@@ -158,7 +158,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli", "integrations", "testing"),
 )
 _PACKAGE_OF = {"_run": "run", "_snapshot": "run", "_run_diagnose": "run", "_cli_common": "cli",
-               "_cli_changes": "cli", "_cli_inspect": "cli"}
+               "_cli_changes": "cli", "_cli_inspect": "cli", "_cli_replay": "cli"}
 
 
 def _package(module: str) -> str:

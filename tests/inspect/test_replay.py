@@ -166,3 +166,47 @@ def test_a_step_whose_predecessor_is_not_committed_is_refused(recorded: Any) -> 
     m, opt, sched = build()
     with pytest.raises(ReplayError, match="step 0 is not committed"):
         dstt.open(run_path).replay(1, m, opt, scheduler=sched, dataset=ds, loss_fn=loss_fn)
+
+
+SCRIPT = '''
+import sys
+sys.path.insert(0, {tests!r})
+from test_replay import Sequences, build, loss_fn
+
+
+def make():
+    model, opt, sched = build(seed=3)
+    return {{"model": model, "optimizer": opt, "scheduler": sched, "dataset": Sequences(32),
+            "loss_fn": loss_fn}}
+
+
+if __name__ == "__main__":
+    raise SystemExit("not run as a script by dstt replay")
+'''
+
+
+def test_dstt_replay_runs_a_users_script(recorded: Any, tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    run_path, _, _ = recorded
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
+    root = Path(__file__).resolve().parents[2]
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "dstt.cli", "replay", str(run_path), "--step",
+                           "5", "--script", f"{script}:make", "--top", "3", "--json"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    assert doc["faithful"] is True and doc["step"] == 5
+    assert len(doc["top_grad_norm"]) == 3 and len(doc["worst_samples"]) == 3
+    text = subprocess.run([sys.executable, "-m", "dstt.cli", "replay", str(run_path), "--step",
+                           "5", "--script", f"{script}:make"], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert text.returncode == 0 and "step 5: faithful" in text.stdout
+    bad = subprocess.run([sys.executable, "-m", "dstt.cli", "replay", str(run_path), "--step",
+                          "5", "--script", f"{script}:nothere"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert bad.returncode == 2 and "has no function 'nothere'" in bad.stderr

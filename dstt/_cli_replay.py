@@ -1,0 +1,87 @@
+"""``dstt replay``: re-execute a past step from a user's script and print what it found.
+
+``dstt replay --step K --script train.py:make`` imports ``train.py`` (as a file, without
+running its ``__main__`` block) and calls ``make()``, which returns what a replay needs, as a
+dict: ``model`` and ``optimizer`` (required: built as the training script builds them),
+``scheduler``, ``dataset`` (and ``collate``), or ``batches``, and ``loss_fn``. Then
+``run.replay(K, ...)`` (:mod:`dstt.inspect.replay`) and a report: whether the replay was
+faithful, the tensors with the largest gradient norms, the samples with the largest losses.
+Rejected alternative: a replay command taking model and data options — a model and its data
+pipeline are code, and the user's own script already builds them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from ._cli_common import EXIT_OK, UsageError, _emit, _fmt, _resolve_run
+
+__all__ = ["cmd_replay", "load_factory"]
+
+_KEYS = ("model", "optimizer", "scheduler", "dataset", "collate", "batches", "loss_fn")
+
+
+def load_factory(spec: str) -> Any:
+    """``path/to/file.py:function`` -> the function (the file imported as a module, its
+    folder on ``sys.path`` so it can import its neighbours)."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name:
+        raise UsageError(f"--script takes FILE.py:FUNCTION (e.g. train.py:make), not {spec!r}")
+    if not os.path.isfile(path):
+        raise UsageError(f"--script: no file {path!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    mod_spec = importlib.util.spec_from_file_location("_dstt_replay_script", path)
+    if mod_spec is None or mod_spec.loader is None:
+        raise UsageError(f"--script: cannot import {path!r}")
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UsageError(f"--script: {path!r} has no function {name!r}")
+    return fn
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    run = _resolve_run(args)
+    made = load_factory(args.script)()
+    if not isinstance(made, dict) or "model" not in made or "optimizer" not in made:
+        raise UsageError(f"--script {args.script}: the function must return a dict with "
+                         f"'model' and 'optimizer' (and any of {', '.join(_KEYS[2:])})")
+    unknown = sorted(set(made) - set(_KEYS))
+    if unknown:
+        raise UsageError(f"--script {args.script}: unknown keys {unknown}; expected "
+                         f"{', '.join(_KEYS)}")
+    r = run.replay(args.step, made["model"], made["optimizer"],
+                   **{k: made[k] for k in _KEYS[2:] if k in made},
+                   per_sample_grads=args.sample_grads, timeline=args.timeline)
+    top = r.top(args.top)
+    samples = r.per_sample.isel(sample=slice(0, args.top))
+    doc = {"step": r.step, "faithful": r.faithful, "max_abs_diff": r.max_abs_diff,
+           "differs": r.differs, "losses": r.losses,
+           "top_grad_norm": [{"tensor": n, "grad_norm": v} for n, v in top],
+           "worst_samples": [{"index": int(i), "loss": float(v), "micro_batch": int(m)}
+                             for i, v, m in zip(samples["index"].values,
+                                                samples["loss"].values,
+                                                samples["micro_batch"].values, strict=True)]}
+
+    def text() -> Iterator[str]:
+        verdict = ("faithful: the replayed update equals the commit bit for bit" if r.faithful
+                   else f"NOT faithful: {len(r.differs)} tensors differ, max |diff| "
+                        f"{_fmt(r.max_abs_diff)}")
+        yield f"step {r.step}: {verdict}"
+        yield f"micro-batch losses: {', '.join(_fmt(x) for x in r.losses)}"
+        yield "largest gradient norms:"
+        for n, v in top:
+            yield f"  {_fmt(v, '.4e'):>12}  {n}"
+        yield "largest sample losses (each sample alone, weights of the step before):"
+        for d in doc["worst_samples"]:
+            yield f"  {_fmt(d['loss']):>10}  sample {d['index']}  (micro-batch {d['micro_batch']})"
+    _emit(args, doc, text)
+    return EXIT_OK
