@@ -18,12 +18,12 @@ import pytest
 from dstt.store import save
 
 HEAVY = ("xarray", "pandas", "torch", "matplotlib", "scipy")
-CODE = """
+CODE = f"""
 import json, sys
 from dstt.cli import main
 code = main(sys.argv[1:])
-print(json.dumps({"code": code, "heavy": [m for m in %r if m in sys.modules]}))
-""" % (HEAVY,)
+print(json.dumps({{"code": code, "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}))
+"""
 
 
 @pytest.fixture(scope="module")

@@ -63,9 +63,11 @@ class _SharedReader(Reader):
         return super().located(header, self._stored.get(path, path))
 
     def record(self, header: Any, path: str) -> Any:
-        path = canonical_path(path)
+        path = canonical_path(path)  # a stored path (a delta's inputs name them) or not
         rec = self.located(header, path)
-        return rec if rec is not None else super().record(header, path)
+        if rec is None:
+            rec = self.arrays(header).get(path)
+        return rec if rec is not None else super().record(header, path)  # the store's error
 
     def read_chunk(self, header: Any, path: str, index: int) -> memoryview:
         rec = self.record(header, path)
