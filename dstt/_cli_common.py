@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from .errors import (
+    ConfigError,
     MetricNotFoundError,
     NotARunError,
     OutputExistsError,
@@ -35,7 +36,7 @@ class UsageError(Exception):
 #: the errors that are the user's input (exit 2); every other ``DsttError`` is about the run
 BAD_INPUT: tuple[type[BaseException], ...] = (
     UsageError, NotARunError, StepNotFoundError, TimelineError, TensorNotFoundError,
-    MetricNotFoundError, SchemaError, UnsafeObjectError, OutputExistsError)
+    MetricNotFoundError, SchemaError, UnsafeObjectError, OutputExistsError, ConfigError)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -16,6 +16,7 @@ from typing import Any
 from ._cli_common import (
     EXIT_OK,
     EXIT_PROBLEMS,
+    UsageError,
     _bar,
     _counter,
     _emit,
@@ -89,18 +90,16 @@ def _spikes(run: Any, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
 
 
 def _visible(snap: Any, optim: bool) -> list[str]:
-    """Store paths a user sees at a snapshot: tensors (logical ones of ZeRO runs, not their
-    flat sources), optimizer states only with ``optim``."""
-    from .inspect.sharded import shard_sources
-    from .schema import optim_state
-
-    hidden = shard_sources(snap.arrays)
-    return [p for p in sorted(snap.arrays)
-            if p not in hidden and (optim or optim_state(p) is None)]
+    """Paths a user sees at a snapshot: tensors (logical ones of ZeRO runs, not their flat
+    sources; tied names too), optimizer states only with ``optim``."""
+    return list(snap.catalog.pool if optim else snap.catalog.model_paths)
 
 
-def _summary_of(run: Any, snap: Any) -> dict[str, tuple[float | None, float | None]]:
-    """``{store path: (l2, update ratio)}`` from the step's write-time summaries (if any)."""
+def _summary_of(run: Any, snap: Any) -> dict[str, tuple[float | None, float | None, bool]]:
+    """``{canonical path: (l2, update ratio, exact)}`` from the step's write-time summaries
+    (if any)."""
+    from .inspect.naming import canonical_path
+
     ds = run.summaries(snap.step, timeline=snap.timeline)
     if ds.sizes.get("step", 0) == 0:
         return {}
@@ -108,39 +107,46 @@ def _summary_of(run: Any, snap: Any) -> dict[str, tuple[float | None, float | No
     def val(x: Any) -> float | None:
         v = float(x)
         return v if math.isfinite(v) else None
-    return {str(p): (val(ds["l2"].values[0, j]), val(ds["update_ratio"].values[0, j]))
+    return {canonical_path(str(p)): (val(ds["l2"].values[0, j]),
+                                     val(ds["update_ratio"].values[0, j]),
+                                     bool(ds["update_exact"].values[0, j]))
             for j, p in enumerate(ds["store_path"].values)}
+
+
+def _ratio_text(t: dict[str, Any]) -> str:
+    """An update ratio as shown: ``~`` marks an estimate."""
+    if t["update_ratio"] is None:
+        return "—"
+    return ("" if t["update_exact"] else "~") + _fmt(t["update_ratio"], ".3g")
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     from .inspect.html import human_bytes
-    from .inspect.naming import select, selector_miss
     from .inspect.sharded import LogicalRecord, shard_sources
     from .schema import user_name
 
     run = _resolve_run(args)
     snap = run.at(args.step, args.timeline)
+    cat = snap.catalog
     visible = _visible(snap, args.optim)
     # ZeRO runs: the flat buffers the logical tensors are views of are what is on disk
     sources = sorted(shard_sources(snap.arrays))
     paths = visible + [p for p in sources if p not in visible]
     if args.select:
-        paths = select(args.select, paths)
-        if not paths:
-            raise selector_miss(args.select, visible, f"at step {snap.step}",
-                                f"dstt show --step {snap.step}"
-                                + (" --optim" if args.optim else ""))
+        paths = cat.select(args.select, paths=paths)[0] if paths else []
     sums = _summary_of(run, snap)
     tensors = []
     for p in paths:
-        rec = snap.arrays[p]
-        stored = not isinstance(rec, LogicalRecord)
-        l2, ratio = sums.get(p, (None, None))
-        tensors.append({"name": user_name(p), "store_path": p, "dtype": rec.dtype,
+        rec = cat.table[p]
+        tied = cat.tied_to(p)
+        stored = not isinstance(rec, LogicalRecord) and tied is None
+        l2, ratio, exact = sums.get(cat.tied.get(p, p), (None, None, False))
+        where = (_stored(rec, snap.slot) if stored else
+                 {"written_bytes": 0, "stored_as": [f"tied to {tied}" if tied else "view"]})
+        tensors.append({"name": user_name(p), "store_path": rec.path, "dtype": rec.dtype,
                         "shape": list(rec.shape), "bytes": rec.plan.nbytes if stored else 0,
-                        "stored": stored, "l2": l2, "update_ratio": ratio,
-                        **(_stored(rec, snap.slot) if stored
-                           else {"written_bytes": 0, "stored_as": ["view"]})})
+                        "stored": stored, "tied_to": tied, "l2": l2, "update_ratio": ratio,
+                        "update_exact": exact if ratio is not None else None, **where})
     doc = {"step": snap.step, "slot": snap.slot, "timeline": snap.timeline, "time": snap.time,
            "metrics": snap.metrics, "objects": snap.objects, "optim": args.optim,
            "tensors": tensors}
@@ -156,16 +162,23 @@ def cmd_show(args: argparse.Namespace) -> int:
         for t in tensors:
             size = human_bytes(t["bytes"]) if t["stored"] else "—"
             yield (f"  {t['name']:<{width}}  {t['dtype']:<8} {tuple(t['shape'])!s:<18} "
-                   f"{_fmt(t['l2']):>10} {_fmt(t['update_ratio'], '.3g'):>10} {size:>10}  "
+                   f"{_fmt(t['l2']):>10} {_ratio_text(t):>10} {size:>10}  "
                    f"{human_bytes(t['written_bytes']):>10}  {'+'.join(t['stored_as'])}")
         real = [t for t in tensors if t["stored"]]
         size = sum(t["bytes"] for t in real)
         written = sum(t["written_bytes"] for t in real)
-        views = len(tensors) - len(real)
+        views = sum(1 for t in tensors if not t["stored"] and not t["tied_to"])
+        tied = sum(1 for t in tensors if t["tied_to"])
         yield (f"{len(real)} stored arrays, {human_bytes(size)}; this step wrote "
                f"{human_bytes(written)} of them"
                + (f" ({size / written:.1f}x fewer bytes)" if 0 < written < size else "")
-               + (f"; {views} tensors are views of the stored ZeRO shards" if views else ""))
+               + (f"; {views} tensors are views of the stored ZeRO shards" if views else "")
+               + (f"; {tied} tied names (one tensor, stored under the name it is tied to)"
+                  if tied else ""))
+        if any(t["update_exact"] is False for t in tensors):
+            yield ("~ update ratio ||w - w_prev|| / ||w||: an estimate from 16 probed elements "
+                   "per tensor (typically within ~20%, now and then off 2x); exact: "
+                   f"dstt diff <previous step> {snap.step}")
         if not args.optim:
             yield "optimizer states not shown (--optim shows them)"
     _emit(args, doc, text)
@@ -188,7 +201,7 @@ def _stored(rec: Any, slot: int) -> dict[str, Any]:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from .inspect.naming import select, selector_miss
+    from .inspect.catalog import Catalog
 
     run = _resolve_run(args)
     ta = args.timeline or run.timeline
@@ -196,12 +209,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     sa, sb = run.at(args.a, ta), run.at(args.b, tb)
     paths = sorted(set(_visible(sa, args.optim)) | set(_visible(sb, args.optim)))
     if args.select:
-        paths = select(args.select, paths)
-        if not paths:
-            raise selector_miss(args.select, set(_visible(sa, True)) | set(_visible(sb, True)),
-                                f"at steps {args.a} or {args.b}" + (
-                                    "" if args.optim else " (optimizer states excluded)"),
-                                f"dstt show --step {args.b}")
+        both = Catalog(sa.catalog.table | sb.catalog.table, where=f"at steps {args.a} or "
+                       f"{args.b}" + ("" if args.optim else " (optimizer states excluded)"),
+                       listing=f"dstt show --step {args.b}")
+        paths = both.select(args.select, paths=paths)[0]
+    tied = sa.catalog.tied | sb.catalog.tied  # a tied name is its target's tensor
+    paths = list(dict.fromkeys(tied.get(p, p) for p in paths))
     with _bar(args, None, "B") as bar:
         ds = run.diff(args.a, args.b, timeline=ta, timeline_b=tb, paths=paths,
                       progress=bar.update)
@@ -270,13 +283,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .inspect.html import human_bytes
 
     snap = _resolve_run(args).at(args.step, args.timeline)
-    ext = "safetensors" if args.format == "safetensors" else "pt"
-    out = args.out or f"step{snap.step}.{ext}"
+    if args.config is not None and args.format != "hf":
+        raise UsageError("--config is for --format hf (the config.json of the folder)")
+    default = {"safetensors": f"step{snap.step}.safetensors", "torch": f"step{snap.step}.pt",
+               "hf": f"step{snap.step}-hf"}[args.format]
+    out = args.out or default
     with _bar(args, sum(r.plan.nbytes for r in snap.arrays.values()), "B") as bar:
         info = snap.export(out, args.format, include_all=args.all, overwrite=args.force,
-                           progress=bar.update)
+                           config=args.config, progress=bar.update)
     doc = {"step": snap.step, "format": args.format, **info}
-    what = "model" if args.format == "safetensors" else "model, optimizer, scheduler"
+    what = {"safetensors": "model", "torch": "model, optimizer, scheduler",
+            "hf": "model.safetensors + config.json: from_pretrained opens it"}[args.format]
 
     def text() -> Iterator[str]:
         yield (f"wrote {info['path']}: step {snap.step}, {info['tensors']} tensors, "

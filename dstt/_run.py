@@ -6,6 +6,9 @@ gives a ``Snapshot`` of one step (:mod:`dstt._snapshot`).
 :mod:`dstt.inspect`; every byte is read through :mod:`dstt.store` (refs -> lineage -> arrays
 table -> crc-checked chunks), so aborted, orphaned or pruned data is never shown.
 
+Only what lists a run is imported with this module (no xarray, no torch): the views import
+their builders when first used, so ``dstt ls`` starts in a tenth of a second.
+
 The run is read as of ``open`` (or the last :meth:`Run.refresh`): a notebook inspecting a live
 training run calls ``run.refresh()`` to see new steps. Rejected alternative: re-reading refs on
 every attribute access — steps would change between two cells that the user reads together.
@@ -15,32 +18,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xarray as xr
 
+from ._lru import LRU
 from ._run_diagnose import DiagnoseMixin
-from ._snapshot import Snapshot
 from .errors import CorruptRunError, MetricNotFoundError, NotARunError, StepNotFoundError
-from .inspect.compare import diff_commits
+from .inspect.catalog import Catalog
 from .inspect.html import run_html, run_summary
-from .inspect.indexed import metrics_from_rows, summaries_from_rows
-from .inspect.lazy import ReaderPool
-from .inspect.naming import (
-    array_path,
-    select,
-    selector_miss,
-)
-from .inspect.summaries import (
-    SUMMARIES_OBJECT,
-    Spike,
-    find_spikes,
-    spike_cause,
-    summary_rows,
-)
-from .inspect.views import trajectory_dataarray
+from .inspect.readers import ReaderPool
 from .store import Repository, Storage, fold_rows, is_url, write_skips
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+    from ._snapshot import Snapshot
+    from .inspect.summaries import Spike
 
 __all__ = ["Run", "open_run"]
 
@@ -98,6 +92,7 @@ class Run(DiagnoseMixin):
         self._reader = self._readers.primary
         self._lines: dict[str, list[Any]] = {}
         self._all: dict[str, list[Any]] = {}  # pruned commits included
+        self._catalogs: LRU[int, Catalog] = LRU(16)
 
     # -- timelines and steps ----------------------------------------------------------------
     def refresh(self) -> Run:
@@ -108,6 +103,7 @@ class Run(DiagnoseMixin):
         self._reader = self._readers.primary
         self._lines.clear()
         self._all.clear()
+        self._catalogs.clear()
         return self
 
     @property
@@ -196,7 +192,19 @@ class Run(DiagnoseMixin):
         """The snapshot of ``step`` (default: the head) on ``timeline`` (default: current).
         A step that is not on that timeline raises ``StepNotFoundError`` naming the timelines
         that have it."""
+        from ._snapshot import Snapshot
+
         return Snapshot(self, self._header(step, timeline), timeline or self.timeline)
+
+    def catalog(self, header: Any) -> Catalog:
+        """The names of commit ``header`` (:mod:`dstt.inspect.catalog`; cached): its
+        tensors by canonical path and its tied names, and how a typed name resolves."""
+        got = self._catalogs.get(header.slot)
+        if got is None:
+            got = Catalog.of(self._reader, header,
+                             listing=f"run.at({header.step}).names(optim=True)")
+            self._catalogs.put(header.slot, got)
+        return got
 
     def trajectory(self, name: str, steps: Steps = None, *, timeline: str | None = None,
                    state: str | None = None, chunks: Any = None) -> xr.DataArray:
@@ -206,20 +214,23 @@ class Run(DiagnoseMixin):
         (``exp_avg``). ``steps`` as in :meth:`select_steps`. Nothing is read until values are;
         then only that tensor's chunks of the selected steps (``.isel``/``.sel`` first!).
         """
+        from .inspect.views import trajectory_dataarray
+
         headers = self.select_steps(steps, timeline)
         if not headers:
             raise StepNotFoundError(f"no committed steps match {steps!r} on timeline "
                                     f"{timeline or self.timeline!r}")
-        newest = self._reader.arrays(headers[-1])
-        step = headers[-1].step
-        path = array_path(name, newest, state, where=f"at step {step}, the newest selected step",
-                          listing=f"run.at({step}).names(optim=True)")
+        newest = self.catalog(headers[-1])
+        path = newest.resolve(name, state,
+                              where=f"at step {headers[-1].step}, the newest selected step")
         return trajectory_dataarray(self._readers, headers, path, newest, chunks=chunks)
 
     def metrics(self, timeline: str | None = None) -> xr.Dataset:
         """Logged metrics (``s.log(...)``) per step as a Dataset over ``step``: every
         committed step's, and those of the steps ``every=K`` did not checkpoint (``slot`` -1;
         the next commit carries them)."""
+        from .inspect.indexed import metrics_from_rows
+
         return metrics_from_rows(self._reader.scalar_rows(self._lineage(timeline or self.timeline),
                                                           summaries=False))
 
@@ -231,6 +242,8 @@ class Run(DiagnoseMixin):
         ``chunks`` (e.g. ``{"step": 1000}``): dask-backed variables, to combine with
         ``trajectory(chunks=)`` on a cluster; the statistics themselves are read from the
         run's index here, in one pass (a few bytes per tensor per step)."""
+        from .inspect.indexed import summaries_from_rows
+
         name = timeline or self.timeline
         if steps is None or isinstance(steps, slice):  # pruned steps' summaries stay too
             line = self._lineage(name)
@@ -265,6 +278,8 @@ class Run(DiagnoseMixin):
         Open the bad update in
         a widget with ``dstt.widgets.scrubber(run, spike=sp)`` or ``compare(run, spike=sp)``.
         """
+        from .inspect.summaries import find_spikes, spike_cause
+
         name = timeline or self.timeline
         ds = self.metrics(name)
         if metric not in ds:
@@ -300,6 +315,7 @@ class Run(DiagnoseMixin):
         Nothing is written to the run; the live objects end at the replayed step. See
         docs/replay.md."""
         from .inspect.replay import replay_step
+        from .inspect.summaries import Spike
 
         k = (step.start if step.start is not None else step.step) if isinstance(
             step, Spike) else int(step)
@@ -310,6 +326,8 @@ class Run(DiagnoseMixin):
 
     def _read_summaries(self, h: Any) -> dict[str, Any]:
         """The summaries of one commit; multi-rank runs add one object per other rank."""
+        from .inspect.summaries import SUMMARIES_OBJECT, summary_rows
+
         out = summary_rows(self._reader.read_object(h, SUMMARIES_OBJECT))
         for name in h.objects:
             if name.startswith(f"{SUMMARIES_OBJECT}/"):
@@ -324,15 +342,17 @@ class Run(DiagnoseMixin):
         ``b`` is read from ``timeline_b`` if given (compare two timelines), else ``timeline``.
         ``selector`` restricts to a layer selector (:func:`dstt.inspect.naming.select`),
         ``paths`` to store array paths (``params/...``)."""
+        from .inspect.compare import diff_commits
+
         ha, hb = self._header(a, timeline), self._header(b, timeline_b or timeline)
         paths = None if paths is None else list(paths)
+        ca, cb = self.catalog(ha), self.catalog(hb)
         if selector is not None:
-            paths = select(selector, sorted(set(self._reader.arrays(ha))
-                                           | set(self._reader.arrays(hb))))
-            if not paths:
-                raise selector_miss(selector, set(self._reader.arrays(ha))
-                                    | set(self._reader.arrays(hb)), f"at steps {a} or {b}",
-                                    f"run.at({b}).names(optim=True)")
+            both = sorted(set(ca.pool) | set(cb.pool))
+            paths = Catalog(ca.table | cb.table, where=f"at steps {a} or {b}", listing=(
+                f"run.at({b}).names(optim=True)")).select(selector, paths=both)[0]
+        if paths is not None:  # a tied name is its target's tensor
+            paths = list(dict.fromkeys(cb.tied.get(p, ca.tied.get(p, p)) for p in paths))
         return diff_commits(self._reader, ha, hb, paths, progress=progress)
 
     # -- changes --------------------------------------------------------------------------

@@ -11,25 +11,16 @@ and views over many steps; one step's tensors and its export) in one file.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import xarray as xr
-
-from .inspect.naming import (
-    array_path,
-    select,
-    selector_miss,
-    tensor_dims,
-)
-from .inspect.sharded import shard_sources
-from .inspect.views import layer_tree, tensor_dataarray
 from .schema import optim_state, user_name
 from .store import Batch
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
+    import xarray as xr
 
     from ._run import Run
 
@@ -47,19 +38,27 @@ class Snapshot:
         self.timeline = timeline or str(header.timeline)
         self.time = float(header.time)
         self.metrics = dict(header.metrics)
-        self.arrays = run.arrays(header)
-        hidden = shard_sources(self.arrays)  # ZeRO flat buffers: shown as logical tensors
-        self._pool = [p for p in sorted(self.arrays) if p not in hidden]
-        self._model_paths = [p for p in self._pool if optim_state(p) is None]
-        self._dims_of = tensor_dims(self.arrays)
+        #: the commit's names (:mod:`dstt.inspect.catalog`): canonical paths, tied aliases
+        self.catalog = run.catalog(header)
+        #: canonical store path -> record of every array (tied names not included)
+        self.arrays = self.catalog.stored
 
     def __repr__(self) -> str:
         return (f"<dstt.Snapshot step={self.step} timeline={self.timeline!r} slot={self.slot} "
                 f"tensors={len(self.arrays)}>")
 
     def names(self, optim: bool = False) -> list[str]:
-        """User names of the tensors (optimizer states too when ``optim``)."""
-        return [user_name(p) for p in (self._pool if optim else self._model_paths)]
+        """User names of the tensors (optimizer states too when ``optim``). A tied
+        parameter's every name is listed, as ``model.state_dict()`` lists them (its tensor is
+        stored once: ``tensor(name).attrs["tied_to"]`` names it)."""
+        return self.catalog.names(optim)
+
+    @property
+    def tied(self) -> dict[str, str]:
+        """Tied names -> the name each is stored under (``{"lm_head.weight":
+        "transformer.wte.weight"}``); empty when nothing is tied."""
+        return {user_name(a): user_name(t) for a, t in self.catalog.tied.items()
+                if optim_state(a) is None}
 
     @property
     def objects(self) -> list[str]:
@@ -69,42 +68,48 @@ class Snapshot:
         """A stored object (RNG state, scheduler, summaries...); pickled ones need trusted."""
         return self.run._reader.read_object(self.header, name, trusted=trusted)
 
-    def _path(self, name: str, state: str | None) -> str:
-        return array_path(name, self.arrays, state, where=f"at step {self.step}",
-                          listing=f"run.at({self.step}).names(optim=True)")
+    def path(self, name: str, state: str | None = None) -> str:
+        """The store path (canonical) ``name`` means at this step: an exact dotted name, a
+        short one (a unique suffix of whole components: ``layers.0.mlp.up_proj.weight``
+        finds ``model.layers.0.mlp.up_proj.weight``), a tied name or a store path;
+        ``TensorNotFoundError`` with the candidates or the closest names otherwise."""
+        return self.catalog.resolve(name, state)
 
     def tensor(self, name: str, *, state: str | None = None, chunks: Any = None) -> xr.DataArray:
         """Lazy DataArray of one tensor (bf16 shown as float32; ``state`` for optimizer
-        states; ``chunks`` for a dask array, when dask is installed)."""
-        path = self._path(name, state)
-        return tensor_dataarray(self.run._readers, self.header, self.arrays, path, chunks=chunks,
-                                dims_of=self._dims_of)
+        states; ``chunks`` for a dask array, when dask is installed). ``name`` as in
+        :meth:`path`; a tied name's DataArray has ``attrs["tied_to"]``."""
+        from .inspect.views import tensor_dataarray
+
+        return tensor_dataarray(self.run._readers, self.header, self.catalog,
+                                self.path(name, state), chunks=chunks)
 
     def to_numpy(self, name: str, *, state: str | None = None, native: bool = False) -> np.ndarray:
         """Values of one tensor: float32 for bf16 (as in views) or, with ``native``, the
         stored dtype (``ml_dtypes.bfloat16``)."""
-        path = self._path(name, state)
+        path = self.path(name, state)
         if native:
-            return self.run._reader.read_array(self.header, path)
+            return self.run._reader.read_array(self.header, self.catalog.tied.get(path, path))
         return self.tensor(name, state=state).values
 
     def layer(self, selector: str, optim: bool = False, *, chunks: Any = None) -> xr.DataTree:
         """Lazy DataTree of the tensors ``selector`` picks, laid out by module path.
 
-        Selector rule (:func:`dstt.inspect.naming.select`): a glob (``layers.*.attn``) is
-        matched against dotted names and their module prefixes; otherwise the dotted
-        components must appear contiguously (``layers.0.attn``, an exact tensor name,
-        ``q_proj.weight``), and only if that finds nothing, in any order (``attn.0`` finds
+        Selector rule (:mod:`dstt.inspect.selection`), at any depth of the name: a glob
+        (``layers.*.mlp``) matches any run of components; otherwise the dotted components
+        must appear as a run (``layers.0.attn``, an exact tensor name, ``q_proj.weight``);
+        then ``<experts module>.<i>`` picks expert ``i`` of fused experts (an ``isel``
+        view); and only if nothing matched, the components in any order (``attn.0`` finds
         ``layers.0.attn``). ``optim=True`` adds the optimizer states of the selected tensors
-        under ``optim/<state>/<module path>``. bf16 is shown as float32 (exact).
+        under ``optim/<state>/<module path>``. bf16 is shown as float32 (exact). A selector
+        that picks nothing raises ``TensorNotFoundError`` with the closest selectors.
         """
-        pool = self._pool if optim else self._model_paths
-        paths = select(selector, pool)
-        if not paths:
-            raise selector_miss(selector, pool, f"at step {self.step}",
-                                f"run.at({self.step}).names({'optim=True' if optim else ''})")
-        return layer_tree(self.run._readers, self.header, self.arrays, paths, chunks=chunks,
-                          dims_of=self._dims_of)
+        from .inspect.views import layer_tree
+
+        paths, picks = self.catalog.select(selector, optim=optim, listing=(
+            f"run.at({self.step}).names({'optim=True' if optim else ''})"))
+        return layer_tree(self.run._readers, self.header, self.catalog, paths, picks=picks,
+                          chunks=chunks)
 
     def tree(self, optim: bool = False) -> xr.DataTree:
         """Every tensor of the step as one lazy DataTree."""
@@ -112,15 +117,21 @@ class Snapshot:
 
     # -- back to torch: export, state dicts, loading into live objects ---------------------
     def export(self, out: str | os.PathLike[str], format: str = "safetensors", *,
-               include_all: bool = False, overwrite: bool = False,
+               include_all: bool = False, overwrite: bool = False, config: Any = None,
                progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-        """Write this step to the file ``out`` (see :mod:`dstt.inspect.export`): safetensors,
-        the model's tensors by dotted name; torch, ``torch.save`` of :meth:`state_dict`.
-        Missing folders are created; an existing file is replaced only with ``overwrite``."""
+        """Write this step (see :mod:`dstt.inspect.export`): ``safetensors``, the model's
+        tensors by dotted name, every tied name included, so ``model.load_state_dict(
+        load_file(out))`` works; ``torch``, ``torch.save`` of :meth:`state_dict`; ``hf``, a
+        folder ``from_pretrained`` opens (``model.safetensors`` + ``config.json``, the
+        config from the run's ``model/config`` or ``config``: a config object, a dict, a
+        ``config.json`` or a folder holding one). ``out`` may be a folder (an existing one,
+        or a path ending in ``/``): the file is then ``step<S>.<ext>`` in it. Missing
+        folders are created; an existing file is replaced only with ``overwrite``."""
         from .inspect.export import export_commit
 
         return export_commit(self.run._reader, self.header, out, format,  # type: ignore[arg-type]
-                             include_all=include_all, overwrite=overwrite, progress=progress)
+                             include_all=include_all, overwrite=overwrite, config=config,
+                             progress=progress)
 
     def batch(self) -> list[Batch]:
         """The fingerprints of the batches this step trained on (``run.batches()``)."""
@@ -131,21 +142,29 @@ class Snapshot:
         "scheduler": ...}``, as ``model.state_dict()``, ``optimizer.state_dict()`` and
         ``scheduler.state_dict()`` gave them at the end of iteration ``step`` (after its
         ``scheduler.step()``; what ``resume=True`` restores). CPU tensors in their stored
-        dtypes, bit-exact; a part the run did not capture is None; a tied parameter appears
-        once, under its first name. ``trusted`` allows pickled objects (see :meth:`object`).
-        See :mod:`dstt.inspect.restore`."""
+        dtypes, bit-exact; a part the run did not capture is None; a tied parameter is one
+        tensor under each of its names, as torch lists it. A session given several
+        optimizers (a list or a dict) gives ``"optimizer"`` as a dict by their keys
+        (``"0"``, ``"1"``... for a list). ``trusted`` allows pickled objects (see
+        :meth:`object`). See :mod:`dstt.inspect.restore`."""
         from .inspect.restore import step_state
 
         return step_state(self.run._reader, self.header, trusted=trusted)
 
     def load_into(self, model: torch.nn.Module | None = None,
-                  optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None, *,
-                  strict: bool = True, trusted: bool = False) -> Any:
+                  optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+                  | Mapping[str, torch.optim.Optimizer] | None = None, scheduler: Any = None,
+                  *, strict: bool = True, trusted: bool = False) -> Any:
         """Load this step into live objects (any may be left out), bit-exactly: training on
-        from here gives the original run's next step. Everything is read and checked first;
-        a step that does not fit (``strict``: missing or unexpected names; always: other
-        dtypes, shapes or param groups) raises ``SchemaError`` naming them and changes
-        nothing. Returns ``(missing_keys, unexpected_keys)`` like ``load_state_dict``."""
+        from here gives the original run's next step. The model may be wrapped
+        (``torch.compile``, DDP) or not: names are matched without wrapper components.
+        ``optimizer`` is what the session was given — one, a list or a dict of them (same
+        number, same keys). Everything is read and checked first; a step that does not fit
+        (``strict``: missing or unexpected names; always: other dtypes, shapes, param
+        groups or optimizers) raises ``SchemaError`` naming them and changes nothing.
+        Returns a ``LoadResult``: ``(missing_keys, unexpected_keys)`` like
+        ``load_state_dict``, and ``loaded_keys``; with ``strict=False`` a load that matched
+        no name of the model warns (``DsttWarning``)."""
         from .inspect.restore import load_step
 
         return load_step(self.run._reader, self.header, model, optimizer, scheduler,

@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("show", cmd_show, "tensors of one step: norms, update ratios, bytes on disk")
     run_arg(sp)
     sp.add_argument("--step", type=int, help="the step (default: the head)")
-    sp.add_argument("--select", help="layer selector, e.g. 'layers.0.attn' or 'layers.*.mlp'")
+    sp.add_argument("--select", help="layer selector, at any depth of the names: "
+                    "'layers.0.self_attn', 'layers.*.mlp', 'q_proj.weight', 'experts.0'")
     optim(sp, "list")
     timeline(sp)
     sp = add("diff", cmd_diff, "per-tensor change norms from step A to step B")
@@ -219,13 +220,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--sample-grads", action="store_true",
                     help="also each sample's gradient norm (one backward per sample)")
     timeline(sp)
-    sp = add("export", cmd_export, "write one step as a file torch loads: the model, or "
-             "model + optimizer + scheduler")
+    sp = add("export", cmd_export, "write one step as files torch or transformers load: the "
+             "model, model + optimizer + scheduler, or a from_pretrained folder")
     run_arg(sp)
     sp.add_argument("--step", type=int, help="the step (default: the head)")
-    sp.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
-    sp.add_argument("-o", "--out", help="output file (default: ./step<S>.safetensors|.pt); "
-                    "missing folders are created")
+    sp.add_argument("--format", choices=("safetensors", "torch", "hf"), default="safetensors",
+                    help="safetensors: the model (tied names included); torch: torch.save of "
+                    "model, optimizer and scheduler state dicts; hf: a folder with "
+                    "model.safetensors and config.json that from_pretrained opens")
+    sp.add_argument("-o", "--out", help="output file, or a folder (an existing one, or a path "
+                    "ending in /) to write step<S>.safetensors|.pt into; hf: the folder "
+                    "(default: ./step<S>.safetensors|.pt, ./step<S>-hf/); missing folders "
+                    "are created")
+    sp.add_argument("--config", metavar="PATH", help="hf: the model's config.json, or a folder "
+                    "holding one (default: the config the run stored, from a Hugging Face "
+                    "model)")
     sp.add_argument("--force", action="store_true", help="replace the output file if it exists")
     sp.add_argument("--all", action="store_true",
                     help="also every other array under its store path (safetensors: optimizer "

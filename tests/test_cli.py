@@ -304,10 +304,12 @@ def test_show_prints_norms_and_update_ratios_from_summaries(
     t = {x["name"]: x for x in doc["tensors"]}  # type: ignore[index]
     assert t["layers.1.mlp.weight"]["l2"] == 2.5
     assert t["layers.1.mlp.weight"]["update_ratio"] == 0.01
+    assert t["layers.1.mlp.weight"]["update_exact"] is False  # an estimate, and says so
     assert t["layers.0.attn.weight"]["l2"] is None  # no summary for it: unknown, not 0
     code, out, _ = _run(capsys, "show", str(path))
     line = next(x for x in out.splitlines() if "layers.1.mlp.weight" in x)
-    assert code == EXIT_OK and "norm" in out and " 2.5 " in line and " 0.01 " in line
+    assert code == EXIT_OK and "norm" in out and " 2.5 " in line and " ~0.01 " in line
+    assert "~ update ratio" in out and "estimate" in out
 
 
 def test_log_marks_loss_spikes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -114,8 +114,18 @@ def test_export_refuses_to_overwrite_without_force(
                         "--force")
     assert code == EXIT_OK, err
     assert not torch.equal(load_file(out)["0.weight"], at2["model"]["0.weight"])
-    code, _, err = _cli(capsys, "export", "--run", str(path), "-o", str(tmp_path))
-    assert code == EXIT_BAD_INPUT and "is a folder" in err
+    # a folder (an existing one, or a new path ending in '/') gets step<S>.<ext> written in it
+    code, _, err = _cli(capsys, "export", "--run", str(path), "--step", "2", "-o", str(tmp_path))
+    assert code == EXIT_OK, err
+    assert torch.equal(load_file(tmp_path / "step2.safetensors")["0.weight"],
+                       at2["model"]["0.weight"])
+    code, _, err = _cli(capsys, "export", "--run", str(path), "--step", "2", "-o", str(tmp_path))
+    assert code == EXIT_BAD_INPUT and "step2.safetensors exists" in err
+    new = tmp_path / "exp" / "newdir"
+    code, _, err = _cli(capsys, "export", "--run", str(path), "--step", "2", "--format", "torch",
+                        "-o", f"{new}/")
+    assert code == EXIT_OK, err
+    assert sorted(os.listdir(new)) == ["step2.pt"]
     with pytest.raises(dstt.OutputExistsError, match="overwrite=True"):
         dstt.open(path).at(2).export(out)
     assert isinstance(dstt.OutputExistsError("x"), FileExistsError)

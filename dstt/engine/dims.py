@@ -6,13 +6,20 @@ A ``torch.nn.Linear`` weight is ``(out_features, in_features)`` and its bias
 when it normalizes several dims); ``Conv{1,2,3}d`` weights ``(out_channels, in_channels,
 kernel_[d,h,]w)`` (``ConvTranspose``: the two channel dims swapped, as torch stores them) and
 their bias ``(out_channels,)``; BatchNorm/GroupNorm/InstanceNorm tensors ``(num_features,)``
-/ ``(num_channels,)``. Optimizer states (``optim/<state>/...``: ``exp_avg``,
-``exp_avg_sq``, ``momentum_buffer``) take the dims of their parameter when their shape is
-the parameter's; 0-d tensors have none; anything else is ``dim0, dim1, ...``.
+/ ``(num_channels,)``. Modules of transformers, known by class name so that it need not be
+imported: any ``*RMSNorm`` 1-d weight ``(normalized_shape,)``; GPT-2's ``Conv1D`` weight
+``(in_features, out_features)`` (it stores a Linear's transposed) and bias
+``(out_features,)``; fused MoE experts (a parameter of a ``*Experts`` module whose first dim
+is the number of experts) ``(expert, out_features, in_features)`` (``is_transposed``
+modules: the last two swapped; unknown: ``dim1, dim2``), which ``layer('experts.0')``
+narrows to one expert (:mod:`dstt.inspect.selection`). Optimizer states
+(``optim/<state>/...``: ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``) take the dims of
+their parameter when their shape is the parameter's; 0-d tensors have none; anything else
+is ``dim0, dim1, ...``.
 
 The names go into each array's ``zarr.json`` ``dimension_names``, so plain zarr/xarray
 readers see them too. Within one step they are made consistent for xarray by
-:func:`dstt.inspect.naming.resolve_dims` (a DataTree node, and a node and its ancestors, may
+:func:`dstt.schema.resolve_dims` (a DataTree node, and a node and its ancestors, may
 not use one name for two sizes). Rejected alternative: naming by shape alone at read time —
 a bias-free Linear and an Embedding look the same.
 """
@@ -45,9 +52,10 @@ def _norm_dims(n: int) -> tuple[str, ...]:
     return ("normalized_shape",) if n == 1 else tuple(f"normalized_shape_{i}" for i in range(n))
 
 
-def module_tensor_dims(module: torch.nn.Module, name: str,
-                       ndim: int) -> tuple[str, ...] | None:
-    """The dims of ``module``'s own tensor ``name`` by the module's type (None: unknown)."""
+def module_tensor_dims(module: torch.nn.Module, name: str, ndim: int,
+                       shape: tuple[int, ...] | None = None) -> tuple[str, ...] | None:
+    """The dims of ``module``'s own tensor ``name`` (of ``ndim`` dims; ``shape``, when
+    given, lets fused experts be told apart) by the module's type (None: unknown)."""
     nn = torch.nn
     dims: tuple[str, ...] | None = None
     if isinstance(module, nn.Linear):
@@ -69,7 +77,46 @@ def module_tensor_dims(module: torch.nn.Module, name: str,
             dims = ("num_features",)
     elif isinstance(module, nn.GroupNorm):
         dims = ("num_channels",) if name in ("weight", "bias") else None
+    else:
+        dims = _by_class_name(module, name, ndim, shape)
     return dims if dims is not None and len(dims) == ndim else None
+
+
+def _by_class_name(module: torch.nn.Module, name: str, ndim: int,
+                   shape: tuple[int, ...] | None) -> tuple[str, ...] | None:
+    """Modules of libraries known by their class name (transformers', without importing it):
+    ``*RMSNorm`` (``LlamaRMSNorm``, ``Qwen2RMSNorm``...) with a 1-d ``weight``; GPT-2's
+    ``Conv1D``, whose weight is a Linear's transposed; fused MoE experts (``*Experts``: a
+    parameter whose first dim is the number of experts, per expert a matrix as ``F.linear``
+    takes it, or transposed where the module says ``is_transposed``)."""
+    cls = type(module).__name__
+    if cls.endswith("RMSNorm") and name == "weight" and ndim == 1:
+        return ("normalized_shape",)
+    if cls == "Conv1D":
+        return {"weight": ("in_features", "out_features"), "bias": ("out_features",)}.get(name)
+    if cls.endswith("Experts") and shape is not None and ndim >= 2:
+        if shape[0] != _num_experts(module):
+            return None
+        if ndim == 2:
+            return ("expert", "out_features" if name.endswith("bias") else "dim1")
+        if ndim == 3:
+            transposed = getattr(module, "is_transposed", None)
+            if transposed is None:
+                return ("expert", "dim1", "dim2")
+            return ("expert", *(("in_features", "out_features") if transposed
+                                else ("out_features", "in_features")))
+        return ("expert", *(f"dim{i}" for i in range(1, ndim)))
+    return None
+
+
+def _num_experts(module: torch.nn.Module) -> int | None:
+    """A fused-experts module's number of experts: its ``num_experts``, else the first dim
+    its matrices share."""
+    n = getattr(module, "num_experts", None)
+    if isinstance(n, int):
+        return n
+    firsts = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() >= 2}
+    return firsts.pop() if len(firsts) == 1 else None
 
 
 def model_dims(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
@@ -84,7 +131,7 @@ def model_dims(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
             if t.dim() == 0:
                 out.setdefault(dotted, ())
                 continue
-            dims = module_tensor_dims(module, name, t.dim())
+            dims = module_tensor_dims(module, name, t.dim(), tuple(t.shape))
             if dims is not None:
                 out.setdefault(dotted, dims)  # a tied tensor: its first module names it
     return out

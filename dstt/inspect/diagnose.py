@@ -46,9 +46,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import xarray as xr
+
+if TYPE_CHECKING:
+    import xarray as xr
 
 __all__ = ["Divergence", "NonFinite", "find_divergence", "first_nonfinite", "grown_tensors",
            "rank_by_baseline", "suspect"]

@@ -1,19 +1,26 @@
-"""Export one commit as a file PyTorch loads: ``safetensors`` (the model) or ``torch.save``.
+"""Export one commit as files PyTorch and Hugging Face load: ``safetensors``, ``torch``, ``hf``.
 
 ``safetensors``: the model's tensors (``params/`` and ``buffers/``) under their dotted names,
-so ``model.load_state_dict(safetensors.torch.load_file(path))`` works; with ``include_all``
+every tied name included (:mod:`dstt.inspect.catalog`; safetensors refuses tensors that share
+storage, so a tied tensor is written once per name), so
+``model.load_state_dict(safetensors.torch.load_file(path))`` works; with ``include_all``
 every other array (optimizer states, user arrays) is added under its store path.
 ``torch``: ``torch.save`` of ``{"model": ..., "optimizer": ..., "scheduler": ...}`` exactly as
 ``Snapshot.state_dict()`` gives it (:mod:`dstt.inspect.restore`), so each part goes straight
 into ``model.load_state_dict`` / ``optimizer.load_state_dict`` (``torch.load(path,
 weights_only=True)`` reads it); with ``include_all`` an ``"arrays"`` entry adds every other
-array (the optimizer's already in ``"optimizer"`` excepted) under its store path. Values keep
-their stored dtype (bfloat16 stays bfloat16, bit for bit). torch and safetensors are imported
-only here, on demand.
+array (the optimizer's already in ``"optimizer"`` excepted) under its store path.
+``hf``: a folder ``from_pretrained`` opens, written as ``save_pretrained`` writes one —
+``model.safetensors`` (metadata ``format: pt``; a tied parameter under the name it is stored
+as only, which ``from_pretrained`` ties again) and ``config.json``, from the run's
+``model/config`` object (a session over a Hugging Face model stores it) or from ``config``.
+Values keep their stored dtype (bfloat16 stays bfloat16, bit for bit). torch and safetensors
+are imported only here, on demand.
 
-The file is written next to its destination under a temporary name and renamed into place, so
-a failed export leaves no half-written file; missing folders are created; an existing file is
-replaced only with ``overwrite``; the result has the permissions of any new file
+Each file is written next to its destination under a temporary name and renamed into place,
+so a failed export leaves no half-written file; missing folders are created; ``out`` naming a
+folder (an existing one, or a path ending in ``/``) writes ``step<S>.<ext>`` into it; an
+existing file is replaced only with ``overwrite``; files get the permissions of any new file
 (``0o666 & ~umask``; safetensors alone would leave its private temporary file's ``0o600``).
 Rejected alternative: exporting a DCP / DeepSpeed checkpoint directory — their layouts depend
 on the parallelism at save time; a flat state dict is what every tool loads.
@@ -22,17 +29,20 @@ on the parallelism at save time; a flat state dict is what every tool loads.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from ..errors import OutputExistsError, StorageError
+from ..errors import ConfigError, OutputExistsError, StorageError
 from ..schema import MODEL_KINDS, user_name
+from .catalog import CONFIG_OBJECT, Catalog
 
-__all__ = ["FORMATS", "export_commit", "prepare_output"]
+__all__ = ["FORMATS", "export_commit", "load_config", "prepare_output"]
 
-FORMATS = ("safetensors", "torch")
-Format = Literal["safetensors", "torch"]
+FORMATS = ("safetensors", "torch", "hf")
+Format = Literal["safetensors", "torch", "hf"]
+_EXT = {"safetensors": "safetensors", "torch": "pt"}
 
 
 def _umask() -> int:
@@ -41,12 +51,22 @@ def _umask() -> int:
     return mask
 
 
-def prepare_output(out: str | os.PathLike[str], *, overwrite: bool = False) -> str:
-    """Check ``out`` can be written and create its missing folders; returns its path."""
+def _is_folder(path: str) -> bool:
+    return os.path.isdir(path) or path.endswith(("/", os.sep))
+
+
+def prepare_output(out: str | os.PathLike[str], *, overwrite: bool = False,
+                   default: str = "") -> str:
+    """Check ``out`` can be written and create its missing folders; returns the file's path
+    (``out`` itself, or ``out/default`` when ``out`` names a folder)."""
     path = os.fspath(out)
-    if os.path.isdir(path):
-        raise OutputExistsError(f"{path} is a folder; give the export a file name "
-                                f"(e.g. {os.path.join(path, 'step.safetensors')})")
+    if _is_folder(path):
+        if not default:
+            raise OutputExistsError(f"{path} is a folder; give the export a file name "
+                                    f"(e.g. {os.path.join(path, 'step.safetensors')})")
+        path = os.path.join(path, default)
+        if os.path.isdir(path):
+            raise OutputExistsError(f"{path} is a folder; give the export a file name")
     if os.path.lexists(path) and not overwrite:
         raise OutputExistsError(f"{path} exists; pass --force (overwrite=True) to replace it, "
                                 "or choose another file name")
@@ -75,18 +95,62 @@ def _write(path: str, save: Callable[[str], None]) -> None:
         raise
 
 
+def load_config(config: Any) -> dict[str, Any]:
+    """A model config as a JSON dict from a ``transformers`` config object (``to_dict``), a
+    mapping, a ``config.json`` path or a folder holding one."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if hasattr(config, "to_dict"):
+        return dict(config.to_dict())
+    if not isinstance(config, (str, os.PathLike)):
+        raise ConfigError(f"config must be a transformers config, a dict or a path to a "
+                          f"config.json (or a folder holding one), not {type(config).__name__}")
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            got = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"no model config at {path}; give a config.json or a folder "
+                          "holding one") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the model config {path}: {e}") from None
+    if not isinstance(got, dict):
+        raise ConfigError(f"{path} is no model config (a JSON object is expected)")
+    return got
+
+
 def export_commit(reader: Any, header: Any, out: str | os.PathLike[str], fmt: Format, *,
-                  include_all: bool = False, overwrite: bool = False,
+                  include_all: bool = False, overwrite: bool = False, config: Any = None,
                   progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Write commit ``header`` to ``out``; returns ``{"tensors": n, "bytes": b, "path": out}``
-    (``n``: tensors in the file; ``b``: their bytes as stored)."""
+    """Write commit ``header`` to ``out``; returns ``{"tensors": n, "bytes": b, "path": p}``
+    (``n``: tensors in the file; ``b``: their bytes as stored; ``p``: the file, or the
+    folder of an ``hf`` export, which adds ``"files"``)."""
     from ..engine._convert import tensor_from_numpy
     from .restore import step_state
 
     if fmt not in FORMATS:
-        raise ValueError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
-    path = prepare_output(out, overwrite=overwrite)
-    table = reader.arrays(header)
+        raise ConfigError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if fmt == "hf":
+        if include_all:
+            raise ConfigError("an hf export holds the model only; leave include_all (--all) "
+                              "out, or export format torch for optimizer states too")
+        cfg = load_config(config) if config is not None else (
+            reader.read_object(header, CONFIG_OBJECT) if CONFIG_OBJECT in header.objects
+            else None)
+        if cfg is None:
+            raise ConfigError(
+                f"step {header.step} has no model config (the session was not over a Hugging "
+                "Face model); pass config= (--config PATH: a config.json or a folder with "
+                "one) for the hf export")
+        folder = os.fspath(out)
+        files = [prepare_output(os.path.join(folder, name), overwrite=overwrite)
+                 for name in ("model.safetensors", "config.json")]
+    else:
+        path = prepare_output(out, overwrite=overwrite, default=f"step{header.step}.{_EXT[fmt]}")
+    cat = Catalog.of(reader, header)
+    table = cat.stored
     model = [p for p in table if p.split("/")[0] in MODEL_KINDS]
     if fmt == "torch":
         doc = step_state(reader, header)
@@ -101,18 +165,32 @@ def export_commit(reader: Any, header: Any, out: str | os.PathLike[str], fmt: Fo
     nbytes = sum(table[p].plan.nbytes for p in counted)
     if progress:
         progress(nbytes)
+    meta = {"format": "pt", "dstt_step": str(header.step), "dstt_timeline": header.timeline,
+            "dstt_slot": str(header.slot)}
+    if fmt == "hf":
+        _write_safetensors(files[0], tensors, meta)
+        _write(files[1], lambda tmp: _dump_json(tmp, cfg))
+        return {"tensors": len(tensors), "bytes": nbytes, "path": folder, "files": files}
     if fmt == "safetensors":
-        from safetensors.torch import save_file
+        for alias, target in cat.tied.items():  # one tensor per name: no shared storage
+            if user_name(target) in tensors:
+                tensors[user_name(alias)] = tensors[user_name(target)].clone()
+        _write_safetensors(path, tensors, meta)
+        return {"tensors": len(tensors), "bytes": nbytes, "path": path}
+    import torch
 
-        meta = {"dstt_step": str(header.step), "dstt_timeline": header.timeline,
-                "dstt_slot": str(header.slot)}
-        _write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
-        n = len(tensors)
-    else:
-        import torch
+    if include_all:
+        doc["arrays"] = tensors
+    _write(path, lambda tmp: torch.save(doc, tmp))
+    return {"tensors": len(counted), "bytes": nbytes, "path": path}
 
-        if include_all:
-            doc["arrays"] = tensors
-        _write(path, lambda tmp: torch.save(doc, tmp))
-        n = len(counted)
-    return {"tensors": n, "bytes": nbytes, "path": path}
+
+def _write_safetensors(path: str, tensors: dict[str, Any], meta: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    _write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+
+
+def _dump_json(path: str, doc: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")

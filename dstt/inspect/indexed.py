@@ -18,9 +18,14 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from ..schema import user_name
 from ..store import SUMMARY_SCALARS, RowSet
-from .summaries import METRICS_HISTORY_OBJECT, metrics_dataset, step_coords
+from .summaries import (
+    METRICS_HISTORY_OBJECT,
+    label_updates,
+    metrics_dataset,
+    step_coords,
+    tensor_names,
+)
 
 __all__ = ["metrics_from_rows", "summaries_from_rows"]
 
@@ -91,8 +96,8 @@ def summaries_from_rows(rows: RowSet) -> xr.Dataset:
         **step_coords(rows.step[keep].tolist(), rows.slot[keep].tolist(),
                       [rows.timelines[int(t)] for t in rows.timeline[keep]],
                       rows.time[keep].tolist()),
-        "tensor": ("tensor", np.array([user_name(p) for p in paths], dtype=object)),
+        "tensor": ("tensor", tensor_names(paths)),
         "store_path": ("tensor", np.array(paths, dtype=object)),
         "pruned": ("step", rows.pruned[keep].astype(bool)),
     }
-    return xr.Dataset(data, coords=coords)
+    return label_updates(xr.Dataset(data, coords=coords))

@@ -10,9 +10,7 @@ that same copy (exact: every bfloat16 is a float32). A trajectory maps each step
 (resolved by the caller from the timeline's lineage), preallocates the result and fills one
 step per task on a small thread pool.
 
-Readers: a ``dstt.store.Reader`` keeps private caches, so each thread gets its own, but they
-share one locked cache of parsed arrays tables (a 1000-tensor table costs ~25 ms to verify and
-parse; it is parsed once per commit, not once per reader).
+Readers: one per thread, sharing one cache of arrays tables (:mod:`dstt.inspect.readers`).
 
 Rejected alternative: opening the run with ``zarr``/``xr.open_zarr`` — it would read slots no
 ref reaches (aborted or pruned data), cannot follow a timeline's lineage, and skips the
@@ -31,10 +29,9 @@ import xarray as xr
 from xarray.backends import BackendArray
 from xarray.core import indexing
 
-from .._lru import LRU
 from ..errors import SchemaError
-from ..store import Index, LocalStorage, Reader, numpy_dtype
-from .sharded import LogicalRecord, read_logical_chunk, with_logical
+from ..store import numpy_dtype
+from .readers import ReaderPool
 
 __all__ = ["CommitArray", "ReaderPool", "TrajectoryArray", "read_outer", "variable", "view_dtype"]
 
@@ -44,67 +41,6 @@ Key = tuple[Any, ...]
 def view_dtype(store_dtype: str) -> np.dtype[Any]:
     """The dtype a view shows: bfloat16 -> float32, everything else as stored."""
     return np.dtype(np.float32) if store_dtype == "bfloat16" else numpy_dtype(store_dtype)
-
-
-# -- readers ----------------------------------------------------------------------------------
-
-class _SharedReader(Reader):
-    """A ``Reader`` whose arrays tables come from (and go to) a shared cache, augmented with
-    the logical tensors of sharded (ZeRO) commits (:mod:`dstt.inspect.sharded`)."""
-
-    def __init__(self, storage: Any, tables: LRU[int, dict[str, Any]],
-                 index: Index | None = None) -> None:
-        super().__init__(storage, table_cache=1, index=index)
-        self._shared = tables
-
-    def arrays(self, header: Any) -> dict[str, Any]:
-        table = None if header.pruned else self._shared.get(header.slot)
-        if table is None:
-            table = super().arrays(header)  # verifies; raises for pruned steps
-            table = with_logical(self, header, table)
-            self._shared.put(header.slot, table)
-        return table
-
-    def read_chunk(self, header: Any, path: str, index: int) -> memoryview:
-        rec = self.located(header, path) or self.arrays(header).get(path)
-        if isinstance(rec, LogicalRecord):
-            return read_logical_chunk(self, header, rec, index)
-        return super().read_chunk(header, path, index)
-
-
-class ReaderPool:
-    """One reader per thread over one storage, all sharing one arrays-table cache.
-
-    ``primary`` is the creating thread's reader, the one the owner reads refs and headers
-    with; to see a changed run, the owner makes a new pool.
-    """
-
-    def __init__(self, storage: Any, *, table_cache: int = 32) -> None:
-        self.storage = storage
-        self.tables: LRU[int, dict[str, Any]] = LRU(table_cache)
-        self.index = Index(storage)  # one index for every thread's reader
-        self._local = threading.local()
-        self.primary = self.get()
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled as its storage's description (dask sends the arrays that hold a pool to
-        its workers): threads, caches and open readers are rebuilt where it lands. A
-        ``LocalStorage`` travels as its folder; other storages pickle themselves (an
-        ``S3Storage`` as its URL and options)."""
-        st = self.storage
-        where = str(st.root) if isinstance(st, LocalStorage) else st
-        return (_rebuilt_pool, (where, self.tables.capacity))
-
-    def get(self) -> Reader:
-        r = getattr(self._local, "reader", None)
-        if r is None:
-            r = self._local.reader = _SharedReader(self.storage, self.tables, self.index)
-        return r
-
-
-def _rebuilt_pool(where: Any, table_cache: int) -> ReaderPool:
-    storage = LocalStorage(where) if isinstance(where, str) else where
-    return ReaderPool(storage, table_cache=table_cache)
 
 
 # -- indexing ---------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Names: store array paths <-> the names a PyTorch user types, and the layer selector rule.
+"""Names: store array paths <-> the names a PyTorch user types, and how a typed name resolves.
 
 The store keeps one array per tensor under ``params/<module path with '/'>/<param>``,
 ``buffers/...`` and ``optim/<state>/<module path>/<param>``. Users think in dotted torch names
@@ -6,22 +6,94 @@ The store keeps one array per tensor under ``params/<module path with '/'>/<para
 by its dotted name, anything else (optimizer states, user arrays) by its store path, which
 always contains a ``/`` and therefore never collides with a dotted name.
 
-Rejected alternative: a ``state:name`` mini-syntax for optimizer states — one more grammar to
-learn, where the store path is already unique, printable and what ``dstt show`` prints.
+One rule for every entry point (``tensor``, ``trajectory``, ``to_numpy``, the scrubber):
+:func:`array_path` resolves, in order, the exact name; then a **short name** — a unique suffix
+of whole components (``layers.0.self_attn.q_proj.weight`` finds
+``model.layers.0.self_attn.q_proj.weight``); several tensors ending that way are an error
+listing them. Wrapper components (``_orig_mod``, ``_fsdp_wrapped_module``,
+``_checkpoint_wrapped_module``: :data:`dstt.schema.WRAPPER_ATTRIBUTES`) are dropped from what
+the user types and from stored paths alike (:func:`canonical_path`; runs written before
+capture dropped them keep opening under the model's own names). Every miss suggests the
+closest names, comparing the typed name with whole names and with their suffixes of as many
+components, so a short name with a typo still finds its tensor. The layer selector rule is
+:mod:`dstt.inspect.selection`'s.
+
+Rejected alternatives: a ``state:name`` mini-syntax for optimizer states — one more grammar to
+learn, where the store path is already unique, printable and what ``dstt show`` prints; and
+short names by plain substring — ``layers.1`` would then also name ``layers.10``.
 """
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable, Iterable, Mapping
+from difflib import SequenceMatcher
 from typing import Any
 
 from ..errors import TensorNotFoundError
-from ..schema import MODEL_KINDS, optim_state, resolve_dims, tree_location, user_name
+from ..schema import (
+    MODEL_KINDS,
+    WRAPPER_ATTRIBUTES,
+    canonical_name,
+    optim_state,
+    resolve_dims,
+    tree_location,
+    user_name,
+)
 
-__all__ = ["array_path", "select", "selector_miss", "tensor_dims"]
+__all__ = ["array_path", "canonical_path", "components", "listed", "suggest", "tensor_dims"]
 
-_GLOB_CHARS = set("*?[")
+_SHOW = 6  # names listed in an error message
+
+
+def canonical_path(path: str) -> str:
+    """``path`` without wrapper components (``params/_orig_mod/l1/weight`` ->
+    ``params/l1/weight``); the kind (and an optimizer state's name) is kept."""
+    if "/_" not in path:  # every wrapper attribute starts with '_': the common case is free
+        return path
+    parts = path.split("/")
+    keep = 2 if parts[0] == "optim" else 1
+    return "/".join(parts[:keep] + [c for c in parts[keep:] if c not in WRAPPER_ATTRIBUTES])
+
+
+def components(path: str) -> list[str]:
+    """Dotted components of a tensor's name without kind/state prefix or wrapper components
+    (an optimizer state's: its parameter's)."""
+    parts = canonical_path(path).split("/")
+    if parts[0] in MODEL_KINDS:
+        return parts[1:]
+    if parts[0] == "optim" and len(parts) >= 3:
+        return parts[2:]
+    return parts
+
+
+def listed(names: Iterable[str], n: int = _SHOW) -> str:
+    """``a, b, c … (12 in all)``: a bounded list for an error message."""
+    names = list(names)
+    more = f" … ({len(names)} in all)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def suggest(name: str, names: Iterable[str], n: int = 3, cutoff: float = 0.6) -> list[str]:
+    """The ``n`` of ``names`` closest to ``name``: each scored by its best similarity (difflib
+    ratio) as a whole and as its suffix of as many components as ``name`` has."""
+    k = name.count(".") + 1
+    m = SequenceMatcher()
+    m.set_seq2(name)
+    best: dict[str, float] = {}
+    for full in names:
+        tail = ".".join(full.split(".")[-k:])
+        for cand in {full, tail}:
+            m.set_seq1(cand)
+            if m.real_quick_ratio() >= cutoff and m.quick_ratio() >= cutoff:
+                r = m.ratio()
+                if r >= cutoff and r > best.get(full, 0.0):
+                    best[full] = r
+    return sorted(best, key=lambda f: (-best[f], len(f), f))[:n]
+
+
+def _typed(name: str) -> str:
+    """What the user typed, without wrapper components."""
+    return canonical_path(name) if "/" in name else canonical_name(name)
 
 
 def array_path(name: str, available: Iterable[str] | Mapping[str, object],
@@ -30,92 +102,60 @@ def array_path(name: str, available: Iterable[str] | Mapping[str, object],
     """Resolve a user name to the store path present in ``available``.
 
     ``name`` is a dotted torch name (looked up under ``params/`` then ``buffers/``, or under
-    ``optim/<state>/`` when ``state`` is given) or a store path containing ``/``.
-    Raises ``TensorNotFoundError`` (a ``KeyError``) naming the closest names, or the states the
-    tensor does have, when nothing fits; ``where`` says where it was looked for (``at step
-    3``) and ``listing`` how to list every name (``run.at(3).names()``).
+    ``optim/<state>/`` when ``state`` is given), a short name (a unique suffix of whole
+    components of one) or a store path containing ``/``. Raises ``TensorNotFoundError`` (a
+    ``KeyError``) when nothing fits — listing the candidates of an ambiguous short name, the
+    tensors of a module named instead of a tensor, the states a tensor does have, or else the
+    closest names; ``where`` says where it was looked for (``at step 3``) and ``listing`` how
+    to list every name (``run.at(3).names()``).
     """
     avail = available if isinstance(available, Mapping) else set(available)
+    name = _typed(name)
     if "/" in name:
-        candidates = [name]
-    elif state is not None:
-        candidates = [f"optim/{state}/{name.replace('.', '/')}"]
+        if name in avail:
+            return name
     else:
-        candidates = [f"{kind}/{name.replace('.', '/')}" for kind in MODEL_KINDS]
-    for c in candidates:
-        if c in avail:
-            return c
+        kinds = [f"optim/{state}"] if state is not None else list(MODEL_KINDS)
+        tail = "/" + name.replace(".", "/")
+        for kind in kinds:
+            if kind + tail in avail:
+                return kind + tail
+        hits = sorted(p for p in avail if p.endswith(tail) and any(
+            p.startswith(kind + "/") for kind in kinds))
+        if len(hits) == 1:
+            return hits[0]
+        if hits:
+            raise TensorNotFoundError(
+                f"{name!r} is ambiguous {where}: {len(hits)} tensors end with it "
+                f"({listed(user_name(p) for p in hits)}); give more of the name")
     see = f" (all names: {listing})" if listing else ""
     if state is not None and "/" not in name:
-        tail = "/" + name.replace(".", "/")
-        states = sorted({s for p in avail if p.endswith(tail)
-                         and (s := optim_state(p)) is not None and p == f"optim/{s}{tail}"})
-        if states:
+        _no_state(name, state, avail, where, see)
+    model = [user_name(p) for p in avail if p.split("/")[0] in MODEL_KINDS]
+    if "/" not in name:
+        inside = [n for n in model if f".{name}." in f".{n}"]
+        if inside:
             raise TensorNotFoundError(
-                f"tensor {name!r} has no optimizer state {state!r} {where}; its states: "
-                f"{', '.join(states)}")
-        if any(f"{kind}{tail}" in avail for kind in MODEL_KINDS):
-            raise TensorNotFoundError(
-                f"tensor {name!r} has no optimizer states {where} (none saved yet, or the "
-                f"optimizer keeps none for it); leave state unset for its values{see}")
-    close = _close_matches(name, avail)
+                f"{name!r} is a module, not a tensor {where}: it holds {listed(sorted(inside))}; "
+                f"name one of them (or take them all with .layer({name!r}))")
+    close = suggest(name, model if "/" not in name else [user_name(p) for p in avail])
     hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     raise TensorNotFoundError(f"no tensor named {name!r} {where}{hint}{see}")
 
 
-def _close_matches(name: str, avail: Iterable[str]) -> list[str]:
-    import difflib
-
-    names = [user_name(p) for p in avail]
-    return difflib.get_close_matches(name, names, n=3, cutoff=0.6)
-
-
-def _components(path: str) -> list[str]:
-    """Dotted components of the tensor's name without kind/state prefix."""
-    parts = path.split("/")
-    if parts[0] in MODEL_KINDS:
-        return parts[1:]
-    if parts[0] == "optim" and len(parts) >= 3:
-        return parts[2:]
-    return parts
-
-
-def select(selector: str, paths: Iterable[str]) -> list[str]:
-    """Store paths whose tensors ``selector`` picks. The rule, in order:
-
-    1. **Glob** (the selector contains ``*``, ``?`` or ``[``): ``fnmatch`` against the dotted
-       tensor name and each of its module prefixes, so ``layers.*.attn`` picks every tensor
-       under any ``layers.<i>.attn`` and ``layers.*.attn.*`` the same tensors; ``*`` also
-       crosses dots.
-    2. **Contiguous components**: the dotted selector's components appear as a contiguous run
-       in the tensor's dotted name. ``layers.0.attn`` picks the subtree ``layers.0.attn.*``,
-       ``q_proj.weight`` every q_proj weight, an exact tensor name picks that tensor. Matching
-       is by whole components: ``layers.1`` never picks ``layers.10``.
-    3. **All components, any order** (only when rule 2 picks nothing): every component of
-       the selector appears in the name. ``attn.0`` picks ``layers.0.attn.*`` in a model whose
-       modules are spelled that way.
-
-    Optimizer-state paths are matched on their module path (the ``optim/<state>`` prefix is
-    ignored), so one selector picks a parameter and its optimizer states alike. Returns the
-    matching paths in input order; an empty list when nothing matches.
-    """
-    paths = list(paths)
-    dotted = {p: ".".join(_components(p)) for p in paths}
-    if _GLOB_CHARS & set(selector):
-        def hit(p: str) -> bool:
-            c = dotted[p].split(".")
-            return any(fnmatch.fnmatchcase(".".join(c[:k]), selector)
-                       for k in range(1, len(c) + 1))
-        return [p for p in paths if hit(p)]
-    want = [s for s in selector.split(".") if s]
-    if not want:
-        return paths
-    # components never contain '.', so a contiguous run of them is a '.'-bounded substring
-    needle = "." + ".".join(want) + "."
-    found = [p for p in paths if needle in f".{dotted[p]}."]
-    if found:
-        return found
-    return [p for p in paths if set(want) <= set(dotted[p].split("."))]
+def _no_state(name: str, state: str, avail: Iterable[str], where: str, see: str) -> None:
+    """The error when a model tensor lacks the optimizer state asked for (if it is that)."""
+    tail = "/" + name.replace(".", "/")
+    mine = [p for p in avail if p.endswith(tail)]
+    states = sorted({s for p in mine if (s := optim_state(p)) is not None
+                     and p.startswith(f"optim/{s}/")})
+    if states:
+        raise TensorNotFoundError(f"tensor {name!r} has no optimizer state {state!r} {where}; "
+                                  f"its states: {', '.join(states)}")
+    if any(p.split("/")[0] in MODEL_KINDS for p in mine):
+        raise TensorNotFoundError(
+            f"tensor {name!r} has no optimizer states {where} (none saved yet, or the "
+            f"optimizer keeps none for it); leave state unset for its values{see}")
 
 
 def tensor_dims(all_paths: Iterable[str] | Mapping[str, Any]
@@ -151,23 +191,3 @@ def tensor_dims(all_paths: Iterable[str] | Mapping[str, Any]
         return tuple(f"{prefix}_{i}" for i in range(ndim))
 
     return dims
-
-
-def selector_miss(selector: str, paths: Iterable[str], where: str,
-                  listing: str = "") -> TensorNotFoundError:
-    """The error for a layer selector that picks nothing among ``paths``: the closest module
-    paths and tensor names, or the top-level modules when none is close."""
-    import difflib
-
-    names = {".".join(_components(p)) for p in paths}  # optimizer states: their module path
-    prefixes = sorted({".".join(n.split(".")[:k]) for n in names
-                       for k in range(1, n.count(".") + 2)})
-    close = difflib.get_close_matches(selector, prefixes, n=3, cutoff=0.6)
-    if close:
-        hint = f"; did you mean {', '.join(repr(c) for c in close)}?"
-    else:
-        tops = sorted({n.split(".")[0] for n in names})
-        more = f" … ({len(tops)} in all)" if len(tops) > 20 else ""
-        hint = f"; top-level modules: {', '.join(tops[:20]) or '—'}{more}"
-    see = f" (all names: {listing})" if listing else ""
-    return TensorNotFoundError(f"selector {selector!r} matches no tensor {where}{hint}{see}")

@@ -96,7 +96,7 @@ class Replay:
 
     def layer(self, selector: str) -> xr.DataTree:
         """The gradients of the tensors ``selector`` picks (the snapshot selection rule)."""
-        from .naming import select, selector_miss
+        from .selection import select, selector_miss
 
         paths = [tensor_path("params", n) for n in self._grads]
         picked = select(selector, paths)

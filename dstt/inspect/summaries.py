@@ -31,24 +31,31 @@ import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xarray as xr
 
 from ..schema import user_name
 from ..store import SUMMARY_SCALARS, as_float, find_spikes
+from .naming import canonical_path
+
+if TYPE_CHECKING:
+    import xarray as xr
 
 __all__ = [
+    "ESTIMATE_NOTE",
     "SCALAR_FIELDS",
     "Spike",
     "find_spikes",
+    "label_updates",
     "metrics_dataset",
     "rank_tensors",
     "spike_cause",
     "step_coords",
     "summaries_dataset",
     "summary_rows",
+    "tensor_names",
+    "update_exactness",
     "utc_datetimes",
 ]
 
@@ -139,6 +146,8 @@ def metrics_dataset(headers: Sequence[Any],
             data[k] = ("step", np.array([as_float(v) for v in vals], dtype=np.float64))
     coords = step_coords(steps, [r[0] for r in ordered], [r[1] for r in ordered],
                          [r[2] for r in ordered])
+    import xarray as xr
+
     return xr.Dataset(data, coords=coords)
 
 
@@ -149,9 +158,12 @@ def summaries_dataset(headers: Sequence[Any], read: Callable[[Any], dict[str, An
 
     Variables over ``(step, tensor)``: ``l2 rms maxabs nan inf update_l2 update_ratio`` as
     float64 (NaN where unknown or absent), ``update_exact`` (bool), and ``probe`` over
-    ``(step, tensor, probe_index)`` (NaN-padded). ``tensor`` holds user names
-    (:func:`dstt.inspect.naming.user_name`); ``store_path`` is a coordinate along it; along
-    ``step`` the coordinates of :func:`step_coords`.
+    ``(step, tensor, probe_index)`` (NaN-padded). ``update_l2`` and ``update_ratio`` are
+    *estimates* where ``update_exact`` is False (always, in a session: the engine compares
+    probed elements, not whole copies); their ``attrs`` say so (:func:`label_updates`).
+    ``tensor`` holds user names without wrapper components (:func:`tensor_names`);
+    ``store_path`` is a coordinate along it; along ``step`` the coordinates of
+    :func:`step_coords`.
     """
     by_step = {int(h.step): h for h in headers if SUMMARIES_OBJECT in h.objects}
     with_sum = [by_step[k] for k in sorted(by_step)]  # ``step`` stays a unique index
@@ -180,9 +192,49 @@ def summaries_dataset(headers: Sequence[Any], read: Callable[[Any], dict[str, An
     data["probe"] = (("step", "tensor", "probe_index"), probe)
     coords = step_coords([h.step for h in with_sum], [h.slot for h in with_sum],
                          [h.timeline for h in with_sum], [h.time for h in with_sum])
-    coords["tensor"] = ("tensor", np.array([user_name(p) for p in paths], dtype=object))
+    coords["tensor"] = ("tensor", tensor_names(paths))
     coords["store_path"] = ("tensor", np.array(paths, dtype=object))
-    return xr.Dataset(data, coords=coords)
+    import xarray as xr
+
+    return label_updates(xr.Dataset(data, coords=coords))
+
+
+def tensor_names(paths: Sequence[str]) -> np.ndarray:
+    """The ``tensor`` coordinate of summaries: user names without wrapper components."""
+    return np.array([user_name(canonical_path(p)) for p in paths], dtype=object)
+
+
+#: what an estimated update says about itself (the error: ``tests/inspect/
+#: test_update_estimates.py`` measures it against the true ratio of two stored steps)
+ESTIMATE_NOTE = ("estimate from the change of the 16 elements probed per tensor "
+                 "(update_exact False): a rough guide, typically within ~20% of the true "
+                 "value, now and then off by 2x or more; the exact change between two steps: "
+                 "run.diff(a, b)")
+
+
+def update_exactness(exact: np.ndarray, known: np.ndarray) -> str:
+    """``"exact"``, ``"estimate"``, ``"mixed"`` or ``"none"``: what the known update values
+    (``known``: not NaN) of a summaries selection are, by their ``update_exact`` flags."""
+    flags = exact[known]
+    if flags.size == 0:
+        return "none"
+    if flags.all():
+        return "exact"
+    return "estimate" if not flags.any() else "mixed"
+
+
+def label_updates(ds: xr.Dataset) -> xr.Dataset:
+    """Say on the update variables of a summaries Dataset what they are: ``attrs`` of
+    ``update_l2`` and ``update_ratio`` (``long_name``, ``exactness``: see
+    :func:`update_exactness`, ``note``) and ``ds.attrs["update_exactness"]``."""
+    kind = update_exactness(ds["update_exact"].values, np.isfinite(ds["update_ratio"].values))
+    ds.attrs["update_exactness"] = kind
+    names = {"update_l2": "||w_t - w_prev||", "update_ratio": "||w_t - w_prev|| / ||w_t||"}
+    for var, long in names.items():
+        ds[var].attrs.update(long_name=long, exactness=kind,
+                             note=ESTIMATE_NOTE if kind in ("estimate", "mixed")
+                             else "exact (the previous step's copy was compared whole)")
+    return ds
 
 
 @dataclass(frozen=True)

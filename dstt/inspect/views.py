@@ -4,7 +4,8 @@ Views are assembled from :mod:`dstt.inspect.lazy` backend arrays and carry no da
 values are asked for. A snapshot selection becomes a ``DataTree`` mirroring module paths
 (``layers.0.attn.q_proj.weight`` -> node ``layers/0/attn/q_proj``, variable ``weight``) with the
 scalar ``step`` coordinate at the root; each tensor keeps its own local dims
-(:func:`dstt.inspect.naming.tensor_dims`). A trajectory is a ``DataArray`` with a leading
+(:func:`dstt.inspect.naming.tensor_dims`); a tied name's variable has ``attrs["tied_to"]``
+(:mod:`dstt.inspect.catalog`). A trajectory is a ``DataArray`` with a leading
 ``step`` dimension (index, unique and ascending) and ``slot``, ``timeline`` and ``time``
 (``datetime64[ns]``, UTC) coordinates along it.
 
@@ -14,23 +15,26 @@ hierarchy users navigate by, and xarray's dotted variable names do not tab-compl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import xarray as xr
 
 from ..schema import tree_location, user_name
+from .catalog import Catalog
 from .lazy import CommitArray, ReaderPool, TrajectoryArray, variable
-from .naming import tensor_dims
 from .summaries import step_coords
 
 __all__ = ["layer_tree", "tensor_dataarray", "trajectory_dataarray"]
 
 
-def _attrs(record: Any) -> dict[str, Any]:
-    return {"store_path": record.path, "store_dtype": record.dtype,
-            "name": user_name(record.path)}
+def _attrs(path: str, record: Any, catalog: Catalog) -> dict[str, Any]:
+    attrs = {"store_path": record.path, "store_dtype": record.dtype, "name": user_name(path)}
+    tied = catalog.tied_to(path)
+    if tied is not None:
+        attrs["tied_to"] = tied  # one tensor under two names: its bytes are stored once
+    return attrs
 
 
 def _commit_attrs(header: Any) -> dict[str, Any]:
@@ -38,51 +42,60 @@ def _commit_attrs(header: Any) -> dict[str, Any]:
             "time": float(header.time)}
 
 
-def tensor_dataarray(readers: ReaderPool, header: Any, arrays: Mapping[str, Any], path: str, *,
-                     chunks: Any = None,
-                     dims_of: Callable[[str, int], tuple[str, ...]] | None = None
-                     ) -> xr.DataArray:
+def _variable(readers: ReaderPool, header: Any, catalog: Catalog, path: str,
+              chunks: Any) -> xr.Variable:
+    rec = catalog.table[path]
+    return variable(CommitArray(readers, header, rec), catalog.dims_of(path, len(rec.shape)),
+                    chunks, _attrs(path, rec, catalog))
+
+
+def tensor_dataarray(readers: ReaderPool, header: Any, catalog: Catalog, path: str, *,
+                     chunks: Any = None) -> xr.DataArray:
     """Lazy DataArray of one tensor of one commit, with a scalar ``step`` coordinate."""
-    rec = arrays[path]
-    dims = (dims_of or tensor_dims(arrays))(path, len(rec.shape))
-    var = variable(CommitArray(readers, header, rec), dims, chunks, _attrs(rec))
+    var = _variable(readers, header, catalog, path, chunks)
     return xr.DataArray(var, coords={"step": np.int64(header.step)}, name=user_name(path))
 
 
-def layer_tree(readers: ReaderPool, header: Any, arrays: Mapping[str, Any], paths: Sequence[str], *,
-               chunks: Any = None,
-               dims_of: Callable[[str, int], tuple[str, ...]] | None = None) -> xr.DataTree:
-    """Lazy DataTree of ``paths`` (store paths of one commit) laid out by module path.
-
-    ``dims_of`` is ``tensor_dims(arrays)``, passed in by callers that build many views of one
-    commit (it scans every path once)."""
-    dims_of = dims_of or tensor_dims(arrays)
+def layer_tree(readers: ReaderPool, header: Any, catalog: Catalog, paths: Sequence[str], *,
+               picks: Mapping[str, tuple[str, int]] | None = None,
+               chunks: Any = None) -> xr.DataTree:
+    """Lazy DataTree of ``paths`` (paths of ``catalog``, one commit's) laid out by module
+    path. ``picks`` narrows fused-experts tensors to one expert (path -> (dim, index),
+    :func:`dstt.inspect.selection.select_layer`): a lazy ``isel``, the index kept as a scalar
+    coordinate of the node."""
     nodes: dict[str, dict[str, xr.Variable]] = {}
+    coords: dict[str, dict[str, Any]] = {}
     for p in paths:
-        rec = arrays[p]
-        node, var = tree_location(p)
-        nodes.setdefault(node, {})[var] = variable(
-            CommitArray(readers, header, rec), dims_of(p, len(rec.shape)), chunks, _attrs(rec))
-    root = xr.Dataset(nodes.pop("", {}), coords={"step": np.int64(header.step)},
+        node, name = tree_location(p)
+        var = _variable(readers, header, catalog, p, chunks)
+        if picks and p in picks:
+            dim, index = picks[p]
+            var = var.isel({dim: index})
+            coords.setdefault(node, {})[dim] = np.int64(index)
+        nodes.setdefault(node, {})[name] = var
+    root = xr.Dataset(nodes.pop("", {}), coords={"step": np.int64(header.step),
+                                                 **coords.pop("", {})},
                       attrs=_commit_attrs(header))
     tree: dict[str, xr.Dataset] = {"/": root}
     for node in sorted(nodes):
-        tree[node] = xr.Dataset(nodes[node])
+        tree[node] = xr.Dataset(nodes[node], coords=coords.get(node))
     return xr.DataTree.from_dict(tree)
 
 
 def trajectory_dataarray(readers: ReaderPool, headers: Sequence[Any], path: str,
-                         newest: Mapping[str, Any], *, chunks: Any = None) -> xr.DataArray:
+                         newest: Catalog, *, chunks: Any = None) -> xr.DataArray:
     """Lazy DataArray of tensor ``path`` over ``headers`` (commits of one timeline, ascending
     unique steps).
 
-    Shape, dtype and dim names come from ``newest`` (the arrays table of the newest commit
-    holding the tensor); the other steps' tables are read only when their values are.
+    Shape, dtype and dim names come from ``newest`` (the catalog of the newest commit
+    holding the tensor); the other steps' tables are read only when their values are. A tied
+    name reads its target's bytes at every step.
     """
-    ref = newest[path]
-    backend = TrajectoryArray(readers, headers, path, tuple(ref.shape), ref.dtype)
-    dims = ("step", *tensor_dims(newest)(path, len(ref.shape)))
-    attrs = _attrs(ref)
+    ref = newest.table[path]
+    backend = TrajectoryArray(readers, headers, newest.tied.get(path, path), tuple(ref.shape),
+                              ref.dtype)
+    dims = ("step", *newest.dims_of(path, len(ref.shape)))
+    attrs = _attrs(path, ref, newest)
     attrs["timeline"] = headers[-1].timeline if headers else None
     coords = step_coords([h.step for h in headers], [h.slot for h in headers],
                          [h.timeline for h in headers], [h.time for h in headers])

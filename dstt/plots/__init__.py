@@ -25,7 +25,7 @@ import numpy as np
 from .._optional import require
 from ..errors import MetricNotFoundError
 from .draw import draw_bars, draw_curves, draw_heatmap, draw_tensor
-from .series import param_names, step_change, tensor_stats
+from .series import exactness_label, param_names, step_change, tensor_stats
 
 __all__ = [
     "layer_change",
@@ -91,7 +91,10 @@ def update_heatmap(run: Any, steps: Any = None, *, timeline: str | None = None,
                    spikes: str | None = "loss", window: int = 50, z: float = 4.0,
                    ax: Any = None) -> Any:
     """Per-parameter ``field`` (``update_ratio``, ``update_l2`` or ``l2``) over steps as a
-    heatmap; the updates that caused the spikes of metric ``spikes`` (None: none;
+    heatmap, labelled ``estimate from probes`` where the update numbers are the summaries'
+    estimates (``exact`` where computed from the tensors); ``selector`` as in
+    :func:`dstt.plots.series.tensor_stats` (one that picks nothing raises); the updates
+    that caused the spikes of metric ``spikes`` (None: none;
     ``window``/``z`` as in :func:`loss`) as dashed lines at ``Spike.cause``: the column whose
     weights produced the bad loss, one step before the loss jumped."""
     ds = tensor_stats(run, steps, timeline=timeline, selector=selector)
@@ -102,10 +105,12 @@ def update_heatmap(run: Any, steps: Any = None, *, timeline: str | None = None,
         lo, hi = (int(ds["step"].min()), int(ds["step"].max())) if ds.sizes["step"] else (0, -1)
         marks = sorted({int(s.cause) for s in _spikes(run, spikes, timeline, window, z)
                         if s.cause is not None and lo <= s.cause <= hi})
-    draw_heatmap(ax, ds["step"].values, names, ds[field].values.T, label=field, log=log,
+    label = field if field == "l2" else f"{field} ({exactness_label(ds.attrs['update_exactness'])})"
+    draw_heatmap(ax, ds["step"].values, names, ds[field].values.T, label=label, log=log,
                  marks=marks)
-    ax.set_title(f"{field} per tensor ({ds.attrs.get('source')})", fontsize="medium")
+    ax.set_title(f"{label} per tensor (from the {ds.attrs.get('source')})", fontsize="medium")
     return ax
+
 
 
 def norms(run: Any, selector: str | None = None, steps: Any = None, *,
@@ -131,14 +136,16 @@ def norms(run: Any, selector: str | None = None, steps: Any = None, *,
 def layer_change(run: Any, step: int, reference: int | None = None, *,
                  timeline: str | None = None, top: int | None = 30, ax: Any = None) -> Any:
     """Bars of ``||w_step - w_ref|| / ||w||`` per parameter (default reference: the previous
-    commit), largest first, at most ``top`` of them."""
+    commit: the summaries' estimate, labelled so; another reference: exact), largest first,
+    at most ``top`` of them."""
     ds = step_change(run, step, reference, timeline=timeline)
     ratio = ds["ratio"].values
     order = np.argsort(-np.where(np.isfinite(ratio), ratio, -np.inf), kind="stable")[:top]
     ax = _axes(ax, (7, max(2.5, 0.2 * len(order) + 1)))
     ref = ds.attrs.get("reference")
     draw_bars(ax, [str(ds["tensor"].values[i]) for i in order], ratio[order],
-              xlabel="‖Δw‖ / ‖w‖", title=f"step {step} vs {ref if ref is not None else '—'}")
+              xlabel=f"‖Δw‖ / ‖w‖ ({exactness_label(ds.attrs.get('exactness', ''))})",
+              title=f"step {step} vs {ref if ref is not None else '—'}")
     return ax
 
 

@@ -5,7 +5,10 @@ Two sources, one shape. When every selected commit carries the engine's write-ti
 step, no tensor is read. Otherwise they are computed from the tensors themselves, one
 trajectory per tensor (every step of one tensor at a time, so memory is bounded by one tensor
 times the number of steps, checked against ``max_bytes``). Every result says which it used in
-``attrs["source"]`` (``"summaries"`` or ``"tensors"``).
+``attrs["source"]`` (``"summaries"`` or ``"tensors"``), and whether its update numbers are
+exact (from the tensors) or estimates (the summaries' probes: the engine compares 16 elements
+per tensor, not whole copies) in ``attrs["update_exactness"]`` / ``attrs["exactness"]``; the
+plots and widgets put that on their labels.
 
 Only model parameters are included (``params/...``): buffers are often integer masks and
 optimizer states have their own scale, so neither belongs on a "which layer moved" chart.
@@ -26,11 +29,17 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from ..inspect.naming import select
-from ..inspect.summaries import SUMMARIES_OBJECT, summary_rows
+from ..inspect.naming import canonical_path
+from ..inspect.summaries import (
+    ESTIMATE_NOTE,
+    SUMMARIES_OBJECT,
+    label_updates,
+    summary_rows,
+    update_exactness,
+)
 from ..schema import user_name
 
-__all__ = ["param_names", "step_change", "tensor_stats"]
+__all__ = ["exactness_label", "param_names", "step_change", "tensor_stats"]
 
 STAT_FIELDS = ("l2", "update_l2", "update_ratio")
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024
@@ -42,31 +51,47 @@ def _is_param(path: str) -> bool:
 
 def param_names(run: Any, step: int | None = None, *, timeline: str | None = None,
                 selector: str | None = None) -> list[str]:
-    """Dotted names of the parameters at ``step`` (default: head), optionally selected."""
-    arrays = run.at(step, timeline).arrays
-    paths = sorted(p for p in arrays if _is_param(p))
-    if selector is not None:
-        paths = select(selector, paths)
+    """Dotted names of the parameters at ``step`` (default: head); with ``selector``, those it
+    picks (tied names included; ``TensorNotFoundError`` with the closest selectors when it
+    picks none)."""
+    cat = run.at(step, timeline).catalog
+    if selector is None:
+        return [user_name(p) for p in cat.model_paths if _is_param(p) and p not in cat.tied]
+    paths = cat.select(selector, paths=[p for p in cat.model_paths if _is_param(p)])[0]
     return [user_name(p) for p in paths]
 
 
 def tensor_stats(run: Any, steps: Any = None, *, timeline: str | None = None,
                  selector: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> xr.Dataset:
-    """``l2``, ``update_l2``, ``update_ratio`` over ``(step, tensor)`` for the parameters.
+    """``l2``, ``update_l2``, ``update_ratio`` and ``update_exact`` over ``(step, tensor)``
+    for the parameters.
 
     ``steps`` as in :meth:`dstt.Run.select_steps`; ``selector`` picks tensors by the layer
-    selector rule. From summaries when every selected commit has them, else from the tensors
-    (``MemoryError`` beyond ``max_bytes`` per tensor trajectory: narrow ``steps``).
+    selector rule (a tied name shows its target's numbers; one that picks nothing raises
+    ``TensorNotFoundError``). From summaries when every selected commit has them — the
+    update numbers are then estimates, and ``attrs`` say so (``update_exactness``, the
+    variables' ``note``) — else from the tensors, exactly (``MemoryError`` beyond
+    ``max_bytes`` per tensor trajectory: narrow ``steps``).
     """
     headers = run.select_steps(steps, timeline)
     if headers and all(SUMMARIES_OBJECT in h.objects for h in headers):
         ds = run.summaries([h.step for h in headers], timeline=timeline)
-        params = [p for p in map(str, ds["store_path"].values) if _is_param(p)]
-        keep = set(params if selector is None else select(selector, params))
-        mask = np.array([str(p) in keep for p in ds["store_path"].values], dtype=bool)
-        out = ds[list(STAT_FIELDS)].isel(tensor=np.flatnonzero(mask))
+        col = {canonical_path(str(p)): j for j, p in enumerate(ds["store_path"].values)
+               if _is_param(str(p))}
+        chosen = list(col)
+        if selector is not None:
+            cat = run.catalog(headers[-1])
+            pool = chosen + [a for a, t in cat.tied.items() if t in col and _is_param(a)]
+            chosen = cat.select(selector, paths=pool)[0]
+            cat_tied = cat.tied
+        else:
+            cat_tied = {}
+        out = ds[[*STAT_FIELDS, "update_exact"]].isel(
+            tensor=[col[cat_tied.get(p, p)] for p in chosen])
+        out = out.assign_coords(tensor=("tensor", np.array([user_name(p) for p in chosen],
+                                                           dtype=object)))
         out.attrs["source"] = "summaries"
-        return out
+        return label_updates(out)
     return _stats_from_tensors(run, headers, timeline, selector, max_bytes)
 
 
@@ -91,12 +116,19 @@ def _stats_from_tensors(run: Any, headers: list[Any], timeline: str | None,
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(l2 > 0, upd / l2, np.nan)
     dims = ("step", "tensor")
-    return xr.Dataset(
-        {"l2": (dims, l2), "update_l2": (dims, upd), "update_ratio": (dims, ratio)},
+    return label_updates(xr.Dataset(
+        {"l2": (dims, l2), "update_l2": (dims, upd), "update_ratio": (dims, ratio),
+         "update_exact": (dims, np.ones_like(l2, dtype=bool))},
         coords={"step": ("step", np.array(steps, dtype=np.int64)),
                 "tensor": ("tensor", np.array(names, dtype=object))},
         attrs={"source": "tensors"},
-    )
+    ))
+
+
+def exactness_label(exactness: str) -> str:
+    """How the plots and widgets label update numbers of an ``exactness``."""
+    return {"estimate": "estimate from probes", "mixed": "partly estimated",
+            "exact": "exact"}.get(exactness, "unknown")
 
 
 def _previous(run: Any, step: int, timeline: str | None) -> Any | None:
@@ -115,7 +147,7 @@ def step_change(run: Any, step: int, reference: int | None = None, *,
     (``norm`` is then the current weights' L2, the engine's ``update_ratio`` convention);
     otherwise both commits are diffed exactly and ``norm`` is the reference's L2.
     ``attrs``: ``step``, ``reference`` (None at the first commit: everything NaN),
-    ``source``.
+    ``source``, ``exactness`` (``"estimate"`` from the summaries, ``"exact"`` from a diff).
     """
     head = run.at(step, timeline).header
     if reference is None:
@@ -130,7 +162,8 @@ def step_change(run: Any, step: int, reference: int | None = None, *,
         return xr.Dataset({"delta_l2": ("tensor", nan), "norm": ("tensor", nan.copy()),
                            "ratio": ("tensor", nan.copy())},
                           coords={"tensor": ("tensor", np.array(names, dtype=object))},
-                          attrs={"step": int(head.step), "reference": None, "source": "none"})
+                          attrs={"step": int(head.step), "reference": None, "source": "none",
+                                 "exactness": "none"})
     return diff_headers(run, ref, head, timeline=timeline,
                         reference_timeline=reference_timeline or timeline)
 
@@ -147,7 +180,7 @@ def diff_headers(run: Any, ref: Any, head: Any, *, timeline: str | None = None,
     out = xr.Dataset({"delta_l2": ds["delta_l2"], "norm": ds["a_l2"], "ratio": ds["ratio"]})
     out = out.assign_coords(status=ds["status"])
     out.attrs.update(step=int(head.step), reference=int(ref.step), source="tensors",
-                     timeline=tb, reference_timeline=ta)
+                     timeline=tb, reference_timeline=ta, exactness="exact")
     return out
 
 
@@ -163,9 +196,12 @@ def _change_from_summaries(run: Any, head: Any, ref: Any,
     upd = np.array([num(s[p].get("update_l2")) for p in paths])
     l2 = np.array([num(s[p].get("l2")) for p in paths])
     ratio = np.array([num(s[p].get("update_ratio")) for p in paths])
+    exact = np.array([bool(s[p].get("update_exact", False)) for p in paths], dtype=bool)
+    names = np.array([user_name(canonical_path(p)) for p in paths], dtype=object)
     return xr.Dataset({"delta_l2": ("tensor", upd), "norm": ("tensor", l2),
                        "ratio": ("tensor", ratio)},
-                      coords={"tensor": ("tensor", np.array([user_name(p) for p in paths],
-                                                            dtype=object))},
+                      coords={"tensor": ("tensor", names)},
                       attrs={"step": int(head.step), "reference": int(ref.step),
-                             "source": "summaries"})
+                             "source": "summaries",
+                             "exactness": update_exactness(exact, np.isfinite(ratio)),
+                             "note": ESTIMATE_NOTE})

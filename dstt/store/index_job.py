@@ -66,14 +66,17 @@ class IndexJob:
         return self.proc.poll() is not None
 
     def wait(self) -> None:
-        err = self.proc.stderr.read() if self.proc.stderr is not None else b""
+        """Wait for the job to exit; keep the tail of its stderr and close that pipe (once:
+        a job found done by ``done()`` still holds it, and an unclosed pipe is a
+        ``ResourceWarning`` when the object goes)."""
+        pipe = self.proc.stderr
+        if pipe is not None and not pipe.closed:
+            err = pipe.read()  # before waiting: a full pipe would block the job's exit
+            pipe.close()
+            self.error = err.decode(errors="replace")[-2000:]
         self.proc.wait()
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
-        self.error = err.decode(errors="replace")[-2000:]
 
     @property
     def ok(self) -> bool:
-        if self.proc.returncode is None:
-            self.wait()
+        self.wait()
         return self.proc.returncode == 0

@@ -49,9 +49,16 @@ class CompareModel:
         self.tensors = [user_name(p) for p in sorted(pa & pb)]
         self.metrics = {t: run.metrics(t) for t in dict.fromkeys((ta, tb))}
         self.metric = metric or default_metric(self.metrics[ta])
-        self._tensor = tensor if tensor is not None else self.ranking()[0][0]
-        if self._tensor not in self.tensors:
-            raise TensorNotFoundError(f"{self._tensor!r} is not a parameter at both steps")
+        self._tensor = self._param(tensor) if tensor is not None else self.ranking()[0][0]
+
+    def _param(self, name: str) -> str:
+        """The full name ``name`` means at B (exact, short or tied), if a parameter at both
+        steps; ``TensorNotFoundError`` with the closest names otherwise."""
+        path = self.b.path(name)
+        path = self.b.catalog.tied.get(path, path)  # a tied name shows its tensor
+        if user_name(path) not in self.tensors:
+            raise TensorNotFoundError(f"{name!r} is not a parameter at both steps")
+        return user_name(path)
 
     @property
     def tensor(self) -> str:
@@ -59,9 +66,7 @@ class CompareModel:
 
     @tensor.setter
     def tensor(self, name: str) -> None:
-        if name not in self.tensors:
-            raise TensorNotFoundError(f"{name!r} is not a parameter at both steps")
-        self._tensor = name
+        self._tensor = self._param(name)
 
     def ranking(self) -> list[tuple[str, float]]:
         """``(tensor, ratio)`` of the parameters in both, largest relative change first."""

@@ -64,11 +64,8 @@ class ScrubberModel:
             raise ValueError(f"mode must be 'values' or 'change', not {mode!r}")
         self._reference = reference
         self._mode: Mode = mode
-        names = self.tensors
-        self._tensor = tensor if tensor is not None else self._default_tensor(names)
-        if self._tensor not in names:
-            raise TensorNotFoundError(
-                f"no tensor {self._tensor!r} at step {self._step}; have {names[:8]}")
+        self._tensor = (self._param(tensor) if tensor is not None
+                        else self._default_tensor(self.tensors))
 
     # -- observers --------------------------------------------------------------------------
     def observe(self, fn: Observer) -> Observer:
@@ -189,14 +186,29 @@ class ScrubberModel:
 
     @property
     def tensors(self) -> list[str]:
-        """Parameter names at the current step (buffers and optimizer states left out)."""
-        return [user_name(p) for p in sorted(self.snapshot().arrays) if p.startswith("params/")]
+        """Parameter names at the current step, tied names included (buffers and optimizer
+        states left out)."""
+        return [user_name(p) for p in self.snapshot().catalog.model_paths
+                if p.startswith("params/")]
+
+    def _param(self, name: str) -> str:
+        """The full name of the parameter ``name`` means at the current step: exact, short
+        (a unique suffix of whole components) or tied; ``TensorNotFoundError`` with the
+        closest names (or the candidates of an ambiguous one) otherwise."""
+        path = self.snapshot().path(name)
+        if not path.startswith("params/"):
+            raise TensorNotFoundError(f"{name!r} is not a parameter (the scrubber shows "
+                                      f"parameters); parameters: {self.tensors[:8]}")
+        return user_name(path)
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        snap = self.snapshot()
+        return tuple(snap.catalog.table[snap.path(name)].shape)
 
     def _default_tensor(self, names: list[str]) -> str:
         """The first matrix-shaped parameter (the heatmap is the interesting view), else the
         first parameter."""
-        arrays = self.snapshot().arrays
-        mats = [n for n in names if len(arrays[f"params/{n.replace('.', '/')}"].shape) >= 2]
+        mats = [n for n in names if len(self._shape(n)) >= 2]
         return (mats or names or [""])[0]
 
     @property
@@ -205,8 +217,7 @@ class ScrubberModel:
 
     @tensor.setter
     def tensor(self, name: str) -> None:
-        if name not in self.tensors:
-            raise TensorNotFoundError(f"no parameter {name!r} at step {self._step}")
+        name = self._param(name)
         if name != self._tensor:
             self._tensor = name
             self._notify({"tensor"})
@@ -313,8 +324,7 @@ class ScrubberModel:
 
     def strides(self) -> tuple[int, int]:
         """Subsampling of the tensor's matrix view (1-D tensors are histogrammed whole)."""
-        rec = self.snapshot().arrays[f"params/{self._tensor.replace('.', '/')}"]
-        shape = tuple(rec.shape)
+        shape = self._shape(self._tensor)
         return image_strides(shape, self.max_side) if len(shape) >= 2 else (1, 1)
 
     def values(self, step: int | None = None) -> np.ndarray:

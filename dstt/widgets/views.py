@@ -19,6 +19,7 @@ import numpy as np
 
 from .._optional import require
 from ..plots.draw import draw_bars, draw_curves, draw_tensor
+from ..plots.series import exactness_label
 from .model import ScrubberModel
 
 __all__ = ["FigureView", "draw_change", "draw_loss", "draw_shown"]
@@ -97,8 +98,9 @@ def draw_shown(ax: Any, model: ScrubberModel) -> dict[str, Any]:
 
 
 def draw_change(ax: Any, model: ScrubberModel, top: int = TOP_BARS) -> dict[str, Any]:
-    """Per-parameter ``||Δw|| / ||w||`` versus the reference, largest ``top`` first; the
-    selected tensor is highlighted (and always shown)."""
+    """Per-parameter ``||Δw|| / ||w||`` versus the reference, largest ``top`` first, labelled
+    an estimate where it comes from the summaries' probes; the selected tensor is highlighted
+    (and always shown)."""
     ds = model.change()
     ref = ds.attrs.get("reference")
     if ref is None:
@@ -111,9 +113,10 @@ def draw_change(ax: Any, model: ScrubberModel, top: int = TOP_BARS) -> dict[str,
     order = list(np.argsort(-np.where(np.isfinite(ratio), ratio, -np.inf), kind="stable")[:top])
     if model.tensor in names and names.index(model.tensor) not in order:
         order[-1] = names.index(model.tensor)
-    out = draw_bars(ax, [names[i] for i in order], ratio[order], xlabel="‖Δw‖ / ‖w‖",
-                    highlight=model.tensor,
-                    title=f"change {ref} → {model.step} ({ds.attrs.get('source')})")
+    kind = exactness_label(ds.attrs.get("exactness", ""))
+    out = draw_bars(ax, [names[i] for i in order], ratio[order],
+                    xlabel=f"‖Δw‖ / ‖w‖ ({kind})", highlight=model.tensor,
+                    title=f"change {ref} → {model.step} ({kind})")
     out["names"] = [names[i] for i in order]
     out["ratios"] = ratio[order]
     return out

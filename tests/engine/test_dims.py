@@ -112,3 +112,48 @@ def test_flat_layout_and_zarr_json_carry_the_dims() -> None:
 def test_array_dims_without_a_model_falls_back() -> None:
     assert array_dims({"params/w": (2, 3), "params/s": ()}, {}) == {
         "params/w": ("dim0", "dim1"), "params/s": ()}
+
+
+class LlamaRMSNorm(torch.nn.Module):  # transformers' classes, known by name only
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(6))
+
+
+class Conv1D(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(6, 18))  # (nx, nf): a Linear's, transposed
+        self.bias = torch.nn.Parameter(torch.zeros(18))
+
+
+class MoeExperts(torch.nn.Module):
+    def __init__(self, is_transposed: bool | None) -> None:
+        super().__init__()
+        self.num_experts = 4
+        if is_transposed is not None:
+            self.is_transposed = is_transposed
+        self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 10, 6))
+        self.down_proj = torch.nn.Parameter(torch.zeros(4, 6, 5))
+        self.down_proj_bias = torch.nn.Parameter(torch.zeros(4, 6))
+
+
+class HfLike(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = LlamaRMSNorm()
+        self.c_attn = Conv1D()
+        self.experts = MoeExperts(False)
+        self.t_experts = MoeExperts(True)
+        self.u_experts = MoeExperts(None)
+
+
+def test_transformers_modules_are_named_by_class_name() -> None:
+    dims = model_dims(torch.compile(HfLike(), backend="eager"))  # canonical names, too
+    assert dims["norm.weight"] == ("normalized_shape",)
+    assert dims["c_attn.weight"] == ("in_features", "out_features")
+    assert dims["c_attn.bias"] == ("out_features",)
+    assert dims["experts.gate_up_proj"] == ("expert", "out_features", "in_features")
+    assert dims["experts.down_proj_bias"] == ("expert", "out_features")
+    assert dims["t_experts.down_proj"] == ("expert", "in_features", "out_features")
+    assert dims["u_experts.down_proj"] == ("expert", "dim1", "dim2")  # layout unknown

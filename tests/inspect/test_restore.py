@@ -192,7 +192,7 @@ def test_tied_parameters_load_under_every_name(tmp_path: Path) -> None:
             if s.step == 2:
                 at2 = copy.deepcopy(model.state_dict())
     sd = dstt.open(tmp_path / "gpt").at(2).state_dict()
-    assert "tok.weight" in sd["model"] and "head.weight" not in sd["model"]  # stored once
+    assert sd["model"]["head.weight"] is sd["model"]["tok.weight"]  # one tensor, two names
     model2, opt2 = fresh(5)
     dstt.open(tmp_path / "gpt").at(2).load_into(model2, opt2)
     assert model2.head.weight is model2.tok.weight  # still tied
@@ -217,3 +217,84 @@ def test_a_run_without_torch_optimizer_state(tmp_path: Path) -> None:
         snap.load_into(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
     with pytest.raises(TypeError, match="needs a model"):
         snap.load_into()
+
+
+def _two_optimizers(seed: int) -> tuple[Net, dict[str, torch.optim.Optimizer]]:
+    model = Net(seed)
+    return model, {"body": torch.optim.SGD(model.inp.parameters(), lr=0.05, momentum=0.9),
+                   "head": torch.optim.AdamW([*model.norm.parameters(),
+                                              *model.out.parameters()], lr=1e-2)}
+
+
+def _two_step(model: Net, opts: dict[str, torch.optim.Optimizer], i: int) -> None:
+    x, y = batch(i)
+    nn.functional.mse_loss(model(x), y).backward()
+    for o in opts.values():
+        o.step()
+        o.zero_grad()
+
+
+def test_several_optimizers_come_back_by_their_keys(tmp_path: Path) -> None:
+    model, opts = _two_optimizers(0)
+    with dstt.session(model, opts, run=tmp_path / "run") as s:
+        for i in range(3):
+            _two_step(model, opts, i)
+            if s.step == 2:
+                want = {k: copy.deepcopy(o.state_dict()) for k, o in opts.items()}
+                at2 = copy.deepcopy(model.state_dict())
+    snap = dstt.open(tmp_path / "run").at(2)
+    sd = snap.state_dict()
+    assert set(sd["optimizer"]) == {"body", "head"}
+    for k in want:
+        assert_same_optimizer(sd["optimizer"][k], want[k])
+    # load_into takes them as the session did (a dict: the same keys) and is exact
+    fresh, fresh_opts = _two_optimizers(7)
+    res = snap.load_into(fresh, fresh_opts)
+    assert_same_tensors(fresh.state_dict(), at2)
+    assert res.loaded_keys == list(fresh.state_dict())
+    for k, o in fresh_opts.items():
+        assert_same_optimizer(o.state_dict(), want[k])
+    _two_step(fresh, fresh_opts, 2)  # and trains on into the original step 3
+    assert_same_tensors(fresh.state_dict(), model.state_dict())
+    # the wrong number or keys of optimizers is refused before anything is loaded
+    other, other_opts = _two_optimizers(8)
+    before = copy.deepcopy(other.state_dict())
+    with pytest.raises(SchemaError, match=r"holds the optimizers 'body', 'head'; given "
+                       r"optimizers 'body', 'tail'"):
+        snap.load_into(other, {"body": other_opts["body"], "tail": other_opts["head"]})
+    with pytest.raises(SchemaError, match=r"holds 2 optimizers \('body', 'head'\): pass them"):
+        snap.load_into(other, other_opts["body"])
+    with pytest.raises(SchemaError, match=r"given a list of '0', '1', '2'"):
+        snap.load_into(other, [*other_opts.values(), other_opts["body"]])
+    assert_same_tensors(other.state_dict(), before)
+    assert not other_opts["body"].state and not other_opts["head"].state
+
+
+def test_a_list_of_optimizers_loads_as_a_list(tmp_path: Path) -> None:
+    model, opts = _two_optimizers(0)
+    with dstt.session(model, list(opts.values()), run=tmp_path / "run"):
+        for i in range(2):
+            _two_step(model, opts, i)
+    snap = dstt.open(tmp_path / "run").at(2)
+    assert set(snap.state_dict()["optimizer"]) == {"0", "1"}
+    fresh, fresh_opts = _two_optimizers(3)
+    snap.load_into(fresh, list(fresh_opts.values()))
+    assert_same_optimizer(fresh_opts["head"].state_dict(), opts["head"].state_dict())
+    with pytest.raises(SchemaError, match="holds the optimizers '0', '1'"):
+        snap.load_into(fresh, {"body": fresh_opts["body"], "head": fresh_opts["head"]})
+
+
+def test_load_into_with_strict_false_warns_when_nothing_fits(
+        trained: tuple[Path, dict[int, dict[str, Any]]]) -> None:
+    from dstt.errors import DsttWarning
+
+    path, _ = trained
+    snap = dstt.open(path).at(2)
+    stranger = nn.Sequential(nn.Linear(2, 2))
+    with pytest.warns(DsttWarning, match=r"loaded nothing into the model: none of its 2 "
+                      r"names \(e\.g\. '0\.weight'\) is stored at step 2"):
+        res = snap.load_into(stranger, strict=False)
+    assert res.loaded_keys == [] and res.missing_keys == ["0.weight", "0.bias"]
+    assert "loaded_keys=''" in repr(res)
+    missing, unexpected = res  # still torch's pair
+    assert missing == ["0.weight", "0.bias"] and "inp.weight" in unexpected

@@ -276,7 +276,7 @@ def test_model_rejects_unknown_steps_and_widget_shows_errors(run: Any) -> None:
     m = ScrubberModel(run, spike_window=WINDOW)
     with pytest.raises(StepNotFoundError):  # dstt's errors, still KeyErrors
         m.step = 999
-    with pytest.raises(TensorNotFoundError, match="no parameter 'nope'"):
+    with pytest.raises(TensorNotFoundError, match="no tensor named 'nope' at step"):
         m.tensor = "nope"
     with pytest.raises(TimelineError, match="no timeline 'nope'"):
         m.timeline = "nope"

@@ -1,0 +1,117 @@
+"""Readers of one run shared by every view: one per thread, one cache of arrays tables, and
+tables keyed by canonical names.
+
+A ``dstt.store.Reader`` keeps private caches, so each thread gets its own, but they share one
+locked cache of parsed arrays tables (a 1000-tensor table costs ~25 ms to verify and parse; it
+is parsed once per commit, not once per reader). Each table is *augmented* here, once, for
+every view: the logical tensors of sharded (ZeRO) commits (:mod:`dstt.inspect.sharded`), and
+its keys are **canonical paths** (:func:`dstt.inspect.naming.canonical_path`): a run captured
+before capture dropped wrapper components (``params/_orig_mod/l1/weight``) lists, views,
+exports and loads as ``params/l1/weight``. Records keep their stored ``path``; a lookup by a
+canonical path (``located``, ``record``, ``read_chunk``, ``read_many``) is mapped back to it.
+
+This module imports no xarray, so what only lists a run (``dstt ls``, ``log``) starts fast.
+Rejected alternative: canonical names in each view (tensor, layer, trajectory, export,
+restore) — five places to keep one rule, and the store's index answers by stored path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from .._lru import LRU
+from ..store import Index, LocalStorage, Reader
+from .naming import canonical_path
+from .sharded import LogicalRecord, read_logical_chunk, with_logical
+
+__all__ = ["ReaderPool"]
+
+
+class _SharedReader(Reader):
+    """A ``Reader`` whose arrays tables come from (and go to) a shared cache, augmented with
+    logical tensors and keyed by canonical paths (``stored``: canonical -> stored path of
+    the tensors whose stored path has wrapper components)."""
+
+    def __init__(self, storage: Any, tables: LRU[int, dict[str, Any]],
+                 index: Index | None = None, stored: dict[str, str] | None = None) -> None:
+        super().__init__(storage, table_cache=1, index=index)
+        self._shared = tables
+        self._stored = {} if stored is None else stored
+
+    def arrays(self, header: Any) -> dict[str, Any]:
+        table = None if header.pruned else self._shared.get(header.slot)
+        if table is None:
+            table = super().arrays(header)  # verifies; raises for pruned steps
+            table = self._canonical(with_logical(self, header, table))
+            self._shared.put(header.slot, table)
+        return table
+
+    def _canonical(self, table: dict[str, Any]) -> dict[str, Any]:
+        if not any("/_" in p for p in table):
+            return table
+        out: dict[str, Any] = {}
+        for p in sorted(table, key=lambda p: canonical_path(p) != p):  # plain names first
+            c = canonical_path(p)
+            if c != p:
+                self._stored.setdefault(c, p)
+            out.setdefault(c, table[p])
+        return out
+
+    def located(self, header: Any, path: str) -> Any:
+        return super().located(header, self._stored.get(path, path))
+
+    def record(self, header: Any, path: str) -> Any:
+        path = canonical_path(path)  # a stored path (a delta's inputs name them) or not
+        rec = self.located(header, path)
+        if rec is None:
+            rec = self.arrays(header).get(path)
+        return rec if rec is not None else super().record(header, path)  # the store's error
+
+    def read_chunk(self, header: Any, path: str, index: int) -> memoryview:
+        rec = self.record(header, path)
+        if isinstance(rec, LogicalRecord):
+            return read_logical_chunk(self, header, rec, index)
+        return super().read_chunk(header, path, index)
+
+    def read_many(self, headers: Sequence[Any], path: str) -> list[memoryview] | None:
+        # None where the index misses a step (its table is keyed canonically): step by step
+        return super().read_many(headers, self._stored.get(path, path))
+
+
+class ReaderPool:
+    """One reader per thread over one storage, all sharing one arrays-table cache.
+
+    ``primary`` is the creating thread's reader, the one the owner reads refs and headers
+    with; to see a changed run, the owner makes a new pool.
+    """
+
+    def __init__(self, storage: Any, *, table_cache: int = 32) -> None:
+        self.storage = storage
+        self.tables: LRU[int, dict[str, Any]] = LRU(table_cache)
+        self.index = Index(storage)  # one index for every thread's reader
+        self.stored: dict[str, str] = {}  # canonical -> stored paths met in any table
+        self._local = threading.local()
+        self.primary = self.get()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its storage's description (dask sends the arrays that hold a pool to
+        its workers): threads, caches and open readers are rebuilt where it lands. A
+        ``LocalStorage`` travels as its folder; other storages pickle themselves (an
+        ``S3Storage`` as its URL and options)."""
+        st = self.storage
+        where = str(st.root) if isinstance(st, LocalStorage) else st
+        return (_rebuilt_pool, (where, self.tables.capacity))
+
+    def get(self) -> Reader:
+        r = getattr(self._local, "reader", None)
+        if r is None:
+            r = self._local.reader = _SharedReader(self.storage, self.tables, self.index,
+                                                   self.stored)
+        return r
+
+
+def _rebuilt_pool(where: Any, table_cache: int) -> ReaderPool:
+    storage = LocalStorage(where) if isinstance(where, str) else where
+    return ReaderPool(storage, table_cache=table_cache)
