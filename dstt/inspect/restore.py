@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..engine._convert import from_plain, tensor_from_numpy
+from ..engine.dtensors import held_box, is_dtensor
 from ..engine.torch_state import canonical_names
 from ..errors import DsttWarning, SchemaError
 from ..schema import MODEL_KINDS, user_name
@@ -209,6 +210,31 @@ def _model_state(model: torch.nn.Module, stored: dict[str, torch.Tensor], step: 
     return out, LoadResult(missing, unexpected, list(out))
 
 
+def as_live(value: Any, like: Any) -> Any:
+    """A whole stored tensor as the live tensor ``like`` holds it: for a DTensor of the same
+    global shape (FSDP2, tensor parallel), a DTensor of its placements whose local tensor is
+    this rank's box of ``value`` (sliced, no collective); anything else as it is."""
+    if not (isinstance(value, torch.Tensor) and is_dtensor(like)
+            and tuple(value.shape) == tuple(like.shape)):
+        return value
+    from torch.distributed.tensor import DTensor
+
+    box = held_box(like)
+    local = (value[tuple(slice(o, o + n) for o, n in zip(*box, strict=True))].contiguous()
+             if box is not None else torch.empty_like(like.to_local(), device="cpu"))
+    return DTensor.from_local(local.to(like.device), like.device_mesh, like.placements,
+                              run_check=False, shape=like.shape, stride=like.stride())
+
+
+def _optimizer_as_live(sd: dict[str, Any], opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer state dict with each DTensor parameter's state as DTensors (``as_live``);
+    torch numbers the parameters by their position in the param groups."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = {i: {k: as_live(v, params[i]) if i < len(params) else v for k, v in st.items()}
+             for i, st in sd["state"].items()}
+    return {**sd, "state": state}
+
+
 def load_step(reader: Any, header: Any, model: torch.nn.Module | None = None,
               optimizer: Any = None, scheduler: Any = None, *,
               strict: bool = True, trusted: bool = False) -> LoadResult:
@@ -231,9 +257,12 @@ def load_step(reader: Any, header: Any, model: torch.nn.Module | None = None,
         raise SchemaError(f"step {step} holds no scheduler state (the session was not given "
                           "scheduler=); leave the scheduler out")
     if model is not None:
-        model.load_state_dict(msd, strict=strict)
+        live = model.state_dict(keep_vars=True)
+        model.load_state_dict({n: as_live(v, live.get(n)) for n, v in msd.items()},
+                              strict=strict)
     for key, opt in opts.items():
-        opt.load_state_dict(sd["optimizer"] if key == "" else sd["optimizer"][key])
+        opt.load_state_dict(_optimizer_as_live(
+            sd["optimizer"] if key == "" else sd["optimizer"][key], opt))
     if scheduler is not None:
         scheduler.load_state_dict(sd["scheduler"])
     return result

@@ -56,10 +56,11 @@ def _spawn(phase: str, world: int, root: Path, out: Path, *args: str,
                "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0",
                "DSTT_TEST_HANG_S": str(PHASE_TIMEOUT),
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        log = open(out / f"{phase}.r{rank}.log", "wb")  # noqa: SIM115 - closed with the process
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), phase, str(root), str(out),
-             ",".join(map(str, stages)), *args], env=env, stdout=log, stderr=subprocess.STDOUT))
+        with open(out / f"{phase}.r{rank}.log", "wb") as log:  # the child keeps its fd
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), phase, str(root), str(out),
+                 ",".join(map(str, stages)), *args], env=env, stdout=log,
+                stderr=subprocess.STDOUT))
     return procs
 
 

@@ -60,9 +60,10 @@ def spawn(phase: str, world: int, root: Path, out: Path, kinds: str,
         if world:
             env.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(port))
-        log = open(out / f"{tag or phase}.r{rank}.log", "wb")  # noqa: SIM115 - closed with it
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), phase, str(root), str(out),
-                                       kinds], env=env, stdout=log, stderr=subprocess.STDOUT))
+        with open(out / f"{tag or phase}.r{rank}.log", "wb") as log:  # the child keeps its fd
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), phase, str(root),
+                                           str(out), kinds], env=env, stdout=log,
+                                          stderr=subprocess.STDOUT))
     return procs
 
 
@@ -162,12 +163,12 @@ def spawn_framework(framework: str, mode: str, strategy: str, steps: int, root: 
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DSTT_TEST_TAG": tag,
                "DSTT_TEST_HANG_S": str(PHASE_TIMEOUT),
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        log = open(out / f"{tag}.r{rank}.log", "wb")  # noqa: SIM115 - closed with it
         run = root / f"{framework}-{strategy}"
-        procs.append(subprocess.Popen(
-            [sys.executable, str(FRAMEWORKS_WORKER), framework, mode, str(run), str(out),
-             str(steps), strategy],
-            env=env, stdout=log, stderr=subprocess.STDOUT))
+        with open(out / f"{tag}.r{rank}.log", "wb") as log:  # the child keeps its fd
+            procs.append(subprocess.Popen(
+                [sys.executable, str(FRAMEWORKS_WORKER), framework, mode, str(run), str(out),
+                 str(steps), strategy],
+                env=env, stdout=log, stderr=subprocess.STDOUT))
     return tag, procs
 
 

@@ -48,6 +48,9 @@ def test_every_rank_runs_one_session_and_resumes_bit_exactly(
         assert k["lr_after_resume"] == [0.005]  # the scheduler's step after step 3
         assert k["losses"] == k["ref_losses"], rank  # float equality: bit-exact
         assert k["final_diff"] == [], (rank, k["final_diff"])
+        # run.at(k).load_into(model, optimizer) into the sharded model, on every rank
+        assert k["load_into_diff"] == [], (rank, k["load_into_diff"])
+        assert k["load_into_lr"] == [0.005]
 
 
 @pytest.mark.parametrize(("kind", "world"), MESHES)

@@ -198,6 +198,11 @@ def phase_train(root: Path, out: Path, kinds: list[str]) -> dict[str, Any]:
         r["losses"] = losses
         r["ref_losses"] = ref_losses
         r["final_diff"] = equal(full_state(model, opt), at_n)
+        # a snapshot loaded into the wrapped/sharded model on every rank (each its own box)
+        model, opt, sched = build(kind)
+        dstt.open(run).at(K).load_into(model, opt, sched)
+        r["load_into_diff"] = equal(full_state(model, opt), at_k)
+        r["load_into_lr"] = sched.get_last_lr()
     return res
 
 
