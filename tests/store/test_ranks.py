@@ -41,7 +41,6 @@ from dstt.store.format.layout import (
     step_file_key,
 )
 from dstt.store.parts import dump_part
-from dstt.store.storage.base import Data
 from dstt.store.storage.memory import DelegatingStorage, MemoryStorage
 
 from ._util import same_bits
@@ -54,6 +53,7 @@ from .rank_world import (
     world_arrays,
     world_objects,
 )
+from .test_crash import CutAt, PowerCut
 
 CHILD = Path(__file__).with_name("rank_kill_child.py")
 
@@ -89,16 +89,23 @@ def check_world(st: Storage, world: int, allowed: set[int]) -> CommitHeader:
     return h
 
 
+def commit_world(mem: MemoryStorage, world: int, step: int, session: str) -> list[Any]:
+    """Open ``world`` ranks on ``mem`` (a handle each), commit ``step``, close; every rank's
+    result (rank 0's must be the commit's header)."""
+    writers = open_world(handles(mem, world), session=session)
+    try:
+        results = run_world(writers, step)
+    finally:
+        close_world(writers)
+    assert isinstance(results[0], CommitHeader), results
+    return results
+
+
 def world_run(world: int, durability: str = "syncfs") -> MemoryStorage:
     """A run on the memory fake with one step (0) committed by ``world`` ranks."""
     mem = MemoryStorage(durability)  # type: ignore[arg-type]
     Repository.create(mem)
-    writers = open_world(handles(mem, world), session="base")
-    try:
-        results = run_world(writers, 0)
-    finally:
-        close_world(writers)
-    assert isinstance(results[0], CommitHeader), results
+    commit_world(mem, world, 0, "base")
     return mem
 
 
@@ -143,27 +150,38 @@ def test_a_commit_holds_every_ranks_arrays(tmp_path: Path, world: int, backend: 
         assert check_world(mem.crash(), world, {5}).step == 5  # all of it durable
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_rank_0_waits_for_a_late_rank(world: int) -> None:
-    mem = world_run(world)
-    late = world - 1
+def with_a_late_rank(mem: MemoryStorage, writers: list[Any],
+                     punctual: Callable[[], None] = lambda: None) -> list[Any]:
+    """Step 1 with the last rank held back just before its commit: once ``punctual``
+    returned, and 0.3 s more, rank 0 must still be waiting and nothing be visible; then the
+    last rank goes on. Returns every rank's result (and closes the writers)."""
     gate = threading.Event()
-    writers = open_world(handles(mem, world), session="s")
     try:
-        running = WorldStep(writers, 1, hold={late: gate})
-        slot = writers[0].base_slot
-        deadline = time.monotonic() + 10
-        while not all(mem.exists(part_key(slot, r)) for r in range(1, late)):
-            assert time.monotonic() < deadline, "the punctual ranks never voted"
-            time.sleep(0.005)
+        running = WorldStep(writers, 1, hold={len(writers) - 1: gate})
+        punctual()
         time.sleep(0.3)  # rank 0 has its own share written and polls for the late vote
         assert not running.done[0].is_set(), running.results
         assert steps_of(mem) == [0]  # nothing visible while a rank is missing
         gate.set()
-        results = running.join()
+        return running.join()
     finally:
         gate.set()
         close_world(writers)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_0_waits_for_a_late_rank(world: int) -> None:
+    mem = world_run(world)
+    writers = open_world(handles(mem, world), session="s")
+    slot = writers[0].base_slot
+
+    def punctual() -> None:  # every rank but the last has voted
+        deadline = time.monotonic() + 10
+        while not all(mem.exists(part_key(slot, r)) for r in range(1, world - 1)):
+            assert time.monotonic() < deadline, "the punctual ranks never voted"
+            time.sleep(0.005)
+
+    results = with_a_late_rank(mem, writers, punctual)
     assert isinstance(results[0], CommitHeader), results
     check_world(mem, world, {1})
     assert steps_of(mem) == [0, 1]
@@ -186,11 +204,7 @@ def test_a_missing_rank_is_refused_and_nothing_is_committed(world: int) -> None:
     check_world(mem, world, {0})
     assert steps_of(mem) == [0]
     # the world commits the next step as if nothing happened; gc sweeps the debris
-    writers = open_world(handles(mem, world), session="s2")
-    try:
-        assert isinstance(run_world(writers, 2)[0], CommitHeader)
-    finally:
-        close_world(writers)
+    commit_world(mem, world, 2, "s2")
     Repository(mem).gc()
     check_world(mem, world, {2})
     assert steps_of(mem) == [0, 2] and list(mem.list(PARTS_PREFIX)) == []
@@ -219,30 +233,16 @@ def test_a_vote_left_by_another_session_is_not_merged(world: int) -> None:
     """A crashed session's vote for the same slot and step (its files gone) must not stand in
     for the live rank's: rank 0 waits for the live vote and merges that one."""
     mem = world_run(world)
-    late = world - 1
-    gate = threading.Event()
     writers = open_world(handles(mem, world), session="live")
-    try:
-        slot = writers[0].base_slot
-        mem.write_durable(part_key(slot, late), dump_part(Part(
-            slot=slot, step=1, rank=late, world=world, session="crashed")))
-        running = WorldStep(writers, 1, hold={late: gate})
-        time.sleep(0.3)
-        assert not running.done[0].is_set(), running.results
-        gate.set()
-        results = running.join()
-    finally:
-        gate.set()
-        close_world(writers)
+    slot = writers[0].base_slot
+    mem.write_durable(part_key(slot, world - 1), dump_part(Part(
+        slot=slot, step=1, rank=world - 1, world=world, session="crashed")))
+    results = with_a_late_rank(mem, writers)
     assert isinstance(results[0], CommitHeader), results
     check_world(mem, world, {1})
 
 
 # -- a power cut at every write of every rank (memory fake) ------------------------------------
-
-class PowerCut(Exception):
-    """The power went (raised in the rank whose write was cut, then in every later call)."""
-
 
 class Grid:
     """The power supply of every rank: it goes once, at one rank's k-th write; what survives
@@ -260,14 +260,14 @@ class Grid:
         raise PowerCut(label)
 
 
-class RankCut(DelegatingStorage):
+class RankCut(CutAt):
     """One rank's storage on the ``Grid``: counts its own writes (deletes too) and cuts the
-    power before, or right after, the ``k``-th (0: never); records them as ``labels``."""
+    power of every rank before, or right after, the ``k``-th (0: never); records them as
+    ``keys``."""
 
     def __init__(self, inner: Storage, grid: Grid, k: int = 0, after: bool = False) -> None:
-        super().__init__(inner)
-        self.grid, self.k, self.after = grid, k, after
-        self.labels: list[str] = []
+        super().__init__(inner, k, after=after)
+        self.grid = grid
 
     def _live(self, fn: Callable[[], Any]) -> Any:
         with self.grid.mu:
@@ -279,22 +279,13 @@ class RankCut(DelegatingStorage):
         with self.grid.mu:
             if self.grid.snapshot is not None:
                 raise PowerCut("no power")
-            self.labels.append(label)
-            hit = len(self.labels) == self.k
+            self.keys.append(label)
+            hit = len(self.keys) == self.k
             if hit and not self.after:
                 self.grid.cut(label)
             fn()
             if hit and self.after:
                 self.grid.cut(label)
-
-    def write(self, key: str, data: Data) -> None:
-        self._op(key, lambda: self.inner.write(key, data))
-
-    def write_durable(self, key: str, data: Data) -> None:
-        self._op(key, lambda: self.inner.write_durable(key, data))
-
-    def delete(self, key: str) -> None:
-        self._op(f"delete {key}", lambda: self.inner.delete(key))
 
     def read(self, key: str) -> bytes:
         return self._live(lambda: self.inner.read(key))  # type: ignore[no-any-return]
@@ -345,19 +336,14 @@ def cut_step(base: MemoryStorage, world: int, rank: int, k: int, after: bool,
         close_world(writers)
         odd = [x for x in results if not isinstance(x, (CommitHeader, Part, PowerCut))]
         assert not odd, odd  # a rank ends with its share done, or with the power gone
-    return grid.snapshot, [c.labels for c in cuts]  # type: ignore[attr-defined]
+    return grid.snapshot, [c.keys for c in cuts]  # type: ignore[attr-defined]
 
 
 def check_after_cut(st: MemoryStorage, world: int, committed: bool) -> None:
     """After the cut: the previous head (or, once rank 0's ref was written, the new step)
     whole and exact; the ranks commit again at once; gc then leaves no debris."""
     check_world(st, world, {1} if committed else {0})
-    writers = open_world(handles(st, world), session="again")
-    try:
-        results = run_world(writers, 2)
-    finally:
-        close_world(writers)
-    assert isinstance(results[0], CommitHeader), results
+    commit_world(st, world, 2, "again")
     check_world(st, world, {2})
     assert steps_of(st) == [0, *([1] if committed else []), 2]
     repo = Repository(st)
