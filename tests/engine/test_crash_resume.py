@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from dstt.errors import NotARunError
 from dstt.store import Repository
 
 CHILD = Path(__file__).with_name("train_child.py")
@@ -52,17 +53,33 @@ def _run(mode: str, run: Path) -> tuple[int, dict[int, str], str | None]:
     return _parse(out.stdout.splitlines())
 
 
-def _run_and_kill(run: Path, kill_at: int) -> dict[int, str]:
+def _committed(run: Path) -> int:
+    """The step of the run's head as a reader sees it now (0: none yet)."""
+    try:
+        head = Repository.open(run).reader().head()
+    except (NotARunError, OSError):  # not created yet
+        return 0
+    return 0 if head is None else head.step
+
+
+def _run_and_kill(run: Path, kill_at: int) -> tuple[dict[int, str], int]:
+    """Kill the child at the first step ``>= kill_at`` it reports once a step of the run is
+    committed (under load the child can report step 7 before its first commit lands: a
+    kill then would test no resume at all). Returns its losses and the step it was killed
+    at."""
     proc = subprocess.Popen([sys.executable, str(CHILD), "fresh", str(run), str(STEPS),
                              str(SEED)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=_env())
     lines = []
+    killed_at = -1
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith(f"step {kill_at} "):
+            kind, *rest = line.split()
+            if kind == "step" and int(rest[0]) >= kill_at and _committed(run) >= 1:
                 os.kill(proc.pid, signal.SIGKILL)
+                killed_at = int(rest[0])
                 break
     finally:
         proc.kill()
@@ -72,7 +89,8 @@ def _run_and_kill(run: Path, kill_at: int) -> dict[int, str]:
         if proc.stderr:
             proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL, "".join(lines)
-    return _parse(lines)[1]
+    assert killed_at >= kill_at, f"no commit seen before the child ended: {''.join(lines)}"
+    return _parse(lines)[1], killed_at
 
 
 @pytest.fixture(scope="module")
@@ -88,16 +106,17 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path: Path, refere
     ref_losses, ref_final = reference
     kill_at = random.Random(1000 + trial).randint(6, STEPS - 4)
     run = tmp_path / "run"
-    before = _run_and_kill(run, kill_at)
+    before, killed_at = _run_and_kill(run, kill_at)
     assert all(before[k] == ref_losses[k] for k in before)  # checkpointing perturbs nothing
 
     repo = Repository.open(run)
     assert repo.verify().problems == []  # a SIGKILL leaves no damage visible to readers
     head = repo.reader().head()
-    committed = 0 if head is None else head.step
-    assert committed <= max(before)
+    assert head is not None  # a commit was seen before the kill: the resume has one to use
+    committed = head.step
+    assert 1 <= committed <= max(before)
 
-    print(f"killed at step {kill_at}, resuming from committed step {committed}")
+    print(f"killed at step {killed_at}, resuming from committed step {committed}")
     start, after, final = _run("resume", run)
     assert start == committed
     assert sorted(after) == list(range(committed + 1, STEPS + 1))
@@ -108,6 +127,6 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path: Path, refere
 def test_the_kill_points_do_resume_from_a_checkpoint(tmp_path: Path) -> None:
     """Guard against a vacuous pass: a kill late in training must find committed steps."""
     run = tmp_path / "run"
-    _run_and_kill(run, STEPS - 2)
+    _, killed_at = _run_and_kill(run, STEPS - 2)
     head = Repository.open(run).reader().head()
-    assert head is not None and head.step >= 1
+    assert head is not None and 1 <= head.step <= killed_at

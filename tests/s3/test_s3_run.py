@@ -18,6 +18,7 @@ from dstt import session
 from dstt.cli import main as cli_main
 from dstt.errors import RunLockedError
 from dstt.store import Repository
+from dstt.store.format.layout import ref_key
 from dstt.store.storage.s3 import S3Storage
 
 from ._helpers import MLP, mlp_batch, same_bits, train_step
@@ -148,3 +149,46 @@ def test_a_writer_whose_lease_was_taken_over_cannot_commit(s3_url: str) -> None:
     r = Repository.open(s3_url).reader()
     assert [h.step for h in r.lineage()] == [1]
     assert np.all(r.read_array(r.head(), "params/w") == 2.0)
+
+
+
+def test_a_writer_frozen_past_its_lease_cannot_move_the_ref_over_the_new_holders(
+        s3_url: str) -> None:
+    """The lease is checked before each write, but a writer can stall between that check and
+    its PUT (a GC pause, SIGSTOP) for longer than the lease. Here it stalls there at its ref
+    write — its step's files and header are in the bucket already — and meanwhile another
+    writer takes the lease over and commits. When the first one's PUT goes out it must fail
+    on the ETag it last saw (``If-Match``), not move the ref over the new holder's commit."""
+    def commit(w: object, step: int, value: float) -> None:
+        t = w.begin(step)  # type: ignore[attr-defined]
+        t.declare("params/w", "float32", (4,))
+        t.put_chunk("params/w", 0, np.full(4, value, np.float32).view(np.uint8))
+        t.commit({"loss": value})
+
+    a = Repository.create(s3_url, lease_ttl=1.0).writer(chunk_bytes=64)
+    commit(a, 1, 1.0)
+    st, lease = a.storage, a.storage._lease
+    write = st.write
+
+    def stalled(key: str, data: object) -> None:
+        if key == ref_key("main") and not lease._stop.is_set():
+            st._check_lease()  # the check passes ...
+            lease._stop.set()  # ... then the process stalls: no heartbeat, the lease lapses
+            lease._thread.join()
+            time.sleep(1.2)
+            with Repository.open(s3_url, lease_ttl=1.0).writer(chunk_bytes=64) as b:
+                commit(b, 2, 2.0)  # another writer takes over and commits
+            lease.valid_until = time.monotonic() + 3600  # what the stalled one still trusts
+        write(key, data)  # type: ignore[arg-type]
+
+    st.write = stalled  # type: ignore[method-assign]
+    with pytest.raises(RunLockedError, match="changed by another writer"):
+        commit(a, 2, 9.0)
+    lease.valid_until = 0.0
+    a.close()
+    repo = Repository.open(s3_url)
+    r = repo.reader()
+    assert [h.step for h in r.lineage()] == [1, 2]
+    assert np.all(r.read_array(r.head(), "params/w") == 2.0)  # the new holder's step stands
+    assert repo.verify().ok
+    assert Repository.open(s3_url).gc().orphan_slots == (1,)  # the stalled step: an orphan

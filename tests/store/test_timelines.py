@@ -193,3 +193,30 @@ def test_delete_refuses_the_current_timeline_and_keeps_what_children_need() -> N
     assert Repository(base).gc().files_removed == 8
     assert len(slots_on_disk(base)) == len(before) - 4
     assert_exact(base, child, BRANCH[:7], True)
+
+
+# -- gc and fork points ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["offline", "live-writer"])
+def test_gc_keeps_the_step_a_timeline_forks_from(how: str) -> None:
+    """main 0..9, ``tl`` forked at 5 with 6 and 7: ``keep_last=2`` keeps 8, 9 on main and 6, 7
+    on ``tl`` — and 5, which no policy rule keeps but ``tl`` starts from: pruning it would
+    leave ``tl``'s first parent a tombstone (its history cut, the fork not restorable)."""
+    from dstt.store import Retention
+
+    base, tl = timeline_run(encoded=False)  # raw steps: no delta base keeps 5 by chance
+    repo = Repository(base)
+    fork = repo.reader().ref(tl).base_slot
+    assert fork is not None and repo.reader().header(fork).step == 5
+    if how == "offline":
+        report = repo.gc(keep_last=2)
+    else:  # a session's background retention, under its own writer
+        with repo.writer(chunk_bytes=256) as w:
+            report = w.gc(Retention(keep_last=2))
+    r = repo.reader()
+    live = {t: [h.step for h in r.lineage(t) if not h.pruned] for t in ("main", tl)}
+    assert live == {"main": [5, 8, 9], tl: [5, 6, 7]}, live
+    assert sorted(report.pruned_steps) == [("main", s) for s in (0, 1, 2, 3, 4, 6, 7)]
+    assert_same_arrays(load(base, step=5, timeline=tl).arrays, evolving(5))
+    assert_same_arrays(load(base, step=5, timeline="main").arrays, evolving(5))
+    assert repo.verify().ok

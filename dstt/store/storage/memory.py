@@ -2,6 +2,15 @@
 injects I/O faults. Shipped with the package (like zarr's ``testing``) so users can test their
 own integrations against the same fakes. Rejected alternative: mocks — they test call
 sequences, not whether a run survives a crash.
+
+Durability is modelled per *handle*: ``handle()`` is another process's view of the same keys
+(each rank of a multi-rank run opens its own ``LocalStorage`` on the shared run). In
+``"syncfs"`` mode (the default) a barrier makes every pending write durable, whoever made it —
+one ``syncfs`` of a local filesystem. In ``"fsync"`` mode it covers only the writes made through
+its own handle, as ``LocalStorage(durability="fsync")`` fsyncs only the files it wrote (and as
+on a shared filesystem, where one node's sync does nothing for another's page cache): a rank
+that votes before its own barrier is then visible to a power cut. Rejected alternative:
+per-thread pending sets — a rank's files are written by many threads (writers, committer).
 """
 
 from __future__ import annotations
@@ -12,23 +21,52 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Literal, TypeAlias
 
 from ...errors import RunLockedError, StorageError
 from .base import Data, Storage, as_parts, missing
 
-__all__ = ["DelegatingStorage", "FaultyStorage", "MemoryStorage"]
+__all__ = ["DelegatingStorage", "FaultyStorage", "MemoryDurability", "MemoryStorage"]
+
+#: what a ``MemoryStorage`` barrier covers (module docstring)
+MemoryDurability: TypeAlias = Literal["syncfs", "fsync"]
 
 
 class MemoryStorage(Storage):
-    """Keys in a dict. ``crash()`` returns what would survive a power cut: only durable data."""
+    """Keys in a dict. ``crash()`` returns what would survive a power cut: only durable data.
 
-    def __init__(self) -> None:
+    ``durability``: what ``barrier`` covers — ``"syncfs"`` every pending write of every handle,
+    ``"fsync"`` only this handle's (module docstring); ``handle()`` opens another handle.
+    """
+
+    def __init__(self, durability: MemoryDurability = "syncfs") -> None:
+        if durability not in ("syncfs", "fsync"):
+            raise ValueError(f"durability must be 'syncfs' or 'fsync', not {durability!r}")
+        self.durability = durability
         self.location = f"memory://{id(self):x}"
         self.data: dict[str, bytes] = {}
         self.durable: dict[str, bytes] = {}
         self._pending: set[str] = set()
         self._mu = threading.Lock()
         self._locks: set[str] = set()
+        self._handles: list[MemoryStorage] = [self]
+
+    def handle(self) -> MemoryStorage:
+        """Another handle on the same keys, locks and durable state, with its own pending
+        writes: another process's view of the run (see ``durability``)."""
+        h = object.__new__(MemoryStorage)
+        h.durability, h.location = self.durability, self.location
+        h.data, h.durable, h._mu, h._locks = self.data, self.durable, self._mu, self._locks
+        h._pending = set()
+        h._handles = self._handles
+        with self._mu:
+            self._handles.append(h)
+        return h
+
+    def pending(self) -> list[str]:
+        """Keys written but not yet durable, by any handle (sorted)."""
+        with self._mu:
+            return sorted({k for h in self._handles for k in h._pending if k in self.data})
 
     def read(self, key: str) -> bytes:
         try:
@@ -53,10 +91,11 @@ class MemoryStorage(Storage):
 
     def barrier(self) -> None:
         with self._mu:
-            for k in self._pending:
-                if k in self.data:
-                    self.durable[k] = self.data[k]
-            self._pending.clear()
+            for h in self._handles if self.durability == "syncfs" else [self]:
+                for k in h._pending:
+                    if k in self.data:
+                        self.durable[k] = self.data[k]
+                h._pending.clear()
 
     def exists(self, key: str) -> bool:
         return key in self.data
@@ -88,11 +127,18 @@ class MemoryStorage(Storage):
             with self._mu:
                 self._locks.discard(name)
 
-    def crash(self) -> MemoryStorage:
-        """A new storage holding only what was durable (un-barriered writes are lost)."""
-        out = MemoryStorage()
-        out.data = dict(self.durable)
-        out.durable = dict(self.durable)
+    def crash(self, written_back: Callable[[str], bool] | None = None) -> MemoryStorage:
+        """A new storage (same ``durability``) holding only what was durable: un-barriered
+        writes are lost, except those ``written_back(key)`` keeps (asked once per pending
+        key, in key order: the page cache had written them back when the power went)."""
+        out = MemoryStorage(self.durability)
+        with self._mu:
+            out.data = dict(self.durable)
+            if written_back is not None:
+                for k in sorted({k for h in self._handles for k in h._pending}):
+                    if k in self.data and written_back(k):
+                        out.data[k] = self.data[k]
+        out.durable = dict(out.data)
         return out
 
 
