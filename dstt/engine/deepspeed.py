@@ -37,20 +37,14 @@ from typing import Any
 import torch
 
 from ..errors import CaptureError, RankError, SchemaError
+from ..schema import tensor_path
 from ._convert import from_plain, to_plain
+from .model_names import param_names
+from .optimizers import OptimizerStateProvider
 from .providers import CompositeProvider, RankObject, RestoreSource, TensorProvider
 from .ranks import RankInfo
 from .sharding import OwnedTensors
-from .torch_state import (
-    OptimizerStateProvider,
-    Stateful,
-    TorchState,
-    get_rng,
-    model_buffers,
-    param_names,
-    set_rng,
-    tensor_path,
-)
+from .torch_state import Stateful, TorchState, get_rng, model_buffers, set_rng
 from .zero import ZeroState
 
 __all__ = [

@@ -32,7 +32,7 @@ import torch
 
 from ..schema import canonical_name, resolve_dims
 from ..store import logical_of
-from .torch_state import module_wrappers
+from .model_names import module_wrappers
 
 __all__ = ["DimsOf", "ModelDims", "array_dims", "fallback_dims", "model_dims",
            "module_tensor_dims"]

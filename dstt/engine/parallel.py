@@ -32,21 +32,12 @@ from typing import Any
 
 import torch
 
+from .model_names import ModelInfoProvider, param_names
+from .optimizers import OptimizerStateProvider, optimizer_groups_provider, optimizers_of
 from .providers import CompositeProvider, RankObject, StateProvider, TensorProvider
 from .ranks import RankChannel, RankInfo
 from .sharding import OwnedTensors, RankShare, RankZeroObjects
-from .torch_state import (
-    ModelInfoProvider,
-    ModelTensors,
-    OptimizerStateProvider,
-    Stateful,
-    TorchState,
-    optimizer_groups_provider,
-    optimizers_of,
-    param_names,
-    rng_provider,
-    scheduler_provider,
-)
+from .torch_state import ModelTensors, Stateful, TorchState, rng_provider, scheduler_provider
 
 __all__ = ["ParallelState"]
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..engine.torch_state import param_names
+from ..engine.model_names import param_names
 from ..errors import SchemaError
 from ..schema import canonical_name, tensor_path
 from .naming import listed

@@ -37,8 +37,10 @@ import numpy as np
 import torch
 import xarray as xr
 
+from ..engine.model_names import canonical_names, param_names
+from ..engine.optimizers import optimizers_of
 from ..engine.providers import StoreSource
-from ..engine.torch_state import canonical_names, discover, optimizers_of, param_names
+from ..engine.torch_state import discover
 from ..errors import ConfigError, ReplayError, StepNotFoundError
 from ..schema import tensor_path, tree_location
 

@@ -41,7 +41,7 @@ import torch
 
 from ..engine._convert import from_plain, tensor_from_numpy
 from ..engine.dtensors import held_box, is_dtensor
-from ..engine.torch_state import canonical_names
+from ..engine.model_names import canonical_names
 from ..errors import DsttWarning, SchemaError
 from ..schema import MODEL_KINDS, user_name
 from .catalog import Catalog

@@ -30,9 +30,10 @@ import torch
 
 from ..engine.data_position import DataPosition, TrackedData
 from ..engine.dims import DimsOf, ModelDims
+from ..engine.optimizers import optimizers_of
 from ..engine.pipeline import SUMMARIES_OBJECT, Flight, Pipeline, StepMetrics
 from ..engine.providers import RankObject, StoreSource
-from ..engine.torch_state import ONE_RANK, Stateful, TorchState, discover, optimizers_of
+from ..engine.torch_state import ONE_RANK, Stateful, TorchState, discover
 from ..errors import (
     CaptureError,
     NotARunError,

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from dstt.engine._convert import from_plain, store_dtype, to_plain
+from dstt.engine.model_names import param_names
+from dstt.engine.optimizers import OptimizerStateProvider
 from dstt.engine.pipeline import Pipeline
 from dstt.engine.providers import (
     CompositeProvider,
@@ -17,14 +19,7 @@ from dstt.engine.providers import (
     StoreSource,
     TensorProvider,
 )
-from dstt.engine.torch_state import (
-    ModelTensors,
-    OptimizerStateProvider,
-    discover,
-    model_tensors,
-    param_names,
-    rng_provider,
-)
+from dstt.engine.torch_state import ModelTensors, discover, model_tensors, rng_provider
 from dstt.errors import SchemaError
 from dstt.store import Encoded, Repository
 from dstt.store.format.objects import decode_object
