@@ -270,8 +270,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .inspect.html import human_bytes
 
     snap = _resolve_run(args).at(args.step, args.timeline)
-    ext = "safetensors" if args.format == "safetensors" else "pt"
-    out = args.out or f"step{snap.step}.{ext}"
+    ext = {"safetensors": ".safetensors", "torch": ".pt"}.get(args.format, "")
+    out = args.out or f"step{snap.step}{ext}"
     with _bar(args, sum(r.plan.nbytes for r in snap.arrays.values()), "B") as bar:
         info = snap.export(out, args.format, include_all=args.all, overwrite=args.force,
                            progress=bar.update)

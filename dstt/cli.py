@@ -1,5 +1,5 @@
 """``dstt``: the command line over a run (``ls log show diff verify index rollback timeline
-gc export``).
+gc export import``).
 
 Thin by design: argparse, one call into :mod:`dstt._run` (or the store behind it), printing.
 This module is the parser and ``main`` (exit codes); the commands are ``dstt._cli_inspect``
@@ -50,6 +50,7 @@ from ._cli_common import (
     EXIT_RUN,
     _Parser,
 )
+from ._cli_import import add_import
 from ._cli_inspect import (
     cmd_diff,
     cmd_export,
@@ -210,14 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
              "model + optimizer + scheduler")
     run_arg(sp)
     sp.add_argument("--step", type=int, help="the step (default: the head)")
-    sp.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
-    sp.add_argument("-o", "--out", help="output file (default: ./step<S>.safetensors|.pt); "
-                    "missing folders are created")
+    sp.add_argument("--format", choices=("safetensors", "torch", "dcp"), default="safetensors",
+                    help="dcp: a torch.distributed.checkpoint folder, loaded at any world size")
+    sp.add_argument("-o", "--out", help="output file (default: ./step<S>.safetensors|.pt, or "
+                    "the folder ./step<S> for dcp); missing folders are created")
     sp.add_argument("--force", action="store_true", help="replace the output file if it exists")
     sp.add_argument("--all", action="store_true",
                     help="also every other array under its store path (safetensors: optimizer "
                     "states too; torch: under 'arrays')")
     timeline(sp)
+    add_import(sub, common)
     return p
 
 

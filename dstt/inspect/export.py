@@ -15,8 +15,9 @@ The file is written next to its destination under a temporary name and renamed i
 a failed export leaves no half-written file; missing folders are created; an existing file is
 replaced only with ``overwrite``; the result has the permissions of any new file
 (``0o666 & ~umask``; safetensors alone would leave its private temporary file's ``0o600``).
-Rejected alternative: exporting a DCP / DeepSpeed checkpoint directory — their layouts depend
-on the parallelism at save time; a flat state dict is what every tool loads.
+``dcp``: a ``torch.distributed.checkpoint`` folder (:mod:`dstt.inspect.export_dcp`).
+Rejected alternative: exporting a DeepSpeed checkpoint directory — its layout depends on the
+parallelism at save time; a flat state dict (or DCP, which reshards on load) is what tools load.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from ..schema import MODEL_KINDS, user_name
 
 __all__ = ["FORMATS", "export_commit", "prepare_output"]
 
-FORMATS = ("safetensors", "torch")
-Format = Literal["safetensors", "torch"]
+FORMATS = ("safetensors", "torch", "dcp")
+Format = Literal["safetensors", "torch", "dcp"]
 
 
 def _umask() -> int:
@@ -85,6 +86,10 @@ def export_commit(reader: Any, header: Any, out: str | os.PathLike[str], fmt: Fo
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if fmt == "dcp":  # a folder dcp.load reads at any world size (dstt.inspect.export_dcp)
+        from .export_dcp import export_dcp
+
+        return export_dcp(reader, header, out, overwrite=overwrite, progress=progress)
     path = prepare_output(out, overwrite=overwrite)
     table = reader.arrays(header)
     model = [p for p in table if p.split("/")[0] in MODEL_KINDS]

@@ -57,8 +57,18 @@ def step_of_deepspeed(path: str) -> int | None:
     return step_in_name(os.path.basename(os.path.normpath(path)))
 
 
+class _Both(contextlib.ExitStack):
+    """stdout and stderr muted: ``zero_to_fp32`` prints and draws a progress bar per call."""
+
+    def __enter__(self) -> _Both:
+        super().__enter__()
+        self.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        self.enter_context(contextlib.redirect_stderr(io.StringIO()))
+        return self
+
+
 def _quiet() -> contextlib.AbstractContextManager[Any]:
-    return contextlib.redirect_stdout(io.StringIO())  # zero_to_fp32 prints per call
+    return _Both()
 
 
 def _merge(z: Any, stage: int, world: int, flats: list[Any], models: list[Any],
