@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -85,7 +86,9 @@ def export_dcp(reader: Any, header: Any, out: str | os.PathLike[str], *,
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.dstt-export-"
                        f"{os.getpid()}")
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to save in one process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
         if os.path.lexists(path):
             shutil.rmtree(path)
         os.replace(tmp, path)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import glob
 import io
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -110,7 +111,9 @@ def read_flat(path: str, trusted: bool) -> dict[Any, Any]:
         else:
             flat[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     try:
-        dcp.load(flat, storage_reader=reader, planner=_planner(trusted), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(flat, storage_reader=reader, planner=_planner(trusted), no_dist=True)
     except UnsafeObjectError:
         raise
     except Exception as e:  # DCP wraps reader failures in CheckpointException

@@ -7,7 +7,11 @@ with ``dcp.save`` at steps 2 and 3 (``OUT/step-<k>``), and the full state gather
 KIND ``ds``: for ZeRO 2 and 3 a DeepSpeed engine trained 3 steps, ``save_checkpoint`` at
 steps 2 and 3 (``OUT/z<stage>/global_step<k>``), and rank 0 saves DeepSpeed's own view of
 every parameter's fp32 master and optimizer state (``safe_get_full_fp32_param`` /
-``safe_get_full_optimizer_state``) as ``OUT/ref-z<stage>-<k>.pt``. Writes ``OUT/done.r<rank>``.
+``safe_get_full_optimizer_state``) as ``OUT/ref-z<stage>-<k>.pt``.
+KIND ``dcpload`` (``ckpt_worker.py dcpload OUT SRC``): a fresh model and optimizer (FSDP2 when
+WORLD_SIZE > 1) loaded from the DCP folder SRC the standard way (``get_state_dict`` →
+``dcp.load`` → ``set_state_dict``); rank 0 saves the full state as ``OUT/loaded.pt``.
+Writes ``OUT/done.r<rank>``.
 """
 
 from __future__ import annotations
@@ -48,24 +52,29 @@ def groups(net: torch.nn.Module) -> list[dict]:
     return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
+def sharded(world: int, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model (FSDP2 over a CPU mesh when ``world`` > 1) and its AdamW."""
+    torch.manual_seed(seed)
+    net = Net()
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for m in (net.l1, net.l2):
+            fully_shard(m, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+    return net, torch.optim.AdamW(groups(net), lr=1e-2)
+
+
 def run_dcp(out: Path, rank: int, world: int) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
         dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    net = Net()
-    if world > 1:
-        mesh = init_device_mesh("cpu", (world,))
-        for m in (net.l1, net.l2):
-            fully_shard(m, mesh=mesh)
-        fully_shard(net, mesh=mesh)
-    opt = torch.optim.AdamW(groups(net), lr=1e-2)
+    net, opt = sharded(world)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))
     for k in range(1, 4):
         x, y = batch(k, rank)
@@ -82,6 +91,30 @@ def run_dcp(out: Path, rank: int, world: int) -> None:
                                                                  cpu_offload=True))
         if rank == 0:
             torch.save({"model": full[0], "optimizer": full[1]}, out / f"ref-{k}.pt")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def run_dcpload(out: Path, rank: int, world: int, src: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    if world > 1:
+        dist.init_process_group("gloo")
+    net, opt = sharded(world, seed=7)  # other values than any checkpoint's
+    msd, osd = get_state_dict(net, opt)
+    state = {"model": msd, "optimizer": osd}
+    dcp.load(state, checkpoint_id=src)
+    set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    full = get_state_dict(net, opt, options=StateDictOptions(full_state_dict=True,
+                                                             cpu_offload=True))
+    if rank == 0:
+        torch.save({"model": full[0], "optimizer": full[1]}, out / "loaded.pt")
     if world > 1:
         dist.destroy_process_group()
 
@@ -123,7 +156,10 @@ def main() -> None:
     kind, out = sys.argv[1], Path(sys.argv[2])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        (run_dcp if kind == "dcp" else run_ds)(out, rank, world)
+        if kind == "dcpload":
+            run_dcpload(out, rank, world, sys.argv[3])
+        else:
+            (run_dcp if kind == "dcp" else run_ds)(out, rank, world)
     except BaseException:
         (out / f"error.r{rank}").write_text(traceback.format_exc())
         os._exit(1)
