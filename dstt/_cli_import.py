@@ -2,7 +2,7 @@
 
 Thin, as every command: parse → :func:`dstt.integrations.imports.import_checkpoints` → print.
 The run is ``--run`` or ``$DSTT_RUN`` (created if new; a folder inside an existing run finds
-it). Exit codes: 0 every source imported (or already there), 1 some source was reported and
+it), else the run the current directory is in. Exit codes: 0 every source imported (or already there), 1 some source was reported and
 skipped (unreadable, partial, refused pickle, not after the run's head), 2 bad input (no run
 given, nothing importable found, ``--step`` with several sources).
 """
@@ -39,12 +39,17 @@ def add_import(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
 
 
 def _run_path(args: argparse.Namespace) -> str:
+    """``--run``, ``$DSTT_RUN``, else the run the current directory is in (a new run needs
+    one of the first two: a new run is never made in the current directory by default)."""
     from ._run import find_run_root
 
     path = getattr(args, "run", None) or os.environ.get("DSTT_RUN")
     if not path:
-        raise UsageError("dstt import needs the run to import into: --run PATH (a new or "
-                         "existing run), or set DSTT_RUN")
+        root = find_run_root(os.getcwd())
+        if root is None:
+            raise UsageError("dstt import needs the run to import into: --run PATH (a new or "
+                             "existing run), or set DSTT_RUN")
+        return root
     if os.path.isdir(path):
         return find_run_root(path) or path
     return path
