@@ -2,9 +2,10 @@
 
 Thin, as every command: parse → :func:`dstt.integrations.imports.import_checkpoints` → print.
 The run is ``--run`` or ``$DSTT_RUN`` (created if new; a folder inside an existing run finds
-it), else the run the current directory is in. Exit codes: 0 every source imported (or already there), 1 some source was reported and
-skipped (unreadable, partial, refused pickle, not after the run's head), 2 bad input (no run
-given, nothing importable found, ``--step`` with several sources).
+it), else the run the current directory is in. Exit codes: 0 every source imported (or
+already there), 1 some source was reported and skipped (unreadable, partial, refused pickle,
+not after the run's head), 2 bad input (no run given, nothing importable found, ``--step``
+with several sources).
 """
 
 from __future__ import annotations
