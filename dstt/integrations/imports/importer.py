@@ -36,7 +36,7 @@ from ...engine.summaries import SummaryBook
 from ...store import DeltaPolicy, Repository
 from .checkpoint import Checkpoint
 from .sources import Source, Unknown, find_sources, reader_of
-from .write import SOURCE_OBJECT, arrays_of, write_checkpoint
+from .write import SOURCE_OBJECT, write_checkpoint
 
 __all__ = ["ImportReport", "Imported", "Skipped", "import_checkpoints"]
 
@@ -114,7 +114,6 @@ def import_checkpoints(sources: str | os.PathLike[str] | Sequence[str | os.PathL
     report = ImportReport(str(repo.storage.location), ignored=ignored)
     report.skipped.extend(Skipped(u.path, None, u.reason) for u in unknown)
     book = SummaryBook() if summaries else None
-    prev: dict[str, torch.Tensor] | None = None
     with repo.writer(encoding=encoding) as w:
         reader = repo.reader()
         lineage = reader.lineage()
@@ -125,18 +124,40 @@ def import_checkpoints(sources: str | os.PathLike[str] | Sequence[str | os.PathL
             if ck is not None:
                 history = [(s, v) for s, v in ck.history if last is None or s > last]
                 try:
-                    header = write_checkpoint(w, ck, history=history, book=book, prev=prev)
+                    if i + 1 < len(found):  # the disk reads the next one while this is written
+                        prefetch(found[i + 1].path)
+                    header = write_checkpoint(w, ck, history=history, book=book)
                 except Exception as e:  # aborted: reported, the import goes on
                     report.skipped.append(Skipped(src.path, ck.step, _why(e)))
                 else:
                     report.imported.append(Imported(ck.step, ck.source, ck.format, header.slot,
                                                     tuple(ck.lacks), sum(ck.files.values())))
                     last = ck.step
-                    prev = {p: t for p, t in arrays_of(ck).items() if p.startswith("params/")}
             if progress is not None:
                 progress(i + 1, len(found), src.path)
     report.seconds = time.monotonic() - started
     return report
+
+
+def prefetch(path: str) -> None:
+    """Ask the kernel to read ``path`` (a file, or the files of a folder) ahead, without
+    waiting (``posix_fadvise(WILLNEED)``; nothing where it does not exist)."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    files = ([os.path.join(path, n) for n in os.listdir(path)] if os.path.isdir(path)
+             else [path])
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def _why(e: BaseException) -> str:

@@ -44,11 +44,26 @@ def trainable_names(model: torch.nn.Module) -> list[str]:
 
 def hf_meta_model(folder: str) -> torch.nn.Module | None:
     """The architecture of a Hugging Face checkpoint folder (``config.json``), built on the
-    meta device; None when transformers cannot build it (unknown or remote code)."""
+    meta device; None when transformers cannot build it (unknown or remote code). Built once
+    per distinct ``config.json`` (a run's checkpoints share one)."""
     import os
 
-    if not os.path.isfile(os.path.join(folder, "config.json")):
+    config = os.path.join(folder, "config.json")
+    if not os.path.isfile(config):
         return None
+    with open(config, "rb") as fh:
+        text = fh.read()
+    if text not in _BUILT:
+        if len(_BUILT) >= 4:
+            _BUILT.clear()
+        _BUILT[text] = _meta_model(folder)
+    return _BUILT[text]
+
+
+_BUILT: dict[bytes, torch.nn.Module | None] = {}  # config.json text -> its meta model
+
+
+def _meta_model(folder: str) -> torch.nn.Module | None:
     try:
         import transformers
 

@@ -7,7 +7,8 @@ known). Objects, encoded as the engine encodes them (``to_plain``, then the stor
 JSON): ``optim/state`` (format 2) and ``optim/param_groups`` as
 ``OptimizerStateProvider``/``optimizer_groups_provider`` write them, ``scheduler``, ``rng``
 (or ``rng/r<rank>``), the framework's progress objects, ``summaries`` (write-time statistics
-of every parameter, the update measured from the previously imported step), ``metrics/history``
+of every parameter, the update estimated from the previous imported step's probe, as the
+engine estimates it), ``metrics/history``
 (logged values of the steps between two imported checkpoints, as a session's ``every=K``
 leaves them) and ``import/source`` (where the step came from: path, format, the files read,
 what the source lacked). The commit header carries the step's own logged metrics.
@@ -79,11 +80,10 @@ def _metrics(values: Mapping[str, Any]) -> dict[str, Any]:
 
 def write_checkpoint(writer: Any, ck: Checkpoint, *,
                      history: list[tuple[int, dict[str, Any]]],
-                     book: SummaryBook | None = None,
-                     prev: Mapping[str, torch.Tensor] | None = None) -> CommitHeader:
+                     book: SummaryBook | None = None) -> CommitHeader:
     """Commit ``ck`` through ``writer`` (a store ``Writer``); ``history``: the logged values
-    of the steps since the previous commit; ``book``/``prev``: write-time summaries, the
-    update measured from ``prev`` (the previous imported step's parameters)."""
+    of the steps since the previous commit; ``book``: write-time summaries (the book keeps
+    each parameter's probe, so the update from the previous imported step is estimated)."""
     arrays = arrays_of(ck)
     dims = ModelDims(ck.model)({p: tuple(t.shape) for p, t in arrays.items()})
     txn = writer.begin(ck.step)
@@ -100,12 +100,9 @@ def write_checkpoint(writer: Any, ck: Checkpoint, *,
         if ck.scheduler is not None:
             objects["scheduler"] = to_plain(ck.scheduler)
         objects.update({k: to_plain(v) for k, v in ck.objects.items()})
-        if book is not None:
-            old = prev or {}
-            objects["summaries"] = {
-                path: book.summarize(path, t, old.get(path) if old.get(path) is not None
-                                     and old[path].shape == t.shape else None)
-                for path, t in arrays.items() if path.startswith("params/")}
+        if book is not None:  # the update estimated from the probes, as the engine does
+            objects["summaries"] = {path: book.summarize(path, t)
+                                    for path, t in arrays.items() if path.startswith("params/")}
         if history:
             when = _mtime(ck)
             objects[METRICS_HISTORY_OBJECT] = {
