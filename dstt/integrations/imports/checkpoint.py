@@ -25,7 +25,7 @@ import torch
 from ...errors import SourceError
 
 __all__ = ["BUFFER_NAMES", "Checkpoint", "NamedOptimizer", "dedup_tied", "rng_object",
-           "split_buffers", "step_in_name"]
+           "split_buffers", "split_by_model", "step_in_name"]
 
 
 @dataclass
@@ -108,6 +108,31 @@ def split_buffers(tensors: Mapping[str, torch.Tensor], params: set[str] | None =
             is_param = t.is_floating_point() and name.rpartition(".")[2] not in BUFFER_NAMES
         (p if is_param else b)[name] = t
     return p, b
+
+
+def split_by_model(tensors: Mapping[str, torch.Tensor], model: torch.nn.Module | None, *,
+                   where: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                        dict[str, str]]:
+    """(parameters, buffers, tied names) of a model state dict: by ``model``'s own names when
+    given (a tensor it does not have is a ``SourceError``), else by ``split_buffers``; tied
+    tensors (sharing storage, or tied in ``model``) once."""
+    from ...engine.torch_state import model_buffers, param_names, tied_names
+    from ...schema import user_name
+
+    tensors, tied = dedup_tied(tensors)
+    if model is None:
+        params, buffers = split_buffers(tensors)
+        return params, buffers, tied
+    pnames = set(param_names(model).values())
+    bnames = {user_name(p) for p in model_buffers(model)}
+    tied = {**tied_names(model), **tied}
+    params = {n: t for n, t in tensors.items() if n in pnames}
+    buffers = {n: t for n, t in tensors.items() if n in bnames}
+    unknown = sorted(set(tensors) - set(params) - set(buffers) - set(tied))
+    if unknown:
+        raise SourceError(f"{where}: tensors {unknown[:5]} are not in the model's "
+                          f"{type(model).__name__}; is model= the model that was trained?")
+    return params, buffers, tied
 
 
 def dedup_tied(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],

@@ -25,11 +25,9 @@ from typing import Any
 
 import torch
 
-from ...engine.torch_state import model_buffers, param_names, tied_names
 from ...errors import SourceError
-from ...schema import user_name
 from ..transformers import PROGRESS_FIELDS
-from .checkpoint import Checkpoint, NamedOptimizer, dedup_tied, rng_object, split_buffers
+from .checkpoint import Checkpoint, NamedOptimizer, rng_object, split_by_model
 from .loading import load_pickle, read_safetensors
 from .naming import group_names, hf_decay_names, hf_meta_model, trainable_names
 
@@ -121,19 +119,7 @@ def read_hf(path: str, *, step: int | None = None, model: torch.nn.Module | None
         raise SourceError(f"{path} has no trainer_state.json global_step; pass step=/--step")
     tensors, files, ordered = _weights(path)
     arch = model if model is not None else hf_meta_model(path)
-    tensors, tied = dedup_tied(tensors)
-    if arch is not None:
-        pnames = set(param_names(arch).values())
-        bnames = {user_name(p) for p in model_buffers(arch)}
-        tied = {**tied_names(arch), **tied}
-        params = {n: t for n, t in tensors.items() if n in pnames}
-        buffers = {n: t for n, t in tensors.items() if n in bnames}
-        unknown = sorted(set(tensors) - set(params) - set(buffers) - set(tied))
-        if unknown:
-            raise SourceError(f"{path}: tensors {unknown[:5]} are not in the model's "
-                              f"{type(arch).__name__}; is model= the model that was trained?")
-    else:
-        params, buffers = split_buffers(tensors)
+    params, buffers, tied = split_by_model(tensors, arch, where=path)
     ck = Checkpoint(step=k, source=os.path.abspath(path), format=FORMAT, params=params,
                     buffers=buffers, model=arch)
     ck.files = {f: os.path.getsize(f) for f in files}
@@ -151,7 +137,7 @@ def read_hf(path: str, *, step: int | None = None, model: torch.nn.Module | None
                 f"{path}: cannot name the optimizer's parameters: transformers cannot build "
                 "the model from config.json and safetensors does not keep the parameter "
                 "order; pass model= (the model, built as in training)")
-        shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+        shapes = {n: tuple(t.shape) for n, t in {**params, **buffers}.items()}
         names = group_names(osd, order, shapes, where=opt_file, decay=decay)
         ck.optimizer = NamedOptimizer.of(osd, names)
     sched = os.path.join(path, "scheduler.pt")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ...errors import SourceError
-from .checkpoint import Checkpoint, NamedOptimizer, dedup_tied, split_buffers, step_in_name
+from .checkpoint import Checkpoint, NamedOptimizer, split_by_model, step_in_name
 from .loading import load_pickle, read_safetensors
 from .naming import group_names, trainable_names
 
@@ -72,24 +72,12 @@ def model_checkpoint(sd: Mapping[str, torch.Tensor], osd: Any, *, step: int, sou
     """A checkpoint of a model state dict and an index-keyed optimizer state dict (or None),
     named by ``model=`` or by the state dict's order (what ``from_torch`` and
     ``from_lightning`` share)."""
-    from ...engine.torch_state import model_buffers, param_names, tied_names
-    from ...schema import user_name
-
-    tensors, tied = dedup_tied(sd)
-    if model is not None:
-        pnames = set(param_names(model).values())
-        bnames = {user_name(p) for p in model_buffers(model)}
-        tied = {**tied_names(model), **tied}
-        params = {n: t for n, t in tensors.items() if n in pnames}
-        buffers = {n: t for n, t in tensors.items() if n in bnames or n not in pnames}
-        order = trainable_names(model)
-    else:
-        params, buffers = split_buffers(tensors)
-        order = list(params)
+    params, buffers, tied = split_by_model(sd, model, where=source)
+    order = trainable_names(model) if model is not None else list(params)
     ck = Checkpoint(step=step, source=source, format=fmt, params=params, buffers=buffers,
                     model=model)
     if osd is not None:
-        shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+        shapes = {n: tuple(t.shape) for n, t in {**params, **buffers}.items()}
         ck.optimizer = NamedOptimizer.of(osd, group_names(osd, order, shapes, where=source))
     if tied:
         ck.objects["names/tied"] = tied
