@@ -14,7 +14,7 @@ import argparse
 import os
 from collections.abc import Iterator
 
-from ._cli_common import EXIT_OK, EXIT_PROBLEMS, UsageError, _bar, _emit
+from ._cli_common import EXIT_OK, EXIT_PROBLEMS, UsageError, _bar, _emit, _run_root
 
 __all__ = ["add_import", "cmd_import"]
 
@@ -40,20 +40,15 @@ def add_import(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
 
 
 def _run_path(args: argparse.Namespace) -> str:
-    """``--run``, ``$DSTT_RUN``, else the run the current directory is in (a new run needs
-    one of the first two: a new run is never made in the current directory by default)."""
+    """``--run``/``$DSTT_RUN`` — a new run when nothing is there yet — else found as every
+    command finds its run (a folder inside it, the current directory)."""
     from ._run import find_run_root
 
     path = getattr(args, "run", None) or os.environ.get("DSTT_RUN")
-    if not path:
-        root = find_run_root(os.getcwd())
-        if root is None:
-            raise UsageError("dstt import needs the run to import into: --run PATH (a new or "
-                             "existing run), or set DSTT_RUN")
-        return root
-    if os.path.isdir(path):
-        return find_run_root(path) or path
-    return path
+    if path and (not os.path.exists(path)
+                 or (os.path.isdir(path) and find_run_root(path) is None)):
+        return str(path)
+    return _run_root(args)
 
 
 def cmd_import(args: argparse.Namespace) -> int:

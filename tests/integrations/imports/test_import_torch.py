@@ -226,7 +226,18 @@ def test_cli_import(files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "skipped step 8" in captured and "step_00008.pt" in captured
     # bad input: exit 2, one line on stderr
     os.environ.pop("DSTT_RUN", None)
-    assert main(["import", str(files)]) == 2
+    here = os.getcwd()
+    os.chdir(tmp_path)  # not inside a run
+    try:
+        assert main(["import", str(files)]) == 2
+    finally:
+        os.chdir(here)
     assert "--run PATH" in capsys.readouterr().err
+    os.chdir(run / "steps")  # inside the run: it is found, as every command finds it
+    try:
+        assert main(["import", str(files)]) == 0
+    finally:
+        os.chdir(here)
+    assert "already imported" in capsys.readouterr().out
     assert main(["import", str(tmp_path / "nothing"), "--run", str(run)]) == 2
     assert main(["import", str(files), "--run", str(run), "--step", "3"]) == 2
