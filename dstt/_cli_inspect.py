@@ -286,7 +286,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.config is not None and args.format != "hf":
         raise UsageError("--config is for --format hf (the config.json of the folder)")
     default = {"safetensors": f"step{snap.step}.safetensors", "torch": f"step{snap.step}.pt",
-               "hf": f"step{snap.step}-hf"}[args.format]
+               "hf": f"step{snap.step}-hf", "dcp": f"step{snap.step}"}[args.format]
     out = args.out or default
     with _bar(args, sum(r.plan.nbytes for r in snap.arrays.values()), "B") as bar:
         info = snap.export(out, args.format, include_all=args.all, overwrite=args.force,

@@ -1,5 +1,5 @@
 """``dstt``: the command line over a run (``ls log show diff verify index rollback timeline
-gc export replay``).
+gc export replay import``).
 
 Thin by design: argparse, one call into :mod:`dstt._run` (or the store behind it), printing.
 This module is the parser and ``main`` (exit codes); the commands are ``dstt._cli_inspect``
@@ -51,6 +51,7 @@ from ._cli_common import (
     EXIT_RUN,
     _Parser,
 )
+from ._cli_import import add_import
 from ._cli_inspect import (
     cmd_diff,
     cmd_export,
@@ -224,14 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
              "model, model + optimizer + scheduler, or a from_pretrained folder")
     run_arg(sp)
     sp.add_argument("--step", type=int, help="the step (default: the head)")
-    sp.add_argument("--format", choices=("safetensors", "torch", "hf"), default="safetensors",
+    sp.add_argument("--format", choices=("safetensors", "torch", "hf", "dcp"),
+                    default="safetensors",
                     help="safetensors: the model (tied names included); torch: torch.save of "
                     "model, optimizer and scheduler state dicts; hf: a folder with "
-                    "model.safetensors and config.json that from_pretrained opens")
+                    "model.safetensors and config.json that from_pretrained opens; dcp: a "
+                    "torch.distributed.checkpoint folder, loaded at any world size")
     sp.add_argument("-o", "--out", help="output file, or a folder (an existing one, or a path "
-                    "ending in /) to write step<S>.safetensors|.pt into; hf: the folder "
-                    "(default: ./step<S>.safetensors|.pt, ./step<S>-hf/); missing folders "
-                    "are created")
+                    "ending in /) to write step<S>.safetensors|.pt into; hf, dcp: the folder "
+                    "(default: ./step<S>.safetensors|.pt, ./step<S>-hf/, ./step<S>/); missing "
+                    "folders are created")
     sp.add_argument("--config", metavar="PATH", help="hf: the model's config.json, or a folder "
                     "holding one (default: the config the run stored, from a Hugging Face "
                     "model)")
@@ -240,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also every other array under its store path (safetensors: optimizer "
                     "states too; torch: under 'arrays')")
     timeline(sp)
+    add_import(sub, common)
     return p
 
 

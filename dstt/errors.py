@@ -28,6 +28,7 @@ __all__ = [
     "ReplayError",
     "RunLockedError",
     "SchemaError",
+    "SourceError",
     "StepNotFoundError",
     "StorageError",
     "TensorNotFoundError",
@@ -127,6 +128,12 @@ class UnsafeObjectError(DsttError, PermissionError):
 
 class SchemaError(DsttError, ValueError):
     """A tensor's dtype or shape differs from what the run already stores under its name."""
+
+
+class SourceError(DsttError, ValueError):
+    """A checkpoint given to ``dstt import`` cannot be imported: not a layout the importer
+    knows, a file missing or damaged, or state it cannot name (the message says which file
+    and what to pass: ``step=``, ``model=``, ``trusted=True``)."""
 
 
 class MissingFileError(StorageError, FileNotFoundError):

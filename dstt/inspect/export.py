@@ -22,8 +22,9 @@ so a failed export leaves no half-written file; missing folders are created; ``o
 folder (an existing one, or a path ending in ``/``) writes ``step<S>.<ext>`` into it; an
 existing file is replaced only with ``overwrite``; files get the permissions of any new file
 (``0o666 & ~umask``; safetensors alone would leave its private temporary file's ``0o600``).
-Rejected alternative: exporting a DCP / DeepSpeed checkpoint directory — their layouts depend
-on the parallelism at save time; a flat state dict is what every tool loads.
+``dcp``: a ``torch.distributed.checkpoint`` folder (:mod:`dstt.inspect.export_dcp`).
+Rejected alternative: exporting a DeepSpeed checkpoint directory — its layout depends on the
+parallelism at save time; a flat state dict (or DCP, which reshards on load) is what tools load.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from .catalog import CONFIG_OBJECT, Catalog
 
 __all__ = ["FORMATS", "export_commit", "load_config", "prepare_output"]
 
-FORMATS = ("safetensors", "torch", "hf")
-Format = Literal["safetensors", "torch", "hf"]
+FORMATS = ("safetensors", "torch", "hf", "dcp")
+Format = Literal["safetensors", "torch", "hf", "dcp"]
 _EXT = {"safetensors": "safetensors", "torch": "pt"}
 
 
@@ -132,6 +133,10 @@ def export_commit(reader: Any, header: Any, out: str | os.PathLike[str], fmt: Fo
 
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if fmt == "dcp":  # a folder dcp.load reads at any world size (dstt.inspect.export_dcp)
+        from .export_dcp import export_dcp
+
+        return export_dcp(reader, header, out, overwrite=overwrite, progress=progress)
     if fmt == "hf":
         if include_all:
             raise ConfigError("an hf export holds the model only; leave include_all (--all) "
@@ -144,6 +149,7 @@ def export_commit(reader: Any, header: Any, out: str | os.PathLike[str], fmt: Fo
                 f"step {header.step} has no model config (the session was not over a Hugging "
                 "Face model); pass config= (--config PATH: a config.json or a folder with "
                 "one) for the hf export")
+        config_doc: dict[str, Any] = dict(cfg)
         folder = os.fspath(out)
         files = [prepare_output(os.path.join(folder, name), overwrite=overwrite)
                  for name in ("model.safetensors", "config.json")]
@@ -169,7 +175,7 @@ def export_commit(reader: Any, header: Any, out: str | os.PathLike[str], fmt: Fo
             "dstt_slot": str(header.slot)}
     if fmt == "hf":
         _write_safetensors(files[0], tensors, meta)
-        _write(files[1], lambda tmp: _dump_json(tmp, cfg))
+        _write(files[1], lambda tmp: _dump_json(tmp, config_doc))
         return {"tensors": len(tensors), "bytes": nbytes, "path": folder, "files": files}
     if fmt == "safetensors":
         for alias, target in cat.tied.items():  # one tensor per name: no shared storage

@@ -43,6 +43,7 @@ from ..errors import (
 from ..store import DEFAULT_CHUNK_BYTES, GcReport, Repository
 from .checks import capture_error, check_optimizer, warn_skipped
 from .data import BatchLog, RecordedData, SkipSet, read_skips
+from .imported import imported_gaps
 from .metrics import MetricLog, metric_value
 from .options import DEFAULT_BUDGET, CopyMode, ErrorPolicy, RacePolicy, SessionOptions
 from .retention import RetentionRunner, store_writer
@@ -386,7 +387,9 @@ class Session(StepHooks):
 
     def _restore(self, reader: Any, head: Any) -> None:
         source = StoreSource(reader, head, prefetch=self._prefetch_restore)
-        self._restore_state(source, reader, head)
+        with imported_gaps(source, self._state.step_state, optimizer=bool(self.optimizers),
+                           scheduler=self.scheduler is not None):
+            self._restore_state(source, reader, head)
         self._step = head.step
         ref = reader.ref()
         self._skips = read_skips(reader.storage, reader.timelines, ref.name)

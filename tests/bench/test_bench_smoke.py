@@ -113,3 +113,15 @@ def test_hotpath_profile_runs_and_names_the_engine_threads_and_steps() -> None:
     for row in ("| training (main) |", "| dstt-commit |", "| dstt-copy |",
                 "| `Pipeline._copy_flat` |", "| `Transaction.commit` |", "| `Pipeline.stage` |"):
         assert row in out, row
+
+
+@pytest.mark.timeout(120)
+def test_import_bench_quick(tmp_path: Path) -> None:
+    res = run_quick("import_bench.py", tmp_path)
+    assert res["benchmark"] == "import" and res["checkpoints"] == 4
+    for mode in ("cold", "warm"):
+        assert {"loader_s", "read_phase_s", "import_s", "import_delta_s", "ratio_import"} <= set(
+            res[mode])
+    assert set(res["bytes_on_disk"]) == {"source", "import", "import_no_summaries",
+                                         "import_delta"}
+

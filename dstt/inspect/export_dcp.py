@@ -1,0 +1,115 @@
+"""Export one commit as a ``torch.distributed.checkpoint`` folder that ``dcp.load`` reads into a
+model and optimizer of any world size.
+
+The folder holds what DCP's own state-dict helpers produce and expect:
+``{"model": <model state dict by FQN>, "optimizer": <optimizer state dict by FQN>,
+"lr_scheduler": <scheduler state dict>, "step": k}`` — the optimizer in the layout of
+``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (state and param groups
+keyed by parameter name), so the usual loading code works unchanged, on one process or on
+every rank of an FSDP2/TP job (DCP reshards the whole tensors into each rank's shards)::
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id="step1200")
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+
+Tensors come from :func:`dstt.inspect.restore.step_state` (stored dtypes, bit for bit); tied
+parameters are written under each of their names (``names/tied``), as ``state_dict()`` lists
+them. The folder is written by ``dcp.save(..., no_dist=True)`` into a temporary folder beside
+``out`` and renamed into place, so a failed export leaves nothing behind.
+Rejected alternative: one ``.distcp`` file per source rank — the world size at export time is
+one process, and DCP's loader reshards on read whatever the files' layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import OutputExistsError, StorageError
+
+__all__ = ["export_dcp"]
+
+TIED_OBJECT = "names/tied"  # the engine's name (dstt.engine.torch_state)
+
+
+def _prepare(out: str, overwrite: bool) -> str:
+    path = os.path.abspath(out)
+    if os.path.isfile(path):
+        raise OutputExistsError(f"{path} is a file; a DCP export is a folder: choose another "
+                                "name")
+    if os.path.lexists(path) and not overwrite:
+        raise OutputExistsError(f"{path} exists; pass --force (overwrite=True) to replace it, "
+                                "or choose another folder name")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    except OSError as e:
+        raise StorageError(f"cannot create the folder for {path}: {e.strerror or e}") from e
+    return path
+
+
+def export_dcp(reader: Any, header: Any, out: str | os.PathLike[str], *,
+               overwrite: bool = False,
+               progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Write commit ``header`` as the DCP folder ``out``; returns ``{"tensors": n,
+    "bytes": b, "path": out}``."""
+    import torch.distributed.checkpoint as dcp
+
+    from ..engine._convert import from_plain
+    from .restore import GROUPS_OBJECT, step_state
+
+    path = _prepare(os.fspath(out), overwrite)
+    doc = step_state(reader, header)
+    model = dict(doc["model"])
+    if TIED_OBJECT in header.objects:
+        for name, stored in reader.read_object(header, TIED_OBJECT).items():
+            if stored in model:
+                model[name] = model[stored]
+    state: dict[str, Any] = {"model": model, "step": int(header.step)}
+    if doc["optimizer"] is not None:
+        groups = from_plain(reader.read_object(header, GROUPS_OBJECT))
+        names = [n for g in groups for n in g["params"]]
+        osd = doc["optimizer"]
+        state["optimizer"] = {
+            "state": {names[i]: st for i, st in osd["state"].items()},
+            "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                              "params": list(g["params"])} for g in groups]}
+    if doc["scheduler"] is not None:
+        state["lr_scheduler"] = doc["scheduler"]
+    tensors = [t for t in _tensors(state)]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.dstt-export-"
+                       f"{os.getpid()}")
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in one process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+        if os.path.lexists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmp)
+        if isinstance(e, OSError):
+            raise StorageError(f"cannot write the export to {path}: {e}") from e
+        raise
+    if progress:
+        progress(nbytes)
+    return {"tensors": len(tensors), "bytes": nbytes, "path": path}
+
+
+def _tensors(x: Any) -> list[Any]:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    if isinstance(x, list | tuple):
+        return [t for v in x for t in _tensors(v)]
+    return []

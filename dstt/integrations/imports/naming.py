@@ -1,0 +1,146 @@
+"""Naming an optimizer state keyed by index: which parameter is ``state[7]``?
+
+``optimizer.state_dict()`` numbers parameters by their position in its param groups, in the
+order the groups listed them when the optimizer was built; the names are not in the file. The
+importer recovers them from the *order of the model's parameters* — ``named_parameters()`` of
+a live model when the caller passes ``model=``, else of the source's own architecture (a
+Hugging Face folder's ``config.json`` built on the meta device: no memory, no weights), else
+the order of the source's own model state dict (a ``torch.save``/Lightning file keeps
+``state_dict()`` order; safetensors does not) — and the rule that split them into groups:
+
+* one group: every trainable parameter in model order (``Optimizer(model.parameters())``);
+* two groups with a Hugging Face model: the Trainer's own rule — decay parameters, then the
+  rest (``Trainer.get_decay_parameter_names``, called as the Trainer calls it);
+* otherwise: groups as consecutive runs of the model order, when the group sizes say so and
+  every state tensor's shape agrees.
+
+Every assignment is checked against the shapes of the state tensors (``exp_avg`` has its
+parameter's shape); a mismatch is a :class:`~dstt.errors.SourceError` that says to pass
+``model=`` (a model built as in training, whose optimizer groups follow its parameter order).
+What cannot be known: an optimizer built from a hand-picked parameter order that equal shapes
+hide — pass ``model=`` and, for exotic groupings, import the weights only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ...errors import SourceError
+
+__all__ = ["group_names", "hf_decay_names", "hf_meta_model", "trainable_names"]
+
+
+def trainable_names(model: torch.nn.Module) -> list[str]:
+    """``named_parameters()`` order of the parameters that train (tied ones once)."""
+    from ...engine.model_names import canonical_names
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    canon = canonical_names(model, [n for n, _ in named])
+    return [canon[n] for n, _ in named]
+
+
+def hf_meta_model(folder: str) -> torch.nn.Module | None:
+    """The architecture of a Hugging Face checkpoint folder (``config.json``), built on the
+    meta device; None when transformers cannot build it (unknown or remote code). Built once
+    per distinct ``config.json`` (a run's checkpoints share one)."""
+    import os
+
+    config = os.path.join(folder, "config.json")
+    if not os.path.isfile(config):
+        return None
+    with open(config, "rb") as fh:
+        text = fh.read()
+    if text not in _BUILT:
+        if len(_BUILT) >= 4:
+            _BUILT.clear()
+        _BUILT[text] = _meta_model(folder)
+    return _BUILT[text]
+
+
+_BUILT: dict[bytes, torch.nn.Module | None] = {}  # config.json text -> its meta model
+
+
+def _meta_model(folder: str) -> torch.nn.Module | None:
+    try:
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+        archs = getattr(config, "architectures", None) or []
+        cls = getattr(transformers, archs[0], None) if archs else None
+        if cls is None:
+            return None
+        with torch.device("meta"):
+            model = cls(config)
+        return model if isinstance(model, torch.nn.Module) else None
+    except Exception:  # any failure means "not buildable here": name otherwise
+        return None
+
+
+def hf_decay_names(model: torch.nn.Module) -> set[str] | None:
+    """The Trainer's decay parameters (its own rule, ``get_decay_parameter_names``), or None
+    when transformers is not installed."""
+    try:
+        from transformers import Trainer
+    except ImportError:
+        return None
+    # the method reads only the model (transformers 4.x-5.x); it is the Trainer's own rule
+    return set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
+
+
+def _fits(names: Sequence[str], ids: Sequence[Any], state: Mapping[Any, Any],
+          shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    """None when every state tensor (ndim > 0) of ``ids`` has its named parameter's shape;
+    else what disagrees."""
+    for name, idx in zip(names, ids, strict=True):
+        want = shapes.get(name)
+        for key, v in (state.get(idx) or {}).items():
+            if isinstance(v, torch.Tensor) and v.ndim and want is not None \
+                    and tuple(v.shape) != tuple(want):
+                return (f"state {key!r} of parameter {idx} has shape {tuple(v.shape)}, but "
+                        f"{name!r} has {tuple(want)}")
+    return None
+
+
+def group_names(osd: Mapping[str, Any], order: Sequence[str],
+                shapes: Mapping[str, tuple[int, ...]], *, where: str,
+                decay: Collection[str] | None = None) -> list[list[str]]:
+    """The names of each param group's parameters (see the module docstring)."""
+    groups = osd.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) and "params" in g
+                                               for g in groups):
+        raise SourceError(f"{where}: the optimizer state has no param_groups; is it a torch "
+                          "optimizer's state_dict()?")
+    ids = [list(g["params"]) for g in groups]
+    sizes = [len(i) for i in ids]
+    state = osd.get("state") or {}
+    if all(isinstance(i, str) for g in ids for i in g):  # already named (DCP's FQN layout)
+        return ids
+    hint = ("pass model= (the model, built as in training) so its parameter order names "
+            "the optimizer's state, or import the weights alone")
+    if sum(sizes) != len(order):
+        raise SourceError(f"{where}: the optimizer holds {sum(sizes)} parameters but the model "
+                          f"has {len(order)} trainable ones; {hint}")
+    candidates: list[list[list[str]]] = []
+    if decay is not None and len(groups) == 2:
+        first = [n for n in order if n in decay]
+        rest = [n for n in order if n not in decay]
+        candidates.append([first, rest])
+    cut, start = [], 0
+    for n in sizes:
+        cut.append(list(order[start:start + n]))
+        start += n
+    candidates.append(cut)
+    why = "no grouping fits"
+    for cand in candidates:
+        if [len(c) for c in cand] != sizes:
+            continue
+        bad = next((w for c, i in zip(cand, ids, strict=True)
+                    if (w := _fits(c, i, state, shapes)) is not None), None)
+        if bad is None:
+            return cand
+        why = bad
+    raise SourceError(f"{where}: cannot tell which parameter each optimizer state belongs to "
+                      f"({why}); {hint}")

@@ -1,0 +1,166 @@
+"""Which checkpoints a list of paths holds, in what format, at which step.
+
+A path is one checkpoint when it is one: a Hugging Face Trainer folder (``trainer_state.json``,
+or weights beside ``optimizer.pt``), a DCP folder (``.metadata`` + ``*.distcp``), a DeepSpeed
+tag folder (``*_model_states.pt``), a Lightning ``.ckpt``, a ``torch.save`` file (``.pt``,
+``.pth``, ``.bin``, ``.tar``) or a ``.safetensors`` file. Otherwise a folder is searched one
+level down, so the folder a framework saves into imports whole: a Trainer's ``output_dir``
+(``checkpoint-*``), a DeepSpeed save dir (``global_step*`` tags), Lightning's ``dirpath``,
+torchtitan's ``checkpoint/`` (``step-*``), a folder of ``step_*.pt`` files. Each source's step
+is found cheaply (``trainer_state.json``, the folder or file name, a memory-mapped look at a
+small ``torch.save`` file's keys) so sources can be sorted before any is read; the reader
+confirms it.
+Rejected alternative: a recursive walk — a run folder often holds unrelated ``.pt`` files
+(datasets, tokenizers) deeper down; one level is what every framework's layout needs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from ...errors import SourceError
+from .checkpoint import step_in_name
+
+__all__ = ["FORMATS", "Source", "Unknown", "find_sources", "reader_of"]
+
+#: every format the importer reads
+FORMATS = ("hf-trainer", "torch", "lightning", "dcp", "deepspeed")
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".tar", ".safetensors")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One checkpoint to import: its path, format and (provisional) step."""
+
+    path: str
+    format: str
+    step: int | None
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """A path that holds no checkpoint the importer knows."""
+
+    path: str
+    reason: str
+
+
+def _kind(path: str) -> str | None:
+    from .from_dcp import is_dcp_folder
+    from .from_deepspeed import is_deepspeed_tag
+    from .from_hf import is_hf_folder
+
+    if os.path.isdir(path):
+        if is_hf_folder(path):
+            return "hf-trainer"
+        if is_dcp_folder(path):
+            return "dcp"
+        if is_deepspeed_tag(path):
+            return "deepspeed"
+        return None
+    if path.endswith(".ckpt"):
+        return "lightning"
+    if path.endswith(TORCH_SUFFIXES):
+        return "torch"
+    return None
+
+
+def _step(path: str, kind: str) -> int | None:
+    if kind == "hf-trainer":
+        from .from_hf import step_of_hf
+
+        return step_of_hf(path) or step_in_name(os.path.basename(os.path.normpath(path)))
+    if kind == "lightning":
+        from .from_lightning import step_of_lightning
+
+        return step_of_lightning(path)
+    if kind == "torch":
+        from .from_torch import step_of_torch
+
+        return step_of_torch(path)
+    return step_in_name(os.path.basename(os.path.normpath(path)))
+
+
+def _skippable(name: str) -> bool:
+    """Files a framework writes beside its checkpoints (arguments, RNG, tokenizers)."""
+    return name.startswith(".") or name in {"training_args.bin", "optimizer.pt",
+                                             "scheduler.pt"} or name.startswith("rng_state")
+
+
+def find_sources(paths: Iterable[str], *, step: int | None = None
+                 ) -> tuple[list[Source], list[Unknown], list[Unknown]]:
+    """``(sources, unknown, ignored)`` under ``paths`` (see the module docstring): sources
+    sorted by step (those without a known step last); paths that hold none; files found in a
+    folder that are no step's checkpoint (a final ``model.safetensors`` beside the Trainer's
+    ``checkpoint-*``). ``step`` overrides the step of a single source."""
+    found: list[Source] = []
+    unknown: list[Unknown] = []
+    ignored: list[Unknown] = []
+    for raw in paths:
+        path = os.path.abspath(os.fspath(raw))
+        if not os.path.exists(path):
+            unknown.append(Unknown(path, "no such file or folder"))
+            continue
+        kind = _kind(path)
+        if kind is not None:
+            found.append(Source(path, kind, _step(path, kind)))
+            continue
+        if not os.path.isdir(path):
+            unknown.append(Unknown(path, "not a checkpoint file dstt imports (.pt, .pth, .bin, "
+                                         ".ckpt, .safetensors)"))
+            continue
+        inner = []
+        for name in sorted(os.listdir(path)):
+            child = os.path.join(path, name)
+            if _skippable(name):
+                continue
+            k = _kind(child)
+            if k is None:
+                continue
+            found_step = _step(child, k)
+            if found_step is None and k in ("torch", "lightning"):  # weights saved beside
+                ignored.append(Unknown(child, "a file without a step in its name or contents"))
+                continue
+            inner.append(Source(child, k, found_step))
+        if not inner:
+            unknown.append(Unknown(path, "holds no checkpoint dstt imports (a Trainer, DCP "
+                                         "or DeepSpeed folder, .ckpt, .pt, .safetensors) "
+                                         "here or one level down"))
+        found.extend(inner)
+    if step is not None:
+        if len(found) != 1:
+            raise SourceError(f"step= names the step of one checkpoint, but {len(found)} were "
+                              "found; give one source, or let each say its own step")
+        found = [Source(found[0].path, found[0].format, step)]
+    found.sort(key=lambda s: (s.step is None, s.step or 0, s.path))
+    return found, unknown, ignored
+
+
+Reader = Callable[..., object]
+
+
+def reader_of(fmt: str) -> Reader:
+    """The reading function of a format (imported on demand: each pulls its framework)."""
+    if fmt == "hf-trainer":
+        from .from_hf import read_hf
+
+        return read_hf
+    if fmt == "dcp":
+        from .from_dcp import read_dcp
+
+        return read_dcp
+    if fmt == "deepspeed":
+        from .from_deepspeed import read_deepspeed
+
+        return read_deepspeed
+    if fmt == "lightning":
+        from .from_lightning import read_lightning
+
+        return read_lightning
+    if fmt == "torch":
+        from .from_torch import read_torch
+
+        return read_torch
+    raise ValueError(f"unknown checkpoint format {fmt!r}; dstt imports {', '.join(FORMATS)}")

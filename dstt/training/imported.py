@@ -1,0 +1,74 @@
+"""Resuming a step that ``dstt import`` brought in: say what its source did not hold.
+
+An imported step (one with the object ``import/source``) holds what its source held: a
+Lightning or DeepSpeed checkpoint has no RNG state, a ``torch.save`` of a bare state dict no
+optimizer. Resuming it restores everything it holds bit-exactly; for the rest:
+
+* no RNG state: a :class:`~dstt.errors.DsttWarning` names the source, and the process keeps
+  its own RNG (the resumed run is then not bit-exact with the original: dropout and data
+  order draw differently);
+* no optimizer state, or no scheduler state, while the session has an optimizer / a
+  scheduler: a :class:`~dstt.errors.SchemaError` names the source and what to do (load the
+  weights with ``run.at(k).load_into(model)`` and start a new run) — silently starting a
+  fresh optimizer would look like a resume and train differently.
+
+Rejected alternative: storing placeholder state at import time — a resume would "restore"
+values the source never had.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import DsttWarning, SchemaError
+
+__all__ = ["IMPORT_OBJECT", "imported_gaps"]
+
+#: the object ``dstt.integrations.imports`` writes with every imported step
+IMPORT_OBJECT = "import/source"
+
+
+@contextlib.contextmanager
+def imported_gaps(source: Any, providers: Any, *, optimizer: bool,
+                  scheduler: bool) -> Iterator[None]:
+    """Around a restore of ``source``: checks what an imported step lacks (see the module
+    docstring); a missing RNG state is tolerated (with a warning) while the block runs."""
+    if not source.has_object(IMPORT_OBJECT):
+        yield
+        return
+    info = source.object(IMPORT_OBJECT) or {}
+    lacks = set(info.get("lacks") or ())
+    where = f"step {source.step} was imported from {info.get('path')} ({info.get('format')})"
+    need = [w for w, has in (("optimizer state", optimizer), ("scheduler state", scheduler))
+            if has and w in lacks]
+    if need:
+        raise SchemaError(
+            f"{where}, which holds no {' and no '.join(need)}: resume=True cannot restore "
+            "it. Load the weights with dstt.open(run).at(step).load_into(model) and start a "
+            "new run (or leave the scheduler out of the session)")
+    relaxed = []
+    if "RNG state" in lacks:
+        warnings.warn(f"dstt: {where}, which holds no RNG state; the RNG is not restored, so "
+                      "the resumed run draws differently from the original", DsttWarning,
+                      stacklevel=4)
+        relaxed = [p for p in _objects(providers) if _base(p) == "rng" and p.required]
+    for p in relaxed:
+        p.required = False
+    try:
+        yield
+    finally:
+        for p in relaxed:
+            p.required = True
+
+
+def _base(p: Any) -> str | None:
+    return getattr(p, "base", getattr(p, "name", None))
+
+
+def _objects(providers: Any) -> Iterator[Any]:
+    for p in getattr(providers, "providers", ()):
+        if hasattr(p, "required"):
+            yield p
