@@ -201,20 +201,21 @@ def test_sigkill_during_background_retention_leaves_a_consistent_run(tmp_path: P
     rng = random.Random(18)
     resume = False
     for _ in range(3):
-        proc = subprocess.Popen([sys.executable, str(CHILD), str(run), "400",
-                                 json.dumps(CHILD_POLICY), *(["resume"] if resume else [])],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=_env())
-        kill_after = rng.randint(15, 60)
-        seen = 0
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            seen += line.startswith("step")
-            if seen >= kill_after:
-                proc.send_signal(signal.SIGKILL)
-                break
-        proc.wait(timeout=60)
-        assert proc.returncode == -signal.SIGKILL, proc.stderr.read() if proc.stderr else ""
+        with subprocess.Popen([sys.executable, str(CHILD), str(run), "400",
+                               json.dumps(CHILD_POLICY), *(["resume"] if resume else [])],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env()) as proc:  # closes its pipes
+            kill_after = rng.randint(15, 60)
+            seen = 0
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                seen += line.startswith("step")
+                if seen >= kill_after:
+                    proc.send_signal(signal.SIGKILL)
+                    break
+            proc.wait(timeout=60)
+            err = proc.stderr.read() if proc.stderr else ""
+        assert proc.returncode == -signal.SIGKILL, err
         rep = dstt.open(run).repo.verify()
         assert rep.ok, rep.problems
         resume = True

@@ -46,8 +46,10 @@ def model_and_optimizer(seed: int = 0) -> tuple[TinyGPT, torch.optim.Optimizer]:
 
 
 def params(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    """Parameters by torch name (tied weights once, like the store), copied."""
-    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    """Parameters by torch name, copied; a tied weight under each of its names, as a
+    snapshot lists them (``names/tied``: stored once, reachable by every name)."""
+    return {n: p.detach().numpy().copy()
+            for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def train(run: Any, steps: int, *, seed: int = 0, resume: bool = False,

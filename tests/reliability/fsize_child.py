@@ -32,7 +32,7 @@ from dstt.testing.models import SyntheticBatches, TinyGPT
 
 def digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
-    for _, p in sorted(model.named_parameters()):
+    for _, p in sorted(model.named_parameters(remove_duplicate=False)):  # as names() lists
         h.update(p.detach().numpy().tobytes())
     return h.hexdigest()
 

@@ -60,8 +60,9 @@ class Lines:
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.q.put(line.rstrip("\n"))
+        with self.proc.stdout:  # closed at the end of the child's output
+            for line in self.proc.stdout:
+                self.q.put(line.rstrip("\n"))
         self.q.put(None)
 
     def send(self, line: str) -> None:
@@ -86,12 +87,21 @@ class Lines:
         self.proc.wait(timeout)
         while (line := self.q.get(timeout=timeout)) is not None:
             self.all.append(line)
+        self.close()
         return self.all
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(30)
+        self.close()
+
+    def close(self) -> None:
+        """Close stdin and stderr (stdout is the pump thread's: it closes it at the end of the
+        child's output)."""
+        for f in (self.proc.stdin, self.proc.stderr):
+            if f is not None:
+                f.close()
 
 
 @pytest.fixture
