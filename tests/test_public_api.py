@@ -162,7 +162,7 @@ _PACKAGE_OF = {"_run": "run", "_snapshot": "run", "_run_diagnose": "run", "_cli_
 
 
 def _package(module: str) -> str:
-    """The house package of a dstt module (``dstt.store.reader`` -> ``store``)."""
+    """The house package of a dstt module (``dstt.store.read.reader`` -> ``store``)."""
     head = module.split(".")[1] if "." in module else "dstt"
     return _PACKAGE_OF.get(head, head)
 

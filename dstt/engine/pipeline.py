@@ -69,7 +69,7 @@ class Pipeline(ChunkLane):
                  summaries: bool = True, summaries_object: str = SUMMARIES_OBJECT,
                  min_slab_bytes: int = 0, flusher: bool | None = None,
                  copy: str = "async", dims: DimsOf | None = None) -> None:
-        """``flusher``: write flat steps from a child process (``store/flusher.py``): None
+        """``flusher``: write flat steps from a child process (``store/flusher/parent.py``): None
         (default) where the storage is local files and the platform allows, ``False``
         never (writer threads), ``True`` always where possible. ``dims`` names the
         dimensions of a step's arrays (``dims.py``; None: the store's default names)."""

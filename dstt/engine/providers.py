@@ -335,7 +335,7 @@ class StoreSource:
     is not plain data was stored with pickle.
 
     Arrays are the step's stored arrays and its *logical* ones (tensors several ranks wrote
-    in parts, assembled from the shard maps: ``dstt.store.shards``): ``array`` reads a whole
+    in parts, assembled from the shard maps: ``dstt.store.read.shards``): ``array`` reads a whole
     tensor, ``region`` only the box a rank holds (its local shard), from whichever parts
     overlap it.
 

@@ -3,7 +3,21 @@ refs. Knows no torch. The only way in from the rest of dstt: every name the engi
 inspection and CLI use is imported from here, never from a module of the store."""
 
 from .api import Snapshot, dtype_name, load, save
-from .batches import (
+from .codec.delta import EncodeStats
+from .codec.predict import CUR, Prediction, adam_predictions, sgd_predictions
+from .codec.xor import DeltaPolicy
+from .commit.parts import Part, abort_vote, collect_parts, remove_parts
+from .commit.ranks import (
+    DEFAULT_RANK_TIMEOUT,
+    RankInfo,
+    RankTransaction,
+    RankWriter,
+    TransactionProxy,
+)
+from .commit.writer import Transaction, Writer
+from .flusher.flatstats import DigestPlan, digest
+from .flusher.parent import Flusher, flusher_supported
+from .format.batches import (
     BATCHES_OBJECT,
     Batch,
     SkipSet,
@@ -12,12 +26,6 @@ from .batches import (
     read_skips,
     write_skips,
 )
-from .codec.delta import EncodeStats
-from .codec.predict import CUR, Prediction, adam_predictions, sgd_predictions
-from .codec.xor import DeltaPolicy
-from .commit import DEFAULT_RANK_TIMEOUT, RankInfo, RankTransaction, RankWriter, TransactionProxy
-from .flatstats import DigestPlan, digest
-from .flusher import Flusher, flusher_supported
 from .format.flat import FlatImage, FlatLayout
 from .format.layout import (
     COMMITS_PREFIX,
@@ -34,22 +42,28 @@ from .format.records import ArrayRecord, ChunkRecord, CommitHeader, ObjectRecord
 from .format.segment import SCALARS as SUMMARY_SCALARS
 from .format.segment import RowSet
 from .format.zarr_meta import dtype_itemsize, numpy_dtype
-from .index_reader import Index, IndexedHeader
-from .index_rows import as_float
-from .maintenance import GcReport
-from .parts import Part, abort_vote, collect_parts, remove_parts
+from .index.rows import as_float
+from .index.shard_summaries import DTENSOR_PREFIX, fold_rows, logical_of, shard_source
+from .index.view import Index, IndexedHeader
+from .maintenance.gc import GcReport
+from .maintenance.retention import Retention, find_spikes
+from .maintenance.verify import Problem, VerifyReport
 from .protocols import FlatStepWriter, StepTransaction, StepWriter
-from .reader import Reader
+from .read.reader import Reader
+from .read.shards import (
+    Box,
+    LogicalArray,
+    Piece,
+    logical_arrays,
+    read_logical,
+    read_region,
+    shard_map,
+)
 from .repository import Repository
-from .retention import Retention, find_spikes
-from .shard_summaries import DTENSOR_PREFIX, fold_rows, logical_of, shard_source
-from .shards import Box, LogicalArray, Piece, logical_arrays, read_logical, read_region, shard_map
 from .storage.base import Durability, Storage
 from .storage.local import LocalStorage
 from .storage.posix import fsync_dir
 from .storage.urls import is_url, storage_for
-from .verify import Problem, VerifyReport
-from .writer import Transaction, Writer
 
 __all__ = [
     "BATCHES_OBJECT",

@@ -36,6 +36,7 @@ import pytest
 
 from dstt.errors import NotARunError, StepNotFoundError, StorageError
 from dstt.store import Durability, Repository, Storage, load
+from dstt.store.commit.parts import collect_parts
 from dstt.store.format.layout import (
     COMMITS_PREFIX,
     INDEX_PREFIX,
@@ -48,8 +49,7 @@ from dstt.store.format.layout import (
     side_file_key,
     step_file_key,
 )
-from dstt.store.index_reader import GC_MARKER
-from dstt.store.parts import collect_parts
+from dstt.store.index.view import GC_MARKER
 from dstt.store.storage.base import Data
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage
 

@@ -5,7 +5,7 @@ chunks, the steps in flight, the timeline, the budget. A step written whole from
 layout (``flatdelta.py``) is encoded against a *flat shadow* of that layout instead of chunk
 shadows; these are the encoder's methods for it — the newest shadow before the step (in
 flight, else committed), the budget check, the recycled copy — as a mixin of ``DeltaEncoder``
-(as ``chunk_reader.py`` is of the reader), which provides the attributes. Rejected
+(as ``read/chunks.py`` is of the reader), which provides the attributes. Rejected
 alternative: a second encoder object for flat steps — in-flight bases, discards and promotes
 must see both kinds of step under one lock.
 """

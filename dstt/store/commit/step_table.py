@@ -1,11 +1,11 @@
 """A step's arrays table from what its transaction recorded: columns, not records.
 
 A flat write records its chunks as columns (offsets, sizes, crc32c; for an encoded step also
-each chunk's file and its codec entries, ``flat_encode.py``), a chunk-by-chunk write a
+each chunk's file and its codec entries, ``commit/flat_encode.py``), a chunk-by-chunk write a
 ``ChunkRecord`` per chunk. This builds the step's table from both (``manifest.TableBuilder``),
 splices a raw flat step's from cached columns (``TableTemplate``), and gives the records
 themselves to the callers that need objects (a part's vote, a merge). A mixin of
-``Transaction`` (as ``chunk_reader.py`` is of the reader): the transaction holds the state.
+``Transaction`` (as ``read/chunks.py`` is of the reader): the transaction holds the state.
 Rejected alternative: building ``ChunkRecord`` objects for every write — ~3 µs per chunk per
 step, where the columns cost a list extend.
 """
@@ -15,14 +15,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DsttError
-from .format.flat import FlatLayout
-from .format.layout import ChunkPlan
-from .format.manifest import TableBuilder, TableTemplate, dump_arrays
-from .format.records import ArrayRecord, ChunkRecord
+from ...errors import DsttError
+from ..format.flat import FlatLayout
+from ..format.layout import ChunkPlan
+from ..format.manifest import TableBuilder, TableTemplate, dump_arrays
+from ..format.records import ArrayRecord, ChunkRecord
 
 if TYPE_CHECKING:
-    from .format.stepfile import StepFile
+    from ..format.stepfile import StepFile
     from .writer import Writer
 
 __all__ = ["StepTableMixin"]
@@ -41,7 +41,7 @@ def _record(key: str, nbytes: int, crc: int, offset: int,
 
 
 class StepTableMixin:
-    """The table half of :class:`~dstt.store.transaction.Transaction`."""
+    """The table half of :class:`~dstt.store.commit.transaction.Transaction`."""
 
     writer: Writer
     slot: int

@@ -18,17 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._lru import LRU
-from ..errors import (
+from ..._lru import LRU
+from ...errors import (
     ChecksumError,
     CorruptRunError,
     NotARunError,
     StepNotFoundError,
     TimelineError,
 )
-from .chunk_reader import ChunkReadMixin
-from .format.envelope import checksum
-from .format.layout import (
+from ..format.envelope import checksum
+from ..format.layout import (
     COMMITS_PREFIX,
     HEAD_KEY,
     REFS_PREFIX,
@@ -37,15 +36,22 @@ from .format.layout import (
     parse_commit_name,
     step_file_key,
 )
-from .format.manifest import parse_arrays, parse_arrays_columns, parse_head, parse_header, parse_ref
-from .format.objects import decode_object
-from .format.records import ArrayRecord, CommitHeader, RefInfo
-from .format.segment import RowSet
-from .format.zarr_meta import numpy_dtype
-from .index_reader import Index, scalar_rows
+from ..format.manifest import (
+    parse_arrays,
+    parse_arrays_columns,
+    parse_head,
+    parse_header,
+    parse_ref,
+)
+from ..format.objects import decode_object
+from ..format.records import ArrayRecord, CommitHeader, RefInfo
+from ..format.segment import RowSet
+from ..format.zarr_meta import numpy_dtype
+from ..index.view import Index, scalar_rows
+from .chunks import ChunkReadMixin
 
 if TYPE_CHECKING:
-    from .storage.base import Storage
+    from ..storage.base import Storage
 
 __all__ = ["Reader"]
 
@@ -57,7 +63,7 @@ class Reader(ChunkReadMixin):
                  decoded_cache_bytes: int = 256 << 20, index: Index | None = None,
                  use_index: bool = True) -> None:
         self.storage = storage
-        #: the run's index (``index_reader.py``, written by ``index.py``): headers and tensor
+        #: the run's index (``index/view.py``, written by ``index/writer.py``): headers and tensor
         #: locations without a header read per step; loaded on first use, shared by the
         #: readers of a ``ReaderPool``.
         #: ``use_index=False``: every header from its own file (verify)

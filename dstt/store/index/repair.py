@@ -1,7 +1,7 @@
 """Whole-index rewrites: gc's new index, ``dstt index`` (rebuild) and verify's check.
 
 All three hold the run's lock (or are read-only) and derive rows from the commit headers, the
-source of truth (``index.py``). ``rewrite`` writes one segment of every given row, then deletes
+source of truth (``writer.py``). ``rewrite`` writes one segment of every given row, then deletes
 every older segment and the gc marker: a cut before the deletes leaves overlapping segments in
 which the newer generation wins, so it never loses a row. ``rebuild`` reads every header from
 its own file (not the index it replaces) and keeps the summaries of pruned steps from any
@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import DsttError
-from .format.layout import INDEX_PREFIX, commit_key, parse_index_name
-from .format.manifest import dump_header, parse_header
-from .format.records import CommitHeader
-from .format.segment import RowSet, concat
-from .index import write_segment
-from .index_reader import GC_MARKER, Index
-from .index_rows import keep_summaries, rows_from_headers, take
+from ...errors import DsttError
+from ..format.layout import INDEX_PREFIX, commit_key, parse_index_name
+from ..format.manifest import dump_header, parse_header
+from ..format.records import CommitHeader
+from ..format.segment import RowSet, concat
+from .rows import keep_summaries, rows_from_headers, take
+from .view import GC_MARKER, Index
+from .writer import write_segment
 
 if TYPE_CHECKING:
-    from .reader import Reader
-    from .storage.base import Storage
+    from ..read.reader import Reader
+    from ..storage.base import Storage
 
 __all__ = ["all_rows", "check", "reachable_headers", "rebuild", "rewrite"]
 

@@ -6,7 +6,7 @@ delta in one append to the step's side file (payload + crc32c trailer each, not 
 the keyframes as one range of zip entries (their headers built once while the same chunks
 keyframe: ``flatdelta.keyframe_image``), dedups as their older records — then records the
 step's columns in the transaction and leaves its flat shadow, the next step's base. Kept out of
-``transaction.py``, which holds what a step is, not how an encoded one is laid out.
+``commit/transaction.py``, which holds what a step is, not how an encoded one is laid out.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .codec.flatdelta import DEDUP, KEY, LayoutState
-from .format.envelope import crc32c_raw
-from .format.flat import FlatLayout
-from .format.zipfmt import Entry, crc32_raw, directory_records, local_header
+from ..codec.flatdelta import DEDUP, KEY, LayoutState
+from ..format.envelope import crc32c_raw
+from ..format.flat import FlatLayout
+from ..format.zipfmt import Entry, crc32_raw, directory_records, local_header
 
 if TYPE_CHECKING:
     from .transaction import Transaction

@@ -17,23 +17,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import DsttError
-from .format.layout import LOCK_KEY, STEPS_PREFIX, commit_key, key_slot
-from .format.manifest import dump_header
-from .format.records import CommitHeader
-from .format.segment import RowSet
-from .index import write_segment
-from .index_reader import GC_MARKER, IndexedHeader
-from .index_repair import all_rows, rewrite
-from .index_rows import keep_summaries, rows_from_headers
-from .parts import remove_parts
-from .reader import Reader
+from ...errors import DsttError
+from ..commit.parts import remove_parts
+from ..format.layout import LOCK_KEY, STEPS_PREFIX, commit_key, key_slot
+from ..format.manifest import dump_header
+from ..format.records import CommitHeader
+from ..format.segment import RowSet
+from ..index.repair import all_rows, rewrite
+from ..index.rows import keep_summaries, rows_from_headers
+from ..index.view import GC_MARKER, IndexedHeader
+from ..index.writer import write_segment
+from ..read.reader import Reader
 from .retention import Retention, policy
 
 if TYPE_CHECKING:
-    from .repository import Repository
-    from .storage.base import Storage
-    from .writer import Writer
+    from ..commit.writer import Writer
+    from ..repository import Repository
+    from ..storage.base import Storage
 
 __all__ = ["GcReport", "gc"]
 
@@ -129,7 +129,7 @@ def _prune_live(st: Storage, r: Reader, writer: Writer, prune: list[CommitHeader
     """Tombstones and index rows of ``prune`` under a live writer, in gc's order (marker,
     tombstones, a new segment, marker deleted; the files after), but O(pruned) instead of a
     rewrite of every row: the new segment holds only the pruned rows and, as the newest
-    generation, wins over their older rows (``index.py``); the writer's merges compact it
+    generation, wins over their older rows (``index/writer.py``); the writer's merges compact it
     later. Summaries and history come from each slot's older row, or (slots the writer has
     not indexed yet) from its files, read before the tombstone is written."""
     if not prune:
@@ -261,7 +261,7 @@ def _gc(st: Storage, pol: Retention | None, dry_run: bool, progress: Progress,
             _prune_live(st, r, writer, [reachable[s] for s in prune], progress,
                         len(prune) + len(doomed))
     elif not dry_run:
-        # the index keeps every row of a pruned step (index.py): rows of the steps not
+        # the index keeps every row of a pruned step (index/writer.py): rows of the steps not
         # indexed yet are read now, while their files still exist
         old = all_rows(st, r.index.load())
         todo_rows = [reachable[s] for s in sorted(reachable) if s not in old]

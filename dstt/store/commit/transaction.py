@@ -1,6 +1,6 @@
 """One step on its way to a commit: its chunks, objects, metrics and the two files it fills.
 
-A ``Transaction`` belongs to the ``Writer`` (writer.py) that began it and holds a fresh slot:
+A ``Transaction`` belongs to the ``Writer`` (commit/writer.py) that began it and holds a fresh slot:
 the zip of Zarr chunks and the side file of objects and deltas (``format/stepfile.py``), which
 no commit references yet. Chunks arrive one at a time (``put_chunk``, encoded when the writer
 encodes) or a whole step at once (``put_flat``, the engine's hot path, or its two halves when
@@ -20,26 +20,26 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import DsttError
-from .codec.delta import EncodeStats, Shadow
-from .codec.flatdelta import FlatShadow, seed_shadow
-from .codec.predict import CUR, Prediction
-from .flat_encode import write_encoded
-from .format.envelope import checksum
-from .format.flat import FlatImage, FlatLayout
-from .format.layout import (
+from ...errors import DsttError
+from ..codec.delta import EncodeStats, Shadow
+from ..codec.flatdelta import FlatShadow, seed_shadow
+from ..codec.predict import CUR, Prediction
+from ..format.envelope import checksum
+from ..format.flat import FlatImage, FlatLayout
+from ..format.layout import (
     ChunkPlan,
     side_file_key,
     step_file_key,
     zarr_chunk_key,
 )
-from .format.objects import Encoded, Encoding, encode_object
-from .format.records import ChunkRecord, CommitHeader, Metric, ObjectRecord
-from .format.stepfile import SideFile, StepFile
-from .format.zipfmt import crc32
+from ..format.objects import Encoded, Encoding, encode_object
+from ..format.records import ChunkRecord, CommitHeader, Metric, ObjectRecord
+from ..format.stepfile import SideFile, StepFile
+from ..format.zipfmt import crc32
+from .flat_encode import write_encoded
+from .job import Deferred, encode_deferred
 from .parts import Part
 from .step_table import StepTableMixin
-from .stepcommit import Deferred, encode_deferred
 
 if TYPE_CHECKING:
     from .writer import Writer
@@ -325,7 +325,7 @@ class Transaction(StepTableMixin):
     def defer_object(self, name: str, obj: Any, *, encoding: Encoding = "json",
                      or_pickle: bool = False) -> None:
         """Store ``obj`` as ``name`` when the step commits (encoded then, by whoever
-        commits: this process or the flusher's, ``stepcommit.py``); ``or_pickle``: with
+        commits: this process or the flusher's, ``commit/job.py``); ``or_pickle``: with
         pickle where JSON cannot hold it (the header's record then says ``"pickle"``)."""
         self._check()
         with self._lock:

@@ -12,7 +12,7 @@ and commit header, and commits as usual. Readers never look at parts: a merged c
 indistinguishable from a single-writer one, and a step is visible only once every rank's bytes
 are durable. Part files of committed slots are deleted after the commit (gc sweeps leftovers).
 
-Who calls these, and when, is ``commit.py`` (the ``RankWriter`` protocol).
+Who calls these, and when, is ``commit/ranks.py`` (the ``RankWriter`` protocol).
 Rejected alternative: a per-rank arrays table referenced from the header — every reader would
 have to learn a second table kind.
 """
@@ -25,14 +25,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import CorruptRunError, RankError
-from .format.envelope import _fields, _metric_in, _metric_out, _open, _seal
-from .format.layout import PARTS_PREFIX, part_key
-from .format.manifest import arrays_from_json, arrays_json, object_from_json, object_json
-from .format.records import ArrayRecord, Metric, ObjectRecord
+from ...errors import CorruptRunError, RankError
+from ..format.envelope import _fields, _metric_in, _metric_out, _open, _seal
+from ..format.layout import PARTS_PREFIX, part_key
+from ..format.manifest import arrays_from_json, arrays_json, object_from_json, object_json
+from ..format.records import ArrayRecord, Metric, ObjectRecord
 
 if TYPE_CHECKING:
-    from .storage.base import Storage
+    from ..storage.base import Storage
 
 __all__ = ["Part", "abort_vote", "collect_parts", "dump_part", "merge_parts", "parse_part",
            "part_slots", "remove_parts"]

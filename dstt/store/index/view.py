@@ -11,7 +11,7 @@ never change once their ref moved, with one exception, gc's tombstones: while gc
 headers. Where segments overlap, the newer generation's row wins.
 
 Only the reader's view lives here (``Index``, ``IndexedHeader``, ``scalar_rows``); writing
-segments, merging them and the background jobs are ``index.py``, which imports this module and
+segments, merging them and the background jobs are ``writer.py``, which imports this module and
 never the other way. Rejected: one module for both sides (two jobs; a reader would load the
 writer's jobs and merges it never runs).
 """
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ChecksumError, CorruptRunError, DsttError, StepNotFoundError
-from .format.envelope import checksum
-from .format.layout import INDEX_PREFIX, commit_key, parse_index_name, step_file_key
-from .format.manifest import parse_header
-from .format.records import ArrayRecord, ChunkRecord, CommitHeader
-from .format.segment import (
+from ...errors import ChecksumError, CorruptRunError, DsttError, StepNotFoundError
+from ..format.envelope import checksum
+from ..format.layout import INDEX_PREFIX, commit_key, parse_index_name, step_file_key
+from ..format.manifest import parse_header
+from ..format.records import ArrayRecord, ChunkRecord, CommitHeader
+from ..format.segment import (
     SCALARS,
     Layout,
     RowSet,
@@ -42,11 +42,11 @@ from .format.segment import (
     layout_of,
     read_directory,
 )
-from .index_rows import rows_from_headers, take
+from .rows import rows_from_headers, take
 
 if TYPE_CHECKING:
-    from .reader import Reader
-    from .storage.base import Storage
+    from ..read.reader import Reader
+    from ..storage.base import Storage
 
 __all__ = ["GC_MARKER", "Index", "IndexedHeader", "scalar_rows"]
 

@@ -31,17 +31,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ..errors import CurrentTimelineError, TimelineError
-from .format.layout import HEAD_KEY, LOCK_KEY, check_timeline_name, ref_key
-from .format.manifest import dump_head, dump_ref
-from .format.records import RefInfo
-from .maintenance import GcReport, gc
-from .reader import Reader
-from .storage.memory import DelegatingStorage
+from ...errors import CurrentTimelineError, TimelineError
+from ..format.layout import HEAD_KEY, LOCK_KEY, check_timeline_name, ref_key
+from ..format.manifest import dump_head, dump_ref
+from ..format.records import RefInfo
+from ..read.reader import Reader
+from ..storage.memory import DelegatingStorage
+from .gc import GcReport, gc
 
 if TYPE_CHECKING:
-    from .repository import Repository
-    from .storage.base import Storage
+    from ..repository import Repository
+    from ..storage.base import Storage
 
 __all__ = ["DeleteReport", "delete_timeline", "rename_timeline"]
 

@@ -1,14 +1,15 @@
 """Reading a commit's tensors by chunk: verified chunk bytes, delta chains decoded through
-their bases, whole arrays and row ranges — the chunk half of :class:`~dstt.store.reader.Reader`.
+their bases, whole arrays and row ranges — the chunk half of
+:class:`~dstt.store.read.reader.Reader`.
 
 Every chunk read is checked (size, crc32c against the arrays table and the chunk's own
 trailer); an XOR or predicted (``PRED``) chunk is rebuilt from its base and inputs and checked
 against the raw chunk's crc32c. Decoded chunks are kept in the reader's byte-bounded LRU, so
 scrubbing consecutive steps costs one read per step of a chain. A mixin rather than more of
-``reader.py`` (as ``_run_diagnose.py`` is for ``Run``): the reader provides the attributes and
+``read/reader.py`` (as ``_run_diagnose.py`` is for ``Run``): the reader provides the attributes and
 methods it uses. Rejected alternative: module-level functions taking the reader (as
 ``index_reader.scalar_rows``), which would leave ``read_chunk``/``read_array``/``read_rows``,
-the reader's API, as forwarding stubs in ``reader.py``.
+the reader's API, as forwarding stubs in ``read/reader.py``.
 """
 
 from __future__ import annotations
@@ -18,22 +19,22 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ChecksumError, CorruptRunError
-from .codec.predict import PRED, predict
-from .codec.xor import XOR, xor_decode
-from .format.envelope import checksum
-from .format.records import ArrayRecord, ChunkRecord, CommitHeader
-from .format.zarr_meta import numpy_dtype
+from ...errors import ChecksumError, CorruptRunError
+from ..codec.predict import PRED, predict
+from ..codec.xor import XOR, xor_decode
+from ..format.envelope import checksum
+from ..format.records import ArrayRecord, ChunkRecord, CommitHeader
+from ..format.zarr_meta import numpy_dtype
 
 if TYPE_CHECKING:
-    from .._lru import LRU
-    from .storage.base import Storage
+    from ..._lru import LRU
+    from ..storage.base import Storage
 
 __all__ = ["ChunkReadMixin"]
 
 
 class ChunkReadMixin:
-    """Methods :class:`~dstt.store.reader.Reader` gets from this module (it provides the
+    """Methods :class:`~dstt.store.read.reader.Reader` gets from this module (it provides the
     attributes used)."""
 
     storage: Storage

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 from .parts import abort_vote, collect_parts
 
 if TYPE_CHECKING:
-    from .repository import Repository
-    from .storage.base import Storage
+    from ..repository import Repository
+    from ..storage.base import Storage
     from .writer import Writer
 
 __all__ = ["DEFAULT_RANK_TIMEOUT", "RankInfo", "RankTransaction", "RankWriter",

@@ -1,6 +1,6 @@
 """The run's index, writing side: pending rows, segments, merges (LSM), background jobs.
 
-The reading side — segments, which rows are trusted, ``Index`` — is ``index_reader.py``; this
+The reading side — segments, which rows are trusted, ``Index`` — is ``index/view.py``; this
 module imports it and never the other way. Rejected: one module for both sides (two jobs; a
 reader would load the writer's jobs and merges it never runs).
 
@@ -30,17 +30,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import DsttError
-from .format.layout import index_key
-from .format.records import CommitHeader
-from .format.segment import RowSet, concat, encode
-from .index_job import IndexJob
-from .index_reader import GC_MARKER, Index
-from .index_rows import dedup, keep_summaries, rows_from_headers, take
+from ...errors import DsttError
+from ..format.layout import index_key
+from ..format.records import CommitHeader
+from ..format.segment import RowSet, concat, encode
+from .job import IndexJob
+from .rows import dedup, keep_summaries, rows_from_headers, take
+from .view import GC_MARKER, Index
 
 if TYPE_CHECKING:
-    from .reader import Reader
-    from .storage.base import Storage
+    from ..read.reader import Reader
+    from ..storage.base import Storage
 
 __all__ = ["IndexWriter", "write_segment"]
 

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import CorruptRunError, DsttError
-from .format.envelope import checksum
-from .format.layout import (
+from ...errors import CorruptRunError, DsttError
+from ..format.envelope import checksum
+from ..format.layout import (
     REFS_PREFIX,
     STEPS_PREFIX,
     array_meta_key,
@@ -24,15 +24,15 @@ from .format.layout import (
     key_slot,
     zarr_chunk_key,
 )
-from .format.records import ArrayRecord, CommitHeader
-from .format.zarr_meta import array_document
-from .format.zipfmt import Entry, crc32, local_data_offset, parse_directory
-from .index_repair import check
-from .reader import Reader
+from ..format.records import ArrayRecord, CommitHeader
+from ..format.zarr_meta import array_document
+from ..format.zipfmt import Entry, crc32, local_data_offset, parse_directory
+from ..index.repair import check
+from ..read.reader import Reader
 
 if TYPE_CHECKING:
-    from .repository import Repository
-    from .storage.base import Storage
+    from ..repository import Repository
+    from ..storage.base import Storage
 
 __all__ = ["Problem", "VerifyReport", "verify"]
 
@@ -111,7 +111,7 @@ def verify(repo: Repository, *, progress: Progress = None) -> VerifyReport:
             except OSError as e:
                 problem(o.key, e)
         _verify_step_files(st, h, table, problem)
-    for key, message in check(r):  # the index against the headers (index.py)
+    for key, message in check(r):  # the index against the headers (index/writer.py)
         problem(key, message)
     if progress:
         progress(len(todo), len(todo))

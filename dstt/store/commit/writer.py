@@ -9,7 +9,7 @@ commit header → barrier (files and header durable together) → timeline ref (
 commit point). A crash anywhere before the ref moves leaves garbage no reader looks at — at
 worst a complete commit that simply is not the head (gc removes such orphans).
 
-Several ranks can write one commit (``parts.py``): a writer opened with ``exclusive=False``
+Several ranks can write one commit (``commit/parts.py``): a writer opened with ``exclusive=False``
 takes no lock, writes only its own arrays into slots it is told, and ``prepare``s a part
 manifest instead of committing; the exclusive writer merges the parts in ``commit(parts=...)``.
 
@@ -29,11 +29,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DsttError, SchemaError, StorageError
-from .codec.delta import DeltaEncoder
-from .codec.xor import DeltaPolicy
-from .format.flat import FlatLayout
-from .format.layout import (
+from ...errors import DsttError, SchemaError, StorageError
+from ..codec.delta import DeltaEncoder
+from ..codec.xor import DeltaPolicy
+from ..format.flat import FlatLayout
+from ..format.layout import (
     DEFAULT_CHUNK_BYTES,
     LOCK_KEY,
     WRITTEN_PREFIXES,
@@ -45,10 +45,10 @@ from .format.layout import (
     plan_chunks,
     ref_key,
 )
-from .format.manifest import TableTemplate, dump_arrays, dump_ref
-from .format.records import CommitHeader, Metric
-from .format.stepfile import Block
-from .format.zarr_meta import (
+from ..format.manifest import TableTemplate, dump_arrays, dump_ref
+from ..format.records import CommitHeader, Metric
+from ..format.stepfile import Block
+from ..format.zarr_meta import (
     array_document,
     consolidated_metadata,
     dtype_itemsize,
@@ -56,15 +56,15 @@ from .format.zarr_meta import (
     group_document,
     root_attributes,
 )
-from .index import EVERY, IndexWriter
-from .maintenance import GcReport, gc
+from ..index.writer import EVERY, IndexWriter
+from ..maintenance.gc import GcReport, gc
+from ..maintenance.retention import Retention
+from .job import CommitJob, NotHandedOff, RemoteCommitter, run_commit, write_metadata
 from .parts import Part, dump_part, merge_parts, remove_parts
-from .retention import Retention
-from .stepcommit import CommitJob, NotHandedOff, RemoteCommitter, run_commit, write_metadata
 from .transaction import Transaction
 
 if TYPE_CHECKING:
-    from .repository import Repository
+    from ..repository import Repository
 
 __all__ = ["Transaction", "Writer"]
 
@@ -85,7 +85,7 @@ class Writer:
         ref is written only after the step's files and header are durable), but a power
         cut can lose the newest commit — never tear one. Two fewer syncs per commit: for
         per-iteration capture, where the next commit follows in a fraction of a second.
-        ``index_every``: committed steps per new index segment (``index.py``)."""
+        ``index_every``: committed steps per new index segment (``index/writer.py``)."""
         self.repo = repo
         self.storage = repo.storage
         self.chunk_bytes = chunk_bytes
@@ -340,7 +340,7 @@ class Writer:
     # -- commit ---------------------------------------------------------------------------
     def _prepare(self, txn: Transaction, *, rank: int, world: int, session: str,
                  metrics: Mapping[str, Metric]) -> Part:
-        """Part writer: make this rank's share durable and vote for the slot (parts.py)."""
+        """Part writer: make this rank's share durable and vote for the slot (commit/parts.py)."""
         with self._commit_lock:
             self._check_open()
             txn.write_deferred()
