@@ -6,7 +6,7 @@ from .api import Snapshot, dtype_name, load, save
 from .codec.delta import EncodeStats
 from .codec.predict import CUR, Prediction, adam_predictions, sgd_predictions
 from .codec.xor import DeltaPolicy
-from .commit.parts import Part, abort_vote, collect_parts, remove_parts
+from .commit.parts import abort_vote, collect_parts
 from .commit.ranks import (
     DEFAULT_RANK_TIMEOUT,
     RankInfo,
@@ -38,6 +38,7 @@ from .format.layout import (
 )
 from .format.manifest import parse_header
 from .format.objects import Encoded
+from .format.parts import Part, remove_parts
 from .format.records import ArrayRecord, ChunkRecord, CommitHeader, ObjectRecord, RefInfo
 from .format.segment import SCALARS as SUMMARY_SCALARS
 from .format.segment import RowSet

@@ -31,7 +31,6 @@ import pytest
 
 from dstt.errors import RankError
 from dstt.store import CommitHeader, LocalStorage, Part, Repository, Storage
-from dstt.store.commit.parts import dump_part
 from dstt.store.format.layout import (
     PARTS_PREFIX,
     STEPS_PREFIX,
@@ -41,6 +40,7 @@ from dstt.store.format.layout import (
     side_file_key,
     step_file_key,
 )
+from dstt.store.format.parts import dump_part
 from dstt.store.storage.memory import DelegatingStorage, MemoryStorage
 
 from ._util import same_bits

@@ -29,11 +29,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .parts import abort_vote, collect_parts
+from .writer import RunHandle, Writer
 
 if TYPE_CHECKING:
-    from ..repository import Repository
     from ..storage.base import Storage
-    from .writer import Writer
 
 __all__ = ["DEFAULT_RANK_TIMEOUT", "RankInfo", "RankTransaction", "RankWriter",
            "TransactionProxy"]
@@ -176,7 +175,7 @@ class RankWriter:
         self.after_commit: list[Callable[[Any], None]] = []
 
     @property
-    def repo(self) -> Repository:
+    def repo(self) -> RunHandle:
         return self.writer.repo
 
     @property

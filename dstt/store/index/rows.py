@@ -16,7 +16,7 @@ import contextlib
 import json
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,9 +27,7 @@ from ..format.records import CommitHeader
 from ..format.segment import SCALARS, Layout, Locations, RowSet, concat
 from ..format.zarr_meta import dtype_itemsize
 from .shard_summaries import fold_columns
-
-if TYPE_CHECKING:
-    from ..read.reader import Reader
+from .source import HeaderSource
 
 __all__ = ["HISTORY", "SUMMARIES", "as_float", "dedup", "keep_summaries", "rows_from_headers",
            "take"]
@@ -70,7 +68,7 @@ def _summaries(obj: Any) -> dict[str, tuple[list[float], bool, list[float]]]:
     return out
 
 
-def rows_from_headers(reader: Reader, headers: Iterable[CommitHeader], *,
+def rows_from_headers(reader: HeaderSource, headers: Iterable[CommitHeader], *,
                       summaries: bool = True, locations: bool = True) -> RowSet:
     """Index rows of ``headers``: their metrics, and what their step files still hold of
     metrics history, summaries and tensor locations (nothing of that for a pruned step);

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -43,12 +43,12 @@ from ..format.segment import (
     read_directory,
 )
 from .rows import rows_from_headers, take
+from .source import HeaderSource
 
 if TYPE_CHECKING:
-    from ..read.reader import Reader
     from ..storage.base import Storage
 
-__all__ = ["GC_MARKER", "Index", "IndexedHeader", "scalar_rows"]
+__all__ = ["GC_MARKER", "Index", "IndexedHeader", "IndexedSource", "scalar_rows"]
 
 GC_MARKER = f"{INDEX_PREFIX}/gc.json"
 
@@ -230,6 +230,11 @@ class Index:
     def segments(self) -> list[_Segment]:
         return sorted(self._segs.values(), key=lambda s: s.gen)
 
+    @property
+    def loaded(self) -> bool:
+        """Whether the segments were read (``load``) at least once."""
+        return self._loaded
+
     def ensure(self) -> Index:
         return self if self._loaded else self.load()
 
@@ -309,7 +314,15 @@ class Index:
         return ArrayRecord(path, dtype, shape, nrows, recs, dims)
 
 
-def scalar_rows(reader: Reader, headers: list[CommitHeader], *, summaries: bool) -> RowSet:
+class IndexedSource(HeaderSource, Protocol):
+    """A run's headers and its index (the store's ``Reader``): what ``scalar_rows``, the
+    index writer and the repairs read a run through (``source.py``)."""
+
+    @property
+    def index(self) -> Index: ...
+
+
+def scalar_rows(reader: IndexedSource, headers: list[CommitHeader], *, summaries: bool) -> RowSet:
     """Index rows (metrics, history, summaries) of ``headers``, in their order: from the
     segments where they have rows, from the headers and step files for the rest (the tail)."""
     idx = reader.index.ensure()

@@ -36,10 +36,9 @@ from ..format.records import CommitHeader
 from ..format.segment import RowSet, concat, encode
 from .job import IndexJob
 from .rows import dedup, keep_summaries, rows_from_headers, take
-from .view import GC_MARKER, Index
+from .view import GC_MARKER, Index, IndexedSource
 
 if TYPE_CHECKING:
-    from ..read.reader import Reader
     from ..storage.base import Storage
 
 __all__ = ["IndexWriter", "write_segment"]
@@ -72,7 +71,7 @@ def _tier(n: int, every: int) -> int:
 class IndexWriter:
     """The exclusive writer's side of the index: pending rows, segments, merges."""
 
-    def __init__(self, reader: Reader, *, every: int = EVERY,
+    def __init__(self, reader: IndexedSource, *, every: int = EVERY,
                  background: bool | None = None) -> None:
         """``background``: write segments from a job process (default: for a run on local
         files, unless ``DSTT_INDEX_JOBS=0``), so the committer never spends the GIL on rows."""
@@ -186,7 +185,7 @@ class IndexWriter:
         merge_segments(self.storage, self.index, self.every)
 
 
-def flush_rows(st: Storage, reader: Reader, index: Index,
+def flush_rows(st: Storage, reader: IndexedSource, index: Index,
                pending: dict[int, CommitHeader], every: int) -> None:
     """Write the rows of ``pending`` as one new segment, then merge (what a flush does, in
     this process or in a background job)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...errors import CorruptRunError, DsttError
 from ..format.envelope import checksum
@@ -31,12 +31,21 @@ from ..index.repair import check
 from ..read.reader import Reader
 
 if TYPE_CHECKING:
-    from ..repository import Repository
     from ..storage.base import Storage
 
-__all__ = ["Problem", "VerifyReport", "verify"]
+__all__ = ["Problem", "VerifiedRun", "VerifyReport", "verify"]
 
 Progress = Callable[[int, int], None] | None
+
+
+class VerifiedRun(Protocol):
+    """The run verify checks: its storage and validated root attributes (the store's
+    ``Repository``; a protocol, so this room imports nothing above it)."""
+
+    @property
+    def storage(self) -> Storage: ...
+
+    def root_attributes(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,7 @@ class VerifyReport:
         return not self.problems
 
 
-def verify(repo: Repository, *, progress: Progress = None) -> VerifyReport:
+def verify(repo: VerifiedRun, *, progress: Progress = None) -> VerifyReport:
     """Check refs, every reachable header, arrays table, chunk, object and step entry."""
     st = repo.storage
     rep = VerifyReport()
