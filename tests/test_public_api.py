@@ -111,6 +111,38 @@ def test_the_store_has_one_front_door() -> None:
     assert not bad, bad
 
 
+#: names of the store's front door no dstt module imports, each for a reason: the documented
+#: whole-array pair for scripts and other frameworks (docs/store-api.md), the S3 opener
+#: (docs/object-store.md) and the transaction half of the engine's step-writer contract
+STORE_DOOR_EXTRAS = {"save", "load", "Snapshot", "storage_for", "StepTransaction"}
+
+
+def test_the_store_front_door_lists_what_dstt_uses_and_nothing_else() -> None:
+    """``dstt.store.__all__`` is what the engine, the session, inspection, the run, the CLI,
+    the integrations and the test harness import from it (plus the documented extras)."""
+    import ast
+
+    import dstt.store
+
+    used: set[str] = set()
+    mods = _dstt_modules()
+    for name, path in mods.items():
+        if name == "dstt.store" or name.startswith("dstt.store."):
+            continue
+        pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = pkg.split(".")
+            mod = (".".join([*base[:len(base) - node.level + 1], *([node.module] if node.module
+                                                                  else [])])
+                   if node.level else node.module)
+            if mod == "dstt.store":
+                used.update(a.name for a in node.names)
+    used |= {v.split(":")[1] for v in dstt._LAZY.values() if v.startswith("dstt.store:")}
+    assert sorted(used | STORE_DOOR_EXTRAS) == sorted(dstt.store.__all__)
+
+
 def test_module_imports_have_no_cycles() -> None:
     """Imports flow one way: no cycle among dstt's modules, at any level — module-level,
     function-level and ``TYPE_CHECKING`` imports alike (a back-reference for the type checker

@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from dstt.errors import NotARunError, StepNotFoundError, StorageError
-from dstt.store import Durability, Repository, Storage, load
+from dstt.store import Repository, Storage, load
 from dstt.store.commit.parts import collect_parts
 from dstt.store.format.layout import (
     COMMITS_PREFIX,
@@ -50,7 +50,7 @@ from dstt.store.format.layout import (
     step_file_key,
 )
 from dstt.store.index.view import GC_MARKER
-from dstt.store.storage.base import Data
+from dstt.store.storage.base import Data, Durability
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage
 
 from ._util import assert_same_arrays, deep_equal

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from dstt.errors import RankError
-from dstt.store import CommitHeader, LocalStorage, Part, Repository, Storage
+from dstt.store import CommitHeader, LocalStorage, Repository, Storage
 from dstt.store.format.layout import (
     PARTS_PREFIX,
     STEPS_PREFIX,
@@ -40,7 +40,7 @@ from dstt.store.format.layout import (
     side_file_key,
     step_file_key,
 )
-from dstt.store.format.parts import dump_part
+from dstt.store.format.parts import Part, dump_part
 from dstt.store.storage.memory import DelegatingStorage, MemoryStorage
 
 from ._util import same_bits

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -27,7 +27,7 @@ from ..codec.delta import DeltaEncoder, EncodeStats, Shadow
 from ..codec.flatdelta import FlatShadow, seed_shadow
 from ..codec.predict import CUR, Prediction
 from ..format.envelope import checksum
-from ..format.flat import FlatImage, FlatLayout
+from ..format.flat import FlatImage, FlatLayout, StepBytes, byte_view
 from ..format.layout import (
     ChunkPlan,
     side_file_key,
@@ -149,7 +149,7 @@ class Transaction:
         with self._lock:
             return self.pending.get((path, index))
 
-    def put_chunk(self, path: str, index: int, data: Any) -> ChunkRecord:
+    def put_chunk(self, path: str, index: int, data: StepBytes) -> ChunkRecord:
         """Write chunk ``index`` of ``path`` (its exact byte range); thread-safe."""
         self._check()
         try:
@@ -157,7 +157,7 @@ class Transaction:
         except KeyError:
             raise ValueError(f"array {path!r} was not declared in step {self.step}") from None
         start, stop = plan.byte_range(index)
-        view = memoryview(data).cast("B")
+        view = byte_view(data)
         if len(view) != stop - start:
             raise ValueError(f"chunk {index} of {path!r} needs {stop - start} bytes, "
                              f"got {len(view)}")
@@ -196,7 +196,7 @@ class Transaction:
             pending = replace(pending, record=rec)
         return self._record(path, index, rec, pending)
 
-    def put_flat(self, layout: FlatLayout, buf: Any,
+    def put_flat(self, layout: FlatLayout, buf: StepBytes,
                  images: dict[int, FlatImage] | None = None, *,
                  start: int | None = None) -> None:
         """Write every tensor of ``layout`` from the flat buffer ``buf`` (``flat.py``), raw:
@@ -204,7 +204,7 @@ class Transaction:
         start offset, kept by the caller with the buffer (headers are then built once).
         ``start``: the range ``reserve_flat`` already reserved for it (a write the flusher
         process did not finish, done again here)."""
-        view = memoryview(buf).cast("B")
+        view = byte_view(buf)
         if len(view) < layout.nbytes:
             raise ValueError(f"flat buffer of {len(view)} bytes, layout needs {layout.nbytes}")
         if start is None:
@@ -230,13 +230,13 @@ class Transaction:
                            view)
 
 
-    def put_flat_chunks(self, layout: FlatLayout, buf: Any) -> None:
+    def put_flat_chunks(self, layout: FlatLayout, buf: StepBytes) -> None:
         """Write every tensor of ``layout`` from the flat buffer ``buf`` one chunk at a time
         (``put_chunk``: delta-encoded, deduplicated or predicted when the writer encodes) —
         a step the engine captured with one batched copy but the writer encodes. The
         ``"cur"`` inputs of this step's predictions go first, as ``predict`` asks."""
         self._check()
-        view = memoryview(buf).cast("B")
+        view = byte_view(buf)
         if len(view) < layout.nbytes:
             raise ValueError(f"flat buffer of {len(view)} bytes, layout needs {layout.nbytes}")
         enc = self.writer.encoder
@@ -276,7 +276,7 @@ class Transaction:
                                               raw_crcs=got.raw_crcs, depth=got.depth,
                                               codecs=got.codecs)
 
-    def reserve_flat(self, layout: FlatLayout, nbytes_at: Any) -> int:
+    def reserve_flat(self, layout: FlatLayout, nbytes_at: Callable[[int], int]) -> int:
         """First half of a flat write done elsewhere (the flusher process): declare the
         layout's arrays in this step and reserve their zip range; returns its start."""
         self._check_raw()
@@ -289,13 +289,14 @@ class Transaction:
             raise DsttError("a flat write is raw; set txn.encode = False (or keyframe) "
                             "when the writer encodes, or use put_flat_chunks")
 
-    def _reserve_flat(self, layout: FlatLayout, nbytes_at: Any) -> int:
+    def _reserve_flat(self, layout: FlatLayout, nbytes_at: Callable[[int], int]) -> int:
         with self._lock:
             self.columns.declare_layout(layout)
         return self.zip.reserve(layout.names, nbytes_at)
 
     def complete_flat(self, layout: FlatLayout, offsets: list[int], sizes: list[int],
-                      crcs: list[int], directory: bytes, buf: Any = None) -> None:
+                      crcs: list[int], directory: bytes,
+                      buf: StepBytes | None = None) -> None:
         """Second half: the chunks are written; record where (columns) and their zip
         central directory records. ``buf``: the flat buffer, for a writer that encodes (a
         raw step still seeds the next step's deltas: its chunks become their bases)."""
@@ -307,7 +308,7 @@ class Transaction:
             self.stats.raw_fallback = not self.keyframe
             if buf is not None:  # its chunks become the next step's bases: one copy
                 self.flat_pending = self._flat_shadow(
-                    layout, memoryview(buf).cast("B"), [self.zip.key] * len(offsets), offsets,
+                    layout, byte_view(buf), [self.zip.key] * len(offsets), offsets,
                     sizes, crcs)
 
     def _flat_shadow(self, layout: FlatLayout, view: memoryview, files: list[str],
@@ -342,7 +343,8 @@ class Transaction:
                 self.pending[(path, index)] = pending
         return rec
 
-    def put_object(self, name: str, obj: Any, *, encoding: Encoding = "json") -> ObjectRecord:
+    def put_object(self, name: str, obj: object, *,
+                   encoding: Encoding = "json") -> ObjectRecord:
         """Store a Python object for this step (tagged JSON unless told otherwise; an
         ``Encoded`` value as its bytes, in its own encoding)."""
         self._check()
@@ -350,7 +352,7 @@ class Transaction:
             return self._put_object_bytes(name, obj.data, obj.encoding)
         return self._put_object_bytes(name, encode_object(obj, encoding), encoding)
 
-    def defer_object(self, name: str, obj: Any, *, encoding: Encoding = "json",
+    def defer_object(self, name: str, obj: object, *, encoding: Encoding = "json",
                      or_pickle: bool = False) -> None:
         """Store ``obj`` as ``name`` when the step commits (encoded then, by whoever
         commits: this process or the flusher's, ``commit/job.py``); ``or_pickle``: with
