@@ -303,3 +303,25 @@ def test_the_room_check_catches_an_upward_import(tmp_path: Path) -> None:
             "dstt.store.commit.writer": commit / "writer.py"}
     assert store_room_arrows(mods) == [
         "dstt.store.maintenance.gc (maintenance) imports dstt.store.commit.writer (commit)"]
+
+
+def test_every_store_module_is_named_in_its_rooms_docstring() -> None:
+    """A reader finds every module of the store from its room's ``__init__`` docstring (the
+    top level's in docs/design.md, "The store's tree")."""
+    import ast
+
+    mods = _dstt_modules()
+    tree = (Path(dstt.__file__).parents[1] / "docs" / "design.md").read_text()
+    missing = []
+    for name, path in mods.items():
+        if not name.startswith("dstt.store.") or path.name == "__init__.py":
+            continue
+        room = _store_room(name, mods)
+        stem = name.rsplit(".", 1)[1]
+        if room:
+            doc = ast.get_docstring(ast.parse(mods[f"dstt.store.{room}"].read_text())) or ""
+            if f"``{stem}``" not in doc:
+                missing.append(name)
+        elif f"{stem}.py" not in tree:
+            missing.append(name)
+    assert not missing, missing

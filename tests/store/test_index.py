@@ -315,7 +315,7 @@ def test_a_writer_does_not_write_rows_an_index_rewrite_made_newer() -> None:
 
 
 def test_a_local_run_writes_segments_from_background_jobs(tmp_path: Path) -> None:
-    """On local files the committer hands the rows to a job process (index_job.py): the
+    """On local files the committer hands the rows to a job process (index/job.py): the
     segments it writes hold exactly the committed rows, merges included."""
     from dstt.store.index.writer import IndexWriter
 

@@ -1,5 +1,5 @@
 """A step's commit run elsewhere (the flusher process) and, where that process dies at any
-point of it, finished here: the same committed step, byte for byte (``stepcommit.py``)."""
+point of it, finished here: the same committed step, byte for byte (``commit/job.py``)."""
 
 from __future__ import annotations
 

@@ -322,7 +322,7 @@ class Writer:
     def _metadata(self, txn: Transaction) -> tuple[Block, bytes]:
         """The zarr.json documents of a step file below the root (one prebuilt ``Block``
         per set of arrays and start offset — at every step of a steady run the same bytes
-        at the same place) and their consolidated metadata (``stepcommit.write_metadata``
+        at the same place) and their consolidated metadata (``job.write_metadata``
         writes them)."""
         paths = txn.paths
         start = txn.zip.cursor

@@ -4,7 +4,7 @@ Three threads: the main one reads requests and checksums and digests each flat s
 shared buffer (``FlatImage.fill``, ``flatstats.digest``), a writer thread writes it (whole
 4 KiB blocks with ``O_DIRECT``) and replies — so step k+1's CPU work overlaps step k's wait
 for the disk — and a commit thread runs the commits the writer hands over
-(``stepcommit.run_commit``) in the order they come. The main and writer threads run at
+(``commit/job.py``: ``run_commit``) in the order they come. The main and writer threads run at
 ``SCHED_IDLE`` where the OS allows; the commit thread keeps normal priority. Kept apart from
 the parent's handle (``flusher/parent.py``), which never imports it: what runs in the child is
 only what this module and its imports (no torch) bring.

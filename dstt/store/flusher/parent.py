@@ -227,7 +227,7 @@ class Flusher:
 
     def commit(self, root: str, durability: str, zip_state: StepState,
                side_state: StepState, job: CommitJob) -> CommitHeader:
-        """Run a step's commit (``stepcommit.run_commit``) in the child, on files this
+        """Run a step's commit (``commit/job.py``: ``run_commit``) in the child, on files this
         process started; returns its header. ``NotHandedOff`` (nothing sent) where the job
         cannot be pickled; ``StorageError`` where it failed there, or the child died (then
         ``dead``, and the job may be half done: run it here)."""

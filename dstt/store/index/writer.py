@@ -17,9 +17,9 @@ slots about to be pruned (readers distrust those rows while it exists and read t
 (2) the tombstones, (3) one new segment of every row with the pruned ones marked, (4) delete
 the older segments, (5) delete the marker, (6) delete the step files. A cut anywhere leaves
 rows that agree with the headers or rows a reader ignores; a writer (or ``dstt index``) that
-finds a marker re-indexes the marked slots. ``index_repair.rebuild`` re-derives the whole
+finds a marker re-indexes the marked slots. ``repair.rebuild`` re-derives the whole
 index from the headers (summaries of pruned steps come from any segment that still holds them);
-``index_rows`` turns headers into rows.
+``rows`` turns headers into rows.
 """
 
 from __future__ import annotations
