@@ -42,9 +42,9 @@ import dstt
 from dstt.engine import committer as CM
 from dstt.engine import flatwrite as FW
 from dstt.engine import pipeline as P
-from dstt.store import flusher as FL
-from dstt.store import transaction as TX
-from dstt.store import writer as W
+from dstt.store.commit import transaction as TX
+from dstt.store.commit import writer as W
+from dstt.store.flusher import parent as FL
 from dstt.store.storage import local as L
 
 HZ = os.sysconf("SC_CLK_TCK")

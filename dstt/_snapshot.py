@@ -1,8 +1,9 @@
 """``Snapshot``: one committed step of a run: lazy tensors by torch name, layer trees, objects,
 and the way back to torch (export, state dicts, loading into live objects).
 
-``Run.at`` (:mod:`dstt._run`) builds it; that module imports this one, which names ``Run`` only
-in type hints. As for every view, the tensors are lazy xarray objects built by
+``Run.at`` (:mod:`dstt._run`) builds it; that module imports this one, which sees the run
+through ``RunView``, the protocol below (rejected: naming ``Run`` under ``TYPE_CHECKING``, a
+cycle between the two modules). As for every view, the tensors are lazy xarray objects built by
 :mod:`dstt.inspect` over the run's readers, so every byte is read through :mod:`dstt.store`.
 Rejected alternative: ``Snapshot`` next to ``Run`` in one module — two jobs (a run's timelines
 and views over many steps; one step's tensors and its export) in one file.
@@ -11,8 +12,8 @@ and views over many steps; one step's tensors and its export) in one file.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .schema import optim_state, user_name
 from .store import Batch
@@ -22,15 +23,30 @@ if TYPE_CHECKING:
     import torch
     import xarray as xr
 
-    from ._run import Run
+    from .inspect.catalog import Catalog
+    from .inspect.readers import ReaderPool
+    from .store import Reader
 
-__all__ = ["Snapshot"]
+__all__ = ["RunView", "Snapshot"]
+
+
+class RunView(Protocol):
+    """What a snapshot reads its run through (``dstt.Run``): the run's readers, the names
+    of a commit and the recorded batches."""
+
+    _reader: Reader
+    _readers: ReaderPool
+
+    def catalog(self, header: Any) -> Catalog: ...
+
+    def batches(self, steps: slice | Iterable[int] | None = None, *,
+                timeline: str | None = None) -> dict[int, list[Batch]]: ...
 
 
 class Snapshot:
     """One committed step: lazy tensors by torch name, layer trees, objects, export."""
 
-    def __init__(self, run: Run, header: Any, timeline: str | None = None) -> None:
+    def __init__(self, run: RunView, header: Any, timeline: str | None = None) -> None:
         self.run, self.header = run, header
         self.step, self.slot = int(header.step), int(header.slot)
         #: the timeline it was read from; ``header.timeline`` is the one it was written on,

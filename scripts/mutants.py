@@ -54,7 +54,7 @@ MUTATIONS = [
     Mutation(
         "commit-skips-last-rank",
         "rank 0 waits for ranks 1..world-2 only and commits without the last rank's part",
-        "dstt/store/commit.py",
+        "dstt/store/commit/ranks.py",
         "ranks=range(1, o.info.world), world=o.info.world,",
         "ranks=range(1, o.info.world - 1), world=o.info.world,",
         ("tests/store/test_ranks.py",), 2),
@@ -82,7 +82,7 @@ MUTATIONS = [
     Mutation(
         "part-vote-before-durable",
         "a part writer votes without its barrier: its files may not be durable",
-        "dstt/store/writer.py",
+        "dstt/store/commit/writer.py",
         "            txn.side.publish()\n            self.storage.barrier()\n",
         "            txn.side.publish()\n",
         ("tests/store/test_ranks.py", "tests/store/test_crash.py", "-k",
@@ -91,7 +91,7 @@ MUTATIONS = [
     Mutation(
         "gc-prunes-fork-point",
         "gc does not keep the step another timeline forks from",
-        "dstt/store/maintenance.py",
+        "dstt/store/maintenance/gc.py",
         "            keep.add(ref.base_slot)",
         "            pass",
         ("tests/store/test_timelines.py",
@@ -106,14 +106,14 @@ MUTATIONS = [
     Mutation(
         "flusher-summary-other-buffer",
         "the flusher process digests the other shared buffer",
-        "dstt/store/flusher_child.py",
+        "dstt/store/flusher/child.py",
         "stats = digest(objs[pid], maps[buffer]) if pid is not None else None",
         "stats = digest(objs[pid], maps[(buffer + 1) % len(maps)]) if pid is not None else None",
         ("tests/engine/test_summary_paths.py", "tests/engine/test_session.py"), 2),
     Mutation(
         "flusher-reply-drops-summaries",
         "the parent drops the digest columns of the flusher's reply",
-        "dstt/store/flusher.py",
+        "dstt/store/flusher/parent.py",
         "        return reply[2], reply[3], reply[4]",
         "        return reply[2], reply[3], None",
         ("tests/engine/test_summary_paths.py", "tests/engine/test_session.py"), 2),
@@ -121,7 +121,7 @@ MUTATIONS = [
     Mutation(
         "part-vote-before-barrier",
         "a part writer writes its vote first and its barrier after",
-        "dstt/store/writer.py",
+        "dstt/store/commit/writer.py",
         "            self.storage.barrier()\n"
         "            part = Part(slot=txn.slot, step=txn.step, rank=rank, world=world, "
         "session=session,\n"
@@ -138,35 +138,35 @@ MUTATIONS = [
     Mutation(
         "ref-before-header-durable",
         "a commit moves the ref without the barrier that makes its files and header durable",
-        "dstt/store/stepcommit.py",
+        "dstt/store/commit/job.py",
         "    storage.write(commit_key(job.slot), dump_header(header))\n    storage.barrier()\n",
         "    storage.write(commit_key(job.slot), dump_header(header))\n",
         ("tests/store/test_crash.py", "tests/store/test_ranks.py", "-k", "power_cut"), 2),
     Mutation(
         "chunk-crc-not-checked",
         "a chunk read back is not checked against its crc32c",
-        "dstt/store/chunk_reader.py",
+        "dstt/store/read/chunks.py",
         "if checksum(body) != chunk.crc32c or trailer != chunk.crc32c:",
         "if False:",
         ("tests/store/test_errors.py", "tests/reliability/test_corruption.py"), 2),
     Mutation(
         "parts-of-any-session",
         "rank 0 accepts a vote another (crashed) session left in the slot",
-        "dstt/store/parts.py",
+        "dstt/store/commit/parts.py",
         "            if p.session != session:\n                continue",
         "            if False:\n                continue",
         ("tests/store/test_ranks.py", "tests/store/test_parts.py"), 1),
     Mutation(
         "abort-vote-not-sent",
         "a rank that drops its step does not tell rank 0, which waits until its timeout",
-        "dstt/store/commit.py",
+        "dstt/store/commit/ranks.py",
         "if o.info.rank != 0 and not o.cancel.is_set():",
         "if False:",
         ("tests/store/test_ranks.py", "tests/store/test_parts.py"), 1),
     Mutation(
         "merge-allows-shared-arrays",
         "two ranks writing one array are merged instead of refused",
-        "dstt/store/parts.py",
+        "dstt/store/commit/parts.py",
         "            if path in out_a:\n",
         "            if False:\n",
         ("tests/store/test_parts.py", "tests/store/test_ranks.py"), 1),
@@ -230,10 +230,16 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
     ap.add_argument("-v", "--verbose", action="store_true", help="show pytest's tail")
     args = ap.parse_args()
-    if args.list:
+    if args.list:  # and check that none is stale (its text found exactly once in its file)
+        stale = 0
         for m in MUTATIONS:
-            print(f"{m.name:30} {m.file}: {m.what}")
-        return 0
+            path = ROOT / m.file
+            n = path.read_text().count(m.old) if path.is_file() else -1
+            mark = "" if n == 1 else (" [STALE: no such file]" if n < 0 else
+                                      f" [STALE: its text found {n} times]")
+            stale += bool(mark)
+            print(f"{m.name:30} {m.file}: {m.what}{mark}")
+        return 1 if stale else 0
     unknown = set(args.only) - {m.name for m in MUTATIONS}
     if unknown:
         ap.error(f"unknown mutation(s) {sorted(unknown)}; --list names them")

@@ -111,14 +111,48 @@ def test_the_store_has_one_front_door() -> None:
     assert not bad, bad
 
 
+#: names of the store's front door no dstt module imports, each for a reason: the documented
+#: whole-array pair for scripts and other frameworks (docs/store-api.md), the S3 opener
+#: (docs/object-store.md) and the transaction half of the engine's step-writer contract
+STORE_DOOR_EXTRAS = {"save", "load", "Snapshot", "storage_for", "StepTransaction"}
+
+
+def test_the_store_front_door_lists_what_dstt_uses_and_nothing_else() -> None:
+    """``dstt.store.__all__`` is what the engine, the session, inspection, the run, the CLI,
+    the integrations and the test harness import from it (plus the documented extras)."""
+    import ast
+
+    import dstt.store
+
+    used: set[str] = set()
+    mods = _dstt_modules()
+    for name, path in mods.items():
+        if name == "dstt.store" or name.startswith("dstt.store."):
+            continue
+        pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = pkg.split(".")
+            mod = (".".join([*base[:len(base) - node.level + 1], *([node.module] if node.module
+                                                                  else [])])
+                   if node.level else node.module)
+            if mod == "dstt.store":
+                used.update(a.name for a in node.names)
+    used |= {v.split(":")[1] for v in dstt._LAZY.values() if v.startswith("dstt.store:")}
+    assert sorted(used | STORE_DOOR_EXTRAS) == sorted(dstt.store.__all__)
+
+
 def test_module_imports_have_no_cycles() -> None:
-    """Imports flow one way: no cycle among dstt's modules (module-level imports)."""
+    """Imports flow one way: no cycle among dstt's modules, at any level — module-level,
+    function-level and ``TYPE_CHECKING`` imports alike (a back-reference for the type checker
+    is a cycle too: the two modules cannot be understood, or moved, one without the other)."""
     mods = _dstt_modules()
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         deps = set()
-        for imp in _module_imports(path, pkg):
+        for imp in _module_imports(path, pkg, nested=True, type_checking=True):
             while imp and imp not in mods:
                 imp = imp.rsplit(".", 1)[0] if "." in imp else ""
             if imp and imp != name and not name.startswith(imp + "."):
@@ -164,7 +198,7 @@ _PACKAGE_OF = {"_run": "run", "_snapshot": "run", "_run_diagnose": "run", "_cli_
 
 
 def _package(module: str) -> str:
-    """The house package of a dstt module (``dstt.store.reader`` -> ``store``)."""
+    """The house package of a dstt module (``dstt.store.read.reader`` -> ``store``)."""
     head = module.split(".")[1] if "." in module else "dstt"
     return _PACKAGE_OF.get(head, head)
 
@@ -206,23 +240,90 @@ def test_the_layer_check_catches_an_upward_import(tmp_path: Path) -> None:
     assert {(a, b) for a, b, _ in arrows if rank[b] >= rank[a]} == {("engine", "inspect")}
 
 
-def test_store_rooms_import_downward_only() -> None:
-    """Inside the store: ``storage`` knows no format or codec, ``format`` no codec, and no room
-    imports the store's top level (repository, writer, reader, ...)."""
-    rooms = ("storage", "format", "codec")
-    allowed = {"storage": {"storage"}, "format": {"storage", "format"},
-               "codec": {"storage", "format", "codec"}}
-    bad = []
-    mods = _dstt_modules()
+#: the store's rooms, bottom up (docs/design.md, "The store's tree"): a module imports modules
+#: of its own room or a lower one, never a higher one (function-level and TYPE_CHECKING imports
+#: included); ``""`` is the store's top level — the front door ``__init__``, ``repository``,
+#: ``api``, ``protocols``, ``bfloat16`` — which may import every room and which no room imports
+STORE_ROOMS: tuple[str, ...] = ("storage", "format", "codec", "index", "read", "maintenance",
+                                "commit", "flusher", "")
+
+
+def _store_room(module: str, mods: dict[str, Path]) -> str:
+    """The room of a module of the store (``""``: the top level)."""
+    parts = module.split(".")
+    if len(parts) > 3 or (len(parts) == 3 and mods[module].name == "__init__.py"):
+        return parts[2]
+    return ""
+
+
+def store_room_arrows(mods: dict[str, Path]) -> list[str]:
+    """Every import inside the store from a room to a higher one."""
+    rank = {r: i for i, r in enumerate(STORE_ROOMS)}
+    bad = set()
     for name, path in mods.items():
-        parts = name.split(".")
-        if parts[:2] != ["dstt", "store"] or len(parts) < 3 or parts[2] not in rooms:
+        if not name.startswith("dstt.store."):
             continue
+        here = _store_room(name, mods)
         pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        for imp in _module_imports(path, pkg, nested=True):
-            ip = imp.split(".")
-            if ip[:2] != ["dstt", "store"] or imp not in mods:
+        for imp in _module_imports(path, pkg, nested=True, type_checking=True):
+            while imp and imp not in mods:
+                imp = imp.rsplit(".", 1)[0] if "." in imp else ""
+            if not imp.startswith("dstt.store") or imp == name:
                 continue
-            if len(ip) < 3 or ip[2] not in allowed[parts[2]]:
-                bad.append(f"{name} imports {imp}")
+            there = "" if imp == "dstt.store" else _store_room(imp, mods)
+            if rank[there] > rank[here]:
+                bad.add(f"{name} ({here or 'top'}) imports {imp} ({there or 'top'})")
+    return sorted(bad)
+
+
+def test_store_rooms_import_downward_only() -> None:
+    """Inside the store: ``storage`` knows no format, ``format`` no codec, the index no
+    reader, the reader no maintenance, maintenance no writer, the writer no flusher, and no
+    room imports the store's top level (repository, api, protocols, the front door)."""
+    mods = _dstt_modules()
+    rooms = {_store_room(m, mods) for m in mods if m.startswith("dstt.store.")}
+    assert rooms == set(STORE_ROOMS), f"rooms without a place in STORE_ROOMS: {rooms}"
+    bad = store_room_arrows(mods)
     assert not bad, bad
+
+
+def test_the_room_check_catches_an_upward_import(tmp_path: Path) -> None:
+    """The check itself: gc typed against the writer (the cycle round 2 had)."""
+    fake = tmp_path / "dstt" / "store" / "maintenance"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "gc.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from ..commit.writer import Writer\n")
+    commit = tmp_path / "dstt" / "store" / "commit"
+    commit.mkdir()
+    (commit / "__init__.py").write_text("")
+    (commit / "writer.py").write_text("")
+    mods = {"dstt.store.maintenance": fake / "__init__.py",
+            "dstt.store.maintenance.gc": fake / "gc.py",
+            "dstt.store.commit": commit / "__init__.py",
+            "dstt.store.commit.writer": commit / "writer.py"}
+    assert store_room_arrows(mods) == [
+        "dstt.store.maintenance.gc (maintenance) imports dstt.store.commit.writer (commit)"]
+
+
+def test_every_store_module_is_named_in_its_rooms_docstring() -> None:
+    """A reader finds every module of the store from its room's ``__init__`` docstring (the
+    top level's in docs/design.md, "The store's tree")."""
+    import ast
+
+    mods = _dstt_modules()
+    tree = (Path(dstt.__file__).parents[1] / "docs" / "design.md").read_text()
+    missing = []
+    for name, path in mods.items():
+        if not name.startswith("dstt.store.") or path.name == "__init__.py":
+            continue
+        room = _store_room(name, mods)
+        stem = name.rsplit(".", 1)[1]
+        if room:
+            doc = ast.get_docstring(ast.parse(mods[f"dstt.store.{room}"].read_text())) or ""
+            if f"``{stem}``" not in doc:
+                missing.append(name)
+        elif f"{stem}.py" not in tree:
+            missing.append(name)
+    assert not missing, missing

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._statedict import SessionPaths
 from .pipeline import Flight
-from .ranks import RankWriter, TransactionProxy
+from .ranks import RankTransaction, RankWriter, TransactionProxy
 
 if TYPE_CHECKING:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
@@ -47,7 +47,9 @@ class _FileDone:
 class _SharedTxn(TransactionProxy):
     """The tag's transaction as seen by one of its flights (all flights share one slot)."""
 
-    def __init__(self, txn: Any, final: bool) -> None:
+    _txn: RankTransaction
+
+    def __init__(self, txn: RankTransaction, final: bool) -> None:
         super().__init__(txn)
         self.final = final
 

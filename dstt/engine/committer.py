@@ -7,7 +7,7 @@ write-time summaries (``summaries.py``: finished here, in step order, because a 
 estimate compares with the previous *committed* step's probe), commits it — or aborts it if
 anything failed — and hands its metrics back (``record``). A flat step's objects are stored
 with its commit (``Transaction.defer_object``), so the flusher process encodes and writes them
-when it commits the step (``store/stepcommit.py``).
+when it commits the step (``store/commit/job.py``).
 
 Rejected alternative: committing from whichever writer thread finishes a step's last write —
 commits must follow step order (the store resolves a commit's parent at commit time), and a

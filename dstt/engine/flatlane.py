@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..store import FlatLayout
+from ..store import FlatLayout, FlatStepWriter
 from ._convert import store_dtype
 from .dims import DimsOf
 from .summaries import summarized
@@ -72,7 +72,7 @@ class FlatPlan:
     _views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, writer: object, tensors: Mapping[str, torch.Tensor],
+    def build(cls, writer: FlatStepWriter, tensors: Mapping[str, torch.Tensor],
               dims: DimsOf | None = None) -> FlatPlan:
         """``dims``: store path -> shape to dimension names (``dstt.engine.dims``)."""
         order = _order(list(tensors), tensors)
@@ -81,7 +81,7 @@ class FlatPlan:
         if dims is not None:
             names = dims({p: tuple(t.shape) for p, t in tensors.items()})
             specs = [(*s, names.get(s[0])) for s in specs]
-        layout = writer.flat_layout(specs)  # type: ignore[attr-defined]
+        layout = writer.flat_layout(specs)
         return cls(layout, order, [tensors[p].dtype for p in order],
                    [tensors[p].shape for p in order], layout.nbytes,
                    any(t.is_cuda for t in tensors.values()),

@@ -22,7 +22,15 @@ from typing import Any
 import torch
 
 from ..errors import StorageError
-from ..store import DigestPlan, FlatImage, Flusher, digest
+from ..store import (
+    DigestPlan,
+    FlatImage,
+    FlatStepWriter,
+    Flusher,
+    OffloadingWriter,
+    StepWriter,
+    digest,
+)
 from .dims import DimsOf
 from .flatlane import FlatPlan, StepBuffers, plan_key
 from .flight import Flight
@@ -35,11 +43,16 @@ __all__ = ["FlatLane"]
 class FlatLane:
     """Plans, step buffers and the flusher of one pipeline's flat lane."""
 
-    def __init__(self, writer: Any, *, budget_bytes: int, dims: DimsOf | None,
+    def __init__(self, writer: StepWriter, *, budget_bytes: int, dims: DimsOf | None,
                  flusher: bool, summarize: bool) -> None:
         """``flusher``: write from a flusher process where it starts; ``summarize``: digest
-        the parameters of every step (the write-time summaries)."""
+        the parameters of every step (the write-time summaries). A ``writer`` that is no
+        ``FlatStepWriter`` never gets a flat step (the pipeline checks)."""
         self.writer, self.budget_bytes, self.dims = writer, budget_bytes, dims
+        #: the writer where it lays out whole steps, and where its commits can run in the
+        #: flusher process (capabilities, ``dstt.store.protocols``)
+        self.flat_writer = writer if isinstance(writer, FlatStepWriter) else None
+        self.offloading = writer if isinstance(writer, OffloadingWriter) else None
         self.want_flusher, self.summarize = flusher, summarize
         self.steps: StepBuffers | None = None
         self.flusher: Flusher | None = None
@@ -57,7 +70,8 @@ class FlatLane:
         key = plan_key(tensors)
         plan = self._plans.get(key)
         if plan is None or not plan.fits(tensors):
-            plan = FlatPlan.build(self.writer, tensors, self.dims)
+            assert self.flat_writer is not None, "a flat step for a writer without flat_layout"
+            plan = FlatPlan.build(self.flat_writer, tensors, self.dims)
             if len(self._plans) >= 4:  # a model that keeps changing: do not pile up plans
                 self._plans.clear()
             self._plans[key] = plan
@@ -86,9 +100,9 @@ class FlatLane:
                 self.steps.on_pressure = self.flusher.urgent
                 # and commits there: the commit's Python off this process's GIL
                 # (DSTT_FLUSHER_COMMIT=0: commit in this process, e.g. to compare)
-                if (hasattr(self.writer, "committer")
+                if (self.offloading is not None
                         and os.environ.get("DSTT_FLUSHER_COMMIT", "1") != "0"):
-                    self.writer.committer = self.flusher
+                    self.offloading.committer = self.flusher
         return self.steps
 
     def write(self, f: Flight) -> None:
@@ -148,8 +162,8 @@ class FlatLane:
         if self.steps is not None:
             self.steps.close()
         if self.flusher is not None:
-            if getattr(self.writer, "committer", None) is self.flusher:
-                self.writer.committer = None
+            if self.offloading is not None and self.offloading.committer is self.flusher:
+                self.offloading.committer = None
             self.flusher.close()
 
     def _flusher_lost(self) -> None:

@@ -39,10 +39,13 @@ import torch
 
 from ..errors import CaptureError
 from ..store import (
+    EncodingWriter,
+    FlatStepWriter,
     Flusher,
     LocalStorage,
     Prediction,
     StepWriter,
+    StoredWriter,
     flusher_supported,
 )
 from .chunklane import ChunkLane
@@ -69,7 +72,7 @@ class Pipeline(ChunkLane):
                  summaries: bool = True, summaries_object: str = SUMMARIES_OBJECT,
                  min_slab_bytes: int = 0, flusher: bool | None = None,
                  copy: str = "async", dims: DimsOf | None = None) -> None:
-        """``flusher``: write flat steps from a child process (``store/flusher.py``): None
+        """``flusher``: write flat steps from a child process (``store/flusher/parent.py``): None
         (default) where the storage is local files and the platform allows, ``False``
         never (writer threads), ``True`` always where possible. ``dims`` names the
         dimensions of a step's arrays (``dims.py``; None: the store's default names)."""
@@ -92,14 +95,14 @@ class Pipeline(ChunkLane):
         #: batched copy; a writer that encodes then writes an encoded step from the buffer
         #: chunk by chunk, a raw one whole); steps larger than half the budget use the chunk
         #: lane
-        self._flat_ok = hasattr(writer, "flat_layout") and not verify
+        self._flat_ok = isinstance(writer, FlatStepWriter) and not verify
         if copy not in ("async", "sync", "auto"):
             raise ValueError(f"copy must be 'async', 'sync' or 'auto', not {copy!r}")
         self.copy = copy
         if flusher is None:  # DSTT_FLUSHER=0 turns it off without touching the code
             flusher = os.environ.get("DSTT_FLUSHER", "1") != "0"
-        self._want_flusher = flusher and flusher_supported() and isinstance(
-            getattr(writer, "storage", None), LocalStorage)
+        self._want_flusher = (flusher and flusher_supported() and isinstance(writer, StoredWriter)
+                              and isinstance(writer.storage, LocalStorage))
         self.flat = FlatLane(writer, budget_bytes=budget_bytes, dims=dims,
                              flusher=self._want_flusher, summarize=summaries)
         self._copier = Copier()
@@ -110,7 +113,9 @@ class Pipeline(ChunkLane):
         self._copy_q: queue.SimpleQueue[Flight | None] = queue.SimpleQueue()
         self._write_q: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._closed = False
-        enc = getattr(writer, "encoder", None)
+        #: the writer's delta encoder (None: it never encodes), fixed for its life
+        self._encoder = writer.encoder if isinstance(writer, EncodingWriter) else None
+        enc = self._encoder
         self._governor = (EncodeGovernor(max(1, writers), enabled=enc.policy.raw_when_busy,
                                          retry_every=enc.policy.retry_every)
                           if enc is not None else None)
@@ -121,7 +126,7 @@ class Pipeline(ChunkLane):
         # steps in the child, one being checksummed while the disk takes the other (not
         # for an encoding writer: predictions need their inputs written first, in order)
         n_writers = max(1, writers, 2 if self._want_flusher and self._flat_ok
-                        and getattr(writer, "encoder", None) is None else 1)
+                        and self._encoder is None else 1)
         self._writers = [self._spawn(self._write_loop, f"dstt-write-{i}")
                          for i in range(n_writers)]
 
@@ -310,7 +315,7 @@ class Pipeline(ChunkLane):
         # has it to spare (a raw step is reported as raw_fallback in the metrics)
         f.txn.encode = f.encode
         f.txn.keyframe = f.keyframe
-        if f.predictions and getattr(self.writer, "encoder", None) is not None:
+        if f.predictions and self._encoder is not None:
             f.txn.predict(f.predictions)
         names = (self.dims({p: s.shape for p, s in f.specs.items()})
                  if self.dims is not None and f.specs else None)

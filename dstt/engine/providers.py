@@ -29,9 +29,11 @@ import torch
 
 from ..errors import SchemaError
 from ..store import (
+    CommitHeader,
     LogicalArray,
     Prediction,
     RankInfo,
+    Reader,
     check_array_path,
     logical_arrays,
     read_logical,
@@ -335,7 +337,7 @@ class StoreSource:
     is not plain data was stored with pickle.
 
     Arrays are the step's stored arrays and its *logical* ones (tensors several ranks wrote
-    in parts, assembled from the shard maps: ``dstt.store.shards``): ``array`` reads a whole
+    in parts, assembled from the shard maps: ``dstt.store.read.shards``): ``array`` reads a whole
     tensor, ``region`` only the box a rank holds (its local shard), from whichever parts
     overlap it.
 
@@ -345,7 +347,7 @@ class StoreSource:
     reading it again to restore (twice the I/O of a large checkpoint).
     """
 
-    def __init__(self, reader: Any, header: Any, *, prefetch: bool = False) -> None:
+    def __init__(self, reader: Reader, header: CommitHeader, *, prefetch: bool = False) -> None:
         self._reader, self._header = reader, header
         self._arrays = reader.arrays(header)
         self._logical: dict[str, LogicalArray] | None = None
@@ -359,12 +361,12 @@ class StoreSource:
                 self._cached_objects[name] = reader.read_object(header, name, trusted=True)
 
     @property
-    def reader(self) -> Any:
+    def reader(self) -> Reader:
         """The store ``Reader`` (for providers that read beyond whole arrays)."""
         return self._reader
 
     @property
-    def header(self) -> Any:
+    def header(self) -> CommitHeader:
         """The commit header being restored."""
         return self._header
 

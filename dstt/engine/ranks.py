@@ -14,7 +14,7 @@ options it opens (the ranks must agree: ``RankError`` on every rank otherwise), 
 the run, takes the lock and removes part files a crashed session left, the others open part
 writers, and every rank learns the first slot, the session id and the commit to restore. What
 happens per step — parts, votes, rank 0's merged commit — is the store's multi-rank commit
-protocol (``dstt.store.RankWriter``, store/commit.py), which needs no torch.
+protocol (``dstt.store.RankWriter``, store/commit/ranks.py), which needs no torch.
 Rejected alternative: ``broadcast_object_list``/``all_gather_object`` on the default group
 (what this module used first) — a rank that never joins leaves the others in the collective
 until the group's own timeout (30 min), and under NCCL each object collective needs the

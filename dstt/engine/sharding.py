@@ -19,7 +19,7 @@ DCP's planner does) — and writes it only if it is that box's *writer*:
 * **storing**: a box that is the whole tensor is stored under the tensor's own path, as in a
   single-process run; any other box is stored, with its local shape, as
   ``dtensor/w<world>/r<writer>/<path>`` and listed in the writer's shard map (``shards/r<rank>``,
-  format 2: boxes; ``dstt.store.shards``), from which every reader assembles the logical
+  format 2: boxes; ``dstt.store.read.shards``), from which every reader assembles the logical
   tensor. The lazy copy runs on ``to_local()`` views: no gather, no all-reduce, no full copy;
 * **restoring**: ``dtensors.restore_tensor`` reads exactly the live box — a DTensor's local
   shard, or a whole plain tensor — from whatever boxes are stored (``read_region``), so a

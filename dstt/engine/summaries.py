@@ -273,7 +273,7 @@ class SummaryBook:
 
 def flat_digest_plan(items: Sequence[tuple[str, str, int, int]],
                      probe_size: int = PROBE_SIZE) -> DigestPlan:
-    """The store's :class:`~dstt.store.flatstats.DigestPlan` for tensors of a flat buffer:
+    """The store's :class:`~dstt.store.flusher.flatstats.DigestPlan` for tensors of a flat buffer:
     ``items`` are (path, store dtype, byte offset, numel); probes as ``probe_indices``."""
     return DigestPlan([(p, dt, off, n, probe_indices(p, n, probe_size) if n else
                         np.empty(0, np.intp)) for p, dt, off, n in items], probe_size)

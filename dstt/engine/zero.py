@@ -10,7 +10,7 @@ rank — the master weights of this rank's partition — and the wrapped torch o
 so each rank writes only its own arrays (ownership = array path), copied lazily like any other
 tensor. Stage and world size are part of the path because they decide the partitions' sizes:
 a run resumed with another world size writes new arrays instead of changing the shape of old
-ones. Each rank also stores a shard map (``dstt.store.shards``) saying which element ranges
+ones. Each rank also stores a shard map (``dstt.store.read.shards``) saying which element ranges
 of its buffers are which parameter: logical ``params/<module path>/<name>`` (fp32 master) and
 ``optim/<state>/<module path>/<name>``. Readers assemble those logical tensors lazily, so an
 inspected step looks the same whatever the parallelism.

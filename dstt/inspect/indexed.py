@@ -1,6 +1,6 @@
 """Metrics and write-time summaries from the run's index rows (``dstt.store.RowSet``).
 
-The index (``dstt/store/index.py``) keeps every commit's metrics, metrics history and
+The index (``dstt/store/index/writer.py``) keeps every commit's metrics, metrics history and
 write-time summaries as columns — pruned steps included, since gc frees tensor bytes but never
 the history of scalars. :func:`metrics_from_rows` feeds those rows to
 :func:`dstt.inspect.summaries.metrics_dataset` (one light record per row, so the Dataset is the

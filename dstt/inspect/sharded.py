@@ -1,7 +1,7 @@
 """Logical tensors of sharded commits (ZeRO partitions) as ordinary arrays-table records.
 
 A commit written by several ranks under ZeRO stores flat per-rank buffers
-(``zero/r<rank>/g<group>/fp32`` ...) plus shard maps (``dstt.store.shards``). For inspection
+(``zero/r<rank>/g<group>/fp32`` ...) plus shard maps (``dstt.store.read.shards``). For inspection
 the arrays table of such a commit is *augmented*: every logical tensor (``params/l1/weight``,
 ``optim/exp_avg/l1/weight``) gets a ``LogicalRecord`` — an ``ArrayRecord`` whose chunks are
 virtual: chunk ``i`` covers the same rows a stored array of that shape would have, and reading

@@ -1,32 +1,52 @@
 """The contract between the capture engine and whatever writes its steps.
 
 The engine's pipeline drives one of three writers: the store's ``Writer`` (one rank), the
-engine's ``RankWriter`` (several ranks: its transactions prepare or merge parts) and the
-DeepSpeed checkpoint engine's tag writer (several files of one tag share a transaction). They
-were kept in step by hand, through ``Any`` and ``getattr``, and drifted: ``RankWriter`` lacked
+``RankWriter`` (several ranks: its transactions prepare or merge parts) and the DeepSpeed
+checkpoint engine's tag writer (several files of one tag share a transaction). They were kept
+in step by hand, through ``Any`` and ``getattr``, and drifted: ``RankWriter`` lacked
 ``encoder``, so a one-rank ``DeltaPolicy`` run silently wrote every step raw. These Protocols
-name everything the pipeline uses; ``tests/engine/test_writer_contract.py`` runs the same
-capture through every implementation.
+name everything the pipeline uses, typed (no ``Any``); ``tests/engine/test_writer_contract.py``
+runs the same capture through every implementation.
+
+What a writer can do beyond ``begin`` is a *capability*, a ``runtime_checkable`` protocol the
+pipeline tests with ``isinstance`` once, when it is built: ``FlatStepWriter`` (whole steps from
+one flat buffer: the flat lane), ``EncodingWriter`` (it may encode deltas: the encode
+governor), ``StoredWriter`` (it says where its steps go: the flusher process serves local
+files) and ``OffloadingWriter`` (its commits can run in the flusher process). Rejected
+alternative: ``hasattr``/``getattr`` probes — a renamed attribute silently turned a capability
+off, and the type checker could not see the seam.
+
+Kept at the store's top level, beside the front door: the classes that implement it live in
+the rooms below (``commit/``, ``dstt.engine``) and match it structurally, importing nothing
+from here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
-from .codec.delta import EncodeStats
+from .codec.delta import DeltaEncoder, EncodeStats
 from .codec.predict import Prediction
-from .format.flat import FlatLayout
+from .commit.job import Deferred, RemoteCommitter
+from .format.flat import FlatImage, FlatLayout, StepBytes
 from .format.layout import ChunkPlan
-from .format.records import CommitHeader, Metric
+from .format.objects import Encoding
+from .format.records import ChunkRecord, Metric, ObjectRecord
 from .format.stepfile import StepFile
+from .storage.base import Storage
 
-__all__ = ["FlatStepWriter", "StepTransaction", "StepWriter"]
+__all__ = ["ArraySpec", "EncodingWriter", "FlatStepWriter", "OffloadingWriter", "StepBytes",
+           "StepTransaction", "StepWriter", "StoredWriter"]
+
+#: an array of a flat layout: path, dtype, shape and optionally its dimension names
+ArraySpec: TypeAlias = ("tuple[str, str, tuple[int, ...]]"
+                        " | tuple[str, str, tuple[int, ...], Sequence[str] | None]")
 
 
 @runtime_checkable
 class StepTransaction(Protocol):
-    """One step on its way to a commit (``store.writer.Transaction`` and its proxies)."""
+    """One step on its way to a commit (``commit.transaction.Transaction`` and its proxies)."""
 
     slot: int
     step: int
@@ -47,48 +67,88 @@ class StepTransaction(Protocol):
 
     def predict(self, predictions: Mapping[str, Prediction]) -> None: ...
 
-    def put_chunk(self, path: str, index: int, data: Any) -> Any: ...
+    def put_chunk(self, path: str, index: int, data: StepBytes) -> ChunkRecord: ...
 
-    def put_flat(self, layout: FlatLayout, buf: Any, images: Any = None) -> None: ...
+    def put_flat(self, layout: FlatLayout, buf: StepBytes,
+                 images: dict[int, FlatImage] | None = None) -> None: ...
 
-    def put_flat_chunks(self, layout: FlatLayout, buf: Any) -> None: ...
+    def put_flat_chunks(self, layout: FlatLayout, buf: StepBytes) -> None: ...
 
     def reserve_flat(self, layout: FlatLayout, nbytes_at: Callable[[int], int]) -> int: ...
 
     def complete_flat(self, layout: FlatLayout, offsets: list[int], sizes: list[int],
-                      crcs: list[int], directory: bytes, buf: Any = None) -> None: ...
+                      crcs: list[int], directory: bytes,
+                      buf: StepBytes | None = None) -> None: ...
 
-    def put_object(self, name: str, obj: Any, *, encoding: Any = "json") -> Any: ...
+    def put_object(self, name: str, obj: object, *,
+                   encoding: Encoding = "json") -> ObjectRecord: ...
 
-    def put_encoded(self, name: str, data: bytes, encoding: Any = "json") -> Any: ...
+    def put_encoded(self, name: str, data: bytes,
+                    encoding: Encoding = "json") -> ObjectRecord: ...
 
-    def defer_object(self, name: str, obj: Any, *, encoding: Any = "json",
+    def defer_object(self, name: str, obj: object, *, encoding: Encoding = "json",
                      or_pickle: bool = False) -> None: ...
 
     @property
-    def deferred(self) -> Sequence[Any]: ...  # the objects stored at commit (``Deferred``)
+    def deferred(self) -> Sequence[Deferred]: ...  # the objects stored at commit
 
-    def commit(self, metrics: Mapping[str, Metric] | None = None) -> CommitHeader | Any: ...
+    def commit(self, metrics: Mapping[str, Metric] | None = None) -> object:
+        """The step's ``CommitHeader`` — or what a writer that does not commit this step
+        returns instead (a rank's ``Part`` vote, one file of a DeepSpeed tag)."""
+        ...
 
     def abort(self) -> None: ...
 
 
 @runtime_checkable
 class StepWriter(Protocol):
-    """What hands out ``StepTransaction`` objects (``store.writer.Writer``, ``RankWriter``,
+    """What hands out ``StepTransaction`` objects (``commit.writer.Writer``, ``RankWriter``,
     the DeepSpeed checkpoint engine's tag writer)."""
 
     def begin(self, step: int) -> StepTransaction: ...
 
 
 @runtime_checkable
-class FlatStepWriter(StepWriter, Protocol):
-    """A writer the engine's flat lane can use: it lays out whole steps and says whether it
-    encodes (a writer that encodes gets the chunk lane)."""
+class EncodingWriter(Protocol):
+    """A writer that may encode deltas: its encoder, or None without ``DeltaPolicy`` (the
+    pipeline then never governs encoding)."""
 
     @property
-    def encoder(self) -> Any: ...  # the DeltaEncoder, or None without DeltaPolicy
+    def encoder(self) -> DeltaEncoder | None: ...
 
-    def flat_layout(self, arrays: Sequence[tuple[str, str, tuple[int, ...]]
-                                           | tuple[str, str, tuple[int, ...],
-                                                   Sequence[str] | None]]) -> FlatLayout: ...
+
+@runtime_checkable
+class FlatStepWriter(StepWriter, EncodingWriter, Protocol):
+    """A writer the engine's flat lane can use: it lays out whole steps and says whether it
+    encodes (a writer that encodes gets its flat steps written chunk by chunk)."""
+
+    def flat_layout(self, arrays: Sequence[ArraySpec]) -> FlatLayout: ...
+
+
+@runtime_checkable
+class StoredWriter(Protocol):
+    """A writer that says where its steps go (the flusher process serves local files)."""
+
+    @property
+    def storage(self) -> Storage: ...
+
+
+@runtime_checkable
+class OffloadingWriter(Protocol):
+    """A writer whose commits can run in another process: the flat lane sets ``committer``
+    to its flusher (``commit.job.RemoteCommitter``) and back to None at close."""
+
+    committer: RemoteCommitter | None
+
+
+if TYPE_CHECKING:  # the store's implementations match the contract (checked by mypy)
+    from .commit.ranks import RankTransaction, RankWriter
+    from .commit.transaction import Transaction
+    from .commit.writer import Writer
+
+    def _conforms(w: Writer, rw: RankWriter, t: Transaction, rt: RankTransaction) -> None:
+        writers: list[FlatStepWriter] = [w, rw]
+        stored: list[StoredWriter] = [w, rw]
+        offloading: OffloadingWriter = w
+        transactions: list[StepTransaction] = [t, rt]
+        del writers, stored, offloading, transactions

@@ -7,7 +7,7 @@ Vocabulary after icechunk: a *timeline* is a branch (a ref with a head slot); ro
 a new timeline whose head is an old commit and makes it current; nothing is deleted. Its
 default name is ``<timeline>-from-<step>``; a second rollback to the same step of the same
 timeline is a ``TimelineError`` asking for a name (rejected: a silent ``.2`` suffix, which
-told two attempts apart by nothing). Renaming and deleting timelines: ``timelines.py``.
+told two attempts apart by nothing). Renaming and deleting timelines: ``maintenance/timelines.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import FormatVersionError, NotARunError, TimelineError
+from .commit.writer import Writer
 from .format.layout import (
     FORMAT_VERSION,
     HEAD_KEY,
@@ -31,15 +32,14 @@ from .format.layout import (
 from .format.manifest import dump_head, dump_ref
 from .format.records import RefInfo
 from .format.zarr_meta import dump, group_document, root_attributes
-from .index_repair import rebuild
-from .maintenance import GcReport, gc
-from .reader import Reader
-from .retention import Retention
+from .index.repair import rebuild
+from .maintenance.gc import GcReport, gc
+from .maintenance.retention import Retention
+from .maintenance.timelines import DeleteReport, delete_timeline, rename_timeline
+from .maintenance.verify import VerifyReport, verify
+from .read.reader import Reader
 from .storage.base import Storage
 from .storage.urls import storage_for
-from .timelines import DeleteReport, delete_timeline, rename_timeline
-from .verify import VerifyReport, verify
-from .writer import Writer
 
 __all__ = ["Repository"]
 
@@ -174,16 +174,16 @@ class Repository:
 
     def rename_timeline(self, old: str, new: str) -> RefInfo:
         """Rename a timeline (HEAD and the timelines forked from it follow); crash-safe, and
-        running it again finishes an interrupted rename (``timelines.py``)."""
+        running it again finishes an interrupted rename (``maintenance/timelines.py``)."""
         return rename_timeline(self, old, new)
 
     def delete_timeline(self, name: str, *, gc: bool = True,
                         dry_run: bool = False) -> DeleteReport:
         """Delete a timeline that is not the current one; with ``gc``, free the commits and
-        files no other timeline reaches (``timelines.py``)."""
+        files no other timeline reaches (``maintenance/timelines.py``)."""
         return delete_timeline(self, name, sweep=gc, dry_run=dry_run)
 
-    # -- maintenance (implemented in maintenance.py and verify.py) -------------------------
+    # -- maintenance (maintenance/gc.py, maintenance/verify.py) -------------------------------
     def gc(self, *, keep_last: int | None = None, keep_every: int | None = None,
            keep_steps: Iterable[int] = (), retention: Retention | None = None,
            dry_run: bool = False, progress: Any = None) -> GcReport:

@@ -36,6 +36,7 @@ from ..engine.providers import RankObject, StoreSource
 from ..engine.ranks import RankChannel, RankInfo, dist_info, open_ranks
 from ..engine.torch_state import Stateful, TorchState
 from ..errors import ConfigError, RankError
+from ..store import Repository
 from .options import SessionOptions
 from .session import Session
 
@@ -112,8 +113,10 @@ class RankedSession(Session):
         writer, head = open_ranks(o.run, self.info, resume=o.resume, chunk_bytes=chunk,
                                   encoding=o.encoding, timeout=o.rank_timeout, lazy_refs=True,
                                   agree=self._agreed(), channel=self.channel)
-        self.repo = writer.repo
-        return writer, self.repo.reader(), head
+        repo = writer.repo  # the store names a writer's run by a protocol (``RunHandle``)
+        assert isinstance(repo, Repository)
+        self.repo = repo
+        return writer, repo.reader(), head
 
 
 class DistributedSession(RankedSession):

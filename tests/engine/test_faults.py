@@ -106,7 +106,7 @@ def test_flat_steps_are_committed_by_the_flusher_process(tmp_path: Path, remote:
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The commit's Python runs in the flusher child, off this process (none of it here);
     ``DSTT_FLUSHER_COMMIT=0`` keeps it in the committer thread. The same steps either way."""
-    from dstt.store import writer as writer_mod
+    from dstt.store.commit import writer as writer_mod
 
     here: list[int] = []
     real = writer_mod.run_commit

@@ -14,7 +14,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from dstt.store import Reader, Repository, Storage, dtype_name
+from dstt.store import Reader, Repository, Storage
+from dstt.store.api import dtype_name
 from dstt.store.storage.memory import DelegatingStorage
 
 #: what a read touched: ("array", (step, path, chunk index)), ("object", (step, name)) or

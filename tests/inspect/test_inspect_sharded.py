@@ -16,8 +16,8 @@ from inspect_helpers import CountingStorage
 
 import dstt
 from dstt.store import LocalStorage, Repository
-from dstt.store.parts import collect_parts
-from dstt.store.shards import LogicalArray, Piece, shard_map
+from dstt.store.commit.parts import collect_parts
+from dstt.store.read.shards import LogicalArray, Piece, shard_map
 
 SHAPES = {"l1.weight": (6, 4), "l1.bias": (6,), "l2.weight": (3, 6)}
 

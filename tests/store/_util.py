@@ -13,7 +13,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dstt.store import Repository, Transaction
+from dstt.store import Repository
+from dstt.store.commit.transaction import Transaction
 
 DTYPES = ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
           "uint8", "bool"]

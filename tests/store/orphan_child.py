@@ -18,7 +18,7 @@ from typing import IO, Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dstt.store import Repository
-from dstt.store import flusher as flusher_mod
+from dstt.store.flusher import parent as flusher_mod
 from store.test_stepcommit import _commit_step
 
 

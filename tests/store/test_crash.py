@@ -35,7 +35,8 @@ import numpy as np
 import pytest
 
 from dstt.errors import NotARunError, StepNotFoundError, StorageError
-from dstt.store import Durability, Repository, Storage, load
+from dstt.store import Repository, Storage, load
+from dstt.store.commit.parts import collect_parts
 from dstt.store.format.layout import (
     COMMITS_PREFIX,
     INDEX_PREFIX,
@@ -48,9 +49,8 @@ from dstt.store.format.layout import (
     side_file_key,
     step_file_key,
 )
-from dstt.store.index_reader import GC_MARKER
-from dstt.store.parts import collect_parts
-from dstt.store.storage.base import Data
+from dstt.store.index.view import GC_MARKER
+from dstt.store.storage.base import Data, Durability
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage
 
 from ._util import assert_same_arrays, deep_equal

@@ -31,7 +31,8 @@ from dstt.errors import (
     StorageError,
     TimelineError,
 )
-from dstt.store import LocalStorage, Repository, Transaction, load, save
+from dstt.store import LocalStorage, Repository, load, save
+from dstt.store.commit.transaction import Transaction
 from dstt.store.format.envelope import checksum
 from dstt.store.format.layout import (
     HEAD_KEY,

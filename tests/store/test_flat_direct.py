@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dstt.store import flatstats
-from dstt.store import flusher_child as flusher_mod
-from dstt.store.flatstats import DigestPlan, digest
+from dstt.store.flusher import child as flusher_mod
+from dstt.store.flusher import flatstats
+from dstt.store.flusher.flatstats import DigestPlan, digest
 from dstt.store.format.flat import FlatImage, FlatLayout
 from dstt.store.format.layout import plan_chunks
 from dstt.store.format.zipfmt import end_records

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from dstt.errors import StorageError
-from dstt.store import LocalStorage, Repository, Transaction, load, save
+from dstt.store import LocalStorage, Repository, load, save
+from dstt.store.commit.transaction import Transaction
 from dstt.store.format.layout import COMMITS_PREFIX, STEPS_PREFIX, side_file_key, step_file_key
 from dstt.store.storage.memory import FaultyStorage
 

@@ -1,4 +1,4 @@
-"""The run's index (dstt/store/index.py): gc keeps the scalars of pruned steps, a cut at any
+"""The run's index (dstt/store/index/writer.py): gc keeps the scalars of pruned steps, a cut at any
 write leaves the index agreeing with the commits (or ignored), damage falls back to headers
 and ``reindex`` (``dstt index``) rebuilds, and a trajectory reads only its tensor's bytes."""
 
@@ -14,8 +14,8 @@ import pytest
 import dstt
 from dstt.store import LocalStorage, Reader, Repository, Storage
 from dstt.store.format.layout import INDEX_PREFIX
-from dstt.store.index_reader import GC_MARKER
-from dstt.store.index_repair import check
+from dstt.store.index.repair import check
+from dstt.store.index.view import GC_MARKER
 from dstt.store.storage.memory import DelegatingStorage, MemoryStorage
 
 from .test_crash import every_cut
@@ -299,7 +299,7 @@ def test_located_records_equal_the_arrays_tables() -> None:
 def test_a_writer_does_not_write_rows_an_index_rewrite_made_newer() -> None:
     """Rows a writer still holds pending, once the index was rewritten with those slots (gc
     running under the writer marks some pruned), are not written again over the new rows."""
-    from dstt.store.index_repair import rebuild
+    from dstt.store.index.repair import rebuild
 
     mem = MemoryStorage()
     repo = Repository.create(mem)
@@ -315,9 +315,9 @@ def test_a_writer_does_not_write_rows_an_index_rewrite_made_newer() -> None:
 
 
 def test_a_local_run_writes_segments_from_background_jobs(tmp_path: Path) -> None:
-    """On local files the committer hands the rows to a job process (index_job.py): the
+    """On local files the committer hands the rows to a job process (index/job.py): the
     segments it writes hold exactly the committed rows, merges included."""
-    from dstt.store.index import IndexWriter
+    from dstt.store.index.writer import IndexWriter
 
     jobs: list[Any] = []
     real_start = IndexWriter._start_job
@@ -351,7 +351,7 @@ def test_a_failed_index_job_leaves_the_rows_to_the_writer(
     import subprocess
     import sys
 
-    from dstt.store.index_job import IndexJob
+    from dstt.store.index.job import IndexJob
 
     def failing(location: str, slots: list[int], every: int) -> IndexJob:
         return IndexJob(subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"],
@@ -374,8 +374,8 @@ def test_background_jobs_are_rate_limited_but_the_tail_stays_bounded(
     """A job is an interpreter start: a fast loop starts one at its first segment's worth,
     then at most one per ``JOB_INTERVAL_S`` — unless ``JOB_MAX_TAIL`` segments' worth are
     pending — and the close indexes what is left; every commit ends up with a row."""
-    from dstt.store import index as index_mod
-    from dstt.store.index import IndexWriter
+    from dstt.store.index import writer as index_mod
+    from dstt.store.index.writer import IndexWriter
 
     def count_jobs(max_tail: int) -> tuple[int, Reader]:
         starts: list[int] = []

@@ -1,5 +1,5 @@
 """An index job's stderr pipe is closed however its end is noticed: no ``ResourceWarning``
-(``dstt/store/index_job.py``), also end to end under ``python -W error``."""
+(``dstt/store/index/job.py``), also end to end under ``python -W error``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import warnings
 from pathlib import Path
 
-from dstt.store.index_job import IndexJob
+from dstt.store.index.job import IndexJob
 
 
 def test_a_job_found_done_by_poll_still_closes_its_pipe() -> None:

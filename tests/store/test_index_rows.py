@@ -12,7 +12,7 @@ import torch
 import dstt
 from dstt.store import Repository
 from dstt.store.format.segment import SCALARS
-from dstt.store.index_rows import SUMMARIES, _summaries, rows_from_headers
+from dstt.store.index.rows import SUMMARIES, _summaries, rows_from_headers
 from dstt.testing.models import TinyGPT, make_batch
 
 

@@ -15,8 +15,9 @@ from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from dstt.errors import DsttError
-from dstt.store import Repository, Transaction, load
+from dstt.store import Repository, load
 from dstt.store.codec.xor import DeltaPolicy
+from dstt.store.commit.transaction import Transaction
 from dstt.store.storage.memory import MemoryStorage
 
 from .test_predict import M, P, V, _Adam, _put, _same

@@ -18,9 +18,10 @@ from zarr.storage import ZipStore
 
 from dstt.errors import CorruptRunError, DsttError, RankError
 from dstt.store import CommitHeader, DeltaPolicy, Repository
+from dstt.store.commit.parts import abort_vote, collect_parts
 from dstt.store.format.layout import PARTS_PREFIX, STEPS_PREFIX, side_file_key, step_file_key
-from dstt.store.parts import abort_vote, collect_parts, part_slots
-from dstt.store.shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
+from dstt.store.format.parts import part_slots
+from dstt.store.read.shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
 
 from ._util import put_array, same_bits
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dstt.store import Repository, Transaction, load
+from dstt.store import Repository, load
 from dstt.store.codec.predict import PREDICTORS, Prediction, adam_predictions, predict
 from dstt.store.codec.xor import DeltaPolicy
+from dstt.store.commit.transaction import Transaction
 from dstt.store.format.layout import step_file_key
 from dstt.store.format.manifest import dump_arrays
 from dstt.store.format.records import ChunkRecord

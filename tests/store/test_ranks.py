@@ -1,7 +1,7 @@
 """The multi-rank commit at the store level: real ``RankWriter``s at world 2 and 3, no torch.
 
 Every rank is a thread with its own storage handle (``rank_world``): rank 0 holds the run's
-lock and merges, the others prepare parts — the protocol of ``store/commit.py`` exactly as the
+lock and merges, the others prepare parts — the protocol of ``store/commit/ranks.py`` exactly as the
 engine drives it across processes, which only ever meet through the storage. Checked:
 
 * a commit holds every rank's arrays bit-exactly, each in its own rank's step file, on the
@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from dstt.errors import RankError
-from dstt.store import CommitHeader, LocalStorage, Part, Repository, Storage
+from dstt.store import CommitHeader, LocalStorage, Repository, Storage
 from dstt.store.format.layout import (
     PARTS_PREFIX,
     STEPS_PREFIX,
@@ -40,7 +40,7 @@ from dstt.store.format.layout import (
     side_file_key,
     step_file_key,
 )
-from dstt.store.parts import dump_part
+from dstt.store.format.parts import Part, dump_part
 from dstt.store.storage.memory import DelegatingStorage, MemoryStorage
 
 from ._util import same_bits

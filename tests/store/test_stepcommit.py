@@ -1,5 +1,5 @@
 """A step's commit run elsewhere (the flusher process) and, where that process dies at any
-point of it, finished here: the same committed step, byte for byte (``stepcommit.py``)."""
+point of it, finished here: the same committed step, byte for byte (``commit/job.py``)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import pytest
 
 from dstt.errors import StorageError
 from dstt.store import Repository
-from dstt.store.flusher import Flusher, flusher_supported
+from dstt.store.commit.job import CommitJob, NotHandedOff, run_commit
+from dstt.store.flusher.parent import Flusher, flusher_supported
 from dstt.store.format.layout import side_file_key, step_file_key
 from dstt.store.format.records import CommitHeader
 from dstt.store.format.stepfile import SideFile, StepFile, StepState
-from dstt.store.stepcommit import CommitJob, NotHandedOff, run_commit
 from dstt.store.storage.base import Blob, Data
 from dstt.store.storage.local import LocalStorage
 from dstt.store.storage.memory import DelegatingStorage
@@ -220,7 +220,7 @@ def test_the_flusher_forgets_old_constants_and_keeps_committing(
     """Each commit here sends three new constants (a fresh writer's table template, document
     block, consolidated metadata): past ``_SENT_KEPT`` the parent tells the child to forget
     them all and sends what the next request names again."""
-    from dstt.store import flusher as flusher_mod
+    from dstt.store.flusher import parent as flusher_mod
 
     monkeypatch.setattr(flusher_mod, "_SENT_KEPT", 4)
     fl = Flusher(1 << 16, 2)

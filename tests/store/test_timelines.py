@@ -1,4 +1,4 @@
-"""Timeline management in the store: rename and delete (``dstt/store/timelines.py``).
+"""Timeline management in the store: rename and delete (``dstt/store/maintenance/timelines.py``).
 
 Power cuts at every write (the ``MemoryStorage`` crash model of ``test_crash.py``): after any
 cut every timeline left is readable bit-exactly, HEAD names an existing ref, and running the

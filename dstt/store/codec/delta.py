@@ -11,6 +11,12 @@ delta's base is always a committed ancestor on the same timeline even when the e
 steps or a step fails. A writer on a new timeline (after rollback) starts with an empty
 shadow, so deltas never chain across timelines.
 
+A step written whole from one flat layout (``flatdelta.py``) is encoded against a *flat
+shadow* of that layout instead of chunk shadows: the encoder's last section picks the newest
+one before the step (in flight, else committed), checks the budget and recycles the copy.
+Kept in this class (it was a mixin in a module of its own, which bought nothing): in-flight
+bases, discards and promotes must see both kinds of step under one lock.
+
 Rejected alternative: reading the base back from disk at encode time — it costs read
 bandwidth on the hot flush path; the shadow costs host memory (bounded by
 ``DeltaPolicy.shadow_bytes``; chunks beyond the budget are always keyframes).
@@ -31,8 +37,8 @@ from ..format.envelope import checksum
 from ..format.layout import ChunkPlan, key_slot
 from ..format.records import ChunkRecord
 from .buffers import Scratch, ShadowPool
-from .flatbases import FlatBasesMixin
-from .flatdelta import FlatShadow, LayoutStates
+from .flatdelta import FlatEncoded, FlatShadow, encode_flat
+from .layout_state import LayoutState, LayoutStates
 from .predict import CUR, PRED, Prediction, predict
 from .xor import XOR, DeltaPolicy, chain_limit, xor_encode
 
@@ -107,7 +113,7 @@ class _Inflight:
     flat: Callable[[], FlatShadow | None] = lambda: None
 
 
-class DeltaEncoder(FlatBasesMixin):
+class DeltaEncoder:
     def __init__(self, policy: DeltaPolicy) -> None:
         self.policy = policy
         self._shadow: dict[tuple[str, int], Shadow] = {}
@@ -392,3 +398,48 @@ class DeltaEncoder(FlatBasesMixin):
             with self._mu:
                 self._limits[group] = limit
 
+    # -- flat bases: a step written whole from one flat layout (``flatdelta.py``) ----------
+    def flat_room(self, nbytes: int, layout: object) -> bool:
+        """Whether a flat shadow of ``nbytes`` fits the shadow budget."""
+        with self._mu:
+            old = self._flat.get(id(layout))
+            held = sum(s.data.nbytes for s in self._flat.values()) - (
+                old.data.nbytes if old is not None else 0)
+            return self._bytes + held + nbytes <= self.policy.shadow_bytes
+
+    def layout_state(self, layout: object) -> LayoutState:
+        return self._flat_states.get(layout)  # type: ignore[arg-type]
+
+    def flat_copy(self, buf: np.ndarray) -> np.ndarray:
+        """A copy of a step buffer to become a flat shadow (recycled memory)."""
+        return self._pool.copy(buf)
+
+    def encode_step(self, layout: object, buf: np.ndarray, slot: int, timeline: str,
+                    predictions: dict[str, Prediction],
+                    ) -> tuple[FlatEncoded, FlatShadow, int | None] | None:
+        """The step in flat buffer ``buf`` encoded against the newest flat shadow of its
+        layout before ``slot`` (with the in-flight slot it came from, or None: committed);
+        None when there is none (the step is a keyframe)."""
+        epoch = self._pool.enter()
+        try:
+            with self._mu:
+                flights = sorted(((s, f) for s, f in self._inflight.items()
+                                  if s < slot and f.timeline == timeline), reverse=True)
+                committed = self._flat.get(id(layout)) if timeline == self._timeline else None
+            base, from_slot = None, None
+            for s, f in flights:
+                sh = f.flat()
+                if sh is not None and sh.layout is layout:
+                    base, from_slot = sh, s
+                    break
+            if base is None and committed is not None and committed.layout is layout:
+                base = committed
+            if base is None:
+                return None
+            t0 = time.perf_counter()
+            out = encode_flat(self.policy, self._flat_states.get(layout),  # type: ignore[arg-type]
+                              buf, base, slot, predictions, self._scratch)
+            out.seconds = time.perf_counter() - t0
+            return out, base, from_slot
+        finally:
+            self._pool.leave(epoch)

@@ -19,14 +19,12 @@ import itertools
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from .layout_state import LayoutState
 from .predict import CUR, PREDICTORS, Prediction
-
-if TYPE_CHECKING:
-    from .flatdelta import LayoutState
 
 __all__ = ["Group", "groups", "predict_residuals"]
 

@@ -18,8 +18,10 @@ import itertools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from .envelope import checksum, crc32c_raw
 from .layout import ChunkPlan, zarr_chunk_key
@@ -29,7 +31,17 @@ from .zipfmt import Entry, crc32, crc32_raw, directory_records, header_size, loc
 #: the two sums of an in-place entry, in the order ``_fill_inplace`` calls them
 _BOTH = (crc32c_raw, crc32_raw)
 
-__all__ = ["FlatArray", "FlatImage", "FlatLayout"]
+__all__ = ["FlatArray", "FlatImage", "FlatLayout", "StepBytes", "byte_view"]
+
+#: the bytes of a chunk or of a whole flat step, as a transaction takes them: a buffer, or a
+#: numpy array's memory (a pinned host slab's ``.numpy()``, a step buffer)
+StepBytes: TypeAlias = "bytes | bytearray | memoryview | npt.NDArray[np.generic]"
+
+
+def byte_view(data: StepBytes) -> memoryview:
+    """``data``'s memory as unsigned bytes, no copy (numpy's type stubs declare the buffer
+    protocol from Python 3.12 only, hence the ignore)."""
+    return memoryview(data).cast("B")  # type: ignore[arg-type]
 
 ALIGN = 64
 

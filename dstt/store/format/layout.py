@@ -57,8 +57,8 @@ DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 STEPS_PREFIX = "steps"  # one zip (a Zarr v3 hierarchy) + one side file per step per rank
 COMMITS_PREFIX = "_dstt/commits"
 REFS_PREFIX = "_dstt/refs"
-PARTS_PREFIX = "_dstt/parts"  # multi-rank commits: one part manifest per rank (parts.py)
-INDEX_PREFIX = "_dstt/index"  # the index's segments (index.py, format/segment.py)
+PARTS_PREFIX = "_dstt/parts"  # multi-rank commits: one part manifest per rank (commit/parts.py)
+INDEX_PREFIX = "_dstt/index"  # the index's segments (index/writer.py, format/segment.py)
 HEAD_KEY = "_dstt/HEAD.json"
 LOCK_KEY = "_dstt/lock"
 

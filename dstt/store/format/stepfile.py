@@ -61,7 +61,7 @@ class StepFile:
             self._blob = self._storage.open_blob(self.key)
         return self._blob
 
-    # -- handing the file to the flusher process to finish (``stepcommit.py``) --------------
+    # -- handing the file to the flusher process to finish (``commit/job.py``) --------------
     def handoff(self) -> StepState | None:
         """What another process needs to finish this file (``adopt``), or None where it
         cannot: entries written one by one here, or a blob that is not a local file."""

@@ -13,19 +13,30 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from ...errors import StorageError
 from .base import Blob, Data, as_parts
 from .posix import fsync_dir, pwrite_all
 
-if TYPE_CHECKING:
-    from .local import LocalStorage
+
+class FileOwner(Protocol):
+    """What a file blob needs of its ``LocalStorage`` (``local.py``, which imports this
+    module: a protocol, not the class): where a key lives, its folders, its error and the
+    note that a file awaits the next barrier."""
+
+    @property
+    def durability(self) -> str: ...
+    def _path(self, key: str) -> str: ...
+    def _ensure_parent(self, path: str) -> tuple[str, list[str]]: ...
+    def _io_error(self, e: OSError, what: str, key: str) -> StorageError: ...
+    def _published(self, path: str, parent: str, grown: list[str]) -> None: ...
 
 
 class _FileBlob(Blob):
     """A temporary file written with ``pwritev`` at offsets, renamed into place on publish."""
 
-    def __init__(self, storage: LocalStorage, key: str, *, tmp: str | None = None) -> None:
+    def __init__(self, storage: FileOwner, key: str, *, tmp: str | None = None) -> None:
         """``tmp``: adopt the temporary file another process created for ``key``."""
         self.storage, self.key = storage, key
         self.path = storage._path(key)

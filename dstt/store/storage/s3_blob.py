@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import obstore
 
@@ -21,14 +21,25 @@ from ...errors import RunLockedError, StorageError
 from .base import Blob, Data, as_parts
 from .posix import pwrite_all
 
-if TYPE_CHECKING:
-    from .s3 import S3Storage
+
+class SpoolOwner(Protocol):
+    """What an upload blob needs of its ``S3Storage`` (``s3.py``, which imports this module:
+    a protocol, not the class): the bucket, the spool folder and upload sizes, the lease
+    check before a write and the storage's error."""
+
+    store: Any
+    spool_dir: str | None
+    chunk_size: int
+    max_concurrency: int
+
+    def _check_lease(self) -> None: ...
+    def _error(self, e: Exception, what: str, key: str) -> StorageError: ...
 
 
 class _S3Blob(Blob):
     """Pieces ``pwritev``-ed into an unlinked spool file; one (multipart) upload on publish."""
 
-    def __init__(self, storage: S3Storage, key: str) -> None:
+    def __init__(self, storage: SpoolOwner, key: str) -> None:
         self.storage, self.key = storage, key
         self._file: Any = tempfile.TemporaryFile(  # noqa: SIM115 - closed by publish/discard
             dir=storage.spool_dir, prefix="dstt-blob-")

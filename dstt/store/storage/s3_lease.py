@@ -19,7 +19,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import obstore
 from obstore.exceptions import AlreadyExistsError, PreconditionError
@@ -27,14 +27,20 @@ from obstore.exceptions import AlreadyExistsError, PreconditionError
 from ...errors import RunLockedError
 from .s3_config import _is_missing
 
-if TYPE_CHECKING:
-    from .s3 import S3Storage
+
+class LeaseOwner(Protocol):
+    """What the lease needs of its ``S3Storage`` (``s3.py``, which imports this module: a
+    protocol, not the class)."""
+
+    store: Any
+    location: str
+    lease_ttl: float
 
 
 class _S3Lease:
     """The single-writer lease: a JSON object under the lock key (see the module docstring)."""
 
-    def __init__(self, storage: S3Storage, key: str) -> None:
+    def __init__(self, storage: LeaseOwner, key: str) -> None:
         self.storage, self.key = storage, key
         self.ttl = storage.lease_ttl
         self.owner = secrets.token_hex(8)

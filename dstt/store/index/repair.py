@@ -1,7 +1,7 @@
 """Whole-index rewrites: gc's new index, ``dstt index`` (rebuild) and verify's check.
 
 All three hold the run's lock (or are read-only) and derive rows from the commit headers, the
-source of truth (``index.py``). ``rewrite`` writes one segment of every given row, then deletes
+source of truth (``writer.py``). ``rewrite`` writes one segment of every given row, then deletes
 every older segment and the gc marker: a cut before the deletes leaves overlapping segments in
 which the newer generation wins, so it never loses a row. ``rebuild`` reads every header from
 its own file (not the index it replaces) and keeps the summaries of pruned steps from any
@@ -14,18 +14,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import DsttError
-from .format.layout import INDEX_PREFIX, commit_key, parse_index_name
-from .format.manifest import dump_header, parse_header
-from .format.records import CommitHeader
-from .format.segment import RowSet, concat
-from .index import write_segment
-from .index_reader import GC_MARKER, Index
-from .index_rows import keep_summaries, rows_from_headers, take
+from ...errors import DsttError
+from ..format.layout import INDEX_PREFIX, commit_key, parse_index_name
+from ..format.manifest import dump_header, parse_header
+from ..format.records import CommitHeader
+from ..format.segment import RowSet, concat
+from .rows import keep_summaries, rows_from_headers, take
+from .view import GC_MARKER, Index, IndexedSource
+from .writer import write_segment
 
 if TYPE_CHECKING:
-    from .reader import Reader
-    from .storage.base import Storage
+    from ..storage.base import Storage
 
 __all__ = ["all_rows", "check", "reachable_headers", "rebuild", "rewrite"]
 
@@ -42,7 +41,7 @@ def all_rows(st: Storage, index: Index) -> dict[int, tuple[RowSet, int]]:
     return out
 
 
-def rewrite(st: Storage, reader: Reader, headers: list[CommitHeader],
+def rewrite(st: Storage, reader: IndexedSource, headers: list[CommitHeader],
             old: dict[int, tuple[RowSet, int]], *, reuse: bool = True) -> None:
     """Replace the whole index by one segment of ``headers`` (gc, rebuild). With ``reuse``,
     rows of unchanged live steps are copied from ``old`` instead of re-read from step files."""
@@ -76,7 +75,7 @@ def rewrite(st: Storage, reader: Reader, headers: list[CommitHeader],
         reader.index.load()
 
 
-def reachable_headers(reader: Reader) -> dict[int, CommitHeader]:
+def reachable_headers(reader: IndexedSource) -> dict[int, CommitHeader]:
     """Every commit reachable from a ref, read from its header file (not the index)."""
     out: dict[int, CommitHeader] = {}
     for tl in reader.timelines:
@@ -89,7 +88,7 @@ def reachable_headers(reader: Reader) -> dict[int, CommitHeader]:
     return out
 
 
-def rebuild(reader: Reader) -> int:
+def rebuild(reader: IndexedSource) -> int:
     """Re-derive the index from the commit headers (caller holds the run's lock); returns
     the rows written."""
     st = reader.storage
@@ -99,7 +98,7 @@ def rebuild(reader: Reader) -> int:
     return len(heads)
 
 
-def check(reader: Reader) -> list[tuple[str, str]]:
+def check(reader: IndexedSource) -> list[tuple[str, str]]:
     """Problems of the index against the headers: damaged segments, rows that disagree."""
     st = reader.storage
     idx = Index(st).load()

@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptRunError
-from .format.zarr_meta import numpy_dtype
+from ...errors import CorruptRunError
+from ..format.zarr_meta import numpy_dtype
 
 __all__ = [
     "SHARDS_PREFIX",

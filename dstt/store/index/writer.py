@@ -1,6 +1,6 @@
 """The run's index, writing side: pending rows, segments, merges (LSM), background jobs.
 
-The reading side — segments, which rows are trusted, ``Index`` — is ``index_reader.py``; this
+The reading side — segments, which rows are trusted, ``Index`` — is ``index/view.py``; this
 module imports it and never the other way. Rejected: one module for both sides (two jobs; a
 reader would load the writer's jobs and merges it never runs).
 
@@ -17,9 +17,9 @@ slots about to be pruned (readers distrust those rows while it exists and read t
 (2) the tombstones, (3) one new segment of every row with the pruned ones marked, (4) delete
 the older segments, (5) delete the marker, (6) delete the step files. A cut anywhere leaves
 rows that agree with the headers or rows a reader ignores; a writer (or ``dstt index``) that
-finds a marker re-indexes the marked slots. ``index_repair.rebuild`` re-derives the whole
+finds a marker re-indexes the marked slots. ``repair.rebuild`` re-derives the whole
 index from the headers (summaries of pruned steps come from any segment that still holds them);
-``index_rows`` turns headers into rows.
+``rows`` turns headers into rows.
 """
 
 from __future__ import annotations
@@ -30,17 +30,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import DsttError
-from .format.layout import index_key
-from .format.records import CommitHeader
-from .format.segment import RowSet, concat, encode
-from .index_job import IndexJob
-from .index_reader import GC_MARKER, Index
-from .index_rows import dedup, keep_summaries, rows_from_headers, take
+from ...errors import DsttError
+from ..format.layout import index_key
+from ..format.records import CommitHeader
+from ..format.segment import RowSet, concat, encode
+from .job import IndexJob
+from .rows import dedup, keep_summaries, rows_from_headers, take
+from .view import GC_MARKER, Index, IndexedSource
 
 if TYPE_CHECKING:
-    from .reader import Reader
-    from .storage.base import Storage
+    from ..storage.base import Storage
 
 __all__ = ["IndexWriter", "write_segment"]
 
@@ -72,7 +71,7 @@ def _tier(n: int, every: int) -> int:
 class IndexWriter:
     """The exclusive writer's side of the index: pending rows, segments, merges."""
 
-    def __init__(self, reader: Reader, *, every: int = EVERY,
+    def __init__(self, reader: IndexedSource, *, every: int = EVERY,
                  background: bool | None = None) -> None:
         """``background``: write segments from a job process (default: for a run on local
         files, unless ``DSTT_INDEX_JOBS=0``), so the committer never spends the GIL on rows."""
@@ -186,7 +185,7 @@ class IndexWriter:
         merge_segments(self.storage, self.index, self.every)
 
 
-def flush_rows(st: Storage, reader: Reader, index: Index,
+def flush_rows(st: Storage, reader: IndexedSource, index: Index,
                pending: dict[int, CommitHeader], every: int) -> None:
     """Write the rows of ``pending`` as one new segment, then merge (what a flush does, in
     this process or in a background job)."""

@@ -1,4 +1,4 @@
-"""``python -m dstt.store._index_main``: an index job (``store/index_job.py``): the job's
+"""``python -m dstt.store.read._index_main``: an index job (``store/index/job.py``): the job's
 ``{"run", "slots", "every"}`` on stdin, exit status 0 once the segment (and any merge) is
 written. A module of its own so that running it does not re-execute a module the package
 ``dstt.store`` already imported (runpy warns about that, on the child's stderr)."""
@@ -11,9 +11,9 @@ import json
 import os
 import sys
 
-from .index import flush_rows
+from ..index.writer import flush_rows
+from ..storage.local import LocalStorage
 from .reader import Reader
-from .storage.local import LocalStorage
 
 
 def _lower_priority() -> None:

@@ -4,7 +4,7 @@
 ``summaries`` objects, ``metrics/history``, the arrays table's raw chunk locations) into a
 ``RowSet`` (``format/segment.py``); ``take``/``dedup`` select rows, ``keep_summaries`` carries
 the summaries of pruned steps over from older rows (gc, rebuild). Kept apart from
-``index.py`` (which decides when rows are written and which are trusted) because this is the
+``index/writer.py`` (which decides when rows are written and which are trusted) because this is the
 one place that knows the engine's object conventions: the store otherwise never looks inside
 an object. Rejected alternative: decoding summaries in ``dstt.inspect`` — the store could then
 not keep them when gc deletes the side files.
@@ -16,20 +16,18 @@ import contextlib
 import json
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import CorruptRunError, DsttError
-from .format.layout import ChunkPlan, step_file_key
-from .format.manifest import FileIds, dump_header
-from .format.records import CommitHeader
-from .format.segment import SCALARS, Layout, Locations, RowSet, concat
-from .format.zarr_meta import dtype_itemsize
+from ...errors import CorruptRunError, DsttError
+from ..format.layout import ChunkPlan, step_file_key
+from ..format.manifest import FileIds, dump_header
+from ..format.records import CommitHeader
+from ..format.segment import SCALARS, Layout, Locations, RowSet, concat
+from ..format.zarr_meta import dtype_itemsize
 from .shard_summaries import fold_columns
-
-if TYPE_CHECKING:
-    from .reader import Reader
+from .source import HeaderSource
 
 __all__ = ["HISTORY", "SUMMARIES", "as_float", "dedup", "keep_summaries", "rows_from_headers",
            "take"]
@@ -70,7 +68,7 @@ def _summaries(obj: Any) -> dict[str, tuple[list[float], bool, list[float]]]:
     return out
 
 
-def rows_from_headers(reader: Reader, headers: Iterable[CommitHeader], *,
+def rows_from_headers(reader: HeaderSource, headers: Iterable[CommitHeader], *,
                       summaries: bool = True, locations: bool = True) -> RowSet:
     """Index rows of ``headers``: their metrics, and what their step files still hold of
     metrics history, summaries and tensor locations (nothing of that for a pruned step);

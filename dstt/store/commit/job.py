@@ -3,10 +3,10 @@
 ``Writer._commit`` decides (the slot's parent, the head check, the new ref) and describes
 everything the commit then writes in one frozen value — objects still to encode, the arrays
 table (or the cached columns it is spliced from), the zarr documents, the header's fields,
-the ref's bytes. ``run_commit`` writes it in the commit order of ``writer.py`` (objects and
+the ref's bytes. ``run_commit`` writes it in the commit order of ``commit/writer.py`` (objects and
 table into the side file → zarr.json documents and central directory into the zip → publish
 both → header → barrier → evict → ref). The same function runs in the writer's thread or, for
-a flat step, in the flusher process (``flusher.py``): there the commit's Python — encoding,
+a flat step, in the flusher process (``flusher/parent.py``): there the commit's Python — encoding,
 splicing, a dozen system calls — runs off the training process's interpreter lock, which it
 otherwise takes from the training thread at every step (measured: docs/design.md).
 
@@ -26,16 +26,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .format.envelope import checksum
-from .format.layout import commit_key, group_meta_key, ref_key
-from .format.manifest import TableTemplate, dump_header
-from .format.objects import Encoded, Encoding, encode_object
-from .format.records import CommitHeader, Location, Metric, ObjectRecord
-from .format.stepfile import Block, SideFile, StepFile, StepState
-from .format.zarr_meta import root_attributes, root_document_bytes
+from ..format.envelope import checksum
+from ..format.layout import commit_key, group_meta_key, ref_key
+from ..format.manifest import TableTemplate, dump_header
+from ..format.objects import Encoded, Encoding, encode_object
+from ..format.records import CommitHeader, Location, Metric, ObjectRecord
+from ..format.stepfile import Block, SideFile, StepFile, StepState
+from ..format.zarr_meta import root_attributes, root_document_bytes
 
 if TYPE_CHECKING:
-    from .storage.base import Storage
+    from ..storage.base import Storage
 
 __all__ = ["CommitJob", "Deferred", "NotHandedOff", "RemoteCommitter", "encode_deferred",
            "run_commit", "write_metadata"]
@@ -58,7 +58,7 @@ class Deferred:
 
 @dataclass(frozen=True)
 class CommitJob:
-    """Everything one commit writes, decided by the writer (``writer.py``)."""
+    """Everything one commit writes, decided by the writer (``commit/writer.py``)."""
 
     slot: int
     step: int

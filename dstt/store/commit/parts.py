@@ -12,7 +12,9 @@ and commit header, and commits as usual. Readers never look at parts: a merged c
 indistinguishable from a single-writer one, and a step is visible only once every rank's bytes
 are durable. Part files of committed slots are deleted after the commit (gc sweeps leftovers).
 
-Who calls these, and when, is ``commit.py`` (the ``RankWriter`` protocol).
+The part manifest itself (its record, bytes and files) is ``format/parts.py``; this module
+is the vote protocol on top of it. Who calls these, and when, is ``ranks.py`` (the
+``RankWriter`` protocol).
 Rejected alternative: a per-rank arrays table referenced from the header — every reader would
 have to learn a second table kind.
 """
@@ -22,65 +24,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import CorruptRunError, RankError
-from .format.envelope import _fields, _metric_in, _metric_out, _open, _seal
-from .format.layout import PARTS_PREFIX, part_key
-from .format.manifest import arrays_from_json, arrays_json, object_from_json, object_json
-from .format.records import ArrayRecord, Metric, ObjectRecord
+from ...errors import RankError
+from ..format.layout import part_key
+from ..format.parts import Part, dump_part, parse_part
+from ..format.records import ArrayRecord, ObjectRecord
 
 if TYPE_CHECKING:
-    from .storage.base import Storage
+    from ..storage.base import Storage
 
-__all__ = ["Part", "abort_vote", "collect_parts", "dump_part", "merge_parts", "parse_part",
-           "part_slots", "remove_parts"]
-
-
-@dataclass(frozen=True)
-class Part:
-    """One rank's prepared share of a slot."""
-
-    slot: int
-    step: int
-    rank: int
-    world: int
-    session: str
-    arrays: Mapping[str, ArrayRecord] = field(default_factory=dict)
-    objects: Mapping[str, ObjectRecord] = field(default_factory=dict)
-    metrics: Mapping[str, Metric] = field(default_factory=dict)
-    #: set in an *abort vote*: the rank could not write its share of this step
-    error: str | None = None
-
-
-_PART_FIELDS = {"slot", "step", "rank", "world", "session", "arrays", "objects", "metrics"}
-
-
-def dump_part(p: Part) -> bytes:
-    return _seal("part", {
-        "slot": p.slot, "step": p.step, "rank": p.rank, "world": p.world, "session": p.session,
-        "arrays": arrays_json(p.arrays),
-        "objects": {k: object_json(o) for k, o in p.objects.items()},
-        "metrics": {k: _metric_out(v) for k, v in p.metrics.items()},
-        **({"error": p.error} if p.error is not None else {}),
-    })
-
-
-def parse_part(data: bytes, where: str) -> Part:
-    b = _open(data, "part", where)
-    _fields(b, _PART_FIELDS, {"error"}, where)
-    try:
-        return Part(
-            slot=int(b["slot"]), step=int(b["step"]), rank=int(b["rank"]),
-            world=int(b["world"]), session=str(b["session"]),
-            arrays=arrays_from_json(b["arrays"]),
-            objects={k: object_from_json(o) for k, o in b["objects"].items()},
-            metrics={k: _metric_in(v) for k, v in b["metrics"].items()},
-            error=None if b.get("error") is None else str(b["error"]),
-        )
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-        raise CorruptRunError(f"{where}: malformed part manifest ({e})") from None
+__all__ = ["abort_vote", "collect_parts", "merge_parts"]
 
 
 def collect_parts(storage: Storage, *, slot: int, step: int, ranks: Sequence[int],
@@ -160,16 +114,3 @@ def merge_parts(arrays: Mapping[str, ArrayRecord], objects: Mapping[str, ObjectR
                                 "rank; per-rank objects need per-rank names")
             out_o[name] = orec
     return out_a, out_o
-
-
-def remove_parts(storage: Storage, slot: int | None = None) -> int:
-    """Delete the part files of ``slot`` (all slots when None); returns folders named."""
-    names = [f"{slot:012d}"] if slot is not None else list(storage.list(PARTS_PREFIX))
-    for name in names:
-        storage.delete(f"{PARTS_PREFIX}/{name}")
-    return len(names)
-
-
-def part_slots(storage: Storage) -> list[int]:
-    """Slots that have a parts folder."""
-    return sorted(int(n) for n in storage.list(PARTS_PREFIX) if n.isdigit())

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .format.zarr_meta import dtype_itemsize, numpy_dtype
+from ..format.zarr_meta import dtype_itemsize, numpy_dtype
 
 __all__ = ["DigestPlan", "digest"]
 

@@ -5,8 +5,11 @@ whether it is a dedup, a delta or a keyframe, and encodes the deltas; this write
 delta in one append to the step's side file (payload + crc32c trailer each, not Zarr chunks),
 the keyframes as one range of zip entries (their headers built once while the same chunks
 keyframe: ``flatdelta.keyframe_image``), dedups as their older records — then records the
-step's columns in the transaction and leaves its flat shadow, the next step's base. Kept out of
-``transaction.py``, which holds what a step is, not how an encoded one is laid out.
+step's columns, which the transaction records (with its flat shadow, the next step's base).
+Kept out of ``transaction.py``, which holds what a step is, not how an encoded one is laid
+out; it is handed the step's files, encoder and predictions and returns what it wrote
+(rejected: reaching into the transaction, a back-reference that made the two modules a
+cycle).
 """
 
 from __future__ import annotations
@@ -14,42 +17,63 @@ from __future__ import annotations
 import itertools
 import struct
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from .codec.flatdelta import DEDUP, KEY, LayoutState
-from .format.envelope import crc32c_raw
-from .format.flat import FlatLayout
-from .format.zipfmt import Entry, crc32_raw, directory_records, local_header
+from ..codec.delta import DeltaEncoder
+from ..codec.flatdelta import DEDUP, KEY
+from ..codec.layout_state import LayoutState
+from ..codec.predict import Prediction
+from ..format.envelope import crc32c_raw
+from ..format.flat import FlatLayout
+from ..format.stepfile import SideFile, StepFile
+from ..format.zipfmt import Entry, crc32_raw, directory_records, local_header
 
-if TYPE_CHECKING:
-    from .transaction import Transaction
-
-__all__ = ["write_encoded"]
+__all__ = ["EncodedWrite", "write_encoded"]
 
 _PACK = struct.Struct("<I").pack
 _HEADER_CRC, _CENTRAL_CRC, _CENTRAL_OFFSET = 14, 16, 42  # field offsets in the zip records
 _FOUR = np.arange(4)
 
 
-def write_encoded(txn: Transaction, layout: FlatLayout, view: memoryview) -> None:
-    """``put_flat_chunks`` as one batched encode (``codec/flatdelta.py``): deltas in
-    one append to the side file, keyframes in one batch of zip entries, dedups
-    pointing at their older records; the step's columns become the next flat base."""
-    enc = txn.writer.encoder
-    assert enc is not None
+@dataclass(frozen=True)
+class EncodedWrite:
+    """What ``write_encoded`` wrote: the step's columns (offsets, sizes, crc32c), each chunk's
+    file and its codec entries, the counts for ``EncodeStats`` and what the step's flat
+    shadow needs (its raw crc32c and chain depths)."""
+
+    cols: tuple[list[int], list[int], list[int]]
+    keys: list[str]
+    codecs: dict[int, tuple[Any, ...]]
+    written: int
+    keyframes: int
+    deltas: int
+    dedups: int
+    seconds: float
+    #: the in-flight slot the deltas are based on (None: a committed base)
+    dep: int | None
+    raw_crcs: np.ndarray
+    depth: np.ndarray
+
+
+def write_encoded(enc: DeltaEncoder, zf: StepFile, side: SideFile, layout: FlatLayout,
+                  view: memoryview, slot: int, timeline: str,
+                  predictions: dict[str, Prediction]) -> EncodedWrite | None:
+    """``put_flat_chunks`` as one batched encode (``codec/flatdelta.py``) into the step's
+    files ``zf`` and ``side``: deltas in one append to the side file, keyframes in one batch
+    of zip entries, dedups pointing at their older records. None: nothing to encode against
+    (the step is a keyframe, to be written whole)."""
     t0 = time.perf_counter()
     buf = np.frombuffer(view[:layout.nbytes], dtype=np.uint8)
-    got = enc.encode_step(layout, buf, txn.slot, txn.timeline, txn._predictions)
-    if got is None:  # nothing to encode against: a keyframe, written whole
-        txn._write_flat(layout, view, None, None)
-        txn.stats.raw_fallback = False
-        return
+    got = enc.encode_step(layout, buf, slot, timeline, predictions)
+    if got is None:
+        return None
     e, base, from_slot = got
     kinds, raw = e.kinds, e.raw_crcs
     n = len(kinds)
-    files = np.full(n, txn.zip.key, dtype=object)
+    files = np.full(n, zf.key, dtype=object)
     offsets = np.zeros(n, np.int64)
     sizes = np.zeros(n, np.int64)
     crcs = raw.copy()
@@ -61,43 +85,36 @@ def write_encoded(txn: Transaction, layout: FlatLayout, view: memoryview) -> Non
     if len(e.delta_idx):
         pcrc = list(map(crc32c_raw, e.payloads))
         # one buffer, not a part per delta: ``as_parts`` would make a memoryview of each
-        start = txn.side.append(b"".join(itertools.chain.from_iterable(
+        start = side.append(b"".join(itertools.chain.from_iterable(
             zip(e.payloads, map(_PACK, pcrc), strict=True))))
         lens = np.fromiter(map(len, e.payloads), np.int64, len(e.payloads)) + 4
         di = e.delta_idx
-        files[di] = txn.side.key
+        files[di] = side.key
         offsets[di] = start + np.cumsum(lens) - lens
         sizes[di] = lens
         crcs[di] = pcrc
         written += int(lens.sum())
     k = np.flatnonzero(kinds == KEY)
     if len(k):
-        offs, ks = _write_keyframes(txn, layout, buf, k, raw[k].tolist())
+        offs, ks = _write_keyframes(enc, zf, layout, buf, k, raw[k].tolist())
         offsets[k] = offs
         sizes[k] = ks
         written += int(sum(ks))
-    cols = (offsets.tolist(), sizes.tolist(), crcs.tolist())
-    keys = files.tolist()
-    txn._record_flat(layout, cols, (keys, e.codecs))
-    txn.stats.add_counts(layout.raw_nbytes, written, keyframes=len(k),
-                         deltas=len(e.delta_idx), dedups=len(d),
-                         seconds=time.perf_counter() - t0)
-    if from_slot is not None and e.deps:
-        with txn._lock:
-            txn.deps.add(from_slot)
-    txn.flat_pending = txn._flat_shadow(layout, view, keys, *cols,
-                                        raw_crcs=raw, depth=e.depth, codecs=e.codecs)
+    return EncodedWrite(
+        cols=(offsets.tolist(), sizes.tolist(), crcs.tolist()), keys=files.tolist(),
+        codecs=e.codecs, written=written, keyframes=len(k), deltas=len(e.delta_idx),
+        dedups=len(d), seconds=time.perf_counter() - t0,
+        dep=from_slot if from_slot is not None and e.deps else None, raw_crcs=raw,
+        depth=e.depth)
 
 
-def _write_keyframes(txn: Transaction, layout: FlatLayout, buf: np.ndarray, idx: np.ndarray,
-                     raw: list[int]) -> tuple[list[int], list[int]]:
+def _write_keyframes(enc: DeltaEncoder, zf: StepFile, layout: FlatLayout, buf: np.ndarray,
+                     idx: np.ndarray, raw: list[int]) -> tuple[list[int], list[int]]:
     """Chunks ``idx`` of an encoded step written raw (``raw``: their crc32c, the encoder's),
     as zip entries: one range of the step file, its headers and directory records sliced
     from per-chunk templates built once per layout and their CRC-32 and offset fields
     patched with numpy (no Python per entry; the set of keyframes changes from step to
     step). Returns each chunk's data offset and size."""
-    enc = txn.writer.encoder
-    assert enc is not None
     st = enc.layout_state(layout)
     t = _templates(st)
     chunks = idx.tolist()
@@ -109,12 +126,12 @@ def _write_keyframes(txn: Transaction, layout: FlatLayout, buf: np.ndarray, idx:
     zips = list(map(crc32_raw, trailers, map(crc32_raw, data)))
     hlen, size = t.hlen[idx], t.size[idx]
     total = int(hlen.sum() + size.sum())
-    if txn.zip.cursor + total >= 0xFFFFFFFF:  # zip64 fields: headers depend on the offset
+    if zf.cursor + total >= 0xFFFFFFFF:  # zip64 fields: headers depend on the offset
         names = list(map(t.names.__getitem__, chunks))
-        offs = txn.zip.add_many(names, [[d, tr] for d, tr in zip(data, trailers, strict=True)],
+        offs = zf.add_many(names, [[d, tr] for d, tr in zip(data, trailers, strict=True)],
                                 size.tolist(), zips)
         return offs, size.tolist()
-    start = txn.zip.reserve(frozenset(map(t.names.__getitem__, chunks)), lambda s: total)
+    start = zf.reserve(frozenset(map(t.names.__getitem__, chunks)), lambda s: total)
     heads = np.frombuffer(bytearray(b"".join(map(t.heads.__getitem__, chunks))), np.uint8)
     hat = np.cumsum(hlen) - hlen
     entry = start + np.cumsum(hlen + size) - (hlen + size)  # each local header's offset
@@ -127,9 +144,9 @@ def _write_keyframes(txn: Transaction, layout: FlatLayout, buf: np.ndarray, idx:
         entry.astype("<u4").view(np.uint8).reshape(-1, 4))
     hv = memoryview(heads.data).cast("B")
     hviews = list(map(hv.__getitem__, map(slice, hat.tolist(), (hat + hlen).tolist())))
-    txn.zip.write_at(start, list(itertools.chain.from_iterable(
+    zf.write_at(start, list(itertools.chain.from_iterable(
         zip(hviews, data, trailers, strict=True))))
-    txn.zip.add_directory(cds.tobytes(), len(chunks))
+    zf.add_directory(cds.tobytes(), len(chunks))
     return (entry + hlen).tolist(), size.tolist()
 
 

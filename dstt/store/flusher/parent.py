@@ -4,7 +4,7 @@ Python threads share one interpreter lock with training, so even a writer thread
 calls into C (checksums, ``pwritev``) costs the training thread a GIL hand-off per call, and
 at a thousand tensors per step those hand-offs, not the bytes, are what slows training
 (measured: docs/benchmarks.md). The flusher is a child process (``python -m
-dstt.store._flusher_main``, no torch) that shares the engine's whole-step host buffers through
+dstt.store.flusher._main``, no torch) that shares the engine's whole-step host buffers through
 ``memfd`` shared memory: per step the parent sends one small message (which buffer, which
 layout, where in which temporary zip) and gets back the chunk checksums, the zip central
 directory records and the write-time digests. The child runs at ``SCHED_IDLE`` where the OS
@@ -14,7 +14,7 @@ flight: the child checksums one step while its writer thread waits for the disk 
 
 What stays in the parent: every decision (slots, parents, the head check, the new ref) and
 the index. The child fills bytes the parent reserved in files the parent created, and —
-where the writer hands it a flat step's commit (``stepcommit.py``; a commit thread of the
+where the writer hands it a flat step's commit (``commit/job.py``; a commit thread of the
 child's own, at normal priority) — writes the objects, arrays table and zarr.json
 documents, publishes the files and writes the header and ref the parent decided. If it
 dies, the parent's write or commit fails with a ``StorageError`` while ``dead`` is set, and
@@ -23,7 +23,7 @@ bytes at the same places), then writes from its own threads. The kernel kills th
 when the parent dies (``PR_SET_PDEATHSIG``), so no orphan outlives a crashed trainer to
 commit the steps it had handed over — a resumed run would race it for the ref.
 
-The child's side — its request loop, writer and commit threads — is ``flusher_child.py``.
+The child's side — its request loop, writer and commit threads — is ``flusher/child.py``.
 
 Rejected alternatives: ``multiprocessing`` (its spawn start method re-imports the user's
 ``__main__``, i.e. re-runs an unguarded training script) and a C extension (a compiler on
@@ -45,12 +45,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import IO, Any, NoReturn
 
-from ..errors import StorageError
+from ...errors import StorageError
+from ..commit.job import CommitJob, NotHandedOff
+from ..format.flat import FlatLayout
+from ..format.records import CommitHeader
+from ..format.stepfile import StepState
 from .flatstats import DigestPlan
-from .format.flat import FlatLayout
-from .format.records import CommitHeader
-from .format.stepfile import StepState
-from .stepcommit import CommitJob, NotHandedOff
 
 __all__ = ["Flusher", "flusher_supported"]
 
@@ -109,7 +109,7 @@ class Flusher:
             # training needs (thread pools are made at import, before SCHED_IDLE applies)
             env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dstt.store._flusher_main", sched, str(os.getpid())],
+                [sys.executable, "-m", "dstt.store.flusher._main", sched, str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=self._fds, env=env)
             assert self.proc.stdin is not None and self.proc.stdout is not None
             self._out, self._in = self.proc.stdin, self.proc.stdout
@@ -227,7 +227,7 @@ class Flusher:
 
     def commit(self, root: str, durability: str, zip_state: StepState,
                side_state: StepState, job: CommitJob) -> CommitHeader:
-        """Run a step's commit (``stepcommit.run_commit``) in the child, on files this
+        """Run a step's commit (``commit/job.py``: ``run_commit``) in the child, on files this
         process started; returns its header. ``NotHandedOff`` (nothing sent) where the job
         cannot be pickled; ``StorageError`` where it failed there, or the child died (then
         ``dead``, and the job may be half done: run it here)."""

@@ -12,32 +12,57 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ..errors import DsttError
-from .format.layout import LOCK_KEY, STEPS_PREFIX, commit_key, key_slot
-from .format.manifest import dump_header
-from .format.records import CommitHeader
-from .format.segment import RowSet
-from .index import write_segment
-from .index_reader import GC_MARKER, IndexedHeader
-from .index_repair import all_rows, rewrite
-from .index_rows import keep_summaries, rows_from_headers
-from .parts import remove_parts
-from .reader import Reader
+from ...errors import DsttError
+from ..format.layout import LOCK_KEY, STEPS_PREFIX, commit_key, key_slot
+from ..format.manifest import dump_header
+from ..format.parts import remove_parts
+from ..format.records import CommitHeader
+from ..format.segment import RowSet
+from ..index.repair import all_rows, rewrite
+from ..index.rows import keep_summaries, rows_from_headers
+from ..index.view import GC_MARKER, IndexedHeader
+from ..index.writer import IndexWriter, write_segment
+from ..read.reader import Reader
 from .retention import Retention, policy
 
 if TYPE_CHECKING:
-    from .repository import Repository
-    from .storage.base import Storage
-    from .writer import Writer
+    from ..storage.base import Storage
 
-__all__ = ["GcReport", "gc"]
+__all__ = ["GcReport", "LiveWriter", "RunFiles", "gc"]
 
 Progress = Callable[[int, int], None] | None
+
+
+class RunFiles(Protocol):
+    """The run gc sweeps: its storage (the store's ``Repository``; a protocol, so this room
+    imports nothing above it)."""
+
+    @property
+    def storage(self) -> Storage: ...
+
+
+class LiveWriter(Protocol):
+    """The live exclusive writer gc runs under (``commit/writer.py``'s ``Writer.gc``): a
+    protocol, not the class, since the writer imports this module."""
+
+    @property
+    def index(self) -> IndexWriter | None: ...
+
+    @property
+    def in_flight(self) -> set[int]: ...
+
+    def check_open(self) -> None: ...
+
+    def quiesced(self) -> AbstractContextManager[None]:
+        """Commits wait while inside; on entry the writer is open, its background index
+        job finished and its lazily written refs durable."""
+        ...
 
 
 def _delta_bases(r: Reader, reachable: dict[int, CommitHeader], keep: set[int]) -> set[int]:
@@ -124,12 +149,12 @@ def _tombstones(r: Reader, headers: list[CommitHeader], progress: Progress,
     return out[::-1]
 
 
-def _prune_live(st: Storage, r: Reader, writer: Writer, prune: list[CommitHeader],
+def _prune_live(st: Storage, r: Reader, writer: LiveWriter, prune: list[CommitHeader],
                 progress: Progress, total: int) -> None:
     """Tombstones and index rows of ``prune`` under a live writer, in gc's order (marker,
     tombstones, a new segment, marker deleted; the files after), but O(pruned) instead of a
     rewrite of every row: the new segment holds only the pruned rows and, as the newest
-    generation, wins over their older rows (``index.py``); the writer's merges compact it
+    generation, wins over their older rows (``index/writer.py``); the writer's merges compact it
     later. Summaries and history come from each slot's older row, or (slots the writer has
     not indexed yet) from its files, read before the tombstone is written."""
     if not prune:
@@ -167,10 +192,10 @@ def _prune_live(st: Storage, r: Reader, writer: Writer, prune: list[CommitHeader
         writer.index.index.load()
 
 
-def gc(repo: Repository, *, keep_last: int | None = None, keep_every: int | None = None,
+def gc(repo: RunFiles, *, keep_last: int | None = None, keep_every: int | None = None,
        keep_steps: Iterable[int] = (), retention: Retention | None = None,
        dry_run: bool = False, progress: Progress = None,
-       writer: Writer | None = None) -> GcReport:
+       writer: LiveWriter | None = None) -> GcReport:
     """Prune commits outside the retention policy and remove orphaned files.
 
     ``retention`` (a ``Retention``) or the keywords ``keep_last``/``keep_every``/``keep_steps``
@@ -193,10 +218,10 @@ def gc(repo: Repository, *, keep_last: int | None = None, keep_every: int | None
 
 
 def _gc(st: Storage, pol: Retention | None, dry_run: bool, progress: Progress,
-        writer: Writer | None) -> GcReport:
+        writer: LiveWriter | None) -> GcReport:
     live_writer = writer is not None
     if writer is not None:
-        writer._check_open()
+        writer.check_open()
     r = Reader(st)
     reachable: dict[int, CommitHeader] = {}
     keep: set[int] = set()
@@ -221,7 +246,7 @@ def _gc(st: Storage, pol: Retention | None, dry_run: bool, progress: Progress,
     # a live writer's slots in flight, and anything past its newest commit (slots other
     # ranks are writing parts into), are not garbage
     newest = max(reachable, default=-1)
-    busy = set(writer._open) if writer is not None else set()
+    busy = writer.in_flight if writer is not None else set()
 
     def untouchable(slot: int | None) -> bool:
         return live_writer and slot is not None and (slot in busy or slot > newest)
@@ -251,17 +276,11 @@ def _gc(st: Storage, pol: Retention | None, dry_run: bool, progress: Progress,
     if not dry_run and writer is not None:  # a live writer: only the pruned rows
         # the plan above needs no lock: commits meanwhile only add slots past ``newest``,
         # whose parent (the head seen here) is kept; from here commits wait
-        with writer._commit_lock:
-            writer._check_open()
-            if writer.index is not None:  # a background index job writes no segment now
-                writer.index.wait()
-            if writer._unsynced:  # the refs durable before anything is tombstoned
-                st.barrier()
-                writer._unsynced = False
+        with writer.quiesced():  # no index job writes a segment now; the refs are durable
             _prune_live(st, r, writer, [reachable[s] for s in prune], progress,
                         len(prune) + len(doomed))
     elif not dry_run:
-        # the index keeps every row of a pruned step (index.py): rows of the steps not
+        # the index keeps every row of a pruned step (index/writer.py): rows of the steps not
         # indexed yet are read now, while their files still exist
         old = all_rows(st, r.index.load())
         todo_rows = [reachable[s] for s in sorted(reachable) if s not in old]

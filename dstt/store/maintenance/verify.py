@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import CorruptRunError, DsttError
-from .format.envelope import checksum
-from .format.layout import (
+from ...errors import CorruptRunError, DsttError
+from ..format.envelope import checksum
+from ..format.layout import (
     REFS_PREFIX,
     STEPS_PREFIX,
     array_meta_key,
@@ -24,19 +24,28 @@ from .format.layout import (
     key_slot,
     zarr_chunk_key,
 )
-from .format.records import ArrayRecord, CommitHeader
-from .format.zarr_meta import array_document
-from .format.zipfmt import Entry, crc32, local_data_offset, parse_directory
-from .index_repair import check
-from .reader import Reader
+from ..format.records import ArrayRecord, CommitHeader
+from ..format.zarr_meta import array_document
+from ..format.zipfmt import Entry, crc32, local_data_offset, parse_directory
+from ..index.repair import check
+from ..read.reader import Reader
 
 if TYPE_CHECKING:
-    from .repository import Repository
-    from .storage.base import Storage
+    from ..storage.base import Storage
 
-__all__ = ["Problem", "VerifyReport", "verify"]
+__all__ = ["Problem", "VerifiedRun", "VerifyReport", "verify"]
 
 Progress = Callable[[int, int], None] | None
+
+
+class VerifiedRun(Protocol):
+    """The run verify checks: its storage and validated root attributes (the store's
+    ``Repository``; a protocol, so this room imports nothing above it)."""
+
+    @property
+    def storage(self) -> Storage: ...
+
+    def root_attributes(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,7 @@ class VerifyReport:
         return not self.problems
 
 
-def verify(repo: Repository, *, progress: Progress = None) -> VerifyReport:
+def verify(repo: VerifiedRun, *, progress: Progress = None) -> VerifyReport:
     """Check refs, every reachable header, arrays table, chunk, object and step entry."""
     st = repo.storage
     rep = VerifyReport()
@@ -111,7 +120,7 @@ def verify(repo: Repository, *, progress: Progress = None) -> VerifyReport:
             except OSError as e:
                 problem(o.key, e)
         _verify_step_files(st, h, table, problem)
-    for key, message in check(r):  # the index against the headers (index.py)
+    for key, message in check(r):  # the index against the headers (index/writer.py)
         problem(key, message)
     if progress:
         progress(len(todo), len(todo))

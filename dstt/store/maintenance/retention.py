@@ -7,7 +7,7 @@ policy object; ``Retention.keep`` is a pure function of one timeline's steps and
 metric's values (plain arrays), so the store's gc and the session use the same rule and it
 needs neither torch nor inspection. What the policy never decides away — timeline heads, the
 steps other timelines fork from, the delta bases of kept steps — gc adds itself
-(``maintenance.py``).
+(``maintenance/gc.py``).
 
 Spikes use the rolling z-score rule of ``dstt.inspect`` (``find_spikes``, defined here so the
 store can use it without importing inspection, which re-exports it): a value is flagged when it

@@ -11,7 +11,7 @@ never change once their ref moved, with one exception, gc's tombstones: while gc
 headers. Where segments overlap, the newer generation's row wins.
 
 Only the reader's view lives here (``Index``, ``IndexedHeader``, ``scalar_rows``); writing
-segments, merging them and the background jobs are ``index.py``, which imports this module and
+segments, merging them and the background jobs are ``writer.py``, which imports this module and
 never the other way. Rejected: one module for both sides (two jobs; a reader would load the
 writer's jobs and merges it never runs).
 """
@@ -21,16 +21,16 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ..errors import ChecksumError, CorruptRunError, DsttError, StepNotFoundError
-from .format.envelope import checksum
-from .format.layout import INDEX_PREFIX, commit_key, parse_index_name, step_file_key
-from .format.manifest import parse_header
-from .format.records import ArrayRecord, ChunkRecord, CommitHeader
-from .format.segment import (
+from ...errors import ChecksumError, CorruptRunError, DsttError, StepNotFoundError
+from ..format.envelope import checksum
+from ..format.layout import INDEX_PREFIX, commit_key, parse_index_name, step_file_key
+from ..format.manifest import parse_header
+from ..format.records import ArrayRecord, ChunkRecord, CommitHeader
+from ..format.segment import (
     SCALARS,
     Layout,
     RowSet,
@@ -42,13 +42,13 @@ from .format.segment import (
     layout_of,
     read_directory,
 )
-from .index_rows import rows_from_headers, take
+from .rows import rows_from_headers, take
+from .source import HeaderSource
 
 if TYPE_CHECKING:
-    from .reader import Reader
-    from .storage.base import Storage
+    from ..storage.base import Storage
 
-__all__ = ["GC_MARKER", "Index", "IndexedHeader", "scalar_rows"]
+__all__ = ["GC_MARKER", "Index", "IndexedHeader", "IndexedSource", "scalar_rows"]
 
 GC_MARKER = f"{INDEX_PREFIX}/gc.json"
 
@@ -230,6 +230,11 @@ class Index:
     def segments(self) -> list[_Segment]:
         return sorted(self._segs.values(), key=lambda s: s.gen)
 
+    @property
+    def loaded(self) -> bool:
+        """Whether the segments were read (``load``) at least once."""
+        return self._loaded
+
     def ensure(self) -> Index:
         return self if self._loaded else self.load()
 
@@ -309,7 +314,15 @@ class Index:
         return ArrayRecord(path, dtype, shape, nrows, recs, dims)
 
 
-def scalar_rows(reader: Reader, headers: list[CommitHeader], *, summaries: bool) -> RowSet:
+class IndexedSource(HeaderSource, Protocol):
+    """A run's headers and its index (the store's ``Reader``): what ``scalar_rows``, the
+    index writer and the repairs read a run through (``source.py``)."""
+
+    @property
+    def index(self) -> Index: ...
+
+
+def scalar_rows(reader: IndexedSource, headers: list[CommitHeader], *, summaries: bool) -> RowSet:
     """Index rows (metrics, history, summaries) of ``headers``, in their order: from the
     segments where they have rows, from the headers and step files for the rest (the tail)."""
     idx = reader.index.ensure()

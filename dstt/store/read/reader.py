@@ -6,7 +6,7 @@ and the chunk's own trailer); every header and table is checked against its enve
 Headers are immutable once written except for gc's tombstones, so they are cached until
 ``refresh()``. Rejected alternative: listing slots from the ``step`` coordinate — it is written
 after the commit point and cannot tell timelines apart. Chunks, delta chains, whole arrays
-and row ranges are read by ``chunk_reader.ChunkReadMixin``, which ``Reader`` inherits.
+and row ranges are read by a ``ChunkReader`` (``chunks.py``) the reader holds.
 """
 
 from __future__ import annotations
@@ -14,21 +14,20 @@ from __future__ import annotations
 import gc
 import struct
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from .._lru import LRU
-from ..errors import (
+from ..._lru import LRU
+from ...errors import (
     ChecksumError,
     CorruptRunError,
     NotARunError,
     StepNotFoundError,
     TimelineError,
 )
-from .chunk_reader import ChunkReadMixin
-from .format.envelope import checksum
-from .format.layout import (
+from ..format.envelope import checksum
+from ..format.layout import (
     COMMITS_PREFIX,
     HEAD_KEY,
     REFS_PREFIX,
@@ -37,36 +36,44 @@ from .format.layout import (
     parse_commit_name,
     step_file_key,
 )
-from .format.manifest import parse_arrays, parse_arrays_columns, parse_head, parse_header, parse_ref
-from .format.objects import decode_object
-from .format.records import ArrayRecord, CommitHeader, RefInfo
-from .format.segment import RowSet
-from .format.zarr_meta import numpy_dtype
-from .index_reader import Index, scalar_rows
+from ..format.manifest import (
+    parse_arrays,
+    parse_arrays_columns,
+    parse_head,
+    parse_header,
+    parse_ref,
+)
+from ..format.objects import decode_object
+from ..format.records import ArrayRecord, CommitHeader, RefInfo
+from ..format.segment import RowSet
+from ..format.zarr_meta import numpy_dtype
+from ..index.view import Index, scalar_rows
+from .chunks import ChunkReader
 
 if TYPE_CHECKING:
-    from .storage.base import Storage
+    from ..storage.base import Storage
 
 __all__ = ["Reader"]
 
 
-class Reader(ChunkReadMixin):
+class Reader:
     """Read-only view of a run's committed state."""
 
     def __init__(self, storage: Storage, *, table_cache: int = 8,
                  decoded_cache_bytes: int = 256 << 20, index: Index | None = None,
                  use_index: bool = True) -> None:
         self.storage = storage
-        #: the run's index (``index_reader.py``, written by ``index.py``): headers and tensor
+        #: the run's index (``index/view.py``, written by ``index/writer.py``): headers and tensor
         #: locations without a header read per step; loaded on first use, shared by the
         #: readers of a ``ReaderPool``.
         #: ``use_index=False``: every header from its own file (verify)
         self.index = index if index is not None else Index(storage, enabled=use_index)
         self._headers: dict[int, CommitHeader] = {}
         self._tables: LRU[int, dict[str, ArrayRecord]] = LRU(table_cache)
-        #: decoded delta chunks (trajectories walk chains in order), bounded in bytes
-        self._decoded: LRU[tuple[str, int], np.ndarray] = LRU(
-            1 << 30, weigh=lambda a: int(a.nbytes), max_weight=decoded_cache_bytes)
+        #: chunk reads (delta chains decoded through their bases, cached in bytes)
+        self.chunks = ChunkReader(storage, header=self.header, record=self.record,
+                                  missing=self._raise_missing,
+                                  decoded_cache_bytes=decoded_cache_bytes)
         self.refresh()
 
     # -- refs -----------------------------------------------------------------------------
@@ -86,8 +93,13 @@ class Reader(ChunkReadMixin):
         self._refs = refs
         # tombstones are final; any other header may have become one since
         self._headers = {s: h for s, h in self._headers.items() if h.pruned}
-        if self.index._loaded:
+        if self.index.loaded:
             self.index.load()
+
+    def moved(self, ref: RefInfo) -> None:
+        """A ref the caller just wrote (the run's writer, which holds its lock and so moves
+        every ref): this reader's copy follows without re-reading it."""
+        self._refs[ref.name] = ref
 
     @property
     def timelines(self) -> dict[str, RefInfo]:
@@ -215,7 +227,7 @@ class Reader(ChunkReadMixin):
                                 f"{loc.offset + loc.nbytes}) does not match its commit header")
         return data, where
 
-    def _raise_missing(self, header: CommitHeader, where: str) -> Any:
+    def _raise_missing(self, header: CommitHeader, where: str) -> NoReturn:
         self._headers.pop(header.slot, None)
         key = commit_key(header.slot)
         try:  # the header file itself, not the index's copy: gc may have pruned it since
@@ -333,6 +345,38 @@ class Reader(ChunkReadMixin):
             raise StepNotFoundError(
                 f"step {header.step} has no array {path!r}"
             ) from None
+
+    def read_chunk(self, header: CommitHeader, path: str, index: int) -> memoryview:
+        """Verified bytes of chunk ``index`` of ``path`` (edge padding removed)."""
+        return self.chunks.read_chunk(header, path, index)
+
+    def read_array(self, header: CommitHeader, path: str) -> np.ndarray:
+        """The whole tensor as a numpy array (bfloat16 as ``ml_dtypes.bfloat16``)."""
+        rec = self.record(header, path)
+        plan = rec.plan
+        out = np.empty(plan.nbytes, dtype=np.uint8)
+        for i in range(plan.n_chunks):
+            start, stop = plan.byte_range(i)
+            out[start:stop] = np.frombuffer(self.read_chunk(header, path, i), dtype=np.uint8)
+        return out.view(numpy_dtype(rec.dtype)).reshape(rec.shape)
+
+    def read_rows(self, header: CommitHeader, path: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of axis 0 of a tensor, reading only the chunks that hold them."""
+        rec = self.record(header, path)
+        plan = rec.plan
+        if not rec.shape:
+            return self.read_array(header, path)
+        start, stop = max(0, start), min(rec.shape[0], stop)
+        dt = numpy_dtype(rec.dtype)
+        if stop <= start:
+            return np.empty((0, *rec.shape[1:]), dtype=dt)
+        first, last = start // plan.rows, (stop - 1) // plan.rows
+        parts = [np.frombuffer(self.read_chunk(header, path, i), dtype=np.uint8)
+                 for i in range(first, last + 1)]
+        flat = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        block = flat.view(dt).reshape(-1, *rec.shape[1:])
+        lo = start - first * plan.rows
+        return block[lo: lo + (stop - start)]
 
     def read_object(self, header: CommitHeader, name: str, *, trusted: bool = False) -> Any:
         try:

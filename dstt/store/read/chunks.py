@@ -1,49 +1,53 @@
 """Reading a commit's tensors by chunk: verified chunk bytes, delta chains decoded through
-their bases, whole arrays and row ranges — the chunk half of :class:`~dstt.store.reader.Reader`.
+their bases — the chunk half of :class:`~dstt.store.read.reader.Reader`.
 
 Every chunk read is checked (size, crc32c against the arrays table and the chunk's own
 trailer); an XOR or predicted (``PRED``) chunk is rebuilt from its base and inputs and checked
-against the raw chunk's crc32c. Decoded chunks are kept in the reader's byte-bounded LRU, so
-scrubbing consecutive steps costs one read per step of a chain. A mixin rather than more of
-``reader.py`` (as ``_run_diagnose.py`` is for ``Run``): the reader provides the attributes and
-methods it uses. Rejected alternative: module-level functions taking the reader (as
-``index_reader.scalar_rows``), which would leave ``read_chunk``/``read_array``/``read_rows``,
-the reader's API, as forwarding stubs in ``reader.py``.
+against the raw chunk's crc32c. Decoded chunks are kept in a byte-bounded LRU, so scrubbing
+consecutive steps costs one read per step of a chain. A ``ChunkReader`` is composed into the
+``Reader``, which hands it how to find a header and an array's record (the index or the arrays
+table) and what a vanished file means (pruned meanwhile, or damage); the reader's
+``read_chunk`` calls it, and its ``read_array``/``read_rows`` are built on ``read_chunk`` (so
+a reader that overrides ``read_chunk``, inspection's logical tensors, reads whole arrays
+through its override). Rejected alternatives: a mixin of the reader in this module (one class
+split across two files, typed by a back-reference); module-level functions taking the reader
+(the same coupling, untyped).
 """
 
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import NoReturn
 
 import numpy as np
 
-from ..errors import ChecksumError, CorruptRunError
-from .codec.predict import PRED, predict
-from .codec.xor import XOR, xor_decode
-from .format.envelope import checksum
-from .format.records import ArrayRecord, ChunkRecord, CommitHeader
-from .format.zarr_meta import numpy_dtype
+from ..._lru import LRU
+from ...errors import ChecksumError, CorruptRunError
+from ..codec.predict import PRED, predict
+from ..codec.xor import XOR, xor_decode
+from ..format.envelope import checksum
+from ..format.records import ArrayRecord, ChunkRecord, CommitHeader
+from ..storage.base import Storage
 
-if TYPE_CHECKING:
-    from .._lru import LRU
-    from .storage.base import Storage
-
-__all__ = ["ChunkReadMixin"]
+__all__ = ["ChunkReader"]
 
 
-class ChunkReadMixin:
-    """Methods :class:`~dstt.store.reader.Reader` gets from this module (it provides the
-    attributes used)."""
+class ChunkReader:
+    """Verified chunks and delta chains of committed steps."""
 
-    storage: Storage
-    #: decoded delta chunks (trajectories walk chains in order), bounded in bytes
-    _decoded: LRU[tuple[str, int], np.ndarray]
-
-    if TYPE_CHECKING:
-        def header(self, slot: int) -> CommitHeader: ...
-        def record(self, header: CommitHeader, path: str) -> ArrayRecord: ...
-        def _raise_missing(self, header: CommitHeader, where: str) -> Any: ...
+    def __init__(self, storage: Storage, *, header: Callable[[int], CommitHeader],
+                 record: Callable[[CommitHeader, str], ArrayRecord],
+                 missing: Callable[[CommitHeader, str], NoReturn],
+                 decoded_cache_bytes: int = 256 << 20) -> None:
+        """``header``: the commit of a slot; ``record``: an array's record in a commit;
+        ``missing``: raise for a file that vanished under a commit (``StepNotFoundError``
+        when gc pruned it meanwhile, else ``CorruptRunError``)."""
+        self.storage = storage
+        self.header, self.record, self._missing = header, record, missing
+        #: decoded delta chunks (trajectories walk chains in order), bounded in bytes
+        self._decoded: LRU[tuple[str, int], np.ndarray] = LRU(
+            1 << 30, weigh=lambda a: int(a.nbytes), max_weight=decoded_cache_bytes)
 
     def read_chunk(self, header: CommitHeader, path: str, index: int) -> memoryview:
         """Verified bytes of chunk ``index`` of ``path`` (edge padding removed)."""
@@ -56,7 +60,7 @@ class ChunkReadMixin:
         try:
             data = self.storage.read_range(chunk.key, chunk.offset, chunk.nbytes)
         except FileNotFoundError:
-            self._raise_missing(header, where)
+            self._missing(header, where)
         if len(data) != chunk.nbytes:
             raise CorruptRunError(
                 f"{where}: {len(data)} bytes at offset {chunk.offset}, {chunk.nbytes} "
@@ -114,31 +118,3 @@ class ChunkReadMixin:
                                   f"expects {size}")
         data = self._chunk(h, path, index, rec.chunks[index], size, depth + 1)
         return np.frombuffer(data, dtype=np.uint8)
-
-    def read_array(self, header: CommitHeader, path: str) -> np.ndarray:
-        """The whole tensor as a numpy array (bfloat16 as ``ml_dtypes.bfloat16``)."""
-        rec = self.record(header, path)
-        plan = rec.plan
-        out = np.empty(plan.nbytes, dtype=np.uint8)
-        for i in range(plan.n_chunks):
-            start, stop = plan.byte_range(i)
-            out[start:stop] = np.frombuffer(self.read_chunk(header, path, i), dtype=np.uint8)
-        return out.view(numpy_dtype(rec.dtype)).reshape(rec.shape)
-
-    def read_rows(self, header: CommitHeader, path: str, start: int, stop: int) -> np.ndarray:
-        """Rows ``start:stop`` of axis 0 of a tensor, reading only the chunks that hold them."""
-        rec = self.record(header, path)
-        plan = rec.plan
-        if not rec.shape:
-            return self.read_array(header, path)
-        start, stop = max(0, start), min(rec.shape[0], stop)
-        dt = numpy_dtype(rec.dtype)
-        if stop <= start:
-            return np.empty((0, *rec.shape[1:]), dtype=dt)
-        first, last = start // plan.rows, (stop - 1) // plan.rows
-        parts = [np.frombuffer(self.read_chunk(header, path, i), dtype=np.uint8)
-                 for i in range(first, last + 1)]
-        flat = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        block = flat.view(dt).reshape(-1, *rec.shape[1:])
-        lo = start - first * plan.rows
-        return block[lo: lo + (stop - start)]

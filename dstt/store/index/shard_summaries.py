@@ -1,7 +1,7 @@
 """Write-time summaries of sharded tensors, folded into one row per logical tensor.
 
 Under PyTorch-native parallelism a rank stores its shard of a DTensor as the array
-``dtensor/w<world>/r<rank>/<logical path>`` (``dstt.store.shards``: boxes) and summarises what
+``dtensor/w<world>/r<rank>/<logical path>`` (``dstt.store.read.shards``: boxes) and summarises what
 it wrote, so a commit holds one summaries row per *shard*. Readers want one per tensor: the
 rows of a logical tensor's shards are folded here, where summaries are decoded (a commit's
 rows and the run index's columns alike):
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .format.segment import SCALARS
+from ..format.segment import SCALARS
 
 __all__ = ["DTENSOR_PREFIX", "fold_columns", "fold_rows", "logical_of", "shard_source"]
 

@@ -1,12 +1,12 @@
-"""The flusher process's side (``python -m dstt.store._flusher_main``): serve ``flusher.py``.
+"""The flusher process's side (``python -m dstt.store.flusher._main``): serve ``flusher/parent.py``.
 
 Three threads: the main one reads requests and checksums and digests each flat step in the
 shared buffer (``FlatImage.fill``, ``flatstats.digest``), a writer thread writes it (whole
 4 KiB blocks with ``O_DIRECT``) and replies — so step k+1's CPU work overlaps step k's wait
 for the disk — and a commit thread runs the commits the writer hands over
-(``stepcommit.run_commit``) in the order they come. The main and writer threads run at
+(``commit/job.py``: ``run_commit``) in the order they come. The main and writer threads run at
 ``SCHED_IDLE`` where the OS allows; the commit thread keeps normal priority. Kept apart from
-the parent's handle (``flusher.py``), which never imports it: what runs in the child is
+the parent's handle (``flusher/parent.py``), which never imports it: what runs in the child is
 only what this module and its imports (no torch) bring.
 """
 
@@ -26,13 +26,13 @@ import threading
 from dataclasses import replace
 from typing import IO, Any
 
+from ..commit.job import run_commit
+from ..format.flat import FlatImage
+from ..format.stepfile import SideFile, StepFile
+from ..storage.local import LocalStorage
+from ..storage.posix import pwrite_all, start_writeback
 from .flatstats import digest
-from .flusher import _recv, _send
-from .format.flat import FlatImage
-from .format.stepfile import SideFile, StepFile
-from .stepcommit import run_commit
-from .storage.local import LocalStorage
-from .storage.posix import pwrite_all, start_writeback
+from .parent import _recv, _send
 
 __all__ = ["main"]
 
@@ -153,7 +153,7 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
 
 
 def _commit_loop(commits: queue.SimpleQueue[tuple[Any, ...] | None], reply: Any) -> None:
-    """Run each step's commit on the files the parent started (``stepcommit.py``)."""
+    """Run each step's commit on the files the parent started (``commit/job.py``)."""
     stores: dict[tuple[str, str], LocalStorage] = {}
     while (task := commits.get()) is not None:
         rid, root, durability, zip_state, side_state, consts, data = task

@@ -31,17 +31,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ..errors import CurrentTimelineError, TimelineError
-from .format.layout import HEAD_KEY, LOCK_KEY, check_timeline_name, ref_key
-from .format.manifest import dump_head, dump_ref
-from .format.records import RefInfo
-from .maintenance import GcReport, gc
-from .reader import Reader
-from .storage.memory import DelegatingStorage
+from ...errors import CurrentTimelineError, TimelineError
+from ..format.layout import HEAD_KEY, LOCK_KEY, check_timeline_name, ref_key
+from ..format.manifest import dump_head, dump_ref
+from ..format.records import RefInfo
+from ..read.reader import Reader
+from ..storage.memory import DelegatingStorage
+from .gc import GcReport, RunFiles, gc
 
 if TYPE_CHECKING:
-    from .repository import Repository
-    from .storage.base import Storage
+    from ..storage.base import Storage
 
 __all__ = ["DeleteReport", "delete_timeline", "rename_timeline"]
 
@@ -62,7 +61,7 @@ class DeleteReport:
     dry_run: bool
 
 
-def rename_timeline(repo: Repository, old: str, new: str) -> RefInfo:
+def rename_timeline(repo: RunFiles, old: str, new: str) -> RefInfo:
     """Rename ``old`` to ``new`` in the crash-safe order of the module docstring."""
     check_timeline_name(new)
     st = repo.storage
@@ -87,7 +86,7 @@ def rename_timeline(repo: Repository, old: str, new: str) -> RefInfo:
         return moved
 
 
-def delete_timeline(repo: Repository, name: str, *, sweep: bool = True,
+def delete_timeline(repo: RunFiles, name: str, *, sweep: bool = True,
                     dry_run: bool = False) -> DeleteReport:
     """Delete the ref ``name``, then (``sweep``) gc what only it referenced."""
     st = repo.storage
@@ -138,5 +137,12 @@ class _HiddenRef(DelegatingStorage):
         return (n for n in self.inner.list(prefix) if not (prefix == head and n == leaf))
 
 
-def _without_ref(repo: Repository, name: str) -> Repository:
-    return type(repo)(_HiddenRef(repo.storage, ref_key(name)))
+@dataclass(frozen=True)
+class _Run:
+    """A run as gc sees it (``gc.RunFiles``)."""
+
+    storage: Storage
+
+
+def _without_ref(repo: RunFiles, name: str) -> RunFiles:
+    return _Run(_HiddenRef(repo.storage, ref_key(name)))

@@ -9,7 +9,7 @@ commit header → barrier (files and header durable together) → timeline ref (
 commit point). A crash anywhere before the ref moves leaves garbage no reader looks at — at
 worst a complete commit that simply is not the head (gc removes such orphans).
 
-Several ranks can write one commit (``parts.py``): a writer opened with ``exclusive=False``
+Several ranks can write one commit (``commit/parts.py``): a writer opened with ``exclusive=False``
 takes no lock, writes only its own arrays into slots it is told, and ``prepare``s a part
 manifest instead of committing; the exclusive writer merges the parts in ``commit(parts=...)``.
 
@@ -25,15 +25,15 @@ import contextlib
 import secrets
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ..errors import DsttError, SchemaError, StorageError
-from .codec.delta import DeltaEncoder
-from .codec.xor import DeltaPolicy
-from .format.flat import FlatLayout
-from .format.layout import (
+from ...errors import DsttError, SchemaError, StorageError
+from ..codec.delta import DeltaEncoder
+from ..codec.xor import DeltaPolicy
+from ..format.flat import FlatLayout
+from ..format.layout import (
     DEFAULT_CHUNK_BYTES,
     LOCK_KEY,
     WRITTEN_PREFIXES,
@@ -45,10 +45,11 @@ from .format.layout import (
     plan_chunks,
     ref_key,
 )
-from .format.manifest import TableTemplate, dump_arrays, dump_ref
-from .format.records import CommitHeader, Metric
-from .format.stepfile import Block
-from .format.zarr_meta import (
+from ..format.manifest import TableTemplate, dump_arrays, dump_ref
+from ..format.parts import Part, dump_part, remove_parts
+from ..format.records import CommitHeader, Metric
+from ..format.stepfile import Block
+from ..format.zarr_meta import (
     array_document,
     consolidated_metadata,
     dtype_itemsize,
@@ -56,23 +57,32 @@ from .format.zarr_meta import (
     group_document,
     root_attributes,
 )
-from .index import EVERY, IndexWriter
-from .maintenance import GcReport, gc
-from .parts import Part, dump_part, merge_parts, remove_parts
-from .retention import Retention
-from .stepcommit import CommitJob, NotHandedOff, RemoteCommitter, run_commit, write_metadata
+from ..index.writer import EVERY, IndexWriter
+from ..maintenance.gc import GcReport, gc
+from ..maintenance.retention import Retention
+from ..read.reader import Reader
+from ..storage.base import Storage
+from .job import CommitJob, NotHandedOff, RemoteCommitter, run_commit, write_metadata
+from .parts import merge_parts
 from .transaction import Transaction
 
-if TYPE_CHECKING:
-    from .repository import Repository
+__all__ = ["RunHandle", "Transaction", "Writer"]
 
-__all__ = ["Transaction", "Writer"]
+
+class RunHandle(Protocol):
+    """The run a writer writes (the store's ``Repository``; a protocol, so this room imports
+    nothing above it): its storage and a reader of its committed state."""
+
+    @property
+    def storage(self) -> Storage: ...
+
+    def reader(self) -> Reader: ...
 
 
 class Writer:
     """Exclusive writer of one run; use as a context manager."""
 
-    def __init__(self, repo: Repository, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    def __init__(self, repo: RunHandle, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  encoding: DeltaPolicy | None = None, exclusive: bool = True,
                  inflight_bases: bool = False, rank: int | None = None,
                  lazy_refs: bool = False, index_every: int = EVERY) -> None:
@@ -85,7 +95,7 @@ class Writer:
         ref is written only after the step's files and header are durable), but a power
         cut can lose the newest commit — never tear one. Two fewer syncs per commit: for
         per-iteration capture, where the next commit follows in a fraction of a second.
-        ``index_every``: committed steps per new index segment (``index.py``)."""
+        ``index_every``: committed steps per new index segment (``index/writer.py``)."""
         self.repo = repo
         self.storage = repo.storage
         self.chunk_bytes = chunk_bytes
@@ -164,15 +174,43 @@ class Writer:
                 if self._lock_cm is not None:
                     self._lock_cm.__exit__(None, None, None)
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self._closed:
             raise DsttError("this writer is closed; open a new one with repo.writer()")
+
+    @contextlib.contextmanager
+    def quiesced(self) -> Iterator[None]:
+        """Commits wait while inside (a gc under this writer, ``maintenance/gc.py``): on
+        entry the writer is open, its background index job finished and every ref it
+        wrote lazily durable."""
+        with self._commit_lock:
+            self.check_open()
+            if self.index is not None:  # a background index job writes no segment now
+                self.index.wait()
+            if self._unsynced:  # the refs durable before anything is tombstoned
+                self.storage.barrier()
+                self._unsynced = False
+            yield
+
+    @property
+    def in_flight(self) -> set[int]:
+        """Slots of the transactions begun and not yet committed, prepared or aborted."""
+        return set(self._open)
+
+    def release_slot(self, slot: int) -> None:
+        """An aborted transaction's slot: no longer in flight (it stays unused)."""
+        self._open.discard(slot)
+
+    @property
+    def dims(self) -> Mapping[str, tuple[str, ...] | None]:
+        """The dimension names of every declared array (None: ``<name>_<i>``)."""
+        return self._dims
 
     def gc(self, retention: Retention | None = None, *, dry_run: bool = False) -> GcReport:
         """gc under this writer (it holds the run's lock; a second one would be refused): a
         live session's background retention. Commits wait only while the tombstones and the
         index are written; the slots in flight are left alone (``maintenance.gc``)."""
-        self._check_open()
+        self.check_open()
         if not self.exclusive:
             raise DsttError("a part writer (exclusive=False) holds no lock and cannot gc")
         return gc(self.repo, retention=retention, dry_run=dry_run, writer=self)
@@ -189,7 +227,7 @@ class Writer:
         ``slot`` picks the slot explicitly (multi-rank commits: every rank writes the same
         slot); it must not be below a slot this writer already handed out.
         """
-        self._check_open()
+        self.check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if not self.exclusive:  # the lock holder may have moved refs; we hold no lock
@@ -206,7 +244,7 @@ class Writer:
             self._open.add(slot)
         txn = Transaction(self, slot, step, name)
         if self.encoder is not None and self.inflight_bases:
-            self.encoder.open(slot, name, txn._pending, txn.deps, lambda: txn.flat_pending)
+            self.encoder.open(slot, name, txn.pending_shadow, txn.deps, lambda: txn.flat_pending)
         return txn
 
     # -- metadata -------------------------------------------------------------------------
@@ -284,9 +322,9 @@ class Writer:
     def _metadata(self, txn: Transaction) -> tuple[Block, bytes]:
         """The zarr.json documents of a step file below the root (one prebuilt ``Block``
         per set of arrays and start offset — at every step of a steady run the same bytes
-        at the same place) and their consolidated metadata (``stepcommit.write_metadata``
+        at the same place) and their consolidated metadata (``job.write_metadata``
         writes them)."""
-        paths = tuple(txn._plans)
+        paths = txn.paths
         start = txn.zip.cursor
         with self._meta_lock:
             cached = self._meta_cache.get((paths, start))
@@ -338,11 +376,11 @@ class Writer:
         return run_commit(self.storage, txn.zip, txn.side, job)
 
     # -- commit ---------------------------------------------------------------------------
-    def _prepare(self, txn: Transaction, *, rank: int, world: int, session: str,
-                 metrics: Mapping[str, Metric]) -> Part:
-        """Part writer: make this rank's share durable and vote for the slot (parts.py)."""
+    def prepare_step(self, txn: Transaction, *, rank: int, world: int, session: str,
+                     metrics: Mapping[str, Metric]) -> Part:
+        """Part writer: make this rank's share durable and vote for the slot (commit/parts.py)."""
         with self._commit_lock:
-            self._check_open()
+            self.check_open()
             txn.write_deferred()
             records = txn.records()
             write_metadata(txn.zip, *self._metadata(txn),
@@ -356,13 +394,15 @@ class Writer:
             self._open.discard(txn.slot)
             return part
 
-    def _commit(self, txn: Transaction, metrics: Mapping[str, Metric],
-                parts: Sequence[Part] = ()) -> CommitHeader:
+    def commit_step(self, txn: Transaction, metrics: Mapping[str, Metric],
+                    parts: Sequence[Part] = ()) -> CommitHeader:
+        """Commit ``txn`` (its ``commit``; ``parts``: the other ranks' prepared parts of
+        its slot, merged in)."""
         if not self.exclusive:
             raise DsttError("a part writer (exclusive=False) cannot commit; prepare() its part "
                             "and let the exclusive writer merge it")
         with self._commit_lock:
-            self._check_open()
+            self.check_open()
             if self.encoder is not None:
                 self.encoder.check_deps(txn.slot, txn.deps)
             st = self.storage
@@ -407,7 +447,7 @@ class Writer:
             txn.count_objects(header)
             if self.lazy_refs:
                 self._unsynced = True
-            self.reader._refs[txn.timeline] = moved
+            self.reader.moved(moved)
             self._head_steps[txn.timeline] = txn.step
             if parts:  # merged: the votes are no longer needed (gc sweeps any left behind)
                 remove_parts(st, txn.slot)

@@ -24,16 +24,25 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ..codec.delta import DeltaEncoder, EncodeStats
+from ..codec.predict import Prediction
+from ..format.flat import FlatImage, FlatLayout, StepBytes
+from ..format.layout import ChunkPlan
+from ..format.objects import Encoding
+from ..format.parts import Part
+from ..format.records import ChunkRecord, CommitHeader, Metric, ObjectRecord
+from ..format.stepfile import StepFile
+from .job import Deferred
 from .parts import abort_vote, collect_parts
+from .transaction import Transaction
+from .writer import RunHandle, Writer
 
 if TYPE_CHECKING:
-    from .repository import Repository
-    from .storage.base import Storage
-    from .writer import Writer
+    from ..storage.base import Storage
 
 __all__ = ["DEFAULT_RANK_TIMEOUT", "RankInfo", "RankTransaction", "RankWriter",
            "TransactionProxy"]
@@ -52,50 +61,55 @@ class RankInfo:
 
 class TransactionProxy:
     """Passes what the pipeline uses (declare, put_chunk, put_object, defer_object, abort) to
-    a store transaction; subclasses change how the step is committed."""
+    a store transaction (or another proxy); subclasses change how the step is committed."""
 
-    def __init__(self, txn: Any) -> None:
+    def __init__(self, txn: Transaction | TransactionProxy) -> None:
         self._txn = txn
         self.slot: int = txn.slot
         self.step: int = txn.step
 
     def declare(self, path: str, dtype: str, shape: tuple[int, ...],
-                dims: Any = None) -> Any:
+                dims: Sequence[str] | None = None) -> ChunkPlan:
         return self._txn.declare(path, dtype, shape, dims)
 
-    def put_chunk(self, path: str, index: int, data: Any) -> Any:
+    def put_chunk(self, path: str, index: int, data: StepBytes) -> ChunkRecord:
         return self._txn.put_chunk(path, index, data)
 
-    def put_object(self, name: str, obj: Any, **kw: Any) -> Any:
-        return self._txn.put_object(name, obj, **kw)
+    def put_object(self, name: str, obj: object, *,
+                   encoding: Encoding = "json") -> ObjectRecord:
+        return self._txn.put_object(name, obj, encoding=encoding)
 
-    def put_encoded(self, name: str, data: bytes, encoding: Any = "json") -> Any:
+    def put_encoded(self, name: str, data: bytes, encoding: Encoding = "json") -> ObjectRecord:
         return self._txn.put_encoded(name, data, encoding)
 
-    def defer_object(self, name: str, obj: Any, **kw: Any) -> None:
-        self._txn.defer_object(name, obj, **kw)
+    def defer_object(self, name: str, obj: object, *, encoding: Encoding = "json",
+                     or_pickle: bool = False) -> None:
+        self._txn.defer_object(name, obj, encoding=encoding, or_pickle=or_pickle)
 
     @property
-    def deferred(self) -> list[Any]:
+    def deferred(self) -> list[Deferred]:
         return list(self._txn.deferred)
 
-    def put_flat(self, layout: Any, buf: Any, images: Any = None) -> None:
+    def put_flat(self, layout: FlatLayout, buf: StepBytes,
+                 images: dict[int, FlatImage] | None = None) -> None:
         self._txn.put_flat(layout, buf, images)
 
-    def put_flat_chunks(self, layout: Any, buf: Any) -> None:
+    def put_flat_chunks(self, layout: FlatLayout, buf: StepBytes) -> None:
         self._txn.put_flat_chunks(layout, buf)
 
-    def reserve_flat(self, layout: Any, nbytes_at: Any) -> int:
+    def reserve_flat(self, layout: FlatLayout, nbytes_at: Callable[[int], int]) -> int:
         return int(self._txn.reserve_flat(layout, nbytes_at))
 
-    def complete_flat(self, *args: Any) -> None:
-        self._txn.complete_flat(*args)
+    def complete_flat(self, layout: FlatLayout, offsets: list[int], sizes: list[int],
+                      crcs: list[int], directory: bytes,
+                      buf: StepBytes | None = None) -> None:
+        self._txn.complete_flat(layout, offsets, sizes, crcs, directory, buf)
 
-    def predict(self, predictions: Any) -> None:
+    def predict(self, predictions: Mapping[str, Prediction]) -> None:
         self._txn.predict(predictions)
 
     @property
-    def zip(self) -> Any:
+    def zip(self) -> StepFile:
         return self._txn.zip
 
     @property
@@ -113,7 +127,9 @@ class TransactionProxy:
 class RankTransaction(TransactionProxy):
     """A store transaction of one rank; ``commit`` merges (rank 0) or prepares (others)."""
 
-    def __init__(self, owner: RankWriter, txn: Any) -> None:
+    _txn: Transaction
+
+    def __init__(self, owner: RankWriter, txn: Transaction) -> None:
         super().__init__(txn)
         self._owner = owner
         self.slot, self.step, self.rank = txn.slot, txn.step, owner.info.rank
@@ -136,14 +152,14 @@ class RankTransaction(TransactionProxy):
         self._txn.encode = value
 
     @property
-    def stats(self) -> Any:
+    def stats(self) -> EncodeStats:
         return self._txn.stats
 
     @property
     def bytes_written(self) -> int:
         return int(self._txn.bytes_written)
 
-    def commit(self, metrics: Mapping[str, Any] | None = None) -> Any:
+    def commit(self, metrics: Mapping[str, Metric] | None = None) -> CommitHeader | Part:
         o = self._owner
         for hook in o.before_commit:
             hook(self)
@@ -154,8 +170,8 @@ class RankTransaction(TransactionProxy):
                               ranks=range(1, o.info.world), world=o.info.world,
                               session=o.session, timeout=o.timeout, cancel=o.cancel)
         header = self._txn.commit(metrics, parts=parts)
-        for hook in o.after_commit:
-            hook(header)
+        for done in o.after_commit:
+            done(header)
         return header
 
 
@@ -173,20 +189,22 @@ class RankWriter:
         #: called on the committer thread: before a commit/prepare (with the transaction) and,
         #: on rank 0, after the global commit (with its header)
         self.before_commit: list[Callable[[RankTransaction], None]] = []
-        self.after_commit: list[Callable[[Any], None]] = []
+        self.after_commit: list[Callable[[CommitHeader], None]] = []
 
     @property
-    def repo(self) -> Repository:
+    def repo(self) -> RunHandle:
         return self.writer.repo
 
     @property
-    def encoder(self) -> Any:
+    def encoder(self) -> DeltaEncoder | None:
         """The store writer's delta encoder (None without ``DeltaPolicy``): the pipeline
         decides per step from it whether to encode (it read ``None`` here before, so a
         one-rank DeltaPolicy run wrote every step raw)."""
         return self.writer.encoder
 
-    def flat_layout(self, arrays: Any) -> Any:
+    def flat_layout(self, arrays: Sequence[tuple[str, str, tuple[int, ...]]
+                                           | tuple[str, str, tuple[int, ...],
+                                                   Sequence[str] | None]]) -> FlatLayout:
         return self.writer.flat_layout(arrays)
 
     def begin(self, step: int) -> RankTransaction:

@@ -1,79 +1,106 @@
 """One step on its way to a commit: its chunks, objects, metrics and the two files it fills.
 
-A ``Transaction`` belongs to the ``Writer`` (writer.py) that began it and holds a fresh slot:
+A ``Transaction`` belongs to the ``Writer`` (``writer.py``) that began it and holds a fresh slot:
 the zip of Zarr chunks and the side file of objects and deltas (``format/stepfile.py``), which
 no commit references yet. Chunks arrive one at a time (``put_chunk``, encoded when the writer
 encodes) or a whole step at once (``put_flat``, the engine's hot path, or its two halves when
 the flusher process writes the bytes); ``commit``/``prepare`` hand it back to the writer,
 which alone makes a step visible. Kept apart from the writer: the writer decides *when* and in
-which order things become durable, the transaction only *what* a step holds.
+which order things become durable, the transaction only *what* a step holds (its columns:
+a ``StepTable``, ``step_table.py``). It sees the writer through ``StepOwner``, the narrow
+protocol below (rejected: typing against ``Writer`` under ``TYPE_CHECKING``, a cycle between
+the two modules).
 """
 
 from __future__ import annotations
 
-import itertools
 import struct
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import DsttError
-from .codec.delta import EncodeStats, Shadow
-from .codec.flatdelta import FlatShadow, seed_shadow
-from .codec.predict import CUR, Prediction
-from .flat_encode import write_encoded
-from .format.envelope import checksum
-from .format.flat import FlatImage, FlatLayout
-from .format.layout import (
+from ...errors import DsttError
+from ..codec.delta import DeltaEncoder, EncodeStats, Shadow
+from ..codec.flatdelta import FlatShadow, seed_shadow
+from ..codec.predict import CUR, Prediction
+from ..format.envelope import checksum
+from ..format.flat import FlatImage, FlatLayout, StepBytes, byte_view
+from ..format.layout import (
     ChunkPlan,
     side_file_key,
     step_file_key,
     zarr_chunk_key,
 )
-from .format.objects import Encoded, Encoding, encode_object
-from .format.records import ChunkRecord, CommitHeader, Metric, ObjectRecord
-from .format.stepfile import SideFile, StepFile
-from .format.zipfmt import crc32
-from .parts import Part
-from .step_table import StepTableMixin
-from .stepcommit import Deferred, encode_deferred
+from ..format.manifest import TableBuilder, TableTemplate
+from ..format.objects import Encoded, Encoding, encode_object
+from ..format.parts import Part
+from ..format.records import ArrayRecord, ChunkRecord, CommitHeader, Metric, ObjectRecord
+from ..format.stepfile import SideFile, StepFile
+from ..format.zipfmt import crc32
+from ..storage.base import Storage
+from .flat_encode import write_encoded
+from .job import Deferred, encode_deferred
+from .step_table import Columns, EncodedColumns, StepTable
 
-if TYPE_CHECKING:
-    from .writer import Writer
-
-__all__ = ["Transaction"]
+__all__ = ["StepOwner", "Transaction"]
 
 _ZERO = bytes(1 << 16)  # padding of edge chunks, written from here
 _PACK = struct.Struct("<I").pack
 
 
-class Transaction(StepTableMixin):
+class StepOwner(Protocol):
+    """What a transaction needs of the writer that began it (``writer.py``'s ``Writer``)."""
+
+    @property
+    def storage(self) -> Storage: ...
+
+    @property
+    def file_tag(self) -> str: ...  # suffix of its step files ("" or a rank's)
+
+    @property
+    def encoder(self) -> DeltaEncoder | None: ...
+
+    @property
+    def dims(self) -> Mapping[str, tuple[str, ...] | None]: ...  # dimension names by path
+
+    def declare(self, path: str, dtype: str, shape: tuple[int, ...],
+                dims: Sequence[str] | None = None) -> ChunkPlan: ...
+
+    def flat_layout(self, arrays: Sequence[tuple[str, str, tuple[int, ...]]
+                                           | tuple[str, str, tuple[int, ...],
+                                                   Sequence[str] | None]]) -> FlatLayout: ...
+
+    def table_template(self, layout: FlatLayout,
+                       sizes: Sequence[int] | None = None) -> TableTemplate: ...
+
+    def commit_step(self, txn: Transaction, metrics: Mapping[str, Metric],
+                    parts: Sequence[Part] = ()) -> CommitHeader: ...
+
+    def prepare_step(self, txn: Transaction, *, rank: int, world: int, session: str,
+                     metrics: Mapping[str, Metric]) -> Part: ...
+
+    def release_slot(self, slot: int) -> None: ...  # an aborted step's slot stays unused
+
+
+class Transaction:
     """The chunks, objects and metrics of one step on its way to a commit."""
 
-    def __init__(self, writer: Writer, slot: int, step: int, timeline: str) -> None:
+    def __init__(self, writer: StepOwner, slot: int, step: int, timeline: str) -> None:
         self.writer, self.slot, self.step, self.timeline = writer, slot, step, timeline
-        self._plans: dict[str, tuple[str, ChunkPlan]] = {}
-        self._chunks: dict[str, list[ChunkRecord | None]] = {}
         self.objects: dict[str, ObjectRecord] = {}
-        #: chunks written by ``put_flat``: per call (offsets, sizes, crc32c), and per array
-        #: its span of them — columns, not a record object per chunk
-        self._flat: list[tuple[list[int], list[int], list[int]]] = []
-        self._flat_layouts: list[FlatLayout] = []
-        #: per ``put_flat`` call of an encoded step: each chunk's file and its codec entries
-        #: (by chunk position in the layout); None for a raw one (all in this step's zip)
-        self._flat_enc: list[tuple[list[str], Mapping[int, Any]] | None] = []
         #: the flat shadow this step leaves (``codec/flatdelta.py``), once written
         self.flat_pending: FlatShadow | None = None
-        self._flat_span: dict[str, tuple[int, int, int]] = {}
         #: objects stored at commit (``defer_object``), in the order they came
         self.deferred: list[Deferred] = []
         self._deferred_names: set[str] = set()
         self.deferred_stored = False  # ``write_deferred`` stored them already (here)
         self.zip = StepFile(writer.storage, step_file_key(slot, writer.file_tag))
         self.side = SideFile(writer.storage, side_file_key(slot, writer.file_tag))
+        #: what this step holds, as columns (guarded by ``_lock``), and its arrays table
+        self.columns = StepTable(step, slot, self.zip.key, writer.dims, writer.table_template)
         self._lock = threading.Lock()
         self.state = "open"
         self._object_bytes = 0
@@ -103,10 +130,7 @@ class Transaction(StepTableMixin):
         self._check()
         plan = self.writer.declare(path, dtype, tuple(shape), dims)
         with self._lock:
-            if path in self._plans:
-                raise ValueError(f"array {path!r} declared twice in step {self.step}")
-            self._plans[path] = (dtype, plan)
-            self._chunks[path] = [None] * plan.n_chunks
+            self.columns.declare(path, dtype, plan)
         return plan
 
     def predict(self, predictions: Mapping[str, Prediction]) -> None:
@@ -119,19 +143,21 @@ class Transaction(StepTableMixin):
         with self._lock:
             self._predictions.update(predictions)
 
-    def _pending(self, path: str, index: int) -> Shadow | None:
+    def pending_shadow(self, path: str, index: int) -> Shadow | None:
+        """The shadow chunk ``index`` of ``path`` leaves once this step commits (a base for
+        a step encoded while this one is in flight), or None."""
         with self._lock:
             return self.pending.get((path, index))
 
-    def put_chunk(self, path: str, index: int, data: Any) -> ChunkRecord:
+    def put_chunk(self, path: str, index: int, data: StepBytes) -> ChunkRecord:
         """Write chunk ``index`` of ``path`` (its exact byte range); thread-safe."""
         self._check()
         try:
-            _, plan = self._plans[path]
+            _, plan = self.columns.plans[path]
         except KeyError:
             raise ValueError(f"array {path!r} was not declared in step {self.step}") from None
         start, stop = plan.byte_range(index)
-        view = memoryview(data).cast("B")
+        view = byte_view(data)
         if len(view) != stop - start:
             raise ValueError(f"chunk {index} of {path!r} needs {stop - start} bytes, "
                              f"got {len(view)}")
@@ -153,7 +179,7 @@ class Transaction(StepTableMixin):
                                       plan=plan, slot=self.slot, timeline=self.timeline,
                                       data=view, raw_crc=crc, stats=self.stats,
                                       prediction=self._predictions.get(path),
-                                      pending=self._pending, deps=self.deps)
+                                      pending=self.pending_shadow, deps=self.deps)
             if rec is not None:
                 return self._record(path, index, rec, pending)
         trailer = struct.pack("<I", crc)
@@ -170,7 +196,7 @@ class Transaction(StepTableMixin):
             pending = replace(pending, record=rec)
         return self._record(path, index, rec, pending)
 
-    def put_flat(self, layout: FlatLayout, buf: Any,
+    def put_flat(self, layout: FlatLayout, buf: StepBytes,
                  images: dict[int, FlatImage] | None = None, *,
                  start: int | None = None) -> None:
         """Write every tensor of ``layout`` from the flat buffer ``buf`` (``flat.py``), raw:
@@ -178,7 +204,7 @@ class Transaction(StepTableMixin):
         start offset, kept by the caller with the buffer (headers are then built once).
         ``start``: the range ``reserve_flat`` already reserved for it (a write the flusher
         process did not finish, done again here)."""
-        view = memoryview(buf).cast("B")
+        view = byte_view(buf)
         if len(view) < layout.nbytes:
             raise ValueError(f"flat buffer of {len(view)} bytes, layout needs {layout.nbytes}")
         if start is None:
@@ -204,26 +230,26 @@ class Transaction(StepTableMixin):
                            view)
 
 
-    def put_flat_chunks(self, layout: FlatLayout, buf: Any) -> None:
+    def put_flat_chunks(self, layout: FlatLayout, buf: StepBytes) -> None:
         """Write every tensor of ``layout`` from the flat buffer ``buf`` one chunk at a time
         (``put_chunk``: delta-encoded, deduplicated or predicted when the writer encodes) —
         a step the engine captured with one batched copy but the writer encodes. The
         ``"cur"`` inputs of this step's predictions go first, as ``predict`` asks."""
         self._check()
-        view = memoryview(buf).cast("B")
+        view = byte_view(buf)
         if len(view) < layout.nbytes:
             raise ValueError(f"flat buffer of {len(view)} bytes, layout needs {layout.nbytes}")
         enc = self.writer.encoder
         if enc is not None and layout.chunks and enc.flat_room(layout.nbytes, layout):
             if self.encode and not self.keyframe:
-                write_encoded(self, layout, view)
+                self._write_encoded(enc, layout, view)
             else:  # written raw, whole: its copy becomes the next step's flat base
                 self._write_flat(layout, view, None, None)
             return
         with self._lock:
-            plans = self._declare_layout(layout)
+            plans = self.columns.declare_layout(layout)
             for path, (_, plan) in plans.items():
-                self._chunks[path] = [None] * plan.n_chunks
+                self.columns.chunks[path] = [None] * plan.n_chunks
             first = {src for p in self._predictions.values() for role, src in p.inputs
                      if role == CUR}
         arrays = layout.arrays
@@ -231,7 +257,26 @@ class Transaction(StepTableMixin):
         for k, i, s, e, _, _ in chunks:
             self.put_chunk(arrays[k].path, i, view[s:e])
 
-    def reserve_flat(self, layout: FlatLayout, nbytes_at: Any) -> int:
+    def _write_encoded(self, enc: DeltaEncoder, layout: FlatLayout, view: memoryview) -> None:
+        """An encoded flat step, written by ``flat_encode.py``; its columns recorded here and
+        its flat shadow left as the next step's base."""
+        got = write_encoded(enc, self.zip, self.side, layout, view, self.slot, self.timeline,
+                            self._predictions)
+        if got is None:  # nothing to encode against: a keyframe, written whole
+            self._write_flat(layout, view, None, None)
+            self.stats.raw_fallback = False
+            return
+        self._record_flat(layout, got.cols, (got.keys, got.codecs))
+        self.stats.add_counts(layout.raw_nbytes, got.written, keyframes=got.keyframes,
+                              deltas=got.deltas, dedups=got.dedups, seconds=got.seconds)
+        if got.dep is not None:
+            with self._lock:
+                self.deps.add(got.dep)
+        self.flat_pending = self._flat_shadow(layout, view, got.keys, *got.cols,
+                                              raw_crcs=got.raw_crcs, depth=got.depth,
+                                              codecs=got.codecs)
+
+    def reserve_flat(self, layout: FlatLayout, nbytes_at: Callable[[int], int]) -> int:
         """First half of a flat write done elsewhere (the flusher process): declare the
         layout's arrays in this step and reserve their zip range; returns its start."""
         self._check_raw()
@@ -244,22 +289,14 @@ class Transaction(StepTableMixin):
             raise DsttError("a flat write is raw; set txn.encode = False (or keyframe) "
                             "when the writer encodes, or use put_flat_chunks")
 
-    def _reserve_flat(self, layout: FlatLayout, nbytes_at: Any) -> int:
+    def _reserve_flat(self, layout: FlatLayout, nbytes_at: Callable[[int], int]) -> int:
         with self._lock:
-            self._declare_layout(layout)
+            self.columns.declare_layout(layout)
         return self.zip.reserve(layout.names, nbytes_at)
 
-    def _declare_layout(self, layout: FlatLayout) -> dict[str, tuple[str, ChunkPlan]]:
-        """Declare every array of ``layout`` in this step (under ``_lock``)."""
-        plans = layout.plans
-        if not self._plans.keys().isdisjoint(plans):
-            dup = sorted(self._plans.keys() & plans.keys())
-            raise ValueError(f"array {dup[0]!r} declared twice in step {self.step}")
-        self._plans.update(plans)
-        return plans
-
     def complete_flat(self, layout: FlatLayout, offsets: list[int], sizes: list[int],
-                      crcs: list[int], directory: bytes, buf: Any = None) -> None:
+                      crcs: list[int], directory: bytes,
+                      buf: StepBytes | None = None) -> None:
         """Second half: the chunks are written; record where (columns) and their zip
         central directory records. ``buf``: the flat buffer, for a writer that encodes (a
         raw step still seeds the next step's deltas: its chunks become their bases)."""
@@ -271,7 +308,7 @@ class Transaction(StepTableMixin):
             self.stats.raw_fallback = not self.keyframe
             if buf is not None:  # its chunks become the next step's bases: one copy
                 self.flat_pending = self._flat_shadow(
-                    layout, memoryview(buf).cast("B"), [self.zip.key] * len(offsets), offsets,
+                    layout, byte_view(buf), [self.zip.key] * len(offsets), offsets,
                     sizes, crcs)
 
     def _flat_shadow(self, layout: FlatLayout, view: memoryview, files: list[str],
@@ -284,19 +321,11 @@ class Transaction(StepTableMixin):
         return seed_shadow(layout, self.timeline, self.slot, data,
                            np.asarray(files, dtype=object), offsets, sizes, crcs, **encoded)
 
-    def _record_flat(self, layout: FlatLayout, cols: tuple[list[int], list[int], list[int]],
-                     encoded: tuple[list[str], Mapping[int, Any]] | None) -> None:
+    def _record_flat(self, layout: FlatLayout, cols: Columns,
+                     encoded: EncodedColumns | None) -> None:
         """Where a flat write's chunks are (columns) and, encoded, their files and codecs."""
         with self._lock:
-            if encoded is not None:  # (a raw write declared it when it reserved its range)
-                self._declare_layout(layout)
-            put = len(self._flat)
-            self._flat.append(cols)
-            self._flat_layouts.append(layout)
-            self._flat_enc.append(encoded)
-            paths, los, his = layout.span_columns
-            self._flat_span.update(
-                zip(paths, zip(itertools.repeat(put), los, his, strict=False), strict=True))
+            self.columns.record_flat(layout, cols, encoded)
 
     def put_encoded(self, name: str, data: bytes, encoding: Encoding = "json") -> ObjectRecord:
         """Store an object already encoded (e.g. JSON built by the caller) as ``name``."""
@@ -309,12 +338,13 @@ class Transaction(StepTableMixin):
     def _record(self, path: str, index: int, rec: ChunkRecord,
                 pending: Shadow | None) -> ChunkRecord:
         with self._lock:
-            self._chunks[path][index] = rec
+            self.columns.chunks[path][index] = rec
             if pending is not None:
                 self.pending[(path, index)] = pending
         return rec
 
-    def put_object(self, name: str, obj: Any, *, encoding: Encoding = "json") -> ObjectRecord:
+    def put_object(self, name: str, obj: object, *,
+                   encoding: Encoding = "json") -> ObjectRecord:
         """Store a Python object for this step (tagged JSON unless told otherwise; an
         ``Encoded`` value as its bytes, in its own encoding)."""
         self._check()
@@ -322,10 +352,10 @@ class Transaction(StepTableMixin):
             return self._put_object_bytes(name, obj.data, obj.encoding)
         return self._put_object_bytes(name, encode_object(obj, encoding), encoding)
 
-    def defer_object(self, name: str, obj: Any, *, encoding: Encoding = "json",
+    def defer_object(self, name: str, obj: object, *, encoding: Encoding = "json",
                      or_pickle: bool = False) -> None:
         """Store ``obj`` as ``name`` when the step commits (encoded then, by whoever
-        commits: this process or the flusher's, ``stepcommit.py``); ``or_pickle``: with
+        commits: this process or the flusher's, ``commit/job.py``); ``or_pickle``: with
         pickle where JSON cannot hold it (the header's record then says ``"pickle"``)."""
         self._check()
         with self._lock:
@@ -380,7 +410,7 @@ class Transaction(StepTableMixin):
         self._check()
         self.state = "committing"
         try:
-            header = self.writer._commit(self, metrics or {}, parts)
+            header = self.writer.commit_step(self, metrics or {}, parts)
         except BaseException:
             self.state = "failed"
             raise
@@ -394,8 +424,8 @@ class Transaction(StepTableMixin):
         self._check()
         self.state = "committing"
         try:
-            part = self.writer._prepare(self, rank=rank, world=world, session=session,
-                                        metrics=metrics or {})
+            part = self.writer.prepare_step(self, rank=rank, world=world, session=session,
+                                             metrics=metrics or {})
         except BaseException:
             self.state = "failed"
             raise
@@ -406,8 +436,31 @@ class Transaction(StepTableMixin):
         """Drop the step; its slot stays unused (gc removes stray step files)."""
         if self.state in ("open", "failed"):
             self.state = "aborted"
-            self.writer._open.discard(self.slot)
+            self.writer.release_slot(self.slot)
             self.zip.discard()  # unpublished files vanish; published ones are gc's garbage
             self.side.discard()
             if self.writer.encoder is not None:
                 self.writer.encoder.discard(self.slot)
+
+    # -- this step's arrays table (``step_table.py``) ---------------------------------------
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """The arrays declared in this step, in declaration order."""
+        return tuple(self.columns.plans)
+
+    def table(self) -> TableBuilder:
+        """The columnar arrays table of this step (``manifest.TableBuilder``)."""
+        return self.columns.table()
+
+    def table_parts(self) -> tuple[TableTemplate, list[int], list[int]] | None:
+        """A step written whole from one flat layout: its table as cached columns and this
+        step's offsets and checksums (``StepTable.table_parts``); None for anything else."""
+        return self.columns.table_parts()
+
+    def arrays_table(self) -> bytes:
+        """This step's sealed arrays table (``manifest.dump_arrays``)."""
+        return self.columns.arrays_table()
+
+    def records(self) -> dict[str, ArrayRecord]:
+        """This step's arrays as records (a part's vote, a merge)."""
+        return self.columns.records()

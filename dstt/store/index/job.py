@@ -5,7 +5,7 @@ tables parsed back, the summaries decoded, the chunk locations collected): at 1,
 and 64 commits about a second of interpreter time. On the committer thread it held the GIL
 the training thread needs and stalled the commits behind it (measured: a 360-tensor loop went
 from 2.4x to 7x no checkpointing). So for a run on local files the exclusive writer hands the
-queued slots to ``python -m dstt.store._index_main`` (no torch, ``SCHED_IDLE``, one BLAS
+queued slots to ``python -m dstt.store.read._index_main`` (no torch, ``SCHED_IDLE``, one BLAS
 thread) and goes on committing; the job reads the committed headers and files itself, writes
 the segment and any merge, and exits. One job at a time; the writer reaps it on a later
 commit, waits for it before anything else writes the index (its own flush, its close, a gc
@@ -25,8 +25,8 @@ import os
 import subprocess
 import sys
 
-from .storage.base import Storage
-from .storage.local import LocalStorage
+from ..storage.base import Storage
+from ..storage.local import LocalStorage
 
 __all__ = ["IndexJob"]
 
@@ -51,7 +51,7 @@ class IndexJob:
         env.pop("PYTHONSTARTUP", None)
         env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "dstt.store._index_main"],
+            proc = subprocess.Popen([sys.executable, "-m", "dstt.store.read._index_main"],
                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.PIPE, env=env)
             assert proc.stdin is not None
