@@ -134,7 +134,11 @@ def test_a_writer_whose_lease_was_taken_over_cannot_commit(s3_url: str) -> None:
         plan = t.declare("params/w", "float32", (4,))
         t.put_chunk("params/w", 0, np.full(4, value, np.float32).view(np.uint8))
         assert plan.n_chunks == 1
-        t.commit({"loss": value})
+        try:
+            t.commit({"loss": value})
+        except BaseException:
+            t.abort()  # what every caller does: its spool file goes (no leaked file)
+            raise
 
     a = Repository.create(s3_url, lease_ttl=1.0).writer(chunk_bytes=64)
     lease = a.storage._lease
