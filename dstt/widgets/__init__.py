@@ -8,6 +8,7 @@ them and, if they are missing, raises ``ImportError`` with the install hint
 - ``model``     ScrubberModel + a small LRU of loaded steps (no widget imports)
 - ``views``     matplotlib figures rendered to PNG, artists kept for assertions
 - ``scrubber``  the step scrubber widget
+- ``replay_panel`` the scrubber's one-click replay of a spike (``scrubber(run, replay=...)``)
 - ``compare``   two steps (one or two timelines) side by side
 """
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 from .compare import Compare, CompareModel, compare
 from .model import LRU, ScrubberModel
+from .replay_panel import ReplayPanel
 from .scrubber import Scrubber, scrubber
 
-__all__ = ["LRU", "Compare", "CompareModel", "Scrubber", "ScrubberModel", "compare", "scrubber"]
+__all__ = ["LRU", "Compare", "CompareModel", "ReplayPanel", "Scrubber", "ScrubberModel",
+           "compare", "scrubber"]

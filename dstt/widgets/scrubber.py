@@ -5,7 +5,9 @@ browser, the kernel only sees the steps it lands on), ◀/▶ buttons, timeline 
 a ⟳ button (re-read a live run), a values/change toggle, reference pin buttons, a one-line
 label, then three views: the loss curve (spikes marked, cursor at the step), the selected
 tensor as a heatmap (histogram for 1-D; or its change since the reference) and per-tensor
-change versus the reference step.
+change versus the reference step. With ``replay=`` a replay panel follows
+(:mod:`dstt.widgets.replay_panel`): one click replays the spike (or step) under the cursor and
+shows its gradient norms and worst samples.
 
 All state lives in :class:`~dstt.widgets.model.ScrubberModel`; this class only mirrors it into
 widgets and back. The slider has ``continuous_update=False``: dragging loads one step, on
@@ -21,6 +23,7 @@ from typing import Any
 
 from .._optional import require
 from .model import Mode, ScrubberModel
+from .replay_panel import ReplayPanel, ReplayWith
 from .views import FigureView, draw_change, draw_loss, draw_shown
 
 __all__ = ["Scrubber", "scrubber"]
@@ -41,7 +44,8 @@ class Scrubber:
     """The scrubber widget over a :class:`ScrubberModel`; display it (last expression of a
     cell) or use ``.widget``. ``.model`` holds the state; ``.views`` the figures."""
 
-    def __init__(self, model: ScrubberModel, *, play_interval: int = 700) -> None:
+    def __init__(self, model: ScrubberModel, *, play_interval: int = 700,
+                 replay: ReplayWith | None = None) -> None:
         w = require("ipywidgets", "dstt.widgets.scrubber")
         self.model = model
         self.error: BaseException | None = None
@@ -77,6 +81,8 @@ class Scrubber:
         self.images = {k: w.Image(format="png") for k in self.views}
         for k, img in self.images.items():
             img.add_class(f"dstt-view-{k}")  # for tests and user CSS
+        #: one-click replay of the step under the cursor (``replay=``), else None
+        self.replay = ReplayPanel(model, replay) if replay is not None else None
         self._wire()
         self.widget = w.VBox([
             w.HBox([self.play, self.prev_button, self.slider, self.next_button]),
@@ -85,6 +91,7 @@ class Scrubber:
             self.label,
             self.images["loss"],
             w.HBox([self.images["tensor"], self.images["change"]]),
+            *([self.replay.widget] if self.replay is not None else []),
         ])
         self.widget.add_class("dstt-scrubber")
         self._redraw(set(self.views))
@@ -179,6 +186,8 @@ class Scrubber:
                 view = self.views[name]
                 view.redraw(lambda ax, f=draw[name]: f(ax, m))  # type: ignore[misc]
                 self.images[name].value = view.png()
+        if self.replay is not None:
+            self.replay.update()
         spike = " spike" if m.spike is not None else ""
         self.label.value = (f"<span class='dstt-step{spike}' data-step='{m.step}'>"
                             f"{html.escape(m.label())}</span>")
@@ -189,7 +198,8 @@ def scrubber(run: Any, *, timeline: str | None = None, step: int | None = None,
              tensor: str | None = None, metric: str | None = None,
              reference: int | None = None, mode: Mode = "values", cache_size: int = 16,
              spike_window: int = 50, spike_z: float = 4.0, max_side: int = 256,
-             play_interval: int = 700, spike: Any = None) -> Scrubber:
+             play_interval: int = 700, spike: Any = None,
+             replay: ReplayWith | None = None) -> Scrubber:
     """A step scrubber over ``run`` (a :class:`dstt.Run` or a path).
 
     Starts at ``step`` (default: the head) of ``timeline`` (default: current) showing
@@ -200,7 +210,11 @@ def scrubber(run: Any, *, timeline: str | None = None, step: int | None = None,
     ``spike_window`` / ``spike_z``. ``spike`` (a ``Spike`` from ``run.spikes()``, or the
     loss step of a detected one) opens on the update that caused it
     (:meth:`ScrubberModel.open_spike`): the loss of step *k* was computed on the weights of
-    step *k - 1*, so that is the change *(k - 2) -> (k - 1)*.
+    step *k - 1*, so that is the change *(k - 2) -> (k - 1)*. ``replay`` (the keyword
+    arguments of :meth:`dstt.Run.replay` — ``model``, ``optimizer``, ``loss_fn``,
+    ``dataset``, … — or a callable step -> ``Replay``) adds a button that replays the spike
+    or step under the cursor and shows its gradient norms and worst samples
+    (:class:`~dstt.widgets.replay_panel.ReplayPanel`).
     """
     if not hasattr(run, "steps"):
         from .._run import open_run
@@ -211,4 +225,4 @@ def scrubber(run: Any, *, timeline: str | None = None, step: int | None = None,
                           spike_window=spike_window, spike_z=spike_z, max_side=max_side)
     if spike is not None:
         model.open_spike(spike)
-    return Scrubber(model, play_interval=play_interval)
+    return Scrubber(model, play_interval=play_interval, replay=replay)

@@ -56,8 +56,9 @@ def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 
 def train(run: Path, ds: Dataset[Any], *, attribution: bool = True, steps: int = STEPS,
-          micro_batch: int = MICRO) -> dict[str, torch.Tensor]:
-    """``steps`` optimizer steps; returns the gradients the optimizer saw at step KEPT."""
+          micro_batch: int = MICRO, spike_at: int | None = None) -> dict[str, torch.Tensor]:
+    """``steps`` optimizer steps; returns the gradients the optimizer saw at step KEPT. The
+    loss is logged each step (x50 at ``spike_at``: a spike planted in the metric)."""
     torch.manual_seed(1)
     m, opt, sched = build()
     loader = DataLoader(ds, batch_size=micro_batch, shuffle=True,
@@ -67,7 +68,8 @@ def train(run: Path, ds: Dataset[Any], *, attribution: bool = True, steps: int =
         micro = 0
         while s.step < steps:
             for batch in (s.data(loader) if attribution else loader):
-                loss_fn(m, batch).backward()
+                loss = loss_fn(m, batch)
+                loss.backward()
                 micro += 1
                 if micro % ACCUM:
                     continue
@@ -76,6 +78,7 @@ def train(run: Path, ds: Dataset[Any], *, attribution: bool = True, steps: int =
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
+                s.log(loss=loss.item() * (50.0 if s.step == spike_at else 1.0))
                 if s.step == steps:
                     break
     return kept
@@ -210,3 +213,47 @@ def test_dstt_replay_runs_a_users_script(recorded: Any, tmp_path: Path) -> None:
                           "5", "--script", f"{script}:nothere"], capture_output=True, text=True,
                          timeout=300, env=env)
     assert bad.returncode == 2 and "has no function 'nothere'" in bad.stderr
+
+
+def test_the_scrubber_replays_the_spike_under_the_cursor_in_one_click(tmp_path: Path) -> None:
+    from dstt.widgets import scrubber
+
+    ds, spike_at = Sequences(32), 10
+    train(tmp_path / "run", ds, steps=14, spike_at=spike_at)
+    run = dstt.open(tmp_path / "run")
+    m, opt, sched = build(seed=4)
+    w = scrubber(run, step=spike_at, spike_window=4, spike_z=3.0,
+                 replay={"model": m, "optimizer": opt, "scheduler": sched, "dataset": ds,
+                         "loss_fn": loss_fn})
+    panel = w.replay
+    assert panel is not None and w.model.spike is not None
+    assert panel.button.description == f"replay the spike at step {spike_at}"
+    panel.button.click()  # what the user's click does
+    r = panel.result
+    assert panel.error is None and r is not None
+    assert r.step == spike_at and r.faithful
+    assert "faithful: bit-exact" in panel.status.value
+    assert panel.view.artists["names"] == [n for n, _ in r.top(panel.top)]
+    assert len(panel.view.artists["bars"]) == min(panel.top, r.norms.sizes["tensor"])
+    assert bytes(panel.image.value)[:4] == b"\x89PNG"
+    worst = r.worst(panel.samples)
+    assert panel.table.value.count("<tr>") == len(worst) + 1  # header + worst samples
+    assert f"<td>{worst[0]}</td>" in panel.table.value
+    w.model.step = spike_at - 3  # no spike there: the button replays the plain step
+    assert panel.button.description == f"replay step {spike_at - 3}"
+    assert panel.run().step == spike_at - 3
+
+
+def test_the_scrubbers_replay_shows_why_it_cannot_replay(tmp_path: Path) -> None:
+    from dstt.widgets import scrubber
+
+    ds = Sequences(32)
+    train(tmp_path / "run", ds, attribution=False, steps=4)
+    m, opt, sched = build()
+    w = scrubber(dstt.open(tmp_path / "run"), replay={"model": m, "optimizer": opt,
+                                                      "loss_fn": loss_fn, "dataset": ds})
+    assert w.replay is not None and w.replay.run() is None
+    assert isinstance(w.replay.error, ReplayError)
+    assert "s.data(loader)" in w.replay.status.value
+    with pytest.raises(TypeError, match="model= and optimizer="):
+        scrubber(dstt.open(tmp_path / "run"), replay={"loss_fn": loss_fn})

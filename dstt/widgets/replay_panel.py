@@ -1,0 +1,144 @@
+"""One click from a spike to its replay: the scrubber's replay panel.
+
+``scrubber(run, replay=...)`` adds a button under the views. At a step flagged as a loss spike
+it reads "replay the spike at step k"; elsewhere "replay step k". A click re-executes that step
+from the commit before it (:meth:`dstt.Run.replay`: bit-exact against its commit, nothing
+written to the run) and shows what happened inside it: the tensors with the largest gradient
+norms as bars, and the worst samples of the batch (dataset index, micro-batch, loss) as a
+table, under a line that says whether the replay was faithful.
+
+``replay`` is either the keyword arguments of :meth:`dstt.Run.replay` (``model``,
+``optimizer``, ``scheduler``, ``dataset``/``batches``, ``loss_fn``, …: the objects a replay
+restores into) or a callable taking the step (an ``int``, or the ``Spike`` at that step) and
+returning a :class:`~dstt.inspect.replay.Replay`, for anything the mapping cannot say.
+
+The replay runs in the kernel on the click (a step's forward/backward plus one restore: about
+one training step), with the status line saying so; an error (no data attribution, no commit
+before the step) is shown in that line and kept in ``.error``. Rejected alternative: replaying
+every spike when the widget opens — each costs a training step, for spikes nobody looks at.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from .._optional import require
+from ..plots.draw import draw_bars
+from .model import ScrubberModel
+from .views import FigureView
+
+__all__ = ["ReplayPanel", "ReplayWith"]
+
+#: how a scrubber replays a step: :meth:`dstt.Run.replay`'s keyword arguments, or a callable
+#: from the step (or its ``Spike``) to a ``Replay``
+ReplayWith = Mapping[str, Any] | Callable[[Any], Any]
+
+
+class ReplayPanel:
+    """The replay button, its status line, the gradient-norm bars and the worst-samples table
+    of a scrubber (see the module docstring). ``.result`` holds the last ``Replay``,
+    ``.error`` the last failure, ``.view.artists`` what the bars drew."""
+
+    def __init__(self, model: ScrubberModel, replay: ReplayWith, *, top: int = 12,
+                 samples: int = 8) -> None:
+        w = require("ipywidgets", "dstt.widgets.scrubber")
+        if not (callable(replay) or isinstance(replay, Mapping)):
+            raise TypeError("replay= takes run.replay's keyword arguments as a dict (model=, "
+                            "optimizer=, loss_fn=, dataset=, ...) or a callable step -> "
+                            f"Replay, not {type(replay).__name__}")
+        if isinstance(replay, Mapping) and not {"model", "optimizer"} <= set(replay):
+            raise TypeError("replay= needs at least model= and optimizer= (the objects the "
+                            "step is restored into), as run.replay does")
+        self.model, self.replay_with = model, replay
+        self.top, self.samples = top, samples
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.button = w.Button(description="replay", icon="play",
+                               tooltip="re-execute this step from the commit before it",
+                               layout=w.Layout(width="auto"))
+        self.status = w.HTML()
+        self.view = FigureView((5, 3.8))
+        self.image = w.Image(format="png")
+        self.image.add_class("dstt-view-replay")
+        self.table = w.HTML()
+        self.table.add_class("dstt-replay-samples")
+        self.button.on_click(lambda _: self.run())
+        self.widget = w.VBox([w.HBox([self.button, self.status]),
+                              w.HBox([self.image, self.table])])
+        self.update()
+
+    def target(self) -> Any:
+        """What a click replays: the spike at the current step, else the step itself."""
+        spike = self.model.spike
+        return spike if spike is not None else self.model.step
+
+    def update(self) -> None:
+        """Follow the scrubber's step: the button names what it would replay."""
+        t = self.target()
+        self.button.description = (f"replay the spike at step {t.step}" if not isinstance(t, int)
+                                   else f"replay step {t}")
+
+    def run(self) -> Any:
+        """Replay the current target and show the result; returns the ``Replay`` (None on
+        an error, which the status line shows)."""
+        t = self.target()
+        step = t if isinstance(t, int) else (t.start if t.start is not None else t.step)
+        self.status.value = f"replaying step {step}…"
+        try:
+            if isinstance(self.replay_with, Mapping):
+                kwargs = {"timeline": self.model.timeline, **self.replay_with}
+                result = self.model.run.replay(t, **kwargs)
+            else:
+                result = self.replay_with(t)
+        except Exception as e:
+            self.error, self.result = e, None
+            self.status.value = (f"<span style='color:#b00'>replay of step {step} failed: "
+                                 f"{html.escape(f'{type(e).__name__}: {e}')}</span>")
+            return None
+        self.error, self.result = None, result
+        self.show(result)
+        return result
+
+    def show(self, result: Any) -> None:
+        """Draw a ``Replay``: faithful line, gradient-norm bars, worst-samples table."""
+        verdict = ("faithful: bit-exact against its commit" if result.faithful else
+                   f"NOT faithful: max |diff| {result.max_abs_diff:.3g} over "
+                   f"{len(result.differs)} tensors")
+        loss = float(np.sum(result.losses)) if result.losses else float("nan")
+        self.status.value = (f"<span class='dstt-replay-status' data-step='{result.step}' "
+                             f"data-faithful='{str(result.faithful).lower()}'>step "
+                             f"{result.step} replayed · {html.escape(verdict)} · loss "
+                             f"{loss:.4g}</span>")
+        top = result.top(self.top)
+
+        def bars(ax: Any) -> dict[str, Any]:
+            out = draw_bars(ax, [n for n, _ in top], [v for _, v in top], xlabel="‖grad‖",
+                            log=True, title=f"gradient norms, step {result.step}")
+            out["names"] = [n for n, _ in top]
+            return out
+
+        self.view.redraw(bars)
+        self.image.value = self.view.png()
+        self.table.value = samples_table(result.per_sample, self.samples)
+
+
+def samples_table(per_sample: Any, n: int) -> str:
+    """The ``n`` worst samples of a replay's ``per_sample`` dataset as an HTML table."""
+    if "index" not in per_sample or per_sample.sizes.get("sample", 0) == 0:
+        return "<i>no per-sample losses (per_sample=False, or batches without a size)</i>"
+    cols = [c for c in ("index", "micro_batch", "loss", "grad_norm") if c in per_sample
+            and not (c == "grad_norm" and np.all(np.isnan(per_sample[c].values)))]
+    head = "".join(f"<th>{c}</th>" for c in cols)
+    rows = []
+    for i in range(min(n, per_sample.sizes["sample"])):
+        cells = []
+        for c in cols:
+            v = per_sample[c].values[i]
+            cells.append(f"<td>{v:.4g}</td>" if isinstance(v, float | np.floating)
+                         else f"<td>{int(v)}</td>")
+        rows.append(f"<tr>{''.join(cells)}</tr>")
+    return (f"<b>worst samples</b><table><tr>{head}</tr>{''.join(rows)}</table>")
