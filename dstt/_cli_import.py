@@ -42,7 +42,7 @@ def add_import(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
 def _run_path(args: argparse.Namespace) -> str:
     """``--run``/``$DSTT_RUN`` — a new run when nothing is there yet — else found as every
     command finds its run (a folder inside it, the current directory)."""
-    from ._run import find_run_root
+    from .run import find_run_root
 
     path = getattr(args, "run", None) or os.environ.get("DSTT_RUN")
     if path and (not os.path.exists(path)

@@ -1,7 +1,7 @@
 """``dstt``: the command line over a run (``ls log show diff verify index rollback timeline
 gc export replay import``).
 
-Thin by design: argparse, one call into :mod:`dstt._run` (or the store behind it), printing.
+Thin by design: argparse, one call into :mod:`dstt.run` (or the store behind it), printing.
 This module is the parser and ``main`` (exit codes); the commands are ``dstt._cli_inspect``
 (those that look at a run), ``dstt._cli_changes`` (those that change it) and
 ``dstt._cli_replay`` (re-executing a step from the user's script).

@@ -186,15 +186,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("store",),
     ("engine",),
     ("training", "inspect"),
-    ("run",),  # Run, Snapshot, diagnose: dstt/_run.py, _snapshot.py, _run_diagnose.py
+    ("run",),  # Run, Snapshot, RunDiagnostics: dstt/run/
     ("plots",),
     ("widgets",),
     ("integrations", "testing"),
     ("cli",),  # `dstt import` calls dstt.integrations.imports
 )
-_PACKAGE_OF = {"_run": "run", "_snapshot": "run", "_run_diagnose": "run", "_cli_common": "cli",
-               "_cli_changes": "cli", "_cli_inspect": "cli", "_cli_replay": "cli",
-               "_cli_import": "cli"}
+_PACKAGE_OF = {"_cli_common": "cli", "_cli_changes": "cli", "_cli_inspect": "cli",
+               "_cli_replay": "cli", "_cli_import": "cli"}
 
 
 def _package(module: str) -> str:

@@ -203,7 +203,7 @@ def scrubber(run: Any, *, timeline: str | None = None, step: int | None = None,
     step *k - 1*, so that is the change *(k - 2) -> (k - 1)*.
     """
     if not hasattr(run, "steps"):
-        from .._run import open_run
+        from ..run import open_run
 
         run = open_run(run)
     model = ScrubberModel(run, timeline=timeline, step=step, tensor=tensor, metric=metric,
