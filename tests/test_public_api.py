@@ -192,14 +192,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("integrations", "testing"),
     ("cli",),  # `dstt import` calls dstt.integrations.imports
 )
-_PACKAGE_OF = {"_cli_common": "cli", "_cli_changes": "cli", "_cli_inspect": "cli",
-               "_cli_replay": "cli", "_cli_import": "cli"}
 
 
 def _package(module: str) -> str:
     """The house package of a dstt module (``dstt.store.read.reader`` -> ``store``)."""
-    head = module.split(".")[1] if "." in module else "dstt"
-    return _PACKAGE_OF.get(head, head)
+    return module.split(".")[1] if "." in module else "dstt"
 
 
 def package_arrows(mods: dict[str, Path]) -> set[tuple[str, str, str]]:
