@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dstt._run import open_run
+from dstt.run import open_run
 from dstt.store import Repository
 from dstt.store.api import dtype_name
 

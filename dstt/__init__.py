@@ -85,14 +85,14 @@ __all__ = [
 
 _LAZY: dict[str, str] = {
     "Retention": "dstt.store:Retention",
-    "Run": "dstt._run:Run",
-    "Snapshot": "dstt._snapshot:Snapshot",
+    "Run": "dstt.run:Run",
+    "Snapshot": "dstt.run:Snapshot",
     "DeltaPolicy": "dstt.store.codec:DeltaPolicy",
     "Session": "dstt.training:Session",
     "SessionOptions": "dstt.training:SessionOptions",
     "StepMetrics": "dstt.engine.pipeline:StepMetrics",
     "import_checkpoints": "dstt.integrations.imports:import_checkpoints",
-    "open": "dstt._run:open_run",
+    "open": "dstt.run:open_run",
     "plots": "dstt.plots",
     "session": "dstt.training:session",
     "widgets": "dstt.widgets",

@@ -45,8 +45,8 @@ def _sig(obj: object) -> str:
 
 
 def _members(cls: type) -> dict[str, object]:
-    """A class's own attributes and those it inherits from dstt's mixins (``Run`` gets its
-    diagnosis methods from ``dstt._run_diagnose``), the nearest definition first."""
+    """A class's own attributes and those it inherits from dstt's base classes, the nearest
+    definition first."""
     out: dict[str, object] = {}
     for klass in cls.__mro__:
         if klass is cls or klass.__module__.startswith("dstt"):

@@ -57,7 +57,7 @@ MUTATIONS = [
         "dstt/store/commit/ranks.py",
         "ranks=range(1, o.info.world), world=o.info.world,",
         "ranks=range(1, o.info.world - 1), world=o.info.world,",
-        ("tests/store/test_ranks.py",), 2),
+        ("tests/store/commit/test_ranks.py",), 2),
     Mutation(
         "flat-summary-other-buffer",
         "the in-process flat lane (no flusher) digests the ring's other step buffer",
@@ -85,7 +85,7 @@ MUTATIONS = [
         "dstt/store/commit/writer.py",
         "            txn.side.publish()\n            self.storage.barrier()\n",
         "            txn.side.publish()\n",
-        ("tests/store/test_ranks.py", "tests/store/test_crash.py", "-k",
+        ("tests/store/commit/test_ranks.py", "tests/store/commit/test_crash.py", "-k",
          "multi_rank or rank"), 2),
     # -- caught by one test only (or by chance) in the first audit -------------------------
     Mutation(
@@ -94,7 +94,7 @@ MUTATIONS = [
         "dstt/store/maintenance/gc.py",
         "            keep.add(ref.base_slot)",
         "            pass",
-        ("tests/store/test_timelines.py",
+        ("tests/store/maintenance/test_timelines.py",
          "tests/engine/test_retention.py::test_same_policy_offline_and_in_the_cli"), 2),
     Mutation(
         "s3-ref-unconditional",
@@ -134,14 +134,15 @@ MUTATIONS = [
         "metrics=dict(metrics))\n"
         "            self.storage.write_durable(part_key(txn.slot, rank), dump_part(part))\n"
         "            self.storage.barrier()\n",
-        ("tests/store/test_ranks.py",), 1),
+        ("tests/store/commit/test_ranks.py",), 1),
     Mutation(
         "ref-before-header-durable",
         "a commit moves the ref without the barrier that makes its files and header durable",
         "dstt/store/commit/job.py",
         "    storage.write(commit_key(job.slot), dump_header(header))\n    storage.barrier()\n",
         "    storage.write(commit_key(job.slot), dump_header(header))\n",
-        ("tests/store/test_crash.py", "tests/store/test_ranks.py", "-k", "power_cut"), 2),
+        ("tests/store/commit/test_crash.py", "tests/store/commit/test_ranks.py", "-k",
+         "power_cut"), 2),
     Mutation(
         "chunk-crc-not-checked",
         "a chunk read back is not checked against its crc32c",
@@ -155,21 +156,21 @@ MUTATIONS = [
         "dstt/store/commit/parts.py",
         "            if p.session != session:\n                continue",
         "            if False:\n                continue",
-        ("tests/store/test_ranks.py", "tests/store/test_parts.py"), 1),
+        ("tests/store/commit/test_ranks.py", "tests/store/commit/test_parts.py"), 1),
     Mutation(
         "abort-vote-not-sent",
         "a rank that drops its step does not tell rank 0, which waits until its timeout",
         "dstt/store/commit/ranks.py",
         "if o.info.rank != 0 and not o.cancel.is_set():",
         "if False:",
-        ("tests/store/test_ranks.py", "tests/store/test_parts.py"), 1),
+        ("tests/store/commit/test_ranks.py", "tests/store/commit/test_parts.py"), 1),
     Mutation(
         "merge-allows-shared-arrays",
         "two ranks writing one array are merged instead of refused",
         "dstt/store/commit/parts.py",
         "            if path in out_a:\n",
         "            if False:\n",
-        ("tests/store/test_parts.py", "tests/store/test_ranks.py"), 1),
+        ("tests/store/commit/test_parts.py", "tests/store/commit/test_ranks.py"), 1),
 ]
 
 _COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)")

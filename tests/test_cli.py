@@ -251,7 +251,7 @@ def test_user_mistakes_print_their_message_never_internal_error(
 
 def test_a_bug_is_still_an_internal_error(run_dir: Path, capsys: pytest.CaptureFixture[str],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    import dstt.cli as cli
+    import dstt.cli.parser as cli
 
     def broken(args: object) -> int:
         return {}["a bug"]  # type: ignore[no-any-return]

@@ -1,6 +1,6 @@
 """Commands that print no arrays start fast: they import no xarray, pandas or torch.
 
-``dstt ls`` used to take 1.5 s (xarray and pandas imported by ``dstt._run``) against 0.08 s
+``dstt ls`` used to take 1.5 s (xarray and pandas imported by ``dstt.run``) against 0.08 s
 for ``--help``. Timing a start-up is noisy on a shared machine, so this checks what it
 costs: the modules each command leaves in ``sys.modules``, in a fresh interpreter.
 """

@@ -178,29 +178,26 @@ def test_module_imports_have_no_cycles() -> None:
     assert not cycles, cycles
 
 
-#: the house, bottom up: a package may import only packages of a lower layer (function-level
-#: and TYPE_CHECKING imports included); the top-level ``dstt`` module is the lazy facade
+#: the house, bottom up (docs/design.md, "dstt's tree"): a package may import only packages of
+#: a lower layer (function-level and TYPE_CHECKING imports included); the top-level ``dstt``
+#: module is the lazy facade
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "schema", "_optional"),
     ("_lru",),
     ("store",),
     ("engine",),
     ("training", "inspect"),
-    ("run",),  # Run, Snapshot, diagnose: dstt/_run.py, _snapshot.py, _run_diagnose.py
+    ("run",),  # dstt/run/: Run, Snapshot, RunDiagnostics; reads through store and inspect
     ("plots",),
     ("widgets",),
     ("integrations", "testing"),
-    ("cli",),  # `dstt import` calls dstt.integrations.imports
+    ("cli",),  # dstt/cli/: above run, inspect and integrations (`dstt import`); nothing imports it
 )
-_PACKAGE_OF = {"_run": "run", "_snapshot": "run", "_run_diagnose": "run", "_cli_common": "cli",
-               "_cli_changes": "cli", "_cli_inspect": "cli", "_cli_replay": "cli",
-               "_cli_import": "cli"}
 
 
 def _package(module: str) -> str:
     """The house package of a dstt module (``dstt.store.read.reader`` -> ``store``)."""
-    head = module.split(".")[1] if "." in module else "dstt"
-    return _PACKAGE_OF.get(head, head)
+    return module.split(".")[1] if "." in module else "dstt"
 
 
 def package_arrows(mods: dict[str, Path]) -> set[tuple[str, str, str]]:
@@ -221,7 +218,8 @@ def package_arrows(mods: dict[str, Path]) -> set[tuple[str, str, str]]:
 
 def test_packages_import_down_the_layers_only() -> None:
     """No arrow against the layering (store <- engine <- training; store <- inspect <- run <-
-    plots/widgets/cli) and so no cycle between packages; every package has a layer."""
+    plots/widgets/cli; integrations <- cli) and so no cycle between packages, nothing imports
+    the CLI; every package has a layer."""
     rank = {p: i for i, layer in enumerate(LAYERS) for p in layer}
     mods = _dstt_modules()
     unknown = {_package(m) for m in mods if m != "dstt"} - set(rank)
@@ -238,6 +236,27 @@ def test_the_layer_check_catches_an_upward_import(tmp_path: Path) -> None:
     arrows = package_arrows({"dstt.engine.naming_user": fake / "naming_user.py"})
     rank = {p: i for i, layer in enumerate(LAYERS) for p in layer}
     assert {(a, b) for a, b, _ in arrows if rank[b] >= rank[a]} == {("engine", "inspect")}
+
+
+def test_the_cli_sits_on_top() -> None:
+    """``cli`` is the top layer alone: nothing in dstt imports it (the run, the widgets and the
+    integrations are below it)."""
+    assert LAYERS[-1] == ("cli",)
+    assert not [why for a, b, why in package_arrows(_dstt_modules()) if b == "cli"]
+
+
+def test_every_run_and_cli_module_is_named_in_its_packages_docstring() -> None:
+    """A reader finds every module of ``dstt.run`` and ``dstt.cli`` from the package's
+    ``__init__`` docstring, as for the store's rooms."""
+    import ast
+
+    mods = _dstt_modules()
+    missing = []
+    for pkg in ("dstt.run", "dstt.cli"):
+        doc = ast.get_docstring(ast.parse(mods[pkg].read_text())) or ""
+        missing += [name for name, path in mods.items() if name.startswith(f"{pkg}.")
+                    and f"``{name.rsplit('.', 1)[1]}``" not in doc]
+    assert not missing, missing
 
 
 #: the store's rooms, bottom up (docs/design.md, "The store's tree"): a module imports modules

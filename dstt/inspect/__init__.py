@@ -16,5 +16,5 @@ Modules (each importable on its own; this package imports none of them eagerly, 
 - ``optimizers`` torch optimizers back from a commit, one or several
 - ``html``       the run overview (text, JSON-ready dict, static HTML)
 
-Everything here reads through ``dstt.store`` only; ``dstt._run`` is the user-facing front.
+Everything here reads through ``dstt.store`` only; ``dstt.run`` is the user-facing front.
 """

@@ -21,7 +21,7 @@ training on gives the original run's step *k + 1*.
 Design choice: the bytes become tensors through the engine's own conversions
 (:mod:`dstt.engine._convert`: raw bytes reinterpreted, tagged tensors inside objects), the
 same code resume uses, so this module and :mod:`dstt.inspect.optimizers` are the places in
-``dstt.inspect`` that import the engine (and torch); ``dstt._snapshot`` imports them only
+``dstt.inspect`` that import the engine (and torch); ``dstt.run.snapshot`` imports them only
 when they are used. Each optimizer is
 rebuilt from the two objects the engine writes for it (:mod:`dstt.inspect.optimizers`).
 Rejected alternative: driving the engine's providers against live objects (what resume does)

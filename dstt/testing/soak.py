@@ -18,7 +18,7 @@ Shared by ``bench/crash_soak.py`` (the long soak, figures in docs/reliability.md
   uninterrupted reference bit for bit.
 
 A SIGKILL keeps the page cache, so this proves atomicity, ordering and resume, not durability
-across a power cut (``tests/store/test_crash.py`` cuts the power at every write for that).
+across a power cut (``tests/store/commit/test_crash.py`` cuts the power at every write for that).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ training (plain PyTorch, PyTorch-native parallelism, DeepSpeed).
 * ``factory``   — ``session()`` / ``open_session()``: picks the session class for what it is given;
 * ``options``   — ``SessionOptions``: every knob, frozen and validated once;
 * ``session``   — ``Session``: construction, lifecycle, resume (plain PyTorch);
-* ``steps``     — ``StepHooks``: what the optimizer hooks do per step;
+* ``steps``     — ``StepCapture``, held by a session: what its hooks do per step;
 * ``distributed`` — ``RankedSession`` (what every multi-rank session shares) and
   ``DistributedSession``: one rank of DDP, FSDP2, tensor parallel;
 * ``deepspeed`` — ``DeepSpeedSession``: one rank of a DeepSpeed engine;

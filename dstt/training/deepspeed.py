@@ -70,5 +70,6 @@ class DeepSpeedSession(RankedSession):
 
     def _attach(self) -> list[Any]:
         assert self._ds is not None
-        return [self._ds.inner.register_step_pre_hook(lambda *_: self._before_step()),
-                EngineStepHook(self.engine, self._at_boundary, self._after_step)]
+        cap = self._capture
+        return [self._ds.inner.register_step_pre_hook(lambda *_: cap.before_step()),
+                EngineStepHook(self.engine, cap.at_boundary, cap.after_step)]

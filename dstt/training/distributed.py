@@ -17,7 +17,7 @@
 process. ``dstt.session(model, optimizer, ...)`` picks it whenever a process group is
 initialized or the model holds DTensors; ``DeepSpeedSession`` (``dstt.training.deepspeed``)
 is the DeepSpeed one. The hooks are the plain session's: a wait before each optimizer step,
-a capture after it (``StepHooks``).
+a capture after it (``StepCapture``).
 Rejected alternative: a session on rank 0 only, gathering state to it — every step would
 need a collective and rank 0 would write every byte; and a resume would restore rank 0 alone.
 """

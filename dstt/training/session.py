@@ -6,8 +6,8 @@
 The session attaches to the optimizer through its step hooks and drives the capture engine:
 stage step *k* after its optimizer step, snapshot the boundary state at the end of its
 iteration, wait for its copies and seal it before step *k+1*, and at the block's exit commit
-the last step; what each hook does is ``dstt.training.steps`` (``StepHooks``, a base class of
-``Session``). This module is construction, the public surface, the lifecycle and resume.
+the last step; what each hook does is ``dstt.training.steps`` (``StepCapture``, which a
+``Session`` holds). This module is construction, the public surface, the lifecycle and resume.
 
 Metrics: ``s.log`` files each call under the step of its iteration, whichever side of
 ``optimizer.step()`` it sits (``dstt.training.metrics``); steps that are not captured hand
@@ -31,13 +31,12 @@ import torch
 from ..engine.data_position import DataPosition, TrackedData
 from ..engine.dims import DimsOf, ModelDims
 from ..engine.optimizers import optimizers_of
-from ..engine.pipeline import SUMMARIES_OBJECT, Flight, Pipeline, StepMetrics
+from ..engine.pipeline import SUMMARIES_OBJECT, Pipeline, StepMetrics
 from ..engine.providers import RankObject, StoreSource
 from ..engine.torch_state import ONE_RANK, Stateful, TorchState, discover
 from ..errors import (
     CaptureError,
     NotARunError,
-    RaceError,
     TimelineError,
 )
 from ..store import DEFAULT_CHUNK_BYTES, GcReport, Repository
@@ -47,7 +46,7 @@ from .imported import imported_gaps
 from .metrics import MetricLog, metric_value
 from .options import DEFAULT_BUDGET, CopyMode, ErrorPolicy, RacePolicy, SessionOptions
 from .retention import RetentionRunner, store_writer
-from .steps import StepHooks
+from .steps import StepCapture
 
 __all__ = ["DEFAULT_BUDGET", "CopyMode", "ErrorPolicy", "OptimizerArg", "RacePolicy", "Session",
            "SessionOptions"]
@@ -57,7 +56,7 @@ OptimizerArg = (torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
                 | Mapping[str, torch.optim.Optimizer] | None)
 
 
-class Session(StepHooks):
+class Session:
     """A capturing session over one model/optimizer and one run; use ``dstt.session(...)``."""
 
     #: read and verify the whole step before restoring anything (a damaged step then leaves
@@ -75,7 +74,6 @@ class Session(StepHooks):
             raise TypeError(f"options must be a dstt.SessionOptions, not {options!r}")
         self.options = options
         self._retainer: RetentionRunner | None = None  # dstt.training.retention
-        self._keyframe_next = False  # keyframe(): the next captured step is written whole
         #: the optimizers by key (``{"": opt}`` for one; ``engine.torch_state.optimizers_of``)
         self.optimizers = optimizers_of(optimizer)
         self.model, self.scheduler = model, scheduler
@@ -89,17 +87,6 @@ class Session(StepHooks):
         self._writer: Any = None
         self._pipeline: Pipeline | None = None
         self._hooks: list[Any] = []
-        self._flight: Flight | None = None
-        self._boundary: Mapping[str, Any] | None = None  # boundary state of ``_flight``
-        self._step = 0
-        self._taken = 0  # optimizer steps taken in this session
-        self._in_step = False  # between the pre- and post-step hooks (tensors half-updated)
-        self._last_staged = 0  # the newest step staged (or restored)
-        #: step state of the last step ``every`` skipped, snapshotted after its optimizer
-        #: step, and whether its iteration ended: what ``close`` commits it with
-        self._tail: Mapping[str, Any] | None = None
-        self._tail_ended = False
-        self._sched_offset: int | None = None  # scheduler.last_epoch - step, at start
         self._log = MetricLog(0)
         self._position = DataPosition()
         self._tracked: TrackedData | None = None
@@ -108,12 +95,18 @@ class Session(StepHooks):
         self._skips = SkipSet()  # what this timeline drops (run.rollback(skip_samples=...))
         self._loader_state: Any = None  # a stateful loader's saved state, with its batch count
         self._started = self._closed = False
+        #: what the hooks do per step, and the step counters (``dstt.training.steps``); with
+        #: several ranks only rank 0's batch fingerprints go with the commits
+        self._capture = StepCapture(
+            self._state, options, scheduler=scheduler, batches=self._batches,
+            writes_batches=getattr(getattr(self, "info", None), "rank", 0) == 0,
+            tail_on_error=self._tail_on_error)
 
     # -- public ---------------------------------------------------------------------------
     @property
     def step(self) -> int:
         """Optimizer steps already taken (the restored step after a resume; 0 for a new run)."""
-        return self._step
+        return self._capture.step
 
     @property
     def epoch(self) -> int:
@@ -150,8 +143,9 @@ class Session(StepHooks):
             loader.load_state_dict(state)  # type: ignore[attr-defined]
             skip -= consumed  # only the rollback's skip_data is still drawn and dropped
         self._loader_state = None
+        cap = self._capture
         self._tracked = RecordedData(loader, self._current_position(), skip=skip,
-                                     on_next=self._at_boundary, step=lambda: self._step,
+                                     on_next=cap.at_boundary, step=lambda: cap.step,
                                      log=self._batches, skips=self._skips)
         self._skip = 0
         return self._tracked
@@ -170,7 +164,7 @@ class Session(StepHooks):
         if not self._keeps_metrics():
             return
         if step is None:
-            step = self._log.target(self._step, self._taken)
+            step = self._log.target(self._capture.step, self._capture.taken)
         elif not isinstance(step, int) or isinstance(step, bool) or step < 1:
             raise TypeError(f"s.log(step=...) takes a positive int, not {step!r}")
         self._log.add(step, clean)
@@ -180,18 +174,23 @@ class Session(StepHooks):
 
         Only needed without an optimizer: call it before changing captured tensors yourself.
         """
-        self._before_step()
+        self._capture.before_step()
 
     def keyframe(self) -> None:
         """Write the next captured step whole, whatever ``encoding`` says: every chunk a plain
         Zarr chunk (readable without dstt; a cheap starting point for reads), and the next
         steps' deltas chain from it. Use it at milestones (an eval, a learning-rate change)."""
-        self._keyframe_next = True
+        self._capture.keyframe_next = True
 
     def mark_step(self) -> None:
         """Count one step and capture it (for loops without an optimizer to hook)."""
-        self._before_step()
-        self._after_step()
+        self._capture.before_step()
+        self._capture.after_step()
+
+    def _at_boundary(self) -> None:
+        """End of an iteration (the loop asks for the next batch; the framework callbacks of
+        ``dstt.integrations`` call it after the optimizer and scheduler stepped)."""
+        self._capture.at_boundary()
 
     # -- seams (DeepSpeedSession overrides these) ----------------------------------------
     def _keeps_metrics(self) -> bool:
@@ -250,20 +249,21 @@ class Session(StepHooks):
         captures it): one iteration of ``a.step(); b.step()`` is one step, and no optimizer
         updates a tensor while its copy is in flight."""
         opts = list(self.optimizers.values())
+        cap = self._capture
         if len(opts) <= 1:
             return [h for o in opts for h in (
-                o.register_step_pre_hook(lambda *_: self._before_step()),
-                o.register_step_post_hook(lambda *_: self._after_step()))]
+                o.register_step_pre_hook(lambda *_: cap.before_step()),
+                o.register_step_post_hook(lambda *_: cap.after_step()))]
         stepped: set[int] = set()
 
         def post(opt: torch.optim.Optimizer, *_: Any) -> None:
             stepped.add(id(opt))
             if len(stepped) == len(opts):
                 stepped.clear()
-                self._after_step()
+                cap.after_step()
 
         return [h for o in opts for h in (
-            o.register_step_pre_hook(lambda *_: self._before_step()),
+            o.register_step_pre_hook(lambda *_: cap.before_step()),
             o.register_step_post_hook(post))]
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -289,16 +289,14 @@ class Session(StepHooks):
                                       max_backlog=o.max_backlog, summaries=o.summaries,
                                       summaries_object=self.summaries_object,
                                       copy=o.copy, dims=self._dims_of())
-            self._last_staged = self._step
-            epoch = getattr(self.scheduler, "last_epoch", None)
-            self._sched_offset = epoch - self._step if isinstance(epoch, int) else None
-            self._log = MetricLog(self._step)
+            self._log = MetricLog(self._capture.step)
             if head is not None:  # the first step's update is measured from the parent's
                 self._pipeline.seed_summaries(self._state.step_state.tensors())
             self._hooks = self._attach()
             gc_writer = store_writer(self._writer)
             if o.retention is not None and o.retention.prunes and gc_writer is not None:
                 self._retainer = RetentionRunner(gc_writer, o.retention)
+            self._capture.start(self._pipeline, self._log, self._retainer)
         except BaseException:
             self._writer.close()
             raise
@@ -313,28 +311,10 @@ class Session(StepHooks):
         pending_error: BaseException | None = None
         aborted = False
         if clean:  # metrics logged after the last step (an eval) join the last step's
-            self._log.fold_future(self._step)
+            self._log.fold_future(self._capture.step)
         try:
             if pipe is not None:
-                f, self._flight = self._flight, None
-                if f is not None:
-                    if clean or self._boundary is not None or (
-                            exc is not None and self._tail_on_error
-                            and self._finished_on_error(exc, False)):
-                        if self._boundary is None:  # its step finished; the iteration not
-                            self._boundary = self._state.boundary_state.objects()
-                        try:
-                            self._settle(f)
-                        except RaceError as e:
-                            pending_error = e if clean else None
-                    else:
-                        pipe.wait_copied(f)
-                        pipe.abort(f)
-                if self._tail_due(exc):
-                    try:
-                        self._commit_tail()
-                    except RaceError as e:
-                        pending_error = pending_error or (e if clean else None)
+                pending_error = self._capture.finish(exc)
                 for g in pipe.pending():  # safety net: nothing may wait for a seal forever
                     if not g.sealed:
                         pipe.abort(g)
@@ -390,7 +370,7 @@ class Session(StepHooks):
         with imported_gaps(source, self._state.step_state, optimizer=bool(self.optimizers),
                            scheduler=self.scheduler is not None):
             self._restore_state(source, reader, head)
-        self._step = head.step
+        self._capture.step = head.step
         ref = reader.ref()
         self._skips = read_skips(reader.storage, reader.timelines, ref.name)
         if ref.skip_data and head.slot == ref.base_slot:  # fresh rollback: skip bad batches

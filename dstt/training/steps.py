@@ -17,12 +17,16 @@
   whole, and a dstt error of the engine commits nothing more. Already-sealed steps finish
   committing. What is visible is always a complete, consistent step.
 
-``StepHooks`` is a base class of ``Session`` (``dstt.training.session``), which imports this
-module and never the other way; the attributes it uses are declared here and set by
-``Session.__init__``, and ``DeepSpeedSession`` installs the same methods on its engine. So the
-session module stays about construction, the public surface and the lifecycle. Rejected
-alternative: module-level functions taking the session — every call site and the DeepSpeed
-session's hooks would change, for no gain over methods.
+``StepCapture`` is an object a ``Session`` (``dstt.training.session``) holds, which imports
+this module and never the other way: it owns the per-step state (the step counters, the step
+in flight and its boundary state, the last skipped step) and is given, at construction and at
+``start``, what it drives — the torch state, the options, the pipeline, the metric and batch
+logs, the background retention. The session's hooks call its ``before_step``,
+``after_step`` and ``at_boundary`` (``DeepSpeedSession`` installs the same on its engine), and
+``close`` its ``finish``. So the session module stays about construction, the public surface
+and the lifecycle. Rejected alternatives: a base class of ``Session`` (what it was: one class
+split over two files, its attributes declared by hand in the base); module-level functions
+taking the session — the state would still live on the session.
 """
 
 from __future__ import annotations
@@ -42,71 +46,85 @@ if TYPE_CHECKING:
     from .options import SessionOptions
     from .retention import RetentionRunner
 
-__all__ = ["StepHooks"]
+__all__ = ["StepCapture"]
 
 
-class StepHooks:
+class StepCapture:
     """The hooks' side of a ``Session``: stage, settle (race check, seal), the tail commit."""
 
-    _tail_on_error: bool
-    options: SessionOptions
-    scheduler: Any
-    _sched_offset: int | None
-    _state: TorchState
-    _pipeline: Pipeline | None
-    _flight: Flight | None
-    _boundary: Mapping[str, Any] | None
-    _step: int
-    _taken: int
-    _in_step: bool
-    _last_staged: int
-    _tail: Mapping[str, Any] | None
-    _tail_ended: bool
-    _keyframe_next: bool
-    _log: MetricLog
-    _batches: BatchLog
-    _retainer: RetentionRunner | None
+    def __init__(self, state: TorchState, options: SessionOptions, *, scheduler: Any,
+                 batches: BatchLog, writes_batches: bool, tail_on_error: bool) -> None:
+        self.state, self.options, self.scheduler = state, options, scheduler
+        self.batches = batches  # per-step batch fingerprints (dstt.training.data)
+        #: whether this process's batch fingerprints go with its commits (rank 0's only)
+        self.writes_batches = writes_batches
+        #: on an exception, commit the last step ``every`` skipped (not with several ranks:
+        #: the other ranks may not be there to write their parts)
+        self.tail_on_error = tail_on_error
+        self.pipeline: Pipeline | None = None  # from ``start``
+        self.log = MetricLog(0)
+        self.retainer: RetentionRunner | None = None
+        self.keyframe_next = False  # keyframe(): the next captured step is written whole
+        self.flight: Flight | None = None
+        self.boundary: Mapping[str, Any] | None = None  # boundary state of ``flight``
+        self.step = 0  # optimizer steps taken (the restored step after a resume)
+        self.taken = 0  # optimizer steps taken in this session
+        self.in_step = False  # between the pre- and post-step hooks (tensors half-updated)
+        self.last_staged = 0  # the newest step staged (or restored)
+        #: step state of the last step ``every`` skipped, snapshotted after its optimizer
+        #: step, and whether its iteration ended: what ``finish`` commits it with
+        self.tail: Mapping[str, Any] | None = None
+        self.tail_ended = False
+        self.sched_offset: int | None = None  # scheduler.last_epoch - step, at start
 
-    def _before_step(self) -> None:
+    def start(self, pipeline: Pipeline, log: MetricLog,
+              retainer: RetentionRunner | None) -> None:
+        """The session started (and restored ``step``): capture into ``pipeline`` from here."""
+        self.pipeline, self.log, self.retainer = pipeline, log, retainer
+        self.last_staged = self.step
+        epoch = getattr(self.scheduler, "last_epoch", None)
+        self.sched_offset = epoch - self.step if isinstance(epoch, int) else None
+
+    def before_step(self) -> None:
         """Pre-step: finish the previous step's copies, check it, seal it; surface errors."""
-        if self._flight is not None:
-            self._settle(self._flight)  # clears ``_flight`` once sealed or dropped
+        if self.flight is not None:
+            self._settle(self.flight)  # clears ``flight`` once sealed or dropped
         self._surface_errors()
-        self._in_step = True
+        self.in_step = True
 
-    def _after_step(self) -> None:
+    def after_step(self) -> None:
         """Post-step: one more optimizer step was taken; capture it if due (else remember
         its step state: ``close`` commits the last step whatever ``every`` says)."""
-        self._in_step = False
-        self._step += 1
-        self._taken += 1
-        if self._step % self.options.every:
-            self._tail = self._state.step_state.objects()
-            self._tail_ended = False
+        self.in_step = False
+        self.step += 1
+        self.taken += 1
+        if self.step % self.options.every:
+            self.tail = self.state.step_state.objects()
+            self.tail_ended = False
             return
-        self._tail = None
-        assert self._pipeline is not None
-        if self._flight is not None:  # a step without the pre-hook (several optimizers?)
-            self._settle(self._flight)
-        tensors, objects = self._state.step_state.capture()
-        self._boundary = None
+        self.tail = None
+        assert self.pipeline is not None
+        if self.flight is not None:  # a step without the pre-hook (several optimizers?)
+            self._settle(self.flight)
+        tensors, objects = self.state.step_state.capture()
+        self.boundary = None
         # built only for a step the pipeline encodes (~3 µs per tensor: raw steps skip it)
-        predictions = (self._state.step_state.predictions
+        predictions = (self.state.step_state.predictions
                        if self.options.encoding is not None and self.options.encoding.predict
                        else None)
-        self._flight = self._pipeline.stage(self._step, tensors, objects, predictions,
-                                            keyframe=self._keyframe_next)
-        self._last_staged = self._step
-        self._keyframe_next = False
+        self.flight = self.pipeline.stage(self.step, tensors, objects, predictions,
+                                          keyframe=self.keyframe_next)
+        self.last_staged = self.step
+        self.keyframe_next = False
 
     def _tail_due(self, exc: BaseException | None) -> bool:
         """Does ``close`` commit the last step ``every`` skipped? Always on a clean exit; on
         an exception only for a finished step (``_finished_on_error``)."""
-        if self._tail is None or self._step <= self._last_staged:
+        if self.tail is None or self.step <= self.last_staged:
             return False
         if exc is None:
             return True
-        return self._tail_on_error and self._finished_on_error(exc, self._tail_ended)
+        return self.tail_on_error and self._finished_on_error(exc, self.tail_ended)
 
     def _finished_on_error(self, exc: BaseException, ended: bool) -> bool:
         """On an exception: was the last step finished, so that ``close`` commits it? Not for
@@ -116,37 +134,68 @@ class StepHooks:
         state is then snapshotted at ``close``: what raised came after the step's update,
         e.g. in logging, evaluation or the next forward). A step whose scheduler had not
         stepped yet is dropped: its resume would repeat the scheduler step."""
-        if isinstance(exc, DsttError) or self._in_step:
+        if isinstance(exc, DsttError) or self.in_step:
             return False
         return ended or self._scheduler_in_step()
 
     def _scheduler_in_step(self) -> bool:
         """Whether the scheduler (if any) has stepped once per optimizer step taken."""
         epoch = getattr(self.scheduler, "last_epoch", None)
-        if self.scheduler is None or not isinstance(epoch, int) or self._sched_offset is None:
+        if self.scheduler is None or not isinstance(epoch, int) or self.sched_offset is None:
             return True
-        return epoch - self._step == self._sched_offset
+        return epoch - self.step == self.sched_offset
 
     def _commit_tail(self) -> None:
         """Stage the last step now (its tensors are as the optimizer left them), with the
         step state snapshotted after its optimizer step, and seal it."""
-        assert self._pipeline is not None and self._tail is not None
-        objects, self._tail = self._tail, None
+        assert self.pipeline is not None and self.tail is not None
+        objects, self.tail = self.tail, None
         # built only for a step the pipeline encodes (~3 µs per tensor: raw steps skip it)
-        predictions = (self._state.step_state.predictions
+        predictions = (self.state.step_state.predictions
                        if self.options.encoding is not None and self.options.encoding.predict
                        else None)
-        f = self._pipeline.stage(self._step, self._state.step_state.tensors(), objects,
-                                 predictions, keyframe=self._keyframe_next)
-        self._last_staged = self._step
-        self._flight, self._boundary = f, None
+        f = self.pipeline.stage(self.step, self.state.step_state.tensors(), objects,
+                                predictions, keyframe=self.keyframe_next)
+        self.last_staged = self.step
+        self.flight, self.boundary = f, None
         try:
-            self._settle(f)
+            self._settle(f, stacklevel=5)  # finish <- close
         finally:
-            self._flight = None
+            self.flight = None
 
-    def _settle(self, f: Flight) -> None:
-        pipe = self._pipeline
+    def finish(self, exc: BaseException | None) -> RaceError | None:
+        """At ``close``: seal the step in flight — or, after an exception that left it
+        unfinished, drop it — and commit the last step ``every`` skipped if due. Returns the
+        ``RaceError`` a clean close raises once the engine is closed (None: none)."""
+        clean = exc is None
+        pending_error: RaceError | None = None
+        f, self.flight = self.flight, None
+        if f is not None:
+            pipe = self.pipeline
+            assert pipe is not None
+            if clean or self.boundary is not None or (
+                    exc is not None and self.tail_on_error
+                    and self._finished_on_error(exc, False)):
+                if self.boundary is None:  # its step finished; the iteration not
+                    self.boundary = self.state.boundary_state.objects()
+                try:
+                    self._settle(f, stacklevel=5)  # <- close
+                except RaceError as e:
+                    pending_error = e if clean else None
+            else:
+                pipe.wait_copied(f)
+                pipe.abort(f)
+        if self._tail_due(exc):
+            try:
+                self._commit_tail()
+            except RaceError as e:
+                pending_error = pending_error or (e if clean else None)
+        return pending_error
+
+    def _settle(self, f: Flight, *, stacklevel: int = 4) -> None:
+        """Wait for ``f``'s copies, check them (``race_policy``) and seal it; a race warning
+        names the frame ``stacklevel`` up (from a hook: the optimizer's step)."""
+        pipe = self.pipeline
         assert pipe is not None
         pipe.wait_copied(f)
         races = pipe.check(f) if not f.dead else []
@@ -160,43 +209,43 @@ class StepHooks:
                 err = RaceError(msg + "step not checkpointed. Use race_policy='recopy' to copy "
                                 "them again at the next step, or 'warn' to accept the copy.")
                 pipe.abort(f, err)
-                self._flight = self._boundary = None
+                self.flight = self.boundary = None
                 raise err
             if self.options.race_policy == "recopy":
                 pipe.recopy(f, [r.path for r in races])
             else:
                 warnings.warn(msg + "the checkpoint may mix old and new values.",
-                              RuntimeWarning, stacklevel=4)
-        boundary = dict(self._boundary if self._boundary is not None
-                        else self._state.boundary_state.objects())
-        own, history = self._log.take(f.step)
+                              RuntimeWarning, stacklevel=stacklevel)
+        boundary = dict(self.boundary if self.boundary is not None
+                        else self.state.boundary_state.objects())
+        own, history = self.log.take(f.step)
         if own:
             f.add_metrics(own)
         if history is not None:
             boundary[METRICS_HISTORY_OBJECT] = history
-        batches = self._batches.take(f.step)
-        if batches is not None and getattr(getattr(self, "info", None), "rank", 0) == 0:
-            boundary[BATCHES_OBJECT] = batches  # under DeepSpeed: rank 0's batches, once
-        if self._retainer is not None:  # what background gcs pruned since the last commit
-            done = self._retainer.take_metrics()
+        batches = self.batches.take(f.step)
+        if batches is not None and self.writes_batches:
+            boundary[BATCHES_OBJECT] = batches  # with several ranks: rank 0's batches, once
+        if self.retainer is not None:  # what background gcs pruned since the last commit
+            done = self.retainer.take_metrics()
             if done:
                 f.add_metrics(done)
         pipe.seal(f, boundary)
-        if self._retainer is not None:
-            self._retainer.sealed()
-        if self._flight is f:
-            self._flight = self._boundary = None
+        if self.retainer is not None:
+            self.retainer.sealed()
+        if self.flight is f:
+            self.flight = self.boundary = None
 
-    def _at_boundary(self) -> None:
+    def at_boundary(self) -> None:
         """End of an iteration (the loop asks for the next batch): snapshot boundary state."""
-        if self._flight is not None and self._boundary is None:
-            self._boundary = self._state.boundary_state.objects()
-        if self._tail is not None:
-            self._tail_ended = True
+        if self.flight is not None and self.boundary is None:
+            self.boundary = self.state.boundary_state.objects()
+        if self.tail is not None:
+            self.tail_ended = True
 
     def _surface_errors(self) -> None:
-        assert self._pipeline is not None
-        failed = self._pipeline.take_errors()
+        assert self.pipeline is not None
+        failed = self.pipeline.take_errors()
         if not failed:
             return
         if self.options.error_policy == "raise":

@@ -184,7 +184,7 @@ def compare(run: Any, step_a: int | None = None, step_b: int | None = None, *,
     the weights of step *k - 1*, so that is *(k - 2) -> (k - 1)*).
     """
     if not hasattr(run, "steps"):
-        from .._run import open_run
+        from ..run import open_run
 
         run = open_run(run)
     if spike is not None:

@@ -217,7 +217,7 @@ def scrubber(run: Any, *, timeline: str | None = None, step: int | None = None,
     (:class:`~dstt.widgets.replay_panel.ReplayPanel`).
     """
     if not hasattr(run, "steps"):
-        from .._run import open_run
+        from ..run import open_run
 
         run = open_run(run)
     model = ScrubberModel(run, timeline=timeline, step=step, tensor=tensor, metric=metric,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dstt
-from dstt._run import open_run
+from dstt.run import open_run
 from dstt.store import Repository
 from dstt.store.format.layout import step_file_key
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from inspect_helpers import CountingStorage, new_repo, small_model, write_steps
 
-from dstt._run import open_run
+from dstt.run import open_run
 from dstt.store import LocalStorage, Repository
 
 N_LAYERS = 250  # x 4 tensors = 1000 tensors per step

@@ -10,8 +10,8 @@ import pytest
 import torch
 from inspect_helpers import new_repo, small_model, write_steps
 
-from dstt._run import open_run
 from dstt.errors import CurrentTimelineError, NotARunError, StepNotFoundError, TimelineError
+from dstt.run import open_run
 
 
 def test_steps_timelines_and_head(small_run: Path) -> None:

@@ -12,9 +12,9 @@ import pytest
 import torch
 from inspect_helpers import new_repo, write_steps
 
-from dstt._run import open_run
 from dstt.engine.summaries import SummaryAccumulator, probe_indices, tensor_summary
 from dstt.inspect.summaries import find_spikes
+from dstt.run import open_run
 
 
 def test_exact_statistics_match_numpy() -> None:

@@ -10,8 +10,8 @@ import torch
 from inspect_helpers import new_repo, small_model, write_steps
 
 import dstt
-from dstt._run import open_run
 from dstt.inspect.summaries import metrics_dataset
+from dstt.run import open_run
 
 
 class Tiny(torch.nn.Module):

@@ -25,7 +25,7 @@ from dstt.store import Repository
 from dstt.store.format.layout import HEAD_KEY, commit_key, ref_key
 from dstt.store.storage.memory import MemoryStorage
 
-from .test_crash import CutAt, PowerCut, torn_crash
+from .commit.test_crash import CutAt, PowerCut, torn_crash
 
 
 @dataclass(frozen=True)

@@ -1,27 +1,7 @@
-"""``dstt``: the command line over a run (``ls log show diff verify index rollback timeline
-gc export replay import``).
-
-Thin by design: argparse, one call into :mod:`dstt._run` (or the store behind it), printing.
-This module is the parser and ``main`` (exit codes); the commands are ``dstt._cli_inspect``
-(those that look at a run), ``dstt._cli_changes`` (those that change it) and
-``dstt._cli_replay`` (re-executing a step from the user's script).
-The run is the optional first positional ``RUN`` of a command or ``--run PATH``, else
-``$DSTT_RUN``, else the current directory; whichever is given may be any folder inside the run,
-which is found the way git finds a repository: the nearest of the folder and its parents that
-is a run (holds ``zarr.json`` with dstt attributes and ``_dstt/``). So ``dstt rollback --to
-1180`` works from anywhere inside the run. ``--json`` prints one JSON document on stdout for
-scripts; progress bars (tqdm) go to stderr on a terminal only.
-
-Exit codes: 0 ok · 1 ``verify`` found problems · 2 usage or bad input (no run there, unknown
-step, timeline, tensor or metric, bad flag) · 3 the run could not be read or written (locked by
-a writer, damaged, I/O error), or any other ``DsttError`` · 4 internal error (a bug; the
-traceback is printed) · 141 stdout was closed early (``dstt log | head``): the rest is dropped
-quietly, as a tool killed by SIGPIPE would exit (128 + 13). User mistakes are ``DsttError``s,
-so "internal error" means a bug. Errors are one line on stderr, ``dstt: <what is wrong and what
-to do>``, without a traceback.
-
-Rejected alternatives: click/typer — a dependency for eight subcommands that argparse covers;
-exit 0 on a closed pipe — a script could not tell a truncated listing from a complete one.
+"""The parser of every ``dstt`` command and ``main``: the flags and help texts, and which
+exception becomes which exit code (the codes and how the run is found: the package
+docstring). The commands themselves are in ``inspect``, ``changes``, ``replay`` and
+``imports``: a command is read there, its flags here.
 """
 
 from __future__ import annotations
@@ -33,7 +13,10 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._cli_changes import (
+from ..errors import (
+    DsttError,
+)
+from .changes import (
     cmd_gc,
     cmd_rollback,
     cmd_timeline_delete,
@@ -41,18 +24,16 @@ from ._cli_changes import (
     cmd_timeline_rename,
     cmd_timeline_switch,
 )
-from ._cli_common import (
+from .common import (
     BAD_INPUT,
     EXIT_BAD_INPUT,
     EXIT_INTERNAL,
-    EXIT_OK,
     EXIT_PIPE,
-    EXIT_PROBLEMS,
     EXIT_RUN,
     _Parser,
 )
-from ._cli_import import add_import
-from ._cli_inspect import (
+from .imports import add_import
+from .inspect import (
     cmd_diff,
     cmd_export,
     cmd_index,
@@ -61,13 +42,9 @@ from ._cli_inspect import (
     cmd_show,
     cmd_verify,
 )
-from ._cli_replay import cmd_replay
-from .errors import (
-    DsttError,
-)
+from .replay import cmd_replay
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERNAL", "EXIT_OK", "EXIT_PIPE", "EXIT_PROBLEMS", "EXIT_RUN",
-           "main"]
+__all__ = ["build_parser", "main"]
 
 
 # -- parser ---------------------------------------------------------------------------------
@@ -291,6 +268,3 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_INTERNAL
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

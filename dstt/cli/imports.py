@@ -14,7 +14,7 @@ import argparse
 import os
 from collections.abc import Iterator
 
-from ._cli_common import EXIT_OK, EXIT_PROBLEMS, UsageError, _bar, _emit, _run_root
+from .common import EXIT_OK, EXIT_PROBLEMS, UsageError, _bar, _emit, _run_root
 
 __all__ = ["add_import", "cmd_import"]
 
@@ -42,7 +42,7 @@ def add_import(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
 def _run_path(args: argparse.Namespace) -> str:
     """``--run``/``$DSTT_RUN`` — a new run when nothing is there yet — else found as every
     command finds its run (a folder inside it, the current directory)."""
-    from ._run import find_run_root
+    from ..run import find_run_root
 
     path = getattr(args, "run", None) or os.environ.get("DSTT_RUN")
     if path and (not os.path.exists(path)
@@ -52,9 +52,9 @@ def _run_path(args: argparse.Namespace) -> str:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from .errors import SourceError
-    from .integrations.imports import find_sources, import_checkpoints
-    from .store import DeltaPolicy
+    from ..errors import SourceError
+    from ..integrations.imports import find_sources, import_checkpoints
+    from ..store import DeltaPolicy
 
     run = _run_path(args)
     try:

@@ -1,4 +1,5 @@
-"""Multi-writer commits (parts) and logical arrays (shard maps), without torch.
+"""Multi-writer commits (parts), without torch (``commit/parts.py``; the logical arrays they
+describe: ``read/test_shards.py``).
 
 Ranks are simulated by writers in one process over one run directory: the exclusive writer is
 rank 0, part writers (``exclusive=False``) are the other ranks. That is what the engine does
@@ -16,14 +17,13 @@ import pytest
 import zarr
 from zarr.storage import ZipStore
 
-from dstt.errors import CorruptRunError, DsttError, RankError
+from dstt.errors import DsttError, RankError
 from dstt.store import CommitHeader, DeltaPolicy, Repository
 from dstt.store.commit.parts import abort_vote, collect_parts
 from dstt.store.format.layout import PARTS_PREFIX, STEPS_PREFIX, side_file_key, step_file_key
 from dstt.store.format.parts import part_slots
-from dstt.store.read.shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
 
-from ._util import put_array, same_bits
+from .._util import put_array, same_bits
 
 
 def _two_rank_commit(repo: Repository, step: int, *, slot: int | None = None,
@@ -210,66 +210,6 @@ def test_parts_folder_is_not_a_zarr_node_problem(tmp_path: Path) -> None:
     repo = Repository.create(tmp_path / "run")
     _two_rank_commit(repo, 1)
     assert not (tmp_path / "run" / PARTS_PREFIX / "000000000000").exists()
-
-
-# -- logical arrays -----------------------------------------------------------------------
-
-def _sharded_commit(repo: Repository, pieces: dict[str, list[Piece]],
-                    shape: tuple[int, ...] = (4, 5)) -> object:
-    """Two ranks each hold a flat buffer; logical ``params/w`` spans both."""
-    flat0 = np.arange(12, dtype=np.float32)
-    flat1 = np.arange(12, 24, dtype=np.float32)
-    with repo.writer(chunk_bytes=16) as w:
-        t = w.begin(1)
-        put_array(t, "zero/r0/fp32", flat0)
-        put_array(t, "zero/r1/fp32", flat1)
-        for name, ps in pieces.items():
-            t.put_object(name, shard_map([LogicalArray("params/w", "float32", shape,
-                                                       tuple(ps))]))
-        return t.commit()
-
-
-def test_logical_array_reads_across_ranks(tmp_path: Path) -> None:
-    repo = Repository.create(tmp_path / "run")
-    # logical w (20 elements) = r0[2:12] ++ r1[0:10]
-    h = _sharded_commit(repo, {"shards/r0": [Piece("zero/r0/fp32", 2, 0, 10)],
-                               "shards/r1": [Piece("zero/r1/fp32", 0, 10, 10)]})
-    r = repo.reader()
-    la = logical_arrays(r, h)
-    assert list(la) == ["params/w"]
-    want = np.concatenate([np.arange(2, 12), np.arange(12, 22)]).astype(np.float32)
-    assert same_bits(read_logical(r, h, la["params/w"]), want)
-    assert same_bits(read_logical(r, h, la["params/w"], 7, 13), want[7:13])
-    assert read_logical(r, h, la["params/w"], 5, 5).size == 0
-
-
-@pytest.mark.parametrize(("pieces", "match"), [
-    ({"shards/r0": [Piece("zero/r0/fp32", 0, 0, 10)]}, "cover 10 of its 20"),
-    ({"shards/r0": [Piece("zero/r0/fp32", 0, 0, 12), Piece("zero/r1/fp32", 0, 10, 10)]},
-     "gap or overlap"),
-    ({"shards/r0": [Piece("zero/r9/fp32", 0, 0, 20)]}, "does not hold"),
-    ({"shards/r0": [Piece("zero/r0/fp32", 5, 0, 10), Piece("zero/r1/fp32", 0, 10, 10)]},
-     "out of its source"),
-])
-def test_bad_shard_maps_are_corrupt(tmp_path: Path, pieces: dict, match: str) -> None:
-    repo = Repository.create(tmp_path / "run")
-    h = _sharded_commit(repo, pieces)
-    with pytest.raises(CorruptRunError, match=match):
-        logical_arrays(repo.reader(), h)
-
-
-def test_shard_maps_must_agree_on_shape(tmp_path: Path) -> None:
-    repo = Repository.create(tmp_path / "run")
-    with repo.writer(chunk_bytes=16) as w:
-        t = w.begin(1)
-        put_array(t, "zero/r0/fp32", np.zeros(4, np.float32))
-        t.put_object("shards/r0", shard_map([LogicalArray("params/w", "float32", (2, 2),
-                                                          (Piece("zero/r0/fp32", 0, 0, 2),))]))
-        t.put_object("shards/r1", shard_map([LogicalArray("params/w", "float32", (4,),
-                                                          (Piece("zero/r0/fp32", 2, 2, 2),))]))
-        h = t.commit()
-    with pytest.raises(CorruptRunError, match="in another shard map"):
-        logical_arrays(repo.reader(), h)
 
 
 def test_deferred_objects_of_both_ranks_are_in_the_merged_commit(tmp_path: Path) -> None:

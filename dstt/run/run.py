@@ -1,5 +1,6 @@
 """``Run``: the read-only view over a committed run, plus rollback and gc; ``run.at(step)``
-gives a ``Snapshot`` of one step (:mod:`dstt._snapshot`).
+gives a ``Snapshot`` of one step (``snapshot.py``), and its diagnosis methods delegate to
+the ``RunDiagnostics`` it holds (``diagnose.py``).
 
 ``dstt.open(path)`` returns a :class:`Run`. A run is a set of timelines; the *current* one
 (what training resumes) is the default everywhere. Views are lazy xarray objects built by
@@ -22,21 +23,22 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._lru import LRU
-from ._run_diagnose import DiagnoseMixin
-from .errors import CorruptRunError, MetricNotFoundError, NotARunError, StepNotFoundError
-from .inspect.catalog import Catalog
-from .inspect.html import run_html, run_summary
-from .inspect.readers import ReaderPool
-from .store import Repository, Storage, fold_rows, is_url, write_skips
+from .._lru import LRU
+from ..errors import CorruptRunError, NotARunError, StepNotFoundError
+from ..inspect.catalog import Catalog
+from ..inspect.html import run_html, run_summary
+from ..inspect.readers import ReaderPool
+from ..store import Batch, Repository, SkipSet, Storage, fold_rows, is_url, write_skips
+from .diagnose import Diagnosis, RunDiagnostics
 
 if TYPE_CHECKING:
     import xarray as xr
 
-    from ._snapshot import Snapshot
-    from .inspect.summaries import Spike
+    from ..inspect.diagnose import Divergence, NonFinite
+    from ..inspect.summaries import Spike
+    from .snapshot import Snapshot
 
-__all__ = ["Run", "open_run"]
+__all__ = ["Run", "find_run_root", "open_run"]
 
 Steps = slice | int | Iterable[int] | None
 
@@ -82,7 +84,7 @@ def find_run_root(path: str | os.PathLike[str]) -> str | None:
         d = parent
 
 
-class Run(DiagnoseMixin):
+class Run:
     """A committed run: its timelines, steps, metrics, summaries and snapshots."""
 
     def __init__(self, repo: Repository) -> None:
@@ -93,6 +95,8 @@ class Run(DiagnoseMixin):
         self._lines: dict[str, list[Any]] = {}
         self._all: dict[str, list[Any]] = {}  # pruned commits included
         self._catalogs: LRU[int, Catalog] = LRU(16)
+        #: spikes, data attribution, non-finite values, divergence (``diagnose.py``)
+        self._diagnostics = RunDiagnostics(self)
 
     # -- timelines and steps ----------------------------------------------------------------
     def refresh(self) -> Run:
@@ -192,7 +196,7 @@ class Run(DiagnoseMixin):
         """The snapshot of ``step`` (default: the head) on ``timeline`` (default: current).
         A step that is not on that timeline raises ``StepNotFoundError`` naming the timelines
         that have it."""
-        from ._snapshot import Snapshot
+        from .snapshot import Snapshot
 
         return Snapshot(self, self._header(step, timeline), timeline or self.timeline)
 
@@ -214,7 +218,7 @@ class Run(DiagnoseMixin):
         (``exp_avg``). ``steps`` as in :meth:`select_steps`. Nothing is read until values are;
         then only that tensor's chunks of the selected steps (``.isel``/``.sel`` first!).
         """
-        from .inspect.views import trajectory_dataarray
+        from ..inspect.views import trajectory_dataarray
 
         headers = self.select_steps(steps, timeline)
         if not headers:
@@ -229,7 +233,7 @@ class Run(DiagnoseMixin):
         """Logged metrics (``s.log(...)``) per step as a Dataset over ``step``: every
         committed step's, and those of the steps ``every=K`` did not checkpoint (``slot`` -1;
         the next commit carries them)."""
-        from .inspect.indexed import metrics_from_rows
+        from ..inspect.indexed import metrics_from_rows
 
         return metrics_from_rows(self._reader.scalar_rows(self._lineage(timeline or self.timeline),
                                                           summaries=False))
@@ -242,7 +246,7 @@ class Run(DiagnoseMixin):
         ``chunks`` (e.g. ``{"step": 1000}``): dask-backed variables, to combine with
         ``trajectory(chunks=)`` on a cluster; the statistics themselves are read from the
         run's index here, in one pass (a few bytes per tensor per step)."""
-        from .inspect.indexed import summaries_from_rows
+        from ..inspect.indexed import summaries_from_rows
 
         name = timeline or self.timeline
         if steps is None or isinstance(steps, slice):  # pruned steps' summaries stay too
@@ -278,23 +282,8 @@ class Run(DiagnoseMixin):
         Open the bad update in
         a widget with ``dstt.widgets.scrubber(run, spike=sp)`` or ``compare(run, spike=sp)``.
         """
-        from .inspect.summaries import find_spikes, spike_cause
-
-        name = timeline or self.timeline
-        ds = self.metrics(name)
-        if metric not in ds:
-            logged = sorted(map(str, ds.data_vars))
-            raise MetricNotFoundError(f"metric {metric!r} was never logged on timeline "
-                                      f"{name!r}; logged: {logged}")
-        found = find_spikes(ds["step"].values, ds[metric].values.astype(np.float64),
-                            window=window, z=z)
-        if not found:
-            return []
-        line = self.commits(name)
-        steps = [h.step for h in line]
-        causes = [spike_cause(steps, start) for *_, start in found]
-        return self._explain(found, causes, around=around, top=top, z=z, baseline=baseline,
-                             name=name)
+        return self._diagnostics.spikes(metric, window=window, z=z, around=around, top=top,
+                                        baseline=baseline, timeline=timeline)
 
     def replay(self, step: int | Spike, model: Any, optimizer: Any, *, scheduler: Any = None,
                loss_fn: Any = None, batches: Any = None, dataset: Any = None,
@@ -314,8 +303,8 @@ class Run(DiagnoseMixin):
         ``rollback(..., skip_samples=...)``) and the ``activations`` of the named modules.
         Nothing is written to the run; the live objects end at the replayed step. See
         docs/replay.md."""
-        from .inspect.replay import replay_step
-        from .inspect.summaries import Spike
+        from ..inspect.replay import replay_step
+        from ..inspect.summaries import Spike
 
         k = (step.start if step.start is not None else step.step) if isinstance(
             step, Spike) else int(step)
@@ -326,7 +315,7 @@ class Run(DiagnoseMixin):
 
     def _read_summaries(self, h: Any) -> dict[str, Any]:
         """The summaries of one commit; multi-rank runs add one object per other rank."""
-        from .inspect.summaries import SUMMARIES_OBJECT, summary_rows
+        from ..inspect.summaries import SUMMARIES_OBJECT, summary_rows
 
         out = summary_rows(self._reader.read_object(h, SUMMARIES_OBJECT))
         for name in h.objects:
@@ -342,7 +331,7 @@ class Run(DiagnoseMixin):
         ``b`` is read from ``timeline_b`` if given (compare two timelines), else ``timeline``.
         ``selector`` restricts to a layer selector (:func:`dstt.inspect.naming.select`),
         ``paths`` to store array paths (``params/...``)."""
-        from .inspect.compare import diff_commits
+        from ..inspect.compare import diff_commits
 
         ha, hb = self._header(a, timeline), self._header(b, timeline_b or timeline)
         paths = None if paths is None else list(paths)
@@ -354,6 +343,40 @@ class Run(DiagnoseMixin):
         if paths is not None:  # a tied name is its target's tensor
             paths = list(dict.fromkeys(cb.tied.get(p, ca.tied.get(p, p)) for p in paths))
         return diff_commits(self._reader, ha, hb, paths, progress=progress)
+
+    # -- diagnosis (diagnose.py; spikes above) ----------------------------------------------
+    def first_nonfinite(self, timeline: str | None = None) -> NonFinite | None:
+        """The first commit whose write-time summaries count a NaN or Inf in any tensor,
+        with those tensors (:func:`dstt.inspect.diagnose.first_nonfinite`); None if none
+        (or the run has no summaries)."""
+        return self._diagnostics.first_nonfinite(timeline)
+
+    def divergence(self, metric: str = "loss", *, window: int = 20, rise: float = 1.5,
+                   sustain: int | None = None, timeline: str | None = None
+                   ) -> list[Divergence]:
+        """Sustained rises of a logged metric (the rule of :mod:`dstt.inspect.diagnose`:
+        trailing median of ``window`` values above ``rise`` x its running minimum for
+        ``sustain`` values), each with the tensors whose norms grew most over it."""
+        return self._diagnostics.divergence(metric, window=window, rise=rise, sustain=sustain,
+                                            timeline=timeline)
+
+    def diagnose(self, metric: str = "loss", *, window: int = 50, z: float = 4.0,
+                 timeline: str | None = None) -> Diagnosis:
+        """Spikes (:meth:`spikes`), the first non-finite tensors and gradual divergence of
+        ``timeline`` in one report; ``print(run.diagnose())``."""
+        return self._diagnostics.diagnose(metric, window=window, z=z, timeline=timeline)
+
+    def batches(self, steps: slice | Iterable[int] | None = None, *,
+                timeline: str | None = None) -> dict[int, list[Batch]]:
+        """Recorded batch fingerprints per step, ``{step: [Batch, ...]}`` (several with
+        gradient accumulation; see :mod:`dstt.training.data`); ``steps`` a slice of step values
+        (inclusive) or steps. Only the commits carrying those steps are read."""
+        return self._diagnostics.batches(steps, timeline=timeline)
+
+    def skips(self, timeline: str | None = None) -> SkipSet:
+        """The samples and batches sessions resumed on ``timeline`` drop (its rollback's and
+        its ancestors'; ``run.rollback(skip_samples=..., skip_batches=...)``)."""
+        return self._diagnostics.skips(timeline)
 
     # -- changes --------------------------------------------------------------------------
     def rollback(self, to: int, skip_data: int = 0, *, timeline: str | None = None,
@@ -370,7 +393,7 @@ class Run(DiagnoseMixin):
         recorded batches, ``run.batches()``, are skipped wherever they come again) are
         dropped by every session resumed on the new timeline and those forked from it
         (``run.skips()``; see :mod:`dstt.training.data`)."""
-        skips = self._skip_set(skip_samples, skip_batches, timeline)
+        skips = self._diagnostics.skip_set(skip_samples, skip_batches, timeline)
         ref = self.repo.rollback(int(to), skip_data=int(skip_data), timeline=timeline,
                                  name=name)
         if skips:

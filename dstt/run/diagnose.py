@@ -1,22 +1,26 @@
-"""The diagnosis half of :class:`dstt.Run`: spike causes, data attribution, first non-finite
-values, gradual divergence (the rules are :mod:`dstt.inspect.diagnose`'s), and the batch
-fingerprints and skip sets of :mod:`dstt.training.data`.
+"""The diagnosis of a run: spike causes, data attribution, first non-finite values, gradual
+divergence (the rules are :mod:`dstt.inspect.diagnose`'s), and the batch fingerprints and skip
+sets of :mod:`dstt.training.data`.
 
-A mixin rather than more of ``_run.py``: these methods only read through the run's public
-views (``commits``, ``metrics``, ``summaries``) and its reader's objects, and keep the file
-that holds the run's views and timelines (``_run.py``) small.
+:class:`dstt.Run` (``run.py``) holds a ``RunDiagnostics`` and its ``spikes``, ``batches``,
+``skips``, ``first_nonfinite``, ``divergence`` and ``diagnose`` delegate to it. It reads
+through the run's public views (``commits``, ``metrics``, ``summaries``) and its reader's
+objects, named by ``DiagnosedRun``, the protocol below; this module imports nothing of
+``run.py``. Rejected alternative: a mixin base class of ``Run`` (what it was) — one class split
+over two files, the mixin declaring by hand the attributes of the class it is mixed into, and
+``diagnose`` reaching ``spikes`` through the subclass.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .errors import MetricNotFoundError, StepNotFoundError
-from .inspect.diagnose import (
+from ..errors import MetricNotFoundError, StepNotFoundError
+from ..inspect.diagnose import (
     Divergence,
     NonFinite,
     find_divergence,
@@ -25,18 +29,20 @@ from .inspect.diagnose import (
     rank_by_baseline,
     suspect,
 )
-from .inspect.summaries import Spike
-from .store import Batch, SkipSet, read_batches, read_skips
+from ..inspect.summaries import Spike
+from ..store import Batch, SkipSet, read_batches, read_skips
 
 if TYPE_CHECKING:
     import xarray as xr
 
-__all__ = ["DiagnoseMixin", "Diagnosis"]
+    from ..store import Reader, Repository
+
+__all__ = ["DiagnosedRun", "Diagnosis", "RunDiagnostics"]
 
 
 @dataclass(frozen=True)
 class Diagnosis:
-    """What :meth:`DiagnoseMixin.diagnose` found: ``spikes``, the first non-finite tensors
+    """What :meth:`dstt.Run.diagnose` found: ``spikes``, the first non-finite tensors
     (``nonfinite``, None if none) and sustained rises (``divergence``)."""
 
     spikes: list[Spike] = field(default_factory=list)
@@ -54,47 +60,57 @@ class Diagnosis:
         return "\n".join(lines) or "no spike, no divergence, no non-finite values"
 
 
-class DiagnoseMixin:
-    """Methods :class:`dstt.Run` gets from this module (it provides the attributes used)."""
+class DiagnosedRun(Protocol):
+    """What the diagnosis reads its run through (``dstt.Run``): its timelines, commits,
+    metrics and summaries, and its reader's objects."""
 
-    repo: Any
-    _reader: Any
+    repo: Repository
+    _reader: Reader
 
-    if TYPE_CHECKING:
-        @property
-        def timeline(self) -> str: ...
-        def commits(self, timeline: str | None = None) -> list[Any]: ...
-        def metrics(self, timeline: str | None = None) -> xr.Dataset: ...
-        def summaries(self, steps: Any = None, *, timeline: str | None = None,
-                      progress: Any = None) -> xr.Dataset: ...
+    @property
+    def timeline(self) -> str: ...
+
+    def commits(self, timeline: str | None = None) -> list[Any]: ...
+
+    def metrics(self, timeline: str | None = None) -> xr.Dataset: ...
+
+    def summaries(self, steps: Any = None, *, timeline: str | None = None) -> xr.Dataset: ...
+
+
+class RunDiagnostics:
+    """The diagnosis of one run, read through it (``Run``'s methods of the same names
+    document what each returns)."""
+
+    def __init__(self, run: DiagnosedRun) -> None:
+        self.run = run
 
     # -- data attribution ---------------------------------------------------------------
     def batches(self, steps: slice | Iterable[int] | None = None, *,
                 timeline: str | None = None) -> dict[int, list[Batch]]:
-        """Recorded batch fingerprints per step, ``{step: [Batch, ...]}`` (several with
-        gradient accumulation; see :mod:`dstt.training.data`); ``steps`` a slice of step values
-        (inclusive) or steps. Only the commits carrying those steps are read."""
-        line = self.commits(timeline)
+        """Recorded batch fingerprints per step; only the commits carrying ``steps`` are
+        read."""
+        run = self.run
+        line = run.commits(timeline)
         if steps is None:
-            return read_batches(line, self._reader.read_object)
+            return read_batches(line, run._reader.read_object)
         if isinstance(steps, slice):
             lo = -np.inf if steps.start is None else steps.start
             hi = np.inf if steps.stop is None else steps.stop
-            found = read_batches(_covering(line, lo, hi), self._reader.read_object)
+            found = read_batches(_covering(line, lo, hi), run._reader.read_object)
             return {k: v for k, v in found.items() if lo <= k <= hi}
         want = {int(s) for s in steps}
         if not want:
             return {}
-        found = read_batches(_covering(line, min(want), max(want)), self._reader.read_object)
+        found = read_batches(_covering(line, min(want), max(want)), run._reader.read_object)
         return {k: v for k, v in found.items() if k in want}
 
     def skips(self, timeline: str | None = None) -> SkipSet:
-        """The samples and batches sessions resumed on ``timeline`` drop (its rollback's and
-        its ancestors'; ``run.rollback(skip_samples=..., skip_batches=...)``)."""
-        return read_skips(self.repo.storage, self._reader.timelines, timeline or self.timeline)
+        """The samples and batches sessions resumed on ``timeline`` drop."""
+        run = self.run
+        return read_skips(run.repo.storage, run._reader.timelines, timeline or run.timeline)
 
-    def _skip_set(self, samples: Iterable[int] | None, steps: Iterable[int] | None,
-                  timeline: str | None) -> SkipSet:
+    def skip_set(self, samples: Iterable[int] | None, steps: Iterable[int] | None,
+                 timeline: str | None) -> SkipSet:
         """The skip set of a rollback, checked before anything is written."""
         out = SkipSet(frozenset(int(i) for i in samples or ()))
         if steps is None:
@@ -105,16 +121,39 @@ class DiagnoseMixin:
         if missing:
             raise StepNotFoundError(
                 f"no batch was recorded for steps {missing} on timeline "
-                f"{timeline or self.timeline!r}: only loops that draw from s.data(loader) "
+                f"{timeline or self.run.timeline!r}: only loops that draw from s.data(loader) "
                 "record them; pass skip_samples=[...] or skip_data=N instead")
         return SkipSet(out.samples, tuple(b for k in wanted for b in found[k]))
 
     # -- spikes -------------------------------------------------------------------------
+    def spikes(self, metric: str = "loss", *, window: int = 50, z: float = 4.0,
+               around: int = 0, top: int = 10, baseline: int = 20,
+               timeline: str | None = None) -> list[Spike]:
+        """Spikes of a logged metric, each with the committed update that caused it (the
+        step rule and the ranking: ``Run.spikes``)."""
+        from ..inspect.summaries import find_spikes, spike_cause
+
+        name = timeline or self.run.timeline
+        ds = self.run.metrics(name)
+        if metric not in ds:
+            logged = sorted(map(str, ds.data_vars))
+            raise MetricNotFoundError(f"metric {metric!r} was never logged on timeline "
+                                      f"{name!r}; logged: {logged}")
+        found = find_spikes(ds["step"].values, ds[metric].values.astype(np.float64),
+                            window=window, z=z)
+        if not found:
+            return []
+        line = self.run.commits(name)
+        steps = [h.step for h in line]
+        causes = [spike_cause(steps, start) for *_, start in found]
+        return self._explain(found, causes, around=around, top=top, z=z, baseline=baseline,
+                             name=name)
+
     def _explain(self, found: Sequence[tuple[Any, ...]],
                  causes: Sequence[tuple[int | None, int | None]], *, around: int, top: int,
                  z: float, baseline: int, name: str) -> list[Spike]:
         """Spikes with their tensors ranked by baseline deviation, batches and suspect."""
-        line = self.commits(name)
+        line = self.run.commits(name)
         steps = [h.step for h in line]
         windows: list[list[int]] = []
         need: set[int] = set()
@@ -125,7 +164,7 @@ class DiagnoseMixin:
             i = steps.index(cause)
             windows.append(steps[max(0, i - around):i + around + 1])
             need.update(steps[max(0, i - around - baseline):i + around + 1])
-        sums = self.summaries(sorted(need), timeline=name)  # only these commits are read
+        sums = self.run.summaries(sorted(need), timeline=name)  # only these commits are read
         out = []
         for (s, v, zi, mu, sd, start), (parent, cause), w in zip(found, causes, windows,
                                                                  strict=True):
@@ -150,35 +189,31 @@ class DiagnoseMixin:
 
     # -- non-finite values and divergence -------------------------------------------------
     def first_nonfinite(self, timeline: str | None = None) -> NonFinite | None:
-        """The first commit whose write-time summaries count a NaN or Inf in any tensor,
-        with those tensors (:func:`dstt.inspect.diagnose.first_nonfinite`); None if none
-        (or the run has no summaries)."""
-        return first_nonfinite(self.summaries(timeline=timeline))
+        """The first commit whose summaries count a NaN or Inf; None if none."""
+        return first_nonfinite(self.run.summaries(timeline=timeline))
 
     def divergence(self, metric: str = "loss", *, window: int = 20, rise: float = 1.5,
                    sustain: int | None = None, timeline: str | None = None
                    ) -> list[Divergence]:
-        """Sustained rises of a logged metric (the rule of :mod:`dstt.inspect.diagnose`:
-        trailing median of ``window`` values above ``rise`` x its running minimum for
-        ``sustain`` values), each with the tensors whose norms grew most over it."""
-        ds = self.metrics(timeline)
+        """Sustained rises of a logged metric, each with the tensors whose norms grew most
+        over it."""
+        ds = self.run.metrics(timeline)
         if metric not in ds:
             raise MetricNotFoundError(f"metric {metric!r} was never logged on timeline "
-                                      f"{timeline or self.timeline!r}; logged: "
+                                      f"{timeline or self.run.timeline!r}; logged: "
                                       f"{sorted(map(str, ds.data_vars))}")
         found = find_divergence(ds["step"].values, ds[metric].values.astype(np.float64),
                                 window=window, rise=rise, sustain=sustain)
         if not found:
             return []
-        sums = self.summaries(timeline=timeline)
+        sums = self.run.summaries(timeline=timeline)
         return [Divergence(metric, a, b, c, lo, hi, grown_tensors(sums, a, c)[:10])
                 for a, b, c, lo, hi in found]
 
     def diagnose(self, metric: str = "loss", *, window: int = 50, z: float = 4.0,
                  timeline: str | None = None) -> Diagnosis:
-        """Spikes (:meth:`spikes`), the first non-finite tensors and gradual divergence of
-        ``timeline`` in one report; ``print(run.diagnose())``."""
-        spikes = self.spikes(metric, window=window, z=z, timeline=timeline)  # type: ignore[attr-defined]
+        """Spikes, the first non-finite tensors and gradual divergence in one report."""
+        spikes = self.spikes(metric, window=window, z=z, timeline=timeline)
         return Diagnosis(spikes, self.first_nonfinite(timeline),
                          self.divergence(metric, window=max(3, window // 5), timeline=timeline))
 

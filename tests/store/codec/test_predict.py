@@ -20,7 +20,7 @@ from dstt.store.format.layout import step_file_key
 from dstt.store.format.manifest import dump_arrays
 from dstt.store.format.records import ChunkRecord
 
-from ._util import (  # noqa: F401  (write_how: a fixture)
+from .._util import (  # noqa: F401  (write_how: a fixture)
     WRITE,
     crash_at_every_write,
     put_array,

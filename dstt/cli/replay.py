@@ -19,7 +19,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from ._cli_common import EXIT_OK, UsageError, _emit, _fmt, _resolve_run
+from .common import EXIT_OK, UsageError, _emit, _fmt, _resolve_run
 
 __all__ = ["cmd_replay", "load_factory"]
 

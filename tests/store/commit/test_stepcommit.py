@@ -24,7 +24,7 @@ from dstt.store.storage.base import Blob, Data
 from dstt.store.storage.local import LocalStorage
 from dstt.store.storage.memory import DelegatingStorage
 
-from ._util import same_bits
+from .._util import same_bits
 
 ARRAYS = [("params/a/w", "float32", (6, 5)), ("params/a/b", "float32", (5,)),
           ("optim/a/m", "float16", (3, 3)), ("params/n", "int64", ())]
@@ -260,7 +260,7 @@ def test_a_killed_trainer_leaves_no_flusher_behind_to_commit_what_it_handed_over
 
     run = tmp_path / "run"
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get(
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3]) + os.pathsep + env.get(
         "PYTHONPATH", "")
     proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("orphan_child.py")),
                              str(run)], stdout=subprocess.PIPE, text=True, env=env)

@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dstt.store import Repository
 from dstt.store.flusher import parent as flusher_mod
-from store.test_stepcommit import _commit_step
+from store.commit.test_stepcommit import _commit_step
 
 
 def main(run: str) -> None:

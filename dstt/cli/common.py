@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .errors import (
+from ..errors import (
     ConfigError,
     MetricNotFoundError,
     NotARunError,
@@ -49,15 +49,15 @@ class _Parser(argparse.ArgumentParser):
 def _resolve_run(args: argparse.Namespace, *, opener: Any = None) -> Any:
     """The run named by the arguments, opened with ``opener`` (default ``dstt.open``)."""
     if opener is None:
-        from ._run import open_run as opener
+        from ..run import open_run as opener
     return opener(_run_root(args))
 
 
 def _run_root(args: argparse.Namespace) -> str:
     """The root of the run given as ``RUN``, ``--run``, ``$DSTT_RUN`` or the current directory,
     any of which may be a folder inside the run (found by walking up, as git does)."""
-    from ._run import find_run_root
-    from .store import Repository, is_url
+    from ..run import find_run_root
+    from ..store import Repository, is_url
 
     positional, flag = getattr(args, "path", None), getattr(args, "run", None)
     if positional and flag and os.path.abspath(positional) != os.path.abspath(flag):

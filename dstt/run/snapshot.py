@@ -1,7 +1,7 @@
 """``Snapshot``: one committed step of a run: lazy tensors by torch name, layer trees, objects,
 and the way back to torch (export, state dicts, loading into live objects).
 
-``Run.at`` (:mod:`dstt._run`) builds it; that module imports this one, which sees the run
+``Run.at`` (:mod:`dstt.run.run`) builds it; that module imports this one, which sees the run
 through ``RunView``, the protocol below (rejected: naming ``Run`` under ``TYPE_CHECKING``, a
 cycle between the two modules). As for every view, the tensors are lazy xarray objects built by
 :mod:`dstt.inspect` over the run's readers, so every byte is read through :mod:`dstt.store`.
@@ -15,17 +15,17 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .schema import optim_state, user_name
-from .store import Batch
+from ..schema import optim_state, user_name
+from ..store import Batch
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
     import xarray as xr
 
-    from .inspect.catalog import Catalog
-    from .inspect.readers import ReaderPool
-    from .store import Reader
+    from ..inspect.catalog import Catalog
+    from ..inspect.readers import ReaderPool
+    from ..store import Reader
 
 __all__ = ["RunView", "Snapshot"]
 
@@ -95,7 +95,7 @@ class Snapshot:
         """Lazy DataArray of one tensor (bf16 shown as float32; ``state`` for optimizer
         states; ``chunks`` for a dask array, when dask is installed). ``name`` as in
         :meth:`path`; a tied name's DataArray has ``attrs["tied_to"]``."""
-        from .inspect.views import tensor_dataarray
+        from ..inspect.views import tensor_dataarray
 
         return tensor_dataarray(self.run._readers, self.header, self.catalog,
                                 self.path(name, state), chunks=chunks)
@@ -120,7 +120,7 @@ class Snapshot:
         under ``optim/<state>/<module path>``. bf16 is shown as float32 (exact). A selector
         that picks nothing raises ``TensorNotFoundError`` with the closest selectors.
         """
-        from .inspect.views import layer_tree
+        from ..inspect.views import layer_tree
 
         paths, picks = self.catalog.select(selector, optim=optim, listing=(
             f"run.at({self.step}).names({'optim=True' if optim else ''})"))
@@ -143,7 +143,7 @@ class Snapshot:
         ``config.json`` or a folder holding one). ``out`` may be a folder (an existing one,
         or a path ending in ``/``): the file is then ``step<S>.<ext>`` in it. Missing
         folders are created; an existing file is replaced only with ``overwrite``."""
-        from .inspect.export import export_commit
+        from ..inspect.export import export_commit
 
         return export_commit(self.run._reader, self.header, out, format,  # type: ignore[arg-type]
                              include_all=include_all, overwrite=overwrite, config=config,
@@ -163,7 +163,7 @@ class Snapshot:
         optimizers (a list or a dict) gives ``"optimizer"`` as a dict by their keys
         (``"0"``, ``"1"``... for a list). ``trusted`` allows pickled objects (see
         :meth:`object`). See :mod:`dstt.inspect.restore`."""
-        from .inspect.restore import step_state
+        from ..inspect.restore import step_state
 
         return step_state(self.run._reader, self.header, trusted=trusted)
 
@@ -181,7 +181,7 @@ class Snapshot:
         Returns a ``LoadResult``: ``(missing_keys, unexpected_keys)`` like
         ``load_state_dict``, and ``loaded_keys``; with ``strict=False`` a load that matched
         no name of the model warns (``DsttWarning``)."""
-        from .inspect.restore import load_step
+        from ..inspect.restore import load_step
 
         return load_step(self.run._reader, self.header, model, optimizer, scheduler,
                          strict=strict, trusted=trusted)

@@ -12,7 +12,7 @@ from dstt.store import Repository, load
 from dstt.store.format.manifest import TableTemplate, dump_arrays, parse_arrays
 from dstt.store.storage.memory import MemoryStorage
 
-from ._util import put_array
+from .._util import put_array
 
 # 0-d · empty · one chunk · several chunks (with chunk_bytes=256: a non-framed layout)
 SPECS = [("params/a/w", "float32", (3, 5), ("out", "in")), ("params/a/b", "float16", (7,), None),

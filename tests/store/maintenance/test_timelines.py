@@ -1,6 +1,6 @@
 """Timeline management in the store: rename and delete (``dstt/store/maintenance/timelines.py``).
 
-Power cuts at every write (the ``MemoryStorage`` crash model of ``test_crash.py``): after any
+Power cuts at every write (the ``MemoryStorage`` crash model of ``commit/test_crash.py``): after any
 cut every timeline left is readable bit-exactly, HEAD names an existing ref, and running the
 operation (or gc) again ends where the uninterrupted one ends. Deleting frees the steps only
 the deleted timeline had and nothing another timeline reads, deltas included.
@@ -16,8 +16,8 @@ from dstt.store.codec.xor import DeltaPolicy
 from dstt.store.format.layout import HEAD_KEY, STEPS_PREFIX, ref_key
 from dstt.store.storage.memory import MemoryStorage
 
-from ._util import assert_same_arrays
-from .test_crash import _commit_evolving, _gc_state, copy, do_commit, every_cut, evolving
+from .._util import assert_same_arrays
+from ..commit.test_crash import _commit_evolving, _gc_state, copy, do_commit, every_cut, evolving
 
 BRANCH = [0, 1, 2, 3, 4, 5, 6, 7]
 

@@ -18,7 +18,7 @@ from dstt.store.index.repair import check
 from dstt.store.index.view import GC_MARKER
 from dstt.store.storage.memory import DelegatingStorage, MemoryStorage
 
-from .test_crash import every_cut
+from ..commit.test_crash import every_cut
 
 N = 40
 

@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Iterator
 from typing import Any
 
-from ._cli_common import (
+from .common import (
     EXIT_OK,
     UsageError,
     _bar,
@@ -84,7 +84,7 @@ def cmd_timeline_rename(args: argparse.Namespace) -> int:
 
 
 def cmd_timeline_delete(args: argparse.Namespace) -> int:
-    from .inspect.html import human_bytes
+    from ..inspect.html import human_bytes
 
     run = _resolve_run(args)
     if not (args.yes or args.dry_run):
@@ -114,8 +114,8 @@ def cmd_timeline_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from .inspect.html import human_bytes
-    from .store import Retention
+    from ..inspect.html import human_bytes
+    from ..store import Retention
 
     if args.keep_last is None and args.keep_every is None and not args.spike_window:
         raise UsageError("gc needs a retention policy: --keep-last N, --keep-every K and/or "
