@@ -249,7 +249,7 @@ def test_the_scrubbers_replay_shows_why_it_cannot_replay(tmp_path: Path) -> None
 
     ds = Sequences(32)
     train(tmp_path / "run", ds, attribution=False, steps=4)
-    m, opt, sched = build()
+    m, opt, _ = build()
     w = scrubber(dstt.open(tmp_path / "run"), replay={"model": m, "optimizer": opt,
                                                       "loss_fn": loss_fn, "dataset": ds})
     assert w.replay is not None and w.replay.run() is None
