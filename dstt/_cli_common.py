@@ -59,7 +59,8 @@ def _run_root(args: argparse.Namespace) -> str:
     from ._run import find_run_root
     from .store import Repository, is_url
 
-    positional, flag = getattr(args, "path", None), getattr(args, "run", None)
+    positional: str | None = getattr(args, "path", None)
+    flag: str | None = getattr(args, "run", None)
     if positional and flag and os.path.abspath(positional) != os.path.abspath(flag):
         raise UsageError(f"two runs given: {positional} and --run {flag}; give one")
     path, source = positional or flag, ""

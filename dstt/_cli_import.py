@@ -13,13 +13,16 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Iterator
+from typing import TypeVar
 
 from ._cli_common import EXIT_OK, EXIT_PROBLEMS, UsageError, _bar, _emit, _run_root
 
 __all__ = ["add_import", "cmd_import"]
 
+_P = TypeVar("_P", bound=argparse.ArgumentParser)
 
-def add_import(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+
+def add_import(sub: argparse._SubParsersAction[_P], common: _P) -> None:
     """The ``import`` subcommand's parser."""
     what = ("import checkpoints (HF Trainer folders, torch.save files, DCP folders, DeepSpeed "
             "tags, Lightning .ckpt) as steps of a run")

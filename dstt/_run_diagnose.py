@@ -31,6 +31,8 @@ from .store import Batch, SkipSet, read_batches, read_skips
 if TYPE_CHECKING:
     import xarray as xr
 
+    from .store import Reader, Repository
+
 __all__ = ["DiagnoseMixin", "Diagnosis"]
 
 
@@ -57,8 +59,8 @@ class Diagnosis:
 class DiagnoseMixin:
     """Methods :class:`dstt.Run` gets from this module (it provides the attributes used)."""
 
-    repo: Any
-    _reader: Any
+    repo: Repository
+    _reader: Reader
 
     if TYPE_CHECKING:
         @property

@@ -86,7 +86,7 @@ def _durable_write(path: str, data: bytes) -> None:
     fsync_dir(os.path.dirname(path) or ".")
 
 
-class DsttCheckpointEngine(CheckpointEngine):
+class DsttCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # deepspeed is untyped
     """``engine.save_checkpoint``/``load_checkpoint`` through dstt (see the module docstring).
 
     Use ``DsttCheckpointEngine.attach(engine, run=None)`` after ``deepspeed.initialize``

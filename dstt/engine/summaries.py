@@ -308,4 +308,5 @@ def finish_columns(numel: np.ndarray, st: dict[str, np.ndarray],
 def _rows_finite(d: np.ndarray, k: np.ndarray) -> np.ndarray:
     """Per row: every one of its first ``k[i]`` values is finite (padding is NaN)."""
     mask = np.arange(d.shape[1])[None, :] < k[:, None]
-    return np.all(np.isfinite(d) | ~mask, axis=1)
+    finite: np.ndarray = np.all(np.isfinite(d) | ~mask, axis=1)
+    return finite

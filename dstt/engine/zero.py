@@ -113,7 +113,8 @@ class ZeroState:
         return f"zero/s{self.stage}w{i.world}/r{i.rank}/g{group}/{key}"
 
     def _state(self, g: int) -> Mapping[str, Any]:
-        return self.inner.state.get(self.flats[g], {})
+        state: Mapping[str, Any] = self.inner.state.get(self.flats[g], {})
+        return state
 
     def _array_keys(self, g: int) -> list[str]:
         flat = self.flats[g]

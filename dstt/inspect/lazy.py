@@ -76,8 +76,9 @@ def _adapt(array: CommitArray | TrajectoryArray, key: indexing.ExplicitIndexer,
         parts = tuple(slice(0, 0) if isinstance(k, slice) and not len(range(*k.indices(n)))
                       else k for k, n in zip(key.tuple, array.shape, strict=True))
         key = type(key)(parts)
-    return indexing.explicit_indexing_adapter(
+    out: np.ndarray = indexing.explicit_indexing_adapter(
         key, array.shape, indexing.IndexingSupport.OUTER, raw)
+    return out
 
 
 def read_outer(reader: Any, header: Any, record: Any, key: Key,

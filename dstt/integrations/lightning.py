@@ -58,7 +58,7 @@ class _Loops:
         self.restored = dict(state)
 
 
-class DsttCallback(Callback):  # type: ignore[misc]
+class DsttCallback(Callback):
     """Capture every ``every``-th optimizer step of a ``lightning.Trainer`` fit into ``run``.
 
     ``Trainer(callbacks=[DsttCallback(run="runs/x")])``; ``resume=True`` continues the run's
@@ -163,7 +163,8 @@ def _step_metrics(trainer: Trainer) -> Mapping[str, Any]:
     results = getattr(trainer.fit_loop.epoch_loop, "_results", None)
     if results is None:
         return {}
-    return results.metrics(True)["callback"]
+    metrics: Mapping[str, Any] = results.metrics(True)["callback"]
+    return metrics
 
 
 def _get_rng() -> tuple[Any, ...]:

@@ -77,7 +77,7 @@ class _TrainerError(RuntimeError):
     """Marks a Session closed because the Trainer stopped without ``on_train_end``."""
 
 
-class DsttCallback(TrainerCallback):  # type: ignore[misc]
+class DsttCallback(TrainerCallback):
     """Capture every ``every``-th optimizer step of a ``transformers.Trainer`` into ``run``.
 
     ``Trainer(..., callbacks=[DsttCallback(run="runs/x")])``. ``resume=True`` continues the

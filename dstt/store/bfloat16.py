@@ -25,8 +25,8 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 class BFloat16(BaseFloat):  # type: ignore[type-arg]
     """Zarr data type for ``ml_dtypes.bfloat16`` (2 bytes, little-endian on disk)."""
 
-    dtype_cls = type(_BF16)  # type: ignore[assignment]
-    _zarr_v3_name = "bfloat16"  # type: ignore[assignment]
+    dtype_cls = type(_BF16)
+    _zarr_v3_name = "bfloat16"
     _zarr_v2_names: ClassVar[tuple[str, ...]] = ()
 
     @classmethod

@@ -35,7 +35,8 @@ class Block(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
         x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        out: torch.Tensor = x + self.drop(self.mlp(self.ln2(x)))
+        return out
 
 
 class TinyGPT(nn.Module):

@@ -332,7 +332,8 @@ class ScrubberModel:
         :meth:`strides` along its matrix view for big tensors; cached."""
         s = self._step if step is None else int(step)
         key = ("values", self._timeline, s, self._tensor, self.max_side)
-        return self.cache.get_or_make(key, lambda: self._load_values(s))
+        values: np.ndarray = self.cache.get_or_make(key, lambda: self._load_values(s))
+        return values
 
     def _load_values(self, step: int) -> np.ndarray:
         da = self.snapshot(step).tensor(self._tensor)
@@ -366,8 +367,9 @@ class ScrubberModel:
         """Per-parameter change of the current step vs the reference (cached); see
         :func:`dstt.plots.series.step_change`."""
         key = ("change", self._timeline, self._step, self._reference)
-        return self.cache.get_or_make(key, lambda: step_change(
+        change: xr.Dataset = self.cache.get_or_make(key, lambda: step_change(
             self.run, self._step, self._reference, timeline=self._timeline))
+        return change
 
     def label(self) -> str:
         """One line describing the selection (what the widget's label shows)."""

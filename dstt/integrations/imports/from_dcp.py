@@ -54,7 +54,7 @@ def step_of_dcp(path: str) -> int | None:
 def _planner(trusted: bool) -> Any:
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
-    class SafePlanner(DefaultLoadPlanner):  # type: ignore[misc]
+    class SafePlanner(DefaultLoadPlanner):
         """DCP's default planner, but pickled values load with ``weights_only=True``."""
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
@@ -90,7 +90,8 @@ def _nest(flat: Mapping[str, Any], paths: Mapping[str, Any]) -> dict[Any, Any]:
             if name == "param_groups" and x and set(x) == set(range(len(x))):
                 return [x[i] for i in range(len(x))]
         return x
-    return lists(out, None)
+    nested: dict[Any, Any] = lists(out, None)
+    return nested
 
 
 def read_flat(path: str, trusted: bool) -> dict[Any, Any]:

@@ -126,7 +126,8 @@ def _group_limits(policy: DeltaPolicy, ratio: np.ndarray, members: np.ndarray) -
     with np.errstate(invalid="ignore", divide="ignore"):
         u = np.where(np.isfinite(r) & (r >= policy.min_ratio), 1.0 / r, 1.0).sum(axis=1)
     k = 1 + (policy.read_amplification - 1) * members.shape[1] / np.maximum(u, 1e-9)
-    return np.clip(k.astype(np.int64), 2, policy.max_chain)
+    every: np.ndarray = np.clip(k.astype(np.int64), 2, policy.max_chain)
+    return every
 
 
 def _names(policy: DeltaPolicy, st: LayoutState) -> np.ndarray:

@@ -141,7 +141,8 @@ def predict_residuals(g: Group, t: np.ndarray, ins: list[np.ndarray], prev_b: li
         parts = list(map(views.__getitem__, idx.tolist()))
         arrs = list(map(np.frombuffer, parts, itertools.repeat(np.uint8)))
         np.concatenate(arrs, out=dst)
-        return dst.view("<f4")
+        f4: np.ndarray = dst.view("<f4")
+        return f4
 
     p_prev = gather(prev_b, t, "fp_prev")
     inputs = [gather(cur_b if role == CUR else prev_b, i, f"fp_in{k}")

@@ -171,4 +171,4 @@ def _templates(st: LayoutState) -> _Templates:
     t = st.cache.get("zip_templates")
     if t is None:
         t = st.cache["zip_templates"] = _Templates(st)
-    return t  # type: ignore[no-any-return]
+    return t

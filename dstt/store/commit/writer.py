@@ -296,7 +296,7 @@ class Writer:
         one flat buffer (``flat.py``); reuse the result while the arrays do not change."""
         out = []
         for a in arrays:
-            dims = a[3] if len(a) > 3 else None  # type: ignore[misc]
+            dims = a[3] if len(a) > 3 else None
             out.append((a[0], a[1], self.declare(a[0], a[1], tuple(a[2]), dims), dims))
         return FlatLayout.build(out)
 

@@ -50,7 +50,7 @@ def _open(data: bytes, kind: str, where: str, *, verified: bool = False) -> dict
     if not isinstance(doc, dict) or set(doc) != {"crc32c", "body"} or not isinstance(
             doc.get("body"), dict):
         raise CorruptRunError(f"{where}: not a dstt {kind} document")
-    body = doc["body"]
+    body: dict[str, Any] = doc["body"]
     if body.get("kind") != kind:
         raise CorruptRunError(f"{where}: expected a {kind} document, found {body.get('kind')!r}")
     if not verified:

@@ -104,7 +104,7 @@ class FlatLayout:
         pos = 0
         for k, spec in enumerate(arrays):
             path, dtype, plan = spec[0], spec[1], spec[2]
-            dims = spec[3] if len(spec) > 3 else None  # type: ignore[misc]
+            dims = spec[3] if len(spec) > 3 else None
             pos = (pos + ALIGN - 1) // ALIGN * ALIGN
             out.append(FlatArray(path, dtype, plan, pos,
                                  None if dims is None else check_dims(path, len(plan.shape), dims)))
@@ -131,7 +131,7 @@ class FlatLayout:
         pos = 0
         for k, spec in enumerate(arrays):
             path, dtype, plan = spec[0], spec[1], spec[2]
-            given = spec[3] if len(spec) > 3 else None  # type: ignore[misc]
+            given = spec[3] if len(spec) > 3 else None
             dims = None if given is None else check_dims(path, len(plan.shape), given)
             if plan.n_chunks > 1:
                 raise ValueError(f"a framed layout holds single-chunk arrays; {path!r} has "

@@ -53,7 +53,8 @@ def _dtype_in(s: str) -> np.dtype[Any]:
     if s.isidentifier():  # a name written by _dtype_out, e.g. "bfloat16"
         import ml_dtypes
 
-        return np.dtype(getattr(ml_dtypes, s))
+        named: np.dtype[Any] = np.dtype(getattr(ml_dtypes, s))
+        return named
     return np.dtype(s)
 
 

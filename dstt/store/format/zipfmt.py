@@ -116,7 +116,8 @@ def local_data_offset(head: bytes, entry: Entry) -> int | None:
     if (f[0] != _SIG_LOCAL or f[3] != 0 or f[6] != entry.crc32 or not sizes_ok
             or f[9] != len(raw) or head[_LOCAL.size:_LOCAL.size + len(raw)] != raw):
         return None
-    return entry.offset + _LOCAL.size + len(raw) + f[10]
+    extra: int = f[10]
+    return entry.offset + _LOCAL.size + len(raw) + extra
 
 
 def directory_records(entries: Sequence[Entry]) -> bytes:

@@ -79,9 +79,9 @@ class IndexedHeader(CommitHeader):
             self.__dict__["_h"] = h
         return h
 
-    metrics = property(lambda self: self.full().metrics)  # type: ignore[assignment]
-    objects = property(lambda self: self.full().objects)  # type: ignore[assignment]
-    arrays = property(lambda self: self.full().arrays)  # type: ignore[assignment]
+    metrics = property(lambda self: self.full().metrics)
+    objects = property(lambda self: self.full().objects)
+    arrays = property(lambda self: self.full().arrays)
 
 
 class _Segment:

@@ -285,8 +285,9 @@ def read_region(reader: Any, header: Any, path: str, offsets: Sequence[int],
         if not sizes:
             return np.asarray(reader.read_array(header, path))
         rows = reader.read_rows(header, path, offsets[0], offsets[0] + sizes[0])
-        return rows[(slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:],
-                                                                     strict=True)))]
+        box: np.ndarray = rows[(slice(None), *(slice(o, o + n) for o, n in zip(
+            offsets[1:], sizes[1:], strict=True)))]
+        return box
     if a.boxes:
         return _read_boxes(reader, header, a, offsets, sizes)
     shape = a.shape
