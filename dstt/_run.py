@@ -319,7 +319,8 @@ class Run(DiagnoseMixin):
 
         k = (step.start if step.start is not None else step.step) if isinstance(
             step, Spike) else int(step)
-        return replay_step(self, k, model, optimizer, scheduler=scheduler, loss_fn=loss_fn,
+        return replay_step(self, self._reader, k, model, optimizer, scheduler=scheduler,
+                           loss_fn=loss_fn,
                            batches=batches, dataset=dataset, collate=collate,
                            activations=activations, per_sample=per_sample,
                            per_sample_grads=per_sample_grads, timeline=timeline)

@@ -59,6 +59,16 @@ class Snapshot:
         #: canonical store path -> record of every array (tied names not included)
         self.arrays = self.catalog.stored
 
+    # the run's readers, looked up at each use (``run.refresh()`` replaces them); the one
+    # place outside ``Run`` that reads these members, which RunView names for it
+    @property
+    def _reader(self) -> Reader:
+        return self.run._reader  # noqa: SLF001 - Snapshot is the run's own view (RunView)
+
+    @property
+    def _readers(self) -> ReaderPool:
+        return self.run._readers  # noqa: SLF001 - Snapshot is the run's own view (RunView)
+
     def __repr__(self) -> str:
         return (f"<dstt.Snapshot step={self.step} timeline={self.timeline!r} slot={self.slot} "
                 f"tensors={len(self.arrays)}>")
@@ -82,7 +92,7 @@ class Snapshot:
 
     def object(self, name: str, *, trusted: bool = False) -> Any:
         """A stored object (RNG state, scheduler, summaries...); pickled ones need trusted."""
-        return self.run._reader.read_object(self.header, name, trusted=trusted)
+        return self._reader.read_object(self.header, name, trusted=trusted)
 
     def path(self, name: str, state: str | None = None) -> str:
         """The store path (canonical) ``name`` means at this step: an exact dotted name, a
@@ -97,7 +107,7 @@ class Snapshot:
         :meth:`path`; a tied name's DataArray has ``attrs["tied_to"]``."""
         from .inspect.views import tensor_dataarray
 
-        return tensor_dataarray(self.run._readers, self.header, self.catalog,
+        return tensor_dataarray(self._readers, self.header, self.catalog,
                                 self.path(name, state), chunks=chunks)
 
     def to_numpy(self, name: str, *, state: str | None = None, native: bool = False) -> np.ndarray:
@@ -105,7 +115,7 @@ class Snapshot:
         stored dtype (``ml_dtypes.bfloat16``)."""
         path = self.path(name, state)
         if native:
-            return self.run._reader.read_array(self.header, self.catalog.tied.get(path, path))
+            return self._reader.read_array(self.header, self.catalog.tied.get(path, path))
         return self.tensor(name, state=state).values
 
     def layer(self, selector: str, optim: bool = False, *, chunks: Any = None) -> xr.DataTree:
@@ -124,7 +134,7 @@ class Snapshot:
 
         paths, picks = self.catalog.select(selector, optim=optim, listing=(
             f"run.at({self.step}).names({'optim=True' if optim else ''})"))
-        return layer_tree(self.run._readers, self.header, self.catalog, paths, picks=picks,
+        return layer_tree(self._readers, self.header, self.catalog, paths, picks=picks,
                           chunks=chunks)
 
     def tree(self, optim: bool = False) -> xr.DataTree:
@@ -145,7 +155,7 @@ class Snapshot:
         folders are created; an existing file is replaced only with ``overwrite``."""
         from .inspect.export import export_commit
 
-        return export_commit(self.run._reader, self.header, out, format,  # type: ignore[arg-type]
+        return export_commit(self._reader, self.header, out, format,  # type: ignore[arg-type]
                              include_all=include_all, overwrite=overwrite, config=config,
                              progress=progress)
 
@@ -165,7 +175,7 @@ class Snapshot:
         :meth:`object`). See :mod:`dstt.inspect.restore`."""
         from .inspect.restore import step_state
 
-        return step_state(self.run._reader, self.header, trusted=trusted)
+        return step_state(self._reader, self.header, trusted=trusted)
 
     def load_into(self, model: torch.nn.Module | None = None,
                   optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
@@ -183,5 +193,5 @@ class Snapshot:
         no name of the model warns (``DsttWarning``)."""
         from .inspect.restore import load_step
 
-        return load_step(self.run._reader, self.header, model, optimizer, scheduler,
+        return load_step(self._reader, self.header, model, optimizer, scheduler,
                          strict=strict, trusted=trusted)

@@ -117,8 +117,7 @@ class Committer:
                 f.fail(e)
         if not f.dead:
             try:
-                with f._cond:
-                    metrics = dict(f.metrics)
+                metrics = f.metrics_now()
                 t0 = time.perf_counter()
                 f.header = f.txn.commit(metrics=metrics)
                 self._observe(f, time.perf_counter() - t0)

@@ -197,3 +197,8 @@ class Flight:
     def add_metrics(self, metrics: Mapping[str, Any]) -> None:
         with self._cond:
             self.metrics.update(metrics)
+
+    def metrics_now(self) -> dict[str, Any]:
+        """A copy of the metrics given so far (``add_metrics`` may run on another thread)."""
+        with self._cond:
+            return dict(self.metrics)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -43,6 +43,9 @@ from ..engine.providers import StoreSource
 from ..engine.torch_state import discover
 from ..errors import ConfigError, ReplayError, StepNotFoundError
 from ..schema import tensor_path, tree_location
+
+if TYPE_CHECKING:
+    from ..store import Reader
 
 __all__ = ["Replay", "replay_step"]
 
@@ -209,15 +212,15 @@ def _step_batches(run: Any, step: int, timeline: str | None, batches: Any, datas
     return [collate([dataset[i] for i in ix]) for ix in known], list(indices)
 
 
-def replay_step(run: Any, step: int, model: torch.nn.Module, optimizer: Any, *,
+def replay_step(run: Any, reader: Reader, step: int, model: torch.nn.Module,
+                optimizer: Any, *,
                 scheduler: Any = None, loss_fn: LossFn | None = None, batches: Any = None,
                 dataset: Any = None, collate: Callable[[list[Any]], Any] | None = None,
                 activations: Iterable[str] = (), per_sample: bool = True,
                 per_sample_grads: bool = False, timeline: str | None = None) -> Replay:
-    """Replay step ``step`` of ``run`` into ``model``/``optimizer`` (see the module
-    docstring and :class:`Replay`)."""
+    """Replay step ``step`` of ``run`` (read with ``reader``, the run's own) into
+    ``model``/``optimizer`` (see the module docstring and :class:`Replay`)."""
     timeline = timeline or run.timeline
-    reader = run._reader
     head_k, head_prev = _prev_header(reader, run.commits(timeline), int(step))
     loss_fn = loss_fn or _default_loss
     micro, sample_ix = _step_batches(run, int(step), timeline, batches, dataset, collate)

@@ -117,7 +117,9 @@ class DsttCallback(Callback):
         s = self.session
         if s is None:
             return
-        s._at_boundary()  # after the optimizer and scheduler stepped: end of the iteration
+        # after the optimizer and scheduler stepped: end of the iteration (the Trainer's loop
+        # stands in for the tracked loader that calls this hook)
+        s._at_boundary()  # noqa: SLF001 - the callback drives the session's step hooks
         if s.step:
             values = numeric_metrics(_step_metrics(trainer))
             if values:

@@ -192,7 +192,7 @@ class DsttCallback(TrainerCallback):
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
         if self.session is not None:  # the iteration ended; the scheduler has stepped
-            self.session._at_boundary()
+            self.session._at_boundary()  # noqa: SLF001 - the callback drives the step hooks
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:

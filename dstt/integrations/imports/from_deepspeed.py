@@ -74,12 +74,15 @@ def _quiet() -> contextlib.AbstractContextManager[Any]:
 def _merge(z: Any, stage: int, world: int, flats: list[Any], models: list[Any],
            paddings: Any) -> dict[str, torch.Tensor]:
     """DeepSpeed's reconstruction of logical tensors from per-rank flat partitions."""
+    # zero_to_fp32's own reconstruction, private there: the module docstring says why we
+    # call it (it is handed each optimizer state's partitions as well as the masters')
     with _quiet():
         if stage <= 2:
-            sd = z._get_fp32_state_dict_from_zero2_checkpoint(world, flats, models, False,
-                                                              paddings)
+            sd = z._get_fp32_state_dict_from_zero2_checkpoint(  # noqa: SLF001
+                world, flats, models, False, paddings)
         else:
-            sd = z._get_fp32_state_dict_from_zero3_checkpoint(world, flats, models, False)
+            sd = z._get_fp32_state_dict_from_zero3_checkpoint(  # noqa: SLF001
+                world, flats, models, False)
         return dict(z.to_torch_tensor(sd))
 
 

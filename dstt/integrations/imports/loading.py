@@ -34,7 +34,8 @@ def numpy_globals() -> list[Any]:
     import numpy as np
 
     core = getattr(np, "_core", None) or np.core
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    reconstruct = core.multiarray._reconstruct  # noqa: SLF001 - the name numpy's pickles use
+    return [reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def deepspeed_globals() -> list[Any]:
