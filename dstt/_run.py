@@ -33,6 +33,8 @@ from .store import Repository, Storage, fold_rows, is_url, write_skips
 if TYPE_CHECKING:
     import xarray as xr
 
+    from dstt.store import CommitHeader  # absolute: this module is about to move
+
     from ._snapshot import Snapshot
     from .inspect.summaries import Spike
 
@@ -196,7 +198,7 @@ class Run(DiagnoseMixin):
 
         return Snapshot(self, self._header(step, timeline), timeline or self.timeline)
 
-    def catalog(self, header: Any) -> Catalog:
+    def catalog(self, header: CommitHeader) -> Catalog:
         """The names of commit ``header`` (:mod:`dstt.inspect.catalog`; cached): its
         tensors by canonical path and its tied names, and how a typed name resolves."""
         got = self._catalogs.get(header.slot)
@@ -425,7 +427,7 @@ class Run(DiagnoseMixin):
         """Plain-data overview (what ``dstt ls --json`` prints and the HTML repr shows)."""
         return run_summary(self)
 
-    def arrays(self, header: Any) -> dict[str, Any]:
+    def arrays(self, header: CommitHeader) -> dict[str, Any]:
         """The arrays table of a commit header (cached)."""
         return self._reader.arrays(header)
 

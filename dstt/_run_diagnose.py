@@ -31,7 +31,7 @@ from .store import Batch, SkipSet, read_batches, read_skips
 if TYPE_CHECKING:
     import xarray as xr
 
-    from .store import Reader, Repository
+    from dstt.store import Reader, Repository  # absolute: this module is about to move
 
 __all__ = ["DiagnoseMixin", "Diagnosis"]
 

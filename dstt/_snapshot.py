@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from .inspect.catalog import Catalog
     from .inspect.readers import ReaderPool
-    from .store import Reader
+    from .store import CommitHeader, Reader
 
 __all__ = ["RunView", "Snapshot"]
 
@@ -37,7 +37,7 @@ class RunView(Protocol):
     _reader: Reader
     _readers: ReaderPool
 
-    def catalog(self, header: Any) -> Catalog: ...
+    def catalog(self, header: CommitHeader) -> Catalog: ...
 
     def batches(self, steps: slice | Iterable[int] | None = None, *,
                 timeline: str | None = None) -> dict[int, list[Batch]]: ...
@@ -46,7 +46,7 @@ class RunView(Protocol):
 class Snapshot:
     """One committed step: lazy tensors by torch name, layer trees, objects, export."""
 
-    def __init__(self, run: RunView, header: Any, timeline: str | None = None) -> None:
+    def __init__(self, run: RunView, header: CommitHeader, timeline: str | None = None) -> None:
         self.run, self.header = run, header
         self.step, self.slot = int(header.step), int(header.slot)
         #: the timeline it was read from; ``header.timeline`` is the one it was written on,

@@ -52,7 +52,7 @@ class Committer:
         self._q.put(None)
         self._thread.join()
 
-    def put_object(self, f: Flight, name: str, obj: Any) -> None:
+    def put_object(self, f: Flight, name: str, obj: object) -> None:
         """Store an object of ``f`` now (tagged JSON; pickle, warned once per name, where
         JSON cannot hold it). Also what the writer threads call for a chunked step."""
         try:
@@ -66,7 +66,7 @@ class Committer:
             f.txn.put_object(name, obj, encoding="pickle")
 
     @staticmethod
-    def _defer_object(f: Flight, name: str, obj: Any) -> None:
+    def _defer_object(f: Flight, name: str, obj: object) -> None:
         f.txn.defer_object(name, obj, or_pickle=True)
 
     def _warn_pickled(self, f: Flight) -> None:

@@ -17,7 +17,7 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +35,9 @@ from .dims import DimsOf
 from .flatlane import FlatPlan, StepBuffers, plan_key
 from .flight import Flight
 from .summaries import flat_digest_plan, summarized
+
+if TYPE_CHECKING:
+    from ..store import FlatLayout
 
 __all__ = ["FlatLane"]
 
@@ -173,7 +176,7 @@ class FlatLane:
             warnings.warn("dstt: the flusher process died; steps are written from threads "
                           "from now on (no step was lost)", RuntimeWarning, stacklevel=4)
 
-    def _image(self, layout: Any, start: int) -> FlatImage:
+    def _image(self, layout: FlatLayout, start: int) -> FlatImage:
         """Where the entries of ``layout`` land when placed at ``start`` (no buffer)."""
         key = (id(layout), start)
         im = self._images.get(key)

@@ -75,7 +75,7 @@ def write_order(tensors: Mapping[str, Any],
     return order
 
 
-def _encode_metrics(txn: Any) -> dict[str, Any]:
+def _encode_metrics(txn: Any) -> dict[str, Any]:  # noqa: ANN401 - a writer's or rank writer's txn
     st = getattr(txn, "stats", None)
     if st is None:
         return {}

@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -57,6 +57,9 @@ from .flight import Flight, StepMetrics, _Aborted, _encode_metrics
 from .governor import EncodeGovernor
 from .staging import Copier, HostCache, RaceReport, VersionGuard
 from .summaries import SummaryBook, summarized
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["Flight", "Pipeline", "StepMetrics"]
 
@@ -141,7 +144,7 @@ class Pipeline(ChunkLane):
         return self.flat.flusher
 
     @staticmethod
-    def _spawn(target: Any, name: str) -> threading.Thread:
+    def _spawn(target: Callable[[], object], name: str) -> threading.Thread:
         t = threading.Thread(target=target, name=name, daemon=True)
         t.start()
         return t

@@ -91,7 +91,7 @@ class RestoreSource(Protocol):
 
     def has_object(self, name: str) -> bool: ...
 
-    def object(self, name: str) -> Any:
+    def object(self, name: str) -> Any:  # noqa: ANN401 - a stored object
         """The stored object (tensors tagged by ``to_plain`` are *not* decoded)."""
         ...
 
@@ -418,7 +418,7 @@ class StoreSource:
     def has_object(self, name: str) -> bool:
         return name in self._header.objects
 
-    def object(self, name: str) -> Any:
+    def object(self, name: str) -> Any:  # noqa: ANN401 - a stored object
         if name in self._cached_objects:
             return self._cached_objects[name]
         return self._reader.read_object(self._header, name, trusted=True)

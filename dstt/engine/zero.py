@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,9 @@ from ..store import LogicalArray, Piece, logical_arrays, read_logical, shard_map
 from ._convert import from_plain, to_plain
 from .providers import RestoreSource
 from .ranks import RankInfo
+
+if TYPE_CHECKING:
+    from ..store import CommitHeader, Reader
 
 __all__ = ["ZeroState"]
 
@@ -208,7 +211,7 @@ class ZeroState:
         return True
 
     def _reshard(self, live: torch.Tensor, g: int, key: str, logical: Mapping[str, LogicalArray],
-                 reader: Any, header: Any) -> None:
+                 reader: Reader, header: CommitHeader) -> None:
         kind = "params" if key == "fp32" else f"optim/{key}"
         for name, slices in self.slices.items():
             path = tensor_path(kind, name)
@@ -225,8 +228,8 @@ class ZeroState:
                 data = read_logical(reader, header, rec, s.dst, s.dst + s.length)
                 live[s.src:s.src + s.length].copy_(torch.from_numpy(data))
 
-    def _refresh_model(self, logical: Mapping[str, LogicalArray], reader: Any,
-                       header: Any) -> None:
+    def _refresh_model(self, logical: Mapping[str, LogicalArray], reader: Reader,
+                       header: CommitHeader) -> None:
         """Model (bit16) weights from the restored master weights, as DeepSpeed's step does."""
         with torch.no_grad():
             if self.stage == 3:

@@ -29,9 +29,12 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import OutputExistsError, StorageError
+
+if TYPE_CHECKING:
+    from ..store import CommitHeader, Reader
 
 __all__ = ["export_dcp"]
 
@@ -53,7 +56,7 @@ def _prepare(out: str, overwrite: bool) -> str:
     return path
 
 
-def export_dcp(reader: Any, header: Any, out: str | os.PathLike[str], *,
+def export_dcp(reader: Reader, header: CommitHeader, out: str | os.PathLike[str], *,
                overwrite: bool = False,
                progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Write commit ``header`` as the DCP folder ``out``; returns ``{"tensors": n,
@@ -103,7 +106,7 @@ def export_dcp(reader: Any, header: Any, out: str | os.PathLike[str], *,
     return {"tensors": len(tensors), "bytes": nbytes, "path": path}
 
 
-def _tensors(x: Any) -> list[Any]:
+def _tensors(x: Any) -> list[Any]:  # noqa: ANN401 - a nested state dict
     import torch
 
     if isinstance(x, torch.Tensor):

@@ -45,7 +45,7 @@ from ..errors import ConfigError, ReplayError, StepNotFoundError
 from ..schema import tensor_path, tree_location
 
 if TYPE_CHECKING:
-    from ..store import Reader
+    from ..store import CommitHeader, Reader
 
 __all__ = ["Replay", "replay_step"]
 
@@ -127,7 +127,7 @@ class Replay:
                 f"losses {[round(x, 6) for x in self.losses]}; worst samples {worst})")
 
 
-def _prev_header(reader: Any, line: Sequence[Any], step: int) -> tuple[Any, Any]:
+def _prev_header(reader: Reader, line: Sequence[Any], step: int) -> tuple[Any, Any]:
     """(commit of ``step``, commit of ``step - 1``) on the timeline ``line``."""
     by_step = {int(h.step): h for h in line}
     if step not in by_step:
@@ -290,7 +290,7 @@ def _hook_activations(model: torch.nn.Module, wanted: Iterable[str]
     return [by_name[w].register_forward_hook(keep(w)) for w in wanted], acts
 
 
-def _compare(reader: Any, head: Any, model: torch.nn.Module, optimizer: Any,
+def _compare(reader: Reader, head: CommitHeader, model: torch.nn.Module, optimizer: Any,
              names: Mapping[int, str]) -> tuple[bool, float, list[str]]:
     """Every parameter and optimizer-state tensor against commit ``head``."""
     source = StoreSource(reader, head)

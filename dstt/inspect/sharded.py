@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from ..store import (
     read_logical,
 )
 
+if TYPE_CHECKING:
+    from ..store import CommitHeader, Reader
+
 __all__ = ["LogicalRecord", "read_logical_chunk", "shard_sources", "with_logical"]
 
 
@@ -41,7 +44,7 @@ class LogicalRecord(ArrayRecord):
     logical: LogicalArray | None = None
 
 
-def with_logical(reader: Any, header: Any, table: dict[str, Any]) -> dict[str, Any]:
+def with_logical(reader: Reader, header: CommitHeader, table: dict[str, Any]) -> dict[str, Any]:
     """``table`` plus a ``LogicalRecord`` per logical tensor of the commit."""
     found = logical_arrays(reader, header, table)
     if not found:
@@ -57,7 +60,8 @@ def with_logical(reader: Any, header: Any, table: dict[str, Any]) -> dict[str, A
     return out
 
 
-def read_logical_chunk(reader: Any, header: Any, rec: LogicalRecord, index: int) -> memoryview:
+def read_logical_chunk(reader: Reader, header: CommitHeader, rec: LogicalRecord,
+                       index: int) -> memoryview:
     """Bytes of virtual chunk ``index`` of a logical tensor (no padding), like ``read_chunk``."""
     assert rec.logical is not None
     plan = rec.plan

@@ -16,7 +16,7 @@ import json
 import os
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import FormatVersionError, NotARunError, TimelineError
 from .commit.writer import Writer
@@ -40,6 +40,9 @@ from .maintenance.verify import VerifyReport, verify
 from .read.reader import Reader
 from .storage.base import Storage
 from .storage.urls import storage_for
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["Repository"]
 
@@ -186,12 +189,14 @@ class Repository:
     # -- maintenance (maintenance/gc.py, maintenance/verify.py) -------------------------------
     def gc(self, *, keep_last: int | None = None, keep_every: int | None = None,
            keep_steps: Iterable[int] = (), retention: Retention | None = None,
-           dry_run: bool = False, progress: Any = None) -> GcReport:
+           dry_run: bool = False,
+           progress: Callable[[int, int], None] | None = None) -> GcReport:
         """Prune what ``retention`` (or the keywords) does not keep (``maintenance.gc``)."""
         return gc(self, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
                   retention=retention, dry_run=dry_run, progress=progress)
 
-    def verify(self, *, progress: Any = None, repair: bool = False) -> VerifyReport:
+    def verify(self, *, progress: Callable[[int, int], None] | None = None,
+               repair: bool = False) -> VerifyReport:
         """Check every reachable byte and the index; ``repair``: rebuild the index from
         the commit headers first (what ``dstt verify --repair`` does)."""
         if repair:

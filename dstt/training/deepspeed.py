@@ -23,7 +23,7 @@ path too, for code that already calls it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engine.deepspeed import DeepSpeedState, EngineStepHook
 from ..engine.dims import DimsOf, ModelDims
@@ -33,6 +33,9 @@ from ..engine.torch_state import Stateful, TorchState
 from ..errors import ConfigError
 from .distributed import RankedSession
 from .options import SessionOptions
+
+if TYPE_CHECKING:
+    from ..store import Reader
 
 __all__ = ["DeepSpeedSession"]
 
@@ -64,7 +67,7 @@ class DeepSpeedSession(RankedSession):
                                   extra=[data])
         return self._ds.state
 
-    def _restore_state(self, source: StoreSource, reader: Any, head: Any) -> None:
+    def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:
         assert self._ds is not None
         self._ds.restore(source)
 

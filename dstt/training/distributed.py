@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,9 @@ from ..errors import ConfigError, RankError
 from ..store import Repository
 from .options import SessionOptions
 from .session import Session
+
+if TYPE_CHECKING:
+    from ..store import Reader
 
 __all__ = ["DistributedSession", "RankedSession"]
 
@@ -147,6 +150,6 @@ class DistributedSession(RankedSession):
                                        extra=[data])
         return self._parallel.state
 
-    def _restore_state(self, source: StoreSource, reader: Any, head: Any) -> None:
+    def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:
         self._state.step_state.restore(source)
         self._state.boundary_state.restore(source)

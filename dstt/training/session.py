@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,9 @@ from .metrics import MetricLog, metric_value
 from .options import DEFAULT_BUDGET, CopyMode, ErrorPolicy, RacePolicy, SessionOptions
 from .retention import RetentionRunner, store_writer
 from .steps import StepHooks
+
+if TYPE_CHECKING:
+    from ..store import Reader
 
 __all__ = ["DEFAULT_BUDGET", "CopyMode", "ErrorPolicy", "OptimizerArg", "RacePolicy", "Session",
            "SessionOptions"]
@@ -231,7 +234,7 @@ class Session(StepHooks):
             raise
         return writer, reader, head
 
-    def _restore_state(self, source: StoreSource, reader: Any, head: Any) -> None:
+    def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:
         self._state.step_state.restore(source)
         self._state.boundary_state.restore(source)
 
@@ -385,7 +388,7 @@ class Session(StepHooks):
                               if state.get("loader") is not None else None)
         self._tracked = None
 
-    def _restore(self, reader: Any, head: Any) -> None:
+    def _restore(self, reader: Reader, head: Any) -> None:
         source = StoreSource(reader, head, prefetch=self._prefetch_restore)
         with imported_gaps(source, self._state.step_state, optimizer=bool(self.optimizers),
                            scheduler=self.scheduler is not None):

@@ -28,7 +28,7 @@ import itertools
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numcodecs import blosc
@@ -38,6 +38,9 @@ from .flatpredict import groups, predict_residuals
 from .layout_state import LayoutState
 from .predict import CUR, PRED, Prediction
 from .xor import XOR, DeltaPolicy
+
+if TYPE_CHECKING:
+    from .buffers import Scratch
 
 __all__ = ["FlatEncoded", "FlatShadow", "encode_flat", "seed_shadow", "xor_into"]
 
@@ -172,7 +175,7 @@ def _compress(views: list[Any], cname: str, clevel: int) -> list[bytes]:
 
 
 def encode_flat(policy: DeltaPolicy, st: LayoutState, buf: np.ndarray, base: FlatShadow,
-                slot: int, predictions: Mapping[str, Prediction], scratch: Any) -> FlatEncoded:
+                slot: int, predictions: Mapping[str, Prediction], scratch: Scratch) -> FlatEncoded:
     """Decide and encode every chunk of the step in ``buf`` (uint8, ``layout.nbytes``)
     against ``base``; writes nothing (``scratch``: a ``buffers.Scratch``)."""
     layout = st.layout

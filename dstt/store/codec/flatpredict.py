@@ -19,12 +19,15 @@ import itertools
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .layout_state import LayoutState
 from .predict import CUR, PREDICTORS, Prediction
+
+if TYPE_CHECKING:
+    from .buffers import Scratch
 
 __all__ = ["Group", "groups", "predict_residuals"]
 
@@ -127,7 +130,7 @@ def _plan(st: LayoutState, predictions: Mapping[str, Prediction]) -> list[list[G
 
 
 def predict_residuals(g: Group, t: np.ndarray, ins: list[np.ndarray], prev_b: list[Any],
-             cur_b: list[Any], st: LayoutState, scratch: Any) -> list[Any]:
+             cur_b: list[Any], st: LayoutState, scratch: Scratch) -> list[Any]:
     """Residuals (uint32 views, one per target chunk) of ``cur XOR predicted`` for the
     targets ``t``: their chunks and inputs gathered into contiguous float32 arrays, the
     predictor run once over all of them."""

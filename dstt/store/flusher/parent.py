@@ -64,14 +64,14 @@ def flusher_supported() -> bool:
     return hasattr(os, "memfd_create") and sys.platform.startswith("linux")
 
 
-def _send(out: IO[bytes], obj: Any) -> None:
+def _send(out: IO[bytes], obj: tuple[Any, ...]) -> None:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     out.write(_LEN.pack(len(data)))
     out.write(data)
     out.flush()
 
 
-def _recv(inp: IO[bytes]) -> Any:
+def _recv(inp: IO[bytes]) -> tuple[Any, ...]:
     head = inp.read(_LEN.size)
     if len(head) < _LEN.size:
         raise EOFError("flusher pipe closed")
@@ -79,7 +79,8 @@ def _recv(inp: IO[bytes]) -> Any:
     data = inp.read(n)
     if len(data) < n:
         raise EOFError("flusher pipe closed mid-message")
-    return pickle.loads(data)
+    msg: tuple[Any, ...] = pickle.loads(data)
+    return msg
 
 
 class Flusher:
@@ -166,7 +167,7 @@ class Flusher:
         for slot in waiting.values():
             slot[0].set()
 
-    def _expect(self, what: str) -> Any:
+    def _expect(self, what: str) -> tuple[Any, ...]:
         reply = _recv(self._in)
         if reply[0] == "err":
             raise StorageError(reply[2] or _errno.EIO, f"flusher: {reply[3]}")

@@ -32,7 +32,7 @@ def checksum(data: bytes | memoryview, value: int = 0) -> int:
     return int(_crc.crc32c(data, value))
 
 
-def _canonical(body: Any) -> bytes:
+def _canonical(body: object) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -78,7 +78,7 @@ def _fields(body: dict[str, Any], required: set[str], optional: set[str], where:
         )
 
 
-def _metric_out(v: Any) -> Any:
+def _metric_out(v: object) -> Metric | dict[str, str]:
     if isinstance(v, float) and not math.isfinite(v):
         return {"float": repr(v)}
     if isinstance(v, (bool, int, float, str)):
@@ -86,7 +86,7 @@ def _metric_out(v: Any) -> Any:
     raise TypeError(f"metric values must be numbers, strings or bools, got {type(v).__name__}")
 
 
-def _metric_in(v: Any) -> Metric:
+def _metric_in(v: Metric | dict[str, str]) -> Metric:
     if isinstance(v, dict):
         return float(v["float"])
-    return v  # type: ignore[no-any-return]
+    return v

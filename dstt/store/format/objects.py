@@ -36,7 +36,7 @@ class Encoded:
     encoding: Encoding = "json"
 
     @classmethod
-    def of(cls, obj: Any, encoding: Encoding = "json") -> Encoded:
+    def of(cls, obj: object, encoding: Encoding = "json") -> Encoded:
         return cls(encode_object(obj, encoding), encoding)
 
 
@@ -71,7 +71,7 @@ def _plain_items(x: list[Any] | tuple[Any, ...]) -> bool:
     return types <= _NUMBERS and all(map(math.isfinite, x))
 
 
-def _enc(x: Any) -> Any:
+def _enc(x: object) -> object:
     if x is None or isinstance(x, (bool, str)):
         return x
     if isinstance(x, int):
@@ -125,7 +125,7 @@ def _dec(x: Any) -> Any:
     return x
 
 
-def encode_object(obj: Any, encoding: Encoding = "json") -> bytes:
+def encode_object(obj: object, encoding: Encoding = "json") -> bytes:
     if encoding == "json":
         return json.dumps(_enc(obj), separators=(",", ":"), allow_nan=False).encode()
     if encoding == "pickle":

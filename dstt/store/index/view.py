@@ -109,7 +109,7 @@ class _Segment:
         self._locdir: dict[str, Any] | None = None
         self._lock = threading.Lock()
 
-    def read_blob(self, st: Storage, name: str) -> Any:
+    def read_blob(self, st: Storage, name: str) -> Any:  # noqa: ANN401 - bytes or an array, by the blob's kind
         off, nbytes = self.d["blobs"][name][:2]
         data = st.read_range(self.key, self.base + off, nbytes)
         return blob(self.d, name, data, off, f"{st.location}/{self.key}")

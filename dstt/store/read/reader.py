@@ -378,7 +378,7 @@ class Reader:
         lo = start - first * plan.rows
         return block[lo: lo + (stop - start)]
 
-    def read_object(self, header: CommitHeader, name: str, *, trusted: bool = False) -> Any:
+    def read_object(self, header: CommitHeader, name: str, *, trusted: bool = False) -> Any:  # noqa: ANN401 - a stored object
         try:
             rec = header.objects[name]
         except KeyError:

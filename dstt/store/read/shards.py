@@ -32,12 +32,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ...errors import CorruptRunError
 from ..format.zarr_meta import numpy_dtype
+
+if TYPE_CHECKING:
+    from ..format.records import CommitHeader
+    from .reader import Reader
 
 __all__ = [
     "SHARDS_PREFIX",
@@ -207,7 +211,7 @@ def _check(a: LogicalArray, table: Mapping[str, Any], where: str) -> None:
                               f"{a.numel} elements")
 
 
-def logical_arrays(reader: Any, header: Any,
+def logical_arrays(reader: Reader, header: CommitHeader,
                    table: Mapping[str, Any] | None = None) -> dict[str, LogicalArray]:
     """Every logical array of a commit (empty when it has no shard maps), validated against
     the commit's arrays ``table`` (default: ``reader.arrays(header)``)."""
@@ -225,7 +229,7 @@ def logical_arrays(reader: Any, header: Any,
     return out
 
 
-def read_logical(reader: Any, header: Any, a: LogicalArray, start: int = 0,
+def read_logical(reader: Reader, header: CommitHeader, a: LogicalArray, start: int = 0,
                  stop: int | None = None) -> np.ndarray:
     """Elements ``[start, stop)`` of the flattened logical array, reading only the chunks of
     the pieces (or boxes) that hold them (numpy, the stored dtype; bfloat16 as
@@ -251,7 +255,7 @@ def read_logical(reader: Any, header: Any, a: LogicalArray, start: int = 0,
     return out
 
 
-def _read_boxes(reader: Any, header: Any, a: LogicalArray, offsets: Sequence[int],
+def _read_boxes(reader: Reader, header: CommitHeader, a: LogicalArray, offsets: Sequence[int],
                 sizes: Sequence[int]) -> np.ndarray:
     out = np.empty(tuple(sizes), dtype=numpy_dtype(a.dtype))
     filled = 0
@@ -271,7 +275,7 @@ def _read_boxes(reader: Any, header: Any, a: LogicalArray, offsets: Sequence[int
     return out
 
 
-def read_region(reader: Any, header: Any, path: str, offsets: Sequence[int],
+def read_region(reader: Reader, header: CommitHeader, path: str, offsets: Sequence[int],
                 sizes: Sequence[int], logical: Mapping[str, LogicalArray] | None = None
                 ) -> np.ndarray:
     """The box ``offsets``/``sizes`` of the tensor ``path`` of a commit, whether it is stored

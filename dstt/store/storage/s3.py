@@ -188,7 +188,7 @@ class S3Storage(Storage):
     def barrier(self) -> None:
         """Nothing to do: every write is durable once it returns."""
 
-    def _head(self, key: str) -> Any:
+    def _head(self, key: str) -> Any:  # noqa: ANN401 - obstore's head
         """The object's metadata, or None when there is none (a HEAD's 404 has no body, which
         obstore reports as a generic error)."""
         try:
@@ -285,7 +285,7 @@ class S3Storage(Storage):
         page = self._boto().list_multipart_uploads(Bucket=self.bucket, Prefix=pre)
         return tuple(u["Key"][len(pre):] for u in page.get("Uploads", []))
 
-    def _boto(self) -> Any:
+    def _boto(self) -> Any:  # noqa: ANN401 - a botocore client
         """A botocore client with this storage's configuration: obstore has no call to list
         or abort multipart uploads."""
         import botocore.session  # the s3 extra; only gc needs it

@@ -56,7 +56,7 @@ class _S3Lease:
                            "host": socket.gethostname(), "expires": expires,
                            "ttl": self.ttl}).encode()
 
-    def _put(self, mode: Any, expires: float | None = None) -> None:
+    def _put(self, mode: Any, expires: float | None = None) -> None:  # noqa: ANN401 - obstore's put mode
         t0 = time.monotonic()
         exp = time.time() + self.ttl if expires is None else expires
         res = obstore.put(self.storage.store, self.key, self._record(exp), mode=mode)
