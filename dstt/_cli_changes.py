@@ -3,9 +3,7 @@ parser calls them; each is one call into ``dstt.Run``, then printing)."""
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._cli_common import (
     EXIT_OK,
@@ -15,6 +13,10 @@ from ._cli_common import (
     _emit,
     _resolve_run,
 )
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Iterator
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:

@@ -9,9 +9,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     ConfigError,
@@ -24,6 +23,9 @@ from .errors import (
     TimelineError,
     UnsafeObjectError,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_BAD_INPUT, EXIT_RUN, EXIT_INTERNAL = 0, 1, 2, 3, 4
 EXIT_PIPE = 128 + 13  # SIGPIPE: what a shell reports for a tool stopped by a closed pipe

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterator
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from ._cli_common import EXIT_OK, EXIT_PROBLEMS, UsageError, _bar, _emit, _run_root
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 __all__ = ["add_import", "cmd_import"]
 

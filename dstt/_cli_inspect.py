@@ -8,10 +8,8 @@ alternative: one module for the commands, the parser and ``main`` — three jobs
 
 from __future__ import annotations
 
-import argparse
 import math
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._cli_common import (
     EXIT_OK,
@@ -25,6 +23,10 @@ from ._cli_common import (
     _resolve_run,
     _when,
 )
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Iterator
 
 __all__ = ["cmd_diff", "cmd_export", "cmd_index", "cmd_log", "cmd_ls", "cmd_show", "cmd_verify"]
 

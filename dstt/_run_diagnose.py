@@ -9,7 +9,6 @@ that holds the run's views and timelines (``_run.py``) small.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,8 @@ from .inspect.summaries import Spike
 from .store import Batch, SkipSet, read_batches, read_skips
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
     import xarray as xr
 
     from dstt.store import Reader, Repository  # absolute: this module is about to move

@@ -11,21 +11,21 @@ and views over many steps; one step's tensors and its export) in one file.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .schema import optim_state, user_name
-from .store import Batch
 
 if TYPE_CHECKING:
+    import os
+    from collections.abc import Callable, Iterable, Mapping, Sequence
+
     import numpy as np
     import torch
     import xarray as xr
 
     from .inspect.catalog import Catalog
     from .inspect.readers import ReaderPool
-    from .store import CommitHeader, Reader
+    from .store import Batch, CommitHeader, Reader
 
 __all__ = ["RunView", "Snapshot"]
 

@@ -30,8 +30,7 @@ import argparse
 import os
 import sys
 import traceback
-from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._cli_changes import (
     cmd_gc,
@@ -65,6 +64,9 @@ from ._cli_replay import cmd_replay
 from .errors import (
     DsttError,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_INTERNAL", "EXIT_OK", "EXIT_PIPE", "EXIT_PROBLEMS", "EXIT_RUN",
            "main"]

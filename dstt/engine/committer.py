@@ -21,12 +21,14 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..store import Encoded
-from .flight import Flight
-from .governor import EncodeGovernor
-from .summaries import SummaryBook
+
+if TYPE_CHECKING:
+    from .flight import Flight
+    from .governor import EncodeGovernor
+    from .summaries import SummaryBook
 
 __all__ = ["Committer"]
 

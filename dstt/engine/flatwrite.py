@@ -16,7 +16,6 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,13 +30,15 @@ from ..store import (
     StepWriter,
     digest,
 )
-from .dims import DimsOf
 from .flatlane import FlatPlan, StepBuffers, plan_key
-from .flight import Flight
 from .summaries import flat_digest_plan, summarized
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from ..store import FlatLayout
+    from .dims import DimsOf
+    from .flight import Flight
 
 __all__ = ["FlatLane"]
 

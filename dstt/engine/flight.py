@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..store import CUR, ChunkPlan, Prediction
 from ._convert import flat_bytes
-from .flatlane import FlatPlan
 from .providers import TensorSpec
 from .staging import Copier, VersionGuard
-from .summaries import SummaryAccumulator
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
+    from .flatlane import FlatPlan
+    from .summaries import SummaryAccumulator
 
 __all__ = ["Flight", "StepMetrics", "write_order"]
 

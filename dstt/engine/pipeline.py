@@ -32,7 +32,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,8 +50,6 @@ from ..store import (
 )
 from .chunklane import ChunkLane
 from .committer import Committer
-from .dims import DimsOf
-from .flatlane import FlatPlan, StepBuffers
 from .flatwrite import FlatLane
 from .flight import Flight, StepMetrics, _Aborted, _encode_metrics
 from .governor import EncodeGovernor
@@ -59,7 +57,10 @@ from .staging import Copier, HostCache, RaceReport, VersionGuard
 from .summaries import SummaryBook, summarized
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Mapping
+
+    from .dims import DimsOf
+    from .flatlane import FlatPlan, StepBuffers
 
 __all__ = ["Flight", "Pipeline", "StepMetrics"]
 

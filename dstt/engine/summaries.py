@@ -45,13 +45,15 @@ import functools
 import math
 import threading
 import zlib
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ..store import DigestPlan, logical_of
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = [
     "PROBE_SIZE",

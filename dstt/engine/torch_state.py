@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import operator
 import random
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -45,6 +44,9 @@ from .providers import (
     StateProvider,
     TensorProvider,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
 
 __all__ = [
     "ONE_RANK",

@@ -30,7 +30,6 @@ dicts on the training thread, and its layout differs per stage and DeepSpeed ver
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,11 +39,13 @@ from ..errors import RankError, SchemaError
 from ..schema import tensor_path
 from ..store import LogicalArray, Piece, logical_arrays, read_logical, shard_map
 from ._convert import from_plain, to_plain
-from .providers import RestoreSource
-from .ranks import RankInfo
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from ..store import CommitHeader, Reader
+    from .providers import RestoreSource
+    from .ranks import RankInfo
 
 __all__ = ["ZeroState"]
 

@@ -18,7 +18,6 @@ a load would untie them; and resolving tied names only in ``tensor()`` — ``lay
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import TensorNotFoundError
@@ -28,6 +27,8 @@ from .selection import Pick, select_layer, selector_miss
 from .sharded import shard_sources
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
     from ..store import CommitHeader, Reader
 
 __all__ = ["CONFIG_OBJECT", "TIED_OBJECT", "Catalog"]

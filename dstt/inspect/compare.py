@@ -12,7 +12,6 @@ may be far apart or on different timelines.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,6 +21,8 @@ from ..schema import user_name
 from ..store import numpy_dtype
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from ..store import CommitHeader, Reader
 
 __all__ = ["diff_commits"]

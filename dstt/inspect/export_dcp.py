@@ -28,12 +28,13 @@ import contextlib
 import os
 import shutil
 import warnings
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import OutputExistsError, StorageError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ..store import CommitHeader, Reader
 
 __all__ = ["export_dcp"]

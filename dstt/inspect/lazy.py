@@ -20,7 +20,6 @@ manifest's crc32c check.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +33,8 @@ from ..store import numpy_dtype
 from .readers import ReaderPool
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from ..store import CommitHeader, Reader
 
 __all__ = ["CommitArray", "ReaderPool", "TrajectoryArray", "read_outer", "variable", "view_dtype"]

@@ -18,7 +18,6 @@ restore) — five places to keep one rule, and the store's index answers by stor
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._lru import LRU
@@ -27,6 +26,8 @@ from .naming import canonical_path
 from .sharded import LogicalRecord, read_logical_chunk, with_logical
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ..store import CommitHeader, Storage
 
 __all__ = ["ReaderPool"]

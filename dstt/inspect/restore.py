@@ -34,7 +34,6 @@ has ``"optimizer": None``.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -57,6 +56,8 @@ from .optimizers import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from ..store import CommitHeader, Reader
 
 __all__ = ["GROUPS_OBJECT", "PARTS", "SCHEDULER_OBJECT", "STATE_OBJECT", "LoadResult",

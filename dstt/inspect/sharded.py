@@ -15,7 +15,6 @@ Rejected alternative: a second kind of backend array for logical tensors — eve
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +31,8 @@ from ..store import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from ..store import CommitHeader, Reader
 
 __all__ = ["LogicalRecord", "read_logical_chunk", "shard_sources", "with_logical"]

@@ -15,19 +15,20 @@ hierarchy users navigate by, and xarray's dotted variable names do not tab-compl
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
 
 from ..schema import tree_location, user_name
-from .catalog import Catalog
 from .lazy import CommitArray, ReaderPool, TrajectoryArray, variable
 from .summaries import step_coords
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
     from ..store import CommitHeader
+    from .catalog import Catalog
 
 __all__ = ["layer_tree", "tensor_dataarray", "trajectory_dataarray"]
 

@@ -22,19 +22,22 @@ copy of the model and optimizer, in a layout private to each Lightning version.
 
 from __future__ import annotations
 
-import os
 import random
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from ..errors import ConfigError
-from ..store import Repository
 from ..training import Session, open_session
 from ._common import numeric_metrics, session_options
+
+if TYPE_CHECKING:
+    import os
+    from collections.abc import Mapping
+
+    from ..store import Repository
 
 __all__ = ["DsttCallback"]
 

@@ -33,8 +33,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -50,6 +49,9 @@ from ._common import (
     unwrap_optimizer,
     unwrap_scheduler,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 __all__ = ["DsttCallback"]
 

@@ -17,7 +17,6 @@ timelines or summaries, and users would have to assemble the step x tensor matri
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,6 +27,8 @@ from .draw import draw_bars, draw_curves, draw_heatmap, draw_tensor
 from .series import exactness_label, param_names, step_change, tensor_stats
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from matplotlib.axes import Axes
 
     from .._run import Run

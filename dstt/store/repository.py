@@ -13,9 +13,7 @@ told two attempts apart by nothing). Renaming and deleting timelines: ``maintena
 from __future__ import annotations
 
 import json
-import os
 import time
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import FormatVersionError, NotARunError, TimelineError
@@ -34,7 +32,6 @@ from .format.records import RefInfo
 from .format.zarr_meta import dump, group_document, root_attributes
 from .index.repair import rebuild
 from .maintenance.gc import GcReport, gc
-from .maintenance.retention import Retention
 from .maintenance.timelines import DeleteReport, delete_timeline, rename_timeline
 from .maintenance.verify import VerifyReport, verify
 from .read.reader import Reader
@@ -42,7 +39,10 @@ from .storage.base import Storage
 from .storage.urls import storage_for
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    import os
+    from collections.abc import Callable, Iterable
+
+    from .maintenance.retention import Retention
 
 __all__ = ["Repository"]
 

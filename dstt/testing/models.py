@@ -9,11 +9,14 @@ networked, and no more informative for checkpoint correctness.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 __all__ = ["Block", "SyntheticBatches", "TinyGPT", "make_batch"]
 

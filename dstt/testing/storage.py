@@ -19,12 +19,14 @@ backend's own contract test — they drift (the S3 and local tests checked diffe
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from ..errors import MissingFileError, RunLockedError
-from ..store import Storage
+
+if TYPE_CHECKING:
+    from ..store import Storage
 
 __all__ = ["StorageTests"]
 

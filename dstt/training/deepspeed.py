@@ -22,20 +22,21 @@ path too, for code that already calls it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..engine.deepspeed import DeepSpeedState, EngineStepHook
 from ..engine.dims import DimsOf, ModelDims
 from ..engine.providers import RankObject, StoreSource
-from ..engine.ranks import RankInfo
-from ..engine.torch_state import Stateful, TorchState
 from ..errors import ConfigError
 from .distributed import RankedSession
-from .options import SessionOptions
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from ..engine.ranks import RankInfo
+    from ..engine.torch_state import Stateful, TorchState
     from ..store import Reader
+    from .options import SessionOptions
 
 __all__ = ["DeepSpeedSession"]
 

@@ -25,23 +25,24 @@ need a collective and rank 0 would write every byte; and a resume would restore 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from ..engine.dims import DimsOf, ModelDims
 from ..engine.parallel import ParallelState
 from ..engine.providers import RankObject, StoreSource
 from ..engine.ranks import RankChannel, RankInfo, dist_info, open_ranks
-from ..engine.torch_state import Stateful, TorchState
 from ..errors import ConfigError, RankError
 from ..store import Repository
-from .options import SessionOptions
 from .session import Session
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
+    from ..engine.torch_state import Stateful, TorchState
     from ..store import Reader
+    from .options import SessionOptions
 
 __all__ = ["DistributedSession", "RankedSession"]
 

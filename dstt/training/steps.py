@@ -28,16 +28,17 @@ session's hooks would change, for no gain over methods.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..engine.pipeline import Flight, Pipeline
 from ..errors import DsttError, RaceError
 from .checks import capture_error, warn_skipped
 from .data import BATCHES_OBJECT, BatchLog
 from .metrics import METRICS_HISTORY_OBJECT, MetricLog
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from ..engine.pipeline import Flight, Pipeline
     from ..engine.torch_state import TorchState
     from .options import SessionOptions
     from .retention import RetentionRunner

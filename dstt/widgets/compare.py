@@ -17,7 +17,6 @@ import html
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xarray as xr
 
 from .._optional import require
 from ..errors import StepNotFoundError, TensorNotFoundError
@@ -28,6 +27,7 @@ from .model import default_metric
 from .views import TOP_BARS, FigureView
 
 if TYPE_CHECKING:
+    import xarray as xr
     from matplotlib.axes import Axes
 
     from .._run import Run

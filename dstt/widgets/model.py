@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import xarray as xr
 
 from .._lru import LRU
 from ..errors import MetricNotFoundError, StepNotFoundError, TensorNotFoundError, TimelineError
@@ -27,6 +26,8 @@ from ..plots.series import step_change
 from ..schema import user_name
 
 if TYPE_CHECKING:
+    import xarray as xr
+
     from .._run import Run
     from .._snapshot import Snapshot
     from ..inspect.summaries import Spike

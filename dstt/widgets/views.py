@@ -12,7 +12,6 @@ assert on but a MIME bundle.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,10 +19,13 @@ import numpy as np
 from .._optional import require
 from ..plots.draw import draw_bars, draw_curves, draw_tensor
 from ..plots.series import exactness_label
-from .model import ScrubberModel
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from matplotlib.axes import Axes
+
+    from .model import ScrubberModel
 
 __all__ = ["FigureView", "draw_change", "draw_loss", "draw_shown"]
 

@@ -15,14 +15,16 @@ and five places to get the optimizer objects subtly wrong.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ...errors import SourceError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 __all__ = ["BUFFER_NAMES", "Checkpoint", "NamedOptimizer", "dedup_tied", "rng_object",
            "split_buffers", "split_by_model", "step_in_name"]

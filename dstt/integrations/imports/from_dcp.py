@@ -22,11 +22,10 @@ disk, and its planner unpickles with ``weights_only=False``.
 from __future__ import annotations
 
 import glob
-import io
 import os
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +33,9 @@ from ...errors import SourceError, UnsafeObjectError
 from .checkpoint import Checkpoint, NamedOptimizer, step_in_name
 from .from_torch import OPTIMIZER_KEYS, SCHEDULER_KEYS, model_checkpoint
 from .loading import numpy_globals
+
+if TYPE_CHECKING:
+    import io
 
 __all__ = ["FORMAT", "is_dcp_folder", "read_dcp", "step_of_dcp"]
 

@@ -27,14 +27,15 @@ import io
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ...errors import SourceError
 from .checkpoint import Checkpoint, NamedOptimizer, step_in_name
 from .from_torch import model_checkpoint
 from .loading import deepspeed_globals, load_pickle
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FORMAT", "is_deepspeed_tag", "read_deepspeed", "step_of_deepspeed"]
 

@@ -30,8 +30,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from ...engine.summaries import SummaryBook
 from ...store import DeltaPolicy, Repository
 from .checkpoint import Checkpoint
@@ -39,6 +37,8 @@ from .sources import Source, Unknown, find_sources, reader_of
 from .write import SOURCE_OBJECT, write_checkpoint
 
 if TYPE_CHECKING:
+    import torch
+
     from ...store import CommitHeader, Reader
 
 __all__ = ["ImportReport", "Imported", "Skipped", "import_checkpoints"]

@@ -19,12 +19,14 @@ import contextlib
 import os
 import pickle
 import re
-from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...errors import SourceError, UnsafeObjectError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
 
 __all__ = ["deepspeed_globals", "load_pickle", "numpy_globals", "read_safetensors"]
 

@@ -26,21 +26,22 @@ from __future__ import annotations
 
 import itertools
 import struct
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numcodecs import blosc
 
-from ..format.flat import FlatLayout
 from .flatpredict import groups, predict_residuals
-from .layout_state import LayoutState
 from .predict import CUR, PRED, Prediction
 from .xor import XOR, DeltaPolicy
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from ..format.flat import FlatLayout
     from .buffers import Scratch
+    from .layout_state import LayoutState
 
 __all__ = ["FlatEncoded", "FlatShadow", "encode_flat", "seed_shadow", "xor_into"]
 

@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .layout_state import LayoutState
 from .predict import CUR, PREDICTORS, Prediction
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from .buffers import Scratch
+    from .layout_state import LayoutState
 
 __all__ = ["Group", "groups", "predict_residuals"]
 

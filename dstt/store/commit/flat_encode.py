@@ -18,18 +18,20 @@ import itertools
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..codec.delta import DeltaEncoder
 from ..codec.flatdelta import DEDUP, KEY
-from ..codec.layout_state import LayoutState
-from ..codec.predict import Prediction
 from ..format.envelope import crc32c_raw
-from ..format.flat import FlatLayout
-from ..format.stepfile import SideFile, StepFile
 from ..format.zipfmt import Entry, crc32_raw, directory_records, local_header
+
+if TYPE_CHECKING:
+    from ..codec.delta import DeltaEncoder
+    from ..codec.layout_state import LayoutState
+    from ..codec.predict import Prediction
+    from ..format.flat import FlatLayout
+    from ..format.stepfile import SideFile, StepFile
 
 __all__ = ["EncodedWrite", "write_encoded"]
 

@@ -22,7 +22,6 @@ too.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,10 +30,12 @@ from ..format.layout import commit_key, group_meta_key, ref_key
 from ..format.manifest import TableTemplate, dump_header
 from ..format.objects import Encoded, Encoding, encode_object
 from ..format.records import CommitHeader, Location, Metric, ObjectRecord
-from ..format.stepfile import Block, SideFile, StepFile, StepState
 from ..format.zarr_meta import root_attributes, root_document_bytes
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from ..format.stepfile import Block, SideFile, StepFile, StepState
     from ..storage.base import Storage
 
 __all__ = ["CommitJob", "Deferred", "NotHandedOff", "RemoteCommitter", "encode_deferred",

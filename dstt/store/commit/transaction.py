@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -34,16 +33,20 @@ from ..format.layout import (
     step_file_key,
     zarr_chunk_key,
 )
-from ..format.manifest import TableBuilder, TableTemplate
 from ..format.objects import Encoded, Encoding, encode_object
-from ..format.parts import Part
 from ..format.records import ArrayRecord, ChunkRecord, CommitHeader, Metric, ObjectRecord
 from ..format.stepfile import SideFile, StepFile
 from ..format.zipfmt import crc32
-from ..storage.base import Storage
 from .flat_encode import write_encoded
 from .job import Deferred, encode_deferred
 from .step_table import Columns, EncodedColumns, StepTable
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+    from ..format.manifest import TableBuilder, TableTemplate
+    from ..format.parts import Part
+    from ..storage.base import Storage
 
 __all__ = ["StepOwner", "Transaction"]
 

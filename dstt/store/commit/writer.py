@@ -25,13 +25,11 @@ import contextlib
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...errors import DsttError, SchemaError, StorageError
 from ..codec.delta import DeltaEncoder
-from ..codec.xor import DeltaPolicy
 from ..format.flat import FlatLayout
 from ..format.layout import (
     DEFAULT_CHUNK_BYTES,
@@ -47,7 +45,6 @@ from ..format.layout import (
 )
 from ..format.manifest import TableTemplate, dump_arrays, dump_ref
 from ..format.parts import Part, dump_part, remove_parts
-from ..format.records import CommitHeader, Metric
 from ..format.stepfile import Block
 from ..format.zarr_meta import (
     array_document,
@@ -59,12 +56,18 @@ from ..format.zarr_meta import (
 )
 from ..index.writer import EVERY, IndexWriter
 from ..maintenance.gc import GcReport, gc
-from ..maintenance.retention import Retention
-from ..read.reader import Reader
-from ..storage.base import Storage
 from .job import CommitJob, NotHandedOff, RemoteCommitter, run_commit, write_metadata
 from .parts import merge_parts
 from .transaction import Transaction
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping, Sequence
+
+    from ..codec.xor import DeltaPolicy
+    from ..format.records import CommitHeader, Metric
+    from ..maintenance.retention import Retention
+    from ..read.reader import Reader
+    from ..storage.base import Storage
 
 __all__ = ["RunHandle", "Transaction", "Writer"]
 

@@ -41,16 +41,19 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from dataclasses import replace
-from typing import IO, Any, NoReturn
+from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from ...errors import StorageError
 from ..commit.job import CommitJob, NotHandedOff
-from ..format.flat import FlatLayout
-from ..format.records import CommitHeader
-from ..format.stepfile import StepState
-from .flatstats import DigestPlan
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..format.flat import FlatLayout
+    from ..format.records import CommitHeader
+    from ..format.stepfile import StepState
+    from .flatstats import DigestPlan
 
 __all__ = ["Flusher", "flusher_supported"]
 

@@ -11,11 +11,12 @@ keeps.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
     from ..storage.base import Storage
     from .records import RefInfo
 

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import crc32c as _crc
 
 from ...errors import ChecksumError, CorruptRunError, FormatVersionError
 from .layout import FORMAT_VERSION
-from .records import Metric
+
+if TYPE_CHECKING:
+    from .records import Metric
 
 __all__ = ["checksum", "crc32c_raw"]
 

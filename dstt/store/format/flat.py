@@ -16,9 +16,8 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +26,9 @@ from .envelope import checksum, crc32c_raw
 from .layout import ChunkPlan, zarr_chunk_key
 from .zarr_meta import check_dims
 from .zipfmt import Entry, crc32, crc32_raw, directory_records, header_size, local_header
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 #: the two sums of an in-place entry, in the order ``_fill_inplace`` calls them
 _BOTH = (crc32c_raw, crc32_raw)

@@ -16,7 +16,6 @@ the copy.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +33,8 @@ from .zipfmt import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from ..storage.base import Storage
 
 __all__ = ["Block", "SideFile", "StepFile", "StepState"]

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .layout import FORMAT_VERSION, ChunkPlan
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import numpy as np
 
 __all__ = [

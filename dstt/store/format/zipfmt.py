@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ...errors import CorruptRunError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 try:  # ISA-L: the same CRC-32, 4x faster; optional
     from isal.isal_zlib import crc32 as _crc32

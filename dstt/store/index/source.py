@@ -10,11 +10,13 @@ type checker sees and the layering test forbids.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..format.records import CommitHeader, RefInfo
-from ..storage.base import Storage
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from ..format.records import CommitHeader, RefInfo
+    from ..storage.base import Storage
 
 __all__ = ["HeaderSource"]
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -46,6 +45,8 @@ from .rows import rows_from_headers, take
 from .source import HeaderSource
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ..storage.base import Storage
 
 __all__ = ["GC_MARKER", "Index", "IndexedHeader", "IndexedSource", "scalar_rows"]

@@ -32,13 +32,13 @@ import numpy as np
 
 from ...errors import DsttError
 from ..format.layout import index_key
-from ..format.records import CommitHeader
 from ..format.segment import RowSet, concat, encode
 from .job import IndexJob
 from .rows import dedup, keep_summaries, rows_from_headers, take
 from .view import GC_MARKER, Index, IndexedSource
 
 if TYPE_CHECKING:
+    from ..format.records import CommitHeader
     from ..storage.base import Storage
 
 __all__ = ["IndexWriter", "write_segment"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -22,8 +21,6 @@ from ...errors import DsttError
 from ..format.layout import LOCK_KEY, STEPS_PREFIX, commit_key, key_slot
 from ..format.manifest import dump_header
 from ..format.parts import remove_parts
-from ..format.records import CommitHeader
-from ..format.segment import RowSet
 from ..index.repair import all_rows, rewrite
 from ..index.rows import keep_summaries, rows_from_headers
 from ..index.view import GC_MARKER, IndexedHeader
@@ -32,6 +29,10 @@ from ..read.reader import Reader
 from .retention import Retention, policy
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    from ..format.records import CommitHeader
+    from ..format.segment import RowSet
     from ..storage.base import Storage
 
 __all__ = ["GcReport", "LiveWriter", "RunFiles", "gc"]

@@ -24,13 +24,13 @@ from ..format.layout import (
     key_slot,
     zarr_chunk_key,
 )
-from ..format.records import ArrayRecord, CommitHeader
 from ..format.zarr_meta import array_document
 from ..format.zipfmt import Entry, crc32, local_data_offset, parse_directory
 from ..index.repair import check
 from ..read.reader import Reader
 
 if TYPE_CHECKING:
+    from ..format.records import ArrayRecord, CommitHeader
     from ..storage.base import Storage
 
 __all__ = ["Problem", "VerifiedRun", "VerifyReport", "verify"]

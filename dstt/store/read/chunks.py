@@ -17,8 +17,7 @@ split across two files, typed by a back-reference); module-level functions takin
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
@@ -27,8 +26,12 @@ from ...errors import ChecksumError, CorruptRunError
 from ..codec.predict import PRED, predict
 from ..codec.xor import XOR, xor_decode
 from ..format.envelope import checksum
-from ..format.records import ArrayRecord, ChunkRecord, CommitHeader
-from ..storage.base import Storage
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ..format.records import ArrayRecord, ChunkRecord, CommitHeader
+    from ..storage.base import Storage
 
 __all__ = ["ChunkReader"]
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import struct
-from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
@@ -45,12 +44,14 @@ from ..format.manifest import (
 )
 from ..format.objects import decode_object
 from ..format.records import ArrayRecord, CommitHeader, RefInfo
-from ..format.segment import RowSet
 from ..format.zarr_meta import numpy_dtype
 from ..index.view import Index, scalar_rows
 from .chunks import ChunkReader
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
+    from ..format.segment import RowSet
     from ..storage.base import Storage
 
 __all__ = ["Reader"]

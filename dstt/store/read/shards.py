@@ -30,7 +30,6 @@ the training path, and rank 0 would write everything (two ranks' bytes through o
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +39,8 @@ from ...errors import CorruptRunError
 from ..format.zarr_meta import numpy_dtype
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping, Sequence
+
     from ..format.records import CommitHeader
     from .reader import Reader
 

@@ -20,11 +20,13 @@ import errno as _errno
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import Literal, TypeAlias
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from ...errors import RunLockedError, StorageError
 from .base import Data, Storage, as_parts, missing
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
 
 __all__ = ["DelegatingStorage", "FaultyStorage", "MemoryDurability", "MemoryStorage"]
 

@@ -41,10 +41,9 @@ from __future__ import annotations
 import contextlib
 import secrets
 import threading
-from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import obstore
 from obstore.exceptions import (
@@ -59,6 +58,9 @@ from .base import Blob, Data, Storage, as_parts, missing
 from .s3_blob import _S3Blob
 from .s3_config import _config, _is_missing
 from .s3_lease import _S3Lease
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
 
 __all__ = ["DEFAULT_GUARDED", "S3Storage"]
 
