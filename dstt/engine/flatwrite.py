@@ -112,7 +112,9 @@ class FlatLane:
     def write(self, f: Flight) -> None:
         """Write a flat step once sealed (a detected race may still recopy into its buffer
         until then), summarise it from the same buffer, then free the buffer."""
-        assert self.steps is not None and f.flat is not None and f.buffer is not None
+        assert self.steps is not None
+        assert f.flat is not None
+        assert f.buffer is not None
         try:
             t0 = time.perf_counter()
             f.wait_sealed()

@@ -131,7 +131,8 @@ class StepHooks:
     def _commit_tail(self) -> None:
         """Stage the last step now (its tensors are as the optimizer left them), with the
         step state snapshotted after its optimizer step, and seal it."""
-        assert self._pipeline is not None and self._tail is not None
+        assert self._pipeline is not None
+        assert self._tail is not None
         objects, self._tail = self._tail, None
         # built only for a step the pipeline encodes (~3 µs per tensor: raw steps skip it)
         predictions = (self._state.step_state.predictions

@@ -64,7 +64,8 @@ def test_a_step_with_other_arrays_builds_its_table() -> None:
         txn, _ = _flat_step(w, _layout(w), 1, np.random.default_rng(1))
         put_array(txn, "params/extra", np.arange(5, dtype=np.float32))
         table = parse_arrays(txn.arrays_table(), "test")
-        assert "params/extra" in table and len(table) == len(SPECS) + 1
+        assert "params/extra" in table
+        assert len(table) == len(SPECS) + 1
         assert not w._tables  # no template for a step that is not one flat write
         txn.commit()
 
@@ -100,4 +101,5 @@ def test_the_root_document_spliced_per_step_is_the_one_encoded_whole() -> None:
     got = root_document_bytes(attrs, consolidated_metadata(members))
     want = dump(root_document(attrs, [(p, json.loads(d)) for p, _, d in members]))
     assert got == want
-    assert b"\n" not in got and b": " not in got  # compact: no indentation, no padding
+    assert b"\n" not in got
+    assert b": " not in got  # compact: no indentation, no padding

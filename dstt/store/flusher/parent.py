@@ -115,7 +115,8 @@ class Flusher:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dstt.store.flusher._main", sched, str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=self._fds, env=env)
-            assert self.proc.stdin is not None and self.proc.stdout is not None
+            assert self.proc.stdin is not None
+            assert self.proc.stdout is not None
             self._out, self._in = self.proc.stdin, self.proc.stdout
             _send(self._out, ("init", [(fd, nbytes) for fd in self._fds]))
             #: the child's threads at SCHED_IDLE (``urgent`` moves them all)
