@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..errors import SchemaError
+from dstt.errors import SchemaError
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

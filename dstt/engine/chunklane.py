@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CaptureError
+from dstt.errors import CaptureError
+
 from ._convert import flat_bytes
 from .staging import Copier, HostCache, Lease, Ready
 from .summaries import SummaryBook, summarized

@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CaptureError, RankError, SchemaError
-from ..schema import tensor_path
+from dstt.errors import CaptureError, RankError, SchemaError
+from dstt.schema import tensor_path
+
 from ._convert import from_plain, to_plain
 from .model_names import param_names
 from .optimizers import OptimizerStateProvider

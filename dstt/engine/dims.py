@@ -30,8 +30,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ..schema import canonical_name, resolve_dims
-from ..store import logical_of
+from dstt.schema import canonical_name, resolve_dims
+from dstt.store import logical_of
+
 from .model_names import module_wrappers
 
 __all__ = ["DimsOf", "ModelDims", "array_dims", "fallback_dims", "model_dims",

@@ -62,8 +62,9 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine,
 )
 
-from ..errors import CaptureError, RaceError, RankError
-from ..store import DEFAULT_CHUNK_BYTES, Repository, fsync_dir
+from dstt.errors import CaptureError, RaceError, RankError
+from dstt.store import DEFAULT_CHUNK_BYTES, Repository, fsync_dir
+
 from ._convert import tensor_from_numpy
 from ._ds_tags import _Save, _TagWriter
 from ._statedict import SessionPaths, flatten, rebuild, segment

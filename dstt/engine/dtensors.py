@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol, TypeGuard
 
 import torch
 
-from ..errors import SchemaError
+from dstt.errors import SchemaError
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

@@ -35,7 +35,8 @@ from .summaries import summarized
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-    from ..store import FlatLayout, FlatStepWriter
+    from dstt.store import FlatLayout, FlatStepWriter
+
     from .dims import DimsOf
 
 __all__ = ["FlatPlan", "StepBuffers", "plan_key"]

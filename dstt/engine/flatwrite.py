@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import StorageError
-from ..store import (
+from dstt.errors import StorageError
+from dstt.store import (
     DigestPlan,
     FlatImage,
     FlatStepWriter,
@@ -30,13 +30,15 @@ from ..store import (
     StepWriter,
     digest,
 )
+
 from .flatlane import FlatPlan, StepBuffers, plan_key
 from .summaries import flat_digest_plan, summarized
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from ..store import FlatLayout
+    from dstt.store import FlatLayout
+
     from .dims import DimsOf
     from .flight import Flight
 

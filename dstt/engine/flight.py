@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..store import CUR, ChunkPlan, Prediction
+from dstt.store import CUR, ChunkPlan, Prediction
+
 from ._convert import flat_bytes
 from .providers import TensorSpec
 from .staging import Copier, VersionGuard

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import SchemaError
-from ..schema import canonical_name
-from ..store import Encoded
+from dstt.errors import SchemaError
+from dstt.schema import canonical_name
+from dstt.store import Encoded
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping

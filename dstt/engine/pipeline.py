@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CaptureError
-from ..store import (
+from dstt.errors import CaptureError
+from dstt.store import (
     EncodingWriter,
     FlatStepWriter,
     Flusher,
@@ -48,6 +48,7 @@ from ..store import (
     StoredWriter,
     flusher_supported,
 )
+
 from .chunklane import ChunkLane
 from .committer import Committer
 from .flatwrite import FlatLane

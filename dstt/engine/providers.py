@@ -27,8 +27,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from ..errors import SchemaError
-from ..store import (
+from dstt.errors import SchemaError
+from dstt.store import (
     CommitHeader,
     LogicalArray,
     Prediction,
@@ -39,6 +39,7 @@ from ..store import (
     read_logical,
     read_region,
 )
+
 from ._convert import from_plain, store_dtype, tensor_from_numpy, to_plain
 from .dtensors import restore_tensor
 

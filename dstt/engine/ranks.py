@@ -32,8 +32,8 @@ import warnings
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DsttWarning, RankError, TimelineError
-from ..store import (
+from dstt.errors import DsttWarning, RankError, TimelineError
+from dstt.store import (
     DEFAULT_RANK_TIMEOUT,
     DeltaPolicy,
     RankInfo,

@@ -41,8 +41,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CaptureError
-from ..store import DTENSOR_PREFIX, Box, Encoded, LogicalArray, shard_map, shard_source
+from dstt.errors import CaptureError
+from dstt.store import DTENSOR_PREFIX, Box, Encoded, LogicalArray, shard_map, shard_source
+
 from ._convert import store_dtype
 from .dtensors import held_box, local_view
 from .providers import CompositeProvider, RestoreSource, StateProvider

@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from ..schema import tensor_path
-from ..store import RankInfo
+from dstt.schema import tensor_path
+from dstt.store import RankInfo
+
 from .model_names import ModelInfoProvider, canonical_names, param_names
 from .optimizers import OptimizerStateProvider, optimizer_groups_provider, optimizers_of
 from .providers import (

@@ -35,15 +35,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import RankError, SchemaError
-from ..schema import tensor_path
-from ..store import LogicalArray, Piece, logical_arrays, read_logical, shard_map
+from dstt.errors import RankError, SchemaError
+from dstt.schema import tensor_path
+from dstt.store import LogicalArray, Piece, logical_arrays, read_logical, shard_map
+
 from ._convert import from_plain, to_plain
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from ..store import CommitHeader, Reader
+    from dstt.store import CommitHeader, Reader
+
     from .providers import RestoreSource
     from .ranks import RankInfo
 

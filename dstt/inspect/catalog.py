@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..errors import TensorNotFoundError
-from ..schema import MODEL_KINDS, canonical_name, optim_state, tensor_path, user_name
+from dstt.errors import TensorNotFoundError
+from dstt.schema import MODEL_KINDS, canonical_name, optim_state, tensor_path, user_name
+
 from .naming import array_path, tensor_dims
 from .selection import Pick, select_layer, selector_miss
 from .sharded import shard_sources
@@ -29,7 +30,7 @@ from .sharded import shard_sources
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from ..store import CommitHeader, Reader
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["CONFIG_OBJECT", "TIED_OBJECT", "Catalog"]
 

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xarray as xr
 
-from ..schema import user_name
-from ..store import numpy_dtype
+from dstt.schema import user_name
+from dstt.store import numpy_dtype
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from ..store import CommitHeader, Reader
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["diff_commits"]
 

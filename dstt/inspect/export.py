@@ -35,12 +35,13 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..errors import ConfigError, OutputExistsError, StorageError
-from ..schema import MODEL_KINDS, user_name
+from dstt.errors import ConfigError, OutputExistsError, StorageError
+from dstt.schema import MODEL_KINDS, user_name
+
 from .catalog import CONFIG_OBJECT, Catalog
 
 if TYPE_CHECKING:
-    from ..store import CommitHeader, Reader
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["FORMATS", "export_commit", "load_config", "prepare_output"]
 
@@ -131,7 +132,8 @@ def export_commit(reader: Reader, header: CommitHeader, out: str | os.PathLike[s
     """Write commit ``header`` to ``out``; returns ``{"tensors": n, "bytes": b, "path": p}``
     (``n``: tensors in the file; ``b``: their bytes as stored; ``p``: the file, or the
     folder of an ``hf`` export, which adds ``"files"``)."""
-    from ..engine._convert import tensor_from_numpy
+    from dstt.engine._convert import tensor_from_numpy
+
     from .restore import step_state
 
     if fmt not in FORMATS:

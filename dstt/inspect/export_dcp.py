@@ -30,12 +30,12 @@ import shutil
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ..errors import OutputExistsError, StorageError
+from dstt.errors import OutputExistsError, StorageError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ..store import CommitHeader, Reader
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["export_dcp"]
 
@@ -64,7 +64,8 @@ def export_dcp(reader: Reader, header: CommitHeader, out: str | os.PathLike[str]
     "bytes": b, "path": out}``."""
     import torch.distributed.checkpoint as dcp
 
-    from ..engine._convert import from_plain
+    from dstt.engine._convert import from_plain
+
     from .restore import GROUPS_OBJECT, step_state
 
     path = _prepare(os.fspath(out), overwrite)

@@ -28,14 +28,15 @@ import xarray as xr
 from xarray.backends import BackendArray
 from xarray.core import indexing
 
-from ..errors import SchemaError
-from ..store import numpy_dtype
+from dstt.errors import SchemaError
+from dstt.store import numpy_dtype
+
 from .readers import ReaderPool
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from ..store import CommitHeader, Reader
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["CommitArray", "ReaderPool", "TrajectoryArray", "read_outer", "variable", "view_dtype"]
 

@@ -20,15 +20,16 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .._lru import LRU
-from ..store import Index, LocalStorage, Reader
+from dstt._lru import LRU
+from dstt.store import Index, LocalStorage, Reader
+
 from .naming import canonical_path
 from .sharded import LogicalRecord, read_logical_chunk, with_logical
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from ..store import CommitHeader, Storage
+    from dstt.store import CommitHeader, Storage
 
 __all__ = ["ReaderPool"]
 

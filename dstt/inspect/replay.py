@@ -37,15 +37,15 @@ import numpy as np
 import torch
 import xarray as xr
 
-from ..engine.model_names import canonical_names, param_names
-from ..engine.optimizers import optimizers_of
-from ..engine.providers import StoreSource
-from ..engine.torch_state import discover
-from ..errors import ConfigError, ReplayError, StepNotFoundError
-from ..schema import tensor_path, tree_location
+from dstt.engine.model_names import canonical_names, param_names
+from dstt.engine.optimizers import optimizers_of
+from dstt.engine.providers import StoreSource
+from dstt.engine.torch_state import discover
+from dstt.errors import ConfigError, ReplayError, StepNotFoundError
+from dstt.schema import tensor_path, tree_location
 
 if TYPE_CHECKING:
-    from ..store import CommitHeader, Reader
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["Replay", "replay_step"]
 

@@ -38,11 +38,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ..engine._convert import from_plain, tensor_from_numpy
-from ..engine.dtensors import held_box, is_dtensor
-from ..engine.model_names import canonical_names
-from ..errors import DsttWarning, SchemaError
-from ..schema import MODEL_KINDS, user_name
+from dstt.engine._convert import from_plain, tensor_from_numpy
+from dstt.engine.dtensors import held_box, is_dtensor
+from dstt.engine.model_names import canonical_names
+from dstt.errors import DsttWarning, SchemaError
+from dstt.schema import MODEL_KINDS, user_name
+
 from .catalog import Catalog
 from .naming import canonical_path, listed
 from .optimizers import (
@@ -58,7 +59,7 @@ from .optimizers import (
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from ..store import CommitHeader, Reader
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["GROUPS_OBJECT", "PARTS", "SCHEDULER_OBJECT", "STATE_OBJECT", "LoadResult",
            "load_step", "step_state"]

@@ -30,7 +30,8 @@ import fnmatch
 import re
 from typing import TYPE_CHECKING
 
-from ..errors import TensorNotFoundError
+from dstt.errors import TensorNotFoundError
+
 from .naming import components, suggest
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..store import (
+from dstt.store import (
     DEFAULT_CHUNK_BYTES,
     ArrayRecord,
     LogicalArray,
@@ -33,7 +33,7 @@ from ..store import (
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from ..store import CommitHeader, Reader
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["LogicalRecord", "read_logical_chunk", "shard_sources", "with_logical"]
 

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..schema import user_name
-from ..store import SUMMARY_SCALARS, as_float, find_spikes
+from dstt.schema import user_name
+from dstt.store import SUMMARY_SCALARS, as_float, find_spikes
+
 from .naming import canonical_path
 
 if TYPE_CHECKING:

@@ -20,14 +20,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xarray as xr
 
-from ..schema import tree_location, user_name
+from dstt.schema import tree_location, user_name
+
 from .lazy import CommitArray, ReaderPool, TrajectoryArray, variable
 from .summaries import step_coords
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from ..store import CommitHeader
+    from dstt.store import CommitHeader
+
     from .catalog import Catalog
 
 __all__ = ["layer_tree", "tensor_dataarray", "trajectory_dataarray"]

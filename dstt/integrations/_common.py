@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
-from ..training.options import SessionOptions
+from dstt.errors import ConfigError
+from dstt.training.options import SessionOptions
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

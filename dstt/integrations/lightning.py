@@ -29,15 +29,16 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from ..errors import ConfigError
-from ..training import Session, open_session
+from dstt.errors import ConfigError
+from dstt.training import Session, open_session
+
 from ._common import numeric_metrics, session_options
 
 if TYPE_CHECKING:
     import os
     from collections.abc import Mapping
 
-    from ..store import Repository
+    from dstt.store import Repository
 
 __all__ = ["DsttCallback"]
 

@@ -39,10 +39,11 @@ import numpy as np
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..engine._convert import from_plain
-from ..errors import ConfigError, DsttWarning, NotARunError
-from ..store import Repository
-from ..training import Session, open_session
+from dstt.engine._convert import from_plain
+from dstt.errors import ConfigError, DsttWarning, NotARunError
+from dstt.store import Repository
+from dstt.training import Session, open_session
+
 from ._common import (
     numeric_metrics,
     session_options,

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._optional import require
-from ..errors import MetricNotFoundError
+from dstt._optional import require
+from dstt.errors import MetricNotFoundError
+
 from .draw import draw_bars, draw_curves, draw_heatmap, draw_tensor
 from .series import exactness_label, param_names, step_change, tensor_stats
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
     from matplotlib.axes import Axes
 
-    from .._run import Run
+    from dstt._run import Run
 
 __all__ = [
     "layer_change",

@@ -29,21 +29,21 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xarray as xr
 
-from ..inspect.naming import canonical_path
-from ..inspect.summaries import (
+from dstt.inspect.naming import canonical_path
+from dstt.inspect.summaries import (
     ESTIMATE_NOTE,
     SUMMARIES_OBJECT,
     label_updates,
     summary_rows,
     update_exactness,
 )
-from ..schema import user_name
+from dstt.schema import user_name
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from .._run import Run
-    from ..store import CommitHeader
+    from dstt._run import Run
+    from dstt.store import CommitHeader
 
 __all__ = ["exactness_label", "param_names", "step_change", "tensor_stats"]
 

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import StepNotFoundError
+from dstt.errors import StepNotFoundError
+
 from .format.zarr_meta import dtype_itemsize
 from .repository import Repository
 

@@ -16,7 +16,8 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..errors import FormatVersionError, NotARunError, TimelineError
+from dstt.errors import FormatVersionError, NotARunError, TimelineError
+
 from .commit.writer import Writer
 from .format.layout import (
     FORMAT_VERSION,

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ..errors import MissingFileError, RunLockedError
+from dstt.errors import MissingFileError, RunLockedError
 
 if TYPE_CHECKING:
-    from ..store import Storage
+    from dstt.store import Storage
 
 __all__ = ["StorageTests"]
 

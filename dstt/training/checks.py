@@ -12,14 +12,14 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
-from ..errors import CaptureError, ConfigError, DsttWarning
+from dstt.errors import CaptureError, ConfigError, DsttWarning
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
     import torch
 
-    from ..engine.flight import Flight
+    from dstt.engine.flight import Flight
 
 __all__ = ["capture_error", "check_optimizer", "warn_skipped"]
 

@@ -24,18 +24,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..engine.deepspeed import DeepSpeedState, EngineStepHook
-from ..engine.dims import DimsOf, ModelDims
-from ..engine.providers import RankObject, StoreSource
-from ..errors import ConfigError
+from dstt.engine.deepspeed import DeepSpeedState, EngineStepHook
+from dstt.engine.dims import DimsOf, ModelDims
+from dstt.engine.providers import RankObject, StoreSource
+from dstt.errors import ConfigError
+
 from .distributed import RankedSession
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from ..engine.ranks import RankInfo
-    from ..engine.torch_state import Stateful, TorchState
-    from ..store import Reader
+    from dstt.engine.ranks import RankInfo
+    from dstt.engine.torch_state import Stateful, TorchState
+    from dstt.store import Reader
+
     from .options import SessionOptions
 
 __all__ = ["DeepSpeedSession"]

@@ -27,12 +27,13 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from ..engine.dims import DimsOf, ModelDims
-from ..engine.parallel import ParallelState
-from ..engine.providers import RankObject, StoreSource
-from ..engine.ranks import RankChannel, RankInfo, dist_info, open_ranks
-from ..errors import ConfigError, RankError
-from ..store import Repository
+from dstt.engine.dims import DimsOf, ModelDims
+from dstt.engine.parallel import ParallelState
+from dstt.engine.providers import RankObject, StoreSource
+from dstt.engine.ranks import RankChannel, RankInfo, dist_info, open_ranks
+from dstt.errors import ConfigError, RankError
+from dstt.store import Repository
+
 from .session import Session
 
 if TYPE_CHECKING:
@@ -40,8 +41,9 @@ if TYPE_CHECKING:
 
     import torch
 
-    from ..engine.torch_state import Stateful, TorchState
-    from ..store import Reader
+    from dstt.engine.torch_state import Stateful, TorchState
+    from dstt.store import Reader
+
     from .options import SessionOptions
 
 __all__ = ["DistributedSession", "RankedSession"]

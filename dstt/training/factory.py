@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..engine.deepspeed import is_deepspeed_engine
-from ..engine.dtensors import is_dtensor
+from dstt.engine.deepspeed import is_deepspeed_engine
+from dstt.engine.dtensors import is_dtensor
+
 from .deepspeed import DeepSpeedSession
 from .distributed import DistributedSession
 from .options import (
@@ -34,8 +35,8 @@ if TYPE_CHECKING:
 
     import torch
 
-    from ..engine.torch_state import Stateful
-    from ..store import DeltaPolicy, Retention
+    from dstt.engine.torch_state import Stateful
+    from dstt.store import DeltaPolicy, Retention
 
 __all__ = ["open_session", "session"]
 

@@ -22,7 +22,7 @@ import contextlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DsttWarning, SchemaError
+from dstt.errors import DsttWarning, SchemaError
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

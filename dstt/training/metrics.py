@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ..errors import DsttWarning
+from dstt.errors import DsttWarning
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

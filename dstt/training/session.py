@@ -28,19 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine.data_position import DataPosition, TrackedData
-from ..engine.dims import DimsOf, ModelDims
-from ..engine.optimizers import optimizers_of
-from ..engine.pipeline import SUMMARIES_OBJECT, Flight, Pipeline, StepMetrics
-from ..engine.providers import RankObject, StoreSource
-from ..engine.torch_state import ONE_RANK, Stateful, TorchState, discover
-from ..errors import (
-    CaptureError,
-    NotARunError,
-    RaceError,
-    TimelineError,
-)
-from ..store import DEFAULT_CHUNK_BYTES, GcReport, Repository
+from dstt.engine.data_position import DataPosition, TrackedData
+from dstt.engine.dims import DimsOf, ModelDims
+from dstt.engine.optimizers import optimizers_of
+from dstt.engine.pipeline import SUMMARIES_OBJECT, Flight, Pipeline, StepMetrics
+from dstt.engine.providers import RankObject, StoreSource
+from dstt.engine.torch_state import ONE_RANK, Stateful, TorchState, discover
+from dstt.errors import CaptureError, NotARunError, RaceError, TimelineError
+from dstt.store import DEFAULT_CHUNK_BYTES, GcReport, Repository
+
 from .checks import capture_error, check_optimizer, warn_skipped
 from .data import BatchLog, RecordedData, SkipSet, read_skips
 from .imported import imported_gaps
@@ -50,7 +46,7 @@ from .retention import RetentionRunner, store_writer
 from .steps import StepHooks
 
 if TYPE_CHECKING:
-    from ..store import Reader
+    from dstt.store import Reader
 
 __all__ = ["DEFAULT_BUDGET", "CopyMode", "ErrorPolicy", "OptimizerArg", "RacePolicy", "Session",
            "SessionOptions"]

@@ -30,7 +30,8 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DsttError, RaceError
+from dstt.errors import DsttError, RaceError
+
 from .checks import capture_error, warn_skipped
 from .data import BATCHES_OBJECT, BatchLog
 from .metrics import METRICS_HISTORY_OBJECT, MetricLog
@@ -38,8 +39,9 @@ from .metrics import METRICS_HISTORY_OBJECT, MetricLog
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from ..engine.pipeline import Flight, Pipeline
-    from ..engine.torch_state import TorchState
+    from dstt.engine.pipeline import Flight, Pipeline
+    from dstt.engine.torch_state import TorchState
+
     from .options import SessionOptions
     from .retention import RetentionRunner
 

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._optional import require
-from ..errors import StepNotFoundError, TensorNotFoundError
-from ..plots.draw import draw_bars, draw_curves, draw_tensor, image_strides
-from ..plots.series import diff_headers
-from ..schema import user_name
+from dstt._optional import require
+from dstt.errors import StepNotFoundError, TensorNotFoundError
+from dstt.plots.draw import draw_bars, draw_curves, draw_tensor, image_strides
+from dstt.plots.series import diff_headers
+from dstt.schema import user_name
+
 from .model import default_metric
 from .views import TOP_BARS, FigureView
 
@@ -30,8 +31,8 @@ if TYPE_CHECKING:
     import xarray as xr
     from matplotlib.axes import Axes
 
-    from .._run import Run
-    from .._snapshot import Snapshot
+    from dstt._run import Run
+    from dstt._snapshot import Snapshot
 
 __all__ = ["Compare", "CompareModel", "compare"]
 
@@ -191,7 +192,7 @@ def compare(run: Any,  # noqa: ANN401 - a dstt.Run, or what dstt.open takes
     the weights of step *k - 1*, so that is *(k - 2) -> (k - 1)*).
     """
     if not hasattr(run, "steps"):
-        from .._run import open_run
+        from dstt._run import open_run
 
         run = open_run(run)
     if spike is not None:

@@ -19,18 +19,18 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from .._lru import LRU
-from ..errors import MetricNotFoundError, StepNotFoundError, TensorNotFoundError, TimelineError
-from ..plots.draw import image_strides
-from ..plots.series import step_change
-from ..schema import user_name
+from dstt._lru import LRU
+from dstt.errors import MetricNotFoundError, StepNotFoundError, TensorNotFoundError, TimelineError
+from dstt.plots.draw import image_strides
+from dstt.plots.series import step_change
+from dstt.schema import user_name
 
 if TYPE_CHECKING:
     import xarray as xr
 
-    from .._run import Run
-    from .._snapshot import Snapshot
-    from ..inspect.summaries import Spike
+    from dstt._run import Run
+    from dstt._snapshot import Snapshot
+    from dstt.inspect.summaries import Spike
 
 __all__ = ["LRU", "Mode", "ScrubberModel"]
 

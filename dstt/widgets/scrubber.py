@@ -19,7 +19,8 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING, Any
 
-from .._optional import require
+from dstt._optional import require
+
 from .model import Mode, ScrubberModel
 from .views import FigureView, draw_change, draw_loss, draw_shown
 
@@ -209,7 +210,7 @@ def scrubber(run: Any,  # noqa: ANN401 - a dstt.Run, or what dstt.open takes
     step *k - 1*, so that is the change *(k - 2) -> (k - 1)*.
     """
     if not hasattr(run, "steps"):
-        from .._run import open_run
+        from dstt._run import open_run
 
         run = open_run(run)
     model = ScrubberModel(run, timeline=timeline, step=step, tensor=tensor, metric=metric,

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._optional import require
-from ..plots.draw import draw_bars, draw_curves, draw_tensor
-from ..plots.series import exactness_label
+from dstt._optional import require
+from dstt.plots.draw import draw_bars, draw_curves, draw_tensor
+from dstt.plots.series import exactness_label
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...errors import SourceError, UnsafeObjectError
+from dstt.errors import SourceError, UnsafeObjectError
+
 from .checkpoint import Checkpoint, NamedOptimizer, step_in_name
 from .from_torch import OPTIMIZER_KEYS, SCHEDULER_KEYS, model_checkpoint
 from .loading import numpy_globals

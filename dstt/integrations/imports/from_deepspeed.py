@@ -29,7 +29,8 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ...errors import SourceError
+from dstt.errors import SourceError
+
 from .checkpoint import Checkpoint, NamedOptimizer, step_in_name
 from .from_torch import model_checkpoint
 from .loading import deepspeed_globals, load_pickle

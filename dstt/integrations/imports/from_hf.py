@@ -23,8 +23,9 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from ...errors import SourceError
-from ..transformers import PROGRESS_FIELDS
+from dstt.errors import SourceError
+from dstt.integrations.transformers import PROGRESS_FIELDS
+
 from .checkpoint import Checkpoint, NamedOptimizer, rng_object, split_by_model
 from .loading import load_pickle, read_safetensors
 from .naming import group_names, hf_decay_names, hf_meta_model, trainable_names

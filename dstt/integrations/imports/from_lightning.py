@@ -19,7 +19,8 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ...errors import SourceError
+from dstt.errors import SourceError
+
 from .from_torch import model_checkpoint
 from .loading import load_pickle
 

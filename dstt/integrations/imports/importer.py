@@ -30,8 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ...engine.summaries import SummaryBook
-from ...store import DeltaPolicy, Repository
+from dstt.engine.summaries import SummaryBook
+from dstt.store import DeltaPolicy, Repository
+
 from .checkpoint import Checkpoint
 from .sources import Source, Unknown, find_sources, reader_of
 from .write import SOURCE_OBJECT, write_checkpoint
@@ -39,7 +40,7 @@ from .write import SOURCE_OBJECT, write_checkpoint
 if TYPE_CHECKING:
     import torch
 
-    from ...store import CommitHeader, Reader
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["ImportReport", "Imported", "Skipped", "import_checkpoints"]
 
@@ -164,7 +165,7 @@ def prefetch(path: str) -> None:
 
 
 def _why(e: BaseException) -> str:
-    from ...errors import DsttError
+    from dstt.errors import DsttError
 
     return str(e) if isinstance(e, DsttError) and str(e) else f"{type(e).__name__}: {e}"
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...errors import SourceError, UnsafeObjectError
+from dstt.errors import SourceError, UnsafeObjectError
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence

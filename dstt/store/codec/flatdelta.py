@@ -39,7 +39,8 @@ from .xor import XOR, DeltaPolicy
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from ..format.flat import FlatLayout
+    from dstt.store.format.flat import FlatLayout
+
     from .buffers import Scratch
     from .layout_state import LayoutState
 

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..format.envelope import checksum, crc32c_raw
+from dstt.store.format.envelope import checksum, crc32c_raw
 
 if TYPE_CHECKING:
-    from ..format.flat import FlatLayout
+    from dstt.store.format.flat import FlatLayout
 
 __all__ = ["LayoutState", "LayoutStates"]
 

@@ -22,16 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..codec.flatdelta import DEDUP, KEY
-from ..format.envelope import crc32c_raw
-from ..format.zipfmt import Entry, crc32_raw, directory_records, local_header
+from dstt.store.codec.flatdelta import DEDUP, KEY
+from dstt.store.format.envelope import crc32c_raw
+from dstt.store.format.zipfmt import Entry, crc32_raw, directory_records, local_header
 
 if TYPE_CHECKING:
-    from ..codec.delta import DeltaEncoder
-    from ..codec.layout_state import LayoutState
-    from ..codec.predict import Prediction
-    from ..format.flat import FlatLayout
-    from ..format.stepfile import SideFile, StepFile
+    from dstt.store.codec.delta import DeltaEncoder
+    from dstt.store.codec.layout_state import LayoutState
+    from dstt.store.codec.predict import Prediction
+    from dstt.store.format.flat import FlatLayout
+    from dstt.store.format.stepfile import SideFile, StepFile
 
 __all__ = ["EncodedWrite", "write_encoded"]
 

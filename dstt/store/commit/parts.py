@@ -24,16 +24,16 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ...errors import RankError
-from ..format.layout import part_key
-from ..format.parts import Part, dump_part, parse_part
+from dstt.errors import RankError
+from dstt.store.format.layout import part_key
+from dstt.store.format.parts import Part, dump_part, parse_part
 
 if TYPE_CHECKING:
     import threading
     from collections.abc import Mapping, Sequence
 
-    from ..format.records import ArrayRecord, ObjectRecord
-    from ..storage.base import Storage
+    from dstt.store.format.records import ArrayRecord, ObjectRecord
+    from dstt.store.storage.base import Storage
 
 __all__ = ["abort_vote", "collect_parts", "merge_parts"]
 

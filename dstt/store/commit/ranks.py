@@ -32,15 +32,16 @@ from .parts import abort_vote, collect_parts
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-    from ..codec.delta import DeltaEncoder, EncodeStats
-    from ..codec.predict import Prediction
-    from ..format.flat import FlatImage, FlatLayout, StepBytes
-    from ..format.layout import ChunkPlan
-    from ..format.objects import Encoding
-    from ..format.parts import Part
-    from ..format.records import ChunkRecord, CommitHeader, Metric, ObjectRecord
-    from ..format.stepfile import StepFile
-    from ..storage.base import Storage
+    from dstt.store.codec.delta import DeltaEncoder, EncodeStats
+    from dstt.store.codec.predict import Prediction
+    from dstt.store.format.flat import FlatImage, FlatLayout, StepBytes
+    from dstt.store.format.layout import ChunkPlan
+    from dstt.store.format.objects import Encoding
+    from dstt.store.format.parts import Part
+    from dstt.store.format.records import ChunkRecord, CommitHeader, Metric, ObjectRecord
+    from dstt.store.format.stepfile import StepFile
+    from dstt.store.storage.base import Storage
+
     from .job import Deferred
     from .transaction import Transaction
     from .writer import RunHandle, Writer

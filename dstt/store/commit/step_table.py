@@ -17,13 +17,13 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ...errors import DsttError
-from ..format.flat import FlatLayout
-from ..format.manifest import TableBuilder, TableTemplate, dump_arrays
-from ..format.records import ArrayRecord, ChunkRecord
+from dstt.errors import DsttError
+from dstt.store.format.flat import FlatLayout
+from dstt.store.format.manifest import TableBuilder, TableTemplate, dump_arrays
+from dstt.store.format.records import ArrayRecord, ChunkRecord
 
 if TYPE_CHECKING:
-    from ..format.layout import ChunkPlan
+    from dstt.store.format.layout import ChunkPlan
 
 __all__ = ["StepTable"]
 

@@ -28,10 +28,10 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ...errors import DsttError, SchemaError, StorageError
-from ..codec.delta import DeltaEncoder
-from ..format.flat import FlatLayout
-from ..format.layout import (
+from dstt.errors import DsttError, SchemaError, StorageError
+from dstt.store.codec.delta import DeltaEncoder
+from dstt.store.format.flat import FlatLayout
+from dstt.store.format.layout import (
     DEFAULT_CHUNK_BYTES,
     LOCK_KEY,
     WRITTEN_PREFIXES,
@@ -43,10 +43,10 @@ from ..format.layout import (
     plan_chunks,
     ref_key,
 )
-from ..format.manifest import TableTemplate, dump_arrays, dump_ref
-from ..format.parts import Part, dump_part, remove_parts
-from ..format.stepfile import Block
-from ..format.zarr_meta import (
+from dstt.store.format.manifest import TableTemplate, dump_arrays, dump_ref
+from dstt.store.format.parts import Part, dump_part, remove_parts
+from dstt.store.format.stepfile import Block
+from dstt.store.format.zarr_meta import (
     array_document,
     consolidated_metadata,
     dtype_itemsize,
@@ -54,8 +54,9 @@ from ..format.zarr_meta import (
     group_document,
     root_attributes,
 )
-from ..index.writer import EVERY, IndexWriter
-from ..maintenance.gc import GcReport, gc
+from dstt.store.index.writer import EVERY, IndexWriter
+from dstt.store.maintenance.gc import GcReport, gc
+
 from .job import CommitJob, NotHandedOff, RemoteCommitter, run_commit, write_metadata
 from .parts import merge_parts
 from .transaction import Transaction
@@ -63,11 +64,11 @@ from .transaction import Transaction
 if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
 
-    from ..codec.xor import DeltaPolicy
-    from ..format.records import CommitHeader, Metric
-    from ..maintenance.retention import Retention
-    from ..read.reader import Reader
-    from ..storage.base import Storage
+    from dstt.store.codec.xor import DeltaPolicy
+    from dstt.store.format.records import CommitHeader, Metric
+    from dstt.store.maintenance.retention import Retention
+    from dstt.store.read.reader import Reader
+    from dstt.store.storage.base import Storage
 
 __all__ = ["RunHandle", "Transaction", "Writer"]
 

@@ -26,11 +26,12 @@ import threading
 from dataclasses import replace
 from typing import IO, TYPE_CHECKING, Any
 
-from ..commit.job import run_commit
-from ..format.flat import FlatImage
-from ..format.stepfile import SideFile, StepFile
-from ..storage.local import LocalStorage
-from ..storage.posix import pwrite_all, start_writeback
+from dstt.store.commit.job import run_commit
+from dstt.store.format.flat import FlatImage
+from dstt.store.format.stepfile import SideFile, StepFile
+from dstt.store.storage.local import LocalStorage
+from dstt.store.storage.posix import pwrite_all, start_writeback
+
 from .flatstats import digest
 from .parent import _recv, _send
 

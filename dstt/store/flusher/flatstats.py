@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..format.zarr_meta import dtype_itemsize, numpy_dtype
+from dstt.store.format.zarr_meta import dtype_itemsize, numpy_dtype
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

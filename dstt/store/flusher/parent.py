@@ -44,15 +44,16 @@ import threading
 from dataclasses import replace
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
-from ...errors import StorageError
-from ..commit.job import CommitJob, NotHandedOff
+from dstt.errors import StorageError
+from dstt.store.commit.job import CommitJob, NotHandedOff
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ..format.flat import FlatLayout
-    from ..format.records import CommitHeader
-    from ..format.stepfile import StepState
+    from dstt.store.format.flat import FlatLayout
+    from dstt.store.format.records import CommitHeader
+    from dstt.store.format.stepfile import StepState
+
     from .flatstats import DigestPlan
 
 __all__ = ["Flusher", "flusher_supported"]

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-    from ..storage.base import Storage
+    from dstt.store.storage.base import Storage
+
     from .records import RefInfo
 
 __all__ = ["BATCHES_OBJECT", "Batch", "SkipSet", "batches_of", "read_batches", "read_skips",

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import crc32c as _crc
 
-from ...errors import ChecksumError, CorruptRunError, FormatVersionError
+from dstt.errors import ChecksumError, CorruptRunError, FormatVersionError
+
 from .layout import FORMAT_VERSION
 
 if TYPE_CHECKING:

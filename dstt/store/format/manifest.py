@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ...errors import CorruptRunError
+from dstt.errors import CorruptRunError
+
 from .envelope import _canonical, _fields, _metric_in, _metric_out, _open, _seal, checksum
 from .layout import FORMAT_VERSION, ChunkPlan
 from .records import ArrayRecord, ChunkRecord, CommitHeader, Location, ObjectRecord, RefInfo

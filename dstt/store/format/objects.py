@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ...errors import UnsafeObjectError
+from dstt.errors import UnsafeObjectError
 
 __all__ = ["Encoded", "Encoding", "UnsafeObjectError", "decode_object", "encode_object"]
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ...errors import CorruptRunError
+from dstt.errors import CorruptRunError
+
 from .envelope import _fields, _metric_in, _metric_out, _open, _seal
 from .layout import PARTS_PREFIX
 from .manifest import arrays_from_json, arrays_json, object_from_json, object_json
@@ -21,7 +22,8 @@ from .manifest import arrays_from_json, arrays_json, object_from_json, object_js
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from ..storage.base import Storage
+    from dstt.store.storage.base import Storage
+
     from .records import ArrayRecord, Metric, ObjectRecord
 
 __all__ = ["Part", "dump_part", "parse_part", "part_slots", "remove_parts"]

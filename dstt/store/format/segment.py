@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ChecksumError, CorruptRunError
+from dstt.errors import ChecksumError, CorruptRunError
+
 from .envelope import _canonical, checksum
 
 __all__ = ["MAGIC", "SCALARS", "Layout", "Locations", "RowSet", "concat", "decode_core",

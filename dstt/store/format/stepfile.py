@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...errors import DsttError
-from ..storage.base import Blob, Data, as_parts
+from dstt.errors import DsttError
+from dstt.store.storage.base import Blob, Data, as_parts
+
 from .zipfmt import (
     Entry,
     crc32,
@@ -35,7 +36,7 @@ from .zipfmt import (
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from ..storage.base import Storage
+    from dstt.store.storage.base import Storage
 
 __all__ = ["Block", "SideFile", "StepFile", "StepState"]
 

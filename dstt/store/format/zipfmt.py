@@ -20,7 +20,7 @@ import struct
 import zlib
 from typing import TYPE_CHECKING, NamedTuple
 
-from ...errors import CorruptRunError
+from dstt.errors import CorruptRunError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -26,10 +26,10 @@ import subprocess
 import sys
 from typing import TYPE_CHECKING
 
-from ..storage.local import LocalStorage
+from dstt.store.storage.local import LocalStorage
 
 if TYPE_CHECKING:
-    from ..storage.base import Storage
+    from dstt.store.storage.base import Storage
 
 __all__ = ["IndexJob"]
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..format.segment import SCALARS
+from dstt.store.format.segment import SCALARS
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence

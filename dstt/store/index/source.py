@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from ..format.records import CommitHeader, RefInfo
-    from ..storage.base import Storage
+    from dstt.store.format.records import CommitHeader, RefInfo
+    from dstt.store.storage.base import Storage
 
 __all__ = ["HeaderSource"]
 

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ...errors import ChecksumError, CorruptRunError, DsttError, StepNotFoundError
-from ..format.envelope import checksum
-from ..format.layout import INDEX_PREFIX, commit_key, parse_index_name, step_file_key
-from ..format.manifest import parse_header
-from ..format.records import ArrayRecord, ChunkRecord, CommitHeader
-from ..format.segment import (
+from dstt.errors import ChecksumError, CorruptRunError, DsttError, StepNotFoundError
+from dstt.store.format.envelope import checksum
+from dstt.store.format.layout import INDEX_PREFIX, commit_key, parse_index_name, step_file_key
+from dstt.store.format.manifest import parse_header
+from dstt.store.format.records import ArrayRecord, ChunkRecord, CommitHeader
+from dstt.store.format.segment import (
     SCALARS,
     Layout,
     RowSet,
@@ -41,13 +41,14 @@ from ..format.segment import (
     layout_of,
     read_directory,
 )
+
 from .rows import rows_from_headers, take
 from .source import HeaderSource
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from ..storage.base import Storage
+    from dstt.store.storage.base import Storage
 
 __all__ = ["GC_MARKER", "Index", "IndexedHeader", "IndexedSource", "scalar_rows"]
 

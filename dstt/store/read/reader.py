@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from ..._lru import LRU
-from ...errors import (
+from dstt._lru import LRU
+from dstt.errors import (
     ChecksumError,
     CorruptRunError,
     NotARunError,
     StepNotFoundError,
     TimelineError,
 )
-from ..format.envelope import checksum
-from ..format.layout import (
+from dstt.store.format.envelope import checksum
+from dstt.store.format.layout import (
     COMMITS_PREFIX,
     HEAD_KEY,
     REFS_PREFIX,
@@ -35,24 +35,25 @@ from ..format.layout import (
     parse_commit_name,
     step_file_key,
 )
-from ..format.manifest import (
+from dstt.store.format.manifest import (
     parse_arrays,
     parse_arrays_columns,
     parse_head,
     parse_header,
     parse_ref,
 )
-from ..format.objects import decode_object
-from ..format.records import ArrayRecord, CommitHeader, RefInfo
-from ..format.zarr_meta import numpy_dtype
-from ..index.view import Index, scalar_rows
+from dstt.store.format.objects import decode_object
+from dstt.store.format.records import ArrayRecord, CommitHeader, RefInfo
+from dstt.store.format.zarr_meta import numpy_dtype
+from dstt.store.index.view import Index, scalar_rows
+
 from .chunks import ChunkReader
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
-    from ..format.segment import RowSet
-    from ..storage.base import Storage
+    from dstt.store.format.segment import RowSet
+    from dstt.store.storage.base import Storage
 
 __all__ = ["Reader"]
 

@@ -35,13 +35,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import CorruptRunError
-from ..format.zarr_meta import numpy_dtype
+from dstt.errors import CorruptRunError
+from dstt.store.format.zarr_meta import numpy_dtype
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
 
-    from ..format.records import CommitHeader
+    from dstt.store.format.records import CommitHeader
+
     from .reader import Reader
 
 __all__ = [

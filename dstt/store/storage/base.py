@@ -17,7 +17,7 @@ import threading
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
-from ...errors import MissingFileError
+from dstt.errors import MissingFileError
 
 if TYPE_CHECKING:
     import contextlib

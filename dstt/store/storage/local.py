@@ -18,7 +18,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...errors import NotARunError, ReadOnlyRunError, RunLockedError, StorageError
+from dstt.errors import NotARunError, ReadOnlyRunError, RunLockedError, StorageError
+
 from .base import Blob, Data, Durability, Storage, as_parts, missing
 from .local_blob import _FileBlob
 from .posix import _syncfs, fsync_dir

@@ -20,7 +20,7 @@ from .posix import fsync_dir, pwrite_all
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from ...errors import StorageError
+    from dstt.errors import StorageError
 
 
 class FileOwner(Protocol):

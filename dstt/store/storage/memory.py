@@ -22,7 +22,8 @@ import re
 import threading
 from typing import TYPE_CHECKING, Literal, TypeAlias
 
-from ...errors import RunLockedError, StorageError
+from dstt.errors import RunLockedError, StorageError
+
 from .base import Data, Storage, as_parts, missing
 
 if TYPE_CHECKING:

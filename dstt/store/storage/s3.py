@@ -53,7 +53,8 @@ from obstore.exceptions import (
 )
 from obstore.store import S3Store
 
-from ...errors import NotARunError, ReadOnlyRunError, RunLockedError, StorageError
+from dstt.errors import NotARunError, ReadOnlyRunError, RunLockedError, StorageError
+
 from .base import Blob, Data, Storage, as_parts, missing
 from .s3_blob import _S3Blob
 from .s3_config import _config, _is_missing

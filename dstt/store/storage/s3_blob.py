@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import obstore
 
-from ...errors import RunLockedError, StorageError
+from dstt.errors import RunLockedError, StorageError
+
 from .base import Blob, Data, as_parts
 from .posix import pwrite_all
 

@@ -24,7 +24,8 @@ from typing import Any, Protocol
 import obstore
 from obstore.exceptions import AlreadyExistsError, PreconditionError
 
-from ...errors import RunLockedError
+from dstt.errors import RunLockedError
+
 from .s3_config import _is_missing
 
 
