@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib as _importlib
 from importlib import metadata as _metadata
-from typing import Any as _Any
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from .errors import (
     CaptureError,
@@ -42,6 +42,17 @@ try:
     __version__ = _metadata.version("dstt")
 except _metadata.PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
+
+if _TYPE_CHECKING:  # the lazy names, as type checkers see them (``_LAZY`` imports them)
+    from . import plots, widgets
+    from .engine.pipeline import StepMetrics
+    from .integrations.imports import import_checkpoints
+    from .run.run import Run
+    from .run.run import open_run as open
+    from .run.snapshot import Snapshot
+    from .store import Retention
+    from .store.codec import DeltaPolicy
+    from .training import Session, SessionOptions, session
 
 __all__ = [
     "CaptureError",
@@ -99,7 +110,7 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> _Any:
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         mod, _, attr = _LAZY[name].partition(":")
         module = _importlib.import_module(mod)

@@ -9,7 +9,10 @@ behind ``try``/``except`` — every ``import dstt.plots`` would pay matplotlib's
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 __all__ = ["require"]
 

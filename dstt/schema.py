@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Collection, Mapping, Sequence
 
 __all__ = [
     "MODEL_KINDS",

@@ -50,9 +50,12 @@ def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> object:
 def test_ls_finds_the_run_by_argument_env_and_cwd(
         run_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     code, out, _ = _run(capsys, "ls", str(run_dir))
-    assert code == EXIT_OK and "4 steps (1 … 4)" in out and "* main" in out
+    assert code == EXIT_OK
+    assert "4 steps (1 … 4)" in out
+    assert "* main" in out
     doc = _json(capsys, "ls", "--run", str(run_dir))
-    assert doc["n_steps"] == 4 and doc["n_arrays"] == 3  # type: ignore[index]
+    assert doc["n_steps"] == 4  # type: ignore[index]
+    assert doc["n_arrays"] == 3  # type: ignore[index]
     monkeypatch.setenv("DSTT_RUN", str(run_dir))
     assert _json(capsys, "ls")["last_step"] == 4  # type: ignore[index]
     monkeypatch.delenv("DSTT_RUN")
@@ -65,18 +68,23 @@ def test_log_lists_newest_first(run_dir: Path, capsys: pytest.CaptureFixture[str
     assert [c["step"] for c in doc] == [4, 3, 2, 1]  # type: ignore[union-attr,index]
     assert doc[0]["metrics"] == {"loss": 0.25}  # type: ignore[index]
     code, out, _ = _run(capsys, "log", "--run", str(run_dir), "-n", "2")
-    assert code == EXIT_OK and len(out.splitlines()) == 2 and "loss=0.25" in out
+    assert code == EXIT_OK
+    assert len(out.splitlines()) == 2
+    assert "loss=0.25" in out
 
 
 def test_show_lists_tensors_of_a_step(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "show", "--run", str(run_dir), "--step", "2")
     assert code == EXIT_OK
-    assert "layers.0.attn.weight" in out and "bfloat16" in out and "exp_avg" not in out
+    assert "layers.0.attn.weight" in out
+    assert "bfloat16" in out
+    assert "exp_avg" not in out
     doc = _json(capsys, "show", "--run", str(run_dir), "--step", "2", "--optim",
                 "--select", "layers.1")
     names = [t["name"] for t in doc["tensors"]]  # type: ignore[index]
     assert names == ["optim/exp_avg/layers/1/mlp/weight", "layers.1.mlp.weight"]
-    assert doc["step"] == 2 and doc["metrics"] == {"loss": 0.5}  # type: ignore[index]
+    assert doc["step"] == 2  # type: ignore[index]
+    assert doc["metrics"] == {"loss": 0.5}  # type: ignore[index]
 
 
 def test_diff_prints_change_norms(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,13 +94,15 @@ def test_diff_prints_change_norms(run_dir: Path, capsys: pytest.CaptureFixture[s
     b = _arrays(3)["params/layers/1/mlp/weight"].astype(np.float64)
     assert rows["layers.1.mlp.weight"]["delta_l2"] == pytest.approx(np.linalg.norm(b - a))
     code, out, _ = _run(capsys, "diff", "1", "3", "--run", str(run_dir), "--top", "1")
-    assert code == EXIT_OK and "1 more" in out
+    assert code == EXIT_OK
+    assert "1 more" in out
 
 
 def test_verify_ok_then_finds_a_damaged_chunk(run_dir: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "verify", "--run", str(run_dir))
-    assert code == EXIT_OK and out.startswith("ok: 4 commits")
+    assert code == EXIT_OK
+    assert out.startswith("ok: 4 commits")
     r = Repository.open(run_dir).reader()
     key = r.arrays(r.find(2))["params/layers/1/mlp/weight"].chunks[0].key
     f = run_dir / key
@@ -101,22 +111,28 @@ def test_verify_ok_then_finds_a_damaged_chunk(run_dir: Path,
     f.write_bytes(bytes(data))
     code, out, _ = _run(capsys, "verify", "--run", str(run_dir))
     assert code == EXIT_PROBLEMS
-    assert f"PROBLEM {key}" in out and "1 problem(s)" in out
+    assert f"PROBLEM {key}" in out
+    assert "1 problem(s)" in out
     doc = json.loads(_run(capsys, "verify", "--run", str(run_dir), "--json")[1])
-    assert doc["ok"] is False and doc["problems"][0]["key"] == key
+    assert doc["ok"] is False
+    assert doc["problems"][0]["key"] == key
 
 
 def test_rollback_then_gc(run_dir: Path, capsys: pytest.CaptureFixture[str],
                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(run_dir)  # "dstt rollback --to 2" must work as written from inside the run
     code, out, _ = _run(capsys, "rollback", "--to", "2", "--skip-data", "3")
-    assert code == EXIT_OK and "is current" in out
+    assert code == EXIT_OK
+    assert "is current" in out
     ls = _json(capsys, "ls")
-    assert ls["timeline"] != "main" and ls["last_step"] == 2  # type: ignore[index]
+    assert ls["timeline"] != "main"  # type: ignore[index]
+    assert ls["last_step"] == 2  # type: ignore[index]
     code, _, err = _run(capsys, "gc")
-    assert code == EXIT_BAD_INPUT and "retention policy" in err
+    assert code == EXIT_BAD_INPUT
+    assert "retention policy" in err
     dry = _json(capsys, "gc", "--keep-last", "1", "--dry-run")
-    assert dry["dry_run"] is True and len(dry["pruned"]) == 2  # type: ignore[index,arg-type]
+    assert dry["dry_run"] is True  # type: ignore[index]
+    assert len(dry["pruned"]) == 2  # type: ignore[index,arg-type]
     doc = _json(capsys, "gc", "--keep-last", "1")
     assert sorted(p["step"] for p in doc["pruned"]) == [1, 3]  # type: ignore[index,union-attr]
     assert _json(capsys, "log", "--timeline", "main")[0]["step"] == 4  # type: ignore[index]
@@ -129,19 +145,21 @@ def test_export_writes_a_loadable_state_dict(run_dir: Path, tmp_path: Path,
 
     out = tmp_path / "s3.safetensors"
     code, text, _ = _run(capsys, "export", "--run", str(run_dir), "--step", "3", "-o", str(out))
-    assert code == EXIT_OK and "2 tensors" in text
+    assert code == EXIT_OK
+    assert "2 tensors" in text
     sd = load_file(out)
     np.testing.assert_array_equal(sd["layers.1.mlp.weight"].numpy(),
                                   _arrays(3)["params/layers/1/mlp/weight"])
     assert sd["layers.0.attn.weight"].dtype == torch.bfloat16
     doc = _json(capsys, "export", "--run", str(run_dir), "--format", "torch", "--all")
-    assert doc["tensors"] == 3 and doc["path"] == "step4.pt"  # type: ignore[index]
+    assert doc["tensors"] == 3  # type: ignore[index]
+    assert doc["path"] == "step4.pt"  # type: ignore[index]
     full = torch.load("step4.pt", weights_only=True)  # {"model", "optimizer", "scheduler", ...}
     assert set(full["model"]) == {"layers.0.attn.weight", "layers.1.mlp.weight"}
     assert set(full["arrays"]) == {"optim/exp_avg/layers/1/mlp/weight"}  # --all: the rest
 
 
-@pytest.mark.parametrize("argv, needle", [
+@pytest.mark.parametrize(("argv", "needle"), [
     (["ls"], "no run given"),
     (["show", "--step", "99", "--run", "{run}"], "no committed step 99"),
     (["show", "--step", "two", "--run", "{run}"], "invalid int value"),
@@ -161,19 +179,26 @@ def test_bad_input_gives_one_line_and_code_2(run_dir: Path, tmp_path: Path, argv
             "plain": str(tmp_path / "plain")}
     code, out, err = _run(capsys, *[a.format(**subs) for a in argv])
     assert code == EXIT_BAD_INPUT
-    assert needle in err and err.startswith("dstt: ") and len(err.strip().splitlines()) == 1
-    assert "Traceback" not in err and out == ""
+    assert needle in err
+    assert err.startswith("dstt: ")
+    assert len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err
+    assert out == ""
 
 
 def test_locked_run_is_exit_3(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with Repository.open(run_dir).writer():
         code, _, err = _run(capsys, "rollback", "--to", "2", "--run", str(run_dir))
-    assert code == EXIT_RUN and "locked" in err and len(err.strip().splitlines()) == 1
+    assert code == EXIT_RUN
+    assert "locked" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "--help")
-    assert code == EXIT_OK and "exit codes" in out and "rollback" in out
+    assert code == EXIT_OK
+    assert "exit codes" in out
+    assert "rollback" in out
 
 
 def test_installed_entry_point(run_dir: Path) -> None:
@@ -185,8 +210,10 @@ def test_installed_entry_point(run_dir: Path) -> None:
     assert json.loads(ok.stdout)["n_steps"] == 4
     bad = subprocess.run([str(exe), "show", "--step", "99", "--run", str(run_dir)],
                          capture_output=True, text=True, check=False)
-    assert bad.returncode == 2 and bad.stdout == ""
-    assert bad.stderr.startswith("dstt: no committed step 99") and "Traceback" not in bad.stderr
+    assert bad.returncode == 2
+    assert bad.stdout == ""
+    assert bad.stderr.startswith("dstt: no committed step 99")
+    assert "Traceback" not in bad.stderr
 
 
 def test_show_tells_what_each_tensor_cost_on_disk(tmp_path: Path,
@@ -208,18 +235,23 @@ def test_show_tells_what_each_tensor_cost_on_disk(tmp_path: Path,
             w = (w * np.float32(1.0001)).astype(np.float32)  # a small change: an XOR delta
     first = {t["name"]: t for t in _json(capsys, "show", "--run", str(run), "--step", "1")[
         "tensors"]}  # type: ignore[index]
-    assert first["w"]["stored_as"] == ["raw"] and first["w"]["written_bytes"] > 8192
+    assert first["w"]["stored_as"] == ["raw"]
+    assert first["w"]["written_bytes"] > 8192
     doc = _json(capsys, "show", "--run", str(run), "--step", "2")
     t = {x["name"]: x for x in doc["tensors"]}  # type: ignore[index]
-    assert t["frozen"]["stored_as"] == ["ref"] and t["frozen"]["written_bytes"] == 0
-    assert t["w"]["stored_as"] == ["xor"] and 0 < t["w"]["written_bytes"] < t["w"]["bytes"]
+    assert t["frozen"]["stored_as"] == ["ref"]
+    assert t["frozen"]["written_bytes"] == 0
+    assert t["w"]["stored_as"] == ["xor"]
+    assert 0 < t["w"]["written_bytes"] < t["w"]["bytes"]
     code, out, _ = _run(capsys, "show", "--run", str(run), "--step", "2")
-    assert code == EXIT_OK and "fewer bytes" in out and " ref" in out
+    assert code == EXIT_OK
+    assert "fewer bytes" in out
+    assert " ref" in out
 
 
 # -- issue 15: what a new user trips on ------------------------------------------------------
 
-@pytest.mark.parametrize("argv, code, needle", [
+@pytest.mark.parametrize(("argv", "code", "needle"), [
     (["show", "{run}", "--select", "layers.0.atn"], EXIT_BAD_INPUT, "did you mean 'layers.0.attn'"),
     (["diff", "{run}", "1", "3", "--select", "decoder"], EXIT_BAD_INPUT, "matches no tensor"),
     (["log", "{run}", "--spikes", "acc"], EXIT_BAD_INPUT, "'acc' was never logged"),
@@ -244,8 +276,11 @@ def test_user_mistakes_print_their_message_never_internal_error(
             "file": str(tmp_path / "notes.txt"), "zarr": str(tmp_path / "z")}
     got, out, err = _run(capsys, *[a.format(**subs) for a in argv])
     assert (got, out) == (code, "")
-    assert err.startswith("dstt: ") and needle in err and len(err.strip().splitlines()) == 1
-    assert "Traceback" not in err and "internal error" not in err
+    assert err.startswith("dstt: ")
+    assert needle in err
+    assert len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err
+    assert "internal error" not in err
     assert not err.startswith(("dstt: '", 'dstt: "')), err  # no KeyError quoting
 
 
@@ -257,20 +292,25 @@ def test_a_bug_is_still_an_internal_error(run_dir: Path, capsys: pytest.CaptureF
         return {}["a bug"]  # type: ignore[no-any-return]
     monkeypatch.setattr(cli, "cmd_ls", broken)
     code, _, err = _run(capsys, "ls", str(run_dir))
-    assert code == cli.EXIT_INTERNAL and "Traceback" in err and "internal error" in err
+    assert code == cli.EXIT_INTERNAL
+    assert "Traceback" in err
+    assert "internal error" in err
 
 
 def test_closed_pipe_exits_quietly(run_dir: Path) -> None:
     exe = Path(sys.executable).parent / "dstt"
     proc = subprocess.Popen([str(exe), "log", str(run_dir)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
-    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout is not None
+    assert proc.stderr is not None
     proc.stdout.close()  # the reader is gone before dstt writes a line (dstt log | true)
     err = proc.stderr.read()
-    assert proc.wait(timeout=120) == 141 and err == b""
+    assert proc.wait(timeout=120) == 141
+    assert err == b""
     head = subprocess.run(f"'{exe}' log '{run_dir}' | head -n 1", shell=True,
                           capture_output=True, text=True, check=False)
-    assert head.stdout.startswith("step        4") and head.stderr == ""
+    assert head.stdout.startswith("step        4")
+    assert head.stderr == ""
 
 
 def test_every_command_takes_the_run_positionally_and_finds_it_from_inside(
@@ -282,7 +322,9 @@ def test_every_command_takes_the_run_positionally_and_finds_it_from_inside(
                  ["export", inside, "--step", "2", "-o", str(run_dir.parent / "e" / "s2.pt"),
                   "--format", "torch"]):
         code, out, err = _run(capsys, *argv)
-        assert code in (EXIT_OK,) and out and err == "", (argv, err)
+        assert code in (EXIT_OK,), (argv, err)
+        assert out, (argv, err)
+        assert err == "", (argv, err)
     assert _json(capsys, "log", "--run", inside)[0]["step"] == 4  # type: ignore[index]
     assert _json(capsys, "diff", "1", "2", "--run", str(run_dir))["a"] == 1  # type: ignore[index]
     monkeypatch.setenv("DSTT_RUN", inside)
@@ -290,7 +332,8 @@ def test_every_command_takes_the_run_positionally_and_finds_it_from_inside(
     monkeypatch.delenv("DSTT_RUN")
     monkeypatch.chdir(run_dir / "_dstt")
     code, out, _ = _run(capsys, "rollback", "--to", "3")
-    assert code == EXIT_OK and "is current" in out
+    assert code == EXIT_OK
+    assert "is current" in out
     assert _json(capsys, "ls")["path"] == str(run_dir)  # type: ignore[index]
 
 
@@ -308,8 +351,12 @@ def test_show_prints_norms_and_update_ratios_from_summaries(
     assert t["layers.0.attn.weight"]["l2"] is None  # no summary for it: unknown, not 0
     code, out, _ = _run(capsys, "show", str(path))
     line = next(x for x in out.splitlines() if "layers.1.mlp.weight" in x)
-    assert code == EXIT_OK and "norm" in out and " 2.5 " in line and " ~0.01 " in line
-    assert "~ update ratio" in out and "estimate" in out
+    assert code == EXIT_OK
+    assert "norm" in out
+    assert " 2.5 " in line
+    assert " ~0.01 " in line
+    assert "~ update ratio" in out
+    assert "estimate" in out
 
 
 def test_log_marks_loss_spikes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -323,7 +370,9 @@ def test_log_marks_loss_spikes(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert marked == [24]
     code, out, _ = _run(capsys, "log", str(path), "-n", "8")
     spiky = [x for x in out.splitlines() if "spike" in x]
-    assert code == EXIT_OK and len(spiky) == 1 and spiky[0].startswith("step       24")
+    assert code == EXIT_OK
+    assert len(spiky) == 1
+    assert spiky[0].startswith("step       24")
     assert "loss spike (z=" in spiky[0]
 
 
@@ -334,7 +383,8 @@ def test_show_and_diff_agree_on_optimizer_states(run_dir: Path,
         shown = {t["name"] for t in _json(capsys, "show", str(run_dir), *extra)["tensors"]}  # type: ignore[index]
         diffed = {t["name"] for t in _json(capsys, "diff", str(run_dir), "1", "2", "--top", "0",
                                            *extra)["tensors"]}  # type: ignore[index]
-        assert shown == diffed and (optim in shown) is want
+        assert shown == diffed
+        assert (optim in shown) is want
 
 
 def _tree(path: Path) -> dict[str, tuple[int, bytes]]:
@@ -351,7 +401,8 @@ def test_gc_dry_run_lists_the_steps_and_changes_nothing(
     code, out, _ = _run(capsys, "gc", str(run_dir), "--keep-last", "2", "--dry-run")
     assert code == EXIT_OK
     assert "would prune step 1 of timeline main" in out
-    assert "would prune step 2 of timeline main" in out and "step 3" not in out
+    assert "would prune step 2 of timeline main" in out
+    assert "step 3" not in out
     assert "nothing was deleted" in out
     assert _tree(run_dir) == before
     assert _json(capsys, "log", str(run_dir))[-1]["step"] == 1  # type: ignore[index]
@@ -391,17 +442,22 @@ def test_show_on_a_zero_run_counts_only_what_is_stored(
     _sharded(path, 2)
     doc = _json(capsys, "show", str(path))
     t = {x["name"]: x for x in doc["tensors"]}  # type: ignore[index]
-    assert t["a"]["stored"] is False and t["a"]["bytes"] == 0 and t["a"]["stored_as"] == ["view"]
+    assert t["a"]["stored"] is False
+    assert t["a"]["bytes"] == 0
+    assert t["a"]["stored_as"] == ["view"]
     stored = [x for x in t.values() if x["stored"]]
     assert sorted(x["name"] for x in stored) == ["zero/r0/g0/fp32", "zero/r1/g0/fp32"]
     assert sum(x["bytes"] for x in stored) == 64
     code, out, _ = _run(capsys, "show", str(path))
     last = next(x for x in out.splitlines() if "stored arrays" in x)
-    assert code == EXIT_OK and last.startswith("2 stored arrays, 64 B")
-    assert "fewer bytes" not in out and "2 tensors are views" in last
+    assert code == EXIT_OK
+    assert last.startswith("2 stored arrays, 64 B")
+    assert "fewer bytes" not in out
+    assert "2 tensors are views" in last
     ls = _json(capsys, "ls", str(path))
     # two logical tensors a user can name; the two flat shards are what is on disk
-    assert ls["n_arrays"] == 2 and ls["n_stored"] == 2, ls  # type: ignore[index]
+    assert ls["n_arrays"] == 2, ls  # type: ignore[index]
+    assert ls["n_stored"] == 2, ls  # type: ignore[index]
     assert ls["bytes_per_step"] == 64  # type: ignore[index]
 
 
@@ -415,28 +471,41 @@ def test_timeline_list_switch_rename_delete(run_dir: Path, capsys: pytest.Captur
     assert [(t["name"], t["current"], t["head_step"]) for t in rows] == [  # type: ignore
         ("main", False, 4), ("main-from-2", True, 2)]
     code, out, _ = _run(capsys, "timeline", "list")
-    assert code == EXIT_OK and "* main-from-2" in out and "from main@2" in out
+    assert code == EXIT_OK
+    assert "* main-from-2" in out
+    assert "from main@2" in out
 
     code, out, _ = _run(capsys, "timeline", "switch", "main")
-    assert code == EXIT_OK and "'main' is now current" in out and "step 4" in out
+    assert code == EXIT_OK
+    assert "'main' is now current" in out
+    assert "step 4" in out
     assert _json(capsys, "ls")["timeline"] == "main"  # type: ignore[index]
 
     code, out, _ = _run(capsys, "timeline", "rename", "main-from-2", "retry")
-    assert code == EXIT_OK and "is now 'retry'" in out
+    assert code == EXIT_OK
+    assert "is now 'retry'" in out
     code, _, err = _run(capsys, "timeline", "rename", "retry", "main")
-    assert code == EXIT_BAD_INPUT and "already exists" in err
+    assert code == EXIT_BAD_INPUT
+    assert "already exists" in err
 
     code, _, err = _run(capsys, "timeline", "delete", "main", "--yes")
-    assert code == EXIT_BAD_INPUT and "current one" in err and "timeline switch retry" in err
+    assert code == EXIT_BAD_INPUT
+    assert "current one" in err
+    assert "timeline switch retry" in err
     code, _, err = _run(capsys, "timeline", "delete", "retry")
-    assert code == EXIT_BAD_INPUT and "--yes" in err and "--dry-run" in err
+    assert code == EXIT_BAD_INPUT
+    assert "--yes" in err
+    assert "--dry-run" in err
     files = sorted(p.name for p in (run_dir / "steps").iterdir())
     assert _run(capsys, "timeline", "switch", "retry")[0] == EXIT_OK
     dry = _json(capsys, "timeline", "delete", "main", "--dry-run")
-    assert dry["dry_run"] is True and dry["freed_steps"] == [3, 4]  # type: ignore[index]
+    assert dry["dry_run"] is True  # type: ignore[index]
+    assert dry["freed_steps"] == [3, 4]  # type: ignore[index]
     assert sorted(p.name for p in (run_dir / "steps").iterdir()) == files  # nothing deleted
     code, out, _ = _run(capsys, "timeline", "delete", "main", "--yes")
-    assert code == EXIT_OK and "its own steps 3, 4" in out and "stay: 1, 2" in out
+    assert code == EXIT_OK
+    assert "its own steps 3, 4" in out
+    assert "stay: 1, 2" in out
     assert len(list((run_dir / "steps").iterdir())) == len(files) - 4
     rows = _json(capsys, "timeline", "list")
     assert [t["name"] for t in rows] == ["retry"]  # type: ignore[union-attr,index]
@@ -448,10 +517,13 @@ def test_rollback_to_the_same_step_twice_needs_a_name(
         run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert _run(capsys, "rollback", str(run_dir), "--to", "2")[0] == EXIT_OK
     code, _, err = _run(capsys, "rollback", str(run_dir), "--to", "2", "--timeline", "main")
-    assert code == EXIT_BAD_INPUT and "--name NAME" in err and ".2" not in err
+    assert code == EXIT_BAD_INPUT
+    assert "--name NAME" in err
+    assert ".2" not in err
     doc = _json(capsys, "rollback", str(run_dir), "--to", "2", "--timeline", "main",
                 "--name", "again")
-    assert doc["timeline"] == "again" and doc["from_timeline"] == "main"  # type: ignore[index]
+    assert doc["timeline"] == "again"  # type: ignore[index]
+    assert doc["from_timeline"] == "main"  # type: ignore[index]
     assert _json(capsys, "ls", str(run_dir))["timeline"] == "again"  # type: ignore[index]
 
 
@@ -469,8 +541,10 @@ def test_diff_across_timelines_and_steps_on_other_timelines(
     same = _json(capsys, "diff", str(run_dir), "3", "3", "--timeline", "main")
     assert all(t["delta_l2"] == 0 for t in same["tensors"])  # type: ignore[index,union-attr]
     code, out, _ = _run(capsys, "diff", str(run_dir), "2", "3", "--timeline-b", "main")
-    assert code == EXIT_OK and "B = step 3 of main" in out
+    assert code == EXIT_OK
+    assert "B = step 3 of main" in out
     for argv in (["show", str(run_dir), "--step", "4"], ["diff", str(run_dir), "1", "4"]):
         code, _, err = _run(capsys, *argv)
-        assert code == EXIT_BAD_INPUT and "step 4 is on timeline 'main'" in err, argv
+        assert code == EXIT_BAD_INPUT, argv
+        assert "step 4 is on timeline 'main'" in err, argv
         assert "--timeline main" in err

@@ -77,7 +77,8 @@ def test_torch_export_loads_with_torch_own_load_state_dict(
     sched.load_state_dict(doc["scheduler"])
     for k, v in at2["model"].items():
         got = model.state_dict()[k]
-        assert got.dtype == v.dtype and torch.equal(got, v), k
+        assert got.dtype == v.dtype, k
+        assert torch.equal(got, v), k
     assert opt.state_dict()["param_groups"] == at2["optimizer"]["param_groups"]
     for i, st in at2["optimizer"]["state"].items():
         for key, v in st.items():
@@ -93,7 +94,8 @@ def test_export_creates_missing_folders(trained: tuple[Path, dict[str, Any]], tm
         code, _, err = _cli(capsys, "export", "--run", str(path), "--format", fmt,
                             "-o", str(out))
         assert code == EXIT_OK, err
-        assert out.is_file() and err == ""
+        assert out.is_file()
+        assert err == ""
         assert sorted(os.listdir(out.parent)) == [name]  # no temporary file left behind
 
 
@@ -108,7 +110,9 @@ def test_export_refuses_to_overwrite_without_force(
     before = out.read_bytes()
     code, _, err = _cli(capsys, "export", "--run", str(path), "--step", "3", "-o", str(out))
     assert code == EXIT_BAD_INPUT
-    assert "exists" in err and "--force" in err and "Traceback" not in err
+    assert "exists" in err
+    assert "--force" in err
+    assert "Traceback" not in err
     assert out.read_bytes() == before
     code, _, err = _cli(capsys, "export", "--run", str(path), "--step", "3", "-o", str(out),
                         "--force")
@@ -120,7 +124,8 @@ def test_export_refuses_to_overwrite_without_force(
     assert torch.equal(load_file(tmp_path / "step2.safetensors")["0.weight"],
                        at2["model"]["0.weight"])
     code, _, err = _cli(capsys, "export", "--run", str(path), "--step", "2", "-o", str(tmp_path))
-    assert code == EXIT_BAD_INPUT and "step2.safetensors exists" in err
+    assert code == EXIT_BAD_INPUT
+    assert "step2.safetensors exists" in err
     new = tmp_path / "exp" / "newdir"
     code, _, err = _cli(capsys, "export", "--run", str(path), "--step", "2", "--format", "torch",
                         "-o", f"{new}/")

@@ -51,5 +51,6 @@ def test_verify_reports_a_damaged_index_and_repair_rebuilds_it(
     assert dstt.open(tmp_path / "run").steps == list(range(20))  # reads stay right meanwhile
     assert main(["verify", "--repair", str(tmp_path / "run"), "--json"]) == EXIT_OK
     doc = json.loads(capsys.readouterr().out)
-    assert doc["ok"] and doc["repaired"]
+    assert doc["ok"]
+    assert doc["repaired"]
     assert main(["verify", str(tmp_path / "run")]) == EXIT_OK

@@ -21,4 +21,5 @@ def test_demo_trains_inspects_rolls_back_and_resumes(tmp_path: Path) -> None:
     assert "30 committed steps: 1..30" in text
     assert "verify: ok" in text
     assert "fewer bytes" in text
-    assert "timeline 'main': steps 1..30" in text and "-from-" in text
+    assert "timeline 'main': steps 1..30" in text
+    assert "-from-" in text

@@ -35,7 +35,8 @@ def run(tmp_path: Path) -> dstt.Run:
 def _raised(fn: object, cls: type[BaseException], builtin: type[BaseException]) -> str:
     with pytest.raises(cls) as info:
         fn()  # type: ignore[operator]
-    assert isinstance(info.value, DsttError) and isinstance(info.value, builtin)
+    assert isinstance(info.value, DsttError)
+    assert isinstance(info.value, builtin)
     msg = str(info.value)
     assert not (msg[:1] in "'\"" and msg[:1] == msg[-1:]), msg  # no KeyError quoting
     return msg
@@ -44,12 +45,14 @@ def _raised(fn: object, cls: type[BaseException], builtin: type[BaseException]) 
 def test_unknown_tensor_names_the_closest_and_how_to_list(run: dstt.Run) -> None:
     snap = run.at(1)
     msg = _raised(lambda: snap.tensor("layers.0.attn.weigth"), TensorNotFoundError, KeyError)
-    assert "at step 1" in msg and "did you mean 'layers.0.attn.weight'" in msg
+    assert "at step 1" in msg
+    assert "did you mean 'layers.0.attn.weight'" in msg
     assert "run.at(1).names(optim=True)" in msg
     msg = _raised(lambda: snap.to_numpy("nope"), TensorNotFoundError, KeyError)
     assert "no tensor named 'nope' at step 1" in msg
     msg = _raised(lambda: run.trajectory("layers.0.attn.bais"), TensorNotFoundError, KeyError)
-    assert "at step 2, the newest selected step" in msg and "'layers.0.attn.bias'" in msg
+    assert "at step 2, the newest selected step" in msg
+    assert "'layers.0.attn.bias'" in msg
 
 
 def test_unknown_optimizer_state_lists_the_states_the_tensor_has(run: dstt.Run) -> None:
@@ -58,12 +61,14 @@ def test_unknown_optimizer_state_lists_the_states_the_tensor_has(run: dstt.Run) 
     assert "has no optimizer state 'exp_avgsq' at step 2; its states: exp_avg" in msg
     msg = _raised(lambda: run.trajectory("layers.0.attn.bias", state="exp_avg"),
                   TensorNotFoundError, KeyError)
-    assert "'layers.0.attn.bias' has no optimizer states" in msg and "leave state unset" in msg
+    assert "'layers.0.attn.bias' has no optimizer states" in msg
+    assert "leave state unset" in msg
 
 
 def test_selector_that_matches_nothing(run: dstt.Run) -> None:
     msg = _raised(lambda: run.at(1).layer("layers.0.atn"), TensorNotFoundError, KeyError)
-    assert "did you mean 'layers.0.attn'" in msg and "run.at(1).names()" in msg
+    assert "did you mean 'layers.0.attn'" in msg
+    assert "run.at(1).names()" in msg
     msg = _raised(lambda: run.at(1).layer("decoder"), TensorNotFoundError, KeyError)
     assert "top-level modules: layers" in msg
     msg = _raised(lambda: run.diff(1, 2, selector="mlp"), TensorNotFoundError, KeyError)
@@ -72,14 +77,16 @@ def test_selector_that_matches_nothing(run: dstt.Run) -> None:
 
 def test_unknown_metric(run: dstt.Run) -> None:
     msg = _raised(lambda: run.spikes("acc"), MetricNotFoundError, KeyError)
-    assert "'acc' was never logged on timeline 'main'" in msg and "loss" in msg
+    assert "'acc' was never logged on timeline 'main'" in msg
+    assert "loss" in msg
 
 
 def test_a_file_is_not_a_run(tmp_path: Path, run: dstt.Run) -> None:
     f = tmp_path / "notes.txt"
     f.write_text("x")
     msg = _raised(lambda: dstt.open(f), NotARunError, FileNotFoundError)
-    assert "is a file, not a run directory" in msg and "[Errno" not in msg
+    assert "is a file, not a run directory" in msg
+    assert "[Errno" not in msg
     msg = _raised(lambda: dstt.open(tmp_path / "missing"), NotARunError, FileNotFoundError)
     assert msg == f"no run at {tmp_path / 'missing'}: no such file or directory"
     msg = _raised(lambda: dstt.open(Path(run.path) / "_dstt"), NotARunError, FileNotFoundError)
@@ -90,7 +97,8 @@ def test_a_file_is_not_a_run(tmp_path: Path, run: dstt.Run) -> None:
         with dstt.session(model, run=f) as s:
             s.step()
     msg = _raised(train, NotARunError, OSError)
-    assert "is a file; a run is a directory" in msg and f.read_text() == "x"
+    assert "is a file; a run is a directory" in msg
+    assert f.read_text() == "x"
 
 
 def test_trajectory_over_a_missing_integer_tensor_is_a_schema_error(tmp_path: Path) -> None:
@@ -99,4 +107,5 @@ def test_trajectory_over_a_missing_integer_tensor_is_a_schema_error(tmp_path: Pa
     save(path, 2, {"params/w": np.ones(3, np.float32), "buffers/count": np.arange(3)})
     tr = dstt.open(path).trajectory("count")
     msg = _raised(lambda: tr.values, SchemaError, ValueError)
-    assert "missing at step 1" in msg and "narrow the steps" in msg
+    assert "missing at step 1" in msg
+    assert "narrow the steps" in msg

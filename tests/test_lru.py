@@ -16,25 +16,33 @@ def test_evicts_the_least_recently_used_entry_by_count() -> None:
     c.put("b", 2)
     assert c.get("a") == 1  # a is now the most recent
     c.put("c", 3)
-    assert "b" not in c and "a" in c and "c" in c
+    assert "b" not in c
+    assert "a" in c
+    assert "c" in c
     assert (c.hits, c.misses) == (1, 0)
-    assert c.get("b") is None and c.misses == 1
+    assert c.get("b") is None
+    assert c.misses == 1
 
 
 def test_weight_bound_counts_bytes_and_skips_oversized_values() -> None:
     c: LRU[int, np.ndarray] = LRU(100, weigh=lambda a: int(a.nbytes), max_weight=64)
     for i in range(4):
         c.put(i, np.zeros(4, np.float32))  # 16 bytes each: all four fit
-    assert len(c) == 4 and c.weight == 64
+    assert len(c) == 4
+    assert c.weight == 64
     c.put(9, np.zeros(8, np.float32))  # 32 bytes: the two oldest go
-    assert sorted(k for k in range(10) if k in c) == [2, 3, 9] and c.weight == 64
+    assert sorted(k for k in range(10) if k in c) == [2, 3, 9]
+    assert c.weight == 64
     c.put(10, np.zeros(100, np.float32))  # heavier than the budget: never kept
-    assert 10 not in c and c.weight == 64
+    assert 10 not in c
+    assert c.weight == 64
     c.put(9, np.zeros(2, np.float32))  # replacing a key re-weighs it
     assert c.weight == 16 + 16 + 8
-    assert c.pop(9) is not None and c.weight == 32
+    assert c.pop(9) is not None
+    assert c.weight == 32
     c.clear()
-    assert len(c) == 0 and c.weight == 0
+    assert len(c) == 0
+    assert c.weight == 0
 
 
 def test_get_or_make_makes_once_per_miss() -> None:
@@ -42,7 +50,8 @@ def test_get_or_make_makes_once_per_miss() -> None:
     c: LRU[int, int] = LRU(4)
     for _ in range(3):
         assert c.get_or_make(7, lambda: made.append(7) or 49) == 49
-    assert made == [7] and (c.hits, c.misses) == (2, 1)
+    assert made == [7]
+    assert (c.hits, c.misses) == (2, 1)
 
 
 def test_bad_bounds_are_refused() -> None:
@@ -65,5 +74,6 @@ def test_concurrent_puts_keep_the_bounds() -> None:
         t.start()
     for t in threads:
         t.join()
-    assert len(c) <= 50 and c.weight <= 400
+    assert len(c) <= 50
+    assert c.weight <= 400
     assert c.weight == sum(len(v) for v in c._items.values())

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import dstt
 from dstt import errors
 
@@ -228,11 +230,15 @@ def test_packages_import_down_the_layers_only() -> None:
     assert not bad, bad
 
 
-def test_the_layer_check_catches_an_upward_import(tmp_path: Path) -> None:
-    """The check itself: an engine module importing dstt.inspect (the cycle round 2 had)."""
+@pytest.mark.parametrize("line", ["from dstt.inspect.naming import select",
+                                  "from ..inspect.naming import select"],
+                         ids=["absolute", "relative"])
+def test_the_layer_check_catches_an_upward_import(tmp_path: Path, line: str) -> None:
+    """The check itself: an engine module importing dstt.inspect (the cycle round 2 had),
+    written by its full name (as dstt writes a parent package's modules) or relatively."""
     fake = tmp_path / "dstt" / "engine"
     fake.mkdir(parents=True)
-    (fake / "naming_user.py").write_text("from ..inspect.naming import select\n")
+    (fake / "naming_user.py").write_text(line + "\n")
     arrows = package_arrows({"dstt.engine.naming_user": fake / "naming_user.py"})
     rank = {p: i for i, layer in enumerate(LAYERS) for p in layer}
     assert {(a, b) for a, b, _ in arrows if rank[b] >= rank[a]} == {("engine", "inspect")}
@@ -306,14 +312,17 @@ def test_store_rooms_import_downward_only() -> None:
     assert not bad, bad
 
 
-def test_the_room_check_catches_an_upward_import(tmp_path: Path) -> None:
-    """The check itself: gc typed against the writer (the cycle round 2 had)."""
+@pytest.mark.parametrize("module", ["dstt.store.commit.writer", "..commit.writer"],
+                         ids=["absolute", "relative"])
+def test_the_room_check_catches_an_upward_import(tmp_path: Path, module: str) -> None:
+    """The check itself: gc typed against the writer (the cycle round 2 had), imported by
+    its full name or relatively."""
     fake = tmp_path / "dstt" / "store" / "maintenance"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     (fake / "gc.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-        "    from ..commit.writer import Writer\n")
+        f"    from {module} import Writer\n")
     commit = tmp_path / "dstt" / "store" / "commit"
     commit.mkdir()
     (commit / "__init__.py").write_text("")

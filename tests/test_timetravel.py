@@ -74,7 +74,8 @@ def test_rollback_round_trip(tmp_path: Path, skip: int) -> None:
 
     run = dstt.open(run_dir)
     assert set(run.timelines) == {"main", new}
-    assert run.timeline == new and run.steps == list(range(1, 71))
+    assert run.timeline == new
+    assert run.steps == list(range(1, 71))
     old_steps = [h.step for h in run.commits("main")]
     assert old_steps == list(range(1, 61))  # the abandoned timeline is intact
     old = run.trajectory(NAME, steps=slice(1, 60), timeline="main").values
@@ -105,11 +106,14 @@ def test_delete_the_abandoned_timeline_after_resuming(tmp_path: Path) -> None:
         run.delete_timeline(new)
     files = len(list((run_dir / "steps").iterdir()))
     rep = run.delete_timeline("main")
-    assert rep.freed_steps == tuple(range(41, 61)) and rep.kept_steps == tuple(range(1, 41))
+    assert rep.freed_steps == tuple(range(41, 61))
+    assert rep.kept_steps == tuple(range(1, 41))
     assert len(list((run_dir / "steps").iterdir())) == files - rep.gc.files_removed
-    assert rep.gc.files_removed > 0 and set(run.timelines) == {new}
+    assert rep.gc.files_removed > 0
+    assert set(run.timelines) == {new}
     after = run.trajectory(NAME, steps=slice(1, 50)).values
     assert before.tobytes() == after.tobytes()
     assert run.verify().ok
     run.rename_timeline(new, "main")  # the old name is free again
-    assert _train(run_dir, 52, resume=True) and dstt.open(run_dir).steps == list(range(1, 53))
+    assert _train(run_dir, 52, resume=True)
+    assert dstt.open(run_dir).steps == list(range(1, 53))

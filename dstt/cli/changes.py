@@ -3,9 +3,7 @@ parser calls them; each is one call into ``dstt.Run``, then printing)."""
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .common import (
     EXIT_OK,
@@ -15,6 +13,10 @@ from .common import (
     _emit,
     _resolve_run,
 )
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Iterator
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
@@ -84,7 +86,7 @@ def cmd_timeline_rename(args: argparse.Namespace) -> int:
 
 
 def cmd_timeline_delete(args: argparse.Namespace) -> int:
-    from ..inspect.html import human_bytes
+    from dstt.inspect.html import human_bytes
 
     run = _resolve_run(args)
     if not (args.yes or args.dry_run):
@@ -114,8 +116,8 @@ def cmd_timeline_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from ..inspect.html import human_bytes
-    from ..store import Retention
+    from dstt.inspect.html import human_bytes
+    from dstt.store import Retention
 
     if args.keep_last is None and args.keep_every is None and not args.spike_window:
         raise UsageError("gc needs a retention policy: --keep-last N, --keep-every K and/or "

@@ -9,11 +9,10 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import (
+from dstt.errors import (
     ConfigError,
     MetricNotFoundError,
     NotARunError,
@@ -24,6 +23,9 @@ from ..errors import (
     TimelineError,
     UnsafeObjectError,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_BAD_INPUT, EXIT_RUN, EXIT_INTERNAL = 0, 1, 2, 3, 4
 EXIT_PIPE = 128 + 13  # SIGPIPE: what a shell reports for a tool stopped by a closed pipe
@@ -49,17 +51,18 @@ class _Parser(argparse.ArgumentParser):
 def _resolve_run(args: argparse.Namespace, *, opener: Any = None) -> Any:
     """The run named by the arguments, opened with ``opener`` (default ``dstt.open``)."""
     if opener is None:
-        from ..run import open_run as opener
+        from dstt.run import open_run as opener
     return opener(_run_root(args))
 
 
 def _run_root(args: argparse.Namespace) -> str:
     """The root of the run given as ``RUN``, ``--run``, ``$DSTT_RUN`` or the current directory,
     any of which may be a folder inside the run (found by walking up, as git does)."""
-    from ..run import find_run_root
-    from ..store import Repository, is_url
+    from dstt.run import find_run_root
+    from dstt.store import Repository, is_url
 
-    positional, flag = getattr(args, "path", None), getattr(args, "run", None)
+    positional: str | None = getattr(args, "path", None)
+    flag: str | None = getattr(args, "run", None)
     if positional and flag and os.path.abspath(positional) != os.path.abspath(flag):
         raise UsageError(f"two runs given: {positional} and --run {flag}; give one")
     path, source = positional or flag, ""

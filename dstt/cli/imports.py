@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterator
+from typing import TYPE_CHECKING, TypeVar
 
 from .common import EXIT_OK, EXIT_PROBLEMS, UsageError, _bar, _emit, _run_root
 
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
 __all__ = ["add_import", "cmd_import"]
 
+_P = TypeVar("_P", bound=argparse.ArgumentParser)
 
-def add_import(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+
+def add_import(sub: argparse._SubParsersAction[_P], common: _P) -> None:
     """The ``import`` subcommand's parser."""
     what = ("import checkpoints (HF Trainer folders, torch.save files, DCP folders, DeepSpeed "
             "tags, Lightning .ckpt) as steps of a run")
@@ -42,7 +47,7 @@ def add_import(sub: argparse._SubParsersAction, common: argparse.ArgumentParser)
 def _run_path(args: argparse.Namespace) -> str:
     """``--run``/``$DSTT_RUN`` — a new run when nothing is there yet — else found as every
     command finds its run (a folder inside it, the current directory)."""
-    from ..run import find_run_root
+    from dstt.run import find_run_root
 
     path = getattr(args, "run", None) or os.environ.get("DSTT_RUN")
     if path and (not os.path.exists(path)
@@ -52,9 +57,9 @@ def _run_path(args: argparse.Namespace) -> str:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from ..errors import SourceError
-    from ..integrations.imports import find_sources, import_checkpoints
-    from ..store import DeltaPolicy
+    from dstt.errors import SourceError
+    from dstt.integrations.imports import find_sources, import_checkpoints
+    from dstt.store import DeltaPolicy
 
     run = _run_path(args)
     try:

@@ -8,10 +8,8 @@ alternative: one module for the commands, the parser and ``main`` — three jobs
 
 from __future__ import annotations
 
-import argparse
 import math
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .common import (
     EXIT_OK,
@@ -26,11 +24,15 @@ from .common import (
     _when,
 )
 
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Iterator
+
 __all__ = ["cmd_diff", "cmd_export", "cmd_index", "cmd_log", "cmd_ls", "cmd_show", "cmd_verify"]
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from ..inspect.html import human_bytes
+    from dstt.inspect.html import human_bytes
 
     s = _resolve_run(args).summary()
 
@@ -98,7 +100,7 @@ def _visible(snap: Any, optim: bool) -> list[str]:
 def _summary_of(run: Any, snap: Any) -> dict[str, tuple[float | None, float | None, bool]]:
     """``{canonical path: (l2, update ratio, exact)}`` from the step's write-time summaries
     (if any)."""
-    from ..inspect.naming import canonical_path
+    from dstt.inspect.naming import canonical_path
 
     ds = run.summaries(snap.step, timeline=snap.timeline)
     if ds.sizes.get("step", 0) == 0:
@@ -121,9 +123,9 @@ def _ratio_text(t: dict[str, Any]) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from ..inspect.html import human_bytes
-    from ..inspect.sharded import LogicalRecord, shard_sources
-    from ..schema import user_name
+    from dstt.inspect.html import human_bytes
+    from dstt.inspect.sharded import LogicalRecord, shard_sources
+    from dstt.schema import user_name
 
     run = _resolve_run(args)
     snap = run.at(args.step, args.timeline)
@@ -191,7 +193,7 @@ _STORED_AS = {"raw": "raw", "xor1": "xor", "pred1": "pred"}
 def _stored(rec: Any, slot: int) -> dict[str, Any]:
     """What the step put on disk for a tensor: bytes of the files written in its own slot,
     and how its chunks are stored (raw, xor, pred; ref = unchanged, an older file)."""
-    from ..store import key_slot
+    from dstt.store import key_slot
 
     mine = [c for c in rec.chunks if key_slot(c.key) == slot]
     kinds = {_STORED_AS.get(c.encoding, c.encoding) for c in mine}
@@ -201,7 +203,7 @@ def _stored(rec: Any, slot: int) -> dict[str, Any]:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from ..inspect.catalog import Catalog
+    from dstt.inspect.catalog import Catalog
 
     run = _resolve_run(args)
     ta = args.timeline or run.timeline
@@ -247,7 +249,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..store import Repository
+    from dstt.store import Repository
 
     # the repository, not a Run: a Run reads HEAD and the refs up front, so a damaged one
     # would end here as "unreadable" (exit 3) instead of being reported as a problem
@@ -270,7 +272,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from ..store import Repository
+    from dstt.store import Repository
 
     repo = _resolve_run(args, opener=Repository.open)
     rows = repo.reindex()
@@ -280,7 +282,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ..inspect.html import human_bytes
+    from dstt.inspect.html import human_bytes
 
     snap = _resolve_run(args).at(args.step, args.timeline)
     if args.config is not None and args.format != "hf":

@@ -10,12 +10,10 @@ import argparse
 import os
 import sys
 import traceback
-from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import (
-    DsttError,
-)
+from dstt.errors import DsttError
+
 from .changes import (
     cmd_gc,
     cmd_rollback,
@@ -43,6 +41,9 @@ from .inspect import (
     cmd_verify,
 )
 from .replay import cmd_replay
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
 
 __all__ = ["build_parser", "main"]
 

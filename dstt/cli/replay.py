@@ -12,14 +12,16 @@ pipeline are code, and the user's own script already builds them.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .common import EXIT_OK, UsageError, _emit, _fmt, _resolve_run
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Iterator
 
 __all__ = ["cmd_replay", "load_factory"]
 

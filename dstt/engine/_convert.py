@@ -13,13 +13,15 @@ small tagged dict holding their dtype, shape and raw bytes. Rejected alternative
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ..errors import SchemaError
+from dstt.errors import SchemaError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 __all__ = [
     "STORE_TO_TORCH",

@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from ._statedict import SessionPaths
-from .pipeline import Flight
 from .ranks import RankTransaction, RankWriter, TransactionProxy
 
 if TYPE_CHECKING:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    from ._statedict import SessionPaths
+    from .pipeline import Flight
 
 __all__ = ["_Save", "_TagWriter"]
 

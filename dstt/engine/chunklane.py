@@ -15,17 +15,21 @@ Python per tensor per step (docs/design.md, "The capture hot path").
 
 from __future__ import annotations
 
-import queue
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CaptureError
+from dstt.errors import CaptureError
+
 from ._convert import flat_bytes
-from .flight import Flight
 from .staging import Copier, HostCache, Lease, Ready
 from .summaries import SummaryBook, summarized
+
+if TYPE_CHECKING:
+    import queue
+
+    from .flight import Flight
 
 __all__ = ["ChunkLane"]
 

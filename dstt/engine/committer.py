@@ -21,12 +21,14 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..store import Encoded
-from .flight import Flight
-from .governor import EncodeGovernor
-from .summaries import SummaryBook
+from dstt.store import Encoded
+
+if TYPE_CHECKING:
+    from .flight import Flight
+    from .governor import EncodeGovernor
+    from .summaries import SummaryBook
 
 __all__ = ["Committer"]
 
@@ -52,7 +54,7 @@ class Committer:
         self._q.put(None)
         self._thread.join()
 
-    def put_object(self, f: Flight, name: str, obj: Any) -> None:
+    def put_object(self, f: Flight, name: str, obj: object) -> None:
         """Store an object of ``f`` now (tagged JSON; pickle, warned once per name, where
         JSON cannot hold it). Also what the writer threads call for a chunked step."""
         try:
@@ -66,7 +68,7 @@ class Committer:
             f.txn.put_object(name, obj, encoding="pickle")
 
     @staticmethod
-    def _defer_object(f: Flight, name: str, obj: Any) -> None:
+    def _defer_object(f: Flight, name: str, obj: object) -> None:
         f.txn.defer_object(name, obj, or_pickle=True)
 
     def _warn_pickled(self, f: Flight) -> None:
@@ -117,8 +119,7 @@ class Committer:
                 f.fail(e)
         if not f.dead:
             try:
-                with f._cond:
-                    metrics = dict(f.metrics)
+                metrics = f.metrics_now()
                 t0 = time.perf_counter()
                 f.header = f.txn.commit(metrics=metrics)
                 self._observe(f, time.perf_counter() - t0)

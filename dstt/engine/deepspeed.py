@@ -31,21 +31,25 @@ DeepSpeed is not installed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CaptureError, RankError, SchemaError
-from ..schema import tensor_path
+from dstt.errors import CaptureError, RankError, SchemaError
+from dstt.schema import tensor_path
+
 from ._convert import from_plain, to_plain
 from .model_names import param_names
 from .optimizers import OptimizerStateProvider
 from .providers import CompositeProvider, RankObject, RestoreSource, TensorProvider
-from .ranks import RankInfo
 from .sharding import OwnedTensors
 from .torch_state import Stateful, TorchState, get_rng, model_buffers, set_rng
 from .zero import ZeroState
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Mapping
+
+    from .ranks import RankInfo
 
 __all__ = [
     "ENGINE_OBJECT",

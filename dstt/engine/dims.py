@@ -30,8 +30,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ..schema import canonical_name, resolve_dims
-from ..store import logical_of
+from dstt.schema import canonical_name, resolve_dims
+from dstt.store import logical_of
+
 from .model_names import module_wrappers
 
 __all__ = ["DimsOf", "ModelDims", "array_dims", "fallback_dims", "model_dims",
@@ -64,7 +65,7 @@ def module_tensor_dims(module: torch.nn.Module, name: str, ndim: int,
         dims = ("num_embeddings", "embedding_dim") if name == "weight" else None
     elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         dims = _norm_dims(ndim) if name in ("weight", "bias") else None
-    elif isinstance(module, nn.modules.conv._ConvNd):
+    elif isinstance(module, nn.modules.conv._ConvNd):  # noqa: SLF001 - torch: no public base
         k = _KERNEL.get(ndim - 2, ())
         if name == "weight" and k:
             chans = (("in_channels", "out_channels") if module.transposed
@@ -72,7 +73,8 @@ def module_tensor_dims(module: torch.nn.Module, name: str, ndim: int,
             dims = (*chans, *k)
         elif name == "bias":
             dims = ("out_channels",)
-    elif isinstance(module, nn.modules.batchnorm._NormBase):  # BatchNorm, InstanceNorm
+    # BatchNorm, InstanceNorm (torch names no public base class of both)
+    elif isinstance(module, nn.modules.batchnorm._NormBase):  # noqa: SLF001
         if name in ("weight", "bias", "running_mean", "running_var"):
             dims = ("num_features",)
     elif isinstance(module, nn.GroupNorm):

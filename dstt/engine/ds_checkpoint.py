@@ -62,8 +62,9 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine,
 )
 
-from ..errors import CaptureError, RaceError, RankError
-from ..store import DEFAULT_CHUNK_BYTES, Repository, fsync_dir
+from dstt.errors import CaptureError, RaceError, RankError
+from dstt.store import DEFAULT_CHUNK_BYTES, Repository, fsync_dir
+
 from ._convert import tensor_from_numpy
 from ._ds_tags import _Save, _TagWriter
 from ._statedict import SessionPaths, flatten, rebuild, segment
@@ -86,7 +87,7 @@ def _durable_write(path: str, data: bytes) -> None:
     fsync_dir(os.path.dirname(path) or ".")
 
 
-class DsttCheckpointEngine(CheckpointEngine):
+class DsttCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # deepspeed is untyped
     """``engine.save_checkpoint``/``load_checkpoint`` through dstt (see the module docstring).
 
     Use ``DsttCheckpointEngine.attach(engine, run=None)`` after ``deepspeed.initialize``

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeGuard
 
 import torch
 
-from ..errors import SchemaError
+from dstt.errors import SchemaError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["RegionSource", "dtensor_class", "held_box", "is_dtensor", "local_view",
            "restore_tensor", "stored_value"]
@@ -43,7 +46,7 @@ def dtensor_class() -> type | None:
     return getattr(mod, "DTensor", None) if mod is not None else None
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: object) -> TypeGuard[DTensor]:
     cls = dtensor_class()
     return cls is not None and isinstance(t, cls)
 
@@ -54,13 +57,13 @@ def held_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     a rank outside the DTensor's mesh)."""
     if not is_dtensor(t):
         return (0,) * t.dim(), tuple(t.shape)
-    mesh = t.device_mesh  # type: ignore[attr-defined]
+    mesh = t.device_mesh
     if mesh.get_coordinate() is None:
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     sizes, offsets = compute_local_shape_and_global_offset(
-        t.shape, mesh, t.placements)  # type: ignore[attr-defined]
+        t.shape, mesh, t.placements)
     if math.prod(sizes) == 0:
         return None
     return tuple(int(o) for o in offsets), tuple(int(n) for n in sizes)
@@ -71,7 +74,7 @@ def local_view(t: torch.Tensor) -> torch.Tensor:
     view sharing its storage and version counter, so the version guard still sees writes)."""
     if is_dtensor(t):
         with torch.no_grad():
-            return t.to_local().detach()  # type: ignore[attr-defined]
+            return t.to_local().detach()
     return t
 
 
@@ -91,8 +94,8 @@ def stored_value(source: RegionSource, path: str, like: torch.Tensor | None = No
                  else torch.empty_like(local_view(like), device="cpu"))
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(local.to(like.device), like.device_mesh,  # type: ignore[attr-defined]
-                                  like.placements, run_check=False,  # type: ignore[attr-defined]
+        return DTensor.from_local(local.to(like.device), like.device_mesh,
+                                  like.placements, run_check=False,
                                   shape=like.shape, stride=like.stride())
     return source.array(path)
 

@@ -24,16 +24,20 @@ from __future__ import annotations
 import operator
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..store import FlatLayout, FlatStepWriter
 from ._convert import store_dtype
-from .dims import DimsOf
 from .summaries import summarized
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+    from dstt.store import FlatLayout, FlatStepWriter
+
+    from .dims import DimsOf
 
 __all__ = ["FlatPlan", "StepBuffers", "plan_key"]
 

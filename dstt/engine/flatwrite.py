@@ -16,13 +16,12 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import StorageError
-from ..store import (
+from dstt.errors import StorageError
+from dstt.store import (
     DigestPlan,
     FlatImage,
     FlatStepWriter,
@@ -31,10 +30,17 @@ from ..store import (
     StepWriter,
     digest,
 )
-from .dims import DimsOf
+
 from .flatlane import FlatPlan, StepBuffers, plan_key
-from .flight import Flight
 from .summaries import flat_digest_plan, summarized
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from dstt.store import FlatLayout
+
+    from .dims import DimsOf
+    from .flight import Flight
 
 __all__ = ["FlatLane"]
 
@@ -108,7 +114,9 @@ class FlatLane:
     def write(self, f: Flight) -> None:
         """Write a flat step once sealed (a detected race may still recopy into its buffer
         until then), summarise it from the same buffer, then free the buffer."""
-        assert self.steps is not None and f.flat is not None and f.buffer is not None
+        assert self.steps is not None
+        assert f.flat is not None
+        assert f.buffer is not None
         try:
             t0 = time.perf_counter()
             f.wait_sealed()
@@ -173,7 +181,7 @@ class FlatLane:
             warnings.warn("dstt: the flusher process died; steps are written from threads "
                           "from now on (no step was lost)", RuntimeWarning, stacklevel=4)
 
-    def _image(self, layout: Any, start: int) -> FlatImage:
+    def _image(self, layout: FlatLayout, start: int) -> FlatImage:
         """Where the entries of ``layout`` land when placed at ``start`` (no buffer)."""
         key = (id(layout), start)
         im = self._images.get(key)

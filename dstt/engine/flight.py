@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from dstt.store import CUR, ChunkPlan, Prediction
 
-from ..store import CUR, ChunkPlan, Prediction
 from ._convert import flat_bytes
-from .flatlane import FlatPlan
 from .providers import TensorSpec
 from .staging import Copier, VersionGuard
-from .summaries import SummaryAccumulator
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
+    from .flatlane import FlatPlan
+    from .summaries import SummaryAccumulator
 
 __all__ = ["Flight", "StepMetrics", "write_order"]
 
@@ -75,7 +79,7 @@ def write_order(tensors: Mapping[str, Any],
     return order
 
 
-def _encode_metrics(txn: Any) -> dict[str, Any]:
+def _encode_metrics(txn: Any) -> dict[str, Any]:  # noqa: ANN401 - a writer's or rank writer's txn
     st = getattr(txn, "stats", None)
     if st is None:
         return {}
@@ -197,3 +201,8 @@ class Flight:
     def add_metrics(self, metrics: Mapping[str, Any]) -> None:
         with self._cond:
             self.metrics.update(metrics)
+
+    def metrics_now(self) -> dict[str, Any]:
+        """A copy of the metrics given so far (``add_metrics`` may run on another thread)."""
+        with self._cond:
+            return dict(self.metrics)

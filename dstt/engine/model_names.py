@@ -13,15 +13,18 @@ the dims would each need the rule again and could drift apart.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import SchemaError
-from ..schema import canonical_name
-from ..store import Encoded
-from .providers import RestoreSource
+from dstt.errors import SchemaError
+from dstt.schema import canonical_name
+from dstt.store import Encoded
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
+    from .providers import RestoreSource
 
 __all__ = ["CONFIG_OBJECT", "TIED_OBJECT", "ModelInfoProvider", "canonical_names",
            "model_config", "module_wrappers", "param_names", "tied_names"]

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from ..errors import SchemaError
-from ..schema import tensor_path
-from ..store import Encoded, Prediction
+from dstt.errors import SchemaError
+from dstt.schema import tensor_path
+from dstt.store import Encoded, Prediction
+
 from ._convert import from_plain, to_plain
 from .dtensors import stored_value
 from .predictions import optimizer_predictions
@@ -190,7 +191,7 @@ def optimizers_of(optimizer: Any) -> dict[str, torch.optim.Optimizer]:
     """The optimizers a session captures, by key: ``{"": opt}`` for one; ``{"0": a, "1": b}``
     for a list or tuple; a dict's own keys (strings without ``/``). Anything else is a
     ``ConfigError`` that says what is accepted."""
-    from ..errors import ConfigError
+    from dstt.errors import ConfigError
 
     if optimizer is None:
         return {}

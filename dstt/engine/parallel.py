@@ -27,17 +27,20 @@ while nothing changes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .model_names import ModelInfoProvider, param_names
 from .optimizers import OptimizerStateProvider, optimizer_groups_provider, optimizers_of
 from .providers import CompositeProvider, RankObject, StateProvider, TensorProvider
-from .ranks import RankChannel, RankInfo
 from .sharding import OwnedTensors, RankShare, RankZeroObjects
 from .torch_state import ModelTensors, Stateful, TorchState, rng_provider, scheduler_provider
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
+    import torch
+
+    from .ranks import RankChannel, RankInfo
 
 __all__ = ["ParallelState"]
 

@@ -32,13 +32,13 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CaptureError
-from ..store import (
+from dstt.errors import CaptureError
+from dstt.store import (
     EncodingWriter,
     FlatStepWriter,
     Flusher,
@@ -48,15 +48,20 @@ from ..store import (
     StoredWriter,
     flusher_supported,
 )
+
 from .chunklane import ChunkLane
 from .committer import Committer
-from .dims import DimsOf
-from .flatlane import FlatPlan, StepBuffers
 from .flatwrite import FlatLane
 from .flight import Flight, StepMetrics, _Aborted, _encode_metrics
 from .governor import EncodeGovernor
 from .staging import Copier, HostCache, RaceReport, VersionGuard
 from .summaries import SummaryBook, summarized
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from .dims import DimsOf
+    from .flatlane import FlatPlan, StepBuffers
 
 __all__ = ["Flight", "Pipeline", "StepMetrics"]
 
@@ -141,7 +146,7 @@ class Pipeline(ChunkLane):
         return self.flat.flusher
 
     @staticmethod
-    def _spawn(target: Any, name: str) -> threading.Thread:
+    def _spawn(target: Callable[[], object], name: str) -> threading.Thread:
         t = threading.Thread(target=target, name=name, daemon=True)
         t.start()
         return t

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..store import Prediction, adam_predictions, sgd_predictions
+from dstt.store import Prediction, adam_predictions, sgd_predictions
 
 __all__ = ["adam_state_predictions", "optimizer_predictions", "sgd_state_predictions"]
 
@@ -38,7 +38,7 @@ def optimizer_predictions(optimizer: torch.optim.Optimizer, params: Params,
     return {}
 
 
-def _host_float(v: Any) -> float | None:
+def _host_float(v: Any) -> float | None:  # noqa: ANN401 - a logged value of any kind
     if isinstance(v, torch.Tensor):
         if v.numel() != 1 or not v.is_cpu:
             return None

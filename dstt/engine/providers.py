@@ -27,8 +27,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from ..errors import SchemaError
-from ..store import (
+from dstt.errors import SchemaError
+from dstt.store import (
     CommitHeader,
     LogicalArray,
     Prediction,
@@ -39,6 +39,7 @@ from ..store import (
     read_logical,
     read_region,
 )
+
 from ._convert import from_plain, store_dtype, tensor_from_numpy, to_plain
 from .dtensors import restore_tensor
 
@@ -91,7 +92,7 @@ class RestoreSource(Protocol):
 
     def has_object(self, name: str) -> bool: ...
 
-    def object(self, name: str) -> Any:
+    def object(self, name: str) -> Any:  # noqa: ANN401 - a stored object
         """The stored object (tensors tagged by ``to_plain`` are *not* decoded)."""
         ...
 
@@ -418,7 +419,7 @@ class StoreSource:
     def has_object(self, name: str) -> bool:
         return name in self._header.objects
 
-    def object(self, name: str) -> Any:
+    def object(self, name: str) -> Any:  # noqa: ANN401 - a stored object
         if name in self._cached_objects:
             return self._cached_objects[name]
         return self._reader.read_object(self._header, name, trusted=True)

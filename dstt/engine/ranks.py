@@ -29,12 +29,11 @@ import os
 import time
 import uuid
 import warnings
-from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import DsttWarning, RankError, TimelineError
-from ..store import (
+from dstt.errors import DsttWarning, RankError, TimelineError
+from dstt.store import (
     DEFAULT_RANK_TIMEOUT,
     DeltaPolicy,
     RankInfo,
@@ -45,6 +44,9 @@ from ..store import (
     TransactionProxy,
     remove_parts,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
 
 __all__ = ["DEFAULT_RANK_TIMEOUT", "RankChannel", "RankInfo", "RankTransaction", "RankWriter",
            "TransactionProxy", "dist_info", "open_ranks", "run_identity"]

@@ -38,18 +38,22 @@ repeat it).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from dstt.errors import CaptureError
+from dstt.store import DTENSOR_PREFIX, Box, Encoded, LogicalArray, shard_map, shard_source
 
-from ..errors import CaptureError
-from ..store import DTENSOR_PREFIX, Box, Encoded, LogicalArray, shard_map, shard_source
 from ._convert import store_dtype
 from .dtensors import held_box, local_view
 from .providers import CompositeProvider, RestoreSource, StateProvider
-from .ranks import RankChannel, RankInfo
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping, Sequence
+
+    import torch
+
+    from .ranks import RankChannel, RankInfo
 
 __all__ = [
     "DTENSOR_PREFIX",

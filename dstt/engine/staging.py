@@ -27,11 +27,13 @@ import operator
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
 
 __all__ = [
     "CacheClosedError",
@@ -322,7 +324,7 @@ class VersionGuard:
 
     def reset(self, path: str, t: torch.Tensor) -> None:
         """Re-arm one tensor after a synchronous recopy."""
-        self._before[self._paths.index(path)] = t._version
+        self._before[self._paths.index(path)] = _VERSION(t)
         if self.verify:
             self._source[path] = tensor_checksum(_flat(t), self.itemsizes[path])
             with self._lock:
@@ -336,8 +338,8 @@ class VersionGuard:
         versions = self.versions
         for path, t in tensors.items():
             before = versions.get(path)
-            if before is not None and t._version != before:
-                out.append(RaceReport(path, f"in-place write (version {before} -> {t._version})"))
+            if before is not None and (version := _VERSION(t)) != before:
+                out.append(RaceReport(path, f"in-place write (version {before} -> {version})"))
                 continue
             if self.verify and path in self._source:
                 staged = int(self._source[path]) & _MASK
@@ -350,6 +352,7 @@ class VersionGuard:
         return out
 
 
+# a tensor's version counter (bumped by every in-place write); torch has no public accessor
 _VERSION = operator.attrgetter("_version")
 
 

@@ -45,13 +45,15 @@ import functools
 import math
 import threading
 import zlib
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ..store import DigestPlan, logical_of
+from dstt.store import DigestPlan, logical_of
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = [
     "PROBE_SIZE",
@@ -308,4 +310,5 @@ def finish_columns(numel: np.ndarray, st: dict[str, np.ndarray],
 def _rows_finite(d: np.ndarray, k: np.ndarray) -> np.ndarray:
     """Per row: every one of its first ``k[i]`` values is finite (padding is NaN)."""
     mask = np.arange(d.shape[1])[None, :] < k[:, None]
-    return np.all(np.isfinite(d) | ~mask, axis=1)
+    finite: np.ndarray = np.all(np.isfinite(d) | ~mask, axis=1)
+    return finite

@@ -27,15 +27,15 @@ from __future__ import annotations
 
 import operator
 import random
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from ..schema import tensor_path
-from ..store import RankInfo
+from dstt.schema import tensor_path
+from dstt.store import RankInfo
+
 from .model_names import ModelInfoProvider, canonical_names, param_names
 from .optimizers import OptimizerStateProvider, optimizer_groups_provider, optimizers_of
 from .providers import (
@@ -45,6 +45,9 @@ from .providers import (
     StateProvider,
     TensorProvider,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
 
 __all__ = [
     "ONE_RANK",
@@ -128,8 +131,9 @@ class ModelTensors:
 
     def _rebuild(self) -> None:
         out = model_buffers(self.model) if self.buffers else model_params(self.model)
+        # the modules' own dicts (torch's, private): a lookup in them sees a replaced tensor
         where = {id(t): (d, k) for mod in self.model.modules()
-                 for d in (mod._buffers if self.buffers else mod._parameters,)
+                 for d in (mod._buffers if self.buffers else mod._parameters,)  # noqa: SLF001
                  for k, t in d.items() if t is not None}
         slots = [where[id(t)] for t in out.values()]
         self._dicts = [d for d, _ in slots]
@@ -164,8 +168,9 @@ def model_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     found: dict[str, torch.Tensor] = {}
     seen = {id(p) for p in model.parameters()}
     for mod_name, mod in model.named_modules():
-        for bname, b in mod._buffers.items():
-            if b is None or bname in mod._non_persistent_buffers_set or id(b) in seen:
+        # torch has no public list of which buffers are persistent (state_dict's rule)
+        for bname, b in mod._buffers.items():  # noqa: SLF001
+            if b is None or bname in mod._non_persistent_buffers_set or id(b) in seen:  # noqa: SLF001
                 continue
             seen.add(id(b))
             found[f"{mod_name}.{bname}" if mod_name else bname] = b

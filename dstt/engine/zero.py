@@ -30,18 +30,24 @@ dicts on the training thread, and its layout differs per stage and DeepSpeed ver
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import RankError, SchemaError
-from ..schema import tensor_path
-from ..store import LogicalArray, Piece, logical_arrays, read_logical, shard_map
+from dstt.errors import RankError, SchemaError
+from dstt.schema import tensor_path
+from dstt.store import LogicalArray, Piece, logical_arrays, read_logical, shard_map
+
 from ._convert import from_plain, to_plain
-from .providers import RestoreSource
-from .ranks import RankInfo
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from dstt.store import CommitHeader, Reader
+
+    from .providers import RestoreSource
+    from .ranks import RankInfo
 
 __all__ = ["ZeroState"]
 
@@ -113,7 +119,8 @@ class ZeroState:
         return f"zero/s{self.stage}w{i.world}/r{i.rank}/g{group}/{key}"
 
     def _state(self, g: int) -> Mapping[str, Any]:
-        return self.inner.state.get(self.flats[g], {})
+        state: Mapping[str, Any] = self.inner.state.get(self.flats[g], {})
+        return state
 
     def _array_keys(self, g: int) -> list[str]:
         flat = self.flats[g]
@@ -207,7 +214,7 @@ class ZeroState:
         return True
 
     def _reshard(self, live: torch.Tensor, g: int, key: str, logical: Mapping[str, LogicalArray],
-                 reader: Any, header: Any) -> None:
+                 reader: Reader, header: CommitHeader) -> None:
         kind = "params" if key == "fp32" else f"optim/{key}"
         for name, slices in self.slices.items():
             path = tensor_path(kind, name)
@@ -224,8 +231,8 @@ class ZeroState:
                 data = read_logical(reader, header, rec, s.dst, s.dst + s.length)
                 live[s.src:s.src + s.length].copy_(torch.from_numpy(data))
 
-    def _refresh_model(self, logical: Mapping[str, LogicalArray], reader: Any,
-                       header: Any) -> None:
+    def _refresh_model(self, logical: Mapping[str, LogicalArray], reader: Reader,
+                       header: CommitHeader) -> None:
         """Model (bit16) weights from the restored master weights, as DeepSpeed's step does."""
         with torch.no_grad():
             if self.stage == 3:

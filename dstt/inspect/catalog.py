@@ -18,14 +18,19 @@ a load would untie them; and resolving tied names only in ``tensor()`` — ``lay
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import TensorNotFoundError
-from ..schema import MODEL_KINDS, canonical_name, optim_state, tensor_path, user_name
+from dstt.errors import TensorNotFoundError
+from dstt.schema import MODEL_KINDS, canonical_name, optim_state, tensor_path, user_name
+
 from .naming import array_path, tensor_dims
 from .selection import Pick, select_layer, selector_miss
 from .sharded import shard_sources
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["CONFIG_OBJECT", "TIED_OBJECT", "Catalog"]
 
@@ -51,7 +56,7 @@ class Catalog:
         self._dims: Callable[[str, int], tuple[str, ...]] | None = None
 
     @classmethod
-    def of(cls, reader: Any, header: Any, *, where: str = "",
+    def of(cls, reader: Reader, header: CommitHeader, *, where: str = "",
            listing: str = "") -> Catalog:
         """The catalog of commit ``header`` read through ``reader`` (a pool's reader)."""
         tied = reader.read_object(header, TIED_OBJECT) if TIED_OBJECT in header.objects else {}

@@ -12,26 +12,30 @@ may be far apart or on different timelines.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
 
-from ..schema import user_name
-from ..store import numpy_dtype
+from dstt.schema import user_name
+from dstt.store import numpy_dtype
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["diff_commits"]
 
 FIELDS = ("delta_l2", "a_l2", "b_l2", "ratio", "max_abs_delta")
 
 
-def _chunk(reader: Any, header: Any, rec: Any, i: int) -> np.ndarray:
+def _chunk(reader: Reader, header: CommitHeader, rec: Any, i: int) -> np.ndarray:  # noqa: ANN401 - a stored or a logical record
     data = np.frombuffer(reader.read_chunk(header, rec.path, i), dtype=numpy_dtype(rec.dtype))
     return data.astype(np.float64)
 
 
-def _one(reader: Any, ha: Any, ra: Any, hb: Any, rb: Any) -> tuple[float, ...]:
+def _one(reader: Reader, ha: CommitHeader, ra: Any, hb: CommitHeader, rb: Any) -> tuple[float, ...]:  # noqa: ANN401 - stored or logical records
     d2 = a2 = b2 = 0.0
     mx = 0.0
     for i in range(ra.plan.n_chunks):
@@ -47,7 +51,8 @@ def _one(reader: Any, ha: Any, ra: Any, hb: Any, rb: Any) -> tuple[float, ...]:
     return dl, da, nb, (dl / da if da > 0 else math.nan), mx
 
 
-def diff_commits(reader: Any, ha: Any, hb: Any, paths: Sequence[str] | None = None, *,
+def diff_commits(reader: Reader, ha: CommitHeader, hb: CommitHeader,
+                 paths: Sequence[str] | None = None, *,
                  progress: Callable[[int], None] | None = None) -> xr.Dataset:
     """Change of every tensor (or of ``paths``) from commit ``ha`` to commit ``hb``.
 

@@ -44,13 +44,14 @@ that starts high and never drops (no minimum to rise from) is not flagged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import xarray as xr
 
 __all__ = ["Divergence", "NonFinite", "find_divergence", "first_nonfinite", "grown_tensors",

@@ -33,11 +33,15 @@ import contextlib
 import json
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from ..errors import ConfigError, OutputExistsError, StorageError
-from ..schema import MODEL_KINDS, user_name
+from dstt.errors import ConfigError, OutputExistsError, StorageError
+from dstt.schema import MODEL_KINDS, user_name
+
 from .catalog import CONFIG_OBJECT, Catalog
+
+if TYPE_CHECKING:
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["FORMATS", "export_commit", "load_config", "prepare_output"]
 
@@ -96,7 +100,7 @@ def _write(path: str, save: Callable[[str], None]) -> None:
         raise
 
 
-def load_config(config: Any) -> dict[str, Any]:
+def load_config(config: Any) -> dict[str, Any]:  # noqa: ANN401 - an object, dict, file or folder
     """A model config as a JSON dict from a ``transformers`` config object (``to_dict``), a
     mapping, a ``config.json`` path or a folder holding one."""
     if isinstance(config, Mapping):
@@ -122,13 +126,14 @@ def load_config(config: Any) -> dict[str, Any]:
     return got
 
 
-def export_commit(reader: Any, header: Any, out: str | os.PathLike[str], fmt: Format, *,
-                  include_all: bool = False, overwrite: bool = False, config: Any = None,
+def export_commit(reader: Reader, header: CommitHeader, out: str | os.PathLike[str], fmt: Format, *,
+                  include_all: bool = False, overwrite: bool = False, config: Any = None,  # noqa: ANN401 - see load_config
                   progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Write commit ``header`` to ``out``; returns ``{"tensors": n, "bytes": b, "path": p}``
     (``n``: tensors in the file; ``b``: their bytes as stored; ``p``: the file, or the
     folder of an ``hf`` export, which adds ``"files"``)."""
-    from ..engine._convert import tensor_from_numpy
+    from dstt.engine._convert import tensor_from_numpy
+
     from .restore import step_state
 
     if fmt not in FORMATS:

@@ -28,10 +28,14 @@ import contextlib
 import os
 import shutil
 import warnings
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import OutputExistsError, StorageError
+from dstt.errors import OutputExistsError, StorageError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["export_dcp"]
 
@@ -53,14 +57,15 @@ def _prepare(out: str, overwrite: bool) -> str:
     return path
 
 
-def export_dcp(reader: Any, header: Any, out: str | os.PathLike[str], *,
+def export_dcp(reader: Reader, header: CommitHeader, out: str | os.PathLike[str], *,
                overwrite: bool = False,
                progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Write commit ``header`` as the DCP folder ``out``; returns ``{"tensors": n,
     "bytes": b, "path": out}``."""
     import torch.distributed.checkpoint as dcp
 
-    from ..engine._convert import from_plain
+    from dstt.engine._convert import from_plain
+
     from .restore import GROUPS_OBJECT, step_state
 
     path = _prepare(os.fspath(out), overwrite)
@@ -103,7 +108,7 @@ def export_dcp(reader: Any, header: Any, out: str | os.PathLike[str], *,
     return {"tensors": len(tensors), "bytes": nbytes, "path": path}
 
 
-def _tensors(x: Any) -> list[Any]:
+def _tensors(x: Any) -> list[Any]:  # noqa: ANN401 - a nested state dict
     import torch
 
     if isinstance(x, torch.Tensor):

@@ -26,7 +26,7 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
-def run_summary(run: Any) -> dict[str, Any]:
+def run_summary(run: Any) -> dict[str, Any]:  # noqa: ANN401 - a Run (run/ sits above inspect/)
     """Facts about a run, JSON-ready. Reads headers and the head's arrays table only."""
     timelines = []
     for name, ref in sorted(run.timelines.items()):
@@ -64,7 +64,7 @@ def run_html(s: dict[str, Any]) -> str:
     """Static HTML of :func:`run_summary`'s result."""
     e = html.escape
 
-    def row(k: str, v: Any) -> str:
+    def row(k: str, v: Any) -> str:  # noqa: ANN401 - a JSON value
         return f"<tr><th style='text-align:left'>{e(k)}</th><td>{e(str(v))}</td></tr>"
 
     when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["head_time"]))

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from ..store import SUMMARY_SCALARS, RowSet
+from dstt.store import SUMMARY_SCALARS, RowSet
+
 from .summaries import (
     METRICS_HISTORY_OBJECT,
     label_updates,

@@ -20,18 +20,23 @@ manifest's crc32c check.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
 from xarray.backends import BackendArray
 from xarray.core import indexing
 
-from ..errors import SchemaError
-from ..store import numpy_dtype
+from dstt.errors import SchemaError
+from dstt.store import numpy_dtype
+
 from .readers import ReaderPool
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["CommitArray", "ReaderPool", "TrajectoryArray", "read_outer", "variable", "view_dtype"]
 
@@ -76,11 +81,12 @@ def _adapt(array: CommitArray | TrajectoryArray, key: indexing.ExplicitIndexer,
         parts = tuple(slice(0, 0) if isinstance(k, slice) and not len(range(*k.indices(n)))
                       else k for k, n in zip(key.tuple, array.shape, strict=True))
         key = type(key)(parts)
-    return indexing.explicit_indexing_adapter(
+    out: np.ndarray = indexing.explicit_indexing_adapter(
         key, array.shape, indexing.IndexingSupport.OUTER, raw)
+    return out
 
 
-def read_outer(reader: Any, header: Any, record: Any, key: Key,
+def read_outer(reader: Reader, header: CommitHeader, record: Any, key: Key,  # noqa: ANN401 - a stored or a logical record
                out: np.ndarray | None = None) -> np.ndarray:
     """Outer-indexed values of one tensor of one commit, reading only the needed chunks.
 
@@ -128,7 +134,7 @@ def read_outer(reader: Any, header: Any, record: Any, key: Key,
 class CommitArray(BackendArray):
     """One tensor of one commit, shape as stored, dtype as shown (bf16 -> float32)."""
 
-    def __init__(self, readers: ReaderPool, header: Any, record: Any) -> None:
+    def __init__(self, readers: ReaderPool, header: CommitHeader, record: Any) -> None:  # noqa: ANN401 - a stored or a logical record
         self.readers, self.header, self.record = readers, header, record
         self.shape = tuple(record.shape)
         self.dtype = view_dtype(record.dtype)
@@ -143,7 +149,7 @@ class CommitArray(BackendArray):
         return read_outer(self.readers.get(), self.header, self.record, key)
 
 
-def _plain(header: Any) -> Any:
+def _plain(header: CommitHeader) -> CommitHeader:
     """A header that pickles: an index-backed one (which holds a closure over the index) as
     the full header it stands for."""
     full = getattr(header, "full", None)
@@ -235,7 +241,7 @@ class TrajectoryArray(BackendArray):
         return res[0, ...] if np.ndim(sel) == 0 else res
 
 
-def variable(array: BackendArray, dims: Sequence[str], chunks: Any = None,
+def variable(array: BackendArray, dims: Sequence[str], chunks: Any = None,  # noqa: ANN401 - xarray's chunks
              attrs: dict[str, Any] | None = None) -> xr.Variable:
     """A lazy ``xr.Variable`` over ``array``; a dask-backed one when ``chunks`` is given."""
     var = xr.Variable(tuple(dims), indexing.LazilyIndexedArray(array), attrs=attrs or {})

@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable, Mapping
 from difflib import SequenceMatcher
 from typing import Any
 
-from ..errors import TensorNotFoundError
-from ..schema import (
+from dstt.errors import TensorNotFoundError
+from dstt.schema import (
     MODEL_KINDS,
     WRAPPER_ATTRIBUTES,
     canonical_name,

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from ..engine.model_names import param_names
-from ..errors import SchemaError
-from ..schema import canonical_name, tensor_path
+from dstt.engine.model_names import param_names
+from dstt.errors import SchemaError
+from dstt.schema import canonical_name, tensor_path
+
 from .naming import listed
 
 __all__ = ["GROUPS_OBJECT", "STATE_OBJECT", "canonical_groups", "check_optimizer",

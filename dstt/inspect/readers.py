@@ -18,13 +18,18 @@ restore) — five places to keep one rule, and the store's index answers by stor
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .._lru import LRU
-from ..store import Index, LocalStorage, Reader
+from dstt._lru import LRU
+from dstt.store import Index, LocalStorage, Reader
+
 from .naming import canonical_path
 from .sharded import LogicalRecord, read_logical_chunk, with_logical
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from dstt.store import CommitHeader, Storage
 
 __all__ = ["ReaderPool"]
 
@@ -34,13 +39,13 @@ class _SharedReader(Reader):
     logical tensors and keyed by canonical paths (``stored``: canonical -> stored path of
     the tensors whose stored path has wrapper components)."""
 
-    def __init__(self, storage: Any, tables: LRU[int, dict[str, Any]],
+    def __init__(self, storage: Storage, tables: LRU[int, dict[str, Any]],
                  index: Index | None = None, stored: dict[str, str] | None = None) -> None:
         super().__init__(storage, table_cache=1, index=index)
         self._shared = tables
         self._stored = {} if stored is None else stored
 
-    def arrays(self, header: Any) -> dict[str, Any]:
+    def arrays(self, header: CommitHeader) -> dict[str, Any]:
         table = None if header.pruned else self._shared.get(header.slot)
         if table is None:
             table = super().arrays(header)  # verifies; raises for pruned steps
@@ -59,17 +64,17 @@ class _SharedReader(Reader):
             out.setdefault(c, table[p])
         return out
 
-    def located(self, header: Any, path: str) -> Any:
+    def located(self, header: CommitHeader, path: str) -> Any:  # noqa: ANN401 - a stored or a logical record
         return super().located(header, self._stored.get(path, path))
 
-    def record(self, header: Any, path: str) -> Any:
+    def record(self, header: CommitHeader, path: str) -> Any:  # noqa: ANN401 - a stored or a logical record
         path = canonical_path(path)  # a stored path (a delta's inputs name them) or not
         rec = self.located(header, path)
         if rec is None:
             rec = self.arrays(header).get(path)
         return rec if rec is not None else super().record(header, path)  # the store's error
 
-    def read_chunk(self, header: Any, path: str, index: int) -> memoryview:
+    def read_chunk(self, header: CommitHeader, path: str, index: int) -> memoryview:
         rec = self.record(header, path)
         if isinstance(rec, LogicalRecord):
             return read_logical_chunk(self, header, rec, index)
@@ -87,7 +92,7 @@ class ReaderPool:
     with; to see a changed run, the owner makes a new pool.
     """
 
-    def __init__(self, storage: Any, *, table_cache: int = 32) -> None:
+    def __init__(self, storage: Storage, *, table_cache: int = 32) -> None:
         self.storage = storage
         self.tables: LRU[int, dict[str, Any]] = LRU(table_cache)
         self.index = Index(storage)  # one index for every thread's reader
@@ -112,6 +117,6 @@ class ReaderPool:
         return r
 
 
-def _rebuilt_pool(where: Any, table_cache: int) -> ReaderPool:
+def _rebuilt_pool(where: str | Storage, table_cache: int) -> ReaderPool:
     storage = LocalStorage(where) if isinstance(where, str) else where
     return ReaderPool(storage, table_cache=table_cache)

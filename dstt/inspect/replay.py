@@ -31,18 +31,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import xarray as xr
 
-from ..engine.model_names import canonical_names, param_names
-from ..engine.optimizers import optimizers_of
-from ..engine.providers import StoreSource
-from ..engine.torch_state import discover
-from ..errors import ConfigError, ReplayError, StepNotFoundError
-from ..schema import tensor_path, tree_location
+from dstt.engine.model_names import canonical_names, param_names
+from dstt.engine.optimizers import optimizers_of
+from dstt.engine.providers import StoreSource
+from dstt.engine.torch_state import discover
+from dstt.errors import ConfigError, ReplayError, StepNotFoundError
+from dstt.schema import tensor_path, tree_location
+
+if TYPE_CHECKING:
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["Replay", "replay_step"]
 
@@ -124,7 +127,7 @@ class Replay:
                 f"losses {[round(x, 6) for x in self.losses]}; worst samples {worst})")
 
 
-def _prev_header(reader: Any, line: Sequence[Any], step: int) -> tuple[Any, Any]:
+def _prev_header(reader: Reader, line: Sequence[Any], step: int) -> tuple[Any, Any]:
     """(commit of ``step``, commit of ``step - 1``) on the timeline ``line``."""
     by_step = {int(h.step): h for h in line}
     if step not in by_step:
@@ -209,15 +212,15 @@ def _step_batches(run: Any, step: int, timeline: str | None, batches: Any, datas
     return [collate([dataset[i] for i in ix]) for ix in known], list(indices)
 
 
-def replay_step(run: Any, step: int, model: torch.nn.Module, optimizer: Any, *,
+def replay_step(run: Any, reader: Reader, step: int, model: torch.nn.Module,
+                optimizer: Any, *,
                 scheduler: Any = None, loss_fn: LossFn | None = None, batches: Any = None,
                 dataset: Any = None, collate: Callable[[list[Any]], Any] | None = None,
                 activations: Iterable[str] = (), per_sample: bool = True,
                 per_sample_grads: bool = False, timeline: str | None = None) -> Replay:
-    """Replay step ``step`` of ``run`` into ``model``/``optimizer`` (see the module
-    docstring and :class:`Replay`)."""
+    """Replay step ``step`` of ``run`` (read with ``reader``, the run's own) into
+    ``model``/``optimizer`` (see the module docstring and :class:`Replay`)."""
     timeline = timeline or run.timeline
-    reader = run._reader
     head_k, head_prev = _prev_header(reader, run.commits(timeline), int(step))
     loss_fn = loss_fn or _default_loss
     micro, sample_ix = _step_batches(run, int(step), timeline, batches, dataset, collate)
@@ -287,7 +290,7 @@ def _hook_activations(model: torch.nn.Module, wanted: Iterable[str]
     return [by_name[w].register_forward_hook(keep(w)) for w in wanted], acts
 
 
-def _compare(reader: Any, head: Any, model: torch.nn.Module, optimizer: Any,
+def _compare(reader: Reader, head: CommitHeader, model: torch.nn.Module, optimizer: Any,
              names: Mapping[int, str]) -> tuple[bool, float, list[str]]:
     """Every parameter and optimizer-state tensor against commit ``head``."""
     source = StoreSource(reader, head)

@@ -34,16 +34,16 @@ has ``"optimizer": None``.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ..engine._convert import from_plain, tensor_from_numpy
-from ..engine.dtensors import held_box, is_dtensor
-from ..engine.model_names import canonical_names
-from ..errors import DsttWarning, SchemaError
-from ..schema import MODEL_KINDS, user_name
+from dstt.engine._convert import from_plain, tensor_from_numpy
+from dstt.engine.dtensors import held_box, is_dtensor
+from dstt.engine.model_names import canonical_names
+from dstt.errors import DsttWarning, SchemaError
+from dstt.schema import MODEL_KINDS, user_name
+
 from .catalog import Catalog
 from .naming import canonical_path, listed
 from .optimizers import (
@@ -55,6 +55,11 @@ from .optimizers import (
     optimizer_state,
     stored_keys,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["GROUPS_OBJECT", "PARTS", "SCHEDULER_OBJECT", "STATE_OBJECT", "LoadResult",
            "load_step", "step_state"]
@@ -88,7 +93,7 @@ class LoadResult(_Keys):
 class _Step:
     """One commit read through a store reader, as tensors and decoded objects."""
 
-    def __init__(self, reader: Any, header: Any, trusted: bool) -> None:
+    def __init__(self, reader: Reader, header: CommitHeader, trusted: bool) -> None:
         self.reader, self.header, self.trusted = reader, header, trusted
         self.step = int(header.step)
         self.catalog = Catalog.of(reader, header)
@@ -127,14 +132,14 @@ class _Step:
         return [p for _, p in sorted(enumerate(paths), key=key)]
 
 
-def step_state(reader: Any, header: Any, *, parts: Iterable[str] = PARTS,
+def step_state(reader: Reader, header: CommitHeader, *, parts: Iterable[str] = PARTS,
                trusted: bool = False) -> dict[str, Any]:
     """``{"model", "optimizer", "scheduler"}`` of one commit in torch's formats (see the
     module docstring); a part not captured is None, a part not in ``parts`` is not read."""
     return _read(reader, header, parts, trusted)[0]
 
 
-def _read(reader: Any, header: Any, parts: Iterable[str], trusted: bool
+def _read(reader: Reader, header: CommitHeader, parts: Iterable[str], trusted: bool
           ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """``step_state`` and the stored param groups (with parameter names) by optimizer key
     (``""``: the only one)."""
@@ -235,7 +240,7 @@ def _optimizer_as_live(sd: dict[str, Any], opt: torch.optim.Optimizer) -> dict[s
     return {**sd, "state": state}
 
 
-def load_step(reader: Any, header: Any, model: torch.nn.Module | None = None,
+def load_step(reader: Reader, header: CommitHeader, model: torch.nn.Module | None = None,
               optimizer: Any = None, scheduler: Any = None, *,
               strict: bool = True, trusted: bool = False) -> LoadResult:
     """Load one commit into live objects (any of them may be None; ``optimizer`` one, a list

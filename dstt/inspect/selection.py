@@ -28,10 +28,14 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
-from ..errors import TensorNotFoundError
+from dstt.errors import TensorNotFoundError
+
 from .naming import components, suggest
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
 
 __all__ = ["Pick", "select", "select_layer", "selector_miss"]
 

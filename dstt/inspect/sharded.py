@@ -15,13 +15,12 @@ Rejected alternative: a second kind of backend array for logical tensors — eve
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..store import (
+from dstt.store import (
     DEFAULT_CHUNK_BYTES,
     ArrayRecord,
     LogicalArray,
@@ -30,6 +29,11 @@ from ..store import (
     plan_chunks,
     read_logical,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["LogicalRecord", "read_logical_chunk", "shard_sources", "with_logical"]
 
@@ -41,7 +45,7 @@ class LogicalRecord(ArrayRecord):
     logical: LogicalArray | None = None
 
 
-def with_logical(reader: Any, header: Any, table: dict[str, Any]) -> dict[str, Any]:
+def with_logical(reader: Reader, header: CommitHeader, table: dict[str, Any]) -> dict[str, Any]:
     """``table`` plus a ``LogicalRecord`` per logical tensor of the commit."""
     found = logical_arrays(reader, header, table)
     if not found:
@@ -57,7 +61,8 @@ def with_logical(reader: Any, header: Any, table: dict[str, Any]) -> dict[str, A
     return out
 
 
-def read_logical_chunk(reader: Any, header: Any, rec: LogicalRecord, index: int) -> memoryview:
+def read_logical_chunk(reader: Reader, header: CommitHeader, rec: LogicalRecord,
+                       index: int) -> memoryview:
     """Bytes of virtual chunk ``index`` of a logical tensor (no padding), like ``read_chunk``."""
     assert rec.logical is not None
     plan = rec.plan

@@ -29,17 +29,19 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..schema import user_name
-from ..store import SUMMARY_SCALARS, as_float, find_spikes
+from dstt.schema import user_name
+from dstt.store import SUMMARY_SCALARS, as_float, find_spikes
+
 from .naming import canonical_path
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     import xarray as xr
 
 __all__ = [

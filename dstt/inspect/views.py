@@ -15,21 +15,27 @@ hierarchy users navigate by, and xarray's dotted variable names do not tab-compl
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
 
-from ..schema import tree_location, user_name
-from .catalog import Catalog
+from dstt.schema import tree_location, user_name
+
 from .lazy import CommitArray, ReaderPool, TrajectoryArray, variable
 from .summaries import step_coords
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from dstt.store import CommitHeader
+
+    from .catalog import Catalog
 
 __all__ = ["layer_tree", "tensor_dataarray", "trajectory_dataarray"]
 
 
-def _attrs(path: str, record: Any, catalog: Catalog) -> dict[str, Any]:
+def _attrs(path: str, record: Any, catalog: Catalog) -> dict[str, Any]:  # noqa: ANN401 - a stored or a logical record
     attrs = {"store_path": record.path, "store_dtype": record.dtype, "name": user_name(path)}
     tied = catalog.tied_to(path)
     if tied is not None:
@@ -37,28 +43,28 @@ def _attrs(path: str, record: Any, catalog: Catalog) -> dict[str, Any]:
     return attrs
 
 
-def _commit_attrs(header: Any) -> dict[str, Any]:
+def _commit_attrs(header: CommitHeader) -> dict[str, Any]:
     return {"step": int(header.step), "slot": int(header.slot), "timeline": header.timeline,
             "time": float(header.time)}
 
 
-def _variable(readers: ReaderPool, header: Any, catalog: Catalog, path: str,
-              chunks: Any) -> xr.Variable:
+def _variable(readers: ReaderPool, header: CommitHeader, catalog: Catalog, path: str,
+              chunks: Any) -> xr.Variable:  # noqa: ANN401 - xarray's chunks
     rec = catalog.table[path]
     return variable(CommitArray(readers, header, rec), catalog.dims_of(path, len(rec.shape)),
                     chunks, _attrs(path, rec, catalog))
 
 
-def tensor_dataarray(readers: ReaderPool, header: Any, catalog: Catalog, path: str, *,
-                     chunks: Any = None) -> xr.DataArray:
+def tensor_dataarray(readers: ReaderPool, header: CommitHeader, catalog: Catalog, path: str, *,
+                     chunks: Any = None) -> xr.DataArray:  # noqa: ANN401 - xarray's chunks
     """Lazy DataArray of one tensor of one commit, with a scalar ``step`` coordinate."""
     var = _variable(readers, header, catalog, path, chunks)
     return xr.DataArray(var, coords={"step": np.int64(header.step)}, name=user_name(path))
 
 
-def layer_tree(readers: ReaderPool, header: Any, catalog: Catalog, paths: Sequence[str], *,
+def layer_tree(readers: ReaderPool, header: CommitHeader, catalog: Catalog, paths: Sequence[str], *,
                picks: Mapping[str, tuple[str, int]] | None = None,
-               chunks: Any = None) -> xr.DataTree:
+               chunks: Any = None) -> xr.DataTree:  # noqa: ANN401 - xarray's chunks
     """Lazy DataTree of ``paths`` (paths of ``catalog``, one commit's) laid out by module
     path. ``picks`` narrows fused-experts tensors to one expert (path -> (dim, index),
     :func:`dstt.inspect.selection.select_layer`): a lazy ``isel``, the index kept as a scalar
@@ -83,7 +89,7 @@ def layer_tree(readers: ReaderPool, header: Any, catalog: Catalog, paths: Sequen
 
 
 def trajectory_dataarray(readers: ReaderPool, headers: Sequence[Any], path: str,
-                         newest: Catalog, *, chunks: Any = None) -> xr.DataArray:
+                         newest: Catalog, *, chunks: Any = None) -> xr.DataArray:  # noqa: ANN401 - xarray's chunks
     """Lazy DataArray of tensor ``path`` over ``headers`` (commits of one timeline, ascending
     unique steps).
 

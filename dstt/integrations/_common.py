@@ -6,11 +6,13 @@ Kept free of either framework's import so that each callback module pays only fo
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
-from ..training.options import SessionOptions
+from dstt.errors import ConfigError
+from dstt.training.options import SessionOptions
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 __all__ = ["numeric_metrics", "session_options", "unwrap_optimizer", "unwrap_scheduler"]
 

@@ -22,19 +22,23 @@ copy of the model and optimizer, in a layout private to each Lightning version.
 
 from __future__ import annotations
 
-import os
 import random
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from ..errors import ConfigError
-from ..store import Repository
-from ..training import Session, open_session
+from dstt.errors import ConfigError
+from dstt.training import Session, open_session
+
 from ._common import numeric_metrics, session_options
+
+if TYPE_CHECKING:
+    import os
+    from collections.abc import Mapping
+
+    from dstt.store import Repository
 
 __all__ = ["DsttCallback"]
 
@@ -58,7 +62,7 @@ class _Loops:
         self.restored = dict(state)
 
 
-class DsttCallback(Callback):  # type: ignore[misc]
+class DsttCallback(Callback):
     """Capture every ``every``-th optimizer step of a ``lightning.Trainer`` fit into ``run``.
 
     ``Trainer(callbacks=[DsttCallback(run="runs/x")])``; ``resume=True`` continues the run's
@@ -117,7 +121,9 @@ class DsttCallback(Callback):  # type: ignore[misc]
         s = self.session
         if s is None:
             return
-        s._at_boundary()  # after the optimizer and scheduler stepped: end of the iteration
+        # after the optimizer and scheduler stepped: end of the iteration (the Trainer's loop
+        # stands in for the tracked loader that calls this hook)
+        s._at_boundary()  # noqa: SLF001 - the callback drives the session's step hooks
         if s.step:
             values = numeric_metrics(_step_metrics(trainer))
             if values:
@@ -163,7 +169,8 @@ def _step_metrics(trainer: Trainer) -> Mapping[str, Any]:
     results = getattr(trainer.fit_loop.epoch_loop, "_results", None)
     if results is None:
         return {}
-    return results.metrics(True)["callback"]
+    metrics: Mapping[str, Any] = results.metrics(True)["callback"]
+    return metrics
 
 
 def _get_rng() -> tuple[Any, ...]:

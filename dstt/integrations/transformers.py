@@ -33,23 +33,26 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..engine._convert import from_plain
-from ..errors import ConfigError, DsttWarning, NotARunError
-from ..store import Repository
-from ..training import Session, open_session
+from dstt.engine._convert import from_plain
+from dstt.errors import ConfigError, DsttWarning, NotARunError
+from dstt.store import Repository
+from dstt.training import Session, open_session
+
 from ._common import (
     numeric_metrics,
     session_options,
     unwrap_optimizer,
     unwrap_scheduler,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 __all__ = ["DsttCallback"]
 
@@ -77,7 +80,7 @@ class _TrainerError(RuntimeError):
     """Marks a Session closed because the Trainer stopped without ``on_train_end``."""
 
 
-class DsttCallback(TrainerCallback):  # type: ignore[misc]
+class DsttCallback(TrainerCallback):
     """Capture every ``every``-th optimizer step of a ``transformers.Trainer`` into ``run``.
 
     ``Trainer(..., callbacks=[DsttCallback(run="runs/x")])``. ``resume=True`` continues the
@@ -192,7 +195,7 @@ class DsttCallback(TrainerCallback):  # type: ignore[misc]
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
         if self.session is not None:  # the iteration ended; the scheduler has stepped
-            self.session._at_boundary()
+            self.session._at_boundary()  # noqa: SLF001 - the callback drives the step hooks
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:

@@ -17,15 +17,22 @@ timelines or summaries, and users would have to assemble the step x tensor matri
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._optional import require
-from ..errors import MetricNotFoundError
+from dstt._optional import require
+from dstt.errors import MetricNotFoundError
+
 from .draw import draw_bars, draw_curves, draw_heatmap, draw_tensor
 from .series import exactness_label, param_names, step_change, tensor_stats
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from matplotlib.axes import Axes
+
+    from dstt.run.run import Run
 
 __all__ = [
     "layer_change",
@@ -39,15 +46,16 @@ __all__ = [
 ]
 
 
-def _axes(ax: Any, figsize: tuple[float, float]) -> Any:
+def _axes(ax: Axes | None, figsize: tuple[float, float]) -> Axes:
     if ax is not None:
         return ax
     plt = require("matplotlib.pyplot", "dstt.plots")
     _, new = plt.subplots(figsize=figsize, layout="constrained")
-    return new
+    axes: Axes = new
+    return axes
 
 
-def _timelines(run: Any, timelines: str | Iterable[str] | None) -> list[str]:
+def _timelines(run: Run, timelines: str | Iterable[str] | None) -> list[str]:
     if timelines is None:
         return [run.timeline]
     if timelines == "all":
@@ -55,15 +63,15 @@ def _timelines(run: Any, timelines: str | Iterable[str] | None) -> list[str]:
     return [timelines] if isinstance(timelines, str) else list(timelines)
 
 
-def _spikes(run: Any, metric: str, timeline: str | None, window: int, z: float) -> list[Any]:
+def _spikes(run: Run, metric: str, timeline: str | None, window: int, z: float) -> list[Any]:
     if metric not in run.metrics(timeline):
         return []
     return list(run.spikes(metric, window=window, z=z, top=0, timeline=timeline))
 
 
-def loss(run: Any, metric: str = "loss", *, timelines: str | Iterable[str] | None = None,
+def loss(run: Run, metric: str = "loss", *, timelines: str | Iterable[str] | None = None,
          spikes: bool = True, step: int | None = None, window: int = 50, z: float = 4.0,
-         logy: bool = False, ax: Any = None) -> Any:
+         logy: bool = False, ax: Axes | None = None) -> Axes:
     """``metric`` over steps for the current timeline (or ``timelines``: names or ``"all"``),
     spikes (:meth:`dstt.Run.spikes` with ``window``/``z``) marked at their loss step and the
     update that caused each (``parent -> cause``) shaded, ``step`` as a cursor."""
@@ -86,10 +94,11 @@ def loss(run: Any, metric: str = "loss", *, timelines: str | Iterable[str] | Non
     return ax
 
 
-def update_heatmap(run: Any, steps: Any = None, *, timeline: str | None = None,
+def update_heatmap(run: Run, steps: slice | int | Iterable[int] | None = None, *,
+                   timeline: str | None = None,
                    selector: str | None = None, field: str = "update_ratio", log: bool = True,
                    spikes: str | None = "loss", window: int = 50, z: float = 4.0,
-                   ax: Any = None) -> Any:
+                   ax: Axes | None = None) -> Axes:
     """Per-parameter ``field`` (``update_ratio``, ``update_l2`` or ``l2``) over steps as a
     heatmap, labelled ``estimate from probes`` where the update numbers are the summaries'
     estimates (``exact`` where computed from the tensors); ``selector`` as in
@@ -113,9 +122,10 @@ def update_heatmap(run: Any, steps: Any = None, *, timeline: str | None = None,
 
 
 
-def norms(run: Any, selector: str | None = None, steps: Any = None, *,
+def norms(run: Run, selector: str | None = None,
+          steps: slice | int | Iterable[int] | None = None, *,
           timeline: str | None = None, relative: bool = False, legend_max: int = 12,
-          ax: Any = None) -> Any:
+          ax: Axes | None = None) -> Axes:
     """L2 norm of each selected parameter over steps (``relative``: divided by the first)."""
     ds = tensor_stats(run, steps, timeline=timeline, selector=selector)
     ax = _axes(ax, (8, 3.5))
@@ -133,8 +143,8 @@ def norms(run: Any, selector: str | None = None, steps: Any = None, *,
     return ax
 
 
-def layer_change(run: Any, step: int, reference: int | None = None, *,
-                 timeline: str | None = None, top: int | None = 30, ax: Any = None) -> Any:
+def layer_change(run: Run, step: int, reference: int | None = None, *,
+                 timeline: str | None = None, top: int | None = 30, ax: Axes | None = None) -> Axes:
     """Bars of ``||w_step - w_ref|| / ||w||`` per parameter (default reference: the previous
     commit: the summaries' estimate, labelled so; another reference: exact), largest first,
     at most ``top`` of them."""
@@ -149,8 +159,8 @@ def layer_change(run: Any, step: int, reference: int | None = None, *,
     return ax
 
 
-def tensor(values: Any, *, title: str | None = None, diverging: bool = False,
-           ax: Any = None) -> Any:
+def tensor(values: Any, *, title: str | None = None, diverging: bool = False,  # noqa: ANN401 - a DataArray, an array or a tensor
+           ax: Axes | None = None) -> Axes:
     """One tensor (numpy array or DataArray): heatmap for rank >= 2, histogram for 1-D."""
     ax = _axes(ax, (6, 4))
     name = title if title is not None else str(getattr(values, "name", "") or "")

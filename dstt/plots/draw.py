@@ -11,11 +11,15 @@ summaries on every redraw; here the widget's model caches the numbers and only d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import ArrayLike
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from matplotlib.axes import Axes
 
 __all__ = [
     "as_matrix",
@@ -49,7 +53,7 @@ def as_matrix(values: np.ndarray) -> np.ndarray:
     return values.reshape(as_matrix_shape(values.shape)) if values.ndim > 2 else values
 
 
-def draw_curves(ax: Any, curves: Sequence[Curve], *, spikes: Sequence[tuple[float, float]] = (),
+def draw_curves(ax: Axes, curves: Sequence[Curve], *, spikes: Sequence[tuple[float, float]] = (),
                 causes: Sequence[tuple[float, float]] = (), cursor: float | None = None,
                 ylabel: str = "", logy: bool = False) -> dict[str, Any]:
     """Metric curves (label, steps, values), spike markers, the updates that caused them
@@ -88,7 +92,7 @@ def draw_curves(ax: Any, curves: Sequence[Curve], *, spikes: Sequence[tuple[floa
     return out
 
 
-def draw_tensor(ax: Any, values: np.ndarray, *, title: str = "", diverging: bool = False,
+def draw_tensor(ax: Axes, values: np.ndarray, *, title: str = "", diverging: bool = False,
                 bins: int = 50) -> dict[str, Any]:
     """A tensor: heatmap (``image``) for rank >= 2, histogram (``hist``) for 1-D, ``text``
     for a scalar. ``diverging`` centres a red/blue colour map on zero (for differences)."""
@@ -117,7 +121,7 @@ def draw_tensor(ax: Any, values: np.ndarray, *, title: str = "", diverging: bool
     return out
 
 
-def draw_bars(ax: Any, names: Sequence[str], values: ArrayLike, *, xlabel: str = "",
+def draw_bars(ax: Axes, names: Sequence[str], values: ArrayLike, *, xlabel: str = "",
               highlight: str | None = None, log: bool = False, title: str = "") -> dict[str, Any]:
     """Horizontal bars, one per name (top to bottom in the given order); ``highlight`` one."""
     vals = np.asarray(values, dtype=float)
@@ -134,7 +138,7 @@ def draw_bars(ax: Any, names: Sequence[str], values: ArrayLike, *, xlabel: str =
     return {"bars": bars}
 
 
-def draw_heatmap(ax: Any, steps: ArrayLike, names: Sequence[str], matrix: ArrayLike, *,
+def draw_heatmap(ax: Axes, steps: ArrayLike, names: Sequence[str], matrix: ArrayLike, *,
                  label: str = "", log: bool = True, marks: Sequence[int] = ()) -> dict[str, Any]:
     """``matrix[tensor, step]`` as a step-aligned heatmap (uneven step spacing is kept), with
     dashed vertical ``marks`` (spikes). Log colour scale over the positive values if ``log``."""

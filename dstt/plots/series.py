@@ -24,20 +24,26 @@ would read the whole run, where the summaries answer it from kilobytes.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
 
-from ..inspect.naming import canonical_path
-from ..inspect.summaries import (
+from dstt.inspect.naming import canonical_path
+from dstt.inspect.summaries import (
     ESTIMATE_NOTE,
     SUMMARIES_OBJECT,
     label_updates,
     summary_rows,
     update_exactness,
 )
-from ..schema import user_name
+from dstt.schema import user_name
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from dstt.run.run import Run
+    from dstt.store import CommitHeader
 
 __all__ = ["exactness_label", "param_names", "step_change", "tensor_stats"]
 
@@ -49,7 +55,7 @@ def _is_param(path: str) -> bool:
     return path.startswith("params/")
 
 
-def param_names(run: Any, step: int | None = None, *, timeline: str | None = None,
+def param_names(run: Run, step: int | None = None, *, timeline: str | None = None,
                 selector: str | None = None) -> list[str]:
     """Dotted names of the parameters at ``step`` (default: head); with ``selector``, those it
     picks (tied names included; ``TensorNotFoundError`` with the closest selectors when it
@@ -61,7 +67,8 @@ def param_names(run: Any, step: int | None = None, *, timeline: str | None = Non
     return [user_name(p) for p in paths]
 
 
-def tensor_stats(run: Any, steps: Any = None, *, timeline: str | None = None,
+def tensor_stats(run: Run, steps: slice | int | Iterable[int] | None = None, *,
+                 timeline: str | None = None,
                  selector: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> xr.Dataset:
     """``l2``, ``update_l2``, ``update_ratio`` and ``update_exact`` over ``(step, tensor)``
     for the parameters.
@@ -95,7 +102,7 @@ def tensor_stats(run: Any, steps: Any = None, *, timeline: str | None = None,
     return _stats_from_tensors(run, headers, timeline, selector, max_bytes)
 
 
-def _stats_from_tensors(run: Any, headers: list[Any], timeline: str | None,
+def _stats_from_tensors(run: Run, headers: list[Any], timeline: str | None,
                         selector: str | None, max_bytes: int) -> xr.Dataset:
     steps = [h.step for h in headers]
     names = param_names(run, steps[-1], timeline=timeline, selector=selector) if steps else []
@@ -131,13 +138,13 @@ def exactness_label(exactness: str) -> str:
             "exact": "exact"}.get(exactness, "unknown")
 
 
-def _previous(run: Any, step: int, timeline: str | None) -> Any | None:
+def _previous(run: Run, step: int, timeline: str | None) -> CommitHeader | None:
     line = run.commits(timeline)
     idx = next((i for i, h in enumerate(line) if h.step == step), None)
     return line[idx - 1] if idx else None
 
 
-def step_change(run: Any, step: int, reference: int | None = None, *,
+def step_change(run: Run, step: int, reference: int | None = None, *,
                 timeline: str | None = None, reference_timeline: str | None = None
                 ) -> xr.Dataset:
     """Per-parameter change of ``step`` versus ``reference`` (default: the previous commit).
@@ -168,7 +175,7 @@ def step_change(run: Any, step: int, reference: int | None = None, *,
                         reference_timeline=reference_timeline or timeline)
 
 
-def diff_headers(run: Any, ref: Any, head: Any, *, timeline: str | None = None,
+def diff_headers(run: Run, ref: CommitHeader, head: CommitHeader, *, timeline: str | None = None,
                  reference_timeline: str | None = None) -> xr.Dataset:
     """Exact per-parameter change between two commit headers, read along the timelines they
     were found on (default: the current one). Not ``header.timeline``: that is the name a
@@ -184,13 +191,13 @@ def diff_headers(run: Any, ref: Any, head: Any, *, timeline: str | None = None,
     return out
 
 
-def _change_from_summaries(run: Any, head: Any, ref: Any,
+def _change_from_summaries(run: Run, head: CommitHeader, ref: CommitHeader,
                            timeline: str | None) -> xr.Dataset:
     tl = timeline or run.timeline
     s = summary_rows(run.at(int(head.step), tl).object(SUMMARIES_OBJECT))
     paths = sorted(p for p in s if _is_param(p))
 
-    def num(v: Any) -> float:
+    def num(v: Any) -> float:  # noqa: ANN401 - a stored summary value
         return math.nan if v is None else float(v)
 
     upd = np.array([num(s[p].get("update_l2")) for p in paths])

@@ -13,14 +13,13 @@ over two files, the mixin declaring by hand the attributes of the class it is mi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ..errors import MetricNotFoundError, StepNotFoundError
-from ..inspect.diagnose import (
+from dstt.errors import MetricNotFoundError, StepNotFoundError
+from dstt.inspect.diagnose import (
     Divergence,
     NonFinite,
     find_divergence,
@@ -29,13 +28,15 @@ from ..inspect.diagnose import (
     rank_by_baseline,
     suspect,
 )
-from ..inspect.summaries import Spike
-from ..store import Batch, SkipSet, read_batches, read_skips
+from dstt.inspect.summaries import Spike
+from dstt.store import Batch, SkipSet, read_batches, read_skips
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
     import xarray as xr
 
-    from ..store import Reader, Repository
+    from dstt.store import Reader, Repository
 
 __all__ = ["DiagnosedRun", "Diagnosis", "RunDiagnostics"]
 
@@ -65,7 +66,9 @@ class DiagnosedRun(Protocol):
     metrics and summaries, and its reader's objects."""
 
     repo: Repository
-    _reader: Reader
+
+    @property
+    def reader(self) -> Reader: ...
 
     @property
     def timeline(self) -> str: ...
@@ -92,22 +95,22 @@ class RunDiagnostics:
         run = self.run
         line = run.commits(timeline)
         if steps is None:
-            return read_batches(line, run._reader.read_object)
+            return read_batches(line, run.reader.read_object)
         if isinstance(steps, slice):
             lo = -np.inf if steps.start is None else steps.start
             hi = np.inf if steps.stop is None else steps.stop
-            found = read_batches(_covering(line, lo, hi), run._reader.read_object)
+            found = read_batches(_covering(line, lo, hi), run.reader.read_object)
             return {k: v for k, v in found.items() if lo <= k <= hi}
         want = {int(s) for s in steps}
         if not want:
             return {}
-        found = read_batches(_covering(line, min(want), max(want)), run._reader.read_object)
+        found = read_batches(_covering(line, min(want), max(want)), run.reader.read_object)
         return {k: v for k, v in found.items() if k in want}
 
     def skips(self, timeline: str | None = None) -> SkipSet:
         """The samples and batches sessions resumed on ``timeline`` drop."""
         run = self.run
-        return read_skips(run.repo.storage, run._reader.timelines, timeline or run.timeline)
+        return read_skips(run.repo.storage, run.reader.timelines, timeline or run.timeline)
 
     def skip_set(self, samples: Iterable[int] | None, steps: Iterable[int] | None,
                  timeline: str | None) -> SkipSet:
@@ -131,7 +134,7 @@ class RunDiagnostics:
                timeline: str | None = None) -> list[Spike]:
         """Spikes of a logged metric, each with the committed update that caused it (the
         step rule and the ranking: ``Run.spikes``)."""
-        from ..inspect.summaries import find_spikes, spike_cause
+        from dstt.inspect.summaries import find_spikes, spike_cause
 
         name = timeline or self.run.timeline
         ds = self.run.metrics(name)

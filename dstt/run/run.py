@@ -23,20 +23,22 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._lru import LRU
-from ..errors import CorruptRunError, NotARunError, StepNotFoundError
-from ..inspect.catalog import Catalog
-from ..inspect.html import run_html, run_summary
-from ..inspect.readers import ReaderPool
-from ..store import Batch, Repository, SkipSet, Storage, fold_rows, is_url, write_skips
+from dstt._lru import LRU
+from dstt.errors import CorruptRunError, NotARunError, StepNotFoundError
+from dstt.inspect.catalog import Catalog
+from dstt.inspect.html import run_html, run_summary
+from dstt.inspect.readers import ReaderPool
+from dstt.store import Batch, Repository, SkipSet, Storage, fold_rows, is_url, write_skips
+
 from .diagnose import Diagnosis, RunDiagnostics
 
 if TYPE_CHECKING:
     import xarray as xr
 
-    from ..inspect.diagnose import Divergence, NonFinite
-    from ..inspect.summaries import Spike
-    from .snapshot import Snapshot
+    from dstt.inspect.diagnose import Divergence, NonFinite
+    from dstt.inspect.summaries import Spike
+    from dstt.run.snapshot import Snapshot
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["Run", "find_run_root", "open_run"]
 
@@ -109,6 +111,12 @@ class Run:
         self._all.clear()
         self._catalogs.clear()
         return self
+
+    @property
+    def reader(self) -> Reader:
+        """The run's store reader (:class:`dstt.store.Reader`): commits, arrays and objects
+        as stored, for code that reads below the inspection API."""
+        return self._reader
 
     @property
     def timeline(self) -> str:
@@ -200,7 +208,7 @@ class Run:
 
         return Snapshot(self, self._header(step, timeline), timeline or self.timeline)
 
-    def catalog(self, header: Any) -> Catalog:
+    def catalog(self, header: CommitHeader) -> Catalog:
         """The names of commit ``header`` (:mod:`dstt.inspect.catalog`; cached): its
         tensors by canonical path and its tied names, and how a typed name resolves."""
         got = self._catalogs.get(header.slot)
@@ -218,7 +226,7 @@ class Run:
         (``exp_avg``). ``steps`` as in :meth:`select_steps`. Nothing is read until values are;
         then only that tensor's chunks of the selected steps (``.isel``/``.sel`` first!).
         """
-        from ..inspect.views import trajectory_dataarray
+        from dstt.inspect.views import trajectory_dataarray
 
         headers = self.select_steps(steps, timeline)
         if not headers:
@@ -233,7 +241,7 @@ class Run:
         """Logged metrics (``s.log(...)``) per step as a Dataset over ``step``: every
         committed step's, and those of the steps ``every=K`` did not checkpoint (``slot`` -1;
         the next commit carries them)."""
-        from ..inspect.indexed import metrics_from_rows
+        from dstt.inspect.indexed import metrics_from_rows
 
         return metrics_from_rows(self._reader.scalar_rows(self._lineage(timeline or self.timeline),
                                                           summaries=False))
@@ -246,7 +254,7 @@ class Run:
         ``chunks`` (e.g. ``{"step": 1000}``): dask-backed variables, to combine with
         ``trajectory(chunks=)`` on a cluster; the statistics themselves are read from the
         run's index here, in one pass (a few bytes per tensor per step)."""
-        from ..inspect.indexed import summaries_from_rows
+        from dstt.inspect.indexed import summaries_from_rows
 
         name = timeline or self.timeline
         if steps is None or isinstance(steps, slice):  # pruned steps' summaries stay too
@@ -303,19 +311,20 @@ class Run:
         ``rollback(..., skip_samples=...)``) and the ``activations`` of the named modules.
         Nothing is written to the run; the live objects end at the replayed step. See
         docs/replay.md."""
-        from ..inspect.replay import replay_step
-        from ..inspect.summaries import Spike
+        from dstt.inspect.replay import replay_step
+        from dstt.inspect.summaries import Spike
 
         k = (step.start if step.start is not None else step.step) if isinstance(
             step, Spike) else int(step)
-        return replay_step(self, k, model, optimizer, scheduler=scheduler, loss_fn=loss_fn,
+        return replay_step(self, self._reader, k, model, optimizer, scheduler=scheduler,
+                           loss_fn=loss_fn,
                            batches=batches, dataset=dataset, collate=collate,
                            activations=activations, per_sample=per_sample,
                            per_sample_grads=per_sample_grads, timeline=timeline)
 
     def _read_summaries(self, h: Any) -> dict[str, Any]:
         """The summaries of one commit; multi-rank runs add one object per other rank."""
-        from ..inspect.summaries import SUMMARIES_OBJECT, summary_rows
+        from dstt.inspect.summaries import SUMMARIES_OBJECT, summary_rows
 
         out = summary_rows(self._reader.read_object(h, SUMMARIES_OBJECT))
         for name in h.objects:
@@ -331,7 +340,7 @@ class Run:
         ``b`` is read from ``timeline_b`` if given (compare two timelines), else ``timeline``.
         ``selector`` restricts to a layer selector (:func:`dstt.inspect.naming.select`),
         ``paths`` to store array paths (``params/...``)."""
-        from ..inspect.compare import diff_commits
+        from dstt.inspect.compare import diff_commits
 
         ha, hb = self._header(a, timeline), self._header(b, timeline_b or timeline)
         paths = None if paths is None else list(paths)
@@ -447,7 +456,7 @@ class Run:
         """Plain-data overview (what ``dstt ls --json`` prints and the HTML repr shows)."""
         return run_summary(self)
 
-    def arrays(self, header: Any) -> dict[str, Any]:
+    def arrays(self, header: CommitHeader) -> dict[str, Any]:
         """The arrays table of a commit header (cached)."""
         return self._reader.arrays(header)
 

@@ -11,21 +11,21 @@ and views over many steps; one step's tensors and its export) in one file.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..schema import optim_state, user_name
-from ..store import Batch
+from dstt.schema import optim_state, user_name
 
 if TYPE_CHECKING:
+    import os
+    from collections.abc import Callable, Iterable, Mapping, Sequence
+
     import numpy as np
     import torch
     import xarray as xr
 
-    from ..inspect.catalog import Catalog
-    from ..inspect.readers import ReaderPool
-    from ..store import Reader
+    from dstt.inspect.catalog import Catalog
+    from dstt.inspect.readers import ReaderPool
+    from dstt.store import Batch, CommitHeader, Reader
 
 __all__ = ["RunView", "Snapshot"]
 
@@ -34,10 +34,12 @@ class RunView(Protocol):
     """What a snapshot reads its run through (``dstt.Run``): the run's readers, the names
     of a commit and the recorded batches."""
 
-    _reader: Reader
     _readers: ReaderPool
 
-    def catalog(self, header: Any) -> Catalog: ...
+    @property
+    def reader(self) -> Reader: ...
+
+    def catalog(self, header: CommitHeader) -> Catalog: ...
 
     def batches(self, steps: slice | Iterable[int] | None = None, *,
                 timeline: str | None = None) -> dict[int, list[Batch]]: ...
@@ -46,7 +48,7 @@ class RunView(Protocol):
 class Snapshot:
     """One committed step: lazy tensors by torch name, layer trees, objects, export."""
 
-    def __init__(self, run: RunView, header: Any, timeline: str | None = None) -> None:
+    def __init__(self, run: RunView, header: CommitHeader, timeline: str | None = None) -> None:
         self.run, self.header = run, header
         self.step, self.slot = int(header.step), int(header.slot)
         #: the timeline it was read from; ``header.timeline`` is the one it was written on,
@@ -58,6 +60,16 @@ class Snapshot:
         self.catalog = run.catalog(header)
         #: canonical store path -> record of every array (tied names not included)
         self.arrays = self.catalog.stored
+
+    # the run's readers, looked up at each use (``run.refresh()`` replaces them); the one
+    # place outside ``Run`` that reads these members, which RunView names for it
+    @property
+    def _reader(self) -> Reader:
+        return self.run.reader
+
+    @property
+    def _readers(self) -> ReaderPool:
+        return self.run._readers  # noqa: SLF001 - Snapshot is the run's own view (RunView)
 
     def __repr__(self) -> str:
         return (f"<dstt.Snapshot step={self.step} timeline={self.timeline!r} slot={self.slot} "
@@ -82,7 +94,7 @@ class Snapshot:
 
     def object(self, name: str, *, trusted: bool = False) -> Any:
         """A stored object (RNG state, scheduler, summaries...); pickled ones need trusted."""
-        return self.run._reader.read_object(self.header, name, trusted=trusted)
+        return self._reader.read_object(self.header, name, trusted=trusted)
 
     def path(self, name: str, state: str | None = None) -> str:
         """The store path (canonical) ``name`` means at this step: an exact dotted name, a
@@ -95,9 +107,9 @@ class Snapshot:
         """Lazy DataArray of one tensor (bf16 shown as float32; ``state`` for optimizer
         states; ``chunks`` for a dask array, when dask is installed). ``name`` as in
         :meth:`path`; a tied name's DataArray has ``attrs["tied_to"]``."""
-        from ..inspect.views import tensor_dataarray
+        from dstt.inspect.views import tensor_dataarray
 
-        return tensor_dataarray(self.run._readers, self.header, self.catalog,
+        return tensor_dataarray(self._readers, self.header, self.catalog,
                                 self.path(name, state), chunks=chunks)
 
     def to_numpy(self, name: str, *, state: str | None = None, native: bool = False) -> np.ndarray:
@@ -105,7 +117,7 @@ class Snapshot:
         stored dtype (``ml_dtypes.bfloat16``)."""
         path = self.path(name, state)
         if native:
-            return self.run._reader.read_array(self.header, self.catalog.tied.get(path, path))
+            return self._reader.read_array(self.header, self.catalog.tied.get(path, path))
         return self.tensor(name, state=state).values
 
     def layer(self, selector: str, optim: bool = False, *, chunks: Any = None) -> xr.DataTree:
@@ -120,11 +132,11 @@ class Snapshot:
         under ``optim/<state>/<module path>``. bf16 is shown as float32 (exact). A selector
         that picks nothing raises ``TensorNotFoundError`` with the closest selectors.
         """
-        from ..inspect.views import layer_tree
+        from dstt.inspect.views import layer_tree
 
         paths, picks = self.catalog.select(selector, optim=optim, listing=(
             f"run.at({self.step}).names({'optim=True' if optim else ''})"))
-        return layer_tree(self.run._readers, self.header, self.catalog, paths, picks=picks,
+        return layer_tree(self._readers, self.header, self.catalog, paths, picks=picks,
                           chunks=chunks)
 
     def tree(self, optim: bool = False) -> xr.DataTree:
@@ -143,9 +155,9 @@ class Snapshot:
         ``config.json`` or a folder holding one). ``out`` may be a folder (an existing one,
         or a path ending in ``/``): the file is then ``step<S>.<ext>`` in it. Missing
         folders are created; an existing file is replaced only with ``overwrite``."""
-        from ..inspect.export import export_commit
+        from dstt.inspect.export import export_commit
 
-        return export_commit(self.run._reader, self.header, out, format,  # type: ignore[arg-type]
+        return export_commit(self._reader, self.header, out, format,  # type: ignore[arg-type]
                              include_all=include_all, overwrite=overwrite, config=config,
                              progress=progress)
 
@@ -163,9 +175,9 @@ class Snapshot:
         optimizers (a list or a dict) gives ``"optimizer"`` as a dict by their keys
         (``"0"``, ``"1"``... for a list). ``trusted`` allows pickled objects (see
         :meth:`object`). See :mod:`dstt.inspect.restore`."""
-        from ..inspect.restore import step_state
+        from dstt.inspect.restore import step_state
 
-        return step_state(self.run._reader, self.header, trusted=trusted)
+        return step_state(self._reader, self.header, trusted=trusted)
 
     def load_into(self, model: torch.nn.Module | None = None,
                   optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
@@ -181,7 +193,7 @@ class Snapshot:
         Returns a ``LoadResult``: ``(missing_keys, unexpected_keys)`` like
         ``load_state_dict``, and ``loaded_keys``; with ``strict=False`` a load that matched
         no name of the model warns (``DsttWarning``)."""
-        from ..inspect.restore import load_step
+        from dstt.inspect.restore import load_step
 
-        return load_step(self.run._reader, self.header, model, optimizer, scheduler,
+        return load_step(self._reader, self.header, model, optimizer, scheduler,
                          strict=strict, trusted=trusted)

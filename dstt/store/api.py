@@ -7,18 +7,22 @@ scripts and other frameworks. No torch: tensors arrive as numpy arrays (bfloat16
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import StepNotFoundError
-from .format.records import CommitHeader, Metric
+from dstt.errors import StepNotFoundError
+
 from .format.zarr_meta import dtype_itemsize
 from .repository import Repository
-from .storage.base import Storage
+
+if TYPE_CHECKING:
+    import os
+    from collections.abc import Mapping
+
+    from .format.records import CommitHeader, Metric
+    from .storage.base import Storage
 
 __all__ = ["Snapshot", "dtype_name", "load", "save"]
 

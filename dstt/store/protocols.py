@@ -23,18 +23,21 @@ from here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
-from .codec.delta import DeltaEncoder, EncodeStats
-from .codec.predict import Prediction
-from .commit.job import Deferred, RemoteCommitter
 from .format.flat import FlatImage, FlatLayout, StepBytes
-from .format.layout import ChunkPlan
-from .format.objects import Encoding
-from .format.records import ChunkRecord, Metric, ObjectRecord
-from .format.stepfile import StepFile
-from .storage.base import Storage
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+    from .codec.delta import DeltaEncoder, EncodeStats
+    from .codec.predict import Prediction
+    from .commit.job import Deferred, RemoteCommitter
+    from .format.layout import ChunkPlan
+    from .format.objects import Encoding
+    from .format.records import ChunkRecord, Metric, ObjectRecord
+    from .format.stepfile import StepFile
+    from .storage.base import Storage
 
 __all__ = ["ArraySpec", "EncodingWriter", "FlatStepWriter", "OffloadingWriter", "StepBytes",
            "StepTransaction", "StepWriter", "StoredWriter"]

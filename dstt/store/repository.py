@@ -13,12 +13,11 @@ told two attempts apart by nothing). Renaming and deleting timelines: ``maintena
 from __future__ import annotations
 
 import json
-import os
 import time
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import FormatVersionError, NotARunError, TimelineError
+from dstt.errors import FormatVersionError, NotARunError, TimelineError
+
 from .commit.writer import Writer
 from .format.layout import (
     FORMAT_VERSION,
@@ -34,12 +33,17 @@ from .format.records import RefInfo
 from .format.zarr_meta import dump, group_document, root_attributes
 from .index.repair import rebuild
 from .maintenance.gc import GcReport, gc
-from .maintenance.retention import Retention
 from .maintenance.timelines import DeleteReport, delete_timeline, rename_timeline
 from .maintenance.verify import VerifyReport, verify
 from .read.reader import Reader
 from .storage.base import Storage
 from .storage.urls import storage_for
+
+if TYPE_CHECKING:
+    import os
+    from collections.abc import Callable, Iterable
+
+    from .maintenance.retention import Retention
 
 __all__ = ["Repository"]
 
@@ -186,12 +190,14 @@ class Repository:
     # -- maintenance (maintenance/gc.py, maintenance/verify.py) -------------------------------
     def gc(self, *, keep_last: int | None = None, keep_every: int | None = None,
            keep_steps: Iterable[int] = (), retention: Retention | None = None,
-           dry_run: bool = False, progress: Any = None) -> GcReport:
+           dry_run: bool = False,
+           progress: Callable[[int, int], None] | None = None) -> GcReport:
         """Prune what ``retention`` (or the keywords) does not keep (``maintenance.gc``)."""
         return gc(self, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
                   retention=retention, dry_run=dry_run, progress=progress)
 
-    def verify(self, *, progress: Any = None, repair: bool = False) -> VerifyReport:
+    def verify(self, *, progress: Callable[[int, int], None] | None = None,
+               repair: bool = False) -> VerifyReport:
         """Check every reachable byte and the index; ``repair``: rebuild the index from
         the commit headers first (what ``dstt verify --repair`` does)."""
         if repair:

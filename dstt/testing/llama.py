@@ -96,7 +96,8 @@ class Attention(nn.Module):
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(a.transpose(1, 2).reshape(b, t, -1))
+        out: torch.Tensor = self.wo(a.transpose(1, 2).reshape(b, t, -1))
+        return out
 
 
 class SwiGLU(nn.Module):
@@ -107,7 +108,8 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(ffn, d, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        out: torch.Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return out
 
 
 class LlamaBlock(nn.Module):
@@ -120,7 +122,8 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        out: torch.Tensor = x + self.mlp(self.mlp_norm(x))
+        return out
 
 
 class TinyLlama(nn.Module):

@@ -9,11 +9,14 @@ networked, and no more informative for checkpoint correctness.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 __all__ = ["Block", "SyntheticBatches", "TinyGPT", "make_batch"]
 
@@ -35,7 +38,8 @@ class Block(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
         x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        out: torch.Tensor = x + self.drop(self.mlp(self.ln2(x)))
+        return out
 
 
 class TinyGPT(nn.Module):

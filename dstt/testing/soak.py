@@ -27,14 +27,16 @@ import contextlib
 import hashlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import random
 
 __all__ = ["KillOutcome", "Reference", "child_env", "kill_once", "reference",
            "run_child_to_end"]

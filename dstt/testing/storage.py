@@ -19,12 +19,14 @@ backend's own contract test — they drift (the S3 and local tests checked diffe
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ..errors import MissingFileError, RunLockedError
-from ..store import Storage
+from dstt.errors import MissingFileError, RunLockedError
+
+if TYPE_CHECKING:
+    from dstt.store import Storage
 
 __all__ = ["StorageTests"]
 
@@ -60,7 +62,8 @@ class StorageTests:
     def test_overwrite_replaces_the_whole_value(self, storage: Storage) -> None:
         storage.write_durable("k", b"a long first value")
         storage.write_durable("k", b"short")
-        assert storage.read("k") == b"short" and storage.size("k") == 5
+        assert storage.read("k") == b"short"
+        assert storage.size("k") == 5
 
     def test_a_missing_key_is_a_missing_file_error(self, storage: Storage) -> None:
         assert not storage.exists("nope")
@@ -83,7 +86,8 @@ class StorageTests:
         storage.delete("z")
         assert not storage.exists("z")
         storage.delete("x")  # a folder: everything under it, not its namesake prefix
-        assert not storage.exists("x/1") and not storage.exists("x/y/2")
+        assert not storage.exists("x/1")
+        assert not storage.exists("x/y/2")
         assert storage.exists("x2")
         storage.delete("never/was")  # no error
 
@@ -129,10 +133,12 @@ class StorageTests:
             pass
 
     def test_location_names_the_backend(self, storage: Storage) -> None:
-        assert isinstance(storage.location, str) and storage.location
+        assert isinstance(storage.location, str)
+        assert storage.location
 
     def test_remove_temporaries_leaves_values(self, storage: Storage) -> None:
         storage.write_durable("keep/me", b"v")
         n: Any = storage.remove_temporaries()
-        assert isinstance(n, int) and n >= 0
+        assert isinstance(n, int)
+        assert n >= 0
         assert storage.read("keep/me") == b"v"

@@ -10,12 +10,16 @@ has paid for a step and the error points at the training loop, not the setup."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import torch
+from dstt.errors import CaptureError, ConfigError, DsttWarning
 
-from ..engine.flight import Flight
-from ..errors import CaptureError, ConfigError, DsttWarning
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
+    from dstt.engine.flight import Flight
 
 __all__ = ["capture_error", "check_optimizer", "warn_skipped"]
 

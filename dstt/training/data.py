@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..engine.data_position import DataPosition, TrackedData
-from ..errors import ConfigError
-from ..store import BATCHES_OBJECT, Batch, SkipSet, read_skips, write_skips
+from dstt.engine.data_position import DataPosition, TrackedData
+from dstt.errors import ConfigError
+from dstt.store import BATCHES_OBJECT, Batch, SkipSet, read_skips, write_skips
 
 __all__ = ["BATCHES_OBJECT", "HASH_LIMIT", "Batch", "BatchLog", "RecordedData", "SkipSet",
            "fingerprint", "index_tap", "read_skips", "write_skips"]

@@ -22,17 +22,23 @@ path too, for code that already calls it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..engine.deepspeed import DeepSpeedState, EngineStepHook
-from ..engine.dims import DimsOf, ModelDims
-from ..engine.providers import RankObject, StoreSource
-from ..engine.ranks import RankInfo
-from ..engine.torch_state import Stateful, TorchState
-from ..errors import ConfigError
+from dstt.engine.deepspeed import DeepSpeedState, EngineStepHook
+from dstt.engine.dims import DimsOf, ModelDims
+from dstt.engine.providers import RankObject, StoreSource
+from dstt.errors import ConfigError
+
 from .distributed import RankedSession
-from .options import SessionOptions
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from dstt.engine.ranks import RankInfo
+    from dstt.engine.torch_state import Stateful, TorchState
+    from dstt.store import Reader
+
+    from .options import SessionOptions
 
 __all__ = ["DeepSpeedSession"]
 
@@ -64,7 +70,7 @@ class DeepSpeedSession(RankedSession):
                                   extra=[data])
         return self._ds.state
 
-    def _restore_state(self, source: StoreSource, reader: Any, head: Any) -> None:
+    def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:
         assert self._ds is not None
         self._ds.restore(source)
 

@@ -25,20 +25,26 @@ need a collective and rank 0 would write every byte; and a resume would restore 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from dstt.engine.dims import DimsOf, ModelDims
+from dstt.engine.parallel import ParallelState
+from dstt.engine.providers import RankObject, StoreSource
+from dstt.engine.ranks import RankChannel, RankInfo, dist_info, open_ranks
+from dstt.errors import ConfigError, RankError
+from dstt.store import Repository
 
-from ..engine.dims import DimsOf, ModelDims
-from ..engine.parallel import ParallelState
-from ..engine.providers import RankObject, StoreSource
-from ..engine.ranks import RankChannel, RankInfo, dist_info, open_ranks
-from ..engine.torch_state import Stateful, TorchState
-from ..errors import ConfigError, RankError
-from ..store import Repository
-from .options import SessionOptions
 from .session import Session
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
+    from dstt.engine.torch_state import Stateful, TorchState
+    from dstt.store import Reader
+
+    from .options import SessionOptions
 
 __all__ = ["DistributedSession", "RankedSession"]
 
@@ -147,6 +153,6 @@ class DistributedSession(RankedSession):
                                        extra=[data])
         return self._parallel.state
 
-    def _restore_state(self, source: StoreSource, reader: Any, head: Any) -> None:
+    def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:
         self._state.step_state.restore(source)
         self._state.boundary_state.restore(source)

@@ -12,15 +12,11 @@ DeepSpeed subclass — a cycle, hidden from import-time checks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from dstt.engine.deepspeed import is_deepspeed_engine
+from dstt.engine.dtensors import is_dtensor
 
-from ..engine.deepspeed import is_deepspeed_engine
-from ..engine.dtensors import is_dtensor
-from ..engine.torch_state import Stateful
-from ..store import DeltaPolicy, Retention
 from .deepspeed import DeepSpeedSession
 from .distributed import DistributedSession
 from .options import (
@@ -33,6 +29,14 @@ from .options import (
     SessionOptions,
 )
 from .session import OptimizerArg, Session
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
+    from dstt.engine.torch_state import Stateful
+    from dstt.store import DeltaPolicy, Retention
 
 __all__ = ["open_session", "session"]
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import DsttWarning, SchemaError
+from dstt.errors import DsttWarning, SchemaError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 __all__ = ["IMPORT_OBJECT", "imported_gaps"]
 

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from ..errors import DsttWarning
+from dstt.errors import DsttWarning
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 __all__ = ["METRICS_HISTORY_OBJECT", "MetricLog", "metric_value"]
 

@@ -20,8 +20,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..errors import ConfigError
-from ..store import DeltaPolicy, Repository, Retention, Storage
+from dstt.errors import ConfigError
+from dstt.store import DeltaPolicy, Repository, Retention, Storage
+
 from .retention import check_policy
 
 __all__ = ["DEFAULT_BUDGET", "DEFAULT_RANK_TIMEOUT", "CopyMode", "ErrorPolicy", "RacePolicy",

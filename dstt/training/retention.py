@@ -23,8 +23,8 @@ import time
 import warnings
 from typing import Any
 
-from ..errors import ConfigError, DsttWarning
-from ..store import GcReport, Retention, Writer
+from dstt.errors import ConfigError, DsttWarning
+from dstt.store import GcReport, Retention, Writer
 
 __all__ = ["PRUNED_METRIC", "RetentionRunner", "check_policy", "store_writer"]
 

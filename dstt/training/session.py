@@ -24,22 +24,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..engine.data_position import DataPosition, TrackedData
-from ..engine.dims import DimsOf, ModelDims
-from ..engine.optimizers import optimizers_of
-from ..engine.pipeline import SUMMARIES_OBJECT, Pipeline, StepMetrics
-from ..engine.providers import RankObject, StoreSource
-from ..engine.torch_state import ONE_RANK, Stateful, TorchState, discover
-from ..errors import (
-    CaptureError,
-    NotARunError,
-    TimelineError,
-)
-from ..store import DEFAULT_CHUNK_BYTES, GcReport, Repository
+from dstt.engine.data_position import DataPosition, TrackedData
+from dstt.engine.dims import DimsOf, ModelDims
+from dstt.engine.optimizers import optimizers_of
+from dstt.engine.pipeline import SUMMARIES_OBJECT, Pipeline, StepMetrics
+from dstt.engine.providers import RankObject, StoreSource
+from dstt.engine.torch_state import ONE_RANK, Stateful, TorchState, discover
+from dstt.errors import CaptureError, NotARunError, TimelineError
+from dstt.store import DEFAULT_CHUNK_BYTES, GcReport, Repository
+
 from .checks import capture_error, check_optimizer, warn_skipped
 from .data import BatchLog, RecordedData, SkipSet, read_skips
 from .imported import imported_gaps
@@ -47,6 +44,9 @@ from .metrics import MetricLog, metric_value
 from .options import DEFAULT_BUDGET, CopyMode, ErrorPolicy, RacePolicy, SessionOptions
 from .retention import RetentionRunner, store_writer
 from .steps import StepCapture
+
+if TYPE_CHECKING:
+    from dstt.store import Reader
 
 __all__ = ["DEFAULT_BUDGET", "CopyMode", "ErrorPolicy", "OptimizerArg", "RacePolicy", "Session",
            "SessionOptions"]
@@ -230,7 +230,7 @@ class Session:
             raise
         return writer, reader, head
 
-    def _restore_state(self, source: StoreSource, reader: Any, head: Any) -> None:
+    def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:
         self._state.step_state.restore(source)
         self._state.boundary_state.restore(source)
 
@@ -365,7 +365,7 @@ class Session:
                               if state.get("loader") is not None else None)
         self._tracked = None
 
-    def _restore(self, reader: Any, head: Any) -> None:
+    def _restore(self, reader: Reader, head: Any) -> None:
         source = StoreSource(reader, head, prefetch=self._prefetch_restore)
         with imported_gaps(source, self._state.step_state, optimizer=bool(self.optimizers),
                            scheduler=self.scheduler is not None):

@@ -32,17 +32,20 @@ taking the session — the state would still live on the session.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..engine.pipeline import Flight, Pipeline
-from ..errors import DsttError, RaceError
+from dstt.errors import DsttError, RaceError
+
 from .checks import capture_error, warn_skipped
 from .data import BATCHES_OBJECT, BatchLog
 from .metrics import METRICS_HISTORY_OBJECT, MetricLog
 
 if TYPE_CHECKING:
-    from ..engine.torch_state import TorchState
+    from collections.abc import Mapping
+
+    from dstt.engine.pipeline import Flight, Pipeline
+    from dstt.engine.torch_state import TorchState
+
     from .options import SessionOptions
     from .retention import RetentionRunner
 
@@ -148,7 +151,8 @@ class StepCapture:
     def _commit_tail(self) -> None:
         """Stage the last step now (its tensors are as the optimizer left them), with the
         step state snapshotted after its optimizer step, and seal it."""
-        assert self.pipeline is not None and self.tail is not None
+        assert self.pipeline is not None
+        assert self.tail is not None
         objects, self.tail = self.tail, None
         # built only for a step the pipeline encodes (~3 µs per tensor: raw steps skip it)
         predictions = (self.state.step_state.predictions

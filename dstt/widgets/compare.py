@@ -14,18 +14,25 @@ kept in step by hand; a comparison is about two fixed points, so the pickers cho
 from __future__ import annotations
 
 import html
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xarray as xr
 
-from .._optional import require
-from ..errors import StepNotFoundError, TensorNotFoundError
-from ..plots.draw import draw_bars, draw_curves, draw_tensor, image_strides
-from ..plots.series import diff_headers
-from ..schema import user_name
+from dstt._optional import require
+from dstt.errors import StepNotFoundError, TensorNotFoundError
+from dstt.plots.draw import draw_bars, draw_curves, draw_tensor, image_strides
+from dstt.plots.series import diff_headers
+from dstt.schema import user_name
+
 from .model import default_metric
 from .views import TOP_BARS, FigureView
+
+if TYPE_CHECKING:
+    import xarray as xr
+    from matplotlib.axes import Axes
+
+    from dstt.run.run import Run
+    from dstt.run.snapshot import Snapshot
 
 __all__ = ["Compare", "CompareModel", "compare"]
 
@@ -33,7 +40,7 @@ __all__ = ["Compare", "CompareModel", "compare"]
 class CompareModel:
     """Two snapshots (``a``, ``b``), their per-parameter diff, and the selected tensor."""
 
-    def __init__(self, run: Any, step_a: int | None = None, step_b: int | None = None, *,
+    def __init__(self, run: Run, step_a: int | None = None, step_b: int | None = None, *,
                  timeline_a: str | None = None, timeline_b: str | None = None,
                  tensor: str | None = None, metric: str | None = None,
                  max_side: int = 256) -> None:
@@ -90,7 +97,7 @@ class CompareModel:
         return out[0], out[1]
 
     def label(self) -> str:
-        def side(s: Any) -> str:
+        def side(s: Snapshot) -> str:
             v = s.metrics.get(self.metric) if self.metric else None
             m = f" {self.metric} {v:.4g}" if isinstance(v, int | float) else ""
             return f"{s.timeline}@{s.step}{m}"
@@ -99,7 +106,7 @@ class CompareModel:
         return f"A {side(self.a)} · B {side(self.b)} · {self._tensor}: ‖Δ‖/‖A‖ = {r:.3g}"
 
     # -- drawing ----------------------------------------------------------------------------
-    def draw_loss(self, ax: Any) -> dict[str, Any]:
+    def draw_loss(self, ax: Axes) -> dict[str, Any]:
         if self.metric is None:
             ax.set_axis_off()
             return {}
@@ -112,7 +119,7 @@ class CompareModel:
                      fontsize="medium")
         return out
 
-    def draw_ranking(self, ax: Any) -> dict[str, Any]:
+    def draw_ranking(self, ax: Axes) -> dict[str, Any]:
         rows = self.ranking()[:TOP_BARS]
         if self._tensor not in [n for n, _ in rows]:
             rows[-1:] = [(self._tensor, dict(self.ranking())[self._tensor])]
@@ -148,7 +155,7 @@ class Compare:
                               self.images["ranking"], self.images["tensors"]])
         self._redraw(set(self.views))
 
-    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:  # noqa: ANN401 - ipywidgets' bundle
         return self.widget._repr_mimebundle_(**kwargs)
 
     def _on_tensor(self, change: dict[str, Any]) -> None:
@@ -171,10 +178,11 @@ class Compare:
         self.label.value = html.escape(m.label())
 
 
-def compare(run: Any, step_a: int | None = None, step_b: int | None = None, *,
+def compare(run: Any,  # noqa: ANN401 - a dstt.Run, or what dstt.open takes
+            step_a: int | None = None, step_b: int | None = None, *,
             timeline_a: str | None = None, timeline_b: str | None = None,
             tensor: str | None = None, metric: str | None = None,
-            max_side: int = 256, spike: Any = None) -> Compare:
+            max_side: int = 256, spike: Any = None) -> Compare:  # noqa: ANN401 - a Spike or a loss step
     """Compare step ``step_a`` of ``timeline_a`` with ``step_b`` of ``timeline_b``.
 
     Timelines default to the run's current one (``timeline_b`` to ``timeline_a``); a step of
@@ -184,7 +192,7 @@ def compare(run: Any, step_a: int | None = None, step_b: int | None = None, *,
     the weights of step *k - 1*, so that is *(k - 2) -> (k - 1)*).
     """
     if not hasattr(run, "steps"):
-        from ..run import open_run
+        from dstt.run import open_run
 
         run = open_run(run)
     if spike is not None:

@@ -15,16 +15,22 @@ observer callbacks whose firing order is the widget library's business.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import xarray as xr
 
-from .._lru import LRU
-from ..errors import MetricNotFoundError, StepNotFoundError, TensorNotFoundError, TimelineError
-from ..plots.draw import image_strides
-from ..plots.series import step_change
-from ..schema import user_name
+from dstt._lru import LRU
+from dstt.errors import MetricNotFoundError, StepNotFoundError, TensorNotFoundError, TimelineError
+from dstt.plots.draw import image_strides
+from dstt.plots.series import step_change
+from dstt.schema import user_name
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+    from dstt.inspect.summaries import Spike
+    from dstt.run.run import Run
+    from dstt.run.snapshot import Snapshot
 
 __all__ = ["LRU", "Mode", "ScrubberModel"]
 
@@ -45,7 +51,7 @@ class ScrubberModel:
     ``"values"`` shows the tensor, ``"change"`` its difference from the reference.
     """
 
-    def __init__(self, run: Any, *, timeline: str | None = None, step: int | None = None,
+    def __init__(self, run: Run, *, timeline: str | None = None, step: int | None = None,
                  tensor: str | None = None, metric: str | None = None,
                  reference: int | None = None, mode: Mode = "values", cache_size: int = 16,
                  spike_window: int = 50, spike_z: float = 4.0, max_side: int = 256) -> None:
@@ -179,10 +185,11 @@ class ScrubberModel:
         self.index = min(max(self.index + n, 0), len(self.steps) - 1)
 
     # -- tensor, reference, mode ----------------------------------------------------------
-    def snapshot(self, step: int | None = None) -> Any:
+    def snapshot(self, step: int | None = None) -> Snapshot:
         s = self._step if step is None else int(step)
-        return self.cache.get_or_make(("snapshot", self._timeline, s),
-                                      lambda: self.run.at(s, self._timeline))
+        snap: Snapshot = self.cache.get_or_make(("snapshot", self._timeline, s),
+                                                lambda: self.run.at(s, self._timeline))
+        return snap
 
     @property
     def tensors(self) -> list[str]:
@@ -267,16 +274,16 @@ class ScrubberModel:
         return float(v) if np.isfinite(v) else None
 
     @property
-    def spike(self) -> Any | None:
+    def spike(self) -> Spike | None:
         """The detected spike at the current step, if any."""
         return next((s for s in self.spikes if s.step == self._step), None)
 
     @property
-    def caused(self) -> Any | None:
+    def caused(self) -> Spike | None:
         """The detected spike whose cause is the current step's update, if any."""
         return next((s for s in self.spikes if s.cause == self._step), None)
 
-    def open_spike(self, spike: Any) -> None:
+    def open_spike(self, spike: Any) -> None:  # noqa: ANN401 - a Spike or a loss step
         """Show the update that caused ``spike`` (a :class:`~dstt.inspect.summaries.Spike`,
         or the loss step of one of :attr:`spikes`): its timeline, step = ``spike.cause``,
         reference = the previous commit (``spike.parent``), mode ``change``, and the tensor
@@ -332,7 +339,8 @@ class ScrubberModel:
         :meth:`strides` along its matrix view for big tensors; cached."""
         s = self._step if step is None else int(step)
         key = ("values", self._timeline, s, self._tensor, self.max_side)
-        return self.cache.get_or_make(key, lambda: self._load_values(s))
+        values: np.ndarray = self.cache.get_or_make(key, lambda: self._load_values(s))
+        return values
 
     def _load_values(self, step: int) -> np.ndarray:
         da = self.snapshot(step).tensor(self._tensor)
@@ -366,8 +374,9 @@ class ScrubberModel:
         """Per-parameter change of the current step vs the reference (cached); see
         :func:`dstt.plots.series.step_change`."""
         key = ("change", self._timeline, self._step, self._reference)
-        return self.cache.get_or_make(key, lambda: step_change(
+        change: xr.Dataset = self.cache.get_or_make(key, lambda: step_change(
             self.run, self._step, self._reference, timeline=self._timeline))
+        return change
 
     def label(self) -> str:
         """One line describing the selection (what the widget's label shows)."""

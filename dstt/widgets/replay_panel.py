@@ -22,20 +22,29 @@ from __future__ import annotations
 
 import html
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._optional import require
-from ..plots.draw import draw_bars
-from .model import ScrubberModel
+from dstt._optional import require
+from dstt.plots.draw import draw_bars
+
 from .views import FigureView
+
+if TYPE_CHECKING:
+    import xarray as xr
+    from matplotlib.axes import Axes
+
+    from dstt.inspect.replay import Replay
+    from dstt.inspect.summaries import Spike
+
+    from .model import ScrubberModel
 
 __all__ = ["ReplayPanel", "ReplayWith"]
 
 #: how a scrubber replays a step: :meth:`dstt.Run.replay`'s keyword arguments, or a callable
 #: from the step (or its ``Spike``) to a ``Replay``
-ReplayWith = Mapping[str, Any] | Callable[[Any], Any]
+ReplayWith = Mapping[str, Any] | Callable[["int | Spike"], "Replay"]
 
 
 class ReplayPanel:
@@ -55,7 +64,7 @@ class ReplayPanel:
                             "step is restored into), as run.replay does")
         self.model, self.replay_with = model, replay
         self.top, self.samples = top, samples
-        self.result: Any = None
+        self.result: Replay | None = None
         self.error: BaseException | None = None
         self.button = w.Button(description="replay", icon="play",
                                tooltip="re-execute this step from the commit before it",
@@ -71,7 +80,7 @@ class ReplayPanel:
                               w.HBox([self.image, self.table])])
         self.update()
 
-    def target(self) -> Any:
+    def target(self) -> int | Spike:
         """What a click replays: the spike at the current step, else the step itself."""
         spike = self.model.spike
         return spike if spike is not None else self.model.step
@@ -82,12 +91,13 @@ class ReplayPanel:
         self.button.description = (f"replay the spike at step {t.step}" if not isinstance(t, int)
                                    else f"replay step {t}")
 
-    def run(self) -> Any:
+    def run(self) -> Replay | None:
         """Replay the current target and show the result; returns the ``Replay`` (None on
         an error, which the status line shows)."""
         t = self.target()
         step = t if isinstance(t, int) else (t.start if t.start is not None else t.step)
         self.status.value = f"replaying step {step}…"
+        result: Replay
         try:
             if isinstance(self.replay_with, Mapping):
                 kwargs = {"timeline": self.model.timeline, **self.replay_with}
@@ -103,7 +113,7 @@ class ReplayPanel:
         self.show(result)
         return result
 
-    def show(self, result: Any) -> None:
+    def show(self, result: Replay) -> None:
         """Draw a ``Replay``: faithful line, gradient-norm bars, worst-samples table."""
         verdict = ("faithful: bit-exact against its commit" if result.faithful else
                    f"NOT faithful: max |diff| {result.max_abs_diff:.3g} over "
@@ -115,7 +125,7 @@ class ReplayPanel:
                              f"{loss:.4g}</span>")
         top = result.top(self.top)
 
-        def bars(ax: Any) -> dict[str, Any]:
+        def bars(ax: Axes) -> dict[str, Any]:
             out = draw_bars(ax, [n for n, _ in top], [v for _, v in top], xlabel="‖grad‖",
                             log=True, title=f"gradient norms, step {result.step}")
             out["names"] = [n for n, _ in top]
@@ -126,7 +136,7 @@ class ReplayPanel:
         self.table.value = samples_table(result.per_sample, self.samples)
 
 
-def samples_table(per_sample: Any, n: int) -> str:
+def samples_table(per_sample: xr.Dataset, n: int) -> str:
     """The ``n`` worst samples of a replay's ``per_sample`` dataset as an HTML table."""
     if "index" not in per_sample or per_sample.sizes.get("sample", 0) == 0:
         return "<i>no per-sample losses (per_sample=False, or batches without a size)</i>"

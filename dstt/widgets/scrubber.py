@@ -19,12 +19,17 @@ model's change set decides which views to redraw.
 from __future__ import annotations
 
 import html
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .._optional import require
+from dstt._optional import require
+
 from .model import Mode, ScrubberModel
 from .replay_panel import ReplayPanel, ReplayWith
 from .views import FigureView, draw_change, draw_loss, draw_shown
+
+if TYPE_CHECKING:
+    pass
+    from collections.abc import Callable
 
 __all__ = ["Scrubber", "scrubber"]
 
@@ -97,7 +102,7 @@ class Scrubber:
         self._redraw(set(self.views))
 
     # -- display ----------------------------------------------------------------------------
-    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:  # noqa: ANN401 - ipywidgets' bundle
         return self.widget._repr_mimebundle_(**kwargs)
 
     @property
@@ -109,7 +114,8 @@ class Scrubber:
     def _wire(self) -> None:
         m = self.model
 
-        def from_widget(setter: Any) -> Any:
+        def from_widget(setter: Callable[[Any], object]
+                        ) -> Callable[[dict[str, Any]], None]:
             def handler(change: dict[str, Any]) -> None:
                 if not self._syncing:
                     self._guard(lambda: setter(change["new"]))
@@ -141,7 +147,7 @@ class Scrubber:
         self.refresh_button.on_click(lambda _: self._guard(m.refresh))
         m.observe(self._on_model)
 
-    def _guard(self, fn: Any) -> None:
+    def _guard(self, fn: Callable[[], object]) -> None:
         """Run a widget-triggered action; show an error in the label instead of losing it in
         the kernel log (``.error`` keeps it for tests)."""
         try:
@@ -194,11 +200,12 @@ class Scrubber:
         self.error = None
 
 
-def scrubber(run: Any, *, timeline: str | None = None, step: int | None = None,
+def scrubber(run: Any,  # noqa: ANN401 - a dstt.Run, or what dstt.open takes
+             *, timeline: str | None = None, step: int | None = None,
              tensor: str | None = None, metric: str | None = None,
              reference: int | None = None, mode: Mode = "values", cache_size: int = 16,
              spike_window: int = 50, spike_z: float = 4.0, max_side: int = 256,
-             play_interval: int = 700, spike: Any = None,
+             play_interval: int = 700, spike: Any = None,  # noqa: ANN401 - a Spike or a loss step
              replay: ReplayWith | None = None) -> Scrubber:
     """A step scrubber over ``run`` (a :class:`dstt.Run` or a path).
 
@@ -217,7 +224,7 @@ def scrubber(run: Any, *, timeline: str | None = None, step: int | None = None,
     (:class:`~dstt.widgets.replay_panel.ReplayPanel`).
     """
     if not hasattr(run, "steps"):
-        from ..run import open_run
+        from dstt.run import open_run
 
         run = open_run(run)
     model = ScrubberModel(run, timeline=timeline, step=step, tensor=tensor, metric=metric,

@@ -12,15 +12,20 @@ assert on but a MIME bundle.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._optional import require
-from ..plots.draw import draw_bars, draw_curves, draw_tensor
-from ..plots.series import exactness_label
-from .model import ScrubberModel
+from dstt._optional import require
+from dstt.plots.draw import draw_bars, draw_curves, draw_tensor
+from dstt.plots.series import exactness_label
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from matplotlib.axes import Axes
+
+    from .model import ScrubberModel
 
 __all__ = ["FigureView", "draw_change", "draw_loss", "draw_shown"]
 
@@ -40,7 +45,7 @@ class FigureView:
         self.renders = 0
 
     @property
-    def ax(self) -> Any:
+    def ax(self) -> Axes | None:
         return self.fig.axes[0] if self.fig.axes else None
 
     def redraw(self, draw: Callable[[Any], dict[str, Any]]) -> None:
@@ -65,7 +70,7 @@ class FigureView:
         return buf.getvalue()
 
 
-def draw_loss(ax: Any, model: ScrubberModel) -> dict[str, Any]:
+def draw_loss(ax: Axes, model: ScrubberModel) -> dict[str, Any]:
     """The metric of the model's timeline, its spikes (▼ at the loss step, the update that
     caused each shaded: ``parent -> cause``), and the current step's cursor."""
     if model.metric is None:
@@ -86,7 +91,7 @@ def draw_loss(ax: Any, model: ScrubberModel) -> dict[str, Any]:
     return out
 
 
-def draw_shown(ax: Any, model: ScrubberModel) -> dict[str, Any]:
+def draw_shown(ax: Axes, model: ScrubberModel) -> dict[str, Any]:
     """The current tensor (or its change since the reference) as heatmap or histogram."""
     values, title = model.shown()
     if values is None:
@@ -97,7 +102,7 @@ def draw_shown(ax: Any, model: ScrubberModel) -> dict[str, Any]:
     return draw_tensor(ax, values, title=title, diverging=model.mode == "change")
 
 
-def draw_change(ax: Any, model: ScrubberModel, top: int = TOP_BARS) -> dict[str, Any]:
+def draw_change(ax: Axes, model: ScrubberModel, top: int = TOP_BARS) -> dict[str, Any]:
     """Per-parameter ``||Δw|| / ||w||`` versus the reference, largest ``top`` first, labelled
     an estimate where it comes from the summaries' probes; the selected tensor is highlighted
     (and always shown)."""

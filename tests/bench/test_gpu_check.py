@@ -26,7 +26,8 @@ SCRIPT = ROOT / "bench" / "gpu_check.py"
 
 def _script() -> ModuleType:
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules["gpu_check"] = mod  # dataclasses resolve their module by name
     spec.loader.exec_module(mod)
@@ -54,12 +55,15 @@ def test_dry_run_measures_every_mode_resumes_bit_exactly_and_prints_the_table(
         tmp_path: Path) -> None:
     proc, res, work = _run(tmp_path)
     g = _script()
-    assert res["dry"] is True and res["preflight"]["problems"] == {}
+    assert res["dry"] is True
+    assert res["preflight"]["problems"] == {}
     assert "error" not in res, res.get("traceback")
     # the pytest part ran the real selection (skipped without CUDA, passed with it)
     pt = res["pytest"]
-    assert "tests/engine/test_gpu.py" in pt["files"] and pt["rc"] == 0
-    assert pt["counts"].get("failed", 0) == 0 and pt["counts"].get("errors", 0) == 0
+    assert "tests/engine/test_gpu.py" in pt["files"]
+    assert pt["rc"] == 0
+    assert pt["counts"].get("failed", 0) == 0
+    assert pt["counts"].get("errors", 0) == 0
     assert pt["counts"].get("skipped", 0) + pt["counts"].get("passed", 0) >= 3
     assert (tmp_path / "out" / "pytest.txt").read_text().count("test_gpu.py") >= 1
     assert not res["notes"], res["notes"]  # nothing skipped for time
@@ -71,11 +75,14 @@ def test_dry_run_measures_every_mode_resumes_bit_exactly_and_prints_the_table(
         for row in part["rounds"]:
             for mode in g.MODES:
                 r = row[mode]
-                assert "error" not in r and "skipped" not in r, (name, mode, r)
-                assert len(r["iter_s"]) == want.iters and all(t > 0 for t in r["iter_s"])
+                assert "error" not in r, (name, mode, r)
+                assert "skipped" not in r, (name, mode, r)
+                assert len(r["iter_s"]) == want.iters
+                assert all(t > 0 for t in r["iter_s"])
                 assert r["gpu_peak_over_base"] is None  # the CPU has no device memory
         model = part["model"]
-        assert model["params"] > 0 and model["state_bytes"] > 12 * model["params"] * 0.99
+        assert model["params"] > 0
+        assert model["state_bytes"] > 12 * model["params"] * 0.99
         summary = part["summary"]
         assert set(summary) == set(g.MODES)
         for mode, s in summary.items():
@@ -83,27 +90,38 @@ def test_dry_run_measures_every_mode_resumes_bit_exactly_and_prints_the_table(
             for key in ("s_per_iter", "ratio", "blocked_s_per_iter", "blocked_frac",
                         "drain_s", "host_rss_added"):
                 assert _finite(s[key]), (name, mode, key, s[key])
-            assert s["s_per_iter"] > 0 and s["ratio"] > 0 and s["blocked_frac"] >= 0
+            assert s["s_per_iter"] > 0
+            assert s["ratio"] > 0
+            assert s["blocked_frac"] >= 0
             assert s["gpu_added_vs_none"] is None
             if mode != "none":  # a checkpoint of at least the model's state was written
                 assert s["ckpt_bytes"] >= model["state_bytes"], (name, mode)
-        assert summary["none"]["ratio"] == 1.0 and summary["none"]["ckpt_bytes"] is None
-        assert summary["torch_save"]["blocked_frac"] > 0 and summary["dcp"]["blocked_frac"] > 0
+        assert summary["none"]["ratio"] == 1.0
+        assert summary["none"]["ckpt_bytes"] is None
+        assert summary["torch_save"]["blocked_frac"] > 0
+        assert summary["dcp"]["blocked_frac"] > 0
         d = summary["dstt"]
-        assert d["lane"] == "flat" and d["flusher"] is True and d["errors"] == []
+        assert d["lane"] == "flat"
+        assert d["flusher"] is True
+        assert d["errors"] == []
         assert d["committed"] == want.iters // want.every
         assert d["host_buffer_bytes"] >= 2 * model["state_bytes"]
-        assert _finite(d["hooks_frac"]) and d["hooks_frac"] > 0
+        assert _finite(d["hooks_frac"])
+        assert d["hooks_frac"] > 0
         # retention kept the disk bounded: only the last keep_last steps are left
         assert d["step_files_at_end"] == want.keep_last, (name, d)
         dcp = summary["dcp"]
-        assert dcp["backend"] == "gloo" and dcp["variant"]
+        assert dcp["backend"] == "gloo"
+        assert dcp["variant"]
     rs = res["resume"]
-    assert rs["restored_step"] == 3 and rs["differed_before"] > 0
-    assert rs["restored_bit_exact"] is True and rs["continued_bit_exact"] is True
+    assert rs["restored_step"] == 3
+    assert rs["differed_before"] > 0
+    assert rs["restored_bit_exact"] is True
+    assert rs["continued_bit_exact"] is True
     assert rs["kernels_deterministic"] is True
     t = res["targets"]
-    assert t["part"] == g.DRY.threshold_part and t["resume_bit_exact"] is True
+    assert t["part"] == g.DRY.threshold_part
+    assert t["resume_bit_exact"] is True
     for key in ("blocked_le_5pct", "hooks_le_5pct", "dstt_le_dcp", "dstt_le_torch_save",
                 "disk_binds"):
         assert isinstance(t[key], bool), key
@@ -124,7 +142,8 @@ def test_out_of_time_skips_with_notes_and_still_reports(tmp_path: Path) -> None:
     proc, res, work = _run(tmp_path, "--budget-s", "1", "--pytest", "none")
     g = _script()
     assert res["pytest"] == {"skipped": "--pytest none"}
-    assert res["parts"] == {} and "resume" not in res
+    assert res["parts"] == {}
+    assert "resume" not in res
     assert len(res["notes"]) == len(g.DRY.schedule)
     assert all(n.startswith("skipped ") and "s left" in n for n in res["notes"])
     assert "note: skipped tiny/every1 round 0" in proc.stdout
@@ -137,7 +156,8 @@ def test_llama_presets_have_the_sizes_the_check_promises() -> None:
         with torch.device("meta"):
             m = TinyLlama(cfg)
         n = sum(p.numel() for p in m.parameters())
-        assert n == cfg.params() and low <= n <= high
+        assert n == cfg.params()
+        assert low <= n <= high
     assert (LLAMA_125M.d, LLAMA_125M.layers, LLAMA_125M.vocab) == (768, 12, 32000)
     assert (LLAMA_1B.d, LLAMA_1B.layers, LLAMA_1B.vocab) == (2048, 16, 32000)
 
@@ -152,7 +172,8 @@ def test_tiny_llama_with_grouped_query_attention_learns() -> None:
     losses = []
     for _ in range(20):
         logits, loss = m(tokens[:, :-1], tokens[:, 1:])
-        assert logits.shape == (4, 16, 64) and loss is not None
+        assert logits.shape == (4, 16, 64)
+        assert loss is not None
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -199,7 +220,8 @@ def test_preflight_names_what_is_missing_and_the_run_stops_there(
     assert g.check_requirement("numpy>=999").startswith("too old")
     assert g.check_requirement("numpy>=1") is None
     pre = g.preflight()
-    assert pre["problems"] == {} and "pip_download" not in pre
+    assert pre["problems"] == {}
+    assert "pip_download" not in pre
     # as on a bare GPU machine: zarr and pytest-timeout absent
     real = g.check_requirement
     monkeypatch.setattr(g, "check_requirement", lambda r: "missing" if r.startswith(
@@ -211,8 +233,11 @@ def test_preflight_names_what_is_missing_and_the_run_stops_there(
     assert list(pre["problems"]) == [r for r in g._requirements()[0] if r.startswith("zarr")]
     assert list(pre["test_tool_problems"]) == ["pytest-timeout>=2.3"]
     want = " ".join(f"'{r}'" for r in [*pre["problems"], "pytest-timeout>=2.3"])
-    assert pre["pip_download"].endswith(want) and "--only-binary=:all:" in pre["pip_download"]
+    assert pre["pip_download"].endswith(want)
+    assert "--only-binary=:all:" in pre["pip_download"]
     assert pre["pip_install"].endswith(want)
     out = capsys.readouterr().out
-    assert pre["pip_download"] in out and "preflight failed" in out
-    assert "parts" in res and res["parts"] == {}  # nothing ran
+    assert pre["pip_download"] in out
+    assert "preflight failed" in out
+    assert "parts" in res
+    assert res["parts"] == {}  # nothing ran

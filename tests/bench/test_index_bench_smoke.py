@@ -24,12 +24,16 @@ def test_index_bench_quick(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]  # cleaned up
     res = json.loads(out.read_text())
-    assert res["benchmark"] == "index" and res["quick"] is True and res["repeats"] >= 3
+    assert res["benchmark"] == "index"
+    assert res["quick"] is True
+    assert res["repeats"] >= 3
     (run,) = res["runs"].values()
-    assert run["steps"] == 100 and run["index_files"] >= 1
+    assert run["steps"] == 100
+    assert run["index_files"] >= 1
     for k in ("open_s", "metrics_s", "spikes_s", "summaries_s", "trajectory_s", "raw_ceiling_s"):
         assert run[k] > 0, k
-    assert res["layer"]["tensors"] == 1000 and res["layer"]["layer_s"] > 0
+    assert res["layer"]["tensors"] == 1000
+    assert res["layer"]["layer_s"] > 0
     assert set(res["targets"]) == {
         "open_below_0.1s", "metrics_below_1s", "spikes_below_1s", "summaries_below_1s",
         "layer_below_0.05s", "trajectory_at_least_half_the_ceiling"}

@@ -60,7 +60,8 @@ def test_guarded_writer_checksums_summarizes_and_keeps_two_steps(tmp_path: Path)
         assert man["crc32"][i] == isal_zlib.crc32(data)
         x = t.double()
         assert man["sumsq"][i] == pytest.approx(float((x * x).sum()), rel=1e-5)
-        assert man["max"][i] == float(t.max()) and man["min"][i] == float(t.min())
+        assert man["max"][i] == float(t.max())
+        assert man["min"][i] == float(t.min())
     assert man["min"][2] == man["max"][2] == -2.5  # a constant tensor
 
 

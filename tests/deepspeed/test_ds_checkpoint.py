@@ -66,7 +66,8 @@ def test_last_save_survives_an_exit_without_close(ckexit: dict[int, Any], world:
         assert "error" not in saved, saved["error"]
         assert "error" not in loaded, loaded["error"]
         got = loaded[str(stage)]
-        assert "/t2/" in got["path"] and got["global_steps"] == 2
+        assert "/t2/" in got["path"]
+        assert got["global_steps"] == 2
         assert got["params"] == saved[str(stage)]["params"]
 
 
@@ -83,7 +84,8 @@ def test_checkpoint_run_has_model_names(ckexit: dict[int, Any], world: int, stag
     for var in ("weight", "bias"):  # the fp32 master weights, bit for bit
         assert tree[var].values.reshape(-1).tolist() == want[f"l1.{var}"]
     st = snap.tensor("l2.weight", state="exp_avg").values
-    assert st.shape == (5, 13) and torch.isfinite(torch.from_numpy(st)).all()
+    assert st.shape == (5, 13)
+    assert torch.isfinite(torch.from_numpy(st)).all()
 
 
 def test_a_save_that_raised_is_dropped(ckexit: dict[int, Any]) -> None:

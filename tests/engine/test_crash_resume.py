@@ -96,7 +96,9 @@ def _run_and_kill(run: Path, kill_at: int) -> tuple[dict[int, str], int]:
 @pytest.fixture(scope="module")
 def reference() -> tuple[dict[int, str], str]:
     start, losses, final = _run("plain", Path("/nonexistent"))
-    assert start == 0 and sorted(losses) == list(range(1, STEPS + 1)) and final
+    assert start == 0
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert final
     return losses, final
 
 
@@ -129,4 +131,5 @@ def test_the_kill_points_do_resume_from_a_checkpoint(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _, killed_at = _run_and_kill(run, STEPS - 2)
     head = Repository.open(run).reader().head()
-    assert head is not None and 1 <= head.step <= killed_at
+    assert head is not None
+    assert 1 <= head.step <= killed_at

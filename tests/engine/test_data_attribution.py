@@ -89,10 +89,13 @@ def test_a_spike_is_traced_to_the_poisoned_samples_and_skipping_them_removes_it(
     assert [b.samples for k in sorted(run.batches()) for b in run.batches()[k]] == order()
     assert [b.samples for b in run.at(BAD_STEP).batch()] == [BAD]
     (sp,) = run.spikes(window=8, z=4.0)
-    assert sp.start == BAD_STEP and sp.cause == BAD_STEP - 1
+    assert sp.start == BAD_STEP
+    assert sp.cause == BAD_STEP - 1
     # the update into the cause was ordinary: the jump comes from the batch itself
-    assert sp.suspect == "data" and sp.samples == sorted(BAD)
-    assert sp.rollback_to == BAD_STEP - 1 and "suspect: data (samples [" in str(sp)
+    assert sp.suspect == "data"
+    assert sp.samples == sorted(BAD)
+    assert sp.rollback_to == BAD_STEP - 1
+    assert "suspect: data (samples [" in str(sp)
     # dstt log --batches shows each step's samples
     assert main(["log", str(run_dir), "--batches", "--json"]) == 0
     rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
@@ -106,7 +109,8 @@ def test_a_spike_is_traced_to_the_poisoned_samples_and_skipping_them_removes_it(
     train(run_dir, loader(ds), resume=True)
     assert not set(ds.fetched) & set(BAD)  # no poisoned sample was ever loaded again
     run.refresh()
-    assert run.timeline == name and run.steps[-1] == N // BS - 1  # one batch fewer
+    assert run.timeline == name
+    assert run.steps[-1] == N // BS - 1  # one batch fewer
     assert run.spikes(window=8, z=4.0) == []
     # the continued timeline trained on the original's next batches, the bad one left out
     new = run.batches(slice(BAD_STEP, None))
@@ -156,7 +160,8 @@ def test_hashed_batches_skip_exactly_the_named_batch(tmp_path: Path) -> None:
     assert all(b.indices is None and len(str(b.hash)) == 32 for v in fps.values() for b in v)
     assert len({v[0].hash for v in fps.values()}) == len(batches)  # distinct per batch
     (sp,) = run.spikes(window=8, z=4.0)
-    assert sp.samples == [] and sp.batches[BAD_STEP] == fps[BAD_STEP]
+    assert sp.samples == []
+    assert sp.batches[BAD_STEP] == fps[BAD_STEP]
     with pytest.raises(StepNotFoundError, match="no batch was recorded"):
         run.rollback(sp.rollback_to, skip_batches=[999])
     with pytest.raises(ConfigError, match="skip_batches"):
@@ -166,7 +171,8 @@ def test_hashed_batches_skip_exactly_the_named_batch(tmp_path: Path) -> None:
     run.rollback(sp.rollback_to, skip_batches=[BAD_STEP], name="clean")
     train(run_dir, batches, resume=True)
     run.refresh()
-    assert run.timeline == "clean" and run.spikes(window=8, z=4.0) == []
+    assert run.timeline == "clean"
+    assert run.spikes(window=8, z=4.0) == []
     assert run.steps[-1] == len(batches) - 1
     assert run.at(BAD_STEP).batch() == fps[BAD_STEP + 1]
 

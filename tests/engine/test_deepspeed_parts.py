@@ -34,13 +34,15 @@ def test_state_dict_roundtrip_keeps_tensors_live() -> None:
     for path in tensors:
         check_array_path(path)
     step = tensors["files/x/optimizer/state/0/step"]  # 0-d: an array too, visible to names()
-    assert step.shape == () and step.data_ptr() == sd["optimizer"]["state"][0]["step"].data_ptr()
+    assert step.shape == ()
+    assert step.data_ptr() == sd["optimizer"]["state"][0]["step"].data_ptr()
     back = rebuild(skel, lambda p: tensors[p].clone())
     assert type(back) is collections.OrderedDict
     assert same_bits(back["module"]["l1.weight"], big)
     assert same_bits(back["optimizer"]["state"][0]["step"], torch.tensor(3.0))
     assert same_bits(back["bf16"], sd["bf16"])
-    assert back["shapes"] == (torch.Size([5, 7]),) and back["version"] == "0.19"
+    assert back["shapes"] == (torch.Size([5, 7]),)
+    assert back["version"] == "0.19"
     assert back["optimizer"]["param_groups"] == [{"lr": 0.1, "params": [0]}]
 
 
@@ -52,7 +54,8 @@ def test_state_dict_tensors_take_the_paths_place_gives() -> None:
     skel = flatten(sd, "files/m", tensors, lambda t, default: names.get(t.data_ptr(), default))
     assert sorted(tensors) == ["params/l1/bias", "params/l1/weight"]  # 8 elements: an array
     back = rebuild(skel, lambda p: tensors[p].clone())
-    assert same_bits(back["module"]["l1.weight"], w) and same_bits(back["module"]["l1.bias"], b)
+    assert same_bits(back["module"]["l1.weight"], w)
+    assert same_bits(back["module"]["l1.bias"], b)
     assert back["empty"].shape == (0,)  # empty tensors stay inline
 
 
@@ -115,7 +118,8 @@ def test_single_rank_writer(tmp_path: Path) -> None:
         open_ranks(tmp_path / "run", RankInfo(0, 1), resume=False, chunk_bytes=64)
     rw, head = open_ranks(tmp_path / "run", RankInfo(0, 1), resume=True, chunk_bytes=64)
     rw.close()
-    assert head is not None and head.step == 1
+    assert head is not None
+    assert head.step == 1
     assert Repository.open(tmp_path / "run").verify().ok
 
 

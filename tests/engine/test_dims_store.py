@@ -66,7 +66,7 @@ PLAIN = """
 """
 
 
-@pytest.mark.parametrize("dtype,kw", [(torch.bfloat16, {}),
+@pytest.mark.parametrize(("dtype", "kw"), [(torch.bfloat16, {}),
                                       (torch.float32, {"encoding": dstt.DeltaPolicy()})],
                          ids=["bf16-flat", "fp32-delta-chunk-lane"])
 def test_module_dims_reach_inspection_zarr_json_and_plain_xarray(
@@ -92,7 +92,8 @@ def test_module_dims_reach_inspection_zarr_json_and_plain_xarray(
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert info["dstt_before"] is False and info["warnings"] == []
+    assert info["dstt_before"] is False
+    assert info["warnings"] == []
     assert "Warning" not in proc.stderr
     got = info["dims"][zips[0]]
     for node, vars_ in WANT.items():
@@ -111,7 +112,8 @@ def test_verify_reports_a_consolidated_document_that_disagrees(tmp_path: Path) -
     old = b'"out_features"'
     at = data.find(b'"consolidated_metadata"')
     pos = data.find(old, at)  # inside the root document: the consolidated copy
-    assert at > 0 and pos > 0
+    assert at > 0
+    assert pos > 0
     new = b'"out_featurez"'  # same length: the zip stays well formed
     data[pos:pos + len(old)] = new
     key.write_bytes(bytes(data))

@@ -44,7 +44,8 @@ def test_disk_full_raises_capture_error_chained_to_storage_error() -> None:
     assert "Free disk space" in str(err)  # the cause is the disk: the hint says so
     assert s.step < 40  # raised on the training thread, at a step, not at exit
     steps = committed_steps(plain)
-    assert steps == list(range(1, len(steps) + 1)) and len(steps) <= 4
+    assert steps == list(range(1, len(steps) + 1))
+    assert len(steps) <= 4
     for step in steps:  # what is committed is whole and correct
         assert same_bits(stored(plain, step, "params/l1/weight"), after[step])
     assert plain.verify().problems == []
@@ -61,7 +62,9 @@ def test_a_capture_failure_names_its_cause_not_the_disk(fault: BaseException,
     f = Flight.__new__(Flight)
     f.step, f.error = 7, fault
     err = capture_error([f])
-    assert str(fault) in str(err) and hint in str(err) and err.__cause__ is fault
+    assert str(fault) in str(err)
+    assert hint in str(err)
+    assert err.__cause__ is fault
     assert "disk space" not in str(err)
 
 
@@ -82,12 +85,14 @@ def test_skip_policy_warns_drops_failed_steps_and_recovers() -> None:
             after[s.step] = m.l1.weight.detach().clone()
     assert s.step == 12  # training never stopped
     steps = committed_steps(plain)
-    assert steps[-1] == 12 and len(steps) < 12  # later steps commit again; failed ones are gone
+    assert steps[-1] == 12
+    assert len(steps) < 12  # later steps commit again; failed ones are gone
     assert sorted(steps) == steps
     for step in steps:
         assert same_bits(stored(plain, step, "params/l1/weight"), after[step])
     failed = [x for x in s.metrics if not x.committed]
-    assert failed and all("ENOSPC" in (x.error or "") or "No space" in (x.error or "")
+    assert failed
+    assert all("ENOSPC" in (x.error or "") or "No space" in (x.error or "")
                           for x in failed)
     assert plain.verify().problems == []
 
@@ -125,7 +130,9 @@ def test_flat_steps_are_committed_by_the_flusher_process(tmp_path: Path, remote:
             train_step(m, opt, *mlp_batch(i))
             after[s.step] = m.l1.weight.detach().clone()
         pipe = s._pipeline
-        assert pipe is not None and pipe.flusher is not None and not pipe.flusher.dead
+        assert pipe is not None
+        assert pipe.flusher is not None
+        assert not pipe.flusher.dead
     assert here == ([] if remote else list(range(1, 7)))
     repo = Repository.open(tmp_path / "run")
     assert committed_steps(repo) == list(range(1, 7))
@@ -148,7 +155,8 @@ def test_a_killed_flusher_process_loses_no_step(tmp_path: Path) -> None:
             after[s.step] = m.l1.weight.detach().clone()
             if i == 5:
                 pipe = s._pipeline
-                assert pipe is not None and pipe.flusher is not None  # the child is used
+                assert pipe is not None
+                assert pipe.flusher is not None  # the child is used
                 os.kill(pipe.flusher.proc.pid, signal.SIGKILL)
     repo = Repository.open(tmp_path / "run")
     assert committed_steps(repo) == list(range(1, 13))

@@ -58,7 +58,8 @@ def _stop_and_resume(run: Path, make: Any, data: SyntheticBatches, *, stop: int)
                 break
     r = Repository.open(run).reader()
     head = r.head()
-    assert head is not None and head.step == stop
+    assert head is not None
+    assert head.step == stop
     m2, opt2 = make()
     with session(m2, opt2, run=run, resume=True, encoding=pol) as s:
         got = [train_step(m2, opt2, x, y) for x, y in s.data(data)]
@@ -73,7 +74,8 @@ def test_adamw_gets_predictions_with_the_steps_coefficients() -> None:
     assert set(preds) == {"params/weight", "params/bias", "optim/exp_avg_sq/weight",
                           "optim/exp_avg_sq/bias"}
     p = preds["params/weight"]
-    assert p.fn == "adam_p" and p.inputs == (("cur", "optim/exp_avg/weight"),
+    assert p.fn == "adam_p"
+    assert p.inputs == (("cur", "optim/exp_avg/weight"),
                                              ("cur", "optim/exp_avg_sq/weight"))
     decay, bias2_sqrt, eps, step_size = p.coeffs
     assert decay == pytest.approx(1 - 2e-3 * 0.5, rel=1e-6)  # decoupled weight decay
@@ -82,7 +84,8 @@ def test_adamw_gets_predictions_with_the_steps_coefficients() -> None:
     assert eps == pytest.approx(1e-6, rel=1e-6)
     v = preds["optim/exp_avg_sq/weight"]
     assert v.fn == "adam_v"
-    assert v.coeffs[0] == pytest.approx(0.8) and v.coeffs[2] == pytest.approx(0.9)
+    assert v.coeffs[0] == pytest.approx(0.8)
+    assert v.coeffs[2] == pytest.approx(0.9)
 
 
 def test_adam_with_l2_decay_predicts_without_decoupled_decay() -> None:
@@ -105,7 +108,8 @@ def test_sgd_with_momentum_predicts_the_parameter_from_its_buffer() -> None:
     preds = _preds(lin, opt)
     assert set(preds) == {"params/weight", "params/bias"}
     p = preds["params/weight"]
-    assert p.fn == "sgd_p" and p.inputs == (("cur", "optim/momentum_buffer/weight"),)
+    assert p.fn == "sgd_p"
+    assert p.inputs == (("cur", "optim/momentum_buffer/weight"),)
     assert p.coeffs == (pytest.approx(-0.05),)
 
 
@@ -120,7 +124,8 @@ def test_session_with_sgd_momentum_writes_predictions_and_resumes_exactly(
 
     head = _stop_and_resume(tmp_path / "run", make, data, stop=7)
     recs = head["params/layers/0/qkv/weight"].chunks
-    assert {c.encoding for c in recs} == {"pred1"} and recs[0].predictor == "sgd_p"
+    assert {c.encoding for c in recs} == {"pred1"}
+    assert recs[0].predictor == "sgd_p"
 
 
 def test_non_fp32_state_gets_none() -> None:
@@ -151,7 +156,8 @@ def test_governor_encodes_when_it_flushes_faster_and_re_measures() -> None:
     assert g.decide()  # nothing measured yet: measure encoding first
     g.observe(True, 0.3, 0.4, 100)  # encoded: 0.3 s CPU, 100 bytes written
     assert not g.decide()  # then one raw step to compare with...
-    assert g.decide() and g.decide()  # ...and encode until it committed (commits lag)
+    assert g.decide()
+    assert g.decide()  # ...and encode until it committed (commits lag)
     g.observe(False, 0.2, 1.2, 300)  # raw: less CPU, 3x the bytes; the disk: 250 B/s
     assert g.estimates() == {"encoded": pytest.approx(0.4), "raw": pytest.approx(1.2)}
     decisions = [g.decide() for _ in range(28)]
@@ -231,7 +237,8 @@ def test_session_writes_predicted_steps_that_read_back_bit_exactly(tmp_path: Pat
     ms = s.metrics
     # steps between keyframes (exp_avg and the 0-d step counters stay raw: new information)
     between = [x for x in ms[1:] if x.deltas > 0]
-    assert len(between) >= 8 and all(x.written_bytes < 0.6 * x.bytes for x in between)
+    assert len(between) >= 8
+    assert all(x.written_bytes < 0.6 * x.bytes for x in between)
 
 
 def test_resume_from_a_predicted_step_continues_bit_exactly(tmp_path: Path) -> None:
@@ -263,7 +270,9 @@ def test_a_failed_step_takes_only_the_steps_based_on_it(tmp_path: Path) -> None:
                 after[s.step] = m.layers[0].qkv.weight.detach().clone()
     plain = Repository(inner)
     steps = [h.step for h in plain.reader().lineage()]
-    assert 4 not in steps and steps[-1] == 10 and steps[:3] == [1, 2, 3]
+    assert 4 not in steps
+    assert steps[-1] == 10
+    assert steps[:3] == [1, 2, 3]
     dropped = [x for x in s.metrics if not x.committed]
     assert {x.step for x in dropped} <= {4, 5, 6}
     for x in dropped:
@@ -288,7 +297,9 @@ def test_keyframe_on_request_writes_the_next_step_whole(tmp_path: Path) -> None:
     r = Repository.open(tmp_path / "run").reader()
     kinds = {h.step: {c.encoding for a in r.arrays(h).values() for c in a.chunks}
              for h in r.lineage()}
-    assert kinds[5] != {"raw"} and kinds[6] == {"raw"} and "pred1" in kinds[7]
+    assert kinds[5] != {"raw"}
+    assert kinds[6] == {"raw"}
+    assert "pred1" in kinds[7]
     h7 = r.find(7)
     assert {c.base for c in r.arrays(h7)["params/layers/0/qkv/weight"].chunks} == {r.find(6).slot}
 

@@ -97,8 +97,10 @@ def test_object_provider_round_trip_keeps_types_and_tensors() -> None:
     ObjectProvider("thing", lambda: None, got.append).restore(source(repo))
     (back,) = got
     assert isinstance(back, dict)
-    assert back["a"] == (1, 2.5, None) and back["b"] == [b"\x00\xff", "s"]
-    assert np.isnan(back[3]) and np.array_equal(back["n"], np.arange(3))
+    assert back["a"] == (1, 2.5, None)
+    assert back["b"] == [b"\x00\xff", "s"]
+    assert np.isnan(back[3])
+    assert np.array_equal(back["n"], np.arange(3))
     assert same_bits(back["t"], value["t"])
 
 
@@ -108,7 +110,8 @@ def test_to_plain_is_a_snapshot() -> None:
     live["lr"][0] = 9.0
     live["t"].add_(1)
     back = from_plain(plain)
-    assert back["lr"] == [0.1] and torch.equal(back["t"], torch.zeros(2))
+    assert back["lr"] == [0.1]
+    assert torch.equal(back["t"], torch.zeros(2))
 
 
 def test_rng_provider_restores_every_generator() -> None:
@@ -139,7 +142,8 @@ def test_model_paths_follow_modules_and_skip_non_persistent_buffers() -> None:
     m.register_buffer("counter", torch.zeros(1, dtype=torch.int64))
     paths = set(model_tensors(m))
     assert "params/layers/0/qkv/weight" in paths
-    assert "params/tok/weight" in paths and "params/head/weight" not in paths  # tied, once
+    assert "params/tok/weight" in paths
+    assert "params/head/weight" not in paths  # tied, once
     assert "buffers/counter" in paths
     assert not any(p.endswith("positions") for p in paths)  # non-persistent
 
@@ -203,7 +207,8 @@ def test_optimizer_provider_names_state_by_module_path() -> None:
     (obj,) = prov.objects().values()
     assert isinstance(obj, Encoded)  # pure-tensor state: encoded once, stored as these bytes
     doc = decode_object(obj.data, obj.encoding)
-    assert doc["format"] == 2 and "tok.weight" in doc["params"]
+    assert doc["format"] == 2
+    assert "tok.weight" in doc["params"]
     assert doc["params"]["tok.weight"] == {"arrays": ["step", "exp_avg", "exp_avg_sq"],
                                            "values": {}}
     again = prov.objects()[OptimizerStateProvider.OBJECT]
@@ -269,15 +274,18 @@ def test_composite_reuses_its_mapping_only_while_nothing_changed() -> None:
     state = discover(m, opt)
     a, objs = state.step_state.capture()
     assert set(objs) >= {"optim/state", "rng"}
-    assert state.step_state.capture()[0] is a and state.step_state.tensors() is a
+    assert state.step_state.capture()[0] is a
+    assert state.step_state.tensors() is a
     opt.step()  # Adam updates in place: still the same tensors
     assert state.step_state.tensors() is a
     m[0].weight = torch.nn.Parameter(torch.zeros(2, 3))  # a new tensor object
     b = state.step_state.tensors()
-    assert b is not a and b["params/0/weight"] is m[0].weight
+    assert b is not a
+    assert b["params/0/weight"] is m[0].weight
     user = _RefillsInPlace()
     comp = CompositeProvider([TensorProvider(ModelTensors(m)), user])  # type: ignore[list-item]
     first = comp.tensors()
     user.d["extra/t"] = torch.ones(3)  # the same dict, a new tensor in it
     second = comp.tensors()
-    assert second["extra/t"] is user.d["extra/t"] and second is not first
+    assert second["extra/t"] is user.d["extra/t"]
+    assert second is not first

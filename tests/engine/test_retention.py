@@ -90,13 +90,15 @@ def test_retention_bounds_bytes_and_keeps_every_spike_window(tmp_path: Path) -> 
     sizes = step_files(run)
     per_step = max(sizes.values())
     bound = POLICY.bound(2000, spikes=len(SPIKES))  # 60 + 8 + 2 x 11 + 1 = 91
-    assert len(steps) <= bound and sum(sizes.values()) <= bound * per_step
+    assert len(steps) <= bound
+    assert sum(sizes.values()) <= bound * per_step
     assert len(sizes) == len(steps)  # no step file of a pruned step is left
     # while training, at most every_commits more (the steps since the last gc) + the steps
     # the last gc did not see committed yet (the backlog, max_backlog=16) + the one in flight
     for at, n, nbytes in during:
         live = POLICY.bound(at, spikes=sum(sp < at for sp in SPIKES))
-        assert n <= live + POLICY.every_commits + 16 + 1 and nbytes <= n * per_step, (at, n)
+        assert n <= live + POLICY.every_commits + 16 + 1, (at, n)
+        assert nbytes <= n * per_step, (at, n)
 
     # every step of each spike window is on disk and readable (the cause's update included)
     windows = [(lo, hi) for _, lo, hi in runs[-1][0].spike_windows]
@@ -109,8 +111,10 @@ def test_retention_bounds_bytes_and_keeps_every_spike_window(tmp_path: Path) -> 
 
     # pruned steps keep their metrics and summaries; the gcs are reported as metrics
     ds = r.metrics()
-    assert ds.sizes["step"] == 2000 and int(ds["pruned"].sum()) == 2000 - len(steps)
-    assert float(ds["loss"].sel(step=700)) == 50.0 and bool(ds["pruned"].sel(step=100))
+    assert ds.sizes["step"] == 2000
+    assert int(ds["pruned"].sum()) == 2000 - len(steps)
+    assert float(ds["loss"].sel(step=700)) == 50.0
+    assert bool(ds["pruned"].sel(step=100))
     pruned = ds["retention/pruned_steps"].values
     counts = [len(rep.pruned_steps) for rep, _ in runs]
     assert sum(counts) == 2000 - len(steps)
@@ -118,7 +122,8 @@ def test_retention_bounds_bytes_and_keeps_every_spike_window(tmp_path: Path) -> 
     assert sum(counts) - sum(counts[-2:]) <= np.nansum(pruned) <= sum(counts)
     assert np.nansum(ds["retention/freed_bytes"].values) > 0
     summ = r.summaries()
-    assert bool(summ["pruned"].sel(step=123)) and np.isfinite(
+    assert bool(summ["pruned"].sel(step=123))
+    assert np.isfinite(
         summ["l2"].sel(step=123).values).all()
     assert r.spikes(top=0)[0].step == 700  # found in the metrics, pruned steps included
     assert dstt.open(run).repo.verify().ok
@@ -131,7 +136,8 @@ def test_retention_bounds_bytes_and_keeps_every_spike_window(tmp_path: Path) -> 
         assert s2.step == 2000
         assert all(same_bits(model2.state_dict()[k], v) for k, v in final.items())
         train(s2, model2, opt2, 60)
-    assert dstt.open(run).steps[-1] == 2060 and 1990 not in dstt.open(run).steps
+    assert dstt.open(run).steps[-1] == 2060
+    assert 1990 not in dstt.open(run).steps
 
 
 def test_same_policy_offline_and_in_the_cli(tmp_path: Path,
@@ -161,12 +167,16 @@ def test_same_policy_offline_and_in_the_cli(tmp_path: Path,
     # dstt log lists the pruned steps too (from the index), marked, with their metrics
     assert cli_main(["log", str(run), "--timeline", "main", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert len(doc) == 300 and doc[0]["step"] == 300 and not doc[0]["pruned"]
+    assert len(doc) == 300
+    assert doc[0]["step"] == 300
+    assert not doc[0]["pruned"]
     by_step = {d["step"]: d for d in doc}
-    assert by_step[120]["pruned"] and "loss" in by_step[120]["metrics"]
+    assert by_step[120]["pruned"]
+    assert "loss" in by_step[120]["metrics"]
     assert cli_main(["log", str(run), "--timeline", "main", "-n", "200"]) == 0
     text = capsys.readouterr().out
-    assert "(pruned)" in text.splitlines()[-1] and "(pruned)" not in text.splitlines()[0]
+    assert "(pruned)" in text.splitlines()[-1]
+    assert "(pruned)" not in text.splitlines()[0]
 
 
 def test_a_session_policy_must_keep_spike_windows_reachable(tmp_path: Path) -> None:

@@ -83,7 +83,8 @@ def test_budget_smaller_than_the_largest_tensor(tmp_path: Path, dtype: torch.dty
         for path, t in tensors.items():
             assert same_bits(stored(repo, step, path), t), (step, path)
     for x in s.metrics:
-        assert x.cache_capacity <= budget and x.cache_peak_bytes <= x.cache_capacity
+        assert x.cache_capacity <= budget
+        assert x.cache_peak_bytes <= x.cache_capacity
 
 
 def _mutating_hook(module: torch.nn.Module, armed: list[bool], how: str, seen: list):
@@ -330,7 +331,8 @@ def test_extra_state_round_trips(tmp_path: Path) -> None:
                  extra_state={"counter": fresh}) as s:
         assert s.step == 3
     # captured at the end of iteration 3 (here: the clean exit), after the loop body's update
-    assert fresh.n == 3 and fresh.history == [0.5, 0.0, 1.0, 2.0]
+    assert fresh.n == 3
+    assert fresh.history == [0.5, 0.0, 1.0, 2.0]
 
 
 def test_boundary_state_is_taken_before_the_next_batch(tmp_path: Path) -> None:

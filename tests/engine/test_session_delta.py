@@ -71,13 +71,15 @@ def test_delta_encoding_writes_fewer_bytes_than_raw(tmp_path: Path) -> None:
     first = _chunk_bytes(tmp_path / "raw", raw[0].step)
     assert first == _chunk_bytes(tmp_path / "enc", enc[0].step)
     assert {e for chunks in first.values() for e, _ in chunks} == {"raw"}
-    assert enc[0].keyframes > 0 and enc[0].deltas == enc[0].dedups == 0
+    assert enc[0].keyframes > 0
+    assert enc[0].deltas == enc[0].dedups == 0
     tensor_bytes = sum(n for chunks in first.values() for _, n in chunks)
     assert min(raw[0].written_bytes, enc[0].written_bytes) >= tensor_bytes
     based = [i for i in range(1, len(enc)) if enc[i].dedups or enc[i].deltas]
     assert len(based) >= len(enc) // 2
     for i in based:  # the frozen embedding alone is deduplicated in every encoded step
-        assert enc[i].dedups > 0 and enc[i].written_bytes < raw[i].written_bytes
+        assert enc[i].dedups > 0
+        assert enc[i].written_bytes < raw[i].written_bytes
 
 
 def test_resume_after_delta_steps_continues_bit_exactly(tmp_path: Path) -> None:
@@ -120,7 +122,9 @@ def test_an_encoding_session_captures_every_step_with_one_batched_copy(tmp_path:
             s.wait()
             time.sleep(0.05)
         p = s._pipeline
-        assert p is not None and p.steps is not None and p.cache is None
+        assert p is not None
+        assert p.steps is not None
+        assert p.cache is None
         w = m.layers[0].qkv.weight
         final = {"params/layers/0/qkv/weight": w.detach().clone(),
                  "optim/exp_avg/layers/0/qkv/weight": opt.state[w]["exp_avg"].clone()}
@@ -129,7 +133,8 @@ def test_an_encoding_session_captures_every_step_with_one_batched_copy(tmp_path:
     assert sum(x.deltas + x.dedups for x in ms[1:]) > 0
     r = Repository.open(run).reader()
     kinds = [{c.encoding for a in r.arrays(h).values() for c in a.chunks} for h in r.lineage()]
-    assert kinds[0] == {"raw"} and all(k - {"raw"} for k in kinds[1:]), kinds
+    assert kinds[0] == {"raw"}, kinds
+    assert all(k - {"raw"} for k in kinds[1:]), kinds
     for path, want in final.items():  # the last step, encoded from the step buffer
         assert same_bits(stored(Repository.open(run), 5, path), want), path
 
@@ -160,7 +165,8 @@ def test_steps_the_governor_writes_raw_go_out_whole_and_keep_the_bases(tmp_path:
                 train_step(m, opt, x, y)
                 s.wait()
                 time.sleep(0.05)
-            assert s._pipeline is not None and s._pipeline.flusher is not None
+            assert s._pipeline is not None
+            assert s._pipeline.flusher is not None
             final = m.layers[0].qkv.weight.detach().clone()
     finally:
         EncodeGovernor.decide = orig  # type: ignore[method-assign]
@@ -173,6 +179,7 @@ def test_steps_the_governor_writes_raw_go_out_whole_and_keep_the_bases(tmp_path:
     for step in (3, 4, 5):
         assert {c.encoding for a in r.arrays(heads[step]).values() for c in a.chunks} == {"raw"}
     bases = {c.base for a in r.arrays(heads[6]).values() for c in a.chunks if c.base is not None}
-    assert bases and bases <= {heads[1].slot, heads[2].slot}  # committed encoded steps
+    assert bases
+    assert bases <= {heads[1].slot, heads[2].slot}  # committed encoded steps
     assert same_bits(stored(Repository.open(run), 6, "params/layers/0/qkv/weight"), final)
     assert Repository.open(run).verify().ok

@@ -29,7 +29,8 @@ def test_cache_packs_small_chunks_into_one_slab() -> None:
     for le in leases:
         cache.release(le)
     cache.seal()
-    assert cache.slabs_in_use == 0 and cache.leased_bytes == 0
+    assert cache.slabs_in_use == 0
+    assert cache.leased_bytes == 0
 
 
 def test_cache_applies_backpressure_until_a_slab_is_released() -> None:
@@ -42,7 +43,8 @@ def test_cache_applies_backpressure_until_a_slab_is_released() -> None:
     assert got == []  # both slabs leased: the third reservation waits
     cache.release(a)
     t.join(2)
-    assert len(got) == 1 and cache.stall_s > 0.05
+    assert len(got) == 1
+    assert cache.stall_s > 0.05
     cache.release(b)
 
 
@@ -115,7 +117,8 @@ def test_version_guard_sees_in_place_writes_only() -> None:
     with torch.no_grad():
         w.mul_(2)
     (report,) = guard.check({"w": w})
-    assert report.path == "w" and "version" in report.reason
+    assert report.path == "w"
+    assert "version" in report.reason
 
 
 def test_verify_mode_catches_data_writes_before_or_after_the_copy() -> None:
@@ -176,7 +179,8 @@ def test_an_urgent_flusher_runs_at_normal_priority_until_it_has_caught_up() -> N
         assert fl.proc is not None
         pid = fl.proc.pid
         tids = fl.idle_threads
-        assert pid in tids and len(tids) == 2  # the main thread and the writer
+        assert pid in tids
+        assert len(tids) == 2  # the main thread and the writer
         assert set(tids) <= {int(t) for t in os.listdir(f"/proc/{pid}/task")}
         policy = {t: os.sched_getscheduler(t) for t in tids}
         assert set(policy.values()) == {os.SCHED_IDLE}, policy  # lowered before "ready"

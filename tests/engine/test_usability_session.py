@@ -143,7 +143,8 @@ def test_an_interrupt_commits_the_last_finished_step(tmp_path: Path) -> None:
     m2 = MLP()
     with session(m2, torch.optim.SGD(m2.parameters(), lr=1e-2), run=run, resume=True):
         pass
-    assert after7 is not None and same_bits(m2.l1.weight, after7)
+    assert after7 is not None
+    assert same_bits(m2.l1.weight, after7)
 
     # but an interrupt inside optimizer step 8 (tensors half-updated) commits nothing more
     run = tmp_path / "run2"
@@ -218,7 +219,8 @@ def test_update_ratio_is_known_at_the_first_step_after_a_resume(tmp_path: Path,
     whole = dstt.open(tmp_path / "whole").summaries()["update_ratio"]
     resumed = dstt.open(tmp_path / "resumed").summaries()["update_ratio"]
     at4 = resumed.sel(step=4).values
-    assert np.all(np.isfinite(at4)) and np.all(at4 > 0)
+    assert np.all(np.isfinite(at4))
+    assert np.all(at4 > 0)
     np.testing.assert_allclose(at4, whole.sel(step=4).values, rtol=1e-12)
     assert not math.isfinite(float(resumed.sel(step=1).values[0]))  # a run's first: unknown
 

@@ -132,7 +132,8 @@ def test_a_step_that_fails_before_its_write_gives_its_buffer_back(tmp_path: Path
             pipe.seal(f, {})
             f.done.wait(timeout=60)
             assert f.done.is_set(), f"step {step} never finished"
-            assert pipe.steps is not None and pipe.steps.in_use == 0
+            assert pipe.steps is not None
+            assert pipe.steps.in_use == 0
         failed = [g.step for g in pipe.take_errors()]
         assert failed == [2]
     finally:

@@ -73,8 +73,10 @@ def test_ranking_is_relative_to_each_tensors_own_baseline(tmp_path: Path) -> Non
     assert rank_tensors(sums, [60])[0][0] == "walk"  # what an absolute ranking names
     # ... but only l1 left its own baseline
     assert {n for n, _ in sp.tensors[:2]} == {"l1.weight", "l1.bias"}
-    assert sp.tensors[0][1] > 20 and dict(sp.tensors)["walk"] < 4
-    assert sp.suspect == "update" and sp.rollback_to == 59
+    assert sp.tensors[0][1] > 20
+    assert dict(sp.tensors)["walk"] < 4
+    assert sp.suspect == "update"
+    assert sp.rollback_to == 59
     assert "most abnormal updates: l1." in str(sp)
 
 
@@ -90,11 +92,13 @@ def test_rank_by_baseline_rule() -> None:
                     coords={"step": np.arange(n), "tensor": ["big", "jump", "flat"]})
     got = rank_by_baseline(ds, n - 1, window=20)
     assert [t[0] for t in got] == ["jump", "flat", "big"]
-    assert got[0][1] > 20 and got[0][2] == pytest.approx(0.05)
+    assert got[0][1] > 20
+    assert got[0][2] == pytest.approx(0.05)
     assert got[1][1] == pytest.approx(1.0)  # MAD floored at 1% of the median, not inf
     # without enough baseline, the absolute ratio orders them (score NaN)
     early = rank_by_baseline(ds, 1, window=20)
-    assert [t[0] for t in early] == ["big", "flat", "jump"] and np.isnan(early[0][1])
+    assert [t[0] for t in early] == ["big", "flat", "jump"]
+    assert np.isnan(early[0][1])
 
 
 def test_nan_injected_into_one_tensor_is_reported_at_its_first_step(tmp_path: Path) -> None:
@@ -106,11 +110,13 @@ def test_nan_injected_into_one_tensor_is_reported_at_its_first_step(tmp_path: Pa
     train(tmp_path / "run", 12, before_step=inject)
     run = dstt.open(tmp_path / "run")
     nf = run.first_nonfinite()
-    assert nf is not None and (nf.step, nf.parent) == (7, 6)
+    assert nf is not None
+    assert (nf.step, nf.parent) == (7, 6)
     assert nf.tensors == [("l2.weight", 1, 0)]  # step 8 spreads it to every tensor
     assert "first non-finite values at step 7 (update 6 -> 7): l2.weight (1 NaN" in str(nf)
     report = run.diagnose(window=5)
-    assert report.nonfinite == nf and not report.healthy
+    assert report.nonfinite == nf
+    assert not report.healthy
     healthy = tmp_path / "healthy"
     train(healthy, 12)
     assert dstt.open(healthy).first_nonfinite() is None
@@ -125,9 +131,11 @@ def test_divergence_rule_flags_a_sustained_rise_not_a_spike() -> None:
     rising = loss.copy()
     rising[70:] *= np.exp((steps[70:] - 70) / 15.0)  # a slow, sustained rise
     ((start, step, end, lo, hi),) = find_divergence(steps, rising, window=10)
-    assert 65 <= start <= 75 and start < step < 100 and end == 119
+    assert 65 <= start <= 75
+    assert start < step < 100
+    assert end == 119
     assert hi > 1.5 * lo
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="rise > 1"):
         find_divergence(steps, loss, rise=1.0)
 
 
@@ -137,6 +145,8 @@ def test_run_divergence_names_the_growing_tensors(tmp_path: Path) -> None:
     train(tmp_path / "run", 110, lr_at=lambda k: 1.0 if k < 40 else 1.04 ** (k - 40))
     run = dstt.open(tmp_path / "run")
     (d,) = run.divergence(window=5)
-    assert 40 <= d.start < d.step < d.end == 110 and d.value > 1.5 * d.minimum
-    assert d.tensors[0][0] != "walk" and d.tensors[0][1] > 2.0
+    assert 40 <= d.start < d.step < d.end == 110
+    assert d.value > 1.5 * d.minimum
+    assert d.tensors[0][0] != "walk"
+    assert d.tensors[0][1] > 2.0
     assert f"loss diverges from step {d.start}" in str(d)

@@ -51,7 +51,8 @@ def test_selecting_one_layer_reads_only_its_chunks(tmp_path: Path) -> None:
     assert storage.chunk_reads() == wanted
     assert storage.data_reads() == {"params/layers/7/attn/q_proj/weight",
                                     "params/layers/7/attn/q_proj/bias"}
-    assert np.all(values["w"] == 10_000 + 7) and np.all(values["b"] == 10_000 + 7.5)
+    assert np.all(values["w"] == 10_000 + 7)
+    assert np.all(values["b"] == 10_000 + 7.5)
     assert len(snap.arrays["params/layers/7/attn/q_proj/weight"].chunks) > 1  # several chunks
 
     storage.reads.clear()
@@ -97,7 +98,8 @@ def test_trajectory_follows_the_timeline_lineage(tmp_path: Path) -> None:
     write_steps(repo, list(range(1, 11)), lambda s: {"params/w": np.full(3, s, np.float32)})
     run = open_run(path)
     new = run.rollback(to=5)
-    assert run.timeline == new and run.steps == [1, 2, 3, 4, 5]
+    assert run.timeline == new
+    assert run.steps == [1, 2, 3, 4, 5]
     write_steps(repo, [6, 7, 8], lambda s: {"params/w": np.full(3, -s, np.float32)})
     run.refresh()
     cur = run.trajectory("w")
@@ -114,7 +116,8 @@ def test_bfloat16_is_shown_exactly_as_float32(tmp_path: Path) -> None:
     write_steps(new_repo(path), [1], lambda s: {"params/w": arr}, chunk_bytes=1000)
     snap = open_run(path).at(1)
     view = snap.tensor("w")
-    assert view.dtype == np.float32 and view.attrs["store_dtype"] == "bfloat16"
+    assert view.dtype == np.float32
+    assert view.attrs["store_dtype"] == "bfloat16"
     got = view.values
     expect = arr.astype(np.float32)
     nan = np.isnan(expect)
@@ -179,7 +182,8 @@ def test_layer_tree_mirrors_module_paths(small_run: Path) -> None:
     tree = snap.layer("attn.0")  # rule 3: 'attn' and '0' in any order -> layers.0.attn
     assert set(tree["layers/0/attn/q_proj"].data_vars) == {"weight", "bias"}
     assert "1" not in tree["layers"].children
-    assert int(tree["step"]) == 3 and tree.attrs["timeline"] == "main"  # step at the root
+    assert int(tree["step"]) == 3
+    assert tree.attrs["timeline"] == "main"  # step at the root
     w = tree["layers/0/attn/q_proj"]["weight"]
     np.testing.assert_array_equal(
         w.values, small_model(3)["params/layers/0/attn/q_proj/weight"].astype(np.float32))
@@ -223,4 +227,5 @@ def test_xarray_reductions_work_on_views(small_run: Path) -> None:
     expect = [small_model(s)["params/layers/0/attn/q_proj/weight"].astype(np.float32).mean()
               for s in range(1, 6)]
     np.testing.assert_allclose(means.values, expect, rtol=1e-6)
-    assert isinstance(means, xr.DataArray) and means.dims == ("step",)
+    assert isinstance(means, xr.DataArray)
+    assert means.dims == ("step",)

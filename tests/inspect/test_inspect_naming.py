@@ -136,7 +136,8 @@ def test_one_expert_of_fused_tensors_is_picked_only_where_nothing_else_matches()
     assert got == [paths[0], paths[1], paths[3]]
     assert picks == {p: ("expert", 0) for p in got}
     got, picks = select_layer("layers.0.mlp.experts.2.down", paths, expert_dim)
-    assert got == [paths[1]] and picks == {paths[1]: ("expert", 2)}
+    assert got == [paths[1]]
+    assert picks == {paths[1]: ("expert", 2)}
     # without fused tensors it stays rule 4 (all components, any order)
     assert select_layer("experts.0", paths, lambda p: None)[1] == {}
     # a model with experts as modules matches them contiguously, as always

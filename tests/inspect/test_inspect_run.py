@@ -17,7 +17,8 @@ from dstt.run import open_run
 def test_steps_timelines_and_head(small_run: Path) -> None:
     run = open_run(small_run)
     assert run.steps == [1, 2, 3, 4, 5]
-    assert run.timeline == "main" and set(run.timelines) == {"main"}
+    assert run.timeline == "main"
+    assert set(run.timelines) == {"main"}
     assert run.at().step == 5
     snap = run.at(2)
     assert snap.metrics == {"loss": pytest.approx(1 / 3)}
@@ -49,7 +50,8 @@ def test_rollback_creates_a_current_timeline_and_keeps_the_old(small_run: Path) 
     name = run.rollback(to=3, skip_data=2)
     assert run.timeline == name != "main"
     assert run.steps == [1, 2, 3]
-    assert run.timelines[name].skip_data == 2 and run.timelines[name].base_step == 3
+    assert run.timelines[name].skip_data == 2
+    assert run.timelines[name].base_step == 3
     assert [h.step for h in run.commits("main")] == [1, 2, 3, 4, 5]
     assert run.at(5, timeline="main").step == 5
     with pytest.raises(StepNotFoundError):
@@ -68,7 +70,8 @@ def test_gc_prunes_outside_policy_and_never_a_head(small_run: Path) -> None:
     assert {s for _, s in report.pruned_steps} == {1, 3, 4}
     # the old head survives; step 2 too: it is the new head, shared by both lineages
     assert [h.step for h in run.commits("main")] == [2, 5]
-    assert run.steps == [2] and run.timeline == side
+    assert run.steps == [2]
+    assert run.timeline == side
     with pytest.raises(StepNotFoundError, match="pruned"):
         run.at(3, timeline="main")
     assert run.verify().ok
@@ -112,7 +115,8 @@ def test_export_safetensors_and_torch_are_bit_exact(small_run: Path, tmp_path: P
     assert w.dtype == torch.bfloat16
     np.testing.assert_array_equal(w.view(torch.uint16).numpy(),
                                   expect["params/layers/0/attn/q_proj/weight"].view(np.uint16))
-    assert sd["scale"].shape == () and float(sd["scale"]) == 4.0
+    assert sd["scale"].shape == ()
+    assert float(sd["scale"]) == 4.0
     assert sd["layers.0.mask"].dtype == torch.bool
     snap.export(tmp_path / "s.pt", "torch", include_all=True)
     full = torch.load(tmp_path / "s.pt", weights_only=True)
@@ -130,8 +134,11 @@ def test_html_repr_is_static_and_escaped(tmp_path: Path) -> None:
     write_steps(new_repo(path), [7, 8], lambda s: {"params/w": np.zeros(4, ml_dtypes.bfloat16)})
     run = open_run(path)
     html = run._repr_html_()
-    assert "&lt;b&gt;run" in html and "<b>run" not in html
-    assert "main" in html and "7 … 8" in html and "<script" not in html
+    assert "&lt;b&gt;run" in html
+    assert "<b>run" not in html
+    assert "main" in html
+    assert "7 … 8" in html
+    assert "<script" not in html
     s = run.summary()
     assert (s["n_steps"], s["n_arrays"], s["bytes_per_step"]) == (2, 1, 8)
     assert "steps=2 [7..8]" in repr(run)
@@ -160,9 +167,11 @@ def test_a_second_rollback_to_the_same_step_needs_a_name(small_run: Path) -> Non
     with pytest.raises(TimelineError, match=r"rolled back to before.*name=") as ei:
         run.rollback(to=3, timeline="main")  # no silent "main-from-3.2"
     assert "dstt rollback --to 3 --name NAME" in str(ei.value)
-    assert set(run.timelines) == {"main", first} and run.timeline == first
+    assert set(run.timelines) == {"main", first}
+    assert run.timeline == first
     second = run.rollback(to=3, timeline="main", name="retry", skip_data=1)
-    assert run.timeline == second == "retry" and run.timelines["retry"].skip_data == 1
+    assert run.timeline == second == "retry"
+    assert run.timelines["retry"].skip_data == 1
     with pytest.raises(TimelineError, match="'retry' already exists"):
         run.rollback(to=2, name="retry")
 
@@ -185,18 +194,22 @@ def test_switch_rename_and_delete_timelines(small_run: Path) -> None:
     run = open_run(small_run)
     side = run.rollback(to=2)
     snap = run.at(2)
-    assert snap.timeline == side and snap.header.timeline == "main"  # read from / written on
+    assert snap.timeline == side
+    assert snap.header.timeline == "main"  # read from / written on
     run.switch("main")
-    assert run.timeline == "main" and run.steps == [1, 2, 3, 4, 5]
+    assert run.timeline == "main"
+    assert run.steps == [1, 2, 3, 4, 5]
     assert open_run(small_run).timeline == "main"  # durable
     with pytest.raises(TimelineError, match="no timeline 'nope'"):
         run.switch("nope")
 
     run.rename_timeline(side, "side")
-    assert set(run.timelines) == {"main", "side"} and run.timeline == "main"
+    assert set(run.timelines) == {"main", "side"}
+    assert run.timeline == "main"
     assert [h.step for h in run.commits("side")] == [1, 2]
     run.rename_timeline("main", "trunk")  # the current one: HEAD follows, the child too
-    assert run.timeline == "trunk" and run.timelines["side"].base_timeline == "trunk"
+    assert run.timeline == "trunk"
+    assert run.timelines["side"].base_timeline == "trunk"
 
     with pytest.raises(CurrentTimelineError, match="switch") as ei:
         run.delete_timeline("trunk")
@@ -204,11 +217,13 @@ def test_switch_rename_and_delete_timelines(small_run: Path) -> None:
     want = {s: run.at(s).to_numpy("emb.weight", native=True) for s in (1, 2)}
     run.switch("side")
     dry = run.delete_timeline("trunk", dry_run=True)
-    assert set(run.timelines) == {"trunk", "side"} and dry.freed_steps == (3, 4, 5)
+    assert set(run.timelines) == {"trunk", "side"}
+    assert dry.freed_steps == (3, 4, 5)
     rep = run.delete_timeline("trunk")
     assert (rep.freed_steps, rep.kept_steps) == ((3, 4, 5), (1, 2))
     assert rep.gc.files_removed == dry.gc.files_removed > 0
-    assert set(run.timelines) == {"side"} and run.steps == [1, 2]
+    assert set(run.timelines) == {"side"}
+    assert run.steps == [1, 2]
     for s, a in want.items():  # the shared steps stay, bit-exactly
         assert run.at(s).to_numpy("emb.weight", native=True).tobytes() == a.tobytes()
     assert run.verify().ok

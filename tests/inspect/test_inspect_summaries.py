@@ -25,21 +25,25 @@ def test_exact_statistics_match_numpy() -> None:
     assert s["rms"] == pytest.approx(np.sqrt(np.mean(x * x)), rel=1e-6)
     assert s["maxabs"] == float(np.abs(x).max())
     assert (s["nan"], s["inf"]) == (0, 0)
-    assert s["update_l2"] is None and s["update_ratio"] is None
+    assert s["update_l2"] is None
+    assert s["update_ratio"] is None
 
 
 def test_non_finite_values_are_counted_and_excluded() -> None:
     t = torch.tensor([3.0, float("nan"), 4.0, float("inf"), -float("inf"), float("nan")])
     s = tensor_summary(t, "params/w")
     assert (s["nan"], s["inf"]) == (2, 2)
-    assert s["l2"] == 5.0 and s["maxabs"] == 4.0
+    assert s["l2"] == 5.0
+    assert s["maxabs"] == 4.0
     assert s["rms"] == pytest.approx(5.0 / math.sqrt(2))
 
 
 def test_probe_is_fixed_per_path_and_reads_those_elements() -> None:
     t = torch.arange(10_000, dtype=torch.float32)
     idx = probe_indices("params/layers/0/w", 10_000)
-    assert len(idx) == 16 and len(set(idx.tolist())) == 16 and idx.max() < 10_000
+    assert len(idx) == 16
+    assert len(set(idx.tolist())) == 16
+    assert idx.max() < 10_000
     np.testing.assert_array_equal(idx, probe_indices("params/layers/0/w", 10_000))
     assert not np.array_equal(idx, probe_indices("params/layers/1/w", 10_000))
     s = tensor_summary(t, "params/layers/0/w")
@@ -60,7 +64,9 @@ def test_chunked_accumulation_in_any_order_equals_one_shot() -> None:
     many = acc.result()
     for k in ("l2", "rms", "maxabs", "update_l2", "update_ratio"):
         assert many[k] == pytest.approx(one[k], rel=1e-6), k
-    assert many["probe"] == one["probe"] and many["update_exact"] and one["update_exact"]
+    assert many["probe"] == one["probe"]
+    assert many["update_exact"]
+    assert one["update_exact"]
 
 
 def test_incomplete_accumulation_is_refused() -> None:
@@ -144,15 +150,18 @@ def test_summaries_dataset_matches_written_tensors(tmp_path: Path) -> None:
     np.testing.assert_allclose(upd.values[1:], [np.linalg.norm(
         written[s]["params/layers/1/w"].astype(np.float64)
         - written[s - 1]["params/layers/1/w"]) for s in range(1, 40)], rtol=1e-6)
-    assert ds["probe"].sizes["probe_index"] == 16 and "probe" in ds.data_vars
+    assert ds["probe"].sizes["probe_index"] == 16
+    assert "probe" in ds.data_vars
     assert bool(ds["update_exact"].isel(step=5).all())
 
 
 def test_metrics_dataset(tmp_path: Path) -> None:
     _training_like_run(tmp_path / "run")
     m = open_run(tmp_path / "run").metrics()
-    assert m["loss"].dims == ("step",) and m.sizes["step"] == 40
-    assert float(m["lr"].sel(step=7)) == 1e-3 and m["phase"].values[0] == "warm"
+    assert m["loss"].dims == ("step",)
+    assert m.sizes["step"] == 40
+    assert float(m["lr"].sel(step=7)) == 1e-3
+    assert m["phase"].values[0] == "warm"
     assert m["slot"].dims == ("step",)
 
 
@@ -161,7 +170,8 @@ def test_spikes_find_the_spike_and_the_tensor_that_moved(tmp_path: Path) -> None
     spikes = open_run(tmp_path / "run").spikes("loss", window=20, z=5.0)
     assert [s.step for s in spikes] == [30]
     assert spikes[0].tensors[0][0] == "layers.1.w"
-    assert spikes[0].zscore > 5 and "step 30" in str(spikes[0])
+    assert spikes[0].zscore > 5
+    assert "step 30" in str(spikes[0])
     with pytest.raises(KeyError, match="never logged"):
         open_run(tmp_path / "run").spikes("accuracy")
 
@@ -177,13 +187,15 @@ def test_spike_names_the_update_that_caused_it(tmp_path: Path) -> None:
     assert sp.update == (28, 29)
     # ranked by the causing update's summaries, not by the reaction that followed it
     ratio = run.summaries(29)["update_ratio"].sel(step=29)
-    assert sp.tensors[0][0] == "layers.1.w" and sp.tensors[0][1] > 100  # z vs its baseline
+    assert sp.tensors[0][0] == "layers.1.w"
+    assert sp.tensors[0][1] > 100  # z vs its baseline
     assert sp.ratios["layers.1.w"] == pytest.approx(float(ratio.sel(tensor="layers.1.w")))
     assert [n for n, _ in sp.tensors] == ["layers.1.w", "layers.0.w"]
     assert "caused by the update 28 -> 29" in str(sp)
     # around widens the ranking to neighbouring commits: then the reaction shows up first
     (wide,) = run.spikes("loss", window=20, z=5.0, around=1)
-    assert wide.tensors[0][0] == "layers.0.w" and wide.cause == 29
+    assert wide.tensors[0][0] == "layers.0.w"
+    assert wide.cause == 29
 
 
 def test_spike_cause_rule_with_sparse_and_first_commits() -> None:
@@ -207,7 +219,7 @@ def test_spike_rule_merges_consecutive_steps_and_ignores_the_trend() -> None:
     got = find_spikes(steps, loss2, window=20, z=6.0)
     assert [g[0] for g in got] == [101]  # three flagged steps, one spike at its peak z
     assert [g[5] for g in got] == [100]  # ... which started one step earlier
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="window must be >= 2"):
         find_spikes(steps, loss, window=1)
 
 
@@ -218,7 +230,8 @@ def test_without_summaries_spikes_have_no_tensors(tmp_path: Path) -> None:
                 metrics_at=lambda s: {"loss": loss[s]})
     run = open_run(tmp_path / "run")
     ds = run.summaries()
-    assert ds.sizes["step"] == 0 and {"l2", "probe"} <= set(ds.data_vars)
+    assert ds.sizes["step"] == 0
+    assert {"l2", "probe"} <= set(ds.data_vars)
     spikes = run.spikes("loss", window=10, z=5.0)
     assert [(s.step, s.cause, s.tensors) for s in spikes] == [(15, 14, [])]
 
@@ -236,7 +249,8 @@ def test_summary_book_carries_probes_between_steps() -> None:
         acc.add(s, w1.reshape(-1)[s:s + 300])
     second = book.finish("params/w", acc)
     assert second["update_l2"] == pytest.approx(0.5 * math.sqrt(2000))  # estimated, exact here
-    assert second["update_exact"] is False and second["update_ratio"] == pytest.approx(1.0)
+    assert second["update_exact"] is False
+    assert second["update_ratio"] == pytest.approx(1.0)
     book.forget()
     assert book.summarize("params/w", w1)["update_l2"] is None
 

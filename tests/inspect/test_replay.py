@@ -98,7 +98,8 @@ def test_a_replayed_step_is_bit_exact_against_its_commit(recorded: Any, step: in
     m, opt, sched = build(seed=123)  # other weights: the replay restores step - 1
     r = run.replay(step, m, opt, scheduler=sched, dataset=ds, loss_fn=loss_fn)
     assert r.faithful, (r.differs, r.max_abs_diff)
-    assert r.max_abs_diff == 0.0 and r.differs == []
+    assert r.max_abs_diff == 0.0
+    assert r.differs == []
     assert len(r.losses) == ACCUM  # both micro-batches of the accumulated step
     after = run.at(step).state_dict()["model"]
     for name, p in m.named_parameters():  # the live model ends at the replayed step
@@ -109,7 +110,8 @@ def test_the_replayed_gradients_equal_the_original_steps(recorded: Any) -> None:
     run_path, ds, kept = recorded
     m, opt, sched = build(seed=7)
     r = dstt.open(run_path).replay(KEPT, m, opt, scheduler=sched, dataset=ds, loss_fn=loss_fn)
-    assert kept and set(kept) >= {n for n, _ in TinyGPT(layers=2).named_parameters()
+    assert kept
+    assert set(kept) >= {n for n, _ in TinyGPT(layers=2).named_parameters()
                                   if not n.startswith("head.")}
     for name, g in kept.items():
         if name == "head.weight":  # tied to tok.weight: one tensor, one name
@@ -119,7 +121,8 @@ def test_the_replayed_gradients_equal_the_original_steps(recorded: Any) -> None:
     np.testing.assert_array_equal(grads["layers/0/mlp/0"]["weight"].values,
                                   kept["layers.0.mlp.0.weight"].numpy())
     top = r.top(3)
-    assert len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] > 0
+    assert len(top) == 3
+    assert top[0][1] >= top[1][1] >= top[2][1] > 0
     ratio = float(r.norms["update_ratio"].sel(tensor="layers.0.qkv.weight"))
     before = dstt.open(run_path).at(KEPT - 1).to_numpy("layers.0.qkv.weight").astype(float)
     now = dstt.open(run_path).at(KEPT).to_numpy("layers.0.qkv.weight").astype(float)
@@ -145,7 +148,8 @@ def test_a_planted_bad_sample_is_ranked_first(tmp_path: Path) -> None:
     assert np.all(np.diff(r.per_sample["loss"].values) <= 0)  # worst first
     assert r.per_sample["grad_norm"].values[0] > 0
     acts = r.activations["layers.1"]
-    assert len(acts) == ACCUM and tuple(acts[0].shape) == (8, SEQ, 32)
+    assert len(acts) == ACCUM
+    assert tuple(acts[0].shape) == (8, SEQ, 32)
     new = run.rollback(step - 1, skip_samples=r.worst(1))  # and roll back without it
     assert dstt.open(run_path).timeline == new
 
@@ -161,7 +165,8 @@ def test_a_run_without_data_attribution_says_what_to_do(tmp_path: Path) -> None:
     x, y = ds[0]
     r = dstt.open(tmp_path / "run").replay(3, m, opt, scheduler=sched, loss_fn=loss_fn,
                                            batches=[(x[None], y[None])])
-    assert r.faithful is False and r.differs  # not the step's data: not faithful, and said
+    assert r.faithful is False
+    assert r.differs  # not the step's data: not faithful, and said
 
 
 def test_a_step_whose_predecessor_is_not_committed_is_refused(recorded: Any) -> None:
@@ -203,16 +208,20 @@ def test_dstt_replay_runs_a_users_script(recorded: Any, tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
-    assert doc["faithful"] is True and doc["step"] == 5
-    assert len(doc["top_grad_norm"]) == 3 and len(doc["worst_samples"]) == 3
+    assert doc["faithful"] is True
+    assert doc["step"] == 5
+    assert len(doc["top_grad_norm"]) == 3
+    assert len(doc["worst_samples"]) == 3
     text = subprocess.run([sys.executable, "-m", "dstt.cli", "replay", str(run_path), "--step",
                            "5", "--script", f"{script}:make"], capture_output=True, text=True,
                           timeout=300, env=env)
-    assert text.returncode == 0 and "step 5: faithful" in text.stdout
+    assert text.returncode == 0
+    assert "step 5: faithful" in text.stdout
     bad = subprocess.run([sys.executable, "-m", "dstt.cli", "replay", str(run_path), "--step",
                           "5", "--script", f"{script}:nothere"], capture_output=True, text=True,
                          timeout=300, env=env)
-    assert bad.returncode == 2 and "has no function 'nothere'" in bad.stderr
+    assert bad.returncode == 2
+    assert "has no function 'nothere'" in bad.stderr
 
 
 def test_the_scrubber_replays_the_spike_under_the_cursor_in_one_click(tmp_path: Path) -> None:
@@ -226,12 +235,15 @@ def test_the_scrubber_replays_the_spike_under_the_cursor_in_one_click(tmp_path: 
                  replay={"model": m, "optimizer": opt, "scheduler": sched, "dataset": ds,
                          "loss_fn": loss_fn})
     panel = w.replay
-    assert panel is not None and w.model.spike is not None
+    assert panel is not None
+    assert w.model.spike is not None
     assert panel.button.description == f"replay the spike at step {spike_at}"
     panel.button.click()  # what the user's click does
     r = panel.result
-    assert panel.error is None and r is not None
-    assert r.step == spike_at and r.faithful
+    assert panel.error is None
+    assert r is not None
+    assert r.step == spike_at
+    assert r.faithful
     assert "faithful: bit-exact" in panel.status.value
     assert panel.view.artists["names"] == [n for n, _ in r.top(panel.top)]
     assert len(panel.view.artists["bars"]) == min(panel.top, r.norms.sizes["tensor"])
@@ -252,7 +264,8 @@ def test_the_scrubbers_replay_shows_why_it_cannot_replay(tmp_path: Path) -> None
     m, opt, _ = build()
     w = scrubber(dstt.open(tmp_path / "run"), replay={"model": m, "optimizer": opt,
                                                       "loss_fn": loss_fn, "dataset": ds})
-    assert w.replay is not None and w.replay.run() is None
+    assert w.replay is not None
+    assert w.replay.run() is None
     assert isinstance(w.replay.error, ReplayError)
     assert "s.data(loader)" in w.replay.status.value
     with pytest.raises(TypeError, match="model= and optimizer="):

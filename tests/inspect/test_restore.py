@@ -81,7 +81,8 @@ def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     assert list(got) == list(want)
     for k, v in want.items():
         assert got[k].dtype == v.dtype, k
-        assert got[k].shape == v.shape and torch.equal(got[k], v), k
+        assert got[k].shape == v.shape, k
+        assert torch.equal(got[k], v), k
 
 
 def assert_same_optimizer(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -137,7 +138,9 @@ def test_load_into_a_model_that_does_not_fit_names_the_keys_and_changes_nothing(
         snap.load_into(model)
     msg = str(e.value)
     assert "missing from the step: extra.bias, extra.weight" in msg
-    assert "norm.running_mean" in msg and "not in the model" in msg and "strict=False" in msg
+    assert "norm.running_mean" in msg
+    assert "not in the model" in msg
+    assert "strict=False" in msg
     assert isinstance(e.value, ValueError)
     assert_same_tensors(model.state_dict(), before)
     # strict=False loads what both have and says what it left out
@@ -209,7 +212,8 @@ def test_a_run_without_torch_optimizer_state(tmp_path: Path) -> None:
                              for k, v in lin.state_dict().items()})
     snap = dstt.open(tmp_path / "r").at(1)
     sd = snap.state_dict()
-    assert sd["optimizer"] is None and sd["scheduler"] is None
+    assert sd["optimizer"] is None
+    assert sd["scheduler"] is None
     fresh = nn.Linear(3, 2)
     snap.load_into(fresh)
     np.testing.assert_array_equal(fresh.weight.detach().numpy(), lin.weight.detach().numpy())
@@ -267,7 +271,8 @@ def test_several_optimizers_come_back_by_their_keys(tmp_path: Path) -> None:
     with pytest.raises(SchemaError, match=r"given a list of '0', '1', '2'"):
         snap.load_into(other, [*other_opts.values(), other_opts["body"]])
     assert_same_tensors(other.state_dict(), before)
-    assert not other_opts["body"].state and not other_opts["head"].state
+    assert not other_opts["body"].state
+    assert not other_opts["head"].state
 
 
 def test_a_list_of_optimizers_loads_as_a_list(tmp_path: Path) -> None:
@@ -294,7 +299,9 @@ def test_load_into_with_strict_false_warns_when_nothing_fits(
     with pytest.warns(DsttWarning, match=r"loaded nothing into the model: none of its 2 "
                       r"names \(e\.g\. '0\.weight'\) is stored at step 2"):
         res = snap.load_into(stranger, strict=False)
-    assert res.loaded_keys == [] and res.missing_keys == ["0.weight", "0.bias"]
+    assert res.loaded_keys == []
+    assert res.missing_keys == ["0.weight", "0.bias"]
     assert "loaded_keys=''" in repr(res)
     missing, unexpected = res  # still torch's pair
-    assert missing == ["0.weight", "0.bias"] and "inp.weight" in unexpected
+    assert missing == ["0.weight", "0.bias"]
+    assert "inp.weight" in unexpected

@@ -71,9 +71,11 @@ def test_every_view_labels_estimates_as_estimates(
     assert ds.attrs["update_exactness"] == "estimate"
     for var in ("update_l2", "update_ratio"):
         assert ds[var].attrs["exactness"] == "estimate"
-        assert "estimate" in ds[var].attrs["note"] and "run.diff" in ds[var].attrs["note"]
+        assert "estimate" in ds[var].attrs["note"]
+        assert "run.diff" in ds[var].attrs["note"]
     stats = tensor_stats(run, selector="layers.0")
-    assert stats.attrs["update_exactness"] == "estimate" and stats.attrs["source"] == "summaries"
+    assert stats.attrs["update_exactness"] == "estimate"
+    assert stats.attrs["source"] == "summaries"
     assert step_change(run, STEPS).attrs["exactness"] == "estimate"
     # an exact change (another reference: a diff of the tensors) says exact
     assert step_change(run, STEPS, STEPS - 2).attrs["exactness"] == "exact"

@@ -45,11 +45,13 @@ def test_step_is_a_unique_index_along_a_rolled_back_timeline(tmp_path: Path) -> 
     branch = open_run(path).rollback(to=4)
     _train(model, opt, path, 4, resume=True)  # steps 5..8 on the branch: commits 6 8
     run = open_run(path)
-    assert run.steps == [2, 4, 6, 8] and run.timeline == branch
+    assert run.steps == [2, 4, 6, 8]
+    assert run.timeline == branch
 
     m = run.metrics()
     assert m["step"].values.tolist() == list(range(1, 9))
-    assert m.indexes["step"].is_unique and m.indexes["step"].is_monotonic_increasing
+    assert m.indexes["step"].is_unique
+    assert m.indexes["step"].is_monotonic_increasing
     assert m["timeline"].values.tolist() == ["main"] * 4 + [branch] * 4
     assert set(m.coords) == {"step", "slot", "timeline", "time", "pruned"}  # pruned: gc (#14)
     assert m.xindexes.keys() == {"step"}
@@ -100,4 +102,5 @@ def test_a_step_met_twice_along_the_lineage_keeps_the_newer_row() -> None:
                _Header(5, 1, {"loss": 5.0}, ("metrics/history",))]
     m = metrics_dataset(headers, lambda h, name: history)
     assert m["step"].values.tolist() == [3, 4, 5]
-    assert float(m["loss"].sel(step=4)) == 40.0 and int(m["slot"].sel(step=4)) == -1
+    assert float(m["loss"].sel(step=4)) == 40.0
+    assert int(m["slot"].sel(step=4)) == -1

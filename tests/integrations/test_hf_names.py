@@ -90,7 +90,8 @@ def test_names_resolve_with_and_without_the_model_prefix(
     full, short = "model.layers.0.self_attn.q_proj.weight", "layers.0.self_attn.q_proj.weight"
     want = model.get_parameter(full).detach().numpy()
     for name in (full, short, "0.self_attn.q_proj.weight"):
-        assert snap.tensor(name).name == full and _same(snap.tensor(name), want)
+        assert snap.tensor(name).name == full
+        assert _same(snap.tensor(name), want)
         assert _same(run.trajectory(name).sel(step=3), want)
         assert _same(snap.to_numpy(name), want)
     assert snap.path("embed_tokens.weight") == "params/model/embed_tokens/weight"
@@ -152,7 +153,8 @@ def test_tied_names_resolve_everywhere_and_say_they_are_tied(
     assert snap.tied == {"lm_head.weight": "transformer.wte.weight"}
     assert "lm_head.weight" in snap.names()
     da = snap.tensor("lm_head.weight")
-    assert da.attrs["tied_to"] == "transformer.wte.weight" and da.name == "lm_head.weight"
+    assert da.attrs["tied_to"] == "transformer.wte.weight"
+    assert da.name == "lm_head.weight"
     assert _same(da, model.lm_head.weight.detach())
     traj = run.trajectory("lm_head.weight")
     assert traj.attrs["tied_to"] == "transformer.wte.weight"
@@ -167,7 +169,8 @@ def test_tied_names_resolve_everywhere_and_say_they_are_tied(
     from dstt.widgets.model import ScrubberModel
 
     m = ScrubberModel(run, tensor="lm_head.weight")
-    assert m.tensor == "lm_head.weight" and "lm_head.weight" in m.tensors
+    assert m.tensor == "lm_head.weight"
+    assert "lm_head.weight" in m.tensors
     assert _same(m.values(), model.lm_head.weight.detach())
     # the export holds every name: load_state_dict(load_file(f)) is strict and exact
     out = tmp_path / "gpt2.safetensors"
@@ -192,7 +195,8 @@ def test_load_into_is_exact_into_the_plain_and_the_compiled_model(
     target = torch.compile(fresh, backend="eager") if compiled else fresh
     opt = torch.optim.AdamW(target.parameters(), lr=1e-2)
     result = dstt.open(path).at(3).load_into(target, opt)
-    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert result.missing_keys == []
+    assert result.unexpected_keys == []
     assert len(result.loaded_keys) == len(target.state_dict())
     for (n, a), (_, b) in zip(fresh.state_dict().items(), model.state_dict().items(),
                               strict=True):
@@ -254,7 +258,8 @@ def test_a_run_stored_with_wrapper_prefixes_opens_under_plain_names(
         save(old, step, arrays)
     run = dstt.open(old)
     snap = run.at(2)
-    assert "model.norm.weight" in snap.names() and not any("_orig_mod" in n
+    assert "model.norm.weight" in snap.names()
+    assert not any("_orig_mod" in n
                                                            for n in snap.names())
     assert _same(snap.tensor("norm.weight"), model.model.norm.weight.detach())
     assert _same(snap.tensor("_orig_mod.model.norm.weight"), model.model.norm.weight.detach())
@@ -288,7 +293,8 @@ def test_fused_experts_are_named_and_one_expert_is_selected(
         assert _same(node["gate_up_proj"], want.detach())
     one = snap.layer("layers.1.mlp.experts.2.down_proj")
     node = one["model/layers/1/mlp/experts"]
-    assert list(node.data_vars) == ["down_proj"] and int(node["expert"]) == 2
+    assert list(node.data_vars) == ["down_proj"]
+    assert int(node["expert"]) == 2
     assert _same(node["down_proj"], model.model.layers[1].mlp.experts.down_proj[2].detach())
     with pytest.raises(TensorNotFoundError, match=r"holds 3 experts \(0 … 2\), not expert 3"):
         snap.layer("experts.3")

@@ -111,7 +111,8 @@ def test_stop_and_resume_matches_an_uninterrupted_run(tmp_path: Path, reference,
     first, _, _ = _fit(run, stop_at=stop, stateful=stateful)
     assert _heads(run)[-1].step == stop
     second, tr, m = _fit(run, resume=True, stateful=stateful)
-    assert second.start == stop and sorted(second.losses) == list(range(stop + 1, STEPS + 1))
+    assert second.start == stop
+    assert sorted(second.losses) == list(range(stop + 1, STEPS + 1))
     assert {**first.losses, **second.losses} == ref_losses
     assert state_hash(m, tr.optimizers[0]) == ref_final
     assert [h.step for h in _heads(run)] == list(range(1, STEPS + 1))
@@ -126,7 +127,8 @@ def test_mid_epoch_with_a_plain_loader_resumes_the_state_not_the_batches(
     _fit(run, stop_at=4)
     with pytest.warns(UserWarning, match="not resumable"):
         second, _, _ = _fit(run, resume=True, steps=5, hashes=True)
-    assert second.start == 4 and second.hashes is not None
+    assert second.start == 4
+    assert second.hashes is not None
     assert second.hashes[4] == ref_hashes[4]  # restored bit-exactly before training resumes
 
 
@@ -137,7 +139,8 @@ def test_resume_and_ckpt_path_together_are_refused(tmp_path: Path) -> None:
     cb = DsttCallback(run=tmp_path / "run", resume=True)
     with pytest.raises(ConfigError, match="ckpt_path"):
         make_trainer([cb], steps=2).fit(model(), loader(), ckpt_path=ckpt)
-    assert cb.session is None and not (tmp_path / "run").exists()
+    assert cb.session is None
+    assert not (tmp_path / "run").exists()
 
 
 def _env() -> dict[str, str]:
@@ -166,7 +169,8 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path: Path, refere
     repo = Repository.open(run)
     assert repo.verify().problems == []
     head = repo.reader().head()
-    assert head is not None and 1 <= head.step <= kill_at
+    assert head is not None
+    assert 1 <= head.step <= kill_at
     done = subprocess.run([*cmd, "resume", str(run), str(STEPS)], capture_output=True,
                           text=True, env=_env(), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -102,11 +102,13 @@ def test_stop_and_resume_matches_an_uninterrupted_run(tmp_path: Path, reference,
     first, _, _ = _train(run, tmp_path, stop_at=stop)
     assert _heads(run)[-1].step == stop
     second, tr, cb = _train(run, tmp_path, resume=True)
-    assert second.start == stop and sorted(second.losses) == list(range(stop + 1, STEPS + 1))
+    assert second.start == stop
+    assert sorted(second.losses) == list(range(stop + 1, STEPS + 1))
     assert {**first.losses, **second.losses} == ref_losses  # bit-exact, loss by loss
     assert state_hash(tr.model, tr.optimizer.optimizer) == ref_final
     assert [h.step for h in _heads(run)] == list(range(1, STEPS + 1))
-    assert cb is not None and cb._pad is None  # the resume directory is gone
+    assert cb is not None
+    assert cb._pad is None  # the resume directory is gone
 
 
 def test_resume_without_the_trainer_resuming_is_refused(tmp_path: Path) -> None:
@@ -210,7 +212,8 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path: Path, refere
     repo = Repository.open(run)
     assert repo.verify().problems == []
     head = repo.reader().head()
-    assert head is not None and 1 <= head.step <= kill_at
+    assert head is not None
+    assert 1 <= head.step <= kill_at
     done = subprocess.run([*cmd, "resume", str(run), out, str(STEPS)], capture_output=True,
                           text=True, env=_env(), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

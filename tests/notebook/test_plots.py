@@ -115,9 +115,11 @@ def test_norms_and_layer_change(run: Any) -> None:
 
 def test_step_change_previous_and_first(run: Any) -> None:
     first = P.step_change(run, 1)
-    assert first.attrs["reference"] is None and np.isnan(first["ratio"].values).all()
+    assert first.attrs["reference"] is None
+    assert np.isnan(first["ratio"].values).all()
     ch = P.step_change(run, 5)
-    assert ch.attrs["reference"] == 4 and ch.attrs["source"] == "tensors"
+    assert ch.attrs["reference"] == 4
+    assert ch.attrs["source"] == "tensors"
     exact = run.diff(4, 5)
     np.testing.assert_allclose(ch["ratio"].values,
                                exact["ratio"].sel(tensor=list(ch["tensor"].values)).values)

@@ -46,12 +46,16 @@ def scrub(run: Any, **kw: Any) -> W.Scrubber:
 def test_initial_state_is_the_head(run: Any) -> None:
     s = scrub(run)
     m = s.model
-    assert m.steps == STEPS and m.step == STEPS[-1] and m.index == len(STEPS) - 1
-    assert m.timeline == "main" and m.metric == "loss"
+    assert m.steps == STEPS
+    assert m.step == STEPS[-1]
+    assert m.index == len(STEPS) - 1
+    assert m.timeline == "main"
+    assert m.metric == "loss"
     assert m.tensor == "big.weight"  # the first matrix-shaped parameter
     assert m.tensors == ["big.weight", "emb.weight", "layers.0.attn.bias",
                          "layers.0.attn.weight", "layers.1.mlp.weight"]
-    assert list(s.slider.options) == STEPS and s.slider.value == STEPS[-1]
+    assert list(s.slider.options) == STEPS
+    assert s.slider.value == STEPS[-1]
     assert s.slider.continuous_update is False
     assert (s.play.min, s.play.max, s.play.value) == (0, len(STEPS) - 1, len(STEPS) - 1)
     assert [sp.step for sp in m.spikes] == [SPIKE_STEP]
@@ -63,7 +67,8 @@ def test_moving_the_slider_updates_model_label_and_views(run: Any) -> None:
     s.slider.value = 5
     m = s.model
     assert (m.step, m.index, s.play.value) == (5, 4, 4)
-    assert "step 5 ·" in s.label.value and "data-step='5'" in s.label.value
+    assert "step 5 ·" in s.label.value
+    assert "data-step='5'" in s.label.value
     art = s.views["loss"].artists
     assert list(art["cursor"].get_xdata()) == [5, 5]
     assert art["point"].get_xdata()[0] == 5
@@ -82,9 +87,11 @@ def test_spike_is_marked_and_labelled(run: Any) -> None:
     (span,) = s.views["loss"].artists["causes"]  # the update that caused it, shaded
     assert (span.get_x(), span.get_x() + span.get_width()) == (CAUSE_STEP - 1, CAUSE_STEP)
     s.slider.value = SPIKE_STEP
-    assert "SPIKE z=" in s.label.value and "spike" in s.label.value
+    assert "SPIKE z=" in s.label.value
+    assert "spike" in s.label.value
     assert f"caused by the update {CAUSE_STEP - 1} → {CAUSE_STEP}" in s.label.value
-    assert s.model.spike is not None and s.model.spike.step == SPIKE_STEP
+    assert s.model.spike is not None
+    assert s.model.spike.step == SPIKE_STEP
 
 
 def test_play_index_and_buttons_step_through(run: Any) -> None:
@@ -92,13 +99,16 @@ def test_play_index_and_buttons_step_through(run: Any) -> None:
     s.slider.index = 2  # what the jslinked Play does in the browser
     assert s.model.step == 3
     s.next_button.click()
-    assert s.model.step == 4 and s.slider.value == 4 and s.play.value == 3
+    assert s.model.step == 4
+    assert s.slider.value == 4
+    assert s.play.value == 3
     s.prev_button.click()
     s.prev_button.click()
     assert s.model.step == 2
     s.model.index = 0
     s.prev_button.click()  # clamped at the first step
-    assert s.model.step == 1 and s.slider.value == 1
+    assert s.model.step == 1
+    assert s.slider.value == 1
 
 
 def test_one_dimensional_tensor_is_a_histogram(run: Any) -> None:
@@ -128,14 +138,16 @@ def test_change_mode_against_previous_and_pinned_reference(run: Any) -> None:
     m = s.model
     s.slider.value = 10
     s.mode_picker.value = "change"
-    assert m.reference is None and m.reference_step == 9
+    assert m.reference is None
+    assert m.reference_step == 9
     np.testing.assert_allclose(s.views["tensor"].artists["image"].get_array(),
                                values(run, 10, "emb.weight").astype(np.float64)
                                - values(run, 9, "emb.weight"))
     s.slider.value = 3
     s.pin_button.click()
     s.slider.value = 12
-    assert m.reference == 3 and "reference 3 (pinned)" in s.label.value
+    assert m.reference == 3
+    assert "reference 3 (pinned)" in s.label.value
     np.testing.assert_allclose(s.views["tensor"].artists["image"].get_array(),
                                values(run, 12, "emb.weight").astype(np.float64)
                                - values(run, 3, "emb.weight"))
@@ -146,13 +158,15 @@ def test_change_mode_against_previous_and_pinned_reference(run: Any) -> None:
     for name, r in ratios.items():
         assert r == pytest.approx(float(exact["ratio"].sel(tensor=name)))
     s.unpin_button.click()
-    assert m.reference is None and m.reference_step == 11
+    assert m.reference is None
+    assert m.reference_step == 11
 
 
 def test_first_step_has_no_previous_reference(run: Any) -> None:
     s = scrub(run, step=1, mode="change")
     assert s.model.reference_step is None
-    assert s.views["tensor"].artists == {} and s.views["change"].artists == {}
+    assert s.views["tensor"].artists == {}
+    assert s.views["change"].artists == {}
     assert s.error is None
 
 
@@ -194,7 +208,8 @@ def test_widgets_opened_from_a_spike_show_the_update_that_caused_it(
             assert f"cause of the spike at {SPIKE_STEP}" in opened.label.value
     c = W.compare(run, spike=sp)
     assert (c.model.a.step, c.model.b.step) == (CAUSE_STEP - 1, CAUSE_STEP)
-    assert c.model.tensor == JUMPER and c.model.ranking()[0][0] == JUMPER
+    assert c.model.tensor == JUMPER
+    assert c.model.ranking()[0][0] == JUMPER
     s = scrub(run)
     with pytest.raises(KeyError, match="no spike at step 7"):
         s.model.open_spike(7)
@@ -222,7 +237,8 @@ def test_compare_images_follow_the_tensor(run: Any) -> None:
     before = bytes(c.images["tensors"].value)
     c.tensor_picker.value = "emb.weight"
     after = bytes(c.images["tensors"].value)
-    assert after != before and after == c.views["tensors"].png()
+    assert after != before
+    assert after == c.views["tensors"].png()
 
 
 def test_lru_caches_loaded_steps(run: Any) -> None:
@@ -232,7 +248,8 @@ def test_lru_caches_loaded_steps(run: Any) -> None:
     s.slider.value = 6
     misses = cache.misses
     s.slider.value = 5
-    assert cache.misses == misses and cache.hits > 0
+    assert cache.misses == misses
+    assert cache.hits > 0
     for step in range(7, 14):
         s.slider.value = step
     assert len(cache) <= 6
@@ -240,11 +257,14 @@ def test_lru_caches_loaded_steps(run: Any) -> None:
 
 def test_lru() -> None:
     c: LRU[str, int] = LRU(2)
-    assert c.get_or_make("a", lambda: 1) == 1 and c.get_or_make("b", lambda: 2) == 2
+    assert c.get_or_make("a", lambda: 1) == 1
+    assert c.get_or_make("b", lambda: 2) == 2
     assert c.get_or_make("a", lambda: 0) == 1  # hit: "a" becomes most recent
     c.get_or_make("c", lambda: 3)
-    assert "a" in c and "b" not in c and len(c) == 2
-    with pytest.raises(ValueError):
+    assert "a" in c
+    assert "b" not in c
+    assert len(c) == 2
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
         LRU(0)
 
 
@@ -257,18 +277,22 @@ def test_timeline_picker_follows_a_rollback(tmp_path: Path) -> None:
     run.refresh()
     assert run.timeline == new
     s = W.scrubber(run, timeline="main", step=28, spike_window=WINDOW)
-    assert s.model.timeline == "main" and s.timeline_picker.options[0] == new
+    assert s.model.timeline == "main"
+    assert s.timeline_picker.options[0] == new
     s.timeline_picker.value = new
     m = s.model
-    assert m.steps == list(range(1, 26)) and m.step == 25  # snapped to the new head
-    assert list(s.slider.options) == m.steps and s.play.max == 24
+    assert m.steps == list(range(1, 26))
+    assert m.step == 25  # snapped to the new head
+    assert list(s.slider.options) == m.steps
+    assert s.play.max == 24
     assert m.spikes == []  # the rollback timeline skipped the spike
     np.testing.assert_array_equal(s.views["tensor"].artists["image"].get_array(),
                                   arrays_at(25, 1.0)["params/big/weight"][::3])
     s.slider.value = 20
     assert m.metric_value == pytest.approx(smooth_loss(20))
     s.timeline_picker.value = "main"
-    assert m.step == 20 and m.metric_value == pytest.approx(loss_at(20))
+    assert m.step == 20
+    assert m.metric_value == pytest.approx(loss_at(20))
     assert s.error is None
 
 
@@ -280,11 +304,12 @@ def test_model_rejects_unknown_steps_and_widget_shows_errors(run: Any) -> None:
         m.tensor = "nope"
     with pytest.raises(TimelineError, match="no timeline 'nope'"):
         m.timeline = "nope"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="mode must be 'values' or 'change'"):
         m.mode = "bogus"  # type: ignore[assignment]
     s = scrub(run)
     s._guard(lambda: setattr(s.model, "step", 999))
-    assert isinstance(s.error, KeyError) and "error" in s.label.value
+    assert isinstance(s.error, KeyError)
+    assert "error" in s.label.value
 
 
 def test_observers_get_the_changed_fields(run: Any) -> None:
@@ -354,9 +379,12 @@ def test_refresh_picks_up_new_steps_of_a_live_run(tmp_path: Path) -> None:
     write_run(path, STEPS[10:15])  # training went on
     s.refresh_button.click()
     assert s.error is None
-    assert s.model.steps == STEPS[:15] and list(s.slider.options) == STEPS[:15]
-    assert s.play.max == 14 and s.model.step == 10  # stays where the user was
-    assert "steps" in seen[-1] and "step" not in seen[-1]
+    assert s.model.steps == STEPS[:15]
+    assert list(s.slider.options) == STEPS[:15]
+    assert s.play.max == 14
+    assert s.model.step == 10  # stays where the user was
+    assert "steps" in seen[-1]
+    assert "step" not in seen[-1]
     s.slider.value = 15
     assert "step 15 ·" in s.label.value
 
@@ -367,14 +395,20 @@ def test_a_run_without_metrics_and_a_single_step(tmp_path: Path) -> None:
     storage = LocalStorage(tmp_path / "run", create=True, durability="none")
     save(storage, 7, {"params/w": np.arange(6, dtype=np.float32).reshape(2, 3)})
     s = W.scrubber(dstt.open(tmp_path / "run"))
-    assert s.error is None and s.model.metric is None and s.model.spikes == []
-    assert s.model.steps == [7] and s.play.max == 0
-    assert "step 7 ·" in s.label.value and "loss" not in s.label.value
-    assert s.views["loss"].artists == {} and s.views["change"].artists == {}
+    assert s.error is None
+    assert s.model.metric is None
+    assert s.model.spikes == []
+    assert s.model.steps == [7]
+    assert s.play.max == 0
+    assert "step 7 ·" in s.label.value
+    assert "loss" not in s.label.value
+    assert s.views["loss"].artists == {}
+    assert s.views["change"].artists == {}
     np.testing.assert_array_equal(s.views["tensor"].artists["image"].get_array(),
                                   np.arange(6).reshape(2, 3))
     s.next_button.click()
-    assert s.model.step == 7 and s.error is None
+    assert s.model.step == 7
+    assert s.error is None
 
 
 def test_change_views_work_after_the_timeline_they_were_written_on_is_renamed(
@@ -388,7 +422,8 @@ def test_change_views_work_after_the_timeline_they_were_written_on_is_renamed(
     run.refresh()
     change = dstt.plots.step_change(run, 5)  # from the summaries
     exact = dstt.plots.step_change(run, 5, reference=3)  # both commits diffed
-    assert change.attrs["reference"] == 4 and exact.attrs["timeline"] == "base"
+    assert change.attrs["reference"] == 4
+    assert exact.attrs["timeline"] == "base"
     assert np.isfinite(exact["delta_l2"].values).all()
     cmp = W.compare(run, 3, 6)
     assert cmp.model.diff.attrs["timeline"] == "base"

@@ -25,7 +25,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +128,7 @@ def crash(kind: str, root: Path, out: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def rank_results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("ranks")
     root, out = base / "runs", base / "out"
     root.mkdir()
@@ -147,7 +146,7 @@ def rank_results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
         results[f"crash-{kind}"] = crash(kind, root, out)
         wait(spawn("after", 2, root, out, kind, tag=f"after-{kind}"))
         results[f"after-{kind}"] = reports(f"after-{kind}", 2, out)
-    yield results
+    return results
 
 
 def spawn_framework(framework: str, mode: str, strategy: str, steps: int, root: Path,

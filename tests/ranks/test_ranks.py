@@ -99,7 +99,8 @@ def test_each_rank_writes_only_its_share(rank_results: dict[str, Any], kind: str
     if kind == "ddp":
         assert not shards  # replicated: each tensor whole, written by one rank
     else:
-        assert shards and all(p.startswith(("dtensor/w2/r0/", "dtensor/w2/r1/")) for p in shards)
+        assert shards
+        assert all(p.startswith(("dtensor/w2/r0/", "dtensor/w2/r1/")) for p in shards)
     sizes = {p: rec.plan.itemsize * _numel(rec.shape) for p, rec in table.items()}
     # the shard sources tile their logical tensors: no element is stored twice
     from dstt.store import logical_arrays
@@ -137,7 +138,8 @@ def test_ranks_that_disagree_get_a_typed_error_on_every_rank(
     for r in _ok(rank_results, "misuse"):
         assert r["disagree"].startswith("RankError: ")
         assert "every (rank 0: 1, rank 1: 2)" in r["disagree"]
-        assert r["two_runs"].startswith("RankError: ") and "disagree on run" in r["two_runs"]
+        assert r["two_runs"].startswith("RankError: ")
+        assert "disagree on run" in r["two_runs"]
 
 
 def test_a_session_on_rank_0_only_is_a_typed_error_not_a_hang(

@@ -186,19 +186,22 @@ def test_a_second_writer_is_refused_while_training_runs(tmp_path: Path,
     before = params(model)
     with pytest.raises(RunLockedError) as ei:
         dstt.session(model, opt, run=run, resume=True).start()
-    assert isinstance(ei.value, BlockingIOError) and f"pid={w.proc.pid}" in str(ei.value)
+    assert isinstance(ei.value, BlockingIOError)
+    assert f"pid={w.proc.pid}" in str(ei.value)
     assert_params(params(model), before)  # refused before restoring anything
     with pytest.raises(RunLockedError):
         save(run, 10_000, {"params/x": np.zeros(3, np.float32)})
     for args in (["gc", "--keep-last", "1"], ["rollback", "--to", "1"]):
         code, _, err = cli(*args, "--run", str(run))
-        assert code == 3 and "locked by another writer" in err, (args, err)
+        assert code == 3, (args, err)
+        assert "locked by another writer" in err, (args, err)
     assert w.proc.poll() is None  # the training process was not disturbed
     w.until(lambda s: s.startswith("committed"))  # and keeps committing
     w.kill()  # the kernel releases the lock with the process
     assert Repository.open(run).verify().ok
     head = Repository.open(run).reader().head()
-    assert head is not None and head.step >= 2
+    assert head is not None
+    assert head.step >= 2
     _, losses = train(run, 400, resume=True, until=head.step + 2)
     assert len(losses) == 2  # a new writer takes over
     assert Repository.open(run).reader().head().step == head.step + 2  # type: ignore[union-attr]
@@ -235,11 +238,14 @@ def test_readers_in_another_process_see_only_committed_steps(tmp_path: Path,
     assert seen.bad == []
     assert all(head == n and head >= t for (head, n), t in zip(frozen, (5, 10, 16),
                                                                strict=True)), frozen
-    assert seen.iters == sorted(seen.iters) and seen.iters[-1] == steps  # monotone, complete
-    assert seen.ls and seen.ls == sorted(seen.ls)
+    assert seen.iters == sorted(seen.iters)
+    assert seen.iters[-1] == steps  # monotone, complete
+    assert seen.ls
+    assert seen.ls == sorted(seen.ls)
     full, rows = truth(run)
     assert sorted(full) == list(range(1, steps + 1))
-    assert len(seen.full) >= 3 and len(seen.rows) >= 3  # it really read while training ran
+    assert len(seen.full) >= 3
+    assert len(seen.rows) >= 3  # it really read while training ran
     for s, hashes in seen.full.items():
         assert hashes == {full[s]}, s  # every step it saw reads back exactly as committed
     for s, hashes in seen.rows.items():
@@ -305,11 +311,13 @@ def test_views_held_across_gc_fail_cleanly(tmp_path: Path) -> None:
     f = open(run / chunk.key, "rb")  # noqa: SIM115 - held across gc on purpose
     try:
         code, doc, err = cli("gc", "--run", str(run), "--keep-last", "2")
-        assert code == 0 and doc["pruned"], err
+        assert code == 0, err
+        assert doc["pruned"], err
         assert not (run / chunk.key).exists()  # the whole step file is gone
         f.seek(chunk.offset)
         data = f.read(chunk.nbytes)  # the open file still reads whole
-        assert len(data) == chunk.nbytes and checksum(data[:-4]) == chunk.crc32c
+        assert len(data) == chunk.nbytes
+        assert checksum(data[:-4]) == chunk.crc32c
     finally:
         f.close()
     with pytest.raises(StepNotFoundError, match="pruned"):

@@ -21,7 +21,6 @@ import re
 import shutil
 import struct
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,10 +71,10 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Pristine:
 
 
 @pytest.fixture
-def damaged(pristine: Pristine, tmp_path: Path) -> Iterator[Path]:
+def damaged(pristine: Pristine, tmp_path: Path) -> Path:
     run = tmp_path / "run"
     shutil.copytree(pristine.run, run)
-    yield run
+    return run
 
 
 def damage(path: Path, how: str, rng: random.Random) -> bytes:
@@ -149,7 +148,8 @@ def reads_of(p: Pristine, step: int) -> list[Read]:
             for n, o in sorted(h.objects.items())]
     for path, rec in sorted(Repository.open(p.run).reader().arrays(h).items()):
         for c in rec.chunks:
-            assert c.encoding == "raw" and c.key == step_file_key(h.slot)  # own files only
+            assert c.encoding == "raw"
+            assert c.key == step_file_key(h.slot)  # own files only
             out.append(Read(c.key, c.offset, c.offset + c.nbytes, f"chunk:{path}"))
     return out
 
@@ -225,7 +225,8 @@ def test_random_damage_to_step_files(pristine: Pristine, damaged: Path, case: in
     assert {p.key for p in rep.problems} == reported, rep.problems
     if case < 2:  # the CLI says the same, with exit status 1
         code, doc, _ = cli("verify", "--run", str(damaged))
-        assert code == 1 and not doc["ok"]
+        assert code == 1
+        assert not doc["ok"]
         assert {p["key"] for p in doc["problems"]} == reported
 
     # restore: a damaged step is refused with a typed error naming one of its damaged files
@@ -310,7 +311,8 @@ def check_plain_damage(pristine: Pristine, damaged: Path, *, exact: bool) -> Non
     elif harmless:  # stricter than zarr-python (other readers use more of the directory)
         assert {p.key for p in rep.problems} <= {key}, rep.problems
     else:
-        assert rep.problems and {p.key for p in rep.problems} == {key}, rep.problems
+        assert rep.problems, rep.problems
+        assert {p.key for p in rep.problems} == {key}, rep.problems
     snapshot_matches(load(damaged), pristine.snaps[pristine.head])  # dstt reads on regardless
     assert_params(resume(damaged), pristine.params[pristine.head])
 
@@ -399,9 +401,11 @@ def test_random_damage_to_timeline_documents(pristine: Pristine, damaged: Path, 
         pytest.fail("no damaging flip found")
 
     rep = Repository.open(damaged).verify()
-    assert not rep.ok and named(key, rep.problems), rep.problems
+    assert not rep.ok, rep.problems
+    assert named(key, rep.problems), rep.problems
     code, doc, _ = cli("verify", "--run", str(damaged))
-    assert code == 1 and named(key, doc["problems"])
+    assert code == 1
+    assert named(key, doc["problems"])
 
     if which == "middle header":
         # the head and everything above the damage stay reachable; resume is unaffected
@@ -431,7 +435,8 @@ def test_random_damage_to_timeline_documents(pristine: Pristine, damaged: Path, 
         assert key in str(ei.value)
         assert isinstance(ei.value, ValueError)
     code, _, err = cli("ls", "--run", str(damaged))
-    assert code == 3 and key in err  # "run unreadable", one line naming the file
+    assert code == 3
+    assert key in err  # "run unreadable", one line naming the file
 
 
 def test_a_flipped_chunk_bit_is_a_checksum_error(pristine: Pristine, damaged: Path) -> None:

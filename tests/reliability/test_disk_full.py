@@ -75,7 +75,8 @@ def test_io_error_raises_then_resume_recovers(tmp_path: Path) -> None:
             if s.step == 4:
                 while not {1, 2} <= set(done := {m.step: m.committed for m in s.metrics}):
                     time.sleep(0.001)  # commits are asynchronous: let the first two land
-                assert done[1] and done[2]
+                assert done[1]
+                assert done[2]
                 faulty.fail_keys = re.compile(r"^steps/\d{12}\.zip$")  # step files fail
             _, loss = model(x, y)
             loss.backward()
@@ -83,10 +84,12 @@ def test_io_error_raises_then_resume_recovers(tmp_path: Path) -> None:
             opt.zero_grad(set_to_none=True)
             after[s.step] = params(model)
     assert isinstance(ei.value.__cause__, StorageError)
-    assert ei.value.__cause__.errno == errno.EIO and "Input/output error" in str(ei.value)
+    assert ei.value.__cause__.errno == errno.EIO
+    assert "Input/output error" in str(ei.value)
     assert s.step < 12  # raised while training, at an optimizer step
     steps = check_intact(run, after)
-    assert steps[:2] == [1, 2] and steps[-1] <= 4
+    assert steps[:2] == [1, 2]
+    assert steps[-1] <= 4
     # the device works again: resume continues from the head, bit-exactly
     _, losses = train(run, 12, resume=True)
     assert losses == ref_losses[steps[-1]:]
@@ -117,13 +120,15 @@ def test_unwritable_ref_skips_steps_then_commits_resume(tmp_path: Path) -> None:
     assert s.step == 14
     assert any("No space left" in str(w.message) for w in record)
     steps = check_intact(run, after)
-    assert steps[-1] == 14 and len(steps) < 14  # failed ones are gone
+    assert steps[-1] == 14
+    assert len(steps) < 14  # failed ones are gone
     repo = Repository.open(run)
     r = repo.reader()
     orphans = set(r.all_slots()) - {h.slot for h in r.lineage()}
     assert orphans  # complete commits that never became the head
     report = repo.gc()
-    assert set(report.orphan_slots) == orphans and repo.verify().ok
+    assert set(report.orphan_slots) == orphans
+    assert repo.verify().ok
 
 
 # -- a real file-size limit: RLIMIT_FSIZE -------------------------------------------------------
@@ -163,7 +168,8 @@ def test_real_file_size_limit_raises_efbig_then_resume_recovers(tmp_path: Path) 
     kind, cause, err, step = lines["raised"][0].split()
     assert (kind, cause, int(err)) == ("CaptureError", "StorageError", errno.EFBIG)
     steps = check_digests(run, lines)
-    assert steps[:2] == [1, 2] and steps == list(range(1, steps[-1] + 1))
+    assert steps[:2] == [1, 2]
+    assert steps == list(range(1, steps[-1] + 1))
     assert steps[-1] < int(step)  # raised at a later step, while training
     # space returns (no limit in this process): the run resumes and commits again
     ref_after, ref_losses = train(tmp_path / "reference", 16)
@@ -178,7 +184,8 @@ def test_real_file_size_limit_skips_steps_until_it_is_lifted(tmp_path: Path) -> 
     run = tmp_path / "run"
     lines = fsize_child(run, "skip")
     assert "raised" not in lines
-    assert int(lines["warned"][0]) >= 1 and lines["lifted"][0] != "None"
+    assert int(lines["warned"][0]) >= 1
+    assert lines["lifted"][0] != "None"
     lifted, done = int(lines["lifted"][0]), int(lines["done"][0])
     steps = check_digests(run, lines)
     assert set(range(lifted + 1, done + 1)) <= set(steps)  # after it was lifted
@@ -221,11 +228,14 @@ def test_full_filesystem_raises_enospc_then_recovers_when_space_returns(tmp_path
                     opt.zero_grad(set_to_none=True)
                     after[s.step] = params(model)
         cause = ei.value.__cause__
-        assert isinstance(cause, StorageError) and cause.errno == errno.ENOSPC
-        assert "No space left on device" in str(ei.value) and str(run) in str(ei.value)
+        assert isinstance(cause, StorageError)
+        assert cause.errno == errno.ENOSPC
+        assert "No space left on device" in str(ei.value)
+        assert str(run) in str(ei.value)
         assert s.step < 20
         steps = check_intact(run, after)
-        assert steps == list(range(1, steps[-1] + 1)) and steps[-1] >= 1
+        assert steps == list(range(1, steps[-1] + 1))
+        assert steps[-1] >= 1
         # still full: a new session fails at its start, clearly, and not as "read-only"
         filler = fs / "filler"
         with contextlib.suppress(OSError), open(filler, "wb") as f:
@@ -233,7 +243,8 @@ def test_full_filesystem_raises_enospc_then_recovers_when_space_returns(tmp_path
                 f.write(b"\0" * 4096)
         with pytest.raises(StorageError) as ei2:
             train(run, 20, resume=True)
-        assert ei2.value.errno == errno.ENOSPC and not isinstance(ei2.value, ReadOnlyRunError)
+        assert ei2.value.errno == errno.ENOSPC
+        assert not isinstance(ei2.value, ReadOnlyRunError)
         assert check_intact(run, after) == steps
         filler.unlink()
         # space returns: the run resumes bit-exactly and commits every further step

@@ -50,7 +50,8 @@ def test_rss_and_descriptors_stay_flat_over_hundreds_of_steps(tmp_path: Path) ->
             if s.step % 50 == 0:
                 samples[s.step] = usage(proc)
         pipe = s._pipeline
-        assert pipe is not None and (pipe.cache is not None or pipe.steps is not None)
+        assert pipe is not None
+        assert (pipe.cache is not None or pipe.steps is not None)
         # the host cache is the budgeted one, whichever lane captured the steps
         assert (pipe.cache.capacity if pipe.cache else 0) + (
             pipe.steps.capacity if pipe.steps else 0) <= budget
@@ -66,7 +67,8 @@ def test_rss_and_descriptors_stay_flat_over_hundreds_of_steps(tmp_path: Path) ->
     # step would be 300 here.
     fd_counts = [f for _, f, _ in samples.values()]
     assert max(fd_counts) <= base_fds + 2 * pipe.max_backlog + 6, samples
-    assert fds == base_fds and threads == base_threads  # all returned when the session closed
+    assert fds == base_fds
+    assert threads == base_threads  # all returned when the session closed
     assert rss - base_rss < 256  # the whole session: cache, torch, zarr/xarray imports
 
 

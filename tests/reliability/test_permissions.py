@@ -104,12 +104,14 @@ def test_read_only_run_inspects_fully_and_refuses_writers_at_start(
                                                       for s in range(1, STEPS + 1)]))
         assert list(r.metrics()["step"].values) == list(range(1, STEPS + 1))
         assert r.summaries().sizes["step"] == STEPS
-        assert r.verify().ok and load(run).header.step == STEPS
+        assert r.verify().ok
+        assert load(run).header.step == STEPS
         # ... and through the CLI in other processes
         for args in (["ls"], ["log"], ["show", "--step", "2"], ["verify"],
                      ["diff", "1", str(STEPS)]):
             code, doc, err = cli(*args, "--run", str(run))
-            assert code == 0 and doc is not None, (args, err)
+            assert code == 0, (args, err)
+            assert doc is not None, (args, err)
         # writing is refused when the session starts, before any training or restore
         for resume in (True, False):
             model, opt = model_and_optimizer(seed=7)
@@ -117,12 +119,14 @@ def test_read_only_run_inspects_fully_and_refuses_writers_at_start(
             s = dstt.session(model, opt, run=run, resume=resume)
             with pytest.raises(ReadOnlyRunError) as ei:
                 s.start()
-            assert isinstance(ei.value, PermissionError) and str(run) in str(ei.value)
+            assert isinstance(ei.value, PermissionError)
+            assert str(run) in str(ei.value)
             assert s.step == 0
             assert_params(params(model), untouched)
         for args in (["gc", "--keep-last", "1"], ["rollback", "--to", "2"]):
             code, _, err = cli(*args, "--run", str(run))
-            assert code == 3 and str(run) in err, (args, err)
+            assert code == 3, (args, err)
+            assert str(run) in err, (args, err)
         assert tree_digest(run) == before  # not one byte changed
     # writable again: the run resumes and commits
     _, losses = train(run, STEPS + 2, resume=True)

@@ -30,7 +30,8 @@ def test_trajectory_computes_on_a_two_worker_cluster(s3_url: str, s3_server: S3S
     # explicit options (not the environment) so the workers need no AWS variables
     run = dstt.open(s3_url, storage_options=s3_server.options)
     traj = run.trajectory("l1.weight", chunks={"step": 2})
-    assert traj.chunks is not None and len(traj.chunks[0]) == 4  # 8 steps, 2 per task
+    assert traj.chunks is not None
+    assert len(traj.chunks[0]) == 4  # 8 steps, 2 per task
     graph = dict(traj.data.__dask_graph__())
     assert b"http://127.0.0.1" in pickle.dumps(graph)  # the description travels, not handles
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
@@ -41,7 +42,9 @@ def test_trajectory_computes_on_a_two_worker_cluster(s3_url: str, s3_server: S3S
         mean = float(traj.mean().compute(scheduler=client))
         sums = run.summaries(chunks={"step": 4})
         plain = run.summaries()
-        assert sums.sizes["step"] == 8 and sums.chunks and plain.chunks == {}
+        assert sums.sizes["step"] == 8
+        assert sums.chunks
+        assert plain.chunks == {}
         assert sums.compute(scheduler=client).equals(plain)
     assert np.array_equal(got, np.stack(want))
     assert np.isclose(mean, np.stack(want).mean())

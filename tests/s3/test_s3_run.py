@@ -49,8 +49,10 @@ def test_train_inspect_rollback_resume_verify_gc(s3_url: str,
     w = run.at(6).tensor("l1.weight").values
     assert np.array_equal(w, m.l1.weight.detach().numpy())
     traj = run.trajectory("l1.weight")
-    assert traj.shape[0] == 6 and np.array_equal(traj.values[-1], w)
-    assert cli_main(["log", s3_url]) == 0 and "loss" in capsys.readouterr().out
+    assert traj.shape[0] == 6
+    assert np.array_equal(traj.values[-1], w)
+    assert cli_main(["log", s3_url]) == 0
+    assert "loss" in capsys.readouterr().out
     assert cli_main(["ls", "--run", s3_url]) == 0
     assert cli_main(["show", s3_url, "--step", "6"]) == 0
 
@@ -60,14 +62,16 @@ def test_train_inspect_rollback_resume_verify_gc(s3_url: str,
     for p, q in zip(m.parameters(), m2.parameters(), strict=True):
         assert same_bits(p, q)
     run = dstt.open(s3_url)
-    assert list(run.steps) == [1, 2, 3, 4, 5, 6] and run.timeline == "main-from-3"
+    assert list(run.steps) == [1, 2, 3, 4, 5, 6]
+    assert run.timeline == "main-from-3"
 
     repo = Repository.open(s3_url)
     assert repo.verify().ok
     assert cli_main(["verify", s3_url]) == 0
     assert cli_main(["gc", s3_url, "--keep-last", "2", "--dry-run"]) == 0
     report = repo.gc(keep_last=2)
-    assert report.files_removed > 0 and report.pruned_steps
+    assert report.files_removed > 0
+    assert report.pruned_steps
     assert [h.step for h in repo.reader().lineage() if not h.pruned][-2:] == [5, 6]
     assert repo.verify().ok
 
@@ -93,7 +97,8 @@ def test_sigkill_mid_upload_leaves_the_previous_commit(s3_url: str, s3_server: S
                           timeout=60)
     killed = time.monotonic()
     assert proc.returncode == -9, proc.stdout + proc.stderr
-    assert "committed 2" in proc.stdout and "uploading" in proc.stdout.split("committed 2")[1]
+    assert "committed 2" in proc.stdout
+    assert "uploading" in proc.stdout.split("committed 2")[1]
     st = S3Storage(s3_url, lease_ttl=LEASE_S)
     repo = Repository.open(st)
     with pytest.raises(RunLockedError):  # the dead writer's lease is still live ...

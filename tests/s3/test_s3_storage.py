@@ -21,15 +21,18 @@ from .conftest import S3Server
 
 def test_storage_for_parses_urls_and_paths(s3_url: str, tmp_path: os.PathLike[str]) -> None:
     st = storage_for(s3_url)
-    assert isinstance(st, S3Storage) and st.location == s3_url
+    assert isinstance(st, S3Storage)
+    assert st.location == s3_url
     assert isinstance(storage_for(tmp_path), LocalStorage)
 
 
 def test_guarded_keys_are_the_formats_refs_and_head() -> None:
     st = S3Storage("s3://b/p", endpoint="http://127.0.0.1:1", allow_http=True)
-    assert st._is_guarded(ref_key("main")) and st._is_guarded(HEAD_KEY)
+    assert st._is_guarded(ref_key("main"))
+    assert st._is_guarded(HEAD_KEY)
     assert st._is_guarded(ref_key("main-from-3"))
-    assert not st._is_guarded("steps/000000000001.zip") and not st._is_guarded(LOCK_KEY)
+    assert not st._is_guarded("steps/000000000001.zip")
+    assert not st._is_guarded(LOCK_KEY)
     assert (ref_key("x")[: -len("x.json")], HEAD_KEY) == DEFAULT_GUARDED
 
 
@@ -42,13 +45,17 @@ def test_contract_read_write_list_delete(s3_url: str) -> None:
     assert st.read_range("a/b/c.json", 1, 3) == b"ell"
     assert st.read_ranges([("a/b/c.json", 0, 2), ("a/d", 0, 1), ("a/b/c.json", 3, 2)]) == [
         b"he", b"x", b"lo"]
-    assert st.size("a/b/c.json") == 5 and st.exists("a/d") and not st.exists("a/zz")
-    assert list(st.list("a")) == ["b", "d"] and list(st.list("")) == ["a"]
+    assert st.size("a/b/c.json") == 5
+    assert st.exists("a/d")
+    assert not st.exists("a/zz")
+    assert list(st.list("a")) == ["b", "d"]
+    assert list(st.list("")) == ["a"]
     assert list(st.list("nothing")) == []
     with pytest.raises(MissingFileError):
         st.read("a/zz")
     st.delete("a/b")  # a folder: everything under it
-    assert not st.exists("a/b/c.json") and st.exists("a/d")
+    assert not st.exists("a/b/c.json")
+    assert st.exists("a/d")
     st.delete("a/missing")  # no error
 
 
@@ -119,8 +126,10 @@ def test_pickles_as_its_description(s3_url: str, s3_server: S3Server) -> None:
     st = storage_for(s3_url, **s3_server.options)
     st.write("k", b"v")
     again = pickle.loads(pickle.dumps(st))
-    assert isinstance(again, S3Storage) and again.read("k") == b"v"
-    assert again._lease is None and again.options == st.options
+    assert isinstance(again, S3Storage)
+    assert again.read("k") == b"v"
+    assert again._lease is None
+    assert again.options == st.options
 
 
 def test_gc_aborts_leftover_multipart_uploads(s3_url: str, s3_server: S3Server) -> None:
@@ -144,7 +153,8 @@ def test_a_missing_bucket_is_a_clear_error_at_create(s3_env: S3Server) -> None:
 def test_the_lease_holder_finishes_an_interrupted_create(s3_url: str) -> None:
     storage_for(s3_url).write(HEAD_KEY, dump_head("main"))  # cut after HEAD, before zarr.json
     repo = Repository.create(s3_url)  # a fresh process: it never read HEAD, but holds the lease
-    assert repo.reader().current_timeline == "main" and repo.verify().ok
+    assert repo.reader().current_timeline == "main"
+    assert repo.verify().ok
 
 
 class TestS3StorageConformance(StorageTests):

@@ -161,7 +161,8 @@ def crash_at_every_write(commit: Callable[[Any, int], Any], want: Callable[[int]
                 pass
         after = mem.crash()
         head = Repository(after).reader().head()
-        assert head is not None and head.step in (2, 3)
+        assert head is not None
+        assert head.step in (2, 3)
         got = load(after).arrays
         for name, a in want(head.step).items():
             assert same_bits(got[name], a), (k, name)

@@ -66,7 +66,8 @@ def test_missing_directory_is_not_a_run(tmp_path: Path) -> None:
     for call in (lambda: Repository.open(where), lambda: load(where)):
         with pytest.raises(NotARunError) as ei:
             call()
-        assert isinstance(ei.value, FileNotFoundError) and str(where) in str(ei.value)
+        assert isinstance(ei.value, FileNotFoundError)
+        assert str(where) in str(ei.value)
 
 
 @pytest.mark.parametrize("content", ["empty", "files", "plain_zarr_group", "bad_json"])
@@ -81,7 +82,8 @@ def test_directory_that_is_not_a_run(tmp_path: Path, content: str) -> None:
         (d / "zarr.json").write_text("{not json")
     with pytest.raises(NotARunError) as ei:
         Repository.open(d)
-    assert isinstance(ei.value, FileNotFoundError) and str(d) in str(ei.value)
+    assert isinstance(ei.value, FileNotFoundError)
+    assert str(d) in str(ei.value)
     with pytest.raises(FileNotFoundError):  # catchable without knowing dstt
         load(d)
 
@@ -117,7 +119,8 @@ def _flips(data: bytes, start: int = 0, stop: int | None = None) -> Iterator[byt
 
 def _table(h: CommitHeader | None) -> Location:
     """Where a commit's arrays table lies: a byte range of the step's side file."""
-    assert h is not None and h.arrays is not None
+    assert h is not None
+    assert h.arrays is not None
     assert h.arrays.key == side_file_key(h.slot)
     return h.arrays
 
@@ -186,7 +189,8 @@ def test_flipped_byte_on_disk_is_reported_with_the_file(tmp_path: Path) -> None:
         assert err is None or isinstance(ei.value, err)
         assert str(f) in str(ei.value)
         rep = Repository.open(tmp_path / "copy").verify()
-        assert not rep.ok and any(str(f) in p.message or p.key == key for p in rep.problems)
+        assert not rep.ok
+        assert any(str(f) in p.message or p.key == key for p in rep.problems)
         if key == side_file_key(h.slot):  # the older step is still fine
             assert_same_arrays(load(tmp_path / "copy", step=1).arrays, arrays[1])
             # and the damaged step's objects (same side file, before the table) still read
@@ -222,7 +226,8 @@ def test_damaged_chunk(tmp_path: Path, damage: str) -> None:
         f.write_bytes(data[: rec.offset + 3] + b"\x00" + data[rec.offset + 3:])
     with pytest.raises(CorruptRunError) as ei:
         load(run)
-    assert isinstance(ei.value, ValueError) and str(f) in str(ei.value)
+    assert isinstance(ei.value, ValueError)
+    assert str(f) in str(ei.value)
     if damage == "flipped":
         assert isinstance(ei.value, ChecksumError)
     if damage == "missing":
@@ -232,11 +237,13 @@ def test_damaged_chunk(tmp_path: Path, damage: str) -> None:
     if damage != "missing":  # chunk 0 precedes the damage and still reads
         assert bytes(r.read_chunk(h, "params/w", 0)) == arrays[2]["params/w"][:4].tobytes()
     rep = Repository.open(run).verify()
-    assert rep.problems and {p.key for p in rep.problems} == {key}
+    assert rep.problems
+    assert {p.key for p in rep.problems} == {key}
     msgs = [p.message for p in rep.problems]
     if damage == "flipped":  # the chunk's crc32c and the zip entry's CRC-32 both fail
         assert len(msgs) == 2, msgs
-        assert any("crc32c" in m for m in msgs) and any("CRC-32" in m for m in msgs), msgs
+        assert any("crc32c" in m for m in msgs), msgs
+        assert any("CRC-32" in m for m in msgs), msgs
     else:  # the zip itself cannot be listed any more
         assert any("cannot be listed" in m for m in msgs), msgs
     assert rep.chunks > 1  # it went on checking the rest
@@ -298,7 +305,8 @@ def test_missing_arrays_table(tmp_path: Path, damage: str) -> None:
     assert {p.key for p in rep.problems} == {loc.key}
     assert any("arrays table" in p.message or "missing" in p.message for p in rep.problems)
     if damage == "truncated":  # the object before the table is still whole
-        assert len(rep.problems) == 1 and rep.objects == 2  # rng of steps 1 and 2
+        assert len(rep.problems) == 1
+        assert rep.objects == 2  # rng of steps 1 and 2
         assert Repository.open(run).reader().read_object(h, "rng") == {"s": 2}
     assert_same_arrays(load(run, step=1).arrays, arrays[1])
 
@@ -308,7 +316,8 @@ def test_missing_file_error_is_both_storage_and_file_not_found(tmp_path: Path) -
     two_steps(run)
     with pytest.raises(MissingFileError) as ei:
         LocalStorage(run).read("params/nothing/here")
-    assert isinstance(ei.value, FileNotFoundError) and isinstance(ei.value, StorageError)
+    assert isinstance(ei.value, FileNotFoundError)
+    assert isinstance(ei.value, StorageError)
     assert "params/nothing/here" in str(ei.value)
 
 
@@ -344,7 +353,8 @@ def test_unknown_format_version_of_a_commit() -> None:
     st.data[key] = b'{"crc32c":%d,"body":' % checksum(raw) + raw + b"}\n"
     with pytest.raises(FormatVersionError, match="Upgrade dstt") as ei:
         Repository(st).reader().head()
-    assert key in str(ei.value) and isinstance(ei.value, CorruptRunError)
+    assert key in str(ei.value)
+    assert isinstance(ei.value, CorruptRunError)
     with pytest.raises(FormatVersionError):
         parse_header(st.data[key], key)
 
@@ -358,7 +368,9 @@ def test_step_that_does_not_exist(tmp_path: Path) -> None:
         load(run, step=7)
     assert isinstance(ei.value, KeyError)
     msg = str(ei.value)
-    assert "7" in msg and str(run) in msg and "1, 2" in msg  # what exists instead
+    assert "7" in msg
+    assert str(run) in msg
+    assert "1, 2" in msg  # what exists instead
     r = Repository.open(run).reader()
     h = r.head()
     assert h is not None
@@ -378,10 +390,12 @@ def test_pruned_step(tmp_path: Path) -> None:
     run = tmp_path / "run"
     arrays = two_steps(run)
     report = Repository.open(run).gc(keep_last=1)
-    assert report.pruned_steps == (("main", 1),) and report.files_removed > 0
+    assert report.pruned_steps == (("main", 1),)
+    assert report.files_removed > 0
     with pytest.raises(StepNotFoundError, match="pruned") as ei:
         load(run, step=1)
-    assert isinstance(ei.value, KeyError) and "2" in str(ei.value)
+    assert isinstance(ei.value, KeyError)
+    assert "2" in str(ei.value)
     assert_same_arrays(load(run, step=2).arrays, arrays[2])
     with pytest.raises(StepNotFoundError, match="pruned"):  # cannot branch off it either
         Repository.open(run).rollback(1)
@@ -407,7 +421,8 @@ def test_unknown_or_bad_timeline(tmp_path: Path) -> None:
                  lambda: repo.rollback(1, timeline="nope")):
         with pytest.raises(TimelineError, match="nope") as ei:
             call()
-        assert isinstance(ei.value, ValueError) and "main" in str(ei.value)  # lists the real ones
+        assert isinstance(ei.value, ValueError)
+        assert "main" in str(ei.value)  # lists the real ones
     with repo.writer() as w, pytest.raises(TimelineError, match="nope"):
         w.begin(3, timeline="nope")
     with pytest.raises(TimelineError, match="already exists"):
@@ -437,7 +452,8 @@ def test_second_writer_in_the_same_process(tmp_path: Path) -> None:
         with pytest.raises(RunLockedError) as ei:
             repo.writer()
         assert isinstance(ei.value, BlockingIOError)
-        assert str(run) in str(ei.value) and f"pid={os.getpid()}" in str(ei.value)
+        assert str(run) in str(ei.value)
+        assert f"pid={os.getpid()}" in str(ei.value)
         with pytest.raises(RunLockedError):
             Repository.open(run).gc()
         with pytest.raises(RunLockedError):
@@ -463,7 +479,8 @@ def test_second_writer_from_another_process(tmp_path: Path, release: str) -> Non
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), str(run)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "locked"
         with pytest.raises(RunLockedError) as ei:
             Repository.open(run).writer()
         assert f"pid={proc.pid}" in str(ei.value)
@@ -515,7 +532,8 @@ def test_read_only_run_directory(tmp_path: Path) -> None:
     with read_only(run):
         with pytest.raises(ReadOnlyRunError) as ei:
             Repository.open(run).writer()
-        assert isinstance(ei.value, PermissionError) and str(run) in str(ei.value)
+        assert isinstance(ei.value, PermissionError)
+        assert str(run) in str(ei.value)
         with pytest.raises(ReadOnlyRunError):
             save(run, 3, arrays[2])
         with pytest.raises(ReadOnlyRunError):  # below check_writable: a plain write too
@@ -558,7 +576,8 @@ def test_disk_full_at_every_write_of_a_commit(tmp_path: Path) -> None:
                 _write_step(txn, new)
                 txn.commit()
             except StorageError as e:
-                assert isinstance(e, OSError) and e.errno == errno.ENOSPC
+                assert isinstance(e, OSError)
+                assert e.errno == errno.ENOSPC
                 assert str(run) in str(e)
                 txn.abort()
             else:
@@ -585,7 +604,8 @@ def test_failing_reads_are_storage_errors(tmp_path: Path) -> None:
     with pytest.raises(StorageError, match="I/O error"):
         load(st)
     rep = Repository(st).verify()
-    assert rep.problems and all(p.key.endswith(".zip") for p in rep.problems)
+    assert rep.problems
+    assert all(p.key.endswith(".zip") for p in rep.problems)
     assert {p.key for p in rep.problems} == {step_file_key(0), step_file_key(1)}
 
 
@@ -613,7 +633,8 @@ def test_failed_commit_then_gc_then_commit_with_the_same_storage(tmp_path: Path)
     assert load(run).header.step == 2
     st.heal()
     report = repo.gc()
-    assert len(report.orphan_slots) == 1 and report.pruned_steps == ()
+    assert len(report.orphan_slots) == 1
+    assert report.pruned_steps == ()
     with repo.writer(chunk_bytes=64) as w:
         txn = w.begin(3)
         _write_step(txn, new)
@@ -633,10 +654,12 @@ def test_a_run_path_that_is_a_file_or_missing_says_so_plainly(tmp_path: Path) ->
     for create in (True, False):
         with pytest.raises(NotARunError) as e:
             LocalStorage(f, create=create)
-        assert "is a file, not a run" in str(e.value) and "Errno" not in str(e.value)
+        assert "is a file, not a run" in str(e.value)
+        assert "Errno" not in str(e.value)
     with pytest.raises(NotARunError) as e:
         LocalStorage(f / "run", create=True)  # a parent is a file
     assert "parent of it is a file" in str(e.value)
     with pytest.raises(NotARunError) as e:
         LocalStorage(tmp_path / "missing")
-    assert str(e.value).startswith("no run directory at ") and "Errno" not in str(e.value)
+    assert str(e.value).startswith("no run directory at ")
+    assert "Errno" not in str(e.value)

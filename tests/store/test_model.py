@@ -123,7 +123,8 @@ class StoreMachine(RuleBasedStateMachine):
         if h is None:  # the ref was written, then the power went: find the new head
             event("commit: power cut right after the ref moved")
             h = Repository(self.mem).reader().head(tl)
-        assert h.step == step and h.parent == self.timelines[tl]
+        assert h.step == step
+        assert h.parent == self.timelines[tl]
         assert h.slot not in self.commits
         self.commits[h.slot] = MCommit(step, value, self.timelines[tl], tl)
         self.timelines[tl] = h.slot

@@ -104,7 +104,8 @@ def test_edge_chunk_written_full_size_with_zero_padding(tmp_path: Path) -> None:
     with zipfile.ZipFile(zpath) as zf:
         edge = zf.read(zarr_chunk_key("params/w", (2, 0)))  # checks the entry's CRC-32 too
     assert len(edge) == 4 * 3 * 4 + 4  # full chunk + crc32c trailer
-    assert edge[:24] == a[8:].tobytes() and edge[24:48] == bytes(24)
+    assert edge[:24] == a[8:].tobytes()
+    assert edge[24:48] == bytes(24)
     assert rec.chunks[2].nbytes == len(edge)
     raw = zpath.read_bytes()
     assert raw[offset: offset + size] == edge
@@ -122,7 +123,8 @@ def test_large_tensor_many_chunks(tmp_path: Path) -> None:
 def test_non_native_byte_order_is_stored_as_values(tmp_path: Path) -> None:
     a = (np.arange(12, dtype=np.float32).reshape(3, 4) - 5.5).astype(">f4")
     b = (np.arange(5, dtype=np.int64) * -3).astype(">i8")
-    assert a.dtype.byteorder == ">" and b.dtype.byteorder == ">"
+    assert a.dtype.byteorder == ">"
+    assert b.dtype.byteorder == ">"
     save(tmp_path / "run", 1, {"params/a": a, "params/b": b})
     got = load(tmp_path / "run").arrays
     np.testing.assert_array_equal(got["params/a"], a)
@@ -174,7 +176,8 @@ def test_objects_tagged_json_round_trip(tmp_path: Path) -> None:
 def test_objects_numpy_scalar_becomes_python_number(tmp_path: Path) -> None:
     save(tmp_path / "run", 1, {}, objects={"x": np.float32(0.5), "y": [np.int64(3)]})
     got = load(tmp_path / "run").objects
-    assert deep_equal(got["x"], 0.5) and deep_equal(got["y"], [3])
+    assert deep_equal(got["x"], 0.5)
+    assert deep_equal(got["y"], [3])
 
 
 def test_objects_unstorable_as_json_are_refused(tmp_path: Path) -> None:
@@ -249,7 +252,8 @@ def test_many_steps_each_in_its_own_step_file(tmp_path: Path) -> None:
     for h in r.lineage():
         for rec in r.arrays(h).values():  # every chunk of a step lives in that step's zip
             assert {c.key for c in rec.chunks} == {step_file_key(h.slot)}
-        assert h.arrays is not None and h.arrays.key == side_file_key(h.slot)
+        assert h.arrays is not None
+        assert h.arrays.key == side_file_key(h.slot)
     for step in (0, 1, 63, 64, 65, 127, 128, 149):
         slot = slots[step]
         with zipfile.ZipFile(steps_dir / step_file_key(slot).split("/")[-1]) as zf:
@@ -275,7 +279,8 @@ def test_schema_change_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SchemaError):
         save(tmp_path / "run", 2, {"params/w": sample("float32", (12,), seed=2)})
     snap = load(tmp_path / "run")
-    assert snap.header.step == 1 and same_bits(snap.arrays["params/w"], a)
+    assert snap.header.step == 1
+    assert same_bits(snap.arrays["params/w"], a)
     # a later good step still commits
     b = sample("float32", (4, 3), seed=3)
     save(tmp_path / "run", 2, {"params/w": b})
@@ -301,7 +306,8 @@ def test_steps_must_increase_and_failed_commit_is_invisible() -> None:
         with pytest.raises(ValueError, match="not after the head"):
             commit_arrays(repo, bad, {"params/a": sample("float16", (4,), bad)})
     snap = load(st)
-    assert snap.header.step == 5 and same_bits(snap.arrays["params/a"], a)
+    assert snap.header.step == 5
+    assert same_bits(snap.arrays["params/a"], a)
     assert Repository(st).verify().ok
 
 

@@ -15,14 +15,16 @@ and five places to get the optimizer objects subtly wrong.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ...errors import SourceError
+from dstt.errors import SourceError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 __all__ = ["BUFFER_NAMES", "Checkpoint", "NamedOptimizer", "dedup_tied", "rng_object",
            "split_buffers", "split_by_model", "step_in_name"]
@@ -116,9 +118,9 @@ def split_by_model(tensors: Mapping[str, torch.Tensor], model: torch.nn.Module |
     """(parameters, buffers, tied names) of a model state dict: by ``model``'s own names when
     given (a tensor it does not have is a ``SourceError``), else by ``split_buffers``; tied
     tensors (sharing storage, or tied in ``model``) once."""
-    from ...engine.model_names import param_names, tied_names
-    from ...engine.torch_state import model_buffers
-    from ...schema import user_name
+    from dstt.engine.model_names import param_names, tied_names
+    from dstt.engine.torch_state import model_buffers
+    from dstt.schema import user_name
 
     tensors, tied = dedup_tied(tensors)
     if model is None:

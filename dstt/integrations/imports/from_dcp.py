@@ -22,18 +22,21 @@ disk, and its planner unpickles with ``weights_only=False``.
 from __future__ import annotations
 
 import glob
-import io
 import os
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...errors import SourceError, UnsafeObjectError
+from dstt.errors import SourceError, UnsafeObjectError
+
 from .checkpoint import Checkpoint, NamedOptimizer, step_in_name
 from .from_torch import OPTIMIZER_KEYS, SCHEDULER_KEYS, model_checkpoint
 from .loading import numpy_globals
+
+if TYPE_CHECKING:
+    import io
 
 __all__ = ["FORMAT", "is_dcp_folder", "read_dcp", "step_of_dcp"]
 
@@ -54,7 +57,7 @@ def step_of_dcp(path: str) -> int | None:
 def _planner(trusted: bool) -> Any:
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
-    class SafePlanner(DefaultLoadPlanner):  # type: ignore[misc]
+    class SafePlanner(DefaultLoadPlanner):
         """DCP's default planner, but pickled values load with ``weights_only=True``."""
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
@@ -90,7 +93,8 @@ def _nest(flat: Mapping[str, Any], paths: Mapping[str, Any]) -> dict[Any, Any]:
             if name == "param_groups" and x and set(x) == set(range(len(x))):
                 return [x[i] for i in range(len(x))]
         return x
-    return lists(out, None)
+    nested: dict[Any, Any] = lists(out, None)
+    return nested
 
 
 def read_flat(path: str, trusted: bool) -> dict[Any, Any]:

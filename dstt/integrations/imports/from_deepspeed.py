@@ -27,14 +27,16 @@ import io
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from dstt.errors import SourceError
 
-from ...errors import SourceError
 from .checkpoint import Checkpoint, NamedOptimizer, step_in_name
 from .from_torch import model_checkpoint
 from .loading import deepspeed_globals, load_pickle
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FORMAT", "is_deepspeed_tag", "read_deepspeed", "step_of_deepspeed"]
 
@@ -74,12 +76,15 @@ def _quiet() -> contextlib.AbstractContextManager[Any]:
 def _merge(z: Any, stage: int, world: int, flats: list[Any], models: list[Any],
            paddings: Any) -> dict[str, torch.Tensor]:
     """DeepSpeed's reconstruction of logical tensors from per-rank flat partitions."""
+    # zero_to_fp32's own reconstruction, private there: the module docstring says why we
+    # call it (it is handed each optimizer state's partitions as well as the masters')
     with _quiet():
         if stage <= 2:
-            sd = z._get_fp32_state_dict_from_zero2_checkpoint(world, flats, models, False,
-                                                              paddings)
+            sd = z._get_fp32_state_dict_from_zero2_checkpoint(  # noqa: SLF001
+                world, flats, models, False, paddings)
         else:
-            sd = z._get_fp32_state_dict_from_zero3_checkpoint(world, flats, models, False)
+            sd = z._get_fp32_state_dict_from_zero3_checkpoint(  # noqa: SLF001
+                world, flats, models, False)
         return dict(z.to_torch_tensor(sd))
 
 

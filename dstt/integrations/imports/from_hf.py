@@ -21,15 +21,17 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from dstt.errors import SourceError
+from dstt.integrations.transformers import PROGRESS_FIELDS
 
-from ...errors import SourceError
-from ..transformers import PROGRESS_FIELDS
 from .checkpoint import Checkpoint, NamedOptimizer, rng_object, split_by_model
 from .loading import load_pickle, read_safetensors
 from .naming import group_names, hf_decay_names, hf_meta_model, trainable_names
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FORMAT", "is_hf_folder", "read_hf", "step_of_hf"]
 

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from dstt.errors import SourceError
 
-from ...errors import SourceError
-from .checkpoint import Checkpoint
 from .from_torch import model_checkpoint
 from .loading import load_pickle
+
+if TYPE_CHECKING:
+    import torch
+
+    from .checkpoint import Checkpoint
 
 __all__ = ["FORMAT", "read_lightning", "step_of_lightning"]
 

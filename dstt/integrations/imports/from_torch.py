@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ...errors import SourceError
+from dstt.errors import SourceError
+
 from .checkpoint import Checkpoint, NamedOptimizer, split_by_model, step_in_name
 from .loading import load_pickle, read_safetensors
 from .naming import group_names, trainable_names

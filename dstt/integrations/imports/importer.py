@@ -28,15 +28,19 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
-import torch
+from dstt.engine.summaries import SummaryBook
+from dstt.store import DeltaPolicy, Repository
 
-from ...engine.summaries import SummaryBook
-from ...store import DeltaPolicy, Repository
 from .checkpoint import Checkpoint
 from .sources import Source, Unknown, find_sources, reader_of
 from .write import SOURCE_OBJECT, write_checkpoint
+
+if TYPE_CHECKING:
+    import torch
+
+    from dstt.store import CommitHeader, Reader
 
 __all__ = ["ImportReport", "Imported", "Skipped", "import_checkpoints"]
 
@@ -87,7 +91,7 @@ class ImportReport:
 Progress = Callable[[int, int, str], None]
 
 
-def _imported_from(reader: Any, header: Any) -> str | None:
+def _imported_from(reader: Reader, header: CommitHeader | None) -> str | None:
     if header is None or header.pruned or SOURCE_OBJECT not in header.objects:
         return None
     obj = reader.read_object(header, SOURCE_OBJECT)
@@ -161,12 +165,12 @@ def prefetch(path: str) -> None:
 
 
 def _why(e: BaseException) -> str:
-    from ...errors import DsttError
+    from dstt.errors import DsttError
 
     return str(e) if isinstance(e, DsttError) and str(e) else f"{type(e).__name__}: {e}"
 
 
-def _stale(src: Source, k: int, reader: Any, by_step: dict[int, Any], last: int | None
+def _stale(src: Source, k: int, reader: Reader, by_step: dict[int, CommitHeader], last: int | None
            ) -> Skipped | None:
     """Why a source at step ``k`` cannot be imported after ``last``, or None."""
     if last is None or k > last:
@@ -178,7 +182,7 @@ def _stale(src: Source, k: int, reader: Any, by_step: dict[int, Any], last: int 
                    "first (dstt rollback --to K)")
 
 
-def _one(src: Source, reader: Any, by_step: dict[int, Any], last: int | None,
+def _one(src: Source, reader: Reader, by_step: dict[int, CommitHeader], last: int | None,
          report: ImportReport, step: int | None, model: torch.nn.Module | None,
          trusted: bool) -> Checkpoint | None:
     """The checkpoint of one source, or None (the reason filed in ``report``)."""

@@ -19,12 +19,14 @@ import contextlib
 import os
 import pickle
 import re
-from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...errors import SourceError, UnsafeObjectError
+from dstt.errors import SourceError, UnsafeObjectError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
 
 __all__ = ["deepspeed_globals", "load_pickle", "numpy_globals", "read_safetensors"]
 
@@ -34,7 +36,8 @@ def numpy_globals() -> list[Any]:
     import numpy as np
 
     core = getattr(np, "_core", None) or np.core
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    reconstruct = core.multiarray._reconstruct  # noqa: SLF001 - the name numpy's pickles use
+    return [reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def deepspeed_globals() -> list[Any]:

@@ -20,7 +20,8 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ...errors import SourceError
+from dstt.errors import SourceError
+
 from .checkpoint import step_in_name
 
 __all__ = ["FORMATS", "Source", "Unknown", "find_sources", "reader_of"]

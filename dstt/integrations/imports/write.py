@@ -21,18 +21,22 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ...engine._convert import flat_bytes, store_dtype, to_plain
-from ...engine.dims import ModelDims
-from ...engine.summaries import SummaryBook
-from ...schema import tensor_path
-from ...store import CommitHeader
-from ...training.metrics import METRICS_HISTORY_OBJECT, metric_value
-from .checkpoint import Checkpoint
+from dstt.engine._convert import flat_bytes, store_dtype, to_plain
+from dstt.engine.dims import ModelDims
+from dstt.schema import tensor_path
+from dstt.training.metrics import METRICS_HISTORY_OBJECT, metric_value
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from dstt.engine.summaries import SummaryBook
+    from dstt.store import CommitHeader
+
+    from .checkpoint import Checkpoint
 
 __all__ = ["SOURCE_OBJECT", "arrays_of", "write_checkpoint"]
 

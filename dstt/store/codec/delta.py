@@ -32,10 +32,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ...errors import DsttError
-from ..format.envelope import checksum
-from ..format.layout import ChunkPlan, key_slot
-from ..format.records import ChunkRecord
+from dstt.errors import DsttError
+from dstt.store.format.envelope import checksum
+from dstt.store.format.layout import ChunkPlan, key_slot
+from dstt.store.format.records import ChunkRecord
+
 from .buffers import Scratch, ShadowPool
 from .flatdelta import FlatEncoded, FlatShadow, encode_flat
 from .layout_state import LayoutState, LayoutStates

@@ -26,18 +26,23 @@ from __future__ import annotations
 
 import itertools
 import struct
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numcodecs import blosc
 
-from ..format.flat import FlatLayout
 from .flatpredict import groups, predict_residuals
-from .layout_state import LayoutState
 from .predict import CUR, PRED, Prediction
 from .xor import XOR, DeltaPolicy
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from dstt.store.format.flat import FlatLayout
+
+    from .buffers import Scratch
+    from .layout_state import LayoutState
 
 __all__ = ["FlatEncoded", "FlatShadow", "encode_flat", "seed_shadow", "xor_into"]
 
@@ -126,7 +131,8 @@ def _group_limits(policy: DeltaPolicy, ratio: np.ndarray, members: np.ndarray) -
     with np.errstate(invalid="ignore", divide="ignore"):
         u = np.where(np.isfinite(r) & (r >= policy.min_ratio), 1.0 / r, 1.0).sum(axis=1)
     k = 1 + (policy.read_amplification - 1) * members.shape[1] / np.maximum(u, 1e-9)
-    return np.clip(k.astype(np.int64), 2, policy.max_chain)
+    every: np.ndarray = np.clip(k.astype(np.int64), 2, policy.max_chain)
+    return every
 
 
 def _names(policy: DeltaPolicy, st: LayoutState) -> np.ndarray:
@@ -171,7 +177,7 @@ def _compress(views: list[Any], cname: str, clevel: int) -> list[bytes]:
 
 
 def encode_flat(policy: DeltaPolicy, st: LayoutState, buf: np.ndarray, base: FlatShadow,
-                slot: int, predictions: Mapping[str, Prediction], scratch: Any) -> FlatEncoded:
+                slot: int, predictions: Mapping[str, Prediction], scratch: Scratch) -> FlatEncoded:
     """Decide and encode every chunk of the step in ``buf`` (uint8, ``layout.nbytes``)
     against ``base``; writes nothing (``scratch``: a ``buffers.Scratch``)."""
     layout = st.layout

@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .layout_state import LayoutState
 from .predict import CUR, PREDICTORS, Prediction
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from .buffers import Scratch
+    from .layout_state import LayoutState
 
 __all__ = ["Group", "groups", "predict_residuals"]
 
@@ -127,7 +131,7 @@ def _plan(st: LayoutState, predictions: Mapping[str, Prediction]) -> list[list[G
 
 
 def predict_residuals(g: Group, t: np.ndarray, ins: list[np.ndarray], prev_b: list[Any],
-             cur_b: list[Any], st: LayoutState, scratch: Any) -> list[Any]:
+             cur_b: list[Any], st: LayoutState, scratch: Scratch) -> list[Any]:
     """Residuals (uint32 views, one per target chunk) of ``cur XOR predicted`` for the
     targets ``t``: their chunks and inputs gathered into contiguous float32 arrays, the
     predictor run once over all of them."""
@@ -141,7 +145,8 @@ def predict_residuals(g: Group, t: np.ndarray, ins: list[np.ndarray], prev_b: li
         parts = list(map(views.__getitem__, idx.tolist()))
         arrs = list(map(np.frombuffer, parts, itertools.repeat(np.uint8)))
         np.concatenate(arrs, out=dst)
-        return dst.view("<f4")
+        f4: np.ndarray = dst.view("<f4")
+        return f4
 
     p_prev = gather(prev_b, t, "fp_prev")
     inputs = [gather(cur_b if role == CUR else prev_b, i, f"fp_in{k}")

@@ -11,12 +11,14 @@ Its own module because the first two import each other's halves otherwise (rejec
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..format.envelope import checksum, crc32c_raw
-from ..format.flat import FlatLayout
+from dstt.store.format.envelope import checksum, crc32c_raw
+
+if TYPE_CHECKING:
+    from dstt.store.format.flat import FlatLayout
 
 __all__ = ["LayoutState", "LayoutStates"]
 

@@ -121,4 +121,5 @@ def xor_decode(payload: bytes | memoryview, base: np.ndarray) -> np.ndarray:
     x = np.frombuffer(Blosc().decode(payload), dtype=np.uint8)
     if x.nbytes != base.nbytes:
         raise ValueError(f"delta decodes to {x.nbytes} bytes, base has {base.nbytes}")
-    return np.bitwise_xor(_words(x), _words(base)).view(np.uint8)
+    out: np.ndarray = np.bitwise_xor(_words(x), _words(base)).view(np.uint8)
+    return out

@@ -18,18 +18,20 @@ import itertools
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..codec.delta import DeltaEncoder
-from ..codec.flatdelta import DEDUP, KEY
-from ..codec.layout_state import LayoutState
-from ..codec.predict import Prediction
-from ..format.envelope import crc32c_raw
-from ..format.flat import FlatLayout
-from ..format.stepfile import SideFile, StepFile
-from ..format.zipfmt import Entry, crc32_raw, directory_records, local_header
+from dstt.store.codec.flatdelta import DEDUP, KEY
+from dstt.store.format.envelope import crc32c_raw
+from dstt.store.format.zipfmt import Entry, crc32_raw, directory_records, local_header
+
+if TYPE_CHECKING:
+    from dstt.store.codec.delta import DeltaEncoder
+    from dstt.store.codec.layout_state import LayoutState
+    from dstt.store.codec.predict import Prediction
+    from dstt.store.format.flat import FlatLayout
+    from dstt.store.format.stepfile import SideFile, StepFile
 
 __all__ = ["EncodedWrite", "write_encoded"]
 
@@ -171,4 +173,4 @@ def _templates(st: LayoutState) -> _Templates:
     t = st.cache.get("zip_templates")
     if t is None:
         t = st.cache["zip_templates"] = _Templates(st)
-    return t  # type: ignore[no-any-return]
+    return t

@@ -22,20 +22,21 @@ too.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..format.envelope import checksum
-from ..format.layout import commit_key, group_meta_key, ref_key
-from ..format.manifest import TableTemplate, dump_header
-from ..format.objects import Encoded, Encoding, encode_object
-from ..format.records import CommitHeader, Location, Metric, ObjectRecord
-from ..format.stepfile import Block, SideFile, StepFile, StepState
-from ..format.zarr_meta import root_attributes, root_document_bytes
+from dstt.store.format.envelope import checksum
+from dstt.store.format.layout import commit_key, group_meta_key, ref_key
+from dstt.store.format.manifest import TableTemplate, dump_header
+from dstt.store.format.objects import Encoded, Encoding, encode_object
+from dstt.store.format.records import CommitHeader, Location, Metric, ObjectRecord
+from dstt.store.format.zarr_meta import root_attributes, root_document_bytes
 
 if TYPE_CHECKING:
-    from ..storage.base import Storage
+    from collections.abc import Mapping, Sequence
+
+    from dstt.store.format.stepfile import Block, SideFile, StepFile, StepState
+    from dstt.store.storage.base import Storage
 
 __all__ = ["CommitJob", "Deferred", "NotHandedOff", "RemoteCommitter", "encode_deferred",
            "run_commit", "write_metadata"]

@@ -21,18 +21,19 @@ have to learn a second table kind.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ...errors import RankError
-from ..format.layout import part_key
-from ..format.parts import Part, dump_part, parse_part
-from ..format.records import ArrayRecord, ObjectRecord
+from dstt.errors import RankError
+from dstt.store.format.layout import part_key
+from dstt.store.format.parts import Part, dump_part, parse_part
 
 if TYPE_CHECKING:
-    from ..storage.base import Storage
+    import threading
+    from collections.abc import Mapping, Sequence
+
+    from dstt.store.format.records import ArrayRecord, ObjectRecord
+    from dstt.store.storage.base import Storage
 
 __all__ = ["abort_vote", "collect_parts", "merge_parts"]
 

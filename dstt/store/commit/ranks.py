@@ -24,25 +24,27 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..codec.delta import DeltaEncoder, EncodeStats
-from ..codec.predict import Prediction
-from ..format.flat import FlatImage, FlatLayout, StepBytes
-from ..format.layout import ChunkPlan
-from ..format.objects import Encoding
-from ..format.parts import Part
-from ..format.records import ChunkRecord, CommitHeader, Metric, ObjectRecord
-from ..format.stepfile import StepFile
-from .job import Deferred
 from .parts import abort_vote, collect_parts
-from .transaction import Transaction
-from .writer import RunHandle, Writer
 
 if TYPE_CHECKING:
-    from ..storage.base import Storage
+    from collections.abc import Callable, Mapping, Sequence
+
+    from dstt.store.codec.delta import DeltaEncoder, EncodeStats
+    from dstt.store.codec.predict import Prediction
+    from dstt.store.format.flat import FlatImage, FlatLayout, StepBytes
+    from dstt.store.format.layout import ChunkPlan
+    from dstt.store.format.objects import Encoding
+    from dstt.store.format.parts import Part
+    from dstt.store.format.records import ChunkRecord, CommitHeader, Metric, ObjectRecord
+    from dstt.store.format.stepfile import StepFile
+    from dstt.store.storage.base import Storage
+
+    from .job import Deferred
+    from .transaction import Transaction
+    from .writer import RunHandle, Writer
 
 __all__ = ["DEFAULT_RANK_TIMEOUT", "RankInfo", "RankTransaction", "RankWriter",
            "TransactionProxy"]

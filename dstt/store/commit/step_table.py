@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ...errors import DsttError
-from ..format.flat import FlatLayout
-from ..format.layout import ChunkPlan
-from ..format.manifest import TableBuilder, TableTemplate, dump_arrays
-from ..format.records import ArrayRecord, ChunkRecord
+from dstt.errors import DsttError
+from dstt.store.format.flat import FlatLayout
+from dstt.store.format.manifest import TableBuilder, TableTemplate, dump_arrays
+from dstt.store.format.records import ArrayRecord, ChunkRecord
+
+if TYPE_CHECKING:
+    from dstt.store.format.layout import ChunkPlan
 
 __all__ = ["StepTable"]
 

@@ -16,34 +16,33 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ...errors import DsttError
-from ..codec.delta import DeltaEncoder, EncodeStats, Shadow
-from ..codec.flatdelta import FlatShadow, seed_shadow
-from ..codec.predict import CUR, Prediction
-from ..format.envelope import checksum
-from ..format.flat import FlatImage, FlatLayout, StepBytes, byte_view
-from ..format.layout import (
-    ChunkPlan,
-    side_file_key,
-    step_file_key,
-    zarr_chunk_key,
-)
-from ..format.manifest import TableBuilder, TableTemplate
-from ..format.objects import Encoded, Encoding, encode_object
-from ..format.parts import Part
-from ..format.records import ArrayRecord, ChunkRecord, CommitHeader, Metric, ObjectRecord
-from ..format.stepfile import SideFile, StepFile
-from ..format.zipfmt import crc32
-from ..storage.base import Storage
+from dstt.errors import DsttError
+from dstt.store.codec.delta import DeltaEncoder, EncodeStats, Shadow
+from dstt.store.codec.flatdelta import FlatShadow, seed_shadow
+from dstt.store.codec.predict import CUR, Prediction
+from dstt.store.format.envelope import checksum
+from dstt.store.format.flat import FlatImage, FlatLayout, StepBytes, byte_view
+from dstt.store.format.layout import ChunkPlan, side_file_key, step_file_key, zarr_chunk_key
+from dstt.store.format.objects import Encoded, Encoding, encode_object
+from dstt.store.format.records import ArrayRecord, ChunkRecord, CommitHeader, Metric, ObjectRecord
+from dstt.store.format.stepfile import SideFile, StepFile
+from dstt.store.format.zipfmt import crc32
+
 from .flat_encode import write_encoded
 from .job import Deferred, encode_deferred
 from .step_table import Columns, EncodedColumns, StepTable
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+    from dstt.store.format.manifest import TableBuilder, TableTemplate
+    from dstt.store.format.parts import Part
+    from dstt.store.storage.base import Storage
 
 __all__ = ["StepOwner", "Transaction"]
 

@@ -25,15 +25,13 @@ import contextlib
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ...errors import DsttError, SchemaError, StorageError
-from ..codec.delta import DeltaEncoder
-from ..codec.xor import DeltaPolicy
-from ..format.flat import FlatLayout
-from ..format.layout import (
+from dstt.errors import DsttError, SchemaError, StorageError
+from dstt.store.codec.delta import DeltaEncoder
+from dstt.store.format.flat import FlatLayout
+from dstt.store.format.layout import (
     DEFAULT_CHUNK_BYTES,
     LOCK_KEY,
     WRITTEN_PREFIXES,
@@ -45,11 +43,10 @@ from ..format.layout import (
     plan_chunks,
     ref_key,
 )
-from ..format.manifest import TableTemplate, dump_arrays, dump_ref
-from ..format.parts import Part, dump_part, remove_parts
-from ..format.records import CommitHeader, Metric
-from ..format.stepfile import Block
-from ..format.zarr_meta import (
+from dstt.store.format.manifest import TableTemplate, dump_arrays, dump_ref
+from dstt.store.format.parts import Part, dump_part, remove_parts
+from dstt.store.format.stepfile import Block
+from dstt.store.format.zarr_meta import (
     array_document,
     consolidated_metadata,
     dtype_itemsize,
@@ -57,14 +54,21 @@ from ..format.zarr_meta import (
     group_document,
     root_attributes,
 )
-from ..index.writer import EVERY, IndexWriter
-from ..maintenance.gc import GcReport, gc
-from ..maintenance.retention import Retention
-from ..read.reader import Reader
-from ..storage.base import Storage
+from dstt.store.index.writer import EVERY, IndexWriter
+from dstt.store.maintenance.gc import GcReport, gc
+
 from .job import CommitJob, NotHandedOff, RemoteCommitter, run_commit, write_metadata
 from .parts import merge_parts
 from .transaction import Transaction
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping, Sequence
+
+    from dstt.store.codec.xor import DeltaPolicy
+    from dstt.store.format.records import CommitHeader, Metric
+    from dstt.store.maintenance.retention import Retention
+    from dstt.store.read.reader import Reader
+    from dstt.store.storage.base import Storage
 
 __all__ = ["RunHandle", "Transaction", "Writer"]
 
@@ -296,7 +300,7 @@ class Writer:
         one flat buffer (``flat.py``); reuse the result while the arrays do not change."""
         out = []
         for a in arrays:
-            dims = a[3] if len(a) > 3 else None  # type: ignore[misc]
+            dims = a[3] if len(a) > 3 else None
             out.append((a[0], a[1], self.declare(a[0], a[1], tuple(a[2]), dims), dims))
         return FlatLayout.build(out)
 

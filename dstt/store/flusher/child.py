@@ -24,15 +24,19 @@ import signal
 import sys
 import threading
 from dataclasses import replace
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from ..commit.job import run_commit
-from ..format.flat import FlatImage
-from ..format.stepfile import SideFile, StepFile
-from ..storage.local import LocalStorage
-from ..storage.posix import pwrite_all, start_writeback
+from dstt.store.commit.job import run_commit
+from dstt.store.format.flat import FlatImage
+from dstt.store.format.stepfile import SideFile, StepFile
+from dstt.store.storage.local import LocalStorage
+from dstt.store.storage.posix import pwrite_all, start_writeback
+
 from .flatstats import digest
 from .parent import _recv, _send
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ["main"]
 
@@ -152,7 +156,8 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
         committer.join()
 
 
-def _commit_loop(commits: queue.SimpleQueue[tuple[Any, ...] | None], reply: Any) -> None:
+def _commit_loop(commits: queue.SimpleQueue[tuple[Any, ...] | None],
+                 reply: Callable[[tuple[Any, ...]], None]) -> None:
     """Run each step's commit on the files the parent started (``commit/job.py``)."""
     stores: dict[tuple[str, str], LocalStorage] = {}
     while (task := commits.get()) is not None:
@@ -172,7 +177,8 @@ def _commit_loop(commits: queue.SimpleQueue[tuple[Any, ...] | None], reply: Any)
         reply(("ok", rid, header))
 
 
-def _write_loop(writes: queue.SimpleQueue[tuple[Any, ...] | None], reply: Any,
+def _write_loop(writes: queue.SimpleQueue[tuple[Any, ...] | None],
+                reply: Callable[[tuple[Any, ...]], None],
                 direct: list[bool]) -> None:
     while (task := writes.get()) is not None:
         rid, path, image, start, done = task

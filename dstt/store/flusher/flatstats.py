@@ -20,13 +20,15 @@ long vectors; its spinning threads took CPU from training — measured).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..format.zarr_meta import dtype_itemsize, numpy_dtype
+from dstt.store.format.zarr_meta import dtype_itemsize, numpy_dtype
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = ["DigestPlan", "digest"]
 

@@ -41,16 +41,20 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from dataclasses import replace
-from typing import IO, Any, NoReturn
+from typing import IO, TYPE_CHECKING, Any, NoReturn
 
-from ...errors import StorageError
-from ..commit.job import CommitJob, NotHandedOff
-from ..format.flat import FlatLayout
-from ..format.records import CommitHeader
-from ..format.stepfile import StepState
-from .flatstats import DigestPlan
+from dstt.errors import StorageError
+from dstt.store.commit.job import CommitJob, NotHandedOff
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from dstt.store.format.flat import FlatLayout
+    from dstt.store.format.records import CommitHeader
+    from dstt.store.format.stepfile import StepState
+
+    from .flatstats import DigestPlan
 
 __all__ = ["Flusher", "flusher_supported"]
 
@@ -64,14 +68,14 @@ def flusher_supported() -> bool:
     return hasattr(os, "memfd_create") and sys.platform.startswith("linux")
 
 
-def _send(out: IO[bytes], obj: Any) -> None:
+def _send(out: IO[bytes], obj: tuple[Any, ...]) -> None:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     out.write(_LEN.pack(len(data)))
     out.write(data)
     out.flush()
 
 
-def _recv(inp: IO[bytes]) -> Any:
+def _recv(inp: IO[bytes]) -> tuple[Any, ...]:
     head = inp.read(_LEN.size)
     if len(head) < _LEN.size:
         raise EOFError("flusher pipe closed")
@@ -79,7 +83,8 @@ def _recv(inp: IO[bytes]) -> Any:
     data = inp.read(n)
     if len(data) < n:
         raise EOFError("flusher pipe closed mid-message")
-    return pickle.loads(data)
+    msg: tuple[Any, ...] = pickle.loads(data)
+    return msg
 
 
 class Flusher:
@@ -111,7 +116,8 @@ class Flusher:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dstt.store.flusher._main", sched, str(os.getpid())],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=self._fds, env=env)
-            assert self.proc.stdin is not None and self.proc.stdout is not None
+            assert self.proc.stdin is not None
+            assert self.proc.stdout is not None
             self._out, self._in = self.proc.stdin, self.proc.stdout
             _send(self._out, ("init", [(fd, nbytes) for fd in self._fds]))
             #: the child's threads at SCHED_IDLE (``urgent`` moves them all)
@@ -166,7 +172,7 @@ class Flusher:
         for slot in waiting.values():
             slot[0].set()
 
-    def _expect(self, what: str) -> Any:
+    def _expect(self, what: str) -> tuple[Any, ...]:
         reply = _recv(self._in)
         if reply[0] == "err":
             raise StorageError(reply[2] or _errno.EIO, f"flusher: {reply[3]}")

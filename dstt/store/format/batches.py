@@ -11,9 +11,15 @@ keeps.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+    from dstt.store.storage.base import Storage
+
+    from .records import RefInfo
 
 __all__ = ["BATCHES_OBJECT", "Batch", "SkipSet", "batches_of", "read_batches", "read_skips",
            "write_skips"]
@@ -70,18 +76,20 @@ class SkipSet:
                        self.batches + tuple(b for b in other.batches if b not in self.batches))
 
 
-def _skip_key(ref: Any) -> str:
+def _skip_key(ref: RefInfo) -> str:
+    if ref.base_slot is None:  # the first timeline: no rollback made it, it skips nothing
+        raise TypeError(f"timeline {ref.name!r} has no base slot")
     return f"{SKIPS_PREFIX}/{int(ref.base_slot):012d}-{round(float(ref.created) * 1e6)}.json"
 
 
-def write_skips(storage: Any, ref: Any, skips: SkipSet) -> None:
+def write_skips(storage: Storage, ref: RefInfo, skips: SkipSet) -> None:
     """Record ``skips`` for the timeline ``ref`` (a fresh rollback's ``RefInfo``)."""
     doc = {"timeline": ref.name, "samples": sorted(skips.samples),
            "batches": [b.plain() for b in skips.batches]}
     storage.write_durable(_skip_key(ref), json.dumps(doc, sort_keys=True).encode())
 
 
-def read_skips(storage: Any, refs: Mapping[str, Any], timeline: str) -> SkipSet:
+def read_skips(storage: Storage, refs: Mapping[str, RefInfo], timeline: str) -> SkipSet:
     """The skip set that applies on ``timeline``: its own and its ancestors' (``refs``:
     ``{name: RefInfo}``, as ``Reader.timelines``)."""
     out, seen = SkipSet(), set()

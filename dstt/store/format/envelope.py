@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import crc32c as _crc
 
-from ...errors import ChecksumError, CorruptRunError, FormatVersionError
+from dstt.errors import ChecksumError, CorruptRunError, FormatVersionError
+
 from .layout import FORMAT_VERSION
-from .records import Metric
+
+if TYPE_CHECKING:
+    from .records import Metric
 
 __all__ = ["checksum", "crc32c_raw"]
 
@@ -32,7 +35,7 @@ def checksum(data: bytes | memoryview, value: int = 0) -> int:
     return int(_crc.crc32c(data, value))
 
 
-def _canonical(body: Any) -> bytes:
+def _canonical(body: object) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -50,7 +53,7 @@ def _open(data: bytes, kind: str, where: str, *, verified: bool = False) -> dict
     if not isinstance(doc, dict) or set(doc) != {"crc32c", "body"} or not isinstance(
             doc.get("body"), dict):
         raise CorruptRunError(f"{where}: not a dstt {kind} document")
-    body = doc["body"]
+    body: dict[str, Any] = doc["body"]
     if body.get("kind") != kind:
         raise CorruptRunError(f"{where}: expected a {kind} document, found {body.get('kind')!r}")
     if not verified:
@@ -78,7 +81,7 @@ def _fields(body: dict[str, Any], required: set[str], optional: set[str], where:
         )
 
 
-def _metric_out(v: Any) -> Any:
+def _metric_out(v: object) -> Metric | dict[str, str]:
     if isinstance(v, float) and not math.isfinite(v):
         return {"float": repr(v)}
     if isinstance(v, (bool, int, float, str)):
@@ -86,7 +89,7 @@ def _metric_out(v: Any) -> Any:
     raise TypeError(f"metric values must be numbers, strings or bools, got {type(v).__name__}")
 
 
-def _metric_in(v: Any) -> Metric:
+def _metric_in(v: Metric | dict[str, str]) -> Metric:
     if isinstance(v, dict):
         return float(v["float"])
-    return v  # type: ignore[no-any-return]
+    return v

@@ -16,9 +16,8 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +26,9 @@ from .envelope import checksum, crc32c_raw
 from .layout import ChunkPlan, zarr_chunk_key
 from .zarr_meta import check_dims
 from .zipfmt import Entry, crc32, crc32_raw, directory_records, header_size, local_header
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 #: the two sums of an in-place entry, in the order ``_fill_inplace`` calls them
 _BOTH = (crc32c_raw, crc32_raw)
@@ -104,7 +106,7 @@ class FlatLayout:
         pos = 0
         for k, spec in enumerate(arrays):
             path, dtype, plan = spec[0], spec[1], spec[2]
-            dims = spec[3] if len(spec) > 3 else None  # type: ignore[misc]
+            dims = spec[3] if len(spec) > 3 else None
             pos = (pos + ALIGN - 1) // ALIGN * ALIGN
             out.append(FlatArray(path, dtype, plan, pos,
                                  None if dims is None else check_dims(path, len(plan.shape), dims)))
@@ -131,7 +133,7 @@ class FlatLayout:
         pos = 0
         for k, spec in enumerate(arrays):
             path, dtype, plan = spec[0], spec[1], spec[2]
-            given = spec[3] if len(spec) > 3 else None  # type: ignore[misc]
+            given = spec[3] if len(spec) > 3 else None
             dims = None if given is None else check_dims(path, len(plan.shape), given)
             if plan.n_chunks > 1:
                 raise ValueError(f"a framed layout holds single-chunk arrays; {path!r} has "

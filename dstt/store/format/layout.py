@@ -21,7 +21,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ...errors import TimelineError
+from dstt.errors import TimelineError
 
 __all__ = [
     "COMMITS_PREFIX",

@@ -12,14 +12,17 @@ every chunk in it — walking a timeline would parse every chunk of every step.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ...errors import CorruptRunError
+from dstt.errors import CorruptRunError
+
 from .envelope import _canonical, _fields, _metric_in, _metric_out, _open, _seal, checksum
 from .layout import FORMAT_VERSION, ChunkPlan
 from .records import ArrayRecord, ChunkRecord, CommitHeader, Location, ObjectRecord, RefInfo
 from .zarr_meta import dtype_itemsize
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
 
 __all__ = [
     "FileIds",

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ...errors import UnsafeObjectError
+from dstt.errors import UnsafeObjectError
 
 __all__ = ["Encoded", "Encoding", "UnsafeObjectError", "decode_object", "encode_object"]
 
@@ -36,7 +36,7 @@ class Encoded:
     encoding: Encoding = "json"
 
     @classmethod
-    def of(cls, obj: Any, encoding: Encoding = "json") -> Encoded:
+    def of(cls, obj: object, encoding: Encoding = "json") -> Encoded:
         return cls(encode_object(obj, encoding), encoding)
 
 
@@ -53,7 +53,8 @@ def _dtype_in(s: str) -> np.dtype[Any]:
     if s.isidentifier():  # a name written by _dtype_out, e.g. "bfloat16"
         import ml_dtypes
 
-        return np.dtype(getattr(ml_dtypes, s))
+        named: np.dtype[Any] = np.dtype(getattr(ml_dtypes, s))
+        return named
     return np.dtype(s)
 
 
@@ -70,7 +71,7 @@ def _plain_items(x: list[Any] | tuple[Any, ...]) -> bool:
     return types <= _NUMBERS and all(map(math.isfinite, x))
 
 
-def _enc(x: Any) -> Any:
+def _enc(x: object) -> object:
     if x is None or isinstance(x, (bool, str)):
         return x
     if isinstance(x, int):
@@ -124,7 +125,7 @@ def _dec(x: Any) -> Any:
     return x
 
 
-def encode_object(obj: Any, encoding: Encoding = "json") -> bytes:
+def encode_object(obj: object, encoding: Encoding = "json") -> bytes:
     if encoding == "json":
         return json.dumps(_enc(obj), separators=(",", ":"), allow_nan=False).encode()
     if encoding == "pickle":

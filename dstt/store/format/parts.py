@@ -10,18 +10,21 @@ an *abort vote*'s error.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ...errors import CorruptRunError
+from dstt.errors import CorruptRunError
+
 from .envelope import _fields, _metric_in, _metric_out, _open, _seal
 from .layout import PARTS_PREFIX
 from .manifest import arrays_from_json, arrays_json, object_from_json, object_json
-from .records import ArrayRecord, Metric, ObjectRecord
 
 if TYPE_CHECKING:
-    from ..storage.base import Storage
+    from collections.abc import Mapping
+
+    from dstt.store.storage.base import Storage
+
+    from .records import ArrayRecord, Metric, ObjectRecord
 
 __all__ = ["Part", "dump_part", "parse_part", "part_slots", "remove_parts"]
 

@@ -12,12 +12,14 @@ only passes records around would import the document codecs too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .layout import ChunkPlan
 from .zarr_meta import dtype_itemsize
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 __all__ = [
     "ArrayRecord",

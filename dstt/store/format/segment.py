@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ChecksumError, CorruptRunError
+from dstt.errors import ChecksumError, CorruptRunError
+
 from .envelope import _canonical, checksum
 
 __all__ = ["MAGIC", "SCALARS", "Layout", "Locations", "RowSet", "concat", "decode_core",
@@ -242,12 +243,13 @@ def read_directory(prefix: bytes, where: str) -> tuple[dict[str, Any], int] | in
         if len(prefix) >= 8 and prefix[:8] != MAGIC:
             raise CorruptRunError(f"{where}: not a dstt index segment")
         return 16
+    n: int
     (n,) = struct.unpack("<Q", prefix[8:16])
     if len(prefix) < 16 + n:
         return 16 + n
     try:
         doc = json.loads(prefix[16:16 + n])
-        body = doc["body"]
+        body: dict[str, Any] = doc["body"]
         ok = checksum(_canonical(body)) == doc["crc32c"] and body["kind"] == "index-segment"
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptRunError(f"{where}: damaged index directory ({e})") from None

@@ -16,14 +16,14 @@ the copy.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...errors import DsttError
-from ..storage.base import Blob, Data, as_parts
+from dstt.errors import DsttError
+from dstt.store.storage.base import Blob, Data, as_parts
+
 from .zipfmt import (
     Entry,
     crc32,
@@ -34,7 +34,9 @@ from .zipfmt import (
 )
 
 if TYPE_CHECKING:
-    from ..storage.base import Storage
+    from collections.abc import Callable, Sequence
+
+    from dstt.store.storage.base import Storage
 
 __all__ = ["Block", "SideFile", "StepFile", "StepState"]
 

@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .layout import FORMAT_VERSION, ChunkPlan
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import numpy as np
 
 __all__ = [
     "DTYPES",
@@ -63,16 +67,18 @@ def dtype_itemsize(dtype: str) -> int:
         ) from None
 
 
-def numpy_dtype(dtype: str) -> Any:
+def numpy_dtype(dtype: str) -> np.dtype[Any]:
     """The numpy dtype for a store dtype name (bfloat16 via ml_dtypes)."""
     import numpy as np
 
     if dtype == "bfloat16":
         import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+        bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+        return bf16
     dtype_itemsize(dtype)
-    return np.dtype(dtype).newbyteorder("<")
+    little: np.dtype[Any] = np.dtype(dtype).newbyteorder("<")
+    return little
 
 
 def dump(doc: dict[str, Any]) -> bytes:

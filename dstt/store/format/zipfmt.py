@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from ...errors import CorruptRunError
+from dstt.errors import CorruptRunError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 try:  # ISA-L: the same CRC-32, 4x faster; optional
     from isal.isal_zlib import crc32 as _crc32
@@ -116,7 +118,8 @@ def local_data_offset(head: bytes, entry: Entry) -> int | None:
     if (f[0] != _SIG_LOCAL or f[3] != 0 or f[6] != entry.crc32 or not sizes_ok
             or f[9] != len(raw) or head[_LOCAL.size:_LOCAL.size + len(raw)] != raw):
         return None
-    return entry.offset + _LOCAL.size + len(raw) + f[10]
+    extra: int = f[10]
+    return entry.offset + _LOCAL.size + len(raw) + extra
 
 
 def directory_records(entries: Sequence[Entry]) -> bytes:

@@ -24,9 +24,12 @@ import json
 import os
 import subprocess
 import sys
+from typing import TYPE_CHECKING
 
-from ..storage.base import Storage
-from ..storage.local import LocalStorage
+from dstt.store.storage.local import LocalStorage
+
+if TYPE_CHECKING:
+    from dstt.store.storage.base import Storage
 
 __all__ = ["IndexJob"]
 

@@ -14,17 +14,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...errors import DsttError
-from ..format.layout import INDEX_PREFIX, commit_key, parse_index_name
-from ..format.manifest import dump_header, parse_header
-from ..format.records import CommitHeader
-from ..format.segment import RowSet, concat
+from dstt.errors import DsttError
+from dstt.store.format.layout import INDEX_PREFIX, commit_key, parse_index_name
+from dstt.store.format.manifest import dump_header, parse_header
+from dstt.store.format.segment import RowSet, concat
+
 from .rows import keep_summaries, rows_from_headers, take
 from .view import GC_MARKER, Index, IndexedSource
 from .writer import write_segment
 
 if TYPE_CHECKING:
-    from ..storage.base import Storage
+    from dstt.store.format.records import CommitHeader
+    from dstt.store.storage.base import Storage
 
 __all__ = ["all_rows", "check", "reachable_headers", "rebuild", "rewrite"]
 

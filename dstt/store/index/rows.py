@@ -15,19 +15,24 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from ...errors import CorruptRunError, DsttError
-from ..format.layout import ChunkPlan, step_file_key
-from ..format.manifest import FileIds, dump_header
-from ..format.records import CommitHeader
-from ..format.segment import SCALARS, Layout, Locations, RowSet, concat
-from ..format.zarr_meta import dtype_itemsize
+from dstt.errors import CorruptRunError, DsttError
+from dstt.store.format.layout import ChunkPlan, step_file_key
+from dstt.store.format.manifest import FileIds, dump_header
+from dstt.store.format.segment import SCALARS, Layout, Locations, RowSet, concat
+from dstt.store.format.zarr_meta import dtype_itemsize
+
 from .shard_summaries import fold_columns
-from .source import HeaderSource
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from dstt.store.format.records import CommitHeader
+
+    from .source import HeaderSource
 
 __all__ = ["HISTORY", "SUMMARIES", "as_float", "dedup", "keep_summaries", "rows_from_headers",
            "take"]

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..format.segment import SCALARS
+from dstt.store.format.segment import SCALARS
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
 
 __all__ = ["DTENSOR_PREFIX", "fold_columns", "fold_rows", "logical_of", "shard_source"]
 

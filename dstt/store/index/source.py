@@ -10,11 +10,13 @@ type checker sees and the layering test forbids.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..format.records import CommitHeader, RefInfo
-from ..storage.base import Storage
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from dstt.store.format.records import CommitHeader, RefInfo
+    from dstt.store.storage.base import Storage
 
 __all__ = ["HeaderSource"]
 
@@ -34,6 +36,6 @@ class HeaderSource(Protocol):
 
     def header(self, slot: int) -> CommitHeader: ...
 
-    def read_object(self, header: CommitHeader, name: str, *, trusted: bool = False) -> Any: ...
+    def read_object(self, header: CommitHeader, name: str, *, trusted: bool = False) -> Any: ...  # noqa: ANN401 - a stored object
 
     def table_columns(self, header: CommitHeader) -> dict[str, Any]: ...

@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ...errors import ChecksumError, CorruptRunError, DsttError, StepNotFoundError
-from ..format.envelope import checksum
-from ..format.layout import INDEX_PREFIX, commit_key, parse_index_name, step_file_key
-from ..format.manifest import parse_header
-from ..format.records import ArrayRecord, ChunkRecord, CommitHeader
-from ..format.segment import (
+from dstt.errors import ChecksumError, CorruptRunError, DsttError, StepNotFoundError
+from dstt.store.format.envelope import checksum
+from dstt.store.format.layout import INDEX_PREFIX, commit_key, parse_index_name, step_file_key
+from dstt.store.format.manifest import parse_header
+from dstt.store.format.records import ArrayRecord, ChunkRecord, CommitHeader
+from dstt.store.format.segment import (
     SCALARS,
     Layout,
     RowSet,
@@ -42,11 +41,14 @@ from ..format.segment import (
     layout_of,
     read_directory,
 )
+
 from .rows import rows_from_headers, take
 from .source import HeaderSource
 
 if TYPE_CHECKING:
-    from ..storage.base import Storage
+    from collections.abc import Callable
+
+    from dstt.store.storage.base import Storage
 
 __all__ = ["GC_MARKER", "Index", "IndexedHeader", "IndexedSource", "scalar_rows"]
 
@@ -79,9 +81,9 @@ class IndexedHeader(CommitHeader):
             self.__dict__["_h"] = h
         return h
 
-    metrics = property(lambda self: self.full().metrics)  # type: ignore[assignment]
-    objects = property(lambda self: self.full().objects)  # type: ignore[assignment]
-    arrays = property(lambda self: self.full().arrays)  # type: ignore[assignment]
+    metrics = property(lambda self: self.full().metrics)
+    objects = property(lambda self: self.full().objects)
+    arrays = property(lambda self: self.full().arrays)
 
 
 class _Segment:
@@ -109,7 +111,7 @@ class _Segment:
         self._locdir: dict[str, Any] | None = None
         self._lock = threading.Lock()
 
-    def read_blob(self, st: Storage, name: str) -> Any:
+    def read_blob(self, st: Storage, name: str) -> Any:  # noqa: ANN401 - bytes or an array, by the blob's kind
         off, nbytes = self.d["blobs"][name][:2]
         data = st.read_range(self.key, self.base + off, nbytes)
         return blob(self.d, name, data, off, f"{st.location}/{self.key}")

@@ -30,16 +30,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...errors import DsttError
-from ..format.layout import index_key
-from ..format.records import CommitHeader
-from ..format.segment import RowSet, concat, encode
+from dstt.errors import DsttError
+from dstt.store.format.layout import index_key
+from dstt.store.format.segment import RowSet, concat, encode
+
 from .job import IndexJob
 from .rows import dedup, keep_summaries, rows_from_headers, take
 from .view import GC_MARKER, Index, IndexedSource
 
 if TYPE_CHECKING:
-    from ..storage.base import Storage
+    from dstt.store.format.records import CommitHeader
+    from dstt.store.storage.base import Storage
 
 __all__ = ["IndexWriter", "write_segment"]
 

@@ -12,27 +12,29 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ...errors import DsttError
-from ..format.layout import LOCK_KEY, STEPS_PREFIX, commit_key, key_slot
-from ..format.manifest import dump_header
-from ..format.parts import remove_parts
-from ..format.records import CommitHeader
-from ..format.segment import RowSet
-from ..index.repair import all_rows, rewrite
-from ..index.rows import keep_summaries, rows_from_headers
-from ..index.view import GC_MARKER, IndexedHeader
-from ..index.writer import IndexWriter, write_segment
-from ..read.reader import Reader
+from dstt.errors import DsttError
+from dstt.store.format.layout import LOCK_KEY, STEPS_PREFIX, commit_key, key_slot
+from dstt.store.format.manifest import dump_header
+from dstt.store.format.parts import remove_parts
+from dstt.store.index.repair import all_rows, rewrite
+from dstt.store.index.rows import keep_summaries, rows_from_headers
+from dstt.store.index.view import GC_MARKER, IndexedHeader
+from dstt.store.index.writer import IndexWriter, write_segment
+from dstt.store.read.reader import Reader
+
 from .retention import Retention, policy
 
 if TYPE_CHECKING:
-    from ..storage.base import Storage
+    from contextlib import AbstractContextManager
+
+    from dstt.store.format.records import CommitHeader
+    from dstt.store.format.segment import RowSet
+    from dstt.store.storage.base import Storage
 
 __all__ = ["GcReport", "LiveWriter", "RunFiles", "gc"]
 

@@ -27,20 +27,22 @@ to learn a new ref state, and the run would keep a name that cannot be reused.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ...errors import CurrentTimelineError, TimelineError
-from ..format.layout import HEAD_KEY, LOCK_KEY, check_timeline_name, ref_key
-from ..format.manifest import dump_head, dump_ref
-from ..format.records import RefInfo
-from ..read.reader import Reader
-from ..storage.memory import DelegatingStorage
+from dstt.errors import CurrentTimelineError, TimelineError
+from dstt.store.format.layout import HEAD_KEY, LOCK_KEY, check_timeline_name, ref_key
+from dstt.store.format.manifest import dump_head, dump_ref
+from dstt.store.read.reader import Reader
+from dstt.store.storage.memory import DelegatingStorage
+
 from .gc import GcReport, RunFiles, gc
 
 if TYPE_CHECKING:
-    from ..storage.base import Storage
+    from collections.abc import Iterator
+
+    from dstt.store.format.records import RefInfo
+    from dstt.store.storage.base import Storage
 
 __all__ = ["DeleteReport", "delete_timeline", "rename_timeline"]
 

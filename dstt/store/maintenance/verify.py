@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ...errors import CorruptRunError, DsttError
-from ..format.envelope import checksum
-from ..format.layout import (
+from dstt.errors import CorruptRunError, DsttError
+from dstt.store.format.envelope import checksum
+from dstt.store.format.layout import (
     REFS_PREFIX,
     STEPS_PREFIX,
     array_meta_key,
@@ -24,14 +24,14 @@ from ..format.layout import (
     key_slot,
     zarr_chunk_key,
 )
-from ..format.records import ArrayRecord, CommitHeader
-from ..format.zarr_meta import array_document
-from ..format.zipfmt import Entry, crc32, local_data_offset, parse_directory
-from ..index.repair import check
-from ..read.reader import Reader
+from dstt.store.format.zarr_meta import array_document
+from dstt.store.format.zipfmt import Entry, crc32, local_data_offset, parse_directory
+from dstt.store.index.repair import check
+from dstt.store.read.reader import Reader
 
 if TYPE_CHECKING:
-    from ..storage.base import Storage
+    from dstt.store.format.records import ArrayRecord, CommitHeader
+    from dstt.store.storage.base import Storage
 
 __all__ = ["Problem", "VerifiedRun", "VerifyReport", "verify"]
 

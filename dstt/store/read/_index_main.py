@@ -11,8 +11,9 @@ import json
 import os
 import sys
 
-from ..index.writer import flush_rows
-from ..storage.local import LocalStorage
+from dstt.store.index.writer import flush_rows
+from dstt.store.storage.local import LocalStorage
+
 from .reader import Reader
 
 

@@ -17,18 +17,21 @@ split across two files, typed by a back-reference); module-level functions takin
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
-from ..._lru import LRU
-from ...errors import ChecksumError, CorruptRunError
-from ..codec.predict import PRED, predict
-from ..codec.xor import XOR, xor_decode
-from ..format.envelope import checksum
-from ..format.records import ArrayRecord, ChunkRecord, CommitHeader
-from ..storage.base import Storage
+from dstt._lru import LRU
+from dstt.errors import ChecksumError, CorruptRunError
+from dstt.store.codec.predict import PRED, predict
+from dstt.store.codec.xor import XOR, xor_decode
+from dstt.store.format.envelope import checksum
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from dstt.store.format.records import ArrayRecord, ChunkRecord, CommitHeader
+    from dstt.store.storage.base import Storage
 
 __all__ = ["ChunkReader"]
 

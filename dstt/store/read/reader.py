@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import gc
 import struct
-from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from ..._lru import LRU
-from ...errors import (
+from dstt._lru import LRU
+from dstt.errors import (
     ChecksumError,
     CorruptRunError,
     NotARunError,
     StepNotFoundError,
     TimelineError,
 )
-from ..format.envelope import checksum
-from ..format.layout import (
+from dstt.store.format.envelope import checksum
+from dstt.store.format.layout import (
     COMMITS_PREFIX,
     HEAD_KEY,
     REFS_PREFIX,
@@ -36,22 +35,25 @@ from ..format.layout import (
     parse_commit_name,
     step_file_key,
 )
-from ..format.manifest import (
+from dstt.store.format.manifest import (
     parse_arrays,
     parse_arrays_columns,
     parse_head,
     parse_header,
     parse_ref,
 )
-from ..format.objects import decode_object
-from ..format.records import ArrayRecord, CommitHeader, RefInfo
-from ..format.segment import RowSet
-from ..format.zarr_meta import numpy_dtype
-from ..index.view import Index, scalar_rows
+from dstt.store.format.objects import decode_object
+from dstt.store.format.records import ArrayRecord, CommitHeader, RefInfo
+from dstt.store.format.zarr_meta import numpy_dtype
+from dstt.store.index.view import Index, scalar_rows
+
 from .chunks import ChunkReader
 
 if TYPE_CHECKING:
-    from ..storage.base import Storage
+    from collections.abc import Iterator, Sequence
+
+    from dstt.store.format.segment import RowSet
+    from dstt.store.storage.base import Storage
 
 __all__ = ["Reader"]
 
@@ -378,7 +380,7 @@ class Reader:
         lo = start - first * plan.rows
         return block[lo: lo + (stop - start)]
 
-    def read_object(self, header: CommitHeader, name: str, *, trusted: bool = False) -> Any:
+    def read_object(self, header: CommitHeader, name: str, *, trusted: bool = False) -> Any:  # noqa: ANN401 - a stored object
         try:
             rec = header.objects[name]
         except KeyError:

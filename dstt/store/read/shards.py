@@ -30,14 +30,20 @@ the training path, and rank 0 would write everything (two ranks' bytes through o
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...errors import CorruptRunError
-from ..format.zarr_meta import numpy_dtype
+from dstt.errors import CorruptRunError
+from dstt.store.format.zarr_meta import numpy_dtype
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping, Sequence
+
+    from dstt.store.format.records import CommitHeader
+
+    from .reader import Reader
 
 __all__ = [
     "SHARDS_PREFIX",
@@ -207,7 +213,7 @@ def _check(a: LogicalArray, table: Mapping[str, Any], where: str) -> None:
                               f"{a.numel} elements")
 
 
-def logical_arrays(reader: Any, header: Any,
+def logical_arrays(reader: Reader, header: CommitHeader,
                    table: Mapping[str, Any] | None = None) -> dict[str, LogicalArray]:
     """Every logical array of a commit (empty when it has no shard maps), validated against
     the commit's arrays ``table`` (default: ``reader.arrays(header)``)."""
@@ -225,7 +231,7 @@ def logical_arrays(reader: Any, header: Any,
     return out
 
 
-def read_logical(reader: Any, header: Any, a: LogicalArray, start: int = 0,
+def read_logical(reader: Reader, header: CommitHeader, a: LogicalArray, start: int = 0,
                  stop: int | None = None) -> np.ndarray:
     """Elements ``[start, stop)`` of the flattened logical array, reading only the chunks of
     the pieces (or boxes) that hold them (numpy, the stored dtype; bfloat16 as
@@ -251,7 +257,7 @@ def read_logical(reader: Any, header: Any, a: LogicalArray, start: int = 0,
     return out
 
 
-def _read_boxes(reader: Any, header: Any, a: LogicalArray, offsets: Sequence[int],
+def _read_boxes(reader: Reader, header: CommitHeader, a: LogicalArray, offsets: Sequence[int],
                 sizes: Sequence[int]) -> np.ndarray:
     out = np.empty(tuple(sizes), dtype=numpy_dtype(a.dtype))
     filled = 0
@@ -271,7 +277,7 @@ def _read_boxes(reader: Any, header: Any, a: LogicalArray, offsets: Sequence[int
     return out
 
 
-def read_region(reader: Any, header: Any, path: str, offsets: Sequence[int],
+def read_region(reader: Reader, header: CommitHeader, path: str, offsets: Sequence[int],
                 sizes: Sequence[int], logical: Mapping[str, LogicalArray] | None = None
                 ) -> np.ndarray:
     """The box ``offsets``/``sizes`` of the tensor ``path`` of a commit, whether it is stored
@@ -285,8 +291,9 @@ def read_region(reader: Any, header: Any, path: str, offsets: Sequence[int],
         if not sizes:
             return np.asarray(reader.read_array(header, path))
         rows = reader.read_rows(header, path, offsets[0], offsets[0] + sizes[0])
-        return rows[(slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:],
-                                                                     strict=True)))]
+        box: np.ndarray = rows[(slice(None), *(slice(o, o + n) for o, n in zip(
+            offsets[1:], sizes[1:], strict=True)))]
+        return box
     if a.boxes:
         return _read_boxes(reader, header, a, offsets, sizes)
     shape = a.shape

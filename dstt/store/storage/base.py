@@ -12,14 +12,16 @@ could then not cut power at every write, and no other backend could follow.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
-from typing import Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
-from ...errors import MissingFileError
+from dstt.errors import MissingFileError
+
+if TYPE_CHECKING:
+    import contextlib
+    from collections.abc import Iterator, Sequence
 
 __all__ = ["Blob", "Data", "Durability", "Storage", "as_parts", "missing"]
 

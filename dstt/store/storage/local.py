@@ -15,13 +15,17 @@ import errno
 import fcntl
 import os
 import threading
-from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ...errors import NotARunError, ReadOnlyRunError, RunLockedError, StorageError
+from dstt.errors import NotARunError, ReadOnlyRunError, RunLockedError, StorageError
+
 from .base import Blob, Data, Durability, Storage, as_parts, missing
 from .local_blob import _FileBlob
 from .posix import _syncfs, fsync_dir
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
 
 __all__ = ["LocalStorage"]
 

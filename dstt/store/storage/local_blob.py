@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from ...errors import StorageError
 from .base import Blob, Data, as_parts
 from .posix import fsync_dir, pwrite_all
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from dstt.errors import StorageError
 
 
 class FileOwner(Protocol):

@@ -20,11 +20,14 @@ import errno as _errno
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import Literal, TypeAlias
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
-from ...errors import RunLockedError, StorageError
+from dstt.errors import RunLockedError, StorageError
+
 from .base import Data, Storage, as_parts, missing
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
 
 __all__ = ["DelegatingStorage", "FaultyStorage", "MemoryDurability", "MemoryStorage"]
 
@@ -66,7 +69,8 @@ class MemoryStorage(Storage):
     def pending(self) -> list[str]:
         """Keys written but not yet durable, by any handle (sorted)."""
         with self._mu:
-            return sorted({k for h in self._handles for k in h._pending if k in self.data})
+            return sorted({k for h in self._handles
+                           for k in h._pending if k in self.data})  # noqa: SLF001 - a handle
 
     def read(self, key: str) -> bytes:
         try:
@@ -92,10 +96,10 @@ class MemoryStorage(Storage):
     def barrier(self) -> None:
         with self._mu:
             for h in self._handles if self.durability == "syncfs" else [self]:
-                for k in h._pending:
+                for k in h._pending:  # noqa: SLF001 - another handle of this storage
                     if k in self.data:
                         self.durable[k] = self.data[k]
-                h._pending.clear()
+                h._pending.clear()  # noqa: SLF001 - another handle of this storage
 
     def exists(self, key: str) -> bool:
         return key in self.data
@@ -135,7 +139,8 @@ class MemoryStorage(Storage):
         with self._mu:
             out.data = dict(self.durable)
             if written_back is not None:
-                for k in sorted({k for h in self._handles for k in h._pending}):
+                pending = {k for h in self._handles for k in h._pending}  # noqa: SLF001 - handles
+                for k in sorted(pending):
                     if k in self.data and written_back(k):
                         out.data[k] = self.data[k]
         out.durable = dict(out.data)

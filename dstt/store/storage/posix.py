@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 __all__ = ["fsync_dir", "pwrite_all", "start_writeback"]
 

@@ -41,10 +41,9 @@ from __future__ import annotations
 import contextlib
 import secrets
 import threading
-from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import obstore
 from obstore.exceptions import (
@@ -54,11 +53,15 @@ from obstore.exceptions import (
 )
 from obstore.store import S3Store
 
-from ...errors import NotARunError, ReadOnlyRunError, RunLockedError, StorageError
+from dstt.errors import NotARunError, ReadOnlyRunError, RunLockedError, StorageError
+
 from .base import Blob, Data, Storage, as_parts, missing
 from .s3_blob import _S3Blob
 from .s3_config import _config, _is_missing
 from .s3_lease import _S3Lease
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
 
 __all__ = ["DEFAULT_GUARDED", "S3Storage"]
 
@@ -188,7 +191,7 @@ class S3Storage(Storage):
     def barrier(self) -> None:
         """Nothing to do: every write is durable once it returns."""
 
-    def _head(self, key: str) -> Any:
+    def _head(self, key: str) -> Any:  # noqa: ANN401 - obstore's head
         """The object's metadata, or None when there is none (a HEAD's 404 has no body, which
         obstore reports as a generic error)."""
         try:
@@ -285,7 +288,7 @@ class S3Storage(Storage):
         page = self._boto().list_multipart_uploads(Bucket=self.bucket, Prefix=pre)
         return tuple(u["Key"][len(pre):] for u in page.get("Uploads", []))
 
-    def _boto(self) -> Any:
+    def _boto(self) -> Any:  # noqa: ANN401 - a botocore client
         """A botocore client with this storage's configuration: obstore has no call to list
         or abort multipart uploads."""
         import botocore.session  # the s3 extra; only gc needs it

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import obstore
 
-from ...errors import RunLockedError, StorageError
+from dstt.errors import RunLockedError, StorageError
+
 from .base import Blob, Data, as_parts
 from .posix import pwrite_all
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 
 class SpoolOwner(Protocol):

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 from obstore.exceptions import NotFoundError
 
-from ...errors import NotARunError
+from dstt.errors import NotARunError
 
 _TRUE = {"1", "true", "yes", "on"}
 

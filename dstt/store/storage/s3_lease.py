@@ -24,7 +24,8 @@ from typing import Any, Protocol
 import obstore
 from obstore.exceptions import AlreadyExistsError, PreconditionError
 
-from ...errors import RunLockedError
+from dstt.errors import RunLockedError
+
 from .s3_config import _is_missing
 
 
@@ -56,7 +57,7 @@ class _S3Lease:
                            "host": socket.gethostname(), "expires": expires,
                            "ttl": self.ttl}).encode()
 
-    def _put(self, mode: Any, expires: float | None = None) -> None:
+    def _put(self, mode: Any, expires: float | None = None) -> None:  # noqa: ANN401 - obstore's put mode
         t0 = time.monotonic()
         exp = time.time() + self.ttl if expires is None else expires
         res = obstore.put(self.storage.store, self.key, self._record(exp), mode=mode)

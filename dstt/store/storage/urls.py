@@ -8,11 +8,14 @@ entry point parsing URLs itself — four copies of the rules, and a fifth for th
 
 from __future__ import annotations
 
-import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .base import Storage
 from .local import LocalStorage
+
+if TYPE_CHECKING:
+    import os
+
+    from .base import Storage
 
 __all__ = ["is_url", "storage_for"]
 

@@ -22,7 +22,7 @@ def test_every_source_has_an_example() -> None:
     assert names == ["torch.save files", "Hugging Face Trainer", "Lightning", "DCP", "DeepSpeed"]
 
 
-@pytest.mark.parametrize("name,code", BLOCKS, ids=[n.split(" (")[0] for n, _ in BLOCKS])
+@pytest.mark.parametrize(("name", "code"), BLOCKS, ids=[n.split(" (")[0] for n, _ in BLOCKS])
 def test_the_example_runs(name: str, code: str, tmp_path: Path) -> None:
     code = code.replace("/tmp/dstt-import-demo", str(tmp_path)).replace(
         'MASTER_PORT="29511"', f'MASTER_PORT="{free_port()}"')
@@ -34,6 +34,8 @@ def test_the_example_runs(name: str, code: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = next(line for line in proc.stdout.splitlines() if line.startswith("["))
     promised = re.search(r"^print\(.*# (\[.*)$", code, re.M)  # what the doc says it prints
-    assert promised is not None and first == promised.group(1), proc.stdout
+    assert promised is not None, proc.stdout
+    assert first == promised.group(1), proc.stdout
     runs = [p for p in tmp_path.iterdir() if p.name.startswith("run-")]
-    assert len(runs) == 1 and (runs[0] / "_dstt").is_dir()
+    assert len(runs) == 1
+    assert (runs[0] / "_dstt").is_dir()

@@ -31,7 +31,8 @@ from dstt.store import Repository
 def imported(hf_checkpoints: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("hfrun") / "run"
     report = import_checkpoints(hf_checkpoints, run)
-    assert report.ok and [i.step for i in report.imported] == [2, 4, 6]
+    assert report.ok
+    assert [i.step for i in report.imported] == [2, 4, 6]
     assert all(i.lacks == () for i in report.imported)  # a Trainer checkpoint holds it all
     return run
 
@@ -75,7 +76,8 @@ def test_every_checkpoint_is_its_step_bit_exact(hf_checkpoints: Path, imported: 
         assert tuple(stored["python"][1]) == rng["python"][1]
         np.testing.assert_array_equal(stored["numpy"][1], rng["numpy"][1])
         origin = snap.object(SOURCE_OBJECT)
-        assert origin["path"] == str(src) and origin["format"] == "hf-trainer"
+        assert origin["path"] == str(src)
+        assert origin["format"] == "hf-trainer"
     # the names the optimizer state was stored under are the model's
     decay_group = run.at(4).object("optim/param_groups")[0]["params"]
     assert "transformer.h.0.attn.c_attn.weight" in decay_group
@@ -158,7 +160,8 @@ def test_reimport_imports_only_new_checkpoints(hf_checkpoints: Path, tmp_path: P
     assert [i.step for i in again.imported] == [6]
     assert [(s.step, s.reason, s.problem) for s in again.skipped] == [
         (2, "already imported", False), (4, "already imported", False)]
-    assert again.ok and dstt.open(run).steps == [2, 4, 6]
+    assert again.ok
+    assert dstt.open(run).steps == [2, 4, 6]
     # steps between 4 and 6 came with step 6's history, once
     m = dstt.open(run).metrics()
     assert list(m["step"].values) == [1, 2, 3, 4, 5, 6]
@@ -175,8 +178,11 @@ def test_a_truncated_checkpoint_is_reported_and_skipped(hf_checkpoints: Path,
     report = import_checkpoints(src, run)
     assert [i.step for i in report.imported] == [2, 6]
     (bad,) = report.skipped
-    assert bad.problem and bad.step == 4 and "model.safetensors" in bad.reason
+    assert bad.problem
+    assert bad.step == 4
+    assert "model.safetensors" in bad.reason
     assert not report.ok
     r = dstt.open(run)
-    assert r.steps == [2, 6] and r.verify().problems == []
+    assert r.steps == [2, 6]
+    assert r.verify().problems == []
     assert len(Repository.open(run).reader().lineage()) == 2  # nothing half-committed

@@ -21,7 +21,8 @@ from dstt.integrations.imports import import_checkpoints
 
 def test_ckpt_files_import_bit_exact(lightning_checkpoints: Path, tmp_path: Path) -> None:
     report = import_checkpoints(lightning_checkpoints, tmp_path / "run")
-    assert [i.step for i in report.imported] == [2, 4, 6] and report.ok
+    assert [i.step for i in report.imported] == [2, 4, 6]
+    assert report.ok
     assert all(i.lacks == ("RNG state",) and i.format == "lightning" for i in report.imported)
     run = dstt.open(tmp_path / "run")
     for k in (2, 4, 6):
@@ -39,10 +40,12 @@ def test_ckpt_files_import_bit_exact(lightning_checkpoints: Path, tmp_path: Path
                 assert torch.equal(sd["optimizer"]["state"][i][key], v), (i, key)
         # the index -> name mapping is the module's parameter order
         names = snap.object("optim/param_groups")[0]["params"]
-        assert names[0] == "net.tok.weight" and len(names) == len(src["state"])
+        assert names[0] == "net.tok.weight"
+        assert len(names) == len(src["state"])
         assert sd["scheduler"] == ck["lr_schedulers"][0]
         loops = snap.object("extra/lightning")
         fit = ck["loops"]["fit_loop"]
         assert loops["fit_loop"]["epoch_loop.batch_progress"] == fit["epoch_loop.batch_progress"]
-        assert loops["global_step"] == k and set(loops["callbacks"]) == set(ck["callbacks"])
+        assert loops["global_step"] == k
+        assert set(loops["callbacks"]) == set(ck["callbacks"])
         assert loops["epoch_end"] == (k == 6)  # 6 batches per epoch: step 6 ends it

@@ -35,7 +35,8 @@ def test_dcp_folders_import_bit_exact(multirank: dict[str, Path], tmp_path: Path
                                       world: int) -> None:
     src = multirank[f"dcp{world}"]
     report = import_checkpoints(src, tmp_path / "run")
-    assert [i.step for i in report.imported] == [2, 3] and report.ok
+    assert [i.step for i in report.imported] == [2, 3]
+    assert report.ok
     assert [u.path.endswith(".pt") for u in report.ignored] == [True, True]  # the references
     run = dstt.open(tmp_path / "run")
     for k in (2, 3):
@@ -100,7 +101,8 @@ def test_deepspeed_tags_import_bit_exact(multirank: dict[str, Path], tmp_path: P
                                          world: int, stage: int) -> None:
     src = multirank[f"ds{world}"]
     report = import_checkpoints(src / f"z{stage}", tmp_path / "run")
-    assert [i.step for i in report.imported] == [2, 3] and report.ok
+    assert [i.step for i in report.imported] == [2, 3]
+    assert report.ok
     assert report.imported[0].lacks == ("scheduler state", "RNG state")
     run = dstt.open(tmp_path / "run")
     for k in (2, 3):
@@ -115,7 +117,8 @@ def test_deepspeed_tags_import_bit_exact(multirank: dict[str, Path], tmp_path: P
         assert [g["weight_decay"] for g in sd["optimizer"]["param_groups"]] == [0.1, 0.0]
         assert all(float(st["step"]) == k for st in sd["optimizer"]["state"].values())
         extra = snap.object("extra/deepspeed")
-        assert extra["zero_stage"] == stage and extra["global_steps"] == k
+        assert extra["zero_stage"] == stage
+        assert extra["global_steps"] == k
         assert extra["dp_world_size"] == world
 
 
@@ -127,7 +130,8 @@ def test_a_deepspeed_tag_missing_a_rank_is_skipped(multirank: dict[str, Path],
     report = import_checkpoints(src, tmp_path / "run")
     assert [i.step for i in report.imported] == [3]
     (bad,) = report.skipped
-    assert bad.step == 2 and "complete" in bad.reason
+    assert bad.step == 2
+    assert "complete" in bad.reason
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -139,7 +143,8 @@ def test_dcp_export_loads_into_any_world_size(multirank: dict[str, Path], tmp_pa
     import_checkpoints(src, tmp_path / "run")
     out = tmp_path / "export"
     info = dstt.open(tmp_path / "run").at(3).export(out, "dcp")
-    assert info["path"] == str(out) and (out / ".metadata").is_file()
+    assert info["path"] == str(out)
+    assert (out / ".metadata").is_file()
     load = tmp_path / "load"
     load.mkdir()
     spawn("dcpload", world, load, [], str(out))

@@ -154,7 +154,9 @@ def test_a_pickle_that_needs_unpickling_is_refused_unless_trusted(tmp_path: Path
     torch.save({"model": model.state_dict(), "meta": Meta()}, tmp_path / "step_7.pt")
     report = import_checkpoints(tmp_path / "step_7.pt", tmp_path / "run")
     (bad,) = report.skipped
-    assert "--trusted" in bad.reason and "Meta" in bad.reason and not report.imported
+    assert "--trusted" in bad.reason
+    assert "Meta" in bad.reason
+    assert not report.imported
     trusted = import_checkpoints(tmp_path / "step_7.pt", tmp_path / "run", trusted=True)
     assert [i.step for i in trusted.imported] == [7]
 
@@ -170,9 +172,11 @@ def test_a_step_that_fails_while_written_is_never_half_committed(tmp_path: Path)
     torch.save({k: v + 2 for k, v in good.items()}, src / "step_3.pt")
     report = import_checkpoints(src, tmp_path / "run")
     assert [i.step for i in report.imported] == [1, 3]
-    assert [s.step for s in report.skipped] == [2] and "complex" in report.skipped[0].reason
+    assert [s.step for s in report.skipped] == [2]
+    assert "complex" in report.skipped[0].reason
     run = dstt.open(tmp_path / "run")
-    assert run.steps == [1, 3] and run.verify().problems == []
+    assert run.steps == [1, 3]
+    assert run.verify().problems == []
 
 
 def test_model_names_frozen_parameters_and_delta_policy_shrinks(tmp_path: Path) -> None:
@@ -180,7 +184,8 @@ def test_model_names_frozen_parameters_and_delta_policy_shrinks(tmp_path: Path) 
     _train(src, steps=8, frozen=True)
     # the optimizer holds 4 parameters, the state dict 5: the order alone cannot name them
     plain = import_checkpoints(src, tmp_path / "plain")
-    assert not plain.imported and "pass model=" in plain.skipped[0].reason
+    assert not plain.imported
+    assert "pass model=" in plain.skipped[0].reason
     model, _, _ = _parts(frozen=True)
     raw = import_checkpoints(src, tmp_path / "raw", model=model)
     delta = import_checkpoints(src, tmp_path / "delta", model=model,
@@ -212,10 +217,12 @@ def test_cli_import(files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[s
     run = tmp_path / "run"
     assert main(["import", str(files), "--run", str(run)]) == 0
     out = capsys.readouterr().out
-    assert "imported step        2  torch" in out and "3 imported into" in out
+    assert "imported step        2  torch" in out
+    assert "3 imported into" in out
     assert main(["import", str(files), "--run", str(run), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["imported"] == [] and [s["reason"] for s in doc["skipped"]] == [
+    assert doc["imported"] == []
+    assert [s["reason"] for s in doc["skipped"]] == [
         "already imported"] * 3
     # a broken source: reported, the others imported, exit 1
     bad = tmp_path / "more"
@@ -223,7 +230,8 @@ def test_cli_import(files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[s
     (bad / "step_00008.pt").write_bytes(b"not a checkpoint")
     assert main(["import", str(bad), "--run", str(run)]) == 1
     captured = capsys.readouterr().out
-    assert "skipped step 8" in captured and "step_00008.pt" in captured
+    assert "skipped step 8" in captured
+    assert "step_00008.pt" in captured
     # bad input: exit 2, one line on stderr
     os.environ.pop("DSTT_RUN", None)
     here = os.getcwd()

@@ -17,11 +17,13 @@ def test_a_retired_buffer_is_not_reused_while_an_older_encode_runs() -> None:
     epoch = pool.enter()  # an encode starts; it may read ``old`` as its base
     pool.retire([old])  # the step commits: ``old`` is replaced in the shadow
     fresh = pool.copy(np.zeros(64, dtype=np.uint8))
-    assert fresh is not old and old[5] == 5  # the running encode's base is untouched
+    assert fresh is not old
+    assert old[5] == 5  # the running encode's base is untouched
     late = pool.enter()  # an encode that started after the swap cannot see ``old``
     pool.leave(epoch)
     again = pool.copy(np.full(64, 7, dtype=np.uint8))
-    assert again is old and (old == 7).all()  # now it is recycled
+    assert again is old
+    assert (old == 7).all()  # now it is recycled
     pool.leave(late)
 
 

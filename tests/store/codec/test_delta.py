@@ -13,8 +13,7 @@ import pytest
 from dstt.store import Repository, load
 from dstt.store.codec.xor import DeltaPolicy, chain_limit
 from dstt.store.format.layout import step_file_key
-
-from .._util import WRITE, crash_at_every_write, put_flat_arrays, write_how  # noqa: F401
+from store._util import WRITE, crash_at_every_write, put_flat_arrays, write_how  # noqa: F401
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -77,7 +76,9 @@ def test_every_slot_is_bit_exact(tmp_path: Path, dtype: str) -> None:
             kinds["key"] += st.keyframes
             kinds["delta"] += st.deltas
             kinds["dedup"] += st.dedups
-    assert kinds["delta"] > 0 and kinds["dedup"] > 0 and kinds["key"] > 0
+    assert kinds["delta"] > 0
+    assert kinds["dedup"] > 0
+    assert kinds["key"] > 0
     for step, arrays in written.items():
         got = load(run, step).arrays
         for name, a in arrays.items():
@@ -194,7 +195,8 @@ def test_crash_at_every_write_of_an_encoded_commit() -> None:
     steps = [t.step() for _ in range(3)]
     k, saw_delta = crash_at_every_write(lambda w, step: _commit(w, step, steps[step - 1]),
                                         lambda step: steps[step - 1], encoding=DeltaPolicy())
-    assert k == 5 and saw_delta  # cut before each of its 4 writes (step, side, header, ref)
+    assert k == 5
+    assert saw_delta  # cut before each of its 4 writes (step, side, header, ref)
 
 
 def test_chain_limit_rule() -> None:
@@ -203,12 +205,13 @@ def test_chain_limit_rule() -> None:
     assert chain_limit(p, 2.0) == 7  # 1 + (4-1)*2
     assert chain_limit(p, 100.0) == 32
     assert chain_limit(DeltaPolicy(keyframe_every=9), 2.0) == 9
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="keyframe_every must be >= 1"):
         DeltaPolicy(keyframe_every=0)
 
 
 def test_codec_choice_and_bad_codec_names() -> None:
-    assert DeltaPolicy().codec_for(2) == "zstd" and DeltaPolicy().codec_for(4) == "lz4"
+    assert DeltaPolicy().codec_for(2) == "zstd"
+    assert DeltaPolicy().codec_for(4) == "lz4"
     assert DeltaPolicy(cname="zstd").codec_for(4) == "zstd"
     with pytest.raises(ValueError, match="cname='snappy'"):
         DeltaPolicy(cname="snappy")

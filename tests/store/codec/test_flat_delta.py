@@ -13,8 +13,7 @@ import dstt
 from dstt.store import Repository, load
 from dstt.store.codec.xor import DeltaPolicy
 from dstt.store.format.manifest import dump_arrays
-
-from .._util import flat_buffer, put_flat_arrays
+from store._util import flat_buffer, put_flat_arrays
 
 DSTT = str(Path(dstt.__file__).parent)
 
@@ -52,7 +51,9 @@ def test_one_step_holds_deltas_dedups_and_keyframes(tmp_path: Path) -> None:
             assert txn.flat_pending is not None  # the batched encoder wrote it
             if step == 2:
                 st = txn.stats
-                assert st.deltas and st.dedups and st.keyframes, st
+                assert st.deltas, st
+                assert st.dedups, st
+                assert st.keyframes, st
     r = repo.reader()
     kinds: dict[int, dict[str, set[str]]] = {}
     for h in r.lineage():
@@ -60,12 +61,14 @@ def test_one_step_holds_deltas_dedups_and_keyframes(tmp_path: Path) -> None:
                              else "dedup" for c in a.chunks} for p, a in r.arrays(h).items()}
     assert kinds[2]["params/frozen"] == {"dedup"}
     assert kinds[2]["params/noise"] == {"raw"}  # noise does not compress: a keyframe
-    assert kinds[2]["params/l0/w"] == {"xor1"} and kinds[2]["params/edge"] == {"xor1"}
+    assert kinds[2]["params/l0/w"] == {"xor1"}
+    assert kinds[2]["params/edge"] == {"xor1"}
     assert kinds[5]["params/l0/w"] == {"raw"}  # keyframe_every=4: a new chain
     for step, want in written.items():
         got = load(run, step).arrays
         for k, v in want.items():
-            assert got[k].dtype == v.dtype and got[k].tobytes() == v.tobytes(), (step, k)
+            assert got[k].dtype == v.dtype, (step, k)
+            assert got[k].tobytes() == v.tobytes(), (step, k)
     assert repo.verify().ok
 
 

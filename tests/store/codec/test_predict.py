@@ -19,14 +19,7 @@ from dstt.store.commit.transaction import Transaction
 from dstt.store.format.layout import step_file_key
 from dstt.store.format.manifest import dump_arrays
 from dstt.store.format.records import ChunkRecord
-
-from .._util import (  # noqa: F401  (write_how: a fixture)
-    WRITE,
-    crash_at_every_write,
-    put_array,
-    put_flat_arrays,
-    write_how,
-)
+from store._util import WRITE, crash_at_every_write, put_array, put_flat_arrays
 
 P, M, V = "params/w", "optim/exp_avg/w", "optim/exp_avg_sq/w"
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -130,7 +123,8 @@ def test_every_slot_is_bit_exact_and_small(tmp_path: Path) -> None:
     assert repo.verify().ok
     # a step between keyframes costs about one array (exp_avg) instead of three
     between = [s for s in stats[1:] if s.keyframes <= s.deltas]
-    assert between and max(s.written_bytes / s.raw_bytes for s in between) < 0.5
+    assert between
+    assert max(s.written_bytes / s.raw_bytes for s in between) < 0.5
 
 
 def test_a_wrong_prediction_costs_bytes_not_correctness(tmp_path: Path) -> None:
@@ -155,7 +149,8 @@ def test_reads_stay_inside_the_keyframe_window(tmp_path: Path) -> None:
         for i in range(len(rec.chunks)):
             reads = _reads(r, h, P, i)
             slots = {s for _, s in reads}
-            assert max(slots) == h.slot and h.slot - min(slots) <= k - 1, (h.step, i, slots)
+            assert max(slots) == h.slot, (h.step, i, slots)
+            assert h.slot - min(slots) <= k - 1, (h.step, i, slots)
             for name in (P, M, V):  # at most K chunk reads of each tensor
                 assert sum(1 for p, _ in reads if p == name) <= k
 
@@ -222,7 +217,8 @@ def test_crash_at_every_write_of_a_predicted_commit() -> None:
     k, saw_delta = crash_at_every_write(lambda w, step: _commit(w, step, *steps[step - 1]),
                                         lambda step: steps[step - 1][0],
                                         encoding=DeltaPolicy(keyframe_every=8), chunk_bytes=4096)
-    assert k == 5 and saw_delta  # cut before each of its 4 writes (step, side, header, ref)
+    assert k == 5
+    assert saw_delta  # cut before each of its 4 writes (step, side, header, ref)
 
 
 def test_sgd_momentum_parameters_cost_almost_nothing(tmp_path: Path) -> None:
@@ -266,8 +262,9 @@ def test_pred_records_round_trip_and_reject_garbage() -> None:
     rec = ChunkRecord("p/d.3.0", 99, 7, "pred1", 2, 11, "adam_p",
                       (("optim/exp_avg/w", 3), ("optim/exp_avg_sq/w", 3)), (0.5, 1.0, 1e-8, 0.1))
     again = ChunkRecord.from_json(json.loads(json.dumps(rec.as_json())))
-    assert again == rec and again.slots == (2, 3, 3)
-    with pytest.raises(ValueError):
+    assert again == rec
+    assert again.slots == (2, 3, 3)
+    with pytest.raises(ValueError, match="unknown chunk record"):
         ChunkRecord.from_json(["k", 1, 2, "pred9", 1, 2, "adam_p", [], []])
 
 
@@ -320,7 +317,8 @@ def test_a_step_in_flight_is_the_base_of_the_next(tmp_path: Path) -> None:
     r = repo.reader()
     for h in r.lineage()[1:]:
         for c in r.arrays(h)[P].chunks:
-            assert c.encoding == "pred1" and c.base == h.slot - 1
+            assert c.encoding == "pred1"
+            assert c.base == h.slot - 1
     for step, (arrays, _) in enumerate(steps, start=1):
         got = load(run, step).arrays
         assert all(_same(got[n], a) for n, a in arrays.items()), step
@@ -385,12 +383,14 @@ def test_a_step_written_raw_is_the_base_of_the_next(tmp_path: Path) -> None:
         raw.encode = False
         _put(raw, *steps[1])
         raw.commit()
-        assert raw.stats.raw_fallback and raw.stats.deltas == 0
+        assert raw.stats.raw_fallback
+        assert raw.stats.deltas == 0
         _commit(w, 3, *steps[2])
     r = repo.reader()
     h = r.find(3)
     for c in r.arrays(h)[P].chunks:
-        assert c.encoding == "pred1" and c.base == raw.slot
+        assert c.encoding == "pred1"
+        assert c.base == raw.slot
     for step, (arrays, _) in enumerate(steps, start=1):
         got = load(run, step).arrays
         assert all(_same(got[n], a) for n, a in arrays.items())

@@ -52,8 +52,8 @@ from dstt.store.format.layout import (
 from dstt.store.index.view import GC_MARKER
 from dstt.store.storage.base import Data, Durability
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage
+from store._util import assert_same_arrays, deep_equal
 
-from .._util import assert_same_arrays, deep_equal
 from .crash_child import CHUNK_BYTES, commit, expected
 
 CHILD = Path(__file__).with_name("crash_child.py")
@@ -247,7 +247,8 @@ def commit_check(prev: int | None, new: int, timeline: str | None = None,
         check_run(st, {nxt}, timeline)
         r = Repository.open(st).reader()
         line = [h.step for h in r.lineage(timeline)]
-        assert line[-1] == nxt and (len(line) > 1 and line[-2] == new) == done
+        assert line[-1] == nxt
+        assert (len(line) > 1 and line[-2] == new) == done
     return check
 
 
@@ -520,7 +521,8 @@ def test_power_cut_between_any_two_gc_deletes(encoded: bool) -> None:
     Repository(ref).gc(keep_last=2)
     want = _gc_state(ref)
     kept_at_end = {t: {s for s, pruned in line if not pruned} for t, line in want[1].items()}
-    assert kept_at_end["main"] >= {8, 9} and kept_at_end["main"] != set(lines["main"])
+    assert kept_at_end["main"] >= {8, 9}
+    assert kept_at_end["main"] != set(lines["main"])
 
     def check(st: MemoryStorage, done: bool) -> None:
         repo = Repository(st)
@@ -555,8 +557,10 @@ def test_power_cut_between_any_two_gc_deletes(encoded: bool) -> None:
     assert keys[first - 1].startswith(INDEX_PREFIX)
     gone = keys.index(f"delete {GC_MARKER}")
     assert all(k.startswith(f"delete {INDEX_PREFIX}/") for k in keys[first:gone])
-    assert keys[first:] == deletes and len(deletes) >= 6
-    assert any(k.endswith(".zip") for k in deletes) and any(k.endswith(".dstt") for k in deletes)
+    assert keys[first:] == deletes
+    assert len(deletes) >= 6
+    assert any(k.endswith(".zip") for k in deletes)
+    assert any(k.endswith(".dstt") for k in deletes)
 
 
 def test_fsync_mode_syncs_the_parents_of_new_folders(tmp_path: Path) -> None:
@@ -609,7 +613,8 @@ def test_each_commit_syncs_its_step_files_before_the_header(
         # what the kernel is asked to flush: the step's files and header are in place
         slot = len(list((run / STEPS_PREFIX).glob("*.zip"))) - 1
         events.append(("syncfs", _fd_path(fd)))
-        assert (run / step_file_key(slot)).is_file() and (run / side_file_key(slot)).is_file()
+        assert (run / step_file_key(slot)).is_file()
+        assert (run / side_file_key(slot)).is_file()
         assert (run / commit_key(slot)).is_file()
         real_syncfs(fd)
 
@@ -651,7 +656,8 @@ def test_each_commit_syncs_its_step_files_before_the_header(
         assert ("fsync", ref) in after_second[len(after_commit):]
         assert events[-2:] == [("fsync", ref), ("fsync", refs)]  # close: the last ref
     elif durability == "syncfs":
-        assert after_commit == [("syncfs", root)] and after_second == [("syncfs", root)] * 2
+        assert after_commit == [("syncfs", root)]
+        assert after_second == [("syncfs", root)] * 2
         assert events == [("syncfs", root)] * 3  # close: one more barrier
     else:
         assert events == []

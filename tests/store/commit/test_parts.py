@@ -22,8 +22,7 @@ from dstt.store import CommitHeader, DeltaPolicy, Repository
 from dstt.store.commit.parts import abort_vote, collect_parts
 from dstt.store.format.layout import PARTS_PREFIX, STEPS_PREFIX, side_file_key, step_file_key
 from dstt.store.format.parts import part_slots
-
-from .._util import put_array, same_bits
+from store._util import put_array, same_bits
 
 
 def _two_rank_commit(repo: Repository, step: int, *, slot: int | None = None,
@@ -66,7 +65,8 @@ def test_merged_commit_is_a_plain_commit(tmp_path: Path) -> None:
                      "zero/r1/flat": {step_file_key(h.slot, "r00001")}}
     assert h.objects["rng/r1"].key == side_file_key(h.slot, "r00001")
     assert h.objects["rng/r0"].key == side_file_key(h.slot)
-    assert h.arrays is not None and h.arrays.key == side_file_key(h.slot)
+    assert h.arrays is not None
+    assert h.arrays.key == side_file_key(h.slot)
     # plain Zarr sees each rank's arrays in that rank's step file (a Zarr v3 hierarchy each)
     for rank, path in ((0, "zero/r0/flat"), (1, "zero/r1/flat")):
         zkey = step_file_key(h.slot, "r00001" if rank else "")
@@ -174,7 +174,8 @@ def test_a_slot_far_ahead_names_every_ranks_files(tmp_path: Path) -> None:
     with repo.writer() as w:
         assert w.next_slot == 41
     h3, want3 = _two_rank_commit(repo, 3)
-    assert h3.slot == 41 and h3.parent == 40
+    assert h3.slot == 41
+    assert h3.parent == 40
     assert [x.step for x in repo.reader().lineage()] == [1, 2, 3]
     assert same_bits(repo.reader().read_array(h3, "zero/r1/flat"), want3["zero/r1/flat"])
 

@@ -42,8 +42,8 @@ from dstt.store.format.layout import (
 )
 from dstt.store.format.parts import Part, dump_part
 from dstt.store.storage.memory import DelegatingStorage, MemoryStorage
+from store._util import same_bits
 
-from .._util import same_bits
 from .rank_world import (
     WorldStep,
     close_world,
@@ -75,7 +75,8 @@ def check_world(st: Storage, world: int, allowed: set[int]) -> CommitHeader:
     assert rep.ok, rep.problems
     r = repo.reader()
     h = r.head()
-    assert h is not None and h.step in allowed, (h, allowed)
+    assert h is not None, (h, allowed)
+    assert h.step in allowed, (h, allowed)
     table = r.arrays(h)
     want = world_arrays(h.step, world)
     assert set(table) == set(want)
@@ -199,7 +200,8 @@ def test_a_missing_rank_is_refused_and_nothing_is_committed(world: int) -> None:
         close_world(writers)
     err = results[0]
     assert isinstance(err, RankError), results
-    assert f"ranks [{world - 1}]" in str(err) and "not committed" in str(err)
+    assert f"ranks [{world - 1}]" in str(err)
+    assert "not committed" in str(err)
     assert all(isinstance(p, Part) for p in results[1:])
     check_world(mem, world, {0})
     assert steps_of(mem) == [0]
@@ -207,7 +209,8 @@ def test_a_missing_rank_is_refused_and_nothing_is_committed(world: int) -> None:
     commit_world(mem, world, 2, "s2")
     Repository(mem).gc()
     check_world(mem, world, {2})
-    assert steps_of(mem) == [0, 2] and list(mem.list(PARTS_PREFIX)) == []
+    assert steps_of(mem) == [0, 2]
+    assert list(mem.list(PARTS_PREFIX)) == []
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -413,7 +416,8 @@ class KillServer:
 
     def trial(self, run: Path, world: int, rank: int, k: int, after: bool,
               step: int) -> list[str]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
         self.proc.stdin.write(f"{run} {world} {rank} {k} {int(after)} {step}\n")
         self.proc.stdin.flush()
         lines = []
@@ -450,7 +454,8 @@ def test_sigkill_at_every_write_of_every_rank(tmp_path: Path, world: int,
     out = server.trial(base, world, 0, 0, False, 0)  # step 0, no kill: the base run
     assert out[-1] == "exit 0", out
     labels = [line.split(" ", 2)[2].split("|") for line in out if line.startswith("ops ")]
-    assert len(labels) == world and all(labels)
+    assert len(labels) == world
+    assert all(labels)
     probe = tmp_path / "probe"
     shutil.copytree(base, probe)
     out = server.trial(probe, world, 0, 0, False, 1)

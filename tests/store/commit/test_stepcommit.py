@@ -23,8 +23,7 @@ from dstt.store.format.stepfile import SideFile, StepFile, StepState
 from dstt.store.storage.base import Blob, Data
 from dstt.store.storage.local import LocalStorage
 from dstt.store.storage.memory import DelegatingStorage
-
-from .._util import same_bits
+from store._util import same_bits
 
 ARRAYS = [("params/a/w", "float32", (6, 5)), ("params/a/b", "float32", (5,)),
           ("optim/a/m", "float16", (3, 3)), ("params/n", "int64", ())]
@@ -62,7 +61,8 @@ def _files(run: Path, slot: int) -> tuple[bytes, bytes]:
 def _check(run: Path, header: CommitHeader, step: int) -> None:
     repo = Repository.open(run)
     r = repo.reader()
-    assert r.head() is not None and r.head().slot == header.slot
+    assert r.head() is not None
+    assert r.head().slot == header.slot
     for path, want in _values(step).items():
         assert same_bits(r.read_array(header, path), want), path
     assert r.read_object(header, "rng") == {"seed": step, "words": list(range(40))}
@@ -227,7 +227,8 @@ def test_the_flusher_forgets_old_constants_and_keeps_committing(
     try:
         repo = Repository.create(tmp_path / "run")
         headers = [_commit_step(repo, fl, step) for step in range(1, 6)]
-        assert not fl.dead and len(fl._sent) <= 4
+        assert not fl.dead
+        assert len(fl._sent) <= 4
     finally:
         fl.close()
     r = Repository.open(tmp_path / "run").reader()
@@ -273,7 +274,8 @@ def test_a_killed_trainer_leaves_no_flusher_behind_to_commit_what_it_handed_over
                 pid = int(line.split()[1])
             elif line == "sent\n":
                 break
-        assert pid and lines[-1] == "sent\n", lines
+        assert pid, lines
+        assert lines[-1] == "sent\n", lines
     finally:
         proc.kill()
         proc.wait(30)

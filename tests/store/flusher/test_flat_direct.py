@@ -48,10 +48,12 @@ def _as_zip(image: FlatImage, body: bytes) -> bytes:
 
 def test_single_chunk_arrays_are_framed_and_the_buffer_is_the_file() -> None:
     layout, values = _layout()
-    assert layout.framed and all(a.offset % 64 == 0 for a in layout.arrays if a.nbytes)
+    assert layout.framed
+    assert all(a.offset % 64 == 0 for a in layout.arrays if a.nbytes)
     buf = _fill(layout, values)
     image = FlatImage(layout, 0, memoryview(buf))
-    assert image.inplace and len(image.iov) == 1
+    assert image.inplace
+    assert len(image.iov) == 1
     crcs, _ = image.fill()
     with zipfile.ZipFile(io.BytesIO(_as_zip(image, bytes(image.iov[0])))) as z:
         assert z.testzip() is None
@@ -139,7 +141,8 @@ def test_whole_blocks_go_with_o_direct_and_the_bytes_are_the_image(
     direct = [True]
     flusher_mod._write_image(str(out), image, 0, direct)
     assert out.read_bytes() == want
-    assert [bool(f & os.O_DIRECT) for f in flags] == [True, False] and direct == [True]
+    assert [bool(f & os.O_DIRECT) for f in flags] == [True, False]
+    assert direct == [True]
 
 
 def test_a_filesystem_without_o_direct_falls_back_to_the_page_cache(
@@ -159,7 +162,8 @@ def test_a_filesystem_without_o_direct_falls_back_to_the_page_cache(
     out.write_bytes(b"")
     direct = [True]
     flusher_mod._write_image(str(out), image, 0, direct)
-    assert out.read_bytes() == bytes(image.iov[0]) and direct == [False]
+    assert out.read_bytes() == bytes(image.iov[0])
+    assert direct == [False]
 
 
 def test_rebinding_restores_headers_another_layout_overwrote() -> None:

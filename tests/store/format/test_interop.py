@@ -24,8 +24,7 @@ import pytest
 
 from dstt.store import Repository, save
 from dstt.store.format.layout import step_file_key, zarr_chunk_key
-
-from .._util import sample, zip_entry
+from store._util import sample, zip_entry
 
 NAMES = ("params/f", "params/i", "params/scalar", "bf/h")
 
@@ -57,7 +56,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     heads = {h.step: h for tl in r.timelines for h in r.lineage(tl)}
     slots = {step: h.slot for step, h in heads.items()}
     timelines = {step: h.timeline for step, h in heads.items()}
-    assert sorted(slots) == [10, 15, 20] and len(set(slots.values())) == 3
+    assert sorted(slots) == [10, 15, 20]
+    assert len(set(slots.values())) == 3
     assert timelines == {10: "main", 20: "main", 15: branch}
     zips = {step: path / step_file_key(slot) for step, slot in slots.items()}
     assert all(z.is_file() for z in zips.values())
@@ -79,7 +79,8 @@ def test_step_zip_holds_only_zarr_keys(run: dict) -> None:
             "zarr.json", "params/zarr.json", "bf/zarr.json",
             *(f"{p}/zarr.json" for p in NAMES)}
         others = names - {n for n in names if n.endswith("zarr.json")}
-        assert others and all(chunk.match(n) for n in others), sorted(others)
+        assert others, sorted(others)
+        assert all(chunk.match(n) for n in others), sorted(others)
         assert zarr_chunk_key("params/f", (2, 0)) in names  # the 1-row edge chunk
         assert zarr_chunk_key("params/scalar", ()) in names  # 0-d: ".../c"
 
@@ -140,8 +141,10 @@ def test_zarr_and_xarray_read_every_step_without_dstt(run: dict, tmp_path: Path)
         s = info["steps"][str(step)]
         want_attrs = {"dstt": {"format": 2, "step": step, "timeline": run["timelines"][step],
                                "slot": slot}}
-        assert s["attrs"] == want_attrs and s["xr_attrs"] == want_attrs, step
-        assert s["dims"] == dims and s["xr_dims"] == dims  # no slot axis any more
+        assert s["attrs"] == want_attrs, step
+        assert s["xr_attrs"] == want_attrs, step
+        assert s["dims"] == dims
+        assert s["xr_dims"] == dims  # no slot axis any more
         assert s["groups"] == ["bf", "params"]
         assert s["xr_groups"] == ["/", "/bf", "/params"]
         want = run["steps"][step]
@@ -149,7 +152,8 @@ def test_zarr_and_xarray_read_every_step_without_dstt(run: dict, tmp_path: Path)
             for name in NAMES:
                 v = got[f"{lib}_{step}_{name.replace('/', '_')}"]
                 w = want[name].view(np.uint16) if name == "bf/h" else want[name]
-                assert v.dtype == w.dtype and v.shape == w.shape, (lib, step, name)
+                assert v.dtype == w.dtype, (lib, step, name)
+                assert v.shape == w.shape, (lib, step, name)
                 assert v.tobytes() == w.tobytes(), (lib, step, name)
 
 
@@ -205,7 +209,8 @@ def test_bfloat16_reads_through_the_entry_point(run: dict, tmp_path: Path) -> No
         for step in run["slots"]:
             want = run["steps"][step]["bf/h"].view(np.uint16)
             h = got[f"{lib}_{step}"]
-            assert h.shape == want.shape and h.tobytes() == want.tobytes(), (lib, step)
+            assert h.shape == want.shape, (lib, step)
+            assert h.tobytes() == want.tobytes(), (lib, step)
     # informational: zarr 3.1.6 fails before _lazy_load(); a fixed zarr would read it directly
     assert info["before"] in ("ok", "ValueError")
 
@@ -249,7 +254,8 @@ def test_tensorstore_reads_every_step_zip(run: dict, tmp_path: Path) -> None:
             key = f"{step}_{name.replace('/', '_')}"
             assert dt in str(got[key + "_dtype"]), (step, name)
             w = want[name].view(np.uint16) if name == "bf/h" else want[name]
-            assert got[key].shape == w.shape and got[key].tobytes() == w.tobytes(), (step, name)
+            assert got[key].shape == w.shape, (step, name)
+            assert got[key].tobytes() == w.tobytes(), (step, name)
 
 
 CORRUPT = """
@@ -282,7 +288,8 @@ def test_zarr_itself_checks_the_chunk_crc32c(run: dict, tmp_path: Path) -> None:
     data[offset + 5] ^= 0x10
     flipped.write_bytes(bytes(data))
     info = _run_child(CORRUPT, str(flipped), "5")
-    assert info["error"] is not None and "crc" in info["msg"].lower(), info
+    assert info["error"] is not None, info
+    assert "crc" in info["msg"].lower(), info
     # 2. the same damage in a rebuilt zip with valid CRC-32s: zarr's crc32c codec catches it
     rebuilt = tmp_path / "rebuilt.zip"
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(rebuilt, "w", zipfile.ZIP_STORED) as zout:
@@ -294,7 +301,8 @@ def test_zarr_itself_checks_the_chunk_crc32c(run: dict, tmp_path: Path) -> None:
     with zipfile.ZipFile(rebuilt) as z:
         assert z.testzip() is None  # the container itself is sound now
     info = _run_child(CORRUPT, str(rebuilt), "5")
-    assert info["error"] is not None and "checksum" in info["msg"].lower(), info
+    assert info["error"] is not None, info
+    assert "checksum" in info["msg"].lower(), info
     # the other chunks of the damaged step, and the undamaged steps, read fine
     assert _run_child(CORRUPT, str(rebuilt), "0")["error"] is None
     assert _run_child(CORRUPT, str(run["zips"][10]), "5")["error"] is None
@@ -304,5 +312,6 @@ def test_bfloat16_dtype_class_matches_ml_dtypes() -> None:
     from dstt.store.bfloat16 import BFloat16
 
     d = BFloat16()
-    assert d.to_native_dtype() == np.dtype(ml_dtypes.bfloat16) and d.item_size == 2
+    assert d.to_native_dtype() == np.dtype(ml_dtypes.bfloat16)
+    assert d.item_size == 2
     assert BFloat16.from_native_dtype(np.dtype(ml_dtypes.bfloat16)) == d

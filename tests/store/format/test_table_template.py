@@ -11,8 +11,7 @@ import pytest
 from dstt.store import Repository, load
 from dstt.store.format.manifest import TableTemplate, dump_arrays, parse_arrays
 from dstt.store.storage.memory import MemoryStorage
-
-from .._util import put_array
+from store._util import put_array
 
 # 0-d · empty · one chunk · several chunks (with chunk_bytes=256: a non-framed layout)
 SPECS = [("params/a/w", "float32", (3, 5), ("out", "in")), ("params/a/b", "float16", (7,), None),
@@ -64,7 +63,8 @@ def test_a_step_with_other_arrays_builds_its_table() -> None:
         txn, _ = _flat_step(w, _layout(w), 1, np.random.default_rng(1))
         put_array(txn, "params/extra", np.arange(5, dtype=np.float32))
         table = parse_arrays(txn.arrays_table(), "test")
-        assert "params/extra" in table and len(table) == len(SPECS) + 1
+        assert "params/extra" in table
+        assert len(table) == len(SPECS) + 1
         assert not w._tables  # no template for a step that is not one flat write
         txn.commit()
 
@@ -100,4 +100,5 @@ def test_the_root_document_spliced_per_step_is_the_one_encoded_whole() -> None:
     got = root_document_bytes(attrs, consolidated_metadata(members))
     want = dump(root_document(attrs, [(p, json.loads(d)) for p, _, d in members]))
     assert got == want
-    assert b"\n" not in got and b": " not in got  # compact: no indentation, no padding
+    assert b"\n" not in got
+    assert b": " not in got  # compact: no indentation, no padding

@@ -70,7 +70,8 @@ def test_local_data_offset_refuses_a_damaged_header() -> None:
 def test_unaligned_headers_are_unchanged() -> None:
     """Runs written before alignment existed have these exact bytes: verify reads them."""
     h = local_header("params/w/c/0", 16, 0xDEADBEEF, 1234)
-    assert len(h) == 30 + len("params/w/c/0") and h[28:30] == b"\0\0"
+    assert len(h) == 30 + len("params/w/c/0")
+    assert h[28:30] == b"\0\0"
 
 
 def test_a_moved_block_is_the_block_built_there() -> None:
@@ -84,7 +85,8 @@ def test_a_moved_block_is_the_block_built_there() -> None:
     for start in (0, 1, 4096, 123_457):
         moved, fresh = built.moved(start), Block(start, names, datas)
         assert moved.directory == fresh.directory
-        assert moved.entries == fresh.entries and moved.iov == fresh.iov
+        assert moved.entries == fresh.entries
+        assert moved.iov == fresh.iov
         assert (moved.start, moved.nbytes, moved.names) == (fresh.start, fresh.nbytes,
                                                             fresh.names)
         assert moved.moved(7).directory == Block(7, names, datas).directory

@@ -17,8 +17,7 @@ from dstt.store.format.layout import INDEX_PREFIX
 from dstt.store.index.repair import check
 from dstt.store.index.view import GC_MARKER
 from dstt.store.storage.memory import DelegatingStorage, MemoryStorage
-
-from ..commit.test_crash import every_cut
+from store.commit.test_crash import every_cut
 
 N = 40
 
@@ -79,7 +78,8 @@ def test_spikes_finds_a_spike_inside_a_pruned_range() -> None:
     run = dstt.open(repo)
     assert 23 not in run.steps
     (sp,) = run.spikes("loss", window=10, z=5.0)
-    assert sp.step == 23 and sp.cause == 30  # the committed interval that holds 22 -> 23
+    assert sp.step == 23
+    assert sp.cause == 30  # the committed interval that holds 22 -> 23
     assert sp.tensors  # ranked from the cause commit's summaries
 
 
@@ -289,10 +289,12 @@ def test_located_records_equal_the_arrays_tables() -> None:
             txn.put_chunk("params/w", 0, a.reshape(-1).view(np.uint8))
             txn.commit()
     r = Repository(mem).reader()
-    assert len(r.index.load().rows) == 16 and len(r.index.segments) < 8
+    assert len(r.index.load().rows) == 16
+    assert len(r.index.segments) < 8
     for h in r.lineage():
         got = r.index.located(h.slot, "params/w")
-        assert got is not None and got == r.arrays(h)["params/w"]
+        assert got is not None
+        assert got == r.arrays(h)["params/w"]
         assert got.dims == ("out", "in")
 
 
@@ -307,10 +309,12 @@ def test_a_writer_does_not_write_rows_an_index_rewrite_made_newer() -> None:
         for s in range(6):
             _commit(w, s, 1.0)
         rebuild(w.reader)  # what gc's rewrite does, under the writer's lock
-        assert w.index is not None and len(w.index.pending) == 6
+        assert w.index is not None
+        assert len(w.index.pending) == 6
         before = sorted(mem.list(INDEX_PREFIX))
         w.index.flush()
-        assert sorted(mem.list(INDEX_PREFIX)) == before and not w.index.pending
+        assert sorted(mem.list(INDEX_PREFIX)) == before
+        assert not w.index.pending
     assert check(Repository(mem).reader()) == []
 
 
@@ -332,13 +336,15 @@ def test_a_local_run_writes_segments_from_background_jobs(tmp_path: Path) -> Non
         repo = _run(st, range(N), every=4)  # 10 segments' worth: jobs and a merge
     finally:
         IndexWriter._start_job = real_start  # type: ignore[method-assign]
-    assert jobs and all(j is not None and j.ok for j in jobs), [j.error for j in jobs if j]
+    assert jobs, [j.error for j in jobs if j]
+    assert all(j is not None and j.ok for j in jobs), [j.error for j in jobs if j]
     r = repo.reader()
     index = r.index.load()
     slots = sorted(h.slot for h in r.lineage())
     # every commit but a tail of fewer than ``every``: the close leaves those to the next
     # writer (no seconds of Python at the end of a session)
-    assert set(index.rows) <= set(slots) and len(set(slots) - set(index.rows)) < 4
+    assert set(index.rows) <= set(slots)
+    assert len(set(slots) - set(index.rows)) < 4
     assert len(jobs) >= 2  # the commits' jobs, and the close's
     assert not check(r)  # and the rows agree with the headers
     assert len(index.segments) < N // 4  # the job merged
@@ -365,7 +371,8 @@ def test_a_failed_index_job_leaves_the_rows_to_the_writer(
     slots = sorted(h.slot for h in r.lineage())
     # the failed job's rows (the first four) were written here; only a tail of fewer than
     # CLOSE_MIN commits is left to the headers, as after any session
-    assert set(slots[:4]) <= set(rows) and len(set(slots) - set(rows)) < 8
+    assert set(slots[:4]) <= set(rows)
+    assert len(set(slots) - set(rows)) < 8
     assert not check(r)
 
 

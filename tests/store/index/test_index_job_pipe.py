@@ -23,7 +23,8 @@ def test_a_job_found_done_by_poll_still_closes_its_pipe() -> None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert not job.ok
-    assert job.proc.stderr is not None and job.proc.stderr.closed
+    assert job.proc.stderr is not None
+    assert job.proc.stderr.closed
     assert job.error == "boom"
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -48,14 +48,17 @@ def test_gc_sweeps_aborted_slots_and_temporaries(tmp_path: Path) -> None:
     published = {step_file_key(slot), side_file_key(slot)}
     assert published <= debris  # the headerless slot's step files
     temps = debris - published
-    assert len(temps) == 3 and all(".tmp." in f for f in temps), temps  # zip, side, torn
+    assert len(temps) == 3, temps
+    assert all(".tmp." in f for f in temps), temps  # zip, side, torn
     assert not (run / COMMITS_PREFIX / f"{slot:012d}.json").exists()
     assert load(run).header.step == 3  # none of it is visible
 
     dry = repo.gc(dry_run=True)
-    assert dry.dry_run and _files(run) - clean == debris  # a dry run touches nothing
+    assert dry.dry_run
+    assert _files(run) - clean == debris  # a dry run touches nothing
     report = repo.gc()
-    assert report.pruned_steps == () and report.orphan_slots == ()
+    assert report.pruned_steps == ()
+    assert report.orphan_slots == ()
     assert report.files_removed == 5
     assert _files(run) == clean
     assert repo.verify().ok

@@ -15,9 +15,15 @@ from dstt.store import Repository, Storage, load
 from dstt.store.codec.xor import DeltaPolicy
 from dstt.store.format.layout import HEAD_KEY, STEPS_PREFIX, ref_key
 from dstt.store.storage.memory import MemoryStorage
-
-from .._util import assert_same_arrays
-from ..commit.test_crash import _commit_evolving, _gc_state, copy, do_commit, every_cut, evolving
+from store._util import assert_same_arrays
+from store.commit.test_crash import (
+    _commit_evolving,
+    _gc_state,
+    copy,
+    do_commit,
+    every_cut,
+    evolving,
+)
 
 BRANCH = [0, 1, 2, 3, 4, 5, 6, 7]
 
@@ -71,7 +77,8 @@ def test_power_cut_at_every_write_of_a_timeline_rename() -> None:
         assert rep.ok, rep.problems
         r = repo.reader()
         names = set(r.timelines)
-        assert names - {"main", child} in ({tl}, {"alt"}, {tl, "alt"}) and "main" in names
+        assert names - {"main", child} in ({tl}, {"alt"}, {tl, "alt"})
+        assert "main" in names
         assert r.current_timeline in (names & {tl, "alt"})
         for name in names & {tl, "alt"}:
             got = r.ref(name)
@@ -82,11 +89,13 @@ def test_power_cut_at_every_write_of_a_timeline_rename() -> None:
         assert r.ref(child).base_timeline in (names & {tl, "alt"})
         assert_exact(st, "main", list(range(10)), False)
         if done:
-            assert names == {"main", child, "alt"} and r.current_timeline == "alt"
+            assert names == {"main", child, "alt"}
+            assert r.current_timeline == "alt"
         if tl in names:  # interrupted: the same call finishes it
             repo.rename_timeline(tl, "alt")
         r = repo.reader()
-        assert set(r.timelines) == {"main", child, "alt"} and r.current_timeline == "alt"
+        assert set(r.timelines) == {"main", child, "alt"}
+        assert r.current_timeline == "alt"
         assert r.ref(child).base_timeline == "alt"
         assert repo.verify().ok
         do_commit(st, 8, "alt")  # training resumes on the renamed timeline
@@ -109,7 +118,8 @@ def test_rename_refuses_taken_bad_and_unknown_names() -> None:
     assert set(repo.reader().timelines) == {"main", tl}
     repo.rename_timeline("main", "first")  # not the current one: HEAD stays
     r = repo.reader()
-    assert set(r.timelines) == {"first", tl} and r.current_timeline == tl
+    assert set(r.timelines) == {"first", tl}
+    assert r.current_timeline == tl
     assert r.ref(tl).base_timeline == "first"  # the child follows
     assert_exact(base, "first", list(range(10)), False)
     # commit headers keep the name they were written under: history, not a ref
@@ -135,7 +145,9 @@ def test_power_cut_at_every_write_of_a_timeline_delete(encoded: bool) -> None:
     ref = copy(base)
     rep = Repository(ref).delete_timeline("main")
     assert (rep.freed_steps, rep.kept_steps) == ((6, 7, 8, 9), (0, 1, 2, 3, 4, 5))
-    assert rep.gc is not None and rep.gc.files_removed >= 8 and not rep.dry_run
+    assert rep.gc is not None
+    assert rep.gc.files_removed >= 8
+    assert not rep.dry_run
     want = _gc_state(ref)
     assert not own & slots_on_disk(ref)  # main's own step files and headers are gone
     assert_exact(ref, tl, BRANCH, True)
@@ -145,7 +157,8 @@ def test_power_cut_at_every_write_of_a_timeline_delete(encoded: bool) -> None:
         rep = repo.verify()
         assert rep.ok, rep.problems
         r = repo.reader()
-        assert r.current_timeline == tl and set(r.timelines) in ({"main", tl}, {tl})
+        assert r.current_timeline == tl
+        assert set(r.timelines) in ({"main", tl}, {tl})
         assert_exact(st, tl, BRANCH, True)
         if "main" in r.timelines:  # the cut came before the ref went: main is untouched
             assert_exact(st, "main", list(range(10)), False)
@@ -153,7 +166,8 @@ def test_power_cut_at_every_write_of_a_timeline_delete(encoded: bool) -> None:
         if done:
             assert _gc_state(st) == want
         repo.gc()  # finishes an interrupted sweep
-        assert _gc_state(st) == want and not own & slots_on_disk(st)
+        assert _gc_state(st) == want
+        assert not own & slots_on_disk(st)
         assert_exact(st, tl, BRANCH, True)
 
     keys = every_cut(base, lambda st: Repository(st).delete_timeline("main"), check)
@@ -167,15 +181,20 @@ def test_delete_refuses_the_current_timeline_and_keeps_what_children_need() -> N
     repo = Repository(base)
     with pytest.raises(CurrentTimelineError, match="switch") as ei:
         repo.delete_timeline(tl)
-    assert isinstance(ei.value, TimelineError) and "'main'" in str(ei.value)
+    assert isinstance(ei.value, TimelineError)
+    assert "'main'" in str(ei.value)
     # a timeline forked from tl at 6: deleting tl keeps 6 (the child reads it), frees 7
     child = repo.rollback(6, timeline=tl).name
     dry = repo.delete_timeline(tl, dry_run=True)
-    assert dry.dry_run and (dry.freed_steps, dry.kept_steps) == ((7,), (0, 1, 2, 3, 4, 5, 6))
-    assert dry.gc is not None and dry.gc.files_removed == 2 and dry.gc.dry_run
+    assert dry.dry_run
+    assert (dry.freed_steps, dry.kept_steps) == ((7,), (0, 1, 2, 3, 4, 5, 6))
+    assert dry.gc is not None
+    assert dry.gc.files_removed == 2
+    assert dry.gc.dry_run
     assert set(repo.reader().timelines) == {"main", tl, child}  # a dry run deletes nothing
     rep = repo.delete_timeline(tl)
-    assert rep.freed_steps == (7,) and rep.gc is not None
+    assert rep.freed_steps == (7,)
+    assert rep.gc is not None
     assert rep.gc.files_removed == dry.gc.files_removed
     r = repo.reader()
     assert set(r.timelines) == {"main", child}
@@ -186,7 +205,8 @@ def test_delete_refuses_the_current_timeline_and_keeps_what_children_need() -> N
     # without gc only the ref goes; the next gc sweeps the files
     repo.switch(child)
     kept = repo.delete_timeline("main", gc=False)
-    assert kept.gc is None and kept.freed_steps == (6, 7, 8, 9)
+    assert kept.gc is None
+    assert kept.freed_steps == (6, 7, 8, 9)
     with pytest.raises(StepNotFoundError):
         load(base, step=9, timeline=child)
     before = slots_on_disk(base)
@@ -207,7 +227,8 @@ def test_gc_keeps_the_step_a_timeline_forks_from(how: str) -> None:
     base, tl = timeline_run(encoded=False)  # raw steps: no delta base keeps 5 by chance
     repo = Repository(base)
     fork = repo.reader().ref(tl).base_slot
-    assert fork is not None and repo.reader().header(fork).step == 5
+    assert fork is not None
+    assert repo.reader().header(fork).step == 5
     if how == "offline":
         report = repo.gc(keep_last=2)
     else:  # a session's background retention, under its own writer

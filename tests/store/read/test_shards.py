@@ -11,8 +11,7 @@ import pytest
 from dstt.errors import CorruptRunError
 from dstt.store import Repository
 from dstt.store.read.shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
-
-from .._util import put_array, same_bits
+from store._util import put_array, same_bits
 
 
 def _sharded_commit(repo: Repository, pieces: dict[str, list[Piece]],

@@ -31,7 +31,8 @@ def test_fsync_mode_a_barrier_covers_only_its_own_handles_writes() -> None:
     mem.write("r0", b"0")
     rank1.write("r1", b"1")
     rank2.write("r2", b"2")
-    assert rank1.read("r2") == b"2" and rank2.exists("r0")  # one namespace, visible to all
+    assert rank1.read("r2") == b"2"
+    assert rank2.exists("r0")  # one namespace, visible to all
     rank1.barrier()
     assert mem.crash().data == {"r1": b"1"}
     assert mem.pending() == ["r0", "r2"]
@@ -49,7 +50,8 @@ def test_deletes_are_durable_at_once_and_handles_share_locks() -> None:
     h = mem.handle()
     mem.write_durable("d/x", b"x")
     h.delete("d")
-    assert mem.crash().data == {} and not mem.exists("d/x")
+    assert mem.crash().data == {}
+    assert not mem.exists("d/x")
     with mem.lock("lock"), pytest.raises(RunLockedError), h.lock("lock"):
         pass
 
