@@ -26,11 +26,18 @@ def source_state() -> dict[str, Any]:
         h.update(p.read_bytes())
     out: dict[str, Any] = {"dstt_sources_sha256": h.hexdigest()[:16]}
     try:
-        out["git_head"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, text=True,
-                                         capture_output=True, check=True).stdout.strip()
-        out["dstt_dirty"] = bool(subprocess.run(
-            ["git", "status", "--porcelain", "--", "dstt"], cwd=root, text=True,
-            capture_output=True, check=True).stdout.strip())
+        out["git_head"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, text=True, capture_output=True, check=True
+        ).stdout.strip()
+        out["dstt_dirty"] = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--", "dstt"],
+                cwd=root,
+                text=True,
+                capture_output=True,
+                check=True,
+            ).stdout.strip()
+        )
     except (OSError, subprocess.CalledProcessError):
         pass
     return out
@@ -60,8 +67,9 @@ def disk_bandwidth(root: Path, total: int) -> float:
     return total / dt
 
 
-def finish(res: dict[str, Any], out_json: Path, t_start: float,
-           report: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+def finish(
+    res: dict[str, Any], out_json: Path, t_start: float, report: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
     """Close a bench run: load and wall time into ``res``, print it, write it as JSON."""
     res["machine"]["loadavg_after"] = os.getloadavg()
     res["wall_s"] = time.perf_counter() - t_start

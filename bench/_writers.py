@@ -54,8 +54,10 @@ class BareWriter:
         self.offsets = offs
         self.nbytes = n
         self.buf = torch.zeros(n, dtype=torch.uint8)  # touched once: no page faults later
-        self.views = [self.buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                      for o, t in zip(offs, tensors, strict=True)]
+        self.views = [
+            self.buf[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for o, t in zip(offs, tensors, strict=True)
+        ]
         self.mem = self.buf.numpy().data.cast("B")
         self.path = path
         self.todo: queue.Queue[bool] = queue.Queue()
@@ -90,7 +92,7 @@ class BareWriter:
         try:
             done = 0
             while done < self.nbytes:
-                done += os.write(fd, self.mem[done:min(done + PIECE, self.nbytes)])
+                done += os.write(fd, self.mem[done : min(done + PIECE, self.nbytes)])
         finally:
             os.close(fd)
 
@@ -132,12 +134,14 @@ class GuardedWriter(BareWriter):
             raise ValueError("GuardedWriter summarizes float32 tensors only")
         super().__init__(tensors, path)
         sizes = [t.numel() * 4 for t in tensors]
-        self.entries = [self.mem[o:o + n] for o, n in zip(self.offsets, sizes, strict=True)]
+        self.entries = [self.mem[o : o + n] for o, n in zip(self.offsets, sizes, strict=True)]
         self.values = np.frombuffer(self.mem, dtype=np.float32)
         # reduceat over [start, end) pairs: every other result is a tensor's, the padding's
         # between them is dropped
-        self.bounds = np.array([b for o, n in zip(self.offsets, sizes, strict=True)
-                                for b in (o // 4, (o + n) // 4)], dtype=np.intp)
+        self.bounds = np.array(
+            [b for o, n in zip(self.offsets, sizes, strict=True) for b in (o // 4, (o + n) // 4)],
+            dtype=np.intp,
+        )
         if self.bounds[-1] == len(self.values):
             self.bounds = self.bounds[:-1]  # the last tensor runs to the buffer's end
         self.squares = np.empty_like(self.values)
@@ -159,9 +163,14 @@ class GuardedWriter(BareWriter):
         data, meta = self.dir / f"step-{k}.bin", self.dir / f"step-{k}.json"
         self._write_file(data.with_suffix(".tmp"))
         os.replace(data.with_suffix(".tmp"), data)
-        self.manifest = {"step": k, "crc32c": crcs, "crc32": zips, "sumsq": sumsq.tolist(),
-                         "max": hi.astype(np.float64).tolist(),
-                         "min": lo.astype(np.float64).tolist()}
+        self.manifest = {
+            "step": k,
+            "crc32c": crcs,
+            "crc32": zips,
+            "sumsq": sumsq.tolist(),
+            "max": hi.astype(np.float64).tolist(),
+            "min": lo.astype(np.float64).tolist(),
+        }
         tmp = meta.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.manifest))
         os.replace(tmp, meta)  # written last: the step is visible once it is there

@@ -122,12 +122,21 @@ class Trainer:
     def __init__(self, cfg: dict[str, int]) -> None:
         torch.manual_seed(0)
         self.cfg = cfg
-        self.model = TinyGPT(vocab=cfg["vocab"], d=cfg["d"], layers=cfg["layers"],
-                             heads=cfg["heads"], seq=cfg["seq"], dropout=0.0)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.1,
-                                     betas=(0.9, 0.95))
-        self.batches = [make_batch(i, batch_size=cfg["batch"], seq=cfg["seq"],
-                                   vocab=cfg["vocab"]) for i in range(16)]
+        self.model = TinyGPT(
+            vocab=cfg["vocab"],
+            d=cfg["d"],
+            layers=cfg["layers"],
+            heads=cfg["heads"],
+            seq=cfg["seq"],
+            dropout=0.0,
+        )
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95)
+        )
+        self.batches = [
+            make_batch(i, batch_size=cfg["batch"], seq=cfg["seq"], vocab=cfg["vocab"])
+            for i in range(16)
+        ]
         self.i = 0
         self.params = sum(p.numel() for p in self.model.parameters())
 
@@ -160,9 +169,13 @@ def run_none(tr: Trainer, warmup: int, iters: int, **_: Any) -> dict[str, Any]:
         t = time.perf_counter()
         tr.step()
         its.append(time.perf_counter() - t)
-    return {"iter_s": its, "total_s": time.perf_counter() - t0, "blocked_s": [0.0] * iters,
-            "train_cpu_s": (time.thread_time() - c0) / iters,
-            "proc_cpu_s": (time.process_time() - p0) / iters}
+    return {
+        "iter_s": its,
+        "total_s": time.perf_counter() - t0,
+        "blocked_s": [0.0] * iters,
+        "train_cpu_s": (time.thread_time() - c0) / iters,
+        "proc_cpu_s": (time.process_time() - p0) / iters,
+    }
 
 
 def _nice_dstt_threads(level: int = 19) -> None:
@@ -174,8 +187,15 @@ def _nice_dstt_threads(level: int = 19) -> None:
             os.setpriority(os.PRIO_PROCESS, t.native_id, level)
 
 
-def _run_dstt(tr: Trainer, warmup: int, iters: int, root: Path, encoding: Any,
-              nice: bool = False, **options: Any) -> dict[str, Any]:
+def _run_dstt(
+    tr: Trainer,
+    warmup: int,
+    iters: int,
+    root: Path,
+    encoding: Any,
+    nice: bool = False,
+    **options: Any,
+) -> dict[str, Any]:
     run = root / "dstt-run"
     shutil.rmtree(run, ignore_errors=True)
     its: list[float] = []
@@ -198,14 +218,19 @@ def _run_dstt(tr: Trainer, warmup: int, iters: int, root: Path, encoding: Any,
     timed = [ms[k] for k in range(first, first + iters) if k in ms]
     tail = [ms[k] for k in range(first + 1, first + iters + 1) if k in ms]
     out = {
-        "iter_s": its, "total_s": total, "train_cpu_s": train_cpu, "proc_cpu_s": proc_cpu,
+        "iter_s": its,
+        "total_s": total,
+        "train_cpu_s": train_cpu,
+        "proc_cpu_s": proc_cpu,
         "blocked_s": [m.blocked_s for m in timed],
-        "copy_s": [m.copy_s for m in tail], "flush_s": [m.flush_s for m in tail],
+        "copy_s": [m.copy_s for m in tail],
+        "flush_s": [m.flush_s for m in tail],
         "stall_s": [m.stall_s for m in tail],
         "writer_cpu_s": [m.writer_cpu_s for m in tail],
         "bytes": [m.bytes for m in tail],
         "written_bytes": [m.written_bytes for m in tail],
-        "keyframes": sum(m.keyframes for m in tail), "deltas": sum(m.deltas for m in tail),
+        "keyframes": sum(m.keyframes for m in tail),
+        "deltas": sum(m.deltas for m in tail),
         "dedups": sum(m.dedups for m in tail),
         "raw_fallback_steps": sum(1 for m in tail if m.raw_fallback),
         "committed": sum(1 for m in tail if m.committed),
@@ -224,14 +249,16 @@ def run_dstt_delta(tr: Trainer, warmup: int, iters: int, root: Path, **_: Any) -
 
 
 # experiments (not run by default; pass --modes): what the findings in docs/benchmarks.md suggest
-def run_dstt_delta_lz4(tr: Trainer, warmup: int, iters: int, root: Path,
-                       **_: Any) -> dict[str, Any]:
+def run_dstt_delta_lz4(
+    tr: Trainer, warmup: int, iters: int, root: Path, **_: Any
+) -> dict[str, Any]:
     """DeltaPolicy with lz4 instead of zstd for prediction residuals (less CPU, more bytes)."""
     return _run_dstt(tr, warmup, iters, root, dstt.DeltaPolicy(residual_cname="lz4"))
 
 
-def run_dstt_delta_always(tr: Trainer, warmup: int, iters: int, root: Path,
-                          **_: Any) -> dict[str, Any]:
+def run_dstt_delta_always(
+    tr: Trainer, warmup: int, iters: int, root: Path, **_: Any
+) -> dict[str, Any]:
     """DeltaPolicy that never falls back to raw (disk space first)."""
     return _run_dstt(tr, warmup, iters, root, dstt.DeltaPolicy(raw_when_busy=False))
 
@@ -281,8 +308,14 @@ def run_torch_save(tr: Trainer, warmup: int, iters: int, root: Path, **_: Any) -
     proc_cpu = (time.process_time() - p0) / iters
     size = final.stat().st_size
     final.unlink()
-    return {"iter_s": its, "total_s": total, "blocked_s": blocked, "file_bytes": size,
-            "train_cpu_s": train_cpu, "proc_cpu_s": proc_cpu}
+    return {
+        "iter_s": its,
+        "total_s": total,
+        "blocked_s": blocked,
+        "file_bytes": size,
+        "train_cpu_s": train_cpu,
+        "proc_cpu_s": proc_cpu,
+    }
 
 
 _PG: Any = None
@@ -307,8 +340,14 @@ def run_dcp(tr: Trainer, warmup: int, iters: int, root: Path, **_: Any) -> dict[
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     pg = _process_group(root)
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                          use_async_staging=True, use_non_blocking_copy=False))
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=False,
+            use_async_staging=True,
+            use_non_blocking_copy=False,
+        )
+    )
     dirs = [root / "dcp-a", root / "dcp-b"]
     state: dict[str, Any] = {"resp": None, "n": 0}
 
@@ -329,8 +368,9 @@ def run_dcp(tr: Trainer, warmup: int, iters: int, root: Path, **_: Any) -> dict[
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             writer = FileSystemWriter(d, sync_files=True)
-            state["resp"] = dcp.async_save(tr.state_dict(), storage_writer=writer,
-                                           async_stager=stager, process_group=pg)
+            state["resp"] = dcp.async_save(
+                tr.state_dict(), storage_writer=writer, async_stager=stager, process_group=pg
+            )
         return time.perf_counter() - t
 
     def one() -> float:
@@ -359,31 +399,56 @@ def run_dcp(tr: Trainer, warmup: int, iters: int, root: Path, **_: Any) -> dict[
         stager.close()
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
-    return {"iter_s": its, "total_s": total, "blocked_s": blocked, "train_cpu_s": train_cpu,
-            "proc_cpu_s": proc_cpu}
+    return {
+        "iter_s": its,
+        "total_s": total,
+        "blocked_s": blocked,
+        "train_cpu_s": train_cpu,
+        "proc_cpu_s": proc_cpu,
+    }
 
 
-RUNNERS = {"none": run_none, "dstt": run_dstt, "torch_save": run_torch_save, "dcp": run_dcp,
-           "dstt_delta": run_dstt_delta, "dstt_nice": run_dstt_nice, "dstt_lean": run_dstt_lean,
-           "dstt_delta_lz4": run_dstt_delta_lz4, "dstt_xor": run_dstt_xor,
-           "dstt_delta_always": run_dstt_delta_always}
+RUNNERS = {
+    "none": run_none,
+    "dstt": run_dstt,
+    "torch_save": run_torch_save,
+    "dcp": run_dcp,
+    "dstt_delta": run_dstt_delta,
+    "dstt_nice": run_dstt_nice,
+    "dstt_lean": run_dstt_lean,
+    "dstt_delta_lz4": run_dstt_delta_lz4,
+    "dstt_xor": run_dstt_xor,
+    "dstt_delta_always": run_dstt_delta_always,
+}
 
 
 # -- driver ---------------------------------------------------------------------------------
-def bench_size(name: str, cfg: dict[str, int], modes: list[str], *, repeats: int, warmup: int,
-               iters: int, root: Path, disk_total: int, log: Any) -> dict[str, Any]:
+def bench_size(
+    name: str,
+    cfg: dict[str, int],
+    modes: list[str],
+    *,
+    repeats: int,
+    warmup: int,
+    iters: int,
+    root: Path,
+    disk_total: int,
+    log: Any,
+) -> dict[str, Any]:
     tr = Trainer(cfg)
     for _ in range(3):  # allocate optimizer state, warm the allocator
         tr.step()
     sbytes = state_bytes(tr.model, tr.opt)
-    log(f"[{name}] {tr.params / 1e6:.2f} M params, {sbytes / 1e6:.1f} MB of state per step, "
-        f"modes {modes}, {repeats} x {iters} iterations (+{warmup} warmup)")
+    log(
+        f"[{name}] {tr.params / 1e6:.2f} M params, {sbytes / 1e6:.1f} MB of state per step, "
+        f"modes {modes}, {repeats} x {iters} iterations (+{warmup} warmup)"
+    )
     per: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     bw: list[float] = []
     order = list(modes)
     for rep in range(repeats):
         bw.append(disk_bandwidth(root, disk_total))
-        rot = order[rep % len(order):] + order[: rep % len(order)]
+        rot = order[rep % len(order) :] + order[: rep % len(order)]
         if "none" in rot:  # keep the baseline first so every ratio has a same-repeat base
             rot.remove("none")
             rot.insert(0, "none")
@@ -392,9 +457,11 @@ def bench_size(name: str, cfg: dict[str, int], modes: list[str], *, repeats: int
             r = RUNNERS[mode](tr, warmup, iters, root=root)
             r["s_per_iter"] = r["total_s"] / iters
             per[mode].append(r)
-            log(f"[{name}] repeat {rep + 1}/{repeats} {mode:>10}: "
+            log(
+                f"[{name}] repeat {rep + 1}/{repeats} {mode:>10}: "
                 f"{r['s_per_iter'] * 1e3:8.1f} ms/iter, blocked "
-                f"{med(r['blocked_s']) * 1e3:7.1f} ms/step")
+                f"{med(r['blocked_s']) * 1e3:7.1f} ms/step"
+            )
     bw_med = med(bw)
     out_modes: dict[str, Any] = {}
     base = [r["s_per_iter"] for r in per["none"]]
@@ -413,26 +480,29 @@ def bench_size(name: str, cfg: dict[str, int], modes: list[str], *, repeats: int
             "ratio_vs_none": med([a / b for a, b in zip(spi, base, strict=True)]),
             "ratio_vs_none_all": [a / b for a, b in zip(spi, base, strict=True)],
             "blocked_s_per_step": med([med(r["blocked_s"]) for r in rs]),
-            "blocked_s_mean_per_step": med([statistics.fmean(r["blocked_s"]) if r["blocked_s"]
-                                            else 0.0 for r in rs]),
+            "blocked_s_mean_per_step": med(
+                [statistics.fmean(r["blocked_s"]) if r["blocked_s"] else 0.0 for r in rs]
+            ),
         }
         if mode.startswith("dstt"):
             raw = sum(sum(r["bytes"]) for r in rs)
             wr = sum(sum(r["written_bytes"]) for r in rs)
-            row.update({
-                "copy_s": med([med(r["copy_s"]) for r in rs]),
-                "flush_s": med([med(r["flush_s"]) for r in rs]),
-                "stall_s": med([med(r["stall_s"]) for r in rs]),
-                "bytes_per_step": med([med(r["bytes"]) for r in rs]),
-                "written_bytes_per_step": med([med(r["written_bytes"]) for r in rs]),
-                "write_ratio": raw / wr if wr else None,
-                "keyframes": sum(r["keyframes"] for r in rs),
-                "deltas": sum(r["deltas"] for r in rs),
-                "dedups": sum(r["dedups"] for r in rs),
-                "raw_fallback_steps": sum(r["raw_fallback_steps"] for r in rs),
-                "steps_measured": sum(len(r["bytes"]) for r in rs),
-                "backlog_max": max(r["backlog_max"] for r in rs),
-            })
+            row.update(
+                {
+                    "copy_s": med([med(r["copy_s"]) for r in rs]),
+                    "flush_s": med([med(r["flush_s"]) for r in rs]),
+                    "stall_s": med([med(r["stall_s"]) for r in rs]),
+                    "bytes_per_step": med([med(r["bytes"]) for r in rs]),
+                    "written_bytes_per_step": med([med(r["written_bytes"]) for r in rs]),
+                    "write_ratio": raw / wr if wr else None,
+                    "keyframes": sum(r["keyframes"] for r in rs),
+                    "deltas": sum(r["deltas"] for r in rs),
+                    "dedups": sum(r["dedups"] for r in rs),
+                    "raw_fallback_steps": sum(r["raw_fallback_steps"] for r in rs),
+                    "steps_measured": sum(len(r["bytes"]) for r in rs),
+                    "backlog_max": max(r["backlog_max"] for r in rs),
+                }
+            )
         if mode == "torch_save":
             row["file_bytes"] = rs[0]["file_bytes"]
         out_modes[mode] = row
@@ -448,16 +518,22 @@ def bench_size(name: str, cfg: dict[str, int], modes: list[str], *, repeats: int
             targets["dstt_overhead_le_5pct"] = d["ratio_vs_none"] <= 1.05
         else:
             targets["dstt_within_10pct_of_floor"] = d["vs_floor"] <= 1.10
-        peers = [out_modes[m]["blocked_s_per_step"] for m in ("torch_save", "dcp")
-                 if m in out_modes]
+        peers = [
+            out_modes[m]["blocked_s_per_step"] for m in ("torch_save", "dcp") if m in out_modes
+        ]
         if peers:
             targets["dstt_blocked_below_peers"] = d["blocked_s_per_step"] < min(peers)
     if "dstt_delta" in out_modes:
         targets["delta_below_disk_floor"] = out_modes["dstt_delta"]["s_per_iter"] < disk_s
     return {
         "model": {**cfg, "params": tr.params, "state_bytes": sbytes},
-        "disk": {"write_bytes_per_s": bw_med, "all": bw, "spread": spread(bw),
-                 "probe_bytes": disk_total, "method": "64 MiB writes into one file + fsync"},
+        "disk": {
+            "write_bytes_per_s": bw_med,
+            "all": bw,
+            "spread": spread(bw),
+            "probe_bytes": disk_total,
+            "method": "64 MiB writes into one file + fsync",
+        },
         "disk_s_per_step": disk_s,
         "floor_s": floor,
         "modes": out_modes,
@@ -469,20 +545,26 @@ def print_table(res: dict[str, Any]) -> None:
     for name, sz in res["sizes"].items():
         m = sz["model"]
         disk = sz["disk"]
-        print(f"\n== {name}: {m['params'] / 1e6:.2f} M params, "
-              f"{m['state_bytes'] / 1e6:.1f} MB/step; disk {disk['write_bytes_per_s'] / 1e9:.2f}"
-              f" GB/s (spread {disk['spread']:.0%}) -> {sz['disk_s_per_step'] * 1e3:.0f} "
-              f"ms/step; floor {sz['floor_s'] * 1e3:.0f} ms/iter")
-        print(f"{'mode':>11} {'ms/iter':>9} {'x none':>7} {'x floor':>8} {'spread':>7} "
-              f"{'iter med':>9} {'cpu/iter':>9} {'train cpu':>9} {'blocked/step':>13} "
-              f"{'written/raw':>12}")
+        print(
+            f"\n== {name}: {m['params'] / 1e6:.2f} M params, "
+            f"{m['state_bytes'] / 1e6:.1f} MB/step; disk {disk['write_bytes_per_s'] / 1e9:.2f}"
+            f" GB/s (spread {disk['spread']:.0%}) -> {sz['disk_s_per_step'] * 1e3:.0f} "
+            f"ms/step; floor {sz['floor_s'] * 1e3:.0f} ms/iter"
+        )
+        print(
+            f"{'mode':>11} {'ms/iter':>9} {'x none':>7} {'x floor':>8} {'spread':>7} "
+            f"{'iter med':>9} {'cpu/iter':>9} {'train cpu':>9} {'blocked/step':>13} "
+            f"{'written/raw':>12}"
+        )
         for mode, r in sz["modes"].items():
             wr = r.get("write_ratio")
             wr_s = f"{1 / wr:.3f}" if wr else "-"
-            print(f"{mode:>11} {r['s_per_iter'] * 1e3:9.1f} {r['ratio_vs_none']:7.3f} "
-                  f"{r['vs_floor']:8.3f} {r['spread']:7.0%} {r['iter_median_s'] * 1e3:9.1f} "
-                  f"{r['cpu_s_per_iter'] * 1e3:9.1f} {r['train_thread_cpu_s_per_iter'] * 1e3:9.1f} "
-                  f"{r['blocked_s_per_step'] * 1e3:10.2f} ms {wr_s:>12}")
+            print(
+                f"{mode:>11} {r['s_per_iter'] * 1e3:9.1f} {r['ratio_vs_none']:7.3f} "
+                f"{r['vs_floor']:8.3f} {r['spread']:7.0%} {r['iter_median_s'] * 1e3:9.1f} "
+                f"{r['cpu_s_per_iter'] * 1e3:9.1f} {r['train_thread_cpu_s_per_iter'] * 1e3:9.1f} "
+                f"{r['blocked_s_per_step'] * 1e3:10.2f} ms {wr_s:>12}"
+            )
         print("targets:", ", ".join(f"{k}={v}" for k, v in sz["targets"].items()))
 
 
@@ -490,15 +572,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny models, 1 repeat (smoke run)")
     ap.add_argument("--sizes", default="small,large")
-    ap.add_argument("--modes", default=",".join(ALL_MODES[:4]),
-                    help="modes for every size (dstt_delta is added at 'large')")
+    ap.add_argument(
+        "--modes",
+        default=",".join(ALL_MODES[:4]),
+        help="modes for every size (dstt_delta is added at 'large')",
+    )
     ap.add_argument("--delta-all", action="store_true", help="dstt_delta at every size")
     ap.add_argument("--no-delta", action="store_true", help="do not add dstt_delta at 'large'")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--iters", type=int, default=None, help="timed iterations per repeat")
     ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads for training (default 1, see docs)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for training (default 1, see docs)",
+    )
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -512,12 +601,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if m not in RUNNERS:
             ap.error(f"unknown mode {m!r}; choose from {sorted(RUNNERS)}")
     repeats = args.repeats or (1 if args.quick else 3)
-    out_json = Path(args.json) if args.json else (
-        Path(__file__).parent / "results" / ("capture_quick.json" if args.quick
-                                             else "capture.json"))
+    out_json = (
+        Path(args.json)
+        if args.json
+        else (
+            Path(__file__).parent
+            / "results"
+            / ("capture_quick.json" if args.quick else "capture.json")
+        )
+    )
     # (warmup, iters) per size: the large model runs ~0.4 s/iter without checkpoints
-    plan = {"small": (2, 4), "large": (1, 3)} if args.quick else \
-        {"small": (5, 30), "large": (2, 8)}
+    plan = {"small": (2, 4), "large": (1, 3)} if args.quick else {"small": (5, 30), "large": (2, 8)}
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -529,10 +623,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "capture",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "quick": args.quick,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__, "train_threads": args.threads,
-                    "source": source_state(),
-                    "platform": platform.platform(), "loadavg_before": load0},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "train_threads": args.threads,
+            "source": source_state(),
+            "platform": platform.platform(),
+            "loadavg_before": load0,
+        },
         "repeats": repeats,
         "sizes": {},
     }
@@ -542,13 +641,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             warmup = args.warmup if args.warmup is not None else warmup
             iters = args.iters or iters
             ms = list(modes)
-            if (name == "large" or args.delta_all) and "dstt_delta" not in ms \
-                    and not args.no_delta:
+            if (name == "large" or args.delta_all) and "dstt_delta" not in ms and not args.no_delta:
                 ms.append("dstt_delta")
             disk_total = (16 if args.quick else 512) * MiB
-            res["sizes"][name] = bench_size(name, sizes[name], ms, repeats=repeats,
-                                            warmup=warmup, iters=iters, root=root,
-                                            disk_total=disk_total, log=log)
+            res["sizes"][name] = bench_size(
+                name,
+                sizes[name],
+                ms,
+                repeats=repeats,
+                warmup=warmup,
+                iters=iters,
+                root=root,
+                disk_total=disk_total,
+                log=log,
+            )
             res["sizes"][name]["warmup"], res["sizes"][name]["iters"] = warmup, iters
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -52,8 +52,13 @@ def debris(run: Path) -> dict[str, int]:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "dstt.cli", *args], capture_output=True,
-                          text=True, env=child_env(), timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "dstt.cli", *args],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=600,
+    )
 
 
 def end_episode(run: Path) -> dict[str, Any]:
@@ -64,9 +69,12 @@ def end_episode(run: Path) -> dict[str, Any]:
     ok = gc.returncode == 0 and ver.returncode == 0 and json.loads(ver.stdout)["ok"]
     doc = json.loads(gc.stdout) if gc.returncode == 0 else {"error": gc.stderr[-500:]}
     after = debris(run)
-    return {"debris_before_gc": before, "debris_after_gc": after,
-            "gc_files_removed": doc.get("files_removed"), "gc_then_verify_ok": ok
-            and after == {"tmp_files": 0, "orphan_slots": 0}}
+    return {
+        "debris_before_gc": before,
+        "debris_after_gc": after,
+        "gc_files_removed": doc.get("files_removed"),
+        "gc_then_verify_ok": ok and after == {"tmp_files": 0, "orphan_slots": 0},
+    }
 
 
 def main() -> int:
@@ -90,10 +98,13 @@ def main() -> int:
         o = kill_once(run, ref, a.steps, a.seed, rng, delta=len(outcomes) % 2 == 1)
         outcomes.append(o)
         kills += not o.completed
-        print(f"[{kills:>3}/{a.kills}] run{episode} {o.phase:<9} {o.mode:<6} "
-              f"start={o.start:<3} trained={o.trained_to:<3} announced={o.announced:<3} "
-              f"head={o.head:<3} {'delta' if o.delta else 'raw  '} {o.seconds:5.1f}s "
-              f"{'OK' if not o.problems else 'FAIL ' + '; '.join(o.problems)}", flush=True)
+        print(
+            f"[{kills:>3}/{a.kills}] run{episode} {o.phase:<9} {o.mode:<6} "
+            f"start={o.start:<3} trained={o.trained_to:<3} announced={o.announced:<3} "
+            f"head={o.head:<3} {'delta' if o.delta else 'raw  '} {o.seconds:5.1f}s "
+            f"{'OK' if not o.problems else 'FAIL ' + '; '.join(o.problems)}",
+            flush=True,
+        )
         if o.completed:
             episodes.append({"run": episode, **end_episode(run)})
             shutil.rmtree(run)
@@ -119,8 +130,9 @@ def main() -> int:
         "by_mode": dict(collections.Counter(o.mode for o in killed)),
         "with_delta": sum(o.delta for o in killed),
         "head_after_last_announced": sum(o.head == o.announced + 1 for o in killed),
-        "steps_lost_to_a_kill": sum(o.trained_to - o.head for o in killed
-                                    if o.trained_to >= o.head),
+        "steps_lost_to_a_kill": sum(
+            o.trained_to - o.head for o in killed if o.trained_to >= o.head
+        ),
         "losses_checked_bit_exact": sum(o.checked_losses for o in outcomes),
         "verify_runs_ok": sum(o.verify_ok for o in outcomes),
         "episodes": episodes,

@@ -136,9 +136,15 @@ def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Snap:
         g = groups.get(id(p))
         if g is not None and "step" in st and "exp_avg_sq" in st:
             b1, b2 = g["betas"]
-            adam[n] = {"lr": float(g["lr"]), "beta1": float(b1), "beta2": float(b2),
-                       "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"]),
-                       "decoupled": float(decoupled), "step": float(st["step"])}
+            adam[n] = {
+                "lr": float(g["lr"]),
+                "beta1": float(b1),
+                "beta2": float(b2),
+                "eps": float(g["eps"]),
+                "weight_decay": float(g["weight_decay"]),
+                "decoupled": float(decoupled),
+                "step": float(st["step"]),
+            }
     return Snap(out, adam)
 
 
@@ -146,10 +152,19 @@ def predictions(snap: Snap) -> dict[str, Prediction]:
     """The session's predictions for this step, keyed by bench key (v and p of each param)."""
     out: dict[str, Prediction] = {}
     for n, h in snap.adam.items():
-        out.update(adam_predictions(
-            param=f"params/{n}", exp_avg=f"exp_avg/{n}", exp_avg_sq=f"exp_avg_sq/{n}",
-            lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"],
-            weight_decay=h["weight_decay"], decoupled=bool(h["decoupled"]), step=h["step"]))
+        out.update(
+            adam_predictions(
+                param=f"params/{n}",
+                exp_avg=f"exp_avg/{n}",
+                exp_avg_sq=f"exp_avg_sq/{n}",
+                lr=h["lr"],
+                betas=(h["beta1"], h["beta2"]),
+                eps=h["eps"],
+                weight_decay=h["weight_decay"],
+                decoupled=bool(h["decoupled"]),
+                step=h["step"],
+            )
+        )
     return out
 
 
@@ -165,8 +180,13 @@ def predicted(pr: Prediction, key: str, prev: Snap, cur: Snap) -> np.ndarray:
 
 def klass(key: str) -> str:
     kind = key.split("/", 1)[0]
-    return {"params": "fp32 params", "exp_avg": "fp32 exp_avg", "exp_avg_sq": "fp32 exp_avg_sq",
-            "bf16": "bf16 params", "fp16": "fp16 params"}[kind]
+    return {
+        "params": "fp32 params",
+        "exp_avg": "fp32 exp_avg",
+        "exp_avg_sq": "fp32 exp_avg_sq",
+        "bf16": "bf16 params",
+        "fp16": "fp16 params",
+    }[kind]
 
 
 def session_class(path: str) -> str | None:
@@ -179,11 +199,18 @@ def session_class(path: str) -> str | None:
     return None
 
 
-def train(cfg: dict[str, Any], steps: int, capture: list[int], chain: int, run: Path,
-          log: Any) -> tuple[dict[int, tuple[Snap, Snap]], list[Snap], dict[str, Any]]:
+def train(
+    cfg: dict[str, Any], steps: int, capture: list[int], chain: int, run: Path, log: Any
+) -> tuple[dict[int, tuple[Snap, Snap]], list[Snap], dict[str, Any]]:
     torch.manual_seed(0)
-    model = TinyGPT(vocab=cfg["vocab"], d=cfg["d"], layers=cfg["layers"], heads=cfg["heads"],
-                    seq=cfg["seq"], dropout=0.1)
+    model = TinyGPT(
+        vocab=cfg["vocab"],
+        d=cfg["d"],
+        layers=cfg["layers"],
+        heads=cfg["heads"],
+        seq=cfg["seq"],
+        dropout=0.1,
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     pairs: dict[int, tuple[Snap, Snap]] = {}
@@ -218,12 +245,14 @@ def train(cfg: dict[str, Any], steps: int, capture: list[int], chain: int, run: 
                 log(f"  step {i}/{steps} loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f} s)")
     ms = s.metrics
     info = {
-        "loss_first": losses[0], "loss_last": losses[-1],
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
         "session_policy": {"raw_when_busy": policy.raw_when_busy, "predict": policy.predict},
         "session_steps": len(ms),
         "session_written_over_raw_median": med([m.written_bytes / m.bytes for m in ms[1:]]),
-        "session_written_over_raw_total": (sum(m.written_bytes for m in ms)
-                                           / max(1, sum(m.bytes for m in ms))),
+        "session_written_over_raw_total": (
+            sum(m.written_bytes for m in ms) / max(1, sum(m.bytes for m in ms))
+        ),
         "session_raw_fallback_steps": sum(1 for m in ms if m.raw_fallback),
         "session_keyframes": sum(m.keyframes for m in ms),
         "session_deltas": sum(m.deltas for m in ms),
@@ -281,13 +310,19 @@ def session_classes(run: Path) -> dict[str, dict[str, Any]]:
             enc.update(by_enc[c])
             benc.update(bytes_enc[c])
             old.update(stale[c])
-        return {"raw_bytes": rw, "written_bytes": wr, "written_over_raw": wr / rw,
-                "ratio": rw / wr, "keyframe_chunks": enc["raw"],
-                "delta_chunks": sum(n for e, n in enc.items() if e != "raw"),
-                "chunks_by_encoding": dict(enc), "bytes_by_encoding": dict(benc),
-                "dedup_refs": sum(dedup[c] for c in cs),
-                "stale_base_chunks": dict(old),
-                "stale_base_bytes": sum(stale_bytes[c] for c in cs)}
+        return {
+            "raw_bytes": rw,
+            "written_bytes": wr,
+            "written_over_raw": wr / rw,
+            "ratio": rw / wr,
+            "keyframe_chunks": enc["raw"],
+            "delta_chunks": sum(n for e, n in enc.items() if e != "raw"),
+            "chunks_by_encoding": dict(enc),
+            "bytes_by_encoding": dict(benc),
+            "dedup_refs": sum(dedup[c] for c in cs),
+            "stale_base_chunks": dict(old),
+            "stale_base_bytes": sum(stale_bytes[c] for c in cs),
+        }
 
     out = {c: row([c]) for c in raw}
     out[ADAM3] = row(list(raw))
@@ -330,13 +365,13 @@ def xor_bound_bits(cur: np.ndarray, prev: np.ndarray) -> tuple[float, int]:
 
 def class_arrays(state: dict[str, np.ndarray], c: str) -> list[str]:
     if c == ADAM3:
-        return [k for k in state if klass(k) in ("fp32 params", "fp32 exp_avg",
-                                                  "fp32 exp_avg_sq")]
+        return [k for k in state if klass(k) in ("fp32 params", "fp32 exp_avg", "fp32 exp_avg_sq")]
     return [k for k in state if klass(k) == c]
 
 
-def lib_keyframe_every(pol: DeltaPolicy, key: str, preds: dict[str, Prediction],
-                       ratio: dict[str, float]) -> int:
+def lib_keyframe_every(
+    pol: DeltaPolicy, key: str, preds: dict[str, Prediction], ratio: dict[str, float]
+) -> int:
     """K the encoder would choose for ``key`` given these ratios: a predicted array follows its
     group's chain (``DeltaEncoder.group_limit``), any other its own (``chain_limit``); an array
     whose delta does not pay ``min_ratio`` is written raw (K = 1)."""
@@ -367,13 +402,18 @@ def ratios_at(prev: Snap, cur: Snap) -> dict[str, Any]:
         b = prev.arrays[k]
         size = a.dtype.itemsize
         xor_n[k] = len(xor_encode(u8(a), u8(b), size, pol))
-        plain_n[k] = blosc_size(a.reshape(-1).view(_UINT[size]), pol.codec_for(size), pol.clevel,
-                                Blosc.SHUFFLE)
+        plain_n[k] = blosc_size(
+            a.reshape(-1).view(_UINT[size]), pol.codec_for(size), pol.clevel, Blosc.SHUFFLE
+        )
         lz[k], bits[k] = xor_bound_bits(a, b)
         pr = preds.get(k)
         if pr is not None and size == 4:
-            e, n = "pred1", len(xor_encode(u8(a), predicted(pr, k, prev, cur), 4, pol,
-                                           cname=pol.residual_cname))
+            e, n = (
+                "pred1",
+                len(
+                    xor_encode(u8(a), predicted(pr, k, prev, cur), 4, pol, cname=pol.residual_cname)
+                ),
+            )
         else:
             e, n = "xor1", xor_n[k]
         lib_r[k] = a.nbytes / n
@@ -393,31 +433,51 @@ def ratios_at(prev: Snap, cur: Snap) -> dict[str, Any]:
         # keyframes included: per step (raw + (K-1)·between)/K, per tensor
         est = sum((cur.arrays[k].nbytes + (kf[k] - 1) * lib_n[k]) / kf[k] for k in keys)
         ks = [kf[k] for k in keys]
-        out[c] = {"raw_bytes": raw, "xor_bytes": enc, "ratio": raw / enc,
-                  "written_over_raw": enc / raw, "plain_zstd_ratio": raw / plain,
-                  "lz_bits": lz_mean, "xor_bound_ratio": nbits / max(1e-9, nbits - lz_mean),
-                  "lib_bytes": lib, "lib_ratio": raw / lib, "lib_written_over_raw": lib / raw,
-                  "lib_encodings": dict(Counter(lib_enc[k] for k in keys)),
-                  "lib_est_bytes": est, "lib_est_ratio": raw / est,
-                  "lib_keyframe_every": {"min": min(ks), "median": med([float(x) for x in ks]),
-                                         "max": max(ks)}}
+        out[c] = {
+            "raw_bytes": raw,
+            "xor_bytes": enc,
+            "ratio": raw / enc,
+            "written_over_raw": enc / raw,
+            "plain_zstd_ratio": raw / plain,
+            "lz_bits": lz_mean,
+            "xor_bound_ratio": nbits / max(1e-9, nbits - lz_mean),
+            "lib_bytes": lib,
+            "lib_ratio": raw / lib,
+            "lib_written_over_raw": lib / raw,
+            "lib_encodings": dict(Counter(lib_enc[k] for k in keys)),
+            "lib_est_bytes": est,
+            "lib_est_ratio": raw / est,
+            "lib_keyframe_every": {
+                "min": min(ks),
+                "median": med([float(x) for x in ks]),
+                "max": max(ks),
+            },
+        }
         if c != ADAM3:
             for k in keys:
                 a, b = cur.arrays[k], prev.arrays[k]
                 u = _UINT[a.dtype.itemsize]
-                per_tensor.append({"tensor": k, "class": c, "bytes": a.nbytes,
-                                   "ratio": a.nbytes / xor_n[k],
-                                   "lib_ratio": a.nbytes / lib_n[k], "lib_encoding": lib_enc[k],
-                                   "lib_keyframe_every": kf[k],
-                                   "changed_frac": float(np.mean(a.view(u) != b.view(u))),
-                                   "lz_bits": lz[k]})
+                per_tensor.append(
+                    {
+                        "tensor": k,
+                        "class": c,
+                        "bytes": a.nbytes,
+                        "ratio": a.nbytes / xor_n[k],
+                        "lib_ratio": a.nbytes / lib_n[k],
+                        "lib_encoding": lib_enc[k],
+                        "lib_keyframe_every": kf[k],
+                        "changed_frac": float(np.mean(a.view(u) != b.view(u))),
+                        "lz_bits": lz[k],
+                    }
+                )
     # tiny tensors (biases, norms) are dominated by Blosc's header: rank those >= 16 KiB
     per_tensor = [r for r in per_tensor if r["bytes"] >= 16384] or per_tensor
     per_tensor.sort(key=lambda r: r["ratio"])
     out["worst_tensors"] = per_tensor[:8]
     out["best_tensors"] = per_tensor[-4:]
-    fp32 = sorted((r for r in per_tensor if r["class"].startswith("fp32")),
-                  key=lambda r: r["lib_ratio"])
+    fp32 = sorted(
+        (r for r in per_tensor if r["class"].startswith("fp32")), key=lambda r: r["lib_ratio"]
+    )
     out["worst_tensors_lib"] = fp32[:8]
     return out
 
@@ -442,9 +502,16 @@ def variants(prev_s: Snap, cur_s: Snap, quick: bool) -> list[dict[str, Any]]:
                     t = time.perf_counter()
                     n = sum(blosc_size(x, cname, clevel, shuf) for x in xs)
                     dt = time.perf_counter() - t
-                    rows.append({"class": c, "transform": how, "shuffle": sname,
-                                 "codec": f"{cname}{clevel}", "ratio": raw / n,
-                                 "compress_gb_s": raw / dt / 1e9})
+                    rows.append(
+                        {
+                            "class": c,
+                            "transform": how,
+                            "shuffle": sname,
+                            "codec": f"{cname}{clevel}",
+                            "ratio": raw / n,
+                            "compress_gb_s": raw / dt / 1e9,
+                        }
+                    )
     return rows
 
 
@@ -459,23 +526,33 @@ def speed(prev_s: Snap, cur_s: Snap, repeats: int, disk_bps: float) -> dict[str,
         a = np.concatenate([u8(cur[k]) for k in keys])
         b = np.concatenate([u8(prev[k]) for k in keys])
         # 16 MiB pieces, as the engine's chunks are
-        pieces = [(a[i:i + 16 * MiB], b[i:i + 16 * MiB]) for i in range(0, a.nbytes, 16 * MiB)]
+        pieces = [(a[i : i + 16 * MiB], b[i : i + 16 * MiB]) for i in range(0, a.nbytes, 16 * MiB)]
         payloads = [xor_encode(x, y, size, pol) for x, y in pieces]
         sink = np.empty_like(a)
         np.copyto(sink, a)  # fault its pages in: the memcpy is into a reused buffer
-        t_enc = timed(lambda s=size, ps=pieces: [xor_encode(x, y, s, pol) for x, y in ps],
-                      repeats)
-        t_dec = timed(lambda ps=pieces, pl=payloads: [xor_decode(p, y) for p, (_, y) in
-                                                      zip(pl, ps, strict=True)], repeats)
+        t_enc = timed(lambda s=size, ps=pieces: [xor_encode(x, y, s, pol) for x, y in ps], repeats)
+        t_dec = timed(
+            lambda ps=pieces, pl=payloads: [
+                xor_decode(p, y) for p, (_, y) in zip(pl, ps, strict=True)
+            ],
+            repeats,
+        )
         t_cpy = timed(lambda src=a, dst=sink: np.copyto(dst, src), repeats)
         for p, (x, y) in zip(payloads, pieces, strict=True):
             assert np.array_equal(xor_decode(p, y), x)
         enc, dec, cpy = a.nbytes / t_enc, a.nbytes / t_dec, a.nbytes / t_cpy
-        out[c] = {"bytes": a.nbytes, "ratio": a.nbytes / sum(len(p) for p in payloads),
-                  "encode_gb_s": enc / 1e9, "decode_gb_s": dec / 1e9,
-                  "memcpy_gb_s": cpy / 1e9, "disk_gb_s": disk_bps / 1e9,
-                  "encode_vs_memcpy": enc / cpy, "decode_vs_memcpy": dec / cpy,
-                  "encode_vs_disk": enc / disk_bps, "decode_vs_disk": dec / disk_bps}
+        out[c] = {
+            "bytes": a.nbytes,
+            "ratio": a.nbytes / sum(len(p) for p in payloads),
+            "encode_gb_s": enc / 1e9,
+            "decode_gb_s": dec / 1e9,
+            "memcpy_gb_s": cpy / 1e9,
+            "disk_gb_s": disk_bps / 1e9,
+            "encode_vs_memcpy": enc / cpy,
+            "decode_vs_memcpy": dec / cpy,
+            "encode_vs_disk": enc / disk_bps,
+            "decode_vs_disk": dec / disk_bps,
+        }
     out[ADAM3 + " predictive"] = speed_predictive(prev_s, cur_s, repeats, disk_bps)
     return out
 
@@ -496,10 +573,13 @@ def speed_predictive(prev: Snap, cur: Snap, repeats: int, disk_bps: float) -> di
     Piece = tuple[list[np.ndarray], tuple[float, ...], tuple[float, ...]]
     pieces: list[Piece] = []
     for (cv, cp), names in sets.items():
-        cols = [np.concatenate([u8(st.arrays[f"{pre}/{n}"]) for n in names])
-                for pre in ("exp_avg", "exp_avg_sq", "params") for st in (cur, prev)]
+        cols = [
+            np.concatenate([u8(st.arrays[f"{pre}/{n}"]) for n in names])
+            for pre in ("exp_avg", "exp_avg_sq", "params")
+            for st in (cur, prev)
+        ]
         for i in range(0, cols[0].nbytes, 16 * MiB):
-            pieces.append(([x[i:i + 16 * MiB] for x in cols], cv, cp))
+            pieces.append(([x[i : i + 16 * MiB] for x in cols], cv, cp))
     total = sum(x.nbytes for cols, _, _ in pieces for x in cols[0::2])
     work = np.empty(16 * MiB, np.uint8), np.empty(16 * MiB, np.uint8)
 
@@ -538,15 +618,26 @@ def speed_predictive(prev: Snap, cur: Snap, repeats: int, disk_bps: float) -> di
     enc, dec, cpy = total / t_enc, total / t_dec, total / t_cpy
     nbytes = [sum(len(e[i]) for e in payloads) for i in range(3)]
     raw3 = [sum(cols[2 * i].nbytes for cols, _, _ in pieces) for i in range(3)]
-    return {"bytes": total, "ratio": total / sum(nbytes),
-            "ratio_by_array": {k: r / n for k, r, n in zip(("exp_avg (xor)", "exp_avg_sq (pred)",
-                                                             "params (pred)"), raw3, nbytes,
-                                                            strict=True)},
-            "coefficient_sets": len(sets), "pieces": len(pieces),
-            "encode_gb_s": enc / 1e9, "decode_gb_s": dec / 1e9,
-            "memcpy_gb_s": cpy / 1e9, "disk_gb_s": disk_bps / 1e9,
-            "encode_vs_memcpy": enc / cpy, "decode_vs_memcpy": dec / cpy,
-            "encode_vs_disk": enc / disk_bps, "decode_vs_disk": dec / disk_bps}
+    return {
+        "bytes": total,
+        "ratio": total / sum(nbytes),
+        "ratio_by_array": {
+            k: r / n
+            for k, r, n in zip(
+                ("exp_avg (xor)", "exp_avg_sq (pred)", "params (pred)"), raw3, nbytes, strict=True
+            )
+        },
+        "coefficient_sets": len(sets),
+        "pieces": len(pieces),
+        "encode_gb_s": enc / 1e9,
+        "decode_gb_s": dec / 1e9,
+        "memcpy_gb_s": cpy / 1e9,
+        "disk_gb_s": disk_bps / 1e9,
+        "encode_vs_memcpy": enc / cpy,
+        "decode_vs_memcpy": dec / cpy,
+        "encode_vs_disk": enc / disk_bps,
+        "decode_vs_disk": dec / disk_bps,
+    }
 
 
 def read_latency(chain: list[Snap], root: Path, repeats: int) -> dict[str, Any]:
@@ -558,8 +649,12 @@ def read_latency(chain: list[Snap], root: Path, repeats: int) -> dict[str, Any]:
     arrays = chain[0].arrays
     names = [k.split("/", 1)[1] for k in arrays if k.startswith("params/")]
     # m, v, p of each param: a prediction's "cur" inputs are written before it
-    keys = [f"{pre}/{n}" for n in names for pre in ("exp_avg", "exp_avg_sq", "params")
-            if f"{pre}/{n}" in arrays]
+    keys = [
+        f"{pre}/{n}"
+        for n in names
+        for pre in ("exp_avg", "exp_avg_sq", "params")
+        if f"{pre}/{n}" in arrays
+    ]
     pol = DeltaPolicy(keyframe_every=len(chain), min_ratio=1.0)
     with repo.writer(encoding=pol) as w:
         for step, st in enumerate(chain, start=1):
@@ -574,23 +669,35 @@ def read_latency(chain: list[Snap], root: Path, repeats: int) -> dict[str, Any]:
                     txn.put_chunk(k, i, flat[lo:hi])
             txn.commit()
     headers = repo.reader().lineage()
-    out: dict[str, Any] = {"chain": len(chain), "tensors": len(keys),
-                           "raw_bytes": sum(arrays[k].nbytes for k in keys)}
-    for label, h in (("keyframe", headers[0]), ("delta depth 1", headers[1]),
-                     (f"delta depth {len(chain) - 1}", headers[-1])):
+    out: dict[str, Any] = {
+        "chain": len(chain),
+        "tensors": len(keys),
+        "raw_bytes": sum(arrays[k].nbytes for k in keys),
+    }
+    for label, h in (
+        ("keyframe", headers[0]),
+        ("delta depth 1", headers[1]),
+        (f"delta depth {len(chain) - 1}", headers[-1]),
+    ):
+
         def read_all(h: Any = h) -> None:
             r = repo.reader()  # fresh: no decoded-chunk cache
             for k in keys:
                 r.read_array(h, k)
+
         r0 = repo.reader()
         recs = r0.arrays(h)
         enc = {c.encoding for k in keys for c in recs[k].chunks}
         st = chain[h.step - 1]
         for k in keys:  # bit-exact
-            assert np.array_equal(r0.read_array(h, k).view(np.uint32),
-                                  st.arrays[k].view(np.uint32)), (label, k)
-        out[label] = {"seconds": timed(read_all, repeats), "encodings": sorted(enc),
-                      "bytes_on_disk": sum(c.nbytes for k in keys for c in recs[k].chunks)}
+            assert np.array_equal(
+                r0.read_array(h, k).view(np.uint32), st.arrays[k].view(np.uint32)
+            ), (label, k)
+        out[label] = {
+            "seconds": timed(read_all, repeats),
+            "encodings": sorted(enc),
+            "bytes_on_disk": sum(c.nbytes for k in keys for c in recs[k].chunks),
+        }
     base = out["keyframe"]["seconds"]
     for label in list(out):
         if isinstance(out[label], dict) and "seconds" in out[label]:
@@ -623,8 +730,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     chain = args.chain or chain
     repeats = args.repeats or repeats
     capture = [c for c in capture if c + 1 <= steps]
-    out_json = Path(args.json) if args.json else (
-        Path(__file__).parent / "results" / ("delta_quick.json" if args.quick else "delta.json"))
+    out_json = (
+        Path(args.json)
+        if args.json
+        else (
+            Path(__file__).parent / "results" / ("delta_quick.json" if args.quick else "delta.json")
+        )
+    )
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -632,19 +744,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="dstt-delta-", dir=args.dir))
     t_start = time.perf_counter()
     res: dict[str, Any] = {
-        "benchmark": "delta", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "benchmark": "delta",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "quick": args.quick,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__, "train_threads": args.threads,
-                    "source": source_state(),
-                    "loadavg_before": os.getloadavg()},
-        "model": cfg, "steps": steps, "capture": capture, "repeats": repeats,
-        "policy": {"cname": DeltaPolicy().cname, "clevel": DeltaPolicy().clevel,
-                   "residual_cname": DeltaPolicy().residual_cname,
-                   "shuffle": "byte", "min_ratio": DeltaPolicy().min_ratio,
-                   "read_amplification": DeltaPolicy().read_amplification,
-                   "max_chain": DeltaPolicy().max_chain, "predict": DeltaPolicy().predict,
-                   "session_raw_when_busy": False},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "train_threads": args.threads,
+            "source": source_state(),
+            "loadavg_before": os.getloadavg(),
+        },
+        "model": cfg,
+        "steps": steps,
+        "capture": capture,
+        "repeats": repeats,
+        "policy": {
+            "cname": DeltaPolicy().cname,
+            "clevel": DeltaPolicy().clevel,
+            "residual_cname": DeltaPolicy().residual_cname,
+            "shuffle": "byte",
+            "min_ratio": DeltaPolicy().min_ratio,
+            "read_amplification": DeltaPolicy().read_amplification,
+            "max_chain": DeltaPolicy().max_chain,
+            "predict": DeltaPolicy().predict,
+            "session_raw_when_busy": False,
+        },
     }
     try:
         log(f"training {steps} steps of TinyGPT{cfg} with a DeltaPolicy session ...")
@@ -666,8 +791,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     lp = res["points"][str(last)]
-    best = max((r for r in res["variants"] if r["class"].startswith("fp32")),
-               key=lambda r: r["ratio"])
+    best = max(
+        (r for r in res["variants"] if r["class"].startswith("fp32")), key=lambda r: r["ratio"]
+    )
     lib3 = lp[ADAM3]
     sess3 = res["session_classes"][ADAM3]["ratio"]
     res["targets"] = {
@@ -684,7 +810,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "fp32_adam_state_ratio_xor_only": lib3["ratio"],
         "fp32_moments_ratio_library": (
             (lp["fp32 exp_avg"]["raw_bytes"] + lp["fp32 exp_avg_sq"]["raw_bytes"])
-            / (lp["fp32 exp_avg"]["xor_bytes"] + lp["fp32 exp_avg_sq"]["xor_bytes"])),
+            / (lp["fp32 exp_avg"]["xor_bytes"] + lp["fp32 exp_avg_sq"]["xor_bytes"])
+        ),
         "fp32_adam_state_xor_bound": lib3["xor_bound_ratio"],
         "best_fp32_variant": best,
         "met": sess3 >= 2.5,

@@ -72,7 +72,7 @@ def _rank_main(cfg: dict[str, Any]) -> None:
     out: dict[str, Any] = {"rounds": []}
     work = Path(cfg["work"])
     for rnd in range(cfg["rounds"]):
-        order = MODES[rnd % len(MODES):] + MODES[:rnd % len(MODES)]
+        order = MODES[rnd % len(MODES) :] + MODES[: rnd % len(MODES)]
         row: dict[str, Any] = {}
         for mode in order:
             row[mode] = _run_mode(mode, size, cfg, mesh, work / f"r{rnd}-{mode}", rank)
@@ -92,16 +92,23 @@ def _model(size: dict[str, int], mesh: Any) -> tuple[Any, Any]:
     from dstt.testing.models import TinyGPT
 
     torch.manual_seed(0)
-    m = TinyGPT(vocab=size["vocab"], d=size["d"], layers=size["layers"], heads=size["heads"],
-                seq=size["seq"], dropout=0.0)
+    m = TinyGPT(
+        vocab=size["vocab"],
+        d=size["d"],
+        layers=size["layers"],
+        heads=size["heads"],
+        seq=size["seq"],
+        dropout=0.0,
+    )
     for block in m.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(m, mesh=mesh)
     return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
 
 
-def _run_mode(mode: str, size: dict[str, int], cfg: dict[str, Any], mesh: Any, path: Path,
-              rank: int) -> dict[str, Any]:
+def _run_mode(
+    mode: str, size: dict[str, int], cfg: dict[str, Any], mesh: Any, path: Path, rank: int
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     import dstt
@@ -111,8 +118,9 @@ def _run_mode(mode: str, size: dict[str, int], cfg: dict[str, Any], mesh: Any, p
     warmup, iters = cfg["warmup"], cfg["iters"]
 
     def step(i: int) -> None:
-        x, y = make_batch(i, batch_size=size["batch"], seq=size["seq"], vocab=size["vocab"],
-                          seed=rank)
+        x, y = make_batch(
+            i, batch_size=size["batch"], seq=size["seq"], vocab=size["vocab"], seed=rank
+        )
         _, loss = model(x, y)
         loss.backward()
         opt.step()
@@ -157,9 +165,11 @@ def _run_mode(mode: str, size: dict[str, int], cfg: dict[str, Any], mesh: Any, p
             if future is not None:
                 future.result()
             msd, osd = get_state_dict(model, opt)
-            future = dcp.async_save({"model": msd, "optim": osd},
-                                    checkpoint_id=str(path / f"c{i % 2}"),
-                                    process_group=cfg["dcp_group"])
+            future = dcp.async_save(
+                {"model": msd, "optim": osd},
+                checkpoint_id=str(path / f"c{i % 2}"),
+                process_group=cfg["dcp_group"],
+            )
             blocked.append(time.perf_counter() - t)
 
         for i in range(warmup):
@@ -205,17 +215,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="dstt-fsdp-bench-", dir=args.dir))
     out = work / "out"
     out.mkdir()
-    cfg = {"size": size, "rounds": args.rounds, "warmup": args.warmup, "iters": args.iters,
-           "work": str(work), "out": str(out)}
+    cfg = {
+        "size": size,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "work": str(work),
+        "out": str(out),
+    }
     port = _free_port()
     procs = []
     try:
         for rank in range(2):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-            procs.append(subprocess.Popen([sys.executable, __file__, "--rank-main",
-                                           json.dumps(cfg)], env=env))
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            }
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--rank-main", json.dumps(cfg)], env=env
+                )
+            )
         codes = [p.wait() for p in procs]
         if any(codes):
             raise SystemExit(f"a rank failed: exit codes {codes}")
@@ -230,34 +254,55 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for mode in MODES:
         per = [r[mode]["s_per_iter"] for r in rounds]
         ratios = [r[mode]["s_per_iter"] / r["none"]["s_per_iter"] for r in rounds]
-        summary[mode] = {"s_per_iter": med(per), "ratio": med(ratios), "ratios": ratios,
-                         "blocked_ms": med([r[mode].get("blocked_ms", 0.0) for r in rounds]),
-                         "bytes_per_rank": rounds[-1][mode].get("bytes_per_rank", [])}
+        summary[mode] = {
+            "s_per_iter": med(per),
+            "ratio": med(ratios),
+            "ratios": ratios,
+            "blocked_ms": med([r[mode].get("blocked_ms", 0.0) for r in rounds]),
+            "bytes_per_rank": rounds[-1][mode].get("bytes_per_rank", []),
+        }
     n_params = sum(1 for _ in _count_tensors(size))
-    return {"bench": "fsdp", "size": size, "tensors": n_params, "rounds": args.rounds,
-            "warmup": args.warmup, "iters": args.iters, "world": 2,
-            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-            "summary": summary, "per_round": rounds}
+    return {
+        "bench": "fsdp",
+        "size": size,
+        "tensors": n_params,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "world": 2,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "summary": summary,
+        "per_round": rounds,
+    }
 
 
 def _count_tensors(size: dict[str, int]) -> Any:
     sys.path.insert(0, str(ROOT))
     from dstt.testing.models import TinyGPT
 
-    m = TinyGPT(vocab=size["vocab"], d=size["d"], layers=size["layers"], heads=size["heads"],
-                seq=size["seq"])
+    m = TinyGPT(
+        vocab=size["vocab"],
+        d=size["d"],
+        layers=size["layers"],
+        heads=size["heads"],
+        seq=size["seq"],
+    )
     return m.parameters()
 
 
 def print_table(res: dict[str, Any]) -> None:
-    print(f"FSDP2, 2 gloo ranks, TinyGPT {res['size']} ({res['tensors']} parameter tensors), "
-          f"{res['rounds']} rounds x {res['iters']} iterations")
+    print(
+        f"FSDP2, 2 gloo ranks, TinyGPT {res['size']} ({res['tensors']} parameter tensors), "
+        f"{res['rounds']} rounds x {res['iters']} iterations"
+    )
     print("| mode | s/iter | ratio to none | blocked ms/step | bytes per step per rank |")
     print("|---|---:|---:|---:|---|")
     for mode, s in res["summary"].items():
         sizes = ", ".join(f"{b / 1e6:.2f} MB" for b in s["bytes_per_rank"])
-        print(f"| {mode} | {s['s_per_iter'] * 1e3:.1f} ms | {s['ratio']:.2f}x | "
-              f"{s['blocked_ms']:.2f} | {sizes} |")
+        print(
+            f"| {mode} | {s['s_per_iter'] * 1e3:.1f} ms | {s['ratio']:.2f}x | "
+            f"{s['blocked_ms']:.2f} | {sizes} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

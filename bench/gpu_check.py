@@ -110,8 +110,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the repository's dstt, run from anywhere
     sys.path.insert(0, str(ROOT))
 MODES = ("none", "dstt", "torch_save", "dcp")
-GiB = 1024 ** 3
-MiB = 1024 ** 2
+GiB = 1024**3
+MiB = 1024**2
 HEADROOM = 1.3  # iteration >= HEADROOM x disk time per checkpoint, where the cap allows
 
 
@@ -166,30 +166,54 @@ class Plan:
 
 
 FULL = Plan(
-    models={"125M": ModelSpec("125M", "LLAMA_125M", batch=8, target_every=1, max_iter_s=1.5),
-            "1B": ModelSpec("1B", "LLAMA_1B", batch=4, target_every=10, max_iter_s=1.0)},
-    parts={"125M/every1": Part("125M/every1", "125M", every=1, iters=5, keep_last=2),
-           "1B/every10": Part("1B/every10", "1B", every=10, iters=10, keep_last=1),
-           "1B/every1": Part("1B/every1", "1B", every=1, iters=2, keep_last=1)},
-    schedule=(Slot("125M/every1", 0, 0), Slot("125M/every1", 1, 1), Slot("125M/every1", 2, 4),
-              Slot("resume", 0, 0), Slot("1B/every10", 0, 2), Slot("1B/every1", 0, 3),
-              Slot("1B/every10", 1, 5)),
-    threshold_part="125M/every1", resume_model="125M", disk_probe_bytes=GiB)
+    models={
+        "125M": ModelSpec("125M", "LLAMA_125M", batch=8, target_every=1, max_iter_s=1.5),
+        "1B": ModelSpec("1B", "LLAMA_1B", batch=4, target_every=10, max_iter_s=1.0),
+    },
+    parts={
+        "125M/every1": Part("125M/every1", "125M", every=1, iters=5, keep_last=2),
+        "1B/every10": Part("1B/every10", "1B", every=10, iters=10, keep_last=1),
+        "1B/every1": Part("1B/every1", "1B", every=1, iters=2, keep_last=1),
+    },
+    schedule=(
+        Slot("125M/every1", 0, 0),
+        Slot("125M/every1", 1, 1),
+        Slot("125M/every1", 2, 4),
+        Slot("resume", 0, 0),
+        Slot("1B/every10", 0, 2),
+        Slot("1B/every1", 0, 3),
+        Slot("1B/every10", 1, 5),
+    ),
+    threshold_part="125M/every1",
+    resume_model="125M",
+    disk_probe_bytes=GiB,
+)
 
 _TINY = dict(vocab=256, d=64, layers=2, heads=4, kv_heads=4, ffn=128, seq=32)
 _TINY_LARGE = dict(vocab=256, d=96, layers=3, heads=4, kv_heads=2, ffn=192, seq=32)
 DRY = Plan(
-    models={"tiny": ModelSpec("tiny", _TINY, batch=2, target_every=1, max_iter_s=0.05),
-            "tiny-large": ModelSpec("tiny-large", _TINY_LARGE, batch=2, target_every=2,
-                                    max_iter_s=0.05)},
-    parts={"tiny/every1": Part("tiny/every1", "tiny", every=1, iters=3, keep_last=2),
-           "tiny-large/every2": Part("tiny-large/every2", "tiny-large", every=2, iters=2,
-                                     keep_last=2),
-           "tiny-large/every1": Part("tiny-large/every1", "tiny-large", every=1, iters=2,
-                                     keep_last=1)},
-    schedule=(Slot("tiny/every1", 0, 0), Slot("tiny/every1", 1, 1), Slot("resume", 0, 0),
-              Slot("tiny-large/every2", 0, 2), Slot("tiny-large/every1", 0, 3)),
-    threshold_part="tiny/every1", resume_model="tiny", disk_probe_bytes=16 * MiB)
+    models={
+        "tiny": ModelSpec("tiny", _TINY, batch=2, target_every=1, max_iter_s=0.05),
+        "tiny-large": ModelSpec(
+            "tiny-large", _TINY_LARGE, batch=2, target_every=2, max_iter_s=0.05
+        ),
+    },
+    parts={
+        "tiny/every1": Part("tiny/every1", "tiny", every=1, iters=3, keep_last=2),
+        "tiny-large/every2": Part("tiny-large/every2", "tiny-large", every=2, iters=2, keep_last=2),
+        "tiny-large/every1": Part("tiny-large/every1", "tiny-large", every=1, iters=2, keep_last=1),
+    },
+    schedule=(
+        Slot("tiny/every1", 0, 0),
+        Slot("tiny/every1", 1, 1),
+        Slot("resume", 0, 0),
+        Slot("tiny-large/every2", 0, 2),
+        Slot("tiny-large/every1", 0, 3),
+    ),
+    threshold_part="tiny/every1",
+    resume_model="tiny",
+    disk_probe_bytes=16 * MiB,
+)
 
 
 def med(xs: list[float]) -> float:
@@ -207,8 +231,11 @@ def _requirements() -> tuple[list[str], list[str]]:
     import tomllib
 
     proj = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    dev = [r for r in proj["optional-dependencies"]["dev"]
-           if re.match(r"pytest\b|pytest-timeout\b|psutil\b", r)]
+    dev = [
+        r
+        for r in proj["optional-dependencies"]["dev"]
+        if re.match(r"pytest\b|pytest-timeout\b|psutil\b", r)
+    ]
     return list(proj["dependencies"]), dev
 
 
@@ -237,8 +264,12 @@ def preflight() -> dict[str, Any]:
     deps, dev = _requirements()
     problems = {r: why for r in deps if (why := check_requirement(r)) is not None}
     test_problems = {r: why for r in dev if (why := check_requirement(r)) is not None}
-    out: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine(),
-                           "problems": problems, "test_tool_problems": test_problems}
+    out: dict[str, Any] = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "problems": problems,
+        "test_tool_problems": test_problems,
+    }
     if not problems:
         try:
             importlib.import_module("dstt")
@@ -248,9 +279,11 @@ def preflight() -> dict[str, Any]:
     if need:
         py = ".".join(platform.python_version_tuple()[:2])
         quoted = " ".join(f"'{r}'" for r in need)
-        out["pip_download"] = (f"pip download --dest wheels --only-binary=:all: "
-                               f"--python-version {py} --platform manylinux_2_17_"
-                               f"{platform.machine()} {quoted}")
+        out["pip_download"] = (
+            f"pip download --dest wheels --only-binary=:all: "
+            f"--python-version {py} --platform manylinux_2_17_"
+            f"{platform.machine()} {quoted}"
+        )
         out["pip_install"] = f"python -m pip install --no-index --find-links wheels {quoted}"
     return out
 
@@ -370,8 +403,11 @@ class Device:
 def llama_config(spec: ModelSpec) -> Any:
     from dstt.testing import llama
 
-    return getattr(llama, spec.config) if isinstance(spec.config, str) else \
-        llama.LlamaConfig(**spec.config)
+    return (
+        getattr(llama, spec.config)
+        if isinstance(spec.config, str)
+        else llama.LlamaConfig(**spec.config)
+    )
 
 
 class Trainer:
@@ -387,11 +423,16 @@ class Trainer:
         torch.manual_seed(seed)
         with dev.device:
             self.model = TinyLlama(self.cfg)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95),
-                                     weight_decay=0.1)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1
+        )
         g = torch.Generator(device=dev.device).manual_seed(1000 + seed)
-        self.batches = [torch.randint(self.cfg.vocab, (spec.batch, self.cfg.seq + 1),
-                                      generator=g, device=dev.device) for _ in range(4)]
+        self.batches = [
+            torch.randint(
+                self.cfg.vocab, (spec.batch, self.cfg.seq + 1), generator=g, device=dev.device
+            )
+            for _ in range(4)
+        ]
         self.i = 0
         self.params = sum(p.numel() for p in self.model.parameters())
 
@@ -526,8 +567,9 @@ def one_rank_group(work: Path, cuda: bool) -> Iterator[tuple[Any, str]]:
 
     def init(backend: str) -> None:
         store = dist.FileStore(str(work / f"pg-{time.monotonic_ns()}"), 1)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            backend, store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=120)
+        )
 
     backend = "cuda:nccl,cpu:gloo" if cuda else "gloo"
     try:
@@ -560,19 +602,29 @@ class Dcp(Checkpointer):
 
     def start(self) -> None:
         self.pg, self.backend = self._stack.enter_context(
-            one_rank_group(self.ctx["work"], self.tr.dev.cuda))
+            one_rank_group(self.ctx["work"], self.tr.dev.cuda)
+        )
         cuda = self.tr.dev.cuda
         try:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            self.stager = DefaultStager(StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
-                use_non_blocking_copy=cuda))
-            self.variant = ("DefaultStager(pinned, async staging, non-blocking)" if cuda
-                            else "DefaultStager(async staging)")
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=cuda,
+                )
+            )
+            self.variant = (
+                "DefaultStager(pinned, async staging, non-blocking)"
+                if cuda
+                else "DefaultStager(async staging)"
+            )
         except (ImportError, TypeError, AssertionError, AttributeError):
-            self.variant = "FileSystemWriter(cache_staged_state_dict=True)" if cuda else \
-                "FileSystemWriter"
+            self.variant = (
+                "FileSystemWriter(cache_staged_state_dict=True)" if cuda else "FileSystemWriter"
+            )
 
     def _writer(self, d: Path) -> Any:
         from torch.distributed.checkpoint import FileSystemWriter
@@ -621,8 +673,11 @@ class Dcp(Checkpointer):
 
     def report(self) -> dict[str, Any]:
         last = self.path / f"c{(self.n - 1) % 2}"
-        return {"ckpt_bytes": tree_bytes(last)[1] if self.n else None,
-                "variant": self.variant, "backend": self.backend}
+        return {
+            "ckpt_bytes": tree_bytes(last)[1] if self.n else None,
+            "variant": self.variant,
+            "backend": self.backend,
+        }
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -655,16 +710,26 @@ class Dstt(Checkpointer):
             return lambda *_: self._t.__setitem__(key, time.perf_counter())
 
         # hooks run in registration order: these bracket dstt's own
-        self._handles = [opt.register_step_pre_hook(mark("pre0")),
-                         opt.register_step_post_hook(mark("post0"))]
+        self._handles = [
+            opt.register_step_pre_hook(mark("pre0")),
+            opt.register_step_post_hook(mark("post0")),
+        ]
         state = self.tr.state_bytes()
         self.budget = 2 * state + max(64 * MiB, state // 20)
         retention = dstt.Retention(keep_last=self.part.keep_last, every_commits=1)
-        self.s = dstt.session(self.tr.model, opt, run=self.path, every=self.part.every,
-                              budget_bytes=self.budget, retention=retention)
+        self.s = dstt.session(
+            self.tr.model,
+            opt,
+            run=self.path,
+            every=self.part.every,
+            budget_bytes=self.budget,
+            retention=retention,
+        )
         self.s.start()
-        self._handles += [opt.register_step_pre_hook(mark("pre1")),
-                          opt.register_step_post_hook(mark("post1"))]
+        self._handles += [
+            opt.register_step_pre_hook(mark("pre1")),
+            opt.register_step_post_hook(mark("post1")),
+        ]
 
     def after_opt(self) -> float:
         t = self._t
@@ -681,10 +746,12 @@ class Dstt(Checkpointer):
         steps = getattr(pipe, "steps", None)
         cache = getattr(pipe, "cache", None)
         buffers = steps if steps is not None else cache
-        return {"lane": "flat" if steps is not None else "chunk",
-                "pinned": bool(getattr(buffers, "pinned", False)),
-                "host_buffer_bytes": getattr(buffers, "capacity", 0),
-                "flusher": getattr(pipe, "flusher", None) is not None}
+        return {
+            "lane": "flat" if steps is not None else "chunk",
+            "pinned": bool(getattr(buffers, "pinned", False)),
+            "host_buffer_bytes": getattr(buffers, "capacity", 0),
+            "flusher": getattr(pipe, "flusher", None) is not None,
+        }
 
     def report(self) -> dict[str, Any]:
         w, n = self.part.warmup, self.part.iters
@@ -692,8 +759,7 @@ class Dstt(Checkpointer):
         # step k's copy is waited for at step k + 1: the window's waits are steps w .. w+n-1
         window = [ms[k] for k in range(w, w + n) if k in ms]
         # the steps captured for their interval (not the last one, which close captures)
-        captured = [ms[k] for k in range(w + 1, w + n + 1)
-                    if k in ms and k % self.part.every == 0]
+        captured = [ms[k] for k in range(w + 1, w + n + 1) if k in ms and k % self.part.every == 0]
         files = len(list((self.path / "steps").rglob("*.zip")))  # one per kept step
         size = tree_bytes(self.path)[1]
         return {
@@ -709,7 +775,8 @@ class Dstt(Checkpointer):
             "backlog_max": max((m.backlog for m in captured), default=0),
             "committed": sum(1 for m in captured if m.committed),
             "errors": [m.error for m in self.s.metrics if m.error][:3],
-            "step_files_at_end": files, "run_bytes_at_end": size,
+            "step_files_at_end": files,
+            "run_bytes_at_end": size,
             "retention_pruned": sum(len(r.pruned_steps) for r, _ in self.s.retention_runs),
             **self._facts_at_close,
         }
@@ -724,7 +791,13 @@ class Dstt(Checkpointer):
 
 
 CHECKPOINTERS: dict[str, type[Checkpointer]] = {
-    "none": Checkpointer, "dstt": Dstt, "torch_save": TorchSave, "dcp": Dcp}
+    "none": Checkpointer,
+    "dstt": Dstt,
+    "torch_save": TorchSave,
+    "dcp": Dcp,
+}
+
+
 def disk_checkpoints(mode: str, part: Part) -> int:
     """Checkpoints a mode holds on disk at most: torch.save its file and the next one's tmp,
     DCP two folders, dstt the kept steps (the head among them) plus one being written (two
@@ -734,8 +807,7 @@ def disk_checkpoints(mode: str, part: Part) -> int:
     return {"none": 0, "torch_save": 2, "dcp": 2}[mode]
 
 
-def run_mode(mode: str, tr: Trainer, part: Part, path: Path, ctx: dict[str, Any]
-             ) -> dict[str, Any]:
+def run_mode(mode: str, tr: Trainer, part: Part, path: Path, ctx: dict[str, Any]) -> dict[str, Any]:
     """``part.warmup`` untimed and ``part.iters`` timed iterations of ``mode``."""
     dev = tr.dev
     need = disk_checkpoints(mode, part) * ctx["state_bytes"]
@@ -777,16 +849,24 @@ def run_mode(mode: str, tr: Trainer, part: Part, path: Path, ctx: dict[str, Any]
         ck.close()
     blocked = extra.pop("blocked_s", blocked)
     total = sum(iters)
-    return {"iter_s": iters, "s_per_iter": total / len(iters),
-            "iter_median_s": med(iters), "blocked_s_per_iter": blocked / len(iters),
-            "blocked_frac": blocked / total if total else float("nan"),
-            "drain_s": drain, "checkpoints_timed": part.iters // part.every if mode != "none"
-            else 0, "host_rss_added": peak - rss0, "host_rss_peak": peak,
-            "children_rss": kids, "gpu_peak_over_base": gpu, **extra}
+    return {
+        "iter_s": iters,
+        "s_per_iter": total / len(iters),
+        "iter_median_s": med(iters),
+        "blocked_s_per_iter": blocked / len(iters),
+        "blocked_frac": blocked / total if total else float("nan"),
+        "drain_s": drain,
+        "checkpoints_timed": part.iters // part.every if mode != "none" else 0,
+        "host_rss_added": peak - rss0,
+        "host_rss_peak": peak,
+        "children_rss": kids,
+        "gpu_peak_over_base": gpu,
+        **extra,
+    }
 
 
 def run_round(tr: Trainer, part: Part, rnd: int, ctx: dict[str, Any]) -> dict[str, Any]:
-    order = MODES[rnd % len(MODES):] + MODES[:rnd % len(MODES)]
+    order = MODES[rnd % len(MODES) :] + MODES[: rnd % len(MODES)]
     row: dict[str, Any] = {"order": list(order)}
     for mode in order:
         slug = part.name.replace("/", "-")
@@ -797,8 +877,10 @@ def run_round(tr: Trainer, part: Part, rnd: int, ctx: dict[str, Any]) -> dict[st
         row[mode] = r
         tr.dev.cleanup()
         if "s_per_iter" in r:
-            log(f"  {part.name} round {rnd} {mode:<10} {r['s_per_iter'] * 1e3:9.1f} ms/iter "
-                f"blocked {r['blocked_frac'] * 100:6.2f}%  drain {r['drain_s']:.2f} s")
+            log(
+                f"  {part.name} round {rnd} {mode:<10} {r['s_per_iter'] * 1e3:9.1f} ms/iter "
+                f"blocked {r['blocked_frac'] * 100:6.2f}%  drain {r['drain_s']:.2f} s"
+            )
         else:
             log(f"  {part.name} round {rnd} {mode:<10} {r.get('skipped') or r.get('error')}")
     return row
@@ -808,14 +890,23 @@ def summarize_part(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over rounds; ratios as medians of per-round ratios to the round's ``none``."""
     out: dict[str, Any] = {}
     for mode in MODES:
-        rows = [(r[mode], r["none"]) for r in rounds
-                if "s_per_iter" in r.get(mode, {}) and "s_per_iter" in r.get("none", {})]
+        rows = [
+            (r[mode], r["none"])
+            for r in rounds
+            if "s_per_iter" in r.get(mode, {}) and "s_per_iter" in r.get("none", {})
+        ]
         if not rows:
-            out[mode] = {"missing": [r.get(mode, {}).get("skipped") or
-                                     r.get(mode, {}).get("error") for r in rounds]}
+            out[mode] = {
+                "missing": [
+                    r.get(mode, {}).get("skipped") or r.get(mode, {}).get("error") for r in rounds
+                ]
+            }
             continue
-        gpu = [m["gpu_peak_over_base"] - n["gpu_peak_over_base"] for m, n in rows
-               if m["gpu_peak_over_base"] is not None]
+        gpu = [
+            m["gpu_peak_over_base"] - n["gpu_peak_over_base"]
+            for m, n in rows
+            if m["gpu_peak_over_base"] is not None
+        ]
         last = rows[-1][0]
         s: dict[str, Any] = {
             "rounds": len(rows),
@@ -831,8 +922,17 @@ def summarize_part(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         }
         if mode == "dstt":
             s["hooks_frac"] = med([m["hooks_s"] / sum(m["iter_s"]) for m, _ in rows])
-            for k in ("lane", "pinned", "flusher", "host_buffer_bytes", "budget_bytes",
-                      "step_files_at_end", "run_bytes_at_end", "committed", "errors"):
+            for k in (
+                "lane",
+                "pinned",
+                "flusher",
+                "host_buffer_bytes",
+                "budget_bytes",
+                "step_files_at_end",
+                "run_bytes_at_end",
+                "committed",
+                "errors",
+            ):
                 s[k] = last.get(k)
         if mode == "dcp":
             s["variant"], s["backend"] = last.get("variant"), last.get("backend")
@@ -845,16 +945,20 @@ def estimate_round(part: Part, m: dict[str, Any]) -> float:
     """Seconds one round of ``part`` should take, from the model's facts ``m``: iteration
     ``it``, disk seconds per checkpoint ``disk_s``, ``state`` bytes."""
     it, disk_s, state = m["it"], m["disk_s"], m["state"]
-    per = {"none": it, "dstt": max(it, disk_s / part.every),
-           "dcp": max(it, disk_s / part.every),
-           "torch_save": it + (disk_s + state / 4e9) / part.every}
+    per = {
+        "none": it,
+        "dstt": max(it, disk_s / part.every),
+        "dcp": max(it, disk_s / part.every),
+        "torch_save": it + (disk_s + state / 4e9) / part.every,
+    }
     n = part.warmup + part.iters
     setup = 2 * state / 4e9 + 2 * disk_s + 3.0  # buffers pinned, drains, process group
     return sum(n * v for v in per.values()) + setup
 
 
-def predict_model(spec: ModelSpec, plan: Plan, known: dict[str, dict[str, Any]],
-                  disk_bw: float) -> dict[str, Any]:
+def predict_model(
+    spec: ModelSpec, plan: Plan, known: dict[str, dict[str, Any]], disk_bw: float
+) -> dict[str, Any]:
     """A model's facts before it is built: state from its config; iteration from the rule
     ``choose_accum`` follows (its floor scaled from a built model's micro-batch)."""
     cfg = llama_config(spec)
@@ -871,39 +975,64 @@ def predict_model(spec: ModelSpec, plan: Plan, known: dict[str, dict[str, Any]],
 
 def reserve(schedule: tuple[Slot, ...], i: int, est: Callable[[Slot], float]) -> float:
     """Time to keep for the later slots as important as slot ``i`` or more."""
-    return sum(est(s) for s in schedule[i + 1:] if s.priority <= schedule[i].priority)
+    return sum(est(s) for s in schedule[i + 1 :] if s.priority <= schedule[i].priority)
 
 
 # -- 2. the GPU tests -----------------------------------------------------------------------
 def gpu_test_files() -> list[str]:
     """Test files that carry ``pytest.mark.gpu``."""
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
-                  if "pytest.mark.gpu" in p.read_text(errors="replace"))
+    return sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tests").rglob("test_*.py")
+        if "pytest.mark.gpu" in p.read_text(errors="replace")
+    )
 
 
 def run_pytest(out: Path, timeout: float) -> dict[str, Any]:
     files = gpu_test_files()
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p",
-           "no:cacheprovider", *files]
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-q",
+        "-rfEs",
+        "-p",
+        "no:cacheprovider",
+        *files,
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     t = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=max(10.0, timeout))
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(10.0, timeout)
+        )
         text, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
         text, rc = f"{e.stdout or ''}{e.stderr or ''}\n(timed out after {timeout:.0f} s)", -1
         text = text if isinstance(text, str) else str(text)
     (out / "pytest.txt").write_text(" ".join(cmd) + "\n\n" + text)
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    summary = next((ln.strip(" =") for ln in reversed(lines)
-                    if re.search(r"\d+ (passed|failed|skipped|error|deselected)|no tests ran",
-                                 ln)), lines[-1] if lines else "")
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)",
-                                              summary)}
-    return {"files": files, "rc": rc, "summary": summary, "counts": counts,
-            "wall_s": time.perf_counter() - t}
+    summary = next(
+        (
+            ln.strip(" =")
+            for ln in reversed(lines)
+            if re.search(r"\d+ (passed|failed|skipped|error|deselected)|no tests ran", ln)
+        ),
+        lines[-1] if lines else "",
+    )
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
+    return {
+        "files": files,
+        "rc": rc,
+        "summary": summary,
+        "counts": counts,
+        "wall_s": time.perf_counter() - t,
+    }
 
 
 # -- 4. resume on the device ----------------------------------------------------------------
@@ -921,8 +1050,9 @@ def same_bits(a: Any, b: Any) -> bool:
 
 def flat_state(tr: Trainer, sched: Any) -> dict[str, Any]:
     """Every tensor and number of the training state, cloned, by name."""
-    out: dict[str, Any] = {f"model/{k}": v.detach().clone()
-                           for k, v in tr.model.state_dict().items()}
+    out: dict[str, Any] = {
+        f"model/{k}": v.detach().clone() for k, v in tr.model.state_dict().items()
+    }
     osd = tr.opt.state_dict()
     for idx, st in osd["state"].items():
         for k, v in st.items():
@@ -935,8 +1065,9 @@ def flat_state(tr: Trainer, sched: Any) -> dict[str, Any]:
 
 
 def diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    return sorted(k for k in a.keys() | b.keys()
-                  if k not in a or k not in b or not same_bits(a[k], b[k]))
+    return sorted(
+        k for k in a.keys() | b.keys() if k not in a or k not in b or not same_bits(a[k], b[k])
+    )
 
 
 @contextlib.contextmanager
@@ -947,8 +1078,9 @@ def deterministic_step(torch: Any) -> Iterator[None]:
 
         kernel = sdpa_kernel(SDPBackend.MATH)
     except ImportError:
-        kernel = torch.backends.cuda.sdp_kernel(enable_flash=False, enable_math=True,
-                                                enable_mem_efficient=False)
+        kernel = torch.backends.cuda.sdp_kernel(
+            enable_flash=False, enable_math=True, enable_mem_efficient=False
+        )
     prev = torch.are_deterministic_algorithms_enabled()
     with warnings.catch_warnings(), kernel:
         warnings.simplefilter("ignore")
@@ -1006,13 +1138,20 @@ def resume_check(spec: ModelSpec, dev: Device, run: Path, steps: int = 3) -> dic
     n = len(ref)
     del a, b, ref, saved, first
     dev.cleanup()
-    return {"model": spec.name, "steps": steps, "restored_step": restored_step,
-            "entries": n, "differed_before": differed,
-            "restored_bit_exact": restored_step == steps and not restored and differed > 0,
-            "restored_mismatch": restored[:10],
-            "continued_bit_exact": not continued, "continued_mismatch": continued[:10],
-            "kernels_deterministic": not control, "control_mismatch": control[:10],
-            "wall_s": time.perf_counter() - t0}
+    return {
+        "model": spec.name,
+        "steps": steps,
+        "restored_step": restored_step,
+        "entries": n,
+        "differed_before": differed,
+        "restored_bit_exact": restored_step == steps and not restored and differed > 0,
+        "restored_mismatch": restored[:10],
+        "continued_bit_exact": not continued,
+        "continued_mismatch": continued[:10],
+        "kernels_deterministic": not control,
+        "control_mismatch": control[:10],
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 # -- 5. report ------------------------------------------------------------------------------
@@ -1040,38 +1179,51 @@ def targets(res: dict[str, Any], plan: Plan) -> dict[str, Any]:
 
 
 def _f(x: Any, fmt: str, scale: float = 1.0) -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else \
-        format(x * scale, fmt)
+    return (
+        "-"
+        if x is None or (isinstance(x, float) and not math.isfinite(x))
+        else format(x * scale, fmt)
+    )
 
 
 def print_table(res: dict[str, Any]) -> None:
-    log("\n| part | mode | s/iter | x none | blocked ms/iter | blocked % | in hooks % | "
-        "drain s | GB/ckpt | host MB added | GPU MB vs none |")
+    log(
+        "\n| part | mode | s/iter | x none | blocked ms/iter | blocked % | in hooks % | "
+        "drain s | GB/ckpt | host MB added | GPU MB vs none |"
+    )
     log("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, p in res["parts"].items():
         for mode, s in p.get("summary", {}).items():
             if "ratio" not in s:
-                log(f"| {name} | {mode} | {'; '.join(map(str, s.get('missing', [])))} "
-                    "| | | | | | | | |")
+                log(
+                    f"| {name} | {mode} | {'; '.join(map(str, s.get('missing', [])))} "
+                    "| | | | | | | | |"
+                )
                 continue
-            log(f"| {name} | {mode} | {_f(s['s_per_iter'], '.3f')} | {_f(s['ratio'], '.2f')}x "
+            log(
+                f"| {name} | {mode} | {_f(s['s_per_iter'], '.3f')} | {_f(s['ratio'], '.2f')}x "
                 f"| {_f(s['blocked_s_per_iter'], '.1f', 1e3)} | "
                 f"{_f(s['blocked_frac'], '.2f', 100)} | {_f(s.get('hooks_frac'), '.2f', 100)} "
                 f"| {_f(s['drain_s'], '.2f')} | {_f(s['ckpt_bytes'], '.3f', 1e-9)} | "
                 f"{_f(s['host_rss_added'], '.0f', 1 / MiB)} | "
-                f"{_f(s['gpu_added_vs_none'], '.0f', 1 / MiB)} |")
+                f"{_f(s['gpu_added_vs_none'], '.0f', 1 / MiB)} |"
+            )
     for name, p in res["parts"].items():
         m = p.get("model", {})
         if m:
-            log(f"{name}: {m['params'] / 1e6:.0f} M params, {m['state_bytes'] / 1e9:.2f} GB "
+            log(
+                f"{name}: {m['params'] / 1e6:.0f} M params, {m['state_bytes'] / 1e9:.2f} GB "
                 f"state, accum {m['accum']} x {m['batch']} x {m['seq']} tokens, "
                 f"disk {m['disk_s_per_ckpt']:.2f} s/ckpt, none {m['iter_s']:.3f} s/iter, "
-                f"disk binds: {m['disk_binds']}")
+                f"disk binds: {m['disk_binds']}"
+            )
     rs = res.get("resume")
     if rs:
-        log(f"resume ({rs.get('model')}): restored bit-exact {rs.get('restored_bit_exact')}, "
+        log(
+            f"resume ({rs.get('model')}): restored bit-exact {rs.get('restored_bit_exact')}, "
             f"continued step bit-exact {rs.get('continued_bit_exact')}"
-            + (f", error {rs['error']}" if "error" in rs else ""))
+            + (f", error {rs['error']}" if "error" in rs else "")
+        )
     pt = res.get("pytest")
     if pt:
         log(f"pytest -m gpu: {pt.get('summary') or pt.get('skipped')}")
@@ -1095,29 +1247,48 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for gpu_check.json and pytest.txt")
     ap.add_argument("--dry", action="store_true", help="tiny models on the CPU (the test)")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="wall seconds for everything (default 450; --dry 300)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall seconds for everything (default 450; --dry 300)",
+    )
     ap.add_argument("--work", default=None, help="where run folders go (a temp dir in it)")
-    ap.add_argument("--pytest", choices=("gpu", "none"), default="gpu",
-                    help="run the tests marked gpu (default) or skip them")
-    ap.add_argument("--accum", type=int, default=0,
-                    help="micro-batches per iteration for every model (default: from the disk)")
+    ap.add_argument(
+        "--pytest",
+        choices=("gpu", "none"),
+        default="gpu",
+        help="run the tests marked gpu (default) or skip them",
+    )
+    ap.add_argument(
+        "--accum",
+        type=int,
+        default=0,
+        help="micro-batches per iteration for every model (default: from the disk)",
+    )
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     # child processes (dstt's flusher, the pytest part) import this repository's dstt too
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+    )
     budget = args.budget_s if args.budget_s is not None else (300.0 if args.dry else 450.0)
     deadline = t_start + budget
     plan = DRY if args.dry else FULL
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    res: dict[str, Any] = {"bench": "gpu_check", "dry": args.dry, "budget_s": budget,
-                           "started": datetime.datetime.now().isoformat(timespec="seconds"),
-                           "plan": {"parts": {k: {**asdict(v), "warmup": v.warmup}
-                                              for k, v in plan.parts.items()},
-                                    "models": {k: asdict(v) for k, v in plan.models.items()}},
-                           "notes": [], "parts": {}}
+    res: dict[str, Any] = {
+        "bench": "gpu_check",
+        "dry": args.dry,
+        "budget_s": budget,
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "plan": {
+            "parts": {k: {**asdict(v), "warmup": v.warmup} for k, v in plan.parts.items()},
+            "models": {k: asdict(v) for k, v in plan.models.items()},
+        },
+        "notes": [],
+        "parts": {},
+    }
     store = Results(out / "gpu_check.json", res)
     pre = res["preflight"] = preflight()
     print_preflight(pre)
@@ -1141,12 +1312,17 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="dstt-gpu-check-", dir=args.work or default_work()))
     res["machine"] = {
-        "python": platform.python_version(), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cpus": os.cpu_count(),
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
         "gpu_memory": torch.cuda.get_device_properties(0).total_memory if cuda else None,
-        "disk_free": shutil.disk_usage(work).free, "work": str(work),
-        "work_fs": filesystem(work), **source_state()}
+        "disk_free": shutil.disk_usage(work).free,
+        "work": str(work),
+        "work_fs": filesystem(work),
+        **source_state(),
+    }
     log(f"machine: {json.dumps(res['machine'])}")
     try:
         if args.pytest == "gpu" and importlib.util.find_spec("pytest") is None:
@@ -1154,8 +1330,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.pytest == "gpu":
             log(f"pytest -m gpu {' '.join(gpu_test_files())} ...")
             res["pytest"] = run_pytest(out, min(240.0, deadline - time.perf_counter() - 60))
-            log(f"pytest: {res['pytest']['summary']} (rc {res['pytest']['rc']}, "
-                f"{res['pytest']['wall_s']:.0f} s)")
+            log(
+                f"pytest: {res['pytest']['summary']} (rc {res['pytest']['rc']}, "
+                f"{res['pytest']['wall_s']:.0f} s)"
+            )
         else:
             res["pytest"] = {"skipped": "--pytest none"}
         store.save()
@@ -1174,8 +1352,16 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if "error" in res else 0
 
 
-def bench(plan: Plan, args: argparse.Namespace, dev: Device, work: Path, res: dict[str, Any],
-          store: Results, deadline: float, disk_bandwidth: Callable[[Path, int], float]) -> None:
+def bench(
+    plan: Plan,
+    args: argparse.Namespace,
+    dev: Device,
+    work: Path,
+    res: dict[str, Any],
+    store: Results,
+    deadline: float,
+    disk_bandwidth: Callable[[Path, int], float],
+) -> None:
     """The capture benchmark and the resume check, slot by slot within the time left."""
     disk_bw = disk_bandwidth(work, plan.disk_probe_bytes)
     res["disk_write_bytes_per_s"] = disk_bw
@@ -1187,7 +1373,8 @@ def bench(plan: Plan, args: argparse.Namespace, dev: Device, work: Path, res: di
     def est(slot: Slot) -> float:
         if slot.part == "resume":
             m = facts.get(plan.resume_model) or predict_model(
-                plan.models[plan.resume_model], plan, facts, disk_bw)
+                plan.models[plan.resume_model], plan, facts, disk_bw
+            )
             return 4 * m["disk_s"] + 15.0
         part = plan.parts[slot.part]
         if slot.part in round_s:
@@ -1204,8 +1391,10 @@ def bench(plan: Plan, args: argparse.Namespace, dev: Device, work: Path, res: di
         e, keep = est(slot), reserve(plan.schedule, i, est)
         label = slot.part if slot.part == "resume" else f"{slot.part} round {slot.round}"
         if e + keep > left:
-            res["notes"].append(f"skipped {label}: needs ~{e:.0f} s (+{keep:.0f} s kept for "
-                                f"later checks), {left:.0f} s left")
+            res["notes"].append(
+                f"skipped {label}: needs ~{e:.0f} s (+{keep:.0f} s kept for "
+                f"later checks), {left:.0f} s left"
+            )
             log(res["notes"][-1])
             continue
         if slot.part == "resume":
@@ -1213,11 +1402,15 @@ def bench(plan: Plan, args: argparse.Namespace, dev: Device, work: Path, res: di
                 trainer = None
                 dev.cleanup()
             try:
-                res["resume"] = resume_check(plan.models[plan.resume_model], dev,
-                                             work / "resume-run")
+                res["resume"] = resume_check(
+                    plan.models[plan.resume_model], dev, work / "resume-run"
+                )
             except Exception as e:
-                res["resume"] = {"model": plan.resume_model, "error": f"{type(e).__name__}: {e}",
-                                 "traceback": traceback.format_exc()[-3000:]}
+                res["resume"] = {
+                    "model": plan.resume_model,
+                    "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc()[-3000:],
+                }
             finally:
                 shutil.rmtree(work / "resume-run", ignore_errors=True)
             shown = {k: v for k, v in res["resume"].items() if k != "traceback"}
@@ -1238,15 +1431,26 @@ def bench(plan: Plan, args: argparse.Namespace, dev: Device, work: Path, res: di
             it = trainer.accum * micro_s + opt_s
             facts[spec.name] = {"it": it, "disk_s": disk_s, "state": state, "micro_s": micro_s}
             res["parts"].setdefault(part.name, {})
-            info = {"params": trainer.params, "state_bytes": state, "accum": trainer.accum,
-                    "batch": spec.batch, "seq": trainer.cfg.seq, "micro_s": micro_s,
-                    "opt_s": opt_s, "iter_s": it, "disk_s_per_ckpt": disk_s,
-                    "build_s": time.perf_counter() - t}
+            info = {
+                "params": trainer.params,
+                "state_bytes": state,
+                "accum": trainer.accum,
+                "batch": spec.batch,
+                "seq": trainer.cfg.seq,
+                "micro_s": micro_s,
+                "opt_s": opt_s,
+                "iter_s": it,
+                "disk_s_per_ckpt": disk_s,
+                "build_s": time.perf_counter() - t,
+            }
             log(f"model {spec.name}: {json.dumps(info)}")
             for p in plan.parts.values():
                 if p.model == spec.name:
                     res["parts"].setdefault(p.name, {})["model"] = {
-                        **info, "every": p.every, "disk_binds": disk_s / p.every > it}
+                        **info,
+                        "every": p.every,
+                        "disk_binds": disk_s / p.every > it,
+                    }
         ctx = {"work": work, "state_bytes": facts[spec.name]["state"]}
         t = time.perf_counter()
         row = run_round(trainer, part, slot.round, ctx)

@@ -92,8 +92,7 @@ GPT87 = dict(vocab=8192, d=256, layers=2, heads=4, seq=128, batch=4)
 LIN_BLOCKS = {"lin1200": 100, "lin360": 30}
 LIN_WIDTH, LIN_BATCH = 128, 64
 WORKLOADS = ("lin1200", "lin360", "gpt87")
-ALL_MODES = ("none", "bare", "bare_guarded", "dstt", "dstt_sync", "dstt_delta", "torch_save",
-             "dcp")
+ALL_MODES = ("none", "bare", "bare_guarded", "dstt", "dstt_sync", "dstt_delta", "torch_save", "dcp")
 
 
 class LinTrainer(cb.Trainer):
@@ -107,11 +106,14 @@ class LinTrainer(cb.Trainer):
         for _ in range(blocks):
             layers += [nn.Linear(width, width), nn.LayerNorm(width)]
         self.model = nn.Sequential(*layers)  # type: ignore[assignment]
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4, weight_decay=0.1,
-                                     betas=(0.9, 0.95))
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=3e-4, weight_decay=0.1, betas=(0.9, 0.95)
+        )
         g = torch.Generator().manual_seed(0)
-        self.batches = [(torch.randn(batch, width, generator=g),
-                         torch.randn(batch, width, generator=g)) for _ in range(16)]
+        self.batches = [
+            (torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g))
+            for _ in range(16)
+        ]
         self.i = 0
         self.params = sum(p.numel() for p in self.model.parameters())
 
@@ -140,8 +142,15 @@ def hot_tensors(tr: cb.Trainer) -> list[torch.Tensor]:
     return out
 
 
-def run_bare(tr: cb.Trainer, warmup: int, iters: int, root: Path, *,
-             writer: type[BareWriter] = BareWriter, **kw: Any) -> dict[str, Any]:
+def run_bare(
+    tr: cb.Trainer,
+    warmup: int,
+    iters: int,
+    root: Path,
+    *,
+    writer: type[BareWriter] = BareWriter,
+    **kw: Any,
+) -> dict[str, Any]:
     bw = writer(hot_tensors(tr), root / "bare.bin")  # views are rebuilt for every run
     try:
         for _ in range(warmup):
@@ -166,29 +175,44 @@ def run_bare(tr: cb.Trainer, warmup: int, iters: int, root: Path, *,
     finally:
         bw.close()
     (root / "bare.bin").unlink(missing_ok=True)
-    return {"iter_s": its, "total_s": total, "blocked_s": blocked, "wait_s": waits,
-            "copy_s": copies, "write_s": bw.write_s[n0:], "writer_cpu_s": bw.write_cpu_s[n0:],
-            "bytes": bw.nbytes, "tensors": len(bw.src), "train_cpu_s": train_cpu,
-            "proc_cpu_s": proc_cpu}
+    return {
+        "iter_s": its,
+        "total_s": total,
+        "blocked_s": blocked,
+        "wait_s": waits,
+        "copy_s": copies,
+        "write_s": bw.write_s[n0:],
+        "writer_cpu_s": bw.write_cpu_s[n0:],
+        "bytes": bw.nbytes,
+        "tensors": len(bw.src),
+        "train_cpu_s": train_cpu,
+        "proc_cpu_s": proc_cpu,
+    }
 
 
-def run_bare_guarded(tr: cb.Trainer, warmup: int, iters: int, root: Path,
-                     **_: Any) -> dict[str, Any]:
+def run_bare_guarded(
+    tr: cb.Trainer, warmup: int, iters: int, root: Path, **_: Any
+) -> dict[str, Any]:
     """The bare writer plus the work the guarantees need (``_writers.GuardedWriter``)."""
     return run_bare(tr, warmup, iters, root, writer=GuardedWriter)
 
 
-def run_dstt_sync(tr: cb.Trainer, warmup: int, iters: int, root: Path,
-                  **_: Any) -> dict[str, Any]:
+def run_dstt_sync(tr: cb.Trainer, warmup: int, iters: int, root: Path, **_: Any) -> dict[str, Any]:
     """dstt with ``copy="sync"``: the batched copy on the training thread (no copy thread)."""
     return cb._run_dstt(tr, warmup, iters, root, None, copy="sync")
 
 
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
-    "none": cb.run_none, "bare": run_bare, "bare_guarded": run_bare_guarded,
-    "dstt": cb.run_dstt, "dstt_sync": run_dstt_sync,
-    "dstt_delta": cb.run_dstt_delta, "dstt_delta_always": cb.run_dstt_delta_always,
-    "torch_save": cb.run_torch_save, "dcp": cb.run_dcp}
+    "none": cb.run_none,
+    "bare": run_bare,
+    "bare_guarded": run_bare_guarded,
+    "dstt": cb.run_dstt,
+    "dstt_sync": run_dstt_sync,
+    "dstt_delta": cb.run_dstt_delta,
+    "dstt_delta_always": cb.run_dstt_delta_always,
+    "torch_save": cb.run_torch_save,
+    "dcp": cb.run_dcp,
+}
 
 
 # -- driver ---------------------------------------------------------------------------------
@@ -196,9 +220,19 @@ def _ratios(a: list[float], b: list[float]) -> list[float]:
     return [x / y for x, y in zip(a, b, strict=True)]
 
 
-def bench_workload(name: str, modes: list[str], *, repeats: int, warmup: int, iters: int,
-                   root: Path, disk_total: int, log: Any, seconds: float = 0.0,
-                   warmup_seconds: float = 0.0) -> dict[str, Any]:
+def bench_workload(
+    name: str,
+    modes: list[str],
+    *,
+    repeats: int,
+    warmup: int,
+    iters: int,
+    root: Path,
+    disk_total: int,
+    log: Any,
+    seconds: float = 0.0,
+    warmup_seconds: float = 0.0,
+) -> dict[str, Any]:
     tr = make_trainer(name)
     for _ in range(3):  # allocate optimizer state, warm the allocator
         tr.step()
@@ -212,15 +246,18 @@ def bench_workload(name: str, modes: list[str], *, repeats: int, warmup: int, it
     sbytes = state_bytes(tr.model, tr.opt)
     hot = hot_tensors(tr)
     n_state_dict = len(tr.model.state_dict()) + sum(
-        1 for st in tr.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
-    log(f"[{name}] {tr.params / 1e6:.2f} M params, {len(hot)} tensors (+step counters), "
+        1 for st in tr.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+    )
+    log(
+        f"[{name}] {tr.params / 1e6:.2f} M params, {len(hot)} tensors (+step counters), "
         f"{sbytes / 1e6:.1f} MB of state per step; {repeats} x {iters} iterations "
-        f"(+{warmup} warmup)")
+        f"(+{warmup} warmup)"
+    )
     per: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     bw: list[float] = []
     for rep in range(repeats):
         bw.append(disk_bandwidth(root, disk_total))
-        rot = modes[rep % len(modes):] + modes[: rep % len(modes)]
+        rot = modes[rep % len(modes) :] + modes[: rep % len(modes)]
         for mode in rot:
             gc.collect()
             d = root / mode
@@ -235,28 +272,35 @@ def bench_workload(name: str, modes: list[str], *, repeats: int, warmup: int, it
             r["s_per_iter"] = loop / iters
             r["close_s"] = max(0.0, r["total_s"] - loop)
             per[mode].append(r)
-            log(f"[{name}] round {rep + 1}/{repeats} {mode:>10}: "
+            log(
+                f"[{name}] round {rep + 1}/{repeats} {mode:>10}: "
                 f"{r['s_per_iter'] * 1e3:8.2f} ms/iter, blocked "
-                f"{med(r['blocked_s']) * 1e3:7.2f} ms/step")
-    base = {m: [r["s_per_iter"] for r in per[m]] for m in ("none", "bare", "bare_guarded")
-            if m in per}
+                f"{med(r['blocked_s']) * 1e3:7.2f} ms/step"
+            )
+    base = {
+        m: [r["s_per_iter"] for r in per[m]] for m in ("none", "bare", "bare_guarded") if m in per
+    }
     out_modes: dict[str, Any] = {}
     for mode, rs in per.items():
         spi = [r["s_per_iter"] for r in rs]
         eng = [med(r["writer_cpu_s"]) for r in rs if r.get("writer_cpu_s")]
         row: dict[str, Any] = {
-            "s_per_iter": med(spi), "s_per_iter_all": spi, "spread": spread(spi),
+            "s_per_iter": med(spi),
+            "s_per_iter_all": spi,
+            "spread": spread(spi),
             "close_s": med([r["close_s"] for r in rs]),
             "s_per_iter_with_close": med([r["total_s"] / iters for r in rs]),
             "iter_median_s": med([med(r["iter_s"]) for r in rs]),
             "ratio_vs_none": med(_ratios(spi, base["none"])) if "none" in base else None,
             "ratio_vs_none_all": _ratios(spi, base["none"]) if "none" in base else None,
             "ratio_vs_bare": med(_ratios(spi, base["bare"])) if "bare" in base else None,
-            "ratio_vs_guarded": (med(_ratios(spi, base["bare_guarded"]))
-                                 if "bare_guarded" in base else None),
+            "ratio_vs_guarded": (
+                med(_ratios(spi, base["bare_guarded"])) if "bare_guarded" in base else None
+            ),
             "blocked_s_per_step": med([med(r["blocked_s"]) for r in rs]),
-            "blocked_s_mean_per_step": med([statistics.fmean(r["blocked_s"]) if r["blocked_s"]
-                                            else 0.0 for r in rs]),
+            "blocked_s_mean_per_step": med(
+                [statistics.fmean(r["blocked_s"]) if r["blocked_s"] else 0.0 for r in rs]
+            ),
             "engine_cpu_s_per_step": med(eng) if eng else None,
             "cpu_s_per_iter": med([r["proc_cpu_s"] for r in rs]),
             "train_thread_cpu_s_per_iter": med([r["train_cpu_s"] for r in rs]),
@@ -265,15 +309,17 @@ def bench_workload(name: str, modes: list[str], *, repeats: int, warmup: int, it
             row.update({k: med([med(r[k]) for r in rs]) for k in ("wait_s", "copy_s", "write_s")})
             row.update({"bytes_per_step": rs[0]["bytes"], "tensors": rs[0]["tensors"]})
         elif mode.startswith("dstt"):
-            row.update({
-                "bytes_per_step": med([med(r["bytes"]) for r in rs]),
-                "written_bytes_per_step": med([med(r["written_bytes"]) for r in rs]),
-                "steps_measured": sum(len(r["bytes"]) for r in rs),
-                "committed": sum(r["committed"] for r in rs),
-                "backlog_max": max(r["backlog_max"] for r in rs),
-                "copy_s": med([med(r["copy_s"]) for r in rs]),
-                "flush_s": med([med(r["flush_s"]) for r in rs]),
-            })
+            row.update(
+                {
+                    "bytes_per_step": med([med(r["bytes"]) for r in rs]),
+                    "written_bytes_per_step": med([med(r["written_bytes"]) for r in rs]),
+                    "steps_measured": sum(len(r["bytes"]) for r in rs),
+                    "committed": sum(r["committed"] for r in rs),
+                    "backlog_max": max(r["backlog_max"] for r in rs),
+                    "copy_s": med([med(r["copy_s"]) for r in rs]),
+                    "flush_s": med([med(r["flush_s"]) for r in rs]),
+                }
+            )
         elif mode == "torch_save":
             row["file_bytes"] = rs[0]["file_bytes"]
         out_modes[mode] = row
@@ -281,14 +327,30 @@ def bench_workload(name: str, modes: list[str], *, repeats: int, warmup: int, it
     check: dict[str, Any] = {"disk_s_per_step": med(disk_s), "disk_s_per_step_all": disk_s}
     if "none" in base:
         per_round = [d < n for d, n in zip(disk_s, base["none"], strict=True)]
-        check.update({"none_s_per_iter": med(base["none"]), "disk_below_iter_all": per_round,
-                      "disk_below_iter": med(disk_s) < med(base["none"])})
+        check.update(
+            {
+                "none_s_per_iter": med(base["none"]),
+                "disk_below_iter_all": per_round,
+                "disk_below_iter": med(disk_s) < med(base["none"]),
+            }
+        )
     return {
-        "model": {**tr.cfg, "params": tr.params, "state_bytes": sbytes, "tensors": len(hot),
-                  "tensors_with_step_counters": n_state_dict},
-        "warmup": warmup, "iters": iters,
-        "disk": {"write_bytes_per_s": med(bw), "all": bw, "spread": spread(bw),
-                 "probe_bytes": disk_total, "method": "64 MiB writes into one file + fsync"},
+        "model": {
+            **tr.cfg,
+            "params": tr.params,
+            "state_bytes": sbytes,
+            "tensors": len(hot),
+            "tensors_with_step_counters": n_state_dict,
+        },
+        "warmup": warmup,
+        "iters": iters,
+        "disk": {
+            "write_bytes_per_s": med(bw),
+            "all": bw,
+            "spread": spread(bw),
+            "probe_bytes": disk_total,
+            "method": "64 MiB writes into one file + fsync",
+        },
         "check": check,
         "modes": out_modes,
     }
@@ -307,21 +369,31 @@ def print_tables(res: dict[str, Any]) -> None:
         for name, w in run["workloads"].items():
             m, disk, chk = w["model"], w["disk"], w["check"]
             ok = chk.get("disk_below_iter")
-            print(f"\n### {name}, {threads} thread(s): {m['tensors']} tensors, "
-                  f"{m['state_bytes'] / 1e6:.1f} MB/step; disk "
-                  f"{disk['write_bytes_per_s'] / 1e9:.2f} GB/s -> "
-                  f"{chk['disk_s_per_step'] * 1e3:.1f} ms/step"
-                  + ("" if ok is None else f" {'<' if ok else '>='} iteration "
-                     f"{chk['none_s_per_iter'] * 1e3:.1f} ms ({'ok' if ok else 'disk-bound'})")
-                  + "\n")
-            print("| mode | s/iter | \u00d7 none | \u00d7 bare | \u00d7 guarded | blocked ms/step "
-                  "| engine CPU ms/step | close s |")
+            print(
+                f"\n### {name}, {threads} thread(s): {m['tensors']} tensors, "
+                f"{m['state_bytes'] / 1e6:.1f} MB/step; disk "
+                f"{disk['write_bytes_per_s'] / 1e9:.2f} GB/s -> "
+                f"{chk['disk_s_per_step'] * 1e3:.1f} ms/step"
+                + (
+                    ""
+                    if ok is None
+                    else f" {'<' if ok else '>='} iteration "
+                    f"{chk['none_s_per_iter'] * 1e3:.1f} ms ({'ok' if ok else 'disk-bound'})"
+                )
+                + "\n"
+            )
+            print(
+                "| mode | s/iter | \u00d7 none | \u00d7 bare | \u00d7 guarded | blocked ms/step "
+                "| engine CPU ms/step | close s |"
+            )
             print("|---|---:|---:|---:|---:|---:|---:|---:|")
             for mode, r in w["modes"].items():
-                print(f"| {mode} | {r['s_per_iter']:.4f} | {_x(r['ratio_vs_none'])} | "
-                      f"{_x(r['ratio_vs_bare'])} | {_x(r.get('ratio_vs_guarded'))} | "
-                      f"{_ms(r['blocked_s_per_step'])} | "
-                      f"{_ms(r['engine_cpu_s_per_step'])} | {r.get('close_s', 0.0):.2f} |")
+                print(
+                    f"| {mode} | {r['s_per_iter']:.4f} | {_x(r['ratio_vs_none'])} | "
+                    f"{_x(r['ratio_vs_bare'])} | {_x(r.get('ratio_vs_guarded'))} | "
+                    f"{_ms(r['blocked_s_per_step'])} | "
+                    f"{_ms(r['engine_cpu_s_per_step'])} | {r.get('close_s', 0.0):.2f} |"
+                )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -329,19 +401,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quick", action="store_true", help="1 repeat, 1 warmup, 3 iterations")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--modes", default=",".join(ALL_MODES))
-    ap.add_argument("--threads", default="2",
-                    help="torch intra-op threads; a comma list runs the whole bench per value")
+    ap.add_argument(
+        "--threads",
+        default="2",
+        help="torch intra-op threads; a comma list runs the whole bench per value",
+    )
     ap.add_argument("--repeats", type=int, default=None, help="rounds (default 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed iterations (default 3)")
     ap.add_argument("--iters", type=int, default=None, help="timed iterations (default 20)")
-    ap.add_argument("--seconds", type=float, default=None,
-                    help="timed seconds per round and mode at least (more iterations where "
-                         "an iteration is short; default 2, quick 0: --iters only)")
-    ap.add_argument("--warmup-seconds", type=float, default=None,
-                    help="untimed seconds at least (default 1, quick 0): past dstt's start "
-                         "(the flusher process, first layouts), which a run pays once")
-    ap.add_argument("--disk-mib", type=int, default=None,
-                    help="MiB written by the disk probe per round (default 256, quick 32)")
+    ap.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="timed seconds per round and mode at least (more iterations where "
+        "an iteration is short; default 2, quick 0: --iters only)",
+    )
+    ap.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=None,
+        help="untimed seconds at least (default 1, quick 0): past dstt's start "
+        "(the flusher process, first layouts), which a run pays once",
+    )
+    ap.add_argument(
+        "--disk-mib",
+        type=int,
+        default=None,
+        help="MiB written by the disk probe per round (default 256, quick 32)",
+    )
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--json", default=None, help="default bench/results/hotpath.json")
     args = ap.parse_args(argv)
@@ -364,11 +451,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     iters = args.iters or (3 if args.quick else 20)
     disk_total = (args.disk_mib or (32 if args.quick else 256)) * MiB
     seconds = args.seconds if args.seconds is not None else (0.0 if args.quick else 2.0)
-    warmup_seconds = (args.warmup_seconds if args.warmup_seconds is not None
-                      else (0.0 if args.quick else 1.0))
-    out_json = Path(args.json) if args.json else (
-        Path(__file__).parent / "results" / ("hotpath_quick.json" if args.quick
-                                             else "hotpath.json"))
+    warmup_seconds = (
+        args.warmup_seconds if args.warmup_seconds is not None else (0.0 if args.quick else 1.0)
+    )
+    out_json = (
+        Path(args.json)
+        if args.json
+        else (
+            Path(__file__).parent
+            / "results"
+            / ("hotpath_quick.json" if args.quick else "hotpath.json")
+        )
+    )
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -379,16 +473,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "hotpath",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "quick": args.quick,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__, "source": source_state(),
-                    "platform": platform.platform(), "loadavg_before": os.getloadavg()},
-        "repeats": repeats, "warmup": warmup, "iters": iters, "seconds": seconds,
-        "warmup_seconds": warmup_seconds, "modes": modes,
-        "bare_writer": {"buffers": 1, "piece_bytes": PIECE, "align": ALIGN,
-                        "file": "O_TRUNC rewrite of one file + fsync per step",
-                        "guarded": "+ crc32c and CRC-32 per tensor, sumsq/max/min per tensor, "
-                                   "a new file per step renamed into place, a JSON manifest "
-                                   "written last, syncfs"},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "source": source_state(),
+            "platform": platform.platform(),
+            "loadavg_before": os.getloadavg(),
+        },
+        "repeats": repeats,
+        "warmup": warmup,
+        "iters": iters,
+        "seconds": seconds,
+        "warmup_seconds": warmup_seconds,
+        "modes": modes,
+        "bare_writer": {
+            "buffers": 1,
+            "piece_bytes": PIECE,
+            "align": ALIGN,
+            "file": "O_TRUNC rewrite of one file + fsync per step",
+            "guarded": "+ crc32c and CRC-32 per tensor, sumsq/max/min per tensor, "
+            "a new file per step renamed into place, a JSON manifest "
+            "written last, syncfs",
+        },
         "runs": {},
     }
     try:
@@ -401,9 +508,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             log(f"-- torch threads: {t}")
             for name in names:
                 run["workloads"][name] = bench_workload(
-                    name, modes, repeats=repeats, warmup=warmup, iters=iters, root=root,
-                    disk_total=disk_total, log=log, seconds=seconds,
-                    warmup_seconds=warmup_seconds)
+                    name,
+                    modes,
+                    repeats=repeats,
+                    warmup=warmup,
+                    iters=iters,
+                    root=root,
+                    disk_total=disk_total,
+                    log=log,
+                    seconds=seconds,
+                    warmup_seconds=warmup_seconds,
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
         import torch.distributed as dist

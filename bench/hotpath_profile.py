@@ -50,10 +50,13 @@ from dstt.store.storage import local as L
 HZ = os.sysconf("SC_CLK_TCK")
 #: (owner, method names) timed per call
 TIMED: list[tuple[Any, str]] = [
-    (P.Pipeline, "stage _copy_flat"), (CM.Committer, "_finish put_object _flat_summaries"),
+    (P.Pipeline, "stage _copy_flat"),
+    (CM.Committer, "_finish put_object _flat_summaries"),
     (FW.FlatLane, "write"),
     (TX.Transaction, "commit put_object arrays_table reserve_flat complete_flat"),
-    (W.Writer, "_metadata"), (L.LocalStorage, "barrier evict write"), (FL.Flusher, "write"),
+    (W.Writer, "_metadata"),
+    (L.LocalStorage, "barrier evict write"),
+    (FL.Flusher, "write"),
 ]
 
 
@@ -76,8 +79,11 @@ def _children() -> dict[str, tuple[str, int, int]]:
             stat = Path(p, "stat").read_text()
             f = stat.rsplit(")", 1)[1].split()
             if int(f[1]) == os.getpid():
-                out[p] = (Path(p, "cmdline").read_text().split("\0")[2:3] or ["?"])[0], \
-                    int(f[11]), int(f[12])
+                out[p] = (
+                    (Path(p, "cmdline").read_text().split("\0")[2:3] or ["?"])[0],
+                    int(f[11]),
+                    int(f[12]),
+                )
         except (OSError, IndexError):
             pass
     return out
@@ -97,6 +103,7 @@ def _timed(cpu: dict[str, float], calls: dict[str, int]) -> Callable[[], None]:
                 finally:
                     cpu[_tag] += time.thread_time() - c0
                     calls[_tag] += 1
+
             setattr(owner, name, wrapper)
             undo.append((owner, name, orig))
     return lambda: [setattr(o, n, f) for o, n, f in undo]  # type: ignore[func-returns-value]
@@ -135,18 +142,22 @@ def main(argv: list[str] | None = None) -> None:
             train_cpu = (time.thread_time() - c0) / args.iters
             b, cb = _ticks(os.getpid()), _children()
             names = {str(t.native_id): t.name for t in threading.enumerate()}
-            blocked = sorted(m.blocked_s for m in list(s.metrics)[-args.iters:])
+            blocked = sorted(m.blocked_s for m in list(s.metrics)[-args.iters :])
     finally:
         undo()
         shutil.rmtree(root, ignore_errors=True)
     n = args.iters
-    print(f"{args.workload}, torch threads {args.threads}: {none * 1e3:.1f} ms/iter without "
-          f"checkpoints, {wall * 1e3:.1f} with dstt ({wall / none:.2f}x); blocked per step "
-          f"median {blocked[len(blocked) // 2] * 1e3:.2f} ms, mean "
-          f"{sum(blocked) / len(blocked) * 1e3:.2f} ms")
+    print(
+        f"{args.workload}, torch threads {args.threads}: {none * 1e3:.1f} ms/iter without "
+        f"checkpoints, {wall * 1e3:.1f} with dstt ({wall / none:.2f}x); blocked per step "
+        f"median {blocked[len(blocked) // 2] * 1e3:.2f} ms, mean "
+        f"{sum(blocked) / len(blocked) * 1e3:.2f} ms"
+    )
     off = wall - train_cpu - sum(blocked) / len(blocked)
-    print(f"training thread: {train_cpu * 1e3:.1f} ms of CPU per iteration; off the CPU and "
-          f"not blocked by dstt {off * 1e3:.1f} ms (waiting for the GIL, or for a core)\n")
+    print(
+        f"training thread: {train_cpu * 1e3:.1f} ms of CPU per iteration; off the CPU and "
+        f"not blocked by dstt {off * 1e3:.1f} ms (waiting for the GIL, or for a core)\n"
+    )
     print("| thread | user ms/iter | sys ms/iter |\n|---|---:|---:|")
     for tid, (name, u, sy) in sorted(b.items(), key=lambda kv: -(kv[1][1] + kv[1][2])):
         u0, s0 = a.get(tid, (name, 0, 0))[1:]

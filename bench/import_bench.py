@@ -53,17 +53,34 @@ def make_checkpoints(out: Path, steps: int, quick: bool) -> None:
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     width, vocab = (64, 512) if quick else (256, 8192)
-    cfg = GPT2Config(n_layer=4, n_embd=width, n_head=4, vocab_size=vocab, n_positions=64,
-                     bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        n_layer=4,
+        n_embd=width,
+        n_head=4,
+        vocab_size=vocab,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     g = torch.Generator().manual_seed(1)
     data = []
     for _ in range(64):
         ids = torch.randint(0, vocab, (64,), generator=g)
         data.append({"input_ids": ids, "labels": ids.clone()})
-    args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=2,
-                             logging_steps=1, learning_rate=1e-3, weight_decay=0.1, report_to=[],
-                             save_strategy="steps", save_steps=2, use_cpu=True, disable_tqdm=True,
-                             seed=0)
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        report_to=[],
+        save_strategy="steps",
+        save_steps=2,
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
     Trainer(model=GPT2LMHeadModel(cfg), args=args, train_dataset=data).train()
 
 
@@ -134,8 +151,11 @@ def timed(fn: Any, files: list[str], cold: bool) -> float:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="4 checkpoints of a width-64 model (a smoke test: numbers mean nothing)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="4 checkpoints of a width-64 model (a smoke test: numbers mean nothing)",
+    )
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "import.json"))
     ap.add_argument("--dir", default=None, help="folder for the temporary files")
     a = ap.parse_args(argv)
@@ -147,9 +167,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(2)
     tmp = Path(tempfile.mkdtemp(prefix="dstt-import-bench-", dir=a.dir))
     res: dict[str, Any] = {
-        "benchmark": "import", "quick": a.quick, "source": source_state(),
-        "machine": {"cpus": os.cpu_count(), "loadavg": os.getloadavg(),
-                    "torch_threads": torch.get_num_threads()}}
+        "benchmark": "import",
+        "quick": a.quick,
+        "source": source_state(),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg": os.getloadavg(),
+            "torch_threads": torch.get_num_threads(),
+        },
+    }
     try:
         src = tmp / "hf"
         make_checkpoints(src, 8 if a.quick else 16, a.quick)
@@ -158,8 +184,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         res["checkpoints"] = len(list(src.glob("checkpoint-*")))
         res["source_bytes"] = nbytes
         res["disk_write_fsync_GBps"] = disk_bandwidth(tmp, 256 << 20) / 1e9
-        variants = {"import": {}, "import_no_summaries": {"summaries": False},
-                    "import_delta": {"encoding": dstt.DeltaPolicy()}}
+        variants = {
+            "import": {},
+            "import_no_summaries": {"summaries": False},
+            "import_delta": {"encoding": dstt.DeltaPolicy()},
+        }
         for mode in ("cold", "warm"):
             cold = mode == "cold"
             row: dict[str, Any] = {}
@@ -167,8 +196,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["read_phase_s"] = timed(lambda: read_phase(src), files, cold)
             for name, kw in variants.items():
                 run = tmp / f"run-{name}-{mode}"
-                row[f"{name}_s"] = timed(lambda run=run, kw=kw: dstt.import_checkpoints(
-                    src, run, **kw), files, cold)
+                row[f"{name}_s"] = timed(
+                    lambda run=run, kw=kw: dstt.import_checkpoints(src, run, **kw), files, cold
+                )
                 res.setdefault("bytes_on_disk", {})[name] = du(run)
                 shutil.rmtree(run)
             for k in [k for k in row if k.endswith("_s")]:
@@ -183,17 +213,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def report(r: dict[str, Any]) -> None:
         gb = r["source_bytes"] / 1e9
-        print(f"{r['checkpoints']} HF Trainer checkpoints, {gb:.3f} GB; disk write+fsync "
-              f"{r['disk_write_fsync_GBps']:.2f} GB/s (writing the source's bytes durably "
-              f"takes {r['cold']['disk_bound_s']:.2f} s)")
+        print(
+            f"{r['checkpoints']} HF Trainer checkpoints, {gb:.3f} GB; disk write+fsync "
+            f"{r['disk_write_fsync_GBps']:.2f} GB/s (writing the source's bytes durably "
+            f"takes {r['cold']['disk_bound_s']:.2f} s)"
+        )
         for mode in ("cold", "warm"):
             row = r[mode]
             print(f"\n{mode}: {'':24} seconds   GB/s   ratio to the loader")
             for k in ("loader", "read_phase", "import", "import_no_summaries", "import_delta"):
                 ratio = "" if k == "loader" else f"{row[f'ratio_{k}']:.2f}"
                 print(f"  {k:30} {row[f'{k}_s']:7.2f} {row[f'{k}_GBps']:6.3f}   {ratio}")
-        print("\nbytes on disk: " + ", ".join(f"{k} {v / 1e6:.1f} MB"
-                                               for k, v in r["bytes_on_disk"].items()))
+        print(
+            "\nbytes on disk: "
+            + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in r["bytes_on_disk"].items())
+        )
+
     return finish(res, Path(a.json), t_start, report)
 
 

@@ -48,8 +48,9 @@ SHAPE = (16, 16)  # 1 KiB of fp32 per tensor
 FIELDS = ("l2", "rms", "maxabs", "nan", "inf", "update_l2", "update_ratio")
 
 
-def synthesize(path: Path, steps: int, tensors: int = N_TENSORS,
-               shape: tuple[int, ...] = SHAPE) -> float:
+def synthesize(
+    path: Path, steps: int, tensors: int = N_TENSORS, shape: tuple[int, ...] = SHAPE
+) -> float:
     """A run of ``steps`` commits; returns seconds taken."""
     t0 = time.perf_counter()
     rng = np.random.default_rng(0)
@@ -103,8 +104,12 @@ def raw_ceiling(run: Any, name: str) -> tuple[float, int]:
 
 def bench_run(path: Path, steps: int, repeats: int) -> dict[str, Any]:
     made = synthesize(path, steps)
-    out: dict[str, Any] = {"steps": steps, "tensors": N_TENSORS, "synthesize_s": made,
-                           "index_files": len(list((path / "_dstt" / "index").glob("*.idx")))}
+    out: dict[str, Any] = {
+        "steps": steps,
+        "tensors": N_TENSORS,
+        "synthesize_s": made,
+        "index_files": len(list((path / "_dstt" / "index").glob("*.idx"))),
+    }
 
     def opened() -> Any:
         return dstt.open(path)
@@ -148,10 +153,16 @@ def main() -> None:
     steps = [100] if args.quick else [int(s) for s in args.steps.split(",")]
     repeats = max(3, args.repeats)
     root = Path(tempfile.mkdtemp(prefix="index-bench-", dir=args.dir))
-    res: dict[str, Any] = {"benchmark": "index", "quick": args.quick, "repeats": repeats,
-                           "machine": platform.platform(), "cpus": os.cpu_count(),
-                           "source": source_state(), "runs": {}, "note":
-                           "shared machine, other test suites running: figures are noisy"}
+    res: dict[str, Any] = {
+        "benchmark": "index",
+        "quick": args.quick,
+        "repeats": repeats,
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "source": source_state(),
+        "runs": {},
+        "note": "shared machine, other test suites running: figures are noisy",
+    }
     try:
         for n in steps:
             res["runs"][str(n)] = bench_run(root / f"run{n}", n, repeats)

@@ -48,8 +48,7 @@ def _median(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _write(repo: Repository, steps: int, arrays_at: Callable[[int], dict[str, np.ndarray]]
-           ) -> None:
+def _write(repo: Repository, steps: int, arrays_at: Callable[[int], dict[str, np.ndarray]]) -> None:
     with repo.writer() as w:
         for s in range(steps):
             txn = w.begin(s)
@@ -70,7 +69,7 @@ def _raw_read(root: str, keys: list[str], out: np.ndarray | None = None) -> int:
             data = f.read()
         body = np.frombuffer(data, dtype=np.uint8, count=len(data) - 4)
         if out is not None:
-            out[n:n + body.size] = body
+            out[n : n + body.size] = body
         n += body.size
     return n
 
@@ -83,8 +82,9 @@ def bench_select(root: Path, repeats: int) -> dict[str, float]:
     def model(step: int) -> dict[str, np.ndarray]:
         out = {}
         for i in range(layers):
-            out[f"params/layers/{i}/attn/q_proj/weight"] = rng.standard_normal(
-                (64, 64)).astype(ml_dtypes.bfloat16)
+            out[f"params/layers/{i}/attn/q_proj/weight"] = rng.standard_normal((64, 64)).astype(
+                ml_dtypes.bfloat16
+            )
             out[f"params/layers/{i}/attn/q_proj/bias"] = np.zeros(64, np.float32)
             out[f"params/layers/{i}/mlp/weight"] = np.zeros((64, 16), np.float32)
             out[f"params/layers/{i}/norm/weight"] = np.ones(64, np.float32)
@@ -103,8 +103,12 @@ def bench_select(root: Path, repeats: int) -> dict[str, float]:
     r = Repository.open(path).reader()
     h = r.find(step)
     table = r.arrays(h)
-    keys = [c.key for p in ("params/layers/7/attn/q_proj/weight",
-                            "params/layers/7/attn/q_proj/bias") for c in table[p].chunks]
+    keys = [
+        c.key
+        for p in ("params/layers/7/attn/q_proj/weight", "params/layers/7/attn/q_proj/bias")
+        for c in table[p].chunks
+    ]
+
     def table_only() -> None:  # the store's share: refs, lineage, verify + parse the table
         rr = Repository.open(path).reader()
         rr.arrays(rr.find(step))
@@ -114,21 +118,30 @@ def bench_select(root: Path, repeats: int) -> dict[str, float]:
     t_open = _median(open_only, repeats)
     t_table = _median(table_only, repeats)
     t_raw = _median(lambda: _raw_read(str(path), keys), repeats)
-    return {"tensors": float(len(table)), "store_table_ms": t_table * 1e3,
-            "open_select_ms": t_open * 1e3, "open_select_load_ms": t_dstt * 1e3,
-            "raw_ms": t_raw * 1e3, "ratio": t_dstt / t_raw}
+    return {
+        "tensors": float(len(table)),
+        "store_table_ms": t_table * 1e3,
+        "open_select_ms": t_open * 1e3,
+        "open_select_load_ms": t_dstt * 1e3,
+        "raw_ms": t_raw * 1e3,
+        "ratio": t_dstt / t_raw,
+    }
 
 
-def bench_trajectory(root: Path, repeats: int, steps: int, mib: float, dtype: Any
-                     ) -> dict[str, float]:
+def bench_trajectory(
+    root: Path, repeats: int, steps: int, mib: float, dtype: Any
+) -> dict[str, float]:
     name = "bf16" if dtype == ml_dtypes.bfloat16 else np.dtype(dtype).name
     path = root / f"traj-{name}"
     itemsize = np.dtype(dtype).itemsize
     rows = max(1, int(mib * 2**20 / itemsize / 256))
     rng = np.random.default_rng(1)
     base = rng.standard_normal((rows, 256)).astype(dtype)
-    _write(Repository.create(path, durability="none"), steps,
-           lambda s: {"params/layers/0/w": base, "params/other": np.zeros(8, np.float32)})
+    _write(
+        Repository.create(path, durability="none"),
+        steps,
+        lambda s: {"params/layers/0/w": base, "params/other": np.zeros(8, np.float32)},
+    )
     run = open_run(path)
     r = Repository.open(path).reader()
     keys = [c.key for h in r.lineage() for c in r.arrays(h)["params/layers/0/w"].chunks]
@@ -146,9 +159,14 @@ def bench_trajectory(root: Path, repeats: int, steps: int, mib: float, dtype: An
     t_raw = _median(lambda: _raw_read(str(path), keys, np.empty(nbytes, np.uint8)), repeats)
     t_reuse = _median(lambda: _raw_read(str(path), keys, buf), repeats)
     gbs = nbytes / 1e9
-    return {"bytes": float(nbytes), "dstt_GBps": gbs / t_dstt, "raw_GBps": gbs / t_raw,
-            "raw_reused_buffer_GBps": gbs / t_reuse, "ratio": t_dstt / t_raw,
-            "ratio_vs_reused_buffer": t_dstt / t_reuse}
+    return {
+        "bytes": float(nbytes),
+        "dstt_GBps": gbs / t_dstt,
+        "raw_GBps": gbs / t_raw,
+        "raw_reused_buffer_GBps": gbs / t_reuse,
+        "ratio": t_dstt / t_raw,
+        "ratio_vs_reused_buffer": t_dstt / t_reuse,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,21 +179,29 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
-        res = {"select": bench_select(root, args.repeats),
-               "trajectory_f32": bench_trajectory(root, args.repeats, args.steps, args.mib,
-                                                  np.float32),
-               "trajectory_bf16": bench_trajectory(root, args.repeats, args.steps, args.mib,
-                                                   ml_dtypes.bfloat16)}
+        res = {
+            "select": bench_select(root, args.repeats),
+            "trajectory_f32": bench_trajectory(
+                root, args.repeats, args.steps, args.mib, np.float32
+            ),
+            "trajectory_bf16": bench_trajectory(
+                root, args.repeats, args.steps, args.mib, ml_dtypes.bfloat16
+            ),
+        }
     s = res["select"]
-    print(f"open+select ({s['tensors']:.0f} tensors): {s['open_select_ms']:.1f} ms "
-          f"(store refs+table {s['store_table_ms']:.1f} ms); with load "
-          f"{s['open_select_load_ms']:.1f} ms vs raw {s['raw_ms']:.2f} ms -> {s['ratio']:.0f}x")
+    print(
+        f"open+select ({s['tensors']:.0f} tensors): {s['open_select_ms']:.1f} ms "
+        f"(store refs+table {s['store_table_ms']:.1f} ms); with load "
+        f"{s['open_select_load_ms']:.1f} ms vs raw {s['raw_ms']:.2f} ms -> {s['ratio']:.0f}x"
+    )
     for k in ("trajectory_f32", "trajectory_bf16"):
         t = res[k]
-        print(f"{k} ({t['bytes'] / 2**20:.0f} MiB over {args.steps} steps): "
-              f"{t['dstt_GBps']:.2f} GB/s vs raw {t['raw_GBps']:.2f} GB/s -> {t['ratio']:.2f}x "
-              f"time (vs a reused buffer {t['raw_reused_buffer_GBps']:.2f} GB/s: "
-              f"{t['ratio_vs_reused_buffer']:.2f}x)")
+        print(
+            f"{k} ({t['bytes'] / 2**20:.0f} MiB over {args.steps} steps): "
+            f"{t['dstt_GBps']:.2f} GB/s vs raw {t['raw_GBps']:.2f} GB/s -> {t['ratio']:.2f}x "
+            f"time (vs a reused buffer {t['raw_reused_buffer_GBps']:.2f} GB/s: "
+            f"{t['ratio_vs_reused_buffer']:.2f}x)"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0

@@ -77,9 +77,12 @@ def main() -> int:
             if s.step % a.every == 0 or s.step == 1:
                 curve.append(sample(proc, s.step, s))
                 p = curve[-1]
-                print(f"step {p['step']:>6}  rss {p['rss_mib']:8.1f} MiB  fds {p['fds']:>4}  "
-                      f"threads {p['threads']:>3}  metrics {p['metrics_kept']:>6}  "
-                      f"dir cache {p['storage_dir_cache']:>6}", flush=True)
+                print(
+                    f"step {p['step']:>6}  rss {p['rss_mib']:8.1f} MiB  fds {p['fds']:>4}  "
+                    f"threads {p['threads']:>3}  metrics {p['metrics_kept']:>6}  "
+                    f"dir cache {p['storage_dir_cache']:>6}",
+                    flush=True,
+                )
         cache = s._pipeline.cache if s._pipeline else None
         cache_capacity = cache.capacity if cache else 0
     seconds = time.monotonic() - t0
@@ -102,7 +105,8 @@ def main() -> int:
         "after_close": end,
         "rss_growth_after_warmup_mib": round(last["rss_mib"] - warm["rss_mib"], 2),
         "rss_growth_per_1000_steps_mib": round(
-            (last["rss_mib"] - warm["rss_mib"]) * 1000 / max(1, last["step"] - warm["step"]), 3),
+            (last["rss_mib"] - warm["rss_mib"]) * 1000 / max(1, last["step"] - warm["step"]), 3
+        ),
         "fds_max_during": max(p["fds"] for p in curve),
         "fds_back_to_baseline": end["fds"] == base["fds"],
         "threads_back_to_baseline": end["threads"] == base["threads"],

@@ -40,8 +40,14 @@ ACCUM = 2
 
 def build(size: dict[str, int]) -> tuple[Any, Any, Any]:
     torch.manual_seed(0)
-    m = TinyGPT(vocab=size["vocab"], d=size["d"], layers=size["layers"], heads=size["heads"],
-                seq=size["seq"], dropout=0.1)
+    m = TinyGPT(
+        vocab=size["vocab"],
+        d=size["d"],
+        layers=size["layers"],
+        heads=size["heads"],
+        seq=size["seq"],
+        dropout=0.1,
+    )
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 4))
     return m, opt, sched
@@ -65,8 +71,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             return model(b[0], b[1])[1] / ACCUM
 
         m, opt, sched = build(size)
-        loader = DataLoader(ds, batch_size=size["micro"], shuffle=True,
-                            generator=torch.Generator().manual_seed(1))
+        loader = DataLoader(
+            ds, batch_size=size["micro"], shuffle=True, generator=torch.Generator().manual_seed(1)
+        )
         with dstt.session(m, opt, run=work / "run", scheduler=sched) as s:
             micro = 0
             while s.step < args.steps:
@@ -103,24 +110,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             faithful.append(bool(r.faithful))
             m, opt, sched = build(size)
             t = time.perf_counter()
-            run.replay(k, m, opt, scheduler=sched, dataset=ds, loss_fn=loss_fn,
-                       per_sample=False)
+            run.replay(k, m, opt, scheduler=sched, dataset=ds, loss_fn=loss_fn, per_sample=False)
             replay_np_s.append(time.perf_counter() - t)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = statistics.median
-    res = {"bench": "replay", "size": size, "accum": ACCUM, "repeats": args.repeats,
-           "train_step_s": med(step_s), "restore_s": med(restore_s),
-           "replay_s": med(replay_s), "replay_no_per_sample_s": med(replay_np_s),
-           "ratio": med(replay_s) / (med(step_s) + med(restore_s)),
-           "ratio_no_per_sample": med(replay_np_s) / (med(step_s) + med(restore_s)),
-           "faithful": all(faithful)}
+    res = {
+        "bench": "replay",
+        "size": size,
+        "accum": ACCUM,
+        "repeats": args.repeats,
+        "train_step_s": med(step_s),
+        "restore_s": med(restore_s),
+        "replay_s": med(replay_s),
+        "replay_no_per_sample_s": med(replay_np_s),
+        "ratio": med(replay_s) / (med(step_s) + med(restore_s)),
+        "ratio_no_per_sample": med(replay_np_s) / (med(step_s) + med(restore_s)),
+        "faithful": all(faithful),
+    }
     print(f"TinyGPT {size}, {ACCUM} micro-batches per step, medians of {args.repeats}:")
-    print(f"  train step {res['train_step_s'] * 1e3:.1f} ms, restore {res['restore_s'] * 1e3:.1f}"
-          f" ms, replay {res['replay_s'] * 1e3:.1f} ms (without per-sample losses "
-          f"{res['replay_no_per_sample_s'] * 1e3:.1f} ms)")
-    print(f"  replay / (step + restore) = {res['ratio']:.2f} "
-          f"({res['ratio_no_per_sample']:.2f} without per-sample); faithful: {res['faithful']}")
+    print(
+        f"  train step {res['train_step_s'] * 1e3:.1f} ms, restore {res['restore_s'] * 1e3:.1f}"
+        f" ms, replay {res['replay_s'] * 1e3:.1f} ms (without per-sample losses "
+        f"{res['replay_no_per_sample_s'] * 1e3:.1f} ms)"
+    )
+    print(
+        f"  replay / (step + restore) = {res['ratio']:.2f} "
+        f"({res['ratio_no_per_sample']:.2f} without per-sample); faithful: {res['faithful']}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     return res

@@ -35,8 +35,11 @@ def _server() -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
@@ -50,8 +53,10 @@ def _server() -> tuple[subprocess.Popen[bytes], str]:
 def _commit_steps(run: Any, steps: int, mib: int, **opts: Any) -> list[float]:
     repo = Repository.create(run, **opts)
     rng = np.random.default_rng(0)
-    arrays = {f"params/l{i}/w": rng.standard_normal(mib * MiB // 8 // 4, dtype=np.float32)
-              for i in range(8)}
+    arrays = {
+        f"params/l{i}/w": rng.standard_normal(mib * MiB // 8 // 4, dtype=np.float32)
+        for i in range(8)
+    }
     times = []
     with repo.writer(chunk_bytes=4 * MiB) as w:
         for step in range(1, steps + 1):
@@ -75,10 +80,17 @@ def _clients(endpoint: str, mib: int) -> dict[str, float]:
     import s3fs
     from obstore.store import S3Store
 
-    store = S3Store("bench", endpoint=endpoint, access_key_id="x", secret_access_key="x",
-                    region="us-east-1", client_options={"allow_http": True})
-    fs = s3fs.S3FileSystem(key="x", secret="x", client_kwargs={"endpoint_url": endpoint,
-                                                              "region_name": "us-east-1"})
+    store = S3Store(
+        "bench",
+        endpoint=endpoint,
+        access_key_id="x",
+        secret_access_key="x",
+        region="us-east-1",
+        client_options={"allow_http": True},
+    )
+    fs = s3fs.S3FileSystem(
+        key="x", secret="x", client_kwargs={"endpoint_url": endpoint, "region_name": "us-east-1"}
+    )
     big = os.urandom(mib * MiB)
     out: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -109,22 +121,36 @@ def main() -> None:
     try:
         import boto3
 
-        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="x",
-                     aws_secret_access_key="x", region_name="us-east-1").create_bucket(
-                         Bucket="bench")
-        s3 = _commit_steps(f"s3://bench/{secrets.token_hex(4)}", a.steps, a.mib_per_step,
-                           endpoint=endpoint, access_key_id="x", secret_access_key="x",
-                           allow_http=True)
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id="x",
+            aws_secret_access_key="x",
+            region_name="us-east-1",
+        ).create_bucket(Bucket="bench")
+        s3 = _commit_steps(
+            f"s3://bench/{secrets.token_hex(4)}",
+            a.steps,
+            a.mib_per_step,
+            endpoint=endpoint,
+            access_key_id="x",
+            secret_access_key="x",
+            allow_http=True,
+        )
         with tempfile.TemporaryDirectory() as d:
             local = _commit_steps(Path(d) / "run", a.steps, a.mib_per_step)
         clients = _clients(endpoint, a.mib_per_step)
     finally:
         proc.terminate()
         proc.wait()
-    res = {"mib_per_step": a.mib_per_step, "steps": a.steps,
-           "s3_step_ms_median": float(np.median(s3[1:]) * 1e3),
-           "local_step_ms_median": float(np.median(local[1:]) * 1e3), **clients,
-           **source_state()}
+    res = {
+        "mib_per_step": a.mib_per_step,
+        "steps": a.steps,
+        "s3_step_ms_median": float(np.median(s3[1:]) * 1e3),
+        "local_step_ms_median": float(np.median(local[1:]) * 1e3),
+        **clients,
+        **source_state(),
+    }
     print(json.dumps(res, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1) + "\n")

@@ -53,15 +53,16 @@ def make_state(size_mib: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     pattern = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
     for off in range(0, total, len(pattern)):
         n = min(len(pattern), total - off)
-        buf[off:off + n] = pattern[:n]
+        buf[off : off + n] = pattern[:n]
     tensors: dict[str, np.ndarray] = {}
     off = 0
     for i in range(n_big):
-        tensors[f"params/layers/{i}/mlp/weight"] = buf[off:off + BIG].view(np.float32).reshape(
-            4096, 1024)
+        tensors[f"params/layers/{i}/mlp/weight"] = (
+            buf[off : off + BIG].view(np.float32).reshape(4096, 1024)
+        )
         off += BIG
     for i in range(N_SMALL):
-        tensors[f"params/layers/{i}/norm/bias"] = buf[off:off + SMALL].view(np.float32)
+        tensors[f"params/layers/{i}/norm/bias"] = buf[off : off + SMALL].view(np.float32)
         off += SMALL
     return buf, tensors
 
@@ -74,9 +75,9 @@ def raw_write(buf: np.ndarray, path: Path, piece: int | None) -> float:
     try:
         step = piece or len(view)
         for start in range(0, len(view), step):
-            part = view[start:start + step]
+            part = view[start : start + step]
             while part:  # a single write() may return short (e.g. beyond 2 GiB)
-                part = part[os.write(fd, part):]
+                part = part[os.write(fd, part) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -135,23 +136,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     nbytes = sum(a.nbytes for a in tensors.values())
     parent = Path(args.dir) if args.dir else Path(__file__).parent
     root = Path(tempfile.mkdtemp(prefix="store_bench.", dir=parent))
-    print(f"state: {len(tensors)} tensors, {nbytes / 2**20:.1f} MiB; writing in {root}; "
-          f"durability={args.durability}; {os.cpu_count()} CPUs", flush=True)
+    print(
+        f"state: {len(tensors)} tensors, {nbytes / 2**20:.1f} MiB; writing in {root}; "
+        f"durability={args.durability}; {os.cpu_count()} CPUs",
+        flush=True,
+    )
 
     times: dict[str, list[float]] = {"raw 1 write": [], "raw 64 MiB": []}
     times.update({f"dstt {t} thread{'s' if t > 1 else ''}": [] for t in threads})
     cases = {t: StoreCase(root, t, args.durability) for t in threads}
     try:
         for case in cases.values():  # warm-up, not timed: the first step also writes every
-            case.commit(tensors)     # tensor's zarr.json; the timed steps are steady state
+            case.commit(tensors)  # tensor's zarr.json; the timed steps are steady state
         for r in range(args.repeats):
             times["raw 1 write"].append(raw_write(buf, root / "raw.bin", None))
             times["raw 64 MiB"].append(raw_write(buf, root / "raw.bin", 64 << 20))
             for t, case in cases.items():
                 key = f"dstt {t} thread{'s' if t > 1 else ''}"
                 times[key].append(case.commit(tensors))
-            print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(
-                f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
+            print(
+                f"repeat {r + 1}/{args.repeats}: "
+                + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
+                flush=True,
+            )
     finally:
         for case in cases.values():
             case.close()
@@ -160,17 +167,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in times.items()}
     base1, base64 = med["raw 1 write"], med["raw 64 MiB"]
     rows = []
-    print(f"\n{'configuration':<16} {'median s':>9} {'GB/s':>7} {'vs 1 write':>11} "
-          f"{'vs 64 MiB':>10}")
+    print(
+        f"\n{'configuration':<16} {'median s':>9} {'GB/s':>7} {'vs 1 write':>11} {'vs 64 MiB':>10}"
+    )
     for k, s in med.items():
         gbps = nbytes / s / 1e9
-        rows.append({"config": k, "median_s": s, "gb_per_s": gbps, "vs_raw_1_write": base1 / s,
-                     "vs_raw_64mib": base64 / s, "all_s": times[k]})
+        rows.append(
+            {
+                "config": k,
+                "median_s": s,
+                "gb_per_s": gbps,
+                "vs_raw_1_write": base1 / s,
+                "vs_raw_64mib": base64 / s,
+                "all_s": times[k],
+            }
+        )
         print(f"{k:<16} {s:>9.3f} {gbps:>7.3f} {base1 / s:>10.2f}x {base64 / s:>9.2f}x")
     result = {
-        "benchmark": "store_write", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "size_bytes": nbytes, "tensors": len(tensors), "repeats": args.repeats,
-        "durability": args.durability, "cpus": os.cpu_count(), "python": platform.python_version(),
+        "benchmark": "store_write",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "size_bytes": nbytes,
+        "tensors": len(tensors),
+        "repeats": args.repeats,
+        "durability": args.durability,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
         "note": "ratios > 1 are faster than the raw ceiling; GB = 1e9 bytes of tensor data",
         "results": rows,
     }

@@ -27,8 +27,13 @@ class LRU(Generic[K, V]):
     """A thread-safe LRU cache bounded by ``capacity`` entries and, with ``weigh``, by
     ``max_weight`` in total. ``hits``/``misses`` count ``get`` and ``get_or_make`` lookups."""
 
-    def __init__(self, capacity: int, *, weigh: Callable[[V], int] | None = None,
-                 max_weight: int | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        weigh: Callable[[V], int] | None = None,
+        max_weight: int | None = None,
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if (weigh is None) != (max_weight is None):
@@ -64,7 +69,8 @@ class LRU(Generic[K, V]):
             self._items[key] = value
             self.weight += w
             while len(self._items) > self.capacity or (
-                    self.max_weight is not None and self.weight > self.max_weight):
+                self.max_weight is not None and self.weight > self.max_weight
+            ):
                 _, gone = self._items.popitem(last=False)
                 if self._weigh is not None:
                     self.weight -= self._weigh(gone)

@@ -42,8 +42,7 @@ MODEL_KINDS = ("params", "buffers")
 
 #: attributes through which wrappers hold the wrapped module, dropped wherever they appear
 #: (reserved names: torch.compile's, FSDP1's and activation checkpointing's)
-WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_fsdp_wrapped_module",
-                                "_checkpoint_wrapped_module"})
+WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
 
 def canonical_name(dotted: str, module_wrappers: Collection[str] = ()) -> str:
@@ -106,8 +105,9 @@ def _ident(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", name)
 
 
-def resolve_dims(named: Mapping[str, tuple[Sequence[str], Sequence[int]]]
-                 ) -> dict[str, tuple[str, ...]]:
+def resolve_dims(
+    named: Mapping[str, tuple[Sequence[str], Sequence[int]]],
+) -> dict[str, tuple[str, ...]]:
     """Dimension names xarray can place, from wanted names: ``{path: (dims, shape)}`` of a
     whole commit -> ``{path: dims}``.
 
@@ -144,8 +144,9 @@ def resolve_dims(named: Mapping[str, tuple[Sequence[str], Sequence[int]]]
                 if d in names or own.get(d, visible.get(d, n)) != n:  # rare: only then
                     tries = [_ident(f"{d}_{var}"), _ident(f"{d}_{node}_{var}")]
                     tries += [f"{tries[-1]}_{i}" for i in range(len(names) + 2)]
-                    name = next(t for t in tries if t not in names
-                                and own.get(t, visible.get(t, n)) == n)
+                    name = next(
+                        t for t in tries if t not in names and own.get(t, visible.get(t, n)) == n
+                    )
                 names.append(name)
                 own[name] = int(n)
             out[path] = tuple(names)

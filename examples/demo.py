@@ -31,8 +31,9 @@ def train(run: Path, steps: int, *, resume: bool = False) -> list[float]:
     # fewer bytes, losslessly: XOR deltas, Adam(W) state predicted from the update rule;
     # raw_when_busy=False encodes every step even where writing raw would be faster
     enc = dstt.DeltaPolicy(raw_when_busy=False)
-    with dstt.session(model, opt, run=run, every=1, scheduler=sched, resume=resume,
-                      encoding=enc) as s:
+    with dstt.session(
+        model, opt, run=run, every=1, scheduler=sched, resume=resume, encoding=enc
+    ) as s:
         start = s.step
         for x, y in s.data(data):
             if s.step >= steps:
@@ -48,17 +49,23 @@ def train(run: Path, steps: int, *, resume: bool = False) -> list[float]:
         raw = sum(m.bytes for m in s.metrics)
         written = sum(m.written_bytes for m in s.metrics)
     label = "resumed" if resume else "trained"
-    print(f"  {label} steps {start + 1}..{start + len(losses)}; "
-          f"median blocked time per step {sorted(blocked)[len(blocked) // 2] * 1e3:.2f} ms; "
-          f"wrote {written / 1e6:.1f} MB for {raw / 1e6:.1f} MB of state "
-          f"({raw / max(1, written):.1f}x fewer bytes)")
+    print(
+        f"  {label} steps {start + 1}..{start + len(losses)}; "
+        f"median blocked time per step {sorted(blocked)[len(blocked) // 2] * 1e3:.2f} ms; "
+        f"wrote {written / 1e6:.1f} MB for {raw / 1e6:.1f} MB of state "
+        f"({raw / max(1, written):.1f}x fewer bytes)"
+    )
     return losses
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run", type=Path, default=Path("runs/demo"),
-                    help="run directory, replaced if it exists (default: runs/demo)")
+    ap.add_argument(
+        "--run",
+        type=Path,
+        default=Path("runs/demo"),
+        help="run directory, replaced if it exists (default: runs/demo)",
+    )
     ap.add_argument("--steps", type=int, default=60)
     args = ap.parse_args()
     if args.run.exists():
@@ -72,8 +79,10 @@ def main() -> None:
     run = dstt.open(args.run)
     print(f"  {len(run.steps)} committed steps: {run.steps[0]}..{run.steps[-1]}")
     layer = run.at(step=args.steps // 2).layer("layers.0")
-    print(f"  run.at(step={args.steps // 2}).layer('layers.0') -> lazy {type(layer).__name__} "
-          f"of {len(list(layer.subtree))} nodes")
+    print(
+        f"  run.at(step={args.steps // 2}).layer('layers.0') -> lazy {type(layer).__name__} "
+        f"of {len(list(layer.subtree))} nodes"
+    )
     name = "layers.0.qkv.weight"
     traj = run.trajectory(name, steps=slice(1, args.steps))
     drift = float(abs(traj.isel(step=-1) - traj.isel(step=0)).max())

@@ -50,8 +50,9 @@ def build(parallel: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
 
 
-def train(model: torch.nn.Module, opt: torch.optim.Optimizer, s: dstt.Session, steps: int,
-          data_rank: int) -> None:
+def train(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, s: dstt.Session, steps: int, data_rank: int
+) -> None:
     for step in range(s.step, steps):
         x, y = make_batch(step, seed=data_rank)
         _, loss = model(x, y)

@@ -57,7 +57,9 @@ MUTATIONS = [
         "dstt/store/commit/ranks.py",
         "ranks=range(1, o.info.world), world=o.info.world,",
         "ranks=range(1, o.info.world - 1), world=o.info.world,",
-        ("tests/store/commit/test_ranks.py",), 2),
+        ("tests/store/commit/test_ranks.py",),
+        2,
+    ),
     Mutation(
         "flat-summary-other-buffer",
         "the in-process flat lane (no flusher) digests the ring's other step buffer",
@@ -67,8 +69,13 @@ MUTATIONS = [
         "                f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer])\n"
         "                other = self.steps.buffers[(f.buffer + 1) % self.steps.count]\n"
         "                stats = digest(plan, other.numpy()) if plan is not None else None",
-        ("tests/engine/test_summary_paths.py", "tests/engine/test_session.py",
-         "tests/inspect/test_inspect_summaries.py"), 2),
+        (
+            "tests/engine/test_summary_paths.py",
+            "tests/engine/test_session.py",
+            "tests/inspect/test_inspect_summaries.py",
+        ),
+        2,
+    ),
     Mutation(
         "encoded-summary-other-buffer",
         "an encoded flat step (written chunk by chunk here) digests the other step buffer",
@@ -78,15 +85,23 @@ MUTATIONS = [
         "                f.txn.put_flat_chunks(layout, buf.numpy())\n"
         "                other = self.steps.buffers[(f.buffer + 1) % self.steps.count]\n"
         "                stats = digest(plan, other.numpy()) if plan is not None else None",
-        ("tests/engine/test_summary_paths.py", "tests/engine/test_session_delta.py"), 2),
+        ("tests/engine/test_summary_paths.py", "tests/engine/test_session_delta.py"),
+        2,
+    ),
     Mutation(
         "part-vote-before-durable",
         "a part writer votes without its barrier: its files may not be durable",
         "dstt/store/commit/writer.py",
         "            txn.side.publish()\n            self.storage.barrier()\n",
         "            txn.side.publish()\n",
-        ("tests/store/commit/test_ranks.py", "tests/store/commit/test_crash.py", "-k",
-         "multi_rank or rank"), 2),
+        (
+            "tests/store/commit/test_ranks.py",
+            "tests/store/commit/test_crash.py",
+            "-k",
+            "multi_rank or rank",
+        ),
+        2,
+    ),
     # -- caught by one test only (or by chance) in the first audit -------------------------
     Mutation(
         "gc-prunes-fork-point",
@@ -94,29 +109,39 @@ MUTATIONS = [
         "dstt/store/maintenance/gc.py",
         "            keep.add(ref.base_slot)",
         "            pass",
-        ("tests/store/maintenance/test_timelines.py",
-         "tests/engine/test_retention.py::test_same_policy_offline_and_in_the_cli"), 2),
+        (
+            "tests/store/maintenance/test_timelines.py",
+            "tests/engine/test_retention.py::test_same_policy_offline_and_in_the_cli",
+        ),
+        2,
+    ),
     Mutation(
         "s3-ref-unconditional",
         "an S3 ref/HEAD is written without If-Match / If-None-Match",
         "dstt/store/storage/s3.py",
         'mode: Any = {"e_tag": seen} if seen is not None else "create"',
         'mode: Any = "overwrite"',
-        ("tests/s3/test_s3_storage.py", "tests/s3/test_s3_run.py"), 2),
+        ("tests/s3/test_s3_storage.py", "tests/s3/test_s3_run.py"),
+        2,
+    ),
     Mutation(
         "flusher-summary-other-buffer",
         "the flusher process digests the other shared buffer",
         "dstt/store/flusher/child.py",
         "stats = digest(objs[pid], maps[buffer]) if pid is not None else None",
         "stats = digest(objs[pid], maps[(buffer + 1) % len(maps)]) if pid is not None else None",
-        ("tests/engine/test_summary_paths.py", "tests/engine/test_session.py"), 2),
+        ("tests/engine/test_summary_paths.py", "tests/engine/test_session.py"),
+        2,
+    ),
     Mutation(
         "flusher-reply-drops-summaries",
         "the parent drops the digest columns of the flusher's reply",
         "dstt/store/flusher/parent.py",
         "        return reply[2], reply[3], reply[4]",
         "        return reply[2], reply[3], None",
-        ("tests/engine/test_summary_paths.py", "tests/engine/test_session.py"), 2),
+        ("tests/engine/test_summary_paths.py", "tests/engine/test_session.py"),
+        2,
+    ),
     # -- more of the same kind -------------------------------------------------------------
     Mutation(
         "part-vote-before-barrier",
@@ -134,43 +159,54 @@ MUTATIONS = [
         "metrics=dict(metrics))\n"
         "            self.storage.write_durable(part_key(txn.slot, rank), dump_part(part))\n"
         "            self.storage.barrier()\n",
-        ("tests/store/commit/test_ranks.py",), 1),
+        ("tests/store/commit/test_ranks.py",),
+        1,
+    ),
     Mutation(
         "ref-before-header-durable",
         "a commit moves the ref without the barrier that makes its files and header durable",
         "dstt/store/commit/job.py",
         "    storage.write(commit_key(job.slot), dump_header(header))\n    storage.barrier()\n",
         "    storage.write(commit_key(job.slot), dump_header(header))\n",
-        ("tests/store/commit/test_crash.py", "tests/store/commit/test_ranks.py", "-k",
-         "power_cut"), 2),
+        ("tests/store/commit/test_crash.py", "tests/store/commit/test_ranks.py", "-k", "power_cut"),
+        2,
+    ),
     Mutation(
         "chunk-crc-not-checked",
         "a chunk read back is not checked against its crc32c",
         "dstt/store/read/chunks.py",
         "if checksum(body) != chunk.crc32c or trailer != chunk.crc32c:",
         "if False:",
-        ("tests/store/test_errors.py", "tests/reliability/test_corruption.py"), 2),
+        ("tests/store/test_errors.py", "tests/reliability/test_corruption.py"),
+        2,
+    ),
     Mutation(
         "parts-of-any-session",
         "rank 0 accepts a vote another (crashed) session left in the slot",
         "dstt/store/commit/parts.py",
         "            if p.session != session:\n                continue",
         "            if False:\n                continue",
-        ("tests/store/commit/test_ranks.py", "tests/store/commit/test_parts.py"), 1),
+        ("tests/store/commit/test_ranks.py", "tests/store/commit/test_parts.py"),
+        1,
+    ),
     Mutation(
         "abort-vote-not-sent",
         "a rank that drops its step does not tell rank 0, which waits until its timeout",
         "dstt/store/commit/ranks.py",
         "if o.info.rank != 0 and not o.cancel.is_set():",
         "if False:",
-        ("tests/store/commit/test_ranks.py", "tests/store/commit/test_parts.py"), 1),
+        ("tests/store/commit/test_ranks.py", "tests/store/commit/test_parts.py"),
+        1,
+    ),
     Mutation(
         "merge-allows-shared-arrays",
         "two ranks writing one array are merged instead of refused",
         "dstt/store/commit/parts.py",
         "            if path in out_a:\n",
         "            if False:\n",
-        ("tests/store/commit/test_parts.py", "tests/store/commit/test_ranks.py"), 1),
+        ("tests/store/commit/test_parts.py", "tests/store/commit/test_ranks.py"),
+        1,
+    ),
 ]
 
 _COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)")
@@ -178,8 +214,12 @@ _COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|x
 
 def repo_copy(dest: Path) -> None:
     """Tracked and untracked (not ignored) files of the working tree, as they are now."""
-    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                         check=True, capture_output=True).stdout.decode()
+    out = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
     for rel in filter(None, out.split("\0")):
         src = ROOT / rel
         if src.is_file():
@@ -187,15 +227,26 @@ def repo_copy(dest: Path) -> None:
             shutil.copy2(src, dest / rel)
 
 
-def run_tests(copy: Path, tests: tuple[str, ...],
-              timeout: float) -> tuple[dict[str, int], list[str], str]:
+def run_tests(
+    copy: Path, tests: tuple[str, ...], timeout: float
+) -> tuple[dict[str, int], list[str], str]:
     """pytest's counts, the failing tests (node ids) and the tail of its output."""
     env = dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
-    cmd = ["nice", "-n", "10", sys.executable, "-m", "pytest", "-q", "-rfE",
-           "-p", "no:cacheprovider", *tests]
+    cmd = [
+        "nice",
+        "-n",
+        "10",
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-rfE",
+        "-p",
+        "no:cacheprovider",
+        *tests,
+    ]
     try:
-        p = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True,
-                           timeout=timeout)
+        p = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         tail = (e.stdout or b"")[-2000:]
         return {"timeout": 1}, [], tail.decode() if isinstance(tail, bytes) else str(tail)
@@ -205,8 +256,11 @@ def run_tests(copy: Path, tests: tuple[str, ...],
             counts[kind.rstrip("s") if kind.startswith("error") else kind] = int(n)
     if p.returncode not in (0, 1) and not counts.get("failed"):
         counts["error"] = counts.get("error", 0) + 1  # collection or usage error
-    failing = [line.split()[1] for line in p.stdout.splitlines()
-               if line.startswith(("FAILED ", "ERROR ")) and len(line.split()) > 1]
+    failing = [
+        line.split()[1]
+        for line in p.stdout.splitlines()
+        if line.startswith(("FAILED ", "ERROR ")) and len(line.split()) > 1
+    ]
     return counts, failing, p.stdout[-3000:] + p.stderr[-2000:]
 
 
@@ -225,8 +279,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", action="append", default=[], metavar="NAME")
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
-    ap.add_argument("--no-baseline", action="store_true",
-                    help="skip the unmutated run of each selection")
+    ap.add_argument(
+        "--no-baseline", action="store_true", help="skip the unmutated run of each selection"
+    )
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
     ap.add_argument("-v", "--verbose", action="store_true", help="show pytest's tail")
@@ -236,8 +291,11 @@ def main() -> int:
         for m in MUTATIONS:
             path = ROOT / m.file
             n = path.read_text().count(m.old) if path.is_file() else -1
-            mark = "" if n == 1 else (" [STALE: no such file]" if n < 0 else
-                                      f" [STALE: its text found {n} times]")
+            mark = (
+                ""
+                if n == 1
+                else (" [STALE: no such file]" if n < 0 else f" [STALE: its text found {n} times]")
+            )
             stale += bool(mark)
             print(f"{m.name:30} {m.file}: {m.what}{mark}")
         return 1 if stale else 0
@@ -253,10 +311,17 @@ def main() -> int:
             for tests in dict.fromkeys(m.tests for m in chosen):
                 t0 = time.monotonic()
                 counts, _, tail = run_tests(copy, tests, args.timeout)
-                ok = not counts.get("failed") and not counts.get("error") and \
-                    not counts.get("timeout") and counts.get("passed", 0) > 0
-                print(f"baseline {' '.join(tests)}: {counts} ({time.monotonic() - t0:.0f} s)"
-                      f"{'' if ok else '  FAILS UNMUTATED'}", flush=True)
+                ok = (
+                    not counts.get("failed")
+                    and not counts.get("error")
+                    and not counts.get("timeout")
+                    and counts.get("passed", 0) > 0
+                )
+                print(
+                    f"baseline {' '.join(tests)}: {counts} ({time.monotonic() - t0:.0f} s)"
+                    f"{'' if ok else '  FAILS UNMUTATED'}",
+                    flush=True,
+                )
                 if not ok:
                     bad += 1
                     print(tail)
@@ -283,8 +348,11 @@ def main() -> int:
                 verdict += f" (needs {m.min_failed})"
             rows.append((m, str(ran), str(failed), verdict, failing))
             bad += not caught
-            print(f"{m.name}: {ran} run, {failed} failed, caught {verdict} "
-                  f"({time.monotonic() - t0:.0f} s)", flush=True)
+            print(
+                f"{m.name}: {ran} run, {failed} failed, caught {verdict} "
+                f"({time.monotonic() - t0:.0f} s)",
+                flush=True,
+            )
             for node in failing:
                 print(f"    {node}")
             if args.verbose or not caught:
@@ -296,8 +364,10 @@ def main() -> int:
         for m, ran, failed, verdict, failing in rows:
             tests = " ".join(f"`{t.removeprefix('tests/')}`" for t in m.tests)
             by = "<br>".join(f"`{n.removeprefix('tests/')}`" for n in _short(failing))
-            print(f"| `{m.name}` (`{m.file}`) | {m.what} | {tests} | {ran} | {failed} | "
-                  f"{verdict}: {by} |")
+            print(
+                f"| `{m.name}` (`{m.file}`) | {m.what} | {tests} | {ran} | {failed} | "
+                f"{verdict}: {by} |"
+            )
     else:
         print(f"{'mutation':32} {'run':>5} {'failed':>6}  caught")
         for m, ran, failed, verdict, _ in rows:

@@ -48,7 +48,8 @@ def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> object:
 
 
 def test_ls_finds_the_run_by_argument_env_and_cwd(
-        run_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     code, out, _ = _run(capsys, "ls", str(run_dir))
     assert code == EXIT_OK
     assert "4 steps (1 … 4)" in out
@@ -79,8 +80,9 @@ def test_show_lists_tensors_of_a_step(run_dir: Path, capsys: pytest.CaptureFixtu
     assert "layers.0.attn.weight" in out
     assert "bfloat16" in out
     assert "exp_avg" not in out
-    doc = _json(capsys, "show", "--run", str(run_dir), "--step", "2", "--optim",
-                "--select", "layers.1")
+    doc = _json(
+        capsys, "show", "--run", str(run_dir), "--step", "2", "--optim", "--select", "layers.1"
+    )
     names = [t["name"] for t in doc["tensors"]]  # type: ignore[index]
     assert names == ["optim/exp_avg/layers/1/mlp/weight", "layers.1.mlp.weight"]
     assert doc["step"] == 2  # type: ignore[index]
@@ -98,8 +100,9 @@ def test_diff_prints_change_norms(run_dir: Path, capsys: pytest.CaptureFixture[s
     assert "1 more" in out
 
 
-def test_verify_ok_then_finds_a_damaged_chunk(run_dir: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_ok_then_finds_a_damaged_chunk(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, _ = _run(capsys, "verify", "--run", str(run_dir))
     assert code == EXIT_OK
     assert out.startswith("ok: 4 commits")
@@ -118,8 +121,9 @@ def test_verify_ok_then_finds_a_damaged_chunk(run_dir: Path,
     assert doc["problems"][0]["key"] == key
 
 
-def test_rollback_then_gc(run_dir: Path, capsys: pytest.CaptureFixture[str],
-                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rollback_then_gc(
+    run_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(run_dir)  # "dstt rollback --to 2" must work as written from inside the run
     code, out, _ = _run(capsys, "rollback", "--to", "2", "--skip-data", "3")
     assert code == EXIT_OK
@@ -138,8 +142,9 @@ def test_rollback_then_gc(run_dir: Path, capsys: pytest.CaptureFixture[str],
     assert _json(capsys, "log", "--timeline", "main")[0]["step"] == 4  # type: ignore[index]
 
 
-def test_export_writes_a_loadable_state_dict(run_dir: Path, tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_writes_a_loadable_state_dict(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import torch
     from safetensors.torch import load_file
 
@@ -148,8 +153,9 @@ def test_export_writes_a_loadable_state_dict(run_dir: Path, tmp_path: Path,
     assert code == EXIT_OK
     assert "2 tensors" in text
     sd = load_file(out)
-    np.testing.assert_array_equal(sd["layers.1.mlp.weight"].numpy(),
-                                  _arrays(3)["params/layers/1/mlp/weight"])
+    np.testing.assert_array_equal(
+        sd["layers.1.mlp.weight"].numpy(), _arrays(3)["params/layers/1/mlp/weight"]
+    )
     assert sd["layers.0.attn.weight"].dtype == torch.bfloat16
     doc = _json(capsys, "export", "--run", str(run_dir), "--format", "torch", "--all")
     assert doc["tensors"] == 3  # type: ignore[index]
@@ -159,24 +165,30 @@ def test_export_writes_a_loadable_state_dict(run_dir: Path, tmp_path: Path,
     assert set(full["arrays"]) == {"optim/exp_avg/layers/1/mlp/weight"}  # --all: the rest
 
 
-@pytest.mark.parametrize(("argv", "needle"), [
-    (["ls"], "no run given"),
-    (["show", "--step", "99", "--run", "{run}"], "no committed step 99"),
-    (["show", "--step", "two", "--run", "{run}"], "invalid int value"),
-    (["log", "--timeline", "nope", "--run", "{run}"], "no timeline 'nope'"),
-    (["diff", "1", "--run", "{run}"], "required: B"),
-    (["rollback", "--to", "2", "--skip-data", "-1", "--run", "{run}"], "number >= 0"),
-    (["frobnicate"], "invalid choice"),
-    (["--run", "{missing}", "verify"], "no such directory"),
-    (["ls", "{plain}"], "is not a dstt run"),
-    (["show", "--run", "{run}", "--select", "decoder.*"], "matches no tensor"),
-])
-def test_bad_input_gives_one_line_and_code_2(run_dir: Path, tmp_path: Path, argv: list[str],
-                                             needle: str, capsys: pytest.CaptureFixture[str]
-                                             ) -> None:
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["ls"], "no run given"),
+        (["show", "--step", "99", "--run", "{run}"], "no committed step 99"),
+        (["show", "--step", "two", "--run", "{run}"], "invalid int value"),
+        (["log", "--timeline", "nope", "--run", "{run}"], "no timeline 'nope'"),
+        (["diff", "1", "--run", "{run}"], "required: B"),
+        (["rollback", "--to", "2", "--skip-data", "-1", "--run", "{run}"], "number >= 0"),
+        (["frobnicate"], "invalid choice"),
+        (["--run", "{missing}", "verify"], "no such directory"),
+        (["ls", "{plain}"], "is not a dstt run"),
+        (["show", "--run", "{run}", "--select", "decoder.*"], "matches no tensor"),
+    ],
+)
+def test_bad_input_gives_one_line_and_code_2(
+    run_dir: Path, tmp_path: Path, argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "plain").mkdir(exist_ok=True)
-    subs = {"run": str(run_dir), "missing": str(tmp_path / "nope"),
-            "plain": str(tmp_path / "plain")}
+    subs = {
+        "run": str(run_dir),
+        "missing": str(tmp_path / "nope"),
+        "plain": str(tmp_path / "plain"),
+    }
     code, out, err = _run(capsys, *[a.format(**subs) for a in argv])
     assert code == EXIT_BAD_INPUT
     assert needle in err
@@ -204,20 +216,26 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
 def test_installed_entry_point(run_dir: Path) -> None:
     exe = Path(sys.executable).parent / "dstt"
     assert exe.exists(), "install the package: pip install -e . (declares dstt = dstt.cli:main)"
-    ok = subprocess.run([str(exe), "ls", "--json", str(run_dir)], capture_output=True, text=True,
-                        check=False)
+    ok = subprocess.run(
+        [str(exe), "ls", "--json", str(run_dir)], capture_output=True, text=True, check=False
+    )
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["n_steps"] == 4
-    bad = subprocess.run([str(exe), "show", "--step", "99", "--run", str(run_dir)],
-                         capture_output=True, text=True, check=False)
+    bad = subprocess.run(
+        [str(exe), "show", "--step", "99", "--run", str(run_dir)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert bad.returncode == 2
     assert bad.stdout == ""
     assert bad.stderr.startswith("dstt: no committed step 99")
     assert "Traceback" not in bad.stderr
 
 
-def test_show_tells_what_each_tensor_cost_on_disk(tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_show_tells_what_each_tensor_cost_on_disk(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from dstt.store import DeltaPolicy
 
     run = tmp_path / "enc"
@@ -233,8 +251,9 @@ def test_show_tells_what_each_tensor_cost_on_disk(tmp_path: Path,
                 txn.put_chunk(path, 0, a.reshape(-1).view(np.uint8))
             txn.commit()
             w = (w * np.float32(1.0001)).astype(np.float32)  # a small change: an XOR delta
-    first = {t["name"]: t for t in _json(capsys, "show", "--run", str(run), "--step", "1")[
-        "tensors"]}  # type: ignore[index]
+    first = {
+        t["name"]: t for t in _json(capsys, "show", "--run", str(run), "--step", "1")["tensors"]
+    }  # type: ignore[index]
     assert first["w"]["stored_as"] == ["raw"]
     assert first["w"]["written_bytes"] > 8192
     doc = _json(capsys, "show", "--run", str(run), "--step", "2")
@@ -251,29 +270,46 @@ def test_show_tells_what_each_tensor_cost_on_disk(tmp_path: Path,
 
 # -- issue 15: what a new user trips on ------------------------------------------------------
 
-@pytest.mark.parametrize(("argv", "code", "needle"), [
-    (["show", "{run}", "--select", "layers.0.atn"], EXIT_BAD_INPUT, "did you mean 'layers.0.attn'"),
-    (["diff", "{run}", "1", "3", "--select", "decoder"], EXIT_BAD_INPUT, "matches no tensor"),
-    (["log", "{run}", "--spikes", "acc"], EXIT_BAD_INPUT, "'acc' was never logged"),
-    (["ls", "{file}"], EXIT_BAD_INPUT, "is a file, not a run"),
-    (["show", "3"], EXIT_BAD_INPUT, "for step 3, use --step 3"),
-    (["ls", "{run}", "--run", "{plain}"], EXIT_BAD_INPUT, "two runs given"),
-    (["gc", "{run}", "--keep-every", "0"], EXIT_BAD_INPUT, "number >= 1"),
-    (["rollback", "{run}", "--to", "99"], EXIT_BAD_INPUT, "no committed step 99"),
-    (["diff", "{run}", "1", "99"], EXIT_BAD_INPUT, "no committed step 99"),
-    (["show", "{run}", "--timeline", "nope"], EXIT_BAD_INPUT, "no timeline 'nope'"),
-    (["verify", "{plain}"], EXIT_BAD_INPUT, "not a dstt run"),
-    (["log", "{zarr}"], EXIT_BAD_INPUT, "not a dstt run"),
-])
+
+@pytest.mark.parametrize(
+    ("argv", "code", "needle"),
+    [
+        (
+            ["show", "{run}", "--select", "layers.0.atn"],
+            EXIT_BAD_INPUT,
+            "did you mean 'layers.0.attn'",
+        ),
+        (["diff", "{run}", "1", "3", "--select", "decoder"], EXIT_BAD_INPUT, "matches no tensor"),
+        (["log", "{run}", "--spikes", "acc"], EXIT_BAD_INPUT, "'acc' was never logged"),
+        (["ls", "{file}"], EXIT_BAD_INPUT, "is a file, not a run"),
+        (["show", "3"], EXIT_BAD_INPUT, "for step 3, use --step 3"),
+        (["ls", "{run}", "--run", "{plain}"], EXIT_BAD_INPUT, "two runs given"),
+        (["gc", "{run}", "--keep-every", "0"], EXIT_BAD_INPUT, "number >= 1"),
+        (["rollback", "{run}", "--to", "99"], EXIT_BAD_INPUT, "no committed step 99"),
+        (["diff", "{run}", "1", "99"], EXIT_BAD_INPUT, "no committed step 99"),
+        (["show", "{run}", "--timeline", "nope"], EXIT_BAD_INPUT, "no timeline 'nope'"),
+        (["verify", "{plain}"], EXIT_BAD_INPUT, "not a dstt run"),
+        (["log", "{zarr}"], EXIT_BAD_INPUT, "not a dstt run"),
+    ],
+)
 def test_user_mistakes_print_their_message_never_internal_error(
-        run_dir: Path, tmp_path: Path, argv: list[str], code: int, needle: str,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir: Path,
+    tmp_path: Path,
+    argv: list[str],
+    code: int,
+    needle: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     (tmp_path / "plain").mkdir(exist_ok=True)
     (tmp_path / "notes.txt").write_text("x")
     (tmp_path / "z").mkdir(exist_ok=True)
     (tmp_path / "z" / "zarr.json").write_text('{"zarr_format": 3, "node_type": "group"}')
-    subs = {"run": str(run_dir), "plain": str(tmp_path / "plain"),
-            "file": str(tmp_path / "notes.txt"), "zarr": str(tmp_path / "z")}
+    subs = {
+        "run": str(run_dir),
+        "plain": str(tmp_path / "plain"),
+        "file": str(tmp_path / "notes.txt"),
+        "zarr": str(tmp_path / "z"),
+    }
     got, out, err = _run(capsys, *[a.format(**subs) for a in argv])
     assert (got, out) == (code, "")
     assert err.startswith("dstt: ")
@@ -284,12 +320,14 @@ def test_user_mistakes_print_their_message_never_internal_error(
     assert not err.startswith(("dstt: '", 'dstt: "')), err  # no KeyError quoting
 
 
-def test_a_bug_is_still_an_internal_error(run_dir: Path, capsys: pytest.CaptureFixture[str],
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bug_is_still_an_internal_error(
+    run_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import dstt.cli.parser as cli
 
     def broken(args: object) -> int:
         return {}["a bug"]  # type: ignore[no-any-return]
+
     monkeypatch.setattr(cli, "cmd_ls", broken)
     code, _, err = _run(capsys, "ls", str(run_dir))
     assert code == cli.EXIT_INTERNAL
@@ -299,28 +337,48 @@ def test_a_bug_is_still_an_internal_error(run_dir: Path, capsys: pytest.CaptureF
 
 def test_closed_pipe_exits_quietly(run_dir: Path) -> None:
     exe = Path(sys.executable).parent / "dstt"
-    proc = subprocess.Popen([str(exe), "log", str(run_dir)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [str(exe), "log", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     assert proc.stdout is not None
     assert proc.stderr is not None
     proc.stdout.close()  # the reader is gone before dstt writes a line (dstt log | true)
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141
     assert err == b""
-    head = subprocess.run(f"'{exe}' log '{run_dir}' | head -n 1", shell=True,
-                          capture_output=True, text=True, check=False)
+    head = subprocess.run(
+        f"'{exe}' log '{run_dir}' | head -n 1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert head.stdout.startswith("step        4")
     assert head.stderr == ""
 
 
 def test_every_command_takes_the_run_positionally_and_finds_it_from_inside(
-        run_dir: Path, capsys: pytest.CaptureFixture[str],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     inside = str(run_dir / "_dstt")
-    for argv in (["ls", inside], ["log", inside], ["show", inside], ["diff", inside, "1", "2"],
-                 ["verify", inside], ["gc", inside, "--keep-last", "9", "--dry-run"],
-                 ["export", inside, "--step", "2", "-o", str(run_dir.parent / "e" / "s2.pt"),
-                  "--format", "torch"]):
+    for argv in (
+        ["ls", inside],
+        ["log", inside],
+        ["show", inside],
+        ["diff", inside, "1", "2"],
+        ["verify", inside],
+        ["gc", inside, "--keep-last", "9", "--dry-run"],
+        [
+            "export",
+            inside,
+            "--step",
+            "2",
+            "-o",
+            str(run_dir.parent / "e" / "s2.pt"),
+            "--format",
+            "torch",
+        ],
+    ):
         code, out, err = _run(capsys, *argv)
         assert code in (EXIT_OK,), (argv, err)
         assert out, (argv, err)
@@ -338,10 +396,10 @@ def test_every_command_takes_the_run_positionally_and_finds_it_from_inside(
 
 
 def test_show_prints_norms_and_update_ratios_from_summaries(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "sums"
-    rows = {"params/layers/1/mlp/weight": {"l2": 2.5, "update_l2": 0.025,
-                                            "update_ratio": 0.01}}
+    rows = {"params/layers/1/mlp/weight": {"l2": 2.5, "update_l2": 0.025, "update_ratio": 0.01}}
     save(path, 1, _arrays(1), objects={"summaries": rows})
     doc = _json(capsys, "show", str(path))
     t = {x["name"]: x for x in doc["tensors"]}  # type: ignore[index]
@@ -376,13 +434,16 @@ def test_log_marks_loss_spikes(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "loss spike (z=" in spiky[0]
 
 
-def test_show_and_diff_agree_on_optimizer_states(run_dir: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_show_and_diff_agree_on_optimizer_states(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     optim = "optim/exp_avg/layers/1/mlp/weight"
     for extra, want in (([], False), (["--optim"], True)):
         shown = {t["name"] for t in _json(capsys, "show", str(run_dir), *extra)["tensors"]}  # type: ignore[index]
-        diffed = {t["name"] for t in _json(capsys, "diff", str(run_dir), "1", "2", "--top", "0",
-                                           *extra)["tensors"]}  # type: ignore[index]
+        diffed = {
+            t["name"]
+            for t in _json(capsys, "diff", str(run_dir), "1", "2", "--top", "0", *extra)["tensors"]
+        }  # type: ignore[index]
         assert shown == diffed
         assert (optim in shown) is want
 
@@ -390,13 +451,16 @@ def test_show_and_diff_agree_on_optimizer_states(run_dir: Path,
 def _tree(path: Path) -> dict[str, tuple[int, bytes]]:
     """Every file's mtime and bytes; the lock file's mtime is left out (taking the lock
     rewrites it with the same bytes)."""
-    return {str(p.relative_to(path)): (0 if p.name == "lock" else p.stat().st_mtime_ns,
-                                       p.read_bytes())
-            for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): (0 if p.name == "lock" else p.stat().st_mtime_ns, p.read_bytes())
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_gc_dry_run_lists_the_steps_and_changes_nothing(
-        run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     before = _tree(run_dir)
     code, out, _ = _run(capsys, "gc", str(run_dir), "--keep-last", "2", "--dry-run")
     assert code == EXIT_OK
@@ -423,10 +487,12 @@ def _sharded(path: Path, step: int) -> None:
         t = w.begin(step, slot=slot)
         src = f"zero/r{r}/g0/fp32"
         t.declare(src, "float32", (8,))
-        t.put_chunk(src, 0, flat[8 * r:8 * r + 8].view(np.uint8))
+        t.put_chunk(src, 0, flat[8 * r : 8 * r + 8].view(np.uint8))
         name = "params/a" if r == 0 else "params/b"
-        t.put_object(f"shards/r{r}", shard_map([LogicalArray(name, "float32", (2, 4),
-                                                             (Piece(src, 0, 0, 8),))]))
+        t.put_object(
+            f"shards/r{r}",
+            shard_map([LogicalArray(name, "float32", (2, 4), (Piece(src, 0, 0, 8),))]),
+        )
         txns.append(t)
     txns[1].prepare(rank=1, world=2, session="s")
     parts = collect_parts(repo.storage, slot=slot, step=step, ranks=[1], world=2, session="s")
@@ -436,7 +502,8 @@ def _sharded(path: Path, step: int) -> None:
 
 
 def test_show_on_a_zero_run_counts_only_what_is_stored(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "zero"
     _sharded(path, 1)
     _sharded(path, 2)
@@ -463,13 +530,17 @@ def test_show_on_a_zero_run_counts_only_what_is_stored(
 
 # -- timelines ---------------------------------------------------------------------------------
 
-def test_timeline_list_switch_rename_delete(run_dir: Path, capsys: pytest.CaptureFixture[str],
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_timeline_list_switch_rename_delete(
+    run_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(run_dir)
     assert _run(capsys, "rollback", "--to", "2")[0] == EXIT_OK
     rows = _json(capsys, "timeline", "list")
     assert [(t["name"], t["current"], t["head_step"]) for t in rows] == [  # type: ignore
-        ("main", False, 4), ("main-from-2", True, 2)]
+        ("main", False, 4),
+        ("main-from-2", True, 2),
+    ]
     code, out, _ = _run(capsys, "timeline", "list")
     assert code == EXIT_OK
     assert "* main-from-2" in out
@@ -514,28 +585,35 @@ def test_timeline_list_switch_rename_delete(run_dir: Path, capsys: pytest.Captur
 
 
 def test_rollback_to_the_same_step_twice_needs_a_name(
-        run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _run(capsys, "rollback", str(run_dir), "--to", "2")[0] == EXIT_OK
     code, _, err = _run(capsys, "rollback", str(run_dir), "--to", "2", "--timeline", "main")
     assert code == EXIT_BAD_INPUT
     assert "--name NAME" in err
     assert ".2" not in err
-    doc = _json(capsys, "rollback", str(run_dir), "--to", "2", "--timeline", "main",
-                "--name", "again")
+    doc = _json(
+        capsys, "rollback", str(run_dir), "--to", "2", "--timeline", "main", "--name", "again"
+    )
     assert doc["timeline"] == "again"  # type: ignore[index]
     assert doc["from_timeline"] == "main"  # type: ignore[index]
     assert _json(capsys, "ls", str(run_dir))["timeline"] == "again"  # type: ignore[index]
 
 
 def test_diff_across_timelines_and_steps_on_other_timelines(
-        run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _run(capsys, "rollback", str(run_dir), "--to", "2")[0] == EXIT_OK
     save(run_dir, 3, _arrays(30), timeline="main-from-2")  # a different step 3
-    doc = _json(capsys, "diff", str(run_dir), "3", "3", "--timeline", "main",
-                "--timeline-b", "main-from-2")
+    doc = _json(
+        capsys, "diff", str(run_dir), "3", "3", "--timeline", "main", "--timeline-b", "main-from-2"
+    )
     assert (doc["timeline_a"], doc["timeline_b"]) == ("main", "main-from-2")  # type: ignore
-    row = next(t for t in doc["tensors"]  # type: ignore[index,union-attr]
-               if t["name"] == "layers.1.mlp.weight")
+    row = next(
+        t
+        for t in doc["tensors"]  # type: ignore[index,union-attr]
+        if t["name"] == "layers.1.mlp.weight"
+    )
     a, b = (_arrays(s)["params/layers/1/mlp/weight"] for s in (3, 30))
     assert row["delta_l2"] == pytest.approx(float(np.linalg.norm(b - a)), rel=1e-6)
     same = _json(capsys, "diff", str(run_dir), "3", "3", "--timeline", "main")

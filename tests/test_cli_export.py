@@ -21,9 +21,13 @@ def _build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 2))
     model[2].to(torch.bfloat16)
-    opt = torch.optim.AdamW([{"params": model[0].parameters()},
-                             {"params": [*model[1].parameters(), *model[2].parameters()],
-                              "lr": 2e-2}], lr=1e-2)
+    opt = torch.optim.AdamW(
+        [
+            {"params": model[0].parameters()},
+            {"params": [*model[1].parameters(), *model[2].parameters()], "lr": 2e-2},
+        ],
+        lr=1e-2,
+    )
     return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
 
@@ -41,9 +45,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, A
             opt.zero_grad()
             sched.step()
             if s.step == 2:
-                at2 = {"model": copy.deepcopy(model.state_dict()),
-                       "optimizer": copy.deepcopy(opt.state_dict()),
-                       "scheduler": sched.state_dict()}
+                at2 = {
+                    "model": copy.deepcopy(model.state_dict()),
+                    "optimizer": copy.deepcopy(opt.state_dict()),
+                    "scheduler": sched.state_dict(),
+                }
     return path, at2
 
 
@@ -61,12 +67,13 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 
 def test_torch_export_loads_with_torch_own_load_state_dict(
-        trained: tuple[Path, dict[str, Any]], tmp_path: Path,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    trained: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path, at2 = trained
     out = tmp_path / "step2.pt"
-    code, text, err = _cli(capsys, "export", "--run", str(path), "--step", "2",
-                           "--format", "torch", "-o", str(out))
+    code, text, err = _cli(
+        capsys, "export", "--run", str(path), "--step", "2", "--format", "torch", "-o", str(out)
+    )
     assert code == EXIT_OK, err
     assert "model, optimizer, scheduler" in text
     doc = torch.load(out, weights_only=True)
@@ -86,13 +93,13 @@ def test_torch_export_loads_with_torch_own_load_state_dict(
     assert sched.state_dict() == at2["scheduler"]
 
 
-def test_export_creates_missing_folders(trained: tuple[Path, dict[str, Any]], tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_creates_missing_folders(
+    trained: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path, _ = trained
     for fmt, name in (("safetensors", "m.safetensors"), ("torch", "m.pt")):
         out = tmp_path / "new" / fmt / name
-        code, _, err = _cli(capsys, "export", "--run", str(path), "--format", fmt,
-                            "-o", str(out))
+        code, _, err = _cli(capsys, "export", "--run", str(path), "--format", fmt, "-o", str(out))
         assert code == EXIT_OK, err
         assert out.is_file()
         assert err == ""
@@ -100,8 +107,8 @@ def test_export_creates_missing_folders(trained: tuple[Path, dict[str, Any]], tm
 
 
 def test_export_refuses_to_overwrite_without_force(
-        trained: tuple[Path, dict[str, Any]], tmp_path: Path,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    trained: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from safetensors.torch import load_file
 
     path, at2 = trained
@@ -114,21 +121,24 @@ def test_export_refuses_to_overwrite_without_force(
     assert "--force" in err
     assert "Traceback" not in err
     assert out.read_bytes() == before
-    code, _, err = _cli(capsys, "export", "--run", str(path), "--step", "3", "-o", str(out),
-                        "--force")
+    code, _, err = _cli(
+        capsys, "export", "--run", str(path), "--step", "3", "-o", str(out), "--force"
+    )
     assert code == EXIT_OK, err
     assert not torch.equal(load_file(out)["0.weight"], at2["model"]["0.weight"])
     # a folder (an existing one, or a new path ending in '/') gets step<S>.<ext> written in it
     code, _, err = _cli(capsys, "export", "--run", str(path), "--step", "2", "-o", str(tmp_path))
     assert code == EXIT_OK, err
-    assert torch.equal(load_file(tmp_path / "step2.safetensors")["0.weight"],
-                       at2["model"]["0.weight"])
+    assert torch.equal(
+        load_file(tmp_path / "step2.safetensors")["0.weight"], at2["model"]["0.weight"]
+    )
     code, _, err = _cli(capsys, "export", "--run", str(path), "--step", "2", "-o", str(tmp_path))
     assert code == EXIT_BAD_INPUT
     assert "step2.safetensors exists" in err
     new = tmp_path / "exp" / "newdir"
-    code, _, err = _cli(capsys, "export", "--run", str(path), "--step", "2", "--format", "torch",
-                        "-o", f"{new}/")
+    code, _, err = _cli(
+        capsys, "export", "--run", str(path), "--step", "2", "--format", "torch", "-o", f"{new}/"
+    )
     assert code == EXIT_OK, err
     assert sorted(os.listdir(new)) == ["step2.pt"]
     with pytest.raises(dstt.OutputExistsError, match="overwrite=True"):
@@ -138,8 +148,12 @@ def test_export_refuses_to_overwrite_without_force(
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
 def test_exported_files_have_ordinary_permissions(
-        trained: tuple[Path, dict[str, Any]], tmp_path: Path, umask022: None,
-        capsys: pytest.CaptureFixture[str], fmt: str) -> None:
+    trained: tuple[Path, dict[str, Any]],
+    tmp_path: Path,
+    umask022: None,
+    capsys: pytest.CaptureFixture[str],
+    fmt: str,
+) -> None:
     path, _ = trained
     out = tmp_path / f"m.{fmt}"
     assert _cli(capsys, "export", "--run", str(path), "--format", fmt, "-o", str(out))[0] == 0

@@ -28,8 +28,7 @@ def _segments(path: Path) -> list[Path]:
     return sorted((path / INDEX_PREFIX).glob("*.idx"))
 
 
-def test_index_rebuilds_a_deleted_index(tmp_path: Path, capsys: pytest.CaptureFixture[str]
-                                        ) -> None:
+def test_index_rebuilds_a_deleted_index(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _run(tmp_path / "run")
     for p in _segments(tmp_path / "run"):
         p.unlink()
@@ -40,7 +39,8 @@ def test_index_rebuilds_a_deleted_index(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_verify_reports_a_damaged_index_and_repair_rebuilds_it(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _run(tmp_path / "run")
     seg = _segments(tmp_path / "run")[0]
     data = bytearray(seg.read_bytes())

@@ -30,18 +30,34 @@ print(json.dumps({{"code": code, "heavy": [m for m in {HEAVY!r} if m in sys.modu
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("startup") / "run"
     for step in (1, 2, 3):
-        save(path, step, {"params/l1/weight": np.full((4, 2), step, np.float32)},
-             metrics={"acc": 0.5})
+        save(
+            path,
+            step,
+            {"params/l1/weight": np.full((4, 2), step, np.float32)},
+            metrics={"acc": 0.5},
+        )
     return path
 
 
-@pytest.mark.parametrize("argv", [
-    ["ls"], ["ls", "--json"], ["verify"], ["index"], ["timeline", "list"],
-    ["rollback", "--to", "2"], ["gc", "--keep-last", "2", "--dry-run"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ls"],
+        ["ls", "--json"],
+        ["verify"],
+        ["index"],
+        ["timeline", "list"],
+        ["rollback", "--to", "2"],
+        ["gc", "--keep-last", "2", "--dry-run"],
+    ],
+)
 def test_listing_commands_import_no_array_library(run_dir: Path, argv: list[str]) -> None:
-    out = subprocess.run([sys.executable, "-c", CODE, *argv, str(run_dir)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", CODE, *argv, str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.splitlines()[-1])
     assert got == {"code": 0, "heavy": []}, (argv, got)

@@ -10,10 +10,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_generated_docs_are_current() -> None:
     gen = runpy.run_path(str(ROOT / "scripts" / "gen_docs.py"))
-    assert (ROOT / "docs" / "api.md").read_text() == gen["api"](), \
+    assert (ROOT / "docs" / "api.md").read_text() == gen["api"](), (
         "docs/api.md is stale: run python scripts/gen_docs.py"
-    assert (ROOT / "docs" / "cli.md").read_text() == gen["cli_doc"](), \
+    )
+    assert (ROOT / "docs" / "cli.md").read_text() == gen["cli_doc"](), (
         "docs/cli.md is stale: run python scripts/gen_docs.py"
+    )
 
 
 def test_the_plain_zarr_reader_in_the_format_doc_reads_a_step(tmp_path: Path) -> None:
@@ -32,9 +34,11 @@ def test_the_plain_zarr_reader_in_the_format_doc_reads_a_step(tmp_path: Path) ->
     code = re.search(r"## 7\..*?```python\n(.*?)```", text, re.S).group(1)  # type: ignore[union-attr]
     run = tmp_path / "run"
     rng = np.random.default_rng(0)
-    want = {"params/layers/0/attn/weight": rng.standard_normal((6, 5), dtype=np.float32),
-            "params/layers/0/attn/bias": rng.standard_normal(5).astype(ml_dtypes.bfloat16),
-            "optim/step/layers/0/attn/weight": np.array(3.0, dtype=np.float32)}
+    want = {
+        "params/layers/0/attn/weight": rng.standard_normal((6, 5), dtype=np.float32),
+        "params/layers/0/attn/bias": rng.standard_normal(5).astype(ml_dtypes.bfloat16),
+        "optim/step/layers/0/attn/weight": np.array(3.0, dtype=np.float32),
+    }
     for step in range(8):  # the doc reads slot 7
         save(run, step, want)
     script = code.replace('"run/steps/', f'"{run}/steps/') + (
@@ -42,10 +46,14 @@ def test_the_plain_zarr_reader_in_the_format_doc_reads_a_step(tmp_path: Path) ->
         # only the bfloat16 entry point may load dstt code (its store, never torch)
         "assert 'torch' not in sys.modules\n"
         "print(json.dumps({k: [str(v.dtype), list(v.shape), v.tobytes().hex()]"
-        " for k, v in tensors.items()}))\n")
-    proc = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", script],
-                          capture_output=True,
-                          text=True, timeout=300)
+        " for k, v in tensors.items()}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(got) == set(want)

@@ -25,10 +25,16 @@ from dstt.store import save
 def run(tmp_path: Path) -> dstt.Run:
     path = tmp_path / "run"
     for s in (1, 2):
-        save(path, s, {"params/layers/0/attn/weight": np.ones((3, 2), np.float32),
-                       "params/layers/0/attn/bias": np.ones(3, np.float32),
-                       "optim/exp_avg/layers/0/attn/weight": np.zeros((3, 2), np.float32)},
-             metrics={"loss": 1.0 / s})
+        save(
+            path,
+            s,
+            {
+                "params/layers/0/attn/weight": np.ones((3, 2), np.float32),
+                "params/layers/0/attn/bias": np.ones(3, np.float32),
+                "optim/exp_avg/layers/0/attn/weight": np.zeros((3, 2), np.float32),
+            },
+            metrics={"loss": 1.0 / s},
+        )
     return dstt.open(path)
 
 
@@ -56,11 +62,15 @@ def test_unknown_tensor_names_the_closest_and_how_to_list(run: dstt.Run) -> None
 
 
 def test_unknown_optimizer_state_lists_the_states_the_tensor_has(run: dstt.Run) -> None:
-    msg = _raised(lambda: run.at(2).to_numpy("layers.0.attn.weight", state="exp_avgsq"),
-                  TensorNotFoundError, KeyError)
+    msg = _raised(
+        lambda: run.at(2).to_numpy("layers.0.attn.weight", state="exp_avgsq"),
+        TensorNotFoundError,
+        KeyError,
+    )
     assert "has no optimizer state 'exp_avgsq' at step 2; its states: exp_avg" in msg
-    msg = _raised(lambda: run.trajectory("layers.0.attn.bias", state="exp_avg"),
-                  TensorNotFoundError, KeyError)
+    msg = _raised(
+        lambda: run.trajectory("layers.0.attn.bias", state="exp_avg"), TensorNotFoundError, KeyError
+    )
     assert "'layers.0.attn.bias' has no optimizer states" in msg
     assert "leave state unset" in msg
 
@@ -96,6 +106,7 @@ def test_a_file_is_not_a_run(tmp_path: Path, run: dstt.Run) -> None:
     def train() -> None:
         with dstt.session(model, run=f) as s:
             s.step()
+
     msg = _raised(train, NotARunError, OSError)
     assert "is a file; a run is a directory" in msg
     assert f.read_text() == "x"

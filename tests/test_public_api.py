@@ -26,8 +26,11 @@ def test_all_is_exactly_the_public_names() -> None:
 
     import types
 
-    public = {n for n, v in vars(dstt).items() if not n.startswith("_")
-              and not isinstance(v, types.ModuleType | __future__._Feature)}
+    public = {
+        n
+        for n, v in vars(dstt).items()
+        if not n.startswith("_") and not isinstance(v, types.ModuleType | __future__._Feature)
+    }
     public |= set(dstt._LAZY) | {"__version__"}
     assert sorted(public) == dstt.__all__
     assert set(errors.__all__) <= set(dstt.__all__)  # every error of the tree is public
@@ -45,8 +48,9 @@ def test_error_tree_subclasses_builtins() -> None:
         assert issubclass(cls, errors.DsttError)
         if cls is not errors.DsttError:
             # every concrete error is also catchable as the builtin it means
-            assert any(b.__module__ == "builtins" and b is not Exception
-                       for b in cls.__mro__[1:]), name
+            assert any(
+                b.__module__ == "builtins" and b is not Exception for b in cls.__mro__[1:]
+            ), name
     assert issubclass(errors.NotARunError, FileNotFoundError)
     assert issubclass(errors.StepNotFoundError, KeyError)
     assert issubclass(errors.RunLockedError, BlockingIOError)
@@ -59,8 +63,9 @@ def test_import_is_lazy() -> None:
     assert out.stdout.split() == ["False", "False"]
 
 
-def _module_imports(path: Path, package: str, *, nested: bool = False,
-                    type_checking: bool = False) -> set[str]:
+def _module_imports(
+    path: Path, package: str, *, nested: bool = False, type_checking: bool = False
+) -> set[str]:
     """Modules a source file imports at module level (TYPE_CHECKING blocks excluded unless
     ``type_checking``); ``nested``: inside functions and classes too."""
     import ast
@@ -68,15 +73,18 @@ def _module_imports(path: Path, package: str, *, nested: bool = False,
     tree = ast.parse(path.read_text())
     out: set[str] = set()
     for node in tree.body:
-        if (isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                and not type_checking):
+        if (
+            isinstance(node, ast.If)
+            and "TYPE_CHECKING" in ast.unparse(node.test)
+            and not type_checking
+        ):
             continue
         top = not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
         for sub in ast.walk(node) if nested or top else ():
             if isinstance(sub, ast.ImportFrom):
                 if sub.level:
                     base = package.split(".")
-                    base = base[:len(base) - sub.level + 1]
+                    base = base[: len(base) - sub.level + 1]
                     name = ".".join([*base, sub.module] if sub.module else base)
                 else:
                     name = sub.module or ""
@@ -136,9 +144,13 @@ def test_the_store_front_door_lists_what_dstt_uses_and_nothing_else() -> None:
             if not isinstance(node, ast.ImportFrom):
                 continue
             base = pkg.split(".")
-            mod = (".".join([*base[:len(base) - node.level + 1], *([node.module] if node.module
-                                                                  else [])])
-                   if node.level else node.module)
+            mod = (
+                ".".join(
+                    [*base[: len(base) - node.level + 1], *([node.module] if node.module else [])]
+                )
+                if node.level
+                else node.module
+            )
             if mod == "dstt.store":
                 used.update(a.name for a in node.names)
     used |= {v.split(":")[1] for v in dstt._LAZY.values() if v.startswith("dstt.store:")}
@@ -169,7 +181,7 @@ def test_module_imports_have_no_cycles() -> None:
             if d.startswith(n + "."):
                 continue
             if state.get(d) == 1:
-                cycles.append([*stack[stack.index(d):], d] if d in stack else [n, d])
+                cycles.append([*stack[stack.index(d) :], d] if d in stack else [n, d])
             elif d not in state:
                 visit(d, [*stack, d])
         state[n] = 2
@@ -230,9 +242,11 @@ def test_packages_import_down_the_layers_only() -> None:
     assert not bad, bad
 
 
-@pytest.mark.parametrize("line", ["from dstt.inspect.naming import select",
-                                  "from ..inspect.naming import select"],
-                         ids=["absolute", "relative"])
+@pytest.mark.parametrize(
+    "line",
+    ["from dstt.inspect.naming import select", "from ..inspect.naming import select"],
+    ids=["absolute", "relative"],
+)
 def test_the_layer_check_catches_an_upward_import(tmp_path: Path, line: str) -> None:
     """The check itself: an engine module importing dstt.inspect (the cycle round 2 had),
     written by its full name (as dstt writes a parent package's modules) or relatively."""
@@ -260,8 +274,11 @@ def test_every_run_and_cli_module_is_named_in_its_packages_docstring() -> None:
     missing = []
     for pkg in ("dstt.run", "dstt.cli"):
         doc = ast.get_docstring(ast.parse(mods[pkg].read_text())) or ""
-        missing += [name for name, path in mods.items() if name.startswith(f"{pkg}.")
-                    and f"``{name.rsplit('.', 1)[1]}``" not in doc]
+        missing += [
+            name
+            for name, path in mods.items()
+            if name.startswith(f"{pkg}.") and f"``{name.rsplit('.', 1)[1]}``" not in doc
+        ]
     assert not missing, missing
 
 
@@ -269,8 +286,17 @@ def test_every_run_and_cli_module_is_named_in_its_packages_docstring() -> None:
 #: of its own room or a lower one, never a higher one (function-level and TYPE_CHECKING imports
 #: included); ``""`` is the store's top level — the front door ``__init__``, ``repository``,
 #: ``api``, ``protocols``, ``bfloat16`` — which may import every room and which no room imports
-STORE_ROOMS: tuple[str, ...] = ("storage", "format", "codec", "index", "read", "maintenance",
-                                "commit", "flusher", "")
+STORE_ROOMS: tuple[str, ...] = (
+    "storage",
+    "format",
+    "codec",
+    "index",
+    "read",
+    "maintenance",
+    "commit",
+    "flusher",
+    "",
+)
 
 
 def _store_room(module: str, mods: dict[str, Path]) -> str:
@@ -312,8 +338,9 @@ def test_store_rooms_import_downward_only() -> None:
     assert not bad, bad
 
 
-@pytest.mark.parametrize("module", ["dstt.store.commit.writer", "..commit.writer"],
-                         ids=["absolute", "relative"])
+@pytest.mark.parametrize(
+    "module", ["dstt.store.commit.writer", "..commit.writer"], ids=["absolute", "relative"]
+)
 def test_the_room_check_catches_an_upward_import(tmp_path: Path, module: str) -> None:
     """The check itself: gc typed against the writer (the cycle round 2 had), imported by
     its full name or relatively."""
@@ -321,18 +348,21 @@ def test_the_room_check_catches_an_upward_import(tmp_path: Path, module: str) ->
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     (fake / "gc.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-        f"    from {module} import Writer\n")
+        f"from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from {module} import Writer\n"
+    )
     commit = tmp_path / "dstt" / "store" / "commit"
     commit.mkdir()
     (commit / "__init__.py").write_text("")
     (commit / "writer.py").write_text("")
-    mods = {"dstt.store.maintenance": fake / "__init__.py",
-            "dstt.store.maintenance.gc": fake / "gc.py",
-            "dstt.store.commit": commit / "__init__.py",
-            "dstt.store.commit.writer": commit / "writer.py"}
+    mods = {
+        "dstt.store.maintenance": fake / "__init__.py",
+        "dstt.store.maintenance.gc": fake / "gc.py",
+        "dstt.store.commit": commit / "__init__.py",
+        "dstt.store.commit.writer": commit / "writer.py",
+    }
     assert store_room_arrows(mods) == [
-        "dstt.store.maintenance.gc (maintenance) imports dstt.store.commit.writer (commit)"]
+        "dstt.store.maintenance.gc (maintenance) imports dstt.store.commit.writer (commit)"
+    ]
 
 
 def test_every_store_module_is_named_in_its_rooms_docstring() -> None:

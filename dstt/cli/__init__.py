@@ -41,5 +41,12 @@ from __future__ import annotations
 from .common import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_OK, EXIT_PIPE, EXIT_PROBLEMS, EXIT_RUN
 from .parser import main
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_INTERNAL", "EXIT_OK", "EXIT_PIPE", "EXIT_PROBLEMS", "EXIT_RUN",
-           "main"]
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "EXIT_INTERNAL",
+    "EXIT_OK",
+    "EXIT_PIPE",
+    "EXIT_PROBLEMS",
+    "EXIT_RUN",
+    "main",
+]

@@ -26,8 +26,11 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     doc = {"timeline": name, "from_timeline": old, "step": args.to, "skip_data": args.skip_data}
 
     def text() -> Iterator[str]:
-        yield (f"timeline {name!r} now starts at step {args.to} of {old!r} and is current "
-               f"(skip {args.skip_data} batches on resume); {old!r} is kept")
+        yield (
+            f"timeline {name!r} now starts at step {args.to} of {old!r} and is current "
+            f"(skip {args.skip_data} batches on resume); {old!r} is kept"
+        )
+
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -36,12 +39,19 @@ def _timeline_rows(run: Any) -> list[dict[str, Any]]:
     rows = []
     for name, ref in sorted(run.timelines.items()):
         line = run.commits(name)
-        rows.append({"name": name, "current": name == run.timeline, "commits": len(line),
-                     "first_step": line[0].step if line else None,
-                     "head_step": line[-1].step if line else None,
-                     "base_timeline": ref.base_timeline, "base_step": ref.base_step,
-                     "skip_data": ref.skip_data, "base_exists": ref.base_timeline is None
-                     or ref.base_timeline in run.timelines})
+        rows.append(
+            {
+                "name": name,
+                "current": name == run.timeline,
+                "commits": len(line),
+                "first_step": line[0].step if line else None,
+                "head_step": line[-1].step if line else None,
+                "base_timeline": ref.base_timeline,
+                "base_step": ref.base_step,
+                "skip_data": ref.skip_data,
+                "base_exists": ref.base_timeline is None or ref.base_timeline in run.timelines,
+            }
+        )
     return rows
 
 
@@ -51,11 +61,17 @@ def cmd_timeline_list(args: argparse.Namespace) -> int:
     def text() -> Iterator[str]:
         for t in rows:
             rng = f"steps {t['first_step']} … {t['head_step']}" if t["commits"] else "empty"
-            base = (f"  from {t['base_timeline']}@{t['base_step']}"
-                    f"{'' if t['base_exists'] else ' (deleted)'} (skip {t['skip_data']})"
-                    if t["base_timeline"] else "")
-            yield (f"{'*' if t['current'] else ' '} {t['name']:<24} {t['commits']:>7} commits  "
-                   f"{rng}{base}")
+            base = (
+                f"  from {t['base_timeline']}@{t['base_step']}"
+                f"{'' if t['base_exists'] else ' (deleted)'} (skip {t['skip_data']})"
+                if t["base_timeline"]
+                else ""
+            )
+            yield (
+                f"{'*' if t['current'] else ' '} {t['name']:<24} {t['commits']:>7} commits  "
+                f"{rng}{base}"
+            )
+
     _emit(args, rows, text)
     return EXIT_OK
 
@@ -70,6 +86,7 @@ def cmd_timeline_switch(args: argparse.Namespace) -> int:
     def text() -> Iterator[str]:
         at = f"its head is step {head}" if head is not None else "it has no commits yet"
         yield f"timeline {args.name!r} is now current (was {old!r}); {at}"
+
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -81,6 +98,7 @@ def cmd_timeline_rename(args: argparse.Namespace) -> int:
 
     def text() -> Iterator[str]:
         yield f"timeline {args.old!r} is now {args.new!r}"
+
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -90,13 +108,20 @@ def cmd_timeline_delete(args: argparse.Namespace) -> int:
 
     run = _resolve_run(args)
     if not (args.yes or args.dry_run):
-        raise UsageError(f"deleting timeline {args.name!r} frees its own steps for good; "
-                         "add --yes to do it, or --dry-run to see what it would free")
+        raise UsageError(
+            f"deleting timeline {args.name!r} frees its own steps for good; "
+            "add --yes to do it, or --dry-run to see what it would free"
+        )
     rep = run.delete_timeline(args.name, dry_run=args.dry_run)
     gc = rep.gc
-    doc = {"timeline": rep.timeline, "dry_run": rep.dry_run, "freed_steps": list(rep.freed_steps),
-           "kept_steps": list(rep.kept_steps), "files_removed": gc.files_removed,
-           "bytes_freed": gc.bytes_freed}
+    doc = {
+        "timeline": rep.timeline,
+        "dry_run": rep.dry_run,
+        "freed_steps": list(rep.freed_steps),
+        "kept_steps": list(rep.kept_steps),
+        "files_removed": gc.files_removed,
+        "bytes_freed": gc.bytes_freed,
+    }
 
     def steps(xs: tuple[int, ...]) -> str:
         if not xs:
@@ -105,12 +130,18 @@ def cmd_timeline_delete(args: argparse.Namespace) -> int:
 
     def text() -> Iterator[str]:
         verb = "would delete" if rep.dry_run else "deleted"
-        own = (f"its own steps {steps(rep.freed_steps)}" if rep.freed_steps
-               else "it had no steps of its own")
-        yield (f"{verb} timeline {rep.timeline!r}: {own} ({gc.files_removed} files, "
-               f"{human_bytes(gc.bytes_freed)}); steps shared with other timelines stay: "
-               f"{steps(rep.kept_steps)}"
-               + ("; nothing was deleted (--dry-run)" if rep.dry_run else ""))
+        own = (
+            f"its own steps {steps(rep.freed_steps)}"
+            if rep.freed_steps
+            else "it had no steps of its own"
+        )
+        yield (
+            f"{verb} timeline {rep.timeline!r}: {own} ({gc.files_removed} files, "
+            f"{human_bytes(gc.bytes_freed)}); steps shared with other timelines stay: "
+            f"{steps(rep.kept_steps)}"
+            + ("; nothing was deleted (--dry-run)" if rep.dry_run else "")
+        )
+
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -120,26 +151,37 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from dstt.store import Retention
 
     if args.keep_last is None and args.keep_every is None and not args.spike_window:
-        raise UsageError("gc needs a retention policy: --keep-last N, --keep-every K and/or "
-                         "--spike-window W (timeline heads are always kept)")
+        raise UsageError(
+            "gc needs a retention policy: --keep-last N, --keep-every K and/or "
+            "--spike-window W (timeline heads are always kept)"
+        )
     try:
-        pol = Retention(keep_last=args.keep_last, keep_every=args.keep_every,
-                        spike_window=args.spike_window or 0, spike_metric=args.spike_metric,
-                        spike_z=args.spike_z, spike_baseline=args.spike_baseline)
+        pol = Retention(
+            keep_last=args.keep_last,
+            keep_every=args.keep_every,
+            spike_window=args.spike_window or 0,
+            spike_metric=args.spike_metric,
+            spike_z=args.spike_z,
+            spike_baseline=args.spike_baseline,
+        )
     except ValueError as e:
         raise UsageError(str(e)) from None
     run = _resolve_run(args)
     if pol.spike_window and args.spike_metric not in run.metrics():
-        raise UsageError(f"--spike-metric {args.spike_metric!r} was never logged; pass the "
-                         "name of a logged metric (see `dstt log`)")
+        raise UsageError(
+            f"--spike-metric {args.spike_metric!r} was never logged; pass the "
+            "name of a logged metric (see `dstt log`)"
+        )
     with _bar(args, None, "slot") as bar:
         rep = run.gc(retention=pol, dry_run=args.dry_run, progress=_counter(bar))
-    doc = {"dry_run": rep.dry_run, "pruned": [{"timeline": t, "step": s}
-                                              for t, s in rep.pruned_steps],
-           "orphan_slots": list(rep.orphan_slots), "files_removed": rep.files_removed,
-           "bytes_freed": rep.bytes_freed,
-           "spike_windows": [{"timeline": t, "first": a, "last": b}
-                             for t, a, b in rep.spike_windows]}
+    doc = {
+        "dry_run": rep.dry_run,
+        "pruned": [{"timeline": t, "step": s} for t, s in rep.pruned_steps],
+        "orphan_slots": list(rep.orphan_slots),
+        "files_removed": rep.files_removed,
+        "bytes_freed": rep.bytes_freed,
+        "spike_windows": [{"timeline": t, "first": a, "last": b} for t, a, b in rep.spike_windows],
+    }
 
     def text() -> Iterator[str]:
         verb = "would prune" if rep.dry_run else "pruned"
@@ -147,8 +189,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
             yield f"{verb} step {s} of timeline {t}"
         for t, a, b in rep.spike_windows:
             yield f"kept steps {a}-{b} of timeline {t} (around a {pol.spike_metric} spike)"
-        yield (f"{verb} {len(rep.pruned_steps)} steps and {len(rep.orphan_slots)} orphaned slots:"
-               f" {rep.files_removed} files, {human_bytes(rep.bytes_freed)}"
-               + ("; nothing was deleted (--dry-run)" if rep.dry_run else ""))
+        yield (
+            f"{verb} {len(rep.pruned_steps)} steps and {len(rep.orphan_slots)} orphaned slots:"
+            f" {rep.files_removed} files, {human_bytes(rep.bytes_freed)}"
+            + ("; nothing was deleted (--dry-run)" if rep.dry_run else "")
+        )
+
     _emit(args, doc, text)
     return EXIT_OK

@@ -37,8 +37,17 @@ class UsageError(Exception):
 
 #: the errors that are the user's input (exit 2); every other ``DsttError`` is about the run
 BAD_INPUT: tuple[type[BaseException], ...] = (
-    UsageError, NotARunError, StepNotFoundError, TimelineError, TensorNotFoundError,
-    MetricNotFoundError, SchemaError, UnsafeObjectError, OutputExistsError, ConfigError)
+    UsageError,
+    NotARunError,
+    StepNotFoundError,
+    TimelineError,
+    TensorNotFoundError,
+    MetricNotFoundError,
+    SchemaError,
+    UnsafeObjectError,
+    OutputExistsError,
+    ConfigError,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,6 +56,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 # -- helpers --------------------------------------------------------------------------------
+
 
 def _resolve_run(args: argparse.Namespace, *, opener: Any = None) -> Any:
     """The run named by the arguments, opened with ``opener`` (default ``dstt.open``)."""
@@ -71,8 +81,10 @@ def _run_root(args: argparse.Namespace) -> str:
     if not path:
         root = find_run_root(os.getcwd())
         if root is None:
-            raise UsageError("no run given and the current directory is not inside a dstt run; "
-                             "pass RUN or --run PATH, or set DSTT_RUN")
+            raise UsageError(
+                "no run given and the current directory is not inside a dstt run; "
+                "pass RUN or --run PATH, or set DSTT_RUN"
+            )
         return root
     if is_url(path):  # an object-store run: no folders to walk up
         return path
@@ -120,8 +132,14 @@ def _bar(args: argparse.Namespace, total: int | None, unit: str = "it") -> Itera
     from tqdm import tqdm
 
     disable = True if getattr(args, "json", False) else None  # None: only on a terminal
-    with tqdm(total=total, unit=unit, unit_scale=unit == "B", file=sys.stderr, leave=False,
-              disable=disable) as bar:
+    with tqdm(
+        total=total,
+        unit=unit,
+        unit_scale=unit == "B",
+        file=sys.stderr,
+        leave=False,
+        disable=disable,
+    ) as bar:
         yield bar
 
 
@@ -130,6 +148,7 @@ def _counter(bar: Any) -> Callable[[int, int], None]:
         bar.total = total
         bar.n = n
         bar.refresh()
+
     return update
 
 
@@ -138,8 +157,9 @@ def _when(t: float) -> str:
 
 
 def _metrics_text(m: dict[str, Any]) -> str:
-    return "  ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
-                     for k, v in sorted(m.items()))
+    return "  ".join(
+        f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(m.items())
+    )
 
 
 # -- commands -------------------------------------------------------------------------------

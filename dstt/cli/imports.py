@@ -26,22 +26,36 @@ _P = TypeVar("_P", bound=argparse.ArgumentParser)
 
 def add_import(sub: argparse._SubParsersAction[_P], common: _P) -> None:
     """The ``import`` subcommand's parser."""
-    what = ("import checkpoints (HF Trainer folders, torch.save files, DCP folders, DeepSpeed "
-            "tags, Lightning .ckpt) as steps of a run")
+    what = (
+        "import checkpoints (HF Trainer folders, torch.save files, DCP folders, DeepSpeed "
+        "tags, Lightning .ckpt) as steps of a run"
+    )
     sp = sub.add_parser("import", parents=[common], help=what, description=what)
     sp.set_defaults(func=cmd_import)
-    sp.add_argument("sources", nargs="+", metavar="SRC",
-                    help="a checkpoint file or folder, or a folder holding them (one level "
-                    "down: checkpoint-*/, global_step*/, *.ckpt, step-*/, *.pt)")
+    sp.add_argument(
+        "sources",
+        nargs="+",
+        metavar="SRC",
+        help="a checkpoint file or folder, or a folder holding them (one level "
+        "down: checkpoint-*/, global_step*/, *.ckpt, step-*/, *.pt)",
+    )
     sp.add_argument("--step", type=int, help="the step of a single SRC that does not say it")
-    sp.add_argument("--trusted", action="store_true",
-                    help="unpickle files that need more than torch.load(weights_only=True) "
-                    "(only for checkpoints you trust: unpickling can run code)")
-    sp.add_argument("--delta", action="store_true",
-                    help="store each step as deltas from the previous one where smaller "
-                    "(dstt.DeltaPolicy)")
-    sp.add_argument("--no-summaries", action="store_true",
-                    help="skip the write-time statistics of every parameter")
+    sp.add_argument(
+        "--trusted",
+        action="store_true",
+        help="unpickle files that need more than torch.load(weights_only=True) "
+        "(only for checkpoints you trust: unpickling can run code)",
+    )
+    sp.add_argument(
+        "--delta",
+        action="store_true",
+        help="store each step as deltas from the previous one where smaller (dstt.DeltaPolicy)",
+    )
+    sp.add_argument(
+        "--no-summaries",
+        action="store_true",
+        help="skip the write-time statistics of every parameter",
+    )
 
 
 def _run_path(args: argparse.Namespace) -> str:
@@ -50,8 +64,7 @@ def _run_path(args: argparse.Namespace) -> str:
     from dstt.run import find_run_root
 
     path = getattr(args, "run", None) or os.environ.get("DSTT_RUN")
-    if path and (not os.path.exists(path)
-                 or (os.path.isdir(path) and find_run_root(path) is None)):
+    if path and (not os.path.exists(path) or (os.path.isdir(path) and find_run_root(path) is None)):
         return str(path)
     return _run_root(args)
 
@@ -70,16 +83,35 @@ def cmd_import(args: argparse.Namespace) -> int:
         reasons = "; ".join(f"{u.path}: {u.reason}" for u in unknown)
         raise UsageError(f"nothing to import: {reasons or 'no source given'}")
     with _bar(args, len(found), "ckpt") as bar:
-        report = import_checkpoints(args.sources, run, step=args.step, trusted=args.trusted,
-                                    encoding=DeltaPolicy() if args.delta else None,
-                                    summaries=not args.no_summaries,
-                                    progress=lambda done, total, src: bar.update(1))
-    doc = {"run": report.run, "seconds": report.seconds, "bytes_read": report.bytes_read,
-           "imported": [{"step": i.step, "source": i.source, "format": i.format,
-                         "slot": i.slot, "lacks": list(i.lacks)} for i in report.imported],
-           "skipped": [{"source": s.source, "step": s.step, "reason": s.reason,
-                        "problem": s.problem} for s in report.skipped],
-           "ignored": [{"path": u.path, "reason": u.reason} for u in report.ignored]}
+        report = import_checkpoints(
+            args.sources,
+            run,
+            step=args.step,
+            trusted=args.trusted,
+            encoding=DeltaPolicy() if args.delta else None,
+            summaries=not args.no_summaries,
+            progress=lambda done, total, src: bar.update(1),
+        )
+    doc = {
+        "run": report.run,
+        "seconds": report.seconds,
+        "bytes_read": report.bytes_read,
+        "imported": [
+            {
+                "step": i.step,
+                "source": i.source,
+                "format": i.format,
+                "slot": i.slot,
+                "lacks": list(i.lacks),
+            }
+            for i in report.imported
+        ],
+        "skipped": [
+            {"source": s.source, "step": s.step, "reason": s.reason, "problem": s.problem}
+            for s in report.skipped
+        ],
+        "ignored": [{"path": u.path, "reason": u.reason} for u in report.ignored],
+    }
 
     def text() -> Iterator[str]:
         for i in report.imported:
@@ -89,7 +121,10 @@ def cmd_import(args: argparse.Namespace) -> int:
             step = f"step {s.step}" if s.step is not None else "step ?"
             yield f"{'skipped' if s.problem else 'kept'} {step}  {s.source}: {s.reason}"
         mb = report.bytes_read / 1e6
-        yield (f"{len(report.imported)} imported into {report.run} ({mb:.1f} MB read in "
-               f"{report.seconds:.1f} s), {sum(s.problem for s in report.skipped)} skipped")
+        yield (
+            f"{len(report.imported)} imported into {report.run} ({mb:.1f} MB read in "
+            f"{report.seconds:.1f} s), {sum(s.problem for s in report.skipped)} skipped"
+        )
+
     _emit(args, doc, text)
     return EXIT_OK if report.ok else EXIT_PROBLEMS

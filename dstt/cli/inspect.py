@@ -38,16 +38,27 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     def text() -> Iterator[str]:
         yield f"run {s['path']}  (current timeline: {s['timeline']})"
-        steps = f"{s['n_steps']} steps ({s['first_step']} … {s['last_step']})" \
-            if s["n_steps"] else "no steps yet"
-        yield (f"{steps} · {s['n_arrays']} arrays · {human_bytes(s['bytes_per_step'])} per step"
-               f" · metrics: {', '.join(s['metrics']) or '—'}")
+        steps = (
+            f"{s['n_steps']} steps ({s['first_step']} … {s['last_step']})"
+            if s["n_steps"]
+            else "no steps yet"
+        )
+        yield (
+            f"{steps} · {s['n_arrays']} arrays · {human_bytes(s['bytes_per_step'])} per step"
+            f" · metrics: {', '.join(s['metrics']) or '—'}"
+        )
         for t in s["timelines"]:
             rng = f"steps {t['first_step']} … {t['head_step']}" if t["commits"] else "empty"
-            base = (f"  from {t['base_timeline']}@{t['base_step']} (skip {t['skip_data']})"
-                    if t["base_timeline"] else "")
-            yield f"{'*' if t['current'] else ' '} {t['name']:<24} {t['commits']:>7} commits  " \
-                  f"{rng}{base}"
+            base = (
+                f"  from {t['base_timeline']}@{t['base_step']} (skip {t['skip_data']})"
+                if t["base_timeline"]
+                else ""
+            )
+            yield (
+                f"{'*' if t['current'] else ' '} {t['name']:<24} {t['commits']:>7} commits  "
+                f"{rng}{base}"
+            )
+
     _emit(args, s, text)
     return EXIT_OK
 
@@ -56,13 +67,22 @@ def cmd_log(args: argparse.Namespace) -> int:
     run = _resolve_run(args)
     line = list(reversed(run.commits(args.timeline, pruned=True)))
     if args.n:
-        line = line[:args.n]
+        line = line[: args.n]
     spikes = _spikes(run, args)
-    batches = (run.batches([h.step for h in line], timeline=args.timeline)
-               if args.batches else {})
-    doc = [{"step": h.step, "slot": h.slot, "timeline": h.timeline, "time": h.time,
-            "metrics": dict(h.metrics), "objects": [] if h.pruned else sorted(h.objects),
-            "pruned": bool(h.pruned), "spike": spikes.get(h.step)} for h in line]
+    batches = run.batches([h.step for h in line], timeline=args.timeline) if args.batches else {}
+    doc = [
+        {
+            "step": h.step,
+            "slot": h.slot,
+            "timeline": h.timeline,
+            "time": h.time,
+            "metrics": dict(h.metrics),
+            "objects": [] if h.pruned else sorted(h.objects),
+            "pruned": bool(h.pruned),
+            "spike": spikes.get(h.step),
+        }
+        for h in line
+    ]
     if args.batches:
         for d in doc:
             d["batches"] = [b.plain() for b in batches.get(d["step"], [])]
@@ -70,12 +90,19 @@ def cmd_log(args: argparse.Namespace) -> int:
     def text() -> Iterator[str]:
         for h in line:
             sp = spikes.get(h.step)
-            mark = (f"  <- {sp['metric']} spike (z={sp['zscore']:.1f}, baseline "
-                    f"{sp['baseline']:.4g}; suspect {sp['suspect']})" if sp else "")
+            mark = (
+                f"  <- {sp['metric']} spike (z={sp['zscore']:.1f}, baseline "
+                f"{sp['baseline']:.4g}; suspect {sp['suspect']})"
+                if sp
+                else ""
+            )
             data = "".join(f"  [{b}]" for b in batches.get(h.step, []))
             gone = "  (pruned)" if h.pruned else ""  # gc kept its metrics, not its tensors
-            yield (f"step {h.step:>8}  {_when(h.time)}  {h.timeline}  "
-                   f"{_metrics_text(h.metrics)}{data}{mark}{gone}")
+            yield (
+                f"step {h.step:>8}  {_when(h.time)}  {h.timeline}  "
+                f"{_metrics_text(h.metrics)}{data}{mark}{gone}"
+            )
+
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -85,10 +112,18 @@ def _spikes(run: Any, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     metric = args.spikes or "loss"
     if args.spikes is None and metric not in run.metrics(args.timeline):
         return {}
-    return {sp.step: {"metric": metric, "zscore": sp.zscore, "baseline": sp.baseline,
-                      "tensors": [n for n, _ in sp.tensors], "cause": sp.cause,
-                      "suspect": sp.suspect, "samples": sp.samples}
-            for sp in run.spikes(metric, timeline=args.timeline, top=3)}
+    return {
+        sp.step: {
+            "metric": metric,
+            "zscore": sp.zscore,
+            "baseline": sp.baseline,
+            "tensors": [n for n, _ in sp.tensors],
+            "cause": sp.cause,
+            "suspect": sp.suspect,
+            "samples": sp.samples,
+        }
+        for sp in run.spikes(metric, timeline=args.timeline, top=3)
+    }
 
 
 def _visible(snap: Any, optim: bool) -> list[str]:
@@ -109,10 +144,15 @@ def _summary_of(run: Any, snap: Any) -> dict[str, tuple[float | None, float | No
     def val(x: Any) -> float | None:
         v = float(x)
         return v if math.isfinite(v) else None
-    return {canonical_path(str(p)): (val(ds["l2"].values[0, j]),
-                                     val(ds["update_ratio"].values[0, j]),
-                                     bool(ds["update_exact"].values[0, j]))
-            for j, p in enumerate(ds["store_path"].values)}
+
+    return {
+        canonical_path(str(p)): (
+            val(ds["l2"].values[0, j]),
+            val(ds["update_ratio"].values[0, j]),
+            bool(ds["update_exact"].values[0, j]),
+        )
+        for j, p in enumerate(ds["store_path"].values)
+    }
 
 
 def _ratio_text(t: dict[str, Any]) -> str:
@@ -143,15 +183,36 @@ def cmd_show(args: argparse.Namespace) -> int:
         tied = cat.tied_to(p)
         stored = not isinstance(rec, LogicalRecord) and tied is None
         l2, ratio, exact = sums.get(cat.tied.get(p, p), (None, None, False))
-        where = (_stored(rec, snap.slot) if stored else
-                 {"written_bytes": 0, "stored_as": [f"tied to {tied}" if tied else "view"]})
-        tensors.append({"name": user_name(p), "store_path": rec.path, "dtype": rec.dtype,
-                        "shape": list(rec.shape), "bytes": rec.plan.nbytes if stored else 0,
-                        "stored": stored, "tied_to": tied, "l2": l2, "update_ratio": ratio,
-                        "update_exact": exact if ratio is not None else None, **where})
-    doc = {"step": snap.step, "slot": snap.slot, "timeline": snap.timeline, "time": snap.time,
-           "metrics": snap.metrics, "objects": snap.objects, "optim": args.optim,
-           "tensors": tensors}
+        where = (
+            _stored(rec, snap.slot)
+            if stored
+            else {"written_bytes": 0, "stored_as": [f"tied to {tied}" if tied else "view"]}
+        )
+        tensors.append(
+            {
+                "name": user_name(p),
+                "store_path": rec.path,
+                "dtype": rec.dtype,
+                "shape": list(rec.shape),
+                "bytes": rec.plan.nbytes if stored else 0,
+                "stored": stored,
+                "tied_to": tied,
+                "l2": l2,
+                "update_ratio": ratio,
+                "update_exact": exact if ratio is not None else None,
+                **where,
+            }
+        )
+    doc = {
+        "step": snap.step,
+        "slot": snap.slot,
+        "timeline": snap.timeline,
+        "time": snap.time,
+        "metrics": snap.metrics,
+        "objects": snap.objects,
+        "optim": args.optim,
+        "tensors": tensors,
+    }
 
     def text() -> Iterator[str]:
         yield f"step {snap.step} (timeline {snap.timeline}, slot {snap.slot}, {_when(snap.time)})"
@@ -159,30 +220,42 @@ def cmd_show(args: argparse.Namespace) -> int:
             yield f"metrics: {_metrics_text(snap.metrics)}"
         yield f"objects: {', '.join(snap.objects) or '—'}"
         width = max((len(t["name"]) for t in tensors), default=10)
-        yield (f"  {'tensor':<{width}}  {'dtype':<8} {'shape':<18} {'norm':>10} "
-               f"{'upd ratio':>10} {'size':>10}  {'written':>10}  stored as")
+        yield (
+            f"  {'tensor':<{width}}  {'dtype':<8} {'shape':<18} {'norm':>10} "
+            f"{'upd ratio':>10} {'size':>10}  {'written':>10}  stored as"
+        )
         for t in tensors:
             size = human_bytes(t["bytes"]) if t["stored"] else "—"
-            yield (f"  {t['name']:<{width}}  {t['dtype']:<8} {tuple(t['shape'])!s:<18} "
-                   f"{_fmt(t['l2']):>10} {_ratio_text(t):>10} {size:>10}  "
-                   f"{human_bytes(t['written_bytes']):>10}  {'+'.join(t['stored_as'])}")
+            yield (
+                f"  {t['name']:<{width}}  {t['dtype']:<8} {tuple(t['shape'])!s:<18} "
+                f"{_fmt(t['l2']):>10} {_ratio_text(t):>10} {size:>10}  "
+                f"{human_bytes(t['written_bytes']):>10}  {'+'.join(t['stored_as'])}"
+            )
         real = [t for t in tensors if t["stored"]]
         size = sum(t["bytes"] for t in real)
         written = sum(t["written_bytes"] for t in real)
         views = sum(1 for t in tensors if not t["stored"] and not t["tied_to"])
         tied = sum(1 for t in tensors if t["tied_to"])
-        yield (f"{len(real)} stored arrays, {human_bytes(size)}; this step wrote "
-               f"{human_bytes(written)} of them"
-               + (f" ({size / written:.1f}x fewer bytes)" if 0 < written < size else "")
-               + (f"; {views} tensors are views of the stored ZeRO shards" if views else "")
-               + (f"; {tied} tied names (one tensor, stored under the name it is tied to)"
-                  if tied else ""))
+        yield (
+            f"{len(real)} stored arrays, {human_bytes(size)}; this step wrote "
+            f"{human_bytes(written)} of them"
+            + (f" ({size / written:.1f}x fewer bytes)" if 0 < written < size else "")
+            + (f"; {views} tensors are views of the stored ZeRO shards" if views else "")
+            + (
+                f"; {tied} tied names (one tensor, stored under the name it is tied to)"
+                if tied
+                else ""
+            )
+        )
         if any(t["update_exact"] is False for t in tensors):
-            yield ("~ update ratio ||w - w_prev|| / ||w||: an estimate from 16 probed elements "
-                   "per tensor (typically within ~20%, now and then off 2x); exact: "
-                   f"dstt diff <previous step> {snap.step}")
+            yield (
+                "~ update ratio ||w - w_prev|| / ||w||: an estimate from 16 probed elements "
+                "per tensor (typically within ~20%, now and then off 2x); exact: "
+                f"dstt diff <previous step> {snap.step}"
+            )
         if not args.optim:
             yield "optimizer states not shown (--optim shows them)"
+
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -211,23 +284,33 @@ def cmd_diff(args: argparse.Namespace) -> int:
     sa, sb = run.at(args.a, ta), run.at(args.b, tb)
     paths = sorted(set(_visible(sa, args.optim)) | set(_visible(sb, args.optim)))
     if args.select:
-        both = Catalog(sa.catalog.table | sb.catalog.table, where=f"at steps {args.a} or "
-                       f"{args.b}" + ("" if args.optim else " (optimizer states excluded)"),
-                       listing=f"dstt show --step {args.b}")
+        both = Catalog(
+            sa.catalog.table | sb.catalog.table,
+            where=f"at steps {args.a} or "
+            f"{args.b}" + ("" if args.optim else " (optimizer states excluded)"),
+            listing=f"dstt show --step {args.b}",
+        )
         paths = both.select(args.select, paths=paths)[0]
     tied = sa.catalog.tied | sb.catalog.tied  # a tied name is its target's tensor
     paths = list(dict.fromkeys(tied.get(p, p) for p in paths))
     with _bar(args, None, "B") as bar:
-        ds = run.diff(args.a, args.b, timeline=ta, timeline_b=tb, paths=paths,
-                      progress=bar.update)
+        ds = run.diff(args.a, args.b, timeline=ta, timeline_b=tb, paths=paths, progress=bar.update)
     fields = ("delta_l2", "a_l2", "b_l2", "ratio", "max_abs_delta")
     rows: list[dict[str, Any]] = [
         {"name": str(n), "status": str(st), **{f: float(ds[f].values[i]) for f in fields}}
-        for i, (n, st) in enumerate(zip(ds["tensor"].values, ds["status"].values, strict=True))]
+        for i, (n, st) in enumerate(zip(ds["tensor"].values, ds["status"].values, strict=True))
+    ]
     rows.sort(key=lambda r: -r["delta_l2"] if math.isfinite(r["delta_l2"]) else math.inf)
-    shown = rows if args.top == 0 else rows[:args.top]
-    doc = {"a": args.a, "b": args.b, "timeline_a": ta, "timeline_b": tb, "optim": args.optim,
-           "tensors": shown, "total": len(rows)}
+    shown = rows if args.top == 0 else rows[: args.top]
+    doc = {
+        "a": args.a,
+        "b": args.b,
+        "timeline_a": ta,
+        "timeline_b": tb,
+        "optim": args.optim,
+        "tensors": shown,
+        "total": len(rows),
+    }
 
     def text() -> Iterator[str]:
         if tb != ta:
@@ -238,12 +321,15 @@ def cmd_diff(args: argparse.Namespace) -> int:
             if r["status"] != "both":
                 yield f"{r['name']:<{width}}  ({r['status'].replace('_', ' ')})"
                 continue
-            yield (f"{r['name']:<{width}}  {r['delta_l2']:>11.4g} {r['a_l2']:>11.4g} "
-                   f"{r['ratio']:>9.3g} {r['max_abs_delta']:>11.4g}")
+            yield (
+                f"{r['name']:<{width}}  {r['delta_l2']:>11.4g} {r['a_l2']:>11.4g} "
+                f"{r['ratio']:>9.3g} {r['max_abs_delta']:>11.4g}"
+            )
         if len(shown) < len(rows):
             yield f"… {len(rows) - len(shown)} more (--top 0 shows all)"
         if not args.optim:
             yield "optimizer states not compared (--optim compares them)"
+
     _emit(args, doc, text)
     return EXIT_OK
 
@@ -257,16 +343,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with _bar(args, None, "commit") as bar:
         rep = run.verify(progress=_counter(bar), repair=args.repair)
     problems = [{"key": p.key, "message": p.message} for p in rep.problems]
-    doc = {"ok": not problems, "problems": problems, "commits": rep.commits,
-           "chunks": rep.chunks, "objects": rep.objects, "bytes": rep.bytes,
-           "repaired": bool(args.repair)}
+    doc = {
+        "ok": not problems,
+        "problems": problems,
+        "commits": rep.commits,
+        "chunks": rep.chunks,
+        "objects": rep.objects,
+        "bytes": rep.bytes,
+        "repaired": bool(args.repair),
+    }
 
     def text() -> Iterator[str]:
         for p in problems:
             yield f"PROBLEM {p['key']}: {p['message']}"
         verdict = f"{len(problems)} problem(s)" if problems else "ok"
-        yield (f"{verdict}: {rep.commits} commits, {rep.chunks} chunks, {rep.objects} objects, "
-               f"{rep.bytes} bytes checked")
+        yield (
+            f"{verdict}: {rep.commits} commits, {rep.chunks} chunks, {rep.objects} objects, "
+            f"{rep.bytes} bytes checked"
+        )
+
     _emit(args, doc, text)
     return EXIT_PROBLEMS if problems else EXIT_OK
 
@@ -276,8 +371,11 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     repo = _resolve_run(args, opener=Repository.open)
     rows = repo.reindex()
-    _emit(args, {"rows": rows}, lambda: iter([f"index rebuilt from the commit headers: "
-                                              f"{rows} commits"]))
+    _emit(
+        args,
+        {"rows": rows},
+        lambda: iter([f"index rebuilt from the commit headers: {rows} commits"]),
+    )
     return EXIT_OK
 
 
@@ -287,18 +385,34 @@ def cmd_export(args: argparse.Namespace) -> int:
     snap = _resolve_run(args).at(args.step, args.timeline)
     if args.config is not None and args.format != "hf":
         raise UsageError("--config is for --format hf (the config.json of the folder)")
-    default = {"safetensors": f"step{snap.step}.safetensors", "torch": f"step{snap.step}.pt",
-               "hf": f"step{snap.step}-hf", "dcp": f"step{snap.step}"}[args.format]
+    default = {
+        "safetensors": f"step{snap.step}.safetensors",
+        "torch": f"step{snap.step}.pt",
+        "hf": f"step{snap.step}-hf",
+        "dcp": f"step{snap.step}",
+    }[args.format]
     out = args.out or default
     with _bar(args, sum(r.plan.nbytes for r in snap.arrays.values()), "B") as bar:
-        info = snap.export(out, args.format, include_all=args.all, overwrite=args.force,
-                           config=args.config, progress=bar.update)
+        info = snap.export(
+            out,
+            args.format,
+            include_all=args.all,
+            overwrite=args.force,
+            config=args.config,
+            progress=bar.update,
+        )
     doc = {"step": snap.step, "format": args.format, **info}
-    what = {"safetensors": "model", "torch": "model, optimizer, scheduler",
-            "hf": "model.safetensors + config.json: from_pretrained opens it"}[args.format]
+    what = {
+        "safetensors": "model",
+        "torch": "model, optimizer, scheduler",
+        "hf": "model.safetensors + config.json: from_pretrained opens it",
+    }[args.format]
 
     def text() -> Iterator[str]:
-        yield (f"wrote {info['path']}: step {snap.step}, {info['tensors']} tensors, "
-               f"{human_bytes(info['bytes'])} ({args.format}: {what})")
+        yield (
+            f"wrote {info['path']}: step {snap.step}, {info['tensors']} tensors, "
+            f"{human_bytes(info['bytes'])} ({args.format}: {what})"
+        )
+
     _emit(args, doc, text)
     return EXIT_OK

@@ -50,6 +50,7 @@ __all__ = ["build_parser", "main"]
 
 # -- parser ---------------------------------------------------------------------------------
 
+
 def _nonneg(s: str) -> int:
     try:
         v = int(s)
@@ -79,13 +80,25 @@ damaged, 4 internal error (a bug: please report it), 141 stdout closed early (ds
 
 def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
-    common.add_argument("--run", metavar="PATH", default=argparse.SUPPRESS,
-                        help="the run, or a folder inside it (default: $DSTT_RUN, else the "
-                        "current directory)")
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                        help="print one JSON document for scripts")
-    p = _Parser(prog="dstt", parents=[common], description="Inspect and travel through a dstt "
-                "run.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_argument(
+        "--run",
+        metavar="PATH",
+        default=argparse.SUPPRESS,
+        help="the run, or a folder inside it (default: $DSTT_RUN, else the current directory)",
+    )
+    common.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print one JSON document for scripts",
+    )
+    p = _Parser(
+        prog="dstt",
+        parents=[common],
+        description="Inspect and travel through a dstt run.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -98,12 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--timeline", help="timeline to read (default: the current one)")
 
     def run_arg(sp: Any) -> None:
-        sp.add_argument("path", nargs="?", metavar="RUN",
-                        help="the run, or a folder inside it (same as --run)")
+        sp.add_argument(
+            "path", nargs="?", metavar="RUN", help="the run, or a folder inside it (same as --run)"
+        )
 
     def optim(sp: Any, verb: str) -> None:
-        sp.add_argument("--optim", action="store_true",
-                        help=f"{verb} optimizer states too (default: model tensors only)")
+        sp.add_argument(
+            "--optim",
+            action="store_true",
+            help=f"{verb} optimizer states too (default: model tensors only)",
+        )
 
     sp = add("ls", cmd_ls, "overview: timelines, steps, arrays")
     run_arg(sp)
@@ -111,16 +128,22 @@ def build_parser() -> argparse.ArgumentParser:
     run_arg(sp)
     timeline(sp)
     sp.add_argument("-n", type=_nonneg, default=0, help="show at most N steps (0: all)")
-    sp.add_argument("--spikes", metavar="METRIC",
-                    help="mark spikes of this metric (default: loss, when logged)")
-    sp.add_argument("--batches", action="store_true",
-                    help="show each step's batch: its sample indices or hash (s.data records "
-                         "them)")
+    sp.add_argument(
+        "--spikes", metavar="METRIC", help="mark spikes of this metric (default: loss, when logged)"
+    )
+    sp.add_argument(
+        "--batches",
+        action="store_true",
+        help="show each step's batch: its sample indices or hash (s.data records them)",
+    )
     sp = add("show", cmd_show, "tensors of one step: norms, update ratios, bytes on disk")
     run_arg(sp)
     sp.add_argument("--step", type=int, help="the step (default: the head)")
-    sp.add_argument("--select", help="layer selector, at any depth of the names: "
-                    "'layers.0.self_attn', 'layers.*.mlp', 'q_proj.weight', 'experts.0'")
+    sp.add_argument(
+        "--select",
+        help="layer selector, at any depth of the names: "
+        "'layers.0.self_attn', 'layers.*.mlp', 'q_proj.weight', 'experts.0'",
+    )
     optim(sp, "list")
     timeline(sp)
     sp = add("diff", cmd_diff, "per-tensor change norms from step A to step B")
@@ -131,24 +154,42 @@ def build_parser() -> argparse.ArgumentParser:
     optim(sp, "compare")
     sp.add_argument("--top", type=_nonneg, default=20, help="largest N changes (0: all)")
     sp.add_argument("--timeline", help="timeline of A (default: the current one)")
-    sp.add_argument("--timeline-b", metavar="TIMELINE",
-                    help="timeline of B, to compare two timelines (default: that of A)")
+    sp.add_argument(
+        "--timeline-b",
+        metavar="TIMELINE",
+        help="timeline of B, to compare two timelines (default: that of A)",
+    )
     sp = add("verify", cmd_verify, "check every committed byte against its checksum")
     run_arg(sp)
-    sp.add_argument("--repair", action="store_true",
-                    help="rebuild the run's index from the commit headers first")
+    sp.add_argument(
+        "--repair",
+        action="store_true",
+        help="rebuild the run's index from the commit headers first",
+    )
     sp = add("index", cmd_index, "rebuild the run's index from the commit headers")
     run_arg(sp)
     sp = add("rollback", cmd_rollback, "start a new timeline at an old step (old one kept)")
     run_arg(sp)
     sp.add_argument("--to", type=int, required=True, metavar="STEP")
-    sp.add_argument("--skip-data", type=_nonneg, default=0, metavar="N",
-                    help="batches to skip when training resumes there")
-    sp.add_argument("--name", help="name of the new timeline (default: <timeline>-from-STEP;"
-                    " a second rollback to the same step needs one)")
+    sp.add_argument(
+        "--skip-data",
+        type=_nonneg,
+        default=0,
+        metavar="N",
+        help="batches to skip when training resumes there",
+    )
+    sp.add_argument(
+        "--name",
+        help="name of the new timeline (default: <timeline>-from-STEP;"
+        " a second rollback to the same step needs one)",
+    )
     sp.add_argument("--timeline", help="timeline STEP is on (default: the current one)")
-    sp = sub.add_parser("timeline", parents=[common], help="list, switch, rename or delete "
-                        "timelines", description="list, switch, rename or delete timelines")
+    sp = sub.add_parser(
+        "timeline",
+        parents=[common],
+        help="list, switch, rename or delete timelines",
+        description="list, switch, rename or delete timelines",
+    )
     tsub = sp.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
     tsub.required = True
 
@@ -158,68 +199,124 @@ def build_parser() -> argparse.ArgumentParser:
         run_arg(tp)
         return tp
 
-    tadd("list", cmd_timeline_list, "every timeline: commits, steps, where it forked "
-         "(* marks the current one)")
+    tadd(
+        "list",
+        cmd_timeline_list,
+        "every timeline: commits, steps, where it forked (* marks the current one)",
+    )
     tp = tadd("switch", cmd_timeline_switch, "make a timeline current (what training resumes)")
     tp.add_argument("name", metavar="NAME")
-    tp = tadd("rename", cmd_timeline_rename, "rename a timeline (timelines forked from it "
-              "follow; commits keep the name they were written under)")
+    tp = tadd(
+        "rename",
+        cmd_timeline_rename,
+        "rename a timeline (timelines forked from it "
+        "follow; commits keep the name they were written under)",
+    )
     tp.add_argument("old", metavar="OLD")
     tp.add_argument("new", metavar="NEW")
-    tp = tadd("delete", cmd_timeline_delete, "delete a timeline (not the current one) and the "
-              "steps only it had; steps shared with other timelines stay")
+    tp = tadd(
+        "delete",
+        cmd_timeline_delete,
+        "delete a timeline (not the current one) and the "
+        "steps only it had; steps shared with other timelines stay",
+    )
     tp.add_argument("name", metavar="NAME")
     tp.add_argument("--yes", action="store_true", help="really delete (required)")
-    tp.add_argument("--dry-run", action="store_true",
-                    help="say what it would free, delete nothing")
+    tp.add_argument("--dry-run", action="store_true", help="say what it would free, delete nothing")
     sp = add("gc", cmd_gc, "prune old steps (timeline heads are always kept)")
     run_arg(sp)
     sp.add_argument("--keep-last", type=_nonneg, metavar="N", help="keep the last N steps")
-    sp.add_argument("--keep-every", type=_positive, metavar="K",
-                    help="keep steps divisible by K")
-    sp.add_argument("--spike-window", type=_nonneg, metavar="W",
-                    help="keep every step within W steps of a spike of --spike-metric")
-    sp.add_argument("--spike-metric", default="loss", metavar="NAME",
-                    help="the metric whose spikes are kept (default: loss)")
-    sp.add_argument("--spike-z", type=float, default=4.0, metavar="Z",
-                    help="a spike is a value Z standard deviations above its baseline "
-                    "(default: 4)")
-    sp.add_argument("--spike-baseline", type=_positive, default=50, metavar="N",
-                    help="the baseline: the N values before each step (default: 50)")
-    sp.add_argument("--dry-run", action="store_true",
-                    help="list the steps it would prune, delete nothing")
-    sp = add("replay", cmd_replay, "re-execute a past step from your script: faithful?, "
-             "gradient norms, the samples with the largest loss")
+    sp.add_argument("--keep-every", type=_positive, metavar="K", help="keep steps divisible by K")
+    sp.add_argument(
+        "--spike-window",
+        type=_nonneg,
+        metavar="W",
+        help="keep every step within W steps of a spike of --spike-metric",
+    )
+    sp.add_argument(
+        "--spike-metric",
+        default="loss",
+        metavar="NAME",
+        help="the metric whose spikes are kept (default: loss)",
+    )
+    sp.add_argument(
+        "--spike-z",
+        type=float,
+        default=4.0,
+        metavar="Z",
+        help="a spike is a value Z standard deviations above its baseline (default: 4)",
+    )
+    sp.add_argument(
+        "--spike-baseline",
+        type=_positive,
+        default=50,
+        metavar="N",
+        help="the baseline: the N values before each step (default: 50)",
+    )
+    sp.add_argument(
+        "--dry-run", action="store_true", help="list the steps it would prune, delete nothing"
+    )
+    sp = add(
+        "replay",
+        cmd_replay,
+        "re-execute a past step from your script: faithful?, "
+        "gradient norms, the samples with the largest loss",
+    )
     run_arg(sp)
     sp.add_argument("--step", type=int, required=True, help="the step to replay")
-    sp.add_argument("--script", required=True, metavar="FILE.py:FUNCTION",
-                    help="a function returning {'model', 'optimizer', and any of 'scheduler', "
-                    "'dataset', 'collate', 'batches', 'loss_fn'}, built as training built them")
+    sp.add_argument(
+        "--script",
+        required=True,
+        metavar="FILE.py:FUNCTION",
+        help="a function returning {'model', 'optimizer', and any of 'scheduler', "
+        "'dataset', 'collate', 'batches', 'loss_fn'}, built as training built them",
+    )
     sp.add_argument("--top", type=_positive, default=10, help="tensors and samples to list")
-    sp.add_argument("--sample-grads", action="store_true",
-                    help="also each sample's gradient norm (one backward per sample)")
+    sp.add_argument(
+        "--sample-grads",
+        action="store_true",
+        help="also each sample's gradient norm (one backward per sample)",
+    )
     timeline(sp)
-    sp = add("export", cmd_export, "write one step as files torch or transformers load: the "
-             "model, model + optimizer + scheduler, or a from_pretrained folder")
+    sp = add(
+        "export",
+        cmd_export,
+        "write one step as files torch or transformers load: the "
+        "model, model + optimizer + scheduler, or a from_pretrained folder",
+    )
     run_arg(sp)
     sp.add_argument("--step", type=int, help="the step (default: the head)")
-    sp.add_argument("--format", choices=("safetensors", "torch", "hf", "dcp"),
-                    default="safetensors",
-                    help="safetensors: the model (tied names included); torch: torch.save of "
-                    "model, optimizer and scheduler state dicts; hf: a folder with "
-                    "model.safetensors and config.json that from_pretrained opens; dcp: a "
-                    "torch.distributed.checkpoint folder, loaded at any world size")
-    sp.add_argument("-o", "--out", help="output file, or a folder (an existing one, or a path "
-                    "ending in /) to write step<S>.safetensors|.pt into; hf, dcp: the folder "
-                    "(default: ./step<S>.safetensors|.pt, ./step<S>-hf/, ./step<S>/); missing "
-                    "folders are created")
-    sp.add_argument("--config", metavar="PATH", help="hf: the model's config.json, or a folder "
-                    "holding one (default: the config the run stored, from a Hugging Face "
-                    "model)")
+    sp.add_argument(
+        "--format",
+        choices=("safetensors", "torch", "hf", "dcp"),
+        default="safetensors",
+        help="safetensors: the model (tied names included); torch: torch.save of "
+        "model, optimizer and scheduler state dicts; hf: a folder with "
+        "model.safetensors and config.json that from_pretrained opens; dcp: a "
+        "torch.distributed.checkpoint folder, loaded at any world size",
+    )
+    sp.add_argument(
+        "-o",
+        "--out",
+        help="output file, or a folder (an existing one, or a path "
+        "ending in /) to write step<S>.safetensors|.pt into; hf, dcp: the folder "
+        "(default: ./step<S>.safetensors|.pt, ./step<S>-hf/, ./step<S>/); missing "
+        "folders are created",
+    )
+    sp.add_argument(
+        "--config",
+        metavar="PATH",
+        help="hf: the model's config.json, or a folder "
+        "holding one (default: the config the run stored, from a Hugging Face "
+        "model)",
+    )
     sp.add_argument("--force", action="store_true", help="replace the output file if it exists")
-    sp.add_argument("--all", action="store_true",
-                    help="also every other array under its store path (safetensors: optimizer "
-                    "states too; torch: under 'arrays')")
+    sp.add_argument(
+        "--all",
+        action="store_true",
+        help="also every other array under its store path (safetensors: optimizer "
+        "states too; torch: under 'arrays')",
+    )
     timeline(sp)
     add_import(sub, common)
     return p
@@ -265,7 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception:
         traceback.print_exc()
-        print("dstt: internal error (a bug in dstt; please report it with the traceback above)",
-              file=sys.stderr)
+        print(
+            "dstt: internal error (a bug in dstt; please report it with the traceback above)",
+            file=sys.stderr,
+        )
         return EXIT_INTERNAL
-

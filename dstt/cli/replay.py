@@ -54,29 +54,49 @@ def cmd_replay(args: argparse.Namespace) -> int:
     run = _resolve_run(args)
     made = load_factory(args.script)()
     if not isinstance(made, dict) or "model" not in made or "optimizer" not in made:
-        raise UsageError(f"--script {args.script}: the function must return a dict with "
-                         f"'model' and 'optimizer' (and any of {', '.join(_KEYS[2:])})")
+        raise UsageError(
+            f"--script {args.script}: the function must return a dict with "
+            f"'model' and 'optimizer' (and any of {', '.join(_KEYS[2:])})"
+        )
     unknown = sorted(set(made) - set(_KEYS))
     if unknown:
-        raise UsageError(f"--script {args.script}: unknown keys {unknown}; expected "
-                         f"{', '.join(_KEYS)}")
-    r = run.replay(args.step, made["model"], made["optimizer"],
-                   **{k: made[k] for k in _KEYS[2:] if k in made},
-                   per_sample_grads=args.sample_grads, timeline=args.timeline)
+        raise UsageError(
+            f"--script {args.script}: unknown keys {unknown}; expected {', '.join(_KEYS)}"
+        )
+    r = run.replay(
+        args.step,
+        made["model"],
+        made["optimizer"],
+        **{k: made[k] for k in _KEYS[2:] if k in made},
+        per_sample_grads=args.sample_grads,
+        timeline=args.timeline,
+    )
     top = r.top(args.top)
     samples = r.per_sample.isel(sample=slice(0, args.top))
-    doc = {"step": r.step, "faithful": r.faithful, "max_abs_diff": r.max_abs_diff,
-           "differs": r.differs, "losses": r.losses,
-           "top_grad_norm": [{"tensor": n, "grad_norm": v} for n, v in top],
-           "worst_samples": [{"index": int(i), "loss": float(v), "micro_batch": int(m)}
-                             for i, v, m in zip(samples["index"].values,
-                                                samples["loss"].values,
-                                                samples["micro_batch"].values, strict=True)]}
+    doc = {
+        "step": r.step,
+        "faithful": r.faithful,
+        "max_abs_diff": r.max_abs_diff,
+        "differs": r.differs,
+        "losses": r.losses,
+        "top_grad_norm": [{"tensor": n, "grad_norm": v} for n, v in top],
+        "worst_samples": [
+            {"index": int(i), "loss": float(v), "micro_batch": int(m)}
+            for i, v, m in zip(
+                samples["index"].values,
+                samples["loss"].values,
+                samples["micro_batch"].values,
+                strict=True,
+            )
+        ],
+    }
 
     def text() -> Iterator[str]:
-        verdict = ("faithful: the replayed update equals the commit bit for bit" if r.faithful
-                   else f"NOT faithful: {len(r.differs)} tensors differ, max |diff| "
-                        f"{_fmt(r.max_abs_diff)}")
+        verdict = (
+            "faithful: the replayed update equals the commit bit for bit"
+            if r.faithful
+            else f"NOT faithful: {len(r.differs)} tensors differ, max |diff| {_fmt(r.max_abs_diff)}"
+        )
         yield f"step {r.step}: {verdict}"
         yield f"micro-batch losses: {', '.join(_fmt(x) for x in r.losses)}"
         yield "largest gradient norms:"
@@ -85,5 +105,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
         yield "largest sample losses (each sample alone, weights of the step before):"
         for d in doc["worst_samples"]:
             yield f"  {_fmt(d['loss']):>10}  sample {d['index']}  (micro-batch {d['micro_batch']})"
+
     _emit(args, doc, text)
     return EXIT_OK

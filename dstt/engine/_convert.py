@@ -91,12 +91,14 @@ def tensor_from_numpy(arr: np.ndarray, dtype: str) -> torch.Tensor:
 
 def _tensor_to_plain(t: torch.Tensor) -> dict[str, Any]:
     cpu = t.detach().to("cpu").contiguous()
-    return {_TENSOR_TAG: {
-        "dtype": store_dtype(cpu.dtype, what="a tensor inside an object"),
-        "shape": list(cpu.shape),
-        "device": str(t.device),
-        "data": flat_bytes(cpu).numpy().tobytes(),
-    }}
+    return {
+        _TENSOR_TAG: {
+            "dtype": store_dtype(cpu.dtype, what="a tensor inside an object"),
+            "shape": list(cpu.shape),
+            "device": str(t.device),
+            "data": flat_bytes(cpu).numpy().tobytes(),
+        }
+    }
 
 
 def _tensor_from_plain(d: Mapping[str, Any]) -> torch.Tensor:

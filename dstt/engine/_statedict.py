@@ -43,8 +43,9 @@ def segment(key: Any, used: set[str]) -> str:
     return s
 
 
-def flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor],
-            place: Place | None = None) -> Any:
+def flatten(
+    obj: Any, prefix: str, tensors: dict[str, torch.Tensor], place: Place | None = None
+) -> Any:
     """The state dict with its tensors replaced by array placeholders (collected in
     ``tensors`` by array path: ``place(tensor, key path)`` or the key path); sparse and
     empty tensors are kept inline as tagged bytes."""
@@ -107,8 +108,11 @@ class SessionPaths:
             if s.dtype != t.dtype or s.device != t.device:
                 continue
             same = t.shape == s.shape and t.stride() == s.stride()
-            prefix = (t.dim() == 1 == s.dim() and t.stride() == s.stride() == (1,)
-                      and t.numel() <= s.numel())
+            prefix = (
+                t.dim() == 1 == s.dim()
+                and t.stride() == s.stride() == (1,)
+                and t.numel() <= s.numel()
+            )
             view = (tuple(t.shape), tuple(t.stride()))
             if (same or prefix) and self.claimed.setdefault(path, view) == view:
                 return path
@@ -120,7 +124,9 @@ class SessionPaths:
             return None
         m = self.zero.shard_map()
         size = {p: v[0][0] for p, v in self.claimed.items() if len(v[0]) == 1}
-        arrays = {path: a for path, a in m["arrays"].items()
-                  if all(src in size and start + n <= size[src]
-                         for src, start, _, n in a["pieces"])}
+        arrays = {
+            path: a
+            for path, a in m["arrays"].items()
+            if all(src in size and start + n <= size[src] for src, start, _, n in a["pieces"])
+        }
         return {**m, "arrays": arrays} if arrays else None

@@ -56,15 +56,18 @@ class ChunkLane:
                     "raise budget_bytes (this run's arrays were created with larger chunks)"
                 )
             total = max(f.nbytes, 1)
-            slab = max(largest, self.min_slab_bytes,
-                       min(self.budget_bytes // 8, 4 * MiB, total // 4 + 1))
+            slab = max(
+                largest, self.min_slab_bytes, min(self.budget_bytes // 8, 4 * MiB, total // 4 + 1)
+            )
             slab = (slab + 63) // 64 * 64
             capacity = max(slab, min(self.budget_bytes, 2 * total + 2 * slab))
             pin = torch.cuda.is_available() and any(s.is_cuda for s in f.sources.values())
             self.cache = HostCache(capacity, slab, pin=pin)
         elif largest > self.cache.slab_bytes:
-            raise CaptureError(f"step {f.step}: a chunk of {largest} bytes exceeds the host "
-                               f"cache slab ({self.cache.slab_bytes} bytes); raise budget_bytes")
+            raise CaptureError(
+                f"step {f.step}: a chunk of {largest} bytes exceeds the host "
+                f"cache slab ({self.cache.slab_bytes} bytes); raise budget_bytes"
+            )
         return self.cache
 
     def _copy_chunks(self, f: Flight) -> None:

@@ -36,8 +36,14 @@ __all__ = ["Committer"]
 class Committer:
     """One thread committing staged steps in order."""
 
-    def __init__(self, *, book: SummaryBook | None, summaries_object: str,
-                 governor: EncodeGovernor | None, record: Callable[[Flight], None]) -> None:
+    def __init__(
+        self,
+        *,
+        book: SummaryBook | None,
+        summaries_object: str,
+        governor: EncodeGovernor | None,
+        record: Callable[[Flight], None],
+    ) -> None:
         self._book, self.summaries_object = book, summaries_object
         self._governor, self._record = governor, record
         self._pickled: set[str] = set()  # objects warned about (stored with pickle)
@@ -64,7 +70,10 @@ class Committer:
                 self._pickled.add(name)
                 warnings.warn(
                     f"object {name!r} is not plain data; storing it with pickle (reading it "
-                    "back needs trusted=True)", RuntimeWarning, stacklevel=2)
+                    "back needs trusted=True)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             f.txn.put_object(name, obj, encoding="pickle")
 
     @staticmethod
@@ -78,12 +87,20 @@ class Committer:
             return
         for d in f.txn.deferred:
             rec = objects.get(d.name)
-            if (rec is not None and rec.encoding == "pickle" and d.encoding != "pickle"
-                    and not isinstance(d.value, Encoded) and d.name not in self._pickled):
+            if (
+                rec is not None
+                and rec.encoding == "pickle"
+                and d.encoding != "pickle"
+                and not isinstance(d.value, Encoded)
+                and d.name not in self._pickled
+            ):
                 self._pickled.add(d.name)
                 warnings.warn(
                     f"object {d.name!r} is not plain data; storing it with pickle (reading "
-                    "it back needs trusted=True)", RuntimeWarning, stacklevel=2)
+                    "it back needs trusted=True)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     def _loop(self) -> None:
         while True:
@@ -142,8 +159,9 @@ class Committer:
         st = f.txn.stats
         if f.encode and not (st.deltas or st.dedups):
             return  # keyframes only (a first step, a new chain): says nothing about encoding
-        self._governor.observe(f.encode, f.cpu_s, max(0.0, f.wall_s - f.cpu_s) + commit_s,
-                               f.txn.bytes_written)
+        self._governor.observe(
+            f.encode, f.cpu_s, max(0.0, f.wall_s - f.cpu_s) + commit_s, f.txn.bytes_written
+        )
 
     def _summaries(self, f: Flight) -> dict[str, Any]:
         """Finish the write-time summaries of ``f`` (committer thread, in step order, so the

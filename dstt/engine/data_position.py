@@ -41,8 +41,14 @@ class TrackedData:
     repeat).
     """
 
-    def __init__(self, loader: Iterable[Any], position: DataPosition = DataPosition(), *,
-                 skip: int = 0, on_next: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        position: DataPosition = DataPosition(),
+        *,
+        skip: int = 0,
+        on_next: Callable[[], None] | None = None,
+    ) -> None:
         self.loader = loader
         self.position = position
         self._skip = skip
@@ -91,4 +97,3 @@ class TrackedData:
     def state(self) -> dict[str, int]:
         p = self.position
         return {"epoch": p.epoch, "batch": p.batch, "total": p.total}
-

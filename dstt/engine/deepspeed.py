@@ -68,8 +68,10 @@ _COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
 def is_deepspeed_engine(obj: Any) -> bool:
     """Whether ``obj`` is a ``deepspeed.DeepSpeedEngine`` (without importing deepspeed)."""
-    return any(c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed")
-               for c in type(obj).__mro__)
+    return any(
+        c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed")
+        for c in type(obj).__mro__
+    )
 
 
 class _EngineProvider:
@@ -89,17 +91,21 @@ class _EngineProvider:
         state = {
             "counters": {k: int(getattr(e, k, 0)) for k in _COUNTERS},
             "lr_scheduler": None if e.lr_scheduler is None else e.lr_scheduler.state_dict(),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                             for g in self.inner.param_groups],
-            "loss_scaler": None if scaler is None else {
-                k: v for k, v in vars(scaler).items() if isinstance(v, int | float | bool)},
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups
+            ],
+            "loss_scaler": None
+            if scaler is None
+            else {k: v for k, v in vars(scaler).items() if isinstance(v, int | float | bool)},
         }
         return {ENGINE_OBJECT: to_plain(state)}
 
     def restore(self, source: RestoreSource) -> None:
         if not source.has_object(ENGINE_OBJECT):
-            raise SchemaError(f"step {source.step} has no {ENGINE_OBJECT!r}; it was not "
-                              "written by a DeepSpeed session")
+            raise SchemaError(
+                f"step {source.step} has no {ENGINE_OBJECT!r}; it was not "
+                "written by a DeepSpeed session"
+            )
         state = from_plain(source.object(ENGINE_OBJECT))
         e = self.engine
         for k, v in state["counters"].items():
@@ -108,8 +114,10 @@ class _EngineProvider:
             e.lr_scheduler.load_state_dict(state["lr_scheduler"])
         groups = state["param_groups"]
         if len(groups) != len(self.inner.param_groups):
-            raise SchemaError(f"step {source.step} has {len(groups)} optimizer param groups, "
-                              f"the engine has {len(self.inner.param_groups)}")
+            raise SchemaError(
+                f"step {source.step} has {len(groups)} optimizer param groups, "
+                f"the engine has {len(self.inner.param_groups)}"
+            )
         for live, saved in zip(self.inner.param_groups, groups, strict=True):
             live.update(saved)
         scaler = getattr(e.optimizer, "loss_scaler", None)
@@ -138,15 +146,21 @@ class _MetaProvider:
             raise RankError(
                 f"step {source.step} was written with ZeRO stage {meta['stage']} and cannot be "
                 f"resumed with stage {self.stage} (ZeRO 1-3 restore into each other and into "
-                "any world size; stage 0 only into stage 0). Inspect it with dstt.open(run).")
+                "any world size; stage 0 only into stage 0). Inspect it with dstt.open(run)."
+            )
 
 
 class DeepSpeedState:
     """The providers of one rank of a DeepSpeed engine (see the module docstring)."""
 
-    def __init__(self, engine: Any, info: RankInfo, *,
-                 extra_state: Mapping[str, Stateful] | None = None,
-                 extra: Iterable[Any] = ()) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        info: RankInfo,
+        *,
+        extra_state: Mapping[str, Stateful] | None = None,
+        extra: Iterable[Any] = (),
+    ) -> None:
         self.engine, self.info = engine, info
         self.stage = int(engine.zero_optimization_stage())
         opt = engine.optimizer
@@ -158,28 +172,35 @@ class DeepSpeedState:
             if self.zero is None:
                 raise CaptureError(
                     f"ZeRO stage 0 with fp16/bf16 runs DeepSpeed's {type(opt).__name__}, whose "
-                    "master weights dstt does not capture yet; use ZeRO stage 1-3 (or fp32)")
-            raise CaptureError(f"the engine's optimizer {type(opt).__name__} wraps "
-                               f"{type(inner).__name__}, not a torch optimizer; dstt needs one "
-                               "to hook (pass a torch optimizer to deepspeed.initialize)")
+                    "master weights dstt does not capture yet; use ZeRO stage 1-3 (or fp32)"
+                )
+            raise CaptureError(
+                f"the engine's optimizer {type(opt).__name__} wraps "
+                f"{type(inner).__name__}, not a torch optimizer; dstt needs one "
+                "to hook (pass a torch optimizer to deepspeed.initialize)"
+            )
         self.inner: torch.optim.Optimizer = inner
         module = engine.module
         names = param_names(module)
         if self.zero is None:
             replicated: list[Any] = [
-                TensorProvider(lambda: {tensor_path("params", n): p
-                                        for n, p in module.named_parameters()}),
-                OptimizerStateProvider(inner, names)]
+                TensorProvider(
+                    lambda: {tensor_path("params", n): p for n, p in module.named_parameters()}
+                ),
+                OptimizerStateProvider(inner, names),
+            ]
         else:
             frozen = {n: p for n, p in module.named_parameters() if n not in self.zero.shapes}
             if frozen and self.stage == 3:
-                raise CaptureError(f"ZeRO-3 parameters outside the optimizer ({sorted(frozen)[:3]}"
-                                   "...) are not supported yet")
-            replicated = [TensorProvider({tensor_path("params", n): p
-                                          for n, p in frozen.items()})]
+                raise CaptureError(
+                    f"ZeRO-3 parameters outside the optimizer ({sorted(frozen)[:3]}"
+                    "...) are not supported yet"
+                )
+            replicated = [TensorProvider({tensor_path("params", n): p for n, p in frozen.items()})]
         buffers = TensorProvider(lambda: model_buffers(module), snapshot=True)
-        step = CompositeProvider([OwnedTensors(replicated, info),
-                                  OwnedTensors([buffers], info, rank0=True)])
+        step = CompositeProvider(
+            [OwnedTensors(replicated, info), OwnedTensors([buffers], info, rank0=True)]
+        )
         if self.zero is not None:
             step.add(self.zero)
         step.add(_MetaProvider(self.stage, info))
@@ -190,8 +211,11 @@ class DeepSpeedState:
         for name, obj in (extra_state or {}).items():
             if not isinstance(obj, Stateful):
                 raise TypeError(f"extra_state[{name!r}] needs state_dict() and load_state_dict()")
-            boundary.add(RankObject(f"extra/{name}", info, obj.state_dict,
-                                    obj.load_state_dict, always_suffix=True))
+            boundary.add(
+                RankObject(
+                    f"extra/{name}", info, obj.state_dict, obj.load_state_dict, always_suffix=True
+                )
+            )
         self.state = TorchState(step, boundary)
 
     def restore(self, source: RestoreSource) -> None:
@@ -213,8 +237,7 @@ class EngineStepHook:
     """Wraps ``engine.step`` of one engine instance: ``before()`` at entry, ``after()`` once a
     step was taken. ``remove()`` restores the class method."""
 
-    def __init__(self, engine: Any, before: Callable[[], None],
-                 after: Callable[[], None]) -> None:
+    def __init__(self, engine: Any, before: Callable[[], None], after: Callable[[], None]) -> None:
         self.engine = engine
         original = engine.step
 
@@ -234,8 +257,9 @@ class EngineStepHook:
             del self.engine.step
 
 
-def session_tensors(engine: Any, info: RankInfo) -> tuple[dict[str, torch.Tensor],
-                                                         ZeroState | None]:
+def session_tensors(
+    engine: Any, info: RankInfo
+) -> tuple[dict[str, torch.Tensor], ZeroState | None]:
     """Every live tensor a session on this rank would capture, by its array path — all of
     them, not the rank's share — and the ``ZeroState`` whose shard map names the ZeRO
     partitions (None at stage 0). The checkpoint engine names what it saves by these."""
@@ -248,8 +272,13 @@ def session_tensors(engine: Any, info: RankInfo) -> tuple[dict[str, torch.Tensor
         if isinstance(engine.optimizer, torch.optim.Optimizer):
             out.update(OptimizerStateProvider(engine.optimizer, param_names(module)).tensors())
     else:
-        out.update({tensor_path("params", n): p for n, p in module.named_parameters()
-                    if n not in zero.shapes})
+        out.update(
+            {
+                tensor_path("params", n): p
+                for n, p in module.named_parameters()
+                if n not in zero.shapes
+            }
+        )
         out.update(zero.tensors())
     return out, zero
 

@@ -35,8 +35,7 @@ from dstt.store import logical_of
 
 from .model_names import module_wrappers
 
-__all__ = ["DimsOf", "ModelDims", "array_dims", "fallback_dims", "model_dims",
-           "module_tensor_dims"]
+__all__ = ["DimsOf", "ModelDims", "array_dims", "fallback_dims", "model_dims", "module_tensor_dims"]
 
 #: store path -> shape of a step's arrays, to store path -> dimension names
 DimsOf = Callable[[Mapping[str, tuple[int, ...]]], Mapping[str, tuple[str, ...]]]
@@ -53,8 +52,9 @@ def _norm_dims(n: int) -> tuple[str, ...]:
     return ("normalized_shape",) if n == 1 else tuple(f"normalized_shape_{i}" for i in range(n))
 
 
-def module_tensor_dims(module: torch.nn.Module, name: str, ndim: int,
-                       shape: tuple[int, ...] | None = None) -> tuple[str, ...] | None:
+def module_tensor_dims(
+    module: torch.nn.Module, name: str, ndim: int, shape: tuple[int, ...] | None = None
+) -> tuple[str, ...] | None:
     """The dims of ``module``'s own tensor ``name`` (of ``ndim`` dims; ``shape``, when
     given, lets fused experts be told apart) by the module's type (None: unknown)."""
     nn = torch.nn
@@ -68,8 +68,11 @@ def module_tensor_dims(module: torch.nn.Module, name: str, ndim: int,
     elif isinstance(module, nn.modules.conv._ConvNd):  # noqa: SLF001 - torch: no public base
         k = _KERNEL.get(ndim - 2, ())
         if name == "weight" and k:
-            chans = (("in_channels", "out_channels") if module.transposed
-                     else ("out_channels", "in_channels"))
+            chans = (
+                ("in_channels", "out_channels")
+                if module.transposed
+                else ("out_channels", "in_channels")
+            )
             dims = (*chans, *k)
         elif name == "bias":
             dims = ("out_channels",)
@@ -84,8 +87,9 @@ def module_tensor_dims(module: torch.nn.Module, name: str, ndim: int,
     return dims if dims is not None and len(dims) == ndim else None
 
 
-def _by_class_name(module: torch.nn.Module, name: str, ndim: int,
-                   shape: tuple[int, ...] | None) -> tuple[str, ...] | None:
+def _by_class_name(
+    module: torch.nn.Module, name: str, ndim: int, shape: tuple[int, ...] | None
+) -> tuple[str, ...] | None:
     """Modules of libraries known by their class name (transformers', without importing it):
     ``*RMSNorm`` (``LlamaRMSNorm``, ``Qwen2RMSNorm``...) with a 1-d ``weight``; GPT-2's
     ``Conv1D``, whose weight is a Linear's transposed; fused MoE experts (``*Experts``: a
@@ -105,8 +109,14 @@ def _by_class_name(module: torch.nn.Module, name: str, ndim: int,
             transposed = getattr(module, "is_transposed", None)
             if transposed is None:
                 return ("expert", "dim1", "dim2")
-            return ("expert", *(("in_features", "out_features") if transposed
-                                else ("out_features", "in_features")))
+            return (
+                "expert",
+                *(
+                    ("in_features", "out_features")
+                    if transposed
+                    else ("out_features", "in_features")
+                ),
+            )
         return ("expert", *(f"dim{i}" for i in range(1, ndim)))
     return None
 
@@ -151,19 +161,24 @@ def _dotted(path: str) -> str:
     return path
 
 
-def array_dims(shapes: Mapping[str, tuple[int, ...]],
-               known: Mapping[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+def array_dims(
+    shapes: Mapping[str, tuple[int, ...]], known: Mapping[str, tuple[str, ...]]
+) -> dict[str, tuple[str, ...]]:
     """Dims of every array of a step (store path -> shape): by ``known`` (``model_dims``) for
     parameters, buffers and optimizer states of a parameter's shape, else
     :func:`fallback_dims`; then made consistent across the step by ``resolve_dims``."""
     named: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {}
-    param_shapes = {_dotted(p): s for p, s in shapes.items()
-                    if p.split("/")[0] in ("params", "buffers")}
+    param_shapes = {
+        _dotted(p): s for p, s in shapes.items() if p.split("/")[0] in ("params", "buffers")
+    }
     for path, shape in shapes.items():
         dotted = _dotted(path)
         dims = known.get(dotted) if len(shape) else ()
-        if dims is not None and path.startswith("optim/") and param_shapes.get(dotted,
-                                                                                shape) != shape:
+        if (
+            dims is not None
+            and path.startswith("optim/")
+            and param_shapes.get(dotted, shape) != shape
+        ):
             dims = None  # a factored or flattened state: not the parameter's dims
         if dims is None or len(dims) != len(shape):
             dims = fallback_dims(len(shape))

@@ -96,9 +96,15 @@ class DsttCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # deepspeed
     engine is kept alive); ``close()`` or ``engine.destroy()`` commits it at once.
     """
 
-    def __init__(self, config_params: Any = None, *,
-                 run: str | os.PathLike[str] | None = None, budget_bytes: int = 256 << 20,
-                 writers: int = 4, rank_timeout: float = DEFAULT_RANK_TIMEOUT) -> None:
+    def __init__(
+        self,
+        config_params: Any = None,
+        *,
+        run: str | os.PathLike[str] | None = None,
+        budget_bytes: int = 256 << 20,
+        writers: int = 4,
+        rank_timeout: float = DEFAULT_RANK_TIMEOUT,
+    ) -> None:
         super().__init__(config_params)
         self.name = "DsttCheckpointEngine"
         self.run = None if run is None else Path(run)
@@ -115,8 +121,9 @@ class DsttCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # deepspeed
         self._naming_failed = False
 
     @classmethod
-    def attach(cls, engine: Any, run: str | os.PathLike[str] | None = None,
-               **kw: Any) -> DsttCheckpointEngine:
+    def attach(
+        cls, engine: Any, run: str | os.PathLike[str] | None = None, **kw: Any
+    ) -> DsttCheckpointEngine:
         """Make ``engine`` save and load through a new ``DsttCheckpointEngine``."""
         old = getattr(engine, "checkpoint_engine", None)
         if old is not None and old.is_decoupled():
@@ -145,8 +152,11 @@ class DsttCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # deepspeed
             self.commit(self._pending.info)
         self._open(info.save_dir)
         assert self._rw is not None
-        step = int(self.engine.global_steps) if self.engine is not None else \
-            int(re.sub(r"\D", "", str(info.tag)) or 0)
+        step = (
+            int(self.engine.global_steps)
+            if self.engine is not None
+            else int(re.sub(r"\D", "", str(info.tag)) or 0)
+        )
         step = max(step, self._last_step + 1)
         self._last_step = step
         save = _Save(info, step, self._rw.writer.reader.current_timeline, names=self._names())
@@ -161,17 +171,23 @@ class DsttCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # deepspeed
         fid = segment(Path(path).name.removesuffix(".pt"), set())
         tensors: dict[str, torch.Tensor] = {}
         names = save.names
-        skeleton = flatten(state_dict, f"files/{fid}", tensors,
-                           None if names is None else names.place)
+        skeleton = flatten(
+            state_dict, f"files/{fid}", tensors, None if names is None else names.place
+        )
         if names is not None:  # a tensor in two files (or twice in one) is written once
             tensors = {p: t for p, t in tensors.items() if p not in names.staged}
             names.staged.update(tensors)
         f = pipe.stage(save.step, tensors, {f"files/{fid}": pickle.dumps(skeleton)})
         save.flights.append(f)
         assert self.run is not None
-        stub = {"dstt_checkpoint": STUB_FORMAT, "run": os.path.relpath(self.run, Path(path).parent),
-                "step": save.step, "timeline": save.timeline, "tag": str(save.info.tag),
-                "file": fid}
+        stub = {
+            "dstt_checkpoint": STUB_FORMAT,
+            "run": os.path.relpath(self.run, Path(path).parent),
+            "step": save.step,
+            "timeline": save.timeline,
+            "tag": str(save.info.tag),
+            "file": fid,
+        }
         tmp = f"{path}.tmp.{os.getpid()}"
         Path(tmp).write_text(json.dumps(stub))
         os.rename(tmp, path)  # made durable by the committer before the tag commits
@@ -187,8 +203,10 @@ class DsttCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # deepspeed
             pipe.wait_copied(f)
             races = pipe.check(f) if not f.dead else []
             if races and err is None:
-                err = RaceError(f"checkpoint {save.info.tag}: tensors were modified in place "
-                                "while being copied: " + ", ".join(r.path for r in races[:5]))
+                err = RaceError(
+                    f"checkpoint {save.info.tag}: tensors were modified in place "
+                    "while being copied: " + ", ".join(r.path for r in races[:5])
+                )
         save.total = len(save.flights) + 1
         shards = save.names.shard_map() if save.names is not None else None
         assert self._rw is not None
@@ -272,8 +290,10 @@ class DsttCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # deepspeed
             if done:
                 return
             if time.monotonic() > deadline:
-                raise RankError(f"rank 0 did not commit checkpoint {save.info.tag!r} within "
-                                f"{self.rank_timeout:.0f} s")
+                raise RankError(
+                    f"rank 0 did not commit checkpoint {save.info.tag!r} within "
+                    f"{self.rank_timeout:.0f} s"
+                )
             time.sleep(0.005)
 
     def close(self) -> None:
@@ -299,14 +319,18 @@ class DsttCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # deepspeed
             return
         save = self._pending
         if save is not None and not save.complete:
-            self._drop_pending("the process exited before save_checkpoint returned" if
-                               self.engine is not None else "the engine was not attached with "
-                               "DsttCheckpointEngine.attach and close() was not called")
+            self._drop_pending(
+                "the process exited before save_checkpoint returned"
+                if self.engine is not None
+                else "the engine was not attached with "
+                "DsttCheckpointEngine.attach and close() was not called"
+            )
         try:
             self.close()
         except BaseException as e:
-            sys.stderr.write(f"dstt: the last checkpoint may not be committed: "
-                             f"{type(e).__name__}: {e}\n")
+            sys.stderr.write(
+                f"dstt: the last checkpoint may not be committed: {type(e).__name__}: {e}\n"
+            )
             raise
 
     def _drop_pending(self, why: str) -> None:
@@ -333,9 +357,12 @@ class DsttCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # deepspeed
             return SessionPaths(*session_tensors(self.engine, self._rw.info))
         except Exception as e:  # naming is for inspection; the checkpoint must still save
             self._naming_failed = True
-            warnings.warn(f"dstt: checkpoint arrays keep DeepSpeed's file paths (the engine's "
-                          f"state could not be named: {type(e).__name__}: {e})",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"dstt: checkpoint arrays keep DeepSpeed's file paths (the engine's "
+                f"state could not be named: {type(e).__name__}: {e})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             return None
 
     def _open(self, save_dir: str) -> None:
@@ -344,16 +371,22 @@ class DsttCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # deepspeed
         if self.run is None:
             self.run = Path(save_dir) / "dstt"
         chunk = min(DEFAULT_CHUNK_BYTES, max(4096, self.budget_bytes // 4))
-        rw, head = open_ranks(self.run, dist_info(), resume=True, chunk_bytes=chunk,
-                              timeout=self.rank_timeout)
+        rw, head = open_ranks(
+            self.run, dist_info(), resume=True, chunk_bytes=chunk, timeout=self.rank_timeout
+        )
         self._last_step = int(head.step) if head is not None else -1
         rw.before_commit.append(self._make_stubs_durable)
         rw.after_commit.append(self._write_latest)
         self._rw = rw
         self._exit_pid = os.getpid()
         atexit.register(self._at_exit)
-        self._pipe = Pipeline(_TagWriter(rw, self._saves), budget_bytes=self.budget_bytes,
-                              writers=self.writers, summaries=False, min_slab_bytes=chunk)
+        self._pipe = Pipeline(
+            _TagWriter(rw, self._saves),
+            budget_bytes=self.budget_bytes,
+            writers=self.writers,
+            summaries=False,
+            min_slab_bytes=chunk,
+        )
 
     def _make_stubs_durable(self, txn: Any) -> None:
         """Committer thread, before this rank's part (or rank 0's commit): stubs durable."""
@@ -382,5 +415,6 @@ class DsttCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # deepspeed
         failed = pipe.take_errors() if pipe is not None else []
         if failed:
             f = failed[0]
-            raise CaptureError(f"checkpoint step {f.step} was not saved: "
-                               f"{type(f.error).__name__}: {f.error}") from f.error
+            raise CaptureError(
+                f"checkpoint step {f.step} was not saved: {type(f.error).__name__}: {f.error}"
+            ) from f.error

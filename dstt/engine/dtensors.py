@@ -24,8 +24,15 @@ from dstt.errors import SchemaError
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["RegionSource", "dtensor_class", "held_box", "is_dtensor", "local_view",
-           "restore_tensor", "stored_value"]
+__all__ = [
+    "RegionSource",
+    "dtensor_class",
+    "held_box",
+    "is_dtensor",
+    "local_view",
+    "restore_tensor",
+    "stored_value",
+]
 
 
 class RegionSource(Protocol):
@@ -35,8 +42,9 @@ class RegionSource(Protocol):
 
     def shape(self, path: str) -> tuple[int, ...]: ...
 
-    def region(self, path: str, offsets: tuple[int, ...],
-               sizes: tuple[int, ...]) -> torch.Tensor: ...
+    def region(
+        self, path: str, offsets: tuple[int, ...], sizes: tuple[int, ...]
+    ) -> torch.Tensor: ...
 
 
 def dtensor_class() -> type | None:
@@ -62,8 +70,7 @@ def held_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    sizes, offsets = compute_local_shape_and_global_offset(
-        t.shape, mesh, t.placements)
+    sizes, offsets = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
     if math.prod(sizes) == 0:
         return None
     return tuple(int(o) for o in offsets), tuple(int(n) for n in sizes)
@@ -78,8 +85,7 @@ def local_view(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def stored_value(source: RegionSource, path: str, like: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def stored_value(source: RegionSource, path: str, like: torch.Tensor | None = None) -> torch.Tensor:
     """The stored tensor ``path`` as ``like`` holds it: for a DTensor ``like`` of the same
     global shape, a DTensor of ``like``'s placements whose local tensor is read from the
     stored boxes (a reshard when they differ); else the whole tensor."""
@@ -87,16 +93,26 @@ def stored_value(source: RegionSource, path: str, like: torch.Tensor | None = No
         box = held_box(like)
         shape = tuple(like.shape)
         if tuple(source.shape(path)) != shape:
-            raise SchemaError(f"array {path!r} is stored with shape {source.shape(path)}, the "
-                              f"live tensor has {shape}")
+            raise SchemaError(
+                f"array {path!r} is stored with shape {source.shape(path)}, the "
+                f"live tensor has {shape}"
+            )
         # a rank that holds none of it (an empty shard) gets an empty local tensor
-        local = (source.region(path, *box) if box is not None
-                 else torch.empty_like(local_view(like), device="cpu"))
+        local = (
+            source.region(path, *box)
+            if box is not None
+            else torch.empty_like(local_view(like), device="cpu")
+        )
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(local.to(like.device), like.device_mesh,
-                                  like.placements, run_check=False,
-                                  shape=like.shape, stride=like.stride())
+        return DTensor.from_local(
+            local.to(like.device),
+            like.device_mesh,
+            like.placements,
+            run_check=False,
+            shape=like.shape,
+            stride=like.stride(),
+        )
     return source.array(path)
 
 
@@ -112,8 +128,10 @@ def restore_tensor(source: RegionSource, path: str, live: torch.Tensor) -> None:
         return
     stored_shape = tuple(source.shape(path))
     if stored_shape != tuple(live.shape):
-        raise SchemaError(f"array {path!r} is stored with shape {stored_shape}, the live tensor "
-                          f"has {tuple(live.shape)}")
+        raise SchemaError(
+            f"array {path!r} is stored with shape {stored_shape}, the live tensor "
+            f"has {tuple(live.shape)}"
+        )
     box = held_box(live)
     if box is None:
         return
@@ -126,5 +144,7 @@ def restore_tensor(source: RegionSource, path: str, live: torch.Tensor) -> None:
 
 def _check(dtype: torch.dtype, shape: tuple[int, ...], live: torch.Tensor, path: str) -> None:
     if dtype != live.dtype or shape != tuple(live.shape):
-        raise SchemaError(f"array {path!r} is stored as {dtype}{shape} but the live tensor is "
-                          f"{live.dtype}{tuple(live.shape)}")
+        raise SchemaError(
+            f"array {path!r} is stored as {dtype}{shape} but the live tensor is "
+            f"{live.dtype}{tuple(live.shape)}"
+        )

@@ -76,26 +76,37 @@ class FlatPlan:
     _views: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, writer: FlatStepWriter, tensors: Mapping[str, torch.Tensor],
-              dims: DimsOf | None = None) -> FlatPlan:
+    def build(
+        cls, writer: FlatStepWriter, tensors: Mapping[str, torch.Tensor], dims: DimsOf | None = None
+    ) -> FlatPlan:
         """``dims``: store path -> shape to dimension names (``dstt.engine.dims``)."""
         order = _order(list(tensors), tensors)
-        specs: list[Any] = [(p, store_dtype(tensors[p].dtype, what=f"tensor {p!r}"),
-                             tuple(tensors[p].shape)) for p in order]
+        specs: list[Any] = [
+            (p, store_dtype(tensors[p].dtype, what=f"tensor {p!r}"), tuple(tensors[p].shape))
+            for p in order
+        ]
         if dims is not None:
             names = dims({p: tuple(t.shape) for p, t in tensors.items()})
             specs = [(*s, names.get(s[0])) for s in specs]
         layout = writer.flat_layout(specs)
-        return cls(layout, order, [tensors[p].dtype for p in order],
-                   [tensors[p].shape for p in order], layout.nbytes,
-                   any(t.is_cuda for t in tensors.values()),
-                   [t.dtype for t in tensors.values()], [t.shape for t in tensors.values()])
+        return cls(
+            layout,
+            order,
+            [tensors[p].dtype for p in order],
+            [tensors[p].shape for p in order],
+            layout.nbytes,
+            any(t.is_cuda for t in tensors.values()),
+            [t.dtype for t in tensors.values()],
+            [t.shape for t in tensors.values()],
+        )
 
     def fits(self, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Whether ``tensors`` (the same paths in the same order) still match this plan."""
         values = tensors.values()  # Tensor.size through map: 4x cheaper than .shape
-        return (list(map(torch.Tensor.size, values)) == self.given_shapes
-                and list(map(_DTYPE, values)) == self.given_dtypes)
+        return (
+            list(map(torch.Tensor.size, values)) == self.given_shapes
+            and list(map(_DTYPE, values)) == self.given_dtypes
+        )
 
     def views(self, index: int, buf: torch.Tensor) -> list[torch.Tensor]:
         """Typed views of buffer ``index`` where each tensor is copied (cached per buffer)."""
@@ -103,7 +114,7 @@ class FlatPlan:
         if v is None:
             v = []
             for a, dt, shape in zip(self.layout.arrays, self.dtypes, self.shapes, strict=True):
-                v.append(buf[a.offset:a.offset + a.nbytes].view(dt).view(shape))
+                v.append(buf[a.offset : a.offset + a.nbytes].view(dt).view(shape))
             self._views[index] = v
         return v
 
@@ -115,22 +126,23 @@ class FlatPlan:
 class StepBuffers:
     """A fixed ring of whole-step host buffers (pinned when copying from CUDA)."""
 
-    def __init__(self, nbytes: int, count: int, *, pin: bool = False,
-                 memory: list[Any] | None = None) -> None:
+    def __init__(
+        self, nbytes: int, count: int, *, pin: bool = False, memory: list[Any] | None = None
+    ) -> None:
         """``memory``: ``count`` writable buffers of ``nbytes`` to use (the flusher's shared
         memory, zero-filled) instead of allocating."""
         if count < 1:
             raise ValueError("StepBuffers needs at least one buffer")
         self.nbytes, self.count, self.pinned = nbytes, count, pin
         if memory is not None:
-            self.buffers = [torch.frombuffer(m, dtype=torch.uint8, count=nbytes)
-                            for m in memory]
+            self.buffers = [torch.frombuffer(m, dtype=torch.uint8, count=nbytes) for m in memory]
             if pin:
                 self.pinned = all(_register_pinned(b) for b in self.buffers)
         else:
             # zeroed once: padding between tensors stays zero (the summaries scan across it)
-            self.buffers = [torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
-                            for _ in range(count)]
+            self.buffers = [
+                torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(count)
+            ]
         #: per buffer: the store's prebuilt zip images by start offset (``FlatImage``)
         self.images: list[dict[int, Any]] = [{} for _ in range(count)]
         self._free = list(range(count))

@@ -45,12 +45,18 @@ if TYPE_CHECKING:
 __all__ = ["FlatLane"]
 
 
-
 class FlatLane:
     """Plans, step buffers and the flusher of one pipeline's flat lane."""
 
-    def __init__(self, writer: StepWriter, *, budget_bytes: int, dims: DimsOf | None,
-                 flusher: bool, summarize: bool) -> None:
+    def __init__(
+        self,
+        writer: StepWriter,
+        *,
+        budget_bytes: int,
+        dims: DimsOf | None,
+        flusher: bool,
+        summarize: bool,
+    ) -> None:
         """``flusher``: write from a flusher process where it starts; ``summarize``: digest
         the parameters of every step (the write-time summaries). A ``writer`` that is no
         ``FlatStepWriter`` never gets a flat step (the pipeline checks)."""
@@ -98,16 +104,21 @@ class FlatLane:
                     self.flusher = Flusher(plan.nbytes, count)
                     memory = self.flusher.buffers
                 except (OSError, StorageError) as e:  # no memfd, no fork: writer threads
-                    warnings.warn(f"dstt: writing from threads, the flusher process could "
-                                  f"not start ({e})", RuntimeWarning, stacklevel=3)
+                    warnings.warn(
+                        f"dstt: writing from threads, the flusher process could not start ({e})",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
                     self.flusher = None
             self.steps = StepBuffers(plan.nbytes, count, pin=pin, memory=memory)
             if self.flusher is not None:
                 self.steps.on_pressure = self.flusher.urgent
                 # and commits there: the commit's Python off this process's GIL
                 # (DSTT_FLUSHER_COMMIT=0: commit in this process, e.g. to compare)
-                if (self.offloading is not None
-                        and os.environ.get("DSTT_FLUSHER_COMMIT", "1") != "0"):
+                if (
+                    self.offloading is not None
+                    and os.environ.get("DSTT_FLUSHER_COMMIT", "1") != "0"
+                ):
                     self.offloading.committer = self.flusher
         return self.steps
 
@@ -146,8 +157,7 @@ class FlatLane:
                     # the child is gone, maybe mid-write: the range is still this step's
                     # (the file is unpublished), write it again from here
                     self._flusher_lost()
-                    f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer],
-                                   start=start)
+                    f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer], start=start)
                     stats = digest(plan, buf.numpy()) if plan is not None else None
                 else:
                     im = self._image(layout, start)
@@ -155,8 +165,14 @@ class FlatLane:
                     # chunks become their bases: a copy each, ~15 µs per chunk); a step
                     # the governor wrote raw leaves the bases where they were (older
                     # committed chunks: deltas against them are as valid, if larger)
-                    f.txn.complete_flat(layout, im.offsets, im.sizes, crcs, directory,
-                                        buf.numpy() if f.keyframe else None)
+                    f.txn.complete_flat(
+                        layout,
+                        im.offsets,
+                        im.sizes,
+                        crcs,
+                        directory,
+                        buf.numpy() if f.keyframe else None,
+                    )
             else:
                 f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer])
                 stats = digest(plan, buf.numpy()) if plan is not None else None
@@ -178,8 +194,12 @@ class FlatLane:
         with self._lock:
             first, self._lost = not self._lost, True
         if first:
-            warnings.warn("dstt: the flusher process died; steps are written from threads "
-                          "from now on (no step was lost)", RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                "dstt: the flusher process died; steps are written from threads "
+                "from now on (no step was lost)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _image(self, layout: FlatLayout, start: int) -> FlatImage:
         """Where the entries of ``layout`` land when placed at ``start`` (no buffer)."""
@@ -195,6 +215,10 @@ class FlatLane:
         d = self._digests.get(id(plan))
         if d is None:
             d = self._digests[id(plan)] = flat_digest_plan(
-                [(a.path, a.dtype, a.offset, a.nbytes // a.plan.itemsize)
-                 for a in plan.layout.arrays if summarized(a.path)])
+                [
+                    (a.path, a.dtype, a.offset, a.nbytes // a.plan.itemsize)
+                    for a in plan.layout.arrays
+                    if summarized(a.path)
+                ]
+            )
         return d

@@ -57,8 +57,7 @@ class StepMetrics:
     raw_fallback: bool = False  # encoding skipped: the flush was behind (DeltaPolicy)
 
 
-def write_order(tensors: Mapping[str, Any],
-                predictions: Mapping[str, Prediction]) -> list[str]:
+def write_order(tensors: Mapping[str, Any], predictions: Mapping[str, Prediction]) -> list[str]:
     """Paths in capture order, except that an array comes after the arrays its prediction
     reads from the same step (chunks are copied, and with one writer written, in this order)."""
     done: set[str] = set()
@@ -68,7 +67,7 @@ def write_order(tensors: Mapping[str, Any],
         if path in done or path in seen:
             return
         pred = predictions.get(path)
-        for role, src in (pred.inputs if pred is not None else ()):
+        for role, src in pred.inputs if pred is not None else ():
             if role == CUR and src in tensors:
                 visit(src, (*seen, path))
         done.add(path)
@@ -83,8 +82,13 @@ def _encode_metrics(txn: Any) -> dict[str, Any]:  # noqa: ANN401 - a writer's or
     st = getattr(txn, "stats", None)
     if st is None:
         return {}
-    return {"written_bytes": txn.bytes_written, "keyframes": st.keyframes, "deltas": st.deltas,
-            "dedups": st.dedups, "raw_fallback": st.raw_fallback}
+    return {
+        "written_bytes": txn.bytes_written,
+        "keyframes": st.keyframes,
+        "deltas": st.deltas,
+        "dedups": st.dedups,
+        "raw_fallback": st.raw_fallback,
+    }
 
 
 class _Aborted(Exception):
@@ -94,10 +98,16 @@ class _Aborted(Exception):
 class Flight:
     """One staged step on its way to a commit."""
 
-    def __init__(self, step: int, tensors: Mapping[str, torch.Tensor],
-                 objects: Mapping[str, Any], verify: bool,
-                 predictions: Mapping[str, Prediction] | None = None, *,
-                 flat: FlatPlan | None = None) -> None:
+    def __init__(
+        self,
+        step: int,
+        tensors: Mapping[str, torch.Tensor],
+        objects: Mapping[str, Any],
+        verify: bool,
+        predictions: Mapping[str, Prediction] | None = None,
+        *,
+        flat: FlatPlan | None = None,
+    ) -> None:
         self.step = step
         #: the flat lane's plan (one batched copy into a whole-step buffer), or None for the
         #: chunk lane (``flatlane.py``)
@@ -108,9 +118,11 @@ class Flight:
         self.flat_stats: dict[str, Any] = {}
         self.sources: dict[str, torch.Tensor] = {}
         # hints for an encoding writer (none otherwise): each needs its whole group captured
-        self.predictions: dict[str, Prediction] = {
-            p: x for p, x in predictions.items() if all(g in tensors for g in x.group)
-        } if predictions else {}
+        self.predictions: dict[str, Prediction] = (
+            {p: x for p, x in predictions.items() if all(g in tensors for g in x.group)}
+            if predictions
+            else {}
+        )
         if flat is not None:  # the hot path: nothing per tensor but the version snapshot
             self.tensors = dict(tensors)
             self.specs: dict[str, TensorSpec] = {}
@@ -123,9 +135,9 @@ class Flight:
             for p, t in self.tensors.items():
                 self.sources[p] = flat_bytes(t if t.is_contiguous() else t.contiguous())
             self.nbytes = sum(s.numel() for s in self.sources.values())
-            self.guard = VersionGuard(self.tensors, {p: t.element_size()
-                                                     for p, t in self.tensors.items()},
-                                      verify=verify)
+            self.guard = VersionGuard(
+                self.tensors, {p: t.element_size() for p, t in self.tensors.items()}, verify=verify
+            )
             self.marks = Copier.mark(self.sources.values())
         self.objects = dict(objects)
         self.txn: Any = None
@@ -152,8 +164,13 @@ class Flight:
         self.keyframe = False  # written whole on request (Session.keyframe)
 
     def __repr__(self) -> str:
-        state = ("committed" if self.header is not None else
-                 f"failed: {self.error!r}" if self.error is not None else "in flight")
+        state = (
+            "committed"
+            if self.header is not None
+            else f"failed: {self.error!r}"
+            if self.error is not None
+            else "in flight"
+        )
         return f"<Flight step={self.step} {state}>"
 
     # -- state --------------------------------------------------------------------------

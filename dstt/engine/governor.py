@@ -65,9 +65,16 @@ class _Mode:
 class EncodeGovernor:
     """Thread-safe: ``decide`` on the training thread, ``observe`` on the committer."""
 
-    def __init__(self, writers: int, *, enabled: bool = True, retry_every: int = 8,
-                 cores: int | None = None, train_threads: int | None = None,
-                 window: int = 16) -> None:
+    def __init__(
+        self,
+        writers: int,
+        *,
+        enabled: bool = True,
+        retry_every: int = 8,
+        cores: int | None = None,
+        train_threads: int | None = None,
+        window: int = 16,
+    ) -> None:
         if cores is None:  # this machine, and until measured, training on torch's threads
             cores = os.cpu_count() or 1
             if train_threads is None:
@@ -112,8 +119,7 @@ class EncodeGovernor:
             enc, raw = self._seconds(self._enc), self._seconds(self._raw)
             if enc is None:  # measure encoding first: two steps (bases, then deltas), then
                 self._enc_probes += 1  # raw until measured (again every retry_every steps)
-                return (self._enc_probes <= 2
-                        or (self._enc_probes - 2) % self.retry_every == 0)
+                return self._enc_probes <= 2 or (self._enc_probes - 2) % self.retry_every == 0
             if raw is None:  # then one raw step to compare with (commits lag behind stages:
                 first = not self._raw_probe  # probe once, encode until it is measured)
                 self._raw_probe = True
@@ -128,8 +134,9 @@ class EncodeGovernor:
                 return not best
             return best
 
-    def observe(self, encoded: bool, writer_cpu_s: float, wait_s: float,
-                written_bytes: int) -> None:
+    def observe(
+        self, encoded: bool, writer_cpu_s: float, wait_s: float, written_bytes: int
+    ) -> None:
         """After a step committed: its writer CPU, the seconds it waited for the disk, and
         the bytes it wrote."""
         with self._mu:

@@ -26,8 +26,16 @@ if TYPE_CHECKING:
 
     from .providers import RestoreSource
 
-__all__ = ["CONFIG_OBJECT", "TIED_OBJECT", "ModelInfoProvider", "canonical_names",
-           "model_config", "module_wrappers", "param_names", "tied_names"]
+__all__ = [
+    "CONFIG_OBJECT",
+    "TIED_OBJECT",
+    "ModelInfoProvider",
+    "canonical_names",
+    "model_config",
+    "module_wrappers",
+    "param_names",
+    "tied_names",
+]
 
 
 def module_wrappers(model: torch.nn.Module) -> frozenset[str]:
@@ -35,8 +43,9 @@ def module_wrappers(model: torch.nn.Module) -> frozenset[str]:
     ``module`` child is a wrapper, not part of the model's names."""
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-    return frozenset(n for n, m in model.named_modules()
-                     if isinstance(m, DistributedDataParallel | DataParallel))
+    return frozenset(
+        n for n, m in model.named_modules() if isinstance(m, DistributedDataParallel | DataParallel)
+    )
 
 
 def canonical_names(model: torch.nn.Module, names: Iterable[str]) -> dict[str, str]:
@@ -48,8 +57,10 @@ def canonical_names(model: torch.nn.Module, names: Iterable[str]) -> dict[str, s
         seen: dict[str, str] = {}
         for raw, c in out.items():
             if c in seen:
-                raise SchemaError(f"tensors {seen[c]!r} and {raw!r} both have the name {c!r} "
-                                  "once wrapper prefixes are dropped; rename one of them")
+                raise SchemaError(
+                    f"tensors {seen[c]!r} and {raw!r} both have the name {c!r} "
+                    "once wrapper prefixes are dropped; rename one of them"
+                )
             seen[c] = raw
     return out
 

@@ -31,8 +31,12 @@ from .dtensors import stored_value
 from .predictions import optimizer_predictions
 from .providers import ObjectProvider, RestoreSource
 
-__all__ = ["OptimizerStateProvider", "optimizer_groups_provider", "optimizer_object",
-           "optimizers_of"]
+__all__ = [
+    "OptimizerStateProvider",
+    "optimizer_groups_provider",
+    "optimizer_object",
+    "optimizers_of",
+]
 
 
 _VALUES = operator.methodcaller("values")  # any mapping's, not only a dict's
@@ -45,8 +49,9 @@ class OptimizerStateProvider:
     #: ``tensors()`` returns a new mapping whenever the state's tensors changed
     stable = True
 
-    def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[int, str],
-                 key: str = "") -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, names: Mapping[int, str], key: str = ""
+    ) -> None:
         self.optimizer = optimizer
         #: the object's name: ``optim/state``, or ``optim/state/<key>`` for one of several
         #: optimizers (their arrays need no key: each holds other parameters)
@@ -89,16 +94,22 @@ class OptimizerStateProvider:
         # (``Tensor.__hash__`` is a Python function): done only when the state's keys or dict
         # objects changed, read back from ``state`` itself, which iterates without hashing
         owners, dicts = list(state), list(state.values())
-        if not (self._looked_up is plist and len(owners) == len(self._owners)
-                and all(map(operator.is_, owners, self._owners))
-                and all(map(operator.is_, dicts, self._dicts))):
+        if not (
+            self._looked_up is plist
+            and len(owners) == len(self._owners)
+            and all(map(operator.is_, owners, self._owners))
+            and all(map(operator.is_, dicts, self._dicts))
+        ):
             self._owners, self._dicts, self._looked_up = owners, dicts, plist
             self._per_param = list(map(state.get, self._plist_params))
         sts = list(filter(None, self._per_param))  # a dict filled since counts now
         keys = list(itertools.chain.from_iterable(sts))
         values = list(itertools.chain.from_iterable(map(_VALUES, sts)))
-        if (keys == self._sig_keys and len(values) == len(self._sig_values)
-                and all(map(operator.is_, values, self._sig_values))):
+        if (
+            keys == self._sig_keys
+            and len(values) == len(self._sig_values)
+            and all(map(operator.is_, values, self._sig_values))
+        ):
             return None
         self._sig_keys, self._sig_values = keys, values
         return [(name, st) for p, name in self._plist if (st := state.get(p))]
@@ -108,9 +119,12 @@ class OptimizerStateProvider:
         items = self._changed()
         if items is not None:
             self._object = None
-            self._tensors = {tensor_path(f"optim/{key}", name): v
-                             for name, st in items for key, v in st.items()
-                             if isinstance(v, torch.Tensor)}
+            self._tensors = {
+                tensor_path(f"optim/{key}", name): v
+                for name, st in items
+                for key, v in st.items()
+                if isinstance(v, torch.Tensor)
+            }
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         """Every tensor of the state (0-d step counters included: the engine copies them
@@ -146,8 +160,10 @@ class OptimizerStateProvider:
                 continue
             values = {k: to_plain(v) for k, v in st.items() if not isinstance(v, torch.Tensor)}
             plain = plain or bool(values)
-            state[name] = {"arrays": [k for k, v in st.items() if isinstance(v, torch.Tensor)],
-                           "values": values}
+            state[name] = {
+                "arrays": [k for k, v in st.items() if isinstance(v, torch.Tensor)],
+                "values": values,
+            }
         obj = {"format": 2, "params": state}
         if not plain:  # nothing to snapshot: encoded once, reused while the structure holds
             self._object = Encoded.of(obj)
@@ -202,18 +218,21 @@ def optimizers_of(optimizer: Any) -> dict[str, torch.optim.Optimizer]:
     elif isinstance(optimizer, list | tuple):
         items = [(str(i), o) for i, o in enumerate(optimizer)]
     else:
-        raise ConfigError(f"optimizer must be a torch.optim.Optimizer, a list of them or a dict "
-                          f"of them, not {type(optimizer).__name__}")
+        raise ConfigError(
+            f"optimizer must be a torch.optim.Optimizer, a list of them or a dict "
+            f"of them, not {type(optimizer).__name__}"
+        )
     if not items:
         raise ConfigError("the list or dict of optimizers is empty")
     out: dict[str, torch.optim.Optimizer] = {}
     for key, opt in items:
         if not isinstance(key, str) or not key or "/" in key:
-            raise ConfigError(f"optimizer keys must be non-empty strings without '/', not "
-                              f"{key!r}")
+            raise ConfigError(f"optimizer keys must be non-empty strings without '/', not {key!r}")
         if not isinstance(opt, torch.optim.Optimizer):
-            raise ConfigError(f"optimizer {key!r} is a {type(opt).__name__}, not a "
-                              "torch.optim.Optimizer (unwrap framework wrappers first)")
+            raise ConfigError(
+                f"optimizer {key!r} is a {type(opt).__name__}, not a "
+                "torch.optim.Optimizer (unwrap framework wrappers first)"
+            )
         out[key] = opt
     if len(out) == 1:
         return {"": next(iter(out.values()))}
@@ -222,13 +241,16 @@ def optimizers_of(optimizer: Any) -> dict[str, torch.optim.Optimizer]:
         for g in opt.param_groups:
             for p in g["params"]:
                 if seen.setdefault(id(p), key) != key:
-                    raise ConfigError(f"optimizers {seen[id(p)]!r} and {key!r} hold the same "
-                                      "parameter; each parameter needs one optimizer")
+                    raise ConfigError(
+                        f"optimizers {seen[id(p)]!r} and {key!r} hold the same "
+                        "parameter; each parameter needs one optimizer"
+                    )
     return out
 
 
-def optimizer_groups_provider(optimizer: torch.optim.Optimizer,
-                              names: Mapping[int, str], key: str = "") -> ObjectProvider:
+def optimizer_groups_provider(
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], key: str = ""
+) -> ObjectProvider:
     """Hyperparameters of every param group (lr, betas, weight decay, ...) as one object.
     A group's parameter names are listed again only when its parameters changed (checked
     with a C-level map): no Python line per parameter at each step."""
@@ -237,27 +259,34 @@ def optimizer_groups_provider(optimizer: torch.optim.Optimizer,
     def group_names(group: Mapping[str, Any], gi: int) -> list[str]:
         params = group["params"]
         hit = named.get(gi)
-        if hit is not None and len(hit[0]) == len(params) and all(
-                map(operator.is_, hit[0], params)):
+        if (
+            hit is not None
+            and len(hit[0]) == len(params)
+            and all(map(operator.is_, hit[0], params))
+        ):
             return hit[1]
         out = [names.get(id(p), f"unnamed.group{gi}.param{pi}") for pi, p in enumerate(params)]
         named[gi] = (list(params), out)
         return out
 
     def get() -> list[dict[str, Any]]:
-        return [{**{k: v for k, v in g.items() if k != "params"},
-                 "params": list(group_names(g, gi))}
-                for gi, g in enumerate(optimizer.param_groups)]
+        return [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": list(group_names(g, gi))}
+            for gi, g in enumerate(optimizer.param_groups)
+        ]
 
     def set(groups: list[dict[str, Any]]) -> None:
         live = optimizer.param_groups
         if len(groups) != len(live):
-            raise SchemaError(f"stored optimizer has {len(groups)} param groups, the live one "
-                              f"has {len(live)}")
+            raise SchemaError(
+                f"stored optimizer has {len(groups)} param groups, the live one has {len(live)}"
+            )
         for gi, (g, saved) in enumerate(zip(live, groups, strict=True)):
             if list(saved["params"]) != group_names(g, gi):
-                raise SchemaError(f"param group {gi} holds different parameters than the stored "
-                                  "one; was the run written by a different model/optimizer?")
+                raise SchemaError(
+                    f"param group {gi} holds different parameters than the stored "
+                    "one; was the run written by a different model/optimizer?"
+                )
             for k, v in saved.items():
                 if k != "params":
                     g[k] = v

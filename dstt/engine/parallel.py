@@ -48,10 +48,17 @@ __all__ = ["ParallelState"]
 class ParallelState:
     """The providers of one rank of a PyTorch-native parallel trainer (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any,
-                 info: RankInfo, channel: RankChannel, *, scheduler: Any = None,
-                 extra_state: Mapping[str, Stateful] | None = None,
-                 extra: Iterable[StateProvider] = ()) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        info: RankInfo,
+        channel: RankChannel,
+        *,
+        scheduler: Any = None,
+        extra_state: Mapping[str, Stateful] | None = None,
+        extra: Iterable[StateProvider] = (),
+    ) -> None:
         self.info = info
         names = param_names(model)
         optimizers = optimizers_of(optimizer)
@@ -59,8 +66,13 @@ class ParallelState:
         logical += [OptimizerStateProvider(opt, names, key) for key, opt in optimizers.items()]
         self.share = RankShare(CompositeProvider(logical), info, channel)
         buffers = TensorProvider(ModelTensors(model, buffers=True), snapshot=True)
-        step = CompositeProvider([self.share, OwnedTensors([buffers], info, rank0=True),
-                                  RankZeroObjects(ModelInfoProvider(model), info)])
+        step = CompositeProvider(
+            [
+                self.share,
+                OwnedTensors([buffers], info, rank0=True),
+                RankZeroObjects(ModelInfoProvider(model), info),
+            ]
+        )
         for p in extra:
             step.add(p)
         step.add(rng_provider(info))  # last: restoring it is the final word on RNG
@@ -72,6 +84,9 @@ class ParallelState:
         for name, obj in (extra_state or {}).items():
             if not isinstance(obj, Stateful):
                 raise TypeError(f"extra_state[{name!r}] needs state_dict() and load_state_dict()")
-            boundary.add(RankObject(f"extra/{name}", info, obj.state_dict, obj.load_state_dict,
-                                    required=True))
+            boundary.add(
+                RankObject(
+                    f"extra/{name}", info, obj.state_dict, obj.load_state_dict, required=True
+                )
+            )
         self.state = TorchState(step, boundary)

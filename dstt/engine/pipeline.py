@@ -72,11 +72,21 @@ METRICS_KEPT = 100_000  # per-step metrics kept in memory (the newest)
 class Pipeline(ChunkLane):
     """Copies staged steps into a fixed host cache and flushes them to a store ``Writer``."""
 
-    def __init__(self, writer: StepWriter, *, budget_bytes: int, writers: int = 4,
-                 verify: bool = False, max_backlog: int = 16,
-                 summaries: bool = True, summaries_object: str = SUMMARIES_OBJECT,
-                 min_slab_bytes: int = 0, flusher: bool | None = None,
-                 copy: str = "async", dims: DimsOf | None = None) -> None:
+    def __init__(
+        self,
+        writer: StepWriter,
+        *,
+        budget_bytes: int,
+        writers: int = 4,
+        verify: bool = False,
+        max_backlog: int = 16,
+        summaries: bool = True,
+        summaries_object: str = SUMMARIES_OBJECT,
+        min_slab_bytes: int = 0,
+        flusher: bool | None = None,
+        copy: str = "async",
+        dims: DimsOf | None = None,
+    ) -> None:
         """``flusher``: write flat steps from a child process (``store/flusher/parent.py``): None
         (default) where the storage is local files and the platform allows, ``False``
         never (writer threads), ``True`` always where possible. ``dims`` names the
@@ -106,10 +116,19 @@ class Pipeline(ChunkLane):
         self.copy = copy
         if flusher is None:  # DSTT_FLUSHER=0 turns it off without touching the code
             flusher = os.environ.get("DSTT_FLUSHER", "1") != "0"
-        self._want_flusher = (flusher and flusher_supported() and isinstance(writer, StoredWriter)
-                              and isinstance(writer.storage, LocalStorage))
-        self.flat = FlatLane(writer, budget_bytes=budget_bytes, dims=dims,
-                             flusher=self._want_flusher, summarize=summaries)
+        self._want_flusher = (
+            flusher
+            and flusher_supported()
+            and isinstance(writer, StoredWriter)
+            and isinstance(writer.storage, LocalStorage)
+        )
+        self.flat = FlatLane(
+            writer,
+            budget_bytes=budget_bytes,
+            dims=dims,
+            flusher=self._want_flusher,
+            summarize=summaries,
+        )
         self._copier = Copier()
         self._flights: list[Flight] = []
         self._lock = threading.Lock()
@@ -121,19 +140,29 @@ class Pipeline(ChunkLane):
         #: the writer's delta encoder (None: it never encodes), fixed for its life
         self._encoder = writer.encoder if isinstance(writer, EncodingWriter) else None
         enc = self._encoder
-        self._governor = (EncodeGovernor(max(1, writers), enabled=enc.policy.raw_when_busy,
-                                         retry_every=enc.policy.retry_every)
-                          if enc is not None else None)
+        self._governor = (
+            EncodeGovernor(
+                max(1, writers),
+                enabled=enc.policy.raw_when_busy,
+                retry_every=enc.policy.retry_every,
+            )
+            if enc is not None
+            else None
+        )
         self._copy_thread = self._spawn(self._copy_loop, "dstt-copy")
-        self._committer = Committer(book=self._book, summaries_object=summaries_object,
-                                    governor=self._governor, record=self._record)
+        self._committer = Committer(
+            book=self._book,
+            summaries_object=summaries_object,
+            governor=self._governor,
+            record=self._record,
+        )
         # with the flusher, a writer thread mostly waits for the child: two of them keep two
         # steps in the child, one being checksummed while the disk takes the other (not
         # for an encoding writer: predictions need their inputs written first, in order)
-        n_writers = max(1, writers, 2 if self._want_flusher and self._flat_ok
-                        and self._encoder is None else 1)
-        self._writers = [self._spawn(self._write_loop, f"dstt-write-{i}")
-                         for i in range(n_writers)]
+        n_writers = max(
+            1, writers, 2 if self._want_flusher and self._flat_ok and self._encoder is None else 1
+        )
+        self._writers = [self._spawn(self._write_loop, f"dstt-write-{i}") for i in range(n_writers)]
 
     @property
     def steps(self) -> StepBuffers | None:
@@ -152,10 +181,17 @@ class Pipeline(ChunkLane):
         return t
 
     # -- training thread ----------------------------------------------------------------
-    def stage(self, step: int, tensors: Mapping[str, torch.Tensor],
-              objects: Mapping[str, Any],
-              predictions: Mapping[str, Prediction] | Callable[[], Mapping[str, Prediction]]
-              | None = None, *, keyframe: bool = False) -> Flight:
+    def stage(
+        self,
+        step: int,
+        tensors: Mapping[str, torch.Tensor],
+        objects: Mapping[str, Any],
+        predictions: Mapping[str, Prediction]
+        | Callable[[], Mapping[str, Prediction]]
+        | None = None,
+        *,
+        keyframe: bool = False,
+    ) -> Flight:
         """Start capturing ``step``; returns at once (copies run in the background).
         ``predictions``: encoding hints for the store (used when the writer encodes; a
         callable is called, now, only for a step that will be encoded);
@@ -177,8 +213,9 @@ class Pipeline(ChunkLane):
             index, waited = steps.acquire()
             try:
                 with torch.no_grad():
-                    torch._foreach_copy_(plan.views(index, steps.buffers[index]),
-                                         plan.sources(f.tensors))
+                    torch._foreach_copy_(
+                        plan.views(index, steps.buffers[index]), plan.sources(f.tensors)
+                    )
             except BaseException:
                 steps.release(index)
                 raise
@@ -190,7 +227,8 @@ class Pipeline(ChunkLane):
             f.backlog = len(live)
             self._flights = [x for x in self._flights if not x.done.is_set()] + [f]
         f.cache_bytes = (self.cache.leased_bytes if self.cache else 0) + (
-            self.steps.in_use * self.steps.nbytes if self.steps else 0)
+            self.steps.in_use * self.steps.nbytes if self.steps else 0
+        )
         f.encode = encode
         f.keyframe = keyframe
         self._copy_q.put(f)
@@ -242,8 +280,9 @@ class Pipeline(ChunkLane):
         """Declare ``f`` clean and complete; it commits once its writes are done."""
         f.seal(objects)
 
-    def abort(self, f: Flight, error: BaseException | None = None, *,
-              reported: bool = True) -> None:
+    def abort(
+        self, f: Flight, error: BaseException | None = None, *, reported: bool = True
+    ) -> None:
         """Drop ``f``: it will never be committed."""
         f.fail(error or _Aborted(f"step {f.step} dropped"), reported=reported)
 
@@ -322,11 +361,17 @@ class Pipeline(ChunkLane):
         f.txn.keyframe = f.keyframe
         if f.predictions and self._encoder is not None:
             f.txn.predict(f.predictions)
-        names = (self.dims({p: s.shape for p, s in f.specs.items()})
-                 if self.dims is not None and f.specs else None)
+        names = (
+            self.dims({p: s.shape for p, s in f.specs.items()})
+            if self.dims is not None and f.specs
+            else None
+        )
         for path, spec in f.specs.items():  # (none in the flat lane)
-            f.plans[path] = (f.txn.declare(path, spec.dtype, spec.shape) if names is None
-                             else f.txn.declare(path, spec.dtype, spec.shape, names.get(path)))
+            f.plans[path] = (
+                f.txn.declare(path, spec.dtype, spec.shape)
+                if names is None
+                else f.txn.declare(path, spec.dtype, spec.shape, names.get(path))
+            )
         if f.flat is not None:  # stored with the commit (maybe by the flusher process)
             for name, obj in f.objects.items():
                 f.txn.defer_object(name, obj, or_pickle=True)
@@ -388,11 +433,17 @@ class Pipeline(ChunkLane):
         now = time.perf_counter()
         cache = self.cache
         m = StepMetrics(
-            step=f.step, committed=f.header is not None, bytes=f.nbytes,
-            blocked_s=f.blocked_s, copy_s=f.t_copied - f.t_stage, stall_s=f.stall_s,
-            flush_s=now - f.t_stage, cache_bytes=f.cache_bytes,
+            step=f.step,
+            committed=f.header is not None,
+            bytes=f.nbytes,
+            blocked_s=f.blocked_s,
+            copy_s=f.t_copied - f.t_stage,
+            stall_s=f.stall_s,
+            flush_s=now - f.t_stage,
+            cache_bytes=f.cache_bytes,
             cache_peak_bytes=cache.peak_bytes if cache else 0,
-            cache_capacity=cache.capacity if cache else 0, backlog=f.backlog,
+            cache_capacity=cache.capacity if cache else 0,
+            backlog=f.backlog,
             error=None if f.error is None else f"{type(f.error).__name__}: {f.error}",
             writer_cpu_s=f.cpu_s,
             **_encode_metrics(f.txn),

@@ -28,8 +28,9 @@ Params = Iterable[tuple[torch.Tensor, str]]
 PathOf = Callable[[str, str], str]
 
 
-def optimizer_predictions(optimizer: torch.optim.Optimizer, params: Params,
-                          path: PathOf) -> Mapping[str, Prediction]:
+def optimizer_predictions(
+    optimizer: torch.optim.Optimizer, params: Params, path: PathOf
+) -> Mapping[str, Prediction]:
     """Predictions for the optimizers this module knows (none for the others)."""
     if isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
         return adam_state_predictions(optimizer, params, path)
@@ -51,12 +52,16 @@ def _host_float(v: Any) -> float | None:  # noqa: ANN401 - a logged value of any
 
 def _fp32(*ts: Any) -> bool:
     first = ts[0]
-    return all(isinstance(t, torch.Tensor) and t.dtype == torch.float32
-               and t.shape == first.shape for t in ts)
+    return all(
+        isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == first.shape
+        for t in ts
+    )
 
 
-def _stepped(optimizer: torch.optim.Optimizer, params: Params,
-             ) -> Iterator[tuple[torch.Tensor, str, Mapping[str, Any], Mapping[str, Any]]]:
+def _stepped(
+    optimizer: torch.optim.Optimizer,
+    params: Params,
+) -> Iterator[tuple[torch.Tensor, str, Mapping[str, Any], Mapping[str, Any]]]:
     """(parameter, name, its param group, its state) for parameters that have state."""
     groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     for p, name in params:
@@ -66,8 +71,9 @@ def _stepped(optimizer: torch.optim.Optimizer, params: Params,
             yield p, name, g, st
 
 
-def adam_state_predictions(optimizer: torch.optim.Optimizer, params: Params,
-                           path: PathOf) -> Mapping[str, Prediction]:
+def adam_state_predictions(
+    optimizer: torch.optim.Optimizer, params: Params, path: PathOf
+) -> Mapping[str, Prediction]:
     """Predictions for every float32 parameter of a torch ``Adam``/``AdamW`` (no amsgrad);
     ``path(prefix, dotted name)`` gives array paths (``params``, ``optim/exp_avg``, ...)."""
     if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
@@ -84,17 +90,26 @@ def adam_state_predictions(optimizer: torch.optim.Optimizer, params: Params,
         eps, wd = _host_float(g.get("eps")), _host_float(g.get("weight_decay", 0.0))
         if lr is None or step is None or b1 is None or b2 is None or eps is None or wd is None:
             continue
-        decoupled = bool(g.get("decoupled_weight_decay",
-                               isinstance(optimizer, torch.optim.AdamW)))
-        out.update(adam_predictions(
-            param=path("params", name), exp_avg=path("optim/exp_avg", name),
-            exp_avg_sq=path("optim/exp_avg_sq", name), lr=lr, betas=(b1, b2), eps=eps,
-            weight_decay=wd, decoupled=decoupled, step=step))
+        decoupled = bool(g.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+        out.update(
+            adam_predictions(
+                param=path("params", name),
+                exp_avg=path("optim/exp_avg", name),
+                exp_avg_sq=path("optim/exp_avg_sq", name),
+                lr=lr,
+                betas=(b1, b2),
+                eps=eps,
+                weight_decay=wd,
+                decoupled=decoupled,
+                step=step,
+            )
+        )
     return out
 
 
-def sgd_state_predictions(optimizer: torch.optim.Optimizer, params: Params,
-                          path: PathOf) -> Mapping[str, Prediction]:
+def sgd_state_predictions(
+    optimizer: torch.optim.Optimizer, params: Params, path: PathOf
+) -> Mapping[str, Prediction]:
     """Predictions for every float32 parameter of a torch ``SGD`` with momentum, not Nesterov
     (whose update also needs the gradient, which is not captured)."""
     if not isinstance(optimizer, torch.optim.SGD):
@@ -107,6 +122,11 @@ def sgd_state_predictions(optimizer: torch.optim.Optimizer, params: Params,
         lr = _host_float(g.get("lr"))
         if lr is None or not _fp32(p, buf):
             continue
-        out.update(sgd_predictions(param=path("params", name),
-                                   momentum_buffer=path("optim/momentum_buffer", name), lr=lr))
+        out.update(
+            sgd_predictions(
+                param=path("params", name),
+                momentum_buffer=path("optim/momentum_buffer", name),
+                lr=lr,
+            )
+        )
     return out

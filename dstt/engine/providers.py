@@ -85,8 +85,7 @@ class RestoreSource(Protocol):
         """The stored tensor's (logical) shape."""
         ...
 
-    def region(self, path: str, offsets: tuple[int, ...],
-               sizes: tuple[int, ...]) -> torch.Tensor:
+    def region(self, path: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The box ``offsets``/``sizes`` of the stored tensor (a rank's local shard)."""
         ...
 
@@ -129,8 +128,7 @@ class TensorProvider:
     #: ``tensors()`` returns a new mapping whenever any tensor in it changed
     stable = True
 
-    def __init__(self, tensors: TensorsArg, *, strict: bool = True,
-                 snapshot: bool = False) -> None:
+    def __init__(self, tensors: TensorsArg, *, strict: bool = True, snapshot: bool = False) -> None:
         self._get = tensors if callable(tensors) else (lambda: tensors)
         self.strict = strict
         self.snapshot = snapshot
@@ -199,8 +197,14 @@ class ObjectProvider:
 
     stable = True  # (its tensors: always none)
 
-    def __init__(self, name: str, get: Callable[[], Any],
-                 set: Callable[[Any], None] | None = None, *, required: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        get: Callable[[], Any],
+        set: Callable[[Any], None] | None = None,
+        *,
+        required: bool = True,
+    ) -> None:
         self.name = name
         self._get = get
         self._set = set
@@ -232,9 +236,17 @@ class RankObject(ObjectProvider):
     0's when ``fallback``. ``required``: a step holding none of them is a ``SchemaError``.
     ``always_suffix``: ``<name>/r<rank>`` in a one-rank session too (DeepSpeed's naming)."""
 
-    def __init__(self, name: str, info: RankInfo, get: Callable[[], Any],
-                 set: Callable[[Any], None] | None, *, fallback: bool = True,
-                 required: bool = False, always_suffix: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        info: RankInfo,
+        get: Callable[[], Any],
+        set: Callable[[Any], None] | None,
+        *,
+        fallback: bool = True,
+        required: bool = False,
+        always_suffix: bool = False,
+    ) -> None:
         own = f"{name}/r{info.rank}" if info.world > 1 or always_suffix else name
         super().__init__(own, get, set, required=required)
         self.base, self.fallback = name, fallback
@@ -277,21 +289,27 @@ class CompositeProvider:
     def capture(self) -> tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]:
         """``(tensors(), objects())`` at once: a provider with a ``capture`` method of its
         own (the optimizer state's) looks at its state once, not twice."""
-        both = [p.capture() if hasattr(p, "capture") else (p.tensors(), p.objects())
-                for p in self.providers]
-        return (self._merge_tensors([t for t, _ in both]),
-                self._merge_objects([o for _, o in both]))
+        both = [
+            p.capture() if hasattr(p, "capture") else (p.tensors(), p.objects())
+            for p in self.providers
+        ]
+        return (
+            self._merge_tensors([t for t, _ in both]),
+            self._merge_objects([o for _, o in both]),
+        )
 
-    def _merge_tensors(self, got: list[Mapping[str, torch.Tensor]]
-                       ) -> Mapping[str, torch.Tensor]:
+    def _merge_tensors(self, got: list[Mapping[str, torch.Tensor]]) -> Mapping[str, torch.Tensor]:
         """The providers' tensors as one mapping. Where every provider is ``stable`` (it
         returns a new mapping whenever anything in it changed: the built-in ones) and each
         returned the same (or an empty) mapping again, it is last call's mapping, not
         merged again tensor by tensor; a provider without the promise (one that may refill
         its own dict in place) gets a fresh merge at every call."""
         parts = [t for t in got if t]
-        if (len(parts) == len(self._parts) and all(map(operator.is_, parts, self._parts))
-                and self.stable):
+        if (
+            len(parts) == len(self._parts)
+            and all(map(operator.is_, parts, self._parts))
+            and self.stable
+        ):
             return self._merged
         out: dict[str, torch.Tensor] = {}
         for part in parts:
@@ -356,8 +374,7 @@ class StoreSource:
         self._cached_objects: dict[str, Any] = {}
         if prefetch:
             for path, rec in self._arrays.items():
-                self._cached[path] = tensor_from_numpy(reader.read_array(header, path),
-                                                       rec.dtype)
+                self._cached[path] = tensor_from_numpy(reader.read_array(header, path), rec.dtype)
             for name in header.objects:
                 self._cached_objects[name] = reader.read_object(header, name, trusted=True)
 
@@ -410,8 +427,7 @@ class StoreSource:
         rec = self._arrays[path]
         return tensor_from_numpy(self._reader.read_array(self._header, path), rec.dtype)
 
-    def region(self, path: str, offsets: tuple[int, ...],
-               sizes: tuple[int, ...]) -> torch.Tensor:
+    def region(self, path: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         dtype = self._dtype(path)
         data = read_region(self._reader, self._header, path, offsets, sizes, self.logical)
         return tensor_from_numpy(np.ascontiguousarray(data), dtype)

@@ -48,8 +48,17 @@ from dstt.store import (
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-__all__ = ["DEFAULT_RANK_TIMEOUT", "RankChannel", "RankInfo", "RankTransaction", "RankWriter",
-           "TransactionProxy", "dist_info", "open_ranks", "run_identity"]
+__all__ = [
+    "DEFAULT_RANK_TIMEOUT",
+    "RankChannel",
+    "RankInfo",
+    "RankTransaction",
+    "RankWriter",
+    "TransactionProxy",
+    "dist_info",
+    "open_ranks",
+    "run_identity",
+]
 
 #: a wait longer than this says whom it waits for (then goes on waiting until its deadline)
 _NOTICE_S = 30.0
@@ -73,8 +82,14 @@ class RankChannel:
     rank. Each key is used once per channel. A channel of one rank needs no store.
     """
 
-    def __init__(self, info: RankInfo, *, timeout: float = DEFAULT_RANK_TIMEOUT,
-                 store: Any = None, name: str | None = None) -> None:
+    def __init__(
+        self,
+        info: RankInfo,
+        *,
+        timeout: float = DEFAULT_RANK_TIMEOUT,
+        store: Any = None,
+        name: str | None = None,
+    ) -> None:
         self.info, self.timeout = info, float(timeout)
         self._store = None
         if info.world > 1:
@@ -101,8 +116,7 @@ class RankChannel:
         self._wait([key], what, ranks=[0])
         return json.loads(self._store.get(key))
 
-    def _wait(self, keys: Sequence[str], what: str,
-              ranks: Sequence[int] | None = None) -> None:
+    def _wait(self, keys: Sequence[str], what: str, ranks: Sequence[int] | None = None) -> None:
         assert self._store is not None
         deadline = time.monotonic() + self.timeout
         noticed = False
@@ -113,8 +127,10 @@ class RankChannel:
                 return
             except Exception as e:  # a timeout (DistStoreError) or a store gone away
                 if not _is_timeout(e):
-                    raise RankError(f"rank {self.info.rank}: the ranks' store failed while "
-                                    f"waiting for their {what} ({type(e).__name__}: {e})") from e
+                    raise RankError(
+                        f"rank {self.info.rank}: the ranks' store failed while "
+                        f"waiting for their {what} ({type(e).__name__}: {e})"
+                    ) from e
             missing = self._missing(keys, ranks)
             if time.monotonic() >= deadline:
                 raise RankError(
@@ -122,12 +138,17 @@ class RankChannel:
                     f"{self.timeout:.0f} s. Every rank must run the same dstt.session(...) (or "
                     "callback) at the same point of training: a session on some ranks only "
                     "cannot commit; a rank that crashed or stalls holds the others up "
-                    "(rank_timeout= sets the wait)")
+                    "(rank_timeout= sets the wait)"
+                )
             if not noticed:
                 noticed = True
-                warnings.warn(f"dstt: rank {self.info.rank} has waited {_NOTICE_S:.0f} s for "
-                              f"the {what} of ranks {missing}; still waiting (up to "
-                              f"{self.timeout:.0f} s)", DsttWarning, stacklevel=4)
+                warnings.warn(
+                    f"dstt: rank {self.info.rank} has waited {_NOTICE_S:.0f} s for "
+                    f"the {what} of ranks {missing}; still waiting (up to "
+                    f"{self.timeout:.0f} s)",
+                    DsttWarning,
+                    stacklevel=4,
+                )
 
     def _missing(self, keys: Sequence[str], ranks: Sequence[int] | None) -> list[int]:
         assert self._store is not None
@@ -146,12 +167,15 @@ def _default_store() -> Any:
     from torch.distributed import distributed_c10d
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise RankError("several ranks need an initialized torch.distributed process group "
-                        "(torch.distributed.init_process_group, or torchrun)")
+        raise RankError(
+            "several ranks need an initialized torch.distributed process group "
+            "(torch.distributed.init_process_group, or torchrun)"
+        )
     get = getattr(distributed_c10d, "_get_default_store", None)
     if get is None:  # pragma: no cover - every torch dstt supports has it
-        raise RankError("this torch.distributed has no default store; dstt cannot coordinate "
-                        "its ranks")
+        raise RankError(
+            "this torch.distributed has no default store; dstt cannot coordinate its ranks"
+        )
     return get()
 
 
@@ -175,11 +199,18 @@ def _disagreements(said: Sequence[Mapping[str, Any]]) -> list[str]:
     return out
 
 
-def open_ranks(run: str | os.PathLike[str] | Repository | Storage, info: RankInfo, *,
-               resume: bool, chunk_bytes: int, encoding: DeltaPolicy | None = None,
-               timeout: float = DEFAULT_RANK_TIMEOUT, lazy_refs: bool = False,
-               agree: Mapping[str, Any] | None = None,
-               channel: RankChannel | None = None) -> tuple[RankWriter, Any]:
+def open_ranks(
+    run: str | os.PathLike[str] | Repository | Storage,
+    info: RankInfo,
+    *,
+    resume: bool,
+    chunk_bytes: int,
+    encoding: DeltaPolicy | None = None,
+    timeout: float = DEFAULT_RANK_TIMEOUT,
+    lazy_refs: bool = False,
+    agree: Mapping[str, Any] | None = None,
+    channel: RankChannel | None = None,
+) -> tuple[RankWriter, Any]:
     """Open ``run`` on every rank (call on the main thread of all ranks together).
 
     Returns this rank's ``RankWriter`` and the commit header every rank restores from (rank 0's
@@ -191,22 +222,27 @@ def open_ranks(run: str | os.PathLike[str] | Repository | Storage, info: RankInf
     pointer of their own after each commit (``latest``).
     """
     if encoding is not None and info.world > 1:
-        raise ValueError("encoding (XOR deltas) is not supported with several ranks yet; "
-                         "pass encoding=None")
+        raise ValueError(
+            "encoding (XOR deltas) is not supported with several ranks yet; pass encoding=None"
+        )
     ch = channel or RankChannel(info, timeout=timeout)
-    said = ch.gather("hello", {"run": run_identity(run), "resume": bool(resume),
-                               "world": info.world, **(agree or {})},
-                     what="dstt.session start")
+    said = ch.gather(
+        "hello",
+        {"run": run_identity(run), "resume": bool(resume), "world": info.world, **(agree or {})},
+        what="dstt.session start",
+    )
     bad = _disagreements(said)
     if bad:
-        raise RankError("the ranks started dstt sessions that disagree on " + "; ".join(bad) +
-                        ": every rank must pass the same run and options")
+        raise RankError(
+            "the ranks started dstt sessions that disagree on "
+            + "; ".join(bad)
+            + ": every rank must pass the same run and options"
+        )
     writer: Any = None
     if info.rank == 0:
         try:
             repo = run if isinstance(run, Repository) else Repository.create(run)
-            writer = repo.writer(chunk_bytes=chunk_bytes, encoding=encoding,
-                                 lazy_refs=lazy_refs)
+            writer = repo.writer(chunk_bytes=chunk_bytes, encoding=encoding, lazy_refs=lazy_refs)
             remove_parts(repo.storage)
             reader = repo.reader()
             head = reader.head()
@@ -214,10 +250,14 @@ def open_ranks(run: str | os.PathLike[str] | Repository | Storage, info: RankInf
                 raise TimelineError(
                     f"run {repo.storage.location} already has committed steps (timeline "
                     f"{reader.current_timeline!r} is at step {head.step}); pass resume=True to "
-                    "continue it, or choose a new run path")
+                    "continue it, or choose a new run path"
+                )
             payload: dict[str, Any] = {
-                "error": None, "base": writer.next_slot, "session": uuid.uuid4().hex,
-                "head": None if head is None else head.slot}
+                "error": None,
+                "base": writer.next_slot,
+                "session": uuid.uuid4().hex,
+                "head": None if head is None else head.slot,
+            }
         except BaseException as e:
             if writer is not None:
                 writer.close()
@@ -241,12 +281,15 @@ def open_ranks(run: str | os.PathLike[str] | Repository | Storage, info: RankInf
         got = ch.gather("ready", [ok, msg], what="opened run")
         failed = [(r, m) for r, (k, m) in enumerate(got) if not k]
         if failed:
-            raise RankError("could not open the run on every rank: " +
-                            "; ".join(f"rank {r}: {m}" for r, m in failed))
+            raise RankError(
+                "could not open the run on every rank: "
+                + "; ".join(f"rank {r}: {m}" for r, m in failed)
+            )
     except BaseException:
         if writer is not None:
             writer.close()
         raise
-    rw = RankWriter(writer, info, base_slot=int(payload["base"]), session=payload["session"],
-                    timeout=timeout)
+    rw = RankWriter(
+        writer, info, base_slot=int(payload["base"]), session=payload["session"], timeout=timeout
+    )
     return rw, head

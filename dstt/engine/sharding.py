@@ -66,7 +66,6 @@ __all__ = [
 ]
 
 
-
 # -- the plan -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Held:
@@ -106,13 +105,17 @@ def assign_writers(held: Sequence[Sequence[Held]]) -> dict[tuple[str, tuple[int,
         for h in items:
             kind = (h.dtype, h.shape)
             if kinds.setdefault(h.path, kind) != kind:
-                raise CaptureError(f"{h.path!r} is {kinds[h.path]} on one rank and {kind} on "
-                                   f"rank {rank}: the ranks capture different models")
+                raise CaptureError(
+                    f"{h.path!r} is {kinds[h.path]} on one rank and {kind} on "
+                    f"rank {rank}: the ranks capture different models"
+                )
             key = (h.path, h.offsets)
             seen = boxes.setdefault(key, h)
             if seen.sizes != h.sizes:
-                raise CaptureError(f"ranks hold boxes of {h.path!r} at {h.offsets} with "
-                                   f"different sizes ({seen.sizes}, {h.sizes})")
+                raise CaptureError(
+                    f"ranks hold boxes of {h.path!r} at {h.offsets} with "
+                    f"different sizes ({seen.sizes}, {h.sizes})"
+                )
             holders.setdefault(key, []).append(rank)
     by_path: dict[str, list[Held]] = {}
     for h in boxes.values():
@@ -120,14 +123,18 @@ def assign_writers(held: Sequence[Sequence[Held]]) -> dict[tuple[str, tuple[int,
     for path, hs in by_path.items():
         shape = kinds[path][1]
         total = sum(math.prod(h.sizes) for h in hs)
-        overlap = any(Box("", a.offsets, a.sizes).overlap(b.offsets, b.sizes) is not None
-                      for i, a in enumerate(hs) for b in hs[:i])
+        overlap = any(
+            Box("", a.offsets, a.sizes).overlap(b.offsets, b.sizes) is not None
+            for i, a in enumerate(hs)
+            for b in hs[:i]
+        )
         if overlap or total != math.prod(shape):
             raise CaptureError(
                 f"the ranks' parts of {path!r} ({len(hs)} distinct boxes, {total} of "
                 f"{math.prod(shape)} elements{', overlapping' if overlap else ''}) do not make "
                 "up the tensor: a rank that holds part of it does not run the session, or its "
-                "placements are not supported")
+                "placements are not supported"
+            )
     load = [0] * len(held)
     out: dict[tuple[str, tuple[int, ...]], int] = {}
     for key in sorted(boxes, key=lambda k: (-boxes[k].nbytes, k)):
@@ -194,13 +201,17 @@ class RankShare:
         for path, t in got.items():
             box = held_box(t)
             if box is not None:
-                out.append(Held(path, store_dtype(t.dtype, what=f"tensor {path!r}"),
-                                tuple(t.shape), *box))
+                out.append(
+                    Held(path, store_dtype(t.dtype, what=f"tensor {path!r}"), tuple(t.shape), *box)
+                )
         return out
 
     def _plan(self, held: list[Held]) -> None:
-        every = self.channel.gather(f"plan/{self._plans}", [h.wire() for h in held],
-                                    what="captured tensors (a plan of who writes what)")
+        every = self.channel.gather(
+            f"plan/{self._plans}",
+            [h.wire() for h in held],
+            what="captured tensors (a plan of who writes what)",
+        )
         self._plans += 1
         boxes = [[Held.unwire(v) for v in items] for items in every]
         writer = assign_writers(boxes)
@@ -216,8 +227,9 @@ class RankShare:
                 continue
             stored = shard_source(w, r, h.path)
             mine.append((stored, h.path))
-            arrays.append(LogicalArray(h.path, h.dtype, h.shape,
-                                       boxes=(Box(stored, h.offsets, h.sizes),)))
+            arrays.append(
+                LogicalArray(h.path, h.dtype, h.shape, boxes=(Box(stored, h.offsets, h.sizes),))
+            )
         self._mine = mine
         self._map = Encoded.of(shard_map(arrays)) if sharded else None
 
@@ -254,8 +266,7 @@ class OwnedTensors:
         if self.rank0:
             return self.inner.tensors() if self.info.rank == 0 else {}
         every = self.inner.tensors()
-        mine = owners({p: t.numel() * t.element_size() for p, t in every.items()},
-                      self.info.world)
+        mine = owners({p: t.numel() * t.element_size() for p, t in every.items()}, self.info.world)
         return {p: t for p, t in every.items() if mine[p] == self.info.rank}
 
     def objects(self) -> Mapping[str, Any]:

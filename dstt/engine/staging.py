@@ -84,12 +84,13 @@ class HostCache:
         slab_bytes = _align(max(1, slab_bytes))
         n = capacity_bytes // slab_bytes
         if n < 1:
-            raise ValueError(f"a cache of {capacity_bytes} bytes cannot hold one slab of "
-                             f"{slab_bytes} bytes")
+            raise ValueError(
+                f"a cache of {capacity_bytes} bytes cannot hold one slab of {slab_bytes} bytes"
+            )
         self.slab_bytes, self.n_slabs = slab_bytes, n
         self.pinned = pin
         self._buf = torch.empty(n * slab_bytes, dtype=torch.uint8, pin_memory=pin)
-        self._slabs = [_Slab(i, self._buf[i * slab_bytes:(i + 1) * slab_bytes]) for i in range(n)]
+        self._slabs = [_Slab(i, self._buf[i * slab_bytes : (i + 1) * slab_bytes]) for i in range(n)]
         self._free: deque[_Slab] = deque(self._slabs)
         self._current: _Slab | None = None
         self._cond = threading.Condition()
@@ -134,7 +135,7 @@ class HostCache:
             cur.refs += 1
             self.leased_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.leased_bytes)
-            return Lease(cur, cur.buf[off:off + nbytes], nbytes, waited)
+            return Lease(cur, cur.buf[off : off + nbytes], nbytes, waited)
 
     def release(self, lease: Lease) -> None:
         with self._cond:
@@ -232,7 +233,6 @@ class Copier:
         lease.view.copy_(part)
         return DONE
 
-
     def copy_all(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Ready:
         """Copy every ``src`` into its ``dst`` (same shapes) with one batched call; CUDA
         sources go through the side stream of their device (``begin`` first)."""
@@ -249,8 +249,9 @@ class Copier:
             idx = [i for i, t in enumerate(src) if t.device == dev]
             stream = self._stream(dev)
             with torch.cuda.stream(stream):
-                torch._foreach_copy_([dst[i] for i in idx], [src[i] for i in idx],
-                                     non_blocking=True)
+                torch._foreach_copy_(
+                    [dst[i] for i in idx], [src[i] for i in idx], non_blocking=True
+                )
                 ev = torch.cuda.Event()
                 ev.record(stream)
             events.append(ev)
@@ -296,8 +297,13 @@ class RaceReport:
 class VersionGuard:
     """Detects in-place writes to source tensors between stage time and the wait."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], itemsizes: Mapping[str, int], *,
-                 verify: bool = False) -> None:
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        itemsizes: Mapping[str, int],
+        *,
+        verify: bool = False,
+    ) -> None:
         self.verify = verify
         #: the paths and their versions at stage time, as two lists: a step's check is then
         #: one C-level pass and one list comparison while nothing raced (the usual case)
@@ -331,8 +337,11 @@ class VersionGuard:
                 self._copied.pop(path, None)
 
     def check(self, tensors: Mapping[str, torch.Tensor]) -> list[RaceReport]:
-        if (not self.verify and len(tensors) == len(self._paths)
-                and list(map(_VERSION, tensors.values())) == self._before):
+        if (
+            not self.verify
+            and len(tensors) == len(self._paths)
+            and list(map(_VERSION, tensors.values())) == self._before
+        ):
             return []  # the same tensors (a flight's own dict), none written since stage
         out: list[RaceReport] = []
         versions = self.versions
@@ -347,8 +356,13 @@ class VersionGuard:
                 with self._lock:
                     copied = self._copied.get(path, 0)
                 if now != staged or copied != staged:
-                    out.append(RaceReport(path, "contents changed without a version bump "
-                                                "(a .data or out-of-autograd write)"))
+                    out.append(
+                        RaceReport(
+                            path,
+                            "contents changed without a version bump "
+                            "(a .data or out-of-autograd write)",
+                        )
+                    )
         return out
 
 

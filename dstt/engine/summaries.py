@@ -78,6 +78,8 @@ def summarized(path: str) -> bool:
         return True
     logical = logical_of(path)
     return logical is not None and logical.startswith(SUMMARIZED)
+
+
 _BLOCK = 1 << 20  # elements per float64 block: bounds the temporary memory of one summary
 
 
@@ -107,8 +109,14 @@ class SummaryAccumulator:
     every element has been added.
     """
 
-    def __init__(self, path: str, numel: int, *, prev_probe: Sequence[float] | None = None,
-                 probe_size: int = PROBE_SIZE) -> None:
+    def __init__(
+        self,
+        path: str,
+        numel: int,
+        *,
+        prev_probe: Sequence[float] | None = None,
+        probe_size: int = PROBE_SIZE,
+    ) -> None:
         self.path, self.numel = path, int(numel)
         self.idx = probe_indices(path, self.numel, probe_size)
         self.probe = np.full(len(self.idx), np.nan)
@@ -123,12 +131,14 @@ class SummaryAccumulator:
         flat = chunk.reshape(-1)
         prev_flat = None if prev_chunk is None else prev_chunk.reshape(-1)
         if prev_flat is not None and prev_flat.numel() != flat.numel():
-            raise ValueError(f"{self.path}: previous chunk has {prev_flat.numel()} elements, "
-                             f"this one {flat.numel()}")
+            raise ValueError(
+                f"{self.path}: previous chunk has {prev_flat.numel()} elements, "
+                f"this one {flat.numel()}"
+            )
         sumsq = maxabs = upd = 0.0
         finite = nan = inf = 0
         for s in range(0, flat.numel(), _BLOCK):
-            x = _as_float(flat[s:s + _BLOCK])
+            x = _as_float(flat[s : s + _BLOCK])
             ss = m = 0.0
             if x.numel():
                 mm = torch.aminmax(x)  # NaN propagates: sends the block to the exact path
@@ -149,7 +159,7 @@ class SummaryAccumulator:
                     sumsq += float(torch.dot(x64, x64))
                     maxabs = max(maxabs, float(x64.abs().max()))
             if prev_flat is not None:
-                d = x.to(torch.float64) - _as_float(prev_flat[s:s + _BLOCK]).to(torch.float64)
+                d = x.to(torch.float64) - _as_float(prev_flat[s : s + _BLOCK]).to(torch.float64)
                 upd += float(torch.dot(d, d))
         lo = np.searchsorted(self.idx, offset)
         hi = np.searchsorted(self.idx, offset + flat.numel())
@@ -182,14 +192,27 @@ class SummaryAccumulator:
                 if np.all(np.isfinite(d)):
                     update = math.sqrt(self.numel / len(d) * float(np.dot(d, d)))
             ratio = update / l2 if update is not None and l2 > 0 else None
-            return {"l2": l2, "rms": rms, "maxabs": maxabs, "nan": self._nan, "inf": self._inf,
-                    "update_l2": update, "update_ratio": ratio,
-                    "probe": [float(v) for v in self.probe], "update_exact": exact}
+            return {
+                "l2": l2,
+                "rms": rms,
+                "maxabs": maxabs,
+                "nan": self._nan,
+                "inf": self._inf,
+                "update_l2": update,
+                "update_ratio": ratio,
+                "probe": [float(v) for v in self.probe],
+                "update_exact": exact,
+            }
 
 
-def tensor_summary(t: torch.Tensor, path: str, *, prev: torch.Tensor | None = None,
-                   prev_probe: Sequence[float] | None = None,
-                   probe_size: int = PROBE_SIZE) -> dict[str, Any]:
+def tensor_summary(
+    t: torch.Tensor,
+    path: str,
+    *,
+    prev: torch.Tensor | None = None,
+    prev_probe: Sequence[float] | None = None,
+    probe_size: int = PROBE_SIZE,
+) -> dict[str, Any]:
     """Summary of host tensor ``t`` stored at ``path``.
 
     ``prev`` (the previous step's copy, same shape) makes ``update_l2`` exact; otherwise
@@ -197,8 +220,9 @@ def tensor_summary(t: torch.Tensor, path: str, *, prev: torch.Tensor | None = No
     update fields are None. Runs on CPU tensors of any dtype dstt stores (bf16 included).
     """
     if prev is not None and tuple(prev.shape) != tuple(t.shape):
-        raise ValueError(f"{path}: previous copy has shape {tuple(prev.shape)}, "
-                         f"this one {tuple(t.shape)}")
+        raise ValueError(
+            f"{path}: previous copy has shape {tuple(prev.shape)}, this one {tuple(t.shape)}"
+        )
     acc = SummaryAccumulator(path, t.numel(), prev_probe=prev_probe, probe_size=probe_size)
     acc.add(0, t.detach(), None if prev is None else prev.detach())
     return acc.result()
@@ -225,15 +249,17 @@ class SummaryBook:
             self._probes[path] = out["probe"]
         return out
 
-    def summarize(self, path: str, t: torch.Tensor, prev: torch.Tensor | None = None
-                  ) -> dict[str, Any]:
+    def summarize(
+        self, path: str, t: torch.Tensor, prev: torch.Tensor | None = None
+    ) -> dict[str, Any]:
         """One-shot form of ``accumulator`` + ``add`` + ``finish``."""
         acc = self.accumulator(path, t.numel())
         acc.add(0, t.detach(), None if prev is None else prev.detach())
         return self.finish(path, acc)
 
-    def finish_columns(self, paths: Sequence[str], numel: np.ndarray,
-                       st: dict[str, np.ndarray]) -> dict[str, Any]:
+    def finish_columns(
+        self, paths: Sequence[str], numel: np.ndarray, st: dict[str, np.ndarray]
+    ) -> dict[str, Any]:
         """The columnar summaries object of one flat step (in step order: it remembers the
         probes for the next step's update estimate)."""
         key = tuple(paths)
@@ -244,7 +270,7 @@ class SummaryBook:
                 for i, p in enumerate(paths):
                     old = self._probes.get(p)
                     if old is not None and len(old) == st["probe_len"][i]:
-                        prev[i, :len(old)] = old
+                        prev[i, : len(old)] = old
         out = finish_columns(numel, st, prev)
         out["path"] = list(paths)
         with self._lock:
@@ -273,16 +299,23 @@ class SummaryBook:
                 self._probes.pop(path, None)
 
 
-def flat_digest_plan(items: Sequence[tuple[str, str, int, int]],
-                     probe_size: int = PROBE_SIZE) -> DigestPlan:
+def flat_digest_plan(
+    items: Sequence[tuple[str, str, int, int]], probe_size: int = PROBE_SIZE
+) -> DigestPlan:
     """The store's :class:`~dstt.store.flusher.flatstats.DigestPlan` for tensors of a flat buffer:
     ``items`` are (path, store dtype, byte offset, numel); probes as ``probe_indices``."""
-    return DigestPlan([(p, dt, off, n, probe_indices(p, n, probe_size) if n else
-                        np.empty(0, np.intp)) for p, dt, off, n in items], probe_size)
+    return DigestPlan(
+        [
+            (p, dt, off, n, probe_indices(p, n, probe_size) if n else np.empty(0, np.intp))
+            for p, dt, off, n in items
+        ],
+        probe_size,
+    )
 
 
-def finish_columns(numel: np.ndarray, st: dict[str, np.ndarray],
-                   prev_probe: np.ndarray | None) -> dict[str, Any]:
+def finish_columns(
+    numel: np.ndarray, st: dict[str, np.ndarray], prev_probe: np.ndarray | None
+) -> dict[str, Any]:
     """The columnar summaries object of one flat step from ``flatstats.digest`` columns.
 
     Same fields and estimators as ``SummaryAccumulator.result``, one array each
@@ -302,9 +335,18 @@ def finish_columns(numel: np.ndarray, st: dict[str, np.ndarray],
             d2 = (d0 * d0).sum(axis=1)
             update = np.where(good, np.sqrt(numel / np.maximum(k, 1) * d2), np.nan)
         ratio = np.where(l2 > 0, update / np.where(l2 > 0, l2, 1.0), np.nan)
-    return {"columns": 1, "l2": l2, "rms": rms, "maxabs": maxabs, "nan": st["nan"],
-            "inf": st["inf"], "update_l2": update, "update_ratio": ratio,
-            "probe": st["probe"], "probe_len": st["probe_len"]}
+    return {
+        "columns": 1,
+        "l2": l2,
+        "rms": rms,
+        "maxabs": maxabs,
+        "nan": st["nan"],
+        "inf": st["inf"],
+        "update_l2": update,
+        "update_ratio": ratio,
+        "probe": st["probe"],
+        "probe_len": st["probe_len"],
+    }
 
 
 def _rows_finite(d: np.ndarray, k: np.ndarray) -> np.ndarray:

@@ -95,9 +95,11 @@ def _install_registration_hooks() -> None:
         return
     from torch.nn.modules import module as m
 
-    for name in ("register_module_module_registration_hook",
-                 "register_module_parameter_registration_hook",
-                 "register_module_buffer_registration_hook"):
+    for name in (
+        "register_module_module_registration_hook",
+        "register_module_parameter_registration_hook",
+        "register_module_buffer_registration_hook",
+    ):
         reg = getattr(m, name, None)
         if reg is not None:
             reg(_bump)
@@ -132,9 +134,13 @@ class ModelTensors:
     def _rebuild(self) -> None:
         out = model_buffers(self.model) if self.buffers else model_params(self.model)
         # the modules' own dicts (torch's, private): a lookup in them sees a replaced tensor
-        where = {id(t): (d, k) for mod in self.model.modules()
-                 for d in (mod._buffers if self.buffers else mod._parameters,)  # noqa: SLF001
-                 for k, t in d.items() if t is not None}
+        where = {
+            id(t): (d, k)
+            for mod in self.model.modules()
+            for d in (mod._buffers if self.buffers else mod._parameters,)  # noqa: SLF001
+            for k, t in d.items()
+            if t is not None
+        }
         slots = [where[id(t)] for t in out.values()]
         self._dicts = [d for d, _ in slots]
         self._keys = [k for _, k in slots]
@@ -150,8 +156,11 @@ class ModelTensors:
             now = list(map(operator.getitem, self._dicts, self._keys))
         except KeyError:
             now = None
-        if now is None or len(now) != len(self._values) or not all(
-                map(operator.is_, now, self._values)):
+        if (
+            now is None
+            or len(now) != len(self._values)
+            or not all(map(operator.is_, now, self._values))
+        ):
             self._rebuild()
         return self._out
 
@@ -218,10 +227,15 @@ class TorchState:
     boundary_state: CompositeProvider
 
 
-def discover(model: torch.nn.Module | None, optimizer: Any = None, *,
-             scheduler: Any = None, rng: bool = True,
-             extra_state: Mapping[str, Stateful] | None = None,
-             extra: Iterable[StateProvider] = ()) -> TorchState:
+def discover(
+    model: torch.nn.Module | None,
+    optimizer: Any = None,
+    *,
+    scheduler: Any = None,
+    rng: bool = True,
+    extra_state: Mapping[str, Stateful] | None = None,
+    extra: Iterable[StateProvider] = (),
+) -> TorchState:
     """Build the providers for a model, its optimizer(s) (one, a list or a dict:
     ``optimizers_of``), scheduler, global RNGs and user state."""
     step, boundary = CompositeProvider(), CompositeProvider()
@@ -239,8 +253,11 @@ def discover(model: torch.nn.Module | None, optimizer: Any = None, *,
     for name, obj in (extra_state or {}).items():
         if not isinstance(obj, Stateful):
             raise TypeError(f"extra_state[{name!r}] needs state_dict() and load_state_dict()")
-        boundary.add(RankObject(f"extra/{name}", ONE_RANK, obj.state_dict, obj.load_state_dict,
-                                required=True))
+        boundary.add(
+            RankObject(
+                f"extra/{name}", ONE_RANK, obj.state_dict, obj.load_state_dict, required=True
+            )
+        )
     for p in extra:
         step.add(p)
     if rng:

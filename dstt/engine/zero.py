@@ -66,8 +66,10 @@ class _Slice:
 def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
     off, rem = divmod(t.data_ptr() - base.data_ptr(), t.element_size())
     if rem or off < 0 or off + t.numel() > base.numel():
-        raise SchemaError("a ZeRO parameter is not a view into its group's flat buffer; this "
-                          "DeepSpeed layout is not supported")
+        raise SchemaError(
+            "a ZeRO parameter is not a view into its group's flat buffer; this "
+            "DeepSpeed layout is not supported"
+        )
     return off
 
 
@@ -84,9 +86,9 @@ class ZeroState:
         self.slices: dict[str, list[_Slice]] = {}
         if self.stage == 3:
             self.flats: list[torch.Tensor] = list(opt.fp32_partitioned_groups_flat)
-            for g, (params, bit16) in enumerate(zip(opt.fp16_groups,
-                                                   opt.fp16_partitioned_groups_flat,
-                                                   strict=True)):
+            for g, (params, bit16) in enumerate(
+                zip(opt.fp16_groups, opt.fp16_partitioned_groups_flat, strict=True)
+            ):
                 for p in params:
                     name = names[id(p)]
                     pn, n = int(p.ds_tensor.ds_numel), int(p.ds_numel)
@@ -95,7 +97,8 @@ class ZeroState:
                     if length:
                         off = _offset(p.ds_tensor, bit16)
                         self.slices.setdefault(name, []).append(
-                            _Slice(g, off, info.rank * pn, length))
+                            _Slice(g, off, info.rank * pn, length)
+                        )
         else:
             self.flats = list(opt.single_partition_of_fp32_groups)
             for g, params in enumerate(opt.bit16_groups):
@@ -108,9 +111,11 @@ class ZeroState:
                     lo, hi = max(off, lo_r), min(off + p.numel(), hi_r)
                     if lo < hi:
                         self.slices.setdefault(name, []).append(
-                            _Slice(g, lo - lo_r, lo - off, hi - lo))
+                            _Slice(g, lo - lo_r, lo - off, hi - lo)
+                        )
         self.params: dict[str, Any] = {  # DeepSpeed adds ds_* attributes
-            n: p for n, p in engine.module.named_parameters() if n in self.shapes}
+            n: p for n, p in engine.module.named_parameters() if n in self.shapes
+        }
         self._maps: dict[tuple[Any, ...], dict[str, Any]] = {}
 
     # -- naming ---------------------------------------------------------------------------
@@ -124,8 +129,11 @@ class ZeroState:
 
     def _array_keys(self, g: int) -> list[str]:
         flat = self.flats[g]
-        return [k for k, v in self._state(g).items()
-                if isinstance(v, torch.Tensor) and v.shape == flat.shape]
+        return [
+            k
+            for k, v in self._state(g).items()
+            if isinstance(v, torch.Tensor) and v.shape == flat.shape
+        ]
 
     # -- capture --------------------------------------------------------------------------
     def tensors(self) -> Mapping[str, torch.Tensor]:
@@ -143,22 +151,30 @@ class ZeroState:
         m = self._maps.get(keys)
         if m is None:
             arrays = []
-            every = [("params", "fp32"), *((f"optim/{k}", k) for k in dict.fromkeys(
-                k for ks in keys for k in ks))]
+            every = [
+                ("params", "fp32"),
+                *((f"optim/{k}", k) for k in dict.fromkeys(k for ks in keys for k in ks)),
+            ]
             for name, slices in self.slices.items():
                 for kind, key in every:
                     if key != "fp32" and any(key not in keys[s.group] for s in slices):
                         continue
-                    pieces = tuple(Piece(self.raw_path(s.group, key), s.src, s.dst, s.length)
-                                   for s in slices)
-                    arrays.append(LogicalArray(tensor_path(kind, name), "float32",
-                                               self.shapes[name], pieces))
+                    pieces = tuple(
+                        Piece(self.raw_path(s.group, key), s.src, s.dst, s.length) for s in slices
+                    )
+                    arrays.append(
+                        LogicalArray(tensor_path(kind, name), "float32", self.shapes[name], pieces)
+                    )
             m = self._maps[keys] = shard_map(arrays)
         return m
 
     def objects(self) -> Mapping[str, Any]:
-        scalars = {str(g): {k: to_plain(v) for k, v in self._state(g).items()
-                            if k not in self._array_keys(g)} for g in range(len(self.flats))}
+        scalars = {
+            str(g): {
+                k: to_plain(v) for k, v in self._state(g).items() if k not in self._array_keys(g)
+            }
+            for g in range(len(self.flats))
+        }
         r = self.info.rank
         return {f"shards/r{r}": self.shard_map(), f"zero/scalars/r{r}": scalars}
 
@@ -172,16 +188,21 @@ class ZeroState:
             raise TypeError("ZeroState.restore needs a StoreSource (a reader and a header)")
         logical = logical_arrays(reader, header)
         if not logical:
-            raise SchemaError(f"step {header.step} holds no ZeRO partitions (written without "
-                              f"ZeRO?); it cannot be resumed with ZeRO stage {self.stage}")
+            raise SchemaError(
+                f"step {header.step} holds no ZeRO partitions (written without "
+                f"ZeRO?); it cannot be resumed with ZeRO stage {self.stage}"
+            )
         same = self._same_layout(source, reader.arrays(header))
         r = self.info.rank
-        name = f"zero/scalars/r{r}" if source.has_object(f"zero/scalars/r{r}") else \
-            "zero/scalars/r0"
+        name = (
+            f"zero/scalars/r{r}" if source.has_object(f"zero/scalars/r{r}") else "zero/scalars/r0"
+        )
         scalars = from_plain(source.object(name))
         if len(scalars) != len(self.flats):
-            raise RankError(f"step {header.step} has {len(scalars)} ZeRO groups; this engine "
-                            f"has {len(self.flats)} (another model or sub_group_size?)")
+            raise RankError(
+                f"step {header.step} has {len(scalars)} ZeRO groups; this engine "
+                f"has {len(self.flats)} (another model or sub_group_size?)"
+            )
         keys = list(dict.fromkeys(p.split("/")[1] for p in logical if p.startswith("optim/")))
         for g, flat in enumerate(self.flats):
             st = self.inner.state.setdefault(flat, {})
@@ -213,31 +234,43 @@ class ZeroState:
                 return False
         return True
 
-    def _reshard(self, live: torch.Tensor, g: int, key: str, logical: Mapping[str, LogicalArray],
-                 reader: Reader, header: CommitHeader) -> None:
+    def _reshard(
+        self,
+        live: torch.Tensor,
+        g: int,
+        key: str,
+        logical: Mapping[str, LogicalArray],
+        reader: Reader,
+        header: CommitHeader,
+    ) -> None:
         kind = "params" if key == "fp32" else f"optim/{key}"
         for name, slices in self.slices.items():
             path = tensor_path(kind, name)
             rec = logical.get(path)
             if rec is None:
-                raise SchemaError(f"step {header.step} has no {path!r}; was it written by "
-                                  "another model?")
+                raise SchemaError(
+                    f"step {header.step} has no {path!r}; was it written by another model?"
+                )
             if rec.shape != self.shapes[name]:
-                raise SchemaError(f"{path!r} is stored with shape {rec.shape}, the live "
-                                  f"parameter has {self.shapes[name]}")
+                raise SchemaError(
+                    f"{path!r} is stored with shape {rec.shape}, the live "
+                    f"parameter has {self.shapes[name]}"
+                )
             for s in slices:
                 if s.group != g:
                     continue
                 data = read_logical(reader, header, rec, s.dst, s.dst + s.length)
-                live[s.src:s.src + s.length].copy_(torch.from_numpy(data))
+                live[s.src : s.src + s.length].copy_(torch.from_numpy(data))
 
-    def _refresh_model(self, logical: Mapping[str, LogicalArray], reader: Reader,
-                       header: CommitHeader) -> None:
+    def _refresh_model(
+        self, logical: Mapping[str, LogicalArray], reader: Reader, header: CommitHeader
+    ) -> None:
         """Model (bit16) weights from the restored master weights, as DeepSpeed's step does."""
         with torch.no_grad():
             if self.stage == 3:
-                for flat, bit16 in zip(self.flats, self.opt.fp16_partitioned_groups_flat,
-                                       strict=True):
+                for flat, bit16 in zip(
+                    self.flats, self.opt.fp16_partitioned_groups_flat, strict=True
+                ):
                     bit16.copy_(flat)
             for name, p in self.params.items():
                 if self.stage == 3 and (p.numel() != p.ds_numel or p.ds_status.name != "AVAILABLE"):
@@ -251,6 +284,8 @@ class ZeroState:
 
 def _copy(live: torch.Tensor, stored: torch.Tensor, path: str) -> None:
     if stored.shape != live.shape or stored.dtype != live.dtype:
-        raise SchemaError(f"{path!r} is stored as {stored.dtype}{tuple(stored.shape)}, the live "
-                          f"buffer is {live.dtype}{tuple(live.shape)}")
+        raise SchemaError(
+            f"{path!r} is stored as {stored.dtype}{tuple(stored.shape)}, the live "
+            f"buffer is {live.dtype}{tuple(live.shape)}"
+        )
     live.copy_(stored)

@@ -44,8 +44,14 @@ class Catalog:
     target path; ``pool``: the paths a user sees (ZeRO flat sources hidden), sorted;
     ``model_paths``: those of ``pool`` that are no optimizer state."""
 
-    def __init__(self, table: Mapping[str, Any], tied: Mapping[str, str] | None = None,
-                 *, where: str = "in this commit", listing: str = "") -> None:
+    def __init__(
+        self,
+        table: Mapping[str, Any],
+        tied: Mapping[str, str] | None = None,
+        *,
+        where: str = "in this commit",
+        listing: str = "",
+    ) -> None:
         self.stored = table
         self.where, self.listing = where, listing
         self.tied = _aliases(table, tied or {})
@@ -56,12 +62,14 @@ class Catalog:
         self._dims: Callable[[str, int], tuple[str, ...]] | None = None
 
     @classmethod
-    def of(cls, reader: Reader, header: CommitHeader, *, where: str = "",
-           listing: str = "") -> Catalog:
+    def of(
+        cls, reader: Reader, header: CommitHeader, *, where: str = "", listing: str = ""
+    ) -> Catalog:
         """The catalog of commit ``header`` read through ``reader`` (a pool's reader)."""
         tied = reader.read_object(header, TIED_OBJECT) if TIED_OBJECT in header.objects else {}
-        return cls(reader.arrays(header), tied, where=where or f"at step {header.step}",
-                   listing=listing)
+        return cls(
+            reader.arrays(header), tied, where=where or f"at step {header.step}", listing=listing
+        )
 
     def dims_of(self, path: str, ndim: int) -> tuple[str, ...]:
         """Dimension names of ``path`` (:func:`dstt.inspect.naming.tensor_dims` over the
@@ -77,16 +85,21 @@ class Catalog:
     def resolve(self, name: str, state: str | None = None, *, where: str | None = None) -> str:
         """The path ``name`` means (exact, short, tied or store path; see
         :func:`dstt.inspect.naming.array_path`); ``where`` overrides where it was looked."""
-        return array_path(name, self.table, state, where=where or self.where,
-                          listing=self.listing)
+        return array_path(name, self.table, state, where=where or self.where, listing=self.listing)
 
     def tied_to(self, path: str) -> str | None:
         """The user name of the tensor a tied ``path`` is stored as (None: not tied)."""
         target = self.tied.get(path)
         return None if target is None else user_name(target)
 
-    def select(self, selector: str, *, optim: bool = False, paths: list[str] | None = None,
-               listing: str | None = None) -> tuple[list[str], Pick]:
+    def select(
+        self,
+        selector: str,
+        *,
+        optim: bool = False,
+        paths: list[str] | None = None,
+        listing: str | None = None,
+    ) -> tuple[list[str], Pick]:
         """Paths ``selector`` picks among ``paths`` (default: the pool, optimizer states only
         with ``optim``) by :mod:`dstt.inspect.selection`'s rule, with the experts picked of
         fused tensors; ``TensorNotFoundError`` when it picks nothing (``listing``: how its
@@ -94,13 +107,16 @@ class Catalog:
         pool = paths if paths is not None else (self.pool if optim else self.model_paths)
         got, picks = select_layer(selector, pool, self._expert_dim)
         if not got:
-            raise selector_miss(selector, pool, self.where,
-                                self.listing if listing is None else listing)
+            raise selector_miss(
+                selector, pool, self.where, self.listing if listing is None else listing
+            )
         for p, (_, index) in picks.items():
             n = self.table[p].shape[0]
             if index >= n:
-                raise TensorNotFoundError(f"selector {selector!r}: {user_name(p)} holds "
-                                          f"{n} experts (0 … {n - 1}), not expert {index}")
+                raise TensorNotFoundError(
+                    f"selector {selector!r}: {user_name(p)} holds "
+                    f"{n} experts (0 … {n - 1}), not expert {index}"
+                )
         return got, picks
 
     def _expert_dim(self, path: str) -> str | None:

@@ -51,9 +51,14 @@ def _one(reader: Reader, ha: CommitHeader, ra: Any, hb: CommitHeader, rb: Any) -
     return dl, da, nb, (dl / da if da > 0 else math.nan), mx
 
 
-def diff_commits(reader: Reader, ha: CommitHeader, hb: CommitHeader,
-                 paths: Sequence[str] | None = None, *,
-                 progress: Callable[[int], None] | None = None) -> xr.Dataset:
+def diff_commits(
+    reader: Reader,
+    ha: CommitHeader,
+    hb: CommitHeader,
+    paths: Sequence[str] | None = None,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> xr.Dataset:
     """Change of every tensor (or of ``paths``) from commit ``ha`` to commit ``hb``.
 
     ``progress(n)`` is called after each tensor with its byte count (for a progress bar).
@@ -84,5 +89,13 @@ def diff_commits(reader: Reader, ha: CommitHeader, hb: CommitHeader,
         "store_path": ("tensor", np.array(todo, dtype=object)),
         "status": ("tensor", np.array(status, dtype=object)),
     }
-    return xr.Dataset(data, coords=coords, attrs={"step_a": int(ha.step), "step_b": int(hb.step),
-                                                  "slot_a": int(ha.slot), "slot_b": int(hb.slot)})
+    return xr.Dataset(
+        data,
+        coords=coords,
+        attrs={
+            "step_a": int(ha.step),
+            "step_b": int(hb.step),
+            "slot_a": int(ha.slot),
+            "slot_b": int(hb.slot),
+        },
+    )

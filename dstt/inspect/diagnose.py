@@ -54,12 +54,20 @@ if TYPE_CHECKING:
 
     import xarray as xr
 
-__all__ = ["Divergence", "NonFinite", "find_divergence", "first_nonfinite", "grown_tensors",
-           "rank_by_baseline", "suspect"]
+__all__ = [
+    "Divergence",
+    "NonFinite",
+    "find_divergence",
+    "first_nonfinite",
+    "grown_tensors",
+    "rank_by_baseline",
+    "suspect",
+]
 
 
-def rank_by_baseline(summaries: xr.Dataset, step: int, *, window: int = 20,
-                     min_periods: int = 3) -> list[tuple[str, float, float]]:
+def rank_by_baseline(
+    summaries: xr.Dataset, step: int, *, window: int = 20, min_periods: int = 3
+) -> list[tuple[str, float, float]]:
     """``(tensor, robust z, update ratio)`` of the update into ``step`` (a commit in
     ``summaries``), most deviant first, by the module's baseline rule; tensors without a known
     ratio at ``step`` are left out. ``summaries`` must hold the commits before ``step`` that
@@ -73,7 +81,7 @@ def rank_by_baseline(summaries: xr.Dataset, step: int, *, window: int = 20,
     i = int(rows[0])
     ratio = summaries["update_ratio"].values
     now = ratio[i]
-    base = ratio[max(0, i - window):i]
+    base = ratio[max(0, i - window) : i]
     names = summaries["tensor"].values
     out: list[tuple[str, float, float]] = []
     for j in range(len(names)):
@@ -130,8 +138,10 @@ def first_nonfinite(summaries: xr.Dataset) -> NonFinite | None:
     steps = summaries["step"].values
     names = summaries["tensor"].values
     cols = np.flatnonzero(bad[i])
-    tensors = sorted(((str(names[j]), int(nan[i, j]), int(inf[i, j])) for j in cols),
-                     key=lambda t: (-(t[1] + t[2]), t[0]))
+    tensors = sorted(
+        ((str(names[j]), int(nan[i, j]), int(inf[i, j])) for j in cols),
+        key=lambda t: (-(t[1] + t[2]), t[0]),
+    )
     return NonFinite(int(steps[i]), int(steps[i - 1]) if i > 0 else None, tensors)
 
 
@@ -152,14 +162,21 @@ class Divergence:
 
     def __str__(self) -> str:
         top = ", ".join(f"{n} (x{g:.3g})" for n, g in self.tensors[:3]) or "no summaries"
-        return (f"{self.metric} diverges from step {self.start} ({self.minimum:.4g}): above "
-                f"x{self.value / self.minimum if self.minimum else float('inf'):.3g} by "
-                f"{self.end}, first crossed at {self.step}; weight norms grew most: {top}")
+        return (
+            f"{self.metric} diverges from step {self.start} ({self.minimum:.4g}): above "
+            f"x{self.value / self.minimum if self.minimum else float('inf'):.3g} by "
+            f"{self.end}, first crossed at {self.step}; weight norms grew most: {top}"
+        )
 
 
-def find_divergence(steps: np.ndarray, values: np.ndarray, *, window: int = 20,
-                    rise: float = 1.5, sustain: int | None = None
-                    ) -> list[tuple[int, int, int, float, float]]:
+def find_divergence(
+    steps: np.ndarray,
+    values: np.ndarray,
+    *,
+    window: int = 20,
+    rise: float = 1.5,
+    sustain: int | None = None,
+) -> list[tuple[int, int, int, float, float]]:
     """``(start, step, end, minimum, smoothed value at end)`` of each stretch by the module's
     divergence rule (``sustain`` defaults to ``window``)."""
     if window < 1 or rise <= 1:
@@ -169,9 +186,10 @@ def find_divergence(steps: np.ndarray, values: np.ndarray, *, window: int = 20,
     steps, values = np.asarray(steps)[ok], np.asarray(values, dtype=np.float64)[ok]
     if len(values) < window + sustain:
         return []
-    smooth = np.array([np.median(values[i - window + 1:i + 1])
-                       for i in range(window - 1, len(values))])
-    at = steps[window - 1:]
+    smooth = np.array(
+        [np.median(values[i - window + 1 : i + 1]) for i in range(window - 1, len(values))]
+    )
+    at = steps[window - 1 :]
     out: list[tuple[int, int, int, float, float]] = []
     best, best_i = smooth[0], 0
     i = 0
@@ -185,8 +203,9 @@ def find_divergence(steps: np.ndarray, values: np.ndarray, *, window: int = 20,
         while j < len(smooth) and smooth[j] > rise * best:
             j += 1
         if j - i >= sustain:
-            out.append((int(at[best_i]), int(at[i]), int(at[j - 1]), float(best),
-                        float(smooth[j - 1])))
+            out.append(
+                (int(at[best_i]), int(at[i]), int(at[j - 1]), float(best), float(smooth[j - 1]))
+            )
         i = j
     return out
 

@@ -60,27 +60,33 @@ def _is_folder(path: str) -> bool:
     return os.path.isdir(path) or path.endswith(("/", os.sep))
 
 
-def prepare_output(out: str | os.PathLike[str], *, overwrite: bool = False,
-                   default: str = "") -> str:
+def prepare_output(
+    out: str | os.PathLike[str], *, overwrite: bool = False, default: str = ""
+) -> str:
     """Check ``out`` can be written and create its missing folders; returns the file's path
     (``out`` itself, or ``out/default`` when ``out`` names a folder)."""
     path = os.fspath(out)
     if _is_folder(path):
         if not default:
-            raise OutputExistsError(f"{path} is a folder; give the export a file name "
-                                    f"(e.g. {os.path.join(path, 'step.safetensors')})")
+            raise OutputExistsError(
+                f"{path} is a folder; give the export a file name "
+                f"(e.g. {os.path.join(path, 'step.safetensors')})"
+            )
         path = os.path.join(path, default)
         if os.path.isdir(path):
             raise OutputExistsError(f"{path} is a folder; give the export a file name")
     if os.path.lexists(path) and not overwrite:
-        raise OutputExistsError(f"{path} exists; pass --force (overwrite=True) to replace it, "
-                                "or choose another file name")
+        raise OutputExistsError(
+            f"{path} exists; pass --force (overwrite=True) to replace it, "
+            "or choose another file name"
+        )
     parent = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as e:
-        raise StorageError(f"cannot create the folder {parent} for the export: "
-                           f"{e.strerror or e}") from e
+        raise StorageError(
+            f"cannot create the folder {parent} for the export: {e.strerror or e}"
+        ) from e
     return path
 
 
@@ -108,8 +114,10 @@ def load_config(config: Any) -> dict[str, Any]:  # noqa: ANN401 - an object, dic
     if hasattr(config, "to_dict"):
         return dict(config.to_dict())
     if not isinstance(config, (str, os.PathLike)):
-        raise ConfigError(f"config must be a transformers config, a dict or a path to a "
-                          f"config.json (or a folder holding one), not {type(config).__name__}")
+        raise ConfigError(
+            f"config must be a transformers config, a dict or a path to a "
+            f"config.json (or a folder holding one), not {type(config).__name__}"
+        )
     path = os.fspath(config)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
@@ -117,8 +125,9 @@ def load_config(config: Any) -> dict[str, Any]:  # noqa: ANN401 - an object, dic
         with open(path, encoding="utf-8") as f:
             got = json.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"no model config at {path}; give a config.json or a folder "
-                          "holding one") from None
+        raise ConfigError(
+            f"no model config at {path}; give a config.json or a folder holding one"
+        ) from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read the model config {path}: {e}") from None
     if not isinstance(got, dict):
@@ -126,9 +135,17 @@ def load_config(config: Any) -> dict[str, Any]:  # noqa: ANN401 - an object, dic
     return got
 
 
-def export_commit(reader: Reader, header: CommitHeader, out: str | os.PathLike[str], fmt: Format, *,
-                  include_all: bool = False, overwrite: bool = False, config: Any = None,  # noqa: ANN401 - see load_config
-                  progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+def export_commit(
+    reader: Reader,
+    header: CommitHeader,
+    out: str | os.PathLike[str],
+    fmt: Format,
+    *,
+    include_all: bool = False,
+    overwrite: bool = False,
+    config: Any = None,  # noqa: ANN401 - see load_config
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
     """Write commit ``header`` to ``out``; returns ``{"tensors": n, "bytes": b, "path": p}``
     (``n``: tensors in the file; ``b``: their bytes as stored; ``p``: the file, or the
     folder of an ``hf`` export, which adds ``"files"``)."""
@@ -144,20 +161,31 @@ def export_commit(reader: Reader, header: CommitHeader, out: str | os.PathLike[s
         return export_dcp(reader, header, out, overwrite=overwrite, progress=progress)
     if fmt == "hf":
         if include_all:
-            raise ConfigError("an hf export holds the model only; leave include_all (--all) "
-                              "out, or export format torch for optimizer states too")
-        cfg = load_config(config) if config is not None else (
-            reader.read_object(header, CONFIG_OBJECT) if CONFIG_OBJECT in header.objects
-            else None)
+            raise ConfigError(
+                "an hf export holds the model only; leave include_all (--all) "
+                "out, or export format torch for optimizer states too"
+            )
+        cfg = (
+            load_config(config)
+            if config is not None
+            else (
+                reader.read_object(header, CONFIG_OBJECT)
+                if CONFIG_OBJECT in header.objects
+                else None
+            )
+        )
         if cfg is None:
             raise ConfigError(
                 f"step {header.step} has no model config (the session was not over a Hugging "
                 "Face model); pass config= (--config PATH: a config.json or a folder with "
-                "one) for the hf export")
+                "one) for the hf export"
+            )
         config_doc: dict[str, Any] = dict(cfg)
         folder = os.fspath(out)
-        files = [prepare_output(os.path.join(folder, name), overwrite=overwrite)
-                 for name in ("model.safetensors", "config.json")]
+        files = [
+            prepare_output(os.path.join(folder, name), overwrite=overwrite)
+            for name in ("model.safetensors", "config.json")
+        ]
     else:
         path = prepare_output(out, overwrite=overwrite, default=f"step{header.step}.{_EXT[fmt]}")
     cat = Catalog.of(reader, header)
@@ -165,19 +193,25 @@ def export_commit(reader: Reader, header: CommitHeader, out: str | os.PathLike[s
     model = [p for p in table if p.split("/")[0] in MODEL_KINDS]
     if fmt == "torch":
         doc = step_state(reader, header)
-        done = set(model) | ({p for p in table if p.startswith("optim/")}
-                             if doc["optimizer"] is not None else set())
+        done = set(model) | (
+            {p for p in table if p.startswith("optim/")} if doc["optimizer"] is not None else set()
+        )
     else:
         doc, done = {}, set()
     extra = sorted(p for p in table if p not in done and (include_all or p in model))
-    tensors = {user_name(p): tensor_from_numpy(reader.read_array(header, p), table[p].dtype)
-               for p in extra}
+    tensors = {
+        user_name(p): tensor_from_numpy(reader.read_array(header, p), table[p].dtype) for p in extra
+    }
     counted = [p for p in table if p in done or p in extra]
     nbytes = sum(table[p].plan.nbytes for p in counted)
     if progress:
         progress(nbytes)
-    meta = {"format": "pt", "dstt_step": str(header.step), "dstt_timeline": header.timeline,
-            "dstt_slot": str(header.slot)}
+    meta = {
+        "format": "pt",
+        "dstt_step": str(header.step),
+        "dstt_timeline": header.timeline,
+        "dstt_slot": str(header.slot),
+    }
     if fmt == "hf":
         _write_safetensors(files[0], tensors, meta)
         _write(files[1], lambda tmp: _dump_json(tmp, config_doc))

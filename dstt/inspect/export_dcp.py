@@ -45,11 +45,12 @@ TIED_OBJECT = "names/tied"  # the engine's name (dstt.engine.torch_state)
 def _prepare(out: str, overwrite: bool) -> str:
     path = os.path.abspath(out)
     if os.path.isfile(path):
-        raise OutputExistsError(f"{path} is a file; a DCP export is a folder: choose another "
-                                "name")
+        raise OutputExistsError(f"{path} is a file; a DCP export is a folder: choose another name")
     if os.path.lexists(path) and not overwrite:
-        raise OutputExistsError(f"{path} exists; pass --force (overwrite=True) to replace it, "
-                                "or choose another folder name")
+        raise OutputExistsError(
+            f"{path} exists; pass --force (overwrite=True) to replace it, "
+            "or choose another folder name"
+        )
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
     except OSError as e:
@@ -57,9 +58,14 @@ def _prepare(out: str, overwrite: bool) -> str:
     return path
 
 
-def export_dcp(reader: Reader, header: CommitHeader, out: str | os.PathLike[str], *,
-               overwrite: bool = False,
-               progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+def export_dcp(
+    reader: Reader,
+    header: CommitHeader,
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
     """Write commit ``header`` as the DCP folder ``out``; returns ``{"tensors": n,
     "bytes": b, "path": out}``."""
     import torch.distributed.checkpoint as dcp
@@ -82,14 +88,18 @@ def export_dcp(reader: Reader, header: CommitHeader, out: str | os.PathLike[str]
         osd = doc["optimizer"]
         state["optimizer"] = {
             "state": {names[i]: st for i, st in osd["state"].items()},
-            "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
-                              "params": list(g["params"])} for g in groups]}
+            "param_groups": [
+                {**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+                for g in groups
+            ],
+        }
     if doc["scheduler"] is not None:
         state["lr_scheduler"] = doc["scheduler"]
     tensors = [t for t in _tensors(state)]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.dstt-export-"
-                       f"{os.getpid()}")
+    tmp = os.path.join(
+        os.path.dirname(path), f".{os.path.basename(path)}.dstt-export-{os.getpid()}"
+    )
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in one process"
             warnings.simplefilter("ignore", UserWarning)

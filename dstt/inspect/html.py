@@ -31,13 +31,18 @@ def run_summary(run: Any) -> dict[str, Any]:  # noqa: ANN401 - a Run (run/ sits 
     timelines = []
     for name, ref in sorted(run.timelines.items()):
         line = run.commits(name)
-        timelines.append({
-            "name": name, "current": name == run.timeline, "commits": len(line),
-            "first_step": line[0].step if line else None,
-            "head_step": line[-1].step if line else None,
-            "base_timeline": ref.base_timeline, "base_step": ref.base_step,
-            "skip_data": ref.skip_data,
-        })
+        timelines.append(
+            {
+                "name": name,
+                "current": name == run.timeline,
+                "commits": len(line),
+                "first_step": line[0].step if line else None,
+                "head_step": line[-1].step if line else None,
+                "base_timeline": ref.base_timeline,
+                "base_step": ref.base_step,
+                "skip_data": ref.skip_data,
+            }
+        )
     line = run.commits()
     head = line[-1] if line else None
     table = run.arrays(head) if head is not None else {}
@@ -54,8 +59,9 @@ def run_summary(run: Any) -> dict[str, Any]:  # noqa: ANN401 - a Run (run/ sits 
         "n_arrays": len(table) - len(shard_sources(table)),
         "n_stored": sum(1 for r in table.values() if getattr(r, "logical", None) is None),
         # stored bytes: logical tensors of sharded runs are views of the flat buffers
-        "bytes_per_step": sum(r.plan.nbytes for r in table.values()
-                              if getattr(r, "logical", None) is None),
+        "bytes_per_step": sum(
+            r.plan.nbytes for r in table.values() if getattr(r, "logical", None) is None
+        ),
         "metrics": sorted({k for h in line[-1:] for k in h.metrics}),
     }
 
@@ -67,25 +73,41 @@ def run_html(s: dict[str, Any]) -> str:
     def row(k: str, v: Any) -> str:  # noqa: ANN401 - a JSON value
         return f"<tr><th style='text-align:left'>{e(k)}</th><td>{e(str(v))}</td></tr>"
 
-    when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["head_time"]))
-            if s["head_time"] else "—")
-    steps = (f"{s['n_steps']} ({s['first_step']} … {s['last_step']})" if s["n_steps"]
-             else "none yet")
-    head = "".join([
-        row("path", s["path"]), row("current timeline", s["timeline"]), row("steps", steps),
-        row("last commit", when), row("arrays", s["n_arrays"]),
-        row("bytes per step", human_bytes(s["bytes_per_step"])),
-        row("metrics", ", ".join(s["metrics"]) or "—"),
-    ])
+    when = (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["head_time"]))
+        if s["head_time"]
+        else "—"
+    )
+    steps = f"{s['n_steps']} ({s['first_step']} … {s['last_step']})" if s["n_steps"] else "none yet"
+    head = "".join(
+        [
+            row("path", s["path"]),
+            row("current timeline", s["timeline"]),
+            row("steps", steps),
+            row("last commit", when),
+            row("arrays", s["n_arrays"]),
+            row("bytes per step", human_bytes(s["bytes_per_step"])),
+            row("metrics", ", ".join(s["metrics"]) or "—"),
+        ]
+    )
     tl_rows = "".join(
-        "<tr>" + "".join(f"<td>{e(str(x))}</td>" for x in (
-            ("● " if t["current"] else "") + t["name"], t["commits"],
-            f"{t['first_step']} … {t['head_step']}" if t["commits"] else "—",
-            f"{t['base_timeline']}@{t['base_step']}" if t["base_timeline"] else "—",
-            t["skip_data"])) + "</tr>"
-        for t in s["timelines"])
-    tl_head = "".join(f"<th>{h}</th>" for h in ("timeline", "commits", "steps", "from",
-                                                 "skip data"))
+        "<tr>"
+        + "".join(
+            f"<td>{e(str(x))}</td>"
+            for x in (
+                ("● " if t["current"] else "") + t["name"],
+                t["commits"],
+                f"{t['first_step']} … {t['head_step']}" if t["commits"] else "—",
+                f"{t['base_timeline']}@{t['base_step']}" if t["base_timeline"] else "—",
+                t["skip_data"],
+            )
+        )
+        + "</tr>"
+        for t in s["timelines"]
+    )
+    tl_head = "".join(
+        f"<th>{h}</th>" for h in ("timeline", "commits", "steps", "from", "skip data")
+    )
     return (
         "<div class='dstt-run'><strong>dstt run</strong>"
         f"<table>{head}</table>"

@@ -49,15 +49,24 @@ def metrics_from_rows(rows: RowSet) -> xr.Dataset:
     num = rows.m_num
     recs = []
     for i in range(len(rows)):
-        m: dict[str, Any] = {k: v for k, v in zip(names, num[i].tolist(), strict=True)
-                             if v == v}  # NaN: not logged at this step
+        m: dict[str, Any] = {
+            k: v for k, v in zip(names, num[i].tolist(), strict=True) if v == v
+        }  # NaN: not logged at this step
         text = rows.m_text[i]
         if text:
             m.update(text)
         hist = rows.m_hist[i]
-        recs.append(_Row(int(rows.step[i]), int(rows.slot[i]),
-                         rows.timelines[int(rows.timeline[i])], float(rows.time[i]), m,
-                         {METRICS_HISTORY_OBJECT: None} if hist is not None else {}, hist))
+        recs.append(
+            _Row(
+                int(rows.step[i]),
+                int(rows.slot[i]),
+                rows.timelines[int(rows.timeline[i])],
+                float(rows.time[i]),
+                m,
+                {METRICS_HISTORY_OBJECT: None} if hist is not None else {},
+                hist,
+            )
+        )
     ds = metrics_dataset(recs, lambda r, _name: r.history)
     pruned_of = dict(zip(rows.slot.tolist(), rows.pruned.astype(bool).tolist(), strict=True))
     pruned = np.array([pruned_of.get(int(s), False) for s in ds["slot"].values], dtype=bool)
@@ -77,8 +86,7 @@ def summaries_from_rows(rows: RowSet) -> xr.Dataset:
     probe = rows.s_probe if every_row else rows.s_probe[keep]
     exact = rows.s_exact if every_row else rows.s_exact[keep]
     # a tensor a step summarized always has an l2: absent tensors are NaN there
-    present = (~np.all(np.isnan(val[:, :, 0]), axis=0) if len(keep)
-               else np.zeros(val.shape[1], bool))
+    present = ~np.all(np.isnan(val[:, :, 0]), axis=0) if len(keep) else np.zeros(val.shape[1], bool)
     if not bool(present.all()):
         cols = np.flatnonzero(present)
         val, probe, exact = val[:, cols], probe[:, cols], exact[:, cols]
@@ -89,14 +97,18 @@ def summaries_from_rows(rows: RowSet) -> xr.Dataset:
         width -= 1
     probe = probe[:, :, :width].astype(np.float64)
     paths = [rows.s_paths[j] for j in cols]
-    data: dict[str, Any] = {f: (("step", "tensor"), val[:, :, k])
-                            for k, f in enumerate(SUMMARY_SCALARS)}
+    data: dict[str, Any] = {
+        f: (("step", "tensor"), val[:, :, k]) for k, f in enumerate(SUMMARY_SCALARS)
+    }
     data["update_exact"] = (("step", "tensor"), exact.astype(bool))
     data["probe"] = (("step", "tensor", "probe_index"), probe)
     coords = {
-        **step_coords(rows.step[keep].tolist(), rows.slot[keep].tolist(),
-                      [rows.timelines[int(t)] for t in rows.timeline[keep]],
-                      rows.time[keep].tolist()),
+        **step_coords(
+            rows.step[keep].tolist(),
+            rows.slot[keep].tolist(),
+            [rows.timelines[int(t)] for t in rows.timeline[keep]],
+            rows.time[keep].tolist(),
+        ),
         "tensor": ("tensor", tensor_names(paths)),
         "store_path": ("tensor", np.array(paths, dtype=object)),
         "pruned": ("step", rows.pruned[keep].astype(bool)),

@@ -50,6 +50,7 @@ def view_dtype(store_dtype: str) -> np.dtype[Any]:
 
 # -- indexing ---------------------------------------------------------------------------------
 
+
 def _outer(arr: np.ndarray, key: Key, first_axis: int) -> np.ndarray:
     """Apply an outer indexer (ints, slices, 1-d int arrays) to axes ``first_axis...``."""
     for i in range(len(key) - 1, -1, -1):  # last axis first: dropping axes keeps others put
@@ -73,21 +74,32 @@ def _key_shape(key: Key, shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _adapt(array: CommitArray | TrajectoryArray, key: indexing.ExplicitIndexer,
-           raw: Callable[[Key], np.ndarray]) -> np.ndarray:
+def _adapt(
+    array: CommitArray | TrajectoryArray,
+    key: indexing.ExplicitIndexer,
+    raw: Callable[[Key], np.ndarray],
+) -> np.ndarray:
     """``explicit_indexing_adapter`` with empty slices made forward first: xarray 2026.9's
     ``_decompose_slice`` raises IndexError on an empty negative-step slice (``[0:0:-1]``)."""
     if isinstance(key, (indexing.BasicIndexer, indexing.OuterIndexer)):
-        parts = tuple(slice(0, 0) if isinstance(k, slice) and not len(range(*k.indices(n)))
-                      else k for k, n in zip(key.tuple, array.shape, strict=True))
+        parts = tuple(
+            slice(0, 0) if isinstance(k, slice) and not len(range(*k.indices(n))) else k
+            for k, n in zip(key.tuple, array.shape, strict=True)
+        )
         key = type(key)(parts)
     out: np.ndarray = indexing.explicit_indexing_adapter(
-        key, array.shape, indexing.IndexingSupport.OUTER, raw)
+        key, array.shape, indexing.IndexingSupport.OUTER, raw
+    )
     return out
 
 
-def read_outer(reader: Reader, header: CommitHeader, record: Any, key: Key,  # noqa: ANN401 - a stored or a logical record
-               out: np.ndarray | None = None) -> np.ndarray:
+def read_outer(
+    reader: Reader,
+    header: CommitHeader,
+    record: Any,  # noqa: ANN401 - a stored or a logical record
+    key: Key,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
     """Outer-indexed values of one tensor of one commit, reading only the needed chunks.
 
     Writes into ``out`` (shape of the result, view dtype) when given, else a new array.
@@ -118,10 +130,11 @@ def read_outer(reader: Reader, header: CommitHeader, record: Any, key: Key,  # n
             piece = piece.reshape(-1, *shape[1:])
             pos = np.flatnonzero(chunk_of == c)
             local = flat[pos] - int(c) * plan.rows
-            if pos[-1] - pos[0] + 1 == pos.size and (pos.size == 1 or
-                                                     bool(np.all(np.diff(local) == 1))):
-                src = _outer(piece[local[0]:local[0] + pos.size], rest, 1)
-                np.copyto(res[pos[0]:pos[-1] + 1], src, casting="unsafe")
+            if pos[-1] - pos[0] + 1 == pos.size and (
+                pos.size == 1 or bool(np.all(np.diff(local) == 1))
+            ):
+                src = _outer(piece[local[0] : local[0] + pos.size], rest, 1)
+                np.copyto(res[pos[0] : pos[-1] + 1], src, casting="unsafe")
             else:
                 res[pos] = _outer(piece[local], rest, 1)
     if out is not None:
@@ -130,6 +143,7 @@ def read_outer(reader: Reader, header: CommitHeader, record: Any, key: Key,  # n
 
 
 # -- backend arrays ---------------------------------------------------------------------------
+
 
 class CommitArray(BackendArray):
     """One tensor of one commit, shape as stored, dtype as shown (bf16 -> float32)."""
@@ -177,8 +191,16 @@ class TrajectoryArray(BackendArray):
     raises ``SchemaError`` (a ``ValueError``).
     """
 
-    def __init__(self, readers: ReaderPool, headers: Sequence[Any], path: str,
-                 shape: tuple[int, ...], store_dtype: str, *, threads: bool = True) -> None:
+    def __init__(
+        self,
+        readers: ReaderPool,
+        headers: Sequence[Any],
+        path: str,
+        shape: tuple[int, ...],
+        store_dtype: str,
+        *,
+        threads: bool = True,
+    ) -> None:
         self.readers, self.headers, self.path = readers, list(headers), path
         self.shape = (len(self.headers), *shape)
         self.store_dtype = store_dtype
@@ -191,8 +213,17 @@ class TrajectoryArray(BackendArray):
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled with plain headers (dask ships the array to its workers)."""
-        return (TrajectoryArray, (self.readers, [_plain(h) for h in self.headers], self.path,
-                                  self.shape[1:], self.store_dtype), {"threads": self.threads})
+        return (
+            TrajectoryArray,
+            (
+                self.readers,
+                [_plain(h) for h in self.headers],
+                self.path,
+                self.shape[1:],
+                self.store_dtype,
+            ),
+            {"threads": self.threads},
+        )
 
     def _fill(self, i: int, rest: Key, out: np.ndarray) -> None:
         reader, header = self.readers.get(), self.headers[i]
@@ -200,15 +231,18 @@ class TrajectoryArray(BackendArray):
         record = reader.located(header, self.path) or reader.arrays(header).get(self.path)
         if record is None:
             if self.dtype.kind != "f":
-                raise SchemaError(f"{self.path!r} is missing at step {header.step} and has dtype "
-                                 f"{self.store_dtype}, which has no NaN; narrow the steps")
+                raise SchemaError(
+                    f"{self.path!r} is missing at step {header.step} and has dtype "
+                    f"{self.store_dtype}, which has no NaN; narrow the steps"
+                )
             out[...] = np.nan
             return
         if tuple(record.shape) != self.shape[1:] or record.dtype != self.store_dtype:
             raise SchemaError(
                 f"{self.path!r} is {record.dtype}{tuple(record.shape)} at step {header.step} "
                 f"but {self.store_dtype}{self.shape[1:]} at the newest selected step; "
-                "select steps on one side of the change")
+                "select steps on one side of the change"
+            )
         read_outer(reader, header, record, rest, out)
 
     def _raw(self, key: Key) -> np.ndarray:
@@ -219,12 +253,12 @@ class TrajectoryArray(BackendArray):
         # the index locates the tensor in every step: one batched read of exactly its bytes
         every = isinstance(key[0], slice) and len(idx) == len(self.headers)
         many = self.readers.get().read_many(
-            self.headers if every else [self.headers[i] for i in idx], self.path)
+            self.headers if every else [self.headers[i] for i in idx], self.path
+        )
         if many is not None and all(len(b) == self._nbytes for b in many):
             dt, shape = numpy_dtype(self.store_dtype), self.shape[1:]
             if all(isinstance(k, slice) and k == slice(None) for k in rest):  # whole steps
-                block = np.frombuffer(bytearray().join(many), dtype=dt).reshape(len(many),
-                                                                                *shape)
+                block = np.frombuffer(bytearray().join(many), dtype=dt).reshape(len(many), *shape)
                 if block.dtype == res.dtype:  # the joined bytes are the result: no copy
                     return block[0, ...] if np.ndim(sel) == 0 else block
                 np.copyto(res, block, casting="unsafe")
@@ -241,15 +275,21 @@ class TrajectoryArray(BackendArray):
         return res[0, ...] if np.ndim(sel) == 0 else res
 
 
-def variable(array: BackendArray, dims: Sequence[str], chunks: Any = None,  # noqa: ANN401 - xarray's chunks
-             attrs: dict[str, Any] | None = None) -> xr.Variable:
+def variable(
+    array: BackendArray,
+    dims: Sequence[str],
+    chunks: Any = None,  # noqa: ANN401 - xarray's chunks
+    attrs: dict[str, Any] | None = None,
+) -> xr.Variable:
     """A lazy ``xr.Variable`` over ``array``; a dask-backed one when ``chunks`` is given."""
     var = xr.Variable(tuple(dims), indexing.LazilyIndexedArray(array), attrs=attrs or {})
     if chunks is not None:
         try:
             import dask.array  # noqa: F401
         except ImportError:
-            raise ImportError("chunks= needs dask; install it (pip install dask) or leave "
-                              "chunks unset for lazy numpy-backed views") from None
+            raise ImportError(
+                "chunks= needs dask; install it (pip install dask) or leave "
+                "chunks unset for lazy numpy-backed views"
+            ) from None
         var = var.chunk(chunks)
     return var

@@ -96,9 +96,14 @@ def _typed(name: str) -> str:
     return canonical_path(name) if "/" in name else canonical_name(name)
 
 
-def array_path(name: str, available: Iterable[str] | Mapping[str, object],
-               state: str | None = None, *, where: str = "in this commit",
-               listing: str = "") -> str:
+def array_path(
+    name: str,
+    available: Iterable[str] | Mapping[str, object],
+    state: str | None = None,
+    *,
+    where: str = "in this commit",
+    listing: str = "",
+) -> str:
     """Resolve a user name to the store path present in ``available``.
 
     ``name`` is a dotted torch name (looked up under ``params/`` then ``buffers/``, or under
@@ -120,14 +125,16 @@ def array_path(name: str, available: Iterable[str] | Mapping[str, object],
         for kind in kinds:
             if kind + tail in avail:
                 return kind + tail
-        hits = sorted(p for p in avail if p.endswith(tail) and any(
-            p.startswith(kind + "/") for kind in kinds))
+        hits = sorted(
+            p for p in avail if p.endswith(tail) and any(p.startswith(kind + "/") for kind in kinds)
+        )
         if len(hits) == 1:
             return hits[0]
         if hits:
             raise TensorNotFoundError(
                 f"{name!r} is ambiguous {where}: {len(hits)} tensors end with it "
-                f"({listed(user_name(p) for p in hits)}); give more of the name")
+                f"({listed(user_name(p) for p in hits)}); give more of the name"
+            )
     see = f" (all names: {listing})" if listing else ""
     if state is not None and "/" not in name:
         _no_state(name, state, avail, where, see)
@@ -137,7 +144,8 @@ def array_path(name: str, available: Iterable[str] | Mapping[str, object],
         if inside:
             raise TensorNotFoundError(
                 f"{name!r} is a module, not a tensor {where}: it holds {listed(sorted(inside))}; "
-                f"name one of them (or take them all with .layer({name!r}))")
+                f"name one of them (or take them all with .layer({name!r}))"
+            )
     close = suggest(name, model if "/" not in name else [user_name(p) for p in avail])
     hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     raise TensorNotFoundError(f"no tensor named {name!r} {where}{hint}{see}")
@@ -147,19 +155,24 @@ def _no_state(name: str, state: str, avail: Iterable[str], where: str, see: str)
     """The error when a model tensor lacks the optimizer state asked for (if it is that)."""
     tail = "/" + name.replace(".", "/")
     mine = [p for p in avail if p.endswith(tail)]
-    states = sorted({s for p in mine if (s := optim_state(p)) is not None
-                     and p.startswith(f"optim/{s}/")})
+    states = sorted(
+        {s for p in mine if (s := optim_state(p)) is not None and p.startswith(f"optim/{s}/")}
+    )
     if states:
-        raise TensorNotFoundError(f"tensor {name!r} has no optimizer state {state!r} {where}; "
-                                  f"its states: {', '.join(states)}")
+        raise TensorNotFoundError(
+            f"tensor {name!r} has no optimizer state {state!r} {where}; "
+            f"its states: {', '.join(states)}"
+        )
     if any(p.split("/")[0] in MODEL_KINDS for p in mine):
         raise TensorNotFoundError(
             f"tensor {name!r} has no optimizer states {where} (none saved yet, or the "
-            f"optimizer keeps none for it); leave state unset for its values{see}")
+            f"optimizer keeps none for it); leave state unset for its values{see}"
+        )
 
 
-def tensor_dims(all_paths: Iterable[str] | Mapping[str, Any]
-                ) -> Callable[[str, int], tuple[str, ...]]:
+def tensor_dims(
+    all_paths: Iterable[str] | Mapping[str, Any],
+) -> Callable[[str, int], tuple[str, ...]]:
     """A function giving the dimension names of one tensor of a commit.
 
     ``all_paths`` is the commit's arrays table (path -> record; the whole commit rather than a
@@ -173,11 +186,16 @@ def tensor_dims(all_paths: Iterable[str] | Mapping[str, Any]
     instead (``layers.0.sub.weight_0``).
     """
     records = all_paths if isinstance(all_paths, Mapping) else {}
-    stored = {p: tuple(d) for p, r in records.items() if (d := getattr(r, "dims", None))
-              is not None}
+    stored = {
+        p: tuple(d) for p, r in records.items() if (d := getattr(r, "dims", None)) is not None
+    }
     if stored:
-        resolved = resolve_dims({p: (stored.get(p) or tuple(f"dim{i}" for i in range(len(
-            r.shape))), tuple(r.shape)) for p, r in records.items()})
+        resolved = resolve_dims(
+            {
+                p: (stored.get(p) or tuple(f"dim{i}" for i in range(len(r.shape))), tuple(r.shape))
+                for p, r in records.items()
+            }
+        )
         return lambda path, ndim: resolved[path]
     held = {tree_location(p) for p in all_paths}
 

@@ -29,8 +29,15 @@ from dstt.schema import canonical_name, tensor_path
 
 from .naming import listed
 
-__all__ = ["GROUPS_OBJECT", "STATE_OBJECT", "canonical_groups", "check_optimizer",
-           "live_optimizers", "optimizer_state", "stored_keys"]
+__all__ = [
+    "GROUPS_OBJECT",
+    "STATE_OBJECT",
+    "canonical_groups",
+    "check_optimizer",
+    "live_optimizers",
+    "optimizer_state",
+    "stored_keys",
+]
 
 GROUPS_OBJECT = "optim/param_groups"  # the engine's names (dstt.engine.torch_state)
 STATE_OBJECT = "optim/state"
@@ -42,7 +49,7 @@ def stored_keys(objects: Iterable[str]) -> list[str]:
     names = set(objects)
     if GROUPS_OBJECT in names:
         return [""]
-    keys = [n[len(GROUPS_OBJECT) + 1:] for n in names if n.startswith(GROUPS_OBJECT + "/")]
+    keys = [n[len(GROUPS_OBJECT) + 1 :] for n in names if n.startswith(GROUPS_OBJECT + "/")]
     return sorted(keys, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))
 
 
@@ -52,21 +59,21 @@ def canonical_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**g, "params": [canonical_name(n) for n in g["params"]]} for g in groups]
 
 
-def optimizer_state(src: Any, groups: list[dict[str, Any]], state_object: str
-                    ) -> dict[str, Any]:
+def optimizer_state(src: Any, groups: list[dict[str, Any]], state_object: str) -> dict[str, Any]:
     """torch's optimizer state dict from the stored groups (:func:`canonical_groups`) and
     per-parameter state (``src``: the step, giving ``tensor(path)``, ``object(name)`` and
     ``step``)."""
     names = [n for g in groups for n in g["params"]]
     index = {n: i for i, n in enumerate(names)}
     saved = src.object(state_object) or {}
-    entries: Mapping[str, Any] = {canonical_name(n): e
-                                  for n, e in saved.get("params", {}).items()}
+    entries: Mapping[str, Any] = {canonical_name(n): e for n, e in saved.get("params", {}).items()}
     unknown = set(entries) - set(index)
     if unknown:
-        raise SchemaError(f"step {src.step} has optimizer state for parameters in no param "
-                          f"group: {listed(sorted(unknown), 8)}; the run is damaged (run "
-                          "`dstt verify`)")
+        raise SchemaError(
+            f"step {src.step} has optimizer state for parameters in no param "
+            f"group: {listed(sorted(unknown), 8)}; the run is damaged (run "
+            "`dstt verify`)"
+        )
     state: dict[int, dict[str, Any]] = {}
     for name in names:
         entry = entries.get(name)
@@ -78,8 +85,12 @@ def optimizer_state(src: Any, groups: list[dict[str, Any]], state_object: str
     param_groups, start = [], 0
     for g in groups:
         n = len(g["params"])
-        param_groups.append({**{k: v for k, v in g.items() if k != "params"},
-                             "params": list(range(start, start + n))})
+        param_groups.append(
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": list(range(start, start + n)),
+            }
+        )
         start += n
     return {"state": state, "param_groups": param_groups}
 
@@ -88,12 +99,13 @@ def _named(keys: Iterable[str]) -> str:
     return ", ".join(repr(k) for k in keys)
 
 
-def live_optimizers(optimizer: Any, keys: list[str], step: int
-                    ) -> dict[str, torch.optim.Optimizer]:
+def live_optimizers(optimizer: Any, keys: list[str], step: int) -> dict[str, torch.optim.Optimizer]:
     """The optimizers given to ``load_into`` by the step's optimizer ``keys``."""
     if not keys:
-        raise SchemaError(f"step {step} holds no torch optimizer state (the run was written "
-                          "without one, or by DeepSpeed); load the model only")
+        raise SchemaError(
+            f"step {step} holds no torch optimizer state (the run was written "
+            "without one, or by DeepSpeed); load the model only"
+        )
     if isinstance(optimizer, torch.optim.Optimizer):
         given: dict[str, Any] = {"": optimizer}
     elif isinstance(optimizer, Mapping):
@@ -101,43 +113,62 @@ def live_optimizers(optimizer: Any, keys: list[str], step: int
     elif isinstance(optimizer, list | tuple):
         given = {str(i): v for i, v in enumerate(optimizer)}
     else:
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, a list of them or a dict "
-                        f"of them, not {type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, a list of them or a dict "
+            f"of them, not {type(optimizer).__name__}"
+        )
     if keys == [""] and len(given) == 1:  # a list or dict of one is captured as one
         return {"": next(iter(given.values()))}
     if keys == [""]:
-        raise SchemaError(f"step {step} holds one optimizer, {len(given)} were given; pass "
-                          "the one the session captured")
+        raise SchemaError(
+            f"step {step} holds one optimizer, {len(given)} were given; pass "
+            "the one the session captured"
+        )
     if "" in given:
-        raise SchemaError(f"step {step} holds {len(keys)} optimizers ({_named(keys)}): pass "
-                          "them as the session was given them, a dict with those keys (or a "
-                          "list, for '0', '1', ...)")
+        raise SchemaError(
+            f"step {step} holds {len(keys)} optimizers ({_named(keys)}): pass "
+            "them as the session was given them, a dict with those keys (or a "
+            "list, for '0', '1', ...)"
+        )
     if set(given) != set(keys):
         what = "a list of" if all(k.isdigit() for k in given) else "optimizers"
-        raise SchemaError(f"step {step} holds the optimizers {_named(keys)}; given {what} "
-                          f"{_named(given)} — pass the same number, under the same keys")
+        raise SchemaError(
+            f"step {step} holds the optimizers {_named(keys)}; given {what} "
+            f"{_named(given)} — pass the same number, under the same keys"
+        )
     return {k: given[k] for k in keys}
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]],
-                    model: torch.nn.Module | None, step: int, key: str = "") -> None:
+def check_optimizer(
+    optimizer: torch.optim.Optimizer,
+    groups: list[dict[str, Any]],
+    model: torch.nn.Module | None,
+    step: int,
+    key: str = "",
+) -> None:
     """``SchemaError`` unless ``optimizer`` holds the stored ``groups``' parameters."""
     which = f"optimizer {key!r}: " if key else ""
     live = optimizer.param_groups
     if len(groups) != len(live):
-        raise SchemaError(f"{which}step {step} has {len(groups)} optimizer param groups, the "
-                          f"live optimizer has {len(live)}; build the optimizer as the run did")
+        raise SchemaError(
+            f"{which}step {step} has {len(groups)} optimizer param groups, the "
+            f"live optimizer has {len(live)}; build the optimizer as the run did"
+        )
     names = param_names(model) if model is not None else {}
     for gi, (g, saved) in enumerate(zip(live, groups, strict=True)):
         if len(g["params"]) != len(saved["params"]):
-            raise SchemaError(f"{which}param group {gi} holds {len(g['params'])} parameters, "
-                              f"the one of step {step} {len(saved['params'])}; build the "
-                              "optimizer as the run did")
+            raise SchemaError(
+                f"{which}param group {gi} holds {len(g['params'])} parameters, "
+                f"the one of step {step} {len(saved['params'])}; build the "
+                "optimizer as the run did"
+            )
         if model is not None:
-            have = [names.get(id(p), f"unnamed.group{gi}.param{pi}")
-                    for pi, p in enumerate(g["params"])]
+            have = [
+                names.get(id(p), f"unnamed.group{gi}.param{pi}") for pi, p in enumerate(g["params"])
+            ]
             if have != list(saved["params"]):
-                diff = [f"{a} != {b}" for a, b in zip(have, saved["params"], strict=True)
-                        if a != b]
-                raise SchemaError(f"{which}param group {gi} holds other parameters (or "
-                                  f"another order) than at step {step}: {listed(diff, 8)}")
+                diff = [f"{a} != {b}" for a, b in zip(have, saved["params"], strict=True) if a != b]
+                raise SchemaError(
+                    f"{which}param group {gi} holds other parameters (or "
+                    f"another order) than at step {step}: {listed(diff, 8)}"
+                )

@@ -39,8 +39,13 @@ class _SharedReader(Reader):
     logical tensors and keyed by canonical paths (``stored``: canonical -> stored path of
     the tensors whose stored path has wrapper components)."""
 
-    def __init__(self, storage: Storage, tables: LRU[int, dict[str, Any]],
-                 index: Index | None = None, stored: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        tables: LRU[int, dict[str, Any]],
+        index: Index | None = None,
+        stored: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(storage, table_cache=1, index=index)
         self._shared = tables
         self._stored = {} if stored is None else stored
@@ -112,8 +117,9 @@ class ReaderPool:
     def get(self) -> Reader:
         r = getattr(self._local, "reader", None)
         if r is None:
-            r = self._local.reader = _SharedReader(self.storage, self.tables, self.index,
-                                                   self.stored)
+            r = self._local.reader = _SharedReader(
+                self.storage, self.tables, self.index, self.stored
+            )
         return r
 
 

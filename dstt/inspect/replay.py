@@ -91,8 +91,10 @@ class Replay:
             import difflib
 
             close = difflib.get_close_matches(name, list(self._grads), n=3)
-            raise ConfigError(f"no parameter named {name!r} in the replay" + (
-                f"; did you mean {', '.join(map(repr, close))}?" if close else "")) from None
+            raise ConfigError(
+                f"no parameter named {name!r} in the replay"
+                + (f"; did you mean {', '.join(map(repr, close))}?" if close else "")
+            ) from None
 
     def worst(self, n: int = 1) -> list[int]:
         """The ``n`` samples with the largest loss: pass them to
@@ -118,32 +120,45 @@ class Replay:
         return [(str(names[i]), float(v[i])) for i in order]
 
     def __repr__(self) -> str:
-        verdict = ("faithful" if self.faithful
-                   else f"NOT faithful (max |diff| {self.max_abs_diff:.3g})")
-        worst = ", ".join(f"{i}: {loss:.4g}" for i, loss in zip(
-            self.per_sample["index"].values[:3], self.per_sample["loss"].values[:3],
-            strict=False))
-        return (f"Replay(step {self.step}: {verdict}; {len(self.losses)} micro-batch(es), "
-                f"losses {[round(x, 6) for x in self.losses]}; worst samples {worst})")
+        verdict = (
+            "faithful" if self.faithful else f"NOT faithful (max |diff| {self.max_abs_diff:.3g})"
+        )
+        worst = ", ".join(
+            f"{i}: {loss:.4g}"
+            for i, loss in zip(
+                self.per_sample["index"].values[:3],
+                self.per_sample["loss"].values[:3],
+                strict=False,
+            )
+        )
+        return (
+            f"Replay(step {self.step}: {verdict}; {len(self.losses)} micro-batch(es), "
+            f"losses {[round(x, 6) for x in self.losses]}; worst samples {worst})"
+        )
 
 
 def _prev_header(reader: Reader, line: Sequence[Any], step: int) -> tuple[Any, Any]:
     """(commit of ``step``, commit of ``step - 1``) on the timeline ``line``."""
     by_step = {int(h.step): h for h in line}
     if step not in by_step:
-        raise StepNotFoundError(f"step {step} is not committed on this timeline; replay needs "
-                                "the step itself (to check the replay) and the one before it")
+        raise StepNotFoundError(
+            f"step {step} is not committed on this timeline; replay needs "
+            "the step itself (to check the replay) and the one before it"
+        )
     if step - 1 not in by_step:
         have = sorted(by_step)
         raise ReplayError(
             f"step {step - 1} is not committed (committed steps near {step}: "
             f"{[s for s in have if abs(s - step) <= 5]}): replaying step {step} starts from "
             f"the state after step {step - 1}; capture every step (every=1) or replay a step "
-            "whose predecessor was committed")
+            "whose predecessor was committed"
+        )
     prev = by_step[step - 1]
     if getattr(prev, "pruned", False):
-        raise ReplayError(f"step {step - 1} was pruned by gc (its tensors are gone); replay a "
-                          "step whose predecessor is kept (Retention keeps spike windows)")
+        raise ReplayError(
+            f"step {step - 1} was pruned by gc (its tensors are gone); replay a "
+            "step whose predecessor is kept (Retention keeps spike windows)"
+        )
     return by_step[step], prev
 
 
@@ -151,7 +166,7 @@ def _slice(batch: Any, i: int) -> Any:
     """Sample ``i`` of a batch (tensors, arrays, dicts, lists/tuples of them; dim 0),
     keeping a batch dimension of 1."""
     if isinstance(batch, torch.Tensor | np.ndarray):
-        return batch[i:i + 1]
+        return batch[i : i + 1]
     if isinstance(batch, Mapping):
         return type(batch)({k: _slice(v, i) for k, v in batch.items()})  # type: ignore[call-arg]
     if isinstance(batch, list | tuple):
@@ -166,8 +181,10 @@ def _batch_size(batch: Any) -> int:
         return _batch_size(next(iter(batch.values())))
     if isinstance(batch, list | tuple) and batch:
         return _batch_size(batch[0])
-    raise ReplayError(f"cannot tell the batch size of a {type(batch).__name__}: per-sample "
-                      "losses need tensors (or dicts/tuples of them) with the batch on dim 0")
+    raise ReplayError(
+        f"cannot tell the batch size of a {type(batch).__name__}: per-sample "
+        "losses need tensors (or dicts/tuples of them) with the batch on dim 0"
+    )
 
 
 def _default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -176,14 +193,21 @@ def _default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     if loss is None and isinstance(out, tuple) and len(out) == 2:
         loss = out[1]  # (logits, loss), as dstt.testing.models.TinyGPT
     if not isinstance(loss, torch.Tensor):
-        raise ConfigError("replay needs loss_fn=(model, batch) -> the loss your loop "
-                          "back-propagated (the model's output has no .loss)")
+        raise ConfigError(
+            "replay needs loss_fn=(model, batch) -> the loss your loop "
+            "back-propagated (the model's output has no .loss)"
+        )
     return loss
 
 
-def _step_batches(run: Any, step: int, timeline: str | None, batches: Any, dataset: Any,
-                  collate: Callable[[list[Any]], Any] | None
-                  ) -> tuple[list[Any], list[list[int] | None]]:
+def _step_batches(
+    run: Any,
+    step: int,
+    timeline: str | None,
+    batches: Any,
+    dataset: Any,
+    collate: Callable[[list[Any]], Any] | None,
+) -> tuple[list[Any], list[list[int] | None]]:
     """Step ``step``'s micro-batches and each one's sample indices (None when unknown)."""
     if batches is not None and not callable(batches):
         got = list(batches)
@@ -193,18 +217,22 @@ def _step_batches(run: Any, step: int, timeline: str | None, batches: Any, datas
         raise ReplayError(
             f"step {step} has no recorded batches: the run was captured without data "
             "attribution. Wrap the loader as `for batch in s.data(loader):` in the session "
-            "(or pass replay(..., batches=[the step's batches]))")
+            "(or pass replay(..., batches=[the step's batches]))"
+        )
     indices = [list(b.indices) if b.indices is not None else None for b in recorded]
     if any(ix is None for ix in indices):
         raise ReplayError(
             f"step {step}'s batches were recorded by hash, not by sample indices (the loader "
-            "is not a DataLoader over a map-style dataset): pass replay(..., batches=[...])")
+            "is not a DataLoader over a map-style dataset): pass replay(..., batches=[...])"
+        )
     known = [ix for ix in indices if ix is not None]
     if callable(batches):
         return [batches(ix) for ix in known], list(indices)
     if dataset is None:
-        raise ConfigError("replay needs the data: dataset=... (with collate=...) to rebuild "
-                          "the step's batches from their sample indices, or batches=")
+        raise ConfigError(
+            "replay needs the data: dataset=... (with collate=...) to rebuild "
+            "the step's batches from their sample indices, or batches="
+        )
     if collate is None:
         from torch.utils.data import default_collate
 
@@ -212,12 +240,23 @@ def _step_batches(run: Any, step: int, timeline: str | None, batches: Any, datas
     return [collate([dataset[i] for i in ix]) for ix in known], list(indices)
 
 
-def replay_step(run: Any, reader: Reader, step: int, model: torch.nn.Module,
-                optimizer: Any, *,
-                scheduler: Any = None, loss_fn: LossFn | None = None, batches: Any = None,
-                dataset: Any = None, collate: Callable[[list[Any]], Any] | None = None,
-                activations: Iterable[str] = (), per_sample: bool = True,
-                per_sample_grads: bool = False, timeline: str | None = None) -> Replay:
+def replay_step(
+    run: Any,
+    reader: Reader,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: Any,
+    *,
+    scheduler: Any = None,
+    loss_fn: LossFn | None = None,
+    batches: Any = None,
+    dataset: Any = None,
+    collate: Callable[[list[Any]], Any] | None = None,
+    activations: Iterable[str] = (),
+    per_sample: bool = True,
+    per_sample_grads: bool = False,
+    timeline: str | None = None,
+) -> Replay:
     """Replay step ``step`` of ``run`` (read with ``reader``, the run's own) into
     ``model``/``optimizer`` (see the module docstring and :class:`Replay`)."""
     timeline = timeline or run.timeline
@@ -247,23 +286,38 @@ def replay_step(run: Any, reader: Reader, step: int, model: torch.nn.Module,
     finally:
         for h in hooks:
             h.remove()
-    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-             for n, p in params}
+    grads = {
+        n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in params
+    }
     for opt in optimizers_of(optimizer).values():
         opt.step()
     after = {n: p.detach().clone() for n, p in params}
     faithful, max_diff, differs = _compare(reader, head_k, model, optimizer, names)
-    samples = (_per_sample(model, params, before, after, micro, sample_ix, loss_fn,
-                           per_sample_grads) if per_sample else _empty_samples())
+    samples = (
+        _per_sample(model, params, before, after, micro, sample_ix, loss_fn, per_sample_grads)
+        if per_sample
+        else _empty_samples()
+    )
     model.train(was_training)
     table = reader.arrays(head_k)
-    return Replay(step=int(step), faithful=faithful, max_abs_diff=max_diff, differs=differs,
-                  losses=losses, norms=_norms(grads, before, after), per_sample=samples,
-                  activations=acts, _grads=grads, _table=table)
+    return Replay(
+        step=int(step),
+        faithful=faithful,
+        max_abs_diff=max_diff,
+        differs=differs,
+        losses=losses,
+        norms=_norms(grads, before, after),
+        per_sample=samples,
+        activations=acts,
+        _grads=grads,
+        _table=table,
+    )
 
 
-def _hook_activations(model: torch.nn.Module, wanted: Iterable[str]
-                      ) -> tuple[list[Any], dict[str, list[torch.Tensor]]]:
+def _hook_activations(
+    model: torch.nn.Module, wanted: Iterable[str]
+) -> tuple[list[Any], dict[str, list[torch.Tensor]]]:
     wanted = list(wanted)
     if not wanted:
         return [], {}
@@ -275,9 +329,13 @@ def _hook_activations(model: torch.nn.Module, wanted: Iterable[str]
         import difflib
 
         hints = {w: difflib.get_close_matches(w, list(by_name), n=3) for w in missing}
-        raise ConfigError("no module named " + "; ".join(
-            f"{w!r}" + (f" (did you mean {', '.join(map(repr, h))}?)" if h else "")
-            for w, h in hints.items()))
+        raise ConfigError(
+            "no module named "
+            + "; ".join(
+                f"{w!r}" + (f" (did you mean {', '.join(map(repr, h))}?)" if h else "")
+                for w, h in hints.items()
+            )
+        )
     acts: dict[str, list[torch.Tensor]] = {w: [] for w in wanted}
 
     def keep(name: str) -> Callable[..., None]:
@@ -285,13 +343,19 @@ def _hook_activations(model: torch.nn.Module, wanted: Iterable[str]
             t = out[0] if isinstance(out, tuple) else out
             if isinstance(t, torch.Tensor):
                 acts[name].append(t.detach().to("cpu", copy=True))
+
         return hook
 
     return [by_name[w].register_forward_hook(keep(w)) for w in wanted], acts
 
 
-def _compare(reader: Reader, head: CommitHeader, model: torch.nn.Module, optimizer: Any,
-             names: Mapping[int, str]) -> tuple[bool, float, list[str]]:
+def _compare(
+    reader: Reader,
+    head: CommitHeader,
+    model: torch.nn.Module,
+    optimizer: Any,
+    names: Mapping[int, str],
+) -> tuple[bool, float, list[str]]:
     """Every parameter and optimizer-state tensor against commit ``head``."""
     source = StoreSource(reader, head)
     live: dict[str, torch.Tensor] = {}
@@ -308,9 +372,14 @@ def _compare(reader: Reader, head: CommitHeader, model: torch.nn.Module, optimiz
         if not source.has_array(path):
             continue
         stored = source.array(path)
-        same = (stored.dtype == t.dtype and stored.shape == t.shape and torch.equal(
-            stored.reshape(-1).view(torch.uint8) if stored.numel() else stored,
-            t.cpu().contiguous().reshape(-1).view(torch.uint8) if t.numel() else t.cpu()))
+        same = (
+            stored.dtype == t.dtype
+            and stored.shape == t.shape
+            and torch.equal(
+                stored.reshape(-1).view(torch.uint8) if stored.numel() else stored,
+                t.cpu().contiguous().reshape(-1).view(torch.uint8) if t.numel() else t.cpu(),
+            )
+        )
         if not same:
             differs.append(path)
             if stored.shape == t.shape and stored.is_floating_point():
@@ -321,10 +390,16 @@ def _compare(reader: Reader, head: CommitHeader, model: torch.nn.Module, optimiz
     return not differs, max_diff, sorted(differs)
 
 
-def _per_sample(model: torch.nn.Module, params: list[tuple[str, torch.nn.Parameter]],
-                before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor],
-                micro: list[Any], sample_ix: list[list[int] | None], loss_fn: LossFn,
-                grads: bool) -> xr.Dataset:
+def _per_sample(
+    model: torch.nn.Module,
+    params: list[tuple[str, torch.nn.Parameter]],
+    before: Mapping[str, torch.Tensor],
+    after: Mapping[str, torch.Tensor],
+    micro: list[Any],
+    sample_ix: list[list[int] | None],
+    loss_fn: LossFn,
+    grads: bool,
+) -> xr.Dataset:
     """Each sample alone, on the weights of the step before, in eval mode."""
     with torch.no_grad():
         for n, p in params:
@@ -344,8 +419,9 @@ def _per_sample(model: torch.nn.Module, params: list[tuple[str, torch.nn.Paramet
                     loss = loss_fn(model, one)
                     loss = loss.mean() if loss.dim() else loss
                     loss.backward()
-                    sq = sum(float(p.grad.double().pow(2).sum()) for _, p in params
-                             if p.grad is not None)
+                    sq = sum(
+                        float(p.grad.double().pow(2).sum()) for _, p in params if p.grad is not None
+                    )
                     gnorm.append(math.sqrt(sq))
                 else:
                     with torch.no_grad():
@@ -361,25 +437,40 @@ def _per_sample(model: torch.nn.Module, params: list[tuple[str, torch.nn.Paramet
         with torch.no_grad():
             for n, p in params:
                 p.copy_(after[n])
-    order = np.argsort(-np.nan_to_num(np.asarray(loss_v, dtype=np.float64), nan=-np.inf),
-                       kind="stable")
+    order = np.argsort(
+        -np.nan_to_num(np.asarray(loss_v, dtype=np.float64), nan=-np.inf), kind="stable"
+    )
     return xr.Dataset(
-        {"loss": ("sample", np.asarray(loss_v)[order]),
-         "grad_norm": ("sample", np.asarray(gnorm)[order])},
-        coords={"index": ("sample", np.asarray(index, dtype=np.int64)[order]),
-                "micro_batch": ("sample", np.asarray(mb, dtype=np.int64)[order])},
-        attrs={"order": "worst first (largest loss)", "mode": "eval (no dropout), weights of "
-               "the step before"})
+        {
+            "loss": ("sample", np.asarray(loss_v)[order]),
+            "grad_norm": ("sample", np.asarray(gnorm)[order]),
+        },
+        coords={
+            "index": ("sample", np.asarray(index, dtype=np.int64)[order]),
+            "micro_batch": ("sample", np.asarray(mb, dtype=np.int64)[order]),
+        },
+        attrs={
+            "order": "worst first (largest loss)",
+            "mode": "eval (no dropout), weights of the step before",
+        },
+    )
 
 
 def _empty_samples() -> xr.Dataset:
-    return xr.Dataset({"loss": ("sample", np.zeros(0)), "grad_norm": ("sample", np.zeros(0))},
-                      coords={"index": ("sample", np.zeros(0, np.int64)),
-                              "micro_batch": ("sample", np.zeros(0, np.int64))})
+    return xr.Dataset(
+        {"loss": ("sample", np.zeros(0)), "grad_norm": ("sample", np.zeros(0))},
+        coords={
+            "index": ("sample", np.zeros(0, np.int64)),
+            "micro_batch": ("sample", np.zeros(0, np.int64)),
+        },
+    )
 
 
-def _norms(grads: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor],
-           after: Mapping[str, torch.Tensor]) -> xr.Dataset:
+def _norms(
+    grads: Mapping[str, torch.Tensor],
+    before: Mapping[str, torch.Tensor],
+    after: Mapping[str, torch.Tensor],
+) -> xr.Dataset:
     names = sorted(grads)
 
     def norm(t: torch.Tensor) -> float:
@@ -391,12 +482,21 @@ def _norms(grads: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor]
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(w > 0, u / w, np.nan)
     return xr.Dataset(
-        {"grad_norm": ("tensor", g), "update_norm": ("tensor", u),
-         "weight_norm": ("tensor", w), "update_ratio": ("tensor", ratio)},
-        coords={"tensor": ("tensor", np.asarray(names, dtype=object)),
-                "store_path": ("tensor", np.asarray([tensor_path("params", n) for n in names],
-                                                     dtype=object))},
-        attrs={"update_ratio": "exact: ||w_k - w_{k-1}|| / ||w_{k-1}||"})
+        {
+            "grad_norm": ("tensor", g),
+            "update_norm": ("tensor", u),
+            "weight_norm": ("tensor", w),
+            "update_ratio": ("tensor", ratio),
+        },
+        coords={
+            "tensor": ("tensor", np.asarray(names, dtype=object)),
+            "store_path": (
+                "tensor",
+                np.asarray([tensor_path("params", n) for n in names], dtype=object),
+            ),
+        },
+        attrs={"update_ratio": "exact: ||w_k - w_{k-1}|| / ||w_{k-1}||"},
+    )
 
 
 def _grad_tree(grads: Mapping[str, torch.Tensor], table: Mapping[str, Any]) -> xr.DataTree:
@@ -407,10 +507,11 @@ def _grad_tree(grads: Mapping[str, torch.Tensor], table: Mapping[str, Any]) -> x
         node, var = tree_location(path)
         rec = table.get(path)
         dims = tuple(getattr(rec, "dims", None) or ()) or tuple(
-            f"{var}_{i}" for i in range(g.dim()))
+            f"{var}_{i}" for i in range(g.dim())
+        )
         arr = g.detach().cpu()
         data = (arr.float() if arr.dtype in (torch.bfloat16, torch.float16) else arr).numpy()
-        nodes.setdefault(node, {})[var] = xr.DataArray(data, dims=dims[:g.dim()])
+        nodes.setdefault(node, {})[var] = xr.DataArray(data, dims=dims[: g.dim()])
     tree: dict[str, xr.Dataset] = {"/": xr.Dataset()}
     for node, vars_ in nodes.items():
         tree["/" + node if node else "/"] = xr.Dataset(vars_)

@@ -61,8 +61,15 @@ if TYPE_CHECKING:
 
     from dstt.store import CommitHeader, Reader
 
-__all__ = ["GROUPS_OBJECT", "PARTS", "SCHEDULER_OBJECT", "STATE_OBJECT", "LoadResult",
-           "load_step", "step_state"]
+__all__ = [
+    "GROUPS_OBJECT",
+    "PARTS",
+    "SCHEDULER_OBJECT",
+    "STATE_OBJECT",
+    "LoadResult",
+    "load_step",
+    "step_state",
+]
 
 SCHEDULER_OBJECT = "scheduler"
 PARTS = ("model", "optimizer", "scheduler")
@@ -79,15 +86,18 @@ class LoadResult(_Keys):
 
     loaded_keys: list[str]
 
-    def __new__(cls, missing_keys: list[str], unexpected_keys: list[str],
-                loaded_keys: Iterable[str] = ()) -> LoadResult:
+    def __new__(
+        cls, missing_keys: list[str], unexpected_keys: list[str], loaded_keys: Iterable[str] = ()
+    ) -> LoadResult:
         self = super().__new__(cls, missing_keys, unexpected_keys)
         self.loaded_keys = list(loaded_keys)
         return self
 
     def __repr__(self) -> str:
-        return (f"LoadResult(missing_keys={self.missing_keys!r}, unexpected_keys="
-                f"{self.unexpected_keys!r}, loaded_keys={listed(self.loaded_keys)!r})")
+        return (
+            f"LoadResult(missing_keys={self.missing_keys!r}, unexpected_keys="
+            f"{self.unexpected_keys!r}, loaded_keys={listed(self.loaded_keys)!r})"
+        )
 
 
 class _Step:
@@ -102,10 +112,13 @@ class _Step:
     def tensor(self, path: str) -> torch.Tensor:
         path = canonical_path(path)  # optimizer state names of runs stored with wrappers
         if path not in self.table:
-            raise SchemaError(f"step {self.step} has no array {path!r}, which its optimizer "
-                              "state names; the run is damaged (run `dstt verify`)")
-        return tensor_from_numpy(self.reader.read_array(self.header, self.table[path].path),
-                                 self.table[path].dtype)
+            raise SchemaError(
+                f"step {self.step} has no array {path!r}, which its optimizer "
+                "state names; the run is damaged (run `dstt verify`)"
+            )
+        return tensor_from_numpy(
+            self.reader.read_array(self.header, self.table[path].path), self.table[path].dtype
+        )
 
     def object(self, name: str) -> Any:
         if name not in self.header.objects:
@@ -126,21 +139,26 @@ class _Step:
             i, p = ip
             name = user_name(p)
             buffer = p.startswith("buffers/")
-            return (modules[name.rpartition(".")[0]], int(buffer),
-                    i if buffer else pos.get(name, len(pos) + i))
+            return (
+                modules[name.rpartition(".")[0]],
+                int(buffer),
+                i if buffer else pos.get(name, len(pos) + i),
+            )
 
         return [p for _, p in sorted(enumerate(paths), key=key)]
 
 
-def step_state(reader: Reader, header: CommitHeader, *, parts: Iterable[str] = PARTS,
-               trusted: bool = False) -> dict[str, Any]:
+def step_state(
+    reader: Reader, header: CommitHeader, *, parts: Iterable[str] = PARTS, trusted: bool = False
+) -> dict[str, Any]:
     """``{"model", "optimizer", "scheduler"}`` of one commit in torch's formats (see the
     module docstring); a part not captured is None, a part not in ``parts`` is not read."""
     return _read(reader, header, parts, trusted)[0]
 
 
-def _read(reader: Reader, header: CommitHeader, parts: Iterable[str], trusted: bool
-          ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+def _read(
+    reader: Reader, header: CommitHeader, parts: Iterable[str], trusted: bool
+) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """``step_state`` and the stored param groups (with parameter names) by optimizer key
     (``""``: the only one)."""
     want = set(parts)
@@ -148,8 +166,14 @@ def _read(reader: Reader, header: CommitHeader, parts: Iterable[str], trusted: b
         raise ValueError(f"unknown parts {sorted(want - set(PARTS))}; use {', '.join(PARTS)}")
     src = _Step(reader, header, trusted)
     keys = stored_keys(header.objects)
-    groups = ({k: canonical_groups(src.object(f"{GROUPS_OBJECT}/{k}" if k else GROUPS_OBJECT))
-               for k in keys} if want & {"model", "optimizer"} else {})
+    groups = (
+        {
+            k: canonical_groups(src.object(f"{GROUPS_OBJECT}/{k}" if k else GROUPS_OBJECT))
+            for k in keys
+        }
+        if want & {"model", "optimizer"}
+        else {}
+    )
     out: dict[str, Any] = {}
     if "model" in want:
         order = [n for gs in groups.values() for g in gs for n in g["params"]]
@@ -161,8 +185,10 @@ def _read(reader: Reader, header: CommitHeader, parts: Iterable[str], trusted: b
                 read[where] = src.tensor(p)
             out["model"][user_name(p)] = read[where]
     if "optimizer" in want:
-        opts = {k: optimizer_state(src, g, f"{STATE_OBJECT}/{k}" if k else STATE_OBJECT)
-                for k, g in groups.items()}
+        opts = {
+            k: optimizer_state(src, g, f"{STATE_OBJECT}/{k}" if k else STATE_OBJECT)
+            for k, g in groups.items()
+        }
         out["optimizer"] = opts.get("", opts) if opts else None
     if "scheduler" in want:
         out["scheduler"] = src.object(SCHEDULER_OBJECT)
@@ -171,8 +197,10 @@ def _read(reader: Reader, header: CommitHeader, parts: Iterable[str], trusted: b
 
 # -- loading into live objects -------------------------------------------------------------
 
-def _model_state(model: torch.nn.Module, stored: dict[str, torch.Tensor], step: int,
-                 strict: bool) -> tuple[dict[str, torch.Tensor], LoadResult]:
+
+def _model_state(
+    model: torch.nn.Module, stored: dict[str, torch.Tensor], step: int, strict: bool
+) -> tuple[dict[str, torch.Tensor], LoadResult]:
     """``stored`` keyed by the live model's names (wrapper components matched, tied names
     filled in), checked against the model."""
     live = model.state_dict(keep_vars=True)
@@ -194,24 +222,38 @@ def _model_state(model: torch.nn.Module, stored: dict[str, torch.Tensor], step: 
     if strict and (missing or unexpected):
         raise SchemaError(
             f"step {step} does not fit the model: "
-            + "; ".join(s for s in (
-                f"missing from the step: {listed(sorted(missing), 8)}" if missing else "",
-                f"in the step but not in the model: {listed(sorted(unexpected), 8)}" if unexpected
-                else "") if s)
+            + "; ".join(
+                s
+                for s in (
+                    f"missing from the step: {listed(sorted(missing), 8)}" if missing else "",
+                    f"in the step but not in the model: {listed(sorted(unexpected), 8)}"
+                    if unexpected
+                    else "",
+                )
+                if s
+            )
             + ". Was the run written by a different model? load_into(..., strict=False) "
-            "loads the tensors both have")
-    wrong = [f"{n} (stored {out[n].dtype}{tuple(out[n].shape)}, model "
-             f"{t.dtype}{tuple(t.shape)})" for n, t in live.items()
-             if n in out and (out[n].dtype != t.dtype or out[n].shape != t.shape)]
+            "loads the tensors both have"
+        )
+    wrong = [
+        f"{n} (stored {out[n].dtype}{tuple(out[n].shape)}, model {t.dtype}{tuple(t.shape)})"
+        for n, t in live.items()
+        if n in out and (out[n].dtype != t.dtype or out[n].shape != t.shape)
+    ]
     if wrong:
-        raise SchemaError(f"step {step}: tensors differ from the model's in dtype or shape "
-                          f"(loading would not be exact): {listed(sorted(wrong), 8)}")
+        raise SchemaError(
+            f"step {step}: tensors differ from the model's in dtype or shape "
+            f"(loading would not be exact): {listed(sorted(wrong), 8)}"
+        )
     if not out and live:
         warnings.warn(
             f"load_into loaded nothing into the model: none of its {len(live)} names (e.g. "
             f"{next(iter(live))!r}) is stored at step {step} (stored: "
             f"{listed(sorted(stored), 3) or 'no model tensors'}); was the run written by "
-            "another model?", DsttWarning, stacklevel=4)
+            "another model?",
+            DsttWarning,
+            stacklevel=4,
+        )
     return out, LoadResult(missing, unexpected, list(out))
 
 
@@ -219,35 +261,57 @@ def as_live(value: Any, like: Any) -> Any:
     """A whole stored tensor as the live tensor ``like`` holds it: for a DTensor of the same
     global shape (FSDP2, tensor parallel), a DTensor of its placements whose local tensor is
     this rank's box of ``value`` (sliced, no collective); anything else as it is."""
-    if not (isinstance(value, torch.Tensor) and is_dtensor(like)
-            and tuple(value.shape) == tuple(like.shape)):
+    if not (
+        isinstance(value, torch.Tensor)
+        and is_dtensor(like)
+        and tuple(value.shape) == tuple(like.shape)
+    ):
         return value
     from torch.distributed.tensor import DTensor
 
     box = held_box(like)
-    local = (value[tuple(slice(o, o + n) for o, n in zip(*box, strict=True))].contiguous()
-             if box is not None else torch.empty_like(like.to_local(), device="cpu"))
-    return DTensor.from_local(local.to(like.device), like.device_mesh, like.placements,
-                              run_check=False, shape=like.shape, stride=like.stride())
+    local = (
+        value[tuple(slice(o, o + n) for o, n in zip(*box, strict=True))].contiguous()
+        if box is not None
+        else torch.empty_like(like.to_local(), device="cpu")
+    )
+    return DTensor.from_local(
+        local.to(like.device),
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
 
 
 def _optimizer_as_live(sd: dict[str, Any], opt: torch.optim.Optimizer) -> dict[str, Any]:
     """An optimizer state dict with each DTensor parameter's state as DTensors (``as_live``);
     torch numbers the parameters by their position in the param groups."""
     params = [p for g in opt.param_groups for p in g["params"]]
-    state = {i: {k: as_live(v, params[i]) if i < len(params) else v for k, v in st.items()}
-             for i, st in sd["state"].items()}
+    state = {
+        i: {k: as_live(v, params[i]) if i < len(params) else v for k, v in st.items()}
+        for i, st in sd["state"].items()
+    }
     return {**sd, "state": state}
 
 
-def load_step(reader: Reader, header: CommitHeader, model: torch.nn.Module | None = None,
-              optimizer: Any = None, scheduler: Any = None, *,
-              strict: bool = True, trusted: bool = False) -> LoadResult:
+def load_step(
+    reader: Reader,
+    header: CommitHeader,
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    *,
+    strict: bool = True,
+    trusted: bool = False,
+) -> LoadResult:
     """Load one commit into live objects (any of them may be None; ``optimizer`` one, a list
     or a dict of them, as the session was given); everything is read and checked first, so a
     mismatch or a damaged step leaves every live object untouched."""
-    parts = [p for p, obj in zip(PARTS, (model, optimizer, scheduler), strict=True)
-             if obj is not None]
+    parts = [
+        p for p, obj in zip(PARTS, (model, optimizer, scheduler), strict=True) if obj is not None
+    ]
     if not parts:
         raise TypeError("load_into needs a model, an optimizer or a scheduler to load into")
     step = int(header.step)
@@ -259,15 +323,17 @@ def load_step(reader: Reader, header: CommitHeader, model: torch.nn.Module | Non
     for key, opt in opts.items():
         check_optimizer(opt, groups[key], model, step, key)
     if scheduler is not None and sd["scheduler"] is None:
-        raise SchemaError(f"step {step} holds no scheduler state (the session was not given "
-                          "scheduler=); leave the scheduler out")
+        raise SchemaError(
+            f"step {step} holds no scheduler state (the session was not given "
+            "scheduler=); leave the scheduler out"
+        )
     if model is not None:
         live = model.state_dict(keep_vars=True)
-        model.load_state_dict({n: as_live(v, live.get(n)) for n, v in msd.items()},
-                              strict=strict)
+        model.load_state_dict({n: as_live(v, live.get(n)) for n, v in msd.items()}, strict=strict)
     for key, opt in opts.items():
-        opt.load_state_dict(_optimizer_as_live(
-            sd["optimizer"] if key == "" else sd["optimizer"][key], opt))
+        opt.load_state_dict(
+            _optimizer_as_live(sd["optimizer"] if key == "" else sd["optimizer"][key], opt)
+        )
     if scheduler is not None:
         scheduler.load_state_dict(sd["scheduler"])
     return result

@@ -51,9 +51,9 @@ def select(selector: str, paths: Iterable[str]) -> list[str]:
     return select_layer(selector, paths)[0]
 
 
-def select_layer(selector: str, paths: Iterable[str],
-                 expert_dim: Callable[[str], str | None] | None = None
-                 ) -> tuple[list[str], Pick]:
+def select_layer(
+    selector: str, paths: Iterable[str], expert_dim: Callable[[str], str | None] | None = None
+) -> tuple[list[str], Pick]:
     """The paths ``selector`` picks by the whole rule, and the experts picked of fused
     tensors (rule 3; ``expert_dim(path)`` names a path's leading expert dimension, None when
     it has none)."""
@@ -63,8 +63,10 @@ def select_layer(selector: str, paths: Iterable[str],
         match = re.compile(fnmatch.translate(selector)).match
 
         def hit(c: list[str]) -> bool:
-            return any(match(".".join(c[i:j])) for i in range(len(c))
-                       for j in range(i + 1, len(c) + 1))
+            return any(
+                match(".".join(c[i:j])) for i in range(len(c)) for j in range(i + 1, len(c) + 1)
+            )
+
         return [p for p in paths if hit(dotted[p])], {}
     want = [s for s in selector.split(".") if s]
     if not want:
@@ -81,17 +83,21 @@ def select_layer(selector: str, paths: Iterable[str],
     return [p for p in paths if set(want) <= set(dotted[p])], {}
 
 
-def _experts(want: list[str], paths: list[str], dotted: dict[str, list[str]],
-             expert_dim: Callable[[str], str | None]) -> Pick:
+def _experts(
+    want: list[str],
+    paths: list[str],
+    dotted: dict[str, list[str]],
+    expert_dim: Callable[[str], str | None],
+) -> Pick:
     """Rule 3: ``<module>.<i>[.<param>]`` over tensors with a leading expert dimension."""
     for k in range(max(1, len(want) - 2), len(want)):  # the index: last or next to last
         if not want[k].isdigit():
             continue
-        module, index, rest = want[:k], int(want[k]), want[k + 1:]
+        module, index, rest = want[:k], int(want[k]), want[k + 1 :]
         out: Pick = {}
         for p in paths:
             c = dotted[p]
-            if c[-1 - len(module):-1] != module or (rest and c[-1] != rest[0]):
+            if c[-1 - len(module) : -1] != module or (rest and c[-1] != rest[0]):
                 continue
             dim = expert_dim(p)
             if dim is not None:
@@ -101,8 +107,9 @@ def _experts(want: list[str], paths: list[str], dotted: dict[str, list[str]],
     return {}
 
 
-def selector_miss(selector: str, paths: Iterable[str], where: str,
-                  listing: str = "") -> TensorNotFoundError:
+def selector_miss(
+    selector: str, paths: Iterable[str], where: str, listing: str = ""
+) -> TensorNotFoundError:
     """The error for a selector that picks nothing among ``paths``: the closest runs of
     components (each a selector that picks something), or the top-level modules when none is
     close."""

@@ -56,23 +56,28 @@ def with_logical(reader: Reader, header: CommitHeader, table: dict[str, Any]) ->
         # a box source has the tensor's own dims (its local shape); flat ZeRO pieces have none
         src = table.get(a.boxes[0].source) if a.boxes else None
         dims = getattr(src, "dims", None)
-        out[path] = LogicalRecord(path, a.dtype, a.shape, rows, (), logical=a,
-                                  **({"dims": dims} if dims else {}))
+        out[path] = LogicalRecord(
+            path, a.dtype, a.shape, rows, (), logical=a, **({"dims": dims} if dims else {})
+        )
     return out
 
 
-def read_logical_chunk(reader: Reader, header: CommitHeader, rec: LogicalRecord,
-                       index: int) -> memoryview:
+def read_logical_chunk(
+    reader: Reader, header: CommitHeader, rec: LogicalRecord, index: int
+) -> memoryview:
     """Bytes of virtual chunk ``index`` of a logical tensor (no padding), like ``read_chunk``."""
     assert rec.logical is not None
     plan = rec.plan
     start, stop = plan.byte_range(index)
-    data = read_logical(reader, header, rec.logical, start // plan.itemsize,
-                        stop // plan.itemsize)
+    data = read_logical(reader, header, rec.logical, start // plan.itemsize, stop // plan.itemsize)
     return data.reshape(-1).view(np.uint8).data
 
 
 def shard_sources(table: Mapping[str, Any]) -> set[str]:
     """Stored arrays that only serve as pieces of logical tensors (hidden in layer views)."""
-    return {src for rec in table.values() if isinstance(rec, LogicalRecord)
-            and rec.logical is not None for src in rec.logical.sources}
+    return {
+        src
+        for rec in table.values()
+        if isinstance(rec, LogicalRecord) and rec.logical is not None
+        for src in rec.logical.sources
+    }

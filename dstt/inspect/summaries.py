@@ -84,7 +84,7 @@ def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
         for f in ("update_l2", "update_ratio"):
             if math.isnan(row[f]):  # unknown (first step, no probe); an inf stays inf
                 row[f] = None
-        row["probe"] = probe[i, :lens[i]].tolist()
+        row["probe"] = probe[i, : lens[i]].tolist()
         row["update_exact"] = False
         out[p] = row
     return out
@@ -93,8 +93,9 @@ def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
 METRICS_HISTORY_OBJECT = "metrics/history"  # written by dstt.training.metrics
 
 
-def step_coords(steps: Sequence[int], slots: Sequence[int], timelines: Sequence[str],
-                times: Sequence[float]) -> dict[str, Any]:
+def step_coords(
+    steps: Sequence[int], slots: Sequence[int], timelines: Sequence[str], times: Sequence[float]
+) -> dict[str, Any]:
     """The coordinates every per-step view shares: ``step`` (the index: unique and ascending
     along one timeline, so ``.sel(step=k)`` works after a rollback too), and ``slot``,
     ``timeline`` and ``time`` (``datetime64[ns]``, UTC) as plain coordinates along it."""
@@ -113,8 +114,9 @@ def utc_datetimes(seconds: Sequence[float]) -> np.ndarray:
     return us.astype(np.int64).astype("datetime64[us]").astype("datetime64[ns]")
 
 
-def metrics_dataset(headers: Sequence[Any],
-                    read: Callable[[Any, str], Any] | None = None) -> xr.Dataset:
+def metrics_dataset(
+    headers: Sequence[Any], read: Callable[[Any, str], Any] | None = None
+) -> xr.Dataset:
     """Logged metrics of ``headers`` (commits of one timeline in step order) as a Dataset over
     ``step``.
 
@@ -146,15 +148,19 @@ def metrics_dataset(headers: Sequence[Any],
             data[k] = ("step", np.array(["" if v is None else str(v) for v in vals], dtype=object))
         else:
             data[k] = ("step", np.array([as_float(v) for v in vals], dtype=np.float64))
-    coords = step_coords(steps, [r[0] for r in ordered], [r[1] for r in ordered],
-                         [r[2] for r in ordered])
+    coords = step_coords(
+        steps, [r[0] for r in ordered], [r[1] for r in ordered], [r[2] for r in ordered]
+    )
     import xarray as xr
 
     return xr.Dataset(data, coords=coords)
 
 
-def summaries_dataset(headers: Sequence[Any], read: Callable[[Any], dict[str, Any]],
-                      progress: Callable[[int, int], None] | None = None) -> xr.Dataset:
+def summaries_dataset(
+    headers: Sequence[Any],
+    read: Callable[[Any], dict[str, Any]],
+    progress: Callable[[int, int], None] | None = None,
+) -> xr.Dataset:
     """Summaries of the commits in ``headers`` (one timeline, ascending steps) that have
     them (``read(header)`` loads one).
 
@@ -188,12 +194,16 @@ def summaries_dataset(headers: Sequence[Any], read: Callable[[Any], dict[str, An
                 arrays[f][i, j] = as_float(v.get(f))
             exact[i, j] = bool(v.get("update_exact", False))
             pr = [as_float(x) for x in (v.get("probe") or ())]
-            probe[i, j, :len(pr)] = pr
+            probe[i, j, : len(pr)] = pr
     data: dict[str, Any] = {f: (("step", "tensor"), a) for f, a in arrays.items()}
     data["update_exact"] = (("step", "tensor"), exact)
     data["probe"] = (("step", "tensor", "probe_index"), probe)
-    coords = step_coords([h.step for h in with_sum], [h.slot for h in with_sum],
-                         [h.timeline for h in with_sum], [h.time for h in with_sum])
+    coords = step_coords(
+        [h.step for h in with_sum],
+        [h.slot for h in with_sum],
+        [h.timeline for h in with_sum],
+        [h.time for h in with_sum],
+    )
     coords["tensor"] = ("tensor", tensor_names(paths))
     coords["store_path"] = ("tensor", np.array(paths, dtype=object))
     import xarray as xr
@@ -208,10 +218,12 @@ def tensor_names(paths: Sequence[str]) -> np.ndarray:
 
 #: what an estimated update says about itself (the error: ``tests/inspect/
 #: test_update_estimates.py`` measures it against the true ratio of two stored steps)
-ESTIMATE_NOTE = ("estimate from the change of the 16 elements probed per tensor "
-                 "(update_exact False): a rough guide, typically within ~20% of the true "
-                 "value, now and then off by 2x or more; the exact change between two steps: "
-                 "run.diff(a, b)")
+ESTIMATE_NOTE = (
+    "estimate from the change of the 16 elements probed per tensor "
+    "(update_exact False): a rough guide, typically within ~20% of the true "
+    "value, now and then off by 2x or more; the exact change between two steps: "
+    "run.diff(a, b)"
+)
 
 
 def update_exactness(exact: np.ndarray, known: np.ndarray) -> str:
@@ -233,9 +245,13 @@ def label_updates(ds: xr.Dataset) -> xr.Dataset:
     ds.attrs["update_exactness"] = kind
     names = {"update_l2": "||w_t - w_prev||", "update_ratio": "||w_t - w_prev|| / ||w_t||"}
     for var, long in names.items():
-        ds[var].attrs.update(long_name=long, exactness=kind,
-                             note=ESTIMATE_NOTE if kind in ("estimate", "mixed")
-                             else "exact (the previous step's copy was compared whole)")
+        ds[var].attrs.update(
+            long_name=long,
+            exactness=kind,
+            note=ESTIMATE_NOTE
+            if kind in ("estimate", "mixed")
+            else "exact (the previous step's copy was compared whole)",
+        )
     return ds
 
 
@@ -288,8 +304,9 @@ class Spike:
     @property
     def samples(self) -> list[int]:
         """Sample indices of the suspect batches ([] where only hashes were recorded)."""
-        return sorted({i for k in self.suspect_steps for b in self.batches.get(k, ())
-                       for i in b.samples})
+        return sorted(
+            {i for k in self.suspect_steps for b in self.batches.get(k, ()) for i in b.samples}
+        )
 
     @property
     def rollback_to(self) -> int | None:
@@ -304,8 +321,13 @@ class Spike:
         return self.parent, self.cause
 
     def __str__(self) -> str:
-        top = ", ".join(f"{n} (z={r:.3g}, ratio {self.ratios.get(n, math.nan):.3g})"
-                        for n, r in self.tensors[:3]) or "no summaries"
+        top = (
+            ", ".join(
+                f"{n} (z={r:.3g}, ratio {self.ratios.get(n, math.nan):.3g})"
+                for n, r in self.tensors[:3]
+            )
+            or "no summaries"
+        )
         if self.update is not None:
             why = f"caused by the update {self.parent} -> {self.cause}"
         elif self.cause is not None:
@@ -316,8 +338,10 @@ class Spike:
         if self.suspect is not None:
             fps = [str(b) for k in self.suspect_steps for b in self.batches.get(k, ())]
             data = f"; suspect: {self.suspect} ({'; '.join(fps) or 'no batches recorded'})"
-        return (f"step {self.step}: {self.value:.4g} (baseline {self.baseline:.4g}, "
-                f"z={self.zscore:.1f}); {why}; most abnormal updates: {top}{data}")
+        return (
+            f"step {self.step}: {self.value:.4g} (baseline {self.baseline:.4g}, "
+            f"z={self.zscore:.1f}); {why}; most abnormal updates: {top}{data}"
+        )
 
 
 def spike_cause(steps: Sequence[int], start: int) -> tuple[int | None, int | None]:

@@ -44,27 +44,52 @@ def _attrs(path: str, record: Any, catalog: Catalog) -> dict[str, Any]:  # noqa:
 
 
 def _commit_attrs(header: CommitHeader) -> dict[str, Any]:
-    return {"step": int(header.step), "slot": int(header.slot), "timeline": header.timeline,
-            "time": float(header.time)}
+    return {
+        "step": int(header.step),
+        "slot": int(header.slot),
+        "timeline": header.timeline,
+        "time": float(header.time),
+    }
 
 
-def _variable(readers: ReaderPool, header: CommitHeader, catalog: Catalog, path: str,
-              chunks: Any) -> xr.Variable:  # noqa: ANN401 - xarray's chunks
+def _variable(
+    readers: ReaderPool,
+    header: CommitHeader,
+    catalog: Catalog,
+    path: str,
+    chunks: Any,  # noqa: ANN401 - xarray's chunks
+) -> xr.Variable:
     rec = catalog.table[path]
-    return variable(CommitArray(readers, header, rec), catalog.dims_of(path, len(rec.shape)),
-                    chunks, _attrs(path, rec, catalog))
+    return variable(
+        CommitArray(readers, header, rec),
+        catalog.dims_of(path, len(rec.shape)),
+        chunks,
+        _attrs(path, rec, catalog),
+    )
 
 
-def tensor_dataarray(readers: ReaderPool, header: CommitHeader, catalog: Catalog, path: str, *,
-                     chunks: Any = None) -> xr.DataArray:  # noqa: ANN401 - xarray's chunks
+def tensor_dataarray(
+    readers: ReaderPool,
+    header: CommitHeader,
+    catalog: Catalog,
+    path: str,
+    *,
+    chunks: Any = None,  # noqa: ANN401 - xarray's chunks
+) -> xr.DataArray:
     """Lazy DataArray of one tensor of one commit, with a scalar ``step`` coordinate."""
     var = _variable(readers, header, catalog, path, chunks)
     return xr.DataArray(var, coords={"step": np.int64(header.step)}, name=user_name(path))
 
 
-def layer_tree(readers: ReaderPool, header: CommitHeader, catalog: Catalog, paths: Sequence[str], *,
-               picks: Mapping[str, tuple[str, int]] | None = None,
-               chunks: Any = None) -> xr.DataTree:  # noqa: ANN401 - xarray's chunks
+def layer_tree(
+    readers: ReaderPool,
+    header: CommitHeader,
+    catalog: Catalog,
+    paths: Sequence[str],
+    *,
+    picks: Mapping[str, tuple[str, int]] | None = None,
+    chunks: Any = None,  # noqa: ANN401 - xarray's chunks
+) -> xr.DataTree:
     """Lazy DataTree of ``paths`` (paths of ``catalog``, one commit's) laid out by module
     path. ``picks`` narrows fused-experts tensors to one expert (path -> (dim, index),
     :func:`dstt.inspect.selection.select_layer`): a lazy ``isel``, the index kept as a scalar
@@ -79,17 +104,25 @@ def layer_tree(readers: ReaderPool, header: CommitHeader, catalog: Catalog, path
             var = var.isel({dim: index})
             coords.setdefault(node, {})[dim] = np.int64(index)
         nodes.setdefault(node, {})[name] = var
-    root = xr.Dataset(nodes.pop("", {}), coords={"step": np.int64(header.step),
-                                                 **coords.pop("", {})},
-                      attrs=_commit_attrs(header))
+    root = xr.Dataset(
+        nodes.pop("", {}),
+        coords={"step": np.int64(header.step), **coords.pop("", {})},
+        attrs=_commit_attrs(header),
+    )
     tree: dict[str, xr.Dataset] = {"/": root}
     for node in sorted(nodes):
         tree[node] = xr.Dataset(nodes[node], coords=coords.get(node))
     return xr.DataTree.from_dict(tree)
 
 
-def trajectory_dataarray(readers: ReaderPool, headers: Sequence[Any], path: str,
-                         newest: Catalog, *, chunks: Any = None) -> xr.DataArray:  # noqa: ANN401 - xarray's chunks
+def trajectory_dataarray(
+    readers: ReaderPool,
+    headers: Sequence[Any],
+    path: str,
+    newest: Catalog,
+    *,
+    chunks: Any = None,  # noqa: ANN401 - xarray's chunks
+) -> xr.DataArray:
     """Lazy DataArray of tensor ``path`` over ``headers`` (commits of one timeline, ascending
     unique steps).
 
@@ -98,12 +131,16 @@ def trajectory_dataarray(readers: ReaderPool, headers: Sequence[Any], path: str,
     name reads its target's bytes at every step.
     """
     ref = newest.table[path]
-    backend = TrajectoryArray(readers, headers, newest.tied.get(path, path), tuple(ref.shape),
-                              ref.dtype)
+    backend = TrajectoryArray(
+        readers, headers, newest.tied.get(path, path), tuple(ref.shape), ref.dtype
+    )
     dims = ("step", *newest.dims_of(path, len(ref.shape)))
     attrs = _attrs(path, ref, newest)
     attrs["timeline"] = headers[-1].timeline if headers else None
-    coords = step_coords([h.step for h in headers], [h.slot for h in headers],
-                         [h.timeline for h in headers], [h.time for h in headers])
-    return xr.DataArray(variable(backend, dims, chunks, attrs), coords=coords,
-                        name=user_name(path))
+    coords = step_coords(
+        [h.step for h in headers],
+        [h.slot for h in headers],
+        [h.timeline for h in headers],
+        [h.time for h in headers],
+    )
+    return xr.DataArray(variable(backend, dims, chunks, attrs), coords=coords, name=user_name(path))

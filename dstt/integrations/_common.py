@@ -17,14 +17,14 @@ if TYPE_CHECKING:
 __all__ = ["numeric_metrics", "session_options", "unwrap_optimizer", "unwrap_scheduler"]
 
 
-def session_options(run: Any, *, every: int, resume: bool,
-                    options: Mapping[str, Any]) -> SessionOptions:
+def session_options(
+    run: Any, *, every: int, resume: bool, options: Mapping[str, Any]
+) -> SessionOptions:
     """The ``SessionOptions`` of a callback: ``run``, ``every``, ``resume`` and the
     ``dstt.session`` keywords it passes on — not what the callback finds itself."""
     for bad in ("scheduler", "extra_state", "model", "optimizer"):
         if bad in options:
-            raise ConfigError(f"DsttCallback finds the Trainer's {bad} itself; do not pass "
-                              f"{bad}=")
+            raise ConfigError(f"DsttCallback finds the Trainer's {bad} itself; do not pass {bad}=")
     if isinstance(run, str | os.PathLike) and not os.fspath(run):
         raise ConfigError("run must name a directory, e.g. DsttCallback(run='runs/exp1')")
     return SessionOptions.of(run, every=every, resume=resume, **options)
@@ -37,7 +37,8 @@ def unwrap_optimizer(opt: Any) -> Any:
 
     seen = 0
     while not isinstance(opt, torch.optim.Optimizer) or (
-            hasattr(opt, "optimizer") and isinstance(opt.optimizer, torch.optim.Optimizer)):
+        hasattr(opt, "optimizer") and isinstance(opt.optimizer, torch.optim.Optimizer)
+    ):
         inner = getattr(opt, "optimizer", None)
         if inner is None or seen > 4:
             break

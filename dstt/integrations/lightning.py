@@ -54,9 +54,11 @@ class _Loops:
         t = self.trainer
         if t is None:
             return {}
-        return {"fit_loop": t.fit_loop.state_dict(),
-                "epoch_end": t.fit_loop.epoch_loop.batch_progress.current.ready
-                >= t.num_training_batches}
+        return {
+            "fit_loop": t.fit_loop.state_dict(),
+            "epoch_end": t.fit_loop.epoch_loop.batch_progress.current.ready
+            >= t.num_training_batches,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.restored = dict(state)
@@ -70,54 +72,73 @@ class DsttCallback(Callback):
     keyword arguments go to :func:`dstt.session`. ``cb.session`` is the open Session.
     """
 
-    def __init__(self, run: str | os.PathLike[str] | Repository, *, every: int = 1,
-                 resume: bool = False, **options: Any) -> None:
-        self.options = session_options(run, every=every, resume=resume,
-                                       options=options)
+    def __init__(
+        self,
+        run: str | os.PathLike[str] | Repository,
+        *,
+        every: int = 1,
+        resume: bool = False,
+        **options: Any,
+    ) -> None:
+        self.options = session_options(run, every=every, resume=resume, options=options)
         self.run, self.every, self.resume = run, self.options.every, self.options.resume
         self.session: Session | None = None
         self._loops = _Loops()
         self._rng: tuple[Any, ...] | None = None  # restored RNG, re-applied mid-epoch
 
     # -- fit --------------------------------------------------------------------------------
-    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         if self.resume:  # fit(ckpt_path=...) is restoring, before anything else is touched
-            raise ConfigError("DsttCallback(resume=True) restores the run itself; do not also "
-                              f"pass fit(ckpt_path={trainer.ckpt_path!r})")
+            raise ConfigError(
+                "DsttCallback(resume=True) restores the run itself; do not also "
+                f"pass fit(ckpt_path={trainer.ckpt_path!r})"
+            )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.session is not None:
             self._close(RuntimeError("a previous fit stopped without ending"))
         if len(trainer.optimizers) != 1:
-            raise ConfigError(f"DsttCallback captures one optimizer; configure_optimizers "
-                              f"returned {len(trainer.optimizers)}")
+            raise ConfigError(
+                f"DsttCallback captures one optimizer; configure_optimizers "
+                f"returned {len(trainer.optimizers)}"
+            )
         if self.resume and trainer.ckpt_path is not None:
-            raise ConfigError("DsttCallback(resume=True) restores the run itself; do not also "
-                              f"pass fit(ckpt_path={trainer.ckpt_path!r})")
+            raise ConfigError(
+                "DsttCallback(resume=True) restores the run itself; do not also "
+                f"pass fit(ckpt_path={trainer.ckpt_path!r})"
+            )
         configs = trainer.lr_scheduler_configs
         scheduler = configs[0].scheduler if len(configs) == 1 else None
         if len(configs) > 1:
             raise ConfigError(f"DsttCallback captures one LR scheduler, not {len(configs)}")
         self._loops.trainer = trainer
-        s = open_session(pl_module, trainer.optimizers[0], self.options, scheduler=scheduler,
-                         extra_state={"lightning": self._loops})
+        s = open_session(
+            pl_module,
+            trainer.optimizers[0],
+            self.options,
+            scheduler=scheduler,
+            extra_state={"lightning": self._loops},
+        )
         s.start()
         self.session = s
         restored = self._loops.restored
         if s.step and restored and restored.get("fit_loop"):
             trainer.fit_loop.load_state_dict(restored["fit_loop"])
             if not restored.get("epoch_end"):  # the loader is re-iterated before the next
-                self._rng = _get_rng()          # batch: that must not move the RNG
+                self._rng = _get_rng()  # batch: that must not move the RNG
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._rng is not None:
             _set_rng(self._rng)
             self._rng = None
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         s = self.session
         if s is None:
             return
@@ -138,8 +159,9 @@ class DsttCallback(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close(None)
 
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule,
-                     exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
         self._close(exception)
 
     def close(self) -> None:
@@ -151,8 +173,9 @@ class DsttCallback(Callback):
         s = self.session
         if s is None or not s.step or trainer.sanity_checking:
             return
-        values = numeric_metrics({k: v for k, v in trainer.callback_metrics.items()
-                                  if not k.endswith("_step")})
+        values = numeric_metrics(
+            {k: v for k, v in trainer.callback_metrics.items() if not k.endswith("_step")}
+        )
         if values:
             s.log(step=s.step, **values)
 

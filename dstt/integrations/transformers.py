@@ -57,8 +57,15 @@ if TYPE_CHECKING:
 __all__ = ["DsttCallback"]
 
 #: the Trainer's progress kept with each commit (``extra/transformers`` in the run)
-PROGRESS_FIELDS = ("epoch", "global_step", "num_input_tokens_seen", "total_flos",
-                   "best_metric", "best_global_step", "train_batch_size")
+PROGRESS_FIELDS = (
+    "epoch",
+    "global_step",
+    "num_input_tokens_seen",
+    "total_flos",
+    "best_metric",
+    "best_global_step",
+    "train_batch_size",
+)
 
 
 class _Progress:
@@ -90,10 +97,15 @@ class DsttCallback(TrainerCallback):
     The open Session is ``cb.session`` while training runs.
     """
 
-    def __init__(self, run: str | os.PathLike[str] | Repository, *, every: int = 1,
-                 resume: bool = False, **options: Any) -> None:
-        self.options = session_options(run, every=every, resume=resume,
-                                       options=options)
+    def __init__(
+        self,
+        run: str | os.PathLike[str] | Repository,
+        *,
+        every: int = 1,
+        resume: bool = False,
+        **options: Any,
+    ) -> None:
+        self.options = session_options(run, every=every, resume=resume, options=options)
         self.run, self.every, self.resume = run, self.options.every, self.options.resume
         self.session: Session | None = None
         self._progress = _Progress()
@@ -114,11 +126,15 @@ class DsttCallback(TrainerCallback):
         temporary: removed when training ends.
         """
         if not self.resume:
-            raise ConfigError("resume_from() continues a run: create the callback with "
-                              "DsttCallback(run=..., resume=True)")
+            raise ConfigError(
+                "resume_from() continues a run: create the callback with "
+                "DsttCallback(run=..., resume=True)"
+            )
         if self._args is None or self._model is None:
-            raise ConfigError("pass the callback to the Trainer first: "
-                              "Trainer(..., callbacks=[cb]), then cb.resume_from()")
+            raise ConfigError(
+                "pass the callback to the Trainer first: "
+                "Trainer(..., callbacks=[cb]), then cb.resume_from()"
+            )
         run = self.options.run
         if isinstance(run, Repository):
             repo = run
@@ -140,10 +156,12 @@ class DsttCallback(TrainerCallback):
         args = self._args
         fields = {k: progress[k] for k in PROGRESS_FIELDS if progress.get(k) is not None}
         fields["global_step"] = head.step  # the commit's step is the truth
-        fields.setdefault("train_batch_size",
-                          args.per_device_train_batch_size * max(1, args.n_gpu))
-        steps: dict[str, Any] = {"logging_steps": args.logging_steps,
-                                 "eval_steps": args.eval_steps, "save_steps": args.save_steps}
+        fields.setdefault("train_batch_size", args.per_device_train_batch_size * max(1, args.n_gpu))
+        steps: dict[str, Any] = {
+            "logging_steps": args.logging_steps,
+            "eval_steps": args.eval_steps,
+            "save_steps": args.save_steps,
+        }
         state = TrainerState(**steps, **fields)
         state.save_to_json(os.path.join(pad, "trainer_state.json"))
         # the Trainer loads rng_state_<rank>.pth under several processes, else rng_state.pth
@@ -159,23 +177,31 @@ class DsttCallback(TrainerCallback):
         return pad
 
     # -- Trainer events ---------------------------------------------------------------------
-    def on_init_end(self, args: TrainingArguments, state: TrainerState,
-                    control: TrainerControl, **kwargs: Any) -> None:
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._args, self._model = args, kwargs.get("model")
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState,
-                       control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self.session is not None:  # an earlier train() raised: finish what it left
             self._close(_TrainerError("a previous Trainer.train() stopped without ending"))
         model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
         if model is None or optimizer is None:
-            raise ConfigError("DsttCallback found no model or optimizer at on_train_begin; "
-                              "is it passed to Trainer(callbacks=[...])?")
+            raise ConfigError(
+                "DsttCallback found no model or optimizer at on_train_begin; "
+                "is it passed to Trainer(callbacks=[...])?"
+            )
         self._args = args
         self._progress.state = state
-        s = open_session(model, unwrap_optimizer(optimizer), self.options,
-                         scheduler=unwrap_scheduler(kwargs.get("lr_scheduler")),
-                         extra_state={"transformers": self._progress})
+        s = open_session(
+            model,
+            unwrap_optimizer(optimizer),
+            self.options,
+            scheduler=unwrap_scheduler(kwargs.get("lr_scheduler")),
+            extra_state={"transformers": self._progress},
+        )
         s.start()
         self.session = s
         atexit.register(self._at_exit)
@@ -186,19 +212,28 @@ class DsttCallback(TrainerCallback):
                 raise ConfigError(
                     f"run {self.run!r} is at step {k} but the Trainer starts at step 0: pass "
                     "trainer.train(resume_from_checkpoint=cb.resume_from()) so that it continues "
-                    "its step count and skips the batches the run already consumed")
+                    "its step count and skips the batches the run already consumed"
+                )
             raise ConfigError(
                 f"the Trainer resumes at step {g} but run {self.run!r} is at step {k}: resume "
                 "with trainer.train(resume_from_checkpoint=cb.resume_from()), not from another "
-                "checkpoint")
+                "checkpoint"
+            )
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState,
-                    control: TrainerControl, **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self.session is not None:  # the iteration ended; the scheduler has stepped
             self.session._at_boundary()  # noqa: SLF001 - the callback drives the step hooks
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         s = self.session
         if s is None or not logs:
             return
@@ -210,13 +245,18 @@ class DsttCallback(TrainerCallback):
             return
         if state.global_step != s.step and not self._warned_step:
             self._warned_step = True
-            warnings.warn(f"dstt: the Trainer is at step {state.global_step} but "
-                          f"{s.step} optimizer steps were taken (a skipped fp16 step?); its "
-                          "logs are filed under the optimizer step", DsttWarning, stacklevel=2)
+            warnings.warn(
+                f"dstt: the Trainer is at step {state.global_step} but "
+                f"{s.step} optimizer steps were taken (a skipped fp16 step?); its "
+                "logs are filed under the optimizer step",
+                DsttWarning,
+                stacklevel=2,
+            )
         s.log(step=s.step, **values)
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState,
-                     control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._close(None)
 
     # -- closing ----------------------------------------------------------------------------
@@ -268,4 +308,3 @@ def _trainer_rng(rng: Mapping[str, Any], args: TrainingArguments) -> dict[str, A
         cuda = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in rng["cuda"]]
         out["cuda"] = cuda if args.world_size > 1 else cuda[torch.cuda.current_device()]
     return out
-

@@ -69,9 +69,18 @@ def _spikes(run: Run, metric: str, timeline: str | None, window: int, z: float) 
     return list(run.spikes(metric, window=window, z=z, top=0, timeline=timeline))
 
 
-def loss(run: Run, metric: str = "loss", *, timelines: str | Iterable[str] | None = None,
-         spikes: bool = True, step: int | None = None, window: int = 50, z: float = 4.0,
-         logy: bool = False, ax: Axes | None = None) -> Axes:
+def loss(
+    run: Run,
+    metric: str = "loss",
+    *,
+    timelines: str | Iterable[str] | None = None,
+    spikes: bool = True,
+    step: int | None = None,
+    window: int = 50,
+    z: float = 4.0,
+    logy: bool = False,
+    ax: Axes | None = None,
+) -> Axes:
     """``metric`` over steps for the current timeline (or ``timelines``: names or ``"all"``),
     spikes (:meth:`dstt.Run.spikes` with ``window``/``z``) marked at their loss step and the
     update that caused each (``parent -> cause``) shaded, ``step`` as a cursor."""
@@ -86,19 +95,27 @@ def loss(run: Run, metric: str = "loss", *, timelines: str | Iterable[str] | Non
             found += _spikes(run, metric, tl, window, z)
     if not curves:
         raise MetricNotFoundError(
-            f"metric {metric!r} was never logged on {_timelines(run, timelines)}")
+            f"metric {metric!r} was never logged on {_timelines(run, timelines)}"
+        )
     points = sorted({(s.step, s.value) for s in found})
     causes = sorted({s.update for s in found if s.update is not None})
-    draw_curves(ax, curves, spikes=points, causes=causes, cursor=step, ylabel=metric,
-                logy=logy)
+    draw_curves(ax, curves, spikes=points, causes=causes, cursor=step, ylabel=metric, logy=logy)
     return ax
 
 
-def update_heatmap(run: Run, steps: slice | int | Iterable[int] | None = None, *,
-                   timeline: str | None = None,
-                   selector: str | None = None, field: str = "update_ratio", log: bool = True,
-                   spikes: str | None = "loss", window: int = 50, z: float = 4.0,
-                   ax: Axes | None = None) -> Axes:
+def update_heatmap(
+    run: Run,
+    steps: slice | int | Iterable[int] | None = None,
+    *,
+    timeline: str | None = None,
+    selector: str | None = None,
+    field: str = "update_ratio",
+    log: bool = True,
+    spikes: str | None = "loss",
+    window: int = 50,
+    z: float = 4.0,
+    ax: Axes | None = None,
+) -> Axes:
     """Per-parameter ``field`` (``update_ratio``, ``update_l2`` or ``l2``) over steps as a
     heatmap, labelled ``estimate from probes`` where the update numbers are the summaries'
     estimates (``exact`` where computed from the tensors); ``selector`` as in
@@ -112,20 +129,31 @@ def update_heatmap(run: Run, steps: slice | int | Iterable[int] | None = None, *
     marks: list[int] = []
     if spikes:
         lo, hi = (int(ds["step"].min()), int(ds["step"].max())) if ds.sizes["step"] else (0, -1)
-        marks = sorted({int(s.cause) for s in _spikes(run, spikes, timeline, window, z)
-                        if s.cause is not None and lo <= s.cause <= hi})
+        marks = sorted(
+            {
+                int(s.cause)
+                for s in _spikes(run, spikes, timeline, window, z)
+                if s.cause is not None and lo <= s.cause <= hi
+            }
+        )
     label = field if field == "l2" else f"{field} ({exactness_label(ds.attrs['update_exactness'])})"
-    draw_heatmap(ax, ds["step"].values, names, ds[field].values.T, label=label, log=log,
-                 marks=marks)
+    draw_heatmap(
+        ax, ds["step"].values, names, ds[field].values.T, label=label, log=log, marks=marks
+    )
     ax.set_title(f"{label} per tensor (from the {ds.attrs.get('source')})", fontsize="medium")
     return ax
 
 
-
-def norms(run: Run, selector: str | None = None,
-          steps: slice | int | Iterable[int] | None = None, *,
-          timeline: str | None = None, relative: bool = False, legend_max: int = 12,
-          ax: Axes | None = None) -> Axes:
+def norms(
+    run: Run,
+    selector: str | None = None,
+    steps: slice | int | Iterable[int] | None = None,
+    *,
+    timeline: str | None = None,
+    relative: bool = False,
+    legend_max: int = 12,
+    ax: Axes | None = None,
+) -> Axes:
     """L2 norm of each selected parameter over steps (``relative``: divided by the first)."""
     ds = tensor_stats(run, steps, timeline=timeline, selector=selector)
     ax = _axes(ax, (8, 3.5))
@@ -143,8 +171,15 @@ def norms(run: Run, selector: str | None = None,
     return ax
 
 
-def layer_change(run: Run, step: int, reference: int | None = None, *,
-                 timeline: str | None = None, top: int | None = 30, ax: Axes | None = None) -> Axes:
+def layer_change(
+    run: Run,
+    step: int,
+    reference: int | None = None,
+    *,
+    timeline: str | None = None,
+    top: int | None = 30,
+    ax: Axes | None = None,
+) -> Axes:
     """Bars of ``||w_step - w_ref|| / ||w||`` per parameter (default reference: the previous
     commit: the summaries' estimate, labelled so; another reference: exact), largest first,
     at most ``top`` of them."""
@@ -153,14 +188,23 @@ def layer_change(run: Run, step: int, reference: int | None = None, *,
     order = np.argsort(-np.where(np.isfinite(ratio), ratio, -np.inf), kind="stable")[:top]
     ax = _axes(ax, (7, max(2.5, 0.2 * len(order) + 1)))
     ref = ds.attrs.get("reference")
-    draw_bars(ax, [str(ds["tensor"].values[i]) for i in order], ratio[order],
-              xlabel=f"‖Δw‖ / ‖w‖ ({exactness_label(ds.attrs.get('exactness', ''))})",
-              title=f"step {step} vs {ref if ref is not None else '—'}")
+    draw_bars(
+        ax,
+        [str(ds["tensor"].values[i]) for i in order],
+        ratio[order],
+        xlabel=f"‖Δw‖ / ‖w‖ ({exactness_label(ds.attrs.get('exactness', ''))})",
+        title=f"step {step} vs {ref if ref is not None else '—'}",
+    )
     return ax
 
 
-def tensor(values: Any, *, title: str | None = None, diverging: bool = False,  # noqa: ANN401 - a DataArray, an array or a tensor
-           ax: Axes | None = None) -> Axes:
+def tensor(
+    values: Any,  # noqa: ANN401 - a DataArray, an array or a tensor
+    *,
+    title: str | None = None,
+    diverging: bool = False,
+    ax: Axes | None = None,
+) -> Axes:
     """One tensor (numpy array or DataArray): heatmap for rank >= 2, histogram for 1-D."""
     ax = _axes(ax, (6, 4))
     name = title if title is not None else str(getattr(values, "name", "") or "")

@@ -53,9 +53,16 @@ def as_matrix(values: np.ndarray) -> np.ndarray:
     return values.reshape(as_matrix_shape(values.shape)) if values.ndim > 2 else values
 
 
-def draw_curves(ax: Axes, curves: Sequence[Curve], *, spikes: Sequence[tuple[float, float]] = (),
-                causes: Sequence[tuple[float, float]] = (), cursor: float | None = None,
-                ylabel: str = "", logy: bool = False) -> dict[str, Any]:
+def draw_curves(
+    ax: Axes,
+    curves: Sequence[Curve],
+    *,
+    spikes: Sequence[tuple[float, float]] = (),
+    causes: Sequence[tuple[float, float]] = (),
+    cursor: float | None = None,
+    ylabel: str = "",
+    logy: bool = False,
+) -> dict[str, Any]:
     """Metric curves (label, steps, values), spike markers, the updates that caused them
     (``causes``: ``(parent, cause)`` steps, shaded) and a vertical step cursor.
 
@@ -65,23 +72,32 @@ def draw_curves(ax: Axes, curves: Sequence[Curve], *, spikes: Sequence[tuple[flo
     """
     out: dict[str, Any] = {"lines": [], "causes": []}
     for i, (a, b) in enumerate(causes):
-        out["causes"].append(ax.axvspan(a, b, color=SPIKE_COLOR, alpha=0.18, lw=0, zorder=1,
-                                        label="update that caused it" if i == 0 else None))
+        out["causes"].append(
+            ax.axvspan(
+                a,
+                b,
+                color=SPIKE_COLOR,
+                alpha=0.18,
+                lw=0,
+                zorder=1,
+                label="update that caused it" if i == 0 else None,
+            )
+        )
     for label, x, y in curves:
         (line,) = ax.plot(np.asarray(x), np.asarray(y, dtype=float), lw=1.2, label=label)
         out["lines"].append(line)
     sx = np.array([s for s, _ in spikes], dtype=float)
     sy = np.array([v for _, v in spikes], dtype=float)
-    out["spikes"] = ax.scatter(sx, sy, marker="v", s=60, color=SPIKE_COLOR, zorder=4,
-                               label="spike" if len(sx) else None)
+    out["spikes"] = ax.scatter(
+        sx, sy, marker="v", s=60, color=SPIKE_COLOR, zorder=4, label="spike" if len(sx) else None
+    )
     if cursor is not None:
         out["cursor"] = ax.axvline(cursor, color="0.2", ls="--", lw=0.9, zorder=3)
         if curves:
             xs, ys = np.asarray(curves[0][1]), np.asarray(curves[0][2], dtype=float)
             hit = np.flatnonzero(xs == cursor)
             if hit.size:
-                (out["point"],) = ax.plot([cursor], [ys[hit[0]]], "o", color="0.1", ms=6,
-                                          zorder=5)
+                (out["point"],) = ax.plot([cursor], [ys[hit[0]]], "o", color="0.1", ms=6, zorder=5)
     if logy:
         ax.set_yscale("log")
     ax.set_xlabel("step")
@@ -92,15 +108,23 @@ def draw_curves(ax: Axes, curves: Sequence[Curve], *, spikes: Sequence[tuple[flo
     return out
 
 
-def draw_tensor(ax: Axes, values: np.ndarray, *, title: str = "", diverging: bool = False,
-                bins: int = 50) -> dict[str, Any]:
+def draw_tensor(
+    ax: Axes, values: np.ndarray, *, title: str = "", diverging: bool = False, bins: int = 50
+) -> dict[str, Any]:
     """A tensor: heatmap (``image``) for rank >= 2, histogram (``hist``) for 1-D, ``text``
     for a scalar. ``diverging`` centres a red/blue colour map on zero (for differences)."""
     v = np.asarray(values)
     out: dict[str, Any] = {}
     if v.ndim == 0 or v.size == 1:
-        out["text"] = ax.text(0.5, 0.5, f"{v.reshape(-1)[0]:.6g}" if v.size else "(empty)",
-                              ha="center", va="center", fontsize=20, transform=ax.transAxes)
+        out["text"] = ax.text(
+            0.5,
+            0.5,
+            f"{v.reshape(-1)[0]:.6g}" if v.size else "(empty)",
+            ha="center",
+            va="center",
+            fontsize=20,
+            transform=ax.transAxes,
+        )
         ax.set_axis_off()
     elif v.ndim == 1:
         finite = v[np.isfinite(v)].astype(np.float64)
@@ -121,8 +145,16 @@ def draw_tensor(ax: Axes, values: np.ndarray, *, title: str = "", diverging: boo
     return out
 
 
-def draw_bars(ax: Axes, names: Sequence[str], values: ArrayLike, *, xlabel: str = "",
-              highlight: str | None = None, log: bool = False, title: str = "") -> dict[str, Any]:
+def draw_bars(
+    ax: Axes,
+    names: Sequence[str],
+    values: ArrayLike,
+    *,
+    xlabel: str = "",
+    highlight: str | None = None,
+    log: bool = False,
+    title: str = "",
+) -> dict[str, Any]:
     """Horizontal bars, one per name (top to bottom in the given order); ``highlight`` one."""
     vals = np.asarray(values, dtype=float)
     y = np.arange(len(names))
@@ -138,8 +170,16 @@ def draw_bars(ax: Axes, names: Sequence[str], values: ArrayLike, *, xlabel: str 
     return {"bars": bars}
 
 
-def draw_heatmap(ax: Axes, steps: ArrayLike, names: Sequence[str], matrix: ArrayLike, *,
-                 label: str = "", log: bool = True, marks: Sequence[int] = ()) -> dict[str, Any]:
+def draw_heatmap(
+    ax: Axes,
+    steps: ArrayLike,
+    names: Sequence[str],
+    matrix: ArrayLike,
+    *,
+    label: str = "",
+    log: bool = True,
+    marks: Sequence[int] = (),
+) -> dict[str, Any]:
     """``matrix[tensor, step]`` as a step-aligned heatmap (uneven step spacing is kept), with
     dashed vertical ``marks`` (spikes). Log colour scale over the positive values if ``log``."""
     from matplotlib.colors import LogNorm

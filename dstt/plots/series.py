@@ -55,8 +55,9 @@ def _is_param(path: str) -> bool:
     return path.startswith("params/")
 
 
-def param_names(run: Run, step: int | None = None, *, timeline: str | None = None,
-                selector: str | None = None) -> list[str]:
+def param_names(
+    run: Run, step: int | None = None, *, timeline: str | None = None, selector: str | None = None
+) -> list[str]:
     """Dotted names of the parameters at ``step`` (default: head); with ``selector``, those it
     picks (tied names included; ``TensorNotFoundError`` with the closest selectors when it
     picks none)."""
@@ -67,9 +68,14 @@ def param_names(run: Run, step: int | None = None, *, timeline: str | None = Non
     return [user_name(p) for p in paths]
 
 
-def tensor_stats(run: Run, steps: slice | int | Iterable[int] | None = None, *,
-                 timeline: str | None = None,
-                 selector: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> xr.Dataset:
+def tensor_stats(
+    run: Run,
+    steps: slice | int | Iterable[int] | None = None,
+    *,
+    timeline: str | None = None,
+    selector: str | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> xr.Dataset:
     """``l2``, ``update_l2``, ``update_ratio`` and ``update_exact`` over ``(step, tensor)``
     for the parameters.
 
@@ -83,8 +89,11 @@ def tensor_stats(run: Run, steps: slice | int | Iterable[int] | None = None, *,
     headers = run.select_steps(steps, timeline)
     if headers and all(SUMMARIES_OBJECT in h.objects for h in headers):
         ds = run.summaries([h.step for h in headers], timeline=timeline)
-        col = {canonical_path(str(p)): j for j, p in enumerate(ds["store_path"].values)
-               if _is_param(str(p))}
+        col = {
+            canonical_path(str(p)): j
+            for j, p in enumerate(ds["store_path"].values)
+            if _is_param(str(p))
+        }
         chosen = list(col)
         if selector is not None:
             cat = run.catalog(headers[-1])
@@ -94,16 +103,19 @@ def tensor_stats(run: Run, steps: slice | int | Iterable[int] | None = None, *,
         else:
             cat_tied = {}
         out = ds[[*STAT_FIELDS, "update_exact"]].isel(
-            tensor=[col[cat_tied.get(p, p)] for p in chosen])
-        out = out.assign_coords(tensor=("tensor", np.array([user_name(p) for p in chosen],
-                                                           dtype=object)))
+            tensor=[col[cat_tied.get(p, p)] for p in chosen]
+        )
+        out = out.assign_coords(
+            tensor=("tensor", np.array([user_name(p) for p in chosen], dtype=object))
+        )
         out.attrs["source"] = "summaries"
         return label_updates(out)
     return _stats_from_tensors(run, headers, timeline, selector, max_bytes)
 
 
-def _stats_from_tensors(run: Run, headers: list[Any], timeline: str | None,
-                        selector: str | None, max_bytes: int) -> xr.Dataset:
+def _stats_from_tensors(
+    run: Run, headers: list[Any], timeline: str | None, selector: str | None, max_bytes: int
+) -> xr.Dataset:
     steps = [h.step for h in headers]
     names = param_names(run, steps[-1], timeline=timeline, selector=selector) if steps else []
     n = len(steps)
@@ -113,8 +125,10 @@ def _stats_from_tensors(run: Run, headers: list[Any], timeline: str | None,
         traj = run.trajectory(name, steps, timeline=timeline)
         nbytes = traj.size * traj.dtype.itemsize
         if nbytes > max_bytes:
-            raise MemoryError(f"{name}: {n} steps need {nbytes / 2**20:.0f} MiB "
-                              f"(max_bytes={max_bytes / 2**20:.0f} MiB); select fewer steps")
+            raise MemoryError(
+                f"{name}: {n} steps need {nbytes / 2**20:.0f} MiB "
+                f"(max_bytes={max_bytes / 2**20:.0f} MiB); select fewer steps"
+            )
         flat = traj.values.astype(np.float64).reshape(n, -1)
         l2[:, j] = np.sqrt(np.einsum("ij,ij->i", flat, flat))
         if n > 1:
@@ -123,19 +137,28 @@ def _stats_from_tensors(run: Run, headers: list[Any], timeline: str | None,
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(l2 > 0, upd / l2, np.nan)
     dims = ("step", "tensor")
-    return label_updates(xr.Dataset(
-        {"l2": (dims, l2), "update_l2": (dims, upd), "update_ratio": (dims, ratio),
-         "update_exact": (dims, np.ones_like(l2, dtype=bool))},
-        coords={"step": ("step", np.array(steps, dtype=np.int64)),
-                "tensor": ("tensor", np.array(names, dtype=object))},
-        attrs={"source": "tensors"},
-    ))
+    return label_updates(
+        xr.Dataset(
+            {
+                "l2": (dims, l2),
+                "update_l2": (dims, upd),
+                "update_ratio": (dims, ratio),
+                "update_exact": (dims, np.ones_like(l2, dtype=bool)),
+            },
+            coords={
+                "step": ("step", np.array(steps, dtype=np.int64)),
+                "tensor": ("tensor", np.array(names, dtype=object)),
+            },
+            attrs={"source": "tensors"},
+        )
+    )
 
 
 def exactness_label(exactness: str) -> str:
     """How the plots and widgets label update numbers of an ``exactness``."""
-    return {"estimate": "estimate from probes", "mixed": "partly estimated",
-            "exact": "exact"}.get(exactness, "unknown")
+    return {"estimate": "estimate from probes", "mixed": "partly estimated", "exact": "exact"}.get(
+        exactness, "unknown"
+    )
 
 
 def _previous(run: Run, step: int, timeline: str | None) -> CommitHeader | None:
@@ -144,9 +167,14 @@ def _previous(run: Run, step: int, timeline: str | None) -> CommitHeader | None:
     return line[idx - 1] if idx else None
 
 
-def step_change(run: Run, step: int, reference: int | None = None, *,
-                timeline: str | None = None, reference_timeline: str | None = None
-                ) -> xr.Dataset:
+def step_change(
+    run: Run,
+    step: int,
+    reference: int | None = None,
+    *,
+    timeline: str | None = None,
+    reference_timeline: str | None = None,
+) -> xr.Dataset:
     """Per-parameter change of ``step`` versus ``reference`` (default: the previous commit).
 
     Variables over ``tensor``: ``delta_l2``, ``norm`` and ``ratio = delta_l2 / norm``. With
@@ -166,17 +194,33 @@ def step_change(run: Run, step: int, reference: int | None = None, *,
     if ref is None:
         names = param_names(run, step, timeline=timeline)
         nan = np.full(len(names), np.nan)
-        return xr.Dataset({"delta_l2": ("tensor", nan), "norm": ("tensor", nan.copy()),
-                           "ratio": ("tensor", nan.copy())},
-                          coords={"tensor": ("tensor", np.array(names, dtype=object))},
-                          attrs={"step": int(head.step), "reference": None, "source": "none",
-                                 "exactness": "none"})
-    return diff_headers(run, ref, head, timeline=timeline,
-                        reference_timeline=reference_timeline or timeline)
+        return xr.Dataset(
+            {
+                "delta_l2": ("tensor", nan),
+                "norm": ("tensor", nan.copy()),
+                "ratio": ("tensor", nan.copy()),
+            },
+            coords={"tensor": ("tensor", np.array(names, dtype=object))},
+            attrs={
+                "step": int(head.step),
+                "reference": None,
+                "source": "none",
+                "exactness": "none",
+            },
+        )
+    return diff_headers(
+        run, ref, head, timeline=timeline, reference_timeline=reference_timeline or timeline
+    )
 
 
-def diff_headers(run: Run, ref: CommitHeader, head: CommitHeader, *, timeline: str | None = None,
-                 reference_timeline: str | None = None) -> xr.Dataset:
+def diff_headers(
+    run: Run,
+    ref: CommitHeader,
+    head: CommitHeader,
+    *,
+    timeline: str | None = None,
+    reference_timeline: str | None = None,
+) -> xr.Dataset:
     """Exact per-parameter change between two commit headers, read along the timelines they
     were found on (default: the current one). Not ``header.timeline``: that is the name a
     commit was written under, an ancestor's perhaps, since renamed or deleted."""
@@ -186,13 +230,20 @@ def diff_headers(run: Run, ref: CommitHeader, head: CommitHeader, *, timeline: s
     ds = run.diff(int(ref.step), int(head.step), timeline=ta, timeline_b=tb, paths=paths)
     out = xr.Dataset({"delta_l2": ds["delta_l2"], "norm": ds["a_l2"], "ratio": ds["ratio"]})
     out = out.assign_coords(status=ds["status"])
-    out.attrs.update(step=int(head.step), reference=int(ref.step), source="tensors",
-                     timeline=tb, reference_timeline=ta, exactness="exact")
+    out.attrs.update(
+        step=int(head.step),
+        reference=int(ref.step),
+        source="tensors",
+        timeline=tb,
+        reference_timeline=ta,
+        exactness="exact",
+    )
     return out
 
 
-def _change_from_summaries(run: Run, head: CommitHeader, ref: CommitHeader,
-                           timeline: str | None) -> xr.Dataset:
+def _change_from_summaries(
+    run: Run, head: CommitHeader, ref: CommitHeader, timeline: str | None
+) -> xr.Dataset:
     tl = timeline or run.timeline
     s = summary_rows(run.at(int(head.step), tl).object(SUMMARIES_OBJECT))
     paths = sorted(p for p in s if _is_param(p))
@@ -205,10 +256,14 @@ def _change_from_summaries(run: Run, head: CommitHeader, ref: CommitHeader,
     ratio = np.array([num(s[p].get("update_ratio")) for p in paths])
     exact = np.array([bool(s[p].get("update_exact", False)) for p in paths], dtype=bool)
     names = np.array([user_name(canonical_path(p)) for p in paths], dtype=object)
-    return xr.Dataset({"delta_l2": ("tensor", upd), "norm": ("tensor", l2),
-                       "ratio": ("tensor", ratio)},
-                      coords={"tensor": ("tensor", names)},
-                      attrs={"step": int(head.step), "reference": int(ref.step),
-                             "source": "summaries",
-                             "exactness": update_exactness(exact, np.isfinite(ratio)),
-                             "note": ESTIMATE_NOTE})
+    return xr.Dataset(
+        {"delta_l2": ("tensor", upd), "norm": ("tensor", l2), "ratio": ("tensor", ratio)},
+        coords={"tensor": ("tensor", names)},
+        attrs={
+            "step": int(head.step),
+            "reference": int(ref.step),
+            "source": "summaries",
+            "exactness": update_exactness(exact, np.isfinite(ratio)),
+            "note": ESTIMATE_NOTE,
+        },
+    )

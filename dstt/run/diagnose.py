@@ -88,8 +88,9 @@ class RunDiagnostics:
         self.run = run
 
     # -- data attribution ---------------------------------------------------------------
-    def batches(self, steps: slice | Iterable[int] | None = None, *,
-                timeline: str | None = None) -> dict[int, list[Batch]]:
+    def batches(
+        self, steps: slice | Iterable[int] | None = None, *, timeline: str | None = None
+    ) -> dict[int, list[Batch]]:
         """Recorded batch fingerprints per step; only the commits carrying ``steps`` are
         read."""
         run = self.run
@@ -112,8 +113,9 @@ class RunDiagnostics:
         run = self.run
         return read_skips(run.repo.storage, run.reader.timelines, timeline or run.timeline)
 
-    def skip_set(self, samples: Iterable[int] | None, steps: Iterable[int] | None,
-                 timeline: str | None) -> SkipSet:
+    def skip_set(
+        self, samples: Iterable[int] | None, steps: Iterable[int] | None, timeline: str | None
+    ) -> SkipSet:
         """The skip set of a rollback, checked before anything is written."""
         out = SkipSet(frozenset(int(i) for i in samples or ()))
         if steps is None:
@@ -125,13 +127,22 @@ class RunDiagnostics:
             raise StepNotFoundError(
                 f"no batch was recorded for steps {missing} on timeline "
                 f"{timeline or self.run.timeline!r}: only loops that draw from s.data(loader) "
-                "record them; pass skip_samples=[...] or skip_data=N instead")
+                "record them; pass skip_samples=[...] or skip_data=N instead"
+            )
         return SkipSet(out.samples, tuple(b for k in wanted for b in found[k]))
 
     # -- spikes -------------------------------------------------------------------------
-    def spikes(self, metric: str = "loss", *, window: int = 50, z: float = 4.0,
-               around: int = 0, top: int = 10, baseline: int = 20,
-               timeline: str | None = None) -> list[Spike]:
+    def spikes(
+        self,
+        metric: str = "loss",
+        *,
+        window: int = 50,
+        z: float = 4.0,
+        around: int = 0,
+        top: int = 10,
+        baseline: int = 20,
+        timeline: str | None = None,
+    ) -> list[Spike]:
         """Spikes of a logged metric, each with the committed update that caused it (the
         step rule and the ranking: ``Run.spikes``)."""
         from dstt.inspect.summaries import find_spikes, spike_cause
@@ -140,21 +151,32 @@ class RunDiagnostics:
         ds = self.run.metrics(name)
         if metric not in ds:
             logged = sorted(map(str, ds.data_vars))
-            raise MetricNotFoundError(f"metric {metric!r} was never logged on timeline "
-                                      f"{name!r}; logged: {logged}")
-        found = find_spikes(ds["step"].values, ds[metric].values.astype(np.float64),
-                            window=window, z=z)
+            raise MetricNotFoundError(
+                f"metric {metric!r} was never logged on timeline {name!r}; logged: {logged}"
+            )
+        found = find_spikes(
+            ds["step"].values, ds[metric].values.astype(np.float64), window=window, z=z
+        )
         if not found:
             return []
         line = self.run.commits(name)
         steps = [h.step for h in line]
         causes = [spike_cause(steps, start) for *_, start in found]
-        return self._explain(found, causes, around=around, top=top, z=z, baseline=baseline,
-                             name=name)
+        return self._explain(
+            found, causes, around=around, top=top, z=z, baseline=baseline, name=name
+        )
 
-    def _explain(self, found: Sequence[tuple[Any, ...]],
-                 causes: Sequence[tuple[int | None, int | None]], *, around: int, top: int,
-                 z: float, baseline: int, name: str) -> list[Spike]:
+    def _explain(
+        self,
+        found: Sequence[tuple[Any, ...]],
+        causes: Sequence[tuple[int | None, int | None]],
+        *,
+        around: int,
+        top: int,
+        z: float,
+        baseline: int,
+        name: str,
+    ) -> list[Spike]:
         """Spikes with their tensors ranked by baseline deviation, batches and suspect."""
         line = self.run.commits(name)
         steps = [h.step for h in line]
@@ -165,29 +187,43 @@ class RunDiagnostics:
                 windows.append([])
                 continue
             i = steps.index(cause)
-            windows.append(steps[max(0, i - around):i + around + 1])
-            need.update(steps[max(0, i - around - baseline):i + around + 1])
+            windows.append(steps[max(0, i - around) : i + around + 1])
+            need.update(steps[max(0, i - around - baseline) : i + around + 1])
         sums = self.run.summaries(sorted(need), timeline=name)  # only these commits are read
         out = []
-        for (s, v, zi, mu, sd, start), (parent, cause), w in zip(found, causes, windows,
-                                                                 strict=True):
+        for (s, v, zi, mu, sd, start), (parent, cause), w in zip(
+            found, causes, windows, strict=True
+        ):
             best: dict[str, tuple[float, float]] = {}
             for st in w:
                 for n, score, ratio in rank_by_baseline(sums, st, window=baseline):
                     old = best.get(n)
                     if old is None or _after(old, (score, ratio)):
                         best[n] = (score, ratio)
-            ranked = sorted(best.items(), key=lambda kv: _key(kv[1]))[:max(top, 0)]
+            ranked = sorted(best.items(), key=lambda kv: _key(kv[1]))[: max(top, 0)]
             verdict = batches = None
             if top > 0:
                 cause_rank = rank_by_baseline(sums, cause, window=baseline) if cause else []
                 verdict = suspect(cause_rank, z)
                 lo = (parent + 1) if parent is not None else (cause or start)
                 batches = self.batches(slice(min(lo, start), start), timeline=name)
-            out.append(Spike(s, v, zi, mu, sd, [(n, sc) for n, (sc, _) in ranked],
-                             start=start, cause=cause, parent=parent, timeline=name,
-                             ratios={n: r for n, (_, r) in ranked}, batches=batches or {},
-                             suspect=verdict))
+            out.append(
+                Spike(
+                    s,
+                    v,
+                    zi,
+                    mu,
+                    sd,
+                    [(n, sc) for n, (sc, _) in ranked],
+                    start=start,
+                    cause=cause,
+                    parent=parent,
+                    timeline=name,
+                    ratios={n: r for n, (_, r) in ranked},
+                    batches=batches or {},
+                    suspect=verdict,
+                )
+            )
         return out
 
     # -- non-finite values and divergence -------------------------------------------------
@@ -195,30 +231,49 @@ class RunDiagnostics:
         """The first commit whose summaries count a NaN or Inf; None if none."""
         return first_nonfinite(self.run.summaries(timeline=timeline))
 
-    def divergence(self, metric: str = "loss", *, window: int = 20, rise: float = 1.5,
-                   sustain: int | None = None, timeline: str | None = None
-                   ) -> list[Divergence]:
+    def divergence(
+        self,
+        metric: str = "loss",
+        *,
+        window: int = 20,
+        rise: float = 1.5,
+        sustain: int | None = None,
+        timeline: str | None = None,
+    ) -> list[Divergence]:
         """Sustained rises of a logged metric, each with the tensors whose norms grew most
         over it."""
         ds = self.run.metrics(timeline)
         if metric not in ds:
-            raise MetricNotFoundError(f"metric {metric!r} was never logged on timeline "
-                                      f"{timeline or self.run.timeline!r}; logged: "
-                                      f"{sorted(map(str, ds.data_vars))}")
-        found = find_divergence(ds["step"].values, ds[metric].values.astype(np.float64),
-                                window=window, rise=rise, sustain=sustain)
+            raise MetricNotFoundError(
+                f"metric {metric!r} was never logged on timeline "
+                f"{timeline or self.run.timeline!r}; logged: "
+                f"{sorted(map(str, ds.data_vars))}"
+            )
+        found = find_divergence(
+            ds["step"].values,
+            ds[metric].values.astype(np.float64),
+            window=window,
+            rise=rise,
+            sustain=sustain,
+        )
         if not found:
             return []
         sums = self.run.summaries(timeline=timeline)
-        return [Divergence(metric, a, b, c, lo, hi, grown_tensors(sums, a, c)[:10])
-                for a, b, c, lo, hi in found]
+        return [
+            Divergence(metric, a, b, c, lo, hi, grown_tensors(sums, a, c)[:10])
+            for a, b, c, lo, hi in found
+        ]
 
-    def diagnose(self, metric: str = "loss", *, window: int = 50, z: float = 4.0,
-                 timeline: str | None = None) -> Diagnosis:
+    def diagnose(
+        self, metric: str = "loss", *, window: int = 50, z: float = 4.0, timeline: str | None = None
+    ) -> Diagnosis:
         """Spikes, the first non-finite tensors and gradual divergence in one report."""
         spikes = self.spikes(metric, window=window, z=z, timeline=timeline)
-        return Diagnosis(spikes, self.first_nonfinite(timeline),
-                         self.divergence(metric, window=max(3, window // 5), timeline=timeline))
+        return Diagnosis(
+            spikes,
+            self.first_nonfinite(timeline),
+            self.divergence(metric, window=max(3, window // 5), timeline=timeline),
+        )
 
 
 def _key(v: tuple[float, float]) -> tuple[int, float]:
@@ -236,5 +291,5 @@ def _covering(line: Sequence[Any], lo: float, hi: float) -> list[Any]:
     out = [h for h in line if h.step >= lo]
     for i, h in enumerate(out):
         if h.step >= hi:
-            return out[:i + 1]
+            return out[: i + 1]
     return out

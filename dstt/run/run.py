@@ -45,8 +45,11 @@ __all__ = ["Run", "find_run_root", "open_run"]
 Steps = slice | int | Iterable[int] | None
 
 
-def open_run(path: str | os.PathLike[str] | Repository | Storage, *,
-             storage_options: Mapping[str, Any] | None = None) -> Run:
+def open_run(
+    path: str | os.PathLike[str] | Repository | Storage,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Run:
     """Open a run for inspection; ``NotARunError`` if ``path`` is not one. ``path`` may be an
     ``s3://bucket/prefix`` URL (``storage_options``: see ``dstt.store.storage_for``)."""
     if isinstance(path, Repository):
@@ -57,16 +60,19 @@ def open_run(path: str | os.PathLike[str] | Repository | Storage, *,
     if not os.path.exists(p):
         raise NotARunError(f"no run at {path}: no such file or directory")
     if not os.path.isdir(p):
-        raise NotARunError(f"{path} is a file, not a run directory; pass the run's directory "
-                           "(the folder holding zarr.json and _dstt/), or a new path for a new run")
+        raise NotARunError(
+            f"{path} is a file, not a run directory; pass the run's directory "
+            "(the folder holding zarr.json and _dstt/), or a new path for a new run"
+        )
     try:
         return Run(Repository.open(path))
     except NotARunError:
         root = find_run_root(os.path.dirname(p))
         if root is None:
             raise
-        raise NotARunError(f"{path} is a folder inside the run {root}; open the run itself: "
-                           f"dstt.open({root!r})") from None
+        raise NotARunError(
+            f"{path} is a folder inside the run {root}; open the run itself: dstt.open({root!r})"
+        ) from None
 
 
 def find_run_root(path: str | os.PathLike[str]) -> str | None:
@@ -157,7 +163,8 @@ class Run:
             line = self.commits(timeline)
             if not line:
                 raise StepNotFoundError(
-                    f"timeline {timeline or self.timeline!r} of {self.path} has no commits yet")
+                    f"timeline {timeline or self.timeline!r} of {self.path} has no commits yet"
+                )
             return line[-1]
         try:
             return self._reader.find(int(step), timeline)
@@ -176,9 +183,11 @@ class Run:
                 continue
         if not found:
             return ""
-        return (f"; step {step} is on timeline{'s' if len(found) > 1 else ''} "
-                f"{', '.join(map(repr, found))}: pass timeline={found[0]!r} "
-                f"(dstt: --timeline {found[0]})")
+        return (
+            f"; step {step} is on timeline{'s' if len(found) > 1 else ''} "
+            f"{', '.join(map(repr, found))}: pass timeline={found[0]!r} "
+            f"(dstt: --timeline {found[0]})"
+        )
 
     def select_steps(self, steps: Steps, timeline: str | None = None) -> list[Any]:
         """Headers for ``steps``: None (all), an int, an iterable of steps, or a slice of step
@@ -192,7 +201,7 @@ class Run:
             lo = -np.inf if steps.start is None else steps.start
             hi = np.inf if steps.stop is None else steps.stop
             picked = [h for h in line if lo <= h.step <= hi]
-            return picked[::steps.step or 1]
+            return picked[:: steps.step or 1]
         if isinstance(steps, (int, np.integer)):
             steps = [int(steps)]
         by_step = {h.step: h for h in line}
@@ -213,13 +222,21 @@ class Run:
         tensors by canonical path and its tied names, and how a typed name resolves."""
         got = self._catalogs.get(header.slot)
         if got is None:
-            got = Catalog.of(self._reader, header,
-                             listing=f"run.at({header.step}).names(optim=True)")
+            got = Catalog.of(
+                self._reader, header, listing=f"run.at({header.step}).names(optim=True)"
+            )
             self._catalogs.put(header.slot, got)
         return got
 
-    def trajectory(self, name: str, steps: Steps = None, *, timeline: str | None = None,
-                   state: str | None = None, chunks: Any = None) -> xr.DataArray:
+    def trajectory(
+        self,
+        name: str,
+        steps: Steps = None,
+        *,
+        timeline: str | None = None,
+        state: str | None = None,
+        chunks: Any = None,
+    ) -> xr.DataArray:
         """Lazy DataArray of one tensor over steps, leading dim ``step`` (index) + ``slot``.
 
         ``name`` is a dotted torch name or a store path; ``state`` picks an optimizer state
@@ -230,11 +247,13 @@ class Run:
 
         headers = self.select_steps(steps, timeline)
         if not headers:
-            raise StepNotFoundError(f"no committed steps match {steps!r} on timeline "
-                                    f"{timeline or self.timeline!r}")
+            raise StepNotFoundError(
+                f"no committed steps match {steps!r} on timeline {timeline or self.timeline!r}"
+            )
         newest = self.catalog(headers[-1])
-        path = newest.resolve(name, state,
-                              where=f"at step {headers[-1].step}, the newest selected step")
+        path = newest.resolve(
+            name, state, where=f"at step {headers[-1].step}, the newest selected step"
+        )
         return trajectory_dataarray(self._readers, headers, path, newest, chunks=chunks)
 
     def metrics(self, timeline: str | None = None) -> xr.Dataset:
@@ -243,12 +262,18 @@ class Run:
         the next commit carries them)."""
         from dstt.inspect.indexed import metrics_from_rows
 
-        return metrics_from_rows(self._reader.scalar_rows(self._lineage(timeline or self.timeline),
-                                                          summaries=False))
+        return metrics_from_rows(
+            self._reader.scalar_rows(self._lineage(timeline or self.timeline), summaries=False)
+        )
 
-    def summaries(self, steps: Steps = None, *, timeline: str | None = None,
-                  progress: Callable[[int, int], None] | None = None,
-                  chunks: Any = None) -> xr.Dataset:
+    def summaries(
+        self,
+        steps: Steps = None,
+        *,
+        timeline: str | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        chunks: Any = None,
+    ) -> xr.Dataset:
         """Write-time per-tensor statistics, dims ``step`` x ``tensor`` (see
         :func:`dstt.inspect.summaries.summaries_dataset`); empty if none were written.
         ``chunks`` (e.g. ``{"step": 1000}``): dask-backed variables, to combine with
@@ -262,7 +287,7 @@ class Run:
             if isinstance(steps, slice):
                 lo = -np.inf if steps.start is None else steps.start
                 hi = np.inf if steps.stop is None else steps.stop
-                line = [h for h in line if lo <= h.step <= hi][::steps.step or 1]
+                line = [h for h in line if lo <= h.step <= hi][:: steps.step or 1]
         else:
             by_step = {h.step: h for h in self._lineage(name)}
             wanted = [int(steps)] if isinstance(steps, (int, np.integer)) else list(steps)
@@ -272,9 +297,17 @@ class Run:
             progress(len(line), len(line))
         return ds if chunks is None else ds.chunk(chunks)
 
-    def spikes(self, metric: str = "loss", *, window: int = 50, z: float = 4.0,
-               around: int = 0, top: int = 10, baseline: int = 20,
-               timeline: str | None = None) -> list[Spike]:
+    def spikes(
+        self,
+        metric: str = "loss",
+        *,
+        window: int = 50,
+        z: float = 4.0,
+        around: int = 0,
+        top: int = 10,
+        baseline: int = 20,
+        timeline: str | None = None,
+    ) -> list[Spike]:
         """Spikes of a logged metric (rolling z-score rule of :mod:`dstt.inspect.summaries`),
         each with the committed update that caused it.
 
@@ -290,13 +323,26 @@ class Run:
         Open the bad update in
         a widget with ``dstt.widgets.scrubber(run, spike=sp)`` or ``compare(run, spike=sp)``.
         """
-        return self._diagnostics.spikes(metric, window=window, z=z, around=around, top=top,
-                                        baseline=baseline, timeline=timeline)
+        return self._diagnostics.spikes(
+            metric, window=window, z=z, around=around, top=top, baseline=baseline, timeline=timeline
+        )
 
-    def replay(self, step: int | Spike, model: Any, optimizer: Any, *, scheduler: Any = None,
-               loss_fn: Any = None, batches: Any = None, dataset: Any = None,
-               collate: Any = None, activations: Iterable[str] = (), per_sample: bool = True,
-               per_sample_grads: bool = False, timeline: str | None = None) -> Any:
+    def replay(
+        self,
+        step: int | Spike,
+        model: Any,
+        optimizer: Any,
+        *,
+        scheduler: Any = None,
+        loss_fn: Any = None,
+        batches: Any = None,
+        dataset: Any = None,
+        collate: Any = None,
+        activations: Iterable[str] = (),
+        per_sample: bool = True,
+        per_sample_grads: bool = False,
+        timeline: str | None = None,
+    ) -> Any:
         """Re-execute step ``step`` (or a ``Spike``: its first flagged step) from the commit
         before it, into the given ``model``/``optimizer``/``scheduler`` (built as the run
         built them), on the samples it trained on, and check it against its commit.
@@ -314,13 +360,27 @@ class Run:
         from dstt.inspect.replay import replay_step
         from dstt.inspect.summaries import Spike
 
-        k = (step.start if step.start is not None else step.step) if isinstance(
-            step, Spike) else int(step)
-        return replay_step(self, self._reader, k, model, optimizer, scheduler=scheduler,
-                           loss_fn=loss_fn,
-                           batches=batches, dataset=dataset, collate=collate,
-                           activations=activations, per_sample=per_sample,
-                           per_sample_grads=per_sample_grads, timeline=timeline)
+        k = (
+            (step.start if step.start is not None else step.step)
+            if isinstance(step, Spike)
+            else int(step)
+        )
+        return replay_step(
+            self,
+            self._reader,
+            k,
+            model,
+            optimizer,
+            scheduler=scheduler,
+            loss_fn=loss_fn,
+            batches=batches,
+            dataset=dataset,
+            collate=collate,
+            activations=activations,
+            per_sample=per_sample,
+            per_sample_grads=per_sample_grads,
+            timeline=timeline,
+        )
 
     def _read_summaries(self, h: Any) -> dict[str, Any]:
         """The summaries of one commit; multi-rank runs add one object per other rank."""
@@ -332,10 +392,17 @@ class Run:
                 out.update(summary_rows(self._reader.read_object(h, name)))
         return fold_rows(out)  # a sharded tensor's shards: one row
 
-    def diff(self, a: int, b: int, *, timeline: str | None = None,
-             timeline_b: str | None = None, selector: str | None = None,
-             paths: Iterable[str] | None = None,
-             progress: Callable[[int], None] | None = None) -> xr.Dataset:
+    def diff(
+        self,
+        a: int,
+        b: int,
+        *,
+        timeline: str | None = None,
+        timeline_b: str | None = None,
+        selector: str | None = None,
+        paths: Iterable[str] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> xr.Dataset:
         """Per-tensor change from step ``a`` to step ``b`` (see :mod:`dstt.inspect.compare`);
         ``b`` is read from ``timeline_b`` if given (compare two timelines), else ``timeline``.
         ``selector`` restricts to a layer selector (:func:`dstt.inspect.naming.select`),
@@ -347,8 +414,11 @@ class Run:
         ca, cb = self.catalog(ha), self.catalog(hb)
         if selector is not None:
             both = sorted(set(ca.pool) | set(cb.pool))
-            paths = Catalog(ca.table | cb.table, where=f"at steps {a} or {b}", listing=(
-                f"run.at({b}).names(optim=True)")).select(selector, paths=both)[0]
+            paths = Catalog(
+                ca.table | cb.table,
+                where=f"at steps {a} or {b}",
+                listing=(f"run.at({b}).names(optim=True)"),
+            ).select(selector, paths=both)[0]
         if paths is not None:  # a tied name is its target's tensor
             paths = list(dict.fromkeys(cb.tied.get(p, ca.tied.get(p, p)) for p in paths))
         return diff_commits(self._reader, ha, hb, paths, progress=progress)
@@ -360,23 +430,32 @@ class Run:
         (or the run has no summaries)."""
         return self._diagnostics.first_nonfinite(timeline)
 
-    def divergence(self, metric: str = "loss", *, window: int = 20, rise: float = 1.5,
-                   sustain: int | None = None, timeline: str | None = None
-                   ) -> list[Divergence]:
+    def divergence(
+        self,
+        metric: str = "loss",
+        *,
+        window: int = 20,
+        rise: float = 1.5,
+        sustain: int | None = None,
+        timeline: str | None = None,
+    ) -> list[Divergence]:
         """Sustained rises of a logged metric (the rule of :mod:`dstt.inspect.diagnose`:
         trailing median of ``window`` values above ``rise`` x its running minimum for
         ``sustain`` values), each with the tensors whose norms grew most over it."""
-        return self._diagnostics.divergence(metric, window=window, rise=rise, sustain=sustain,
-                                            timeline=timeline)
+        return self._diagnostics.divergence(
+            metric, window=window, rise=rise, sustain=sustain, timeline=timeline
+        )
 
-    def diagnose(self, metric: str = "loss", *, window: int = 50, z: float = 4.0,
-                 timeline: str | None = None) -> Diagnosis:
+    def diagnose(
+        self, metric: str = "loss", *, window: int = 50, z: float = 4.0, timeline: str | None = None
+    ) -> Diagnosis:
         """Spikes (:meth:`spikes`), the first non-finite tensors and gradual divergence of
         ``timeline`` in one report; ``print(run.diagnose())``."""
         return self._diagnostics.diagnose(metric, window=window, z=z, timeline=timeline)
 
-    def batches(self, steps: slice | Iterable[int] | None = None, *,
-                timeline: str | None = None) -> dict[int, list[Batch]]:
+    def batches(
+        self, steps: slice | Iterable[int] | None = None, *, timeline: str | None = None
+    ) -> dict[int, list[Batch]]:
         """Recorded batch fingerprints per step, ``{step: [Batch, ...]}`` (several with
         gradient accumulation; see :mod:`dstt.training.data`); ``steps`` a slice of step values
         (inclusive) or steps. Only the commits carrying those steps are read."""
@@ -388,10 +467,16 @@ class Run:
         return self._diagnostics.skips(timeline)
 
     # -- changes --------------------------------------------------------------------------
-    def rollback(self, to: int, skip_data: int = 0, *, timeline: str | None = None,
-                 name: str | None = None,
-                 skip_samples: Iterable[int] | None = None,
-                 skip_batches: Iterable[int] | None = None) -> str:
+    def rollback(
+        self,
+        to: int,
+        skip_data: int = 0,
+        *,
+        timeline: str | None = None,
+        name: str | None = None,
+        skip_samples: Iterable[int] | None = None,
+        skip_batches: Iterable[int] | None = None,
+    ) -> str:
         """Start a new timeline at step ``to`` of ``timeline`` (default: current; the old one
         is kept) and make it current; training resumed on this run continues from there,
         skipping ``skip_data`` batches. The new timeline is ``name``, by default
@@ -403,8 +488,7 @@ class Run:
         dropped by every session resumed on the new timeline and those forked from it
         (``run.skips()``; see :mod:`dstt.training.data`)."""
         skips = self._diagnostics.skip_set(skip_samples, skip_batches, timeline)
-        ref = self.repo.rollback(int(to), skip_data=int(skip_data), timeline=timeline,
-                                 name=name)
+        ref = self.repo.rollback(int(to), skip_data=int(skip_data), timeline=timeline, name=name)
         if skips:
             write_skips(self.repo.storage, ref, skips)
         self.refresh()
@@ -433,17 +517,29 @@ class Run:
         self.refresh()
         return report
 
-    def gc(self, *, keep_last: int | None = None, keep_every: int | None = None,
-           keep_steps: Iterable[int] = (), retention: Any = None, dry_run: bool = False,
-           progress: Callable[[int, int], None] | None = None) -> Any:
+    def gc(
+        self,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_steps: Iterable[int] = (),
+        retention: Any = None,
+        dry_run: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Any:
         """Prune steps outside the policy: ``retention=dstt.Retention(...)`` (the object a
         session's ``retention=`` takes: last N, every K-th, spike windows) or the keywords.
         Timeline heads, fork points and kept deltas' bases always stay, and so do the metrics
         and summaries of pruned steps. Returns the store's report (``pruned_steps``,
         ``bytes_freed``, ``spike_windows``, ...)."""
-        report = self.repo.gc(keep_last=keep_last, keep_every=keep_every,
-                              keep_steps=keep_steps, retention=retention, dry_run=dry_run,
-                              progress=progress)
+        report = self.repo.gc(
+            keep_last=keep_last,
+            keep_every=keep_every,
+            keep_steps=keep_steps,
+            retention=retention,
+            dry_run=dry_run,
+            progress=progress,
+        )
         self.refresh()
         return report
 
@@ -463,8 +559,10 @@ class Run:
     def __repr__(self) -> str:
         s = self.summary()
         span = f" [{s['first_step']}..{s['last_step']}]" if s["n_steps"] else ""
-        return (f"<dstt.Run {s['path']!r} timeline={s['timeline']!r} "
-                f"steps={s['n_steps']}{span} arrays={s['n_arrays']}>")
+        return (
+            f"<dstt.Run {s['path']!r} timeline={s['timeline']!r} "
+            f"steps={s['n_steps']}{span} arrays={s['n_arrays']}>"
+        )
 
     def _repr_html_(self) -> str:
         return run_html(self.summary())

@@ -41,8 +41,9 @@ class RunView(Protocol):
 
     def catalog(self, header: CommitHeader) -> Catalog: ...
 
-    def batches(self, steps: slice | Iterable[int] | None = None, *,
-                timeline: str | None = None) -> dict[int, list[Batch]]: ...
+    def batches(
+        self, steps: slice | Iterable[int] | None = None, *, timeline: str | None = None
+    ) -> dict[int, list[Batch]]: ...
 
 
 class Snapshot:
@@ -72,8 +73,10 @@ class Snapshot:
         return self.run._readers  # noqa: SLF001 - Snapshot is the run's own view (RunView)
 
     def __repr__(self) -> str:
-        return (f"<dstt.Snapshot step={self.step} timeline={self.timeline!r} slot={self.slot} "
-                f"tensors={len(self.arrays)}>")
+        return (
+            f"<dstt.Snapshot step={self.step} timeline={self.timeline!r} slot={self.slot} "
+            f"tensors={len(self.arrays)}>"
+        )
 
     def names(self, optim: bool = False) -> list[str]:
         """User names of the tensors (optimizer states too when ``optim``). A tied
@@ -85,8 +88,11 @@ class Snapshot:
     def tied(self) -> dict[str, str]:
         """Tied names -> the name each is stored under (``{"lm_head.weight":
         "transformer.wte.weight"}``); empty when nothing is tied."""
-        return {user_name(a): user_name(t) for a, t in self.catalog.tied.items()
-                if optim_state(a) is None}
+        return {
+            user_name(a): user_name(t)
+            for a, t in self.catalog.tied.items()
+            if optim_state(a) is None
+        }
 
     @property
     def objects(self) -> list[str]:
@@ -109,8 +115,9 @@ class Snapshot:
         :meth:`path`; a tied name's DataArray has ``attrs["tied_to"]``."""
         from dstt.inspect.views import tensor_dataarray
 
-        return tensor_dataarray(self._readers, self.header, self.catalog,
-                                self.path(name, state), chunks=chunks)
+        return tensor_dataarray(
+            self._readers, self.header, self.catalog, self.path(name, state), chunks=chunks
+        )
 
     def to_numpy(self, name: str, *, state: str | None = None, native: bool = False) -> np.ndarray:
         """Values of one tensor: float32 for bf16 (as in views) or, with ``native``, the
@@ -134,19 +141,30 @@ class Snapshot:
         """
         from dstt.inspect.views import layer_tree
 
-        paths, picks = self.catalog.select(selector, optim=optim, listing=(
-            f"run.at({self.step}).names({'optim=True' if optim else ''})"))
-        return layer_tree(self._readers, self.header, self.catalog, paths, picks=picks,
-                          chunks=chunks)
+        paths, picks = self.catalog.select(
+            selector,
+            optim=optim,
+            listing=(f"run.at({self.step}).names({'optim=True' if optim else ''})"),
+        )
+        return layer_tree(
+            self._readers, self.header, self.catalog, paths, picks=picks, chunks=chunks
+        )
 
     def tree(self, optim: bool = False) -> xr.DataTree:
         """Every tensor of the step as one lazy DataTree."""
         return self.layer("*", optim)
 
     # -- back to torch: export, state dicts, loading into live objects ---------------------
-    def export(self, out: str | os.PathLike[str], format: str = "safetensors", *,
-               include_all: bool = False, overwrite: bool = False, config: Any = None,
-               progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    def export(
+        self,
+        out: str | os.PathLike[str],
+        format: str = "safetensors",
+        *,
+        include_all: bool = False,
+        overwrite: bool = False,
+        config: Any = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> dict[str, Any]:
         """Write this step (see :mod:`dstt.inspect.export`): ``safetensors``, the model's
         tensors by dotted name, every tied name included, so ``model.load_state_dict(
         load_file(out))`` works; ``torch``, ``torch.save`` of :meth:`state_dict`; ``hf``, a
@@ -157,9 +175,16 @@ class Snapshot:
         folders are created; an existing file is replaced only with ``overwrite``."""
         from dstt.inspect.export import export_commit
 
-        return export_commit(self._reader, self.header, out, format,  # type: ignore[arg-type]
-                             include_all=include_all, overwrite=overwrite, config=config,
-                             progress=progress)
+        return export_commit(
+            self._reader,
+            self.header,
+            out,
+            format,  # type: ignore[arg-type]
+            include_all=include_all,
+            overwrite=overwrite,
+            config=config,
+            progress=progress,
+        )
 
     def batch(self) -> list[Batch]:
         """The fingerprints of the batches this step trained on (``run.batches()``)."""
@@ -179,10 +204,18 @@ class Snapshot:
 
         return step_state(self._reader, self.header, trusted=trusted)
 
-    def load_into(self, model: torch.nn.Module | None = None,
-                  optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
-                  | Mapping[str, torch.optim.Optimizer] | None = None, scheduler: Any = None,
-                  *, strict: bool = True, trusted: bool = False) -> Any:
+    def load_into(
+        self,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer
+        | Sequence[torch.optim.Optimizer]
+        | Mapping[str, torch.optim.Optimizer]
+        | None = None,
+        scheduler: Any = None,
+        *,
+        strict: bool = True,
+        trusted: bool = False,
+    ) -> Any:
         """Load this step into live objects (any may be left out), bit-exactly: training on
         from here gives the original run's next step. The model may be wrapped
         (``torch.compile``, DDP) or not: names are matched without wrapper components.
@@ -195,5 +228,6 @@ class Snapshot:
         no name of the model warns (``DsttWarning``)."""
         from dstt.inspect.restore import load_step
 
-        return load_step(self._reader, self.header, model, optimizer, scheduler,
-                         strict=strict, trusted=trusted)
+        return load_step(
+            self._reader, self.header, model, optimizer, scheduler, strict=strict, trusted=trusted
+        )

@@ -36,10 +36,16 @@ def dtype_name(dtype: np.dtype[Any]) -> str:
     return name
 
 
-def save(path: str | os.PathLike[str] | Storage, step: int, arrays: Mapping[str, Any],
-         objects: Mapping[str, Any] | None = None,
-         metrics: Mapping[str, Metric] | None = None, *, timeline: str | None = None,
-         chunk_bytes: int | None = None) -> CommitHeader:
+def save(
+    path: str | os.PathLike[str] | Storage,
+    step: int,
+    arrays: Mapping[str, Any],
+    objects: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, Metric] | None = None,
+    *,
+    timeline: str | None = None,
+    chunk_bytes: int | None = None,
+) -> CommitHeader:
     """Commit ``arrays`` (path → numpy array) and ``objects`` as ``step``; returns the header."""
     repo = Repository.create(path)
     opts = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
@@ -71,8 +77,13 @@ class Snapshot:
     objects: dict[str, Any]
 
 
-def load(path: str | os.PathLike[str] | Storage, step: int | None = None, *,
-         timeline: str | None = None, trusted: bool = False) -> Snapshot:
+def load(
+    path: str | os.PathLike[str] | Storage,
+    step: int | None = None,
+    *,
+    timeline: str | None = None,
+    trusted: bool = False,
+) -> Snapshot:
     """Read back a committed step (default: the head of the current timeline), verified."""
     r = Repository.open(path).reader()
     if step is None:

@@ -39,12 +39,21 @@ if TYPE_CHECKING:
     from .format.stepfile import StepFile
     from .storage.base import Storage
 
-__all__ = ["ArraySpec", "EncodingWriter", "FlatStepWriter", "OffloadingWriter", "StepBytes",
-           "StepTransaction", "StepWriter", "StoredWriter"]
+__all__ = [
+    "ArraySpec",
+    "EncodingWriter",
+    "FlatStepWriter",
+    "OffloadingWriter",
+    "StepBytes",
+    "StepTransaction",
+    "StepWriter",
+    "StoredWriter",
+]
 
 #: an array of a flat layout: path, dtype, shape and optionally its dimension names
-ArraySpec: TypeAlias = ("tuple[str, str, tuple[int, ...]]"
-                        " | tuple[str, str, tuple[int, ...], Sequence[str] | None]")
+ArraySpec: TypeAlias = (
+    "tuple[str, str, tuple[int, ...]] | tuple[str, str, tuple[int, ...], Sequence[str] | None]"
+)
 
 
 @runtime_checkable
@@ -65,32 +74,41 @@ class StepTransaction(Protocol):
     @property
     def zip(self) -> StepFile: ...
 
-    def declare(self, path: str, dtype: str, shape: tuple[int, ...],
-                dims: Sequence[str] | None = None) -> ChunkPlan: ...
+    def declare(
+        self, path: str, dtype: str, shape: tuple[int, ...], dims: Sequence[str] | None = None
+    ) -> ChunkPlan: ...
 
     def predict(self, predictions: Mapping[str, Prediction]) -> None: ...
 
     def put_chunk(self, path: str, index: int, data: StepBytes) -> ChunkRecord: ...
 
-    def put_flat(self, layout: FlatLayout, buf: StepBytes,
-                 images: dict[int, FlatImage] | None = None) -> None: ...
+    def put_flat(
+        self, layout: FlatLayout, buf: StepBytes, images: dict[int, FlatImage] | None = None
+    ) -> None: ...
 
     def put_flat_chunks(self, layout: FlatLayout, buf: StepBytes) -> None: ...
 
     def reserve_flat(self, layout: FlatLayout, nbytes_at: Callable[[int], int]) -> int: ...
 
-    def complete_flat(self, layout: FlatLayout, offsets: list[int], sizes: list[int],
-                      crcs: list[int], directory: bytes,
-                      buf: StepBytes | None = None) -> None: ...
+    def complete_flat(
+        self,
+        layout: FlatLayout,
+        offsets: list[int],
+        sizes: list[int],
+        crcs: list[int],
+        directory: bytes,
+        buf: StepBytes | None = None,
+    ) -> None: ...
 
-    def put_object(self, name: str, obj: object, *,
-                   encoding: Encoding = "json") -> ObjectRecord: ...
+    def put_object(
+        self, name: str, obj: object, *, encoding: Encoding = "json"
+    ) -> ObjectRecord: ...
 
-    def put_encoded(self, name: str, data: bytes,
-                    encoding: Encoding = "json") -> ObjectRecord: ...
+    def put_encoded(self, name: str, data: bytes, encoding: Encoding = "json") -> ObjectRecord: ...
 
-    def defer_object(self, name: str, obj: object, *, encoding: Encoding = "json",
-                     or_pickle: bool = False) -> None: ...
+    def defer_object(
+        self, name: str, obj: object, *, encoding: Encoding = "json", or_pickle: bool = False
+    ) -> None: ...
 
     @property
     def deferred(self) -> Sequence[Deferred]: ...  # the objects stored at commit

@@ -69,8 +69,9 @@ class Repository:
     @classmethod
     def create(cls, path: str | os.PathLike[str] | Storage, **storage_options: Any) -> Repository:
         """Open a run for writing, creating it if needed."""
-        storage = (path if isinstance(path, Storage)
-                   else storage_for(path, create=True, **storage_options))
+        storage = (
+            path if isinstance(path, Storage) else storage_for(path, create=True, **storage_options)
+        )
         repo = cls(storage)
         if storage.exists("zarr.json"):
             repo.root_attributes()
@@ -134,8 +135,14 @@ class Repository:
         return Writer(self, **options)
 
     # -- timelines ------------------------------------------------------------------------
-    def rollback(self, to_step: int, *, skip_data: int = 0, timeline: str | None = None,
-                 name: str | None = None) -> RefInfo:
+    def rollback(
+        self,
+        to_step: int,
+        *,
+        skip_data: int = 0,
+        timeline: str | None = None,
+        name: str | None = None,
+    ) -> RefInfo:
         """Start a new timeline at ``to_step`` of ``timeline`` (default current); make it current.
 
         Nothing is deleted: the old timeline keeps its head and stays inspectable.
@@ -155,7 +162,8 @@ class Repository:
                 raise TimelineError(
                     f"the default name {new!r} is too long (64 characters at most); name the "
                     f"new timeline: run.rollback({to_step}, name=...), dstt rollback --to "
-                    f"{to_step} --name NAME") from None
+                    f"{to_step} --name NAME"
+                ) from None
             if new in r.timelines:
                 if name is not None:
                     raise TimelineError(f"timeline {new!r} already exists; pick another name")
@@ -163,9 +171,17 @@ class Repository:
                     f"step {to_step} of {base_name!r} was rolled back to before: timeline "
                     f"{new!r} exists. Name the new one (run.rollback({to_step}, name=...), "
                     f"dstt rollback --to {to_step} --name NAME), or make {new!r} current "
-                    f"(run.switch({new!r}), dstt timeline switch {new})")
-            ref = RefInfo(new, base.slot, base_slot=base.slot, base_step=base.step,
-                          base_timeline=base_name, skip_data=skip_data, created=time.time())
+                    f"(run.switch({new!r}), dstt timeline switch {new})"
+                )
+            ref = RefInfo(
+                new,
+                base.slot,
+                base_slot=base.slot,
+                base_step=base.step,
+                base_timeline=base_name,
+                skip_data=skip_data,
+                created=time.time(),
+            )
             self.storage.write_durable(ref_key(new), dump_ref(ref))
             self.storage.write_durable(HEAD_KEY, dump_head(new))
             return ref
@@ -181,23 +197,36 @@ class Repository:
         running it again finishes an interrupted rename (``maintenance/timelines.py``)."""
         return rename_timeline(self, old, new)
 
-    def delete_timeline(self, name: str, *, gc: bool = True,
-                        dry_run: bool = False) -> DeleteReport:
+    def delete_timeline(self, name: str, *, gc: bool = True, dry_run: bool = False) -> DeleteReport:
         """Delete a timeline that is not the current one; with ``gc``, free the commits and
         files no other timeline reaches (``maintenance/timelines.py``)."""
         return delete_timeline(self, name, sweep=gc, dry_run=dry_run)
 
     # -- maintenance (maintenance/gc.py, maintenance/verify.py) -------------------------------
-    def gc(self, *, keep_last: int | None = None, keep_every: int | None = None,
-           keep_steps: Iterable[int] = (), retention: Retention | None = None,
-           dry_run: bool = False,
-           progress: Callable[[int, int], None] | None = None) -> GcReport:
+    def gc(
+        self,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_steps: Iterable[int] = (),
+        retention: Retention | None = None,
+        dry_run: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> GcReport:
         """Prune what ``retention`` (or the keywords) does not keep (``maintenance.gc``)."""
-        return gc(self, keep_last=keep_last, keep_every=keep_every, keep_steps=keep_steps,
-                  retention=retention, dry_run=dry_run, progress=progress)
+        return gc(
+            self,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            keep_steps=keep_steps,
+            retention=retention,
+            dry_run=dry_run,
+            progress=progress,
+        )
 
-    def verify(self, *, progress: Callable[[int, int], None] | None = None,
-               repair: bool = False) -> VerifyReport:
+    def verify(
+        self, *, progress: Callable[[int, int], None] | None = None, repair: bool = False
+    ) -> VerifyReport:
         """Check every reachable byte and the index; ``repair``: rebuild the index from
         the commit headers first (what ``dstt verify --repair`` does)."""
         if repair:
@@ -221,4 +250,3 @@ def _empty_or_interrupted_create(storage: Storage) -> bool:
             continue
         return False
     return True
-

@@ -39,8 +39,10 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         if self.d % self.heads or self.heads % self.kv_heads or (self.d // self.heads) % 2:
-            raise ValueError(f"heads={self.heads} must divide d={self.d} into even head "
-                             f"sizes and kv_heads={self.kv_heads} must divide heads")
+            raise ValueError(
+                f"heads={self.heads} must divide d={self.d} into even head "
+                f"sizes and kv_heads={self.kv_heads} must divide heads"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -146,12 +148,12 @@ class TinyLlama(nn.Module):
             if isinstance(m, nn.Linear | nn.Embedding):
                 nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         t = idx.shape[1]
         if t > self.cfg.seq:
-            raise ValueError(f"sequence of {t} tokens, the model's rotary table has "
-                             f"{self.cfg.seq}")
+            raise ValueError(f"sequence of {t} tokens, the model's rotary table has {self.cfg.seq}")
         cos, sin = self.cos[:t], self.sin[:t]
         x = self.tok(idx)
         for block in self.layers:
@@ -159,6 +161,7 @@ class TinyLlama(nn.Module):
         logits = self.head(self.norm(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                   targets.reshape(-1))
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1)
+            )
         return logits, loss

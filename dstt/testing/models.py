@@ -35,8 +35,9 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        a = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
         out: torch.Tensor = x + self.drop(self.mlp(self.ln2(x)))
         return out
@@ -45,8 +46,15 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """A decoder-only transformer: token + position embeddings, ``layers`` blocks, tied head."""
 
-    def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2, heads: int = 4,
-                 seq: int = 16, dropout: float = 0.1) -> None:
+    def __init__(
+        self,
+        vocab: int = 64,
+        d: int = 32,
+        layers: int = 2,
+        heads: int = 4,
+        seq: int = 16,
+        dropout: float = 0.1,
+    ) -> None:
         super().__init__()
         self.seq = seq
         self.tok = nn.Embedding(vocab, d)
@@ -63,8 +71,9 @@ class TinyGPT(nn.Module):
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(self.positions[:t])
         for block in self.layers:
@@ -76,8 +85,9 @@ class TinyGPT(nn.Module):
         return logits, loss
 
 
-def make_batch(i: int, *, batch_size: int = 8, seq: int = 16, vocab: int = 64,
-               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(
+    i: int, *, batch_size: int = 8, seq: int = 16, vocab: int = 64, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch ``i``: rows of arithmetic sequences mod ``vocab`` (learnable), inputs and targets."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + i)
     start = torch.randint(0, vocab, (batch_size, 1), generator=g)
@@ -89,8 +99,9 @@ def make_batch(i: int, *, batch_size: int = 8, seq: int = 16, vocab: int = 64,
 class SyntheticBatches:
     """``n`` deterministic batches (a re-iterable sequence, like a DataLoader of one epoch)."""
 
-    def __init__(self, n: int, *, batch_size: int = 8, seq: int = 16, vocab: int = 64,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, n: int, *, batch_size: int = 8, seq: int = 16, vocab: int = 64, seed: int = 0
+    ) -> None:
         self.n, self.batch_size, self.seq, self.vocab, self.seed = n, batch_size, seq, vocab, seed
 
     def __len__(self) -> int:
@@ -99,8 +110,9 @@ class SyntheticBatches:
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= i < self.n:
             raise IndexError(i)
-        return make_batch(i, batch_size=self.batch_size, seq=self.seq, vocab=self.vocab,
-                          seed=self.seed)
+        return make_batch(
+            i, batch_size=self.batch_size, seq=self.seq, vocab=self.vocab, seed=self.seed
+        )
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return (self[i] for i in range(self.n))

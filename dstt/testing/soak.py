@@ -38,8 +38,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import random
 
-__all__ = ["KillOutcome", "Reference", "child_env", "kill_once", "reference",
-           "run_child_to_end"]
+__all__ = ["KillOutcome", "Reference", "child_env", "kill_once", "reference", "run_child_to_end"]
 
 #: kill moments the parent draws from: a time after spawn (import, restore, session start or
 #: training), just after the ``start`` line (the first steps after a restore), shortly after a
@@ -48,6 +47,7 @@ MODES = ("time", "start", "step", "commit")
 
 
 # -- child ------------------------------------------------------------------------------------
+
 
 def _say(line: str) -> None:
     # one write per line: atomic on a pipe, from any thread; a parent that stopped reading
@@ -76,8 +76,11 @@ def _announcing_storage(path: str) -> Any:
             # a ref is written (lazily synced by the session) once its step's files and
             # header are durable: from here a SIGKILL must not lose the step
             if key.startswith(COMMITS_PREFIX + "/"):
-                raw = b"".join(bytes(p) for p in data) if isinstance(data, list | tuple) \
+                raw = (
+                    b"".join(bytes(p) for p in data)
+                    if isinstance(data, list | tuple)
                     else bytes(data)
+                )
                 self.last_step = parse_header(raw, key).step
             elif key.startswith(REFS_PREFIX + "/") and self.last_step >= 0:
                 _say(f"committed {self.last_step}")
@@ -115,10 +118,16 @@ def child_main(mode: str, run: str, steps: int, seed: int, delta: bool = False) 
     else:
         storage = _announcing_storage(run)
         # a small host cache: most tensors span several chunk files (more files to tear)
-        with dstt.session(model, opt, run=storage, scheduler=sched, resume=True,
-                          budget_bytes=1 << 14, writers=2,
-                          encoding=dstt.DeltaPolicy(raw_when_busy=False) if delta else None
-                          ) as s:
+        with dstt.session(
+            model,
+            opt,
+            run=storage,
+            scheduler=sched,
+            resume=True,
+            budget_bytes=1 << 14,
+            writers=2,
+            encoding=dstt.DeltaPolicy(raw_when_busy=False) if delta else None,
+        ) as s:
             loop(s, s.data(batches))
     h = hashlib.sha256()
     for p in model.parameters():
@@ -127,6 +136,7 @@ def child_main(mode: str, run: str, steps: int, seed: int, delta: bool = False) 
 
 
 # -- parent -----------------------------------------------------------------------------------
+
 
 def child_env() -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[2])
@@ -174,8 +184,13 @@ class Reference:
 
 
 def reference(steps: int, seed: int) -> Reference:
-    out = subprocess.run(_cmd("plain", "-", steps, seed, False), capture_output=True, text=True,
-                         env=child_env(), timeout=600)
+    out = subprocess.run(
+        _cmd("plain", "-", steps, seed, False),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=600,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"reference run failed: {out.stderr[-2000:]}")
     p = _parse(out.stdout.splitlines())
@@ -216,9 +231,13 @@ class KillOutcome:
 
 
 def _verify_cli(run: Path) -> tuple[bool, str]:
-    out = subprocess.run([sys.executable, "-m", "dstt.cli", "verify", "--run", str(run),
-                          "--json"], capture_output=True, text=True, env=child_env(),
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "dstt.cli", "verify", "--run", str(run), "--json"],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=300,
+    )
     try:
         doc = json.loads(out.stdout)
     except ValueError:
@@ -235,14 +254,27 @@ def _lineage_steps(run: Path) -> list[int]:
     return [h.step for h in Repository.open(run).reader().lineage() if not h.pruned]
 
 
-def kill_once(run: Path, ref: Reference, steps: int, seed: int, rng: random.Random, *,
-              delta: bool = False, mode: str | None = None) -> KillOutcome:
+def kill_once(
+    run: Path,
+    ref: Reference,
+    steps: int,
+    seed: int,
+    rng: random.Random,
+    *,
+    delta: bool = False,
+    mode: str | None = None,
+) -> KillOutcome:
     """Start a child on ``run`` (resuming its head), SIGKILL it at a random moment, check."""
     t0 = time.monotonic()
     start = (_lineage_steps(run) or [0])[-1]
     mode = mode or rng.choices(MODES, weights=(2, 1, 4, 3))[0]
-    proc = subprocess.Popen(_cmd("child", run, steps, seed, delta), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=child_env())
+    proc = subprocess.Popen(
+        _cmd("child", run, steps, seed, delta),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
     assert proc.stdout is not None
     lines: list[str] = []
     deadline = None
@@ -260,7 +292,8 @@ def kill_once(run: Path, ref: Reference, steps: int, seed: int, rng: random.Rand
                     time.sleep(rng.uniform(0.0, 0.1))
                     break
                 if (mode == "step" and kind == "step" and int(rest[0]) >= want_step) or (
-                        mode == "commit" and kind == "committed" and int(rest[0]) >= want_step):
+                    mode == "commit" and kind == "committed" and int(rest[0]) >= want_step
+                ):
                     time.sleep(rng.uniform(0.0, 0.04 if mode == "step" else 0.01))
                     break
         if proc.poll() is None:
@@ -298,8 +331,9 @@ def kill_once(run: Path, ref: Reference, steps: int, seed: int, rng: random.Rand
         lineage = []
     head = lineage[-1] if lineage else 0
     if head not in (announced, announced + 1):
-        problems.append(f"head {head} is neither the last announced commit {announced} "
-                        "nor the one after it")
+        problems.append(
+            f"head {head} is neither the last announced commit {announced} nor the one after it"
+        )
     if lineage != list(range(1, head + 1)):
         problems.append(f"committed steps are not 1..{head}: {lineage[:10]}...{lineage[-10:]}")
     if head > trained_to:
@@ -309,14 +343,31 @@ def kill_once(run: Path, ref: Reference, steps: int, seed: int, rng: random.Rand
             problems.append(f"final parameters {p.final} differ from the reference {ref.final}")
         if head != steps:
             problems.append(f"completed, but the head is {head}, not {steps}")
-    return KillOutcome(mode, delta, start, p.start, trained_to, announced, head, completed,
-                       verify_ok, checked, time.monotonic() - t0, problems)
+    return KillOutcome(
+        mode,
+        delta,
+        start,
+        p.start,
+        trained_to,
+        announced,
+        head,
+        completed,
+        verify_ok,
+        checked,
+        time.monotonic() - t0,
+        problems,
+    )
 
 
 def run_child_to_end(run: Path, steps: int, seed: int, *, delta: bool = False) -> str | None:
     """Resume ``run`` and train to the end without a kill; the final parameter hash."""
-    out = subprocess.run(_cmd("child", run, steps, seed, delta), capture_output=True, text=True,
-                         env=child_env(), timeout=600)
+    out = subprocess.run(
+        _cmd("child", run, steps, seed, delta),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=600,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"child failed: {out.stderr[-2000:]}")
     return _parse(out.stdout.splitlines()).final

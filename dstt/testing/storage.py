@@ -57,7 +57,10 @@ class StorageTests:
         storage.write_durable("g", b"0123456789")
         assert storage.read_range("f", 10, 5) == bytes(range(10, 15))
         assert storage.read_ranges([("f", 0, 2), ("g", 3, 4), ("f", 98, 2)]) == [
-            bytes([0, 1]), b"3456", bytes([98, 99])]
+            bytes([0, 1]),
+            b"3456",
+            bytes([98, 99]),
+        ]
 
     def test_overwrite_replaces_the_whole_value(self, storage: Storage) -> None:
         storage.write_durable("k", b"a long first value")
@@ -105,8 +108,9 @@ class StorageTests:
     def test_a_blob_written_from_threads(self, storage: Storage) -> None:
         parts = [bytes([i]) * 4096 for i in range(16)]
         blob = storage.open_blob("steps/threads.zip")
-        threads = [threading.Thread(target=blob.write_at, args=(i * 4096, p))
-                   for i, p in enumerate(parts)]
+        threads = [
+            threading.Thread(target=blob.write_at, args=(i * 4096, p)) for i, p in enumerate(parts)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -122,12 +126,12 @@ class StorageTests:
         blob.discard()  # twice: no error
         assert not storage.exists("steps/gone.zip")
 
-    def test_the_writer_lock_is_exclusive_and_released(self, storage: Storage,
-                                                       second: Storage) -> None:
+    def test_the_writer_lock_is_exclusive_and_released(
+        self, storage: Storage, second: Storage
+    ) -> None:
         if not storage.supports_locking:
             pytest.skip(f"{type(storage).__name__} does not claim mutual exclusion")
-        with storage.lock("_dstt/lock"), pytest.raises(RunLockedError), \
-                second.lock("_dstt/lock"):
+        with storage.lock("_dstt/lock"), pytest.raises(RunLockedError), second.lock("_dstt/lock"):
             pass
         with second.lock("_dstt/lock"):  # released: the next writer takes it
             pass

@@ -24,5 +24,15 @@ from .factory import open_session, session
 from .options import CopyMode, ErrorPolicy, RacePolicy, SessionOptions
 from .session import Session
 
-__all__ = ["CopyMode", "DeepSpeedSession", "DistributedSession", "ErrorPolicy", "RacePolicy",
-           "RankedSession", "Session", "SessionOptions", "open_session", "session"]
+__all__ = [
+    "CopyMode",
+    "DeepSpeedSession",
+    "DistributedSession",
+    "ErrorPolicy",
+    "RacePolicy",
+    "RankedSession",
+    "Session",
+    "SessionOptions",
+    "open_session",
+    "session",
+]

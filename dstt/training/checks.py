@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 __all__ = ["capture_error", "check_optimizer", "warn_skipped"]
 
 
-def check_optimizer(model: torch.nn.Module,
-                    optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
+def check_optimizer(
+    model: torch.nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]
+) -> None:
     """Refuse optimizers whose state a resume would lose: ones that together hold none of the
     model's trainable parameters, or parameters the model does not have (``ConfigError``).
     Trainable parameters left out of every optimizer warn (``DsttWarning``): they are captured
@@ -41,22 +42,27 @@ def check_optimizer(model: torch.nn.Module,
             f"(shapes {shapes}{', ...' if len(foreign) > 3 else ''}); dstt names optimizer "
             "state by the model's parameter names, so it could not restore it. Build the "
             "optimizer from this model's parameters (model.parameters()), or pass the model "
-            "that owns them")
+            "that owns them"
+        )
     held = {id(p) for p in in_opt}
     if trainable and not held & trainable:
         raise ConfigError(
             f"the optimizer holds none of the model's {len(trainable)} trainable parameters, "
             "so no optimizer state would be captured and a resume would lose it. Pass the "
-            "optimizer that trains this model (torch.optim.AdamW(model.parameters(), ...))")
+            "optimizer that trains this model (torch.optim.AdamW(model.parameters(), ...))"
+        )
     left_out = [in_model[i] for i in in_model if i in trainable and i not in held]
     if left_out:
-        names = ", ".join(left_out[:5]) + (f" and {len(left_out) - 5} more"
-                                            if len(left_out) > 5 else "")
+        names = ", ".join(left_out[:5]) + (
+            f" and {len(left_out) - 5} more" if len(left_out) > 5 else ""
+        )
         warnings.warn(
             f"dstt: {len(left_out)} trainable parameter(s) are not in the optimizer: {names}. "
             "They are captured and restored, but no optimizer updates them; freeze them "
             "(requires_grad_(False)) if that is meant, or add them to the optimizer",
-            DsttWarning, stacklevel=4)
+            DsttWarning,
+            stacklevel=4,
+        )
 
 
 def capture_error(failed: list[Flight]) -> CaptureError:
@@ -88,5 +94,8 @@ def _remedy(err: BaseException | None) -> str:
 
 def warn_skipped(f: Flight, *, continuing: bool = True) -> None:
     tail = "; training continues" if continuing else ""
-    warnings.warn(f"dstt: step {f.step} was not checkpointed ({type(f.error).__name__}: "
-                  f"{f.error}){tail}", RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"dstt: step {f.step} was not checkpointed ({type(f.error).__name__}: {f.error}){tail}",
+        RuntimeWarning,
+        stacklevel=3,
+    )

@@ -51,8 +51,18 @@ from dstt.engine.data_position import DataPosition, TrackedData
 from dstt.errors import ConfigError
 from dstt.store import BATCHES_OBJECT, Batch, SkipSet, read_skips, write_skips
 
-__all__ = ["BATCHES_OBJECT", "HASH_LIMIT", "Batch", "BatchLog", "RecordedData", "SkipSet",
-           "fingerprint", "index_tap", "read_skips", "write_skips"]
+__all__ = [
+    "BATCHES_OBJECT",
+    "HASH_LIMIT",
+    "Batch",
+    "BatchLog",
+    "RecordedData",
+    "SkipSet",
+    "fingerprint",
+    "index_tap",
+    "read_skips",
+    "write_skips",
+]
 
 HASH_LIMIT = 64 * 1024 * 1024  # bytes hashed per batch at most (about 30 ms)
 
@@ -108,17 +118,24 @@ class BatchLog:
         mine = sorted(k for k in self._steps if k <= step)
         if not mine:
             return None
-        return {"steps": mine,
-                "batches": [[b.plain() for b in self._steps.pop(k)] for k in mine]}
+        return {"steps": mine, "batches": [[b.plain() for b in self._steps.pop(k)] for k in mine]}
 
 
 class RecordedData(TrackedData):
     """:class:`TrackedData` that fingerprints each batch, drops skipped samples and batches,
     and resumes a stateful loader from its saved state (see the module docstring)."""
 
-    def __init__(self, loader: Iterable[Any], position: DataPosition, *, skip: int,
-                 on_next: Callable[[], None] | None, step: Callable[[], int], log: BatchLog,
-                 skips: SkipSet) -> None:
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        position: DataPosition,
+        *,
+        skip: int,
+        on_next: Callable[[], None] | None,
+        step: Callable[[], int],
+        log: BatchLog,
+        skips: SkipSet,
+    ) -> None:
         super().__init__(loader, position, skip=skip, on_next=on_next)
         self._step_of_next = step
         self._log = log
@@ -136,7 +153,8 @@ class RecordedData(TrackedData):
                 raise ConfigError(
                     "this run's timeline skips samples, but the loader does not expose the "
                     "sample indices of its batches (a torch DataLoader over a map-style "
-                    "dataset, in_order=True, does); roll back with skip_batches=[steps]")
+                    "dataset, in_order=True, does); roll back with skip_batches=[steps]"
+                )
             return None
         tap.queue.clear()
         tap.samples, tap.lists = self._skips.samples, self._skip_indices
@@ -189,7 +207,8 @@ class _Tap:
     def __iter__(self) -> Iterator[Any]:
         it = iter(self.inner)
         stateful = callable(getattr(it, "state_dict", None)) and callable(
-            getattr(it, "load_state_dict", None))
+            getattr(it, "load_state_dict", None)
+        )
         return (_StatefulTapIter if stateful else _TapIter)(self, it)
 
     def __len__(self) -> int:

@@ -46,28 +46,35 @@ __all__ = ["DeepSpeedSession"]
 class DeepSpeedSession(RankedSession):
     """A capturing session over one rank of a DeepSpeed engine; use ``dstt.session(engine)``."""
 
-    def __init__(self, engine: Any, optimizer: Any = None, *, options: SessionOptions,
-                 scheduler: Any = None, extra_state: Mapping[str, Stateful] | None = None,
-                 info: RankInfo | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        optimizer: Any = None,
+        *,
+        options: SessionOptions,
+        scheduler: Any = None,
+        extra_state: Mapping[str, Stateful] | None = None,
+        info: RankInfo | None = None,
+    ) -> None:
         if optimizer is not None:
-            raise ConfigError("pass the DeepSpeed engine alone: dstt.session(engine, run=...); "
-                              "it captures the engine's own optimizer")
+            raise ConfigError(
+                "pass the DeepSpeed engine alone: dstt.session(engine, run=...); "
+                "it captures the engine's own optimizer"
+            )
         self.engine = engine
         if scheduler is not None and scheduler is not engine.lr_scheduler:
             extra_state = {**(extra_state or {}), "scheduler": scheduler}
         self._ds: DeepSpeedState | None = None
-        super().__init__(engine, None, options=options, scheduler=None, extra_state=extra_state,
-                         info=info)
+        super().__init__(
+            engine, None, options=options, scheduler=None, extra_state=extra_state, info=info
+        )
 
     def _dims_of(self) -> DimsOf:
         return ModelDims(self.engine.module)  # the store names the inner model's tensors
 
-    def _discover(self, scheduler: Any,
-                  extra_state: Mapping[str, Stateful] | None) -> TorchState:
-        data = RankObject("data", self.info, self._data_state, self._set_data,
-                          always_suffix=True)
-        self._ds = DeepSpeedState(self.engine, self.info, extra_state=extra_state,
-                                  extra=[data])
+    def _discover(self, scheduler: Any, extra_state: Mapping[str, Stateful] | None) -> TorchState:
+        data = RankObject("data", self.info, self._data_state, self._set_data, always_suffix=True)
+        self._ds = DeepSpeedState(self.engine, self.info, extra_state=extra_state, extra=[data])
         return self._ds.state
 
     def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:
@@ -77,5 +84,7 @@ class DeepSpeedSession(RankedSession):
     def _attach(self) -> list[Any]:
         assert self._ds is not None
         cap = self._capture
-        return [self._ds.inner.register_step_pre_hook(lambda *_: cap.before_step()),
-                EngineStepHook(self.engine, cap.at_boundary, cap.after_step)]
+        return [
+            self._ds.inner.register_step_pre_hook(lambda *_: cap.before_step()),
+            EngineStepHook(self.engine, cap.at_boundary, cap.after_step),
+        ]

@@ -55,13 +55,21 @@ class RankedSession(Session):
     _prefetch_restore = False  # each rank reads only what it holds
     _tail_on_error = False  # the other ranks may be gone: rank 0 would wait for their parts
 
-    def __init__(self, model: Any, optimizer: Any = None, *, options: SessionOptions,
-                 scheduler: Any = None, extra_state: Mapping[str, Stateful] | None = None,
-                 info: RankInfo | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any = None,
+        *,
+        options: SessionOptions,
+        scheduler: Any = None,
+        extra_state: Mapping[str, Stateful] | None = None,
+        info: RankInfo | None = None,
+    ) -> None:
         self.info = info or dist_info()
         self.channel = RankChannel(self.info, timeout=options.rank_timeout)
-        super().__init__(model, optimizer, options=options, scheduler=scheduler,
-                         extra_state=extra_state)
+        super().__init__(
+            model, optimizer, options=options, scheduler=scheduler, extra_state=extra_state
+        )
         if self.info.rank:  # each rank summarises the arrays it writes
             self.summaries_object = f"{self.summaries_object}/r{self.info.rank}"
 
@@ -82,8 +90,7 @@ class RankedSession(Session):
     def _agreed(self) -> dict[str, Any]:
         """Options every rank must share (the run and ``resume`` are always checked)."""
         o = self.options
-        return {"every": o.every, "encoding": o.encoding is not None,
-                "kind": type(self).__name__}
+        return {"every": o.every, "encoding": o.encoding is not None, "kind": type(self).__name__}
 
     def close(self, exc: BaseException | None = None) -> None:
         """Commit the last step and release the run; with several ranks every rank returns
@@ -105,8 +112,10 @@ class RankedSession(Session):
     def _close_together(self, exc: BaseException | None, failure: BaseException | None) -> None:
         if self.info.rank == 0:
             with contextlib.suppress(Exception):  # best effort: the others wait otherwise
-                self.channel.share("closed", {"error": None if failure is None else
-                                              f"{type(failure).__name__}: {failure}"})
+                self.channel.share(
+                    "closed",
+                    {"error": None if failure is None else f"{type(failure).__name__}: {failure}"},
+                )
             return
         if exc is not None or failure is not None:
             return
@@ -116,9 +125,17 @@ class RankedSession(Session):
 
     def _open(self, chunk: int) -> tuple[Any, Any, Any]:
         o = self.options
-        writer, head = open_ranks(o.run, self.info, resume=o.resume, chunk_bytes=chunk,
-                                  encoding=o.encoding, timeout=o.rank_timeout, lazy_refs=True,
-                                  agree=self._agreed(), channel=self.channel)
+        writer, head = open_ranks(
+            o.run,
+            self.info,
+            resume=o.resume,
+            chunk_bytes=chunk,
+            encoding=o.encoding,
+            timeout=o.rank_timeout,
+            lazy_refs=True,
+            agree=self._agreed(),
+            channel=self.channel,
+        )
         repo = writer.repo  # the store names a writer's run by a protocol (``RunHandle``)
         assert isinstance(repo, Repository)
         self.repo = repo
@@ -129,28 +146,46 @@ class DistributedSession(RankedSession):
     """A capturing session over one rank of a PyTorch-native parallel trainer (DDP, FSDP2,
     tensor parallel); use ``dstt.session(model, optimizer, ...)`` on every rank."""
 
-    def __init__(self, model: torch.nn.Module | None, optimizer: Any = None, *,
-                 options: SessionOptions, scheduler: Any = None,
-                 extra_state: Mapping[str, Stateful] | None = None,
-                 info: RankInfo | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module | None,
+        optimizer: Any = None,
+        *,
+        options: SessionOptions,
+        scheduler: Any = None,
+        extra_state: Mapping[str, Stateful] | None = None,
+        info: RankInfo | None = None,
+    ) -> None:
         if model is None:
-            raise ConfigError("a distributed session needs the model: dstt.session(model, "
-                              "optimizer, run=...) on every rank")
+            raise ConfigError(
+                "a distributed session needs the model: dstt.session(model, "
+                "optimizer, run=...) on every rank"
+            )
         self._parallel: ParallelState | None = None
-        super().__init__(model, optimizer, options=options, scheduler=scheduler,
-                         extra_state=extra_state, info=info)
+        super().__init__(
+            model,
+            optimizer,
+            options=options,
+            scheduler=scheduler,
+            extra_state=extra_state,
+            info=info,
+        )
 
     def _dims_of(self) -> DimsOf:
         return ModelDims(self.model)
 
-    def _discover(self, scheduler: Any,
-                  extra_state: Mapping[str, Stateful] | None) -> TorchState:
+    def _discover(self, scheduler: Any, extra_state: Mapping[str, Stateful] | None) -> TorchState:
         assert self.model is not None
         data = RankObject("data", self.info, self._data_state, self._set_data)
-        self._parallel = ParallelState(self.model, self.optimizers_arg(), self.info,
-                                       self.channel,
-                                       scheduler=scheduler, extra_state=extra_state,
-                                       extra=[data])
+        self._parallel = ParallelState(
+            self.model,
+            self.optimizers_arg(),
+            self.info,
+            self.channel,
+            scheduler=scheduler,
+            extra_state=extra_state,
+            extra=[data],
+        )
         return self._parallel.state
 
     def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:

@@ -41,15 +41,27 @@ if TYPE_CHECKING:
 __all__ = ["open_session", "session"]
 
 
-def session(model: torch.nn.Module | None, optimizer: OptimizerArg = None, *,
-            run: RunArg, every: int = 1, scheduler: Any = None, resume: bool = False,
-            budget_bytes: int = DEFAULT_BUDGET, race_policy: RacePolicy = "raise",
-            verify: bool = False, error_policy: ErrorPolicy = "raise",
-            extra_state: Mapping[str, Stateful] | None = None, writers: int | None = None,
-            max_backlog: int = 16, summaries: bool = True,
-            encoding: DeltaPolicy | None = None, copy: CopyMode = "async",
-            retention: Retention | None = None,
-            rank_timeout: float = DEFAULT_RANK_TIMEOUT) -> Session:
+def session(
+    model: torch.nn.Module | None,
+    optimizer: OptimizerArg = None,
+    *,
+    run: RunArg,
+    every: int = 1,
+    scheduler: Any = None,
+    resume: bool = False,
+    budget_bytes: int = DEFAULT_BUDGET,
+    race_policy: RacePolicy = "raise",
+    verify: bool = False,
+    error_policy: ErrorPolicy = "raise",
+    extra_state: Mapping[str, Stateful] | None = None,
+    writers: int | None = None,
+    max_backlog: int = 16,
+    summaries: bool = True,
+    encoding: DeltaPolicy | None = None,
+    copy: CopyMode = "async",
+    retention: Retention | None = None,
+    rank_timeout: float = DEFAULT_RANK_TIMEOUT,
+) -> Session:
     """Capture every ``every``-th optimizer step of ``model``/``optimizer`` into ``run``, and
     the last step when the block ends (the metrics of the steps between ride with the next
     commit). ``optimizer`` may be one optimizer, a list or a dict of them (each holding
@@ -96,25 +108,39 @@ def session(model: torch.nn.Module | None, optimizer: OptimizerArg = None, *,
     ``rank_timeout``: seconds the ranks of a distributed run wait for one another.
     Every option is checked up front (``ConfigError``); ``dstt.SessionOptions`` holds them.
     """
-    options = SessionOptions(run=run, every=every, resume=resume, budget_bytes=budget_bytes,
-                             race_policy=race_policy, verify=verify, error_policy=error_policy,
-                             writers=writers, max_backlog=max_backlog, summaries=summaries,
-                             encoding=encoding, copy=copy, retention=retention,
-                             rank_timeout=rank_timeout)
-    return open_session(model, optimizer, options, scheduler=scheduler,
-                        extra_state=extra_state)
+    options = SessionOptions(
+        run=run,
+        every=every,
+        resume=resume,
+        budget_bytes=budget_bytes,
+        race_policy=race_policy,
+        verify=verify,
+        error_policy=error_policy,
+        writers=writers,
+        max_backlog=max_backlog,
+        summaries=summaries,
+        encoding=encoding,
+        copy=copy,
+        retention=retention,
+        rank_timeout=rank_timeout,
+    )
+    return open_session(model, optimizer, options, scheduler=scheduler, extra_state=extra_state)
 
 
-def open_session(model: torch.nn.Module | None, optimizer: OptimizerArg,
-                 options: SessionOptions, *, scheduler: Any = None,
-                 extra_state: Mapping[str, Stateful] | None = None) -> Session:
+def open_session(
+    model: torch.nn.Module | None,
+    optimizer: OptimizerArg,
+    options: SessionOptions,
+    *,
+    scheduler: Any = None,
+    extra_state: Mapping[str, Stateful] | None = None,
+) -> Session:
     """The session class for what is given (a DeepSpeed engine, or a plain model), built
     from ``options``: what :func:`session` and the framework callbacks call."""
     cls: type[Session] = Session
     if model is not None and is_deepspeed_engine(model):
         cls = DeepSpeedSession
-    elif model is not None and (_process_group() or
-                                any(map(is_dtensor, model.parameters()))):
+    elif model is not None and (_process_group() or any(map(is_dtensor, model.parameters()))):
         cls = DistributedSession
     return cls(model, optimizer, options=options, scheduler=scheduler, extra_state=extra_state)
 

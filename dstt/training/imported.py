@@ -34,8 +34,9 @@ IMPORT_OBJECT = "import/source"
 
 
 @contextlib.contextmanager
-def imported_gaps(source: Any, providers: Any, *, optimizer: bool,
-                  scheduler: bool) -> Iterator[None]:
+def imported_gaps(
+    source: Any, providers: Any, *, optimizer: bool, scheduler: bool
+) -> Iterator[None]:
     """Around a restore of ``source``: checks what an imported step lacks (see the module
     docstring); a missing RNG state is tolerated (with a warning) while the block runs."""
     if not source.has_object(IMPORT_OBJECT):
@@ -44,18 +45,25 @@ def imported_gaps(source: Any, providers: Any, *, optimizer: bool,
     info = source.object(IMPORT_OBJECT) or {}
     lacks = set(info.get("lacks") or ())
     where = f"step {source.step} was imported from {info.get('path')} ({info.get('format')})"
-    need = [w for w, has in (("optimizer state", optimizer), ("scheduler state", scheduler))
-            if has and w in lacks]
+    need = [
+        w
+        for w, has in (("optimizer state", optimizer), ("scheduler state", scheduler))
+        if has and w in lacks
+    ]
     if need:
         raise SchemaError(
             f"{where}, which holds no {' and no '.join(need)}: resume=True cannot restore "
             "it. Load the weights with dstt.open(run).at(step).load_into(model) and start a "
-            "new run (or leave the scheduler out of the session)")
+            "new run (or leave the scheduler out of the session)"
+        )
     relaxed = []
     if "RNG state" in lacks:
-        warnings.warn(f"dstt: {where}, which holds no RNG state; the RNG is not restored, so "
-                      "the resumed run draws differently from the original", DsttWarning,
-                      stacklevel=4)
+        warnings.warn(
+            f"dstt: {where}, which holds no RNG state; the RNG is not restored, so "
+            "the resumed run draws differently from the original",
+            DsttWarning,
+            stacklevel=4,
+        )
         relaxed = [p for p in _objects(providers) if _base(p) == "rng" and p.required]
     for p in relaxed:
         p.required = False

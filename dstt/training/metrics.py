@@ -67,7 +67,9 @@ class MetricLog:
                     f"dstt: metrics {sorted(metrics)} for step {step} arrived after that "
                     "step's commit was sealed; they are dropped (log before the next "
                     "optimizer.step(), or pass s.log(step=...) for a later step)",
-                    DsttWarning, stacklevel=3)
+                    DsttWarning,
+                    stacklevel=3,
+                )
             return
         self._steps.setdefault(step, {}).update(metrics)
         self._times.setdefault(step, time.time())
@@ -81,8 +83,11 @@ class MetricLog:
         self._handed = max(self._handed, step)
         if not earlier:
             return own, None
-        history = {"steps": earlier, "time": [self._times.pop(k) for k in earlier],
-                   "metrics": [self._steps.pop(k) for k in earlier]}
+        history = {
+            "steps": earlier,
+            "time": [self._times.pop(k) for k in earlier],
+            "metrics": [self._steps.pop(k) for k in earlier],
+        }
         return own, history
 
     def fold_future(self, step: int) -> None:
@@ -103,8 +108,9 @@ def metric_value(name: str, v: Any) -> float | int | str | bool:
     """A scalar metric value (tensors and numpy scalars unwrapped); ``TypeError`` otherwise."""
     if isinstance(v, torch.Tensor):
         if v.numel() != 1:
-            raise TypeError(f"metric {name!r} must be a scalar, got a tensor of shape "
-                            f"{tuple(v.shape)}")
+            raise TypeError(
+                f"metric {name!r} must be a scalar, got a tensor of shape {tuple(v.shape)}"
+            )
         v = v.item()
     elif hasattr(v, "item") and callable(v.item):  # numpy scalars
         v = v.item()

@@ -25,8 +25,15 @@ from dstt.store import DeltaPolicy, Repository, Retention, Storage
 
 from .retention import check_policy
 
-__all__ = ["DEFAULT_BUDGET", "DEFAULT_RANK_TIMEOUT", "CopyMode", "ErrorPolicy", "RacePolicy",
-           "RunArg", "SessionOptions"]
+__all__ = [
+    "DEFAULT_BUDGET",
+    "DEFAULT_RANK_TIMEOUT",
+    "CopyMode",
+    "ErrorPolicy",
+    "RacePolicy",
+    "RunArg",
+    "SessionOptions",
+]
 
 RacePolicy = Literal["raise", "recopy", "warn"]
 ErrorPolicy = Literal["raise", "skip"]
@@ -76,38 +83,40 @@ class SessionOptions:
     def __post_init__(self) -> None:
         run = self.run
         if not isinstance(run, str | os.PathLike | Repository | Storage):
-            raise TypeError(f"run must be a path, an s3:// URL, a Repository or a Storage, not "
-                            f"{type(run).__name__}")
+            raise TypeError(
+                f"run must be a path, an s3:// URL, a Repository or a Storage, not "
+                f"{type(run).__name__}"
+            )
         if isinstance(run, str | os.PathLike) and not os.fspath(run):
             raise ConfigError("run must name a directory, e.g. run='runs/exp1'")
         if not _positive_int(self.every):
             raise ConfigError(f"every must be a positive int, got {self.every!r}")
         if self.race_policy not in ("raise", "recopy", "warn"):
-            raise ConfigError(f"race_policy must be 'raise', 'recopy' or 'warn', not "
-                              f"{self.race_policy!r}")
+            raise ConfigError(
+                f"race_policy must be 'raise', 'recopy' or 'warn', not {self.race_policy!r}"
+            )
         if self.error_policy not in ("raise", "skip"):
-            raise ConfigError(f"error_policy must be 'raise' or 'skip', not "
-                              f"{self.error_policy!r}")
+            raise ConfigError(f"error_policy must be 'raise' or 'skip', not {self.error_policy!r}")
         if self.copy not in ("async", "sync", "auto"):
             raise ConfigError(f"copy must be 'async', 'sync' or 'auto', not {self.copy!r}")
         if not _positive_int(self.budget_bytes) or self.budget_bytes < 4096:
-            raise ConfigError(f"budget_bytes={self.budget_bytes!r} is too small (at least "
-                              "4096)")
+            raise ConfigError(f"budget_bytes={self.budget_bytes!r} is too small (at least 4096)")
         if self.writers is not None and not _positive_int(self.writers):
             raise ConfigError(f"writers must be a positive int or None, got {self.writers!r}")
         if not _positive_int(self.max_backlog):
             raise ConfigError(f"max_backlog must be a positive int, got {self.max_backlog!r}")
         if self.encoding is not None and not isinstance(self.encoding, DeltaPolicy):
-            raise TypeError(f"encoding must be a dstt.DeltaPolicy or None, not "
-                            f"{self.encoding!r}")
+            raise TypeError(f"encoding must be a dstt.DeltaPolicy or None, not {self.encoding!r}")
         if self.retention is not None:
             if not isinstance(self.retention, Retention):
-                raise TypeError(f"retention must be a dstt.Retention or None, not "
-                                f"{self.retention!r}")
+                raise TypeError(
+                    f"retention must be a dstt.Retention or None, not {self.retention!r}"
+                )
             check_policy(self.retention)
         if not isinstance(self.rank_timeout, int | float) or not self.rank_timeout > 0:
-            raise ConfigError(f"rank_timeout must be a positive number of seconds, got "
-                              f"{self.rank_timeout!r}")
+            raise ConfigError(
+                f"rank_timeout must be a positive number of seconds, got {self.rank_timeout!r}"
+            )
         object.__setattr__(self, "resume", bool(self.resume))
         object.__setattr__(self, "verify", bool(self.verify))
         object.__setattr__(self, "summaries", bool(self.summaries))
@@ -121,10 +130,19 @@ class SessionOptions:
         if unknown:
             import difflib
 
-            hints = [f"{u!r}" + (f" (did you mean {c[0]!r}?)" if (c := difflib.get_close_matches(
-                u, sorted(known), n=1)) else "") for u in unknown]
-            raise ConfigError(f"unknown session option(s) {', '.join(hints)}; the options are "
-                              f"{', '.join(sorted(known - {'run'}))}")
+            hints = [
+                f"{u!r}"
+                + (
+                    f" (did you mean {c[0]!r}?)"
+                    if (c := difflib.get_close_matches(u, sorted(known), n=1))
+                    else ""
+                )
+                for u in unknown
+            ]
+            raise ConfigError(
+                f"unknown session option(s) {', '.join(hints)}; the options are "
+                f"{', '.join(sorted(known - {'run'}))}"
+            )
         return cls(run=run, **options)
 
     @property

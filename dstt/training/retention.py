@@ -43,14 +43,16 @@ def store_writer(writer: Any) -> Writer | None:
 def check_policy(policy: Retention) -> None:
     """A live session detects a spike at the first gc after it, up to ``every_commits`` steps
     later; the steps before the spike must still be among the last ``keep_last`` then."""
-    if policy.spike_window and (policy.keep_last is None
-                                or policy.keep_last < policy.every_commits + policy.spike_window):
+    if policy.spike_window and (
+        policy.keep_last is None or policy.keep_last < policy.every_commits + policy.spike_window
+    ):
         raise ConfigError(
             f"Retention(spike_window={policy.spike_window}, every_commits="
             f"{policy.every_commits}) needs keep_last >= every_commits + spike_window "
             f"({policy.every_commits + policy.spike_window}), got keep_last={policy.keep_last}: "
             "a background gc finds a spike up to every_commits steps after it, and the steps "
-            "before it must still be on disk then")
+            "before it must still be on disk then"
+        )
 
 
 class RetentionRunner:
@@ -87,9 +89,11 @@ class RetentionRunner:
             self._unreported, self._unreported_s = [], 0.0
         if not reps:
             return {}
-        return {PRUNED_METRIC: sum(len(r.pruned_steps) for r in reps),
-                FREED_METRIC: sum(r.bytes_freed for r in reps),
-                GC_S_METRIC: round(secs, 6)}
+        return {
+            PRUNED_METRIC: sum(len(r.pruned_steps) for r in reps),
+            FREED_METRIC: sum(r.bytes_freed for r in reps),
+            GC_S_METRIC: round(secs, 6),
+        }
 
     def wait_idle(self) -> None:
         """Wait until no gc is due or running (tests, and close)."""
@@ -114,10 +118,13 @@ class RetentionRunner:
                 self.errors.append(err)
         if self.errors:
             last = self.errors[-1]
-            warnings.warn(f"background retention failed {len(self.errors)} time(s), last: "
-                          f"{type(last).__name__}: {last}; the steps it would have pruned are "
-                          "still on disk (run `dstt gc` with the same policy)", DsttWarning,
-                          stacklevel=3)
+            warnings.warn(
+                f"background retention failed {len(self.errors)} time(s), last: "
+                f"{type(last).__name__}: {last}; the steps it would have pruned are "
+                "still on disk (run `dstt gc` with the same policy)",
+                DsttWarning,
+                stacklevel=3,
+            )
 
     # -- retention thread -----------------------------------------------------------------
     def _loop(self) -> None:

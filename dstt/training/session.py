@@ -48,12 +48,23 @@ from .steps import StepCapture
 if TYPE_CHECKING:
     from dstt.store import Reader
 
-__all__ = ["DEFAULT_BUDGET", "CopyMode", "ErrorPolicy", "OptimizerArg", "RacePolicy", "Session",
-           "SessionOptions"]
+__all__ = [
+    "DEFAULT_BUDGET",
+    "CopyMode",
+    "ErrorPolicy",
+    "OptimizerArg",
+    "RacePolicy",
+    "Session",
+    "SessionOptions",
+]
 
 #: one optimizer, a list of them, or a dict of them by name
-OptimizerArg = (torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
-                | Mapping[str, torch.optim.Optimizer] | None)
+OptimizerArg = (
+    torch.optim.Optimizer
+    | Sequence[torch.optim.Optimizer]
+    | Mapping[str, torch.optim.Optimizer]
+    | None
+)
 
 
 class Session:
@@ -66,10 +77,15 @@ class Session:
     #: the other ranks may not be there to write their parts)
     _tail_on_error = True
 
-    def __init__(self, model: torch.nn.Module | None,
-                 optimizer: OptimizerArg = None, *, options: SessionOptions,
-                 scheduler: Any = None,
-                 extra_state: Mapping[str, Stateful] | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module | None,
+        optimizer: OptimizerArg = None,
+        *,
+        options: SessionOptions,
+        scheduler: Any = None,
+        extra_state: Mapping[str, Stateful] | None = None,
+    ) -> None:
         if not isinstance(options, SessionOptions):
             raise TypeError(f"options must be a dstt.SessionOptions, not {options!r}")
         self.options = options
@@ -98,9 +114,13 @@ class Session:
         #: what the hooks do per step, and the step counters (``dstt.training.steps``); with
         #: several ranks only rank 0's batch fingerprints go with the commits
         self._capture = StepCapture(
-            self._state, options, scheduler=scheduler, batches=self._batches,
+            self._state,
+            options,
+            scheduler=scheduler,
+            batches=self._batches,
             writes_batches=getattr(getattr(self, "info", None), "rank", 0) == 0,
-            tail_on_error=self._tail_on_error)
+            tail_on_error=self._tail_on_error,
+        )
 
     # -- public ---------------------------------------------------------------------------
     @property
@@ -135,8 +155,10 @@ class Session:
         :mod:`dstt.training.data`. Call it inside the ``with`` block (after the restore).
         """
         if not self._started:
-            raise CaptureError("call s.data(...) inside the `with dstt.session(...)` block, "
-                               "after the session has restored its data position")
+            raise CaptureError(
+                "call s.data(...) inside the `with dstt.session(...)` block, "
+                "after the session has restored its data position"
+            )
         skip = self._skip
         if self._loader_state is not None and callable(getattr(loader, "load_state_dict", None)):
             state, consumed = self._loader_state
@@ -144,9 +166,15 @@ class Session:
             skip -= consumed  # only the rollback's skip_data is still drawn and dropped
         self._loader_state = None
         cap = self._capture
-        self._tracked = RecordedData(loader, self._current_position(), skip=skip,
-                                     on_next=cap.at_boundary, step=lambda: cap.step,
-                                     log=self._batches, skips=self._skips)
+        self._tracked = RecordedData(
+            loader,
+            self._current_position(),
+            skip=skip,
+            on_next=cap.at_boundary,
+            step=lambda: cap.step,
+            log=self._batches,
+            skips=self._skips,
+        )
         self._skip = 0
         return self._tracked
 
@@ -201,21 +229,27 @@ class Session:
         """Dimension names of the captured arrays (from the model's module types)."""
         return ModelDims(self.model)
 
-    def _discover(self, scheduler: Any,
-                  extra_state: Mapping[str, Stateful] | None) -> TorchState:
-        return discover(self.model, self.optimizers_arg(), scheduler=scheduler,
-                        extra_state=extra_state,
-                        extra=[RankObject("data", ONE_RANK, self._data_state, self._set_data)])
+    def _discover(self, scheduler: Any, extra_state: Mapping[str, Stateful] | None) -> TorchState:
+        return discover(
+            self.model,
+            self.optimizers_arg(),
+            scheduler=scheduler,
+            extra_state=extra_state,
+            extra=[RankObject("data", ONE_RANK, self._data_state, self._set_data)],
+        )
 
     def _open(self, chunk: int) -> tuple[Any, Any, Any]:
         """Open the run for writing: ``(writer, reader, head to restore or None)``."""
         run = self.options.run
         if isinstance(run, (str, os.PathLike)) and os.path.isfile(run):
-            raise NotARunError(f"run={os.fspath(run)!r} is a file; a run is a directory: pass "
-                               "an existing run's directory or a new path")
+            raise NotARunError(
+                f"run={os.fspath(run)!r} is a file; a run is a directory: pass "
+                "an existing run's directory or a new path"
+            )
         self.repo = run if isinstance(run, Repository) else Repository.create(run)
-        writer = self.repo.writer(chunk_bytes=chunk, encoding=self.options.encoding,
-                                  inflight_bases=True, lazy_refs=True)
+        writer = self.repo.writer(
+            chunk_bytes=chunk, encoding=self.options.encoding, inflight_bases=True, lazy_refs=True
+        )
         try:
             reader = self.repo.reader()
             head = reader.head()
@@ -251,9 +285,14 @@ class Session:
         opts = list(self.optimizers.values())
         cap = self._capture
         if len(opts) <= 1:
-            return [h for o in opts for h in (
-                o.register_step_pre_hook(lambda *_: cap.before_step()),
-                o.register_step_post_hook(lambda *_: cap.after_step()))]
+            return [
+                h
+                for o in opts
+                for h in (
+                    o.register_step_pre_hook(lambda *_: cap.before_step()),
+                    o.register_step_post_hook(lambda *_: cap.after_step()),
+                )
+            ]
         stepped: set[int] = set()
 
         def post(opt: torch.optim.Optimizer, *_: Any) -> None:
@@ -262,9 +301,14 @@ class Session:
                 stepped.clear()
                 cap.after_step()
 
-        return [h for o in opts for h in (
-            o.register_step_pre_hook(lambda *_: cap.before_step()),
-            o.register_step_post_hook(post))]
+        return [
+            h
+            for o in opts
+            for h in (
+                o.register_step_pre_hook(lambda *_: cap.before_step()),
+                o.register_step_post_hook(post),
+            )
+        ]
 
     # -- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -284,11 +328,17 @@ class Session:
         try:
             if head is not None:
                 self._restore(reader, head)
-            self._pipeline = Pipeline(self._writer, budget_bytes=o.budget_bytes,
-                                      writers=o.writer_threads, verify=o.verify,
-                                      max_backlog=o.max_backlog, summaries=o.summaries,
-                                      summaries_object=self.summaries_object,
-                                      copy=o.copy, dims=self._dims_of())
+            self._pipeline = Pipeline(
+                self._writer,
+                budget_bytes=o.budget_bytes,
+                writers=o.writer_threads,
+                verify=o.verify,
+                max_backlog=o.max_backlog,
+                summaries=o.summaries,
+                summaries_object=self.summaries_object,
+                copy=o.copy,
+                dims=self._dims_of(),
+            )
             self._log = MetricLog(self._capture.step)
             if head is not None:  # the first step's update is measured from the parent's
                 self._pipeline.seed_summaries(self._state.step_state.tensors())
@@ -353,29 +403,32 @@ class Session:
         out: dict[str, Any] = {"epoch": p.epoch, "batch": p.batch, "total": p.total}
         loader = self._tracked.loader if self._tracked is not None else None
         if callable(getattr(loader, "state_dict", None)) and callable(
-                getattr(loader, "load_state_dict", None)):
+            getattr(loader, "load_state_dict", None)
+        ):
             out["loader"] = loader.state_dict()  # type: ignore[union-attr]
         return out
 
     def _set_data(self, state: Mapping[str, Any]) -> None:
-        self._position = DataPosition(int(state["epoch"]), int(state["batch"]),
-                                      int(state["total"]))
+        self._position = DataPosition(int(state["epoch"]), int(state["batch"]), int(state["total"]))
         self._skip = self._position.batch
-        self._loader_state = ((state["loader"], self._position.batch)
-                              if state.get("loader") is not None else None)
+        self._loader_state = (
+            (state["loader"], self._position.batch) if state.get("loader") is not None else None
+        )
         self._tracked = None
 
     def _restore(self, reader: Reader, head: Any) -> None:
         source = StoreSource(reader, head, prefetch=self._prefetch_restore)
-        with imported_gaps(source, self._state.step_state, optimizer=bool(self.optimizers),
-                           scheduler=self.scheduler is not None):
+        with imported_gaps(
+            source,
+            self._state.step_state,
+            optimizer=bool(self.optimizers),
+            scheduler=self.scheduler is not None,
+        ):
             self._restore_state(source, reader, head)
         self._capture.step = head.step
         ref = reader.ref()
         self._skips = read_skips(reader.storage, reader.timelines, ref.name)
         if ref.skip_data and head.slot == ref.base_slot:  # fresh rollback: skip bad batches
             p = self._position
-            self._position = DataPosition(p.epoch, p.batch + ref.skip_data,
-                                          p.total + ref.skip_data)
+            self._position = DataPosition(p.epoch, p.batch + ref.skip_data, p.total + ref.skip_data)
             self._skip += ref.skip_data
-

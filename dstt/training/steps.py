@@ -55,8 +55,16 @@ __all__ = ["StepCapture"]
 class StepCapture:
     """The hooks' side of a ``Session``: stage, settle (race check, seal), the tail commit."""
 
-    def __init__(self, state: TorchState, options: SessionOptions, *, scheduler: Any,
-                 batches: BatchLog, writes_batches: bool, tail_on_error: bool) -> None:
+    def __init__(
+        self,
+        state: TorchState,
+        options: SessionOptions,
+        *,
+        scheduler: Any,
+        batches: BatchLog,
+        writes_batches: bool,
+        tail_on_error: bool,
+    ) -> None:
         self.state, self.options, self.scheduler = state, options, scheduler
         self.batches = batches  # per-step batch fingerprints (dstt.training.data)
         #: whether this process's batch fingerprints go with its commits (rank 0's only)
@@ -80,8 +88,7 @@ class StepCapture:
         self.tail_ended = False
         self.sched_offset: int | None = None  # scheduler.last_epoch - step, at start
 
-    def start(self, pipeline: Pipeline, log: MetricLog,
-              retainer: RetentionRunner | None) -> None:
+    def start(self, pipeline: Pipeline, log: MetricLog, retainer: RetentionRunner | None) -> None:
         """The session started (and restored ``step``): capture into ``pipeline`` from here."""
         self.pipeline, self.log, self.retainer = pipeline, log, retainer
         self.last_staged = self.step
@@ -112,11 +119,14 @@ class StepCapture:
         tensors, objects = self.state.step_state.capture()
         self.boundary = None
         # built only for a step the pipeline encodes (~3 µs per tensor: raw steps skip it)
-        predictions = (self.state.step_state.predictions
-                       if self.options.encoding is not None and self.options.encoding.predict
-                       else None)
-        self.flight = self.pipeline.stage(self.step, tensors, objects, predictions,
-                                          keyframe=self.keyframe_next)
+        predictions = (
+            self.state.step_state.predictions
+            if self.options.encoding is not None and self.options.encoding.predict
+            else None
+        )
+        self.flight = self.pipeline.stage(
+            self.step, tensors, objects, predictions, keyframe=self.keyframe_next
+        )
         self.last_staged = self.step
         self.keyframe_next = False
 
@@ -155,11 +165,18 @@ class StepCapture:
         assert self.tail is not None
         objects, self.tail = self.tail, None
         # built only for a step the pipeline encodes (~3 µs per tensor: raw steps skip it)
-        predictions = (self.state.step_state.predictions
-                       if self.options.encoding is not None and self.options.encoding.predict
-                       else None)
-        f = self.pipeline.stage(self.step, self.state.step_state.tensors(), objects,
-                                predictions, keyframe=self.keyframe_next)
+        predictions = (
+            self.state.step_state.predictions
+            if self.options.encoding is not None and self.options.encoding.predict
+            else None
+        )
+        f = self.pipeline.stage(
+            self.step,
+            self.state.step_state.tensors(),
+            objects,
+            predictions,
+            keyframe=self.keyframe_next,
+        )
         self.last_staged = self.step
         self.flight, self.boundary = f, None
         try:
@@ -177,9 +194,11 @@ class StepCapture:
         if f is not None:
             pipe = self.pipeline
             assert pipe is not None
-            if clean or self.boundary is not None or (
-                    exc is not None and self.tail_on_error
-                    and self._finished_on_error(exc, False)):
+            if (
+                clean
+                or self.boundary is not None
+                or (exc is not None and self.tail_on_error and self._finished_on_error(exc, False))
+            ):
                 if self.boundary is None:  # its step finished; the iteration not
                     self.boundary = self.state.boundary_state.objects()
                 try:
@@ -206,22 +225,30 @@ class StepCapture:
         if races:
             names = ", ".join(f"{r.path} ({r.reason})" for r in races[:5])
             more = f" and {len(races) - 5} more" if len(races) > 5 else ""
-            msg = (f"step {f.step}: tensors were modified in place while being copied: "
-                   f"{names}{more}. Something outside the optimizer writes them between "
-                   "optimizer steps (a forward hook, tied weights, a custom update); ")
+            msg = (
+                f"step {f.step}: tensors were modified in place while being copied: "
+                f"{names}{more}. Something outside the optimizer writes them between "
+                "optimizer steps (a forward hook, tied weights, a custom update); "
+            )
             if self.options.race_policy == "raise":
-                err = RaceError(msg + "step not checkpointed. Use race_policy='recopy' to copy "
-                                "them again at the next step, or 'warn' to accept the copy.")
+                err = RaceError(
+                    msg + "step not checkpointed. Use race_policy='recopy' to copy "
+                    "them again at the next step, or 'warn' to accept the copy."
+                )
                 pipe.abort(f, err)
                 self.flight = self.boundary = None
                 raise err
             if self.options.race_policy == "recopy":
                 pipe.recopy(f, [r.path for r in races])
             else:
-                warnings.warn(msg + "the checkpoint may mix old and new values.",
-                              RuntimeWarning, stacklevel=stacklevel)
-        boundary = dict(self.boundary if self.boundary is not None
-                        else self.state.boundary_state.objects())
+                warnings.warn(
+                    msg + "the checkpoint may mix old and new values.",
+                    RuntimeWarning,
+                    stacklevel=stacklevel,
+                )
+        boundary = dict(
+            self.boundary if self.boundary is not None else self.state.boundary_state.objects()
+        )
         own, history = self.log.take(f.step)
         if own:
             f.add_metrics(own)

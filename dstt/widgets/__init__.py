@@ -19,5 +19,13 @@ from .model import LRU, ScrubberModel
 from .replay_panel import ReplayPanel
 from .scrubber import Scrubber, scrubber
 
-__all__ = ["LRU", "Compare", "CompareModel", "ReplayPanel", "Scrubber", "ScrubberModel",
-           "compare", "scrubber"]
+__all__ = [
+    "LRU",
+    "Compare",
+    "CompareModel",
+    "ReplayPanel",
+    "Scrubber",
+    "ScrubberModel",
+    "compare",
+    "scrubber",
+]

@@ -40,17 +40,26 @@ __all__ = ["Compare", "CompareModel", "compare"]
 class CompareModel:
     """Two snapshots (``a``, ``b``), their per-parameter diff, and the selected tensor."""
 
-    def __init__(self, run: Run, step_a: int | None = None, step_b: int | None = None, *,
-                 timeline_a: str | None = None, timeline_b: str | None = None,
-                 tensor: str | None = None, metric: str | None = None,
-                 max_side: int = 256) -> None:
+    def __init__(
+        self,
+        run: Run,
+        step_a: int | None = None,
+        step_b: int | None = None,
+        *,
+        timeline_a: str | None = None,
+        timeline_b: str | None = None,
+        tensor: str | None = None,
+        metric: str | None = None,
+        max_side: int = 256,
+    ) -> None:
         self.run, self.max_side = run, max_side
         ta = timeline_a or run.timeline
         tb = timeline_b or ta
         self.a, self.b = run.at(step_a, ta), run.at(step_b, tb)
         self.timeline_a, self.timeline_b = ta, tb
-        self.diff: xr.Dataset = diff_headers(run, self.a.header, self.b.header,
-                                             timeline=tb, reference_timeline=ta)
+        self.diff: xr.Dataset = diff_headers(
+            run, self.a.header, self.b.header, timeline=tb, reference_timeline=ta
+        )
         pa = {p for p in self.a.arrays if p.startswith("params/")}
         pb = {p for p in self.b.arrays if p.startswith("params/")}
         self.tensors = [user_name(p) for p in sorted(pa & pb)]
@@ -110,29 +119,43 @@ class CompareModel:
         if self.metric is None:
             ax.set_axis_off()
             return {}
-        curves = [(t, ds["step"].values, ds[self.metric].values)
-                  for t, ds in self.metrics.items() if self.metric in ds]
+        curves = [
+            (t, ds["step"].values, ds[self.metric].values)
+            for t, ds in self.metrics.items()
+            if self.metric in ds
+        ]
         out = draw_curves(ax, curves, ylabel=self.metric)
         out["cursor_a"] = ax.axvline(self.a.step, color="tab:blue", ls="--", lw=1)
         out["cursor_b"] = ax.axvline(self.b.step, color="tab:orange", ls="--", lw=1)
-        ax.set_title(f"A = {self.a.timeline}@{self.a.step}, B = {self.b.timeline}@{self.b.step}",
-                     fontsize="medium")
+        ax.set_title(
+            f"A = {self.a.timeline}@{self.a.step}, B = {self.b.timeline}@{self.b.step}",
+            fontsize="medium",
+        )
         return out
 
     def draw_ranking(self, ax: Axes) -> dict[str, Any]:
         rows = self.ranking()[:TOP_BARS]
         if self._tensor not in [n for n, _ in rows]:
             rows[-1:] = [(self._tensor, dict(self.ranking())[self._tensor])]
-        return draw_bars(ax, [n for n, _ in rows], [r for _, r in rows], xlabel="‖B - A‖ / ‖A‖",
-                         highlight=self._tensor, title="relative change per parameter")
+        return draw_bars(
+            ax,
+            [n for n, _ in rows],
+            [r for _, r in rows],
+            xlabel="‖B - A‖ / ‖A‖",
+            highlight=self._tensor,
+            title="relative change per parameter",
+        )
 
     def draw_tensors(self, axes: list[Any]) -> dict[str, Any]:
         va, vb = self.values()
-        out = {"a": draw_tensor(axes[0], va, title=f"A: {self.a.step}"),
-               "b": draw_tensor(axes[1], vb, title=f"B: {self.b.step}")}
+        out = {
+            "a": draw_tensor(axes[0], va, title=f"A: {self.a.step}"),
+            "b": draw_tensor(axes[1], vb, title=f"B: {self.b.step}"),
+        }
         if va.shape == vb.shape:
-            out["delta"] = draw_tensor(axes[2], vb.astype(np.float64) - va, title="B - A",
-                                       diverging=True)
+            out["delta"] = draw_tensor(
+                axes[2], vb.astype(np.float64) - va, title="B - A", diverging=True
+            )
         else:
             axes[2].set_axis_off()
         return out
@@ -144,15 +167,29 @@ class Compare:
     def __init__(self, model: CompareModel) -> None:
         w = require("ipywidgets", "dstt.widgets.compare")
         self.model = model
-        self.tensor_picker = w.Dropdown(options=model.tensors, value=model.tensor,
-                                        description="tensor", layout=w.Layout(width="50%"))
+        self.tensor_picker = w.Dropdown(
+            options=model.tensors,
+            value=model.tensor,
+            description="tensor",
+            layout=w.Layout(width="50%"),
+        )
         self.label = w.HTML()
-        self.views = {"loss": FigureView((8, 2.6)), "ranking": FigureView((8, 3.6)),
-                      "tensors": FigureView((10, 3.2))}
+        self.views = {
+            "loss": FigureView((8, 2.6)),
+            "ranking": FigureView((8, 3.6)),
+            "tensors": FigureView((10, 3.2)),
+        }
         self.images = {k: w.Image(format="png") for k in self.views}
         self.tensor_picker.observe(self._on_tensor, "value")
-        self.widget = w.VBox([self.tensor_picker, self.label, self.images["loss"],
-                              self.images["ranking"], self.images["tensors"]])
+        self.widget = w.VBox(
+            [
+                self.tensor_picker,
+                self.label,
+                self.images["loss"],
+                self.images["ranking"],
+                self.images["tensors"],
+            ]
+        )
         self._redraw(set(self.views))
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:  # noqa: ANN401 - ipywidgets' bundle
@@ -178,11 +215,18 @@ class Compare:
         self.label.value = html.escape(m.label())
 
 
-def compare(run: Any,  # noqa: ANN401 - a dstt.Run, or what dstt.open takes
-            step_a: int | None = None, step_b: int | None = None, *,
-            timeline_a: str | None = None, timeline_b: str | None = None,
-            tensor: str | None = None, metric: str | None = None,
-            max_side: int = 256, spike: Any = None) -> Compare:  # noqa: ANN401 - a Spike or a loss step
+def compare(
+    run: Any,  # noqa: ANN401 - a dstt.Run, or what dstt.open takes
+    step_a: int | None = None,
+    step_b: int | None = None,
+    *,
+    timeline_a: str | None = None,
+    timeline_b: str | None = None,
+    tensor: str | None = None,
+    metric: str | None = None,
+    max_side: int = 256,
+    spike: Any = None,  # noqa: ANN401 - a Spike or a loss step
+) -> Compare:
     """Compare step ``step_a`` of ``timeline_a`` with ``step_b`` of ``timeline_b``.
 
     Timelines default to the run's current one (``timeline_b`` to ``timeline_a``); a step of
@@ -199,11 +243,21 @@ def compare(run: Any,  # noqa: ANN401 - a dstt.Run, or what dstt.open takes
         if spike.update is None:
             raise StepNotFoundError(
                 f"the update that caused the spike at step {spike.step} was not captured "
-                f"(cause {spike.cause}, parent {spike.parent}); compare two steps instead")
+                f"(cause {spike.cause}, parent {spike.parent}); compare two steps instead"
+            )
         if step_a is not None or step_b is not None:
             raise TypeError("compare(): pass either spike= or the two steps, not both")
         step_a, step_b = spike.update
         timeline_a = timeline_b = spike.timeline or timeline_a
-    return Compare(CompareModel(run, step_a, step_b, timeline_a=timeline_a,
-                                timeline_b=timeline_b, tensor=tensor, metric=metric,
-                                max_side=max_side))
+    return Compare(
+        CompareModel(
+            run,
+            step_a,
+            step_b,
+            timeline_a=timeline_a,
+            timeline_b=timeline_b,
+            tensor=tensor,
+            metric=metric,
+            max_side=max_side,
+        )
+    )

@@ -51,10 +51,21 @@ class ScrubberModel:
     ``"values"`` shows the tensor, ``"change"`` its difference from the reference.
     """
 
-    def __init__(self, run: Run, *, timeline: str | None = None, step: int | None = None,
-                 tensor: str | None = None, metric: str | None = None,
-                 reference: int | None = None, mode: Mode = "values", cache_size: int = 16,
-                 spike_window: int = 50, spike_z: float = 4.0, max_side: int = 256) -> None:
+    def __init__(
+        self,
+        run: Run,
+        *,
+        timeline: str | None = None,
+        step: int | None = None,
+        tensor: str | None = None,
+        metric: str | None = None,
+        reference: int | None = None,
+        mode: Mode = "values",
+        cache_size: int = 16,
+        spike_window: int = 50,
+        spike_z: float = 4.0,
+        max_side: int = 256,
+    ) -> None:
         self.run = run
         self.spike_window, self.spike_z, self.max_side = spike_window, spike_z, max_side
         self.cache: LRU[tuple[Any, ...], Any] = LRU(cache_size)
@@ -65,13 +76,15 @@ class ScrubberModel:
         self._step = self._snap(step if step is not None else self.steps[-1])
         if reference is not None and reference not in self.steps:
             raise StepNotFoundError(
-                f"reference step {reference} is not on timeline {self._timeline!r}")
+                f"reference step {reference} is not on timeline {self._timeline!r}"
+            )
         if mode not in ("values", "change"):
             raise ValueError(f"mode must be 'values' or 'change', not {mode!r}")
         self._reference = reference
         self._mode: Mode = mode
-        self._tensor = (self._param(tensor) if tensor is not None
-                        else self._default_tensor(self.tensors))
+        self._tensor = (
+            self._param(tensor) if tensor is not None else self._default_tensor(self.tensors)
+        )
 
     # -- observers --------------------------------------------------------------------------
     def observe(self, fn: Observer) -> Observer:
@@ -94,9 +107,15 @@ class ScrubberModel:
         self.metric = self._metric_arg or default_metric(self.metrics)
         if self.metric is not None and self.metric not in self.metrics:
             raise MetricNotFoundError(
-                f"metric {self.metric!r} was never logged on {self._timeline!r}")
-        self.spikes = [] if self.metric is None else self.run.spikes(
-            self.metric, window=self.spike_window, z=self.spike_z, timeline=self._timeline)
+                f"metric {self.metric!r} was never logged on {self._timeline!r}"
+            )
+        self.spikes = (
+            []
+            if self.metric is None
+            else self.run.spikes(
+                self.metric, window=self.spike_window, z=self.spike_z, timeline=self._timeline
+            )
+        )
 
     @property
     def timelines(self) -> list[str]:
@@ -141,9 +160,12 @@ class ScrubberModel:
         if self._tensor not in self.tensors:
             self._tensor = self._default_tensor(self.tensors)
         changed = {"timeline", "metrics", "spikes"}
-        for name, before, now in zip(("steps", "step", "reference", "tensor"), old,
-                                     (self.steps, self._step, self._reference, self._tensor),
-                                     strict=True):
+        for name, before, now in zip(
+            ("steps", "step", "reference", "tensor"),
+            old,
+            (self.steps, self._step, self._reference, self._tensor),
+            strict=True,
+        ):
             if before != now:
                 changed.add(name)
         self._notify(changed)
@@ -187,16 +209,18 @@ class ScrubberModel:
     # -- tensor, reference, mode ----------------------------------------------------------
     def snapshot(self, step: int | None = None) -> Snapshot:
         s = self._step if step is None else int(step)
-        snap: Snapshot = self.cache.get_or_make(("snapshot", self._timeline, s),
-                                                lambda: self.run.at(s, self._timeline))
+        snap: Snapshot = self.cache.get_or_make(
+            ("snapshot", self._timeline, s), lambda: self.run.at(s, self._timeline)
+        )
         return snap
 
     @property
     def tensors(self) -> list[str]:
         """Parameter names at the current step, tied names included (buffers and optimizer
         states left out)."""
-        return [user_name(p) for p in self.snapshot().catalog.model_paths
-                if p.startswith("params/")]
+        return [
+            user_name(p) for p in self.snapshot().catalog.model_paths if p.startswith("params/")
+        ]
 
     def _param(self, name: str) -> str:
         """The full name of the parameter ``name`` means at the current step: exact, short
@@ -204,8 +228,10 @@ class ScrubberModel:
         closest names (or the candidates of an ambiguous one) otherwise."""
         path = self.snapshot().path(name)
         if not path.startswith("params/"):
-            raise TensorNotFoundError(f"{name!r} is not a parameter (the scrubber shows "
-                                      f"parameters); parameters: {self.tensors[:8]}")
+            raise TensorNotFoundError(
+                f"{name!r} is not a parameter (the scrubber shows "
+                f"parameters); parameters: {self.tensors[:8]}"
+            )
         return user_name(path)
 
     def _shape(self, name: str) -> tuple[int, ...]:
@@ -240,7 +266,8 @@ class ScrubberModel:
             step = int(step)
             if step not in self.steps:
                 raise StepNotFoundError(
-                    f"step {step} is not committed on timeline {self._timeline!r}")
+                    f"step {step} is not committed on timeline {self._timeline!r}"
+                )
         if step != self._reference:
             self._reference = step
             self._notify({"reference"})
@@ -299,35 +326,53 @@ class ScrubberModel:
                 raise StepNotFoundError(
                     f"no spike at step {spike} on timeline {self._timeline!r}; spikes at "
                     f"{[s.step for s in self.spikes]} (spike_window={self.spike_window}, "
-                    f"spike_z={self.spike_z}) — or pass a Spike from run.spikes()")
+                    f"spike_z={self.spike_z}) — or pass a Spike from run.spikes()"
+                )
             spike = found
         if spike.cause is None:
             raise StepNotFoundError(
                 f"the spike at step {spike.step} was computed on weights from before the first "
-                f"commit: no captured update caused it")
+                f"commit: no captured update caused it"
+            )
         timeline = getattr(spike, "timeline", None)
         if timeline and timeline != self._timeline:
             self.timeline = timeline
         if spike.cause not in self.steps:
-            raise StepNotFoundError(f"the cause of the spike at {spike.step}, step "
-                                    f"{spike.cause}, is not committed on {self._timeline!r}")
+            raise StepNotFoundError(
+                f"the cause of the spike at {spike.step}, step "
+                f"{spike.cause}, is not committed on {self._timeline!r}"
+            )
         before = (self._step, self._reference, self._mode, self._tensor)
         self._step, self._reference, self._mode = int(spike.cause), None, "change"
         names = self.tensors
         moved = [str(n) for n, _ in spike.tensors if n in names] or [
-            n for n, r in self._ranked_change() if n in names]
-        self._tensor = moved[0] if moved else (
-            self._tensor if self._tensor in names else self._default_tensor(names))
-        self._notify({f for f, b, a in zip(("step", "reference", "mode", "tensor"), before,
-                                           (self._step, self._reference, self._mode,
-                                            self._tensor), strict=True) if b != a})
+            n for n, r in self._ranked_change() if n in names
+        ]
+        self._tensor = (
+            moved[0]
+            if moved
+            else (self._tensor if self._tensor in names else self._default_tensor(names))
+        )
+        self._notify(
+            {
+                f
+                for f, b, a in zip(
+                    ("step", "reference", "mode", "tensor"),
+                    before,
+                    (self._step, self._reference, self._mode, self._tensor),
+                    strict=True,
+                )
+                if b != a
+            }
+        )
 
     def _ranked_change(self) -> list[tuple[str, float]]:
         ds = self.change()
         ratio = np.where(np.isfinite(ds["ratio"].values), ds["ratio"].values, -np.inf)
         order = np.argsort(-ratio, kind="stable")
-        return [(str(ds["tensor"].values[i]), float(ratio[i])) for i in order
-                if np.isfinite(ratio[i])]
+        return [
+            (str(ds["tensor"].values[i]), float(ratio[i])) for i in order if np.isfinite(ratio[i])
+        ]
 
     def strides(self) -> tuple[int, int]:
         """Subsampling of the tensor's matrix view (1-D tensors are histogrammed whole)."""
@@ -374,21 +419,28 @@ class ScrubberModel:
         """Per-parameter change of the current step vs the reference (cached); see
         :func:`dstt.plots.series.step_change`."""
         key = ("change", self._timeline, self._step, self._reference)
-        change: xr.Dataset = self.cache.get_or_make(key, lambda: step_change(
-            self.run, self._step, self._reference, timeline=self._timeline))
+        change: xr.Dataset = self.cache.get_or_make(
+            key, lambda: step_change(self.run, self._step, self._reference, timeline=self._timeline)
+        )
         return change
 
     def label(self) -> str:
         """One line describing the selection (what the widget's label shows)."""
-        parts = [f"step {self._step}", f"timeline {self._timeline}",
-                 f"{self.index + 1}/{len(self.steps)}"]
+        parts = [
+            f"step {self._step}",
+            f"timeline {self._timeline}",
+            f"{self.index + 1}/{len(self.steps)}",
+        ]
         v = self.metric_value
         if v is not None:
             parts.append(f"{self.metric} {v:.4g}")
         sp = self.spike
         if sp is not None:
-            why = (f"caused by the update {sp.parent} → {sp.cause}" if sp.update is not None
-                   else "cause not captured")
+            why = (
+                f"caused by the update {sp.parent} → {sp.cause}"
+                if sp.update is not None
+                else "cause not captured"
+            )
             parts.append(f"SPIKE z={sp.zscore:.1f}, {why}")
         cause = self.caused
         if cause is not None:

@@ -52,23 +52,31 @@ class ReplayPanel:
     of a scrubber (see the module docstring). ``.result`` holds the last ``Replay``,
     ``.error`` the last failure, ``.view.artists`` what the bars drew."""
 
-    def __init__(self, model: ScrubberModel, replay: ReplayWith, *, top: int = 12,
-                 samples: int = 8) -> None:
+    def __init__(
+        self, model: ScrubberModel, replay: ReplayWith, *, top: int = 12, samples: int = 8
+    ) -> None:
         w = require("ipywidgets", "dstt.widgets.scrubber")
         if not (callable(replay) or isinstance(replay, Mapping)):
-            raise TypeError("replay= takes run.replay's keyword arguments as a dict (model=, "
-                            "optimizer=, loss_fn=, dataset=, ...) or a callable step -> "
-                            f"Replay, not {type(replay).__name__}")
+            raise TypeError(
+                "replay= takes run.replay's keyword arguments as a dict (model=, "
+                "optimizer=, loss_fn=, dataset=, ...) or a callable step -> "
+                f"Replay, not {type(replay).__name__}"
+            )
         if isinstance(replay, Mapping) and not {"model", "optimizer"} <= set(replay):
-            raise TypeError("replay= needs at least model= and optimizer= (the objects the "
-                            "step is restored into), as run.replay does")
+            raise TypeError(
+                "replay= needs at least model= and optimizer= (the objects the "
+                "step is restored into), as run.replay does"
+            )
         self.model, self.replay_with = model, replay
         self.top, self.samples = top, samples
         self.result: Replay | None = None
         self.error: BaseException | None = None
-        self.button = w.Button(description="replay", icon="play",
-                               tooltip="re-execute this step from the commit before it",
-                               layout=w.Layout(width="auto"))
+        self.button = w.Button(
+            description="replay",
+            icon="play",
+            tooltip="re-execute this step from the commit before it",
+            layout=w.Layout(width="auto"),
+        )
         self.status = w.HTML()
         self.view = FigureView((5, 3.8))
         self.image = w.Image(format="png")
@@ -76,8 +84,7 @@ class ReplayPanel:
         self.table = w.HTML()
         self.table.add_class("dstt-replay-samples")
         self.button.on_click(lambda _: self.run())
-        self.widget = w.VBox([w.HBox([self.button, self.status]),
-                              w.HBox([self.image, self.table])])
+        self.widget = w.VBox([w.HBox([self.button, self.status]), w.HBox([self.image, self.table])])
         self.update()
 
     def target(self) -> int | Spike:
@@ -88,8 +95,9 @@ class ReplayPanel:
     def update(self) -> None:
         """Follow the scrubber's step: the button names what it would replay."""
         t = self.target()
-        self.button.description = (f"replay the spike at step {t.step}" if not isinstance(t, int)
-                                   else f"replay step {t}")
+        self.button.description = (
+            f"replay the spike at step {t.step}" if not isinstance(t, int) else f"replay step {t}"
+        )
 
     def run(self) -> Replay | None:
         """Replay the current target and show the result; returns the ``Replay`` (None on
@@ -106,8 +114,10 @@ class ReplayPanel:
                 result = self.replay_with(t)
         except Exception as e:
             self.error, self.result = e, None
-            self.status.value = (f"<span style='color:#b00'>replay of step {step} failed: "
-                                 f"{html.escape(f'{type(e).__name__}: {e}')}</span>")
+            self.status.value = (
+                f"<span style='color:#b00'>replay of step {step} failed: "
+                f"{html.escape(f'{type(e).__name__}: {e}')}</span>"
+            )
             return None
         self.error, self.result = None, result
         self.show(result)
@@ -115,19 +125,30 @@ class ReplayPanel:
 
     def show(self, result: Replay) -> None:
         """Draw a ``Replay``: faithful line, gradient-norm bars, worst-samples table."""
-        verdict = ("faithful: bit-exact against its commit" if result.faithful else
-                   f"NOT faithful: max |diff| {result.max_abs_diff:.3g} over "
-                   f"{len(result.differs)} tensors")
+        verdict = (
+            "faithful: bit-exact against its commit"
+            if result.faithful
+            else f"NOT faithful: max |diff| {result.max_abs_diff:.3g} over "
+            f"{len(result.differs)} tensors"
+        )
         loss = float(np.sum(result.losses)) if result.losses else float("nan")
-        self.status.value = (f"<span class='dstt-replay-status' data-step='{result.step}' "
-                             f"data-faithful='{str(result.faithful).lower()}'>step "
-                             f"{result.step} replayed · {html.escape(verdict)} · loss "
-                             f"{loss:.4g}</span>")
+        self.status.value = (
+            f"<span class='dstt-replay-status' data-step='{result.step}' "
+            f"data-faithful='{str(result.faithful).lower()}'>step "
+            f"{result.step} replayed · {html.escape(verdict)} · loss "
+            f"{loss:.4g}</span>"
+        )
         top = result.top(self.top)
 
         def bars(ax: Axes) -> dict[str, Any]:
-            out = draw_bars(ax, [n for n, _ in top], [v for _, v in top], xlabel="‖grad‖",
-                            log=True, title=f"gradient norms, step {result.step}")
+            out = draw_bars(
+                ax,
+                [n for n, _ in top],
+                [v for _, v in top],
+                xlabel="‖grad‖",
+                log=True,
+                title=f"gradient norms, step {result.step}",
+            )
             out["names"] = [n for n, _ in top]
             return out
 
@@ -140,15 +161,19 @@ def samples_table(per_sample: xr.Dataset, n: int) -> str:
     """The ``n`` worst samples of a replay's ``per_sample`` dataset as an HTML table."""
     if "index" not in per_sample or per_sample.sizes.get("sample", 0) == 0:
         return "<i>no per-sample losses (per_sample=False, or batches without a size)</i>"
-    cols = [c for c in ("index", "micro_batch", "loss", "grad_norm") if c in per_sample
-            and not (c == "grad_norm" and np.all(np.isnan(per_sample[c].values)))]
+    cols = [
+        c
+        for c in ("index", "micro_batch", "loss", "grad_norm")
+        if c in per_sample and not (c == "grad_norm" and np.all(np.isnan(per_sample[c].values)))
+    ]
     head = "".join(f"<th>{c}</th>" for c in cols)
     rows = []
     for i in range(min(n, per_sample.sizes["sample"])):
         cells = []
         for c in cols:
             v = per_sample[c].values[i]
-            cells.append(f"<td>{v:.4g}</td>" if isinstance(v, float | np.floating)
-                         else f"<td>{int(v)}</td>")
+            cells.append(
+                f"<td>{v:.4g}</td>" if isinstance(v, float | np.floating) else f"<td>{int(v)}</td>"
+            )
         rows.append(f"<tr>{''.join(cells)}</tr>")
-    return (f"<b>worst samples</b><table><tr>{head}</tr>{''.join(rows)}</table>")
+    return f"<b>worst samples</b><table><tr>{head}</tr>{''.join(rows)}</table>"

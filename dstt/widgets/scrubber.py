@@ -49,55 +49,80 @@ class Scrubber:
     """The scrubber widget over a :class:`ScrubberModel`; display it (last expression of a
     cell) or use ``.widget``. ``.model`` holds the state; ``.views`` the figures."""
 
-    def __init__(self, model: ScrubberModel, *, play_interval: int = 700,
-                 replay: ReplayWith | None = None) -> None:
+    def __init__(
+        self, model: ScrubberModel, *, play_interval: int = 700, replay: ReplayWith | None = None
+    ) -> None:
         w = require("ipywidgets", "dstt.widgets.scrubber")
         self.model = model
         self.error: BaseException | None = None
         self._syncing = False
         m = model
-        self.slider = w.SelectionSlider(options=m.steps, value=m.step, description="step",
-                                        continuous_update=False,
-                                        layout=w.Layout(width="55%"))
-        self.play = w.Play(min=0, max=len(m.steps) - 1, value=m.index, step=1,
-                           interval=play_interval, description="play")
+        self.slider = w.SelectionSlider(
+            options=m.steps,
+            value=m.step,
+            description="step",
+            continuous_update=False,
+            layout=w.Layout(width="55%"),
+        )
+        self.play = w.Play(
+            min=0,
+            max=len(m.steps) - 1,
+            value=m.index,
+            step=1,
+            interval=play_interval,
+            description="play",
+        )
         self.link = w.jslink((self.play, "value"), (self.slider, "index"))
-        self.prev_button = w.Button(description="◀", tooltip="previous step",
-                                    layout=w.Layout(width="3em"))
-        self.next_button = w.Button(description="▶", tooltip="next step",
-                                    layout=w.Layout(width="3em"))
-        self.timeline_picker = w.Dropdown(options=m.timelines, value=m.timeline,
-                                          description="timeline")
-        self.tensor_picker = w.Dropdown(options=m.tensors, value=m.tensor, description="tensor",
-                                        layout=w.Layout(width="40%"))
-        self.mode_picker = w.ToggleButtons(options=["values", "change"], value=m.mode,
-                                           tooltips=["the tensor at this step",
-                                                     "this step minus the reference step"])
-        self.refresh_button = w.Button(description="⟳", tooltip="re-read the run (new steps)",
-                                       layout=w.Layout(width="3em"))
-        self.pin_button = w.Button(description="pin step as reference",
-                                   layout=w.Layout(width="auto"))
-        self.unpin_button = w.Button(description="reference: previous step",
-                                     layout=w.Layout(width="auto"))
+        self.prev_button = w.Button(
+            description="◀", tooltip="previous step", layout=w.Layout(width="3em")
+        )
+        self.next_button = w.Button(
+            description="▶", tooltip="next step", layout=w.Layout(width="3em")
+        )
+        self.timeline_picker = w.Dropdown(
+            options=m.timelines, value=m.timeline, description="timeline"
+        )
+        self.tensor_picker = w.Dropdown(
+            options=m.tensors, value=m.tensor, description="tensor", layout=w.Layout(width="40%")
+        )
+        self.mode_picker = w.ToggleButtons(
+            options=["values", "change"],
+            value=m.mode,
+            tooltips=["the tensor at this step", "this step minus the reference step"],
+        )
+        self.refresh_button = w.Button(
+            description="⟳", tooltip="re-read the run (new steps)", layout=w.Layout(width="3em")
+        )
+        self.pin_button = w.Button(
+            description="pin step as reference", layout=w.Layout(width="auto")
+        )
+        self.unpin_button = w.Button(
+            description="reference: previous step", layout=w.Layout(width="auto")
+        )
         self.label = w.HTML()
         self.label.add_class("dstt-scrubber-label")
-        self.views = {"loss": FigureView((8, 2.6)), "tensor": FigureView((5, 3.8)),
-                      "change": FigureView((5, 3.8))}
+        self.views = {
+            "loss": FigureView((8, 2.6)),
+            "tensor": FigureView((5, 3.8)),
+            "change": FigureView((5, 3.8)),
+        }
         self.images = {k: w.Image(format="png") for k in self.views}
         for k, img in self.images.items():
             img.add_class(f"dstt-view-{k}")  # for tests and user CSS
         #: one-click replay of the step under the cursor (``replay=``), else None
         self.replay = ReplayPanel(model, replay) if replay is not None else None
         self._wire()
-        self.widget = w.VBox([
-            w.HBox([self.play, self.prev_button, self.slider, self.next_button]),
-            w.HBox([self.timeline_picker, self.tensor_picker, self.refresh_button]),
-            w.HBox([self.mode_picker, self.pin_button, self.unpin_button]),
-            self.label,
-            self.images["loss"],
-            w.HBox([self.images["tensor"], self.images["change"]]),
-            *([self.replay.widget] if self.replay is not None else []),
-        ])
+        self.widget = w.VBox(
+            [
+                w.HBox([self.play, self.prev_button, self.slider, self.next_button]),
+                w.HBox([self.timeline_picker, self.tensor_picker, self.refresh_button]),
+                w.HBox([self.mode_picker, self.pin_button, self.unpin_button]),
+                self.label,
+                self.images["loss"],
+                w.HBox([self.images["tensor"], self.images["change"]]),
+                *([self.replay.widget] if self.replay is not None else []),
+            ]
+        )
         self.widget.add_class("dstt-scrubber")
         self._redraw(set(self.views))
 
@@ -114,11 +139,11 @@ class Scrubber:
     def _wire(self) -> None:
         m = self.model
 
-        def from_widget(setter: Callable[[Any], object]
-                        ) -> Callable[[dict[str, Any]], None]:
+        def from_widget(setter: Callable[[Any], object]) -> Callable[[dict[str, Any]], None]:
             def handler(change: dict[str, Any]) -> None:
                 if not self._syncing:
                     self._guard(lambda: setter(change["new"]))
+
             return handler
 
         def set_step(v: int) -> None:
@@ -154,8 +179,9 @@ class Scrubber:
             fn()
         except Exception as e:
             self.error = e
-            self.label.value = (f"<span style='color:#b00'>error: "
-                                f"{html.escape(f'{type(e).__name__}: {e}')}</span>")
+            self.label.value = (
+                f"<span style='color:#b00'>error: {html.escape(f'{type(e).__name__}: {e}')}</span>"
+            )
 
     def _on_model(self, changed: set[str]) -> None:
         m = self.model
@@ -195,18 +221,29 @@ class Scrubber:
         if self.replay is not None:
             self.replay.update()
         spike = " spike" if m.spike is not None else ""
-        self.label.value = (f"<span class='dstt-step{spike}' data-step='{m.step}'>"
-                            f"{html.escape(m.label())}</span>")
+        self.label.value = (
+            f"<span class='dstt-step{spike}' data-step='{m.step}'>{html.escape(m.label())}</span>"
+        )
         self.error = None
 
 
-def scrubber(run: Any,  # noqa: ANN401 - a dstt.Run, or what dstt.open takes
-             *, timeline: str | None = None, step: int | None = None,
-             tensor: str | None = None, metric: str | None = None,
-             reference: int | None = None, mode: Mode = "values", cache_size: int = 16,
-             spike_window: int = 50, spike_z: float = 4.0, max_side: int = 256,
-             play_interval: int = 700, spike: Any = None,  # noqa: ANN401 - a Spike or a loss step
-             replay: ReplayWith | None = None) -> Scrubber:
+def scrubber(
+    run: Any,  # noqa: ANN401 - a dstt.Run, or what dstt.open takes
+    *,
+    timeline: str | None = None,
+    step: int | None = None,
+    tensor: str | None = None,
+    metric: str | None = None,
+    reference: int | None = None,
+    mode: Mode = "values",
+    cache_size: int = 16,
+    spike_window: int = 50,
+    spike_z: float = 4.0,
+    max_side: int = 256,
+    play_interval: int = 700,
+    spike: Any = None,  # noqa: ANN401 - a Spike or a loss step
+    replay: ReplayWith | None = None,
+) -> Scrubber:
     """A step scrubber over ``run`` (a :class:`dstt.Run` or a path).
 
     Starts at ``step`` (default: the head) of ``timeline`` (default: current) showing
@@ -227,9 +264,19 @@ def scrubber(run: Any,  # noqa: ANN401 - a dstt.Run, or what dstt.open takes
         from dstt.run import open_run
 
         run = open_run(run)
-    model = ScrubberModel(run, timeline=timeline, step=step, tensor=tensor, metric=metric,
-                          reference=reference, mode=mode, cache_size=cache_size,
-                          spike_window=spike_window, spike_z=spike_z, max_side=max_side)
+    model = ScrubberModel(
+        run,
+        timeline=timeline,
+        step=step,
+        tensor=tensor,
+        metric=metric,
+        reference=reference,
+        mode=mode,
+        cache_size=cache_size,
+        spike_window=spike_window,
+        spike_z=spike_z,
+        max_side=max_side,
+    )
     if spike is not None:
         model.open_spike(spike)
     return Scrubber(model, play_interval=play_interval, replay=replay)

@@ -58,8 +58,14 @@ class FigureView:
         """Left margin for the longest y tick label (0.6 em per character), at most 45%."""
         dpi = self.fig.dpi
         width_px = self.fig.get_figwidth() * dpi
-        longest = max((0.6 * t.get_fontsize() * dpi / 72 * max(len(t.get_text()), 4)
-                       for ax in self.fig.axes[:1] for t in ax.get_yticklabels()), default=30.0)
+        longest = max(
+            (
+                0.6 * t.get_fontsize() * dpi / 72 * max(len(t.get_text()), 4)
+                for ax in self.fig.axes[:1]
+                for t in ax.get_yticklabels()
+            ),
+            default=30.0,
+        )
         left = min(0.45, (longest + 30) / width_px)
         self.fig.subplots_adjust(left=left, right=0.97, bottom=0.17, top=0.9, wspace=0.35)
 
@@ -74,16 +80,23 @@ def draw_loss(ax: Axes, model: ScrubberModel) -> dict[str, Any]:
     """The metric of the model's timeline, its spikes (▼ at the loss step, the update that
     caused each shaded: ``parent -> cause``), and the current step's cursor."""
     if model.metric is None:
-        ax.text(0.5, 0.5, "no metrics logged (s.log(loss=...))", ha="center", va="center",
-                transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            "no metrics logged (s.log(loss=...))",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
         ax.set_axis_off()
         return {}
     ds = model.metrics
     curves = [(model.timeline, ds["step"].values, ds[model.metric].values)]
     spikes = [(s.step, s.value) for s in model.spikes]
     causes = [s.update for s in model.spikes if s.update is not None]
-    out = draw_curves(ax, curves, spikes=spikes, causes=causes, cursor=model.step,
-                      ylabel=model.metric)
+    out = draw_curves(
+        ax, curves, spikes=spikes, causes=causes, cursor=model.step, ylabel=model.metric
+    )
     ref = model.reference
     if ref is not None:
         out["reference"] = ax.axvline(ref, color="tab:green", ls=":", lw=1.2)
@@ -95,8 +108,7 @@ def draw_shown(ax: Axes, model: ScrubberModel) -> dict[str, Any]:
     """The current tensor (or its change since the reference) as heatmap or histogram."""
     values, title = model.shown()
     if values is None:
-        ax.text(0.5, 0.5, title, ha="center", va="center", transform=ax.transAxes,
-                wrap=True)
+        ax.text(0.5, 0.5, title, ha="center", va="center", transform=ax.transAxes, wrap=True)
         ax.set_axis_off()
         return {}
     return draw_tensor(ax, values, title=title, diverging=model.mode == "change")
@@ -109,8 +121,14 @@ def draw_change(ax: Axes, model: ScrubberModel, top: int = TOP_BARS) -> dict[str
     ds = model.change()
     ref = ds.attrs.get("reference")
     if ref is None:
-        ax.text(0.5, 0.5, f"step {model.step}: no earlier step to compare with",
-                ha="center", va="center", transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            f"step {model.step}: no earlier step to compare with",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
         ax.set_axis_off()
         return {}
     names = [str(n) for n in ds["tensor"].values]
@@ -119,9 +137,14 @@ def draw_change(ax: Axes, model: ScrubberModel, top: int = TOP_BARS) -> dict[str
     if model.tensor in names and names.index(model.tensor) not in order:
         order[-1] = names.index(model.tensor)
     kind = exactness_label(ds.attrs.get("exactness", ""))
-    out = draw_bars(ax, [names[i] for i in order], ratio[order],
-                    xlabel=f"‖Δw‖ / ‖w‖ ({kind})", highlight=model.tensor,
-                    title=f"change {ref} → {model.step} ({kind})")
+    out = draw_bars(
+        ax,
+        [names[i] for i in order],
+        ratio[order],
+        xlabel=f"‖Δw‖ / ‖w‖ ({kind})",
+        highlight=model.tensor,
+        title=f"change {ref} → {model.step} ({kind})",
+    )
     out["names"] = [names[i] for i in order]
     out["ratios"] = ratio[order]
     return out

@@ -18,9 +18,21 @@ def run_quick(script: str, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "result.json"
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), "--quick", "--json", str(out),
-         "--dir", str(tmp_path), *extra],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            str(ROOT / "bench" / script),
+            "--quick",
+            "--json",
+            str(out),
+            "--dir",
+            str(tmp_path),
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert out.exists(), proc.stdout[-2000:]
@@ -38,12 +50,20 @@ def test_capture_bench_quick(tmp_path: Path) -> None:
     for name, size in res["sizes"].items():
         assert {"model", "disk", "disk_s_per_step", "floor_s", "modes", "targets"} <= set(size)
         assert size["disk"]["write_bytes_per_s"] > 0
-        expected = {"none", "dstt", "torch_save", "dcp"} | ({"dstt_delta"} if name == "large"
-                                                            else set())
+        expected = {"none", "dstt", "torch_save", "dcp"} | (
+            {"dstt_delta"} if name == "large" else set()
+        )
         assert set(size["modes"]) == expected
         for mode, row in size["modes"].items():
-            assert {"s_per_iter", "ratio_vs_none", "vs_floor", "blocked_s_per_step",
-                    "iter_median_s", "cpu_s_per_iter", "spread"} <= set(row), mode
+            assert {
+                "s_per_iter",
+                "ratio_vs_none",
+                "vs_floor",
+                "blocked_s_per_step",
+                "iter_median_s",
+                "cpu_s_per_iter",
+                "spread",
+            } <= set(row), mode
             assert row["s_per_iter"] > 0
         assert size["modes"]["dstt"]["steps_measured"] > 0
         assert size["modes"]["dstt"]["written_bytes_per_step"] > 0
@@ -55,8 +75,14 @@ def test_delta_bench_quick(tmp_path: Path) -> None:
     res = run_quick("delta_bench.py", tmp_path)
     assert res["benchmark"] == "delta"
     assert res["quick"] is True
-    classes = {"fp32 params", "fp32 exp_avg", "fp32 exp_avg_sq", "fp32 Adam state (all 3)",
-               "bf16 params", "fp16 params"}
+    classes = {
+        "fp32 params",
+        "fp32 exp_avg",
+        "fp32 exp_avg_sq",
+        "fp32 Adam state (all 3)",
+        "bf16 params",
+        "fp16 params",
+    }
     assert res["points"]
     for point in res["points"].values():
         assert classes <= set(point)
@@ -78,8 +104,20 @@ def test_delta_bench_quick(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_hotpath_bench_quick(tmp_path: Path) -> None:
     modes = ["none", "bare", "bare_guarded", "torch_save"]
-    res = run_quick("hotpath_bench.py", tmp_path, "--workloads", "lin360", "--threads", "1",
-                    "--modes", ",".join(modes), "--iters", "2", "--disk-mib", "8")
+    res = run_quick(
+        "hotpath_bench.py",
+        tmp_path,
+        "--workloads",
+        "lin360",
+        "--threads",
+        "1",
+        "--modes",
+        ",".join(modes),
+        "--iters",
+        "2",
+        "--disk-mib",
+        "8",
+    )
     assert res["benchmark"] == "hotpath"
     assert res["quick"] is True
     assert res["repeats"] == 1
@@ -98,8 +136,15 @@ def test_hotpath_bench_quick(tmp_path: Path) -> None:
     assert isinstance(lin["check"]["disk_below_iter"], bool)
     assert list(lin["modes"]) == modes
     for mode, row in lin["modes"].items():
-        assert {"s_per_iter", "ratio_vs_none", "ratio_vs_bare", "blocked_s_per_step",
-                "engine_cpu_s_per_step", "iter_median_s", "cpu_s_per_iter"} <= set(row), mode
+        assert {
+            "s_per_iter",
+            "ratio_vs_none",
+            "ratio_vs_bare",
+            "blocked_s_per_step",
+            "engine_cpu_s_per_step",
+            "iter_median_s",
+            "cpu_s_per_iter",
+        } <= set(row), mode
         assert row["s_per_iter"] > 0
         assert row["ratio_vs_none"] > 0
         assert row["ratio_vs_bare"] > 0
@@ -121,15 +166,33 @@ def test_hotpath_bench_quick(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_hotpath_profile_runs_and_names_the_engine_threads_and_steps() -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "hotpath_profile.py"), "--workload", "lin360",
-         "--threads", "1", "--iters", "5"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            str(ROOT / "bench" / "hotpath_profile.py"),
+            "--workload",
+            "lin360",
+            "--threads",
+            "1",
+            "--iters",
+            "5",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "lin360, torch threads 1:" in out
     assert "x); blocked per step median" in out
-    for row in ("| training (main) |", "| dstt-commit |", "| dstt-copy |",
-                "| `Pipeline._copy_flat` |", "| `Transaction.commit` |", "| `Pipeline.stage` |"):
+    for row in (
+        "| training (main) |",
+        "| dstt-commit |",
+        "| dstt-copy |",
+        "| `Pipeline._copy_flat` |",
+        "| `Transaction.commit` |",
+        "| `Pipeline.stage` |",
+    ):
         assert row in out, row
 
 
@@ -140,7 +203,6 @@ def test_import_bench_quick(tmp_path: Path) -> None:
     assert res["checkpoints"] == 4
     for mode in ("cold", "warm"):
         assert {"loader_s", "read_phase_s", "import_s", "import_delta_s", "ratio_import"} <= set(
-            res[mode])
-    assert set(res["bytes_on_disk"]) == {"source", "import", "import_no_summaries",
-                                         "import_delta"}
-
+            res[mode]
+        )
+    assert set(res["bytes_on_disk"]) == {"source", "import", "import_no_summaries", "import_delta"}

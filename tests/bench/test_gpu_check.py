@@ -37,11 +37,18 @@ def _script() -> ModuleType:
 def _run(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict, Path]:
     out, work = tmp_path / "out", tmp_path / "work"
     work.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry", "--out", str(out), "--work",
-                           str(work), *extra], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=170)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry", "--out", str(out), "--work", str(work), *extra],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc, json.loads((out / "gpu_check.json").read_text()), work
 
@@ -52,7 +59,8 @@ def _finite(x: object) -> bool:
 
 @pytest.mark.timeout(180)
 def test_dry_run_measures_every_mode_resumes_bit_exactly_and_prints_the_table(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     proc, res, work = _run(tmp_path)
     g = _script()
     assert res["dry"] is True
@@ -87,8 +95,14 @@ def test_dry_run_measures_every_mode_resumes_bit_exactly_and_prints_the_table(
         assert set(summary) == set(g.MODES)
         for mode, s in summary.items():
             assert s["rounds"] == rounds, (name, mode)
-            for key in ("s_per_iter", "ratio", "blocked_s_per_iter", "blocked_frac",
-                        "drain_s", "host_rss_added"):
+            for key in (
+                "s_per_iter",
+                "ratio",
+                "blocked_s_per_iter",
+                "blocked_frac",
+                "drain_s",
+                "host_rss_added",
+            ):
                 assert _finite(s[key]), (name, mode, key, s[key])
             assert s["s_per_iter"] > 0
             assert s["ratio"] > 0
@@ -122,8 +136,13 @@ def test_dry_run_measures_every_mode_resumes_bit_exactly_and_prints_the_table(
     t = res["targets"]
     assert t["part"] == g.DRY.threshold_part
     assert t["resume_bit_exact"] is True
-    for key in ("blocked_le_5pct", "hooks_le_5pct", "dstt_le_dcp", "dstt_le_torch_save",
-                "disk_binds"):
+    for key in (
+        "blocked_le_5pct",
+        "hooks_le_5pct",
+        "dstt_le_dcp",
+        "dstt_le_torch_save",
+        "disk_binds",
+    ):
         assert isinstance(t[key], bool), key
     # the table, and nothing left behind but the results
     out = proc.stdout
@@ -132,8 +151,7 @@ def test_dry_run_measures_every_mode_resumes_bit_exactly_and_prints_the_table(
         for mode in g.MODES:
             assert f"| {name} | {mode} | " in out, (name, mode)
     assert "resume (tiny): restored bit-exact True, continued step bit-exact True" in out
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_check.json",
-                                                                    "pytest.txt"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_check.json", "pytest.txt"]
     assert list(work.iterdir()) == []
 
 
@@ -199,8 +217,13 @@ def test_iteration_sizing_lets_the_disk_keep_up_within_the_cap() -> None:
 def test_reserve_keeps_time_only_for_later_slots_as_important_or_more() -> None:
     g = _script()
     sched = g.FULL.schedule
-    costs = {("125M/every1", 2): 50.0, ("resume", 0): 20.0, ("1B/every10", 0): 100.0,
-             ("1B/every1", 0): 120.0, ("1B/every10", 1): 100.0}
+    costs = {
+        ("125M/every1", 2): 50.0,
+        ("resume", 0): 20.0,
+        ("1B/every10", 0): 100.0,
+        ("1B/every1", 0): 120.0,
+        ("1B/every10", 1): 100.0,
+    }
 
     def est(slot: object) -> float:
         return costs.get((slot.part, slot.round), 40.0)  # type: ignore[attr-defined]
@@ -213,8 +236,8 @@ def test_reserve_keeps_time_only_for_later_slots_as_important_or_more() -> None:
 
 
 def test_preflight_names_what_is_missing_and_the_run_stops_there(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-        ) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     g = _script()
     assert g.check_requirement("surely-not-a-module-xyz>=1") == "missing"
     assert g.check_requirement("numpy>=999").startswith("too old")
@@ -224,8 +247,11 @@ def test_preflight_names_what_is_missing_and_the_run_stops_there(
     assert "pip_download" not in pre
     # as on a bare GPU machine: zarr and pytest-timeout absent
     real = g.check_requirement
-    monkeypatch.setattr(g, "check_requirement", lambda r: "missing" if r.startswith(
-        ("zarr", "pytest-timeout")) else real(r))
+    monkeypatch.setattr(
+        g,
+        "check_requirement",
+        lambda r: "missing" if r.startswith(("zarr", "pytest-timeout")) else real(r),
+    )
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # main() extends it
     assert g.main(["--dry", "--out", str(tmp_path)]) == 2
     res = json.loads((tmp_path / "gpu_check.json").read_text())

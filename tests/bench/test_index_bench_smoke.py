@@ -18,9 +18,21 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_index_bench_quick(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "index_bench.py"), "--quick", "--json", str(out),
-         "--dir", str(tmp_path)], cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": "0"},
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            str(ROOT / "bench" / "index_bench.py"),
+            "--quick",
+            "--json",
+            str(out),
+            "--dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]  # cleaned up
     res = json.loads(out.read_text())
@@ -35,5 +47,10 @@ def test_index_bench_quick(tmp_path: Path) -> None:
     assert res["layer"]["tensors"] == 1000
     assert res["layer"]["layer_s"] > 0
     assert set(res["targets"]) == {
-        "open_below_0.1s", "metrics_below_1s", "spikes_below_1s", "summaries_below_1s",
-        "layer_below_0.05s", "trajectory_at_least_half_the_ceiling"}
+        "open_below_0.1s",
+        "metrics_below_1s",
+        "spikes_below_1s",
+        "summaries_below_1s",
+        "layer_below_0.05s",
+        "trajectory_at_least_half_the_ceiling",
+    }

@@ -19,8 +19,11 @@ from _writers import BareWriter, GuardedWriter
 
 def _tensors() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return [torch.randn(5, 7, generator=g), torch.randn(129, generator=g) * 3,
-            torch.full((16,), -2.5)]
+    return [
+        torch.randn(5, 7, generator=g),
+        torch.randn(129, generator=g) * 3,
+        torch.full((16,), -2.5),
+    ]
 
 
 def test_bare_writer_writes_the_copied_tensors(tmp_path: Path) -> None:
@@ -35,7 +38,7 @@ def test_bare_writer_writes_the_copied_tensors(tmp_path: Path) -> None:
     assert len(raw) == bw.nbytes
     for t, o in zip(ts, bw.offsets, strict=True):
         n = t.numel() * 4
-        assert raw[o:o + n] == t.numpy().tobytes()
+        assert raw[o : o + n] == t.numpy().tobytes()
 
 
 def test_guarded_writer_checksums_summarizes_and_keeps_two_steps(tmp_path: Path) -> None:
@@ -49,13 +52,17 @@ def test_guarded_writer_checksums_summarizes_and_keeps_two_steps(tmp_path: Path)
     finally:
         gw.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step-2.bin", "step-2.json", "step-3.bin", "step-3.json"]
+        "step-2.bin",
+        "step-2.json",
+        "step-3.bin",
+        "step-3.json",
+    ]
     man = json.loads((tmp_path / "step-3.json").read_text())
     raw = (tmp_path / "step-3.bin").read_bytes()
     assert man["step"] == 3
     for i, (t, o) in enumerate(zip(ts, gw.offsets, strict=True)):
         data = t.numpy().tobytes()
-        assert raw[o:o + len(data)] == data
+        assert raw[o : o + len(data)] == data
         assert man["crc32c"][i] == crc32c.crc32c(data)
         assert man["crc32"][i] == isal_zlib.crc32(data)
         x = t.double()

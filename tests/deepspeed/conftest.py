@@ -29,8 +29,11 @@ import pytest
 if importlib.util.find_spec("deepspeed") is None:
     if os.environ.get("CI"):  # .ci/run installs it: a skip there would hide a broken install
         raise RuntimeError("DeepSpeed is not installed, but CI installs it (scripts/dev)")
-    pytest.skip("DeepSpeed is not installed (scripts/dev installs it, or pip install "
-                "--no-build-isolation deepspeed)", allow_module_level=True)
+    pytest.skip(
+        "DeepSpeed is not installed (scripts/dev installs it, or pip install "
+        "--no-build-isolation deepspeed)",
+        allow_module_level=True,
+    )
 
 WORKER = Path(__file__).with_name("ds_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,22 +48,48 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawn(phase: str, world: int, root: Path, out: Path, *args: str,
-           ports: list[int], stages: tuple[int, ...] = STAGES) -> list[subprocess.Popen[bytes]]:
+def _spawn(
+    phase: str,
+    world: int,
+    root: Path,
+    out: Path,
+    *args: str,
+    ports: list[int],
+    stages: tuple[int, ...] = STAGES,
+) -> list[subprocess.Popen[bytes]]:
     port = free_port()
     ports.append(port)
     procs = []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0",
-               "DSTT_TEST_HANG_S": str(PHASE_TIMEOUT),
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "DS_ACCELERATOR": "cpu",
+            "DS_BUILD_OPS": "0",
+            "DSTT_TEST_HANG_S": str(PHASE_TIMEOUT),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
         with open(out / f"{phase}.r{rank}.log", "wb") as log:  # the child keeps its fd
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), phase, str(root), str(out),
-                 ",".join(map(str, stages)), *args], env=env, stdout=log,
-                stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(WORKER),
+                        phase,
+                        str(root),
+                        str(out),
+                        ",".join(map(str, stages)),
+                        *args,
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     return procs
 
 

@@ -63,11 +63,16 @@ def make_engine(stage: int) -> Any:
     net = Net()
     decay = [p for n, p in net.named_parameters() if n.endswith("weight")]
     rest = [p for n, p in net.named_parameters() if not n.endswith("weight")]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + 0.5 * k))
-    cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9,
-           "zero_optimization": {"stage": stage}, "wall_clock_breakdown": False}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": stage},
+        "wall_clock_breakdown": False,
+    }
     engine, *_ = deepspeed.initialize(model=net, optimizer=opt, lr_scheduler=sched, config=cfg)
     return engine
 
@@ -86,8 +91,9 @@ def full_params(engine: Any) -> dict[str, list[float]]:
 
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
-        return {n: p.detach().float().reshape(-1).tolist()
-                for n, p in engine.module.named_parameters()}
+        return {
+            n: p.detach().float().reshape(-1).tolist() for n, p in engine.module.named_parameters()
+        }
 
 
 def _committed(run: Path) -> list[int]:
@@ -185,8 +191,14 @@ def checkpoint_engine_roundtrip(ckdir: Path, stage: int) -> dict[str, Any]:
     path, _ = fresh.load_checkpoint(str(ckdir), tag="t2")
     loaded = train_step(fresh, 2)
     fresh.checkpoint_engine.close()
-    return {"ck_latest_before": before, "ck_latest": latest_now, "ck_after_save": after_save,
-            "ck_loaded": loaded, "ck_path": str(path), "ck_global_steps": fresh.global_steps}
+    return {
+        "ck_latest_before": before,
+        "ck_latest": latest_now,
+        "ck_after_save": after_save,
+        "ck_loaded": loaded,
+        "ck_path": str(path),
+        "ck_global_steps": fresh.global_steps,
+    }
 
 
 def bf16_resume(run: Path) -> dict[str, Any]:
@@ -199,8 +211,12 @@ def bf16_resume(run: Path) -> dict[str, Any]:
         torch.manual_seed(0)
         net = Net()
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-        cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9,
-               "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 4,
+            "steps_per_print": 10**9,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 2},
+        }
         return deepspeed.initialize(model=net, optimizer=opt, config=cfg)[0]
 
     def step(engine: Any, i: int) -> float:
@@ -235,7 +251,8 @@ def phase_world1(root: Path, stages: list[int], out: dict[str, Any]) -> None:
             now = full_params(engine)
             snap = run.at(head)
             res["params_equal"] = all(
-                snap.tensor(n).values.reshape(-1).tolist() == v for n, v in now.items())
+                snap.tensor(n).values.reshape(-1).tolist() == v for n, v in now.items()
+            )
             res["loss"] = train_step(engine, s.step)
         res["head"] = head
         _report(out)
@@ -245,8 +262,8 @@ def phase_world1(root: Path, stages: list[int], out: dict[str, Any]) -> None:
     with dstt.session(engine, run=root / "z3", resume=True) as s:
         snap = dstt.open(root / "z3").at(head)
         out["cross_stage_3_1"] = s.step == head and all(
-            snap.tensor(n).values.reshape(-1).tolist() == v
-            for n, v in full_params(engine).items())
+            snap.tensor(n).values.reshape(-1).tolist() == v for n, v in full_params(engine).items()
+        )
     out["bf16"] = bf16_resume(root / "bf16")
     _report(out)
     # a stage-0 run cannot resume under ZeRO (and back): a typed error, not a crash
@@ -285,8 +302,9 @@ def phase_ckexit(root: Path, stages: list[int], out: dict[str, Any]) -> None:
         engine.save_checkpoint(str(ckdir), tag="t1")
         train_step(engine, 1)
         try:  # dstt cannot store complex tensors: the first file's save raises
-            engine.save_checkpoint(str(ckdir), tag="t2",
-                                   client_state={"z": torch.zeros(20, dtype=torch.complex64)})
+            engine.save_checkpoint(
+                str(ckdir), tag="t2", client_state={"z": torch.zeros(20, dtype=torch.complex64)}
+            )
         except Exception as e:
             out["raised"] = type(e).__name__
         train_step(engine, 2)  # on main, this step committed the half-saved t2
@@ -301,8 +319,11 @@ def phase_ckload(root: Path, stages: list[int], out: dict[str, Any]) -> None:
         engine = make_engine(stage)
         ce = DsttCheckpointEngine.attach(engine)
         path, _ = engine.load_checkpoint(str(root / f"z{stage}"))
-        out[str(stage)] = {"path": str(path), "global_steps": engine.global_steps,
-                           "params": full_params(engine)}
+        out[str(stage)] = {
+            "path": str(path),
+            "global_steps": engine.global_steps,
+            "params": full_params(engine),
+        }
         ce.close()
     _report(out)
 

@@ -32,8 +32,8 @@ def test_kill_and_resume_continues_bit_exactly(ds_results: dict[str, Any], stage
         # the kill lost the step in flight (staged, not yet sealed) and nothing else
         assert r["resumed_at"] == trained["step"] - 1
         assert r["global_steps"] == r["resumed_at"]
-        assert r["resumed"] == r["ref"][r["resumed_at"]:]  # float equality: bit-exact
-        assert trained["losses"] == r["ref"][:len(trained["losses"])]
+        assert r["resumed"] == r["ref"][r["resumed_at"] :]  # float equality: bit-exact
+        assert trained["losses"] == r["ref"][: len(trained["losses"])]
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -42,8 +42,14 @@ def test_inspection_sees_full_parameters(ds_results: dict[str, Any], stage: int)
     assert r["steps"] == list(range(1, TOTAL_STEPS + 1))
     assert r["inspect_bad"] == []
     # logical names, whatever the parallelism: no per-rank flat buffers shown
-    assert r["names"] == ["l1.bias", "l1.weight", "l2.bias", "l2.weight", "norm.bias",
-                          "norm.weight"]
+    assert r["names"] == [
+        "l1.bias",
+        "l1.weight",
+        "l2.bias",
+        "l2.weight",
+        "norm.bias",
+        "norm.weight",
+    ]
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -44,8 +44,9 @@ def ckexit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Any]]
                 _wait(procs, PHASE_TIMEOUT)
                 res[phase] = _reports(phase, world, out)
                 res[f"{phase}_codes"] = [p.returncode for p in procs]
-                res[f"{phase}_logs"] = [(out / f"{phase}.r{r}.log").read_text(errors="replace")
-                                        for r in range(world)]
+                res[f"{phase}_logs"] = [
+                    (out / f"{phase}.r{r}.log").read_text(errors="replace") for r in range(world)
+                ]
         yield results
     finally:
         with contextlib.suppress(OSError):
@@ -54,8 +55,9 @@ def ckexit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Any]]
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("stage", STAGES)
-def test_last_save_survives_an_exit_without_close(ckexit: dict[int, Any], world: int,
-                                                  stage: int) -> None:
+def test_last_save_survives_an_exit_without_close(
+    ckexit: dict[int, Any], world: int, stage: int
+) -> None:
     res = ckexit[world]
     assert res["ckexit_codes"] == [0] * world, res["ckexit_logs"]
     ckdir = res["root"] / f"z{stage}"

@@ -19,8 +19,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-               y: torch.Tensor) -> float:
+def train_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> float:
     _, loss = model(x, y)
     loss.backward()
     opt.step()
@@ -57,8 +58,11 @@ class MLP(torch.nn.Module):
         return out, torch.nn.functional.mse_loss(out, y)
 
 
-def mlp_batch(i: int, d_in: int = 8, d_out: int = 4,
-              dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def mlp_batch(
+    i: int, d_in: int = 8, d_out: int = 4, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(i)
-    return (torch.randn(4, d_in, generator=g).to(dtype),
-            torch.randn(4, d_out, generator=g).to(dtype))
+    return (
+        torch.randn(4, d_in, generator=g).to(dtype),
+        torch.randn(4, d_out, generator=g).to(dtype),
+    )

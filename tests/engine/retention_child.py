@@ -23,8 +23,9 @@ def main(run: str, steps: int, policy: dstt.Retention, resume: bool) -> None:
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = mlp_batch(0)
-    with dstt.session(model, opt, run=run, resume=resume, retention=policy, summaries=False,
-                      copy="sync") as s:
+    with dstt.session(
+        model, opt, run=run, resume=resume, retention=policy, summaries=False, copy="sync"
+    ) as s:
         print(f"start {s.step}", flush=True)
         for _ in range(steps):
             _, loss = model(x, y)
@@ -36,5 +37,9 @@ def main(run: str, steps: int, policy: dstt.Retention, resume: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), dstt.Retention(**json.loads(sys.argv[3])),
-         len(sys.argv) > 4 and sys.argv[4] == "resume")
+    main(
+        sys.argv[1],
+        int(sys.argv[2]),
+        dstt.Retention(**json.loads(sys.argv[3])),
+        len(sys.argv) > 4 and sys.argv[4] == "resume",
+    )

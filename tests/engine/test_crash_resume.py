@@ -47,8 +47,13 @@ def _parse(lines: list[str]) -> tuple[int, dict[int, str], str | None]:
 
 
 def _run(mode: str, run: Path) -> tuple[int, dict[int, str], str | None]:
-    out = subprocess.run([sys.executable, str(CHILD), mode, str(run), str(STEPS), str(SEED)],
-                         capture_output=True, text=True, env=_env(), timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(CHILD), mode, str(run), str(STEPS), str(SEED)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return _parse(out.stdout.splitlines())
 
@@ -67,9 +72,13 @@ def _run_and_kill(run: Path, kill_at: int) -> tuple[dict[int, str], int]:
     committed (under load the child can report step 7 before its first commit lands: a
     kill then would test no resume at all). Returns its losses and the step it was killed
     at."""
-    proc = subprocess.Popen([sys.executable, str(CHILD), "fresh", str(run), str(STEPS),
-                             str(SEED)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_env())
+    proc = subprocess.Popen(
+        [sys.executable, str(CHILD), "fresh", str(run), str(STEPS), str(SEED)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     lines = []
     killed_at = -1
     try:
@@ -103,8 +112,9 @@ def reference() -> tuple[dict[int, str], str]:
 
 
 @pytest.mark.parametrize("trial", [0, 1, 2])
-def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path: Path, reference,
-                                                          trial: int) -> None:
+def test_sigkill_then_resume_matches_an_uninterrupted_run(
+    tmp_path: Path, reference, trial: int
+) -> None:
     ref_losses, ref_final = reference
     kill_at = random.Random(1000 + trial).randint(6, STEPS - 4)
     run = tmp_path / "run"

@@ -55,8 +55,9 @@ class Net(torch.nn.Module):
         return self.l2(torch.relu(self.l1(x)))
 
 
-def train(run: Path, loader: Any, *, resume: bool = False, steps: int | None = None,
-          every: int = 1) -> list[float]:
+def train(
+    run: Path, loader: Any, *, resume: bool = False, steps: int | None = None, every: int = 1
+) -> list[float]:
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
     losses = []
@@ -81,7 +82,8 @@ BAD = order()[BAD_STEP - 1]
 
 
 def test_a_spike_is_traced_to_the_poisoned_samples_and_skipping_them_removes_it(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run_dir = tmp_path / "run"
     train(run_dir, loader(Regression(BAD)))
     run = dstt.open(run_dir)

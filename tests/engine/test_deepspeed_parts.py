@@ -23,10 +23,15 @@ def test_state_dict_roundtrip_keeps_tensors_live() -> None:
     big = torch.randn(5, 7)
     sd = collections.OrderedDict(
         module={"l1.weight": big, "c.odd key": torch.arange(40, dtype=torch.int64)},
-        optimizer={"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(33)}},
-                   "param_groups": [{"lr": 0.1, "params": [0]}]},
-        shapes=(torch.Size([5, 7]),), version="0.19", scale=None,
-        bf16=torch.randn(20).to(torch.bfloat16))
+        optimizer={
+            "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(33)}},
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+        },
+        shapes=(torch.Size([5, 7]),),
+        version="0.19",
+        scale=None,
+        bf16=torch.randn(20).to(torch.bfloat16),
+    )
     tensors: dict[str, torch.Tensor] = {}
     skel = flatten(sd, "files/x", tensors)
     assert tensors["files/x/module/l1.weight"] is not big  # detached view, same storage
@@ -63,10 +68,21 @@ class _Zero:
     """What SessionPaths needs of a ZeroState: its shard map."""
 
     def shard_map(self) -> dict[str, object]:
-        return {"format": 1, "arrays": {
-            "params/a": {"dtype": "float32", "shape": [6], "pieces": [["zero/g0/fp32", 0, 0, 6]]},
-            "params/pad": {"dtype": "float32", "shape": [4],
-                           "pieces": [["zero/g0/fp32", 6, 0, 4]]}}}
+        return {
+            "format": 1,
+            "arrays": {
+                "params/a": {
+                    "dtype": "float32",
+                    "shape": [6],
+                    "pieces": [["zero/g0/fp32", 0, 0, 6]],
+                },
+                "params/pad": {
+                    "dtype": "float32",
+                    "shape": [4],
+                    "pieces": [["zero/g0/fp32", 6, 0, 4]],
+                },
+            },
+        }
 
 
 def test_session_paths_by_storage_identity() -> None:
@@ -125,5 +141,6 @@ def test_single_rank_writer(tmp_path: Path) -> None:
 
 def test_deltas_need_a_single_rank(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="several ranks"):
-        open_ranks(tmp_path / "run", RankInfo(0, 2), resume=False, chunk_bytes=64,
-                   encoding=DeltaPolicy())
+        open_ranks(
+            tmp_path / "run", RankInfo(0, 2), resume=False, chunk_bytes=64, encoding=DeltaPolicy()
+        )

@@ -47,9 +47,16 @@ def test_module_types_name_their_tensors() -> None:
 def test_arrays_of_a_step_get_their_parameters_dims() -> None:
     net = Net()
     shapes = {f"params/{n.replace('.', '/')}": tuple(p.shape) for n, p in net.named_parameters()}
-    shapes.update({"optim/exp_avg/fc/weight": (3, 4), "optim/exp_avg_sq/emb/weight": (11, 4),
-                   "optim/step/fc/weight": (), "optim/exp_avg/fc/bias": (1, 3),
-                   "buffers/bn/num_batches_tracked": (), "extra/table": (2, 2)})
+    shapes.update(
+        {
+            "optim/exp_avg/fc/weight": (3, 4),
+            "optim/exp_avg_sq/emb/weight": (11, 4),
+            "optim/step/fc/weight": (),
+            "optim/exp_avg/fc/bias": (1, 3),
+            "buffers/bn/num_batches_tracked": (),
+            "extra/table": (2, 2),
+        }
+    )
     dims = ModelDims(net)(shapes)
     assert dims["optim/exp_avg/fc/weight"] == ("out_features", "in_features")
     assert dims["optim/exp_avg_sq/emb/weight"] == ("num_embeddings", "embedding_dim")
@@ -62,14 +69,16 @@ def test_arrays_of_a_step_get_their_parameters_dims() -> None:
 
 
 def test_a_name_is_never_used_for_two_sizes_in_a_node_or_below_it() -> None:
-    got = resolve_dims({
-        "params/a/weight": (("out_features", "in_features"), (3, 4)),
-        "params/a/bias": (("out_features",), (3,)),
-        "params/a/gate": (("out_features",), (5,)),  # same node, other size
-        "params/top": (("dim0",), (9,)),  # root node: an ancestor of every node
-        "params/a/b/scale": (("dim0", "dim1"), (2, 9)),
-        "optim/exp_avg/a/weight": (("out_features", "in_features"), (3, 4)),
-    })
+    got = resolve_dims(
+        {
+            "params/a/weight": (("out_features", "in_features"), (3, 4)),
+            "params/a/bias": (("out_features",), (3,)),
+            "params/a/gate": (("out_features",), (5,)),  # same node, other size
+            "params/top": (("dim0",), (9,)),  # root node: an ancestor of every node
+            "params/a/b/scale": (("dim0", "dim1"), (2, 9)),
+            "optim/exp_avg/a/weight": (("out_features", "in_features"), (3, 4)),
+        }
+    )
     assert got["params/a/bias"] == ("out_features",)
     assert got["params/a/weight"] == ("out_features", "in_features")
     assert got["params/a/gate"] == ("out_features_gate",)
@@ -84,9 +93,11 @@ class _Rec:
 
 
 def test_inspection_uses_stored_dims_and_keeps_old_names_without() -> None:
-    stored = {"params/fc/weight": _Rec((3, 4), ("out_features", "in_features")),
-              "params/fc/bias": _Rec((3,), ("out_features",)),
-              "params/v": _Rec((2,), None)}
+    stored = {
+        "params/fc/weight": _Rec((3, 4), ("out_features", "in_features")),
+        "params/fc/bias": _Rec((3,), ("out_features",)),
+        "params/v": _Rec((2,), None),
+    }
     dims = tensor_dims(stored)
     assert dims("params/fc/weight", 2) == ("out_features", "in_features")
     assert dims("params/v", 1) == ("dim0",)
@@ -96,9 +107,12 @@ def test_inspection_uses_stored_dims_and_keeps_old_names_without() -> None:
 
 def test_flat_layout_and_zarr_json_carry_the_dims() -> None:
     plan = plan_chunks((3, 4), 4, 1 << 20)
-    layout = FlatLayout.build([("params/fc/weight", "float32", plan,
-                                ("out_features", "in_features")),
-                               ("params/x", "float32", plan)])
+    layout = FlatLayout.build(
+        [
+            ("params/fc/weight", "float32", plan, ("out_features", "in_features")),
+            ("params/x", "float32", plan),
+        ]
+    )
     assert layout.arrays[0].dims == ("out_features", "in_features")
     assert layout.arrays[1].dims is None
     doc = array_document("params/fc/weight", "float32", plan, dims=layout.arrays[0].dims)
@@ -111,7 +125,9 @@ def test_flat_layout_and_zarr_json_carry_the_dims() -> None:
 
 def test_array_dims_without_a_model_falls_back() -> None:
     assert array_dims({"params/w": (2, 3), "params/s": ()}, {}) == {
-        "params/w": ("dim0", "dim1"), "params/s": ()}
+        "params/w": ("dim0", "dim1"),
+        "params/s": (),
+    }
 
 
 class LlamaRMSNorm(torch.nn.Module):  # transformers' classes, known by name only

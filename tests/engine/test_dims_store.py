@@ -43,9 +43,11 @@ def _session_run(path: Path, dtype: torch.dtype, **kw: object) -> None:
             s.log(loss=loss.item())
 
 
-WANT = {"emb": {"weight": ["num_embeddings", "embedding_dim"]},
-        "fc": {"weight": ["out_features", "in_features"], "bias": ["out_features"]},
-        "ln": {"weight": ["normalized_shape"], "bias": ["normalized_shape"]}}
+WANT = {
+    "emb": {"weight": ["num_embeddings", "embedding_dim"]},
+    "fc": {"weight": ["out_features", "in_features"], "bias": ["out_features"]},
+    "ln": {"weight": ["normalized_shape"], "bias": ["normalized_shape"]},
+}
 
 PLAIN = """
     import json, sys, warnings
@@ -66,11 +68,14 @@ PLAIN = """
 """
 
 
-@pytest.mark.parametrize(("dtype", "kw"), [(torch.bfloat16, {}),
-                                      (torch.float32, {"encoding": dstt.DeltaPolicy()})],
-                         ids=["bf16-flat", "fp32-delta-chunk-lane"])
+@pytest.mark.parametrize(
+    ("dtype", "kw"),
+    [(torch.bfloat16, {}), (torch.float32, {"encoding": dstt.DeltaPolicy()})],
+    ids=["bf16-flat", "fp32-delta-chunk-lane"],
+)
 def test_module_dims_reach_inspection_zarr_json_and_plain_xarray(
-        tmp_path: Path, dtype: torch.dtype, kw: dict[str, object]) -> None:
+    tmp_path: Path, dtype: torch.dtype, kw: dict[str, object]
+) -> None:
     path = tmp_path / "run"
     _session_run(path, dtype, **kw)
     run = open_run(path)
@@ -88,8 +93,12 @@ def test_module_dims_reach_inspection_zarr_json_and_plain_xarray(
 
     slot = run.at(1).slot  # step 1: a keyframe (the first step of a DeltaPolicy run too)
     zips = [str(path / step_file_key(slot))]
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(PLAIN), *zips],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(PLAIN), *zips],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     assert info["dstt_before"] is False
@@ -115,7 +124,7 @@ def test_verify_reports_a_consolidated_document_that_disagrees(tmp_path: Path) -
     assert at > 0
     assert pos > 0
     new = b'"out_featurez"'  # same length: the zip stays well formed
-    data[pos:pos + len(old)] = new
+    data[pos : pos + len(old)] = new
     key.write_bytes(bytes(data))
     report = repo.verify()
     assert not report.ok

@@ -51,11 +51,14 @@ def test_disk_full_raises_capture_error_chained_to_storage_error() -> None:
     assert plain.verify().problems == []
 
 
-@pytest.mark.parametrize(("fault", "hint"), [
-    (OSError(errno.EIO, "Input/output error"), "Fix the storage problem"),
-    (ValueError("a provider returned nonsense"), "Fix the cause named above")])
-def test_a_capture_failure_names_its_cause_not_the_disk(fault: BaseException,
-                                                      hint: str) -> None:
+@pytest.mark.parametrize(
+    ("fault", "hint"),
+    [
+        (OSError(errno.EIO, "Input/output error"), "Fix the storage problem"),
+        (ValueError("a provider returned nonsense"), "Fix the cause named above"),
+    ],
+)
+def test_a_capture_failure_names_its_cause_not_the_disk(fault: BaseException, hint: str) -> None:
     from dstt.engine.flight import Flight
     from dstt.training.checks import capture_error
 
@@ -73,8 +76,10 @@ def test_skip_policy_warns_drops_failed_steps_and_recovers() -> None:
     m = MLP()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     after: dict[int, torch.Tensor] = {}
-    with pytest.warns(RuntimeWarning, match="not checkpointed"), \
-            session(m, opt, run=repo, error_policy="skip") as s:
+    with (
+        pytest.warns(RuntimeWarning, match="not checkpointed"),
+        session(m, opt, run=repo, error_policy="skip") as s,
+    ):
         for i in range(12):
             if i == 3:
                 faulty.fail_after_writes = faulty.writes
@@ -92,8 +97,7 @@ def test_skip_policy_warns_drops_failed_steps_and_recovers() -> None:
         assert same_bits(stored(plain, step, "params/l1/weight"), after[step])
     failed = [x for x in s.metrics if not x.committed]
     assert failed
-    assert all("ENOSPC" in (x.error or "") or "No space" in (x.error or "")
-                          for x in failed)
+    assert all("ENOSPC" in (x.error or "") or "No space" in (x.error or "") for x in failed)
     assert plain.verify().problems == []
 
 
@@ -107,8 +111,9 @@ def test_a_failure_on_the_first_step_surfaces_at_exit_if_training_ends() -> None
 
 
 @pytest.mark.parametrize("remote", [True, False], ids=["commits-there", "commits-here"])
-def test_flat_steps_are_committed_by_the_flusher_process(tmp_path: Path, remote: bool,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flat_steps_are_committed_by_the_flusher_process(
+    tmp_path: Path, remote: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The commit's Python runs in the flusher child, off this process (none of it here);
     ``DSTT_FLUSHER_COMMIT=0`` keeps it in the committer thread. The same steps either way."""
     from dstt.store.commit import writer as writer_mod
@@ -148,8 +153,10 @@ def test_a_killed_flusher_process_loses_no_step(tmp_path: Path) -> None:
     m = MLP()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     after: dict[int, torch.Tensor] = {}
-    with pytest.warns(RuntimeWarning, match="flusher process died"), \
-            session(m, opt, run=tmp_path / "run", every=1) as s:
+    with (
+        pytest.warns(RuntimeWarning, match="flusher process died"),
+        session(m, opt, run=tmp_path / "run", every=1) as s,
+    ):
         for i in range(12):
             train_step(m, opt, *mlp_batch(i))
             after[s.step] = m.l1.weight.detach().clone()

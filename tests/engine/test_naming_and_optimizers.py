@@ -56,8 +56,12 @@ def test_a_compiled_model_is_stored_under_its_own_names(tmp_path: Path) -> None:
     assert "params/l1/weight" in paths
     assert "optim/exp_avg/l2/bias" in paths
     assert not any("_orig_mod" in p for p in paths)
-    assert dstt.open(tmp_path / "run").at(3).names() == ["l1.bias", "l1.weight", "l2.bias",
-                                                         "l2.weight"]
+    assert dstt.open(tmp_path / "run").at(3).names() == [
+        "l1.bias",
+        "l1.weight",
+        "l2.bias",
+        "l2.weight",
+    ]
     # the plain model resumes from it, and so does a compiled one
     plain = MLP()
     popt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
@@ -119,8 +123,10 @@ def test_a_hugging_face_config_rides_with_every_commit(tmp_path: Path) -> None:
 def _two_opt_model(seed: int = 0) -> tuple[MLP, dict[str, torch.optim.Optimizer]]:
     torch.manual_seed(seed)
     m = MLP()
-    return m, {"body": torch.optim.SGD(m.l1.parameters(), lr=0.05, momentum=0.9),
-               "head": torch.optim.AdamW(m.l2.parameters(), lr=1e-2)}
+    return m, {
+        "body": torch.optim.SGD(m.l1.parameters(), lr=0.05, momentum=0.9),
+        "head": torch.optim.AdamW(m.l2.parameters(), lr=1e-2),
+    }
 
 
 def _step(m: MLP, opts: dict[str, torch.optim.Optimizer], i: int) -> float:
@@ -134,8 +140,9 @@ def _step(m: MLP, opts: dict[str, torch.optim.Optimizer], i: int) -> float:
 
 @pytest.mark.parametrize("form", ["dict", "list"])
 @pytest.mark.parametrize("copy", ["async", "sync"])
-def test_several_optimizers_are_each_captured_and_resumed(tmp_path: Path, form: str,
-                                                         copy: str) -> None:
+def test_several_optimizers_are_each_captured_and_resumed(
+    tmp_path: Path, form: str, copy: str
+) -> None:
     ref, ropts = _two_opt_model()
     ref_losses = [_step(ref, ropts, i) for i in range(6)]
     m, opts = _two_opt_model()
@@ -149,10 +156,13 @@ def test_several_optimizers_are_each_captured_and_resumed(tmp_path: Path, form: 
     objects = _objects(tmp_path / "run", 3)
     assert {f"optim/state/{k}" for k in keys} <= set(objects)
     assert {f"optim/param_groups/{k}" for k in keys} <= set(objects)
-    assert same_bits(stored(repo, 3, "optim/momentum_buffer/l1/weight"),
-                     opts["body"].state[m.l1.weight]["momentum_buffer"])
-    assert same_bits(stored(repo, 3, "optim/exp_avg/l2/weight"),
-                     opts["head"].state[m.l2.weight]["exp_avg"])
+    assert same_bits(
+        stored(repo, 3, "optim/momentum_buffer/l1/weight"),
+        opts["body"].state[m.l1.weight]["momentum_buffer"],
+    )
+    assert same_bits(
+        stored(repo, 3, "optim/exp_avg/l2/weight"), opts["head"].state[m.l2.weight]["exp_avg"]
+    )
     m2, opts2 = _two_opt_model(seed=1)
     arg2 = opts2 if form == "dict" else list(opts2.values())
     with session(m2, arg2, run=tmp_path / "run", resume=True) as s2:  # type: ignore[arg-type]

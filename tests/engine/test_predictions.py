@@ -68,19 +68,21 @@ def _stop_and_resume(run: Path, make: Any, data: SyntheticBatches, *, stop: int)
 
 
 def test_adamw_gets_predictions_with_the_steps_coefficients() -> None:
-    lin, opt = _stepped(torch.optim.AdamW, lr=2e-3, betas=(0.8, 0.9), eps=1e-6,
-                        weight_decay=0.5)
+    lin, opt = _stepped(torch.optim.AdamW, lr=2e-3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.5)
     preds = _preds(lin, opt)
-    assert set(preds) == {"params/weight", "params/bias", "optim/exp_avg_sq/weight",
-                          "optim/exp_avg_sq/bias"}
+    assert set(preds) == {
+        "params/weight",
+        "params/bias",
+        "optim/exp_avg_sq/weight",
+        "optim/exp_avg_sq/bias",
+    }
     p = preds["params/weight"]
     assert p.fn == "adam_p"
-    assert p.inputs == (("cur", "optim/exp_avg/weight"),
-                                             ("cur", "optim/exp_avg_sq/weight"))
+    assert p.inputs == (("cur", "optim/exp_avg/weight"), ("cur", "optim/exp_avg_sq/weight"))
     decay, bias2_sqrt, eps, step_size = p.coeffs
     assert decay == pytest.approx(1 - 2e-3 * 0.5, rel=1e-6)  # decoupled weight decay
-    assert bias2_sqrt == pytest.approx(math.sqrt(1 - 0.9 ** 3), rel=1e-6)  # three steps taken
-    assert step_size == pytest.approx(2e-3 / (1 - 0.8 ** 3), rel=1e-6)
+    assert bias2_sqrt == pytest.approx(math.sqrt(1 - 0.9**3), rel=1e-6)  # three steps taken
+    assert step_size == pytest.approx(2e-3 / (1 - 0.8**3), rel=1e-6)
     assert eps == pytest.approx(1e-6, rel=1e-6)
     v = preds["optim/exp_avg_sq/weight"]
     assert v.fn == "adam_v"
@@ -93,12 +95,15 @@ def test_adam_with_l2_decay_predicts_without_decoupled_decay() -> None:
     assert _preds(lin, opt)["params/weight"].coeffs[0] == 1.0
 
 
-@pytest.mark.parametrize("make", [
-    lambda: _stepped(torch.optim.SGD, lr=0.1),  # no momentum buffer
-    lambda: _stepped(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True),
-    lambda: _stepped(torch.optim.AdamW, lr=1e-3, amsgrad=True),
-    lambda: _stepped(torch.optim.RMSprop, lr=1e-3),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _stepped(torch.optim.SGD, lr=0.1),  # no momentum buffer
+        lambda: _stepped(torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True),
+        lambda: _stepped(torch.optim.AdamW, lr=1e-3, amsgrad=True),
+        lambda: _stepped(torch.optim.RMSprop, lr=1e-3),
+    ],
+)
 def test_other_optimizers_get_none(make) -> None:  # type: ignore[no-untyped-def]
     assert _preds(*make()) == {}
 
@@ -113,8 +118,7 @@ def test_sgd_with_momentum_predicts_the_parameter_from_its_buffer() -> None:
     assert p.coeffs == (pytest.approx(-0.05),)
 
 
-def test_session_with_sgd_momentum_writes_predictions_and_resumes_exactly(
-        tmp_path: Path) -> None:
+def test_session_with_sgd_momentum_writes_predictions_and_resumes_exactly(tmp_path: Path) -> None:
     data = SyntheticBatches(12, batch_size=4, seq=16, vocab=64, seed=9)
 
     def make() -> tuple[TinyGPT, torch.optim.Optimizer]:
@@ -185,8 +189,9 @@ def test_governor_writes_raw_until_encoding_is_measured() -> None:
     """The first encoded step makes the bases, the second is measured; until one has
     committed with deltas the rest go raw, with a retry every ``retry_every`` steps."""
     g = EncodeGovernor(writers=1, cores=2, retry_every=4)
-    assert [g.decide() for _ in range(11)] == [True, True] + [False] * 3 + [True] + [False] * 3 \
-        + [True] + [False]
+    assert [g.decide() for _ in range(11)] == [True, True] + [False] * 3 + [True] + [False] * 3 + [
+        True
+    ] + [False]
 
 
 def test_governor_counts_the_cores_the_writers_get() -> None:
@@ -216,14 +221,21 @@ def test_session_writes_predicted_steps_that_read_back_bit_exactly(tmp_path: Pat
     data = SyntheticBatches(14, batch_size=4, seq=16, vocab=64, seed=3)
     path = "layers/0/qkv/weight"
     after: dict[int, dict[str, torch.Tensor]] = {}
-    with session(m, opt, run=tmp_path / "run", max_backlog=1,
-                 encoding=DeltaPolicy(keyframe_every=6, raw_when_busy=False)) as s:
+    with session(
+        m,
+        opt,
+        run=tmp_path / "run",
+        max_backlog=1,
+        encoding=DeltaPolicy(keyframe_every=6, raw_when_busy=False),
+    ) as s:
         for x, y in s.data(data):
             train_step(m, opt, x, y)
             p = m.layers[0].qkv.weight
-            after[s.step] = {f"params/{path}": p.detach().clone(),
-                             f"optim/exp_avg/{path}": opt.state[p]["exp_avg"].clone(),
-                             f"optim/exp_avg_sq/{path}": opt.state[p]["exp_avg_sq"].clone()}
+            after[s.step] = {
+                f"params/{path}": p.detach().clone(),
+                f"optim/exp_avg/{path}": opt.state[p]["exp_avg"].clone(),
+                f"optim/exp_avg_sq/{path}": opt.state[p]["exp_avg_sq"].clone(),
+            }
             s.wait()
             time.sleep(0.03)  # let the step commit: predictions need committed bases
     repo = Repository.open(tmp_path / "run")
@@ -263,8 +275,13 @@ def test_a_failed_step_takes_only_the_steps_based_on_it(tmp_path: Path) -> None:
     data = SyntheticBatches(10, batch_size=4, seq=16, vocab=64, seed=7)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        with session(m, opt, run=Repository(faulty), error_policy="skip",
-                     encoding=DeltaPolicy(raw_when_busy=False)) as s:
+        with session(
+            m,
+            opt,
+            run=Repository(faulty),
+            error_policy="skip",
+            encoding=DeltaPolicy(raw_when_busy=False),
+        ) as s:
             for x, y in s.data(data):
                 train_step(m, opt, x, y)
                 after[s.step] = m.layers[0].qkv.weight.detach().clone()
@@ -286,8 +303,13 @@ def test_keyframe_on_request_writes_the_next_step_whole(tmp_path: Path) -> None:
     import zarr
 
     m, opt = _model()
-    with session(m, opt, run=tmp_path / "run", max_backlog=1,
-                 encoding=DeltaPolicy(keyframe_every=30, raw_when_busy=False)) as s:
+    with session(
+        m,
+        opt,
+        run=tmp_path / "run",
+        max_backlog=1,
+        encoding=DeltaPolicy(keyframe_every=30, raw_when_busy=False),
+    ) as s:
         for x, y in s.data(SyntheticBatches(8, batch_size=4, seq=16, vocab=64, seed=2)):
             train_step(m, opt, x, y)
             s.wait()
@@ -295,8 +317,9 @@ def test_keyframe_on_request_writes_the_next_step_whole(tmp_path: Path) -> None:
             if s.step == 5:
                 s.keyframe()
     r = Repository.open(tmp_path / "run").reader()
-    kinds = {h.step: {c.encoding for a in r.arrays(h).values() for c in a.chunks}
-             for h in r.lineage()}
+    kinds = {
+        h.step: {c.encoding for a in r.arrays(h).values() for c in a.chunks} for h in r.lineage()
+    }
     assert kinds[5] != {"raw"}
     assert kinds[6] == {"raw"}
     assert "pred1" in kinds[7]
@@ -304,8 +327,9 @@ def test_keyframe_on_request_writes_the_next_step_whole(tmp_path: Path) -> None:
     assert {c.base for c in r.arrays(h7)["params/layers/0/qkv/weight"].chunks} == {r.find(6).slot}
 
     def plain(step: int) -> np.ndarray:  # a plain Zarr reader of one step's zip
-        zs = zarr.storage.ZipStore(tmp_path / "run" / "steps" / f"{r.find(step).slot:012d}.zip",
-                                   mode="r")
+        zs = zarr.storage.ZipStore(
+            tmp_path / "run" / "steps" / f"{r.find(step).slot:012d}.zip", mode="r"
+        )
         try:
             arr = zarr.open_group(zs, mode="r", zarr_format=3)["params/layers/0/qkv/weight"]
             assert isinstance(arr, zarr.Array)
@@ -329,14 +353,18 @@ def test_governor_takes_the_disk_speed_from_raw_steps() -> None:
 
 
 def test_governor_gives_the_writers_only_the_cores_training_leaves(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from types import SimpleNamespace
 
     from dstt.engine import governor as gov
 
     clock = {"wall": 0.0, "cpu": 0.0}
-    monkeypatch.setattr(gov, "time", SimpleNamespace(perf_counter=lambda: clock["wall"],
-                                                     process_time=lambda: clock["cpu"]))
+    monkeypatch.setattr(
+        gov,
+        "time",
+        SimpleNamespace(perf_counter=lambda: clock["wall"], process_time=lambda: clock["cpu"]),
+    )
     g = EncodeGovernor(writers=2, cores=4)
     assert g.capacity == 2
     clock.update(wall=1.0, cpu=3.5)  # 3.5 cores busy for a second, 0.5 of it the writers'
@@ -361,8 +389,11 @@ def test_governor_measures_the_cores_only_over_raw_steps(monkeypatch: pytest.Mon
     assert EncodeGovernor(writers=2, cores=4, train_threads=4).capacity == 0.25
     assert EncodeGovernor(writers=2, cores=4, train_threads=3).capacity == 1.0
     clock = {"wall": 0.0, "cpu": 0.0}
-    monkeypatch.setattr(gov, "time", SimpleNamespace(perf_counter=lambda: clock["wall"],
-                                                     process_time=lambda: clock["cpu"]))
+    monkeypatch.setattr(
+        gov,
+        "time",
+        SimpleNamespace(perf_counter=lambda: clock["wall"], process_time=lambda: clock["cpu"]),
+    )
     g = EncodeGovernor(writers=2, cores=4, train_threads=4)
     clock.update(wall=1.0, cpu=2.0)  # 1 core of training left next to 1 of encoding
     g.observe(True, 1.0, 0.0, 100)

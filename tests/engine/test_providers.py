@@ -29,8 +29,9 @@ from dstt.testing.models import TinyGPT, make_batch
 from ._helpers import same_bits, train_step
 
 
-def capture(repo: Repository, step: int, provider: StateProvider,
-            boundary: StateProvider | None = None) -> None:
+def capture(
+    repo: Repository, step: int, provider: StateProvider, boundary: StateProvider | None = None
+) -> None:
     """Commit one step of ``provider`` through the real pipeline."""
     with repo.writer(chunk_bytes=1024) as w:
         pipe = Pipeline(w, budget_bytes=1 << 20, writers=2)
@@ -63,14 +64,27 @@ def odd_values(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randint(info.min, info.max, shape, dtype=dtype)
 
 
-DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-          torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+DTYPES = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 
 
 def test_tensor_provider_round_trip_every_dtype_and_shape() -> None:
     repo = Repository.create(MemoryStorage())
-    tensors = {f"t/{store_dtype(dt)}/{i}": odd_values(dt, shape)
-               for dt in DTYPES for i, shape in enumerate([(37, 5), (3,), (), (0, 4), (700,)])}
+    tensors = {
+        f"t/{store_dtype(dt)}/{i}": odd_values(dt, shape)
+        for dt in DTYPES
+        for i, shape in enumerate([(37, 5), (3,), (), (0, 4), (700,)])
+    }
     capture(repo, 1, TensorProvider(tensors))
     live = {k: torch.zeros_like(v) for k, v in tensors.items()}
     TensorProvider(live).restore(source(repo))
@@ -89,8 +103,13 @@ def test_tensor_provider_refuses_a_dtype_or_shape_change() -> None:
 
 
 def test_object_provider_round_trip_keeps_types_and_tensors() -> None:
-    value = {"a": (1, 2.5, None), "b": [b"\x00\xff", "s"], 3: float("nan"),
-             "t": torch.tensor([1.5, -0.0], dtype=torch.bfloat16), "n": np.arange(3)}
+    value = {
+        "a": (1, 2.5, None),
+        "b": [b"\x00\xff", "s"],
+        3: float("nan"),
+        "t": torch.tensor([1.5, -0.0], dtype=torch.bfloat16),
+        "n": np.arange(3),
+    }
     got: list[object] = []
     repo = Repository.create(MemoryStorage())
     capture(repo, 1, ObjectProvider("thing", lambda: value, got.append))
@@ -148,11 +167,15 @@ def test_model_paths_follow_modules_and_skip_non_persistent_buffers() -> None:
     assert not any(p.endswith("positions") for p in paths)  # non-persistent
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-    lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
-    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
-], ids=["adamw", "adam-amsgrad", "sgd-nesterov"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
+    ],
+    ids=["adamw", "adam-amsgrad", "sgd-nesterov"],
+)
 def test_model_optimizer_scheduler_round_trip(make_opt) -> None:
     def build(seed: int):
         torch.manual_seed(seed)
@@ -209,8 +232,10 @@ def test_optimizer_provider_names_state_by_module_path() -> None:
     doc = decode_object(obj.data, obj.encoding)
     assert doc["format"] == 2
     assert "tok.weight" in doc["params"]
-    assert doc["params"]["tok.weight"] == {"arrays": ["step", "exp_avg", "exp_avg_sq"],
-                                           "values": {}}
+    assert doc["params"]["tok.weight"] == {
+        "arrays": ["step", "exp_avg", "exp_avg_sq"],
+        "values": {},
+    }
     again = prov.objects()[OptimizerStateProvider.OBJECT]
     assert again is obj  # unchanged structure: the same object, encoded once
     train_step(m, opt, *make_batch(1))

@@ -102,17 +102,21 @@ def _settle(s: Any, committed: int) -> None:
 
 @pytest.mark.parametrize("flusher", ["1", "0"], ids=["flusher process", "in process"])
 def test_python_lines_per_step_do_not_grow_with_the_tensor_count(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flusher: str) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flusher: str
+) -> None:
     monkeypatch.setenv("DSTT_FLUSHER", flusher)
     monkeypatch.setenv("DSTT_INDEX_JOBS", "0")  # a job every 10 s is not per step
     small, small_lines = _lines_per_step(tmp_path, 5)
     large, large_lines = _lines_per_step(tmp_path, 50)
     extra_tensors = (50 - 5) * 2 * 4  # weight and bias, each with exp_avg, exp_avg_sq, step
-    growth = [((f.removeprefix(PKG), n), (large_lines[(f, n)] - small_lines.get((f, n), 0))
-               / STEPS) for f, n in large_lines]
+    growth = [
+        ((f.removeprefix(PKG), n), (large_lines[(f, n)] - small_lines.get((f, n), 0)) / STEPS)
+        for f, n in large_lines
+    ]
     worst = sorted(growth, key=lambda g: -g[1])[:5]
     assert small > 100, "the tracer saw the engine's lines"  # it measures something
     assert (large - small) / extra_tensors < 0.1, (
         f"{small:.0f} -> {large:.0f} dstt lines (and calls out of dstt) per step for "
         f"{extra_tensors} more tensors; "
-        f"lines that grew most per step: {worst}")
+        f"lines that grew most per step: {worst}"
+    )

@@ -46,8 +46,14 @@ def step_files(run: Path) -> dict[int, int]:
     return out
 
 
-def train(s: dstt.Session, model: torch.nn.Module, opt: torch.optim.Optimizer, n: int,
-          spikes: tuple[int, ...] = (), check: object = None) -> None:
+def train(
+    s: dstt.Session,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    n: int,
+    spikes: tuple[int, ...] = (),
+    check: object = None,
+) -> None:
     x, y = mlp_batch(0)  # one batch: a smooth loss curve, so the only spikes are injected
     for _ in range(n):
         _, loss = model(x, y)
@@ -79,9 +85,11 @@ def test_retention_bounds_bytes_and_keeps_every_spike_window(tmp_path: Path) -> 
     wall = time.perf_counter() - t0
     runs = s.retention_runs
     gc_s = [d for _, d in runs]
-    print(f"\n2,000 steps in {wall:.1f} s; {len(runs)} gcs, {sum(gc_s):.2f} s in all, "
-          f"median {np.median(gc_s) * 1e3:.0f} ms, max {max(gc_s) * 1e3:.0f} ms (off the "
-          f"training thread); step files during training: {during}")
+    print(
+        f"\n2,000 steps in {wall:.1f} s; {len(runs)} gcs, {sum(gc_s):.2f} s in all, "
+        f"median {np.median(gc_s) * 1e3:.0f} ms, max {max(gc_s) * 1e3:.0f} ms (off the "
+        f"training thread); step files during training: {during}"
+    )
     assert "dstt-retention" in threads  # gc ran on its own thread while training
     assert len(runs) >= 2000 // POLICY.every_commits  # 40 in the background + the final one
 
@@ -123,8 +131,7 @@ def test_retention_bounds_bytes_and_keeps_every_spike_window(tmp_path: Path) -> 
     assert np.nansum(ds["retention/freed_bytes"].values) > 0
     summ = r.summaries()
     assert bool(summ["pruned"].sel(step=123))
-    assert np.isfinite(
-        summ["l2"].sel(step=123).values).all()
+    assert np.isfinite(summ["l2"].sel(step=123).values).all()
     assert r.spikes(top=0)[0].step == 700  # found in the metrics, pruned steps included
     assert dstt.open(run).repo.verify().ok
 
@@ -140,8 +147,9 @@ def test_retention_bounds_bytes_and_keeps_every_spike_window(tmp_path: Path) -> 
     assert 1990 not in dstt.open(run).steps
 
 
-def test_same_policy_offline_and_in_the_cli(tmp_path: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_same_policy_offline_and_in_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = tmp_path / "run"
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -154,14 +162,27 @@ def test_same_policy_offline_and_in_the_cli(tmp_path: Path,
     pol = dstt.Retention(keep_last=10, keep_every=100, spike_window=3, spike_baseline=20)
     rep = dstt.open(run).gc(retention=pol, dry_run=True)
     assert rep.spike_windows == (("main", 147, 153),)
-    assert (code := cli_main(["gc", str(run), "--keep-last", "10", "--keep-every", "100",
-                              "--spike-window", "3", "--spike-baseline", "20",
-                              "--json"])) == 0, code
+    assert (
+        code := cli_main(
+            [
+                "gc",
+                str(run),
+                "--keep-last",
+                "10",
+                "--keep-every",
+                "100",
+                "--spike-window",
+                "3",
+                "--spike-baseline",
+                "20",
+                "--json",
+            ]
+        )
+    ) == 0, code
     out = json.loads(capsys.readouterr().out)
     assert out["spike_windows"] == [{"timeline": "main", "first": 147, "last": 153}]
     r = dstt.open(run)
-    assert [h.step for h in r.commits("main")] == [40, 100, *range(147, 154), 200,
-                                                   *range(291, 301)]
+    assert [h.step for h in r.commits("main")] == [40, 100, *range(147, 154), 200, *range(291, 301)]
     assert r.steps == [40, *range(61, 71)]  # "side": the fork point 40 stays
     assert r.repo.verify().ok
     # dstt log lists the pruned steps too (from the index), marked, with their metrics
@@ -183,8 +204,12 @@ def test_a_session_policy_must_keep_spike_windows_reachable(tmp_path: Path) -> N
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     with pytest.raises(ConfigError, match="keep_last >= every_commits"):
-        dstt.session(model, opt, run=tmp_path / "r",
-                     retention=dstt.Retention(keep_last=20, spike_window=5, every_commits=50))
+        dstt.session(
+            model,
+            opt,
+            run=tmp_path / "r",
+            retention=dstt.Retention(keep_last=20, spike_window=5, every_commits=50),
+        )
     with pytest.raises(ValueError, match="keep_every"):
         dstt.Retention(keep_every=0)
     with pytest.raises(ValueError, match="not both"):
@@ -192,8 +217,13 @@ def test_a_session_policy_must_keep_spike_windows_reachable(tmp_path: Path) -> N
 
 
 CHILD = Path(__file__).with_name("retention_child.py")
-CHILD_POLICY = {"keep_last": 8, "keep_every": 10, "spike_window": 2, "every_commits": 5,
-                "spike_baseline": 10}
+CHILD_POLICY = {
+    "keep_last": 8,
+    "keep_every": 10,
+    "spike_window": 2,
+    "every_commits": 5,
+    "spike_baseline": 10,
+}
 
 
 def _env() -> dict[str, str]:
@@ -211,10 +241,20 @@ def test_sigkill_during_background_retention_leaves_a_consistent_run(tmp_path: P
     rng = random.Random(18)
     resume = False
     for _ in range(3):
-        with subprocess.Popen([sys.executable, str(CHILD), str(run), "400",
-                               json.dumps(CHILD_POLICY), *(["resume"] if resume else [])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_env()) as proc:  # closes its pipes
+        with subprocess.Popen(
+            [
+                sys.executable,
+                str(CHILD),
+                str(run),
+                "400",
+                json.dumps(CHILD_POLICY),
+                *(["resume"] if resume else []),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        ) as proc:  # closes its pipes
             kill_after = rng.randint(15, 60)
             seen = 0
             assert proc.stdout is not None
@@ -229,9 +269,13 @@ def test_sigkill_during_background_retention_leaves_a_consistent_run(tmp_path: P
         rep = dstt.open(run).repo.verify()
         assert rep.ok, rep.problems
         resume = True
-    out = subprocess.run([sys.executable, str(CHILD), str(run), "20",
-                          json.dumps(CHILD_POLICY), "resume"],
-                         capture_output=True, text=True, env=_env(), timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(CHILD), str(run), "20", json.dumps(CHILD_POLICY), "resume"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     r = dstt.open(run)
     assert r.repo.verify().ok

@@ -74,9 +74,11 @@ def test_budget_smaller_than_the_largest_tensor(tmp_path: Path, dtype: torch.dty
         for i in range(3):
             train_step(big, opt, *mlp_batch(i, d_in=256, dtype=dtype))
             st = opt.state[big.l1.weight]
-            want[s.step] = {"params/l1/weight": big.l1.weight.detach().clone(),
-                            "optim/exp_avg/l1/weight": st["exp_avg"].clone(),
-                            "optim/exp_avg_sq/l1/weight": st["exp_avg_sq"].clone()}
+            want[s.step] = {
+                "params/l1/weight": big.l1.weight.detach().clone(),
+                "optim/exp_avg/l1/weight": st["exp_avg"].clone(),
+                "optim/exp_avg_sq/l1/weight": st["exp_avg_sq"].clone(),
+            }
     repo = Repository.open(tmp_path / "run")
     assert committed_steps(repo) == [1, 2, 3]
     for step, tensors in want.items():
@@ -97,6 +99,7 @@ def _mutating_hook(module: torch.nn.Module, armed: list[bool], how: str, seen: l
                 else:
                     mod.weight.data.add_(0.5)  # bypasses it
             seen.append(mod.weight.detach().clone())
+
     return module.register_forward_pre_hook(hook)
 
 
@@ -158,8 +161,10 @@ def test_exception_inside_the_block_leaves_only_whole_steps(tmp_path: Path) -> N
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
     after: dict[int, torch.Tensor] = {}
-    with pytest.raises(KeyboardInterrupt), session(m, opt, run=tmp_path / "run",
-                                                   scheduler=sched) as s:
+    with (
+        pytest.raises(KeyboardInterrupt),
+        session(m, opt, run=tmp_path / "run", scheduler=sched) as s,
+    ):
         for i in range(4):
             train_step(m, opt, *mlp_batch(i))
             after[s.step] = m.l2.weight.detach().clone()
@@ -173,23 +178,25 @@ def test_exception_inside_the_block_leaves_only_whole_steps(tmp_path: Path) -> N
         assert same_bits(stored(repo, step, "params/l2/weight"), after[step])
     assert repo.verify().problems == []
     m2 = MLP()
-    with session(m2, torch.optim.AdamW(m2.parameters()), run=tmp_path / "run",
-                 resume=True) as s2:
+    with session(m2, torch.optim.AdamW(m2.parameters()), run=tmp_path / "run", resume=True) as s2:
         assert s2.step == 3
     assert same_bits(m2.l2.weight, after[3])
 
 
 @pytest.mark.parametrize("every", [1, 4])
 def test_an_exception_after_a_finished_step_commits_it_with_its_metrics(
-        tmp_path: Path, every: int) -> None:
+    tmp_path: Path, every: int
+) -> None:
     """Raised after step 6's optimizer step, scheduler step and s.log (in logging or eval
     code): step 6 is the last finished step, so it is committed with its metrics (and with
     every=4 the metrics of step 5 ride with it)."""
     m = MLP()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-    with pytest.raises(RuntimeError, match="eval broke"), session(
-            m, opt, run=tmp_path / "run", scheduler=sched, every=every) as s:
+    with (
+        pytest.raises(RuntimeError, match="eval broke"),
+        session(m, opt, run=tmp_path / "run", scheduler=sched, every=every) as s,
+    ):
         for i in range(6):
             loss = train_step(m, opt, *mlp_batch(i))
             sched.step()
@@ -302,8 +309,9 @@ def test_buffers_updated_in_forward_are_not_races(tmp_path: Path) -> None:
     assert committed_steps(repo) == [1, 2, 3, 4]
     for step, sd in after.items():
         assert same_bits(stored(repo, step, "buffers/bn/running_mean"), sd["bn.running_mean"])
-        assert same_bits(stored(repo, step, "buffers/bn/num_batches_tracked"),
-                         sd["bn.num_batches_tracked"])
+        assert same_bits(
+            stored(repo, step, "buffers/bn/num_batches_tracked"), sd["bn.num_batches_tracked"]
+        )
 
 
 class _Counter:
@@ -327,8 +335,9 @@ def test_extra_state_round_trips(tmp_path: Path) -> None:
             counter.n += 1
             counter.history.append(float(i))
     fresh = _Counter()
-    with session(MLP(), None, run=tmp_path / "run", resume=True,
-                 extra_state={"counter": fresh}) as s:
+    with session(
+        MLP(), None, run=tmp_path / "run", resume=True, extra_state={"counter": fresh}
+    ) as s:
         assert s.step == 3
     # captured at the end of iteration 3 (here: the clean exit), after the loop body's update
     assert fresh.n == 3
@@ -343,9 +352,12 @@ def test_boundary_state_is_taken_before_the_next_batch(tmp_path: Path) -> None:
     opt = torch.optim.SGD(m.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     counter = _Counter()
-    with pytest.raises(ValueError, match="mid-iteration"), session(
-            m, opt, run=tmp_path / "run", scheduler=sched,
-            extra_state={"counter": counter}) as s:
+    with (
+        pytest.raises(ValueError, match="mid-iteration"),
+        session(
+            m, opt, run=tmp_path / "run", scheduler=sched, extra_state={"counter": counter}
+        ) as s,
+    ):
         for i in s.data(range(100)):
             counter.history.append(float(i))  # changes after the boundary of step i
             if s.step == 3:
@@ -414,8 +426,12 @@ def test_write_time_summaries_match_the_committed_tensors(tmp_path: Path) -> Non
     r = repo.reader()
     for h in r.lineage():
         summ = summary_rows(r.read_object(h, "summaries"))
-        assert set(summ) == {"params/l1/weight", "params/l1/bias", "params/l2/weight",
-                             "params/l2/bias"}
+        assert set(summ) == {
+            "params/l1/weight",
+            "params/l1/bias",
+            "params/l2/weight",
+            "params/l2/bias",
+        }
         w = stored(repo, h.step, "params/l1/weight").double()
         assert math.isclose(summ["params/l1/weight"]["l2"], float(w.norm()), rel_tol=1e-6)
         assert summ["params/l1/weight"]["nan"] == 0

@@ -37,20 +37,25 @@ def _chunk_bytes(run: Path, step: int) -> dict[str, list[tuple[str, int]]]:
     """(encoding, stored bytes) of every chunk of every array of ``step``, from its arrays
     table."""
     r = Repository.open(run).reader()
-    return {path: [(c.encoding, c.nbytes) for c in a.chunks]
-            for path, a in r.arrays(r.find(step)).items()}
+    return {
+        path: [(c.encoding, c.nbytes) for c in a.chunks]
+        for path, a in r.arrays(r.find(step)).items()
+    }
 
 
 def test_delta_encoded_steps_are_bit_exact(tmp_path: Path) -> None:
     m, opt = _model()
     data = SyntheticBatches(12, batch_size=4, seq=16, vocab=64, seed=3)
     after: dict[int, dict[str, torch.Tensor]] = {}
-    with session(m, opt, run=tmp_path / "run", encoding=DeltaPolicy(keyframe_every=4),
-                 max_backlog=1) as s:
+    with session(
+        m, opt, run=tmp_path / "run", encoding=DeltaPolicy(keyframe_every=4), max_backlog=1
+    ) as s:
         for x, y in s.data(data):
             train_step(m, opt, x, y)
-            after[s.step] = {"params/layers/0/qkv/weight": m.layers[0].qkv.weight.detach().clone(),
-                             "params/tok/weight": m.tok.weight.detach().clone()}
+            after[s.step] = {
+                "params/layers/0/qkv/weight": m.layers[0].qkv.weight.detach().clone(),
+                "params/tok/weight": m.tok.weight.detach().clone(),
+            }
             s.wait()  # seal the step; the sleep lets it commit: deltas need a committed base
             time.sleep(0.05)
     repo = Repository.open(tmp_path / "run")
@@ -126,8 +131,10 @@ def test_an_encoding_session_captures_every_step_with_one_batched_copy(tmp_path:
         assert p.steps is not None
         assert p.cache is None
         w = m.layers[0].qkv.weight
-        final = {"params/layers/0/qkv/weight": w.detach().clone(),
-                 "optim/exp_avg/layers/0/qkv/weight": opt.state[w]["exp_avg"].clone()}
+        final = {
+            "params/layers/0/qkv/weight": w.detach().clone(),
+            "optim/exp_avg/layers/0/qkv/weight": opt.state[w]["exp_avg"].clone(),
+        }
     ms = s.metrics
     assert all(x.raw_fallback is False for x in ms)
     assert sum(x.deltas + x.dedups for x in ms[1:]) > 0

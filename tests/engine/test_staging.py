@@ -73,9 +73,12 @@ def test_cache_rejects_a_chunk_larger_than_a_slab() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(shape=st.lists(st.integers(0, 40), min_size=0, max_size=3),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8]),
-       chunk=st.integers(8, 600), slabs=st.integers(1, 4))
+@given(
+    shape=st.lists(st.integers(0, 40), min_size=0, max_size=3),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8]),
+    chunk=st.integers(8, 600),
+    slabs=st.integers(1, 4),
+)
 def test_chunked_copy_through_a_small_cache_is_byte_exact(shape, dtype, chunk, slabs) -> None:
     """Any tensor, copied chunk by chunk through a cache smaller than itself, arrives intact."""
     t = (torch.randn(shape) * 1000).to(dtype)
@@ -143,8 +146,9 @@ def test_verify_mode_passes_an_untouched_tensor() -> None:
     assert guard.check({"w": w}) == []
 
 
-def test_step_buffers_report_pressure_when_the_last_buffer_goes_and_relief_when_all_are_back(
-) -> None:
+def test_step_buffers_report_pressure_when_the_last_buffer_goes_and_relief_when_all_are_back() -> (
+    None
+):
     """The flusher runs at SCHED_IDLE until the ring runs low: taking the last free buffer
     says so (it is raised to normal priority), and only a ring that is free again lowers it."""
     from dstt.engine.flatlane import StepBuffers

@@ -51,7 +51,8 @@ def expected_update(prev: np.ndarray, cur: np.ndarray, path: str, exact: bool) -
 
 @pytest.mark.parametrize("name", list(PATHS))
 def test_summaries_match_the_stored_tensors_at_every_step(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
     flusher, encoded, lane = PATHS[name]
     monkeypatch.setenv("DSTT_FLUSHER", "1" if flusher else "0")
     torch.manual_seed(0)

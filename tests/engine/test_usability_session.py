@@ -21,8 +21,9 @@ from dstt.training import session
 from ._helpers import MLP, committed_steps, mlp_batch, same_bits
 
 
-def _train(run: Path, n: int, *, placement: str, every: int = 1, resume: bool = False,
-           seed: int = 0) -> list[float]:
+def _train(
+    run: Path, n: int, *, placement: str, every: int = 1, resume: bool = False, seed: int = 0
+) -> list[float]:
     """``n`` steps of the same loop, logging the loss before or after ``optimizer.step()``."""
     torch.manual_seed(seed)
     m = MLP()
@@ -50,8 +51,9 @@ def _curve(run: Path) -> tuple[list[int], list[float]]:
 
 
 @pytest.mark.parametrize("placement", ["before", "explicit"])
-def test_log_before_step_gives_the_same_curve_as_log_after_step(tmp_path: Path,
-                                                               placement: str) -> None:
+def test_log_before_step_gives_the_same_curve_as_log_after_step(
+    tmp_path: Path, placement: str
+) -> None:
     after = _train(tmp_path / "after", 5, placement="after")
     got = _train(tmp_path / placement, 5, placement=placement)
     assert got == after  # the same training
@@ -95,7 +97,8 @@ def test_every_k_commits_the_end_and_keeps_every_steps_metrics(tmp_path: Path) -
     assert values == losses
     ds = dstt.open(run).metrics()
     assert [int(x) for x in ds["slot"].values if x >= 0] == [
-        h.slot for h in Repository.open(run).reader().lineage()]
+        h.slot for h in Repository.open(run).reader().lineage()
+    ]
 
 
 def test_every_k_resumes_from_the_step_committed_at_close(tmp_path: Path) -> None:
@@ -179,7 +182,8 @@ def test_an_optimizer_over_another_model_is_refused(tmp_path: Path) -> None:
 
 
 def test_an_optimizer_missing_trainable_params_warns_and_frozen_ones_are_fine(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     m = MLP()
     with pytest.warns(DsttWarning, match="l2.weight"):
         session(m, torch.optim.SGD(m.l1.parameters(), lr=0.1), run=tmp_path / "a")
@@ -200,8 +204,9 @@ def test_an_empty_optimizer_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("budget", [256 * 1024 * 1024, 8192])  # flat lane, chunk lane
-def test_update_ratio_is_known_at_the_first_step_after_a_resume(tmp_path: Path,
-                                                               budget: int) -> None:
+def test_update_ratio_is_known_at_the_first_step_after_a_resume(
+    tmp_path: Path, budget: int
+) -> None:
     def run_steps(run: Path, n: int, resume: bool) -> None:
         torch.manual_seed(0)
         m = MLP()
@@ -241,8 +246,10 @@ def test_the_session_modules_import_one_way() -> None:
     root = Path(dstt.__file__).parent / "training"
     names = [p.stem for p in root.glob("*.py") if p.stem != "__init__"]
     mods = {f"dstt.training.{n}" for n in names}
-    graph = {f"dstt.training.{n}": {i for i in _imports(root / f"{n}.py", "training") if i in mods}
-             for n in names}
+    graph = {
+        f"dstt.training.{n}": {i for i in _imports(root / f"{n}.py", "training") if i in mods}
+        for n in names
+    }
     for a, deps in graph.items():
         for b in deps:
             assert a not in graph.get(b, set()), f"{a} <-> {b}"

@@ -25,18 +25,20 @@ from ._helpers import same_bits, stored
 
 
 def _store_writer(run: Path, encoding: DeltaPolicy | None) -> Any:
-    return Repository.create(run).writer(chunk_bytes=1 << 12, encoding=encoding,
-                                         inflight_bases=True)
+    return Repository.create(run).writer(
+        chunk_bytes=1 << 12, encoding=encoding, inflight_bases=True
+    )
 
 
 def _rank_writer(run: Path, encoding: DeltaPolicy | None) -> Any:
-    rw, _ = open_ranks(run, RankInfo(0, 1), resume=False, chunk_bytes=1 << 12,
-                       encoding=encoding)
+    rw, _ = open_ranks(run, RankInfo(0, 1), resume=False, chunk_bytes=1 << 12, encoding=encoding)
     return rw
 
 
 WRITERS: dict[str, Callable[[Path, DeltaPolicy | None], Any]] = {
-    "store": _store_writer, "rank": _rank_writer}
+    "store": _store_writer,
+    "rank": _rank_writer,
+}
 
 
 def _tensors(step: int) -> dict[str, torch.Tensor]:
@@ -69,8 +71,9 @@ def _capture(writer: Any, steps: int, budget: int) -> dict[int, dict[str, torch.
 
 @pytest.mark.parametrize("name", sorted(WRITERS))
 @pytest.mark.parametrize("budget", [1 << 20, 4096], ids=["flat", "chunked"])
-def test_every_writer_commits_the_same_steps_bit_exactly(tmp_path: Path, name: str,
-                                                         budget: int) -> None:
+def test_every_writer_commits_the_same_steps_bit_exactly(
+    tmp_path: Path, name: str, budget: int
+) -> None:
     run = tmp_path / "run"
     seen = _capture(WRITERS[name](run, None), 4, budget)
     repo = Repository.open(run)
@@ -91,8 +94,7 @@ def test_every_writer_encodes_when_its_store_writer_does(tmp_path: Path, name: s
     assert writer.encoder is not None
     _capture(writer, 4, 1 << 20)
     r = Repository.open(run).reader()
-    encodings = [{c.encoding for a in r.arrays(h).values() for c in a.chunks}
-                 for h in r.lineage()]
+    encodings = [{c.encoding for a in r.arrays(h).values() for c in a.chunks} for h in r.lineage()]
     assert encodings[0] == {"raw"}
     assert all(e - {"raw"} for e in encodings[1:]), encodings
 
@@ -117,14 +119,14 @@ class _FailsAtBegin:
 
 
 @pytest.mark.parametrize("copy", ["async", "sync"])
-def test_a_step_that_fails_before_its_write_gives_its_buffer_back(tmp_path: Path,
-                                                                   copy: str) -> None:
+def test_a_step_that_fails_before_its_write_gives_its_buffer_back(
+    tmp_path: Path, copy: str
+) -> None:
     """The flat lane's ring has two buffers here: were a failed step to keep its buffer,
     the second failure would leave none and the next copy would wait forever."""
     writer = _FailsAtBegin(_store_writer(tmp_path / "run", None), bad_step=2)
     nbytes = sum(t.numel() * t.element_size() for t in _tensors(0).values())
-    pipe = Pipeline(writer, budget_bytes=2 * nbytes + 1024, writers=1, flusher=False,
-                    copy=copy)
+    pipe = Pipeline(writer, budget_bytes=2 * nbytes + 1024, writers=1, flusher=False, copy=copy)
     try:
         for step in range(1, 8):
             f = pipe.stage(step, _tensors(step), {})
@@ -140,4 +142,10 @@ def test_a_step_that_fails_before_its_write_gives_its_buffer_back(tmp_path: Path
         pipe.close()
         writer.close()
     assert [h.step for h in Repository.open(tmp_path / "run").reader().lineage()] == [
-        1, 3, 4, 5, 6, 7]
+        1,
+        3,
+        4,
+        5,
+        6,
+        7,
+    ]

@@ -88,8 +88,11 @@ class CountingStorage(DelegatingStorage):
         out = []
         for key, start, length in reads:
             stop = None if length is None else start + length
-            touched = {what for lo, hi, what in extents.get(key, ())
-                       if stop is None or (lo < stop and start < hi)}
+            touched = {
+                what
+                for lo, hi, what in extents.get(key, ())
+                if stop is None or (lo < stop and start < hi)
+            }
             out.append(((key, start, length), touched))
         return out
 
@@ -133,10 +136,15 @@ def commit(txn: Any, arrays: Arrays) -> None:
             txn.put_chunk(name, i, flat[start:stop])
 
 
-def write_steps(repo: Repository, steps: list[int], arrays_at: Callable[[int], Arrays], *,
-                metrics_at: Callable[[int], dict[str, Any]] | None = None,
-                objects_at: Callable[[int], dict[str, Any]] | None = None,
-                chunk_bytes: int | None = None) -> None:
+def write_steps(
+    repo: Repository,
+    steps: list[int],
+    arrays_at: Callable[[int], Arrays],
+    *,
+    metrics_at: Callable[[int], dict[str, Any]] | None = None,
+    objects_at: Callable[[int], dict[str, Any]] | None = None,
+    chunk_bytes: int | None = None,
+) -> None:
     """Commit ``arrays_at(step)`` for each step with one writer (fast: no per-step reopen)."""
     opts = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
     with repo.writer(**opts) as w:
@@ -157,13 +165,15 @@ def small_model(step: int, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng([seed, step])
     return {
         "params/emb/weight": rng.standard_normal((10, 4)).astype(np.float32),
-        "params/layers/0/attn/q_proj/weight":
-            rng.standard_normal((16, 8)).astype(ml_dtypes.bfloat16),
+        "params/layers/0/attn/q_proj/weight": rng.standard_normal((16, 8)).astype(
+            ml_dtypes.bfloat16
+        ),
         "params/layers/0/attn/q_proj/bias": rng.standard_normal(16).astype(np.float32),
         "params/layers/1/attn/q_proj/weight": rng.standard_normal((16, 8)).astype(np.float32),
         "params/layers/1/mlp/weight": rng.standard_normal((32, 8)).astype(np.float32),
         "buffers/layers/0/mask": np.array([True, False, True]),
         "params/scale": np.array(step, dtype=np.float32),
-        "optim/exp_avg/layers/0/attn/q_proj/weight":
-            rng.standard_normal((16, 8)).astype(np.float32),
+        "optim/exp_avg/layers/0/attn/q_proj/weight": rng.standard_normal((16, 8)).astype(
+            np.float32
+        ),
     }

@@ -31,15 +31,24 @@ class Net(torch.nn.Module):
         return self.l2(torch.relu(self.l1(x)))
 
 
-def train(run: Path, steps: int, *, before_step: Callable[[Net, int], None] | None = None,
-          lr_at: Callable[[int], float] | None = None) -> None:
+def train(
+    run: Path,
+    steps: int,
+    *,
+    before_step: Callable[[Net, int], None] | None = None,
+    lr_at: Callable[[int], float] | None = None,
+) -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(64, 8, generator=g)
     y = x @ torch.randn(8, 4, generator=g)
     m = Net()
-    opt = torch.optim.SGD([{"params": m.l1.parameters(), "lr": 0.01},
-                           {"params": m.l2.parameters(), "lr": 0.2},
-                           {"params": [m.walk], "lr": 0.1}])
+    opt = torch.optim.SGD(
+        [
+            {"params": m.l1.parameters(), "lr": 0.01},
+            {"params": m.l2.parameters(), "lr": 0.2},
+            {"params": [m.walk], "lr": 0.1},
+        ]
+    )
     base = [gr["lr"] for gr in opt.param_groups]
     with dstt.session(m, opt, run=run, copy="sync") as s:
         for _ in range(steps):
@@ -83,13 +92,20 @@ def test_ranking_is_relative_to_each_tensors_own_baseline(tmp_path: Path) -> Non
 def test_rank_by_baseline_rule() -> None:
     rng = np.random.default_rng(0)
     n = 30
-    ratio = np.stack([0.5 + 0.05 * rng.standard_normal(n),  # always large, noisy
-                      0.01 + 0.001 * rng.standard_normal(n),  # small and steady ...
-                      np.full(n, 0.02)], axis=1)  # never varies at all
+    ratio = np.stack(
+        [
+            0.5 + 0.05 * rng.standard_normal(n),  # always large, noisy
+            0.01 + 0.001 * rng.standard_normal(n),  # small and steady ...
+            np.full(n, 0.02),
+        ],
+        axis=1,
+    )  # never varies at all
     ratio[-1, 1] = 0.05  # ... until the last step
     ratio[-1, 2] = 0.0202
-    ds = xr.Dataset({"update_ratio": (("step", "tensor"), ratio)},
-                    coords={"step": np.arange(n), "tensor": ["big", "jump", "flat"]})
+    ds = xr.Dataset(
+        {"update_ratio": (("step", "tensor"), ratio)},
+        coords={"step": np.arange(n), "tensor": ["big", "jump", "flat"]},
+    )
     got = rank_by_baseline(ds, n - 1, window=20)
     assert [t[0] for t in got] == ["jump", "flat", "big"]
     assert got[0][1] > 20

@@ -40,17 +40,22 @@ def test_selecting_one_layer_reads_only_its_chunks(tmp_path: Path) -> None:
     sub = tree["layers/7/attn/q_proj"].isel(weight_0=slice(0, 2))
     assert storage.data_reads() == set()  # building, selecting, isel: no tensor bytes read
 
-    values = {name: np.asarray(node["weight"] if name == "w" else node["bias"])
-              for name, node in (("w", tree["layers/7/attn/q_proj"]),
-                                 ("b", tree["layers/7/attn/q_proj"]))}
-    wanted = {(1, p, i) for p in ("params/layers/7/attn/q_proj/weight",
-                                  "params/layers/7/attn/q_proj/bias")
-              for i in range(len(snap.arrays[p].chunks))}
+    values = {
+        name: np.asarray(node["weight"] if name == "w" else node["bias"])
+        for name, node in (("w", tree["layers/7/attn/q_proj"]), ("b", tree["layers/7/attn/q_proj"]))
+    }
+    wanted = {
+        (1, p, i)
+        for p in ("params/layers/7/attn/q_proj/weight", "params/layers/7/attn/q_proj/bias")
+        for i in range(len(snap.arrays[p].chunks))
+    }
     # every chunk of the two tensors, at step 1 only: the other 998 tensors of the step, and
     # all of step 2, were never read
     assert storage.chunk_reads() == wanted
-    assert storage.data_reads() == {"params/layers/7/attn/q_proj/weight",
-                                    "params/layers/7/attn/q_proj/bias"}
+    assert storage.data_reads() == {
+        "params/layers/7/attn/q_proj/weight",
+        "params/layers/7/attn/q_proj/bias",
+    }
     assert np.all(values["w"] == 10_000 + 7)
     assert np.all(values["b"] == 10_000 + 7.5)
     assert len(snap.arrays["params/layers/7/attn/q_proj/weight"].chunks) > 1  # several chunks
@@ -67,8 +72,10 @@ def test_trajectory_over_100_steps_equals_written_values(tmp_path: Path) -> None
 
     def arrays(step: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(step)
-        a = {"params/layers/0/attn/q_proj/weight": rng.standard_normal((12, 5)).astype(np.float32),
-             "params/layers/0/attn/q_proj/bias": rng.standard_normal(12).astype(ml_dtypes.bfloat16)}
+        a = {
+            "params/layers/0/attn/q_proj/weight": rng.standard_normal((12, 5)).astype(np.float32),
+            "params/layers/0/attn/q_proj/bias": rng.standard_normal(12).astype(ml_dtypes.bfloat16),
+        }
         if step >= 50:  # an optimizer state that appears later
             a["optim/exp_avg/layers/0/attn/q_proj/weight"] = np.full((12, 5), step, np.float32)
         written[step] = a
@@ -81,12 +88,16 @@ def test_trajectory_over_100_steps_equals_written_values(tmp_path: Path) -> None
     assert list(traj["step"].values) == list(range(100))
     expect = np.stack([written[s]["params/layers/0/attn/q_proj/weight"] for s in range(100)])
     np.testing.assert_array_equal(traj.values, expect)
-    np.testing.assert_array_equal(traj.sel(step=slice(10, 20)).isel(weight_1=[4, 0]).values,
-                                  expect[10:21][:, :, [4, 0]])
+    np.testing.assert_array_equal(
+        traj.sel(step=slice(10, 20)).isel(weight_1=[4, 0]).values, expect[10:21][:, :, [4, 0]]
+    )
     bias = run.trajectory("layers.0.attn.q_proj.bias", steps=range(0, 100, 7))
     np.testing.assert_array_equal(
-        bias.values, np.stack([written[s]["params/layers/0/attn/q_proj/bias"]
-                               for s in range(0, 100, 7)]).astype(np.float32))
+        bias.values,
+        np.stack([written[s]["params/layers/0/attn/q_proj/bias"] for s in range(0, 100, 7)]).astype(
+            np.float32
+        ),
+    )
     opt = run.trajectory("layers.0.attn.q_proj.weight", state="exp_avg", steps=slice(45, 55))
     assert np.isnan(opt.sel(step=slice(45, 49)).values).all()
     np.testing.assert_array_equal(opt.sel(step=52).values, np.full((12, 5), 52, np.float32))
@@ -186,7 +197,8 @@ def test_layer_tree_mirrors_module_paths(small_run: Path) -> None:
     assert tree.attrs["timeline"] == "main"  # step at the root
     w = tree["layers/0/attn/q_proj"]["weight"]
     np.testing.assert_array_equal(
-        w.values, small_model(3)["params/layers/0/attn/q_proj/weight"].astype(np.float32))
+        w.values, small_model(3)["params/layers/0/attn/q_proj/weight"].astype(np.float32)
+    )
     with_opt = snap.layer("layers.0.attn", optim=True)
     assert "weight" in with_opt["optim/exp_avg/layers/0/attn/q_proj"].data_vars
     everything = snap.tree()
@@ -199,9 +211,14 @@ def test_layer_tree_mirrors_module_paths(small_run: Path) -> None:
 
 def test_same_param_name_in_parent_and_child_module(tmp_path: Path) -> None:
     path = tmp_path / "run"
-    write_steps(new_repo(path), [1], lambda s: {
-        "params/block/weight": np.zeros(3, np.float32),
-        "params/block/sub/weight": np.ones((5, 2), np.float32)})
+    write_steps(
+        new_repo(path),
+        [1],
+        lambda s: {
+            "params/block/weight": np.zeros(3, np.float32),
+            "params/block/sub/weight": np.ones((5, 2), np.float32),
+        },
+    )
     tree = open_run(path).at(1).layer("block")
     assert tree["block"]["weight"].dims == ("weight_0",)
     assert tree["block/sub"]["weight"].dims == ("block.sub.weight_0", "block.sub.weight_1")
@@ -224,8 +241,10 @@ def test_chunks_option_needs_dask(small_run: Path) -> None:
 def test_xarray_reductions_work_on_views(small_run: Path) -> None:
     traj = open_run(small_run).trajectory("layers.0.attn.q_proj.weight")
     means = traj.mean(dim=["weight_0", "weight_1"])
-    expect = [small_model(s)["params/layers/0/attn/q_proj/weight"].astype(np.float32).mean()
-              for s in range(1, 6)]
+    expect = [
+        small_model(s)["params/layers/0/attn/q_proj/weight"].astype(np.float32).mean()
+        for s in range(1, 6)
+    ]
     np.testing.assert_allclose(means.values, expect, rtol=1e-6)
     assert isinstance(means, xr.DataArray)
     assert means.dims == ("step",)

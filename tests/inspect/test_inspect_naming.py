@@ -57,8 +57,14 @@ def test_contiguous_match_wins_over_any_order() -> None:
 
 
 def test_glob_matches_at_any_depth_like_a_plain_selector() -> None:
-    assert select("layers.*.attn", PATHS) == [PATHS[1], PATHS[2], PATHS[4], PATHS[5], PATHS[6],
-                                              PATHS[7]]
+    assert select("layers.*.attn", PATHS) == [
+        PATHS[1],
+        PATHS[2],
+        PATHS[4],
+        PATHS[5],
+        PATHS[6],
+        PATHS[7],
+    ]
     assert select("layers.?.mlp.*", PATHS) == [PATHS[3]]
     assert select("*.bias", PATHS) == [PATHS[2]]
     assert select("nothing.*", PATHS) == []
@@ -95,27 +101,37 @@ def test_a_unique_suffix_of_whole_components_resolves() -> None:
     assert array_path("embed_tokens.weight", HF) == HF[0]
     assert array_path("1.mlp.up_proj.weight", HF) == HF[3]  # never layers.10 or 11
     assert array_path("layers.0.mlp.up_proj.weight", HF, state="exp_avg") == HF[6]
-    with pytest.raises(TensorNotFoundError, match=re.escape(
+    with pytest.raises(
+        TensorNotFoundError,
+        match=re.escape(
             "'mlp.up_proj.weight' is ambiguous in this commit: 3 tensors end with it "
             "(model.layers.0.mlp.up_proj.weight, model.layers.1.mlp.up_proj.weight, "
-            "model.layers.10.mlp.up_proj.weight)")):
+            "model.layers.10.mlp.up_proj.weight)"
+        ),
+    ):
         array_path("mlp.up_proj.weight", HF)
-    with pytest.raises(TensorNotFoundError,
-                       match=re.escape("'layers.1' is a module, not a tensor")):
+    with pytest.raises(
+        TensorNotFoundError, match=re.escape("'layers.1' is a module, not a tensor")
+    ):
         array_path("layers.1", HF)
-    with pytest.raises(TensorNotFoundError,
-                       match=re.escape("did you mean 'model.layers.0.self_attn.q_proj.weight'")):
+    with pytest.raises(
+        TensorNotFoundError,
+        match=re.escape("did you mean 'model.layers.0.self_attn.q_proj.weight'"),
+    ):
         array_path("layers.0.self_attn.q_prj.weight", HF)  # a short name with a typo
 
 
 def test_wrapper_components_are_dropped_from_paths_and_typed_names() -> None:
     assert canonical_path("params/_orig_mod/l1/weight") == "params/l1/weight"
-    assert canonical_path("optim/exp_avg/_fsdp_wrapped_module/a/_checkpoint_wrapped_module/"
-                          "w") == "optim/exp_avg/a/w"
+    assert (
+        canonical_path("optim/exp_avg/_fsdp_wrapped_module/a/_checkpoint_wrapped_module/w")
+        == "optim/exp_avg/a/w"
+    )
     assert canonical_path("params/module/w") == "params/module/w"  # may be a real module
     assert array_path("_orig_mod.model.embed_tokens.weight", HF) == HF[0]
     assert select("layers.0.mlp", ["params/_orig_mod/model/layers/0/mlp/w"]) == [
-        "params/_orig_mod/model/layers/0/mlp/w"]
+        "params/_orig_mod/model/layers/0/mlp/w"
+    ]
 
 
 def test_suggestions_compare_short_names_with_suffixes() -> None:
@@ -125,8 +141,12 @@ def test_suggestions_compare_short_names_with_suffixes() -> None:
 
 
 def test_one_expert_of_fused_tensors_is_picked_only_where_nothing_else_matches() -> None:
-    paths = ["params/m/layers/0/mlp/experts/gate_up_proj", "params/m/layers/0/mlp/experts/down",
-             "params/m/layers/0/mlp/gate/weight", "params/m/layers/1/mlp/experts/down"]
+    paths = [
+        "params/m/layers/0/mlp/experts/gate_up_proj",
+        "params/m/layers/0/mlp/experts/down",
+        "params/m/layers/0/mlp/gate/weight",
+        "params/m/layers/1/mlp/experts/down",
+    ]
     fused = {paths[0], paths[1], paths[3]}
 
     def expert_dim(p: str) -> str | None:
@@ -151,11 +171,15 @@ class _Rec:
 
 
 def test_tied_names_are_aliases_of_their_target() -> None:
-    table = {p: _Rec(p, (4, 2)) for p in ("params/wte/weight", "optim/exp_avg/wte/weight",
-                                           "params/mid/weight")}
+    table = {
+        p: _Rec(p, (4, 2))
+        for p in ("params/wte/weight", "optim/exp_avg/wte/weight", "params/mid/weight")
+    }
     cat = Catalog(table, {"lm_head.weight": "wte.weight"})
-    assert cat.tied == {"params/lm_head/weight": "params/wte/weight",
-                        "optim/exp_avg/lm_head/weight": "optim/exp_avg/wte/weight"}
+    assert cat.tied == {
+        "params/lm_head/weight": "params/wte/weight",
+        "optim/exp_avg/lm_head/weight": "optim/exp_avg/wte/weight",
+    }
     assert cat.names() == ["lm_head.weight", "mid.weight", "wte.weight"]
     assert cat.resolve("lm_head.weight") == "params/lm_head/weight"
     assert cat.table["params/lm_head/weight"].path == "params/wte/weight"  # the bytes: once

@@ -25,11 +25,11 @@ def test_steps_timelines_and_head(small_run: Path) -> None:
     assert "layers.0.attn.q_proj.weight" in snap.names()
     assert not any(n.startswith("optim/") for n in snap.names())
     assert "optim/exp_avg/layers/0/attn/q_proj/weight" in snap.names(optim=True)
-    np.testing.assert_array_equal(snap.to_numpy("emb.weight"),
-                                  small_model(2)["params/emb/weight"])
+    np.testing.assert_array_equal(snap.to_numpy("emb.weight"), small_model(2)["params/emb/weight"])
     np.testing.assert_array_equal(
         snap.to_numpy("layers.0.attn.q_proj.weight", state="exp_avg"),
-        small_model(2)["optim/exp_avg/layers/0/attn/q_proj/weight"])
+        small_model(2)["optim/exp_avg/layers/0/attn/q_proj/weight"],
+    )
 
 
 def test_bad_inputs_raise_clear_errors(small_run: Path, tmp_path: Path) -> None:
@@ -85,7 +85,8 @@ def test_diff_matches_numpy(small_run: Path) -> None:
     assert float(row["delta_l2"]) == pytest.approx(np.linalg.norm(d), rel=1e-12)
     assert float(row["max_abs_delta"]) == pytest.approx(np.abs(d).max())
     assert float(row["ratio"]) == pytest.approx(
-        np.linalg.norm(d) / np.linalg.norm(a["params/layers/1/mlp/weight"].astype(np.float64)))
+        np.linalg.norm(d) / np.linalg.norm(a["params/layers/1/mlp/weight"].astype(np.float64))
+    )
     assert set(ds["status"].values) == {"both"}
     only = open_run(small_run).diff(1, 4, selector="layers.1")
     assert sorted(only["tensor"].values) == ["layers.1.attn.q_proj.weight", "layers.1.mlp.weight"]
@@ -94,11 +95,16 @@ def test_diff_matches_numpy(small_run: Path) -> None:
 def test_diff_reports_tensors_on_one_side(tmp_path: Path) -> None:
     repo = new_repo(tmp_path / "run")
     write_steps(repo, [1], lambda s: {"params/a": np.ones(3, np.float32)})
-    write_steps(repo, [2], lambda s: {"params/a": np.ones(3, np.float32),
-                                      "params/b": np.ones(2, np.float32)})
+    write_steps(
+        repo,
+        [2],
+        lambda s: {"params/a": np.ones(3, np.float32), "params/b": np.ones(2, np.float32)},
+    )
     ds = open_run(tmp_path / "run").diff(1, 2)
     assert dict(zip(ds["tensor"].values, ds["status"].values, strict=True)) == {
-        "a": "both", "b": "only_b"}
+        "a": "both",
+        "b": "only_b",
+    }
     assert float(ds.sel(tensor="a")["delta_l2"]) == 0.0
     assert np.isnan(float(ds.sel(tensor="b")["delta_l2"]))
 
@@ -113,8 +119,9 @@ def test_export_safetensors_and_torch_are_bit_exact(small_run: Path, tmp_path: P
     assert info["tensors"] == len(sd) == 7  # model tensors only, optimizer state left out
     w = sd["layers.0.attn.q_proj.weight"]
     assert w.dtype == torch.bfloat16
-    np.testing.assert_array_equal(w.view(torch.uint16).numpy(),
-                                  expect["params/layers/0/attn/q_proj/weight"].view(np.uint16))
+    np.testing.assert_array_equal(
+        w.view(torch.uint16).numpy(), expect["params/layers/0/attn/q_proj/weight"].view(np.uint16)
+    )
     assert sd["scale"].shape == ()
     assert float(sd["scale"]) == 4.0
     assert sd["layers.0.mask"].dtype == torch.bool
@@ -122,9 +129,10 @@ def test_export_safetensors_and_torch_are_bit_exact(small_run: Path, tmp_path: P
     full = torch.load(tmp_path / "s.pt", weights_only=True)
     assert full["optimizer"] is None  # written by the store alone: no torch optimizer objects
     assert torch.equal(full["model"]["layers.0.attn.q_proj.weight"], w)
-    np.testing.assert_array_equal(full["arrays"]["optim/exp_avg/layers/0/attn/q_proj/weight"]
-                                  .numpy(),
-                                  expect["optim/exp_avg/layers/0/attn/q_proj/weight"])
+    np.testing.assert_array_equal(
+        full["arrays"]["optim/exp_avg/layers/0/attn/q_proj/weight"].numpy(),
+        expect["optim/exp_avg/layers/0/attn/q_proj/weight"],
+    )
     with pytest.raises(ValueError, match="unknown export format"):
         snap.export(tmp_path / "x", "onnx")
 
@@ -159,6 +167,7 @@ def test_refresh_sees_gc_by_another_process(small_run: Path) -> None:
 
 
 # -- timeline management ---------------------------------------------------------------------
+
 
 def test_a_second_rollback_to_the_same_step_needs_a_name(small_run: Path) -> None:
     run = open_run(small_run)

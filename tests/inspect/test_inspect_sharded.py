@@ -37,14 +37,15 @@ def _write(repo: Repository, step: int, world: int = 2) -> dict[str, np.ndarray]
     for n, s in SHAPES.items():
         offsets[n] = off
         off += int(np.prod(s))
-    writers = [repo.writer(chunk_bytes=16)] + [repo.writer(chunk_bytes=16, exclusive=False)
-                                               for _ in range(1, world)]
+    writers = [repo.writer(chunk_bytes=16)] + [
+        repo.writer(chunk_bytes=16, exclusive=False) for _ in range(1, world)
+    ]
     slot = writers[0].next_slot
     txns = []
     for r, w in enumerate(writers):
         t = w.begin(step, slot=slot)
         src = f"zero/r{r}/g0/fp32"
-        part = flat[r * size:(r + 1) * size]
+        part = flat[r * size : (r + 1) * size]
         plan = t.declare(src, "float32", part.shape)
         raw = part.view(np.uint8)
         for i in range(plan.n_chunks):
@@ -55,14 +56,21 @@ def _write(repo: Repository, step: int, world: int = 2) -> dict[str, np.ndarray]
             o, numel = offsets[n], int(np.prod(s))
             lo, hi = max(o, r * size), min(o + numel, (r + 1) * size)
             if lo < hi:
-                arrays.append(LogicalArray(f"params/{n.replace('.', '/')}", "float32", s,
-                                           (Piece(src, lo - r * size, lo - o, hi - lo),)))
+                arrays.append(
+                    LogicalArray(
+                        f"params/{n.replace('.', '/')}",
+                        "float32",
+                        s,
+                        (Piece(src, lo - r * size, lo - o, hi - lo),),
+                    )
+                )
         t.put_object(f"shards/r{r}", shard_map(arrays))
         txns.append(t)
     for r in range(1, world):
         txns[r].prepare(rank=r, world=world, session="s")
-    parts = collect_parts(repo.storage, slot=slot, step=step, ranks=range(1, world),
-                          world=world, session="s")
+    parts = collect_parts(
+        repo.storage, slot=slot, step=step, ranks=range(1, world), world=world, session="s"
+    )
     txns[0].commit({"loss": float(step)}, parts=parts)
     for w in writers:
         w.close()

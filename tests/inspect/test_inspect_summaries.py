@@ -60,7 +60,7 @@ def test_chunked_accumulation_in_any_order_equals_one_shot() -> None:
     bounds = list(range(0, t.numel(), 4096))
     random.Random(0).shuffle(bounds)
     with ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda s: acc.add(s, flat[s:s + 4096], pflat[s:s + 4096]), bounds))
+        list(pool.map(lambda s: acc.add(s, flat[s : s + 4096], pflat[s : s + 4096]), bounds))
     many = acc.result()
     for k in ("l2", "rms", "maxabs", "update_l2", "update_ratio"):
         assert many[k] == pytest.approx(one[k], rel=1e-6), k
@@ -97,8 +97,9 @@ def test_bfloat16_tensors_are_summarised() -> None:
     assert s["maxabs"] == 2.0
 
 
-def _training_like_run(path: Path, n: int = 40, spike_at: int = 30,
-                       reaction: bool = False) -> dict[int, np.ndarray]:
+def _training_like_run(
+    path: Path, n: int = 40, spike_at: int = 30, reaction: bool = False
+) -> dict[int, np.ndarray]:
     """Two tensors; 'layers.1.w' takes a large update into step ``spike_at - 1`` and the loss
     filed under ``spike_at`` jumps (dstt's step rule: the loss of step k was computed on the
     weights of step k - 1). With ``reaction``, 'layers.0.w' takes an even larger update into
@@ -106,8 +107,10 @@ def _training_like_run(path: Path, n: int = 40, spike_at: int = 30,
     written: dict[int, dict[str, np.ndarray]] = {}
     probes: dict[str, list[float]] = {}
     g = torch.Generator().manual_seed(4)
-    state = {"params/layers/0/w": torch.randn(20, 10, generator=g),
-             "params/layers/1/w": torch.randn(30, generator=g)}
+    state = {
+        "params/layers/0/w": torch.randn(20, 10, generator=g),
+        "params/layers/1/w": torch.randn(30, generator=g),
+    }
     prev: dict[str, torch.Tensor] = {}
 
     def arrays(step: int) -> dict[str, np.ndarray]:
@@ -132,8 +135,13 @@ def _training_like_run(path: Path, n: int = 40, spike_at: int = 30,
     rng = np.random.default_rng(5)
     losses = {s: 2.0 - 0.01 * s + 0.01 * rng.standard_normal() for s in range(n)}
     losses[spike_at] += 1.0
-    write_steps(new_repo(path), list(range(n)), arrays, objects_at=objects,
-                metrics_at=lambda s: {"loss": losses[s], "lr": 1e-3, "phase": "warm"})
+    write_steps(
+        new_repo(path),
+        list(range(n)),
+        arrays,
+        objects_at=objects,
+        metrics_at=lambda s: {"loss": losses[s], "lr": 1e-3, "phase": "warm"},
+    )
     return written
 
 
@@ -143,13 +151,24 @@ def test_summaries_dataset_matches_written_tensors(tmp_path: Path) -> None:
     assert ds["l2"].dims == ("step", "tensor")
     assert list(ds["tensor"].values) == ["layers.0.w", "layers.1.w"]
     l2 = ds["l2"].sel(tensor="layers.0.w").values
-    np.testing.assert_allclose(l2, [np.linalg.norm(written[s]["params/layers/0/w"].astype(
-        np.float64)) for s in range(40)], rtol=1e-6)
+    np.testing.assert_allclose(
+        l2,
+        [np.linalg.norm(written[s]["params/layers/0/w"].astype(np.float64)) for s in range(40)],
+        rtol=1e-6,
+    )
     upd = ds["update_l2"].sel(tensor="layers.1.w")
     assert np.isnan(upd.values[0])
-    np.testing.assert_allclose(upd.values[1:], [np.linalg.norm(
-        written[s]["params/layers/1/w"].astype(np.float64)
-        - written[s - 1]["params/layers/1/w"]) for s in range(1, 40)], rtol=1e-6)
+    np.testing.assert_allclose(
+        upd.values[1:],
+        [
+            np.linalg.norm(
+                written[s]["params/layers/1/w"].astype(np.float64)
+                - written[s - 1]["params/layers/1/w"]
+            )
+            for s in range(1, 40)
+        ],
+        rtol=1e-6,
+    )
     assert ds["probe"].sizes["probe_index"] == 16
     assert "probe" in ds.data_vars
     assert bool(ds["update_exact"].isel(step=5).all())
@@ -225,9 +244,12 @@ def test_spike_rule_merges_consecutive_steps_and_ignores_the_trend() -> None:
 
 def test_without_summaries_spikes_have_no_tensors(tmp_path: Path) -> None:
     loss = {s: 1.0 + (3.0 if s == 15 else 0.0) + 0.01 * (s % 3) for s in range(20)}
-    write_steps(new_repo(tmp_path / "run"), list(range(20)),
-                lambda s: {"params/w": np.zeros(2, np.float32)},
-                metrics_at=lambda s: {"loss": loss[s]})
+    write_steps(
+        new_repo(tmp_path / "run"),
+        list(range(20)),
+        lambda s: {"params/w": np.zeros(2, np.float32)},
+        metrics_at=lambda s: {"loss": loss[s]},
+    )
     run = open_run(tmp_path / "run")
     ds = run.summaries()
     assert ds.sizes["step"] == 0
@@ -246,7 +268,7 @@ def test_summary_book_carries_probes_between_steps() -> None:
     acc = book.accumulator("params/w", 2000)
     w1 = w0 + 0.5
     for s in range(0, 2000, 300):
-        acc.add(s, w1.reshape(-1)[s:s + 300])
+        acc.add(s, w1.reshape(-1)[s : s + 300])
     second = book.finish("params/w", acc)
     assert second["update_l2"] == pytest.approx(0.5 * math.sqrt(2000))  # estimated, exact here
     assert second["update_exact"] is False

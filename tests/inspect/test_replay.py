@@ -55,19 +55,27 @@ def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return model(x, y)[1] / ACCUM  # what the loop back-propagates
 
 
-def train(run: Path, ds: Dataset[Any], *, attribution: bool = True, steps: int = STEPS,
-          micro_batch: int = MICRO, spike_at: int | None = None) -> dict[str, torch.Tensor]:
+def train(
+    run: Path,
+    ds: Dataset[Any],
+    *,
+    attribution: bool = True,
+    steps: int = STEPS,
+    micro_batch: int = MICRO,
+    spike_at: int | None = None,
+) -> dict[str, torch.Tensor]:
     """``steps`` optimizer steps; returns the gradients the optimizer saw at step KEPT. The
     loss is logged each step (x50 at ``spike_at``: a spike planted in the metric)."""
     torch.manual_seed(1)
     m, opt, sched = build()
-    loader = DataLoader(ds, batch_size=micro_batch, shuffle=True,
-                        generator=torch.Generator().manual_seed(5))
+    loader = DataLoader(
+        ds, batch_size=micro_batch, shuffle=True, generator=torch.Generator().manual_seed(5)
+    )
     kept: dict[str, torch.Tensor] = {}
     with dstt.session(m, opt, run=run, scheduler=sched) as s:
         micro = 0
         while s.step < steps:
-            for batch in (s.data(loader) if attribution else loader):
+            for batch in s.data(loader) if attribution else loader:
                 loss = loss_fn(m, batch)
                 loss.backward()
                 micro += 1
@@ -111,23 +119,24 @@ def test_the_replayed_gradients_equal_the_original_steps(recorded: Any) -> None:
     m, opt, sched = build(seed=7)
     r = dstt.open(run_path).replay(KEPT, m, opt, scheduler=sched, dataset=ds, loss_fn=loss_fn)
     assert kept
-    assert set(kept) >= {n for n, _ in TinyGPT(layers=2).named_parameters()
-                                  if not n.startswith("head.")}
+    assert set(kept) >= {
+        n for n, _ in TinyGPT(layers=2).named_parameters() if not n.startswith("head.")
+    }
     for name, g in kept.items():
         if name == "head.weight":  # tied to tok.weight: one tensor, one name
             continue
         assert torch.equal(r.grad(name), g), name
     grads = r.layer("layers.0.mlp")
-    np.testing.assert_array_equal(grads["layers/0/mlp/0"]["weight"].values,
-                                  kept["layers.0.mlp.0.weight"].numpy())
+    np.testing.assert_array_equal(
+        grads["layers/0/mlp/0"]["weight"].values, kept["layers.0.mlp.0.weight"].numpy()
+    )
     top = r.top(3)
     assert len(top) == 3
     assert top[0][1] >= top[1][1] >= top[2][1] > 0
     ratio = float(r.norms["update_ratio"].sel(tensor="layers.0.qkv.weight"))
     before = dstt.open(run_path).at(KEPT - 1).to_numpy("layers.0.qkv.weight").astype(float)
     now = dstt.open(run_path).at(KEPT).to_numpy("layers.0.qkv.weight").astype(float)
-    assert ratio == pytest.approx(np.linalg.norm(now - before) / np.linalg.norm(before),
-                                  rel=1e-9)
+    assert ratio == pytest.approx(np.linalg.norm(now - before) / np.linalg.norm(before), rel=1e-9)
 
 
 def test_a_planted_bad_sample_is_ranked_first(tmp_path: Path) -> None:
@@ -140,8 +149,16 @@ def test_a_planted_bad_sample_is_ranked_first(tmp_path: Path) -> None:
     run = dstt.open(run_path)
     step = max(k for k, bs in run.batches().items() if any(bad in b.indices for b in bs))
     m, opt, sched = build()
-    r = run.replay(step, m, opt, scheduler=sched, dataset=ds, loss_fn=loss_fn,
-                   activations=["layers.1"], per_sample_grads=True)
+    r = run.replay(
+        step,
+        m,
+        opt,
+        scheduler=sched,
+        dataset=ds,
+        loss_fn=loss_fn,
+        activations=["layers.1"],
+        per_sample_grads=True,
+    )
     assert r.faithful
     assert r.worst(1) == [bad]
     assert len(r.per_sample["index"]) == 16
@@ -159,12 +176,12 @@ def test_a_run_without_data_attribution_says_what_to_do(tmp_path: Path) -> None:
     train(tmp_path / "run", ds, attribution=False)
     m, opt, sched = build()
     with pytest.raises(ReplayError, match=r"s\.data\(loader\)"):
-        dstt.open(tmp_path / "run").replay(3, m, opt, scheduler=sched, dataset=ds,
-                                           loss_fn=loss_fn)
+        dstt.open(tmp_path / "run").replay(3, m, opt, scheduler=sched, dataset=ds, loss_fn=loss_fn)
     # the batches themselves still replay it
     x, y = ds[0]
-    r = dstt.open(tmp_path / "run").replay(3, m, opt, scheduler=sched, loss_fn=loss_fn,
-                                           batches=[(x[None], y[None])])
+    r = dstt.open(tmp_path / "run").replay(
+        3, m, opt, scheduler=sched, loss_fn=loss_fn, batches=[(x[None], y[None])]
+    )
     assert r.faithful is False
     assert r.differs  # not the step's data: not faithful, and said
 
@@ -176,7 +193,7 @@ def test_a_step_whose_predecessor_is_not_committed_is_refused(recorded: Any) -> 
         dstt.open(run_path).replay(1, m, opt, scheduler=sched, dataset=ds, loss_fn=loss_fn)
 
 
-SCRIPT = '''
+SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
 from test_replay import Sequences, build, loss_fn
@@ -190,7 +207,7 @@ def make():
 
 if __name__ == "__main__":
     raise SystemExit("not run as a script by dstt replay")
-'''
+"""
 
 
 def test_dstt_replay_runs_a_users_script(recorded: Any, tmp_path: Path) -> None:
@@ -203,23 +220,68 @@ def test_dstt_replay_runs_a_users_script(recorded: Any, tmp_path: Path) -> None:
     script.write_text(SCRIPT.format(tests=str(Path(__file__).parent)))
     root = Path(__file__).resolve().parents[2]
     env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "dstt.cli", "replay", str(run_path), "--step",
-                           "5", "--script", f"{script}:make", "--top", "3", "--json"],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dstt.cli",
+            "replay",
+            str(run_path),
+            "--step",
+            "5",
+            "--script",
+            f"{script}:make",
+            "--top",
+            "3",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
     assert doc["faithful"] is True
     assert doc["step"] == 5
     assert len(doc["top_grad_norm"]) == 3
     assert len(doc["worst_samples"]) == 3
-    text = subprocess.run([sys.executable, "-m", "dstt.cli", "replay", str(run_path), "--step",
-                           "5", "--script", f"{script}:make"], capture_output=True, text=True,
-                          timeout=300, env=env)
+    text = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dstt.cli",
+            "replay",
+            str(run_path),
+            "--step",
+            "5",
+            "--script",
+            f"{script}:make",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert text.returncode == 0
     assert "step 5: faithful" in text.stdout
-    bad = subprocess.run([sys.executable, "-m", "dstt.cli", "replay", str(run_path), "--step",
-                          "5", "--script", f"{script}:nothere"], capture_output=True, text=True,
-                         timeout=300, env=env)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dstt.cli",
+            "replay",
+            str(run_path),
+            "--step",
+            "5",
+            "--script",
+            f"{script}:nothere",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert bad.returncode == 2
     assert "has no function 'nothere'" in bad.stderr
 
@@ -231,9 +293,19 @@ def test_the_scrubber_replays_the_spike_under_the_cursor_in_one_click(tmp_path: 
     train(tmp_path / "run", ds, steps=14, spike_at=spike_at)
     run = dstt.open(tmp_path / "run")
     m, opt, sched = build(seed=4)
-    w = scrubber(run, step=spike_at, spike_window=4, spike_z=3.0,
-                 replay={"model": m, "optimizer": opt, "scheduler": sched, "dataset": ds,
-                         "loss_fn": loss_fn})
+    w = scrubber(
+        run,
+        step=spike_at,
+        spike_window=4,
+        spike_z=3.0,
+        replay={
+            "model": m,
+            "optimizer": opt,
+            "scheduler": sched,
+            "dataset": ds,
+            "loss_fn": loss_fn,
+        },
+    )
     panel = w.replay
     assert panel is not None
     assert w.model.spike is not None
@@ -262,8 +334,10 @@ def test_the_scrubbers_replay_shows_why_it_cannot_replay(tmp_path: Path) -> None
     ds = Sequences(32)
     train(tmp_path / "run", ds, attribution=False, steps=4)
     m, opt, _ = build()
-    w = scrubber(dstt.open(tmp_path / "run"), replay={"model": m, "optimizer": opt,
-                                                      "loss_fn": loss_fn, "dataset": ds})
+    w = scrubber(
+        dstt.open(tmp_path / "run"),
+        replay={"model": m, "optimizer": opt, "loss_fn": loss_fn, "dataset": ds},
+    )
     assert w.replay is not None
     assert w.replay.run() is None
     assert isinstance(w.replay.error, ReplayError)

@@ -39,11 +39,17 @@ class Net(nn.Module):
 
 def build(seed: int) -> tuple[Net, torch.optim.Optimizer, Any]:
     model = Net(seed)
-    opt = torch.optim.AdamW([
-        {"params": model.inp.parameters()},
-        {"params": [*model.norm.parameters(), *model.out.parameters()], "lr": 3e-2,
-         "weight_decay": 0.0},
-    ], lr=1e-2)
+    opt = torch.optim.AdamW(
+        [
+            {"params": model.inp.parameters()},
+            {
+                "params": [*model.norm.parameters(), *model.out.parameters()],
+                "lr": 3e-2,
+                "weight_decay": 0.0,
+            },
+        ],
+        lr=1e-2,
+    )
     return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
@@ -61,8 +67,11 @@ def iteration(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, i: int) 
 
 
 def snapshot(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> dict[str, Any]:
-    return {"model": copy.deepcopy(model.state_dict()),
-            "optimizer": copy.deepcopy(opt.state_dict()), "scheduler": sched.state_dict()}
+    return {
+        "model": copy.deepcopy(model.state_dict()),
+        "optimizer": copy.deepcopy(opt.state_dict()),
+        "scheduler": sched.state_dict(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +103,8 @@ def assert_same_optimizer(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_state_dict_is_what_torch_gave_at_that_step(
-        trained: tuple[Path, dict[int, dict[str, Any]]], k: int) -> None:
+    trained: tuple[Path, dict[int, dict[str, Any]]], k: int
+) -> None:
     path, seen = trained
     sd = dstt.open(path).at(k).state_dict()
     want = seen[k]
@@ -109,7 +119,8 @@ def test_state_dict_is_what_torch_gave_at_that_step(
 
 
 def test_load_into_fresh_objects_continues_bit_exactly(
-        trained: tuple[Path, dict[int, dict[str, Any]]]) -> None:
+    trained: tuple[Path, dict[int, dict[str, Any]]],
+) -> None:
     path, seen = trained
     k = 2
     model, opt, sched = build(seed=7)  # other initial weights, no optimizer state yet
@@ -126,7 +137,8 @@ def test_load_into_fresh_objects_continues_bit_exactly(
 
 
 def test_load_into_a_model_that_does_not_fit_names_the_keys_and_changes_nothing(
-        trained: tuple[Path, dict[int, dict[str, Any]]]) -> None:
+    trained: tuple[Path, dict[int, dict[str, Any]]],
+) -> None:
     path, _ = trained
     snap = dstt.open(path).at(2)
     model = Net(seed=3)
@@ -151,7 +163,8 @@ def test_load_into_a_model_that_does_not_fit_names_the_keys_and_changes_nothing(
 
 
 def test_other_dtypes_or_param_groups_are_refused_before_loading(
-        trained: tuple[Path, dict[int, dict[str, Any]]]) -> None:
+    trained: tuple[Path, dict[int, dict[str, Any]]],
+) -> None:
     path, _ = trained
     snap = dstt.open(path).at(2)
     model = Net(seed=3)
@@ -166,9 +179,17 @@ def test_other_dtypes_or_param_groups_are_refused_before_loading(
     with pytest.raises(SchemaError, match="2 optimizer param groups, the live optimizer has 1"):
         snap.load_into(model, one_group)
     assert_same_tensors(model.state_dict(), build(seed=3)[0].state_dict())
-    swapped = torch.optim.AdamW([{"params": model.norm.parameters()},  # same sizes, other
-                                 {"params": [*model.inp.parameters(),   # parameters
-                                             *model.out.parameters()]}])
+    swapped = torch.optim.AdamW(
+        [
+            {"params": model.norm.parameters()},  # same sizes, other
+            {
+                "params": [
+                    *model.inp.parameters(),  # parameters
+                    *model.out.parameters(),
+                ]
+            },
+        ]
+    )
     with pytest.raises(SchemaError, match="param group 0 holds other parameters"):
         snap.load_into(model, swapped)
     assert not swapped.state  # nothing was loaded
@@ -208,8 +229,11 @@ def test_a_run_without_torch_optimizer_state(tmp_path: Path) -> None:
     from dstt.store import save
 
     lin = nn.Linear(3, 2)
-    save(tmp_path / "r", 1, {f"params/{k}": v.detach().numpy().copy()
-                             for k, v in lin.state_dict().items()})
+    save(
+        tmp_path / "r",
+        1,
+        {f"params/{k}": v.detach().numpy().copy() for k, v in lin.state_dict().items()},
+    )
     snap = dstt.open(tmp_path / "r").at(1)
     sd = snap.state_dict()
     assert sd["optimizer"] is None
@@ -225,9 +249,10 @@ def test_a_run_without_torch_optimizer_state(tmp_path: Path) -> None:
 
 def _two_optimizers(seed: int) -> tuple[Net, dict[str, torch.optim.Optimizer]]:
     model = Net(seed)
-    return model, {"body": torch.optim.SGD(model.inp.parameters(), lr=0.05, momentum=0.9),
-                   "head": torch.optim.AdamW([*model.norm.parameters(),
-                                              *model.out.parameters()], lr=1e-2)}
+    return model, {
+        "body": torch.optim.SGD(model.inp.parameters(), lr=0.05, momentum=0.9),
+        "head": torch.optim.AdamW([*model.norm.parameters(), *model.out.parameters()], lr=1e-2),
+    }
 
 
 def _two_step(model: Net, opts: dict[str, torch.optim.Optimizer], i: int) -> None:
@@ -263,8 +288,11 @@ def test_several_optimizers_come_back_by_their_keys(tmp_path: Path) -> None:
     # the wrong number or keys of optimizers is refused before anything is loaded
     other, other_opts = _two_optimizers(8)
     before = copy.deepcopy(other.state_dict())
-    with pytest.raises(SchemaError, match=r"holds the optimizers 'body', 'head'; given "
-                       r"optimizers 'body', 'tail'"):
+    with pytest.raises(
+        SchemaError,
+        match=r"holds the optimizers 'body', 'head'; given "
+        r"optimizers 'body', 'tail'",
+    ):
         snap.load_into(other, {"body": other_opts["body"], "tail": other_opts["head"]})
     with pytest.raises(SchemaError, match=r"holds 2 optimizers \('body', 'head'\): pass them"):
         snap.load_into(other, other_opts["body"])
@@ -290,14 +318,18 @@ def test_a_list_of_optimizers_loads_as_a_list(tmp_path: Path) -> None:
 
 
 def test_load_into_with_strict_false_warns_when_nothing_fits(
-        trained: tuple[Path, dict[int, dict[str, Any]]]) -> None:
+    trained: tuple[Path, dict[int, dict[str, Any]]],
+) -> None:
     from dstt.errors import DsttWarning
 
     path, _ = trained
     snap = dstt.open(path).at(2)
     stranger = nn.Sequential(nn.Linear(2, 2))
-    with pytest.warns(DsttWarning, match=r"loaded nothing into the model: none of its 2 "
-                      r"names \(e\.g\. '0\.weight'\) is stored at step 2"):
+    with pytest.warns(
+        DsttWarning,
+        match=r"loaded nothing into the model: none of its 2 "
+        r"names \(e\.g\. '0\.weight'\) is stored at step 2",
+    ):
         res = snap.load_into(stranger, strict=False)
     assert res.loaded_keys == []
     assert res.missing_keys == ["0.weight", "0.bias"]

@@ -66,7 +66,8 @@ def test_the_estimate_is_within_its_documented_bound_of_the_true_ratio(run: Any)
 
 
 def test_every_view_labels_estimates_as_estimates(
-        run: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    run: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     ds = run.summaries()
     assert ds.attrs["update_exactness"] == "estimate"
     for var in ("update_l2", "update_ratio"):

@@ -25,8 +25,9 @@ class Tiny(torch.nn.Module):
         return self.ln(self.fc(self.emb(x))).pow(2).mean()
 
 
-def _train(model: Tiny, opt: torch.optim.Optimizer, run: Path, n: int, *,
-           resume: bool = False) -> None:
+def _train(
+    model: Tiny, opt: torch.optim.Optimizer, run: Path, n: int, *, resume: bool = False
+) -> None:
     with dstt.session(model, opt, run=run, every=2, resume=resume) as s:
         for _ in range(n):
             loss = model(torch.arange(5))
@@ -89,17 +90,20 @@ def test_time_is_datetime64_utc(tmp_path: Path) -> None:
 class _Header:
     """The fields of a commit header ``metrics_dataset`` reads (a small real fake)."""
 
-    def __init__(self, step: int, slot: int, metrics: dict[str, float],
-                 objects: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, step: int, slot: int, metrics: dict[str, float], objects: tuple[str, ...] = ()
+    ) -> None:
         self.step, self.slot, self.timeline, self.time = step, slot, "main", 1.7e9 + step
         self.metrics, self.objects = metrics, objects
 
 
 def test_a_step_met_twice_along_the_lineage_keeps_the_newer_row() -> None:
-    history = {"steps": [3, 4], "time": [1.7e9 + 3, 1.7e9 + 4.5],
-               "metrics": [{"loss": 3.0}, {"loss": 40.0}]}
-    headers = [_Header(4, 0, {"loss": 4.0}),
-               _Header(5, 1, {"loss": 5.0}, ("metrics/history",))]
+    history = {
+        "steps": [3, 4],
+        "time": [1.7e9 + 3, 1.7e9 + 4.5],
+        "metrics": [{"loss": 3.0}, {"loss": 40.0}],
+    }
+    headers = [_Header(4, 0, {"loss": 4.0}), _Header(5, 1, {"loss": 5.0}, ("metrics/history",))]
     m = metrics_dataset(headers, lambda h, name: history)
     assert m["step"].values.tolist() == [3, 4, 5]
     assert float(m["loss"].sel(step=4)) == 40.0

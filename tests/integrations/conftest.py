@@ -26,8 +26,9 @@ sys.path.insert(0, str(HERE))
 def _unshadow_deepspeed() -> None:
     mod = sys.modules.get("deepspeed")
     where = getattr(mod, "__file__", None) if mod is not None else None
-    if mod is not None and (where is None
-                            or Path(where).resolve().parent != HERE.parent / "deepspeed"):
+    if mod is not None and (
+        where is None or Path(where).resolve().parent != HERE.parent / "deepspeed"
+    ):
         return  # the real one
     for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
         del sys.modules[name]

@@ -28,8 +28,15 @@ SAMPLES, SEQ, VOCAB = 24, 16, 64
 
 def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
-                     bos_token_id=0, eos_token_id=0)  # dropout 0.1: the RNG matters
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+    )  # dropout 0.1: the RNG matters
     return GPT2LMHeadModel(cfg)
 
 
@@ -42,20 +49,32 @@ def dataset(n: int = SAMPLES) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def args(out: str, *, max_steps: int, accum: int = 1, batch: int = 4,
-         **kw: Any) -> TrainingArguments:
+def args(
+    out: str, *, max_steps: int, accum: int = 1, batch: int = 4, **kw: Any
+) -> TrainingArguments:
     return TrainingArguments(
-        output_dir=out, max_steps=max_steps, per_device_train_batch_size=batch,
-        gradient_accumulation_steps=accum, logging_steps=1, learning_rate=3e-3,
-        warmup_steps=2, weight_decay=0.1, report_to=[], save_strategy="no", use_cpu=True,
-        disable_tqdm=True, seed=0, dataloader_num_workers=0, **kw)
+        output_dir=out,
+        max_steps=max_steps,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accum,
+        logging_steps=1,
+        learning_rate=3e-3,
+        warmup_steps=2,
+        weight_decay=0.1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+        **kw,
+    )
 
 
 class Recorder(TrainerCallback):  # type: ignore[misc]
     """Records the Trainer's loss per global step (and stops early when asked)."""
 
-    def __init__(self, stop_at: int | None = None, echo: bool = False,
-                 pace_s: float = 0.0) -> None:
+    def __init__(self, stop_at: int | None = None, echo: bool = False, pace_s: float = 0.0) -> None:
         self.losses: dict[int, float] = {}
         self.start: int | None = None
         self.stop_at, self.echo, self.pace_s = stop_at, echo, pace_s
@@ -90,11 +109,11 @@ def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
             for k in sorted(st):
                 v = st[k]
                 h.update(k.encode())
-                h.update(v.detach().cpu().numpy().tobytes() if torch.is_tensor(v)
-                         else repr(v).encode())
+                h.update(
+                    v.detach().cpu().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode()
+                )
     return h.hexdigest()
 
 
 def trainer(model: torch.nn.Module, out: str, callbacks: list[Any], **kw: Any) -> Trainer:
-    return Trainer(model=model, args=args(out, **kw), train_dataset=dataset(),
-                   callbacks=callbacks)
+    return Trainer(model=model, args=args(out, **kw), train_dataset=dataset(), callbacks=callbacks)

@@ -79,8 +79,13 @@ class ResumableLoader:
 class Recorder(Callback):
     """Loss (and, with ``hashes``, model+optimizer hash) per global step; stops when asked."""
 
-    def __init__(self, stop_at: int | None = None, echo: bool = False,
-                 pace_s: float = 0.0, hashes: bool = False) -> None:
+    def __init__(
+        self,
+        stop_at: int | None = None,
+        echo: bool = False,
+        pace_s: float = 0.0,
+        hashes: bool = False,
+    ) -> None:
         self.losses: dict[int, float] = {}
         self.hashes: dict[int, str] | None = {} if hashes else None
         self.start: int | None = None
@@ -93,8 +98,9 @@ class Recorder(Callback):
         if self.echo:
             print(f"start {trainer.global_step}", flush=True)
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         k = trainer.global_step
         loss = float(outputs["loss"])
         self.losses[k] = loss
@@ -108,10 +114,18 @@ class Recorder(Callback):
 
 
 def make_trainer(callbacks: list[Any], *, steps: int, accum: int = 1) -> Trainer:
-    return Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, num_sanity_val_steps=0,
-                   accumulate_grad_batches=accum, callbacks=callbacks)
+    return Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        accumulate_grad_batches=accum,
+        callbacks=callbacks,
+    )
 
 
 def model(seed: int = 0, manual: bool = False) -> TinyLM:

@@ -31,22 +31,47 @@ VOCAB, SEQ = 64, 8
 
 
 def _llama() -> Any:
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=16,
+        )
+    )
 
 
 def _gpt2() -> Any:
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0,
-        eos_token_id=0))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=2,
+            n_embd=16,
+            n_head=2,
+            vocab_size=VOCAB,
+            n_positions=16,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def _mixtral() -> Any:
-    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, num_local_experts=3,
-        num_experts_per_tok=2, max_position_embeddings=16))
+    return transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_local_experts=3,
+            num_experts_per_tok=2,
+            max_position_embeddings=16,
+        )
+    )
 
 
 IDS = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
@@ -71,8 +96,11 @@ def _train(build: Any, path: Path, *, compiled: bool) -> Any:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
     root = tmp_path_factory.mktemp("hf")
     out = {}
-    for name, build, compiled in (("llama", _llama, True), ("gpt2", _gpt2, False),
-                                  ("mixtral", _mixtral, False)):
+    for name, build, compiled in (
+        ("llama", _llama, True),
+        ("gpt2", _gpt2, False),
+        ("mixtral", _mixtral, False),
+    ):
         out[name] = (root / name, _train(build, root / name, compiled=compiled))
     return out
 
@@ -82,7 +110,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def test_names_resolve_with_and_without_the_model_prefix(
-        runs: dict[str, tuple[Path, Any]], capsys: pytest.CaptureFixture[str]) -> None:
+    runs: dict[str, tuple[Path, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
     path, model = runs["llama"]  # captured through torch.compile: plain names stored
     run = dstt.open(path)
     snap = run.at(3)
@@ -95,32 +124,46 @@ def test_names_resolve_with_and_without_the_model_prefix(
         assert _same(run.trajectory(name).sel(step=3), want)
         assert _same(snap.to_numpy(name), want)
     assert snap.path("embed_tokens.weight") == "params/model/embed_tokens/weight"
-    assert snap.path("layers.1.mlp.up_proj.weight", state="exp_avg") == \
-        "optim/exp_avg/model/layers/1/mlp/up_proj/weight"
+    assert (
+        snap.path("layers.1.mlp.up_proj.weight", state="exp_avg")
+        == "optim/exp_avg/model/layers/1/mlp/up_proj/weight"
+    )
     # selectors match at any depth, a glob as a plain one
     mlp = {".".join(p.split("/")[1:]) for p in snap.catalog.select("layers.*.mlp")[0]}
-    assert mlp == {f"model.layers.{i}.mlp.{m}_proj.weight" for i in (0, 1)
-                   for m in ("gate", "up", "down")}
-    assert set(snap.layer("layers.*.mlp")["model/layers/1/mlp"].children) == \
-        {"gate_proj", "up_proj", "down_proj"}
+    assert mlp == {
+        f"model.layers.{i}.mlp.{m}_proj.weight" for i in (0, 1) for m in ("gate", "up", "down")
+    }
+    assert set(snap.layer("layers.*.mlp")["model/layers/1/mlp"].children) == {
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     assert main(["show", str(path), "--select", "layers.*.mlp", "--json"]) == 0
     assert '"model.layers.0.mlp.up_proj.weight"' in capsys.readouterr().out
     assert main(["diff", str(path), "2", "3", "--select", "layers.1.mlp"]) == 0
     assert "model.layers.1.mlp.down_proj.weight" in capsys.readouterr().out
 
 
-def test_a_miss_says_what_was_meant(runs: dict[str, tuple[Path, Any]],
-                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_miss_says_what_was_meant(
+    runs: dict[str, tuple[Path, Any]], capsys: pytest.CaptureFixture[str]
+) -> None:
     run = dstt.open(runs["llama"][0])
     snap = run.at(3)
-    with pytest.raises(TensorNotFoundError, match=r"ambiguous.*model\.layers\.0\.mlp\.up_proj"
-                       r"\.weight, model\.layers\.1\.mlp\.up_proj\.weight"):
+    with pytest.raises(
+        TensorNotFoundError,
+        match=r"ambiguous.*model\.layers\.0\.mlp\.up_proj"
+        r"\.weight, model\.layers\.1\.mlp\.up_proj\.weight",
+    ):
         snap.tensor("mlp.up_proj.weight")
-    with pytest.raises(TensorNotFoundError, match=r"'layers\.0' is a module, not a tensor.*"
-                       r"model\.layers\.0\.input_layernorm\.weight"):
+    with pytest.raises(
+        TensorNotFoundError,
+        match=r"'layers\.0' is a module, not a tensor.*"
+        r"model\.layers\.0\.input_layernorm\.weight",
+    ):
         run.trajectory("layers.0")
-    with pytest.raises(TensorNotFoundError,
-                       match=r"did you mean 'model\.layers\.0\.self_attn\.q_proj\.weight'"):
+    with pytest.raises(
+        TensorNotFoundError, match=r"did you mean 'model\.layers\.0\.self_attn\.q_proj\.weight'"
+    ):
         snap.tensor("layers.0.self_atn.q_proj.weight")
     with pytest.raises(TensorNotFoundError, match=r"did you mean 'layers\.0\.mlp'"):
         snap.layer("layers.0.mlpp")
@@ -133,9 +176,11 @@ def test_a_miss_says_what_was_meant(runs: dict[str, tuple[Path, Any]],
     from dstt import plots
     from dstt.plots.series import tensor_stats
 
-    for draw in (lambda: tensor_stats(run, selector="layers.*.mlpp"),
-                 lambda: plots.norms(run, selector="layers.*.mlpp"),
-                 lambda: plots.update_heatmap(run, selector="nothing.here", spikes=None)):
+    for draw in (
+        lambda: tensor_stats(run, selector="layers.*.mlpp"),
+        lambda: plots.norms(run, selector="layers.*.mlpp"),
+        lambda: plots.update_heatmap(run, selector="nothing.here", spikes=None),
+    ):
         with pytest.raises(TensorNotFoundError, match="matches no tensor"):
             draw()
     ax = plots.norms(run, selector="layers.*.mlp")  # and a hit draws every one
@@ -143,8 +188,8 @@ def test_a_miss_says_what_was_meant(runs: dict[str, tuple[Path, Any]],
 
 
 def test_tied_names_resolve_everywhere_and_say_they_are_tied(
-        runs: dict[str, tuple[Path, Any]], capsys: pytest.CaptureFixture[str],
-        tmp_path: Path) -> None:
+    runs: dict[str, tuple[Path, Any]], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     from safetensors.torch import load_file
 
     path, model = runs["gpt2"]
@@ -161,8 +206,10 @@ def test_tied_names_resolve_everywhere_and_say_they_are_tied(
     assert _same(traj.sel(step=3), model.transformer.wte.weight.detach())
     tree = snap.layer("lm_head")
     assert tree["lm_head/weight"].attrs["tied_to"] == "transformer.wte.weight"
-    assert snap.tensor("lm_head.weight", state="exp_avg").attrs["tied_to"] == \
-        "optim/exp_avg/transformer/wte/weight"
+    assert (
+        snap.tensor("lm_head.weight", state="exp_avg").attrs["tied_to"]
+        == "optim/exp_avg/transformer/wte/weight"
+    )
     assert main(["show", str(path), "--select", "lm_head"]) == 0
     row = next(x for x in capsys.readouterr().out.splitlines() if "lm_head.weight" in x)
     assert "tied to transformer.wte.weight" in row
@@ -187,7 +234,8 @@ def test_tied_names_resolve_everywhere_and_say_they_are_tied(
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_load_into_is_exact_into_the_plain_and_the_compiled_model(
-        runs: dict[str, tuple[Path, Any]], name: str, compiled: bool) -> None:
+    runs: dict[str, tuple[Path, Any]], name: str, compiled: bool
+) -> None:
     path, model = runs[name]
     build = {"llama": _llama, "gpt2": _gpt2}[name]
     torch.manual_seed(5)
@@ -198,20 +246,20 @@ def test_load_into_is_exact_into_the_plain_and_the_compiled_model(
     assert result.missing_keys == []
     assert result.unexpected_keys == []
     assert len(result.loaded_keys) == len(target.state_dict())
-    for (n, a), (_, b) in zip(fresh.state_dict().items(), model.state_dict().items(),
-                              strict=True):
+    for (n, a), (_, b) in zip(fresh.state_dict().items(), model.state_dict().items(), strict=True):
         assert torch.equal(a, b), n
     assert len(opt.state) == len(list(fresh.parameters()))
 
 
 def test_hf_export_opens_with_from_pretrained_and_gives_identical_logits(
-        runs: dict[str, tuple[Path, Any]], tmp_path: Path,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    runs: dict[str, tuple[Path, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     for name in ("llama", "gpt2", "mixtral"):
         path, model = runs[name]
         out = tmp_path / name
-        assert main(["export", str(path), "--format", "hf", "-o", str(out)]) == 0, \
+        assert main(["export", str(path), "--format", "hf", "-o", str(out)]) == 0, (
             capsys.readouterr().err
+        )
         assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
         loaded = type(model).from_pretrained(out)
         model.eval()
@@ -226,41 +274,62 @@ def test_hf_export_opens_with_from_pretrained_and_gives_identical_logits(
 
 
 def test_hf_export_of_a_run_without_a_config_needs_one(
-        runs: dict[str, tuple[Path, Any]], tmp_path: Path,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    runs: dict[str, tuple[Path, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     model = runs["llama"][1]
     bare = tmp_path / "bare"  # the model's tensors, written without the session's objects
-    save(bare, 1, {f"params/{n.replace('.', '/')}": t.detach().numpy()
-                   for n, t in model.state_dict().items()})
+    save(
+        bare,
+        1,
+        {
+            f"params/{n.replace('.', '/')}": t.detach().numpy()
+            for n, t in model.state_dict().items()
+        },
+    )
     assert main(["export", str(bare), "--format", "hf", "-o", str(tmp_path / "x")]) == 2
     assert "no model config" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--config PATH"):
         dstt.open(bare).at(1).export(tmp_path / "x", "hf")
     model.config.save_pretrained(tmp_path / "cfg")
-    assert main(["export", str(bare), "--format", "hf", "-o", str(tmp_path / "x"),
-                 "--config", str(tmp_path / "cfg")]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(bare),
+                "--format",
+                "hf",
+                "-o",
+                str(tmp_path / "x"),
+                "--config",
+                str(tmp_path / "cfg"),
+            ]
+        )
+        == 0
+    )
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "x")
     with torch.no_grad():
         assert torch.equal(loaded(input_ids=IDS).logits, model.eval()(input_ids=IDS).logits)
 
 
 def test_a_run_stored_with_wrapper_prefixes_opens_under_plain_names(
-        runs: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
+    runs: dict[str, tuple[Path, Any]], tmp_path: Path
+) -> None:
     from safetensors.torch import load_file
 
     model = runs["llama"][1]
     compiled = torch.compile(model, backend="eager")
     old = tmp_path / "old"  # what capture wrote for a compiled model before it dropped them
-    arrays = {f"params/{n.replace('.', '/')}": t.detach().numpy()
-              for n, t in compiled.state_dict().items()}
+    arrays = {
+        f"params/{n.replace('.', '/')}": t.detach().numpy()
+        for n, t in compiled.state_dict().items()
+    }
     assert all("/_orig_mod/" in p for p in arrays)
     for step in (1, 2):
         save(old, step, arrays)
     run = dstt.open(old)
     snap = run.at(2)
     assert "model.norm.weight" in snap.names()
-    assert not any("_orig_mod" in n
-                                                           for n in snap.names())
+    assert not any("_orig_mod" in n for n in snap.names())
     assert _same(snap.tensor("norm.weight"), model.model.norm.weight.detach())
     assert _same(snap.tensor("_orig_mod.model.norm.weight"), model.model.norm.weight.detach())
     assert run.trajectory("layers.1.mlp.up_proj.weight").sizes["step"] == 2
@@ -270,12 +339,15 @@ def test_a_run_stored_with_wrapper_prefixes_opens_under_plain_names(
     torch.manual_seed(9)
     plain = _llama()
     snap.load_into(plain)
-    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
-                                                 model.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(plain.state_dict().values(), model.state_dict().values(), strict=True)
+    )
 
 
 def test_fused_experts_are_named_and_one_expert_is_selected(
-        runs: dict[str, tuple[Path, Any]]) -> None:
+    runs: dict[str, tuple[Path, Any]],
+) -> None:
     path, model = runs["mixtral"]
     snap = dstt.open(path).at(3)
     gate_up = snap.tensor("layers.0.mlp.experts.gate_up_proj")

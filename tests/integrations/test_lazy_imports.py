@@ -23,8 +23,7 @@ show()
 
 def test_import_dstt_imports_no_framework_and_each_callback_only_its_own() -> None:
     pytest.importorskip("transformers")
-    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, check=True)
     bare, with_hf = out.stdout.splitlines()
     assert bare.split() == ["False", "False", "False"]
     assert with_hf.split() == ["True", "False", "True"]

@@ -46,9 +46,16 @@ def _one_thread() -> object:
     torch.set_num_threads(n)
 
 
-def _fit(run: Path | None, *, steps: int = STEPS, stop_at: int | None = None,
-         resume: bool = False, stateful: bool = False, accum: int = 1,
-         hashes: bool = False) -> tuple[Recorder, object, object]:
+def _fit(
+    run: Path | None,
+    *,
+    steps: int = STEPS,
+    stop_at: int | None = None,
+    resume: bool = False,
+    stateful: bool = False,
+    accum: int = 1,
+    hashes: bool = False,
+) -> tuple[Recorder, object, object]:
     m = model()
     rec = Recorder(stop_at=stop_at, hashes=hashes)
     cbs = [rec] + ([DsttCallback(run=run, resume=resume)] if run is not None else [])
@@ -101,11 +108,14 @@ def test_manual_optimization_commits_each_step(tmp_path: Path) -> None:
     assert {h.step: h.metrics["train_loss"] for h in heads} == rec.losses
 
 
-@pytest.mark.parametrize(("stop", "stateful"), [(6, False), (6, True), (4, True)],
-                         ids=["epoch-end", "epoch-end-stateful-loader",
-                              "mid-epoch-stateful-loader"])
-def test_stop_and_resume_matches_an_uninterrupted_run(tmp_path: Path, reference, stop: int,
-                                                      stateful: bool) -> None:
+@pytest.mark.parametrize(
+    ("stop", "stateful"),
+    [(6, False), (6, True), (4, True)],
+    ids=["epoch-end", "epoch-end-stateful-loader", "mid-epoch-stateful-loader"],
+)
+def test_stop_and_resume_matches_an_uninterrupted_run(
+    tmp_path: Path, reference, stop: int, stateful: bool
+) -> None:
     ref_losses, _, ref_final = reference
     run = tmp_path / "run"
     first, _, _ = _fit(run, stop_at=stop, stateful=stateful)
@@ -119,7 +129,8 @@ def test_stop_and_resume_matches_an_uninterrupted_run(tmp_path: Path, reference,
 
 
 def test_mid_epoch_with_a_plain_loader_resumes_the_state_not_the_batches(
-        tmp_path: Path, reference) -> None:
+    tmp_path: Path, reference
+) -> None:
     """As with Lightning's own checkpoints: the right step, the exact model and optimizer,
     but a plain loader replays the epoch from its first batch (Lightning warns)."""
     _, ref_hashes, _ = reference
@@ -154,8 +165,13 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path: Path, refere
     ref_losses, _, ref_final = reference
     run, kill_at = tmp_path / "run", 8
     cmd = [sys.executable, str(HERE / "pl_child.py")]
-    proc = subprocess.Popen([*cmd, "fresh", str(run), str(STEPS)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=_env())
+    proc = subprocess.Popen(
+        [*cmd, "fresh", str(run), str(STEPS)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+    )
     lines = []
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -171,8 +187,13 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path: Path, refere
     head = repo.reader().head()
     assert head is not None
     assert 1 <= head.step <= kill_at
-    done = subprocess.run([*cmd, "resume", str(run), str(STEPS)], capture_output=True,
-                          text=True, env=_env(), timeout=120)
+    done = subprocess.run(
+        [*cmd, "resume", str(run), str(STEPS)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     start, after, final = -1, {}, None
     for line in done.stdout.splitlines():

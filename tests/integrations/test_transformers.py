@@ -46,8 +46,15 @@ def _heads(run: Path) -> list:
     return Repository.open(run).reader().lineage()
 
 
-def _train(run: Path | None, tmp: Path, *, steps: int = STEPS, stop_at: int | None = None,
-           resume: bool = False, **kw: object) -> tuple[Recorder, object, DsttCallback | None]:
+def _train(
+    run: Path | None,
+    tmp: Path,
+    *,
+    steps: int = STEPS,
+    stop_at: int | None = None,
+    resume: bool = False,
+    **kw: object,
+) -> tuple[Recorder, object, DsttCallback | None]:
     model = tiny_gpt2()
     rec = Recorder(stop_at=stop_at)
     cb = DsttCallback(run=run, resume=resume) if run is not None else None
@@ -74,7 +81,8 @@ def test_every_step_is_committed_with_its_logged_values(tmp_path: Path, referenc
         assert {"learning_rate", "grad_norm", "epoch"} <= set(h.metrics)
     # the rate each update used (2 warmup steps, then linear decay), as the Trainer logs it
     assert [h.metrics["learning_rate"] for h in heads[:4]] == pytest.approx(
-        [0.0, 1.5e-3, 3e-3, 3e-3 * 7 / 8])
+        [0.0, 1.5e-3, 3e-3, 3e-3 * 7 / 8]
+    )
     assert state_hash(tr.model, tr.optimizer.optimizer) == reference[1]  # capture perturbs nothing
     reader = Repository.open(run).reader()
     head = reader.head()
@@ -95,8 +103,7 @@ def test_gradient_accumulation_commits_once_per_optimizer_step(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("stop", [4, 6], ids=["mid-epoch", "epoch-end"])
-def test_stop_and_resume_matches_an_uninterrupted_run(tmp_path: Path, reference,
-                                                      stop: int) -> None:
+def test_stop_and_resume_matches_an_uninterrupted_run(tmp_path: Path, reference, stop: int) -> None:
     ref_losses, ref_final = reference
     run = tmp_path / "run"
     first, _, _ = _train(run, tmp_path, stop_at=stop)
@@ -136,15 +143,13 @@ class _RaiseAt(TrainerCallback):  # type: ignore[misc]
         if self.where == "forward" and state.global_step == self.step:  # type: ignore[attr-defined]
             raise _Boom  # in the next iteration: step `step` had finished
 
-    def on_optimizer_step(self, args: object, state: object, control: object,
-                          **kw: object) -> None:
+    def on_optimizer_step(self, args: object, state: object, control: object, **kw: object) -> None:
         if self.where == "update" and state.global_step + 1 == self.step:  # type: ignore[attr-defined]
             raise _Boom  # after the optimizer step, before the scheduler stepped
 
 
 @pytest.mark.parametrize(("where", "head"), [("forward", 3), ("update", 2)])
-def test_an_exception_commits_only_finished_steps(tmp_path: Path, where: str,
-                                                  head: int) -> None:
+def test_an_exception_commits_only_finished_steps(tmp_path: Path, where: str, head: int) -> None:
     run = tmp_path / "run"
     cb = DsttCallback(run=run)
     tr = trainer(tiny_gpt2(), str(tmp_path / "out"), [_RaiseAt(3, where), cb], max_steps=6)
@@ -197,8 +202,13 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path: Path, refere
     ref_losses, ref_final = reference
     run, out, kill_at = tmp_path / "run", str(tmp_path / "out"), 8
     cmd = [sys.executable, str(HERE / "hf_child.py")]
-    proc = subprocess.Popen([*cmd, "fresh", str(run), out, str(STEPS)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=_env())
+    proc = subprocess.Popen(
+        [*cmd, "fresh", str(run), out, str(STEPS)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+    )
     lines = []
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -214,8 +224,13 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path: Path, refere
     head = repo.reader().head()
     assert head is not None
     assert 1 <= head.step <= kill_at
-    done = subprocess.run([*cmd, "resume", str(run), out, str(STEPS)], capture_output=True,
-                          text=True, env=_env(), timeout=120)
+    done = subprocess.run(
+        [*cmd, "resume", str(run), out, str(STEPS)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     start, after, final = _parse(done.stdout)
     assert start == head.step

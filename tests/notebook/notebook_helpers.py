@@ -69,17 +69,31 @@ def summaries_at(step: int, shift: float = 0.0) -> dict[str, Any]:
         x = a.astype(np.float64)
         l2 = float(np.linalg.norm(x))
         upd = None if prev is None else float(np.linalg.norm(x - prev[p]))
-        out[p] = {"l2": l2, "rms": l2 / np.sqrt(x.size), "maxabs": float(np.abs(x).max()),
-                  "nan": 0, "inf": 0, "update_l2": upd,
-                  "update_ratio": None if upd is None or l2 == 0 else upd / l2,
-                  "probe": [], "update_exact": upd is not None}
+        out[p] = {
+            "l2": l2,
+            "rms": l2 / np.sqrt(x.size),
+            "maxabs": float(np.abs(x).max()),
+            "nan": 0,
+            "inf": 0,
+            "update_l2": upd,
+            "update_ratio": None if upd is None or l2 == 0 else upd / l2,
+            "probe": [],
+            "update_exact": upd is not None,
+        }
     return out
 
 
-def write_run(path: Path, steps: list[int], *, summaries: bool = False, shift: float = 0.0,
-              loss: Callable[[int], float] = loss_at) -> None:
+def write_run(
+    path: Path,
+    steps: list[int],
+    *,
+    summaries: bool = False,
+    shift: float = 0.0,
+    loss: Callable[[int], float] = loss_at,
+) -> None:
     storage = LocalStorage(path, create=True, durability="none")  # tests need no fsync
     for s in steps:
         objects = {"summaries": summaries_at(s, shift)} if summaries else None
-        save(storage, s, arrays_at(s, shift), objects=objects,
-             metrics={"loss": loss(s), "lr": 1e-3})
+        save(
+            storage, s, arrays_at(s, shift), objects=objects, metrics={"loss": loss(s), "lr": 1e-3}
+        )

@@ -79,10 +79,14 @@ def _free_port() -> int:
 def _notebook(path: Path) -> None:
     import nbformat
 
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SETUP),
-                                         nbformat.v4.new_code_cell(SHOW)])
-    nb.metadata["kernelspec"] = {"name": KERNEL, "display_name": "dstt browser test",
-                                 "language": "python"}
+    nb = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(SETUP), nbformat.v4.new_code_cell(SHOW)]
+    )
+    nb.metadata["kernelspec"] = {
+        "name": KERNEL,
+        "display_name": "dstt browser test",
+        "language": "python",
+    }
     nbformat.write(nb, path)
 
 
@@ -92,27 +96,53 @@ def _jupyterlab(root: Path, home: Path) -> Iterator[str]:
     port, token = _free_port(), secrets.token_hex(16)
     spec = home / "data" / "kernels" / KERNEL
     spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "dstt browser test", "language": "python"}))
+    (spec / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "dstt browser test",
+                "language": "python",
+            }
+        )
+    )
     labconfig = home / "config" / "labconfig"
     labconfig.mkdir(parents=True)
-    (labconfig / "page_config.json").write_text(json.dumps(  # no "news?" toast over the view
-        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
-    env = {**os.environ, "JUPYTER_PATH": str(home / "data"),
-           "JUPYTER_CONFIG_DIR": str(home / "config"),
-           "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
-           "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces")}
+    (labconfig / "page_config.json").write_text(
+        json.dumps(  # no "news?" toast over the view
+            {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}
+        )
+    )
+    env = {
+        **os.environ,
+        "JUPYTER_PATH": str(home / "data"),
+        "JUPYTER_CONFIG_DIR": str(home / "config"),
+        "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+        "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
+    }
     log = (home / "jupyterlab.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
-         "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
-         f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}",
-         "--ServerApp.port_retries=0", "--LabApp.news_url=None",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-         "--LabApp.expose_app_in_browser=True"],
-        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--allow-root",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            f"--ServerApp.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--ServerApp.port_retries=0",
+            "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            "--LabApp.expose_app_in_browser=True",
+        ],
+        cwd=root,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -122,8 +152,10 @@ def _jupyterlab(root: Path, home: Path) -> Iterator[str]:
                     break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("JupyterLab did not start; log:\n"
-                                       + (home / "jupyterlab.log").read_text()[-3000:]) from None
+                    raise RuntimeError(
+                        "JupyterLab did not start; log:\n"
+                        + (home / "jupyterlab.log").read_text()[-3000:]
+                    ) from None
                 time.sleep(0.3)
         yield f"{base}|{token}"
     finally:
@@ -197,16 +229,26 @@ def test_scrubber_moves_in_jupyterlab(tmp_path: Path) -> None:
     _notebook(root / "scrub.ipynb")
     with _jupyterlab(root, tmp_path / "jupyter") as where, sync_playwright() as pw:
         base, token = where.split("|")
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--no-first-run", "--disable-dev-shm-usage"])
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--no-first-run",
+                "--disable-dev-shm-usage",
+            ],
+        )
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1100})
             page.goto(f"{base}/lab/tree/scrub.ipynb?token={token}")
             page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-            page.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                                   " && window.jupyterapp.shell.currentWidget.sessionContext",
-                                   timeout=90_000)
+            page.wait_for_function(
+                "window.jupyterapp && window.jupyterapp.shell.currentWidget"
+                " && window.jupyterapp.shell.currentWidget.sessionContext",
+                timeout=90_000,
+            )
             page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.ready")
             page.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
             assert _label_step(page) == STEPS
@@ -221,16 +263,19 @@ def test_scrubber_moves_in_jupyterlab(tmp_path: Path) -> None:
             page.keyboard.press("ArrowLeft")
             page.keyboard.press("ArrowLeft")  # to the spike at step 9
             expect(page.locator(".dstt-scrubber-label .dstt-step")).to_have_attribute(
-                "data-step", str(STEPS - 3), timeout=30_000)
+                "data-step", str(STEPS - 3), timeout=30_000
+            )
             expect(label).to_contain_text("SPIKE", timeout=10_000)
             expect(page.locator(".dstt-scrubber .widget-readout").first).to_contain_text(
-                str(STEPS - 3))
+                str(STEPS - 3)
+            )
 
             # what the user sees moved too: every view's pixels are the kernel's new drawing
             assert page.evaluate(KERNEL_JS, DUMP) == "ok"
             drawn = {k: (root / f"kernel-{k}.png").read_bytes() for k in VIEWS}
-            after = _wait_shown(page, lambda v: v == drawn,
-                                f"the kernel's drawing of step {STEPS - 3}")
+            after = _wait_shown(
+                page, lambda v: v == drawn, f"the kernel's drawing of step {STEPS - 3}"
+            )
             for k in VIEWS:
                 assert after[k] != before[k], f"the {k} view did not change with the step"
             page.screenshot(path=str(tmp_path / "scrubber.png"), full_page=True)

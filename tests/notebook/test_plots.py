@@ -24,8 +24,15 @@ def axes() -> Any:
 
 
 def expected_stats(steps: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    l2 = np.array([[np.linalg.norm(arrays_at(s)[f"params/{n.replace('.', '/')}"]
-                                   .astype(np.float64)) for n in PARAMS] for s in steps])
+    l2 = np.array(
+        [
+            [
+                np.linalg.norm(arrays_at(s)[f"params/{n.replace('.', '/')}"].astype(np.float64))
+                for n in PARAMS
+            ]
+            for s in steps
+        ]
+    )
     upd = np.full_like(l2, np.nan)
     for i in range(1, len(steps)):
         a, b = arrays_at(steps[i - 1]), arrays_at(steps[i])
@@ -37,15 +44,14 @@ def expected_stats(steps: list[int]) -> tuple[np.ndarray, np.ndarray]:
 
 def test_import_needs_no_matplotlib() -> None:
     code = "import sys, dstt.plots, dstt.widgets; print('matplotlib' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("which", ["run", "summarized_run"])
-def test_tensor_stats_from_summaries_equal_those_from_tensors(which: str,
-                                                              request: pytest.FixtureRequest
-                                                              ) -> None:
+def test_tensor_stats_from_summaries_equal_those_from_tensors(
+    which: str, request: pytest.FixtureRequest
+) -> None:
     run = request.getfixturevalue(which)
     ds = P.tensor_stats(run)
     assert ds.attrs["source"] == ("summaries" if which == "summarized_run" else "tensors")
@@ -93,8 +99,9 @@ def test_update_heatmap_draws_the_ratio_matrix(summarized_run: Any) -> None:
     l2, _ = expected_stats(STEPS)
     want = np.ma.masked_invalid((upd / l2).T)
     got = mesh.get_array()
-    np.testing.assert_allclose(got.filled(np.nan).reshape(want.shape),
-                               want.filled(np.nan), rtol=1e-5)
+    np.testing.assert_allclose(
+        got.filled(np.nan).reshape(want.shape), want.filled(np.nan), rtol=1e-5
+    )
     assert [t.get_text() for t in ax.get_yticklabels()] == PARAMS
     # the dashed line marks the update that caused the spike: the column whose weights
     # produced the bad loss, one step before the loss jumped
@@ -121,8 +128,9 @@ def test_step_change_previous_and_first(run: Any) -> None:
     assert ch.attrs["reference"] == 4
     assert ch.attrs["source"] == "tensors"
     exact = run.diff(4, 5)
-    np.testing.assert_allclose(ch["ratio"].values,
-                               exact["ratio"].sel(tensor=list(ch["tensor"].values)).values)
+    np.testing.assert_allclose(
+        ch["ratio"].values, exact["ratio"].sel(tensor=list(ch["tensor"].values)).values
+    )
 
 
 def test_tensor_plot_kinds() -> None:

@@ -52,8 +52,13 @@ def test_initial_state_is_the_head(run: Any) -> None:
     assert m.timeline == "main"
     assert m.metric == "loss"
     assert m.tensor == "big.weight"  # the first matrix-shaped parameter
-    assert m.tensors == ["big.weight", "emb.weight", "layers.0.attn.bias",
-                         "layers.0.attn.weight", "layers.1.mlp.weight"]
+    assert m.tensors == [
+        "big.weight",
+        "emb.weight",
+        "layers.0.attn.bias",
+        "layers.0.attn.weight",
+        "layers.1.mlp.weight",
+    ]
     assert list(s.slider.options) == STEPS
     assert s.slider.value == STEPS[-1]
     assert s.slider.continuous_update is False
@@ -73,10 +78,12 @@ def test_moving_the_slider_updates_model_label_and_views(run: Any) -> None:
     assert list(art["cursor"].get_xdata()) == [5, 5]
     assert art["point"].get_xdata()[0] == 5
     assert art["point"].get_ydata()[0] == pytest.approx(loss_at(5))
-    np.testing.assert_array_equal(s.views["tensor"].artists["image"].get_array(),
-                                  arrays_at(5)["params/layers/0/attn/weight"])
-    np.testing.assert_array_equal(s.views["tensor"].artists["image"].get_array(),
-                                  values(run, 5, "layers.0.attn.weight"))
+    np.testing.assert_array_equal(
+        s.views["tensor"].artists["image"].get_array(), arrays_at(5)["params/layers/0/attn/weight"]
+    )
+    np.testing.assert_array_equal(
+        s.views["tensor"].artists["image"].get_array(), values(run, 5, "layers.0.attn.weight")
+    )
 
 
 def test_spike_is_marked_and_labelled(run: Any) -> None:
@@ -140,20 +147,23 @@ def test_change_mode_against_previous_and_pinned_reference(run: Any) -> None:
     s.mode_picker.value = "change"
     assert m.reference is None
     assert m.reference_step == 9
-    np.testing.assert_allclose(s.views["tensor"].artists["image"].get_array(),
-                               values(run, 10, "emb.weight").astype(np.float64)
-                               - values(run, 9, "emb.weight"))
+    np.testing.assert_allclose(
+        s.views["tensor"].artists["image"].get_array(),
+        values(run, 10, "emb.weight").astype(np.float64) - values(run, 9, "emb.weight"),
+    )
     s.slider.value = 3
     s.pin_button.click()
     s.slider.value = 12
     assert m.reference == 3
     assert "reference 3 (pinned)" in s.label.value
-    np.testing.assert_allclose(s.views["tensor"].artists["image"].get_array(),
-                               values(run, 12, "emb.weight").astype(np.float64)
-                               - values(run, 3, "emb.weight"))
+    np.testing.assert_allclose(
+        s.views["tensor"].artists["image"].get_array(),
+        values(run, 12, "emb.weight").astype(np.float64) - values(run, 3, "emb.weight"),
+    )
     assert s.views["loss"].artists["reference"].get_xdata()[0] == 3
-    ratios = dict(zip(s.views["change"].artists["names"], s.views["change"].artists["ratios"],
-                      strict=True))
+    ratios = dict(
+        zip(s.views["change"].artists["names"], s.views["change"].artists["ratios"], strict=True)
+    )
     exact = run.diff(3, 12)
     for name, r in ratios.items():
         assert r == pytest.approx(float(exact["ratio"].sel(tensor=name)))
@@ -170,8 +180,9 @@ def test_first_step_has_no_previous_reference(run: Any) -> None:
     assert s.error is None
 
 
-def test_change_view_ranks_the_jumping_layer_first_at_its_update(run: Any,
-                                                                  summarized_run: Any) -> None:
+def test_change_view_ranks_the_jumping_layer_first_at_its_update(
+    run: Any, summarized_run: Any
+) -> None:
     for r in (run, summarized_run):
         s = scrub(r, step=CAUSE_STEP)
         change = s.model.change()
@@ -186,7 +197,8 @@ def test_change_view_ranks_the_jumping_layer_first_at_its_update(run: Any,
 
 
 def test_widgets_opened_from_a_spike_show_the_update_that_caused_it(
-        run: Any, summarized_run: Any) -> None:
+    run: Any, summarized_run: Any
+) -> None:
     jumper = "params/layers/1/mlp/weight"
     for r in (run, summarized_run):
         (sp,) = r.spikes(window=WINDOW)
@@ -199,12 +211,16 @@ def test_widgets_opened_from_a_spike_show_the_update_that_caused_it(
             assert m.tensor == JUMPER  # the tensor that moved most in that update
             change = opened.views["change"]
             assert change.artists["names"][0] == JUMPER
-            assert change.fig.axes[0].get_title().startswith(
-                f"change {CAUSE_STEP - 1} → {CAUSE_STEP}")
+            assert (
+                change.fig.axes[0].get_title().startswith(f"change {CAUSE_STEP - 1} → {CAUSE_STEP}")
+            )
             np.testing.assert_allclose(
                 opened.views["tensor"].artists["image"].get_array(),
-                (arrays_at(CAUSE_STEP)[jumper].astype(np.float64)
-                 - arrays_at(CAUSE_STEP - 1)[jumper]).reshape(4, 6))
+                (
+                    arrays_at(CAUSE_STEP)[jumper].astype(np.float64)
+                    - arrays_at(CAUSE_STEP - 1)[jumper]
+                ).reshape(4, 6),
+            )
             assert f"cause of the spike at {SPIKE_STEP}" in opened.label.value
     c = W.compare(run, spike=sp)
     assert (c.model.a.step, c.model.b.step) == (CAUSE_STEP - 1, CAUSE_STEP)
@@ -286,8 +302,9 @@ def test_timeline_picker_follows_a_rollback(tmp_path: Path) -> None:
     assert list(s.slider.options) == m.steps
     assert s.play.max == 24
     assert m.spikes == []  # the rollback timeline skipped the spike
-    np.testing.assert_array_equal(s.views["tensor"].artists["image"].get_array(),
-                                  arrays_at(25, 1.0)["params/big/weight"][::3])
+    np.testing.assert_array_equal(
+        s.views["tensor"].artists["image"].get_array(), arrays_at(25, 1.0)["params/big/weight"][::3]
+    )
     s.slider.value = 20
     assert m.metric_value == pytest.approx(smooth_loss(20))
     s.timeline_picker.value = "main"
@@ -336,9 +353,10 @@ def test_compare_two_steps_and_two_timelines(tmp_path: Path) -> None:
     c.tensor_picker.value = "emb.weight"
     art = c.views["tensors"].artists
     np.testing.assert_array_equal(art["a"]["image"].get_array(), arrays_at(10)["params/emb/weight"])
-    np.testing.assert_allclose(art["delta"]["image"].get_array(),
-                               arrays_at(25)["params/emb/weight"].astype(np.float64)
-                               - arrays_at(10)["params/emb/weight"])
+    np.testing.assert_allclose(
+        art["delta"]["image"].get_array(),
+        arrays_at(25)["params/emb/weight"].astype(np.float64) - arrays_at(10)["params/emb/weight"],
+    )
     assert c.views["loss"].artists["cursor_b"].get_xdata()[0] == 25
 
     new = run.rollback(to=15)
@@ -351,8 +369,9 @@ def test_compare_two_steps_and_two_timelines(tmp_path: Path) -> None:
     assert f"B {new}@20" in c2.label.value
 
 
-def test_missing_ipywidgets_gives_the_install_hint(run: Any, monkeypatch: pytest.MonkeyPatch
-                                                   ) -> None:
+def test_missing_ipywidgets_gives_the_install_hint(
+    run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # makes `import ipywidgets` fail
     with pytest.raises(ImportError, match=r"pip install 'dstt\[notebook\]'"):
         W.scrubber(run)
@@ -404,15 +423,17 @@ def test_a_run_without_metrics_and_a_single_step(tmp_path: Path) -> None:
     assert "loss" not in s.label.value
     assert s.views["loss"].artists == {}
     assert s.views["change"].artists == {}
-    np.testing.assert_array_equal(s.views["tensor"].artists["image"].get_array(),
-                                  np.arange(6).reshape(2, 3))
+    np.testing.assert_array_equal(
+        s.views["tensor"].artists["image"].get_array(), np.arange(6).reshape(2, 3)
+    )
     s.next_button.click()
     assert s.model.step == 7
     assert s.error is None
 
 
 def test_change_views_work_after_the_timeline_they_were_written_on_is_renamed(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """Commits keep the timeline name they were written under; the views must read along
     the timeline the user is looking at, not that (renamed) name."""
     path = tmp_path / "run"

@@ -45,24 +45,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spawn(phase: str, world: int, root: Path, out: Path, kinds: str,
-          tag: str | None = None) -> list[subprocess.Popen[bytes]]:
+def spawn(
+    phase: str, world: int, root: Path, out: Path, kinds: str, tag: str | None = None
+) -> list[subprocess.Popen[bytes]]:
     """``world`` ranks of ``phase`` (``world == 0``: one plain process, no process group)."""
     port = free_port()
     procs = []
     for rank in range(max(world, 1)):
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        }
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
         env["DSTT_TEST_HANG_S"] = str(PHASE_TIMEOUT)
         env["DSTT_TEST_TAG"] = tag or phase
         if world:
-            env.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port))
+            env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
         with open(out / f"{tag or phase}.r{rank}.log", "wb") as log:  # the child keeps its fd
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), phase, str(root),
-                                           str(out), kinds], env=env, stdout=log,
-                                          stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), phase, str(root), str(out), kinds],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     return procs
 
 
@@ -94,10 +107,20 @@ def committed(run: Path) -> int:
     plain reader would, without dstt's process."""
     try:
         out = subprocess.run(
-            [sys.executable, "-c", "import sys, dstt; print(len(dstt.open(sys.argv[1]).steps))",
-             str(run)], capture_output=True, text=True, timeout=60,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                [str(ROOT), os.environ.get("PYTHONPATH", "")])})
+            [
+                sys.executable,
+                "-c",
+                "import sys, dstt; print(len(dstt.open(sys.argv[1]).steps))",
+                str(run),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            },
+        )
         return int(out.stdout.strip() or 0)
     except (subprocess.TimeoutExpired, ValueError):
         return 0
@@ -123,8 +146,7 @@ def crash(kind: str, root: Path, out: Path) -> dict[str, Any]:
         time.sleep(0.5)
         procs[0].send_signal(signal.SIGKILL)
         procs[0].wait()
-    return {"committed_before_kill": before,
-            "exit": [p.returncode for p in procs]}
+    return {"committed_before_kill": before, "exit": [p.returncode for p in procs]}
 
 
 @pytest.fixture(scope="session")
@@ -135,11 +157,15 @@ def rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out.mkdir()
     kinds = ",".join(KINDS)
     results: dict[str, Any] = {"root": root, "out": out}
-    for phase, world, ks, tag in (("train", 2, kinds, "train"), ("single", 0, kinds, "single"),
-                                  ("grow", 2, kinds, "grow"), ("train", 4, "fsdp_tp", "train4"),
-                                  ("single", 0, "fsdp_tp", "single4"),
-                                  ("grow", 4, "fsdp_tp", "grow4"),
-                                  ("misuse", 2, "ddp", "misuse")):
+    for phase, world, ks, tag in (
+        ("train", 2, kinds, "train"),
+        ("single", 0, kinds, "single"),
+        ("grow", 2, kinds, "grow"),
+        ("train", 4, "fsdp_tp", "train4"),
+        ("single", 0, "fsdp_tp", "single4"),
+        ("grow", 4, "fsdp_tp", "grow4"),
+        ("misuse", 2, "ddp", "misuse"),
+    ):
         wait(spawn(phase, world, root, out, ks, tag=tag))
         results[tag] = reports(tag, world, out)
     for kind in CRASH_KINDS:
@@ -149,25 +175,48 @@ def rank_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return results
 
 
-def spawn_framework(framework: str, mode: str, strategy: str, steps: int, root: Path,
-                    out: Path) -> tuple[str, list[subprocess.Popen[bytes]]]:
+def spawn_framework(
+    framework: str, mode: str, strategy: str, steps: int, root: Path, out: Path
+) -> tuple[str, list[subprocess.Popen[bytes]]]:
     """Two ranks of ``frameworks_worker.py`` with torchrun's environment (the frameworks make
     their own process group)."""
     tag = f"{framework}-{strategy}-{mode}"
     port = free_port()
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "dstt",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DSTT_TEST_TAG": tag,
-               "DSTT_TEST_HANG_S": str(PHASE_TIMEOUT),
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "0",
+            "TORCHELASTIC_RUN_ID": "dstt",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "DSTT_TEST_TAG": tag,
+            "DSTT_TEST_HANG_S": str(PHASE_TIMEOUT),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
         run = root / f"{framework}-{strategy}"
         with open(out / f"{tag}.r{rank}.log", "wb") as log:  # the child keeps its fd
-            procs.append(subprocess.Popen(
-                [sys.executable, str(FRAMEWORKS_WORKER), framework, mode, str(run), str(out),
-                 str(steps), strategy],
-                env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(FRAMEWORKS_WORKER),
+                        framework,
+                        mode,
+                        str(run),
+                        str(out),
+                        str(steps),
+                        strategy,
+                    ],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     return tag, procs
 
 

@@ -58,9 +58,12 @@ def run_hf(mode: str, run: str, out: str, steps: int) -> dict[str, Any]:
         cbs.append(cb)
     tr = trainer(model, out, cbs, max_steps=steps, ddp_backend="gloo")
     tr.train(resume_from_checkpoint=cb.resume_from() if mode == "resume" else None)
-    return {"losses": rec.losses, "start": rec.start,
-            "hash": local_hash(model, tr.optimizer.optimizer),
-            "world": tr.args.world_size}
+    return {
+        "losses": rec.losses,
+        "start": rec.start,
+        "hash": local_hash(model, tr.optimizer.optimizer),
+        "world": tr.args.world_size,
+    }
 
 
 def run_pl(mode: str, run: str, steps: int, strategy: str) -> dict[str, Any]:
@@ -93,13 +96,27 @@ def run_pl(mode: str, run: str, steps: int, strategy: str) -> dict[str, Any]:
         from lightning.pytorch.strategies import DDPStrategy
 
         strat = DDPStrategy(process_group_backend="gloo")
-    tr = Trainer(max_steps=steps, accelerator="cpu", devices=2, num_nodes=1, strategy=strat,
-                 logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                 enable_model_summary=False, num_sanity_val_steps=0, callbacks=cbs,
-                 use_distributed_sampler=False)
+    tr = Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=2,
+        num_nodes=1,
+        strategy=strat,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=cbs,
+        use_distributed_sampler=False,
+    )
     tr.fit(model, ResumableLoader(loader()))
-    return {"losses": rec.losses, "start": rec.start,
-            "hash": local_hash(model, tr.optimizers[0]), "world": tr.world_size}
+    return {
+        "losses": rec.losses,
+        "start": rec.start,
+        "hash": local_hash(model, tr.optimizers[0]),
+        "world": tr.world_size,
+    }
 
 
 def main() -> None:

@@ -27,7 +27,8 @@ def _ok(results: dict[str, Any], tag: str) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize(("framework", "strategy", "steps"), FRAMEWORK_CASES)
 def test_the_callback_commits_every_step_and_resumes_bit_exactly_on_every_rank(
-        framework_results: dict[str, Any], framework: str, strategy: str, steps: int) -> None:
+    framework_results: dict[str, Any], framework: str, strategy: str, steps: int
+) -> None:
     plain = _ok(framework_results, f"{framework}-{strategy}-plain")
     fresh = _ok(framework_results, f"{framework}-{strategy}-fresh")
     resumed = _ok(framework_results, f"{framework}-{strategy}-resume")

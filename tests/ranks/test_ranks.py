@@ -25,8 +25,19 @@ from .conftest import CRASH_KINDS, KINDS
 pytestmark = pytest.mark.timeout(1200)
 
 MESHES = [(kind, "") for kind in KINDS] + [("fsdp_tp", "4")]
-NAMES = ["scale", "down.bias", "down.weight", "embed.bias", "embed.weight", "head.bias",
-         "head.weight", "norm.bias", "norm.weight", "up.bias", "up.weight"]
+NAMES = [
+    "scale",
+    "down.bias",
+    "down.weight",
+    "embed.bias",
+    "embed.weight",
+    "head.bias",
+    "head.weight",
+    "norm.bias",
+    "norm.weight",
+    "up.bias",
+    "up.weight",
+]
 
 
 def _ok(results: dict[str, Any], tag: str) -> list[dict[str, Any]]:
@@ -38,7 +49,8 @@ def _ok(results: dict[str, Any], tag: str) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize(("kind", "world"), MESHES)
 def test_every_rank_runs_one_session_and_resumes_bit_exactly(
-        rank_results: dict[str, Any], kind: str, world: str) -> None:
+    rank_results: dict[str, Any], kind: str, world: str
+) -> None:
     for rank, r in enumerate(_ok(rank_results, f"train{world}")):
         k = r[kind]
         assert k["session"] == "DistributedSession"
@@ -55,7 +67,8 @@ def test_every_rank_runs_one_session_and_resumes_bit_exactly(
 
 @pytest.mark.parametrize(("kind", "world"), MESHES)
 def test_one_process_sees_logical_tensors_and_resumes_them(
-        rank_results: dict[str, Any], kind: str, world: str) -> None:
+    rank_results: dict[str, Any], kind: str, world: str
+) -> None:
     r = _ok(rank_results, f"single{world}")[0][kind]
     assert r["steps"] == [1, 2, 3, 4, 5, 6]
     assert r["logical_diff"] == []  # params, buffers, optimizer state: bit for bit
@@ -75,7 +88,8 @@ def test_one_process_sees_logical_tensors_and_resumes_them(
 
 @pytest.mark.parametrize(("kind", "world"), MESHES)
 def test_ranks_resume_what_one_process_wrote(
-        rank_results: dict[str, Any], kind: str, world: str) -> None:
+    rank_results: dict[str, Any], kind: str, world: str
+) -> None:
     got = _ok(rank_results, f"grow{world}")
     for rank, r in enumerate(got):
         assert r[kind]["resumed_at"] == 8
@@ -108,8 +122,7 @@ def test_each_rank_writes_only_its_share(rank_results: dict[str, Any], kind: str
     assembled = logical_arrays(reader, header, table)
     assert all(p not in assembled for p in logical)
     assert sum(per_rank) == sum(sizes.values())
-    assert sum(sizes[p] for p in shards) == sum(
-        a.numel * 4 for a in assembled.values())  # float32
+    assert sum(sizes[p] for p in shards) == sum(a.numel * 4 for a in assembled.values())  # float32
     assert min(per_rank) > 0.25 * sum(per_rank), per_rank  # the bytes are spread
 
 
@@ -121,8 +134,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 @pytest.mark.parametrize("kind", CRASH_KINDS)
-def test_a_rank_killed_mid_flush_leaves_a_resumable_run(rank_results: dict[str, Any],
-                                                        kind: str) -> None:
+def test_a_rank_killed_mid_flush_leaves_a_resumable_run(
+    rank_results: dict[str, Any], kind: str
+) -> None:
     crash = rank_results[f"crash-{kind}"]
     assert crash["committed_before_kill"] >= 3  # the kill came after commits, not before
     run = rank_results["root"] / f"crash-{kind}"
@@ -133,8 +147,7 @@ def test_a_rank_killed_mid_flush_leaves_a_resumable_run(rank_results: dict[str, 
         assert r["losses_equal"], rank
 
 
-def test_ranks_that_disagree_get_a_typed_error_on_every_rank(
-        rank_results: dict[str, Any]) -> None:
+def test_ranks_that_disagree_get_a_typed_error_on_every_rank(rank_results: dict[str, Any]) -> None:
     for r in _ok(rank_results, "misuse"):
         assert r["disagree"].startswith("RankError: ")
         assert "every (rank 0: 1, rank 1: 2)" in r["disagree"]
@@ -142,8 +155,7 @@ def test_ranks_that_disagree_get_a_typed_error_on_every_rank(
         assert "disagree on run" in r["two_runs"]
 
 
-def test_a_session_on_rank_0_only_is_a_typed_error_not_a_hang(
-        rank_results: dict[str, Any]) -> None:
+def test_a_session_on_rank_0_only_is_a_typed_error_not_a_hang(rank_results: dict[str, Any]) -> None:
     r = _ok(rank_results, "misuse")[0]
     assert r["subset"].startswith("RankError: ")
     assert "ranks [1] did not send" in r["subset"]
@@ -157,11 +169,24 @@ def test_the_distributed_example_runs_as_documented(tmp_path: Path) -> None:
 
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         str(root / "examples" / "distributed.py"), str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root),
-                                                          os.environ.get("PYTHONPATH", "")])})
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            str(root / "examples" / "distributed.py"),
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+        },
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "[DistributedSession, 2 ranks] resumed at step 10" in proc.stdout
     assert "steps: 1..15" in proc.stdout

@@ -98,8 +98,7 @@ def build(kind: str, *, plain: bool = False) -> tuple[torch.nn.Module, Any, Any]
             else:
                 mesh2 = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
                 tp_mesh = mesh2["tp"]
-            parallelize_module(net, tp_mesh, {"up": ColwiseParallel(),
-                                              "down": RowwiseParallel()})
+            parallelize_module(net, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
             if kind == "fsdp_tp":
                 from torch.distributed.fsdp import fully_shard
 
@@ -152,9 +151,14 @@ def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     bad = sorted(set(a) ^ set(b))
     for n in sorted(set(a) & set(b)):
         x, y = a[n], b[n]
-        if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(
+        if (
+            x.shape != y.shape
+            or x.dtype != y.dtype
+            or not torch.equal(
                 x.view(-1).view(torch.uint8) if x.numel() else x,
-                y.view(-1).view(torch.uint8) if y.numel() else y):
+                y.view(-1).view(torch.uint8) if y.numel() else y,
+            )
+        ):
             bad.append(n)
     return bad
 
@@ -188,8 +192,7 @@ def phase_train(root: Path, out: Path, kinds: list[str]) -> dict[str, Any]:
             losses = [train_step(model, opt, sched, step, kind) for step in range(1, K + 1)]
         r["first_losses_equal"] = losses == ref_losses[:K]
         model, opt, sched = build(kind)
-        with dstt.session(model, opt, run=run, scheduler=sched, resume=True,
-                          rank_timeout=120) as s:
+        with dstt.session(model, opt, run=run, scheduler=sched, resume=True, rank_timeout=120) as s:
             r["resumed_at"] = s.step
             r["restored_diff"] = equal(full_state(model, opt), at_k)
             r["lr_after_resume"] = sched.get_last_lr()
@@ -222,11 +225,13 @@ def phase_single(root: Path, out: Path, kinds: list[str]) -> dict[str, Any]:
             kind_, _, rest = path.partition("/")
             if kind_ == "optim":
                 state, _, name = rest.partition("/")
-                got[path] = torch.from_numpy(snap.to_numpy(name.replace("/", "."), state=state,
-                                                           native=True).copy())
+                got[path] = torch.from_numpy(
+                    snap.to_numpy(name.replace("/", "."), state=state, native=True).copy()
+                )
             else:
-                got[path] = torch.from_numpy(snap.to_numpy(rest.replace("/", "."),
-                                                           native=True).copy())
+                got[path] = torch.from_numpy(
+                    snap.to_numpy(rest.replace("/", "."), native=True).copy()
+                )
         r["logical_diff"] = equal(got, ref)
         r["names"] = snap.names()
         # write-time summaries: one row per logical tensor, its stats over the whole tensor
@@ -237,10 +242,13 @@ def phase_single(root: Path, out: Path, kinds: list[str]) -> dict[str, Any]:
         for path, t in ref.items():
             if not path.startswith("params/"):
                 continue
-            name = path[len("params/"):].replace("/", ".")
+            name = path[len("params/") :].replace("/", ".")
             x = t.double()
-            for field, want in (("l2", x.norm()), ("maxabs", x.abs().max()),
-                                ("rms", x.pow(2).mean().sqrt())):
+            for field, want in (
+                ("l2", x.norm()),
+                ("maxabs", x.abs().max()),
+                ("rms", x.pow(2).mean().sqrt()),
+            ):
                 have = float(summ[field].sel(step=N, tensor=name))
                 errs.append(abs(have - float(want)) / max(float(want), 1e-30))
         r["summary_max_rel_err"] = max(errs)
@@ -266,8 +274,9 @@ def phase_grow(root: Path, out: Path, kinds: list[str]) -> dict[str, Any]:
         r: dict[str, Any] = res.setdefault(kind, {})
         ref = torch.load(out / f"{kind}.single.pt")
         model, opt, sched = build(kind)
-        with dstt.session(model, opt, run=root / kind, scheduler=sched, resume=True,
-                          rank_timeout=120) as s:
+        with dstt.session(
+            model, opt, run=root / kind, scheduler=sched, resume=True, rank_timeout=120
+        ) as s:
             r["resumed_at"] = s.step
             r["restored_diff"] = equal(full_state(model, opt), ref)
             train_step(model, opt, sched, N + 3, kind)
@@ -281,8 +290,7 @@ def phase_crash(root: Path, out: Path, kinds: list[str]) -> dict[str, Any]:
 
     kind = kinds[0]
     model, opt, sched = build(kind)
-    with dstt.session(model, opt, run=root / f"crash-{kind}", scheduler=sched,
-                      rank_timeout=30):
+    with dstt.session(model, opt, run=root / f"crash-{kind}", scheduler=sched, rank_timeout=30):
         for step in range(1, 2001):
             train_step(model, opt, sched, step, kind)
             time.sleep(0.01)
@@ -303,10 +311,14 @@ def phase_after(root: Path, out: Path, kinds: list[str]) -> dict[str, Any]:
     ref_losses = [train_step(model, opt, sched, step, kind) for step in (head + 1, head + 2)]
     model, opt, sched = build(kind)
     with dstt.session(model, opt, run=run, scheduler=sched, resume=True, rank_timeout=60) as s:
-        r: dict[str, Any] = {"head": head, "resumed_at": s.step,
-                             "restored_diff": equal(full_state(model, opt), ref)}
-        r["losses_equal"] = [train_step(model, opt, sched, step, kind)
-                             for step in (head + 1, head + 2)] == ref_losses
+        r: dict[str, Any] = {
+            "head": head,
+            "resumed_at": s.step,
+            "restored_diff": equal(full_state(model, opt), ref),
+        }
+        r["losses_equal"] = [
+            train_step(model, opt, sched, step, kind) for step in (head + 1, head + 2)
+        ] == ref_losses
     return r
 
 
@@ -338,8 +350,14 @@ def phase_misuse(root: Path, out: Path, kinds: list[str]) -> dict[str, Any]:
     return r
 
 
-PHASES = {"train": phase_train, "single": phase_single, "grow": phase_grow,
-          "crash": phase_crash, "after": phase_after, "misuse": phase_misuse}
+PHASES = {
+    "train": phase_train,
+    "single": phase_single,
+    "grow": phase_grow,
+    "crash": phase_crash,
+    "after": phase_after,
+    "misuse": phase_misuse,
+}
 
 
 def main() -> None:
@@ -353,8 +371,11 @@ def main() -> None:
         data = PHASES[phase](root, out, kinds.split(","))
         report(out, phase, {"ok": True, **data})
     except BaseException as e:
-        report(out, phase, {"ok": False, "error": f"{type(e).__name__}: {e}",
-                            "trace": traceback.format_exc()})
+        report(
+            out,
+            phase,
+            {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()},
+        )
         raise
     finally:
         if "RANK" in os.environ:

@@ -30,8 +30,13 @@ def env() -> dict[str, str]:
 
 def cli(*args: str, timeout: float = 300) -> tuple[int, Any, str]:
     """Run ``python -m dstt.cli ARGS --json``; (exit code, parsed stdout or None, stderr)."""
-    out = subprocess.run([sys.executable, "-m", "dstt.cli", *args, "--json"],
-                         capture_output=True, text=True, env=env(), timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-m", "dstt.cli", *args, "--json"],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=timeout,
+    )
     try:
         doc = json.loads(out.stdout) if out.stdout.strip() else None
     except ValueError:
@@ -48,13 +53,18 @@ def model_and_optimizer(seed: int = 0) -> tuple[TinyGPT, torch.optim.Optimizer]:
 def params(model: torch.nn.Module) -> dict[str, np.ndarray]:
     """Parameters by torch name, copied; a tied weight under each of its names, as a
     snapshot lists them (``names/tied``: stored once, reachable by every name)."""
-    return {n: p.detach().numpy().copy()
-            for n, p in model.named_parameters(remove_duplicate=False)}
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
-def train(run: Any, steps: int, *, seed: int = 0, resume: bool = False,
-          until: int | None = None, **session: Any) -> tuple[dict[int, dict[str, np.ndarray]],
-                                                             list[float]]:
+def train(
+    run: Any,
+    steps: int,
+    *,
+    seed: int = 0,
+    resume: bool = False,
+    until: int | None = None,
+    **session: Any,
+) -> tuple[dict[int, dict[str, np.ndarray]], list[float]]:
     """Train TinyGPT under ``dstt.session`` to step ``until`` (default ``steps``) of a
     ``steps``-batch epoch; returns the parameters after every step and the losses."""
     torch.set_num_threads(1)
@@ -78,8 +88,11 @@ def train(run: Any, steps: int, *, seed: int = 0, resume: bool = False,
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     a, b = np.asarray(a), np.asarray(b)
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes())
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+    )
 
 
 def assert_params(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray]) -> None:

@@ -48,8 +48,7 @@ def main(run: str, policy: str, limit: int) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            with dstt.session(model, opt, run=run, budget_bytes=1 << 14,
-                              error_policy=policy) as s:  # type: ignore[arg-type]
+            with dstt.session(model, opt, run=run, budget_bytes=1 << 14, error_policy=policy) as s:  # type: ignore[arg-type]
                 for x, y in s.data(SyntheticBatches(64)):
                     if s.step == 3:
                         while not {1, 2} <= {m.step for m in s.metrics}:
@@ -70,8 +69,11 @@ def main(run: str, policy: str, limit: int) -> None:
                     print(f"params {s.step} {digest(model)}", flush=True)
         except dstt.DsttError as e:
             cause = e.__cause__
-            print(f"raised {type(e).__name__} {type(cause).__name__} "
-                  f"{getattr(cause, 'errno', None)} {s.step}", flush=True)
+            print(
+                f"raised {type(e).__name__} {type(cause).__name__} "
+                f"{getattr(cause, 'errno', None)} {s.step}",
+                flush=True,
+            )
         warned = sum("not checkpointed" in str(w.message) for w in caught)
     print(f"warned {warned}", flush=True)
     print(f"lifted {lifted_at}", flush=True)

@@ -72,7 +72,7 @@ def follow(path: str, stop: threading.Event, sync: threading.Event) -> None:
         steps = run.steps
         if steps != list(range(1, len(steps) + 1)):
             say(f"bad steps are not 1..n: {steps}")
-        if steps[:len(prev)] != prev:
+        if steps[: len(prev)] != prev:
             say(f"bad steps went backwards: {prev[-3:]} -> {steps[-3:]}")
         prev = steps
         if steps:
@@ -80,8 +80,11 @@ def follow(path: str, stop: threading.Event, sync: threading.Event) -> None:
                 say(f"seen {s} {digest(run.at(s))}")
             rows(run, slice(rng.choice(steps), None))
         if n % 4 == 0:
-            out = subprocess.run([sys.executable, "-m", "dstt.cli", "ls", "--run", path,
-                                  "--json"], capture_output=True, text=True)
+            out = subprocess.run(
+                [sys.executable, "-m", "dstt.cli", "ls", "--run", path, "--json"],
+                capture_output=True,
+                text=True,
+            )
             if out.returncode != 0:
                 say(f"bad dstt ls exited {out.returncode}: {out.stderr.strip()[-300:]}")
             else:

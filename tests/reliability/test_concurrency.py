@@ -51,9 +51,14 @@ class Lines:
     """A child process whose stdout lines arrive on a queue (read by a thread)."""
 
     def __init__(self, cmd: list[str], *, stdin: bool = False, environ: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                     text=True, env=environ)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            text=True,
+            env=environ,
+        )
         self.q: queue.Queue[str | None] = queue.Queue()
         self.all: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
@@ -116,8 +121,10 @@ def children() -> Iterator[list[Lines]]:
 
 def writer(run: Path, steps: int, made: list[Lines]) -> Lines:
     """The crash-soak child: trains TinyGPT, a commit every step, announces each commit."""
-    w = Lines([sys.executable, "-m", "dstt.testing.soak", "child", str(run), str(steps), "3"],
-              environ=child_env())
+    w = Lines(
+        [sys.executable, "-m", "dstt.testing.soak", "child", str(run), str(steps), "3"],
+        environ=child_env(),
+    )
     made.append(w)
     return w
 
@@ -177,8 +184,10 @@ def parse(lines: list[str]) -> Seen:
 
 # -- one writer ----------------------------------------------------------------------------------
 
-def test_a_second_writer_is_refused_while_training_runs(tmp_path: Path,
-                                                        children: list[Lines]) -> None:
+
+def test_a_second_writer_is_refused_while_training_runs(
+    tmp_path: Path, children: list[Lines]
+) -> None:
     run = tmp_path / "run"
     w = writer(run, 400, children)
     w.until(lambda s: s == "committed 2")
@@ -209,8 +218,10 @@ def test_a_second_writer_is_refused_while_training_runs(tmp_path: Path,
 
 # -- readers while a writer commits --------------------------------------------------------------
 
-def test_readers_in_another_process_see_only_committed_steps(tmp_path: Path,
-                                                             children: list[Lines]) -> None:
+
+def test_readers_in_another_process_see_only_committed_steps(
+    tmp_path: Path, children: list[Lines]
+) -> None:
     run = tmp_path / "run"
     steps = 28
     w = writer(run, steps, children)
@@ -236,8 +247,9 @@ def test_readers_in_another_process_see_only_committed_steps(tmp_path: Path,
     assert w.proc.returncode == 0
     seen = parse(r.finish())
     assert seen.bad == []
-    assert all(head == n and head >= t for (head, n), t in zip(frozen, (5, 10, 16),
-                                                               strict=True)), frozen
+    assert all(head == n and head >= t for (head, n), t in zip(frozen, (5, 10, 16), strict=True)), (
+        frozen
+    )
     assert seen.iters == sorted(seen.iters)
     assert seen.iters[-1] == steps  # monotone, complete
     assert seen.ls
@@ -268,8 +280,10 @@ def wait_stopped(pid: int) -> None:
 
 # -- gc while readers read -----------------------------------------------------------------------
 
-def test_gc_from_another_process_never_hands_a_reader_wrong_bytes(tmp_path: Path,
-                                                                  children: list[Lines]) -> None:
+
+def test_gc_from_another_process_never_hands_a_reader_wrong_bytes(
+    tmp_path: Path, children: list[Lines]
+) -> None:
     run = tmp_path / "run"
     train(run, 16)
     full, rows = truth(run)
@@ -289,8 +303,10 @@ def test_gc_from_another_process_never_hands_a_reader_wrong_bytes(tmp_path: Path
     for s, hashes in seen.rows.items():
         assert hashes == {rows[s]}, s
     assert seen.gone <= set(full) - kept  # only pruned steps are ever refused
-    print(f"reads: {sum(map(len, seen.full.values()))} snapshots, "
-          f"{sum(map(len, seen.rows.values()))} trajectory rows, {len(seen.gone)} refused")
+    print(
+        f"reads: {sum(map(len, seen.full.values()))} snapshots, "
+        f"{sum(map(len, seen.rows.values()))} trajectory rows, {len(seen.gone)} refused"
+    )
     assert Repository.open(run).verify().ok
 
 
@@ -305,8 +321,7 @@ def test_views_held_across_gc_fail_cleanly(tmp_path: Path) -> None:
     head = view.at(8)
     traj = view.trajectory(TENSOR)  # lazy: nothing read yet
     h2 = Repository.open(run).reader().find(2)
-    chunk = Repository.open(run).reader().arrays(h2)[
-        f"params/{TENSOR.replace('.', '/')}"].chunks[0]
+    chunk = Repository.open(run).reader().arrays(h2)[f"params/{TENSOR.replace('.', '/')}"].chunks[0]
     assert key_slot(chunk.key) == h2.slot  # in step 2's own step file
     f = open(run / chunk.key, "rb")  # noqa: SIM115 - held across gc on purpose
     try:
@@ -327,5 +342,6 @@ def test_views_held_across_gc_fail_cleanly(tmp_path: Path) -> None:
     assert_params({n: head.to_numpy(n) for n in head.names()}, after[8])
     fresh = view.refresh()
     assert fresh.steps == [7, 8]
-    np.testing.assert_array_equal(fresh.trajectory(TENSOR).values,
-                                  np.stack([after[7][TENSOR], after[8][TENSOR]]))
+    np.testing.assert_array_equal(
+        fresh.trajectory(TENSOR).values, np.stack([after[7][TENSOR], after[8][TENSOR]])
+    )

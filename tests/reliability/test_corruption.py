@@ -84,15 +84,16 @@ def damage(path: Path, how: str, rng: random.Random) -> bytes:
     if how == "flip":
         data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
     else:
-        del data[rng.randrange(len(data)):]
+        del data[rng.randrange(len(data)) :]
     path.write_bytes(bytes(data))
     return bytes(data)
 
 
 def named(key: str, problems: list[Any]) -> bool:
     """Whether a verify problem (a ``Problem`` or its CLI JSON) names the file ``key``."""
-    pairs = [(p["key"], p["message"]) if isinstance(p, dict) else (p.key, p.message)
-             for p in problems]
+    pairs = [
+        (p["key"], p["message"]) if isinstance(p, dict) else (p.key, p.message) for p in problems
+    ]
     return any(k == key or key in m for k, m in pairs)
 
 
@@ -102,7 +103,8 @@ def snapshot_matches(got: Snapshot, want: Snapshot) -> None:
     for k, a in want.arrays.items():
         assert same_bits(got.arrays[k], a), k
     assert json.dumps(got.objects, default=repr, sort_keys=True) == json.dumps(
-        want.objects, default=repr, sort_keys=True)
+        want.objects, default=repr, sort_keys=True
+    )
 
 
 def resume(run: Path) -> dict[str, np.ndarray]:
@@ -114,6 +116,7 @@ def resume(run: Path) -> dict[str, np.ndarray]:
 
 
 # -- per-step files: chunks, arrays tables, objects, the ZIP tail ------------------------------
+
 
 def zip_layout(path: Path) -> dict[str, tuple[int, int, int]]:
     """Entries of a stored zip, read with the standard library (independent of dstt's zip
@@ -144,8 +147,10 @@ def reads_of(p: Pristine, step: int) -> list[Read]:
     h = p.headers[step]
     assert h.arrays is not None
     out = [Read(h.arrays.key, h.arrays.offset, h.arrays.offset + h.arrays.nbytes, "arrays")]
-    out += [Read(o.key, o.offset, o.offset + o.nbytes, f"object:{n}")
-            for n, o in sorted(h.objects.items())]
+    out += [
+        Read(o.key, o.offset, o.offset + o.nbytes, f"object:{n}")
+        for n, o in sorted(h.objects.items())
+    ]
     for path, rec in sorted(Repository.open(p.run).reader().arrays(h).items()):
         for c in rec.chunks:
             assert c.encoding == "raw"
@@ -162,8 +167,10 @@ class Damage:
     cut: dict[str, int]
 
     def hits(self, r: Read) -> bool:
-        return (any(r.start <= pos < r.stop for pos, _ in self.flips.get(r.key, []))
-                or self.cut.get(r.key, r.stop) < r.stop)
+        return (
+            any(r.start <= pos < r.stop for pos, _ in self.flips.get(r.key, []))
+            or self.cut.get(r.key, r.stop) < r.stop
+        )
 
     def apply(self, run: Path) -> None:
         for key in set(self.flips) | set(self.cut):
@@ -171,7 +178,7 @@ class Damage:
             for pos, bit in self.flips.get(key, []):
                 data[pos] ^= 1 << bit
             if key in self.cut:
-                del data[self.cut[key]:]
+                del data[self.cut[key] :]
             (run / key).write_bytes(bytes(data))
 
 
@@ -185,8 +192,11 @@ def pick_damage(p: Pristine, rng: random.Random, n: int) -> tuple[Damage, list[t
         if kind == "zip tail":  # the Zarr documents and the central directory: dstt never
             key = step_file_key(p.headers[step].slot)  # reads them back, plain Zarr does
             size = (p.run / key).stat().st_size
-            meta = min(off for name, (off, _, _) in zip_layout(p.run / key).items()
-                       if name.endswith("zarr.json"))
+            meta = min(
+                off
+                for name, (off, _, _) in zip_layout(p.run / key).items()
+                if name.endswith("zarr.json")
+            )
             assert all(r.stop <= meta for r in reads_of(p, step) if r.key == key)
             lo, hi, how = meta, size, "truncate"  # a flip there: see the tests below
         else:
@@ -237,8 +247,11 @@ def test_random_damage_to_step_files(pristine: Pristine, damaged: Path, case: in
             assert any(k in str(ei.value) for k in by_step[step]), str(ei.value)
         else:
             snapshot_matches(load(damaged, step=step), pristine.snaps[step])
-    head_keys = {r.key for r in hit[pristine.head] if r.what.removeprefix("object:") in RESTORED
-                 or not r.what.startswith("object:")}
+    head_keys = {
+        r.key
+        for r in hit[pristine.head]
+        if r.what.removeprefix("object:") in RESTORED or not r.what.startswith("object:")
+    }
     if head_keys:
         with pytest.raises(CorruptRunError) as ei:
             resume(damaged)
@@ -262,9 +275,12 @@ def test_random_damage_to_step_files(pristine: Pristine, damaged: Path, case: in
             for name in snap.objects:
                 snap.object(name)
     # a trajectory over the untouched steps works; across a damaged chunk it raises
-    chunk_hits = {(s, r.what.removeprefix("chunk:")) for s, rs in hit.items() for r in rs
-                  if r.what.startswith("chunk:")
-                  and not any(x.what == "arrays" for x in rs)}
+    chunk_hits = {
+        (s, r.what.removeprefix("chunk:"))
+        for s, rs in hit.items()
+        for r in rs
+        if r.what.startswith("chunk:") and not any(x.what == "arrays" for x in rs)
+    }
     for path in sorted({path for _, path in chunk_hits}):
         if not path.startswith("params/"):
             continue
@@ -280,6 +296,7 @@ def test_random_damage_to_step_files(pristine: Pristine, damaged: Path, case: in
 
 # -- Zarr metadata and ZIP structure: what plain Zarr readers rely on ---------------------------
 
+
 def plain_zarr_reads(path: Path, want: dict[str, np.ndarray]) -> bool:
     """Whether zarr-python, reading the step file alone, still gets every committed array
     bit-exactly (it checks each entry's ZIP CRC-32 and the chunks' crc32c)."""
@@ -291,9 +308,10 @@ def plain_zarr_reads(path: Path, want: dict[str, np.ndarray]) -> bool:
     try:
         store = ZipStore(path, mode="r")
         zarr.open_group(store, mode="r", zarr_format=3)  # the root document too
-        return all(same_bits(np.asarray(zarr.open_array(store, path=p, mode="r",
-                                                        zarr_format=3)[...]), a)
-                   for p, a in want.items())
+        return all(
+            same_bits(np.asarray(zarr.open_array(store, path=p, mode="r", zarr_format=3)[...]), a)
+            for p, a in want.items()
+        )
     except Exception:  # any failure of the plain reader: "not readable"
         return False
 
@@ -339,8 +357,7 @@ def test_random_damage_to_zarr_metadata(pristine: Pristine, damaged: Path, case:
 
 
 @pytest.mark.parametrize("case", range(6))
-def test_random_damage_to_the_zip_structure(pristine: Pristine, damaged: Path,
-                                            case: int) -> None:
+def test_random_damage_to_the_zip_structure(pristine: Pristine, damaged: Path, case: int) -> None:
     """A bit flip in the central directory or in an entry's local header: plain Zarr readers
     go through both (dstt reads by offset), so ``verify`` must report every such damage that
     stops zarr-python from reading the step."""
@@ -357,8 +374,7 @@ def test_random_damage_to_the_zip_structure(pristine: Pristine, damaged: Path,
     check_plain_damage(pristine, damaged, exact=False)
 
 
-def test_a_directory_name_that_is_not_utf8_is_reported(pristine: Pristine,
-                                                      damaged: Path) -> None:
+def test_a_directory_name_that_is_not_utf8_is_reported(pristine: Pristine, damaged: Path) -> None:
     """The names are flagged UTF-8: a flip that makes one undecodable is damage like any other
     (a problem naming the step file), not a crash of ``verify``."""
     head = pristine.headers[pristine.head]
@@ -368,11 +384,12 @@ def test_a_directory_name_that_is_not_utf8_is_reported(pristine: Pristine,
     cd = data.index(b"PK\x01\x02", max(d + n for _, d, n in entries.values()))
     Damage({key: [(cd + 46, 7)]}, {}).apply(damaged)  # first name byte: ASCII -> 0b1xxxxxxx
     with pytest.raises(UnicodeDecodeError):
-        (damaged / key).read_bytes()[cd + 46: cd + 56].decode()
+        (damaged / key).read_bytes()[cd + 46 : cd + 56].decode()
     check_plain_damage(pristine, damaged, exact=False)
 
 
 # -- timeline documents: commit headers, the ref, HEAD -----------------------------------------
+
 
 def same_document(bad: bytes, good: bytes) -> bool:
     """Whether damaged JSON still decodes to the same document ('1e-05' -> '1E-05')."""
@@ -384,13 +401,17 @@ def same_document(bad: bytes, good: bytes) -> bool:
 
 @pytest.mark.parametrize("how", ["flip", "truncate"])
 @pytest.mark.parametrize("which", ["head header", "middle header", "ref", "HEAD"])
-def test_random_damage_to_timeline_documents(pristine: Pristine, damaged: Path, which: str,
-                                             how: str) -> None:
+def test_random_damage_to_timeline_documents(
+    pristine: Pristine, damaged: Path, which: str, how: str
+) -> None:
     rng = random.Random(f"{which}-{how}")
     middle = rng.randint(2, STEPS - 1)
-    key = {"head header": commit_key(pristine.headers[pristine.head].slot),
-           "middle header": commit_key(pristine.headers[middle].slot),
-           "ref": ref_key("main"), "HEAD": HEAD_KEY}[which]
+    key = {
+        "head header": commit_key(pristine.headers[pristine.head].slot),
+        "middle header": commit_key(pristine.headers[middle].slot),
+        "ref": ref_key("main"),
+        "HEAD": HEAD_KEY,
+    }[which]
     good = (damaged / key).read_bytes()
     for _ in range(50):  # a flip that decodes to the same document is no damage: draw again
         bad = damage(damaged / key, how, rng)
@@ -415,8 +436,7 @@ def test_random_damage_to_timeline_documents(pristine: Pristine, damaged: Path, 
         for step in range(1, STEPS + 1):
             if step > middle:
                 snap = run.at(step)
-                assert_params({n: snap.to_numpy(n) for n in snap.names()},
-                              pristine.params[step])
+                assert_params({n: snap.to_numpy(n) for n in snap.names()}, pristine.params[step])
                 snapshot_matches(load(damaged, step=step), pristine.snaps[step])
             else:  # below the damage the parent chain is lost: refused, naming the file
                 with pytest.raises(CorruptRunError, match=re.escape(key)):
@@ -428,8 +448,12 @@ def test_random_damage_to_timeline_documents(pristine: Pristine, damaged: Path, 
         return
 
     # the head (or the whole timeline) is unreadable: every entry point refuses, typed
-    for call in (lambda: load(damaged), lambda: resume(damaged),
-                 lambda: load(damaged, step=1), lambda: dstt.open(damaged).at(1)):
+    for call in (
+        lambda: load(damaged),
+        lambda: resume(damaged),
+        lambda: load(damaged, step=1),
+        lambda: dstt.open(damaged).at(1),
+    ):
         with pytest.raises(CorruptRunError) as ei:
             call()
         assert key in str(ei.value)
@@ -446,19 +470,21 @@ def test_a_flipped_chunk_bit_is_a_checksum_error(pristine: Pristine, damaged: Pa
     table = Repository.open(damaged).reader().arrays(h)
     c = table["params/tok/weight"].chunks[0]
     rng = random.Random(1)
-    Damage({c.key: [(rng.randrange(c.offset, c.offset + c.nbytes), rng.randrange(8))]},
-           {}).apply(damaged)
+    Damage({c.key: [(rng.randrange(c.offset, c.offset + c.nbytes), rng.randrange(8))]}, {}).apply(
+        damaged
+    )
     with pytest.raises(ChecksumError, match=re.escape(c.key)):
         resume(damaged)
     # the step file cut inside the chunk: a size mismatch, not a checksum one
-    (damaged / c.key).write_bytes((pristine.run / c.key).read_bytes()[:c.offset + c.nbytes - 1])
+    (damaged / c.key).write_bytes((pristine.run / c.key).read_bytes()[: c.offset + c.nbytes - 1])
     with pytest.raises(CorruptRunError, match="truncated") as ei:
         resume(damaged)
     assert not isinstance(ei.value, ChecksumError)
 
 
-def test_a_refused_resume_leaves_the_live_model_untouched(pristine: Pristine,
-                                                          damaged: Path) -> None:
+def test_a_refused_resume_leaves_the_live_model_untouched(
+    pristine: Pristine, damaged: Path
+) -> None:
     h = pristine.headers[pristine.head]
     table = Repository.open(damaged).reader().arrays(h)
     # optimizer states are restored after the parameters

@@ -33,8 +33,9 @@ def test_sigkill_at_random_moments_then_resume(tmp_path: Path, ref: Reference) -
     modes = iter(["commit", "step", "start", "time"])
     outcomes: list[KillOutcome] = []
     while sum(not o.completed for o in outcomes) < KILLS and len(outcomes) < 2 * KILLS:
-        o = kill_once(runs[-1], ref, STEPS, SEED, rng, delta=len(outcomes) % 2 == 1,
-                      mode=next(modes, None))
+        o = kill_once(
+            runs[-1], ref, STEPS, SEED, rng, delta=len(outcomes) % 2 == 1, mode=next(modes, None)
+        )
         assert o.problems == [], (len(outcomes), o)
         outcomes.append(o)
         if o.completed:  # reached the end before the kill landed (checked): a new run

@@ -62,6 +62,7 @@ def check_intact(run: Path, after: dict[int, dict[str, np.ndarray]]) -> list[int
 
 # -- FaultyStorage over a real directory --------------------------------------------------------
 
+
 @pytest.mark.filterwarnings("ignore:dstt. step .* was not checkpointed")  # dropped at exit
 def test_io_error_raises_then_resume_recovers(tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -69,8 +70,10 @@ def test_io_error_raises_then_resume_recovers(tmp_path: Path) -> None:
     faulty = FaultyStorage(LocalStorage(run, create=True), errno=errno.EIO)
     model, opt = model_and_optimizer()
     after: dict[int, dict[str, np.ndarray]] = {}
-    with pytest.raises(CaptureError) as ei, dstt.session(model, opt, run=faulty,
-                                                         budget_bytes=1 << 14) as s:
+    with (
+        pytest.raises(CaptureError) as ei,
+        dstt.session(model, opt, run=faulty, budget_bytes=1 << 14) as s,
+    ):
         for x, y in s.data(SyntheticBatches(12)):
             if s.step == 4:
                 while not {1, 2} <= set(done := {m.step: m.committed for m in s.metrics}):
@@ -92,7 +95,7 @@ def test_io_error_raises_then_resume_recovers(tmp_path: Path) -> None:
     assert steps[-1] <= 4
     # the device works again: resume continues from the head, bit-exactly
     _, losses = train(run, 12, resume=True)
-    assert losses == ref_losses[steps[-1]:]
+    assert losses == ref_losses[steps[-1] :]
     assert committed(run) == list(range(1, 13))
     assert_params(stored_params(run, 12), ref_after[12])
 
@@ -103,8 +106,10 @@ def test_unwritable_ref_skips_steps_then_commits_resume(tmp_path: Path) -> None:
     faulty = FaultyStorage(LocalStorage(run, create=True), errno=errno.ENOSPC)
     model, opt = model_and_optimizer()
     after: dict[int, dict[str, np.ndarray]] = {}
-    with pytest.warns(RuntimeWarning, match="not checkpointed") as record, \
-            dstt.session(model, opt, run=faulty, error_policy="skip") as s:
+    with (
+        pytest.warns(RuntimeWarning, match="not checkpointed") as record,
+        dstt.session(model, opt, run=faulty, error_policy="skip") as s,
+    ):
         for i, (x, y) in enumerate(s.data(SyntheticBatches(14))):
             if i == 3:
                 faulty.fail_keys = re.compile(r"_dstt/refs/")
@@ -133,9 +138,15 @@ def test_unwritable_ref_skips_steps_then_commits_resume(tmp_path: Path) -> None:
 
 # -- a real file-size limit: RLIMIT_FSIZE -------------------------------------------------------
 
+
 def fsize_child(run: Path, policy: str) -> dict[str, list[str]]:
-    out = subprocess.run([sys.executable, str(CHILD), str(run), policy, "1024"],
-                         capture_output=True, text=True, env=env(), timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(CHILD), str(run), policy, "1024"],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines: dict[str, list[str]] = {}
     for line in out.stdout.splitlines():
@@ -174,7 +185,7 @@ def test_real_file_size_limit_raises_efbig_then_resume_recovers(tmp_path: Path) 
     # space returns (no limit in this process): the run resumes and commits again
     ref_after, ref_losses = train(tmp_path / "reference", 16)
     _, losses = train(run, 16, resume=True)
-    assert losses == ref_losses[steps[-1]:]
+    assert losses == ref_losses[steps[-1] :]
     assert committed(run) == list(range(1, 17))
     assert_params(stored_params(run, 16), ref_after[16])
     assert Repository.open(run).verify().ok
@@ -194,11 +205,15 @@ def test_real_file_size_limit_skips_steps_until_it_is_lifted(tmp_path: Path) -> 
 
 # -- a real full filesystem: a small tmpfs ------------------------------------------------------
 
+
 @contextlib.contextmanager
 def small_fs(where: Path, size: str) -> Iterator[Path]:
     where.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+    )
     if res.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip()}); needs root")
     try:
@@ -250,7 +265,7 @@ def test_full_filesystem_raises_enospc_then_recovers_when_space_returns(tmp_path
         # space returns: the run resumes bit-exactly and commits every further step
         remount(fs, "64m")
         _, losses = train(run, 20, resume=True)
-        assert losses == ref_losses[steps[-1]:]
+        assert losses == ref_losses[steps[-1] :]
         assert committed(run) == list(range(1, 21))
         assert_params(stored_params(run, 20), ref_after[20])
         repo = Repository.open(run)
@@ -269,8 +284,7 @@ def test_full_filesystem_skip_policy_warns_and_commits_again(tmp_path: Path) -> 
         freed_at = None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with dstt.session(model, opt, run=run, budget_bytes=1 << 14,
-                              error_policy="skip") as s:
+            with dstt.session(model, opt, run=run, budget_bytes=1 << 14, error_policy="skip") as s:
                 for x, y in s.data(SyntheticBatches(60)):
                     skipped = [w for w in caught if "not checkpointed" in str(w.message)]
                     if skipped and freed_at is None:

@@ -75,8 +75,11 @@ MECHANISMS = {"chattr +i": immutable, "read-only bind mount": read_only_bind}
 
 
 def tree_digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, d
 
 @pytest.mark.parametrize("mechanism", sorted(MECHANISMS))
 def test_read_only_run_inspects_fully_and_refuses_writers_at_start(
-        trained: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path, mechanism: str) -> None:
+    trained: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path, mechanism: str
+) -> None:
     src, after = trained
     run = tmp_path / "run"
     shutil.copytree(src, run)
@@ -100,15 +104,21 @@ def test_read_only_run_inspects_fully_and_refuses_writers_at_start(
         for s in (1, STEPS):
             assert_params(stored_params(run, s), after[s])
         traj = r.trajectory("layers.1.mlp.0.weight").values
-        np.testing.assert_array_equal(traj, np.stack([after[s]["layers.1.mlp.0.weight"]
-                                                      for s in range(1, STEPS + 1)]))
+        np.testing.assert_array_equal(
+            traj, np.stack([after[s]["layers.1.mlp.0.weight"] for s in range(1, STEPS + 1)])
+        )
         assert list(r.metrics()["step"].values) == list(range(1, STEPS + 1))
         assert r.summaries().sizes["step"] == STEPS
         assert r.verify().ok
         assert load(run).header.step == STEPS
         # ... and through the CLI in other processes
-        for args in (["ls"], ["log"], ["show", "--step", "2"], ["verify"],
-                     ["diff", "1", str(STEPS)]):
+        for args in (
+            ["ls"],
+            ["log"],
+            ["show", "--step", "2"],
+            ["verify"],
+            ["diff", "1", str(STEPS)],
+        ):
             code, doc, err = cli(*args, "--run", str(run))
             assert code == 0, (args, err)
             assert doc is not None, (args, err)
@@ -136,7 +146,8 @@ def test_read_only_run_inspects_fully_and_refuses_writers_at_start(
 
 @pytest.mark.parametrize("folder", ["_dstt/refs", "_dstt/commits", "steps"])
 def test_a_read_only_commit_folder_is_refused_at_start_too(
-        trained: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path, folder: str) -> None:
+    trained: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path, folder: str
+) -> None:
     """Only a folder every commit writes to is immutable, not the run root: the session must
     still refuse at its start rather than fail at the first commit, mid-training."""
     src, _ = trained

@@ -8,8 +8,11 @@ import torch
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     x, y = a.detach().contiguous().reshape(-1), b.detach().contiguous().reshape(-1)
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(x.view(torch.uint8),
-                                                                     y.view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    )
 
 
 class MLP(torch.nn.Module):
@@ -28,8 +31,9 @@ def mlp_batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-               y: torch.Tensor) -> float:
+def train_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
+) -> float:
     _, loss = model(x, y)
     loss.backward()
     opt.step()

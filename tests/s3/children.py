@@ -38,6 +38,7 @@ def kill(url: str) -> None:
     with repo.writer(chunk_bytes=1 * MiB) as w:
         for step in (1, 2, 3):
             if step == 3:  # from here, the upload dies after reading its first part
+
                 class Dying:
                     def __init__(self, f: Any) -> None:
                         self.f, self.n = f, 0
@@ -59,9 +60,19 @@ def kill(url: str) -> None:
                     return real_put(store, key, f, **kw)
 
                 s3_blob.obstore = SimpleNamespace(  # type: ignore[assignment]
-                    **{n: getattr(obstore, n) for n in ("get", "get_range", "head", "list",
-                                                        "list_with_delimiter", "delete")},
-                    put=put)
+                    **{
+                        n: getattr(obstore, n)
+                        for n in (
+                            "get",
+                            "get_range",
+                            "head",
+                            "list",
+                            "list_with_delimiter",
+                            "delete",
+                        )
+                    },
+                    put=put,
+                )
             t = w.begin(step)
             _put_array(t, "params/w", np.full(3 * MiB, step, np.float32))  # 12 MiB
             t.commit({"loss": float(step)})
@@ -74,15 +85,19 @@ def rank(rank: int, world: int, port: int, url: str) -> None:
 
     from dstt.engine.ranks import dist_info, open_ranks
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         rw, _ = open_ranks(url, dist_info(), resume=False, chunk_bytes=4096, timeout=60)
         try:
             for step in (1, 2, 3):
                 t = rw.begin(step)
-                _put_array(t, f"zero/r{rank}/flat",
-                           np.arange(1000 + rank, dtype=np.float32) * (rank + 1) + step)
+                _put_array(
+                    t,
+                    f"zero/r{rank}/flat",
+                    np.arange(1000 + rank, dtype=np.float32) * (rank + 1) + step,
+                )
                 t.put_object(f"rng/r{rank}", {"seed": rank, "step": step})
                 t.commit({"loss": float(step)})
         finally:

@@ -32,14 +32,24 @@ class S3Server:
     @property
     def options(self) -> dict[str, Any]:
         """Explicit ``storage_options`` naming this server (no environment needed)."""
-        return {"endpoint": self.endpoint, "access_key_id": "testing",
-                "secret_access_key": "testing", "region": "us-east-1", "allow_http": True}
+        return {
+            "endpoint": self.endpoint,
+            "access_key_id": "testing",
+            "secret_access_key": "testing",
+            "region": "us-east-1",
+            "allow_http": True,
+        }
 
     def boto(self) -> Any:
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
-                            aws_secret_access_key="testing", region_name="us-east-1")
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
 
 
 def _free_port() -> int:
@@ -52,9 +62,11 @@ def _free_port() -> int:
 def s3_server() -> Iterator[S3Server]:
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
-                             "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -65,9 +77,13 @@ def s3_server() -> Iterator[S3Server]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("the moto S3 server did not start") from None
                 time.sleep(0.1)
-        env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
-               "AWS_ALLOW_HTTP": "true"}
+        env = {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": "us-east-1",
+            "AWS_ALLOW_HTTP": "true",
+        }
         server = S3Server(endpoint, env)
         server.boto().create_bucket(Bucket=BUCKET)
         yield server

@@ -34,8 +34,12 @@ def test_trajectory_computes_on_a_two_worker_cluster(s3_url: str, s3_server: S3S
     assert len(traj.chunks[0]) == 4  # 8 steps, 2 per task
     graph = dict(traj.data.__dask_graph__())
     assert b"http://127.0.0.1" in pickle.dumps(graph)  # the description travels, not handles
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                      dashboard_address=None) as cluster, Client(cluster) as client:
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+        ) as cluster,
+        Client(cluster) as client,
+    ):
         got = traj.data.compute(scheduler=client)
         workers = set(client.run(lambda: 1))
         assert len(workers) == 2

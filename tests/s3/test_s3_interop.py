@@ -23,8 +23,9 @@ def _one_step_run(url: str) -> np.ndarray:
     return m.l1.weight.detach().numpy().copy()
 
 
-def test_zarr_xarray_and_tensorstore_read_a_step_from_the_bucket(s3_url: str,
-                                                                 s3_server: S3Server) -> None:
+def test_zarr_xarray_and_tensorstore_read_a_step_from_the_bucket(
+    s3_url: str, s3_server: S3Server
+) -> None:
     import tensorstore as ts
     import xarray as xr
     import zarr
@@ -36,11 +37,15 @@ def test_zarr_xarray_and_tensorstore_read_a_step_from_the_bucket(s3_url: str,
     slot = run.commits()[-1].slot
     key = f"{s3_url.removeprefix(f's3://{BUCKET}/')}/steps/{slot:012d}.zip"
     url = f"s3://{BUCKET}/{key}"
-    opts = {"key": "testing", "secret": "testing",
-            "client_kwargs": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"}}
+    opts = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": s3_server.endpoint, "region_name": "us-east-1"},
+    }
 
-    store = zarr.storage.FsspecStore.from_url(f"zip::{url}", storage_options={"s3": opts},
-                                              read_only=True)
+    store = zarr.storage.FsspecStore.from_url(
+        f"zip::{url}", storage_options={"s3": opts}, read_only=True
+    )
     root = zarr.open_group(store, mode="r", zarr_format=3)
     assert np.array_equal(root["params/l1/weight"][...], want)
     # xarray's open_datatree finds arrays by listing folders, which fsspec's zip layer does not
@@ -49,9 +54,19 @@ def test_zarr_xarray_and_tensorstore_read_a_step_from_the_bucket(s3_url: str,
     da = xr.DataArray(root["params/l1/weight"][...])
     assert np.array_equal(da.values, want)
 
-    spec = {"driver": "zarr3", "kvstore": {
-        "driver": "zip", "path": "params/l1/weight/",
-        "base": {"driver": "s3", "bucket": BUCKET, "path": key,
-                 "endpoint": s3_server.endpoint, "aws_region": "us-east-1"}}}
+    spec = {
+        "driver": "zarr3",
+        "kvstore": {
+            "driver": "zip",
+            "path": "params/l1/weight/",
+            "base": {
+                "driver": "s3",
+                "bucket": BUCKET,
+                "path": key,
+                "endpoint": s3_server.endpoint,
+                "aws_region": "us-east-1",
+            },
+        },
+    }
     arr = ts.open(spec, read=True).result()
     assert np.array_equal(arr.read().result(), want)

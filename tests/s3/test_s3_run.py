@@ -41,8 +41,9 @@ def _train(run: str, n: int, *, resume: bool = False, seed: int = 0) -> tuple[ML
     return m, losses
 
 
-def test_train_inspect_rollback_resume_verify_gc(s3_url: str,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_inspect_rollback_resume_verify_gc(
+    s3_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     m, _ = _train(s3_url, 6)
     run = dstt.open(s3_url)
     assert list(run.steps) == [1, 2, 3, 4, 5, 6]
@@ -92,9 +93,14 @@ LEASE_S = 5.0  # the child's lease (tests.s3.children.kill): long enough for a b
 
 
 def test_sigkill_mid_upload_leaves_the_previous_commit(s3_url: str, s3_server: S3Server) -> None:
-    proc = subprocess.run([sys.executable, "-m", "tests.s3.children", "kill", s3_url],
-                          cwd=ROOT, env=child_env(s3_server), capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.s3.children", "kill", s3_url],
+        cwd=ROOT,
+        env=child_env(s3_server),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     killed = time.monotonic()
     assert proc.returncode == -9, proc.stdout + proc.stderr
     assert "committed 2" in proc.stdout
@@ -116,10 +122,17 @@ def test_sigkill_mid_upload_leaves_the_previous_commit(s3_url: str, s3_server: S
 
 def test_two_gloo_ranks_write_one_run(s3_url: str, s3_server: S3Server) -> None:
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.s3.children", "rank", str(r), "2",
-                               str(port), s3_url], cwd=ROOT, env=child_env(s3_server),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.s3.children", "rank", str(r), "2", str(port), s3_url],
+            cwd=ROOT,
+            env=child_env(s3_server),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     outs = [p.communicate(timeout=80)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     repo = Repository.open(s3_url)
@@ -160,14 +173,15 @@ def test_a_writer_whose_lease_was_taken_over_cannot_commit(s3_url: str) -> None:
     assert np.all(r.read_array(r.head(), "params/w") == 2.0)
 
 
-
 def test_a_writer_frozen_past_its_lease_cannot_move_the_ref_over_the_new_holders(
-        s3_url: str) -> None:
+    s3_url: str,
+) -> None:
     """The lease is checked before each write, but a writer can stall between that check and
     its PUT (a GC pause, SIGSTOP) for longer than the lease. Here it stalls there at its ref
     write — its step's files and header are in the bucket already — and meanwhile another
     writer takes the lease over and commits. When the first one's PUT goes out it must fail
     on the ETag it last saw (``If-Match``), not move the ref over the new holder's commit."""
+
     def commit(w: object, step: int, value: float) -> None:
         t = w.begin(step)  # type: ignore[attr-defined]
         t.declare("params/w", "float32", (4,))

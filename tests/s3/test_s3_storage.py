@@ -44,7 +44,10 @@ def test_contract_read_write_list_delete(s3_url: str) -> None:
     assert st.read("a/b/c.json") == b"hello"
     assert st.read_range("a/b/c.json", 1, 3) == b"ell"
     assert st.read_ranges([("a/b/c.json", 0, 2), ("a/d", 0, 1), ("a/b/c.json", 3, 2)]) == [
-        b"he", b"x", b"lo"]
+        b"he",
+        b"x",
+        b"lo",
+    ]
     assert st.size("a/b/c.json") == 5
     assert st.exists("a/d")
     assert not st.exists("a/zz")
@@ -79,8 +82,11 @@ def test_blob_is_invisible_until_published_and_goes_up_multipart(s3_url: str) ->
 
 def test_a_second_lease_is_refused_and_released_ones_are_taken(s3_url: str) -> None:
     a, b = storage_for(s3_url), storage_for(s3_url)
-    with a.lock(LOCK_KEY), pytest.raises(RunLockedError, match="locked by another writer"), \
-            b.lock(LOCK_KEY):
+    with (
+        a.lock(LOCK_KEY),
+        pytest.raises(RunLockedError, match="locked by another writer"),
+        b.lock(LOCK_KEY),
+    ):
         pass
     with b.lock(LOCK_KEY):  # released: taken at once
         pass

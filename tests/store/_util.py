@@ -16,8 +16,18 @@ import pytest
 from dstt.store import Repository
 from dstt.store.commit.transaction import Transaction
 
-DTYPES = ["float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-          "uint8", "bool"]
+DTYPES = [
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+]
 
 
 def np_dtype(name: str) -> np.dtype[Any]:
@@ -38,8 +48,11 @@ def sample(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     """Equal dtype, shape and bytes (so NaN == NaN and -0.0 != 0.0)."""
     a, b = np.asarray(a), np.asarray(b)
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes())
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+    )
 
 
 def zip_entry(path: Path, name: str) -> tuple[int, int]:
@@ -98,22 +111,32 @@ def put_flat_arrays(txn: Transaction, arrays: Mapping[str, np.ndarray]) -> Any:
 
 def flat_buffer(w: Any, arrays: Mapping[str, np.ndarray]) -> tuple[Any, np.ndarray]:
     """The writer's cached flat layout of ``arrays`` and a buffer holding them."""
-    specs = tuple((p, "bfloat16" if a.dtype == np_dtype("bfloat16") else a.dtype.name,
-                   tuple(a.shape)) for p, a in arrays.items())
+    specs = tuple(
+        (p, "bfloat16" if a.dtype == np_dtype("bfloat16") else a.dtype.name, tuple(a.shape))
+        for p, a in arrays.items()
+    )
     cache = w.__dict__.setdefault("_test_layouts", {})
     layout = cache.get(specs)
     if layout is None:
         layout = cache[specs] = w.flat_layout(specs)
     buf = np.zeros(layout.nbytes, np.uint8)
     for a in layout.arrays:
-        buf[a.offset:a.offset + a.nbytes] = np.ascontiguousarray(arrays[a.path]).reshape(-1).view(
-            np.uint8)
+        buf[a.offset : a.offset + a.nbytes] = (
+            np.ascontiguousarray(arrays[a.path]).reshape(-1).view(np.uint8)
+        )
     return layout, buf
 
 
-def commit_arrays(repo: Repository, step: int, arrays: Mapping[str, np.ndarray], *,
-                  objects: Mapping[str, Any] | None = None, chunk_bytes: int = 64,
-                  timeline: str | None = None, metrics: Mapping[str, Any] | None = None) -> Any:
+def commit_arrays(
+    repo: Repository,
+    step: int,
+    arrays: Mapping[str, np.ndarray],
+    *,
+    objects: Mapping[str, Any] | None = None,
+    chunk_bytes: int = 64,
+    timeline: str | None = None,
+    metrics: Mapping[str, Any] | None = None,
+) -> Any:
     with repo.writer(chunk_bytes=chunk_bytes) as w:
         txn = w.begin(step, timeline=timeline)
         for p, a in arrays.items():
@@ -123,8 +146,11 @@ def commit_arrays(repo: Repository, step: int, arrays: Mapping[str, np.ndarray],
         return txn.commit(metrics)
 
 
-def crash_at_every_write(commit: Callable[[Any, int], Any], want: Callable[[int], Mapping[str,
-                         np.ndarray]], **writer_options: Any) -> tuple[int, bool]:
+def crash_at_every_write(
+    commit: Callable[[Any, int], Any],
+    want: Callable[[int], Mapping[str, np.ndarray]],
+    **writer_options: Any,
+) -> tuple[int, bool]:
     """Commit steps 1 and 2 with ``commit(writer, step)`` (returns the transaction), then
     step 3 with a power cut at its k-th storage write, for k = 1, 2, ... until step 3
     completes. After every cut the run must hold step 2 or 3 whole (``want(step)``) and
@@ -178,8 +204,9 @@ def deep_equal(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray):
         return same_bits(a, b)
     if isinstance(a, float):
-        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) ==
-                                                     math.copysign(1, b))
+        return (math.isnan(a) and math.isnan(b)) or (
+            a == b and math.copysign(1, a) == math.copysign(1, b)
+        )
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(deep_equal(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):

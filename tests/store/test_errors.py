@@ -51,15 +51,27 @@ from ._util import assert_same_arrays, commit_arrays, sample, zip_entry
 
 
 def two_steps(path: Path | MemoryStorage) -> dict[int, dict[str, np.ndarray]]:
-    arrays = {s: {"params/w": sample("float32", (8, 4), seed=s),
-                  "params/b": sample("bfloat16", (3,), seed=10 + s)} for s in (1, 2)}
+    arrays = {
+        s: {
+            "params/w": sample("float32", (8, 4), seed=s),
+            "params/b": sample("bfloat16", (3,), seed=10 + s),
+        }
+        for s in (1, 2)
+    }
     for s, a in arrays.items():
-        save(path, s, a, objects={"rng": {"s": s}}, metrics={"loss": 0.5, "lr": 1e-05},
-             chunk_bytes=64)
+        save(
+            path,
+            s,
+            a,
+            objects={"rng": {"s": s}},
+            metrics={"loss": 0.5, "lr": 1e-05},
+            chunk_bytes=64,
+        )
     return arrays
 
 
 # -- not a run -------------------------------------------------------------------------------
+
 
 def test_missing_directory_is_not_a_run(tmp_path: Path) -> None:
     where = tmp_path / "nope"
@@ -108,6 +120,7 @@ def test_save_refuses_a_foreign_non_empty_directory(tmp_path: Path) -> None:
 
 # -- damaged manifests -------------------------------------------------------------------------
 
+
 def _flips(data: bytes, start: int = 0, stop: int | None = None) -> Iterator[bytes]:
     """Every one-bit corruption of ``data[start:stop]`` (the rest left alone)."""
     for i in range(start, len(data) if stop is None else stop):
@@ -135,8 +148,12 @@ def test_every_single_bit_flip_in_a_manifest_is_caught(which: str) -> None:
     r0 = Repository(st).reader()
     head = r0.head()
     assert head is not None
-    key = {"header": commit_key(head.slot), "arrays": side_file_key(head.slot),
-           "ref": ref_key("main"), "HEAD": HEAD_KEY}[which]
+    key = {
+        "header": commit_key(head.slot),
+        "arrays": side_file_key(head.slot),
+        "ref": ref_key("main"),
+        "HEAD": HEAD_KEY,
+    }[which]
     good = st.data[key]
     start, stop = 0, len(good)
     if which == "arrays":
@@ -199,6 +216,7 @@ def test_flipped_byte_on_disk_is_reported_with_the_file(tmp_path: Path) -> None:
 
 # -- damaged chunks and objects ----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("damage", ["missing", "truncated", "flipped", "grown"])
 def test_damaged_chunk(tmp_path: Path, damage: str) -> None:
     """Chunk 1 of params/w lives in the step's zip at the offset its record says; damage
@@ -223,7 +241,7 @@ def test_damaged_chunk(tmp_path: Path, damage: str) -> None:
         b[rec.offset + 3] ^= 0x80
         f.write_bytes(bytes(b))
     else:  # one byte more inside the chunk: everything after it moves
-        f.write_bytes(data[: rec.offset + 3] + b"\x00" + data[rec.offset + 3:])
+        f.write_bytes(data[: rec.offset + 3] + b"\x00" + data[rec.offset + 3 :])
     with pytest.raises(CorruptRunError) as ei:
         load(run)
     assert isinstance(ei.value, ValueError)
@@ -261,8 +279,8 @@ def test_damaged_object_and_array_document_are_reported(tmp_path: Path) -> None:
     assert o.key == side_file_key(h.slot)
     side = run / o.key
     data = bytearray(side.read_bytes())
-    assert bytes(data[o.offset: o.offset + o.nbytes]) == b'{"s":2}'
-    data[o.offset: o.offset + o.nbytes] = b'{"s":3}'  # same size, other value
+    assert bytes(data[o.offset : o.offset + o.nbytes]) == b'{"s":2}'
+    data[o.offset : o.offset + o.nbytes] = b'{"s":3}'  # same size, other value
     side.write_bytes(bytes(data))
     with pytest.raises(ChecksumError, match="rng") as ei:
         load(run)
@@ -272,9 +290,9 @@ def test_damaged_object_and_array_document_are_reported(tmp_path: Path) -> None:
     z = run / zkey
     off, size = zip_entry(z, array_meta_key("params/w"))
     raw = bytearray(z.read_bytes())
-    doc = bytes(raw[off: off + size])
+    doc = bytes(raw[off : off + size])
     assert doc.count(b'"float32"') == 1
-    raw[off: off + size] = doc.replace(b'"float32"', b'"float64"')
+    raw[off : off + size] = doc.replace(b'"float32"', b'"float64"')
     z.write_bytes(bytes(raw))
     rep = Repository.open(run).verify()
     assert {p.key for p in rep.problems} == {o.key, zkey}
@@ -297,8 +315,9 @@ def test_missing_arrays_table(tmp_path: Path, damage: str) -> None:
         side.unlink()
     else:
         side.write_bytes(side.read_bytes()[: loc.offset + loc.nbytes // 2])
-    with pytest.raises(CorruptRunError, match="missing" if damage == "missing" else
-                       "arrays table") as ei:
+    with pytest.raises(
+        CorruptRunError, match="missing" if damage == "missing" else "arrays table"
+    ) as ei:
         load(run)
     assert loc.key in str(ei.value)
     rep = Repository.open(run).verify()
@@ -322,6 +341,7 @@ def test_missing_file_error_is_both_storage_and_file_not_found(tmp_path: Path) -
 
 
 # -- versions ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("fmt", [1, 3])
 def test_unknown_format_version_of_the_run(tmp_path: Path, fmt: int) -> None:
@@ -360,6 +380,7 @@ def test_unknown_format_version_of_a_commit() -> None:
 
 
 # -- steps and timelines --------------------------------------------------------------------------
+
 
 def test_step_that_does_not_exist(tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -415,10 +436,12 @@ def test_unknown_or_bad_timeline(tmp_path: Path) -> None:
     run = tmp_path / "run"
     two_steps(run)
     repo = Repository.open(run)
-    for call in (lambda: load(run, timeline="nope"),
-                 lambda: repo.reader().head("nope"),
-                 lambda: repo.switch("nope"),
-                 lambda: repo.rollback(1, timeline="nope")):
+    for call in (
+        lambda: load(run, timeline="nope"),
+        lambda: repo.reader().head("nope"),
+        lambda: repo.switch("nope"),
+        lambda: repo.rollback(1, timeline="nope"),
+    ):
         with pytest.raises(TimelineError, match="nope") as ei:
             call()
         assert isinstance(ei.value, ValueError)
@@ -443,6 +466,7 @@ def test_bad_gc_policy() -> None:
 
 
 # -- locking -------------------------------------------------------------------------------------
+
 
 def test_second_writer_in_the_same_process(tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -476,8 +500,12 @@ HOLDER = """
 def test_second_writer_from_another_process(tmp_path: Path, release: str) -> None:
     run = tmp_path / "run"
     two_steps(run)
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), str(run)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(HOLDER), str(run)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "locked"
@@ -499,6 +527,7 @@ def test_second_writer_from_another_process(tmp_path: Path, release: str) -> Non
 
 
 # -- read-only and failing storage ----------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def read_only(path: Path) -> Iterator[str]:
@@ -568,8 +597,10 @@ def test_disk_full_at_every_write_of_a_commit(tmp_path: Path) -> None:
     arrays = two_steps(run)
     for n in itertools.count():
         st = FaultyStorage(LocalStorage(run), fail_after_writes=n)
-        new = {"params/w": sample("float32", (8, 4), seed=300 + n),
-               "params/b": sample("bfloat16", (3,), seed=301 + n)}
+        new = {
+            "params/w": sample("float32", (8, 4), seed=300 + n),
+            "params/b": sample("bfloat16", (3,), seed=301 + n),
+        }
         with Repository(st).writer(chunk_bytes=64) as w:
             txn = w.begin(3 + n)
             try:
@@ -610,9 +641,18 @@ def test_failing_reads_are_storage_errors(tmp_path: Path) -> None:
 
 
 def test_errors_are_dstt_errors() -> None:
-    for cls in (NotARunError, CorruptRunError, ChecksumError, FormatVersionError,
-                StepNotFoundError, TimelineError, RunLockedError, ReadOnlyRunError,
-                StorageError, MissingFileError):
+    for cls in (
+        NotARunError,
+        CorruptRunError,
+        ChecksumError,
+        FormatVersionError,
+        StepNotFoundError,
+        TimelineError,
+        RunLockedError,
+        ReadOnlyRunError,
+        StorageError,
+        MissingFileError,
+    ):
         assert issubclass(cls, DsttError)
 
 

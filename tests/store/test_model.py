@@ -74,8 +74,12 @@ class StoreMachine(RuleBasedStateMachine):
         return -1 if head is None else self.commits[head].step
 
     def live(self) -> list[tuple[str, int]]:
-        return [(tl, self.commits[c].step) for tl in sorted(self.timelines)
-                for c in self.lineage(tl) if c not in self.pruned]
+        return [
+            (tl, self.commits[c].step)
+            for tl in sorted(self.timelines)
+            for c in self.lineage(tl)
+            if c not in self.pruned
+        ]
 
     def run(self, op: Any, cut: tuple[int, bool, bool] | None) -> set[str] | None:
         """Run ``op(storage)``; with a cut, lose power at that write and keep the crashed store.
@@ -106,8 +110,9 @@ class StoreMachine(RuleBasedStateMachine):
             with Repository(storage).writer(chunk_bytes=8) as w:
                 txn = w.begin(step, timeline=tl)
                 for path, a in arrays_of(value).items():
-                    plan = txn.declare(path, "float32" if a.dtype == np.float32 else "bfloat16",
-                                       a.shape)
+                    plan = txn.declare(
+                        path, "float32" if a.dtype == np.float32 else "bfloat16", a.shape
+                    )
                     flat = a.view(np.uint8)
                     for i in range(plan.n_chunks):
                         start, stop = plan.byte_range(i)
@@ -223,8 +228,9 @@ class StoreMachine(RuleBasedStateMachine):
             self.pruned &= reachable
         event(f"delete: {'whole' if done is None else 'cut'}")
 
-    @rule(keep_last=st.none() | st.integers(0, 4), keep_every=st.none() | st.integers(1, 5),
-          cut=cuts)
+    @rule(
+        keep_last=st.none() | st.integers(0, 4), keep_every=st.none() | st.integers(1, 5), cut=cuts
+    )
     def gc(self, keep_last: int | None, keep_every: int | None, cut: Any) -> None:
         result: dict[str, Any] = {}
 
@@ -238,7 +244,7 @@ class StoreMachine(RuleBasedStateMachine):
             for tl, head in self.timelines.items():
                 live = [c for c in self.lineage(tl) if c not in self.pruned]
                 if keep_last:
-                    keep |= set(live[max(0, len(live) - keep_last):])
+                    keep |= set(live[max(0, len(live) - keep_last) :])
                 if keep_every:
                     keep |= {c for c in live if self.commits[c].step % keep_every == 0}
                 if head is not None:
@@ -279,7 +285,8 @@ class StoreMachine(RuleBasedStateMachine):
             model = self.lineage(tl)
             assert [h.slot for h in line] == model
             assert [(h.step, h.pruned) for h in line] == [
-                (self.commits[c].step, c in self.pruned) for c in model]
+                (self.commits[c].step, c in self.pruned) for c in model
+            ]
             if line:
                 assert not line[-1].pruned  # heads are never pruned
             for h in line:
@@ -298,7 +305,9 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 StoreMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=30, deadline=None,
+    max_examples=100,
+    stateful_step_count=30,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestStoreModel = StoreMachine.TestCase

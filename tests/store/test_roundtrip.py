@@ -41,8 +41,9 @@ SHAPES = [(), (0,), (3, 0, 2), (7,), (33, 5)]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_save_load_every_dtype_and_shape(tmp_path: Path, dtype: str) -> None:
-    arrays = {f"params/{dtype}/s{i}": sample(dtype, shape, seed=i)
-              for i, shape in enumerate(SHAPES)}
+    arrays = {
+        f"params/{dtype}/s{i}": sample(dtype, shape, seed=i) for i, shape in enumerate(SHAPES)
+    }
     save(tmp_path / "run", 3, arrays, chunk_bytes=np_dtype(dtype).itemsize * 5 * 4)  # 4 rows
     snap = load(tmp_path / "run")
     assert snap.header.step == 3
@@ -51,15 +52,17 @@ def test_save_load_every_dtype_and_shape(tmp_path: Path, dtype: str) -> None:
     r = Repository.open(tmp_path / "run").reader()
     rec = r.arrays(snap.header)[f"params/{dtype}/s4"]
     assert (rec.plan.rows, rec.plan.n_chunks) == (4, 9)  # 8 full chunks and a 1-row edge
-    assert [r.read_array(snap.header, f"params/{dtype}/s{i}").shape
-            for i in range(len(SHAPES))] == SHAPES
+    assert [
+        r.read_array(snap.header, f"params/{dtype}/s{i}").shape for i in range(len(SHAPES))
+    ] == SHAPES
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_transaction_round_trip_threads_and_any_chunk_order(tmp_path: Path, dtype: str) -> None:
     repo = Repository.create(tmp_path / "run")
-    want = {f"optim/exp_avg/{i}/w": sample(dtype, shape, seed=100 + i)
-            for i, shape in enumerate(SHAPES)}
+    want = {
+        f"optim/exp_avg/{i}/w": sample(dtype, shape, seed=100 + i) for i, shape in enumerate(SHAPES)
+    }
     with repo.writer(chunk_bytes=40) as w:
         txn = w.begin(10)
         jobs = []
@@ -108,7 +111,7 @@ def test_edge_chunk_written_full_size_with_zero_padding(tmp_path: Path) -> None:
     assert edge[24:48] == bytes(24)
     assert rec.chunks[2].nbytes == len(edge)
     raw = zpath.read_bytes()
-    assert raw[offset: offset + size] == edge
+    assert raw[offset : offset + size] == edge
 
 
 def test_large_tensor_many_chunks(tmp_path: Path) -> None:
@@ -148,7 +151,7 @@ OBJECTS = {
     "dollar_keys": {"$float": "not a tag", "$tuple": [1]},
     "floats": [float("nan"), float("inf"), float("-inf"), -0.0, 1e-310, 1.7976931348623157e308],
     "big_int": 2**80,
-    "str": "ünïcødé \u2603 \"quoted\"",
+    "str": 'ünïcødé \u2603 "quoted"',
     "empty": {"list": [], "dict": {}, "tuple": ()},
     "np_f32": np.arange(6, dtype=np.float32).reshape(2, 3),
     "np_0d": np.array(7, dtype=np.int64),
@@ -208,13 +211,23 @@ def test_pickle_objects_need_trusted(tmp_path: Path) -> None:
         load(tmp_path / "run")
     assert r.read_object(h, "user", trusted=True) == {"s": {1, 2, 3}}
     assert r.read_object(h, "raw") == b"\x01\x02"
-    assert load(tmp_path / "run", trusted=True).objects == {"user": {"s": {1, 2, 3}},
-                                                            "raw": b"\x01\x02"}
+    assert load(tmp_path / "run", trusted=True).objects == {
+        "user": {"s": {1, 2, 3}},
+        "raw": b"\x01\x02",
+    }
 
 
 def test_metrics_round_trip_including_non_finite(tmp_path: Path) -> None:
-    metrics = {"loss": 1.25, "nan": float("nan"), "inf": float("inf"), "ninf": float("-inf"),
-               "n": 7, "flag": True, "note": "warmup", "tiny": 5e-324}
+    metrics = {
+        "loss": 1.25,
+        "nan": float("nan"),
+        "inf": float("inf"),
+        "ninf": float("-inf"),
+        "n": 7,
+        "flag": True,
+        "note": "warmup",
+        "tiny": 5e-324,
+    }
     save(tmp_path / "run", 4, {"params/w": np.zeros(2, np.float32)}, metrics=metrics)
     h = Repository.open(tmp_path / "run").reader().head()
     assert h is not None
@@ -234,8 +247,10 @@ def test_many_steps_each_in_its_own_step_file(tmp_path: Path) -> None:
     slots = {}
     with repo.writer(chunk_bytes=32) as w:
         for step in range(0, 150):
-            arrays = {"params/w": sample("float32", (9,), seed=step),
-                      "params/b": sample("bfloat16", (3, 2), seed=1000 + step)}
+            arrays = {
+                "params/w": sample("float32", (9,), seed=step),
+                "params/b": sample("bfloat16", (3, 2), seed=1000 + step),
+            }
             txn = w.begin(step)
             for p, a in arrays.items():
                 put_array(txn, p, a)
@@ -245,7 +260,8 @@ def test_many_steps_each_in_its_own_step_file(tmp_path: Path) -> None:
     steps_dir = tmp_path / "run" / STEPS_PREFIX
     assert sorted(p.name for p in steps_dir.iterdir()) == sorted(
         [step_file_key(s).split("/")[-1] for s in range(150)]
-        + [side_file_key(s).split("/")[-1] for s in range(150)])
+        + [side_file_key(s).split("/")[-1] for s in range(150)]
+    )
     assert not (tmp_path / "run" / "params").exists()  # no run-wide arrays any more
     r = Repository.open(tmp_path / "run").reader()
     assert [h.step for h in r.lineage()] == list(range(150))
@@ -258,8 +274,12 @@ def test_many_steps_each_in_its_own_step_file(tmp_path: Path) -> None:
         slot = slots[step]
         with zipfile.ZipFile(steps_dir / step_file_key(slot).split("/")[-1]) as zf:
             root = json.loads(zf.read("zarr.json"))
-            assert root["attributes"]["dstt"] == {"format": 2, "step": step,
-                                                  "timeline": "main", "slot": slot}
+            assert root["attributes"]["dstt"] == {
+                "format": 2,
+                "step": step,
+                "timeline": "main",
+                "slot": slot,
+            }
             for p, shape in (("params/w", [9]), ("params/b", [3, 2])):
                 doc = json.loads(zf.read(f"{p}/zarr.json"))
                 assert doc["shape"] == shape  # no slot axis
@@ -346,8 +366,9 @@ def test_abort_leaves_nothing_visible() -> None:
 
 
 def test_bfloat16_exact_including_nan_payloads(tmp_path: Path) -> None:
-    bits = np.array([0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC1, 0xFFFF, 0x0001, 0x3F80],
-                    dtype=np.uint16)
+    bits = np.array(
+        [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC1, 0xFFFF, 0x0001, 0x3F80], dtype=np.uint16
+    )
     a = bits.view(ml_dtypes.bfloat16)
     save(tmp_path / "run", 1, {"params/bf": a})
     got = load(tmp_path / "run").arrays["params/bf"]

@@ -23,5 +23,15 @@ from .importer import Imported, ImportReport, Skipped, import_checkpoints
 from .sources import FORMATS, Source, find_sources
 from .write import SOURCE_OBJECT
 
-__all__ = ["FORMATS", "SOURCE_OBJECT", "Checkpoint", "ImportReport", "Imported",
-           "NamedOptimizer", "Skipped", "Source", "find_sources", "import_checkpoints"]
+__all__ = [
+    "FORMATS",
+    "SOURCE_OBJECT",
+    "Checkpoint",
+    "ImportReport",
+    "Imported",
+    "NamedOptimizer",
+    "Skipped",
+    "Source",
+    "find_sources",
+    "import_checkpoints",
+]

@@ -26,8 +26,16 @@ from dstt.errors import SourceError
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["BUFFER_NAMES", "Checkpoint", "NamedOptimizer", "dedup_tied", "rng_object",
-           "split_buffers", "split_by_model", "step_in_name"]
+__all__ = [
+    "BUFFER_NAMES",
+    "Checkpoint",
+    "NamedOptimizer",
+    "dedup_tied",
+    "rng_object",
+    "split_buffers",
+    "split_by_model",
+    "step_in_name",
+]
 
 
 @dataclass
@@ -49,8 +57,9 @@ class NamedOptimizer:
                 st = raw_state.get(idx)
                 if st:
                     state[name] = dict(st)
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": list(group_names)})
+            groups.append(
+                {**{k: v for k, v in g.items() if k != "params"}, "params": list(group_names)}
+            )
         return NamedOptimizer(groups, state)
 
     @property
@@ -85,9 +94,11 @@ class Checkpoint:
 
     def note_lacks(self) -> None:
         """Fill ``lacks`` from what is missing."""
-        for what, missing in (("optimizer state", self.optimizer is None),
-                              ("scheduler state", self.scheduler is None),
-                              ("RNG state", not self.rng)):
+        for what, missing in (
+            ("optimizer state", self.optimizer is None),
+            ("scheduler state", self.scheduler is None),
+            ("RNG state", not self.rng),
+        ):
             if missing and what not in self.lacks:
                 self.lacks.append(what)
 
@@ -96,8 +107,9 @@ class Checkpoint:
 BUFFER_NAMES = frozenset({"running_mean", "running_var", "num_batches_tracked"})
 
 
-def split_buffers(tensors: Mapping[str, torch.Tensor], params: set[str] | None = None
-                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def split_buffers(
+    tensors: Mapping[str, torch.Tensor], params: set[str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(parameters, buffers) of a model state dict. ``params``: the names known to be
     parameters (a live model's, or the optimizer's); without them a tensor is a buffer when
     it is not floating point or has a BatchNorm buffer's name."""
@@ -112,9 +124,9 @@ def split_buffers(tensors: Mapping[str, torch.Tensor], params: set[str] | None =
     return p, b
 
 
-def split_by_model(tensors: Mapping[str, torch.Tensor], model: torch.nn.Module | None, *,
-                   where: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
-                                        dict[str, str]]:
+def split_by_model(
+    tensors: Mapping[str, torch.Tensor], model: torch.nn.Module | None, *, where: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, str]]:
     """(parameters, buffers, tied names) of a model state dict: by ``model``'s own names when
     given (a tensor it does not have is a ``SourceError``), else by ``split_buffers``; tied
     tensors (sharing storage, or tied in ``model``) once."""
@@ -133,13 +145,16 @@ def split_by_model(tensors: Mapping[str, torch.Tensor], model: torch.nn.Module |
     buffers = {n: t for n, t in tensors.items() if n in bnames}
     unknown = sorted(set(tensors) - set(params) - set(buffers) - set(tied))
     if unknown:
-        raise SourceError(f"{where}: tensors {unknown[:5]} are not in the model's "
-                          f"{type(model).__name__}; is model= the model that was trained?")
+        raise SourceError(
+            f"{where}: tensors {unknown[:5]} are not in the model's "
+            f"{type(model).__name__}; is model= the model that was trained?"
+        )
     return params, buffers, tied
 
 
-def dedup_tied(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
-                                                             dict[str, str]]:
+def dedup_tied(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors that share storage (tied weights, as ``torch.load`` restores them) once,
     under their first name; returns them and ``{further name: stored name}``."""
     out: dict[str, torch.Tensor] = {}

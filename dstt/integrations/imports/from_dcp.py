@@ -41,13 +41,22 @@ if TYPE_CHECKING:
 __all__ = ["FORMAT", "is_dcp_folder", "read_dcp", "step_of_dcp"]
 
 FORMAT = "dcp"
-_PARTS = ("model", "optimizer", "optim", "lr_scheduler", "scheduler", "dataloader",
-          "train_state", "step")
+_PARTS = (
+    "model",
+    "optimizer",
+    "optim",
+    "lr_scheduler",
+    "scheduler",
+    "dataloader",
+    "train_state",
+    "step",
+)
 
 
 def is_dcp_folder(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata")) and bool(
-        glob.glob(os.path.join(path, "*.distcp")))
+        glob.glob(os.path.join(path, "*.distcp"))
+    )
 
 
 def step_of_dcp(path: str) -> int | None:
@@ -69,7 +78,8 @@ def _planner(trusted: bool) -> Any:
             except Exception as e:  # torch's own unpickling errors vary
                 raise UnsafeObjectError(
                     f"value {read_item.dest_index.fqn!r} needs full unpickling to load ({e}); "
-                    "if you trust the checkpoint, pass --trusted (trusted=True)") from None
+                    "if you trust the checkpoint, pass --trusted (trusted=True)"
+                ) from None
             self.state_dict[read_item.dest_index.fqn] = obj
             return None
 
@@ -93,6 +103,7 @@ def _nest(flat: Mapping[str, Any], paths: Mapping[str, Any]) -> dict[Any, Any]:
             if name == "param_groups" and x and set(x) == set(range(len(x))):
                 return [x[i] for i in range(len(x))]
         return x
+
     nested: dict[Any, Any] = lists(out, None)
     return nested
 
@@ -106,8 +117,9 @@ def read_flat(path: str, trusted: bool) -> dict[Any, Any]:
     try:
         meta = reader.read_metadata()
     except Exception as e:  # a damaged .metadata raises pickle/OS errors
-        raise SourceError(f"{path}/.metadata cannot be read ({e}); is the checkpoint "
-                          "complete?") from None
+        raise SourceError(
+            f"{path}/.metadata cannot be read ({e}); is the checkpoint complete?"
+        ) from None
     flat: dict[str, Any] = {}
     for key, md in meta.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
@@ -121,14 +133,20 @@ def read_flat(path: str, trusted: bool) -> dict[Any, Any]:
     except UnsafeObjectError:
         raise
     except Exception as e:  # DCP wraps reader failures in CheckpointException
-        raise SourceError(f"{path}: DCP cannot read the checkpoint ({e}); is every "
-                          "__*.distcp file there?") from None
+        raise SourceError(
+            f"{path}: DCP cannot read the checkpoint ({e}); is every __*.distcp file there?"
+        ) from None
     paths = meta.planner_data if isinstance(meta.planner_data, Mapping) else {}
     return _nest(flat, paths)
 
 
-def read_dcp(path: str, *, step: int | None = None, model: torch.nn.Module | None = None,
-             trusted: bool = False) -> Checkpoint:
+def read_dcp(
+    path: str,
+    *,
+    step: int | None = None,
+    model: torch.nn.Module | None = None,
+    trusted: bool = False,
+) -> Checkpoint:
     """Read one DCP folder (see the module docstring)."""
     doc = read_flat(path, trusted)
     if isinstance(doc.get("model"), Mapping):
@@ -147,20 +165,27 @@ def read_dcp(path: str, *, step: int | None = None, model: torch.nn.Module | Non
         k = raw if isinstance(raw, int) else step_of_dcp(path)
     if k is None:
         raise SourceError(f"{path}: no step in its contents or name; pass step=/--step")
-    named = osd is not None and all(isinstance(n, str) for g in osd.get("param_groups", [])
-                                    for n in g.get("params", []))
-    ck = model_checkpoint(sd, None if named else osd, step=k, source=os.path.abspath(path),
-                          fmt=FORMAT, model=model)
+    named = osd is not None and all(
+        isinstance(n, str) for g in osd.get("param_groups", []) for n in g.get("params", [])
+    )
+    ck = model_checkpoint(
+        sd, None if named else osd, step=k, source=os.path.abspath(path), fmt=FORMAT, model=model
+    )
     if named and osd is not None:
         names = [list(g["params"]) for g in osd["param_groups"]]
         ck.optimizer = NamedOptimizer(
-            [{**{h: v for h, v in g.items() if h != "params"}, "params": n}
-             for g, n in zip(osd["param_groups"], names, strict=True)],
-            {n: dict(st) for n, st in (osd.get("state") or {}).items() if st})
+            [
+                {**{h: v for h, v in g.items() if h != "params"}, "params": n}
+                for g, n in zip(osd["param_groups"], names, strict=True)
+            ],
+            {n: dict(st) for n, st in (osd.get("state") or {}).items() if st},
+        )
         missing = set(ck.optimizer.names) - set(ck.params)
         if missing:
-            raise SourceError(f"{path}: the optimizer names parameters the model does not "
-                              f"have: {sorted(missing)[:5]}")
+            raise SourceError(
+                f"{path}: the optimizer names parameters the model does not "
+                f"have: {sorted(missing)[:5]}"
+            )
     ck.scheduler = next((doc[s] for s in SCHEDULER_KEYS if doc.get(s) is not None), None)
     ck.files = {f: os.path.getsize(f) for f in glob.glob(os.path.join(path, "*.distcp"))}
     ck.note_lacks()

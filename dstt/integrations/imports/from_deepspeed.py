@@ -73,23 +73,31 @@ def _quiet() -> contextlib.AbstractContextManager[Any]:
     return _Both()
 
 
-def _merge(z: Any, stage: int, world: int, flats: list[Any], models: list[Any],
-           paddings: Any) -> dict[str, torch.Tensor]:
+def _merge(
+    z: Any, stage: int, world: int, flats: list[Any], models: list[Any], paddings: Any
+) -> dict[str, torch.Tensor]:
     """DeepSpeed's reconstruction of logical tensors from per-rank flat partitions."""
     # zero_to_fp32's own reconstruction, private there: the module docstring says why we
     # call it (it is handed each optimizer state's partitions as well as the masters')
     with _quiet():
         if stage <= 2:
             sd = z._get_fp32_state_dict_from_zero2_checkpoint(  # noqa: SLF001
-                world, flats, models, False, paddings)
+                world, flats, models, False, paddings
+            )
         else:
             sd = z._get_fp32_state_dict_from_zero3_checkpoint(  # noqa: SLF001
-                world, flats, models, False)
+                world, flats, models, False
+            )
         return dict(z.to_torch_tensor(sd))
 
 
-def read_deepspeed(path: str, *, step: int | None = None,
-                   model: torch.nn.Module | None = None, trusted: bool = False) -> Checkpoint:
+def read_deepspeed(
+    path: str,
+    *,
+    step: int | None = None,
+    model: torch.nn.Module | None = None,
+    trusted: bool = False,
+) -> Checkpoint:
     """Read one DeepSpeed checkpoint tag folder (see the module docstring)."""
     model_files, optim_files = _files(path, "model"), _files(path, "optim")
     if not model_files:
@@ -103,11 +111,26 @@ def read_deepspeed(path: str, *, step: int | None = None,
     if not isinstance(k, int):
         raise SourceError(f"{path}: no global_steps in {model_files[0]}; pass step=/--step")
     files = {f: os.path.getsize(f) for f in [*model_files, *optim_files]}
-    extra = {n: first.get(n) for n in ("global_steps", "global_samples", "skipped_steps",
-                                       "dp_world_size", "ds_config", "ds_version")}
+    extra = {
+        n: first.get(n)
+        for n in (
+            "global_steps",
+            "global_samples",
+            "skipped_steps",
+            "dp_world_size",
+            "ds_config",
+            "ds_version",
+        )
+    }
     if not optim_files:  # ZeRO 0: the torch optimizer's state sits in the model file
-        ck = model_checkpoint(first["module"], first.get("optimizer"), step=k,
-                              source=os.path.abspath(path), fmt=FORMAT, model=model)
+        ck = model_checkpoint(
+            first["module"],
+            first.get("optimizer"),
+            step=k,
+            source=os.path.abspath(path),
+            fmt=FORMAT,
+            model=model,
+        )
         extra["zero_stage"] = 0
     else:
         ck = _zero(path, first, states, optim_files, trusted, allow, k, model)
@@ -119,26 +142,42 @@ def read_deepspeed(path: str, *, step: int | None = None,
     return ck
 
 
-def _zero(path: str, first: Mapping[str, Any], states: list[Any], optim_files: list[str],
-          trusted: bool, allow: list[Any], k: int, model: torch.nn.Module | None) -> Checkpoint:
+def _zero(
+    path: str,
+    first: Mapping[str, Any],
+    states: list[Any],
+    optim_files: list[str],
+    trusted: bool,
+    allow: list[Any],
+    k: int,
+    model: torch.nn.Module | None,
+) -> Checkpoint:
     from deepspeed.utils import zero_to_fp32 as z
 
-    optims = [load_pickle(f, trusted=trusted, allow=allow)["optimizer_state_dict"]
-              for f in optim_files]
+    optims = [
+        load_pickle(f, trusted=trusted, allow=allow)["optimizer_state_dict"] for f in optim_files
+    ]
     o0 = optims[0]
     stage = int(o0["zero_stage"])
     world = o0["partition_count"]
     world = max(world) if isinstance(world, list) else int(world)
     if world != len(optims):
-        raise SourceError(f"{path} holds {len(optims)} optimizer files but was saved by "
-                          f"{world} ranks; is the checkpoint complete?")
+        raise SourceError(
+            f"{path} holds {len(optims)} optimizer files but was saved by "
+            f"{world} ranks; is the checkpoint complete?"
+        )
     buffer_names = set(first.get("buffer_names") or [])
-    models = [z.zero_model_state(
-        buffers={n: t for n, t in s["module"].items() if n in buffer_names},
-        param_shapes=s["param_shapes"],
-        shared_params=[[a, b] for a, b in (s.get("shared_params") or {}).items()],
-        ds_version=s.get("ds_version"), frozen_param_shapes=s.get("frozen_param_shapes"),
-        frozen_param_fragments=s.get("frozen_param_fragments")) for s in states]
+    models = [
+        z.zero_model_state(
+            buffers={n: t for n, t in s["module"].items() if n in buffer_names},
+            param_shapes=s["param_shapes"],
+            shared_params=[[a, b] for a, b in (s.get("shared_params") or {}).items()],
+            ds_version=s.get("ds_version"),
+            frozen_param_shapes=s.get("frozen_param_shapes"),
+            frozen_param_fragments=s.get("frozen_param_fragments"),
+        )
+        for s in states
+    ]
     key = "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"
     paddings = o0.get("param_alignment_paddings")
     full = _merge(z, stage, world, [o[key] for o in optims], models, paddings)
@@ -146,8 +185,14 @@ def _zero(path: str, first: Mapping[str, Any], states: list[Any], optim_files: l
     params = {n: full[n] for n in trainable}
     buffers = {n: t for n, t in full.items() if n not in params and n in buffer_names}
     frozen = {n: t for n, t in full.items() if n not in params and n not in buffers}
-    ck = Checkpoint(step=k, source=os.path.abspath(path), format=FORMAT,
-                    params={**params, **frozen}, buffers=buffers, model=model)
+    ck = Checkpoint(
+        step=k,
+        source=os.path.abspath(path),
+        format=FORMAT,
+        params={**params, **frozen},
+        buffers=buffers,
+        model=model,
+    )
     inner = "base_optimizer_state" if stage <= 2 else "optimizer_state_dict"
     base = [o[inner] for o in optims]
     groups0 = base[0]["state"]
@@ -157,8 +202,10 @@ def _zero(path: str, first: Mapping[str, Any], states: list[Any], optim_files: l
         if all(t.ndim == 0 for t in per_rank[0]):  # a counter per group: each parameter's
             steps = {float(t) for t in per_rank[0]}
             if len(steps) != 1:
-                raise SourceError(f"{path}: optimizer groups disagree on {skey!r} "
-                                  f"({sorted(steps)}); import the weights alone")
+                raise SourceError(
+                    f"{path}: optimizer groups disagree on {skey!r} "
+                    f"({sorted(steps)}); import the weights alone"
+                )
             for n in trainable:
                 state[n][skey] = per_rank[0][0].clone()
             continue
@@ -169,10 +216,16 @@ def _zero(path: str, first: Mapping[str, Any], states: list[Any], optim_files: l
     groups = base[0]["param_groups"]
     shapes = first["param_shapes"]
     if len(groups) != len(shapes):
-        raise SourceError(f"{path}: {len(groups)} optimizer groups but {len(shapes)} groups "
-                          "of parameter shapes; import the weights alone")
+        raise SourceError(
+            f"{path}: {len(groups)} optimizer groups but {len(shapes)} groups "
+            "of parameter shapes; import the weights alone"
+        )
     ck.optimizer = NamedOptimizer(
-        [{**{h: v for h, v in g.items() if h != "params"}, "params": list(s)}
-         for g, s in zip(groups, shapes, strict=True)], state)
+        [
+            {**{h: v for h, v in g.items() if h != "params"}, "params": list(s)}
+            for g, s in zip(groups, shapes, strict=True)
+        ],
+        state,
+    )
     ck.objects["_stage"] = stage
     return ck

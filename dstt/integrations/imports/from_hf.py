@@ -36,15 +36,22 @@ if TYPE_CHECKING:
 __all__ = ["FORMAT", "is_hf_folder", "read_hf", "step_of_hf"]
 
 FORMAT = "hf-trainer"
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-           "pytorch_model.bin.index.json")
+WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def is_hf_folder(path: str) -> bool:
     return os.path.isdir(path) and (
         os.path.isfile(os.path.join(path, "trainer_state.json"))
-        or (os.path.isfile(os.path.join(path, "optimizer.pt"))
-            and any(os.path.isfile(os.path.join(path, w)) for w in WEIGHTS)))
+        or (
+            os.path.isfile(os.path.join(path, "optimizer.pt"))
+            and any(os.path.isfile(os.path.join(path, w)) for w in WEIGHTS)
+        )
+    )
 
 
 def _trainer_state(path: str) -> dict[str, Any]:
@@ -69,6 +76,7 @@ def step_of_hf(path: str) -> int | None:
 
 def _weights(path: str) -> tuple[dict[str, torch.Tensor], list[str], bool]:
     """(tensors, files, whether their order is the model's state_dict order)."""
+
     def shards(index: str) -> list[str]:
         with open(os.path.join(path, index), encoding="utf-8") as fh:
             files = dict.fromkeys(json.load(fh)["weight_map"].values())
@@ -86,8 +94,10 @@ def _weights(path: str) -> tuple[dict[str, torch.Tensor], list[str], bool]:
     elif os.path.isfile(join(path, "pytorch_model.bin")):
         files = [join(path, "pytorch_model.bin")]
     else:
-        raise SourceError(f"{path} holds no model weights (none of {', '.join(WEIGHTS)}); "
-                          "is the checkpoint complete?")
+        raise SourceError(
+            f"{path} holds no model weights (none of {', '.join(WEIGHTS)}); "
+            "is the checkpoint complete?"
+        )
     out: dict[str, torch.Tensor] = {}
     for f in files:
         sd = load_pickle(f)
@@ -97,23 +107,32 @@ def _weights(path: str) -> tuple[dict[str, torch.Tensor], list[str], bool]:
     return out, files, True
 
 
-def _metrics(state: dict[str, Any], step: int) -> tuple[dict[str, Any],
-                                                        list[tuple[int, dict[str, Any]]]]:
+def _metrics(
+    state: dict[str, Any], step: int
+) -> tuple[dict[str, Any], list[tuple[int, dict[str, Any]]]]:
     """``log_history`` split into this step's values and those of earlier steps."""
     by_step: dict[int, dict[str, Any]] = {}
     for entry in state.get("log_history") or []:
         k = entry.get("step") if isinstance(entry, dict) else None
         if not isinstance(k, int) or k > step:
             continue
-        values = {n: v for n, v in entry.items()
-                  if n != "step" and isinstance(v, bool | int | float | str)}
+        values = {
+            n: v
+            for n, v in entry.items()
+            if n != "step" and isinstance(v, bool | int | float | str)
+        }
         by_step.setdefault(k, {}).update(values)
     own = by_step.pop(step, {})
     return own, sorted(by_step.items())
 
 
-def read_hf(path: str, *, step: int | None = None, model: torch.nn.Module | None = None,
-            trusted: bool = False) -> Checkpoint:
+def read_hf(
+    path: str,
+    *,
+    step: int | None = None,
+    model: torch.nn.Module | None = None,
+    trusted: bool = False,
+) -> Checkpoint:
     """Read one Trainer checkpoint folder (see the module docstring)."""
     state = _trainer_state(path)
     k = step if step is not None else state.get("global_step")
@@ -122,8 +141,14 @@ def read_hf(path: str, *, step: int | None = None, model: torch.nn.Module | None
     tensors, files, ordered = _weights(path)
     arch = model if model is not None else hf_meta_model(path)
     params, buffers, tied = split_by_model(tensors, arch, where=path)
-    ck = Checkpoint(step=k, source=os.path.abspath(path), format=FORMAT, params=params,
-                    buffers=buffers, model=arch)
+    ck = Checkpoint(
+        step=k,
+        source=os.path.abspath(path),
+        format=FORMAT,
+        params=params,
+        buffers=buffers,
+        model=arch,
+    )
     ck.files = {f: os.path.getsize(f) for f in files}
     ck.metrics, ck.history = _metrics(state, k)
     opt_file = os.path.join(path, "optimizer.pt")
@@ -138,7 +163,8 @@ def read_hf(path: str, *, step: int | None = None, model: torch.nn.Module | None
             raise SourceError(
                 f"{path}: cannot name the optimizer's parameters: transformers cannot build "
                 "the model from config.json and safetensors does not keep the parameter "
-                "order; pass model= (the model, built as in training)")
+                "order; pass model= (the model, built as in training)"
+            )
         shapes = {n: tuple(t.shape) for n, t in {**params, **buffers}.items()}
         names = group_names(osd, order, shapes, where=opt_file, decay=decay)
         ck.optimizer = NamedOptimizer.of(osd, names)
@@ -148,7 +174,7 @@ def read_hf(path: str, *, step: int | None = None, model: torch.nn.Module | None
         ck.files[sched] = os.path.getsize(sched)
     single = os.path.join(path, "rng_state.pth")
     per_rank = sorted(glob.glob(os.path.join(path, "rng_state_*.pth")))
-    for f in ([single] if os.path.isfile(single) else per_rank):
+    for f in [single] if os.path.isfile(single) else per_rank:
         name = "rng" if f == single else f"rng/r{int(f.rsplit('_', 1)[1].split('.')[0])}"
         ck.rng[name] = rng_object(load_pickle(f, trusted=trusted), f)
         ck.files[f] = os.path.getsize(f)

@@ -44,8 +44,13 @@ def step_of_lightning(path: str) -> int | None:
     return k if isinstance(k, int) else None
 
 
-def read_lightning(path: str, *, step: int | None = None, model: torch.nn.Module | None = None,
-                   trusted: bool = False) -> Checkpoint:
+def read_lightning(
+    path: str,
+    *,
+    step: int | None = None,
+    model: torch.nn.Module | None = None,
+    trusted: bool = False,
+) -> Checkpoint:
     """Read one Lightning ``.ckpt`` (see the module docstring)."""
     doc = load_pickle(path, trusted=trusted)
     if not isinstance(doc, Mapping) or "state_dict" not in doc:
@@ -55,20 +60,31 @@ def read_lightning(path: str, *, step: int | None = None, model: torch.nn.Module
         raise SourceError(f"{path} has no global_step; pass step=/--step")
     opts = list(doc.get("optimizer_states") or [])
     if len(opts) > 1:
-        raise SourceError(f"{path} holds {len(opts)} optimizers; dstt imports one per step "
-                          "(import the weights from a torch.save file instead)")
-    ck = model_checkpoint(doc["state_dict"], opts[0] if opts else None, step=k,
-                          source=os.path.abspath(path), fmt=FORMAT, model=model)
+        raise SourceError(
+            f"{path} holds {len(opts)} optimizers; dstt imports one per step "
+            "(import the weights from a torch.save file instead)"
+        )
+    ck = model_checkpoint(
+        doc["state_dict"],
+        opts[0] if opts else None,
+        step=k,
+        source=os.path.abspath(path),
+        fmt=FORMAT,
+        model=model,
+    )
     scheds = list(doc.get("lr_schedulers") or [])
     ck.scheduler = scheds[0] if len(scheds) == 1 else None
     loops: Mapping[str, Any] = doc.get("loops") or {}
     fit: Mapping[str, Any] = loops.get("fit_loop") or {}
     progress = fit.get("epoch_loop.batch_progress") or {}
     ck.objects["extra/lightning"] = {
-        "fit_loop": dict(fit), "epoch_end": bool(progress.get("is_last_batch", False)),
-        "callbacks": doc.get("callbacks") or {}, "epoch": doc.get("epoch"),
+        "fit_loop": dict(fit),
+        "epoch_end": bool(progress.get("is_last_batch", False)),
+        "callbacks": doc.get("callbacks") or {},
+        "epoch": doc.get("epoch"),
         "global_step": doc.get("global_step"),
-        "version": doc.get("pytorch-lightning_version")}
+        "version": doc.get("pytorch-lightning_version"),
+    }
     if doc.get("hyper_parameters"):
         ck.objects["extra/lightning/hparams"] = doc["hyper_parameters"]
     ck.files = {path: os.path.getsize(path)}

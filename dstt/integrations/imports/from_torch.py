@@ -26,8 +26,16 @@ from .checkpoint import Checkpoint, NamedOptimizer, split_by_model, step_in_name
 from .loading import load_pickle, read_safetensors
 from .naming import group_names, trainable_names
 
-__all__ = ["FORMAT", "MODEL_KEYS", "OPTIMIZER_KEYS", "SCHEDULER_KEYS", "STEP_KEYS",
-           "model_checkpoint", "read_torch", "step_of_torch"]
+__all__ = [
+    "FORMAT",
+    "MODEL_KEYS",
+    "OPTIMIZER_KEYS",
+    "SCHEDULER_KEYS",
+    "STEP_KEYS",
+    "model_checkpoint",
+    "read_torch",
+    "step_of_torch",
+]
 
 FORMAT = "torch"
 MODEL_KEYS = ("model", "state_dict", "model_state_dict", "module")
@@ -41,8 +49,11 @@ def _first(doc: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
 
 
 def _is_state_dict(x: Any) -> bool:
-    return isinstance(x, Mapping) and bool(x) and all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in x.items())
+    return (
+        isinstance(x, Mapping)
+        and bool(x)
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in x.items())
+    )
 
 
 def _load(path: str, trusted: bool) -> Any:
@@ -68,15 +79,23 @@ def step_of_torch(path: str, doc: Any = None) -> int | None:
     return k if isinstance(k, int) and not isinstance(k, bool) else None
 
 
-def model_checkpoint(sd: Mapping[str, torch.Tensor], osd: Any, *, step: int, source: str,
-                     fmt: str, model: torch.nn.Module | None) -> Checkpoint:
+def model_checkpoint(
+    sd: Mapping[str, torch.Tensor],
+    osd: Any,
+    *,
+    step: int,
+    source: str,
+    fmt: str,
+    model: torch.nn.Module | None,
+) -> Checkpoint:
     """A checkpoint of a model state dict and an index-keyed optimizer state dict (or None),
     named by ``model=`` or by the state dict's order (what ``from_torch`` and
     ``from_lightning`` share)."""
     params, buffers, tied = split_by_model(sd, model, where=source)
     order = trainable_names(model) if model is not None else list(params)
-    ck = Checkpoint(step=step, source=source, format=fmt, params=params, buffers=buffers,
-                    model=model)
+    ck = Checkpoint(
+        step=step, source=source, format=fmt, params=params, buffers=buffers, model=model
+    )
     if osd is not None:
         shapes = {n: tuple(t.shape) for n, t in {**params, **buffers}.items()}
         ck.optimizer = NamedOptimizer.of(osd, group_names(osd, order, shapes, where=source))
@@ -85,24 +104,33 @@ def model_checkpoint(sd: Mapping[str, torch.Tensor], osd: Any, *, step: int, sou
     return ck
 
 
-def read_torch(path: str, *, step: int | None = None, model: torch.nn.Module | None = None,
-               trusted: bool = False) -> Checkpoint:
+def read_torch(
+    path: str,
+    *,
+    step: int | None = None,
+    model: torch.nn.Module | None = None,
+    trusted: bool = False,
+) -> Checkpoint:
     """Read one ``torch.save``/safetensors file (see the module docstring)."""
     doc = _load(path, trusted)
     if _is_state_dict(doc):
         sd, osd, sched = doc, None, None
     elif isinstance(doc, Mapping) and _is_state_dict(_first(doc, MODEL_KEYS)):
-        sd, osd, sched = (_first(doc, MODEL_KEYS), _first(doc, OPTIMIZER_KEYS),
-                          _first(doc, SCHEDULER_KEYS))
+        sd, osd, sched = (
+            _first(doc, MODEL_KEYS),
+            _first(doc, OPTIMIZER_KEYS),
+            _first(doc, SCHEDULER_KEYS),
+        )
     else:
         keys = sorted(map(str, doc))[:8] if isinstance(doc, Mapping) else type(doc).__name__
-        raise SourceError(f"{path} is neither a model state dict nor a dict with one of "
-                          f"{', '.join(MODEL_KEYS)} (found: {keys})")
+        raise SourceError(
+            f"{path} is neither a model state dict nor a dict with one of "
+            f"{', '.join(MODEL_KEYS)} (found: {keys})"
+        )
     k = step if step is not None else step_of_torch(path, doc)
     if k is None:
         raise SourceError(f"{path}: no step in its name or contents; pass step=/--step")
-    ck = model_checkpoint(sd, osd, step=k, source=os.path.abspath(path), fmt=FORMAT,
-                          model=model)
+    ck = model_checkpoint(sd, osd, step=k, source=os.path.abspath(path), fmt=FORMAT, model=model)
     ck.scheduler = sched
     ck.files = {path: os.path.getsize(path)}
     ck.note_lacks()

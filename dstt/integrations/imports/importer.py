@@ -98,11 +98,17 @@ def _imported_from(reader: Reader, header: CommitHeader | None) -> str | None:
     return obj.get("path") if isinstance(obj, dict) else None
 
 
-def import_checkpoints(sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-                       run: str | os.PathLike[str] | Repository, *, step: int | None = None,
-                       model: torch.nn.Module | None = None, trusted: bool = False,
-                       encoding: DeltaPolicy | None = None, summaries: bool = True,
-                       progress: Progress | None = None) -> ImportReport:
+def import_checkpoints(
+    sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    run: str | os.PathLike[str] | Repository,
+    *,
+    step: int | None = None,
+    model: torch.nn.Module | None = None,
+    trusted: bool = False,
+    encoding: DeltaPolicy | None = None,
+    summaries: bool = True,
+    progress: Progress | None = None,
+) -> ImportReport:
     """Import checkpoints into ``run`` (created if new), each as one step; see the module
     docstring. ``sources``: checkpoint files or folders, or folders holding them. ``step``:
     the step of a single source that does not say it. ``model``: the trained model (or one
@@ -134,8 +140,16 @@ def import_checkpoints(sources: str | os.PathLike[str] | Sequence[str | os.PathL
                 except Exception as e:  # aborted: reported, the import goes on
                     report.skipped.append(Skipped(src.path, ck.step, _why(e)))
                 else:
-                    report.imported.append(Imported(ck.step, ck.source, ck.format, header.slot,
-                                                    tuple(ck.lacks), sum(ck.files.values())))
+                    report.imported.append(
+                        Imported(
+                            ck.step,
+                            ck.source,
+                            ck.format,
+                            header.slot,
+                            tuple(ck.lacks),
+                            sum(ck.files.values()),
+                        )
+                    )
                     last = ck.step
             if progress is not None:
                 progress(i + 1, len(found), src.path)
@@ -149,8 +163,7 @@ def prefetch(path: str) -> None:
     advise = getattr(os, "posix_fadvise", None)
     if advise is None:
         return
-    files = ([os.path.join(path, n) for n in os.listdir(path)] if os.path.isdir(path)
-             else [path])
+    files = [os.path.join(path, n) for n in os.listdir(path)] if os.path.isdir(path) else [path]
     for f in files:
         try:
             fd = os.open(f, os.O_RDONLY)
@@ -170,28 +183,41 @@ def _why(e: BaseException) -> str:
     return str(e) if isinstance(e, DsttError) and str(e) else f"{type(e).__name__}: {e}"
 
 
-def _stale(src: Source, k: int, reader: Reader, by_step: dict[int, CommitHeader], last: int | None
-           ) -> Skipped | None:
+def _stale(
+    src: Source, k: int, reader: Reader, by_step: dict[int, CommitHeader], last: int | None
+) -> Skipped | None:
     """Why a source at step ``k`` cannot be imported after ``last``, or None."""
     if last is None or k > last:
         return None
     if _imported_from(reader, by_step.get(k)) == src.path:
         return Skipped(src.path, k, "already imported", problem=False)
-    return Skipped(src.path, k, f"step {k} is not after the run's head (step {last}): steps "
-                   "only grow along a timeline; import it into a new run, or roll back "
-                   "first (dstt rollback --to K)")
+    return Skipped(
+        src.path,
+        k,
+        f"step {k} is not after the run's head (step {last}): steps "
+        "only grow along a timeline; import it into a new run, or roll back "
+        "first (dstt rollback --to K)",
+    )
 
 
-def _one(src: Source, reader: Reader, by_step: dict[int, CommitHeader], last: int | None,
-         report: ImportReport, step: int | None, model: torch.nn.Module | None,
-         trusted: bool) -> Checkpoint | None:
+def _one(
+    src: Source,
+    reader: Reader,
+    by_step: dict[int, CommitHeader],
+    last: int | None,
+    report: ImportReport,
+    step: int | None,
+    model: torch.nn.Module | None,
+    trusted: bool,
+) -> Checkpoint | None:
     """The checkpoint of one source, or None (the reason filed in ``report``)."""
     if src.step is not None and (stale := _stale(src, src.step, reader, by_step, last)):
         report.skipped.append(stale)
         return None
     try:
-        ck = reader_of(src.format)(src.path, step=src.step if step is not None else None,
-                                   model=model, trusted=trusted)
+        ck = reader_of(src.format)(
+            src.path, step=src.step if step is not None else None, model=model, trusted=trusted
+        )
     except Exception as e:  # a bad source is reported and skipped
         report.skipped.append(Skipped(src.path, src.step, _why(e)))
         return None

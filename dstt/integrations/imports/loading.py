@@ -43,9 +43,11 @@ def numpy_globals() -> list[Any]:
 def deepspeed_globals() -> list[Any]:
     """DeepSpeed's plain records in its ZeRO optimizer files (none if it is not installed)."""
     out: list[Any] = []
-    for mod, name in (("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-                      ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-                      ("deepspeed.utils.tensor_fragment", "fragment_address")):
+    for mod, name in (
+        ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+        ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+        ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ):
         with contextlib.suppress(ImportError, AttributeError):
             out.append(getattr(__import__(mod, fromlist=[name]), name))
     return out
@@ -60,8 +62,9 @@ def _allowed(extra: Sequence[Any]) -> Iterator[None]:
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 
-def load_pickle(path: str | os.PathLike[str], *, trusted: bool = False,
-                allow: Sequence[Any] = ()) -> Any:
+def load_pickle(
+    path: str | os.PathLike[str], *, trusted: bool = False, allow: Sequence[Any] = ()
+) -> Any:
     """``torch.load`` of ``path`` onto the CPU, without running code from it (see the module
     docstring); ``trusted=True`` unpickles fully."""
     path = os.fspath(path)
@@ -80,7 +83,8 @@ def load_pickle(path: str | os.PathLike[str], *, trusted: bool = False,
         what = f" ({found.group(1)})" if found else ""
         raise UnsafeObjectError(
             f"{path} needs full unpickling to load{what}, which could run code from the file; "
-            "if you trust where it comes from, pass --trusted (trusted=True)") from None
+            "if you trust where it comes from, pass --trusted (trusted=True)"
+        ) from None
     except FileNotFoundError:
         raise SourceError(f"{path} is missing") from None
     except (OSError, RuntimeError, EOFError, ValueError) as e:

@@ -90,39 +90,61 @@ def hf_decay_names(model: torch.nn.Module) -> set[str] | None:
     return set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
 
 
-def _fits(names: Sequence[str], ids: Sequence[Any], state: Mapping[Any, Any],
-          shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+def _fits(
+    names: Sequence[str],
+    ids: Sequence[Any],
+    state: Mapping[Any, Any],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> str | None:
     """None when every state tensor (ndim > 0) of ``ids`` has its named parameter's shape;
     else what disagrees."""
     for name, idx in zip(names, ids, strict=True):
         want = shapes.get(name)
         for key, v in (state.get(idx) or {}).items():
-            if isinstance(v, torch.Tensor) and v.ndim and want is not None \
-                    and tuple(v.shape) != tuple(want):
-                return (f"state {key!r} of parameter {idx} has shape {tuple(v.shape)}, but "
-                        f"{name!r} has {tuple(want)}")
+            if (
+                isinstance(v, torch.Tensor)
+                and v.ndim
+                and want is not None
+                and tuple(v.shape) != tuple(want)
+            ):
+                return (
+                    f"state {key!r} of parameter {idx} has shape {tuple(v.shape)}, but "
+                    f"{name!r} has {tuple(want)}"
+                )
     return None
 
 
-def group_names(osd: Mapping[str, Any], order: Sequence[str],
-                shapes: Mapping[str, tuple[int, ...]], *, where: str,
-                decay: Collection[str] | None = None) -> list[list[str]]:
+def group_names(
+    osd: Mapping[str, Any],
+    order: Sequence[str],
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    where: str,
+    decay: Collection[str] | None = None,
+) -> list[list[str]]:
     """The names of each param group's parameters (see the module docstring)."""
     groups = osd.get("param_groups")
-    if not isinstance(groups, list) or not all(isinstance(g, Mapping) and "params" in g
-                                               for g in groups):
-        raise SourceError(f"{where}: the optimizer state has no param_groups; is it a torch "
-                          "optimizer's state_dict()?")
+    if not isinstance(groups, list) or not all(
+        isinstance(g, Mapping) and "params" in g for g in groups
+    ):
+        raise SourceError(
+            f"{where}: the optimizer state has no param_groups; is it a torch "
+            "optimizer's state_dict()?"
+        )
     ids = [list(g["params"]) for g in groups]
     sizes = [len(i) for i in ids]
     state = osd.get("state") or {}
     if all(isinstance(i, str) for g in ids for i in g):  # already named (DCP's FQN layout)
         return ids
-    hint = ("pass model= (the model, built as in training) so its parameter order names "
-            "the optimizer's state, or import the weights alone")
+    hint = (
+        "pass model= (the model, built as in training) so its parameter order names "
+        "the optimizer's state, or import the weights alone"
+    )
     if sum(sizes) != len(order):
-        raise SourceError(f"{where}: the optimizer holds {sum(sizes)} parameters but the model "
-                          f"has {len(order)} trainable ones; {hint}")
+        raise SourceError(
+            f"{where}: the optimizer holds {sum(sizes)} parameters but the model "
+            f"has {len(order)} trainable ones; {hint}"
+        )
     candidates: list[list[list[str]]] = []
     if decay is not None and len(groups) == 2:
         first = [n for n in order if n in decay]
@@ -130,17 +152,24 @@ def group_names(osd: Mapping[str, Any], order: Sequence[str],
         candidates.append([first, rest])
     cut, start = [], 0
     for n in sizes:
-        cut.append(list(order[start:start + n]))
+        cut.append(list(order[start : start + n]))
         start += n
     candidates.append(cut)
     why = "no grouping fits"
     for cand in candidates:
         if [len(c) for c in cand] != sizes:
             continue
-        bad = next((w for c, i in zip(cand, ids, strict=True)
-                    if (w := _fits(c, i, state, shapes)) is not None), None)
+        bad = next(
+            (
+                w
+                for c, i in zip(cand, ids, strict=True)
+                if (w := _fits(c, i, state, shapes)) is not None
+            ),
+            None,
+        )
         if bad is None:
             return cand
         why = bad
-    raise SourceError(f"{where}: cannot tell which parameter each optimizer state belongs to "
-                      f"({why}); {hint}")
+    raise SourceError(
+        f"{where}: cannot tell which parameter each optimizer state belongs to ({why}); {hint}"
+    )

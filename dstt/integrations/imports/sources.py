@@ -86,12 +86,16 @@ def _step(path: str, kind: str) -> int | None:
 
 def _skippable(name: str) -> bool:
     """Files a framework writes beside its checkpoints (arguments, RNG, tokenizers)."""
-    return name.startswith(".") or name in {"training_args.bin", "optimizer.pt",
-                                             "scheduler.pt"} or name.startswith("rng_state")
+    return (
+        name.startswith(".")
+        or name in {"training_args.bin", "optimizer.pt", "scheduler.pt"}
+        or name.startswith("rng_state")
+    )
 
 
-def find_sources(paths: Iterable[str], *, step: int | None = None
-                 ) -> tuple[list[Source], list[Unknown], list[Unknown]]:
+def find_sources(
+    paths: Iterable[str], *, step: int | None = None
+) -> tuple[list[Source], list[Unknown], list[Unknown]]:
     """``(sources, unknown, ignored)`` under ``paths`` (see the module docstring): sources
     sorted by step (those without a known step last); paths that hold none; files found in a
     folder that are no step's checkpoint (a final ``model.safetensors`` beside the Trainer's
@@ -109,8 +113,12 @@ def find_sources(paths: Iterable[str], *, step: int | None = None
             found.append(Source(path, kind, _step(path, kind)))
             continue
         if not os.path.isdir(path):
-            unknown.append(Unknown(path, "not a checkpoint file dstt imports (.pt, .pth, .bin, "
-                                         ".ckpt, .safetensors)"))
+            unknown.append(
+                Unknown(
+                    path,
+                    "not a checkpoint file dstt imports (.pt, .pth, .bin, .ckpt, .safetensors)",
+                )
+            )
             continue
         inner = []
         for name in sorted(os.listdir(path)):
@@ -126,14 +134,21 @@ def find_sources(paths: Iterable[str], *, step: int | None = None
                 continue
             inner.append(Source(child, k, found_step))
         if not inner:
-            unknown.append(Unknown(path, "holds no checkpoint dstt imports (a Trainer, DCP "
-                                         "or DeepSpeed folder, .ckpt, .pt, .safetensors) "
-                                         "here or one level down"))
+            unknown.append(
+                Unknown(
+                    path,
+                    "holds no checkpoint dstt imports (a Trainer, DCP "
+                    "or DeepSpeed folder, .ckpt, .pt, .safetensors) "
+                    "here or one level down",
+                )
+            )
         found.extend(inner)
     if step is not None:
         if len(found) != 1:
-            raise SourceError(f"step= names the step of one checkpoint, but {len(found)} were "
-                              "found; give one source, or let each say its own step")
+            raise SourceError(
+                f"step= names the step of one checkpoint, but {len(found)} were "
+                "found; give one source, or let each say its own step"
+            )
         found = [Source(found[0].path, found[0].format, step)]
     found.sort(key=lambda s: (s.step is None, s.step or 0, s.path))
     return found, unknown, ignored

@@ -65,11 +65,14 @@ def _optimizer_objects(ck: Checkpoint) -> dict[str, Any]:
         st = opt.state.get(name)
         if not st:
             continue
-        params[name] = {"arrays": [k for k, v in st.items() if isinstance(v, torch.Tensor)],
-                        "values": {k: to_plain(v) for k, v in st.items()
-                                   if not isinstance(v, torch.Tensor)}}
-    return {"optim/state": {"format": 2, "params": params},
-            "optim/param_groups": to_plain(opt.groups)}
+        params[name] = {
+            "arrays": [k for k, v in st.items() if isinstance(v, torch.Tensor)],
+            "values": {k: to_plain(v) for k, v in st.items() if not isinstance(v, torch.Tensor)},
+        }
+    return {
+        "optim/state": {"format": 2, "params": params},
+        "optim/param_groups": to_plain(opt.groups),
+    }
 
 
 def _metrics(values: Mapping[str, Any]) -> dict[str, Any]:
@@ -82,9 +85,13 @@ def _metrics(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def write_checkpoint(writer: Any, ck: Checkpoint, *,
-                     history: list[tuple[int, dict[str, Any]]],
-                     book: SummaryBook | None = None) -> CommitHeader:
+def write_checkpoint(
+    writer: Any,
+    ck: Checkpoint,
+    *,
+    history: list[tuple[int, dict[str, Any]]],
+    book: SummaryBook | None = None,
+) -> CommitHeader:
     """Commit ``ck`` through ``writer`` (a store ``Writer``); ``history``: the logged values
     of the steps since the previous commit; ``book``: write-time summaries (the book keeps
     each parameter's probe, so the update from the previous imported step is estimated)."""
@@ -105,18 +112,29 @@ def write_checkpoint(writer: Any, ck: Checkpoint, *,
             objects["scheduler"] = to_plain(ck.scheduler)
         objects.update({k: to_plain(v) for k, v in ck.objects.items()})
         if book is not None:  # the update estimated from the probes, as the engine does
-            objects["summaries"] = {path: book.summarize(path, t)
-                                    for path, t in arrays.items() if path.startswith("params/")}
+            objects["summaries"] = {
+                path: book.summarize(path, t)
+                for path, t in arrays.items()
+                if path.startswith("params/")
+            }
         if history:
             when = _mtime(ck)
             objects[METRICS_HISTORY_OBJECT] = {
-                "steps": [s for s, _ in history], "time": [when] * len(history),
-                "metrics": [_metrics(v) for _, v in history]}
-        objects[SOURCE_OBJECT] = {"path": ck.source, "format": ck.format, "step": ck.step,
-                                  "files": {os.path.relpath(f, ck.source) if f != ck.source
-                                            else os.path.basename(f): n
-                                            for f, n in ck.files.items()},
-                                  "lacks": list(ck.lacks), "imported": time.time()}
+                "steps": [s for s, _ in history],
+                "time": [when] * len(history),
+                "metrics": [_metrics(v) for _, v in history],
+            }
+        objects[SOURCE_OBJECT] = {
+            "path": ck.source,
+            "format": ck.format,
+            "step": ck.step,
+            "files": {
+                os.path.relpath(f, ck.source) if f != ck.source else os.path.basename(f): n
+                for f, n in ck.files.items()
+            },
+            "lacks": list(ck.lacks),
+            "imported": time.time(),
+        }
         for name, obj in objects.items():
             txn.put_object(name, obj)
         return txn.commit(_metrics(ck.metrics))  # type: ignore[no-any-return]

@@ -85,8 +85,9 @@ class EncodeStats:
             self.written_bytes += written
             self.keyframes += keyframes
 
-    def add_counts(self, raw: int, written: int, *, keyframes: int, deltas: int, dedups: int,
-                   seconds: float) -> None:
+    def add_counts(
+        self, raw: int, written: int, *, keyframes: int, deltas: int, dedups: int, seconds: float
+    ) -> None:
         with self._lock:
             self.raw_bytes += raw
             self.written_bytes += written
@@ -134,14 +135,21 @@ class DeltaEncoder:
         self._flat_states = LayoutStates()
 
     # -- steps in flight -------------------------------------------------------------------
-    def open(self, slot: int, timeline: str, lookup: Lookup, deps: set[int],
-             flat: Callable[[], FlatShadow | None] | None = None) -> None:
+    def open(
+        self,
+        slot: int,
+        timeline: str,
+        lookup: Lookup,
+        deps: set[int],
+        flat: Callable[[], FlatShadow | None] | None = None,
+    ) -> None:
         """Let later slots use this slot's chunks as bases before it commits; every slot
         whose chunk is based on it then records it in its ``deps`` and must not commit
         unless this one did (``check_deps``). ``flat``: its flat shadow, once written."""
         with self._mu:
-            self._inflight[slot] = _Inflight(timeline, lookup, deps,
-                                             flat if flat is not None else (lambda: None))
+            self._inflight[slot] = _Inflight(
+                timeline, lookup, deps, flat if flat is not None else (lambda: None)
+            )
 
     def discard(self, slot: int) -> None:
         """``slot`` will not commit: stop basing on it, and on everything based on it."""
@@ -165,15 +173,23 @@ class DeltaEncoder:
             raise DsttError(
                 f"slot {slot} is delta-encoded against slot(s) {bad}, which did not commit "
                 "(failed, aborted, or not committed yet: commit steps in order); it cannot "
-                "commit either — the next steps start from keyframes")
+                "commit either — the next steps start from keyframes"
+            )
 
-    def _base(self, path: str, index: int, slot: int, timeline: str,
-              ) -> tuple[Shadow | None, int | None]:
+    def _base(
+        self,
+        path: str,
+        index: int,
+        slot: int,
+        timeline: str,
+    ) -> tuple[Shadow | None, int | None]:
         """The newest copy of a chunk before ``slot``: from a step still in flight (with its
         slot, a dependency) or the last committed one (slot None)."""
         with self._mu:
-            flights = sorted(((s, f) for s, f in self._inflight.items()
-                              if s < slot and f.timeline == timeline), reverse=True)
+            flights = sorted(
+                ((s, f) for s, f in self._inflight.items() if s < slot and f.timeline == timeline),
+                reverse=True,
+            )
             committed = self._shadow.get((path, index)) if timeline == self._timeline else None
         for s, f in flights:
             sh = f.lookup(path, index)
@@ -208,11 +224,22 @@ class DeltaEncoder:
         return max(2, min(self.policy.max_chain, k))
 
     # -- encoding --------------------------------------------------------------------------
-    def encode(self, storage_write: object, *, path: str, index: int, plan: ChunkPlan,
-               slot: int, timeline: str, data: memoryview, raw_crc: int,
-               stats: EncodeStats, prediction: Prediction | None = None,
-               pending: Lookup | None = None, deps: set[int] | None = None,
-               ) -> tuple[ChunkRecord | None, Shadow | None]:
+    def encode(
+        self,
+        storage_write: object,
+        *,
+        path: str,
+        index: int,
+        plan: ChunkPlan,
+        slot: int,
+        timeline: str,
+        data: memoryview,
+        raw_crc: int,
+        stats: EncodeStats,
+        prediction: Prediction | None = None,
+        pending: Lookup | None = None,
+        deps: set[int] | None = None,
+    ) -> tuple[ChunkRecord | None, Shadow | None]:
         """A dedup or delta record (already written), or ``(None, pending)`` for a keyframe.
 
         The returned ``Shadow`` is what this chunk contributes if its step commits.
@@ -222,16 +249,38 @@ class DeltaEncoder:
         """
         epoch = self._pool.enter()  # shadows read from here on are not recycled under us
         try:
-            return self._encode(storage_write, path, index, plan, slot, timeline, data,
-                                raw_crc, stats, prediction, pending,
-                                deps if deps is not None else set())
+            return self._encode(
+                storage_write,
+                path,
+                index,
+                plan,
+                slot,
+                timeline,
+                data,
+                raw_crc,
+                stats,
+                prediction,
+                pending,
+                deps if deps is not None else set(),
+            )
         finally:
             self._pool.leave(epoch)
 
-    def _encode(self, storage_write: object, path: str, index: int, plan: ChunkPlan,
-                slot: int, timeline: str, data: memoryview, raw_crc: int,
-                stats: EncodeStats, prediction: Prediction | None, pending: Lookup | None,
-                deps: set[int]) -> tuple[ChunkRecord | None, Shadow | None]:
+    def _encode(
+        self,
+        storage_write: object,
+        path: str,
+        index: int,
+        plan: ChunkPlan,
+        slot: int,
+        timeline: str,
+        data: memoryview,
+        raw_crc: int,
+        stats: EncodeStats,
+        prediction: Prediction | None,
+        pending: Lookup | None,
+        deps: set[int],
+    ) -> tuple[ChunkRecord | None, Shadow | None]:
         cur = np.frombuffer(data, dtype=np.uint8)
         sh, from_slot = self._base(path, index, slot, timeline)
         with self._mu:
@@ -239,8 +288,11 @@ class DeltaEncoder:
             if prediction is not None:
                 self._members[path] = prediction.group
         if sh is not None:
-            if (self.policy.dedup and sh.record.content_crc32c == raw_crc
-                    and np.array_equal(cur, sh.data)):
+            if (
+                self.policy.dedup
+                and sh.record.content_crc32c == raw_crc
+                and np.array_equal(cur, sh.data)
+            ):
                 self._depend(deps, from_slot, *sh.record.slots, key_slot(sh.record.key))
                 stats.add(cur.nbytes, 0, "dedup")
                 return sh.record, sh
@@ -248,19 +300,49 @@ class DeltaEncoder:
             worth = self.policy.delta and self._worth(path, index)
             if prediction is not None and worth:
                 limit = self._limit(prediction.group)
-                out = self._predicted(storage_write, path, index, plan, slot, timeline, cur,
-                                      raw_crc, stats, sh, from_slot, prediction, pending,
-                                      deps, limit)
+                out = self._predicted(
+                    storage_write,
+                    path,
+                    index,
+                    plan,
+                    slot,
+                    timeline,
+                    cur,
+                    raw_crc,
+                    stats,
+                    sh,
+                    from_slot,
+                    prediction,
+                    pending,
+                    deps,
+                    limit,
+                )
                 if isinstance(out, tuple):
                     return out
                 keyframe = out
             if not keyframe and worth and sh.depth + 1 < self.chain_limit(path):
                 t0 = time.perf_counter()
-                payload = xor_encode(cur, sh.data, plan.itemsize, self.policy,
-                                     out=self._scratch.get("out", cur.nbytes))
-                xor = self._emit(storage_write, path, index, plan, slot, cur, raw_crc, stats,
-                                 payload, time.perf_counter() - t0,
-                                 ChunkRecord("", 0, 0, XOR, sh.slot, raw_crc), sh.depth + 1)
+                payload = xor_encode(
+                    cur,
+                    sh.data,
+                    plan.itemsize,
+                    self.policy,
+                    out=self._scratch.get("out", cur.nbytes),
+                )
+                xor = self._emit(
+                    storage_write,
+                    path,
+                    index,
+                    plan,
+                    slot,
+                    cur,
+                    raw_crc,
+                    stats,
+                    payload,
+                    time.perf_counter() - t0,
+                    ChunkRecord("", 0, 0, XOR, sh.slot, raw_crc),
+                    sh.depth + 1,
+                )
                 if xor is not None:
                     self._depend(deps, from_slot)
                     return xor
@@ -269,8 +351,9 @@ class DeltaEncoder:
             pending_sh = Shadow(ChunkRecord("", 0, raw_crc), self._pool.copy(cur), 0, slot)
         return None, pending_sh
 
-    def keep(self, path: str, index: int, timeline: str, data: memoryview, raw_crc: int,
-             slot: int) -> Shadow | None:
+    def keep(
+        self, path: str, index: int, timeline: str, data: memoryview, raw_crc: int, slot: int
+    ) -> Shadow | None:
         """A chunk written raw without encoding (a raw-fallback step): it still becomes the
         base of the next step's deltas — it is a keyframe — if the shadow has room."""
         cur = np.frombuffer(data, dtype=np.uint8)
@@ -290,11 +373,24 @@ class DeltaEncoder:
         with self._mu:  # ``discard`` and ``check_deps`` read the set from other threads
             deps.update(s for s in slots if s is not None)
 
-    def _predicted(self, storage_write: object, path: str, index: int, plan: ChunkPlan,
-                   slot: int, timeline: str, cur: np.ndarray, raw_crc: int,
-                   stats: EncodeStats, sh: Shadow, from_slot: int | None,
-                   prediction: Prediction, pending: Lookup | None, deps: set[int],
-                   limit: int) -> tuple[ChunkRecord, Shadow] | bool:
+    def _predicted(
+        self,
+        storage_write: object,
+        path: str,
+        index: int,
+        plan: ChunkPlan,
+        slot: int,
+        timeline: str,
+        cur: np.ndarray,
+        raw_crc: int,
+        stats: EncodeStats,
+        sh: Shadow,
+        from_slot: int | None,
+        prediction: Prediction,
+        pending: Lookup | None,
+        deps: set[int],
+        limit: int,
+    ) -> tuple[ChunkRecord, Shadow] | bool:
         """The written prediction, or whether to write a keyframe instead (False: try an
         XOR delta). Keyframes of a group stay aligned: a member starts a new chain when its
         own chain is full or when a same-step input of the group (``exp_avg_sq`` for the
@@ -321,23 +417,62 @@ class DeltaEncoder:
             return False
         t0 = time.perf_counter()
         n = cur.nbytes
-        guess = predict(prediction.fn, sh.data, [d for _, _, d, _ in inputs], prediction.coeffs,
-                        out=self._scratch.get("out", n), tmp=self._scratch.get("tmp", n))
-        payload = xor_encode(cur, guess, plan.itemsize, self.policy,
-                             cname=self.policy.residual_cname, out=guess)
-        rec = ChunkRecord("", 0, 0, PRED, sh.slot, raw_crc, prediction.fn,
-                          tuple((p, s) for p, s, _, _ in inputs), prediction.coeffs)
-        out = self._emit(storage_write, path, index, plan, slot, cur, raw_crc, stats, payload,
-                         time.perf_counter() - t0, rec, sh.depth + 1)
+        guess = predict(
+            prediction.fn,
+            sh.data,
+            [d for _, _, d, _ in inputs],
+            prediction.coeffs,
+            out=self._scratch.get("out", n),
+            tmp=self._scratch.get("tmp", n),
+        )
+        payload = xor_encode(
+            cur, guess, plan.itemsize, self.policy, cname=self.policy.residual_cname, out=guess
+        )
+        rec = ChunkRecord(
+            "",
+            0,
+            0,
+            PRED,
+            sh.slot,
+            raw_crc,
+            prediction.fn,
+            tuple((p, s) for p, s, _, _ in inputs),
+            prediction.coeffs,
+        )
+        out = self._emit(
+            storage_write,
+            path,
+            index,
+            plan,
+            slot,
+            cur,
+            raw_crc,
+            stats,
+            payload,
+            time.perf_counter() - t0,
+            rec,
+            sh.depth + 1,
+        )
         if out is None:
             return False
         self._depend(deps, from_slot, *(f for _, _, _, f in inputs))
         return out
 
-    def _emit(self, storage_write: object, path: str, index: int, plan: ChunkPlan, slot: int,
-              cur: np.ndarray, raw_crc: int, stats: EncodeStats, payload: bytes,
-              seconds: float, template: ChunkRecord, depth: int,
-              ) -> tuple[ChunkRecord, Shadow] | None:
+    def _emit(
+        self,
+        storage_write: object,
+        path: str,
+        index: int,
+        plan: ChunkPlan,
+        slot: int,
+        cur: np.ndarray,
+        raw_crc: int,
+        stats: EncodeStats,
+        payload: bytes,
+        seconds: float,
+        template: ChunkRecord,
+        depth: int,
+    ) -> tuple[ChunkRecord, Shadow] | None:
         """Write ``payload`` as a delta file if it pays (``min_ratio``); None: a keyframe."""
         ratio = cur.nbytes / max(1, len(payload))
         with self._mu:
@@ -362,8 +497,13 @@ class DeltaEncoder:
                 self._skips[path] = self._skips.get(path, 0) + 1
         return self._skips.get(path, 0) % self.policy.retry_every == 0
 
-    def promote(self, slot: int, timeline: str, pending: dict[tuple[str, int], Shadow],
-                flat: FlatShadow | None = None) -> None:
+    def promote(
+        self,
+        slot: int,
+        timeline: str,
+        pending: dict[tuple[str, int], Shadow],
+        flat: FlatShadow | None = None,
+    ) -> None:
         """After a commit: its chunks become the bases of the next step's deltas (``flat``:
         the flat shadow of a step written whole from one layout)."""
         with self._mu:
@@ -405,7 +545,8 @@ class DeltaEncoder:
         with self._mu:
             old = self._flat.get(id(layout))
             held = sum(s.data.nbytes for s in self._flat.values()) - (
-                old.data.nbytes if old is not None else 0)
+                old.data.nbytes if old is not None else 0
+            )
             return self._bytes + held + nbytes <= self.policy.shadow_bytes
 
     def layout_state(self, layout: object) -> LayoutState:
@@ -415,17 +556,28 @@ class DeltaEncoder:
         """A copy of a step buffer to become a flat shadow (recycled memory)."""
         return self._pool.copy(buf)
 
-    def encode_step(self, layout: object, buf: np.ndarray, slot: int, timeline: str,
-                    predictions: dict[str, Prediction],
-                    ) -> tuple[FlatEncoded, FlatShadow, int | None] | None:
+    def encode_step(
+        self,
+        layout: object,
+        buf: np.ndarray,
+        slot: int,
+        timeline: str,
+        predictions: dict[str, Prediction],
+    ) -> tuple[FlatEncoded, FlatShadow, int | None] | None:
         """The step in flat buffer ``buf`` encoded against the newest flat shadow of its
         layout before ``slot`` (with the in-flight slot it came from, or None: committed);
         None when there is none (the step is a keyframe)."""
         epoch = self._pool.enter()
         try:
             with self._mu:
-                flights = sorted(((s, f) for s, f in self._inflight.items()
-                                  if s < slot and f.timeline == timeline), reverse=True)
+                flights = sorted(
+                    (
+                        (s, f)
+                        for s, f in self._inflight.items()
+                        if s < slot and f.timeline == timeline
+                    ),
+                    reverse=True,
+                )
                 committed = self._flat.get(id(layout)) if timeline == self._timeline else None
             base, from_slot = None, None
             for s, f in flights:
@@ -438,8 +590,15 @@ class DeltaEncoder:
             if base is None:
                 return None
             t0 = time.perf_counter()
-            out = encode_flat(self.policy, self._flat_states.get(layout),  # type: ignore[arg-type]
-                              buf, base, slot, predictions, self._scratch)
+            out = encode_flat(
+                self.policy,
+                self._flat_states.get(layout),  # type: ignore[arg-type]
+                buf,
+                base,
+                slot,
+                predictions,
+                self._scratch,
+            )
             out.seconds = time.perf_counter() - t0
             return out, base, from_slot
         finally:

@@ -96,20 +96,36 @@ def xor_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     np.bitwise_xor(a[n8:], b[n8:], out=out[n8:])
 
 
-def seed_shadow(layout: FlatLayout, timeline: str, slot: int, data: np.ndarray,
-                files: np.ndarray, offsets: Sequence[int], nbytes: Sequence[int],
-                crcs: Sequence[int], raw_crcs: np.ndarray | None = None,
-                depth: np.ndarray | None = None,
-                codecs: Mapping[int, tuple[Any, ...]] | None = None) -> FlatShadow:
+def seed_shadow(
+    layout: FlatLayout,
+    timeline: str,
+    slot: int,
+    data: np.ndarray,
+    files: np.ndarray,
+    offsets: Sequence[int],
+    nbytes: Sequence[int],
+    crcs: Sequence[int],
+    raw_crcs: np.ndarray | None = None,
+    depth: np.ndarray | None = None,
+    codecs: Mapping[int, tuple[Any, ...]] | None = None,
+) -> FlatShadow:
     """A flat shadow from a step's columns (``data``: a copy of its buffer, made by the
     caller). Raw chunks by default: record crc = raw crc, depth 0."""
     n = len(layout.chunks)
     crc = np.asarray(crcs, dtype=np.int64)
-    return FlatShadow(layout, timeline, slot, data, files,
-                      np.asarray(offsets, dtype=np.int64), np.asarray(nbytes, dtype=np.int64),
-                      crc, crc if raw_crcs is None else raw_crcs,
-                      np.zeros(n, np.int32) if depth is None else depth,
-                      {} if codecs is None else codecs)
+    return FlatShadow(
+        layout,
+        timeline,
+        slot,
+        data,
+        files,
+        np.asarray(offsets, dtype=np.int64),
+        np.asarray(nbytes, dtype=np.int64),
+        crc,
+        crc if raw_crcs is None else raw_crcs,
+        np.zeros(n, np.int32) if depth is None else depth,
+        {} if codecs is None else codecs,
+    )
 
 
 def _limits(policy: DeltaPolicy, ratio: np.ndarray) -> np.ndarray:
@@ -140,8 +156,9 @@ def _names(policy: DeltaPolicy, st: LayoutState) -> np.ndarray:
     key = (policy.cname, "names")
     got = st.cache.get(key)
     if got is None:
-        got = st.cache[key] = np.asarray([policy.codec_for(int(k)) for k in st.itemsize.tolist()],
-                                         dtype=object)
+        got = st.cache[key] = np.asarray(
+            [policy.codec_for(int(k)) for k in st.itemsize.tolist()], dtype=object
+        )
     return got
 
 
@@ -166,18 +183,33 @@ class _Settled:
         win = chunks[ok]
         self.kinds[win] = DELTA
         self.won.append(win)
-        self.payload.update(zip(win.tolist(), itertools.compress(payloads, ok.tolist()),
-                                strict=False))
+        self.payload.update(
+            zip(win.tolist(), itertools.compress(payloads, ok.tolist()), strict=False)
+        )
         return win, ok
 
 
 def _compress(views: list[Any], cname: str, clevel: int) -> list[bytes]:
-    return list(map(blosc.compress, views, itertools.repeat(cname.encode()),
-                    itertools.repeat(clevel), itertools.repeat(blosc.SHUFFLE)))
+    return list(
+        map(
+            blosc.compress,
+            views,
+            itertools.repeat(cname.encode()),
+            itertools.repeat(clevel),
+            itertools.repeat(blosc.SHUFFLE),
+        )
+    )
 
 
-def encode_flat(policy: DeltaPolicy, st: LayoutState, buf: np.ndarray, base: FlatShadow,
-                slot: int, predictions: Mapping[str, Prediction], scratch: Scratch) -> FlatEncoded:
+def encode_flat(
+    policy: DeltaPolicy,
+    st: LayoutState,
+    buf: np.ndarray,
+    base: FlatShadow,
+    slot: int,
+    predictions: Mapping[str, Prediction],
+    scratch: Scratch,
+) -> FlatEncoded:
     """Decide and encode every chunk of the step in ``buf`` (uint8, ``layout.nbytes``)
     against ``base``; writes nothing (``scratch``: a ``buffers.Scratch``)."""
     layout = st.layout
@@ -193,8 +225,12 @@ def encode_flat(policy: DeltaPolicy, st: LayoutState, buf: np.ndarray, base: Fla
         cand = np.flatnonzero(raw == base.raw_crcs)
         if len(cand):
             xb = st.views(x, "t")
-            same = np.fromiter(map(np.count_nonzero, map(xb.__getitem__, cand.tolist())),
-                               np.int64, len(cand)) == 0
+            same = (
+                np.fromiter(
+                    map(np.count_nonzero, map(xb.__getitem__, cand.tolist())), np.int64, len(cand)
+                )
+                == 0
+            )
             kinds[cand[same]] = DEDUP
     with st.mu:
         ratio = st.ratio.copy()
@@ -226,24 +262,43 @@ def encode_flat(policy: DeltaPolicy, st: LayoutState, buf: np.ndarray, base: Fla
             if not len(sel):
                 continue
             tsel = t[sel]
-            res = predict_residuals(g, tsel, [i[sel] for i in ins], base.chunk_views(st, "b"),
-                                    cur_b, st, scratch)
+            res = predict_residuals(
+                g, tsel, [i[sel] for i in ins], base.chunk_views(st, "b"), cur_b, st, scratch
+            )
             payloads = _compress(res, policy.residual_cname, policy.clevel)
             win, ok = acc.settle(tsel, payloads)
             srcs = itertools.compress([g.srcs[k] for k in sel.tolist()], ok.tolist())
             slots = tuple(slot if r == CUR else base.slot for r in g.roles)
-            acc.codecs.update(zip(win.tolist(), (
-                (PRED, base.slot, c, g.fn, [[s, sl] for s, sl in zip(ss, slots, strict=True)],
-                 list(g.coeffs)) for c, ss in zip(raw[win].tolist(), srcs, strict=True)),
-                strict=True))
+            acc.codecs.update(
+                zip(
+                    win.tolist(),
+                    (
+                        (
+                            PRED,
+                            base.slot,
+                            c,
+                            g.fn,
+                            [[s, sl] for s, sl in zip(ss, slots, strict=True)],
+                            list(g.coeffs),
+                        )
+                        for c, ss in zip(raw[win].tolist(), srcs, strict=True)
+                    ),
+                    strict=True,
+                )
+            )
     xsel = np.flatnonzero(xor_ok & ~predicted)
     names = _names(policy, st)[xsel]
     for name in sorted(set(names.tolist())):
         part = xsel[names == name]
         payloads = _compress(list(map(xt.__getitem__, part.tolist())), name, policy.clevel)
         win, _ = acc.settle(part, payloads)
-        acc.codecs.update(zip(win.tolist(), zip(itertools.repeat(XOR), itertools.repeat(base.slot),
-                                                raw[win].tolist()), strict=False))
+        acc.codecs.update(
+            zip(
+                win.tolist(),
+                zip(itertools.repeat(XOR), itertools.repeat(base.slot), raw[win].tolist()),
+                strict=False,
+            )
+        )
     # the XOR deltas: every open chunk not predicted (decided after the predictions)
     codecs = acc.codecs
     if acc.tried:
@@ -259,8 +314,14 @@ def encode_flat(policy: DeltaPolicy, st: LayoutState, buf: np.ndarray, base: Fla
         if c is not None:
             codecs[j] = c
     new_depth = np.where(kinds == KEY, 0, np.where(kinds == DELTA, depth + 1, depth))
-    out = FlatEncoded(kinds, raw, list(map(acc.payload.__getitem__, delta_idx.tolist())),
-                      delta_idx, codecs, new_depth.astype(np.int32))
+    out = FlatEncoded(
+        kinds,
+        raw,
+        list(map(acc.payload.__getitem__, delta_idx.tolist())),
+        delta_idx,
+        codecs,
+        new_depth.astype(np.int32),
+    )
     if len(delta_idx) or len(dedup):
         out.deps.add(base.slot)
     return out

@@ -60,8 +60,9 @@ class Group:
         return out
 
 
-_FN, _INPUTS, _GROUP, _COEFFS = (operator.attrgetter(a) for a in ("fn", "inputs", "group",
-                                                                  "coeffs"))
+_FN, _INPUTS, _GROUP, _COEFFS = (
+    operator.attrgetter(a) for a in ("fn", "inputs", "group", "coeffs")
+)
 
 
 def groups(st: LayoutState, predictions: Mapping[str, Prediction]) -> list[list[Group]]:
@@ -70,8 +71,13 @@ def groups(st: LayoutState, predictions: Mapping[str, Prediction]) -> list[list[
     ties together is cached while the predictions' structure repeats (every step of a
     steady run); a step only regroups by coefficients, per group when they differ."""
     vals = list(predictions.values())
-    key = ("groups", tuple(predictions), tuple(map(_FN, vals)), tuple(map(_INPUTS, vals)),
-           tuple(map(_GROUP, vals)))
+    key = (
+        "groups",
+        tuple(predictions),
+        tuple(map(_FN, vals)),
+        tuple(map(_INPUTS, vals)),
+        tuple(map(_GROUP, vals)),
+    )
     plan = st.cache.get(key)
     if plan is None:
         if len(st.cache) > 16:
@@ -101,8 +107,11 @@ def _plan(st: LayoutState, predictions: Mapping[str, Prediction]) -> list[list[G
     rounds: list[list[Group]] = []
     done: set[str] = set()
     while pending:
-        ready = {p: pr for p, pr in pending.items()
-                 if all(r != CUR or s not in pending or s == p for r, s in pr.inputs)}
+        ready = {
+            p: pr
+            for p, pr in pending.items()
+            if all(r != CUR or s not in pending or s == p for r, s in pr.inputs)
+        }
         if not ready:  # a cycle (not an optimizer's): predict none of them
             break
         by: dict[str, Group] = {}
@@ -110,8 +119,9 @@ def _plan(st: LayoutState, predictions: Mapping[str, Prediction]) -> list[list[G
             lo, hi = spans[p]
             g = by.get(pr.fn)
             if g is None:
-                g = by[pr.fn] = Group(pr.fn, (), [], [[] for _ in pr.inputs],
-                                       tuple(r for r, _ in pr.inputs), [], [])
+                g = by[pr.fn] = Group(
+                    pr.fn, (), [], [[] for _ in pr.inputs], tuple(r for r, _ in pr.inputs), [], []
+                )
             first = len(g.targets)
             for i in range(hi - lo):
                 ins = [where.get((s, i)) for _, s in pr.inputs]
@@ -130,8 +140,15 @@ def _plan(st: LayoutState, predictions: Mapping[str, Prediction]) -> list[list[G
     return rounds
 
 
-def predict_residuals(g: Group, t: np.ndarray, ins: list[np.ndarray], prev_b: list[Any],
-             cur_b: list[Any], st: LayoutState, scratch: Scratch) -> list[Any]:
+def predict_residuals(
+    g: Group,
+    t: np.ndarray,
+    ins: list[np.ndarray],
+    prev_b: list[Any],
+    cur_b: list[Any],
+    st: LayoutState,
+    scratch: Scratch,
+) -> list[Any]:
     """Residuals (uint32 views, one per target chunk) of ``cur XOR predicted`` for the
     targets ``t``: their chunks and inputs gathered into contiguous float32 arrays, the
     predictor run once over all of them."""
@@ -149,8 +166,10 @@ def predict_residuals(g: Group, t: np.ndarray, ins: list[np.ndarray], prev_b: li
         return f4
 
     p_prev = gather(prev_b, t, "fp_prev")
-    inputs = [gather(cur_b if role == CUR else prev_b, i, f"fp_in{k}")
-              for k, (role, i) in enumerate(zip(g.roles, ins, strict=True))]
+    inputs = [
+        gather(cur_b if role == CUR else prev_b, i, f"fp_in{k}")
+        for k, (role, i) in enumerate(zip(g.roles, ins, strict=True))
+    ]
     out = scratch.get("fp_out", total).view("<f4")
     tmp = scratch.get("fp_tmp", total).view("<f4")
     spec[2](p_prev, inputs, g.coeffs, out, tmp)

@@ -67,11 +67,13 @@ class LayoutState:
     def make_views(self, buf: np.ndarray, kind: str) -> list[Any]:
         if kind == "b":
             mv = memoryview(buf.data).cast("B")
-            return list(map(mv.__getitem__, map(slice, self.starts.tolist(),
-                                                 self.stops.tolist())))
-        return [buf[s:e].view(_UINT[int(k)]) if (e - s) % k == 0 else buf[s:e]
-                for s, e, k in zip(self.starts.tolist(), self.stops.tolist(),
-                                   self.itemsize.tolist(), strict=True)]
+            return list(map(mv.__getitem__, map(slice, self.starts.tolist(), self.stops.tolist())))
+        return [
+            buf[s:e].view(_UINT[int(k)]) if (e - s) % k == 0 else buf[s:e]
+            for s, e, k in zip(
+                self.starts.tolist(), self.stops.tolist(), self.itemsize.tolist(), strict=True
+            )
+        ]
 
     def raw_crcs(self, views: list[Any]) -> np.ndarray:
         crcs = list(map(crc32c_raw, views))

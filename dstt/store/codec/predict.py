@@ -60,8 +60,9 @@ class Prediction:
         if tuple(r for r, _ in self.inputs) != roles:
             raise ValueError(f"predictor {self.fn!r} takes inputs {roles}, got {self.inputs}")
         if len(self.coeffs) != n_coeffs:
-            raise ValueError(f"predictor {self.fn!r} takes {n_coeffs} coefficients, "
-                             f"got {len(self.coeffs)}")
+            raise ValueError(
+                f"predictor {self.fn!r} takes {n_coeffs} coefficients, got {len(self.coeffs)}"
+            )
         if not all(math.isfinite(c) for c in self.coeffs):
             raise ValueError(f"predictor coefficients must be finite, got {self.coeffs}")
 
@@ -72,8 +73,13 @@ def f32(x: float) -> float:
         return float(np.float32(x))
 
 
-def _adam_v(prev: np.ndarray, inputs: Sequence[np.ndarray], c: Sequence[float],
-            out: np.ndarray, tmp: np.ndarray) -> None:
+def _adam_v(
+    prev: np.ndarray,
+    inputs: Sequence[np.ndarray],
+    c: Sequence[float],
+    out: np.ndarray,
+    tmp: np.ndarray,
+) -> None:
     """exp_avg_sq: g ≈ (m - β1·m_prev) / (1-β1); v ≈ β2·v_prev + (1-β2)·g²."""
     m, m_prev = inputs
     b1, one_minus_b1, b2, one_minus_b2 = (np.float32(x) for x in c)
@@ -87,8 +93,13 @@ def _adam_v(prev: np.ndarray, inputs: Sequence[np.ndarray], c: Sequence[float],
         np.add(out, g, out=out)
 
 
-def _adam_p(prev: np.ndarray, inputs: Sequence[np.ndarray], c: Sequence[float],
-            out: np.ndarray, tmp: np.ndarray) -> None:
+def _adam_p(
+    prev: np.ndarray,
+    inputs: Sequence[np.ndarray],
+    c: Sequence[float],
+    out: np.ndarray,
+    tmp: np.ndarray,
+) -> None:
     """param: p ≈ p_prev·decay - step_size · m / (sqrt(v)/sqrt(1-β2^t) + eps)."""
     m, v = inputs
     decay, bias2_sqrt, eps, step_size = (np.float32(x) for x in c)
@@ -102,8 +113,13 @@ def _adam_p(prev: np.ndarray, inputs: Sequence[np.ndarray], c: Sequence[float],
         np.subtract(out, d, out=out)
 
 
-def _sgd_p(prev: np.ndarray, inputs: Sequence[np.ndarray], c: Sequence[float],
-           out: np.ndarray, tmp: np.ndarray) -> None:
+def _sgd_p(
+    prev: np.ndarray,
+    inputs: Sequence[np.ndarray],
+    c: Sequence[float],
+    out: np.ndarray,
+    tmp: np.ndarray,
+) -> None:
     """param after SGD with momentum: p ≈ p_prev + c·buf (c = -lr; weight decay is in buf)."""
     (buf,) = inputs
     with np.errstate(all="ignore"):
@@ -111,8 +127,9 @@ def _sgd_p(prev: np.ndarray, inputs: Sequence[np.ndarray], c: Sequence[float],
         np.add(prev, tmp, out=out)
 
 
-Predictor = Callable[[np.ndarray, Sequence[np.ndarray], Sequence[float], np.ndarray,
-                      np.ndarray], None]
+Predictor = Callable[
+    [np.ndarray, Sequence[np.ndarray], Sequence[float], np.ndarray, np.ndarray], None
+]
 
 #: name → (input roles, number of coefficients, function on float32 arrays)
 PREDICTORS: dict[str, tuple[tuple[str, ...], int, Predictor]] = {
@@ -122,8 +139,14 @@ PREDICTORS: dict[str, tuple[tuple[str, ...], int, Predictor]] = {
 }
 
 
-def predict(fn: str, prev: np.ndarray, inputs: Sequence[np.ndarray], coeffs: Sequence[float],
-            out: np.ndarray | None = None, tmp: np.ndarray | None = None) -> np.ndarray:
+def predict(
+    fn: str,
+    prev: np.ndarray,
+    inputs: Sequence[np.ndarray],
+    coeffs: Sequence[float],
+    out: np.ndarray | None = None,
+    tmp: np.ndarray | None = None,
+) -> np.ndarray:
     """The predicted raw bytes (uint8) of a chunk from raw uint8 ``prev`` and ``inputs``
     (``out``, ``tmp``: optional uint8 work arrays of the chunk's size; ``out`` is returned)."""
     spec = PREDICTORS.get(fn)
@@ -131,8 +154,10 @@ def predict(fn: str, prev: np.ndarray, inputs: Sequence[np.ndarray], coeffs: Seq
         raise ValueError(f"unknown predictor {fn!r}")
     n = prev.nbytes
     if n % 4 or any(x.nbytes != n for x in inputs):
-        raise ValueError(f"predictor {fn!r}: inputs of {[x.nbytes for x in inputs]} bytes "
-                         f"do not match the chunk's {n} float32 bytes")
+        raise ValueError(
+            f"predictor {fn!r}: inputs of {[x.nbytes for x in inputs]} bytes "
+            f"do not match the chunk's {n} float32 bytes"
+        )
     as32 = [np.frombuffer(x, dtype="<f4") for x in (prev, *inputs)]
     out = np.empty(n, dtype=np.uint8) if out is None else out
     tmp = np.empty(n, dtype=np.uint8) if tmp is None else tmp
@@ -141,15 +166,21 @@ def predict(fn: str, prev: np.ndarray, inputs: Sequence[np.ndarray], coeffs: Seq
 
 
 @functools.lru_cache(maxsize=64)
-def _adam_coeffs(lr: float, b1: float, b2: float, eps: float, weight_decay: float,
-                 decoupled: bool, step: float,
-                 ) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+def _adam_coeffs(
+    lr: float,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    step: float,
+) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
     """The float32 coefficients of ``adam_v`` and ``adam_p`` (cached: every parameter of a
     group shares them, and this runs on the training thread each step)."""
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0 and step >= 1 and math.isfinite(lr)):
         return None
-    bias1 = 1.0 - b1 ** step
-    bias2 = 1.0 - b2 ** step
+    bias1 = 1.0 - b1**step
+    bias2 = 1.0 - b2**step
     if bias1 <= 0.0 or bias2 <= 0.0:
         return None
     decay = 1.0 - lr * weight_decay if decoupled else 1.0
@@ -160,22 +191,39 @@ def _adam_coeffs(lr: float, b1: float, b2: float, eps: float, weight_decay: floa
     return v, p
 
 
-def adam_predictions(*, param: str, exp_avg: str, exp_avg_sq: str, lr: float,
-                     betas: tuple[float, float], eps: float, weight_decay: float,
-                     decoupled: bool, step: float) -> Mapping[str, Prediction]:
+def adam_predictions(
+    *,
+    param: str,
+    exp_avg: str,
+    exp_avg_sq: str,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    step: float,
+) -> Mapping[str, Prediction]:
     """Predictions of ``exp_avg_sq`` and ``param`` after Adam(W) step number ``step``
     (``lr`` the learning rate that step used). Empty when the hyperparameters are unusable."""
     try:
-        coeffs = _adam_coeffs(float(lr), float(betas[0]), float(betas[1]), float(eps),
-                              float(weight_decay), bool(decoupled), float(step))
+        coeffs = _adam_coeffs(
+            float(lr),
+            float(betas[0]),
+            float(betas[1]),
+            float(eps),
+            float(weight_decay),
+            bool(decoupled),
+            float(step),
+        )
     except OverflowError:
         return {}
     if coeffs is None:
         return {}
     group = (exp_avg, exp_avg_sq, param)
-    return {exp_avg_sq: Prediction("adam_v", ((CUR, exp_avg), (PREV, exp_avg)), coeffs[0],
-                                   group),
-            param: Prediction("adam_p", ((CUR, exp_avg), (CUR, exp_avg_sq)), coeffs[1], group)}
+    return {
+        exp_avg_sq: Prediction("adam_v", ((CUR, exp_avg), (PREV, exp_avg)), coeffs[0], group),
+        param: Prediction("adam_p", ((CUR, exp_avg), (CUR, exp_avg_sq)), coeffs[1], group),
+    }
 
 
 def sgd_predictions(*, param: str, momentum_buffer: str, lr: float) -> Mapping[str, Prediction]:
@@ -184,7 +232,10 @@ def sgd_predictions(*, param: str, momentum_buffer: str, lr: float) -> Mapping[s
     if not math.isfinite(lr):
         return {}
     try:
-        return {param: Prediction("sgd_p", ((CUR, momentum_buffer),), (f32(-lr),),
-                                  (momentum_buffer, param))}
+        return {
+            param: Prediction(
+                "sgd_p", ((CUR, momentum_buffer),), (f32(-lr),), (momentum_buffer, param)
+            )
+        }
     except ValueError:
         return {}

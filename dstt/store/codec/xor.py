@@ -69,8 +69,10 @@ class DeltaPolicy:
         for field in ("cname", "residual_cname"):
             name = getattr(self, field)
             if name not in _CNAMES and not (field == "cname" and name == "auto"):
-                raise ValueError(f"{field}={name!r}: use one of {sorted(_CNAMES)}"
-                                 + (" or 'auto'" if field == "cname" else ""))
+                raise ValueError(
+                    f"{field}={name!r}: use one of {sorted(_CNAMES)}"
+                    + (" or 'auto'" if field == "cname" else "")
+                )
 
     def codec_for(self, itemsize: int) -> str:
         """The Blosc codec XOR deltas of elements of ``itemsize`` bytes use."""
@@ -97,8 +99,14 @@ def _words(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint64) if a.nbytes % 8 == 0 else a
 
 
-def xor_encode(data: np.ndarray, base: np.ndarray, itemsize: int, policy: DeltaPolicy,
-               cname: str | None = None, out: np.ndarray | None = None) -> bytes:
+def xor_encode(
+    data: np.ndarray,
+    base: np.ndarray,
+    itemsize: int,
+    policy: DeltaPolicy,
+    cname: str | None = None,
+    out: np.ndarray | None = None,
+) -> bytes:
     """Encode uint8 ``data`` against uint8 ``base`` of the same length (``out``: a uint8
     work array of that length for the XOR, possibly ``base`` itself)."""
     from numcodecs import Blosc

@@ -60,15 +60,22 @@ class EncodedWrite:
     depth: np.ndarray
 
 
-def write_encoded(enc: DeltaEncoder, zf: StepFile, side: SideFile, layout: FlatLayout,
-                  view: memoryview, slot: int, timeline: str,
-                  predictions: dict[str, Prediction]) -> EncodedWrite | None:
+def write_encoded(
+    enc: DeltaEncoder,
+    zf: StepFile,
+    side: SideFile,
+    layout: FlatLayout,
+    view: memoryview,
+    slot: int,
+    timeline: str,
+    predictions: dict[str, Prediction],
+) -> EncodedWrite | None:
     """``put_flat_chunks`` as one batched encode (``codec/flatdelta.py``) into the step's
     files ``zf`` and ``side``: deltas in one append to the side file, keyframes in one batch
     of zip entries, dedups pointing at their older records. None: nothing to encode against
     (the step is a keyframe, to be written whole)."""
     t0 = time.perf_counter()
-    buf = np.frombuffer(view[:layout.nbytes], dtype=np.uint8)
+    buf = np.frombuffer(view[: layout.nbytes], dtype=np.uint8)
     got = enc.encode_step(layout, buf, slot, timeline, predictions)
     if got is None:
         return None
@@ -80,15 +87,20 @@ def write_encoded(enc: DeltaEncoder, zf: StepFile, side: SideFile, layout: FlatL
     sizes = np.zeros(n, np.int64)
     crcs = raw.copy()
     d = np.flatnonzero(kinds == DEDUP)
-    for col, src in ((files, base.files), (offsets, base.offsets), (sizes, base.nbytes),
-                     (crcs, base.crcs)):
+    for col, src in (
+        (files, base.files),
+        (offsets, base.offsets),
+        (sizes, base.nbytes),
+        (crcs, base.crcs),
+    ):
         col[d] = src[d]
     written = 0
     if len(e.delta_idx):
         pcrc = list(map(crc32c_raw, e.payloads))
         # one buffer, not a part per delta: ``as_parts`` would make a memoryview of each
-        start = side.append(b"".join(itertools.chain.from_iterable(
-            zip(e.payloads, map(_PACK, pcrc), strict=True))))
+        start = side.append(
+            b"".join(itertools.chain.from_iterable(zip(e.payloads, map(_PACK, pcrc), strict=True)))
+        )
         lens = np.fromiter(map(len, e.payloads), np.int64, len(e.payloads)) + 4
         di = e.delta_idx
         files[di] = side.key
@@ -103,15 +115,28 @@ def write_encoded(enc: DeltaEncoder, zf: StepFile, side: SideFile, layout: FlatL
         sizes[k] = ks
         written += int(sum(ks))
     return EncodedWrite(
-        cols=(offsets.tolist(), sizes.tolist(), crcs.tolist()), keys=files.tolist(),
-        codecs=e.codecs, written=written, keyframes=len(k), deltas=len(e.delta_idx),
-        dedups=len(d), seconds=time.perf_counter() - t0,
-        dep=from_slot if from_slot is not None and e.deps else None, raw_crcs=raw,
-        depth=e.depth)
+        cols=(offsets.tolist(), sizes.tolist(), crcs.tolist()),
+        keys=files.tolist(),
+        codecs=e.codecs,
+        written=written,
+        keyframes=len(k),
+        deltas=len(e.delta_idx),
+        dedups=len(d),
+        seconds=time.perf_counter() - t0,
+        dep=from_slot if from_slot is not None and e.deps else None,
+        raw_crcs=raw,
+        depth=e.depth,
+    )
 
 
-def _write_keyframes(enc: DeltaEncoder, zf: StepFile, layout: FlatLayout, buf: np.ndarray,
-                     idx: np.ndarray, raw: list[int]) -> tuple[list[int], list[int]]:
+def _write_keyframes(
+    enc: DeltaEncoder,
+    zf: StepFile,
+    layout: FlatLayout,
+    buf: np.ndarray,
+    idx: np.ndarray,
+    raw: list[int],
+) -> tuple[list[int], list[int]]:
     """Chunks ``idx`` of an encoded step written raw (``raw``: their crc32c, the encoder's),
     as zip entries: one range of the step file, its headers and directory records sliced
     from per-chunk templates built once per layout and their CRC-32 and offset fields
@@ -130,8 +155,9 @@ def _write_keyframes(enc: DeltaEncoder, zf: StepFile, layout: FlatLayout, buf: n
     total = int(hlen.sum() + size.sum())
     if zf.cursor + total >= 0xFFFFFFFF:  # zip64 fields: headers depend on the offset
         names = list(map(t.names.__getitem__, chunks))
-        offs = zf.add_many(names, [[d, tr] for d, tr in zip(data, trailers, strict=True)],
-                                size.tolist(), zips)
+        offs = zf.add_many(
+            names, [[d, tr] for d, tr in zip(data, trailers, strict=True)], size.tolist(), zips
+        )
         return offs, size.tolist()
     start = zf.reserve(frozenset(map(t.names.__getitem__, chunks)), lambda s: total)
     heads = np.frombuffer(bytearray(b"".join(map(t.heads.__getitem__, chunks))), np.uint8)
@@ -143,11 +169,13 @@ def _write_keyframes(enc: DeltaEncoder, zf: StepFile, layout: FlatLayout, buf: n
     cat = np.cumsum(t.cdlen[idx]) - t.cdlen[idx]
     cds[(cat + _CENTRAL_CRC)[:, None] + _FOUR] = z4
     cds[(cat + _CENTRAL_OFFSET)[:, None] + _FOUR] = (
-        entry.astype("<u4").view(np.uint8).reshape(-1, 4))
+        entry.astype("<u4").view(np.uint8).reshape(-1, 4)
+    )
     hv = memoryview(heads.data).cast("B")
     hviews = list(map(hv.__getitem__, map(slice, hat.tolist(), (hat + hlen).tolist())))
-    zf.write_at(start, list(itertools.chain.from_iterable(
-        zip(hviews, data, trailers, strict=True))))
+    zf.write_at(
+        start, list(itertools.chain.from_iterable(zip(hviews, data, trailers, strict=True)))
+    )
     zf.add_directory(cds.tobytes(), len(chunks))
     return (entry + hlen).tolist(), size.tolist()
 
@@ -161,8 +189,9 @@ class _Templates:
         self.names = [c[4] for c in ch]
         sizes = [c[5] + 4 for c in ch]
         self.heads = [local_header(n, sz, 0, 0) for n, sz in zip(self.names, sizes, strict=True)]
-        self.cds = [directory_records([Entry(n, 0, sz, 0)])
-                    for n, sz in zip(self.names, sizes, strict=True)]
+        self.cds = [
+            directory_records([Entry(n, 0, sz, 0)]) for n, sz in zip(self.names, sizes, strict=True)
+        ]
         self.hlen = np.fromiter(map(len, self.heads), np.int64, len(ch))
         self.cdlen = np.fromiter(map(len, self.cds), np.int64, len(ch))
         self.size = np.asarray(sizes, np.int64)

@@ -38,8 +38,15 @@ if TYPE_CHECKING:
     from dstt.store.format.stepfile import Block, SideFile, StepFile, StepState
     from dstt.store.storage.base import Storage
 
-__all__ = ["CommitJob", "Deferred", "NotHandedOff", "RemoteCommitter", "encode_deferred",
-           "run_commit", "write_metadata"]
+__all__ = [
+    "CommitJob",
+    "Deferred",
+    "NotHandedOff",
+    "RemoteCommitter",
+    "encode_deferred",
+    "run_commit",
+    "write_metadata",
+]
 
 
 class NotHandedOff(Exception):
@@ -89,8 +96,14 @@ class RemoteCommitter(Protocol):
 
     dead: bool
 
-    def commit(self, root: str, durability: str, zip_state: StepState,
-               side_state: StepState, job: CommitJob) -> CommitHeader: ...
+    def commit(
+        self,
+        root: str,
+        durability: str,
+        zip_state: StepState,
+        side_state: StepState,
+        job: CommitJob,
+    ) -> CommitHeader: ...
 
 
 def encode_deferred(d: Deferred) -> tuple[bytes, str]:
@@ -104,13 +117,16 @@ def encode_deferred(d: Deferred) -> tuple[bytes, str]:
         return pickle.dumps(d.value, protocol=pickle.HIGHEST_PROTOCOL), "pickle"
 
 
-def write_metadata(zf: StepFile, block: Block, consolidated: bytes,
-                   attrs: dict[str, Any]) -> None:
+def write_metadata(zf: StepFile, block: Block, consolidated: bytes, attrs: dict[str, Any]) -> None:
     """The zarr.json entries of a step file: the prebuilt block of every group and array
     (laid out anew where the file is not where the block was built for), then the root."""
     if not zf.add_block(block):
-        zf.add_many([e.name for e in block.entries], [[d] for d in block.iov[1::2]],
-                    [e.size for e in block.entries], [e.crc32 for e in block.entries])
+        zf.add_many(
+            [e.name for e in block.entries],
+            [[d] for d in block.iov[1::2]],
+            [e.size for e in block.entries],
+            [e.crc32 for e in block.entries],
+        )
     zf.add_bytes(group_meta_key(""), root_document_bytes(attrs, consolidated))
 
 
@@ -129,13 +145,24 @@ def run_commit(storage: Storage, zf: StepFile, side: SideFile, job: CommitJob) -
         at += len(data)
     where = Location(side.key, at, len(table), checksum(table))
     if job.block is not None:
-        write_metadata(zf, job.block, job.consolidated,
-                       root_attributes(step=job.step, timeline=job.timeline, slot=job.slot))
+        write_metadata(
+            zf,
+            job.block,
+            job.consolidated,
+            root_attributes(step=job.step, timeline=job.timeline, slot=job.slot),
+        )
     zf.publish()
     side.publish()
-    header = CommitHeader(slot=job.slot, step=job.step, timeline=job.timeline,
-                          parent=job.parent, time=job.time, metrics=dict(job.metrics),
-                          objects=objects, arrays=where)
+    header = CommitHeader(
+        slot=job.slot,
+        step=job.step,
+        timeline=job.timeline,
+        parent=job.parent,
+        time=job.time,
+        metrics=dict(job.metrics),
+        objects=objects,
+        arrays=where,
+    )
     # one barrier makes the step's files and its header durable together: nothing names
     # the header until the ref moves, so it needs no sync of its own; the ref, the
     # visibility point, moves only after it

@@ -38,9 +38,17 @@ if TYPE_CHECKING:
 __all__ = ["abort_vote", "collect_parts", "merge_parts"]
 
 
-def collect_parts(storage: Storage, *, slot: int, step: int, ranks: Sequence[int],
-                  world: int, session: str, timeout: float = 600.0,
-                  cancel: threading.Event | None = None) -> list[Part]:
+def collect_parts(
+    storage: Storage,
+    *,
+    slot: int,
+    step: int,
+    ranks: Sequence[int],
+    world: int,
+    session: str,
+    timeout: float = 600.0,
+    cancel: threading.Event | None = None,
+) -> list[Part]:
     """Wait until every rank in ``ranks`` has prepared ``slot``; return their parts by rank.
 
     A part for this slot from another step, world size or session is a ``RankError`` at once
@@ -69,8 +77,10 @@ def collect_parts(storage: Storage, *, slot: int, step: int, ranks: Sequence[int
                     "out of step; the step is not committed"
                 )
             if p.error is not None:
-                raise RankError(f"rank {r} could not write its share of step {step} "
-                                f"({p.error}); the step is not committed")
+                raise RankError(
+                    f"rank {r} could not write its share of step {step} "
+                    f"({p.error}); the step is not committed"
+                )
             found[r] = p
         if len(found) == len(ranks):
             return [found[r] for r in sorted(found)]
@@ -89,29 +99,36 @@ def collect_parts(storage: Storage, *, slot: int, step: int, ranks: Sequence[int
         delay = min(delay * 2, 0.05)
 
 
-def abort_vote(storage: Storage, *, slot: int, step: int, rank: int, world: int,
-               session: str, error: str) -> None:
+def abort_vote(
+    storage: Storage, *, slot: int, step: int, rank: int, world: int, session: str, error: str
+) -> None:
     """Tell the committing rank at once that this rank dropped ``step`` (best effort: without
     it, the committer waits for the part until its timeout)."""
-    storage.write(part_key(slot, rank), dump_part(Part(slot=slot, step=step, rank=rank,
-                                                       world=world, session=session,
-                                                       error=error)))
+    storage.write(
+        part_key(slot, rank),
+        dump_part(Part(slot=slot, step=step, rank=rank, world=world, session=session, error=error)),
+    )
 
 
-def merge_parts(arrays: Mapping[str, ArrayRecord], objects: Mapping[str, ObjectRecord],
-                parts: Sequence[Part]) -> tuple[dict[str, ArrayRecord], dict[str, ObjectRecord]]:
+def merge_parts(
+    arrays: Mapping[str, ArrayRecord], objects: Mapping[str, ObjectRecord], parts: Sequence[Part]
+) -> tuple[dict[str, ArrayRecord], dict[str, ObjectRecord]]:
     """Union of rank 0's arrays/objects and the parts'; ``RankError`` if two ranks wrote one
     array or object (ownership must be disjoint)."""
     out_a, out_o = dict(arrays), dict(objects)
     for p in parts:
         for path, rec in p.arrays.items():
             if path in out_a:
-                raise RankError(f"array {path!r} was written by rank {p.rank} and another rank; "
-                                "each array must have exactly one owner")
+                raise RankError(
+                    f"array {path!r} was written by rank {p.rank} and another rank; "
+                    "each array must have exactly one owner"
+                )
             out_a[path] = rec
         for name, orec in p.objects.items():
             if name in out_o:
-                raise RankError(f"object {name!r} was written by rank {p.rank} and another "
-                                "rank; per-rank objects need per-rank names")
+                raise RankError(
+                    f"object {name!r} was written by rank {p.rank} and another "
+                    "rank; per-rank objects need per-rank names"
+                )
             out_o[name] = orec
     return out_a, out_o

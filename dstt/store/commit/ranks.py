@@ -46,8 +46,7 @@ if TYPE_CHECKING:
     from .transaction import Transaction
     from .writer import RunHandle, Writer
 
-__all__ = ["DEFAULT_RANK_TIMEOUT", "RankInfo", "RankTransaction", "RankWriter",
-           "TransactionProxy"]
+__all__ = ["DEFAULT_RANK_TIMEOUT", "RankInfo", "RankTransaction", "RankWriter", "TransactionProxy"]
 
 DEFAULT_RANK_TIMEOUT = 600.0
 
@@ -60,7 +59,6 @@ class RankInfo:
     world: int
 
 
-
 class TransactionProxy:
     """Passes what the pipeline uses (declare, put_chunk, put_object, defer_object, abort) to
     a store transaction (or another proxy); subclasses change how the step is committed."""
@@ -70,30 +68,32 @@ class TransactionProxy:
         self.slot: int = txn.slot
         self.step: int = txn.step
 
-    def declare(self, path: str, dtype: str, shape: tuple[int, ...],
-                dims: Sequence[str] | None = None) -> ChunkPlan:
+    def declare(
+        self, path: str, dtype: str, shape: tuple[int, ...], dims: Sequence[str] | None = None
+    ) -> ChunkPlan:
         return self._txn.declare(path, dtype, shape, dims)
 
     def put_chunk(self, path: str, index: int, data: StepBytes) -> ChunkRecord:
         return self._txn.put_chunk(path, index, data)
 
-    def put_object(self, name: str, obj: object, *,
-                   encoding: Encoding = "json") -> ObjectRecord:
+    def put_object(self, name: str, obj: object, *, encoding: Encoding = "json") -> ObjectRecord:
         return self._txn.put_object(name, obj, encoding=encoding)
 
     def put_encoded(self, name: str, data: bytes, encoding: Encoding = "json") -> ObjectRecord:
         return self._txn.put_encoded(name, data, encoding)
 
-    def defer_object(self, name: str, obj: object, *, encoding: Encoding = "json",
-                     or_pickle: bool = False) -> None:
+    def defer_object(
+        self, name: str, obj: object, *, encoding: Encoding = "json", or_pickle: bool = False
+    ) -> None:
         self._txn.defer_object(name, obj, encoding=encoding, or_pickle=or_pickle)
 
     @property
     def deferred(self) -> list[Deferred]:
         return list(self._txn.deferred)
 
-    def put_flat(self, layout: FlatLayout, buf: StepBytes,
-                 images: dict[int, FlatImage] | None = None) -> None:
+    def put_flat(
+        self, layout: FlatLayout, buf: StepBytes, images: dict[int, FlatImage] | None = None
+    ) -> None:
         self._txn.put_flat(layout, buf, images)
 
     def put_flat_chunks(self, layout: FlatLayout, buf: StepBytes) -> None:
@@ -102,9 +102,15 @@ class TransactionProxy:
     def reserve_flat(self, layout: FlatLayout, nbytes_at: Callable[[int], int]) -> int:
         return int(self._txn.reserve_flat(layout, nbytes_at))
 
-    def complete_flat(self, layout: FlatLayout, offsets: list[int], sizes: list[int],
-                      crcs: list[int], directory: bytes,
-                      buf: StepBytes | None = None) -> None:
+    def complete_flat(
+        self,
+        layout: FlatLayout,
+        offsets: list[int],
+        sizes: list[int],
+        crcs: list[int],
+        directory: bytes,
+        buf: StepBytes | None = None,
+    ) -> None:
         self._txn.complete_flat(layout, offsets, sizes, crcs, directory, buf)
 
     def predict(self, predictions: Mapping[str, Prediction]) -> None:
@@ -141,9 +147,15 @@ class RankTransaction(TransactionProxy):
         o = self._owner
         if o.info.rank != 0 and not o.cancel.is_set():  # rank 0 should not wait for us
             with contextlib.suppress(Exception):
-                abort_vote(o.storage, slot=self.slot, step=self.step, rank=o.info.rank,
-                           world=o.info.world, session=o.session,
-                           error=f"rank {o.info.rank} dropped the step")
+                abort_vote(
+                    o.storage,
+                    slot=self.slot,
+                    step=self.step,
+                    rank=o.info.rank,
+                    world=o.info.world,
+                    session=o.session,
+                    error=f"rank {o.info.rank} dropped the step",
+                )
 
     @property
     def encode(self) -> bool:
@@ -166,11 +178,19 @@ class RankTransaction(TransactionProxy):
         for hook in o.before_commit:
             hook(self)
         if o.info.rank != 0:
-            return self._txn.prepare(rank=o.info.rank, world=o.info.world, session=o.session,
-                                     metrics=metrics)
-        parts = collect_parts(o.storage, slot=self.slot, step=self.step,
-                              ranks=range(1, o.info.world), world=o.info.world,
-                              session=o.session, timeout=o.timeout, cancel=o.cancel)
+            return self._txn.prepare(
+                rank=o.info.rank, world=o.info.world, session=o.session, metrics=metrics
+            )
+        parts = collect_parts(
+            o.storage,
+            slot=self.slot,
+            step=self.step,
+            ranks=range(1, o.info.world),
+            world=o.info.world,
+            session=o.session,
+            timeout=o.timeout,
+            cancel=o.cancel,
+        )
         header = self._txn.commit(metrics, parts=parts)
         for done in o.after_commit:
             done(header)
@@ -180,8 +200,15 @@ class RankTransaction(TransactionProxy):
 class RankWriter:
     """The pipeline-facing writer of one rank (see the module docstring)."""
 
-    def __init__(self, writer: Writer, info: RankInfo, *, base_slot: int, session: str,
-                 timeout: float = DEFAULT_RANK_TIMEOUT) -> None:
+    def __init__(
+        self,
+        writer: Writer,
+        info: RankInfo,
+        *,
+        base_slot: int,
+        session: str,
+        timeout: float = DEFAULT_RANK_TIMEOUT,
+    ) -> None:
         self.writer, self.info = writer, info
         self.storage: Storage = writer.storage
         self.base_slot, self.session, self.timeout = base_slot, session, timeout
@@ -204,9 +231,13 @@ class RankWriter:
         one-rank DeltaPolicy run wrote every step raw)."""
         return self.writer.encoder
 
-    def flat_layout(self, arrays: Sequence[tuple[str, str, tuple[int, ...]]
-                                           | tuple[str, str, tuple[int, ...],
-                                                   Sequence[str] | None]]) -> FlatLayout:
+    def flat_layout(
+        self,
+        arrays: Sequence[
+            tuple[str, str, tuple[int, ...]]
+            | tuple[str, str, tuple[int, ...], Sequence[str] | None]
+        ],
+    ) -> FlatLayout:
         return self.writer.flat_layout(arrays)
 
     def begin(self, step: int) -> RankTransaction:

@@ -35,23 +35,40 @@ EncodedColumns = tuple[list[str], Mapping[int, Any]]
 TemplateOf = Callable[[FlatLayout, Sequence[int] | None], TableTemplate]
 
 
-def _record(key: str, nbytes: int, crc: int, offset: int,
-            codec: Sequence[Any] | None) -> ChunkRecord:
+def _record(
+    key: str, nbytes: int, crc: int, offset: int, codec: Sequence[Any] | None
+) -> ChunkRecord:
     """A chunk record from a flat step's columns and its codec entry (None: raw)."""
     if codec is None:
         return ChunkRecord(key, nbytes, crc, offset=offset)
     enc, base, raw = codec[0], codec[1], codec[2]
     if len(codec) == 3:
         return ChunkRecord(key, nbytes, crc, enc, base, raw, offset=offset)
-    return ChunkRecord(key, nbytes, crc, enc, base, raw, codec[3],
-                       tuple((p, int(s)) for p, s in codec[4]), tuple(codec[5]), offset=offset)
+    return ChunkRecord(
+        key,
+        nbytes,
+        crc,
+        enc,
+        base,
+        raw,
+        codec[3],
+        tuple((p, int(s)) for p, s in codec[4]),
+        tuple(codec[5]),
+        offset=offset,
+    )
 
 
 class StepTable:
     """What one step holds, as columns (not thread-safe: its transaction locks around it)."""
 
-    def __init__(self, step: int, slot: int, zip_key: str,
-                 dims: Mapping[str, tuple[str, ...] | None], template: TemplateOf) -> None:
+    def __init__(
+        self,
+        step: int,
+        slot: int,
+        zip_key: str,
+        dims: Mapping[str, tuple[str, ...] | None],
+        template: TemplateOf,
+    ) -> None:
         """``zip_key``: the step's own zip (raw chunks' file); ``dims``: the writer's
         dimension names by path; ``template``: its cached table template of a layout."""
         self.step, self.slot, self.zip_key = step, slot, zip_key
@@ -86,8 +103,9 @@ class StepTable:
         self.plans.update(plans)
         return plans
 
-    def record_flat(self, layout: FlatLayout, cols: Columns,
-                    encoded: EncodedColumns | None) -> None:
+    def record_flat(
+        self, layout: FlatLayout, cols: Columns, encoded: EncodedColumns | None
+    ) -> None:
         """Where a flat write's chunks are (columns) and, encoded, their files and codecs."""
         if encoded is not None:  # (a raw write declared it when it reserved its range)
             self.declare_layout(layout)
@@ -97,14 +115,16 @@ class StepTable:
         self.flat_enc.append(encoded)
         paths, los, his = layout.span_columns
         self.flat_span.update(
-            zip(paths, zip(itertools.repeat(put), los, his, strict=False), strict=True))
+            zip(paths, zip(itertools.repeat(put), los, his, strict=False), strict=True)
+        )
 
     def table(self) -> TableBuilder:
         """The columnar arrays table of this step (``manifest.TableBuilder``)."""
         b = TableBuilder()
         zip_id = b.file_id(self.zip_key)
         ids: list[list[int] | None] = [
-            None if e is None else list(map(b.file_id, e[0])) for e in self.flat_enc]
+            None if e is None else list(map(b.file_id, e[0])) for e in self.flat_enc
+        ]
         for path, (dtype, plan) in self.plans.items():
             b.add_array(path, dtype, plan.shape, plan.rows, self.dims.get(path))
             span = self.flat_span.get(path)
@@ -121,8 +141,9 @@ class StepTable:
                 b.nbytes.extend(sizes[lo:hi])
                 b.crc32c.extend(crcs[lo:hi])
                 codecs = enc[1]
-                b.codecs.update((str(first + j - lo), list(codecs[j]))
-                                for j in range(lo, hi) if j in codecs)
+                b.codecs.update(
+                    (str(first + j - lo), list(codecs[j])) for j in range(lo, hi) if j in codecs
+                )
                 continue
             for c in self._complete(path):
                 b.add_record(c)
@@ -147,8 +168,12 @@ class StepTable:
         parts = self.table_parts()
         if parts is not None:
             return parts[0].dump(self.slot, self.zip_key, parts[1], parts[2])
-        if (len(self.flat) == 1 and not self.chunks and self.flat_enc[0] is not None
-                and len(self.plans) == len(self.flat_layouts[0].arrays)):
+        if (
+            len(self.flat) == 1
+            and not self.chunks
+            and self.flat_enc[0] is not None
+            and len(self.plans) == len(self.flat_layouts[0].arrays)
+        ):
             return self._encoded_table()
         return dump_arrays(self.slot, self.table())
 
@@ -164,10 +189,15 @@ class StepTable:
         files = list(dict.fromkeys([self.zip_key, *keys]))  # first appearance, as file_id
         ids = dict(zip(files, range(len(files)), strict=True))
         tpl = self.template(layout, None)
-        return tpl.dump_columns(self.slot, files, list(map(ids.__getitem__, keys)), sizes,
-                                offsets, crcs,
-                                dict(zip(map(str, codecs), map(list, codecs.values()),
-                                         strict=True)))
+        return tpl.dump_columns(
+            self.slot,
+            files,
+            list(map(ids.__getitem__, keys)),
+            sizes,
+            offsets,
+            crcs,
+            dict(zip(map(str, codecs), map(list, codecs.values()), strict=True)),
+        )
 
     def _complete(self, path: str) -> list[ChunkRecord]:
         span = self.flat_span.get(path)
@@ -175,31 +205,49 @@ class StepTable:
             offs, sizes, crcs = self.flat[span[0]]
             enc = self.flat_enc[span[0]]
             if enc is not None:
-                return [_record(enc[0][k], sizes[k], crcs[k], offs[k], enc[1].get(k))
-                        for k in range(span[1], span[2])]
-            return [ChunkRecord(self.zip_key, sizes[k], crcs[k], offset=offs[k])
-                    for k in range(span[1], span[2])]
+                return [
+                    _record(enc[0][k], sizes[k], crcs[k], offs[k], enc[1].get(k))
+                    for k in range(span[1], span[2])
+                ]
+            return [
+                ChunkRecord(self.zip_key, sizes[k], crcs[k], offset=offs[k])
+                for k in range(span[1], span[2])
+            ]
         chunks = self.chunks[path]
         missing = [i for i, c in enumerate(chunks) if c is None]
         if missing:
-            raise DsttError(f"step {self.step}: chunks {missing[:8]} of {path!r} were "
-                            "never written; refusing to commit an incomplete step")
+            raise DsttError(
+                f"step {self.step}: chunks {missing[:8]} of {path!r} were "
+                "never written; refusing to commit an incomplete step"
+            )
         return chunks  # type: ignore[return-value]
 
     def records(self) -> dict[str, ArrayRecord]:
         out = {}
         for path, (dtype, plan) in self.plans.items():
             if path in self.flat_span:
-                out[path] = ArrayRecord(path, dtype, plan.shape, plan.rows,
-                                        tuple(self._complete(path)),
-                                        self.dims.get(path))
+                out[path] = ArrayRecord(
+                    path,
+                    dtype,
+                    plan.shape,
+                    plan.rows,
+                    tuple(self._complete(path)),
+                    self.dims.get(path),
+                )
                 continue
             chunks = self.chunks[path]
             missing = [i for i, c in enumerate(chunks) if c is None]
             if missing:
-                raise DsttError(f"step {self.step}: chunks {missing[:8]} of {path!r} were "
-                                "never written; refusing to commit an incomplete step")
-            out[path] = ArrayRecord(path, dtype, plan.shape, plan.rows,
-                                    tuple(c for c in chunks if c is not None),
-                                    self.dims.get(path))
+                raise DsttError(
+                    f"step {self.step}: chunks {missing[:8]} of {path!r} were "
+                    "never written; refusing to commit an incomplete step"
+                )
+            out[path] = ArrayRecord(
+                path,
+                dtype,
+                plan.shape,
+                plan.rows,
+                tuple(c for c in chunks if c is not None),
+                self.dims.get(path),
+            )
         return out

@@ -65,21 +65,35 @@ class StepOwner(Protocol):
     @property
     def dims(self) -> Mapping[str, tuple[str, ...] | None]: ...  # dimension names by path
 
-    def declare(self, path: str, dtype: str, shape: tuple[int, ...],
-                dims: Sequence[str] | None = None) -> ChunkPlan: ...
+    def declare(
+        self, path: str, dtype: str, shape: tuple[int, ...], dims: Sequence[str] | None = None
+    ) -> ChunkPlan: ...
 
-    def flat_layout(self, arrays: Sequence[tuple[str, str, tuple[int, ...]]
-                                           | tuple[str, str, tuple[int, ...],
-                                                   Sequence[str] | None]]) -> FlatLayout: ...
+    def flat_layout(
+        self,
+        arrays: Sequence[
+            tuple[str, str, tuple[int, ...]]
+            | tuple[str, str, tuple[int, ...], Sequence[str] | None]
+        ],
+    ) -> FlatLayout: ...
 
-    def table_template(self, layout: FlatLayout,
-                       sizes: Sequence[int] | None = None) -> TableTemplate: ...
+    def table_template(
+        self, layout: FlatLayout, sizes: Sequence[int] | None = None
+    ) -> TableTemplate: ...
 
-    def commit_step(self, txn: Transaction, metrics: Mapping[str, Metric],
-                    parts: Sequence[Part] = ()) -> CommitHeader: ...
+    def commit_step(
+        self, txn: Transaction, metrics: Mapping[str, Metric], parts: Sequence[Part] = ()
+    ) -> CommitHeader: ...
 
-    def prepare_step(self, txn: Transaction, *, rank: int, world: int, session: str,
-                     metrics: Mapping[str, Metric]) -> Part: ...
+    def prepare_step(
+        self,
+        txn: Transaction,
+        *,
+        rank: int,
+        world: int,
+        session: str,
+        metrics: Mapping[str, Metric],
+    ) -> Part: ...
 
     def release_slot(self, slot: int) -> None: ...  # an aborted step's slot stays unused
 
@@ -122,8 +136,9 @@ class Transaction:
         if self.state != "open":
             raise DsttError(f"transaction for step {self.step} is already {self.state}")
 
-    def declare(self, path: str, dtype: str, shape: tuple[int, ...],
-                dims: Sequence[str] | None = None) -> ChunkPlan:
+    def declare(
+        self, path: str, dtype: str, shape: tuple[int, ...], dims: Sequence[str] | None = None
+    ) -> ChunkPlan:
         """Announce a tensor of this step (``dims``: its dimension names, for ``zarr.json``);
         returns how to cut it into chunks."""
         self._check()
@@ -158,8 +173,9 @@ class Transaction:
         start, stop = plan.byte_range(index)
         view = byte_view(data)
         if len(view) != stop - start:
-            raise ValueError(f"chunk {index} of {path!r} needs {stop - start} bytes, "
-                             f"got {len(view)}")
+            raise ValueError(
+                f"chunk {index} of {path!r} needs {stop - start} bytes, got {len(view)}"
+            )
         crc = checksum(view)
         pad = plan.chunk_nbytes - len(view)
         pads: list[Any] = []
@@ -174,11 +190,20 @@ class Transaction:
             self.stats.raw_fallback = not self.keyframe
             pending = enc.keep(path, index, self.timeline, view, crc, self.slot)
         elif enc is not None:
-            rec, pending = enc.encode(self._side_write, path=path, index=index,
-                                      plan=plan, slot=self.slot, timeline=self.timeline,
-                                      data=view, raw_crc=crc, stats=self.stats,
-                                      prediction=self._predictions.get(path),
-                                      pending=self.pending_shadow, deps=self.deps)
+            rec, pending = enc.encode(
+                self._side_write,
+                path=path,
+                index=index,
+                plan=plan,
+                slot=self.slot,
+                timeline=self.timeline,
+                data=view,
+                raw_crc=crc,
+                stats=self.stats,
+                prediction=self._predictions.get(path),
+                pending=self.pending_shadow,
+                deps=self.deps,
+            )
             if rec is not None:
                 return self._record(path, index, rec, pending)
         trailer = struct.pack("<I", crc)
@@ -187,17 +212,23 @@ class Transaction:
             zcrc = crc32(z, zcrc)
         zcrc = crc32(trailer, zcrc)
         size = plan.chunk_nbytes + 4
-        offset = self.zip.add(zarr_chunk_key(path, plan.index(index)), [view, *pads, trailer],
-                              size, zcrc)
+        offset = self.zip.add(
+            zarr_chunk_key(path, plan.index(index)), [view, *pads, trailer], size, zcrc
+        )
         rec = ChunkRecord(self.zip.key, size, crc, offset=offset)
         self.stats.add(len(view), rec.nbytes, "key")
         if pending is not None:
             pending = replace(pending, record=rec)
         return self._record(path, index, rec, pending)
 
-    def put_flat(self, layout: FlatLayout, buf: StepBytes,
-                 images: dict[int, FlatImage] | None = None, *,
-                 start: int | None = None) -> None:
+    def put_flat(
+        self,
+        layout: FlatLayout,
+        buf: StepBytes,
+        images: dict[int, FlatImage] | None = None,
+        *,
+        start: int | None = None,
+    ) -> None:
         """Write every tensor of ``layout`` from the flat buffer ``buf`` (``flat.py``), raw:
         the hot path of the engine. ``images``: a cache of this buffer's ``FlatImage`` by
         start offset, kept by the caller with the buffer (headers are then built once).
@@ -210,8 +241,13 @@ class Transaction:
             self._check_raw()
         self._write_flat(layout, view, images, start)
 
-    def _write_flat(self, layout: FlatLayout, view: memoryview,
-                    images: dict[int, FlatImage] | None, start: int | None) -> None:
+    def _write_flat(
+        self,
+        layout: FlatLayout,
+        view: memoryview,
+        images: dict[int, FlatImage] | None,
+        start: int | None,
+    ) -> None:
         cache = images if images is not None else {}
 
         def image_at(start: int) -> FlatImage:
@@ -225,9 +261,7 @@ class Transaction:
         image = image_at(start)
         crcs, _ = image.fill()
         self.zip.write_at(start, image.iov)
-        self.complete_flat(layout, image.offsets, image.sizes, crcs, bytes(image.directory),
-                           view)
-
+        self.complete_flat(layout, image.offsets, image.sizes, crcs, bytes(image.directory), view)
 
     def put_flat_chunks(self, layout: FlatLayout, buf: StepBytes) -> None:
         """Write every tensor of ``layout`` from the flat buffer ``buf`` one chunk at a time
@@ -249,8 +283,9 @@ class Transaction:
             plans = self.columns.declare_layout(layout)
             for path, (_, plan) in plans.items():
                 self.columns.chunks[path] = [None] * plan.n_chunks
-            first = {src for p in self._predictions.values() for role, src in p.inputs
-                     if role == CUR}
+            first = {
+                src for p in self._predictions.values() for role, src in p.inputs if role == CUR
+            }
         arrays = layout.arrays
         chunks = sorted(layout.chunks, key=lambda c: arrays[c[0]].path not in first)
         for k, i, s, e, _, _ in chunks:
@@ -259,21 +294,34 @@ class Transaction:
     def _write_encoded(self, enc: DeltaEncoder, layout: FlatLayout, view: memoryview) -> None:
         """An encoded flat step, written by ``flat_encode.py``; its columns recorded here and
         its flat shadow left as the next step's base."""
-        got = write_encoded(enc, self.zip, self.side, layout, view, self.slot, self.timeline,
-                            self._predictions)
+        got = write_encoded(
+            enc, self.zip, self.side, layout, view, self.slot, self.timeline, self._predictions
+        )
         if got is None:  # nothing to encode against: a keyframe, written whole
             self._write_flat(layout, view, None, None)
             self.stats.raw_fallback = False
             return
         self._record_flat(layout, got.cols, (got.keys, got.codecs))
-        self.stats.add_counts(layout.raw_nbytes, got.written, keyframes=got.keyframes,
-                              deltas=got.deltas, dedups=got.dedups, seconds=got.seconds)
+        self.stats.add_counts(
+            layout.raw_nbytes,
+            got.written,
+            keyframes=got.keyframes,
+            deltas=got.deltas,
+            dedups=got.dedups,
+            seconds=got.seconds,
+        )
         if got.dep is not None:
             with self._lock:
                 self.deps.add(got.dep)
-        self.flat_pending = self._flat_shadow(layout, view, got.keys, *got.cols,
-                                              raw_crcs=got.raw_crcs, depth=got.depth,
-                                              codecs=got.codecs)
+        self.flat_pending = self._flat_shadow(
+            layout,
+            view,
+            got.keys,
+            *got.cols,
+            raw_crcs=got.raw_crcs,
+            depth=got.depth,
+            codecs=got.codecs,
+        )
 
     def reserve_flat(self, layout: FlatLayout, nbytes_at: Callable[[int], int]) -> int:
         """First half of a flat write done elsewhere (the flusher process): declare the
@@ -285,17 +333,25 @@ class Transaction:
         self._check()
         enc = self.writer.encoder
         if enc is not None and self.encode and not self.keyframe:
-            raise DsttError("a flat write is raw; set txn.encode = False (or keyframe) "
-                            "when the writer encodes, or use put_flat_chunks")
+            raise DsttError(
+                "a flat write is raw; set txn.encode = False (or keyframe) "
+                "when the writer encodes, or use put_flat_chunks"
+            )
 
     def _reserve_flat(self, layout: FlatLayout, nbytes_at: Callable[[int], int]) -> int:
         with self._lock:
             self.columns.declare_layout(layout)
         return self.zip.reserve(layout.names, nbytes_at)
 
-    def complete_flat(self, layout: FlatLayout, offsets: list[int], sizes: list[int],
-                      crcs: list[int], directory: bytes,
-                      buf: StepBytes | None = None) -> None:
+    def complete_flat(
+        self,
+        layout: FlatLayout,
+        offsets: list[int],
+        sizes: list[int],
+        crcs: list[int],
+        directory: bytes,
+        buf: StepBytes | None = None,
+    ) -> None:
         """Second half: the chunks are written; record where (columns) and their zip
         central directory records. ``buf``: the flat buffer, for a writer that encodes (a
         raw step still seeds the next step's deltas: its chunks become their bases)."""
@@ -307,21 +363,38 @@ class Transaction:
             self.stats.raw_fallback = not self.keyframe
             if buf is not None:  # its chunks become the next step's bases: one copy
                 self.flat_pending = self._flat_shadow(
-                    layout, byte_view(buf), [self.zip.key] * len(offsets), offsets,
-                    sizes, crcs)
+                    layout, byte_view(buf), [self.zip.key] * len(offsets), offsets, sizes, crcs
+                )
 
-    def _flat_shadow(self, layout: FlatLayout, view: memoryview, files: list[str],
-                     offsets: Sequence[int], sizes: Sequence[int], crcs: Sequence[int],
-                     **encoded: Any) -> FlatShadow | None:
+    def _flat_shadow(
+        self,
+        layout: FlatLayout,
+        view: memoryview,
+        files: list[str],
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        crcs: Sequence[int],
+        **encoded: Any,
+    ) -> FlatShadow | None:
         enc = self.writer.encoder
         if enc is None or not enc.flat_room(layout.nbytes, layout):
             return None
-        data = enc.flat_copy(np.frombuffer(view[:layout.nbytes], dtype=np.uint8))
-        return seed_shadow(layout, self.timeline, self.slot, data,
-                           np.asarray(files, dtype=object), offsets, sizes, crcs, **encoded)
+        data = enc.flat_copy(np.frombuffer(view[: layout.nbytes], dtype=np.uint8))
+        return seed_shadow(
+            layout,
+            self.timeline,
+            self.slot,
+            data,
+            np.asarray(files, dtype=object),
+            offsets,
+            sizes,
+            crcs,
+            **encoded,
+        )
 
-    def _record_flat(self, layout: FlatLayout, cols: Columns,
-                     encoded: EncodedColumns | None) -> None:
+    def _record_flat(
+        self, layout: FlatLayout, cols: Columns, encoded: EncodedColumns | None
+    ) -> None:
         """Where a flat write's chunks are (columns) and, encoded, their files and codecs."""
         with self._lock:
             self.columns.record_flat(layout, cols, encoded)
@@ -334,16 +407,16 @@ class Transaction:
     def _side_write(self, parts: list[Any]) -> tuple[str, int]:
         return self.side.key, self.side.append(parts)
 
-    def _record(self, path: str, index: int, rec: ChunkRecord,
-                pending: Shadow | None) -> ChunkRecord:
+    def _record(
+        self, path: str, index: int, rec: ChunkRecord, pending: Shadow | None
+    ) -> ChunkRecord:
         with self._lock:
             self.columns.chunks[path][index] = rec
             if pending is not None:
                 self.pending[(path, index)] = pending
         return rec
 
-    def put_object(self, name: str, obj: object, *,
-                   encoding: Encoding = "json") -> ObjectRecord:
+    def put_object(self, name: str, obj: object, *, encoding: Encoding = "json") -> ObjectRecord:
         """Store a Python object for this step (tagged JSON unless told otherwise; an
         ``Encoded`` value as its bytes, in its own encoding)."""
         self._check()
@@ -351,8 +424,9 @@ class Transaction:
             return self._put_object_bytes(name, obj.data, obj.encoding)
         return self._put_object_bytes(name, encode_object(obj, encoding), encoding)
 
-    def defer_object(self, name: str, obj: object, *, encoding: Encoding = "json",
-                     or_pickle: bool = False) -> None:
+    def defer_object(
+        self, name: str, obj: object, *, encoding: Encoding = "json", or_pickle: bool = False
+    ) -> None:
         """Store ``obj`` as ``name`` when the step commits (encoded then, by whoever
         commits: this process or the flusher's, ``commit/job.py``); ``or_pickle``: with
         pickle where JSON cannot hold it (the header's record then says ``"pickle"``)."""
@@ -382,8 +456,9 @@ class Transaction:
             data, encoding = encode_deferred(d)
             self._put_object_bytes(d.name, data, encoding, deferred=True)  # type: ignore[arg-type]
 
-    def _put_object_bytes(self, name: str, data: bytes, encoding: Encoding, *,
-                          deferred: bool = False) -> ObjectRecord:
+    def _put_object_bytes(
+        self, name: str, data: bytes, encoding: Encoding, *, deferred: bool = False
+    ) -> ObjectRecord:
         """``deferred``: storing an object ``defer_object`` took (its name is known)."""
         with self._lock:
             if name in self.objects or (name in self._deferred_names and not deferred):
@@ -402,8 +477,9 @@ class Transaction:
             self._object_bytes += len(data)
         return rec
 
-    def commit(self, metrics: Mapping[str, Metric] | None = None, *,
-               parts: Sequence[Part] = ()) -> CommitHeader:
+    def commit(
+        self, metrics: Mapping[str, Metric] | None = None, *, parts: Sequence[Part] = ()
+    ) -> CommitHeader:
         """Make the step durable and visible; returns its header. ``parts``: the other ranks'
         prepared parts of this slot, merged into this commit (``parts.collect_parts``)."""
         self._check()
@@ -416,15 +492,17 @@ class Transaction:
         self.state = "committed"
         return header
 
-    def prepare(self, *, rank: int, world: int, session: str,
-                metrics: Mapping[str, Metric] | None = None) -> Part:
+    def prepare(
+        self, *, rank: int, world: int, session: str, metrics: Mapping[str, Metric] | None = None
+    ) -> Part:
         """Part writers: make this rank's chunks and objects durable, then write its part
         manifest (the "prepared" vote the exclusive writer waits for). Returns the part."""
         self._check()
         self.state = "committing"
         try:
-            part = self.writer.prepare_step(self, rank=rank, world=world, session=session,
-                                             metrics=metrics or {})
+            part = self.writer.prepare_step(
+                self, rank=rank, world=world, session=session, metrics=metrics or {}
+            )
         except BaseException:
             self.state = "failed"
             raise

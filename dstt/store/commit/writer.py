@@ -86,10 +86,18 @@ class RunHandle(Protocol):
 class Writer:
     """Exclusive writer of one run; use as a context manager."""
 
-    def __init__(self, repo: RunHandle, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 encoding: DeltaPolicy | None = None, exclusive: bool = True,
-                 inflight_bases: bool = False, rank: int | None = None,
-                 lazy_refs: bool = False, index_every: int = EVERY) -> None:
+    def __init__(
+        self,
+        repo: RunHandle,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        encoding: DeltaPolicy | None = None,
+        exclusive: bool = True,
+        inflight_bases: bool = False,
+        rank: int | None = None,
+        lazy_refs: bool = False,
+        index_every: int = EVERY,
+    ) -> None:
         """``inflight_bases``: a step may be encoded against the previous step before that
         one commits (for callers that overlap steps and commit them in order, like the
         engine); a step based on one that then fails to commit cannot commit either.
@@ -109,15 +117,18 @@ class Writer:
         self._head_steps: dict[str, int] = {}  # timeline -> step of the head this writer made
         #: suffix of this writer's step files: empty for the committer, the rank (or a random
         #: id) for a part writer, so every rank's files of one slot have their own names
-        self.file_tag = "" if exclusive else (f"r{rank:05d}" if rank is not None
-                                              else secrets.token_hex(4))
+        self.file_tag = (
+            "" if exclusive else (f"r{rank:05d}" if rank is not None else secrets.token_hex(4))
+        )
         self.storage.check_writable(WRITTEN_PREFIXES)
         if exclusive:
             self._lock_cm: Any = self.storage.lock(LOCK_KEY)
             self._lock_cm.__enter__()
         elif encoding is not None:
-            raise ValueError("a part writer (exclusive=False) cannot encode deltas: its bases "
-                             "would not be known to be committed")
+            raise ValueError(
+                "a part writer (exclusive=False) cannot encode deltas: its bases "
+                "would not be known to be committed"
+            )
         else:
             self._lock_cm = None
         self._closed = False
@@ -224,8 +235,9 @@ class Writer:
         """The slot the next ``begin`` without ``slot=`` takes."""
         return self._next_slot
 
-    def begin(self, step: int, *, timeline: str | None = None,
-              slot: int | None = None) -> Transaction:
+    def begin(
+        self, step: int, *, timeline: str | None = None, slot: int | None = None
+    ) -> Transaction:
         """Start writing ``step`` into a fresh slot of ``timeline`` (default: current).
 
         ``slot`` picks the slot explicitly (multi-rank commits: every rank writes the same
@@ -242,8 +254,7 @@ class Writer:
             if slot is None:
                 slot = self._next_slot
             elif slot < self._next_slot and self.exclusive:
-                raise ValueError(f"slot {slot} is already used (next free slot: "
-                                 f"{self._next_slot})")
+                raise ValueError(f"slot {slot} is already used (next free slot: {self._next_slot})")
             self._next_slot = max(self._next_slot, slot + 1)
             self._open.add(slot)
         txn = Transaction(self, slot, step, name)
@@ -257,33 +268,47 @@ class Writer:
         timeline: a resuming session must match the first two and keeps the chunking."""
         if self._stored is None:
             head = self.reader.head()
-            self._stored = {} if head is None or head.pruned else {
-                p: (a.dtype, a.shape, a.rows) for p, a in self.reader.arrays(head).items()}
+            self._stored = (
+                {}
+                if head is None or head.pruned
+                else {p: (a.dtype, a.shape, a.rows) for p, a in self.reader.arrays(head).items()}
+            )
         return self._stored
 
-    def declare(self, path: str, dtype: str, shape: tuple[int, ...],
-                dims: Sequence[str] | None = None) -> ChunkPlan:
+    def declare(
+        self, path: str, dtype: str, shape: tuple[int, ...], dims: Sequence[str] | None = None
+    ) -> ChunkPlan:
         """Announce an array (its ``zarr.json`` is built once while dtype, shape and
         ``dims``, the dimension names, hold)."""
         shape = tuple(int(s) for s in shape)
         names = None if dims is None else tuple(dims)
         with self._meta_lock:
             known = self._arrays.get(path)
-            if (known is not None and known[0] == dtype and known[1].shape == shape
-                    and self._dims.get(path) == names):
+            if (
+                known is not None
+                and known[0] == dtype
+                and known[1].shape == shape
+                and self._dims.get(path) == names
+            ):
                 return known[1]
             check_array_path(path)
             itemsize = dtype_itemsize(dtype)
-            was = (known[0], known[1].shape, known[1].rows) if known is not None else \
-                self._stored_schema().get(path)
+            was = (
+                (known[0], known[1].shape, known[1].rows)
+                if known is not None
+                else self._stored_schema().get(path)
+            )
             if was is not None and was[:2] != (dtype, shape):
                 raise SchemaError(
                     f"array {path!r} is stored as {was[0]}{was[1]}, but this step has "
                     f"{dtype}{shape}; a tensor's dtype and shape must stay fixed within a run "
                     "(start a new run for a changed model)"
                 )
-            plan = (ChunkPlan(shape, itemsize, was[2]) if was is not None
-                    else plan_chunks(shape, itemsize, self.chunk_bytes))
+            plan = (
+                ChunkPlan(shape, itemsize, was[2])
+                if was is not None
+                else plan_chunks(shape, itemsize, self.chunk_bytes)
+            )
             doc = dump(array_document(path, dtype, plan, dims=names))
             if known is not None:  # a document changed: the prebuilt blocks hold the old one
                 self._meta_cache.clear()
@@ -293,9 +318,13 @@ class Writer:
             self._dims[path] = names
             return plan
 
-    def flat_layout(self, arrays: Sequence[tuple[str, str, tuple[int, ...]]
-                                           | tuple[str, str, tuple[int, ...],
-                                                   Sequence[str] | None]]) -> FlatLayout:
+    def flat_layout(
+        self,
+        arrays: Sequence[
+            tuple[str, str, tuple[int, ...]]
+            | tuple[str, str, tuple[int, ...], Sequence[str] | None]
+        ],
+    ) -> FlatLayout:
         """Declare ``arrays`` (path, dtype, shape[, dims]) for this writer and lay them out in
         one flat buffer (``flat.py``); reuse the result while the arrays do not change."""
         out = []
@@ -304,8 +333,9 @@ class Writer:
             out.append((a[0], a[1], self.declare(a[0], a[1], tuple(a[2]), dims), dims))
         return FlatLayout.build(out)
 
-    def table_template(self, layout: FlatLayout,
-                       sizes: Sequence[int] | None = None) -> TableTemplate:
+    def table_template(
+        self, layout: FlatLayout, sizes: Sequence[int] | None = None
+    ) -> TableTemplate:
         """The arrays table's fixed columns for steps written whole from ``layout``
         (``sizes``: its raw chunks' sizes, computed from the layout when not given)."""
         with self._meta_lock:
@@ -315,9 +345,14 @@ class Writer:
             if sizes is None:
                 sizes = [c[5] + 4 for c in layout.chunks]
             arrays = layout.arrays
-            tpl = TableTemplate([a.path for a in arrays], [a.dtype for a in arrays],
-                                [a.shape for a in arrays], [a.plan.rows for a in arrays],
-                                [self._dims.get(a.path) for a in arrays], sizes)
+            tpl = TableTemplate(
+                [a.path for a in arrays],
+                [a.dtype for a in arrays],
+                [a.shape for a in arrays],
+                [a.plan.rows for a in arrays],
+                [self._dims.get(a.path) for a in arrays],
+                sizes,
+            )
             if len(self._tables) > 8:
                 self._tables.clear()
             self._tables[id(layout)] = (layout, tpl)
@@ -345,8 +380,10 @@ class Writer:
                 docs += [(array_meta_key(p), self._arrays[p][2]) for p in paths]
                 members = [(g, "group", gdoc) for g in sorted(groups)]
                 members += [(p, "array", self._arrays[p][2]) for p in paths]
-                cached = (Block(start, [k for k, _ in docs], [d for _, d in docs]),
-                          consolidated_metadata(members))
+                cached = (
+                    Block(start, [k for k, _ in docs], [d for _, d in docs]),
+                    consolidated_metadata(members),
+                )
                 if len(self._meta_cache) > 8:
                     self._meta_cache.clear()
                     self._meta_moved.clear()
@@ -359,8 +396,10 @@ class Writer:
         can be handed over (``remote``), else — or if the flusher died during it — here."""
         rc = self.committer
         if remote and rc is not None and not rc.dead:
-            root, durability = getattr(self.storage, "location", None), \
-                getattr(self.storage, "durability", None)
+            root, durability = (
+                getattr(self.storage, "location", None),
+                getattr(self.storage, "durability", None),
+            )
             zs, ss = txn.zip.handoff(), txn.side.handoff()
             if zs is not None and ss is not None and root is not None:
                 try:
@@ -380,31 +419,52 @@ class Writer:
         return run_commit(self.storage, txn.zip, txn.side, job)
 
     # -- commit ---------------------------------------------------------------------------
-    def prepare_step(self, txn: Transaction, *, rank: int, world: int, session: str,
-                     metrics: Mapping[str, Metric]) -> Part:
+    def prepare_step(
+        self,
+        txn: Transaction,
+        *,
+        rank: int,
+        world: int,
+        session: str,
+        metrics: Mapping[str, Metric],
+    ) -> Part:
         """Part writer: make this rank's share durable and vote for the slot (commit/parts.py)."""
         with self._commit_lock:
             self.check_open()
             txn.write_deferred()
             records = txn.records()
-            write_metadata(txn.zip, *self._metadata(txn),
-                           root_attributes(step=txn.step, timeline=txn.timeline, slot=txn.slot))
+            write_metadata(
+                txn.zip,
+                *self._metadata(txn),
+                root_attributes(step=txn.step, timeline=txn.timeline, slot=txn.slot),
+            )
             txn.zip.publish()
             txn.side.publish()
             self.storage.barrier()
-            part = Part(slot=txn.slot, step=txn.step, rank=rank, world=world, session=session,
-                        arrays=records, objects=dict(txn.objects), metrics=dict(metrics))
+            part = Part(
+                slot=txn.slot,
+                step=txn.step,
+                rank=rank,
+                world=world,
+                session=session,
+                arrays=records,
+                objects=dict(txn.objects),
+                metrics=dict(metrics),
+            )
             self.storage.write_durable(part_key(txn.slot, rank), dump_part(part))
             self._open.discard(txn.slot)
             return part
 
-    def commit_step(self, txn: Transaction, metrics: Mapping[str, Metric],
-                    parts: Sequence[Part] = ()) -> CommitHeader:
+    def commit_step(
+        self, txn: Transaction, metrics: Mapping[str, Metric], parts: Sequence[Part] = ()
+    ) -> CommitHeader:
         """Commit ``txn`` (its ``commit``; ``parts``: the other ranks' prepared parts of
         its slot, merged in)."""
         if not self.exclusive:
-            raise DsttError("a part writer (exclusive=False) cannot commit; prepare() its part "
-                            "and let the exclusive writer merge it")
+            raise DsttError(
+                "a part writer (exclusive=False) cannot commit; prepare() its part "
+                "and let the exclusive writer merge it"
+            )
         with self._commit_lock:
             self.check_open()
             if self.encoder is not None:
@@ -435,19 +495,34 @@ class Writer:
             moved = replace(ref, head=txn.slot)
             block, consolidated = self._metadata(txn)
             job = CommitJob(
-                slot=txn.slot, step=txn.step, timeline=txn.timeline, parent=ref.head,
-                time=time.time(), ref=dump_ref(moved), lazy_ref=self.lazy_refs,
-                metrics=dict(metrics), objects=objects,
+                slot=txn.slot,
+                step=txn.step,
+                timeline=txn.timeline,
+                parent=ref.head,
+                time=time.time(),
+                ref=dump_ref(moved),
+                lazy_ref=self.lazy_refs,
+                metrics=dict(metrics),
+                objects=objects,
                 deferred=() if txn.deferred_stored else tuple(txn.deferred),
-                table=table, template=None if spliced is None else spliced[0],
+                table=table,
+                template=None if spliced is None else spliced[0],
                 offsets=() if spliced is None else spliced[1],
                 crcs=() if spliced is None else spliced[2],
-                block=block, consolidated=consolidated)
+                block=block,
+                consolidated=consolidated,
+            )
             # an encoded step commits here, in order with its deltas' bases (promote below); a
             # raw one (nothing to promote, based on nothing) may commit in the flusher
-            header = self._run(txn, job, remote=not parts and (
-                self.encoder is None
-                or not (txn.pending or txn.deps or txn.flat_pending is not None)))
+            header = self._run(
+                txn,
+                job,
+                remote=not parts
+                and (
+                    self.encoder is None
+                    or not (txn.pending or txn.deps or txn.flat_pending is not None)
+                ),
+            )
             txn.count_objects(header)
             if self.lazy_refs:
                 self._unsynced = True

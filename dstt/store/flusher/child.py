@@ -120,8 +120,9 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
                     maps = [memoryview(mmap.mmap(fd, n)) for fd, n in msg[1]]
                     reply(("ready", lowered))
                 elif kind == "commit":  # in order, after this step's write (it replied)
-                    commits.put((*msg[1:6], [None if i is None else objs[i] for i in msg[6]],
-                                 msg[7]))
+                    commits.put(
+                        (*msg[1:6], [None if i is None else objs[i] for i in msg[6]], msg[7])
+                    )
                 elif kind == "forget":
                     objs.clear()
                     images.clear()
@@ -135,16 +136,18 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
                     _, rid, buffer, lid, start, path, pid = msg
                     image = images.get((lid, buffer, start))
                     if image is None:
-                        image = images[(lid, buffer, start)] = FlatImage(objs[lid], start,
-                                                                         maps[buffer])
+                        image = images[(lid, buffer, start)] = FlatImage(
+                            objs[lid], start, maps[buffer]
+                        )
                     elif image.inplace and bound.get(buffer) is not image:
                         image.bind(maps[buffer])  # another layout's headers sit in this buffer
                     if image.inplace:
                         bound[buffer] = image
                     crcs, _ = image.fill()
                     stats = digest(objs[pid], maps[buffer]) if pid is not None else None
-                    writes.put((rid, path, image, start,
-                                ("ok", rid, crcs, bytes(image.directory), stats)))
+                    writes.put(
+                        (rid, path, image, start, ("ok", rid, crcs, bytes(image.directory), stats))
+                    )
                 else:
                     raise ValueError(f"unknown request {kind!r}")
             except Exception as e:  # reported to the parent, which fails the step
@@ -156,8 +159,9 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
         committer.join()
 
 
-def _commit_loop(commits: queue.SimpleQueue[tuple[Any, ...] | None],
-                 reply: Callable[[tuple[Any, ...]], None]) -> None:
+def _commit_loop(
+    commits: queue.SimpleQueue[tuple[Any, ...] | None], reply: Callable[[tuple[Any, ...]], None]
+) -> None:
     """Run each step's commit on the files the parent started (``commit/job.py``)."""
     stores: dict[tuple[str, str], LocalStorage] = {}
     while (task := commits.get()) is not None:
@@ -167,19 +171,23 @@ def _commit_loop(commits: queue.SimpleQueue[tuple[Any, ...] | None],
             if st is None:
                 st = stores[(root, durability)] = LocalStorage(root, durability=durability)
             template, block, consolidated = consts
-            job = replace(pickle.loads(data), template=template, block=block,
-                          consolidated=consolidated or b"")
-            header = run_commit(st, StepFile.adopt(st, zip_state),
-                                SideFile.adopt(st, side_state), job)
+            job = replace(
+                pickle.loads(data), template=template, block=block, consolidated=consolidated or b""
+            )
+            header = run_commit(
+                st, StepFile.adopt(st, zip_state), SideFile.adopt(st, side_state), job
+            )
         except Exception as e:
             reply(("err", rid, getattr(e, "errno", None), f"{type(e).__name__}: {e}"))
             continue
         reply(("ok", rid, header))
 
 
-def _write_loop(writes: queue.SimpleQueue[tuple[Any, ...] | None],
-                reply: Callable[[tuple[Any, ...]], None],
-                direct: list[bool]) -> None:
+def _write_loop(
+    writes: queue.SimpleQueue[tuple[Any, ...] | None],
+    reply: Callable[[tuple[Any, ...]], None],
+    direct: list[bool],
+) -> None:
     while (task := writes.get()) is not None:
         rid, path, image, start, done = task
         try:
@@ -229,4 +237,3 @@ def main() -> None:
     sched = sys.argv[1] if len(sys.argv) > 1 else "idle"
     _die_with_parent(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
     _serve(sys.stdin.buffer, sys.stdout.buffer, sched)
-

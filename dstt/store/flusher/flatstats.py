@@ -62,8 +62,9 @@ class _Region:
 class DigestPlan:
     """Where the digested tensors sit in the buffer, and which elements each one probes."""
 
-    def __init__(self, items: Sequence[tuple[str, str, int, int, np.ndarray]],
-                 probe_size: int) -> None:
+    def __init__(
+        self, items: Sequence[tuple[str, str, int, int, np.ndarray]], probe_size: int
+    ) -> None:
         """``items``: (path, store dtype, byte offset, numel, probe indices) per tensor,
         consecutive tensors of one dtype forming one region."""
         self.probe_size = probe_size
@@ -92,18 +93,34 @@ class DigestPlan:
         if se and se[-1] == (end - start) // size:
             se.pop()  # reduceat's last segment runs to the end anyway
         bounds_se = np.array(se, dtype=np.intp)
-        idx = [np.asarray(p, dtype=np.intp) + s for (s, _), (*_, p) in zip(members, run,
-                                                                           strict=True)]
+        idx = [
+            np.asarray(p, dtype=np.intp) + s for (s, _), (*_, p) in zip(members, run, strict=True)
+        ]
         lens = np.array([len(i) for i in idx], dtype=np.int64)
         gidx = np.concatenate(idx) if idx else np.empty(0, np.intp)
         rows = np.repeat(np.arange(len(run), dtype=np.intp), lens)
-        cols = (np.concatenate([np.arange(n, dtype=np.intp) for n in lens]) if idx
-                else np.empty(0, np.intp))
+        cols = (
+            np.concatenate([np.arange(n, dtype=np.intp) for n in lens])
+            if idx
+            else np.empty(0, np.intp)
+        )
         nonempty = np.array([j for j, (_, n) in enumerate(members) if n > 0], dtype=np.intp)
         numel = np.array([n for _, n in members if n > 0], np.int64)
         few_large = bool(len(numel)) and float(numel.mean()) >= LARGE
-        return _Region(dtype, start, end, members, bounds_se, gidx.astype(np.intp), rows, cols,
-                       lens, nonempty, numel, few_large)
+        return _Region(
+            dtype,
+            start,
+            end,
+            members,
+            bounds_se,
+            gidx.astype(np.intp),
+            rows,
+            cols,
+            lens,
+            nonempty,
+            numel,
+            few_large,
+        )
 
     def __getstate__(self) -> dict[str, Any]:  # sent to the flusher process: no lock
         return {k: v for k, v in self.__dict__.items() if k not in ("_scratch", "_lock")}
@@ -144,23 +161,39 @@ def digest(plan: DigestPlan, buf: np.ndarray | memoryview) -> dict[str, np.ndarr
     probe_len = np.zeros(n_all, dtype=np.int64)
     row = 0
     for reg in plan.regions:
-        x = _as_float(host[reg.start:reg.end], reg.dtype)
+        x = _as_float(host[reg.start : reg.end], reg.dtype)
         probe[row + reg.probe_rows, reg.probe_cols] = x[reg.probe_index]
-        probe_len[row:row + len(reg.members)] = reg.probe_len
+        probe_len[row : row + len(reg.members)] = reg.probe_len
         if len(reg.full):
             _region_sums(plan, reg, x, row, sumsq, maxabs, counts)
         row += len(reg.members)
-    return {"sumsq": sumsq, "maxabs": maxabs, "finite": counts[0], "nan": counts[1],
-            "inf": counts[2], "probe": probe, "probe_len": probe_len}
+    return {
+        "sumsq": sumsq,
+        "maxabs": maxabs,
+        "finite": counts[0],
+        "nan": counts[1],
+        "inf": counts[2],
+        "probe": probe,
+        "probe_len": probe_len,
+    }
 
 
 def _sumsq(seg: np.ndarray) -> float:
-    return sum(float(np.einsum("i,i->", seg[b:b + BLOCK], seg[b:b + BLOCK]))
-               for b in range(0, len(seg), BLOCK))
+    return sum(
+        float(np.einsum("i,i->", seg[b : b + BLOCK], seg[b : b + BLOCK]))
+        for b in range(0, len(seg), BLOCK)
+    )
 
 
-def _region_sums(plan: DigestPlan, reg: _Region, x: np.ndarray, row: int, sumsq: np.ndarray,
-                 maxabs: np.ndarray, counts: np.ndarray) -> None:
+def _region_sums(
+    plan: DigestPlan,
+    reg: _Region,
+    x: np.ndarray,
+    row: int,
+    sumsq: np.ndarray,
+    maxabs: np.ndarray,
+    counts: np.ndarray,
+) -> None:
     """Sum of squares and max|x| of every member: ``reduceat`` passes over the region
     (``add`` sums pairwise: as exact as a per-tensor einsum; the squares in a reused
     scratch buffer) or, for few large members, a fused sum each; a member whose sums are
@@ -168,13 +201,13 @@ def _region_sums(plan: DigestPlan, reg: _Region, x: np.ndarray, row: int, sumsq:
     hi = np.maximum.reduceat(x, reg.bounds_se)[::2]
     lo = np.minimum.reduceat(x, reg.bounds_se)[::2]
     if reg.few_large:  # a handful of big tensors: a fused einsum each, no squares written
-        ss = np.array([_sumsq(x[s:s + n]) for s, n in reg.members if n > 0])
+        ss = np.array([_sumsq(x[s : s + n]) for s, n in reg.members if n > 0])
     else:
         sq = plan.scratch(len(x))
         try:
             with np.errstate(over="ignore", invalid="ignore"):  # headers between members
-                np.square(x, out=sq[:len(x)], dtype=np.float32)
-                ss = np.add.reduceat(sq[:len(x)], reg.bounds_se)[::2].astype(np.float64)
+                np.square(x, out=sq[: len(x)], dtype=np.float32)
+                ss = np.add.reduceat(sq[: len(x)], reg.bounds_se)[::2].astype(np.float64)
         finally:
             plan.give_back(sq)
     m = np.maximum(hi.astype(np.float64), -lo.astype(np.float64))
@@ -185,11 +218,12 @@ def _region_sums(plan: DigestPlan, reg: _Region, x: np.ndarray, row: int, sumsq:
     counts[0, rows[ok]] = reg.numel[ok]
     for k in np.flatnonzero(~ok).tolist():  # NaN/Inf present, or the squares overflowed
         s, n = reg.members[int(reg.full[k])]
-        _exact(x[s:s + n], int(rows[k]), sumsq, maxabs, counts)
+        _exact(x[s : s + n], int(rows[k]), sumsq, maxabs, counts)
 
 
-def _exact(seg: np.ndarray, r: int, sumsq: np.ndarray, maxabs: np.ndarray,
-           counts: np.ndarray) -> None:
+def _exact(
+    seg: np.ndarray, r: int, sumsq: np.ndarray, maxabs: np.ndarray, counts: np.ndarray
+) -> None:
     """Row ``r`` from one tensor in float64, counting and skipping NaN/Inf."""
     x64 = seg.astype(np.float64)
     good_mask = np.isfinite(x64)

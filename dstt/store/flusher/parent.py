@@ -115,7 +115,11 @@ class Flusher:
             env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dstt.store.flusher._main", sched, str(os.getpid())],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=self._fds, env=env)
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                pass_fds=self._fds,
+                env=env,
+            )
             assert self.proc.stdin is not None
             assert self.proc.stdout is not None
             self._out, self._in = self.proc.stdin, self.proc.stdout
@@ -134,8 +138,9 @@ class Flusher:
         self._waiting: dict[int, list[Any]] = {}  # request id -> [event, reply]
         self._wait_mu = threading.Lock()
         self.dead = False
-        self._reader = threading.Thread(target=self._read_replies, name="dstt-flusher-replies",
-                                        daemon=True)
+        self._reader = threading.Thread(
+            target=self._read_replies, name="dstt-flusher-replies", daemon=True
+        )
         self._reader.start()
 
     def urgent(self, on: bool) -> None:
@@ -218,12 +223,14 @@ class Flusher:
             raise StorageError(reply[2] or _errno.EIO, f"flusher: {reply[3]}")
         return tuple(reply)
 
-    def write(self, buffer: int, layout: FlatLayout, start: int, path: str,
-              plan: DigestPlan | None) -> tuple[list[int], bytes, dict[str, Any] | None]:
+    def write(
+        self, buffer: int, layout: FlatLayout, start: int, path: str, plan: DigestPlan | None
+    ) -> tuple[list[int], bytes, dict[str, Any] | None]:
         """Fill the zip entries of ``layout`` from shared buffer ``buffer`` into the file at
         ``path`` at ``start`` (a range the parent reserved); returns each chunk's crc32c, the
         entries' central directory records and, with ``plan``, the digest columns (each
         write on its own buffer)."""
+
         def request(rid: int) -> tuple[Any, ...]:
             lid, pid = self._ensure("layout", [layout, plan])
             return ("flat", rid, buffer, lid, start, path, pid)
@@ -231,22 +238,38 @@ class Flusher:
         reply = self._call(request)
         return reply[2], reply[3], reply[4]
 
-    def commit(self, root: str, durability: str, zip_state: StepState,
-               side_state: StepState, job: CommitJob) -> CommitHeader:
+    def commit(
+        self,
+        root: str,
+        durability: str,
+        zip_state: StepState,
+        side_state: StepState,
+        job: CommitJob,
+    ) -> CommitHeader:
         """Run a step's commit (``commit/job.py``: ``run_commit``) in the child, on files this
         process started; returns its header. ``NotHandedOff`` (nothing sent) where the job
         cannot be pickled; ``StorageError`` where it failed there, or the child died (then
         ``dead``, and the job may be half done: run it here)."""
         consts = [job.template, job.block, job.consolidated]
         try:
-            data = pickle.dumps(replace(job, template=None, block=None, consolidated=b""),
-                                protocol=pickle.HIGHEST_PROTOCOL)
+            data = pickle.dumps(
+                replace(job, template=None, block=None, consolidated=b""),
+                protocol=pickle.HIGHEST_PROTOCOL,
+            )
         except Exception as e:  # an object of the step pickle refuses: commit it here
             raise NotHandedOff(str(e)) from e
 
         def request(rid: int) -> tuple[Any, ...]:
-            return ("commit", rid, root, durability, zip_state, side_state,
-                    self._ensure("const", consts), data)
+            return (
+                "commit",
+                rid,
+                root,
+                durability,
+                zip_state,
+                side_state,
+                self._ensure("const", consts),
+                data,
+            )
 
         header: CommitHeader = self._call(request)[2]
         return header
@@ -255,8 +278,9 @@ class Flusher:
         with self._wait_mu:
             self.dead = True
         code = self.proc.poll() if self.proc is not None else None
-        raise StorageError(_errno.EPIPE, f"the flusher process died (exit {code}): "
-                           f"{cause}") from cause
+        raise StorageError(
+            _errno.EPIPE, f"the flusher process died (exit {code}): {cause}"
+        ) from cause
 
     def close(self) -> None:
         proc, self.proc = self.proc, None

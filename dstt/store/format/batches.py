@@ -21,8 +21,15 @@ if TYPE_CHECKING:
 
     from .records import RefInfo
 
-__all__ = ["BATCHES_OBJECT", "Batch", "SkipSet", "batches_of", "read_batches", "read_skips",
-           "write_skips"]
+__all__ = [
+    "BATCHES_OBJECT",
+    "Batch",
+    "SkipSet",
+    "batches_of",
+    "read_batches",
+    "read_skips",
+    "write_skips",
+]
 
 BATCHES_OBJECT = "data/batches"
 SKIPS_PREFIX = "_dstt/skips"
@@ -72,8 +79,10 @@ class SkipSet:
         return bool(self.samples or self.batches)
 
     def __or__(self, other: SkipSet) -> SkipSet:
-        return SkipSet(self.samples | other.samples,
-                       self.batches + tuple(b for b in other.batches if b not in self.batches))
+        return SkipSet(
+            self.samples | other.samples,
+            self.batches + tuple(b for b in other.batches if b not in self.batches),
+        )
 
 
 def _skip_key(ref: RefInfo) -> str:
@@ -84,8 +93,11 @@ def _skip_key(ref: RefInfo) -> str:
 
 def write_skips(storage: Storage, ref: RefInfo, skips: SkipSet) -> None:
     """Record ``skips`` for the timeline ``ref`` (a fresh rollback's ``RefInfo``)."""
-    doc = {"timeline": ref.name, "samples": sorted(skips.samples),
-           "batches": [b.plain() for b in skips.batches]}
+    doc = {
+        "timeline": ref.name,
+        "samples": sorted(skips.samples),
+        "batches": [b.plain() for b in skips.batches],
+    }
     storage.write_durable(_skip_key(ref), json.dumps(doc, sort_keys=True).encode())
 
 
@@ -99,20 +111,23 @@ def read_skips(storage: Storage, refs: Mapping[str, RefInfo], timeline: str) -> 
         key = _skip_key(ref)
         if storage.exists(key):
             doc = json.loads(storage.read(key))
-            out = out | SkipSet(frozenset(int(i) for i in doc.get("samples", ())),
-                                tuple(Batch.from_plain(b) for b in doc.get("batches", ())))
+            out = out | SkipSet(
+                frozenset(int(i) for i in doc.get("samples", ())),
+                tuple(Batch.from_plain(b) for b in doc.get("batches", ())),
+            )
         ref = refs.get(ref.base_timeline) if ref.base_timeline else None
     return out
 
 
 def batches_of(obj: Mapping[str, Any]) -> dict[int, list[Batch]]:
     """A ``data/batches`` object as ``{step: [Batch, ...]}``."""
-    return {int(k): [Batch.from_plain(fp) for fp in fps]
-            for k, fps in zip(obj["steps"], obj["batches"], strict=True)}
+    return {
+        int(k): [Batch.from_plain(fp) for fp in fps]
+        for k, fps in zip(obj["steps"], obj["batches"], strict=True)
+    }
 
 
-def read_batches(headers: Sequence[Any], read: Callable[[Any, str], Any]
-                 ) -> dict[int, list[Batch]]:
+def read_batches(headers: Sequence[Any], read: Callable[[Any, str], Any]) -> dict[int, list[Batch]]:
     """``{step: [Batch, ...]}`` over the commits ``headers`` (one timeline, in step order);
     a step met twice along the lineage keeps the newer commit's batches."""
     out: dict[int, list[Batch]] = {}

@@ -50,8 +50,11 @@ def _open(data: bytes, kind: str, where: str, *, verified: bool = False) -> dict
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptRunError(f"{where}: not valid JSON ({e}); the file is damaged") from None
-    if not isinstance(doc, dict) or set(doc) != {"crc32c", "body"} or not isinstance(
-            doc.get("body"), dict):
+    if (
+        not isinstance(doc, dict)
+        or set(doc) != {"crc32c", "body"}
+        or not isinstance(doc.get("body"), dict)
+    ):
         raise CorruptRunError(f"{where}: not a dstt {kind} document")
     body: dict[str, Any] = doc["body"]
     if body.get("kind") != kind:

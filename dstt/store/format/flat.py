@@ -45,6 +45,7 @@ def byte_view(data: StepBytes) -> memoryview:
     protocol from Python 3.12 only, hence the ignore)."""
     return memoryview(data).cast("B")  # type: ignore[arg-type]
 
+
 ALIGN = 64
 
 
@@ -89,9 +90,14 @@ class FlatLayout:
     heads: tuple[int, ...] = ()
 
     @classmethod
-    def build(cls, arrays: Sequence[tuple[str, str, ChunkPlan]
-                                    | tuple[str, str, ChunkPlan, Sequence[str] | None]], *,
-              framed: bool | None = None) -> FlatLayout:
+    def build(
+        cls,
+        arrays: Sequence[
+            tuple[str, str, ChunkPlan] | tuple[str, str, ChunkPlan, Sequence[str] | None]
+        ],
+        *,
+        framed: bool | None = None,
+    ) -> FlatLayout:
         """Lay out ``arrays``: (path, dtype, plan) or (path, dtype, plan, dims).
 
         ``framed`` (default: when every array is at most one chunk) leaves room for the zip
@@ -108,24 +114,48 @@ class FlatLayout:
             path, dtype, plan = spec[0], spec[1], spec[2]
             dims = spec[3] if len(spec) > 3 else None
             pos = (pos + ALIGN - 1) // ALIGN * ALIGN
-            out.append(FlatArray(path, dtype, plan, pos,
-                                 None if dims is None else check_dims(path, len(plan.shape), dims)))
+            out.append(
+                FlatArray(
+                    path,
+                    dtype,
+                    plan,
+                    pos,
+                    None if dims is None else check_dims(path, len(plan.shape), dims),
+                )
+            )
             for i in range(plan.n_chunks):
                 start, stop = plan.byte_range(i)
-                chunks.append((k, i, pos + start, pos + stop,
-                               zarr_chunk_key(path, plan.index(i)), plan.chunk_nbytes))
+                chunks.append(
+                    (
+                        k,
+                        i,
+                        pos + start,
+                        pos + stop,
+                        zarr_chunk_key(path, plan.index(i)),
+                        plan.chunk_nbytes,
+                    )
+                )
             pos += plan.nbytes
         spans, lo = [], 0
         for a in out:
             spans.append((a.path, lo, lo + a.plan.n_chunks))
             lo += a.plan.n_chunks
-        return cls(tuple(out), max(pos, 1), tuple(chunks), tuple(spans),
-                   sum(a.nbytes for a in out), frozenset(c[4] for c in chunks))
+        return cls(
+            tuple(out),
+            max(pos, 1),
+            tuple(chunks),
+            tuple(spans),
+            sum(a.nbytes for a in out),
+            frozenset(c[4] for c in chunks),
+        )
 
     @classmethod
-    def _framed(cls, arrays: Sequence[tuple[str, str, ChunkPlan]
-                                      | tuple[str, str, ChunkPlan, Sequence[str] | None]]
-                ) -> FlatLayout:
+    def _framed(
+        cls,
+        arrays: Sequence[
+            tuple[str, str, ChunkPlan] | tuple[str, str, ChunkPlan, Sequence[str] | None]
+        ],
+    ) -> FlatLayout:
         out: list[FlatArray] = []
         chunks: list[tuple[int, int, int, int, str, int]] = []
         spans: list[tuple[str, int, int]] = []
@@ -136,8 +166,10 @@ class FlatLayout:
             given = spec[3] if len(spec) > 3 else None
             dims = None if given is None else check_dims(path, len(plan.shape), given)
             if plan.n_chunks > 1:
-                raise ValueError(f"a framed layout holds single-chunk arrays; {path!r} has "
-                                 f"{plan.n_chunks} chunks")
+                raise ValueError(
+                    f"a framed layout holds single-chunk arrays; {path!r} has "
+                    f"{plan.n_chunks} chunks"
+                )
             if plan.n_chunks == 0:  # empty: no entry, no bytes (an aligned empty view)
                 out.append(FlatArray(path, dtype, plan, 0, dims))
                 spans.append((path, len(chunks), len(chunks)))
@@ -150,9 +182,16 @@ class FlatLayout:
             spans.append((path, len(chunks), len(chunks) + 1))
             chunks.append((k, 0, data, data + plan.nbytes, name, plan.chunk_nbytes))
             pos = data + size
-        return cls(tuple(out), max(pos, 1), tuple(chunks), tuple(spans),
-                   sum(a.nbytes for a in out), frozenset(c[4] for c in chunks),
-                   framed=True, heads=tuple(heads))
+        return cls(
+            tuple(out),
+            max(pos, 1),
+            tuple(chunks),
+            tuple(spans),
+            sum(a.nbytes for a in out),
+            frozenset(c[4] for c in chunks),
+            framed=True,
+            heads=tuple(heads),
+        )
 
     def index(self) -> dict[str, FlatArray]:
         return {a.path: a for a in self.arrays}
@@ -227,17 +266,28 @@ class FlatImage:
         cd_at, pos = [], 0
         for e in entries:
             cd_at.append(pos)
-            pos += 46 + len(e.name.encode()) + (0 if e.size < 0xFFFFFFFF and e.offset <
-                                                 0xFFFFFFFF else 4 + 8 * (
-                (2 if e.size >= 0xFFFFFFFF else 0) + (1 if e.offset >= 0xFFFFFFFF else 0)))
+            pos += (
+                46
+                + len(e.name.encode())
+                + (
+                    0
+                    if e.size < 0xFFFFFFFF and e.offset < 0xFFFFFFFF
+                    else 4
+                    + 8
+                    * ((2 if e.size >= 0xFFFFFFFF else 0) + (1 if e.offset >= 0xFFFFFFFF else 0))
+                )
+            )
         self.directory = directory
         four = np.arange(4, dtype=np.intp)
         self._hdr_idx = (np.asarray(hdr_at, dtype=np.intp) + _HEADER_CRC)[:, None] + four
         self._cd_idx = (np.asarray(cd_at, dtype=np.intp) + _CENTRAL_CRC)[:, None] + four
         #: in place: where each chunk's crc32c trailer sits in the buffer
-        self._trl_idx = (np.asarray([o + sz - 4 for o, sz in zip(self.offsets, self.sizes,
-                                                                  strict=True)],
-                                    dtype=np.intp)[:, None] + four)
+        self._trl_idx = (
+            np.asarray(
+                [o + sz - 4 for o, sz in zip(self.offsets, self.sizes, strict=True)], dtype=np.intp
+            )[:, None]
+            + four
+        )
         self.count = n
         self.iov: list[bytes | bytearray | memoryview] = []
         self._views: list[memoryview] = []
@@ -261,9 +311,10 @@ class FlatImage:
         views: list[memoryview] = []
         pos = 0
         for j, (_, _, s, e, _, full) in enumerate(self.layout.chunks):
-            hlen = self.offsets[j] - (self.start if j == 0 else
-                                      self.offsets[j - 1] + self.sizes[j - 1])
-            iov.append(hv[pos:pos + hlen])
+            hlen = self.offsets[j] - (
+                self.start if j == 0 else self.offsets[j - 1] + self.sizes[j - 1]
+            )
+            iov.append(hv[pos : pos + hlen])
             pos += hlen
             v = buf[s:e]
             views.append(v)
@@ -271,7 +322,7 @@ class FlatImage:
             if full > e - s:
                 self._pads[j] = pad = bytes(full - (e - s))
                 iov.append(pad)
-            iov.append(tv[4 * j:4 * j + 4])
+            iov.append(tv[4 * j : 4 * j + 4])
         self.iov, self._views = iov, views
 
     def _bind_inplace(self, buf: memoryview) -> None:
@@ -285,17 +336,17 @@ class FlatImage:
         entries: list[memoryview] = []
         for j, (_, _, s, e, _, full) in enumerate(self.layout.chunks):
             h = self.layout.heads[j]
-            buf[h:s] = hv[pos:pos + (s - h)]
+            buf[h:s] = hv[pos : pos + (s - h)]
             pos += s - h
             if full > e - s:
-                arr[e:s + full] = 0  # chunk padding (the copy writes only the tensor)
+                arr[e : s + full] = 0  # chunk padding (the copy writes only the tensor)
             views.append(buf[s:e])
-            padded.append(buf[s:s + full])  # what the crc32c covers
-            entries.append(buf[s + full:s + full + 4])  # ... and the CRC-32: its trailer too
+            padded.append(buf[s : s + full])  # what the crc32c covers
+            entries.append(buf[s + full : s + full + 4])  # ... and the CRC-32: its trailer too
         self._buf, self._views = arr, views
         self._padded, self._entries = padded, entries
         self._twice = [v for p in padded for v in (p, p)]
-        self._whole = buf[:self.nbytes]
+        self._whole = buf[: self.nbytes]
         self.iov = [self._whole]
 
     def fill(self) -> tuple[list[int], list[int]]:
@@ -310,7 +361,7 @@ class FlatImage:
             zips[j] = crc32(pad, zips[j])
         self.trailers[:] = np.asarray(crcs, dtype="<u4").tobytes()
         tv = memoryview(self.trailers)
-        zips = [crc32(tv[4 * j:4 * j + 4], z) for j, z in enumerate(zips)]
+        zips = [crc32(tv[4 * j : 4 * j + 4], z) for j, z in enumerate(zips)]
         zb = np.frombuffer(np.asarray(zips, dtype="<u4").tobytes(), dtype=np.uint8).reshape(-1, 4)
         np.frombuffer(self.headers, dtype=np.uint8)[self._hdr_idx] = zb
         np.frombuffer(self.directory, dtype=np.uint8)[self._cd_idx] = zb
@@ -326,7 +377,8 @@ class FlatImage:
         both = list(map(operator.call, itertools.cycle(_BOTH), self._twice))
         crcs = both[0::2]
         self._buf[self._trl_idx] = np.frombuffer(
-            np.asarray(crcs, dtype="<u4").tobytes(), np.uint8).reshape(-1, 4)
+            np.asarray(crcs, dtype="<u4").tobytes(), np.uint8
+        ).reshape(-1, 4)
         self.trailers[:] = np.asarray(crcs, dtype="<u4").tobytes()
         zips = list(map(crc32_raw, self._entries, both[1::2]))
         zb = np.frombuffer(np.asarray(zips, dtype="<u4").tobytes(), dtype=np.uint8).reshape(-1, 4)

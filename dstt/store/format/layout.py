@@ -68,7 +68,6 @@ _RESERVED_TOP = {"_dstt", "zarr.json", STEPS_PREFIX}
 _STEP_FILE = re.compile(r"^(\d{12})(?:\.([A-Za-z0-9]+))?\.(zip|dstt)$")
 
 
-
 #: the folders every commit writes into (a read-only one would fail the first commit)
 WRITTEN_PREFIXES = ("_dstt", COMMITS_PREFIX, REFS_PREFIX, STEPS_PREFIX)
 
@@ -215,8 +214,9 @@ class ChunkPlan:
         return start, min(start + self.chunk_nbytes, self.nbytes)
 
 
-def plan_chunks(shape: tuple[int, ...], itemsize: int,
-                target_bytes: int = DEFAULT_CHUNK_BYTES) -> ChunkPlan:
+def plan_chunks(
+    shape: tuple[int, ...], itemsize: int, target_bytes: int = DEFAULT_CHUNK_BYTES
+) -> ChunkPlan:
     """Rows per chunk so that a chunk is about ``target_bytes`` (at least one row)."""
     shape = tuple(int(s) for s in shape)
     if any(s < 0 for s in shape):

@@ -44,15 +44,24 @@ __all__ = [
 
 # -- headers ------------------------------------------------------------------------------
 
+
 def dump_header(h: CommitHeader) -> bytes:
-    return _seal("commit", {
-        "slot": h.slot, "step": h.step, "timeline": h.timeline, "parent": h.parent,
-        "time": h.time, "pruned": h.pruned,
-        "metrics": {k: _metric_out(v) for k, v in h.metrics.items()},
-        "objects": {k: object_json(o) for k, o in h.objects.items()},
-        "arrays": None if h.arrays is None else [h.arrays.key, h.arrays.offset,
-                                                  h.arrays.nbytes, h.arrays.crc32c],
-    })
+    return _seal(
+        "commit",
+        {
+            "slot": h.slot,
+            "step": h.step,
+            "timeline": h.timeline,
+            "parent": h.parent,
+            "time": h.time,
+            "pruned": h.pruned,
+            "metrics": {k: _metric_out(v) for k, v in h.metrics.items()},
+            "objects": {k: object_json(o) for k, o in h.objects.items()},
+            "arrays": None
+            if h.arrays is None
+            else [h.arrays.key, h.arrays.offset, h.arrays.nbytes, h.arrays.crc32c],
+        },
+    )
 
 
 def object_json(o: ObjectRecord) -> list[Any]:
@@ -65,8 +74,17 @@ def object_from_json(o: list[Any]) -> ObjectRecord:
     return ObjectRecord(str(o[0]), int(o[2]), int(o[3]), str(o[4]), int(o[1]))
 
 
-_HEADER_FIELDS = {"slot", "step", "timeline", "parent", "time", "pruned", "metrics", "objects",
-                  "arrays"}
+_HEADER_FIELDS = {
+    "slot",
+    "step",
+    "timeline",
+    "parent",
+    "time",
+    "pruned",
+    "metrics",
+    "objects",
+    "arrays",
+}
 
 
 def parse_header(data: bytes, where: str) -> CommitHeader:
@@ -74,13 +92,18 @@ def parse_header(data: bytes, where: str) -> CommitHeader:
     _fields(b, _HEADER_FIELDS, set(), where)
     try:
         return CommitHeader(
-            slot=int(b["slot"]), step=int(b["step"]), timeline=str(b["timeline"]),
-            parent=None if b["parent"] is None else int(b["parent"]), time=float(b["time"]),
+            slot=int(b["slot"]),
+            step=int(b["step"]),
+            timeline=str(b["timeline"]),
+            parent=None if b["parent"] is None else int(b["parent"]),
+            time=float(b["time"]),
             metrics={k: _metric_in(v) for k, v in b["metrics"].items()},
             objects={k: object_from_json(o) for k, o in b["objects"].items()},
-            arrays=None if b["arrays"] is None else Location(
-                str(b["arrays"][0]), int(b["arrays"][1]), int(b["arrays"][2]),
-                int(b["arrays"][3])),
+            arrays=None
+            if b["arrays"] is None
+            else Location(
+                str(b["arrays"][0]), int(b["arrays"][1]), int(b["arrays"][2]), int(b["arrays"][3])
+            ),
             pruned=bool(b["pruned"]),
         )
     except (TypeError, ValueError, KeyError, IndexError) as e:
@@ -88,6 +111,7 @@ def parse_header(data: bytes, where: str) -> CommitHeader:
 
 
 # -- arrays tables ------------------------------------------------------------------------
+
 
 class FileIds:
     """File keys numbered in the order they are first seen: a table's ``files`` column."""
@@ -134,16 +158,23 @@ class TableBuilder(FileIds):
         self.crc32c: list[int] = []
         self.codecs: dict[str, list[Any]] = {}
 
-    def add_array(self, path: str, dtype: str, shape: tuple[int, ...], rows: int,
-                  dims: tuple[str, ...] | None = None) -> None:
+    def add_array(
+        self,
+        path: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        rows: int,
+        dims: tuple[str, ...] | None = None,
+    ) -> None:
         self.path.append(path)
         self.dtype.append(dtype)
         self.shape.append(list(shape))
         self.rows.append(rows)
         self.dims.append(None if dims is None else list(dims))
 
-    def add_chunks(self, file_id: int, offsets: list[int], nbytes: list[int],
-                   crcs: list[int]) -> None:
+    def add_chunks(
+        self, file_id: int, offsets: list[int], nbytes: list[int], crcs: list[int]
+    ) -> None:
         """Raw chunks, all in one file (the hot path: three list extends)."""
         self.file.extend([file_id] * len(offsets))
         self.offset.extend(offsets)
@@ -167,15 +198,25 @@ class TableBuilder(FileIds):
             self.add_record(c)
 
     def json(self) -> dict[str, Any]:
-        arrays: dict[str, Any] = {"path": self.path, "dtype": self.dtype, "shape": self.shape,
-                                  "rows": self.rows}
+        arrays: dict[str, Any] = {
+            "path": self.path,
+            "dtype": self.dtype,
+            "shape": self.shape,
+            "rows": self.rows,
+        }
         if any(d is not None for d in self.dims):  # older tables have no column: readable
             arrays["dims"] = self.dims
-        return {"files": self.files,
-                "arrays": arrays,
-                "chunks": {"file": self.file, "offset": self.offset, "nbytes": self.nbytes,
-                           "crc32c": self.crc32c},
-                "codecs": self.codecs}
+        return {
+            "files": self.files,
+            "arrays": arrays,
+            "chunks": {
+                "file": self.file,
+                "offset": self.offset,
+                "nbytes": self.nbytes,
+                "crc32c": self.crc32c,
+            },
+            "codecs": self.codecs,
+        }
 
 
 class TableTemplate:
@@ -189,11 +230,21 @@ class TableTemplate:
     same canonical form ``_seal`` produces (a test holds the two byte-identical).
     """
 
-    def __init__(self, paths: Sequence[str], dtypes: Sequence[str],
-                 shapes: Sequence[tuple[int, ...]], rows: Sequence[int],
-                 dims: Sequence[tuple[str, ...] | None], nbytes: Sequence[int]) -> None:
-        arrays: dict[str, Any] = {"path": list(paths), "dtype": list(dtypes),
-                                  "shape": [list(s) for s in shapes], "rows": list(rows)}
+    def __init__(
+        self,
+        paths: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[tuple[int, ...]],
+        rows: Sequence[int],
+        dims: Sequence[tuple[str, ...] | None],
+        nbytes: Sequence[int],
+    ) -> None:
+        arrays: dict[str, Any] = {
+            "path": list(paths),
+            "dtype": list(dtypes),
+            "shape": [list(s) for s in shapes],
+            "rows": list(rows),
+        }
         if any(d is not None for d in dims):
             arrays["dims"] = [None if d is None else list(d) for d in dims]
         self.sizes = list(nbytes)
@@ -205,29 +256,65 @@ class TableTemplate:
         """``dump_arrays(slot, ...)`` of these arrays with chunk ``offsets`` and ``crcs``,
         all in file ``key``."""
         if not len(offsets) == len(crcs) == len(self.sizes):
-            raise ValueError(f"a table of {len(self.sizes)} chunks got {len(offsets)} offsets "
-                             f"and {len(crcs)} checksums")
-        raw = b"".join((
-            b'{"arrays":', self._arrays, b',"chunks":{"crc32c":', _canonical(crcs),
-            b',"file":', self._file, b',"nbytes":', self._nbytes, b',"offset":',
-            _canonical(offsets), b'},"codecs":{},"files":', _canonical([key]),
-            b',"format":%d,"kind":"arrays","slot":%d}' % (FORMAT_VERSION, slot)))
+            raise ValueError(
+                f"a table of {len(self.sizes)} chunks got {len(offsets)} offsets "
+                f"and {len(crcs)} checksums"
+            )
+        raw = b"".join(
+            (
+                b'{"arrays":',
+                self._arrays,
+                b',"chunks":{"crc32c":',
+                _canonical(crcs),
+                b',"file":',
+                self._file,
+                b',"nbytes":',
+                self._nbytes,
+                b',"offset":',
+                _canonical(offsets),
+                b'},"codecs":{},"files":',
+                _canonical([key]),
+                b',"format":%d,"kind":"arrays","slot":%d}' % (FORMAT_VERSION, slot),
+            )
+        )
         return b'{"crc32c":%d,"body":' % checksum(raw) + raw + b"}\n"
 
-    def dump_columns(self, slot: int, files: list[str], file: Sequence[int],
-                     nbytes: Sequence[int], offsets: Sequence[int], crcs: Sequence[int],
-                     codecs: Mapping[str, Any]) -> bytes:
+    def dump_columns(
+        self,
+        slot: int,
+        files: list[str],
+        file: Sequence[int],
+        nbytes: Sequence[int],
+        offsets: Sequence[int],
+        crcs: Sequence[int],
+        codecs: Mapping[str, Any],
+    ) -> bytes:
         """``dump_arrays`` of these arrays with every chunk column given (an encoded step:
         chunks in several files, with codec entries keyed by chunk number)."""
         if not len(file) == len(nbytes) == len(offsets) == len(crcs) == len(self.sizes):
-            raise ValueError(f"a table of {len(self.sizes)} chunks got columns of "
-                             f"{[len(file), len(nbytes), len(offsets), len(crcs)]}")
-        raw = b"".join((
-            b'{"arrays":', self._arrays, b',"chunks":{"crc32c":', _canonical(crcs),
-            b',"file":', _canonical(file), b',"nbytes":', _canonical(nbytes), b',"offset":',
-            _canonical(offsets), b'},"codecs":', _canonical(codecs), b',"files":',
-            _canonical(files), b',"format":%d,"kind":"arrays","slot":%d}' % (FORMAT_VERSION,
-                                                                              slot)))
+            raise ValueError(
+                f"a table of {len(self.sizes)} chunks got columns of "
+                f"{[len(file), len(nbytes), len(offsets), len(crcs)]}"
+            )
+        raw = b"".join(
+            (
+                b'{"arrays":',
+                self._arrays,
+                b',"chunks":{"crc32c":',
+                _canonical(crcs),
+                b',"file":',
+                _canonical(file),
+                b',"nbytes":',
+                _canonical(nbytes),
+                b',"offset":',
+                _canonical(offsets),
+                b'},"codecs":',
+                _canonical(codecs),
+                b',"files":',
+                _canonical(files),
+                b',"format":%d,"kind":"arrays","slot":%d}' % (FORMAT_VERSION, slot),
+            )
+        )
         return b'{"crc32c":%d,"body":' % checksum(raw) + raw + b"}\n"
 
 
@@ -239,18 +326,31 @@ def arrays_json(arrays: Mapping[str, ArrayRecord]) -> dict[str, Any]:
     return b.json()
 
 
-def _codec_record(key: str, offset: int, nbytes: int, crc: int, codec: list[Any] | None,
-                  ) -> ChunkRecord:
+def _codec_record(
+    key: str,
+    offset: int,
+    nbytes: int,
+    crc: int,
+    codec: list[Any] | None,
+) -> ChunkRecord:
     if codec is None:
         return ChunkRecord(key, nbytes, crc, offset=offset)
     if codec[0] == "xor1" and len(codec) == 3:
-        return ChunkRecord(key, nbytes, crc, "xor1", int(codec[1]), int(codec[2]),
-                           offset=offset)
+        return ChunkRecord(key, nbytes, crc, "xor1", int(codec[1]), int(codec[2]), offset=offset)
     if codec[0] == "pred1" and len(codec) == 6:
         inputs = tuple((str(p), int(s)) for p, s in codec[4])
-        return ChunkRecord(key, nbytes, crc, "pred1", int(codec[1]), int(codec[2]),
-                           str(codec[3]), inputs, tuple(float(c) for c in codec[5]),
-                           offset=offset)
+        return ChunkRecord(
+            key,
+            nbytes,
+            crc,
+            "pred1",
+            int(codec[1]),
+            int(codec[2]),
+            str(codec[3]),
+            inputs,
+            tuple(float(c) for c in codec[5]),
+            offset=offset,
+        )
     raise ValueError(f"unknown chunk codec {codec!r}")
 
 
@@ -269,19 +369,29 @@ def arrays_from_json(doc: Mapping[str, Any]) -> dict[str, ArrayRecord]:
         raise ValueError("array columns differ in length")
     out: dict[str, ArrayRecord] = {}
     pos = 0
-    for path, dtype, shape, rows, dims in zip(paths, a["dtype"], a["shape"], a["rows"],
-                                              dims_col, strict=True):
+    for path, dtype, shape, rows, dims in zip(
+        paths, a["dtype"], a["shape"], a["rows"], dims_col, strict=True
+    ):
         shape_t = tuple(int(s) for s in shape)
         plan = ChunkPlan(shape_t, dtype_itemsize(str(dtype)), int(rows))
         n = plan.n_chunks
         if pos + n > len(offset):
             raise ValueError(f"array {path}: {n} chunks expected, the table ends first")
-        chunks = tuple(_codec_record(files[file[k]], int(offset[k]), int(nbytes[k]),
-                                     int(crc[k]), codecs.get(str(k)))
-                       for k in range(pos, pos + n))
+        chunks = tuple(
+            _codec_record(
+                files[file[k]], int(offset[k]), int(nbytes[k]), int(crc[k]), codecs.get(str(k))
+            )
+            for k in range(pos, pos + n)
+        )
         pos += n
-        out[str(path)] = ArrayRecord(str(path), str(dtype), shape_t, int(rows), chunks,
-                                     None if dims is None else tuple(str(d) for d in dims))
+        out[str(path)] = ArrayRecord(
+            str(path),
+            str(dtype),
+            shape_t,
+            int(rows),
+            chunks,
+            None if dims is None else tuple(str(d) for d in dims),
+        )
     if pos != len(offset):
         raise ValueError(f"{len(offset) - pos} chunks in the table belong to no array")
     return out
@@ -302,10 +412,13 @@ def parse_arrays_columns(data: bytes, where: str, *, verified: bool = False) -> 
     try:
         a, c = b["arrays"], b["chunks"]
         n, k = len(a["path"]), len(c["offset"])
-        ok = (len(a["dtype"]) == len(a["shape"]) == len(a["rows"]) == n
-              and len(a.get("dims") or [None] * n) == n
-              and len(c["file"]) == len(c["nbytes"]) == len(c["crc32c"]) == k
-              and isinstance(b["codecs"], dict) and isinstance(b["files"], list))
+        ok = (
+            len(a["dtype"]) == len(a["shape"]) == len(a["rows"]) == n
+            and len(a.get("dims") or [None] * n) == n
+            and len(c["file"]) == len(c["nbytes"]) == len(c["crc32c"]) == k
+            and isinstance(b["codecs"], dict)
+            and isinstance(b["files"], list)
+        )
     except (TypeError, KeyError, AttributeError) as e:
         raise CorruptRunError(f"{where}: malformed arrays table ({e})") from None
     if not ok:
@@ -325,21 +438,40 @@ def parse_arrays(data: bytes, where: str, *, verified: bool = False) -> dict[str
 
 # -- refs ---------------------------------------------------------------------------------
 
+
 def dump_ref(r: RefInfo) -> bytes:
-    return _seal("ref", {"name": r.name, "head": r.head, "base_slot": r.base_slot,
-                         "base_step": r.base_step, "base_timeline": r.base_timeline,
-                         "skip_data": r.skip_data, "created": r.created})
+    return _seal(
+        "ref",
+        {
+            "name": r.name,
+            "head": r.head,
+            "base_slot": r.base_slot,
+            "base_step": r.base_step,
+            "base_timeline": r.base_timeline,
+            "skip_data": r.skip_data,
+            "created": r.created,
+        },
+    )
 
 
 def parse_ref(data: bytes, where: str) -> RefInfo:
     b = _open(data, "ref", where)
-    _fields(b, {"name", "head", "base_slot", "base_step", "base_timeline", "skip_data",
-                "created"}, set(), where)
+    _fields(
+        b,
+        {"name", "head", "base_slot", "base_step", "base_timeline", "skip_data", "created"},
+        set(),
+        where,
+    )
     try:
-        return RefInfo(name=str(b["name"]), head=None if b["head"] is None else int(b["head"]),
-                       base_slot=b["base_slot"], base_step=b["base_step"],
-                       base_timeline=b["base_timeline"], skip_data=int(b["skip_data"]),
-                       created=float(b["created"]))
+        return RefInfo(
+            name=str(b["name"]),
+            head=None if b["head"] is None else int(b["head"]),
+            base_slot=b["base_slot"],
+            base_step=b["base_step"],
+            base_timeline=b["base_timeline"],
+            skip_data=int(b["skip_data"]),
+            created=float(b["created"]),
+        )
     except (TypeError, ValueError) as e:
         raise CorruptRunError(f"{where}: malformed ref ({e})") from None
 

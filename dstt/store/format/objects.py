@@ -40,7 +40,6 @@ class Encoded:
         return cls(encode_object(obj, encoding), encoding)
 
 
-
 def _dtype_out(dt: np.dtype[Any]) -> str:
     # ml_dtypes types (bfloat16, float8_*) have no numpy type string: ``.str`` is '<V2', which
     # would decode as raw void bytes; store their name instead
@@ -95,8 +94,13 @@ def _enc(x: object) -> object:
             raise TypeError("object arrays cannot be stored as JSON; use encoding='pickle'")
         # x.shape, not a.shape: ascontiguousarray turns a 0-d array into a 1-d one
         a = np.ascontiguousarray(x)
-        return {"$ndarray": {"dtype": _dtype_out(a.dtype), "shape": list(x.shape),
-                             "data": base64.b64encode(a.tobytes()).decode()}}
+        return {
+            "$ndarray": {
+                "dtype": _dtype_out(a.dtype),
+                "shape": list(x.shape),
+                "data": base64.b64encode(a.tobytes()).decode(),
+            }
+        }
     raise TypeError(
         f"cannot store {type(x).__name__} as tagged JSON; convert it to plain data "
         "(dict/list/str/number/bytes/numpy array) or pass encoding='pickle'"

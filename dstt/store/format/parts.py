@@ -49,13 +49,20 @@ _PART_FIELDS = {"slot", "step", "rank", "world", "session", "arrays", "objects",
 
 
 def dump_part(p: Part) -> bytes:
-    return _seal("part", {
-        "slot": p.slot, "step": p.step, "rank": p.rank, "world": p.world, "session": p.session,
-        "arrays": arrays_json(p.arrays),
-        "objects": {k: object_json(o) for k, o in p.objects.items()},
-        "metrics": {k: _metric_out(v) for k, v in p.metrics.items()},
-        **({"error": p.error} if p.error is not None else {}),
-    })
+    return _seal(
+        "part",
+        {
+            "slot": p.slot,
+            "step": p.step,
+            "rank": p.rank,
+            "world": p.world,
+            "session": p.session,
+            "arrays": arrays_json(p.arrays),
+            "objects": {k: object_json(o) for k, o in p.objects.items()},
+            "metrics": {k: _metric_out(v) for k, v in p.metrics.items()},
+            **({"error": p.error} if p.error is not None else {}),
+        },
+    )
 
 
 def parse_part(data: bytes, where: str) -> Part:
@@ -63,8 +70,11 @@ def parse_part(data: bytes, where: str) -> Part:
     _fields(b, _PART_FIELDS, {"error"}, where)
     try:
         return Part(
-            slot=int(b["slot"]), step=int(b["step"]), rank=int(b["rank"]),
-            world=int(b["world"]), session=str(b["session"]),
+            slot=int(b["slot"]),
+            step=int(b["step"]),
+            rank=int(b["rank"]),
+            world=int(b["world"]),
+            session=str(b["session"]),
             arrays=arrays_from_json(b["arrays"]),
             objects={k: object_from_json(o) for k, o in b["objects"].items()},
             metrics={k: _metric_in(v) for k, v in b["metrics"].items()},

@@ -71,8 +71,15 @@ class ChunkRecord:
     def as_json(self) -> list[Any]:
         if self.encoding == "raw":
             return [self.key, self.offset, self.nbytes, self.crc32c]
-        head = [self.key, self.offset, self.nbytes, self.crc32c, self.encoding, self.base,
-                self.raw_crc32c]
+        head = [
+            self.key,
+            self.offset,
+            self.nbytes,
+            self.crc32c,
+            self.encoding,
+            self.base,
+            self.raw_crc32c,
+        ]
         if self.encoding == "xor1":
             return head
         return [*head, self.predictor, [[p, s] for p, s in self.inputs], list(self.coeffs)]
@@ -82,12 +89,23 @@ class ChunkRecord:
         if len(v) == 4:
             return cls(str(v[0]), int(v[2]), int(v[3]), offset=int(v[1]))
         if len(v) == 7 and v[4] == "xor1":
-            return cls(str(v[0]), int(v[2]), int(v[3]), "xor1", int(v[5]), int(v[6]),
-                       offset=int(v[1]))
+            return cls(
+                str(v[0]), int(v[2]), int(v[3]), "xor1", int(v[5]), int(v[6]), offset=int(v[1])
+            )
         if len(v) == 10 and v[4] == "pred1":
             inputs = tuple((str(p), int(s)) for p, s in v[8])
-            return cls(str(v[0]), int(v[2]), int(v[3]), "pred1", int(v[5]), int(v[6]),
-                       str(v[7]), inputs, tuple(float(c) for c in v[9]), offset=int(v[1]))
+            return cls(
+                str(v[0]),
+                int(v[2]),
+                int(v[3]),
+                "pred1",
+                int(v[5]),
+                int(v[6]),
+                str(v[7]),
+                inputs,
+                tuple(float(c) for c in v[9]),
+                offset=int(v[1]),
+            )
         raise ValueError(f"unknown chunk record {v!r}")
 
 

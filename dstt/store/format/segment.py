@@ -37,15 +37,31 @@ from dstt.errors import ChecksumError, CorruptRunError
 
 from .envelope import _canonical, checksum
 
-__all__ = ["MAGIC", "SCALARS", "Layout", "Locations", "RowSet", "concat", "decode_core",
-           "decode_rest", "encode", "read_directory"]
+__all__ = [
+    "MAGIC",
+    "SCALARS",
+    "Layout",
+    "Locations",
+    "RowSet",
+    "concat",
+    "decode_core",
+    "decode_rest",
+    "encode",
+    "read_directory",
+]
 
 MAGIC = b"DSTTIDX1"
 #: the scalar fields of a write-time summary, in this order in ``RowSet.s_val``
 SCALARS = ("l2", "rms", "maxabs", "nan", "inf", "update_l2", "update_ratio")
 Layout = tuple[str, tuple[int, ...], int, tuple[tuple[int, int, int], ...], tuple[str, ...] | None]
-_CORE = (("slot", "<i8"), ("step", "<i8"), ("parent", "<i8"), ("timeline", "<i4"),
-         ("pruned", "u1"), ("time", "<f8"))
+_CORE = (
+    ("slot", "<i8"),
+    ("step", "<i8"),
+    ("parent", "<i8"),
+    ("timeline", "<i4"),
+    ("pruned", "u1"),
+    ("time", "<f8"),
+)
 
 
 @dataclass
@@ -105,14 +121,22 @@ def concat(sets: list[RowSet]) -> RowSet:
         slot=np.concatenate([s.slot for s in sets]) if sets else np.zeros(0, np.int64),
         step=np.concatenate([s.step for s in sets]) if sets else np.zeros(0, np.int64),
         parent=np.concatenate([s.parent for s in sets]) if sets else np.zeros(0, np.int64),
-        timeline=np.concatenate([_remap(s.timelines, tls)[s.timeline] if len(s.timelines)
-                                 else s.timeline for s in sets]).astype(np.int32)
-        if sets else np.zeros(0, np.int32),
+        timeline=np.concatenate(
+            [_remap(s.timelines, tls)[s.timeline] if len(s.timelines) else s.timeline for s in sets]
+        ).astype(np.int32)
+        if sets
+        else np.zeros(0, np.int32),
         pruned=np.concatenate([s.pruned for s in sets]) if sets else np.zeros(0, np.uint8),
         time=np.concatenate([s.time for s in sets]) if sets else np.zeros(0),
-        timelines=tls, headers=[h for s in sets for h in s.headers], m_names=names,
-        m_num=np.empty((0, 0)), m_text=[t for s in sets for t in s.m_text],
-        m_hist=[h for s in sets for h in s.m_hist], s_paths=paths, files=files)
+        timelines=tls,
+        headers=[h for s in sets for h in s.headers],
+        m_names=names,
+        m_num=np.empty((0, 0)),
+        m_text=[t for s in sets for t in s.m_text],
+        m_hist=[h for s in sets for h in s.m_hist],
+        s_paths=paths,
+        files=files,
+    )
     if not all(s.m_names == names for s in sets):
         out.m_num = np.full((n, len(names)), np.nan)
     if not all(s.s_paths == paths and s.s_probe.shape[2] == k for s in sets):
@@ -136,13 +160,13 @@ def concat(sets: list[RowSet]) -> RowSet:
                 cols = _remap(s.s_paths, paths)
                 out.s_val[rows, cols] = s.s_val
                 out.s_exact[rows, cols] = s.s_exact
-                out.s_probe[rows, cols, :s.s_probe.shape[2]] = s.s_probe
+                out.s_probe[rows, cols, : s.s_probe.shape[2]] = s.s_probe
             at += len(s)
     if not all(s.m_names == names for s in sets):
         at = 0
         for s in sets:
             if s.m_names:
-                out.m_num[at:at + len(s), _remap(s.m_names, names)] = s.m_num
+                out.m_num[at : at + len(s), _remap(s.m_names, names)] = s.m_num
             at += len(s)
     for path in sorted({p for s in sets for p in s.loc}):
         width = max(s.loc[path].crc.shape[1] for s in sets if path in s.loc)
@@ -157,17 +181,21 @@ def concat(sets: list[RowSet]) -> RowSet:
                 fmap = _remap(s.files, files)
                 new_ids = []
                 for dt, shape, nrows, chunks, dims in got.layouts:
-                    lay2 = (dt, shape, nrows,
-                            tuple((int(fmap[f]) if f >= 0 else f, o, b) for f, o, b in chunks),
-                            dims)
+                    lay2 = (
+                        dt,
+                        shape,
+                        nrows,
+                        tuple((int(fmap[f]) if f >= 0 else f, o, b) for f, o, b in chunks),
+                        dims,
+                    )
                     j = seen.get(lay2)
                     if j is None:
                         j = seen[lay2] = len(layouts)
                         layouts.append(lay2)
                     new_ids.append(j)
                 m = np.array([*new_ids, -1], np.int32)
-                ids[at:at + len(s)] = m[got.ids]  # -1 indexes the trailing -1
-                crc[at:at + len(s), :got.crc.shape[1]] = got.crc
+                ids[at : at + len(s)] = m[got.ids]  # -1 indexes the trailing -1
+                crc[at : at + len(s), : got.crc.shape[1]] = got.crc
             at += len(s)
         out.loc[path] = Locations(layouts, ids, crc)
     return out
@@ -175,8 +203,10 @@ def concat(sets: list[RowSet]) -> RowSet:
 
 # -- bytes ----------------------------------------------------------------------------------
 
-def _blob(parts: list[bytes], blobs: dict[str, list[Any]], name: str, data: Any,
-          at: list[int]) -> None:
+
+def _blob(
+    parts: list[bytes], blobs: dict[str, list[Any]], name: str, data: Any, at: list[int]
+) -> None:
     if isinstance(data, np.ndarray):
         raw = np.ascontiguousarray(data).tobytes()
         meta: list[Any] = [data.dtype.str, list(data.shape)]
@@ -204,25 +234,47 @@ def encode(rows: RowSet, gen: int) -> bytes:
     _blob(parts, blobs, "hdr_off", offs, at)
     _blob(parts, blobs, "hdr", b"".join(rows.headers), at)
     _blob(parts, blobs, "m_num", np.asarray(rows.m_num, "<f8"), at)
-    _blob(parts, blobs, "m_extra", _json({"text": {str(i): t for i, t in enumerate(rows.m_text)
-                                                   if t},
-                                          "hist": {str(i): h for i, h in enumerate(rows.m_hist)
-                                                   if h is not None}}), at)
+    _blob(
+        parts,
+        blobs,
+        "m_extra",
+        _json(
+            {
+                "text": {str(i): t for i, t in enumerate(rows.m_text) if t},
+                "hist": {str(i): h for i, h in enumerate(rows.m_hist) if h is not None},
+            }
+        ),
+        at,
+    )
     for name in ("s_has", "s_val", "s_exact", "s_probe"):
         dt = {"s_has": "u1", "s_val": "<f8", "s_exact": "u1", "s_probe": "<f4"}[name]
         _blob(parts, blobs, name, np.asarray(getattr(rows, name), dtype=dt), at)
     locdir: dict[str, list[Any]] = {}
     for path, lo in rows.loc.items():
-        block = (np.asarray(lo.ids, "<i4").tobytes() + np.asarray(lo.crc, "<u4").tobytes())
-        locdir[path] = [at[0], len(block), checksum(block), int(lo.crc.shape[1]),
-                        [[dt, list(sh), r, [list(c) for c in ch], None if dm is None else list(dm)]
-                         for dt, sh, r, ch, dm in lo.layouts]]
+        block = np.asarray(lo.ids, "<i4").tobytes() + np.asarray(lo.crc, "<u4").tobytes()
+        locdir[path] = [
+            at[0],
+            len(block),
+            checksum(block),
+            int(lo.crc.shape[1]),
+            [
+                [dt, list(sh), r, [list(c) for c in ch], None if dm is None else list(dm)]
+                for dt, sh, r, ch, dm in lo.layouts
+            ],
+        ]
         parts.append(block)
         at[0] += len(block)
     _blob(parts, blobs, "locdir", _json(locdir), at)
-    body = {"kind": "index-segment", "gen": gen, "n": len(rows), "timelines": rows.timelines,
-            "m_names": rows.m_names, "s_paths": rows.s_paths, "files": rows.files,
-            "blobs": blobs}
+    body = {
+        "kind": "index-segment",
+        "gen": gen,
+        "n": len(rows),
+        "timelines": rows.timelines,
+        "m_names": rows.m_names,
+        "s_paths": rows.s_paths,
+        "files": rows.files,
+        "blobs": blobs,
+    }
     raw = _canonical(body)
     directory = b'{"crc32c":%d,"body":' % checksum(raw) + raw + b"}"
     return MAGIC + struct.pack("<Q", len(directory)) + directory + b"".join(parts)
@@ -231,9 +283,13 @@ def encode(rows: RowSet, gen: int) -> bytes:
 def layout_of(x: list[Any]) -> Layout:
     """A location layout from its JSON form."""
     dt, sh, r, ch, dm = x
-    return (str(dt), tuple(int(s) for s in sh), int(r), tuple((int(f), int(o), int(b))
-                                                               for f, o, b in ch),
-            None if dm is None else tuple(str(d) for d in dm))
+    return (
+        str(dt),
+        tuple(int(s) for s in sh),
+        int(r),
+        tuple((int(f), int(o), int(b)) for f, o, b in ch),
+        None if dm is None else tuple(str(d) for d in dm),
+    )
 
 
 def read_directory(prefix: bytes, where: str) -> tuple[dict[str, Any], int] | int:
@@ -248,7 +304,7 @@ def read_directory(prefix: bytes, where: str) -> tuple[dict[str, Any], int] | in
     if len(prefix) < 16 + n:
         return 16 + n
     try:
-        doc = json.loads(prefix[16:16 + n])
+        doc = json.loads(prefix[16 : 16 + n])
         body: dict[str, Any] = doc["body"]
         ok = checksum(_canonical(body)) == doc["crc32c"] and body["kind"] == "index-segment"
     except (ValueError, KeyError, TypeError) as e:
@@ -261,7 +317,7 @@ def read_directory(prefix: bytes, where: str) -> tuple[dict[str, Any], int] | in
 def blob(d: dict[str, Any], name: str, data: bytes, base: int, where: str) -> Any:
     """Blob ``name`` from ``data`` (bytes of the segment starting at file offset ``base``)."""
     off, nbytes, crc, dt, shape = d["blobs"][name]
-    raw = memoryview(data)[off - base:off - base + nbytes]  # no copy of a large blob
+    raw = memoryview(data)[off - base : off - base + nbytes]  # no copy of a large blob
     if len(raw) != nbytes or checksum(raw) != crc:
         raise ChecksumError(f"{where}: index blob {name!r} fails its crc32c")
     if dt == "bytes":
@@ -279,8 +335,7 @@ def decode_core(d: dict[str, Any], data: bytes, base: int, where: str) -> dict[s
     return {name: blob(d, name, data, base, where) for name, _ in (*_CORE, ("hdr_off", ""))}
 
 
-def decode_rest(d: dict[str, Any], core: dict[str, np.ndarray], data: bytes,
-                where: str) -> RowSet:
+def decode_rest(d: dict[str, Any], core: dict[str, np.ndarray], data: bytes, where: str) -> RowSet:
     """Every column (``data``: the whole blob area) as a RowSet (merges, gc, rebuild)."""
     offs = core["hdr_off"]
     hdr = blob(d, "hdr", data, 0, where)
@@ -291,17 +346,30 @@ def decode_rest(d: dict[str, Any], core: dict[str, np.ndarray], data: bytes,
     locdir = json.loads(blob(d, "locdir", data, 0, where))
     loc = {}
     for path, (off, nbytes, crc, width, lays) in locdir.items():
-        raw = data[off:off + nbytes]
+        raw = data[off : off + nbytes]
         if len(raw) != nbytes or checksum(raw) != crc:
             raise ChecksumError(f"{where}: index locations of {path!r} fail their crc32c")
-        ids = np.frombuffer(raw[:4 * n], "<i4")
-        crcs = np.frombuffer(raw[4 * n:], "<u4").reshape(n, width)
+        ids = np.frombuffer(raw[: 4 * n], "<i4")
+        crcs = np.frombuffer(raw[4 * n :], "<u4").reshape(n, width)
         loc[path] = Locations([layout_of(x) for x in lays], ids, crcs)
     return RowSet(
-        slot=core["slot"], step=core["step"], parent=core["parent"], timeline=core["timeline"],
-        pruned=core["pruned"], time=core["time"], timelines=list(d["timelines"]),
-        headers=[bytes(hdr[offs[i]:offs[i + 1]]) for i in range(n)],
-        m_names=list(d["m_names"]), m_num=blob(d, "m_num", data, 0, where), m_text=text,
-        m_hist=hist, s_paths=list(d["s_paths"]), s_has=blob(d, "s_has", data, 0, where),
-        s_val=blob(d, "s_val", data, 0, where), s_exact=blob(d, "s_exact", data, 0, where),
-        s_probe=blob(d, "s_probe", data, 0, where), files=list(d["files"]), loc=loc)
+        slot=core["slot"],
+        step=core["step"],
+        parent=core["parent"],
+        timeline=core["timeline"],
+        pruned=core["pruned"],
+        time=core["time"],
+        timelines=list(d["timelines"]),
+        headers=[bytes(hdr[offs[i] : offs[i + 1]]) for i in range(n)],
+        m_names=list(d["m_names"]),
+        m_num=blob(d, "m_num", data, 0, where),
+        m_text=text,
+        m_hist=hist,
+        s_paths=list(d["s_paths"]),
+        s_has=blob(d, "s_has", data, 0, where),
+        s_val=blob(d, "s_val", data, 0, where),
+        s_exact=blob(d, "s_exact", data, 0, where),
+        s_probe=blob(d, "s_probe", data, 0, where),
+        files=list(d["files"]),
+        loc=loc,
+    )

@@ -93,8 +93,9 @@ class StepFile:
     def nbytes(self) -> int:
         return self._cursor
 
-    def add(self, name: str, parts: Sequence[bytes | bytearray | memoryview], size: int,
-            crc: int) -> int:
+    def add(
+        self, name: str, parts: Sequence[bytes | bytearray | memoryview], size: int, crc: int
+    ) -> int:
         """Write entry ``name`` whose bytes are ``parts`` (``size`` bytes, ZIP CRC-32
         ``crc``); returns the offset of its first data byte. Thread-safe."""
         with self._mu:
@@ -111,8 +112,13 @@ class StepFile:
         blob.write_at(off, [local_header(name, size, crc, off), *parts])
         return data_off
 
-    def add_many(self, names: Sequence[str], bodies: Sequence[Sequence[bytes | memoryview]],
-                 sizes: Sequence[int], crcs: Sequence[int]) -> list[int]:
+    def add_many(
+        self,
+        names: Sequence[str],
+        bodies: Sequence[Sequence[bytes | memoryview]],
+        sizes: Sequence[int],
+        crcs: Sequence[int],
+    ) -> list[int]:
         """Several entries at once: one reservation, a few ``pwritev`` calls; returns the data
         offset of each (the batched form of :meth:`add`)."""
         fresh = set(names)
@@ -120,8 +126,7 @@ class StepFile:
             if self._finished:
                 raise DsttError(f"{self.key}: step file already finished")
             if len(fresh) != len(names) or not fresh.isdisjoint(self._names):
-                dup = sorted(fresh & self._names) or sorted(n for n in fresh
-                                                             if names.count(n) > 1)
+                dup = sorted(fresh & self._names) or sorted(n for n in fresh if names.count(n) > 1)
                 raise ValueError(f"{self.key}: entry {dup[0]!r} written twice")
             self._names |= fresh
             blob = self._open()
@@ -168,8 +173,9 @@ class StepFile:
             if self._finished:
                 raise DsttError(f"{self.key}: step file already finished")
             if not names.isdisjoint(self._names):
-                raise ValueError(f"{self.key}: entry {sorted(names & self._names)[0]!r} "
-                                 "written twice")
+                raise ValueError(
+                    f"{self.key}: entry {sorted(names & self._names)[0]!r} written twice"
+                )
             self._open()
             start = self._cursor
             self._cursor = start + nbytes_at(start)
@@ -279,13 +285,17 @@ class Block:
             return Block(start, [e.name for e in self.entries], self.iov[1::2])
         if self._cd_at is None or self._offs is None:
             entries = self.entries
-            lens = np.fromiter((46 + len(e.name.encode()) for e in entries), np.int64,
-                               self.count)
+            lens = np.fromiter((46 + len(e.name.encode()) for e in entries), np.int64, self.count)
             self._cd_at = (np.cumsum(lens) - lens + _CD_HEADER_OFFSET)[:, None] + np.arange(4)
             self._offs = np.fromiter((e.offset for e in entries), np.int64, self.count)
         out = object.__new__(Block)
         out.start, out.names, out.iov, out.count, out.nbytes = (
-            start, self.names, self.iov, self.count, self.nbytes)
+            start,
+            self.names,
+            self.iov,
+            self.count,
+            self.nbytes,
+        )
         out._entries, out._shift = self._entries, self._shift + start - self.start
         out._cd_at, out._offs = self._cd_at, self._offs + (start - self.start)
         cd = np.frombuffer(bytearray(self.directory), np.uint8)

@@ -106,10 +106,15 @@ _DIM = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 def check_dims(path: str, ndim: int, dims: Sequence[str]) -> tuple[str, ...]:
     """``dims`` as a tuple after checking there is one identifier per axis, all distinct."""
     out = tuple(dims)
-    if (len(out) != ndim or len(set(out)) != ndim
-            or not all(isinstance(d, str) and _DIM.match(d) for d in out)):
-        raise ValueError(f"dimension names {list(out)} of array {path!r} must be {ndim} "
-                         "distinct identifiers (letters, digits, '_'), one per axis")
+    if (
+        len(out) != ndim
+        or len(set(out)) != ndim
+        or not all(isinstance(d, str) and _DIM.match(d) for d in out)
+    ):
+        raise ValueError(
+            f"dimension names {list(out)} of array {path!r} must be {ndim} "
+            "distinct identifiers (letters, digits, '_'), one per axis"
+        )
     return out
 
 
@@ -119,14 +124,21 @@ def default_dims(path: str, ndim: int) -> tuple[str, ...]:
     return tuple(f"{name}_{i}" for i in range(ndim))
 
 
-def array_document(path: str, dtype: str, plan: ChunkPlan,
-                   attributes: dict[str, Any] | None = None,
-                   dims: Sequence[str] | None = None) -> dict[str, Any]:
+def array_document(
+    path: str,
+    dtype: str,
+    plan: ChunkPlan,
+    attributes: dict[str, Any] | None = None,
+    dims: Sequence[str] | None = None,
+) -> dict[str, Any]:
     """Zarr v3 metadata of one tensor array of a step file; ``dims`` its
     ``dimension_names`` (default ``<name>_<i>``)."""
     itemsize, fill = DTYPES[dtype]
-    names = (default_dims(path, len(plan.shape)) if dims is None
-             else check_dims(path, len(plan.shape), dims))
+    names = (
+        default_dims(path, len(plan.shape))
+        if dims is None
+        else check_dims(path, len(plan.shape), dims)
+    )
     codecs: list[dict[str, Any]] = []
     if itemsize > 1:
         codecs.append({"name": "bytes", "configuration": {"endian": "little"}})
@@ -138,8 +150,7 @@ def array_document(path: str, dtype: str, plan: ChunkPlan,
         "node_type": "array",
         "shape": list(plan.shape),
         "data_type": dtype,
-        "chunk_grid": {"name": "regular",
-                       "configuration": {"chunk_shape": list(plan.chunk_shape)}},
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(plan.chunk_shape)}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": fill,
         "codecs": codecs,
@@ -159,8 +170,9 @@ def _consolidated(metadata: dict[str, Any]) -> dict[str, Any]:
     return {"kind": "inline", "must_understand": False, "metadata": metadata}
 
 
-def root_document(attributes: dict[str, Any],
-                  members: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+def root_document(
+    attributes: dict[str, Any], members: Sequence[tuple[str, dict[str, Any]]]
+) -> dict[str, Any]:
     """A step's root group document with Zarr's consolidated metadata of ``members``
     (``(node path, its zarr.json document)`` for every group and array below the root), laid
     out as zarr-python's own ``consolidate_metadata`` writes it."""
@@ -181,8 +193,7 @@ def consolidated_metadata(members: Sequence[tuple[str, str, bytes]]) -> bytes:
         if kind == "group":
             doc = dump({**json.loads(doc), "consolidated_metadata": _consolidated({})})
         parts.append(json.dumps(path).encode() + b":" + doc)
-    return (b'{"kind":"inline","must_understand":false,"metadata":{'
-            + b",".join(parts) + b"}}")
+    return b'{"kind":"inline","must_understand":false,"metadata":{' + b",".join(parts) + b"}}"
 
 
 def root_document_bytes(attributes: dict[str, Any], consolidated: bytes) -> bytes:

@@ -30,8 +30,16 @@ try:  # ISA-L: the same CRC-32, 4x faster; optional
 except ImportError:  # pragma: no cover - isal is a dependency, but keep the fallback honest
     _crc32 = zlib.crc32
 
-__all__ = ["Entry", "crc32", "directory_records", "end_records", "header_size", "local_data_offset",
-           "local_header", "parse_directory"]
+__all__ = [
+    "Entry",
+    "crc32",
+    "directory_records",
+    "end_records",
+    "header_size",
+    "local_data_offset",
+    "local_header",
+    "parse_directory",
+]
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
@@ -44,7 +52,7 @@ _MAX32, _MAX16 = 0xFFFFFFFF, 0xFFFF
 _UTF8 = 0x0800  # general purpose flag bit 11: names are UTF-8
 _DOS_DATE = (1 << 5) | 1  # 1980-01-01: step files carry no time (the manifest does)
 _MADE_BY = (3 << 8) | 45  # Unix, ZIP 4.5
-_ATTRS = (0o100644 << 16)  # a regular file, rw-r--r--
+_ATTRS = 0o100644 << 16  # a regular file, rw-r--r--
 
 
 #: the C function itself (``map`` it over many buffers: no Python frame per call)
@@ -101,9 +109,23 @@ def local_header(name: str, size: int, crc: int, offset: int, *, align: int = 0)
     pad = _pad_len(offset + _LOCAL.size + len(raw) + len(extra), align)
     if pad:
         extra += struct.pack("<HHH", _PAD_ID, pad - 4, align) + bytes(pad - 6)
-    return _LOCAL.pack(_SIG_LOCAL, 45 if big else 20, _UTF8, 0, 0, _DOS_DATE, crc,
-                       _MAX32 if big else size, _MAX32 if big else size,
-                       len(raw), len(extra)) + raw + extra
+    return (
+        _LOCAL.pack(
+            _SIG_LOCAL,
+            45 if big else 20,
+            _UTF8,
+            0,
+            0,
+            _DOS_DATE,
+            crc,
+            _MAX32 if big else size,
+            _MAX32 if big else size,
+            len(raw),
+            len(extra),
+        )
+        + raw
+        + extra
+    )
 
 
 def local_data_offset(head: bytes, entry: Entry) -> int | None:
@@ -115,8 +137,14 @@ def local_data_offset(head: bytes, entry: Entry) -> int | None:
         return None
     f = _LOCAL.unpack_from(head)
     sizes_ok = (f[7], f[8]) in ((entry.size, entry.size), (_MAX32, _MAX32))
-    if (f[0] != _SIG_LOCAL or f[3] != 0 or f[6] != entry.crc32 or not sizes_ok
-            or f[9] != len(raw) or head[_LOCAL.size:_LOCAL.size + len(raw)] != raw):
+    if (
+        f[0] != _SIG_LOCAL
+        or f[3] != 0
+        or f[6] != entry.crc32
+        or not sizes_ok
+        or f[9] != len(raw)
+        or head[_LOCAL.size : _LOCAL.size + len(raw)] != raw
+    ):
         return None
     extra: int = f[10]
     return entry.offset + _LOCAL.size + len(raw) + extra
@@ -138,12 +166,32 @@ def directory_records(entries: Sequence[Entry]) -> bytes:
             off32 = _MAX32
         if fields:
             extra = struct.pack("<HH", 0x0001, 8 * len(fields)) + struct.pack(
-                f"<{len(fields)}Q", *fields)
+                f"<{len(fields)}Q", *fields
+            )
         need = 45 if fields else 20
-        parts.append(_CENTRAL.pack(
-            _SIG_CENTRAL, _MADE_BY, need, _UTF8, 0, 0, _DOS_DATE, e.crc32,
-            size32 or e.size, size32 or e.size, len(raw), len(extra), 0, 0, 0, _ATTRS,
-            off32 or e.offset) + raw + extra)
+        parts.append(
+            _CENTRAL.pack(
+                _SIG_CENTRAL,
+                _MADE_BY,
+                need,
+                _UTF8,
+                0,
+                0,
+                _DOS_DATE,
+                e.crc32,
+                size32 or e.size,
+                size32 or e.size,
+                len(raw),
+                len(extra),
+                0,
+                0,
+                0,
+                _ATTRS,
+                off32 or e.offset,
+            )
+            + raw
+            + extra
+        )
     return b"".join(parts)
 
 
@@ -153,8 +201,16 @@ def end_records(n: int, cd_size: int, start: int) -> bytes:
     if n >= _MAX16 or start >= _MAX32 or cd_size >= _MAX32:
         tail = _EOCD64.pack(_SIG_EOCD64, 44, _MADE_BY, 45, 0, 0, n, n, cd_size, start)
         tail += _LOC64.pack(_SIG_LOC64, 0, start + cd_size, 1)
-        return tail + _EOCD.pack(_SIG_EOCD, 0, 0, min(n, _MAX16), min(n, _MAX16),
-                                 min(cd_size, _MAX32), min(start, _MAX32), 0)
+        return tail + _EOCD.pack(
+            _SIG_EOCD,
+            0,
+            0,
+            min(n, _MAX16),
+            min(n, _MAX16),
+            min(cd_size, _MAX32),
+            min(start, _MAX32),
+            0,
+        )
     return _EOCD.pack(_SIG_EOCD, 0, 0, n, n, cd_size, start, 0)
 
 
@@ -186,7 +242,7 @@ def parse_directory(data: bytes, file_size: int, where: str) -> dict[str, Entry]
             raise CorruptRunError(f"{where}: central directory entry damaged or compressed")
         nlen, xlen, clen = f[10], f[11], f[12]
         try:
-            name = data[pos + 46: pos + 46 + nlen].decode()
+            name = data[pos + 46 : pos + 46 + nlen].decode()
         except UnicodeDecodeError:
             raise CorruptRunError(f"{where}: an entry name is not UTF-8 (damaged)") from None
         size, offset = f[9], f[16]

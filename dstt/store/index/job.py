@@ -45,8 +45,7 @@ class IndexJob:
     def supported(storage: Storage) -> bool:
         """For runs on local files (a job opens the run by its path), unless
         ``DSTT_INDEX_JOBS=0``."""
-        return (type(storage) is LocalStorage
-                and os.environ.get("DSTT_INDEX_JOBS", "1") != "0")
+        return type(storage) is LocalStorage and os.environ.get("DSTT_INDEX_JOBS", "1") != "0"
 
     @classmethod
     def start(cls, location: str, slots: list[int], every: int) -> IndexJob | None:
@@ -54,12 +53,15 @@ class IndexJob:
         env.pop("PYTHONSTARTUP", None)
         env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "dstt.store.read._index_main"],
-                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.PIPE, env=env)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dstt.store.read._index_main"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=env,
+            )
             assert proc.stdin is not None
-            proc.stdin.write(json.dumps({"run": location, "slots": slots,
-                                         "every": every}).encode())
+            proc.stdin.write(json.dumps({"run": location, "slots": slots, "every": every}).encode())
             proc.stdin.close()
         except OSError:
             return None

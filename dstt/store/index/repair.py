@@ -42,8 +42,14 @@ def all_rows(st: Storage, index: Index) -> dict[int, tuple[RowSet, int]]:
     return out
 
 
-def rewrite(st: Storage, reader: IndexedSource, headers: list[CommitHeader],
-            old: dict[int, tuple[RowSet, int]], *, reuse: bool = True) -> None:
+def rewrite(
+    st: Storage,
+    reader: IndexedSource,
+    headers: list[CommitHeader],
+    old: dict[int, tuple[RowSet, int]],
+    *,
+    reuse: bool = True,
+) -> None:
     """Replace the whole index by one segment of ``headers`` (gc, rebuild). With ``reuse``,
     rows of unchanged live steps are copied from ``old`` instead of re-read from step files."""
     index = Index(st).load()
@@ -51,8 +57,12 @@ def rewrite(st: Storage, reader: IndexedSource, headers: list[CommitHeader],
     fresh, copied = [], []
     for h in headers:
         prev = old.get(h.slot)
-        if reuse and prev is not None and not h.pruned and \
-                prev[0].headers[prev[1]] == dump_header(h):
+        if (
+            reuse
+            and prev is not None
+            and not h.pruned
+            and prev[0].headers[prev[1]] == dump_header(h)
+        ):
             copied.append(prev)
         else:
             fresh.append(h)
@@ -82,8 +92,10 @@ def reachable_headers(reader: IndexedSource) -> dict[int, CommitHeader]:
     for tl in reader.timelines:
         slot = reader.ref(tl).head
         while slot is not None and slot not in out:
-            h = parse_header(reader.storage.read(commit_key(slot)),
-                             f"{reader.storage.location}/{commit_key(slot)}")
+            h = parse_header(
+                reader.storage.read(commit_key(slot)),
+                f"{reader.storage.location}/{commit_key(slot)}",
+            )
             out[slot] = h
             slot = h.parent
     return out
@@ -126,6 +138,11 @@ def check(reader: IndexedSource) -> list[tuple[str, str]]:
         core = (int(c["step"][i]), int(c["parent"][i]), bool(c["pruned"][i]))
         want = (h.step, -1 if h.parent is None else h.parent, h.pruned)
         if got != h or core != want:
-            problems.append((seg.key, f"row of slot {slot} (step {h.step}) disagrees with "
-                                      f"{commit_key(slot)}; run `dstt index` to rebuild"))
+            problems.append(
+                (
+                    seg.key,
+                    f"row of slot {slot} (step {h.step}) disagrees with "
+                    f"{commit_key(slot)}; run `dstt index` to rebuild",
+                )
+            )
     return problems

@@ -34,8 +34,15 @@ if TYPE_CHECKING:
 
     from .source import HeaderSource
 
-__all__ = ["HISTORY", "SUMMARIES", "as_float", "dedup", "keep_summaries", "rows_from_headers",
-           "take"]
+__all__ = [
+    "HISTORY",
+    "SUMMARIES",
+    "as_float",
+    "dedup",
+    "keep_summaries",
+    "rows_from_headers",
+    "take",
+]
 
 SUMMARIES = "summaries"  # the engine's write-time summaries object (+ "summaries/<rank>")
 HISTORY = "metrics/history"  # steps every=K did not checkpoint (dstt.training.metrics)
@@ -61,20 +68,30 @@ def _summaries(obj: Any) -> dict[str, tuple[list[float], bool, list[float]]]:
         probe = np.asarray(obj["probe"], dtype=np.float64)
         lens = np.asarray(obj["probe_len"]).tolist()
         for i, p in enumerate(obj["path"]):
-            out[str(p)] = ([float(c[i]) for c in cols], False,
-                           probe[i, :int(lens[i])].tolist() if probe.ndim == 2 else [])
+            out[str(p)] = (
+                [float(c[i]) for c in cols],
+                False,
+                probe[i, : int(lens[i])].tolist() if probe.ndim == 2 else [],
+            )
         return out
     if isinstance(obj, dict):
         for p, v in obj.items():
             if isinstance(v, dict):
-                out[str(p)] = ([as_float(v.get(f)) for f in SCALARS],
-                               bool(v.get("update_exact", False)),
-                               [as_float(x) for x in (v.get("probe") or ())])
+                out[str(p)] = (
+                    [as_float(v.get(f)) for f in SCALARS],
+                    bool(v.get("update_exact", False)),
+                    [as_float(x) for x in (v.get("probe") or ())],
+                )
     return out
 
 
-def rows_from_headers(reader: HeaderSource, headers: Iterable[CommitHeader], *,
-                      summaries: bool = True, locations: bool = True) -> RowSet:
+def rows_from_headers(
+    reader: HeaderSource,
+    headers: Iterable[CommitHeader],
+    *,
+    summaries: bool = True,
+    locations: bool = True,
+) -> RowSet:
     """Index rows of ``headers``: their metrics, and what their step files still hold of
     metrics history, summaries and tensor locations (nothing of that for a pruned step);
     ``summaries``/``locations`` False leaves those out (a reader's tail).
@@ -88,8 +105,7 @@ def rows_from_headers(reader: HeaderSource, headers: Iterable[CommitHeader], *,
     n = len(hs)
     tls = sorted({h.timeline for h in hs})
     tl_of = {t: i for i, t in enumerate(tls)}
-    names = sorted({k for h in hs for k, v in h.metrics.items()
-                    if not isinstance(v, str)})
+    names = sorted({k for h in hs for k, v in h.metrics.items() if not isinstance(v, str)})
     col = {k: j for j, k in enumerate(names)}
     m_num = np.full((n, len(names)), np.nan)
     m_text: list[dict[str, Any] | None] = []
@@ -116,8 +132,9 @@ def rows_from_headers(reader: HeaderSource, headers: Iterable[CommitHeader], *,
             except (DsttError, OSError, ValueError):
                 found = []  # unreadable now: the row keeps its metrics; verify reports it
             if locations:
-                with contextlib.suppress(DsttError, OSError, TypeError, ValueError, KeyError,
-                                         IndexError):  # damaged: verify reports it
+                with contextlib.suppress(
+                    DsttError, OSError, TypeError, ValueError, KeyError, IndexError
+                ):  # damaged: verify reports it
                     locs.add(i, reader.table_columns(h), step_file_key(h.slot))
         m_hist.append(_jsonable(hist))
         objs.append(found)
@@ -128,10 +145,21 @@ def rows_from_headers(reader: HeaderSource, headers: Iterable[CommitHeader], *,
         parent=np.array([-1 if h.parent is None else h.parent for h in hs], np.int64),
         timeline=np.array([tl_of[h.timeline] for h in hs], np.int32),
         pruned=np.array([h.pruned for h in hs], np.uint8),
-        time=np.array([h.time for h in hs], np.float64), timelines=tls,
-        headers=[dump_header(h) for h in hs], m_names=names, m_num=m_num, m_text=m_text,
-        m_hist=m_hist, s_paths=sv.paths, s_has=sv.has, s_val=sv.val, s_exact=sv.exact,
-        s_probe=sv.probe, files=locs.files, loc=locs.build())
+        time=np.array([h.time for h in hs], np.float64),
+        timelines=tls,
+        headers=[dump_header(h) for h in hs],
+        m_names=names,
+        m_num=m_num,
+        m_text=m_text,
+        m_hist=m_hist,
+        s_paths=sv.paths,
+        s_has=sv.has,
+        s_val=sv.val,
+        s_exact=sv.exact,
+        s_probe=sv.probe,
+        files=locs.files,
+        loc=locs.build(),
+    )
 
 
 class _Shape:
@@ -146,17 +174,24 @@ class _Shape:
         dims_col = a.get("dims") or [None] * len(a["path"])
         self.arrays: list[tuple[str, Layout, int, int]] = []
         pos = 0
-        for path, dtype, shape, rows, dims in zip(a["path"], a["dtype"], a["shape"], a["rows"],
-                                                  dims_col, strict=True):
+        for path, dtype, shape, rows, dims in zip(
+            a["path"], a["dtype"], a["shape"], a["rows"], dims_col, strict=True
+        ):
             shape_t = tuple(int(x) for x in shape)
             k = ChunkPlan(shape_t, dtype_itemsize(str(dtype)), int(rows)).n_chunks
             if pos + k > len(offset):
                 raise CorruptRunError(f"array {path}: {k} chunks expected, the table ends first")
             if not any(str(j) in codecs for j in range(pos, pos + k)):  # raw chunks only
-                chunks = tuple((fids[file[j]], int(offset[j]), int(nbytes[j]))
-                               for j in range(pos, pos + k))
-                lay = (str(dtype), shape_t, int(rows), chunks,
-                       None if dims is None else tuple(str(d) for d in dims))
+                chunks = tuple(
+                    (fids[file[j]], int(offset[j]), int(nbytes[j])) for j in range(pos, pos + k)
+                )
+                lay = (
+                    str(dtype),
+                    shape_t,
+                    int(rows),
+                    chunks,
+                    None if dims is None else tuple(str(d) for d in dims),
+                )
                 self.arrays.append((str(path), lay, pos, pos + k))
             pos += k
         self.rows: list[int] = []
@@ -202,7 +237,7 @@ class _Locations(FileIds):
                     at = seen[lay] = len(lays)
                     lays.append(lay)
                 ids[rows] = at
-                crc[rows, :c.shape[1]] = c
+                crc[rows, : c.shape[1]] = c
             out[path] = Locations(lays, ids, crc)
         return out
 
@@ -232,8 +267,11 @@ def _summary_rows(n: int, objs: list[list[Any]]) -> _SummaryRows:
                 if probe.ndim != 2:  # no probes: every row is empty
                     probe = np.zeros((len(ps), 0))
                 lens = np.minimum(lens, probe.shape[1])
-                vals = np.stack([np.asarray(obj[f], dtype=np.float64) for f in SCALARS],
-                                axis=1) if ps else np.zeros((0, len(SCALARS)))
+                vals = (
+                    np.stack([np.asarray(obj[f], dtype=np.float64) for f in SCALARS], axis=1)
+                    if ps
+                    else np.zeros((0, len(SCALARS)))
+                )
                 row.append(("cols", ps, vals, probe, lens))
                 width = max(width, int(lens.max(initial=0)))
             else:
@@ -275,7 +313,7 @@ def _summary_rows(n: int, objs: list[list[Any]]) -> _SummaryRows:
                     val[i, j] = vals_p
                     exact[i, j] = ex
                     probe_out[i, j, :] = np.nan
-                    probe_out[i, j, :len(pr)] = pr
+                    probe_out[i, j, : len(pr)] = pr
     paths, val, exact, probe_out = fold_columns(paths, has, val, exact, probe_out)
     return _SummaryRows(paths, has, val, exact, probe_out)
 
@@ -303,21 +341,36 @@ def dedup(rows: RowSet) -> RowSet:
 def take(rows: RowSet, idx: np.ndarray) -> RowSet:
     il = idx.tolist()
     return RowSet(
-        slot=rows.slot[idx], step=rows.step[idx], parent=rows.parent[idx],
-        timeline=rows.timeline[idx], pruned=rows.pruned[idx], time=rows.time[idx],
-        timelines=rows.timelines, headers=[rows.headers[i] for i in il],
-        m_names=rows.m_names, m_num=rows.m_num[idx], m_text=[rows.m_text[i] for i in il],
-        m_hist=[rows.m_hist[i] for i in il], s_paths=rows.s_paths, s_has=rows.s_has[idx],
-        s_val=rows.s_val[idx], s_exact=rows.s_exact[idx], s_probe=rows.s_probe[idx],
+        slot=rows.slot[idx],
+        step=rows.step[idx],
+        parent=rows.parent[idx],
+        timeline=rows.timeline[idx],
+        pruned=rows.pruned[idx],
+        time=rows.time[idx],
+        timelines=rows.timelines,
+        headers=[rows.headers[i] for i in il],
+        m_names=rows.m_names,
+        m_num=rows.m_num[idx],
+        m_text=[rows.m_text[i] for i in il],
+        m_hist=[rows.m_hist[i] for i in il],
+        s_paths=rows.s_paths,
+        s_has=rows.s_has[idx],
+        s_val=rows.s_val[idx],
+        s_exact=rows.s_exact[idx],
+        s_probe=rows.s_probe[idx],
         files=rows.files,
-        loc={p: Locations(lo.layouts, lo.ids[idx], lo.crc[idx]) for p, lo in rows.loc.items()})
+        loc={p: Locations(lo.layouts, lo.ids[idx], lo.crc[idx]) for p, lo in rows.loc.items()},
+    )
 
 
 def keep_summaries(rows: RowSet, old: dict[int, tuple[RowSet, int]]) -> RowSet:
     """Rows of pruned steps whose files are gone keep the summaries and history an older
     row of theirs holds."""
-    fill = [i for i, s in enumerate(rows.slot.tolist())
-            if rows.pruned[i] and s in old and not rows.s_has[i]]
+    fill = [
+        i
+        for i, s in enumerate(rows.slot.tolist())
+        if rows.pruned[i] and s in old and not rows.s_has[i]
+    ]
     if not fill:
         return rows
     parts, picks = [rows], []

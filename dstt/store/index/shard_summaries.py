@@ -57,7 +57,7 @@ def _fold(vals: np.ndarray) -> np.ndarray:
         return out
     l2 = vals[:, _I["l2"]]
     rms = vals[:, _I["rms"]]
-    out[_I["l2"]] = math.sqrt(float(np.nansum(l2 ** 2)))
+    out[_I["l2"]] = math.sqrt(float(np.nansum(l2**2)))
     counted = (rms > 0) & np.isfinite(rms) & np.isfinite(l2)
     n = float(np.sum((l2[counted] / rms[counted]) ** 2))
     out[_I["rms"]] = math.sqrt(float(np.sum(l2[counted] ** 2)) / n) if n > 0 else 0.0
@@ -66,7 +66,7 @@ def _fold(vals: np.ndarray) -> np.ndarray:
     out[_I["inf"]] = float(np.nansum(vals[:, _I["inf"]]))
     upd = vals[:, _I["update_l2"]]
     if not np.any(np.isnan(upd)):
-        u = math.sqrt(float(np.sum(upd ** 2)))
+        u = math.sqrt(float(np.sum(upd**2)))
         out[_I["update_l2"]] = u
         total = out[_I["l2"]]
         out[_I["update_ratio"]] = u / total if total > 0 else np.nan
@@ -84,8 +84,9 @@ def _groups(paths: Sequence[str]) -> dict[str, list[int]]:
     return groups
 
 
-def fold_columns(paths: Sequence[str], has: np.ndarray, val: np.ndarray, exact: np.ndarray,
-                 probe: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+def fold_columns(
+    paths: Sequence[str], has: np.ndarray, val: np.ndarray, exact: np.ndarray, probe: np.ndarray
+) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
     """The index's summaries columns (rows x paths) with every logical tensor's shard columns
     folded into one column named by the logical path; other columns as they are. ``has`` is
     per row and unchanged."""
@@ -98,17 +99,17 @@ def fold_columns(paths: Sequence[str], has: np.ndarray, val: np.ndarray, exact: 
     v_out = np.full((n_rows, len(names), val.shape[2]), np.nan)
     e_out = np.zeros((n_rows, len(names)), exact.dtype)
     p_out = np.full((n_rows, len(names), probe.shape[2]), np.nan, probe.dtype)
-    v_out[:, :len(keep)] = val[:, keep]
-    e_out[:, :len(keep)] = exact[:, keep]
-    p_out[:, :len(keep)] = probe[:, keep]
+    v_out[:, : len(keep)] = val[:, keep]
+    e_out[:, : len(keep)] = exact[:, keep]
+    p_out[:, : len(keep)] = probe[:, keep]
     for k, logical in enumerate(sorted(groups), start=len(keep)):
         js = groups[logical]
         for i in range(n_rows):
             v_out[i, k] = _fold(val[i, js])
             e_out[i, k] = int(bool(np.all(exact[i, js])))
             flat = probe[i, js].reshape(-1)
-            flat = flat[~np.isnan(flat)][:probe.shape[2]]
-            p_out[i, k, :len(flat)] = flat
+            flat = flat[~np.isnan(flat)][: probe.shape[2]]
+            p_out[i, k, : len(flat)] = flat
     order = sorted(range(len(names)), key=lambda j: names[j])
     return ([names[j] for j in order], v_out[:, order], e_out[:, order], p_out[:, order])
 
@@ -132,8 +133,10 @@ def fold_rows(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]
 
         vals = np.array([[num(rows[p].get(f)) for f in SCALARS] for p in ps], dtype=np.float64)
         folded = _fold(vals)
-        row: dict[str, Any] = {f: (None if math.isnan(folded[i]) and f.startswith("update")
-                                   else float(folded[i])) for i, f in enumerate(SCALARS)}
+        row: dict[str, Any] = {
+            f: (None if math.isnan(folded[i]) and f.startswith("update") else float(folded[i]))
+            for i, f in enumerate(SCALARS)
+        }
         width = max(len(rows[p].get("probe") or ()) for p in ps)
         row["probe"] = [x for p in ps for x in (rows[p].get("probe") or ())][:width]
         row["update_exact"] = all(bool(rows[p].get("update_exact")) for p in ps)

@@ -60,24 +60,52 @@ class IndexedHeader(CommitHeader):
     objects, arrays table location) parsed from the header bytes the segment keeps, on first
     use. Equal to the header it was indexed from (``full()``)."""
 
-    def __init__(self, fetch: Callable[[], CommitHeader], slot: int, step: int, timeline: str,
-                 parent: int | None, time: float, pruned: bool) -> None:
-        self.__dict__.update(slot=slot, step=step, timeline=timeline, parent=parent, time=time,
-                             pruned=pruned, _fetch=fetch, _h=None)
+    def __init__(
+        self,
+        fetch: Callable[[], CommitHeader],
+        slot: int,
+        step: int,
+        timeline: str,
+        parent: int | None,
+        time: float,
+        pruned: bool,
+    ) -> None:
+        self.__dict__.update(
+            slot=slot,
+            step=step,
+            timeline=timeline,
+            parent=parent,
+            time=time,
+            pruned=pruned,
+            _fetch=fetch,
+            _h=None,
+        )
 
     def full(self) -> CommitHeader:
         h: CommitHeader | None = self.__dict__["_h"]
         if h is None:
             h = self.__dict__["_fetch"]()
             if (h.slot, h.step, h.timeline, h.parent) == (
-                    self.slot, self.step, self.timeline, self.parent) and h.pruned > self.pruned:
+                self.slot,
+                self.step,
+                self.timeline,
+                self.parent,
+            ) and h.pruned > self.pruned:
                 raise StepNotFoundError(  # a gc elsewhere pruned it since this view was read
                     f"step {self.step} (slot {self.slot}) was pruned by gc after this view of "
-                    "the run was opened; refresh it (run.refresh()) to see what is kept")
+                    "the run was opened; refresh it (run.refresh()) to see what is kept"
+                )
             if (h.slot, h.step, h.timeline, h.parent, h.pruned) != (
-                    self.slot, self.step, self.timeline, self.parent, self.pruned):
-                raise CorruptRunError(f"index row of slot {self.slot} disagrees with its "
-                                      "header bytes; run `dstt index` to rebuild the index")
+                self.slot,
+                self.step,
+                self.timeline,
+                self.parent,
+                self.pruned,
+            ):
+                raise CorruptRunError(
+                    f"index row of slot {self.slot} disagrees with its "
+                    "header bytes; run `dstt index` to rebuild the index"
+                )
             self.__dict__["_h"] = h
         return h
 
@@ -102,8 +130,11 @@ class _Segment:
                 raise CorruptRunError(f"{where}: truncated index segment")
         self.d, self.base = got
         lo, hi = core_span(self.d)
-        data = head[self.base + lo:self.base + hi] if self.base + hi <= len(head) else \
-            st.read_range(self.key, self.base + lo, hi - lo)
+        data = (
+            head[self.base + lo : self.base + hi]
+            if self.base + hi <= len(head)
+            else st.read_range(self.key, self.base + lo, hi - lo)
+        )
         self.core = decode_core(self.d, data, lo, where)
         self.n = int(self.d["n"])
         self.timelines: list[str] = list(self.d["timelines"])
@@ -121,8 +152,9 @@ class _Segment:
         at = self.base + self.d["blobs"]["hdr"][0] + int(offs[i])
         return st.read_range(self.key, at, int(offs[i + 1] - offs[i]))
 
-    def locations(self, st: Storage, path: str) -> tuple[np.ndarray, np.ndarray,
-                                                         list[Layout]] | None:
+    def locations(
+        self, st: Storage, path: str
+    ) -> tuple[np.ndarray, np.ndarray, list[Layout]] | None:
         with self._lock:
             if path in self._loc:
                 return self._loc[path]
@@ -134,10 +166,11 @@ class _Segment:
                 off, nbytes, crc, width, lays = ent
                 raw = st.read_range(self.key, self.base + off, nbytes)
                 if len(raw) != nbytes or checksum(raw) != crc:
-                    raise ChecksumError(f"{st.location}/{self.key}: index locations of "
-                                        f"{path!r} fail their crc32c")
-                ids = np.frombuffer(raw[:4 * self.n], "<i4")
-                crcs = np.frombuffer(raw[4 * self.n:], "<u4").reshape(self.n, width)
+                    raise ChecksumError(
+                        f"{st.location}/{self.key}: index locations of {path!r} fail their crc32c"
+                    )
+                ids = np.frombuffer(raw[: 4 * self.n], "<i4")
+                crcs = np.frombuffer(raw[4 * self.n :], "<u4").reshape(self.n, width)
                 got = (ids, crcs, [layout_of(x) for x in lays])
             self._loc[path] = got
             return got
@@ -146,8 +179,9 @@ class _Segment:
         """Metrics (and with ``summaries`` the write-time summaries) of every row, reading
         only those blobs: what ``Run.metrics()``/``summaries()`` need."""
         where = f"{st.location}/{self.key}"
-        names = ["m_num", "m_extra"] + (["s_has", "s_val", "s_exact", "s_probe"]
-                                        if summaries else [])
+        names = ["m_num", "m_extra"] + (
+            ["s_has", "s_val", "s_exact", "s_probe"] if summaries else []
+        )
         b = self.d["blobs"]
         lo = min(b[x][0] for x in names)
         hi = max(b[x][0] + b[x][1] for x in names)
@@ -155,11 +189,20 @@ class _Segment:
         got = {x: blob(self.d, x, data, lo, where) for x in names}
         extra = json.loads(got["m_extra"])
         n, c = self.n, self.core
-        rs = RowSet(slot=c["slot"], step=c["step"], parent=c["parent"], timeline=c["timeline"],
-                    pruned=c["pruned"], time=c["time"], timelines=self.timelines,
-                    headers=[b""] * n, m_names=list(self.d["m_names"]), m_num=got["m_num"],
-                    m_text=[extra["text"].get(str(i)) for i in range(n)],
-                    m_hist=[extra["hist"].get(str(i)) for i in range(n)])
+        rs = RowSet(
+            slot=c["slot"],
+            step=c["step"],
+            parent=c["parent"],
+            timeline=c["timeline"],
+            pruned=c["pruned"],
+            time=c["time"],
+            timelines=self.timelines,
+            headers=[b""] * n,
+            m_names=list(self.d["m_names"]),
+            m_num=got["m_num"],
+            m_text=[extra["text"].get(str(i)) for i in range(n)],
+            m_hist=[extra["hist"].get(str(i)) for i in range(n)],
+        )
         if summaries:
             rs.s_paths, rs.s_has, rs.s_val = list(self.d["s_paths"]), got["s_has"], got["s_val"]
             rs.s_exact, rs.s_probe = got["s_exact"], got["s_probe"]
@@ -193,8 +236,11 @@ class Index:
         """(Re-)read the list of segments; segments already read are kept (immutable)."""
         with self._lock:
             st = self.storage
-            names = sorted(n for n in st.list(INDEX_PREFIX) if parse_index_name(n) is not None
-                           ) if self.enabled else []
+            names = (
+                sorted(n for n in st.list(INDEX_PREFIX) if parse_index_name(n) is not None)
+                if self.enabled
+                else []
+            )
             segs: dict[str, _Segment] = {}
             problems = []
             for n in names:
@@ -217,8 +263,9 @@ class Index:
                 distrusted = {-1}  # unreadable marker: trust no row at all
             rows: dict[int, tuple[_Segment, int]] = {}
             for seg in sorted(segs.values(), key=lambda s: s.gen):  # newer generations win
-                rows.update(zip(seg.core["slot"].tolist(), ((seg, i) for i in range(seg.n)),
-                                strict=True))
+                rows.update(
+                    zip(seg.core["slot"].tolist(), ((seg, i) for i in range(seg.n)), strict=True)
+                )
             if -1 in distrusted:
                 rows.clear()
             for s in distrusted:
@@ -256,13 +303,17 @@ class Index:
                 return parse_header(st.read(key), f"{st.location}/{key}")
 
         parent = int(c["parent"][i])
-        return IndexedHeader(fetch, int(c["slot"][i]), int(c["step"][i]),
-                             seg.timelines[int(c["timeline"][i])],
-                             None if parent < 0 else parent, float(c["time"][i]),
-                             bool(c["pruned"][i]))
+        return IndexedHeader(
+            fetch,
+            int(c["slot"][i]),
+            int(c["step"][i]),
+            seg.timelines[int(c["timeline"][i])],
+            None if parent < 0 else parent,
+            float(c["time"][i]),
+            bool(c["pruned"][i]),
+        )
 
-    def locate_many(self, slots: list[int], path: str
-                    ) -> list[tuple[Layout, list[int]] | None]:
+    def locate_many(self, slots: list[int], path: str) -> list[tuple[Layout, list[int]] | None]:
         """Per slot, the layout of ``path`` and its chunks' crc32c, or None (not indexed,
         pruned, absent, encoded): ``located`` for many steps, without record objects."""
         idx = self.ensure()
@@ -280,8 +331,17 @@ class Index:
                     raw = seg.locations(self.storage, path)
                 except (DsttError, OSError, ValueError):
                     raw = None
-                loc = cache[seg.key] = (False,) if raw is None else (
-                    True, raw[0].tolist(), raw[1].tolist(), raw[2], seg.core["pruned"].tolist())
+                loc = cache[seg.key] = (
+                    (False,)
+                    if raw is None
+                    else (
+                        True,
+                        raw[0].tolist(),
+                        raw[1].tolist(),
+                        raw[2],
+                        seg.core["pruned"].tolist(),
+                    )
+                )
             if not loc[0] or loc[4][i]:
                 out.append(None)
                 continue
@@ -311,8 +371,10 @@ class Index:
         dtype, shape, nrows, chunks, dims = lays[j]
         files = seg.d["files"]
         own = step_file_key(slot)
-        recs = tuple(ChunkRecord(own if f < 0 else files[f], b, int(crcs[i, k]), offset=o)
-                     for k, (f, o, b) in enumerate(chunks))
+        recs = tuple(
+            ChunkRecord(own if f < 0 else files[f], b, int(crcs[i, k]), offset=o)
+            for k, (f, o, b) in enumerate(chunks)
+        )
         return ArrayRecord(path, dtype, shape, nrows, recs, dims)
 
 
@@ -349,8 +411,11 @@ def scalar_rows(reader: IndexedSource, headers: list[CommitHeader], *, summaries
         parts.append(cols if whole else take(cols, np.array(rows, np.int64)))
         order += pos_list
     if tail:
-        parts.append(rows_from_headers(reader, [headers[p] for p in tail],
-                                       summaries=summaries, locations=False))
+        parts.append(
+            rows_from_headers(
+                reader, [headers[p] for p in tail], summaries=summaries, locations=False
+            )
+        )
         order += tail
     if not parts:
         return rows_from_headers(reader, [])
@@ -358,4 +423,3 @@ def scalar_rows(reader: IndexedSource, headers: list[CommitHeader], *, summaries
     if order == list(range(len(order))):
         return out
     return take(out, np.argsort(np.array(order, np.int64), kind="stable"))
-

@@ -72,8 +72,9 @@ def _tier(n: int, every: int) -> int:
 class IndexWriter:
     """The exclusive writer's side of the index: pending rows, segments, merges."""
 
-    def __init__(self, reader: IndexedSource, *, every: int = EVERY,
-                 background: bool | None = None) -> None:
+    def __init__(
+        self, reader: IndexedSource, *, every: int = EVERY, background: bool | None = None
+    ) -> None:
         """``background``: write segments from a job process (default: for a run on local
         files, unless ``DSTT_INDEX_JOBS=0``), so the committer never spends the GIL on rows."""
         self.reader, self.storage, self.every = reader, reader.storage, max(1, every)
@@ -94,7 +95,7 @@ class IndexWriter:
                         break
                     self.pending[h.slot] = h
             except DsttError:  # a damaged header: what lies below it is verify's business;
-                continue       # the commits above it are queued, and the writer opens
+                continue  # the commits above it are queued, and the writer opens
 
     def _repair_marked(self) -> None:
         st = self.storage
@@ -129,8 +130,10 @@ class IndexWriter:
         if len(self.pending) >= self.every and self.job is None:
             if not self.background:
                 self.flush()
-            elif (len(self.pending) >= JOB_MAX_TAIL * self.every
-                  or time.monotonic() - self._job_started >= JOB_INTERVAL_S):
+            elif (
+                len(self.pending) >= JOB_MAX_TAIL * self.every
+                or time.monotonic() - self._job_started >= JOB_INTERVAL_S
+            ):
                 self._start_job()
 
     def close(self) -> None:
@@ -186,8 +189,9 @@ class IndexWriter:
         merge_segments(self.storage, self.index, self.every)
 
 
-def flush_rows(st: Storage, reader: IndexedSource, index: Index,
-               pending: dict[int, CommitHeader], every: int) -> None:
+def flush_rows(
+    st: Storage, reader: IndexedSource, index: Index, pending: dict[int, CommitHeader], every: int
+) -> None:
     """Write the rows of ``pending`` as one new segment, then merge (what a flush does, in
     this process or in a background job)."""
     if not pending:
@@ -219,5 +223,3 @@ def merge_segments(st: Storage, index: Index, every: int) -> None:
         for s in newest:
             st.delete(s.key)
         index.load()
-
-

@@ -85,8 +85,11 @@ def _delta_bases(r: Reader, reachable: dict[int, CommitHeader], keep: set[int]) 
 
 def _step_files(st: Storage) -> list[str]:
     """Every step and side file of the run (temporaries excluded)."""
-    return [f"{STEPS_PREFIX}/{n}" for n in st.list(STEPS_PREFIX)
-            if key_slot(f"{STEPS_PREFIX}/{n}") is not None]
+    return [
+        f"{STEPS_PREFIX}/{n}"
+        for n in st.list(STEPS_PREFIX)
+        if key_slot(f"{STEPS_PREFIX}/{n}") is not None
+    ]
 
 
 def _files_of(r: Reader, h: CommitHeader) -> set[str]:
@@ -109,8 +112,9 @@ class GcReport:
     spike_windows: tuple[tuple[str, int, int], ...] = ()
 
 
-def _keep_set(r: Reader, pol: Retention, line: list[CommitHeader]
-              ) -> tuple[set[int], list[tuple[int, int]]]:
+def _keep_set(
+    r: Reader, pol: Retention, line: list[CommitHeader]
+) -> tuple[set[int], list[tuple[int, int]]]:
     """Slots of ``line`` (one timeline, oldest first, tombstones included) the policy keeps,
     and its spike windows. The spike metric of every commit, pruned ones too, comes from the
     index's metric columns (no header parsed per step)."""
@@ -127,8 +131,9 @@ def _keep_set(r: Reader, pol: Retention, line: list[CommitHeader]
     return {h.slot for h in live if h.step in steps}, pol.spikes(ms, mv)
 
 
-def _tombstones(r: Reader, headers: list[CommitHeader], progress: Progress,
-                total: int) -> list[CommitHeader]:
+def _tombstones(
+    r: Reader, headers: list[CommitHeader], progress: Progress, total: int
+) -> list[CommitHeader]:
     """Rewrite ``headers`` as tombstones, durably, before any file is deleted: from then on
     no reader looks at the doomed files, so a crash between any two deletes leaves every kept
     step intact. Newest first, each durable before the next, where one of them is a delta
@@ -136,8 +141,7 @@ def _tombstones(r: Reader, headers: list[CommitHeader], progress: Progress,
     where none is (raw steps, the usual per-iteration capture), all of them durable together
     with one barrier instead of two syncs each."""
     st = r.storage
-    chained = any(c.slots for h in headers for rec in r.arrays(h).values()
-                  for c in rec.chunks)
+    chained = any(c.slots for h in headers for rec in r.arrays(h).values() for c in rec.chunks)
     out = []
     for n, h in enumerate(sorted(headers, key=lambda x: -x.slot)):
         if progress:
@@ -151,8 +155,14 @@ def _tombstones(r: Reader, headers: list[CommitHeader], progress: Progress,
     return out[::-1]
 
 
-def _prune_live(st: Storage, r: Reader, writer: LiveWriter, prune: list[CommitHeader],
-                progress: Progress, total: int) -> None:
+def _prune_live(
+    st: Storage,
+    r: Reader,
+    writer: LiveWriter,
+    prune: list[CommitHeader],
+    progress: Progress,
+    total: int,
+) -> None:
     """Tombstones and index rows of ``prune`` under a live writer, in gc's order (marker,
     tombstones, a new segment, marker deleted; the files after), but O(pruned) instead of a
     rewrite of every row: the new segment holds only the pruned rows and, as the newest
@@ -194,10 +204,17 @@ def _prune_live(st: Storage, r: Reader, writer: LiveWriter, prune: list[CommitHe
         writer.index.index.load()
 
 
-def gc(repo: RunFiles, *, keep_last: int | None = None, keep_every: int | None = None,
-       keep_steps: Iterable[int] = (), retention: Retention | None = None,
-       dry_run: bool = False, progress: Progress = None,
-       writer: LiveWriter | None = None) -> GcReport:
+def gc(
+    repo: RunFiles,
+    *,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    keep_steps: Iterable[int] = (),
+    retention: Retention | None = None,
+    dry_run: bool = False,
+    progress: Progress = None,
+    writer: LiveWriter | None = None,
+) -> GcReport:
     """Prune commits outside the retention policy and remove orphaned files.
 
     ``retention`` (a ``Retention``) or the keywords ``keep_last``/``keep_every``/``keep_steps``
@@ -219,8 +236,9 @@ def gc(repo: RunFiles, *, keep_last: int | None = None, keep_every: int | None =
     return _gc(st, pol, dry_run, progress, writer)
 
 
-def _gc(st: Storage, pol: Retention | None, dry_run: bool, progress: Progress,
-        writer: LiveWriter | None) -> GcReport:
+def _gc(
+    st: Storage, pol: Retention | None, dry_run: bool, progress: Progress, writer: LiveWriter | None
+) -> GcReport:
     live_writer = writer is not None
     if writer is not None:
         writer.check_open()
@@ -264,8 +282,11 @@ def _gc(st: Storage, pol: Retention | None, dry_run: bool, progress: Progress,
     # every file of a kept slot stays, whatever its tensors reference: each rank's zip
     # is that step's plain Zarr hierarchy even where all its chunks are deltas or dedups
     live = {s for s in keep if s in reachable and not reachable[s].pruned}
-    doomed = [k for k in files if k not in needed and key_slot(k) not in live
-              and not untouchable(key_slot(k))]
+    doomed = [
+        k
+        for k in files
+        if k not in needed and key_slot(k) not in live and not untouchable(key_slot(k))
+    ]
     sizes = {}
     for k in doomed:
         try:
@@ -279,8 +300,9 @@ def _gc(st: Storage, pol: Retention | None, dry_run: bool, progress: Progress,
         # the plan above needs no lock: commits meanwhile only add slots past ``newest``,
         # whose parent (the head seen here) is kept; from here commits wait
         with writer.quiesced():  # no index job writes a segment now; the refs are durable
-            _prune_live(st, r, writer, [reachable[s] for s in prune], progress,
-                        len(prune) + len(doomed))
+            _prune_live(
+                st, r, writer, [reachable[s] for s in prune], progress, len(prune) + len(doomed)
+            )
     elif not dry_run:
         # the index keeps every row of a pruned step (index/writer.py): rows of the steps not
         # indexed yet are read now, while their files still exist
@@ -293,8 +315,7 @@ def _gc(st: Storage, pol: Retention | None, dry_run: bool, progress: Progress,
         if prune:  # readers distrust these rows until the new index is written
             st.write_durable(GC_MARKER, json.dumps({"slots": prune}).encode())
         # tombstones first (durable before the index and any delete: _tombstones)
-        for t in _tombstones(r, [reachable[s] for s in prune], progress,
-                             len(prune) + len(doomed)):
+        for t in _tombstones(r, [reachable[s] for s in prune], progress, len(prune) + len(doomed)):
             reachable[t.slot] = t
         if reindex:  # new segment, old ones deleted, then the marker: before any file
             rewrite(st, r, [reachable[s] for s in sorted(reachable)], old)
@@ -312,5 +333,4 @@ def _gc(st: Storage, pol: Retention | None, dry_run: bool, progress: Progress,
             removed += st.remove_temporaries()
     if progress:
         progress(1, 1)
-    return GcReport(pruned_steps, tuple(orphans), removed, freed, dry_run,
-                    tuple(windows))
+    return GcReport(pruned_steps, tuple(orphans), removed, freed, dry_run, tuple(windows))

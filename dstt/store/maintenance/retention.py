@@ -37,9 +37,14 @@ if TYPE_CHECKING:
 __all__ = ["Retention", "find_spikes"]
 
 
-def find_spikes(steps: np.ndarray, values: np.ndarray, *, window: int = 50, z: float = 4.0,
-                min_periods: int | None = None
-                ) -> list[tuple[int, float, float, float, float, int]]:
+def find_spikes(
+    steps: np.ndarray,
+    values: np.ndarray,
+    *,
+    window: int = 50,
+    z: float = 4.0,
+    min_periods: int | None = None,
+) -> list[tuple[int, float, float, float, float, int]]:
     """``(step, value, zscore, mean, std, start)`` of each spike by the rolling z rule:
     ``step`` at the peak z-score, ``start`` the first flagged step."""
     if window < 2:
@@ -58,8 +63,8 @@ def find_spikes(steps: np.ndarray, values: np.ndarray, *, window: int = 50, z: f
         for lo in range(0, n - window, 8192):
             hi = min(n - window, lo + 8192)
             block = views[lo:hi]
-            mu_all[window + lo:window + hi] = block.mean(axis=1)
-            sd_all[window + lo:window + hi] = block.std(axis=1, ddof=1)
+            mu_all[window + lo : window + hi] = block.mean(axis=1)
+            sd_all[window + lo : window + hi] = block.std(axis=1, ddof=1)
     flagged: list[tuple[int, float, float, float, float]] = []
     for i in np.flatnonzero(np.isfinite(mu_all)).tolist():
         mu, sd = float(mu_all[i]), float(sd_all[i])
@@ -81,9 +86,11 @@ def find_spikes(steps: np.ndarray, values: np.ndarray, *, window: int = 50, z: f
 
 def _count(name: str, v: int | None, lo: int) -> None:
     if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
-        raise ValueError(f"Retention({name}=...) must be an int >= {lo}"
-                         f"{' or None' if name in ('keep_last', 'keep_every') else ''}, "
-                         f"got {v!r}")
+        raise ValueError(
+            f"Retention({name}=...) must be an int >= {lo}"
+            f"{' or None' if name in ('keep_last', 'keep_every') else ''}, "
+            f"got {v!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -112,28 +119,42 @@ class Retention:
         _count("spike_baseline", self.spike_baseline, 2)
         _count("every_commits", self.every_commits, 1)
         if not isinstance(self.spike_z, (int, float)) or not self.spike_z > 0:
-            raise ValueError(f"Retention(spike_z=...) must be a positive number, "
-                             f"got {self.spike_z!r}")
+            raise ValueError(
+                f"Retention(spike_z=...) must be a positive number, got {self.spike_z!r}"
+            )
         object.__setattr__(self, "keep_steps", tuple(int(s) for s in self.keep_steps))
 
     @property
     def prunes(self) -> bool:
         """Whether the policy prunes anything at all (no rule given: it keeps everything)."""
-        return self.keep_last is not None or self.keep_every is not None or \
-            bool(self.keep_steps) or self.spike_window > 0
+        return (
+            self.keep_last is not None
+            or self.keep_every is not None
+            or bool(self.keep_steps)
+            or self.spike_window > 0
+        )
 
-    def spikes(self, steps: Sequence[int] | np.ndarray, values: Sequence[float] | np.ndarray
-               ) -> list[tuple[int, int]]:
+    def spikes(
+        self, steps: Sequence[int] | np.ndarray, values: Sequence[float] | np.ndarray
+    ) -> list[tuple[int, int]]:
         """``(first, last)`` step of the window around each spike of ``values``."""
         if self.spike_window <= 0 or len(steps) == 0:
             return []
         w = self.spike_window
-        found = find_spikes(np.asarray(steps), np.asarray(values, dtype=np.float64),
-                            window=self.spike_baseline, z=self.spike_z)
+        found = find_spikes(
+            np.asarray(steps),
+            np.asarray(values, dtype=np.float64),
+            window=self.spike_baseline,
+            z=self.spike_z,
+        )
         return [(start - w, peak + w) for peak, _, _, _, _, start in found]
 
-    def keep(self, live: Sequence[int], metric_steps: Sequence[int] | np.ndarray = (),
-             metric_values: Sequence[float] | np.ndarray = ()) -> set[int]:
+    def keep(
+        self,
+        live: Sequence[int],
+        metric_steps: Sequence[int] | np.ndarray = (),
+        metric_values: Sequence[float] | np.ndarray = (),
+    ) -> set[int]:
         """The steps of ``live`` (one timeline's unpruned steps, ascending) this policy keeps,
         given the spike metric's values at ``metric_steps`` (every commit, pruned included).
         The last live step (the head) is always kept."""
@@ -142,7 +163,7 @@ class Retention:
         pinned = set(self.keep_steps)
         keep = {s for s in live if s in pinned}
         if self.keep_last:  # keep_last larger than the timeline keeps all of it
-            keep |= set(live[max(0, len(live) - self.keep_last):])
+            keep |= set(live[max(0, len(live) - self.keep_last) :])
         if self.keep_every:
             keep |= {s for s in live if s % self.keep_every == 0}
         windows = self.spikes(metric_steps, metric_values)
@@ -166,14 +187,19 @@ class Retention:
         return min(n, steps) if self.prunes else steps
 
 
-def policy(retention: Retention | None, keep_last: int | None, keep_every: int | None,
-           keep_steps: Iterable[int]) -> Retention | None:
+def policy(
+    retention: Retention | None,
+    keep_last: int | None,
+    keep_every: int | None,
+    keep_steps: Iterable[int],
+) -> Retention | None:
     """One policy from gc's arguments: a ``Retention``, or the older keyword form."""
     steps = tuple(keep_steps)
     if retention is not None:
         if keep_last is not None or keep_every is not None or steps:
-            raise ValueError("pass either retention=Retention(...) or keep_last/keep_every/"
-                             "keep_steps, not both")
+            raise ValueError(
+                "pass either retention=Retention(...) or keep_last/keep_every/keep_steps, not both"
+            )
         if not isinstance(retention, Retention):
             raise TypeError(f"retention must be a dstt.Retention, not {retention!r}")
         return retention

@@ -75,21 +75,23 @@ def rename_timeline(repo: RunFiles, old: str, new: str) -> RefInfo:
         moved = replace(ref, name=new)
         taken = r.timelines.get(new)
         if taken is not None and taken != moved:  # else: an interrupted rename, finished here
-            raise TimelineError(f"timeline {new!r} already exists; pick another name, or "
-                                f"delete it first (dstt timeline delete {new})")
+            raise TimelineError(
+                f"timeline {new!r} already exists; pick another name, or "
+                f"delete it first (dstt timeline delete {new})"
+            )
         st.write_durable(ref_key(new), dump_ref(moved))
         for child in sorted(r.timelines.values(), key=lambda t: t.name):
             if child.base_timeline == old and child.name not in (old, new):
-                st.write_durable(ref_key(child.name),
-                                 dump_ref(replace(child, base_timeline=new)))
+                st.write_durable(ref_key(child.name), dump_ref(replace(child, base_timeline=new)))
         if r.current_timeline == old:
             st.write_durable(HEAD_KEY, dump_head(new))
         st.delete(ref_key(old))
         return moved
 
 
-def delete_timeline(repo: RunFiles, name: str, *, sweep: bool = True,
-                    dry_run: bool = False) -> DeleteReport:
+def delete_timeline(
+    repo: RunFiles, name: str, *, sweep: bool = True, dry_run: bool = False
+) -> DeleteReport:
     """Delete the ref ``name``, then (``sweep``) gc what only it referenced."""
     st = repo.storage
     with st.lock(LOCK_KEY):
@@ -97,12 +99,16 @@ def delete_timeline(repo: RunFiles, name: str, *, sweep: bool = True,
         r.ref(name)  # TimelineError naming the timelines there are
         if r.current_timeline == name:
             others = sorted(t for t in r.timelines if t != name)
-            hint = (f"make another one current first: run.switch({others[0]!r}) or dstt "
-                    f"timeline switch {others[0]}" if others else
-                    "it is the run's only timeline; delete the run's folder instead")
+            hint = (
+                f"make another one current first: run.switch({others[0]!r}) or dstt "
+                f"timeline switch {others[0]}"
+                if others
+                else "it is the run's only timeline; delete the run's folder instead"
+            )
             raise CurrentTimelineError(
                 f"timeline {name!r} is the current one (what training resumes) and cannot be "
-                f"deleted; {hint}")
+                f"deleted; {hint}"
+            )
         shared = {h.slot for t in r.timelines if t != name for h in r.walk(t)}
         line = [h for h in r.lineage(name) if not h.pruned]
         freed = tuple(h.step for h in line if h.slot not in shared)

@@ -139,8 +139,9 @@ def read_directory(st: Storage, key: str) -> dict[str, Entry]:
     return parse_directory(st.read(key), size, f"{st.location}/{key}")
 
 
-def _verify_step_files(st: Storage, h: CommitHeader, table: dict[str, ArrayRecord],
-                       problem: Callable[[str, str], None]) -> None:
+def _verify_step_files(
+    st: Storage, h: CommitHeader, table: dict[str, ArrayRecord], problem: Callable[[str, str], None]
+) -> None:
     """Each zip this commit wrote must be a plain Zarr hierarchy that holds its chunks: the
     central directory lists every chunk where the manifest says, with a correct CRC-32
     (zarr-python checks it), and every array's zarr.json matches the committed array."""
@@ -162,10 +163,12 @@ def _verify_step_files(st: Storage, h: CommitHeader, table: dict[str, ArrayRecor
         for ent in entries.values():  # every entry, metadata included: zipfile checks CRC-32
             try:
                 at = local_data_offset(
-                    st.read_range(key, ent.offset, 30 + len(ent.name.encode())), ent)
+                    st.read_range(key, ent.offset, 30 + len(ent.name.encode())), ent
+                )
                 if at is None:
-                    problem(key, f"step {h.step}: local header of zip entry {ent.name!r} is "
-                                 "damaged")
+                    problem(
+                        key, f"step {h.step}: local header of zip entry {ent.name!r} is damaged"
+                    )
                     continue
                 data_at[ent.name] = at
                 if crc32(st.read_range(key, at, ent.size)) != ent.crc32:
@@ -177,21 +180,38 @@ def _verify_step_files(st: Storage, h: CommitHeader, table: dict[str, ArrayRecor
             name = zarr_chunk_key(path, rec.plan.index(i))
             got = entries.get(name)
             if got is None or got.size != c.nbytes or data_at.get(name, c.offset) != c.offset:
-                problem(key, f"step {h.step}: zip entry {name!r} is missing or not where the "
-                             "commit manifest says")
+                problem(
+                    key,
+                    f"step {h.step}: zip entry {name!r} is missing or not where the "
+                    "commit manifest says",
+                )
         for rec in {x[1].path: x[1] for x in own.get(key, [])}.values():
             _verify_array_document(st, key, entries, data_at, rec, problem)
         _verify_consolidated(st, key, entries, data_at, problem)
 
 
 #: the fields of an array's zarr.json a plain Zarr reader needs to find and decode the chunks
-_READ_FIELDS = ("zarr_format", "node_type", "shape", "data_type", "chunk_grid",
-                "chunk_key_encoding", "fill_value", "codecs", "dimension_names")
+_READ_FIELDS = (
+    "zarr_format",
+    "node_type",
+    "shape",
+    "data_type",
+    "chunk_grid",
+    "chunk_key_encoding",
+    "fill_value",
+    "codecs",
+    "dimension_names",
+)
 
 
-def _verify_array_document(st: Storage, key: str, entries: dict[str, Entry],
-                           data_at: dict[str, int], rec: ArrayRecord,
-                           problem: Callable[[str, str], None]) -> None:
+def _verify_array_document(
+    st: Storage,
+    key: str,
+    entries: dict[str, Entry],
+    data_at: dict[str, int],
+    rec: ArrayRecord,
+    problem: Callable[[str, str], None],
+) -> None:
     name = array_meta_key(rec.path)
     e = entries.get(name)
     if e is None:
@@ -210,8 +230,13 @@ def _verify_array_document(st: Storage, key: str, entries: dict[str, Entry],
         problem(key, f"{name}: Zarr metadata does not match the committed array: {wrong}")
 
 
-def _verify_consolidated(st: Storage, key: str, entries: dict[str, Entry],
-                         data_at: dict[str, int], problem: Callable[[str, str], None]) -> None:
+def _verify_consolidated(
+    st: Storage,
+    key: str,
+    entries: dict[str, Entry],
+    data_at: dict[str, int],
+    problem: Callable[[str, str], None],
+) -> None:
     """The root's consolidated metadata (what xarray and zarr-python read instead of the
     nodes' own documents) must say what every node's zarr.json says."""
     root = entries.get("zarr.json")
@@ -219,17 +244,21 @@ def _verify_consolidated(st: Storage, key: str, entries: dict[str, Entry],
         return
     try:
         cm = json.loads(st.read_range(key, data_at["zarr.json"], root.size)).get(
-            "consolidated_metadata")
+            "consolidated_metadata"
+        )
         if cm is None:  # steps written before consolidation
             return
         for path, doc in cm["metadata"].items():
             name = array_meta_key(path)
             e, at = entries.get(name), data_at.get(name)
             own = None if e is None or at is None else json.loads(st.read_range(key, at, e.size))
-            if own is None or {k: v for k, v in doc.items() if k != "consolidated_metadata"} \
-                    != {k: v for k, v in own.items() if k != "consolidated_metadata"}:
-                problem(key, f"zarr.json: the consolidated metadata of {path!r} does not "
-                             "match its own zarr.json")
+            if own is None or {k: v for k, v in doc.items() if k != "consolidated_metadata"} != {
+                k: v for k, v in own.items() if k != "consolidated_metadata"
+            }:
+                problem(
+                    key,
+                    f"zarr.json: the consolidated metadata of {path!r} does not "
+                    "match its own zarr.json",
+                )
     except (OSError, ValueError, TypeError, AttributeError, KeyError) as err:
         problem(key, f"zarr.json: consolidated metadata unreadable ({type(err).__name__}: {err})")
-

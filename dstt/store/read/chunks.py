@@ -39,10 +39,15 @@ __all__ = ["ChunkReader"]
 class ChunkReader:
     """Verified chunks and delta chains of committed steps."""
 
-    def __init__(self, storage: Storage, *, header: Callable[[int], CommitHeader],
-                 record: Callable[[CommitHeader, str], ArrayRecord],
-                 missing: Callable[[CommitHeader, str], NoReturn],
-                 decoded_cache_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        header: Callable[[int], CommitHeader],
+        record: Callable[[CommitHeader, str], ArrayRecord],
+        missing: Callable[[CommitHeader, str], NoReturn],
+        decoded_cache_bytes: int = 256 << 20,
+    ) -> None:
         """``header``: the commit of a slot; ``record``: an array's record in a commit;
         ``missing``: raise for a file that vanished under a commit (``StepNotFoundError``
         when gc pruned it meanwhile, else ``CorruptRunError``)."""
@@ -50,7 +55,8 @@ class ChunkReader:
         self.header, self.record, self._missing = header, record, missing
         #: decoded delta chunks (trajectories walk chains in order), bounded in bytes
         self._decoded: LRU[tuple[str, int], np.ndarray] = LRU(
-            1 << 30, weigh=lambda a: int(a.nbytes), max_weight=decoded_cache_bytes)
+            1 << 30, weigh=lambda a: int(a.nbytes), max_weight=decoded_cache_bytes
+        )
 
     def read_chunk(self, header: CommitHeader, path: str, index: int) -> memoryview:
         """Verified bytes of chunk ``index`` of ``path`` (edge padding removed)."""
@@ -72,12 +78,14 @@ class ChunkReader:
         body = memoryview(data)[:-4]
         (trailer,) = struct.unpack("<I", data[-4:])
         if checksum(body) != chunk.crc32c or trailer != chunk.crc32c:
-            raise ChecksumError(f"{where}: crc32c mismatch ({what}, step {header.step}); "
-                                "the chunk is damaged")
+            raise ChecksumError(
+                f"{where}: crc32c mismatch ({what}, step {header.step}); the chunk is damaged"
+            )
         return body
 
-    def _chunk(self, header: CommitHeader, path: str, index: int, chunk: ChunkRecord,
-               size: int, depth: int) -> memoryview:
+    def _chunk(
+        self, header: CommitHeader, path: str, index: int, chunk: ChunkRecord, size: int, depth: int
+    ) -> memoryview:
         what = f"chunk {index} of {path!r}"
         if chunk.encoding == "raw":
             return self._file(header, chunk, what)[:size]
@@ -102,8 +110,10 @@ class ChunkReader:
         if full > size:
             crc = checksum(bytes(full - size), crc)
         if crc != chunk.raw_crc32c:
-            raise ChecksumError(f"{self.storage.location}/{chunk.key}: reconstructed {what} "
-                                f"of step {header.step} fails its crc32c")
+            raise ChecksumError(
+                f"{self.storage.location}/{chunk.key}: reconstructed {what} "
+                f"of step {header.step} fails its crc32c"
+            )
         self._decoded.put((chunk.key, chunk.offset), raw)
         return raw.data
 
@@ -112,12 +122,16 @@ class ChunkReader:
         h = self.header(slot)
         rec = self.record(h, path)
         if index >= len(rec.chunks):
-            raise CorruptRunError(f"{self.storage.location}: step {h.step} has no chunk "
-                                  f"{index} of {path!r}, which a delta is based on")
+            raise CorruptRunError(
+                f"{self.storage.location}: step {h.step} has no chunk "
+                f"{index} of {path!r}, which a delta is based on"
+            )
         start, stop = rec.plan.byte_range(index)
         if stop - start != size:
-            raise CorruptRunError(f"{self.storage.location}: chunk {index} of {path!r} in step "
-                                  f"{h.step} has {stop - start} bytes; a delta based on it "
-                                  f"expects {size}")
+            raise CorruptRunError(
+                f"{self.storage.location}: chunk {index} of {path!r} in step "
+                f"{h.step} has {stop - start} bytes; a delta based on it "
+                f"expects {size}"
+            )
         data = self._chunk(h, path, index, rec.chunks[index], size, depth + 1)
         return np.frombuffer(data, dtype=np.uint8)

@@ -61,9 +61,15 @@ __all__ = ["Reader"]
 class Reader:
     """Read-only view of a run's committed state."""
 
-    def __init__(self, storage: Storage, *, table_cache: int = 8,
-                 decoded_cache_bytes: int = 256 << 20, index: Index | None = None,
-                 use_index: bool = True) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        table_cache: int = 8,
+        decoded_cache_bytes: int = 256 << 20,
+        index: Index | None = None,
+        use_index: bool = True,
+    ) -> None:
         self.storage = storage
         #: the run's index (``index/view.py``, written by ``index/writer.py``): headers and tensor
         #: locations without a header read per step; loaded on first use, shared by the
@@ -73,9 +79,13 @@ class Reader:
         self._headers: dict[int, CommitHeader] = {}
         self._tables: LRU[int, dict[str, ArrayRecord]] = LRU(table_cache)
         #: chunk reads (delta chains decoded through their bases, cached in bytes)
-        self.chunks = ChunkReader(storage, header=self.header, record=self.record,
-                                  missing=self._raise_missing,
-                                  decoded_cache_bytes=decoded_cache_bytes)
+        self.chunks = ChunkReader(
+            storage,
+            header=self.header,
+            record=self.record,
+            missing=self._raise_missing,
+            decoded_cache_bytes=decoded_cache_bytes,
+        )
         self.refresh()
 
     # -- refs -----------------------------------------------------------------------------
@@ -113,8 +123,7 @@ class Reader:
             return self._refs[name]
         except KeyError:
             raise TimelineError(
-                f"no timeline {name!r} in {self.storage.location}; "
-                f"timelines: {sorted(self._refs)}"
+                f"no timeline {name!r} in {self.storage.location}; timelines: {sorted(self._refs)}"
             ) from None
 
     # -- headers and lineage --------------------------------------------------------------
@@ -217,16 +226,19 @@ class Reader:
     def _table_bytes(self, header: CommitHeader) -> tuple[bytes, str]:
         loc = header.arrays
         if loc is None:
-            raise CorruptRunError(f"{self.storage.location}: commit of step {header.step} "
-                                  "names no arrays table")
+            raise CorruptRunError(
+                f"{self.storage.location}: commit of step {header.step} names no arrays table"
+            )
         where = f"{self.storage.location}/{loc.key}"
         try:
             data = self.storage.read_range(loc.key, loc.offset, loc.nbytes)
         except FileNotFoundError:
             self._raise_missing(header, where)
         if len(data) != loc.nbytes or checksum(data) != loc.crc32c:
-            raise ChecksumError(f"{where}: arrays table (bytes {loc.offset}-"
-                                f"{loc.offset + loc.nbytes}) does not match its commit header")
+            raise ChecksumError(
+                f"{where}: arrays table (bytes {loc.offset}-"
+                f"{loc.offset + loc.nbytes}) does not match its commit header"
+            )
         return data, where
 
     def _raise_missing(self, header: CommitHeader, where: str) -> NoReturn:
@@ -282,19 +294,26 @@ class Reader:
                     crcs.append(crc[0])
                 else:
                     files = self.index.rows[h.slot][0].d["files"]
-                    want += [(step_file_key(h.slot) if f < 0 else files[f], off, n)
-                             for f, off, n in chunks]
-                    crcs += crc[:len(chunks)]
+                    want += [
+                        (step_file_key(h.slot) if f < 0 else files[f], off, n)
+                        for f, off, n in chunks
+                    ]
+                    crcs += crc[: len(chunks)]
                 known = plans.get(id(lay))
                 if known is None:
                     p = ChunkPlan(lay[1], numpy_dtype(lay[0]).itemsize, lay[2])
-                    known = plans[id(lay)] = [p.n_chunks, *(b - a for a, b in map(
-                        p.byte_range, range(p.n_chunks)))]
+                    known = plans[id(lay)] = [
+                        p.n_chunks,
+                        *(b - a for a, b in map(p.byte_range, range(p.n_chunks))),
+                    ]
                 sizes += known
                 continue
             rec = self.arrays(h).get(path)  # the tail not indexed yet: its arrays table
-            if type(rec) is not ArrayRecord or len(rec.chunks) != rec.plan.n_chunks or any(
-                    c.encoding != "raw" for c in rec.chunks):
+            if (
+                type(rec) is not ArrayRecord
+                or len(rec.chunks) != rec.plan.n_chunks
+                or any(c.encoding != "raw" for c in rec.chunks)
+            ):
                 return None  # absent, a view of other arrays (ZeRO), or encoded
             want += [(c.key, c.offset, c.nbytes) for c in rec.chunks]
             crcs += [c.crc32c for c in rec.chunks]
@@ -308,11 +327,15 @@ class Reader:
             return None
         out: list[memoryview] = []
         if len(want) == len(headers):  # one chunk per step: the tight loop
-            for (_, _, nbytes), data, want_crc, size in zip(want, got_bytes, crcs, sizes[1::2],
-                                                           strict=True):
+            for (_, _, nbytes), data, want_crc, size in zip(
+                want, got_bytes, crcs, sizes[1::2], strict=True
+            ):
                 view = memoryview(data)
-                if (len(data) != nbytes or checksum(view[:-4]) != want_crc
-                        or int.from_bytes(data[-4:], "little") != want_crc):
+                if (
+                    len(data) != nbytes
+                    or checksum(view[:-4]) != want_crc
+                    or int.from_bytes(data[-4:], "little") != want_crc
+                ):
                     break  # the general loop below names the damaged chunk
                 out.append(view[:size])
             else:
@@ -325,12 +348,17 @@ class Reader:
             for i in range(n):
                 data, want_crc = got_bytes[k], crcs[k]
                 body = memoryview(data)[:-4]
-                if (len(data) != want[k][2] or checksum(body) != want_crc
-                        or data[-4:] != struct.pack("<I", want_crc)):
-                    raise ChecksumError(f"{self.storage.location}/{want[k][0]}: crc32c "
-                                        f"mismatch (chunk {i} of {path!r}, step {h.step}); "
-                                        "the chunk is damaged")
-                parts.append(body[:sizes[at + 1 + i]])
+                if (
+                    len(data) != want[k][2]
+                    or checksum(body) != want_crc
+                    or data[-4:] != struct.pack("<I", want_crc)
+                ):
+                    raise ChecksumError(
+                        f"{self.storage.location}/{want[k][0]}: crc32c "
+                        f"mismatch (chunk {i} of {path!r}, step {h.step}); "
+                        "the chunk is damaged"
+                    )
+                parts.append(body[: sizes[at + 1 + i]])
                 k += 1
             at += 1 + n
             out.append(parts[0] if len(parts) == 1 else memoryview(b"".join(parts)))
@@ -344,9 +372,7 @@ class Reader:
         try:
             return table[path]
         except KeyError:
-            raise StepNotFoundError(
-                f"step {header.step} has no array {path!r}"
-            ) from None
+            raise StepNotFoundError(f"step {header.step} has no array {path!r}") from None
 
     def read_chunk(self, header: CommitHeader, path: str, index: int) -> memoryview:
         """Verified bytes of chunk ``index`` of ``path`` (edge padding removed)."""
@@ -373,12 +399,14 @@ class Reader:
         if stop <= start:
             return np.empty((0, *rec.shape[1:]), dtype=dt)
         first, last = start // plan.rows, (stop - 1) // plan.rows
-        parts = [np.frombuffer(self.read_chunk(header, path, i), dtype=np.uint8)
-                 for i in range(first, last + 1)]
+        parts = [
+            np.frombuffer(self.read_chunk(header, path, i), dtype=np.uint8)
+            for i in range(first, last + 1)
+        ]
         flat = np.concatenate(parts) if len(parts) > 1 else parts[0]
         block = flat.view(dt).reshape(-1, *rec.shape[1:])
         lo = start - first * plan.rows
-        return block[lo: lo + (stop - start)]
+        return block[lo : lo + (stop - start)]
 
     def read_object(self, header: CommitHeader, name: str, *, trusted: bool = False) -> Any:  # noqa: ANN401 - a stored object
         try:
@@ -403,4 +431,3 @@ def _describe(steps: list[int]) -> str:
     if len(steps) <= 8:
         return ", ".join(map(str, steps))
     return f"{len(steps)} steps from {steps[0]} to {steps[-1]}"
-

@@ -81,13 +81,16 @@ class Box:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
 
-    def overlap(self, offsets: Sequence[int], sizes: Sequence[int]
-                ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    def overlap(
+        self, offsets: Sequence[int], sizes: Sequence[int]
+    ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """The intersection with the region ``offsets``/``sizes`` as (start, stop) per
         dimension, in logical coordinates; None when they do not meet."""
         lo = tuple(max(a, b) for a, b in zip(self.offsets, offsets, strict=True))
-        hi = tuple(min(a + n, b + m) for a, n, b, m in zip(self.offsets, self.sizes, offsets,
-                                                          sizes, strict=True))
+        hi = tuple(
+            min(a + n, b + m)
+            for a, n, b, m in zip(self.offsets, self.sizes, offsets, sizes, strict=True)
+        )
         if any(h <= ll for ll, h in zip(lo, hi, strict=True)):
             return None
         return lo, hi
@@ -143,24 +146,34 @@ def merge_shard_maps(maps: Iterable[tuple[str, Any]]) -> dict[str, LogicalArray]
             for path, a in m["arrays"].items():
                 kind = (str(a["dtype"]), tuple(int(s) for s in a["shape"]))
                 if dtypes.setdefault(path, kind) != kind:
-                    raise CorruptRunError(f"{where}: logical array {path!r} is {kind} here and "
-                                          f"{dtypes[path]} in another shard map")
+                    raise CorruptRunError(
+                        f"{where}: logical array {path!r} is {kind} here and "
+                        f"{dtypes[path]} in another shard map"
+                    )
                 if "boxes" in a:
                     boxes.setdefault(path, []).extend(
                         Box(str(b[0]), tuple(int(o) for o in b[1]), tuple(int(n) for n in b[2]))
-                        for b in a["boxes"])
+                        for b in a["boxes"]
+                    )
                 else:
                     pieces.setdefault(path, []).extend(
-                        Piece(str(p[0]), int(p[1]), int(p[2]), int(p[3])) for p in a["pieces"])
+                        Piece(str(p[0]), int(p[1]), int(p[2]), int(p[3])) for p in a["pieces"]
+                    )
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise CorruptRunError(f"{where}: malformed shard map ({e!r})") from None
     both = set(pieces) & set(boxes)
     if both:
         raise CorruptRunError(f"logical array {sorted(both)[0]!r} has both pieces and boxes")
-    return {path: LogicalArray(path, dtypes[path][0], dtypes[path][1],
-                               tuple(sorted(pieces.get(path, ()), key=lambda p: p.dst_start)),
-                               tuple(sorted(boxes.get(path, ()), key=lambda b: b.offsets)))
-            for path in dtypes}
+    return {
+        path: LogicalArray(
+            path,
+            dtypes[path][0],
+            dtypes[path][1],
+            tuple(sorted(pieces.get(path, ()), key=lambda p: p.dst_start)),
+            tuple(sorted(boxes.get(path, ()), key=lambda b: b.offsets)),
+        )
+        for path in dtypes
+    }
 
 
 def _check_boxes(a: LogicalArray, table: Mapping[str, Any], where: str) -> None:
@@ -168,24 +181,29 @@ def _check_boxes(a: LogicalArray, table: Mapping[str, Any], where: str) -> None:
     for i, b in enumerate(a.boxes):
         src = table.get(b.source)
         if src is None:
-            raise CorruptRunError(f"{where}: {a.path!r} has a box in {b.source!r}, which this "
-                                  "commit does not hold")
+            raise CorruptRunError(
+                f"{where}: {a.path!r} has a box in {b.source!r}, which this commit does not hold"
+            )
         if src.dtype != a.dtype or tuple(src.shape) != b.sizes:
-            raise CorruptRunError(f"{where}: box source {b.source!r} is {src.dtype}"
-                                  f"{tuple(src.shape)}, not {a.dtype}{b.sizes}")
+            raise CorruptRunError(
+                f"{where}: box source {b.source!r} is {src.dtype}"
+                f"{tuple(src.shape)}, not {a.dtype}{b.sizes}"
+            )
         if len(b.offsets) != len(a.shape) or any(
-                o < 0 or n <= 0 or o + n > s for o, n, s in zip(b.offsets, b.sizes, a.shape,
-                                                               strict=True)):
-            raise CorruptRunError(f"{where}: box {b} of {a.path!r} is out of its bounds "
-                                  f"{a.shape}")
+            o < 0 or n <= 0 or o + n > s
+            for o, n, s in zip(b.offsets, b.sizes, a.shape, strict=True)
+        ):
+            raise CorruptRunError(f"{where}: box {b} of {a.path!r} is out of its bounds {a.shape}")
         for other in a.boxes[:i]:
             if b.overlap(other.offsets, other.sizes) is not None:
-                raise CorruptRunError(f"{where}: boxes {other.source!r} and {b.source!r} of "
-                                      f"{a.path!r} overlap")
+                raise CorruptRunError(
+                    f"{where}: boxes {other.source!r} and {b.source!r} of {a.path!r} overlap"
+                )
         total += math.prod(b.sizes)
     if total != a.numel:
-        raise CorruptRunError(f"{where}: the boxes of {a.path!r} cover {total} of its "
-                              f"{a.numel} elements")
+        raise CorruptRunError(
+            f"{where}: the boxes of {a.path!r} cover {total} of its {a.numel} elements"
+        )
 
 
 def _check(a: LogicalArray, table: Mapping[str, Any], where: str) -> None:
@@ -196,25 +214,34 @@ def _check(a: LogicalArray, table: Mapping[str, Any], where: str) -> None:
     for p in a.pieces:
         src = table.get(p.source)
         if src is None:
-            raise CorruptRunError(f"{where}: {a.path!r} has a piece in {p.source!r}, which this "
-                                  "commit does not hold")
+            raise CorruptRunError(
+                f"{where}: {a.path!r} has a piece in {p.source!r}, which this commit does not hold"
+            )
         if src.dtype != a.dtype or len(src.shape) != 1:
-            raise CorruptRunError(f"{where}: piece source {p.source!r} is {src.dtype}"
-                                  f"{tuple(src.shape)}, not a 1-d {a.dtype} array")
+            raise CorruptRunError(
+                f"{where}: piece source {p.source!r} is {src.dtype}"
+                f"{tuple(src.shape)}, not a 1-d {a.dtype} array"
+            )
         if p.length <= 0 or p.src_start < 0 or p.src_start + p.length > src.shape[0]:
-            raise CorruptRunError(f"{where}: piece {p} of {a.path!r} is out of its source's "
-                                  f"bounds ({src.shape[0]} elements)")
+            raise CorruptRunError(
+                f"{where}: piece {p} of {a.path!r} is out of its source's "
+                f"bounds ({src.shape[0]} elements)"
+            )
         if p.dst_start != pos:
-            raise CorruptRunError(f"{where}: the pieces of {a.path!r} leave a gap or overlap at "
-                                  f"element {min(pos, p.dst_start)}")
+            raise CorruptRunError(
+                f"{where}: the pieces of {a.path!r} leave a gap or overlap at "
+                f"element {min(pos, p.dst_start)}"
+            )
         pos += p.length
     if pos != a.numel:
-        raise CorruptRunError(f"{where}: the pieces of {a.path!r} cover {pos} of its "
-                              f"{a.numel} elements")
+        raise CorruptRunError(
+            f"{where}: the pieces of {a.path!r} cover {pos} of its {a.numel} elements"
+        )
 
 
-def logical_arrays(reader: Reader, header: CommitHeader,
-                   table: Mapping[str, Any] | None = None) -> dict[str, LogicalArray]:
+def logical_arrays(
+    reader: Reader, header: CommitHeader, table: Mapping[str, Any] | None = None
+) -> dict[str, LogicalArray]:
     """Every logical array of a commit (empty when it has no shard maps), validated against
     the commit's arrays ``table`` (default: ``reader.arrays(header)``)."""
     names = sorted(n for n in header.objects if n.startswith(SHARDS_PREFIX))
@@ -231,8 +258,9 @@ def logical_arrays(reader: Reader, header: CommitHeader,
     return out
 
 
-def read_logical(reader: Reader, header: CommitHeader, a: LogicalArray, start: int = 0,
-                 stop: int | None = None) -> np.ndarray:
+def read_logical(
+    reader: Reader, header: CommitHeader, a: LogicalArray, start: int = 0, stop: int | None = None
+) -> np.ndarray:
     """Elements ``[start, stop)`` of the flattened logical array, reading only the chunks of
     the pieces (or boxes) that hold them (numpy, the stored dtype; bfloat16 as
     ``ml_dtypes``)."""
@@ -244,21 +272,27 @@ def read_logical(reader: Reader, header: CommitHeader, a: LogicalArray, start: i
         shape = a.shape or (1,)
         row = math.prod(shape[1:])
         r0, r1 = start // row, -(-stop // row)
-        rows = _read_boxes(reader, header, a, (r0, *(0,) * (len(shape) - 1)),
-                           (r1 - r0, *shape[1:])).reshape(-1)
-        return rows[start - r0 * row: stop - r0 * row]
+        rows = _read_boxes(
+            reader, header, a, (r0, *(0,) * (len(shape) - 1)), (r1 - r0, *shape[1:])
+        ).reshape(-1)
+        return rows[start - r0 * row : stop - r0 * row]
     out = np.empty(max(0, stop - start), dtype=numpy_dtype(a.dtype))
     for p in a.pieces:
         lo, hi = max(start, p.dst_start), min(stop, p.dst_start + p.length)
         if lo >= hi:
             continue
         s = p.src_start + (lo - p.dst_start)
-        out[lo - start: hi - start] = reader.read_rows(header, p.source, s, s + (hi - lo))
+        out[lo - start : hi - start] = reader.read_rows(header, p.source, s, s + (hi - lo))
     return out
 
 
-def _read_boxes(reader: Reader, header: CommitHeader, a: LogicalArray, offsets: Sequence[int],
-                sizes: Sequence[int]) -> np.ndarray:
+def _read_boxes(
+    reader: Reader,
+    header: CommitHeader,
+    a: LogicalArray,
+    offsets: Sequence[int],
+    sizes: Sequence[int],
+) -> np.ndarray:
     out = np.empty(tuple(sizes), dtype=numpy_dtype(a.dtype))
     filled = 0
     for b in a.boxes:
@@ -267,19 +301,33 @@ def _read_boxes(reader: Reader, header: CommitHeader, a: LogicalArray, offsets: 
             continue
         lo, hi = hit
         rows = reader.read_rows(header, b.source, lo[0] - b.offsets[0], hi[0] - b.offsets[0])
-        src = rows[(slice(None), *(slice(ll - o, h - o) for ll, h, o in zip(
-            lo[1:], hi[1:], b.offsets[1:], strict=True)))]
+        src = rows[
+            (
+                slice(None),
+                *(
+                    slice(ll - o, h - o)
+                    for ll, h, o in zip(lo[1:], hi[1:], b.offsets[1:], strict=True)
+                ),
+            )
+        ]
         out[tuple(slice(ll - o, h - o) for ll, h, o in zip(lo, hi, offsets, strict=True))] = src
         filled += src.size
     if filled != out.size:
-        raise CorruptRunError(f"step {getattr(header, 'step', '?')}: the boxes of {a.path!r} "
-                              f"cover {filled} of the {out.size} elements asked for")
+        raise CorruptRunError(
+            f"step {getattr(header, 'step', '?')}: the boxes of {a.path!r} "
+            f"cover {filled} of the {out.size} elements asked for"
+        )
     return out
 
 
-def read_region(reader: Reader, header: CommitHeader, path: str, offsets: Sequence[int],
-                sizes: Sequence[int], logical: Mapping[str, LogicalArray] | None = None
-                ) -> np.ndarray:
+def read_region(
+    reader: Reader,
+    header: CommitHeader,
+    path: str,
+    offsets: Sequence[int],
+    sizes: Sequence[int],
+    logical: Mapping[str, LogicalArray] | None = None,
+) -> np.ndarray:
     """The box ``offsets``/``sizes`` of the tensor ``path`` of a commit, whether it is stored
     whole or as a logical array of ``logical`` (``logical_arrays(reader, header)``): a rank's
     local shard on resume, reading only the chunks that overlap it (numpy, stored dtype).
@@ -291,8 +339,9 @@ def read_region(reader: Reader, header: CommitHeader, path: str, offsets: Sequen
         if not sizes:
             return np.asarray(reader.read_array(header, path))
         rows = reader.read_rows(header, path, offsets[0], offsets[0] + sizes[0])
-        box: np.ndarray = rows[(slice(None), *(slice(o, o + n) for o, n in zip(
-            offsets[1:], sizes[1:], strict=True)))]
+        box: np.ndarray = rows[
+            (slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:], strict=True)))
+        ]
         return box
     if a.boxes:
         return _read_boxes(reader, header, a, offsets, sizes)
@@ -302,5 +351,6 @@ def read_region(reader: Reader, header: CommitHeader, path: str, offsets: Sequen
     row = math.prod(shape[1:])
     block = read_logical(reader, header, a, offsets[0] * row, (offsets[0] + sizes[0]) * row)
     block = block.reshape(sizes[0], *shape[1:])
-    return block[(slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:],
-                                                                  strict=True)))]
+    return block[
+        (slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:], strict=True)))
+    ]

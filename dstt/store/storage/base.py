@@ -10,6 +10,7 @@ atomic and durable; ``barrier`` is a no-op).
 Rejected alternative: the commit protocol calling ``os``/``fsync`` directly — the memory fake
 could then not cut power at every write, and no other backend could follow.
 """
+
 from __future__ import annotations
 
 import errno
@@ -28,7 +29,7 @@ __all__ = ["Blob", "Data", "Durability", "Storage", "as_parts", "missing"]
 Durability = Literal["fsync", "syncfs", "none"]
 Buffer: TypeAlias = "bytes | bytearray | memoryview"
 #: a value to write: one buffer, or several written back to back (no concatenation copy)
-Data: TypeAlias = ("bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]")
+Data: TypeAlias = "bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]"
 
 
 def as_parts(data: Data) -> list[memoryview]:
@@ -69,8 +70,7 @@ class _BufferedBlob(Blob):
         self._done = False
 
     def write_at(self, offset: int, data: Data, *, raw: bool = False) -> None:
-        views: Sequence[bytes | bytearray | memoryview] = (
-            data if raw else as_parts(data))  # type: ignore[assignment]
+        views: Sequence[bytes | bytearray | memoryview] = data if raw else as_parts(data)  # type: ignore[assignment]
         with self._mu:
             for view in views:
                 end = offset + len(view)
@@ -158,5 +158,6 @@ class Storage(ABC):
 
 
 def missing(location: str, key: str) -> MissingFileError:
-    return MissingFileError(errno.ENOENT, f"missing file {key!r} in {location}",
-                            f"{location}/{key}")
+    return MissingFileError(
+        errno.ENOENT, f"missing file {key!r} in {location}", f"{location}/{key}"
+    )

@@ -37,25 +37,36 @@ _MADE_DIRS_KEPT = 4096
 class LocalStorage(Storage):
     """A run directory on a POSIX filesystem."""
 
-    def __init__(self, root: str | os.PathLike[str], *, durability: Durability = "syncfs",
-                 create: bool = False) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        durability: Durability = "syncfs",
+        create: bool = False,
+    ) -> None:
         self.root = Path(root)
         self.location = str(self.root)
         self.durability = durability
         if self.root.exists() and not self.root.is_dir():
-            raise NotARunError(f"{self.root} is a file, not a run: a run is a directory; "
-                               "pass the run's folder, or a new path to start one")
+            raise NotARunError(
+                f"{self.root} is a file, not a run: a run is a directory; "
+                "pass the run's folder, or a new path to start one"
+            )
         if create:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
             except PermissionError as e:
                 raise ReadOnlyRunError(f"cannot create run directory {self.root}: {e}") from e
             except (FileExistsError, NotADirectoryError):  # a file above the run folder
-                raise NotARunError(f"cannot create run directory {self.root}: a parent of it "
-                                   "is a file, not a folder") from None
+                raise NotARunError(
+                    f"cannot create run directory {self.root}: a parent of it "
+                    "is a file, not a folder"
+                ) from None
         elif not self.root.is_dir():
-            raise NotARunError(f"no run directory at {self.root}; check the path (runs are "
-                               "created by dstt.session or Repository.create)")
+            raise NotARunError(
+                f"no run directory at {self.root}; check the path (runs are "
+                "created by dstt.session or Repository.create)"
+            )
         self._dirty_files: set[str] = set()
         self._dirty_dirs: set[str] = set()
         self._dirty_lock = threading.Lock()
@@ -106,8 +117,11 @@ class LocalStorage(Storage):
             return e
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             return ReadOnlyRunError(f"cannot {what} {key!r} in {self.location}: {e.strerror}")
-        return StorageError(e.errno, f"cannot {what} {key!r} in {self.location}: {e.strerror}",
-                            f"{self.location}/{key}")
+        return StorageError(
+            e.errno,
+            f"cannot {what} {key!r} in {self.location}: {e.strerror}",
+            f"{self.location}/{key}",
+        )
 
     # -- Storage -------------------------------------------------------------------------
     def read(self, key: str) -> bytes:
@@ -177,7 +191,6 @@ class LocalStorage(Storage):
                     fsync_dir(d)
         except OSError as e:
             raise self._io_error(e, "write", key) from e
-
 
     def open_blob(self, key: str) -> Blob:
         return _FileBlob(self, key)
@@ -273,8 +286,9 @@ class LocalStorage(Storage):
 
                 shutil.rmtree(path)
                 # forget the folders just removed, or a later write into them fails (ENOENT)
-                self._made_dirs = {d for d in self._made_dirs
-                                   if d != path and not d.startswith(path + os.sep)}
+                self._made_dirs = {
+                    d for d in self._made_dirs if d != path and not d.startswith(path + os.sep)
+                }
             else:
                 os.unlink(path)
         except FileNotFoundError:
@@ -335,9 +349,12 @@ class LocalStorage(Storage):
                     os.unlink(probe)
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):  # disk full, I/O error
-                raise StorageError(e.errno, f"cannot write to run directory {folder} "
-                                   f"({e.strerror}); free space or fix the device, then retry",
-                                   folder) from e
+                raise StorageError(
+                    e.errno,
+                    f"cannot write to run directory {folder} "
+                    f"({e.strerror}); free space or fix the device, then retry",
+                    folder,
+                ) from e
             raise ReadOnlyRunError(
                 f"run directory {folder} is not writable ({e.strerror}); "
                 "open it read-only with dstt.open() or choose another run path"

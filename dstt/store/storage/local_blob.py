@@ -47,8 +47,9 @@ class _FileBlob(Blob):
             self.parent, self.grown = storage._ensure_parent(self.path)
             if tmp is None:
                 self.tmp = f"{self.path}.tmp.{os.getpid()}.{id(self):x}"
-                self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                                              0o644)
+                self.fd: int | None = os.open(
+                    self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644
+                )
             else:
                 self.tmp = tmp
                 self.fd = os.open(tmp, os.O_WRONLY)
@@ -59,8 +60,7 @@ class _FileBlob(Blob):
         fd = self.fd
         if fd is None:
             raise ValueError(f"blob {self.key!r} is already published or discarded")
-        views: Sequence[bytes | bytearray | memoryview] = (
-            data if raw else as_parts(data))  # type: ignore[assignment]
+        views: Sequence[bytes | bytearray | memoryview] = data if raw else as_parts(data)  # type: ignore[assignment]
         try:
             pwrite_all(fd, views, offset)
         except OSError as e:

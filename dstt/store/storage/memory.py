@@ -69,8 +69,7 @@ class MemoryStorage(Storage):
     def pending(self) -> list[str]:
         """Keys written but not yet durable, by any handle (sorted)."""
         with self._mu:
-            return sorted({k for h in self._handles
-                           for k in h._pending if k in self.data})  # noqa: SLF001 - a handle
+            return sorted({k for h in self._handles for k in h._pending if k in self.data})  # noqa: SLF001 - a handle
 
     def read(self, key: str) -> bytes:
         try:
@@ -79,7 +78,7 @@ class MemoryStorage(Storage):
             raise missing(self.location, key) from None
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
-        return self.read(key)[start: start + length]
+        return self.read(key)[start : start + length]
 
     def write(self, key: str, data: Data) -> None:
         value = b"".join(bytes(p) for p in as_parts(data))
@@ -109,7 +108,7 @@ class MemoryStorage(Storage):
 
     def list(self, prefix: str) -> Iterator[str]:
         pre = f"{prefix}/" if prefix else ""
-        names = {k[len(pre):].split("/", 1)[0] for k in list(self.data) if k.startswith(pre)}
+        names = {k[len(pre) :].split("/", 1)[0] for k in list(self.data) if k.startswith(pre)}
         return iter(sorted(names))
 
     def delete(self, key: str) -> None:
@@ -201,10 +200,16 @@ class FaultyStorage(DelegatingStorage):
     to matching keys fail; ``fail_reads``: a regex for reads. ``heal()`` stops failing.
     """
 
-    def __init__(self, inner: Storage, *, fail_after_writes: int | None = None,
-                 fail_keys: str | None = None, fail_reads: str | None = None,
-                 errno: int = _errno.ENOSPC,
-                 on_write: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        inner: Storage,
+        *,
+        fail_after_writes: int | None = None,
+        fail_keys: str | None = None,
+        fail_reads: str | None = None,
+        errno: int = _errno.ENOSPC,
+        on_write: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__(inner)
         self.fail_after_writes = fail_after_writes
         self.fail_keys = re.compile(fail_keys) if fail_keys else None
@@ -227,11 +232,14 @@ class FaultyStorage(DelegatingStorage):
             self.writes += 1
             n = self.writes
         bad = (self.fail_after_writes is not None and n > self.fail_after_writes) or (
-            self.fail_keys is not None and self.fail_keys.search(key))
+            self.fail_keys is not None and self.fail_keys.search(key)
+        )
         if bad:
             self.failures += 1
-            raise StorageError(self.errno, f"cannot write {key!r} in {self.location}: "
-                               f"{os.strerror(self.errno)} (injected)")
+            raise StorageError(
+                self.errno,
+                f"cannot write {key!r} in {self.location}: {os.strerror(self.errno)} (injected)",
+            )
 
     def read(self, key: str) -> bytes:
         self._maybe_fail_read(key)

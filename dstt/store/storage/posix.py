@@ -66,7 +66,7 @@ def pwrite_all(fd: int, views: Sequence[bytes | bytearray | memoryview], offset:
     """Write byte buffers back to back at ``offset`` with ``pwritev`` (``IOV_MAX`` at a
     time), finishing short writes."""
     for i in range(0, len(views), _IOV_MAX):
-        batch = views[i:i + _IOV_MAX]
+        batch = views[i : i + _IOV_MAX]
         want = sum(map(len, batch))
         n = os.pwritev(fd, batch, offset)
         while n < want:  # a short write: finish the rest the slow way

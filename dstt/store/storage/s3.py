@@ -83,8 +83,14 @@ class S3Storage(Storage):
 
     supports_locking = True
 
-    def __init__(self, url: str, *, create: bool = False, guarded: Sequence[str] = DEFAULT_GUARDED,
-                 **storage_options: Any) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        create: bool = False,
+        guarded: Sequence[str] = DEFAULT_GUARDED,
+        **storage_options: Any,
+    ) -> None:
         self.url = url.rstrip("/")
         self.options = dict(storage_options)
         opts = self.options
@@ -96,10 +102,13 @@ class S3Storage(Storage):
         self.spool_dir = opts.get("spool_dir")
         self.guarded = tuple(guarded)
         self._cfg, self._allow_http = cfg, allow_http
-        self.store = S3Store(self.bucket, prefix=self.prefix or None, config=cfg,  # type: ignore[arg-type]
-                             client_options={"allow_http": allow_http},
-                             retry_config={"max_retries": 3,
-                                           "retry_timeout": timedelta(seconds=30)})
+        self.store = S3Store(
+            self.bucket,
+            prefix=self.prefix or None,
+            config=cfg,  # type: ignore[arg-type]
+            client_options={"allow_http": allow_http},
+            retry_config={"max_retries": 3, "retry_timeout": timedelta(seconds=30)},
+        )
         self._etags: dict[str, str] = {}
         self._mu = threading.Lock()
         self._lease: _S3Lease | None = None
@@ -115,8 +124,9 @@ class S3Storage(Storage):
         return any(key == g or (g.endswith("/") and key.startswith(g)) for g in self.guarded)
 
     def _error(self, e: Exception, what: str, key: str) -> StorageError:
-        return StorageError(5, f"cannot {what} {key!r} in {self.location}: {e}",
-                            f"{self.location}/{key}")
+        return StorageError(
+            5, f"cannot {what} {key!r} in {self.location}: {e}", f"{self.location}/{key}"
+        )
 
     def _check_lease(self) -> None:
         if self._lease is not None:
@@ -151,8 +161,9 @@ class S3Storage(Storage):
         store a trajectory's cost is round trips, one per step file."""
         if len(ranges) <= 1:
             return [self.read_range(k, start, n) for k, start, n in ranges]
-        with ThreadPoolExecutor(min(self.max_concurrency, len(ranges)),
-                                thread_name_prefix="dstt-s3-read") as ex:
+        with ThreadPoolExecutor(
+            min(self.max_concurrency, len(ranges)), thread_name_prefix="dstt-s3-read"
+        ) as ex:
             return list(ex.map(lambda r: self.read_range(*r), ranges))
 
     def write(self, key: str, data: Data) -> None:
@@ -179,7 +190,8 @@ class S3Storage(Storage):
             raise RunLockedError(
                 f"{key!r} in {self.location} was changed by another writer since this process "
                 "read it (a second writer, or one that took over an expired lease); nothing "
-                "was overwritten — reopen the run to see its current state") from None
+                "was overwritten — reopen the run to see its current state"
+            ) from None
         except Exception as e:
             raise self._error(e, "write", key) from e
         with self._mu:
@@ -225,8 +237,11 @@ class S3Storage(Storage):
         """Delete ``key`` and, as a folder, every key under it."""
         self._check_lease()
         try:
-            under = [m["path"] for batch in obstore.list(self.store, key.rstrip("/") + "/")
-                     for m in batch]
+            under = [
+                m["path"]
+                for batch in obstore.list(self.store, key.rstrip("/") + "/")
+                for m in batch
+            ]
             obstore.delete(self.store, [key, *under])
         except Exception as e:
             if not _is_missing(e):
@@ -256,12 +271,16 @@ class S3Storage(Storage):
             obstore.put(self.store, probe, b"x")
             obstore.delete(self.store, probe)
         except PermissionDeniedError as e:
-            raise ReadOnlyRunError(f"{self.location} is not writable with these credentials "
-                                   f"({e}); open it read-only with dstt.open()") from e
+            raise ReadOnlyRunError(
+                f"{self.location} is not writable with these credentials "
+                f"({e}); open it read-only with dstt.open()"
+            ) from e
         except Exception as e:
             if "NoSuchBucket" in str(e) or "bucket does not exist" in str(e):
-                raise NotARunError(f"bucket {self.bucket!r} of {self.location} does not exist; "
-                                   "create it first (dstt creates runs, not buckets)") from None
+                raise NotARunError(
+                    f"bucket {self.bucket!r} of {self.location} does not exist; "
+                    "create it first (dstt creates runs, not buckets)"
+                ) from None
             raise self._error(e, "write", probe) from e
 
     def remove_temporaries(self) -> int:
@@ -274,8 +293,9 @@ class S3Storage(Storage):
         while True:
             page = client.list_multipart_uploads(**kwargs)
             for up in page.get("Uploads", []):
-                client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"],
-                                              UploadId=up["UploadId"])
+                client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"]
+                )
                 n += 1
             if not page.get("IsTruncated"):
                 return n
@@ -286,7 +306,7 @@ class S3Storage(Storage):
         """Keys (relative to the run) of unfinished multipart uploads under this run."""
         pre = f"{self.prefix}/" if self.prefix else ""
         page = self._boto().list_multipart_uploads(Bucket=self.bucket, Prefix=pre)
-        return tuple(u["Key"][len(pre):] for u in page.get("Uploads", []))
+        return tuple(u["Key"][len(pre) :] for u in page.get("Uploads", []))
 
     def _boto(self) -> Any:  # noqa: ANN401 - a botocore client
         """A botocore client with this storage's configuration: obstore has no call to list
@@ -295,10 +315,13 @@ class S3Storage(Storage):
 
         cfg = self._cfg
         return botocore.session.get_session().create_client(
-            "s3", endpoint_url=cfg.get("endpoint"), region_name=cfg.get("region"),
+            "s3",
+            endpoint_url=cfg.get("endpoint"),
+            region_name=cfg.get("region"),
             aws_access_key_id=cfg.get("access_key_id"),
             aws_secret_access_key=cfg.get("secret_access_key"),
-            aws_session_token=cfg.get("session_token"))
+            aws_session_token=cfg.get("session_token"),
+        )
 
 
 def _rebuild(url: str, guarded: tuple[str, ...], options: dict[str, Any]) -> S3Storage:

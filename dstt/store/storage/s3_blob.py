@@ -45,14 +45,14 @@ class _S3Blob(Blob):
     def __init__(self, storage: SpoolOwner, key: str) -> None:
         self.storage, self.key = storage, key
         self._file: Any = tempfile.TemporaryFile(  # noqa: SIM115 - closed by publish/discard
-            dir=storage.spool_dir, prefix="dstt-blob-")
+            dir=storage.spool_dir, prefix="dstt-blob-"
+        )
 
     def write_at(self, offset: int, data: Data, *, raw: bool = False) -> None:
         f = self._file
         if f is None:
             raise ValueError(f"blob {self.key!r} is already published or discarded")
-        views: Sequence[bytes | bytearray | memoryview] = (
-            data if raw else as_parts(data))  # type: ignore[assignment]
+        views: Sequence[bytes | bytearray | memoryview] = data if raw else as_parts(data)  # type: ignore[assignment]
         pwrite_all(f.fileno(), views, offset)
 
     def publish(self, *, durable: bool = False) -> None:
@@ -68,8 +68,14 @@ class _S3Blob(Blob):
             if size <= st.chunk_size:
                 obstore.put(st.store, self.key, f.read())
             else:
-                obstore.put(st.store, self.key, f, use_multipart=True,
-                            chunk_size=st.chunk_size, max_concurrency=st.max_concurrency)
+                obstore.put(
+                    st.store,
+                    self.key,
+                    f,
+                    use_multipart=True,
+                    chunk_size=st.chunk_size,
+                    max_concurrency=st.max_concurrency,
+                )
         except (RunLockedError, StorageError):
             raise
         except Exception as e:

@@ -33,18 +33,25 @@ def _config(url: str, options: dict[str, Any]) -> tuple[str, str, dict[str, Any]
         raise NotARunError(f"{url!r} is not an s3://bucket/prefix URL")
     cfg: dict[str, Any] = {}
     env = os.environ
-    endpoint = options.get("endpoint") or env.get("AWS_ENDPOINT_URL_S3") or env.get(
-        "AWS_ENDPOINT_URL")
+    endpoint = (
+        options.get("endpoint") or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+    )
     if endpoint:
         cfg["endpoint"] = endpoint
-    for key, var in (("access_key_id", "AWS_ACCESS_KEY_ID"),
-                     ("secret_access_key", "AWS_SECRET_ACCESS_KEY"),
-                     ("session_token", "AWS_SESSION_TOKEN")):
+    for key, var in (
+        ("access_key_id", "AWS_ACCESS_KEY_ID"),
+        ("secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+        ("session_token", "AWS_SESSION_TOKEN"),
+    ):
         value = options.get(key) or env.get(var)
         if value:
             cfg[key] = value
-    cfg["region"] = (options.get("region") or env.get("AWS_REGION")
-                     or env.get("AWS_DEFAULT_REGION") or "us-east-1")
+    cfg["region"] = (
+        options.get("region")
+        or env.get("AWS_REGION")
+        or env.get("AWS_DEFAULT_REGION")
+        or "us-east-1"
+    )
     allow = options.get("allow_http")
     if allow is None:
         allow = env.get("AWS_ALLOW_HTTP", "").lower() in _TRUE

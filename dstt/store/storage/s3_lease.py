@@ -53,9 +53,15 @@ class _S3Lease:
         self._mu = threading.Lock()
 
     def _record(self, expires: float) -> bytes:
-        return json.dumps({"owner": self.owner, "pid": os.getpid(),
-                           "host": socket.gethostname(), "expires": expires,
-                           "ttl": self.ttl}).encode()
+        return json.dumps(
+            {
+                "owner": self.owner,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "expires": expires,
+                "ttl": self.ttl,
+            }
+        ).encode()
 
     def _put(self, mode: Any, expires: float | None = None) -> None:  # noqa: ANN401 - obstore's put mode
         t0 = time.monotonic()
@@ -90,15 +96,17 @@ class _S3Lease:
                     f"run {st.location} is locked by another writer (pid={held.get('pid')} "
                     f"host={held.get('host')}; its lease expires in "
                     f"{expires - time.time():.0f} s unless renewed); stop that process or open "
-                    "the run read-only with dstt.open()")
+                    "the run read-only with dstt.open()"
+                )
             try:  # expired: take it over; of two takers only one matches the ETag
                 self._put({"e_tag": etag})
                 break
             except PreconditionError:
                 continue
         else:
-            raise RunLockedError(f"run {st.location}: another writer took the lease at the same "
-                                 "time; retry")
+            raise RunLockedError(
+                f"run {st.location}: another writer took the lease at the same time; retry"
+            )
         self._thread = threading.Thread(target=self._beat, name="dstt-lease", daemon=True)
         self._thread.start()
 
@@ -119,7 +127,8 @@ class _S3Lease:
             raise RunLockedError(
                 f"this writer lost its lease on {self.storage.location} (not renewed within "
                 f"{self.ttl:.0f} s, or taken over by another writer); it writes nothing more — "
-                "reopen the run to continue")
+                "reopen the run to continue"
+            )
 
     def release(self) -> None:
         self._stop.set()

@@ -27,8 +27,9 @@ def is_url(path: object) -> bool:
     return isinstance(path, str) and path.lower().startswith(_SCHEMES)
 
 
-def storage_for(path: str | os.PathLike[str], *, create: bool = False,
-                **storage_options: Any) -> Storage:
+def storage_for(
+    path: str | os.PathLike[str], *, create: bool = False, **storage_options: Any
+) -> Storage:
     """The storage of the run at ``path``: an ``S3Storage`` for ``s3://bucket/prefix``
     (``storage_options`` as documented there, the ``AWS_*`` environment filling the rest),
     else a ``LocalStorage`` (``storage_options``: ``durability``)."""
@@ -36,7 +37,8 @@ def storage_for(path: str | os.PathLike[str], *, create: bool = False,
         try:
             from .s3 import S3Storage  # optional dependency (obstore): the s3 extra
         except ImportError as e:
-            raise ImportError(f"{path} is an object-store run, which needs obstore: "
-                              "pip install 'dstt[s3]'") from e
+            raise ImportError(
+                f"{path} is an object-store run, which needs obstore: pip install 'dstt[s3]'"
+            ) from e
         return S3Storage(str(path), create=create, **storage_options)
     return LocalStorage(path, create=create, **storage_options)

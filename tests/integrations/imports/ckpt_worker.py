@@ -85,10 +85,13 @@ def run_dcp(out: Path, rank: int, world: int) -> None:
         if k < 2:
             continue
         msd, osd = get_state_dict(net, opt)
-        dcp.save({"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(),
-                  "step": k}, checkpoint_id=str(out / f"step-{k}"))
-        full = get_state_dict(net, opt, options=StateDictOptions(full_state_dict=True,
-                                                                 cpu_offload=True))
+        dcp.save(
+            {"model": msd, "optimizer": osd, "lr_scheduler": sched.state_dict(), "step": k},
+            checkpoint_id=str(out / f"step-{k}"),
+        )
+        full = get_state_dict(
+            net, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         if rank == 0:
             torch.save({"model": full[0], "optimizer": full[1]}, out / f"ref-{k}.pt")
     if world > 1:
@@ -111,8 +114,9 @@ def run_dcpload(out: Path, rank: int, world: int, src: str) -> None:
     state = {"model": msd, "optimizer": osd}
     dcp.load(state, checkpoint_id=src)
     set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    full = get_state_dict(net, opt, options=StateDictOptions(full_state_dict=True,
-                                                             cpu_offload=True))
+    full = get_state_dict(
+        net, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if rank == 0:
         torch.save({"model": full[0], "optimizer": full[1]}, out / "loaded.pt")
     if world > 1:
@@ -128,8 +132,12 @@ def run_ds(out: Path, rank: int, world: int) -> None:
         torch.manual_seed(0)
         net = Net()
         opt = torch.optim.AdamW(groups(net), lr=1e-2)
-        cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9,
-               "zero_optimization": {"stage": stage}, "wall_clock_breakdown": False}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 4,
+            "steps_per_print": 10**9,
+            "zero_optimization": {"stage": stage},
+            "wall_clock_breakdown": False,
+        }
         engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=cfg)
         for k in range(1, 4):
             x, y = batch(k, rank)
@@ -145,9 +153,10 @@ def run_ds(out: Path, rank: int, world: int) -> None:
                 engine.optimizer._lazy_init_hp_params_optimizer_state()
             ref = {}
             for name, p in engine.module.named_parameters():
-                ref[name] = {"fp32": safe_get_full_fp32_param(p),
-                             **{s: safe_get_full_optimizer_state(p, s)
-                                for s in ("exp_avg", "exp_avg_sq")}}
+                ref[name] = {
+                    "fp32": safe_get_full_fp32_param(p),
+                    **{s: safe_get_full_optimizer_state(p, s) for s in ("exp_avg", "exp_avg_sq")},
+                }
             if rank == 0:
                 torch.save(ref, out / f"ref-z{stage}-{k}.pt")
 

@@ -47,8 +47,9 @@ def multirank(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pa
     finally:
         if shm.is_dir():  # DeepSpeed's shared-memory files for our ports
             for p in shm.iterdir():
-                if p.name not in before and ("deepspeed" in p.name
-                                             or any(f"_{port}" in p.name for port in ports)):
+                if p.name not in before and (
+                    "deepspeed" in p.name or any(f"_{port}" in p.name for port in ports)
+                ):
                     with contextlib.suppress(OSError):
                         p.unlink()
 
@@ -69,8 +70,7 @@ def hf_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_reference(hf_checkpoints: Path, tmp_path_factory: pytest.TempPathFactory
-                 ) -> dict[str, Any]:
+def hf_reference(hf_checkpoints: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The Trainer's own resume from ``checkpoint-4`` to step 6: losses, final state hash."""
     from hf_setup import Recorder, state_hash
     from imports_setup import hf_trainer
@@ -95,8 +95,15 @@ def lightning_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     out = tmp_path_factory.mktemp("pl") / "ckpts"
     ck = ModelCheckpoint(dirpath=str(out), every_n_train_steps=2, save_top_k=-1)
-    t = Trainer(max_steps=6, accelerator="cpu", devices=1, logger=False,
-                enable_progress_bar=False, enable_model_summary=False,
-                num_sanity_val_steps=0, callbacks=[ck])
+    t = Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[ck],
+    )
     t.fit(model(), loader())
     return out

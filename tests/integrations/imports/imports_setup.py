@@ -31,13 +31,27 @@ def spawn(kind: str, world: int, out: Path, ports: list[int], *args: str) -> Non
     ports.append(port)
     procs = []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "DS_ACCELERATOR": "cpu", "DS_BUILD_OPS": "0", "DSTT_TEST_HANG_S": str(TIMEOUT),
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "DS_ACCELERATOR": "cpu",
+            "DS_BUILD_OPS": "0",
+            "DSTT_TEST_HANG_S": str(TIMEOUT),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
         log = open(out / f"log.r{rank}", "wb")  # noqa: SIM115 - closed with the process
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), kind, str(out), *args], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), kind, str(out), *args],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
     deadline = time.monotonic() + TIMEOUT
     for p in procs:
         try:
@@ -56,14 +70,26 @@ def _hf_args(out: Path, **kw: Any) -> Any:
     from transformers import TrainingArguments
 
     return TrainingArguments(
-        output_dir=str(out), max_steps=6, per_device_train_batch_size=4, logging_steps=1,
-        learning_rate=3e-3, warmup_steps=2, weight_decay=0.1, report_to=[], use_cpu=True,
-        disable_tqdm=True, seed=0, dataloader_num_workers=0, **kw)
+        output_dir=str(out),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        learning_rate=3e-3,
+        warmup_steps=2,
+        weight_decay=0.1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+        **kw,
+    )
 
 
 def hf_trainer(out: Path, callbacks: list[Any], **kw: Any) -> Any:
     from hf_setup import dataset, tiny_gpt2
     from transformers import Trainer
 
-    return Trainer(model=tiny_gpt2(), args=_hf_args(out, **kw), train_dataset=dataset(),
-                   callbacks=callbacks)
+    return Trainer(
+        model=tiny_gpt2(), args=_hf_args(out, **kw), train_dataset=dataset(), callbacks=callbacks
+    )

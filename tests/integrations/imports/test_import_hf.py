@@ -39,8 +39,13 @@ def imported(hf_checkpoints: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def _load(path: Path) -> Any:
     with torch.serialization.safe_globals(
-            [np._core.multiarray._reconstruct, np.ndarray, np.dtype,  # the Trainer's own list
-             type(np.dtype(np.uint32))]):
+        [
+            np._core.multiarray._reconstruct,
+            np.ndarray,
+            np.dtype,  # the Trainer's own list
+            type(np.dtype(np.uint32)),
+        ]
+    ):
         return torch.load(path, weights_only=True)
 
 
@@ -61,10 +66,12 @@ def test_every_checkpoint_is_its_step_bit_exact(hf_checkpoints: Path, imported: 
         osd = torch.load(src / "optimizer.pt", weights_only=True)
         got = sd["optimizer"]
         assert [len(g["params"]) for g in got["param_groups"]] == [
-            len(g["params"]) for g in osd["param_groups"]]
+            len(g["params"]) for g in osd["param_groups"]
+        ]
         for g_got, g_src in zip(got["param_groups"], osd["param_groups"], strict=True):
             assert {h: v for h, v in g_got.items() if h != "params"} == {
-                h: v for h, v in g_src.items() if h != "params"}
+                h: v for h, v in g_src.items() if h != "params"
+            }
         assert set(got["state"]) == set(osd["state"])
         for i, st in osd["state"].items():
             for key, v in st.items():
@@ -89,8 +96,9 @@ def test_log_history_is_the_runs_metrics(hf_checkpoints: Path, imported: Path) -
     want = {e["step"]: e["loss"] for e in state["log_history"] if "loss" in e}
     assert sorted(want) == [1, 2, 3, 4, 5, 6]
     got = dstt.open(imported).metrics()
-    assert {int(s): float(v) for s, v in zip(got["step"].values, got["loss"].values,
-                                             strict=True)} == want
+    assert {
+        int(s): float(v) for s, v in zip(got["step"].values, got["loss"].values, strict=True)
+    } == want
     heads = Repository.open(imported).reader().lineage()
     assert [h.metrics["loss"] for h in heads] == [want[2], want[4], want[6]]
 
@@ -120,7 +128,8 @@ def test_every_view_works_on_an_imported_run(imported: Path, tmp_path: Path) -> 
 
 
 def test_resume_from_an_imported_step_matches_the_trainers_own_resume(
-        imported: Path, hf_reference: dict[str, Any], tmp_path: Path) -> None:
+    imported: Path, hf_reference: dict[str, Any], tmp_path: Path
+) -> None:
     """The flagship: rollback to 4 in the imported run, then the Trainer resumes from it
     through ``DsttCallback`` — the same losses and the same final state, bit for bit, as
     ``resume_from_checkpoint="checkpoint-4"``."""
@@ -159,7 +168,9 @@ def test_reimport_imports_only_new_checkpoints(hf_checkpoints: Path, tmp_path: P
     again = import_checkpoints(src, run)
     assert [i.step for i in again.imported] == [6]
     assert [(s.step, s.reason, s.problem) for s in again.skipped] == [
-        (2, "already imported", False), (4, "already imported", False)]
+        (2, "already imported", False),
+        (4, "already imported", False),
+    ]
     assert again.ok
     assert dstt.open(run).steps == [2, 4, 6]
     # steps between 4 and 6 came with step 6's history, once
@@ -167,8 +178,9 @@ def test_reimport_imports_only_new_checkpoints(hf_checkpoints: Path, tmp_path: P
     assert list(m["step"].values) == [1, 2, 3, 4, 5, 6]
 
 
-def test_a_truncated_checkpoint_is_reported_and_skipped(hf_checkpoints: Path,
-                                                        tmp_path: Path) -> None:
+def test_a_truncated_checkpoint_is_reported_and_skipped(
+    hf_checkpoints: Path, tmp_path: Path
+) -> None:
     src = tmp_path / "out"
     shutil.copytree(hf_checkpoints, src)
     weights = src / "checkpoint-4" / "model.safetensors"

@@ -31,8 +31,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_dcp_folders_import_bit_exact(multirank: dict[str, Path], tmp_path: Path,
-                                      world: int) -> None:
+def test_dcp_folders_import_bit_exact(
+    multirank: dict[str, Path], tmp_path: Path, world: int
+) -> None:
     src = multirank[f"dcp{world}"]
     report = import_checkpoints(src, tmp_path / "run")
     assert [i.step for i in report.imported] == [2, 3]
@@ -47,16 +48,18 @@ def test_dcp_folders_import_bit_exact(multirank: dict[str, Path], tmp_path: Path
             assert _same(sd["model"][name], t), (k, name)
         groups = run.at(k).object("optim/param_groups")
         names = [n for g in groups for n in g["params"]]
-        assert [g["params"] for g in groups] == [g["params"] for g in ref["optimizer"][
-            "param_groups"]]
+        assert [g["params"] for g in groups] == [
+            g["params"] for g in ref["optimizer"]["param_groups"]
+        ]
         for i, name in enumerate(names):
             for key, v in ref["optimizer"]["state"][name].items():
                 assert _same(sd["optimizer"]["state"][i][key], v), (k, name, key)
         assert sd["scheduler"]["last_epoch"] == k
 
 
-def test_resume_from_an_imported_dcp_step_matches_dcp_load(multirank: dict[str, Path],
-                                                           tmp_path: Path) -> None:
+def test_resume_from_an_imported_dcp_step_matches_dcp_load(
+    multirank: dict[str, Path], tmp_path: Path
+) -> None:
     import torch.distributed.checkpoint as dcp
     from ckpt_worker import Net, batch, groups
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -74,22 +77,24 @@ def test_resume_from_an_imported_dcp_step_matches_dcp_load(multirank: dict[str, 
 
     def state(net: torch.nn.Module, opt: torch.optim.Optimizer) -> list[bytes]:
         out = [t.detach().numpy().tobytes() for t in net.state_dict().values()]
-        return out + [v.numpy().tobytes() for st in opt.state_dict()["state"].values()
-                      for v in st.values()]
+        return out + [
+            v.numpy().tobytes() for st in opt.state_dict()["state"].values() for v in st.values()
+        ]
 
     src = multirank["dcp1"] / "step-2"
     net, opt = fresh(5)  # DCP's own resume
     msd, osd = get_state_dict(net, opt)
     loaded = {"model": msd, "optimizer": osd}
     dcp.load(loaded, checkpoint_id=str(src))
-    set_state_dict(net, opt, model_state_dict=loaded["model"],
-                   optim_state_dict=loaded["optimizer"])
+    set_state_dict(net, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
     train(net, opt)
     want = state(net, opt)
     import_checkpoints(src, tmp_path / "run")
     net, opt = fresh(6)
-    with pytest.warns(dstt.DsttWarning, match="no RNG state"), \
-            dstt.session(net, opt, run=tmp_path / "run", resume=True) as s:
+    with (
+        pytest.warns(dstt.DsttWarning, match="no RNG state"),
+        dstt.session(net, opt, run=tmp_path / "run", resume=True) as s,
+    ):
         assert s.step == 2
         train(net, opt)
     assert state(net, opt) == want
@@ -97,8 +102,9 @@ def test_resume_from_an_imported_dcp_step_matches_dcp_load(multirank: dict[str, 
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_tags_import_bit_exact(multirank: dict[str, Path], tmp_path: Path,
-                                         world: int, stage: int) -> None:
+def test_deepspeed_tags_import_bit_exact(
+    multirank: dict[str, Path], tmp_path: Path, world: int, stage: int
+) -> None:
     src = multirank[f"ds{world}"]
     report = import_checkpoints(src / f"z{stage}", tmp_path / "run")
     assert [i.step for i in report.imported] == [2, 3]
@@ -122,8 +128,9 @@ def test_deepspeed_tags_import_bit_exact(multirank: dict[str, Path], tmp_path: P
         assert extra["dp_world_size"] == world
 
 
-def test_a_deepspeed_tag_missing_a_rank_is_skipped(multirank: dict[str, Path],
-                                                   tmp_path: Path) -> None:
+def test_a_deepspeed_tag_missing_a_rank_is_skipped(
+    multirank: dict[str, Path], tmp_path: Path
+) -> None:
     src = tmp_path / "z2"
     shutil.copytree(multirank["ds2"] / "z2", src)
     (src / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
@@ -135,8 +142,9 @@ def test_a_deepspeed_tag_missing_a_rank_is_skipped(multirank: dict[str, Path],
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_dcp_export_loads_into_any_world_size(multirank: dict[str, Path], tmp_path: Path,
-                                              world: int) -> None:
+def test_dcp_export_loads_into_any_world_size(
+    multirank: dict[str, Path], tmp_path: Path, world: int
+) -> None:
     from imports_setup import spawn
 
     src = multirank["dcp2"]

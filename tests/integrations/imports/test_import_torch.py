@@ -71,8 +71,15 @@ def _train(out: Path, steps: int = 6, frozen: bool = False) -> None:
     for k in range(1, steps + 1):
         _step(model, opt, sched, k)
         if k % 2 == 0:
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                        "scheduler": sched.state_dict(), "step": k}, out / f"step_{k:05d}.pt")
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "step": k,
+                },
+                out / f"step_{k:05d}.pt",
+            )
 
 
 def _state(model: Any, opt: Any) -> list[bytes]:
@@ -126,8 +133,10 @@ def test_resume_from_an_imported_file_matches_torch_load(files: Path, tmp_path: 
     import_checkpoints(files, run)
     dstt.open(run).rollback(to=4)
     model, opt, sched = _parts(seed=2)
-    with pytest.warns(DsttWarning, match=r"holds no RNG state"), \
-            dstt.session(model, opt, run=run, scheduler=sched, resume=True) as s:
+    with (
+        pytest.warns(DsttWarning, match=r"holds no RNG state"),
+        dstt.session(model, opt, run=run, scheduler=sched, resume=True) as s,
+    ):
         assert s.step == 4
         for k in (5, 6):
             _step(model, opt, sched, k)
@@ -140,8 +149,10 @@ def test_resume_without_optimizer_state_says_what_the_source_lacked(tmp_path: Pa
     torch.save(model.state_dict(), tmp_path / "step_3.pt")  # weights only
     import_checkpoints(tmp_path / "step_3.pt", tmp_path / "run")
     want = r"imported from .*step_3\.pt \(torch\), which holds no optimizer state.*load_into"
-    with pytest.raises(SchemaError, match=want), \
-            dstt.session(model, opt, run=tmp_path / "run", resume=True):
+    with (
+        pytest.raises(SchemaError, match=want),
+        dstt.session(model, opt, run=tmp_path / "run", resume=True),
+    ):
         pass
     snap = dstt.open(tmp_path / "run").at(3)  # what it says to do works
     fresh, _, _ = _parts(seed=3)
@@ -167,8 +178,9 @@ def test_a_step_that_fails_while_written_is_never_half_committed(tmp_path: Path)
     good = {"a": torch.arange(6.0), "b": torch.ones(3)}
     torch.save(good, src / "step_1.pt")
     # "a" is written before "z" is refused (dstt stores no complex tensors)
-    torch.save({"a": torch.arange(6.0) + 1, "z": torch.zeros(2, dtype=torch.complex64)},
-               src / "step_2.pt")
+    torch.save(
+        {"a": torch.arange(6.0) + 1, "z": torch.zeros(2, dtype=torch.complex64)}, src / "step_2.pt"
+    )
     torch.save({k: v + 2 for k, v in good.items()}, src / "step_3.pt")
     report = import_checkpoints(src, tmp_path / "run")
     assert [i.step for i in report.imported] == [1, 3]
@@ -188,12 +200,12 @@ def test_model_names_frozen_parameters_and_delta_policy_shrinks(tmp_path: Path) 
     assert "pass model=" in plain.skipped[0].reason
     model, _, _ = _parts(frozen=True)
     raw = import_checkpoints(src, tmp_path / "raw", model=model)
-    delta = import_checkpoints(src, tmp_path / "delta", model=model,
-                               encoding=dstt.DeltaPolicy())
+    delta = import_checkpoints(src, tmp_path / "delta", model=model, encoding=dstt.DeltaPolicy())
     assert [i.step for i in raw.imported] == [i.step for i in delta.imported] == [2, 4, 6, 8]
 
     def size(p: Path) -> int:
         return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
     assert size(tmp_path / "delta") < size(tmp_path / "raw")  # the frozen embedding once
     a, b = dstt.open(tmp_path / "raw"), dstt.open(tmp_path / "delta")
     for k in a.steps:
@@ -222,8 +234,7 @@ def test_cli_import(files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(["import", str(files), "--run", str(run), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["imported"] == []
-    assert [s["reason"] for s in doc["skipped"]] == [
-        "already imported"] * 3
+    assert [s["reason"] for s in doc["skipped"]] == ["already imported"] * 3
     # a broken source: reported, the others imported, exit 1
     bad = tmp_path / "more"
     shutil.copytree(files, bad)

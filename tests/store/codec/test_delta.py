@@ -33,8 +33,12 @@ class _Trainer:
         g = self.rng.standard_normal(self.w.shape).astype(np.float32)
         self.m = 0.9 * self.m + 0.1 * g
         self.w = self.w - 1e-3 * self.m
-        return {"params/w": self.w.astype(self.dtype), "optim/exp_avg/w": self.m.astype(self.dtype),
-                "params/frozen": self.frozen, "params/scalar": np.array(1.0, self.dtype)}
+        return {
+            "params/w": self.w.astype(self.dtype),
+            "optim/exp_avg/w": self.m.astype(self.dtype),
+            "params/frozen": self.frozen,
+            "params/scalar": np.array(1.0, self.dtype),
+        }
 
 
 pytestmark = pytest.mark.usefixtures("write_how")
@@ -47,8 +51,9 @@ def _commit(w, step: int, arrays: dict[str, np.ndarray]):  # type: ignore[no-unt
         txn.commit()
         return txn
     for name, a in arrays.items():
-        plan = txn.declare(name, "bfloat16" if a.dtype == ml_dtypes.bfloat16 else a.dtype.name,
-                           a.shape)
+        plan = txn.declare(
+            name, "bfloat16" if a.dtype == ml_dtypes.bfloat16 else a.dtype.name, a.shape
+        )
         flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         for i in range(plan.n_chunks):
             s, e = plan.byte_range(i)
@@ -135,8 +140,9 @@ def test_delta_slots_read_as_missing_by_plain_zarr(tmp_path: Path) -> None:
     assert {c.encoding for c in r.arrays(h2)["params/w"].chunks} == {"xor1"}
 
     def plain(slot: int) -> np.ndarray:
-        a = zarr.open_array(ZipStore(run / step_file_key(slot), mode="r"), path="params/w",
-                            mode="r", zarr_format=3)
+        a = zarr.open_array(
+            ZipStore(run / step_file_key(slot), mode="r"), path="params/w", mode="r", zarr_format=3
+        )
         return np.asarray(a[...])
 
     assert np.array_equal(plain(h1.slot), first["params/w"])  # keyframe: plain Zarr
@@ -193,8 +199,11 @@ def test_gc_keeps_the_keyframes_kept_slots_need(tmp_path: Path) -> None:
 def test_crash_at_every_write_of_an_encoded_commit() -> None:
     t = _Trainer(6, "float32")
     steps = [t.step() for _ in range(3)]
-    k, saw_delta = crash_at_every_write(lambda w, step: _commit(w, step, steps[step - 1]),
-                                        lambda step: steps[step - 1], encoding=DeltaPolicy())
+    k, saw_delta = crash_at_every_write(
+        lambda w, step: _commit(w, step, steps[step - 1]),
+        lambda step: steps[step - 1],
+        encoding=DeltaPolicy(),
+    )
     assert k == 5
     assert saw_delta  # cut before each of its 4 writes (step, side, header, ref)
 

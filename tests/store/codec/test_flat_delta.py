@@ -57,8 +57,13 @@ def test_one_step_holds_deltas_dedups_and_keyframes(tmp_path: Path) -> None:
     r = repo.reader()
     kinds: dict[int, dict[str, set[str]]] = {}
     for h in r.lineage():
-        kinds[h.step] = {p: {c.encoding if c.key.startswith(f"steps/{h.slot:012d}")
-                             else "dedup" for c in a.chunks} for p, a in r.arrays(h).items()}
+        kinds[h.step] = {
+            p: {
+                c.encoding if c.key.startswith(f"steps/{h.slot:012d}") else "dedup"
+                for c in a.chunks
+            }
+            for p, a in r.arrays(h).items()
+        }
     assert kinds[2]["params/frozen"] == {"dedup"}
     assert kinds[2]["params/noise"] == {"raw"}  # noise does not compress: a keyframe
     assert kinds[2]["params/l0/w"] == {"xor1"}
@@ -88,8 +93,9 @@ def _calls_per_step(tmp_path: Path, n: int) -> int:
     with repo.writer(encoding=DeltaPolicy(keyframe_every=50)) as w:
         for step in range(1, 6):
             arrays = _nudge(arrays)
-            arrays.update({f"params/l{i}/noise": rng.standard_normal(64).astype(np.float32)
-                           for i in range(n)})
+            arrays.update(
+                {f"params/l{i}/noise": rng.standard_normal(64).astype(np.float32) for i in range(n)}
+            )
             txn = w.begin(step)
             calls[0] = 0
             layout, buf = flat_buffer(w, arrays)

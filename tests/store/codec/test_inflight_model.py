@@ -33,8 +33,9 @@ class InflightMachine(RuleBasedStateMachine):
         super().__init__()
         self.storage = MemoryStorage()
         self.repo = Repository.create(self.storage)
-        self.writer = self.repo.writer(encoding=DeltaPolicy(keyframe_every=5),
-                                       chunk_bytes=4096, inflight_bases=True)
+        self.writer = self.repo.writer(
+            encoding=DeltaPolicy(keyframe_every=5), chunk_bytes=4096, inflight_bases=True
+        )
         self.adam = _Adam(0, shape=(40, 30))
         self.step = 0
         self.open: list[tuple[Transaction, dict[str, np.ndarray], bool]] = []  # txn, data, done
@@ -112,7 +113,9 @@ class InflightMachine(RuleBasedStateMachine):
 
 
 InflightMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=30, deadline=None,
+    max_examples=60,
+    stateful_step_count=30,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestInflightModel = InflightMachine.TestCase

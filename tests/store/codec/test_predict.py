@@ -43,23 +43,31 @@ class _Adam:
         self.p = self.p * np.float32(1 - lr * wd)
         self.m = self.m + np.float32(1 - b1) * (g - self.m)
         self.v = self.v * np.float32(b2) + np.float32(1 - b2) * g * g
-        denom = np.sqrt(self.v) / np.float32(math.sqrt(1 - b2 ** self.t)) + np.float32(eps)
-        self.p = self.p - np.float32(lr / (1 - b1 ** self.t)) * (self.m / denom)
+        denom = np.sqrt(self.v) / np.float32(math.sqrt(1 - b2**self.t)) + np.float32(eps)
+        self.p = self.p - np.float32(lr / (1 - b1**self.t)) * (self.m / denom)
         return {M: self.m.copy(), V: self.v.copy(), P: self.p.copy()}
 
     def predictions(self, **over: float) -> dict[str, Prediction]:
         h = {**HYPER, **over}
-        return dict(adam_predictions(param=P, exp_avg=M, exp_avg_sq=V, lr=h["lr"],
-                                     betas=h["betas"], eps=h["eps"],  # type: ignore[arg-type]
-                                     weight_decay=h["weight_decay"], decoupled=True,
-                                     step=float(self.t)))
+        return dict(
+            adam_predictions(
+                param=P,
+                exp_avg=M,
+                exp_avg_sq=V,
+                lr=h["lr"],
+                betas=h["betas"],
+                eps=h["eps"],  # type: ignore[arg-type]
+                weight_decay=h["weight_decay"],
+                decoupled=True,
+                step=float(self.t),
+            )
+        )
 
 
 pytestmark = pytest.mark.usefixtures("write_how")
 
 
-def _put(txn: Transaction, arrays: dict[str, np.ndarray],
-         preds: dict[str, Prediction]) -> None:
+def _put(txn: Transaction, arrays: dict[str, np.ndarray], preds: dict[str, Prediction]) -> None:
     txn.predict(preds)
     if WRITE["how"] == "flat":
         put_flat_arrays(txn, {n: arrays[n] for n in (P, M, V)})
@@ -70,8 +78,12 @@ def _put(txn: Transaction, arrays: dict[str, np.ndarray],
         put_array(txn, name, arrays[name])
 
 
-def _commit(w, step: int, arrays: dict[str, np.ndarray],  # type: ignore[no-untyped-def]
-            preds: dict[str, Prediction]):
+def _commit(
+    w,
+    step: int,
+    arrays: dict[str, np.ndarray],  # type: ignore[no-untyped-def]
+    preds: dict[str, Prediction],
+):
     txn = w.begin(step)
     _put(txn, arrays, preds)  # inputs before the arrays predicted from them
     txn.commit()
@@ -82,8 +94,9 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def _train(repo: Repository, steps: int, *, seed: int = 0, policy: DeltaPolicy | None = None,
-           **over: float) -> tuple[dict[int, dict[str, np.ndarray]], list]:  # type: ignore[type-arg]
+def _train(
+    repo: Repository, steps: int, *, seed: int = 0, policy: DeltaPolicy | None = None, **over: float
+) -> tuple[dict[int, dict[str, np.ndarray]], list]:  # type: ignore[type-arg]
     t = _Adam(seed)
     written, stats = {}, []
     with repo.writer(encoding=policy or DeltaPolicy(keyframe_every=6), chunk_bytes=16384) as w:
@@ -129,8 +142,9 @@ def test_every_slot_is_bit_exact_and_small(tmp_path: Path) -> None:
 
 def test_a_wrong_prediction_costs_bytes_not_correctness(tmp_path: Path) -> None:
     repo = Repository.create(tmp_path / "run")
-    written, stats = _train(repo, 8, policy=DeltaPolicy(keyframe_every=6, min_ratio=1.0),
-                            lr=5.0, betas=(0.1, 0.2))
+    written, stats = _train(
+        repo, 8, policy=DeltaPolicy(keyframe_every=6, min_ratio=1.0), lr=5.0, betas=(0.1, 0.2)
+    )
     r = repo.reader()
     assert any(c.encoding == "pred1" for h in r.lineage() for c in r.arrays(h)[P].chunks)
     assert min(s.written_bytes / s.raw_bytes for s in stats[1:]) > 0.6  # it did cost bytes
@@ -214,9 +228,12 @@ def test_predicted_slots_read_as_missing_by_plain_zarr(tmp_path: Path) -> None:
 def test_crash_at_every_write_of_a_predicted_commit() -> None:
     t = _Adam(6, shape=(64, 32))
     steps = [(t.step(), t.predictions()) for _ in range(3)]
-    k, saw_delta = crash_at_every_write(lambda w, step: _commit(w, step, *steps[step - 1]),
-                                        lambda step: steps[step - 1][0],
-                                        encoding=DeltaPolicy(keyframe_every=8), chunk_bytes=4096)
+    k, saw_delta = crash_at_every_write(
+        lambda w, step: _commit(w, step, *steps[step - 1]),
+        lambda step: steps[step - 1][0],
+        encoding=DeltaPolicy(keyframe_every=8),
+        chunk_bytes=4096,
+    )
     assert k == 5
     assert saw_delta  # cut before each of its 4 writes (step, side, header, ref)
 
@@ -239,8 +256,9 @@ def test_sgd_momentum_parameters_cost_almost_nothing(tmp_path: Path) -> None:
             arrays = {"optim/momentum_buffer/w": buf.copy(), P: p.copy()}
             written[step] = arrays
             txn = w.begin(step)
-            txn.predict(sgd_predictions(param=P, momentum_buffer="optim/momentum_buffer/w",
-                                        lr=float(lr)))
+            txn.predict(
+                sgd_predictions(param=P, momentum_buffer="optim/momentum_buffer/w", lr=float(lr))
+            )
             for name, a in arrays.items():  # the buffer first: the parameter reads it
                 plan = txn.declare(name, "float32", a.shape)
                 flat = a.reshape(-1).view(np.uint8)
@@ -259,8 +277,17 @@ def test_sgd_momentum_parameters_cost_almost_nothing(tmp_path: Path) -> None:
 
 
 def test_pred_records_round_trip_and_reject_garbage() -> None:
-    rec = ChunkRecord("p/d.3.0", 99, 7, "pred1", 2, 11, "adam_p",
-                      (("optim/exp_avg/w", 3), ("optim/exp_avg_sq/w", 3)), (0.5, 1.0, 1e-8, 0.1))
+    rec = ChunkRecord(
+        "p/d.3.0",
+        99,
+        7,
+        "pred1",
+        2,
+        11,
+        "adam_p",
+        (("optim/exp_avg/w", 3), ("optim/exp_avg_sq/w", 3)),
+        (0.5, 1.0, 1e-8, 0.1),
+    )
     again = ChunkRecord.from_json(json.loads(json.dumps(rec.as_json())))
     assert again == rec
     assert again.slots == (2, 3, 3)
@@ -277,11 +304,27 @@ def test_prediction_specs_are_checked() -> None:
         Prediction("adam_v", (("cur", M), ("prev", M)), (0.9,), (M, V))
     with pytest.raises(ValueError, match="finite"):
         Prediction("adam_v", (("cur", M), ("prev", M)), (0.9, 0.1, math.inf, 0.05), (M, V))
-    assert adam_predictions(param=P, exp_avg=M, exp_avg_sq=V, lr=1e-3, betas=(1.0, 0.9),
-                            eps=1e-8, weight_decay=0.0, decoupled=False, step=1) == {}
+    assert (
+        adam_predictions(
+            param=P,
+            exp_avg=M,
+            exp_avg_sq=V,
+            lr=1e-3,
+            betas=(1.0, 0.9),
+            eps=1e-8,
+            weight_decay=0.0,
+            decoupled=False,
+            step=1,
+        )
+        == {}
+    )
     with pytest.raises(ValueError, match="do not match"):
-        predict("adam_v", np.zeros(8, np.uint8), [np.zeros(8, np.uint8), np.zeros(4, np.uint8)],
-                (0.9, 0.1, 0.95, 0.05))
+        predict(
+            "adam_v",
+            np.zeros(8, np.uint8),
+            [np.zeros(8, np.uint8), np.zeros(4, np.uint8)],
+            (0.9, 0.1, 0.95, 0.05),
+        )
     assert set(PREDICTORS) == {"adam_v", "adam_p", "sgd_p"}
 
 
@@ -303,8 +346,9 @@ def test_a_step_in_flight_is_the_base_of_the_next(tmp_path: Path) -> None:
     repo = Repository.create(run)
     t = _Adam(11)
     steps = [(t.step(), t.predictions()) for _ in range(5)]
-    with repo.writer(encoding=DeltaPolicy(keyframe_every=20), chunk_bytes=16384,
-                     inflight_bases=True) as w:
+    with repo.writer(
+        encoding=DeltaPolicy(keyframe_every=20), chunk_bytes=16384, inflight_bases=True
+    ) as w:
         prev = w.begin(1)
         _put(prev, *steps[0])
         for step in range(2, 6):
@@ -331,8 +375,9 @@ def test_a_step_based_on_a_failed_step_is_not_committed(tmp_path: Path) -> None:
     repo = Repository.create(run)
     t = _Adam(12)
     steps = [(t.step(), t.predictions()) for _ in range(4)]
-    with repo.writer(encoding=DeltaPolicy(keyframe_every=20), chunk_bytes=16384,
-                     inflight_bases=True) as w:
+    with repo.writer(
+        encoding=DeltaPolicy(keyframe_every=20), chunk_bytes=16384, inflight_bases=True
+    ) as w:
         _commit(w, 1, *steps[0])
         doomed = w.begin(2)
         _put(doomed, *steps[1])

@@ -46,20 +46,31 @@ def world_objects(step: int, world: int) -> dict[str, Any]:
     return {n: o for r in range(world) for n, o in rank_objects(step, r).items()}
 
 
-def open_world(stores: Sequence[Storage], *, session: str,
-               timeout: float = 30.0) -> list[RankWriter]:
+def open_world(
+    stores: Sequence[Storage], *, session: str, timeout: float = 30.0
+) -> list[RankWriter]:
     """One ``RankWriter`` per storage handle (rank = position), as ``open_ranks`` opens them."""
     world = len(stores)
     out: list[RankWriter] = []
     try:
         w0 = Repository(stores[0]).writer(chunk_bytes=CHUNK_BYTES)
-        out.append(RankWriter(w0, RankInfo(0, world), base_slot=w0.next_slot, session=session,
-                              timeout=timeout))
+        out.append(
+            RankWriter(
+                w0, RankInfo(0, world), base_slot=w0.next_slot, session=session, timeout=timeout
+            )
+        )
         remove_parts(stores[0])
         for r in range(1, world):
             w = Repository(stores[r]).writer(chunk_bytes=CHUNK_BYTES, exclusive=False, rank=r)
-            out.append(RankWriter(w, RankInfo(r, world), base_slot=out[0].base_slot,
-                                  session=session, timeout=timeout))
+            out.append(
+                RankWriter(
+                    w,
+                    RankInfo(r, world),
+                    base_slot=out[0].base_slot,
+                    session=session,
+                    timeout=timeout,
+                )
+            )
     except BaseException:
         close_world(out)
         raise
@@ -105,8 +116,13 @@ class WorldStep:
     """Every rank's ``rank_step`` running in its own thread; ``join`` returns each rank's
     result (header or part) or the exception it raised."""
 
-    def __init__(self, writers: Sequence[RankWriter], step: int, *,
-                 hold: Mapping[int, threading.Event] | None = None) -> None:
+    def __init__(
+        self,
+        writers: Sequence[RankWriter],
+        step: int,
+        *,
+        hold: Mapping[int, threading.Event] | None = None,
+    ) -> None:
         self.results: list[Any] = [None] * len(writers)
         self.done = [threading.Event() for _ in writers]
 
@@ -118,8 +134,10 @@ class WorldStep:
             finally:
                 self.done[i].set()
 
-        self.threads = [threading.Thread(target=one, args=(i,), name=f"rank-{i}", daemon=True)
-                        for i in range(len(writers))]
+        self.threads = [
+            threading.Thread(target=one, args=(i,), name=f"rank-{i}", daemon=True)
+            for i in range(len(writers))
+        ]
         for t in self.threads:
             t.start()
 

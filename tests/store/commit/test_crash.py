@@ -75,6 +75,7 @@ def check_run(path: Any, allowed_heads: set[int], timeline: str | None = None) -
 
 # -- real processes, SIGKILL -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("durability", ["syncfs", "fsync"])
 def test_sigkill_at_random_points(tmp_path: Path, durability: str) -> None:
     path = tmp_path / "run"
@@ -83,8 +84,12 @@ def test_sigkill_at_random_points(tmp_path: Path, durability: str) -> None:
     rng = random.Random(f"kill-{durability}")
     kills, mid_loop = 16, 0
     for k in range(kills):
-        proc = subprocess.Popen([sys.executable, str(CHILD), str(path), durability],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(CHILD), str(path), durability],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert proc.stdout is not None
         first = proc.stdout.readline()
         if not first.startswith("ready"):
@@ -103,8 +108,9 @@ def test_sigkill_at_random_points(tmp_path: Path, durability: str) -> None:
         out, err = proc.stdout.read(), proc.stderr.read() if proc.stderr else ""
         proc.wait(60)
         assert proc.returncode == -signal.SIGKILL, err[-2000:]
-        announced = [int(x.split()[1]) for x in [*lines, *out.splitlines()]
-                     if x.startswith("committed ")]
+        announced = [
+            int(x.split()[1]) for x in [*lines, *out.splitlines()] if x.startswith("committed ")
+        ]
         assert announced == list(range(ready, ready + len(announced)))
         mid_loop += bool(announced)
         last = announced[-1] if announced else ready - 1
@@ -122,6 +128,7 @@ def test_sigkill_at_random_points(tmp_path: Path, durability: str) -> None:
 
 
 # -- power cut at every write ----------------------------------------------------------------
+
 
 class PowerCut(Exception):
     """Raised by ``CutAt`` where the power goes."""
@@ -185,8 +192,7 @@ def copy(mem: MemoryStorage) -> MemoryStorage:
 
 def put_tensor(txn: Any, path: str, a: np.ndarray) -> None:
     """Declare ``a`` (0-d too) and write its chunks, last chunk first."""
-    plan = txn.declare(path, "bfloat16" if a.dtype.name == "bfloat16" else a.dtype.name,
-                       a.shape)
+    plan = txn.declare(path, "bfloat16" if a.dtype.name == "bfloat16" else a.dtype.name, a.shape)
     flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
     for i in reversed(range(plan.n_chunks)):
         start, stop = plan.byte_range(i)
@@ -204,8 +210,9 @@ def do_commit(storage: Storage, step: int, timeline: str | None = None) -> None:
         txn.commit()
 
 
-def every_cut(base: MemoryStorage, op: Callable[[Storage], None],
-              check: Callable[[MemoryStorage, bool], None]) -> list[str]:
+def every_cut(
+    base: MemoryStorage, op: Callable[[Storage], None], check: Callable[[MemoryStorage, bool], None]
+) -> list[str]:
     """Run ``op`` on copies of ``base`` cutting the power at each write; ``check`` each result.
 
     ``check(storage, done)``: ``done`` tells whether the operation's last write happened.
@@ -229,8 +236,9 @@ def every_cut(base: MemoryStorage, op: Callable[[Storage], None],
     return probe.keys
 
 
-def commit_check(prev: int | None, new: int, timeline: str | None = None,
-                 older: tuple[int, ...] = ()) -> Callable[[MemoryStorage, bool], None]:
+def commit_check(
+    prev: int | None, new: int, timeline: str | None = None, older: tuple[int, ...] = ()
+) -> Callable[[MemoryStorage, bool], None]:
     def check(st: MemoryStorage, done: bool) -> None:
         allowed = {new} if done else ({prev} if prev is not None else set())
         if prev is None and not done:
@@ -249,6 +257,7 @@ def commit_check(prev: int | None, new: int, timeline: str | None = None,
         line = [h.step for h in r.lineage(timeline)]
         assert line[-1] == nxt
         assert (len(line) > 1 and line[-2] == new) == done
+
     return check
 
 
@@ -297,8 +306,9 @@ def test_power_cut_at_every_write_of_a_step_of_many_tensors() -> None:
     Repository.create(base)
     for s in (0, 1):
         commit_many(base, s)
-    chunks = sum(plan_chunks(a.shape, a.dtype.itemsize, 24).n_chunks
-                 for a in many_arrays(0).values())
+    chunks = sum(
+        plan_chunks(a.shape, a.dtype.itemsize, 24).n_chunks for a in many_arrays(0).values()
+    )
     assert chunks > 3 * MANY
     names = zipfile.ZipFile(io.BytesIO(base.read(step_file_key(1)))).namelist()
     assert len(names) > chunks
@@ -328,8 +338,10 @@ def two_rank_commit(storage: Storage, step: int) -> None:
     theirs = {p: a for p, a in arrays.items() if not p.startswith("params/")}
     repo = Repository(storage)
     other = storage.handle() if hasattr(storage, "handle") else storage
-    with repo.writer(chunk_bytes=CHUNK_BYTES) as w0, \
-            Repository(other).writer(chunk_bytes=CHUNK_BYTES, exclusive=False, rank=1) as w1:
+    with (
+        repo.writer(chunk_bytes=CHUNK_BYTES) as w0,
+        Repository(other).writer(chunk_bytes=CHUNK_BYTES, exclusive=False, rank=1) as w1,
+    ):
         slot = w0.next_slot
         t1 = w1.begin(step, slot=slot)
         for p, a in theirs.items():
@@ -341,8 +353,9 @@ def two_rank_commit(storage: Storage, step: int) -> None:
             put_tensor(t0, p, a)
         for name, obj in objects.items():
             t0.put_object(name, obj)
-        parts = collect_parts(storage, slot=slot, step=step, ranks=[1], world=2,
-                              session=f"s{step}", timeout=5)
+        parts = collect_parts(
+            storage, slot=slot, step=step, ranks=[1], world=2, session=f"s{step}", timeout=5
+        )
         t0.commit(parts=parts)
 
 
@@ -368,9 +381,11 @@ def test_power_cut_at_every_write_of_a_multi_rank_commit(durability: str) -> Non
             objects = {**objects, "rank1": {"step": step}}
             table = repo.reader().arrays(snap.header)
             assert {c.key for c in table["optim/step"].chunks} == {
-                step_file_key(snap.header.slot, "r00001")}
+                step_file_key(snap.header.slot, "r00001")
+            }
             assert {c.key for c in table["params/layers/0/w"].chunks} == {
-                step_file_key(snap.header.slot)}
+                step_file_key(snap.header.slot)
+            }
         assert deep_equal(snap.objects, objects)
         return step
 
@@ -379,8 +394,7 @@ def test_power_cut_at_every_write_of_a_multi_rank_commit(durability: str) -> Non
         two_rank_commit(st, 3)  # the leftovers of the interrupted commit are in no one's way
         check_step(st, {3})
         repo = Repository.open(st)
-        assert [h.step for h in repo.reader().lineage()] == [0, 1, *([2] if got == 2 else []),
-                                                               3]
+        assert [h.step for h in repo.reader().lineage()] == [0, 1, *([2] if got == 2 else []), 3]
         repo.gc()  # step files of a slot that never committed, orphans, votes
         check_step(st, {3})
         assert list(st.list(PARTS_PREFIX)) == []
@@ -389,9 +403,16 @@ def test_power_cut_at_every_write_of_a_multi_rank_commit(durability: str) -> Non
         assert set(repo.reader().all_slots()) == kept
 
     keys = every_cut(base, lambda st: two_rank_commit(st, 2), check)
-    assert keys == [step_file_key(2, "r00001"), side_file_key(2, "r00001"), part_key(2, 1),
-                    step_file_key(2), side_file_key(2), commit_key(2), ref_key("main"),
-                    f"delete {PARTS_PREFIX}/{2:012d}"]
+    assert keys == [
+        step_file_key(2, "r00001"),
+        side_file_key(2, "r00001"),
+        part_key(2, 1),
+        step_file_key(2),
+        side_file_key(2),
+        commit_key(2),
+        ref_key("main"),
+        f"delete {PARTS_PREFIX}/{2:012d}",
+    ]
 
 
 def test_power_cut_at_every_write_on_a_rolled_back_timeline() -> None:
@@ -465,8 +486,11 @@ def evolving(step: int, branch: bool = False) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(8 if branch else 7)
     w = rng.standard_normal((32, 16)).astype(np.float32)
     frozen = rng.standard_normal(300).astype(np.float32)
-    return {"params/w": w * np.float32(1 + 1e-4 * step), "params/frozen": frozen,
-            "optim/step": np.array(step, dtype=np.int64)}
+    return {
+        "params/w": w * np.float32(1 + 1e-4 * step),
+        "params/frozen": frozen,
+        "optim/step": np.array(step, dtype=np.int64),
+    }
 
 
 def _commit_evolving(w: Any, step: int, timeline: str | None = None) -> Any:
@@ -503,17 +527,26 @@ def test_power_cut_between_any_two_gc_deletes(encoded: bool) -> None:
         for step in (6, 7):
             _commit_evolving(w, step, tl)
     # debris gc must also remove: a complete commit whose ref never moved (an orphan) ...
-    with pytest.raises(StorageError), \
-            Repository(FaultyStorage(base, fail_keys="_dstt/refs/")).writer() as w:
+    with (
+        pytest.raises(StorageError),
+        Repository(FaultyStorage(base, fail_keys="_dstt/refs/")).writer() as w,
+    ):
         _commit_evolving(w, 10)
     # ... and the published step files of a commit that died before its header
-    with pytest.raises(StorageError), \
-            Repository(FaultyStorage(base, fail_keys="_dstt/commits/")).writer() as w:
+    with (
+        pytest.raises(StorageError),
+        Repository(FaultyStorage(base, fail_keys="_dstt/commits/")).writer() as w,
+    ):
         _commit_evolving(w, 10)
     r = repo.reader()
     if encoded:  # kept steps really depend on older steps' files
-        older = [c for h in r.lineage() for rec in r.arrays(h).values() for c in rec.chunks
-                 if c.base is not None or int(c.key.split("/")[1][:12]) < h.slot]
+        older = [
+            c
+            for h in r.lineage()
+            for rec in r.arrays(h).values()
+            for c in rec.chunks
+            if c.base is not None or int(c.key.split("/")[1][:12]) < h.slot
+        ]
         assert older
     lines = {"main": list(range(10)), tl: [0, 1, 2, 3, 4, 5, 6, 7]}
 
@@ -553,7 +586,7 @@ def test_power_cut_between_any_two_gc_deletes(encoded: bool) -> None:
     # the index's marker, the tombstones, the new index, the old index and the marker gone:
     # then the files
     assert keys[0] == GC_MARKER
-    assert all(k.startswith(COMMITS_PREFIX) for k in keys[1:first - 1])
+    assert all(k.startswith(COMMITS_PREFIX) for k in keys[1 : first - 1])
     assert keys[first - 1].startswith(INDEX_PREFIX)
     gone = keys.index(f"delete {GC_MARKER}")
     assert all(k.startswith(f"delete {INDEX_PREFIX}/") for k in keys[first:gone])
@@ -572,8 +605,12 @@ def test_fsync_mode_syncs_the_parents_of_new_folders(tmp_path: Path) -> None:
     st = LocalStorage(tmp_path, durability="fsync")
     st.write(part_key(1, 1), b"x")
     slot_dir = tmp_path / PARTS_PREFIX / f"{1:012d}"
-    assert st._dirty_dirs == {str(slot_dir), str(tmp_path / PARTS_PREFIX),
-                              str(tmp_path / "_dstt"), str(tmp_path)}
+    assert st._dirty_dirs == {
+        str(slot_dir),
+        str(tmp_path / PARTS_PREFIX),
+        str(tmp_path / "_dstt"),
+        str(tmp_path),
+    }
     st.barrier()
     assert not st._dirty_dirs
     st.write(part_key(1, 2), b"y")  # folder known: only it changes
@@ -582,6 +619,7 @@ def test_fsync_mode_syncs_the_parents_of_new_folders(tmp_path: Path) -> None:
 
 # -- what LocalStorage syncs per commit --------------------------------------------------------
 
+
 def _fd_path(fd: int) -> str:
     """The file an fd is open on, with an in-flight temporary's suffix removed."""
     return os.readlink(f"/proc/self/fd/{fd}").split(".tmp.", 1)[0]
@@ -589,7 +627,8 @@ def _fd_path(fd: int) -> str:
 
 @pytest.mark.parametrize("durability", ["fsync", "syncfs", "none"])
 def test_each_commit_syncs_its_step_files_before_the_header(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: Durability) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: Durability
+) -> None:
     """White-box, on a real directory (a power cut cannot be staged here): count what
     ``LocalStorage`` syncs per commit. The step file, side file and header are written
     without a sync and made durable by ONE barrier — an fsync of each and of every folder that
@@ -640,7 +679,8 @@ def test_each_commit_syncs_its_step_files_before_the_header(
             # the step's three files and every folder that gained an entry, each exactly once
             grown = [root, f"{root}/_dstt"] if step == 0 else []  # steps/, commits/ are new
             assert sorted(before) == sorted(
-                ("fsync", p) for p in [zip_, side, header, steps, commits, *grown])
+                ("fsync", p) for p in [zip_, side, header, steps, commits, *grown]
+            )
         else:
             assert before == [("syncfs", root)]  # one syncfs for the whole step
     # lazy refs: the commit syncs nothing after its barrier; close() makes the ref durable
@@ -653,7 +693,7 @@ def test_each_commit_syncs_its_step_files_before_the_header(
     if durability == "fsync":
         assert ("fsync", ref) not in after_commit
         # the second commit's barrier carries the first one's ref (and its folder)
-        assert ("fsync", ref) in after_second[len(after_commit):]
+        assert ("fsync", ref) in after_second[len(after_commit) :]
         assert events[-2:] == [("fsync", ref), ("fsync", refs)]  # close: the last ref
     elif durability == "syncfs":
         assert after_commit == [("syncfs", root)]
@@ -668,8 +708,11 @@ def test_each_commit_syncs_its_step_files_before_the_header(
 def _run_files(run: Path) -> set[str]:
     """Files of a run, without the ones that do not grow with the steps (refs, HEAD, lock)."""
     skip = ("_dstt/refs/", "_dstt/HEAD.json", "_dstt/lock")
-    return {str(p.relative_to(run)) for p in run.rglob("*")
-            if p.is_file() and not str(p.relative_to(run)).startswith(skip)}
+    return {
+        str(p.relative_to(run))
+        for p in run.rglob("*")
+        if p.is_file() and not str(p.relative_to(run)).startswith(skip)
+    }
 
 
 @pytest.mark.parametrize("tensors", [5, 500])
@@ -685,8 +728,9 @@ def test_a_committed_step_is_at_most_three_files(tmp_path: Path, tensors: int) -
         with repo.writer(chunk_bytes=16) as w:
             txn = w.begin(step)
             for i in range(tensors):
-                put_tensor(txn, f"params/layers/{i}/w", rng.standard_normal((3, 4)).astype(
-                    np.float32))
+                put_tensor(
+                    txn, f"params/layers/{i}/w", rng.standard_normal((3, 4)).astype(np.float32)
+                )
             txn.put_object("rng", {"seed": step})
             txn.put_object("data", {"batch": step})
             h = txn.commit()

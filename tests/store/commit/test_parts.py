@@ -25,13 +25,20 @@ from dstt.store.format.parts import part_slots
 from store._util import put_array, same_bits
 
 
-def _two_rank_commit(repo: Repository, step: int, *, slot: int | None = None,
-                     session: str = "s1",
-                     chunk_bytes: int = 64) -> tuple[CommitHeader, dict[str, np.ndarray]]:
+def _two_rank_commit(
+    repo: Repository,
+    step: int,
+    *,
+    slot: int | None = None,
+    session: str = "s1",
+    chunk_bytes: int = 64,
+) -> tuple[CommitHeader, dict[str, np.ndarray]]:
     a0 = np.arange(10, dtype=np.float32) + step
     a1 = np.arange(7, dtype=np.float32) * -1 - step
-    with repo.writer(chunk_bytes=chunk_bytes) as w0, \
-            repo.writer(chunk_bytes=chunk_bytes, exclusive=False, rank=1) as w1:
+    with (
+        repo.writer(chunk_bytes=chunk_bytes) as w0,
+        repo.writer(chunk_bytes=chunk_bytes, exclusive=False, rank=1) as w1,
+    ):
         slot = w0.next_slot if slot is None else slot
         t1 = w1.begin(step, slot=slot)
         put_array(t1, "zero/r1/flat", a1)
@@ -40,8 +47,9 @@ def _two_rank_commit(repo: Repository, step: int, *, slot: int | None = None,
         t0 = w0.begin(step, slot=slot)
         put_array(t0, "zero/r0/flat", a0)
         t0.put_object("rng/r0", {"seed": 0})
-        parts = collect_parts(repo.storage, slot=slot, step=step, ranks=[1], world=2,
-                              session=session, timeout=5)
+        parts = collect_parts(
+            repo.storage, slot=slot, step=step, ranks=[1], world=2, session=session, timeout=5
+        )
         h = t0.commit({"loss": 1.0}, parts=parts)
     return h, {"zero/r0/flat": a0, "zero/r1/flat": a1}
 
@@ -61,8 +69,10 @@ def test_merged_commit_is_a_plain_commit(tmp_path: Path) -> None:
     # each rank's share is in its own files of the slot: rank 0's step file is the plain one
     table = r.arrays(h)
     files = {p: {c.key for c in rec.chunks} for p, rec in table.items()}
-    assert files == {"zero/r0/flat": {step_file_key(h.slot)},
-                     "zero/r1/flat": {step_file_key(h.slot, "r00001")}}
+    assert files == {
+        "zero/r0/flat": {step_file_key(h.slot)},
+        "zero/r1/flat": {step_file_key(h.slot, "r00001")},
+    }
     assert h.objects["rng/r1"].key == side_file_key(h.slot, "r00001")
     assert h.objects["rng/r0"].key == side_file_key(h.slot)
     assert h.arrays is not None
@@ -87,12 +97,14 @@ def test_ranks_out_of_step_are_refused(tmp_path: Path) -> None:
         put_array(t1, "zero/r1/flat", np.ones(3, np.float32))
         t1.prepare(rank=1, world=2, session="s")
         with pytest.raises(RankError, match="out of step"):
-            collect_parts(repo.storage, slot=slot, step=7, ranks=[1], world=2, session="s",
-                          timeout=5)
+            collect_parts(
+                repo.storage, slot=slot, step=7, ranks=[1], world=2, session="s", timeout=5
+            )
         # a leftover of another session is ignored (and then the wait times out)
         with pytest.raises(RankError, match="did not prepare"):
-            collect_parts(repo.storage, slot=slot, step=7, ranks=[1], world=2,
-                          session="other", timeout=0.05)
+            collect_parts(
+                repo.storage, slot=slot, step=7, ranks=[1], world=2, session="other", timeout=0.05
+            )
     assert repo.reader().head() is None
     assert part_slots(repo.storage) == [slot]
     # rank 1's prepared share: its step file (no objects, so no side file), named by a
@@ -110,8 +122,7 @@ def test_abort_vote_fails_the_step_at_once(tmp_path: Path) -> None:
     abort_vote(repo.storage, slot=0, step=1, rank=2, world=3, session="s", error="disk full")
     t0 = time.monotonic()
     with pytest.raises(RankError, match=r"rank 2 could not write.*disk full"):
-        collect_parts(repo.storage, slot=0, step=1, ranks=[1, 2], world=3, session="s",
-                      timeout=30)
+        collect_parts(repo.storage, slot=0, step=1, ranks=[1, 2], world=3, session="s", timeout=30)
     assert time.monotonic() - t0 < 5
 
 
@@ -120,8 +131,7 @@ def test_collect_can_be_cancelled(tmp_path: Path) -> None:
     stop = threading.Event()
     threading.Timer(0.05, stop.set).start()
     with pytest.raises(RankError, match="stopped"):
-        collect_parts(repo.storage, slot=0, step=1, ranks=[1, 2], world=3, session="s",
-                      cancel=stop)
+        collect_parts(repo.storage, slot=0, step=1, ranks=[1, 2], world=3, session="s", cancel=stop)
 
 
 def test_two_ranks_never_write_one_array(tmp_path: Path) -> None:
@@ -161,9 +171,15 @@ def test_a_slot_far_ahead_names_every_ranks_files(tmp_path: Path) -> None:
     h, want = _two_rank_commit(repo, 2, slot=40)
     assert h.slot == 40
     assert sorted(repo.storage.list(STEPS_PREFIX)) == sorted(
-        k.split("/")[1] for s in (0, 40) for k in (step_file_key(s), side_file_key(s),
-                                                    step_file_key(s, "r00001"),
-                                                    side_file_key(s, "r00001")))
+        k.split("/")[1]
+        for s in (0, 40)
+        for k in (
+            step_file_key(s),
+            side_file_key(s),
+            step_file_key(s, "r00001"),
+            side_file_key(s, "r00001"),
+        )
+    )
     for tag, p in (("", "zero/r0/flat"), ("r00001", "zero/r1/flat")):
         store = ZipStore(run / step_file_key(40, tag), mode="r")
         a = zarr.open_array(store, path=p, mode="r", zarr_format=3)
@@ -184,8 +200,11 @@ def test_part_writers_without_a_rank_never_share_files(tmp_path: Path) -> None:
     """A part writer opened without ``rank=`` names its files with a random tag, so two of
     them writing one slot cannot overwrite each other's step files."""
     repo = Repository.create(tmp_path / "run")
-    with repo.writer(chunk_bytes=64) as w0, repo.writer(exclusive=False) as wa, \
-            repo.writer(exclusive=False) as wb:
+    with (
+        repo.writer(chunk_bytes=64) as w0,
+        repo.writer(exclusive=False) as wa,
+        repo.writer(exclusive=False) as wb,
+    ):
         slot = w0.next_slot
         ta, tb = wa.begin(1, slot=slot), wb.begin(1, slot=slot)
         put_array(ta, "zero/r1/flat", np.arange(5, dtype=np.float32))
@@ -194,15 +213,18 @@ def test_part_writers_without_a_rank_never_share_files(tmp_path: Path) -> None:
         tb.prepare(rank=2, world=3, session="s")
         t0 = w0.begin(1, slot=slot)
         put_array(t0, "zero/r0/flat", np.ones(4, np.float32))
-        parts = collect_parts(repo.storage, slot=slot, step=1, ranks=[1, 2], world=3,
-                              session="s", timeout=5)
+        parts = collect_parts(
+            repo.storage, slot=slot, step=1, ranks=[1, 2], world=3, session="s", timeout=5
+        )
         h = t0.commit(parts=parts)
     table = repo.reader().arrays(h)
     keys = {p: {c.key for c in rec.chunks} for p, rec in table.items()}
     assert len({k for ks in keys.values() for k in ks}) == 3  # three different step files
     assert keys["zero/r0/flat"] == {step_file_key(slot)}
-    for p, want in (("zero/r1/flat", np.arange(5, dtype=np.float32)),
-                    ("zero/r2/flat", np.arange(6, dtype=np.float32) * 2)):
+    for p, want in (
+        ("zero/r1/flat", np.arange(5, dtype=np.float32)),
+        ("zero/r2/flat", np.arange(6, dtype=np.float32) * 2),
+    ):
         assert same_bits(repo.reader().read_array(h, p), want)
     assert repo.verify().ok
 
@@ -218,8 +240,10 @@ def test_deferred_objects_of_both_ranks_are_in_the_merged_commit(tmp_path: Path)
     the merging rank's commit, once each, and stay listed (for the engine's warnings)."""
     repo = Repository.create(tmp_path / "run")
     a = np.arange(6, dtype=np.float32)
-    with repo.writer(chunk_bytes=64) as w0, \
-            repo.writer(chunk_bytes=64, exclusive=False, rank=1) as w1:
+    with (
+        repo.writer(chunk_bytes=64) as w0,
+        repo.writer(chunk_bytes=64, exclusive=False, rank=1) as w1,
+    ):
         slot = w0.next_slot
         t1 = w1.begin(2, slot=slot)
         put_array(t1, "zero/r1/flat", a)
@@ -230,8 +254,9 @@ def test_deferred_objects_of_both_ranks_are_in_the_merged_commit(tmp_path: Path)
         t0 = w0.begin(2, slot=slot)
         put_array(t0, "zero/r0/flat", a)
         t0.defer_object("rng/r0", {"seed": 0})
-        parts = collect_parts(repo.storage, slot=slot, step=2, ranks=[1], world=2,
-                              session="s", timeout=5)
+        parts = collect_parts(
+            repo.storage, slot=slot, step=2, ranks=[1], world=2, session="s", timeout=5
+        )
         h = t0.commit(parts=parts)
         assert t0.bytes_written == t0.stats.written_bytes + h.objects["rng/r0"].nbytes  # once
     r = repo.reader()

@@ -116,6 +116,7 @@ def steps_of(st: Storage) -> list[int]:
 
 # -- the protocol, step by step --------------------------------------------------------------
 
+
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("backend", ["memory", "local"])
 def test_a_commit_holds_every_ranks_arrays(tmp_path: Path, world: int, backend: str) -> None:
@@ -136,7 +137,11 @@ def test_a_commit_holds_every_ranks_arrays(tmp_path: Path, world: int, backend: 
                 part = results[rank]
                 assert isinstance(part, Part), part
                 assert (part.rank, part.world, part.step, part.slot) == (
-                    rank, world, step, results[0].slot)
+                    rank,
+                    world,
+                    step,
+                    results[0].slot,
+                )
                 assert set(part.arrays) == set(rank_arrays(step, rank))
             check_world(st, world, {step})
     finally:
@@ -151,8 +156,9 @@ def test_a_commit_holds_every_ranks_arrays(tmp_path: Path, world: int, backend: 
         assert check_world(mem.crash(), world, {5}).step == 5  # all of it durable
 
 
-def with_a_late_rank(mem: MemoryStorage, writers: list[Any],
-                     punctual: Callable[[], None] = lambda: None) -> list[Any]:
+def with_a_late_rank(
+    mem: MemoryStorage, writers: list[Any], punctual: Callable[[], None] = lambda: None
+) -> list[Any]:
     """Step 1 with the last rank held back just before its commit: once ``punctual``
     returned, and 0.3 s more, rank 0 must still be waiting and nothing be visible; then the
     last rank goes on. Returns every rank's result (and closes the writers)."""
@@ -238,14 +244,17 @@ def test_a_vote_left_by_another_session_is_not_merged(world: int) -> None:
     mem = world_run(world)
     writers = open_world(handles(mem, world), session="live")
     slot = writers[0].base_slot
-    mem.write_durable(part_key(slot, world - 1), dump_part(Part(
-        slot=slot, step=1, rank=world - 1, world=world, session="crashed")))
+    mem.write_durable(
+        part_key(slot, world - 1),
+        dump_part(Part(slot=slot, step=1, rank=world - 1, world=world, session="crashed")),
+    )
     results = with_a_late_rank(mem, writers)
     assert isinstance(results[0], CommitHeader), results
     check_world(mem, world, {1})
 
 
 # -- a power cut at every write of every rank (memory fake) ------------------------------------
+
 
 class Grid:
     """The power supply of every rank: it goes once, at one rank's k-th write; what survives
@@ -317,16 +326,23 @@ class SlowBarrier(DelegatingStorage):
         self.inner.barrier()
 
 
-def cut_step(base: MemoryStorage, world: int, rank: int, k: int, after: bool,
-             torn: random.Random | None = None, slow: bool = False,
-             ) -> tuple[MemoryStorage | None, list[list[str]]]:
+def cut_step(
+    base: MemoryStorage,
+    world: int,
+    rank: int,
+    k: int,
+    after: bool,
+    torn: random.Random | None = None,
+    slow: bool = False,
+) -> tuple[MemoryStorage | None, list[list[str]]]:
     """Open a world on a copy of ``base`` and commit step 1, cutting the power at rank
     ``rank``'s ``k``-th write; returns what survived (None: no cut) and each rank's writes.
     ``slow``: the part writers' barriers are slow."""
     mem = base.crash()  # every write of the base is durable: a full copy
     grid = Grid(mem, torn)
-    stores: list[Storage] = [RankCut(h, grid, k if r == rank else 0, after)
-                             for r, h in enumerate(handles(mem, world))]
+    stores: list[Storage] = [
+        RankCut(h, grid, k if r == rank else 0, after) for r, h in enumerate(handles(mem, world))
+    ]
     cuts = list(stores)
     if slow:
         stores = [stores[0], *(SlowBarrier(s) for s in stores[1:])]
@@ -367,10 +383,18 @@ def test_power_cut_at_every_write_of_every_rank(world: int, durability: str) -> 
     # each part writer: its step file, its side file, then its vote; rank 0: its own two
     # files, the header, the ref (the commit point), then the merged votes
     for rank in range(1, world):
-        assert labels[rank] == [step_file_key(slot, tag(rank)), side_file_key(slot, tag(rank)),
-                                part_key(slot, rank)]
-    assert labels[0] == [step_file_key(slot), side_file_key(slot),
-                         commit_key(slot), ref_key("main"), f"delete {PARTS_PREFIX}/{slot:012d}"]
+        assert labels[rank] == [
+            step_file_key(slot, tag(rank)),
+            side_file_key(slot, tag(rank)),
+            part_key(slot, rank),
+        ]
+    assert labels[0] == [
+        step_file_key(slot),
+        side_file_key(slot),
+        commit_key(slot),
+        ref_key("main"),
+        f"delete {PARTS_PREFIX}/{slot:012d}",
+    ]
     ref_at = labels[0].index(ref_key("main")) + 1
     rng = random.Random(f"{world}-{durability}")
     trials = 0
@@ -384,9 +408,11 @@ def test_power_cut_at_every_write_of_every_rank(world: int, durability: str) -> 
                     try:
                         check_after_cut(snap, world, committed)
                     except AssertionError as e:
-                        raise AssertionError(f"cut {'after' if after else 'before'} rank "
-                                             f"{rank}'s write {k} ({labels[rank][k - 1]}), "
-                                             f"torn={torn is not None}: {e}") from e
+                        raise AssertionError(
+                            f"cut {'after' if after else 'before'} rank "
+                            f"{rank}'s write {k} ({labels[rank][k - 1]}), "
+                            f"torn={torn is not None}: {e}"
+                        ) from e
                     trials += 1
     assert trials == 4 * sum(len(x) for x in labels)
 
@@ -407,15 +433,20 @@ def test_a_rank_votes_only_once_its_own_files_are_durable(world: int) -> None:
 
 # -- SIGKILL at every write of every rank (real directory) ----------------------------------
 
+
 class KillServer:
     """``rank_kill_child.py``: forks one process per trial and SIGKILLs it at a write."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(CHILD)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, cwd=CHILD.parent)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(CHILD)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=CHILD.parent,
+        )
 
-    def trial(self, run: Path, world: int, rank: int, k: int, after: bool,
-              step: int) -> list[str]:
+    def trial(self, run: Path, world: int, rank: int, k: int, after: bool, step: int) -> list[str]:
         assert self.proc.stdin is not None
         assert self.proc.stdout is not None
         self.proc.stdin.write(f"{run} {world} {rank} {k} {int(after)} {step}\n")
@@ -446,8 +477,9 @@ def kill_server() -> Iterator[KillServer]:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_sigkill_at_every_write_of_every_rank(tmp_path: Path, world: int,
-                                              kill_server: KillServer) -> None:
+def test_sigkill_at_every_write_of_every_rank(
+    tmp_path: Path, world: int, kill_server: KillServer
+) -> None:
     base = tmp_path / "base"
     Repository.create(base)
     server = kill_server
@@ -479,13 +511,14 @@ def test_sigkill_at_every_write_of_every_rank(tmp_path: Path, world: int,
                     assert out[-1] == "exit 0", out
                     Repository.open(run).gc()
                     check_world(LocalStorage(run), world, {2})
-                    assert steps_of(LocalStorage(run)) == [0, *([1] if committed else []),
-                                                           2]
+                    assert steps_of(LocalStorage(run)) == [0, *([1] if committed else []), 2]
                     assert [p for p in run.rglob("*") if ".tmp." in p.name] == []
                     assert list(LocalStorage(run).list(PARTS_PREFIX)) == []
                 except AssertionError as e:
-                    raise AssertionError(f"killed {'after' if after else 'before'} rank "
-                                         f"{rank}'s write {k} ({labels[rank][k - 1]}): "
-                                         f"{e}") from e
+                    raise AssertionError(
+                        f"killed {'after' if after else 'before'} rank "
+                        f"{rank}'s write {k} ({labels[rank][k - 1]}): "
+                        f"{e}"
+                    ) from e
                 shutil.rmtree(run)
     assert n == 2 * sum(len(x) for x in labels) >= 2 * (5 + 3 * (world - 1))

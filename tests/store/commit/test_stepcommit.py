@@ -25,8 +25,12 @@ from dstt.store.storage.local import LocalStorage
 from dstt.store.storage.memory import DelegatingStorage
 from store._util import same_bits
 
-ARRAYS = [("params/a/w", "float32", (6, 5)), ("params/a/b", "float32", (5,)),
-          ("optim/a/m", "float16", (3, 3)), ("params/n", "int64", ())]
+ARRAYS = [
+    ("params/a/w", "float32", (6, 5)),
+    ("params/a/b", "float32", (5,)),
+    ("optim/a/m", "float16", (3, 3)),
+    ("params/n", "int64", ()),
+]
 
 
 def _values(step: int) -> dict[str, np.ndarray]:
@@ -42,7 +46,7 @@ def _commit_step(repo: Repository, committer: Any, step: int) -> CommitHeader:
         layout = w.flat_layout(ARRAYS)
         buf = bytearray(max(layout.nbytes, 1))
         for a in layout.arrays:
-            buf[a.offset:a.offset + a.nbytes] = _values(step)[a.path].tobytes()
+            buf[a.offset : a.offset + a.nbytes] = _values(step)[a.path].tobytes()
         txn = w.begin(step)
         txn.put_flat(layout, buf)
         txn.put_object("early", {"written": "before the commit"})
@@ -54,8 +58,10 @@ def _commit_step(repo: Repository, committer: Any, step: int) -> CommitHeader:
 
 
 def _files(run: Path, slot: int) -> tuple[bytes, bytes]:
-    return ((run / step_file_key(slot, "")).read_bytes(),
-            (run / side_file_key(slot, "")).read_bytes())
+    return (
+        (run / step_file_key(slot, "")).read_bytes(),
+        (run / side_file_key(slot, "")).read_bytes(),
+    )
 
 
 def _check(run: Path, header: CommitHeader, step: int) -> None:
@@ -133,12 +139,19 @@ class _DyingCommitter:
     def __init__(self, at: int = 0) -> None:
         self.dead, self.at, self.writes = False, at, 0
 
-    def commit(self, root: str, durability: str, zip_state: StepState,
-               side_state: StepState, job: CommitJob) -> CommitHeader:
+    def commit(
+        self,
+        root: str,
+        durability: str,
+        zip_state: StepState,
+        side_state: StepState,
+        job: CommitJob,
+    ) -> CommitHeader:
         st = _CuttingStorage(LocalStorage(root, durability=durability), self.at)  # type: ignore[arg-type]
         try:
-            return run_commit(st, StepFile.adopt(st, zip_state), SideFile.adopt(st, side_state),
-                              job)
+            return run_commit(
+                st, StepFile.adopt(st, zip_state), SideFile.adopt(st, side_state), job
+            )
         except _Cut:
             self.dead = True
             raise StorageError(errno.EPIPE, "the flusher process died") from None
@@ -155,12 +168,12 @@ def test_a_commit_run_elsewhere_writes_what_one_run_here_writes(tmp_path: Path) 
     _check(tmp_path / "there", there, 3)
 
 
-def test_a_committer_dying_anywhere_in_a_commit_leaves_it_to_finish_here(
-        tmp_path: Path) -> None:
+def test_a_committer_dying_anywhere_in_a_commit_leaves_it_to_finish_here(tmp_path: Path) -> None:
     """Cut the commit at each of its writes in turn: every time the writer finishes it
     itself, and the step is the one a commit that never failed writes."""
-    want = _files(tmp_path / "clean", _commit_step(Repository.create(tmp_path / "clean"),
-                                                    None, 4).slot)
+    want = _files(
+        tmp_path / "clean", _commit_step(Repository.create(tmp_path / "clean"), None, 4).slot
+    )
     full = _DyingCommitter()
     _commit_step(Repository.create(tmp_path / "count"), full, 4)
     assert full.writes >= 8
@@ -189,6 +202,7 @@ def test_a_job_that_cannot_travel_is_committed_here(tmp_path: Path) -> None:
 
 def test_a_commit_that_fails_over_there_fails_the_step(tmp_path: Path) -> None:
     """A failure of the disk (the process lives on) is the step's failure, as here."""
+
     class Full:
         dead = False
 
@@ -216,7 +230,8 @@ def test_the_flusher_process_commits_a_step(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not flusher_supported(), reason="the flusher needs Linux memfd")
 def test_the_flusher_forgets_old_constants_and_keeps_committing(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each commit here sends three new constants (a fresh writer's table template, document
     block, consolidated metadata): past ``_SENT_KEPT`` the parent tells the child to forget
     them all and sends what the next request names again."""
@@ -249,7 +264,8 @@ def _gone(pid: int) -> bool:
 
 @pytest.mark.skipif(not flusher_supported(), reason="the flusher needs Linux memfd")
 def test_a_killed_trainer_leaves_no_flusher_behind_to_commit_what_it_handed_over(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """The trainer dies with a commit request in its (stopped) flusher's pipe. Once the
     flusher may run again, it must not serve it: a resumed run would race it for the ref.
     (Before the flusher died with its parent, it committed the step after the trainer's
@@ -261,10 +277,15 @@ def test_a_killed_trainer_leaves_no_flusher_behind_to_commit_what_it_handed_over
 
     run = tmp_path / "run"
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3]) + os.pathsep + env.get(
-        "PYTHONPATH", "")
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("orphan_child.py")),
-                             str(run)], stdout=subprocess.PIPE, text=True, env=env)
+    env["PYTHONPATH"] = (
+        str(Path(__file__).resolve().parents[3]) + os.pathsep + env.get("PYTHONPATH", "")
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("orphan_child.py")), str(run)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     pid, lines = 0, []
     try:
         assert proc.stdout is not None

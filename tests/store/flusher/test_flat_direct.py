@@ -20,8 +20,14 @@ from dstt.store.format.flat import FlatImage, FlatLayout
 from dstt.store.format.layout import plan_chunks
 from dstt.store.format.zipfmt import end_records
 
-SPECS = [((3, 5), "float32"), ((7,), "float16"), ((), "int64"), ((0,), "float32"),
-         ((300, 40), "float32"), ((9,), "float32")]
+SPECS = [
+    ((3, 5), "float32"),
+    ((7,), "float16"),
+    ((), "int64"),
+    ((0,), "float32"),
+    ((300, 40), "float32"),
+    ((9,), "float32"),
+]
 
 
 def _layout(chunk_bytes: int = 16 << 20) -> tuple[FlatLayout, dict[str, np.ndarray]]:
@@ -37,7 +43,7 @@ def _layout(chunk_bytes: int = 16 << 20) -> tuple[FlatLayout, dict[str, np.ndarr
 def _fill(layout: FlatLayout, values: dict[str, np.ndarray]) -> mmap.mmap:
     buf = mmap.mmap(-1, max(layout.nbytes, 1))
     for a in layout.arrays:
-        buf[a.offset:a.offset + a.nbytes] = values[a.path].tobytes()
+        buf[a.offset : a.offset + a.nbytes] = values[a.path].tobytes()
     return buf
 
 
@@ -78,9 +84,17 @@ def test_digest_ignores_the_zip_headers_between_tensors() -> None:
     layout, values = _layout()
     buf = _fill(layout, values)
     FlatImage(layout, 0, memoryview(buf)).fill()  # headers and trailers now sit in the gaps
-    items = [(a.path, a.dtype, a.offset, int(np.prod(a.shape, dtype=np.int64)),
-              np.arange(min(3, int(np.prod(a.shape, dtype=np.int64)))))
-             for a in layout.arrays if a.dtype.startswith("float")]
+    items = [
+        (
+            a.path,
+            a.dtype,
+            a.offset,
+            int(np.prod(a.shape, dtype=np.int64)),
+            np.arange(min(3, int(np.prod(a.shape, dtype=np.int64)))),
+        )
+        for a in layout.arrays
+        if a.dtype.startswith("float")
+    ]
     got = digest(DigestPlan(items, 3), np.frombuffer(buf, np.uint8))
     for j, (path, *_rest) in enumerate(items):
         x = values[path].astype(np.float64).ravel()
@@ -100,8 +114,11 @@ def test_digest_is_exact_either_way_it_sums(monkeypatch: pytest.MonkeyPatch, lar
     values["params/l5/w"][[1, 4]] = [np.nan, np.inf]  # the (9,) float32 tensor
     buf = _fill(layout, values)
     FlatImage(layout, 0, memoryview(buf)).fill()
-    items = [(a.path, a.dtype, a.offset, int(np.prod(a.shape, dtype=np.int64)), np.arange(0))
-             for a in layout.arrays if a.dtype == "float32"]
+    items = [
+        (a.path, a.dtype, a.offset, int(np.prod(a.shape, dtype=np.int64)), np.arange(0))
+        for a in layout.arrays
+        if a.dtype == "float32"
+    ]
     plan = DigestPlan(items, 2)
     assert all(r.few_large == (large == 1) for r in plan.regions)
     exact: list[int] = []
@@ -117,11 +134,15 @@ def test_digest_is_exact_either_way_it_sums(monkeypatch: pytest.MonkeyPatch, lar
         assert got["sumsq"][j] == pytest.approx(float(good @ good), rel=1e-6), path
         assert got["maxabs"][j] == (float(np.abs(good).max()) if good.size else 0.0), path
         assert (got["finite"][j], got["nan"][j], got["inf"][j]) == (
-            good.size, int(np.isnan(x).sum()), int(np.isinf(x).sum())), path
+            good.size,
+            int(np.isnan(x).sum()),
+            int(np.isinf(x).sum()),
+        ), path
 
 
 def test_whole_blocks_go_with_o_direct_and_the_bytes_are_the_image(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     layout, values = _layout()
     buf = _fill(layout, values)
     image = FlatImage(layout, 0, memoryview(buf))
@@ -146,7 +167,8 @@ def test_whole_blocks_go_with_o_direct_and_the_bytes_are_the_image(
 
 
 def test_a_filesystem_without_o_direct_falls_back_to_the_page_cache(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     layout, values = _layout()
     image = FlatImage(layout, 0, memoryview(_fill(layout, values)))
     image.fill()
@@ -172,9 +194,9 @@ def test_rebinding_restores_headers_another_layout_overwrote() -> None:
     image = FlatImage(layout, 0, memoryview(buf))
     image.fill()
     first = bytes(image.iov[0])
-    buf[:layout.nbytes] = b"\xff" * layout.nbytes  # another layout used the buffer
+    buf[: layout.nbytes] = b"\xff" * layout.nbytes  # another layout used the buffer
     for a in layout.arrays:
-        buf[a.offset:a.offset + a.nbytes] = values[a.path].tobytes()
+        buf[a.offset : a.offset + a.nbytes] = values[a.path].tobytes()
     image.bind(memoryview(buf))
     image.fill()
     assert bytes(image.iov[0]) == first

@@ -30,8 +30,12 @@ NAMES = ("params/f", "params/i", "params/scalar", "bf/h")
 
 
 def _run_child(code: str, *args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Warning" not in proc.stderr, proc.stderr[-4000:]  # nothing printed either
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -43,14 +47,18 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     path = tmp_path_factory.mktemp("interop") / "run"
     steps = {}
     for step in (10, 20):
-        steps[step] = {"params/f": sample("float32", (9, 4), seed=step),
-                       "params/i": sample("int64", (5,), seed=step + 1),
-                       "params/scalar": sample("float32", (), seed=step + 2),
-                       "bf/h": sample("bfloat16", (7, 3), seed=step + 3)}
+        steps[step] = {
+            "params/f": sample("float32", (9, 4), seed=step),
+            "params/i": sample("int64", (5,), seed=step + 1),
+            "params/scalar": sample("float32", (), seed=step + 2),
+            "bf/h": sample("bfloat16", (7, 3), seed=step + 3),
+        }
         save(path, step, steps[step], chunk_bytes=64)  # f: 4 rows per chunk, edge chunk of 1
     branch = Repository.open(path).rollback(10).name
-    steps[15] = {k: sample(str(v.dtype), v.shape, seed=1500 + i)
-                 for i, (k, v) in enumerate(steps[10].items())}
+    steps[15] = {
+        k: sample(str(v.dtype), v.shape, seed=1500 + i)
+        for i, (k, v) in enumerate(steps[10].items())
+    }
     save(path, 15, steps[15], chunk_bytes=64)
     r = Repository.open(path).reader()
     heads = {h.step: h for tl in r.timelines for h in r.lineage(tl)}
@@ -61,8 +69,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     assert timelines == {10: "main", 20: "main", 15: branch}
     zips = {step: path / step_file_key(slot) for step, slot in slots.items()}
     assert all(z.is_file() for z in zips.values())
-    return {"path": path, "steps": steps, "slots": slots, "timelines": timelines,
-            "zips": zips}
+    return {"path": path, "steps": steps, "slots": slots, "timelines": timelines, "zips": zips}
 
 
 def test_step_zip_holds_only_zarr_keys(run: dict) -> None:
@@ -76,8 +83,11 @@ def test_step_zip_holds_only_zarr_keys(run: dict) -> None:
         names = {i.filename for i in infos}
         assert all(i.compress_type == zipfile.ZIP_STORED for i in infos)
         assert {n for n in names if n.endswith("zarr.json")} == {
-            "zarr.json", "params/zarr.json", "bf/zarr.json",
-            *(f"{p}/zarr.json" for p in NAMES)}
+            "zarr.json",
+            "params/zarr.json",
+            "bf/zarr.json",
+            *(f"{p}/zarr.json" for p in NAMES),
+        }
         others = names - {n for n in names if n.endswith("zarr.json")}
         assert others, sorted(others)
         assert all(chunk.match(n) for n in others), sorted(others)
@@ -135,12 +145,17 @@ def test_zarr_and_xarray_read_every_step_without_dstt(run: dict, tmp_path: Path)
     assert info["torch"] is False
     assert "dstt.store.bfloat16" in info["dstt_modules"]  # only via the entry point
     got = np.load(out)
-    dims = {"params/f": ["f_0", "f_1"], "params/i": ["i_0"], "params/scalar": [],
-            "bf/h": ["h_0", "h_1"]}
+    dims = {
+        "params/f": ["f_0", "f_1"],
+        "params/i": ["i_0"],
+        "params/scalar": [],
+        "bf/h": ["h_0", "h_1"],
+    }
     for step, slot in run["slots"].items():
         s = info["steps"][str(step)]
-        want_attrs = {"dstt": {"format": 2, "step": step, "timeline": run["timelines"][step],
-                               "slot": slot}}
+        want_attrs = {
+            "dstt": {"format": 2, "step": step, "timeline": run["timelines"][step], "slot": slot}
+        }
         assert s["attrs"] == want_attrs, step
         assert s["xr_attrs"] == want_attrs, step
         assert s["dims"] == dims
@@ -249,8 +264,12 @@ def test_tensorstore_reads_every_step_zip(run: dict, tmp_path: Path) -> None:
     got = np.load(out)
     for step in run["slots"]:
         want = run["steps"][step]
-        for name, dt in (("params/f", "float32"), ("params/i", "int64"),
-                         ("params/scalar", "float32"), ("bf/h", "bfloat16")):
+        for name, dt in (
+            ("params/f", "float32"),
+            ("params/i", "int64"),
+            ("params/scalar", "float32"),
+            ("bf/h", "bfloat16"),
+        ):
             key = f"{step}_{name.replace('/', '_')}"
             assert dt in str(got[key + "_dtype"]), (step, name)
             w = want[name].view(np.uint16) if name == "bf/h" else want[name]
@@ -296,7 +315,7 @@ def test_zarr_itself_checks_the_chunk_crc32c(run: dict, tmp_path: Path) -> None:
         for item in zin.infolist():
             body = zin.read(item.filename)
             if item.filename == name:
-                body = bytes(data[offset: offset + size])
+                body = bytes(data[offset : offset + size])
             zout.writestr(item.filename, body)
     with zipfile.ZipFile(rebuilt) as z:
         assert z.testzip() is None  # the container itself is sound now

@@ -14,9 +14,13 @@ from dstt.store.storage.memory import MemoryStorage
 from store._util import put_array
 
 # 0-d · empty · one chunk · several chunks (with chunk_bytes=256: a non-framed layout)
-SPECS = [("params/a/w", "float32", (3, 5), ("out", "in")), ("params/a/b", "float16", (7,), None),
-         ("optim/a/w/step", "int64", (), None), ("params/e", "float32", (0,), None),
-         ("params/big", "float32", (70, 9), ("row", "col"))]
+SPECS = [
+    ("params/a/w", "float32", (3, 5), ("out", "in")),
+    ("params/a/b", "float16", (7,), None),
+    ("optim/a/w/step", "int64", (), None),
+    ("params/e", "float32", (0,), None),
+    ("params/big", "float32", (70, 9), ("row", "col")),
+]
 
 
 def _layout(w):
@@ -27,9 +31,12 @@ def _flat_step(w, layout, step: int, rng: np.random.Generator):
     buf = np.zeros(layout.nbytes, dtype=np.uint8)
     values = {}
     for a in layout.arrays:
-        v = rng.standard_normal(a.shape).astype(a.dtype) if a.dtype != "int64" else \
-            np.asarray(step, dtype=np.int64)
-        buf[a.offset:a.offset + a.nbytes] = np.frombuffer(v.tobytes(), np.uint8)
+        v = (
+            rng.standard_normal(a.shape).astype(a.dtype)
+            if a.dtype != "int64"
+            else np.asarray(step, dtype=np.int64)
+        )
+        buf[a.offset : a.offset + a.nbytes] = np.frombuffer(v.tobytes(), np.uint8)
         values[a.path] = v
     txn = w.begin(step)
     txn.put_flat(layout, buf)
@@ -89,13 +96,18 @@ def test_the_root_document_spliced_per_step_is_the_one_encoded_whole() -> None:
         root_document_bytes,
     )
 
-    arrays = {f"params/l{i}/w": dump(array_document(f"params/l{i}/w", "float32",
-                                                     plan_chunks((3, i + 1), 4, 1 << 20)))
-              for i in range(3)}
+    arrays = {
+        f"params/l{i}/w": dump(
+            array_document(f"params/l{i}/w", "float32", plan_chunks((3, i + 1), 4, 1 << 20))
+        )
+        for i in range(3)
+    }
     groups = {"params": dump(group_document())} | {
-        f"params/l{i}": dump(group_document()) for i in range(3)}
+        f"params/l{i}": dump(group_document()) for i in range(3)
+    }
     members = [(p, "group", d) for p, d in groups.items()] + [
-        (p, "array", d) for p, d in arrays.items()]
+        (p, "array", d) for p, d in arrays.items()
+    ]
     attrs = root_attributes(step=7, timeline="main", slot=6)
     got = root_document_bytes(attrs, consolidated_metadata(members))
     want = dump(root_document(attrs, [(p, json.loads(d)) for p, _, d in members]))

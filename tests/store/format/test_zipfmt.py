@@ -50,7 +50,7 @@ def test_aligned_entries_read_in_zipfile_and_say_where_their_data_is(align: int)
     listed = parse_directory(blob, len(blob), "mem")
     for e, at in zip(entries, data_at, strict=True):
         got = listed[e.name]
-        assert local_data_offset(blob[got.offset:got.offset + 30 + len(e.name)], got) == at
+        assert local_data_offset(blob[got.offset : got.offset + 30 + len(e.name)], got) == at
         if not align:  # no padding: the directory alone says where the data is
             assert got.data_offset == at
 
@@ -58,7 +58,7 @@ def test_aligned_entries_read_in_zipfile_and_say_where_their_data_is(align: int)
 def test_local_data_offset_refuses_a_damaged_header() -> None:
     blob, entries, _ = _zip([("a/c/0", b"xyz")], 64)
     e = entries[0]
-    head = bytearray(blob[:30 + len(e.name)])
+    head = bytearray(blob[: 30 + len(e.name)])
     assert local_data_offset(bytes(head), e) is not None
     for pos in (0, 14, 26, 31):  # signature, CRC-32, name length, the name
         bad = bytearray(head)
@@ -87,6 +87,5 @@ def test_a_moved_block_is_the_block_built_there() -> None:
         assert moved.directory == fresh.directory
         assert moved.entries == fresh.entries
         assert moved.iov == fresh.iov
-        assert (moved.start, moved.nbytes, moved.names) == (fresh.start, fresh.nbytes,
-                                                            fresh.names)
+        assert (moved.start, moved.nbytes, moved.names) == (fresh.start, fresh.nbytes, fresh.names)
         assert moved.moved(7).directory == Block(7, names, datas).directory

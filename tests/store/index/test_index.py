@@ -23,10 +23,20 @@ N = 40
 
 
 def _summaries(step: int) -> dict[str, Any]:
-    return {f"params/l{j}/w": {"l2": float(step + j), "rms": 1.0, "maxabs": 2.0, "nan": 0,
-                               "inf": 0, "update_l2": 0.1, "update_ratio": 0.01 * (1 + j),
-                               "probe": [float(step), float(j)], "update_exact": False}
-            for j in range(3)}
+    return {
+        f"params/l{j}/w": {
+            "l2": float(step + j),
+            "rms": 1.0,
+            "maxabs": 2.0,
+            "nan": 0,
+            "inf": 0,
+            "update_l2": 0.1,
+            "update_ratio": 0.01 * (1 + j),
+            "probe": [float(step), float(j)],
+            "update_exact": False,
+        }
+        for j in range(3)
+    }
 
 
 def _commit(w: Any, step: int, loss: float) -> None:
@@ -234,7 +244,8 @@ def test_trajectory_from_the_index_is_exact_and_checked() -> None:
 
 
 def test_index_agrees_with_the_commits_after_sigkill_at_every_write_of_a_commit(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """A real process, killed (SIGKILL) just before each write of a commit that also writes an
     index segment: the index agrees with the headers (verify compares every row), the run
     reads the same with and without it, and the next writer indexes the tail."""
@@ -249,8 +260,12 @@ def test_index_agrees_with_the_commits_after_sigkill_at_every_write_of_a_commit(
             _commit(w, s, 1.0)
 
     def run_child(path: Path, k: int) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, str(child), str(path), str(k)],
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, str(child), str(path), str(k)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     probe = tmp_path / "probe"
     shutil.copytree(base, probe)
@@ -353,15 +368,19 @@ def test_a_local_run_writes_segments_from_background_jobs(tmp_path: Path) -> Non
 
 
 def test_a_failed_index_job_leaves_the_rows_to_the_writer(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import subprocess
     import sys
 
     from dstt.store.index.job import IndexJob
 
     def failing(location: str, slots: list[int], every: int) -> IndexJob:
-        return IndexJob(subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"],
-                                         stderr=subprocess.PIPE))
+        return IndexJob(
+            subprocess.Popen(
+                [sys.executable, "-c", "import sys; sys.exit(3)"], stderr=subprocess.PIPE
+            )
+        )
 
     monkeypatch.setattr(IndexJob, "start", staticmethod(failing))
     st = LocalStorage(tmp_path / "run", create=True)
@@ -377,7 +396,8 @@ def test_a_failed_index_job_leaves_the_rows_to_the_writer(
 
 
 def test_background_jobs_are_rate_limited_but_the_tail_stays_bounded(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A job is an interpreter start: a fast loop starts one at its first segment's worth,
     then at most one per ``JOB_INTERVAL_S`` — unless ``JOB_MAX_TAIL`` segments' worth are
     pending — and the close indexes what is left; every commit ends up with a row."""

@@ -15,9 +15,13 @@ from dstt.store.index.job import IndexJob
 
 
 def test_a_job_found_done_by_poll_still_closes_its_pipe() -> None:
-    job = IndexJob(subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    job = IndexJob(
+        subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+    )
     deadline = time.monotonic() + 30
     while not job.done():  # the writer's path: poll on a later commit, then reap
         assert time.monotonic() < deadline
@@ -54,8 +58,12 @@ CHILD = textwrap.dedent("""
 
 
 def test_a_session_of_index_jobs_leaves_no_unclosed_file(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-W", "error", "-c", CHILD, str(tmp_path / "run")],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-W", "error", "-c", CHILD, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "jobs ok" in out.stdout
     assert "ResourceWarning" not in out.stderr, out.stderr

@@ -31,8 +31,7 @@ def _train(run: Path, steps: int, *, resume: bool, **options: object) -> None:
 def test_rows_agree_with_every_steps_arrays_table_and_summaries(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _train(run, 5, resume=False)  # flat lane, columnar summaries
-    _train(run, 4, resume=True, encoding=dstt.DeltaPolicy(keyframe_every=3,
-                                                          raw_when_busy=False))
+    _train(run, 4, resume=True, encoding=dstt.DeltaPolicy(keyframe_every=3, raw_when_busy=False))
     _train(run, 3, resume=True, budget_bytes=64 << 10)  # chunk lane: another table shape
     repo = Repository.open(run)
     repo.gc(keep_last=8)  # the oldest steps are pruned
@@ -53,11 +52,13 @@ def test_rows_agree_with_every_steps_arrays_table_and_summaries(tmp_path: Path) 
                 continue
             dtype, shape, nrows, chunks, dims = loc.layouts[int(loc.ids[i])]
             assert (dtype, shape, nrows, dims) == (rec.dtype, rec.shape, rec.rows, rec.dims)
-            assert [(rows.files[f] if f >= 0 else rec.chunks[0].key, o, b)
-                    for f, o, b in chunks] == [(c.key, c.offset, c.nbytes) for c in rec.chunks]
-            assert loc.crc[i, :len(rec.chunks)].tolist() == [c.crc32c for c in rec.chunks]
-        assert set(p for p in table if all(c.encoding == "raw" for c in table[p].chunks)) <= \
-            set(rows.loc), h.step
+            assert [
+                (rows.files[f] if f >= 0 else rec.chunks[0].key, o, b) for f, o, b in chunks
+            ] == [(c.key, c.offset, c.nbytes) for c in rec.chunks]
+            assert loc.crc[i, : len(rec.chunks)].tolist() == [c.crc32c for c in rec.chunks]
+        assert set(p for p in table if all(c.encoding == "raw" for c in table[p].chunks)) <= set(
+            rows.loc
+        ), h.step
         want: dict[str, tuple[list[float], bool, list[float]]] = {}
         for name in sorted(h.objects) if not h.pruned else ():
             if name == SUMMARIES or name.startswith(f"{SUMMARIES}/"):
@@ -68,7 +69,7 @@ def test_rows_agree_with_every_steps_arrays_table_and_summaries(tmp_path: Path) 
             np.testing.assert_array_equal(rows.s_val[i, j], np.asarray(vals, np.float64))
             assert bool(rows.s_exact[i, j]) == exact
             got = rows.s_probe[i, j]
-            np.testing.assert_array_equal(got[:len(probe)], np.asarray(probe, np.float32))
-            assert np.isnan(got[len(probe):]).all()
+            np.testing.assert_array_equal(got[: len(probe)], np.asarray(probe, np.float32))
+            assert np.isnan(got[len(probe) :]).all()
     assert {"raw", "xor1"} <= kinds or {"raw", "pred1"} <= kinds  # encoded steps were there
     assert len(SCALARS) == rows.s_val.shape[2]

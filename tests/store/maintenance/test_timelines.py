@@ -55,11 +55,11 @@ def assert_exact(st: Storage, timeline: str, steps: list[int], branch: bool) -> 
 
 
 def slots_on_disk(st: MemoryStorage) -> set[int]:
-    return {int(n[:12]) for n in st.list(STEPS_PREFIX)} | set(
-        Repository(st).reader().all_slots())
+    return {int(n[:12]) for n in st.list(STEPS_PREFIX)} | set(Repository(st).reader().all_slots())
 
 
 # -- rename ------------------------------------------------------------------------------------
+
 
 def test_power_cut_at_every_write_of_a_timeline_rename() -> None:
     """Renaming the current timeline, which another was forked from: at every cut the old or
@@ -83,8 +83,12 @@ def test_power_cut_at_every_write_of_a_timeline_rename() -> None:
         for name in names & {tl, "alt"}:
             got = r.ref(name)
             assert (got.head, got.base_slot, got.base_step, got.base_timeline, got.created) == (
-                before.head, before.base_slot, before.base_step, before.base_timeline,
-                before.created)
+                before.head,
+                before.base_slot,
+                before.base_step,
+                before.base_timeline,
+                before.created,
+            )
             assert_exact(st, name, BRANCH, True)
         assert r.ref(child).base_timeline in (names & {tl, "alt"})
         assert_exact(st, "main", list(range(10)), False)
@@ -128,6 +132,7 @@ def test_rename_refuses_taken_bad_and_unknown_names() -> None:
 
 # -- delete ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("encoded", [False, True], ids=["raw", "deltas"])
 def test_power_cut_at_every_write_of_a_timeline_delete(encoded: bool) -> None:
     """Deleting main (not current) after a rollback at 5: the ref goes, durably, before any
@@ -139,8 +144,12 @@ def test_power_cut_at_every_write_of_a_timeline_delete(encoded: bool) -> None:
     own = {h.slot for h in r.lineage("main")} - {h.slot for h in r.lineage(tl)}
     assert len(own) == 4
     if encoded:  # tl's own steps really read main's files
-        assert any(c.base is not None for h in r.lineage(tl)[6:]
-                   for rec in r.arrays(h).values() for c in rec.chunks)
+        assert any(
+            c.base is not None
+            for h in r.lineage(tl)[6:]
+            for rec in r.arrays(h).values()
+            for c in rec.chunks
+        )
 
     ref = copy(base)
     rep = Repository(ref).delete_timeline("main")
@@ -216,6 +225,7 @@ def test_delete_refuses_the_current_timeline_and_keeps_what_children_need() -> N
 
 
 # -- gc and fork points ------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("how", ["offline", "live-writer"])
 def test_gc_keeps_the_step_a_timeline_forks_from(how: str) -> None:
