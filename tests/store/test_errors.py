@@ -500,12 +500,19 @@ HOLDER = """
 def test_second_writer_from_another_process(tmp_path: Path, release: str) -> None:
     run = tmp_path / "run"
     two_steps(run)
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(HOLDER), str(run)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-    )
+    ) as proc:
+        _hold_and_release(proc, run, release)
+    # the kernel drops the lock with the process, however it ended
+    commit_arrays(Repository.open(run), 3, {"params/w": np.zeros((8, 4), np.float32)})
+    assert load(run).header.step == 3
+
+
+def _hold_and_release(proc: subprocess.Popen[str], run: Path, release: str) -> None:
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "locked"
@@ -521,9 +528,6 @@ def test_second_writer_from_another_process(tmp_path: Path, release: str) -> Non
         else:
             proc.kill()
             proc.wait(timeout=30)
-    # the kernel drops the lock with the process, however it ended
-    commit_arrays(Repository.open(run), 3, {"params/w": np.zeros((8, 4), np.float32)})
-    assert load(run).header.step == 3
 
 
 # -- read-only and failing storage ----------------------------------------------------------------

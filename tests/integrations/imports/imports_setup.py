@@ -30,6 +30,7 @@ def spawn(kind: str, world: int, out: Path, ports: list[int], *args: str) -> Non
     port = free_port()
     ports.append(port)
     procs = []
+    logs = []
     for rank in range(world):
         env = {
             **os.environ,
@@ -43,7 +44,8 @@ def spawn(kind: str, world: int, out: Path, ports: list[int], *args: str) -> Non
             "DSTT_TEST_HANG_S": str(TIMEOUT),
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         }
-        log = open(out / f"log.r{rank}", "wb")  # noqa: SIM115 - closed with the process
+        log = open(out / f"log.r{rank}", "wb")  # noqa: SIM115 - closed once the ranks ended
+        logs.append(log)
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(WORKER), kind, str(out), *args],
@@ -53,13 +55,17 @@ def spawn(kind: str, world: int, out: Path, ports: list[int], *args: str) -> Non
             )
         )
     deadline = time.monotonic() + TIMEOUT
-    for p in procs:
-        try:
-            p.wait(max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
+    try:
+        for p in procs:
+            try:
+                p.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise
+    finally:
+        for log in logs:
+            log.close()
     for rank in range(world):
         if not (out / f"done.r{rank}").exists():
             log = (out / f"log.r{rank}").read_text(errors="replace")[-3000:]

@@ -107,6 +107,9 @@ def test_sigkill_at_random_points(tmp_path: Path, durability: str) -> None:
         # readline() already buffered (a "committed" line went missing that way)
         out, err = proc.stdout.read(), proc.stderr.read() if proc.stderr else ""
         proc.wait(60)
+        proc.stdout.close()
+        if proc.stderr:
+            proc.stderr.close()
         assert proc.returncode == -signal.SIGKILL, err[-2000:]
         announced = [
             int(x.split()[1]) for x in [*lines, *out.splitlines()] if x.startswith("committed ")
