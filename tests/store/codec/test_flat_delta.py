@@ -13,7 +13,8 @@ import dstt
 from dstt.store import Repository, load
 from dstt.store.codec.xor import DeltaPolicy
 from dstt.store.format.manifest import dump_arrays
-from store._util import flat_buffer, put_flat_arrays
+
+from .._util import flat_buffer, put_flat_arrays
 
 DSTT = str(Path(dstt.__file__).parent)
 

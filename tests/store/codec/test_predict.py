@@ -19,7 +19,14 @@ from dstt.store.commit.transaction import Transaction
 from dstt.store.format.layout import step_file_key
 from dstt.store.format.manifest import dump_arrays
 from dstt.store.format.records import ChunkRecord
-from store._util import WRITE, crash_at_every_write, put_array, put_flat_arrays
+
+from .._util import (  # noqa: F401  (write_how: a fixture)
+    WRITE,
+    crash_at_every_write,
+    put_array,
+    put_flat_arrays,
+    write_how,
+)
 
 P, M, V = "params/w", "optim/exp_avg/w", "optim/exp_avg_sq/w"
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

@@ -52,8 +52,8 @@ from dstt.store.format.layout import (
 from dstt.store.index.view import GC_MARKER
 from dstt.store.storage.base import Data, Durability
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage
-from store._util import assert_same_arrays, deep_equal
 
+from .._util import assert_same_arrays, deep_equal
 from .crash_child import CHUNK_BYTES, commit, expected
 
 CHILD = Path(__file__).with_name("crash_child.py")

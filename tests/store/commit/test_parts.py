@@ -22,7 +22,8 @@ from dstt.store import CommitHeader, DeltaPolicy, Repository
 from dstt.store.commit.parts import abort_vote, collect_parts
 from dstt.store.format.layout import PARTS_PREFIX, STEPS_PREFIX, side_file_key, step_file_key
 from dstt.store.format.parts import part_slots
-from store._util import put_array, same_bits
+
+from .._util import put_array, same_bits
 
 
 def _two_rank_commit(

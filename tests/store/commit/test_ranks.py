@@ -42,8 +42,8 @@ from dstt.store.format.layout import (
 )
 from dstt.store.format.parts import Part, dump_part
 from dstt.store.storage.memory import DelegatingStorage, MemoryStorage
-from store._util import same_bits
 
+from .._util import same_bits
 from .rank_world import (
     WorldStep,
     close_world,

@@ -23,7 +23,8 @@ from dstt.store.format.stepfile import SideFile, StepFile, StepState
 from dstt.store.storage.base import Blob, Data
 from dstt.store.storage.local import LocalStorage
 from dstt.store.storage.memory import DelegatingStorage
-from store._util import same_bits
+
+from .._util import same_bits
 
 ARRAYS = [
     ("params/a/w", "float32", (6, 5)),

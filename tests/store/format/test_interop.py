@@ -24,7 +24,8 @@ import pytest
 
 from dstt.store import Repository, save
 from dstt.store.format.layout import step_file_key, zarr_chunk_key
-from store._util import sample, zip_entry
+
+from .._util import sample, zip_entry
 
 NAMES = ("params/f", "params/i", "params/scalar", "bf/h")
 

@@ -11,7 +11,8 @@ import pytest
 from dstt.store import Repository, load
 from dstt.store.format.manifest import TableTemplate, dump_arrays, parse_arrays
 from dstt.store.storage.memory import MemoryStorage
-from store._util import put_array
+
+from .._util import put_array
 
 # 0-d · empty · one chunk · several chunks (with chunk_bytes=256: a non-framed layout)
 SPECS = [

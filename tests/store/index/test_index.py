@@ -17,7 +17,8 @@ from dstt.store.format.layout import INDEX_PREFIX
 from dstt.store.index.repair import check
 from dstt.store.index.view import GC_MARKER
 from dstt.store.storage.memory import DelegatingStorage, MemoryStorage
-from store.commit.test_crash import every_cut
+
+from ..commit.test_crash import every_cut
 
 N = 40
 

@@ -15,8 +15,9 @@ from dstt.store import Repository, Storage, load
 from dstt.store.codec.xor import DeltaPolicy
 from dstt.store.format.layout import HEAD_KEY, STEPS_PREFIX, ref_key
 from dstt.store.storage.memory import MemoryStorage
-from store._util import assert_same_arrays
-from store.commit.test_crash import (
+
+from .._util import assert_same_arrays
+from ..commit.test_crash import (
     _commit_evolving,
     _gc_state,
     copy,

@@ -11,7 +11,8 @@ import pytest
 from dstt.errors import CorruptRunError
 from dstt.store import Repository
 from dstt.store.read.shards import LogicalArray, Piece, logical_arrays, read_logical, shard_map
-from store._util import put_array, same_bits
+
+from .._util import put_array, same_bits
 
 
 def _sharded_commit(
