@@ -211,7 +211,7 @@ class RankChannel:
                     ) from e
             missing = self._missing(keys, ranks)
             if time.monotonic() >= deadline:
-                setting = "rank_timeout" if timeout is None else "start_timeout"
+                setting = "rank_timeout" if timeout is None else "start_timeout or rank_timeout"
                 raise RankError(
                     f"rank {self.info.rank}: ranks {missing} did not send their {what} within "
                     f"{limit:.0f} s. Every rank must run the same dstt.session(...) (or "
@@ -312,7 +312,7 @@ def open_ranks(
         "hello",
         {"run": run_identity(run), "resume": bool(resume), "world": info.world, **(agree or {})},
         what="dstt.session start",
-        timeout=start_timeout,
+        timeout=min(start_timeout, timeout),
     )
     bad = _disagreements(said)
     if bad:
