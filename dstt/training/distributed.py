@@ -31,6 +31,7 @@ from dstt.engine.dims import DimsOf, ModelDims
 from dstt.engine.parallel import ParallelState
 from dstt.engine.providers import RankObject, StoreSource
 from dstt.engine.ranks import RankChannel, RankInfo, RankWriter, dist_info, open_ranks
+from dstt.engine.sharding import check_layout
 from dstt.errors import ConfigError, RankError
 from dstt.store import Repository
 
@@ -204,6 +205,15 @@ class DistributedSession(RankedSession):
         )
         return self._parallel.state
 
+    def _open(self, chunk: int) -> tuple[Any, Any, Any]:
+        opened = super()._open(chunk)
+        assert self._parallel is not None
+        # pipeline stages (ranks holding different parameters) store their own structure
+        self._parallel.layout.decide(self.channel, self._parallel.names)
+        return opened
+
     def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:
+        assert self._parallel is not None
+        check_layout(source, self._parallel.layout.params, world=self.info.world)
         self._state.step_state.restore(source)
         self._state.boundary_state.restore(source)

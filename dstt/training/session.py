@@ -33,6 +33,7 @@ from dstt.engine.dims import DimsOf, ModelDims
 from dstt.engine.optimizers import optimizers_of
 from dstt.engine.pipeline import SUMMARIES_OBJECT, Pipeline, StepMetrics
 from dstt.engine.providers import RankObject, StoreSource
+from dstt.engine.sharding import check_layout
 from dstt.engine.torch_state import ONE_RANK, Stateful, TorchState, discover
 from dstt.errors import CaptureError, NotARunError, TimelineError
 from dstt.store import DEFAULT_CHUNK_BYTES, GcReport, Repository
@@ -265,6 +266,7 @@ class Session:
         return writer, reader, head
 
     def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:
+        check_layout(source, None, world=1)  # a pipeline's stages resume only as a pipeline
         self._state.step_state.restore(source)
         self._state.boundary_state.restore(source)
 
