@@ -92,7 +92,8 @@ def main() -> None:
     res: dict[str, Any] = {"ok": True}
     try:
         data = batches()
-        model, opt, sched, schedule = build(rank, world, "other" if phase == "relayout" else "default")
+        layout = "other" if phase == "relayout" else "default"
+        model, opt, sched, schedule = build(rank, world, layout)
         if phase == "ref":
             res["losses"] = [step(rank, schedule, opt, sched, *data[i]) for i in range(STEPS)]
             res["tensors"] = tensors(model, opt)
