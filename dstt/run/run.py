@@ -18,6 +18,7 @@ every attribute access — steps would change between two cells that the user re
 from __future__ import annotations
 
 import os
+import pathlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -542,6 +543,24 @@ class Run:
         )
         self.refresh()
         return report
+
+    def virtual(self, out: str | os.PathLike[str], *, timeline: str | None = None) -> Any:
+        """Write (or extend) a reference file that presents ``timeline`` as one Zarr store:
+        every tensor an array with a leading ``step`` dimension whose chunks point into the
+        step files (no copy), metrics along ``step`` at the root. Plain xarray reads it
+        through fsspec: ``xr.open_datatree("reference://run", engine="zarr",
+        storage_options={"fo": out}, consolidated=False, zarr_format=3)``. Steps with
+        delta-encoded chunks and tensors stored as per-rank boxes are left out and listed.
+        Returns a :class:`dstt.inspect.virtual.VirtualReport` (docs/virtual.md)."""
+        from dstt.inspect.virtual import write_references
+
+        name = timeline or self.timeline
+        storage = self._reader.storage
+        root = getattr(storage, "root", None)
+        url = pathlib.Path(root).resolve().as_uri() if root is not None else storage.location
+        return write_references(
+            self._reader, self._lineage(name), out, run_url=url.rstrip("/"), timeline=name
+        )
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> Any:
         """Check every reachable byte; the store's report (``.problems``, ``.ok``)."""
