@@ -41,6 +41,7 @@ from .inspect import (
     cmd_verify,
 )
 from .replay import cmd_replay
+from .virtual import add_virtual
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -319,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     timeline(sp)
     add_import(sub, common)
+    add_virtual(sub, common)
     return p
 
 
