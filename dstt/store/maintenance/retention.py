@@ -9,14 +9,14 @@ needs neither torch nor inspection. What the policy never decides away — timel
 steps other timelines fork from, the delta bases of kept steps — gc adds itself
 (``maintenance/gc.py``).
 
-Spikes use the rolling z-score rule of ``dstt.inspect`` (``find_spikes``, defined here so the
-store can use it without importing inspection, which re-exports it): a value is flagged when it
-is more than ``z`` standard deviations above the mean of the ``window`` values before it. The
-rule looks only backwards, so a spike found once is found at every later gc; and it runs over
-the metrics of *every* commit, pruned ones included (their tombstones keep their metrics), so
-pruning never moves a baseline. A spike's window runs from ``spike_window`` steps before its
-first flagged step (the update that caused it is the one just before: ``Run.spikes`` names it
-``cause``) to ``spike_window`` steps after its peak.
+Spikes use the rule of ``run.spikes()`` (``dstt.analysis.find_spikes``, re-exported here, where
+the store imported it from before): a value is flagged when its log is far above the median of
+the few values before it, measured in robust standard deviations of the same residual over the
+steps before. The rule looks only backwards, so a spike found once is found at every later gc;
+and it runs over the metrics of *every* commit, pruned ones included (their tombstones keep
+their metrics), so pruning never moves a baseline. A spike's window runs from ``spike_window``
+steps before its first flagged step (the update that caused it is the one just before:
+``Run.spikes`` names it ``cause``) to ``spike_window`` steps after its peak.
 
 Rejected: a byte budget instead of step counts (what is kept would depend on how well each
 step compressed, and a spike window could be evicted to make room); deleting spike windows once
@@ -31,57 +31,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dstt.analysis import find_spikes
+
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
 __all__ = ["Retention", "find_spikes"]
-
-
-def find_spikes(
-    steps: np.ndarray,
-    values: np.ndarray,
-    *,
-    window: int = 50,
-    z: float = 4.0,
-    min_periods: int | None = None,
-) -> list[tuple[int, float, float, float, float, int]]:
-    """``(step, value, zscore, mean, std, start)`` of each spike by the rolling z rule:
-    ``step`` at the peak z-score, ``start`` the first flagged step."""
-    if window < 2:
-        raise ValueError(f"window must be >= 2, got {window}")
-    min_periods = max(2, window // 4) if min_periods is None else max(2, min_periods)
-    ok = np.isfinite(values)
-    steps, values = np.asarray(steps)[ok], np.asarray(values, dtype=np.float64)[ok]
-    n = len(values)
-    mu_all, sd_all = np.full(n, np.nan), np.full(n, np.nan)
-    for i in range(min(n, window)):  # the first values: a shorter trailing window
-        prior = values[:i]
-        if len(prior) >= min_periods:
-            mu_all[i], sd_all[i] = prior.mean(), prior.std(ddof=1)
-    if n > window:  # full windows, vectorised in blocks (a gc runs this over every commit)
-        views = np.lib.stride_tricks.sliding_window_view(values, window)
-        for lo in range(0, n - window, 8192):
-            hi = min(n - window, lo + 8192)
-            block = views[lo:hi]
-            mu_all[window + lo : window + hi] = block.mean(axis=1)
-            sd_all[window + lo : window + hi] = block.std(axis=1, ddof=1)
-    flagged: list[tuple[int, float, float, float, float]] = []
-    for i in np.flatnonzero(np.isfinite(mu_all)).tolist():
-        mu, sd = float(mu_all[i]), float(sd_all[i])
-        sd = max(sd, 1e-12 * max(abs(mu), 1.0))
-        zi = (float(values[i]) - mu) / sd
-        if zi > z:
-            flagged.append((i, float(values[i]), zi, mu, sd))
-    events: list[tuple[int, float, float, float, float, int]] = []
-    last = -2
-    for i, v, zi, mu, sd in flagged:
-        if i == last + 1:  # consecutive flagged values: one spike, kept at its peak z
-            if zi > events[-1][2]:
-                events[-1] = (int(steps[i]), v, zi, mu, sd, events[-1][5])
-        else:
-            events.append((int(steps[i]), v, zi, mu, sd, int(steps[i])))
-        last = i
-    return events
 
 
 def _count(name: str, v: int | None, lo: int) -> None:
