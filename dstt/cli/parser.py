@@ -68,6 +68,25 @@ def _positive(s: str) -> int:
     return v
 
 
+def _window(s: str) -> int:
+    v = _nonneg(s)
+    if v < 2:
+        raise argparse.ArgumentTypeError(
+            f"expected a spike window >= 2 (the steps before a value it is compared with), got {v}"
+        )
+    return v
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {s}")
+    return v
+
+
 EPILOG = """\
 the run: RUN (the optional first argument of ls, log, show, diff, verify, rollback, gc) or
 --run PATH, else $DSTT_RUN, else the current directory; any folder inside a run finds it, as
@@ -241,17 +260,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "--spike-z",
-        type=float,
-        default=4.0,
+        type=_positive_float,
         metavar="Z",
-        help="a spike is a value Z standard deviations above its baseline (default: 4)",
+        help="a spike is a value Z robust standard deviations above its local level "
+        "(the rule of dstt log and run.spikes(); default: 6)",
     )
     sp.add_argument(
         "--spike-baseline",
-        type=_positive,
-        default=50,
+        type=_window,
         metavar="N",
-        help="the baseline: the N values before each step (default: 50)",
+        help="the spike rule's window: the N steps before a value (default: 100)",
     )
     sp.add_argument(
         "--dry-run", action="store_true", help="list the steps it would prune, delete nothing"

@@ -52,8 +52,9 @@ def _count(name: str, v: int | None, lo: int) -> None:
 class Retention:
     """Keep the last ``keep_last`` live steps of each timeline, every step divisible by
     ``keep_every``, the steps in ``keep_steps``, and every step within ``spike_window`` steps
-    of a spike of ``spike_metric`` (rolling z-score above ``spike_z`` against the
-    ``spike_baseline`` values before it; ``spike_window=0``: no spike rule). Heads, fork points
+    of a spike of ``spike_metric`` (the rule of ``run.spikes()``: robust score above
+    ``spike_z`` over the ``spike_baseline`` steps before it, None: the rule's defaults;
+    ``spike_window=0``: no spike rule). Heads, fork points
     and the bases of kept deltas are always kept. A session applies it in the background every
     ``every_commits`` captured steps (``dstt.session(..., retention=...)``); ``dstt gc`` and
     ``Run.gc(retention=...)`` take the same object."""
@@ -62,8 +63,8 @@ class Retention:
     keep_every: int | None = None
     spike_window: int = 0
     spike_metric: str = "loss"
-    spike_z: float = 4.0
-    spike_baseline: int = 50
+    spike_z: float | None = None
+    spike_baseline: int | None = None
     keep_steps: tuple[int, ...] = field(default=())
     every_commits: int = 50
 
@@ -73,9 +74,11 @@ class Retention:
         _count("spike_window", self.spike_window, 0)
         _count("spike_baseline", self.spike_baseline, 2)
         _count("every_commits", self.every_commits, 1)
-        if not isinstance(self.spike_z, (int, float)) or not self.spike_z > 0:
+        if self.spike_z is not None and (
+            not isinstance(self.spike_z, (int, float)) or not self.spike_z > 0
+        ):
             raise ValueError(
-                f"Retention(spike_z=...) must be a positive number, got {self.spike_z!r}"
+                f"Retention(spike_z=...) must be a positive number or None, got {self.spike_z!r}"
             )
         object.__setattr__(self, "keep_steps", tuple(int(s) for s in self.keep_steps))
 
