@@ -151,6 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--spikes", metavar="METRIC", help="mark spikes of this metric (default: loss, when logged)"
     )
     sp.add_argument(
+        "--window",
+        type=_window,
+        metavar="N",
+        help="spike rule: the steps before a value its noise is measured over (default: 100)",
+    )
+    sp.add_argument(
+        "--z",
+        type=_positive_float,
+        metavar="Z",
+        help="spike rule: robust standard deviations above the local level (default: 6)",
+    )
+    sp.add_argument(
         "--batches",
         action="store_true",
         help="show each step's batch: its sample indices or hash (s.data records them)",
