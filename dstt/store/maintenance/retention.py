@@ -15,8 +15,11 @@ the few values before it, measured in robust standard deviations of the same res
 steps before. The rule looks only backwards, so a spike found once is found at every later gc;
 and it runs over the metrics of *every* commit, pruned ones included (their tombstones keep
 their metrics), so pruning never moves a baseline. A spike's window runs from ``spike_window``
-steps before its first flagged step (the update that caused it is the one just before:
-``Run.spikes`` names it ``cause``) to ``spike_window`` steps after its peak.
+steps before its first flagged step to ``spike_window`` steps after its peak, and always holds
+the live commit before the first flagged step (the weights the jump was computed on or, with
+sparser commits, the last commit before the update that caused it: what a replay restores) and
+the first live commit at or after it (what a replay compares against), however sparse the
+commits around it are.
 
 Rejected: a byte budget instead of step counts (what is kept would depend on how well each
 step compressed, and a spike window could be evicted to make room); deleting spike windows once
@@ -54,7 +57,8 @@ class Retention:
     ``keep_every``, the steps in ``keep_steps``, and every step within ``spike_window`` steps
     of a spike of ``spike_metric`` (the rule of ``run.spikes()``: robust score above
     ``spike_z`` over the ``spike_baseline`` steps before it, None: the rule's defaults;
-    ``spike_window=0``: no spike rule). Heads, fork points
+    ``spike_window=0``: no spike rule), the commit before each spike and the spike's own
+    commit included. Heads, fork points
     and the bases of kept deltas are always kept. A session applies it in the background every
     ``every_commits`` captured steps (``dstt.session(..., retention=...)``); ``dstt gc`` and
     ``Run.gc(retention=...)`` take the same object."""
@@ -96,6 +100,12 @@ class Retention:
         self, steps: Sequence[int] | np.ndarray, values: Sequence[float] | np.ndarray
     ) -> list[tuple[int, int]]:
         """``(first, last)`` step of the window around each spike of ``values``."""
+        return [(lo, hi) for lo, hi, _ in self._found(steps, values)]
+
+    def _found(
+        self, steps: Sequence[int] | np.ndarray, values: Sequence[float] | np.ndarray
+    ) -> list[tuple[int, int, int]]:
+        """``(first, last, start)`` of each spike's window; ``start`` its first flagged step."""
         if self.spike_window <= 0 or len(steps) == 0:
             return []
         w = self.spike_window
@@ -105,7 +115,28 @@ class Retention:
             window=self.spike_baseline,
             z=self.spike_z,
         )
-        return [(start - w, peak + w) for peak, _, _, _, _, start in found]
+        return [(start - w, peak + w, start) for peak, _, _, _, _, start in found]
+
+    def spike_windows(
+        self,
+        live: Sequence[int],
+        metric_steps: Sequence[int] | np.ndarray = (),
+        metric_values: Sequence[float] | np.ndarray = (),
+    ) -> list[tuple[int, int]]:
+        """``(first, last)`` of each spike's window over ``live`` (one timeline's unpruned
+        steps, ascending): ``spikes()``'s window, widened to the live commit before the
+        spike's first flagged step and the first live commit at or after it, so a replay of
+        the spike finds both (however sparse the commits are)."""
+        out = []
+        arr = np.asarray(live, dtype=np.int64)
+        for lo, hi, start in self._found(metric_steps, metric_values):
+            i = int(np.searchsorted(arr, start, side="left"))
+            if i > 0:
+                lo = min(lo, int(arr[i - 1]))
+            if i < len(arr):
+                hi = max(hi, int(arr[i]))
+            out.append((lo, hi))
+        return out
 
     def keep(
         self,
@@ -124,7 +155,7 @@ class Retention:
             keep |= set(live[max(0, len(live) - self.keep_last) :])
         if self.keep_every:
             keep |= {s for s in live if s % self.keep_every == 0}
-        windows = self.spikes(metric_steps, metric_values)
+        windows = self.spike_windows(live, metric_steps, metric_values)
         if windows:
             arr = np.asarray(live)
             for lo, hi in windows:
