@@ -27,8 +27,9 @@ spike does not hide the next one; the log makes a 2x spike the same size at loss
 with the run's length), so appending steps never changes an earlier verdict: a spike found once
 is found by every later gc. A metric that is zero or negative somewhere is tested on its values
 themselves from that step on (the scale floored at 1 % of the level), the log before it.
-Vectorised: ``sliding_window_view`` + ``np.partition`` (about 10 ms for 10,000 steps). The
-defaults come from ``bench/spike_bench.py`` (docs/performance.md, "Spike detector").
+Vectorised: ``sliding_window_view`` + ``np.partition`` in float32 (about 10 ms for 10,000
+steps). The defaults come from ``bench/spike_bench.py`` (docs/performance.md, "Spike
+detector").
 
 Rejected: a rolling z-score of the values (the trend inflates its std: see above); a global
 z-score (training's trend makes early steps look like spikes and hides late ones); a fitted
@@ -108,7 +109,9 @@ def _scores(
         return score, base, scale
     level, _ = _trailing(y, SPIKE_LEVEL, 1, spread=False)
     resid = (y - level)[1:]  # resid[j]: the residual of value j + 1
-    center, mad = _trailing(resid, window, minp, spread=True)
+    # float32 for the windows' order statistics: half the bytes to partition, and residuals
+    # of a log are O(0.01..1), far above float32's resolution
+    center, mad = _trailing(resid.astype(np.float32), window, minp, spread=True)
     # value i = j + 1 is tested against the residuals before it: center[j], mad[j]
     expected = level[1:] + center
     count = np.minimum(np.arange(n - 1), window)  # residuals behind each center and MAD
