@@ -129,7 +129,7 @@ def _scores(
     return score, base, scale
 
 
-def _check(window: int, z: float, min_periods: int) -> None:
+def _check(window: object, z: object) -> None:
     if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 2:
         raise ConfigError(
             f"spike window must be an int >= 2 (the steps before a value it is compared "
@@ -140,8 +140,6 @@ def _check(window: int, z: float, min_periods: int) -> None:
             f"spike z must be a positive number (robust z-scores above it are spikes), got "
             f"{z!r}; None picks the default ({SPIKE_Z})"
         )
-    if min_periods < 2:
-        raise ConfigError(f"min_periods must be >= 2, got {min_periods!r}")
 
 
 def find_spikes(
@@ -160,9 +158,12 @@ def find_spikes(
     ``min(SPIKE_MIN_PERIODS, window)``) the residuals needed before a value is tested."""
     window = SPIKE_WINDOW if window is None else window
     z = SPIKE_Z if z is None else z
-    minp = min(SPIKE_MIN_PERIODS, int(window)) if min_periods is None else int(min_periods)
-    _check(window, z, minp)
+    _check(window, z)
     window = int(window)
+    minp = min(SPIKE_MIN_PERIODS, window) if min_periods is None else min_periods
+    if isinstance(minp, bool) or not isinstance(minp, (int, np.integer)) or minp < 2:
+        raise ConfigError(f"min_periods must be an int >= 2 or None, got {min_periods!r}")
+    minp = int(minp)
     v = np.asarray(values, dtype=np.float64)
     ok = np.isfinite(v)
     st, v = np.asarray(steps)[ok], v[ok]

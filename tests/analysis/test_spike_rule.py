@@ -146,7 +146,8 @@ def test_short_and_empty_inputs() -> None:
         ({"window": 2.5}, "window must be an int >= 2"),
         ({"z": 0}, "z must be a positive number"),
         ({"z": float("nan")}, "z must be a positive number"),
-        ({"min_periods": 1}, "min_periods must be >= 2"),
+        ({"min_periods": 1}, "min_periods must be an int >= 2"),
+        ({"window": "50"}, "window must be an int >= 2"),
     ],
 )
 def test_bad_arguments_raise_a_typed_error(kw: dict[str, float], what: str) -> None:
