@@ -108,7 +108,8 @@ def cmd_log(args: argparse.Namespace) -> int:
 
 
 def _spikes(run: Any, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
-    """Spikes of ``--spikes METRIC`` (default ``loss``, skipped when never logged) by step."""
+    """Spikes of ``--spikes METRIC`` (default ``loss``, skipped when never logged) by step, by
+    the rule of ``run.spikes()`` (``--window``/``--z``; unset: its defaults)."""
     metric = args.spikes or "loss"
     if args.spikes is None and metric not in run.metrics(args.timeline):
         return {}
@@ -122,7 +123,7 @@ def _spikes(run: Any, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
             "suspect": sp.suspect,
             "samples": sp.samples,
         }
-        for sp in run.spikes(metric, timeline=args.timeline, top=3)
+        for sp in run.spikes(metric, window=args.window, z=args.z, timeline=args.timeline, top=3)
     }
 
 

@@ -69,6 +69,25 @@ def _positive(s: str) -> int:
     return v
 
 
+def _window(s: str) -> int:
+    v = _nonneg(s)
+    if v < 2:
+        raise argparse.ArgumentTypeError(
+            f"expected a spike window >= 2 (the steps before a value it is compared with), got {v}"
+        )
+    return v
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {s}")
+    return v
+
+
 EPILOG = """\
 the run: RUN (the optional first argument of ls, log, show, diff, verify, rollback, gc) or
 --run PATH, else $DSTT_RUN, else the current directory; any folder inside a run finds it, as
@@ -131,6 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-n", type=_nonneg, default=0, help="show at most N steps (0: all)")
     sp.add_argument(
         "--spikes", metavar="METRIC", help="mark spikes of this metric (default: loss, when logged)"
+    )
+    sp.add_argument(
+        "--window",
+        type=_window,
+        metavar="N",
+        help="spike rule: the steps before a value its noise is measured over (default: 100)",
+    )
+    sp.add_argument(
+        "--z",
+        type=_positive_float,
+        metavar="Z",
+        help="spike rule: robust standard deviations above the local level (default: 6)",
     )
     sp.add_argument(
         "--batches",
@@ -242,17 +273,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "--spike-z",
-        type=float,
-        default=4.0,
+        type=_positive_float,
         metavar="Z",
-        help="a spike is a value Z standard deviations above its baseline (default: 4)",
+        help="a spike is a value Z robust standard deviations above its local level "
+        "(the rule of dstt log and run.spikes(); default: 6)",
     )
     sp.add_argument(
         "--spike-baseline",
-        type=_positive,
-        default=50,
+        type=_window,
         metavar="N",
-        help="the baseline: the N values before each step (default: 50)",
+        help="the spike rule's window: the N steps before a value (default: 100)",
     )
     sp.add_argument(
         "--dry-run", action="store_true", help="list the steps it would prune, delete nothing"

@@ -5,13 +5,11 @@ Summaries are the per-commit object ``summaries`` written by the engine
 :func:`summaries_dataset` turns them into one ``Dataset`` with dims ``step`` x ``tensor`` (and
 ``probe_index`` for the probed elements) by reading one small object per commit, never a tensor.
 
-Spike rule (:func:`find_spikes`): for each step, the trailing window of the previous
-``window`` finite values of the metric gives a mean and a sample standard deviation; the step
-is a spike when ``(value - mean) / std > z`` (upward only: a loss spike), once at least
-``min_periods`` values precede it. Consecutive flagged steps form one spike, reported at its
-largest z-score; ``start`` is its first flagged step. Rejected alternative: a global z-score
-over the whole run — the loss trend of training makes early steps look like spikes and hides
-late ones.
+Spike rule (:func:`find_spikes`, :mod:`dstt.analysis.spikes`, re-exported here): a value is a
+spike when its log is more than ``z`` robust standard deviations above the median of the few
+values before it (the deviation measured over the ``window`` steps before), upward only;
+consecutive flagged steps are one spike at its largest score, ``start`` its first flagged step.
+Rejected alternatives (a rolling or global z-score of the values) are in that module.
 
 Cause rule (:func:`spike_cause`): a metric filed under step *k* was computed on the weights of
 step *k - 1* (the loss of step *k* is the forward pass before the *k*-th optimizer step), so a

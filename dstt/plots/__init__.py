@@ -63,7 +63,9 @@ def _timelines(run: Run, timelines: str | Iterable[str] | None) -> list[str]:
     return [timelines] if isinstance(timelines, str) else list(timelines)
 
 
-def _spikes(run: Run, metric: str, timeline: str | None, window: int, z: float) -> list[Any]:
+def _spikes(
+    run: Run, metric: str, timeline: str | None, window: int | None, z: float | None
+) -> list[Any]:
     if metric not in run.metrics(timeline):
         return []
     return list(run.spikes(metric, window=window, z=z, top=0, timeline=timeline))
@@ -76,14 +78,15 @@ def loss(
     timelines: str | Iterable[str] | None = None,
     spikes: bool = True,
     step: int | None = None,
-    window: int = 50,
-    z: float = 4.0,
+    window: int | None = None,
+    z: float | None = None,
     logy: bool = False,
     ax: Axes | None = None,
 ) -> Axes:
     """``metric`` over steps for the current timeline (or ``timelines``: names or ``"all"``),
-    spikes (:meth:`dstt.Run.spikes` with ``window``/``z``) marked at their loss step and the
-    update that caused each (``parent -> cause``) shaded, ``step`` as a cursor."""
+    spikes (:meth:`dstt.Run.spikes` with ``window``/``z``; None: its defaults) marked at
+    their loss step and the update that caused each (``parent -> cause``) shaded, ``step``
+    as a cursor."""
     ax = _axes(ax, (8, 3.5))
     curves, found = [], []
     for tl in _timelines(run, timelines):
@@ -112,8 +115,8 @@ def update_heatmap(
     field: str = "update_ratio",
     log: bool = True,
     spikes: str | None = "loss",
-    window: int = 50,
-    z: float = 4.0,
+    window: int | None = None,
+    z: float | None = None,
     ax: Axes | None = None,
 ) -> Axes:
     """Per-parameter ``field`` (``update_ratio``, ``update_l2`` or ``l2``) over steps as a

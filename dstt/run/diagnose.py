@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 __all__ = ["DiagnosedRun", "Diagnosis", "RunDiagnostics"]
 
+SUSPECT_Z = 4.0  #: an update ratio this far above its baseline makes a spike's suspect "update"
+DIVERGENCE_WINDOW = 10  #: diagnose()'s divergence smoothing when the spike window is the default
+
 
 @dataclass(frozen=True)
 class Diagnosis:
@@ -136,8 +139,8 @@ class RunDiagnostics:
         self,
         metric: str = "loss",
         *,
-        window: int = 50,
-        z: float = 4.0,
+        window: int | None = None,
+        z: float | None = None,
         around: int = 0,
         top: int = 10,
         baseline: int = 20,
@@ -154,7 +157,7 @@ class RunDiagnostics:
             raise MetricNotFoundError(
                 f"metric {metric!r} was never logged on timeline {name!r}; logged: {logged}"
             )
-        found = find_spikes(
+        found = find_spikes(  # None: the rule's defaults (dstt.analysis.spikes)
             ds["step"].values, ds[metric].values.astype(np.float64), window=window, z=z
         )
         if not found:
@@ -162,8 +165,9 @@ class RunDiagnostics:
         line = self.run.commits(name)
         steps = [h.step for h in line]
         causes = [spike_cause(steps, start) for *_, start in found]
+        verdict_z = SUSPECT_Z if z is None else z
         return self._explain(
-            found, causes, around=around, top=top, z=z, baseline=baseline, name=name
+            found, causes, around=around, top=top, z=verdict_z, baseline=baseline, name=name
         )
 
     def _explain(
@@ -265,14 +269,21 @@ class RunDiagnostics:
         ]
 
     def diagnose(
-        self, metric: str = "loss", *, window: int = 50, z: float = 4.0, timeline: str | None = None
+        self,
+        metric: str = "loss",
+        *,
+        window: int | None = None,
+        z: float | None = None,
+        timeline: str | None = None,
     ) -> Diagnosis:
-        """Spikes, the first non-finite tensors and gradual divergence in one report."""
+        """Spikes, the first non-finite tensors and gradual divergence in one report
+        (``window``/``z``: the spike rule's; None: its defaults)."""
         spikes = self.spikes(metric, window=window, z=z, timeline=timeline)
+        smooth = DIVERGENCE_WINDOW if window is None else max(3, window // 5)
         return Diagnosis(
             spikes,
             self.first_nonfinite(timeline),
-            self.divergence(metric, window=max(3, window // 5), timeline=timeline),
+            self.divergence(metric, window=smooth, timeline=timeline),
         )
 
 

@@ -302,15 +302,19 @@ class Run:
         self,
         metric: str = "loss",
         *,
-        window: int = 50,
-        z: float = 4.0,
+        window: int | None = None,
+        z: float | None = None,
         around: int = 0,
         top: int = 10,
         baseline: int = 20,
         timeline: str | None = None,
     ) -> list[Spike]:
-        """Spikes of a logged metric (rolling z-score rule of :mod:`dstt.inspect.summaries`),
-        each with the committed update that caused it.
+        """Spikes of a logged metric, each with the committed update that caused it.
+
+        Spike rule (:mod:`dstt.analysis.spikes`): a value is flagged when its log is more
+        than ``z`` (default 6) robust standard deviations above the median of the 5 values
+        before it, the deviation measured over up to ``window`` (default 100) steps before;
+        causal, for falling, flat and noisy losses alike. ``Spike.zscore`` is that score.
 
         Step rule: the metric filed under step *k* was computed on the weights of step
         *k - 1*, so a jump first seen at *k* (``Spike.start``) was caused by the update
@@ -448,7 +452,12 @@ class Run:
         )
 
     def diagnose(
-        self, metric: str = "loss", *, window: int = 50, z: float = 4.0, timeline: str | None = None
+        self,
+        metric: str = "loss",
+        *,
+        window: int | None = None,
+        z: float | None = None,
+        timeline: str | None = None,
     ) -> Diagnosis:
         """Spikes (:meth:`spikes`), the first non-finite tensors and gradual divergence of
         ``timeline`` in one report; ``print(run.diagnose())``."""

@@ -238,7 +238,7 @@ def test_spike_rule_merges_consecutive_steps_and_ignores_the_trend() -> None:
     got = find_spikes(steps, loss2, window=20, z=6.0)
     assert [g[0] for g in got] == [101]  # three flagged steps, one spike at its peak z
     assert [g[5] for g in got] == [100]  # ... which started one step earlier
-    with pytest.raises(ValueError, match="window must be >= 2"):
+    with pytest.raises(ValueError, match="window must be an int >= 2"):
         find_spikes(steps, loss, window=1)
 
 
