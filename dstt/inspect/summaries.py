@@ -78,6 +78,8 @@ def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
     cols = {f: np.asarray(obj[f]).tolist() for f in SCALAR_FIELDS}
     probe = np.asarray(obj["probe"])
     lens = np.asarray(obj["probe_len"]).tolist()
+    # (columns written before exact flat-lane updates have no ``update_exact``: estimates)
+    exact = np.asarray(obj.get("update_exact", np.zeros(len(paths), bool)), bool).tolist()
     out: dict[str, dict[str, Any]] = {}
     for i, p in enumerate(paths):
         row: dict[str, Any] = {f: cols[f][i] for f in SCALAR_FIELDS}
@@ -85,7 +87,7 @@ def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
             if math.isnan(row[f]):  # unknown (first step, no probe); an inf stays inf
                 row[f] = None
         row["probe"] = probe[i, : lens[i]].tolist()
-        row["update_exact"] = False
+        row["update_exact"] = bool(exact[i]) and row["update_l2"] is not None
         out[p] = row
     return out
 

@@ -224,19 +224,38 @@ class Flusher:
         return tuple(reply)
 
     def write(
-        self, buffer: int, layout: FlatLayout, start: int, path: str, plan: DigestPlan | None
+        self,
+        buffer: int,
+        layout: FlatLayout,
+        start: int,
+        path: str,
+        plan: DigestPlan | None,
+        token: int | None = None,
     ) -> tuple[list[int], bytes, dict[str, Any] | None]:
         """Fill the zip entries of ``layout`` from shared buffer ``buffer`` into the file at
         ``path`` at ``start`` (a range the parent reserved); returns each chunk's crc32c, the
         entries' central directory records and, with ``plan``, the digest columns (each
-        write on its own buffer)."""
+        write on its own buffer; ``token``: ``flatstats.digest``'s, for exact updates
+        against the previous step the child digested with this plan)."""
 
         def request(rid: int) -> tuple[Any, ...]:
             lid, pid = self._ensure("layout", [layout, plan])
-            return ("flat", rid, buffer, lid, start, path, pid)
+            return ("flat", rid, buffer, lid, start, path, pid, token)
 
         reply = self._call(request)
         return reply[2], reply[3], reply[4]
+
+    def digest(self, buffer: int, plan: DigestPlan, token: int | None = None) -> dict[str, Any]:
+        """The digest columns of shared buffer ``buffer`` computed in the child (a step this
+        process writes itself, encoded: its digest stays off this process's GIL, and its
+        exact updates compare with the child's copy of the previous step)."""
+
+        def request(rid: int) -> tuple[Any, ...]:
+            (pid,) = self._ensure("layout", [plan])
+            return ("digest", rid, buffer, pid, token)
+
+        stats: dict[str, Any] = self._call(request)[2]
+        return stats
 
     def commit(
         self,
