@@ -74,9 +74,13 @@ class FlatLane:
         self._images: dict[tuple[int, int], FlatImage] = {}  # (id(layout), start) -> sizes
         self._lock = threading.Lock()
         self._lost = False  # the flusher died (warned once)
-        #: ids of the digested steps (``Flight.digest_token``): the committer calls a step's
-        #: update exact only where the digest compared it with its parent's copy
+        #: ids of the digested steps (``Flight.digest_token``, from ``ticket``): the
+        #: committer calls a step's update exact only where the digest compared it with its
+        #: parent's copy; digests run in token order (the next token due, those done early)
         self._tokens = itertools.count()
+        self._turn = threading.Condition()
+        self._next_turn = 0
+        self._passed: set[int] = set()
 
     def plan(self, tensors: Mapping[str, torch.Tensor]) -> FlatPlan | None:
         """The cached flat plan of these tensors, or None where the chunk lane must serve
@@ -132,6 +136,7 @@ class FlatLane:
         assert self.steps is not None
         assert f.flat is not None
         assert f.buffer is not None
+        token = f.digest_token
         try:
             t0 = time.perf_counter()
             f.wait_sealed()
@@ -144,9 +149,9 @@ class FlatLane:
             fl = self.flusher
             if fl is not None and fl.dead:
                 self._flusher_lost()  # (it may have died between steps, or in a commit)
-            token = f.digest_token = next(self._tokens) if plan is not None else -1
             if f.encode and not f.keyframe:  # the writer encodes it: chunk by chunk, here
                 f.txn.put_flat_chunks(layout, buf.numpy())
+                self._wait_turn(token, plan)
                 stats = self._digest_here_or_there(f, plan, token)
             elif fl is not None and not fl.dead and getattr(f.txn, "zip", None) is not None:
                 start = f.txn.reserve_flat(layout, lambda s: self._image(layout, s).nbytes)
@@ -154,8 +159,11 @@ class FlatLane:
                 # the child owns the zip framing in this buffer: should this process write
                 # from it later (the flusher died), its images bind it anew
                 self.steps.images[f.buffer].clear()
+                self._wait_turn(token, plan)
                 try:
-                    crcs, directory, stats = fl.write(f.buffer, layout, start, path, plan, token)
+                    crcs, directory, stats = fl.write(
+                        f.buffer, layout, start, path, plan, token, lambda: self._pass(token)
+                    )
                 except StorageError:
                     if not fl.dead:
                         raise  # the write itself failed (the disk): the step fails
@@ -180,12 +188,39 @@ class FlatLane:
                     )
             else:
                 f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer])
+                self._wait_turn(token, plan)
                 stats = digest(plan, buf.numpy(), token) if plan is not None else None
             if plan is not None and stats is not None:
                 f.flat_stats = {"paths": plan.paths, "numel": plan.numel, **stats}
         finally:
+            self._pass(token)
             index, f.buffer = f.buffer, None
             self.steps.release(index)
+
+    def ticket(self) -> int:
+        """The next step's digest token: steps take them in the order they are queued for
+        their write, and their digests run in that order (``_wait_turn``)."""
+        with self._turn:
+            return next(self._tokens)
+
+    def _wait_turn(self, token: int, plan: DigestPlan | None) -> None:
+        """Wait until every step queued before this one has digested (or sent its digest
+        request to the flusher, which serves them in order): a step's exact update compares
+        with the copy the previous digest kept, so two writer threads must not swap them."""
+        if plan is None:
+            return
+        with self._turn:
+            while self._next_turn < token:
+                self._turn.wait()
+
+    def _pass(self, token: int) -> None:
+        """This step's digest is done or sent (or the step has none): the next may go."""
+        with self._turn:
+            self._passed.add(token)
+            while self._next_turn in self._passed:
+                self._passed.discard(self._next_turn)
+                self._next_turn += 1
+            self._turn.notify_all()
 
     def _digest_here_or_there(
         self, f: Flight, plan: DigestPlan | None, token: int
@@ -199,7 +234,7 @@ class FlatLane:
         fl = self.flusher
         if fl is not None and not fl.dead:
             try:
-                return fl.digest(f.buffer, plan, token)
+                return fl.digest(f.buffer, plan, token, lambda: self._pass(token))
             except StorageError:
                 if not fl.dead:
                     raise
