@@ -168,9 +168,11 @@ def summaries_dataset(
 
     Variables over ``(step, tensor)``: ``l2 rms maxabs nan inf update_l2 update_ratio`` as
     float64 (NaN where unknown or absent), ``update_exact`` (bool), and ``probe`` over
-    ``(step, tensor, probe_index)`` (NaN-padded). ``update_l2`` and ``update_ratio`` are
-    *estimates* where ``update_exact`` is False (always, in a session: the engine compares
-    probed elements, not whole copies); their ``attrs`` say so (:func:`label_updates`).
+    ``(step, tensor, probe_index)`` (NaN-padded). ``update_l2`` and ``update_ratio`` compare
+    each commit with its parent commit; they are exact where ``update_exact`` is True (the
+    engine compared the parent's whole copy: the flat lane, every step after a session's
+    first) and *estimates* from the probed elements where it is False (a session's first
+    step after a resume, the chunk lane); their ``attrs`` say so (:func:`label_updates`).
     ``tensor`` holds user names without wrapper components (:func:`tensor_names`);
     ``store_path`` is a coordinate along it; along ``step`` the coordinates of
     :func:`step_coords`.
@@ -252,7 +254,7 @@ def label_updates(ds: xr.Dataset) -> xr.Dataset:
             exactness=kind,
             note=ESTIMATE_NOTE
             if kind in ("estimate", "mixed")
-            else "exact (the previous step's copy was compared whole)",
+            else "exact (the parent commit's copy was compared whole)",
         )
     return ds
 
@@ -269,7 +271,8 @@ class Spike:
     ``parent`` None when ``cause`` is the first commit. ``tensors``: ``(name, score)`` of the
     cause's update, most abnormal first: the robust z-score of its update ratio against that
     tensor's own recent baseline (:mod:`dstt.inspect.diagnose`; NaN without a baseline, then
-    ordered by ratio); ``ratios`` holds their absolute update ratios.
+    ordered by ratio); only tensors that moved more than their baseline (z > 0) or have none
+    are listed; ``ratios`` holds their absolute update ratios.
 
     Data (:mod:`dstt.inspect.diagnose`, "which data"): ``batches`` are the recorded batch
     fingerprints of the steps ``parent + 1 .. start`` (``run.batches()``); ``suspect`` says
@@ -328,7 +331,7 @@ class Spike:
                 f"{n} (z={r:.3g}, ratio {self.ratios.get(n, math.nan):.3g})"
                 for n, r in self.tensors[:3]
             )
-            or "no summaries"
+            or "none (no update above its baseline, or no summaries)"
         )
         if self.update is not None:
             why = f"caused by the update {self.parent} -> {self.cause}"
