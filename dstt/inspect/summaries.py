@@ -271,8 +271,8 @@ class Spike:
     ``parent`` None when ``cause`` is the first commit. ``tensors``: ``(name, score)`` of the
     cause's update, most abnormal first: the robust z-score of its update ratio against that
     tensor's own recent baseline (:mod:`dstt.inspect.diagnose`; NaN without a baseline, then
-    ordered by ratio); only tensors that moved more than their baseline (z > 0) or have none
-    are listed; ``ratios`` holds their absolute update ratios.
+    ordered by ratio); tensors that moved less than their baseline (z < 0) are not listed;
+    ``ratios`` holds their absolute update ratios.
 
     Data (:mod:`dstt.inspect.diagnose`, "which data"): ``batches`` are the recorded batch
     fingerprints of the steps ``parent + 1 .. start`` (``run.batches()``); ``suspect`` says
