@@ -221,8 +221,11 @@ def _region_updates(
             with np.errstate(over="ignore", invalid="ignore"):  # headers between members
                 d = sq[: len(x)]
                 np.subtract(x, old, out=d)  # exact for nearby values (Sterbenz)
-                np.square(d, out=d)
-                ss = np.add.reduceat(d, reg.bounds_se)[::2].astype(np.float64)
+                if reg.few_large:  # as ``_region_sums``: a fused sum each, no squares written
+                    ss = np.array([_sumsq(d[s : s + n]) for s, n in reg.members if n > 0])
+                else:
+                    np.square(d, out=d)
+                    ss = np.add.reduceat(d, reg.bounds_se)[::2].astype(np.float64)
         finally:
             plan.give_back(sq)
     rows = row + reg.full

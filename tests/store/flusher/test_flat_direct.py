@@ -203,10 +203,16 @@ def test_rebinding_restores_headers_another_layout_overwrote() -> None:
     assert bytes(image.iov[0]) == first
 
 
-def test_digest_updates_are_exact_against_the_previous_digested_step() -> None:
+@pytest.mark.parametrize("large", [1, 1 << 30], ids=["per-tensor", "reduceat"])
+def test_digest_updates_are_exact_against_the_previous_digested_step(
+    monkeypatch: pytest.MonkeyPatch, large: int
+) -> None:
     """With a token, a digest sums each tensor's squared change since the previous digest of
-    the plan (float16 and float32 regions, zip headers between tensors), says whose copy it
-    compared with, and keeps its own; a change it cannot state finitely is NaN."""
+    the plan (float16 and float32 regions, zip headers between tensors; either way it sums),
+    says whose copy it compared with, and keeps its own; a change it cannot state finitely
+    is NaN."""
+    monkeypatch.setattr(flatstats, "LARGE", large)
+    monkeypatch.setattr(flatstats, "BLOCK", 100)  # several blocks per tensor
     layout, before = _layout()
     rng = np.random.default_rng(3)
     after = {
@@ -220,6 +226,7 @@ def test_digest_updates_are_exact_against_the_previous_digested_step() -> None:
         if a.dtype.startswith("float")
     ]
     plan = DigestPlan(items, 2)
+    assert all(r.few_large == (large == 1) for r in plan.regions)
     bufs = []
     for values in (before, after):
         buf = _fill(layout, values)
