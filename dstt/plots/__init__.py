@@ -121,8 +121,9 @@ def update_heatmap(
 ) -> Axes:
     """Per-parameter ``field`` (``update_ratio``, ``update_l2`` or ``l2``) over steps as a
     heatmap, labelled ``estimate from probes`` where the update numbers are the summaries'
-    estimates (``exact`` where computed from the tensors); ``selector`` as in
-    :func:`dstt.plots.series.tensor_stats` (one that picks nothing raises); the updates
+    estimates (``exact`` where the summaries' are exact or computed from the tensors);
+    ``selector`` as in :func:`dstt.plots.series.tensor_stats` (one that picks nothing
+    raises); the updates
     that caused the spikes of metric ``spikes`` (None: none;
     ``window``/``z`` as in :func:`loss`) as dashed lines at ``Spike.cause``: the column whose
     weights produced the bad loss, one step before the loss jumped."""
@@ -184,7 +185,8 @@ def layer_change(
     ax: Axes | None = None,
 ) -> Axes:
     """Bars of ``||w_step - w_ref|| / ||w||`` per parameter (default reference: the previous
-    commit: the summaries' estimate, labelled so; another reference: exact), largest first,
+    commit: the summaries' number, exact or an estimate, labelled so; another reference:
+    exact), largest first,
     at most ``top`` of them."""
     ds = step_change(run, step, reference, timeline=timeline)
     ratio = ds["ratio"].values

@@ -201,6 +201,8 @@ class RunDiagnostics:
             best: dict[str, tuple[float, float]] = {}
             for st in w:
                 for n, score, ratio in rank_by_baseline(sums, st, window=baseline):
+                    if np.isfinite(score) and score < 0:
+                        continue  # moved less than usual: not abnormal (rank_by_baseline)
                     old = best.get(n)
                     if old is None or _after(old, (score, ratio)):
                         best[n] = (score, ratio)

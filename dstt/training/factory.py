@@ -89,9 +89,9 @@ def session(
     optimizer step, measured in ``s.metrics``) when the disk is slower than training.
     ``writers`` is the number of writer threads (default: one less than the cores, at most 4).
     ``summaries`` stores write-time statistics of every parameter per step (norms, NaN/Inf
-    counts, update estimates; see ``dstt.engine.summaries``), computed from the host copy by
-    the writer (the flusher process where it runs); ``summaries=False`` saves that CPU
-    (docs/performance.md).
+    counts, update norms — exact in the flat lane; see ``dstt.engine.summaries``), computed
+    from the host copy by the writer (the flusher process where it runs);
+    ``summaries=False`` saves that CPU (docs/performance.md).
     ``encoding=dstt.DeltaPolicy()`` writes fewer bytes: XOR deltas against the previous step,
     Adam(W) ``exp_avg_sq`` and parameters predicted from the update rule (about 2.6x fewer
     bytes for fp32 Adam state), keyframes every K steps, unchanged chunks referenced instead
