@@ -63,7 +63,8 @@ def evil_run(tmp_path: Path) -> tuple[Path, Path]:
     with pytest.warns(RuntimeWarning, match="pickle"):
         train(run, STEPS, extra_state={"evil": Evil(marker)})
     head = Repository.open(run).reader().head()
-    assert head is not None and head.objects["extra/evil"].encoding == "pickle"
+    assert head is not None
+    assert head.objects["extra/evil"].encoding == "pickle"
     assert not marker.exists()
     return run, marker
 
