@@ -256,6 +256,7 @@ def replay_step(
     per_sample: bool = True,
     per_sample_grads: bool = False,
     timeline: str | None = None,
+    trusted: bool = False,
 ) -> Replay:
     """Replay step ``step`` of ``run`` (read with ``reader``, the run's own) into
     ``model``/``optimizer`` (see the module docstring and :class:`Replay`)."""
@@ -264,7 +265,7 @@ def replay_step(
     loss_fn = loss_fn or _default_loss
     micro, sample_ix = _step_batches(run, int(step), timeline, batches, dataset, collate)
     state = discover(model, optimizer, scheduler=scheduler)
-    source = StoreSource(reader, head_prev, prefetch=True)
+    source = StoreSource(reader, head_prev, prefetch=True, trusted=trusted)
     state.step_state.restore(source)
     state.boundary_state.restore(source)
     names = param_names(model)

@@ -347,6 +347,7 @@ class Run:
         per_sample: bool = True,
         per_sample_grads: bool = False,
         timeline: str | None = None,
+        trusted: bool = False,
     ) -> Any:
         """Re-execute step ``step`` (or a ``Spike``: its first flagged step) from the commit
         before it, into the given ``model``/``optimizer``/``scheduler`` (built as the run
@@ -360,8 +361,9 @@ class Run:
         against the commit), the gradients (``.grads``, ``.layer(...)``, ``.top()``),
         per-sample losses worst first (``.per_sample``, ``.worst(n)`` for
         ``rollback(..., skip_samples=...)``) and the ``activations`` of the named modules.
-        Nothing is written to the run; the live objects end at the replayed step. See
-        docs/replay.md."""
+        Nothing is written to the run; the live objects end at the replayed step. Only the
+        state restored into the given objects is decoded; ``trusted=True`` lets a part of it
+        stored with pickle load (it runs code from the run). See docs/replay.md."""
         from dstt.inspect.replay import replay_step
         from dstt.inspect.summaries import Spike
 
@@ -385,6 +387,7 @@ class Run:
             per_sample=per_sample,
             per_sample_grads=per_sample_grads,
             timeline=timeline,
+            trusted=trusted,
         )
 
     def _read_summaries(self, h: Any) -> dict[str, Any]:

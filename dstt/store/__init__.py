@@ -15,7 +15,7 @@ Engine-facing — what captures, commits and restores steps:
   ``RankInfo``, ``DEFAULT_RANK_TIMEOUT``, ``remove_parts``
 * the flat lane and the flusher process: ``FlatLayout``, ``FlatImage``, ``Flusher``,
   ``flusher_supported``, ``DigestPlan``, ``digest``
-* chunks, objects, fewer bytes: ``ChunkPlan``, ``check_array_path``, ``Encoded``,
+* chunks, objects, fewer bytes: ``ChunkPlan``, ``check_array_path``, ``Encoded``, ``decode_object``,
   ``DeltaPolicy``, ``Prediction``, ``CUR``, ``adam_predictions``, ``sgd_predictions``
 * sharded state: ``LogicalArray``, ``Piece``, ``Box``, ``shard_map``, ``shard_source``,
   ``DTENSOR_PREFIX``, ``logical_of``, ``logical_arrays``, ``read_logical``, ``read_region``
@@ -62,7 +62,7 @@ from .format.layout import (
     plan_chunks,
 )
 from .format.manifest import parse_header
-from .format.objects import Encoded
+from .format.objects import Encoded, decode_object
 from .format.parts import remove_parts
 from .format.records import ArrayRecord, CommitHeader
 from .format.segment import SCALARS as SUMMARY_SCALARS
@@ -144,6 +144,7 @@ __all__ = [
     "adam_predictions",
     "as_float",
     "check_array_path",
+    "decode_object",
     "digest",
     "dtype_itemsize",
     "find_spikes",

@@ -419,7 +419,9 @@ class Session:
         self._tracked = None
 
     def _restore(self, reader: Reader, head: Any) -> None:
-        source = StoreSource(reader, head, prefetch=self._prefetch_restore)
+        # one's own run: pickled user state is trusted, as torch.load of one's own
+        # checkpoint; only the objects a provider restores are decoded at all
+        source = StoreSource(reader, head, prefetch=self._prefetch_restore, trusted=True)
         with imported_gaps(
             source,
             self._state.step_state,
@@ -427,6 +429,7 @@ class Session:
             scheduler=self.scheduler is not None,
         ):
             self._restore_state(source, reader, head)
+        source.unused_damage()
         self._capture.step = head.step
         ref = reader.ref()
         self._skips = read_skips(reader.storage, reader.timelines, ref.name)
