@@ -182,9 +182,17 @@ class Replay:
             ) from None
 
     def worst(self, n: int = 1) -> list[int]:
-        """The ``n`` samples with the largest loss: pass them to
-        ``run.rollback(to, skip_samples=...)``."""
-        return [int(i) for i in self.per_sample["index"].values[:n]]
+        """The dataset indices of the ``n`` samples with the largest loss: pass them to
+        ``run.rollback(to, skip_samples=...)``. ``ReplayError`` when the replay had no
+        indices for them (batches given that the step did not record)."""
+        got = [int(i) for i in self.per_sample["index"].values[:n]]
+        if any(i < 0 for i in got):
+            raise ReplayError(
+                f"the dataset indices of step {self.step}'s samples are unknown: the replay "
+                "was given batches= that do not match the step's recorded ones; "
+                "per_sample['position'] holds their positions in those batches"
+            )
+        return got
 
     def layer(self, selector: str) -> xr.DataTree:
         """The gradients of the tensors ``selector`` picks (the snapshot selection rule)."""
@@ -299,10 +307,10 @@ def _step_batches(
 
     The batches come from, in this order: ``batches`` (the batches, or a callable from
     indices), ``dataset`` (with ``collate``), the kit's ``make_batch``."""
+    recorded = run.batches([step], timeline=timeline).get(step)
     if batches is not None and not callable(batches):
         got = list(batches)
-        return got, [None] * len(got), None
-    recorded = run.batches([step], timeline=timeline).get(step)
+        return got, _given_indices(recorded, got), None
     if not recorded:
         raise ReplayError(
             f"step {step} has no recorded batches: the run was captured without data "
@@ -337,6 +345,20 @@ def _step_batches(
             "the step's batches from their sample indices, or batches="
         )
     return [build(ix) for ix in known], list(indices), build
+
+
+def _given_indices(recorded: list[Any] | None, got: list[Any]) -> list[list[int] | None]:
+    """The dataset indices of batches given to the replay: the step's recorded ones where
+    they fit (as many micro-batches, each of the recorded size), else unknown."""
+    unknown: list[list[int] | None] = [None] * len(got)
+    if not recorded or len(recorded) != len(got) or any(b.indices is None for b in recorded):
+        return unknown
+    try:
+        sizes = [_batch_size(b) for b in got]
+    except ReplayError:
+        return unknown
+    indices = [list(b.indices) for b in recorded]
+    return list(indices) if [len(ix) for ix in indices] == sizes else unknown
 
 
 def _kit_of(
@@ -587,7 +609,7 @@ def _per_sample(
                         loss = loss.mean() if loss.dim() else loss
                     gnorm.append(math.nan)
                 loss_v.append(float(loss.detach()))
-                index.append(ix[i] if ix is not None else len(index))
+                index.append(ix[i] if ix is not None else -1)
                 mb.append(m)
     finally:
         for _, p in params:
@@ -606,6 +628,7 @@ def _per_sample(
         coords={
             "index": ("sample", np.asarray(index, dtype=np.int64)[order]),
             "micro_batch": ("sample", np.asarray(mb, dtype=np.int64)[order]),
+            "position": ("sample", np.arange(len(index), dtype=np.int64)[order]),
         },
         attrs={
             "order": "worst first (largest loss)",
@@ -620,6 +643,7 @@ def _empty_samples() -> xr.Dataset:
         coords={
             "index": ("sample", np.zeros(0, np.int64)),
             "micro_batch": ("sample", np.zeros(0, np.int64)),
+            "position": ("sample", np.zeros(0, np.int64)),
         },
     )
 
