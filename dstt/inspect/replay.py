@@ -55,7 +55,15 @@ from dstt.schema import tensor_path, tree_location
 if TYPE_CHECKING:
     from dstt.store import CommitHeader, Reader
 
-__all__ = ["Replay", "ReplayKit", "register_replay_kit", "replay_kit_for", "replay_step"]
+__all__ = [
+    "Mismatch",
+    "Replay",
+    "ReplayKit",
+    "TensorDiff",
+    "register_replay_kit",
+    "replay_kit_for",
+    "replay_step",
+]
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -143,14 +151,16 @@ class Replay:
 
     ``faithful``: the replayed parameters and optimizer state equal commit ``step`` bit for
     bit; ``max_abs_diff`` the largest difference over them (0.0 when faithful) and
-    ``differs`` the tensors that differ. ``losses``: the loss of each micro-batch.
+    ``differs`` the tensors that differ; ``mismatch`` (None when faithful) says by how much
+    each differs and the likely reason, as ``explain()`` and the repr do. ``losses``: the
+    loss of each micro-batch.
     ``grads``: the step's gradients (summed over micro-batches, as the optimizer saw them) as
     a DataTree in the run's naming (``replay.layer("layers.0")`` as for a snapshot);
     ``norms``: per tensor ``grad_norm``, ``update_norm``, ``weight_norm`` and
     ``update_ratio``; ``per_sample``: each sample's ``loss`` (and ``grad_norm``), worst first,
-    with its ``index`` in the dataset (or its position in the step's batches) and
-    ``micro_batch``. ``activations``: per module name asked for, its output for each
-    micro-batch.
+    with its ``index`` in the dataset (-1 where unknown: given batches the step did not
+    record), ``micro_batch`` and ``position`` in the step's batches. ``activations``: per
+    module name asked for, its output for each micro-batch.
     """
 
     step: int
@@ -161,6 +171,7 @@ class Replay:
     norms: xr.Dataset
     per_sample: xr.Dataset
     activations: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    mismatch: Mismatch | None = None
     _grads: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _table: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
@@ -212,10 +223,22 @@ class Replay:
         names = self.norms["tensor"].values
         return [(str(names[i]), float(v[i])) for i in order]
 
+    def explain(self) -> str:
+        """Whether the replay is faithful and, where not, which tensors differ (largest
+        first) and the likely reason."""
+        if self.mismatch is None:
+            return f"step {self.step}: faithful: bit-exact against its commit"
+        return f"step {self.step}: NOT faithful. {self.mismatch}"
+
     def __repr__(self) -> str:
-        verdict = (
-            "faithful" if self.faithful else f"NOT faithful (max |diff| {self.max_abs_diff:.3g})"
-        )
+        verdict = "faithful"
+        if self.mismatch is not None:
+            top = ", ".join(f"{p} {d:.3g}" for p, d in self.mismatch.top(3))
+            verdict = (
+                f"NOT faithful (max |diff| {self.max_abs_diff:.3g}; {top}"
+                f"{' ...' if len(self.mismatch.tensors) > 3 else ''}; "
+                f"likely: {self.mismatch.reason})"
+            )
         worst = ", ".join(
             f"{i}: {loss:.4g}"
             for i, loss in zip(
@@ -460,7 +483,7 @@ def replay_step(
     for opt in optimizers_of(optimizer).values():
         opt.step()
     after = {n: p.detach().clone() for n, p in params}
-    faithful, max_diff, differs = _compare(reader, head_k, model, optimizer, names)
+    mismatch = _compare(reader, head_k, model, optimizer, names, grads)
     sample_fn: LossFn = loss_fn
     if kit.sample_loss is not None:
         sample_loss = kit.sample_loss
@@ -479,9 +502,10 @@ def replay_step(
     table = reader.arrays(head_k)
     return Replay(
         step=int(step),
-        faithful=faithful,
-        max_abs_diff=max_diff,
-        differs=differs,
+        faithful=mismatch is None,
+        max_abs_diff=mismatch.tensors[0].max_abs_diff if mismatch else 0.0,
+        differs=sorted(d.path for d in mismatch.tensors) if mismatch else [],
+        mismatch=mismatch,
         losses=losses,
         norms=_norms(grads, before, after),
         per_sample=samples,
@@ -525,28 +549,77 @@ def _hook_activations(
     return [by_name[w].register_forward_hook(keep(w)) for w in wanted], acts
 
 
+@dataclass(frozen=True)
+class TensorDiff:
+    """One stored tensor the replay did not reproduce: its store ``path``, the largest
+    absolute difference (inf: another shape or dtype), that relative to the stored tensor's
+    largest magnitude, and how the difference lines up with the replayed gradient of its
+    parameter (``cosine``, and ``scale``: the ``a`` of ``difference ~ a * gradient``)."""
+
+    path: str
+    max_abs_diff: float
+    relative: float
+    cosine: float = math.nan
+    scale: float = math.nan
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Why a replay is not faithful: the ``tensors`` that differ, largest difference first,
+    of ``compared`` stored tensors, and the ``reason`` their pattern points to."""
+
+    tensors: list[TensorDiff]
+    compared: int
+    reason: str
+
+    def top(self, n: int = 5) -> list[tuple[str, float]]:
+        """``(path, max |diff|)`` of the ``n`` tensors that differ most."""
+        return [(d.path, d.max_abs_diff) for d in self.tensors[:n]]
+
+    def __str__(self) -> str:
+        lines = [
+            f"{len(self.tensors)} of {self.compared} tensors differ from the commit; "
+            "largest |diff|:"
+        ]
+        lines += [f"  {p}  {d:.3g}" for p, d in self.top(5)]
+        if len(self.tensors) > 5:
+            lines.append(f"  ... and {len(self.tensors) - 5} more (Replay.mismatch.tensors)")
+        lines.append(f"likely: {self.reason}")
+        return "\n".join(lines)
+
+
+_SAME_DIRECTION = 0.999  # |cosine| of a difference with the gradient: "a multiple of it"
+_SAME_SCALE = 1e-2  # relative spread of those multiples across tensors: "one factor"
+_TINY = 1e-4  # largest relative difference a nondeterministic kernel leaves
+
+
 def _compare(
     reader: Reader,
     head: CommitHeader,
     model: torch.nn.Module,
     optimizer: Any,
     names: Mapping[int, str],
-) -> tuple[bool, float, list[str]]:
-    """Every parameter and optimizer-state tensor against commit ``head``."""
+    grads: Mapping[str, torch.Tensor],
+) -> Mismatch | None:
+    """Every parameter and optimizer-state tensor against commit ``head``; None when all
+    are bit-exact, else what differs and the likely reason."""
     source = StoreSource(reader, head)
-    live: dict[str, torch.Tensor] = {}
+    live: dict[str, tuple[torch.Tensor, str]] = {}  # path -> (tensor, its parameter's name)
     for param in model.parameters():
         if id(param) in names:
-            live[tensor_path("params", names[id(param)])] = param.detach()
+            live[tensor_path("params", names[id(param)])] = (param.detach(), names[id(param)])
     for opt in optimizers_of(optimizer).values():
         for owner, st in opt.state.items():
             for key, v in st.items():
                 if isinstance(v, torch.Tensor) and id(owner) in names:
-                    live[tensor_path(f"optim/{key}", names[id(owner)])] = v.detach()
-    max_diff, differs = 0.0, []
-    for path, t in live.items():
+                    path = tensor_path(f"optim/{key}", names[id(owner)])
+                    live[path] = (v.detach(), names[id(owner)])
+    diffs: list[TensorDiff] = []
+    compared = 0
+    for path, (t, owner_name) in live.items():
         if not source.has_array(path):
             continue
+        compared += 1
         stored = source.array(path)
         same = (
             stored.dtype == t.dtype
@@ -557,13 +630,83 @@ def _compare(
             )
         )
         if not same:
-            differs.append(path)
-            if stored.shape == t.shape and stored.is_floating_point():
-                d = (stored.double() - t.cpu().double()).abs().max()
-                max_diff = max(max_diff, float(d) if d.numel() else 0.0)
-            else:
-                max_diff = math.inf
-    return not differs, max_diff, sorted(differs)
+            diffs.append(_tensor_diff(path, stored, t.cpu(), grads.get(owner_name)))
+    if not diffs:
+        return None
+    diffs.sort(key=lambda d: (-d.max_abs_diff, d.path))
+    return Mismatch(diffs, compared, _reason(diffs, live))
+
+
+def _tensor_diff(
+    path: str, stored: torch.Tensor, live: torch.Tensor, grad: torch.Tensor | None
+) -> TensorDiff:
+    if stored.shape != live.shape or not stored.is_floating_point() or stored.numel() == 0:
+        return TensorDiff(path, math.inf, math.inf)
+    d = stored.double() - live.double()
+    max_abs = float(d.abs().max())
+    peak = float(stored.double().abs().max())
+    relative = max_abs / peak if peak > 0 else math.inf
+    cosine = scale = math.nan
+    if grad is not None and grad.shape == d.shape:
+        g = grad.detach().cpu().double().reshape(-1)
+        flat = d.reshape(-1)
+        gg, dd = float(g @ g), float(flat @ flat)
+        if gg > 0 and dd > 0:
+            dot = float(g @ flat)
+            cosine, scale = dot / math.sqrt(gg * dd), dot / gg
+    return TensorDiff(path, max_abs, relative, cosine, scale)
+
+
+def _reason(diffs: list[TensorDiff], live: Mapping[str, Any]) -> str:
+    """The likely reason for the pattern of differences (see docs/replay.md)."""
+    if any(math.isinf(d.max_abs_diff) for d in diffs):
+        return (
+            "stored tensors have another shape or dtype: the model or optimizer was not built "
+            "as the training run built them"
+        )
+    kinds: dict[str, list[TensorDiff]] = {}  # "params", "optim/exp_avg", ...
+    for d in diffs:
+        kind = "params" if d.path.startswith("params/") else "/".join(d.path.split("/")[:2])
+        kinds.setdefault(kind, []).append(d)
+    states = {p for p in live if p.startswith("optim/")}
+    if set(kinds) == {"params"} and states:
+        return (
+            "the optimizer state (moments) matches training bit for bit but the parameter "
+            "update does not: the step ran with another learning rate (or weight decay) than "
+            "training's; build the optimizer's param groups and the scheduler as the run did "
+            "and pass scheduler="
+        )
+    clipping = (
+        "gradients were clipped (scaled by one common factor) between backward and step in "
+        "training: pass before_step= (e.g. lambda: torch.nn.utils.clip_grad_norm_(...)) or "
+        "trainer=; or the loss was scaled differently (the division by gradient accumulation)"
+    )
+    for kind, group in sorted(kinds.items()):
+        if _one_factor(group):
+            if kind == "params" and not states:
+                return clipping + "; or the learning rate differs"
+            return clipping
+    worst = max(d.relative for d in diffs)
+    if worst < _TINY:
+        return (
+            f"tiny differences (largest {worst:.2g} of the tensor's magnitude): "
+            "nondeterministic kernels (GPU atomics, cuBLAS/cuDNN algorithm choice) or another "
+            "thread count (torch.set_num_threads); the step itself was recomputed as it ran"
+        )
+    return (
+        "the recomputed gradients differ from training's: other data (batches, collate), "
+        "another loss_fn (scaling), other model code, or RNG drawn between the steps "
+        "(see docs/replay.md, 'What makes a replay faithful')"
+    )
+
+
+def _one_factor(group: list[TensorDiff]) -> bool:
+    """Each difference is a multiple of its parameter's gradient, with one common factor."""
+    if not group or any(not abs(d.cosine) >= _SAME_DIRECTION for d in group):
+        return False
+    scales = [d.scale for d in group]
+    lo, hi = min(scales), max(scales)
+    return bool(lo * hi > 0 and (hi - lo) <= _SAME_SCALE * max(abs(lo), abs(hi)))
 
 
 def _per_sample(

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 import dstt
 import dstt.inspect.replay as replay_mod
-from dstt.errors import ConfigError
+from dstt.errors import ConfigError, ReplayError
 from dstt.inspect.replay import ReplayKit, register_replay_kit, replay_kit_for
 from dstt.testing.models import TinyGPT, make_batch
 
@@ -210,3 +210,115 @@ def test_trainer_and_model_together_are_refused(clipped: Any, kits: None) -> Non
         dstt.open(run_path).replay(2)
     with pytest.raises(ConfigError, match="module= goes with trainer="):
         dstt.open(run_path).replay(2, t.model, t.optimizer, module=t.model)
+
+
+def _plain(run: Any, ds: Sequences, step: int, before_step: Any = None, **kw: Any) -> Any:
+    t = LoopTrainer(ds, seed=5, clip=False)
+    return run.replay(
+        step,
+        t.model,
+        t.optimizer,
+        scheduler=t.scheduler,
+        loss_fn=loss_fn,
+        before_step=None if before_step is None else before_step(t),
+        **({"dataset": ds} | kw),
+    )
+
+
+def _clip(t: LoopTrainer) -> Any:
+    return lambda: torch.nn.utils.clip_grad_norm_(t.model.parameters(), MAX_NORM)
+
+
+def test_a_replay_that_missed_the_clipping_says_which_tensors_differ_and_why(
+    clipped: Any,
+) -> None:
+    run_path, ds, _ = clipped
+    r = _plain(dstt.open(run_path), ds, 3)
+    m = r.mismatch
+    assert m is not None
+    assert [d.path for d in m.tensors] != []
+    assert sorted(d.path for d in m.tensors) == r.differs
+    diffs = [d.max_abs_diff for d in m.tensors]
+    assert diffs == sorted(diffs, reverse=True)  # largest first
+    assert diffs[0] == r.max_abs_diff > 0
+    assert m.compared >= len(m.tensors)
+    assert "clipped" in m.reason
+    assert "before_step=" in m.reason
+    text = r.explain()
+    assert "NOT faithful" in text
+    assert m.tensors[0].path in text
+    assert "likely: gradients were clipped" in text
+    assert "likely: gradients were clipped" in repr(r)
+    assert m.tensors[0].path in repr(r)
+
+
+def test_a_faithful_replay_explains_itself_in_one_line(clipped: Any) -> None:
+    run_path, ds, _ = clipped
+    r = _plain(dstt.open(run_path), ds, 3, before_step=_clip)
+    assert r.mismatch is None
+    assert r.explain() == "step 3: faithful: bit-exact against its commit"
+
+
+def test_a_replay_with_another_learning_rate_is_told_so(clipped: Any) -> None:
+    run_path, ds, _ = clipped
+
+    def clip_then_double_lr(t: LoopTrainer) -> Any:
+        def run() -> None:
+            _clip(t)()
+            for g in t.optimizer.param_groups:
+                g["lr"] *= 2
+
+        return run
+
+    r = _plain(dstt.open(run_path), ds, 3, before_step=clip_then_double_lr)
+    assert r.mismatch is not None
+    assert all(p.startswith("params/") for p in r.differs)
+    assert "learning rate" in r.mismatch.reason
+
+
+def test_tiny_differences_point_to_nondeterministic_kernels(clipped: Any) -> None:
+    run_path, ds, _ = clipped
+
+    def clip_then_jitter(t: LoopTrainer) -> Any:
+        def run() -> None:
+            _clip(t)()
+            g = torch.Generator().manual_seed(0)
+            for p in t.model.parameters():
+                if p.grad is not None:  # what a nondeterministic reduction leaves
+                    p.grad.mul_(1 + 1e-6 * torch.randn(p.grad.shape, generator=g))
+
+        return run
+
+    r = _plain(dstt.open(run_path), ds, 3, before_step=clip_then_jitter)
+    assert r.mismatch is not None
+    assert r.max_abs_diff > 0
+    assert "nondeterministic" in r.mismatch.reason
+
+
+def test_other_data_is_named_as_the_likely_reason(clipped: Any) -> None:
+    run_path, ds, _ = clipped
+    run = dstt.open(run_path)
+    step = 3
+    other = [default_collate([ds[i] for i in range(2 * MICRO)])]  # one batch, not the two
+    r = _plain(run, ds, step, before_step=_clip, batches=other)
+    assert r.mismatch is not None
+    assert "other data" in r.mismatch.reason
+    assert list(r.per_sample["index"].values) == [-1] * 2 * MICRO  # not the step's batches
+    assert sorted(r.per_sample["position"].values) == list(range(2 * MICRO))
+    with pytest.raises(ReplayError, match="indices of step 3's samples are unknown"):
+        r.worst(2)
+
+
+def test_given_batches_that_are_the_steps_keep_their_dataset_indices(clipped: Any) -> None:
+    run_path, ds, _ = clipped
+    run = dstt.open(run_path)
+    recorded = [list(b.indices) for b in run.batches([4])[4]]
+    given = [default_collate([ds[i] for i in ix]) for ix in recorded]
+    r = _plain(run, ds, 4, before_step=_clip, batches=given)
+    assert r.faithful
+    assert sorted(int(i) for i in r.per_sample["index"].values) == sorted(
+        i for ix in recorded for i in ix
+    )
+    by_dataset = _plain(run, ds, 4, before_step=_clip)
+    assert r.worst(3) == by_dataset.worst(3)
+    assert all(i in {j for ix in recorded for j in ix} for i in r.worst(3))
