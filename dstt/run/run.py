@@ -497,6 +497,7 @@ class Run:
         name: str | None = None,
         skip_samples: Iterable[int] | None = None,
         skip_batches: Iterable[int] | None = None,
+        force: bool = False,
     ) -> str:
         """Start a new timeline at step ``to`` of ``timeline`` (default: current; the old one
         is kept) and make it current; training resumed on this run continues from there,
@@ -507,34 +508,45 @@ class Run:
         ``skip_samples`` (sample indices) and ``skip_batches`` (steps of ``timeline`` whose
         recorded batches, ``run.batches()``, are skipped wherever they come again) are
         dropped by every session resumed on the new timeline and those forked from it
-        (``run.skips()``; see :mod:`dstt.training.data`)."""
+        (``run.skips()``; see :mod:`dstt.training.data`).
+
+        A live writer (a training session on this run) holds its lock: ``RunLockedError``
+        naming it (host, pid, since when), as for every timeline change here, unless
+        ``force=True`` — the session keeps writing its own timeline, and its next resume
+        continues the new one."""
         skips = self._diagnostics.skip_set(skip_samples, skip_batches, timeline)
-        ref = self.repo.rollback(int(to), skip_data=int(skip_data), timeline=timeline, name=name)
+        ref = self.repo.rollback(
+            int(to), skip_data=int(skip_data), timeline=timeline, name=name, force=force
+        )
         if skips:
             write_skips(self.repo.storage, ref, skips)
         self.refresh()
         return str(ref.name)
 
-    def switch(self, timeline: str) -> None:
+    def switch(self, timeline: str, *, force: bool = False) -> None:
         """Make ``timeline`` the current one: the default everywhere here, and what training
-        resumed on this run continues."""
-        self.repo.switch(timeline)
+        resumed on this run continues (a live writer: see :meth:`rollback`'s ``force``)."""
+        self.repo.switch(timeline, force=force)
         self.refresh()
 
-    def rename_timeline(self, old: str, new: str) -> None:
+    def rename_timeline(self, old: str, new: str, *, force: bool = False) -> None:
         """Rename a timeline; HEAD and the timelines forked from it follow. Commits keep the
         name they were written under (``Snapshot.header.timeline``: history). Crash-safe: a
-        cut leaves both names on the same head, and renaming again finishes it."""
-        self.repo.rename_timeline(old, new)
+        cut leaves both names on the same head, and renaming again finishes it. A live
+        writer: see :meth:`rollback`'s ``force``."""
+        self.repo.rename_timeline(old, new, force=force)
         self.refresh()
 
-    def delete_timeline(self, name: str, *, gc: bool = True, dry_run: bool = False) -> Any:
+    def delete_timeline(
+        self, name: str, *, gc: bool = True, dry_run: bool = False, force: bool = False
+    ) -> Any:
         """Delete a timeline other than the current one (``CurrentTimelineError``: switch
         first). With ``gc`` the commits no other timeline reaches and their files are freed;
         its fork ancestry, and what timelines forked from it need, stay. ``dry_run`` only
         reports. Returns a report: ``freed_steps``, ``kept_steps``, ``gc`` (the store's
-        :class:`GcReport`, None without ``gc``)."""
-        report = self.repo.delete_timeline(name, gc=gc, dry_run=dry_run)
+        :class:`GcReport`, None without ``gc``). A live writer: see :meth:`rollback`'s
+        ``force``; forced, the files wait for the next ``gc`` (``report.gc`` is None)."""
+        report = self.repo.delete_timeline(name, gc=gc, dry_run=dry_run, force=force)
         self.refresh()
         return report
 
