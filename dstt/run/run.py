@@ -422,22 +422,28 @@ class Run:
         timeline_b: str | None = None,
         selector: str | None = None,
         paths: Iterable[str] | None = None,
+        optim: bool = False,
         progress: Callable[[int], None] | None = None,
     ) -> xr.Dataset:
         """Per-tensor change from step ``a`` to step ``b`` (see :mod:`dstt.inspect.compare`);
         ``b`` is read from ``timeline_b`` if given (compare two timelines), else ``timeline``.
-        ``selector`` restricts to a layer selector (:func:`dstt.inspect.naming.select`),
-        ``paths`` to store array paths (``params/...``)."""
+        The model's tensors only, as ``dstt diff``; ``optim=True`` adds the optimizer states
+        (``dstt diff --optim``). ``selector`` restricts to a layer selector
+        (:func:`dstt.inspect.naming.select`), ``paths`` to these store array paths
+        (``params/...``, ``optim/...``) whatever ``optim`` says."""
         from dstt.inspect.compare import diff_commits
 
         ha, hb = self._header(a, timeline), self._header(b, timeline_b or timeline)
         paths = None if paths is None else list(paths)
         ca, cb = self.catalog(ha), self.catalog(hb)
+        if paths is None and not optim:
+            paths = sorted(set(ca.model_paths) | set(cb.model_paths))
         if selector is not None:
-            both = sorted(set(ca.pool) | set(cb.pool))
+            both = sorted(set(ca.pool) | set(cb.pool)) if paths is None else paths
             paths = Catalog(
                 ca.table | cb.table,
-                where=f"at steps {a} or {b}",
+                where=f"at steps {a} or {b}"
+                + ("" if optim else " (optimizer states excluded: optim=True adds them)"),
                 listing=(f"run.at({b}).names(optim=True)"),
             ).select(selector, paths=both)[0]
         if paths is not None:  # a tied name is its target's tensor
