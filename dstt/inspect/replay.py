@@ -16,8 +16,10 @@ the result with commit *k* proves the replay was faithful. :func:`replay_step`:
    back-propagated, gradient-accumulation scaling included), captures the gradients and, by
    forward hooks, the activations asked for, then takes the optimizer step;
 4. compares every parameter and optimizer-state tensor with commit *k*, bit for bit
-   (``Replay.faithful``; the largest difference where it is not, e.g. on nondeterministic GPU
-   kernels);
+   (``Replay.faithful``; where it is not, ``Replay.mismatch``: the tensors that differ and
+   the likely reason their pattern points to — a difference that is one multiple of the
+   gradient means clipping in training, matching moments another learning rate, tiny ones
+   nondeterministic kernels);
 5. evaluates each sample of the batch alone on the weights of *k-1* (``eval()`` mode: no
    dropout) for its loss, and its gradient norm when ``per_sample_grads``, worst first.
 
