@@ -43,9 +43,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
             if s["n_steps"]
             else "no steps yet"
         )
+        metrics = (
+            f"metrics at step {s['metrics_step']}: {_metrics_text(s['metric_values'])}"
+            if s["metrics"]
+            else "metrics: —"
+        )
         yield (
             f"{steps} · {s['n_arrays']} arrays · {human_bytes(s['bytes_per_step'])} per step"
-            f" · metrics: {', '.join(s['metrics']) or '—'}"
+            f" · {metrics}"
         )
         for t in s["timelines"]:
             rng = f"steps {t['first_step']} … {t['head_step']}" if t["commits"] else "empty"

@@ -62,6 +62,19 @@ def _nonneg(s: str) -> int:
     return v
 
 
+def _indices(s: str) -> list[int]:
+    """``25,285,868`` -> [25, 285, 868] (sample indices: whole numbers >= 0)."""
+    return [_nonneg(part.strip()) for part in s.split(",") if part.strip()]
+
+
+def _force(sp: Any) -> None:
+    sp.add_argument(
+        "--force",
+        action="store_true",
+        help="change timelines even while a live writer (training) holds the run's lock",
+    )
+
+
 def _positive(s: str) -> int:
     v = _nonneg(s)
     if v == 0:
@@ -215,7 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="name of the new timeline (default: <timeline>-from-STEP;"
         " a second rollback to the same step needs one)",
     )
+    sp.add_argument(
+        "--skip-samples",
+        type=_indices,
+        default=None,
+        metavar="I,J,...",
+        help="dataset indices of samples sessions resumed there skip "
+        "(e.g. the worst samples of a replay: 25,285,868)",
+    )
     sp.add_argument("--timeline", help="timeline STEP is on (default: the current one)")
+    _force(sp)
     sp = sub.add_parser(
         "timeline",
         parents=[common],
@@ -238,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tp = tadd("switch", cmd_timeline_switch, "make a timeline current (what training resumes)")
     tp.add_argument("name", metavar="NAME")
+    _force(tp)
     tp = tadd(
         "rename",
         cmd_timeline_rename,
@@ -246,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tp.add_argument("old", metavar="OLD")
     tp.add_argument("new", metavar="NEW")
+    _force(tp)
     tp = tadd(
         "delete",
         cmd_timeline_delete,
@@ -255,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("name", metavar="NAME")
     tp.add_argument("--yes", action="store_true", help="really delete (required)")
     tp.add_argument("--dry-run", action="store_true", help="say what it would free, delete nothing")
+    _force(tp)
     sp = add("gc", cmd_gc, "prune old steps (timeline heads are always kept)")
     run_arg(sp)
     sp.add_argument("--keep-last", type=_nonneg, metavar="N", help="keep the last N steps")

@@ -73,7 +73,12 @@ class Retention:
     every_commits: int = 50
 
     def __post_init__(self) -> None:
-        _count("keep_last", self.keep_last, 0)
+        if self.keep_last == 0 and not isinstance(self.keep_last, bool):
+            raise ValueError(
+                "Retention(keep_last=0) would prune every step but the timeline heads; pass "
+                "keep_last >= 1 (the last N steps of each timeline), or None for no such rule"
+            )
+        _count("keep_last", self.keep_last, 1)
         _count("keep_every", self.keep_every, 1)  # 0 would prune all but the heads
         _count("spike_window", self.spike_window, 0)
         _count("spike_baseline", self.spike_baseline, 2)
