@@ -41,9 +41,10 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from dstt.engine._convert import from_plain
 from dstt.errors import ConfigError, DsttWarning, NotARunError
-from dstt.store import Repository
+from dstt.store import Batch, Repository, read_skips
 from dstt.training import Session, open_session
 
+from ._attribution import StepRecorder, attach, gather_ranks
 from ._common import (
     numeric_metrics,
     session_options,
@@ -113,6 +114,8 @@ class DsttCallback(TrainerCallback):
         self._model: torch.nn.Module | None = None
         self._pad: str | None = None
         self._warned_step = False
+        self._recorder: StepRecorder | None = None  # the train loader's batch sampler tap
+        self._micro = 0  # micro-batches of the optimizer step under way, less one
 
     # -- resume ----------------------------------------------------------------------------
     def resume_from(self) -> str | None:
@@ -147,6 +150,7 @@ class DsttCallback(TrainerCallback):
         head = reader.head()
         if head is None:
             return None
+        _check_skips(reader, head)
         rank = int(self._args.process_index)
         progress = _rank_object(reader, head, "extra/transformers", rank) or {}
         rng = from_plain(_rank_object(reader, head, "rng", rank))
@@ -219,12 +223,61 @@ class DsttCallback(TrainerCallback):
                 "with trainer.train(resume_from_checkpoint=cb.resume_from()), not from another "
                 "checkpoint"
             )
+        try:
+            self._attach(kwargs.get("train_dataloader"), args, state)
+        except BaseException as e:
+            self._close(_TrainerError("the training data cannot be recorded"))
+            raise e from None
+
+    def _attach(self, loader: Any, args: TrainingArguments, state: TrainerState) -> None:
+        """Record the indices of every batch the Trainer draws (and drop the samples this
+        timeline skips) through its loader's batch sampler (:mod:`._attribution`)."""
+        s = self.session
+        assert s is not None
+        skips = s._skips  # noqa: SLF001 - the timeline's skip set, read at the restore
+        self._micro = 0
+        self._recorder = rec = attach(loader, skips.samples) if loader is not None else None
+        if rec is None:
+            if skips:
+                raise ConfigError(
+                    f"run {self.run!r} resumes a timeline that skips samples "
+                    f"{sorted(skips.samples)[:8]}, but the Trainer's loader does not fetch "
+                    "batches by sample index (an IterableDataset, or a loader without a batch "
+                    "sampler), so they cannot be left out; train on a map-style dataset, or "
+                    "resume the timeline before the rollback"
+                )
+            return
+        if skips.batches:
+            raise ConfigError(_WHOLE_BATCHES)
+        if state.global_step and not args.ignore_data_skip:
+            # the Trainer skips the batches the resumed epoch had consumed (it counts them
+            # from the global step, as here); the recorder sees them go by: forget them
+            n, accum = len(loader), args.gradient_accumulation_steps
+            per_epoch = max(n // accum + int(n % accum > 0), 1)
+            rec.discard((state.global_step % per_epoch) * accum)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self.session is not None:  # the iteration ended; the scheduler has stepped
+            self._file_batches(self.session)
             self.session._at_boundary()  # noqa: SLF001 - the callback drives the step hooks
+
+    def on_substep_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._micro += 1  # a micro-batch that did not end its optimizer step
+
+    def _file_batches(self, s: Session) -> None:
+        """File the index lists of the step just taken (every rank's) under it."""
+        n, self._micro = self._micro + 1, 0
+        rec = self._recorder
+        if rec is None:
+            return
+        log = s._batches  # noqa: SLF001 - the per-step records s.data() fills
+        for lists in gather_ranks(rec.take(n)):
+            for ix in lists:
+                log.add(s.step, Batch(indices=tuple(ix)))
 
     def on_log(
         self,
@@ -284,6 +337,24 @@ class DsttCallback(TrainerCallback):
         pad, self._pad = self._pad, None
         if pad is not None:
             shutil.rmtree(pad, ignore_errors=True)
+
+
+_WHOLE_BATCHES = (
+    "this timeline skips whole batches (rollback(..., skip_data=N) or skip_batches=[...]), "
+    "which the Trainer cannot follow: it resumes by counting the batches it consumed, so "
+    "every later resume would land on the wrong batch. Roll back with "
+    "skip_samples=[...] instead (e.g. run.replay(k, trainer=trainer).worst(3)); each batch "
+    "keeps its place and loses only those samples"
+)
+
+
+def _check_skips(reader: Any, head: Any) -> None:
+    """Refuse, before the Trainer starts, what its count-based resume cannot honour."""
+    ref = reader.ref()
+    if read_skips(reader.storage, reader.timelines, ref.name).batches:
+        raise ConfigError(_WHOLE_BATCHES)
+    if ref.skip_data and head.slot == ref.base_slot:  # a fresh rollback with skip_data
+        raise ConfigError(_WHOLE_BATCHES)
 
 
 def _rank_object(reader: Any, head: Any, name: str, rank: int) -> Any:
