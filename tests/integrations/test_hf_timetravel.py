@@ -167,3 +167,105 @@ def test_skips_the_trainer_cannot_honour_raise(tmp_path: Path, story: dict[str, 
     with pytest.raises(ConfigError, match="IterableDataset"):  # no sample indices to drop
         _train(tmp_path / "run", tmp_path / "out", PatternStream(), resume=True, steps=4)
     assert dstt.open(tmp_path / "run").steps == [1, 2]  # nothing trained on them
+
+
+# -- the same under DDP: 2 gloo ranks (torchrun's environment) ---------------------------------
+def _ranks(mode: str, run: Path, out: Path, steps: int, corrupt: list[int]) -> list[dict[str, Any]]:
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = Path(__file__).resolve().parent
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "DSTT_TEST_HANG_S": "240",
+            "PYTHONPATH": os.pathsep.join([str(here.parents[1]), os.environ.get("PYTHONPATH", "")]),
+        }
+        cmd = [sys.executable, str(here / "hf_ddp_child.py"), mode, str(run), str(out), str(steps)]
+        with open(out / f"{mode}.r{rank}.log", "wb") as log:  # the child keeps its fd
+            procs.append(
+                subprocess.Popen(
+                    [*cmd, ",".join(map(str, corrupt))], env=env, stdout=log, stderr=log
+                )
+            )
+    for p in procs:
+        p.wait(300)
+    got = []
+    for rank in range(2):
+        f = out / f"{mode}.r{rank}.json"
+        log = (out / f"{mode}.r{rank}.log").read_text(errors="replace")[-3000:]
+        assert f.exists(), log
+        res = json.loads(f.read_text())
+        assert res["ok"], f"rank {rank}: {res['error']}\n{res['trace']}"
+        got.append(res)
+    return got
+
+
+@pytest.mark.slow
+def test_under_ddp_every_rank_is_recorded_and_the_skip_set_honoured(tmp_path: Path) -> None:
+    steps, k = 12, 9
+    out = tmp_path / "out"
+    out.mkdir()
+    clean = _ranks("fresh", tmp_path / "clean", out, steps, [])
+    assert clean[0]["world"] == 2
+    batches = dstt.open(tmp_path / "clean").batches()
+    assert sorted(batches) == list(range(1, steps + 1))
+    assert all(len(batches[s]) == 4 for s in batches)  # 2 ranks x 2 micro-batches, every rank's
+    seen = sorted(i for s in batches for b in batches[s] for i in b.samples)
+    assert seen == list(range(steps * 16))  # one epoch over both ranks: every sample once
+    mb = [b.samples for b in batches[k]]  # rank 0's two micro-batches, then rank 1's
+    planted = sorted([mb[0][1], mb[1][3], mb[2][2], mb[3][0]])  # one of each micro-batch
+    bad_out = tmp_path / "bad-out"
+    bad_out.mkdir()
+    bad = _ranks("fresh", tmp_path / "bad", bad_out, steps, planted)
+    losses = {int(s): v for s, v in bad[0]["losses"].items()}
+    clean_losses = {int(s): v for s, v in clean[0]["losses"].items()}
+    assert losses[k] > 1.2 * clean_losses[k]
+    run = dstt.open(tmp_path / "bad")
+    assert run.batches() == batches  # the same sampler order, whatever the data
+    old = run.timeline
+    run.rollback(k - 1, skip_samples=planted)
+    again = _ranks("resume", tmp_path / "bad", bad_out, steps, planted)
+    assert again[0]["start"] == again[1]["start"] == k - 1
+    after = {int(s): v for s, v in again[0]["losses"].items()}
+    assert sorted(after) == list(range(k, steps + 1))
+    assert after[k] < 1.1 * clean_losses[k]  # back to the clean level
+    run = dstt.open(tmp_path / "bad")
+    for s in range(1, steps + 1):  # on every rank: the planted samples gone, the rest in place
+        want = [[i for i in b.samples if i not in planted] for b in batches[s]]
+        assert [b.samples for b in run.batches()[s]] == want, s
+    assert run.batches(timeline=old) == batches  # the old timeline intact
+
+
+def test_the_trainer_time_travel_block_in_the_docs_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/integrations.md's Trainer loop, run as written; each line it prints is True."""
+    import contextlib
+    import io
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    code = re.search(r"### Time travel through the Trainer.*?```python\n(.*?)```", text, re.S)
+    assert code is not None
+    monkeypatch.chdir(tmp_path)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code.group(1), "docs/integrations.md", "exec"), {"__name__": "__doc__"})
+    printed = [ln for ln in out.getvalue().splitlines() if not ln.startswith("{")]
+    assert [ln.split()[0] for ln in printed] == ["True", "True", "True"], out.getvalue()[-2000:]
+    assert printed[1] == "True True"
