@@ -120,7 +120,7 @@ def trainer(model: torch.nn.Module, out: str, callbacks: list[Any], **kw: Any) -
 
 
 # -- the time-travel loop (test_hf_timetravel.py) ------------------------------------------
-PATTERN_SAMPLES = 128  # 16 optimizer steps of 2 x 4 samples: one epoch
+PATTERN_SAMPLES = 256  # 32 optimizer steps of 2 x 4 samples: one epoch
 
 
 class PatternData(torch.utils.data.Dataset):  # type: ignore[misc]

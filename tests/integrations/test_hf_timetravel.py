@@ -29,7 +29,8 @@ import dstt
 from dstt.errors import ConfigError
 from dstt.integrations.transformers import DsttCallback
 
-STEPS, K = 16, 12  # 128 samples, 8 per optimizer step: one epoch; K mid-epoch
+STEPS, K = 32, 28  # 256 samples, 8 per optimizer step: one epoch; K mid-epoch, late enough
+# for a spike rule to have a baseline (the loss falls fast at first)
 
 
 @pytest.fixture(autouse=True)
