@@ -123,6 +123,14 @@ def test_replay_is_faithful_and_ranks_the_planted_samples_worst(story: dict[str,
     assert replay.faithful, replay.max_abs_diff  # clipping, accumulation, loss scaling
     assert sorted(replay.worst(3)) == story["planted"]
     assert len(replay.losses) == 2
+    fresh = Trainer(  # built the same way, never trained: optimizer and scheduler as train()'s
+        model=tiny_gpt2(seed=1),
+        args=default_args(str(story["tmp"] / "out"), max_steps=STEPS),
+        train_dataset=story["data"],
+    )
+    again = run.replay(K, trainer=fresh)
+    assert again.faithful, again.max_abs_diff
+    assert again.losses == replay.losses
 
 
 def test_rollback_without_the_planted_samples_then_resume(
@@ -238,6 +246,14 @@ def test_under_ddp_every_rank_is_recorded_and_the_skip_set_honoured(tmp_path: Pa
     assert losses[k] > 1.2 * clean_losses[k]
     run = dstt.open(tmp_path / "bad")
     assert run.batches() == batches  # the same sampler order, whatever the data
+    one = Trainer(  # replay on one process: every rank's micro-batches of step k
+        model=tiny_gpt2(),
+        args=default_args(str(tmp_path / "one"), max_steps=steps),
+        train_dataset=PatternData(steps * 16, corrupt=tuple(planted)),
+    )
+    replay = run.replay(k, trainer=one)
+    assert len(replay.losses) == 4
+    assert sorted(replay.worst(4)) == planted  # not bit-exact: each rank's dropout, all-reduce
     old = run.timeline
     run.rollback(k - 1, skip_samples=planted)
     again = _ranks("resume", tmp_path / "bad", bad_out, steps, planted)
