@@ -1,0 +1,170 @@
+"""Data attribution and skip sets for loops a framework owns (the HF Trainer, Lightning).
+
+``s.data(loader)`` sees every batch the user's loop draws; a framework draws its batches
+itself, so a callback cannot wrap the loop. What it can reach is the loader the framework
+built (the Trainer hands it to ``on_train_begin``), and a loader over a map-style dataset
+asks one object for every batch: its *batch sampler*. :func:`attach` stands a
+:class:`StepRecorder` in for it. The recorder passes each index list through unchanged — so
+no batch, no RNG draw and no worker changes — and keeps it in a FIFO queue in the order the
+loader fetches (which is the order the batches come back, ``in_order=True``). The callback
+pops, at the end of each optimizer step, as many lists as that step had micro-batches: the
+framework's prefetch (accelerate reads one batch ahead, workers several) only lengthens the
+queue. With a rollback's skip set the recorder also drops the skipped samples from each
+index list before any of it is fetched: every other sample comes in the same order and in
+the same batch as before, and the number of batches (which the framework counts to resume)
+is unchanged. A batch whose every sample is skipped cannot be dropped without shifting the
+framework's count, so that raises (:class:`~dstt.errors.ConfigError`) instead of training on
+it.
+
+Under accelerate's ``BatchSamplerShard`` (data parallel) the recorder sits above the shard (it
+sees this rank's batches) and a :class:`_GlobalCheck` below it sees every rank's, so an
+emptied batch is found on every rank at once (no rank left waiting in a collective).
+:func:`gather_ranks` brings the ranks' lists to every rank for the one ``data/batches`` record
+(rank-major: rank 0's micro-batches first).
+
+Rejected alternatives: wrapping the framework's iterator (it is a local of the training loop,
+out of a callback's reach); a sampler that re-batches the stream without the skipped samples
+(every later batch would change, and with it the count the framework resumes by).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from dstt.errors import ConfigError
+
+__all__ = ["StepRecorder", "attach", "gather_ranks", "skip_error"]
+
+
+def skip_error(kept: Sequence[int], dropped: Sequence[int]) -> ConfigError | None:
+    """The error for a batch whose samples are all skipped (None while one is kept)."""
+    if kept:
+        return None
+    return ConfigError(
+        f"every sample of a batch is in this timeline's skip set ({sorted(dropped)}): the "
+        "framework resumes by counting the batches it consumed, so dstt cannot drop a whole "
+        "batch without shifting every later step; roll back again keeping at least one "
+        "sample of each batch (skip the worst ones: replay(...).worst(n))"
+    )
+
+
+def _flat(idx: Any) -> list[int]:
+    return [int(i) for i in (idx if isinstance(idx, Sequence) else [idx])]
+
+
+class _Passthrough:
+    """Delegates everything it does not define to the sampler it stands in for (``len``,
+    ``batch_size``, ``set_epoch``, a shard's ``num_processes``, ...)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class StepRecorder(_Passthrough):
+    """Stands in for a loader's batch sampler: records every index list it yields (``queue``,
+    fetch order) and drops the ``skip`` samples from each (see the module docstring)."""
+
+    def __init__(self, inner: Any, skip: frozenset[int] = frozenset()) -> None:
+        super().__init__(inner)
+        self.queue: deque[list[int]] = deque()
+        self.skip = skip
+        self._discard = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        for idx in self.inner:
+            flat = _flat(idx)
+            if self.skip:
+                kept = [i for i in flat if i not in self.skip]
+                err = skip_error(kept, flat)
+                if err is not None:
+                    raise err
+                if len(kept) < len(flat):
+                    flat, idx = kept, kept
+            self.queue.append(flat)
+            yield idx
+
+    def take(self, n: int) -> list[list[int]]:
+        """The next ``n`` recorded index lists (fewer if fewer were fetched), after the
+        ones :meth:`discard` set aside."""
+        while self._discard and self.queue:
+            self.queue.popleft()
+            self._discard -= 1
+        return [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
+
+    def discard(self, n: int) -> None:
+        """Forget the next ``n`` lists fetched (the batches a framework draws and throws
+        away to resume mid-epoch)."""
+        self._discard += n
+
+
+class _GlobalCheck(_Passthrough):
+    """Under a data-parallel shard: sees every rank's batches and raises on an emptied one
+    (on every rank alike); the filtering itself is each rank's recorder's."""
+
+    def __init__(self, inner: Any, skip: frozenset[int]) -> None:
+        super().__init__(inner)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[Any]:
+        for idx in self.inner:
+            flat = _flat(idx)
+            err = skip_error([i for i in flat if i not in self.skip], flat)
+            if err is not None:
+                raise err
+            yield idx
+
+
+def attach(loader: Any, skip: frozenset[int] = frozenset()) -> StepRecorder | None:
+    """Install a :class:`StepRecorder` on ``loader`` (a torch ``DataLoader``, or accelerate's
+    wrapper of one) and return it; the one already there if any. None when the loader does
+    not fetch by index lists in order (no ``DataLoader``, an ``IterableDataset``,
+    ``in_order=False``, no batch sampler): the caller records positions only and refuses a
+    skip set."""
+    import torch
+
+    base = getattr(loader, "base_dataloader", loader)  # accelerate's DataLoaderShard
+    if not isinstance(base, torch.utils.data.DataLoader):
+        return None
+    if isinstance(base.dataset, torch.utils.data.IterableDataset):
+        return None
+    if getattr(base, "in_order", True) is False or base.batch_sampler is None:
+        return None
+    top: Any = base.batch_sampler
+    if isinstance(top, StepRecorder):
+        top.skip = skip
+        return top
+    below = getattr(top, "batch_sampler", None)
+    if skip and below is not None and hasattr(top, "num_processes"):  # a data-parallel shard
+        if getattr(top, "split_batches", False):
+            raise ConfigError(
+                "this timeline skips samples, but the loader splits each batch across "
+                "processes (accelerate's split_batches=True), which needs full batches: "
+                "train without split_batches to resume it"
+            )
+        if not isinstance(below, _GlobalCheck):
+            top.batch_sampler = _GlobalCheck(below, skip)
+    rec = StepRecorder(top, skip)
+    object.__setattr__(base, "batch_sampler", rec)  # DataLoader refuses a plain setattr
+    return rec
+
+
+def gather_ranks(lists: list[list[int]]) -> list[list[list[int]]]:
+    """Every rank's ``lists`` (one entry per rank, in rank order); ``[lists]`` without a
+    process group. A collective: every rank calls it at the same point."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return [lists]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, lists)
+    return [list(x) for x in out]
