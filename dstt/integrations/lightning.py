@@ -18,6 +18,20 @@ stateful train loader (``state_dict``/``load_state_dict``, e.g. torchdata's
 ``StatefulDataLoader``); a plain loader resumed mid-epoch restarts that epoch's batches
 (Lightning warns). Rejected alternative: writing a Lightning ``.ckpt`` from the run — a second
 copy of the model and optimizer, in a layout private to each Lightning version.
+
+Data attribution and skip sets: Lightning builds the train loader itself (a ``DataLoader``
+re-created with a ``DistributedSampler`` under DDP), so the callback takes it where the
+strategy hands it back (``strategy.process_dataloader``, wrapped for the fit, before the loop
+creates its iterator) and stands :mod:`._attribution`'s recorder in for its batch sampler:
+each batch's sample indices are filed under the step it feeds (every rank's, gathered at the
+optimizer step), nothing about the batches changes, and a rollback's ``skip_samples`` are
+dropped from the index lists before anything is fetched. Below the recorder a resume draws
+the index lists of the batches the restored epoch had consumed (without loading them), so a
+plain ``DataLoader`` resumes mid-epoch on the very next batch, where Lightning alone would
+restart the epoch. Loaders without sample indices (an ``IterableDataset``, a custom
+iterable) get a hash of each batch and their position in the fit loop's state; a skip set
+they cannot honour raises ``ConfigError``. Rejected alternative: wrapping Lightning's data
+fetcher — a private object re-created every epoch, and its batches are already fetched.
 """
 
 from __future__ import annotations
@@ -30,13 +44,16 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from dstt.errors import ConfigError
+from dstt.store import Batch, SkipSet
 from dstt.training import Session, open_session
+from dstt.training.data import fingerprint
 
+from ._attribution import StepRecorder, attach, gather_ranks
 from ._common import numeric_metrics, session_options
 
 if TYPE_CHECKING:
     import os
-    from collections.abc import Mapping
+    from collections.abc import Callable, Iterator, Mapping
 
     from dstt.store import Repository
 
@@ -85,6 +102,7 @@ class DsttCallback(Callback):
         self.session: Session | None = None
         self._loops = _Loops()
         self._rng: tuple[Any, ...] | None = None  # restored RNG, re-applied mid-epoch
+        self._data = _TrainData()  # the train loader's recorder, and what it still has to do
 
     # -- fit --------------------------------------------------------------------------------
     def on_load_checkpoint(
@@ -123,11 +141,22 @@ class DsttCallback(Callback):
         )
         s.start()
         self.session = s
+        skips: SkipSet = s._skips  # noqa: SLF001 - the timeline's skip set, read at the restore
+        self._data = _TrainData(skips)
+        if s.step:
+            _refuse_whole_batches(s, skips)
         restored = self._loops.restored
         if s.step and restored and restored.get("fit_loop"):
             trainer.fit_loop.load_state_dict(restored["fit_loop"])
             if not restored.get("epoch_end"):  # the loader is re-iterated before the next
                 self._rng = _get_rng()  # batch: that must not move the RNG
+                # the batches of the restored epoch already trained on: drawn, not fetched
+                self._data.forward = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+        self._data.wrap(trainer)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.session is not None:
+            self._data.check(self.run)
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
@@ -135,6 +164,9 @@ class DsttCallback(Callback):
         if self._rng is not None:
             _set_rng(self._rng)
             self._rng = None
+        s = self.session
+        if s is not None:  # this batch feeds the next optimizer step
+            self._data.drawn(s.step + 1, batch)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -142,6 +174,7 @@ class DsttCallback(Callback):
         s = self.session
         if s is None:
             return
+        self._data.file(s)
         # after the optimizer and scheduler stepped: end of the iteration (the Trainer's loop
         # stands in for the tracked loader that calls this hook)
         s._at_boundary()  # noqa: SLF001 - the callback drives the session's step hooks
@@ -182,8 +215,158 @@ class DsttCallback(Callback):
     def _close(self, exc: BaseException | None) -> None:
         s, self.session = self.session, None
         self._rng = None
+        self._data.unwrap()
         if s is not None:
             s.close(exc)
+
+
+_WHOLE_BATCHES = (
+    "this timeline skips whole batches (rollback(..., skip_data=N) or skip_batches=[...]), "
+    "which Lightning cannot follow: it resumes by counting the batches each epoch consumed, "
+    "so every later resume would land on the wrong batch. Roll back with skip_samples=[...] "
+    "instead (e.g. run.replay(k, trainer=trainer, module=module).worst(3)): each batch keeps "
+    "its place and loses only those samples"
+)
+
+
+def _refuse_whole_batches(s: Session, skips: SkipSet) -> None:
+    """Refuse, before Lightning starts, the skips its count-based resume cannot honour."""
+    assert s.repo is not None
+    reader = s.repo.reader()
+    ref, head = reader.ref(), reader.head()
+    fresh = head is not None and ref.skip_data and head.slot == ref.base_slot
+    if skips.batches or fresh:
+        raise ConfigError(_WHOLE_BATCHES)
+
+
+class _FastForward:
+    """Below the recorder, in place of the batch sampler: each new pass (epoch) clears the
+    recorder's queue (a stopped fit may have left a prefetched list in it), and the first
+    pass after a mid-epoch resume draws, without fetching, the index lists the restored epoch
+    had already trained on."""
+
+    def __init__(self, inner: Any, forward: int) -> None:
+        self.inner, self.forward = inner, forward
+        self.recorder: StepRecorder | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.recorder is not None:
+            self.recorder.queue.clear()
+        it = iter(self.inner)
+        n, self.forward = self.forward, 0
+        for _ in range(n):
+            if next(it, _END) is _END:
+                return
+        yield from it
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+_END = object()
+
+
+class _TrainData:
+    """The train loader's side of the callback: the recorder on it (installed where the
+    strategy hands the processed loader back), each step's fingerprints until the step is
+    taken, and the skip set to honour (see the module docstring)."""
+
+    def __init__(self, skips: SkipSet | None = None) -> None:
+        self.skips = skips or SkipSet()
+        self.forward = 0  # index lists to draw unfetched on the next pass (a mid-epoch resume)
+        self.loaders: list[Any] = []  # the train loaders Lightning processed in this fit
+        self.recorder: StepRecorder | None = None
+        self.pending: list[Batch] = []
+        self.pending_step = 0
+        self._unwrap: Callable[[], None] | None = None
+
+    def wrap(self, trainer: Trainer) -> None:
+        """Wrap ``trainer.strategy.process_dataloader`` for this fit: the train loader it
+        returns gets the recorder before the fit loop iterates it."""
+        strategy = trainer.strategy
+        own = vars(strategy)
+        before = own.get("process_dataloader")
+        original = strategy.process_dataloader
+
+        def process(dataloader: object) -> object:
+            out = original(dataloader)
+            if trainer.training:  # the train loader (validation loaders pass through)
+                self.tap(out)
+            return out
+
+        own["process_dataloader"] = process
+
+        def unwrap() -> None:
+            if before is None:
+                own.pop("process_dataloader", None)
+            else:
+                own["process_dataloader"] = before
+
+        self._unwrap = unwrap
+
+    def unwrap(self) -> None:
+        undo, self._unwrap = self._unwrap, None
+        if undo is not None:
+            undo()
+
+    def tap(self, loader: Any) -> None:
+        self.loaders.append(loader)
+        base = loader.batch_sampler if isinstance(loader, torch.utils.data.DataLoader) else None
+        if base is None or isinstance(base, StepRecorder) or not _by_index(loader):
+            self.recorder = attach(loader, self.skips.samples)
+            return
+        stateful = callable(getattr(loader, "state_dict", None))  # Lightning restores it
+        below = _FastForward(base, 0 if stateful else self.forward)
+        object.__setattr__(loader, "batch_sampler", below)  # DataLoader refuses setattr
+        rec = attach(loader, self.skips.samples)
+        below.recorder = rec
+        self.recorder = rec
+
+    def check(self, run: object) -> None:
+        """At the start of training: a skip set needs exactly one recorded train loader."""
+        if len(self.loaders) != 1:
+            self.recorder = None  # several loaders (or none seen): fingerprint by hash
+        if self.skips.samples and self.recorder is None:
+            raise ConfigError(
+                f"run {run!r} resumes a timeline that skips samples "
+                f"{sorted(self.skips.samples)[:8]}, but Lightning's train loader does not "
+                "fetch batches by sample index (an IterableDataset, a custom iterable, several "
+                "train loaders, or a loader this fit did not set up), so they cannot be left "
+                "out; train on one DataLoader over a map-style dataset, or resume the "
+                "timeline before the rollback"
+            )
+
+    def drawn(self, step: int, batch: Any) -> None:
+        """A batch Lightning is about to train on, for optimizer step ``step``."""
+        if self.pending and step != self.pending_step:
+            self.pending = []  # a step that never came (the fit stopped): not filed
+        self.pending_step = step
+        rec = self.recorder
+        lists = rec.take(1) if rec is not None else []
+        self.pending.append(Batch(indices=tuple(lists[0])) if lists else fingerprint(batch))
+
+    def file(self, s: Session) -> None:
+        """After a batch: once its optimizer step is taken, file the step's fingerprints
+        (every rank's, rank-major) under it."""
+        if not self.pending or s.step < self.pending_step:
+            return  # accumulating: the step is not taken yet
+        mine, self.pending = [b.plain() for b in self.pending], []
+        log = s._batches  # noqa: SLF001 - the per-step records s.data() fills
+        for plain in gather_ranks(mine):  # type: ignore[arg-type]
+            for fp in plain:
+                log.add(self.pending_step, Batch.from_plain(fp))  # type: ignore[arg-type]
+
+
+def _by_index(loader: torch.utils.data.DataLoader[Any]) -> bool:
+    """Whether the loader fetches its batches by sample index, in order."""
+    return not isinstance(loader.dataset, torch.utils.data.IterableDataset) and (
+        getattr(loader, "in_order", True) is not False
+    )
 
 
 def _step_metrics(trainer: Trainer) -> Mapping[str, Any]:
