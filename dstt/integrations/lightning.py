@@ -5,7 +5,8 @@ Design: as for the Hugging Face Trainer, a thin adapter over :class:`dstt.Sessio
 Session on the LightningModule, ``trainer.optimizers[0]`` and its scheduler, and the Session's
 optimizer step hooks capture each optimizer step (once per ``accumulate_grad_batches``
 batches, manual optimization included). ``on_train_batch_end`` ends the iteration and files the
-values ``self.log`` produced for that batch (step-level ones) under the step just taken;
+values ``self.log`` produced for that batch (step-level ones) under the step it fed (with
+gradient accumulation the step's last batch has the last word);
 epoch-level and validation values are filed under the step at which Lightning computed them.
 
 Resume uses Lightning's own restore path without a ``.ckpt`` file: each commit carries the fit
@@ -37,6 +38,7 @@ fetcher — a private object re-created every epoch, and its batches are already
 from __future__ import annotations
 
 import random
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -174,14 +176,15 @@ class DsttCallback(Callback):
         s = self.session
         if s is None:
             return
-        self._data.file(s)
+        step = self._data.pending_step or s.step  # the step this batch fed (accumulating:
+        self._data.file(s)  # the one not taken yet, which the step's last batch files)
         # after the optimizer and scheduler stepped: end of the iteration (the Trainer's loop
         # stands in for the tracked loader that calls this hook)
         s._at_boundary()  # noqa: SLF001 - the callback drives the session's step hooks
-        if s.step:
+        if step:
             values = numeric_metrics(_step_metrics(trainer))
             if values:
-                s.log(step=s.step, **values)
+                s.log(step=step, **values)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._file_epoch_metrics(trainer)
@@ -269,6 +272,8 @@ class _FastForward:
 
 
 _END = object()
+# what Lightning warns when it restarts a plain loader mid-epoch; _FastForward resumes it
+_RESTART_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
 class _TrainData:
@@ -284,6 +289,7 @@ class _TrainData:
         self.pending: list[Batch] = []
         self.pending_step = 0
         self._unwrap: Callable[[], None] | None = None
+        self._quiet: warnings.catch_warnings[None] | None = None
 
     def wrap(self, trainer: Trainer) -> None:
         """Wrap ``trainer.strategy.process_dataloader`` for this fit: the train loader it
@@ -310,6 +316,7 @@ class _TrainData:
         self._unwrap = unwrap
 
     def unwrap(self) -> None:
+        self.loud()
         undo, self._unwrap = self._unwrap, None
         if undo is not None:
             undo()
@@ -322,6 +329,10 @@ class _TrainData:
             return
         stateful = callable(getattr(loader, "state_dict", None))  # Lightning restores it
         below = _FastForward(base, 0 if stateful else self.forward)
+        if below.forward:  # Lightning warns that this loader restarts the epoch: not so here
+            self._quiet = warnings.catch_warnings()
+            self._quiet.__enter__()
+            warnings.filterwarnings("ignore", message=_RESTART_WARNING)
         object.__setattr__(loader, "batch_sampler", below)  # DataLoader refuses setattr
         rec = attach(loader, self.skips.samples)
         below.recorder = rec
@@ -341,8 +352,15 @@ class _TrainData:
                 "timeline before the rollback"
             )
 
+    def loud(self) -> None:
+        """Lift the filter of Lightning's restart warning (the epoch has restarted)."""
+        quiet, self._quiet = self._quiet, None
+        if quiet is not None:
+            quiet.__exit__(None, None, None)
+
     def drawn(self, step: int, batch: Any) -> None:
         """A batch Lightning is about to train on, for optimizer step ``step``."""
+        self.loud()
         if self.pending and step != self.pending_step:
             self.pending = []  # a step that never came (the fit stopped): not filed
         self.pending_step = step
