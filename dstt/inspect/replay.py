@@ -24,13 +24,21 @@ the result with commit *k* proves the replay was faithful. :func:`replay_step`:
 The live objects end at the replayed step *k* (as training would have left them); nothing
 is written to the run. Rejected alternative: storing gradients and activations at capture
 time — far more bytes than the state itself at every step, for the few steps anyone studies.
+
+Frameworks (an HF ``Trainer``, Lightning) run a step their own way: a collator, their
+``compute_loss``/``training_step``, autocast, loss scaling, gradient clipping between backward
+and ``optimizer.step()``. A :class:`ReplayKit` says how, and :func:`replay_step` runs the step
+through it; the integrations register a kit builder for their trainer type at import
+(:func:`register_replay_kit`), and ``run.replay(k, trainer=...)`` finds it
+(:func:`replay_kit_for`). Rejected alternative: importing the integrations here — they sit
+above this layer, and a framework's replay belongs with its capture code.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,9 +55,86 @@ from dstt.schema import tensor_path, tree_location
 if TYPE_CHECKING:
     from dstt.store import CommitHeader, Reader
 
-__all__ = ["Replay", "replay_step"]
+__all__ = ["Replay", "ReplayKit", "register_replay_kit", "replay_kit_for", "replay_step"]
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ReplayKit:
+    """How a framework runs one optimizer step, for replay.
+
+    ``model``: the module the optimizer updates (unwrapped: no DDP/accelerate wrapper);
+    ``optimizer``: what ``dstt.session`` takes (a torch optimizer, a list or a dict of them);
+    ``scheduler``: its LR scheduler, if any. ``make_batch(indices)``: the dataset indices of
+    ONE micro-batch -> that batch exactly as the framework fed it (collator applied).
+    ``backward(batch)``: forward + backward of one micro-batch exactly as the framework does
+    it (its loss, autocast, loss scaling, division by gradient accumulation), returning the
+    loss (detached); None: ``loss_fn(model, batch).backward()``. ``before_step()``: what runs
+    between the last backward and ``optimizer.step()`` (gradient clipping). ``sample_loss(b)``:
+    the loss of a one-sample batch ``b = make_batch([i])`` (with its graph, so per-sample
+    gradients can be taken), for the per-sample ranking; None: ``loss_fn`` on it.
+    """
+
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any = None
+    make_batch: Callable[[Sequence[int]], Any] | None = None
+    backward: Callable[[Any], torch.Tensor] | None = None
+    before_step: Callable[[], None] | None = None
+    sample_loss: Callable[[Any], torch.Tensor] | None = None
+
+
+KitBuilder = Callable[[object, object | None], ReplayKit]
+_KITS: list[tuple[Callable[[object], bool], KitBuilder]] = []
+
+#: where the kit of a trainer from a known framework is registered (top-level package -> how)
+_KNOWN = {
+    "transformers": "import dstt.integrations.transformers",
+    "lightning": "import dstt.integrations.lightning (and pass module=the LightningModule)",
+    "pytorch_lightning": "import dstt.integrations.lightning (and pass module=the LightningModule)",
+}
+
+
+def register_replay_kit(
+    matches: Callable[[object], bool],
+    build: Callable[[object, object | None], ReplayKit],
+) -> None:
+    """Make ``run.replay(k, trainer=t, module=m)`` use ``build(t, m)`` for every trainer ``t``
+    with ``matches(t)``. The newest registration is asked first (a user's own kit overrides
+    an integration's)."""
+    _KITS.insert(0, (matches, build))
+
+
+def replay_kit_for(trainer: object, module: object | None = None) -> ReplayKit:
+    """The :class:`ReplayKit` of ``trainer`` (and ``module``, for frameworks whose trainer
+    does not hold the model) from the registered builders; ``ConfigError`` naming the
+    trainer's type and which import registers its kit when none matches."""
+    for matches, build in _KITS:
+        if matches(trainer):
+            kit = build(trainer, module)
+            if not isinstance(kit, ReplayKit):
+                raise ConfigError(
+                    f"the replay kit builder for a {_type_name(trainer)} returned a "
+                    f"{type(kit).__name__}, not a dstt.inspect.replay.ReplayKit"
+                )
+            return kit
+    top = type(trainer).__module__.partition(".")[0]
+    how = _KNOWN.get(top)
+    hint = (
+        f"`{how}` registers it"
+        if how
+        else "register one with dstt.inspect.replay.register_replay_kit(matches, build)"
+    )
+    raise ConfigError(
+        f"no replay kit for trainer= of type {_type_name(trainer)}: {hint}; or replay a plain "
+        "loop with run.replay(k, model, optimizer, loss_fn=..., before_step=...)"
+    )
+
+
+def _type_name(obj: object) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
 
 
 @dataclass
@@ -207,11 +292,16 @@ def _step_batches(
     batches: Any,
     dataset: Any,
     collate: Callable[[list[Any]], Any] | None,
-) -> tuple[list[Any], list[list[int] | None]]:
-    """Step ``step``'s micro-batches and each one's sample indices (None when unknown)."""
+    make_batch: Callable[[Sequence[int]], Any] | None = None,
+) -> tuple[list[Any], list[list[int] | None], Callable[[Sequence[int]], Any] | None]:
+    """Step ``step``'s micro-batches, each one's sample indices (None when unknown) and the
+    function from indices to a batch they were built with (None for given batches).
+
+    The batches come from, in this order: ``batches`` (the batches, or a callable from
+    indices), ``dataset`` (with ``collate``), the kit's ``make_batch``."""
     if batches is not None and not callable(batches):
         got = list(batches)
-        return got, [None] * len(got)
+        return got, [None] * len(got), None
     recorded = run.batches([step], timeline=timeline).get(step)
     if not recorded:
         raise ReplayError(
@@ -226,27 +316,70 @@ def _step_batches(
             "is not a DataLoader over a map-style dataset): pass replay(..., batches=[...])"
         )
     known = [ix for ix in indices if ix is not None]
+    build: Callable[[Sequence[int]], Any]
     if callable(batches):
-        return [batches(ix) for ix in known], list(indices)
-    if dataset is None:
+        build = batches
+    elif dataset is not None:
+        join = collate
+        if join is None:
+            from torch.utils.data import default_collate
+
+            join = default_collate
+
+        def build(ix: Sequence[int]) -> Any:
+            return join([dataset[i] for i in ix])
+
+    elif make_batch is not None:
+        build = make_batch
+    else:
         raise ConfigError(
             "replay needs the data: dataset=... (with collate=...) to rebuild "
             "the step's batches from their sample indices, or batches="
         )
-    if collate is None:
-        from torch.utils.data import default_collate
+    return [build(ix) for ix in known], list(indices), build
 
-        collate = default_collate
-    return [collate([dataset[i] for i in ix]) for ix in known], list(indices)
+
+def _kit_of(
+    kit: ReplayKit | None,
+    model: torch.nn.Module | None,
+    optimizer: Any,
+    scheduler: Any,
+    before_step: Callable[[], None] | None,
+    loss_fn: LossFn | None,
+) -> ReplayKit:
+    """The kit the replay runs: ``kit`` (a framework's) with the explicit arguments in place
+    of what it supplies, or a plain loop's from ``model`` and ``optimizer``."""
+    if kit is None:
+        if model is None or optimizer is None:
+            raise ConfigError(
+                "replay needs the live objects to replay into: model= and optimizer= (built "
+                "as the training script built them), or trainer= (an HF or Lightning Trainer)"
+            )
+        return ReplayKit(model, optimizer, scheduler, before_step=before_step)
+    if model is not None or optimizer is not None:
+        raise ConfigError(
+            "replay takes either trainer= (its kit supplies the model and optimizer) or "
+            "model= and optimizer=, not both"
+        )
+    changes: dict[str, Any] = {}
+    if scheduler is not None:
+        changes["scheduler"] = scheduler
+    if before_step is not None:
+        changes["before_step"] = before_step
+    if loss_fn is not None:  # the caller's loss replaces the framework's
+        changes.update(backward=None, sample_loss=None)
+    return replace(kit, **changes) if changes else kit
 
 
 def replay_step(
     run: Any,
     reader: Reader,
     step: int,
-    model: torch.nn.Module,
-    optimizer: Any,
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
     *,
+    kit: ReplayKit | None = None,
+    before_step: Callable[[], None] | None = None,
     scheduler: Any = None,
     loss_fn: LossFn | None = None,
     batches: Any = None,
@@ -258,12 +391,19 @@ def replay_step(
     timeline: str | None = None,
 ) -> Replay:
     """Replay step ``step`` of ``run`` (read with ``reader``, the run's own) into
-    ``model``/``optimizer`` (see the module docstring and :class:`Replay`)."""
+    ``model``/``optimizer``, or through a framework's ``kit`` (see the module docstring and
+    :class:`Replay`). ``before_step`` runs between the last backward and the optimizer step
+    (the loop's gradient clipping); explicit ``scheduler``, ``before_step``, ``loss_fn`` and
+    data arguments take the place of what ``kit`` supplies."""
+    kit = _kit_of(kit, model, optimizer, scheduler, before_step, loss_fn)
+    model, optimizer = kit.model, kit.optimizer
     timeline = timeline or run.timeline
     head_k, head_prev = _prev_header(reader, run.commits(timeline), int(step))
     loss_fn = loss_fn or _default_loss
-    micro, sample_ix = _step_batches(run, int(step), timeline, batches, dataset, collate)
-    state = discover(model, optimizer, scheduler=scheduler)
+    micro, sample_ix, one = _step_batches(
+        run, int(step), timeline, batches, dataset, collate, kit.make_batch
+    )
+    state = discover(model, optimizer, scheduler=kit.scheduler)
     source = StoreSource(reader, head_prev, prefetch=True)
     state.step_state.restore(source)
     state.boundary_state.restore(source)
@@ -278,14 +418,19 @@ def replay_step(
         for opt in optimizers_of(optimizer).values():
             opt.zero_grad(set_to_none=True)
         for b in micro:
-            loss = loss_fn(model, b)
-            if loss.dim() > 0:  # per-sample losses: back-propagate their mean
-                loss = loss.mean()
-            loss.backward()
-            losses.append(float(loss.detach()))
+            if kit.backward is not None:
+                loss = kit.backward(b)
+            else:
+                loss = loss_fn(model, b)
+                if loss.dim() > 0:  # per-sample losses: back-propagate their mean
+                    loss = loss.mean()
+                loss.backward()
+            losses.append(float(loss.detach().float().mean()))
     finally:
         for h in hooks:
             h.remove()
+    if kit.before_step is not None:
+        kit.before_step()
     grads = {
         n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
         for n, p in params
@@ -294,8 +439,17 @@ def replay_step(
         opt.step()
     after = {n: p.detach().clone() for n, p in params}
     faithful, max_diff, differs = _compare(reader, head_k, model, optimizer, names)
+    sample_fn: LossFn = loss_fn
+    if kit.sample_loss is not None:
+        sample_loss = kit.sample_loss
+
+        def sample_fn(_m: torch.nn.Module, b: Any) -> torch.Tensor:
+            return sample_loss(b)
+
     samples = (
-        _per_sample(model, params, before, after, micro, sample_ix, loss_fn, per_sample_grads)
+        _per_sample(
+            model, params, before, after, micro, sample_ix, sample_fn, per_sample_grads, one
+        )
         if per_sample
         else _empty_samples()
     )
@@ -399,8 +553,11 @@ def _per_sample(
     sample_ix: list[list[int] | None],
     loss_fn: LossFn,
     grads: bool,
+    one: Callable[[Sequence[int]], Any] | None = None,
 ) -> xr.Dataset:
-    """Each sample alone, on the weights of the step before, in eval mode."""
+    """Each sample alone, on the weights of the step before, in eval mode: ``one([i])``
+    builds its batch as the step's were built (a collator pads it alone), else it is sliced
+    out of its micro-batch."""
     with torch.no_grad():
         for n, p in params:
             p.copy_(before[n])
@@ -411,12 +568,13 @@ def _per_sample(
     gnorm: list[float] = []
     try:
         for m, (b, ix) in enumerate(zip(micro, sample_ix, strict=True)):
-            for i in range(_batch_size(b)):
-                one = _slice(b, i)
+            count = len(ix) if ix is not None and one is not None else _batch_size(b)
+            for i in range(count):
+                alone = one([ix[i]]) if ix is not None and one is not None else _slice(b, i)
                 if grads:
                     for _, p in params:
                         p.grad = None
-                    loss = loss_fn(model, one)
+                    loss = loss_fn(model, alone)
                     loss = loss.mean() if loss.dim() else loss
                     loss.backward()
                     sq = sum(
@@ -425,7 +583,7 @@ def _per_sample(
                     gnorm.append(math.sqrt(sq))
                 else:
                     with torch.no_grad():
-                        loss = loss_fn(model, one)
+                        loss = loss_fn(model, alone)
                         loss = loss.mean() if loss.dim() else loss
                     gnorm.append(math.nan)
                 loss_v.append(float(loss.detach()))

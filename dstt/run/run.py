@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dstt._lru import LRU
-from dstt.errors import CorruptRunError, NotARunError, StepNotFoundError
+from dstt.errors import ConfigError, CorruptRunError, NotARunError, StepNotFoundError
 from dstt.inspect.catalog import Catalog
 from dstt.inspect.html import run_html, run_summary
 from dstt.inspect.readers import ReaderPool
@@ -330,9 +330,12 @@ class Run:
     def replay(
         self,
         step: int | Spike,
-        model: Any,
-        optimizer: Any,
+        model: Any = None,
+        optimizer: Any = None,
         *,
+        trainer: Any = None,
+        module: Any = None,
+        before_step: Callable[[], None] | None = None,
         scheduler: Any = None,
         loss_fn: Any = None,
         batches: Any = None,
@@ -351,13 +354,23 @@ class Run:
         ``collate``, default torch's), or a ``batches`` callable (indices -> batch), or are
         ``batches`` themselves. ``loss_fn(model, batch)`` returns the loss the loop
         back-propagated (gradient-accumulation scaling included; default: the model output's
-        ``.loss``). Returns a :class:`dstt.inspect.replay.Replay`: ``faithful`` (bit-exact
+        ``.loss``); ``before_step()`` runs between the last backward and the optimizer step,
+        as the loop did (``torch.nn.utils.clip_grad_norm_``: a clipped step replays bit-exact
+        only with it).
+
+        ``trainer=`` (an HF ``transformers.Trainer``, or a ``lightning.Trainer`` with
+        ``module=`` the LightningModule) in place of ``model``/``optimizer``: the
+        :class:`~dstt.inspect.replay.ReplayKit` registered for its type (``import
+        dstt.integrations.transformers`` / ``.lightning``) runs the step as the framework
+        does (its collator, loss, clipping); explicit arguments take the place of the kit's.
+
+        Returns a :class:`dstt.inspect.replay.Replay`: ``faithful`` (bit-exact
         against the commit), the gradients (``.grads``, ``.layer(...)``, ``.top()``),
         per-sample losses worst first (``.per_sample``, ``.worst(n)`` for
         ``rollback(..., skip_samples=...)``) and the ``activations`` of the named modules.
         Nothing is written to the run; the live objects end at the replayed step. See
         docs/replay.md."""
-        from dstt.inspect.replay import replay_step
+        from dstt.inspect.replay import replay_kit_for, replay_step
         from dstt.inspect.summaries import Spike
 
         k = (
@@ -365,12 +378,20 @@ class Run:
             if isinstance(step, Spike)
             else int(step)
         )
+        if module is not None and trainer is None:
+            raise ConfigError(
+                "replay's module= goes with trainer= (a lightning.Trainer and its "
+                "LightningModule); for a plain loop pass model= and optimizer="
+            )
+        kit = None if trainer is None else replay_kit_for(trainer, module)
         return replay_step(
             self,
             self._reader,
             k,
             model,
             optimizer,
+            kit=kit,
+            before_step=before_step,
             scheduler=scheduler,
             loss_fn=loss_fn,
             batches=batches,
