@@ -33,6 +33,19 @@ restart the epoch. Loaders without sample indices (an ``IterableDataset``, a cus
 iterable) get a hash of each batch and their position in the fit loop's state; a skip set
 they cannot honour raises ``ConfigError``. Rejected alternative: wrapping Lightning's data
 fetcher — a private object re-created every epoch, and its batches are already fetched.
+
+Replay: importing this module registers the Lightning :class:`~dstt.inspect.replay.ReplayKit`
+(``run.replay(k, trainer=trainer, module=module)``). It replays automatic optimization the way
+Lightning runs it: each recorded micro-batch collated by the train loader and moved as
+Lightning moves it (``on_before_batch_transfer``, ``batch_to_device``), the module's own
+``training_step`` in the precision plugin's context, the loss divided by
+``accumulate_grad_batches``, the precision plugin's backward with its hooks, and between the
+last backward and ``optimizer.step()`` what Lightning runs there (``on_before_optimizer_step``
+and ``configure_gradient_clipping`` with ``gradient_clip_val``). ``self.log`` is silenced for
+the replay. Manual optimization steps the optimizer inside ``training_step``, which a replay
+cannot split: it raises ``ReplayError`` (replay it with ``model=``, ``optimizer=`` and
+``loss_fn=``). Rejected alternative: driving Lightning's automatic-optimization loop itself —
+private, version-bound, and it steps the scheduler and the loop counters too.
 """
 
 from __future__ import annotations
@@ -45,7 +58,8 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from dstt.errors import ConfigError
+from dstt.errors import ConfigError, ReplayError
+from dstt.inspect.replay import ReplayKit, register_replay_kit
 from dstt.store import Batch, SkipSet
 from dstt.training import Session, open_session
 from dstt.training.data import fingerprint
@@ -55,11 +69,11 @@ from ._common import numeric_metrics, session_options
 
 if TYPE_CHECKING:
     import os
-    from collections.abc import Callable, Iterator, Mapping
+    from collections.abc import Callable, Iterator, Mapping, Sequence
 
     from dstt.store import Repository
 
-__all__ = ["DsttCallback"]
+__all__ = ["DsttCallback", "replay_kit"]
 
 
 class _Loops:
@@ -409,3 +423,145 @@ def _set_rng(state: tuple[Any, ...]) -> None:
         torch.cuda.set_rng_state_all(cuda)
     np.random.set_state(npst)
     random.setstate(py)
+
+
+# -- replay ----------------------------------------------------------------------------------
+def replay_kit(trainer: object, module: object | None) -> ReplayKit:
+    """The :class:`~dstt.inspect.replay.ReplayKit` of a ``lightning.Trainer`` and its
+    LightningModule (see the module docstring); registered for ``run.replay(trainer=...)``."""
+    if not isinstance(trainer, Trainer):
+        raise ConfigError(f"trainer= must be a lightning.Trainer, not {type(trainer).__name__}")
+    if not isinstance(module, LightningModule):
+        raise ConfigError(
+            "run.replay(k, trainer=<lightning.Trainer>) needs module=<the LightningModule> "
+            f"(built as the training script built it), not {type(module).__name__}"
+        )
+    if not module.automatic_optimization:
+        raise ReplayError(
+            f"{type(module).__name__} uses manual optimization: its training_step runs backward "
+            "and optimizer.step() itself, which a replay cannot split; replay it as a plain "
+            "loop: run.replay(k, module, optimizer, loss_fn=<the loss training_step computes>, "
+            "dataset=...)"
+        )
+    if trainer.lightning_module is not module:
+        trainer.strategy.connect(module)
+    module.trainer = trainer
+    optimizer, scheduler = _replay_optimizer(trainer, module)
+    accum = int(trainer.accumulate_grad_batches)
+    plugin = trainer.precision_plugin
+
+    def loss_of(batch: Any, batch_idx: int) -> torch.Tensor:
+        with _Replaying(trainer, module), plugin.train_step_context():
+            out = module.training_step(batch, batch_idx)
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if not isinstance(loss, torch.Tensor):
+            raise ReplayError(
+                f"{type(module).__name__}.training_step returned {type(out).__name__} for a "
+                "replayed batch: it must return the loss (a tensor, or a dict with 'loss')"
+            )
+        return loss
+
+    micro = [0]  # the micro-batch's position in the step, as training_step's batch_idx
+
+    def backward(batch: Any) -> torch.Tensor:
+        loss = loss_of(batch, micro[0]) / accum  # Lightning's closure divides, even by 1
+        micro[0] += 1
+        with _Replaying(trainer, module):
+            scaled = plugin.pre_backward(loss, module)
+            plugin.backward(scaled, module, optimizer)
+            plugin.post_backward(scaled, module)
+        return loss.detach()
+
+    def before_step() -> None:
+        micro[0] = 0
+        with _Replaying(trainer, module):
+            plugin._after_closure(module, optimizer)  # noqa: SLF001 - Lightning's own: hooks, clipping
+
+    def sample_loss(batch: Any) -> torch.Tensor:
+        return loss_of(batch, 0)
+
+    return ReplayKit(
+        model=module,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        make_batch=_replay_batches(trainer, module),
+        backward=backward,
+        before_step=before_step,
+        sample_loss=sample_loss,
+    )
+
+
+def _replay_optimizer(trainer: Trainer, module: LightningModule) -> tuple[Any, Any]:
+    """The trainer's optimizer and scheduler when they update ``module`` (a fitted trainer),
+    else the ones ``configure_optimizers`` builds."""
+    mine = {id(p) for p in module.parameters()}
+    opts, configs = list(trainer.optimizers), list(trainer.lr_scheduler_configs)
+    if not opts or any(id(p) not in mine for g in opts[0].param_groups for p in g["params"]):
+        from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+        opts, configs = _init_optimizers_and_lr_schedulers(module)
+        trainer.strategy.optimizers, trainer.strategy.lr_scheduler_configs = opts, configs
+    if len(opts) != 1 or len(configs) > 1:
+        raise ConfigError(
+            f"the Lightning replay handles one optimizer and at most one LR scheduler, as "
+            f"DsttCallback captures them; configure_optimizers gave {len(opts)} and {len(configs)}"
+        )
+    return opts[0], configs[0].scheduler if configs else None
+
+
+def _replay_batches(
+    trainer: Trainer, module: LightningModule
+) -> Callable[[Sequence[int]], Any] | None:
+    """Indices -> the batch as Lightning fed it: the train loader's dataset and collate
+    function, then Lightning's batch transfer. None when no train loader is found (pass
+    ``dataset=``)."""
+    loader: Any = trainer.train_dataloader
+    if loader is None:
+        datamodule = getattr(trainer, "datamodule", None)
+        source = datamodule if datamodule is not None else module
+        try:
+            loader = source.train_dataloader()
+        except Exception:  # not defined, or needs a fit: dataset= then
+            loader = None
+    if not isinstance(loader, torch.utils.data.DataLoader) or isinstance(
+        loader.dataset, torch.utils.data.IterableDataset
+    ):
+        return None
+    dataset, collate = loader.dataset, loader.collate_fn
+
+    def make(indices: Sequence[int]) -> Any:
+        batch = collate([dataset[int(i)] for i in indices])
+        with _Replaying(trainer, module):
+            batch = trainer.precision_plugin.convert_input(batch)
+            batch = module._on_before_batch_transfer(batch, dataloader_idx=0)  # noqa: SLF001
+            return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+
+    return make
+
+
+class _Replaying:
+    """The trainer in its training state for Lightning's hooks, ``self.log`` silenced."""
+
+    def __init__(self, trainer: Trainer, module: LightningModule) -> None:
+        self.trainer, self.module = trainer, module
+        self.saved: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> None:
+        from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+
+        state = self.trainer.state
+        self.saved = (state.fn, state.stage)
+        state.fn, state.stage = TrainerFn.FITTING, RunningStage.TRAINING
+        vars(self.module)["log"] = _no_log
+
+    def __exit__(self, *exc: object) -> None:
+        vars(self.module).pop("log", None)
+        if self.saved is not None:
+            self.trainer.state.fn, self.trainer.state.stage = self.saved
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    """``self.log`` during a replay: the replayed step files no metrics."""
+
+
+register_replay_kit(lambda t: isinstance(t, Trainer), replay_kit)
