@@ -7,7 +7,8 @@ corrupted samples were planted; ``run.replay`` runs the module's own ``training_
 Lightning's clipping bit-exactly and names the planted samples; a rollback that skips them,
 resumed through the callback, brings that step's loss back to the clean level with every other
 sample in its old order and the old timeline intact; a skip set that the loader cannot honour
-raises instead of training on the samples.
+raises instead of training on the samples; manual optimization, which steps inside
+``training_step``, cannot be replayed and says so.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pl_setup import (
 from torch.utils.data import DataLoader
 
 import dstt
-from dstt.errors import ConfigError
+from dstt.errors import ConfigError, ReplayError
 from dstt.integrations.lightning import DsttCallback
 
 
@@ -90,6 +91,14 @@ def test_spike_replay_rollback_and_resume_without_the_planted_samples(tmp_path: 
     replay = run.replay(SPIKE, trainer=trainer, module=module)
     assert replay.faithful, (replay.max_abs_diff, replay.differs[:3])
     assert sorted(replay.worst(3)) == sorted(PLANTED)
+    assert replay.losses[-1] > 2 * replay.losses[0]  # the planted micro-batch
+    # Lightning clipped this step's gradients: a replay without the clipping misses
+    unclipped = run.replay(SPIKE, trainer=trainer, module=module, before_step=lambda: None)
+    assert not unclipped.faithful
+    # a fresh Trainer and module, built as the script builds them, replay the same step
+    fresh = run.replay(SPIKE, trainer=travel_trainer([]), module=travel_model(seed=7), dataset=data)
+    assert fresh.faithful
+    assert fresh.worst(3) == replay.worst(3)
 
     old = run.timeline
     old_losses = run.metrics()["loss"].values.copy()
@@ -137,3 +146,10 @@ def test_a_skip_set_the_loader_cannot_honour_raises(tmp_path: Path) -> None:
         run = dstt.open(path)
         assert run.commits()[-1].step == 2  # nothing trained on the new timeline
     assert [h.step for h in run.commits(old)] == [1, 2, 3]
+
+
+def test_replay_of_manual_optimization_raises(tmp_path: Path) -> None:
+    path = tmp_path / "run"
+    make_trainer([DsttCallback(run=path)], steps=2).fit(model(manual=True), loader())
+    with pytest.raises(ReplayError, match="manual optimization"):
+        dstt.open(path).replay(2, trainer=make_trainer([], steps=2), module=model(manual=True))
