@@ -139,7 +139,7 @@ def attach(loader: Any, skip: frozenset[int] = frozenset()) -> StepRecorder | No
         return None
     if getattr(base, "in_order", True) is False or base.batch_sampler is None:
         return None
-    top = base.batch_sampler
+    top: Any = base.batch_sampler
     if isinstance(top, StepRecorder):
         top.skip = skip
         return top

@@ -22,6 +22,24 @@ Trainer checkpoint (``optimizer.pt``, ``scheduler.pt``: a second copy of the lar
 which the Session restores bit-exactly anyway), and setting ``state.global_step`` from a
 callback (too late: the Trainer decides the data skip before ``on_train_begin``).
 
+Data attribution goes through the Trainer's loader too (:mod:`._attribution`): at
+``on_train_begin`` the callback stands a recorder in for the train loader's batch sampler,
+which passes every index list through unchanged and keeps it; ``on_step_end`` files the lists
+of the step just taken (its micro-batches, every rank's) in the ``data/batches`` records
+``s.data(loader)`` writes, so ``run.batches()``, ``Spike.samples`` and ``run.replay`` see them.
+A timeline's skipped samples (``rollback(k, skip_samples=...)``) leave their index lists
+before anything is fetched: each batch keeps its place, so the Trainer's count-based resume
+(``skip_first_batches``) stays right. What that count cannot follow (whole-batch skips:
+``skip_data``, ``skip_batches``; a batch with every sample skipped; a loader without sample
+indices) raises a ``ConfigError`` rather than train on the skipped data.
+
+``run.replay(k, trainer=trainer)`` re-executes a step the Trainer's way: the kit registered at
+import (:func:`dstt.inspect.replay.register_replay_kit`) builds micro-batches with the
+Trainer's collator, runs its ``training_step`` (loss kwargs, ``num_items_in_batch``,
+accumulation scaling, autocast as configured) and its gradient clipping before the optimizer
+step. Rejected alternative: a replay loss function re-deriving the Trainer's scaling — it
+drifts with every Trainer release; its own methods do not.
+
 The Trainer has no exception hook: if ``train()`` raises, the Session is closed at the next
 ``train()`` or at interpreter exit (committing only complete steps), or by ``cb.close()``.
 """
@@ -41,6 +59,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from dstt.engine._convert import from_plain
 from dstt.errors import ConfigError, DsttWarning, NotARunError
+from dstt.inspect.replay import ReplayKit, register_replay_kit
 from dstt.store import Batch, Repository, read_skips
 from dstt.training import Session, open_session
 
@@ -53,7 +72,7 @@ from ._common import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
 __all__ = ["DsttCallback"]
 
@@ -379,3 +398,121 @@ def _trainer_rng(rng: Mapping[str, Any], args: TrainingArguments) -> dict[str, A
         cuda = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in rng["cuda"]]
         out["cuda"] = cuda if args.world_size > 1 else cuda[torch.cuda.current_device()]
     return out
+
+
+# -- replay (dstt.inspect.replay's seam) -------------------------------------------------------
+class _TrainerStep:
+    """One optimizer step of a ``transformers.Trainer``, as ``run.replay(k, trainer=...)``
+    re-executes it: the Trainer's own collator, ``training_step`` and clipping.
+
+    ``replay`` builds a step's micro-batches first (``make_batch``, once per micro-batch),
+    then runs ``backward`` on each: the first ``backward`` takes the batches built so far as
+    the step, because the Trainer scales the loss by what the whole step holds (the label
+    tokens of every micro-batch: ``num_items_in_batch``; else the number of micro-batches).
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        if trainer.train_dataset is None:
+            raise ConfigError(
+                "replay rebuilds the step's batches from the Trainer's train_dataset: "
+                "build the Trainer with the dataset it trained on"
+            )
+        if trainer.optimizer is None:  # a Trainer that has not trained: build them as train() does
+            steps = trainer.state.max_steps or trainer.args.max_steps
+            if steps <= 0:
+                raise ConfigError(
+                    "this Trainer has no optimizer yet and no max_steps to build its learning "
+                    "rate schedule from: replay after trainer.train(), or set max_steps"
+                )
+            trainer.create_optimizer_and_scheduler(num_training_steps=steps)
+        self.model: torch.nn.Module = trainer.model
+        self.wrapped: torch.nn.Module = trainer.model_wrapped or trainer.model
+        self.dataset, self.collate = _train_data(trainer)
+        self._built: list[Any] = []  # batches make_batch built since the step's were taken
+        self._step: list[Any] = []  # the micro-batches of the step being replayed
+        self._done = 0  # how many of them went through backward
+        self._items: Any = None  # the Trainer's num_items_in_batch for the step
+
+    def make_batch(self, indices: Sequence[int]) -> Any:
+        batch = self.collate([self.dataset[int(i)] for i in indices])
+        self._built.append(batch)
+        return batch
+
+    def backward(self, batch: Any) -> torch.Tensor:
+        tr = self.trainer
+        if self._done == len(self._step):  # the first micro-batch of the step
+            self._step, self._built, self._done = self._built, [], 0
+            if not any(b is batch for b in self._step):
+                self._step = [batch]
+            self._items = tr._get_num_items_in_batch(self._step, tr.args.device)  # noqa: SLF001
+            tr.current_gradient_accumulation_steps = len(self._step)
+        self._done += 1
+        tr.accelerator.gradient_state._set_sync_gradients(self._done == len(self._step))  # noqa: SLF001
+        loss: torch.Tensor = tr.training_step(self.wrapped, batch, self._items)
+        return loss.detach()
+
+    def before_step(self) -> None:
+        tr = self.trainer
+        tr.accelerator.gradient_state._set_sync_gradients(True)  # noqa: SLF001
+        if tr.args.max_grad_norm is not None and tr.args.max_grad_norm > 0:
+            tr._clip_grad_norm(self.wrapped)  # noqa: SLF001 - the Trainer's own clipping
+
+    def sample_loss(self, batch: Any) -> torch.Tensor:
+        tr = self.trainer
+        inputs = tr._prepare_inputs(batch)  # noqa: SLF001
+        with tr.compute_loss_context_manager():
+            loss: torch.Tensor = tr.compute_loss(self.wrapped, inputs)
+        return loss
+
+
+def _train_data(trainer: Any) -> tuple[Any, Any]:
+    """The Trainer's train dataset and the collate function its train loader uses (unused
+    columns removed, as ``get_train_dataloader`` does)."""
+    dataset = trainer.train_dataset
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        raise ConfigError(
+            "replay rebuilds a step's batches from their sample indices, and an "
+            "IterableDataset has none: pass replay(..., batches=[the step's batches])"
+        )
+    try:
+        import datasets  # type: ignore[import-not-found,unused-ignore]
+
+        is_hf = isinstance(dataset, datasets.Dataset)
+    except ImportError:
+        is_hf = False
+    if is_hf:
+        dataset = trainer._remove_unused_columns(dataset, description="training")  # noqa: SLF001
+        return dataset, trainer.data_collator
+    collate = trainer._get_collator_with_removed_columns(  # noqa: SLF001
+        trainer.data_collator, description="training"
+    )
+    return dataset, collate
+
+
+def _is_trainer(x: object) -> bool:
+    from transformers import Trainer
+
+    return isinstance(x, Trainer)
+
+
+def _replay_kit(trainer: object, module: object | None = None) -> ReplayKit:
+    if module is not None:
+        raise ConfigError(
+            "module= is for Lightning; a transformers.Trainer replays its own model "
+            "(run.replay(k, trainer=trainer))"
+        )
+    t: Any = trainer
+    step = _TrainerStep(t)
+    return ReplayKit(
+        model=step.model,
+        optimizer=unwrap_optimizer(t.optimizer),
+        scheduler=unwrap_scheduler(t.lr_scheduler),
+        make_batch=step.make_batch,
+        backward=step.backward,
+        before_step=step.before_step,
+        sample_loss=step.sample_loss,
+    )
+
+
+register_replay_kit(_is_trainer, _replay_kit)

@@ -117,3 +117,60 @@ def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
 
 def trainer(model: torch.nn.Module, out: str, callbacks: list[Any], **kw: Any) -> Trainer:
     return Trainer(model=model, args=args(out, **kw), train_dataset=dataset(), callbacks=callbacks)
+
+
+# -- the time-travel loop (test_hf_timetravel.py) ------------------------------------------
+PATTERN_SAMPLES = 128  # 16 optimizer steps of 2 x 4 samples: one epoch
+
+
+class PatternData(torch.utils.data.Dataset):  # type: ignore[misc]
+    """Easily learnt sequences (each token the previous + 1, from one of 4 starts: the loss
+    settles within a few steps); the samples in ``corrupt`` are random tokens instead (the
+    bad data a rollback skips)."""
+
+    def __init__(self, n: int = PATTERN_SAMPLES, corrupt: tuple[int, ...] = ()) -> None:
+        g = torch.Generator().manual_seed(2)
+        starts = torch.randint(0, 4, (n,), generator=g) * (VOCAB // 4)
+        self.rows = [(s + torch.arange(SEQ)) % VOCAB for s in starts.tolist()]
+        noise = torch.Generator().manual_seed(3)
+        for i in corrupt:
+            self.rows[i] = torch.randint(0, VOCAB, (SEQ,), generator=noise)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = self.rows[i]
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+class PatternStream(torch.utils.data.IterableDataset):  # type: ignore[misc]
+    """The same samples as an IterableDataset: no sample indices reach the loader."""
+
+    def __init__(self, n: int = PATTERN_SAMPLES) -> None:
+        self.data = PatternData(n)
+
+    def __iter__(self) -> Any:
+        return (self.data[i] for i in range(len(self.data)))
+
+
+def default_args(out: str, *, max_steps: int, **kw: Any) -> TrainingArguments:
+    """The Trainer's defaults (clipping at max_grad_norm=1.0, linear decay, no warmup,
+    tokens averaged across devices), 2 x 4 samples per optimizer step, on the CPU; a larger
+    learning rate than the default so that the tiny model learns within a few steps."""
+    return TrainingArguments(
+        output_dir=out,
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        **{
+            "gradient_accumulation_steps": 2,
+            "learning_rate": 3e-2,
+            "logging_steps": 1,
+            "report_to": [],
+            "save_strategy": "no",
+            "use_cpu": True,
+            "disable_tqdm": True,
+            "dataloader_num_workers": 0,
+            **kw,
+        },
+    )
