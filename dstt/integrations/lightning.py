@@ -338,16 +338,20 @@ class _TrainData:
     def tap(self, loader: Any) -> None:
         self.loaders.append(loader)
         base = loader.batch_sampler if isinstance(loader, torch.utils.data.DataLoader) else None
-        if base is None or isinstance(base, StepRecorder) or not _by_index(loader):
+        theirs = isinstance(base, StepRecorder) and not isinstance(base.inner, _FastForward)
+        if base is None or theirs or not _by_index(loader):
             self.recorder = attach(loader, self.skips.samples)
             return
+        below = base.inner if isinstance(base, StepRecorder) else None  # an earlier fit's
+        if not isinstance(below, _FastForward):
+            below = _FastForward(base, 0)
+            object.__setattr__(loader, "batch_sampler", below)  # DataLoader refuses setattr
         stateful = callable(getattr(loader, "state_dict", None))  # Lightning restores it
-        below = _FastForward(base, 0 if stateful else self.forward)
+        below.forward = 0 if stateful else self.forward
         if below.forward:  # Lightning warns that this loader restarts the epoch: not so here
             self._quiet = warnings.catch_warnings()
             self._quiet.__enter__()
             warnings.filterwarnings("ignore", message=_RESTART_WARNING)
-        object.__setattr__(loader, "batch_sampler", below)  # DataLoader refuses setattr
         rec = attach(loader, self.skips.samples)
         below.recorder = rec
         self.recorder = rec
