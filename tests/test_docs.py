@@ -1,9 +1,12 @@
-"""docs/api.md and docs/cli.md are generated from the code and must stay current."""
+"""docs/api.md and docs/cli.md are generated from the code and must stay current; the examples
+the docs run (the format reader, the Lightning sections) do what they say."""
 
 from __future__ import annotations
 
 import runpy
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,3 +62,34 @@ def test_the_plain_zarr_reader_in_the_format_doc_reads_a_step(tmp_path: Path) ->
     assert set(got) == set(want)
     for k, v in want.items():
         assert got[k] == [str(v.dtype), list(v.shape), v.tobytes().hex()], k
+
+
+@pytest.mark.parametrize(
+    ("page", "section"),
+    [("integrations.md", "## `lightning.Trainer`"), ("replay.md", "### Lightning")],
+    ids=["integrations", "replay"],
+)
+def test_the_lightning_examples_run_and_print_what_they_promise(
+    page: str,
+    section: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The first code block of the page's Lightning section, run as written: each
+    ``print(...)  # out`` prints ``out``."""
+    import re
+    import warnings
+
+    pytest.importorskip("lightning")
+    text = (ROOT / "docs" / page).read_text()
+    code = re.search(r"```python\n(.*?)```", text[text.index(section) :], re.S).group(1)  # type: ignore[union-attr]
+    promised = re.findall(r"^print\(.*\)\s+# (.*)$", code, re.M)
+    assert promised
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():  # Lightning's advice for a CPU run of a few batches
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
+        exec(compile(code, f"docs/{page}", "exec"), {"__name__": "__doc_example__"})
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed == promised

@@ -5,7 +5,8 @@ Design: as for the Hugging Face Trainer, a thin adapter over :class:`dstt.Sessio
 Session on the LightningModule, ``trainer.optimizers[0]`` and its scheduler, and the Session's
 optimizer step hooks capture each optimizer step (once per ``accumulate_grad_batches``
 batches, manual optimization included). ``on_train_batch_end`` ends the iteration and files the
-values ``self.log`` produced for that batch (step-level ones) under the step just taken;
+values ``self.log`` produced for that batch (step-level ones) under the step it fed (with
+gradient accumulation the step's last batch has the last word);
 epoch-level and validation values are filed under the step at which Lightning computed them.
 
 Resume uses Lightning's own restore path without a ``.ckpt`` file: each commit carries the fit
@@ -18,29 +19,61 @@ stateful train loader (``state_dict``/``load_state_dict``, e.g. torchdata's
 ``StatefulDataLoader``); a plain loader resumed mid-epoch restarts that epoch's batches
 (Lightning warns). Rejected alternative: writing a Lightning ``.ckpt`` from the run — a second
 copy of the model and optimizer, in a layout private to each Lightning version.
+
+Data attribution and skip sets: Lightning builds the train loader itself (a ``DataLoader``
+re-created with a ``DistributedSampler`` under DDP), so the callback takes it where the
+strategy hands it back (``strategy.process_dataloader``, wrapped for the fit, before the loop
+creates its iterator) and stands :mod:`._attribution`'s recorder in for its batch sampler:
+each batch's sample indices are filed under the step it feeds (every rank's, gathered at the
+optimizer step), nothing about the batches changes, and a rollback's ``skip_samples`` are
+dropped from the index lists before anything is fetched. Below the recorder a resume draws
+the index lists of the batches the restored epoch had consumed (without loading them), so a
+plain ``DataLoader`` resumes mid-epoch on the very next batch, where Lightning alone would
+restart the epoch. Loaders without sample indices (an ``IterableDataset``, a custom
+iterable) get a hash of each batch and their position in the fit loop's state; a skip set
+they cannot honour raises ``ConfigError``. Rejected alternative: wrapping Lightning's data
+fetcher — a private object re-created every epoch, and its batches are already fetched.
+
+Replay: importing this module registers the Lightning :class:`~dstt.inspect.replay.ReplayKit`
+(``run.replay(k, trainer=trainer, module=module)``). It replays automatic optimization the way
+Lightning runs it: each recorded micro-batch collated by the train loader and moved as
+Lightning moves it (``on_before_batch_transfer``, ``batch_to_device``), the module's own
+``training_step`` in the precision plugin's context, the loss divided by
+``accumulate_grad_batches``, the precision plugin's backward with its hooks, and between the
+last backward and ``optimizer.step()`` what Lightning runs there (``on_before_optimizer_step``
+and ``configure_gradient_clipping`` with ``gradient_clip_val``). ``self.log`` is silenced for
+the replay. Manual optimization steps the optimizer inside ``training_step``, which a replay
+cannot split: it raises ``ReplayError`` (replay it with ``model=``, ``optimizer=`` and
+``loss_fn=``). Rejected alternative: driving Lightning's automatic-optimization loop itself —
+private, version-bound, and it steps the scheduler and the loop counters too.
 """
 
 from __future__ import annotations
 
 import random
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from dstt.errors import ConfigError
+from dstt.errors import ConfigError, ReplayError
+from dstt.inspect.replay import ReplayKit, register_replay_kit
+from dstt.store import Batch, SkipSet
 from dstt.training import Session, open_session
+from dstt.training.data import fingerprint
 
+from ._attribution import StepRecorder, attach, gather_ranks
 from ._common import numeric_metrics, session_options
 
 if TYPE_CHECKING:
     import os
-    from collections.abc import Mapping
+    from collections.abc import Callable, Iterator, Mapping, Sequence
 
     from dstt.store import Repository
 
-__all__ = ["DsttCallback"]
+__all__ = ["DsttCallback", "replay_kit"]
 
 
 class _Loops:
@@ -85,6 +118,7 @@ class DsttCallback(Callback):
         self.session: Session | None = None
         self._loops = _Loops()
         self._rng: tuple[Any, ...] | None = None  # restored RNG, re-applied mid-epoch
+        self._data = _TrainData()  # the train loader's recorder, and what it still has to do
 
     # -- fit --------------------------------------------------------------------------------
     def on_load_checkpoint(
@@ -123,11 +157,22 @@ class DsttCallback(Callback):
         )
         s.start()
         self.session = s
+        skips: SkipSet = s._skips  # noqa: SLF001 - the timeline's skip set, read at the restore
+        self._data = _TrainData(skips)
+        if s.step:
+            _refuse_whole_batches(s, skips)
         restored = self._loops.restored
         if s.step and restored and restored.get("fit_loop"):
             trainer.fit_loop.load_state_dict(restored["fit_loop"])
             if not restored.get("epoch_end"):  # the loader is re-iterated before the next
                 self._rng = _get_rng()  # batch: that must not move the RNG
+                # the batches of the restored epoch already trained on: drawn, not fetched
+                self._data.forward = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+        self._data.wrap(trainer)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.session is not None:
+            self._data.check(self.run)
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
@@ -135,6 +180,9 @@ class DsttCallback(Callback):
         if self._rng is not None:
             _set_rng(self._rng)
             self._rng = None
+        s = self.session
+        if s is not None:  # this batch feeds the next optimizer step
+            self._data.drawn(s.step + 1, batch)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -142,13 +190,15 @@ class DsttCallback(Callback):
         s = self.session
         if s is None:
             return
+        step = self._data.pending_step or s.step  # the step this batch fed (accumulating:
+        self._data.file(s)  # the one not taken yet, which the step's last batch files)
         # after the optimizer and scheduler stepped: end of the iteration (the Trainer's loop
         # stands in for the tracked loader that calls this hook)
         s._at_boundary()  # noqa: SLF001 - the callback drives the session's step hooks
-        if s.step:
+        if step:
             values = numeric_metrics(_step_metrics(trainer))
             if values:
-                s.log(step=s.step, **values)
+                s.log(step=step, **values)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._file_epoch_metrics(trainer)
@@ -182,8 +232,177 @@ class DsttCallback(Callback):
     def _close(self, exc: BaseException | None) -> None:
         s, self.session = self.session, None
         self._rng = None
+        self._data.unwrap()
         if s is not None:
             s.close(exc)
+
+
+_WHOLE_BATCHES = (
+    "this timeline skips whole batches (rollback(..., skip_data=N) or skip_batches=[...]), "
+    "which Lightning cannot follow: it resumes by counting the batches each epoch consumed, "
+    "so every later resume would land on the wrong batch. Roll back with skip_samples=[...] "
+    "instead (e.g. run.replay(k, trainer=trainer, module=module).worst(3)): each batch keeps "
+    "its place and loses only those samples"
+)
+
+
+def _refuse_whole_batches(s: Session, skips: SkipSet) -> None:
+    """Refuse, before Lightning starts, the skips its count-based resume cannot honour."""
+    assert s.repo is not None
+    reader = s.repo.reader()
+    ref, head = reader.ref(), reader.head()
+    fresh = head is not None and ref.skip_data and head.slot == ref.base_slot
+    if skips.batches or fresh:
+        raise ConfigError(_WHOLE_BATCHES)
+
+
+class _FastForward:
+    """Below the recorder, in place of the batch sampler: each new pass (epoch) clears the
+    recorder's queue (a stopped fit may have left a prefetched list in it), and the first
+    pass after a mid-epoch resume draws, without fetching, the index lists the restored epoch
+    had already trained on."""
+
+    def __init__(self, inner: Any, forward: int) -> None:
+        self.inner, self.forward = inner, forward
+        self.recorder: StepRecorder | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.recorder is not None:
+            self.recorder.queue.clear()
+        it = iter(self.inner)
+        n, self.forward = self.forward, 0
+        for _ in range(n):
+            if next(it, _END) is _END:
+                return
+        yield from it
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+_END = object()
+# what Lightning warns when it restarts a plain loader mid-epoch; _FastForward resumes it
+_RESTART_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
+
+
+class _TrainData:
+    """The train loader's side of the callback: the recorder on it (installed where the
+    strategy hands the processed loader back), each step's fingerprints until the step is
+    taken, and the skip set to honour (see the module docstring)."""
+
+    def __init__(self, skips: SkipSet | None = None) -> None:
+        self.skips = skips or SkipSet()
+        self.forward = 0  # index lists to draw unfetched on the next pass (a mid-epoch resume)
+        self.loaders: list[Any] = []  # the train loaders Lightning processed in this fit
+        self.recorder: StepRecorder | None = None
+        self.pending: list[Batch] = []
+        self.pending_step = 0
+        self._unwrap: Callable[[], None] | None = None
+        self._quiet: warnings.catch_warnings[None] | None = None
+
+    def wrap(self, trainer: Trainer) -> None:
+        """Wrap ``trainer.strategy.process_dataloader`` for this fit: the train loader it
+        returns gets the recorder before the fit loop iterates it."""
+        strategy = trainer.strategy
+        own = vars(strategy)
+        before = own.get("process_dataloader")
+        original = strategy.process_dataloader
+
+        def process(dataloader: object) -> object:
+            out = original(dataloader)
+            if trainer.training:  # the train loader (validation loaders pass through)
+                self.tap(out)
+            return out
+
+        own["process_dataloader"] = process
+
+        def unwrap() -> None:
+            if before is None:
+                own.pop("process_dataloader", None)
+            else:
+                own["process_dataloader"] = before
+
+        self._unwrap = unwrap
+
+    def unwrap(self) -> None:
+        self.loud()
+        undo, self._unwrap = self._unwrap, None
+        if undo is not None:
+            undo()
+
+    def tap(self, loader: Any) -> None:
+        self.loaders.append(loader)
+        base = loader.batch_sampler if isinstance(loader, torch.utils.data.DataLoader) else None
+        theirs = isinstance(base, StepRecorder) and not isinstance(base.inner, _FastForward)
+        if base is None or theirs or not _by_index(loader):
+            self.recorder = attach(loader, self.skips.samples)
+            return
+        below = base.inner if isinstance(base, StepRecorder) else None  # an earlier fit's
+        if not isinstance(below, _FastForward):
+            below = _FastForward(base, 0)
+            object.__setattr__(loader, "batch_sampler", below)  # DataLoader refuses setattr
+        stateful = callable(getattr(loader, "state_dict", None))  # Lightning restores it
+        below.forward = 0 if stateful else self.forward
+        if below.forward:  # Lightning warns that this loader restarts the epoch: not so here
+            self._quiet = warnings.catch_warnings()
+            self._quiet.__enter__()
+            warnings.filterwarnings("ignore", message=_RESTART_WARNING)
+        rec = attach(loader, self.skips.samples)
+        below.recorder = rec
+        self.recorder = rec
+
+    def check(self, run: object) -> None:
+        """At the start of training: a skip set needs exactly one recorded train loader."""
+        if len(self.loaders) != 1:
+            self.recorder = None  # several loaders (or none seen): fingerprint by hash
+        if self.skips.samples and self.recorder is None:
+            raise ConfigError(
+                f"run {run!r} resumes a timeline that skips samples "
+                f"{sorted(self.skips.samples)[:8]}, but Lightning's train loader does not "
+                "fetch batches by sample index (an IterableDataset, a custom iterable, several "
+                "train loaders, or a loader this fit did not set up), so they cannot be left "
+                "out; train on one DataLoader over a map-style dataset, or resume the "
+                "timeline before the rollback"
+            )
+
+    def loud(self) -> None:
+        """Lift the filter of Lightning's restart warning (the epoch has restarted)."""
+        quiet, self._quiet = self._quiet, None
+        if quiet is not None:
+            quiet.__exit__(None, None, None)
+
+    def drawn(self, step: int, batch: Any) -> None:
+        """A batch Lightning is about to train on, for optimizer step ``step``."""
+        self.loud()
+        if self.pending and step != self.pending_step:
+            self.pending = []  # a step that never came (the fit stopped): not filed
+        self.pending_step = step
+        rec = self.recorder
+        lists = rec.take(1) if rec is not None else []
+        self.pending.append(Batch(indices=tuple(lists[0])) if lists else fingerprint(batch))
+
+    def file(self, s: Session) -> None:
+        """After a batch: once its optimizer step is taken, file the step's fingerprints
+        (every rank's, rank-major) under it."""
+        if not self.pending or s.step < self.pending_step:
+            return  # accumulating: the step is not taken yet
+        mine, self.pending = [b.plain() for b in self.pending], []
+        log = s._batches  # noqa: SLF001 - the per-step records s.data() fills
+        for plain in gather_ranks(mine):  # type: ignore[arg-type]
+            for fp in plain:
+                log.add(self.pending_step, Batch.from_plain(fp))  # type: ignore[arg-type]
+
+
+def _by_index(loader: torch.utils.data.DataLoader[Any]) -> bool:
+    """Whether the loader fetches its batches by sample index, in order."""
+    return not isinstance(loader.dataset, torch.utils.data.IterableDataset) and (
+        getattr(loader, "in_order", True) is not False
+    )
 
 
 def _step_metrics(trainer: Trainer) -> Mapping[str, Any]:
@@ -208,3 +427,145 @@ def _set_rng(state: tuple[Any, ...]) -> None:
         torch.cuda.set_rng_state_all(cuda)
     np.random.set_state(npst)
     random.setstate(py)
+
+
+# -- replay ----------------------------------------------------------------------------------
+def replay_kit(trainer: object, module: object | None) -> ReplayKit:
+    """The :class:`~dstt.inspect.replay.ReplayKit` of a ``lightning.Trainer`` and its
+    LightningModule (see the module docstring); registered for ``run.replay(trainer=...)``."""
+    if not isinstance(trainer, Trainer):
+        raise ConfigError(f"trainer= must be a lightning.Trainer, not {type(trainer).__name__}")
+    if not isinstance(module, LightningModule):
+        raise ConfigError(
+            "run.replay(k, trainer=<lightning.Trainer>) needs module=<the LightningModule> "
+            f"(built as the training script built it), not {type(module).__name__}"
+        )
+    if not module.automatic_optimization:
+        raise ReplayError(
+            f"{type(module).__name__} uses manual optimization: its training_step runs backward "
+            "and optimizer.step() itself, which a replay cannot split; replay it as a plain "
+            "loop: run.replay(k, module, optimizer, loss_fn=<the loss training_step computes>, "
+            "dataset=...)"
+        )
+    if trainer.lightning_module is not module:
+        trainer.strategy.connect(module)
+    module.trainer = trainer
+    optimizer, scheduler = _replay_optimizer(trainer, module)
+    accum = int(trainer.accumulate_grad_batches)
+    plugin = trainer.precision_plugin
+
+    def loss_of(batch: Any, batch_idx: int) -> torch.Tensor:
+        with _Replaying(trainer, module), plugin.train_step_context():
+            out = module.training_step(batch, batch_idx)
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if not isinstance(loss, torch.Tensor):
+            raise ReplayError(
+                f"{type(module).__name__}.training_step returned {type(out).__name__} for a "
+                "replayed batch: it must return the loss (a tensor, or a dict with 'loss')"
+            )
+        return loss
+
+    micro = [0]  # the micro-batch's position in the step, as training_step's batch_idx
+
+    def backward(batch: Any) -> torch.Tensor:
+        loss = loss_of(batch, micro[0]) / accum  # Lightning's closure divides, even by 1
+        micro[0] += 1
+        with _Replaying(trainer, module):
+            scaled = plugin.pre_backward(loss, module)
+            plugin.backward(scaled, module, optimizer)
+            plugin.post_backward(scaled, module)
+        return loss.detach()
+
+    def before_step() -> None:
+        micro[0] = 0
+        with _Replaying(trainer, module):
+            plugin._after_closure(module, optimizer)  # noqa: SLF001 - Lightning's own: hooks, clipping
+
+    def sample_loss(batch: Any) -> torch.Tensor:
+        return loss_of(batch, 0)
+
+    return ReplayKit(
+        model=module,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        make_batch=_replay_batches(trainer, module),
+        backward=backward,
+        before_step=before_step,
+        sample_loss=sample_loss,
+    )
+
+
+def _replay_optimizer(trainer: Trainer, module: LightningModule) -> tuple[Any, Any]:
+    """The trainer's optimizer and scheduler when they update ``module`` (a fitted trainer),
+    else the ones ``configure_optimizers`` builds."""
+    mine = {id(p) for p in module.parameters()}
+    opts, configs = list(trainer.optimizers), list(trainer.lr_scheduler_configs)
+    if not opts or any(id(p) not in mine for g in opts[0].param_groups for p in g["params"]):
+        from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+        opts, configs = _init_optimizers_and_lr_schedulers(module)
+        trainer.strategy.optimizers, trainer.strategy.lr_scheduler_configs = opts, configs
+    if len(opts) != 1 or len(configs) > 1:
+        raise ConfigError(
+            f"the Lightning replay handles one optimizer and at most one LR scheduler, as "
+            f"DsttCallback captures them; configure_optimizers gave {len(opts)} and {len(configs)}"
+        )
+    return opts[0], configs[0].scheduler if configs else None
+
+
+def _replay_batches(
+    trainer: Trainer, module: LightningModule
+) -> Callable[[Sequence[int]], Any] | None:
+    """Indices -> the batch as Lightning fed it: the train loader's dataset and collate
+    function, then Lightning's batch transfer. None when no train loader is found (pass
+    ``dataset=``)."""
+    loader: Any = trainer.train_dataloader
+    if loader is None:
+        datamodule = getattr(trainer, "datamodule", None)
+        source = datamodule if datamodule is not None else module
+        try:
+            loader = source.train_dataloader()
+        except Exception:  # not defined, or needs a fit: dataset= then
+            loader = None
+    if not isinstance(loader, torch.utils.data.DataLoader) or isinstance(
+        loader.dataset, torch.utils.data.IterableDataset
+    ):
+        return None
+    dataset, collate = loader.dataset, loader.collate_fn
+
+    def make(indices: Sequence[int]) -> Any:
+        batch = collate([dataset[int(i)] for i in indices])
+        with _Replaying(trainer, module):
+            batch = trainer.precision_plugin.convert_input(batch)
+            batch = module._on_before_batch_transfer(batch, dataloader_idx=0)  # noqa: SLF001
+            return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+
+    return make
+
+
+class _Replaying:
+    """The trainer in its training state for Lightning's hooks, ``self.log`` silenced."""
+
+    def __init__(self, trainer: Trainer, module: LightningModule) -> None:
+        self.trainer, self.module = trainer, module
+        self.saved: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> None:
+        from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+
+        state = self.trainer.state
+        self.saved = (state.fn, state.stage)
+        state.fn, state.stage = TrainerFn.FITTING, RunningStage.TRAINING
+        vars(self.module)["log"] = _no_log
+
+    def __exit__(self, *exc: object) -> None:
+        vars(self.module).pop("log", None)
+        if self.saved is not None:
+            self.trainer.state.fn, self.trainer.state.stage = self.saved
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    """``self.log`` during a replay: the replayed step files no metrics."""
+
+
+register_replay_kit(lambda t: isinstance(t, Trainer), replay_kit)

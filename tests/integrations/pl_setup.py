@@ -145,3 +145,83 @@ def state_hash(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str
             v = st[k]
             h.update(v.detach().numpy().tobytes() if torch.is_tensor(v) else repr(v).encode())
     return h.hexdigest()
+
+
+# -- the time-travel loop: a learnable stream with corrupted samples planted in one step ----
+TRAVEL_SAMPLES, TRAVEL_STEPS, ACCUM, SPIKE = 320, 40, 2, 38  # 40 steps per epoch
+PLANTED = (300, 301, 302)  # 3 of the 4 samples of step 38's last micro-batch
+
+
+class TravelLM(LightningModule):
+    """Logs ``loss`` (what ``run.spikes()`` looks at by default); automatic optimization."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = TinyGPT(vocab=VOCAB, d=32, layers=2, heads=4, seq=SEQ, dropout=0.1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        _, loss = self.net(x, y)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 3))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def travel_data(planted: tuple[int, ...] = PLANTED) -> TensorDataset:
+    """Each sample counts up modulo 8 from a random token (quickly learnt); the planted ones
+    are random tokens from the rest of the vocabulary, with random labels."""
+    g = torch.Generator().manual_seed(2)
+    start = torch.randint(0, 8, (TRAVEL_SAMPLES, 1), generator=g)
+    x = (start + torch.arange(SEQ)) % 8
+    y = (x + 1) % 8
+    for i in planted:
+        x[i] = torch.randint(8, VOCAB, (SEQ,), generator=g)
+        y[i] = torch.randint(8, VOCAB, (SEQ,), generator=g)
+    return TensorDataset(x, y)
+
+
+def travel_loader(data: TensorDataset | None = None) -> DataLoader:
+    return DataLoader(travel_data() if data is None else data, batch_size=BATCH, shuffle=False)
+
+
+def travel_trainer(callbacks: list[Any], *, steps: int = TRAVEL_STEPS) -> Trainer:
+    return Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        accumulate_grad_batches=ACCUM,
+        gradient_clip_val=1.0,
+        callbacks=callbacks,
+    )
+
+
+def travel_model(seed: int = 0) -> TravelLM:
+    lightning.seed_everything(seed, verbose=False)
+    return TravelLM()
+
+
+class Batches(Callback):
+    """The batches Lightning trained on, in order (``x`` of each), and each one's loss."""
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.seen.append(batch[0].clone())
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.losses.append(float(outputs["loss"]))

@@ -42,3 +42,7 @@ def test_the_callback_commits_every_step_and_resumes_bit_exactly_on_every_rank(
         assert resumed[rank]["hash"] == plain[rank]["hash"], rank  # params + optimizer state
     run = dstt.open(framework_results["root"] / f"{framework}-{strategy}")
     assert run.steps == list(range(1, steps + 1))  # every optimizer step, once
+    if framework == "pl":  # each step's batch from each rank (hashed: a custom iterable)
+        batches = run.batches()
+        assert sorted(batches) == run.steps
+        assert all(len(v) == 2 and all(b.hash for b in v) for v in batches.values())
