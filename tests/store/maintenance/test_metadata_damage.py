@@ -205,3 +205,19 @@ def test_foreign_zip_entry_is_reported(tmp_path: Path) -> None:
     rep = repo.verify()
     assert any(p.key == key and "foreign" in p.message for p in rep.problems), rep.problems
     _readable(repo, STEPS)
+
+
+def test_gc_deletes_nothing_past_a_damaged_header(tmp_path: Path) -> None:
+    """A middle header with no copy anywhere: the walk steps over it, so what is reachable is
+    no longer proven; gc refuses (typed, naming the file) and deletes nothing."""
+    run = tmp_path / "run"
+    repo = _run(run)
+    for seg in (run / "_dstt" / "index").glob("*"):
+        seg.unlink()
+    middle = repo.reader().find(3)
+    (run / commit_key(middle.slot)).write_bytes(b"")
+    _readable(repo, (1, 2, 4, 5))
+    data = _data_files(run)
+    with pytest.raises(CorruptRunError, match=commit_key(middle.slot)):
+        repo.gc(keep_last=1)
+    assert _data_files(run) == data
