@@ -16,7 +16,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from dstt.errors import FormatVersionError, NotARunError, TimelineError
+from dstt.errors import DsttError, FormatVersionError, NotARunError, TimelineError
 
 from .commit.writer import Writer
 from .format.layout import (
@@ -235,7 +235,10 @@ class Repository:
         done = []
         if repair:
             done = repair_metadata(self)
-            self.reindex()
+            try:
+                self.reindex()
+            except DsttError as e:  # a damaged step: verify names it below
+                done.append(f"index not rebuilt: {e}")
         rep = verify(self, progress=progress)
         rep.repaired = done
         return rep
