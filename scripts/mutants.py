@@ -6,7 +6,7 @@
     python scripts/mutants.py --no-baseline --markdown
 
 Each mutation is a line or two a refactor could plausibly change (a range bound, a dropped
-barrier, a buffer index): the file, the exact text it replaces (found exactly once, else the
+barrier, a buffer index): the file, the text it replaces (found exactly once, else the
 mutation is *stale*: the code moved and the audit must be updated) and the pytest selection
 that must catch it — with at least ``min_failed`` failing tests, so a bug caught by one test
 only shows up here. The repository's files (tracked and untracked, not ignored) are copied
@@ -17,6 +17,12 @@ pass (else "caught" would mean nothing).
 
 Prints a table (mutation, tests run, failed, caught) and exits 1 if any mutation survives,
 is stale, or a baseline fails. docs/reliability.md ("Mutation audit") has the last table.
+The text is matched with its whitespace normalised (``locate``): spaces and line breaks
+anywhere, and a trailing comma before a closing bracket, do not count, so a formatter that
+splits a call over lines (``ruff format``) does not make a mutation stale; the replacement
+keeps the indentation of the lines it replaces. Rejected alternatives: exact strings (two
+went stale in one format), matching AST nodes (a mutation is a text edit, often of part of
+a statement, and would need a node path per row).
 Rejected alternative: a mutation-testing tool (mutmut, cosmic-ray) — thousands of blind
 mutants per file; these are the bugs that were planted by hand and the tests that must catch
 them, kept small enough to re-run after every refactor (minutes, not hours).
@@ -207,7 +213,112 @@ MUTATIONS = [
         ("tests/store/commit/test_parts.py", "tests/store/commit/test_ranks.py"),
         1,
     ),
+    # -- issue 36: nothing committed lost to one damaged metadata file ----------------------
+    Mutation(
+        "gc-deletes-unproven-slots",
+        "gc deletes unreachable slots it cannot prove abandoned (a timeline without a ref, "
+        "newer than every head, an unreadable header)",
+        "dstt/store/maintenance/gc.py",
+        "    unproven = _unproven(r, reachable, newest, released)",
+        "    unproven: set[int] = set()",
+        (
+            "tests/store/maintenance/test_metadata_damage.py",
+            "tests/store/maintenance/test_gc_sweep.py",
+            "tests/store/test_errors.py::test_failed_commit_then_gc_then_commit_with_the_same_storage",
+        ),
+        2,
+    ),
+    Mutation(
+        "gc-ignores-damaged-metadata",
+        "gc runs although a ref, HEAD or a reachable header is damaged",
+        "dstt/store/maintenance/gc.py",
+        "    if damage:\n        raise CorruptRunError(",
+        "    if False:\n        raise CorruptRunError(",
+        ("tests/store/maintenance/test_metadata_damage.py",),
+        2,
+    ),
+    Mutation(
+        "verify-hides-lost-ref",
+        "verify does not report a timeline whose commits no ref reaches (its ref lost)",
+        "dstt/store/maintenance/verify.py",
+        "    for name, ref in sorted(r.recovered.items()):",
+        "    for name, ref in []:",
+        ("tests/store/maintenance/test_metadata_damage.py",),
+        2,
+    ),
+    Mutation(
+        "walk-stops-at-damaged-header",
+        "a walk ends at a damaged header instead of stepping over it (the older steps hidden)",
+        "dstt/store/read/reader.py",
+        "                slot = self._bridge(slot, name, ref)",
+        "                slot = None",
+        (
+            "tests/store/maintenance/test_metadata_damage.py",
+            "tests/reliability/test_corruption.py::test_random_damage_to_timeline_documents",
+        ),
+        2,
+    ),
+    Mutation(
+        "box-column-offset-ignored",
+        "a box read takes every box's offset past the first dimension as 0 (TP Shard(1))",
+        "dstt/store/read/shards.py",
+        "for ll, h, o in zip(lo[1:], hi[1:], b.offsets[1:], strict=True)",
+        "for ll, h, o in zip(lo[1:], hi[1:], [0] * len(lo[1:]), strict=True)",
+        ("tests/store/read/test_shards.py", "tests/inspect/test_inspect_sharded.py"),
+        2,
+    ),
 ]
+
+
+def _normal(text: str) -> tuple[str, list[int]]:
+    """``text`` without whitespace and without a comma right before a closing bracket, and
+    for each character left its index in ``text``."""
+    chars: list[str] = []
+    at: list[int] = []
+    for i, c in enumerate(text):
+        if c.isspace():
+            continue
+        if c in ")]}" and chars and chars[-1] == ",":
+            chars.pop()
+            at.pop()
+        chars.append(c)
+        at.append(i)
+    return "".join(chars), at
+
+
+def locate(text: str, old: str) -> list[tuple[int, int]]:
+    """Where ``old`` is in ``text``, whitespace normalised (``_normal``): ``(start, end)``
+    of each match in ``text``, widened to whole lines where ``old`` starts with indentation
+    or ends with a line break, so a replacement written that way keeps the lines intact."""
+    norm, at = _normal(text)
+    want, _ = _normal(old)
+    if not want:
+        return []
+    out = []
+    i = norm.find(want)
+    while i >= 0:
+        start, end = at[i], at[i + len(want) - 1] + 1
+        if old[:1].isspace():
+            line = text.rfind("\n", 0, start) + 1
+            if not text[line:start].strip():
+                start = line
+        if old.endswith("\n"):
+            nl = text.find("\n", end)
+            if nl >= 0 and not text[end:nl].strip(" \t,"):
+                end = nl + 1
+        out.append((start, end))
+        i = norm.find(want, i + 1)
+    return out
+
+
+def mutate(text: str, m: Mutation) -> str | None:
+    """``text`` with ``m`` planted, or None when its text is not found exactly once."""
+    got = locate(text, m.old)
+    if len(got) != 1:
+        return None
+    ((start, end),) = got
+    return text[:start] + m.new + text[end:]
+
 
 _COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)")
 
@@ -290,7 +401,7 @@ def main() -> int:
         stale = 0
         for m in MUTATIONS:
             path = ROOT / m.file
-            n = path.read_text().count(m.old) if path.is_file() else -1
+            n = len(locate(path.read_text(), m.old)) if path.is_file() else -1
             mark = (
                 ""
                 if n == 1
@@ -329,12 +440,13 @@ def main() -> int:
         for m in chosen:
             path = copy / m.file
             original = path.read_text()
-            n = original.count(m.old)
-            if n != 1:
+            mutated = mutate(original, m)
+            if mutated is None:
+                n = len(locate(original, m.old))
                 rows.append((m, "-", "-", f"STALE ({n} matches)", []))
                 bad += 1
                 continue
-            path.write_text(original.replace(m.old, m.new))
+            path.write_text(mutated)
             t0 = time.monotonic()
             try:
                 counts, failing, tail = run_tests(copy, m.tests, args.timeout)

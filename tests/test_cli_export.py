@@ -162,3 +162,24 @@ def test_exported_files_have_ordinary_permissions(
     out2 = tmp_path / f"m2.{fmt}"
     assert _cli(capsys, "export", "--run", str(path), "--format", fmt, "-o", str(out2))[0] == 0
     assert os.stat(out2).st_mode & 0o777 == 0o640
+
+
+def test_dcp_export_exits_0(
+    trained: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It wrote a correct folder and then ended in 'internal error' (exit 4)."""
+    import torch.distributed.checkpoint as dcp
+
+    path, at2 = trained
+    out = tmp_path / "dcp2"
+    code, text, err = _cli(
+        capsys, "export", "--run", str(path), "--step", "2", "--format", "dcp", "-o", str(out)
+    )
+    assert code == EXIT_OK, err
+    assert "dcp" in text
+    assert str(out) in text
+    model, _, _ = _build(seed=9)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(out))
+    for k, v in at2["model"].items():
+        assert torch.equal(state["model"][k], v), k

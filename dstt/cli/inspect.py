@@ -9,6 +9,7 @@ alternative: one module for the commands, the parser and ``main`` — three jobs
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING, Any
 
 from .common import (
@@ -341,11 +342,22 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from dstt.errors import NotARunError
     from dstt.store import Repository
 
     # the repository, not a Run: a Run reads HEAD and the refs up front, so a damaged one
     # would end here as "unreadable" (exit 3) instead of being reported as a problem
-    run = _resolve_run(args, opener=Repository.open)
+    try:
+        run = _resolve_run(args, opener=Repository.open)
+    except NotARunError:
+        # a damaged root zarr.json must not hide the run from the command that reports and
+        # repairs it: a folder with dstt's refs is checked as one
+        path = getattr(args, "path", None) or getattr(args, "run", None)
+        if not path or not os.path.isdir(os.path.join(path, "_dstt", "refs")):
+            raise
+        from dstt.store import storage_for
+
+        run = Repository(storage_for(path))
     with _bar(args, None, "commit") as bar:
         rep = run.verify(progress=_counter(bar), repair=args.repair)
     problems = [{"key": p.key, "message": p.message} for p in rep.problems]
@@ -357,9 +369,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         "objects": rep.objects,
         "bytes": rep.bytes,
         "repaired": bool(args.repair),
+        "rebuilt": list(rep.repaired),
     }
 
     def text() -> Iterator[str]:
+        for line in rep.repaired:
+            yield f"REPAIRED {line}"
         for p in problems:
             yield f"PROBLEM {p['key']}: {p['message']}"
         verdict = f"{len(problems)} problem(s)" if problems else "ok"
@@ -412,6 +427,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         "safetensors": "model",
         "torch": "model, optimizer, scheduler",
         "hf": "model.safetensors + config.json: from_pretrained opens it",
+        "dcp": "a torch.distributed.checkpoint folder: dcp.load opens it",
     }[args.format]
 
     def text() -> Iterator[str]:

@@ -209,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--repair",
         action="store_true",
-        help="rebuild the run's index from the commit headers first",
+        help="first rebuild lost or damaged metadata from what survives (root zarr.json, "
+        "headers from the index, refs and HEAD from the headers), then the index",
     )
     sp = add("index", cmd_index, "rebuild the run's index from the commit headers")
     run_arg(sp)

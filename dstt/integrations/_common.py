@@ -14,7 +14,25 @@ from dstt.training.options import SessionOptions
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["numeric_metrics", "session_options", "unwrap_optimizer", "unwrap_scheduler"]
+__all__ = [
+    "PROGRESS_FIELDS",
+    "numeric_metrics",
+    "session_options",
+    "unwrap_optimizer",
+    "unwrap_scheduler",
+]
+
+#: the Trainer's progress kept with each commit (``extra/transformers`` in the run); here,
+#: not in ``transformers.py``, so ``dstt import`` reads HF folders without transformers
+PROGRESS_FIELDS = (
+    "epoch",
+    "global_step",
+    "num_input_tokens_seen",
+    "total_flos",
+    "best_metric",
+    "best_global_step",
+    "train_batch_size",
+)
 
 
 def session_options(

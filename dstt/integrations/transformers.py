@@ -65,6 +65,7 @@ from dstt.training import Session, open_session
 
 from ._attribution import StepRecorder, attach, gather_ranks
 from ._common import (
+    PROGRESS_FIELDS,
     numeric_metrics,
     session_options,
     unwrap_optimizer,
@@ -75,17 +76,6 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
 __all__ = ["DsttCallback"]
-
-#: the Trainer's progress kept with each commit (``extra/transformers`` in the run)
-PROGRESS_FIELDS = (
-    "epoch",
-    "global_step",
-    "num_input_tokens_seen",
-    "total_flos",
-    "best_metric",
-    "best_global_step",
-    "train_batch_size",
-)
 
 
 class _Progress:

@@ -16,7 +16,7 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from dstt.errors import FormatVersionError, NotARunError, TimelineError
+from dstt.errors import DsttError, FormatVersionError, NotARunError, TimelineError
 
 from .commit.writer import Writer
 from .format.layout import (
@@ -35,6 +35,7 @@ from .index.repair import rebuild
 from .maintenance.gc import GcReport, gc
 from .maintenance.timelines import DeleteReport, changing, delete_timeline, rename_timeline
 from .maintenance.verify import VerifyReport, verify
+from .maintenance.verify import repair as repair_metadata
 from .read.reader import Reader
 from .storage.base import Storage
 from .storage.urls import storage_for
@@ -232,11 +233,20 @@ class Repository:
     def verify(
         self, *, progress: Callable[[int, int], None] | None = None, repair: bool = False
     ) -> VerifyReport:
-        """Check every reachable byte and the index; ``repair``: rebuild the index from
-        the commit headers first (what ``dstt verify --repair`` does)."""
+        """Check every reachable byte and the index; ``repair``: first rebuild lost or
+        damaged metadata from what survives (``maintenance.verify.repair``: root zarr.json,
+        headers from the index, refs and HEAD from the headers), then the index from the
+        commit headers (what ``dstt verify --repair`` does); the report lists the rebuilt."""
+        done = []
         if repair:
-            self.reindex()
-        return verify(self, progress=progress)
+            done = repair_metadata(self)
+            try:
+                self.reindex()
+            except DsttError as e:  # a damaged step: verify names it below
+                done.append(f"index not rebuilt: {e}")
+        rep = verify(self, progress=progress)
+        rep.repaired = done
+        return rep
 
     def reindex(self) -> int:
         """Rebuild the index from the commit headers (``dstt index``); returns its rows."""

@@ -174,6 +174,12 @@ def test_every_single_bit_flip_in_a_manifest_is_caught(which: str) -> None:
             assert key in str(e), str(e)  # names the file
             caught += 1
             continue
+        if r.damaged_refs or r.head_problem:  # a ref or HEAD: caught, and the run stays
+            assert key in f"{r.damaged_refs} {r.head_problem}"  # readable (the ref rebuilt
+            assert got is not None  # from the headers, the current timeline the last written)
+            assert (got[0], got[1], set(got[2]), got[3]) == (*want[:2], set(want[2]), want[3])
+            caught += 1
+            continue
         assert got == want, (which, bad)
         benign += 1
     st.data[key] = good
@@ -661,8 +667,9 @@ def test_errors_are_dstt_errors() -> None:
 
 
 def test_failed_commit_then_gc_then_commit_with_the_same_storage(tmp_path: Path) -> None:
-    """A commit that fails after its header leaves an orphan; gc removes it (folders too) and
-    the next writer reuses the slot — through the very same storage object."""
+    """A commit that fails after its header leaves an orphan newer than every ref's head: gc
+    keeps it (a lost ref update looks the same), the next writer goes above it, and then gc
+    removes it (folders too) — through the very same storage object."""
     run = tmp_path / "run"
     arrays = two_steps(run)
     st = FaultyStorage(LocalStorage(run), fail_keys=r"_dstt/refs/")
@@ -674,17 +681,22 @@ def test_failed_commit_then_gc_then_commit_with_the_same_storage(tmp_path: Path)
         txn.put_object("rng", {"s": 3})
         with pytest.raises(StorageError, match="refs"):
             txn.commit()
+        orphan = txn.slot
     assert load(run).header.step == 2
     st.heal()
     report = repo.gc()
-    assert len(report.orphan_slots) == 1
+    assert report.orphan_slots == ()
     assert report.pruned_steps == ()
+    assert (run / "_dstt" / "commits" / f"{orphan:012d}.json").exists()
     with repo.writer(chunk_bytes=64) as w:
         txn = w.begin(3)
         _write_step(txn, new)
         txn.put_object("rng", {"s": 3})
         h = txn.commit()
-    assert h.slot == report.orphan_slots[0]  # the orphan's slot was reused
+    assert h.slot == orphan + 1  # above the orphan, never over its files
+    report = repo.gc()
+    assert report.orphan_slots == (orphan,)
+    assert not (run / "_dstt" / "commits" / f"{orphan:012d}.json").exists()
     snap = load(run)
     assert_same_arrays(snap.arrays, new)
     assert snap.objects == {"rng": {"s": 3}}

@@ -24,7 +24,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from dstt.errors import SourceError
-from dstt.integrations.transformers import PROGRESS_FIELDS
+from dstt.integrations._common import PROGRESS_FIELDS
 
 from .checkpoint import Checkpoint, NamedOptimizer, rng_object, split_by_model
 from .loading import load_pickle, read_safetensors

@@ -32,6 +32,7 @@ __all__ = [
     "LOCK_KEY",
     "PARTS_PREFIX",
     "REFS_PREFIX",
+    "RELEASED_PREFIX",
     "STEPS_PREFIX",
     "ChunkPlan",
     "array_meta_key",
@@ -60,6 +61,8 @@ REFS_PREFIX = "_dstt/refs"
 PARTS_PREFIX = "_dstt/parts"  # multi-rank commits: one part manifest per rank (commit/parts.py)
 INDEX_PREFIX = "_dstt/index"  # the index's segments (index/writer.py, format/segment.py)
 HEAD_KEY = "_dstt/HEAD.json"
+#: one record per deleted timeline whose commits gc has not swept yet (maintenance/timelines.py)
+RELEASED_PREFIX = "_dstt/released"
 LOCK_KEY = "_dstt/lock"
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")

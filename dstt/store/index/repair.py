@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dstt.errors import DsttError
+from dstt.errors import CorruptRunError, DsttError
 from dstt.store.format.layout import INDEX_PREFIX, commit_key, parse_index_name
 from dstt.store.format.manifest import dump_header, parse_header
 from dstt.store.format.segment import RowSet, concat
@@ -86,16 +86,24 @@ def rewrite(
         reader.index.load()
 
 
-def reachable_headers(reader: IndexedSource) -> dict[int, CommitHeader]:
-    """Every commit reachable from a ref, read from its header file (not the index)."""
+def reachable_headers(reader: IndexedSource, *, lenient: bool = False) -> dict[int, CommitHeader]:
+    """Every commit reachable from a ref, read from its header file (not the index);
+    ``lenient``: a chain ends at a missing or damaged header instead of raising."""
     out: dict[int, CommitHeader] = {}
     for tl in reader.timelines:
         slot = reader.ref(tl).head
         while slot is not None and slot not in out:
-            h = parse_header(
-                reader.storage.read(commit_key(slot)),
-                f"{reader.storage.location}/{commit_key(slot)}",
-            )
+            key = commit_key(slot)
+            try:
+                h = parse_header(reader.storage.read(key), f"{reader.storage.location}/{key}")
+            except FileNotFoundError:
+                if not lenient:
+                    raise
+                break
+            except CorruptRunError:
+                if not lenient:
+                    raise
+                break  # damaged: ``verify`` reports it; the commits above it are indexed
             out[slot] = h
             slot = h.parent
     return out
@@ -106,7 +114,13 @@ def rebuild(reader: IndexedSource) -> int:
     the rows written."""
     st = reader.storage
     old = all_rows(st, Index(st).load())
-    heads = reachable_headers(reader)
+    heads = reachable_headers(reader, lenient=True)
+    for slot, (rs, i) in old.items():  # rows below a damaged header: kept, not dropped
+        if slot not in heads:
+            try:
+                heads[slot] = parse_header(rs.headers[i], f"{st.location}/{INDEX_PREFIX}")
+            except DsttError:
+                continue
     rewrite(st, reader, [heads[s] for s in sorted(heads)], old, reuse=False)
     return len(heads)
 

@@ -11,14 +11,22 @@ around pruned commits — it would mutate committed headers.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from dstt.errors import DsttError
-from dstt.store.format.layout import LOCK_KEY, STEPS_PREFIX, commit_key, key_slot
+from dstt.errors import CorruptRunError, DsttError
+from dstt.store.format.layout import (
+    HEAD_KEY,
+    LOCK_KEY,
+    RELEASED_PREFIX,
+    STEPS_PREFIX,
+    commit_key,
+    key_slot,
+    ref_key,
+)
 from dstt.store.format.manifest import dump_header
 from dstt.store.format.parts import remove_parts
 from dstt.store.index.repair import all_rows, rewrite
@@ -28,6 +36,7 @@ from dstt.store.index.writer import IndexWriter, write_segment
 from dstt.store.read.reader import Reader
 
 from .retention import Retention, policy
+from .verify import step_zip_attributes
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -215,6 +224,7 @@ def gc(
     dry_run: bool = False,
     progress: Progress = None,
     writer: LiveWriter | None = None,
+    released: Collection[int] = (),
 ) -> GcReport:
     """Prune commits outside the retention policy and remove orphaned files.
 
@@ -228,22 +238,86 @@ def gc(
     (``Writer.gc``). Commits wait while the index is rewritten; slots the writer has in flight
     (and anything past the newest commit, e.g. other ranks' parts) are not touched, nor are
     temporary files and part manifests.
+
+    gc never deletes a slot it cannot prove abandoned (``_unproven``), and nothing at all
+    while refs, HEAD or a reachable header are damaged (``CorruptRunError``: repair first).
+    ``released``: slots the caller proved abandoned (``delete_timeline``).
     """
     pol = policy(retention, keep_last, keep_every, keep_steps)
     st = repo.storage
     if writer is None:
         with st.lock(LOCK_KEY):
-            return _gc(st, pol, dry_run, progress, None)
-    return _gc(st, pol, dry_run, progress, writer)
+            return _gc(st, pol, dry_run, progress, None, released)
+    return _gc(st, pol, dry_run, progress, writer, released)
+
+
+def _refuse_damaged(r: Reader) -> None:
+    """gc deletes nothing in a run whose refs, HEAD or reachable headers are damaged: what
+    is reachable, and so what is garbage, is then a guess."""
+    damage = [*sorted(r.damaged_refs), *(ref_key(n) for n in sorted(r.recovered))]
+    damage += [commit_key(s) for s in sorted(r.bridged)]
+    if r.head_problem:
+        damage.append(HEAD_KEY)
+    if damage:
+        raise CorruptRunError(
+            f"{r.storage.location}: gc deletes nothing while the run's metadata is damaged "
+            f"({', '.join(damage)}): what no ref reaches cannot be told from what a damaged "
+            "ref hides. Run `dstt verify --repair` first, then gc"
+        )
+
+
+def _unproven(
+    r: Reader, reachable: dict[int, CommitHeader], newest: int, released: Collection[int]
+) -> set[int]:
+    """Unreachable slots gc cannot prove abandoned, so keeps with all their files: any newer
+    than every ref's head (a lost ref update cannot be told from a crash before one), any
+    whose header cannot be read, any of a timeline without a ref (its ref lost) and, with
+    no header, any whose step zip names such a timeline. ``released``: slots the caller
+    proved abandoned (``delete_timeline``: the commits of the ref it deleted)."""
+    names = set(r.timelines)
+    out: set[int] = set()
+    with_header = set()
+    for slot in r.all_slots():
+        with_header.add(slot)
+        if slot in reachable or slot in released:
+            continue
+        if slot > newest:
+            out.add(slot)
+            continue
+        try:
+            h = r.header(slot)
+        except DsttError:
+            out.add(slot)
+            continue
+        if h.timeline not in names:
+            out.add(slot)
+    for key in _step_files(r.storage):
+        n = key_slot(key)
+        if n is None or n in with_header or n in released or n in out:
+            continue
+        if n > newest:
+            out.add(n)
+            continue
+        if key.endswith(".zip"):
+            attrs = step_zip_attributes(r.storage, key)
+            if attrs is not None and attrs.get("timeline") not in names:
+                out.add(n)
+    return out
 
 
 def _gc(
-    st: Storage, pol: Retention | None, dry_run: bool, progress: Progress, writer: LiveWriter | None
+    st: Storage,
+    pol: Retention | None,
+    dry_run: bool,
+    progress: Progress,
+    writer: LiveWriter | None,
+    released: Collection[int] = (),
 ) -> GcReport:
     live_writer = writer is not None
     if writer is not None:
         writer.check_open()
     r = Reader(st)
+    _refuse_damaged(r)
     reachable: dict[int, CommitHeader] = {}
     keep: set[int] = set()
     windows: list[tuple[str, int, int]] = []
@@ -262,15 +336,21 @@ def _gc(
             keep.add(ref.head)
         if ref.base_slot is not None:  # a fork point: the timeline's own first parent
             keep.add(ref.base_slot)
+    _refuse_damaged(r)  # a walk above stepped over a damaged header
     keep |= _delta_bases(r, reachable, keep)
     prune = sorted(s for s, h in reachable.items() if not h.pruned and s not in keep)
     # a live writer's slots in flight, and anything past its newest commit (slots other
     # ranks are writing parts into), are not garbage
     newest = max(reachable, default=-1)
     busy = writer.in_flight if writer is not None else set()
+    records = r.released()  # deleted timelines not swept yet (maintenance/timelines.py)
+    released = {*released, *(s for slots in records.values() for s in slots)}
+    unproven = _unproven(r, reachable, newest, released)
 
     def untouchable(slot: int | None) -> bool:
-        return live_writer and slot is not None and (slot in busy or slot > newest)
+        if slot is None:
+            return False
+        return slot in unproven or (live_writer and (slot in busy or slot > newest))
 
     orphans = [s for s in r.all_slots() if s not in reachable and not untouchable(s)]
     # files still needed by kept commits (deltas and dedups read older steps' files)
@@ -327,6 +407,8 @@ def _gc(
             st.delete(k)
         for slot in orphans:  # an orphan's header goes last: a crash leaves it findable
             st.delete(commit_key(slot))
+        for tl in records:  # swept: the deleted timelines' records go last
+            st.delete(f"{RELEASED_PREFIX}/{tl}.json")
         if writer is None:
             # part manifests of multi-rank commits: gc holds the lock, so no commit is in
             # flight and every part left is either merged already or from a crashed session

@@ -35,12 +35,19 @@ to learn a new ref state, and the run would keep a name that cannot be reused.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from dstt.errors import CurrentTimelineError, RunLockedError, TimelineError
-from dstt.store.format.layout import HEAD_KEY, LOCK_KEY, check_timeline_name, ref_key
+from dstt.store.format.layout import (
+    HEAD_KEY,
+    LOCK_KEY,
+    RELEASED_PREFIX,
+    check_timeline_name,
+    ref_key,
+)
 from dstt.store.format.manifest import dump_head, dump_ref
 from dstt.store.read.reader import Reader
 from dstt.store.storage.memory import DelegatingStorage
@@ -149,8 +156,16 @@ def delete_timeline(
         shared = {h.slot for t in r.timelines if t != name for h in r.walk(t)}
         line = [h for h in r.lineage(name) if not h.pruned]
         freed = tuple(h.step for h in line if h.slot not in shared)
+        # its own commits, tombstones too: proven abandoned once the ref is gone
+        released = {h.slot for h in r.lineage(name) if h.slot not in shared}
         kept = tuple(h.step for h in line if h.slot in shared)
         if not dry_run:
+            # first, durably, which commits the delete releases: gc keeps the commits of a
+            # timeline without a ref (a lost ref is not a deleted one) unless released
+            st.write_durable(
+                f"{RELEASED_PREFIX}/{name}.json",
+                json.dumps({"timeline": name, "slots": sorted(released)}).encode(),
+            )
             st.delete(ref_key(name))
             # LocalStorage does not sync a delete; a durable write into the same folder syncs
             # that folder, and with it the unlink, before gc may delete a byte the ref named
@@ -158,7 +173,9 @@ def delete_timeline(
             st.write_durable(current, st.read(current))
     if not sweep or not held:
         return DeleteReport(name, freed, kept, None, dry_run)
-    report = gc(repo if not dry_run else _without_ref(repo, name), dry_run=dry_run)
+    report = gc(
+        repo if not dry_run else _without_ref(repo, name), dry_run=dry_run, released=released
+    )
     return DeleteReport(name, freed, kept, report, dry_run)
 
 

@@ -11,29 +11,34 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dstt.errors import CorruptRunError, DsttError
+from dstt.errors import CorruptRunError, DsttError, FormatVersionError
 from dstt.store.format.envelope import checksum
 from dstt.store.format.layout import (
+    HEAD_KEY,
+    LOCK_KEY,
     REFS_PREFIX,
     STEPS_PREFIX,
     array_meta_key,
     commit_key,
     key_slot,
+    ref_key,
     zarr_chunk_key,
 )
-from dstt.store.format.zarr_meta import array_document
+from dstt.store.format.manifest import dump_head, dump_ref, parse_header
+from dstt.store.format.zarr_meta import array_document, dump, group_document, root_attributes
 from dstt.store.format.zipfmt import Entry, crc32, local_data_offset, parse_directory
 from dstt.store.index.repair import check
+from dstt.store.index.view import Index
 from dstt.store.read.reader import Reader
 
 if TYPE_CHECKING:
     from dstt.store.format.records import ArrayRecord, CommitHeader
     from dstt.store.storage.base import Storage
 
-__all__ = ["Problem", "VerifiedRun", "VerifyReport", "verify"]
+__all__ = ["Problem", "VerifiedRun", "VerifyReport", "repair", "step_zip_attributes", "verify"]
 
 Progress = Callable[[int, int], None] | None
 
@@ -61,6 +66,8 @@ class VerifyReport:
     chunks: int = 0
     objects: int = 0
     bytes: int = 0
+    #: what ``repair`` rebuilt before the check (``verify --repair``), one line each
+    repaired: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -68,7 +75,8 @@ class VerifyReport:
 
 
 def verify(repo: VerifiedRun, *, progress: Progress = None) -> VerifyReport:
-    """Check refs, every reachable header, arrays table, chunk, object and step entry."""
+    """Check refs, every reachable header, arrays table, chunk, object and step entry, and
+    that no commit is out of every ref's reach (a lost ref hides its timeline)."""
     st = repo.storage
     rep = VerifyReport()
 
@@ -77,13 +85,34 @@ def verify(repo: VerifiedRun, *, progress: Progress = None) -> VerifyReport:
 
     try:
         repo.root_attributes()
+        _verify_root_document(st, problem)
+    except FormatVersionError:
+        raise
+    except DsttError as e:  # the metadata below may still be intact: check it too
+        problem("zarr.json", f"{e}; `dstt verify --repair` rewrites it")
+    try:
         r = Reader(st, use_index=False)  # every header from its own file
     except DsttError as e:
-        problem("zarr.json / refs", e)
+        problem("_dstt/HEAD.json / refs", e)
         return rep
     for name in st.list(REFS_PREFIX):  # refresh() already parsed them all; re-list names
         if not name.endswith(".json"):
             problem(f"{REFS_PREFIX}/{name}", "unexpected file among refs")
+    if r.head_problem:
+        problem(
+            HEAD_KEY,
+            f"{r.head_problem}; reads take {r.current_timeline!r} as current; "
+            "`dstt verify --repair` rewrites it",
+        )
+    for key, why in sorted(r.damaged_refs.items()):
+        problem(key, f"{why}; `dstt verify --repair` rebuilds it from the commit headers")
+    r.recover_refs()  # every header out of every ref's reach, read: a lost ref shows here
+    for name, ref in sorted(r.recovered.items()):
+        problem(
+            ref_key(name),
+            f"timeline {name!r} has commits (its newest: slot {ref.head}) but no readable "
+            "ref: they are hidden from every read; `dstt verify --repair` rebuilds the ref",
+        )
     slots: dict[int, CommitHeader] = {}
     for tl in r.timelines:
         try:  # walk, not lineage: a damaged header keeps the commits above it checked
@@ -91,6 +120,13 @@ def verify(repo: VerifiedRun, *, progress: Progress = None) -> VerifyReport:
                 slots[h.slot] = h
         except DsttError as e:
             problem(f"timeline {tl}", e)
+    for slot, why in sorted(r.bridged.items()):
+        problem(
+            commit_key(slot),
+            f"{why}; that step cannot be read (the commits below it still can); "
+            "`dstt verify --repair` restores it from the index where it holds a copy",
+        )
+    _verify_unreachable(r, slots, problem)
     todo = sorted(slots)
     for n, slot in enumerate(todo):
         h = slots[slot]
@@ -127,6 +163,156 @@ def verify(repo: VerifiedRun, *, progress: Progress = None) -> VerifyReport:
     return rep
 
 
+def _verify_root_document(st: Storage, problem: Callable[[str, str], None]) -> None:
+    """The run's root zarr.json must stay a Zarr v3 group (what zarr and xarray open)."""
+    doc = json.loads(st.read("zarr.json"))
+    want = group_document()
+    wrong = [k for k in want if doc.get(k) != want[k]]
+    if wrong:
+        problem(
+            "zarr.json",
+            f"the run's root Zarr metadata is damaged ({wrong} wrong): Zarr readers cannot "
+            "open the run; `dstt verify --repair` rewrites it",
+        )
+
+
+def _verify_unreachable(
+    r: Reader, reached: dict[int, CommitHeader], problem: Callable[[str, str], None]
+) -> None:
+    """Commit headers and step files no ref reaches. A complete commit whose timeline's
+    ref never moved past it (a crash before the commit point) is debris gc may remove; a
+    commit of a timeline with no ref, or one whose header cannot be read, is not: nothing
+    proves it abandoned, so it is a problem until repaired."""
+    names = set(r.timelines) | set(r.released())  # a deleted timeline awaits gc: no problem
+    with_header = set()
+    for slot in r.all_slots():
+        with_header.add(slot)
+        if slot in reached or slot in r.bridged:
+            continue
+        key = commit_key(slot)
+        try:
+            h = r.header(slot)
+        except DsttError as e:
+            problem(key, f"{e}; no ref reaches it, so nothing says whether it was committed")
+            continue
+        if not h.pruned and h.timeline not in names:
+            problem(
+                key,
+                f"step {h.step} of timeline {h.timeline!r}: no ref reaches it and its "
+                "timeline has no ref",
+            )
+    for name in r.storage.list(STEPS_PREFIX):
+        key = f"{STEPS_PREFIX}/{name}"
+        n = key_slot(key)
+        if n is None or n in with_header or not key.endswith(".zip"):
+            continue
+        attrs = step_zip_attributes(r.storage, key)
+        if attrs is None:
+            continue  # debris of a commit that died before its header (gc's to remove)
+        if attrs.get("timeline") not in names:
+            problem(
+                key,
+                f"step {attrs.get('step')} of timeline {attrs.get('timeline')!r}: a step file "
+                "with no commit header, of a timeline with no ref",
+            )
+
+
+def step_zip_attributes(st: Storage, key: str) -> dict[str, Any] | None:
+    """The ``dstt`` attributes (step, timeline, slot) of a step zip's root zarr.json: what
+    names a step whose commit header is lost. None where the zip cannot tell."""
+    try:
+        entries = read_directory(st, key)
+        e = entries.get("zarr.json")
+        if e is None:
+            return None
+        at = local_data_offset(st.read_range(key, e.offset, 30 + len(e.name.encode())), e)
+        if at is None:
+            return None
+        data = st.read_range(key, at, e.size)
+        if crc32(data) != e.crc32:
+            return None
+        attrs = json.loads(data).get("attributes", {}).get("dstt")
+    except (OSError, DsttError, ValueError, AttributeError):
+        return None
+    return attrs if isinstance(attrs, dict) else None
+
+
+def repair(repo: VerifiedRun) -> list[str]:
+    """Rebuild lost or damaged run metadata from what survives; one line per thing rebuilt.
+
+    Under the run's lock, in an order where each step only adds: the root zarr.json
+    (rewritten: it holds nothing but the format); commit headers restored byte for byte from
+    the copy the index keeps of each; refs rebuilt from the commit headers (``Reader.
+    recover_refs``: head = the timeline's newest intact commit); a ref whose head header is
+    still unreadable moved down to the newest intact commit below it (the damaged step's
+    files stay: gc keeps a slot whose header it cannot read); HEAD rewritten. A damaged ref
+    file is moved to ``_dstt/damaged/`` (its bytes kept) when its timeline is rebuilt under
+    the name its headers carry. The index is rebuilt afterwards (``Repository.verify``).
+    Rejected alternative: guessing a lost header's parent and rewriting it — a wrong guess
+    would be written history; a restored copy or a moved ref is not a guess."""
+    st = repo.storage
+    done: list[str] = []
+    with st.lock(LOCK_KEY):
+        try:
+            repo.root_attributes()
+            doc = json.loads(st.read("zarr.json"))
+            root_ok = all(doc.get(k) == v for k, v in group_document().items())
+        except FormatVersionError:
+            raise
+        except DsttError:
+            root_ok = False
+        if not root_ok:
+            st.write_durable("zarr.json", dump(group_document(root_attributes())))
+            done.append("zarr.json: the run's root Zarr metadata rewritten")
+        for slot, (seg, i) in sorted(Index(st).load().rows.items()):
+            key = commit_key(slot)
+            try:
+                parse_header(st.read(key), f"{st.location}/{key}")
+                continue
+            except FormatVersionError:
+                raise
+            except (FileNotFoundError, CorruptRunError):
+                pass
+            try:
+                data = seg.header_bytes(st, i)
+                h = parse_header(data, f"{st.location}/{seg.key}")
+            except (DsttError, OSError):
+                continue
+            if h.slot == slot:
+                st.write_durable(key, data)
+                done.append(f"{key}: commit header of step {h.step} restored from the index")
+        r = Reader(st, use_index=False)
+        r.recover_refs()
+        for key in sorted(r.damaged_refs):
+            name = key.rsplit("/", 1)[1][: -len(".json")]
+            if name not in r.timelines:  # its timeline is rebuilt under its headers' name
+                st.write_durable(f"_dstt/damaged/{name}.json", st.read(key))
+                st.delete(key)
+                done.append(f"{key}: unreadable; moved to _dstt/damaged/{name}.json")
+        for name, ref in sorted(r.timelines.items()):
+            fixed = ref
+            for h in r.walk(name):  # the first intact commit: the head, or below a damaged one
+                if h.slot != ref.head:
+                    fixed = replace(ref, head=h.slot)
+                break
+            if name in r.recovered or fixed != ref:
+                st.write_durable(ref_key(name), dump_ref(fixed))
+                head = r.header(fixed.head) if fixed.head is not None else None
+                done.append(
+                    f"{ref_key(name)}: ref of timeline {name!r} rebuilt, head step "
+                    f"{None if head is None else head.step} (slot {fixed.head})"
+                    + (
+                        f"; the header of slot {ref.head} is unreadable and stays"
+                        if fixed.head != ref.head and ref.head is not None
+                        else ""
+                    )
+                )
+        if r.head_problem:
+            st.write_durable(HEAD_KEY, dump_head(r.current_timeline))
+            done.append(f"{HEAD_KEY}: rewritten, current timeline {r.current_timeline!r}")
+    return done
+
+
 def read_directory(st: Storage, key: str) -> dict[str, Entry]:
     """The entries of a step file, from its central directory (``CorruptRunError``)."""
     size = st.size(key)
@@ -159,6 +345,14 @@ def _verify_step_files(
             continue
         if "zarr.json" not in entries:
             problem(key, f"step {h.step}: the zip has no root zarr.json")
+        foreign = sorted(n for n in entries if not _zarr_entry(n, entries))
+        if foreign:
+            problem(
+                key,
+                f"step {h.step}: foreign zip entries {foreign[:5]}"
+                f"{' ...' if len(foreign) > 5 else ''} (not part of the step's Zarr hierarchy; "
+                "something appended them to the step file)",
+            )
         data_at: dict[str, int] = {}
         for ent in entries.values():  # every entry, metadata included: zipfile checks CRC-32
             try:
@@ -188,6 +382,21 @@ def _verify_step_files(
         for rec in {x[1].path: x[1] for x in own.get(key, [])}.values():
             _verify_array_document(st, key, entries, data_at, rec, problem)
         _verify_consolidated(st, key, entries, data_at, problem)
+
+
+def _zarr_entry(name: str, entries: dict[str, Entry]) -> bool:
+    """Whether a zip entry belongs to a Zarr v3 hierarchy dstt writes: a node's zarr.json,
+    or a chunk key ``<array>/c/<i>...`` of an array whose zarr.json is in the zip."""
+    if name == "zarr.json" or name.endswith("/zarr.json"):
+        return True
+    array, sep, index = name.partition("/c/")
+    if not sep:
+        array, sep = (name[:-2], "/c") if name.endswith("/c") else (name, "")
+    return (
+        bool(sep)
+        and array_meta_key(array) in entries
+        and all(p.isdigit() for p in index.split("/") if index)
+    )
 
 
 #: the fields of an array's zarr.json a plain Zarr reader needs to find and decode the chunks

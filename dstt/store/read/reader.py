@@ -12,6 +12,7 @@ and row ranges are read by a ``ChunkReader`` (``chunks.py``) the reader holds.
 from __future__ import annotations
 
 import gc
+import json
 import struct
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -21,6 +22,8 @@ from dstt._lru import LRU
 from dstt.errors import (
     ChecksumError,
     CorruptRunError,
+    DsttError,
+    FormatVersionError,
     NotARunError,
     StepNotFoundError,
     TimelineError,
@@ -30,8 +33,12 @@ from dstt.store.format.layout import (
     COMMITS_PREFIX,
     HEAD_KEY,
     REFS_PREFIX,
+    RELEASED_PREFIX,
+    STEPS_PREFIX,
     ChunkPlan,
+    check_timeline_name,
     commit_key,
+    key_slot,
     parse_commit_name,
     step_file_key,
 )
@@ -90,23 +97,124 @@ class Reader:
 
     # -- refs -----------------------------------------------------------------------------
     def refresh(self) -> None:
-        """Re-read HEAD and refs (cheap); drop cached headers that gc may have pruned."""
+        """Re-read HEAD and refs (cheap); drop cached headers that gc may have pruned.
+
+        A missing or damaged ref or HEAD does not hide the run: the problem is recorded
+        (``damaged_refs``, ``head_problem``), and the timelines whose ref is gone are
+        rebuilt in memory from their commit headers (``recover_refs``), which name their
+        step, parent and timeline. ``dstt verify`` reports them; ``--repair`` writes them."""
         st = self.storage
+        #: ref file key -> why it could not be read
+        self.damaged_refs: dict[str, str] = {}
+        #: why HEAD could not be read (the current timeline is then a guess), or None
+        self.head_problem: str | None = None
+        #: timelines rebuilt from their commit headers, their ref missing or damaged
+        self.recovered: dict[str, RefInfo] = {}
+        #: slot -> why its header could not be read, where a walk stepped over it
+        self.bridged: dict[int, str] = {}
+        head: str | None = None
         try:
-            self.current_timeline = parse_head(st.read(HEAD_KEY), f"{st.location}/{HEAD_KEY}")
+            head = parse_head(st.read(HEAD_KEY), f"{st.location}/{HEAD_KEY}")
         except FileNotFoundError:
-            raise NotARunError(f"{st.location} is not a dstt run (no {HEAD_KEY})") from None
+            self.head_problem = f"{st.location}/{HEAD_KEY}: missing"
+        except FormatVersionError:
+            raise
+        except CorruptRunError as e:
+            self.head_problem = str(e)
         refs = {}
         for name in st.list(REFS_PREFIX):
             if name.endswith(".json"):
                 key = f"{REFS_PREFIX}/{name}"
-                r = parse_ref(st.read(key), f"{st.location}/{key}")
+                try:
+                    r = parse_ref(st.read(key), f"{st.location}/{key}")
+                except FileNotFoundError:  # deleted since the listing
+                    continue
+                except FormatVersionError:
+                    raise
+                except CorruptRunError as e:
+                    self.damaged_refs[key] = str(e)
+                    continue
                 refs[r.name] = r
         self._refs = refs
         # tombstones are final; any other header may have become one since
         self._headers = {s: h for s, h in self._headers.items() if h.pruned}
         if self.index.loaded:
             self.index.load()
+        if head is not None and head not in refs and not self.head_problem:
+            self.head_problem = (
+                f"{st.location}/{HEAD_KEY} names timeline {head!r}, which has no readable ref"
+            )
+        if self.head_problem or self.damaged_refs:
+            self.recover_refs()
+        if head is not None and head in self._refs:
+            self.current_timeline = head
+        elif self._refs:  # the timeline written last: what HEAD most likely named
+            self.current_timeline = max(
+                self._refs.values(), key=lambda t: (-1 if t.head is None else t.head, t.name)
+            ).name
+            self.head_problem = self.head_problem or f"{st.location}/{HEAD_KEY}: unreadable"
+        else:
+            raise NotARunError(
+                f"{st.location} is not a dstt run, or its metadata is lost: "
+                f"{self.head_problem or 'no timeline'}, no readable ref and no commit header "
+                "that names a timeline"
+            )
+
+    def recover_refs(self) -> dict[str, RefInfo]:
+        """Rebuild, in memory, the ref of every timeline whose commits no ref reaches and
+        whose name has no readable ref: head = its newest intact commit, base = where its
+        lineage enters another timeline. Reads every commit header (what ``verify`` and a
+        damaged ref or HEAD pay for); returns what it added (also in ``recovered``)."""
+        reached: set[int] = set()
+        for name in list(self._refs):
+            try:
+                reached |= {h.slot for h in self.walk(name)}
+            except DsttError:
+                continue
+        by_name: dict[str, list[CommitHeader]] = {}
+        released = self.released()
+        for n in self.all_slots():
+            if n in reached:
+                continue
+            try:
+                h = self.header(n)
+            except DsttError:
+                continue
+            if not h.pruned and h.timeline not in self._refs and h.timeline not in released:
+                by_name.setdefault(h.timeline, []).append(h)
+        added = {}
+        for name, hs in sorted(by_name.items()):
+            try:
+                check_timeline_name(name)
+            except TimelineError:
+                continue
+            top = max(hs, key=lambda h: h.slot)
+            base: CommitHeader | None = None
+            first = top
+            below = top.parent
+            seen = {top.slot}
+            while below is not None and below not in seen:
+                seen.add(below)
+                try:
+                    h = self.header(below)
+                except DsttError:
+                    break
+                if h.timeline != name:
+                    base = h
+                    break
+                first, below = h, h.parent
+            ref = RefInfo(
+                name,
+                top.slot,
+                base_slot=None if base is None else base.slot,
+                base_step=None if base is None else base.step,
+                base_timeline=None if base is None else base.timeline,
+                created=first.time,
+            )
+            added[name] = ref
+        self._refs.update(added)
+        self.recovered.update(added)
+        return added
 
     def moved(self, ref: RefInfo) -> None:
         """A ref the caller just wrote (the run's writer, which holds its lock and so moves
@@ -125,6 +233,22 @@ class Reader:
             raise TimelineError(
                 f"no timeline {name!r} in {self.storage.location}; timelines: {sorted(self._refs)}"
             ) from None
+
+    def released(self) -> dict[str, set[int]]:
+        """Deleted timelines whose commits gc has not swept yet: name -> their slots (the
+        record ``delete_timeline`` writes before it deletes the ref). A record whose
+        timeline has a ref again (a delete cut short before the ref went) is ignored."""
+        st = self.storage
+        out: dict[str, set[int]] = {}
+        for name in st.list(RELEASED_PREFIX):
+            try:
+                doc = json.loads(st.read(f"{RELEASED_PREFIX}/{name}"))
+                tl, slots = str(doc["timeline"]), {int(x) for x in doc["slots"]}
+            except (OSError, ValueError, TypeError, KeyError):
+                continue  # unreadable: nothing is released by it
+            if tl not in self._refs:
+                out[tl] = slots
+        return out
 
     # -- headers and lineage --------------------------------------------------------------
     def header(self, slot: int) -> CommitHeader:
@@ -151,18 +275,45 @@ class Reader:
     def walk(self, timeline: str | None = None) -> Iterator[CommitHeader]:
         """Commits of a timeline, newest first (pruned tombstones included), read lazily.
 
-        A damaged header raises ``CorruptRunError`` only when the walk reaches it, so the
-        commits above it stay reachable (``find``, ``verify``).
+        A damaged or missing header is stepped over, not a dead end: the walk goes on at
+        the newest intact commit below it written under the same timeline name (the ref's
+        fork point where there is none) and records the slot in ``bridged``, so the commits
+        below it stay readable; that one step reads as ``CorruptRunError`` (``find``).
+        Rejected alternative: ending the timeline at the damage, which hid every older step.
         """
-        slot = self.ref(timeline).head
+        ref = self.ref(timeline)
+        slot = ref.head
+        name = ref.name
         seen: set[int] = set()
         while slot is not None:
             if slot in seen:
                 raise CorruptRunError(f"{self.storage.location}: parent cycle at slot {slot}")
             seen.add(slot)
-            h = self.header(slot)
+            try:
+                h = self.header(slot)
+            except FormatVersionError:
+                raise
+            except CorruptRunError as e:
+                self.bridged[slot] = str(e)
+                slot = self._bridge(slot, name, ref)
+                continue
             yield h
-            slot = h.parent
+            name, slot = h.timeline, h.parent
+
+    def _bridge(self, damaged: int, name: str, ref: RefInfo) -> int | None:
+        """The commit a walk goes on at below the damaged header of slot ``damaged``."""
+        for slot in reversed(self.all_slots()):
+            if slot >= damaged or slot in self.bridged:
+                continue
+            try:
+                h = self.header(slot)
+            except DsttError:
+                continue
+            if h.timeline == name:
+                return slot
+        if ref.base_slot is not None and ref.base_slot < damaged:
+            return ref.base_slot
+        return None
 
     def lineage(self, timeline: str | None = None) -> list[CommitHeader]:
         """Commits of a timeline, oldest first (pruned tombstones included)."""
@@ -187,14 +338,24 @@ class Reader:
                     )
                 return h
         line = self.lineage(name)
+        if self.bridged:
+            keys = ", ".join(commit_key(s) for s in sorted(self.bridged))
+            raise CorruptRunError(
+                f"no intact commit of step {step} on timeline {name!r} of "
+                f"{self.storage.location}; the commit header(s) {keys} are damaged (one may be "
+                "that step's): run `dstt verify --repair`"
+            )
         raise StepNotFoundError(
             f"no committed step {step} on timeline {name!r} of {self.storage.location}; "
             f"committed steps: {_describe([x.step for x in line if not x.pruned])}"
         )
 
     def max_slot(self) -> int:
-        """Highest slot with any commit header (committed, orphaned or pruned), or -1."""
+        """Highest slot with any commit header (committed, orphaned or pruned) or any step
+        file, or -1: the next writer starts above it, so it never overwrites the step files
+        of a slot whose header is lost (gc keeps those; ``dstt verify`` reports them)."""
         slots = [parse_commit_name(n) for n in self.storage.list(COMMITS_PREFIX)]
+        slots += [key_slot(f"{STEPS_PREFIX}/{n}") for n in self.storage.list(STEPS_PREFIX)]
         return max((s for s in slots if s is not None), default=-1)
 
     def all_slots(self) -> list[int]:

@@ -260,3 +260,29 @@ def test_cli_import(files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "already imported" in capsys.readouterr().out
     assert main(["import", str(tmp_path / "nothing"), "--run", str(run)]) == 2
     assert main(["import", str(files), "--run", str(run), "--step", "3"]) == 2
+
+
+def test_cli_import_needs_no_transformers(files: Path, tmp_path: Path) -> None:
+    """``dstt import`` of torch files must not need the transformers extra: a child in which
+    ``import transformers`` fails (a sitecustomize shim) imports them, exit 0."""
+    import subprocess
+    import sys
+
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("import sys\nsys.modules['transformers'] = None\n")
+    env = dict(os.environ)
+    root = Path(dstt.__file__).parent.parent
+    env["PYTHONPATH"] = os.pathsep.join([str(shim), str(root)])
+    probe = [sys.executable, "-c", "import transformers"]
+    assert subprocess.run(probe, env=env, capture_output=True).returncode != 0  # really gone
+    run = tmp_path / "run"
+    got = subprocess.run(
+        [sys.executable, "-m", "dstt.cli", "import", str(files), "--run", str(run)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert got.returncode == 0, got.stderr
+    assert "3 imported into" in got.stdout
+    assert dstt.open(run).steps == [2, 4, 6]

@@ -13,7 +13,7 @@ import pytest
 from dstt.errors import CurrentTimelineError, StepNotFoundError, TimelineError
 from dstt.store import Repository, Storage, load
 from dstt.store.codec.xor import DeltaPolicy
-from dstt.store.format.layout import HEAD_KEY, STEPS_PREFIX, ref_key
+from dstt.store.format.layout import HEAD_KEY, RELEASED_PREFIX, STEPS_PREFIX, ref_key
 from dstt.store.storage.memory import MemoryStorage
 
 from .._util import assert_same_arrays
@@ -181,8 +181,11 @@ def test_power_cut_at_every_write_of_a_timeline_delete(encoded: bool) -> None:
         assert_exact(st, tl, BRANCH, True)
 
     keys = every_cut(base, lambda st: Repository(st).delete_timeline("main"), check)
-    # the ref's delete is made durable (a rewrite in its folder) before gc deletes a byte
-    assert keys[:2] == [f"delete {ref_key('main')}", ref_key(tl)]
+    # first the record of what the delete releases (gc keeps a timeline without a ref
+    # otherwise); the ref's delete made durable (a rewrite in its folder) before gc deletes
+    # a byte; the record goes once swept
+    assert keys[:3] == [f"{RELEASED_PREFIX}/main.json", f"delete {ref_key('main')}", ref_key(tl)]
+    assert keys[-1] == f"delete {RELEASED_PREFIX}/main.json"
     assert any(k.startswith(f"delete {STEPS_PREFIX}/") for k in keys[2:])
 
 
