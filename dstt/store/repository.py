@@ -8,6 +8,9 @@ a new timeline whose head is an old commit and makes it current; nothing is dele
 default name is ``<timeline>-from-<step>``; a second rollback to the same step of the same
 timeline is a ``TimelineError`` asking for a name (rejected: a silent ``.2`` suffix, which
 told two attempts apart by nothing). Renaming and deleting timelines: ``maintenance/timelines.py``.
+
+The writer, gc, verify and the index rebuild are imported by the methods that use them, so
+opening a run to read it (``dstt ls``, ``dstt.open(run).steps``) loads only the reader.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from dstt.errors import FormatVersionError, NotARunError, TimelineError
 
-from .commit.writer import Writer
 from .format.layout import (
     FORMAT_VERSION,
     HEAD_KEY,
@@ -31,10 +33,6 @@ from .format.layout import (
 from .format.manifest import dump_head, dump_ref
 from .format.records import RefInfo
 from .format.zarr_meta import dump, group_document, root_attributes
-from .index.repair import rebuild
-from .maintenance.gc import GcReport, gc
-from .maintenance.timelines import DeleteReport, delete_timeline, rename_timeline
-from .maintenance.verify import VerifyReport, verify
 from .read.reader import Reader
 from .storage.base import Storage
 from .storage.urls import storage_for
@@ -43,7 +41,11 @@ if TYPE_CHECKING:
     import os
     from collections.abc import Callable, Iterable
 
+    from .commit.writer import Writer
+    from .maintenance.gc import GcReport
     from .maintenance.retention import Retention
+    from .maintenance.timelines import DeleteReport
+    from .maintenance.verify import VerifyReport
 
 __all__ = ["Repository"]
 
@@ -132,6 +134,8 @@ class Repository:
 
     def writer(self, **options: Any) -> Writer:
         """The run's exclusive writer (``RunLockedError`` if another process holds it)."""
+        from .commit.writer import Writer  # not imported to read a run (``dstt ls``)
+
         return Writer(self, **options)
 
     # -- timelines ------------------------------------------------------------------------
@@ -195,11 +199,15 @@ class Repository:
     def rename_timeline(self, old: str, new: str) -> RefInfo:
         """Rename a timeline (HEAD and the timelines forked from it follow); crash-safe, and
         running it again finishes an interrupted rename (``maintenance/timelines.py``)."""
+        from .maintenance.timelines import rename_timeline
+
         return rename_timeline(self, old, new)
 
     def delete_timeline(self, name: str, *, gc: bool = True, dry_run: bool = False) -> DeleteReport:
         """Delete a timeline that is not the current one; with ``gc``, free the commits and
         files no other timeline reaches (``maintenance/timelines.py``)."""
+        from .maintenance.timelines import delete_timeline
+
         return delete_timeline(self, name, sweep=gc, dry_run=dry_run)
 
     # -- maintenance (maintenance/gc.py, maintenance/verify.py) -------------------------------
@@ -214,6 +222,8 @@ class Repository:
         progress: Callable[[int, int], None] | None = None,
     ) -> GcReport:
         """Prune what ``retention`` (or the keywords) does not keep (``maintenance.gc``)."""
+        from .maintenance.gc import gc
+
         return gc(
             self,
             keep_last=keep_last,
@@ -229,12 +239,16 @@ class Repository:
     ) -> VerifyReport:
         """Check every reachable byte and the index; ``repair``: rebuild the index from
         the commit headers first (what ``dstt verify --repair`` does)."""
+        from .maintenance.verify import verify
+
         if repair:
             self.reindex()
         return verify(self, progress=progress)
 
     def reindex(self) -> int:
         """Rebuild the index from the commit headers (``dstt index``); returns its rows."""
+        from .index.repair import rebuild
+
         with self.storage.lock(LOCK_KEY):
             return rebuild(Reader(self.storage))
 
