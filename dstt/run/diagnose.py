@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
     from dstt.store import Reader, Repository
 
+    from .metrics import Metrics
+
 __all__ = ["DiagnosedRun", "Diagnosis", "RunDiagnostics"]
 
 
@@ -75,7 +77,7 @@ class DiagnosedRun(Protocol):
 
     def commits(self, timeline: str | None = None) -> list[Any]: ...
 
-    def metrics(self, timeline: str | None = None) -> xr.Dataset: ...
+    def metrics(self, timeline: str | None = None) -> Metrics: ...
 
     def summaries(self, steps: Any = None, *, timeline: str | None = None) -> xr.Dataset: ...
 
@@ -149,13 +151,12 @@ class RunDiagnostics:
 
         name = timeline or self.run.timeline
         ds = self.run.metrics(name)
-        if metric not in ds:
-            logged = sorted(map(str, ds.data_vars))
+        if metric not in ds.names:
             raise MetricNotFoundError(
-                f"metric {metric!r} was never logged on timeline {name!r}; logged: {logged}"
+                f"metric {metric!r} was never logged on timeline {name!r}; logged: {ds.names}"
             )
-        found = find_spikes(
-            ds["step"].values, ds[metric].values.astype(np.float64), window=window, z=z
+        found = find_spikes(  # numpy columns of the index: no xarray for a run with no spike
+            ds.steps, ds.column(metric).astype(np.float64), window=window, z=z
         )
         if not found:
             return []
