@@ -1,9 +1,12 @@
-"""docs/api.md and docs/cli.md are generated from the code and must stay current."""
+"""docs/api.md and docs/cli.md are generated from the code and must stay current; every Python
+block of README.md and docs/*.md runs here or is marked `# fragment: ...` (issue 37)."""
 
 from __future__ import annotations
 
 import runpy
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,3 +62,69 @@ def test_the_plain_zarr_reader_in_the_format_doc_reads_a_step(tmp_path: Path) ->
     assert set(got) == set(want)
     for k, v in want.items():
         assert got[k] == [str(v.dtype), list(v.shape), v.tobytes().hex()], k
+
+
+# -- every Python block runs, or says it is a fragment ----------------------------------------
+
+#: a block whose first line starts so is not run, and says why (what the reader must supply)
+FRAGMENT = "# fragment:"
+#: the documents whose other blocks run, top to bottom as one script, in a fresh folder
+RUN_WHOLE = ("docs/quickstart.md",)
+#: documents whose one complete block a test above runs
+RUN_BY_TEST = {"docs/format.md": "test_the_plain_zarr_reader_in_the_format_doc_reads_a_step"}
+
+
+def _python_blocks(doc: str) -> list[str]:
+    import re
+
+    text = (ROOT / doc).read_text()
+    return [m.group(1) for m in re.finditer(r"^```python\n(.*?)^```", text, re.M | re.S)]
+
+
+def _documents() -> list[str]:
+    return ["README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")))]
+
+
+def _is_fragment(block: str) -> bool:
+    first = block.splitlines()[0] if block.strip() else ""
+    return first.startswith(FRAGMENT) and len(first[len(FRAGMENT) :].strip()) >= 10
+
+
+def test_every_python_block_runs_or_is_marked_a_fragment() -> None:
+    """A reader sees which blocks run as written: each either runs in a test here or starts
+    with ``# fragment: <what you supply>``."""
+    unmarked = []
+    for doc in _documents():
+        complete = [b for b in _python_blocks(doc) if not _is_fragment(b)]
+        if doc in RUN_WHOLE:
+            continue
+        if doc in RUN_BY_TEST:
+            assert len(complete) == 1, (doc, "one block runs in", RUN_BY_TEST[doc])
+            continue
+        unmarked += [f"{doc}: {b.splitlines()[0]!r}" for b in complete]
+    assert not unmarked, (
+        "Python blocks neither run by tests/test_docs.py nor marked "
+        f"'{FRAGMENT} <what the reader supplies>': {unmarked}"
+    )
+
+
+@pytest.mark.parametrize("doc", RUN_WHOLE)
+def test_document_runs_as_written(doc: str, tmp_path: Path) -> None:
+    """The document's complete blocks, in order, as one script in an empty folder."""
+    import os
+    import subprocess
+    import sys
+
+    blocks = [b for b in _python_blocks(doc) if not _is_fragment(b)]
+    assert blocks, doc
+    script = "\n".join(blocks)
+    env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"{doc} fails as written:\n{proc.stderr[-4000:]}"
