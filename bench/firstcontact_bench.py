@@ -1,8 +1,9 @@
 """First contact (issue 37): what a newcomer's first commands cost, each in a fresh process.
 
 Every figure is the median wall time of ``--repeats`` (>= 5) fresh interpreters, from spawn to
-exit, with bytecode caches warm (one untimed run first; ``PYTHONDONTWRITEBYTECODE`` is dropped
-for the children, as a user's machine has ``__pycache__``). ``bare`` is ``python -c pass``;
+exit, and their CPU time (user + system, which a loaded machine inflates far less), with
+bytecode caches warm (one untimed run first; ``PYTHONDONTWRITEBYTECODE`` is dropped for the
+children, as a user's machine has ``__pycache__``). ``bare`` is ``python -c pass``;
 each line also reports its cost beyond that. On runs of ``--steps`` (default 300, 3,000 and
 10,000) steps of 12 tiny tensors, built once through ``bench/index_bench.py``'s synthesizer
 (with a write-time ``summaries`` object and one loss spike per run):
@@ -37,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -98,18 +100,28 @@ def child_env(tree: Path) -> dict[str, str]:
     return env
 
 
-def timed(argv: list[str], envs: list[dict[str, str]], repeats: int) -> list[list[float]]:
-    """Wall seconds of ``argv`` in fresh processes, per environment (tree), the trees
-    alternating; one untimed warm-up each first."""
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def timed(
+    argv: list[str], envs: list[dict[str, str]], repeats: int
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Wall seconds and CPU seconds (user + system: what a loaded machine inflates least) of
+    ``argv`` in fresh processes, per environment (tree), the trees alternating; one untimed
+    warm-up each first."""
     for env in envs:
         subprocess.run(argv, env=env, check=True, capture_output=True, timeout=600)
     times: list[list[float]] = [[] for _ in envs]
+    cpus: list[list[float]] = [[] for _ in envs]
     for _ in range(repeats):
-        for env, got in zip(envs, times, strict=True):
-            t0 = time.perf_counter()
+        for env, got, cpu in zip(envs, times, cpus, strict=True):
+            c0, t0 = _children_cpu(), time.perf_counter()
             subprocess.run(argv, env=env, check=True, capture_output=True, timeout=600)
             got.append(time.perf_counter() - t0)
-    return times
+            cpu.append(_children_cpu() - c0)
+    return times, cpus
 
 
 def commands(run: Path, steps: int) -> dict[str, list[str]]:
@@ -196,9 +208,10 @@ def main() -> None:
         "note": "fresh process per figure, warm bytecode caches; a shared machine is noisy",
     }
     try:
-        bare = statistics.median(timed([sys.executable, "-c", "pass"], envs[:1], repeats)[0])
-        res["bare_s"] = bare
-        print(f"bare interpreter: {bare:.3f} s", flush=True)
+        bare_t, bare_c = timed([sys.executable, "-c", "pass"], envs[:1], repeats)
+        bare, bare_cpu = statistics.median(bare_t[0]), statistics.median(bare_c[0])
+        res["bare_s"], res["bare_cpu_s"] = bare, bare_cpu
+        print(f"bare interpreter: {bare:.3f} s wall, {bare_cpu:.3f} s cpu", flush=True)
         for n in steps:
             run = root / f"run{n}"
             if not (run / "zarr.json").exists():
@@ -208,16 +221,19 @@ def main() -> None:
             for name, argv in commands(run, n).items():
                 if only is not None and name not in only:
                     continue
-                per_tree = timed(argv, envs, repeats)
+                per_tree, per_tree_cpu = timed(argv, envs, repeats)
                 line = []
-                for tree, all_t in zip(trees, per_tree, strict=True):
-                    t = statistics.median(all_t)
+                for tree, all_t, all_c in zip(trees, per_tree, per_tree_cpu, strict=True):
+                    t, c = statistics.median(all_t), statistics.median(all_c)
                     got.setdefault(name, {})[tree] = {
                         "s": t,
                         "over_bare_s": t - bare,
                         "all_s": all_t,
+                        "cpu_s": c,
+                        "cpu_over_bare_s": c - bare_cpu,
+                        "all_cpu_s": all_c,
                     }
-                    line.append(f"{tree} {t:.3f} s (+{t - bare:.3f})")
+                    line.append(f"{tree} {t:.3f} s wall, {c:.3f} s cpu")
                 print(f"{n:>6} steps  {name:<15} {'  '.join(line)}", flush=True)
             res["runs"][str(n)] = got
         if args.session:
