@@ -100,6 +100,14 @@ def child_env(tree: Path) -> dict[str, str]:
     return env
 
 
+def _run(argv: list[str], env: dict[str, str]) -> None:
+    # in the tree's own folder: ``python -c``/``-m`` put the working directory first on
+    # sys.path, so from another checkout that checkout's dstt would be timed instead
+    subprocess.run(
+        argv, env=env, cwd=env["PYTHONPATH"], check=True, capture_output=True, timeout=600
+    )
+
+
 def _children_cpu() -> float:
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
@@ -112,13 +120,13 @@ def timed(
     ``argv`` in fresh processes, per environment (tree), the trees alternating; one untimed
     warm-up each first."""
     for env in envs:
-        subprocess.run(argv, env=env, check=True, capture_output=True, timeout=600)
+        _run(argv, env)
     times: list[list[float]] = [[] for _ in envs]
     cpus: list[list[float]] = [[] for _ in envs]
     for _ in range(repeats):
         for env, got, cpu in zip(envs, times, cpus, strict=True):
             c0, t0 = _children_cpu(), time.perf_counter()
-            subprocess.run(argv, env=env, check=True, capture_output=True, timeout=600)
+            _run(argv, env)
             got.append(time.perf_counter() - t0)
             cpu.append(_children_cpu() - c0)
     return times, cpus
@@ -158,6 +166,7 @@ def bench_session(env: dict[str, str], repeats: int, root: Path) -> dict[str, An
             got = subprocess.run(
                 [sys.executable, "-c", SESSION, mode, str(d)],
                 env=env,
+                cwd=env["PYTHONPATH"],
                 check=True,
                 capture_output=True,
                 text=True,
