@@ -24,6 +24,7 @@ __all__ = [
     "OutputExistsError",
     "RaceError",
     "RankError",
+    "RankLostError",
     "ReadOnlyRunError",
     "ReplayError",
     "RunLockedError",
@@ -115,6 +116,16 @@ class RaceError(CaptureError):
 class RankError(DsttError, RuntimeError):
     """The ranks of a multi-rank run disagree: a rank prepared another step for the same slot,
     did not prepare its part in time, or a step cannot be restored into this world size."""
+
+
+class RankLostError(RankError):
+    """Ranks of a multi-rank run are gone (their session ended, they stopped sending their
+    heartbeat, or they did not prepare a step in time); ``ranks`` names them. The step waiting
+    for them is not committed; the steps every rank prepared before stay committed."""
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 class ReplayError(DsttError, ValueError):

@@ -449,12 +449,12 @@ def test_show_and_diff_agree_on_optimizer_states(
 
 
 def _tree(path: Path) -> dict[str, tuple[int, bytes]]:
-    """Every file's mtime and bytes; the lock file's mtime is left out (taking the lock
-    rewrites it with the same bytes)."""
+    """Every file's mtime and bytes; the lock file is left out (taking the lock records in it
+    who holds it and since when: no run data)."""
     return {
-        str(p.relative_to(path)): (0 if p.name == "lock" else p.stat().st_mtime_ns, p.read_bytes())
+        str(p.relative_to(path)): (p.stat().st_mtime_ns, p.read_bytes())
         for p in sorted(path.rglob("*"))
-        if p.is_file()
+        if p.is_file() and p.name != "lock"
     }
 
 
@@ -626,3 +626,77 @@ def test_diff_across_timelines_and_steps_on_other_timelines(
         assert code == EXIT_BAD_INPUT, argv
         assert "step 4 is on timeline 'main'" in err, argv
         assert "--timeline main" in err
+
+
+def test_rollback_skip_samples_and_timeline_list_shows_the_skip_set(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = _run(
+        capsys, "rollback", str(run_dir), "--to", "2", "--skip-samples", "25,285,868"
+    )
+    assert code == EXIT_OK
+    assert "skip samples 25, 285, 868" in out
+    import dstt
+
+    run = dstt.open(run_dir)
+    assert run.skips().samples == {25, 285, 868}  # as run.rollback(2, skip_samples=...) does
+    rows = _json(capsys, "timeline", "list", str(run_dir))
+    forked = next(r for r in rows if r["name"] == "main-from-2")  # type: ignore[union-attr]
+    assert forked["skip_samples"] == [25, 285, 868]  # type: ignore[index]
+    code, out, _ = _run(capsys, "timeline", "list", str(run_dir))
+    line = next(x for x in out.splitlines() if "main-from-2" in x)
+    assert "(skip samples 25, 285, 868)" in line
+    assert "(skip 0)" not in out
+    code, _, err = _run(capsys, "rollback", str(run_dir), "--to", "2", "--skip-samples", "3,x")
+    assert code == EXIT_BAD_INPUT
+    assert "'x'" in err
+
+
+def test_ls_shows_the_metrics_of_the_newest_step_that_has_them(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    save(run_dir, 5, _arrays(5))  # a head without metrics
+    code, out, _ = _run(capsys, "ls", str(run_dir))
+    assert code == EXIT_OK
+    assert "metrics at step 4: loss=0.25" in out
+    doc = _json(capsys, "ls", str(run_dir))
+    assert doc["metrics_step"] == 4  # type: ignore[index]
+    assert doc["metric_values"] == {"loss": 0.25}  # type: ignore[index]
+    assert doc["metrics"] == ["loss"]  # type: ignore[index]
+
+
+def test_run_diff_and_dstt_diff_leave_optimizer_states_out_by_default(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import dstt
+
+    run = dstt.open(run_dir)
+    for extra, optim in (([], False), (["--optim"], True)):
+        cli = {
+            t["name"]
+            for t in _json(capsys, "diff", str(run_dir), "1", "2", "--top", "0", *extra)["tensors"]  # type: ignore[index]
+        }
+        py = {str(n) for n in run.diff(1, 2, optim=optim)["tensor"].values}
+        assert {n.replace("/", ".") for n in cli} == {n.replace("/", ".") for n in py}
+        assert any("exp_avg" in n for n in py) is optim
+    assert "layers.1.mlp.weight" in {str(n) for n in run.diff(1, 2)["tensor"].values}
+
+
+def test_retention_keep_last_zero_is_refused(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dstt.store import Retention
+
+    with pytest.raises(ValueError, match=r"keep_last=0\) would prune every step"):
+        Retention(keep_last=0)
+    assert Retention(keep_last=1).keep_last == 1
+    code, _, err = _run(capsys, "gc", str(run_dir), "--keep-last", "0")
+    assert code == EXIT_BAD_INPUT
+    assert "keep_last >= 1" in err
+    assert len(dstt_steps(run_dir)) == 4  # nothing pruned
+
+
+def dstt_steps(path: Path) -> list[int]:
+    import dstt
+
+    return dstt.open(path).steps

@@ -1,5 +1,5 @@
 """``dstt``: the command line over a run (``ls log show diff verify index rollback timeline
-gc export replay import``).
+gc export replay import virtual``).
 
 Thin by design: argparse, one call into :mod:`dstt.run` (or the store behind it), printing.
 
@@ -10,7 +10,8 @@ Thin by design: argparse, one call into :mod:`dstt.run` (or the store behind it)
 * ``inspect``  — the commands that look at a run: ls, log, show, diff, verify, index, export;
 * ``changes``  — the commands that change it: rollback, the timeline group, gc;
 * ``replay``   — re-executing a step from the user's script;
-* ``imports``  — ``dstt import``: checkpoints other tools wrote, as steps of a run.
+* ``imports``  — ``dstt import``: checkpoints other tools wrote, as steps of a run;
+* ``virtual``  — ``dstt virtual``: a timeline as one virtual Zarr store (references).
 
 Nothing in dstt imports this package; it sits above the run, inspection and the integrations
 (``dstt import``). ``python -m dstt.cli`` runs ``main`` (``__main__``). Commands that print no

@@ -22,23 +22,48 @@ if TYPE_CHECKING:
 def cmd_rollback(args: argparse.Namespace) -> int:
     run = _resolve_run(args)
     old = args.timeline or run.timeline
-    name = run.rollback(args.to, args.skip_data, timeline=args.timeline, name=args.name)
-    doc = {"timeline": name, "from_timeline": old, "step": args.to, "skip_data": args.skip_data}
+    name = run.rollback(
+        args.to,
+        args.skip_data,
+        timeline=args.timeline,
+        name=args.name,
+        skip_samples=args.skip_samples,
+        force=args.force,
+    )
+    samples = sorted(run.skips(name).samples)
+    doc = {
+        "timeline": name,
+        "from_timeline": old,
+        "step": args.to,
+        "skip_data": args.skip_data,
+        "skip_samples": samples,
+    }
 
     def text() -> Iterator[str]:
+        skipped = f"; sessions resumed there skip samples {_few(samples)}" if samples else ""
         yield (
             f"timeline {name!r} now starts at step {args.to} of {old!r} and is current "
-            f"(skip {args.skip_data} batches on resume); {old!r} is kept"
+            f"(skip {args.skip_data} batches on resume{skipped}); {old!r} is kept"
         )
 
     _emit(args, doc, text)
     return EXIT_OK
 
 
+def _few(xs: list[int], n: int = 8) -> str:
+    """``[1, 2, 3]``, or the first ``n`` and how many there are."""
+    return (
+        ", ".join(map(str, xs))
+        if len(xs) <= n
+        else (f"{', '.join(map(str, xs[:n]))}, ... ({len(xs)})")
+    )
+
+
 def _timeline_rows(run: Any) -> list[dict[str, Any]]:
     rows = []
     for name, ref in sorted(run.timelines.items()):
         line = run.commits(name)
+        skips = run.skips(name)  # its rollback's and its ancestors': what a resume drops
         rows.append(
             {
                 "name": name,
@@ -49,6 +74,8 @@ def _timeline_rows(run: Any) -> list[dict[str, Any]]:
                 "base_timeline": ref.base_timeline,
                 "base_step": ref.base_step,
                 "skip_data": ref.skip_data,
+                "skip_samples": sorted(skips.samples),
+                "skip_batches": [b.plain() for b in skips.batches],
                 "base_exists": ref.base_timeline is None or ref.base_timeline in run.timelines,
             }
         )
@@ -63,10 +90,19 @@ def cmd_timeline_list(args: argparse.Namespace) -> int:
             rng = f"steps {t['first_step']} … {t['head_step']}" if t["commits"] else "empty"
             base = (
                 f"  from {t['base_timeline']}@{t['base_step']}"
-                f"{'' if t['base_exists'] else ' (deleted)'} (skip {t['skip_data']})"
+                f"{'' if t['base_exists'] else ' (deleted)'}"
                 if t["base_timeline"]
                 else ""
             )
+            skip = [f"{t['skip_data']} batches on resume"] if t["skip_data"] else []
+            if t["skip_samples"]:
+                skip.append(f"samples {_few(t['skip_samples'])}")
+            if t["skip_batches"]:
+                skip.append(f"{len(t['skip_batches'])} recorded batches")
+            if skip:
+                base += f" (skip {'; '.join(skip)})"
+            elif t["base_timeline"]:
+                base += " (skip nothing)"
             yield (
                 f"{'*' if t['current'] else ' '} {t['name']:<24} {t['commits']:>7} commits  "
                 f"{rng}{base}"
@@ -79,7 +115,7 @@ def cmd_timeline_list(args: argparse.Namespace) -> int:
 def cmd_timeline_switch(args: argparse.Namespace) -> int:
     run = _resolve_run(args)
     old = run.timeline
-    run.switch(args.name)
+    run.switch(args.name, force=args.force)
     head = run.commits()[-1].step if run.commits() else None
     doc = {"timeline": args.name, "previous": old, "head_step": head}
 
@@ -93,7 +129,7 @@ def cmd_timeline_switch(args: argparse.Namespace) -> int:
 
 def cmd_timeline_rename(args: argparse.Namespace) -> int:
     run = _resolve_run(args)
-    run.rename_timeline(args.old, args.new)
+    run.rename_timeline(args.old, args.new, force=args.force)
     doc = {"old": args.old, "new": args.new, "current": run.timeline}
 
     def text() -> Iterator[str]:
@@ -112,7 +148,7 @@ def cmd_timeline_delete(args: argparse.Namespace) -> int:
             f"deleting timeline {args.name!r} frees its own steps for good; "
             "add --yes to do it, or --dry-run to see what it would free"
         )
-    rep = run.delete_timeline(args.name, dry_run=args.dry_run)
+    rep = run.delete_timeline(args.name, dry_run=args.dry_run, force=args.force)
     gc = rep.gc
     doc = {
         "timeline": rep.timeline,

@@ -43,9 +43,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
             if s["n_steps"]
             else "no steps yet"
         )
+        metrics = (
+            f"metrics at step {s['metrics_step']}: {_metrics_text(s['metric_values'])}"
+            if s["metrics"]
+            else "metrics: —"
+        )
         yield (
             f"{steps} · {s['n_arrays']} arrays · {human_bytes(s['bytes_per_step'])} per step"
-            f" · metrics: {', '.join(s['metrics']) or '—'}"
+            f" · {metrics}"
         )
         for t in s["timelines"]:
             rng = f"steps {t['first_step']} … {t['head_step']}" if t["commits"] else "empty"
@@ -108,7 +113,8 @@ def cmd_log(args: argparse.Namespace) -> int:
 
 
 def _spikes(run: Any, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
-    """Spikes of ``--spikes METRIC`` (default ``loss``, skipped when never logged) by step."""
+    """Spikes of ``--spikes METRIC`` (default ``loss``, skipped when never logged) by step, by
+    the rule of ``run.spikes()`` (``--window``/``--z``; unset: its defaults)."""
     metric = args.spikes or "loss"
     if args.spikes is None and metric not in run.metrics(args.timeline):
         return {}
@@ -122,7 +128,7 @@ def _spikes(run: Any, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
             "suspect": sp.suspect,
             "samples": sp.samples,
         }
-        for sp in run.spikes(metric, timeline=args.timeline, top=3)
+        for sp in run.spikes(metric, window=args.window, z=args.z, timeline=args.timeline, top=3)
     }
 
 

@@ -41,6 +41,7 @@ from .inspect import (
     cmd_verify,
 )
 from .replay import cmd_replay
+from .virtual import add_virtual
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -61,10 +62,42 @@ def _nonneg(s: str) -> int:
     return v
 
 
+def _indices(s: str) -> list[int]:
+    """``25,285,868`` -> [25, 285, 868] (sample indices: whole numbers >= 0)."""
+    return [_nonneg(part.strip()) for part in s.split(",") if part.strip()]
+
+
+def _force(sp: Any) -> None:
+    sp.add_argument(
+        "--force",
+        action="store_true",
+        help="change timelines even while a live writer (training) holds the run's lock",
+    )
+
+
 def _positive(s: str) -> int:
     v = _nonneg(s)
     if v == 0:
         raise argparse.ArgumentTypeError("expected a number >= 1, got 0")
+    return v
+
+
+def _window(s: str) -> int:
+    v = _nonneg(s)
+    if v < 2:
+        raise argparse.ArgumentTypeError(
+            f"expected a spike window >= 2 (the steps before a value it is compared with), got {v}"
+        )
+    return v
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {s}")
     return v
 
 
@@ -132,6 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--spikes", metavar="METRIC", help="mark spikes of this metric (default: loss, when logged)"
     )
     sp.add_argument(
+        "--window",
+        type=_window,
+        metavar="N",
+        help="spike rule: the steps before a value its noise is measured over (default: 100)",
+    )
+    sp.add_argument(
+        "--z",
+        type=_positive_float,
+        metavar="Z",
+        help="spike rule: robust standard deviations above the local level (default: 6)",
+    )
+    sp.add_argument(
         "--batches",
         action="store_true",
         help="show each step's batch: its sample indices or hash (s.data records them)",
@@ -183,7 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="name of the new timeline (default: <timeline>-from-STEP;"
         " a second rollback to the same step needs one)",
     )
+    sp.add_argument(
+        "--skip-samples",
+        type=_indices,
+        default=None,
+        metavar="I,J,...",
+        help="dataset indices of samples sessions resumed there skip "
+        "(e.g. the worst samples of a replay: 25,285,868)",
+    )
     sp.add_argument("--timeline", help="timeline STEP is on (default: the current one)")
+    _force(sp)
     sp = sub.add_parser(
         "timeline",
         parents=[common],
@@ -206,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tp = tadd("switch", cmd_timeline_switch, "make a timeline current (what training resumes)")
     tp.add_argument("name", metavar="NAME")
+    _force(tp)
     tp = tadd(
         "rename",
         cmd_timeline_rename,
@@ -214,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tp.add_argument("old", metavar="OLD")
     tp.add_argument("new", metavar="NEW")
+    _force(tp)
     tp = tadd(
         "delete",
         cmd_timeline_delete,
@@ -223,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("name", metavar="NAME")
     tp.add_argument("--yes", action="store_true", help="really delete (required)")
     tp.add_argument("--dry-run", action="store_true", help="say what it would free, delete nothing")
+    _force(tp)
     sp = add("gc", cmd_gc, "prune old steps (timeline heads are always kept)")
     run_arg(sp)
     sp.add_argument("--keep-last", type=_nonneg, metavar="N", help="keep the last N steps")
@@ -241,17 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "--spike-z",
-        type=float,
-        default=4.0,
+        type=_positive_float,
         metavar="Z",
-        help="a spike is a value Z standard deviations above its baseline (default: 4)",
+        help="a spike is a value Z robust standard deviations above its local level "
+        "(the rule of dstt log and run.spikes(); default: 6)",
     )
     sp.add_argument(
         "--spike-baseline",
-        type=_positive,
-        default=50,
+        type=_window,
         metavar="N",
-        help="the baseline: the N values before each step (default: 50)",
+        help="the spike rule's window: the N steps before a value (default: 100)",
     )
     sp.add_argument(
         "--dry-run", action="store_true", help="list the steps it would prune, delete nothing"
@@ -319,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     timeline(sp)
     add_import(sub, common)
+    add_virtual(sub, common)
     return p
 
 

@@ -139,6 +139,8 @@ class Committer:
                 metrics = f.metrics_now()
                 t0 = time.perf_counter()
                 f.header = f.txn.commit(metrics=metrics)
+                if self._book is not None:  # the parent of the next step's update
+                    self._book.committed(f.digest_token if f.flat_stats else -1)
                 self._observe(f, time.perf_counter() - t0)
                 if f.flat is not None:
                     self._warn_pickled(f)

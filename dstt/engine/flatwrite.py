@@ -12,11 +12,12 @@ steps and knows nothing of buffers, shared memory or zip images.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -73,6 +74,13 @@ class FlatLane:
         self._images: dict[tuple[int, int], FlatImage] = {}  # (id(layout), start) -> sizes
         self._lock = threading.Lock()
         self._lost = False  # the flusher died (warned once)
+        #: ids of the digested steps (``Flight.digest_token``, from ``ticket``): the
+        #: committer calls a step's update exact only where the digest compared it with its
+        #: parent's copy; digests run in token order (the next token due, those done early)
+        self._tokens = itertools.count()
+        self._turn = threading.Condition()
+        self._next_turn = 0
+        self._passed: set[int] = set()
 
     def plan(self, tensors: Mapping[str, torch.Tensor]) -> FlatPlan | None:
         """The cached flat plan of these tensors, or None where the chunk lane must serve
@@ -128,6 +136,7 @@ class FlatLane:
         assert self.steps is not None
         assert f.flat is not None
         assert f.buffer is not None
+        token = f.digest_token
         try:
             t0 = time.perf_counter()
             f.wait_sealed()
@@ -142,15 +151,19 @@ class FlatLane:
                 self._flusher_lost()  # (it may have died between steps, or in a commit)
             if f.encode and not f.keyframe:  # the writer encodes it: chunk by chunk, here
                 f.txn.put_flat_chunks(layout, buf.numpy())
-                stats = digest(plan, buf.numpy()) if plan is not None else None
+                self._wait_turn(token, plan)
+                stats = self._digest_here_or_there(f, plan, token)
             elif fl is not None and not fl.dead and getattr(f.txn, "zip", None) is not None:
                 start = f.txn.reserve_flat(layout, lambda s: self._image(layout, s).nbytes)
                 path = f.txn.zip.local_path
                 # the child owns the zip framing in this buffer: should this process write
                 # from it later (the flusher died), its images bind it anew
                 self.steps.images[f.buffer].clear()
+                self._wait_turn(token, plan)
                 try:
-                    crcs, directory, stats = fl.write(f.buffer, layout, start, path, plan)
+                    crcs, directory, stats = fl.write(
+                        f.buffer, layout, start, path, plan, token, lambda: self._pass(token)
+                    )
                 except StorageError:
                     if not fl.dead:
                         raise  # the write itself failed (the disk): the step fails
@@ -158,7 +171,7 @@ class FlatLane:
                     # (the file is unpublished), write it again from here
                     self._flusher_lost()
                     f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer], start=start)
-                    stats = digest(plan, buf.numpy()) if plan is not None else None
+                    stats = digest(plan, buf.numpy(), token) if plan is not None else None
                 else:
                     im = self._image(layout, start)
                     # a keyframe the session asked for starts the next deltas' chains (its
@@ -175,12 +188,58 @@ class FlatLane:
                     )
             else:
                 f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer])
-                stats = digest(plan, buf.numpy()) if plan is not None else None
+                self._wait_turn(token, plan)
+                stats = digest(plan, buf.numpy(), token) if plan is not None else None
             if plan is not None and stats is not None:
                 f.flat_stats = {"paths": plan.paths, "numel": plan.numel, **stats}
         finally:
+            self._pass(token)
             index, f.buffer = f.buffer, None
             self.steps.release(index)
+
+    def ticket(self) -> int:
+        """The next step's digest token: steps take them in the order they are queued for
+        their write, and their digests run in that order (``_wait_turn``)."""
+        with self._turn:
+            return next(self._tokens)
+
+    def _wait_turn(self, token: int, plan: DigestPlan | None) -> None:
+        """Wait until every step queued before this one has digested (or sent its digest
+        request to the flusher, which serves them in order): a step's exact update compares
+        with the copy the previous digest kept, so two writer threads must not swap them."""
+        if plan is None:
+            return
+        with self._turn:
+            while self._next_turn < token:
+                self._turn.wait()
+
+    def _pass(self, token: int) -> None:
+        """This step's digest is done or sent (or the step has none): the next may go."""
+        with self._turn:
+            self._passed.add(token)
+            while self._next_turn in self._passed:
+                self._passed.discard(self._next_turn)
+                self._next_turn += 1
+            self._turn.notify_all()
+
+    def _digest_here_or_there(
+        self, f: Flight, plan: DigestPlan | None, token: int
+    ) -> dict[str, Any] | None:
+        """The digest of a step this process writes (encoded): in the flusher where one runs
+        (where the previous steps' copy is, and off this process's GIL), else here."""
+        if plan is None:
+            return None
+        assert self.steps is not None
+        assert f.buffer is not None
+        fl = self.flusher
+        if fl is not None and not fl.dead:
+            try:
+                return fl.digest(f.buffer, plan, token, lambda: self._pass(token))
+            except StorageError:
+                if not fl.dead:
+                    raise
+                self._flusher_lost()
+        return digest(plan, self.steps.buffers[f.buffer].numpy(), token)
 
     def close(self) -> None:
         if self.steps is not None:

@@ -12,7 +12,8 @@ DTensor model on one process — under the model's canonical names (``dstt.schem
 * buffers: rank 0's (DDP broadcasts rank 0's buffers; FSDP2 and tensor parallel keep buffers
   whole on every rank), cloned at capture as on one process;
 * state every rank holds alike — the optimizer's per-parameter structure (``optim/state``),
-  hyperparameters and the LR scheduler — from rank 0;
+  hyperparameters and the LR scheduler — from rank 0; under pipeline parallelism, where each
+  rank holds its own stage, every rank's own (``StageLayout``, decided at open);
 * per rank: RNG, data position and ``extra_state`` (``<name>/r<rank>``).
 
 Restore reads every live tensor's own box from the stored boxes (``dtensors.restore_tensor``):
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from .model_names import ModelInfoProvider, param_names
 from .optimizers import OptimizerStateProvider, optimizer_groups_provider, optimizers_of
 from .providers import CompositeProvider, RankObject, StateProvider, TensorProvider
-from .sharding import OwnedTensors, RankShare, RankZeroObjects
+from .sharding import OwnedTensors, RankShare, RankZeroObjects, StageLayout
 from .torch_state import ModelTensors, Stateful, TorchState, rng_provider, scheduler_provider
 
 if TYPE_CHECKING:
@@ -61,10 +62,12 @@ class ParallelState:
     ) -> None:
         self.info = info
         names = param_names(model)
+        self.names = sorted(set(names.values()))
+        self.layout = StageLayout(info)
         optimizers = optimizers_of(optimizer)
         logical: list[StateProvider] = [TensorProvider(ModelTensors(model))]
         logical += [OptimizerStateProvider(opt, names, key) for key, opt in optimizers.items()]
-        self.share = RankShare(CompositeProvider(logical), info, channel)
+        self.share = RankShare(CompositeProvider(logical), info, channel, self.layout)
         buffers = TensorProvider(ModelTensors(model, buffers=True), snapshot=True)
         step = CompositeProvider(
             [
@@ -78,9 +81,11 @@ class ParallelState:
         step.add(rng_provider(info))  # last: restoring it is the final word on RNG
         boundary = CompositeProvider()
         for key, opt in optimizers.items():
-            boundary.add(RankZeroObjects(optimizer_groups_provider(opt, names, key), info))
+            boundary.add(
+                RankZeroObjects(optimizer_groups_provider(opt, names, key), info, self.layout)
+            )
         if scheduler is not None:
-            boundary.add(RankZeroObjects(scheduler_provider(scheduler), info))
+            boundary.add(RankZeroObjects(scheduler_provider(scheduler), info, self.layout))
         for name, obj in (extra_state or {}).items():
             if not isinstance(obj, Stateful):
                 raise TypeError(f"extra_state[{name!r}] needs state_dict() and load_state_dict()")

@@ -391,6 +391,7 @@ class Pipeline(ChunkLane):
         if f.precopied:
             f.add_pending()
             f.flat_queued = True
+            f.digest_token = self.flat.ticket()  # digests run in this (queue) order
             self._write_q.put((f, "flat"))
             return
         steps = self.flat.ensure_steps(plan)
@@ -406,6 +407,7 @@ class Pipeline(ChunkLane):
         f.buffer = index
         f.add_pending()
         f.flat_queued = True
+        f.digest_token = self.flat.ticket()
         self._write_q.put((f, "flat"))
 
     # -- writer threads -----------------------------------------------------------------

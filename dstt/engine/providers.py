@@ -20,6 +20,7 @@ dicts lose the flat array paths inspection relies on.
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -27,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from dstt.errors import SchemaError
+from dstt.errors import CorruptRunError, DsttWarning, SchemaError
 from dstt.store import (
     CommitHeader,
     LogicalArray,
@@ -35,6 +36,7 @@ from dstt.store import (
     RankInfo,
     Reader,
     check_array_path,
+    decode_object,
     logical_arrays,
     read_logical,
     read_region,
@@ -351,32 +353,52 @@ class CompositeProvider:
 class StoreSource:
     """A committed step of a run as a ``RestoreSource`` (reads through a store ``Reader``).
 
-    Objects are read with ``trusted=True``: resuming hands the run's state to the live
-    training process anyway (like ``torch.load`` of one's own checkpoint), and user state that
-    is not plain data was stored with pickle.
+    Trust is the caller's: ``trusted=True`` lets ``object()`` unpickle an object stored with
+    pickle (user state that is not plain data); without it such an object raises
+    ``UnsafeObjectError``. Only the objects a provider asks for are ever decoded, so a pickle
+    no provider restores never runs, trusted or not. A resume of one's own run passes
+    ``trusted=True`` (like ``torch.load`` of one's own checkpoint); replay, inspection and
+    export leave it to the user.
 
     Arrays are the step's stored arrays and its *logical* ones (tensors several ranks wrote
     in parts, assembled from the shard maps: ``dstt.store.read.shards``): ``array`` reads a whole
     tensor, ``region`` only the box a rank holds (its local shard), from whichever parts
     overlap it.
 
-    ``prefetch=True`` reads (and verifies) every stored array and object of the step up
-    front, so a damaged step is refused before any live tensor is touched — at the cost of one
-    host copy of the state during the resume. Rejected alternative: verifying everything, then
-    reading it again to restore (twice the I/O of a large checkpoint).
+    ``prefetch=True`` reads (and verifies) every stored array and the bytes of every object
+    of the step up front, so a damaged array is refused before any live tensor is touched —
+    at the cost of one host copy of the state during the resume. Objects are verified, not
+    decoded: a damaged one fails only the provider that asks for it (``ChecksumError``), and
+    ``unused_damage()`` warns of the damaged ones nobody asked for (a bit flip in the
+    ``summaries`` no provider restores does not block a resume). Rejected alternatives:
+    verifying everything, then reading it again to restore (twice the I/O of a large
+    checkpoint); decoding every object up front (it unpickled objects nobody restores).
     """
 
-    def __init__(self, reader: Reader, header: CommitHeader, *, prefetch: bool = False) -> None:
+    def __init__(
+        self,
+        reader: Reader,
+        header: CommitHeader,
+        *,
+        prefetch: bool = False,
+        trusted: bool = False,
+    ) -> None:
         self._reader, self._header = reader, header
+        self._trusted = trusted
         self._arrays = reader.arrays(header)
         self._logical: dict[str, LogicalArray] | None = None
         self._cached: dict[str, torch.Tensor] = {}
-        self._cached_objects: dict[str, Any] = {}
+        self._raw: dict[str, bytes] = {}  # verified, undecoded object bytes (prefetch)
+        self._damaged: dict[str, CorruptRunError] = {}
+        self._asked: set[str] = set()
         if prefetch:
             for path, rec in self._arrays.items():
                 self._cached[path] = tensor_from_numpy(reader.read_array(header, path), rec.dtype)
             for name in header.objects:
-                self._cached_objects[name] = reader.read_object(header, name, trusted=True)
+                try:
+                    self._raw[name] = reader.read_object_bytes(header, name)
+                except CorruptRunError as e:  # damaged or missing: fails only who asks
+                    self._damaged[name] = e
 
     @property
     def reader(self) -> Reader:
@@ -387,6 +409,11 @@ class StoreSource:
     def header(self) -> CommitHeader:
         """The commit header being restored."""
         return self._header
+
+    @property
+    def trusted(self) -> bool:
+        """Whether ``object()`` may unpickle (see the class docstring)."""
+        return self._trusted
 
     @property
     def step(self) -> int:
@@ -436,6 +463,28 @@ class StoreSource:
         return name in self._header.objects
 
     def object(self, name: str) -> Any:  # noqa: ANN401 - a stored object
-        if name in self._cached_objects:
-            return self._cached_objects[name]
-        return self._reader.read_object(self._header, name, trusted=True)
+        """Object ``name``, decoded now (pickled ones only with ``trusted``)."""
+        self._asked.add(name)
+        damage = self._damaged.get(name)
+        if damage is not None:
+            raise damage
+        data = self._raw.get(name)
+        if data is None:
+            data = self._reader.read_object_bytes(self._header, name)
+        rec = self._header.objects[name]
+        where = f"{self._reader.storage.location}/{rec.key}"
+        return decode_object(data, rec.encoding, trusted=self._trusted, where=where)
+
+    def unused_damage(self, *, warn: bool = True) -> list[str]:
+        """The objects found damaged by the prefetch that no provider asked for (sorted);
+        with ``warn`` a ``DsttWarning`` names them. Call it after the restore."""
+        names = sorted(set(self._damaged) - self._asked)
+        if names and warn:
+            warnings.warn(
+                f"dstt: step {self.step} holds damaged objects no provider restores: "
+                f"{', '.join(names)} ({self._damaged[names[0]]}); the restore went on "
+                "without them. Run `dstt verify` on the run to see the damage",
+                DsttWarning,
+                stacklevel=2,
+            )
+        return names

@@ -23,9 +23,11 @@ right current device.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import threading
 import time
 import uuid
 import warnings
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_RANK_TIMEOUT",
+    "DEFAULT_START_TIMEOUT",
     "RankChannel",
     "RankInfo",
     "RankTransaction",
@@ -62,6 +65,11 @@ __all__ = [
 
 #: a wait longer than this says whom it waits for (then goes on waiting until its deadline)
 _NOTICE_S = 30.0
+#: how long the ranks wait for each other to start a session (a session on some ranks only)
+DEFAULT_START_TIMEOUT = 60.0
+#: a rank beats this often; one silent for ``_STALE_S`` (or half ``rank_timeout``) is gone
+_BEAT_S = 1.0
+_STALE_S = 30.0
 _channels = itertools.count()  # every process opens its sessions in the same order
 
 
@@ -99,13 +107,75 @@ class RankChannel:
 
             self._store = dist.PrefixStore(f"dstt/{name or next(_channels)}/", store)
 
-    def gather(self, key: str, value: Any, *, what: str = "answer") -> list[Any]:
+        self._beat: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._seen: dict[int, tuple[bytes, float]] = {}
+
+    def gather(
+        self, key: str, value: Any, *, what: str = "answer", timeout: float | None = None
+    ) -> list[Any]:
         if self._store is None:
             return [value]
         self._store.set(f"{key}/{self.info.rank}", json.dumps(value))
         keys = [f"{key}/{r}" for r in range(self.info.world)]
-        self._wait(keys, what)
+        self._wait(keys, what, timeout=timeout)
         return [json.loads(v) for v in self._store.multi_get(keys)]
+
+    # -- liveness: a heartbeat per rank, a mark when a rank leaves --------------------------
+    def start_heartbeat(self) -> None:
+        """Beat every ``_BEAT_S`` on a daemon thread until ``leave`` (a rank killed stops)."""
+        if self._store is None or self._beat is not None:
+            return
+        store, key = self._store, f"beat/{self.info.rank}"
+
+        def beat() -> None:
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                try:
+                    store.set(key, str(n))
+                except Exception:  # the store went away (the process group ended)
+                    return
+                self._stop.wait(_BEAT_S)
+
+        self._beat = threading.Thread(target=beat, name="dstt-heartbeat", daemon=True)
+        self._beat.start()
+
+    def leave(self, why: str) -> None:
+        """Stop beating and say this rank's session ended (``why``), so a committer waiting
+        for this rank's parts gives up at once instead of at its timeout."""
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join(timeout=5.0)
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                self._store.set(f"left/{self.info.rank}", json.dumps(why))
+
+    def lost(self, ranks: Sequence[int]) -> dict[int, str]:
+        """Which of ``ranks`` are gone: they left their session, or their heartbeat has not
+        changed for ``min(_STALE_S, timeout / 2)`` seconds (killed, or the host is gone), so a
+        killed rank is noticed before a wait for it times out. A rank that never beat counts
+        from the first time it was asked about."""
+        if self._store is None or not ranks:
+            return {}
+        out: dict[int, str] = {}
+        store = self._store
+        left = [r for r in ranks if store.check([f"left/{r}"])]
+        for r in left:
+            out[r] = f"its session ended: {json.loads(store.get(f'left/{r}'))}"
+        stale = min(_STALE_S, self.timeout / 2)
+        now = time.monotonic()
+        for r in ranks:
+            if r in out:
+                continue
+            key = f"beat/{r}"
+            value = store.get(key) if store.check([key]) else b""
+            last = self._seen.get(r)
+            if last is None or last[0] != value:
+                self._seen[r] = (value, now)
+            elif now - last[1] > stale:
+                out[r] = f"no heartbeat for {now - last[1]:.0f} s (killed, hung or unreachable)"
+        return out
 
     def share(self, key: str, value: Any = None, *, what: str = "answer") -> Any:
         if self._store is None:
@@ -116,9 +186,17 @@ class RankChannel:
         self._wait([key], what, ranks=[0])
         return json.loads(self._store.get(key))
 
-    def _wait(self, keys: Sequence[str], what: str, ranks: Sequence[int] | None = None) -> None:
+    def _wait(
+        self,
+        keys: Sequence[str],
+        what: str,
+        ranks: Sequence[int] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> None:
         assert self._store is not None
-        deadline = time.monotonic() + self.timeout
+        limit = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + limit
         noticed = False
         while True:
             left = deadline - time.monotonic()
@@ -133,19 +211,20 @@ class RankChannel:
                     ) from e
             missing = self._missing(keys, ranks)
             if time.monotonic() >= deadline:
+                setting = "rank_timeout" if timeout is None else "start_timeout or rank_timeout"
                 raise RankError(
                     f"rank {self.info.rank}: ranks {missing} did not send their {what} within "
-                    f"{self.timeout:.0f} s. Every rank must run the same dstt.session(...) (or "
+                    f"{limit:.0f} s. Every rank must run the same dstt.session(...) (or "
                     "callback) at the same point of training: a session on some ranks only "
                     "cannot commit; a rank that crashed or stalls holds the others up "
-                    "(rank_timeout= sets the wait)"
+                    f"({setting}= sets the wait)"
                 )
             if not noticed:
                 noticed = True
                 warnings.warn(
                     f"dstt: rank {self.info.rank} has waited {_NOTICE_S:.0f} s for "
                     f"the {what} of ranks {missing}; still waiting (up to "
-                    f"{self.timeout:.0f} s)",
+                    f"{limit:.0f} s)",
                     DsttWarning,
                     stacklevel=4,
                 )
@@ -210,6 +289,7 @@ def open_ranks(
     lazy_refs: bool = False,
     agree: Mapping[str, Any] | None = None,
     channel: RankChannel | None = None,
+    start_timeout: float = DEFAULT_START_TIMEOUT,
 ) -> tuple[RankWriter, Any]:
     """Open ``run`` on every rank (call on the main thread of all ranks together).
 
@@ -219,7 +299,9 @@ def open_ranks(
     ``agree``: settings every rank must share (``every``, ...; the run's location and
     ``resume`` always are), checked before anything is opened. ``lazy_refs``: rank 0's ref is
     synced by the next barrier (``Writer(lazy_refs=...)``); not for callers that publish a
-    pointer of their own after each commit (``latest``).
+    pointer of their own after each commit (``latest``). ``start_timeout``: how long the
+    ranks wait for each other to arrive (a session started on some ranks only fails then);
+    ``timeout`` bounds every later wait.
     """
     if encoding is not None and info.world > 1:
         raise ValueError(
@@ -230,6 +312,7 @@ def open_ranks(
         "hello",
         {"run": run_identity(run), "resume": bool(resume), "world": info.world, **(agree or {})},
         what="dstt.session start",
+        timeout=min(start_timeout, timeout),
     )
     bad = _disagreements(said)
     if bad:

@@ -28,7 +28,12 @@ DCP's planner does) — and writes it only if it is that box's *writer*:
 
 Rank-0 state (objects every rank holds alike: optimizer hyperparameters, scheduler) is
 written by rank 0 alone (``RankZeroObjects``); per-rank state (RNG, data position) goes under
-``<name>/r<rank>`` (``providers.RankObject``).
+``<name>/r<rank>`` (``providers.RankObject``). Under pipeline parallelism the ranks hold
+*different* parameters (each stage its own, an optimizer per stage): ``StageLayout`` finds
+that once at open, and then every rank stores its own optimizer structure, hyperparameters
+and scheduler under ``<name>/r<rank>`` and restores its own; ``parallel/layout`` records which
+parameters each rank held, so a resume on another layout is refused before anything is
+restored (``check_layout``).
 Rejected alternatives: gathering full tensors to rank 0 (a collective and a full copy on the
 training path, every byte through one disk queue); deriving the writers from mesh coordinates
 alone (a DTensor on a sub-mesh — TP inside data-parallel groups — cannot see the ranks that
@@ -41,7 +46,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dstt.errors import CaptureError
+from dstt.errors import CaptureError, SchemaError
 from dstt.store import DTENSOR_PREFIX, Box, Encoded, LogicalArray, shard_map, shard_source
 
 from ._convert import store_dtype
@@ -61,9 +66,109 @@ __all__ = [
     "OwnedTensors",
     "RankShare",
     "RankZeroObjects",
+    "StageLayout",
     "assign_writers",
+    "check_layout",
     "owners",
 ]
+
+#: which parameters each rank of a pipeline-parallel run held (absent: every rank the same)
+LAYOUT_OBJECT = "parallel/layout"
+
+
+class StageLayout:
+    """Do the ranks hold the same parameters (data, fully sharded, tensor parallel: one
+    optimizer structure, stored once) or different ones (pipeline stages: one per rank)?
+
+    ``decide`` runs once on every rank at open (a message round through the channel);
+    ``params`` is then None, or each rank's sorted parameter names (pipeline stages)."""
+
+    def __init__(self, info: RankInfo) -> None:
+        self.info = info
+        self.params: list[list[str]] | None = None
+
+    @property
+    def staged(self) -> bool:
+        return self.params is not None
+
+    def decide(self, channel: RankChannel, names: Iterable[str]) -> None:
+        every = channel.gather(
+            "layout", sorted(names), what="parameter names (the pipeline layout)"
+        )
+        self.params = every if any(e != every[0] for e in every) else None
+
+    def objects(self, objects: Mapping[str, Any]) -> Mapping[str, Any]:
+        """What this rank stores of ``objects`` (state of its stage, or every rank's alike)."""
+        if self.staged:
+            return {f"{name}/r{self.info.rank}": v for name, v in objects.items()}
+        return objects if self.info.rank == 0 else {}
+
+    def source(self, source: RestoreSource) -> RestoreSource:
+        """``source`` as this rank's providers read it (its own objects, when staged)."""
+        return _OwnObjects(source, self.info.rank) if self.staged else source
+
+    def layout_objects(self) -> Mapping[str, Any]:
+        if not self.staged or self.info.rank != 0:
+            return {}
+        return {LAYOUT_OBJECT: Encoded.of({"world": self.info.world, "params": self.params})}
+
+
+def check_layout(source: RestoreSource, live: list[list[str]] | None, *, world: int) -> None:
+    """Refuse, before anything is restored, a step whose pipeline layout (``parallel/layout``:
+    which parameters each rank held) is not this session's (``live``; None: every rank holds
+    the same parameters, or one process)."""
+    stored = source.object(LAYOUT_OBJECT) if source.has_object(LAYOUT_OBJECT) else None
+    if stored is None and live is None:
+        return
+    if stored is None:
+        raise SchemaError(
+            f"step {source.step} was written by ranks that all held the same parameters, but "
+            f"this session's {world} ranks hold different ones (pipeline stages): resume a "
+            "pipeline-parallel run only from a run it wrote"
+        )
+    saved = [list(p) for p in stored["params"]]
+    if live != saved:
+        where = (
+            "one process (or ranks holding the same parameters)"
+            if live is None
+            else f"{world} ranks holding {[len(p) for p in live]} parameters each"
+        )
+        raise SchemaError(
+            f"step {source.step} was written by a pipeline of {len(saved)} stages (rank r held "
+            f"parameters {[[*p[:2], '...'] if len(p) > 2 else p for p in saved]}); this session "
+            f"has {where}. Resume it on the same pipeline layout (same world size, the same "
+            "stages on the same ranks); read it with dstt.open(run), which sees every stage's "
+            "tensors under their own names"
+        )
+
+
+class _OwnObjects:
+    """A restore source whose objects are this rank's own copies (``<name>/r<rank>``)."""
+
+    def __init__(self, source: RestoreSource, rank: int) -> None:
+        self._source, self._rank = source, rank
+
+    @property
+    def step(self) -> int:
+        return self._source.step
+
+    def has_array(self, path: str) -> bool:
+        return self._source.has_array(path)
+
+    def array(self, path: str) -> torch.Tensor:
+        return self._source.array(path)
+
+    def shape(self, path: str) -> tuple[int, ...]:
+        return self._source.shape(path)
+
+    def region(self, path: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        return self._source.region(path, offsets, sizes)
+
+    def has_object(self, name: str) -> bool:
+        return self._source.has_object(f"{name}/r{self._rank}")
+
+    def object(self, name: str) -> Any:  # noqa: ANN401 - a stored object
+        return self._source.object(f"{name}/r{self._rank}")
 
 
 # -- the plan -------------------------------------------------------------------------------
@@ -169,8 +274,15 @@ class RankShare:
 
     stable = True
 
-    def __init__(self, inner: StateProvider, info: RankInfo, channel: RankChannel) -> None:
+    def __init__(
+        self,
+        inner: StateProvider,
+        info: RankInfo,
+        channel: RankChannel,
+        layout: StageLayout | None = None,
+    ) -> None:
         self.inner, self.info, self.channel = inner, info, channel
+        self.layout = layout or StageLayout(info)
         self._seen: Mapping[str, torch.Tensor] | None = None
         self._key: tuple[Any, ...] | None = None
         self._mine: list[tuple[str, str]] = []  # (stored path, logical path) this rank writes
@@ -234,7 +346,8 @@ class RankShare:
         self._map = Encoded.of(shard_map(arrays)) if sharded else None
 
     def objects(self) -> Mapping[str, Any]:
-        out = dict(self.inner.objects()) if self.info.rank == 0 else {}
+        out = dict(self.layout.objects(self.inner.objects()))
+        out.update(self.layout.layout_objects())
         if self._map is not None:
             out[f"shards/r{self.info.rank}"] = self._map
         return out
@@ -247,7 +360,7 @@ class RankShare:
         return {}
 
     def restore(self, source: RestoreSource) -> None:
-        self.inner.restore(source)
+        self.inner.restore(self.layout.source(source))
 
     def __repr__(self) -> str:
         return f"RankShare({self.inner!r}, rank={self.info.rank}/{self.info.world})"
@@ -277,21 +390,24 @@ class OwnedTensors:
 
 
 class RankZeroObjects:
-    """``inner``'s objects from rank 0 only (state every rank holds alike); its tensors and
-    restore as they are."""
+    """``inner``'s objects from rank 0 only (state every rank holds alike) — or, with a
+    ``layout`` that finds pipeline stages, each rank's own; its tensors as they are."""
 
-    def __init__(self, inner: StateProvider, info: RankInfo) -> None:
+    def __init__(
+        self, inner: StateProvider, info: RankInfo, layout: StageLayout | None = None
+    ) -> None:
         self.inner, self.info = inner, info
+        self.layout = layout or StageLayout(info)
         self.stable = bool(getattr(inner, "stable", False))
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return self.inner.tensors()
 
     def objects(self) -> Mapping[str, Any]:
-        return self.inner.objects() if self.info.rank == 0 else {}
+        return self.layout.objects(self.inner.objects())
 
     def restore(self, source: RestoreSource) -> None:
-        self.inner.restore(source)
+        self.inner.restore(self.layout.source(source))
 
     def __repr__(self) -> str:
         return f"RankZeroObjects({self.inner!r})"

@@ -27,6 +27,15 @@ What is exact and what is estimated:
 * ``update_ratio`` = ``update_l2 / l2`` (the current weights' norm); None when either is
   unknown or ``l2`` is 0.
 
+The update of a commit is always relative to its *parent commit* (the step before it on its
+timeline: step k-1 when every step is committed, k-every with ``every=``). In the flat lane it
+is exact wherever the digest that summarised the parent kept its copy in the same process
+(``dstt.store.flusher.flatstats``: ``digest`` with a token) — every step after the first of a
+session, on every flat path (flusher, writer threads, ``DeltaPolicy``) — and the committer
+checks that the copy was the parent's (:meth:`SummaryBook.committed`), since a failed step, a
+chunk-lane step in between or a resume make the previous digest another step's. The chunk
+lane (steps larger than half the budget) keeps no copy: estimates there, labelled so.
+
 A tensor staged in chunks (the host cache may be smaller than the tensor) is summarised with a
 :class:`SummaryAccumulator` fed chunk by chunk, from any thread, in any order; ``tensor_summary``
 is the one-shot form. A :class:`SummaryBook` (one per session) remembers each path's last probe
@@ -235,6 +244,7 @@ class SummaryBook:
         self.probe_size = probe_size
         self._probes: dict[str, list[float]] = {}
         self._columns: dict[tuple[str, ...], np.ndarray] = {}  # the flat lane's last probes
+        self._parent_token = -1  # the digest token of the last committed step (-1: none)
         self._lock = threading.Lock()
 
     def accumulator(self, path: str, numel: int) -> SummaryAccumulator:
@@ -271,11 +281,23 @@ class SummaryBook:
                     old = self._probes.get(p)
                     if old is not None and len(old) == st["probe_len"][i]:
                         prev[i, : len(old)] = old
-        out = finish_columns(numel, st, prev)
+            parent = self._parent_token
+        upd, prev_token = st.pop("upd_sumsq", None), int(st.pop("prev_token", -1))
+        exact = None
+        if upd is not None and parent != -1 and prev_token == parent:
+            exact = np.asarray(upd, dtype=np.float64)  # compared with the parent's own copy
+        out = finish_columns(numel, st, prev, exact)
         out["path"] = list(paths)
         with self._lock:
             self._columns = {key: st["probe"]}
         return out
+
+    def committed(self, token: int) -> None:
+        """The step just committed had digest token ``token`` (-1: none, a chunk-lane
+        step): the next flat step's update is exact only if its digest compared it with
+        that token's copy (``flatstats.digest``)."""
+        with self._lock:
+            self._parent_token = int(token)
 
     def seed(self, path: str, t: torch.Tensor) -> None:
         """Remember the probe of ``t`` as ``path``'s last one: after a resume, the restored
@@ -287,12 +309,14 @@ class SummaryBook:
         probe = flat[where].to(torch.float64).cpu()
         with self._lock:
             self._columns.clear()
+            self._parent_token = -1  # the parent is the restored step: no copy of it
             self._probes[path] = [float(v) for v in probe.tolist()]
 
     def forget(self, path: str | None = None) -> None:
         """Drop remembered probes (all, or one path) — e.g. after a resume or rollback."""
         with self._lock:
             self._columns.clear()
+            self._parent_token = -1
             if path is None:
                 self._probes.clear()
             else:
@@ -314,12 +338,17 @@ def flat_digest_plan(
 
 
 def finish_columns(
-    numel: np.ndarray, st: dict[str, np.ndarray], prev_probe: np.ndarray | None
+    numel: np.ndarray,
+    st: dict[str, np.ndarray],
+    prev_probe: np.ndarray | None,
+    exact_sumsq: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """The columnar summaries object of one flat step from ``flatstats.digest`` columns.
 
     Same fields and estimators as ``SummaryAccumulator.result``, one array each
-    (``update_l2``/``update_ratio`` NaN where unknown); ``dstt.inspect.summaries`` reads it.
+    (``update_l2``/``update_ratio`` NaN where unknown); ``exact_sumsq`` (the squared
+    distances to the parent's copy, NaN where unknown) makes those rows exact, flagged in
+    the ``update_exact`` column; ``dstt.inspect.summaries`` reads it.
     """
     finite = st["finite"]
     l2 = np.sqrt(st["sumsq"])
@@ -334,6 +363,10 @@ def finish_columns(
             d0 = np.where(np.isfinite(d), d, 0.0)
             d2 = (d0 * d0).sum(axis=1)
             update = np.where(good, np.sqrt(numel / np.maximum(k, 1) * d2), np.nan)
+        exact = np.zeros(len(l2), dtype=bool)
+        if exact_sumsq is not None and exact_sumsq.shape == l2.shape:
+            exact = np.isfinite(exact_sumsq) & (numel > 0)
+            update = np.where(exact, np.sqrt(np.where(exact, exact_sumsq, 0.0)), update)
         ratio = np.where(l2 > 0, update / np.where(l2 > 0, l2, 1.0), np.nan)
     return {
         "columns": 1,
@@ -346,6 +379,7 @@ def finish_columns(
         "update_ratio": ratio,
         "probe": st["probe"],
         "probe_len": st["probe_len"],
+        "update_exact": exact,
     }
 
 

@@ -15,6 +15,7 @@ Modules (each importable on its own; this package imports none of them eagerly, 
 - ``restore``    one commit as torch state dicts, and loaded into live objects
 - ``optimizers`` torch optimizers back from a commit, one or several
 - ``html``       the run overview (text, JSON-ready dict, static HTML)
+- ``virtual``    a timeline as one virtual Zarr store (kerchunk references into step files)
 
 Everything here reads through ``dstt.store`` only; ``dstt.run`` is the user-facing front.
 """

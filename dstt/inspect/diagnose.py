@@ -11,11 +11,15 @@ its ratio left *that tensor's own* recent baseline: the robust z-score
 ``(r - median) / (1.4826 * MAD)`` over the ratios of the previous ``window`` commits (at least
 ``min_periods`` finite ones). The MAD is floored at 1% of the median (and 1e-12), so a tensor
 whose ratio never varied does not score infinity for a wiggle. The absolute ratio stays beside
-it. Tensors without enough baseline (the first commits of a run) come after those with one,
-by ratio. Rejected alternative: ranking by absolute ratio — a tensor that always moves a lot
-tops every list and hides the one that changed. Limits: ratios are estimated from probes when
-the engine had no previous host copy (noisy; the robust baseline absorbs most of it); a tensor
-that moved abnormally over many steps becomes its own baseline.
+it. "Most abnormal" means the largest *positive* z: a tensor that moved less than usual
+(z < 0) is no suspect of a spike, so it comes last, after the tensors without enough
+baseline (the first commits of a run, by ratio), and the spike report leaves it out. Rejected
+alternatives: ranking by absolute ratio — a tensor that always moves a lot tops every list and
+hides the one that changed; ranking by |z| — a tensor that froze would name itself the
+culprit of a jump. Limits: ratios are estimated from probes where the engine had no copy of
+the parent step (``update_exact`` False: the chunk lane, the first step after a resume;
+noisy, the robust baseline absorbs most of it); a tensor that moved abnormally over many
+steps becomes its own baseline.
 
 **Which data** (:func:`suspect`). The loss of step *k* is computed on step *k*'s batch with the
 weights of step *k - 1*. If the update that made those weights (``parent -> cause``) was
@@ -69,9 +73,11 @@ def rank_by_baseline(
     summaries: xr.Dataset, step: int, *, window: int = 20, min_periods: int = 3
 ) -> list[tuple[str, float, float]]:
     """``(tensor, robust z, update ratio)`` of the update into ``step`` (a commit in
-    ``summaries``), most deviant first, by the module's baseline rule; tensors without a known
-    ratio at ``step`` are left out. ``summaries`` must hold the commits before ``step`` that
-    form the baseline (``window`` of them)."""
+    ``summaries``), most abnormal first by the module's baseline rule: z >= 0 descending,
+    then the tensors without a baseline (z NaN) by ratio, then z < 0 (moved less than
+    usual) descending; tensors without a known ratio at ``step`` are left out.
+    ``summaries`` must hold the commits before ``step`` that form the baseline (``window``
+    of them)."""
     if summaries.sizes.get("tensor", 0) == 0:
         return []
     steps = summaries["step"].values
@@ -96,9 +102,10 @@ def rank_by_baseline(
         mad = float(np.median(np.abs(past - med))) * 1.4826
         scale = max(mad, 0.01 * abs(med), 1e-12)
         out.append((str(names[j]), (r - med) / scale, r))
-    with_z = sorted((t for t in out if np.isfinite(t[1])), key=lambda t: -t[1])
+    above = sorted((t for t in out if np.isfinite(t[1]) and t[1] >= 0), key=lambda t: -t[1])
     without = sorted((t for t in out if not np.isfinite(t[1])), key=lambda t: -t[2])
-    return with_z + without
+    below = sorted((t for t in out if np.isfinite(t[1]) and t[1] < 0), key=lambda t: -t[1])
+    return above + without + below
 
 
 def suspect(ranked: Sequence[tuple[str, float, float]], z: float) -> str:

@@ -62,7 +62,22 @@ def run_summary(run: Any) -> dict[str, Any]:  # noqa: ANN401 - a Run (run/ sits 
         "bytes_per_step": sum(
             r.plan.nbytes for r in table.values() if getattr(r, "logical", None) is None
         ),
-        "metrics": sorted({k for h in line[-1:] for k in h.metrics}),
+        # the newest step that logged metrics (the head may have none: a commit made at a
+        # keyframe or at the session's close before the step's s.log)
+        **_newest_metrics(line),
+    }
+
+
+def _newest_metrics(line: list[Any]) -> dict[str, Any]:
+    """``metrics`` (names), ``metrics_step`` and ``metric_values`` of the newest commit of
+    ``line`` that has metrics (empty and None when none has)."""
+    h = next((h for h in reversed(line) if h.metrics), None)
+    if h is None:
+        return {"metrics": [], "metrics_step": None, "metric_values": {}}
+    return {
+        "metrics": sorted(h.metrics),
+        "metrics_step": h.step,
+        "metric_values": dict(h.metrics),
     }
 
 

@@ -5,13 +5,11 @@ Summaries are the per-commit object ``summaries`` written by the engine
 :func:`summaries_dataset` turns them into one ``Dataset`` with dims ``step`` x ``tensor`` (and
 ``probe_index`` for the probed elements) by reading one small object per commit, never a tensor.
 
-Spike rule (:func:`find_spikes`): for each step, the trailing window of the previous
-``window`` finite values of the metric gives a mean and a sample standard deviation; the step
-is a spike when ``(value - mean) / std > z`` (upward only: a loss spike), once at least
-``min_periods`` values precede it. Consecutive flagged steps form one spike, reported at its
-largest z-score; ``start`` is its first flagged step. Rejected alternative: a global z-score
-over the whole run — the loss trend of training makes early steps look like spikes and hides
-late ones.
+Spike rule (:func:`find_spikes`, :mod:`dstt.analysis.spikes`, re-exported here): a value is a
+spike when its log is more than ``z`` robust standard deviations above the median of the few
+values before it (the deviation measured over the ``window`` steps before), upward only;
+consecutive flagged steps are one spike at its largest score, ``start`` its first flagged step.
+Rejected alternatives (a rolling or global z-score of the values) are in that module.
 
 Cause rule (:func:`spike_cause`): a metric filed under step *k* was computed on the weights of
 step *k - 1* (the loss of step *k* is the forward pass before the *k*-th optimizer step), so a
@@ -78,6 +76,8 @@ def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
     cols = {f: np.asarray(obj[f]).tolist() for f in SCALAR_FIELDS}
     probe = np.asarray(obj["probe"])
     lens = np.asarray(obj["probe_len"]).tolist()
+    # (columns written before exact flat-lane updates have no ``update_exact``: estimates)
+    exact = np.asarray(obj.get("update_exact", np.zeros(len(paths), bool)), bool).tolist()
     out: dict[str, dict[str, Any]] = {}
     for i, p in enumerate(paths):
         row: dict[str, Any] = {f: cols[f][i] for f in SCALAR_FIELDS}
@@ -85,7 +85,7 @@ def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
             if math.isnan(row[f]):  # unknown (first step, no probe); an inf stays inf
                 row[f] = None
         row["probe"] = probe[i, : lens[i]].tolist()
-        row["update_exact"] = False
+        row["update_exact"] = bool(exact[i]) and row["update_l2"] is not None
         out[p] = row
     return out
 
@@ -166,9 +166,11 @@ def summaries_dataset(
 
     Variables over ``(step, tensor)``: ``l2 rms maxabs nan inf update_l2 update_ratio`` as
     float64 (NaN where unknown or absent), ``update_exact`` (bool), and ``probe`` over
-    ``(step, tensor, probe_index)`` (NaN-padded). ``update_l2`` and ``update_ratio`` are
-    *estimates* where ``update_exact`` is False (always, in a session: the engine compares
-    probed elements, not whole copies); their ``attrs`` say so (:func:`label_updates`).
+    ``(step, tensor, probe_index)`` (NaN-padded). ``update_l2`` and ``update_ratio`` compare
+    each commit with its parent commit; they are exact where ``update_exact`` is True (the
+    engine compared the parent's whole copy: the flat lane, every step after a session's
+    first) and *estimates* from the probed elements where it is False (a session's first
+    step after a resume, the chunk lane); their ``attrs`` say so (:func:`label_updates`).
     ``tensor`` holds user names without wrapper components (:func:`tensor_names`);
     ``store_path`` is a coordinate along it; along ``step`` the coordinates of
     :func:`step_coords`.
@@ -250,7 +252,7 @@ def label_updates(ds: xr.Dataset) -> xr.Dataset:
             exactness=kind,
             note=ESTIMATE_NOTE
             if kind in ("estimate", "mixed")
-            else "exact (the previous step's copy was compared whole)",
+            else "exact (the parent commit's copy was compared whole)",
         )
     return ds
 
@@ -267,7 +269,8 @@ class Spike:
     ``parent`` None when ``cause`` is the first commit. ``tensors``: ``(name, score)`` of the
     cause's update, most abnormal first: the robust z-score of its update ratio against that
     tensor's own recent baseline (:mod:`dstt.inspect.diagnose`; NaN without a baseline, then
-    ordered by ratio); ``ratios`` holds their absolute update ratios.
+    ordered by ratio); tensors that moved less than their baseline (z < 0) are not listed;
+    ``ratios`` holds their absolute update ratios.
 
     Data (:mod:`dstt.inspect.diagnose`, "which data"): ``batches`` are the recorded batch
     fingerprints of the steps ``parent + 1 .. start`` (``run.batches()``); ``suspect`` says
@@ -326,7 +329,7 @@ class Spike:
                 f"{n} (z={r:.3g}, ratio {self.ratios.get(n, math.nan):.3g})"
                 for n, r in self.tensors[:3]
             )
-            or "no summaries"
+            or "none (no update above its baseline, or no summaries)"
         )
         if self.update is not None:
             why = f"caused by the update {self.parent} -> {self.cause}"

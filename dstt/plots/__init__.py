@@ -63,7 +63,9 @@ def _timelines(run: Run, timelines: str | Iterable[str] | None) -> list[str]:
     return [timelines] if isinstance(timelines, str) else list(timelines)
 
 
-def _spikes(run: Run, metric: str, timeline: str | None, window: int, z: float) -> list[Any]:
+def _spikes(
+    run: Run, metric: str, timeline: str | None, window: int | None, z: float | None
+) -> list[Any]:
     if metric not in run.metrics(timeline):
         return []
     return list(run.spikes(metric, window=window, z=z, top=0, timeline=timeline))
@@ -76,14 +78,15 @@ def loss(
     timelines: str | Iterable[str] | None = None,
     spikes: bool = True,
     step: int | None = None,
-    window: int = 50,
-    z: float = 4.0,
+    window: int | None = None,
+    z: float | None = None,
     logy: bool = False,
     ax: Axes | None = None,
 ) -> Axes:
     """``metric`` over steps for the current timeline (or ``timelines``: names or ``"all"``),
-    spikes (:meth:`dstt.Run.spikes` with ``window``/``z``) marked at their loss step and the
-    update that caused each (``parent -> cause``) shaded, ``step`` as a cursor."""
+    spikes (:meth:`dstt.Run.spikes` with ``window``/``z``; None: its defaults) marked at
+    their loss step and the update that caused each (``parent -> cause``) shaded, ``step``
+    as a cursor."""
     ax = _axes(ax, (8, 3.5))
     curves, found = [], []
     for tl in _timelines(run, timelines):
@@ -112,14 +115,15 @@ def update_heatmap(
     field: str = "update_ratio",
     log: bool = True,
     spikes: str | None = "loss",
-    window: int = 50,
-    z: float = 4.0,
+    window: int | None = None,
+    z: float | None = None,
     ax: Axes | None = None,
 ) -> Axes:
     """Per-parameter ``field`` (``update_ratio``, ``update_l2`` or ``l2``) over steps as a
     heatmap, labelled ``estimate from probes`` where the update numbers are the summaries'
-    estimates (``exact`` where computed from the tensors); ``selector`` as in
-    :func:`dstt.plots.series.tensor_stats` (one that picks nothing raises); the updates
+    estimates (``exact`` where the summaries' are exact or computed from the tensors);
+    ``selector`` as in :func:`dstt.plots.series.tensor_stats` (one that picks nothing
+    raises); the updates
     that caused the spikes of metric ``spikes`` (None: none;
     ``window``/``z`` as in :func:`loss`) as dashed lines at ``Spike.cause``: the column whose
     weights produced the bad loss, one step before the loss jumped."""
@@ -181,7 +185,8 @@ def layer_change(
     ax: Axes | None = None,
 ) -> Axes:
     """Bars of ``||w_step - w_ref|| / ||w||`` per parameter (default reference: the previous
-    commit: the summaries' estimate, labelled so; another reference: exact), largest first,
+    commit: the summaries' number, exact or an estimate, labelled so; another reference:
+    exact), largest first,
     at most ``top`` of them."""
     ds = step_change(run, step, reference, timeline=timeline)
     ratio = ds["ratio"].values

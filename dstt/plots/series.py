@@ -6,9 +6,10 @@ step, no tensor is read. Otherwise they are computed from the tensors themselves
 trajectory per tensor (every step of one tensor at a time, so memory is bounded by one tensor
 times the number of steps, checked against ``max_bytes``). Every result says which it used in
 ``attrs["source"]`` (``"summaries"`` or ``"tensors"``), and whether its update numbers are
-exact (from the tensors) or estimates (the summaries' probes: the engine compares 16 elements
-per tensor, not whole copies) in ``attrs["update_exactness"]`` / ``attrs["exactness"]``; the
-plots and widgets put that on their labels.
+exact (from the tensors, or summaries the engine computed from the parent's whole copy) or
+estimates (the summaries' probes: 16 elements per tensor, where no copy was at hand) in
+``attrs["update_exactness"]`` / ``attrs["exactness"]``; the plots and widgets put that on
+their labels.
 
 Only model parameters are included (``params/...``): buffers are often integer masks and
 optimizer states have their own scale, so neither belongs on a "which layer moved" chart.
@@ -82,9 +83,9 @@ def tensor_stats(
     ``steps`` as in :meth:`dstt.Run.select_steps`; ``selector`` picks tensors by the layer
     selector rule (a tied name shows its target's numbers; one that picks nothing raises
     ``TensorNotFoundError``). From summaries when every selected commit has them — the
-    update numbers are then estimates, and ``attrs`` say so (``update_exactness``, the
-    variables' ``note``) — else from the tensors, exactly (``MemoryError`` beyond
-    ``max_bytes`` per tensor trajectory: narrow ``steps``).
+    update numbers are exact or estimates as the summaries' are, and ``attrs`` say so
+    (``update_exactness``, the variables' ``note``) — else from the tensors, exactly
+    (``MemoryError`` beyond ``max_bytes`` per tensor trajectory: narrow ``steps``).
     """
     headers = run.select_steps(steps, timeline)
     if headers and all(SUMMARIES_OBJECT in h.objects for h in headers):
@@ -182,7 +183,7 @@ def step_change(
     (``norm`` is then the current weights' L2, the engine's ``update_ratio`` convention);
     otherwise both commits are diffed exactly and ``norm`` is the reference's L2.
     ``attrs``: ``step``, ``reference`` (None at the first commit: everything NaN),
-    ``source``, ``exactness`` (``"estimate"`` from the summaries, ``"exact"`` from a diff).
+    ``source``, ``exactness`` (the summaries' own, ``"exact"`` from a diff).
     """
     head = run.at(step, timeline).header
     if reference is None:

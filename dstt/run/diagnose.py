@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 __all__ = ["DiagnosedRun", "Diagnosis", "RunDiagnostics"]
 
+SUSPECT_Z = 4.0  #: an update ratio this far above its baseline makes a spike's suspect "update"
+DIVERGENCE_WINDOW = 10  #: diagnose()'s divergence smoothing when the spike window is the default
+
 
 @dataclass(frozen=True)
 class Diagnosis:
@@ -138,8 +141,8 @@ class RunDiagnostics:
         self,
         metric: str = "loss",
         *,
-        window: int = 50,
-        z: float = 4.0,
+        window: int | None = None,
+        z: float | None = None,
         around: int = 0,
         top: int = 10,
         baseline: int = 20,
@@ -155,16 +158,20 @@ class RunDiagnostics:
             raise MetricNotFoundError(
                 f"metric {metric!r} was never logged on timeline {name!r}; logged: {ds.names}"
             )
-        found = find_spikes(  # numpy columns of the index: no xarray for a run with no spike
-            ds.steps, ds.column(metric).astype(np.float64), window=window, z=z
+        found = find_spikes(  # numpy columns of the index: no xarray for a run with no spike;
+            ds.steps,  # window/z None: the rule's defaults (dstt.analysis.spikes)
+            ds.column(metric).astype(np.float64),
+            window=window,
+            z=z,
         )
         if not found:
             return []
         line = self.run.commits(name)
         steps = [h.step for h in line]
         causes = [spike_cause(steps, start) for *_, start in found]
+        verdict_z = SUSPECT_Z if z is None else z
         return self._explain(
-            found, causes, around=around, top=top, z=z, baseline=baseline, name=name
+            found, causes, around=around, top=top, z=verdict_z, baseline=baseline, name=name
         )
 
     def _explain(
@@ -198,6 +205,8 @@ class RunDiagnostics:
             best: dict[str, tuple[float, float]] = {}
             for st in w:
                 for n, score, ratio in rank_by_baseline(sums, st, window=baseline):
+                    if np.isfinite(score) and score < 0:
+                        continue  # moved less than usual: not abnormal (rank_by_baseline)
                     old = best.get(n)
                     if old is None or _after(old, (score, ratio)):
                         best[n] = (score, ratio)
@@ -266,14 +275,21 @@ class RunDiagnostics:
         ]
 
     def diagnose(
-        self, metric: str = "loss", *, window: int = 50, z: float = 4.0, timeline: str | None = None
+        self,
+        metric: str = "loss",
+        *,
+        window: int | None = None,
+        z: float | None = None,
+        timeline: str | None = None,
     ) -> Diagnosis:
-        """Spikes, the first non-finite tensors and gradual divergence in one report."""
+        """Spikes, the first non-finite tensors and gradual divergence in one report
+        (``window``/``z``: the spike rule's; None: its defaults)."""
         spikes = self.spikes(metric, window=window, z=z, timeline=timeline)
+        smooth = DIVERGENCE_WINDOW if window is None else max(3, window // 5)
         return Diagnosis(
             spikes,
             self.first_nonfinite(timeline),
-            self.divergence(metric, window=max(3, window // 5), timeline=timeline),
+            self.divergence(metric, window=smooth, timeline=timeline),
         )
 
 

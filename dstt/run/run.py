@@ -18,13 +18,14 @@ every attribute access — steps would change between two cells that the user re
 from __future__ import annotations
 
 import os
+import pathlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dstt._lru import LRU
-from dstt.errors import CorruptRunError, NotARunError, StepNotFoundError
+from dstt.errors import ConfigError, CorruptRunError, NotARunError, StepNotFoundError
 from dstt.inspect.catalog import Catalog
 from dstt.inspect.html import run_html, run_summary
 from dstt.inspect.readers import ReaderPool
@@ -303,15 +304,19 @@ class Run:
         self,
         metric: str = "loss",
         *,
-        window: int = 50,
-        z: float = 4.0,
+        window: int | None = None,
+        z: float | None = None,
         around: int = 0,
         top: int = 10,
         baseline: int = 20,
         timeline: str | None = None,
     ) -> list[Spike]:
-        """Spikes of a logged metric (rolling z-score rule of :mod:`dstt.inspect.summaries`),
-        each with the committed update that caused it.
+        """Spikes of a logged metric, each with the committed update that caused it.
+
+        Spike rule (:mod:`dstt.analysis.spikes`): a value is flagged when its log is more
+        than ``z`` (default 6) robust standard deviations above the median of the 5 values
+        before it, the deviation measured over up to ``window`` (default 100) steps before;
+        causal, for falling, flat and noisy losses alike. ``Spike.zscore`` is that score.
 
         Step rule: the metric filed under step *k* was computed on the weights of step
         *k - 1*, so a jump first seen at *k* (``Spike.start``) was caused by the update
@@ -332,9 +337,12 @@ class Run:
     def replay(
         self,
         step: int | Spike,
-        model: Any,
-        optimizer: Any,
+        model: Any = None,
+        optimizer: Any = None,
         *,
+        trainer: Any = None,
+        module: Any = None,
+        before_step: Callable[[], None] | None = None,
         scheduler: Any = None,
         loss_fn: Any = None,
         batches: Any = None,
@@ -344,6 +352,7 @@ class Run:
         per_sample: bool = True,
         per_sample_grads: bool = False,
         timeline: str | None = None,
+        trusted: bool = False,
     ) -> Any:
         """Re-execute step ``step`` (or a ``Spike``: its first flagged step) from the commit
         before it, into the given ``model``/``optimizer``/``scheduler`` (built as the run
@@ -353,13 +362,24 @@ class Run:
         ``collate``, default torch's), or a ``batches`` callable (indices -> batch), or are
         ``batches`` themselves. ``loss_fn(model, batch)`` returns the loss the loop
         back-propagated (gradient-accumulation scaling included; default: the model output's
-        ``.loss``). Returns a :class:`dstt.inspect.replay.Replay`: ``faithful`` (bit-exact
+        ``.loss``); ``before_step()`` runs between the last backward and the optimizer step,
+        as the loop did (``torch.nn.utils.clip_grad_norm_``: a clipped step replays bit-exact
+        only with it).
+
+        ``trainer=`` (an HF ``transformers.Trainer``, or a ``lightning.Trainer`` with
+        ``module=`` the LightningModule) in place of ``model``/``optimizer``: the
+        :class:`~dstt.inspect.replay.ReplayKit` registered for its type (``import
+        dstt.integrations.transformers`` / ``.lightning``) runs the step as the framework
+        does (its collator, loss, clipping); explicit arguments take the place of the kit's.
+
+        Returns a :class:`dstt.inspect.replay.Replay`: ``faithful`` (bit-exact
         against the commit), the gradients (``.grads``, ``.layer(...)``, ``.top()``),
         per-sample losses worst first (``.per_sample``, ``.worst(n)`` for
         ``rollback(..., skip_samples=...)``) and the ``activations`` of the named modules.
-        Nothing is written to the run; the live objects end at the replayed step. See
-        docs/replay.md."""
-        from dstt.inspect.replay import replay_step
+        Nothing is written to the run; the live objects end at the replayed step. Only the
+        state restored into the given objects is decoded; ``trusted=True`` lets a part of it
+        stored with pickle load (it runs code from the run). See docs/replay.md."""
+        from dstt.inspect.replay import replay_kit_for, replay_step
         from dstt.inspect.summaries import Spike
 
         k = (
@@ -367,12 +387,20 @@ class Run:
             if isinstance(step, Spike)
             else int(step)
         )
+        if module is not None and trainer is None:
+            raise ConfigError(
+                "replay's module= goes with trainer= (a lightning.Trainer and its "
+                "LightningModule); for a plain loop pass model= and optimizer="
+            )
+        kit = None if trainer is None else replay_kit_for(trainer, module)
         return replay_step(
             self,
             self._reader,
             k,
             model,
             optimizer,
+            kit=kit,
+            before_step=before_step,
             scheduler=scheduler,
             loss_fn=loss_fn,
             batches=batches,
@@ -382,6 +410,7 @@ class Run:
             per_sample=per_sample,
             per_sample_grads=per_sample_grads,
             timeline=timeline,
+            trusted=trusted,
         )
 
     def _read_summaries(self, h: Any) -> dict[str, Any]:
@@ -403,22 +432,28 @@ class Run:
         timeline_b: str | None = None,
         selector: str | None = None,
         paths: Iterable[str] | None = None,
+        optim: bool = False,
         progress: Callable[[int], None] | None = None,
     ) -> xr.Dataset:
         """Per-tensor change from step ``a`` to step ``b`` (see :mod:`dstt.inspect.compare`);
         ``b`` is read from ``timeline_b`` if given (compare two timelines), else ``timeline``.
-        ``selector`` restricts to a layer selector (:func:`dstt.inspect.naming.select`),
-        ``paths`` to store array paths (``params/...``)."""
+        The model's tensors only, as ``dstt diff``; ``optim=True`` adds the optimizer states
+        (``dstt diff --optim``). ``selector`` restricts to a layer selector
+        (:func:`dstt.inspect.naming.select`), ``paths`` to these store array paths
+        (``params/...``, ``optim/...``) whatever ``optim`` says."""
         from dstt.inspect.compare import diff_commits
 
         ha, hb = self._header(a, timeline), self._header(b, timeline_b or timeline)
         paths = None if paths is None else list(paths)
         ca, cb = self.catalog(ha), self.catalog(hb)
+        if paths is None and not optim:
+            paths = sorted(set(ca.model_paths) | set(cb.model_paths))
         if selector is not None:
-            both = sorted(set(ca.pool) | set(cb.pool))
+            both = sorted(set(ca.pool) | set(cb.pool)) if paths is None else paths
             paths = Catalog(
                 ca.table | cb.table,
-                where=f"at steps {a} or {b}",
+                where=f"at steps {a} or {b}"
+                + ("" if optim else " (optimizer states excluded: optim=True adds them)"),
                 listing=(f"run.at({b}).names(optim=True)"),
             ).select(selector, paths=both)[0]
         if paths is not None:  # a tied name is its target's tensor
@@ -449,7 +484,12 @@ class Run:
         )
 
     def diagnose(
-        self, metric: str = "loss", *, window: int = 50, z: float = 4.0, timeline: str | None = None
+        self,
+        metric: str = "loss",
+        *,
+        window: int | None = None,
+        z: float | None = None,
+        timeline: str | None = None,
     ) -> Diagnosis:
         """Spikes (:meth:`spikes`), the first non-finite tensors and gradual divergence of
         ``timeline`` in one report; ``print(run.diagnose())``."""
@@ -478,6 +518,7 @@ class Run:
         name: str | None = None,
         skip_samples: Iterable[int] | None = None,
         skip_batches: Iterable[int] | None = None,
+        force: bool = False,
     ) -> str:
         """Start a new timeline at step ``to`` of ``timeline`` (default: current; the old one
         is kept) and make it current; training resumed on this run continues from there,
@@ -488,34 +529,45 @@ class Run:
         ``skip_samples`` (sample indices) and ``skip_batches`` (steps of ``timeline`` whose
         recorded batches, ``run.batches()``, are skipped wherever they come again) are
         dropped by every session resumed on the new timeline and those forked from it
-        (``run.skips()``; see :mod:`dstt.training.data`)."""
+        (``run.skips()``; see :mod:`dstt.training.data`).
+
+        A live writer (a training session on this run) holds its lock: ``RunLockedError``
+        naming it (host, pid, since when), as for every timeline change here, unless
+        ``force=True`` — the session keeps writing its own timeline, and its next resume
+        continues the new one."""
         skips = self._diagnostics.skip_set(skip_samples, skip_batches, timeline)
-        ref = self.repo.rollback(int(to), skip_data=int(skip_data), timeline=timeline, name=name)
+        ref = self.repo.rollback(
+            int(to), skip_data=int(skip_data), timeline=timeline, name=name, force=force
+        )
         if skips:
             write_skips(self.repo.storage, ref, skips)
         self.refresh()
         return str(ref.name)
 
-    def switch(self, timeline: str) -> None:
+    def switch(self, timeline: str, *, force: bool = False) -> None:
         """Make ``timeline`` the current one: the default everywhere here, and what training
-        resumed on this run continues."""
-        self.repo.switch(timeline)
+        resumed on this run continues (a live writer: see :meth:`rollback`'s ``force``)."""
+        self.repo.switch(timeline, force=force)
         self.refresh()
 
-    def rename_timeline(self, old: str, new: str) -> None:
+    def rename_timeline(self, old: str, new: str, *, force: bool = False) -> None:
         """Rename a timeline; HEAD and the timelines forked from it follow. Commits keep the
         name they were written under (``Snapshot.header.timeline``: history). Crash-safe: a
-        cut leaves both names on the same head, and renaming again finishes it."""
-        self.repo.rename_timeline(old, new)
+        cut leaves both names on the same head, and renaming again finishes it. A live
+        writer: see :meth:`rollback`'s ``force``."""
+        self.repo.rename_timeline(old, new, force=force)
         self.refresh()
 
-    def delete_timeline(self, name: str, *, gc: bool = True, dry_run: bool = False) -> Any:
+    def delete_timeline(
+        self, name: str, *, gc: bool = True, dry_run: bool = False, force: bool = False
+    ) -> Any:
         """Delete a timeline other than the current one (``CurrentTimelineError``: switch
         first). With ``gc`` the commits no other timeline reaches and their files are freed;
         its fork ancestry, and what timelines forked from it need, stay. ``dry_run`` only
         reports. Returns a report: ``freed_steps``, ``kept_steps``, ``gc`` (the store's
-        :class:`GcReport`, None without ``gc``)."""
-        report = self.repo.delete_timeline(name, gc=gc, dry_run=dry_run)
+        :class:`GcReport`, None without ``gc``). A live writer: see :meth:`rollback`'s
+        ``force``; forced, the files wait for the next ``gc`` (``report.gc`` is None)."""
+        report = self.repo.delete_timeline(name, gc=gc, dry_run=dry_run, force=force)
         self.refresh()
         return report
 
@@ -544,6 +596,24 @@ class Run:
         )
         self.refresh()
         return report
+
+    def virtual(self, out: str | os.PathLike[str], *, timeline: str | None = None) -> Any:
+        """Write (or extend) a reference file that presents ``timeline`` as one Zarr store:
+        every tensor an array with a leading ``step`` dimension whose chunks point into the
+        step files (no copy), metrics along ``step`` at the root. Plain xarray reads it
+        through fsspec: ``xr.open_datatree("reference://run", engine="zarr",
+        storage_options={"fo": out}, consolidated=False, zarr_format=3)``. Steps with
+        delta-encoded chunks and tensors stored as per-rank boxes are left out and listed.
+        Returns a :class:`dstt.inspect.virtual.VirtualReport` (docs/virtual.md)."""
+        from dstt.inspect.virtual import write_references
+
+        name = timeline or self.timeline
+        storage = self._reader.storage
+        root = getattr(storage, "root", None)
+        url = pathlib.Path(root).resolve().as_uri() if root is not None else storage.location
+        return write_references(
+            self._reader, self._lineage(name), out, run_url=url.rstrip("/"), timeline=name
+        )
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> Any:
         """Check every reachable byte; the store's report (``.problems``, ``.ok``)."""

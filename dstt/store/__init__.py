@@ -15,7 +15,7 @@ Engine-facing — what captures, commits and restores steps:
   ``RankInfo``, ``DEFAULT_RANK_TIMEOUT``, ``remove_parts``
 * the flat lane and the flusher process: ``FlatLayout``, ``FlatImage``, ``Flusher``,
   ``flusher_supported``, ``DigestPlan``, ``digest``
-* chunks, objects, fewer bytes: ``ChunkPlan``, ``check_array_path``, ``Encoded``,
+* chunks, objects, fewer bytes: ``ChunkPlan``, ``check_array_path``, ``Encoded``, ``decode_object``,
   ``DeltaPolicy``, ``Prediction``, ``CUR``, ``adam_predictions``, ``sgd_predictions``
 * sharded state: ``LogicalArray``, ``Piece``, ``Box``, ``shard_map``, ``shard_source``,
   ``DTENSOR_PREFIX``, ``logical_of``, ``logical_arrays``, ``read_logical``, ``read_region``
@@ -80,7 +80,7 @@ if TYPE_CHECKING:
         plan_chunks,
     )
     from .format.manifest import parse_header
-    from .format.objects import Encoded
+    from .format.objects import Encoded, decode_object
     from .format.parts import remove_parts
     from .format.records import ArrayRecord, CommitHeader
     from .format.segment import SCALARS as SUMMARY_SCALARS
@@ -163,6 +163,7 @@ __all__ = [
     "adam_predictions",
     "as_float",
     "check_array_path",
+    "decode_object",
     "digest",
     "dtype_itemsize",
     "find_spikes",
@@ -237,6 +238,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "adam_predictions": ("codec.predict", "adam_predictions"),
     "as_float": ("index.rows", "as_float"),
     "check_array_path": ("format.layout", "check_array_path"),
+    "decode_object": ("format.objects", "decode_object"),
     "digest": ("flusher.flatstats", "digest"),
     "dtype_itemsize": ("format.zarr_meta", "dtype_itemsize"),
     "find_spikes": ("maintenance.retention", "find_spikes"),

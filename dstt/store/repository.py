@@ -146,14 +146,18 @@ class Repository:
         skip_data: int = 0,
         timeline: str | None = None,
         name: str | None = None,
+        force: bool = False,
     ) -> RefInfo:
         """Start a new timeline at ``to_step`` of ``timeline`` (default current); make it current.
 
-        Nothing is deleted: the old timeline keeps its head and stays inspectable.
+        Nothing is deleted: the old timeline keeps its head and stays inspectable. A live
+        writer: ``RunLockedError`` unless ``force`` (``maintenance/timelines.changing``).
         """
         if skip_data < 0:
             raise ValueError(f"skip_data must be >= 0, got {skip_data}")
-        with self.storage.lock(LOCK_KEY):
+        from .maintenance.timelines import changing  # (with gc: not for reading a run)
+
+        with changing(self.storage, "roll back", force=force, cli="dstt rollback"):
             r = self.reader()
             base_name = timeline or r.current_timeline
             base = r.find(to_step, base_name)
@@ -190,25 +194,30 @@ class Repository:
             self.storage.write_durable(HEAD_KEY, dump_head(new))
             return ref
 
-    def switch(self, timeline: str) -> None:
-        """Make an existing timeline current (the next resume continues it)."""
-        with self.storage.lock(LOCK_KEY):
+    def switch(self, timeline: str, *, force: bool = False) -> None:
+        """Make an existing timeline current (the next resume continues it); a live writer:
+        ``RunLockedError`` unless ``force``."""
+        from .maintenance.timelines import changing
+
+        with changing(self.storage, "switch timelines", force=force, cli="dstt timeline switch"):
             self.reader().ref(timeline)
             self.storage.write_durable(HEAD_KEY, dump_head(timeline))
 
-    def rename_timeline(self, old: str, new: str) -> RefInfo:
+    def rename_timeline(self, old: str, new: str, *, force: bool = False) -> RefInfo:
         """Rename a timeline (HEAD and the timelines forked from it follow); crash-safe, and
         running it again finishes an interrupted rename (``maintenance/timelines.py``)."""
         from .maintenance.timelines import rename_timeline
 
-        return rename_timeline(self, old, new)
+        return rename_timeline(self, old, new, force=force)
 
-    def delete_timeline(self, name: str, *, gc: bool = True, dry_run: bool = False) -> DeleteReport:
+    def delete_timeline(
+        self, name: str, *, gc: bool = True, dry_run: bool = False, force: bool = False
+    ) -> DeleteReport:
         """Delete a timeline that is not the current one; with ``gc``, free the commits and
         files no other timeline reaches (``maintenance/timelines.py``)."""
         from .maintenance.timelines import delete_timeline
 
-        return delete_timeline(self, name, sweep=gc, dry_run=dry_run)
+        return delete_timeline(self, name, sweep=gc, dry_run=dry_run, force=force)
 
     # -- maintenance (maintenance/gc.py, maintenance/verify.py) -------------------------------
     def gc(

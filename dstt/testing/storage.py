@@ -68,6 +68,13 @@ class StorageTests:
         assert storage.read("k") == b"short"
         assert storage.size("k") == 5
 
+    def test_create_writes_a_new_key_and_never_over_one(self, storage: Storage) -> None:
+        storage.create("_dstt/commits/000000000001.json", b"first")
+        assert storage.read("_dstt/commits/000000000001.json") == b"first"
+        with pytest.raises(RunLockedError, match="another writer"):
+            storage.create("_dstt/commits/000000000001.json", b"second")
+        assert storage.read("_dstt/commits/000000000001.json") == b"first"
+
     def test_a_missing_key_is_a_missing_file_error(self, storage: Storage) -> None:
         assert not storage.exists("nope")
         with pytest.raises(MissingFileError):

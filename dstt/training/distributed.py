@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 from dstt.engine.dims import DimsOf, ModelDims
 from dstt.engine.parallel import ParallelState
 from dstt.engine.providers import RankObject, StoreSource
-from dstt.engine.ranks import RankChannel, RankInfo, dist_info, open_ranks
+from dstt.engine.ranks import RankChannel, RankInfo, RankWriter, dist_info, open_ranks
+from dstt.engine.sharding import check_layout
 from dstt.errors import ConfigError, RankError
 from dstt.store import Repository
 
@@ -48,12 +49,17 @@ if TYPE_CHECKING:
 
 __all__ = ["DistributedSession", "RankedSession"]
 
+#: after this rank 0's training raised, how long it waits for the others' parts of the steps
+#: they finished (a rank stuck in a collective that rank 0 left never sends its part)
+_ERROR_GRACE_S = 30.0
+
 
 class RankedSession(Session):
     """What every session of one rank among several shares (see the module docstring)."""
 
     _prefetch_restore = False  # each rank reads only what it holds
-    _tail_on_error = False  # the other ranks may be gone: rank 0 would wait for their parts
+    # after an exception a finished step is still committed, as with one process: rank 0
+    # waits for gone ranks once at most (RankLostError), not rank_timeout per step
 
     def __init__(
         self,
@@ -100,6 +106,9 @@ class RankedSession(Session):
         if self._closed or not self._started:
             return
         failure: BaseException | None = None
+        if exc is not None and self.info.rank == 0 and isinstance(self._writer, RankWriter):
+            # the others may be stuck (a collective this rank left): wait for them once, briefly
+            self._writer.give_up_after(min(self.options.rank_timeout, _ERROR_GRACE_S))
         try:
             super().close(exc)
         except BaseException as e:
@@ -107,7 +116,11 @@ class RankedSession(Session):
             raise
         finally:
             if self.info.world > 1:
-                self._close_together(exc, failure)
+                try:
+                    self._close_together(exc, failure)
+                finally:
+                    err = exc or failure
+                    self.channel.leave("closed" if err is None else f"{type(err).__name__}: {err}")
 
     def _close_together(self, exc: BaseException | None, failure: BaseException | None) -> None:
         if self.info.rank == 0:
@@ -135,7 +148,11 @@ class RankedSession(Session):
             lazy_refs=True,
             agree=self._agreed(),
             channel=self.channel,
+            start_timeout=o.start_timeout,
         )
+        self.channel.start_heartbeat()
+        if self.info.rank == 0:  # its committer gives up at once on a rank that is gone
+            writer.liveness = self.channel.lost
         repo = writer.repo  # the store names a writer's run by a protocol (``RunHandle``)
         assert isinstance(repo, Repository)
         self.repo = repo
@@ -188,6 +205,15 @@ class DistributedSession(RankedSession):
         )
         return self._parallel.state
 
+    def _open(self, chunk: int) -> tuple[Any, Any, Any]:
+        opened = super()._open(chunk)
+        assert self._parallel is not None
+        # pipeline stages (ranks holding different parameters) store their own structure
+        self._parallel.layout.decide(self.channel, self._parallel.names)
+        return opened
+
     def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:
+        assert self._parallel is not None
+        check_layout(source, self._parallel.layout.params, world=self.info.world)
         self._state.step_state.restore(source)
         self._state.boundary_state.restore(source)

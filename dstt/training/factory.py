@@ -22,6 +22,7 @@ from .distributed import DistributedSession
 from .options import (
     DEFAULT_BUDGET,
     DEFAULT_RANK_TIMEOUT,
+    DEFAULT_START_TIMEOUT,
     CopyMode,
     ErrorPolicy,
     RacePolicy,
@@ -61,6 +62,7 @@ def session(
     copy: CopyMode = "async",
     retention: Retention | None = None,
     rank_timeout: float = DEFAULT_RANK_TIMEOUT,
+    start_timeout: float = DEFAULT_START_TIMEOUT,
 ) -> Session:
     """Capture every ``every``-th optimizer step of ``model``/``optimizer`` into ``run``, and
     the last step when the block ends (the metrics of the steps between ride with the next
@@ -87,9 +89,9 @@ def session(
     optimizer step, measured in ``s.metrics``) when the disk is slower than training.
     ``writers`` is the number of writer threads (default: one less than the cores, at most 4).
     ``summaries`` stores write-time statistics of every parameter per step (norms, NaN/Inf
-    counts, update estimates; see ``dstt.engine.summaries``), computed from the host copy by
-    the writer (the flusher process where it runs); ``summaries=False`` saves that CPU
-    (docs/performance.md).
+    counts, update norms — exact in the flat lane; see ``dstt.engine.summaries``), computed
+    from the host copy by the writer (the flusher process where it runs);
+    ``summaries=False`` saves that CPU (docs/performance.md).
     ``encoding=dstt.DeltaPolicy()`` writes fewer bytes: XOR deltas against the previous step,
     Adam(W) ``exp_avg_sq`` and parameters predicted from the update rule (about 2.6x fewer
     bytes for fp32 Adam state), keyframes every K steps, unchanged chunks referenced instead
@@ -105,7 +107,11 @@ def session(
     K-th older step and the window around every loss spike; heads and fork points always.
     Metrics and summaries of pruned steps stay; the next commit after a gc carries
     ``retention/pruned_steps`` and ``retention/freed_bytes``.
-    ``rank_timeout``: seconds the ranks of a distributed run wait for one another.
+    ``rank_timeout``: seconds the ranks of a distributed run wait for one another once
+    started; ``start_timeout``: seconds they wait for each other to start the session (a
+    session on some ranks only fails after it). A rank that is killed is noticed by its
+    silent heartbeat (30 s, or half ``rank_timeout`` if shorter) and one that raised by its
+    session's end: rank 0 then gives up the steps awaiting it at once (``RankLostError``).
     Every option is checked up front (``ConfigError``); ``dstt.SessionOptions`` holds them.
     """
     options = SessionOptions(
@@ -123,6 +129,7 @@ def session(
         copy=copy,
         retention=retention,
         rank_timeout=rank_timeout,
+        start_timeout=start_timeout,
     )
     return open_session(model, optimizer, options, scheduler=scheduler, extra_state=extra_state)
 

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dstt.engine.ranks import DEFAULT_START_TIMEOUT
 from dstt.errors import ConfigError
 from dstt.store import DeltaPolicy, Repository, Retention, Storage
 
@@ -28,6 +29,7 @@ from .retention import check_policy
 __all__ = [
     "DEFAULT_BUDGET",
     "DEFAULT_RANK_TIMEOUT",
+    "DEFAULT_START_TIMEOUT",
     "CopyMode",
     "ErrorPolicy",
     "RacePolicy",
@@ -62,7 +64,8 @@ class SessionOptions:
     their commit. ``summaries``: write-time statistics. ``encoding``: a ``DeltaPolicy``.
     ``copy``: ``"async"``, ``"sync"`` or ``"auto"``. ``retention``: background gc.
     ``rank_timeout``: seconds the ranks of a distributed session wait for one another (to
-    open the run together, and rank 0 for every rank's part of a step).
+    open the run together, and rank 0 for every rank's part of a step); ``start_timeout``:
+    seconds they wait for each other to start the session.
     """
 
     run: RunArg
@@ -79,6 +82,7 @@ class SessionOptions:
     copy: CopyMode = "async"
     retention: Retention | None = None
     rank_timeout: float = DEFAULT_RANK_TIMEOUT
+    start_timeout: float = DEFAULT_START_TIMEOUT
 
     def __post_init__(self) -> None:
         run = self.run
@@ -113,10 +117,10 @@ class SessionOptions:
                     f"retention must be a dstt.Retention or None, not {self.retention!r}"
                 )
             check_policy(self.retention)
-        if not isinstance(self.rank_timeout, int | float) or not self.rank_timeout > 0:
-            raise ConfigError(
-                f"rank_timeout must be a positive number of seconds, got {self.rank_timeout!r}"
-            )
+        for name in ("rank_timeout", "start_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
         object.__setattr__(self, "resume", bool(self.resume))
         object.__setattr__(self, "verify", bool(self.verify))
         object.__setattr__(self, "summaries", bool(self.summaries))

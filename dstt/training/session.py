@@ -33,6 +33,7 @@ from dstt.engine.dims import DimsOf, ModelDims
 from dstt.engine.optimizers import optimizers_of
 from dstt.engine.pipeline import SUMMARIES_OBJECT, Pipeline, StepMetrics
 from dstt.engine.providers import RankObject, StoreSource
+from dstt.engine.sharding import check_layout
 from dstt.engine.torch_state import ONE_RANK, Stateful, TorchState, discover
 from dstt.errors import CaptureError, NotARunError, TimelineError
 from dstt.store import DEFAULT_CHUNK_BYTES, GcReport, Repository
@@ -266,6 +267,7 @@ class Session:
         return writer, reader, head
 
     def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:
+        check_layout(source, None, world=1)  # a pipeline's stages resume only as a pipeline
         self._state.step_state.restore(source)
         self._state.boundary_state.restore(source)
 
@@ -419,7 +421,9 @@ class Session:
         self._tracked = None
 
     def _restore(self, reader: Reader, head: Any) -> None:
-        source = StoreSource(reader, head, prefetch=self._prefetch_restore)
+        # one's own run: pickled user state is trusted, as torch.load of one's own
+        # checkpoint; only the objects a provider restores are decoded at all
+        source = StoreSource(reader, head, prefetch=self._prefetch_restore, trusted=True)
         with imported_gaps(
             source,
             self._state.step_state,
@@ -427,6 +431,7 @@ class Session:
             scheduler=self.scheduler is not None,
         ):
             self._restore_state(source, reader, head)
+        source.unused_damage()
         self._capture.step = head.step
         ref = reader.ref()
         self._skips = read_skips(reader.storage, reader.timelines, ref.name)

@@ -62,8 +62,8 @@ class ScrubberModel:
         reference: int | None = None,
         mode: Mode = "values",
         cache_size: int = 16,
-        spike_window: int = 50,
-        spike_z: float = 4.0,
+        spike_window: int | None = None,
+        spike_z: float | None = None,
         max_side: int = 256,
     ) -> None:
         self.run = run

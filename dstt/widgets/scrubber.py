@@ -237,8 +237,8 @@ def scrubber(
     reference: int | None = None,
     mode: Mode = "values",
     cache_size: int = 16,
-    spike_window: int = 50,
-    spike_z: float = 4.0,
+    spike_window: int | None = None,
+    spike_z: float | None = None,
     max_side: int = 256,
     play_interval: int = 700,
     spike: Any = None,  # noqa: ANN401 - a Spike or a loss step
@@ -251,8 +251,9 @@ def scrubber(
     measured against (default: the previous committed step). ``cache_size`` steps' data are
     kept in an LRU; tensors are subsampled to at most ``max_side`` rows/columns.
     Spikes of ``metric`` (default ``loss``) use :meth:`dstt.Run.spikes` with
-    ``spike_window`` / ``spike_z``. ``spike`` (a ``Spike`` from ``run.spikes()``, or the
-    loss step of a detected one) opens on the update that caused it
+    ``spike_window`` / ``spike_z`` (its ``window``/``z``; None: the rule's defaults).
+    ``spike`` (a ``Spike`` from ``run.spikes()``, or the loss step of a detected one) opens
+    on the update that caused it
     (:meth:`ScrubberModel.open_spike`): the loss of step *k* was computed on the weights of
     step *k - 1*, so that is the change *(k - 2) -> (k - 1)*. ``replay`` (the keyword
     arguments of :meth:`dstt.Run.replay` — ``model``, ``optimizer``, ``loss_fn``,

@@ -116,8 +116,8 @@ def draw_shown(ax: Axes, model: ScrubberModel) -> dict[str, Any]:
 
 def draw_change(ax: Axes, model: ScrubberModel, top: int = TOP_BARS) -> dict[str, Any]:
     """Per-parameter ``||Δw|| / ||w||`` versus the reference, largest ``top`` first, labelled
-    an estimate where it comes from the summaries' probes; the selected tensor is highlighted
-    (and always shown)."""
+    an estimate where it comes from the summaries' probes (exact where they are); the
+    selected tensor is highlighted (and always shown)."""
     ds = model.change()
     ref = ds.attrs.get("reference")
     if ref is None:

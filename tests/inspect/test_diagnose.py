@@ -77,13 +77,14 @@ def test_ranking_is_relative_to_each_tensors_own_baseline(tmp_path: Path) -> Non
     (sp,) = run.spikes(window=10, z=4.0)
     assert (sp.start, sp.parent, sp.cause) == (61, 59, 60)
     # the random walk always moves more than l1 did, even in its bad update ...
-    assert sp.ratios["walk"] > 1.5 * sp.ratios["l1.weight"]
     sums = run.summaries([60])
+    walk = float(sums["update_ratio"].sel(tensor="walk")[0])
+    assert walk > 1.5 * sp.ratios["l1.weight"]
     assert rank_tensors(sums, [60])[0][0] == "walk"  # what an absolute ranking names
     # ... but only l1 left its own baseline
     assert {n for n, _ in sp.tensors[:2]} == {"l1.weight", "l1.bias"}
     assert sp.tensors[0][1] > 20
-    assert dict(sp.tensors)["walk"] < 4
+    assert dict(sp.tensors).get("walk", 0.0) < 4  # (listed only if above its baseline)
     assert sp.suspect == "update"
     assert sp.rollback_to == 59
     assert "most abnormal updates: l1." in str(sp)
@@ -166,3 +167,50 @@ def test_run_divergence_names_the_growing_tensors(tmp_path: Path) -> None:
     assert d.tensors[0][0] != "walk"
     assert d.tensors[0][1] > 2.0
     assert f"loss diverges from step {d.start}" in str(d)
+
+
+def test_most_abnormal_means_the_largest_positive_z() -> None:
+    rng = np.random.default_rng(0)
+    n = 30
+    ratio = np.stack(
+        [
+            0.01 + 0.001 * rng.standard_normal(n),  # up 3x at the last step
+            0.02 + 0.001 * rng.standard_normal(n),  # up a little
+            0.03 + 0.001 * rng.standard_normal(n),  # froze: far *below* its baseline
+            0.04 + 0.001 * rng.standard_normal(n),  # no baseline (NaN before the last step)
+        ],
+        axis=1,
+    )
+    ratio[-1, :3] = [0.03, 0.025, 0.0]
+    ratio[:-1, 3] = np.nan
+    ds = xr.Dataset(
+        {"update_ratio": (("step", "tensor"), ratio)},
+        coords={"step": np.arange(n), "tensor": ["up", "bit", "froze", "new"]},
+    )
+    got = rank_by_baseline(ds, n - 1, window=20)
+    assert [t[0] for t in got] == ["up", "bit", "new", "froze"]
+    assert got[0][1] > got[1][1] > 0
+    assert np.isnan(got[2][1])
+    assert got[3][1] < -20  # the largest |z| of all: still no suspect of a jump
+
+
+def test_the_spike_report_lists_no_tensor_below_its_baseline(tmp_path: Path) -> None:
+    def bad_update(m: Net, k: int) -> None:
+        if k == 60:  # l1 overshoots 40x; l2 does not move at all
+            for p in m.l1.parameters():
+                p.grad *= -40.0
+            for p in m.l2.parameters():
+                p.grad = None
+
+    train(tmp_path / "run", 80, before_step=bad_update)
+    run = dstt.open(tmp_path / "run")
+    (sp,) = run.spikes(window=10, z=4.0, around=0)
+    assert sp.cause == 60
+    ranked = dict((n, z) for n, z, _ in rank_by_baseline(run.summaries(), 60, window=20))
+    assert ranked["l2.weight"] < 0  # froze at the cause: the most negative z there
+    names = [n for n, _ in sp.tensors]
+    assert names[:2] == ["l1.weight", "l1.bias"] or names[:2] == ["l1.bias", "l1.weight"]
+    assert "l2.weight" not in names
+    assert "l2.bias" not in names
+    assert all(not np.isfinite(z) or z >= 0 for _, z in sp.tensors)
+    assert "l2." not in str(sp).split("most abnormal updates:")[1]

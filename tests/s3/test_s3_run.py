@@ -18,7 +18,7 @@ from dstt import session
 from dstt.cli import main as cli_main
 from dstt.errors import RunLockedError
 from dstt.store import Repository
-from dstt.store.format.layout import ref_key
+from dstt.store.format.layout import ref_key, step_file_key
 from dstt.store.storage.s3 import S3Storage
 
 from ._helpers import MLP, mlp_batch, same_bits, train_step
@@ -215,3 +215,67 @@ def test_a_writer_frozen_past_its_lease_cannot_move_the_ref_over_the_new_holders
     assert np.all(r.read_array(r.head(), "params/w") == 2.0)  # the new holder's step stands
     assert repo.verify().ok
     assert Repository.open(s3_url).gc().orphan_slots == (1,)  # the stalled step: an orphan
+
+
+def test_a_writer_frozen_past_its_lease_cannot_overwrite_the_new_holders_step_file(
+    s3_url: str,
+) -> None:
+    """Writer A passes its lease check before its step file's PUT, then stalls past the
+    lease; B takes the lease over and commits the same slot. A's PUT must not overwrite B's
+    committed step file (create-only: ``If-None-Match: *``)."""
+
+    def commit(w: object, step: int, value: float) -> None:
+        t = w.begin(step)  # type: ignore[attr-defined]
+        t.declare("params/w", "float32", (4,))
+        t.put_chunk("params/w", 0, np.full(4, value, np.float32).view(np.uint8))
+        try:
+            t.commit({"loss": value})
+        except BaseException:
+            t.abort()
+            raise
+
+    a = Repository.create(s3_url, lease_ttl=1.0).writer(chunk_bytes=64)
+    st, lease = a.storage, a.storage._lease
+    check = st._check_lease
+    slots: list[int] = []
+
+    def stalled() -> None:
+        check()  # the check passes ...
+        if not lease._stop.is_set():
+            lease._stop.set()  # ... then the process stalls: no heartbeat, the lease lapses
+            lease._thread.join()
+            time.sleep(1.2)
+            with Repository.open(s3_url, lease_ttl=1.0).writer(chunk_bytes=64) as b:
+                slots.append(b.next_slot)
+                commit(b, 1, 2.0)  # another writer takes over and commits the same slot
+            lease.valid_until = time.monotonic() + 3600  # what the stalled one still trusts
+
+    st._check_lease = stalled  # type: ignore[method-assign]
+    want = a.next_slot
+    with pytest.raises(RunLockedError, match="already written by another writer"):
+        commit(a, 1, 9.0)
+    assert slots == [want]  # B took A's slot: A's PUT went for B's committed file
+    lease.valid_until = 0.0
+    a.close()
+    repo = Repository.open(s3_url)
+    r = repo.reader()
+    assert [h.step for h in r.lineage()] == [1]
+    assert np.all(r.read_array(r.head(), "params/w") == 2.0)  # the new holder's step stands
+    assert repo.verify().ok
+
+
+def test_a_new_writer_numbers_its_slots_past_a_dead_writers_step_files(s3_url: str) -> None:
+    """A writer that died after uploading its step file but before its header leaves a step
+    file no commit names; the next writer's create-only PUTs must not run into it."""
+    repo = Repository.create(s3_url)
+    orphan = step_file_key(0)
+    repo.storage.write(orphan, b"a dead writer's upload")
+    with repo.writer(chunk_bytes=64) as w:
+        assert w.next_slot == 1
+        t = w.begin(1)
+        t.declare("params/w", "float32", (4,))
+        t.put_chunk("params/w", 0, np.full(4, 3.0, np.float32).view(np.uint8))
+        t.commit({"loss": 3.0})
+    r = Repository.open(s3_url).reader()
+    assert np.all(r.read_array(r.head(), "params/w") == 3.0)
+    assert r.head().slot == 1  # type: ignore[union-attr]

@@ -11,7 +11,7 @@ import pytest
 
 from dstt.errors import MissingFileError, NotARunError, RunLockedError
 from dstt.store import LocalStorage, Repository, Storage, storage_for
-from dstt.store.format.layout import HEAD_KEY, LOCK_KEY, ref_key
+from dstt.store.format.layout import HEAD_KEY, LOCK_KEY, ref_key, step_file_key
 from dstt.store.format.manifest import dump_head
 from dstt.store.storage.s3 import DEFAULT_GUARDED, S3Storage
 from dstt.testing.storage import StorageTests
@@ -173,3 +173,23 @@ class TestS3StorageConformance(StorageTests):
     @pytest.fixture
     def second(self, storage: Storage, s3_url: str) -> Storage:
         return storage_for(s3_url)  # another client: another lease holder
+
+
+def test_step_files_are_create_only(s3_url: str) -> None:
+    a, b = storage_for(s3_url), storage_for(s3_url)
+    key = step_file_key(3)
+    blob = a.open_blob(key)
+    blob.write_at(0, b"a's step")
+    blob.publish()
+    blob = b.open_blob(key)
+    blob.write_at(0, b"b's step")
+    with pytest.raises(RunLockedError, match="already written by another writer"):
+        blob.publish()
+    assert b.read(key) == b"a's step"
+    again = a.open_blob(key)  # the same bytes again: a PUT retried after a lost reply
+    again.write_at(0, b"a's step")
+    again.publish()
+    other = "_dstt/other.json"
+    a.write(other, b"1")
+    b.write(other, b"2")  # not a write-once key: overwritten as before
+    assert a.read(other) == b"2"

@@ -166,7 +166,8 @@ def run_commit(storage: Storage, zf: StepFile, side: SideFile, job: CommitJob) -
     # one barrier makes the step's files and its header durable together: nothing names
     # the header until the ref moves, so it needs no sync of its own; the ref, the
     # visibility point, moves only after it
-    storage.write(commit_key(job.slot), dump_header(header))
+    # create-only: a header is never written over another writer's (a stalled one's slot)
+    storage.create(commit_key(job.slot), dump_header(header))
     storage.barrier()
     storage.evict([zf.key, side.key])  # durable now; nobody reads it soon
     if job.lazy_ref:  # durable with the next commit's barrier, or at close

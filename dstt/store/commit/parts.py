@@ -21,21 +21,25 @@ have to learn a second table kind.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING
 
-from dstt.errors import RankError
+from dstt.errors import RankError, RankLostError
 from dstt.store.format.layout import part_key
 from dstt.store.format.parts import Part, dump_part, parse_part
 
 if TYPE_CHECKING:
     import threading
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from dstt.store.format.records import ArrayRecord, ObjectRecord
     from dstt.store.storage.base import Storage
 
 __all__ = ["abort_vote", "collect_parts", "merge_parts"]
+
+#: how often a waiting committer asks whether the ranks it waits for are still there
+_LOST_EVERY_S = 0.5
 
 
 def collect_parts(
@@ -48,16 +52,22 @@ def collect_parts(
     session: str,
     timeout: float = 600.0,
     cancel: threading.Event | None = None,
+    lost: Callable[[Sequence[int]], Mapping[int, str]] | None = None,
 ) -> list[Part]:
     """Wait until every rank in ``ranks`` has prepared ``slot``; return their parts by rank.
 
     A part for this slot from another step, world size or session is a ``RankError`` at once
     (ranks out of step, or a leftover of a crashed session that was not cleaned); so is a rank
     that has not prepared within ``timeout`` seconds, or ``cancel`` being set (shutdown).
+    ``lost(missing)`` (asked at most every ``_LOST_EVERY_S``) names the missing ranks known to
+    be gone (left their session, no heartbeat): their absence is a ``RankLostError`` after one
+    last look for their parts, without waiting for ``timeout``.
     """
     found: dict[int, Part] = {}
     deadline = time.monotonic() + timeout
+    asked = -math.inf  # the first poll asks (a rank already known lost fails at once)
     delay = 0.0005
+    gone: Mapping[int, str] = {}
     while True:
         for r in ranks:
             if r in found:
@@ -85,13 +95,26 @@ def collect_parts(
         if len(found) == len(ranks):
             return [found[r] for r in sorted(found)]
         missing = sorted(set(ranks) - set(found))
+        if gone:  # the last look (after they were found gone) found no part either
+            why = "; ".join(f"rank {r}: {gone[r]}" for r in sorted(gone))
+            raise RankLostError(
+                f"step {step}: ranks {sorted(gone)} are gone ({why}); the step is not "
+                "committed (the steps every rank prepared before stay committed)",
+                ranks=tuple(sorted(gone)),
+            )
         if cancel is not None and cancel.is_set():
             raise RankError(f"step {step}: stopped while waiting for ranks {missing}")
         if time.monotonic() > deadline:
-            raise RankError(
+            raise RankLostError(
                 f"step {step}: ranks {missing} did not prepare slot {slot} within "
-                f"{timeout:.0f} s (crashed or stalled); the step is not committed"
+                f"{timeout:.0f} s (crashed or stalled); the step is not committed",
+                ranks=tuple(missing),
             )
+        if lost is not None and time.monotonic() - asked >= _LOST_EVERY_S:
+            asked = -math.inf  # the first poll asks (a rank already known lost fails at once)
+            gone = {r: why for r, why in lost(missing).items() if r in missing}
+            if gone:
+                continue  # one more look for their parts before giving up
         if cancel is not None:
             cancel.wait(delay)
         else:

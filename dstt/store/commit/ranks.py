@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from dstt.errors import RankLostError
 
 from .parts import abort_vote, collect_parts
 
@@ -181,16 +184,21 @@ class RankTransaction(TransactionProxy):
             return self._txn.prepare(
                 rank=o.info.rank, world=o.info.world, session=o.session, metrics=metrics
             )
-        parts = collect_parts(
-            o.storage,
-            slot=self.slot,
-            step=self.step,
-            ranks=range(1, o.info.world),
-            world=o.info.world,
-            session=o.session,
-            timeout=o.timeout,
-            cancel=o.cancel,
-        )
+        try:
+            parts = collect_parts(
+                o.storage,
+                slot=self.slot,
+                step=self.step,
+                ranks=range(1, o.info.world),
+                world=o.info.world,
+                session=o.session,
+                timeout=o.wait_left(),
+                cancel=o.cancel,
+                lost=o.lost_ranks,
+            )
+        except RankLostError as e:
+            o.mark_lost(e.ranks, f"gone since step {self.step}")
+            raise
         header = self._txn.commit(metrics, parts=parts)
         for done in o.after_commit:
             done(header)
@@ -219,6 +227,43 @@ class RankWriter:
         #: on rank 0, after the global commit (with its header)
         self.before_commit: list[Callable[[RankTransaction], None]] = []
         self.after_commit: list[Callable[[CommitHeader], None]] = []
+        #: rank 0: which of the given ranks are known gone (the engine's heartbeat watch);
+        #: None: only a rank that missed ``timeout`` is
+        self.liveness: Callable[[Sequence[int]], Mapping[int, str]] | None = None
+        self._lost: dict[int, str] = {}
+        self._deadline: float | None = None
+
+    def give_up_after(self, seconds: float) -> None:
+        """Every commit still waiting for parts gives up ``seconds`` from now at the latest
+        (rank 0's training raised: the other ranks may never prepare their part)."""
+        with self._lock:
+            at = time.monotonic() + seconds
+            self._deadline = at if self._deadline is None else min(self._deadline, at)
+
+    def wait_left(self) -> float:
+        """How long the next commit may wait for the other ranks' parts."""
+        with self._lock:
+            if self._deadline is None:
+                return self.timeout
+            return max(0.0, min(self.timeout, self._deadline - time.monotonic()))
+
+    def mark_lost(self, ranks: Sequence[int], why: str) -> None:
+        """Remember ``ranks`` as gone: the commits still waiting for them fail at once
+        instead of each waiting ``timeout`` (one bounded wait per session, not per step)."""
+        with self._lock:
+            for r in ranks:
+                self._lost.setdefault(r, why)
+
+    def lost_ranks(self, ranks: Sequence[int]) -> dict[int, str]:
+        """Which of ``ranks`` are gone: remembered ones, then what ``liveness`` says."""
+        with self._lock:
+            out = {r: self._lost[r] for r in ranks if r in self._lost}
+        rest = [r for r in ranks if r not in out]
+        if rest and self.liveness is not None:
+            # a watch that fails (its store closed) gives no verdict
+            with contextlib.suppress(Exception):
+                out.update(self.liveness(rest))
+        return out
 
     @property
     def repo(self) -> RunHandle:

@@ -34,11 +34,13 @@ from dstt.store.format.flat import FlatLayout
 from dstt.store.format.layout import (
     DEFAULT_CHUNK_BYTES,
     LOCK_KEY,
+    STEPS_PREFIX,
     WRITTEN_PREFIXES,
     ChunkPlan,
     array_meta_key,
     check_array_path,
     group_meta_key,
+    parse_step_file,
     part_key,
     plan_chunks,
     ref_key,
@@ -137,7 +139,7 @@ class Writer:
         self.index: IndexWriter | None = None
         try:
             self.reader = repo.reader()
-            self._next_slot = self.reader.max_slot() + 1
+            self._next_slot = self._first_free_slot()
             #: the index's rows of this writer's commits (and any tail a crash left)
             self.index = IndexWriter(self.reader, every=index_every) if exclusive else None
         except BaseException:  # a damaged run: release the lock now, not when gc collects us
@@ -211,6 +213,17 @@ class Writer:
     def in_flight(self) -> set[int]:
         """Slots of the transactions begun and not yet committed, prepared or aborted."""
         return set(self._open)
+
+    def _first_free_slot(self) -> int:
+        """Past every commit header; where step files are create-only (an object store),
+        past every step file too: those a dead writer left uncommitted are not overwritten."""
+        top = self.reader.max_slot()
+        if self.storage.write_once_steps:
+            for name in self.storage.list(STEPS_PREFIX):
+                got = parse_step_file(name)
+                if got is not None:
+                    top = max(top, got[0])
+        return top + 1
 
     def release_slot(self, slot: int) -> None:
         """An aborted transaction's slot: no longer in flight (it stays unused)."""

@@ -114,7 +114,7 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
             kind = msg[0]
             if kind == "exit":
                 return
-            rid = msg[1] if kind in ("flat", "commit") else None
+            rid = msg[1] if kind in ("flat", "commit", "digest") else None
             try:
                 if kind == "init":
                     maps = [memoryview(mmap.mmap(fd, n)) for fd, n in msg[1]]
@@ -132,8 +132,11 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
                     gc.collect()
                     for k in [k for k in images if k[0] == msg[1]]:
                         del images[k]
+                elif kind == "digest":  # a step the parent writes (encoded): digest only
+                    _, rid, buffer, pid, token = msg
+                    reply(("ok", rid, digest(objs[pid], maps[buffer], token)))
                 elif kind == "flat":
-                    _, rid, buffer, lid, start, path, pid = msg
+                    _, rid, buffer, lid, start, path, pid, token = msg
                     image = images.get((lid, buffer, start))
                     if image is None:
                         image = images[(lid, buffer, start)] = FlatImage(
@@ -144,7 +147,7 @@ def _serve(inp: IO[bytes], out: IO[bytes], sched: str) -> None:
                     if image.inplace:
                         bound[buffer] = image
                     crcs, _ = image.fill()
-                    stats = digest(objs[pid], maps[buffer]) if pid is not None else None
+                    stats = digest(objs[pid], maps[buffer], token) if pid is not None else None
                     writes.put(
                         (rid, path, image, start, ("ok", rid, crcs, bytes(image.directory), stats))
                     )

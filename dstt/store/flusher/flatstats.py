@@ -15,6 +15,18 @@ fused ``einsum`` instead: a Python call per tensor is then cheaper than a pass w
 Rejected: a loop over tensors (one ``einsum`` each, 2 ms of Python per 400 tensors per step,
 doubled next to a busy training loop), and BLAS ``dot`` (OpenBLAS wakes its thread pool for
 long vectors; its spinning threads took CPU from training — measured).
+
+Exact updates: with a ``token`` (the step's id), ``digest`` also keeps a private copy of the
+parameter regions (``DigestPlan`` holds it, one per process: the flusher's own) and, when it
+has the previous digested step's copy, sums the squared differences per tensor the same way
+(``subtract`` into the scratch buffer, ``square``, ``add.reduceat``): column ``upd_sumsq``
+(NaN without a copy) and ``prev_token`` (whose copy it was, -1 for none). The caller calls
+the update exact only where ``prev_token`` names the step's parent commit. Per step that is
+one copy of the parameter bytes and one more pass over them and the copy, in this thread
+(the flusher process at ``SCHED_IDLE``); memory: one step's parameters more. Rejected:
+holding the previous step's ring buffer until the next digest (a buffer fewer for the copy
+thread: training would wait on the disk sooner) and reading both steps back at read time
+(whole tensors per step, and impossible once gc freed the parent).
 """
 
 from __future__ import annotations
@@ -80,6 +92,10 @@ class DigestPlan:
                 run.append(it)
         self._scratch: list[np.ndarray] = []  # float32 squares, one per concurrent digest
         self._lock = threading.Lock()
+        #: the last digested step's parameter bytes per region, and its token
+        self._prev: list[np.ndarray] | None = None
+        self._prev_token = -1
+        self._prev_lock = threading.Lock()
 
     @staticmethod
     def _region(run: list[tuple[str, str, int, int, np.ndarray]]) -> _Region:
@@ -123,11 +139,36 @@ class DigestPlan:
         )
 
     def __getstate__(self) -> dict[str, Any]:  # sent to the flusher process: no lock
-        return {k: v for k, v in self.__dict__.items() if k not in ("_scratch", "_lock")}
+        skip = ("_scratch", "_lock", "_prev", "_prev_token", "_prev_lock")
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._scratch, self._lock = [], threading.Lock()
+        self._prev, self._prev_token, self._prev_lock = None, -1, threading.Lock()
+
+    def updates(self, host: np.ndarray, token: int) -> tuple[np.ndarray, int]:
+        """Each tensor's squared distance to the previous digested step's copy (NaN where
+        there is none) and that step's token (-1 for none); then this step's parameter
+        bytes (``host``: the whole buffer) become the copy, under ``token``."""
+        with self._prev_lock:
+            upd = np.full(len(self.paths), np.nan)
+            prev, prev_token = self._prev, self._prev_token
+            if prev is not None and len(prev) == len(self.regions):
+                row = 0
+                for reg, old in zip(self.regions, prev, strict=True):
+                    if len(reg.full) and len(old) == reg.end - reg.start:
+                        x = _as_float(host[reg.start : reg.end], reg.dtype)
+                        _region_updates(self, reg, x, _as_float(old, reg.dtype), row, upd)
+                    row += len(reg.members)
+            else:
+                prev_token = -1
+            if prev is None or len(prev) != len(self.regions):
+                prev = [np.empty(reg.end - reg.start, np.uint8) for reg in self.regions]
+            for reg, old in zip(self.regions, prev, strict=True):
+                np.copyto(old, host[reg.start : reg.end])
+            self._prev, self._prev_token = prev, token
+            return upd, prev_token
 
     def scratch(self, n: int) -> np.ndarray:
         """A float32 buffer of at least ``n`` elements, held until :meth:`give_back`."""
@@ -148,10 +189,55 @@ def _as_float(raw: np.ndarray, dtype: str) -> np.ndarray:
     return x if dtype in ("float32", "float64") else x.astype(np.float32)
 
 
-def digest(plan: DigestPlan, buf: np.ndarray | memoryview) -> dict[str, np.ndarray]:
+def digest(
+    plan: DigestPlan, buf: np.ndarray | memoryview, token: int | None = None
+) -> dict[str, Any]:
     """Columns over ``plan.paths``: ``sumsq maxabs`` (float64, over the finite elements),
     ``finite nan inf`` (int64), ``probe`` (float64, NaN-padded to ``probe_size``) and
-    ``probe_len``."""
+    ``probe_len``; with ``token`` (an id of this step, not -1) also ``upd_sumsq`` (float64:
+    the squared distance of each tensor to the previous digested step's copy, NaN where
+    there is none or it is not finite) and ``prev_token`` (that step's token, -1 for none),
+    and this step's parameters become the copy the next digest compares with."""
+    out = _digest(plan, buf)
+    if token is not None:
+        upd, prev_token = plan.updates(np.frombuffer(buf, dtype=np.uint8), token)
+        out["upd_sumsq"], out["prev_token"] = upd, prev_token
+    return out
+
+
+def _region_updates(
+    plan: DigestPlan, reg: _Region, x: np.ndarray, old: np.ndarray, row: int, upd: np.ndarray
+) -> None:
+    """Per member: the sum of squares of ``x - old`` (float32 differences and squares,
+    float64 for a float64 region, summed pairwise by ``reduceat``; a member whose sum is
+    not finite in float32 gets a float64 pass, NaN if the difference itself is not finite)."""
+    if x.dtype == np.float64:  # (rare) float32 differences would round its small updates
+        with np.errstate(over="ignore", invalid="ignore"):
+            d64 = x - old
+            ss = np.add.reduceat(d64 * d64, reg.bounds_se)[::2]
+    else:
+        sq = plan.scratch(len(x))
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):  # headers between members
+                d = sq[: len(x)]
+                np.subtract(x, old, out=d)  # exact for nearby values (Sterbenz)
+                if reg.few_large:  # as ``_region_sums``: a fused sum each, no squares written
+                    ss = np.array([_sumsq(d[s : s + n]) for s, n in reg.members if n > 0])
+                else:
+                    np.square(d, out=d)
+                    ss = np.add.reduceat(d, reg.bounds_se)[::2].astype(np.float64)
+        finally:
+            plan.give_back(sq)
+    rows = row + reg.full
+    ok = np.isfinite(ss)
+    upd[rows[ok]] = ss[ok]
+    for k in np.flatnonzero(~ok).tolist():
+        s, n = reg.members[int(reg.full[k])]
+        d64 = x[s : s + n].astype(np.float64) - old[s : s + n].astype(np.float64)
+        upd[int(rows[k])] = float(np.dot(d64, d64)) if np.all(np.isfinite(d64)) else np.nan
+
+
+def _digest(plan: DigestPlan, buf: np.ndarray | memoryview) -> dict[str, Any]:
     host = np.frombuffer(buf, dtype=np.uint8)
     n_all = len(plan.paths)
     sumsq = np.zeros(n_all)

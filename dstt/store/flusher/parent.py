@@ -203,9 +203,12 @@ class Flusher:
                 self._sent[id(o)] = o
         return [None if o is None else id(o) for o in objs]
 
-    def _call(self, request: Callable[[int], tuple[Any, ...]]) -> tuple[Any, ...]:
+    def _call(
+        self, request: Callable[[int], tuple[Any, ...]], sent: Callable[[], None] | None = None
+    ) -> tuple[Any, ...]:
         """Send ``request(rid)`` (built under the send lock: the constants it names go
-        first) and wait for its reply; ``StorageError`` for an error reply or a dead child.
+        first), call ``sent()`` once it is in the pipe (the child serves requests in pipe
+        order), and wait for its reply; ``StorageError`` for an error reply or a dead child.
         Thread-safe; several requests may be in flight."""
         slot: list[Any] = [threading.Event(), None]
         with self._mu:
@@ -219,6 +222,8 @@ class Flusher:
                 _send(self._out, request(rid))
             except (EOFError, OSError, pickle.PickleError) as e:
                 self._gone(e)
+        if sent is not None:
+            sent()
         slot[0].wait()
         reply = slot[1]
         if reply is None:
@@ -228,19 +233,46 @@ class Flusher:
         return tuple(reply)
 
     def write(
-        self, buffer: int, layout: FlatLayout, start: int, path: str, plan: DigestPlan | None
+        self,
+        buffer: int,
+        layout: FlatLayout,
+        start: int,
+        path: str,
+        plan: DigestPlan | None,
+        token: int | None = None,
+        sent: Callable[[], None] | None = None,
     ) -> tuple[list[int], bytes, dict[str, Any] | None]:
         """Fill the zip entries of ``layout`` from shared buffer ``buffer`` into the file at
         ``path`` at ``start`` (a range the parent reserved); returns each chunk's crc32c, the
         entries' central directory records and, with ``plan``, the digest columns (each
-        write on its own buffer)."""
+        write on its own buffer; ``token``: ``flatstats.digest``'s, for exact updates
+        against the previous step the child digested with this plan; ``sent``: called once
+        the request is in the pipe, so the caller can order digests)."""
 
         def request(rid: int) -> tuple[Any, ...]:
             lid, pid = self._ensure("layout", [layout, plan])
-            return ("flat", rid, buffer, lid, start, path, pid)
+            return ("flat", rid, buffer, lid, start, path, pid, token)
 
-        reply = self._call(request)
+        reply = self._call(request, sent)
         return reply[2], reply[3], reply[4]
+
+    def digest(
+        self,
+        buffer: int,
+        plan: DigestPlan,
+        token: int | None = None,
+        sent: Callable[[], None] | None = None,
+    ) -> dict[str, Any]:
+        """The digest columns of shared buffer ``buffer`` computed in the child (a step this
+        process writes itself, encoded: its digest stays off this process's GIL, and its
+        exact updates compare with the child's copy of the previous step)."""
+
+        def request(rid: int) -> tuple[Any, ...]:
+            (pid,) = self._ensure("layout", [plan])
+            return ("digest", rid, buffer, pid, token)
+
+        stats: dict[str, Any] = self._call(request, sent)[2]
+        return stats
 
     def commit(
         self,

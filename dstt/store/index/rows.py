@@ -67,10 +67,12 @@ def _summaries(obj: Any) -> dict[str, tuple[list[float], bool, list[float]]]:
         cols = [np.asarray(obj[f], dtype=np.float64) for f in SCALARS]
         probe = np.asarray(obj["probe"], dtype=np.float64)
         lens = np.asarray(obj["probe_len"]).tolist()
+        # (written before exact flat-lane updates: no ``update_exact`` column, estimates)
+        exact = np.asarray(obj.get("update_exact", np.zeros(len(lens), bool)), bool).tolist()
         for i, p in enumerate(obj["path"]):
             out[str(p)] = (
                 [float(c[i]) for c in cols],
-                False,
+                bool(exact[i]),
                 probe[i, : int(lens[i])].tolist() if probe.ndim == 2 else [],
             )
         return out
@@ -272,7 +274,10 @@ def _summary_rows(n: int, objs: list[list[Any]]) -> _SummaryRows:
                     if ps
                     else np.zeros((0, len(SCALARS)))
                 )
-                row.append(("cols", ps, vals, probe, lens))
+                # (columns from before exact flat-lane updates have no ``update_exact``)
+                ex = np.asarray(obj.get("update_exact", np.zeros(len(ps), bool)), bool)
+                ex = ex & np.isfinite(vals[:, SCALARS.index("update_l2")])
+                row.append(("cols", ps, vals, probe, lens, ex))
                 width = max(width, int(lens.max(initial=0)))
             else:
                 per = _summaries(obj)
@@ -291,7 +296,7 @@ def _summary_rows(n: int, objs: list[list[Any]]) -> _SummaryRows:
     for i, row in enumerate(decoded):
         for item in row:
             if item[0] == "cols":
-                _, ps, vals, probe, lens = item
+                _, ps, vals, probe, lens, ex = item
                 key = tuple(ps)
                 idx = index_of.get(key)
                 if idx is None:
@@ -300,7 +305,7 @@ def _summary_rows(n: int, objs: list[list[Any]]) -> _SummaryRows:
                     continue
                 has[i] = 1
                 val[i, idx] = vals
-                exact[i, idx] = 0
+                exact[i, idx] = ex
                 w = min(width, probe.shape[1])
                 keep = np.arange(w)[None, :] < lens[:, None]
                 block = np.where(keep, probe[:, :w], np.nan).astype(np.float32)

@@ -127,8 +127,9 @@ def _keep_set(
             order = np.argsort(rows.step, kind="stable")
             ms = rows.step[order]
             mv = rows.m_num[order, rows.m_names.index(pol.spike_metric)]
-    steps = pol.keep([h.step for h in live], ms, mv)
-    return {h.slot for h in live if h.step in steps}, pol.spikes(ms, mv)
+    live_steps = [h.step for h in live]
+    steps = pol.keep(live_steps, ms, mv)
+    return {h.slot for h in live if h.step in steps}, pol.spike_windows(live_steps, ms, mv)
 
 
 def _tombstones(

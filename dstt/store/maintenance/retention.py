@@ -9,14 +9,17 @@ needs neither torch nor inspection. What the policy never decides away — timel
 steps other timelines fork from, the delta bases of kept steps — gc adds itself
 (``maintenance/gc.py``).
 
-Spikes use the rolling z-score rule of ``dstt.inspect`` (``find_spikes``, defined here so the
-store can use it without importing inspection, which re-exports it): a value is flagged when it
-is more than ``z`` standard deviations above the mean of the ``window`` values before it. The
-rule looks only backwards, so a spike found once is found at every later gc; and it runs over
-the metrics of *every* commit, pruned ones included (their tombstones keep their metrics), so
-pruning never moves a baseline. A spike's window runs from ``spike_window`` steps before its
-first flagged step (the update that caused it is the one just before: ``Run.spikes`` names it
-``cause``) to ``spike_window`` steps after its peak.
+Spikes use the rule of ``run.spikes()`` (``dstt.analysis.find_spikes``, re-exported here, where
+the store imported it from before): a value is flagged when its log is far above the median of
+the few values before it, measured in robust standard deviations of the same residual over the
+steps before. The rule looks only backwards, so a spike found once is found at every later gc;
+and it runs over the metrics of *every* commit, pruned ones included (their tombstones keep
+their metrics), so pruning never moves a baseline. A spike's window runs from ``spike_window``
+steps before its first flagged step to ``spike_window`` steps after its peak, and always holds
+the live commit before the first flagged step (the weights the jump was computed on or, with
+sparser commits, the last commit before the update that caused it: what a replay restores) and
+the first live commit at or after it (what a replay compares against), however sparse the
+commits around it are.
 
 Rejected: a byte budget instead of step counts (what is kept would depend on how well each
 step compressed, and a spike window could be evicted to make room); deleting spike windows once
@@ -31,57 +34,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dstt.analysis import find_spikes
+
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
 __all__ = ["Retention", "find_spikes"]
-
-
-def find_spikes(
-    steps: np.ndarray,
-    values: np.ndarray,
-    *,
-    window: int = 50,
-    z: float = 4.0,
-    min_periods: int | None = None,
-) -> list[tuple[int, float, float, float, float, int]]:
-    """``(step, value, zscore, mean, std, start)`` of each spike by the rolling z rule:
-    ``step`` at the peak z-score, ``start`` the first flagged step."""
-    if window < 2:
-        raise ValueError(f"window must be >= 2, got {window}")
-    min_periods = max(2, window // 4) if min_periods is None else max(2, min_periods)
-    ok = np.isfinite(values)
-    steps, values = np.asarray(steps)[ok], np.asarray(values, dtype=np.float64)[ok]
-    n = len(values)
-    mu_all, sd_all = np.full(n, np.nan), np.full(n, np.nan)
-    for i in range(min(n, window)):  # the first values: a shorter trailing window
-        prior = values[:i]
-        if len(prior) >= min_periods:
-            mu_all[i], sd_all[i] = prior.mean(), prior.std(ddof=1)
-    if n > window:  # full windows, vectorised in blocks (a gc runs this over every commit)
-        views = np.lib.stride_tricks.sliding_window_view(values, window)
-        for lo in range(0, n - window, 8192):
-            hi = min(n - window, lo + 8192)
-            block = views[lo:hi]
-            mu_all[window + lo : window + hi] = block.mean(axis=1)
-            sd_all[window + lo : window + hi] = block.std(axis=1, ddof=1)
-    flagged: list[tuple[int, float, float, float, float]] = []
-    for i in np.flatnonzero(np.isfinite(mu_all)).tolist():
-        mu, sd = float(mu_all[i]), float(sd_all[i])
-        sd = max(sd, 1e-12 * max(abs(mu), 1.0))
-        zi = (float(values[i]) - mu) / sd
-        if zi > z:
-            flagged.append((i, float(values[i]), zi, mu, sd))
-    events: list[tuple[int, float, float, float, float, int]] = []
-    last = -2
-    for i, v, zi, mu, sd in flagged:
-        if i == last + 1:  # consecutive flagged values: one spike, kept at its peak z
-            if zi > events[-1][2]:
-                events[-1] = (int(steps[i]), v, zi, mu, sd, events[-1][5])
-        else:
-            events.append((int(steps[i]), v, zi, mu, sd, int(steps[i])))
-        last = i
-    return events
 
 
 def _count(name: str, v: int | None, lo: int) -> None:
@@ -97,8 +55,10 @@ def _count(name: str, v: int | None, lo: int) -> None:
 class Retention:
     """Keep the last ``keep_last`` live steps of each timeline, every step divisible by
     ``keep_every``, the steps in ``keep_steps``, and every step within ``spike_window`` steps
-    of a spike of ``spike_metric`` (rolling z-score above ``spike_z`` against the
-    ``spike_baseline`` values before it; ``spike_window=0``: no spike rule). Heads, fork points
+    of a spike of ``spike_metric`` (the rule of ``run.spikes()``: robust score above
+    ``spike_z`` over the ``spike_baseline`` steps before it, None: the rule's defaults;
+    ``spike_window=0``: no spike rule), the commit before each spike and the spike's own
+    commit included. Heads, fork points
     and the bases of kept deltas are always kept. A session applies it in the background every
     ``every_commits`` captured steps (``dstt.session(..., retention=...)``); ``dstt gc`` and
     ``Run.gc(retention=...)`` take the same object."""
@@ -107,20 +67,27 @@ class Retention:
     keep_every: int | None = None
     spike_window: int = 0
     spike_metric: str = "loss"
-    spike_z: float = 4.0
-    spike_baseline: int = 50
+    spike_z: float | None = None
+    spike_baseline: int | None = None
     keep_steps: tuple[int, ...] = field(default=())
     every_commits: int = 50
 
     def __post_init__(self) -> None:
-        _count("keep_last", self.keep_last, 0)
+        if self.keep_last == 0 and not isinstance(self.keep_last, bool):
+            raise ValueError(
+                "Retention(keep_last=0) would prune every step but the timeline heads; pass "
+                "keep_last >= 1 (the last N steps of each timeline), or None for no such rule"
+            )
+        _count("keep_last", self.keep_last, 1)
         _count("keep_every", self.keep_every, 1)  # 0 would prune all but the heads
         _count("spike_window", self.spike_window, 0)
         _count("spike_baseline", self.spike_baseline, 2)
         _count("every_commits", self.every_commits, 1)
-        if not isinstance(self.spike_z, (int, float)) or not self.spike_z > 0:
+        if self.spike_z is not None and (
+            not isinstance(self.spike_z, (int, float)) or not self.spike_z > 0
+        ):
             raise ValueError(
-                f"Retention(spike_z=...) must be a positive number, got {self.spike_z!r}"
+                f"Retention(spike_z=...) must be a positive number or None, got {self.spike_z!r}"
             )
         object.__setattr__(self, "keep_steps", tuple(int(s) for s in self.keep_steps))
 
@@ -138,6 +105,12 @@ class Retention:
         self, steps: Sequence[int] | np.ndarray, values: Sequence[float] | np.ndarray
     ) -> list[tuple[int, int]]:
         """``(first, last)`` step of the window around each spike of ``values``."""
+        return [(lo, hi) for lo, hi, _ in self._found(steps, values)]
+
+    def _found(
+        self, steps: Sequence[int] | np.ndarray, values: Sequence[float] | np.ndarray
+    ) -> list[tuple[int, int, int]]:
+        """``(first, last, start)`` of each spike's window; ``start`` its first flagged step."""
         if self.spike_window <= 0 or len(steps) == 0:
             return []
         w = self.spike_window
@@ -147,7 +120,28 @@ class Retention:
             window=self.spike_baseline,
             z=self.spike_z,
         )
-        return [(start - w, peak + w) for peak, _, _, _, _, start in found]
+        return [(start - w, peak + w, start) for peak, _, _, _, _, start in found]
+
+    def spike_windows(
+        self,
+        live: Sequence[int],
+        metric_steps: Sequence[int] | np.ndarray = (),
+        metric_values: Sequence[float] | np.ndarray = (),
+    ) -> list[tuple[int, int]]:
+        """``(first, last)`` of each spike's window over ``live`` (one timeline's unpruned
+        steps, ascending): ``spikes()``'s window, widened to the live commit before the
+        spike's first flagged step and the first live commit at or after it, so a replay of
+        the spike finds both (however sparse the commits are)."""
+        out = []
+        arr = np.asarray(live, dtype=np.int64)
+        for lo, hi, start in self._found(metric_steps, metric_values):
+            i = int(np.searchsorted(arr, start, side="left"))
+            if i > 0:
+                lo = min(lo, int(arr[i - 1]))
+            if i < len(arr):
+                hi = max(hi, int(arr[i]))
+            out.append((lo, hi))
+        return out
 
     def keep(
         self,
@@ -166,7 +160,7 @@ class Retention:
             keep |= set(live[max(0, len(live) - self.keep_last) :])
         if self.keep_every:
             keep |= {s for s in live if s % self.keep_every == 0}
-        windows = self.spikes(metric_steps, metric_values)
+        windows = self.spike_windows(live, metric_steps, metric_values)
         if windows:
             arr = np.asarray(live)
             for lo, hi in windows:

@@ -21,16 +21,25 @@ HEAD naming an existing ref:
   ``base_timeline``: history, like commit headers). A cut inside gc is gc's own crash safety
   (tombstones before bytes, an orphan's header last); the next ``gc`` finishes it.
 
+A live writer (a training session) holds the same lock for its whole life. Moving HEAD or a
+ref under it would make its next resume continue from somewhere the user did not see, so
+every timeline change (rollback and switch too: ``Repository``) goes through
+:func:`changing`: ``RunLockedError`` naming the holder (host, pid, since when) unless
+``force=True``, which makes the change without the lock (a forced delete then leaves the
+sweep to a later ``gc``: the writer's in-flight files must not look like orphans).
+
 Rejected alternative: marking a deleted ref instead of removing it — every reader would have
 to learn a new ref state, and the run would keep a name that cannot be reused.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from dstt.errors import CurrentTimelineError, TimelineError
+from dstt.errors import CurrentTimelineError, RunLockedError, TimelineError
 from dstt.store.format.layout import HEAD_KEY, LOCK_KEY, check_timeline_name, ref_key
 from dstt.store.format.manifest import dump_head, dump_ref
 from dstt.store.read.reader import Reader
@@ -44,7 +53,33 @@ if TYPE_CHECKING:
     from dstt.store.format.records import RefInfo
     from dstt.store.storage.base import Storage
 
-__all__ = ["DeleteReport", "delete_timeline", "rename_timeline"]
+__all__ = ["DeleteReport", "changing", "delete_timeline", "rename_timeline"]
+
+
+@contextlib.contextmanager
+def changing(st: Storage, what: str, *, force: bool = False, cli: str = "") -> Iterator[bool]:
+    """Hold the run's writer lock while a timeline change (``what``: "roll back", ...) is
+    made; yields whether it is held. A live writer holding it: ``RunLockedError`` naming the
+    holder and what to do, unless ``force`` (then the change runs without the lock and this
+    yields False). ``cli``: the command, for the ``--force`` hint."""
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(st.lock(LOCK_KEY))
+        except RunLockedError as e:
+            if not force:
+                found = re.search(r"\((pid=[^)]*)\)", str(e))
+                holder = found.group(1) if found else str(e)
+                raise RunLockedError(
+                    f"cannot {what}: the run {st.location} is locked by a live writer "
+                    f"({holder}): "
+                    "training is running on it, and a timeline change under it would make "
+                    "its next resume continue from somewhere else. Stop it (or let it "
+                    f"finish) first, or pass force=True{f' ({cli} --force)' if cli else ''} "
+                    f"to {what} anyway"
+                ) from None
+            yield False
+            return
+        yield True
 
 
 @dataclass(frozen=True)
@@ -63,11 +98,12 @@ class DeleteReport:
     dry_run: bool
 
 
-def rename_timeline(repo: RunFiles, old: str, new: str) -> RefInfo:
-    """Rename ``old`` to ``new`` in the crash-safe order of the module docstring."""
+def rename_timeline(repo: RunFiles, old: str, new: str, *, force: bool = False) -> RefInfo:
+    """Rename ``old`` to ``new`` in the crash-safe order of the module docstring
+    (``force``: even under a live writer, see :func:`changing`)."""
     check_timeline_name(new)
     st = repo.storage
-    with st.lock(LOCK_KEY):
+    with changing(st, "rename a timeline", force=force, cli="dstt timeline rename"):
         r = Reader(st)
         ref = r.ref(old)
         if new == old:
@@ -90,11 +126,12 @@ def rename_timeline(repo: RunFiles, old: str, new: str) -> RefInfo:
 
 
 def delete_timeline(
-    repo: RunFiles, name: str, *, sweep: bool = True, dry_run: bool = False
+    repo: RunFiles, name: str, *, sweep: bool = True, dry_run: bool = False, force: bool = False
 ) -> DeleteReport:
-    """Delete the ref ``name``, then (``sweep``) gc what only it referenced."""
+    """Delete the ref ``name``, then (``sweep``) gc what only it referenced (``force``: even
+    under a live writer, without the sweep, see :func:`changing`)."""
     st = repo.storage
-    with st.lock(LOCK_KEY):
+    with changing(st, "delete a timeline", force=force, cli="dstt timeline delete") as held:
         r = Reader(st)
         r.ref(name)  # TimelineError naming the timelines there are
         if r.current_timeline == name:
@@ -119,7 +156,7 @@ def delete_timeline(
             # that folder, and with it the unlink, before gc may delete a byte the ref named
             current = ref_key(r.current_timeline)
             st.write_durable(current, st.read(current))
-    if not sweep:
+    if not sweep or not held:
         return DeleteReport(name, freed, kept, None, dry_run)
     report = gc(repo if not dry_run else _without_ref(repo, name), dry_run=dry_run)
     return DeleteReport(name, freed, kept, report, dry_run)

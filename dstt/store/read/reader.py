@@ -409,6 +409,15 @@ class Reader:
         return block[lo : lo + (stop - start)]
 
     def read_object(self, header: CommitHeader, name: str, *, trusted: bool = False) -> Any:  # noqa: ANN401 - a stored object
+        data = self.read_object_bytes(header, name)
+        rec = header.objects[name]
+        where = f"{self.storage.location}/{rec.key}"
+        return decode_object(data, rec.encoding, trusted=trusted, where=where)
+
+    def read_object_bytes(self, header: CommitHeader, name: str) -> bytes:
+        """The stored bytes of object ``name``, checked against the commit but not decoded
+        (nothing is unpickled: a caller decodes only what it needs, with
+        ``dstt.store.format.objects.decode_object``)."""
         try:
             rec = header.objects[name]
         except KeyError:
@@ -422,7 +431,7 @@ class Reader:
             self._raise_missing(header, where)
         if len(data) != rec.nbytes or checksum(data) != rec.crc32c:
             raise ChecksumError(f"{where}: object {name!r} does not match its commit")
-        return decode_object(data, rec.encoding, trusted=trusted, where=where)
+        return data
 
 
 def _describe(steps: list[int]) -> str:

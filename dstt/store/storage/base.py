@@ -18,7 +18,7 @@ import threading
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
-from dstt.errors import MissingFileError
+from dstt.errors import MissingFileError, RunLockedError
 
 if TYPE_CHECKING:
     import contextlib
@@ -96,6 +96,9 @@ class Storage(ABC):
     location: str
     #: whether ``lock`` gives real mutual exclusion between processes
     supports_locking: bool = True
+    #: whether step files are published create-only (an object store, whose lease a stalled
+    #: writer can outlive): a writer then numbers its slots past every step file there
+    write_once_steps: bool = False
 
     @abstractmethod
     def read(self, key: str) -> bytes:
@@ -117,6 +120,18 @@ class Storage(ABC):
     @abstractmethod
     def write_durable(self, key: str, data: Data) -> None:
         """Store ``data`` atomically and durably (value and its name) before returning."""
+
+    def create(self, key: str, data: Data) -> None:
+        """``write`` a key no one has written (a new commit header): ``RunLockedError`` if
+        it exists. Default: checked, then written — enough where ``lock`` excludes every
+        other writer for as long as its holder lives; an object store overrides it with a
+        conditional PUT."""
+        if self.exists(key):
+            raise RunLockedError(
+                f"{key!r} in {self.location} was already written by another writer; nothing "
+                "was overwritten — reopen the run to see its current state"
+            )
+        self.write(key, data)
 
     @abstractmethod
     def barrier(self) -> None:

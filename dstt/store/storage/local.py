@@ -15,6 +15,7 @@ import errno
 import fcntl
 import os
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -314,7 +315,10 @@ class LocalStorage(Storage):
                     "stop that process or open the run read-only with dstt.open()"
                 ) from None
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid={os.getpid()} host={os.uname().nodename}\n".encode(), 0)
+            since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            os.pwrite(
+                fd, f"pid={os.getpid()} host={os.uname().nodename} since={since}\n".encode(), 0
+            )
             yield
         finally:
             os.close(fd)  # closing releases the flock; the kernel also drops it on SIGKILL

@@ -24,11 +24,19 @@ The commit protocol's two POSIX tools are replaced by conditional writes:
   that lost its lease, or any second writer, cannot move a ref the other moved since: it gets
   ``RunLockedError``.
 
+* **step files and new commit headers are create-only**: a step file (keys under
+  ``write_once``, ``steps/``) is published, and a commit header written (``create``), with
+  ``If-None-Match: *``. A writer frozen for more than ``lease_ttl`` *between* its lease check
+  and a step-file PUT cannot overwrite the file of the new holder's slot: its PUT gets
+  ``RunLockedError``. (A PUT retried after a lost reply finds its own bytes there: the ETag is
+  their MD5, and that is success.) A new writer numbers its slots past every step file in the
+  bucket, so the files a dead writer left uncommitted are never in its way.
+
 Guaranteed: at most one process holds the lease at any time (conditional create/takeover);
-no ref or HEAD update is lost (CAS); a writer that stalls past its lease cannot commit. Not
-guaranteed without fencing: a writer frozen for more than ``lease_ttl`` *between* its lease
-check and a step-file PUT could still overwrite a step file of the new holder's slot (the
-usual lease caveat; the ref CAS still refuses its commit).
+no ref or HEAD update is lost (CAS); a writer that stalls past its lease cannot commit, and no
+writer overwrites a committed step file or header. Not guaranteed: a step file larger than one
+part (``chunk_size``) goes up as a multipart upload, which obstore cannot make conditional; it
+is checked absent just before its upload, so only a stall inside that upload could still race.
 
 Rejected alternatives: fsspec/s3fs as the backend — against the same loopback server it
 measured 11.3 ms per small PUT to obstore's 2.1 ms, and 33 to 46 MB/s on a 32 MiB multipart
@@ -39,6 +47,7 @@ portable conditional PUT; a lock without expiry — a SIGKILLed writer would loc
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -63,11 +72,13 @@ from .s3_lease import _S3Lease
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
-__all__ = ["DEFAULT_GUARDED", "S3Storage"]
+__all__ = ["DEFAULT_GUARDED", "DEFAULT_WRITE_ONCE", "S3Storage"]
 
 #: the keys written compare-and-swap: the refs and HEAD (docs/format.md §8; a test checks
 #: that they match ``format.layout``)
 DEFAULT_GUARDED = ("_dstt/refs/", "_dstt/HEAD.json")
+#: the keys published create-only: step and side files (a writer's slot is its alone)
+DEFAULT_WRITE_ONCE = ("steps/",)
 _MiB = 1024 * 1024
 
 
@@ -82,6 +93,8 @@ class S3Storage(Storage):
     """
 
     supports_locking = True
+    #: step files are create-only (a new writer numbers its slots past every one there)
+    write_once_steps = True
 
     def __init__(
         self,
@@ -101,6 +114,7 @@ class S3Storage(Storage):
         self.lease_ttl = float(opts.get("lease_ttl", 30.0))
         self.spool_dir = opts.get("spool_dir")
         self.guarded = tuple(guarded)
+        self.write_once = DEFAULT_WRITE_ONCE
         self._cfg, self._allow_http = cfg, allow_http
         self.store = S3Store(
             self.bucket,
@@ -199,6 +213,38 @@ class S3Storage(Storage):
 
     def write_durable(self, key: str, data: Data) -> None:
         self.write(key, data)  # a completed PUT is durable
+
+    def create(self, key: str, data: Data) -> None:
+        """One PUT with ``If-None-Match: *`` (see the module docstring)."""
+        self._check_lease()
+        parts = as_parts(data)
+        self.put_once(key, parts[0] if len(parts) == 1 else b"".join(parts))
+
+    def is_write_once(self, key: str) -> bool:
+        """Whether ``key`` (a blob's) is published create-only."""
+        return key.startswith(self.write_once)
+
+    def put_once(self, key: str, body: bytes | memoryview) -> None:
+        """PUT ``body`` unless ``key`` exists; ``RunLockedError`` if another writer's bytes
+        are there (the same bytes are this writer's own PUT, retried after a lost reply)."""
+        try:
+            obstore.put(self.store, key, body, mode="create")
+        except (PreconditionError, AlreadyExistsError):
+            meta = self._head(key)
+            mine = hashlib.md5(body, usedforsecurity=False).hexdigest()  # a PUT's ETag
+            if meta is None or str(meta["e_tag"]).strip('"') != mine:
+                raise self.taken(key) from None
+        except Exception as e:
+            raise self._error(e, "write", key) from e
+
+    def taken(self, key: str) -> RunLockedError:
+        """The error of a create-only write that found another writer's object."""
+        return RunLockedError(
+            f"{key!r} in {self.location} was already written by another writer (one that "
+            "took over this writer's expired lease, or one this writer took over); nothing "
+            "was overwritten and this step is not committed — reopen the run to see its "
+            "current state"
+        )
 
     def barrier(self) -> None:
         """Nothing to do: every write is durable once it returns."""

@@ -36,6 +36,10 @@ class SpoolOwner(Protocol):
     max_concurrency: int
 
     def _check_lease(self) -> None: ...
+    def is_write_once(self, key: str) -> bool: ...
+    def put_once(self, key: str, body: bytes | memoryview) -> None: ...
+    def exists(self, key: str) -> bool: ...
+    def taken(self, key: str) -> RunLockedError: ...
     def _error(self, e: Exception, what: str, key: str) -> StorageError: ...
 
 
@@ -65,9 +69,15 @@ class _S3Blob(Blob):
             f.seek(0, os.SEEK_END)
             size = f.tell()
             f.seek(0)
+            once = st.is_write_once(self.key)
             if size <= st.chunk_size:
-                obstore.put(st.store, self.key, f.read())
+                if once:  # create-only: never over another writer's step file
+                    st.put_once(self.key, f.read())
+                else:
+                    obstore.put(st.store, self.key, f.read())
             else:
+                if once and st.exists(self.key):  # (a multipart upload has no condition)
+                    raise st.taken(self.key)
                 obstore.put(
                     st.store,
                     self.key,

@@ -7,6 +7,7 @@ import errno
 import io
 import mmap
 import os
+import pickle
 import zipfile
 from pathlib import Path
 
@@ -200,3 +201,54 @@ def test_rebinding_restores_headers_another_layout_overwrote() -> None:
     image.bind(memoryview(buf))
     image.fill()
     assert bytes(image.iov[0]) == first
+
+
+@pytest.mark.parametrize("large", [1, 1 << 30], ids=["per-tensor", "reduceat"])
+def test_digest_updates_are_exact_against_the_previous_digested_step(
+    monkeypatch: pytest.MonkeyPatch, large: int
+) -> None:
+    """With a token, a digest sums each tensor's squared change since the previous digest of
+    the plan (float16 and float32 regions, zip headers between tensors; either way it sums),
+    says whose copy it compared with, and keeps its own; a change it cannot state finitely
+    is NaN."""
+    monkeypatch.setattr(flatstats, "LARGE", large)
+    monkeypatch.setattr(flatstats, "BLOCK", 100)  # several blocks per tensor
+    layout, before = _layout()
+    rng = np.random.default_rng(3)
+    after = {
+        p: (v + (0.01 * rng.standard_normal(v.shape)).astype(v.dtype) if v.dtype.kind == "f" else v)
+        for p, v in before.items()
+    }
+    after["params/l5/w"][2] = np.nan  # the (9,) float32 tensor
+    items = [
+        (a.path, a.dtype, a.offset, int(np.prod(a.shape, dtype=np.int64)), np.arange(0))
+        for a in layout.arrays
+        if a.dtype.startswith("float")
+    ]
+    plan = DigestPlan(items, 2)
+    assert all(r.few_large == (large == 1) for r in plan.regions)
+    bufs = []
+    for values in (before, after):
+        buf = _fill(layout, values)
+        FlatImage(layout, 0, memoryview(buf)).fill()
+        bufs.append(buf)
+    first = digest(plan, np.frombuffer(bufs[0], np.uint8), 7)
+    assert first["prev_token"] == -1
+    assert np.isnan(first["upd_sumsq"]).all()
+    assert "upd_sumsq" not in digest(plan, np.frombuffer(bufs[1], np.uint8))  # no token
+    # the flusher gets the plan pickled: no copy travels with it
+    fresh = pickle.loads(pickle.dumps(plan))
+    assert digest(fresh, np.frombuffer(bufs[1], np.uint8), 8)["prev_token"] == -1
+    got = digest(plan, np.frombuffer(bufs[1], np.uint8), 8)
+    assert got["prev_token"] == 7
+    for j, (path, *_rest) in enumerate(items):
+        d = after[path].astype(np.float64).ravel() - before[path].astype(np.float64).ravel()
+        if not np.isfinite(d).all() or d.size == 0:  # (an empty tensor has no update)
+            assert np.isnan(got["upd_sumsq"][j]), path
+            continue
+        assert got["upd_sumsq"][j] == pytest.approx(float(d @ d), rel=1e-6, abs=0.0), path
+        assert got["upd_sumsq"][j] > 0, path
+    again = digest(plan, np.frombuffer(bufs[1], np.uint8), 9)  # unchanged since 8: zero
+    assert again["prev_token"] == 8
+    finite = [j for j, (p, _, _, n, _) in enumerate(items) if p != "params/l5/w" and n]
+    assert (again["upd_sumsq"][finite] == 0).all()

@@ -1,0 +1,312 @@
+"""A whole timeline as one virtual Zarr v3 store: references into the step files, no copy.
+
+Every committed step is a plain Zarr v3 hierarchy in a stored (uncompressed) zip whose chunk
+offsets the run's commits record. ``write_references`` turns a timeline into one reference
+file in the kerchunk format (``{"version": 1, "refs": {key: "inline" | [url, offset,
+length]}}``) that fsspec's ``reference://`` file system serves as a Zarr store: zarr-python,
+``xarray.open_datatree``/``open_zarr`` and dask read the run through it without dstt.
+
+The store mirrors a step file's hierarchy (``params/<module path>/<name>``,
+``optim/<state>/<module path>/<name>``) with a leading ``step`` dimension on every array: a
+tensor's trajectory is one array whose chunk *i* is step *i*'s chunk (its bytes and crc32c
+trailer, so the ``crc32c`` codec still checks them), other dimensions named as the step
+names them. The root holds the ``step`` coordinate and every numeric metric along it (inline;
+names with ``/`` become ``.``). A step missing a tensor (optimizer state before the first
+update) reads as the fill value (NaN for floats).
+
+Honest about what cannot be virtual: steps with delta-encoded or predicted chunks
+(``DeltaPolicy``) are left out (a plain reader would misread their bytes), and so are tensors
+stored as per-rank boxes (several ranks' shards) and tensors whose shape or dtype changed;
+each is listed in the root's ``attributes["dstt"]`` and in the returned report. Re-running
+appends the steps committed since: the references already written are kept as they are.
+
+Chosen over Icechunk's virtual chunks (readers would need icechunk, and its virtual chunk
+containers need per-prefix configuration) and VirtualiZarr (it would need a parser for dstt's
+zips to produce the same manifest dstt already holds): the kerchunk format needs only fsspec,
+which xarray's Zarr users already have. Rejected alternative: copying the tensors into one
+Zarr array per tensor (every byte twice, and a run's storage doubled).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dstt.errors import ConfigError
+from dstt.store import DTENSOR_PREFIX, dtype_itemsize
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from dstt.store import CommitHeader, Reader
+
+__all__ = ["VirtualReport", "write_references"]
+
+#: the version of the root's ``attributes["dstt"]["virtual"]`` layout
+VIRTUAL_VERSION = 1
+#: every key lies under this folder: zarr's FsspecStore lists a store whose path is empty as
+#: ``/<prefix>``, which fsspec's reference file system does not find (open
+#: ``reference://run``)
+ROOT = "run"
+#: a group named ``step`` (Adam's ``optim/step/...``) would shadow the ``step`` coordinate
+#: that every node inherits from the root: it is presented as ``step_count``
+RENAMED = {"step": "step_count"}
+
+
+def virtual_path(path: str) -> str:
+    """Where the tensor stored at ``path`` (``optim/step/0/weight``) sits in the store."""
+    parts = path.split("/")
+    return "/".join([*(RENAMED.get(x, x) for x in parts[:-1]), parts[-1]])
+
+
+@dataclass(frozen=True)
+class VirtualReport:
+    """What a ``write_references`` call wrote: the file, the steps it covers (oldest first),
+    the steps appended by this call, and what was left out and why."""
+
+    path: Path
+    steps: tuple[int, ...]
+    added: tuple[int, ...]
+    arrays: int
+    left_out_steps: Mapping[int, str] = field(default_factory=dict)
+    left_out_arrays: Mapping[str, str] = field(default_factory=dict)
+
+
+def _group() -> str:
+    return json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
+
+
+def _inline_array(values: np.ndarray, dims: Sequence[str]) -> dict[str, str]:
+    """``zarr.json`` and the single chunk (inline) of a small 1-d array along ``step``."""
+    dtype = "int64" if values.dtype.kind in "iu" else "float64"
+    fill: Any = 0 if dtype == "int64" else "NaN"
+    doc = {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": [len(values)],
+        "data_type": dtype,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, len(values))]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill,
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+        "attributes": {},
+        "dimension_names": list(dims),
+    }
+    data = np.ascontiguousarray(values, dtype="<i8" if dtype == "int64" else "<f8").tobytes()
+    return {"zarr.json": json.dumps(doc), "c/0": "base64:" + base64.b64encode(data).decode()}
+
+
+class _Array:
+    """One tensor's trajectory: its per-step metadata (fixed) and its chunk references."""
+
+    def __init__(
+        self, path: str, dtype: str, shape: tuple[int, ...], rows: int, dims: list[str]
+    ) -> None:
+        self.path, self.dtype, self.shape, self.rows, self.dims = path, dtype, shape, rows, dims
+
+    @classmethod
+    def from_doc(cls, path: str, doc: Mapping[str, Any]) -> _Array:
+        chunk = doc["chunk_grid"]["configuration"]["chunk_shape"]
+        rows = int(chunk[1]) if len(chunk) > 1 else 1
+        return cls(
+            path, doc["data_type"], tuple(doc["shape"][1:]), rows, doc["dimension_names"][1:]
+        )
+
+    def same(self, dtype: str, shape: tuple[int, ...], rows: int) -> bool:
+        return (self.dtype, self.shape, self.rows) == (dtype, shape, rows)
+
+    def document(self, n: int) -> str:
+        itemsize = dtype_itemsize(self.dtype)
+        # the step files' fill values: NaN for floats (a step without the tensor shows it)
+        fill: Any = False if self.dtype == "bool" else "NaN" if "float" in self.dtype else 0
+        codecs: list[dict[str, Any]] = [
+            {"name": "bytes", "configuration": {"endian": "little"}}
+            if itemsize > 1
+            else {"name": "bytes"},
+            {"name": "crc32c"},
+        ]
+        chunk = [1, self.rows, *(max(1, s) for s in self.shape[1:])] if self.shape else [1]
+        return json.dumps(
+            {
+                "zarr_format": 3,
+                "node_type": "array",
+                "shape": [n, *self.shape],
+                "data_type": self.dtype,
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
+                "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+                "fill_value": fill,
+                "codecs": codecs,
+                "attributes": {},
+                "dimension_names": ["step", *self.dims],
+            }
+        )
+
+
+def _load(out: Path, run_url: str, timeline: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The references and the ``dstt`` attributes of an earlier file for this timeline."""
+    try:
+        stored: dict[str, Any] = json.loads(out.read_text())["refs"]
+        refs = {k.removeprefix(f"{ROOT}/"): v for k, v in stored.items()}
+        attrs: dict[str, Any] = json.loads(refs["zarr.json"])["attributes"]["dstt"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"{out} exists and is not a dstt reference file ({e}); choose another output "
+            "path or remove it"
+        ) from e
+    if (attrs.get("run"), attrs.get("timeline")) != (run_url, timeline):
+        raise ConfigError(
+            f"{out} holds references to run {attrs.get('run')!r}, timeline "
+            f"{attrs.get('timeline')!r}, not {run_url!r}, {timeline!r}: choose another output"
+        )
+    return refs, attrs
+
+
+def write_references(
+    reader: Reader,
+    headers: Sequence[CommitHeader],
+    out: str | os.PathLike[str],
+    *,
+    run_url: str,
+    timeline: str,
+) -> VirtualReport:
+    """Write (or extend) the reference file ``out`` for the committed ``headers`` of one
+    timeline (oldest first, tombstones excluded) of the run at ``run_url`` (the URL its step
+    files' keys are relative to: ``file:///...`` or ``s3://bucket/prefix``)."""
+    path = Path(out)
+    refs: dict[str, Any] = {}
+    attrs: dict[str, Any] = {"left_out_steps": {}, "left_out_arrays": {}, "steps": [], "slots": []}
+    if path.exists():
+        refs, attrs = _load(path, run_url, timeline)
+    slots: list[int] = [int(s) for s in attrs["slots"]]
+    steps: list[int] = [int(s) for s in attrs["steps"]]
+    skipped: dict[str, str] = dict(attrs["left_out_steps"])
+    dropped: dict[str, str] = dict(attrs["left_out_arrays"])
+    live = [h for h in headers if not h.pruned]
+    seen = set(slots) | {int(k.split(":")[0]) for k in skipped}
+    if slots and [h.slot for h in live if h.slot in set(slots)] != slots:
+        raise ConfigError(
+            f"timeline {timeline!r} no longer holds the steps {path} covers (a rollback, "
+            "a gc or a deleted timeline changed it): write a new reference file"
+        )
+    arrays: dict[str, _Array] = {}
+    inline = {"step", *attrs.get("metrics", {})}
+    for key, value in refs.items():
+        if key.endswith("/zarr.json") and isinstance(value, str):
+            doc = json.loads(value)
+            name = key[: -len("/zarr.json")]
+            if doc.get("node_type") == "array" and name not in inline:
+                arrays[name] = _Array.from_doc(name, doc)
+    metrics: dict[str, list[float]] = {
+        k: [float(v) for v in vals] for k, vals in attrs.get("metric_values", {}).items()
+    }
+    added: list[int] = []
+    for h in live:
+        if h.slot in seen:
+            continue
+        records = reader.arrays(h)
+        encoded = sorted(
+            p for p, r in records.items() if any(c.encoding != "raw" for c in r.chunks)
+        )
+        if encoded:
+            skipped[f"{h.slot}:{h.step}"] = (
+                f"delta-encoded or predicted chunks ({len(encoded)} arrays, e.g. {encoded[0]}): "
+                "a plain Zarr reader cannot decode them"
+            )
+            continue
+        i = len(steps)
+        for stored_path, rec in records.items():
+            p = virtual_path(stored_path)
+            if stored_path.startswith(DTENSOR_PREFIX):
+                dropped.setdefault(p, "a box of a tensor several ranks wrote in parts")
+                continue
+            if p in dropped:
+                continue
+            a = arrays.get(p)
+            dims = (
+                list(rec.dims)
+                if rec.dims is not None
+                else [f"{p.rsplit('/', 1)[-1]}_{d}" for d in range(len(rec.shape))]
+            )
+            if a is None:
+                a = arrays[p] = _Array(p, rec.dtype, tuple(rec.shape), rec.rows, dims)
+            elif not a.same(rec.dtype, tuple(rec.shape), rec.rows):
+                dropped[p] = f"its dtype or shape changed at step {h.step}"
+                del arrays[p]
+                refs = {k: v for k, v in refs.items() if not k.startswith(p + "/")}
+                continue
+            rest = "/0" * max(0, len(rec.shape) - 1)
+            for j, c in enumerate(rec.chunks):
+                key = f"{p}/c/{i}/{j}{rest}" if rec.shape else f"{p}/c/{i}"
+                refs[key] = [f"{run_url}/{c.key}", c.offset, c.nbytes]
+        for name, v in h.metrics.items():
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                continue
+            metrics.setdefault(name, [float("nan")] * len(steps)).append(float(v))
+        steps.append(h.step)
+        slots.append(h.slot)
+        for vals in metrics.values():
+            vals.extend([float("nan")] * (len(steps) - len(vals)))
+        added.append(h.step)
+    n = len(steps)
+    groups = {""}
+    for p, a in arrays.items():
+        refs[f"{p}/zarr.json"] = a.document(n)
+        parts = p.split("/")
+        groups.update("/".join(parts[:k]) for k in range(1, len(parts)))
+    for g in groups - {""}:
+        refs[f"{g}/zarr.json"] = _group()
+    for k, v in _inline_array(np.asarray(steps, dtype=np.int64), ["step"]).items():
+        refs[f"step/{k}"] = v
+    names = {}
+    tops = {p.split("/", 1)[0] for p in arrays} | {"step"}
+    for name, vals in metrics.items():
+        var = name.replace("/", ".")
+        var = f"metric.{var}" if var in tops else var
+        names[var] = name
+        for k, v in _inline_array(np.asarray(vals, dtype=np.float64), ["step"]).items():
+            refs[f"{var}/{k}"] = v
+    root_attrs = {
+        "virtual": VIRTUAL_VERSION,
+        "run": run_url,
+        "timeline": timeline,
+        "steps": steps,
+        "slots": slots,
+        "metrics": names,
+        "metric_values": metrics,
+        "left_out_steps": skipped,
+        "left_out_arrays": dropped,
+        "renamed": {f"/{k}/": f"/{v}/" for k, v in RENAMED.items()},
+    }
+    refs["zarr.json"] = json.dumps(
+        {"zarr_format": 3, "node_type": "group", "attributes": {"dstt": root_attrs}}
+    )
+    body = json.dumps(
+        {"version": 1, "refs": {f"{ROOT}/{k}": v for k, v in refs.items()}},
+        separators=(",", ":"),
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return VirtualReport(
+        path=path,
+        steps=tuple(steps),
+        added=tuple(added),
+        arrays=len(arrays),
+        left_out_steps={int(k.split(":")[1]): v for k, v in skipped.items()},
+        left_out_arrays=dropped,
+    )
