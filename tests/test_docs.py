@@ -1,5 +1,6 @@
-"""docs/api.md and docs/cli.md are generated from the code and must stay current; the examples
-the docs run (the format reader, the Lightning sections) do what they say."""
+"""docs/api.md and docs/cli.md are generated from the code and must stay current; every Python
+block of README.md and docs/*.md runs here (or in the test named for it) or is marked
+`# fragment: ...` (issue 37); the examples the docs run do what they say."""
 
 from __future__ import annotations
 
@@ -81,7 +82,6 @@ def test_the_lightning_examples_run_and_print_what_they_promise(
     import re
     import warnings
 
-    pytest.importorskip("lightning")
     text = (ROOT / "docs" / page).read_text()
     code = re.search(r"```python\n(.*?)```", text[text.index(section) :], re.S).group(1)  # type: ignore[union-attr]
     promised = re.findall(r"^print\(.*\)\s+# (.*)$", code, re.M)
@@ -93,3 +93,77 @@ def test_the_lightning_examples_run_and_print_what_they_promise(
         exec(compile(code, f"docs/{page}", "exec"), {"__name__": "__doc_example__"})
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed == promised
+
+
+# -- every Python block runs, or says it is a fragment ----------------------------------------
+
+#: a block whose first line starts so is not run, and says why (what the reader must supply)
+FRAGMENT = "# fragment:"
+#: the documents whose other blocks run, top to bottom as one script, in a fresh folder
+RUN_WHOLE = ("docs/quickstart.md",)
+#: documents whose complete blocks tests run (one test per block, in the document's order)
+RUN_BY_TEST: dict[str, tuple[str, ...]] = {
+    "docs/format.md": ("test_the_plain_zarr_reader_in_the_format_doc_reads_a_step",),
+    "docs/integrations.md": (
+        "tests/integrations/test_hf_timetravel.py::"
+        "test_the_trainer_time_travel_block_in_the_docs_runs",
+        "test_the_lightning_examples_run_and_print_what_they_promise[integrations]",
+    ),
+    "docs/replay.md": ("test_the_lightning_examples_run_and_print_what_they_promise[replay]",),
+}
+
+
+def _python_blocks(doc: str) -> list[str]:
+    import re
+
+    text = (ROOT / doc).read_text()
+    return [m.group(1) for m in re.finditer(r"^```python\n(.*?)^```", text, re.M | re.S)]
+
+
+def _documents() -> list[str]:
+    return ["README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")))]
+
+
+def _is_fragment(block: str) -> bool:
+    first = block.splitlines()[0] if block.strip() else ""
+    return first.startswith(FRAGMENT) and len(first[len(FRAGMENT) :].strip()) >= 10
+
+
+def test_every_python_block_runs_or_is_marked_a_fragment() -> None:
+    """A reader sees which blocks run as written: each either runs in a test here or starts
+    with ``# fragment: <what you supply>``."""
+    unmarked = []
+    for doc in _documents():
+        complete = [b for b in _python_blocks(doc) if not _is_fragment(b)]
+        if doc in RUN_WHOLE:
+            continue
+        if doc in RUN_BY_TEST:
+            assert len(complete) == len(RUN_BY_TEST[doc]), (doc, "blocks run by", RUN_BY_TEST[doc])
+            continue
+        unmarked += [f"{doc}: {b.splitlines()[0]!r}" for b in complete]
+    assert not unmarked, (
+        "Python blocks neither run by tests/test_docs.py nor marked "
+        f"'{FRAGMENT} <what the reader supplies>': {unmarked}"
+    )
+
+
+@pytest.mark.parametrize("doc", RUN_WHOLE)
+def test_document_runs_as_written(doc: str, tmp_path: Path) -> None:
+    """The document's complete blocks, in order, as one script in an empty folder."""
+    import os
+    import subprocess
+    import sys
+
+    blocks = [b for b in _python_blocks(doc) if not _is_fragment(b)]
+    assert blocks, doc
+    script = "\n".join(blocks)
+    env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"{doc} fails as written:\n{proc.stderr[-4000:]}"

@@ -5,6 +5,8 @@
   metrics, summaries, trajectories, diffs, replay, rollback, gc, verify;
 * ``snapshot``  — ``Snapshot``: one step's lazy tensors, layer trees, objects, export and the
   way back to torch; it sees its run through ``RunView``;
+* ``metrics``   — ``Metrics``: what ``Run.metrics()`` returns, the index's metric columns in
+  numpy, an xarray ``Dataset`` built only when asked for;
 * ``diagnose``  — ``RunDiagnostics``, held by a ``Run``: spike causes, data attribution,
   first non-finite values, divergence, ``Diagnosis``; it sees its run through ``DiagnosedRun``.
 
@@ -17,7 +19,8 @@ their builders when first used, so ``dstt ls`` starts fast.
 from __future__ import annotations
 
 from .diagnose import Diagnosis, RunDiagnostics
+from .metrics import Metrics
 from .run import Run, find_run_root, open_run
 from .snapshot import Snapshot
 
-__all__ = ["Diagnosis", "Run", "RunDiagnostics", "Snapshot", "find_run_root", "open_run"]
+__all__ = ["Diagnosis", "Metrics", "Run", "RunDiagnostics", "Snapshot", "find_run_root", "open_run"]

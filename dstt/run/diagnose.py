@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
     from dstt.store import Reader, Repository
 
+    from .metrics import Metrics
+
 __all__ = ["DiagnosedRun", "Diagnosis", "RunDiagnostics"]
 
 SUSPECT_Z = 4.0  #: an update ratio this far above its baseline makes a spike's suspect "update"
@@ -78,7 +80,7 @@ class DiagnosedRun(Protocol):
 
     def commits(self, timeline: str | None = None) -> list[Any]: ...
 
-    def metrics(self, timeline: str | None = None) -> xr.Dataset: ...
+    def metrics(self, timeline: str | None = None) -> Metrics: ...
 
     def summaries(self, steps: Any = None, *, timeline: str | None = None) -> xr.Dataset: ...
 
@@ -152,13 +154,15 @@ class RunDiagnostics:
 
         name = timeline or self.run.timeline
         ds = self.run.metrics(name)
-        if metric not in ds:
-            logged = sorted(map(str, ds.data_vars))
+        if metric not in ds.names:
             raise MetricNotFoundError(
-                f"metric {metric!r} was never logged on timeline {name!r}; logged: {logged}"
+                f"metric {metric!r} was never logged on timeline {name!r}; logged: {ds.names}"
             )
-        found = find_spikes(  # None: the rule's defaults (dstt.analysis.spikes)
-            ds["step"].values, ds[metric].values.astype(np.float64), window=window, z=z
+        found = find_spikes(  # numpy columns of the index: no xarray for a run with no spike;
+            ds.steps,  # window/z None: the rule's defaults (dstt.analysis.spikes)
+            ds.column(metric).astype(np.float64),
+            window=window,
+            z=z,
         )
         if not found:
             return []

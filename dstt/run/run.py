@@ -32,6 +32,7 @@ from dstt.inspect.readers import ReaderPool
 from dstt.store import Batch, Repository, SkipSet, Storage, fold_rows, is_url, write_skips
 
 from .diagnose import Diagnosis, RunDiagnostics
+from .metrics import Metrics
 
 if TYPE_CHECKING:
     import xarray as xr
@@ -257,13 +258,14 @@ class Run:
         )
         return trajectory_dataarray(self._readers, headers, path, newest, chunks=chunks)
 
-    def metrics(self, timeline: str | None = None) -> xr.Dataset:
-        """Logged metrics (``s.log(...)``) per step as a Dataset over ``step``: every
-        committed step's, and those of the steps ``every=K`` did not checkpoint (``slot`` -1;
-        the next commit carries them)."""
-        from dstt.inspect.indexed import metrics_from_rows
-
-        return metrics_from_rows(
+    def metrics(self, timeline: str | None = None) -> Metrics:
+        """Logged metrics (``s.log(...)``) per step over ``step``: every committed step's,
+        and those of the steps ``every=K`` did not checkpoint (``slot`` -1; the next commit
+        carries them). Read from the run's index as numpy columns (``m.names``, ``"loss" in
+        m``, ``m.column("loss")``, ``m.steps``: no xarray imported); anything else a
+        ``Dataset`` has (``m["loss"]``, ``.sel``, ``.to_dataframe()``) answers from
+        ``m.to_xarray()``, built once (:mod:`dstt.run.metrics`)."""
+        return Metrics(
             self._reader.scalar_rows(self._lineage(timeline or self.timeline), summaries=False)
         )
 

@@ -8,6 +8,9 @@ a new timeline whose head is an old commit and makes it current; nothing is dele
 default name is ``<timeline>-from-<step>``; a second rollback to the same step of the same
 timeline is a ``TimelineError`` asking for a name (rejected: a silent ``.2`` suffix, which
 told two attempts apart by nothing). Renaming and deleting timelines: ``maintenance/timelines.py``.
+
+The writer, gc, verify and the index rebuild are imported by the methods that use them, so
+opening a run to read it (``dstt ls``, ``dstt.open(run).steps``) loads only the reader.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 from dstt.errors import DsttError, FormatVersionError, NotARunError, TimelineError
 
-from .commit.writer import Writer
 from .format.layout import (
     FORMAT_VERSION,
     HEAD_KEY,
@@ -31,11 +33,6 @@ from .format.layout import (
 from .format.manifest import dump_head, dump_ref
 from .format.records import RefInfo
 from .format.zarr_meta import dump, group_document, root_attributes
-from .index.repair import rebuild
-from .maintenance.gc import GcReport, gc
-from .maintenance.timelines import DeleteReport, changing, delete_timeline, rename_timeline
-from .maintenance.verify import VerifyReport, verify
-from .maintenance.verify import repair as repair_metadata
 from .read.reader import Reader
 from .storage.base import Storage
 from .storage.urls import storage_for
@@ -44,7 +41,11 @@ if TYPE_CHECKING:
     import os
     from collections.abc import Callable, Iterable
 
+    from .commit.writer import Writer
+    from .maintenance.gc import GcReport
     from .maintenance.retention import Retention
+    from .maintenance.timelines import DeleteReport
+    from .maintenance.verify import VerifyReport
 
 __all__ = ["Repository"]
 
@@ -133,6 +134,8 @@ class Repository:
 
     def writer(self, **options: Any) -> Writer:
         """The run's exclusive writer (``RunLockedError`` if another process holds it)."""
+        from .commit.writer import Writer  # not imported to read a run (``dstt ls``)
+
         return Writer(self, **options)
 
     # -- timelines ------------------------------------------------------------------------
@@ -152,6 +155,8 @@ class Repository:
         """
         if skip_data < 0:
             raise ValueError(f"skip_data must be >= 0, got {skip_data}")
+        from .maintenance.timelines import changing  # (with gc: not for reading a run)
+
         with changing(self.storage, "roll back", force=force, cli="dstt rollback"):
             r = self.reader()
             base_name = timeline or r.current_timeline
@@ -192,6 +197,8 @@ class Repository:
     def switch(self, timeline: str, *, force: bool = False) -> None:
         """Make an existing timeline current (the next resume continues it); a live writer:
         ``RunLockedError`` unless ``force``."""
+        from .maintenance.timelines import changing
+
         with changing(self.storage, "switch timelines", force=force, cli="dstt timeline switch"):
             self.reader().ref(timeline)
             self.storage.write_durable(HEAD_KEY, dump_head(timeline))
@@ -199,6 +206,8 @@ class Repository:
     def rename_timeline(self, old: str, new: str, *, force: bool = False) -> RefInfo:
         """Rename a timeline (HEAD and the timelines forked from it follow); crash-safe, and
         running it again finishes an interrupted rename (``maintenance/timelines.py``)."""
+        from .maintenance.timelines import rename_timeline
+
         return rename_timeline(self, old, new, force=force)
 
     def delete_timeline(
@@ -206,6 +215,8 @@ class Repository:
     ) -> DeleteReport:
         """Delete a timeline that is not the current one; with ``gc``, free the commits and
         files no other timeline reaches (``maintenance/timelines.py``)."""
+        from .maintenance.timelines import delete_timeline
+
         return delete_timeline(self, name, sweep=gc, dry_run=dry_run, force=force)
 
     # -- maintenance (maintenance/gc.py, maintenance/verify.py) -------------------------------
@@ -220,6 +231,8 @@ class Repository:
         progress: Callable[[int, int], None] | None = None,
     ) -> GcReport:
         """Prune what ``retention`` (or the keywords) does not keep (``maintenance.gc``)."""
+        from .maintenance.gc import gc
+
         return gc(
             self,
             keep_last=keep_last,
@@ -237,6 +250,9 @@ class Repository:
         damaged metadata from what survives (``maintenance.verify.repair``: root zarr.json,
         headers from the index, refs and HEAD from the headers), then the index from the
         commit headers (what ``dstt verify --repair`` does); the report lists the rebuilt."""
+        from .maintenance.verify import repair as repair_metadata
+        from .maintenance.verify import verify
+
         done = []
         if repair:
             done = repair_metadata(self)
@@ -250,6 +266,8 @@ class Repository:
 
     def reindex(self) -> int:
         """Rebuild the index from the commit headers (``dstt index``); returns its rows."""
+        from .index.repair import rebuild
+
         with self.storage.lock(LOCK_KEY):
             return rebuild(Reader(self.storage))
 

@@ -8,6 +8,7 @@ training (plain PyTorch, PyTorch-native parallelism, DeepSpeed).
 * ``distributed`` — ``RankedSession`` (what every multi-rank session shares) and
   ``DistributedSession``: one rank of DDP, FSDP2, tensor parallel;
 * ``deepspeed`` — ``DeepSpeedSession``: one rank of a DeepSpeed engine;
+* ``stopping`` — ``finish_before_interrupt``: a Ctrl-C while a session closes commits first;
 * ``checks``, ``metrics``, ``retention``, ``data`` — up-front checks and skipped-step
   reports, ``s.log``, background gc, data attribution.
 

@@ -45,6 +45,7 @@ from .metrics import MetricLog, metric_value
 from .options import DEFAULT_BUDGET, CopyMode, ErrorPolicy, RacePolicy, SessionOptions
 from .retention import RetentionRunner, store_writer
 from .steps import StepCapture
+from .stopping import finish_before_interrupt
 
 if TYPE_CHECKING:
     from dstt.store import Reader
@@ -318,7 +319,8 @@ class Session:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        self.close(exc)
+        with finish_before_interrupt(again=isinstance(exc, KeyboardInterrupt)):
+            self.close(exc)
 
     def start(self) -> None:
         if self._started:

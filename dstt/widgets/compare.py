@@ -63,7 +63,7 @@ class CompareModel:
         pa = {p for p in self.a.arrays if p.startswith("params/")}
         pb = {p for p in self.b.arrays if p.startswith("params/")}
         self.tensors = [user_name(p) for p in sorted(pa & pb)]
-        self.metrics = {t: run.metrics(t) for t in dict.fromkeys((ta, tb))}
+        self.metrics = {t: run.metrics(t).to_xarray() for t in dict.fromkeys((ta, tb))}
         self.metric = metric or default_metric(self.metrics[ta])
         self._tensor = self._param(tensor) if tensor is not None else self.ranking()[0][0]
 

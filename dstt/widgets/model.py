@@ -103,7 +103,7 @@ class ScrubberModel:
         if not steps:
             raise ValueError(f"timeline {self._timeline!r} has no committed steps")
         self.steps: list[int] = list(steps)
-        self.metrics: xr.Dataset = self.run.metrics(self._timeline)
+        self.metrics: xr.Dataset = self.run.metrics(self._timeline).to_xarray()
         self.metric = self._metric_arg or default_metric(self.metrics)
         if self.metric is not None and self.metric not in self.metrics:
             raise MetricNotFoundError(

@@ -237,6 +237,7 @@ def _write_image(path: str, image: FlatImage, start: int, direct: list[bool]) ->
 
 
 def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent drains and closes us
     sched = sys.argv[1] if len(sys.argv) > 1 else "idle"
     _die_with_parent(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
     _serve(sys.stdin.buffer, sys.stdout.buffer, sched)

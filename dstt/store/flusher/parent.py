@@ -119,6 +119,10 @@ class Flusher:
                 stdout=subprocess.PIPE,
                 pass_fds=self._fds,
                 env=env,
+                # a terminal's Ctrl-C goes to training, which drains and closes the flusher;
+                # in the terminal's process group the flusher would die mid-write with a
+                # traceback of its own
+                process_group=0,
             )
             assert self.proc.stdin is not None
             assert self.proc.stdout is not None

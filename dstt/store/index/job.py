@@ -16,6 +16,10 @@ moved, each segment durable before a merge deletes its inputs — so a job kille
 outliving a killed writer, leaves a valid index. Rejected alternatives: a thread (the same
 GIL), the flusher process (it serves the hot path one step at a time and knows no run), and
 a job per commit (an interpreter start per step).
+
+The job runs in a process group of its own: a Ctrl-C at the terminal interrupts the training
+process (which decides what to do) but not the job, which finishes its segment quietly
+instead of printing a ``KeyboardInterrupt`` traceback over the user's terminal.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class IndexJob:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 env=env,
+                process_group=0,  # a terminal's Ctrl-C is the writer's to handle, not the job's
             )
             assert proc.stdin is not None
             proc.stdin.write(json.dumps({"run": location, "slots": slots, "every": every}).encode())

@@ -9,6 +9,7 @@ import contextlib
 import gc
 import json
 import os
+import signal
 import sys
 
 from dstt.store.index.writer import flush_rows
@@ -26,6 +27,7 @@ def _lower_priority() -> None:
 
 
 def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the writer that started the job decides
     _lower_priority()
     gc.disable()  # a short life of many small objects: the collector would only cost
     job = json.loads(sys.stdin.buffer.read())
