@@ -123,10 +123,18 @@ class Storage(ABC):
 
     def create(self, key: str, data: Data) -> None:
         """``write`` a key no one has written (a new commit header): ``RunLockedError`` if
-        it exists. Default: checked, then written — enough where ``lock`` excludes every
-        other writer for as long as its holder lives; an object store overrides it with a
-        conditional PUT."""
+        it exists with other bytes (the same bytes: this writer's own write, finished again
+        after its committer died, is done). Default: checked, then written — enough where
+        ``lock`` excludes every other writer for as long as its holder lives; an object
+        store overrides it with a conditional PUT."""
         if self.exists(key):
+            whole = (
+                bytes(data)
+                if isinstance(data, bytes | bytearray | memoryview)
+                else b"".join(bytes(p) for p in data)
+            )
+            if bytes(self.read(key)) == whole:
+                return
             raise RunLockedError(
                 f"{key!r} in {self.location} was already written by another writer; nothing "
                 "was overwritten — reopen the run to see its current state"
