@@ -301,19 +301,7 @@ class StoreMachine(RuleBasedStateMachine):
                 assert r.read_object(h, "v") == {"value": c.value, "t": (c.value, c.timeline)}
                 assert h.metrics == {"value": c.value}
         rep = repo.verify()
-        # A commit cut before its timeline's ref was ever written (a first commit, or one of
-        # a rollback or rename that was cut, then deleted or renamed) leaves debris naming a
-        # timeline with no ref; verify cannot tell it from the commits of a lost ref, so it
-        # reports it (docs/reliability.md, known gaps). Lost refs themselves are tested in
-        # tests/store/maintenance/test_metadata_damage.py; every other problem fails here.
-        real = [
-            p
-            for p in rep.problems
-            if "no readable ref" not in p.message
-            and "has no ref" not in p.message
-            and "with no ref" not in p.message
-        ]
-        assert not real, rep.problems
+        assert rep.ok, rep.problems
 
 
 StoreMachine.TestCase.settings = settings(

@@ -7,7 +7,8 @@ HEAD naming an existing ref:
 
 * **rename** ``old -> new``: (1) the ref under ``new``, durably, with ``old``'s head, base and
   creation time; (2) the refs of timelines forked from ``old`` (``base_timeline``) rewritten
-  to name ``new``; (3) HEAD, if it named ``old``; (4) ``old``'s ref deleted. A cut leaves both
+  to name ``new``; (3) HEAD, if it named ``old``; (4) a release record for ``old``'s debris
+  (below); (5) ``old``'s ref deleted. A cut leaves both
   names with the same head (or only ``new``); renaming again finishes the job (a ``new`` that
   holds exactly ``old``'s ref is taken as the interrupted rename's). Commit headers are
   immutable, so ``CommitHeader.timeline`` keeps the name a commit was *written* under: it is
@@ -20,6 +21,13 @@ HEAD naming an existing ref:
   commits a timeline forked *from* it walks through (those children keep naming it as their
   ``base_timeline``: history, like commit headers). A cut inside gc is gc's own crash safety
   (tombstones before bytes, an orphan's header last); the next ``gc`` finishes it.
+
+Both leave a name without a ref, and gc and verify treat the commits of a timeline with no
+ref as a lost ref's (kept, reported) unless a **release record** (``_dstt/released/<name>.json``,
+written durably before the ref goes) names them. The record lists the timeline's own commits
+(delete) and its *debris*: commits written under the name that no ref reaches, e.g. one a
+power cut stopped before its ref moved. Without the debris, a rename after such a cut made
+the debris look like a whole lost timeline.
 
 A live writer (a training session) holds the same lock for its whole life. Moving HEAD or a
 ref under it would make its next resume continue from somewhere the user did not see, so
@@ -40,7 +48,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from dstt.errors import CurrentTimelineError, RunLockedError, TimelineError
+from dstt.errors import CurrentTimelineError, DsttError, RunLockedError, TimelineError
 from dstt.store.format.layout import (
     HEAD_KEY,
     LOCK_KEY,
@@ -50,6 +58,7 @@ from dstt.store.format.layout import (
 )
 from dstt.store.format.manifest import dump_head, dump_ref
 from dstt.store.read.reader import Reader
+from dstt.store.storage.base import Storage
 from dstt.store.storage.memory import DelegatingStorage
 
 from .gc import GcReport, RunFiles, gc
@@ -128,6 +137,9 @@ def rename_timeline(repo: RunFiles, old: str, new: str, *, force: bool = False) 
                 st.write_durable(ref_key(child.name), dump_ref(replace(child, base_timeline=new)))
         if r.current_timeline == old:
             st.write_durable(HEAD_KEY, dump_head(new))
+        debris = _debris(r, old)
+        if debris:
+            _release(st, old, debris)
         st.delete(ref_key(old))
         return moved
 
@@ -157,15 +169,12 @@ def delete_timeline(
         line = [h for h in r.lineage(name) if not h.pruned]
         freed = tuple(h.step for h in line if h.slot not in shared)
         # its own commits, tombstones too: proven abandoned once the ref is gone
-        released = {h.slot for h in r.lineage(name) if h.slot not in shared}
+        released = {h.slot for h in r.lineage(name) if h.slot not in shared} | _debris(r, name)
         kept = tuple(h.step for h in line if h.slot in shared)
         if not dry_run:
             # first, durably, which commits the delete releases: gc keeps the commits of a
             # timeline without a ref (a lost ref is not a deleted one) unless released
-            st.write_durable(
-                f"{RELEASED_PREFIX}/{name}.json",
-                json.dumps({"timeline": name, "slots": sorted(released)}).encode(),
-            )
+            _release(st, name, released)
             st.delete(ref_key(name))
             # LocalStorage does not sync a delete; a durable write into the same folder syncs
             # that folder, and with it the unlink, before gc may delete a byte the ref named
@@ -177,6 +186,33 @@ def delete_timeline(
         repo if not dry_run else _without_ref(repo, name), dry_run=dry_run, released=released
     )
     return DeleteReport(name, freed, kept, report, dry_run)
+
+
+def _debris(r: Reader, name: str) -> set[int]:
+    """Commits written under ``name`` that no ref reaches (a commit cut before its ref
+    moved): abandoned once ``name`` loses its ref, so released with it."""
+    reached: set[int] = set()
+    for t in r.timelines:
+        with contextlib.suppress(DsttError):
+            reached |= {h.slot for h in r.walk(t)}
+    out = set()
+    for slot in r.all_slots():
+        if slot in reached:
+            continue
+        try:
+            h = r.header(slot)
+        except DsttError:
+            continue  # unreadable: nothing proves it abandoned (gc keeps it)
+        if h.timeline == name:
+            out.add(slot)
+    return out
+
+
+def _release(st: Storage, name: str, slots: set[int]) -> None:
+    """Durably record ``slots`` as abandoned with ``name``'s ref. An older record of the same
+    name is replaced, never merged: gc may have handed its slots to newer commits."""
+    key = f"{RELEASED_PREFIX}/{name}.json"
+    st.write_durable(key, json.dumps({"timeline": name, "slots": sorted(slots)}).encode())
 
 
 class _HiddenRef(DelegatingStorage):

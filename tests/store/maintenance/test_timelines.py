@@ -255,3 +255,35 @@ def test_gc_keeps_the_step_a_timeline_forks_from(how: str) -> None:
     assert_same_arrays(load(base, step=5, timeline=tl).arrays, evolving(5))
     assert_same_arrays(load(base, step=5, timeline="main").arrays, evolving(5))
     assert repo.verify().ok
+
+
+@pytest.mark.parametrize("op", ["rename", "delete"])
+def test_debris_of_a_renamed_or_deleted_name_is_released(op: str) -> None:
+    """A commit a power cut stopped before its ref moved is debris of its timeline's name.
+    Renaming or deleting that timeline releases the debris with the name, so verify does not
+    take it for a lost timeline (the hypothesis model found: cut commit, gc, rename)."""
+    from ..commit.test_crash import CutAt, PowerCut
+
+    mem = MemoryStorage()
+    repo = Repository.create(mem)
+    with repo.writer(chunk_bytes=256) as w:
+        _commit_evolving(w, 0)
+    cut = CutAt(mem, 4)  # step file, side file and header written; the ref never moved
+    with pytest.raises(PowerCut), Repository(cut).writer(chunk_bytes=256) as w:
+        _commit_evolving(w, 1)
+    mem = mem.crash()
+    repo = Repository.open(mem)
+    with repo.writer(chunk_bytes=256) as w:
+        _commit_evolving(w, 1)
+    assert repo.verify().ok
+    if op == "rename":
+        repo.rename_timeline("main", "a")
+    else:
+        repo.rollback(0)
+        repo.delete_timeline("main")
+    rep = repo.verify()
+    assert rep.ok, rep.problems
+    assert "main" not in repo.reader().timelines
+    repo.gc()
+    assert not [k for k in mem.list(RELEASED_PREFIX)]
+    assert repo.verify().ok
