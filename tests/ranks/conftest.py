@@ -45,38 +45,56 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spawn(
-    phase: str, world: int, root: Path, out: Path, kinds: str, tag: str | None = None
+def launch(
+    worker: Path,
+    args: list[str],
+    world: int,
+    logs: Path,
+    tag: str,
+    env: dict[str, str] | None = None,
 ) -> list[subprocess.Popen[bytes]]:
-    """``world`` ranks of ``phase`` (``world == 0``: one plain process, no process group)."""
+    """``world`` ranks of ``worker args`` on one free port (``world == 0``: one plain process,
+    no process group); each rank's output goes to ``logs/<tag>.r<rank>.log``."""
     port = free_port()
     procs = []
     for rank in range(max(world, 1)):
-        env = {
+        child = {
             k: v
             for k, v in os.environ.items()
             if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
         }
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-        env["DSTT_TEST_HANG_S"] = str(PHASE_TIMEOUT)
-        env["DSTT_TEST_TAG"] = tag or phase
+        child["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+        child.update(env or {})
         if world:
-            env.update(
+            child.update(
                 RANK=str(rank),
                 WORLD_SIZE=str(world),
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(port),
             )
-        with open(out / f"{tag or phase}.r{rank}.log", "wb") as log:  # the child keeps its fd
+        with open(logs / f"{tag}.r{rank}.log", "wb") as log:  # the child keeps its fd
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(WORKER), phase, str(root), str(out), kinds],
-                    env=env,
+                    [sys.executable, str(worker), *args],
+                    env=child,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
             )
     return procs
+
+
+def spawn(
+    phase: str, world: int, root: Path, out: Path, kinds: str, tag: str | None = None
+) -> list[subprocess.Popen[bytes]]:
+    """``world`` ranks of ``worker.py``'s ``phase`` (``world == 0``: one plain process)."""
+    env = {"DSTT_TEST_HANG_S": str(PHASE_TIMEOUT), "DSTT_TEST_TAG": tag or phase}
+    return launch(WORKER, [phase, str(root), str(out), kinds], world, out, tag or phase, env)
+
+
+def logs_of(out: Path, tag: str) -> str:
+    """Every rank's log of ``tag``, for an assertion message."""
+    return "\n".join(f.read_text(errors="replace") for f in sorted(out.glob(f"{tag}.r*.log")))
 
 
 def wait(procs: list[subprocess.Popen[bytes]], timeout: float = PHASE_TIMEOUT) -> None:

@@ -6,9 +6,6 @@ process sees every stage's tensors under their own names."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,40 +15,18 @@ import torch
 
 import dstt
 
-from .conftest import free_port
+from .conftest import launch, logs_of, wait
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def phase(name: str, run: Path, out: Path) -> list[dict[str, Any]]:
-    port, procs = free_port(), []
-    for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), name, str(run), str(out)],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
-    try:
-        for p in procs:
-            p.wait(timeout=180)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    res = [json.loads((out / f"{name}.r{r}.json").read_text()) for r in range(2)]
+    wait(launch(WORKER, [name, str(run), str(out)], 2, out, name), timeout=180)
+    res = []
+    for r in range(2):
+        report = out / f"{name}.r{r}.json"
+        assert report.exists(), f"{name} rank {r} wrote no report:\n{logs_of(out, name)}"
+        res.append(json.loads(report.read_text()))
     for r, x in enumerate(res):
         assert x["ok"], f"{name} rank {r}: {x.get('trace')}"
     return res
