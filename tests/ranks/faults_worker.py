@@ -6,8 +6,9 @@ does not hold the other in a collective) under ``dstt.session(..., every=1)``:
 
 ``raise``  rank 1 raises at the start of step 5 (steps 1-4 finished by both); rank 0 trains
            on to step 8
-``kill``   rank 1 SIGKILLs itself right after its optimizer step 5 (its copy of step 5 is
-           in flight); rank 0 trains on to step 8
+``kill``   rank 1, right after its optimizer step 5 (its copy of step 5 in flight), waits
+           until steps 1-4 are committed (so a loaded machine cannot leave them in flight)
+           and SIGKILLs itself; rank 0 trains on to step 8
 ``alone``  only rank 0 opens a session (rank 1 waits on the gloo barrier and then exits)
 
 Rank 0 writes ``OUT/<case>.json``: the error its session raised (type and message), the
@@ -39,6 +40,22 @@ def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
+def KILLED_AT(run: Path) -> Path:
+    return run.parent / "killed_at"
+
+
+def until_committed(run: Path, n: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if len(dstt.open(run).steps) >= n:
+                return
+        except dstt.DsttError:
+            pass  # no commit yet
+        time.sleep(0.05)
+    raise TimeoutError(f"steps 1-{n} not committed in {timeout} s")
+
+
 def train(case: str, run: Path, rank: int) -> dict[str, Any]:
     model, opt = build()
     out: dict[str, Any] = {"error": None}
@@ -54,6 +71,8 @@ def train(case: str, run: Path, rank: int) -> dict[str, Any]:
                 opt.zero_grad()
                 s.log(loss=float(step))
                 if rank == 1 and case == "kill" and step == 5:
+                    until_committed(run, 4)  # its part of step 4 was sealed by this step
+                    KILLED_AT(run).write_text(repr(time.time()))
                     os.kill(os.getpid(), signal.SIGKILL)
                 if rank == 0 and step == 5:
                     fault_at = time.monotonic()
@@ -65,6 +84,8 @@ def train(case: str, run: Path, rank: int) -> dict[str, Any]:
         out["rank_error"] = isinstance(e, dstt.RankError)
     if fault_at is not None:
         out["after_fault_s"] = time.monotonic() - fault_at
+    if KILLED_AT(run).exists():  # the kill came later than rank 0's step 5: count from it
+        out["after_fault_s"] = time.time() - float(KILLED_AT(run).read_text())
     return out
 
 
