@@ -183,11 +183,13 @@ def _verify_unreachable(
     ref never moved past it (a crash before the commit point) is debris gc may remove; a
     commit of a timeline with no ref, or one whose header cannot be read, is not: nothing
     proves it abandoned, so it is a problem until repaired."""
-    names = set(r.timelines) | set(r.released())  # a deleted timeline awaits gc: no problem
+    released = r.released()  # a deleted timeline awaits gc: no problem
+    names = set(r.timelines) | set(released)
+    freed = {s for slots in released.values() for s in slots}
     with_header = set()
     for slot in r.all_slots():
         with_header.add(slot)
-        if slot in reached or slot in r.bridged:
+        if slot in reached or slot in r.bridged or slot in freed:
             continue
         key = commit_key(slot)
         try:
@@ -204,7 +206,7 @@ def _verify_unreachable(
     for name in r.storage.list(STEPS_PREFIX):
         key = f"{STEPS_PREFIX}/{name}"
         n = key_slot(key)
-        if n is None or n in with_header or not key.endswith(".zip"):
+        if n is None or n in with_header or n in freed or not key.endswith(".zip"):
             continue
         attrs = step_zip_attributes(r.storage, key)
         if attrs is None:

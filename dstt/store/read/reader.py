@@ -173,8 +173,9 @@ class Reader:
                 continue
         by_name: dict[str, list[CommitHeader]] = {}
         released = self.released()
-        for n in self.all_slots():
-            if n in reached:
+        freed = {s for slots in released.values() for s in slots}  # any name: a renamed
+        for n in self.all_slots():  # timeline's commits carry the name they were written under
+            if n in reached or n in freed:
                 continue
             try:
                 h = self.header(n)

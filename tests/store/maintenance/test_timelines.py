@@ -296,3 +296,29 @@ def test_debris_of_a_renamed_or_deleted_name_is_released(op: str, header: bool) 
     repo.gc()
     assert not [k for k in mem.list(RELEASED_PREFIX)]
     assert repo.verify().ok
+
+
+def test_a_renamed_then_deleted_timeline_is_not_taken_for_a_lost_one() -> None:
+    """Commit headers keep the name a commit was written under. After ``main`` is renamed to
+    ``a`` and ``a`` deleted (cut before gc swept it), the release record names ``a`` while its
+    commits' headers say ``main``: verify must go by the released slots, not the name."""
+    from ..commit.test_crash import CutAt, PowerCut
+
+    mem = MemoryStorage()
+    repo = Repository.create(mem)
+    with repo.writer(chunk_bytes=256) as w:
+        _commit_evolving(w, 0)
+    repo.rollback(0)
+    with repo.writer(chunk_bytes=256) as w:
+        _commit_evolving(w, 1, timeline="main")
+    repo.rename_timeline("main", "a")
+    with pytest.raises(PowerCut):
+        Repository(CutAt(mem, 3)).delete_timeline("a")  # record and ref delete, no gc
+    mem = mem.crash()
+    repo = Repository.open(mem)
+    assert set(repo.reader().timelines) == {"main-from-0"}
+    rep = repo.verify()
+    assert rep.ok, rep.problems
+    repo.gc()
+    assert not list(mem.list(RELEASED_PREFIX))
+    assert repo.verify().ok
