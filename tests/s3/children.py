@@ -1,7 +1,7 @@
 """Child processes of the object-store tests (run as ``python -m tests.s3.children <what>``).
 
 ``kill URL``: commits steps 1-2 straight to the bucket, then SIGKILLs itself in the middle of
-step 3's multipart upload (after the first part was read), leaving an unfinished upload and a
+step 3's multipart upload (before its second part), leaving an unfinished upload and a
 live lease. ``rank RANK WORLD PORT URL``: one gloo rank of a two-rank run, each rank writing
 only its own arrays through ``open_ranks``, rank 0 committing.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -28,51 +27,22 @@ def _put_array(txn: Any, path: str, a: np.ndarray) -> None:
 
 
 def kill(url: str) -> None:
-    import obstore
-
     from dstt.store import Repository
-    from dstt.store.storage import s3_blob
+    from dstt.store.storage.s3 import S3Storage
 
     repo = Repository.create(url, lease_ttl=5.0, chunk_size=5 * MiB)  # test_s3_run.LEASE_S
-    real_put = obstore.put
+    real_part = S3Storage._upload_part
     with repo.writer(chunk_bytes=1 * MiB) as w:
         for step in (1, 2, 3):
-            if step == 3:  # from here, the upload dies after reading its first part
+            if step == 3:  # from here, the upload dies before its second part
 
-                class Dying:
-                    def __init__(self, f: Any) -> None:
-                        self.f, self.n = f, 0
+                def dying(self: Any, client: Any, full: str, up: str, f: Any, i: int) -> Any:
+                    if i > 0:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    print("uploading", flush=True)
+                    return real_part(self, client, full, up, f, i)
 
-                    def read(self, n: int = -1) -> bytes:
-                        if self.n > 0:
-                            os.kill(os.getpid(), signal.SIGKILL)
-                        data = self.f.read(n)
-                        self.n += len(data)
-                        return bytes(data)
-
-                    def __getattr__(self, name: str) -> Any:
-                        return getattr(self.f, name)
-
-                def put(store: Any, key: str, f: Any, **kw: Any) -> Any:
-                    if kw.get("use_multipart"):
-                        print("uploading", flush=True)
-                        f = Dying(f)
-                    return real_put(store, key, f, **kw)
-
-                s3_blob.obstore = SimpleNamespace(  # type: ignore[assignment]
-                    **{
-                        n: getattr(obstore, n)
-                        for n in (
-                            "get",
-                            "get_range",
-                            "head",
-                            "list",
-                            "list_with_delimiter",
-                            "delete",
-                        )
-                    },
-                    put=put,
-                )
+                S3Storage._upload_part = dying  # type: ignore[method-assign]
             t = w.begin(step)
             _put_array(t, "params/w", np.full(3 * MiB, step, np.float32))  # 12 MiB
             t.commit({"loss": float(step)})

@@ -11,7 +11,7 @@ import pytest
 
 from dstt.errors import MissingFileError, NotARunError, RunLockedError
 from dstt.store import LocalStorage, Repository, Storage, storage_for
-from dstt.store.format.layout import HEAD_KEY, LOCK_KEY, ref_key, step_file_key
+from dstt.store.format.layout import HEAD_KEY, LOCK_KEY, STEPS_PREFIX, ref_key, step_file_key
 from dstt.store.format.manifest import dump_head
 from dstt.store.storage.s3 import DEFAULT_GUARDED, S3Storage
 from dstt.testing.storage import StorageTests
@@ -193,3 +193,25 @@ def test_step_files_are_create_only(s3_url: str) -> None:
     a.write(other, b"1")
     b.write(other, b"2")  # not a write-once key: overwritten as before
     assert a.read(other) == b"2"
+
+
+def test_a_multipart_step_file_is_create_only(s3_url: str) -> None:
+    """A step file of several parts is completed with ``If-None-Match: *``: over another
+    writer's object the upload is aborted (no unfinished upload left) and nothing is
+    overwritten; the step file goes up whole where the key is free."""
+    st = storage_for(s3_url, chunk_size=5 * 1024 * 1024)
+    key = f"{STEPS_PREFIX}/000000000001.zip"
+    theirs = os.urandom(64)
+    st.write(key, theirs)  # the new lease holder's committed step file
+    blob = st.open_blob(key)
+    blob.write_at(0, os.urandom(11 * 1024 * 1024))
+    with pytest.raises(RunLockedError, match="already written by another writer"):
+        blob.publish(durable=True)
+    assert st.read(key) == theirs
+    assert st.multipart_uploads() == ()
+    free = f"{STEPS_PREFIX}/000000000002.zip"
+    data = os.urandom(11 * 1024 * 1024 + 3)
+    blob = st.open_blob(free)
+    blob.write_at(0, data)
+    blob.publish(durable=True)
+    assert st.read(free) == data

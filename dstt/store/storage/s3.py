@@ -34,9 +34,9 @@ The commit protocol's two POSIX tools are replaced by conditional writes:
 
 Guaranteed: at most one process holds the lease at any time (conditional create/takeover);
 no ref or HEAD update is lost (CAS); a writer that stalls past its lease cannot commit, and no
-writer overwrites a committed step file or header. Not guaranteed: a step file larger than one
-part (``chunk_size``) goes up as a multipart upload, which obstore cannot make conditional; it
-is checked absent just before its upload, so only a stall inside that upload could still race.
+writer overwrites a committed step file or header. A step file larger than one part
+(``chunk_size``) goes up as a multipart upload completed with ``If-None-Match: *``
+(``put_once_large``, through botocore: obstore cannot make a multipart upload conditional).
 
 Rejected alternatives: fsspec/s3fs as the backend — against the same loopback server it
 measured 11.3 ms per small PUT to obstore's 2.1 ms, and 33 to 46 MB/s on a 32 MiB multipart
@@ -48,11 +48,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import obstore
 from obstore.exceptions import (
@@ -236,6 +237,52 @@ class S3Storage(Storage):
                 raise self.taken(key) from None
         except Exception as e:
             raise self._error(e, "write", key) from e
+
+    def put_once_large(self, key: str, f: BinaryIO, size: int) -> None:
+        """Upload ``f`` (``size`` bytes, more than one part) as a multipart upload completed
+        with ``If-None-Match: *``: the step file appears whole, or, when another writer's
+        object is there, the upload is aborted and ``RunLockedError`` raised. obstore cannot
+        make a multipart upload conditional, so this one goes through botocore."""
+        client = self._boto()
+        full = f"{self.prefix}/{key}" if self.prefix else key
+        up = client.create_multipart_upload(Bucket=self.bucket, Key=full)["UploadId"]
+        try:
+            n = -(-size // self.chunk_size)
+            with ThreadPoolExecutor(max(1, min(self.max_concurrency, n))) as pool:
+                parts = list(
+                    pool.map(lambda i: self._upload_part(client, full, up, f, i), range(n))
+                )
+            client.complete_multipart_upload(
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=up,
+                MultipartUpload={"Parts": parts},
+                IfNoneMatch="*",
+            )
+        except BaseException as e:
+            with contextlib.suppress(Exception):
+                client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=up)
+            code = getattr(e, "response", {}).get("Error", {}).get("Code")
+            if code in ("PreconditionFailed", "412"):
+                raise self.taken(key) from None
+            if isinstance(e, Exception):
+                raise self._error(e, "write", key) from e
+            raise
+
+    def _upload_part(
+        self,
+        client: Any,  # noqa: ANN401 - a botocore client
+        full: str,
+        up: str,
+        f: BinaryIO,
+        i: int,
+    ) -> dict[str, Any]:
+        """Part ``i + 1`` of upload ``up``, read from the spool file at its offset."""
+        body = os.pread(f.fileno(), self.chunk_size, i * self.chunk_size)
+        res = client.upload_part(
+            Bucket=self.bucket, Key=full, UploadId=up, PartNumber=i + 1, Body=body
+        )
+        return {"ETag": res["ETag"], "PartNumber": i + 1}
 
     def taken(self, key: str) -> RunLockedError:
         """The error of a create-only write that found another writer's object."""

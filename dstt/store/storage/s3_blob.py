@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 import obstore
 
@@ -38,6 +38,7 @@ class SpoolOwner(Protocol):
     def _check_lease(self) -> None: ...
     def is_write_once(self, key: str) -> bool: ...
     def put_once(self, key: str, body: bytes | memoryview) -> None: ...
+    def put_once_large(self, key: str, f: BinaryIO, size: int) -> None: ...
     def exists(self, key: str) -> bool: ...
     def taken(self, key: str) -> RunLockedError: ...
     def _error(self, e: Exception, what: str, key: str) -> StorageError: ...
@@ -76,8 +77,9 @@ class _S3Blob(Blob):
                 else:
                     obstore.put(st.store, self.key, f.read())
             else:
-                if once and st.exists(self.key):  # (a multipart upload has no condition)
-                    raise st.taken(self.key)
+                if once:  # create-only, whole or not at all
+                    st.put_once_large(self.key, f, size)
+                    return
                 obstore.put(
                     st.store,
                     self.key,
