@@ -1,4 +1,4 @@
-"""Names the training side and the readers agree on: store paths, user names, dimensions.
+"""Names the training side and the readers agree on: store paths, dimensions, object names.
 
 Every tensor is stored under one **canonical name**: the dotted name a plain, unwrapped
 ``model.state_dict()`` would give it. Wrappers add components of their own to the names torch
@@ -9,10 +9,11 @@ any wrapper opens, loads and exports under the names of the model itself. The st
 tensor (:func:`tensor_path`) is its kind and its canonical name with ``/`` for ``.``:
 ``params/<module path>/<name>``, ``buffers/...``, ``optim/<state>/<module path>/<name>``.
 
-A step's **objects** (its non-tensor state: RNG, scheduler, summaries, ...) are named by the
-append-only ``*_OBJECT`` constants below: every writer (the engine, the importers) and every
-reader takes them from here (``tests/test_schema_objects.py`` fails on a literal elsewhere and on
-an unlisted name in a written run); a name once written keeps its meaning, a new one is added.
+A step's **objects** (RNG, scheduler, summaries, ...) are named by the append-only
+``*_OBJECT`` constants below, which every writer and reader imports
+(``tests/test_schema_objects.py`` fails on a literal elsewhere or an undeclared written name).
+Plain ``str`` constants, not an ``Enum``: a member's repr in messages and its type in a
+header's keys would differ from the string a run stores.
 
 This module is the one place both the engine (which writes names) and the readers (which
 resolve what a user types) take them from; it needs nothing but the standard library, so the
