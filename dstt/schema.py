@@ -1,4 +1,4 @@
-"""Names the training side and the readers agree on: store paths, user names, dimensions.
+"""Names the training side and the readers agree on: store paths, dimensions, object names.
 
 Every tensor is stored under one **canonical name**: the dotted name a plain, unwrapped
 ``model.state_dict()`` would give it. Wrappers add components of their own to the names torch
@@ -8,6 +8,12 @@ reports — ``torch.compile`` ``_orig_mod.``, DDP and ``DataParallel`` ``module.
 any wrapper opens, loads and exports under the names of the model itself. The store path of a
 tensor (:func:`tensor_path`) is its kind and its canonical name with ``/`` for ``.``:
 ``params/<module path>/<name>``, ``buffers/...``, ``optim/<state>/<module path>/<name>``.
+
+A step's **objects** (RNG, scheduler, summaries, ...) are named by the append-only
+``*_OBJECT`` constants below, which every writer and reader imports
+(``tests/test_schema_objects.py`` fails on a literal elsewhere or an undeclared written name).
+Plain ``str`` constants, not an ``Enum``: a member's repr in messages and its type in a
+header's keys would differ from the string a run stores.
 
 This module is the one place both the engine (which writes names) and the readers (which
 resolve what a user types) take them from; it needs nothing but the standard library, so the
@@ -21,15 +27,35 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Mapping, Sequence
 
 __all__ = [
+    "BATCHES_OBJECT",
+    "CONFIG_OBJECT",
+    "DATA_OBJECT",
+    "DEEPSPEED_ENGINE_OBJECT",
+    "DEEPSPEED_META_OBJECT",
+    "EXTRA_OBJECT",
+    "FILES_OBJECT",
+    "IMPORT_OBJECT",
+    "LAYOUT_OBJECT",
+    "METRICS_HISTORY_OBJECT",
     "MODEL_KINDS",
+    "OBJECT_NAMES",
+    "OPTIM_GROUPS_OBJECT",
+    "OPTIM_STATE_OBJECT",
+    "RNG_OBJECT",
+    "SCHEDULER_OBJECT",
+    "SHARDS_OBJECT",
+    "SUMMARIES_OBJECT",
+    "TIED_OBJECT",
     "WRAPPER_ATTRIBUTES",
+    "ZERO_SCALARS_OBJECT",
     "canonical_name",
+    "declared_object",
     "optim_state",
     "resolve_dims",
     "tensor_path",
@@ -43,6 +69,83 @@ MODEL_KINDS = ("params", "buffers")
 #: attributes through which wrappers hold the wrapped module, dropped wherever they appear
 #: (reserved names: torch.compile's, FSDP1's and activation checkpointing's)
 WRAPPER_ATTRIBUTES = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+# -- object names (append-only: never rename or reuse one; add new ones at the end) ----------
+# A name may have children: ``<name>/r<rank>`` (a rank's own copy), ``<name>/<key>`` (one of
+# several optimizers), ``extra/<what>``; :func:`declared_object` accepts those.
+
+#: write-time statistics of every ``params/`` tensor (``summaries/r<rank>`` per rank)
+SUMMARIES_OBJECT: Final = "summaries"
+#: tied parameters: ``{alias: stored name}``
+TIED_OBJECT: Final = "names/tied"
+#: the model's configuration (``config.to_dict()`` of a transformers model)
+CONFIG_OBJECT: Final = "model/config"
+#: which optimizer-state keys are arrays, and the others' values
+OPTIM_STATE_OBJECT: Final = "optim/state"
+#: the optimizer's param groups without their params
+OPTIM_GROUPS_OBJECT: Final = "optim/param_groups"
+#: the LR scheduler's ``state_dict()``
+SCHEDULER_OBJECT: Final = "scheduler"
+#: RNG states (python, numpy, torch, CUDA)
+RNG_OBJECT: Final = "rng"
+#: the data position (sampler/loader state)
+DATA_OBJECT: Final = "data"
+#: the dataset indices of the batches since the previous commit (``store/format/batches.py``)
+BATCHES_OBJECT: Final = "data/batches"
+#: metrics of the steps between two commits (``every=K``)
+METRICS_HISTORY_OBJECT: Final = "metrics/history"
+#: where an imported step came from (``dstt import``)
+IMPORT_OBJECT: Final = "import/source"
+#: the pipeline stages' parameter layout
+LAYOUT_OBJECT: Final = "parallel/layout"
+#: a DeepSpeed engine's counters, scheduler, param groups and loss scaler
+DEEPSPEED_ENGINE_OBJECT: Final = "deepspeed/engine"
+#: ZeRO stage and world of a DeepSpeed session
+DEEPSPEED_META_OBJECT: Final = "deepspeed/meta"
+#: shard maps, ``shards/r<rank>`` (docs/format.md §9)
+SHARDS_OBJECT: Final = "shards"
+#: ZeRO's non-array optimizer state, ``zero/scalars/r<rank>``
+ZERO_SCALARS_OBJECT: Final = "zero/scalars"
+#: state of other objects: ``extra/<name>`` (``extra_state=``, an importer's trainer state)
+EXTRA_OBJECT: Final = "extra"
+#: the skeletons of a DeepSpeed checkpoint's files, ``files/<id>``
+FILES_OBJECT: Final = "files"
+
+#: every declared object name, in the order they were added
+OBJECT_NAMES: tuple[str, ...] = (
+    SUMMARIES_OBJECT,
+    TIED_OBJECT,
+    CONFIG_OBJECT,
+    OPTIM_STATE_OBJECT,
+    OPTIM_GROUPS_OBJECT,
+    SCHEDULER_OBJECT,
+    RNG_OBJECT,
+    DATA_OBJECT,
+    BATCHES_OBJECT,
+    METRICS_HISTORY_OBJECT,
+    IMPORT_OBJECT,
+    LAYOUT_OBJECT,
+    DEEPSPEED_ENGINE_OBJECT,
+    DEEPSPEED_META_OBJECT,
+    SHARDS_OBJECT,
+    ZERO_SCALARS_OBJECT,
+    EXTRA_OBJECT,
+    FILES_OBJECT,
+)
+
+
+def declared_object(name: str) -> bool:
+    """Whether ``name`` is a declared object name or one of its children
+    (``rng/r1``, ``optim/state/0``, ``extra/lightning/hparams``)."""
+    while True:
+        if name in _DECLARED:
+            return True
+        name, sep, _ = name.rpartition("/")
+        if not sep:
+            return False
+
+
+_DECLARED = frozenset(OBJECT_NAMES)
 
 
 def canonical_name(dotted: str, module_wrappers: Collection[str] = ()) -> str:

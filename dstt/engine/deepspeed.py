@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dstt import schema
 from dstt.errors import CaptureError, RankError, SchemaError
 from dstt.schema import tensor_path
 
@@ -61,8 +62,8 @@ __all__ = [
     "session_tensors",
 ]
 
-ENGINE_OBJECT = "deepspeed/engine"
-META_OBJECT = "deepspeed/meta"
+ENGINE_OBJECT = schema.DEEPSPEED_ENGINE_OBJECT
+META_OBJECT = schema.DEEPSPEED_META_OBJECT
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
 
@@ -206,14 +207,18 @@ class DeepSpeedState:
         step.add(_MetaProvider(self.stage, info))
         for p in extra:
             step.add(p)
-        step.add(RankObject("rng", info, get_rng, set_rng, always_suffix=True))
+        step.add(RankObject(schema.RNG_OBJECT, info, get_rng, set_rng, always_suffix=True))
         boundary = CompositeProvider([_EngineProvider(engine, inner, info)])
         for name, obj in (extra_state or {}).items():
             if not isinstance(obj, Stateful):
                 raise TypeError(f"extra_state[{name!r}] needs state_dict() and load_state_dict()")
             boundary.add(
                 RankObject(
-                    f"extra/{name}", info, obj.state_dict, obj.load_state_dict, always_suffix=True
+                    f"{schema.EXTRA_OBJECT}/{name}",
+                    info,
+                    obj.state_dict,
+                    obj.load_state_dict,
+                    always_suffix=True,
                 )
             )
         self.state = TorchState(step, boundary)

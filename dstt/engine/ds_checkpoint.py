@@ -62,6 +62,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointEngine,
 )
 
+from dstt import schema
 from dstt.errors import CaptureError, RaceError, RankError
 from dstt.store import DEFAULT_CHUNK_BYTES, Repository, fsync_dir
 
@@ -172,12 +173,15 @@ class DsttCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # deepspeed
         tensors: dict[str, torch.Tensor] = {}
         names = save.names
         skeleton = flatten(
-            state_dict, f"files/{fid}", tensors, None if names is None else names.place
+            state_dict,
+            f"{schema.FILES_OBJECT}/{fid}",
+            tensors,
+            None if names is None else names.place,
         )
         if names is not None:  # a tensor in two files (or twice in one) is written once
             tensors = {p: t for p, t in tensors.items() if p not in names.staged}
             names.staged.update(tensors)
-        f = pipe.stage(save.step, tensors, {f"files/{fid}": pickle.dumps(skeleton)})
+        f = pipe.stage(save.step, tensors, {f"{schema.FILES_OBJECT}/{fid}": pickle.dumps(skeleton)})
         save.flights.append(f)
         assert self.run is not None
         stub = {
@@ -210,7 +214,9 @@ class DsttCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # deepspeed
         save.total = len(save.flights) + 1
         shards = save.names.shard_map() if save.names is not None else None
         assert self._rw is not None
-        objects = {} if shards is None else {f"shards/r{self._rw.info.rank}": shards}
+        objects = (
+            {} if shards is None else {f"{schema.SHARDS_OBJECT}/r{self._rw.info.rank}": shards}
+        )
         final = pipe.stage(save.step, {}, objects)  # commits the tag's transaction
         final.add_metrics({"tag": str(save.info.tag)})
         save.flights.append(final)
@@ -235,7 +241,7 @@ class DsttCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # deepspeed
         repo = Repository.open(Path(path).parent / stub["run"])
         reader = repo.reader()
         header = reader.find(int(stub["step"]), stub["timeline"])
-        skeleton = pickle.loads(reader.read_object(header, f"files/{stub['file']}"))
+        skeleton = pickle.loads(reader.read_object(header, f"{schema.FILES_OBJECT}/{stub['file']}"))
         table = reader.arrays(header)
 
         def read(apath: str) -> torch.Tensor:

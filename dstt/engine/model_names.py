@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dstt import schema
 from dstt.errors import SchemaError
 from dstt.schema import canonical_name
 from dstt.store import Encoded
@@ -87,8 +88,8 @@ def tied_names(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-TIED_OBJECT = "names/tied"
-CONFIG_OBJECT = "model/config"
+TIED_OBJECT = schema.TIED_OBJECT
+CONFIG_OBJECT = schema.CONFIG_OBJECT
 
 
 class ModelInfoProvider:

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dstt import schema
 from dstt.errors import SchemaError
 from dstt.schema import tensor_path
 from dstt.store import Encoded, Prediction
@@ -45,7 +46,7 @@ _VALUES = operator.methodcaller("values")  # any mapping's, not only a dict's
 class OptimizerStateProvider:
     """Per-parameter optimizer state (Adam/AdamW/SGD/...): tensors as arrays, scalars packed."""
 
-    OBJECT = "optim/state"
+    OBJECT = schema.OPTIM_STATE_OBJECT
     #: ``tensors()`` returns a new mapping whenever the state's tensors changed
     stable = True
 
@@ -291,4 +292,4 @@ def optimizer_groups_provider(
                 if k != "params":
                     g[k] = v
 
-    return ObjectProvider(optimizer_object("optim/param_groups", key), get, set)
+    return ObjectProvider(optimizer_object(schema.OPTIM_GROUPS_OBJECT, key), get, set)

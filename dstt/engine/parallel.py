@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dstt import schema
+
 from .model_names import ModelInfoProvider, param_names
 from .optimizers import OptimizerStateProvider, optimizer_groups_provider, optimizers_of
 from .providers import CompositeProvider, RankObject, StateProvider, TensorProvider
@@ -91,7 +93,11 @@ class ParallelState:
                 raise TypeError(f"extra_state[{name!r}] needs state_dict() and load_state_dict()")
             boundary.add(
                 RankObject(
-                    f"extra/{name}", info, obj.state_dict, obj.load_state_dict, required=True
+                    f"{schema.EXTRA_OBJECT}/{name}",
+                    info,
+                    obj.state_dict,
+                    obj.load_state_dict,
+                    required=True,
                 )
             )
         self.state = TorchState(step, boundary)

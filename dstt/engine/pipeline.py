@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dstt import schema
 from dstt.errors import CaptureError
 from dstt.store import (
     EncodingWriter,
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Flight", "Pipeline", "StepMetrics"]
 
-SUMMARIES_OBJECT = "summaries"  # read by dstt.inspect.summaries
+SUMMARIES_OBJECT = schema.SUMMARIES_OBJECT
 METRICS_KEPT = 100_000  # per-step metrics kept in memory (the newest)
 
 

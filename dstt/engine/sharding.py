@@ -46,6 +46,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dstt import schema
 from dstt.errors import CaptureError, SchemaError
 from dstt.store import DTENSOR_PREFIX, Box, Encoded, LogicalArray, shard_map, shard_source
 
@@ -73,7 +74,7 @@ __all__ = [
 ]
 
 #: which parameters each rank of a pipeline-parallel run held (absent: every rank the same)
-LAYOUT_OBJECT = "parallel/layout"
+LAYOUT_OBJECT = schema.LAYOUT_OBJECT
 
 
 class StageLayout:
@@ -349,7 +350,7 @@ class RankShare:
         out = dict(self.layout.objects(self.inner.objects()))
         out.update(self.layout.layout_objects())
         if self._map is not None:
-            out[f"shards/r{self.info.rank}"] = self._map
+            out[f"{schema.SHARDS_OBJECT}/r{self.info.rank}"] = self._map
         return out
 
     def capture(self) -> tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]:

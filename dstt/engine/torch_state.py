@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from dstt import schema
 from dstt.schema import tensor_path
 from dstt.store import RankInfo
 
@@ -188,7 +189,7 @@ def model_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def scheduler_provider(scheduler: Any) -> ObjectProvider:
-    return ObjectProvider("scheduler", scheduler.state_dict, scheduler.load_state_dict)
+    return ObjectProvider(schema.SCHEDULER_OBJECT, scheduler.state_dict, scheduler.load_state_dict)
 
 
 def get_rng() -> dict[str, Any]:
@@ -216,7 +217,7 @@ def set_rng(state: Mapping[str, Any]) -> None:
 def rng_provider(info: RankInfo = ONE_RANK) -> ObjectProvider:
     """Global RNGs: torch CPU, CUDA (when initialized), numpy's legacy global, ``random``;
     each rank's own (``rng/r<rank>`` with several)."""
-    return RankObject("rng", info, get_rng, set_rng, required=True)
+    return RankObject(schema.RNG_OBJECT, info, get_rng, set_rng, required=True)
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,11 @@ def discover(
             raise TypeError(f"extra_state[{name!r}] needs state_dict() and load_state_dict()")
         boundary.add(
             RankObject(
-                f"extra/{name}", ONE_RANK, obj.state_dict, obj.load_state_dict, required=True
+                f"{schema.EXTRA_OBJECT}/{name}",
+                ONE_RANK,
+                obj.state_dict,
+                obj.load_state_dict,
+                required=True,
             )
         )
     for p in extra:

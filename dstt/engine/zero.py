@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dstt import schema
 from dstt.errors import RankError, SchemaError
 from dstt.schema import tensor_path
 from dstt.store import LogicalArray, Piece, logical_arrays, read_logical, shard_map
@@ -176,7 +177,10 @@ class ZeroState:
             for g in range(len(self.flats))
         }
         r = self.info.rank
-        return {f"shards/r{r}": self.shard_map(), f"zero/scalars/r{r}": scalars}
+        return {
+            f"{schema.SHARDS_OBJECT}/r{r}": self.shard_map(),
+            f"{schema.ZERO_SCALARS_OBJECT}/r{r}": scalars,
+        }
 
     # -- restore --------------------------------------------------------------------------
     def restore(self, source: RestoreSource) -> None:
@@ -195,7 +199,9 @@ class ZeroState:
         same = self._same_layout(source, reader.arrays(header))
         r = self.info.rank
         name = (
-            f"zero/scalars/r{r}" if source.has_object(f"zero/scalars/r{r}") else "zero/scalars/r0"
+            f"{schema.ZERO_SCALARS_OBJECT}/r{r}"
+            if source.has_object(f"{schema.ZERO_SCALARS_OBJECT}/r{r}")
+            else f"{schema.ZERO_SCALARS_OBJECT}/r0"
         )
         scalars = from_plain(source.object(name))
         if len(scalars) != len(self.flats):
@@ -222,7 +228,7 @@ class ZeroState:
     def _same_layout(self, source: RestoreSource, table: Mapping[str, Any]) -> bool:
         """Whether this rank's stored buffers have exactly the live layout (raw copy is then
         bit-exact, padding included)."""
-        name = f"shards/r{self.info.rank}"
+        name = f"{schema.SHARDS_OBJECT}/r{self.info.rank}"
         if not source.has_object(name):
             return False
         stored = source.object(name)["arrays"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dstt import schema
 from dstt.errors import TensorNotFoundError
 from dstt.schema import MODEL_KINDS, canonical_name, optim_state, tensor_path, user_name
 
@@ -34,8 +35,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CONFIG_OBJECT", "TIED_OBJECT", "Catalog"]
 
-TIED_OBJECT = "names/tied"  # the engine's names (dstt.engine.torch_state)
-CONFIG_OBJECT = "model/config"
+TIED_OBJECT = schema.TIED_OBJECT
+CONFIG_OBJECT = schema.CONFIG_OBJECT
 
 
 class Catalog:

@@ -30,6 +30,7 @@ import shutil
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from dstt import schema
 from dstt.errors import OutputExistsError, StorageError
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = ["export_dcp"]
 
-TIED_OBJECT = "names/tied"  # the engine's name (dstt.engine.torch_state)
+TIED_OBJECT = schema.TIED_OBJECT
 
 
 def _prepare(out: str, overwrite: bool) -> str:

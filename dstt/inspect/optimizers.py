@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dstt import schema
 from dstt.engine.model_names import param_names
 from dstt.errors import SchemaError
 from dstt.schema import canonical_name, tensor_path
@@ -39,8 +40,8 @@ __all__ = [
     "stored_keys",
 ]
 
-GROUPS_OBJECT = "optim/param_groups"  # the engine's names (dstt.engine.torch_state)
-STATE_OBJECT = "optim/state"
+GROUPS_OBJECT = schema.OPTIM_GROUPS_OBJECT
+STATE_OBJECT = schema.OPTIM_STATE_OBJECT
 
 
 def stored_keys(objects: Iterable[str]) -> list[str]:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from dstt import schema
 from dstt.engine._convert import from_plain, tensor_from_numpy
 from dstt.engine.dtensors import held_box, is_dtensor
 from dstt.engine.model_names import canonical_names
@@ -71,7 +72,7 @@ __all__ = [
     "step_state",
 ]
 
-SCHEDULER_OBJECT = "scheduler"
+SCHEDULER_OBJECT = schema.SCHEDULER_OBJECT
 PARTS = ("model", "optimizer", "scheduler")
 
 

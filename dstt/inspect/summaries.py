@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dstt import schema
 from dstt.schema import user_name
 from dstt.store import SUMMARY_SCALARS, as_float, find_spikes
 
@@ -60,7 +61,7 @@ __all__ = [
 ]
 
 SCALAR_FIELDS = SUMMARY_SCALARS  # the store's columns: one list of the scalar fields
-SUMMARIES_OBJECT = "summaries"
+SUMMARIES_OBJECT = schema.SUMMARIES_OBJECT
 
 
 def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
@@ -90,7 +91,7 @@ def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-METRICS_HISTORY_OBJECT = "metrics/history"  # written by dstt.training.metrics
+METRICS_HISTORY_OBJECT = schema.METRICS_HISTORY_OBJECT
 
 
 def step_coords(

@@ -57,6 +57,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from dstt import schema
 from dstt.engine._convert import from_plain
 from dstt.errors import ConfigError, DsttWarning, NotARunError
 from dstt.inspect.replay import ReplayKit, register_replay_kit
@@ -161,8 +162,8 @@ class DsttCallback(TrainerCallback):
             return None
         _check_skips(reader, head)
         rank = int(self._args.process_index)
-        progress = _rank_object(reader, head, "extra/transformers", rank) or {}
-        rng = from_plain(_rank_object(reader, head, "rng", rank))
+        progress = _rank_object(reader, head, f"{schema.EXTRA_OBJECT}/transformers", rank) or {}
+        rng = from_plain(_rank_object(reader, head, schema.RNG_OBJECT, rank))
         self._remove_pad()
         pad = tempfile.mkdtemp(prefix=f"dstt-resume-{head.step}-")
         self._pad = pad

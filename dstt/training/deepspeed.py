@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dstt import schema
 from dstt.engine.deepspeed import DeepSpeedState, EngineStepHook
 from dstt.engine.dims import DimsOf, ModelDims
 from dstt.engine.providers import RankObject, StoreSource
@@ -73,7 +74,9 @@ class DeepSpeedSession(RankedSession):
         return ModelDims(self.engine.module)  # the store names the inner model's tensors
 
     def _discover(self, scheduler: Any, extra_state: Mapping[str, Stateful] | None) -> TorchState:
-        data = RankObject("data", self.info, self._data_state, self._set_data, always_suffix=True)
+        data = RankObject(
+            schema.DATA_OBJECT, self.info, self._data_state, self._set_data, always_suffix=True
+        )
         self._ds = DeepSpeedState(self.engine, self.info, extra_state=extra_state, extra=[data])
         return self._ds.state
 

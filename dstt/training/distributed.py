@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from dstt import schema
 from dstt.engine.dims import DimsOf, ModelDims
 from dstt.engine.parallel import ParallelState
 from dstt.engine.providers import RankObject, StoreSource
@@ -193,7 +194,7 @@ class DistributedSession(RankedSession):
 
     def _discover(self, scheduler: Any, extra_state: Mapping[str, Stateful] | None) -> TorchState:
         assert self.model is not None
-        data = RankObject("data", self.info, self._data_state, self._set_data)
+        data = RankObject(schema.DATA_OBJECT, self.info, self._data_state, self._set_data)
         self._parallel = ParallelState(
             self.model,
             self.optimizers_arg(),

@@ -22,6 +22,7 @@ import contextlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from dstt import schema
 from dstt.errors import DsttWarning, SchemaError
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["IMPORT_OBJECT", "imported_gaps"]
 
 #: the object ``dstt.integrations.imports`` writes with every imported step
-IMPORT_OBJECT = "import/source"
+IMPORT_OBJECT = schema.IMPORT_OBJECT
 
 
 @contextlib.contextmanager
@@ -64,7 +65,7 @@ def imported_gaps(
             DsttWarning,
             stacklevel=4,
         )
-        relaxed = [p for p in _objects(providers) if _base(p) == "rng" and p.required]
+        relaxed = [p for p in _objects(providers) if _base(p) == schema.RNG_OBJECT and p.required]
     for p in relaxed:
         p.required = False
     try:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dstt import schema
 from dstt.engine.data_position import DataPosition, TrackedData
 from dstt.engine.dims import DimsOf, ModelDims
 from dstt.engine.optimizers import optimizers_of
@@ -237,7 +238,7 @@ class Session:
             self.optimizers_arg(),
             scheduler=scheduler,
             extra_state=extra_state,
-            extra=[RankObject("data", ONE_RANK, self._data_state, self._set_data)],
+            extra=[RankObject(schema.DATA_OBJECT, ONE_RANK, self._data_state, self._set_data)],
         )
 
     def _open(self, chunk: int) -> tuple[Any, Any, Any]:

@@ -29,6 +29,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from dstt import schema
 from dstt.errors import SourceError
 
 from .checkpoint import Checkpoint, NamedOptimizer, step_in_name
@@ -136,7 +137,7 @@ def read_deepspeed(
         ck = _zero(path, first, states, optim_files, trusted, allow, k, model)
         extra["zero_stage"] = ck.objects.pop("_stage")
     ck.scheduler = first.get("lr_scheduler")
-    ck.objects["extra/deepspeed"] = extra
+    ck.objects[f"{schema.EXTRA_OBJECT}/deepspeed"] = extra
     ck.files = files
     ck.note_lacks()
     return ck

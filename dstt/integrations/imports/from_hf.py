@@ -23,6 +23,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from dstt import schema
 from dstt.errors import SourceError
 from dstt.integrations._common import PROGRESS_FIELDS
 
@@ -175,17 +176,21 @@ def read_hf(
     single = os.path.join(path, "rng_state.pth")
     per_rank = sorted(glob.glob(os.path.join(path, "rng_state_*.pth")))
     for f in [single] if os.path.isfile(single) else per_rank:
-        name = "rng" if f == single else f"rng/r{int(f.rsplit('_', 1)[1].split('.')[0])}"
+        name = (
+            schema.RNG_OBJECT
+            if f == single
+            else f"{schema.RNG_OBJECT}/r{int(f.rsplit('_', 1)[1].split('.')[0])}"
+        )
         ck.rng[name] = rng_object(load_pickle(f, trusted=trusted), f)
         ck.files[f] = os.path.getsize(f)
     progress = {n: state.get(n) for n in PROGRESS_FIELDS}
     progress["global_step"] = k
-    ck.objects["extra/transformers"] = progress
+    ck.objects[f"{schema.EXTRA_OBJECT}/transformers"] = progress
     if tied:
-        ck.objects["names/tied"] = tied
+        ck.objects[schema.TIED_OBJECT] = tied
     config = os.path.join(path, "config.json")
     if os.path.isfile(config):
         with open(config, encoding="utf-8") as fh:
-            ck.objects["model/config"] = json.load(fh)
+            ck.objects[schema.CONFIG_OBJECT] = json.load(fh)
     ck.note_lacks()
     return ck

@@ -19,6 +19,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from dstt import schema
 from dstt.errors import SourceError
 
 from .from_torch import model_checkpoint
@@ -77,7 +78,7 @@ def read_lightning(
     loops: Mapping[str, Any] = doc.get("loops") or {}
     fit: Mapping[str, Any] = loops.get("fit_loop") or {}
     progress = fit.get("epoch_loop.batch_progress") or {}
-    ck.objects["extra/lightning"] = {
+    ck.objects[f"{schema.EXTRA_OBJECT}/lightning"] = {
         "fit_loop": dict(fit),
         "epoch_end": bool(progress.get("is_last_batch", False)),
         "callbacks": doc.get("callbacks") or {},
@@ -86,7 +87,7 @@ def read_lightning(
         "version": doc.get("pytorch-lightning_version"),
     }
     if doc.get("hyper_parameters"):
-        ck.objects["extra/lightning/hparams"] = doc["hyper_parameters"]
+        ck.objects[f"{schema.EXTRA_OBJECT}/lightning/hparams"] = doc["hyper_parameters"]
     ck.files = {path: os.path.getsize(path)}
     ck.note_lacks()
     return ck

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from dstt import schema
 from dstt.errors import SourceError
 
 from .checkpoint import Checkpoint, NamedOptimizer, split_by_model, step_in_name
@@ -100,7 +101,7 @@ def model_checkpoint(
         shapes = {n: tuple(t.shape) for n, t in {**params, **buffers}.items()}
         ck.optimizer = NamedOptimizer.of(osd, group_names(osd, order, shapes, where=source))
     if tied:
-        ck.objects["names/tied"] = tied
+        ck.objects[schema.TIED_OBJECT] = tied
     return ck
 
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dstt import schema
 from dstt.engine._convert import flat_bytes, store_dtype, to_plain
 from dstt.engine.dims import ModelDims
 from dstt.schema import tensor_path
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["SOURCE_OBJECT", "arrays_of", "write_checkpoint"]
 
 #: the object that says where an imported step came from
-SOURCE_OBJECT = "import/source"
+SOURCE_OBJECT = schema.IMPORT_OBJECT
 
 
 def arrays_of(ck: Checkpoint) -> dict[str, torch.Tensor]:
@@ -70,8 +71,8 @@ def _optimizer_objects(ck: Checkpoint) -> dict[str, Any]:
             "values": {k: to_plain(v) for k, v in st.items() if not isinstance(v, torch.Tensor)},
         }
     return {
-        "optim/state": {"format": 2, "params": params},
-        "optim/param_groups": to_plain(opt.groups),
+        schema.OPTIM_STATE_OBJECT: {"format": 2, "params": params},
+        schema.OPTIM_GROUPS_OBJECT: to_plain(opt.groups),
     }
 
 
@@ -109,10 +110,10 @@ def write_checkpoint(
                 txn.put_chunk(path, i, flat[start:stop])
         objects: dict[str, Any] = {**_optimizer_objects(ck), **ck.rng}
         if ck.scheduler is not None:
-            objects["scheduler"] = to_plain(ck.scheduler)
+            objects[schema.SCHEDULER_OBJECT] = to_plain(ck.scheduler)
         objects.update({k: to_plain(v) for k, v in ck.objects.items()})
         if book is not None:  # the update estimated from the probes, as the engine does
-            objects["summaries"] = {
+            objects[schema.SUMMARIES_OBJECT] = {
                 path: book.summarize(path, t)
                 for path, t in arrays.items()
                 if path.startswith("params/")

@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dstt import schema
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
@@ -31,7 +33,7 @@ __all__ = [
     "write_skips",
 ]
 
-BATCHES_OBJECT = "data/batches"
+BATCHES_OBJECT = schema.BATCHES_OBJECT
 SKIPS_PREFIX = "_dstt/skips"
 
 

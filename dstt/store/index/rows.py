@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from dstt import schema
 from dstt.errors import CorruptRunError, DsttError
 from dstt.store.format.layout import ChunkPlan, step_file_key
 from dstt.store.format.manifest import FileIds, dump_header
@@ -44,8 +45,8 @@ __all__ = [
     "take",
 ]
 
-SUMMARIES = "summaries"  # the engine's write-time summaries object (+ "summaries/<rank>")
-HISTORY = "metrics/history"  # steps every=K did not checkpoint (dstt.training.metrics)
+SUMMARIES = schema.SUMMARIES_OBJECT  # (+ "summaries/<rank>")
+HISTORY = schema.METRICS_HISTORY_OBJECT  # steps every=K did not checkpoint
 
 
 def as_float(v: Any) -> float:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dstt import schema
 from dstt.errors import CorruptRunError
 from dstt.store.format.zarr_meta import numpy_dtype
 
@@ -57,7 +58,7 @@ __all__ = [
     "shard_map",
 ]
 
-SHARDS_PREFIX = "shards/"
+SHARDS_PREFIX = f"{schema.SHARDS_OBJECT}/"
 SHARDS_FORMATS = (1, 2)
 
 

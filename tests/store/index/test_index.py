@@ -82,6 +82,17 @@ def test_metrics_and_summaries_of_pruned_steps_survive_gc() -> None:
     assert s["pruned"].values.sum() == N - len(run.steps)
 
 
+def test_a_nan_metric_does_not_fail_the_index_check() -> None:
+    """A row equals its header by bytes: NaN (a diverged loss) is not unequal to itself."""
+    repo = Repository.create(MemoryStorage())
+    with repo.writer(index_every=2) as w:
+        for s in range(4):
+            _commit(w, s, float("nan") if s % 2 else 1.0)
+    assert list(repo.storage.list(INDEX_PREFIX))
+    assert check(repo.reader()) == []
+    assert repo.verify().ok
+
+
 def test_spikes_finds_a_spike_inside_a_pruned_range() -> None:
     st = MemoryStorage()
     repo = _run(st)
