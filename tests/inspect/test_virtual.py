@@ -5,36 +5,15 @@ file system in a process that imports neither dstt nor torch, bit for bit agains
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from virtual_helpers import read_plain
 
 import dstt
 from dstt.errors import ConfigError
-
-READER = textwrap.dedent(
-    """
-    import json, sys
-    import numpy as np
-    import xarray as xr
-    refs, names, metric = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    tree = xr.open_datatree(
-        "reference://run", engine="zarr", consolidated=False, zarr_format=3,
-        storage_options={"fo": refs, "remote_protocol": "file"},
-    )
-    out = {"steps": tree["step"].values.tolist(), metric: tree[metric].values.tolist()}
-    for n in names:
-        v = tree[n]
-        out[n] = {"dims": list(v.dims), "bytes": np.ascontiguousarray(v.values).tobytes().hex()}
-    out["modules"] = sorted(k for k in sys.modules if k.split(".")[0] in ("dstt", "torch"))
-    print(json.dumps(out))
-    """
-)
 
 
 def train(run: Path, steps: int, *, resume: bool = False, width: int = 6, **kw: object) -> None:
@@ -48,19 +27,6 @@ def train(run: Path, steps: int, *, resume: bool = False, width: int = 6, **kw: 
             opt.step()
             opt.zero_grad()
             s.log(loss=loss.item())
-
-
-def read_plain(refs: Path, names: list[str], metric: str = "loss") -> dict[str, object]:
-    done = subprocess.run(
-        [sys.executable, "-c", READER, str(refs), json.dumps(names), metric],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    out: dict[str, object] = json.loads(done.stdout)
-    return out
 
 
 NAMES = {"0.weight": "params/0/weight", "2.bias": "params/2/bias"}
