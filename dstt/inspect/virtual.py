@@ -258,6 +258,11 @@ def write_references(
     """Write (or extend) the reference file ``out`` for the committed ``headers`` of one
     timeline (oldest first, tombstones excluded) of the run at ``run_url`` (the URL its step
     files' keys are relative to: ``file:///...`` or ``s3://bucket/prefix``)."""
+    if run_url.startswith("memory://"):
+        raise ConfigError(
+            f"the run {run_url} lives in this process's memory: references to it would be "
+            "unreadable elsewhere; write the run to a folder or a bucket first"
+        )
     path = Path(out)
     refs: dict[str, Any] = {}
     attrs: dict[str, Any] = {"left_out_steps": {}, "left_out_arrays": {}, "steps": [], "slots": []}

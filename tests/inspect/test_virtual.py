@@ -121,3 +121,20 @@ def test_the_cli_writes_the_references(tmp_path: Path, capsys: pytest.CaptureFix
     doc = json.loads(capsys.readouterr().out)
     assert doc["steps"] == 2
     assert doc["added"] == [1, 2]
+
+
+def test_a_run_in_memory_is_refused(tmp_path: Path) -> None:
+    from dstt.store import Repository
+    from dstt.store.storage.memory import MemoryStorage
+
+    storage = MemoryStorage()
+    Repository.create(storage)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with dstt.session(model, opt, run=Repository(storage), every=1) as s:
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        s.log(loss=1.0)
+    with pytest.raises(ConfigError, match="memory"):
+        dstt.open(Repository(storage)).virtual(tmp_path / "refs.json")
+    assert not (tmp_path / "refs.json").exists()
