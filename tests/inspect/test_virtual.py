@@ -121,6 +121,11 @@ def test_the_cli_writes_the_references(tmp_path: Path, capsys: pytest.CaptureFix
     doc = json.loads(capsys.readouterr().out)
     assert doc["steps"] == 2
     assert doc["added"] == [1, 2]
+    assert main(["virtual", str(tmp_path / "run"), "-o", str(tmp_path / "r.json")]) == EXIT_OK
+    text = capsys.readouterr().out
+    assert "2 steps (steps 1..2)" in text
+    assert "0 steps added" in text
+    assert "remote_protocol" not in text  # step files on the local disk
 
 
 def test_a_run_in_memory_is_refused(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 import dstt
@@ -49,15 +50,19 @@ def _train(url: str, steps: int) -> None:
 
 
 def test_a_run_in_the_bucket_reads_as_one_store_bit_for_bit(
-    s3_url: str, s3_server: S3Server, tmp_path: Path
+    s3_url: str, s3_server: S3Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from dstt.cli import EXIT_OK, main
+
     refs = tmp_path / "run.refs.json"
     _train(s3_url, 3)
     rep = dstt.open(s3_url).virtual(refs)
     assert rep.steps == (1, 2, 3)
     _train(s3_url, 4)
-    rep = dstt.open(s3_url).virtual(refs)
-    assert rep.added == (4,)
+    assert main(["virtual", s3_url, "-o", str(refs)]) == EXIT_OK
+    text = capsys.readouterr().out
+    assert "1 steps added" in text
+    assert "'remote_protocol': 's3'" in text  # how to open it, for a bucket
     stored = json.loads(refs.read_text())["refs"]
     chunk = stored["run/params/l1/weight/c/3/0/0"]
     assert chunk[0].startswith(f"{s3_url}/steps/"), chunk
