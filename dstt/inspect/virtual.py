@@ -273,8 +273,9 @@ def write_references(
     skipped: dict[str, str] = dict(attrs["left_out_steps"])
     dropped: dict[str, str] = dict(attrs["left_out_arrays"])
     live = [h for h in headers if not h.pruned]
-    seen = set(slots) | {int(k.split(":")[0]) for k in skipped}
-    if slots and [h.slot for h in live if h.slot in set(slots)] != slots:
+    covered = set(slots)
+    seen = covered | {int(k.split(":")[0]) for k in skipped}
+    if slots and [h.slot for h in live if h.slot in covered] != slots:
         raise ConfigError(
             f"timeline {timeline!r} no longer holds the steps {path} covers (a rollback, "
             "a gc or a deleted timeline changed it): write a new reference file"
