@@ -292,6 +292,7 @@ def write_references(
         k: [float(v) for v in vals] for k, vals in attrs.get("metric_values", {}).items()
     }
     added: list[int] = []
+    purge: set[str] = set()  # arrays left out since: their references go, once, at the end
     for h in live:
         if h.slot in seen:
             continue
@@ -320,7 +321,7 @@ def write_references(
             found = _box_chunks(logical, records) if logical is not None else _stored_chunks(rec)
             if isinstance(found, str):
                 dropped[p] = f"{found} (step {h.step})"
-                refs = {k: v for k, v in refs.items() if not k.startswith(p + "/")}
+                purge.add(p)
                 arrays.pop(p, None)
                 continue
             grid, cells = found
@@ -335,7 +336,7 @@ def write_references(
             elif not a.same(rec.dtype, tuple(rec.shape), grid):
                 dropped[p] = f"its dtype, shape or chunk grid changed at step {h.step}"
                 del arrays[p]
-                refs = {k: v for k, v in refs.items() if not k.startswith(p + "/")}
+                purge.add(p)
                 continue
             for index, c in cells.items():
                 key = "/".join([f"{p}/c/{i}", *map(str, index)])
@@ -349,6 +350,12 @@ def write_references(
         for vals in metrics.values():
             vals.extend([float("nan")] * (len(steps) - len(vals)))
         added.append(h.step)
+    if purge:
+        refs = {
+            k: v
+            for k, v in refs.items()
+            if k.rsplit("/c/", 1)[0] not in purge and k.removesuffix("/zarr.json") not in purge
+        }
     n = len(steps)
     groups = {""}
     for p, a in arrays.items():
