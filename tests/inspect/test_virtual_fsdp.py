@@ -1,7 +1,8 @@
 """A 2-rank FSDP2 run (real spawned gloo ranks on CPU) as one virtual Zarr store: the evenly
 split tensors are one logical array each, read by plain xarray in a process that imports
 neither dstt nor torch, bit for bit against ``dstt.open(run).trajectory``; the unevenly split
-head is left out and listed; re-running after a resume appends without rewriting."""
+head is left out and listed; re-running after a resume appends without rewriting, and after a
+resume on one process (another chunk grid) drops the sharded tensors with their references."""
 
 from __future__ import annotations
 
@@ -29,14 +30,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def fsdp2(run: Path, steps: int, logs: Path, *, resume: bool = False) -> None:
-    """Two ranks train ``run`` up to step ``steps``."""
+def fsdp2(run: Path, steps: int, logs: Path, *, resume: bool = False, world: int = 2) -> None:
+    """``world`` ranks train ``run`` up to step ``steps`` (``world=1``: one plain process,
+    no process group, no sharding)."""
     port, procs = free_port(), []
-    for rank in range(2):
+    for rank in range(world):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-        env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        log = logs / f"r{rank}.{steps}.log"
+        if world > 1:
+            env.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+            env["MASTER_PORT"] = str(port)
+        log = logs / f"w{world}.r{rank}.{steps}.log"
         with open(log, "wb") as f:
             cmd = [sys.executable, str(WORKER), str(run), str(steps), str(int(resume))]
             procs.append((log, subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)))
@@ -47,7 +51,7 @@ def fsdp2(run: Path, steps: int, logs: Path, *, resume: bool = False) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert codes == [0, 0], "\n".join(log.read_text() for log, _ in procs)
+    assert codes == [0] * world, "\n".join(log.read_text() for log, _ in procs)
 
 
 def check(run_dir: Path, refs: Path) -> None:
@@ -90,3 +94,12 @@ def test_an_fsdp2_run_reads_as_one_store_bit_for_bit(tmp_path: Path) -> None:
     after = json.loads(refs.read_text())["refs"]
     assert all(after[k] == v for k, v in before.items()), "old references rewritten"
     check(run_dir, refs)
+
+    # one plain process resumes it: the weight is one stored array of 12 rows a chunk now,
+    # not the ranks' 6-row boxes: no chunk grid holds both, so it goes, with its references
+    fsdp2(run_dir, 6, tmp_path, resume=True, world=1)
+    rep = dstt.open(run_dir).virtual(refs)
+    assert rep.added == (6,)
+    assert "changed at step 6" in rep.left_out_arrays["params/0/weight"]
+    after = json.loads(refs.read_text())["refs"]
+    assert not [k for k in after if k.startswith("run/params/0/weight/")]
