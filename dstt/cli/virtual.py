@@ -62,9 +62,15 @@ def cmd_virtual(args: argparse.Namespace) -> int:
             yield f"  left out step {k}: {why}"
         for name, why in list(rep.left_out_arrays.items())[:20]:
             yield f"  left out {name}: {why}"
+        remote = (
+            ", 'remote_protocol': 's3', 'remote_options': {'asynchronous': True}"
+            if str(run.reader.storage.location).startswith("s3://")
+            else ""
+        )
         yield (
             "open it: xarray.open_datatree('reference://run', engine='zarr', "
-            f"storage_options={{'fo': '{rep.path}'}}, consolidated=False, zarr_format=3)"
+            f"storage_options={{'fo': '{rep.path}'{remote}}}, consolidated=False, "
+            "zarr_format=3)"
         )
 
     _emit(args, doc, text)

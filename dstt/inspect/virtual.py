@@ -14,23 +14,31 @@ names them. The root holds the ``step`` coordinate and every numeric metric alon
 names with ``/`` become ``.``). A step missing a tensor (optimizer state before the first
 update) reads as the fill value (NaN for floats).
 
+A tensor several ranks stored as boxes (FSDP2, tensor parallel: ``dtensor/w<W>/r<R>/...``)
+is one logical array whose chunks are the ranks' own chunks, where one regular chunk grid
+holds them all: every box chunked alike and on the grid (an even split). Otherwise (an uneven
+split, whose last box is chunked smaller; ZeRO's flat pieces) it is left out.
+
 Honest about what cannot be virtual: steps with delta-encoded or predicted chunks
-(``DeltaPolicy``) are left out (a plain reader would misread their bytes), and so are tensors
-stored as per-rank boxes (several ranks' shards) and tensors whose shape or dtype changed;
-each is listed in the root's ``attributes["dstt"]`` and in the returned report. Re-running
-appends the steps committed since: the references already written are kept as they are.
+(``DeltaPolicy``) are left out (a plain reader would misread their bytes), and so are the
+sharded tensors above and tensors whose shape, dtype or chunk grid changed; each is listed in
+the root's ``attributes["dstt"]`` and in the returned report. Re-running appends the steps
+committed since: the references already written are kept as they are.
 
 Chosen over Icechunk's virtual chunks (readers would need icechunk, and its virtual chunk
 containers need per-prefix configuration) and VirtualiZarr (it would need a parser for dstt's
 zips to produce the same manifest dstt already holds): the kerchunk format needs only fsspec,
-which xarray's Zarr users already have. Rejected alternative: copying the tensors into one
-Zarr array per tensor (every byte twice, and a run's storage doubled).
+which xarray's Zarr users already have. Rejected alternatives: copying the tensors into one
+Zarr array per tensor (every byte twice, and a run's storage doubled); for unevenly split
+tensors, cells of a finer grid as byte ranges inside the ranks' chunks (no crc32c check, and
+a row per reference where the split has no common divisor).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -42,10 +50,12 @@ import numpy as np
 from dstt.errors import ConfigError
 from dstt.store import DTENSOR_PREFIX, dtype_itemsize
 
+from .naming import canonical_path
+
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from dstt.store import CommitHeader, Reader
+    from dstt.store import ArrayRecord, CommitHeader, LogicalArray, Reader
 
 __all__ = ["VirtualReport", "write_references"]
 
@@ -104,23 +114,32 @@ def _inline_array(values: np.ndarray, dims: Sequence[str]) -> dict[str, str]:
 
 
 class _Array:
-    """One tensor's trajectory: its per-step metadata (fixed) and its chunk references."""
+    """One tensor's trajectory: its per-step metadata (fixed) and its chunk references.
+    ``chunks``: the chunk shape past the ``step`` dimension (one chunk grid for all steps)."""
 
     def __init__(
-        self, path: str, dtype: str, shape: tuple[int, ...], rows: int, dims: list[str]
+        self,
+        path: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        chunks: tuple[int, ...],
+        dims: list[str],
     ) -> None:
-        self.path, self.dtype, self.shape, self.rows, self.dims = path, dtype, shape, rows, dims
+        self.path, self.dtype, self.shape, self.chunks, self.dims = path, dtype, shape, chunks, dims
 
     @classmethod
     def from_doc(cls, path: str, doc: Mapping[str, Any]) -> _Array:
         chunk = doc["chunk_grid"]["configuration"]["chunk_shape"]
-        rows = int(chunk[1]) if len(chunk) > 1 else 1
         return cls(
-            path, doc["data_type"], tuple(doc["shape"][1:]), rows, doc["dimension_names"][1:]
+            path,
+            doc["data_type"],
+            tuple(doc["shape"][1:]),
+            tuple(int(c) for c in chunk[1:]),
+            doc["dimension_names"][1:],
         )
 
-    def same(self, dtype: str, shape: tuple[int, ...], rows: int) -> bool:
-        return (self.dtype, self.shape, self.rows) == (dtype, shape, rows)
+    def same(self, dtype: str, shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:
+        return (self.dtype, self.shape, self.chunks) == (dtype, shape, chunks)
 
     def document(self, n: int) -> str:
         itemsize = dtype_itemsize(self.dtype)
@@ -132,14 +151,16 @@ class _Array:
             else {"name": "bytes"},
             {"name": "crc32c"},
         ]
-        chunk = [1, self.rows, *(max(1, s) for s in self.shape[1:])] if self.shape else [1]
         return json.dumps(
             {
                 "zarr_format": 3,
                 "node_type": "array",
                 "shape": [n, *self.shape],
                 "data_type": self.dtype,
-                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
+                "chunk_grid": {
+                    "name": "regular",
+                    "configuration": {"chunk_shape": [1, *self.chunks]},
+                },
                 "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
                 "fill_value": fill,
                 "codecs": codecs,
@@ -147,6 +168,64 @@ class _Array:
                 "dimension_names": ["step", *self.dims],
             }
         )
+
+
+def _stored_chunks(rec: ArrayRecord) -> tuple[tuple[int, ...], dict[tuple[int, ...], Any]]:
+    """A stored array's chunk shape (rows, then whole trailing dimensions) and its chunks by
+    grid index: the step file's own grid."""
+    if not rec.shape:
+        return (), ({(): rec.chunks[0]} if rec.chunks else {})
+    rest = (0,) * (len(rec.shape) - 1)
+    chunks = (rec.rows, *(max(1, s) for s in rec.shape[1:]))
+    return chunks, {(j, *rest): c for j, c in enumerate(rec.chunks)}
+
+
+def _box_chunks(
+    a: LogicalArray, table: Mapping[str, Any]
+) -> tuple[tuple[int, ...], dict[tuple[int, ...], Any]] | str:
+    """One chunk grid of the logical array ``a`` whose every cell is one whole chunk of one
+    rank's box (its chunk shape and chunks by grid index), or why there is none."""
+    shape = a.shape
+    grid: tuple[int, ...] | None = None
+    cells: dict[tuple[int, ...], Any] = {}
+    for b in a.boxes:
+        if 0 in b.sizes:
+            continue  # a rank that holds no part of it (fewer rows than ranks)
+        src = table.get(b.source) or table.get(canonical_path(b.source))
+        if src is None or tuple(src.shape) != tuple(b.sizes):
+            return f"the box {b.source} is not stored with the shape its shard map gives"
+        own, chunks = _stored_chunks(src)
+        if grid is None:
+            grid = own
+        elif own != grid:
+            return (
+                f"its boxes are chunked differently ({grid} and {own}, e.g. an uneven split "
+                "over the ranks): no one regular chunk grid holds them"
+            )
+        for (j, *_), c in chunks.items():
+            start = (b.offsets[0] + j * grid[0], *b.offsets[1:]) if shape else ()
+            stop = tuple(
+                min(o + g, lim, s0 + n)
+                for o, g, lim, s0, n in zip(start, grid, shape, b.offsets, b.sizes, strict=True)
+            )
+            whole = all(
+                o % g == 0 and (e - o == g or e == lim)
+                for o, e, g, lim in zip(start, stop, grid, shape, strict=True)
+            )
+            if not whole:
+                return (
+                    f"the box {b.source} does not fall on the chunk grid {grid} (a chunk "
+                    f"from {start} to {stop})"
+                )
+            cells.setdefault(tuple(o // g for o, g in zip(start, grid, strict=True)), c)
+    if grid is None:
+        if math.prod(shape):
+            return "no rank stored a part of it"
+        return tuple(max(1, s) for s in shape), {}
+    need = math.prod(-(-s // g) for s, g in zip(shape, grid, strict=True))
+    if len(cells) != need:
+        return f"its boxes cover {len(cells)} of the {need} chunks of the grid {grid}"
+    return grid, cells
 
 
 def _load(out: Path, run_url: str, timeline: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -179,6 +258,11 @@ def write_references(
     """Write (or extend) the reference file ``out`` for the committed ``headers`` of one
     timeline (oldest first, tombstones excluded) of the run at ``run_url`` (the URL its step
     files' keys are relative to: ``file:///...`` or ``s3://bucket/prefix``)."""
+    if run_url.startswith("memory://"):
+        raise ConfigError(
+            f"the run {run_url} lives in this process's memory: references to it would be "
+            "unreadable elsewhere; write the run to a folder or a bucket first"
+        )
     path = Path(out)
     refs: dict[str, Any] = {}
     attrs: dict[str, Any] = {"left_out_steps": {}, "left_out_arrays": {}, "steps": [], "slots": []}
@@ -189,8 +273,9 @@ def write_references(
     skipped: dict[str, str] = dict(attrs["left_out_steps"])
     dropped: dict[str, str] = dict(attrs["left_out_arrays"])
     live = [h for h in headers if not h.pruned]
-    seen = set(slots) | {int(k.split(":")[0]) for k in skipped}
-    if slots and [h.slot for h in live if h.slot in set(slots)] != slots:
+    covered = set(slots)
+    seen = covered | {int(k.split(":")[0]) for k in skipped}
+    if slots and [h.slot for h in live if h.slot in covered] != slots:
         raise ConfigError(
             f"timeline {timeline!r} no longer holds the steps {path} covers (a rollback, "
             "a gc or a deleted timeline changed it): write a new reference file"
@@ -207,6 +292,7 @@ def write_references(
         k: [float(v) for v in vals] for k, vals in attrs.get("metric_values", {}).items()
     }
     added: list[int] = []
+    purge: set[str] = set()  # arrays left out since: their references go, once, at the end
     for h in live:
         if h.slot in seen:
             continue
@@ -223,11 +309,22 @@ def write_references(
         i = len(steps)
         for stored_path, rec in records.items():
             p = virtual_path(stored_path)
-            if stored_path.startswith(DTENSOR_PREFIX):
-                dropped.setdefault(p, "a box of a tensor several ranks wrote in parts")
+            if stored_path.startswith(DTENSOR_PREFIX) or p in dropped:
+                continue  # a rank's box: presented as part of its logical tensor
+            logical: LogicalArray | None = getattr(rec, "logical", None)
+            if logical is not None and not logical.boxes:
+                dropped[p] = (
+                    "pieces of the ranks' flat buffers (ZeRO): its elements do not form "
+                    "chunks of any regular grid"
+                )
                 continue
-            if p in dropped:
+            found = _box_chunks(logical, records) if logical is not None else _stored_chunks(rec)
+            if isinstance(found, str):
+                dropped[p] = f"{found} (step {h.step})"
+                purge.add(p)
+                arrays.pop(p, None)
                 continue
+            grid, cells = found
             a = arrays.get(p)
             dims = (
                 list(rec.dims)
@@ -235,15 +332,14 @@ def write_references(
                 else [f"{p.rsplit('/', 1)[-1]}_{d}" for d in range(len(rec.shape))]
             )
             if a is None:
-                a = arrays[p] = _Array(p, rec.dtype, tuple(rec.shape), rec.rows, dims)
-            elif not a.same(rec.dtype, tuple(rec.shape), rec.rows):
-                dropped[p] = f"its dtype or shape changed at step {h.step}"
+                a = arrays[p] = _Array(p, rec.dtype, tuple(rec.shape), grid, dims)
+            elif not a.same(rec.dtype, tuple(rec.shape), grid):
+                dropped[p] = f"its dtype, shape or chunk grid changed at step {h.step}"
                 del arrays[p]
-                refs = {k: v for k, v in refs.items() if not k.startswith(p + "/")}
+                purge.add(p)
                 continue
-            rest = "/0" * max(0, len(rec.shape) - 1)
-            for j, c in enumerate(rec.chunks):
-                key = f"{p}/c/{i}/{j}{rest}" if rec.shape else f"{p}/c/{i}"
+            for index, c in cells.items():
+                key = "/".join([f"{p}/c/{i}", *map(str, index)])
                 refs[key] = [f"{run_url}/{c.key}", c.offset, c.nbytes]
         for name, v in h.metrics.items():
             if isinstance(v, bool) or not isinstance(v, int | float):
@@ -254,6 +350,12 @@ def write_references(
         for vals in metrics.values():
             vals.extend([float("nan")] * (len(steps) - len(vals)))
         added.append(h.step)
+    if purge:
+        refs = {
+            k: v
+            for k, v in refs.items()
+            if k.rsplit("/c/", 1)[0] not in purge and k.removesuffix("/zarr.json") not in purge
+        }
     n = len(steps)
     groups = {""}
     for p, a in arrays.items():

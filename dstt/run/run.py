@@ -602,8 +602,9 @@ class Run:
         every tensor an array with a leading ``step`` dimension whose chunks point into the
         step files (no copy), metrics along ``step`` at the root. Plain xarray reads it
         through fsspec: ``xr.open_datatree("reference://run", engine="zarr",
-        storage_options={"fo": out}, consolidated=False, zarr_format=3)``. Steps with
-        delta-encoded chunks and tensors stored as per-rank boxes are left out and listed.
+        storage_options={"fo": out}, consolidated=False, zarr_format=3)``. A sharded
+        tensor is one array whose chunks are the ranks' boxes where one chunk grid holds
+        them; steps with delta-encoded chunks and other sharded tensors are left out, listed.
         Returns a :class:`dstt.inspect.virtual.VirtualReport` (docs/virtual.md)."""
         from dstt.inspect.virtual import write_references
 

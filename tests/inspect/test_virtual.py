@@ -5,36 +5,16 @@ file system in a process that imports neither dstt nor torch, bit for bit agains
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from virtual_helpers import read_plain
 
 import dstt
 from dstt.errors import ConfigError
-
-READER = textwrap.dedent(
-    """
-    import json, sys
-    import numpy as np
-    import xarray as xr
-    refs, names, metric = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    tree = xr.open_datatree(
-        "reference://run", engine="zarr", consolidated=False, zarr_format=3,
-        storage_options={"fo": refs, "remote_protocol": "file"},
-    )
-    out = {"steps": tree["step"].values.tolist(), metric: tree[metric].values.tolist()}
-    for n in names:
-        v = tree[n]
-        out[n] = {"dims": list(v.dims), "bytes": np.ascontiguousarray(v.values).tobytes().hex()}
-    out["modules"] = sorted(k for k in sys.modules if k.split(".")[0] in ("dstt", "torch"))
-    print(json.dumps(out))
-    """
-)
 
 
 def train(run: Path, steps: int, *, resume: bool = False, width: int = 6, **kw: object) -> None:
@@ -48,19 +28,6 @@ def train(run: Path, steps: int, *, resume: bool = False, width: int = 6, **kw: 
             opt.step()
             opt.zero_grad()
             s.log(loss=loss.item())
-
-
-def read_plain(refs: Path, names: list[str], metric: str = "loss") -> dict[str, object]:
-    done = subprocess.run(
-        [sys.executable, "-c", READER, str(refs), json.dumps(names), metric],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    out: dict[str, object] = json.loads(done.stdout)
-    return out
 
 
 NAMES = {"0.weight": "params/0/weight", "2.bias": "params/2/bias"}
@@ -155,3 +122,72 @@ def test_the_cli_writes_the_references(tmp_path: Path, capsys: pytest.CaptureFix
     doc = json.loads(capsys.readouterr().out)
     assert doc["steps"] == 2
     assert doc["added"] == [1, 2]
+    assert main(["virtual", str(tmp_path / "run"), "-o", str(tmp_path / "r.json")]) == EXIT_OK
+    text = capsys.readouterr().out
+    assert "2 steps (steps 1..2)" in text
+    assert "0 steps added" in text
+    assert "remote_protocol" not in text  # step files on the local disk
+
+
+def test_a_run_in_memory_is_refused(tmp_path: Path) -> None:
+    from dstt.store import Repository
+    from dstt.store.storage.memory import MemoryStorage
+
+    storage = MemoryStorage()
+    Repository.create(storage)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with dstt.session(model, opt, run=Repository(storage), every=1) as s:
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        s.log(loss=1.0)
+    with pytest.raises(ConfigError, match="memory"):
+        dstt.open(Repository(storage)).virtual(tmp_path / "refs.json")
+    assert not (tmp_path / "refs.json").exists()
+
+
+def _boxes(
+    shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]
+) -> Any:
+    """``_box_chunks`` of a logical array of ``shape`` stored as ``boxes`` (offsets, sizes,
+    rows per chunk), each box a real record of one chunk file per chunk."""
+    from dstt.inspect.virtual import _box_chunks
+    from dstt.store import ArrayRecord, Box, LogicalArray
+    from dstt.store.format.records import ChunkRecord
+
+    table: dict[str, ArrayRecord] = {}
+    made = []
+    for r, (offsets, sizes, rows) in enumerate(boxes):
+        src = f"dtensor/w{len(boxes)}/r{r}/params/w"
+        n = -(-sizes[0] // rows) if sizes[0] else 0
+        chunks = tuple(ChunkRecord(f"r{r}.zip", 4, 0, offset=100 * j) for j in range(n))
+        table[src] = ArrayRecord(src, "float32", sizes, rows, chunks)
+        made.append(Box(src, offsets, sizes))
+    return _box_chunks(LogicalArray("params/w", "float32", shape, boxes=tuple(made)), table)
+
+
+def test_the_box_grid_holds_column_splits_and_replicas_and_names_what_it_cannot() -> None:
+    # tensor parallel along dim 1: (4, 6) as two (4, 3) boxes, each one chunk
+    grid, cells = _boxes((4, 6), [((0, 0), (4, 3), 4), ((0, 3), (4, 3), 4)])
+    assert grid == (4, 3)
+    assert {k: c.key for k, c in cells.items()} == {(0, 0): "r0.zip", (0, 1): "r1.zip"}
+    # rows split in chunks of 2 within each box, and a replica of box 0 (HSDP)
+    grid, cells = _boxes((8, 3), [((0, 0), (4, 3), 2), ((4, 0), (4, 3), 2), ((0, 0), (4, 3), 2)])
+    assert grid == (2, 3)
+    assert [(k, c.key, c.offset) for k, c in sorted(cells.items())] == [
+        ((0, 0), "r0.zip", 0),
+        ((1, 0), "r0.zip", 100),
+        ((2, 0), "r1.zip", 0),
+        ((3, 0), "r1.zip", 100),
+    ]
+    # an empty box (fewer rows than ranks) holds nothing and breaks nothing
+    grid, cells = _boxes((2, 3), [((0, 0), (2, 3), 2), ((2, 0), (0, 3), 1)])
+    assert (grid, list(cells)) == ((2, 3), [(0, 0)])
+    # an uneven split: the last box is chunked smaller than the grid
+    assert "chunked differently" in str(_boxes((5,), [((0,), (3,), 3), ((3,), (2,), 2)]))
+    # a box off the grid: rows 0-2 and 3-5 chunked by 2 (the second starts at row 3)
+    assert "does not fall on the chunk grid" in str(
+        _boxes((6,), [((0,), (3,), 2), ((3,), (3,), 2)])
+    )
+    # a gap: nobody stored rows 2-3
+    assert "cover 1 of the 2 chunks" in str(_boxes((4,), [((0,), (2,), 2)]))
