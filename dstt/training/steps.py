@@ -34,6 +34,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from dstt.engine.light import LIGHT_OBJECT, light_record
 from dstt.errors import DsttError, RaceError
 
 from .checks import capture_error, warn_skipped
@@ -87,6 +88,8 @@ class StepCapture:
         self.tail: Mapping[str, Any] | None = None
         self.tail_ended = False
         self.sched_offset: int | None = None  # scheduler.last_epoch - step, at start
+        #: ``every="auto"``: light steps not yet recorded in a commit (``dstt.engine.light``)
+        self.light: list[int] = []
 
     def start(self, pipeline: Pipeline, log: MetricLog, retainer: RetentionRunner | None) -> None:
         """The session started (and restored ``step``): capture into ``pipeline`` from here."""
@@ -108,9 +111,11 @@ class StepCapture:
         self.in_step = False
         self.step += 1
         self.taken += 1
-        if self.step % self.options.every:
+        if not self._due():
             self.tail = self.state.step_state.objects()
             self.tail_ended = False
+            if self.options.every == "auto":
+                self.light.append(self.step)
             return
         self.tail = None
         assert self.pipeline is not None
@@ -129,6 +134,19 @@ class StepCapture:
         )
         self.last_staged = self.step
         self.keyframe_next = False
+
+    def _due(self) -> bool:
+        """Is the step just taken captured? ``every=N``: every N-th. ``every="auto"``: when the
+        engine can take it without blocking training (``Pipeline.can_take``), and always
+        after ``max_gap`` light steps in a row (then it may block: a rebuild never replays
+        more than ``max_gap`` steps)."""
+        every = self.options.every
+        if every != "auto":
+            return self.step % every == 0
+        assert self.pipeline is not None
+        if self.step - 1 - self.last_staged >= self.options.max_gap:
+            return True
+        return self.pipeline.can_take()
 
     def _tail_due(self, exc: BaseException | None) -> bool:
         """Does ``close`` commit the last step ``every`` skipped? Always on a clean exit; on
@@ -254,6 +272,15 @@ class StepCapture:
             f.add_metrics(own)
         if history is not None:
             boundary[METRICS_HISTORY_OBJECT] = history
+        light = [k for k in self.light if k < f.step]
+        if light:  # every="auto": the light steps since the last commit, with their losses
+            self.light = [k for k in self.light if k > f.step]
+            logged = dict(zip(history["steps"], history["metrics"], strict=True)) if history else {}
+            boundary[LIGHT_OBJECT] = light_record(light, logged.get)
+            for k in light:
+                pipe.record_light(k)
+        else:
+            self.light = [k for k in self.light if k > f.step]
         batches = self.batches.take(f.step)
         if batches is not None and self.writes_batches:
             boundary[BATCHES_OBJECT] = batches  # with several ranks: rank 0's batches, once
