@@ -1,0 +1,196 @@
+"""Rebuild a light step (``every="auto"``): restore the stored step before it, replay the rest.
+
+A light step's tensors were never written (the engine was busy); its record is its sample
+indices (``data/batches``) and its loss fingerprint (``light/steps``, :mod:`dstt.engine.light`).
+:func:`rebuild_step` restores the nearest stored step *j* < *k* into the given live objects
+(the providers a resume uses: model, optimizer state and hyperparameters, scheduler, RNG),
+then re-executes steps *j+1..k* as the plain loop did — zero the gradients, forward/backward
+on each recorded micro-batch, ``before_step()`` (clipping), ``optimizer.step()``, then
+``scheduler.step()`` when a scheduler is given — and compares each step's recomputed loss
+with its fingerprint **bit for bit**. The first step that differs ends the rebuild with a
+``ReplayError`` naming it: that link of the chain is unfaithful (a wrong sample record,
+another loss, clipping not passed, nondeterministic kernels), and so is every step after it.
+A step that logged no loss cannot be checked; :class:`Rebuilt` lists those. The live objects
+end at step *k* (or at the broken step); nothing is written to the run.
+
+The pieces of one replayed step (the live objects, the batches from their indices, the loss)
+are :mod:`dstt.inspect.replay`'s, so a rebuild and ``run.replay`` run a step the same way.
+Rejected alternative: replaying from the *next* stored step backwards — optimizer steps do not
+invert; and caching rebuilt steps as derived commits is left for later (the state is in the
+caller's objects, and a second rebuild costs at most ``max_gap`` steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dstt.engine.light import loss_bits
+from dstt.engine.optimizers import optimizers_of
+from dstt.engine.providers import StoreSource
+from dstt.engine.torch_state import discover
+from dstt.errors import ReplayError, StepNotFoundError
+
+from .replay import LossFn, ReplayKit, _default_loss, _kit_of, _step_batches
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from dstt.store import Reader
+
+__all__ = ["Rebuilt", "rebuild_step"]
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """A rebuilt step: ``step``, the stored step ``base`` it started from, each replayed
+    step's recomputed loss (``losses``), the steps whose loss matched its fingerprint bit for
+    bit (``checked``) and those that logged no loss (``unchecked``)."""
+
+    step: int
+    base: int
+    losses: dict[int, float] = field(default_factory=dict)
+    checked: list[int] = field(default_factory=list)
+    unchecked: list[int] = field(default_factory=list)
+
+    @property
+    def faithful(self) -> bool:
+        """Every replayed step was checked against its loss fingerprint (and matched)."""
+        return not self.unchecked
+
+    def __repr__(self) -> str:
+        chain = f"replayed {self.base + 1}..{self.step}" if self.step > self.base else "stored"
+        note = f", {len(self.unchecked)} without a logged loss" if self.unchecked else ""
+        return (
+            f"Rebuilt(step {self.step} from stored step {self.base}: {chain}; "
+            f"{len(self.checked)} loss(es) bit-exact{note})"
+        )
+
+
+def _matches(bits: str, losses: list[float]) -> bool:
+    """Does the logged loss ``bits`` equal what the loop would have logged: the last
+    micro-batch's loss, or with several micro-batches their sum or mean?"""
+    if not losses:
+        return False
+    candidates = {losses[-1]}
+    if len(losses) > 1:
+        total = float(torch.tensor(losses, dtype=torch.float64).sum())
+        candidates |= {total, total / len(losses), sum(losses), sum(losses) / len(losses)}
+    return any(loss_bits(c) == bits for c in candidates)
+
+
+def rebuild_step(
+    run: Any,
+    reader: Reader,
+    step: int,
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
+    *,
+    kit: ReplayKit | None = None,
+    scheduler: Any = None,
+    before_step: Callable[[], None] | None = None,
+    loss_fn: LossFn | None = None,
+    batches: Any = None,
+    dataset: Any = None,
+    collate: Callable[[list[Any]], Any] | None = None,
+    timeline: str | None = None,
+    trusted: bool = False,
+) -> Rebuilt:
+    """Bring the live objects to step ``step`` of ``run`` (read with ``reader``): restore the
+    nearest stored step before it and replay the light steps up to it (module docstring).
+    ``batches`` here is a callable from sample indices to a batch (or use ``dataset``)."""
+    k = int(step)
+    kit = _kit_of(kit, model, optimizer, scheduler, before_step, loss_fn)
+    timeline = timeline or run.timeline
+    line = run.commits(timeline)
+    stored = {int(h.step): h for h in line}
+    light = run.light_steps(timeline)
+    if k not in stored and k not in light:
+        raise StepNotFoundError(
+            f"step {k} is neither stored nor recorded as a light step on timeline "
+            f"{timeline!r}; stored steps near it: {_near(stored, k)}"
+        )
+    below = [s for s in stored if s <= k]
+    if not below:
+        raise ReplayError(
+            f"no stored step at or before light step {k} on timeline {timeline!r}: a rebuild "
+            "starts from one"
+        )
+    j = max(below)
+    gone = [i for i in range(j + 1, k + 1) if i not in light]
+    if gone:
+        raise ReplayError(
+            f"rebuilding step {k} from stored step {j}: steps {gone} have no light record "
+            "(pruned, or not taken on this timeline), so the chain cannot be replayed"
+        )
+    state = discover(kit.model, kit.optimizer, scheduler=kit.scheduler)
+    source = StoreSource(reader, stored[j], prefetch=True, trusted=trusted)
+    state.step_state.restore(source)
+    state.boundary_state.restore(source)
+    out = Rebuilt(step=k, base=j)
+    fn = loss_fn or _default_loss
+    for i in range(j + 1, k + 1):
+        micro, _, _ = _step_batches(
+            run,
+            i,
+            timeline,
+            batches if callable(batches) else None,
+            dataset,
+            collate,
+            kit.make_batch,
+        )
+        losses = _one_step(kit, micro, fn)
+        out.losses[i] = losses[-1] if losses else float("nan")
+        bits = light[i]
+        if bits is None:
+            out.unchecked.append(i)
+        elif _matches(bits, losses):
+            out.checked.append(i)
+        else:
+            raise ReplayError(
+                f"rebuilding step {k} from stored step {j}: the chain broke at step {i}: its "
+                f"replayed loss {losses[-1] if losses else None!r} differs from the recorded "
+                f"loss {_loss_text(bits)} (bit for bit). The step did not train as recorded: a "
+                "wrong sample record, another loss_fn, a clipping or scheduler step not passed "
+                "(before_step=, scheduler=), or nondeterministic kernels. Steps before it "
+                f"({j + 1}..{i - 1}) replayed faithfully; the live objects are now at step {i}"
+            )
+    return out
+
+
+def _one_step(kit: ReplayKit, micro: list[Any], loss_fn: LossFn) -> list[float]:
+    """One optimizer step of the plain loop on ``micro``; each micro-batch's loss."""
+    model = kit.model
+    model.train()
+    opts = optimizers_of(kit.optimizer).values()
+    for opt in opts:
+        opt.zero_grad(set_to_none=True)
+    losses: list[float] = []
+    for b in micro:
+        if kit.backward is not None:
+            loss = kit.backward(b)
+        else:
+            loss = loss_fn(model, b)
+            if loss.dim() > 0:
+                loss = loss.mean()
+            loss.backward()
+        losses.append(float(loss.detach().float().mean()))
+    if kit.before_step is not None:
+        kit.before_step()
+    for opt in opts:
+        opt.step()
+    if kit.scheduler is not None:
+        kit.scheduler.step()
+    return losses
+
+
+def _loss_text(bits: str) -> str:
+    from dstt.engine.light import loss_of
+
+    return f"{loss_of(bits)!r} ({bits})"
+
+
+def _near(stored: dict[int, Any], k: int) -> list[int]:
+    return sorted(stored, key=lambda s: (abs(s - k), s))[:4]

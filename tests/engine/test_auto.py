@@ -1,0 +1,206 @@
+"""``every="auto"``: store what a slow disk can take, record the rest as light steps, and
+rebuild any light step bit for bit by replay from the stored step before it."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import dstt
+from dstt.engine.light import LIGHT_OBJECT
+from dstt.engine.torch_state import discover
+from dstt.errors import ConfigError, ReplayError, StepNotFoundError
+from dstt.store import BATCHES_OBJECT, Repository
+from dstt.store.commit.ranks import RankInfo
+from dstt.store.storage.memory import FaultyStorage, MemoryStorage
+from dstt.training import SessionOptions, session
+from dstt.training.distributed import DistributedSession
+
+from ._helpers import same_bits, stored
+
+STEPS = 24
+DATA = torch.utils.data.TensorDataset(
+    torch.randn(STEPS * 4, 8, generator=torch.Generator().manual_seed(1)),
+    torch.randn(STEPS * 4, 4, generator=torch.Generator().manual_seed(2)),
+)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def _loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _train(
+    repo: Repository,
+    *,
+    every: int | str,
+    shift: int = 0,
+    **options: Any,
+) -> dstt.training.Session:
+    """A plain loop over ``DATA`` in batches of 4 for ``STEPS`` steps, logging its loss;
+    ``shift``: train on the samples ``shift`` further on than the ones drawn (and recorded)."""
+    m = _model()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    loader = torch.utils.data.DataLoader(DATA, batch_size=4)
+    with session(m, opt, run=repo, every=every, **options) as s:  # type: ignore[arg-type]
+        for x, y in s.data(loader):
+            if shift:
+                i = s.step * 4 + shift
+                x, y = DATA[i : i + 4]
+            loss = _loss(m, (x, y))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            s.log(loss=loss)
+            if s.step >= STEPS:
+                break
+    return s
+
+
+def _slow(delay: float) -> tuple[Repository, Repository]:
+    """(a repository on a storage whose writes take ``delay`` s, the same one unslowed)."""
+    inner = MemoryStorage()
+    Repository.create(inner)
+    slow = FaultyStorage(inner, on_write=lambda key: time.sleep(delay))
+    return Repository(slow), Repository(inner)
+
+
+def _auto_run(delay: float = 0.02, **options: Any) -> tuple[dstt.training.Session, Any, Repository]:
+    for _ in range(3):  # a fast machine may keep up now and then: retry until it does not
+        slow, inner = _slow(delay)
+        s = _train(slow, every="auto", max_backlog=2, **options)
+        run = dstt.open(inner)
+        if run.light_steps():
+            return s, run, inner
+        delay *= 4
+    raise AssertionError("the slowed storage never made the engine busy")
+
+
+def test_auto_stores_a_fraction_and_every_step_keeps_its_metrics() -> None:
+    s, run, _ = _auto_run()
+    light = run.light_steps()
+    assert 0 < len(run.steps) < STEPS
+    assert sorted([*run.steps, *light]) == list(range(1, STEPS + 1))
+    # the session's metrics say which steps were stored
+    by_step = {m.step: m.stored for m in s.metrics}
+    assert sorted(by_step) == list(range(1, STEPS + 1))
+    assert {k for k, st in by_step.items() if not st} == set(light)
+    assert all(m.committed for m in s.metrics if m.stored)
+    # every step's loss is visible, light ones included
+    metrics = run.metrics()
+    assert list(metrics.steps) == list(range(1, STEPS + 1))
+    assert not np.isnan(metrics.column("loss")).any()
+    # each light step's fingerprint is the exact bits of the loss it logged
+    losses = dict(zip(metrics.steps.tolist(), metrics.column("loss").tolist(), strict=True))
+    from dstt.engine.light import loss_of
+
+    assert all(bits is not None and loss_of(bits) == losses[k] for k, bits in light.items())
+
+
+def test_a_light_step_costs_under_a_kilobyte_in_existing_files() -> None:
+    _, run, inner = _auto_run()
+    light = run.light_steps()
+    r = inner.reader()
+    total = 0
+    for h in run.commits():
+        if LIGHT_OBJECT not in h.objects:
+            continue
+        rec = r.read_object(h, LIGHT_OBJECT)
+        total += len(json.dumps(rec))
+        mine = set(rec["steps"])
+        hist = r.read_object(h, "metrics/history")
+        total += sum(
+            len(json.dumps(v))
+            for k, t, v in zip(hist["steps"], hist["time"], hist["metrics"], strict=True)
+            if k in mine
+        ) + 8 * len(mine)
+        batches = r.read_object(h, BATCHES_OBJECT)
+        total += sum(
+            len(json.dumps(b))
+            for k, b in zip(batches["steps"], batches["batches"], strict=True)
+            if k in mine
+        )
+    per_step = total / len(light)
+    assert 0 < per_step <= 1024, per_step
+    # no file per light step: the light steps' records are objects of stored commits
+    assert all(LIGHT_OBJECT in h.objects for h in run.commits() if h.step - 1 in light)
+
+
+def test_max_gap_bounds_the_light_steps_between_stored_ones() -> None:
+    _, run, _ = _auto_run(delay=0.05, max_gap=2)
+    stored_steps = run.steps
+    gaps = [b - a - 1 for a, b in zip([0, *stored_steps], stored_steps, strict=False)]
+    assert max(gaps) <= 2
+    assert run.light_steps()
+
+
+def test_a_rebuilt_light_step_equals_the_reference_run_bit_for_bit() -> None:
+    ref = MemoryStorage()
+    Repository.create(ref)
+    _train(Repository(ref), every=1)
+    ref_repo = Repository(ref)
+    _, run, _ = _auto_run(max_gap=4)
+    light = sorted(run.light_steps())
+    for k in light[:3] + light[-2:]:
+        m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        got = run.rebuild(k, m, opt, dataset=DATA, loss_fn=_loss)
+        assert got.step == k
+        assert got.base == max(s for s in run.steps if s < k)
+        assert got.checked == list(range(got.base + 1, k + 1))
+        assert got.faithful
+        tensors = discover(m, opt).step_state.tensors()
+        paths = ref_repo.reader().arrays(ref_repo.reader().find(k))
+        assert set(paths) == set(tensors)
+        for path in paths:  # params and optimizer state
+            assert same_bits(tensors[path], stored(ref_repo, k, path)), (k, path)
+
+
+def test_a_step_that_trained_on_other_samples_than_recorded_breaks_the_chain() -> None:
+    for delay in (0.02, 0.08, 0.3):
+        slow, inner = _slow(delay)
+        _train(slow, every="auto", max_backlog=2, shift=1)
+        run = dstt.open(inner)
+        if run.light_steps():
+            break
+    k = max(run.light_steps())
+    j = max(s for s in run.steps if s < k)
+    m = _model()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    with pytest.raises(ReplayError, match=f"chain broke at step {j + 1}"):
+        run.rebuild(k, m, opt, dataset=DATA, loss_fn=_loss)
+
+
+def test_at_a_light_step_names_the_stored_steps_and_how_to_rebuild() -> None:
+    _, run, _ = _auto_run()
+    k = min(run.light_steps())
+    before = max(s for s in run.steps if s < k)
+    with pytest.raises(StepNotFoundError, match=rf"light step.*{before}.*run\.rebuild\({k}"):
+        run.at(k)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [({"every": "always"}, "every must be"), ({"every": "auto", "max_gap": 0}, "max_gap")],
+)
+def test_bad_auto_options_are_refused(options: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        SessionOptions(run="runs/x", **options)
+
+
+def test_a_session_of_several_ranks_refuses_auto(tmp_path: Any) -> None:
+    m = _model()
+    opt = torch.optim.Adam(m.parameters())
+    opts = SessionOptions(run=tmp_path / "run", every="auto")
+    with pytest.raises(ConfigError, match="one process only"):
+        DistributedSession(m, opt, options=opts, info=RankInfo(0, 2))
