@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -67,17 +68,21 @@ def _train(
     return s
 
 
-def _slow(delay: float) -> tuple[Repository, Repository]:
-    """(a repository on a storage whose writes take ``delay`` s, the same one unslowed)."""
-    inner = MemoryStorage()
-    Repository.create(inner)
+def _slow(delay: float, path: Path | None = None) -> tuple[Repository, Repository]:
+    """(a repository on a storage whose writes take ``delay`` s, the same one unslowed); in
+    memory, or in the directory ``path``."""
+    inner = MemoryStorage() if path is None else Repository.create(path).storage
+    if path is None:
+        Repository.create(inner)
     slow = FaultyStorage(inner, on_write=lambda key: time.sleep(delay))
     return Repository(slow), Repository(inner)
 
 
-def _auto_run(delay: float = 0.02, **options: Any) -> tuple[dstt.training.Session, Any, Repository]:
-    for _ in range(3):  # a fast machine may keep up now and then: retry until it does not
-        slow, inner = _slow(delay)
+def _auto_run(
+    delay: float = 0.02, path: Path | None = None, **options: Any
+) -> tuple[dstt.training.Session, Any, Repository]:
+    for attempt in range(3):  # a fast machine may keep up now and then: retry until it does not
+        slow, inner = _slow(delay, None if path is None else path / f"run{attempt}")
         s = _train(slow, every="auto", max_backlog=2, **options)
         run = dstt.open(inner)
         if run.light_steps():
@@ -187,6 +192,25 @@ def test_at_a_light_step_names_the_stored_steps_and_how_to_rebuild() -> None:
     before = max(s for s in run.steps if s < k)
     with pytest.raises(StepNotFoundError, match=rf"light step.*{before}.*run\.rebuild\({k}"):
         run.at(k)
+
+
+def test_dstt_log_lists_light_steps_between_the_stored_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dstt.cli import main
+
+    _, run, inner = _auto_run(path=tmp_path)
+    light = run.light_steps()
+    capsys.readouterr()
+    assert main(["log", str(inner.storage.location), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [d["step"] for d in doc] == list(range(STEPS, 0, -1))
+    assert {d["step"] for d in doc if d["light"]} == set(light)
+    assert all("loss" in d["metrics"] for d in doc)
+    assert main(["log", str(inner.storage.location)]) == 0
+    out = capsys.readouterr().out
+    k = min(light)
+    assert f"run.rebuild({k}, ...)" in out
 
 
 @pytest.mark.parametrize(
