@@ -468,7 +468,7 @@ class Run:
         raises ``ReplayError`` naming where the chain broke. The scheduler, if given, steps
         after each optimizer step; ``before_step`` and ``loss_fn`` as in :meth:`replay`.
         Returns a :class:`dstt.inspect.rebuild.Rebuilt`; nothing is written to the run.
-        See docs/capture.md."""
+        See docs/replay.md."""
         from dstt.inspect.rebuild import rebuild_step
         from dstt.inspect.replay import replay_kit_for
 

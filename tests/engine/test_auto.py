@@ -213,6 +213,21 @@ def test_dstt_log_lists_light_steps_between_the_stored_ones(
     assert f"run.rebuild({k}, ...)" in out
 
 
+def test_the_auto_block_in_the_performance_doc_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import re
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "performance.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
+    (block,) = [b for b in blocks if 'every="auto"' in b]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "docs/performance.md", "exec"), {})  # the doc's own code, as written
+    stored_n, light_n = re.findall(r"(\d+) steps stored, (\d+) light", capsys.readouterr().out)[0]
+    assert int(stored_n) + int(light_n) == 16
+    assert int(stored_n) >= 1
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [({"every": "always"}, "every must be"), ({"every": "auto", "max_gap": 0}, "max_gap")],
