@@ -9,6 +9,11 @@
 * pre-step hook of step *k+1* → wait for step *k*'s copies (the only point that blocks
   training), run the version guard, then *seal* step *k*: hand it to the committer, which
   commits it with the metrics ``s.log`` attached once its chunks are on disk;
+* ``every="auto"``: the post-step hook stages step *k* only if the pipeline can take it
+  without blocking training (``Pipeline.can_take``: the backlog under ``max_backlog``, a free
+  host buffer), or after ``max_gap`` light steps in a row; otherwise step *k* is a *light*
+  step, and the next sealed commit carries the light steps before it as one
+  ``light/steps`` object (``dstt.engine.light``) next to their metrics and batches;
 * leaving the block seals and drains the last step, and commits the last optimizer step
   even where ``every`` did not select it (its step state was snapshotted after its optimizer
   step), so training never loses its end. An exception or ``KeyboardInterrupt`` inside the
