@@ -7,11 +7,12 @@ indices (``data/batches``) and its loss fingerprint (``light/steps``, :mod:`dstt
 then re-executes steps *j+1..k* as the plain loop did — zero the gradients, forward/backward
 on each recorded micro-batch, ``before_step()`` (clipping), ``optimizer.step()``, then
 ``scheduler.step()`` when a scheduler is given — and compares each step's recomputed loss
-with its fingerprint **bit for bit**. The first step that differs ends the rebuild with a
-``ReplayError`` naming it: that link of the chain is unfaithful (a wrong sample record,
-another loss, clipping not passed, nondeterministic kernels), and so is every step after it.
-A step that logged no loss cannot be checked; :class:`Rebuilt` lists those. The live objects
-end at step *k* (or at the broken step); nothing is written to the run.
+with its fingerprint **bit for bit** (the loss of its last micro-batch, or their sum or mean;
+``logged=`` says how the loop derived what it logged). The first step that differs ends
+the rebuild with a ``ReplayError`` naming it: that link of the chain is unfaithful (a wrong
+sample record, another loss, clipping not passed, nondeterministic kernels), and so is every
+step after it. A step that logged no loss cannot be checked; :class:`Rebuilt` lists those.
+The live objects end at step *k* (or at the broken step); nothing is written to the run.
 
 The pieces of one replayed step (the live objects, the batches from their indices, the loss)
 are :mod:`dstt.inspect.replay`'s, so a rebuild and ``run.replay`` run a step the same way.
@@ -69,15 +70,21 @@ class Rebuilt:
         )
 
 
-def _matches(bits: str, losses: list[float]) -> bool:
-    """Does the logged loss ``bits`` equal what the loop would have logged: the last
-    micro-batch's loss, or with several micro-batches their sum or mean?"""
+def _matches(bits: str, losses: list[float], logged: Callable[[list[float]], float] | None) -> bool:
+    """Does the logged loss ``bits`` equal what the loop logged: ``logged(losses)`` if given,
+    else the last micro-batch's loss or, with several micro-batches, their sum or mean (in
+    float64, or accumulated in float32 as a tensor sum is)?"""
+    if logged is not None:
+        return loss_bits(logged(losses)) == bits
     if not losses:
         return False
     candidates = {losses[-1]}
     if len(losses) > 1:
-        total = float(torch.tensor(losses, dtype=torch.float64).sum())
-        candidates |= {total, total / len(losses), sum(losses), sum(losses) / len(losses)}
+        acc = torch.zeros((), dtype=torch.float32)
+        for x in losses:
+            acc = acc + x
+        n = len(losses)
+        candidates |= {sum(losses), sum(losses) / n, float(acc), float(acc / n)}
     return any(loss_bits(c) == bits for c in candidates)
 
 
@@ -95,12 +102,15 @@ def rebuild_step(
     batches: Any = None,
     dataset: Any = None,
     collate: Callable[[list[Any]], Any] | None = None,
+    logged: Callable[[list[float]], float] | None = None,
     timeline: str | None = None,
     trusted: bool = False,
 ) -> Rebuilt:
     """Bring the live objects to step ``step`` of ``run`` (read with ``reader``): restore the
     nearest stored step before it and replay the light steps up to it (module docstring).
-    ``batches`` here is a callable from sample indices to a batch (or use ``dataset``)."""
+    ``batches`` here is a callable from sample indices to a batch (or use ``dataset``);
+    ``logged(losses)``: the loss the loop logged from its micro-batches' losses (default: the
+    last one, or their sum or mean), for a loop that logs e.g. an unscaled loss."""
     k = int(step)
     kit = _kit_of(kit, model, optimizer, scheduler, before_step, loss_fn)
     timeline = timeline or run.timeline
@@ -146,7 +156,7 @@ def rebuild_step(
         bits = light[i]
         if bits is None:
             out.unchecked.append(i)
-        elif _matches(bits, losses):
+        elif _matches(bits, losses, logged):
             out.checked.append(i)
         else:
             raise ReplayError(

@@ -457,6 +457,7 @@ class Run:
         batches: Any = None,
         dataset: Any = None,
         collate: Any = None,
+        logged: Callable[[list[float]], float] | None = None,
         timeline: str | None = None,
         trusted: bool = False,
     ) -> Any:
@@ -466,7 +467,9 @@ class Run:
         ``dataset``/``collate``, or a ``batches`` callable from indices), checking each
         replayed loss bit for bit against the one the step logged; the first that differs
         raises ``ReplayError`` naming where the chain broke. The scheduler, if given, steps
-        after each optimizer step; ``before_step`` and ``loss_fn`` as in :meth:`replay`.
+        after each optimizer step; ``before_step`` and ``loss_fn`` as in :meth:`replay`;
+        ``logged(losses)`` gives what the loop logged as ``loss`` from its micro-batches'
+        losses (default: the last one, or their sum or mean).
         Returns a :class:`dstt.inspect.rebuild.Rebuilt`; nothing is written to the run.
         See docs/replay.md."""
         from dstt.inspect.rebuild import rebuild_step
@@ -491,6 +494,7 @@ class Run:
             batches=batches,
             dataset=dataset,
             collate=collate,
+            logged=logged,
             timeline=timeline,
             trusted=trusted,
         )

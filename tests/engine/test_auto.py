@@ -46,6 +46,7 @@ def _train(
     *,
     every: int | str,
     shift: int = 0,
+    log_scale: float = 1.0,
     **options: Any,
 ) -> dstt.training.Session:
     """A plain loop over ``DATA`` in batches of 4 for ``STEPS`` steps, logging its loss;
@@ -62,7 +63,7 @@ def _train(
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            s.log(loss=loss)
+            s.log(loss=loss * log_scale)
             if s.step >= STEPS:
                 break
     return s
@@ -184,6 +185,18 @@ def test_a_step_that_trained_on_other_samples_than_recorded_breaks_the_chain() -
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
     with pytest.raises(ReplayError, match=f"chain broke at step {j + 1}"):
         run.rebuild(k, m, opt, dataset=DATA, loss_fn=_loss)
+
+
+def test_a_loop_that_logs_another_loss_than_it_trains_on_says_so_with_logged() -> None:
+    _, run, _ = _auto_run(log_scale=2.0)
+    k = min(run.light_steps())
+    j = max(s for s in run.steps if s < k)
+    m = _model()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    with pytest.raises(ReplayError, match=f"chain broke at step {j + 1}"):
+        run.rebuild(k, m, opt, dataset=DATA, loss_fn=_loss)
+    got = run.rebuild(k, m, opt, dataset=DATA, loss_fn=_loss, logged=lambda ls: ls[-1] * 2)
+    assert got.checked == list(range(j + 1, k + 1))
 
 
 def test_at_a_light_step_names_the_stored_steps_and_how_to_rebuild() -> None:
