@@ -29,12 +29,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstt.engine.light import loss_bits
+from dstt.engine.model_names import param_names
 from dstt.engine.optimizers import optimizers_of
 from dstt.engine.providers import StoreSource
 from dstt.engine.torch_state import discover
 from dstt.errors import ReplayError, StepNotFoundError
 
-from .replay import LossFn, ReplayKit, _default_loss, _kit_of, _step_batches
+from .replay import LossFn, ReplayKit, _compare, _default_loss, _kit_of, _step_batches
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -48,10 +49,13 @@ __all__ = ["Rebuilt", "rebuild_step"]
 class Rebuilt:
     """A rebuilt step: ``step``, the stored step ``base`` it started from, each replayed
     step's recomputed loss (``losses``), the steps whose loss matched its fingerprint bit for
-    bit (``checked``) and those that logged no loss (``unchecked``)."""
+    bit (``checked``) and those that logged no loss (``unchecked``); with ``check_next``, the
+    next stored step the chain reached and matched (``landed``)."""
 
     step: int
     base: int
+    #: the stored step the chain was replayed on to and matched bit for bit (``check_next``)
+    landed: int | None = None
     losses: dict[int, float] = field(default_factory=dict)
     checked: list[int] = field(default_factory=list)
     unchecked: list[int] = field(default_factory=list)
@@ -64,6 +68,8 @@ class Rebuilt:
     def __repr__(self) -> str:
         chain = f"replayed {self.base + 1}..{self.step}" if self.step > self.base else "stored"
         note = f", {len(self.unchecked)} without a logged loss" if self.unchecked else ""
+        if self.landed is not None:
+            note += f"; lands on stored step {self.landed} bit for bit"
         return (
             f"Rebuilt(step {self.step} from stored step {self.base}: {chain}; "
             f"{len(self.checked)} loss(es) bit-exact{note})"
@@ -103,6 +109,7 @@ def rebuild_step(
     dataset: Any = None,
     collate: Callable[[list[Any]], Any] | None = None,
     logged: Callable[[list[float]], float] | None = None,
+    check_next: bool = False,
     timeline: str | None = None,
     trusted: bool = False,
 ) -> Rebuilt:
@@ -110,7 +117,9 @@ def rebuild_step(
     nearest stored step before it and replay the light steps up to it (module docstring).
     ``batches`` here is a callable from sample indices to a batch (or use ``dataset``);
     ``logged(losses)``: the loss the loop logged from its micro-batches' losses (default: the
-    last one, or their sum or mean), for a loop that logs e.g. an unscaled loss."""
+    last one, or their sum or mean), for a loop that logs e.g. an unscaled loss.
+    ``check_next``: first replay on to the next stored step *m* and compare every parameter
+    and optimizer-state tensor with it, bit for bit (``Rebuilt.landed``; twice the replay)."""
     k = int(step)
     kit = _kit_of(kit, model, optimizer, scheduler, before_step, loss_fn)
     timeline = timeline or run.timeline
@@ -135,38 +144,62 @@ def rebuild_step(
             f"rebuilding step {k} from stored step {j}: steps {gone} have no light record "
             "(pruned, or not taken on this timeline), so the chain cannot be replayed"
         )
-    state = discover(kit.model, kit.optimizer, scheduler=kit.scheduler)
-    source = StoreSource(reader, stored[j], prefetch=True, trusted=trusted)
-    state.step_state.restore(source)
-    state.boundary_state.restore(source)
-    out = Rebuilt(step=k, base=j)
     fn = loss_fn or _default_loss
-    for i in range(j + 1, k + 1):
-        micro, _, _ = _step_batches(
-            run,
-            i,
-            timeline,
-            batches if callable(batches) else None,
-            dataset,
-            collate,
-            kit.make_batch,
-        )
-        losses = _one_step(kit, micro, fn)
-        out.losses[i] = losses[-1] if losses else float("nan")
-        bits = light[i]
-        if bits is None:
-            out.unchecked.append(i)
-        elif _matches(bits, losses, logged):
-            out.checked.append(i)
-        else:
-            raise ReplayError(
-                f"rebuilding step {k} from stored step {j}: the chain broke at step {i}: its "
-                f"replayed loss {losses[-1] if losses else None!r} differs from the recorded "
-                f"loss {_loss_text(bits)} (bit for bit). The step did not train as recorded: a "
-                "wrong sample record, another loss_fn, a clipping or scheduler step not passed "
-                "(before_step=, scheduler=), or nondeterministic kernels. Steps before it "
-                f"({j + 1}..{i - 1}) replayed faithfully; the live objects are now at step {i}"
+
+    def chain(upto: int, out: Rebuilt) -> None:
+        """Restore step ``j`` into the live objects and replay ``j+1..upto``, checking each
+        light step's loss; a stored step (``upto`` with ``check_next``) is not checked here."""
+        state = discover(kit.model, kit.optimizer, scheduler=kit.scheduler)
+        source = StoreSource(reader, stored[j], prefetch=True, trusted=trusted)
+        state.step_state.restore(source)
+        state.boundary_state.restore(source)
+        for i in range(j + 1, upto + 1):
+            micro, _, _ = _step_batches(
+                run,
+                i,
+                timeline,
+                batches if callable(batches) else None,
+                dataset,
+                collate,
+                kit.make_batch,
             )
+            losses = _one_step(kit, micro, fn)
+            out.losses[i] = losses[-1] if losses else float("nan")
+            if i in stored:
+                continue
+            bits = light[i]
+            if bits is None:
+                out.unchecked.append(i)
+            elif _matches(bits, losses, logged):
+                out.checked.append(i)
+            else:
+                raise ReplayError(
+                    f"rebuilding step {k} from stored step {j}: the chain broke at step {i}: "
+                    f"its replayed loss {losses[-1] if losses else None!r} differs from the "
+                    f"recorded loss {_loss_text(bits)} (bit for bit). The step did not train as "
+                    "recorded: a wrong sample record, another loss_fn, a clipping or scheduler "
+                    "step not passed (before_step=, scheduler=), or nondeterministic kernels. "
+                    f"{_before(j, i)}; the live objects are now at step {i}"
+                )
+
+    landed = None
+    if check_next and k not in stored:
+        m = min((s for s in stored if s > k), default=None)
+        if m is not None and all(i in light for i in range(k + 1, m)):
+            probe = Rebuilt(step=m, base=j)
+            chain(m, probe)
+            names = param_names(kit.model)
+            miss = _compare(reader, stored[m], kit.model, kit.optimizer, names, {})
+            if miss is not None:
+                raise ReplayError(
+                    f"rebuilding step {k} from stored step {j}: the light steps' losses "
+                    f"replayed bit for bit, but the chain through them lands off stored step "
+                    f"{m}: {miss}. Something the loss does not show differed (the optimizer "
+                    "or scheduler, clipping, RNG drawn between steps)"
+                )
+            landed = m
+    out = Rebuilt(step=k, base=j, landed=landed)
+    chain(k, out)
     return out
 
 
@@ -194,6 +227,13 @@ def _one_step(kit: ReplayKit, micro: list[Any], loss_fn: LossFn) -> list[float]:
     if kit.scheduler is not None:
         kit.scheduler.step()
     return losses
+
+
+def _before(j: int, i: int) -> str:
+    """What replayed faithfully before the broken step ``i`` of a chain from stored ``j``."""
+    if i == j + 1:
+        return f"It is the first step after stored step {j}"
+    return f"Steps {j + 1}..{i - 1} before it replayed faithfully"
 
 
 def _loss_text(bits: str) -> str:

@@ -458,6 +458,7 @@ class Run:
         dataset: Any = None,
         collate: Any = None,
         logged: Callable[[list[float]], float] | None = None,
+        check_next: bool = False,
         timeline: str | None = None,
         trusted: bool = False,
     ) -> Any:
@@ -469,7 +470,9 @@ class Run:
         raises ``ReplayError`` naming where the chain broke. The scheduler, if given, steps
         after each optimizer step; ``before_step`` and ``loss_fn`` as in :meth:`replay`;
         ``logged(losses)`` gives what the loop logged as ``loss`` from its micro-batches'
-        losses (default: the last one, or their sum or mean).
+        losses (default: the last one, or their sum or mean). ``check_next=True`` first
+        replays on to the next stored step and compares every parameter and optimizer-state
+        tensor with it bit for bit (twice the replay; ``ReplayError`` if it lands off).
         Returns a :class:`dstt.inspect.rebuild.Rebuilt`; nothing is written to the run.
         See docs/replay.md."""
         from dstt.inspect.rebuild import rebuild_step
@@ -495,6 +498,7 @@ class Run:
             dataset=dataset,
             collate=collate,
             logged=logged,
+            check_next=check_next,
             timeline=timeline,
             trusted=trusted,
         )

@@ -172,6 +172,33 @@ def test_a_rebuilt_light_step_equals_the_reference_run_bit_for_bit() -> None:
             assert same_bits(tensors[path], stored(ref_repo, k, path)), (k, path)
 
 
+def test_check_next_replays_on_to_the_next_stored_step_and_matches_it() -> None:
+    _, run, _ = _auto_run(max_gap=4)
+    light = run.light_steps()
+    k = min(light)
+    m_next = min(s for s in run.steps if s > k)
+    m = _model()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    got = run.rebuild(k, m, opt, dataset=DATA, loss_fn=_loss, check_next=True)
+    assert got.landed == m_next
+    assert got.checked == list(range(got.base + 1, k + 1))
+    # the objects end at k, not at the stored step the check went on to
+    m2 = _model()
+    opt2 = torch.optim.Adam(m2.parameters(), lr=1e-2)
+    run.rebuild(k, m2, opt2, dataset=DATA, loss_fn=_loss)
+    mine, plain = discover(m, opt).step_state.tensors(), discover(m2, opt2).step_state.tensors()
+    assert set(mine) == set(plain)
+    assert all(same_bits(mine[p], plain[p]) for p in mine)
+
+    # a clipping training did not do: the first light step's loss (computed on the stored
+    # weights) still matches, but the chain no longer lands on the next stored step
+    def clip() -> None:
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+
+    with pytest.raises(ReplayError, match=r"chain broke at step|lands off stored step"):
+        run.rebuild(k, m, opt, dataset=DATA, loss_fn=_loss, before_step=clip, check_next=True)
+
+
 def test_a_step_that_trained_on_other_samples_than_recorded_breaks_the_chain() -> None:
     for delay in (0.02, 0.08, 0.3):
         slow, inner = _slow(delay)
