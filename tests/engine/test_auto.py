@@ -31,9 +31,16 @@ DATA = torch.utils.data.TensorDataset(
 )
 
 
-def _model() -> torch.nn.Module:
+def _model(dropout: float = 0.0) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    layers = [torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)]
+    if dropout:
+        layers.insert(2, torch.nn.Dropout(dropout))  # draws from the global RNG each forward
+    return torch.nn.Sequential(*layers)
+
+
+def _schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1.0 + 0.3 * k))
 
 
 def _loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -47,14 +54,17 @@ def _train(
     every: int | str,
     shift: int = 0,
     log_scale: float = 1.0,
+    rich: bool = False,
     **options: Any,
 ) -> dstt.training.Session:
     """A plain loop over ``DATA`` in batches of 4 for ``STEPS`` steps, logging its loss;
-    ``shift``: train on the samples ``shift`` further on than the ones drawn (and recorded)."""
-    m = _model()
+    ``shift``: train on the samples ``shift`` further on than the ones drawn (and recorded);
+    ``rich``: with dropout (the RNG) and an LR scheduler stepped every step."""
+    m = _model(dropout=0.2 if rich else 0.0)
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    sched = _schedule(opt) if rich else None
     loader = torch.utils.data.DataLoader(DATA, batch_size=4)
-    with session(m, opt, run=repo, every=every, **options) as s:  # type: ignore[arg-type]
+    with session(m, opt, run=repo, every=every, scheduler=sched, **options) as s:  # type: ignore[arg-type]
         for x, y in s.data(loader):
             if shift:
                 i = s.step * 4 + shift
@@ -63,6 +73,8 @@ def _train(
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if sched is not None:
+                sched.step()
             s.log(loss=loss * log_scale)
             if s.step >= STEPS:
                 break
@@ -150,17 +162,23 @@ def test_max_gap_bounds_the_light_steps_between_stored_ones() -> None:
     assert run.light_steps()
 
 
-def test_a_rebuilt_light_step_equals_the_reference_run_bit_for_bit() -> None:
+@pytest.mark.parametrize("rich", [False, True], ids=["plain", "dropout+scheduler"])
+def test_a_rebuilt_light_step_equals_the_reference_run_bit_for_bit(rich: bool) -> None:
     ref = MemoryStorage()
     Repository.create(ref)
-    _train(Repository(ref), every=1)
+    _train(Repository(ref), every=1, rich=rich)
     ref_repo = Repository(ref)
-    _, run, _ = _auto_run(max_gap=4)
+    _, run, _ = _auto_run(max_gap=4, rich=rich)
     light = sorted(run.light_steps())
     for k in light[:3] + light[-2:]:
         m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        if rich:
+            m.insert(2, torch.nn.Dropout(0.2))
         opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-        got = run.rebuild(k, m, opt, dataset=DATA, loss_fn=_loss)
+        sched = _schedule(opt) if rich else None
+        got = run.rebuild(k, m, opt, scheduler=sched, dataset=DATA, loss_fn=_loss)
+        if sched is not None:
+            assert sched.last_epoch == k
         assert got.step == k
         assert got.base == max(s for s in run.steps if s < k)
         assert got.checked == list(range(got.base + 1, k + 1))
