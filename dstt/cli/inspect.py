@@ -78,7 +78,11 @@ def cmd_log(args: argparse.Namespace) -> int:
         line = [h for h in line if h.step in newest][: args.n]
         light = {k: v for k, v in light.items() if k in newest}
     spikes = _spikes(run, args)
-    batches = run.batches([h.step for h in line], timeline=args.timeline) if args.batches else {}
+    batches = (
+        run.batches([*(h.step for h in line), *light], timeline=args.timeline)
+        if args.batches
+        else {}
+    )
     doc = [
         {
             "step": h.step,
@@ -103,9 +107,10 @@ def cmd_log(args: argparse.Namespace) -> int:
         for h in sorted([*line, *light], key=lambda x: -(x if isinstance(x, int) else x.step)):
             if isinstance(h, int):
                 d = light[h]
+                data = "".join(f"  [{b}]" for b in batches.get(h, []))
                 yield (
                     f"step {h:>8}  light (not stored; run.rebuild({h}, ...))  "
-                    f"{_metrics_text(d['metrics'])}"
+                    f"{_metrics_text(d['metrics'])}{data}"
                 )
                 continue
             sp = spikes.get(h.step)

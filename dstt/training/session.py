@@ -139,7 +139,9 @@ class Session:
 
     @property
     def metrics(self) -> tuple[StepMetrics, ...]:
-        """Engine metrics of every finished (committed or dropped) step, oldest first."""
+        """Engine metrics of every finished (committed or dropped) step, oldest first, and of
+        every light step of ``every="auto"`` (``stored=False``), filed when the commit that
+        records it is sealed."""
         return self._pipeline.metrics if self._pipeline else ()
 
     @property

@@ -265,10 +265,12 @@ def test_dstt_log_lists_light_steps_between_the_stored_ones(
     assert [d["step"] for d in doc] == list(range(STEPS, 0, -1))
     assert {d["step"] for d in doc if d["light"]} == set(light)
     assert all("loss" in d["metrics"] for d in doc)
-    assert main(["log", str(inner.storage.location)]) == 0
+    assert main(["log", str(inner.storage.location), "--batches"]) == 0
     out = capsys.readouterr().out
     k = min(light)
-    assert f"run.rebuild({k}, ...)" in out
+    (line,) = [x for x in out.splitlines() if x.startswith(f"step {k:>8}  light")]
+    assert f"run.rebuild({k}, ...)" in line
+    assert f"[samples {list(range(4 * (k - 1), 4 * k))}]" in line  # what step k trained on
 
 
 def test_the_auto_block_in_the_performance_doc_runs(
