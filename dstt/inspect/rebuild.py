@@ -126,16 +126,17 @@ def rebuild_step(
     line = run.commits(timeline)
     stored = {int(h.step): h for h in line}
     light = run.light_steps(timeline)
+    pruned = sorted(int(h.step) for h in run.commits(timeline, pruned=True) if h.pruned)
     if k not in stored and k not in light:
         raise StepNotFoundError(
             f"step {k} is neither stored nor recorded as a light step on timeline "
-            f"{timeline!r}; stored steps near it: {_near(stored, k)}"
+            f"{timeline!r}; stored steps near it: {_near(stored, k)}{_gc_hint(pruned, k)}"
         )
     below = [s for s in stored if s <= k]
     if not below:
         raise ReplayError(
             f"no stored step at or before light step {k} on timeline {timeline!r}: a rebuild "
-            "starts from one"
+            f"starts from one{_gc_hint(pruned, k)}"
         )
     j = max(below)
     gone = [i for i in range(j + 1, k + 1) if i not in light]
@@ -143,6 +144,7 @@ def rebuild_step(
         raise ReplayError(
             f"rebuilding step {k} from stored step {j}: steps {gone} have no light record "
             "(pruned, or not taken on this timeline), so the chain cannot be replayed"
+            f"{_gc_hint(pruned, k)}"
         )
     fn = loss_fn or _default_loss
 
@@ -240,6 +242,18 @@ def _loss_text(bits: str) -> str:
     from dstt.engine.light import loss_of
 
     return f"{loss_of(bits)!r} ({bits})"
+
+
+def _gc_hint(pruned: list[int], k: int) -> str:
+    """Why a light step may have lost its record or its base: gc pruned commits around it."""
+    if not pruned:
+        return ""
+    around = [s for s in pruned if abs(s - k) <= 32][:8]
+    return (
+        f" (gc pruned stored steps {around or pruned[:8]} near it: a light step's record "
+        "rides with the next stored commit and its rebuild starts from the one before, so "
+        "pruning them strands it; keep them with Retention(keep_steps=...) or keep_last)"
+    )
 
 
 def _near(stored: dict[int, Any], k: int) -> list[int]:

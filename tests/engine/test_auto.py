@@ -92,13 +92,13 @@ def _slow(delay: float, path: Path | None = None) -> tuple[Repository, Repositor
 
 
 def _auto_run(
-    delay: float = 0.02, path: Path | None = None, **options: Any
+    delay: float = 0.02, path: Path | None = None, min_light: int = 1, **options: Any
 ) -> tuple[dstt.training.Session, Any, Repository]:
     for attempt in range(3):  # a fast machine may keep up now and then: retry until it does not
         slow, inner = _slow(delay, None if path is None else path / f"run{attempt}")
         s = _train(slow, every="auto", max_backlog=2, **options)
         run = dstt.open(inner)
-        if run.light_steps():
+        if len(run.light_steps()) >= min_light:
             return s, run, inner
         delay *= 4
     raise AssertionError("the slowed storage never made the engine busy")
@@ -242,6 +242,24 @@ def test_a_loop_that_logs_another_loss_than_it_trains_on_says_so_with_logged() -
         run.rebuild(k, m, opt, dataset=DATA, loss_fn=_loss)
     got = run.rebuild(k, m, opt, dataset=DATA, loss_fn=_loss, logged=lambda ls: ls[-1] * 2)
     assert got.checked == list(range(j + 1, k + 1))
+
+
+def test_a_light_step_stranded_by_gc_says_so_and_the_kept_ones_still_rebuild() -> None:
+    _, run, _ = _auto_run(max_gap=4, min_light=5)  # more than max_gap: two gaps at least
+    light_before = sorted(run.light_steps())
+    first, last = light_before[0], light_before[-1]
+    base = max(s for s in run.steps if s < last)  # what the last light step's rebuild needs:
+    record = min(s for s in run.steps if s > last)  # its base, and the commit recording it
+    run.gc(keep_last=1, keep_steps=[base, record])
+    run.refresh()
+    assert first < base  # so the first light step lost its base or its record
+    m = _model()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    with pytest.raises((StepNotFoundError, ReplayError), match="gc pruned stored steps"):
+        run.rebuild(first, m, opt, dataset=DATA, loss_fn=_loss)
+    got = run.rebuild(last, m, opt, dataset=DATA, loss_fn=_loss)
+    assert got.faithful
+    assert got.base == base
 
 
 def test_at_a_light_step_names_the_stored_steps_and_how_to_rebuild() -> None:
