@@ -110,6 +110,9 @@ RUN_BY_TEST: dict[str, tuple[str, ...]] = {
         "test_the_lightning_examples_run_and_print_what_they_promise[integrations]",
     ),
     "docs/replay.md": ("test_the_lightning_examples_run_and_print_what_they_promise[replay]",),
+    "docs/performance.md": (
+        "tests/engine/test_auto.py::test_the_auto_block_in_the_performance_doc_runs",
+    ),
 }
 
 

@@ -72,10 +72,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_log(args: argparse.Namespace) -> int:
     run = _resolve_run(args)
     line = list(reversed(run.commits(args.timeline, pruned=True)))
-    if args.n:
-        line = line[: args.n]
+    light = _light(run, args.timeline)
+    if args.n:  # the newest n steps, stored or light
+        newest = sorted({h.step for h in line} | set(light), reverse=True)[: args.n]
+        line = [h for h in line if h.step in newest][: args.n]
+        light = {k: v for k, v in light.items() if k in newest}
     spikes = _spikes(run, args)
-    batches = run.batches([h.step for h in line], timeline=args.timeline) if args.batches else {}
+    batches = (
+        run.batches([*(h.step for h in line), *light], timeline=args.timeline)
+        if args.batches
+        else {}
+    )
     doc = [
         {
             "step": h.step,
@@ -85,16 +92,27 @@ def cmd_log(args: argparse.Namespace) -> int:
             "metrics": dict(h.metrics),
             "objects": [] if h.pruned else sorted(h.objects),
             "pruned": bool(h.pruned),
+            "light": False,
             "spike": spikes.get(h.step),
         }
         for h in line
     ]
+    if light:  # every="auto": steps taken but not stored, newest first among the commits
+        doc = sorted([*doc, *light.values()], key=lambda d: -int(d["step"]))
     if args.batches:
         for d in doc:
             d["batches"] = [b.plain() for b in batches.get(d["step"], [])]
 
     def text() -> Iterator[str]:
-        for h in line:
+        for h in sorted([*line, *light], key=lambda x: -(x if isinstance(x, int) else x.step)):
+            if isinstance(h, int):
+                d = light[h]
+                data = "".join(f"  [{b}]" for b in batches.get(h, []))
+                yield (
+                    f"step {h:>8}  light (not stored; run.rebuild({h}, ...))  "
+                    f"{_metrics_text(d['metrics'])}{data}"
+                )
+                continue
             sp = spikes.get(h.step)
             mark = (
                 f"  <- {sp['metric']} spike (z={sp['zscore']:.1f}, baseline "
@@ -111,6 +129,28 @@ def cmd_log(args: argparse.Namespace) -> int:
 
     _emit(args, doc, text)
     return EXIT_OK
+
+
+def _light(run: Any, timeline: str | None) -> dict[int, dict[str, Any]]:
+    """The light steps of ``every="auto"`` as ``dstt log`` entries, by step, with the
+    metrics they logged (carried by the next commit)."""
+    fingerprints = run.light_steps(timeline)
+    if not fingerprints:
+        return {}
+    m = run.metrics(timeline)
+    where = {int(k): i for i, k in enumerate(m.steps.tolist())}
+    out: dict[int, dict[str, Any]] = {}
+    for k, bits in fingerprints.items():
+        i = where.get(k)
+        values = {}
+        for name in m.names if i is not None else ():
+            v = m.column(name)[i]
+            v = v.item() if hasattr(v, "item") else v
+            if v == "" or (isinstance(v, float) and math.isnan(v)):
+                continue  # not logged at that step
+            values[name] = v
+        out[k] = {"step": k, "light": True, "metrics": values, "loss_bits": bits}
+    return out
 
 
 def _spikes(run: Any, args: argparse.Namespace) -> dict[int, dict[str, Any]]:

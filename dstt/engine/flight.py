@@ -55,6 +55,9 @@ class StepMetrics:
     deltas: int = 0  # chunks written as XOR deltas (DeltaPolicy)
     dedups: int = 0  # unchanged chunks referenced, not written
     raw_fallback: bool = False  # encoding skipped: the flush was behind (DeltaPolicy)
+    #: False for a *light* step of ``every="auto"``: not stored (the engine was busy), only
+    #: its metrics, sample indices and loss fingerprint ride with the next commit
+    stored: bool = True
 
 
 def write_order(tensors: Mapping[str, Any], predictions: Mapping[str, Prediction]) -> list[str]:

@@ -244,6 +244,41 @@ class Pipeline(ChunkLane):
             return False
         return self.copy == "sync" or torch.get_num_threads() >= (os.cpu_count() or 1)
 
+    def can_take(self) -> bool:
+        """Would a step staged now be copied and committed without blocking training?
+        (``every="auto"``.) Yes while fewer than ``max_backlog`` steps await their commit and
+        the host memory a copy needs is free: a free whole-step buffer in the flat lane's
+        ring, a free slab in the chunk lane's cache (before the first step: both are free).
+        These are the two waits of ``wait_copied``; a step staged while either is exhausted
+        would make the next optimizer step wait for the disk."""
+        if self._closed:
+            return False
+        if len(self.pending()) >= self.max_backlog:
+            return False
+        steps, cache = self.steps, self.cache
+        if steps is not None and steps.in_use >= steps.count:
+            return False
+        return cache is None or cache.slabs_in_use < cache.n_slabs
+
+    def record_light(self, step: int) -> None:
+        """File a light step (``every="auto"``: not stored) in ``metrics``."""
+        m = StepMetrics(
+            step=step,
+            committed=False,
+            bytes=0,
+            blocked_s=0.0,
+            copy_s=0.0,
+            stall_s=0.0,
+            flush_s=0.0,
+            cache_bytes=0,
+            cache_peak_bytes=0,
+            cache_capacity=0,
+            backlog=0,
+            stored=False,
+        )
+        with self._lock:
+            self._metrics.append(m)
+
     def wait_copied(self, f: Flight) -> float:
         """Block until every chunk of ``f`` is on the host and fewer than ``max_backlog``
         earlier steps await their commit; returns the seconds blocked."""

@@ -104,6 +104,7 @@ class Run:
         self._reader = self._readers.primary
         self._lines: dict[str, list[Any]] = {}
         self._all: dict[str, list[Any]] = {}  # pruned commits included
+        self._light: dict[str, dict[int, str | None]] = {}  # light steps per timeline
         self._catalogs: LRU[int, Catalog] = LRU(16)
         #: spikes, data attribution, non-finite values, divergence (``diagnose.py``)
         self._diagnostics = RunDiagnostics(self)
@@ -117,6 +118,7 @@ class Run:
         self._reader = self._readers.primary
         self._lines.clear()
         self._all.clear()
+        self._light.clear()
         self._catalogs.clear()
         return self
 
@@ -171,7 +173,22 @@ class Run:
         try:
             return self._reader.find(int(step), timeline)
         except StepNotFoundError as e:
-            raise StepNotFoundError(f"{e}{self._elsewhere(int(step), timeline)}") from None
+            hint = self._light_hint(int(step), timeline) or self._elsewhere(int(step), timeline)
+            raise StepNotFoundError(f"{e}{hint}") from None
+
+    def _light_hint(self, step: int, timeline: str | None) -> str:
+        """The hint a StepNotFoundError for a light step ends with: how to rebuild it."""
+        if step not in self.light_steps(timeline):
+            return ""
+        have = [h.step for h in self.commits(timeline)]
+        before = max((s for s in have if s < step), default=None)
+        after = min((s for s in have if s > step), default=None)
+        return (
+            f"; step {step} is a light step (every='auto' did not store it; nearest stored "
+            f"steps {before} and {after}): rebuild it with run.rebuild({step}, model=..., "
+            f"optimizer=..., dataset=...) — it restores step {before} and replays the "
+            "steps after it on their recorded samples"
+        )
 
     def _elsewhere(self, step: int, timeline: str | None) -> str:
         """Where else ``step`` is committed: the hint a StepNotFoundError ends with."""
@@ -190,6 +207,19 @@ class Run:
             f"{', '.join(map(repr, found))}: pass timeline={found[0]!r} "
             f"(dstt: --timeline {found[0]})"
         )
+
+    def light_steps(self, timeline: str | None = None) -> dict[int, str | None]:
+        """``{step: loss fingerprint}`` of the light steps of ``timeline`` (``every="auto"``:
+        taken, not stored; :mod:`dstt.engine.light`); the fingerprint is the logged loss's
+        float64 bits in hex (None: no loss logged). ``run.rebuild(k, ...)`` rebuilds one."""
+        name = timeline or self.timeline
+        if name not in self._light:
+            from dstt.engine.light import read_light
+
+            stored = {h.step for h in self.commits(name)}
+            found = read_light(self.commits(name), self._reader.read_object)
+            self._light[name] = {k: v for k, v in sorted(found.items()) if k not in stored}
+        return self._light[name]
 
     def select_steps(self, steps: Steps, timeline: str | None = None) -> list[Any]:
         """Headers for ``steps``: None (all), an int, an iterable of steps, or a slice of step
@@ -409,6 +439,66 @@ class Run:
             activations=activations,
             per_sample=per_sample,
             per_sample_grads=per_sample_grads,
+            timeline=timeline,
+            trusted=trusted,
+        )
+
+    def rebuild(
+        self,
+        step: int,
+        model: Any = None,
+        optimizer: Any = None,
+        *,
+        trainer: Any = None,
+        module: Any = None,
+        scheduler: Any = None,
+        before_step: Callable[[], None] | None = None,
+        loss_fn: Any = None,
+        batches: Any = None,
+        dataset: Any = None,
+        collate: Any = None,
+        logged: Callable[[list[float]], float] | None = None,
+        check_next: bool = False,
+        timeline: str | None = None,
+        trusted: bool = False,
+    ) -> Any:
+        """Bring ``model``/``optimizer``/``scheduler`` (built as the run built them) to step
+        ``step``, stored or light (``every="auto"``): restore the nearest stored step before
+        it and replay the light steps up to it on their recorded samples (through
+        ``dataset``/``collate``, or a ``batches`` callable from indices), checking each
+        replayed loss bit for bit against the one the step logged; the first that differs
+        raises ``ReplayError`` naming where the chain broke. The scheduler, if given, steps
+        after each optimizer step; ``before_step`` and ``loss_fn`` as in :meth:`replay`;
+        ``logged(losses)`` gives what the loop logged as ``loss`` from its micro-batches'
+        losses (default: the last one, or their sum or mean). ``check_next=True`` first
+        replays on to the next stored step and compares every parameter and optimizer-state
+        tensor with it bit for bit (twice the replay; ``ReplayError`` if it lands off).
+        Returns a :class:`dstt.inspect.rebuild.Rebuilt`; nothing is written to the run.
+        See docs/replay.md."""
+        from dstt.inspect.rebuild import rebuild_step
+        from dstt.inspect.replay import replay_kit_for
+
+        if module is not None and trainer is None:
+            raise ConfigError(
+                "rebuild's module= goes with trainer= (a lightning.Trainer and its "
+                "LightningModule); for a plain loop pass model= and optimizer="
+            )
+        kit = None if trainer is None else replay_kit_for(trainer, module)
+        return rebuild_step(
+            self,
+            self._reader,
+            step,
+            model,
+            optimizer,
+            kit=kit,
+            scheduler=scheduler,
+            before_step=before_step,
+            loss_fn=loss_fn,
+            batches=batches,
+            dataset=dataset,
+            collate=collate,
+            logged=logged,
+            check_next=check_next,
             timeline=timeline,
             trusted=trusted,
         )

@@ -73,6 +73,12 @@ class RankedSession(Session):
         info: RankInfo | None = None,
     ) -> None:
         self.info = info or dist_info()
+        if options.every == "auto":  # which steps are stored would differ per rank
+            raise ConfigError(
+                "every='auto' is one process only for now: the ranks would each decide which "
+                "steps to store; pass every=N (a step every N optimizer steps) to a "
+                "distributed or DeepSpeed session"
+            )
         self.channel = RankChannel(self.info, timeout=options.rank_timeout)
         super().__init__(
             model, optimizer, options=options, scheduler=scheduler, extra_state=extra_state

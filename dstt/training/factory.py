@@ -12,7 +12,7 @@ DeepSpeed subclass — a cycle, hidden from import-time checks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from dstt.engine.deepspeed import is_deepspeed_engine
 from dstt.engine.dtensors import is_dtensor
@@ -21,6 +21,7 @@ from .deepspeed import DeepSpeedSession
 from .distributed import DistributedSession
 from .options import (
     DEFAULT_BUDGET,
+    DEFAULT_MAX_GAP,
     DEFAULT_RANK_TIMEOUT,
     DEFAULT_START_TIMEOUT,
     CopyMode,
@@ -47,7 +48,8 @@ def session(
     optimizer: OptimizerArg = None,
     *,
     run: RunArg,
-    every: int = 1,
+    every: int | Literal["auto"] = 1,
+    max_gap: int = DEFAULT_MAX_GAP,
     scheduler: Any = None,
     resume: bool = False,
     budget_bytes: int = DEFAULT_BUDGET,
@@ -66,9 +68,12 @@ def session(
 ) -> Session:
     """Capture every ``every``-th optimizer step of ``model``/``optimizer`` into ``run``, and
     the last step when the block ends (the metrics of the steps between ride with the next
-    commit). ``optimizer`` may be one optimizer, a list or a dict of them (each holding
-    other parameters: one step is an iteration in which each of them stepped; each one's
-    state is captured and resumed). The optimizers must hold the model's trainable
+    commit). ``every="auto"`` (one process): store each step the engine can take without
+    blocking training and record the others as light steps (metrics, sample indices, loss
+    fingerprint, rebuilt on demand by ``run.rebuild``), a stored step forced after
+    ``max_gap`` light ones. ``optimizer`` may be one optimizer, a list or a dict of them
+    (each holding other parameters: one step is an iteration in which each of them stepped;
+    each one's state is captured and resumed). The optimizers must hold the model's trainable
     parameters (``ConfigError`` otherwise; trainable ones left out warn with
     ``DsttWarning``).
 
@@ -117,6 +122,7 @@ def session(
     options = SessionOptions(
         run=run,
         every=every,
+        max_gap=max_gap,
         resume=resume,
         budget_bytes=budget_bytes,
         race_policy=race_policy,

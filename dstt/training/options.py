@@ -28,6 +28,7 @@ from .retention import check_policy
 
 __all__ = [
     "DEFAULT_BUDGET",
+    "DEFAULT_MAX_GAP",
     "DEFAULT_RANK_TIMEOUT",
     "DEFAULT_START_TIMEOUT",
     "CopyMode",
@@ -44,6 +45,8 @@ RunArg = str | os.PathLike[str] | Repository | Storage
 
 MiB = 1024 * 1024
 DEFAULT_BUDGET = 256 * MiB
+#: ``every="auto"``: at most this many light steps in a row (a rebuild replays at most this many)
+DEFAULT_MAX_GAP = 16
 DEFAULT_RANK_TIMEOUT = 600.0
 
 
@@ -57,7 +60,10 @@ class SessionOptions:
     """How a session captures a run (see :func:`dstt.session` for what each option does).
 
     ``run``: the run's directory, ``s3://`` URL, ``Repository`` or ``Storage``. ``every``:
-    capture every ``every``-th optimizer step. ``resume``: continue the run's latest commit.
+    capture every ``every``-th optimizer step, or ``"auto"``: every step the engine can take
+    without blocking training, the others recorded as *light* steps (metrics, sample indices,
+    loss fingerprint; rebuilt by replay), at most ``max_gap`` light steps in a row (one
+    process only). ``resume``: continue the run's latest commit.
     ``budget_bytes``: the host cache. ``race_policy``/``verify``: what an in-place write that
     races the copy does. ``error_policy``: how background errors surface. ``writers``: writer
     threads (default: one less than the cores, at most 4). ``max_backlog``: steps awaiting
@@ -69,7 +75,8 @@ class SessionOptions:
     """
 
     run: RunArg
-    every: int = 1
+    every: int | Literal["auto"] = 1
+    max_gap: int = DEFAULT_MAX_GAP
     resume: bool = False
     budget_bytes: int = DEFAULT_BUDGET
     race_policy: RacePolicy = "raise"
@@ -93,8 +100,13 @@ class SessionOptions:
             )
         if isinstance(run, str | os.PathLike) and not os.fspath(run):
             raise ConfigError("run must name a directory, e.g. run='runs/exp1'")
-        if not _positive_int(self.every):
-            raise ConfigError(f"every must be a positive int, got {self.every!r}")
+        if self.every != "auto" and not _positive_int(self.every):
+            raise ConfigError(f"every must be a positive int or 'auto', got {self.every!r}")
+        if not _positive_int(self.max_gap):
+            raise ConfigError(
+                f"max_gap must be a positive int (light steps between two stored ones), "
+                f"got {self.max_gap!r}"
+            )
         if self.race_policy not in ("raise", "recopy", "warn"):
             raise ConfigError(
                 f"race_policy must be 'raise', 'recopy' or 'warn', not {self.race_policy!r}"

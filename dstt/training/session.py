@@ -11,7 +11,9 @@ the last step; what each hook does is ``dstt.training.steps`` (``StepCapture``, 
 
 Metrics: ``s.log`` files each call under the step of its iteration, whichever side of
 ``optimizer.step()`` it sits (``dstt.training.metrics``); steps that are not captured hand
-their metrics to the next commit.
+their metrics to the next commit. With ``every="auto"`` the steps the engine was too busy to
+take are *light* steps: the next commit records them (``dstt.engine.light``), and
+``run.rebuild`` replays them from the stored step before.
 
 Background errors (disk full, ...) surface on the training thread at the next optimizer step
 (``error_policy="raise"``: ``CaptureError`` chained to the cause, before the step runs) or as a
@@ -138,7 +140,9 @@ class Session:
 
     @property
     def metrics(self) -> tuple[StepMetrics, ...]:
-        """Engine metrics of every finished (committed or dropped) step, oldest first."""
+        """Engine metrics of every finished (committed or dropped) step, oldest first, and of
+        every light step of ``every="auto"`` (``stored=False``), filed when the commit that
+        records it is sealed."""
         return self._pipeline.metrics if self._pipeline else ()
 
     @property

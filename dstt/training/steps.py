@@ -9,6 +9,11 @@
 * pre-step hook of step *k+1* → wait for step *k*'s copies (the only point that blocks
   training), run the version guard, then *seal* step *k*: hand it to the committer, which
   commits it with the metrics ``s.log`` attached once its chunks are on disk;
+* ``every="auto"``: the post-step hook stages step *k* only if the pipeline can take it
+  without blocking training (``Pipeline.can_take``: the backlog under ``max_backlog``, a free
+  host buffer), or after ``max_gap`` light steps in a row; otherwise step *k* is a *light*
+  step, and the next sealed commit carries the light steps before it as one
+  ``light/steps`` object (``dstt.engine.light``) next to their metrics and batches;
 * leaving the block seals and drains the last step, and commits the last optimizer step
   even where ``every`` did not select it (its step state was snapshotted after its optimizer
   step), so training never loses its end. An exception or ``KeyboardInterrupt`` inside the
@@ -34,6 +39,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from dstt.engine.light import LIGHT_OBJECT, light_record
 from dstt.errors import DsttError, RaceError
 
 from .checks import capture_error, warn_skipped
@@ -87,6 +93,8 @@ class StepCapture:
         self.tail: Mapping[str, Any] | None = None
         self.tail_ended = False
         self.sched_offset: int | None = None  # scheduler.last_epoch - step, at start
+        #: ``every="auto"``: light steps not yet recorded in a commit (``dstt.engine.light``)
+        self.light: list[int] = []
 
     def start(self, pipeline: Pipeline, log: MetricLog, retainer: RetentionRunner | None) -> None:
         """The session started (and restored ``step``): capture into ``pipeline`` from here."""
@@ -108,9 +116,11 @@ class StepCapture:
         self.in_step = False
         self.step += 1
         self.taken += 1
-        if self.step % self.options.every:
+        if not self._due():
             self.tail = self.state.step_state.objects()
             self.tail_ended = False
+            if self.options.every == "auto":
+                self.light.append(self.step)
             return
         self.tail = None
         assert self.pipeline is not None
@@ -129,6 +139,19 @@ class StepCapture:
         )
         self.last_staged = self.step
         self.keyframe_next = False
+
+    def _due(self) -> bool:
+        """Is the step just taken captured? ``every=N``: every N-th. ``every="auto"``: when the
+        engine can take it without blocking training (``Pipeline.can_take``), and always
+        after ``max_gap`` light steps in a row (then it may block: a rebuild never replays
+        more than ``max_gap`` steps)."""
+        every = self.options.every
+        if every != "auto":
+            return self.step % every == 0
+        assert self.pipeline is not None
+        if self.step - 1 - self.last_staged >= self.options.max_gap:
+            return True
+        return self.pipeline.can_take()
 
     def _tail_due(self, exc: BaseException | None) -> bool:
         """Does ``close`` commit the last step ``every`` skipped? Always on a clean exit; on
@@ -254,6 +277,15 @@ class StepCapture:
             f.add_metrics(own)
         if history is not None:
             boundary[METRICS_HISTORY_OBJECT] = history
+        light = [k for k in self.light if k < f.step]
+        if light:  # every="auto": the light steps since the last commit, with their losses
+            self.light = [k for k in self.light if k > f.step]
+            logged = dict(zip(history["steps"], history["metrics"], strict=True)) if history else {}
+            boundary[LIGHT_OBJECT] = light_record(light, logged.get)
+            for k in light:
+                pipe.record_light(k)
+        else:
+            self.light = [k for k in self.light if k > f.step]
         batches = self.batches.take(f.step)
         if batches is not None and self.writes_batches:
             boundary[BATCHES_OBJECT] = batches  # with several ranks: rank 0's batches, once

@@ -1,0 +1,73 @@
+"""Light steps (``every="auto"``): the record a step the engine did not store leaves behind.
+
+A light step is an optimizer step taken while the engine was busy (``Pipeline.can_take``
+said no): none of its tensors are written. What a rebuild needs beyond the stored step
+before it is already recorded for every step — its metrics (``metrics/history``) and its
+sample indices (``data/batches``) ride with the next commit — so the light record adds only
+which steps were light and each one's **loss fingerprint**: the exact bits of the ``loss``
+it logged (``s.log(loss=...)``) as 16 hex digits of a float64 (a float32 loss converts to it
+exactly), which a rebuild compares bit for bit with the loss it recomputes. The next stored
+commit carries the record of the light steps since the previous one as ONE object,
+:data:`LIGHT_OBJECT` (``{"steps": [k, ...], "loss": ["3fe0...", None, ...]}``), so a light
+step costs some tens of bytes in an existing file, never a file of its own.
+Rejected alternatives: a file per light step (the store's per-file costs, and a directory of
+thousands of tiny files); the loss as a decimal metric only (a rounded print of it would
+compare equal to a slightly different loss).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "LIGHT_OBJECT",
+    "LOSS_METRIC",
+    "light_record",
+    "loss_bits",
+    "loss_of",
+    "read_light",
+]
+
+#: the commit object listing the light steps before it (and their loss fingerprints)
+LIGHT_OBJECT = "light/steps"
+#: the metric whose value is a light step's loss fingerprint
+LOSS_METRIC = "loss"
+
+
+def loss_bits(value: object) -> str | None:
+    """The fingerprint of a logged loss: its float64 bits as 16 hex digits (None: no
+    number)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return struct.pack(">d", float(value)).hex()
+
+
+def loss_of(bits: str) -> float:
+    """The loss a fingerprint holds (inverse of :func:`loss_bits`)."""
+    out: float = struct.unpack(">d", bytes.fromhex(bits))[0]
+    return out
+
+
+def light_record(
+    steps: Sequence[int], metrics: Callable[[int], Mapping[str, Any] | None]
+) -> dict[str, Any]:
+    """The :data:`LIGHT_OBJECT` of ``steps``; ``metrics(k)`` gives what step ``k`` logged."""
+    losses = [loss_bits((metrics(k) or {}).get(LOSS_METRIC)) for k in steps]
+    return {"steps": [int(k) for k in steps], "loss": losses}
+
+
+def read_light(line: Iterable[Any], read: Callable[[Any, str], Any]) -> dict[int, str | None]:
+    """``{light step: its loss fingerprint or None}`` from the commits ``line`` (headers with
+    ``objects``), read with ``read(header, name)``."""
+    out: dict[int, str | None] = {}
+    for h in line:
+        if LIGHT_OBJECT not in getattr(h, "objects", ()):
+            continue
+        rec = read(h, LIGHT_OBJECT)
+        if not isinstance(rec, Mapping):
+            continue
+        for k, bits in zip(rec.get("steps", ()), rec.get("loss", ()), strict=False):
+            out[int(k)] = bits if isinstance(bits, str) else None
+    return out
