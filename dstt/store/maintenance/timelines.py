@@ -218,9 +218,12 @@ def _debris(r: Reader, name: str) -> set[int]:
 
 
 def _release(st: Storage, name: str, slots: set[int]) -> None:
-    """Durably record ``slots`` as abandoned with ``name``'s ref. An older record of the same
-    name is replaced, never merged: gc may have handed its slots to newer commits."""
+    """Durably record ``slots`` as abandoned with ``name``'s ref, with what an older record of
+    the same name (the name reused before gc swept it) released: gc deletes a record only once
+    it swept its slots, and never touches a slot a ref reaches."""
     key = f"{RELEASED_PREFIX}/{name}.json"
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        slots = slots | {int(x) for x in json.loads(st.read(key))["slots"]}
     st.write_durable(key, json.dumps({"timeline": name, "slots": sorted(slots)}).encode())
 
 

@@ -236,9 +236,10 @@ class Reader:
             ) from None
 
     def released(self) -> dict[str, set[int]]:
-        """Deleted timelines whose commits gc has not swept yet: name -> their slots (the
-        record ``delete_timeline`` writes before it deletes the ref). A record whose
-        timeline has a ref again (a delete cut short before the ref went) is ignored."""
+        """Deleted or renamed timelines whose commits gc has not swept yet: name -> their
+        slots (the record ``delete_timeline`` and ``rename_timeline`` write before the ref
+        goes). Every user skips the slots a ref reaches first, so a record whose name has a
+        ref again (reused, or a delete cut short before the ref went) releases nothing live."""
         st = self.storage
         out: dict[str, set[int]] = {}
         for name in st.list(RELEASED_PREFIX):
@@ -247,8 +248,7 @@ class Reader:
                 tl, slots = str(doc["timeline"]), {int(x) for x in doc["slots"]}
             except (OSError, ValueError, TypeError, KeyError):
                 continue  # unreadable: nothing is released by it
-            if tl not in self._refs:
-                out[tl] = slots
+            out[tl] = slots
         return out
 
     # -- headers and lineage --------------------------------------------------------------

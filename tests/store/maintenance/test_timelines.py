@@ -322,3 +322,35 @@ def test_a_renamed_then_deleted_timeline_is_not_taken_for_a_lost_one() -> None:
     repo.gc()
     assert not list(mem.list(RELEASED_PREFIX))
     assert repo.verify().ok
+
+
+def test_a_deleted_name_reused_before_gc_keeps_its_release() -> None:
+    """``b`` is deleted (cut before gc swept it), then another timeline is renamed to ``b``:
+    the commits the delete released stay released though the name has a ref again, and a
+    second delete of ``b`` adds to the record instead of replacing it."""
+    from ..commit.test_crash import CutAt, PowerCut
+
+    mem = MemoryStorage()
+    repo = Repository.create(mem)
+    with repo.writer(chunk_bytes=256) as w:
+        _commit_evolving(w, 0)
+        _commit_evolving(w, 1)
+    repo.rename_timeline("main", "b")
+    repo.rollback(0, timeline="b")
+    with pytest.raises(PowerCut):
+        Repository(CutAt(mem, 3)).delete_timeline("b")  # record and ref delete, no gc
+    mem = mem.crash()
+    repo = Repository.open(mem)
+    repo.rename_timeline("b-from-0", "b")
+    rep = repo.verify()
+    assert rep.ok, rep.problems
+    with repo.writer(chunk_bytes=256) as w:
+        _commit_evolving(w, 1, timeline="b")
+    repo.rollback(0, timeline="b")
+    with pytest.raises(PowerCut):
+        Repository(CutAt(Repository.open(mem).storage, 3)).delete_timeline("b")
+    rep = Repository.open(mem).verify()
+    assert rep.ok, rep.problems
+    Repository.open(mem).gc()
+    assert not list(mem.list(RELEASED_PREFIX))
+    assert Repository.open(mem).verify().ok
