@@ -42,6 +42,7 @@ __all__ = [
     "FILES_OBJECT",
     "IMPORT_OBJECT",
     "LAYOUT_OBJECT",
+    "LIGHT_OBJECT",
     "METRICS_HISTORY_OBJECT",
     "MODEL_KINDS",
     "OBJECT_NAMES",
@@ -110,6 +111,8 @@ ZERO_SCALARS_OBJECT: Final = "zero/scalars"
 EXTRA_OBJECT: Final = "extra"
 #: the skeletons of a DeepSpeed checkpoint's files, ``files/<id>``
 FILES_OBJECT: Final = "files"
+#: light steps (``every="auto"``) carried by the next stored commit: ``{"steps", "loss"}``
+LIGHT_OBJECT: Final = "light/steps"
 
 #: every declared object name, in the order they were added
 OBJECT_NAMES: tuple[str, ...] = (
@@ -131,6 +134,7 @@ OBJECT_NAMES: tuple[str, ...] = (
     ZERO_SCALARS_OBJECT,
     EXTRA_OBJECT,
     FILES_OBJECT,
+    LIGHT_OBJECT,
 )
 
 

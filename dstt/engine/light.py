@@ -21,6 +21,8 @@ import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from dstt import schema
+
 __all__ = [
     "LIGHT_OBJECT",
     "LOSS_METRIC",
@@ -31,7 +33,7 @@ __all__ = [
 ]
 
 #: the commit object listing the light steps before it (and their loss fingerprints)
-LIGHT_OBJECT = "light/steps"
+LIGHT_OBJECT = schema.LIGHT_OBJECT
 #: the metric whose value is a light step's loss fingerprint
 LOSS_METRIC = "loss"
 
