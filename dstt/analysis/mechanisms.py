@@ -76,7 +76,7 @@ MECHANISMS = (
 
 BAD_DATA_Z = 6.0  #: robust z-score of a sample's loss against its batch's median
 BAD_DATA_SHARE = 0.5  #: at most this share of the batch may be outliers (else: not "a few")
-BAD_DATA_FLOOR = 0.25  #: the batch's spread is floored at this share of its median loss
+BAD_DATA_FLOOR = 0.05  #: the batch's spread is floored at this share of its median loss
 UPDATE_Z = 4.0  #: robust z-score of a tensor's update ratio against its own baseline
 UPDATE_JUMP = 2.0  #: ... and at least this many times its baseline median
 UPDATE_SHARE = 0.5  #: the share of tensors that must jump at once
