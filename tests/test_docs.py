@@ -100,7 +100,7 @@ def test_the_lightning_examples_run_and_print_what_they_promise(
 #: a block whose first line starts so is not run, and says why (what the reader must supply)
 FRAGMENT = "# fragment:"
 #: the documents whose other blocks run, top to bottom as one script, in a fresh folder
-RUN_WHOLE = ("docs/quickstart.md",)
+RUN_WHOLE = ("docs/quickstart.md", "docs/diagnosis.md")
 #: documents whose complete blocks tests run (one test per block, in the document's order)
 RUN_BY_TEST: dict[str, tuple[str, ...]] = {
     "docs/format.md": ("test_the_plain_zarr_reader_in_the_format_doc_reads_a_step",),

@@ -1,5 +1,5 @@
 """``dstt``: the command line over a run (``ls log show diff verify index rollback timeline
-gc export replay import virtual``).
+gc export replay import virtual explain``).
 
 Thin by design: argparse, one call into :mod:`dstt.run` (or the store behind it), printing.
 
@@ -11,7 +11,8 @@ Thin by design: argparse, one call into :mod:`dstt.run` (or the store behind it)
 * ``changes``  — the commands that change it: rollback, the timeline group, gc;
 * ``replay``   — re-executing a step from the user's script;
 * ``imports``  — ``dstt import``: checkpoints other tools wrote, as steps of a run;
-* ``virtual``  — ``dstt virtual``: a timeline as one virtual Zarr store (references).
+* ``virtual``  — ``dstt virtual``: a timeline as one virtual Zarr store (references);
+* ``explain``  — ``dstt explain``: why the loss spiked (``run.explain``).
 
 Nothing in dstt imports this package; it sits above the run, inspection and the integrations
 (``dstt import``). ``python -m dstt.cli`` runs ``main`` (``__main__``). Commands that print no

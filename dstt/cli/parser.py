@@ -30,6 +30,7 @@ from .common import (
     EXIT_RUN,
     _Parser,
 )
+from .explain import add_explain
 from .imports import add_import
 from .inspect import (
     cmd_diff,
@@ -377,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     timeline(sp)
     add_import(sub, common)
     add_virtual(sub, common)
+    add_explain(sub, common)
     return p
 
 

@@ -294,6 +294,20 @@ class Spike:
     ratios: dict[str, float] = field(default_factory=dict)
     batches: dict[int, list[Any]] = field(default_factory=dict)
     suspect: str | None = None
+    #: ``run.explain`` of the run that found it (set by ``run.spikes()``; see :meth:`explain`)
+    explainer: Callable[..., Any] | None = field(default=None, repr=False, compare=False)
+
+    def explain(self, **kwargs: Any) -> Any:
+        """Why this spike happened: ``run.explain(self, **kwargs)`` of the run that found it
+        (:mod:`dstt.run.explain`)."""
+        if self.explainer is None:
+            from dstt.errors import ConfigError
+
+            raise ConfigError(
+                "this Spike was not found by run.spikes(), so it knows no run: "
+                "call run.explain(spike) instead"
+            )
+        return self.explainer(self, **kwargs)
 
     @property
     def suspect_steps(self) -> list[int]:

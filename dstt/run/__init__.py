@@ -8,7 +8,10 @@
 * ``metrics``   — ``Metrics``: what ``Run.metrics()`` returns, the index's metric columns in
   numpy, an xarray ``Dataset`` built only when asked for;
 * ``diagnose``  — ``RunDiagnostics``, held by a ``Run``: spike causes, data attribution,
-  first non-finite values, divergence, ``Diagnosis``; it sees its run through ``DiagnosedRun``.
+  first non-finite values, divergence, ``Diagnosis``; it sees its run through ``DiagnosedRun``;
+* ``explain``   — ``explain_spike`` (``Run.explain``, ``Spike.explain``) and ``Explanation``:
+  each spike mechanism of ``dstt.analysis.mechanisms`` checked on what the run stores (and
+  replay recomputes), ranked.
 
 Everything here reads through ``dstt.store`` and ``dstt.inspect``; the plots, the widgets and
 the CLI sit above it, and nothing in the store, the engine, the session or ``dstt.inspect``

@@ -17,6 +17,7 @@ every attribute access — steps would change between two cells that the user re
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 from collections.abc import Callable, Iterable, Mapping
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
     from dstt.inspect.diagnose import Divergence, NonFinite
     from dstt.inspect.summaries import Spike
+    from dstt.run.explain import Explanation
     from dstt.run.snapshot import Snapshot
     from dstt.store import CommitHeader, Reader
 
@@ -360,8 +362,37 @@ class Run:
         Open the bad update in
         a widget with ``dstt.widgets.scrubber(run, spike=sp)`` or ``compare(run, spike=sp)``.
         """
-        return self._diagnostics.spikes(
+        found = self._diagnostics.spikes(
             metric, window=window, z=z, around=around, top=top, baseline=baseline, timeline=timeline
+        )
+        return [dataclasses.replace(s, explainer=self.explain) for s in found]
+
+    def explain(
+        self,
+        spike: Spike | int | None = None,
+        *,
+        replay: Mapping[str, Any] | None = None,
+        metric: str = "loss",
+        lookback: int = 20,
+        heads: int | None = None,
+        timeline: str | None = None,
+    ) -> Explanation:
+        """Why ``spike`` (a ``Spike``, its first step, or None: the largest spike, else the
+        first non-finite loss) happened: each mechanism of :mod:`dstt.analysis.mechanisms`
+        checked, ranked, with its evidence and what it read (:mod:`dstt.run.explain`).
+        ``replay`` (``run.replay``'s keywords as a dict: ``model``, ``optimizer``,
+        ``dataset``, ``loss_fn``, ... or ``trainer``) enables the checks that recompute;
+        without it they are ``unknown``. ``heads``: attention heads per layer."""
+        from .explain import explain_spike
+
+        return explain_spike(
+            self,
+            spike,
+            replay=replay,
+            metric=metric,
+            lookback=lookback,
+            heads=heads,
+            timeline=timeline,
         )
 
     def replay(

@@ -5,7 +5,8 @@ it reads "replay the spike at step k"; elsewhere "replay step k". A click re-exe
 from the commit before it (:meth:`dstt.Run.replay`: bit-exact against its commit, nothing
 written to the run) and shows what happened inside it: the tensors with the largest gradient
 norms as bars, and the worst samples of the batch (dataset index, micro-batch, loss) as a
-table, under a line that says whether the replay was faithful.
+table, under a line that says whether the replay was faithful; for a spike, below them, why
+it happened (:meth:`dstt.Run.explain`'s ranked mechanisms, with the panel's replay objects).
 
 ``replay`` is either the keyword arguments of :meth:`dstt.Run.replay` (``model``,
 ``optimizer``, ``scheduler``, ``dataset``/``batches``, ``loss_fn``, …: the objects a replay
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 
     from dstt.inspect.replay import Replay
     from dstt.inspect.summaries import Spike
+    from dstt.run.explain import Explanation
 
     from .model import ScrubberModel
 
@@ -83,8 +85,14 @@ class ReplayPanel:
         self.image.add_class("dstt-view-replay")
         self.table = w.HTML()
         self.table.add_class("dstt-replay-samples")
+        #: why the spike happened (``run.explain``), shown after a spike's replay
+        self.explanation: Explanation | None = None
+        self.why = w.HTML()
+        self.why.add_class("dstt-replay-explain")
         self.button.on_click(lambda _: self.run())
-        self.widget = w.VBox([w.HBox([self.button, self.status]), w.HBox([self.image, self.table])])
+        self.widget = w.VBox(
+            [w.HBox([self.button, self.status]), w.HBox([self.image, self.table]), self.why]
+        )
         self.update()
 
     def target(self) -> int | Spike:
@@ -121,7 +129,27 @@ class ReplayPanel:
             return None
         self.error, self.result = None, result
         self.show(result)
+        self.explain(t)
         return result
+
+    def explain(self, target: int | Spike) -> None:
+        """Under a spike's replay, why it happened (:meth:`dstt.Run.explain`, with the
+        panel's replay objects when they are keyword arguments); nothing for a plain step."""
+        self.explanation, self.why.value = None, ""
+        if isinstance(target, int):
+            return
+        replay = self.replay_with if isinstance(self.replay_with, Mapping) else None
+        try:
+            self.explanation = self.model.run.explain(
+                target, replay=replay, timeline=self.model.timeline
+            )
+        except Exception as e:  # shown, as a replay's failure is: the panel stays usable
+            self.why.value = (
+                f"<span style='color:#b00'>explain failed: "
+                f"{html.escape(f'{type(e).__name__}: {e}')}</span>"
+            )
+            return
+        self.why.value = self.explanation._repr_html_()
 
     def show(self, result: Replay) -> None:
         """Draw a ``Replay``: faithful line, gradient-norm bars, worst-samples table."""

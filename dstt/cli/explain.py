@@ -1,0 +1,73 @@
+"""``dstt explain [--step K]``: why a loss spiked — each mechanism checked, ranked, with its
+evidence (:meth:`dstt.Run.explain`, stored-state checks only: replay needs the user's model
+and data, which a command line does not have).
+
+Thin, as every command: parse → :meth:`dstt.Run.explain` → print. Exit codes: 0 explained,
+2 bad input (not a run, no spike and no step given, a step not on the timeline).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, TypeVar
+
+from .common import EXIT_OK, _emit, _resolve_run
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+__all__ = ["add_explain", "cmd_explain"]
+
+_P = TypeVar("_P", bound=argparse.ArgumentParser)
+
+
+def add_explain(sub: argparse._SubParsersAction[_P], common: _P) -> None:
+    """The ``explain`` subcommand's parser."""
+    what = (
+        "why the loss spiked at a step: each mechanism (bad data, update too large, "
+        "attention logit growth, Adam's second moment, numerics) checked and ranked"
+    )
+    sp = sub.add_parser("explain", parents=[common], help=what, description=what)
+    sp.set_defaults(func=cmd_explain)
+    sp.add_argument(
+        "path", nargs="?", metavar="RUN", help="the run, or a folder inside it (same as --run)"
+    )
+    sp.add_argument(
+        "--step",
+        type=int,
+        metavar="K",
+        help="the spike's first step (default: the largest spike, else the first NaN loss)",
+    )
+    sp.add_argument("--metric", default="loss", help="the metric that spiked (default: loss)")
+    sp.add_argument("--heads", type=int, help="attention heads per layer (default: unknown)")
+    sp.add_argument("--timeline", help="timeline to read (default: the current one)")
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    run = _resolve_run(args)
+    ex = run.explain(args.step, metric=args.metric, heads=args.heads, timeline=args.timeline)
+    doc = {
+        "step": ex.step,
+        "cause": ex.cause,
+        "parent": ex.parent,
+        "timeline": ex.timeline,
+        "seconds": ex.seconds,
+        "findings": [
+            {
+                "mechanism": f.mechanism,
+                "verdict": f.verdict,
+                "score": f.score,
+                "points_at": list(f.points_at),
+                "hint": f.hint,
+                "evidence": f.evidence,
+                "read": list(f.read),
+            }
+            for f in ex.findings
+        ],
+    }
+
+    def text() -> Iterator[str]:
+        yield from str(ex).splitlines()
+
+    _emit(args, doc, text)
+    return EXIT_OK
