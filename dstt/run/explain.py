@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dstt import schema
 from dstt.analysis.mechanisms import (
     LIKELY,
     UNKNOWN,
@@ -436,7 +437,7 @@ class _Context:
 def _beta2(snap: Any) -> dict[str, float]:
     """β₂ per parameter name from the stored ``param_groups`` (empty: not Adam-like)."""
     out: dict[str, float] = {}
-    for obj in [o for o in snap.objects if o.startswith("optim/param_groups")]:
+    for obj in [o for o in snap.objects if o.startswith(schema.OPTIM_GROUPS_OBJECT)]:
         try:
             groups = snap.object(obj)
         except DsttError:
