@@ -189,3 +189,40 @@ def test_metrics_dataset_is_built_when_asked(run_dir: Path) -> None:
     assert m["acc"].sel(step=2).item() == 0.5
     assert m.to_xarray()["step"].values.tolist() == [1, 2, 3]
     assert list(m.data_vars) == ["acc"]
+
+
+def test_light_steps_are_found_from_the_index_bytes(tmp_path: Path) -> None:
+    """``dstt log`` finds every="auto"'s light records by searching the index's header bytes
+    (no header parsed per step): every commit carrying one is found, indexed or not, and
+    none without one is read."""
+    import dstt
+    from dstt.engine.light import LIGHT_OBJECT
+
+    path = tmp_path / "run"
+    carriers = {5: [3, 4], 9: [8], 12: [10, 11]}
+    repo = Repository.create(path)
+    with repo.writer() as w:
+        for step in (*range(0, 3), 5, 6, 7, 9):
+            txn = w.begin(step)
+            txn.declare("params/w", "float32", (2,))
+            txn.put_chunk("params/w", 0, np.zeros(2, np.float32).view(np.uint8))
+            if step in carriers:
+                txn.put_object(LIGHT_OBJECT, {"steps": carriers[step], "loss": [None] * 9})
+            # steps 0-2 have the name in a metric's text: their bytes match too
+            txn.commit({"loss": 1.0, **({"note": "light/steps"} if step < 3 else {})})
+    repo.reindex()  # as `dstt index`: every commit so far is a row of the index
+    run = dstt.open(path)
+    assert {int(h.slot) for h in run.commits()} == set(run.reader.index.rows)
+    assert run.reader.index.slots_mentioning(b'"light/steps"')  # read from the index
+    with repo.writer() as w:  # a tail commit the index may not have yet
+        txn = w.begin(12)
+        txn.put_object(LIGHT_OBJECT, {"steps": carriers[12], "loss": [None, None]})
+        txn.commit({"loss": 1.0})
+    run = dstt.open(path)
+    line = run.commits()
+    got = run.reader.carrying(line, LIGHT_OBJECT)
+    assert {h.step for h in got} >= set(carriers)
+    # 0-2: the metric's text matches the bytes (a harmless superset: read_light checks each
+    # one's objects); 6 and 7 are not read at all
+    assert {h.step for h in got} == {*carriers, 0, 1, 2}
+    assert sorted(run.light_steps()) == [3, 4, 8, 10, 11]
