@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from .model import ScrubberModel
 
-__all__ = ["FigureView", "draw_change", "draw_loss", "draw_shown"]
+__all__ = ["FigureView", "draw_change", "draw_loss", "draw_shown", "move_cursor"]
 
 TOP_BARS = 24
 
@@ -102,6 +102,30 @@ def draw_loss(ax: Axes, model: ScrubberModel) -> dict[str, Any]:
         out["reference"] = ax.axvline(ref, color="tab:green", ls=":", lw=1.2)
     ax.set_title(f"{model.metric} · step {model.step}", fontsize="medium")
     return out
+
+
+def move_cursor(view: FigureView, model: ScrubberModel) -> bool:
+    """Move the loss view's cursor (line, point, title) to the model's step in place — the
+    curves, spikes, axes and their ticks stay, so a step change neither rebuilds the axes nor
+    lays out new ticks (most of a frame's cost). False: nothing to move, redraw the view."""
+    a, ax = view.artists, view.ax
+    cursor = a.get("cursor")
+    if cursor is None or ax is None or model.metric is None:
+        return False
+    cursor.set_xdata([model.step, model.step])
+    old = a.pop("point", None)
+    if old is not None:
+        old.remove()
+    ds = model.metrics
+    hit = np.flatnonzero(ds["step"].values == model.step)
+    if hit.size:
+        limits = ax.get_xlim(), ax.get_ylim()
+        y = float(ds[model.metric].values[hit[0]])
+        (a["point"],) = ax.plot([model.step], [y], "o", color="0.1", ms=6, zorder=5)
+        ax.set_xlim(*limits[0])
+        ax.set_ylim(*limits[1])
+    ax.set_title(f"{model.metric} · step {model.step}", fontsize="medium")
+    return True
 
 
 def draw_shown(ax: Axes, model: ScrubberModel) -> dict[str, Any]:

@@ -86,6 +86,29 @@ def test_moving_the_slider_updates_model_label_and_views(run: Any) -> None:
     )
 
 
+def test_a_step_change_moves_the_loss_cursor_in_place(run: Any) -> None:
+    """A step change keeps the loss view's axes (its curves and ticks) and moves only the
+    cursor, the point and the title; pinning a reference draws the view anew."""
+    s = scrub(run)
+    view = s.views["loss"]
+    ax, lines, limits = view.ax, view.artists["lines"], (view.ax.get_xlim(), view.ax.get_ylim())
+    before = bytes(s.images["loss"].value)
+    for step in (5, 12, 7):
+        s.slider.value = step
+        assert view.ax is ax
+        assert view.artists["lines"] is lines
+        assert list(view.artists["cursor"].get_xdata()) == [step, step]
+        points = [ln for ln in ax.lines if ln.get_marker() == "o" and len(ln.get_xdata()) == 1]
+        assert points == [view.artists["point"]]  # the old point is gone
+        assert view.artists["point"].get_ydata()[0] == pytest.approx(loss_at(step))
+        assert ax.get_title() == f"loss · step {step}"
+        assert (ax.get_xlim(), ax.get_ylim()) == limits
+    assert bytes(s.images["loss"].value) != before  # the shown PNG follows
+    s.pin_button.click()
+    assert view.ax is not ax  # a reference line: drawn anew
+    assert view.artists["reference"].get_xdata()[0] == 7
+
+
 def test_spike_is_marked_and_labelled(run: Any) -> None:
     s = scrub(run)
     offsets = s.views["loss"].artists["spikes"].get_offsets()
