@@ -25,7 +25,7 @@ from dstt._optional import require
 
 from .model import Mode, ScrubberModel
 from .replay_panel import ReplayPanel, ReplayWith
-from .views import FigureView, draw_change, draw_loss, draw_shown, move_cursor
+from .views import FigureView, draw_change, draw_loss, draw_shown, move_cursor, update_shown
 
 if TYPE_CHECKING:
     pass
@@ -214,6 +214,9 @@ class Scrubber:
         if moved and move_cursor(self.views["loss"], m):
             self.images["loss"].value = self.views["loss"].png()
             which.discard("loss")
+        if changed == {"step"} and update_shown(self.views["tensor"], m):  # same tensor
+            self.images["tensor"].value = self.views["tensor"].png()
+            which.discard("tensor")
         self._redraw(which)
 
     def _redraw(self, which: set[str]) -> None:

@@ -109,6 +109,32 @@ def test_a_step_change_moves_the_loss_cursor_in_place(run: Any) -> None:
     assert view.artists["reference"].get_xdata()[0] == 7
 
 
+@pytest.mark.parametrize("mode", ["values", "change"])
+def test_a_step_change_updates_the_heatmap_in_place(run: Any, mode: str) -> None:
+    """The same tensor at another step: the heatmap's data and colour limits change, its axes
+    and colorbar stay (no new ticks to lay out); another tensor draws the view anew."""
+    s = scrub(run, tensor="layers.0.attn.weight", mode=mode)
+    view = s.views["tensor"]
+    ax, image, bar = view.ax, view.artists["image"], view.artists["colorbar"]
+    for step in (5, 12):
+        s.slider.value = step
+        assert view.ax is ax
+        assert view.artists["image"] is image
+        assert view.artists["colorbar"] is bar
+        want = values(run, step, "layers.0.attn.weight").astype(np.float64)
+        if mode == "change":
+            want = want - values(run, s.model.steps[s.model.index - 1], "layers.0.attn.weight")
+        np.testing.assert_allclose(image.get_array(), want, rtol=1e-6)
+        lo, hi = image.get_clim()
+        if mode == "change":
+            assert (lo, hi) == pytest.approx((-np.abs(want).max(), np.abs(want).max()))
+        else:
+            assert (lo, hi) == pytest.approx((want.min(), want.max()))
+        assert ax.get_title() == s.model.shown()[1]  # the step's own title
+    s.tensor_picker.value = "emb.weight"
+    assert view.ax is not ax
+
+
 def test_spike_is_marked_and_labelled(run: Any) -> None:
     s = scrub(run)
     offsets = s.views["loss"].artists["spikes"].get_offsets()
