@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dstt.store import save
+from dstt.store import Repository, save
 
 HEAVY = ("xarray", "pandas", "torch", "matplotlib", "scipy", "zarr", "numcodecs")
 CODE = f"""
@@ -63,6 +63,81 @@ def test_listing_commands_import_no_array_library(run_dir: Path, argv: list[str]
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.splitlines()[-1])
     assert got == {"code": 0, "heavy": []}, (argv, got)
+
+
+SUMMARY_FIELDS = ("l2", "rms", "maxabs", "nan", "inf", "update_l2", "update_ratio")
+
+
+@pytest.fixture(scope="module")
+def spiky_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """40 commits with write-time summaries (a ``summaries`` object, as a session writes) and
+    a loss spike at step 30 whose cause update moved one tensor 50x its baseline: ``dstt log``
+    explains the spike from the summaries, ``dstt show`` prints a step's."""
+    path = tmp_path_factory.mktemp("spiky") / "run"
+    rng = np.random.default_rng(0)
+    paths = [f"params/layers/{i}/weight" for i in range(4)]
+    with Repository.create(path).writer() as w:
+        for step in range(40):
+            txn = w.begin(step)
+            for p in paths:
+                txn.declare(p, "float32", (2, 2))
+                txn.put_chunk(p, 0, np.full(4, step, np.float32).view(np.uint8))
+            cols: dict[str, object] = {"columns": 1, "path": paths}
+            for f in SUMMARY_FIELDS:
+                cols[f] = 1.0 + 0.01 * rng.random(len(paths))
+            if step == 29:  # the cause of the spike at 30: layers.2 moved 50x its usual
+                cols["update_ratio"] = np.array([1.0, 1.0, 50.0, 1.0])
+            cols["probe"] = rng.standard_normal((len(paths), 16))
+            cols["probe_len"] = np.full(len(paths), 16)
+            txn.put_object("summaries", cols)
+            loss = 2.0 + 0.01 * rng.standard_normal() + (5.0 if step == 30 else 0.0)
+            txn.commit({"loss": float(loss)})
+    return path
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["log"], ["log", "-n", "20", "--json"], ["show", "--step", "29"], ["show", "--step", "3"]],
+)
+def test_log_and_show_import_no_array_library(spiky_run: Path, argv: list[str]) -> None:
+    """``dstt log`` ranks the spike's tensors and ``dstt show`` prints a step's summaries from
+    the index's numpy columns: neither imports xarray (nor torch, through ``dstt.engine``)."""
+    out = subprocess.run(
+        [sys.executable, "-c", CODE, *argv, str(spiky_run)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got == {"code": 0, "heavy": []}, (argv, got)
+    if argv == ["log"]:  # the spike was found and explained (the summaries were read)
+        assert "loss spike" in out.stdout
+        assert "suspect update" in out.stdout
+    if argv[:2] == ["show", "--step"]:
+        assert "layers.2" in out.stdout
+
+
+def test_spike_ranking_from_columns_matches_the_dataset(spiky_run: Path) -> None:
+    """The numpy columns rank a step's update as the ``summaries()`` Dataset does."""
+    import dstt
+    from dstt.inspect.diagnose import rank_by_baseline
+    from dstt.inspect.indexed import summary_columns
+
+    run = dstt.open(spiky_run)
+    cols = summary_columns(run.reader.scalar_rows(run.commits()))
+    ds = run.summaries()
+    assert cols.sizes == {"step": 40, "tensor": 4}
+    for name in ("l2", "update_ratio", "update_exact", "probe"):
+        np.testing.assert_array_equal(cols[name].values, ds[name].values)
+    assert cols["tensor"].values.tolist() == ds["tensor"].values.tolist()
+    ranked = rank_by_baseline(cols, 29)
+    assert ranked == rank_by_baseline(ds, 29)
+    assert ranked[0][0] == "layers.2.weight"
+    (spike,) = run.spikes("loss", top=3)
+    assert spike.cause == 29
+    assert spike.suspect == "update"
+    assert spike.tensors[0][0] == "layers.2.weight"
 
 
 API = {
@@ -114,3 +189,40 @@ def test_metrics_dataset_is_built_when_asked(run_dir: Path) -> None:
     assert m["acc"].sel(step=2).item() == 0.5
     assert m.to_xarray()["step"].values.tolist() == [1, 2, 3]
     assert list(m.data_vars) == ["acc"]
+
+
+def test_light_steps_are_found_from_the_index_bytes(tmp_path: Path) -> None:
+    """``dstt log`` finds every="auto"'s light records by searching the index's header bytes
+    (no header parsed per step): every commit carrying one is found, indexed or not, and
+    none without one is read."""
+    import dstt
+    from dstt.engine.light import LIGHT_OBJECT
+
+    path = tmp_path / "run"
+    carriers = {5: [3, 4], 9: [8], 12: [10, 11]}
+    repo = Repository.create(path)
+    with repo.writer() as w:
+        for step in (*range(0, 3), 5, 6, 7, 9):
+            txn = w.begin(step)
+            txn.declare("params/w", "float32", (2,))
+            txn.put_chunk("params/w", 0, np.zeros(2, np.float32).view(np.uint8))
+            if step in carriers:
+                txn.put_object(LIGHT_OBJECT, {"steps": carriers[step], "loss": [None] * 9})
+            # steps 0-2 have the name in a metric's text: their bytes match too
+            txn.commit({"loss": 1.0, **({"note": "light/steps"} if step < 3 else {})})
+    repo.reindex()  # as `dstt index`: every commit so far is a row of the index
+    run = dstt.open(path)
+    assert {int(h.slot) for h in run.commits()} == set(run.reader.index.rows)
+    assert run.reader.index.slots_mentioning(b'"light/steps"')  # read from the index
+    with repo.writer() as w:  # a tail commit the index may not have yet
+        txn = w.begin(12)
+        txn.put_object(LIGHT_OBJECT, {"steps": carriers[12], "loss": [None, None]})
+        txn.commit({"loss": 1.0})
+    run = dstt.open(path)
+    line = run.commits()
+    got = run.reader.carrying(line, LIGHT_OBJECT)
+    assert {h.step for h in got} >= set(carriers)
+    # 0-2: the metric's text matches the bytes (a harmless superset: read_light checks each
+    # one's objects); 6 and 7 are not read at all
+    assert {h.step for h in got} == {*carriers, 0, 1, 2}
+    assert sorted(run.light_steps()) == [3, 4, 8, 10, 11]

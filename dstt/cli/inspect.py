@@ -182,9 +182,10 @@ def _visible(snap: Any, optim: bool) -> list[str]:
 def _summary_of(run: Any, snap: Any) -> dict[str, tuple[float | None, float | None, bool]]:
     """``{canonical path: (l2, update ratio, exact)}`` from the step's write-time summaries
     (if any)."""
+    from dstt.inspect.indexed import summary_columns  # numpy columns: no xarray
     from dstt.inspect.naming import canonical_path
 
-    ds = run.summaries(snap.step, timeline=snap.timeline)
+    ds = summary_columns(run.reader.scalar_rows([snap.header]))
     if ds.sizes.get("step", 0) == 0:
         return {}
 

@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 
     import xarray as xr
 
+    from .indexed import SummaryColumns
+
 __all__ = [
     "Divergence",
     "NonFinite",
@@ -70,7 +72,11 @@ __all__ = [
 
 
 def rank_by_baseline(
-    summaries: xr.Dataset, step: int, *, window: int = 20, min_periods: int = 3
+    summaries: xr.Dataset | SummaryColumns,
+    step: int,
+    *,
+    window: int = 20,
+    min_periods: int = 3,
 ) -> list[tuple[str, float, float]]:
     """``(tensor, robust z, update ratio)`` of the update into ``step`` (a commit in
     ``summaries``), most abnormal first by the module's baseline rule: z >= 0 descending,

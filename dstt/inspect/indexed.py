@@ -8,15 +8,20 @@ one a list of headers gives) and adds a ``pruned`` coordinate; :func:`summaries_
 builds the ``summaries()`` Dataset straight from the float64 matrices (the per-step dicts of
 ``summaries_dataset`` cost seconds at 10,000 steps). Rejected alternative: reading each
 commit's ``summaries`` object — one read and one JSON parse per step, and gone after gc.
+
+:func:`summary_columns` is the same table as plain numpy columns (:class:`SummaryColumns`,
+answering the ``ds["var"].values`` / ``ds.sizes`` a Dataset would): what ``dstt show``, ``dstt
+log`` and the spike ranking read, so a command that only reads the index never imports xarray
+(~0.5 s cold). Rejected alternative: a Dataset everywhere — the import alone breaks the CLI's
+0.3 s budget.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xarray as xr
 
 from dstt.store import SUMMARY_SCALARS, RowSet
 
@@ -28,7 +33,10 @@ from .summaries import (
     tensor_names,
 )
 
-__all__ = ["metrics_from_rows", "summaries_from_rows"]
+if TYPE_CHECKING:
+    import xarray as xr
+
+__all__ = ["SummaryColumns", "metrics_from_rows", "summaries_from_rows", "summary_columns"]
 
 
 @dataclass
@@ -73,9 +81,40 @@ def metrics_from_rows(rows: RowSet) -> xr.Dataset:
     return ds.assign_coords(pruned=("step", pruned))
 
 
-def summaries_from_rows(rows: RowSet) -> xr.Dataset:
-    """The ``summaries()`` Dataset of the rows that have summaries (see
-    :func:`dstt.inspect.summaries.summaries_dataset` for the variables), plus ``pruned``."""
+class _Values:
+    """One column, as ``ds[name]`` answers ``.values``."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+
+
+@dataclass
+class SummaryColumns:
+    """The ``summaries()`` table as numpy: ``data`` (``l2``, ``update_ratio``, ...: step x
+    tensor; ``probe``: step x tensor x probe), ``coords`` (``step``, ``slot``, ``timeline``,
+    ``time`` in seconds, ``pruned``: per step; ``tensor``, ``store_path``: per tensor).
+    ``cols["l2"].values`` and ``cols.sizes`` answer as a Dataset's would."""
+
+    data: dict[str, np.ndarray]
+    coords: dict[str, np.ndarray]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"step": len(self.coords["step"]), "tensor": len(self.coords["tensor"])}
+
+    def __getitem__(self, name: str) -> _Values:
+        got = self.data.get(name)
+        return _Values(self.coords[name] if got is None else got)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.data or name in self.coords
+
+
+def summary_columns(rows: RowSet) -> SummaryColumns:
+    """The rows that have summaries as :class:`SummaryColumns` (no xarray): a step met twice
+    along the lineage keeps its later row; tensors no kept row summarized are left out."""
     has = np.flatnonzero(rows.s_has.astype(bool))
     # ``step`` stays a unique index: a step met twice along the lineage keeps its later row
     last: dict[int, int] = {int(rows.step[i]): int(i) for i in has}
@@ -95,22 +134,39 @@ def summaries_from_rows(rows: RowSet) -> xr.Dataset:
     width = probe.shape[2]
     while width and np.all(np.isnan(probe[:, :, width - 1])):
         width -= 1
-    probe = probe[:, :, :width].astype(np.float64)
     paths = [rows.s_paths[j] for j in cols]
-    data: dict[str, Any] = {
-        f: (("step", "tensor"), val[:, :, k]) for k, f in enumerate(SUMMARY_SCALARS)
+    data = {f: val[:, :, k] for k, f in enumerate(SUMMARY_SCALARS)}
+    data["update_exact"] = exact.astype(bool)
+    data["probe"] = probe[:, :, :width].astype(np.float64)
+    coords = {
+        "step": rows.step[keep].astype(np.int64),
+        "slot": rows.slot[keep].astype(np.int64),
+        "timeline": np.array([rows.timelines[int(t)] for t in rows.timeline[keep]], dtype=object),
+        "time": rows.time[keep].astype(np.float64),
+        "pruned": rows.pruned[keep].astype(bool),
+        "tensor": tensor_names(paths),
+        "store_path": np.array(paths, dtype=object),
     }
-    data["update_exact"] = (("step", "tensor"), exact.astype(bool))
-    data["probe"] = (("step", "tensor", "probe_index"), probe)
+    return SummaryColumns(data, coords)
+
+
+def summaries_from_rows(rows: RowSet) -> xr.Dataset:
+    """The ``summaries()`` Dataset of the rows that have summaries (see
+    :func:`dstt.inspect.summaries.summaries_dataset` for the variables), plus ``pruned``."""
+    import xarray as xr
+
+    t = summary_columns(rows)
+    c = t.coords
+    data: dict[str, Any] = {
+        k: (("step", "tensor", "probe_index") if k == "probe" else ("step", "tensor"), v)
+        for k, v in t.data.items()
+    }
     coords = {
         **step_coords(
-            rows.step[keep].tolist(),
-            rows.slot[keep].tolist(),
-            [rows.timelines[int(t)] for t in rows.timeline[keep]],
-            rows.time[keep].tolist(),
+            c["step"].tolist(), c["slot"].tolist(), c["timeline"].tolist(), c["time"].tolist()
         ),
-        "tensor": ("tensor", tensor_names(paths)),
-        "store_path": ("tensor", np.array(paths, dtype=object)),
-        "pruned": ("step", rows.pruned[keep].astype(bool)),
+        "tensor": ("tensor", c["tensor"]),
+        "store_path": ("tensor", c["store_path"]),
+        "pruned": ("step", c["pruned"]),
     }
     return label_updates(xr.Dataset(data, coords=coords))

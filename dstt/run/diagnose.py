@@ -197,7 +197,9 @@ class RunDiagnostics:
             i = steps.index(cause)
             windows.append(steps[max(0, i - around) : i + around + 1])
             need.update(steps[max(0, i - around - baseline) : i + around + 1])
-        sums = self.run.summaries(sorted(need), timeline=name)  # only these commits are read
+        from dstt.inspect.indexed import summary_columns  # numpy: no xarray for `dstt log`
+
+        sums = summary_columns(self.run.reader.scalar_rows([h for h in line if h.step in need]))
         out = []
         for (s, v, zi, mu, sd, start), (parent, cause), w in zip(
             found, causes, windows, strict=True

@@ -216,10 +216,11 @@ class Run:
         float64 bits in hex (None: no loss logged). ``run.rebuild(k, ...)`` rebuilds one."""
         name = timeline or self.timeline
         if name not in self._light:
-            from dstt.engine.light import read_light
+            from dstt.engine.light import LIGHT_OBJECT, read_light
 
             stored = {h.step for h in self.commits(name)}
-            found = read_light(self.commits(name), self._reader.read_object)
+            carrying = self._reader.carrying(self.commits(name), LIGHT_OBJECT)
+            found = read_light(carrying, self._reader.read_object)
             self._light[name] = {k: v for k, v in sorted(found.items()) if k not in stored}
         return self._light[name]
 

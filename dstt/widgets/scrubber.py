@@ -25,7 +25,7 @@ from dstt._optional import require
 
 from .model import Mode, ScrubberModel
 from .replay_panel import ReplayPanel, ReplayWith
-from .views import FigureView, draw_change, draw_loss, draw_shown
+from .views import FigureView, draw_change, draw_loss, draw_shown, move_cursor, update_shown
 
 if TYPE_CHECKING:
     pass
@@ -208,7 +208,16 @@ class Scrubber:
                 self.mode_picker.value = m.mode
         finally:
             self._syncing = False
-        self._redraw(set().union(*(_REDRAW.get(c, set()) for c in changed)))
+        which = set().union(*(_REDRAW.get(c, set()) for c in changed))
+        # a step change (its tensor may follow) moves only the loss view's cursor
+        moved = changed <= {"step", "tensor"} and "step" in changed
+        if moved and move_cursor(self.views["loss"], m):
+            self.images["loss"].value = self.views["loss"].png()
+            which.discard("loss")
+        if changed == {"step"} and update_shown(self.views["tensor"], m):  # same tensor
+            self.images["tensor"].value = self.views["tensor"].png()
+            which.discard("tensor")
+        self._redraw(which)
 
     def _redraw(self, which: set[str]) -> None:
         m = self.model

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dstt._optional import require
-from dstt.plots.draw import draw_bars, draw_curves, draw_tensor
+from dstt.plots.draw import as_matrix, draw_bars, draw_curves, draw_tensor
 from dstt.plots.series import exactness_label
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from .model import ScrubberModel
 
-__all__ = ["FigureView", "draw_change", "draw_loss", "draw_shown"]
+__all__ = ["FigureView", "draw_change", "draw_loss", "draw_shown", "move_cursor", "update_shown"]
 
 TOP_BARS = 24
 
@@ -104,6 +104,30 @@ def draw_loss(ax: Axes, model: ScrubberModel) -> dict[str, Any]:
     return out
 
 
+def move_cursor(view: FigureView, model: ScrubberModel) -> bool:
+    """Move the loss view's cursor (line, point, title) to the model's step in place — the
+    curves, spikes, axes and their ticks stay, so a step change neither rebuilds the axes nor
+    lays out new ticks (most of a frame's cost). False: nothing to move, redraw the view."""
+    a, ax = view.artists, view.ax
+    cursor = a.get("cursor")
+    if cursor is None or ax is None or model.metric is None:
+        return False
+    cursor.set_xdata([model.step, model.step])
+    old = a.pop("point", None)
+    if old is not None:
+        old.remove()
+    ds = model.metrics
+    hit = np.flatnonzero(ds["step"].values == model.step)
+    if hit.size:
+        limits = ax.get_xlim(), ax.get_ylim()
+        y = float(ds[model.metric].values[hit[0]])
+        (a["point"],) = ax.plot([model.step], [y], "o", color="0.1", ms=6, zorder=5)
+        ax.set_xlim(*limits[0])
+        ax.set_ylim(*limits[1])
+    ax.set_title(f"{model.metric} · step {model.step}", fontsize="medium")
+    return True
+
+
 def draw_shown(ax: Axes, model: ScrubberModel) -> dict[str, Any]:
     """The current tensor (or its change since the reference) as heatmap or histogram."""
     values, title = model.shown()
@@ -112,6 +136,33 @@ def draw_shown(ax: Axes, model: ScrubberModel) -> dict[str, Any]:
         ax.set_axis_off()
         return {}
     return draw_tensor(ax, values, title=title, diverging=model.mode == "change")
+
+
+def update_shown(view: FigureView, model: ScrubberModel) -> bool:
+    """Put the model's current tensor into the heatmap already drawn (data, colour limits as
+    ``draw_tensor`` sets them, title) when it has the same shape and colour map: no new axes,
+    colorbar or ticks. False: draw the view anew."""
+    image, ax = view.artists.get("image"), view.ax
+    if image is None or ax is None:
+        return False
+    values, title = model.shown()
+    if values is None or np.ndim(values) < 2 or np.size(values) == 1:
+        return False
+    m = as_matrix(np.asarray(values))
+    diverging = model.mode == "change"
+    if m.shape != image.get_array().shape or diverging != (image.get_cmap().name == "RdBu_r"):
+        return False
+    finite = m[np.isfinite(m)]
+    if not finite.size:
+        return False
+    image.set_data(m)
+    if diverging:
+        lim = float(np.max(np.abs(finite)))
+        image.set_clim(-lim or -1.0, lim or 1.0)
+    else:
+        image.set_clim(float(finite.min()), float(finite.max()))
+    ax.set_title(title, fontsize="medium")
+    return True
 
 
 def draw_change(ax: Axes, model: ScrubberModel, top: int = TOP_BARS) -> dict[str, Any]:

@@ -86,6 +86,55 @@ def test_moving_the_slider_updates_model_label_and_views(run: Any) -> None:
     )
 
 
+def test_a_step_change_moves_the_loss_cursor_in_place(run: Any) -> None:
+    """A step change keeps the loss view's axes (its curves and ticks) and moves only the
+    cursor, the point and the title; pinning a reference draws the view anew."""
+    s = scrub(run)
+    view = s.views["loss"]
+    ax, lines, limits = view.ax, view.artists["lines"], (view.ax.get_xlim(), view.ax.get_ylim())
+    before = bytes(s.images["loss"].value)
+    for step in (5, 12, 7):
+        s.slider.value = step
+        assert view.ax is ax
+        assert view.artists["lines"] is lines
+        assert list(view.artists["cursor"].get_xdata()) == [step, step]
+        points = [ln for ln in ax.lines if ln.get_marker() == "o" and len(ln.get_xdata()) == 1]
+        assert points == [view.artists["point"]]  # the old point is gone
+        assert view.artists["point"].get_ydata()[0] == pytest.approx(loss_at(step))
+        assert ax.get_title() == f"loss · step {step}"
+        assert (ax.get_xlim(), ax.get_ylim()) == limits
+    assert bytes(s.images["loss"].value) != before  # the shown PNG follows
+    s.pin_button.click()
+    assert view.ax is not ax  # a reference line: drawn anew
+    assert view.artists["reference"].get_xdata()[0] == 7
+
+
+@pytest.mark.parametrize("mode", ["values", "change"])
+def test_a_step_change_updates_the_heatmap_in_place(run: Any, mode: str) -> None:
+    """The same tensor at another step: the heatmap's data and colour limits change, its axes
+    and colorbar stay (no new ticks to lay out); another tensor draws the view anew."""
+    s = scrub(run, tensor="layers.0.attn.weight", mode=mode)
+    view = s.views["tensor"]
+    ax, image, bar = view.ax, view.artists["image"], view.artists["colorbar"]
+    for step in (5, 12):
+        s.slider.value = step
+        assert view.ax is ax
+        assert view.artists["image"] is image
+        assert view.artists["colorbar"] is bar
+        want = values(run, step, "layers.0.attn.weight").astype(np.float64)
+        if mode == "change":
+            want = want - values(run, s.model.steps[s.model.index - 1], "layers.0.attn.weight")
+        np.testing.assert_allclose(image.get_array(), want, rtol=1e-6)
+        lo, hi = image.get_clim()
+        if mode == "change":
+            assert (lo, hi) == pytest.approx((-np.abs(want).max(), np.abs(want).max()))
+        else:
+            assert (lo, hi) == pytest.approx((want.min(), want.max()))
+        assert ax.get_title() == s.model.shown()[1]  # the step's own title
+    s.tensor_picker.value = "emb.weight"
+    assert view.ax is not ax
+
+
 def test_spike_is_marked_and_labelled(run: Any) -> None:
     s = scrub(run)
     offsets = s.views["loss"].artists["spikes"].get_offsets()

@@ -152,6 +152,17 @@ class _Segment:
         at = self.base + self.d["blobs"]["hdr"][0] + int(offs[i])
         return st.read_range(self.key, at, int(offs[i + 1] - offs[i]))
 
+    def rows_mentioning(self, st: Storage, needle: bytes) -> set[int]:
+        """Rows whose header bytes contain ``needle``: one read of all of them and a byte
+        search, instead of parsing each header (~0.1 ms a row)."""
+        offs = self.core["hdr_off"]
+        raw = st.read_range(self.key, self.base + self.d["blobs"]["hdr"][0], int(offs[-1]))
+        hits, at = [], raw.find(needle)
+        while at >= 0:
+            hits.append(at)
+            at = raw.find(needle, at + 1)
+        return set((np.searchsorted(offs, hits, side="right") - 1).tolist()) if hits else set()
+
     def locations(
         self, st: Storage, path: str
     ) -> tuple[np.ndarray, np.ndarray, list[Layout]] | None:
@@ -274,6 +285,19 @@ class Index:
             self.distrusted = distrusted
             self._loaded = True
             return self
+
+    def slots_mentioning(self, needle: bytes) -> set[int]:
+        """Slots of the index's rows whose header bytes contain ``needle`` (a superset of
+        the commits carrying an object of that name; slots the index has no row for are
+        not answered here: check their headers)."""
+        self.ensure()
+        out: set[int] = set()
+        for seg in self.segments:
+            for i in seg.rows_mentioning(self.storage, needle):
+                slot = int(seg.core["slot"][i])
+                if self.rows.get(slot) == (seg, i):  # the row in use (newest generation)
+                    out.add(slot)
+        return out
 
     @property
     def segments(self) -> list[_Segment]:

@@ -52,7 +52,7 @@ from dstt.store.format.manifest import (
 from dstt.store.format.objects import decode_object
 from dstt.store.format.records import ArrayRecord, CommitHeader, RefInfo
 from dstt.store.format.zarr_meta import numpy_dtype
-from dstt.store.index.view import Index, scalar_rows
+from dstt.store.index.view import Index, IndexedHeader, scalar_rows
 
 from .chunks import ChunkReader
 
@@ -413,6 +413,14 @@ class Reader:
         if now.pruned:
             raise StepNotFoundError(f"step {header.step} was pruned by gc while being read")
         raise CorruptRunError(f"{where}: file missing; step {header.step} is damaged")
+
+    def carrying(self, headers: Sequence[CommitHeader], name: str) -> list[CommitHeader]:
+        """The headers among ``headers`` whose commit may carry object ``name`` (all that do;
+        a few more at most): the index's rows are searched in their header bytes, in one read
+        per segment, instead of parsing every header (seconds at 10,000 steps)."""
+        # as the canonical header JSON spells the name (json.dumps, ASCII escapes)
+        indexed = self.index.slots_mentioning(json.dumps(name).encode())
+        return [h for h in headers if h.slot in indexed or not isinstance(h, IndexedHeader)]
 
     def scalar_rows(self, headers: Sequence[CommitHeader], *, summaries: bool = True) -> RowSet:
         """Metrics, metrics history and (``summaries``) write-time summaries of ``headers``
