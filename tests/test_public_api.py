@@ -124,7 +124,7 @@ def test_the_store_has_one_front_door() -> None:
 #: names of the store's front door no dstt module imports, each for a reason: the documented
 #: whole-array pair for scripts and other frameworks (docs/store-api.md), the S3 opener
 #: (docs/object-store.md) and the transaction half of the engine's step-writer contract
-STORE_DOOR_EXTRAS = {"save", "load", "Snapshot", "storage_for", "StepTransaction"}
+STORE_DOOR_EXTRAS = {"save", "load", "StoredStep", "storage_for", "StepTransaction"}
 
 
 def test_the_store_front_door_lists_what_dstt_uses_and_nothing_else() -> None:

@@ -25,7 +25,7 @@ Engine-facing — what captures, commits and restores steps:
 Read-facing — what inspection, ``dstt.Run``, the CLI and the test harness read with:
 
 * ``Repository``, ``Reader``, ``Index``, ``CommitHeader``, ``ArrayRecord``, ``is_url``,
-  ``storage_for``, ``LocalStorage``; ``load`` and its ``Snapshot``
+  ``storage_for``, ``LocalStorage``; ``load`` and its ``StoredStep``
 * the index's rows: ``RowSet``, ``SUMMARY_SCALARS``, ``as_float``, ``fold_rows``,
   ``find_spikes``
 * dtypes and chunking: ``numpy_dtype``, ``dtype_itemsize``, ``plan_chunks``,
@@ -48,7 +48,7 @@ import importlib as _importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .api import Snapshot, load, save
+    from .api import StoredStep, load, save
     from .codec.predict import CUR, Prediction, adam_predictions, sgd_predictions
     from .codec.xor import DeltaPolicy
     from .commit.ranks import (
@@ -153,10 +153,10 @@ __all__ = [
     "Retention",
     "RowSet",
     "SkipSet",
-    "Snapshot",
     "StepTransaction",
     "StepWriter",
     "Storage",
+    "StoredStep",
     "StoredWriter",
     "TransactionProxy",
     "Writer",
@@ -228,10 +228,10 @@ _LAZY: dict[str, tuple[str, str]] = {
     "RowSet": ("format.segment", "RowSet"),
     "SUMMARY_SCALARS": ("format.segment", "SCALARS"),
     "SkipSet": ("format.batches", "SkipSet"),
-    "Snapshot": ("api", "Snapshot"),
     "StepTransaction": ("protocols", "StepTransaction"),
     "StepWriter": ("protocols", "StepWriter"),
     "Storage": ("storage.base", "Storage"),
+    "StoredStep": ("api", "StoredStep"),
     "StoredWriter": ("protocols", "StoredWriter"),
     "TransactionProxy": ("commit.ranks", "TransactionProxy"),
     "Writer": ("commit.writer", "Writer"),
