@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from dstt.store import SUMMARY_SCALARS, RowSet
+from dstt.store._internal import SUMMARY_SCALARS, RowSet
 
 from .summaries import (
     METRICS_HISTORY_OBJECT,
