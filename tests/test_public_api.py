@@ -159,6 +159,56 @@ def test_the_store_exports_its_public_line_and_nothing_else() -> None:
         dstt.store.FlatImage  # noqa: B018
 
 
+def internal_names_from_the_public_door(root: Path) -> list[str]:
+    """Every import, in dstt's modules and the repository's tests, benches, scripts and
+    examples under ``root``, of a name from ``dstt.store`` that is not on its public line
+    (each fails only when it runs; this finds them all, e.g. after a merge)."""
+    import ast
+
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] not in ("dstt", "tests", "bench", "scripts", "examples"):
+            continue
+        if rel.parts[:2] == ("dstt", "store"):
+            continue
+        parts = list(rel.with_suffix("").parts)
+        pkg = parts[:-1]  # a module's package; an ``__init__``'s is its folder
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = pkg[: len(pkg) - node.level + 1]
+                mod = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                mod = node.module or ""
+            if mod == "dstt.store":
+                bad += [
+                    f"{rel}:{node.lineno} {a.name}"
+                    for a in node.names
+                    if a.name not in STORE_PUBLIC | {"_internal"}  # the seam as a module
+                ]
+    return bad
+
+
+def test_internal_names_come_from_the_private_seam() -> None:
+    """A name off the public line is imported from ``dstt.store._internal`` (in dstt, tests
+    and benches), never from ``dstt.store``: the line that fails says which."""
+    bad = internal_names_from_the_public_door(Path(dstt.__file__).parents[1])
+    assert not bad, f"import these from dstt.store._internal: {bad}"
+
+
+def test_the_public_door_check_catches_an_internal_name(tmp_path: Path) -> None:
+    """The check itself: an engine module importing ``FlatImage`` relatively from the public
+    door is found, ``Repository`` and the seam's import are not."""
+    eng = tmp_path / "dstt" / "engine"
+    eng.mkdir(parents=True)
+    (eng / "m.py").write_text(
+        "from ..store import FlatImage, Repository\nfrom ..store._internal import Flusher\n"
+    )
+    assert internal_names_from_the_public_door(tmp_path) == ["dstt/engine/m.py:1 FlatImage"]
+
+
 #: names of the seam no dstt module imports, each for a reason: the documented whole-array
 #: pair for scripts and other frameworks (docs/store-api.md), the S3 opener
 #: (docs/object-store.md) and the transaction half of the engine's step-writer contract
