@@ -26,6 +26,86 @@ SECTIONS = [
 ]
 
 
+#: the public line, package by package (tests/test_public_api.py pins ``dstt`` and
+#: ``dstt.store``): what a user may import, and from where
+PUBLIC_PACKAGES = [
+    ("dstt", "the user's API, the rest of this page"),
+    ("dstt.errors", "the error tree (also in `dstt`)"),
+    ("dstt.store", "the storage-level API, [store-api.md](store-api.md)"),
+    ("dstt.widgets", "the notebook widgets"),
+    ("dstt.analysis", "the spike rule `run.spikes()` applies"),
+    (
+        "dstt.testing",
+        "test helpers the docs use, from their modules: `dstt.testing.models` (`TinyGPT`,"
+        " `SyntheticBatches`), `dstt.testing.llama`, `dstt.testing.spike_scenarios`, and the"
+        " conformance suites for your own backends",
+    ),
+]
+
+#: dstt's own packages (internal) and the store's private seam
+INTERNAL_PACKAGES = [
+    ("dstt.store._internal", "the store's private seam: every store name dstt itself uses"),
+    ("dstt.engine", "capture: the pipeline, torch state, parallelism"),
+    ("dstt.training", "the sessions behind `dstt.session`"),
+    ("dstt.inspect", "reading a run behind `dstt.open`"),
+    ("dstt.run", "`Run`, `Snapshot` (public through `dstt`)"),
+    ("dstt.schema", "the step format's vocabulary"),
+    ("dstt.plots", "the plots behind `Run`'s methods"),
+    ("dstt.integrations", "the HF Trainer and Lightning callbacks (public through `dstt`)"),
+    ("dstt.cli", "the `dstt` command: [cli.md](cli.md)"),
+]
+
+
+def _store_rooms() -> list[str]:
+    """The store's rooms (its subpackages): private, named in docs/design.md."""
+    root = Path(dstt.__file__).parent / "store"
+    return sorted(f"dstt.store.{p.name}" for p in root.iterdir() if (p / "__init__.py").exists())
+
+
+def _underscored() -> list[str]:
+    """Every underscored module of dstt (``__main__`` and ``__init__`` aside)."""
+    root = Path(dstt.__file__).parent
+    out = []
+    for p in root.rglob("_*.py"):
+        if p.name in ("__init__.py", "__main__.py"):
+            continue
+        out.append(".".join(p.relative_to(root.parent).with_suffix("").parts))
+    return sorted(out)
+
+
+def surface() -> list[str]:
+    """The "Public surface" section: the public packages with their names, then the private
+    ones."""
+    import importlib
+
+    out = [
+        "## Public surface",
+        "",
+        "What a user imports, package by package; every other module is dstt's own.",
+        "",
+    ]
+    for pkg, what in PUBLIC_PACKAGES:
+        names = [] if pkg == "dstt" else getattr(importlib.import_module(pkg), "__all__", [])
+        listed = ": " + ", ".join(f"`{n}`" for n in names) if names else ""
+        out.append(f"- `{pkg}` — {what}{listed}")
+    out += [
+        "",
+        "Internal — dstt's own packages: their names serve the public ones above and may move",
+        "(a type the docs name, such as `dstt.inspect.rebuild.Rebuilt`, is returned, not",
+        "imported). Private — the store's seam, its rooms and every underscored module: only",
+        "dstt imports them (`tests/test_public_api.py` checks the store's, letting `tests/`,",
+        "`bench/` and `scripts/damage_matrix.py` reach them as white-box checks).",
+        "",
+    ]
+    out += [f"- `{pkg}` — {what}" for pkg, what in INTERNAL_PACKAGES]
+    out += [
+        "- the store's rooms: " + ", ".join(f"`{r}`" for r in _store_rooms()),
+        "- every underscored module: " + ", ".join(f"`{m}`" for m in _underscored()),
+        "",
+    ]
+    return out
+
+
 def _resolve(name: str) -> object:
     obj: object = dstt
     for part in name.split("."):
@@ -62,6 +142,7 @@ def api() -> str:
         "Generated from the docstrings by `scripts/gen_docs.py`; the public surface is",
         "`dstt.__all__`. Storage-level API: [store-api.md](store-api.md).",
         "",
+        *surface(),
     ]
     for title, names in SECTIONS:
         out += [f"## {title}", ""]

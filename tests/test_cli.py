@@ -475,7 +475,7 @@ def test_gc_dry_run_lists_the_steps_and_changes_nothing(
 def _sharded(path: Path, step: int) -> None:
     """One commit by two writers the way ZeRO partitions a flat buffer (no DeepSpeed): the
     logical tensors a and b are views of zero/r0 and zero/r1 (as tests/inspect does)."""
-    from dstt.store import LogicalArray, Piece, shard_map
+    from dstt.store._internal import LogicalArray, Piece, shard_map
     from dstt.store.commit.parts import collect_parts
 
     repo = Repository.create(path)

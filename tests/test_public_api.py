@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -107,8 +108,10 @@ def _dstt_modules() -> dict[str, Path]:
     return mods
 
 
-def test_the_store_has_one_front_door() -> None:
-    """Outside ``dstt.store`` nothing imports a module of the store: only ``dstt.store``."""
+def test_the_store_has_two_doors_only() -> None:
+    """Outside ``dstt.store`` nothing in dstt imports a module of the store but its public
+    line ``dstt.store`` and its private seam ``dstt.store._internal``."""
+    doors = {"dstt.store", "dstt.store._internal"}
     bad = []
     mods = _dstt_modules()
     for name, path in mods.items():
@@ -116,23 +119,108 @@ def test_the_store_has_one_front_door() -> None:
             continue
         pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         for imp in _module_imports(path, pkg, nested=True):
-            if imp.startswith("dstt.store.") and imp in mods:
+            if imp.startswith("dstt.store.") and imp in mods and imp not in doors:
                 bad.append(f"{name} imports {imp}")
     assert not bad, bad
 
 
-#: names of the store's front door no dstt module imports, each for a reason: the documented
-#: whole-array pair for scripts and other frameworks (docs/store-api.md), the S3 opener
-#: (docs/object-store.md) and the transaction half of the engine's step-writer contract
-STORE_DOOR_EXTRAS = {"save", "load", "Snapshot", "storage_for", "StepTransaction"}
+#: the store's public line (docs/api.md, docs/store-api.md): a run and its bytes, what a read
+#: returns, whole steps, fewer bytes, retention — and nothing of the hot path
+STORE_PUBLIC = {
+    "ArrayRecord",
+    "CommitHeader",
+    "DeltaPolicy",
+    "GcReport",
+    "LocalStorage",
+    "Reader",
+    "Repository",
+    "Retention",
+    "Storage",
+    "StoredStep",
+    "adam_predictions",
+    "load",
+    "save",
+    "sgd_predictions",
+    "storage_for",
+}
 
 
-def test_the_store_front_door_lists_what_dstt_uses_and_nothing_else() -> None:
-    """``dstt.store.__all__`` is what the engine, the session, inspection, the run, the CLI,
-    the integrations and the test harness import from it (plus the documented extras)."""
+def test_the_store_exports_its_public_line_and_nothing_else() -> None:
+    """``dstt.store.__all__`` is the literal public line; each name resolves to the object
+    the private seam gives dstt, and an internal name is not reachable from the public door."""
+    import dstt.store
+    from dstt.store import _internal
+
+    assert set(dstt.store.__all__) == STORE_PUBLIC
+    assert dstt.store.__all__ == sorted(dstt.store.__all__)
+    for name in dstt.store.__all__:
+        assert getattr(dstt.store, name) is getattr(_internal, name), name
+    with pytest.raises(AttributeError, match="_internal"):
+        dstt.store.FlatImage  # noqa: B018
+
+
+def internal_names_from_the_public_door(root: Path) -> list[str]:
+    """Every import, in dstt's modules and the repository's tests, benches, scripts and
+    examples under ``root``, of a name from ``dstt.store`` that is not on its public line
+    (each fails only when it runs; this finds them all, e.g. after a merge)."""
     import ast
 
-    import dstt.store
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] not in ("dstt", "tests", "bench", "scripts", "examples"):
+            continue
+        if rel.parts[:2] == ("dstt", "store"):
+            continue
+        parts = list(rel.with_suffix("").parts)
+        pkg = parts[:-1]  # a module's package; an ``__init__``'s is its folder
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = pkg[: len(pkg) - node.level + 1]
+                mod = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                mod = node.module or ""
+            if mod == "dstt.store":
+                bad += [
+                    f"{rel}:{node.lineno} {a.name}"
+                    for a in node.names
+                    if a.name not in STORE_PUBLIC | {"_internal"}  # the seam as a module
+                ]
+    return bad
+
+
+def test_internal_names_come_from_the_private_seam() -> None:
+    """A name off the public line is imported from ``dstt.store._internal`` (in dstt, tests
+    and benches), never from ``dstt.store``: the line that fails says which."""
+    bad = internal_names_from_the_public_door(Path(dstt.__file__).parents[1])
+    assert not bad, f"import these from dstt.store._internal: {bad}"
+
+
+def test_the_public_door_check_catches_an_internal_name(tmp_path: Path) -> None:
+    """The check itself: an engine module importing ``FlatImage`` relatively from the public
+    door is found, ``Repository`` and the seam's import are not."""
+    eng = tmp_path / "dstt" / "engine"
+    eng.mkdir(parents=True)
+    (eng / "m.py").write_text(
+        "from ..store import FlatImage, Repository\nfrom ..store._internal import Flusher\n"
+    )
+    assert internal_names_from_the_public_door(tmp_path) == ["dstt/engine/m.py:1 FlatImage"]
+
+
+#: names of the seam no dstt module imports, each for a reason: the documented whole-array
+#: pair for scripts and other frameworks (docs/store-api.md), the S3 opener
+#: (docs/object-store.md) and the transaction half of the engine's step-writer contract
+STORE_SEAM_EXTRAS = {"save", "load", "StoredStep", "storage_for", "StepTransaction"}
+
+
+def test_the_store_seam_lists_what_dstt_uses_and_nothing_else() -> None:
+    """``dstt.store._internal.__all__`` is what the engine, the session, inspection, the run,
+    the CLI, the integrations and the test harness import from the store (plus the extras)."""
+    import ast
+
+    from dstt.store import _internal
 
     used: set[str] = set()
     mods = _dstt_modules()
@@ -151,10 +239,75 @@ def test_the_store_front_door_lists_what_dstt_uses_and_nothing_else() -> None:
                 if node.level
                 else node.module
             )
-            if mod == "dstt.store":
+            if mod in ("dstt.store", "dstt.store._internal"):
                 used.update(a.name for a in node.names)
     used |= {v.split(":")[1] for v in dstt._LAZY.values() if v.startswith("dstt.store:")}
-    assert sorted(used | STORE_DOOR_EXTRAS) == sorted(dstt.store.__all__)
+    assert sorted(used | STORE_SEAM_EXTRAS) == sorted(_internal.__all__)
+
+
+#: where, outside ``dstt/``, an import of the store's private modules (``dstt.store._internal``
+#: and the rooms ``dstt.store.<room>...``) is allowed: the house's own white-box checks, which
+#: ship with the repository, not the package — the tests, the benches and the damage matrix
+#: (it damages files by their on-disk keys). Examples, the other scripts, notebooks and the
+#: docs' code show the public line only.
+PRIVATE_STORE_ALLOWED = ("tests/", "bench/", "scripts/damage_matrix.py")
+
+_PRIVATE_STORE_IMPORT = re.compile(
+    r"^\s*(?:from\s+dstt\.store\.(\w+)[\w.]*\s+import|import\s+dstt\.store\.(\w+))", re.M
+)
+
+
+def private_store_imports(root: Path) -> list[str]:
+    """Every import of a private store module in the repository at ``root``, outside ``dstt/``
+    and the allowed folders: Python files, notebooks' code cells, the docs' code blocks."""
+    import json
+
+    found = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if not path.is_file() or rel.parts[0] == "dstt":
+            continue
+        if any(rel.as_posix().startswith(a) for a in PRIVATE_STORE_ALLOWED):
+            continue
+        if any(p.startswith(".") for p in rel.parts):
+            continue
+        if path.suffix in (".py", ".md"):
+            text = path.read_text()
+        elif path.suffix == ".ipynb":
+            cells = json.loads(path.read_text())["cells"]
+            text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        else:
+            continue
+        found += [f"{rel}: {m.group(0).strip()}" for m in _PRIVATE_STORE_IMPORT.finditer(text)]
+    return found
+
+
+def test_only_dstt_imports_the_store_internals() -> None:
+    """The public line holds: nothing outside ``dstt/`` (and the allow-listed ``tests/``,
+    ``bench/``) imports ``dstt.store._internal`` or a room of the store."""
+    bad = private_store_imports(Path(dstt.__file__).parents[1])
+    assert not bad, bad
+
+
+@pytest.mark.parametrize(
+    ("where", "line"),
+    [
+        ("examples/a.py", "from dstt.store._internal import FlatImage"),
+        ("scripts/b.py", "import dstt.store.commit.ranks"),
+        ("docs/c.md", "```python\nfrom dstt.store.read.shards import shard_map\n```"),
+    ],
+    ids=["seam", "room", "docs"],
+)
+def test_the_private_import_check_catches_one(tmp_path: Path, where: str, line: str) -> None:
+    """The check itself: a private import in an example, a script or a doc is found; the same
+    in ``tests/`` and an import of the public line are not."""
+    (tmp_path / where).parent.mkdir(parents=True)
+    (tmp_path / where).write_text(line + "\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text(line + "\n")
+    (tmp_path / "examples" / "ok.py").parent.mkdir(exist_ok=True)
+    (tmp_path / "examples" / "ok.py").write_text("from dstt.store import Repository\n")
+    assert [f.split(":")[0] for f in private_store_imports(tmp_path)] == [where]
 
 
 def test_module_imports_have_no_cycles() -> None:

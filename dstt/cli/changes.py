@@ -184,7 +184,7 @@ def cmd_timeline_delete(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from dstt.inspect.html import human_bytes
-    from dstt.store import Retention
+    from dstt.store._internal import Retention
 
     if args.keep_last is None and args.keep_every is None and not args.spike_window:
         raise UsageError(

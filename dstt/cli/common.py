@@ -69,7 +69,7 @@ def _run_root(args: argparse.Namespace) -> str:
     """The root of the run given as ``RUN``, ``--run``, ``$DSTT_RUN`` or the current directory,
     any of which may be a folder inside the run (found by walking up, as git does)."""
     from dstt.run import find_run_root
-    from dstt.store import Repository, is_url
+    from dstt.store._internal import Repository, is_url
 
     positional: str | None = getattr(args, "path", None)
     flag: str | None = getattr(args, "run", None)

@@ -72,7 +72,7 @@ def _run_path(args: argparse.Namespace) -> str:
 def cmd_import(args: argparse.Namespace) -> int:
     from dstt.errors import SourceError
     from dstt.integrations.imports import find_sources, import_checkpoints
-    from dstt.store import DeltaPolicy
+    from dstt.store._internal import DeltaPolicy
 
     run = _run_path(args)
     try:

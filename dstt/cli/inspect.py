@@ -314,7 +314,7 @@ _STORED_AS = {"raw": "raw", "xor1": "xor", "pred1": "pred"}
 def _stored(rec: Any, slot: int) -> dict[str, Any]:
     """What the step put on disk for a tensor: bytes of the files written in its own slot,
     and how its chunks are stored (raw, xor, pred; ref = unchanged, an older file)."""
-    from dstt.store import key_slot
+    from dstt.store._internal import key_slot
 
     mine = [c for c in rec.chunks if key_slot(c.key) == slot]
     kinds = {_STORED_AS.get(c.encoding, c.encoding) for c in mine}
@@ -384,7 +384,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from dstt.errors import NotARunError
-    from dstt.store import Repository
+    from dstt.store._internal import Repository
 
     # the repository, not a Run: a Run reads HEAD and the refs up front, so a damaged one
     # would end here as "unreadable" (exit 3) instead of being reported as a problem
@@ -396,7 +396,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         path = getattr(args, "path", None) or getattr(args, "run", None)
         if not path or not os.path.isdir(os.path.join(path, "_dstt", "refs")):
             raise
-        from dstt.store import storage_for
+        from dstt.store._internal import storage_for
 
         run = Repository(storage_for(path))
     with _bar(args, None, "commit") as bar:
@@ -429,7 +429,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from dstt.store import Repository
+    from dstt.store._internal import Repository
 
     repo = _resolve_run(args, opener=Repository.open)
     rows = repo.reindex()

@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from dstt.store import Encoded
+from dstt.store._internal import Encoded
 
 if TYPE_CHECKING:
     from .flight import Flight

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from dstt.schema import canonical_name, resolve_dims
-from dstt.store import logical_of
+from dstt.store._internal import logical_of
 
 from .model_names import module_wrappers
 

@@ -64,7 +64,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from dstt import schema
 from dstt.errors import CaptureError, RaceError, RankError
-from dstt.store import DEFAULT_CHUNK_BYTES, Repository, fsync_dir
+from dstt.store._internal import DEFAULT_CHUNK_BYTES, Repository, fsync_dir
 
 from ._convert import tensor_from_numpy
 from ._ds_tags import _Save, _TagWriter

@@ -35,7 +35,7 @@ from .summaries import summarized
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-    from dstt.store import FlatLayout, FlatStepWriter
+    from dstt.store._internal import FlatLayout, FlatStepWriter
 
     from .dims import DimsOf
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstt.errors import StorageError
-from dstt.store import (
+from dstt.store._internal import (
     DigestPlan,
     FlatImage,
     FlatStepWriter,
@@ -38,7 +38,7 @@ from .summaries import flat_digest_plan, summarized
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from dstt.store import FlatLayout
+    from dstt.store._internal import FlatLayout
 
     from .dims import DimsOf
     from .flight import Flight

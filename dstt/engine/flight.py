@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dstt.store import CUR, ChunkPlan, Prediction
+from dstt.store._internal import CUR, ChunkPlan, Prediction
 
 from ._convert import flat_bytes
 from .providers import TensorSpec

@@ -20,7 +20,7 @@ import torch
 from dstt import schema
 from dstt.errors import SchemaError
 from dstt.schema import canonical_name
-from dstt.store import Encoded
+from dstt.store._internal import Encoded
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping

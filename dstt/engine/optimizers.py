@@ -25,7 +25,7 @@ import torch
 from dstt import schema
 from dstt.errors import SchemaError
 from dstt.schema import tensor_path
-from dstt.store import Encoded, Prediction
+from dstt.store._internal import Encoded, Prediction
 
 from ._convert import from_plain, to_plain
 from .dtensors import stored_value

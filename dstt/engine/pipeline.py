@@ -39,7 +39,7 @@ import torch
 
 from dstt import schema
 from dstt.errors import CaptureError
-from dstt.store import (
+from dstt.store._internal import (
     EncodingWriter,
     FlatStepWriter,
     Flusher,

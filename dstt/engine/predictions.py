@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dstt.store import Prediction, adam_predictions, sgd_predictions
+from dstt.store._internal import Prediction, adam_predictions, sgd_predictions
 
 __all__ = ["adam_state_predictions", "optimizer_predictions", "sgd_state_predictions"]
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from dstt.errors import CorruptRunError, DsttWarning, SchemaError
-from dstt.store import (
+from dstt.store._internal import (
     CommitHeader,
     LogicalArray,
     Prediction,

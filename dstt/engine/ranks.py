@@ -35,7 +35,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from dstt.errors import DsttWarning, RankError, TimelineError
-from dstt.store import (
+from dstt.store._internal import (
     DEFAULT_RANK_TIMEOUT,
     DeltaPolicy,
     RankInfo,

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from dstt import schema
 from dstt.errors import CaptureError, SchemaError
-from dstt.store import DTENSOR_PREFIX, Box, Encoded, LogicalArray, shard_map, shard_source
+from dstt.store._internal import DTENSOR_PREFIX, Box, Encoded, LogicalArray, shard_map, shard_source
 
 from ._convert import store_dtype
 from .dtensors import held_box, local_view

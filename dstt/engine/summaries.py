@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dstt.store import DigestPlan, logical_of
+from dstt.store._internal import DigestPlan, logical_of
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -35,7 +35,7 @@ import torch
 
 from dstt import schema
 from dstt.schema import tensor_path
-from dstt.store import RankInfo
+from dstt.store._internal import RankInfo
 
 from .model_names import ModelInfoProvider, canonical_names, param_names
 from .optimizers import OptimizerStateProvider, optimizer_groups_provider, optimizers_of

@@ -38,14 +38,14 @@ import torch
 from dstt import schema
 from dstt.errors import RankError, SchemaError
 from dstt.schema import tensor_path
-from dstt.store import LogicalArray, Piece, logical_arrays, read_logical, shard_map
+from dstt.store._internal import LogicalArray, Piece, logical_arrays, read_logical, shard_map
 
 from ._convert import from_plain, to_plain
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from dstt.store import CommitHeader, Reader
+    from dstt.store._internal import CommitHeader, Reader
 
     from .providers import RestoreSource
     from .ranks import RankInfo

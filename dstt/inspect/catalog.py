@@ -31,7 +31,7 @@ from .sharded import shard_sources
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from dstt.store import CommitHeader, Reader
+    from dstt.store._internal import CommitHeader, Reader
 
 __all__ = ["CONFIG_OBJECT", "TIED_OBJECT", "Catalog"]
 

@@ -18,12 +18,12 @@ import numpy as np
 import xarray as xr
 
 from dstt.schema import user_name
-from dstt.store import numpy_dtype
+from dstt.store._internal import numpy_dtype
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from dstt.store import CommitHeader, Reader
+    from dstt.store._internal import CommitHeader, Reader
 
 __all__ = ["diff_commits"]
 

@@ -41,7 +41,7 @@ from dstt.schema import MODEL_KINDS, user_name
 from .catalog import CONFIG_OBJECT, Catalog
 
 if TYPE_CHECKING:
-    from dstt.store import CommitHeader, Reader
+    from dstt.store._internal import CommitHeader, Reader
 
 __all__ = ["FORMATS", "export_commit", "load_config", "prepare_output"]
 

@@ -36,7 +36,7 @@ from dstt.errors import OutputExistsError, StorageError
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from dstt.store import CommitHeader, Reader
+    from dstt.store._internal import CommitHeader, Reader
 
 __all__ = ["export_dcp"]
 

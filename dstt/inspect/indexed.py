@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dstt.store import SUMMARY_SCALARS, RowSet
+from dstt.store._internal import SUMMARY_SCALARS, RowSet
 
 from .summaries import (
     METRICS_HISTORY_OBJECT,

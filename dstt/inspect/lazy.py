@@ -29,14 +29,14 @@ from xarray.backends import BackendArray
 from xarray.core import indexing
 
 from dstt.errors import SchemaError
-from dstt.store import numpy_dtype
+from dstt.store._internal import numpy_dtype
 
 from .readers import ReaderPool
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from dstt.store import CommitHeader, Reader
+    from dstt.store._internal import CommitHeader, Reader
 
 __all__ = ["CommitArray", "ReaderPool", "TrajectoryArray", "read_outer", "variable", "view_dtype"]
 

@@ -21,7 +21,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from dstt._lru import LRU
-from dstt.store import Index, LocalStorage, Reader
+from dstt.store._internal import Index, LocalStorage, Reader
 
 from .naming import canonical_path
 from .sharded import LogicalRecord, read_logical_chunk, with_logical
@@ -29,7 +29,7 @@ from .sharded import LogicalRecord, read_logical_chunk, with_logical
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from dstt.store import CommitHeader, Storage
+    from dstt.store._internal import CommitHeader, Storage
 
 __all__ = ["ReaderPool"]
 

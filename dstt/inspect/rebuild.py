@@ -40,7 +40,7 @@ from .replay import LossFn, ReplayKit, _compare, _default_loss, _kit_of, _step_b
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from dstt.store import Reader
+    from dstt.store._internal import Reader
 
 __all__ = ["Rebuilt", "rebuild_step"]
 

@@ -55,7 +55,7 @@ from dstt.errors import ConfigError, ReplayError, StepNotFoundError
 from dstt.schema import tensor_path, tree_location
 
 if TYPE_CHECKING:
-    from dstt.store import CommitHeader, Reader
+    from dstt.store._internal import CommitHeader, Reader
 
 __all__ = [
     "Mismatch",

@@ -60,7 +60,7 @@ from .optimizers import (
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from dstt.store import CommitHeader, Reader
+    from dstt.store._internal import CommitHeader, Reader
 
 __all__ = [
     "GROUPS_OBJECT",

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dstt.store import (
+from dstt.store._internal import (
     DEFAULT_CHUNK_BYTES,
     ArrayRecord,
     LogicalArray,
@@ -33,7 +33,7 @@ from dstt.store import (
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from dstt.store import CommitHeader, Reader
+    from dstt.store._internal import CommitHeader, Reader
 
 __all__ = ["LogicalRecord", "read_logical_chunk", "shard_sources", "with_logical"]
 

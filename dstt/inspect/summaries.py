@@ -34,7 +34,7 @@ import numpy as np
 
 from dstt import schema
 from dstt.schema import user_name
-from dstt.store import SUMMARY_SCALARS, as_float, find_spikes
+from dstt.store._internal import SUMMARY_SCALARS, as_float, find_spikes
 
 from .naming import canonical_path
 

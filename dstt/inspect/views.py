@@ -28,7 +28,7 @@ from .summaries import step_coords
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from dstt.store import CommitHeader
+    from dstt.store._internal import CommitHeader
 
     from .catalog import Catalog
 

@@ -48,14 +48,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dstt.errors import ConfigError
-from dstt.store import DTENSOR_PREFIX, dtype_itemsize
+from dstt.store._internal import DTENSOR_PREFIX, dtype_itemsize
 
 from .naming import canonical_path
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-    from dstt.store import ArrayRecord, CommitHeader, LogicalArray, Reader
+    from dstt.store._internal import ArrayRecord, CommitHeader, LogicalArray, Reader
 
 __all__ = ["VirtualReport", "write_references"]
 

@@ -60,7 +60,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from dstt.errors import ConfigError, ReplayError
 from dstt.inspect.replay import ReplayKit, register_replay_kit
-from dstt.store import Batch, SkipSet
+from dstt.store._internal import Batch, SkipSet
 from dstt.training import Session, open_session
 from dstt.training.data import fingerprint
 
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     import os
     from collections.abc import Callable, Iterator, Mapping, Sequence
 
-    from dstt.store import Repository
+    from dstt.store._internal import Repository
 
 __all__ = ["DsttCallback", "replay_kit"]
 

@@ -61,7 +61,7 @@ from dstt import schema
 from dstt.engine._convert import from_plain
 from dstt.errors import ConfigError, DsttWarning, NotARunError
 from dstt.inspect.replay import ReplayKit, register_replay_kit
-from dstt.store import Batch, Repository, read_skips
+from dstt.store._internal import Batch, Repository, read_skips
 from dstt.training import Session, open_session
 
 from ._attribution import StepRecorder, attach, gather_ranks

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from dstt.run.run import Run
-    from dstt.store import CommitHeader
+    from dstt.store._internal import CommitHeader
 
 __all__ = ["exactness_label", "param_names", "step_change", "tensor_stats"]
 

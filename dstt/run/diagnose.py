@@ -29,14 +29,14 @@ from dstt.inspect.diagnose import (
     suspect,
 )
 from dstt.inspect.summaries import Spike
-from dstt.store import Batch, SkipSet, read_batches, read_skips
+from dstt.store._internal import Batch, SkipSet, read_batches, read_skips
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
     import xarray as xr
 
-    from dstt.store import Reader, Repository
+    from dstt.store._internal import Reader, Repository
 
     from .metrics import Metrics
 

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dstt.store import as_float
+from dstt.store._internal import as_float
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
     import xarray as xr
 
-    from dstt.store import RowSet
+    from dstt.store._internal import RowSet
 
 __all__ = ["Metrics"]
 

@@ -30,7 +30,7 @@ from dstt.errors import ConfigError, CorruptRunError, NotARunError, StepNotFound
 from dstt.inspect.catalog import Catalog
 from dstt.inspect.html import run_html, run_summary
 from dstt.inspect.readers import ReaderPool
-from dstt.store import Batch, Repository, SkipSet, Storage, fold_rows, is_url, write_skips
+from dstt.store._internal import Batch, Repository, SkipSet, Storage, fold_rows, is_url, write_skips
 
 from .diagnose import Diagnosis, RunDiagnostics
 from .metrics import Metrics
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from dstt.inspect.summaries import Spike
     from dstt.run.explain import Explanation
     from dstt.run.snapshot import Snapshot
-    from dstt.store import CommitHeader, Reader
+    from dstt.store._internal import CommitHeader, Reader
 
 __all__ = ["Run", "find_run_root", "open_run"]
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from dstt.inspect.catalog import Catalog
     from dstt.inspect.readers import ReaderPool
-    from dstt.store import Batch, CommitHeader, Reader
+    from dstt.store._internal import Batch, CommitHeader, Reader
 
 __all__ = ["RunView", "Snapshot"]
 

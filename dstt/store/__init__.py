@@ -1,45 +1,18 @@
 """Everything about bytes on disk: step files (Zarr v3 in a stored ZIP), commit manifests,
-refs. Knows no torch. The only way in from the rest of dstt: every name the engine, the
-session, inspection, the CLI and the integrations use is imported from here, never from a
-module of the store (``tests/test_public_api.py`` checks it), and nothing else is exported.
-The store's rooms and the data path through them: docs/design.md, "The store's tree".
+refs. Knows no torch. Its public line is what a user of the store API needs (docs/store-api.md,
+docs/api.md): open a run and its storage, write and read steps whole, fewer bytes, retention.
 
-Engine-facing — what captures, commits and restores steps:
+* a run and its bytes: ``Repository``, ``Reader``, ``Storage``, ``LocalStorage``,
+  ``storage_for``; what a read returns: ``CommitHeader``, ``ArrayRecord``
+* whole steps, for scripts and other frameworks: ``save``, ``load`` and its ``StoredStep``
+* fewer bytes: ``DeltaPolicy``, ``adam_predictions``, ``sgd_predictions``
+* keeping fewer steps: ``Retention``, ``GcReport``
 
-* a run and its writer: ``Repository``, ``Writer``, ``Storage``, ``LocalStorage``,
-  ``storage_for``, ``fsync_dir``, ``DEFAULT_CHUNK_BYTES``, ``Retention``, ``GcReport``;
-  ``save`` (whole arrays, for scripts and other frameworks)
-* the step-writer contract (``protocols.py``): ``StepWriter``, ``StepTransaction`` and the
-  capabilities ``FlatStepWriter``, ``EncodingWriter``, ``StoredWriter``, ``OffloadingWriter``
-* several ranks, one commit: ``RankWriter``, ``RankTransaction``, ``TransactionProxy``,
-  ``RankInfo``, ``DEFAULT_RANK_TIMEOUT``, ``remove_parts``
-* the flat lane and the flusher process: ``FlatLayout``, ``FlatImage``, ``Flusher``,
-  ``flusher_supported``, ``DigestPlan``, ``digest``
-* chunks, objects, fewer bytes: ``ChunkPlan``, ``check_array_path``, ``Encoded``, ``decode_object``,
-  ``DeltaPolicy``, ``Prediction``, ``CUR``, ``adam_predictions``, ``sgd_predictions``
-* sharded state: ``LogicalArray``, ``Piece``, ``Box``, ``shard_map``, ``shard_source``,
-  ``DTENSOR_PREFIX``, ``logical_of``, ``logical_arrays``, ``read_logical``, ``read_region``
-* data attribution: ``BATCHES_OBJECT``, ``Batch``, ``SkipSet``, ``read_skips``,
-  ``write_skips``
-
-Read-facing — what inspection, ``dstt.Run``, the CLI and the test harness read with:
-
-* ``Repository``, ``Reader``, ``Index``, ``CommitHeader``, ``ArrayRecord``, ``is_url``,
-  ``storage_for``, ``LocalStorage``; ``load`` and its ``Snapshot``
-* the index's rows: ``RowSet``, ``SUMMARY_SCALARS``, ``as_float``, ``fold_rows``,
-  ``find_spikes``
-* dtypes and chunking: ``numpy_dtype``, ``dtype_itemsize``, ``plan_chunks``,
-  ``DEFAULT_CHUNK_BYTES``
-* keys and headers: ``key_slot``, ``COMMITS_PREFIX``, ``REFS_PREFIX``, ``parse_header``
-* data attribution: ``Batch``, ``SkipSet``, ``read_batches``, ``read_skips``
-
-Everything else (a ``Transaction``'s class, records, parts, verify's report, ...) is the
-store's own: tests that need it import it from its room.
-
-The names are imported on first use (PEP 562 ``__getattr__``): reading a run (``dstt ls``,
-``dstt.open(run).steps``) loads the reader and the index, not the writer, the encodings, gc
-or the flusher. Rejected alternative: eager imports here — every read paid ~0.15 s for the
-write path's modules (numcodecs among them).
+The rest (the step-writer contract, the flat lane, the flusher, several ranks, the index's
+rows, ...) is private: dstt reaches it through ``dstt.store._internal``, and the rooms
+(``storage``, ``format``, ``codec``, ...) are private too. Rejected alternative: one door for
+both — it exported 72 names, hot-path internals among them, which a user could not tell from
+the API. Names resolve on first use (PEP 562): reading a run loads no writer.
 """
 
 from __future__ import annotations
@@ -48,222 +21,53 @@ import importlib as _importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .api import Snapshot, load, save
-    from .codec.predict import CUR, Prediction, adam_predictions, sgd_predictions
+    from .api import StoredStep, load, save
+    from .codec.predict import adam_predictions, sgd_predictions
     from .codec.xor import DeltaPolicy
-    from .commit.ranks import (
-        DEFAULT_RANK_TIMEOUT,
-        RankInfo,
-        RankTransaction,
-        RankWriter,
-        TransactionProxy,
-    )
-    from .commit.writer import Writer
-    from .flusher.flatstats import DigestPlan, digest
-    from .flusher.parent import Flusher, flusher_supported
-    from .format.batches import (
-        BATCHES_OBJECT,
-        Batch,
-        SkipSet,
-        read_batches,
-        read_skips,
-        write_skips,
-    )
-    from .format.flat import FlatImage, FlatLayout
-    from .format.layout import (
-        COMMITS_PREFIX,
-        DEFAULT_CHUNK_BYTES,
-        REFS_PREFIX,
-        ChunkPlan,
-        check_array_path,
-        key_slot,
-        plan_chunks,
-    )
-    from .format.manifest import parse_header
-    from .format.objects import Encoded, decode_object
-    from .format.parts import remove_parts
     from .format.records import ArrayRecord, CommitHeader
-    from .format.segment import SCALARS as SUMMARY_SCALARS
-    from .format.segment import RowSet
-    from .format.zarr_meta import dtype_itemsize, numpy_dtype
-    from .index.rows import as_float
-    from .index.shard_summaries import DTENSOR_PREFIX, fold_rows, logical_of, shard_source
-    from .index.view import Index
     from .maintenance.gc import GcReport
-    from .maintenance.retention import Retention, find_spikes
-    from .protocols import (
-        EncodingWriter,
-        FlatStepWriter,
-        OffloadingWriter,
-        StepTransaction,
-        StepWriter,
-        StoredWriter,
-    )
+    from .maintenance.retention import Retention
     from .read.reader import Reader
-    from .read.shards import (
-        Box,
-        LogicalArray,
-        Piece,
-        logical_arrays,
-        read_logical,
-        read_region,
-        shard_map,
-    )
     from .repository import Repository
     from .storage.base import Storage
     from .storage.local import LocalStorage
-    from .storage.posix import fsync_dir
-    from .storage.urls import is_url, storage_for
+    from .storage.urls import storage_for
 
 
 __all__ = [
-    "BATCHES_OBJECT",
-    "COMMITS_PREFIX",
-    "CUR",
-    "DEFAULT_CHUNK_BYTES",
-    "DEFAULT_RANK_TIMEOUT",
-    "DTENSOR_PREFIX",
-    "REFS_PREFIX",
-    "SUMMARY_SCALARS",
     "ArrayRecord",
-    "Batch",
-    "Box",
-    "ChunkPlan",
     "CommitHeader",
     "DeltaPolicy",
-    "DigestPlan",
-    "Encoded",
-    "EncodingWriter",
-    "FlatImage",
-    "FlatLayout",
-    "FlatStepWriter",
-    "Flusher",
     "GcReport",
-    "Index",
     "LocalStorage",
-    "LogicalArray",
-    "OffloadingWriter",
-    "Piece",
-    "Prediction",
-    "RankInfo",
-    "RankTransaction",
-    "RankWriter",
     "Reader",
     "Repository",
     "Retention",
-    "RowSet",
-    "SkipSet",
-    "Snapshot",
-    "StepTransaction",
-    "StepWriter",
     "Storage",
-    "StoredWriter",
-    "TransactionProxy",
-    "Writer",
+    "StoredStep",
     "adam_predictions",
-    "as_float",
-    "check_array_path",
-    "decode_object",
-    "digest",
-    "dtype_itemsize",
-    "find_spikes",
-    "flusher_supported",
-    "fold_rows",
-    "fsync_dir",
-    "is_url",
-    "key_slot",
     "load",
-    "logical_arrays",
-    "logical_of",
-    "numpy_dtype",
-    "parse_header",
-    "plan_chunks",
-    "read_batches",
-    "read_logical",
-    "read_region",
-    "read_skips",
-    "remove_parts",
     "save",
     "sgd_predictions",
-    "shard_map",
-    "shard_source",
     "storage_for",
-    "write_skips",
 ]
 
 _LAZY: dict[str, tuple[str, str]] = {
     "ArrayRecord": ("format.records", "ArrayRecord"),
-    "BATCHES_OBJECT": ("format.batches", "BATCHES_OBJECT"),
-    "Batch": ("format.batches", "Batch"),
-    "Box": ("read.shards", "Box"),
-    "COMMITS_PREFIX": ("format.layout", "COMMITS_PREFIX"),
-    "CUR": ("codec.predict", "CUR"),
-    "ChunkPlan": ("format.layout", "ChunkPlan"),
     "CommitHeader": ("format.records", "CommitHeader"),
-    "DEFAULT_CHUNK_BYTES": ("format.layout", "DEFAULT_CHUNK_BYTES"),
-    "DEFAULT_RANK_TIMEOUT": ("commit.ranks", "DEFAULT_RANK_TIMEOUT"),
-    "DTENSOR_PREFIX": ("index.shard_summaries", "DTENSOR_PREFIX"),
     "DeltaPolicy": ("codec.xor", "DeltaPolicy"),
-    "DigestPlan": ("flusher.flatstats", "DigestPlan"),
-    "Encoded": ("format.objects", "Encoded"),
-    "EncodingWriter": ("protocols", "EncodingWriter"),
-    "FlatImage": ("format.flat", "FlatImage"),
-    "FlatLayout": ("format.flat", "FlatLayout"),
-    "FlatStepWriter": ("protocols", "FlatStepWriter"),
-    "Flusher": ("flusher.parent", "Flusher"),
     "GcReport": ("maintenance.gc", "GcReport"),
-    "Index": ("index.view", "Index"),
     "LocalStorage": ("storage.local", "LocalStorage"),
-    "LogicalArray": ("read.shards", "LogicalArray"),
-    "OffloadingWriter": ("protocols", "OffloadingWriter"),
-    "Piece": ("read.shards", "Piece"),
-    "Prediction": ("codec.predict", "Prediction"),
-    "REFS_PREFIX": ("format.layout", "REFS_PREFIX"),
-    "RankInfo": ("commit.ranks", "RankInfo"),
-    "RankTransaction": ("commit.ranks", "RankTransaction"),
-    "RankWriter": ("commit.ranks", "RankWriter"),
     "Reader": ("read.reader", "Reader"),
     "Repository": ("repository", "Repository"),
     "Retention": ("maintenance.retention", "Retention"),
-    "RowSet": ("format.segment", "RowSet"),
-    "SUMMARY_SCALARS": ("format.segment", "SCALARS"),
-    "SkipSet": ("format.batches", "SkipSet"),
-    "Snapshot": ("api", "Snapshot"),
-    "StepTransaction": ("protocols", "StepTransaction"),
-    "StepWriter": ("protocols", "StepWriter"),
     "Storage": ("storage.base", "Storage"),
-    "StoredWriter": ("protocols", "StoredWriter"),
-    "TransactionProxy": ("commit.ranks", "TransactionProxy"),
-    "Writer": ("commit.writer", "Writer"),
+    "StoredStep": ("api", "StoredStep"),
     "adam_predictions": ("codec.predict", "adam_predictions"),
-    "as_float": ("index.rows", "as_float"),
-    "check_array_path": ("format.layout", "check_array_path"),
-    "decode_object": ("format.objects", "decode_object"),
-    "digest": ("flusher.flatstats", "digest"),
-    "dtype_itemsize": ("format.zarr_meta", "dtype_itemsize"),
-    "find_spikes": ("maintenance.retention", "find_spikes"),
-    "flusher_supported": ("flusher.parent", "flusher_supported"),
-    "fold_rows": ("index.shard_summaries", "fold_rows"),
-    "fsync_dir": ("storage.posix", "fsync_dir"),
-    "is_url": ("storage.urls", "is_url"),
-    "key_slot": ("format.layout", "key_slot"),
     "load": ("api", "load"),
-    "logical_arrays": ("read.shards", "logical_arrays"),
-    "logical_of": ("index.shard_summaries", "logical_of"),
-    "numpy_dtype": ("format.zarr_meta", "numpy_dtype"),
-    "parse_header": ("format.manifest", "parse_header"),
-    "plan_chunks": ("format.layout", "plan_chunks"),
-    "read_batches": ("format.batches", "read_batches"),
-    "read_logical": ("read.shards", "read_logical"),
-    "read_region": ("read.shards", "read_region"),
-    "read_skips": ("format.batches", "read_skips"),
-    "remove_parts": ("format.parts", "remove_parts"),
     "save": ("api", "save"),
     "sgd_predictions": ("codec.predict", "sgd_predictions"),
-    "shard_map": ("read.shards", "shard_map"),
-    "shard_source": ("index.shard_summaries", "shard_source"),
     "storage_for": ("storage.urls", "storage_for"),
-    "write_skips": ("format.batches", "write_skips"),
 }
 
 
@@ -271,7 +75,10 @@ def __getattr__(name: str) -> object:
     try:
         module, attr = _LAZY[name]
     except KeyError:
-        raise AttributeError(f"module 'dstt.store' has no attribute {name!r}") from None
+        raise AttributeError(
+            f"module 'dstt.store' has no attribute {name!r}"
+            " (dstt's internal names are in the private dstt.store._internal)"
+        ) from None
     value = getattr(_importlib.import_module(f".{module}", __name__), attr)
     globals()[name] = value
     return value

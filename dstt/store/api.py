@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .format.records import CommitHeader, Metric
     from .storage.base import Storage
 
-__all__ = ["Snapshot", "dtype_name", "load", "save"]
+__all__ = ["StoredStep", "dtype_name", "load", "save"]
 
 
 def dtype_name(dtype: np.dtype[Any]) -> str:
@@ -71,7 +71,11 @@ def save(
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class StoredStep:
+    """One committed step as ``load`` reads it back whole: its header, every array (path ->
+    numpy array) and every object. Not ``Snapshot``: that name is ``dstt.Snapshot``, the
+    lazy step view of inspection."""
+
     header: CommitHeader
     arrays: dict[str, np.ndarray]
     objects: dict[str, Any]
@@ -83,7 +87,7 @@ def load(
     *,
     timeline: str | None = None,
     trusted: bool = False,
-) -> Snapshot:
+) -> StoredStep:
     """Read back a committed step (default: the head of the current timeline), verified."""
     r = Repository.open(path).reader()
     if step is None:
@@ -94,4 +98,4 @@ def load(
         h = r.find(step, timeline)
     arrays = {p: r.read_array(h, p) for p in r.arrays(h)}
     objects = {n: r.read_object(h, n, trusted=trusted) for n in h.objects}
-    return Snapshot(h, arrays, objects)
+    return StoredStep(h, arrays, objects)

@@ -57,7 +57,7 @@ def _say(line: str) -> None:
 
 
 def _announcing_storage(path: str) -> Any:
-    from dstt.store import COMMITS_PREFIX, REFS_PREFIX, LocalStorage, parse_header
+    from dstt.store._internal import COMMITS_PREFIX, REFS_PREFIX, LocalStorage, parse_header
 
     class Announcing(LocalStorage):
         """A real ``LocalStorage`` that prints ``committed <step>`` after each ref write."""
@@ -247,7 +247,7 @@ def _verify_cli(run: Path) -> tuple[bool, str]:
 
 
 def _lineage_steps(run: Path) -> list[int]:
-    from dstt.store import Repository
+    from dstt.store._internal import Repository
 
     if not (run / "zarr.json").exists():  # killed before the run was created
         return []

@@ -26,7 +26,7 @@ import pytest
 from dstt.errors import MissingFileError, RunLockedError
 
 if TYPE_CHECKING:
-    from dstt.store import Storage
+    from dstt.store._internal import Storage
 
 __all__ = ["StorageTests"]
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from dstt.engine.ranks import RankInfo
     from dstt.engine.torch_state import Stateful, TorchState
-    from dstt.store import Reader
+    from dstt.store._internal import Reader
 
     from .options import SessionOptions
 

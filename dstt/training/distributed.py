@@ -34,7 +34,7 @@ from dstt.engine.providers import RankObject, StoreSource
 from dstt.engine.ranks import RankChannel, RankInfo, RankWriter, dist_info, open_ranks
 from dstt.engine.sharding import check_layout
 from dstt.errors import ConfigError, RankError
-from dstt.store import Repository
+from dstt.store._internal import Repository
 
 from .session import Session
 
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     import torch
 
     from dstt.engine.torch_state import Stateful, TorchState
-    from dstt.store import Reader
+    from dstt.store._internal import Reader
 
     from .options import SessionOptions
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     import torch
 
     from dstt.engine.torch_state import Stateful
-    from dstt.store import DeltaPolicy, Retention
+    from dstt.store._internal import DeltaPolicy, Retention
 
 __all__ = ["open_session", "session"]
 

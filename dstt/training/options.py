@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from dstt.engine.ranks import DEFAULT_START_TIMEOUT
 from dstt.errors import ConfigError
-from dstt.store import DeltaPolicy, Repository, Retention, Storage
+from dstt.store._internal import DeltaPolicy, Repository, Retention, Storage
 
 from .retention import check_policy
 

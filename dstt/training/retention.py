@@ -24,7 +24,7 @@ import warnings
 from typing import Any
 
 from dstt.errors import ConfigError, DsttWarning
-from dstt.store import GcReport, Retention, Writer
+from dstt.store._internal import GcReport, Retention, Writer
 
 __all__ = ["PRUNED_METRIC", "RetentionRunner", "check_policy", "store_writer"]
 

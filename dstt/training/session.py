@@ -39,7 +39,7 @@ from dstt.engine.providers import RankObject, StoreSource
 from dstt.engine.sharding import check_layout
 from dstt.engine.torch_state import ONE_RANK, Stateful, TorchState, discover
 from dstt.errors import CaptureError, NotARunError, TimelineError
-from dstt.store import DEFAULT_CHUNK_BYTES, GcReport, Repository
+from dstt.store._internal import DEFAULT_CHUNK_BYTES, GcReport, Repository
 
 from .checks import capture_error, check_optimizer, warn_skipped
 from .data import BatchLog, RecordedData, SkipSet, read_skips
@@ -51,7 +51,7 @@ from .steps import StepCapture
 from .stopping import finish_before_interrupt
 
 if TYPE_CHECKING:
-    from dstt.store import Reader
+    from dstt.store._internal import Reader
 
 __all__ = [
     "DEFAULT_BUDGET",

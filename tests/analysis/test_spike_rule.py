@@ -11,7 +11,7 @@ import pytest
 from dstt.analysis import SPIKE_WINDOW, SPIKE_Z, find_spikes
 from dstt.errors import ConfigError, DsttError
 from dstt.inspect.summaries import find_spikes as inspect_find_spikes
-from dstt.store import find_spikes as store_find_spikes
+from dstt.store._internal import find_spikes as store_find_spikes
 
 STEPS = np.arange(1, 101)
 

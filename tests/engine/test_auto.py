@@ -16,7 +16,7 @@ import dstt
 from dstt.engine.light import LIGHT_OBJECT
 from dstt.engine.torch_state import discover
 from dstt.errors import ConfigError, ReplayError, StepNotFoundError
-from dstt.store import BATCHES_OBJECT, Repository
+from dstt.store._internal import BATCHES_OBJECT, Repository
 from dstt.store.commit.ranks import RankInfo
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage
 from dstt.training import SessionOptions, session

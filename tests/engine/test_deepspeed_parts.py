@@ -14,7 +14,7 @@ from dstt.engine.deepspeed import is_deepspeed_engine
 from dstt.engine.ranks import RankInfo, open_ranks
 from dstt.engine.sharding import owners
 from dstt.errors import TimelineError
-from dstt.store import DeltaPolicy, Repository, check_array_path
+from dstt.store._internal import DeltaPolicy, Repository, check_array_path
 
 from ._helpers import same_bits
 

@@ -21,7 +21,7 @@ from dstt.engine.providers import (
 )
 from dstt.engine.torch_state import ModelTensors, discover, model_tensors, rng_provider
 from dstt.errors import SchemaError
-from dstt.store import Encoded, Repository
+from dstt.store._internal import Encoded, Repository
 from dstt.store.format.objects import decode_object
 from dstt.store.storage.memory import MemoryStorage
 from dstt.testing.models import TinyGPT, make_batch

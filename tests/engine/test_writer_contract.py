@@ -19,7 +19,7 @@ import torch
 
 from dstt.engine.pipeline import Pipeline
 from dstt.engine.ranks import RankInfo, open_ranks
-from dstt.store import DeltaPolicy, FlatStepWriter, Repository, StepTransaction
+from dstt.store._internal import DeltaPolicy, FlatStepWriter, Repository, StepTransaction
 
 from ._helpers import same_bits, stored
 

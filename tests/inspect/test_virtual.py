@@ -152,7 +152,7 @@ def _boxes(
     """``_box_chunks`` of a logical array of ``shape`` stored as ``boxes`` (offsets, sizes,
     rows per chunk), each box a real record of one chunk file per chunk."""
     from dstt.inspect.virtual import _box_chunks
-    from dstt.store import ArrayRecord, Box, LogicalArray
+    from dstt.store._internal import ArrayRecord, Box, LogicalArray
     from dstt.store.format.records import ChunkRecord
 
     table: dict[str, ArrayRecord] = {}

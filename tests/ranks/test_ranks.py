@@ -117,7 +117,7 @@ def test_each_rank_writes_only_its_share(rank_results: dict[str, Any], kind: str
         assert all(p.startswith(("dtensor/w2/r0/", "dtensor/w2/r1/")) for p in shards)
     sizes = {p: rec.plan.itemsize * _numel(rec.shape) for p, rec in table.items()}
     # the shard sources tile their logical tensors: no element is stored twice
-    from dstt.store import logical_arrays
+    from dstt.store._internal import logical_arrays
 
     assembled = logical_arrays(reader, header, table)
     assert all(p not in assembled for p in logical)

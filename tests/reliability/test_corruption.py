@@ -30,7 +30,7 @@ import pytest
 
 import dstt
 from dstt.errors import ChecksumError, CorruptRunError
-from dstt.store import CommitHeader, Repository, Snapshot, load
+from dstt.store import CommitHeader, Repository, StoredStep, load
 from dstt.store.format.layout import HEAD_KEY, commit_key, ref_key, step_file_key
 
 from ._helpers import (
@@ -51,7 +51,7 @@ RESTORED = {"rng", "data", "optim/param_groups", "optim/state"}
 class Pristine:
     run: Path
     headers: dict[int, CommitHeader]  # by step
-    snaps: dict[int, Snapshot]  # verified content of every step
+    snaps: dict[int, StoredStep]  # verified content of every step
     params: dict[int, dict[str, np.ndarray]]  # live parameters after every step
 
     @property
@@ -97,7 +97,7 @@ def named(key: str, problems: list[Any]) -> bool:
     return any(k == key or key in m for k, m in pairs)
 
 
-def snapshot_matches(got: Snapshot, want: Snapshot) -> None:
+def snapshot_matches(got: StoredStep, want: StoredStep) -> None:
     assert got.header == want.header
     assert sorted(got.arrays) == sorted(want.arrays)
     for k, a in want.arrays.items():

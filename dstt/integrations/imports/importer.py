@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dstt.engine.summaries import SummaryBook
-from dstt.store import DeltaPolicy, Repository
+from dstt.store._internal import DeltaPolicy, Repository
 
 from .checkpoint import Checkpoint
 from .sources import Source, Unknown, find_sources, reader_of
@@ -40,7 +40,7 @@ from .write import SOURCE_OBJECT, write_checkpoint
 if TYPE_CHECKING:
     import torch
 
-    from dstt.store import CommitHeader, Reader
+    from dstt.store._internal import CommitHeader, Reader
 
 __all__ = ["ImportReport", "Imported", "Skipped", "import_checkpoints"]
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from dstt.engine.summaries import SummaryBook
-    from dstt.store import CommitHeader
+    from dstt.store._internal import CommitHeader
 
     from .checkpoint import Checkpoint
 

@@ -18,7 +18,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from dstt.store import RankInfo, RankWriter, Repository, Storage, remove_parts
+from dstt.store._internal import RankInfo, RankWriter, Repository, Storage, remove_parts
 
 CHUNK_BYTES = 256  # params/r<k>/w spans two chunks, the last one an edge chunk
 
