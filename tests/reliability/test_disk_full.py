@@ -382,7 +382,8 @@ def test_defaults_room_for_two_steps_commit_the_two_oldest_then_resume(tmp_path:
         assert raised is None
         assert last == 12  # training never stopped
         skipped = [m for m in caught if "not checkpointed" in m]
-        assert skipped and all("No space left" in m or "no room" in m for m in skipped)
+        assert skipped
+        assert all("No space left" in m or "no room" in m for m in skipped)
         assert check_intact(run, after) == [1, 2, 3, 4]  # the two that fit: the oldest
         assert not [p for p in run.rglob("*") if ".tmp." in p.name]  # no debris left
         # space returns: the run resumes from step 4 and commits every further step
