@@ -16,6 +16,7 @@ second ordering mechanism would be needed.
 
 from __future__ import annotations
 
+import errno
 import queue
 import threading
 import time
@@ -23,6 +24,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from dstt.errors import StorageError
 from dstt.store._internal import Encoded
 
 if TYPE_CHECKING:
@@ -30,7 +32,15 @@ if TYPE_CHECKING:
     from .governor import EncodeGovernor
     from .summaries import SummaryBook
 
-__all__ = ["Committer"]
+__all__ = ["Committer", "out_of_room"]
+
+#: the errors of a disk (or a quota, or a file size limit) with no room left
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def out_of_room(error: BaseException | None) -> bool:
+    """Whether ``error`` says the storage has no room left (ENOSPC, EDQUOT, EFBIG)."""
+    return isinstance(error, OSError) and error.errno in NO_ROOM
 
 
 class Committer:
@@ -43,9 +53,14 @@ class Committer:
         summaries_object: str,
         governor: EncodeGovernor | None,
         record: Callable[[Flight], None],
+        make_room: Callable[[Flight], bool] | None = None,
     ) -> None:
+        """``make_room``: called when a step's commit found no room left; frees the space of
+        a newer step (dropping it) and says whether it did — the commit is then tried again,
+        so the oldest step commits first."""
         self._book, self.summaries_object = book, summaries_object
         self._governor, self._record = governor, record
+        self._make_room = make_room
         self._pickled: set[str] = set()  # objects warned about (stored with pickle)
         self._q: queue.SimpleQueue[Flight | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="dstt-commit", daemon=True)
@@ -138,7 +153,7 @@ class Committer:
             try:
                 metrics = f.metrics_now()
                 t0 = time.perf_counter()
-                f.header = f.txn.commit(metrics=metrics)
+                f.header = self._commit(f, metrics)
                 if self._book is not None:  # the parent of the next step's update
                     self._book.committed(f.digest_token if f.flat_stats else -1)
                 self._observe(f, time.perf_counter() - t0)
@@ -152,6 +167,23 @@ class Committer:
             except BaseException as e:  # pragma: no cover - abort touches no storage
                 f.error.add_note(f"aborting the transaction also failed: {e!r}")  # type: ignore[union-attr]
         self._record(f)
+
+    def _commit(self, f: Flight, metrics: dict[str, Any]) -> Any:  # noqa: ANN401 - a header
+        """``f``'s commit; where the disk has no room for it, again after each newer step
+        ``make_room`` dropped (bounded: a step is dropped once), so that on a filling disk
+        the oldest steps commit and the newest give way."""
+        while True:
+            try:
+                return f.txn.commit(metrics=metrics)
+            except StorageError as e:
+                if not (
+                    out_of_room(e)
+                    and self._make_room is not None
+                    and getattr(f.txn, "retryable", False)  # (a rank's: no retry)
+                    and self._make_room(f)
+                ):
+                    raise
+                f.txn.reopen()
 
     def _observe(self, f: Flight, commit_s: float) -> None:
         """Tell the encode governor what this step's flush cost (CPU, and waiting for the

@@ -12,6 +12,7 @@ steps and knows nothing of buffers, shared memory or zip images.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -43,7 +44,19 @@ if TYPE_CHECKING:
     from .dims import DimsOf
     from .flight import Flight
 
-__all__ = ["FlatLane"]
+__all__ = ["FlatLane", "discard_files"]
+
+
+def discard_files(f: Flight) -> None:
+    """Delete the unpublished files of a step that will not commit (a failed or dropped
+    one whose writes are over); its transaction's ``abort`` later finds nothing left."""
+    txn = f.txn
+    if txn is None:
+        return
+    for part in (getattr(txn, "zip", None), getattr(txn, "side", None)):
+        if part is not None:
+            with contextlib.suppress(OSError):
+                part.discard()
 
 
 class FlatLane:
@@ -192,6 +205,11 @@ class FlatLane:
                 stats = digest(plan, buf.numpy(), token) if plan is not None else None
             if plan is not None and stats is not None:
                 f.flat_stats = {"paths": plan.paths, "numel": plan.numel, **stats}
+        except BaseException:
+            # the step fails: its files go now, not once the committer reaches it after
+            # the older steps — on a full disk, they need that room to commit
+            discard_files(f)
+            raise
         finally:
             self._pass(token)
             index, f.buffer = f.buffer, None

@@ -27,6 +27,7 @@ with a hung filesystem alive at exit, and ordering the commits would need a seco
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import threading
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstt import schema
-from dstt.errors import CaptureError
+from dstt.errors import CaptureError, StorageError
 from dstt.store._internal import (
     EncodingWriter,
     FlatStepWriter,
@@ -51,8 +52,8 @@ from dstt.store._internal import (
 )
 
 from .chunklane import ChunkLane
-from .committer import Committer
-from .flatwrite import FlatLane
+from .committer import Committer, out_of_room
+from .flatwrite import FlatLane, discard_files
 from .flight import Flight, StepMetrics, _Aborted, _encode_metrics
 from .governor import EncodeGovernor
 from .staging import Copier, HostCache, RaceReport, VersionGuard
@@ -138,6 +139,11 @@ class Pipeline(ChunkLane):
         self._copy_q: queue.SimpleQueue[Flight | None] = queue.SimpleQueue()
         self._write_q: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._closed = False
+        #: the newest step that failed for want of room while no later step committed
+        #: (None: the disk has room). Meanwhile a step starts its copy and write only once
+        #: every older step has committed or failed, so steps stop competing for the room
+        #: left and the oldest take it (``_wait_older``)
+        self._full_step: int | None = None
         #: the writer's delta encoder (None: it never encodes), fixed for its life
         self._encoder = writer.encoder if isinstance(writer, EncodingWriter) else None
         enc = self._encoder
@@ -156,6 +162,7 @@ class Pipeline(ChunkLane):
             summaries_object=summaries_object,
             governor=self._governor,
             record=self._record,
+            make_room=self._make_room,
         )
         # with the flusher, a writer thread mostly waits for the child: two of them keep two
         # steps in the child, one being checksummed while the disk takes the other (not
@@ -334,8 +341,8 @@ class Pipeline(ChunkLane):
         """Failed flights not yet reported to the training thread (each returned once)."""
         with self._lock:
             out, self._errors = self._errors, []
-        for f in out:
-            f.reported = True
+            for f in out:
+                f.reported = True
         return out
 
     @property
@@ -378,7 +385,10 @@ class Pipeline(ChunkLane):
             if f is None:
                 return
             try:
-                self._copy(f)
+                if self._full_step is not None:
+                    self._wait_older(f)
+                if not f.dead:  # (dropped while it waited)
+                    self._copy(f)
             except BaseException as e:  # recorded; surfaced on the training thread
                 f.fail(e)
             finally:
@@ -463,9 +473,65 @@ class Pipeline(ChunkLane):
                     self._committer.put_object(f, task[2], task[3])
             except BaseException as e:
                 f.fail(e)
+                self._failed(f)
             finally:
                 f.add_cpu(time.thread_time() - t0, time.perf_counter() - w0)
                 f.task_done()
+
+    # -- a disk with no room left -------------------------------------------------------
+    def _failed(self, f: Flight) -> None:
+        """``f`` failed: surface its error at the training thread's next step (not once the
+        committer reaches it, after every older step), and where the disk has no room
+        left, write the steps staged from now on one at a time (``_wait_older``)."""
+        with self._lock:
+            if out_of_room(f.error):
+                self._full_step = max(f.step, self._full_step or f.step)
+            if not f.reported and not isinstance(f.error, _Aborted) and f not in self._errors:
+                self._errors.append(f)
+
+    def _wait_older(self, f: Flight) -> None:
+        """Copy thread, while the disk has no room left: let every step staged before ``f``
+        commit or fail first (each was sealed before ``f`` was staged, so none waits for
+        ``f``); then ``f`` alone meets the room left."""
+        with self._lock:
+            flights = self._flights
+            older = flights[: flights.index(f)] if f in flights else list(flights)
+        for g in older:
+            g.done.wait()
+
+    def _make_room(self, f: Flight) -> bool:
+        """Committer thread: ``f``'s commit found no room. Write the steps staged from now
+        on one at a time, free the space of newer steps — the files of those that failed
+        already, else those of the newest one still alive that holds or is writing files,
+        dropped — and say whether anything was freed (the commit is then tried again).
+        Oldest first: a step committed is worth more than a newer one in flight."""
+        with self._lock:
+            self._full_step = max(f.step, self._full_step or f.step)
+            flights = list(self._flights)
+        newer = flights[flights.index(f) + 1 :] if f in flights else []
+        newer = [g for g in newer if not g.done.is_set()]
+        freed = False
+        for g in newer:  # failed already: their writes end, their files go
+            if g.dead:
+                g.wait_writes()
+                freed = _holds_files(g) or freed
+                discard_files(g)
+        if freed:
+            return True
+        for g in reversed(newer):
+            if not g.dead and (g.pending or _holds_files(g)):
+                g.fail(
+                    StorageError(
+                        errno.ENOSPC,
+                        f"step {g.step} was dropped to make room for step {f.step}, staged "
+                        "before it: the disk has no room left for both",
+                    )
+                )
+                self._failed(g)
+                g.wait_writes()
+                discard_files(g)
+                return True
+        return False
 
     def _record(self, f: Flight) -> None:
         now = time.perf_counter()
@@ -488,5 +554,16 @@ class Pipeline(ChunkLane):
         )
         with self._lock:
             self._metrics.append(m)
-            if f.dead and not f.reported and not isinstance(f.error, _Aborted):
-                self._errors.append(f)
+            if f.header is not None and self._full_step is not None and f.step > self._full_step:
+                self._full_step = None  # a step after the failure committed: room again
+        if f.dead:
+            self._failed(f)
+
+
+def _holds_files(f: Flight) -> bool:
+    """Whether ``f``'s transaction has unpublished files on the storage."""
+    txn = f.txn
+    return txn is not None and (
+        getattr(getattr(txn, "zip", None), "local_path", None) is not None
+        or bool(getattr(getattr(txn, "side", None), "used", False))
+    )

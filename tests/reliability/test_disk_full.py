@@ -20,17 +20,20 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import dstt
 from dstt.errors import CaptureError, ReadOnlyRunError, StorageError
 from dstt.store import LocalStorage, Repository
 from dstt.store.storage.memory import FaultyStorage
 from dstt.testing.models import SyntheticBatches
+from dstt.training.options import DEFAULT_BUDGET
 
 from ._helpers import (
     assert_params,
@@ -306,3 +309,154 @@ def test_full_filesystem_skip_policy_warns_and_commits_again(tmp_path: Path) -> 
         assert set(range(freed_at + 1, s.step + 1)) <= set(steps)  # commits resumed
         assert len(steps) < s.step  # the steps that met a full disk are not in the run
         assert os.statvfs(fs).f_bfree > 0
+
+
+# -- the defaults (flat lane + flusher process) on a nearly full tmpfs --------------------------
+
+
+def step_bytes(run: Path) -> int:
+    """The disk one committed step takes (its two files and header, in 4 KiB pages)."""
+    pages = 0
+    for p in [*(run / "steps").glob("000000000001.*"), run / "_dstt/commits/000000000001.json"]:
+        pages += -(-p.stat().st_size // 4096)
+    return pages * 4096
+
+
+def leave_room(fs: Path, nbytes: int) -> Path:
+    """Fill ``fs`` up to ``nbytes`` free bytes; returns the filler."""
+    filler = fs / "filler"
+    st = os.statvfs(fs)
+    filler.write_bytes(b"\0" * max(0, st.f_bavail * st.f_frsize - nbytes))
+    return filler
+
+
+def default_session(
+    run: Path, steps: int, policy: str, at_step: Callable[[Any, int], bool]
+) -> tuple[dict[int, dict[str, np.ndarray]], int, BaseException | None, list[str]]:
+    """Train TinyGPT under ``dstt.session`` with its defaults (the flat lane and the flusher
+    process); ``at_step(session, step)`` runs at the top of every iteration. Returns the
+    parameters after each step, the last step taken, the error raised and the warnings."""
+    torch.set_num_threads(1)
+    model, opt = model_and_optimizer()
+    after: dict[int, dict[str, np.ndarray]] = {}
+    raised: BaseException | None = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with dstt.session(model, opt, run=run, error_policy=policy) as s:  # type: ignore[arg-type]
+                for x, y in s.data(SyntheticBatches(steps)):
+                    if s.step == 3:  # the defaults: flat steps, written by the flusher
+                        assert s._pipeline is not None
+                        assert s._pipeline.flusher is not None
+                    if at_step(s, s.step):
+                        break
+                    _, loss = model(x, y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    after[s.step] = params(model)
+        except CaptureError as e:
+            raised = e
+    return after, s.step, raised, [str(w.message) for w in caught]
+
+
+def wait_committed(s: Any, steps: set[int]) -> None:
+    while not steps <= {m.step for m in s.metrics if m.committed}:
+        time.sleep(0.001)  # commits are asynchronous
+
+
+def test_defaults_room_for_two_steps_commit_the_two_oldest_then_resume(tmp_path: Path) -> None:
+    """(a) room for 2 steps: the 2 oldest commit, later ones fail; (d) the committed steps
+    are intact, and once space returns the run resumes bit-exactly."""
+    with small_fs(tmp_path / "fs", "8m") as fs:
+        run = fs / "run"
+        room: dict[str, Path] = {}
+
+        def at_step(s: Any, step: int) -> bool:
+            if step == 3:  # steps 1 and 2 are on disk (3: unsealed): room for 2.5 more
+                wait_committed(s, {1, 2})
+                room["filler"] = leave_room(fs, step_bytes(run) * 5 // 2)
+            return False
+
+        after, last, raised, caught = default_session(run, 12, "skip", at_step)
+        assert raised is None
+        assert last == 12  # training never stopped
+        skipped = [m for m in caught if "not checkpointed" in m]
+        assert skipped
+        assert all("No space left" in m or "no room" in m for m in skipped)
+        assert check_intact(run, after) == [1, 2, 3, 4]  # the two that fit: the oldest
+        assert not [p for p in run.rglob("*") if ".tmp." in p.name]  # no debris left
+        # space returns: the run resumes from step 4 and commits every further step
+        room["filler"].unlink()
+        ref_after, ref_losses = train(tmp_path / "reference", 12)
+        _, losses = train(run, 12, resume=True, budget_bytes=DEFAULT_BUDGET)
+        assert losses == ref_losses[4:]
+        assert committed(run) == list(range(1, 13))
+        assert_params(stored_params(run, 12), ref_after[12])
+        assert Repository.open(run).verify().ok
+
+
+def test_defaults_skip_commits_again_once_there_is_room_for_one(tmp_path: Path) -> None:
+    """(b) ``"skip"``: steps fail while the disk is full; once room for one step returns,
+    the next steps commit again."""
+    with small_fs(tmp_path / "fs", "8m") as fs:
+        run = fs / "run"
+        seen: dict[str, Any] = {}
+
+        def at_step(s: Any, step: int) -> bool:
+            if step == 3:
+                wait_committed(s, {1, 2})
+                seen["size"] = step_bytes(run)
+                seen["filler"] = leave_room(fs, seen["size"] // 2)  # no room for a step
+            failed = [m.step for m in s.metrics if not m.committed]
+            if failed and "freed" not in seen:
+                # room for one step (and a quarter) returns
+                filler: Path = seen["filler"]
+                st = os.statvfs(fs)
+                gone = seen["size"] * 5 // 4 - st.f_bavail * st.f_frsize
+                os.truncate(filler, filler.stat().st_size - gone)
+                seen["freed"], seen["failed"] = step, failed[0]
+            return "freed" in seen and step >= seen["freed"] + 6
+
+        after, last, raised, caught = default_session(run, 40, "skip", at_step)
+        assert raised is None
+        freed = seen["freed"]
+        assert last == freed + 6
+        steps = check_intact(run, after)
+        # room for one: one step after the failure commits, then the disk is full again
+        assert len(steps) == 3, steps
+        assert steps[:2] == [1, 2]
+        assert steps[2] > seen["failed"]
+        assert any(f"step {steps[2] + 1} was not checkpointed" in m for m in caught)
+
+
+def test_defaults_raise_arrives_at_the_next_step(tmp_path: Path) -> None:
+    """(c) ``"raise"``: the typed error arrives at the next optimizer step after the first
+    failed write (here step 5's: steps 3 and 4 fit and commit first)."""
+    with small_fs(tmp_path / "fs", "8m") as fs:
+        run = fs / "run"
+        seen: dict[str, int] = {}
+
+        def at_step(s: Any, step: int) -> bool:
+            if step == 3:
+                wait_committed(s, {1, 2})
+                leave_room(fs, step_bytes(run) * 5 // 2)
+            if step >= 4 and "failed" not in seen:
+                # wait for each staged step to settle: the first failure is then seen
+                # before the next optimizer step, which must raise
+                while step - 1 not in {m.step for m in s.metrics}:  # (``step``: unsealed)
+                    time.sleep(0.001)
+                failed = [m.step for m in s.metrics if not m.committed]
+                if failed:
+                    seen["failed"], seen["at"] = failed[0], step
+            return False
+
+        after, last, raised, _ = default_session(run, 20, "raise", at_step)
+        assert isinstance(raised, CaptureError)
+        cause = raised.__cause__
+        assert isinstance(cause, StorageError)
+        assert cause.errno == errno.ENOSPC
+        assert seen["failed"] == 5
+        assert f"step {seen['failed']} could not be checkpointed" in str(raised)
+        assert last == seen["at"]  # raised at the very next optimizer step
+        assert check_intact(run, after) == [1, 2, 3, 4]

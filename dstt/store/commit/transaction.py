@@ -126,6 +126,10 @@ class Transaction:
         self._predictions: dict[str, Prediction] = {}
         #: slots of steps in flight this step's deltas are based on (``inflight_bases``)
         self.deps: set[int] = set()
+        #: the header's time, fixed at the first commit attempt (a retry writes the same
+        #: bytes); ``ran_here``: an attempt wrote through this process's file handles
+        self.commit_time: float | None = None
+        self.ran_here = False
 
     @property
     def bytes_written(self) -> int:
@@ -491,6 +495,24 @@ class Transaction:
             raise
         self.state = "committed"
         return header
+
+    @property
+    def retryable(self) -> bool:
+        """A failed commit that ran in another process (the flusher's), leaving this
+        process's view of the files as it was: ``reopen`` may run it again."""
+        return self.state == "failed" and not self.ran_here
+
+    def reopen(self) -> None:
+        """Let a failed ``commit`` run again (after room was made on a full disk). The
+        retry writes the same job — the same time, so the same bytes at the same places —
+        so whatever the failed attempt left is written over or, published already,
+        recognised as the same file (``LocalStorage.adopt_blob``)."""
+        if not self.retryable:
+            raise DsttError(
+                f"the commit of step {self.step} cannot be tried again ({self.state}"
+                f"{', written here' if self.ran_here else ''})"
+            )
+        self.state = "open"
 
     def prepare(
         self, *, rank: int, world: int, session: str, metrics: Mapping[str, Metric] | None = None

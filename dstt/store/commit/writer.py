@@ -429,6 +429,7 @@ class Writer:
                     if job.lazy_ref:  # written there: this process's next barrier syncs it
                         self.storage.note_written(ref_key(job.timeline))  # type: ignore[attr-defined]
                     return header
+        txn.ran_here = True  # its files now hold this attempt's writes (no ``reopen``)
         return run_commit(self.storage, txn.zip, txn.side, job)
 
     # -- commit ---------------------------------------------------------------------------
@@ -507,12 +508,14 @@ class Writer:
                 )
             moved = replace(ref, head=txn.slot)
             block, consolidated = self._metadata(txn)
+            if txn.commit_time is None:  # a retry (``reopen``) writes the same header
+                txn.commit_time = time.time()
             job = CommitJob(
                 slot=txn.slot,
                 step=txn.step,
                 timeline=txn.timeline,
                 parent=ref.head,
-                time=time.time(),
+                time=txn.commit_time,
                 ref=dump_ref(moved),
                 lazy_ref=self.lazy_refs,
                 metrics=dict(metrics),

@@ -169,6 +169,7 @@ def _commit_loop(
     stores: dict[tuple[str, str], LocalStorage] = {}
     while (task := commits.get()) is not None:
         rid, root, durability, zip_state, side_state, consts, data = task
+        files: list[StepFile | SideFile] = []
         try:
             st = stores.get((root, durability))
             if st is None:
@@ -177,10 +178,18 @@ def _commit_loop(
             job = replace(
                 pickle.loads(data), template=template, block=block, consolidated=consolidated or b""
             )
-            header = run_commit(
-                st, StepFile.adopt(st, zip_state), SideFile.adopt(st, side_state), job
-            )
+            zf = StepFile.adopt(st, zip_state)
+            files.append(zf)
+            side = SideFile.adopt(st, side_state)
+            files.append(side)
+            header = run_commit(st, zf, side, job)
         except Exception as e:
+            # let go of the files now: the parent deletes them (or commits them itself), and
+            # a descriptor kept here would hold a deleted file's space until this process
+            # exits — on a full disk, the room every later step needs
+            for f in files:
+                with contextlib.suppress(Exception):
+                    f.handed_off()
             reply(("err", rid, getattr(e, "errno", None), f"{type(e).__name__}: {e}"))
             continue
         reply(("ok", rid, header))

@@ -52,7 +52,12 @@ class _FileBlob(Blob):
                 )
             else:
                 self.tmp = tmp
-                self.fd = os.open(tmp, os.O_WRONLY)
+                try:
+                    self.fd = os.open(tmp, os.O_WRONLY)
+                except FileNotFoundError:
+                    # published already by an earlier attempt of the same commit (which
+                    # then failed later, e.g. at the header on a full disk): that file
+                    self.fd = os.open(self.path, os.O_WRONLY)
         except OSError as e:
             raise storage._io_error(e, "write", key) from e
 
