@@ -21,6 +21,8 @@ stays the lane for encoded steps and for states larger than half the budget.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import operator
 import threading
 import time
@@ -134,10 +136,18 @@ class StepBuffers:
         if count < 1:
             raise ValueError("StepBuffers needs at least one buffer")
         self.nbytes, self.count, self.pinned = nbytes, count, pin
+        #: buffers this ring page-locked with ``cudaHostRegister``: unregistered at ``close``,
+        #: before their shared memory is unmapped (a range left registered poisons every later
+        #: registration or pinned allocation the kernel maps over it: cudaErrorAlreadyMapped)
+        self._registered: list[torch.Tensor] = []
         if memory is not None:
             self.buffers = [torch.frombuffer(m, dtype=torch.uint8, count=nbytes) for m in memory]
             if pin:
-                self.pinned = all(_register_pinned(b) for b in self.buffers)
+                for b in self.buffers:
+                    if not _register_pinned(b):
+                        break
+                    self._registered.append(b)
+                self.pinned = len(self._registered) == len(self.buffers)
         else:
             # zeroed once: padding between tensors stays zero (the summaries scan across it)
             self.buffers = [
@@ -194,6 +204,11 @@ class StepBuffers:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            registered, self._registered = self._registered, []
+        if registered:
+            torch.cuda.synchronize()  # no copy into them is left in flight
+            for b in registered:
+                _unregister_pinned(b)
 
 
 def _register_pinned(buf: torch.Tensor) -> bool:
@@ -203,4 +218,27 @@ def _register_pinned(buf: torch.Tensor) -> bool:
         rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
     except (RuntimeError, AttributeError):
         return False
-    return int(rc) == 0
+    if int(rc) != 0:
+        _clear_cuda_error()
+        return False
+    return True
+
+
+def _unregister_pinned(buf: torch.Tensor) -> None:
+    with contextlib.suppress(RuntimeError, AttributeError):
+        if int(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())) != 0:
+            _clear_cuda_error()
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a refused call of ours: left pending, it is
+    what the next kernel launch anywhere in the process reports as its own failure. torch
+    binds no ``cudaGetLastError``, so call the runtime library the process already loaded."""
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "libcudart" in line}
+        for lib in sorted(libs):
+            ctypes.CDLL(lib).cudaGetLastError()
+            return
+    except (OSError, AttributeError):
+        pass

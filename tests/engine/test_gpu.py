@@ -89,3 +89,29 @@ def test_cuda_in_place_race_is_detected(tmp_path: Path) -> None:
             loss.backward()
             opt.step()
             armed[0] = True
+
+
+def test_back_to_back_flat_sessions_leave_cuda_usable(tmp_path: Path) -> None:
+    """The flat lane page-locks its shared step ring (``cudaHostRegister``). Closing a
+    session must unregister it before the memory goes: a range left registered made the next
+    session's registration, and pinned memory anyone mapped over it, fail with
+    ``cudaErrorAlreadyMapped`` at a later kernel launch (found by bench/gpu_check.py on an
+    H200: every mode after dstt's first session failed)."""
+    m, opt = _gpt(0)
+    for i in range(3):  # the default budget: the whole step takes the flat lane
+        with session(m, opt, run=tmp_path / f"run{i}") as s:
+            for x, y in s.data(SyntheticBatches(3)):
+                _, loss = m(x.cuda(), y.cuda())
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            ring = s._pipeline.steps if s._pipeline else None  # the ring this test is about
+            assert ring is not None
+            assert ring.pinned
+        assert committed_steps(Repository.open(tmp_path / f"run{i}")) == [1, 2, 3]
+    pinned = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)  # what DCP stages into
+    pinned.copy_(torch.ones(64 << 20, dtype=torch.uint8, device="cuda"), non_blocking=True)
+    torch.cuda.synchronize()
+    assert int(pinned[-1]) == 1
+    _, loss = m(*(t.cuda() for t in next(iter(SyntheticBatches(1)))))
+    assert torch.isfinite(loss)
