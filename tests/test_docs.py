@@ -170,3 +170,65 @@ def test_document_runs_as_written(doc: str, tmp_path: Path) -> None:
         timeout=600,
     )
     assert proc.returncode == 0, f"{doc} fails as written:\n{proc.stderr[-4000:]}"
+
+
+# -- every relative link resolves -------------------------------------------------------------
+
+
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's heading anchors of a Markdown file: lower case, punctuation dropped, spaces
+    to hyphens (headings inside code fences are not headings)."""
+    import re
+
+    out: set[str] = set()
+    fenced = False
+    for line in doc.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#+\s+(.*)", line)):
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            out.add(slug)
+    return out
+
+
+def _relative_links(page: Path) -> list[str]:
+    import re
+
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)  # inline code is not a link
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    return [u for u in links if not re.match(r"[a-z][a-z0-9+.-]*:", u)]
+
+
+def _broken_links(pages: list[Path]) -> list[str]:
+    """Relative links of ``pages`` whose file, or whose Markdown heading, does not exist."""
+    broken = []
+    for page in pages:
+        for link in _relative_links(page):
+            path, _, anchor = link.partition("#")
+            target = (page.parent / path).resolve() if path else page
+            if not target.exists():
+                broken.append(f"{page.name}: {link} (no such file)")
+            elif anchor and target.suffix == ".md" and anchor not in _anchors(target):
+                broken.append(f"{page.name}: {link} (no such heading)")
+    return broken
+
+
+def test_every_relative_link_of_the_docs_resolves() -> None:
+    """Each relative link of README.md and docs/*.md names a file that exists and, for a
+    Markdown target with ``#anchor``, one of its headings (moving or renaming a page breaks
+    no reader's path through the docs)."""
+    broken = _broken_links([ROOT / doc for doc in _documents()])
+    assert not broken, broken
+
+
+def test_the_link_check_catches_a_broken_link(tmp_path: Path) -> None:
+    """The check itself, on a page with one good link, two broken ones and a code span."""
+    (tmp_path / "a.md").write_text("# A page\n\n## Some heading, here\n\n```\n# not one\n```\n")
+    page = tmp_path / "b.md"
+    page.write_text("[ok](a.md#some-heading-here) [gone](c.md) [bad](a.md#nope) `[x](y.md)`\n")
+    assert _anchors(tmp_path / "a.md") == {"a-page", "some-heading-here"}
+    assert _broken_links([page]) == [
+        "b.md: c.md (no such file)",
+        "b.md: a.md#nope (no such heading)",
+    ]

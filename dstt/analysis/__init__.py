@@ -8,6 +8,9 @@ library only, no store, no torch, no xarray.
 
 Rejected: keeping the rule in the store (where retention first needed it) — the rule is
 about metrics, not bytes, and inspection, the widgets and the CLI import it too.
+
+Modules: ``spikes`` the rule above · ``mechanisms`` one pure check per spike mechanism (bad
+data, update too large, attention logit growth, Adam's second moment, numerics), on numpy.
 """
 
 from __future__ import annotations

@@ -5,6 +5,26 @@
 The names below are imported lazily (PEP 562): ``dstt.engine.light``, which a read of the
 index needs (``dstt log``), must not pull in torch through ``pipeline``. Rejected
 alternative: eager imports here — any submodule's import would cost torch's start (~1 s).
+
+Modules (one step's journey through them: docs/architecture.md):
+
+* what to capture — ``providers`` (the ``StateProvider`` seam), ``torch_state`` (model,
+  optimizer, scheduler, RNG), ``optimizers`` (optimizer state as arrays), ``model_names``
+  (canonical and tied names), ``dims`` (dimension names), ``data_position`` (the loader's
+  position), ``predictions`` (which arrays the store may predict);
+* copying it — ``staging`` (host cache, chunk copies, version guard), ``flatlane`` (the
+  whole-step plan and buffer ring), ``chunklane`` (the chunk-by-chunk lane), ``flight`` (one
+  staged step and its metrics);
+* flushing it — ``pipeline`` (copy thread, writers), ``flatwrite`` (the flat lane's writes and
+  the flusher), ``committer`` (commits in step order), ``summaries`` (write-time summaries),
+  ``governor`` (encode or write raw), ``light`` (light steps of ``every="auto"``);
+* several ranks — ``ranks`` (rank channel, opening the run together), ``sharding`` (which box
+  each rank writes), ``dtensors`` (DTensor local views, restore into any placement),
+  ``parallel`` (DDP, FSDP2, tensor parallel);
+* DeepSpeed — ``deepspeed`` (an engine's state per rank), ``zero`` (ZeRO 1-3 partitions),
+  ``ds_checkpoint`` (a ``CheckpointEngine`` into a run), ``_ds_tags`` (one tag, one
+  transaction), ``_statedict`` (state dicts as arrays plus a skeleton);
+* ``_convert`` — torch <-> store conversions (dtype names, byte views).
 """
 
 from __future__ import annotations

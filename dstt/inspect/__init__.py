@@ -16,6 +16,12 @@ Modules (each importable on its own; this package imports none of them eagerly, 
 - ``optimizers`` torch optimizers back from a commit, one or several
 - ``html``       the run overview (text, JSON-ready dict, static HTML)
 - ``virtual``    a timeline as one virtual Zarr store (kerchunk references into step files)
+- ``indexed``    metrics and write-time summaries from the run's index rows
+- ``diagnose``   spike diagnosis: abnormal updates, non-finite values, divergence
+- ``sharded``    logical tensors of sharded commits (ZeRO partitions) as table records
+- ``export_dcp`` one commit as a ``torch.distributed.checkpoint`` folder
+- ``replay``     re-executing a past step exactly (``ReplayKit``, ``replay_step``)
+- ``rebuild``    a light step rebuilt from the stored step before it
 
 Everything here reads through ``dstt.store`` only; ``dstt.run`` is the user-facing front.
 """

@@ -8,7 +8,8 @@
 
 Each takes ``ax=`` (or makes a new figure through pyplot, the matplotlib convention, so it
 shows inline) and returns the ``Axes``. The numbers come from :mod:`dstt.plots.series`
-(write-time summaries when the run has them); the drawing from :mod:`dstt.plots.draw`.
+(write-time summaries when the run has them: ``series``); the drawing from
+:mod:`dstt.plots.draw` (``draw``).
 matplotlib is imported on first use, not by ``import dstt.plots``.
 
 Rejected alternative: ``xarray``'s own ``.plot()`` on the views — it knows nothing of spikes,

@@ -10,7 +10,8 @@ training (plain PyTorch, PyTorch-native parallelism, DeepSpeed).
 * ``deepspeed`` — ``DeepSpeedSession``: one rank of a DeepSpeed engine;
 * ``stopping`` — ``finish_before_interrupt``: a Ctrl-C while a session closes commits first;
 * ``checks``, ``metrics``, ``retention``, ``data`` — up-front checks and skipped-step
-  reports, ``s.log``, background gc, data attribution.
+  reports, ``s.log``, background gc, data attribution;
+* ``imported`` — resuming a step ``dstt import`` brought in: what its source did not hold.
 
 Imports flow store ← engine ← training; nothing in the engine or the store imports this
 package. (It is ``training``, not ``session``: a ``dstt.session`` package would shadow the
