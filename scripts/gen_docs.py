@@ -57,7 +57,7 @@ INTERNAL_PACKAGES = [
 
 
 def _store_rooms() -> list[str]:
-    """The store's rooms (its subpackages): private, named in docs/design.md."""
+    """The store's rooms (its subpackages): private, named in docs/decisions.md."""
     root = Path(dstt.__file__).parent / "store"
     return sorted(f"dstt.store.{p.name}" for p in root.iterdir() if (p / "__init__.py").exists())
 

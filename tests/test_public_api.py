@@ -345,7 +345,7 @@ def test_module_imports_have_no_cycles() -> None:
     assert not cycles, cycles
 
 
-#: the house, bottom up (docs/design.md, "dstt's tree"): a package may import only packages of
+#: the house, bottom up (docs/decisions.md, "dstt's tree"): a package may import only packages of
 #: a lower layer (function-level and TYPE_CHECKING imports included); the top-level ``dstt``
 #: module is the lazy facade
 LAYERS: tuple[tuple[str, ...], ...] = (
@@ -471,7 +471,7 @@ def test_the_module_list_check_catches_an_unnamed_module(tmp_path: Path) -> None
     assert undocumented_modules(mods, ("dstt.pkg",)) == ["dstt.pkg.unnamed"]
 
 
-#: the store's rooms, bottom up (docs/design.md, "The store's tree"): a module imports modules
+#: the store's rooms, bottom up (docs/decisions.md, "The store's tree"): a module imports modules
 #: of its own room or a lower one, never a higher one (function-level and TYPE_CHECKING imports
 #: included); ``""`` is the store's top level — the front door ``__init__``, ``repository``,
 #: ``api``, ``protocols``, ``bfloat16`` — which may import every room and which no room imports
@@ -556,11 +556,11 @@ def test_the_room_check_catches_an_upward_import(tmp_path: Path, module: str) ->
 
 def test_every_store_module_is_named_in_its_rooms_docstring() -> None:
     """A reader finds every module of the store from its room's ``__init__`` docstring (the
-    top level's in docs/design.md, "The store's tree")."""
+    top level's in docs/decisions.md, "The store's tree")."""
     import ast
 
     mods = _dstt_modules()
-    tree = (Path(dstt.__file__).parents[1] / "docs" / "design.md").read_text()
+    tree = (Path(dstt.__file__).parents[1] / "docs" / "decisions.md").read_text()
     missing = []
     for name, path in mods.items():
         if not name.startswith("dstt.store.") or path.name == "__init__.py":
