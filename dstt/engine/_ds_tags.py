@@ -17,7 +17,11 @@ from typing import TYPE_CHECKING, Any
 from .ranks import RankTransaction, RankWriter, TransactionProxy
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    from dstt.store._internal import FlatLayout
 
     from ._statedict import SessionPaths
     from .pipeline import Flight
@@ -67,6 +71,15 @@ class _TagWriter:
 
     def __init__(self, rw: RankWriter, saves: dict[int, _Save]) -> None:
         self.rw, self.saves = rw, saves
+
+    @property
+    def encoder(self) -> None:
+        return None  # a tag's files are written raw (``_SharedTxn.encode``)
+
+    def flat_layout(self, arrays: Sequence[Any]) -> FlatLayout:
+        """Lay out one file's tensors (the pipeline's one lane: each file flight is written
+        whole or in segments into the tag's transaction, ``put_flat``)."""
+        return self.rw.flat_layout(arrays)
 
     def begin(self, step: int) -> _SharedTxn:
         save = self.saves[step]  # added before its first flight was staged
