@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstt import schema
-from dstt.errors import CaptureError, StorageError
+from dstt.errors import CaptureError, ConfigError, StorageError
 from dstt.store._internal import (
     EncodingWriter,
     FlatStepWriter,
@@ -97,7 +97,7 @@ class Pipeline:
         if max_backlog < 1:
             raise ValueError(f"max_backlog must be at least 1, got {max_backlog}")
         if not isinstance(writer, FlatStepWriter):
-            raise TypeError(
+            raise ConfigError(
                 f"{type(writer).__name__} cannot take flat steps: a capture writer needs "
                 "begin(step), encoder and flat_layout(arrays) (dstt.store.protocols)"
             )

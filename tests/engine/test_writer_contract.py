@@ -70,7 +70,7 @@ def _capture(writer: Any, steps: int, budget: int) -> dict[int, dict[str, torch.
 
 
 @pytest.mark.parametrize("name", sorted(WRITERS))
-@pytest.mark.parametrize("budget", [1 << 20, 4096], ids=["flat", "chunked"])
+@pytest.mark.parametrize("budget", [1 << 20, 4096], ids=["flat", "segments"])
 def test_every_writer_commits_the_same_steps_bit_exactly(
     tmp_path: Path, name: str, budget: int
 ) -> None:
