@@ -95,9 +95,14 @@ class TransactionProxy:
         return list(self._txn.deferred)
 
     def put_flat(
-        self, layout: FlatLayout, buf: StepBytes, images: dict[int, FlatImage] | None = None
+        self,
+        layout: FlatLayout,
+        buf: StepBytes,
+        images: dict[int, FlatImage] | None = None,
+        *,
+        start: int | None = None,
     ) -> None:
-        self._txn.put_flat(layout, buf, images)
+        self._txn.put_flat(layout, buf, images, start=start)
 
     def put_flat_chunks(self, layout: FlatLayout, buf: StepBytes) -> None:
         self._txn.put_flat_chunks(layout, buf)
