@@ -33,7 +33,6 @@ from dstt.store._internal import (
     digest,
 )
 
-from ._convert import flat_bytes
 from .flatlane import FlatPlan, Segment, StepBuffers, plan_key, segments, write_order
 from .summaries import flat_digest_plan, summarized
 
@@ -248,36 +247,6 @@ class FlatLane:
             if acc is not None:  # on the host copy, off the training thread
                 dtype = f.tensors[a.path].dtype
                 acc.add((s - a.offset) // a.plan.itemsize, buf[s - start : e - start].view(dtype))
-
-    def recopy_segmented(self, f: Flight, plan: FlatPlan, paths: list[str], copier: Copier) -> None:
-        """Copy and write ``paths`` of a segmented step again, synchronously (a detected
-        race; its segments were written already, the last write of a chunk wins)."""
-        f.wait_writes()
-        if f.dead or f.txn is None:
-            return
-        assert self.steps is not None
-        index, _ = self.steps.acquire()
-        try:
-            buf = self.steps.buffers[index]
-            arrays = plan.layout.arrays
-            for path in paths:
-                k = plan.order.index(path)
-                a, t = arrays[k], f.tensors[path]
-                f.sources[path] = src = flat_bytes(t if t.is_contiguous() else t.contiguous())
-                f.guard.reset(path, t)
-                acc = f.summaries.get(path)
-                if acc is not None and self.book is not None:
-                    f.summaries[path] = self.book.accumulator(path, acc.numel)
-                _, lo, hi = plan.layout.spans[k]
-                for c in plan.layout.chunks[lo:hi]:
-                    s, e = c[2], c[3]
-                    view = buf[: e - s]
-                    copier.copy_all([view], [src[s - a.offset : e - a.offset]]).wait()
-                    if f.guard.verify:
-                        f.guard.add_copy(path, view)
-                    self._put_chunks(f, plan, [c], buf, s)
-        finally:
-            self.steps.release(index)
 
     def write(self, f: Flight) -> None:
         """Write a flat step once sealed (a detected race may still recopy into its buffer

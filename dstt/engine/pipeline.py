@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstt import schema
-from dstt.errors import CaptureError, ConfigError, StorageError
+from dstt.errors import CaptureError, ConfigError, RaceError, StorageError
 from dstt.store._internal import (
     EncodingWriter,
     FlatStepWriter,
@@ -300,8 +300,15 @@ class Pipeline:
 
     def recopy(self, f: Flight, paths: list[str]) -> None:
         """Synchronously copy and write ``paths`` of ``f`` again (after a detected race)."""
-        if f.flat is not None and not f.whole:  # its segments are written: write them again
-            self.flat.recopy_segmented(f, f.flat, paths, self._copier)
+        if f.flat is not None and not f.whole:  # its segments are written already
+            f.fail(
+                RaceError(
+                    f"step {f.step}: {', '.join(paths)} changed in place while the step was "
+                    "written; a state larger than half of budget_bytes is written segment by "
+                    "segment as it is copied, so it cannot be copied again. The step is not "
+                    "checkpointed; raise budget_bytes above twice the state to recopy races"
+                )
+            )
             return
         if f.flat is not None:  # its buffer is written only once sealed: copy into it again
             if f.dead or f.buffer is None:

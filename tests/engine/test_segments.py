@@ -136,3 +136,33 @@ def test_a_writer_without_flat_layout_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="flat_layout"):
         Pipeline(NoLayout(), budget_bytes=1 << 20)  # type: ignore[arg-type]
+
+
+def test_a_race_in_a_segmented_step_is_refused_not_stored_mixed(tmp_path: Path) -> None:
+    """race_policy="recopy": a segmented step's segments are written as they are copied, so
+    a race found afterwards cannot be recopied (a chunk is written once); that step is
+    dropped with a RaceError that says so and what to do, the steps before it stay."""
+    torch.manual_seed(0)
+    m = MLP(d_in=D, hidden=D)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+    armed = [False]
+
+    def hook(mod: torch.nn.Module, args: object) -> None:
+        if armed[0]:
+            armed[0] = False
+            with torch.no_grad():
+                mod.weight.add_(0.5)  # in place, in step 1's copy window
+
+    m.l1.register_forward_pre_hook(hook)
+    run = tmp_path / "run"
+    with (
+        pytest.raises(RaceError, match=r"step 1: params/l1/weight .* raise budget_bytes"),
+        session(m, opt, run=run, budget_bytes=TINY, race_policy="recopy"),
+    ):
+        train_step(m, opt, *mlp_batch(0, d_in=D))
+        armed[0] = True
+        train_step(m, opt, *mlp_batch(1, d_in=D))
+        train_step(m, opt, *mlp_batch(2, d_in=D))
+    repo = Repository.open(run)
+    assert committed_steps(repo) == [2]  # step 1 dropped whole, never stored mixed
+    assert repo.verify().problems == []
