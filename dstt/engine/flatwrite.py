@@ -91,6 +91,7 @@ class FlatLane:
         self._digests: dict[int, DigestPlan] = {}
         self._images: dict[tuple[int, int], FlatImage] = {}  # (id(layout), start) -> sizes
         self._lock = threading.Lock()
+        self._alloc = threading.Lock()  # the ring is allocated once
         self._lost = False  # the flusher died (warned once)
         #: ids of the digested steps (``Flight.digest_token``, from ``ticket``): the
         #: committer calls a step's update exact only where the digest compared it with its
@@ -122,7 +123,14 @@ class FlatLane:
     def ensure_steps(self, plan: FlatPlan) -> StepBuffers:
         """The ring of step buffers, allocated at the first step: whole-step buffers (at
         least ``min_bytes``) two to four of which fit the budget, or two halves of the
-        budget where a step is larger (it is then copied and written in segments)."""
+        budget where a step is larger (it is then copied and written in segments). Called
+        from the copy thread and, copying at stage, the training thread: one allocates."""
+        if self.steps is not None:
+            return self.steps
+        with self._alloc:
+            return self._allocate(plan)
+
+    def _allocate(self, plan: FlatPlan) -> StepBuffers:
         if self.steps is None:
             half = self.budget_bytes // 2
             nbytes = max(plan.nbytes, min(self.min_bytes, half))
@@ -138,7 +146,7 @@ class FlatLane:
                     warnings.warn(
                         f"dstt: writing from threads, the flusher process could not start ({e})",
                         RuntimeWarning,
-                        stacklevel=3,
+                        stacklevel=4,
                     )
                     self.flusher = None
             self.steps = StepBuffers(nbytes, count, pin=pin, memory=memory)
