@@ -17,7 +17,7 @@ baseline (the first commits of a run, by ratio), and the spike report leaves it 
 alternatives: ranking by absolute ratio — a tensor that always moves a lot tops every list and
 hides the one that changed; ranking by |z| — a tensor that froze would name itself the
 culprit of a jump. Limits: ratios are estimated from probes where the engine had no copy of
-the parent step (``update_exact`` False: the chunk lane, the first step after a resume;
+the parent step (``update_exact`` False: a step written in segments, the first after a resume;
 noisy, the robust baseline absorbs most of it); a tensor that moved abnormally over many
 steps becomes its own baseline.
 
