@@ -52,6 +52,8 @@ __all__ = [
     "SCHEDULER_OBJECT",
     "SHARDS_OBJECT",
     "SUMMARIES_OBJECT",
+    "SUMMARY_FIELDS",
+    "SUMMARY_SCALARS",
     "TIED_OBJECT",
     "WRAPPER_ATTRIBUTES",
     "ZERO_SCALARS_OBJECT",
@@ -136,6 +138,12 @@ OBJECT_NAMES: tuple[str, ...] = (
     FILES_OBJECT,
     LIGHT_OBJECT,
 )
+
+# -- the fields of one tensor's write-time summary (``SUMMARIES_OBJECT``) ---------------------
+#: its scalars, in the index's column order (``store/format/segment.py``)
+SUMMARY_SCALARS: Final = ("l2", "rms", "maxabs", "nan", "inf", "update_l2", "update_ratio")
+#: every field: the scalars, the probed values, whether ``update_l2`` is exact
+SUMMARY_FIELDS: Final = (*SUMMARY_SCALARS, "probe", "update_exact")
 
 
 def declared_object(name: str) -> bool:
