@@ -10,7 +10,8 @@ Rejected: keeping the rule in the store (where retention first needed it) — th
 about metrics, not bytes, and inspection, the widgets and the CLI import it too.
 
 Modules: ``spikes`` the rule above · ``mechanisms`` one pure check per spike mechanism (bad
-data, update too large, attention logit growth, Adam's second moment, numerics), on numpy.
+data, update too large, attention logit growth, Adam's second moment, numerics), on numpy ·
+``summary_kernel`` the one kernel of write-time summaries (every lane, the flusher, the importer).
 """
 
 from __future__ import annotations

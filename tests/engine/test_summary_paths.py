@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from dstt.engine.summaries import probe_indices
+from dstt.analysis.summary_kernel import probe_indices
 from dstt.inspect.summaries import summary_rows
 from dstt.store import DeltaPolicy, Repository
 from dstt.training import session

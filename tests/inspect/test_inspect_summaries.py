@@ -12,7 +12,9 @@ import pytest
 import torch
 from inspect_helpers import new_repo, write_steps
 
-from dstt.engine.summaries import SummaryAccumulator, probe_indices, tensor_summary
+from dstt.analysis.summary_kernel import probe_indices
+from dstt.engine.summaries import SummaryAccumulator, tensor_summary
+from dstt.errors import CaptureError
 from dstt.inspect.diagnose import rank_by_baseline
 from dstt.inspect.summaries import find_spikes
 from dstt.run import open_run
@@ -73,7 +75,7 @@ def test_chunked_accumulation_in_any_order_equals_one_shot() -> None:
 def test_incomplete_accumulation_is_refused() -> None:
     acc = SummaryAccumulator("params/w", 10)
     acc.add(0, torch.ones(4))
-    with pytest.raises(ValueError, match="4 of 10"):
+    with pytest.raises(CaptureError, match="4 of 10"):
         acc.result()
 
 
