@@ -180,7 +180,9 @@ def _exact(seg: np.ndarray) -> tuple[float, float, int, int, int]:
     good = x64[np.isfinite(x64)]
     n_nan = int(np.isnan(x64).sum())
     m = float(np.abs(good).max()) if len(good) else 0.0
-    return float(np.dot(good, good)), m, len(good), n_nan, len(x64) - len(good) - n_nan
+    with np.errstate(over="ignore"):  # float64 values near its max: inf, as their l2 is
+        ss = float(np.dot(good, good))
+    return ss, m, len(good), n_nan, len(x64) - len(good) - n_nan
 
 
 def segment_stats(
@@ -246,8 +248,9 @@ def segment_updates(
     for k in np.flatnonzero(~ok).tolist():
         r, s = int(rows[k]), int(segs.bounds[2 * k])
         e = s + int(segs.numel[r])
-        d64 = v[s:e].astype(np.float64) - o[s:e].astype(np.float64)
-        upd[r] = float(np.dot(d64, d64)) if np.all(np.isfinite(d64)) else np.nan
+        with np.errstate(over="ignore", invalid="ignore"):  # inf - inf: NaN, no update
+            d64 = v[s:e].astype(np.float64) - o[s:e].astype(np.float64)
+            upd[r] = float(np.dot(d64, d64)) if np.all(np.isfinite(d64)) else np.nan
     return upd
 
 
