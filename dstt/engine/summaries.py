@@ -108,8 +108,8 @@ class SummaryAccumulator:
         self.probe = np.full(len(self.idx), np.nan)
         self.prev_probe = None if prev_probe is None else np.asarray(prev_probe, dtype=float)
         self._lock = threading.Lock()
-        self._sumsq = self._maxabs = self._upd_sumsq = 0.0
-        self._finite = self._nan = self._inf = self._seen = self._upd_seen = 0
+        self._sums: dict[str, Any] = dict.fromkeys(("sumsq", "maxabs", "finite", "nan", "inf"), 0)
+        self._upd_sumsq, self._seen, self._upd_seen = 0.0, 0, 0
 
     def add(self, offset: int, chunk: torch.Tensor, prev_chunk: torch.Tensor | None = None) -> None:
         """Add elements ``[offset, offset + chunk.numel())``; ``prev_chunk`` is the same range
@@ -127,11 +127,9 @@ class SummaryAccumulator:
         st = segment_stats(x, segs, hi - lo)
         upd = None if old is None else float(segment_updates(x, old, segs)[0])
         with self._lock:
-            self._sumsq += float(st["sumsq"][0])
-            self._maxabs = max(self._maxabs, float(st["maxabs"][0]))
-            self._finite += int(st["finite"][0])
-            self._nan += int(st["nan"][0])
-            self._inf += int(st["inf"][0])
+            for k in ("sumsq", "finite", "nan", "inf"):
+                self._sums[k] += st[k][0].item()
+            self._sums["maxabs"] = max(self._sums["maxabs"], st["maxabs"][0].item())
             self._seen += len(x)
             if upd is not None:
                 self._upd_sumsq += upd
@@ -147,33 +145,16 @@ class SummaryAccumulator:
                     f"{self.path}: summarised {self._seen} of {self.numel} elements "
                     "(a chunk was not added)"
                 )
-            st = {
-                "sumsq": np.array([self._sumsq]),
-                "maxabs": np.array([self._maxabs]),
-                "finite": np.array([self._finite]),
-                "nan": np.array([self._nan]),
-                "inf": np.array([self._inf]),
-                "probe": self.probe[None, :],
-                "probe_len": np.array([len(self.probe)]),
-            }
+            st = {k: np.array([v]) for k, v in self._sums.items()}
+            st["probe"], st["probe_len"] = self.probe[None, :], np.array([len(self.probe)])
             exact = None
             if self._upd_seen == self.numel and self.numel:
                 exact = np.array([self._upd_sumsq])
             prev = None if self.prev_probe is None else self.prev_probe[None, :]
         cols = finish_columns(np.array([self.numel]), st, prev, exact)
-        out: dict[str, Any] = {}
-        for f in schema.SUMMARY_FIELDS:
-            v = cols[f][0]
-            if f == "probe":
-                out[f] = [float(p) for p in v]
-            elif f in ("nan", "inf"):
-                out[f] = int(v)
-            elif f == "update_exact":
-                out[f] = bool(v)
-            elif f in ("update_l2", "update_ratio"):
-                out[f] = None if math.isnan(v) else float(v)
-            else:
-                out[f] = float(v)
+        out = {f: cols[f][0].tolist() for f in schema.SUMMARY_FIELDS}  # plain Python values
+        for f in ("update_l2", "update_ratio"):
+            out[f] = None if math.isnan(out[f]) else out[f]  # unknown
         return out
 
 
