@@ -1,7 +1,8 @@
 """Read side of write-time summaries, logged metrics as xarray, and loss-spike detection.
 
 Summaries are the per-commit object ``summaries`` written by the engine
-(:mod:`dstt.engine.summaries` documents what each field means and which are estimates).
+(:mod:`dstt.analysis.summary_kernel` computes every field: ``finish_columns`` says what each
+means and which are estimates).
 :func:`summaries_dataset` turns them into one ``Dataset`` with dims ``step`` x ``tensor`` (and
 ``probe_index`` for the probed elements) by reading one small object per commit, never a tensor.
 
