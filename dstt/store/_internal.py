@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from .format.manifest import parse_header
     from .format.objects import Encoded, decode_object
     from .format.parts import remove_parts
-    from .format.records import ArrayRecord, CommitHeader
+    from .format.records import ArrayRecord, CommitHeader, Metric
     from .format.segment import SCALARS as SUMMARY_SCALARS
     from .format.segment import RowSet
     from .format.zarr_meta import dtype_itemsize, numpy_dtype
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from .maintenance.gc import GcReport
     from .maintenance.retention import Retention, find_spikes
     from .protocols import (
+        ArraySpec,
         EncodingWriter,
         FlatStepWriter,
         OffloadingWriter,
@@ -94,6 +95,7 @@ __all__ = [
     "REFS_PREFIX",
     "SUMMARY_SCALARS",
     "ArrayRecord",
+    "ArraySpec",
     "Batch",
     "Box",
     "ChunkPlan",
@@ -110,6 +112,7 @@ __all__ = [
     "Index",
     "LocalStorage",
     "LogicalArray",
+    "Metric",
     "OffloadingWriter",
     "Piece",
     "Prediction",
@@ -161,6 +164,7 @@ __all__ = [
 
 _LAZY: dict[str, tuple[str, str]] = {
     "ArrayRecord": ("format.records", "ArrayRecord"),
+    "ArraySpec": ("protocols", "ArraySpec"),
     "BATCHES_OBJECT": ("format.batches", "BATCHES_OBJECT"),
     "Batch": ("format.batches", "Batch"),
     "Box": ("read.shards", "Box"),
@@ -183,6 +187,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Index": ("index.view", "Index"),
     "LocalStorage": ("storage.local", "LocalStorage"),
     "LogicalArray": ("read.shards", "LogicalArray"),
+    "Metric": ("format.records", "Metric"),
     "OffloadingWriter": ("protocols", "OffloadingWriter"),
     "Piece": ("read.shards", "Piece"),
     "Prediction": ("codec.predict", "Prediction"),
