@@ -16,6 +16,7 @@ import importlib as _importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ._seam import FlatSegment, StepHandle, StepSink, TransactionSink
     from .api import StoredStep, load, save
     from .codec.predict import CUR, Prediction, adam_predictions, sgd_predictions
     from .codec.xor import DeltaPolicy
@@ -106,6 +107,7 @@ __all__ = [
     "EncodingWriter",
     "FlatImage",
     "FlatLayout",
+    "FlatSegment",
     "FlatStepWriter",
     "Flusher",
     "GcReport",
@@ -124,12 +126,15 @@ __all__ = [
     "Retention",
     "RowSet",
     "SkipSet",
+    "StepHandle",
+    "StepSink",
     "StepTransaction",
     "StepWriter",
     "Storage",
     "StoredStep",
     "StoredWriter",
     "TransactionProxy",
+    "TransactionSink",
     "Writer",
     "adam_predictions",
     "as_float",
@@ -181,6 +186,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "EncodingWriter": ("protocols", "EncodingWriter"),
     "FlatImage": ("format.flat", "FlatImage"),
     "FlatLayout": ("format.flat", "FlatLayout"),
+    "FlatSegment": ("_seam", "FlatSegment"),
     "FlatStepWriter": ("protocols", "FlatStepWriter"),
     "Flusher": ("flusher.parent", "Flusher"),
     "GcReport": ("maintenance.gc", "GcReport"),
@@ -201,12 +207,15 @@ _LAZY: dict[str, tuple[str, str]] = {
     "RowSet": ("format.segment", "RowSet"),
     "SUMMARY_SCALARS": ("format.segment", "SCALARS"),
     "SkipSet": ("format.batches", "SkipSet"),
+    "StepHandle": ("_seam", "StepHandle"),
+    "StepSink": ("_seam", "StepSink"),
     "StepTransaction": ("protocols", "StepTransaction"),
     "StepWriter": ("protocols", "StepWriter"),
     "Storage": ("storage.base", "Storage"),
     "StoredStep": ("api", "StoredStep"),
     "StoredWriter": ("protocols", "StoredWriter"),
     "TransactionProxy": ("commit.ranks", "TransactionProxy"),
+    "TransactionSink": ("_seam", "TransactionSink"),
     "Writer": ("commit.writer", "Writer"),
     "adam_predictions": ("codec.predict", "adam_predictions"),
     "as_float": ("index.rows", "as_float"),
