@@ -13,8 +13,9 @@ Failure semantics: a refused segment (out of order, overlapping, splitting an ar
 layout) raises ``SegmentError`` and writes nothing; the handle stays open. Any other error in
 ``write`` or ``put_object`` fails the handle: ``commit`` then raises ``CaptureError`` and the
 caller aborts. A step is visible only once ``commit`` returned; it commits whole or not at all
-(a commit with arrays of its layout unwritten raises ``SegmentError``). ``abort`` is
-idempotent and a no-op after a commit, so ``finally: h.abort()`` is safe. A flusher that dies
+(a commit with arrays of its layout unwritten raises ``SegmentError``); a commit that raised
+is aborted by the caller. ``abort`` is idempotent and a no-op after a commit, so
+``finally: h.abort()`` is safe. A flusher that dies
 mid-step costs nothing: its write or commit is done again here (same bytes, same places).
 
 ``TransactionSink`` adapts any ``protocols.StepWriter`` — the one-process ``Writer``, the
@@ -91,6 +92,8 @@ class TransactionSink:
     def __init__(self, writer: FlatStepWriter, flusher: Flusher | None = None) -> None:
         self.writer, self.flusher = writer, flusher
         self._encodes = writer.encoder is not None
+        #: the layouts of segments, by (layout, start, stop): built once, not per step
+        self.subs: dict[tuple[int, int, int], tuple[FlatLayout, FlatLayout, bool]] = {}
         if flusher is not None and isinstance(writer, OffloadingWriter):
             writer.committer = flusher
 
@@ -114,7 +117,6 @@ class _Handle:
         self._arrays = 0  # arrays of the layout written so far
         self._failed: BaseException | None = None
         self._state = "open"
-        self._subs: dict[tuple[int, int], tuple[FlatLayout, bool]] = {}
 
     @property
     def step(self) -> int:
@@ -172,9 +174,10 @@ class _Handle:
         are already laid out that way; ``SegmentError`` where an array straddles an end."""
         if start == 0 and stop == layout.nbytes:
             return layout, True
-        hit = self._subs.get((start, stop))
-        if hit is not None:
-            return hit
+        subs = self._sink.subs
+        hit = subs.get((id(layout), start, stop))
+        if hit is not None and hit[0] is layout:
+            return hit[1], hit[2]
         if not 0 <= start < stop <= layout.nbytes:
             raise SegmentError(
                 f"segment [{start}, {stop}) is outside the step's {layout.nbytes} bytes"
@@ -182,7 +185,7 @@ class _Handle:
         inside = []
         for a in layout.arrays:
             lo, hi = a.offset, a.offset + a.nbytes
-            if start <= lo and hi <= stop:
+            if start <= lo and hi <= stop and (lo < stop or a.nbytes):  # (an empty one: once)
                 inside.append(a)
             elif lo < stop and hi > start and a.nbytes:
                 raise SegmentError(
@@ -195,7 +198,9 @@ class _Handle:
         direct = not layout.framed and all(
             s.offset == a.offset - start for s, a in zip(sub.arrays, inside, strict=True)
         )
-        self._subs[(start, stop)] = (sub, direct)
+        if len(subs) > 64:
+            subs.clear()
+        subs[(id(layout), start, stop)] = (layout, sub, direct)
         return sub, direct
 
     def _via_flusher(self, layout: FlatLayout, shared: int, view: memoryview) -> bool:
