@@ -26,6 +26,7 @@ import pytest
 from dstt.engine._ds_tags import _Save, _TagWriter
 from dstt.store._internal import (
     CommitHeader,
+    DeltaPolicy,
     FlatLayout,
     FlatSegment,
     Flusher,
@@ -38,7 +39,7 @@ from dstt.store._internal import (
 )
 from dstt.store.format.flat import byte_view
 from dstt.testing import WriterTests
-from dstt.testing.writer_tests import SMALL, flat, values
+from dstt.testing.writer_tests import ARRAYS, SMALL, flat, values
 
 pytestmark = pytest.mark.skipif(not flusher_supported(), reason="the flusher needs Linux memfd")
 
@@ -59,6 +60,54 @@ class TestWriterSink(WriterTests):
         finally:
             writer.close()
             fl.close()
+
+
+class TestEncodingWriterSink(WriterTests):
+    """The same writer encoding XOR deltas: steps after the first are deltas, written here
+    chunk by chunk (the flusher still commits them)."""
+
+    @pytest.fixture
+    def sink(self, run_path: Path) -> Iterator[StepSink]:
+        policy = DeltaPolicy(raw_when_busy=False, min_ratio=1.0)
+        writer = Repository.create(run_path).writer(chunk_bytes=256, encoding=policy)
+        fl = Flusher(1 << 16, 2)
+        try:
+            yield TransactionSink(writer, fl)
+        finally:
+            writer.close()
+            fl.close()
+
+
+def test_an_encoding_writer_mixes_whole_and_segmented_steps(tmp_path: Path) -> None:
+    """Slowly changing steps, whole and in two segments by turns: every one reads back
+    bit-exactly and the whole ones after the first are XOR deltas."""
+    policy = DeltaPolicy(raw_when_busy=False, min_ratio=1.0)
+    writer = Repository.create(tmp_path / "run").writer(chunk_bytes=256, encoding=policy)
+    sink = TransactionSink(writer)
+    base, datas = values(1, ARRAYS), {}
+    try:
+        layout = sink.layout(ARRAYS)
+        cut = layout.arrays[1].offset
+        for step in range(1, 7):
+            datas[step] = data = {p: v[:-1] + bytes([step]) for p, v in base.items()}
+            buf = bytes(flat(layout, data))
+            h = sink.begin(step)
+            if step % 2:
+                h.write(FlatSegment(layout, 0, buf))
+            else:
+                h.write(FlatSegment(layout, 0, buf[:cut]))
+                h.write(FlatSegment(layout, cut, buf[cut:]))
+            h.commit()
+    finally:
+        writer.close()
+    r = Repository.open(tmp_path / "run").reader()
+    for h in r.lineage():
+        for path, want in datas[h.step].items():
+            assert r.read_array(h, path).tobytes() == want, (h.step, path)
+        codecs = {c.encoding for a in r.arrays(h).values() for c in a.chunks}
+        if h.step in (3, 5):  # (a segmented step is written raw today: lane's to improve)
+            assert codecs != {"raw"}, (h.step, codecs)
+    assert Repository.open(tmp_path / "run").verify().problems == []
 
 
 # -- the DeepSpeed tag writer ----------------------------------------------------------------
