@@ -294,8 +294,8 @@ class _Context:
         names = self.names()
         if not names:
             return update_too_large(None, [])
-        r = self.summaries()["update_ratio"].values
-        f = update_too_large(r, names)
+        sums = self.summaries()
+        f = update_too_large(sums["update_ratio"].values, names, steps=sums["step"].values)
         return _with_read(f, [f"summaries' update_ratio at steps {_span(self.window)}"])
 
     def attention(self) -> Finding:
