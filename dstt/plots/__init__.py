@@ -5,6 +5,8 @@
 - :func:`norms`           weight-norm trajectories
 - :func:`layer_change`    per-tensor change of one step versus a reference step
 - :func:`tensor`          one tensor as a heatmap (rank >= 2) or histogram (1-D)
+- :func:`explanation`     the evidence of ``run.explain(spike)``: per-sample losses, update
+  ratios, attention logit bounds, ``g²/v`` (:mod:`dstt.plots.explain`: ``explain``)
 
 Each takes ``ax=`` (or makes a new figure through pyplot, the matplotlib convention, so it
 shows inline) and returns the ``Axes``. The numbers come from :mod:`dstt.plots.series`
@@ -26,6 +28,7 @@ from dstt._optional import require
 from dstt.errors import MetricNotFoundError
 
 from .draw import draw_bars, draw_curves, draw_heatmap, draw_tensor
+from .explain import explanation
 from .series import exactness_label, param_names, step_change, tensor_stats
 
 if TYPE_CHECKING:
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     from dstt.run.run import Run
 
 __all__ = [
+    "explanation",
     "layer_change",
     "loss",
     "norms",
