@@ -198,14 +198,21 @@ def _logits(ax: Axes, f: Finding, ex: Explanation) -> dict[str, Any]:
         (lines[layer],) = ax.plot(steps, np.asarray(ys, dtype=float), marker="o", ms=3, label=layer)
     level = ax.axhline(float(ev.get("level", np.nan)), color=SPIKE_COLOR, ls="--", lw=0.9)
     ax.set_xlabel("step (up to the cause's parent)")
-    heads = ev.get("heads")
-    per = f"{heads} heads" if isinstance(heads, int) else "projection as one head"
-    ax.set_ylabel(f"largest logit ({per})")
+    ax.set_ylabel(f"largest logit ({_heads_label(ev.get('heads'))})")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     if 0 < len(lines) <= 12:
         ax.legend(loc="best", fontsize="x-small")
     return {"lines": lines, "level": level}
+
+
+def _heads_label(heads: object) -> str:
+    """How the layers were split into heads: ``"4 heads"``, ``"heads per layer"`` or
+    ``"projection as one head"`` (head counts unknown)."""
+    counts = set(heads.values()) if isinstance(heads, dict) else set()
+    if not counts or None in counts:
+        return "projection as one head" if counts <= {None} else "heads per layer, some unknown"
+    return f"{counts.pop()} heads" if len(counts) == 1 else "heads per layer"
 
 
 def _adam(ax: Axes, f: Finding, ex: Explanation) -> dict[str, Any]:

@@ -215,3 +215,14 @@ def test_findings_keep_the_arrays_they_judged() -> None:
     np.testing.assert_array_equal(f.evidence["rho"], rho)
     assert f.evidence["names"] == NAMES
     assert f.evidence["recent"] == 3
+
+
+def test_one_heads_growth_is_seen_per_head_and_can_vanish_in_the_whole_projection() -> None:
+    """Why the attention check splits heads: two heads whose ``W_q^h W_k^hᵀ`` cancel in the
+    sum over heads have a large logit each, and the whole projection shows none."""
+    d, dh, a = 8, 4, 5.0
+    e = np.eye(d)[:dh]  # dh x d
+    wq = np.vstack([a * e, a * e])
+    wk = np.vstack([a * e, -a * e])
+    assert logit_bound(wq, wk, 2) == pytest.approx(a * a * d / np.sqrt(dh))
+    assert logit_bound(wq, wk, 1) == pytest.approx(0.0, abs=1e-9)
