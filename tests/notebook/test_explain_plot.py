@@ -80,6 +80,7 @@ def test_each_panel_draws_its_findings_evidence() -> None:
     for layer, line in lines.items():
         np.testing.assert_array_equal(line.get_xdata(), ev["steps"])
         np.testing.assert_allclose(line.get_ydata(), ev["bound"][layer])
+    assert "projection as one head" in out.axes["attention logit bound"].get_ylabel()
 
     f = ex.finding("adam_second_moment")
     art = out.artists["g²/v"]
@@ -147,6 +148,7 @@ def test_a_planted_bad_batch_is_drawn_from_its_replay(tmp_path: Path) -> None:
     red = {i for i, b in zip(idx, bars, strict=True) if b.get_facecolor() == RED}
     assert red == set(sc.points_at)
     assert "per-sample losses" not in out.unknown
+    assert "(4 heads)" in out.axes["attention logit bound"].get_ylabel()  # model/heads
     mesh = out.artists["update ratio"]["mesh"]
     ratios = np.array(ex.finding("update_too_large").evidence["ratios"], dtype=float)
     np.testing.assert_allclose(
