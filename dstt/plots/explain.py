@@ -57,19 +57,13 @@ MAX_TENSORS = 40  #: the heat map and the g²/v bars show at most this many tens
 @dataclass
 class ExplanationFigure:
     """The figure, its ``axes`` by panel title (:data:`PANELS`), and per panel the artists
-    drawn (empty for a panel that says ``unknown``) and what it says when it cannot draw."""
+    drawn (only the ``text`` for a panel that says ``unknown``) and, in ``unknown``, what
+    such a panel lacked. No rich repr: a new figure is pyplot's and shows inline once."""
 
     figure: Figure
     axes: dict[str, Axes]
     artists: dict[str, dict[str, Any]] = field(default_factory=dict)
     unknown: dict[str, str] = field(default_factory=dict)
-
-    def _repr_png_(self) -> bytes | None:
-        import io
-
-        buf = io.BytesIO()
-        self.figure.savefig(buf, format="png")
-        return buf.getvalue()
 
 
 def explanation(ex: Explanation, *, fig: Figure | None = None) -> ExplanationFigure:
