@@ -6,10 +6,11 @@ as a heatmap or histogram).
 
 Each takes ``ax=`` (or makes a figure through pyplot, so it shows inline) and returns the
 ``Axes``. The numbers come from ``series`` (write-time summaries when the run has them), the
-drawing from ``draw``; matplotlib is imported on first use, not by ``import dstt.plots``.
+drawing from ``draw``; :func:`explanation` (``explain``) draws ``run.explain``'s evidence;
+matplotlib is imported on first use.
 
-Rejected alternative: ``xarray``'s own ``.plot()`` on the views — it knows nothing of spikes,
-timelines or summaries, and users would assemble the step x tensor matrix themselves.
+Rejected alternative: ``xarray``'s own ``.plot()`` — it knows nothing of spikes, timelines or
+summaries.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dstt._optional import require
 from dstt.errors import MetricNotFoundError
 
 from .draw import draw_bars, draw_curves, draw_heatmap, draw_tensor
+from .explain import explanation
 from .series import exactness_label, param_names, step_change, tensor_stats
 
 if TYPE_CHECKING:
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from dstt.run.run import Run
 
 __all__ = [
+    "explanation",
     "layer_change",
     "loss",
     "norms",

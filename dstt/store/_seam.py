@@ -1,6 +1,6 @@
 """The narrow seam the engine writes steps through: ``StepSink`` → ``StepHandle``, six members.
 
-Call order, per step (several steps may be in flight, each with its own handle)::
+Call order per step (several in flight, a handle each; failure semantics: ``StepHandle``)::
 
     layout = sink.layout(arrays)           # once per set of arrays, reused while they hold
     h = sink.begin(step)                   # a fresh slot; nothing visible
@@ -9,19 +9,7 @@ Call order, per step (several steps may be in flight, each with its own handle):
     header = h.commit(metrics)             # visible now (None: a share another commits)
     # or, on any failure before the commit returned:  h.abort()
 
-Failure semantics: a refused segment (out of order, overlapping, splitting an array, another
-layout) raises ``SegmentError`` and writes nothing; the handle stays open. Any other error in
-``write`` or ``put_object`` fails the handle: ``commit`` then raises ``CaptureError`` and the
-caller aborts. A step is visible only once ``commit`` returned; it commits whole or not at all
-(a commit with arrays of its layout unwritten raises ``SegmentError``); a commit that raised
-is aborted by the caller. ``abort`` is idempotent and a no-op after a commit, so
-``finally: h.abort()`` is safe. A flusher that dies
-mid-step costs nothing: its write or commit is done again here (same bytes, same places).
-
-``TransactionSink`` adapts any ``protocols.StepWriter`` — the one-process ``Writer``, the
-``RankWriter`` and the DeepSpeed tag writer — to it, thin over their transactions. Rejected
-alternative: the engine driving the ~20-member transaction itself (the proxies drifted).
-"""
+``TransactionSink`` adapts the three writers. Rejected: driving the ~20-member transaction."""
 
 from __future__ import annotations
 
@@ -62,7 +50,17 @@ class FlatSegment:
 
 @runtime_checkable
 class StepHandle(Protocol):
-    """One step on its way to a commit (see the module docstring for the call order)."""
+    """One step on its way to a commit (the call order: the module docstring).
+
+    Failure semantics: a refused segment (out of order, overlapping, splitting an array,
+    another layout) raises ``SegmentError`` and writes nothing; the handle stays open. Any
+    other error in ``write`` or ``put_object`` fails the handle: ``commit`` then raises
+    ``CaptureError`` and the caller aborts. A step is visible only once ``commit`` returned;
+    it commits whole or not at all (a commit with arrays of its layout unwritten raises
+    ``SegmentError``); a commit that raised is aborted by the caller. ``abort`` is idempotent
+    and a no-op after a commit, so ``finally: h.abort()`` is safe. A flusher that dies
+    mid-step costs nothing: its write or commit is done again here (same bytes, places).
+    """
 
     @property
     def step(self) -> int: ...

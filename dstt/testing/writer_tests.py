@@ -1,20 +1,15 @@
 """A shipped contract test for ``StepSink`` implementations (the engine → store seam).
 
-Every way a step reaches the store — one process's ``Writer``, several ranks' ``RankWriter``,
-the DeepSpeed tag writer — must keep the seam's contract (``dstt/store/_seam.py``): a committed
-step reads back bit-exactly, an aborted or failed one is never visible, objects round-trip,
-steps land in commit order, bad segments are refused with ``SegmentError``, and a flusher
-that dies mid-step loses nothing. Subclass :class:`WriterTests`, give it a ``sink`` fixture
-that writes to ``run_path`` (with a flusher where the platform has one), and every case below
-runs against it::
+Every writer must keep ``_seam.py``'s contract: commits read back bit-exactly and in order, aborted
+steps stay invisible, objects round-trip, bad segments raise ``SegmentError``, a flusher dying
+mid-step loses nothing. Subclass :class:`WriterTests` with a ``sink`` fixture on ``run_path``::
 
     class TestMySink(WriterTests):
         @pytest.fixture
         def sink(self, run_path):
             return TransactionSink(Repository.create(run_path).writer(chunk_bytes=256))
 
-Modelled on zarr-python's ``zarr.testing.store.StoreTests``. Rejected alternative: a contract
-test per implementation — they drift, as the transaction proxies did.
+After zarr's ``StoreTests``. Rejected: a contract test per implementation (they drift).
 """
 
 from __future__ import annotations
