@@ -9,8 +9,7 @@ Each takes ``ax=`` (or makes a figure through pyplot, so it shows inline) and re
 drawing from ``draw``; :func:`explanation` (``explain``) draws ``run.explain``'s evidence;
 matplotlib is imported on first use.
 
-Rejected alternative: ``xarray``'s own ``.plot()`` — it knows nothing of spikes, timelines or
-summaries.
+Rejected alternative: ``xarray``'s own ``.plot()`` — it knows nothing of spikes or timelines.
 """
 
 from __future__ import annotations

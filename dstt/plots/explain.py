@@ -1,25 +1,14 @@
-"""The evidence of a spike's explanation, drawn: ``dstt.plots.explanation(ex)`` puts the
-arrays :meth:`dstt.Run.explain` judged into one figure of four panels:
+"""A spike's explanation drawn: ``dstt.plots.explanation(ex)``, four panels from its evidence.
 
-* ``per-sample losses``: replay's loss of each sample of the spike's step (bars, in replay's
-  order), the outliers the ``bad_data`` check flagged in red, the batch median dashed;
-* ``update ratio``: the summaries' ``||Δw|| / ||w||`` over tensors x the look-back window's
-  steps (a heat map, log colour), the update that caused the spike dashed;
-* ``attention logit bound``: per layer, the largest logit it can produce
-  (:func:`dstt.analysis.mechanisms.logit_bound`) at the commits read, the ``likely`` level dashed;
-* ``g²/v``: per tensor, its peak over the last steps up to the cause (bars, log scale), the
-  tensors the Adam check points at in red, its level dashed.
+Per-sample losses (outliers red, median dashed); the update ratio over tensors x steps (log
+colour, the cause dashed); the attention logit bound per layer (the ``likely`` level dashed);
+peak ``g²/v`` per tensor (flagged red). A panel whose check was ``unknown`` says
+``unknown: <what was missing>`` with no axes — never an empty plot that looks like a finding.
+The artists are returned (:class:`ExplanationFigure`) so tests read the numbers back.
 
-A panel is drawn only from its finding's evidence; where the check was ``unknown`` (no replay
-objects, no summaries, no attention projections, no Adam state) the panel says
-``unknown: <what was missing>`` and shows no axes: never an empty plot that looks like a
-finding. Each panel's artists are returned (:class:`ExplanationFigure`) so tests and callers
-read the numbers back.
-
-Rejected alternatives: one figure per mechanism through the run-level plots
-(``update_heatmap`` ...) — they re-read the run, so the picture could show other steps or
-tensors than the ones the verdict was computed on; an ``Explanation.plot()`` method — the run
-layer sits below the plots and may not import them, even lazily.
+Rejected alternatives: the run-level plots per mechanism — they re-read the run, so the picture
+could show other steps than the verdict judged; ``Explanation.plot()`` — the run layer sits
+below the plots and may not import them, even lazily.
 """
 
 from __future__ import annotations
