@@ -53,6 +53,8 @@ __all__ = [
     "SCHEDULER_OBJECT",
     "SHARDS_OBJECT",
     "SUMMARIES_OBJECT",
+    "SUMMARY_FIELDS",
+    "SUMMARY_SCALARS",
     "TIED_OBJECT",
     "WRAPPER_ATTRIBUTES",
     "ZERO_SCALARS_OBJECT",
@@ -140,6 +142,12 @@ OBJECT_NAMES: tuple[str, ...] = (
     LIGHT_OBJECT,
     HEADS_OBJECT,
 )
+
+# -- the fields of one tensor's write-time summary (``SUMMARIES_OBJECT``) ---------------------
+#: its scalars, in the index's column order (``store/format/segment.py``)
+SUMMARY_SCALARS: Final = ("l2", "rms", "maxabs", "nan", "inf", "update_l2", "update_ratio")
+#: every field: the scalars, the probed values, whether ``update_l2`` is exact
+SUMMARY_FIELDS: Final = (*SUMMARY_SCALARS, "probe", "update_exact")
 
 
 def declared_object(name: str) -> bool:

@@ -22,15 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dstt.analysis.summary_kernel import DigestPlan, digest
 from dstt.errors import StorageError
 from dstt.store._internal import (
-    DigestPlan,
     FlatImage,
     FlatStepWriter,
     Flusher,
     OffloadingWriter,
     StepWriter,
-    digest,
 )
 
 from .flatlane import FlatPlan, StepBuffers, plan_key

@@ -119,7 +119,7 @@ class Flight:
         self.precopied = False  # copied on the training thread at stage
         self.flat_queued = False  # its write task (which frees the buffer) is queued
         self.flat_stats: dict[str, Any] = {}
-        #: the flat lane's id of this step's digest (``flatstats.digest``), -1 for none
+        #: the flat lane's id of this step's digest (``summary_kernel.digest``), -1 for none
         self.digest_token = -1
         self.sources: dict[str, torch.Tensor] = {}
         # hints for an encoding writer (none otherwise): each needs its whole group captured

@@ -1,7 +1,7 @@
 """Read side of write-time summaries, logged metrics as xarray, and loss-spike detection.
 
 :func:`summaries_dataset` turns each commit's ``summaries`` object (fields:
-:mod:`dstt.engine.summaries`) into one ``step`` x ``tensor`` Dataset, never reading a tensor.
+:mod:`dstt.analysis.summary_kernel`) into one ``step`` x ``tensor`` Dataset, reading no tensor.
 :func:`find_spikes` is :mod:`dstt.analysis.spikes`' rule, re-exported. :func:`spike_cause`
 blames the update *into* the weights the jump's loss was computed on: a metric at step *k*
 comes from the weights of *k - 1*, so ``parent -> cause`` is ``(k - 2) -> (k - 1)`` (with

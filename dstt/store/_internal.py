@@ -28,7 +28,6 @@ if TYPE_CHECKING:
         TransactionProxy,
     )
     from .commit.writer import Writer
-    from .flusher.flatstats import DigestPlan, digest
     from .flusher.parent import Flusher, flusher_supported
     from .format.batches import (
         BATCHES_OBJECT,
@@ -102,7 +101,6 @@ __all__ = [
     "ChunkPlan",
     "CommitHeader",
     "DeltaPolicy",
-    "DigestPlan",
     "Encoded",
     "EncodingWriter",
     "FlatImage",
@@ -140,7 +138,6 @@ __all__ = [
     "as_float",
     "check_array_path",
     "decode_object",
-    "digest",
     "dtype_itemsize",
     "find_spikes",
     "flusher_supported",
@@ -181,7 +178,6 @@ _LAZY: dict[str, tuple[str, str]] = {
     "DEFAULT_RANK_TIMEOUT": ("commit.ranks", "DEFAULT_RANK_TIMEOUT"),
     "DTENSOR_PREFIX": ("index.shard_summaries", "DTENSOR_PREFIX"),
     "DeltaPolicy": ("codec.xor", "DeltaPolicy"),
-    "DigestPlan": ("flusher.flatstats", "DigestPlan"),
     "Encoded": ("format.objects", "Encoded"),
     "EncodingWriter": ("protocols", "EncodingWriter"),
     "FlatImage": ("format.flat", "FlatImage"),
@@ -221,7 +217,6 @@ _LAZY: dict[str, tuple[str, str]] = {
     "as_float": ("index.rows", "as_float"),
     "check_array_path": ("format.layout", "check_array_path"),
     "decode_object": ("format.objects", "decode_object"),
-    "digest": ("flusher.flatstats", "digest"),
     "dtype_itemsize": ("format.zarr_meta", "dtype_itemsize"),
     "find_spikes": ("maintenance.retention", "find_spikes"),
     "flusher_supported": ("flusher.parent", "flusher_supported"),

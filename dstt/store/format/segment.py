@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from dstt import schema
 from dstt.errors import ChecksumError, CorruptRunError
 
 from .envelope import _canonical, checksum
@@ -40,7 +41,7 @@ __all__ = [
 
 MAGIC = b"DSTTIDX1"
 #: the scalar fields of a write-time summary, in this order in ``RowSet.s_val``
-SCALARS = ("l2", "rms", "maxabs", "nan", "inf", "update_l2", "update_ratio")
+SCALARS: tuple[str, ...] = schema.SUMMARY_SCALARS
 Layout = tuple[str, tuple[int, ...], int, tuple[tuple[int, int, int], ...], tuple[str, ...] | None]
 _CORE = (
     ("slot", "<i8"),
