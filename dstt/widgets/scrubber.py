@@ -25,7 +25,17 @@ from dstt._optional import require
 
 from .model import Mode, ScrubberModel
 from .replay_panel import ReplayPanel, ReplayWith
-from .views import FigureView, draw_change, draw_loss, draw_shown, move_cursor, update_shown
+from .views import (
+    FigureView,
+    animate_loss,
+    animate_shown,
+    draw_change,
+    draw_loss,
+    draw_shown,
+    move_cursor,
+    update_change,
+    update_shown,
+)
 
 if TYPE_CHECKING:
     pass
@@ -217,6 +227,9 @@ class Scrubber:
         if changed == {"step"} and update_shown(self.views["tensor"], m):  # same tensor
             self.images["tensor"].value = self.views["tensor"].png()
             which.discard("tensor")
+        if moved and update_change(self.views["change"], m):  # as many bars: same axes
+            self.images["change"].value = self.views["change"].png()
+            which.discard("change")
         self._redraw(which)
 
     def _redraw(self, which: set[str]) -> None:
@@ -226,6 +239,10 @@ class Scrubber:
             if name in which:
                 view = self.views[name]
                 view.redraw(lambda ax, f=draw[name]: f(ax, m))  # type: ignore[misc]
+                if name == "loss":
+                    animate_loss(view)
+                elif name == "tensor":
+                    animate_shown(view)
                 self.images[name].value = view.png()
         if self.replay is not None:
             self.replay.update()
