@@ -27,6 +27,7 @@ from .model import Mode, ScrubberModel
 from .replay_panel import ReplayPanel, ReplayWith
 from .views import (
     FigureView,
+    animate_change,
     animate_loss,
     animate_shown,
     draw_change,
@@ -243,6 +244,8 @@ class Scrubber:
                     animate_loss(view)
                 elif name == "tensor":
                     animate_shown(view)
+                else:
+                    animate_change(view)
                 self.images[name].value = view.png()
         if self.replay is not None:
             self.replay.update()

@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dstt._lru import LRU
 from dstt._optional import require
 from dstt.plots.draw import SPIKE_COLOR, as_matrix, draw_bars, draw_curves, draw_tensor
 from dstt.plots.series import exactness_label
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from matplotlib.axes import Axes
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FigureView",
+    "NameStrip",
+    "animate_change",
     "animate_loss",
     "animate_shown",
     "draw_change",
@@ -90,21 +93,27 @@ class FigureView:
         """The static part changed (new ticks, labels, bars): render it anew next frame."""
         self._background = None
 
-    def fit(self) -> None:
-        """Left margin for the longest y tick label (0.6 em per character), at most 45%."""
+    def fit(self, labels: Sequence[str] | None = None, fontsize: float = 8.0) -> None:
+        """Left margin for the longest y tick label (0.6 em per character), at most 45%;
+        ``labels`` (in ``fontsize`` points) stand for tick labels drawn another way."""
         dpi = self.fig.dpi
         width_px = self.fig.get_figwidth() * dpi
-        longest = max(
-            (
-                0.6 * t.get_fontsize() * dpi / 72 * max(len(t.get_text()), 4)
+        sized = (
+            [(fontsize, t) for t in labels]
+            if labels is not None
+            else [
+                (t.get_fontsize(), t.get_text())
                 for ax in self.fig.axes[:1]
                 for t in ax.get_yticklabels()
-            ),
-            default=30.0,
+            ]
+        )
+        longest = max(
+            (0.6 * size * dpi / 72 * max(len(text), 4) for size, text in sized), default=30.0
         )
         left = min(0.45, (longest + 30) / width_px)
-        self.fig.subplots_adjust(left=left, right=0.97, bottom=0.17, top=0.9, wspace=0.35)
-        self._background = None
+        if left != self.fig.subplotpars.left or self._background is None:
+            self.fig.subplots_adjust(left=left, right=0.97, bottom=0.17, top=0.9, wspace=0.35)
+            self._background = None
 
     def png(self) -> bytes:
         """The figure as PNG: the static part (rendered only when it changed) and the moving
@@ -273,6 +282,82 @@ def draw_change(ax: Axes, model: ScrubberModel, top: int = TOP_BARS) -> dict[str
     return out
 
 
+class NameStrip:
+    """The change view's bar names drawn as one image composed from a bitmap per name, each
+    rendered once (cached by name): matplotlib lays out and rasterises text glyph by glyph in
+    Python, so two dozen tick labels were most of a frame, and the names repeat from step to
+    step in another order. The axes' own tick labels keep the names (hidden), so
+    ``get_yticklabels`` and the margin still see them.
+
+    Rejected alternative: a fixed bar order (static labels) — the view ranks the tensors by
+    change, which is what it is for."""
+
+    def __init__(self, view: FigureView) -> None:
+        self.view = view
+        self.bitmaps: LRU[tuple[str, int, int], np.ndarray] = LRU(4096)
+        agg = require("matplotlib.backends.backend_agg", "dstt.widgets")
+        self._agg = agg
+        self.image: Any = None
+
+    def _bitmap(self, name: str, width: int, height: int, size: float, color: Any) -> np.ndarray:  # noqa: ANN401
+        def render() -> np.ndarray:
+            figure = require("matplotlib.figure", "dstt.widgets")
+            dpi = self.view.fig.dpi
+            fig = figure.Figure(figsize=(width / dpi, height / dpi), dpi=dpi)
+            fig.patch.set_alpha(0.0)
+            canvas = self._agg.FigureCanvasAgg(fig)
+            fig.text(1.0, 0.5, name, ha="right", va="center_baseline", fontsize=size, color=color)
+            canvas.draw()
+            return np.asarray(canvas.buffer_rgba()).copy()
+
+        return self.bitmaps.get_or_make((name, width, height), render)
+
+    def attach(self, ax: Axes, names: Sequence[str]) -> None:
+        """Blank ``ax``'s y tick labels (their font kept) and draw ``names`` instead."""
+        labels = ax.get_yticklabels()
+        self.fontsize = float(labels[0].get_fontsize()) if labels else 8.0
+        self._color = labels[0].get_color() if labels else "black"
+        ax.yaxis.set_ticklabels([""] * len(ax.get_yticks()))
+        self.image = self.view.fig.figimage(np.zeros((1, 1, 4), np.uint8), origin="upper")
+        self.update(ax, names)
+
+    def update(self, ax: Axes, names: Sequence[str]) -> None:
+        """Compose ``names`` at ``ax``'s y ticks, right-aligned where tick labels go."""
+        fig = self.view.fig
+        height = round(fig.bbox.height)
+        ticks = ax.yaxis.get_major_ticks()
+        # where the tick labels' right edges are (the axes' left, less tick and pad)
+        right = round(ticks[0].label1.get_transform().transform((0, 0))[0]) if ticks else 0
+        strip = np.zeros((height, max(right, 1), 4), np.uint8)
+        line = int(self.fontsize * fig.dpi / 72 * 2.2) + 2
+        ys = ax.transData.transform(np.c_[np.zeros(len(names)), np.arange(len(names))])[:, 1]
+        for name, y in zip(names, ys, strict=True):
+            if not name or right <= 0:
+                continue
+            bm = self._bitmap(name, right, line, self.fontsize, self._color)
+            top = round(height - y) - line // 2
+            lo, hi = max(top, 0), min(top + line, height)
+            if lo < hi:
+                src, dst = bm[lo - top : hi - top], strip[lo:hi]
+                strip[lo:hi] = np.where(src[..., 3:] > dst[..., 3:], src, dst)
+        self.image.set_data(strip)
+        self.names = list(names)
+
+
+def animate_change(view: FigureView) -> None:
+    """The change view's moving part: the bars, the x axis (ticks, grid, label), the frame,
+    the names (a :class:`NameStrip`) and the title; a message has none."""
+    ax, bars, names = view.ax, view.artists.get("bars"), view.artists.get("names")
+    if ax is None or bars is None or names is None:
+        return
+    strip = NameStrip(view)
+    strip.attach(ax, names)
+    view.fit(names, strip.fontsize)
+    strip.update(ax, names)
+    view.artists["strip"] = strip
+    view.animate(*bars, ax.xaxis, *ax.spines.values(), strip.image, ax.title)
+
+
 def update_change(view: FigureView, model: ScrubberModel, top: int = TOP_BARS) -> bool:
     """Put the model's per-tensor change into the bars already drawn (widths, colours, names,
     x range, titles) when there are as many: the axes stay. False: draw the view anew."""
@@ -286,12 +371,16 @@ def update_change(view: FigureView, model: ScrubberModel, top: int = TOP_BARS) -
     for patch, name, value in zip(old, names, ratios, strict=True):
         patch.set_width(float(value) if np.isfinite(value) else 0.0)
         patch.set_facecolor(SPIKE_COLOR if name == model.tensor else "tab:blue")
-    if names != view.artists.get("names"):
-        ax.yaxis.set_ticklabels(names)  # the same ticks, other texts: no new Tick objects
     ax.relim()
     ax.autoscale_view()
     ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize="medium")
+    strip = view.artists.get("strip")
+    if strip is None:
+        ax.yaxis.set_ticklabels(names)
+        view.fit()
+    else:
+        view.fit(names, strip.fontsize)
+        strip.update(ax, names)
     view.artists["names"], view.artists["ratios"] = names, ratios
-    view.fit()
     return True
