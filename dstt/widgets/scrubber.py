@@ -272,13 +272,16 @@ def scrubber(
     play_interval: int = 700,
     spike: Any = None,  # noqa: ANN401 - a Spike or a loss step
     replay: ReplayWith | None = None,
+    prefetch: int = 1,
 ) -> Scrubber:
     """A step scrubber over ``run`` (a :class:`dstt.Run` or a path).
 
     Starts at ``step`` (default: the head) of ``timeline`` (default: current) showing
     ``tensor`` (default: the first parameter). ``reference`` pins the step that changes are
     measured against (default: the previous committed step). ``cache_size`` steps' data are
-    kept in an LRU; tensors are subsampled to at most ``max_side`` rows/columns.
+    kept in an LRU, and the ``prefetch`` committed steps on each side of the one shown are
+    loaded into it in a background thread (0: none); tensors are subsampled to at most
+    ``max_side`` rows/columns.
     Spikes of ``metric`` (default ``loss``) use :meth:`dstt.Run.spikes` with
     ``spike_window`` / ``spike_z`` (its ``window``/``z``; None: the rule's defaults).
     ``spike`` (a ``Spike`` from ``run.spikes()``, or the loss step of a detected one) opens
@@ -306,6 +309,7 @@ def scrubber(
         spike_window=spike_window,
         spike_z=spike_z,
         max_side=max_side,
+        prefetch=prefetch,
     )
     if spike is not None:
         model.open_spike(spike)

@@ -193,11 +193,14 @@ def move_cursor(view: FigureView, model: ScrubberModel) -> bool:
 
 
 def animate_loss(view: FigureView) -> None:
-    """The loss view's moving part: the cursor, its point and the title."""
+    """The loss view's moving part: the cursor, its point, the legend (drawn over the
+    cursor, and placed where it hides least of the curves and the cursor, as in a full draw)
+    and the title."""
     ax = view.ax
     moving = [view.artists[k] for k in ("cursor", "point") if k in view.artists]
     if moving and ax is not None:
-        view.animate(*moving, ax.title)
+        legend = ax.get_legend()
+        view.animate(*moving, *([legend] if legend is not None else []), ax.title)
 
 
 def animate_shown(view: FigureView) -> None:
