@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from dstt.store._internal import Prediction
+    from dstt.store._internal import Prediction, StepTransaction
 
     from .flatlane import FlatPlan
     from .summaries import SummaryAccumulator
@@ -98,7 +98,7 @@ class Flight:
         self.precopied = False  # copied on the training thread at stage
         self.flat_queued = False  # its write task (which frees the buffer) is queued
         self.flat_stats: dict[str, Any] = {}
-        #: the id of this step's digest (``flatstats.digest``), -1 for none
+        #: the id of this step's digest (``summary_kernel.digest``), -1 for none
         self.digest_token = -1
         #: a segmented step's tensors as flat bytes (set by the copy thread)
         self.sources: dict[str, torch.Tensor] = {}
@@ -117,7 +117,7 @@ class Flight:
         self.guard = VersionGuard(self.tensors, sizes, verify=verify)
         self.marks = Copier.mark(self.tensors.values()) if flat is not None and flat.cuda else {}
         self.objects = dict(objects)
-        self.txn: Any = None
+        self.txn: StepTransaction = None  # type: ignore[assignment]  # set by ``begin``
         self.summaries: dict[str, SummaryAccumulator] = {}
         self.copied = threading.Event()
         self.done = threading.Event()

@@ -125,6 +125,11 @@ class StepTransaction(Protocol):
 
     def abort(self) -> None: ...
 
+    @property
+    def retryable(self) -> bool: ...  # a failed commit ``reopen`` may run again
+
+    def reopen(self) -> None: ...
+
 
 @runtime_checkable
 class StepWriter(Protocol):
