@@ -40,9 +40,27 @@ from .replay import LossFn, ReplayKit, _compare, _default_loss, _kit_of, _step_b
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from dstt.store._internal import Reader
+    from dstt.store._internal import CommitHeader, Reader, Repository
 
-__all__ = ["Rebuilt", "rebuild_step"]
+__all__ = ["REBUILT_OBJECT", "REPLAY_KEYS", "Rebuilt", "rebuild_step", "rebuilt_commit"]
+
+#: the object that marks a rebuilt step's derived commit (never written to the run itself)
+REBUILT_OBJECT = "rebuilt"
+#: what ``dstt.open(run, replay={...})`` may hold: ``run.rebuild``'s objects and keywords
+REPLAY_KEYS = (
+    "model",
+    "optimizer",
+    "trainer",
+    "module",
+    "scheduler",
+    "before_step",
+    "loss_fn",
+    "batches",
+    "dataset",
+    "collate",
+    "logged",
+    "trusted",
+)
 
 
 @dataclass(frozen=True)
@@ -112,6 +130,7 @@ def rebuild_step(
     check_next: bool = False,
     timeline: str | None = None,
     trusted: bool = False,
+    on_step: Callable[[int, Rebuilt, ReplayKit], None] | None = None,
 ) -> Rebuilt:
     """Bring the live objects to step ``step`` of ``run`` (read with ``reader``): restore the
     nearest stored step before it and replay the light steps up to it (module docstring).
@@ -119,7 +138,10 @@ def rebuild_step(
     ``logged(losses)``: the loss the loop logged from its micro-batches' losses (default: the
     last one, or their sum or mean), for a loop that logs e.g. an unscaled loss.
     ``check_next``: first replay on to the next stored step *m* and compare every parameter
-    and optimizer-state tensor with it, bit for bit (``Rebuilt.landed``; twice the replay)."""
+    and optimizer-state tensor with it, bit for bit (``Rebuilt.landed``; twice the replay).
+    ``on_step(i, so_far, kit)``: called at each replayed step ``i`` of the chain to ``step``
+    once its loss matched, the live objects (``kit``) at ``i`` (a range rebuilt in one pass
+    reads them there)."""
     k = int(step)
     kit = _kit_of(kit, model, optimizer, scheduler, before_step, loss_fn)
     timeline = timeline or run.timeline
@@ -148,7 +170,7 @@ def rebuild_step(
         )
     fn = loss_fn or _default_loss
 
-    def chain(upto: int, out: Rebuilt) -> None:
+    def chain(upto: int, out: Rebuilt, report: bool = False) -> None:
         """Restore step ``j`` into the live objects and replay ``j+1..upto``, checking each
         light step's loss; a stored step (``upto`` with ``check_next``) is not checked here."""
         state = discover(kit.model, kit.optimizer, scheduler=kit.scheduler)
@@ -183,6 +205,8 @@ def rebuild_step(
                     "step not passed (before_step=, scheduler=), or nondeterministic kernels. "
                     f"{_before(j, i)}; the live objects are now at step {i}"
                 )
+            if report and on_step is not None:
+                on_step(i, out, kit)
 
     landed = None
     if check_next and k not in stored:
@@ -201,8 +225,61 @@ def rebuild_step(
                 )
             landed = m
     out = Rebuilt(step=k, base=j, landed=landed)
-    chain(k, out)
+    chain(k, out, report=True)
     return out
+
+
+def rebuilt_commit(
+    kit: ReplayKit, rebuilt: Rebuilt, base: CommitHeader, reader: Reader, metrics: Any = None
+) -> tuple[Repository, CommitHeader]:
+    """The live objects of ``kit`` (at step ``rebuilt.step``) as a *derived* commit in a
+    repository of their own, in memory: the arrays and objects a stored step of that run
+    would hold (the same providers, the same paths and dims as ``base``), plus
+    :data:`REBUILT_OBJECT` saying it was rebuilt, from which stored step, and which losses
+    were checked. Every view of a stored step reads it the same way (``Snapshot``); nothing
+    is written to the run. ``metrics``: what the step logged."""
+    from dstt.engine._convert import flat_bytes, store_dtype
+    from dstt.store._internal import MemoryStorage, Repository
+
+    state = discover(kit.model, kit.optimizer, scheduler=kit.scheduler)
+    table = reader.arrays(base)
+    repo = Repository.create(MemoryStorage())
+    with repo.writer() as w:
+        txn = w.begin(rebuilt.step)
+        try:
+            for provider in (state.step_state, state.boundary_state):
+                for path, t in provider.tensors().items():
+                    cpu = t.detach().to("cpu").contiguous()
+                    rec = table.get(path)
+                    plan = txn.declare(
+                        path,
+                        store_dtype(cpu.dtype),
+                        tuple(cpu.shape),
+                        None if rec is None else rec.dims,
+                    )
+                    flat = flat_bytes(cpu).numpy()
+                    for i in range(plan.n_chunks):
+                        start, stop = plan.byte_range(i)
+                        txn.put_chunk(path, i, flat[start:stop])
+                for name, obj in provider.objects().items():
+                    try:
+                        txn.put_object(name, obj)
+                    except TypeError:  # not plain data: as the engine stores it
+                        txn.put_object(name, obj, encoding="pickle")
+            txn.put_object(
+                REBUILT_OBJECT,
+                {
+                    "step": rebuilt.step,
+                    "base": rebuilt.base,
+                    "checked": [i for i in rebuilt.checked if i <= rebuilt.step],
+                    "unchecked": [i for i in rebuilt.unchecked if i <= rebuilt.step],
+                },
+            )
+            header = txn.commit(metrics)
+        except BaseException:
+            txn.abort()
+            raise
+    return repo, header
 
 
 def _one_step(kit: ReplayKit, micro: list[Any], loss_fn: LossFn) -> list[float]:
