@@ -95,6 +95,8 @@ class StepCapture:
         self.sched_offset: int | None = None  # scheduler.last_epoch - step, at start
         #: ``every="auto"``: light steps not yet recorded in a commit (``dstt.engine.light``)
         self.light: list[int] = []
+        #: a framework callback's loss of each step (``Session._fingerprint``), for the record
+        self.fingerprints: dict[int, float | None] = {}
 
     def start(self, pipeline: Pipeline, log: MetricLog, retainer: RetentionRunner | None) -> None:
         """The session started (and restored ``step``): capture into ``pipeline`` from here."""
@@ -281,11 +283,13 @@ class StepCapture:
         if light:  # every="auto": the light steps since the last commit, with their losses
             self.light = [k for k in self.light if k > f.step]
             logged = dict(zip(history["steps"], history["metrics"], strict=True)) if history else {}
-            boundary[LIGHT_OBJECT] = light_record(light, logged.get)
+            boundary[LIGHT_OBJECT] = light_record(light, logged.get, self.fingerprints)
             for k in light:
                 pipe.record_light(k)
         else:
             self.light = [k for k in self.light if k > f.step]
+        for k in [k for k in self.fingerprints if k <= f.step]:
+            del self.fingerprints[k]
         batches = self.batches.take(f.step)
         if batches is not None and self.writes_batches:
             boundary[BATCHES_OBJECT] = batches  # with several ranks: rank 0's batches, once
