@@ -159,6 +159,14 @@ def rebuild_step(
             f"starts from one{_gc_hint(pruned, k)}"
         )
     j = max(below)
+    if j != k and _ranks(stored[j].objects) > 1:
+        raise ReplayError(
+            f"light step {k} is of a run of several ranks ({_ranks(stored[j].objects)} wrote "
+            f"stored step {j}: DDP, FSDP2 or tensor parallel); rebuilding its light steps is "
+            "not supported yet: a rebuild replays one process, and each rank's step trained "
+            "on its own samples with gradients reduced across ranks. The stored steps open "
+            f"as usual (run.at({j})); store every step (every=1) to reach each one"
+        )
     gone = [i for i in range(j + 1, k + 1) if i not in light]
     if gone:
         raise ReplayError(
@@ -304,6 +312,12 @@ def _one_step(kit: ReplayKit, micro: list[Any], loss_fn: LossFn) -> list[float]:
     if kit.scheduler is not None:
         kit.scheduler.step()
     return losses
+
+
+def _ranks(objects: Any) -> int:
+    """How many ranks wrote a commit: its per-rank objects are named ``<name>/r<rank>``."""
+    ranks = {n.rpartition("/r")[2] for n in objects if "/r" in n}
+    return max((int(r) + 1 for r in ranks if r.isdigit()), default=1)
 
 
 def _before(j: int, i: int) -> str:
