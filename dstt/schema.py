@@ -48,6 +48,8 @@ __all__ = [
     "OBJECT_NAMES",
     "OPTIM_GROUPS_OBJECT",
     "OPTIM_STATE_OBJECT",
+    "REBUILT_OBJECT",
+    "REPLAY_OBJECT",
     "RNG_OBJECT",
     "SCHEDULER_OBJECT",
     "SHARDS_OBJECT",
@@ -113,6 +115,11 @@ EXTRA_OBJECT: Final = "extra"
 FILES_OBJECT: Final = "files"
 #: light steps (``every="auto"``) carried by the next stored commit: ``{"steps", "loss"}``
 LIGHT_OBJECT: Final = "light/steps"
+#: the factory a session named to rebuild its light steps (``replay="train.py:make"``):
+#: ``{"factory": spec, "path": absolute file}``
+REPLAY_OBJECT: Final = "replay/factory"
+#: a rebuilt light step's derived commit (in memory, never in a run): its base and checks
+REBUILT_OBJECT: Final = "light/rebuilt"
 
 #: every declared object name, in the order they were added
 OBJECT_NAMES: tuple[str, ...] = (
@@ -135,6 +142,8 @@ OBJECT_NAMES: tuple[str, ...] = (
     EXTRA_OBJECT,
     FILES_OBJECT,
     LIGHT_OBJECT,
+    REPLAY_OBJECT,
+    REBUILT_OBJECT,
 )
 
 

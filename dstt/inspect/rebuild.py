@@ -23,17 +23,19 @@ caller's objects, and a second rebuild costs at most ``max_gap`` steps).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dstt import schema
 from dstt.engine.light import loss_bits, step_loss
 from dstt.engine.model_names import param_names
 from dstt.engine.optimizers import optimizers_of
 from dstt.engine.providers import StoreSource
 from dstt.engine.torch_state import discover
-from dstt.errors import ReplayError, StepNotFoundError
+from dstt.errors import ConfigError, ReplayError, StepNotFoundError
 
 from .replay import LossFn, ReplayKit, _compare, _default_loss, _kit_of, _step_batches
 
@@ -42,25 +44,17 @@ if TYPE_CHECKING:
 
     from dstt.store._internal import CommitHeader, Reader, Repository
 
-__all__ = ["REBUILT_OBJECT", "REPLAY_KEYS", "Rebuilt", "rebuild_step", "rebuilt_commit"]
+__all__ = [
+    "REBUILT_OBJECT",
+    "REPLAY_KEYS",
+    "Rebuilt",
+    "load_factory",
+    "rebuild_step",
+    "rebuilt_commit",
+]
 
 #: the object that marks a rebuilt step's derived commit (never written to the run itself)
-REBUILT_OBJECT = "rebuilt"
-#: what ``dstt.open(run, replay={...})`` may hold: ``run.rebuild``'s objects and keywords
-REPLAY_KEYS = (
-    "model",
-    "optimizer",
-    "trainer",
-    "module",
-    "scheduler",
-    "before_step",
-    "loss_fn",
-    "batches",
-    "dataset",
-    "collate",
-    "logged",
-    "trusted",
-)
+REBUILT_OBJECT = schema.REBUILT_OBJECT
 
 
 @dataclass(frozen=True)
@@ -235,6 +229,37 @@ def rebuild_step(
     return out
 
 
+def load_factory(spec: str, path: str | None = None) -> Callable[[], Any]:
+    """``FILE.py:FUNCTION`` -> the function (the file imported as a module, its folder on
+    ``sys.path`` so it can import its neighbours), as ``dstt replay --script`` takes it.
+    ``path``: where the session that named it found the file (tried when ``FILE`` is not
+    found from here). ``ConfigError`` naming what is wrong."""
+    import importlib.util
+    import os
+    import sys
+
+    file, sep, name = spec.rpartition(":")
+    if not sep or not file or not name:
+        raise ConfigError(f"replay= takes FILE.py:FUNCTION (e.g. train.py:make), not {spec!r}")
+    if not os.path.isfile(file) and path is not None and os.path.isfile(path):
+        file = path
+    if not os.path.isfile(file):
+        raise ConfigError(f"replay={spec!r}: no file {file!r} (from {os.getcwd()})")
+    folder = os.path.dirname(os.path.abspath(file))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    mod_spec = importlib.util.spec_from_file_location("_dstt_replay_factory", file)
+    if mod_spec is None or mod_spec.loader is None:
+        raise ConfigError(f"replay={spec!r}: cannot import {file!r}")
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"replay={spec!r}: {file!r} has no function {name!r}")
+    out: Callable[[], Any] = fn
+    return out
+
+
 def rebuilt_commit(
     kit: ReplayKit, rebuilt: Rebuilt, base: CommitHeader, reader: Reader, metrics: Any = None
 ) -> tuple[Repository, CommitHeader]:
@@ -347,3 +372,16 @@ def _gc_hint(pruned: list[int], k: int) -> str:
 
 def _near(stored: dict[int, Any], k: int) -> list[int]:
     return sorted(stored, key=lambda s: (abs(s - k), s))[:4]
+
+
+#: what ``dstt.open(run, replay={...})`` may hold: ``run.rebuild``'s objects and keywords
+#: (those of :func:`rebuild_step` a caller passes, and a framework's ``trainer``/``module``)
+REPLAY_KEYS: tuple[str, ...] = (
+    "trainer",
+    "module",
+    *(
+        name
+        for name in inspect.signature(rebuild_step).parameters
+        if name not in ("run", "reader", "step", "kit", "check_next", "timeline", "on_step")
+    ),
+)

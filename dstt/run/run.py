@@ -61,8 +61,9 @@ def open_run(
     """Open a run for inspection; ``NotARunError`` if ``path`` is not one. ``path`` may be an
     ``s3://bucket/prefix`` URL (``storage_options``: see ``dstt.store.storage_for``).
     ``replay``: the objects a light step's rebuild needs (``run.rebuild``'s keywords as a
-    dict, or a function returning one), so ``at``, ``trajectory``, ``diff`` and
-    ``load_into`` reach every step of an ``every="auto"`` run (:meth:`Run.use_replay`)."""
+    dict, or a function returning one, ``"FILE.py:FUNCTION"``, or True: the factory the
+    run's session named), so ``at``, ``trajectory``, ``diff`` and ``load_into`` reach every
+    step of an ``every="auto"`` run (:meth:`Run.use_replay`)."""
     run = _open(path, storage_options)
     return run if replay is None else run.use_replay(replay)
 
@@ -281,13 +282,19 @@ class Run:
         :meth:`rebuild`'s objects and keywords (``model``, ``optimizer``, ``scheduler``,
         ``dataset``/``collate`` or ``batches``, ``loss_fn``, ``before_step``, ``logged``, or
         ``trainer``/``module``), or a function returning one (called once, at the first
-        rebuild). From then on ``at(k)`` of a light step restores the stored step before it
-        and replays up to *k* into those objects, each loss checked bit for bit
-        (``ReplayError`` where the chain breaks), and gives a ``Snapshot`` of the result
-        (``snapshot.rebuilt`` says from where); ``trajectory`` and ``diff`` include light
-        steps. The last ``REBUILT_CACHE`` rebuilt steps stay in memory. Returns the run."""
-        from dstt.inspect.rebuild import REPLAY_KEYS
+        rebuild): a callable, ``"FILE.py:FUNCTION"`` (imported now), or True for the one the
+        run's session named (``dstt.session(..., replay="train.py:make")``). From then on
+        ``at(k)`` of a light step restores the stored step before it and replays up to *k*
+        into those objects, each loss checked bit for bit (``ReplayError`` where the chain
+        breaks), and gives a ``Snapshot`` of the result (``snapshot.rebuilt`` says from
+        where); ``trajectory`` and ``diff`` include light steps. The last ``REBUILT_CACHE``
+        rebuilt steps stay in memory. Returns the run."""
+        from dstt.inspect.rebuild import REPLAY_KEYS, load_factory
 
+        if replay is True:  # the factory the run's sessions named (replay="train.py:make")
+            replay = self._named_factory()
+        elif isinstance(replay, str):
+            replay = load_factory(replay)
         if isinstance(replay, Mapping):
             _check_replay(replay, REPLAY_KEYS)
         elif not callable(replay):
@@ -298,6 +305,26 @@ class Run:
         self._replay, self._replay_made = replay, None
         self._rebuilt.clear()
         return self
+
+    def _named_factory(self) -> Any:
+        """The factory ``dstt.session(..., replay="FILE.py:FUNCTION")`` recorded in the head
+        commit, imported (it runs the file: what ``replay=True`` asks for)."""
+        from dstt.inspect.rebuild import load_factory
+        from dstt.schema import REPLAY_OBJECT
+
+        line = self.commits()
+        rec = (
+            self._reader.read_object(line[-1], REPLAY_OBJECT)
+            if line and REPLAY_OBJECT in line[-1].objects
+            else None
+        )
+        if not isinstance(rec, Mapping) or not isinstance(rec.get("factory"), str):
+            raise ConfigError(
+                f"replay=True: the head of {self.path} names no replay factory (a session "
+                "records one with dstt.session(..., replay='train.py:make')); pass the "
+                "objects instead, replay=dict(model=..., optimizer=..., dataset=...)"
+            )
+        return load_factory(rec["factory"], rec.get("path"))
 
     def _replay_kwargs(self) -> dict[str, Any]:
         from dstt.inspect.rebuild import REPLAY_KEYS

@@ -38,11 +38,13 @@ taking the session — the state would still live on the session.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
 from dstt.engine.light import LIGHT_OBJECT, light_record
 from dstt.errors import DsttError, RaceError
+from dstt.schema import REPLAY_OBJECT
 
 from .checks import capture_error, warn_skipped
 from .data import BATCHES_OBJECT, BatchLog
@@ -102,6 +104,11 @@ class StepCapture:
         #: several ranks: ``agree(step, ok)`` -> whether every rank can take ``step`` (each
         #: rank's ``Pipeline.can_take``), so all of them store the same steps
         self.agree: Callable[[int, bool], bool] | None = None
+        #: ``replay="train.py:make"``: the factory each commit names (``dstt.open(replay=True)``)
+        self.factory: dict[str, str] | None = None
+        if options.replay is not None and writes_batches:
+            file = options.replay.rpartition(":")[0]
+            self.factory = {"factory": options.replay, "path": os.path.abspath(file)}
 
     def start(self, pipeline: Pipeline, log: MetricLog, retainer: RetentionRunner | None) -> None:
         """The session started (and restored ``step``): capture into ``pipeline`` from here."""
@@ -293,6 +300,8 @@ class StepCapture:
             boundary[LIGHT_OBJECT] = light_record(light, logged.get, self.fingerprints)
         for k in light:
             pipe.record_light(k)
+        if self.factory is not None:
+            boundary[REPLAY_OBJECT] = self.factory
         for k in [k for k in self.fingerprints if k <= f.step]:
             del self.fingerprints[k]
         batches = self.batches.take(f.step)

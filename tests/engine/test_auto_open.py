@@ -3,6 +3,7 @@ the light steps of an ``every="auto"`` run, rebuilt bit for bit by replay."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -190,3 +191,50 @@ def test_without_replay_objects_a_light_step_names_its_neighbours_and_the_way() 
 def test_bad_replay_objects_are_refused(replay: Any, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         dstt.open(Repository.create(MemoryStorage()), replay=replay)
+
+
+FACTORY = """
+import torch
+
+def _loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+def make():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    data = torch.utils.data.TensorDataset(
+        torch.randn(96, 8, generator=torch.Generator().manual_seed(1)),
+        torch.randn(96, 4, generator=torch.Generator().manual_seed(2)),
+    )
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    return {"model": m, "optimizer": opt, "dataset": data, "loss_fn": _loss}
+"""
+
+
+def test_a_factory_named_at_session_time_rebuilds_with_replay_true(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(FACTORY)
+    _, _, inner = _auto_run(max_gap=4, replay=f"{script}:make")
+    run = dstt.open(inner, replay=True)
+    by_dict = dstt.open(inner, replay=_objects(rich=False))
+    for k in sorted(run.light_steps())[:3]:
+        got, want = run.at(k), by_dict.at(k)
+        assert got.rebuilt.checked == list(range(got.rebuilt.base + 1, k + 1))
+        for path in want.arrays:
+            assert (
+                got.to_numpy(path, native=True).tobytes()
+                == want.to_numpy(path, native=True).tobytes()
+            )
+    # a run whose sessions named none says how to pass the objects instead
+    _, _, plain = _auto_run()
+    with pytest.raises(ConfigError, match="names no replay factory"):
+        dstt.open(plain, replay=True)
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"), [("train.py", "FILE.py:FUNCTION"), ("nope.py:make", "no file")]
+)
+def test_a_bad_factory_is_refused_before_training(spec: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        dstt.SessionOptions(run="runs/x", every="auto", replay=spec)
