@@ -40,6 +40,7 @@ __all__ = [
     "DEEPSPEED_META_OBJECT",
     "EXTRA_OBJECT",
     "FILES_OBJECT",
+    "HEADS_OBJECT",
     "IMPORT_OBJECT",
     "LAYOUT_OBJECT",
     "LIGHT_OBJECT",
@@ -54,6 +55,8 @@ __all__ = [
     "SCHEDULER_OBJECT",
     "SHARDS_OBJECT",
     "SUMMARIES_OBJECT",
+    "SUMMARY_FIELDS",
+    "SUMMARY_SCALARS",
     "TIED_OBJECT",
     "WRAPPER_ATTRIBUTES",
     "ZERO_SCALARS_OBJECT",
@@ -115,6 +118,8 @@ EXTRA_OBJECT: Final = "extra"
 FILES_OBJECT: Final = "files"
 #: light steps (``every="auto"``) carried by the next stored commit: ``{"steps", "loss"}``
 LIGHT_OBJECT: Final = "light/steps"
+#: attention modules' head counts: ``{module path: {"heads": n} and/or {"head_dim": d}}``
+HEADS_OBJECT: Final = "model/heads"
 #: the factory a session named to rebuild its light steps (``replay="train.py:make"``):
 #: ``{"factory": spec, "path": absolute file}``
 REPLAY_OBJECT: Final = "replay/factory"
@@ -142,9 +147,16 @@ OBJECT_NAMES: tuple[str, ...] = (
     EXTRA_OBJECT,
     FILES_OBJECT,
     LIGHT_OBJECT,
+    HEADS_OBJECT,
     REPLAY_OBJECT,
     REBUILT_OBJECT,
 )
+
+# -- the fields of one tensor's write-time summary (``SUMMARIES_OBJECT``) ---------------------
+#: its scalars, in the index's column order (``store/format/segment.py``)
+SUMMARY_SCALARS: Final = ("l2", "rms", "maxabs", "nan", "inf", "update_l2", "update_ratio")
+#: every field: the scalars, the probed values, whether ``update_l2`` is exact
+SUMMARY_FIELDS: Final = (*SUMMARY_SCALARS, "probe", "update_exact")
 
 
 def declared_object(name: str) -> bool:

@@ -22,15 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dstt.analysis.summary_kernel import DigestPlan, digest
 from dstt.errors import StorageError
 from dstt.store._internal import (
-    DigestPlan,
     FlatImage,
     FlatStepWriter,
     Flusher,
     OffloadingWriter,
     StepWriter,
-    digest,
 )
 
 from .flatlane import FlatPlan, StepBuffers, plan_key
@@ -169,6 +168,7 @@ class FlatLane:
             elif fl is not None and not fl.dead and getattr(f.txn, "zip", None) is not None:
                 start = f.txn.reserve_flat(layout, lambda s: self._image(layout, s).nbytes)
                 path = f.txn.zip.local_path
+                assert path is not None  # (reserved: its temporary file is open)
                 # the child owns the zip framing in this buffer: should this process write
                 # from it later (the flusher died), its images bind it anew
                 self.steps.images[f.buffer].clear()

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dstt.store._internal import CUR, ChunkPlan, Prediction
+from dstt.store._internal import CUR, ChunkPlan, Prediction, StepTransaction
 
 from ._convert import flat_bytes
 from .providers import TensorSpec
@@ -119,7 +119,7 @@ class Flight:
         self.precopied = False  # copied on the training thread at stage
         self.flat_queued = False  # its write task (which frees the buffer) is queued
         self.flat_stats: dict[str, Any] = {}
-        #: the flat lane's id of this step's digest (``flatstats.digest``), -1 for none
+        #: the flat lane's id of this step's digest (``summary_kernel.digest``), -1 for none
         self.digest_token = -1
         self.sources: dict[str, torch.Tensor] = {}
         # hints for an encoding writer (none otherwise): each needs its whole group captured
@@ -145,7 +145,7 @@ class Flight:
             )
             self.marks = Copier.mark(self.sources.values())
         self.objects = dict(objects)
-        self.txn: Any = None
+        self.txn: StepTransaction = None  # type: ignore[assignment]  # set by ``begin``
         self.plans: dict[str, ChunkPlan] = {}
         self.summaries: dict[str, SummaryAccumulator] = {}
         self.copied = threading.Event()

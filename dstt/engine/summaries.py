@@ -1,51 +1,14 @@
-"""Write-time per-tensor summaries, computed on the host copy in the engine's flush threads.
+"""Write-time summaries on the training side: the torch glue around the one numpy kernel.
 
-For each tensor of each step the engine stores, in the commit object ``summaries``::
-
-    {array_path: {"l2", "rms", "maxabs", "nan", "inf", "update_l2", "update_ratio",
-                  "probe", "update_exact"}}
-
-so spike studies over thousands of steps read a few KB per step instead of whole tensors.
-
-What is exact and what is estimated:
-
-* ``nan`` and ``inf`` (counts) and ``maxabs`` (over the *finite* elements) are exact; ``l2``
-  and ``rms`` (over the finite elements) are float32 sums of squares per block of 2^20
-  elements (BLAS ``dot``), accumulated across blocks in float64: relative error ~1e-7, plenty
-  for spike studies, at ~1/15 of the CPU of a float64 pass (the summaries run on every
-  parameter of every step, competing with training for cores). A block with NaN/Inf — or
-  whose float32 squares overflow — takes an exact float64 path.
-* ``probe``: the values (as float) of up to ``PROBE_SIZE`` elements at fixed flat indices drawn
-  without replacement by a generator seeded from the array path, so the same elements are
-  probed at every step, in every process and every run (:func:`probe_indices`).
-* ``update_l2`` = ||x_t - x_{t-1}||: exact (``update_exact: true``) when the caller passes the
-  previous step's host copy; otherwise *estimated* from the probes of this and the previous
-  step as ``sqrt(numel / k * sum((p_t - p_{t-1})**2))``, an unbiased estimate of the squared
-  norm under the uniform probe, noisy for sparse updates. None at the first step of a run;
-  after a resume the book is seeded with the restored (parent) parameters
-  (:meth:`SummaryBook.seed`), so the first resumed step is measured against its parent.
-* ``update_ratio`` = ``update_l2 / l2`` (the current weights' norm); None when either is
-  unknown or ``l2`` is 0.
-
-The update of a commit is always relative to its *parent commit* (the step before it on its
-timeline: step k-1 when every step is committed, k-every with ``every=``). In the flat lane it
-is exact wherever the digest that summarised the parent kept its copy in the same process
-(``dstt.store.flusher.flatstats``: ``digest`` with a token) — every step after the first of a
-session, on every flat path (flusher, writer threads, ``DeltaPolicy``) — and the committer
-checks that the copy was the parent's (:meth:`SummaryBook.committed`), since a failed step, a
-chunk-lane step in between or a resume make the previous digest another step's. The chunk
-lane (steps larger than half the budget) keeps no copy: estimates there, labelled so.
-
-A tensor staged in chunks (the host cache may be smaller than the tensor) is summarised with a
-:class:`SummaryAccumulator` fed chunk by chunk, from any thread, in any order; ``tensor_summary``
-is the one-shot form. A :class:`SummaryBook` (one per session) remembers each path's last probe
-so the next step's update can be estimated; the engine's flush threads use it as::
-
-    acc = book.accumulator(path, numel)          # when the tensor's first chunk is staged
-    acc.add(offset, host_chunk)                  # per chunk, in the flush thread
-    summaries[path] = book.finish(path, acc)     # after its last chunk; -> put_object
- Rejected alternative: computing summaries on the device at stage time —
-it would add kernels and a sync to the training stream, the one place dstt must not slow.
+What each field means and how it is computed: :mod:`dstt.analysis.summary_kernel` (every
+lane, the flusher and the importer call it). Here: :class:`SummaryAccumulator` hands host
+chunks (CPU torch tensors, as numpy views) to it from any thread and folds the partial sums;
+:class:`SummaryBook` (one per session) remembers each path's probes and the digest token of
+the last committed step, so an update is exact only when compared with its *parent's* copy
+(the flat lane keeps one per process) and estimated from the probes otherwise (the chunk
+lane, the first step after a resume). A tensor split in several chunks sums its chunks'
+partials in float64: within ~1e-7 of the whole-tensor sum, not bit-equal. Rejected: summing
+on the device at stage time (kernels and a sync on the training stream).
 """
 
 from __future__ import annotations
@@ -53,29 +16,38 @@ from __future__ import annotations
 import functools
 import math
 import threading
-import zlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from dstt.store._internal import DigestPlan, logical_of
+from dstt import schema
+from dstt.analysis.summary_kernel import (
+    PROBE_SIZE,
+    DigestPlan,
+    Segments,
+    finish_columns,
+    probe_indices,
+    segment_stats,
+    segment_updates,
+)
+from dstt.errors import CaptureError, SchemaError
+from dstt.store._internal import logical_of, numpy_dtype
+
+from ._convert import flat_bytes, store_dtype
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 __all__ = [
-    "PROBE_SIZE",
     "SUMMARIZED",
     "SummaryAccumulator",
     "SummaryBook",
     "flat_digest_plan",
-    "probe_indices",
+    "host_array",
     "summarized",
     "tensor_summary",
 ]
-
-PROBE_SIZE = 16
 
 SUMMARIZED = ("params/",)  # array prefixes that get write-time summaries
 
@@ -89,26 +61,31 @@ def summarized(path: str) -> bool:
     return logical is not None and logical.startswith(SUMMARIZED)
 
 
-_BLOCK = 1 << 20  # elements per float64 block: bounds the temporary memory of one summary
+@functools.lru_cache(maxsize=64)
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
+    return numpy_dtype(store_dtype(dtype))
 
 
-def _as_float(x: torch.Tensor) -> torch.Tensor:
-    """float32/float64 as they are; bf16, fp16 and integers as float32 (exact for bf16/fp16)."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """The elements of CPU tensor ``t`` as a flat numpy array for the kernel: float32 and
+    wider as views of its memory (where contiguous); bfloat16 and float16 cast to float32
+    here, the exact cast the kernel's ``as_float`` makes (torch's is ~3x faster than numpy's
+    for bfloat16: measured)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.to(torch.float32)
+    return flat_bytes(t.contiguous()).numpy().view(_numpy_dtype(t.dtype))
 
 
 @functools.lru_cache(maxsize=65536)
-def _probe_indices(path: str, numel: int, k: int) -> np.ndarray:
-    rng = np.random.default_rng(zlib.crc32(path.encode()))
-    idx = rng.choice(numel, size=min(k, numel), replace=False)
-    idx.sort()
-    idx.setflags(write=False)
-    return idx
-
-
-def probe_indices(path: str, numel: int, k: int = PROBE_SIZE) -> np.ndarray:
-    """Sorted flat indices probed for ``path`` (deterministic in path, numel and k)."""
-    return _probe_indices(path, int(numel), int(k))
+def _chunk_segments(path: str, numel: int, k: int, offset: int, n: int) -> Segments:
+    """The kernel's segments of one chunk (elements ``offset..offset+n`` of ``path``) and
+    the probes in it: the same every step, so built once."""
+    idx = probe_indices(path, numel, k)
+    lo, hi = np.searchsorted(idx, [offset, offset + n])
+    return Segments.build([0], [n], [idx[lo:hi] - offset])
 
 
 class SummaryAccumulator:
@@ -126,92 +103,59 @@ class SummaryAccumulator:
         prev_probe: Sequence[float] | None = None,
         probe_size: int = PROBE_SIZE,
     ) -> None:
-        self.path, self.numel = path, int(numel)
+        self.path, self.numel, self.probe_size = path, int(numel), int(probe_size)
         self.idx = probe_indices(path, self.numel, probe_size)
         self.probe = np.full(len(self.idx), np.nan)
         self.prev_probe = None if prev_probe is None else np.asarray(prev_probe, dtype=float)
         self._lock = threading.Lock()
-        self._sumsq = self._maxabs = self._upd_sumsq = 0.0
-        self._finite = self._nan = self._inf = self._seen = self._upd_seen = 0
+        self._sums: dict[str, Any] = dict.fromkeys(("sumsq", "maxabs", "finite", "nan", "inf"), 0)
+        self._upd_sumsq, self._seen, self._upd_seen = 0.0, 0, 0
 
     def add(self, offset: int, chunk: torch.Tensor, prev_chunk: torch.Tensor | None = None) -> None:
         """Add elements ``[offset, offset + chunk.numel())``; ``prev_chunk`` is the same range
         of the previous step's copy (makes ``update_l2`` exact)."""
-        flat = chunk.reshape(-1)
-        prev_flat = None if prev_chunk is None else prev_chunk.reshape(-1)
-        if prev_flat is not None and prev_flat.numel() != flat.numel():
-            raise ValueError(
-                f"{self.path}: previous chunk has {prev_flat.numel()} elements, "
-                f"this one {flat.numel()}"
+        x = host_array(chunk)
+        old = None if prev_chunk is None else host_array(prev_chunk)
+        if old is not None and len(old) != len(x):
+            raise SchemaError(
+                f"{self.path}: previous chunk has {len(old)} elements, this one {len(x)}: "
+                "pass the same element range of the previous step"
             )
-        sumsq = maxabs = upd = 0.0
-        finite = nan = inf = 0
-        for s in range(0, flat.numel(), _BLOCK):
-            x = _as_float(flat[s : s + _BLOCK])
-            ss = m = 0.0
-            if x.numel():
-                mm = torch.aminmax(x)  # NaN propagates: sends the block to the exact path
-                ss, m = float(torch.dot(x, x)), max(-float(mm.min), float(mm.max))
-            if math.isfinite(ss) and math.isfinite(m):  # the common case: three cheap passes
-                finite += x.numel()
-                sumsq += ss
-                maxabs = max(maxabs, m)
-            else:  # NaN/Inf present, or float32 squares overflowed: exact float64 path
-                x64 = x.to(torch.float64)
-                ok = torch.isfinite(x64)
-                n_ok = int(ok.sum())
-                n_nan = int(torch.isnan(x64).sum())
-                nan, inf = nan + n_nan, inf + x64.numel() - n_ok - n_nan
-                x64 = x64[ok]
-                finite += n_ok
-                if x64.numel():
-                    sumsq += float(torch.dot(x64, x64))
-                    maxabs = max(maxabs, float(x64.abs().max()))
-            if prev_flat is not None:
-                d = x.to(torch.float64) - _as_float(prev_flat[s : s + _BLOCK]).to(torch.float64)
-                upd += float(torch.dot(d, d))
-        lo = np.searchsorted(self.idx, offset)
-        hi = np.searchsorted(self.idx, offset + flat.numel())
-        vals = flat[torch.from_numpy(self.idx[lo:hi] - offset)].to(torch.float64).numpy()
+        segs = _chunk_segments(self.path, self.numel, self.probe_size, offset, len(x))
+        lo = int(np.searchsorted(self.idx, offset))
+        hi = lo + len(segs.probe_index)
+        st = segment_stats(x, segs, hi - lo)
+        upd = None if old is None else float(segment_updates(x, old, segs)[0])
         with self._lock:
-            self._sumsq += sumsq
-            self._maxabs = max(self._maxabs, maxabs)
-            self._finite += finite
-            self._nan += nan
-            self._inf += inf
-            self._seen += flat.numel()
-            if prev_flat is not None:
+            for k in ("sumsq", "finite", "nan", "inf"):
+                self._sums[k] += st[k][0].item()
+            self._sums["maxabs"] = max(self._sums["maxabs"], st["maxabs"][0].item())
+            self._seen += len(x)
+            if upd is not None:
                 self._upd_sumsq += upd
-                self._upd_seen += flat.numel()
-            self.probe[lo:hi] = vals
+                self._upd_seen += len(x)
+            self.probe[lo:hi] = st["probe"][0]
 
     def result(self) -> dict[str, Any]:
-        """The summary dict (plain floats/ints/None, ready for tagged JSON)."""
+        """The summary dict (``schema.SUMMARY_FIELDS``: plain floats/ints/None, ready for
+        tagged JSON), finished by the kernel's :func:`finish_columns` as one row."""
         with self._lock:
             if self._seen != self.numel:
-                raise ValueError(f"{self.path}: summarised {self._seen} of {self.numel} elements")
-            l2 = math.sqrt(self._sumsq)
-            rms = math.sqrt(self._sumsq / self._finite) if self._finite else float("nan")
-            maxabs = self._maxabs if self._finite else float("nan")
-            update, exact = None, False
+                raise CaptureError(
+                    f"{self.path}: summarised {self._seen} of {self.numel} elements "
+                    "(a chunk was not added)"
+                )
+            st = {k: np.array([v]) for k, v in self._sums.items()}
+            st["probe"], st["probe_len"] = self.probe[None, :], np.array([len(self.probe)])
+            exact = None
             if self._upd_seen == self.numel and self.numel:
-                update, exact = math.sqrt(self._upd_sumsq), True
-            elif self.prev_probe is not None and len(self.prev_probe) == len(self.probe) > 0:
-                d = self.probe - self.prev_probe
-                if np.all(np.isfinite(d)):
-                    update = math.sqrt(self.numel / len(d) * float(np.dot(d, d)))
-            ratio = update / l2 if update is not None and l2 > 0 else None
-            return {
-                "l2": l2,
-                "rms": rms,
-                "maxabs": maxabs,
-                "nan": self._nan,
-                "inf": self._inf,
-                "update_l2": update,
-                "update_ratio": ratio,
-                "probe": [float(v) for v in self.probe],
-                "update_exact": exact,
-            }
+                exact = np.array([self._upd_sumsq])
+            prev = None if self.prev_probe is None else self.prev_probe[None, :]
+        cols = finish_columns(np.array([self.numel]), st, prev, exact)
+        out = {f: cols[f][0].tolist() for f in schema.SUMMARY_FIELDS}  # plain Python values
+        for f in ("update_l2", "update_ratio"):
+            out[f] = None if math.isnan(out[f]) else out[f]  # unknown
+        return out
 
 
 def tensor_summary(
@@ -229,11 +173,11 @@ def tensor_summary(
     update fields are None. Runs on CPU tensors of any dtype dstt stores (bf16 included).
     """
     if prev is not None and tuple(prev.shape) != tuple(t.shape):
-        raise ValueError(
+        raise SchemaError(
             f"{path}: previous copy has shape {tuple(prev.shape)}, this one {tuple(t.shape)}"
         )
     acc = SummaryAccumulator(path, t.numel(), prev_probe=prev_probe, probe_size=probe_size)
-    acc.add(0, t.detach(), None if prev is None else prev.detach())
+    acc.add(0, t, prev)
     return acc.result()
 
 
@@ -295,7 +239,7 @@ class SummaryBook:
     def committed(self, token: int) -> None:
         """The step just committed had digest token ``token`` (-1: none, a chunk-lane
         step): the next flat step's update is exact only if its digest compared it with
-        that token's copy (``flatstats.digest``)."""
+        that token's copy (``summary_kernel.digest``)."""
         with self._lock:
             self._parent_token = int(token)
 
@@ -326,65 +270,18 @@ class SummaryBook:
 def flat_digest_plan(
     items: Sequence[tuple[str, str, int, int]], probe_size: int = PROBE_SIZE
 ) -> DigestPlan:
-    """The store's :class:`~dstt.store.flusher.flatstats.DigestPlan` for tensors of a flat buffer:
-    ``items`` are (path, store dtype, byte offset, numel); probes as ``probe_indices``."""
+    """The kernel's :class:`DigestPlan` for tensors of a flat buffer: ``items`` are (path,
+    store dtype, byte offset, numel); probes as ``probe_indices``."""
     return DigestPlan(
         [
-            (p, dt, off, n, probe_indices(p, n, probe_size) if n else np.empty(0, np.intp))
+            (
+                p,
+                numpy_dtype(dt),
+                off,
+                n,
+                probe_indices(p, n, probe_size) if n else np.empty(0, np.intp),
+            )
             for p, dt, off, n in items
         ],
         probe_size,
     )
-
-
-def finish_columns(
-    numel: np.ndarray,
-    st: dict[str, np.ndarray],
-    prev_probe: np.ndarray | None,
-    exact_sumsq: np.ndarray | None = None,
-) -> dict[str, Any]:
-    """The columnar summaries object of one flat step from ``flatstats.digest`` columns.
-
-    Same fields and estimators as ``SummaryAccumulator.result``, one array each
-    (``update_l2``/``update_ratio`` NaN where unknown); ``exact_sumsq`` (the squared
-    distances to the parent's copy, NaN where unknown) makes those rows exact, flagged in
-    the ``update_exact`` column; ``dstt.inspect.summaries`` reads it.
-    """
-    finite = st["finite"]
-    l2 = np.sqrt(st["sumsq"])
-    with np.errstate(invalid="ignore", divide="ignore"):
-        rms = np.where(finite > 0, np.sqrt(st["sumsq"] / np.maximum(finite, 1)), np.nan)
-        maxabs = np.where(finite > 0, st["maxabs"], np.nan)
-        update = np.full(len(l2), np.nan)
-        if prev_probe is not None and prev_probe.shape == st["probe"].shape:
-            d = st["probe"] - prev_probe
-            k = st["probe_len"]
-            good = (k > 0) & _rows_finite(d, k)
-            d0 = np.where(np.isfinite(d), d, 0.0)
-            d2 = (d0 * d0).sum(axis=1)
-            update = np.where(good, np.sqrt(numel / np.maximum(k, 1) * d2), np.nan)
-        exact = np.zeros(len(l2), dtype=bool)
-        if exact_sumsq is not None and exact_sumsq.shape == l2.shape:
-            exact = np.isfinite(exact_sumsq) & (numel > 0)
-            update = np.where(exact, np.sqrt(np.where(exact, exact_sumsq, 0.0)), update)
-        ratio = np.where(l2 > 0, update / np.where(l2 > 0, l2, 1.0), np.nan)
-    return {
-        "columns": 1,
-        "l2": l2,
-        "rms": rms,
-        "maxabs": maxabs,
-        "nan": st["nan"],
-        "inf": st["inf"],
-        "update_l2": update,
-        "update_ratio": ratio,
-        "probe": st["probe"],
-        "probe_len": st["probe_len"],
-        "update_exact": exact,
-    }
-
-
-def _rows_finite(d: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Per row: every one of its first ``k[i]`` values is finite (padding is NaN)."""
-    mask = np.arange(d.shape[1])[None, :] < k[:, None]
-    finite: np.ndarray = np.all(np.isfinite(d) | ~mask, axis=1)
-    return finite

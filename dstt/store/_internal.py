@@ -16,6 +16,7 @@ import importlib as _importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ._seam import FlatSegment, StepHandle, StepSink, TransactionSink
     from .api import StoredStep, load, save
     from .codec.predict import CUR, Prediction, adam_predictions, sgd_predictions
     from .codec.xor import DeltaPolicy
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
         TransactionProxy,
     )
     from .commit.writer import Writer
-    from .flusher.flatstats import DigestPlan, digest
     from .flusher.parent import Flusher, flusher_supported
     from .format.batches import (
         BATCHES_OBJECT,
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from .format.manifest import parse_header
     from .format.objects import Encoded, decode_object
     from .format.parts import remove_parts
-    from .format.records import ArrayRecord, CommitHeader
+    from .format.records import ArrayRecord, CommitHeader, Metric
     from .format.segment import SCALARS as SUMMARY_SCALARS
     from .format.segment import RowSet
     from .format.zarr_meta import dtype_itemsize, numpy_dtype
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from .maintenance.gc import GcReport
     from .maintenance.retention import Retention, find_spikes
     from .protocols import (
+        ArraySpec,
         EncodingWriter,
         FlatStepWriter,
         OffloadingWriter,
@@ -95,16 +96,17 @@ __all__ = [
     "REFS_PREFIX",
     "SUMMARY_SCALARS",
     "ArrayRecord",
+    "ArraySpec",
     "Batch",
     "Box",
     "ChunkPlan",
     "CommitHeader",
     "DeltaPolicy",
-    "DigestPlan",
     "Encoded",
     "EncodingWriter",
     "FlatImage",
     "FlatLayout",
+    "FlatSegment",
     "FlatStepWriter",
     "Flusher",
     "GcReport",
@@ -112,6 +114,7 @@ __all__ = [
     "LocalStorage",
     "LogicalArray",
     "MemoryStorage",
+    "Metric",
     "OffloadingWriter",
     "Piece",
     "Prediction",
@@ -123,18 +126,20 @@ __all__ = [
     "Retention",
     "RowSet",
     "SkipSet",
+    "StepHandle",
+    "StepSink",
     "StepTransaction",
     "StepWriter",
     "Storage",
     "StoredStep",
     "StoredWriter",
     "TransactionProxy",
+    "TransactionSink",
     "Writer",
     "adam_predictions",
     "as_float",
     "check_array_path",
     "decode_object",
-    "digest",
     "dtype_itemsize",
     "find_spikes",
     "flusher_supported",
@@ -163,6 +168,7 @@ __all__ = [
 
 _LAZY: dict[str, tuple[str, str]] = {
     "ArrayRecord": ("format.records", "ArrayRecord"),
+    "ArraySpec": ("protocols", "ArraySpec"),
     "BATCHES_OBJECT": ("format.batches", "BATCHES_OBJECT"),
     "Batch": ("format.batches", "Batch"),
     "Box": ("read.shards", "Box"),
@@ -174,11 +180,11 @@ _LAZY: dict[str, tuple[str, str]] = {
     "DEFAULT_RANK_TIMEOUT": ("commit.ranks", "DEFAULT_RANK_TIMEOUT"),
     "DTENSOR_PREFIX": ("index.shard_summaries", "DTENSOR_PREFIX"),
     "DeltaPolicy": ("codec.xor", "DeltaPolicy"),
-    "DigestPlan": ("flusher.flatstats", "DigestPlan"),
     "Encoded": ("format.objects", "Encoded"),
     "EncodingWriter": ("protocols", "EncodingWriter"),
     "FlatImage": ("format.flat", "FlatImage"),
     "FlatLayout": ("format.flat", "FlatLayout"),
+    "FlatSegment": ("_seam", "FlatSegment"),
     "FlatStepWriter": ("protocols", "FlatStepWriter"),
     "Flusher": ("flusher.parent", "Flusher"),
     "GcReport": ("maintenance.gc", "GcReport"),
@@ -186,6 +192,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "LocalStorage": ("storage.local", "LocalStorage"),
     "LogicalArray": ("read.shards", "LogicalArray"),
     "MemoryStorage": ("storage.memory", "MemoryStorage"),
+    "Metric": ("format.records", "Metric"),
     "OffloadingWriter": ("protocols", "OffloadingWriter"),
     "Piece": ("read.shards", "Piece"),
     "Prediction": ("codec.predict", "Prediction"),
@@ -199,18 +206,20 @@ _LAZY: dict[str, tuple[str, str]] = {
     "RowSet": ("format.segment", "RowSet"),
     "SUMMARY_SCALARS": ("format.segment", "SCALARS"),
     "SkipSet": ("format.batches", "SkipSet"),
+    "StepHandle": ("_seam", "StepHandle"),
+    "StepSink": ("_seam", "StepSink"),
     "StepTransaction": ("protocols", "StepTransaction"),
     "StepWriter": ("protocols", "StepWriter"),
     "Storage": ("storage.base", "Storage"),
     "StoredStep": ("api", "StoredStep"),
     "StoredWriter": ("protocols", "StoredWriter"),
     "TransactionProxy": ("commit.ranks", "TransactionProxy"),
+    "TransactionSink": ("_seam", "TransactionSink"),
     "Writer": ("commit.writer", "Writer"),
     "adam_predictions": ("codec.predict", "adam_predictions"),
     "as_float": ("index.rows", "as_float"),
     "check_array_path": ("format.layout", "check_array_path"),
     "decode_object": ("format.objects", "decode_object"),
-    "digest": ("flusher.flatstats", "digest"),
     "dtype_itemsize": ("format.zarr_meta", "dtype_itemsize"),
     "find_spikes": ("maintenance.retention", "find_spikes"),
     "flusher_supported": ("flusher.parent", "flusher_supported"),

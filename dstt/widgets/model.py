@@ -15,6 +15,7 @@ observer callbacks whose firing order is the widget library's business.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -65,8 +66,15 @@ class ScrubberModel:
         spike_window: int | None = None,
         spike_z: float | None = None,
         max_side: int = 256,
+        prefetch: int = 1,
     ) -> None:
         self.run = run
+        #: committed steps on each side of the current one loaded in the background
+        self.prefetch = max(0, int(prefetch))
+        #: the last error of a background load (never raised: the step loads again in front)
+        self.prefetch_error: BaseException | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
         self.spike_window, self.spike_z, self.max_side = spike_window, spike_z, max_side
         self.cache: LRU[tuple[Any, ...], Any] = LRU(cache_size)
         self._observers: list[Observer] = []
@@ -192,6 +200,60 @@ class ScrubberModel:
                 self._tensor = self._default_tensor(self.tensors)
                 changed.add("tensor")
             self._notify(changed)
+            self._prefetch_neighbours()
+
+    # -- prefetch ---------------------------------------------------------------------------
+    def _prefetch_neighbours(self) -> None:
+        """Load the next and previous :attr:`prefetch` steps' data (snapshot, the shown
+        tensor, the change) into the cache in one background thread, nearest first; a request
+        that is still queued when the step moves again is dropped."""
+        if self.prefetch == 0:
+            return
+        i = self.index
+        near = [
+            self.steps[j]
+            for d in range(1, self.prefetch + 1)
+            for j in (i + d, i - d)
+            if 0 <= j < len(self.steps)
+        ]
+        if not near:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="dstt-scrubber-prefetch")
+        if self._pending is not None:
+            self._pending.cancel()  # not started yet: the user has moved on
+        want = (self._timeline, self._tensor, self._reference, near)
+        self._pending = self._pool.submit(self._warm, *want)
+
+    def _warm(self, timeline: str, tensor: str, reference: int | None, steps: list[int]) -> None:
+        for s in steps:
+            try:
+                self._warm_step(timeline, tensor, reference, s)
+            except Exception as e:  # a prefetch never breaks the widget: kept, not raised
+                self.prefetch_error = e
+
+    def _warm_step(self, timeline: str, tensor: str, reference: int | None, step: int) -> None:
+        self.cache.get_or_make(("snapshot", timeline, step), lambda: self.run.at(step, timeline))
+        self.cache.get_or_make(
+            ("values", timeline, step, tensor, self.max_side),
+            lambda: self._load_values(step, tensor, timeline),
+        )
+        self.cache.get_or_make(
+            ("change", timeline, step, reference),
+            lambda: step_change(self.run, step, reference, timeline=timeline),
+        )
+
+    def wait_prefetch(self, timeout: float | None = None) -> None:
+        """Wait for the background load in flight (tests; a notebook never needs to)."""
+        pending = self._pending
+        if pending is not None and not pending.cancelled():
+            wait([pending], timeout=timeout)
+
+    def close(self) -> None:
+        """Stop the prefetch thread (queued loads are dropped)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
     @property
     def index(self) -> int:
@@ -387,9 +449,17 @@ class ScrubberModel:
         values: np.ndarray = self.cache.get_or_make(key, lambda: self._load_values(s))
         return values
 
-    def _load_values(self, step: int) -> np.ndarray:
-        da = self.snapshot(step).tensor(self._tensor)
-        rs, cs = self.strides()
+    def _load_values(
+        self, step: int, tensor: str | None = None, timeline: str | None = None
+    ) -> np.ndarray:
+        tensor = self._tensor if tensor is None else tensor
+        timeline = self._timeline if timeline is None else timeline
+        snap: Snapshot = self.cache.get_or_make(
+            ("snapshot", timeline, step), lambda: self.run.at(step, timeline)
+        )
+        da = snap.tensor(tensor)
+        shape = tuple(snap.catalog.table[snap.path(tensor)].shape)
+        rs, cs = image_strides(shape, self.max_side) if len(shape) >= 2 else (1, 1)
         if da.ndim >= 1 and rs > 1:
             da = da.isel({da.dims[0]: slice(None, None, rs)})
         if da.ndim == 2 and cs > 1:

@@ -25,7 +25,18 @@ from dstt._optional import require
 
 from .model import Mode, ScrubberModel
 from .replay_panel import ReplayPanel, ReplayWith
-from .views import FigureView, draw_change, draw_loss, draw_shown, move_cursor, update_shown
+from .views import (
+    FigureView,
+    animate_change,
+    animate_loss,
+    animate_shown,
+    draw_change,
+    draw_loss,
+    draw_shown,
+    move_cursor,
+    update_change,
+    update_shown,
+)
 
 if TYPE_CHECKING:
     pass
@@ -217,6 +228,9 @@ class Scrubber:
         if changed == {"step"} and update_shown(self.views["tensor"], m):  # same tensor
             self.images["tensor"].value = self.views["tensor"].png()
             which.discard("tensor")
+        if moved and update_change(self.views["change"], m):  # as many bars: same axes
+            self.images["change"].value = self.views["change"].png()
+            which.discard("change")
         self._redraw(which)
 
     def _redraw(self, which: set[str]) -> None:
@@ -226,6 +240,12 @@ class Scrubber:
             if name in which:
                 view = self.views[name]
                 view.redraw(lambda ax, f=draw[name]: f(ax, m))  # type: ignore[misc]
+                if name == "loss":
+                    animate_loss(view)
+                elif name == "tensor":
+                    animate_shown(view)
+                else:
+                    animate_change(view)
                 self.images[name].value = view.png()
         if self.replay is not None:
             self.replay.update()
@@ -252,13 +272,16 @@ def scrubber(
     play_interval: int = 700,
     spike: Any = None,  # noqa: ANN401 - a Spike or a loss step
     replay: ReplayWith | None = None,
+    prefetch: int = 1,
 ) -> Scrubber:
     """A step scrubber over ``run`` (a :class:`dstt.Run` or a path).
 
     Starts at ``step`` (default: the head) of ``timeline`` (default: current) showing
     ``tensor`` (default: the first parameter). ``reference`` pins the step that changes are
     measured against (default: the previous committed step). ``cache_size`` steps' data are
-    kept in an LRU; tensors are subsampled to at most ``max_side`` rows/columns.
+    kept in an LRU, and the ``prefetch`` committed steps on each side of the one shown are
+    loaded into it in a background thread (0: none); tensors are subsampled to at most
+    ``max_side`` rows/columns.
     Spikes of ``metric`` (default ``loss``) use :meth:`dstt.Run.spikes` with
     ``spike_window`` / ``spike_z`` (its ``window``/``z``; None: the rule's defaults).
     ``spike`` (a ``Spike`` from ``run.spikes()``, or the loss step of a detected one) opens
@@ -286,6 +309,7 @@ def scrubber(
         spike_window=spike_window,
         spike_z=spike_z,
         max_side=max_side,
+        prefetch=prefetch,
     )
     if spike is not None:
         model.open_spike(spike)

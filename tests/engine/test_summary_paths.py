@@ -3,8 +3,9 @@
 A step's summaries are computed from the host copy its bytes were written from — in the
 flusher process (flat lane, raw steps), in this process's writer threads (flat lane without a
 flusher, or a step the writer encodes) or per chunk (the chunk lane, for states larger than
-half the budget). Each path computes them with its own code from its own buffer, so each is
-checked here on its own, at every step: ``l2``, ``rms``, ``maxabs``, the NaN/Inf counts, the
+half the budget). Each path hands its own buffer to the one kernel (``dstt.analysis.
+summary_kernel``), so each is checked here on its own, at every step, and the lanes against
+each other (bit-equal where a tensor is one chunk): ``l2``, ``rms``, ``maxabs``, NaN/Inf, the
 probe values and ``update_l2`` (exact in the flat lane, which keeps the parent's copy where
 it digests; estimated from the probes in the chunk lane) must equal what the committed
 tensors of that step (and the one before) give. A summary taken from the wrong
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from dstt.engine.summaries import probe_indices
+from dstt.analysis.summary_kernel import probe_indices
 from dstt.inspect.summaries import summary_rows
 from dstt.store import DeltaPolicy, Repository
 from dstt.training import session
@@ -104,3 +105,56 @@ def test_summaries_match_the_stored_tensors_at_every_step(
             assert row["update_l2"] == pytest.approx(want, rel=1e-5), where
             assert want > 0, where  # the optimizer moved it: a real comparison
     assert (encoded_steps > 0) == encoded, name
+
+
+#: the fields every lane computes from the same tensor with the same kernel call
+SAME_BITS = ("l2", "rms", "maxabs", "nan", "inf", "probe")
+#: under twice the state (the chunk lane), its chunks (a quarter of it) hold each tensor
+#: whole: a tensor cut into chunks sums its chunks' partials, equal only to ~1e-7
+WHOLE_CHUNK_BUDGET = 40 * 1024
+
+
+def _summaries_by_lane(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> dict[int, dict[str, dict[str, object]]]:
+    """Train the same seeded steps through one path of ``PATHS``; every step's summaries."""
+    flusher, _, lane = PATHS[name]
+    monkeypatch.setenv("DSTT_FLUSHER", "1" if flusher else "0")
+    torch.manual_seed(0)
+    m = MLP(d_in=D_IN, hidden=HIDDEN)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    options: dict = {"budget_bytes": WHOLE_CHUNK_BUDGET} if lane == "chunk" else {}
+    with session(m, opt, run=tmp_path / name, **options) as s:
+        for i in range(STEPS):
+            train_step(m, opt, *mlp_batch(i, d_in=D_IN))
+        assert (s._pipeline.steps is not None) == (lane == "flat"), name  # type: ignore[union-attr]
+    r = Repository.open(tmp_path / name).reader()
+    out = {}
+    for h in r.lineage():
+        arrays = r.arrays(h)
+        assert all(len(arrays[p].chunks) == 1 for p in arrays if p.startswith("params/"))
+        out[h.step] = summary_rows(r.read_object(h, "summaries"))
+    return out
+
+
+def test_every_lane_stores_the_same_summary_bits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One seeded run captured by the chunk lane (per host chunk, the engine's writer
+    threads), the flat lane's flusher process and its writer threads: the same tensors
+    give bit-equal l2, rms, maxabs, NaN/Inf counts and probes (one kernel; a tensor's
+    numbers do not depend on its neighbours in a buffer). The updates differ by design:
+    exact in the flat lane, estimated in the chunk lane."""
+    runs = {
+        n: _summaries_by_lane(tmp_path, monkeypatch, n)
+        for n in ("raw-chunk", "flusher-raw-flat", "threads-raw-flat")
+    }
+    chunk = runs.pop("raw-chunk")
+    assert sorted(chunk) == list(range(1, STEPS + 1))
+    for name, flat in runs.items():
+        assert sorted(flat) == sorted(chunk), name
+        for step, rows in chunk.items():
+            assert sorted(flat[step]) == sorted(rows), (name, step)
+            for path, row in rows.items():
+                got = {f: flat[step][path][f] for f in SAME_BITS}
+                assert got == {f: row[f] for f in SAME_BITS}, (name, step, path)

@@ -12,7 +12,9 @@ import pytest
 import torch
 from inspect_helpers import new_repo, write_steps
 
-from dstt.engine.summaries import SummaryAccumulator, probe_indices, tensor_summary
+from dstt.analysis.summary_kernel import probe_indices
+from dstt.engine.summaries import SummaryAccumulator, tensor_summary
+from dstt.errors import CaptureError
 from dstt.inspect.diagnose import rank_by_baseline
 from dstt.inspect.summaries import find_spikes
 from dstt.run import open_run
@@ -73,7 +75,7 @@ def test_chunked_accumulation_in_any_order_equals_one_shot() -> None:
 def test_incomplete_accumulation_is_refused() -> None:
     acc = SummaryAccumulator("params/w", 10)
     acc.add(0, torch.ones(4))
-    with pytest.raises(ValueError, match="4 of 10"):
+    with pytest.raises(CaptureError, match="4 of 10"):
         acc.result()
 
 
@@ -294,3 +296,26 @@ def test_spikes_read_only_the_summaries_around_them(tmp_path: Path) -> None:
     # commits within 2 of the cause, not all 40 (none: the run's index holds them, #14)
     assert set(read) <= {27, 28, 29, 30, 31}
     assert storage.data_reads() == set()  # and never a tensor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_torch_glue_hands_the_kernel_the_same_numbers(dtype: torch.dtype) -> None:
+    """``tensor_summary`` (the chunk lane's and the importer's path: torch tensors, bf16 and
+    fp16 cast by torch) stores the bits the kernel gives on the raw numpy elements (the
+    flat lane's path: cast by numpy / ml_dtypes)."""
+    import ml_dtypes
+
+    from dstt.analysis import summary_kernel as sk
+
+    t = (torch.randn(70, 33, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+    t.view(-1)[[5, 77]] = torch.tensor([float("nan"), float("inf")], dtype=dtype)
+    got = tensor_summary(t, "params/w")
+    raw = t.reshape(-1).view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    x = raw if dtype == torch.bfloat16 else t.reshape(-1).numpy()
+    idx = probe_indices("params/w", x.size)
+    st = sk.segment_stats(x, sk.Segments.build([0], [x.size], [idx]), len(idx))
+    want = sk.finish_columns(np.array([x.size]), st, None)
+    for f in ("l2", "rms", "maxabs", "nan", "inf"):
+        assert got[f] == want[f][0], f
+    assert got["probe"] == want["probe"][0].tolist()
+    assert (got["nan"], got["inf"]) == (1, 1)

@@ -307,7 +307,7 @@ def test_compare_images_follow_the_tensor(run: Any) -> None:
 
 
 def test_lru_caches_loaded_steps(run: Any) -> None:
-    s = scrub(run, cache_size=6)
+    s = scrub(run, cache_size=6, prefetch=0)  # counts misses: no background loads
     cache = s.model.cache
     s.slider.value = 5
     s.slider.value = 6

@@ -1,7 +1,7 @@
 """The flusher process's side (``python -m dstt.store.flusher._main``): serve ``flusher/parent.py``.
 
 Three threads: the main one reads requests and checksums and digests each flat step in the
-shared buffer (``FlatImage.fill``, ``flatstats.digest``), a writer thread writes it (whole
+shared buffer (``FlatImage.fill``, ``summary_kernel.digest``), a writer thread writes it (whole
 4 KiB blocks with ``O_DIRECT``) and replies — so step k+1's CPU work overlaps step k's wait
 for the disk — and a commit thread runs the commits the writer hands over
 (``commit/job.py``: ``run_commit``) in the order they come. The main and writer threads run at
@@ -26,13 +26,13 @@ import threading
 from dataclasses import replace
 from typing import IO, TYPE_CHECKING, Any
 
+from dstt.analysis.summary_kernel import digest
 from dstt.store.commit.job import run_commit
 from dstt.store.format.flat import FlatImage
 from dstt.store.format.stepfile import SideFile, StepFile
 from dstt.store.storage.local import LocalStorage
 from dstt.store.storage.posix import pwrite_all, start_writeback
 
-from .flatstats import digest
 from .parent import _recv, _send
 
 if TYPE_CHECKING:

@@ -50,11 +50,10 @@ from dstt.store.commit.job import CommitJob, NotHandedOff
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from dstt.analysis.summary_kernel import DigestPlan
     from dstt.store.format.flat import FlatLayout
     from dstt.store.format.records import CommitHeader
     from dstt.store.format.stepfile import StepState
-
-    from .flatstats import DigestPlan
 
 __all__ = ["Flusher", "flusher_supported"]
 
@@ -245,7 +244,7 @@ class Flusher:
         """Fill the zip entries of ``layout`` from shared buffer ``buffer`` into the file at
         ``path`` at ``start`` (a range the parent reserved); returns each chunk's crc32c, the
         entries' central directory records and, with ``plan``, the digest columns (each
-        write on its own buffer; ``token``: ``flatstats.digest``'s, for exact updates
+        write on its own buffer; ``token``: ``summary_kernel.digest``'s, for exact updates
         against the previous step the child digested with this plan; ``sent``: called once
         the request is in the pipe, so the caller can order digests)."""
 

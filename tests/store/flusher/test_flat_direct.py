@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dstt.analysis import summary_kernel
+from dstt.analysis.summary_kernel import DigestPlan, digest
 from dstt.store.flusher import child as flusher_mod
-from dstt.store.flusher import flatstats
-from dstt.store.flusher.flatstats import DigestPlan, digest
 from dstt.store.format.flat import FlatImage, FlatLayout
 from dstt.store.format.layout import plan_chunks
 from dstt.store.format.zipfmt import end_records
@@ -46,6 +46,16 @@ def _fill(layout: FlatLayout, values: dict[str, np.ndarray]) -> mmap.mmap:
     for a in layout.arrays:
         buf[a.offset : a.offset + a.nbytes] = values[a.path].tobytes()
     return buf
+
+
+def _typed(items: list[tuple]) -> list[tuple]:
+    """The kernel's plan items: the store dtype name as a numpy dtype."""
+    return [(p, np.dtype(dt), *rest) for p, dt, *rest in items]
+
+
+def _large_members(plan: DigestPlan) -> bool:
+    """Whether every region's members are summed one by one (none in reduceat runs)."""
+    return all(not r.segs.runs for r in plan.regions if len(r.segs.full))
 
 
 def _as_zip(image: FlatImage, body: bytes) -> bytes:
@@ -96,7 +106,7 @@ def test_digest_ignores_the_zip_headers_between_tensors() -> None:
         for a in layout.arrays
         if a.dtype.startswith("float")
     ]
-    got = digest(DigestPlan(items, 3), np.frombuffer(buf, np.uint8))
+    got = digest(DigestPlan(_typed(items), 3), np.frombuffer(buf, np.uint8))
     for j, (path, *_rest) in enumerate(items):
         x = values[path].astype(np.float64).ravel()
         want = float(np.abs(x).max()) if x.size else 0.0
@@ -109,8 +119,8 @@ def test_digest_is_exact_either_way_it_sums(monkeypatch: pytest.MonkeyPatch, lar
     """Both ways of summing squares (a fused sum per tensor, in blocks of BLOCK elements;
     or reduceat over the whole region) agree with float64, never read past a tensor into
     the headers after it, and count NaN/Inf exactly (the float64 fallback)."""
-    monkeypatch.setattr(flatstats, "LARGE", large)
-    monkeypatch.setattr(flatstats, "BLOCK", 100)  # several blocks per tensor, a partial last
+    monkeypatch.setattr(summary_kernel, "LARGE", large)
+    monkeypatch.setattr(summary_kernel, "BLOCK", 100)  # several blocks per tensor, a partial last
     layout, values = _layout()
     values["params/l5/w"][[1, 4]] = [np.nan, np.inf]  # the (9,) float32 tensor
     buf = _fill(layout, values)
@@ -120,15 +130,17 @@ def test_digest_is_exact_either_way_it_sums(monkeypatch: pytest.MonkeyPatch, lar
         for a in layout.arrays
         if a.dtype == "float32"
     ]
-    plan = DigestPlan(items, 2)
-    assert all(r.few_large == (large == 1) for r in plan.regions)
+    plan = DigestPlan(_typed(items), 2)
+    assert _large_members(plan) == (large == 1)
     exact: list[int] = []
-    real = flatstats._exact
-    monkeypatch.setattr(flatstats, "_exact", lambda seg, r, *a: (exact.append(r), real(seg, r, *a)))
+    real = summary_kernel._exact
+    monkeypatch.setattr(
+        summary_kernel, "_exact", lambda seg: (exact.append(len(seg)), real(seg))[1]
+    )
     got = digest(plan, np.frombuffer(buf, np.uint8))
     # only the tensor with NaN/Inf takes the float64 pass (a sum that read past its
     # tensor into the next header would be sent there too, or be wrong)
-    assert [items[r][0] for r in exact] == ["params/l5/w"]
+    assert exact == [9]  # the (9,) tensor's elements
     for j, (path, *_rest) in enumerate(items):
         x = values[path].astype(np.float64).ravel()
         good = x[np.isfinite(x)]
@@ -211,8 +223,8 @@ def test_digest_updates_are_exact_against_the_previous_digested_step(
     the plan (float16 and float32 regions, zip headers between tensors; either way it sums),
     says whose copy it compared with, and keeps its own; a change it cannot state finitely
     is NaN."""
-    monkeypatch.setattr(flatstats, "LARGE", large)
-    monkeypatch.setattr(flatstats, "BLOCK", 100)  # several blocks per tensor
+    monkeypatch.setattr(summary_kernel, "LARGE", large)
+    monkeypatch.setattr(summary_kernel, "BLOCK", 100)  # several blocks per tensor
     layout, before = _layout()
     rng = np.random.default_rng(3)
     after = {
@@ -225,8 +237,8 @@ def test_digest_updates_are_exact_against_the_previous_digested_step(
         for a in layout.arrays
         if a.dtype.startswith("float")
     ]
-    plan = DigestPlan(items, 2)
-    assert all(r.few_large == (large == 1) for r in plan.regions)
+    plan = DigestPlan(_typed(items), 2)
+    assert _large_members(plan) == (large == 1)
     bufs = []
     for values in (before, after):
         buf = _fill(layout, values)
