@@ -3,6 +3,7 @@ predicted from the update rule (``predict``), the one encoder of a step — a wh
 once (``flatdelta``), its grouped predictions (``flatpredict``) and what it keeps per layout
 (``layout_state``) — the writer's bases and in-flight bookkeeping (``delta``) and reusable
 memory (``buffers``)."""
+
 from .xor import DeltaPolicy
 
 __all__ = ["DeltaPolicy"]

@@ -1,20 +1,15 @@
-"""The writer's delta state: the last committed copy of every flat layout, and its in-flight bases.
+"""The writer's delta state: the last committed copy of each flat layout, and in-flight bases.
 
-One codec: every encoded step is a flat step (``flatdelta.py`` decides and encodes it whole,
-as columns). The engine hands whole flat buffers; a step fed chunk by chunk (``put_chunk``:
-the importers, ``save``) is staged by its transaction and encoded at commit as a flat step of
-its declared arrays, whose layout is cached here so consecutive steps share their bases.
-``DeltaEncoder`` keeps a *flat shadow* per layout (its last committed copy, the next step's
-base) and, with ``Writer(inflight_bases=True)``, the flat shadows of steps still in flight:
-a step based on one records that slot in its ``deps`` and ``check_deps`` refuses its commit
-unless the base committed first, so a delta's base is always a committed ancestor on the same
-timeline. A writer on a new timeline (after rollback) drops its shadows: deltas never chain
-across timelines.
+Every encoded step is a flat step, encoded by ``flatdelta.py`` (a step fed by ``put_chunk`` is
+staged by its transaction and encoded at commit with a layout cached here, ``layout``).
+``DeltaEncoder`` keeps a *flat shadow* per layout, the next step's base, and with
+``Writer(inflight_bases=True)`` those of steps still in flight: a step based on one records
+that slot in its ``deps``, and ``check_deps`` refuses its commit unless the base committed
+first. A new timeline drops the shadows: deltas never chain across timelines.
 
-Rejected alternatives: a second, chunk-by-chunk encoder with chunk shadows (it made different
-decisions, so one step had different bytes per lane; it stays in the tests as the reference
-the flat encoder is proven equal to), and reading the base back from disk at encode time (read
-bandwidth on the hot path; the shadow costs host memory, bounded by ``shadow_bytes``).
+Rejected: a second, chunk-by-chunk encoder with chunk shadows (it drifted: one step had other
+bytes per lane; it lives on as the tests' reference), and reading the base back from disk at
+encode time (read bandwidth on the hot path; a shadow costs host memory, ``shadow_bytes``).
 """
 
 from __future__ import annotations
