@@ -13,6 +13,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -253,3 +254,30 @@ def test_a_step_fed_chunk_by_chunk_is_stored_as_the_same_step_fed_flat(run: Run)
         got = load(a, step).arrays
         for p, want in arrays.items():
             assert same_bits(got[p], want), (step, p)
+
+
+def test_a_staged_step_missing_chunks_is_refused_and_loses_nothing() -> None:
+    """An encoding writer stages ``put_chunk``; a step whose array misses a chunk is
+    refused at commit (not encoded, not hidden), and the committed steps stay as they were."""
+    from dstt.errors import DsttError
+
+    storage = MemoryStorage()
+    repo = Repository.create(storage)
+    a = np.arange(64, dtype=np.float32)
+    with repo.writer(encoding=DeltaPolicy(), chunk_bytes=64) as w:
+        txn = w.begin(1)
+        _put_chunks(txn, "params/w", a)
+        txn.commit()
+        txn = w.begin(2)
+        plan = txn.declare("params/w", "float32", a.shape)
+        assert plan.n_chunks == 4
+        txn.put_chunk("params/w", 0, (a + 1).view(np.uint8)[:64])  # 3 chunks never written
+        with pytest.raises(DsttError, match=r"chunks \[1, 2, 3\] of 'params/w' were never"):
+            txn.commit()
+        txn.abort()
+        txn = w.begin(2)
+        _put_chunks(txn, "params/w", a + 2)
+        txn.commit()
+    assert same_bits(load(storage, 1).arrays["params/w"], a)
+    assert same_bits(load(storage, 2).arrays["params/w"], a + 2)
+    assert repo.verify().ok
