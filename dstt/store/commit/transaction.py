@@ -2,15 +2,14 @@
 
 A ``Transaction`` belongs to the ``Writer`` (``writer.py``) that began it and holds a fresh slot:
 the zip of Zarr chunks and the side file of objects and deltas (``format/stepfile.py``), which
-no commit references yet. Chunks arrive one at a time (``put_chunk``; when the writer encodes,
-staged and encoded at commit as one flat step: one codec) or a whole step at once
-(``put_flat``/``put_flat_chunks``, the engine's hot path, or the two halves of ``put_flat``
-when the flusher process writes the bytes); ``commit``/``prepare`` hand it back to the writer,
-which alone makes a step visible. Kept apart from the writer: the writer decides *when* and in
-which order things become durable, the transaction only *what* a step holds (its columns:
-a ``StepTable``, ``step_table.py``). It sees the writer through ``StepOwner``, the narrow
-protocol below (rejected: typing against ``Writer`` under ``TYPE_CHECKING``, a cycle between
-the two modules).
+no commit references yet. Chunks arrive one at a time (``put_chunk``; staged and encoded at
+commit as one flat step when the writer encodes: one codec) or a whole step at once
+(``put_flat``/``put_flat_chunks``; ``put_flat`` in two halves when the flusher process writes
+the bytes); ``commit``/``prepare`` hand it back to the writer, which alone makes it visible.
+Kept apart from the writer: the writer decides *when* and in which order things become
+durable, the transaction only *what* a step holds (its columns: a ``StepTable``,
+``step_table.py``). It sees the writer through ``StepOwner``, the narrow protocol below
+(rejected: typing against ``Writer`` under ``TYPE_CHECKING``, a cycle between the modules).
 """
 
 from __future__ import annotations
