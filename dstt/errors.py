@@ -29,6 +29,7 @@ __all__ = [
     "ReplayError",
     "RunLockedError",
     "SchemaError",
+    "SegmentError",
     "SourceError",
     "StepNotFoundError",
     "StorageError",
@@ -107,6 +108,11 @@ class CaptureError(DsttError, RuntimeError):
 class ConfigError(DsttError, ValueError):
     """``dstt.session`` was given objects that cannot be captured together (an optimizer that
     holds none of the model's trainable parameters, or parameters the model does not have)."""
+
+
+class SegmentError(DsttError, ValueError):
+    """A flat segment a step refuses: out of byte order, overlapping one written, splitting
+    an array, from another layout, or missing at the commit (``dstt.store._seam``)."""
 
 
 class RaceError(CaptureError):

@@ -40,6 +40,7 @@ __all__ = [
     "DEEPSPEED_META_OBJECT",
     "EXTRA_OBJECT",
     "FILES_OBJECT",
+    "HEADS_OBJECT",
     "IMPORT_OBJECT",
     "LAYOUT_OBJECT",
     "LIGHT_OBJECT",
@@ -113,6 +114,8 @@ EXTRA_OBJECT: Final = "extra"
 FILES_OBJECT: Final = "files"
 #: light steps (``every="auto"``) carried by the next stored commit: ``{"steps", "loss"}``
 LIGHT_OBJECT: Final = "light/steps"
+#: attention modules' head counts: ``{module path: {"heads": n} and/or {"head_dim": d}}``
+HEADS_OBJECT: Final = "model/heads"
 
 #: every declared object name, in the order they were added
 OBJECT_NAMES: tuple[str, ...] = (
@@ -135,6 +138,7 @@ OBJECT_NAMES: tuple[str, ...] = (
     EXTRA_OBJECT,
     FILES_OBJECT,
     LIGHT_OBJECT,
+    HEADS_OBJECT,
 )
 
 

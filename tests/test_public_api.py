@@ -574,3 +574,134 @@ def test_every_store_module_is_named_in_its_rooms_docstring() -> None:
         elif f"{stem}.py" not in tree:
             missing.append(name)
     assert not missing, missing
+
+
+#: the most lines a module docstring may have: what the module is for, the design choice and
+#: the rejected alternative (issue 38, item 7); longer stories go to docs/decisions.md
+DOCSTRING_LINES = 12
+
+#: the modules whose docstring is still longer than ``DOCSTRING_LINES``. This set only
+#: shrinks: shorten one, then delete its line here (the test fails until you do); never add.
+LONG_DOCSTRINGS = frozenset(
+    {
+        "dstt/analysis/mechanisms.py",
+        "dstt/cli/__init__.py",
+        "dstt/engine/__init__.py",
+        "dstt/engine/chunklane.py",
+        "dstt/engine/committer.py",
+        "dstt/engine/deepspeed.py",
+        "dstt/engine/dims.py",
+        "dstt/engine/ds_checkpoint.py",
+        "dstt/engine/flatlane.py",
+        "dstt/engine/governor.py",
+        "dstt/engine/light.py",
+        "dstt/engine/optimizers.py",
+        "dstt/engine/parallel.py",
+        "dstt/engine/pipeline.py",
+        "dstt/engine/predictions.py",
+        "dstt/engine/providers.py",
+        "dstt/engine/ranks.py",
+        "dstt/engine/sharding.py",
+        "dstt/engine/staging.py",
+        "dstt/engine/summaries.py",
+        "dstt/engine/torch_state.py",
+        "dstt/engine/zero.py",
+        "dstt/inspect/rebuild.py",
+        "dstt/integrations/__init__.py",
+        "dstt/integrations/_attribution.py",
+        "dstt/integrations/lightning.py",
+        "dstt/integrations/transformers.py",
+        "dstt/run/explain.py",
+        "dstt/run/metrics.py",
+        "dstt/run/run.py",
+        "dstt/schema.py",
+        "dstt/store/codec/buffers.py",
+        "dstt/store/codec/delta.py",
+        "dstt/store/codec/flatdelta.py",
+        "dstt/store/codec/flatpredict.py",
+        "dstt/store/codec/predict.py",
+        "dstt/store/codec/xor.py",
+        "dstt/store/commit/job.py",
+        "dstt/store/commit/parts.py",
+        "dstt/store/commit/ranks.py",
+        "dstt/store/commit/writer.py",
+        "dstt/store/flusher/flatstats.py",
+        "dstt/store/flusher/parent.py",
+        "dstt/store/index/job.py",
+        "dstt/store/index/shard_summaries.py",
+        "dstt/store/index/view.py",
+        "dstt/store/index/writer.py",
+        "dstt/store/maintenance/retention.py",
+        "dstt/store/protocols.py",
+        "dstt/testing/spike_scenarios.py",
+        "dstt/training/__init__.py",
+        "dstt/training/data.py",
+        "dstt/training/deepspeed.py",
+        "dstt/training/distributed.py",
+        "dstt/training/imported.py",
+        "dstt/training/metrics.py",
+        "dstt/training/options.py",
+        "dstt/training/retention.py",
+        "dstt/training/session.py",
+        "dstt/training/steps.py",
+        "dstt/training/stopping.py",
+        "dstt/widgets/replay_panel.py",
+        "dstt/widgets/scrubber.py",
+    }
+)
+
+
+def docstring_lengths(root: Path) -> dict[str, int]:
+    """The line count of each module docstring under ``root``'s ``dstt/``, by path relative
+    to ``root`` (modules without a docstring are left out)."""
+    import ast
+
+    lengths: dict[str, int] = {}
+    for p in sorted((root / "dstt").rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(p.read_text()), clean=False)
+        if doc:
+            lengths[p.relative_to(root).as_posix()] = len(doc.strip().splitlines())
+    return lengths
+
+
+def docstring_ratchet(lengths: dict[str, int], allowed: frozenset[str]) -> list[str]:
+    """What breaks the ratchet: a docstring over ``DOCSTRING_LINES`` not in ``allowed``, and an
+    ``allowed`` path whose docstring is short now (or that is gone)."""
+    too_long = {path for path, n in lengths.items() if n > DOCSTRING_LINES}
+    return [
+        f"{path}: {lengths[path]} docstring lines; at most {DOCSTRING_LINES}: purpose, design "
+        "choice, rejected alternative (longer stories to docs/decisions.md)"
+        for path in sorted(too_long - allowed)
+    ] + [
+        f"{path}: docstring is short now (or the file is gone); delete it from LONG_DOCSTRINGS"
+        for path in sorted(allowed - too_long)
+    ]
+
+
+def test_module_docstrings_are_short() -> None:
+    """Every module docstring in dstt/ is at most ``DOCSTRING_LINES`` lines, but the listed
+    ones; and the list shrinks as they are shortened."""
+    problems = docstring_ratchet(docstring_lengths(Path(dstt.__file__).parents[1]), LONG_DOCSTRINGS)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_docstring_ratchet_catches_a_long_one_and_a_stale_entry(tmp_path: Path) -> None:
+    """The check itself: a new long docstring fails, a listed one still long passes, and a
+    listed one made short fails until it is delisted."""
+    pkg = tmp_path / "dstt"
+    pkg.mkdir()
+    long = "\n".join(f"line {i}" for i in range(DOCSTRING_LINES + 1))
+    (pkg / "new.py").write_text(f'"""{long}\n"""\n')
+    (pkg / "listed.py").write_text(f'"""{long}\n"""\n')
+    (pkg / "fixed.py").write_text('"""Short.\n\nTwo lines of story.\n"""\n')
+    (pkg / "bare.py").write_text("x = 1\n")
+    lengths = docstring_lengths(tmp_path)
+    assert lengths == {
+        "dstt/fixed.py": 3,
+        "dstt/listed.py": DOCSTRING_LINES + 1,
+        "dstt/new.py": DOCSTRING_LINES + 1,
+    }
+    problems = docstring_ratchet(lengths, frozenset({"dstt/listed.py", "dstt/fixed.py"}))
+    assert [p.split(":")[0] for p in problems] == ["dstt/new.py", "dstt/fixed.py"]
+    assert "delete it from LONG_DOCSTRINGS" in problems[1]
+    assert not docstring_ratchet(lengths, frozenset({"dstt/listed.py", "dstt/new.py"}))

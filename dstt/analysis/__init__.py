@@ -1,16 +1,14 @@
 """Numeric analysis of logged metrics that every layer may use: numpy and the standard
 library only, no store, no torch, no xarray.
 
-* ``find_spikes``: the loss-spike rule of ``run.spikes()``, ``diagnose()``, ``dstt log``, the
-  scrubber and the retention policy (``dstt gc``, a session's ``retention=``), and the
-  constants it defaults to: ``SPIKE_WINDOW``, ``SPIKE_Z``, ``SPIKE_LEVEL``,
-  ``SPIKE_MIN_PERIODS``, ``SPIKE_FLOOR``, ``SPIKE_SMALL``.
+Modules: ``spikes`` the loss-spike rule (``find_spikes``) of ``run.spikes()``, ``diagnose()``,
+``dstt log``, the scrubber and retention, with the constants it defaults to (``SPIKE_WINDOW``,
+``SPIKE_Z``, ``SPIKE_LEVEL``, ``SPIKE_MIN_PERIODS``, ``SPIKE_FLOOR``, ``SPIKE_SMALL``);
+``mechanisms`` one pure check per spike mechanism (bad data, update too large, attention
+logit growth, Adam's second moment, numerics), on numpy.
 
 Rejected: keeping the rule in the store (where retention first needed it) — the rule is
 about metrics, not bytes, and inspection, the widgets and the CLI import it too.
-
-Modules: ``spikes`` the rule above · ``mechanisms`` one pure check per spike mechanism (bad
-data, update too large, attention logit growth, Adam's second moment, numerics), on numpy.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ Each check takes what its mechanism leaves behind and returns a :class:`Finding`
 ``score`` (the measured statistic over its threshold: >= 1 is ``likely``; NaN when
 ``unknown``), the numbers behind it (``evidence``), the tensors, layers or samples it points
 at, a hint worded as a hint, and what it read (filled in by the caller, :mod:`dstt.run.explain`).
+The evidence keeps the arrays a check judged (per-sample losses, the update-ratio matrix, the
+logit bounds per layer, ``g²/v`` per tensor), so :mod:`dstt.plots.explain` draws exactly them.
 
 * :func:`bad_data` — a few samples of the step's batch have losses far above the rest
   (per-sample losses, from replay): a robust z-score against the batch's median.
@@ -206,6 +208,9 @@ def bad_data(
         "outliers": {int(idx[i]): float(loss[i]) for i in out[:20]},
         "outlier_share": share,
         "max_z": top,
+        "threshold_z": z,
+        "indices": [int(i) for i in idx],
+        "losses": [float(x) for x in loss],
     }
     points = tuple(int(idx[i]) for i in out) if verdict == LIKELY else ()
     return Finding(name, verdict, float(score), evidence, points, _hint(name, verdict))
@@ -219,12 +224,14 @@ def update_too_large(
     z: float = UPDATE_Z,
     jump: float = UPDATE_JUMP,
     share: float = UPDATE_SHARE,
+    steps: Sequence[int] | np.ndarray | None = None,
 ) -> Finding:
     """Many tensors' updates jump at once: ``ratios`` (steps x tensors) of update ratios,
     the last row the update that caused the spike, the rows before it each tensor's
     baseline. A tensor jumps when its ratio is more than ``z`` robust standard deviations
     (floored at 10 % of the median) and ``jump`` times above its baseline median; ``likely``
-    when at least ``share`` of the tensors with a baseline jump."""
+    when at least ``share`` of the tensors with a baseline jump. ``steps`` (one per row;
+    None: ``0..``) label the matrix kept in ``evidence["ratios"]`` (steps x tensors)."""
     name = "update_too_large"
     z, jump, share = _positive("z", z), _positive("jump", jump), _positive("share", share)
     if ratios is None:
@@ -232,6 +239,9 @@ def update_too_large(
     r = np.asarray(ratios, dtype=np.float64)
     if r.ndim != 2 or r.shape[1] != len(names):
         raise ConfigError(f"ratios must be steps x tensors ({len(names)}), got {r.shape}")
+    st = np.arange(r.shape[0]) if steps is None else np.asarray(steps)
+    if len(st) != r.shape[0]:
+        raise ConfigError(f"steps ({len(st)}) must label the rows of ratios ({r.shape[0]})")
     if r.shape[0] < 4:
         return _unknown(name, f"fewer than 3 updates before the cause ({r.shape[0] - 1})")
     cause, base = r[-1], r[:-1]
@@ -259,6 +269,9 @@ def update_too_large(
             names[i]: {"ratio": float(cause[i]), "baseline": float(med[i]), "z": float(zs[i])}
             for i in order[:10]
         },
+        "steps": [int(x) for x in st],
+        "names": list(names),
+        "ratios": r.tolist(),
     }
     points = tuple(names[i] for i in order)
     return Finding(name, verdict, score, evidence, points, _hint(name, verdict))
@@ -329,6 +342,7 @@ def attention_logit_growth(
         "steps": [int(s) for s in steps],
         "bound": {layers[i]: [float(x) for x in b[:, i]] for i in range(len(layers))},
         "growth": {layers[i]: float(g[i]) for i in range(len(layers))},
+        "level": level,
     }
     points = tuple(layers[i] for i in order if per[i] >= 1.0)
     return Finding(name, verdict, score, evidence, points, _hint(name, verdict))
@@ -384,6 +398,10 @@ def adam_second_moment(
         "steps": [int(s) for s in steps],
         "peak": {names[i]: float(peak[i]) for i in order[:10]},
         "quiet_median": {names[i]: float(base[i]) for i in order[:10]},
+        "level": level,
+        "recent": recent,
+        "names": list(names),
+        "rho": r.tolist(),
     }
     points = tuple(names[i] for i in order if per[i] >= 1.0)
     return Finding(name, verdict, score, evidence, points, _hint(name, verdict))

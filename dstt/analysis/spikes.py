@@ -1,41 +1,15 @@
 """The loss-spike rule: a robust, causal one-step-ahead residual test on the log of the metric.
 
-For step *i* (finite values only, in step order), on ``y = log(value)``:
+For step *i*, on ``y = log(value)``: the residual ``r_i = y_i - L_i`` against the local level
+``L_i`` (median of the ``SPIKE_LEVEL`` values before *i*); the center and robust scale (median
+and 1.4826 x MAD, floored at ``SPIKE_FLOOR``) of the residuals of up to ``window`` steps
+before; *i* is flagged when ``(r_i - c_i) / s_i > z`` after ``min_periods`` residuals.
+Consecutive flagged steps are one spike at its largest score; every quantity uses values up
+to *i* only, so appending steps never changes an earlier verdict (~10 ms for 10,000 steps).
 
-1. the **local level** ``L_i`` is the median of the ``SPIKE_LEVEL`` (5) values before *i*, and
-   the **residual** ``r_i = y_i - L_i`` (how far the value is above where the loss just was);
-2. the residuals of the ``window`` steps before *i* (all of them while fewer exist: the window
-   grows with the run up to ``window``, 100 by default) give a **center** ``c_i`` (their median)
-   and a **scale** ``s_i`` (1.4826 x their median absolute deviation, a standard deviation's
-   robust estimate), floored at ``SPIKE_FLOOR`` (0.01: 1 % of the level) and widened by
-   ``sqrt(1 + 10 / count)`` while only ``count`` < 100 residuals back it (a MAD of a few values
-   is often too small: early steps would raise false alarms);
-3. *i* is flagged when ``(r_i - c_i) / s_i > z`` (``SPIKE_Z``, 6 by default) and at least
-   ``min_periods`` residuals precede it (10 by default: a run is checked from its 12th value
-   on).
-
-Consecutive flagged steps are one spike, reported at its largest score; ``start`` is its first
-flagged step. ``exp(L_i + c_i)`` is the spike's baseline (where the loss would have been).
-
-Why this shape: the residuals are *differences from a trend the loss itself follows*, so a
-falling loss's slope does not inflate the scale (it does in a z-score of the raw values: the
-rolling mean/std rule this replaces missed a 2.8x jump of a still-falling loss, 1.07 -> 3.01,
-because the 50 values before it spanned 2.5 .. 1.07); the median of residuals absorbs the lag of
-a median level on a falling curve; medians and MADs ignore earlier spikes in the window, so a
-spike does not hide the next one; the log makes a 2x spike the same size at loss 8 and at loss
-0.8. Every quantity for step *i* uses only values up to *i* (the window grows with *i*, never
-with the run's length), so appending steps never changes an earlier verdict: a spike found once
-is found by every later gc. A metric that is zero or negative somewhere is tested on its values
-themselves from that step on (the scale floored at 1 % of the level), the log before it.
-Vectorised: ``sliding_window_view`` + ``np.partition`` in float32 (about 10 ms for 10,000
-steps). The defaults come from ``bench/spike_bench.py`` (docs/performance.md, "Spike
-detector").
-
-Rejected: a rolling z-score of the values (the trend inflates its std: see above); a global
-z-score (training's trend makes early steps look like spikes and hides late ones); a fitted
-local linear or power-law trend (extrapolation error on curved early losses becomes false
-alarms, and a least-squares fit is pulled by the spike itself); a window sized from the run's
-total length (not causal: a gc at step 1,000 and at step 10,000 would disagree).
+Rejected: a rolling or global z-score of the values (training's trend inflates the scale and
+hides spikes); a fitted trend (extrapolation error becomes false alarms); a window sized from
+the run's length (not causal). The rule in full: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -39,7 +39,9 @@ def add_explain(sub: argparse._SubParsersAction[_P], common: _P) -> None:
         help="the spike's first step (default: the largest spike, else the first NaN loss)",
     )
     sp.add_argument("--metric", default="loss", help="the metric that spiked (default: loss)")
-    sp.add_argument("--heads", type=int, help="attention heads per layer (default: unknown)")
+    sp.add_argument(
+        "--heads", type=int, help="attention heads per layer (default: as the run recorded them)"
+    )
     sp.add_argument("--timeline", help="timeline to read (default: the current one)")
 
 

@@ -12,12 +12,16 @@ rank 0 makes once every rank's part is durable (``dstt.engine.ranks``).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .ranks import RankTransaction, RankWriter, TransactionProxy
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    from dstt.store._internal import ArraySpec, FlatLayout, Metric
 
     from ._statedict import SessionPaths
     from .pipeline import Flight
@@ -36,7 +40,7 @@ class _Save:
     stubs: list[str] = dataclasses.field(default_factory=list)
     total: int | None = None  # flights including the final one, once known
     begun: int = 0
-    txn: Any = None
+    txn: RankTransaction | None = None
     names: SessionPaths | None = None
     complete: bool = False  # save_checkpoint returned (known only through ``attach``)
 
@@ -54,11 +58,16 @@ class _SharedTxn(TransactionProxy):
         super().__init__(txn)
         self.final = final
 
-    encode = property(lambda self: False, lambda self, v: None)
-    stats = property(lambda self: self._txn.stats)
-    bytes_written = property(lambda self: self._txn.bytes_written)
+    @property
+    def encode(self) -> bool:
+        return False  # a tag's files are written raw
 
-    def commit(self, metrics: Any = None) -> Any:
+    @encode.setter
+    def encode(self, value: bool) -> None:
+        pass
+
+    def commit(self, metrics: Mapping[str, Metric] | None = None) -> object:
+        """The tag's commit (its header or this rank's vote) from the final flight."""
         return self._txn.commit(metrics) if self.final else _FileDone()
 
 
@@ -67,6 +76,11 @@ class _TagWriter:
 
     def __init__(self, rw: RankWriter, saves: dict[int, _Save]) -> None:
         self.rw, self.saves = rw, saves
+
+    encoder: None = None  # a tag's files are written raw (``_SharedTxn.encode``)
+
+    def flat_layout(self, arrays: Sequence[ArraySpec]) -> FlatLayout:
+        return self.rw.flat_layout(arrays)
 
     def begin(self, step: int) -> _SharedTxn:
         save = self.saves[step]  # added before its first flight was staged

@@ -169,6 +169,7 @@ class FlatLane:
             elif fl is not None and not fl.dead and getattr(f.txn, "zip", None) is not None:
                 start = f.txn.reserve_flat(layout, lambda s: self._image(layout, s).nbytes)
                 path = f.txn.zip.local_path
+                assert path is not None  # (reserved: its temporary file is open)
                 # the child owns the zip framing in this buffer: should this process write
                 # from it later (the flusher died), its images bind it anew
                 self.steps.images[f.buffer].clear()

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dstt.store._internal import CUR, ChunkPlan, Prediction
+from dstt.store._internal import CUR, ChunkPlan, Prediction, StepTransaction
 
 from ._convert import flat_bytes
 from .providers import TensorSpec
@@ -145,7 +145,7 @@ class Flight:
             )
             self.marks = Copier.mark(self.sources.values())
         self.objects = dict(objects)
-        self.txn: Any = None
+        self.txn: StepTransaction = None  # type: ignore[assignment]  # set by ``begin``
         self.plans: dict[str, ChunkPlan] = {}
         self.summaries: dict[str, SummaryAccumulator] = {}
         self.copied = threading.Event()

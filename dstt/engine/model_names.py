@@ -5,8 +5,9 @@ Torch reports a wrapped model's tensors with the wrappers' components in their n
 (``_orig_mod.`` of ``torch.compile``, ``module.`` of DDP, ...); :func:`canonical_names` drops
 them with the rule of ``dstt.schema.canonical_name`` (DDP/``DataParallel`` modules are found
 here, where torch is at hand). Tied parameters are stored once, under their first name; their
-other names go into the object ``names/tied``, and a Hugging Face model's config into
-``model/config`` (:class:`ModelInfoProvider`), both taken once per session.
+other names go into the object ``names/tied``, a Hugging Face model's config into
+``model/config``, and the attention modules' head counts into ``model/heads``
+(:class:`ModelInfoProvider`), all taken once per session.
 Rejected alternative: naming inside each provider — the model tensors, the optimizer state and
 the dims would each need the rule again and could drift apart.
 """
@@ -29,8 +30,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CONFIG_OBJECT",
+    "HEADS_ATTRIBUTES",
+    "HEADS_OBJECT",
     "TIED_OBJECT",
     "ModelInfoProvider",
+    "attention_heads",
     "canonical_names",
     "model_config",
     "module_wrappers",
@@ -90,14 +94,41 @@ def tied_names(model: torch.nn.Module) -> dict[str, str]:
 
 TIED_OBJECT = schema.TIED_OBJECT
 CONFIG_OBJECT = schema.CONFIG_OBJECT
+HEADS_OBJECT = schema.HEADS_OBJECT
+#: module attributes that hold an attention module's head count (torch, nanoGPT, Hugging
+#: Face, common code); ``head_dim`` is recorded too (Llama-style modules have only that)
+HEADS_ATTRIBUTES = ("num_heads", "n_head", "n_heads", "num_attention_heads", "heads")
+
+
+def attention_heads(model: torch.nn.Module) -> dict[str, dict[str, int]]:
+    """``{canonical module path: {"heads": n, "head_dim": d}}`` (either or both) of every
+    module with a positive int attribute of :data:`HEADS_ATTRIBUTES` or ``head_dim``: what
+    splits a query/key projection into heads (``run.explain``'s attention check)."""
+    wrappers = module_wrappers(model)
+    out: dict[str, dict[str, int]] = {}
+    for name, module in model.named_modules():
+        facts: dict[str, int] = {}
+        for attr in HEADS_ATTRIBUTES:
+            n = getattr(module, attr, None)
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                facts["heads"] = n
+                break
+        dh = getattr(module, "head_dim", None)
+        if isinstance(dh, int) and not isinstance(dh, bool) and dh > 0:
+            facts["head_dim"] = dh
+        if facts:
+            out.setdefault(canonical_name(name, wrappers), facts)
+    return out
 
 
 class ModelInfoProvider:
     """What readers need to know of the model beyond its tensors, taken once at session
     start and stored with every step (encoded once): ``names/tied`` — every further name of a
-    tied parameter → the name it is stored under (only when something is tied) — and
+    tied parameter → the name it is stored under (only when something is tied) —,
     ``model/config`` — a Hugging Face model's ``config`` as JSON (what ``dstt export --format
-    hf`` writes as ``config.json``). Nothing to restore: they describe the model."""
+    hf`` writes as ``config.json``) — and ``model/heads`` — the attention modules' head
+    counts (:func:`attention_heads`; only when there are some). Nothing to restore: they
+    describe the model."""
 
     stable = True
 
@@ -109,6 +140,9 @@ class ModelInfoProvider:
         config = model_config(model)
         if config is not None:
             self._objects[CONFIG_OBJECT] = Encoded.of(config)
+        heads = attention_heads(model)
+        if heads:
+            self._objects[HEADS_OBJECT] = Encoded.of(heads)
 
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return {}

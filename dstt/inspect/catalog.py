@@ -1,19 +1,14 @@
 """The names one commit answers to: its tensors by canonical path, plus its tied names.
 
-A :class:`Catalog` is built once per commit (``Snapshot`` keeps one; ``Run.trajectory``,
-``diff``, ``dstt show``, the plots and the widgets ask theirs) from the commit's arrays table
-— keyed by canonical paths already (:mod:`dstt.inspect.readers`) — and its object
-``names/tied``, which the engine writes when parameters are tied: every further name of a
-tied parameter -> the name it is stored under (``{"lm_head.weight":
-"transformer.wte.weight"}``). Each tied name becomes an **alias path** whose record is its
-target's, for the parameter and for each of its optimizer states, so a tied name resolves
-(:func:`dstt.inspect.naming.array_path`), is selected (:mod:`dstt.inspect.selection`) and
-is shown like any tensor, and :meth:`Catalog.tied_to` says what it is tied to (views put
-that in ``attrs["tied_to"]``, ``dstt show`` marks the row).
+A :class:`Catalog` is built once per commit from its arrays table (already keyed by canonical
+paths, :mod:`dstt.inspect.readers`) and its ``names/tied`` object (every further name of a
+tied parameter -> the name it is stored under). Each tied name becomes an **alias path** whose
+record is its target's, for the parameter and each optimizer state, so a tied name resolves,
+is selected and is shown like any tensor; :meth:`Catalog.tied_to` says what it is tied to.
 
-Rejected alternative: storing tied tensors once per name — the bytes twice on every step, and
-a load would untie them; and resolving tied names only in ``tensor()`` — ``layer``,
-``trajectory``, ``show`` and the scrubber would each fail differently.
+Rejected alternatives: storing tied tensors once per name (the bytes twice on every step, and
+a load would untie them); resolving tied names only in ``tensor()`` (``layer``,
+``trajectory``, ``show`` and the scrubber would each fail differently).
 """
 
 from __future__ import annotations

@@ -1,49 +1,15 @@
-"""Spike diagnosis past "the loss jumped here": which tensors' updates were abnormal, which
-data, where the first NaN/Inf appeared, and gradual divergence.
+"""Spike diagnosis past "the loss jumped here": abnormal updates, suspect data, the first
+NaN/Inf, gradual divergence — read from the small per-commit objects, never a tensor.
 
-Every rule here reads only the small per-commit objects (logged metrics, write-time summaries,
-batch fingerprints), never a tensor.
+:func:`rank_by_baseline` ranks tensors by how far their update ratio left *their own* recent
+baseline (a robust z-score, largest positive first); :func:`suspect` blames the batch
+(``"data"``) when the update before the jump was ordinary, else the update (``"update"``);
+:func:`first_nonfinite` finds the first commit whose summaries count a NaN or Inf;
+:func:`find_divergence` flags a smoothed metric that rises and stays above its running minimum.
 
-**Baseline-relative ranking** (:func:`rank_by_baseline`). A tensor's update ratio
-(``||w_t - w_{t-1}|| / ||w_t||``, :mod:`dstt.engine.summaries`) has its own scale: embeddings
-and norms move little, small heads a lot. So the tensors of a bad update are ranked by how far
-its ratio left *that tensor's own* recent baseline: the robust z-score
-``(r - median) / (1.4826 * MAD)`` over the ratios of the previous ``window`` commits (at least
-``min_periods`` finite ones). The MAD is floored at 1% of the median (and 1e-12), so a tensor
-whose ratio never varied does not score infinity for a wiggle. The absolute ratio stays beside
-it. "Most abnormal" means the largest *positive* z: a tensor that moved less than usual
-(z < 0) is no suspect of a spike, so it comes last, after the tensors without enough
-baseline (the first commits of a run, by ratio), and the spike report leaves it out. Rejected
-alternatives: ranking by absolute ratio — a tensor that always moves a lot tops every list and
-hides the one that changed; ranking by |z| — a tensor that froze would name itself the
-culprit of a jump. Limits: ratios are estimated from probes where the engine had no copy of
-the parent step (``update_exact`` False: the chunk lane, the first step after a resume;
-noisy, the robust baseline absorbs most of it); a tensor that moved abnormally over many
-steps becomes its own baseline.
-
-**Which data** (:func:`suspect`). The loss of step *k* is computed on step *k*'s batch with the
-weights of step *k - 1*. If the update that made those weights (``parent -> cause``) was
-ordinary — no tensor's deviation above ``z`` — the weights were fine and the jump comes from
-the batch itself: the suspect is ``"data"``, its samples those of step ``start``, and the last
-clean weights are ``cause``. Otherwise the suspect is ``"update"``: the samples that trained
-it (the batches of steps ``parent + 1 .. cause``), clean weights at ``parent``. Limits: with
-no baseline yet the suspect is ``"data"`` by default; an update that is abnormal *because* of
-its batch is reported as ``"update"`` with that batch's samples, which is still the batch to
-skip.
-
-**First non-finite** (:func:`first_nonfinite`): the first commit whose summaries count a NaN
-or Inf in any tensor (the counts are exact), with those tensors; the update that produced it
-is ``parent -> step`` (with sparser commits: somewhere in that interval).
-
-**Gradual divergence** (:func:`find_divergence`): the metric is smoothed with a trailing
-median of ``window`` values (a single-step spike does not move it: spikes are
-:func:`dstt.inspect.summaries.find_spikes`' job). The run diverges where the smoothed metric
-rises above ``rise`` x its running minimum and stays there for ``sustain`` consecutive logged
-values; ``start`` is the step of that minimum (where the rise began), ``step`` the first
-step above the threshold. Its tensors are ranked by how much their norm (``l2``) grew from
-``start`` to the last step of the stretch. Limits: a rise slower than ``rise`` x is not
-flagged however long it lasts; the first ``window`` values only seed the median; a curve
-that starts high and never drops (no minimum to rise from) is not flagged.
+Rejected: ranking by absolute ratio (a tensor that always moves a lot hides the one that
+changed) and by |z| (a tensor that froze would name itself the culprit). The rules' details
+and limits: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,30 +1,15 @@
 """Export one commit as files PyTorch and Hugging Face load: ``safetensors``, ``torch``, ``hf``.
 
-``safetensors``: the model's tensors (``params/`` and ``buffers/``) under their dotted names,
-every tied name included (:mod:`dstt.inspect.catalog`; safetensors refuses tensors that share
-storage, so a tied tensor is written once per name), so
-``model.load_state_dict(safetensors.torch.load_file(path))`` works; with ``include_all``
-every other array (optimizer states, user arrays) is added under its store path.
-``torch``: ``torch.save`` of ``{"model": ..., "optimizer": ..., "scheduler": ...}`` exactly as
-``Snapshot.state_dict()`` gives it (:mod:`dstt.inspect.restore`), so each part goes straight
-into ``model.load_state_dict`` / ``optimizer.load_state_dict`` (``torch.load(path,
-weights_only=True)`` reads it); with ``include_all`` an ``"arrays"`` entry adds every other
-array (the optimizer's already in ``"optimizer"`` excepted) under its store path.
-``hf``: a folder ``from_pretrained`` opens, written as ``save_pretrained`` writes one —
-``model.safetensors`` (metadata ``format: pt``; a tied parameter under the name it is stored
-as only, which ``from_pretrained`` ties again) and ``config.json``, from the run's
-``model/config`` object (a session over a Hugging Face model stores it) or from ``config``.
-Values keep their stored dtype (bfloat16 stays bfloat16, bit for bit). torch and safetensors
-are imported only here, on demand.
+``safetensors``: the model's tensors under their dotted names, every tied name included;
+``torch``: ``torch.save`` of ``Snapshot.state_dict()``'s ``{"model", "optimizer",
+"scheduler"}``; ``hf``: a ``from_pretrained`` folder (``model.safetensors`` and
+``config.json``); ``dcp``: :mod:`dstt.inspect.export_dcp`. Values keep their stored dtype,
+bit for bit. Each file is written under a temporary name and renamed into place, so a failed
+export leaves no half-written file; torch and safetensors are imported only here, on demand.
 
-Each file is written next to its destination under a temporary name and renamed into place,
-so a failed export leaves no half-written file; missing folders are created; ``out`` naming a
-folder (an existing one, or a path ending in ``/``) writes ``step<S>.<ext>`` into it; an
-existing file is replaced only with ``overwrite``; files get the permissions of any new file
-(``0o666 & ~umask``; safetensors alone would leave its private temporary file's ``0o600``).
-``dcp``: a ``torch.distributed.checkpoint`` folder (:mod:`dstt.inspect.export_dcp`).
 Rejected alternative: exporting a DeepSpeed checkpoint directory — its layout depends on the
-parallelism at save time; a flat state dict (or DCP, which reshards on load) is what tools load.
+parallelism at save time; a flat state dict (or DCP, which reshards on load) is what tools
+load. Details (``include_all``, ``out`` as a folder, permissions): docs/decisions.md.
 """
 
 from __future__ import annotations

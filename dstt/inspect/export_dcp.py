@@ -1,25 +1,15 @@
 """Export one commit as a ``torch.distributed.checkpoint`` folder that ``dcp.load`` reads into a
 model and optimizer of any world size.
 
-The folder holds what DCP's own state-dict helpers produce and expect:
-``{"model": <model state dict by FQN>, "optimizer": <optimizer state dict by FQN>,
-"lr_scheduler": <scheduler state dict>, "step": k}`` — the optimizer in the layout of
-``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (state and param groups
-keyed by parameter name), so the usual loading code works unchanged, on one process or on
-every rank of an FSDP2/TP job (DCP reshards the whole tensors into each rank's shards)::
+The folder holds ``{"model", "optimizer", "lr_scheduler", "step"}`` in the layout of DCP's own
+state-dict helpers (``get_state_dict`` / ``set_state_dict``: the optimizer keyed by parameter
+name), so the usual loading code works unchanged on one process or every rank of an FSDP2/TP
+job. Tensors come from :func:`dstt.inspect.restore.step_state`, tied parameters under each
+name; ``dcp.save(..., no_dist=True)`` writes into a temporary folder renamed into place, so a
+failed export leaves nothing behind.
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id="step1200")
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
-
-Tensors come from :func:`dstt.inspect.restore.step_state` (stored dtypes, bit for bit); tied
-parameters are written under each of their names (``names/tied``), as ``state_dict()`` lists
-them. The folder is written by ``dcp.save(..., no_dist=True)`` into a temporary folder beside
-``out`` and renamed into place, so a failed export leaves nothing behind.
-Rejected alternative: one ``.distcp`` file per source rank — the world size at export time is
-one process, and DCP's loader reshards on read whatever the files' layout.
+Rejected alternative: one ``.distcp`` file per source rank — the export runs in one process,
+and DCP's loader reshards on read whatever the files' layout.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Metrics and write-time summaries from the run's index rows (``dstt.store.RowSet``).
 
-The index (``dstt/store/index/writer.py``) keeps every commit's metrics, metrics history and
-write-time summaries as columns — pruned steps included, since gc frees tensor bytes but never
-the history of scalars. :func:`metrics_from_rows` feeds those rows to
-:func:`dstt.inspect.summaries.metrics_dataset` (one light record per row, so the Dataset is the
-one a list of headers gives) and adds a ``pruned`` coordinate; :func:`summaries_from_rows`
-builds the ``summaries()`` Dataset straight from the float64 matrices (the per-step dicts of
-``summaries_dataset`` cost seconds at 10,000 steps). Rejected alternative: reading each
-commit's ``summaries`` object — one read and one JSON parse per step, and gone after gc.
+The index keeps every commit's metrics and summaries as columns, pruned steps included (gc
+frees tensor bytes, never scalars' history). :func:`metrics_from_rows` and
+:func:`summaries_from_rows` build the Datasets straight from those columns;
+:func:`summary_columns` gives the same table as plain numpy (:class:`SummaryColumns`), so
+``dstt show``, ``dstt log`` and the spike ranking never import xarray (~0.5 s cold).
 
-:func:`summary_columns` is the same table as plain numpy columns (:class:`SummaryColumns`,
-answering the ``ds["var"].values`` / ``ds.sizes`` a Dataset would): what ``dstt show``, ``dstt
-log`` and the spike ranking read, so a command that only reads the index never imports xarray
-(~0.5 s cold). Rejected alternative: a Dataset everywhere — the import alone breaks the CLI's
-0.3 s budget.
+Rejected alternatives: reading each commit's ``summaries`` object (one read and JSON parse per
+step, and gone after gc); a Dataset everywhere (the import alone breaks the CLI's 0.3 s
+budget).
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Lazy xarray backend arrays over committed tensors: one commit, or one tensor over many.
 
-Both are ``xarray.backends.BackendArray`` subclasses driven by
-``explicit_indexing_adapter(..., IndexingSupport.OUTER, ...)``; wrapped in
-``LazilyIndexedArray`` (done by :func:`variable`), ``.isel``/``.sel`` compose indexers and read
-nothing. When values are needed, only the chunks that hold the selected rows of axis 0 are read,
-through ``Reader.read_chunk`` (which verifies each chunk's crc32c); each chunk is indexed on the
-remaining axes and copied once, straight into the result, with bfloat16 upcast to float32 in
-that same copy (exact: every bfloat16 is a float32). A trajectory maps each step to its commit
-(resolved by the caller from the timeline's lineage), preallocates the result and fills one
-step per task on a small thread pool.
+Both are ``xarray.backends.BackendArray`` subclasses with outer indexing, wrapped lazily
+(:func:`variable`), so ``.isel``/``.sel`` read nothing; values read only the chunks holding the
+selected rows of axis 0, through ``Reader.read_chunk`` (crc32c-checked), copied once into the
+result (bfloat16 upcast to float32 in that copy, exactly). A trajectory fills one step per
+task on a small thread pool; readers are per thread (:mod:`dstt.inspect.readers`).
 
-Readers: one per thread, sharing one cache of arrays tables (:mod:`dstt.inspect.readers`).
-
-Rejected alternative: opening the run with ``zarr``/``xr.open_zarr`` — it would read slots no
-ref reaches (aborted or pruned data), cannot follow a timeline's lineage, and skips the
+Rejected alternative: ``zarr``/``xr.open_zarr`` on the run — it would read slots no ref
+reaches (aborted or pruned data), cannot follow a timeline's lineage, and skips the
 manifest's crc32c check.
 """
 

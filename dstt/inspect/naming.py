@@ -1,26 +1,14 @@
 """Names: store array paths <-> the names a PyTorch user types, and how a typed name resolves.
 
-The store keeps one array per tensor under ``params/<module path with '/'>/<param>``,
-``buffers/...`` and ``optim/<state>/<module path>/<param>``. Users think in dotted torch names
-(``layers.0.attn.q_proj.weight``), so every view speaks those: a parameter or buffer is named
-by its dotted name, anything else (optimizer states, user arrays) by its store path, which
-always contains a ``/`` and therefore never collides with a dotted name.
+Views speak dotted torch names for parameters and buffers, store paths (which always contain
+a ``/``) for everything else. :func:`array_path` resolves the exact name, then a **short
+name** (a unique suffix of whole components; several matches are an error listing them);
+wrapper components (:data:`dstt.schema.WRAPPER_ATTRIBUTES`) are dropped on both sides
+(:func:`canonical_path`); a miss suggests the closest names, suffixes included.
 
-One rule for every entry point (``tensor``, ``trajectory``, ``to_numpy``, the scrubber):
-:func:`array_path` resolves, in order, the exact name; then a **short name** — a unique suffix
-of whole components (``layers.0.self_attn.q_proj.weight`` finds
-``model.layers.0.self_attn.q_proj.weight``); several tensors ending that way are an error
-listing them. Wrapper components (``_orig_mod``, ``_fsdp_wrapped_module``,
-``_checkpoint_wrapped_module``: :data:`dstt.schema.WRAPPER_ATTRIBUTES`) are dropped from what
-the user types and from stored paths alike (:func:`canonical_path`; runs written before
-capture dropped them keep opening under the model's own names). Every miss suggests the
-closest names, comparing the typed name with whole names and with their suffixes of as many
-components, so a short name with a typo still finds its tensor. The layer selector rule is
-:mod:`dstt.inspect.selection`'s.
-
-Rejected alternatives: a ``state:name`` mini-syntax for optimizer states — one more grammar to
-learn, where the store path is already unique, printable and what ``dstt show`` prints; and
-short names by plain substring — ``layers.1`` would then also name ``layers.10``.
+Rejected alternatives: a ``state:name`` mini-syntax for optimizer states (one more grammar,
+where the store path is already unique and what ``dstt show`` prints); short names by plain
+substring (``layers.1`` would also name ``layers.10``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Torch optimizers back from a step: their state dicts, and which live optimizer is which.
 
-The engine writes two objects per optimizer (:mod:`dstt.engine.torch_state`):
-``optim/param_groups`` (hyperparameters and parameter names per group) and ``optim/state``
-(which keys of each parameter's state are arrays ``optim/<key>/<name>``, and the values of
-the others). A session given several optimizers — a list or a dict — writes them per
-optimizer key, ``optim/param_groups/<key>`` and ``optim/state/<key>`` (``"0"``, ``"1"``...
-for a list; the dict's keys); their arrays need no key, each optimizer holding other
-parameters. :func:`stored_keys` finds the keys of a step (``""`` for the only one),
-:func:`live_optimizers` pairs the optimizers given to ``load_into`` with them — the same
-number and, for a dict, the same keys, else a ``SchemaError`` saying what the step holds —
-and :func:`check_optimizer` checks one against its stored groups before anything is loaded.
+The engine writes ``optim/param_groups`` and ``optim/state`` per optimizer (suffixed
+``/<key>`` for a session given several: ``"0"``, ``"1"``... or a dict's keys).
+:func:`stored_keys` finds a step's keys, :func:`live_optimizers` pairs the optimizers given to
+``load_into`` with them (same count and keys, else a ``SchemaError`` saying what the step
+holds) and :func:`check_optimizer` checks one against its stored groups before any load.
 
 Rejected alternative: pairing several optimizers by the parameters they hold — a dict's keys
 are the session's own names for them, and an error naming keys is clearer than one naming

@@ -1,16 +1,12 @@
 """Readers of one run shared by every view: one per thread, one cache of arrays tables, and
 tables keyed by canonical names.
 
-A ``dstt.store.Reader`` keeps private caches, so each thread gets its own, but they share one
-locked cache of parsed arrays tables (a 1000-tensor table costs ~25 ms to verify and parse; it
-is parsed once per commit, not once per reader). Each table is *augmented* here, once, for
-every view: the logical tensors of sharded (ZeRO) commits (:mod:`dstt.inspect.sharded`), and
-its keys are **canonical paths** (:func:`dstt.inspect.naming.canonical_path`): a run captured
-before capture dropped wrapper components (``params/_orig_mod/l1/weight``) lists, views,
-exports and loads as ``params/l1/weight``. Records keep their stored ``path``; a lookup by a
-canonical path (``located``, ``record``, ``read_chunk``, ``read_many``) is mapped back to it.
+Each thread gets its own ``dstt.store.Reader`` (they keep private caches) sharing one locked
+cache of parsed arrays tables (a 1000-tensor table costs ~25 ms to verify and parse). Each
+table is augmented here once for every view: sharded commits' logical tensors
+(:mod:`dstt.inspect.sharded`), and keys made canonical paths (wrapper components dropped);
+records keep their stored ``path``, and lookups map back to it. No xarray is imported.
 
-This module imports no xarray, so what only lists a run (``dstt ls``, ``log``) starts fast.
 Rejected alternative: canonical names in each view (tensor, layer, trajectory, export,
 restore) — five places to keep one rule, and the store's index answers by stored path.
 """

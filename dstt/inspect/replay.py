@@ -1,39 +1,15 @@
 """Replay a past step: recompute its gradients, per-sample losses and activations exactly.
 
-A run holds, for every committed step *k*, the state after it (model, optimizer, scheduler,
-RNG) and which samples it trained on (data attribution: ``s.data(loader)``). Re-executing
-step *k* from commit *k-1* under the same RNG, on the same samples, reproduces it; comparing
-the result with commit *k* proves the replay was faithful. :func:`replay_step`:
+:func:`replay_step` restores commit *k-1* into live objects with the providers a resume uses,
+rebuilds step *k*'s micro-batches from their recorded samples, runs forward/backward and the
+optimizer step (capturing gradients and asked-for activations), then compares every tensor
+with commit *k* bit for bit (``Replay.faithful``, else ``Replay.mismatch`` with a likely
+reason) and evaluates each sample alone on the weights of *k-1*. Nothing is written to the
+run. Frameworks run a step through a :class:`ReplayKit` their integration registers.
 
-1. restores commit *k-1* into the given live objects with the providers a resume uses
-   (``dstt.engine.torch_state.discover`` restored from a ``StoreSource``: model, optimizer
-   state and hyperparameters, scheduler, global RNGs) — the state the original step started
-   from, including the learning rate the scheduler had set for it;
-2. rebuilds step *k*'s micro-batches from their recorded sample indices through the user's
-   ``dataset`` (and ``collate``), or a ``batches`` callable (indices → batch), or takes the
-   batches themselves;
-3. runs forward/backward on each micro-batch (``loss_fn(model, batch)``: the loss the loop
-   back-propagated, gradient-accumulation scaling included), captures the gradients and, by
-   forward hooks, the activations asked for, then takes the optimizer step;
-4. compares every parameter and optimizer-state tensor with commit *k*, bit for bit
-   (``Replay.faithful``; where it is not, ``Replay.mismatch``: the tensors that differ and
-   the likely reason their pattern points to — a difference that is one multiple of the
-   gradient means clipping in training, matching moments another learning rate, tiny ones
-   nondeterministic kernels);
-5. evaluates each sample of the batch alone on the weights of *k-1* (``eval()`` mode: no
-   dropout) for its loss, and its gradient norm when ``per_sample_grads``, worst first.
-
-The live objects end at the replayed step *k* (as training would have left them); nothing
-is written to the run. Rejected alternative: storing gradients and activations at capture
-time — far more bytes than the state itself at every step, for the few steps anyone studies.
-
-Frameworks (an HF ``Trainer``, Lightning) run a step their own way: a collator, their
-``compute_loss``/``training_step``, autocast, loss scaling, gradient clipping between backward
-and ``optimizer.step()``. A :class:`ReplayKit` says how, and :func:`replay_step` runs the step
-through it; the integrations register a kit builder for their trainer type at import
-(:func:`register_replay_kit`), and ``run.replay(k, trainer=...)`` finds it
-(:func:`replay_kit_for`). Rejected alternative: importing the integrations here — they sit
-above this layer, and a framework's replay belongs with its capture code.
+Rejected: storing gradients and activations at capture time (far more bytes than the state,
+for the few steps anyone studies); importing the integrations here (they sit above this
+layer). History: docs/decisions.md, "Replay and import".
 """
 
 from __future__ import annotations

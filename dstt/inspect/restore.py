@@ -1,34 +1,15 @@
 """A committed step back in torch's own formats: ``state_dict()`` and ``load_into``.
 
-``step_state(reader, header)`` returns ``{"model": ..., "optimizer": ..., "scheduler": ...}``
-as ``model.state_dict()``, ``optimizer.state_dict()`` and ``scheduler.state_dict()`` would have
-given them: model tensors by dotted name in their stored dtypes (bf16 stays bf16, bit for bit;
-a tied parameter one tensor under each of its names, from ``names/tied``), and the optimizer as
-``{"state": {index: {...}}, "param_groups": [{..., "params": [index]}]}`` with parameters
-numbered by their position in the stored groups, as torch numbers them — or, for a session
-given several optimizers (a list or a dict), a dict of those by the session's keys (``"0"``,
-``"1"``... for a list). ``load_step`` checks the live objects against the step (names, dtypes,
-shapes, param groups, optimizer keys) *before* touching any of them, then loads through
-torch's own ``load_state_dict``. Live names are matched without wrapper components
-(:func:`dstt.engine.torch_state.canonical_names`), so a step loads into the plain model and
-into a ``torch.compile``/DDP-wrapped one alike.
+``step_state`` returns ``{"model", "optimizer", "scheduler"}`` as torch's ``state_dict()``
+calls would (stored dtypes bit for bit, tied parameters under each name; several optimizers
+as a dict by the session's keys; ``"optimizer": None`` without a torch optimizer).
+``load_step`` checks the live objects against the step before touching any, then loads
+through ``load_state_dict``; loading step *k* and training on gives the run's step *k + 1*.
+Bytes become tensors through the engine's own conversions (the code resume uses), so this
+module and :mod:`dstt.inspect.optimizers` are the inspect modules that import torch.
 
-Time: tensors as right after optimizer step *k*; optimizer hyperparameters and the scheduler
-as at the end of iteration *k* (after the loop's ``scheduler.step()``) — exactly what
-``resume=True`` restores (see :mod:`dstt.engine.torch_state`), so loading step *k* and
-training on gives the original run's step *k + 1*.
-
-Design choice: the bytes become tensors through the engine's own conversions
-(:mod:`dstt.engine._convert`: raw bytes reinterpreted, tagged tensors inside objects), the
-same code resume uses, so this module and :mod:`dstt.inspect.optimizers` are the places in
-``dstt.inspect`` that import the engine (and torch); ``dstt.run.snapshot`` imports them only
-when they are used. Each optimizer is
-rebuilt from the two objects the engine writes for it (:mod:`dstt.inspect.optimizers`).
 Rejected alternative: driving the engine's providers against live objects (what resume does)
 — ``state_dict()`` must work without live objects, and two rebuilds would drift apart.
-
-A run written without a torch optimizer (DeepSpeed's ZeRO partitions, ``dstt.store.save``)
-has ``"optimizer": None``.
 """
 
 from __future__ import annotations

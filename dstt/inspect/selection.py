@@ -1,23 +1,11 @@
 """The layer selector rule: which tensors ``layer('layers.*.mlp')``, ``dstt show --select``,
 ``diff``, the plots and the widgets pick — one rule for all of them.
 
-A selector is matched against each tensor's dotted name (wrapper components dropped; an
-optimizer state by its parameter's name), **at any depth**, whole components at a time:
-
-1. **Glob** (the selector contains ``*``, ``?`` or ``[``): ``fnmatch`` against every run of
-   consecutive components of the name, so ``layers.*.mlp`` picks everything under any
-   ``<...>.layers.<i>.mlp`` (``model.layers.0.mlp.gate_proj.weight`` included) and ``*``
-   also crosses dots.
-2. **Contiguous components**: the selector's components appear as a run in the name.
-   ``layers.0.attn`` picks the subtree ``<...>.layers.0.attn.*``, ``q_proj.weight`` every
-   q_proj weight, an exact tensor name that tensor; ``layers.1`` never picks ``layers.10``.
-3. **One expert of fused experts** (only when 2 picks nothing): ``<module>.<i>[.<param>]``
-   where ``<module>`` ends the module path of tensors whose first dimension is ``expert``
-   (transformers' fused MoE experts, named so by :mod:`dstt.engine.dims`) picks those tensors,
-   each narrowed to expert ``i`` (``experts.0``: expert 0 of every layer's fused experts).
-4. **All components, any order** (only when the above pick nothing): every component of
-   the selector appears in the name. ``attn.0`` picks ``layers.0.attn.*`` in a model whose
-   modules are spelled that way.
+A selector matches a tensor's dotted name (wrappers dropped; an optimizer state by its
+parameter's name) at any depth, whole components at a time, by the first rule that picks
+anything: a **glob** against every run of consecutive components; **contiguous components**
+(``layers.1`` never picks ``layers.10``); **one expert of fused experts** (``experts.0``:
+expert 0 of tensors whose first dim is ``expert``, narrowed); **all components, any order**.
 
 Rejected alternative: globs anchored at the start of the name while plain selectors match
 anywhere — ``layers.*.mlp`` then found nothing in a Hugging Face model (``model.layers...``)

@@ -1,14 +1,11 @@
 """Logical tensors of sharded commits (ZeRO partitions) as ordinary arrays-table records.
 
-A commit written by several ranks under ZeRO stores flat per-rank buffers
-(``zero/r<rank>/g<group>/fp32`` ...) plus shard maps (``dstt.store.read.shards``). For inspection
-the arrays table of such a commit is *augmented*: every logical tensor (``params/l1/weight``,
-``optim/exp_avg/l1/weight``) gets a ``LogicalRecord`` — an ``ArrayRecord`` whose chunks are
-virtual: chunk ``i`` covers the same rows a stored array of that shape would have, and reading
-it assembles those elements from the pieces (only the source chunks that hold them). Every view
-built on records and ``read_chunk`` (``CommitArray``, trajectories, diff, export) therefore
-works unchanged, lazily, and a snapshot looks the same whatever the parallelism. The flat
-sources stay in the table (``shard_sources`` names them so views can hide them).
+A ZeRO commit stores flat per-rank buffers plus shard maps (``dstt.store.read.shards``). For
+inspection its arrays table is augmented: every logical tensor gets a ``LogicalRecord``, an
+``ArrayRecord`` whose chunk ``i`` is virtual and assembled from the pieces on read, so every
+view built on records and ``read_chunk`` works unchanged and lazily, whatever the
+parallelism. The flat sources stay in the table (``shard_sources`` names them for hiding).
+
 Rejected alternative: a second kind of backend array for logical tensors — every view
 (tensor, layer, trajectory, diff, export) would need a branch.
 """

@@ -1,26 +1,15 @@
 """Read side of write-time summaries, logged metrics as xarray, and loss-spike detection.
 
-Summaries are the per-commit object ``summaries`` written by the engine
-(:mod:`dstt.engine.summaries` documents what each field means and which are estimates).
-:func:`summaries_dataset` turns them into one ``Dataset`` with dims ``step`` x ``tensor`` (and
-``probe_index`` for the probed elements) by reading one small object per commit, never a tensor.
+:func:`summaries_dataset` turns each commit's ``summaries`` object (fields:
+:mod:`dstt.engine.summaries`) into one ``step`` x ``tensor`` Dataset, never reading a tensor.
+:func:`find_spikes` is :mod:`dstt.analysis.spikes`' rule, re-exported. :func:`spike_cause`
+blames the update *into* the weights the jump's loss was computed on: a metric at step *k*
+comes from the weights of *k - 1*, so ``parent -> cause`` is ``(k - 2) -> (k - 1)`` (with
+sparser commits, the committed interval holding that update), tensors ranked by that cause
+commit's ``update_ratio``.
 
-Spike rule (:func:`find_spikes`, :mod:`dstt.analysis.spikes`, re-exported here): a value is a
-spike when its log is more than ``z`` robust standard deviations above the median of the few
-values before it (the deviation measured over the ``window`` steps before), upward only;
-consecutive flagged steps are one spike at its largest score, ``start`` its first flagged step.
-Rejected alternatives (a rolling or global z-score of the values) are in that module.
-
-Cause rule (:func:`spike_cause`): a metric filed under step *k* was computed on the weights of
-step *k - 1* (the loss of step *k* is the forward pass before the *k*-th optimizer step), so a
-jump at *k* was caused by the update that made step *k - 1*: ``parent -> cause`` =
-``(k - 2) -> (k - 1)`` when every step is committed. With sparser commits (``every=``, gc)
-``cause`` is the first committed step >= *k - 1* and ``parent`` the commit before it: the
-committed interval that contains that update. Tensors are ranked by the ``update_ratio`` in the
-*cause* commit's summaries (that update's ``||w_cause - w_parent|| / ||w_cause||``); the update
-into *k* itself is the optimizer's reaction to the bad loss, not its cause. Rejected
-alternative: ranking over a window around *k* — the reaction is often the larger update and
-then names the wrong tensors.
+Rejected alternative: ranking over a window around *k* — the update into *k* is the
+optimizer's reaction to the bad loss, often the larger one, and then names the wrong tensors.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Build lazy xarray objects (DataArray, DataTree) from commits and their arrays tables.
 
 Views are assembled from :mod:`dstt.inspect.lazy` backend arrays and carry no data until
-values are asked for. A snapshot selection becomes a ``DataTree`` mirroring module paths
-(``layers.0.attn.q_proj.weight`` -> node ``layers/0/attn/q_proj``, variable ``weight``) with the
-scalar ``step`` coordinate at the root; each tensor keeps its own local dims
-(:func:`dstt.inspect.naming.tensor_dims`); a tied name's variable has ``attrs["tied_to"]``
-(:mod:`dstt.inspect.catalog`). A trajectory is a ``DataArray`` with a leading
-``step`` dimension (index, unique and ascending) and ``slot``, ``timeline`` and ``time``
-(``datetime64[ns]``, UTC) coordinates along it.
+values are asked for. A snapshot selection is a ``DataTree`` mirroring module paths
+(``layers.0.attn.q_proj.weight`` -> node ``layers/0/attn/q_proj``, variable ``weight``), each
+tensor with its own dims, a tied name with ``attrs["tied_to"]``. A trajectory is a
+``DataArray`` with a leading ``step`` dimension and ``slot``, ``timeline``, ``time`` along it.
 
 Rejected alternative: one flat ``Dataset`` keyed by dotted names — it loses the module
 hierarchy users navigate by, and xarray's dotted variable names do not tab-complete.

@@ -1,37 +1,15 @@
 """A whole timeline as one virtual Zarr v3 store: references into the step files, no copy.
 
-Every committed step is a plain Zarr v3 hierarchy in a stored (uncompressed) zip whose chunk
-offsets the run's commits record. ``write_references`` turns a timeline into one reference
-file in the kerchunk format (``{"version": 1, "refs": {key: "inline" | [url, offset,
-length]}}``) that fsspec's ``reference://`` file system serves as a Zarr store: zarr-python,
-``xarray.open_datatree``/``open_zarr`` and dask read the run through it without dstt.
+``write_references`` writes one kerchunk-format reference file that fsspec's ``reference://``
+file system serves as a Zarr store, so zarr-python, xarray and dask read the run without
+dstt: each tensor is one array with a leading ``step`` dimension whose chunks are the step
+files' own chunks (crc32c trailers included), metrics inline at the root. What cannot be
+virtual (delta-encoded steps, unevenly split or ZeRO-sharded tensors, changed shapes) is
+left out and listed; re-running appends the steps committed since.
 
-The store mirrors a step file's hierarchy (``params/<module path>/<name>``,
-``optim/<state>/<module path>/<name>``) with a leading ``step`` dimension on every array: a
-tensor's trajectory is one array whose chunk *i* is step *i*'s chunk (its bytes and crc32c
-trailer, so the ``crc32c`` codec still checks them), other dimensions named as the step
-names them. The root holds the ``step`` coordinate and every numeric metric along it (inline;
-names with ``/`` become ``.``). A step missing a tensor (optimizer state before the first
-update) reads as the fill value (NaN for floats).
-
-A tensor several ranks stored as boxes (FSDP2, tensor parallel: ``dtensor/w<W>/r<R>/...``)
-is one logical array whose chunks are the ranks' own chunks, where one regular chunk grid
-holds them all: every box chunked alike and on the grid (an even split). Otherwise (an uneven
-split, whose last box is chunked smaller; ZeRO's flat pieces) it is left out.
-
-Honest about what cannot be virtual: steps with delta-encoded or predicted chunks
-(``DeltaPolicy``) are left out (a plain reader would misread their bytes), and so are the
-sharded tensors above and tensors whose shape, dtype or chunk grid changed; each is listed in
-the root's ``attributes["dstt"]`` and in the returned report. Re-running appends the steps
-committed since: the references already written are kept as they are.
-
-Chosen over Icechunk's virtual chunks (readers would need icechunk, and its virtual chunk
-containers need per-prefix configuration) and VirtualiZarr (it would need a parser for dstt's
-zips to produce the same manifest dstt already holds): the kerchunk format needs only fsspec,
-which xarray's Zarr users already have. Rejected alternatives: copying the tensors into one
-Zarr array per tensor (every byte twice, and a run's storage doubled); for unevenly split
-tensors, cells of a finer grid as byte ranges inside the ranks' chunks (no crc32c check, and
-a row per reference where the split has no common divisor).
+Chosen over Icechunk's virtual chunks and VirtualiZarr (extra dependencies or a parser for
+dstt's zips): kerchunk needs only fsspec. Rejected: copying every tensor into a Zarr array
+per tensor (every byte twice). History: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
-"""Matplotlib plots of a run, usable in any notebook or script (``import dstt.plots``).
+"""Matplotlib plots of a run, usable in any notebook or script (``import dstt.plots``):
+:func:`loss` (a metric per timeline, spikes and causes marked), :func:`update_heatmap`
+(per-tensor update ratio over steps), :func:`norms` (weight-norm trajectories),
+:func:`layer_change` (per-tensor change versus a reference step), :func:`tensor` (one tensor
+as a heatmap or histogram).
 
-- :func:`loss`            a logged metric over steps, per timeline, spikes and their causes marked
-- :func:`update_heatmap`  per-tensor update ratio (or norm) over steps, spike causes dashed
-- :func:`norms`           weight-norm trajectories
-- :func:`layer_change`    per-tensor change of one step versus a reference step
-- :func:`tensor`          one tensor as a heatmap (rank >= 2) or histogram (1-D)
+Each takes ``ax=`` (or makes a figure through pyplot, so it shows inline) and returns the
+``Axes``. The numbers come from ``series`` (write-time summaries when the run has them), the
+drawing from ``draw``; :func:`explanation` (``explain``) draws ``run.explain``'s evidence;
+matplotlib is imported on first use.
 
-Each takes ``ax=`` (or makes a new figure through pyplot, the matplotlib convention, so it
-shows inline) and returns the ``Axes``. The numbers come from :mod:`dstt.plots.series`
-(write-time summaries when the run has them: ``series``); the drawing from
-:mod:`dstt.plots.draw` (``draw``).
-matplotlib is imported on first use, not by ``import dstt.plots``.
-
-Rejected alternative: ``xarray``'s own ``.plot()`` on the views — it knows nothing of spikes,
-timelines or summaries, and users would have to assemble the step x tensor matrix themselves.
+Rejected alternative: ``xarray``'s own ``.plot()`` — it knows nothing of spikes or timelines.
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ from dstt._optional import require
 from dstt.errors import MetricNotFoundError
 
 from .draw import draw_bars, draw_curves, draw_heatmap, draw_tensor
+from .explain import explanation
 from .series import exactness_label, param_names, step_change, tensor_stats
 
 if TYPE_CHECKING:
@@ -36,6 +33,7 @@ if TYPE_CHECKING:
     from dstt.run.run import Run
 
 __all__ = [
+    "explanation",
     "layer_change",
     "loss",
     "norms",

@@ -1,22 +1,12 @@
 """Per-step, per-tensor numbers behind the plots and widgets: norms, updates, change vs a step.
 
-Two sources, one shape. When every selected commit carries the engine's write-time
-``summaries`` object (:mod:`dstt.engine.summaries`), the numbers come from it: a few KB per
-step, no tensor is read. Otherwise they are computed from the tensors themselves, one
-trajectory per tensor (every step of one tensor at a time, so memory is bounded by one tensor
-times the number of steps, checked against ``max_bytes``). Every result says which it used in
-``attrs["source"]`` (``"summaries"`` or ``"tensors"``), and whether its update numbers are
-exact (from the tensors, or summaries the engine computed from the parent's whole copy) or
-estimates (the summaries' probes: 16 elements per tensor, where no copy was at hand) in
-``attrs["update_exactness"]`` / ``attrs["exactness"]``; the plots and widgets put that on
-their labels.
-
-Only model parameters are included (``params/...``): buffers are often integer masks and
-optimizer states have their own scale, so neither belongs on a "which layer moved" chart.
-
-``update_ratio`` means ``||w_t - w_prev|| / ||w_t||`` (the engine's definition). A change
-against an arbitrary reference step (:func:`step_change`) is exact, streamed chunk by chunk by
-:mod:`dstt.inspect.compare`, with ``ratio = ||w_t - w_ref|| / ||w_ref||``.
+Two sources, one shape: the engine's write-time ``summaries`` when every selected commit has
+them (a few KB per step, no tensor read), else the tensors, one trajectory per tensor within
+``max_bytes``. ``attrs["source"]`` says which, ``attrs["update_exactness"]`` whether updates
+are exact or probe estimates; plots put that on their labels. Only ``params/...`` are
+included (buffers are often integer masks, optimizer states have their own scale).
+``update_ratio`` is ``||w_t - w_prev|| / ||w_t||``; :func:`step_change` against any reference
+step is exact, streamed by :mod:`dstt.inspect.compare`.
 
 Rejected alternative: always computing from the tensors — a 1000-step heatmap of a real model
 would read the whole run, where the summaries answer it from kilobytes.

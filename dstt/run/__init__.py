@@ -1,22 +1,15 @@
 """The user-facing front of a committed run: ``dstt.open(path)`` → ``Run`` → ``run.at(step)``
-→ ``Snapshot``.
+→ ``Snapshot``. Modules: ``run`` (``open_run``, ``find_run_root``, ``Run``: timelines,
+steps, metrics, trajectories, diffs, replay, rollback, gc, verify); ``snapshot``
+(``Snapshot``: one step's lazy tensors, objects, export, the way back to torch);
+``metrics`` (``Metrics``: the index's metric columns in numpy, a ``Dataset`` when asked);
+``diagnose`` (``RunDiagnostics``: spike causes, attribution, non-finite values, divergence);
+``explain`` (``explain_spike``, ``Explanation``: spike mechanisms checked and ranked).
 
-* ``run``       — ``open_run`` (``dstt.open``), ``find_run_root``, ``Run``: timelines, steps,
-  metrics, summaries, trajectories, diffs, replay, rollback, gc, verify;
-* ``snapshot``  — ``Snapshot``: one step's lazy tensors, layer trees, objects, export and the
-  way back to torch; it sees its run through ``RunView``;
-* ``metrics``   — ``Metrics``: what ``Run.metrics()`` returns, the index's metric columns in
-  numpy, an xarray ``Dataset`` built only when asked for;
-* ``diagnose``  — ``RunDiagnostics``, held by a ``Run``: spike causes, data attribution,
-  first non-finite values, divergence, ``Diagnosis``; it sees its run through ``DiagnosedRun``;
-* ``explain``   — ``explain_spike`` (``Run.explain``, ``Spike.explain``) and ``Explanation``:
-  each spike mechanism of ``dstt.analysis.mechanisms`` checked on what the run stores (and
-  replay recomputes), ranked.
-
-Everything here reads through ``dstt.store`` and ``dstt.inspect``; the plots, the widgets and
-the CLI sit above it, and nothing in the store, the engine, the session or ``dstt.inspect``
-imports it. Only what lists a run is imported with it (no xarray, no torch): the views import
-their builders when first used, so ``dstt ls`` starts fast.
+Everything here reads through ``dstt.store`` and ``dstt.inspect``; nothing below imports it.
+Only what lists a run is imported with it: the views import their builders when first used,
+so ``dstt ls`` starts fast. Rejected alternative: importing xarray and torch with the run,
+which every ``dstt ls`` would pay for.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ Each check reads only what it needs, through the run's lazy views, and records w
 * update too large — the summaries' update ratios of the same window;
 * attention logit growth — the query/key weights (fused ``qkv`` or separate ``q``/``k``
   projections, recognised by name) at up to ``LOGIT_POINTS`` commits of the window, up to
-  the cause's parent;
+  the cause's parent, split into heads by ``heads=``, else the head counts the session
+  recorded (``model/heads``, by module path), else a Hugging Face ``model/config``; a
+  layer whose head count is unknown is taken as one head and says so;
 * Adam's second moment — ``exp_avg_sq`` of every tensor at the last ``ADAM_STEPS`` + 1
   consecutive commits up to the cause and β₂ from the stored ``param_groups``; ``g²`` from
   the ``exp_avg_sq`` recurrence, or at the cause from replay's gradients when replay
@@ -58,6 +60,7 @@ LOGIT_POINTS = 8  #: commits of that window whose query/key weights are read
 ADAM_STEPS = 12  #: consecutive commits up to the cause whose g²/v is computed
 SCALE_METRICS = ("loss_scale", "grad_scale", "scale")
 FUSED = ("qkv", "c_attn", "Wqkv", "query_key_value", "in_proj")
+CONFIG_HEADS = ("num_attention_heads", "n_head", "num_heads")  #: a HF config's head count
 PAIRS = (("q_proj", "k_proj"), ("query", "key"), ("wq", "wk"), ("to_q", "to_k"), ("q", "k"))
 
 
@@ -176,8 +179,9 @@ def explain_spike(
     """Check every mechanism for ``spike`` (a ``Spike``, its first step, or None: the
     largest) of ``run`` and rank them; ``replay`` (keyword arguments of ``run.replay``:
     ``model``, ``optimizer``, ``dataset``, ``loss_fn``, ... or ``trainer``) enables the
-    checks that recompute; ``heads`` the attention heads per layer (None: the whole
-    projection as one head)."""
+    checks that recompute; ``heads`` the attention heads per layer (None: as the session
+    recorded them, ``model/heads`` or a Hugging Face config; else each projection as one
+    head, said in the finding's ``evidence["heads_from"]``)."""
     t0 = time.perf_counter()
     if isinstance(lookback, bool) or not isinstance(lookback, int) or lookback < 4:
         raise ConfigError(f"lookback must be an int >= 4 (commits), got {lookback!r}")
@@ -294,8 +298,8 @@ class _Context:
         names = self.names()
         if not names:
             return update_too_large(None, [])
-        r = self.summaries()["update_ratio"].values
-        f = update_too_large(r, names)
+        sums = self.summaries()
+        f = update_too_large(sums["update_ratio"].values, names, steps=sums["step"].values)
         return _with_read(f, [f"summaries' update_ratio at steps {_span(self.window)}"])
 
     def attention(self) -> Finding:
@@ -309,6 +313,9 @@ class _Context:
         layers = list(pairs)
         bounds = np.full((len(pick), len(layers)), np.nan)
         read = set()
+        stored, config = self._head_facts()
+        heads: dict[str, int | None] = {}
+        heads_from: dict[str, str] = {}
         for r, s in enumerate(pick):
             snap = self.run.at(s, self.timeline)
             for c, layer in enumerate(layers):
@@ -327,15 +334,60 @@ class _Context:
                     wq, wk = wq[:d], wq[d : 2 * d]
                 if not (np.isfinite(wq).all() and np.isfinite(wk).all()):
                     continue
-                h = self.heads or 1
+                if layer not in heads:
+                    h, heads_from[layer] = _heads_of(layer, wq.shape[0], self.heads, stored, config)
+                    heads[layer] = h
+                h = heads[layer]
                 try:
-                    bounds[r, c] = logit_bound(wq, wk, h)
-                except ConfigError:
+                    bounds[r, c] = logit_bound(wq, wk, h or 1)
+                except ConfigError as e:
+                    heads[layer] = None
+                    heads_from[layer] = f"unknown: {e}; the projection taken as one head"
                     bounds[r, c] = logit_bound(wq, wk, 1)
         f = attention_logit_growth(bounds, layers, pick)
-        if self.heads is None:
-            f.evidence["heads"] = "unknown: each projection taken as one head (pass heads=)"
-        return _with_read(f, [f"weights {', '.join(sorted(read))} at steps {pick}"])
+        if f.verdict != UNKNOWN:
+            f.evidence["heads"] = heads
+            f.evidence["heads_from"] = heads_from
+        reads = [f"weights {', '.join(sorted(read))} at steps {pick}"]
+        if self.heads is None and (stored or config):
+            what = [
+                o
+                for o, got in ((schema.HEADS_OBJECT, stored), (schema.CONFIG_OBJECT, config))
+                if got
+            ]
+            reads.append(f"{' and '.join(what)} at step {self.cause}")
+        return _with_read(f, reads)
+
+    def _head_facts(self) -> tuple[dict[str, Any], int | None]:
+        """The run's head counts: ``model/heads`` (by module path) and a Hugging Face
+        config's ``num_attention_heads`` (or ``n_head``, ``num_heads``), as the cause stores
+        them; nothing read when ``heads=`` was given."""
+        if self.heads is not None:
+            return {}, None
+        snap = self.run.at(self.cause, self.timeline)
+        have = list(snap.objects)
+        stored: dict[str, Any] = {}
+        config: int | None = None
+        for obj in have:
+            if obj == schema.HEADS_OBJECT or obj.startswith(schema.HEADS_OBJECT + "/"):
+                try:
+                    got = snap.object(obj)
+                except DsttError:
+                    continue
+                if isinstance(got, dict):
+                    stored = got
+                    break
+        if schema.CONFIG_OBJECT in have:
+            try:
+                cfg = snap.object(schema.CONFIG_OBJECT)
+            except DsttError:
+                cfg = None
+            for key in CONFIG_HEADS:
+                n = cfg.get(key) if isinstance(cfg, dict) else None
+                if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                    config = n
+                    break
+        return stored, config
 
     def adam(self) -> Finding:
         names = self.names()
@@ -450,6 +502,35 @@ def _beta2(snap: Any) -> dict[str, float]:
                 if isinstance(p, str):
                     out[p] = float(betas[1])
     return out
+
+
+def _heads_of(
+    layer: str,
+    rows: int,
+    given: int | None,
+    stored: Mapping[str, Any],
+    config: int | None,
+) -> tuple[int | None, str]:
+    """The head count of ``layer`` (a module path; ``rows``: its query projection's) and
+    where it came from: ``heads=``, else ``model/heads`` of the layer or its nearest
+    ancestor (a ``head_dim`` divides ``rows``), else the model config; None: unknown."""
+    if given is not None:
+        return given, "heads="
+    parts = layer.split(".") if layer else []
+    for i in range(len(parts), -1, -1):
+        path = ".".join(parts[:i])
+        facts = stored.get(path)
+        if not isinstance(facts, dict):
+            continue
+        where = f"{schema.HEADS_OBJECT} of {path or 'the model'!s}"
+        n, dh = facts.get("heads"), facts.get("head_dim")
+        if isinstance(n, int) and n > 0:
+            return n, where
+        if isinstance(dh, int) and dh > 0 and rows % dh == 0:
+            return rows // dh, f"{where} (head_dim {dh})"
+    if config is not None:
+        return config, schema.CONFIG_OBJECT
+    return None, "unknown: each projection taken as one head (pass heads=)"
 
 
 def _qk_pairs(names: Sequence[str]) -> dict[str, tuple[str, str]]:

@@ -1,12 +1,9 @@
 """Everything about bytes on disk: step files (Zarr v3 in a stored ZIP), commit manifests,
 refs. Knows no torch. Its public line is what a user of the store API needs (docs/store-api.md,
-docs/api.md): open a run and its storage, write and read steps whole, fewer bytes, retention.
-
-* a run and its bytes: ``Repository``, ``Reader``, ``Storage``, ``LocalStorage``,
-  ``storage_for``; what a read returns: ``CommitHeader``, ``ArrayRecord``
-* whole steps, for scripts and other frameworks: ``save``, ``load`` and its ``StoredStep``
-* fewer bytes: ``DeltaPolicy``, ``adam_predictions``, ``sgd_predictions``
-* keeping fewer steps: ``Retention``, ``GcReport``
+docs/api.md): a run and its bytes (``Repository``, ``Reader``, ``Storage``, ``LocalStorage``,
+``storage_for``, ``CommitHeader``, ``ArrayRecord``); whole steps (``save``, ``load``,
+``StoredStep``); fewer bytes (``DeltaPolicy``, ``adam_predictions``, ``sgd_predictions``);
+keeping fewer steps (``Retention``, ``GcReport``).
 
 The rest (the step-writer contract, the flat lane, the flusher, several ranks, the index's
 rows, ...) is private: dstt reaches it through ``dstt.store._internal``, and the rooms

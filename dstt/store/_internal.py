@@ -16,6 +16,7 @@ import importlib as _importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ._seam import FlatSegment, StepHandle, StepSink, TransactionSink
     from .api import StoredStep, load, save
     from .codec.predict import CUR, Prediction, adam_predictions, sgd_predictions
     from .codec.xor import DeltaPolicy
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from .format.manifest import parse_header
     from .format.objects import Encoded, decode_object
     from .format.parts import remove_parts
-    from .format.records import ArrayRecord, CommitHeader
+    from .format.records import ArrayRecord, CommitHeader, Metric
     from .format.segment import SCALARS as SUMMARY_SCALARS
     from .format.segment import RowSet
     from .format.zarr_meta import dtype_itemsize, numpy_dtype
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from .maintenance.gc import GcReport
     from .maintenance.retention import Retention, find_spikes
     from .protocols import (
+        ArraySpec,
         EncodingWriter,
         FlatStepWriter,
         OffloadingWriter,
@@ -94,6 +96,7 @@ __all__ = [
     "REFS_PREFIX",
     "SUMMARY_SCALARS",
     "ArrayRecord",
+    "ArraySpec",
     "Batch",
     "Box",
     "ChunkPlan",
@@ -104,12 +107,14 @@ __all__ = [
     "EncodingWriter",
     "FlatImage",
     "FlatLayout",
+    "FlatSegment",
     "FlatStepWriter",
     "Flusher",
     "GcReport",
     "Index",
     "LocalStorage",
     "LogicalArray",
+    "Metric",
     "OffloadingWriter",
     "Piece",
     "Prediction",
@@ -121,12 +126,15 @@ __all__ = [
     "Retention",
     "RowSet",
     "SkipSet",
+    "StepHandle",
+    "StepSink",
     "StepTransaction",
     "StepWriter",
     "Storage",
     "StoredStep",
     "StoredWriter",
     "TransactionProxy",
+    "TransactionSink",
     "Writer",
     "adam_predictions",
     "as_float",
@@ -161,6 +169,7 @@ __all__ = [
 
 _LAZY: dict[str, tuple[str, str]] = {
     "ArrayRecord": ("format.records", "ArrayRecord"),
+    "ArraySpec": ("protocols", "ArraySpec"),
     "BATCHES_OBJECT": ("format.batches", "BATCHES_OBJECT"),
     "Batch": ("format.batches", "Batch"),
     "Box": ("read.shards", "Box"),
@@ -177,12 +186,14 @@ _LAZY: dict[str, tuple[str, str]] = {
     "EncodingWriter": ("protocols", "EncodingWriter"),
     "FlatImage": ("format.flat", "FlatImage"),
     "FlatLayout": ("format.flat", "FlatLayout"),
+    "FlatSegment": ("_seam", "FlatSegment"),
     "FlatStepWriter": ("protocols", "FlatStepWriter"),
     "Flusher": ("flusher.parent", "Flusher"),
     "GcReport": ("maintenance.gc", "GcReport"),
     "Index": ("index.view", "Index"),
     "LocalStorage": ("storage.local", "LocalStorage"),
     "LogicalArray": ("read.shards", "LogicalArray"),
+    "Metric": ("format.records", "Metric"),
     "OffloadingWriter": ("protocols", "OffloadingWriter"),
     "Piece": ("read.shards", "Piece"),
     "Prediction": ("codec.predict", "Prediction"),
@@ -196,12 +207,15 @@ _LAZY: dict[str, tuple[str, str]] = {
     "RowSet": ("format.segment", "RowSet"),
     "SUMMARY_SCALARS": ("format.segment", "SCALARS"),
     "SkipSet": ("format.batches", "SkipSet"),
+    "StepHandle": ("_seam", "StepHandle"),
+    "StepSink": ("_seam", "StepSink"),
     "StepTransaction": ("protocols", "StepTransaction"),
     "StepWriter": ("protocols", "StepWriter"),
     "Storage": ("storage.base", "Storage"),
     "StoredStep": ("api", "StoredStep"),
     "StoredWriter": ("protocols", "StoredWriter"),
     "TransactionProxy": ("commit.ranks", "TransactionProxy"),
+    "TransactionSink": ("_seam", "TransactionSink"),
     "Writer": ("commit.writer", "Writer"),
     "adam_predictions": ("codec.predict", "adam_predictions"),
     "as_float": ("index.rows", "as_float"),

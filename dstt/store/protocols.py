@@ -83,7 +83,12 @@ class StepTransaction(Protocol):
     def put_chunk(self, path: str, index: int, data: StepBytes) -> ChunkRecord | None: ...
 
     def put_flat(
-        self, layout: FlatLayout, buf: StepBytes, images: dict[int, FlatImage] | None = None
+        self,
+        layout: FlatLayout,
+        buf: StepBytes,
+        images: dict[int, FlatImage] | None = None,
+        *,
+        start: int | None = None,
     ) -> None: ...
 
     def put_flat_chunks(self, layout: FlatLayout, buf: StepBytes) -> None: ...
@@ -119,6 +124,11 @@ class StepTransaction(Protocol):
         ...
 
     def abort(self) -> None: ...
+
+    @property
+    def retryable(self) -> bool: ...  # a failed commit ``reopen`` may run again
+
+    def reopen(self) -> None: ...
 
 
 @runtime_checkable

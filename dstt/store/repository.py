@@ -1,16 +1,14 @@
 """A run: its root metadata, writer, reader, timelines (rollback) and retention (gc).
 
-``Repository`` is the store's front door. Creating a run writes the root group (with
-``attributes.dstt``), the ``step`` coordinate array, the ``main`` ref and ``HEAD`` — all
-durably — so an empty run is already a valid Zarr hierarchy and a valid dstt run.
-Vocabulary after icechunk: a *timeline* is a branch (a ref with a head slot); rollback creates
-a new timeline whose head is an old commit and makes it current; nothing is deleted. Its
-default name is ``<timeline>-from-<step>``; a second rollback to the same step of the same
-timeline is a ``TimelineError`` asking for a name (rejected: a silent ``.2`` suffix, which
-told two attempts apart by nothing). Renaming and deleting timelines: ``maintenance/timelines.py``.
+``Repository`` is the store's front door. Creating a run durably writes the root group, the
+``step`` coordinate, the ``main`` ref and ``HEAD``, so an empty run is already a valid Zarr
+hierarchy and dstt run. A *timeline* is a branch (icechunk's vocabulary); rollback creates one
+whose head is an old commit (default ``<timeline>-from-<step>``) and deletes nothing. Renaming
+and deleting: ``maintenance/timelines.py``. The writer, gc, verify and the index rebuild are
+imported where used, so opening a run to read it loads only the reader.
 
-The writer, gc, verify and the index rebuild are imported by the methods that use them, so
-opening a run to read it (``dstt ls``, ``dstt.open(run).steps``) loads only the reader.
+Rejected alternative: a silent ``.2`` suffix for a second rollback to the same step — it told
+two attempts apart by nothing; that is a ``TimelineError`` asking for a name.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Crash soak: a training process that checkpoints every step, killed at random moments.
 
-Shared by ``bench/crash_soak.py`` (the long soak, figures in docs/reliability.md) and
-``tests/reliability/test_crash_soak.py`` (a few kills in CI). Two halves:
-
-* the **child** (``python -m dstt.testing.soak child RUN STEPS SEED [delta]``) trains
-  :class:`~dstt.testing.models.TinyGPT` under ``dstt.session(..., resume=True)`` with a
-  checkpoint every step. It prints ``start <s.step>``, then ``step <k> <loss as float.hex>``
-  after every optimizer step, and ``committed <k>`` the moment the timeline ref of step *k* has
-  been written (the last write of a commit; a storage subclass observes it on the commit
-  thread), and ``final <sha256 of the parameters>`` when all ``STEPS`` are done.
-  ``plain`` instead of ``child`` trains the same without dstt (the reference).
-* the **parent** (:func:`kill_once`) starts a child on a run, SIGKILLs it at a random moment
-  and checks the run afterwards: ``dstt verify`` (the CLI, in its own process) passes; the head
-  is the last announced commit or the one after it (killed between the ref write and the
-  print); every step up to the head is on the timeline (nothing lost); the restored step is
-  the previous head; and every loss the child printed, before and after its resume, equals the
-  uninterrupted reference bit for bit.
+Shared by ``bench/crash_soak.py`` and ``tests/reliability/test_crash_soak.py``. The **child**
+(``python -m dstt.testing.soak child RUN STEPS SEED [delta]``; ``plain``: the reference,
+without dstt) trains ``TinyGPT`` under ``dstt.session(..., resume=True)`` and prints
+``start``, ``step``, ``committed`` and ``final`` lines; the **parent** (:func:`kill_once`)
+SIGKILLs it at a random moment, then checks that ``dstt verify`` passes, nothing is lost, the
+head and resume point are right, and every printed loss equals the uninterrupted run's.
 
 A SIGKILL keeps the page cache, so this proves atomicity, ordering and resume, not durability
-across a power cut (``tests/store/commit/test_crash.py`` cuts the power at every write for that).
+(``tests/store/commit/test_crash.py`` cuts the power at every write); protocol in
+docs/decisions.md, figures in docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """A shipped conformance suite for ``dstt.store.Storage`` backends.
 
-Every backend the commit protocol runs on — local files, the in-memory fake, S3 — must keep
-the same contract (``dstt/store/storage/base.py``): atomic visibility, reads of whole values
-and ranges, folder-like listing, deleting a folder deletes what is under it, a missing key is a
-``MissingFileError`` (a ``FileNotFoundError``), blobs invisible until published, an exclusive
-writer lock. Subclass :class:`StorageTests` in a test module and give it a ``storage``
-fixture that returns a fresh, empty backend; every test below then runs against it::
-
-    class TestMyStorage(StorageTests):
-        @pytest.fixture
-        def storage(self, tmp_path):
-            return MyStorage(tmp_path)
+Every backend the commit protocol runs on (local files, the in-memory fake, S3) keeps the
+contract of ``dstt/store/storage/base.py``: atomic visibility, whole and ranged reads,
+folder-like listing and deletion, ``MissingFileError`` for a missing key, blobs invisible
+until published, an exclusive writer lock. Subclass :class:`StorageTests` and give it a
+``storage`` fixture returning a fresh, empty backend; every test then runs against it.
 
 Modelled on zarr-python's ``zarr.testing.store.StoreTests``. Rejected alternative: each
 backend's own contract test — they drift (the S3 and local tests checked different things).

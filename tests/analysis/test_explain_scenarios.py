@@ -15,7 +15,8 @@ import dstt
 from dstt.analysis.mechanisms import LIKELY, UNKNOWN
 from dstt.cli import main
 from dstt.errors import ConfigError, StepNotFoundError
-from dstt.testing.spike_scenarios import Scenario, scenario
+from dstt.run.explain import _heads_of
+from dstt.testing.spike_scenarios import HEADS, Scenario, scenario
 
 STORED = ("update_too_large", "attention_logit_growth", "adam_second_moment", "numerics")
 
@@ -140,3 +141,33 @@ def test_the_cli_prints_the_same_ranking(
     assert "1. adam_second_moment: likely" in capsys.readouterr().out
     assert main(["explain", str(Path(runs["clean"].path))]) == 2
     assert "no spike" in capsys.readouterr().err
+
+
+def test_the_attention_check_splits_heads_as_the_session_recorded_them(
+    runs: dict[str, Scenario],
+) -> None:
+    sc = runs["attention_logit_growth"]
+    run = dstt.open(sc.path)
+    f = run.explain(sc.step).finding("attention_logit_growth")
+    assert f.evidence["heads"] == {"layers.0": HEADS, "layers.1": HEADS}
+    assert f.evidence["heads_from"]["layers.0"] == "model/heads of layers.0"
+    assert any("model/heads" in r for r in f.read)
+    one = run.explain(sc.step, heads=1).finding("attention_logit_growth")  # heads= wins
+    assert one.evidence["heads"] == {"layers.0": 1, "layers.1": 1}
+    assert one.evidence["heads_from"]["layers.0"] == "heads="
+    assert not any("model/heads" in r for r in one.read)
+    assert f.evidence["bound"] != one.evidence["bound"]
+
+
+def test_head_counts_come_from_the_layer_its_ancestors_or_the_config() -> None:
+    stored = {"model.layers.0.attn": {"head_dim": 8}, "model": {"heads": 3}}
+    assert _heads_of("model.layers.0.attn", 32, None, stored, 6) == (
+        4,
+        "model/heads of model.layers.0.attn (head_dim 8)",
+    )
+    assert _heads_of("model.layers.1.attn", 32, None, stored, 6) == (3, "model/heads of model")
+    assert _heads_of("x.attn", 32, None, stored, 6) == (6, "model/config")
+    n, why = _heads_of("x.attn", 32, None, {}, None)
+    assert n is None
+    assert why.startswith("unknown")
+    assert _heads_of("model.layers.0.attn", 32, 2, stored, 6) == (2, "heads=")

@@ -195,3 +195,34 @@ def test_bad_arguments_are_typed_errors() -> None:
     assert isinstance(e.value, ValueError)
     with pytest.raises(ConfigError, match="differ in length"):
         bad_data(np.ones(4), indices=[1, 2])
+
+
+def test_findings_keep_the_arrays_they_judged() -> None:
+    """What :mod:`dstt.plots.explain` draws: the very arrays each check decided on."""
+    losses = 0.5 + 0.05 * RNG.standard_normal(8)
+    f = bad_data(losses, indices=np.arange(40, 48))
+    np.testing.assert_array_equal(f.evidence["losses"], losses)
+    assert f.evidence["indices"] == list(range(40, 48))
+    r = ratios(6)
+    f = update_too_large(r, NAMES, steps=range(10, 16))
+    np.testing.assert_array_equal(f.evidence["ratios"], r)
+    assert f.evidence["steps"] == list(range(10, 16))
+    assert f.evidence["names"] == NAMES
+    with pytest.raises(ConfigError, match="label the rows"):
+        update_too_large(r, NAMES, steps=range(5))
+    rho = np.exp(RNG.standard_normal((8, len(NAMES))))
+    f = adam_second_moment(rho, NAMES, range(8))
+    np.testing.assert_array_equal(f.evidence["rho"], rho)
+    assert f.evidence["names"] == NAMES
+    assert f.evidence["recent"] == 3
+
+
+def test_one_heads_growth_is_seen_per_head_and_can_vanish_in_the_whole_projection() -> None:
+    """Why the attention check splits heads: two heads whose ``W_q^h W_k^hᵀ`` cancel in the
+    sum over heads have a large logit each, and the whole projection shows none."""
+    d, dh, a = 8, 4, 5.0
+    e = np.eye(d)[:dh]  # dh x d
+    wq = np.vstack([a * e, a * e])
+    wk = np.vstack([a * e, -a * e])
+    assert logit_bound(wq, wk, 2) == pytest.approx(a * a * d / np.sqrt(dh))
+    assert logit_bound(wq, wk, 1) == pytest.approx(0.0, abs=1e-9)

@@ -1,19 +1,15 @@
 """Importing checkpoints people already have: ``dstt.import_checkpoints`` / ``dstt import``.
 
-Hugging Face Trainer folders, ``torch.save`` and safetensors files, DCP folders (any world
-size), DeepSpeed tags (ZeRO 0-3, any world size) and Lightning ``.ckpt`` files become committed
-steps of a dstt run, one step per checkpoint at its own global step, laid out as the capture
-engine lays out a step — so every view, ``export``, ``verify``, ``rollback`` and
-``dstt.session(..., resume=True)`` work on an imported run as on a captured one.
+Hugging Face Trainer folders, ``torch.save`` and safetensors files, DCP folders and DeepSpeed
+tags (any world size), Lightning ``.ckpt`` files become committed steps laid out as the
+capture engine lays out a step, so every view, ``export``, ``verify``, ``rollback`` and a
+session resume work on an imported run. One reader per format turns the files, each read by
+its framework's own reader, into one :class:`Checkpoint` in torch's terms; ``write`` stores
+it as a commit; ``importer`` orders the sources and makes the import incremental and safe.
 
-Design: one reader per format turns the framework's files, each read by the framework's own
-reader (safetensors, ``torch.load(weights_only=True)``, DCP's ``FileSystemReader``,
-DeepSpeed's ``zero_to_fp32`` reconstruction), into one :class:`Checkpoint` in torch's terms
-(named tensors, a named optimizer state, objects); one writer stores it as a commit
-(``write``); ``importer`` orders the sources and makes the import incremental and safe.
 Rejected alternative: replaying checkpoints through a live ``dstt.session`` — it needs the
-model's code and an optimizer of the right kind for every source, and cannot hold what a
-source has but a live process would not (another world size's ZeRO partitions, log history).
+model's code and a matching optimizer for every source, and cannot hold what a live process
+would not (another world size's ZeRO partitions, log history).
 """
 
 from __future__ import annotations

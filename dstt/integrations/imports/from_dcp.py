@@ -1,22 +1,15 @@
 """A ``torch.distributed.checkpoint`` folder (``.metadata`` + ``__<rank>_<n>.distcp``) as a
 :class:`Checkpoint`, read with DCP's own reader in one process, whatever the world size.
 
-DCP's ``FileSystemReader`` and its metadata say what the folder holds: each key's global size
-and dtype (``TensorStorageMetadata``), or a pickled value (``BytesStorageMetadata``). Every
-tensor is allocated whole on the CPU and filled by public ``dcp.load(..., no_dist=True)`` with
-a ``DefaultLoadPlanner``, which assembles each from the chunks every rank saved (FSDP2 and TP
-shards, DTensor or not): a checkpoint of 2 ranks reads as the logical tensors. The planner's
-pickled values are loaded with ``weights_only=True`` (DCP's default planner unpickles fully;
-``trusted=True`` restores that). The nested layout (``model`` / ``optimizer`` / ...) comes
-back from the metadata's ``planner_data``, the key paths DCP flattened at save time.
+Every tensor the metadata names is allocated whole on the CPU and filled by public
+``dcp.load(..., no_dist=True)``, which assembles it from every rank's chunks (FSDP2, TP); the
+planner's pickled values load with ``weights_only=True`` (``trusted=True`` unpickles fully),
+and the nested layout comes back from the metadata's ``planner_data``. Model, optimizer (by
+name or index), scheduler and step are found under the usual keys (torchtitan's included).
 
-Layouts understood: a ``model`` entry (or the model's keys at the top level, as torchtitan
-saves them) and an optimizer under ``optimizer``/``optim``, keyed by parameter name as
-``get_optimizer_state_dict`` gives it (or by index: then named as a ``torch.save`` file's);
-the scheduler under ``lr_scheduler``/``scheduler``; the step under ``step`` or
-``train_state.step``, else the folder's name (``step-1000``), else ``step=``.
 Rejected alternative: ``dcp_to_torch_save`` into a temporary file — a second full copy on
-disk, and its planner unpickles with ``weights_only=False``.
+disk, and its planner unpickles with ``weights_only=False``. Layouts understood:
+docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

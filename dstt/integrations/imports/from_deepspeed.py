@@ -1,20 +1,13 @@
 """A DeepSpeed checkpoint tag (``global_step500/``) as a :class:`Checkpoint`: logical fp32
 tensors and optimizer state, ZeRO 0-3, any world size.
 
-The tag's files are loaded with ``torch.load(weights_only=True)`` (DeepSpeed's plain records
-allowlisted: ``loading``). ZeRO 1-3 keep the fp32 master weights as flat partitions per rank
-and the wrapped torch optimizer's state (Adam's moments) as flat tensors laid out exactly like
-them; DeepSpeed's own ``zero_to_fp32`` reassembles the masters from the partitions and the
-model files' ``param_shapes``. This reader hands those very functions
-(``_get_fp32_state_dict_from_zero{2,3}_checkpoint``) the master partitions, and then each
-optimizer state's partitions in their place, so every logical tensor — ``params/<name>`` and
-``optim/<state>/<name>`` — comes out of DeepSpeed's own reconstruction, padding and alignment
-rules included. The per-group ``step`` becomes each parameter's, as a torch optimizer keeps
-it; the groups' hyperparameters and names come from the optimizer file and ``param_shapes``.
-ZeRO 0 is a plain model + torch optimizer state (named by the module's order). The engine's
-counters (``global_steps``, ``global_samples``, ``skipped_steps``), ZeRO stage, world size and
-config go to ``extra/deepspeed``; a DeepSpeed tag holds no RNG state (``lacks``). The step is
-``global_steps``.
+Files load with ``torch.load(weights_only=True)`` (``loading``). For ZeRO 1-3, DeepSpeed's
+own ``zero_to_fp32`` functions are handed the master partitions, then each optimizer state's
+partitions in their place, so every logical ``params/<name>`` and ``optim/<state>/<name>``
+comes out of DeepSpeed's own reconstruction, padding and alignment included. ZeRO 0 is a
+plain model + torch optimizer state. The engine's counters and config go to
+``extra/deepspeed``; the step is ``global_steps``; a tag holds no RNG state (``lacks``).
+
 Rejected alternative: DeepSpeed's universal checkpoint conversion (``ds_to_universal``) — a
 second copy of the whole checkpoint on disk, one file per tensor, before anything is read.
 """

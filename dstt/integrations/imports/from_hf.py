@@ -1,17 +1,12 @@
 """A Hugging Face ``Trainer`` checkpoint folder (``checkpoint-500/``) as a :class:`Checkpoint`.
 
-The folder's files, each read with its own reader: the weights (``model.safetensors``, its
-sharded form with ``model.safetensors.index.json``, or ``pytorch_model.bin`` and its shards:
-safetensors' ``safe_open``, or ``torch.load(weights_only=True)``), ``optimizer.pt``,
-``scheduler.pt``, ``rng_state.pth`` (``rng_state_<rank>.pth`` per process of a multi-process
-run), ``trainer_state.json`` (the global step, the progress a resume needs, and ``log_history``:
-the run's metrics) and ``config.json`` (the architecture, built on the meta device to name the
-optimizer's parameters and group them as the Trainer did: ``naming``).
+Each file is read with its own reader: the weights (safetensors or ``pytorch_model.bin``,
+sharded or not), ``optimizer.pt``, ``scheduler.pt``, ``rng_state*.pth``,
+``trainer_state.json`` (step, progress, ``log_history``) and ``config.json`` (the architecture
+on the meta device, to name the optimizer's parameters: ``naming``). A resume's needs are
+stored as ``DsttCallback`` stores them, so ``DsttCallback(run, resume=True)`` continues an
+imported step exactly as ``resume_from_checkpoint="checkpoint-500"`` would.
 
-What a resume needs is stored as ``DsttCallback`` stores it, so
-``DsttCallback(run, resume=True)`` + ``trainer.train(resume_from_checkpoint=cb.resume_from())``
-continues an imported step exactly as ``resume_from_checkpoint="checkpoint-500"`` would:
-``extra/transformers`` (the ``TrainerState`` fields), ``rng`` and the torch optimizer objects.
 Rejected alternative: copying the folder's files into the run as opaque objects — the
 tensors would be invisible to every view, and a resume would need the Trainer's own loader.
 """

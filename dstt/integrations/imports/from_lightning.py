@@ -1,14 +1,11 @@
 """A Lightning ``.ckpt`` file as a :class:`Checkpoint`.
 
-A ``.ckpt`` is a ``torch.save`` dict (loaded with ``weights_only=True``): ``global_step``,
-``state_dict`` (the LightningModule's, in ``state_dict()`` order), ``optimizer_states`` and
-``lr_schedulers`` (one entry per optimizer / scheduler), ``loops`` (the fit loop's progress)
-and ``callbacks`` (each callback's state). The model and optimizer are read as a
-``torch.save`` file's (``from_torch.model_checkpoint``: indices named by the state dict's
-parameter order, which is ``self.parameters()``'s, or by ``model=``); the fit loop's state
-goes to ``extra/lightning`` as ``dstt.integrations.lightning.DsttCallback`` stores it (with
-``epoch_end`` from the loop's ``is_last_batch``), and the callbacks' states beside it. A
-Lightning checkpoint holds no RNG state, so an imported step lacks it (``lacks``).
+A ``.ckpt`` is a ``torch.save`` dict (loaded with ``weights_only=True``). The model and
+optimizer are read as a ``torch.save`` file's (``from_torch.model_checkpoint``: indices named
+by the state dict's parameter order, or by ``model=``); the fit loop's progress goes to
+``extra/lightning`` as ``dstt.integrations.lightning.DsttCallback`` stores it, the callbacks'
+states beside it. A Lightning checkpoint holds no RNG state (``lacks``).
+
 Rejected alternative: Lightning's own ``Trainer.fit(ckpt_path=...)`` machinery to read it —
 it needs the LightningModule's code and a Trainer, and imports nothing without them.
 """

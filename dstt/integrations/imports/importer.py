@@ -1,22 +1,12 @@
 """``import_checkpoints``: checkpoints already on disk become committed steps of a dstt run.
 
-Each source checkpoint (``sources.find_sources``) is read by its format's reader into a
-:class:`~dstt.integrations.imports.checkpoint.Checkpoint` and written as one commit
-(``write.write_checkpoint``), in step order, under the run's lock (one writer).
-
-Incremental and safe:
-
-* a source whose step the run already holds *from that same source* (its ``import/source``
-  object names the path) is skipped as already imported, so re-running the import on a folder
-  that gained checkpoints imports only the new ones;
-* steps only grow along a timeline: a source at or below the run's head step from elsewhere
-  is reported and skipped (roll back first, or import into a new run);
-* a source that cannot be read (partial, damaged, unknown layout, pickles that need
-  ``trusted=True``) is reported with the reason and skipped; its transaction, if one had
-  begun, is aborted, so no half-committed step is ever visible; the import goes on;
-* ``encoding=DeltaPolicy()`` stores each chunk as a dedup reference or an XOR delta from the
-  same chunk of the previously imported step when that is smaller (frozen tensors are written
-  once).
+Each source (``sources.find_sources``) is read into a :class:`Checkpoint` and written as one
+commit (``write.write_checkpoint``), in step order, under the run's lock. Incremental and
+safe: a step already imported from that same source is skipped (re-running imports only new
+checkpoints); a source at or below the head step from elsewhere is reported and skipped; an
+unreadable source is reported with its reason, its transaction aborted, and the import goes
+on; ``encoding=DeltaPolicy()`` stores chunks as dedup references or XOR deltas from the
+previously imported step when smaller.
 
 Rejected alternative: stopping at the first bad source — one truncated checkpoint (a job
 killed while saving) would keep every later good one out of the run.

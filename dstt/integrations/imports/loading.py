@@ -1,14 +1,12 @@
 """Reading foreign checkpoint files safely: ``torch.load`` with ``weights_only=True``.
 
-Every pickled file an import reads goes through :func:`load_pickle`: ``torch.load(path,
-weights_only=True, mmap=True)``, which rebuilds tensors and plain containers and runs no code
-from the file. Two allowlists widen it, each to plain data classes its framework's own loader
-trusts: numpy's array reconstruction (the Hugging Face Trainer's ``rng_state.pth`` holds
-``np.random.get_state()``; the Trainer loads it with the same allowlist) and, for DeepSpeed's
-optimizer files only, DeepSpeed's ``LossScaler``, ``ZeroStageEnum`` and ``fragment_address``
-(records of numbers). Anything else that needs full unpickling is refused with an
-:class:`~dstt.errors.UnsafeObjectError` that names the file and the class, unless the caller
-passed ``trusted=True`` (``--trusted``): then the file is loaded with ``weights_only=False``.
+Every pickled file goes through :func:`load_pickle` (``weights_only=True, mmap=True``: no code
+from the file runs). Two allowlists widen it to plain data classes the framework's own
+loader trusts: numpy's array reconstruction (the Trainer's ``rng_state.pth``) and, for
+DeepSpeed's optimizer files only, ``LossScaler``, ``ZeroStageEnum`` and ``fragment_address``.
+Anything else is an :class:`~dstt.errors.UnsafeObjectError` naming the file and the class,
+unless ``trusted=True`` (``--trusted``) loads it with ``weights_only=False``.
+
 Rejected alternative: ``weights_only=False`` with a warning — a checkpoint downloaded from
 anywhere would run its code on ``dstt import``.
 """

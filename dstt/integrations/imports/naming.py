@@ -1,24 +1,15 @@
 """Naming an optimizer state keyed by index: which parameter is ``state[7]``?
 
-``optimizer.state_dict()`` numbers parameters by their position in its param groups, in the
-order the groups listed them when the optimizer was built; the names are not in the file. The
-importer recovers them from the *order of the model's parameters* — ``named_parameters()`` of
-a live model when the caller passes ``model=``, else of the source's own architecture (a
-Hugging Face folder's ``config.json`` built on the meta device: no memory, no weights), else
-the order of the source's own model state dict (a ``torch.save``/Lightning file keeps
-``state_dict()`` order; safetensors does not) — and the rule that split them into groups:
+``optimizer.state_dict()`` numbers parameters by position in its param groups; the names are
+not in the file. They come from the model's parameter order (``model=``, else the source's
+architecture on the meta device, else its own state dict's order) and the grouping rule: one
+group in model order; two groups of a Hugging Face model by the Trainer's decay rule;
+otherwise consecutive runs when the group sizes say so. Every assignment is checked against
+the state tensors' shapes (a mismatch is a :class:`~dstt.errors.SourceError` asking for
+``model=``). Not knowable: a hand-picked parameter order hidden by equal shapes.
 
-* one group: every trainable parameter in model order (``Optimizer(model.parameters())``);
-* two groups with a Hugging Face model: the Trainer's own rule — decay parameters, then the
-  rest (``Trainer.get_decay_parameter_names``, called as the Trainer calls it);
-* otherwise: groups as consecutive runs of the model order, when the group sizes say so and
-  every state tensor's shape agrees.
-
-Every assignment is checked against the shapes of the state tensors (``exp_avg`` has its
-parameter's shape); a mismatch is a :class:`~dstt.errors.SourceError` that says to pass
-``model=`` (a model built as in training, whose optimizer groups follow its parameter order).
-What cannot be known: an optimizer built from a hand-picked parameter order that equal shapes
-hide — pass ``model=`` and, for exotic groupings, import the weights only.
+Rejected alternative: naming by order without the shape check — a source whose groups were
+built in another order would be misnamed silently. Details: docs/decisions.md.
 """
 
 from __future__ import annotations

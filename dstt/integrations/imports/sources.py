@@ -1,17 +1,14 @@
 """Which checkpoints a list of paths holds, in what format, at which step.
 
-A path is one checkpoint when it is one: a Hugging Face Trainer folder (``trainer_state.json``,
-or weights beside ``optimizer.pt``), a DCP folder (``.metadata`` + ``*.distcp``), a DeepSpeed
-tag folder (``*_model_states.pt``), a Lightning ``.ckpt``, a ``torch.save`` file (``.pt``,
-``.pth``, ``.bin``, ``.tar``) or a ``.safetensors`` file. Otherwise a folder is searched one
-level down, so the folder a framework saves into imports whole: a Trainer's ``output_dir``
-(``checkpoint-*``), a DeepSpeed save dir (``global_step*`` tags), Lightning's ``dirpath``,
-torchtitan's ``checkpoint/`` (``step-*``), a folder of ``step_*.pt`` files. Each source's step
-is found cheaply (``trainer_state.json``, the folder or file name, a memory-mapped look at a
-small ``torch.save`` file's keys) so sources can be sorted before any is read; the reader
-confirms it.
+A path is one checkpoint when it is one (a Trainer folder, a DCP folder, a DeepSpeed tag, a
+Lightning ``.ckpt``, a ``torch.save`` or ``.safetensors`` file); otherwise a folder is
+searched one level down, so the folder a framework saves into imports whole. Each source's
+step is found cheaply (``trainer_state.json``, the name, a memory-mapped look at a small file's
+keys) so sources sort before any is read; the reader confirms it.
+
 Rejected alternative: a recursive walk — a run folder often holds unrelated ``.pt`` files
 (datasets, tokenizers) deeper down; one level is what every framework's layout needs.
+Markers and folder names: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """One :class:`Checkpoint` as one commit, laid out as the capture engine lays out a step.
 
-Arrays: ``params/<name>``, ``buffers/<name>`` and ``optim/<state>/<name>`` (every tensor of the
-optimizer's per-parameter state, 0-d ``step`` included), with the engine's dimension names
-(``dstt.engine.dims``, from the model's module types when a model of the architecture is
-known). Objects, encoded as the engine encodes them (``to_plain``, then the store's tagged
-JSON): ``optim/state`` (format 2) and ``optim/param_groups`` as
-``OptimizerStateProvider``/``optimizer_groups_provider`` write them, ``scheduler``, ``rng``
-(or ``rng/r<rank>``), the framework's progress objects, ``summaries`` (write-time statistics
-of every parameter, the update estimated from the previous imported step's probe, as the
-engine estimates it), ``metrics/history``
-(logged values of the steps between two imported checkpoints, as a session's ``every=K``
-leaves them) and ``import/source`` (where the step came from: path, format, the files read,
-what the source lacked). The commit header carries the step's own logged metrics.
+Arrays ``params/<name>``, ``buffers/<name>`` and ``optim/<state>/<name>`` with the engine's
+dimension names; objects encoded as the engine encodes them (``optim/state``,
+``optim/param_groups``, ``scheduler``, ``rng``, progress objects, write-time ``summaries``,
+``metrics/history``) plus ``import/source`` (path, format, files read, what the source
+lacked); the header carries the step's logged metrics. Everything goes into one store
+transaction; any failure aborts it, so a bad source never leaves a half-committed step.
 
-Everything goes into one store transaction; any failure aborts it, so a bad source never
-leaves a half-committed step.
+Rejected alternative: a reader per foreign format inside dstt's views — every view would
+need to know five layouts (docs/decisions.md, "Replay and import").
 """
 
 from __future__ import annotations

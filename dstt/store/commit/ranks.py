@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dstt.errors import RankLostError
+from dstt.errors import CaptureError, RankLostError
 
 from .parts import abort_vote, collect_parts
 
@@ -95,9 +95,16 @@ class TransactionProxy:
         return list(self._txn.deferred)
 
     def put_flat(
-        self, layout: FlatLayout, buf: StepBytes, images: dict[int, FlatImage] | None = None
+        self,
+        layout: FlatLayout,
+        buf: StepBytes,
+        images: dict[int, FlatImage] | None = None,
+        *,
+        start: int | None = None,
     ) -> None:
-        self._txn.put_flat(layout, buf, images)
+        """``start``: a range ``reserve_flat`` reserved, written again here (the flusher
+        died mid-write); passed on, not dropped (``flatwrite.py`` passes it)."""
+        self._txn.put_flat(layout, buf, images, start=start)
 
     def put_flat_chunks(self, layout: FlatLayout, buf: StepBytes) -> None:
         self._txn.put_flat_chunks(layout, buf)
@@ -134,6 +141,30 @@ class TransactionProxy:
     def abort(self) -> None:
         self._txn.abort()
 
+    @property
+    def encode(self) -> bool:
+        return bool(self._txn.encode)
+
+    @encode.setter
+    def encode(self, value: bool) -> None:
+        self._txn.encode = value
+
+    @property
+    def stats(self) -> EncodeStats:
+        return self._txn.stats
+
+    @property
+    def bytes_written(self) -> int:
+        return int(self._txn.bytes_written)
+
+    @property
+    def retryable(self) -> bool:
+        """False: a rank's failed commit or vote is not run again (its parts moved on)."""
+        return False
+
+    def reopen(self) -> None:
+        raise CaptureError(f"the commit of step {self.step} of a rank cannot be tried again")
+
 
 class RankTransaction(TransactionProxy):
     """A store transaction of one rank; ``commit`` merges (rank 0) or prepares (others)."""
@@ -159,22 +190,6 @@ class RankTransaction(TransactionProxy):
                     session=o.session,
                     error=f"rank {o.info.rank} dropped the step",
                 )
-
-    @property
-    def encode(self) -> bool:
-        return bool(self._txn.encode)
-
-    @encode.setter
-    def encode(self, value: bool) -> None:
-        self._txn.encode = value
-
-    @property
-    def stats(self) -> EncodeStats:
-        return self._txn.stats
-
-    @property
-    def bytes_written(self) -> int:
-        return int(self._txn.bytes_written)
 
     def commit(self, metrics: Mapping[str, Metric] | None = None) -> CommitHeader | Part:
         o = self._owner

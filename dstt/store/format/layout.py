@@ -1,18 +1,15 @@
 """Pure functions from names to storage keys, and the chunk plan of one tensor.
 
 Everything that decides *where* bytes live is here, with no I/O, so the writer, the reader, gc
-and docs/format.md agree by construction.
+and docs/format.md agree by construction. Format 2 stores each step of each rank as one
+stored zip (``steps/<slot>.zip``), one side file (``steps/<slot>.dstt``) and one commit
+header; a tensor ``(r, *rest)`` is chunked along its first axis only, so each chunk is one
+contiguous byte range the engine can copy through a host cache smaller than the tensor.
 
-Format 2 stores each committed step of each rank as one stored zip (``steps/<slot>.zip``, a
-complete Zarr v3 hierarchy) plus one side file (``steps/<slot>.dstt``: objects, delta payloads,
-the arrays table) and one commit header. Rejected alternative (format 1): one file per chunk
-per step — ~1,200 files per step for a 1,200-tensor model, 0.3-0.9 s of kernel time per step.
-
-Chunking: a tensor of shape ``(r, *rest)`` is chunked only along its own first axis, ``rows``
-rows per chunk, so each chunk is one contiguous byte range of the C-ordered tensor. The engine
-can therefore copy a tensor chunk by chunk into a host cache smaller than the tensor.
-Rejected alternative: zarr's n-d regular chunking of every axis - a chunk would gather strided
-pieces and need a gather copy on the hot path.
+Rejected alternatives: format 1's file per chunk per step (~1,200 files and 0.3-0.9 s of
+kernel time per step for a 1,200-tensor model); zarr's n-d chunking of every axis (a chunk
+would gather strided pieces, a gather copy on the hot path). History: docs/decisions.md,
+"Module notes".
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
 """Index segments: the columnar rows of many commits in one immutable, checksummed file.
 
-A segment (``_dstt/index/<lo>-<hi>.g<gen>.idx``, ``docs/format.md`` §9) is a cache of the
-commit headers of slots ``lo..hi`` that a reader can open without reading a header per step.
-Layout::
+A segment (``_dstt/index/<lo>-<hi>.g<gen>.idx``, docs/format.md §9) caches the commit headers
+of slots ``lo..hi``: a magic, a sealed JSON directory of blobs (byte range, crc32c, dtype,
+shape), then blobs grouped so one question is one range read (core columns, headers, metrics,
+summaries, per-tensor chunk locations). ``RowSet`` is the in-memory form: columns of any
+number of rows, concatenated when segments merge, so a merge is numpy work.
 
-    b"DSTTIDX1" | u64 n | directory (sealed JSON envelope, n bytes) | blobs ...
-
-The directory names each blob's byte range, crc32c, dtype and shape; blobs are grouped so one
-question is one range read: the *core* columns (slot, step, parent, timeline, pruned, time)
-come first, then the header bytes, the metrics, the write-time summaries and, per tensor, the
-*locations* block (each row's layout id, then each row's chunk crc32c: tensor-major, so one
-tensor across every row of a segment is one read). A location layout is the tuple of
-``(file, offset, nbytes)`` of a tensor's chunks, ``file`` -1 meaning the row's own step file:
-in the engine's flat lane every step of an unchanged layout has identical offsets, so a
-segment holds one layout per tensor and 4 bytes per chunk per row (the crc32c).
-
-``RowSet`` is the in-memory form: columns of any number of rows, concatenated (``concat``)
-when segments merge, so a merge is numpy work, not per-row Python. Summaries are float64
-(exact copies of the write-time objects), probes float32 (the probed values of float32 or
-narrower tensors, exact). Rejected alternatives: one JSON document per segment (a 10,000-row
-segment would be ~10 MB to parse to list steps); a row per file (the run must stay <= 3 files
-per committed step per rank); SQLite (not immutable, not checksummed per column, and a second
-on-disk format for plain readers to know).
+Rejected alternatives: one JSON document per segment (~10 MB to parse at 10,000 rows); a row
+per file (a run stays <= 3 files per committed step per rank); SQLite (not immutable, not
+checksummed per column, a second format for plain readers). Layout in detail:
+docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """The two files of one step of one rank, built in one pass by several writer threads.
 
-``StepFile`` is the stored zip (a plain Zarr v3 hierarchy): a writer thread reserves the byte
-range of its entry under a lock (O(1) work), then writes the local header and the bytes there
-without the lock (``Blob.write_at``), so writer threads never wait for each other's I/O. The
-central directory is appended by ``finish`` once every entry is in. ``SideFile`` is the
-dstt-only companion (objects, delta payloads, the arrays table): a plain concatenation of
-checksummed byte ranges that the manifest points into, so a plain Zarr listing of the zip
-never meets a non-Zarr entry (zarr would warn about one).
+``StepFile`` is the stored zip (a plain Zarr v3 hierarchy): a writer thread reserves its
+entry's byte range under a lock (O(1)), then writes without the lock (``Blob.write_at``), so
+writer threads never wait for each other's I/O; ``finish`` appends the central directory.
+``SideFile`` is the dstt-only companion (objects, delta payloads, the arrays table): checksummed
+byte ranges the manifest points into, so a Zarr listing of the zip never meets a non-Zarr
+entry (zarr would warn about one).
 
 Rejected alternative: buffering the whole step and writing it at commit — the host cache
-would have to hold every chunk until the last one is copied, and the disk would idle during
-the copy.
+would hold every chunk until the last is copied, and the disk would idle during the copy.
 """
 
 from __future__ import annotations

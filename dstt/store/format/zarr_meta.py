@@ -1,19 +1,13 @@
 """``zarr.json`` documents for the run's groups and arrays, written by hand.
 
-dstt writes Zarr v3 metadata and raw chunk files itself (zarr-python's own writer costs ~10 ms
-per array and runs at 0.1 GB/s here), but the documents are plain Zarr v3 so zarr-python,
-xarray and tensorstore read a run without dstt. Codecs are declared explicitly (zarr-python's
-default would be zstd): ``bytes`` (little endian) then ``crc32c``, so every chunk file is the raw
-C-order bytes followed by a 4-byte little-endian crc32c that any Zarr reader verifies.
+dstt writes Zarr v3 metadata itself but plain, so zarr-python, xarray and tensorstore read a
+run without dstt: codecs ``bytes`` (little endian) then ``crc32c``, declared explicitly;
+``dimension_names`` as the writer is told (else ``<name>_<i>``); a step's root document may
+carry consolidated metadata (``root_document``), so a step opens with one read.
 
-``dimension_names`` are what the writer is told (the engine names them from the module type:
-``out_features``/``in_features`` for a Linear weight, see ``dstt.engine.dims``); an array
-declared without names gets ``<name>_<i>`` (``weight_0``), which is also what steps written
-before names existed carry. A step's root document may carry Zarr's *consolidated metadata*
-(every group and array document of the step, ``root_document``), so xarray and zarr-python
-open a step with one read and without the "failed to open with consolidated metadata"
-warning. Rejected alternative: no consolidation — every plain ``xr.open_datatree`` of a step
-then warns, and lists the zip once per group.
+Rejected alternatives: zarr-python's own writer (~10 ms per array, 0.1 GB/s here); no
+consolidation (every plain ``xr.open_datatree`` of a step warns and lists the zip once per
+group). Details: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """The stored (uncompressed) ZIP container of a step file, written by hand.
 
-A step file is zarr-python's own ``ZipStore`` layout: each Zarr key (``zarr.json``,
-``params/w/c/0/0``) is one ZIP entry, stored, never compressed. dstt writes it in one pass
-from the host cache: entries are appended at offsets reserved under a lock and written with
-``pwritev`` (no ``b"".join`` of the whole step), and the central directory goes last. zip64
-records are used where a count, size or offset needs them, so steps past 65,535 entries or
-4 GiB read everywhere (zarr-python, xarray, tensorstore's ``zip`` kvstore).
+A step file is zarr-python's ``ZipStore`` layout (one stored entry per Zarr key), written in
+one pass from the host cache: entries at offsets reserved under a lock, written with
+``pwritev``, the central directory last; zip64 where a count, size or offset needs it. The
+ZIP CRC-32 comes from ``isal`` (~19 GB/s here) when installed, else zlib (~4.5 GB/s).
 
-The CRC-32 every ZIP entry carries is a different polynomial from the crc32c the Zarr chunks
-carry, so both are computed; CRC-32 comes from ``isal`` (ISA-L, ~19 GB/s here) when installed,
-else zlib (~4.5 GB/s). Rejected alternative: Python's ``zipfile`` in write mode — 64 ms for a
-1,200-entry step (a Python object and a seek per entry) against ~5 ms here, and it cannot take
-entries from several writer threads at once.
+Rejected alternative: Python's ``zipfile`` in write mode — 64 ms for a 1,200-entry step (a
+Python object and a seek per entry) against ~5 ms here, and it cannot take entries from
+several writer threads at once. Details: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

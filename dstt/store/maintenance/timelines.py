@@ -1,43 +1,15 @@
 """Timeline management: rename and delete refs without ever leaving a run half-named.
 
-A timeline is one ref file, ``_dstt/refs/<name>.json``; ``_dstt/HEAD.json`` names the current
-one. Both operations hold the writer lock (no training process can move a ref meanwhile) and
-order their writes so that a power cut between any two leaves every timeline readable and
-HEAD naming an existing ref:
+Both operations hold the writer lock and order their writes so that a power cut between any
+two leaves every timeline readable and HEAD naming an existing ref: **rename** writes the new
+ref first and deletes the old last (renaming again finishes an interrupted one); **delete**
+(refused for the current timeline) makes the ref's deletion durable before ``gc`` frees any
+byte. A **release record** (``_dstt/released/<name>.json``) names the commits and debris a
+vanished name leaves, so gc and verify do not report them as a lost ref's. Every timeline
+change goes through :func:`changing` (``RunLockedError`` while a writer lives, or ``force``).
 
-* **rename** ``old -> new``: (1) the ref under ``new``, durably, with ``old``'s head, base and
-  creation time; (2) the refs of timelines forked from ``old`` (``base_timeline``) rewritten
-  to name ``new``; (3) HEAD, if it named ``old``; (4) a release record for ``old``'s debris
-  (below); (5) ``old``'s ref deleted. A cut leaves both
-  names with the same head (or only ``new``); renaming again finishes the job (a ``new`` that
-  holds exactly ``old``'s ref is taken as the interrupted rename's). Commit headers are
-  immutable, so ``CommitHeader.timeline`` keeps the name a commit was *written* under: it is
-  history, never a key to look a ref up by.
-* **delete** ``name``: refused for the current timeline (``CurrentTimelineError``). The ref is
-  deleted and the deletion made durable *before* any byte goes, so a cut can never bring back a
-  ref whose files are gone; then the ordinary ``gc`` with no retention policy frees what no
-  other ref reaches any more (they are orphans now): the commits only this timeline had, their
-  step files, headers. Its fork ancestry is on its parent's lineage and stays, and so do the
-  commits a timeline forked *from* it walks through (those children keep naming it as their
-  ``base_timeline``: history, like commit headers). A cut inside gc is gc's own crash safety
-  (tombstones before bytes, an orphan's header last); the next ``gc`` finishes it.
-
-Both leave a name without a ref, and gc and verify treat the commits of a timeline with no
-ref as a lost ref's (kept, reported) unless a **release record** (``_dstt/released/<name>.json``,
-written durably before the ref goes) names them. The record lists the timeline's own commits
-(delete) and its *debris*: commits written under the name that no ref reaches, e.g. one a
-power cut stopped before its ref moved. Without the debris, a rename after such a cut made
-the debris look like a whole lost timeline.
-
-A live writer (a training session) holds the same lock for its whole life. Moving HEAD or a
-ref under it would make its next resume continue from somewhere the user did not see, so
-every timeline change (rollback and switch too: ``Repository``) goes through
-:func:`changing`: ``RunLockedError`` naming the holder (host, pid, since when) unless
-``force=True``, which makes the change without the lock (a forced delete then leaves the
-sweep to a later ``gc``: the writer's in-flight files must not look like orphans).
-
-Rejected alternative: marking a deleted ref instead of removing it — every reader would have
-to learn a new ref state, and the run would keep a name that cannot be reused.
+Rejected alternative: marking a deleted ref instead of removing it — every reader would learn
+a new ref state, and the name could not be reused. Write orders: docs/decisions.md.
 """
 
 from __future__ import annotations

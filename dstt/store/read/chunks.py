@@ -1,17 +1,15 @@
 """Reading a commit's tensors by chunk: verified chunk bytes, delta chains decoded through
 their bases — the chunk half of :class:`~dstt.store.read.reader.Reader`.
 
-Every chunk read is checked (size, crc32c against the arrays table and the chunk's own
-trailer); an XOR or predicted (``PRED``) chunk is rebuilt from its base and inputs and checked
-against the raw chunk's crc32c. Decoded chunks are kept in a byte-bounded LRU, so scrubbing
-consecutive steps costs one read per step of a chain. A ``ChunkReader`` is composed into the
-``Reader``, which hands it how to find a header and an array's record (the index or the arrays
-table) and what a vanished file means (pruned meanwhile, or damage); the reader's
-``read_chunk`` calls it, and its ``read_array``/``read_rows`` are built on ``read_chunk`` (so
-a reader that overrides ``read_chunk``, inspection's logical tensors, reads whole arrays
-through its override). Rejected alternatives: a mixin of the reader in this module (one class
-split across two files, typed by a back-reference); module-level functions taking the reader
-(the same coupling, untyped).
+Every chunk read is checked (size, crc32c against the arrays table and its own trailer); an
+XOR or ``PRED`` chunk is rebuilt from its base and checked against the raw chunk's crc32c;
+decoded chunks sit in a byte-bounded LRU. A ``ChunkReader`` is composed into the ``Reader``,
+which tells it how to find headers and records and what a vanished file means; the reader's
+``read_array``/``read_rows`` build on its overridable ``read_chunk``.
+
+Rejected alternatives: a mixin of the reader in this module (one class split across two files,
+typed by a back-reference); module-level functions taking the reader (the same coupling,
+untyped).
 """
 
 from __future__ import annotations

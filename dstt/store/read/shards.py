@@ -1,30 +1,15 @@
 """Logical arrays assembled from pieces of stored flat arrays (ZeRO partitions, sharded state).
 
-Sharded training keeps a tensor as slices of per-rank flat buffers (ZeRO: a parameter is a
-range of a rank's flat fp32 partition, or spans two ranks' partitions). dstt stores those flat
-buffers as they are — one 1-d array per rank and buffer, so every rank writes only its own
-chunks — and describes how to put the tensors back together in **shard maps**: objects named
-``shards/<anything>`` (tagged JSON) of the commit::
+Sharded buffers are stored as they are (each rank writes only its own chunks) and described by
+**shard maps**, objects ``shards/<anything>`` of the commit: per logical path a dtype, a shape
+and either **pieces** (ranges of 1-d flat sources: ZeRO) or **boxes** (an offset and size per
+dim of a source stored with the box's shape: FSDP2, TP). A reader merges every rank's map, so
+a logical tensor looks the same whatever parallelism wrote it; pieces and boxes must tile it
+exactly (``CorruptRunError``). Boxes are DCP's chunk model, so resharding is one rule
+(:func:`read_region`).
 
-    {"format": 1, "arrays": {"<logical path>": {"dtype": "float32", "shape": [16, 8],
-        "pieces": [[<source array path>, <source start>, <logical start>, <length>], ...]}}}
-
-Offsets and lengths count elements of the flat C-order tensor. Each rank writes its own map
-(the pieces it holds); a reader merges every map of the commit, so the logical tensor
-``params/layers/0/attn/weight`` looks the same whatever the parallelism that wrote it. The
-pieces of a logical array must tile it exactly (no gap, no overlap) and sources must be 1-d
-arrays of the same dtype in the same commit (``CorruptRunError`` otherwise).
-
-Format 2 adds **boxes**, for tensors sharded along their dimensions (a DTensor's local shard
-under FSDP2 ``Shard(0)``, tensor parallel ``Shard(1)``, 2-d meshes): an array entry then holds
-``"boxes": [[<source array path>, [<offset per dim>], [<size per dim>]], ...]`` instead of
-pieces, and the source is stored with the box's shape (the local tensor as it is: plain zarr
-readers see each rank's shard with its real dims). Boxes must tile the logical array exactly
-too. This is the chunk model of PyTorch DCP (``ChunkStorageMetadata``: offsets and sizes), so a
-reshard onto other placements is one rule: every live local box reads the parts of the stored
-boxes it overlaps (:func:`read_region`).
 Rejected alternative: gathering full tensors at save time — a collective and a full copy on
-the training path, and rank 0 would write everything (two ranks' bytes through one disk queue).
+the training path, and rank 0 would write everything. Map format: docs/decisions.md.
 """
 
 from __future__ import annotations

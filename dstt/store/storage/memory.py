@@ -1,16 +1,14 @@
 """Small real storages for tests: an in-memory store that can "lose power", and a wrapper that
-injects I/O faults. Shipped with the package (like zarr's ``testing``) so users can test their
-own integrations against the same fakes. Rejected alternative: mocks — they test call
-sequences, not whether a run survives a crash.
+injects I/O faults, shipped (like zarr's ``testing``) so users can test their integrations.
 
-Durability is modelled per *handle*: ``handle()`` is another process's view of the same keys
-(each rank of a multi-rank run opens its own ``LocalStorage`` on the shared run). In
-``"syncfs"`` mode (the default) a barrier makes every pending write durable, whoever made it —
-one ``syncfs`` of a local filesystem. In ``"fsync"`` mode it covers only the writes made through
-its own handle, as ``LocalStorage(durability="fsync")`` fsyncs only the files it wrote (and as
-on a shared filesystem, where one node's sync does nothing for another's page cache): a rank
-that votes before its own barrier is then visible to a power cut. Rejected alternative:
-per-thread pending sets — a rank's files are written by many threads (writers, committer).
+Durability is modelled per *handle* (``handle()``: another process's view of the same keys).
+A barrier in ``"syncfs"`` mode (the default) makes every pending write durable, like one
+``syncfs``; in ``"fsync"`` mode only its own handle's (as ``LocalStorage`` in its ``"fsync"``
+mode, or a shared filesystem), so a rank that votes before its own barrier is visible to a
+power cut.
+
+Rejected alternatives: mocks (they test call sequences, not whether a run survives a crash);
+per-thread pending sets (a rank's files are written by many threads).
 """
 
 from __future__ import annotations

@@ -1,47 +1,15 @@
 """``S3Storage``: the storage contract on an S3-API object store, through ``obstore``.
 
-A PUT is atomic and durable, so ``write`` and ``write_durable`` are one PUT each and
-``barrier`` is a no-op. Step files are blobs (``_S3Blob``, ``s3_blob.py``): writer threads
-``pwritev`` their pieces at offsets into a spool file (page cache), and ``publish`` uploads it
-under its final, immutable key — a multipart upload (``chunk_size`` parts, ``max_concurrency``
-at once) for anything larger than one part. Nothing is renamed: an object is invisible until
-its upload completes, so a crash mid-upload leaves no key (only an unfinished multipart upload,
-which ``remove_temporaries`` — gc — aborts).
+A PUT is atomic and durable, so writes are one PUT and ``barrier`` is a no-op; step files are
+spooled locally and published under their final key (multipart above ``chunk_size``), so a
+crash mid-upload leaves no key. The POSIX tools become conditional writes: the lock is a
+**lease** (``If-None-Match: *``, renewed and taken over with ``If-Match``), refs and HEAD are
+**compare-and-swap**, step files and headers are **create-only**. So at most one process
+holds the lease, no ref update is lost, and a writer stalled past its lease cannot commit.
 
-The commit protocol's two POSIX tools are replaced by conditional writes:
-
-* **the lock is a lease** (``_S3Lease``, ``s3_lease.py``): an object created with
-  ``If-None-Match: *``, renewed by a heartbeat thread with ``If-Match: <its ETag>`` every
-  ``lease_ttl / 3``; an expired lease (a writer that was SIGKILLed) is taken over with
-  ``If-Match`` on the ETag the taker read, so of two takers exactly one wins. A writer whose
-  heartbeat is refused, or that has not renewed within ``lease_ttl`` (measured on its own
-  monotonic clock, a tenth of the TTL kept as margin for clock skew), refuses every further
-  write.
-* **refs and HEAD are compare-and-swap**: keys under ``guarded`` (the refs and HEAD of
-  docs/format.md §8) are written with ``If-Match`` on the ETag this storage last read or wrote
-  there; a key it has not seen is ``If-None-Match: *`` (create-only), or — while it holds the
-  lease — swapped against the ETag a HEAD finds (finishing an interrupted create). A writer
-  that lost its lease, or any second writer, cannot move a ref the other moved since: it gets
-  ``RunLockedError``.
-
-* **step files and new commit headers are create-only**: a step file (keys under
-  ``write_once``, ``steps/``) is published, and a commit header written (``create``), with
-  ``If-None-Match: *``. A writer frozen for more than ``lease_ttl`` *between* its lease check
-  and a step-file PUT cannot overwrite the file of the new holder's slot: its PUT gets
-  ``RunLockedError``. (A PUT retried after a lost reply finds its own bytes there: the ETag is
-  their MD5, and that is success.) A new writer numbers its slots past every step file in the
-  bucket, so the files a dead writer left uncommitted are never in its way.
-
-Guaranteed: at most one process holds the lease at any time (conditional create/takeover);
-no ref or HEAD update is lost (CAS); a writer that stalls past its lease cannot commit, and no
-writer overwrites a committed step file or header. A step file larger than one part
-(``chunk_size``) goes up as a multipart upload completed with ``If-None-Match: *``
-(``put_once_large``, through botocore: obstore cannot make a multipart upload conditional).
-
-Rejected alternatives: fsspec/s3fs as the backend — against the same loopback server it
-measured 11.3 ms per small PUT to obstore's 2.1 ms, and 33 to 46 MB/s on a 32 MiB multipart
-upload (bench/s3_bench.py, bench/results/s3.json), and it has no
-portable conditional PUT; a lock without expiry — a SIGKILLed writer would lock the run forever.
+Rejected alternatives: fsspec/s3fs (11.3 ms per small PUT to obstore's 2.1 ms, 33 to 46 MB/s on
+a 32 MiB multipart upload, no portable conditional PUT); a lock without expiry (a SIGKILLed
+writer would lock the run forever). The protocol in detail: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations
