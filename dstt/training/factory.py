@@ -103,7 +103,7 @@ def session(
     ``encoding=dstt.DeltaPolicy()`` writes fewer bytes: XOR deltas against the previous step,
     Adam(W) ``exp_avg_sq`` and parameters predicted from the update rule (about 2.6x fewer
     bytes for fp32 Adam state), keyframes every K steps, unchanged chunks referenced instead
-    of rewritten; a step is written raw when the writers lack the CPU (docs/design.md).
+    of rewritten; a step is written raw when the writers lack the CPU (docs/decisions.md).
     ``copy``: when host tensors are copied into the host cache. ``"async"`` (default) on a
     copy thread while the next forward/backward runs (the lazy copy; a version guard catches
     in-place writes in that window); ``"sync"`` on the training thread before the optimizer
