@@ -49,6 +49,8 @@ __all__ = [
     "OBJECT_NAMES",
     "OPTIM_GROUPS_OBJECT",
     "OPTIM_STATE_OBJECT",
+    "REBUILT_OBJECT",
+    "REPLAY_OBJECT",
     "RNG_OBJECT",
     "SCHEDULER_OBJECT",
     "SHARDS_OBJECT",
@@ -118,6 +120,11 @@ FILES_OBJECT: Final = "files"
 LIGHT_OBJECT: Final = "light/steps"
 #: attention modules' head counts: ``{module path: {"heads": n} and/or {"head_dim": d}}``
 HEADS_OBJECT: Final = "model/heads"
+#: the factory a session named to rebuild its light steps (``replay="train.py:make"``):
+#: ``{"factory": spec, "path": absolute file}``
+REPLAY_OBJECT: Final = "replay/factory"
+#: a rebuilt light step's derived commit (in memory, never in a run): its base and checks
+REBUILT_OBJECT: Final = "light/rebuilt"
 
 #: every declared object name, in the order they were added
 OBJECT_NAMES: tuple[str, ...] = (
@@ -141,6 +148,8 @@ OBJECT_NAMES: tuple[str, ...] = (
     FILES_OBJECT,
     LIGHT_OBJECT,
     HEADS_OBJECT,
+    REPLAY_OBJECT,
+    REBUILT_OBJECT,
 )
 
 # -- the fields of one tensor's write-time summary (``SUMMARIES_OBJECT``) ---------------------

@@ -614,7 +614,6 @@ LONG_DOCSTRINGS = frozenset(
         "dstt/run/run.py",
         "dstt/schema.py",
         "dstt/store/codec/buffers.py",
-        "dstt/store/codec/delta.py",
         "dstt/store/codec/flatdelta.py",
         "dstt/store/codec/flatpredict.py",
         "dstt/store/codec/predict.py",

@@ -30,6 +30,7 @@ __all__ = [
     "loss_bits",
     "loss_of",
     "read_light",
+    "step_loss",
 ]
 
 #: the commit object listing the light steps before it (and their loss fingerprints)
@@ -52,11 +53,34 @@ def loss_of(bits: str) -> float:
     return out
 
 
+def step_loss(micro: Sequence[float]) -> float:
+    """The loss of one optimizer step from its micro-batches' losses, as a framework
+    callback fingerprints it and a rebuild recomputes it: the one loss, or their sum
+    accumulated in float32 (as a tensor sum of float32 losses is)."""
+    if len(micro) == 1:
+        return float(micro[0])
+    import torch
+
+    acc = torch.zeros((), dtype=torch.float32)
+    for x in micro:
+        acc = acc + float(x)
+    return float(acc)
+
+
 def light_record(
-    steps: Sequence[int], metrics: Callable[[int], Mapping[str, Any] | None]
+    steps: Sequence[int],
+    metrics: Callable[[int], Mapping[str, Any] | None],
+    fingerprints: Mapping[int, float | None] | None = None,
 ) -> dict[str, Any]:
-    """The :data:`LIGHT_OBJECT` of ``steps``; ``metrics(k)`` gives what step ``k`` logged."""
-    losses = [loss_bits((metrics(k) or {}).get(LOSS_METRIC)) for k in steps]
+    """The :data:`LIGHT_OBJECT` of ``steps``; ``metrics(k)`` gives what step ``k`` logged.
+    ``fingerprints``: a step's loss as a framework callback took it (its training step's
+    own loss, whatever the user logged as ``loss``; None: none that a rebuild can check),
+    used before the logged one."""
+    fp = fingerprints or {}
+    losses = [
+        loss_bits(fp[k]) if k in fp else loss_bits((metrics(k) or {}).get(LOSS_METRIC))
+        for k in steps
+    ]
     return {"steps": [int(k) for k in steps], "loss": losses}
 
 

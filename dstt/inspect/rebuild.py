@@ -23,26 +23,38 @@ caller's objects, and a second rebuild costs at most ``max_gap`` steps).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dstt.engine.light import loss_bits
+from dstt import schema
+from dstt.engine.light import loss_bits, step_loss
 from dstt.engine.model_names import param_names
 from dstt.engine.optimizers import optimizers_of
 from dstt.engine.providers import StoreSource
 from dstt.engine.torch_state import discover
-from dstt.errors import ReplayError, StepNotFoundError
+from dstt.errors import ConfigError, ReplayError, StepNotFoundError
 
 from .replay import LossFn, ReplayKit, _compare, _default_loss, _kit_of, _step_batches
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from dstt.store._internal import Reader
+    from dstt.store._internal import CommitHeader, Reader, Repository
 
-__all__ = ["Rebuilt", "rebuild_step"]
+__all__ = [
+    "REBUILT_OBJECT",
+    "REPLAY_KEYS",
+    "Rebuilt",
+    "load_factory",
+    "rebuild_step",
+    "rebuilt_commit",
+]
+
+#: the object that marks a rebuilt step's derived commit (never written to the run itself)
+REBUILT_OBJECT = schema.REBUILT_OBJECT
 
 
 @dataclass(frozen=True)
@@ -86,11 +98,9 @@ def _matches(bits: str, losses: list[float], logged: Callable[[list[float]], flo
         return False
     candidates = {losses[-1]}
     if len(losses) > 1:
-        acc = torch.zeros((), dtype=torch.float32)
-        for x in losses:
-            acc = acc + x
+        acc = step_loss(losses)  # a framework callback's fingerprint
         n = len(losses)
-        candidates |= {sum(losses), sum(losses) / n, float(acc), float(acc / n)}
+        candidates |= {sum(losses), sum(losses) / n, acc, float(torch.tensor(acc) / n)}
     return any(loss_bits(c) == bits for c in candidates)
 
 
@@ -112,6 +122,7 @@ def rebuild_step(
     check_next: bool = False,
     timeline: str | None = None,
     trusted: bool = False,
+    on_step: Callable[[int, Rebuilt, ReplayKit], None] | None = None,
 ) -> Rebuilt:
     """Bring the live objects to step ``step`` of ``run`` (read with ``reader``): restore the
     nearest stored step before it and replay the light steps up to it (module docstring).
@@ -119,7 +130,10 @@ def rebuild_step(
     ``logged(losses)``: the loss the loop logged from its micro-batches' losses (default: the
     last one, or their sum or mean), for a loop that logs e.g. an unscaled loss.
     ``check_next``: first replay on to the next stored step *m* and compare every parameter
-    and optimizer-state tensor with it, bit for bit (``Rebuilt.landed``; twice the replay)."""
+    and optimizer-state tensor with it, bit for bit (``Rebuilt.landed``; twice the replay).
+    ``on_step(i, so_far, kit)``: called at each replayed step ``i`` of the chain to ``step``
+    once its loss matched, the live objects (``kit``) at ``i`` (a range rebuilt in one pass
+    reads them there)."""
     k = int(step)
     kit = _kit_of(kit, model, optimizer, scheduler, before_step, loss_fn)
     timeline = timeline or run.timeline
@@ -139,6 +153,14 @@ def rebuild_step(
             f"starts from one{_gc_hint(pruned, k)}"
         )
     j = max(below)
+    if j != k and _ranks(stored[j].objects) > 1:
+        raise ReplayError(
+            f"light step {k} is of a run of several ranks ({_ranks(stored[j].objects)} wrote "
+            f"stored step {j}: DDP, FSDP2 or tensor parallel); rebuilding its light steps is "
+            "not supported yet: a rebuild replays one process, and each rank's step trained "
+            "on its own samples with gradients reduced across ranks. The stored steps open "
+            f"as usual (run.at({j})); store every step (every=1) to reach each one"
+        )
     gone = [i for i in range(j + 1, k + 1) if i not in light]
     if gone:
         raise ReplayError(
@@ -148,7 +170,7 @@ def rebuild_step(
         )
     fn = loss_fn or _default_loss
 
-    def chain(upto: int, out: Rebuilt) -> None:
+    def chain(upto: int, out: Rebuilt, report: bool = False) -> None:
         """Restore step ``j`` into the live objects and replay ``j+1..upto``, checking each
         light step's loss; a stored step (``upto`` with ``check_next``) is not checked here."""
         state = discover(kit.model, kit.optimizer, scheduler=kit.scheduler)
@@ -183,6 +205,8 @@ def rebuild_step(
                     "step not passed (before_step=, scheduler=), or nondeterministic kernels. "
                     f"{_before(j, i)}; the live objects are now at step {i}"
                 )
+            if report and on_step is not None:
+                on_step(i, out, kit)
 
     landed = None
     if check_next and k not in stored:
@@ -201,8 +225,92 @@ def rebuild_step(
                 )
             landed = m
     out = Rebuilt(step=k, base=j, landed=landed)
-    chain(k, out)
+    chain(k, out, report=True)
     return out
+
+
+def load_factory(spec: str, path: str | None = None) -> Callable[[], Any]:
+    """``FILE.py:FUNCTION`` -> the function (the file imported as a module, its folder on
+    ``sys.path`` so it can import its neighbours), as ``dstt replay --script`` takes it.
+    ``path``: where the session that named it found the file (tried when ``FILE`` is not
+    found from here). ``ConfigError`` naming what is wrong."""
+    import importlib.util
+    import os
+    import sys
+
+    file, sep, name = spec.rpartition(":")
+    if not sep or not file or not name:
+        raise ConfigError(f"replay= takes FILE.py:FUNCTION (e.g. train.py:make), not {spec!r}")
+    if not os.path.isfile(file) and path is not None and os.path.isfile(path):
+        file = path
+    if not os.path.isfile(file):
+        raise ConfigError(f"replay={spec!r}: no file {file!r} (from {os.getcwd()})")
+    folder = os.path.dirname(os.path.abspath(file))
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    mod_spec = importlib.util.spec_from_file_location("_dstt_replay_factory", file)
+    if mod_spec is None or mod_spec.loader is None:
+        raise ConfigError(f"replay={spec!r}: cannot import {file!r}")
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"replay={spec!r}: {file!r} has no function {name!r}")
+    out: Callable[[], Any] = fn
+    return out
+
+
+def rebuilt_commit(
+    kit: ReplayKit, rebuilt: Rebuilt, base: CommitHeader, reader: Reader, metrics: Any = None
+) -> tuple[Repository, CommitHeader]:
+    """The live objects of ``kit`` (at step ``rebuilt.step``) as a *derived* commit in a
+    repository of their own, in memory: the arrays and objects a stored step of that run
+    would hold (the same providers, the same paths and dims as ``base``), plus
+    :data:`REBUILT_OBJECT` saying it was rebuilt, from which stored step, and which losses
+    were checked. Every view of a stored step reads it the same way (``Snapshot``); nothing
+    is written to the run. ``metrics``: what the step logged."""
+    from dstt.engine._convert import flat_bytes, store_dtype
+    from dstt.store._internal import MemoryStorage, Repository
+
+    state = discover(kit.model, kit.optimizer, scheduler=kit.scheduler)
+    table = reader.arrays(base)
+    repo = Repository.create(MemoryStorage())
+    with repo.writer() as w:
+        txn = w.begin(rebuilt.step)
+        try:
+            for provider in (state.step_state, state.boundary_state):
+                for path, t in provider.tensors().items():
+                    cpu = t.detach().to("cpu").contiguous()
+                    rec = table.get(path)
+                    plan = txn.declare(
+                        path,
+                        store_dtype(cpu.dtype),
+                        tuple(cpu.shape),
+                        None if rec is None else rec.dims,
+                    )
+                    flat = flat_bytes(cpu).numpy()
+                    for i in range(plan.n_chunks):
+                        start, stop = plan.byte_range(i)
+                        txn.put_chunk(path, i, flat[start:stop])
+                for name, obj in provider.objects().items():
+                    try:
+                        txn.put_object(name, obj)
+                    except TypeError:  # not plain data: as the engine stores it
+                        txn.put_object(name, obj, encoding="pickle")
+            txn.put_object(
+                REBUILT_OBJECT,
+                {
+                    "step": rebuilt.step,
+                    "base": rebuilt.base,
+                    "checked": [i for i in rebuilt.checked if i <= rebuilt.step],
+                    "unchecked": [i for i in rebuilt.unchecked if i <= rebuilt.step],
+                },
+            )
+            header = txn.commit(metrics)
+        except BaseException:
+            txn.abort()
+            raise
+    return repo, header
 
 
 def _one_step(kit: ReplayKit, micro: list[Any], loss_fn: LossFn) -> list[float]:
@@ -229,6 +337,12 @@ def _one_step(kit: ReplayKit, micro: list[Any], loss_fn: LossFn) -> list[float]:
     if kit.scheduler is not None:
         kit.scheduler.step()
     return losses
+
+
+def _ranks(objects: Any) -> int:
+    """How many ranks wrote a commit: its per-rank objects are named ``<name>/r<rank>``."""
+    ranks = {n.rpartition("/r")[2] for n in objects if "/r" in n}
+    return max((int(r) + 1 for r in ranks if r.isdigit()), default=1)
 
 
 def _before(j: int, i: int) -> str:
@@ -258,3 +372,16 @@ def _gc_hint(pruned: list[int], k: int) -> str:
 
 def _near(stored: dict[int, Any], k: int) -> list[int]:
     return sorted(stored, key=lambda s: (abs(s - k), s))[:4]
+
+
+#: what ``dstt.open(run, replay={...})`` may hold: ``run.rebuild``'s objects and keywords
+#: (those of :func:`rebuild_step` a caller passes, and a framework's ``trainer``/``module``)
+REPLAY_KEYS: tuple[str, ...] = (
+    "trainer",
+    "module",
+    *(
+        name
+        for name in inspect.signature(rebuild_step).parameters
+        if name not in ("run", "reader", "step", "kit", "check_next", "timeline", "on_step")
+    ),
+)

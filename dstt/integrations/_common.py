@@ -36,7 +36,7 @@ PROGRESS_FIELDS = (
 
 
 def session_options(
-    run: Any, *, every: int, resume: bool, options: Mapping[str, Any]
+    run: Any, *, every: int | str, resume: bool, options: Mapping[str, Any]
 ) -> SessionOptions:
     """The ``SessionOptions`` of a callback: ``run``, ``every``, ``resume`` and the
     ``dstt.session`` keywords it passes on — not what the callback finds itself."""

@@ -52,12 +52,14 @@ from __future__ import annotations
 
 import random
 import warnings
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from dstt.engine.light import step_loss
 from dstt.errors import ConfigError, ReplayError
 from dstt.inspect.replay import ReplayKit, register_replay_kit
 from dstt.store._internal import Batch, SkipSet
@@ -69,7 +71,7 @@ from ._common import numeric_metrics, session_options
 
 if TYPE_CHECKING:
     import os
-    from collections.abc import Callable, Iterator, Mapping, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
     from dstt.store._internal import Repository
 
@@ -109,13 +111,14 @@ class DsttCallback(Callback):
         self,
         run: str | os.PathLike[str] | Repository,
         *,
-        every: int = 1,
+        every: int | Literal["auto"] = 1,
         resume: bool = False,
         **options: Any,
     ) -> None:
         self.options = session_options(run, every=every, resume=resume, options=options)
         self.run, self.every, self.resume = run, self.options.every, self.options.resume
         self.session: Session | None = None
+        self._micro: list[float] | None = []  # the step's micro-batch losses (every="auto")
         self._loops = _Loops()
         self._rng: tuple[Any, ...] | None = None  # restored RNG, re-applied mid-epoch
         self._data = _TrainData()  # the train loader's recorder, and what it still has to do
@@ -192,6 +195,8 @@ class DsttCallback(Callback):
             return
         step = self._data.pending_step or s.step  # the step this batch fed (accumulating:
         self._data.file(s)  # the one not taken yet, which the step's last batch files)
+        if self.every == "auto":
+            self._loss_of(s, step, outputs)
         # after the optimizer and scheduler stepped: end of the iteration (the Trainer's loop
         # stands in for the tracked loader that calls this hook)
         s._at_boundary()  # noqa: SLF001 - the callback drives the session's step hooks
@@ -199,6 +204,20 @@ class DsttCallback(Callback):
             values = numeric_metrics(_step_metrics(trainer))
             if values:
                 s.log(step=step, **values)
+
+    def _loss_of(self, s: Session, step: int, outputs: Any) -> None:
+        """``every="auto"``: a step's loss for its light record, from what its micro-batches'
+        ``training_step`` returned (Lightning's closure loss, divided by the accumulation,
+        as a rebuild recomputes it); None where one returned no loss tensor."""
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if self._micro is not None:
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                self._micro.append(float(loss.detach().float().mean()))
+            else:
+                self._micro = None
+        if step and s.step >= step:  # the step is taken: its last micro-batch
+            s._fingerprint(step, None if not self._micro else step_loss(self._micro))  # noqa: SLF001 - the callback files the step's loss
+            self._micro = []
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._file_epoch_metrics(trainer)

@@ -51,7 +51,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -112,7 +112,7 @@ class DsttCallback(TrainerCallback):
         self,
         run: str | os.PathLike[str] | Repository,
         *,
-        every: int = 1,
+        every: int | Literal["auto"] = 1,
         resume: bool = False,
         **options: Any,
     ) -> None:
@@ -316,6 +316,12 @@ class DsttCallback(TrainerCallback):
                 stacklevel=2,
             )
         s.log(step=s.step, **values)
+        if self.every == "auto" and "loss" in values:
+            # the Trainer logs the sum of the step's training_step losses only when it logs
+            # every step; an average over several steps is no light step's fingerprint
+            strategy = getattr(args.logging_strategy, "value", args.logging_strategy)
+            per_step = args.logging_steps == 1 and strategy == "steps"
+            s._fingerprint(s.step, float(values["loss"]) if per_step else None)  # noqa: SLF001 - the callback files the step's loss
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -48,14 +48,29 @@ __all__ = ["Run", "find_run_root", "open_run"]
 
 Steps = slice | int | Iterable[int] | None
 
+#: rebuilt light steps kept in memory per run (each a whole state: model and optimizer)
+REBUILT_CACHE = 8
+
 
 def open_run(
     path: str | os.PathLike[str] | Repository | Storage,
     *,
     storage_options: Mapping[str, Any] | None = None,
+    replay: Any = None,
 ) -> Run:
     """Open a run for inspection; ``NotARunError`` if ``path`` is not one. ``path`` may be an
-    ``s3://bucket/prefix`` URL (``storage_options``: see ``dstt.store.storage_for``)."""
+    ``s3://bucket/prefix`` URL (``storage_options``: see ``dstt.store.storage_for``).
+    ``replay``: the objects a light step's rebuild needs (``run.rebuild``'s keywords as a
+    dict, or a function returning one, ``"FILE.py:FUNCTION"``, or True: the factory the
+    run's session named), so ``at``, ``trajectory``, ``diff`` and ``load_into`` reach every
+    step of an ``every="auto"`` run (:meth:`Run.use_replay`)."""
+    run = _open(path, storage_options)
+    return run if replay is None else run.use_replay(replay)
+
+
+def _open(
+    path: str | os.PathLike[str] | Repository | Storage, storage_options: Mapping[str, Any] | None
+) -> Run:
     if isinstance(path, Repository):
         return Run(path)
     if not isinstance(path, (str, os.PathLike)) or is_url(path):
@@ -108,6 +123,10 @@ class Run:
         self._all: dict[str, list[Any]] = {}  # pruned commits included
         self._light: dict[str, dict[int, str | None]] = {}  # light steps per timeline
         self._catalogs: LRU[int, Catalog] = LRU(16)
+        #: what rebuilds light steps (``use_replay``), and the steps rebuilt (derived commits)
+        self._replay: Any = None
+        self._replay_made: dict[str, Any] | None = None
+        self._rebuilt: LRU[tuple[str, int], Snapshot] = LRU(REBUILT_CACHE)
         #: spikes, data attribution, non-finite values, divergence (``diagnose.py``)
         self._diagnostics = RunDiagnostics(self)
 
@@ -122,6 +141,7 @@ class Run:
         self._all.clear()
         self._light.clear()
         self._catalogs.clear()
+        self._rebuilt.clear()
         return self
 
     @property
@@ -189,7 +209,9 @@ class Run:
             f"; step {step} is a light step (every='auto' did not store it; nearest stored "
             f"steps {before} and {after}): rebuild it with run.rebuild({step}, model=..., "
             f"optimizer=..., dataset=...) — it restores step {before} and replays the "
-            "steps after it on their recorded samples"
+            "steps after it on their recorded samples — or open the run with those objects, "
+            "dstt.open(path, replay=dict(model=..., optimizer=..., dataset=...)), and "
+            "run.at, trajectory, diff and load_into rebuild light steps themselves"
         )
 
     def _elsewhere(self, step: int, timeline: str | None) -> str:
@@ -250,7 +272,181 @@ class Run:
         that have it."""
         from .snapshot import Snapshot
 
+        if step is not None and self._replay is not None and self._is_light(int(step), timeline):
+            return self.rebuilt([int(step)], timeline=timeline)[int(step)]
         return Snapshot(self, self._header(step, timeline), timeline or self.timeline)
+
+    # -- light steps, rebuilt (every="auto") ------------------------------------------------
+    def use_replay(self, replay: Any) -> Run:
+        """Rebuild light steps (``every="auto"``) on demand with ``replay``: a dict of
+        :meth:`rebuild`'s objects and keywords (``model``, ``optimizer``, ``scheduler``,
+        ``dataset``/``collate`` or ``batches``, ``loss_fn``, ``before_step``, ``logged``, or
+        ``trainer``/``module``), or a function returning one (called once, at the first
+        rebuild): a callable, ``"FILE.py:FUNCTION"`` (imported now), or True for the one the
+        run's session named (``dstt.session(..., replay="train.py:make")``). From then on
+        ``at(k)`` of a light step restores the stored step before it and replays up to *k*
+        into those objects, each loss checked bit for bit (``ReplayError`` where the chain
+        breaks), and gives a ``Snapshot`` of the result (``snapshot.rebuilt`` says from
+        where); ``trajectory`` and ``diff`` include light steps. The last ``REBUILT_CACHE``
+        rebuilt steps stay in memory. Returns the run."""
+        from dstt.inspect.rebuild import REPLAY_KEYS, load_factory
+
+        if replay is True:  # the factory the run's sessions named (replay="train.py:make")
+            replay = self._named_factory()
+        elif isinstance(replay, str):
+            replay = load_factory(replay)
+        if isinstance(replay, Mapping):
+            _check_replay(replay, REPLAY_KEYS)
+        elif not callable(replay):
+            raise ConfigError(
+                f"replay= takes a dict of run.rebuild's objects ({', '.join(REPLAY_KEYS)}) or a "
+                f"function returning one, not a {type(replay).__name__}"
+            )
+        self._replay, self._replay_made = replay, None
+        self._rebuilt.clear()
+        return self
+
+    def _named_factory(self) -> Any:
+        """The factory ``dstt.session(..., replay="FILE.py:FUNCTION")`` recorded in the head
+        commit, imported (it runs the file: what ``replay=True`` asks for)."""
+        from dstt.inspect.rebuild import load_factory
+        from dstt.schema import REPLAY_OBJECT
+
+        line = self.commits()
+        rec = (
+            self._reader.read_object(line[-1], REPLAY_OBJECT)
+            if line and REPLAY_OBJECT in line[-1].objects
+            else None
+        )
+        if not isinstance(rec, Mapping) or not isinstance(rec.get("factory"), str):
+            raise ConfigError(
+                f"replay=True: the head of {self.path} names no replay factory (a session "
+                "records one with dstt.session(..., replay='train.py:make')); pass the "
+                "objects instead, replay=dict(model=..., optimizer=..., dataset=...)"
+            )
+        return load_factory(rec["factory"], rec.get("path"))
+
+    def _replay_kwargs(self) -> dict[str, Any]:
+        from dstt.inspect.rebuild import REPLAY_KEYS
+
+        if self._replay_made is None:
+            made = self._replay() if callable(self._replay) else self._replay
+            if not isinstance(made, Mapping):
+                raise ConfigError(
+                    f"the replay= function returned a {type(made).__name__}, not a dict of "
+                    f"run.rebuild's objects ({', '.join(REPLAY_KEYS)})"
+                )
+            _check_replay(made, REPLAY_KEYS)
+            self._replay_made = dict(made)
+        return self._replay_made
+
+    def _is_light(self, step: int, timeline: str | None) -> bool:
+        if step in self.light_steps(timeline):
+            return all(h.step != step for h in self.commits(timeline))
+        return False
+
+    def rebuilt(
+        self,
+        steps: Iterable[int],
+        *,
+        timeline: str | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> dict[int, Snapshot]:
+        """``{step: Snapshot}`` of light ``steps`` rebuilt with the objects of
+        :meth:`use_replay` (or ``dstt.open(..., replay=)``): the light steps between two
+        stored ones are rebuilt in one pass from the stored step before them.
+        ``progress(done, total)`` after each step (a progress bar's update). Each snapshot's
+        ``rebuilt`` (a :class:`dstt.inspect.rebuild.Rebuilt`) says from which stored step and
+        which losses matched; its commit is derived, held in memory, never in the run."""
+        from dstt.inspect.rebuild import rebuild_step, rebuilt_commit
+        from dstt.inspect.replay import replay_kit_for
+
+        from .snapshot import Snapshot
+
+        name = timeline or self.timeline
+        wanted = sorted({int(k) for k in steps})
+        out: dict[int, Snapshot] = {}
+        todo = []
+        for k in wanted:
+            got = self._rebuilt.get((name, k))
+            if got is None:
+                todo.append(k)
+            else:
+                out[k] = got
+        if not todo:
+            return out
+        if self._replay is None:
+            raise ConfigError(
+                f"steps {todo} are light steps (every='auto' did not store them) and this run "
+                "has nothing to rebuild them with: open it with dstt.open(path, "
+                "replay=dict(model=..., optimizer=..., dataset=..., loss_fn=...)) or call "
+                "run.use_replay(...)"
+            )
+        kw = dict(self._replay_kwargs())
+        trainer, module = kw.pop("trainer", None), kw.pop("module", None)
+        kit = None if trainer is None else replay_kit_for(trainer, module)
+        stored = {h.step: h for h in self.commits(name)}
+        groups: dict[int, list[int]] = {}
+        for k in todo:
+            groups.setdefault(max((s for s in stored if s < k), default=-1), []).append(k)
+        logged = self._step_metrics(name, todo)
+        done = 0
+
+        def keep(i: int, so_far: Any, live: Any) -> None:
+            nonlocal done
+            if i not in want:
+                return
+            mine = dataclasses.replace(
+                so_far,
+                step=i,
+                losses={s: v for s, v in so_far.losses.items() if s <= i},
+                checked=[s for s in so_far.checked if s <= i],
+                unchecked=[s for s in so_far.unchecked if s <= i],
+            )
+            repo, header = rebuilt_commit(
+                live, mine, stored[mine.base], self._reader, logged.get(i)
+            )
+            snap = Snapshot(_Derived(self, repo, name), header, name)
+            snap.rebuilt = mine
+            self._rebuilt.put((name, i), snap)
+            out[i] = snap
+            done += 1
+            if progress:
+                progress(done, len(todo))
+
+        for _, ks in sorted(groups.items()):
+            want = set(ks)
+            rebuild_step(self, self._reader, max(ks), kit=kit, timeline=name, on_step=keep, **kw)
+        return out
+
+    def _step_metrics(self, timeline: str, steps: list[int]) -> dict[int, dict[str, Any]]:
+        """What each of ``steps`` logged (``s.log``), NaN left out."""
+        m = self.metrics(timeline)
+        where = {int(k): i for i, k in enumerate(m.steps.tolist())}
+        out: dict[int, dict[str, Any]] = {}
+        for k in steps:
+            i = where.get(k)
+            if i is None:
+                continue
+            row = {n: float(m.column(n)[i]) for n in m.names}
+            out[k] = {n: v for n, v in row.items() if v == v}
+        return out
+
+    def _light_in(self, steps: Steps, timeline: str | None) -> list[int]:
+        """The light steps ``steps`` (as in :meth:`select_steps`) names."""
+        light = [k for k in self.light_steps(timeline) if self._is_light(k, timeline)]
+        if steps is None:
+            return light
+        if isinstance(steps, slice):
+            if (steps.step or 1) != 1:  # every k-th stored step: a stride of the stored ones
+                return []
+            lo = -np.inf if steps.start is None else steps.start
+            hi = np.inf if steps.stop is None else steps.stop
+            return [k for k in light if lo <= k <= hi]
+        if isinstance(steps, (int, np.integer)):
+            steps = [int(steps)]
+        mine = set(light)
+        return sorted({int(s) for s in steps} & mine)
 
     def catalog(self, header: CommitHeader) -> Catalog:
         """The names of commit ``header`` (:mod:`dstt.inspect.catalog`; cached): its
@@ -271,15 +467,23 @@ class Run:
         timeline: str | None = None,
         state: str | None = None,
         chunks: Any = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> xr.DataArray:
         """Lazy DataArray of one tensor over steps, leading dim ``step`` (index) + ``slot``.
 
         ``name`` is a dotted torch name or a store path; ``state`` picks an optimizer state
         (``exp_avg``). ``steps`` as in :meth:`select_steps`. Nothing is read until values are;
         then only that tensor's chunks of the selected steps (``.isel``/``.sel`` first!).
+        With replay objects (``dstt.open(..., replay=)``), the light steps ``steps`` names
+        (all of them for None or a slice without a stride) are rebuilt and included, in one
+        pass per gap (``progress(done, total)`` per rebuilt step), their values in memory
+        and ``slot`` -1; ``attrs["rebuilt_steps"]`` lists them.
         """
         from dstt.inspect.views import trajectory_dataarray
 
+        light = [] if self._replay is None else self._light_in(steps, timeline)
+        if light:
+            return self._trajectory_rebuilt(name, steps, light, timeline, state, progress)
         headers = self.select_steps(steps, timeline)
         if not headers:
             raise StepNotFoundError(
@@ -290,6 +494,49 @@ class Run:
             name, state, where=f"at step {headers[-1].step}, the newest selected step"
         )
         return trajectory_dataarray(self._readers, headers, path, newest, chunks=chunks)
+
+    def _trajectory_rebuilt(
+        self,
+        name: str,
+        steps: Steps,
+        light: list[int],
+        timeline: str | None,
+        state: str | None,
+        progress: Callable[[int, int], None] | None,
+    ) -> xr.DataArray:
+        """A trajectory whose steps include light ones: those rebuilt (one pass per gap),
+        their values read into memory, and the stored steps' (lazy) beside them."""
+        import xarray as xr
+
+        from dstt.inspect.views import trajectory_dataarray
+
+        line = timeline or self.timeline
+        if isinstance(steps, (int, np.integer)) or (
+            steps is not None and not isinstance(steps, slice)
+        ):
+            wanted = {int(s) for s in ([steps] if isinstance(steps, (int, np.integer)) else steps)}
+            headers = self.select_steps(sorted(wanted - set(light)), timeline)
+        else:
+            headers = self.select_steps(steps, timeline)
+        snaps = self.rebuilt(light, timeline=timeline, progress=progress)
+        newest_step = max(light[-1], headers[-1].step if headers else -1)
+        if headers and headers[-1].step == newest_step:
+            newest = self.catalog(headers[-1])
+        else:
+            newest = snaps[newest_step].catalog
+        path = newest.resolve(name, state, where=f"at step {newest_step}, the newest selected step")
+        parts = []
+        if headers:
+            parts.append(
+                trajectory_dataarray(self._readers, headers, path, self.catalog(headers[-1]))
+            )
+        for k in light:
+            snap = snaps[k]
+            one = trajectory_dataarray(snap._readers, [snap.header], path, snap.catalog).load()  # noqa: SLF001 - the run's own snapshot
+            parts.append(one.assign_coords(slot=("step", [-1]), timeline=("step", [line])))
+        out = xr.concat(parts, dim="step", combine_attrs="override").sortby("step")
+        out.attrs["rebuilt_steps"] = list(light)
+        return out
 
     def metrics(self, timeline: str | None = None) -> Metrics:
         """Logged metrics (``s.log(...)``) per step over ``step``: every committed step's,
@@ -565,9 +812,9 @@ class Run:
         (``params/...``, ``optim/...``) whatever ``optim`` says."""
         from dstt.inspect.compare import diff_commits
 
-        ha, hb = self._header(a, timeline), self._header(b, timeline_b or timeline)
+        ha, ra, ca = self._side(a, timeline)
+        hb, rb, cb = self._side(b, timeline_b or timeline)
         paths = None if paths is None else list(paths)
-        ca, cb = self.catalog(ha), self.catalog(hb)
         if paths is None and not optim:
             paths = sorted(set(ca.model_paths) | set(cb.model_paths))
         if selector is not None:
@@ -580,7 +827,17 @@ class Run:
             ).select(selector, paths=both)[0]
         if paths is not None:  # a tied name is its target's tensor
             paths = list(dict.fromkeys(cb.tied.get(p, ca.tied.get(p, p)) for p in paths))
-        return diff_commits(self._reader, ha, hb, paths, progress=progress)
+        reader = self._reader if ra is rb else _Both({id(ha): ra, id(hb): rb})
+        return diff_commits(reader, ha, hb, paths, progress=progress)  # type: ignore[arg-type]
+
+    def _side(self, step: int, timeline: str | None) -> tuple[Any, Any, Catalog]:
+        """(header, reader, catalog) of one side of a diff: a stored step's, or a light
+        step's derived commit when the run has replay objects."""
+        if self._replay is not None and self._is_light(int(step), timeline):
+            snap = self.at(step, timeline)
+            return snap.header, snap._reader, snap.catalog  # noqa: SLF001 - the run's own snapshot
+        h = self._header(step, timeline)
+        return h, self._reader, self.catalog(h)
 
     # -- diagnosis (diagnose.py; spikes above) ----------------------------------------------
     def first_nonfinite(self, timeline: str | None = None) -> NonFinite | None:
@@ -761,3 +1018,49 @@ class Run:
 
     def _repr_html_(self) -> str:
         return run_html(self.summary())
+
+
+def _check_replay(made: Mapping[str, Any], keys: tuple[str, ...]) -> None:
+    unknown = sorted(set(made) - set(keys))
+    if unknown:
+        raise ConfigError(f"replay= has unknown keys {unknown}; expected any of {', '.join(keys)}")
+    if "trainer" not in made and ("model" not in made or "optimizer" not in made):
+        raise ConfigError(
+            "replay= needs 'model' and 'optimizer' (built as the training script builds them), "
+            "or 'trainer' (with 'module' for Lightning)"
+        )
+
+
+class _Derived:
+    """The run a rebuilt step's snapshot reads: the derived commit's own repository (in
+    memory) for its tensors and objects, the run itself for its recorded batches."""
+
+    def __init__(self, run: Run, repo: Repository, timeline: str) -> None:
+        self._run, self._timeline = run, timeline
+        self._readers = ReaderPool(repo.storage)
+
+    @property
+    def reader(self) -> Reader:
+        return self._readers.primary
+
+    def catalog(self, header: CommitHeader) -> Catalog:
+        return Catalog.of(self.reader, header, listing=f"run.at({header.step}).names(optim=True)")
+
+    def batches(
+        self, steps: slice | Iterable[int] | None = None, *, timeline: str | None = None
+    ) -> dict[int, list[Batch]]:
+        return self._run.batches(steps, timeline=timeline or self._timeline)
+
+
+class _Both:
+    """The reader a diff reads two commits through when one is a rebuilt step's (derived,
+    in a repository of its own): each header's own reader."""
+
+    def __init__(self, by_header: dict[int, Reader]) -> None:
+        self._by = by_header
+
+    def arrays(self, header: CommitHeader) -> dict[str, Any]:
+        return self._by[id(header)].arrays(header)
+
+    def read_chunk(self, header: CommitHeader, path: str, index: int) -> memoryview:
+        return self._by[id(header)].read_chunk(header, path, index)

@@ -61,6 +61,9 @@ class Snapshot:
         self.catalog = run.catalog(header)
         #: canonical store path -> record of every array (tied names not included)
         self.arrays = self.catalog.stored
+        #: a light step (``every="auto"``) rebuilt by replay: from which stored step, which
+        #: losses matched (``dstt.inspect.rebuild.Rebuilt``); None for a stored step
+        self.rebuilt: Any = None
 
     # the run's readers, looked up at each use (``run.refresh()`` replaces them); the one
     # place outside ``Run`` that reads these members, which RunView names for it
@@ -73,8 +76,9 @@ class Snapshot:
         return self.run._readers  # noqa: SLF001 - Snapshot is the run's own view (RunView)
 
     def __repr__(self) -> str:
+        where = f"slot={self.slot}" if self.rebuilt is None else f"rebuilt from={self.rebuilt.base}"
         return (
-            f"<dstt.Snapshot step={self.step} timeline={self.timeline!r} slot={self.slot} "
+            f"<dstt.Snapshot step={self.step} timeline={self.timeline!r} {where} "
             f"tensors={len(self.arrays)}>"
         )
 

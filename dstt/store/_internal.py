@@ -79,6 +79,7 @@ if TYPE_CHECKING:
     from .repository import Repository
     from .storage.base import Storage
     from .storage.local import LocalStorage
+    from .storage.memory import MemoryStorage
     from .storage.posix import fsync_dir
     from .storage.urls import is_url, storage_for
 
@@ -109,6 +110,7 @@ __all__ = [
     "Index",
     "LocalStorage",
     "LogicalArray",
+    "MemoryStorage",
     "Metric",
     "OffloadingWriter",
     "Piece",
@@ -184,6 +186,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Index": ("index.view", "Index"),
     "LocalStorage": ("storage.local", "LocalStorage"),
     "LogicalArray": ("read.shards", "LogicalArray"),
+    "MemoryStorage": ("storage.memory", "MemoryStorage"),
     "Metric": ("format.records", "Metric"),
     "OffloadingWriter": ("protocols", "OffloadingWriter"),
     "Piece": ("read.shards", "Piece"),

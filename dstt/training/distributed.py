@@ -73,18 +73,24 @@ class RankedSession(Session):
         info: RankInfo | None = None,
     ) -> None:
         self.info = info or dist_info()
-        if options.every == "auto":  # which steps are stored would differ per rank
-            raise ConfigError(
-                "every='auto' is one process only for now: the ranks would each decide which "
-                "steps to store; pass every=N (a step every N optimizer steps) to a "
-                "distributed or DeepSpeed session"
-            )
         self.channel = RankChannel(self.info, timeout=options.rank_timeout)
         super().__init__(
             model, optimizer, options=options, scheduler=scheduler, extra_state=extra_state
         )
+        if options.every == "auto" and self.info.world > 1:
+            self._capture.agree = self._all_can_take
         if self.info.rank:  # each rank summarises the arrays it writes
             self.summaries_object = f"{self.summaries_object}/r{self.info.rank}"
+
+    def _all_can_take(self, step: int, ok: bool) -> bool:
+        """``every="auto"`` on several ranks: store ``step`` only if every rank's engine can
+        take it now (one small gather through the session's own channel, on the training
+        thread, per optimizer step), so every rank stores the same steps. Rejected: rank 0
+        deciding alone — another rank's busy engine would then block its training."""
+        got = self.channel.gather(
+            f"auto/{step}", bool(ok), what=f"whether step {step} is stored (every='auto')"
+        )
+        return all(got)
 
     @property
     def rank(self) -> int:

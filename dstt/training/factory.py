@@ -65,13 +65,16 @@ def session(
     retention: Retention | None = None,
     rank_timeout: float = DEFAULT_RANK_TIMEOUT,
     start_timeout: float = DEFAULT_START_TIMEOUT,
+    replay: str | None = None,
 ) -> Session:
     """Capture every ``every``-th optimizer step of ``model``/``optimizer`` into ``run``, and
     the last step when the block ends (the metrics of the steps between ride with the next
-    commit). ``every="auto"`` (one process): store each step the engine can take without
-    blocking training and record the others as light steps (metrics, sample indices, loss
-    fingerprint, rebuilt on demand by ``run.rebuild``), a stored step forced after
-    ``max_gap`` light ones. ``optimizer`` may be one optimizer, a list or a dict of them
+    commit). ``every="auto"``: store each step the engine can take without blocking training
+    (on several ranks: every rank) and record the others as light steps (metrics, sample
+    indices, loss fingerprint, rebuilt on demand by ``run.rebuild``), a stored step forced
+    after ``max_gap`` light ones. ``replay="train.py:make"`` records a function returning
+    ``run.rebuild``'s objects as a dict, so ``dstt.open(run, replay=True)`` rebuilds light
+    steps with it. ``optimizer`` may be one optimizer, a list or a dict of them
     (each holding other parameters: one step is an iteration in which each of them stepped;
     each one's state is captured and resumed). The optimizers must hold the model's trainable
     parameters (``ConfigError`` otherwise; trainable ones left out warn with
@@ -100,7 +103,7 @@ def session(
     ``encoding=dstt.DeltaPolicy()`` writes fewer bytes: XOR deltas against the previous step,
     Adam(W) ``exp_avg_sq`` and parameters predicted from the update rule (about 2.6x fewer
     bytes for fp32 Adam state), keyframes every K steps, unchanged chunks referenced instead
-    of rewritten; a step is written raw when the writers lack the CPU (docs/design.md).
+    of rewritten; a step is written raw when the writers lack the CPU (docs/decisions.md).
     ``copy``: when host tensors are copied into the host cache. ``"async"`` (default) on a
     copy thread while the next forward/backward runs (the lazy copy; a version guard catches
     in-place writes in that window); ``"sync"`` on the training thread before the optimizer
@@ -136,6 +139,7 @@ def session(
         retention=retention,
         rank_timeout=rank_timeout,
         start_timeout=start_timeout,
+        replay=replay,
     )
     return open_session(model, optimizer, options, scheduler=scheduler, extra_state=extra_state)
 

@@ -62,8 +62,11 @@ class SessionOptions:
     ``run``: the run's directory, ``s3://`` URL, ``Repository`` or ``Storage``. ``every``:
     capture every ``every``-th optimizer step, or ``"auto"``: every step the engine can take
     without blocking training, the others recorded as *light* steps (metrics, sample indices,
-    loss fingerprint; rebuilt by replay), at most ``max_gap`` light steps in a row (one
-    process only). ``resume``: continue the run's latest commit.
+    loss fingerprint; rebuilt by replay), at most ``max_gap`` light steps in a row (with
+    several ranks, agreed across them). ``replay``: ``"FILE.py:FUNCTION"``, a function
+    returning ``run.rebuild``'s objects as a dict (as ``dstt replay --script`` takes it),
+    recorded in the run so ``dstt.open(run, replay=True)`` rebuilds light steps with it.
+    ``resume``: continue the run's latest commit.
     ``budget_bytes``: the host cache. ``race_policy``/``verify``: what an in-place write that
     races the copy does. ``error_policy``: how background errors surface. ``writers``: writer
     threads (default: one less than the cores, at most 4). ``max_backlog``: steps awaiting
@@ -90,6 +93,7 @@ class SessionOptions:
     retention: Retention | None = None
     rank_timeout: float = DEFAULT_RANK_TIMEOUT
     start_timeout: float = DEFAULT_START_TIMEOUT
+    replay: str | None = None
 
     def __post_init__(self) -> None:
         run = self.run
@@ -129,6 +133,8 @@ class SessionOptions:
                     f"retention must be a dstt.Retention or None, not {self.retention!r}"
                 )
             check_policy(self.retention)
+        if self.replay is not None:
+            _check_factory(self.replay)
         for name in ("rank_timeout", "start_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
@@ -173,3 +179,18 @@ class SessionOptions:
 
 def _positive_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _check_factory(spec: object) -> None:
+    """``replay=``: ``FILE.py:FUNCTION`` naming a file that exists (imported only when the
+    run is opened with ``replay=True``)."""
+    if not isinstance(spec, str):
+        raise ConfigError(f"replay must be 'FILE.py:FUNCTION' or None, not {spec!r}")
+    file, sep, name = spec.rpartition(":")
+    if not sep or not file.endswith(".py") or not name.isidentifier():
+        raise ConfigError(
+            f"replay takes FILE.py:FUNCTION (e.g. replay='train.py:make', a function that "
+            f"returns run.rebuild's objects as a dict), not {spec!r}"
+        )
+    if not os.path.isfile(file):
+        raise ConfigError(f"replay={spec!r}: no file {file!r} (from {os.getcwd()})")

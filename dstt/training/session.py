@@ -222,6 +222,12 @@ class Session:
         self._capture.before_step()
         self._capture.after_step()
 
+    def _fingerprint(self, step: int, loss: float | None) -> None:
+        """The loss of light step ``step`` as a framework callback took it (its training
+        step's own, which a rebuild recomputes; None: no loss a rebuild can check), recorded
+        in place of the ``loss`` the step logged (``dstt.engine.light``)."""
+        self._capture.fingerprints[int(step)] = loss
+
     def _at_boundary(self) -> None:
         """End of an iteration (the loop asks for the next batch; the framework callbacks of
         ``dstt.integrations`` call it after the optimizer and scheduler stepped)."""

@@ -13,7 +13,9 @@
   without blocking training (``Pipeline.can_take``: the backlog under ``max_backlog``, a free
   host buffer), or after ``max_gap`` light steps in a row; otherwise step *k* is a *light*
   step, and the next sealed commit carries the light steps before it as one
-  ``light/steps`` object (``dstt.engine.light``) next to their metrics and batches;
+  ``light/steps`` object (``dstt.engine.light``) next to their metrics and batches; with
+  several ranks each rank's ``can_take`` is gathered (``agree``) and a step is stored only
+  where every rank can take it, so all ranks store the same steps;
 * leaving the block seals and drains the last step, and commits the last optimizer step
   even where ``every`` did not select it (its step state was snapshotted after its optimizer
   step), so training never loses its end. An exception or ``KeyboardInterrupt`` inside the
@@ -36,18 +38,20 @@ taking the session — the state would still live on the session.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
 from dstt.engine.light import LIGHT_OBJECT, light_record
 from dstt.errors import DsttError, RaceError
+from dstt.schema import REPLAY_OBJECT
 
 from .checks import capture_error, warn_skipped
 from .data import BATCHES_OBJECT, BatchLog
 from .metrics import METRICS_HISTORY_OBJECT, MetricLog
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from dstt.engine.pipeline import Flight, Pipeline
     from dstt.engine.torch_state import TorchState
@@ -95,6 +99,16 @@ class StepCapture:
         self.sched_offset: int | None = None  # scheduler.last_epoch - step, at start
         #: ``every="auto"``: light steps not yet recorded in a commit (``dstt.engine.light``)
         self.light: list[int] = []
+        #: a framework callback's loss of each step (``Session._fingerprint``), for the record
+        self.fingerprints: dict[int, float | None] = {}
+        #: several ranks: ``agree(step, ok)`` -> whether every rank can take ``step`` (each
+        #: rank's ``Pipeline.can_take``), so all of them store the same steps
+        self.agree: Callable[[int, bool], bool] | None = None
+        #: ``replay="train.py:make"``: the factory each commit names (``dstt.open(replay=True)``)
+        self.factory: dict[str, str] | None = None
+        if options.replay is not None and writes_batches:
+            file = options.replay.rpartition(":")[0]
+            self.factory = {"factory": options.replay, "path": os.path.abspath(file)}
 
     def start(self, pipeline: Pipeline, log: MetricLog, retainer: RetentionRunner | None) -> None:
         """The session started (and restored ``step``): capture into ``pipeline`` from here."""
@@ -150,8 +164,9 @@ class StepCapture:
             return self.step % every == 0
         assert self.pipeline is not None
         if self.step - 1 - self.last_staged >= self.options.max_gap:
-            return True
-        return self.pipeline.can_take()
+            return True  # the same on every rank: they stored the same steps before
+        ok = self.pipeline.can_take()
+        return ok if self.agree is None else self.agree(self.step, ok)
 
     def _tail_due(self, exc: BaseException | None) -> bool:
         """Does ``close`` commit the last step ``every`` skipped? Always on a clean exit; on
@@ -278,14 +293,17 @@ class StepCapture:
         if history is not None:
             boundary[METRICS_HISTORY_OBJECT] = history
         light = [k for k in self.light if k < f.step]
-        if light:  # every="auto": the light steps since the last commit, with their losses
-            self.light = [k for k in self.light if k > f.step]
+        self.light = [k for k in self.light if k > f.step]
+        if light and self.writes_batches:  # every="auto": the light steps since the last
+            # commit, with their losses (with several ranks: rank 0's record, once)
             logged = dict(zip(history["steps"], history["metrics"], strict=True)) if history else {}
-            boundary[LIGHT_OBJECT] = light_record(light, logged.get)
-            for k in light:
-                pipe.record_light(k)
-        else:
-            self.light = [k for k in self.light if k > f.step]
+            boundary[LIGHT_OBJECT] = light_record(light, logged.get, self.fingerprints)
+        for k in light:
+            pipe.record_light(k)
+        if self.factory is not None:
+            boundary[REPLAY_OBJECT] = self.factory
+        for k in [k for k in self.fingerprints if k <= f.step]:
+            del self.fingerprints[k]
         batches = self.batches.take(f.step)
         if batches is not None and self.writes_batches:
             boundary[BATCHES_OBJECT] = batches  # with several ranks: rank 0's batches, once

@@ -17,10 +17,8 @@ from dstt.engine.light import LIGHT_OBJECT
 from dstt.engine.torch_state import discover
 from dstt.errors import ConfigError, ReplayError, StepNotFoundError
 from dstt.store._internal import BATCHES_OBJECT, Repository
-from dstt.store.commit.ranks import RankInfo
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage
 from dstt.training import SessionOptions, session
-from dstt.training.distributed import DistributedSession
 
 from ._helpers import same_bits, stored
 
@@ -313,11 +311,3 @@ def test_the_auto_block_in_the_performance_doc_runs(
 def test_bad_auto_options_are_refused(options: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         SessionOptions(run="runs/x", **options)
-
-
-def test_a_session_of_several_ranks_refuses_auto(tmp_path: Any) -> None:
-    m = _model()
-    opt = torch.optim.Adam(m.parameters())
-    opts = SessionOptions(run=tmp_path / "run", every="auto")
-    with pytest.raises(ConfigError, match="one process only"):
-        DistributedSession(m, opt, options=opts, info=RankInfo(0, 2))

@@ -1,25 +1,18 @@
-"""The encoder of a whole flat step at once: dedup, XOR deltas and predictions as columns.
+"""The delta codec: a whole flat step decided and encoded at once, as columns.
 
-``delta.py`` encodes chunk by chunk: a base lookup, a dedup check, a chain decision, a Blosc
-object, a write, a record and a shadow copy *per chunk* — ~75 µs of Python per chunk, 90 ms a
-step at 1,200 tensors against ~24 ms of XOR, lz4 and crc32c arithmetic. A step the engine
-captured into one flat buffer (``format/flat.py``) is encoded here instead, against a *flat
-shadow*: one copy of the last step written from the same layout, with its records as columns.
-A step then costs one XOR over the whole buffer, crc32c/Blosc calls mapped over cached chunk
-views (C-level loops, no Python frame per chunk), vectorised decisions (dedup, chain limits,
-``min_ratio``), one append of every delta to the side file, and per predicted *group* of arrays
-(e.g. every ``exp_avg_sq`` of a parameter group: one set of coefficients) one gathered
-prediction over all of them. Python per chunk remains only for keyframes of an encoded step
-(their zip entries) and dedups (their old records).
+Every encoded step is a flat step: the engine hands whole flat buffers, and a step fed chunk
+by chunk is staged by its transaction and handed over at commit (``commit/transaction.py``).
+It is encoded against a *flat shadow*, one copy of the last step of the same layout with its
+records as columns: one XOR over the whole buffer, crc32c/Blosc calls mapped over cached
+chunk views (C loops, no Python frame per chunk), vectorised decisions (dedup, chain limits,
+``min_ratio``; ratios and chains per chunk), one append of every delta to the side file, and
+per predicted *group* (one predictor, one set of coefficients) one gathered prediction. A
+prediction that does not pay is a keyframe. ``tests/store/codec/reference.py`` states the same
+rule chunk by chunk; a property test proves this equal to it, byte for byte.
 
-The encoded bytes are exactly those of ``delta.py`` (the format does not change): a delta is a
-Blosc frame of ``cur XOR base`` over the chunk's bytes, a prediction one of ``cur XOR
-predicted``, and records carry the same codec entries. Two simplifications: a chunk's chain
-state and compression ratio are kept per chunk (``delta.py``: ratios per array), and a
-prediction that does not pay is written as a keyframe (``delta.py`` then tries an XOR delta).
-
-Rejected alternative: one Blosc frame per step (one compress call) — a chunk would no longer
-decode on its own, so reading one tensor of a step would decode all of them.
+Rejected alternatives: a second, chunk-by-chunk encoder for ``put_chunk`` (~75 µs of Python
+per chunk, and it drifted: one step had other bytes per lane), and one Blosc frame per step
+(a chunk would no longer decode on its own).
 """
 
 from __future__ import annotations
@@ -140,7 +133,8 @@ def _limits(policy: DeltaPolicy, ratio: np.ndarray) -> np.ndarray:
 
 def _group_limits(policy: DeltaPolicy, ratio: np.ndarray, members: np.ndarray) -> np.ndarray:
     """K per predicted chunk from its group's members (rows of ``members``: chunk
-    positions; ``DeltaEncoder.group_limit``, vectorised)."""
+    positions): restoring all its arrays at the worst slot reads at most
+    ``read_amplification`` times their raw bytes (``u``: the sum of 1/ratio of its members)."""
     if policy.keyframe_every is not None:
         return np.full(len(members), policy.keyframe_every, np.int64)
     r = ratio[members]

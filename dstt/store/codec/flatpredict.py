@@ -1,8 +1,8 @@
 """Predictions of a whole flat step at once (``flatdelta.py``): which chunks each prediction
 ties together, and one predictor run per predictor and set of coefficients.
 
-``delta.py`` predicts chunk by chunk (seven numpy calls per chunk, the inputs looked up per
-chunk). Here the targets of one predictor with one set of coefficients — every
+Predicting chunk by chunk costs seven numpy calls per chunk (the reference in the tests does
+it that way). Here the targets of one predictor with one set of coefficients — every
 ``exp_avg_sq`` of a parameter group, say — and their inputs are gathered into contiguous
 float32 arrays and predicted with one run of the predictor: the ops are elementwise IEEE-754
 float32 ops, so every element's bits are those of the per-chunk prediction. Which chunks a

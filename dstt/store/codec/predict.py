@@ -44,7 +44,7 @@ class Prediction:
 
     ``inputs`` are ``(role, array path)`` pairs: ``"cur"`` is that array in the same step (it
     must be written first), ``"prev"`` its last committed copy. ``group`` names every array
-    the prediction ties together (they share keyframes: see ``delta.py``).
+    the prediction ties together (they share keyframes: see ``flatdelta.py``).
     """
 
     fn: str

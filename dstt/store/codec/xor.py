@@ -12,7 +12,7 @@ Reconstructing a delta chunk reads its chain back to a keyframe, so chains are b
 ``keyframe_every`` (K) if given, else chosen per array from the measured compression ratio
 ``r`` and a read-amplification bound ``A`` (bytes read to reconstruct the worst slot ÷ raw
 bytes): the worst slot reads ``raw · (1 + (K-1)/r)``, so ``K = 1 + (A-1)·r``, clamped
-(predicted groups: ``DeltaEncoder.group_limit``).
+(predicted groups: ``flatdelta._group_limits``).
 
 Rejected alternatives: deltas against a fixed base (drift grows, ratios decay), and lossy
 quantised deltas (restores must be bit-exact).

@@ -4,7 +4,7 @@
 whether it is a dedup, a delta or a keyframe, and encodes the deltas; this writes them: every
 delta in one append to the step's side file (payload + crc32c trailer each, not Zarr chunks),
 the keyframes as one range of zip entries (their headers built once while the same chunks
-keyframe: ``flatdelta.keyframe_image``), dedups as their older records — then records the
+keyframe: ``_write_keyframes``), dedups as their older records — then records the
 step's columns, which the transaction records (with its flat shadow, the next step's base).
 Kept out of ``transaction.py``, which holds what a step is, not how an encoded one is laid
 out; it is handed the step's files, encoder and predictions and returns what it wrote

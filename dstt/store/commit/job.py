@@ -8,7 +8,7 @@ table into the side file → zarr.json documents and central directory into the 
 both → header → barrier → evict → ref). The same function runs in the writer's thread or, for
 a flat step, in the flusher process (``flusher/parent.py``): there the commit's Python — encoding,
 splicing, a dozen system calls — runs off the training process's interpreter lock, which it
-otherwise takes from the training thread at every step (measured: docs/design.md).
+otherwise takes from the training thread at every step (measured: docs/decisions.md).
 
 It is idempotent: every byte it writes is fixed by the job (the header's time included) and
 lands at a fixed offset, so a commit the flusher died in the middle of is simply run again

@@ -76,7 +76,7 @@ class TransactionProxy:
     ) -> ChunkPlan:
         return self._txn.declare(path, dtype, shape, dims)
 
-    def put_chunk(self, path: str, index: int, data: StepBytes) -> ChunkRecord:
+    def put_chunk(self, path: str, index: int, data: StepBytes) -> ChunkRecord | None:
         return self._txn.put_chunk(path, index, data)
 
     def put_object(self, name: str, obj: object, *, encoding: Encoding = "json") -> ObjectRecord:

@@ -2,29 +2,28 @@
 
 A ``Transaction`` belongs to the ``Writer`` (``writer.py``) that began it and holds a fresh slot:
 the zip of Zarr chunks and the side file of objects and deltas (``format/stepfile.py``), which
-no commit references yet. Chunks arrive one at a time (``put_chunk``, encoded when the writer
-encodes) or a whole step at once (``put_flat``, the engine's hot path, or its two halves when
-the flusher process writes the bytes); ``commit``/``prepare`` hand it back to the writer,
-which alone makes a step visible. Kept apart from the writer: the writer decides *when* and in
-which order things become durable, the transaction only *what* a step holds (its columns:
-a ``StepTable``, ``step_table.py``). It sees the writer through ``StepOwner``, the narrow
-protocol below (rejected: typing against ``Writer`` under ``TYPE_CHECKING``, a cycle between
-the two modules).
+no commit references yet. Chunks arrive one at a time (``put_chunk``; staged and encoded at
+commit as one flat step when the writer encodes: one codec) or a whole step at once
+(``put_flat``/``put_flat_chunks``; ``put_flat`` in two halves when the flusher process writes
+the bytes); ``commit``/``prepare`` hand it back to the writer, which alone makes it visible.
+Kept apart from the writer: the writer decides *when* and in which order things become
+durable, the transaction only *what* a step holds (its columns: a ``StepTable``,
+``step_table.py``). It sees the writer through ``StepOwner``, the narrow protocol below
+(rejected: typing against ``Writer`` under ``TYPE_CHECKING``, a cycle between the modules).
 """
 
 from __future__ import annotations
 
 import struct
 import threading
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from dstt.errors import DsttError
-from dstt.store.codec.delta import DeltaEncoder, EncodeStats, Shadow
+from dstt.store.codec.delta import DeltaEncoder, EncodeStats
 from dstt.store.codec.flatdelta import FlatShadow, seed_shadow
-from dstt.store.codec.predict import CUR, Prediction
+from dstt.store.codec.predict import Prediction
 from dstt.store.format.envelope import checksum
 from dstt.store.format.flat import FlatImage, FlatLayout, StepBytes, byte_view
 from dstt.store.format.layout import ChunkPlan, side_file_key, step_file_key, zarr_chunk_key
@@ -122,7 +121,8 @@ class Transaction:
         #: set True to write this step whole on request: plain Zarr chunks, new chains
         self.keyframe = False
         self.stats = EncodeStats()
-        self.pending: dict[tuple[str, int], Shadow] = {}
+        #: chunks ``put_chunk`` staged for the encoder: path -> (its bytes, chunks put)
+        self._staged: dict[str, tuple[np.ndarray, set[int]]] = {}
         self._predictions: dict[str, Prediction] = {}
         #: slots of steps in flight this step's deltas are based on (``inflight_bases``)
         self.deps: set[int] = set()
@@ -161,14 +161,11 @@ class Transaction:
         with self._lock:
             self._predictions.update(predictions)
 
-    def pending_shadow(self, path: str, index: int) -> Shadow | None:
-        """The shadow chunk ``index`` of ``path`` leaves once this step commits (a base for
-        a step encoded while this one is in flight), or None."""
-        with self._lock:
-            return self.pending.get((path, index))
-
-    def put_chunk(self, path: str, index: int, data: StepBytes) -> ChunkRecord:
-        """Write chunk ``index`` of ``path`` (its exact byte range); thread-safe."""
+    def put_chunk(self, path: str, index: int, data: StepBytes) -> ChunkRecord | None:
+        """Write chunk ``index`` of ``path`` (its exact byte range); thread-safe. Returns its
+        record — or None when the writer encodes: the chunk is then staged (copied) and the
+        step encoded at commit as one flat step of its arrays, by the one codec
+        (``codec/flatdelta.py``; predictions need no order of writes then)."""
         self._check()
         try:
             _, plan = self.columns.plans[path]
@@ -180,6 +177,19 @@ class Transaction:
             raise ValueError(
                 f"chunk {index} of {path!r} needs {stop - start} bytes, got {len(view)}"
             )
+        if self.writer.encoder is None:
+            return self._put_raw(path, index, plan, view)
+        with self._lock:
+            staged = self._staged.get(path)
+            if staged is None:
+                staged = self._staged[path] = (np.empty(plan.nbytes, np.uint8), set())
+        staged[0][start:stop] = np.frombuffer(view, np.uint8)
+        with self._lock:
+            staged[1].add(index)
+        return None
+
+    def _put_raw(self, path: str, index: int, plan: ChunkPlan, view: memoryview) -> ChunkRecord:
+        """Chunk ``index`` of ``path`` as a plain Zarr chunk in this step's zip."""
         crc = checksum(view)
         pad = plan.chunk_nbytes - len(view)
         pads: list[Any] = []
@@ -188,28 +198,6 @@ class Transaction:
             pads.append(z)
             crc = checksum(z, crc)
             pad -= len(z)
-        enc = self.writer.encoder
-        pending = None
-        if enc is not None and (self.keyframe or not self.encode):
-            self.stats.raw_fallback = not self.keyframe
-            pending = enc.keep(path, index, self.timeline, view, crc, self.slot)
-        elif enc is not None:
-            rec, pending = enc.encode(
-                self._side_write,
-                path=path,
-                index=index,
-                plan=plan,
-                slot=self.slot,
-                timeline=self.timeline,
-                data=view,
-                raw_crc=crc,
-                stats=self.stats,
-                prediction=self._predictions.get(path),
-                pending=self.pending_shadow,
-                deps=self.deps,
-            )
-            if rec is not None:
-                return self._record(path, index, rec, pending)
         trailer = struct.pack("<I", crc)
         zcrc = crc32(view)
         for z in pads:
@@ -220,10 +208,43 @@ class Transaction:
             zarr_chunk_key(path, plan.index(index)), [view, *pads, trailer], size, zcrc
         )
         rec = ChunkRecord(self.zip.key, size, crc, offset=offset)
-        self.stats.add(len(view), rec.nbytes, "key")
-        if pending is not None:
-            pending = replace(pending, record=rec)
-        return self._record(path, index, rec, pending)
+        self.stats.add_many(len(view), rec.nbytes, keyframes=1)
+        with self._lock:
+            self.columns.chunks[path][index] = rec
+        return rec
+
+    def _write_staged(self) -> None:
+        """The chunks ``put_chunk`` staged, written as one flat step of the arrays they
+        complete (``put_flat_chunks``: encoded, or raw when the step is); an array missing
+        chunks keeps its chunks one by one, raw (the commit then refuses the step)."""
+        with self._lock:
+            staged, self._staged = self._staged, {}
+            plans = self.columns.plans
+            whole = [
+                p
+                for p, (_, plan) in plans.items()
+                if len(staged[p][1] if p in staged else ()) == plan.n_chunks
+            ]
+        if not staged:
+            return
+        enc = self.writer.encoder
+        assert enc is not None
+        dims = self.writer.dims
+        specs = tuple((p, plans[p][0], plans[p][1].shape, dims.get(p)) for p in whole)
+        layout = enc.layout(specs, self.writer.flat_layout)
+        buf = np.zeros(layout.nbytes, np.uint8)
+        for a in layout.arrays:
+            if a.nbytes:
+                buf[a.offset : a.offset + a.nbytes] = staged[a.path][0]
+        with self._lock:
+            for p in whole:
+                del self.columns.plans[p], self.columns.chunks[p]
+        self._put_flat_chunks(layout, byte_view(buf))
+        for p, (data, done) in staged.items():
+            if p not in layout.plans:
+                plan = plans[p][1]
+                for i in sorted(done):
+                    self._put_raw(p, i, plan, byte_view(data)[slice(*plan.byte_range(i))])
 
     def put_flat(
         self,
@@ -268,32 +289,31 @@ class Transaction:
         self.complete_flat(layout, image.offsets, image.sizes, crcs, bytes(image.directory), view)
 
     def put_flat_chunks(self, layout: FlatLayout, buf: StepBytes) -> None:
-        """Write every tensor of ``layout`` from the flat buffer ``buf`` one chunk at a time
-        (``put_chunk``: delta-encoded, deduplicated or predicted when the writer encodes) —
-        a step the engine captured with one batched copy but the writer encodes. The
-        ``"cur"`` inputs of this step's predictions go first, as ``predict`` asks."""
+        """Write every tensor of ``layout`` from the flat buffer ``buf``, delta-encoded,
+        deduplicated or predicted when the writer encodes (``codec/flatdelta.py``) — a step
+        the engine captured with one batched copy but the writer encodes."""
         self._check()
         view = byte_view(buf)
         if len(view) < layout.nbytes:
             raise ValueError(f"flat buffer of {len(view)} bytes, layout needs {layout.nbytes}")
+        self._put_flat_chunks(layout, view)
+
+    def _put_flat_chunks(self, layout: FlatLayout, view: memoryview) -> None:
         enc = self.writer.encoder
-        if enc is not None and layout.chunks and enc.flat_room(layout.nbytes, layout):
-            if self.encode and not self.keyframe:
-                self._write_encoded(enc, layout, view)
-            else:  # written raw, whole: its copy becomes the next step's flat base
-                self._write_flat(layout, view, None, None)
+        if not layout.chunks:  # nothing to write: its (empty) arrays declared
+            with self._lock:
+                for path in self.columns.declare_layout(layout):
+                    self.columns.chunks[path] = []
             return
-        with self._lock:
-            plans = self.columns.declare_layout(layout)
-            for path, (_, plan) in plans.items():
-                self.columns.chunks[path] = [None] * plan.n_chunks
-            first = {
-                src for p in self._predictions.values() for role, src in p.inputs if role == CUR
-            }
-        arrays = layout.arrays
-        chunks = sorted(layout.chunks, key=lambda c: arrays[c[0]].path not in first)
-        for k, i, s, e, _, _ in chunks:
-            self.put_chunk(arrays[k].path, i, view[s:e])
+        room = enc is not None and enc.flat_room(layout.nbytes, layout)
+        if enc is not None and room and self.encode and not self.keyframe:
+            self._write_encoded(enc, layout, view)
+            return
+        # raw, whole: with room, its copy becomes the next step's flat base
+        fallback = self.stats.raw_fallback
+        self._write_flat(layout, view, None, None)
+        if enc is not None and not room:  # past the shadow budget: a keyframe, not a fallback
+            self.stats.raw_fallback = fallback
 
     def _write_encoded(self, enc: DeltaEncoder, layout: FlatLayout, view: memoryview) -> None:
         """An encoded flat step, written by ``flat_encode.py``; its columns recorded here and
@@ -408,18 +428,6 @@ class Transaction:
         self._check()
         return self._put_object_bytes(name, data, encoding)
 
-    def _side_write(self, parts: list[Any]) -> tuple[str, int]:
-        return self.side.key, self.side.append(parts)
-
-    def _record(
-        self, path: str, index: int, rec: ChunkRecord, pending: Shadow | None
-    ) -> ChunkRecord:
-        with self._lock:
-            self.columns.chunks[path][index] = rec
-            if pending is not None:
-                self.pending[(path, index)] = pending
-        return rec
-
     def put_object(self, name: str, obj: object, *, encoding: Encoding = "json") -> ObjectRecord:
         """Store a Python object for this step (tagged JSON unless told otherwise; an
         ``Encoded`` value as its bytes, in its own encoding)."""
@@ -487,6 +495,7 @@ class Transaction:
         """Make the step durable and visible; returns its header. ``parts``: the other ranks'
         prepared parts of this slot, merged into this commit (``parts.collect_parts``)."""
         self._check()
+        self._seal()
         self.state = "committing"
         try:
             header = self.writer.commit_step(self, metrics or {}, parts)
@@ -495,6 +504,15 @@ class Transaction:
             raise
         self.state = "committed"
         return header
+
+    def _seal(self) -> None:
+        """Write what ``put_chunk`` staged; a failure here fails the commit for good (the
+        step's files were written here: a retry could not tell what they hold)."""
+        try:
+            self._write_staged()
+        except BaseException:
+            self.state, self.ran_here = "failed", True
+            raise
 
     @property
     def retryable(self) -> bool:
@@ -520,6 +538,7 @@ class Transaction:
         """Part writers: make this rank's chunks and objects durable, then write its part
         manifest (the "prepared" vote the exclusive writer waits for). Returns the part."""
         self._check()
+        self._seal()
         self.state = "committing"
         try:
             part = self.writer.prepare_step(
@@ -538,6 +557,8 @@ class Transaction:
             self.writer.release_slot(self.slot)
             self.zip.discard()  # unpublished files vanish; published ones are gc's garbage
             self.side.discard()
+            with self._lock:
+                self._staged.clear()
             if self.writer.encoder is not None:
                 self.writer.encoder.discard(self.slot)
 

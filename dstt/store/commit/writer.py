@@ -272,7 +272,7 @@ class Writer:
             self._open.add(slot)
         txn = Transaction(self, slot, step, name)
         if self.encoder is not None and self.inflight_bases:
-            self.encoder.open(slot, name, txn.pending_shadow, txn.deps, lambda: txn.flat_pending)
+            self.encoder.open(slot, name, txn.deps, lambda: txn.flat_pending)
         return txn
 
     # -- metadata -------------------------------------------------------------------------
@@ -534,10 +534,7 @@ class Writer:
                 txn,
                 job,
                 remote=not parts
-                and (
-                    self.encoder is None
-                    or not (txn.pending or txn.deps or txn.flat_pending is not None)
-                ),
+                and (self.encoder is None or not (txn.deps or txn.flat_pending is not None)),
             )
             txn.count_objects(header)
             if self.lazy_refs:
@@ -548,7 +545,7 @@ class Writer:
                 remove_parts(st, txn.slot)
             self._open.discard(txn.slot)
             if self.encoder is not None:
-                self.encoder.promote(txn.slot, txn.timeline, txn.pending, txn.flat_pending)
+                self.encoder.promote(txn.slot, txn.timeline, txn.flat_pending)
             if self.index is not None:
                 # after the commit point: the index only ever holds committed rows. A failed
                 # segment write keeps the rows pending (readers read their headers meanwhile)

@@ -10,6 +10,7 @@ around pruned commits — it would mutate committed headers.
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from dstt.errors import CorruptRunError, DsttError
+from dstt.schema import LIGHT_OBJECT
 from dstt.store.format.layout import (
     HEAD_KEY,
     LOCK_KEY,
@@ -119,14 +121,39 @@ class GcReport:
     dry_run: bool
     #: ``(timeline, first step, last step)`` of each spike window the policy kept
     spike_windows: tuple[tuple[str, int, int], ...] = ()
+    #: ``(timeline, step)`` of each light step (``every="auto"``) this gc left without the
+    #: stored step its rebuild starts from or the commit carrying its record: no longer
+    #: rebuildable (``Retention(keep_light=False)``, or the policy did not keep that step)
+    stranded_light: tuple[tuple[str, int], ...] = ()
+
+
+def _light_of(r: Reader, line: list[CommitHeader]) -> dict[int, tuple[int, int]]:
+    """``{light step: (slot of its base, slot of the commit carrying its record)}`` of one
+    timeline (``line``: oldest first, tombstones included). The base is the commit just
+    before the light step; one already pruned (stranded by an earlier gc) leaves the step
+    out, as does a carrier pruned (its record is gone with its files)."""
+    live = [h for h in line if not h.pruned]
+    steps = [h.step for h in line]
+    out: dict[int, tuple[int, int]] = {}
+    for h in r.carrying(live, LIGHT_OBJECT):
+        if LIGHT_OBJECT not in h.objects:
+            continue
+        rec = r.read_object(h, LIGHT_OBJECT)
+        for k in rec.get("steps", ()) if isinstance(rec, dict) else ():
+            i = bisect.bisect_left(steps, int(k))
+            if i > 0 and not line[i - 1].pruned:
+                out[int(k)] = (line[i - 1].slot, h.slot)
+    return out
 
 
 def _keep_set(
-    r: Reader, pol: Retention, line: list[CommitHeader]
+    r: Reader, pol: Retention, line: list[CommitHeader], light: dict[int, tuple[int, int]]
 ) -> tuple[set[int], list[tuple[int, int]]]:
     """Slots of ``line`` (one timeline, oldest first, tombstones included) the policy keeps,
     and its spike windows. The spike metric of every commit, pruned ones too, comes from the
-    index's metric columns (no header parsed per step)."""
+    index's metric columns (no header parsed per step). ``light`` (:func:`_light_of`): with
+    ``pol.keep_light`` the light steps are steps of the policy, and each kept one keeps its
+    base and its record's carrier."""
     live = [h for h in line if not h.pruned]
     ms: Any = ()
     mv: Any = ()
@@ -137,6 +164,14 @@ def _keep_set(
             ms = rows.step[order]
             mv = rows.m_num[order, rows.m_names.index(pol.spike_metric)]
     live_steps = [h.step for h in live]
+    if light and pol.keep_light:
+        every = sorted({*live_steps, *light})
+        steps = pol.keep(every, ms, mv)
+        slots = {h.slot for h in live if h.step in steps}
+        for k, pair in light.items():
+            if k in steps:
+                slots.update(pair)
+        return slots, pol.spike_windows(every, ms, mv)
     steps = pol.keep(live_steps, ms, mv)
     return {h.slot for h in live if h.step in steps}, pol.spike_windows(live_steps, ms, mv)
 
@@ -321,12 +356,15 @@ def _gc(
     reachable: dict[int, CommitHeader] = {}
     keep: set[int] = set()
     windows: list[tuple[str, int, int]] = []
+    lights: list[tuple[str, int, tuple[int, int]]] = []
     for tl in r.timelines:
         line = r.lineage(tl)
         for h in line:
             reachable[h.slot] = h
         if pol is not None and pol.prunes:
-            got, spans = _keep_set(r, pol, line)
+            light = _light_of(r, line)
+            lights += [(tl, k, pair) for k, pair in light.items()]
+            got, spans = _keep_set(r, pol, line, light)
             keep |= got
             windows += [(tl, lo, hi) for lo, hi in spans]
         else:
@@ -377,6 +415,10 @@ def _gc(
     removed = sum(1 for z in sizes.values() if z >= 0)
     freed = sum(z for z in sizes.values() if z > 0)
     pruned_steps = tuple((reachable[s].timeline, reachable[s].step) for s in prune)
+    gone = set(prune)
+    stranded = tuple(
+        sorted((tl, k) for tl, k, (base, carrier) in lights if base in gone or carrier in gone)
+    )
     if not dry_run and writer is not None:  # a live writer: only the pruned rows
         # the plan above needs no lock: commits meanwhile only add slots past ``newest``,
         # whose parent (the head seen here) is kept; from here commits wait
@@ -416,4 +458,4 @@ def _gc(
             removed += st.remove_temporaries()
     if progress:
         progress(1, 1)
-    return GcReport(pruned_steps, tuple(orphans), removed, freed, dry_run, tuple(windows))
+    return GcReport(pruned_steps, tuple(orphans), removed, freed, dry_run, tuple(windows), stranded)

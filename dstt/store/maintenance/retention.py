@@ -61,7 +61,14 @@ class Retention:
     commit included. Heads, fork points
     and the bases of kept deltas are always kept. A session applies it in the background every
     ``every_commits`` captured steps (``dstt.session(..., retention=...)``); ``dstt gc`` and
-    ``Run.gc(retention=...)`` take the same object."""
+    ``Run.gc(retention=...)`` take the same object.
+
+    Light steps (``every="auto"``: taken, not stored, rebuilt by replay) are steps of the
+    policy like stored ones (``keep_last`` counts them, a spike at one keeps its window);
+    a light step kept keeps what its rebuild reads: the stored step before it (its base)
+    and the stored step after it (the commit carrying its record). ``keep_light=False``
+    decides on stored steps only; ``GcReport.stranded_light`` then names the light steps
+    whose base or record that gc pruned (no longer rebuildable)."""
 
     keep_last: int | None = None
     keep_every: int | None = None
@@ -71,6 +78,10 @@ class Retention:
     spike_baseline: int | None = None
     keep_steps: tuple[int, ...] = field(default=())
     every_commits: int = 50
+    #: light steps (``every="auto"``) count as steps of the policy, and each one kept keeps
+    #: the stored step its rebuild starts from and the commit carrying its record; False:
+    #: the policy looks at stored steps only and gc reports the light steps it strands
+    keep_light: bool = True
 
     def __post_init__(self) -> None:
         if self.keep_last == 0 and not isinstance(self.keep_last, bool):
@@ -83,6 +94,8 @@ class Retention:
         _count("spike_window", self.spike_window, 0)
         _count("spike_baseline", self.spike_baseline, 2)
         _count("every_commits", self.every_commits, 1)
+        if not isinstance(self.keep_light, bool):
+            raise ValueError(f"Retention(keep_light=...) must be a bool, got {self.keep_light!r}")
         if self.spike_z is not None and (
             not isinstance(self.spike_z, (int, float)) or not self.spike_z > 0
         ):

@@ -20,7 +20,8 @@ from dstt.store.codec.xor import DeltaPolicy
 from dstt.store.commit.transaction import Transaction
 from dstt.store.storage.memory import MemoryStorage
 
-from .test_predict import M, P, V, _Adam, _put, _same
+from .._util import put_flat_arrays
+from .test_predict import M, P, V, _Adam, _same
 
 
 def _note(what: str) -> None:
@@ -65,7 +66,7 @@ class InflightMachine(RuleBasedStateMachine):
             return
         j = todo[i % len(todo)]
         txn, arrays, _ = self.open[j]
-        _put(txn, arrays, {})
+        put_flat_arrays(txn, {n: arrays[n] for n in (P, M, V)})  # as the engine does
         self.open[j] = (txn, arrays, True)
 
     @rule()
