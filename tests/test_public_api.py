@@ -587,7 +587,6 @@ LONG_DOCSTRINGS = frozenset(
         "dstt/analysis/mechanisms.py",
         "dstt/cli/__init__.py",
         "dstt/engine/__init__.py",
-        "dstt/engine/chunklane.py",
         "dstt/engine/committer.py",
         "dstt/engine/deepspeed.py",
         "dstt/engine/dims.py",

@@ -12,10 +12,9 @@ Modules (one step's journey through them: docs/architecture.md):
   optimizer, scheduler, RNG), ``optimizers`` (optimizer state as arrays), ``model_names``
   (canonical and tied names), ``dims`` (dimension names), ``data_position`` (the loader's
   position), ``predictions`` (which arrays the store may predict);
-* copying it — ``staging`` (host cache, chunk copies, version guard), ``flatlane`` (the
-  whole-step plan and buffer ring), ``chunklane`` (the chunk-by-chunk lane), ``flight`` (one
-  staged step and its metrics);
-* flushing it — ``pipeline`` (copy thread, writers), ``flatwrite`` (the flat lane's writes and
+* copying it — ``staging`` (batched copies, version guard), ``flatlane`` (the step's flat
+  plan, its segments and the buffer ring), ``flight`` (one staged step and its metrics);
+* flushing it — ``pipeline`` (copy thread, writers), ``flatwrite`` (the lane's writes and
   the flusher), ``committer`` (commits in step order), ``summaries`` (write-time summaries),
   ``governor`` (encode or write raw), ``light`` (light steps of ``every="auto"``);
 * several ranks — ``ranks`` (rank channel, opening the run together), ``sharding`` (which box

@@ -14,9 +14,11 @@ once (so copies land in warm, reused pages: 6-12 GB/s here against ~1 GB/s into 
 A buffer is released only once its step is written, so a disk slower than training makes the
 copy thread wait for a free buffer — the honest backpressure — and the training thread waits
 at the next optimizer step only if the copy has not finished by then.
-Rejected alternative: the chunk ring of ``staging.HostCache`` for every step — one copy call,
-lease and queue item per chunk (~0.3 ms of Python per tensor per step at 1,200 tensors); it
-stays the lane for encoded steps and for states larger than half the budget.
+A step larger than a buffer is a sequence of ``Segment``s of its one layout: contiguous byte
+ranges cut at chunk boundaries, each copied into a ring buffer and written chunk by chunk
+before the next reuses it — the same lane, the same budget, no second cache.
+Rejected alternative: a second, chunk-by-chunk lane with its own host cache for such steps and
+for verify mode — every write feature existed twice (issue 38).
 """
 
 from __future__ import annotations
@@ -31,17 +33,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dstt.errors import CaptureError
+from dstt.store._internal import CUR
+
 from ._convert import store_dtype
 from .summaries import summarized
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-    from dstt.store._internal import FlatLayout, FlatStepWriter
+    from dstt.store._internal import FlatLayout, FlatStepWriter, Prediction
 
     from .dims import DimsOf
 
-__all__ = ["FlatPlan", "StepBuffers", "plan_key"]
+__all__ = ["FlatPlan", "Segment", "StepBuffers", "plan_key", "segments", "write_order"]
 
 
 def plan_key(tensors: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
@@ -79,10 +84,15 @@ class FlatPlan:
 
     @classmethod
     def build(
-        cls, writer: FlatStepWriter, tensors: Mapping[str, torch.Tensor], dims: DimsOf | None = None
+        cls,
+        writer: FlatStepWriter,
+        tensors: Mapping[str, torch.Tensor],
+        dims: DimsOf | None = None,
+        order: list[str] | None = None,
     ) -> FlatPlan:
-        """``dims``: store path -> shape to dimension names (``dstt.engine.dims``)."""
-        order = _order(list(tensors), tensors)
+        """``dims``: store path -> shape to dimension names (``dstt.engine.dims``);
+        ``order``: the paths in buffer order (default: parameters first, by dtype)."""
+        order = _order(list(tensors), tensors) if order is None else order
         specs: list[Any] = [
             (p, store_dtype(tensors[p].dtype, what=f"tensor {p!r}"), tuple(tensors[p].shape))
             for p in order
@@ -125,6 +135,69 @@ class FlatPlan:
         return list(map(tensors.__getitem__, self.order))
 
 
+def write_order(tensors: Mapping[str, Any], predictions: Mapping[str, Prediction]) -> list[str]:
+    """Paths in capture order, except that an array comes after the arrays its prediction
+    reads from the same step: the buffer order of a step written in segments, which are
+    written in order, so an encoding writer finds a prediction's inputs already written."""
+    done: set[str] = set()
+    order: list[str] = []
+
+    def visit(path: str, seen: tuple[str, ...]) -> None:
+        if path in done or path in seen:
+            return
+        pred = predictions.get(path)
+        for role, src in pred.inputs if pred is not None else ():
+            if role == CUR and src in tensors:
+                visit(src, (*seen, path))
+        done.add(path)
+        order.append(path)
+
+    for path in tensors:
+        visit(path, ())
+    return order
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes ``[start, stop)`` of a step's ``FlatLayout`` that one ring buffer holds, cut at
+    chunk boundaries: chunks ``[lo, hi)`` of ``layout.chunks``, and per array the part of its
+    bytes copied (array index, first byte, end byte; at ``offset + first - start``)."""
+
+    start: int
+    stop: int
+    lo: int
+    hi: int
+    parts: tuple[tuple[int, int, int], ...]
+
+
+def segments(layout: FlatLayout, nbytes: int) -> list[Segment]:
+    """``layout`` cut into segments of at most ``nbytes`` each (a tensor larger than that
+    splits at its chunk boundaries); a chunk larger than ``nbytes`` is a ``CaptureError``."""
+    chunks, arrays = layout.chunks, layout.arrays
+    out: list[Segment] = []
+    j, n = 0, len(chunks)
+    while j < n:
+        start = chunks[j][2]
+        if chunks[j][3] - start > nbytes:
+            raise CaptureError(
+                f"a chunk of {chunks[j][3] - start} bytes ({chunks[j][4]!r}) does not fit a "
+                f"host buffer of {nbytes} bytes; raise budget_bytes to at least twice that"
+            )
+        hi = j + 1
+        while hi < n and chunks[hi][3] - start <= nbytes:
+            hi += 1
+        parts: list[tuple[int, int, int]] = []
+        for k, _, s, e, _, _ in chunks[j:hi]:
+            off = arrays[k].offset
+            if parts and parts[-1][0] == k and parts[-1][2] == s - off:
+                parts[-1] = (k, parts[-1][1], e - off)
+            else:
+                parts.append((k, s - off, e - off))
+        out.append(Segment(start, chunks[hi - 1][3], j, hi, tuple(parts)))
+        j = hi
+    return out
+
+
 class StepBuffers:
     """A fixed ring of whole-step host buffers (pinned when copying from CUDA)."""
 
@@ -163,6 +236,7 @@ class StepBuffers:
         self._pressed = False
         self._closed = False
         self.stall_s = 0.0
+        self.peak_bytes = 0  # the most bytes held at once
 
     @property
     def capacity(self) -> int:
@@ -186,6 +260,7 @@ class StepBuffers:
             waited = time.perf_counter() - t0
             self.stall_s += waited
             index = self._free.pop(0)
+            self.peak_bytes = max(self.peak_bytes, (self.count - len(self._free)) * self.nbytes)
             if not self._free and self.on_pressure is not None and not self._pressed:
                 self._pressed = True  # the last free buffer: the writer is behind, let it
                 self.on_pressure(True)  # catch up before a step has to wait for it

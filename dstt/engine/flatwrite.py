@@ -1,13 +1,14 @@
-"""The flat lane's side of the pipeline: plans, the ring of step buffers, the flusher, one write.
+"""The capture lane's side of the pipeline: plans, the ring of step buffers, the flusher, writes.
 
-``flatlane.py`` holds the values (a ``FlatPlan``, the ``StepBuffers`` ring); this module holds
-what the pipeline does with them: find the cached plan of a step's tensors (or say the chunk
-lane must serve), allocate the ring once — in the flusher process's shared memory where it
+``flatlane.py`` holds the values (a ``FlatPlan``, the ``StepBuffers`` ring, ``Segment``s);
+this module holds what the pipeline does with them: find the cached plan of a step's
+tensors, allocate the ring once — in the flusher process's shared memory where it
 can start — and write one sealed step from its buffer: by the flusher (two steps in flight,
 normal priority while the ring runs dry), or from the calling writer thread where there is
 no flusher or it died mid-write (the reserved range is the step's own, so it is written
-again here and nothing is lost). Kept out of ``pipeline.py``, which orders the threads and
-steps and knows nothing of buffers, shared memory or zip images.
+again here and nothing is lost). A step larger than a buffer goes in segments of its layout,
+each written chunk by chunk from a ring buffer the next segment then reuses. Kept out of
+``pipeline.py``, which orders the threads and steps and knows nothing of buffers or zips.
 """
 
 from __future__ import annotations
@@ -29,19 +30,20 @@ from dstt.store._internal import (
     FlatStepWriter,
     Flusher,
     OffloadingWriter,
-    StepWriter,
 )
 
-from .flatlane import FlatPlan, StepBuffers, plan_key
+from .flatlane import FlatPlan, Segment, StepBuffers, plan_key, segments, write_order
 from .summaries import flat_digest_plan, summarized
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
     from dstt.store._internal import FlatLayout
 
     from .dims import DimsOf
     from .flight import Flight
+    from .staging import Copier
+    from .summaries import SummaryBook
 
 __all__ = ["FlatLane", "discard_files"]
 
@@ -63,28 +65,32 @@ class FlatLane:
 
     def __init__(
         self,
-        writer: StepWriter,
+        writer: FlatStepWriter,
         *,
         budget_bytes: int,
         dims: DimsOf | None,
         flusher: bool,
-        summarize: bool,
+        book: SummaryBook | None,
+        min_bytes: int = 0,
     ) -> None:
-        """``flusher``: write from a flusher process where it starts; ``summarize``: digest
-        the parameters of every step (the write-time summaries). A ``writer`` that is no
-        ``FlatStepWriter`` never gets a flat step (the pipeline checks)."""
+        """``flusher``: write from a flusher process where it starts; ``book``: the
+        write-time summaries (None: none); ``min_bytes``: buffers at least this large (a
+        caller whose first step is not its largest, one DeepSpeed file per step)."""
         self.writer, self.budget_bytes, self.dims = writer, budget_bytes, dims
-        #: the writer where it lays out whole steps, and where its commits can run in the
-        #: flusher process (capabilities, ``dstt.store.protocols``)
-        self.flat_writer = writer if isinstance(writer, FlatStepWriter) else None
+        self.flat_writer = writer
+        #: the writer where its commits can run in the flusher process (a capability,
+        #: ``dstt.store.protocols``)
         self.offloading = writer if isinstance(writer, OffloadingWriter) else None
-        self.want_flusher, self.summarize = flusher, summarize
+        self.want_flusher, self.book, self.min_bytes = flusher, book, min_bytes
+        self.summarize = book is not None
+        self._segments: dict[tuple[int, int], tuple[FlatLayout, list[Segment]]] = {}
         self.steps: StepBuffers | None = None
         self.flusher: Flusher | None = None
-        self._plans: dict[tuple[object, ...], FlatPlan] = {}
+        self._plans: dict[tuple[object, ...], FlatPlan] = {}  # (also write-order plans)
         self._digests: dict[int, DigestPlan] = {}
         self._images: dict[tuple[int, int], FlatImage] = {}  # (id(layout), start) -> sizes
         self._lock = threading.Lock()
+        self._alloc = threading.Lock()  # the ring is allocated once
         self._lost = False  # the flusher died (warned once)
         #: ids of the digested steps (``Flight.digest_token``, from ``ticket``): the
         #: committer calls a step's update exact only where the digest compared it with its
@@ -95,42 +101,54 @@ class FlatLane:
         self._passed: set[int] = set()
 
     def plan(self, tensors: Mapping[str, torch.Tensor]) -> FlatPlan | None:
-        """The cached flat plan of these tensors, or None where the chunk lane must serve
-        (no tensors, or a step too large for two whole-step buffers in the budget)."""
+        """The cached flat plan of these tensors (None: no tensors, objects only)."""
         if not tensors:
             return None
         key = plan_key(tensors)
         plan = self._plans.get(key)
         if plan is None or not plan.fits(tensors):
-            assert self.flat_writer is not None, "a flat step for a writer without flat_layout"
             plan = FlatPlan.build(self.flat_writer, tensors, self.dims)
             if len(self._plans) >= 4:  # a model that keeps changing: do not pile up plans
                 self._plans.clear()
             self._plans[key] = plan
-        if 2 * plan.nbytes > self.budget_bytes:
-            return None
-        if self.steps is not None and plan.nbytes > self.steps.nbytes:
-            return None  # larger than the buffers already allocated: chunk lane
         return plan
 
+    def whole(self, plan: FlatPlan) -> bool:
+        """Whether a step of ``plan`` fits one buffer of the ring (else: in segments)."""
+        if self.steps is not None:
+            return plan.nbytes <= self.steps.nbytes
+        return 2 * plan.nbytes <= self.budget_bytes
+
     def ensure_steps(self, plan: FlatPlan) -> StepBuffers:
-        """The ring of step buffers, allocated at the first flat step."""
+        """The ring of step buffers, allocated at the first step: whole-step buffers (at
+        least ``min_bytes``) two to four of which fit the budget, or two halves of the
+        budget where a step is larger (it is then copied and written in segments). Called
+        from the copy thread and, copying at stage, the training thread: one allocates."""
+        if self.steps is not None:
+            return self.steps
+        with self._alloc:
+            return self._allocate(plan)
+
+    def _allocate(self, plan: FlatPlan) -> StepBuffers:
         if self.steps is None:
-            count = max(2, min(4, self.budget_bytes // plan.nbytes))
+            half = self.budget_bytes // 2
+            nbytes = max(plan.nbytes, min(self.min_bytes, half))
+            count = max(2, min(4, self.budget_bytes // nbytes)) if nbytes <= half else 2
+            nbytes = min(nbytes, max(half, 1))
             pin = plan.cuda and torch.cuda.is_available()
             memory = None
             if self.want_flusher:
                 try:
-                    self.flusher = Flusher(plan.nbytes, count)
+                    self.flusher = Flusher(nbytes, count)
                     memory = self.flusher.buffers
                 except (OSError, StorageError) as e:  # no memfd, no fork: writer threads
                     warnings.warn(
                         f"dstt: writing from threads, the flusher process could not start ({e})",
                         RuntimeWarning,
-                        stacklevel=3,
+                        stacklevel=4,
                     )
                     self.flusher = None
-            self.steps = StepBuffers(plan.nbytes, count, pin=pin, memory=memory)
+            self.steps = StepBuffers(nbytes, count, pin=pin, memory=memory)
             if self.flusher is not None:
                 self.steps.on_pressure = self.flusher.urgent
                 # and commits there: the commit's Python off this process's GIL
@@ -141,6 +159,101 @@ class FlatLane:
                 ):
                     self.offloading.committer = self.flusher
         return self.steps
+
+    # -- a step larger than a buffer: segments of its layout -----------------------------
+    def segments(self, plan: FlatPlan, nbytes: int) -> list[Segment]:
+        """``plan``'s layout cut into segments of at most ``nbytes`` (cached per plan)."""
+        key = (id(plan.layout), nbytes)
+        got = self._segments.get(key)
+        if got is None:
+            if len(self._segments) >= 4:
+                self._segments.clear()
+            got = self._segments[key] = (plan.layout, segments(plan.layout, nbytes))
+        return got[1]
+
+    def segment_plan(self, f: Flight, plan: FlatPlan) -> FlatPlan:
+        """The plan a segmented step is copied by: ``plan``, or for a step with predictions
+        one in ``write_order`` (cached): its segments are then written in order, each
+        prediction's ``"cur"`` inputs before the array predicted from them."""
+        if not f.txn_predicts:
+            return plan
+        order = write_order(f.tensors, f.predictions)
+        if order == plan.order:
+            return plan
+        key = ("write_order", *order)
+        got = self._plans.get(key)
+        if got is None or not got.fits(f.tensors):
+            assert self.flat_writer is not None
+            got = FlatPlan.build(self.flat_writer, f.tensors, self.dims, order)
+            if len(self._plans) >= 4:
+                self._plans.clear()
+            self._plans[key] = got
+        return got
+
+    def declare(self, f: Flight, plan: FlatPlan) -> None:
+        """Declare the arrays of a segmented step (written chunk by chunk, ``put_chunk``)
+        and start their write-time summaries."""
+        for a in plan.layout.arrays:
+            f.txn.declare(a.path, a.dtype, a.shape, a.dims)
+            if self.book is not None and summarized(a.path):
+                f.summaries[a.path] = self.book.accumulator(a.path, a.nbytes // a.plan.itemsize)
+
+    def copy_segment(
+        self, f: Flight, plan: FlatPlan, seg: Segment, index: int, copier: Copier
+    ) -> None:
+        """Copy the parts of ``seg`` into buffer ``index`` (one batched copy; waits for it)."""
+        assert self.steps is not None
+        buf = self.steps.buffers[index]
+        arrays = plan.layout.arrays
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for k, lo, hi in seg.parts:
+            at = arrays[k].offset + lo - seg.start
+            dst.append(buf[at : at + hi - lo])
+            src.append(f.sources[arrays[k].path][lo:hi])
+        copier.copy_all(dst, src).wait()
+        if f.guard.verify:
+            for (k, _, _), v in zip(seg.parts, dst, strict=True):
+                f.guard.add_copy(arrays[k].path, v)
+
+    def write_segment(self, f: Flight, plan: FlatPlan, seg: Segment, index: int, n: int) -> None:
+        """Write the chunks of ``seg``, the ``n``-th segment of ``f``, from buffer ``index``
+        (encoded where the step is), add them to the write-time summaries, then free the
+        buffer for the next segment. A step with predictions writes its segments in order
+        (``segment_plan``); others in parallel."""
+        assert self.steps is not None
+        ordered = f.txn_predicts
+        try:
+            if ordered:
+                f.wait_segment(n)
+            if f.dead:
+                return
+            buf = self.steps.buffers[index]
+            self._put_chunks(f, plan, plan.layout.chunks[seg.lo : seg.hi], buf, seg.start)
+        except BaseException:
+            discard_files(f)
+            raise
+        finally:
+            if ordered:
+                f.segment_done()
+            self.steps.release(index)
+
+    def _put_chunks(
+        self,
+        f: Flight,
+        plan: FlatPlan,
+        chunks: Sequence[tuple[int, int, int, int, str, int]],
+        buf: torch.Tensor,
+        start: int,
+    ) -> None:
+        arrays, raw = plan.layout.arrays, buf.numpy()
+        for k, i, s, e, _, _ in chunks:
+            a = arrays[k]
+            f.txn.put_chunk(a.path, i, raw[s - start : e - start])
+            acc = f.summaries.get(a.path)
+            if acc is not None:  # on the host copy, off the training thread
+                dtype = f.tensors[a.path].dtype
+                acc.add((s - a.offset) // a.plan.itemsize, buf[s - start : e - start].view(dtype))
 
     def write(self, f: Flight) -> None:
         """Write a flat step once sealed (a detected race may still recopy into its buffer

@@ -1,10 +1,10 @@
 """One staged step (``Flight``) and what capturing it cost (``StepMetrics``).
 
 A flight carries a step from the training thread's ``stage`` to the committer: its tensors
-and version snapshot, the lane that captures it (the flat lane's plan and step buffer, or the
-chunk lane's sources and plans), its objects, its transaction, and the events and counters the
-pipeline's threads coordinate through. Kept apart from ``pipeline.py`` (the threads that move
-flights) so each module has one job.
+and version snapshot, its flat plan and step buffer (or, for a step larger than a buffer, the
+byte views its segments are copied from), its objects, its transaction, and the events and
+counters the pipeline's threads coordinate through. Kept apart from ``pipeline.py`` (the
+threads that move flights) so each module has one job.
 """
 
 from __future__ import annotations
@@ -14,10 +14,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dstt.store._internal import CUR, ChunkPlan, Prediction, StepTransaction
-
-from ._convert import flat_bytes
-from .providers import TensorSpec
 from .staging import Copier, VersionGuard
 
 if TYPE_CHECKING:
@@ -25,10 +21,12 @@ if TYPE_CHECKING:
 
     import torch
 
+    from dstt.store._internal import Prediction, StepTransaction
+
     from .flatlane import FlatPlan
     from .summaries import SummaryAccumulator
 
-__all__ = ["Flight", "StepMetrics", "write_order"]
+__all__ = ["Flight", "StepMetrics"]
 
 
 @dataclass(frozen=True)
@@ -40,10 +38,10 @@ class StepMetrics:
     bytes: int  # tensor bytes staged
     blocked_s: float  # training thread waited for this step's copies
     copy_s: float  # stage → last chunk on the host
-    stall_s: float  # copy thread waited for a free slab (backpressure of the budget)
+    stall_s: float  # copy thread waited for a free buffer (backpressure of the budget)
     flush_s: float  # stage → commit returned (or the step was dropped)
-    cache_bytes: int  # cache bytes leased when the step was staged
-    cache_peak_bytes: int  # peak leased bytes so far
+    cache_bytes: int  # ring bytes held when the step was staged
+    cache_peak_bytes: int  # peak held bytes so far
     cache_capacity: int
     backlog: int  # earlier steps not yet committed when this one was staged
     error: str | None = None
@@ -58,27 +56,6 @@ class StepMetrics:
     #: False for a *light* step of ``every="auto"``: not stored (the engine was busy), only
     #: its metrics, sample indices and loss fingerprint ride with the next commit
     stored: bool = True
-
-
-def write_order(tensors: Mapping[str, Any], predictions: Mapping[str, Prediction]) -> list[str]:
-    """Paths in capture order, except that an array comes after the arrays its prediction
-    reads from the same step (chunks are copied, and with one writer written, in this order)."""
-    done: set[str] = set()
-    order: list[str] = []
-
-    def visit(path: str, seen: tuple[str, ...]) -> None:
-        if path in done or path in seen:
-            return
-        pred = predictions.get(path)
-        for role, src in pred.inputs if pred is not None else ():
-            if role == CUR and src in tensors:
-                visit(src, (*seen, path))
-        done.add(path)
-        order.append(path)
-
-    for path in tensors:
-        visit(path, ())
-    return order
 
 
 def _encode_metrics(txn: Any) -> dict[str, Any]:  # noqa: ANN401 - a writer's or rank writer's txn
@@ -112,15 +89,18 @@ class Flight:
         flat: FlatPlan | None = None,
     ) -> None:
         self.step = step
-        #: the flat lane's plan (one batched copy into a whole-step buffer), or None for the
-        #: chunk lane (``flatlane.py``)
+        #: the step's flat plan (None: objects only, ``flatlane.py``)
         self.flat = flat
-        self.buffer: int | None = None  # the flat lane's step buffer, while held
+        #: written from one buffer (else in segments, ``flatlane.Segment``; the copy thread
+        #: decides once the ring exists)
+        self.whole = True
+        self.buffer: int | None = None  # the step buffer of a whole step, while held
         self.precopied = False  # copied on the training thread at stage
         self.flat_queued = False  # its write task (which frees the buffer) is queued
         self.flat_stats: dict[str, Any] = {}
-        #: the flat lane's id of this step's digest (``summary_kernel.digest``), -1 for none
+        #: the id of this step's digest (``summary_kernel.digest``), -1 for none
         self.digest_token = -1
+        #: a segmented step's tensors as flat bytes (set by the copy thread)
         self.sources: dict[str, torch.Tensor] = {}
         # hints for an encoding writer (none otherwise): each needs its whole group captured
         self.predictions: dict[str, Prediction] = (
@@ -128,25 +108,16 @@ class Flight:
             if predictions
             else {}
         )
-        if flat is not None:  # the hot path: nothing per tensor but the version snapshot
-            self.tensors = dict(tensors)
-            self.specs: dict[str, TensorSpec] = {}
-            self.nbytes = flat.nbytes
-            self.guard = VersionGuard(self.tensors, {}, verify=False)
-            self.marks = Copier.mark(self.tensors.values()) if flat.cuda else {}
-        else:
-            self.tensors = {p: tensors[p] for p in write_order(tensors, self.predictions)}
-            self.specs = {p: TensorSpec.of(p, t) for p, t in self.tensors.items()}
-            for p, t in self.tensors.items():
-                self.sources[p] = flat_bytes(t if t.is_contiguous() else t.contiguous())
-            self.nbytes = sum(s.numel() for s in self.sources.values())
-            self.guard = VersionGuard(
-                self.tensors, {p: t.element_size() for p, t in self.tensors.items()}, verify=verify
-            )
-            self.marks = Copier.mark(self.sources.values())
+        self.txn_predicts = False  # its transaction was given ``predictions``
+        self.segments_done = 0  # segments written, when they go in order
+        # the hot path: nothing per tensor but the version snapshot (verify: a checksum)
+        self.tensors = dict(tensors)
+        self.nbytes = flat.nbytes if flat is not None else 0
+        sizes = {p: t.element_size() for p, t in self.tensors.items()} if verify else {}
+        self.guard = VersionGuard(self.tensors, sizes, verify=verify)
+        self.marks = Copier.mark(self.tensors.values()) if flat is not None and flat.cuda else {}
         self.objects = dict(objects)
         self.txn: StepTransaction = None  # type: ignore[assignment]  # set by ``begin``
-        self.plans: dict[str, ChunkPlan] = {}
         self.summaries: dict[str, SummaryAccumulator] = {}
         self.copied = threading.Event()
         self.done = threading.Event()
@@ -208,6 +179,17 @@ class Flight:
         with self._cond:
             while self.pending:
                 self._cond.wait()
+
+    def wait_segment(self, n: int) -> None:
+        """Wait until the segments before the ``n``-th are written (or the step failed)."""
+        with self._cond:
+            while self.segments_done < n and not self.dead:
+                self._cond.wait()
+
+    def segment_done(self) -> None:
+        with self._cond:
+            self.segments_done += 1
+            self._cond.notify_all()
 
     def seal(self, objects: Mapping[str, Any]) -> None:
         with self._cond:

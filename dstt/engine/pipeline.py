@@ -4,11 +4,13 @@ A staged step is a ``Flight``. The training thread only snapshots references, ve
 objects (``stage``) and later waits for the copies (``wait_copied``); everything else runs on
 background threads:
 
-    copy thread   begin txn → declare arrays → for each chunk: reserve lease (may block: the
-                  byte budget) → copy → hand to writers; stage-time objects go to writers
-                  too (a flat step's are stored with its commit, ``Transaction.defer_object``)
-    writers       wait chunk ready → ``txn.put_chunk`` → release lease (objects: ``put_object``;
-                  a flat step: ``flatwrite.FlatLane.write``, its buffer, the flusher)
+    copy thread   begin txn → take a buffer of the ring (may block: the byte budget) → one
+                  batched copy of the step into it → hand it to the writers; a step larger
+                  than a buffer: the same per segment of its layout (``flatlane.Segment``);
+                  its objects are stored with its commit (``Transaction.defer_object``)
+    writers       a whole step once sealed: ``flatwrite.FlatLane.write`` (``put_flat``, or the
+                  flusher process); a segment at once: its chunks (``put_chunk``); then the
+                  buffer goes back to the ring
     committer     (``committer.py``) in step order: wait copied + sealed (boundary objects,
                   metrics, race check passed) + all writes done → write-time summaries
                   (``summaries.py``) → ``txn.commit`` — or ``txn.abort`` if anything failed
@@ -18,9 +20,7 @@ declared it clean (``seal``); errors are recorded on the flight, the transaction
 the error is handed to the training thread via ``take_errors`` — threads never raise into the
 void and never end the process. Commits run strictly in step order (the store resolves a
 commit's parent at commit time, so a failed step simply drops out of the lineage).
-The chunk lane's per-chunk copy and write (the host cache, leases, ``_write_chunk``) are
-``chunklane.py``'s ``ChunkLane``, a base class of ``Pipeline``; the flat lane's are
-``flatwrite.py``'s.
+One lane: the buffers, plans and writes are ``flatwrite.py``'s ``FlatLane``.
 Rejected alternative: ``concurrent.futures`` executors — their non-daemon workers keep a process
 with a hung filesystem alive at exit, and ordering the commits would need a second mechanism.
 """
@@ -39,24 +39,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstt import schema
-from dstt.errors import CaptureError, StorageError
+from dstt.errors import CaptureError, ConfigError, RaceError, StorageError
 from dstt.store._internal import (
     EncodingWriter,
     FlatStepWriter,
     Flusher,
     LocalStorage,
     Prediction,
-    StepWriter,
     StoredWriter,
     flusher_supported,
 )
 
-from .chunklane import ChunkLane
+from ._convert import flat_bytes
 from .committer import Committer, out_of_room
 from .flatwrite import FlatLane, discard_files
 from .flight import Flight, StepMetrics, _Aborted, _encode_metrics
 from .governor import EncodeGovernor
-from .staging import Copier, HostCache, RaceReport, VersionGuard
+from .staging import Copier, RaceReport, VersionGuard
 from .summaries import SummaryBook, summarized
 
 if TYPE_CHECKING:
@@ -71,12 +70,12 @@ SUMMARIES_OBJECT = schema.SUMMARIES_OBJECT
 METRICS_KEPT = 100_000  # per-step metrics kept in memory (the newest)
 
 
-class Pipeline(ChunkLane):
-    """Copies staged steps into a fixed host cache and flushes them to a store ``Writer``."""
+class Pipeline:
+    """Copies staged steps into a fixed ring of host buffers and flushes them to a writer."""
 
     def __init__(
         self,
-        writer: StepWriter,
+        writer: FlatStepWriter,
         *,
         budget_bytes: int,
         writers: int = 4,
@@ -97,6 +96,11 @@ class Pipeline(ChunkLane):
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         if max_backlog < 1:
             raise ValueError(f"max_backlog must be at least 1, got {max_backlog}")
+        if not isinstance(writer, FlatStepWriter):
+            raise ConfigError(
+                f"{type(writer).__name__} cannot take flat steps: a capture writer needs "
+                "begin(step), encoder and flat_layout(arrays) (dstt.store.protocols)"
+            )
         self.writer = writer
         self.dims = dims
         self.budget_bytes = budget_bytes
@@ -104,15 +108,6 @@ class Pipeline(ChunkLane):
         self.verify = verify
         self._book = SummaryBook() if summaries else None
         self.summaries_object = summaries_object
-        #: slabs at least this large: for callers whose first step is not the largest (one
-        #: DeepSpeed checkpoint file per flight); 0 sizes them from the first step
-        self.min_slab_bytes = min(min_slab_bytes, budget_bytes)
-        self.cache: HostCache | None = None
-        #: the flat lane (``flatlane.py``): for writers that take a whole step at once (one
-        #: batched copy; a writer that encodes then writes an encoded step from the buffer
-        #: chunk by chunk, a raw one whole); steps larger than half the budget use the chunk
-        #: lane
-        self._flat_ok = isinstance(writer, FlatStepWriter) and not verify
         if copy not in ("async", "sync", "auto"):
             raise ValueError(f"copy must be 'async', 'sync' or 'auto', not {copy!r}")
         self.copy = copy
@@ -124,12 +119,16 @@ class Pipeline(ChunkLane):
             and isinstance(writer, StoredWriter)
             and isinstance(writer.storage, LocalStorage)
         )
+        #: the lane (``flatwrite.py``): one batched copy of a step into a buffer of a fixed
+        #: ring; ``min_slab_bytes``: buffers at least this large, for callers whose first
+        #: step is not the largest (one DeepSpeed checkpoint file per flight)
         self.flat = FlatLane(
             writer,
             budget_bytes=budget_bytes,
             dims=dims,
             flusher=self._want_flusher,
-            summarize=summaries,
+            book=self._book,
+            min_bytes=min(min_slab_bytes, budget_bytes),
         )
         self._copier = Copier()
         self._flights: list[Flight] = []
@@ -167,9 +166,7 @@ class Pipeline(ChunkLane):
         # with the flusher, a writer thread mostly waits for the child: two of them keep two
         # steps in the child, one being checksummed while the disk takes the other (not
         # for an encoding writer: predictions need their inputs written first, in order)
-        n_writers = max(
-            1, writers, 2 if self._want_flusher and self._flat_ok and self._encoder is None else 1
-        )
+        n_writers = max(1, writers, 2 if self._want_flusher and self._encoder is None else 1)
         self._writers = [self._spawn(self._write_loop, f"dstt-write-{i}") for i in range(n_writers)]
 
     @property
@@ -211,9 +208,9 @@ class Pipeline(ChunkLane):
         encode = self._governor.decide() if self._governor is not None else False
         if callable(predictions):
             predictions = predictions() if encode and not keyframe else None
-        plan = self.flat.plan(tensors) if self._flat_ok else None
+        plan = self.flat.plan(tensors)
         f = Flight(step, tensors, objects, self.verify, predictions, flat=plan)
-        if plan is not None and self._copy_now(plan):
+        if plan is not None and self._copy_now(plan) and self.flat.whole(plan):
             # copied here, on the training thread, before it returns: no copy window (the
             # version guard has nothing to watch) and no thread hand-off
             steps = self.flat.ensure_steps(plan)
@@ -230,13 +227,13 @@ class Pipeline(ChunkLane):
             f.buffer, f.stall_s, f.precopied = index, waited, True
             f.blocked_s += time.perf_counter() - t0  # training waited for this copy
             f.guard = VersionGuard({}, {}, verify=False)
+            if self.verify:  # the copy is done: compare it with the source now
+                f.guard = _verified(f, plan, steps.buffers[index])
         with self._lock:
             live = [x for x in self._flights if not x.done.is_set()]
             f.backlog = len(live)
             self._flights = [x for x in self._flights if not x.done.is_set()] + [f]
-        f.cache_bytes = (self.cache.leased_bytes if self.cache else 0) + (
-            self.steps.in_use * self.steps.nbytes if self.steps else 0
-        )
+        f.cache_bytes = self.steps.in_use * self.steps.nbytes if self.steps else 0
         f.encode = encode
         f.keyframe = keyframe
         self._copy_q.put(f)
@@ -254,17 +251,15 @@ class Pipeline(ChunkLane):
     def can_take(self) -> bool:
         """Would a step staged now be written without costing training anything? (``every=
         "auto"``.) Yes once every earlier step has committed or failed, and the host memory a
-        copy needs is free (a whole-step buffer of the flat lane's ring, a slab of the chunk
-        lane's cache). So the run stores at the disk's pace, as continuous checkpointing does.
+        copy needs is free (a buffer of the ring). So the run stores at the disk's pace, as
+        continuous checkpointing does.
         Rejected: "fewer than ``max_backlog`` steps pending" — on a machine whose cores train,
         the copies and flushes of a backlog slow every step though none of them blocks
         (measured in bench/auto_bench.py: 1.65x none with every step stored)."""
         if self._closed or self.pending():
             return False
-        steps, cache = self.steps, self.cache
-        if steps is not None and steps.in_use >= steps.count:
-            return False
-        return cache is None or cache.slabs_in_use < cache.n_slabs
+        steps = self.steps
+        return steps is None or steps.in_use < steps.count
 
     def record_light(self, step: int) -> None:
         """File a light step (``every="auto"``: not stored) in ``metrics``."""
@@ -305,6 +300,16 @@ class Pipeline(ChunkLane):
 
     def recopy(self, f: Flight, paths: list[str]) -> None:
         """Synchronously copy and write ``paths`` of ``f`` again (after a detected race)."""
+        if f.flat is not None and not f.whole:  # its segments are written already
+            f.fail(
+                RaceError(
+                    f"step {f.step}: {', '.join(paths)} changed in place while the step was "
+                    "written; a state larger than half of budget_bytes is written segment by "
+                    "segment as it is copied, so it cannot be copied again. The step is not "
+                    "checkpointed; raise budget_bytes above twice the state to recopy races"
+                )
+            )
+            return
         if f.flat is not None:  # its buffer is written only once sealed: copy into it again
             if f.dead or f.buffer is None:
                 return
@@ -315,8 +320,8 @@ class Pipeline(ChunkLane):
                 t = f.tensors[path]
                 views[where[path]].copy_(t.detach())
                 f.guard.reset(path, t)
-            return
-        self._recopy_chunks(f, paths)
+                if self.verify:
+                    f.guard.add_copy(path, _bytes(views[where[path]]))
 
     def seal(self, f: Flight, objects: Mapping[str, Any]) -> None:
         """Declare ``f`` clean and complete; it commits once its writes are done."""
@@ -373,8 +378,6 @@ class Pipeline(ChunkLane):
             self._write_q.put(None)
         for t in self._writers:
             t.join()
-        if self.cache is not None:
-            self.cache.close()
         self.flat.close()
 
     # -- copy thread --------------------------------------------------------------------
@@ -406,54 +409,68 @@ class Pipeline(ChunkLane):
         f.txn.keyframe = f.keyframe
         if f.predictions and self._encoder is not None:
             f.txn.predict(f.predictions)
-        names = (
-            self.dims({p: s.shape for p, s in f.specs.items()})
-            if self.dims is not None and f.specs
-            else None
-        )
-        for path, spec in f.specs.items():  # (none in the flat lane)
-            f.plans[path] = (
-                f.txn.declare(path, spec.dtype, spec.shape)
-                if names is None
-                else f.txn.declare(path, spec.dtype, spec.shape, names.get(path))
-            )
-        if f.flat is not None:  # stored with the commit (maybe by the flusher process)
-            for name, obj in f.objects.items():
-                f.txn.defer_object(name, obj, or_pickle=True)
-        else:
+            f.txn_predicts = True
+        plan = f.flat
+        if plan is None:  # objects only: nothing to copy
             for name, obj in f.objects.items():
                 f.add_pending()
                 self._write_q.put((f, "object", name, obj))
-        if f.flat is not None:
-            self._copy_flat(f, f.flat)
             return
-        if not f.plans:  # objects only: nothing to copy (and no cache sized for nothing)
-            return
-        self._copy_chunks(f)
-
-    def _copy_flat(self, f: Flight, plan: FlatPlan) -> None:
-        """One batched copy of every tensor into a free whole-step buffer."""
+        for name, obj in f.objects.items():  # stored with the commit (maybe by the flusher)
+            f.txn.defer_object(name, obj, or_pickle=True)
         if f.precopied:
-            f.add_pending()
-            f.flat_queued = True
-            f.digest_token = self.flat.ticket()  # digests run in this (queue) order
-            self._write_q.put((f, "flat"))
+            self._queue_flat(f)
             return
         steps = self.flat.ensure_steps(plan)
+        if plan.nbytes > steps.nbytes:
+            self._copy_segments(f, plan)
+            return
         index, waited = steps.acquire()
         f.stall_s += waited
         try:
             dst = plan.views(index, steps.buffers[index])
             self._copier.begin(f.marks)
             self._copier.copy_all(dst, plan.sources(f.tensors)).wait()
+            if self.verify:
+                for path, v in zip(plan.order, dst, strict=True):
+                    f.guard.add_copy(path, _bytes(v))
         except BaseException:
             steps.release(index)  # the step fails; its buffer goes back to the ring
             raise
         f.buffer = index
+        self._queue_flat(f)
+
+    def _queue_flat(self, f: Flight) -> None:
+        """Hand a whole step in its buffer to a writer thread (written once sealed)."""
         f.add_pending()
         f.flat_queued = True
-        f.digest_token = self.flat.ticket()
+        f.digest_token = self.flat.ticket()  # digests run in this (queue) order
         self._write_q.put((f, "flat"))
+
+    def _copy_segments(self, f: Flight, plan: FlatPlan) -> None:
+        """A step larger than a buffer: copy each segment of its layout into a buffer of
+        the ring (waiting for a free one: the budget) and hand it to a writer thread."""
+        f.whole = False
+        steps = self.flat.ensure_steps(plan)
+        plan = f.flat = self.flat.segment_plan(f, plan)
+        segs = self.flat.segments(plan, steps.nbytes)
+        f.sources = {
+            p: flat_bytes(t if t.is_contiguous() else t.contiguous()) for p, t in f.tensors.items()
+        }
+        self.flat.declare(f, plan)
+        self._copier.begin(f.marks)
+        for n, seg in enumerate(segs):
+            if f.dead:
+                return
+            index, waited = steps.acquire()
+            f.stall_s += waited
+            try:
+                self.flat.copy_segment(f, plan, seg, index, self._copier)
+            except BaseException:
+                steps.release(index)
+                raise
+            f.add_pending()
+            self._write_q.put((f, "segment", seg, index, n))
 
     # -- writer threads -----------------------------------------------------------------
     def _write_loop(self) -> None:
@@ -464,8 +481,8 @@ class Pipeline(ChunkLane):
             f = task[0]
             t0, w0 = time.thread_time(), time.perf_counter()
             try:
-                if task[1] == "chunk":
-                    self._write_chunk(f, task[2], task[3], task[4], task[5])
+                if task[1] == "segment":
+                    self.flat.write_segment(f, f.flat, task[2], task[3], task[4])
                 elif task[1] == "flat":
                     self.flat.write(f)
                 elif not f.dead:
@@ -534,7 +551,7 @@ class Pipeline(ChunkLane):
 
     def _record(self, f: Flight) -> None:
         now = time.perf_counter()
-        cache = self.cache
+        steps = self.steps
         m = StepMetrics(
             step=f.step,
             committed=f.header is not None,
@@ -544,8 +561,8 @@ class Pipeline(ChunkLane):
             stall_s=f.stall_s,
             flush_s=now - f.t_stage,
             cache_bytes=f.cache_bytes,
-            cache_peak_bytes=cache.peak_bytes if cache else 0,
-            cache_capacity=cache.capacity if cache else 0,
+            cache_peak_bytes=steps.peak_bytes if steps else 0,
+            cache_capacity=steps.capacity if steps else 0,
             backlog=f.backlog,
             error=None if f.error is None else f"{type(f.error).__name__}: {f.error}",
             writer_cpu_s=f.cpu_s,
@@ -557,6 +574,22 @@ class Pipeline(ChunkLane):
                 self._full_step = None  # a step after the failure committed: room again
         if f.dead:
             self._failed(f)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A typed view's bytes (what the verify checksum sums)."""
+    flat = t.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _verified(f: Flight, plan: FlatPlan, buf: torch.Tensor) -> VersionGuard:
+    """A verify-mode guard of ``f``, with its copy in ``buf`` accounted (``precopied``)."""
+    guard = VersionGuard(
+        f.tensors, {p: t.element_size() for p, t in f.tensors.items()}, verify=True
+    )
+    for path, v in zip(plan.order, plan.views(f.buffer or 0, buf), strict=True):
+        guard.add_copy(path, _bytes(v))
+    return guard
 
 
 def _holds_files(f: Flight) -> bool:

@@ -1,19 +1,12 @@
-"""Staging: a fixed host cache, device→host (or host→host) chunk copies, and the version guard.
+"""Staging: batched device→host (or host→host) copies, and the version guard.
 
-``HostCache`` allocates its byte budget **once** (pinned when CUDA is available) and hands out
-leases from a ring of equal slabs. Chunks are packed into the open slab until it is full; a slab
-returns to the ring when every chunk in it has been written. A chunk never spans slabs, so a
-slab is at least as large as the largest chunk, and the cache can be much smaller than the
-largest tensor (tensors are copied chunk by chunk). When every slab is in use, ``reserve``
-blocks: that is the honest backpressure of a disk slower than training.
-Rejected alternatives: one slab per chunk (a model of many small tensors would burn a whole slab
-per bias vector) and a fresh allocation per step (6-12 GB/s into a reused buffer vs ~1 GB/s
-into fresh pages on this machine, and the RAM blow-ups users report for DCP/Orbax).
-
-``Copier`` copies one byte range of a source tensor into a lease. CPU: a plain ``copy_`` on the
-engine's copy thread (torch releases the GIL). CUDA: ``non_blocking`` copies on a side stream
-that first waits on an event recorded on the compute stream at stage time; each chunk gets its
-own event, which the writer thread synchronizes before touching the bytes.
+``Copier`` copies a list of source tensors into views of a host buffer of the ring
+(``flatlane.StepBuffers``) with one batched call. CPU: ``torch._foreach_copy_`` on the engine's
+copy thread (torch releases the GIL). CUDA: ``non_blocking`` copies on a side stream that
+first waits on an event recorded on the compute stream at stage time; the copy's events are
+synchronized before a writer touches the bytes.
+Rejected alternative: a copy call per chunk into leases of a slab cache (the old chunk lane):
+a Python call, lease and queue item per chunk.
 
 ``VersionGuard`` records every source tensor's ``_version`` at stage time and compares at the
 wait before the next optimizer step; ``verify=True`` adds a wrap-around integer sum of the
@@ -25,8 +18,6 @@ from __future__ import annotations
 
 import operator
 import threading
-import time
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -35,142 +26,14 @@ import torch
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
-__all__ = [
-    "CacheClosedError",
-    "Copier",
-    "HostCache",
-    "Lease",
-    "RaceReport",
-    "Ready",
-    "VersionGuard",
-    "tensor_checksum",
-]
+__all__ = ["Copier", "RaceReport", "Ready", "VersionGuard", "tensor_checksum"]
 
-_ALIGN = 64
 _MASK = (1 << 64) - 1
 _IS_CUDA = operator.attrgetter("is_cuda")
 
 
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-class CacheClosedError(RuntimeError):
-    """The cache was closed while a reservation waited (engine shutting down)."""
-
-
-class _Slab:
-    __slots__ = ("buf", "index", "refs", "sealed", "used")
-
-    def __init__(self, index: int, buf: torch.Tensor) -> None:
-        self.index, self.buf = index, buf
-        self.used = self.refs = 0
-        self.sealed = False
-
-
-class Lease:
-    """A byte range of the cache holding one chunk until ``HostCache.release``."""
-
-    __slots__ = ("nbytes", "slab", "view", "waited_s")
-
-    def __init__(self, slab: _Slab, view: torch.Tensor, nbytes: int, waited_s: float) -> None:
-        self.slab, self.view, self.nbytes, self.waited_s = slab, view, nbytes, waited_s
-
-
-class HostCache:
-    """A fixed ring of host slabs; ``reserve`` blocks while all of them are in use."""
-
-    def __init__(self, capacity_bytes: int, slab_bytes: int, *, pin: bool = False) -> None:
-        slab_bytes = _align(max(1, slab_bytes))
-        n = capacity_bytes // slab_bytes
-        if n < 1:
-            raise ValueError(
-                f"a cache of {capacity_bytes} bytes cannot hold one slab of {slab_bytes} bytes"
-            )
-        self.slab_bytes, self.n_slabs = slab_bytes, n
-        self.pinned = pin
-        self._buf = torch.empty(n * slab_bytes, dtype=torch.uint8, pin_memory=pin)
-        self._slabs = [_Slab(i, self._buf[i * slab_bytes : (i + 1) * slab_bytes]) for i in range(n)]
-        self._free: deque[_Slab] = deque(self._slabs)
-        self._current: _Slab | None = None
-        self._cond = threading.Condition()
-        self._closed = False
-        self.leased_bytes = 0
-        self.peak_bytes = 0
-        self.stall_s = 0.0
-
-    @property
-    def capacity(self) -> int:
-        return self.slab_bytes * self.n_slabs
-
-    @property
-    def slabs_in_use(self) -> int:
-        with self._cond:
-            return self.n_slabs - len(self._free)
-
-    def reserve(self, nbytes: int) -> Lease:
-        """A lease of ``nbytes`` (≤ ``slab_bytes``); blocks until a slab is free."""
-        if nbytes > self.slab_bytes:
-            raise ValueError(f"chunk of {nbytes} bytes does not fit a {self.slab_bytes}-byte slab")
-        waited = 0.0
-        with self._cond:
-            cur = self._current
-            if cur is None or cur.used + nbytes > self.slab_bytes:
-                if cur is not None:
-                    self._seal_locked(cur)
-                t0 = time.perf_counter()
-                while not self._free:
-                    if self._closed:
-                        raise CacheClosedError("host cache closed")
-                    self._cond.wait()
-                waited = time.perf_counter() - t0
-                self.stall_s += waited
-                cur = self._free.popleft()
-                cur.used, cur.refs, cur.sealed = 0, 0, False
-                self._current = cur
-            if self._closed:
-                raise CacheClosedError("host cache closed")
-            off = cur.used
-            cur.used = min(self.slab_bytes, off + _align(nbytes))
-            cur.refs += 1
-            self.leased_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.leased_bytes)
-            return Lease(cur, cur.buf[off : off + nbytes], nbytes, waited)
-
-    def release(self, lease: Lease) -> None:
-        with self._cond:
-            s = lease.slab
-            s.refs -= 1
-            self.leased_bytes -= lease.nbytes
-            if s.refs == 0:
-                if s is self._current:
-                    s.used = 0  # empty and still open: pack again from the start
-                elif s.sealed:
-                    self._free.append(s)
-                    self._cond.notify_all()
-
-    def seal(self) -> None:
-        """Close the open slab (end of a step) so it is recycled once its chunks are written."""
-        with self._cond:
-            if self._current is not None:
-                self._seal_locked(self._current)
-
-    def _seal_locked(self, s: _Slab) -> None:
-        s.sealed = True
-        self._current = None
-        if s.refs == 0:
-            self._free.append(s)
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        """Wake and fail every waiting ``reserve`` (shutdown)."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-
 class Ready(Protocol):
-    """A copied chunk; ``wait`` returns once its bytes are in host memory."""
+    """A batched copy; ``wait`` returns once its bytes are in host memory."""
 
     def wait(self) -> None: ...
 
@@ -178,16 +41,6 @@ class Ready(Protocol):
 class _Done:
     def wait(self) -> None:
         return None
-
-
-class _EventReady:
-    __slots__ = ("event",)
-
-    def __init__(self, event: torch.cuda.Event) -> None:
-        self.event = event
-
-    def wait(self) -> None:
-        self.event.synchronize()
 
 
 DONE: Ready = _Done()
@@ -220,18 +73,6 @@ class Copier:
         """On the copy thread: side streams wait for the compute work of the staged step."""
         for dev, ev in marks.items():
             self._stream(dev).wait_event(ev)
-
-    def copy(self, src: torch.Tensor, start: int, stop: int, lease: Lease) -> Ready:
-        part = src[start:stop]
-        if part.is_cuda:
-            stream = self._stream(part.device)
-            with torch.cuda.stream(stream):
-                lease.view.copy_(part, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-            return _EventReady(ev)
-        lease.view.copy_(part)
-        return DONE
 
     def copy_all(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Ready:
         """Copy every ``src`` into its ``dst`` (same shapes) with one batched call; CUDA

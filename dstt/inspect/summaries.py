@@ -56,7 +56,7 @@ SUMMARIES_OBJECT = schema.SUMMARIES_OBJECT
 def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
     """One commit's summaries object as ``{array path: {field: value}}``.
 
-    The engine writes either that mapping (its chunk lane) or, from its flat lane, one
+    The engine writes either that mapping (a step written in segments) or, whole, one
     *columnar* object ``{"columns": 1, "path": [...], "l2": array, ..., "probe": array
     (tensor, probe_index) NaN-padded, "probe_len": array}``; both read the same here.
     """
@@ -158,12 +158,12 @@ def summaries_dataset(
     float64 (NaN where unknown or absent), ``update_exact`` (bool), and ``probe`` over
     ``(step, tensor, probe_index)`` (NaN-padded). ``update_l2`` and ``update_ratio`` compare
     each commit with its parent commit; they are exact where ``update_exact`` is True (the
-    engine compared the parent's whole copy: the flat lane, every step after a session's
-    first) and *estimates* from the probed elements where it is False (a session's first
-    step after a resume, the chunk lane); their ``attrs`` say so (:func:`label_updates`).
-    ``tensor`` holds user names without wrapper components (:func:`tensor_names`);
-    ``store_path`` is a coordinate along it; along ``step`` the coordinates of
-    :func:`step_coords`.
+    engine compared the parent's whole copy: a step written whole, every step after a
+    session's first) and *estimates* from the probed elements where it is False (a session's
+    first step after a resume, a step written in segments); their ``attrs`` say so
+    (:func:`label_updates`). ``tensor`` holds user names without wrapper components
+    (:func:`tensor_names`); ``store_path`` is a coordinate along it; along ``step`` the
+    coordinates of :func:`step_coords`.
     """
     by_step = {int(h.step): h for h in headers if SUMMARIES_OBJECT in h.objects}
     with_sum = [by_step[k] for k in sorted(by_step)]  # ``step`` stays a unique index

@@ -1,4 +1,4 @@
-"""The CUDA path: side-stream copies into a pinned cache, events, resume on the device.
+"""The CUDA path: side-stream copies into a pinned ring, events, resume on the device.
 
 Skipped without a CUDA device; run on a GPU machine with ``pytest -m gpu tests/engine``.
 """
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dstt.engine._convert import flat_bytes
-from dstt.engine.staging import Copier, HostCache
+from dstt.engine.flatlane import StepBuffers
+from dstt.engine.staging import Copier
 from dstt.errors import RaceError
 from dstt.store import Repository
 from dstt.testing.models import SyntheticBatches, TinyGPT
@@ -25,22 +26,24 @@ pytestmark = [
 ]
 
 
-def test_side_stream_copy_into_pinned_slabs_is_exact() -> None:
+def test_side_stream_copy_into_a_pinned_ring_in_segments_is_exact() -> None:
     src = torch.randn(1000, 37, device="cuda").to(torch.bfloat16)
     flat = flat_bytes(src)
-    cache = HostCache(1 << 16, 1 << 14, pin=True)
-    assert cache.pinned
+    ring = StepBuffers(1 << 14, 2, pin=True)
+    assert ring.pinned
     copier = Copier()
     copier.begin(Copier.mark([src]))
     out = torch.empty(flat.numel(), dtype=torch.uint8)
     step = 1 << 14
     for start in range(0, flat.numel(), step):
         stop = min(start + step, flat.numel())
-        lease = cache.reserve(stop - start)
-        copier.copy(flat, start, stop, lease).wait()
-        out[start:stop] = lease.view
-        cache.release(lease)
+        index, _ = ring.acquire()
+        view = ring.buffers[index][: stop - start]
+        copier.copy_all([view], [flat[start:stop]]).wait()
+        out[start:stop] = view
+        ring.release(index)
     assert torch.equal(out, flat.cpu())
+    ring.close()
 
 
 def _gpt(seed: int):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dstt import DeltaPolicy
-from dstt.engine.flight import write_order
+from dstt.engine.flatlane import write_order
 from dstt.engine.governor import EncodeGovernor
 from dstt.engine.predictions import optimizer_predictions
 from dstt.schema import tensor_path

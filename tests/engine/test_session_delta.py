@@ -129,7 +129,6 @@ def test_an_encoding_session_captures_every_step_with_one_batched_copy(tmp_path:
         p = s._pipeline
         assert p is not None
         assert p.steps is not None
-        assert p.cache is None
         w = m.layers[0].qkv.weight
         final = {
             "params/layers/0/qkv/weight": w.detach().clone(),

@@ -1,4 +1,4 @@
-"""Host cache, chunk copies and the version guard, without a store."""
+"""The buffer ring, segmented copies and the version guard, without a store."""
 
 from __future__ import annotations
 
@@ -11,65 +11,48 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dstt.engine._convert import flat_bytes
-from dstt.engine.staging import (
-    CacheClosedError,
-    Copier,
-    HostCache,
-    VersionGuard,
-    tensor_checksum,
-)
+from dstt.engine.flatlane import StepBuffers, segments
+from dstt.engine.staging import Copier, VersionGuard, tensor_checksum
+from dstt.store.format.flat import FlatLayout
 from dstt.store.format.layout import plan_chunks
 
 
-def test_cache_packs_small_chunks_into_one_slab() -> None:
-    cache = HostCache(4 * 1024, 1024)
-    leases = [cache.reserve(100) for _ in range(5)]
-    assert len({id(le.slab) for le in leases}) == 1
-    assert cache.slabs_in_use == 1
-    for le in leases:
-        cache.release(le)
-    cache.seal()
-    assert cache.slabs_in_use == 0
-    assert cache.leased_bytes == 0
-
-
-def test_cache_applies_backpressure_until_a_slab_is_released() -> None:
-    cache = HostCache(2 * 1024, 1024)
-    a, b = cache.reserve(1024), cache.reserve(1024)
-    got: list[object] = []
-    t = threading.Thread(target=lambda: got.append(cache.reserve(512)))
+def test_the_ring_applies_backpressure_until_a_buffer_is_released() -> None:
+    ring = StepBuffers(1024, 2)
+    a, _ = ring.acquire()
+    b, _ = ring.acquire()
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.append(ring.acquire()[0]))
     t.start()
     time.sleep(0.1)
-    assert got == []  # both slabs leased: the third reservation waits
-    cache.release(a)
+    assert got == []  # both buffers held: the third acquire waits
+    assert ring.peak_bytes == ring.capacity == 2048
+    ring.release(a)
     t.join(2)
-    assert len(got) == 1
-    assert cache.stall_s > 0.05
-    cache.release(b)
+    assert got == [a]
+    assert ring.stall_s > 0.05
+    ring.release(b)
+    ring.release(a)
+    assert ring.in_use == 0
 
 
-def test_cache_close_wakes_a_blocked_reservation() -> None:
-    cache = HostCache(1024, 1024)
-    cache.reserve(1024)
+def test_closing_the_ring_wakes_a_blocked_acquire() -> None:
+    ring = StepBuffers(64, 1)
+    ring.acquire()
     errors: list[BaseException] = []
 
     def blocked() -> None:
         try:
-            cache.reserve(10)
-        except CacheClosedError as e:
+            ring.acquire()
+        except RuntimeError as e:
             errors.append(e)
 
     t = threading.Thread(target=blocked)
     t.start()
     time.sleep(0.05)
-    cache.close()
+    ring.close()
     t.join(2)
     assert len(errors) == 1
-
-
-def test_cache_rejects_a_chunk_larger_than_a_slab() -> None:
-    with pytest.raises(ValueError, match="does not fit"):
-        HostCache(4096, 1024).reserve(2000)
 
 
 @settings(max_examples=40, deadline=None)
@@ -77,26 +60,29 @@ def test_cache_rejects_a_chunk_larger_than_a_slab() -> None:
     shape=st.lists(st.integers(0, 40), min_size=0, max_size=3),
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8]),
     chunk=st.integers(8, 600),
-    slabs=st.integers(1, 4),
+    room=st.integers(1, 4),
 )
-def test_chunked_copy_through_a_small_cache_is_byte_exact(shape, dtype, chunk, slabs) -> None:
-    """Any tensor, copied chunk by chunk through a cache smaller than itself, arrives intact."""
+def test_a_segmented_copy_through_a_small_ring_is_byte_exact(shape, dtype, chunk, room) -> None:
+    """Any tensor, copied segment by segment through a buffer smaller than itself (at least
+    one chunk), arrives intact: the segments' parts cover its bytes once, in order."""
     t = (torch.randn(shape) * 1000).to(dtype)
     src = flat_bytes(t)
     plan = plan_chunks(tuple(shape), t.element_size(), chunk)
-    slab = (max(1, min(plan.chunk_nbytes, plan.nbytes)) + 63) // 64 * 64
-    cache = HostCache(slabs * slab, slab)
+    layout = FlatLayout.build([("x/t", "float32", plan)], framed=False)
+    nbytes = max(1, min(plan.chunk_nbytes, plan.nbytes)) * room
+    ring = StepBuffers(nbytes, 2)
     out = torch.empty_like(src)
     copier = Copier()
-    for i in range(plan.n_chunks):
-        start, stop = plan.byte_range(i)
-        lease = cache.reserve(stop - start)
-        copier.copy(src, start, stop, lease).wait()
-        out[start:stop] = lease.view  # what a writer thread would write
-        cache.release(lease)
-    cache.seal()
+    for seg in segments(layout, nbytes):
+        index, _ = ring.acquire()
+        buf = ring.buffers[index]
+        dst = [buf[lo - seg.start : hi - seg.start] for _, lo, hi in seg.parts]
+        copier.copy_all(dst, [src[lo:hi] for _, lo, hi in seg.parts]).wait()
+        for _, lo, hi in seg.parts:  # what a writer thread would write
+            out[lo:hi] = buf[lo - seg.start : hi - seg.start]
+        ring.release(index)
     assert torch.equal(out, src)
-    assert cache.slabs_in_use == 0
+    assert ring.in_use == 0
 
 
 def test_checksum_is_additive_over_chunks() -> None:

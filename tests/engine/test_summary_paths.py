@@ -2,13 +2,13 @@
 
 A step's summaries are computed from the host copy its bytes were written from — in the
 flusher process (flat lane, raw steps), in this process's writer threads (flat lane without a
-flusher, or a step the writer encodes) or per chunk (the chunk lane, for states larger than
-half the budget). Each path hands its own buffer to the one kernel (``dstt.analysis.
-summary_kernel``), so each is checked here on its own, at every step, and the lanes against
-each other (bit-equal where a tensor is one chunk): ``l2``, ``rms``, ``maxabs``, NaN/Inf, the
-probe values and ``update_l2`` (exact in the flat lane, which keeps the parent's copy where
-it digests; estimated from the probes in the chunk lane) must equal what the committed
-tensors of that step (and the one before) give. A summary taken from the wrong
+flusher, or a step the writer encodes) or per chunk (a state larger than half the budget,
+written in segments of its layout). Each path hands its own buffer to the one kernel
+(``dstt.analysis.summary_kernel``), so each is checked here on its own, at every step, and the
+lanes against each other (bit-equal where a tensor is one chunk): ``l2``, ``rms``, ``maxabs``,
+NaN/Inf, the probe values and ``update_l2`` (exact for a whole step, which keeps the parent's
+copy where it digests; estimated from the probes for a segmented step) must equal what the
+committed tensors of that step (and the one before) give. A summary taken from the wrong
 buffer — the ring's other step, a stale or a zeroed one — fails at once.
 """
 
@@ -30,7 +30,7 @@ from ._helpers import MLP, committed_steps, mlp_batch, stored, train_step
 
 STEPS = 6
 D_IN = HIDDEN = 48  # parameters and Adam state ~ 30 KiB: flat lane under the default budget
-CHUNK_BUDGET = 16 * 1024  # under twice the state: the chunk lane
+CHUNK_BUDGET = 16 * 1024  # under twice the state: in segments
 
 #: name -> (flusher process, encoded, lane)
 PATHS = {
@@ -38,8 +38,8 @@ PATHS = {
     "flusher-encoded-flat": (True, True, "flat"),  # deltas here, the keyframe in the flusher
     "threads-raw-flat": (False, False, "flat"),
     "threads-encoded-flat": (False, True, "flat"),
-    "raw-chunk": (False, False, "chunk"),
-    "encoded-chunk": (False, True, "chunk"),
+    "raw-segments": (False, False, "segments"),
+    "encoded-segments": (False, True, "segments"),
 }
 
 
@@ -60,7 +60,7 @@ def test_summaries_match_the_stored_tensors_at_every_step(
     torch.manual_seed(0)
     m = MLP(d_in=D_IN, hidden=HIDDEN)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    options: dict = {"budget_bytes": CHUNK_BUDGET} if lane == "chunk" else {}
+    options: dict = {"budget_bytes": CHUNK_BUDGET} if lane == "segments" else {}
     if encoded:
         options["encoding"] = DeltaPolicy(raw_when_busy=False)  # every step it can, encoded
     run = tmp_path / "run"
@@ -72,8 +72,11 @@ def test_summaries_match_the_stored_tensors_at_every_step(
         pipe = s._pipeline
         assert pipe is not None
         # the path this case is about is the one that ran
-        assert (pipe.steps is not None) == (lane == "flat"), name
         assert (pipe.flusher is not None and not pipe.flusher.dead) == flusher, name
+    assert pipe.steps is not None
+    segmented = s.metrics[-1].bytes > pipe.steps.nbytes
+    assert segmented == (lane == "segments"), name
+    assert pipe.steps.capacity <= pipe.budget_bytes  # the ring never grows past the budget
     repo = Repository.open(run)
     assert committed_steps(repo) == list(range(1, STEPS + 1))
     r = repo.reader()
@@ -98,7 +101,7 @@ def test_summaries_match_the_stored_tensors_at_every_step(
             if h.step == 1:
                 assert row["update_l2"] is None, where
                 continue
-            # the flat lane compares with its parent's whole copy; the chunk lane estimates
+            # a whole step compares with its parent's whole copy; a segmented one estimates
             assert row["update_exact"] is (lane == "flat"), where
             prev = stored(repo, h.step - 1, path).double().numpy()
             want = expected_update(prev, cur, path, bool(row["update_exact"]))
@@ -123,11 +126,14 @@ def _summaries_by_lane(
     torch.manual_seed(0)
     m = MLP(d_in=D_IN, hidden=HIDDEN)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    options: dict = {"budget_bytes": WHOLE_CHUNK_BUDGET} if lane == "chunk" else {}
+    options: dict = {"budget_bytes": WHOLE_CHUNK_BUDGET} if lane == "segments" else {}
     with session(m, opt, run=tmp_path / name, **options) as s:
         for i in range(STEPS):
             train_step(m, opt, *mlp_batch(i, d_in=D_IN))
-        assert (s._pipeline.steps is not None) == (lane == "flat"), name  # type: ignore[union-attr]
+        pipe = s._pipeline
+    assert pipe is not None
+    assert pipe.steps is not None
+    assert (s.metrics[-1].bytes > pipe.steps.nbytes) == (lane == "segments"), name
     r = Repository.open(tmp_path / name).reader()
     out = {}
     for h in r.lineage():
@@ -140,16 +146,16 @@ def _summaries_by_lane(
 def test_every_lane_stores_the_same_summary_bits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One seeded run captured by the chunk lane (per host chunk, the engine's writer
-    threads), the flat lane's flusher process and its writer threads: the same tensors
-    give bit-equal l2, rms, maxabs, NaN/Inf counts and probes (one kernel; a tensor's
-    numbers do not depend on its neighbours in a buffer). The updates differ by design:
-    exact in the flat lane, estimated in the chunk lane."""
+    """One seeded run captured in segments (per chunk, the engine's writer threads), and
+    whole by the flusher process and by the writer threads: the same tensors give
+    bit-equal l2, rms, maxabs, NaN/Inf counts and probes (one kernel; a tensor's numbers
+    do not depend on its neighbours in a buffer). The updates differ by design: exact for
+    a whole step, estimated for a segmented one."""
     runs = {
         n: _summaries_by_lane(tmp_path, monkeypatch, n)
-        for n in ("raw-chunk", "flusher-raw-flat", "threads-raw-flat")
+        for n in ("raw-segments", "flusher-raw-flat", "threads-raw-flat")
     }
-    chunk = runs.pop("raw-chunk")
+    chunk = runs.pop("raw-segments")
     assert sorted(chunk) == list(range(1, STEPS + 1))
     for name, flat in runs.items():
         assert sorted(flat) == sorted(chunk), name

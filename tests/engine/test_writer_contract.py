@@ -2,8 +2,8 @@
 
 The pipeline drives a store ``Writer`` in a single-rank session, a ``RankWriter`` (through its
 ``RankTransaction`` proxies) under torch.distributed or DeepSpeed, and the DeepSpeed checkpoint
-engine's tag writer. They must behave alike: the same steps committed bit-exactly, in both
-capture lanes (flat and chunked), and the same encoding decisions. A proxy that drops an
+engine's tag writer. They must behave alike: the same steps committed bit-exactly, whole or in
+segments, and the same encoding decisions. A proxy that drops an
 attribute the pipeline reads (``encoder`` once: a one-rank DeltaPolicy run then wrote every
 step raw) fails here.
 """
@@ -17,9 +17,16 @@ from typing import Any
 import pytest
 import torch
 
+from dstt.engine.flatlane import FlatPlan
 from dstt.engine.pipeline import Pipeline
 from dstt.engine.ranks import RankInfo, open_ranks
-from dstt.store._internal import DeltaPolicy, FlatStepWriter, Repository, StepTransaction
+from dstt.store._internal import (
+    DeltaPolicy,
+    FlatImage,
+    FlatStepWriter,
+    Repository,
+    StepTransaction,
+)
 
 from ._helpers import same_bits, stored
 
@@ -70,7 +77,7 @@ def _capture(writer: Any, steps: int, budget: int) -> dict[int, dict[str, torch.
 
 
 @pytest.mark.parametrize("name", sorted(WRITERS))
-@pytest.mark.parametrize("budget", [1 << 20, 4096], ids=["flat", "chunked"])
+@pytest.mark.parametrize("budget", [1 << 20, 4096], ids=["flat", "segments"])
 def test_every_writer_commits_the_same_steps_bit_exactly(
     tmp_path: Path, name: str, budget: int
 ) -> None:
@@ -149,3 +156,28 @@ def test_a_step_that_fails_before_its_write_gives_its_buffer_back(
         6,
         7,
     ]
+
+
+@pytest.mark.parametrize("name", sorted(WRITERS))
+def test_every_transaction_writes_a_reserved_flat_range_again(tmp_path: Path, name: str) -> None:
+    """A flat write the flusher process reserved but died in is written again from the
+    engine with ``put_flat(start=)``; every transaction takes it (the rank proxy had
+    dropped ``start``, so a rank whose flusher died failed the step instead)."""
+    run = tmp_path / "run"
+    writer = WRITERS[name](run, None)
+    try:
+        ts = _tensors(1)
+        plan = FlatPlan.build(writer, ts)
+        buf = torch.zeros(plan.nbytes, dtype=torch.uint8)
+        with torch.no_grad():
+            torch._foreach_copy_(plan.views(0, buf), plan.sources(ts))
+        txn = writer.begin(1)
+        start = txn.reserve_flat(plan.layout, lambda s: FlatImage(plan.layout, s, None).nbytes)
+        txn.put_flat(plan.layout, buf.numpy(), start=start)
+        txn.commit()
+    finally:
+        writer.close()
+    repo = Repository.open(run)
+    for path, t in ts.items():
+        assert same_bits(stored(repo, 1, path), t), (name, path)
+    assert repo.verify().ok
