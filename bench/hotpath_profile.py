@@ -50,7 +50,7 @@ from dstt.store.storage import local as L
 HZ = os.sysconf("SC_CLK_TCK")
 #: (owner, method names) timed per call
 TIMED: list[tuple[Any, str]] = [
-    (P.Pipeline, "stage _copy_flat"),
+    (P.Pipeline, "stage _copy"),
     (CM.Committer, "_finish put_object _flat_summaries"),
     (FW.FlatLane, "write"),
     (TX.Transaction, "commit put_object arrays_table reserve_flat complete_flat"),

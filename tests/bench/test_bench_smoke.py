@@ -189,7 +189,7 @@ def test_hotpath_profile_runs_and_names_the_engine_threads_and_steps() -> None:
         "| training (main) |",
         "| dstt-commit |",
         "| dstt-copy |",
-        "| `Pipeline._copy_flat` |",
+        "| `Pipeline._copy` |",
         "| `Transaction.commit` |",
         "| `Pipeline.stage` |",
     ):
