@@ -219,14 +219,14 @@ class Transaction:
         chunks keeps its chunks one by one, raw (the commit then refuses the step)."""
         with self._lock:
             staged, self._staged = self._staged, {}
+            if not staged:  # a flat step: nothing staged, no per-array work at its commit
+                return
             plans = self.columns.plans
             whole = [
                 p
                 for p, (_, plan) in plans.items()
                 if len(staged[p][1] if p in staged else ()) == plan.n_chunks
             ]
-        if not staged:
-            return
         enc = self.writer.encoder
         assert enc is not None
         dims = self.writer.dims
