@@ -12,9 +12,6 @@ pipeline are code, and the user's own script already builds them.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from typing import TYPE_CHECKING, Any
 
 from .common import EXIT_OK, UsageError, _emit, _fmt, _resolve_run
@@ -29,25 +26,15 @@ _KEYS = ("model", "optimizer", "scheduler", "dataset", "collate", "batches", "lo
 
 
 def load_factory(spec: str) -> Any:
-    """``path/to/file.py:function`` -> the function (the file imported as a module, its
-    folder on ``sys.path`` so it can import its neighbours)."""
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path or not name:
-        raise UsageError(f"--script takes FILE.py:FUNCTION (e.g. train.py:make), not {spec!r}")
-    if not os.path.isfile(path):
-        raise UsageError(f"--script: no file {path!r}")
-    folder = os.path.dirname(os.path.abspath(path))
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    mod_spec = importlib.util.spec_from_file_location("_dstt_replay_script", path)
-    if mod_spec is None or mod_spec.loader is None:
-        raise UsageError(f"--script: cannot import {path!r}")
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise UsageError(f"--script: {path!r} has no function {name!r}")
-    return fn
+    """``path/to/file.py:function`` -> the function, loaded as ``dstt.open(run,
+    replay=...)`` loads it (:func:`dstt.inspect.rebuild.load_factory`); a bad spec exits 2."""
+    from dstt.errors import ConfigError
+    from dstt.inspect.rebuild import load_factory as load
+
+    try:
+        return load(spec)
+    except ConfigError as e:
+        raise UsageError(f"--script: {e}") from None
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
