@@ -608,7 +608,18 @@ class Dcp(Checkpointer):
         try:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            self.stager = DefaultStager(
+            class KeptStager(DefaultStager):  # type: ignore[misc]
+                """Closed by this bench alone: some torch releases (2.11 seen) close a
+                caller's stager inside ``async_save``, which empties its copy dispatch
+                table, so the next staging fails with ``KeyError: <class 'type'>``."""
+
+                def close(self) -> None:
+                    pass
+
+                def shutdown(self) -> None:
+                    super().close()
+
+            self.stager = KeptStager(
                 StagingOptions(
                     use_pinned_memory=cuda,
                     use_shared_memory=False,
@@ -684,7 +695,7 @@ class Dcp(Checkpointer):
             self.drain()
         if self.stager is not None:
             with contextlib.suppress(Exception):
-                self.stager.close()
+                self.stager.shutdown()
         self._stack.close()
         shutil.rmtree(self.path, ignore_errors=True)
 
