@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import dstt
 from dstt.engine._convert import flat_bytes
 from dstt.engine.flatlane import StepBuffers
 from dstt.engine.staging import Copier
@@ -118,3 +119,57 @@ def test_back_to_back_flat_sessions_leave_cuda_usable(tmp_path: Path) -> None:
     assert int(pinned[-1]) == 1
     _, loss = m(*(t.cuda() for t in next(iter(SyntheticBatches(1)))))
     assert torch.isfinite(loss)
+
+
+def test_auto_capture_on_cuda_rebuilds_a_light_step_bit_for_bit() -> None:
+    """``every="auto"`` on the device: a storage slowed so the engine stays busy makes light
+    steps, and replay rebuilds one to the bits an every=1 run stored at that step."""
+    import time
+
+    from dstt.engine.torch_state import discover
+    from dstt.store.storage.memory import FaultyStorage, MemoryStorage
+
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(96, 8), torch.randn(96, 4))
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+        ).cuda()
+        return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+    def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x, y = (t.cuda() for t in batch)
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    def train(repo: Repository, every: int | str, **options: object) -> None:
+        m, opt = build()
+        loader = torch.utils.data.DataLoader(data, batch_size=4)
+        with session(m, opt, run=repo, every=every, **options) as s:  # type: ignore[arg-type]
+            for batch in s.data(loader):
+                loss = loss_fn(m, batch)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                s.log(loss=loss)
+
+    ref = MemoryStorage()
+    Repository.create(ref)
+    train(Repository(ref), every=1)
+    inner = MemoryStorage()
+    Repository.create(inner)
+    slow = FaultyStorage(inner, on_write=lambda key: time.sleep(0.05))
+    train(Repository(slow), every="auto", max_backlog=2, max_gap=4)
+    run = dstt.open(Repository(inner))
+    light = sorted(run.light_steps())
+    assert light, "the slowed storage should have made light steps"
+    ref_repo = Repository(ref)
+    for k in light[:2]:
+        m, opt = build()
+        got = run.rebuild(k, m, opt, dataset=data, loss_fn=loss_fn)
+        assert got.faithful
+        assert got.step == k
+        tensors = discover(m, opt).step_state.tensors()
+        for path in ref_repo.reader().arrays(ref_repo.reader().find(k)):
+            assert same_bits(tensors[path], stored(ref_repo, k, path)), (k, path)
