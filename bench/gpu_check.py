@@ -102,7 +102,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -560,6 +560,17 @@ class TorchSave(Checkpointer):
         shutil.rmtree(self.path, ignore_errors=True)
 
 
+def plain(obj: Any) -> Any:
+    """``obj`` with every mapping a ``dict`` (a module's ``state_dict`` is an ``OrderedDict``):
+    torch 2.11's DCP staging deep-copies other containers through ``__reduce_ex__`` and then
+    fails on the class in the reduction (``KeyError: <class 'type'>``; seen on the H200)."""
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [plain(v) for v in obj]
+    return obj
+
+
 @contextlib.contextmanager
 def one_rank_group(work: Path, cuda: bool) -> Iterator[tuple[Any, str]]:
     """A one-process group for DCP's collectives, destroyed on exit."""
@@ -608,18 +619,7 @@ class Dcp(Checkpointer):
         try:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            class KeptStager(DefaultStager):  # type: ignore[misc]
-                """Closed by this bench alone: some torch releases (2.11 seen) close a
-                caller's stager inside ``async_save``, which empties its copy dispatch
-                table, so the next staging fails with ``KeyError: <class 'type'>``."""
-
-                def close(self) -> None:
-                    pass
-
-                def shutdown(self) -> None:
-                    super().close()
-
-            self.stager = KeptStager(
+            self.stager = DefaultStager(
                 StagingOptions(
                     use_pinned_memory=cuda,
                     use_shared_memory=False,
@@ -669,7 +669,7 @@ class Dcp(Checkpointer):
             kw: dict[str, Any] = {"storage_writer": self._writer(d), "process_group": self.pg}
             if self.stager is not None:
                 kw["async_stager"] = self.stager
-            resp = dcp.async_save(self.tr.state_dict(), **kw)
+            resp = dcp.async_save(plain(self.tr.state_dict()), **kw)
         if hasattr(resp, "upload_completion"):
             self.staging, self.upload = resp.staging_completion, resp.upload_completion
         else:
@@ -695,7 +695,7 @@ class Dcp(Checkpointer):
             self.drain()
         if self.stager is not None:
             with contextlib.suppress(Exception):
-                self.stager.shutdown()
+                self.stager.close()
         self._stack.close()
         shutil.rmtree(self.path, ignore_errors=True)
 
@@ -1255,6 +1255,7 @@ class Results:
 
 # -- main -----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
+    global MODES
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for gpu_check.json and pytest.txt")
     ap.add_argument("--dry", action="store_true", help="tiny models on the CPU (the test)")
@@ -1277,6 +1278,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="micro-batches per iteration for every model (default: from the disk)",
     )
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated parts (and/or 'resume') to run, in the plan's order (default all)",
+    )
+    ap.add_argument("--modes", default=None, help=f"comma-separated subset of {','.join(MODES)}")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     # child processes (dstt's flusher, the pytest part) import this repository's dstt too
@@ -1286,6 +1293,17 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.budget_s if args.budget_s is not None else (300.0 if args.dry else 450.0)
     deadline = t_start + budget
     plan = DRY if args.dry else FULL
+    if args.modes:
+        unknown = set(args.modes.split(",")) - set(MODES)
+        if unknown or "none" not in args.modes.split(","):
+            ap.error(f"--modes: a subset of {MODES} with none in it (unknown: {unknown})")
+        MODES = tuple(m for m in MODES if m in args.modes.split(","))
+    if args.only:
+        keep = set(args.only.split(","))
+        unknown = keep - set(plan.parts) - {"resume"}
+        if unknown:
+            ap.error(f"--only: unknown parts {sorted(unknown)}; known: {sorted(plan.parts)}")
+        plan = replace(plan, schedule=tuple(s for s in plan.schedule if s.part in keep))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {
