@@ -13,10 +13,24 @@ which every ``dstt ls`` would pay for.
 
 from __future__ import annotations
 
-from .diagnose import Diagnosis, RunDiagnostics
+from typing import TYPE_CHECKING
+
 from .metrics import Metrics
 from .opening import find_run_root, open_run
 from .run import Run
 from .snapshot import Snapshot
 
+if TYPE_CHECKING:
+    from .diagnose import Diagnosis, RunDiagnostics
+
 __all__ = ["Diagnosis", "Metrics", "Run", "RunDiagnostics", "Snapshot", "find_run_root", "open_run"]
+
+
+def __getattr__(name: str) -> object:
+    """``Diagnosis`` and ``RunDiagnostics`` on first use: their module loads the spike and
+    divergence rules, which opening or listing a run never needs."""
+    if name in ("Diagnosis", "RunDiagnostics"):
+        from . import diagnose
+
+        return getattr(diagnose, name)
+    raise AttributeError(f"module 'dstt.run' has no attribute {name!r}")

@@ -12,6 +12,7 @@ access (steps would change between two cells read together).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,6 @@ from dstt.inspect.html import run_html, run_summary
 from dstt.inspect.readers import ReaderPool
 
 from . import views
-from .diagnose import Diagnosis, RunDiagnostics
 from .lines import Lines, Steps
 from .metrics import Metrics
 from .rebuilt import Rebuilder
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from dstt.run.snapshot import Snapshot
     from dstt.store._internal import Batch, CommitHeader, Reader, Repository, SkipSet
 
+    from .diagnose import Diagnosis, RunDiagnostics
+
 __all__ = ["Run"]
 
 
@@ -54,8 +56,14 @@ class Run:
         self._catalogs: LRU[int, Catalog] = LRU(16)
         #: what rebuilds light steps (``use_replay``), and the steps rebuilt (``rebuilt.py``)
         self._rebuilder = Rebuilder(self)
-        #: spikes, data attribution, non-finite values, divergence (``diagnose.py``)
-        self._diagnostics = RunDiagnostics(self)
+
+    @functools.cached_property
+    def _diagnostics(self) -> RunDiagnostics:
+        """Spikes, data attribution, non-finite values, divergence (``diagnose.py``), built
+        at first use: its spike rules are nothing ``dstt ls`` or ``run.steps`` needs."""
+        from .diagnose import RunDiagnostics
+
+        return RunDiagnostics(self)
 
     # -- timelines and steps ----------------------------------------------------------------
     def refresh(self) -> Run:
