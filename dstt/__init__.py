@@ -48,8 +48,8 @@ if _TYPE_CHECKING:  # the lazy names, as type checkers see them (``_LAZY`` impor
     from . import plots, widgets
     from .engine.pipeline import StepMetrics
     from .integrations.imports import import_checkpoints
+    from .run.opening import open_run as open
     from .run.run import Run
-    from .run.run import open_run as open
     from .run.snapshot import Snapshot
     from .store import Retention
     from .store.codec import DeltaPolicy

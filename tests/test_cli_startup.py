@@ -237,3 +237,91 @@ def test_light_steps_are_found_from_the_index_bytes(tmp_path: Path) -> None:
     # one's objects); 6 and 7 are not read at all
     assert {h.step for h in got} == {*carriers, 0, 1, 2}
     assert sorted(run.light_steps()) == [3, 4, 8, 10, 11]
+
+
+#: what ``dstt ls`` and ``dstt.open(run).steps`` may load beyond a bare interpreter: the
+#: standard library, numpy (the index's columns are numpy arrays: ~0.1 s of the 0.3 s budget,
+#: docs/performance.md "First contact") and the dstt modules below — the store's read path,
+#: the run's facade and its parts, the names of a commit, the CLI's command modules. Not the
+#: spike rules, the views' builders, the codecs, the engine, the write path: a new import on
+#: these paths fails here by name.
+READ_PATH = {
+    "dstt",
+    "dstt._lru",
+    "dstt.cli",
+    "dstt.cli.changes",
+    "dstt.cli.common",
+    "dstt.cli.explain",
+    "dstt.cli.imports",
+    "dstt.cli.inspect",
+    "dstt.cli.parser",
+    "dstt.cli.replay",
+    "dstt.cli.virtual",
+    "dstt.errors",
+    "dstt.inspect",
+    "dstt.inspect.catalog",
+    "dstt.inspect.html",
+    "dstt.inspect.naming",
+    "dstt.inspect.readers",
+    "dstt.inspect.selection",
+    "dstt.inspect.sharded",
+    "dstt.run",
+    "dstt.run.lines",
+    "dstt.run.metrics",
+    "dstt.run.opening",
+    "dstt.run.rebuilt",
+    "dstt.run.run",
+    "dstt.run.snapshot",
+    "dstt.run.views",
+    "dstt.schema",
+    "dstt.store",
+    "dstt.store._internal",
+    "dstt.store.format",
+    "dstt.store.format.envelope",
+    "dstt.store.format.layout",
+    "dstt.store.format.manifest",
+    "dstt.store.format.objects",
+    "dstt.store.format.records",
+    "dstt.store.format.segment",
+    "dstt.store.format.zarr_meta",
+    "dstt.store.index",
+    "dstt.store.index.rows",
+    "dstt.store.index.shard_summaries",
+    "dstt.store.index.source",
+    "dstt.store.index.view",
+    "dstt.store.read",
+    "dstt.store.read.chunks",
+    "dstt.store.read.reader",
+    "dstt.store.read.shards",
+    "dstt.store.repository",
+    "dstt.store.storage",
+    "dstt.store.storage.base",
+    "dstt.store.storage.local",
+    "dstt.store.storage.local_blob",
+    "dstt.store.storage.posix",
+    "dstt.store.storage.urls",
+}
+PINNED_CODE = """
+import json, sys
+before = set(sys.modules)
+{stmt}
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+PINNED = {
+    "ls": "from dstt.cli import main\nassert main(['ls', RUN]) == 0",
+    "steps": "import dstt\nassert dstt.open(RUN).steps",
+}
+
+
+@pytest.mark.parametrize("what", sorted(PINNED))
+def test_ls_and_steps_load_only_the_pinned_modules(run_dir: Path, what: str) -> None:
+    """The modules ``dstt ls`` and ``dstt.open(run).steps`` load, pinned: numpy is the one
+    package beyond the standard library and dstt, and dstt's are the read path's only."""
+    code = f"RUN = {str(run_dir)!r}\n" + PINNED_CODE.format(stmt=PINNED[what])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loaded = json.loads(out.stdout.splitlines()[-1])
+    packages = {m.split(".")[0] for m in loaded} - set(sys.stdlib_module_names)
+    assert packages == {"dstt", "numpy"}, (what, sorted(packages))
+    extra = sorted(m for m in loaded if m.split(".")[0] == "dstt" and m not in READ_PATH)
+    assert not extra, f"{what} loads dstt modules beyond the pinned read path: {extra}"

@@ -611,7 +611,6 @@ LONG_DOCSTRINGS = frozenset(
         "dstt/integrations/transformers.py",
         "dstt/run/explain.py",
         "dstt/run/metrics.py",
-        "dstt/run/run.py",
         "dstt/schema.py",
         "dstt/store/codec/buffers.py",
         "dstt/store/codec/flatdelta.py",

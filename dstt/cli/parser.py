@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from typing import TYPE_CHECKING, Any
 
 from dstt.errors import DsttError
@@ -421,6 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("dstt: interrupted", file=sys.stderr)
         return 130
     except Exception:
+        import traceback  # here: its import (linecache, tokenize) is for a bug's report only
+
         traceback.print_exc()
         print(
             "dstt: internal error (a bug in dstt; please report it with the traceback above)",

@@ -1,10 +1,9 @@
 """The user-facing front of a committed run: ``dstt.open(path)`` → ``Run`` → ``run.at(step)``
-→ ``Snapshot``. Modules: ``run`` (``open_run``, ``find_run_root``, ``Run``: timelines,
-steps, metrics, trajectories, diffs, replay, rollback, gc, verify); ``snapshot``
-(``Snapshot``: one step's lazy tensors, objects, export, the way back to torch);
-``metrics`` (``Metrics``: the index's metric columns in numpy, a ``Dataset`` when asked);
-``diagnose`` (``RunDiagnostics``: spike causes, attribution, non-finite values, divergence);
-``explain`` (``explain_spike``, ``Explanation``: spike mechanisms checked and ranked).
+→ ``Snapshot``. Modules, one job each: ``opening`` (``open_run``, ``find_run_root``); ``run``
+(``Run``, the facade composing the rest); ``lines`` (timelines and steps); ``views``
+(trajectories, summaries, diffs); ``rebuilt`` (light steps rebuilt by replay); ``snapshot``
+(one step's lazy tensors, export); ``metrics`` (numpy columns, a ``Dataset`` when asked);
+``diagnose`` (spike causes, non-finite values, divergence); ``explain`` (spike mechanisms).
 
 Everything here reads through ``dstt.store`` and ``dstt.inspect``; nothing below imports it.
 Only what lists a run is imported with it: the views import their builders when first used,
@@ -14,9 +13,24 @@ which every ``dstt ls`` would pay for.
 
 from __future__ import annotations
 
-from .diagnose import Diagnosis, RunDiagnostics
+from typing import TYPE_CHECKING
+
 from .metrics import Metrics
-from .run import Run, find_run_root, open_run
+from .opening import find_run_root, open_run
+from .run import Run
 from .snapshot import Snapshot
 
+if TYPE_CHECKING:
+    from .diagnose import Diagnosis, RunDiagnostics
+
 __all__ = ["Diagnosis", "Metrics", "Run", "RunDiagnostics", "Snapshot", "find_run_root", "open_run"]
+
+
+def __getattr__(name: str) -> object:
+    """``Diagnosis`` and ``RunDiagnostics`` on first use: their module loads the spike and
+    divergence rules, which opening or listing a run never needs."""
+    if name in ("Diagnosis", "RunDiagnostics"):
+        from . import diagnose
+
+        return getattr(diagnose, name)
+    raise AttributeError(f"module 'dstt.run' has no attribute {name!r}")

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from .format.segment import RowSet
     from .format.zarr_meta import dtype_itemsize, numpy_dtype
     from .index.rows import as_float
-    from .index.shard_summaries import DTENSOR_PREFIX, fold_rows, logical_of, shard_source
+    from .index.shard_summaries import DTENSOR_PREFIX, logical_of, shard_source
     from .index.view import Index
     from .maintenance.gc import GcReport
     from .maintenance.retention import Retention, find_spikes
@@ -139,7 +139,6 @@ __all__ = [
     "dtype_itemsize",
     "find_spikes",
     "flusher_supported",
-    "fold_rows",
     "fsync_dir",
     "is_url",
     "key_slot",
@@ -217,7 +216,6 @@ _LAZY: dict[str, tuple[str, str]] = {
     "dtype_itemsize": ("format.zarr_meta", "dtype_itemsize"),
     "find_spikes": ("maintenance.retention", "find_spikes"),
     "flusher_supported": ("flusher.parent", "flusher_supported"),
-    "fold_rows": ("index.shard_summaries", "fold_rows"),
     "fsync_dir": ("storage.posix", "fsync_dir"),
     "is_url": ("storage.urls", "is_url"),
     "key_slot": ("format.layout", "key_slot"),

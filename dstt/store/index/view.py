@@ -60,26 +60,9 @@ class IndexedHeader(CommitHeader):
     objects, arrays table location) parsed from the header bytes the segment keeps, on first
     use. Equal to the header it was indexed from (``full()``)."""
 
-    def __init__(
-        self,
-        fetch: Callable[[], CommitHeader],
-        slot: int,
-        step: int,
-        timeline: str,
-        parent: int | None,
-        time: float,
-        pruned: bool,
-    ) -> None:
-        self.__dict__.update(
-            slot=slot,
-            step=step,
-            timeline=timeline,
-            parent=parent,
-            time=time,
-            pruned=pruned,
-            _fetch=fetch,
-            _h=None,
-        )
+    # built by ``Index.header`` through ``_indexed`` (no ``__init__``: a lineage makes one per
+    # row, 10,000 for a 10,000-step run, and the keyword call was most of the walk's time)
+    _fetch: Callable[[], CommitHeader]
 
     def full(self) -> CommitHeader:
         h: CommitHeader | None = self.__dict__["_h"]
@@ -141,6 +124,19 @@ class _Segment:
         self._loc: dict[str, tuple[np.ndarray, np.ndarray, list[Layout]] | None] = {}
         self._locdir: dict[str, Any] | None = None
         self._lock = threading.Lock()
+        self._lists: tuple[list[Any], ...] | None = None
+
+    @property
+    def lists(self) -> tuple[list[Any], ...]:
+        """The core columns as Python lists (``slot step parent timeline time pruned``), made
+        once: a lineage builds one header per row, and a numpy scalar per field and row cost
+        more than the rest of the walk."""
+        got = self._lists
+        if got is None:
+            c = self.core
+            names = ("slot", "step", "parent", "timeline", "time", "pruned")
+            got = self._lists = tuple(c[k].tolist() for k in names)
+        return got
 
     def read_blob(self, st: Storage, name: str) -> Any:  # noqa: ANN401 - bytes or an array, by the blob's kind
         off, nbytes = self.d["blobs"][name][:2]
@@ -229,6 +225,34 @@ class _Segment:
         return decode_rest(self.d, self.core, data, f"{st.location}/{self.key}")
 
 
+class _Fetch:
+    """How an ``IndexedHeader`` reads its full header: from the segment's header bytes, or
+    the header file itself when the segment is damaged or gone."""
+
+    __slots__ = ("i", "seg", "slot", "st")
+
+    def __init__(self, st: Storage, seg: _Segment, i: int, slot: int) -> None:
+        self.st, self.seg, self.i, self.slot = st, seg, i, slot
+
+    def __call__(self) -> CommitHeader:
+        st = self.st
+        try:
+            return parse_header(
+                self.seg.header_bytes(st, self.i), f"{st.location}/{self.seg.key} (row {self.i})"
+            )
+        except (DsttError, OSError):  # a damaged or vanished segment: the header itself
+            key = commit_key(self.slot)
+            return parse_header(st.read(key), f"{st.location}/{key}")
+
+
+def _indexed(fields: dict[str, Any]) -> IndexedHeader:
+    """An ``IndexedHeader`` whose ``__dict__`` is ``fields`` (the frozen dataclass's own
+    ``__setattr__`` refuses assignments)."""
+    h = object.__new__(IndexedHeader)
+    object.__setattr__(h, "__dict__", fields)
+    return h
+
+
 class Index:
     """The reader's view of the index: which slots have rows, and what they say."""
 
@@ -312,29 +336,23 @@ class Index:
         return self if self._loaded else self.load()
 
     def header(self, slot: int) -> IndexedHeader | None:
-        got = self.ensure().rows.get(slot)
+        got = (self if self._loaded else self.load()).rows.get(slot)
         if got is None:
             return None
         seg, i = got
-        c = seg.core
-        st = self.storage
-
-        def fetch() -> CommitHeader:
-            try:
-                return parse_header(seg.header_bytes(st, i), f"{st.location}/{seg.key} (row {i})")
-            except (DsttError, OSError):  # a damaged or vanished segment: the header itself
-                key = commit_key(slot)
-                return parse_header(st.read(key), f"{st.location}/{key}")
-
-        parent = int(c["parent"][i])
-        return IndexedHeader(
-            fetch,
-            int(c["slot"][i]),
-            int(c["step"][i]),
-            seg.timelines[int(c["timeline"][i])],
-            None if parent < 0 else parent,
-            float(c["time"][i]),
-            bool(c["pruned"][i]),
+        slots, steps, parents, tls, times, pruned = seg.lists
+        parent = parents[i]
+        return _indexed(
+            {
+                "slot": slots[i],
+                "step": steps[i],
+                "timeline": seg.timelines[tls[i]],
+                "parent": None if parent < 0 else parent,
+                "time": times[i],
+                "pruned": bool(pruned[i]),
+                "_fetch": _Fetch(self.storage, seg, i, slot),
+                "_h": None,
+            }
         )
 
     def locate_many(self, slots: list[int], path: str) -> list[tuple[Layout, list[int]] | None]:

@@ -21,8 +21,6 @@ import numpy as np
 
 from dstt._lru import LRU
 from dstt.errors import ChecksumError, CorruptRunError
-from dstt.store.codec.predict import PRED, predict
-from dstt.store.codec.xor import XOR, xor_decode
 from dstt.store.format.envelope import checksum
 
 if TYPE_CHECKING:
@@ -92,6 +90,10 @@ class ChunkReader:
             return cached.data
         if depth > 4096 or chunk.base is None:
             raise CorruptRunError(f"{self.storage.location}/{chunk.key}: broken delta chain")
+        # the codecs load with the first encoded chunk: listing a run reads none (issue 37)
+        from dstt.store.codec.predict import PRED, predict
+        from dstt.store.codec.xor import XOR, xor_decode
+
         payload = self._file(header, chunk, what)
         base = self._input(chunk.base, path, index, size, depth)
         try:
