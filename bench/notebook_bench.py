@@ -42,10 +42,10 @@ def kernel_dir(tmp: Path) -> Path:
 
 
 def cpu_of(outputs: list[Any]) -> float:
-    for o in outputs:
-        text = o.get("text", "")
-        if text.startswith("@@"):
-            return sum(float(x) for x in text.split()[1:5])
+    for o in outputs:  # the probe's line (output a cell left behind may come before it)
+        for line in o.get("text", "").splitlines():
+            if line.startswith("@@ "):
+                return sum(float(x) for x in line.split()[1:5])
     raise RuntimeError("probe printed nothing")
 
 
