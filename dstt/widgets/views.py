@@ -371,10 +371,13 @@ def update_change(view: FigureView, model: ScrubberModel, top: int = TOP_BARS) -
     if isinstance(bars, str) or len(bars[0]) != len(old):
         return False
     names, ratios, xlabel, title = bars
-    for patch, name, value in zip(old, names, ratios, strict=True):
-        patch.set_width(float(value) if np.isfinite(value) else 0.0)
+    widths = [float(v) if np.isfinite(v) else 0.0 for v in ratios]
+    for patch, name, width in zip(old, names, widths, strict=True):
+        patch.set_width(width)
         patch.set_facecolor(SPIKE_COLOR if name == model.tensor else "tab:blue")
-    ax.relim()
+    # the bars span 0..width: set the x data limits to that (as ``ax.relim()`` would find,
+    # without transforming every patch's path, a third of a frame) and autoscale from there
+    ax.dataLim.intervalx = (min(0.0, *widths), max(0.0, *widths))
     ax.autoscale_view()
     ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize="medium")
