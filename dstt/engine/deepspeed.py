@@ -44,7 +44,7 @@ from .model_names import param_names
 from .optimizers import OptimizerStateProvider
 from .providers import CompositeProvider, RankObject, RestoreSource, TensorProvider
 from .sharding import OwnedTensors
-from .torch_state import Stateful, TorchState, get_rng, model_buffers, set_rng
+from .torch_state import Stateful, TorchState, extra_state_objects, get_rng, model_buffers, set_rng
 from .zero import ZeroState
 
 if TYPE_CHECKING:
@@ -209,18 +209,8 @@ class DeepSpeedState:
             step.add(p)
         step.add(RankObject(schema.RNG_OBJECT, info, get_rng, set_rng, always_suffix=True))
         boundary = CompositeProvider([_EngineProvider(engine, inner, info)])
-        for name, obj in (extra_state or {}).items():
-            if not isinstance(obj, Stateful):
-                raise TypeError(f"extra_state[{name!r}] needs state_dict() and load_state_dict()")
-            boundary.add(
-                RankObject(
-                    f"{schema.EXTRA_OBJECT}/{name}",
-                    info,
-                    obj.state_dict,
-                    obj.load_state_dict,
-                    always_suffix=True,
-                )
-            )
+        for p in extra_state_objects(extra_state, info, always_suffix=True):
+            boundary.add(p)
         self.state = TorchState(step, boundary)
 
     def restore(self, source: RestoreSource) -> None:
