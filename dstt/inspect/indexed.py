@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dstt.schema import METRICS_HISTORY_OBJECT
 from dstt.store._internal import SUMMARY_SCALARS, RowSet
 
 from .summaries import (
-    METRICS_HISTORY_OBJECT,
     label_updates,
     metrics_dataset,
     step_coords,

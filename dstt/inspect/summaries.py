@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dstt import schema
-from dstt.schema import user_name
+from dstt.schema import METRICS_HISTORY_OBJECT, user_name
 from dstt.store._internal import SUMMARY_SCALARS, as_float, find_spikes
 
 from .naming import canonical_path
@@ -78,9 +78,6 @@ def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
         row["update_exact"] = bool(exact[i]) and row["update_l2"] is not None
         out[p] = row
     return out
-
-
-METRICS_HISTORY_OBJECT = schema.METRICS_HISTORY_OBJECT
 
 
 def step_coords(

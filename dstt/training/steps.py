@@ -44,11 +44,11 @@ from typing import TYPE_CHECKING, Any
 
 from dstt.engine.light import LIGHT_OBJECT, light_record
 from dstt.errors import DsttError, RaceError
-from dstt.schema import REPLAY_OBJECT
+from dstt.schema import METRICS_HISTORY_OBJECT, REPLAY_OBJECT
 
 from .checks import capture_error, warn_skipped
 from .data import BATCHES_OBJECT, BatchLog
-from .metrics import METRICS_HISTORY_OBJECT, MetricLog
+from .metrics import MetricLog
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
