@@ -64,7 +64,7 @@ from dstt.errors import ConfigError, ReplayError
 from dstt.inspect.replay import ReplayKit, register_replay_kit
 from dstt.store._internal import Batch, SkipSet
 from dstt.training import Session, open_session
-from dstt.training.data import fingerprint
+from dstt.training.data import Passthrough, fingerprint
 
 from ._attribution import StepRecorder, attach, gather_ranks
 from ._common import numeric_metrics, session_options
@@ -275,14 +275,15 @@ def _refuse_whole_batches(s: Session, skips: SkipSet) -> None:
         raise ConfigError(_WHOLE_BATCHES)
 
 
-class _FastForward:
+class _FastForward(Passthrough):
     """Below the recorder, in place of the batch sampler: each new pass (epoch) clears the
     recorder's queue (a stopped fit may have left a prefetched list in it), and the first
     pass after a mid-epoch resume draws, without fetching, the index lists the restored epoch
     had already trained on."""
 
     def __init__(self, inner: Any, forward: int) -> None:
-        self.inner, self.forward = inner, forward
+        super().__init__(inner)
+        self.forward = forward
         self.recorder: StepRecorder | None = None
 
     def __iter__(self) -> Iterator[Any]:
@@ -294,14 +295,6 @@ class _FastForward:
             if next(it, _END) is _END:
                 return
         yield from it
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 _END = object()
