@@ -58,11 +58,6 @@ class ChunkRecord:
     offset: int = 0
 
     @property
-    def content_crc32c(self) -> int:
-        """crc32c of the chunk's full raw bytes, whatever its encoding."""
-        return self.crc32c if self.raw_crc32c is None else self.raw_crc32c
-
-    @property
     def slots(self) -> tuple[int, ...]:
         """Other slots whose chunks this one is reconstructed from (delta base, inputs)."""
         base = () if self.base is None else (self.base,)
