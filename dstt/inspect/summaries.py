@@ -39,7 +39,6 @@ __all__ = [
     "find_spikes",
     "label_updates",
     "metrics_dataset",
-    "rank_tensors",
     "spike_cause",
     "step_coords",
     "summaries_dataset",
@@ -355,18 +354,3 @@ def spike_cause(steps: Sequence[int], start: int) -> tuple[int | None, int | Non
     if i >= len(steps) or (i == 0 and steps[0] >= start):
         return None, None
     return (int(steps[i - 1]) if i > 0 else None), int(steps[i])
-
-
-def rank_tensors(summaries: xr.Dataset, steps: Sequence[int]) -> list[tuple[str, float]]:
-    """Tensors by their largest ``update_ratio`` over the commits of ``steps`` (those present
-    in ``summaries``), descending; tensors without a known ratio are left out."""
-    if summaries.sizes.get("step", 0) == 0 or summaries.sizes.get("tensor", 0) == 0:
-        return []
-    rows = np.flatnonzero(np.isin(summaries["step"].values, np.asarray(list(steps))))
-    if rows.size == 0:
-        return []
-    ratio = summaries["update_ratio"].values[rows]
-    best = np.where(np.isnan(ratio), -np.inf, ratio).max(axis=0)
-    order = np.argsort(-best, kind="stable")
-    names = summaries["tensor"].values
-    return [(str(names[j]), float(best[j])) for j in order if np.isfinite(best[j])]
