@@ -50,7 +50,6 @@ if TYPE_CHECKING:
     from .format.objects import Encoded, decode_object
     from .format.parts import remove_parts
     from .format.records import ArrayRecord, CommitHeader, Metric
-    from .format.segment import SCALARS as SUMMARY_SCALARS
     from .format.segment import RowSet
     from .format.zarr_meta import dtype_itemsize, numpy_dtype
     from .index.rows import as_float
@@ -92,7 +91,6 @@ __all__ = [
     "DEFAULT_RANK_TIMEOUT",
     "DTENSOR_PREFIX",
     "REFS_PREFIX",
-    "SUMMARY_SCALARS",
     "ArrayRecord",
     "ArraySpec",
     "Batch",
@@ -199,7 +197,6 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Repository": ("repository", "Repository"),
     "Retention": ("maintenance.retention", "Retention"),
     "RowSet": ("format.segment", "RowSet"),
-    "SUMMARY_SCALARS": ("format.segment", "SCALARS"),
     "SkipSet": ("format.batches", "SkipSet"),
     "StepHandle": ("_seam", "StepHandle"),
     "StepSink": ("_seam", "StepSink"),
