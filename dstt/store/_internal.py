@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from .commit.writer import Writer
     from .flusher.parent import Flusher, flusher_supported
     from .format.batches import (
-        BATCHES_OBJECT,
         Batch,
         SkipSet,
         read_batches,
@@ -84,7 +83,6 @@ if TYPE_CHECKING:
 
 
 __all__ = [
-    "BATCHES_OBJECT",
     "COMMITS_PREFIX",
     "CUR",
     "DEFAULT_CHUNK_BYTES",
@@ -163,7 +161,6 @@ __all__ = [
 _LAZY: dict[str, tuple[str, str]] = {
     "ArrayRecord": ("format.records", "ArrayRecord"),
     "ArraySpec": ("protocols", "ArraySpec"),
-    "BATCHES_OBJECT": ("format.batches", "BATCHES_OBJECT"),
     "Batch": ("format.batches", "Batch"),
     "Box": ("read.shards", "Box"),
     "COMMITS_PREFIX": ("format.layout", "COMMITS_PREFIX"),

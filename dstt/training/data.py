@@ -49,10 +49,9 @@ import torch
 
 from dstt.engine.data_position import DataPosition, TrackedData
 from dstt.errors import ConfigError
-from dstt.store._internal import BATCHES_OBJECT, Batch, SkipSet, read_skips, write_skips
+from dstt.store._internal import Batch, SkipSet, read_skips, write_skips
 
 __all__ = [
-    "BATCHES_OBJECT",
     "HASH_LIMIT",
     "Batch",
     "BatchLog",
