@@ -37,14 +37,14 @@ import torch
 
 from dstt import schema
 from dstt.errors import CaptureError, RankError, SchemaError
-from dstt.schema import tensor_path
+from dstt.schema import DEEPSPEED_ENGINE_OBJECT, DEEPSPEED_META_OBJECT, tensor_path
 
 from ._convert import from_plain, to_plain
 from .model_names import param_names
 from .optimizers import OptimizerStateProvider
 from .providers import CompositeProvider, RankObject, RestoreSource, TensorProvider
 from .sharding import OwnedTensors
-from .torch_state import Stateful, TorchState, get_rng, model_buffers, set_rng
+from .torch_state import Stateful, TorchState, extra_state_objects, get_rng, model_buffers, set_rng
 from .zero import ZeroState
 
 if TYPE_CHECKING:
@@ -53,8 +53,6 @@ if TYPE_CHECKING:
     from .ranks import RankInfo
 
 __all__ = [
-    "ENGINE_OBJECT",
-    "META_OBJECT",
     "DeepSpeedState",
     "EngineStepHook",
     "discover_deepspeed",
@@ -62,8 +60,6 @@ __all__ = [
     "session_tensors",
 ]
 
-ENGINE_OBJECT = schema.DEEPSPEED_ENGINE_OBJECT
-META_OBJECT = schema.DEEPSPEED_META_OBJECT
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
 
@@ -99,15 +95,15 @@ class _EngineProvider:
             if scaler is None
             else {k: v for k, v in vars(scaler).items() if isinstance(v, int | float | bool)},
         }
-        return {ENGINE_OBJECT: to_plain(state)}
+        return {DEEPSPEED_ENGINE_OBJECT: to_plain(state)}
 
     def restore(self, source: RestoreSource) -> None:
-        if not source.has_object(ENGINE_OBJECT):
+        if not source.has_object(DEEPSPEED_ENGINE_OBJECT):
             raise SchemaError(
-                f"step {source.step} has no {ENGINE_OBJECT!r}; it was not "
+                f"step {source.step} has no {DEEPSPEED_ENGINE_OBJECT!r}; it was not "
                 "written by a DeepSpeed session"
             )
-        state = from_plain(source.object(ENGINE_OBJECT))
+        state = from_plain(source.object(DEEPSPEED_ENGINE_OBJECT))
         e = self.engine
         for k, v in state["counters"].items():
             setattr(e, k, v)
@@ -137,10 +133,14 @@ class _MetaProvider:
     def objects(self) -> Mapping[str, Any]:
         if self.info.rank != 0:
             return {}
-        return {META_OBJECT: {"format": 1, "world": self.info.world, "stage": self.stage}}
+        return {DEEPSPEED_META_OBJECT: {"format": 1, "world": self.info.world, "stage": self.stage}}
 
     def restore(self, source: RestoreSource) -> None:
-        meta = source.object(META_OBJECT) if source.has_object(META_OBJECT) else None
+        meta = (
+            source.object(DEEPSPEED_META_OBJECT)
+            if source.has_object(DEEPSPEED_META_OBJECT)
+            else None
+        )
         if meta is None:
             raise SchemaError(f"step {source.step} was not written by a DeepSpeed session")
         if (meta["stage"] == 0) != (self.stage == 0):
@@ -209,18 +209,8 @@ class DeepSpeedState:
             step.add(p)
         step.add(RankObject(schema.RNG_OBJECT, info, get_rng, set_rng, always_suffix=True))
         boundary = CompositeProvider([_EngineProvider(engine, inner, info)])
-        for name, obj in (extra_state or {}).items():
-            if not isinstance(obj, Stateful):
-                raise TypeError(f"extra_state[{name!r}] needs state_dict() and load_state_dict()")
-            boundary.add(
-                RankObject(
-                    f"{schema.EXTRA_OBJECT}/{name}",
-                    info,
-                    obj.state_dict,
-                    obj.load_state_dict,
-                    always_suffix=True,
-                )
-            )
+        for p in extra_state_objects(extra_state, info, always_suffix=True):
+            boundary.add(p)
         self.state = TorchState(step, boundary)
 
     def restore(self, source: RestoreSource) -> None:

@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dstt import schema
 from dstt.errors import SchemaError
-from dstt.schema import canonical_name
+from dstt.schema import CONFIG_OBJECT, HEADS_OBJECT, TIED_OBJECT, canonical_name
 from dstt.store._internal import Encoded
 
 if TYPE_CHECKING:
@@ -29,10 +28,7 @@ if TYPE_CHECKING:
     from .providers import RestoreSource
 
 __all__ = [
-    "CONFIG_OBJECT",
     "HEADS_ATTRIBUTES",
-    "HEADS_OBJECT",
-    "TIED_OBJECT",
     "ModelInfoProvider",
     "attention_heads",
     "canonical_names",
@@ -92,9 +88,6 @@ def tied_names(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-TIED_OBJECT = schema.TIED_OBJECT
-CONFIG_OBJECT = schema.CONFIG_OBJECT
-HEADS_OBJECT = schema.HEADS_OBJECT
 #: module attributes that hold an attention module's head count (torch, nanoGPT, Hugging
 #: Face, common code); ``head_dim`` is recorded too (Llama-style modules have only that)
 HEADS_ATTRIBUTES = ("num_heads", "n_head", "n_heads", "num_attention_heads", "heads")

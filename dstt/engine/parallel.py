@@ -30,13 +30,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dstt import schema
-
 from .model_names import ModelInfoProvider, param_names
 from .optimizers import OptimizerStateProvider, optimizer_groups_provider, optimizers_of
-from .providers import CompositeProvider, RankObject, StateProvider, TensorProvider
+from .providers import CompositeProvider, StateProvider, TensorProvider
 from .sharding import OwnedTensors, RankShare, RankZeroObjects, StageLayout
-from .torch_state import ModelTensors, Stateful, TorchState, rng_provider, scheduler_provider
+from .torch_state import (
+    ModelTensors,
+    Stateful,
+    TorchState,
+    extra_state_objects,
+    rng_provider,
+    scheduler_provider,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -88,16 +93,6 @@ class ParallelState:
             )
         if scheduler is not None:
             boundary.add(RankZeroObjects(scheduler_provider(scheduler), info, self.layout))
-        for name, obj in (extra_state or {}).items():
-            if not isinstance(obj, Stateful):
-                raise TypeError(f"extra_state[{name!r}] needs state_dict() and load_state_dict()")
-            boundary.add(
-                RankObject(
-                    f"{schema.EXTRA_OBJECT}/{name}",
-                    info,
-                    obj.state_dict,
-                    obj.load_state_dict,
-                    required=True,
-                )
-            )
+        for p in extra_state_objects(extra_state, info, required=True):
+            boundary.add(p)
         self.state = TorchState(step, boundary)

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from dstt import schema
 from dstt.errors import CaptureError, SchemaError
+from dstt.schema import LAYOUT_OBJECT
 from dstt.store._internal import DTENSOR_PREFIX, Box, Encoded, LogicalArray, shard_map, shard_source
 
 from ._convert import store_dtype
@@ -72,9 +73,6 @@ __all__ = [
     "check_layout",
     "owners",
 ]
-
-#: which parameters each rank of a pipeline-parallel run held (absent: every rank the same)
-LAYOUT_OBJECT = schema.LAYOUT_OBJECT
 
 
 class StageLayout:

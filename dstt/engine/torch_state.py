@@ -56,6 +56,7 @@ __all__ = [
     "Stateful",
     "TorchState",
     "discover",
+    "extra_state_objects",
     "get_rng",
     "model_buffers",
     "model_params",
@@ -76,6 +77,20 @@ class Stateful(Protocol):
     def state_dict(self) -> Any: ...
 
     def load_state_dict(self, state: Any) -> Any: ...
+
+
+def extra_state_objects(
+    extra_state: Mapping[str, Stateful] | None, info: RankInfo, **flags: bool
+) -> list[RankObject]:
+    """One ``RankObject`` (``extra/<name>``, ``flags`` as ``RankObject`` takes them) per user
+    ``extra_state`` entry; ``TypeError`` for one without ``state_dict``/``load_state_dict``."""
+    out = []
+    for name, obj in (extra_state or {}).items():
+        if not isinstance(obj, Stateful):
+            raise TypeError(f"extra_state[{name!r}] needs state_dict() and load_state_dict()")
+        name = f"{schema.EXTRA_OBJECT}/{name}"
+        out.append(RankObject(name, info, obj.state_dict, obj.load_state_dict, **flags))
+    return out
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -251,18 +266,8 @@ def discover(
         boundary.add(optimizer_groups_provider(opt, names, key))
     if scheduler is not None:
         boundary.add(scheduler_provider(scheduler))
-    for name, obj in (extra_state or {}).items():
-        if not isinstance(obj, Stateful):
-            raise TypeError(f"extra_state[{name!r}] needs state_dict() and load_state_dict()")
-        boundary.add(
-            RankObject(
-                f"{schema.EXTRA_OBJECT}/{name}",
-                ONE_RANK,
-                obj.state_dict,
-                obj.load_state_dict,
-                required=True,
-            )
-        )
+    for obj in extra_state_objects(extra_state, ONE_RANK, required=True):
+        boundary.add(obj)
     for p in extra:
         step.add(p)
     if rng:

@@ -15,9 +15,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from dstt import schema
 from dstt.errors import TensorNotFoundError
-from dstt.schema import MODEL_KINDS, canonical_name, optim_state, tensor_path, user_name
+from dstt.schema import (
+    MODEL_KINDS,
+    TIED_OBJECT,
+    canonical_name,
+    optim_state,
+    tensor_path,
+    user_name,
+)
 
 from .naming import array_path, tensor_dims
 from .selection import Pick, select_layer, selector_miss
@@ -28,10 +34,7 @@ if TYPE_CHECKING:
 
     from dstt.store._internal import CommitHeader, Reader
 
-__all__ = ["CONFIG_OBJECT", "TIED_OBJECT", "Catalog"]
-
-TIED_OBJECT = schema.TIED_OBJECT
-CONFIG_OBJECT = schema.CONFIG_OBJECT
+__all__ = ["Catalog"]
 
 
 class Catalog:

@@ -21,9 +21,9 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from dstt.errors import ConfigError, OutputExistsError, StorageError
-from dstt.schema import MODEL_KINDS, user_name
+from dstt.schema import CONFIG_OBJECT, MODEL_KINDS, user_name
 
-from .catalog import CONFIG_OBJECT, Catalog
+from .catalog import Catalog
 
 if TYPE_CHECKING:
     from dstt.store._internal import CommitHeader, Reader

@@ -20,8 +20,8 @@ import shutil
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from dstt import schema
 from dstt.errors import OutputExistsError, StorageError
+from dstt.schema import OPTIM_GROUPS_OBJECT, TIED_OBJECT
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
     from dstt.store._internal import CommitHeader, Reader
 
 __all__ = ["export_dcp"]
-
-TIED_OBJECT = schema.TIED_OBJECT
 
 
 def _prepare(out: str, overwrite: bool) -> str:
@@ -63,7 +61,7 @@ def export_dcp(
 
     from dstt.engine._convert import from_plain
 
-    from .restore import GROUPS_OBJECT, step_state
+    from .restore import step_state
 
     path = _prepare(os.fspath(out), overwrite)
     doc = step_state(reader, header)
@@ -74,7 +72,7 @@ def export_dcp(
                 model[name] = model[stored]
     state: dict[str, Any] = {"model": model, "step": int(header.step)}
     if doc["optimizer"] is not None:
-        groups = from_plain(reader.read_object(header, GROUPS_OBJECT))
+        groups = from_plain(reader.read_object(header, OPTIM_GROUPS_OBJECT))
         names = [n for g in groups for n in g["params"]]
         osd = doc["optimizer"]
         state["optimizer"] = {

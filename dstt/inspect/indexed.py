@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dstt.store._internal import SUMMARY_SCALARS, RowSet
+from dstt.schema import METRICS_HISTORY_OBJECT, SUMMARY_SCALARS
 
 from .summaries import (
-    METRICS_HISTORY_OBJECT,
     label_updates,
     metrics_dataset,
     step_coords,
@@ -30,6 +29,8 @@ from .summaries import (
 
 if TYPE_CHECKING:
     import xarray as xr
+
+    from dstt.store._internal import RowSet
 
 __all__ = ["SummaryColumns", "metrics_from_rows", "summaries_from_rows", "summary_columns"]
 

@@ -18,16 +18,13 @@ from typing import Any
 
 import torch
 
-from dstt import schema
 from dstt.engine.model_names import param_names
 from dstt.errors import SchemaError
-from dstt.schema import canonical_name, tensor_path
+from dstt.schema import OPTIM_GROUPS_OBJECT, canonical_name, tensor_path
 
 from .naming import listed
 
 __all__ = [
-    "GROUPS_OBJECT",
-    "STATE_OBJECT",
     "canonical_groups",
     "check_optimizer",
     "live_optimizers",
@@ -35,17 +32,16 @@ __all__ = [
     "stored_keys",
 ]
 
-GROUPS_OBJECT = schema.OPTIM_GROUPS_OBJECT
-STATE_OBJECT = schema.OPTIM_STATE_OBJECT
-
 
 def stored_keys(objects: Iterable[str]) -> list[str]:
     """The optimizer keys of a step's objects: ``[""]`` for one optimizer, the session's
     keys for several (numbers in numeric order), ``[]`` for none."""
     names = set(objects)
-    if GROUPS_OBJECT in names:
+    if OPTIM_GROUPS_OBJECT in names:
         return [""]
-    keys = [n[len(GROUPS_OBJECT) + 1 :] for n in names if n.startswith(GROUPS_OBJECT + "/")]
+    keys = [
+        n[len(OPTIM_GROUPS_OBJECT) + 1 :] for n in names if n.startswith(OPTIM_GROUPS_OBJECT + "/")
+    ]
     return sorted(keys, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))
 
 

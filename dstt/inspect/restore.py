@@ -19,18 +19,21 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from dstt import schema
 from dstt.engine._convert import from_plain, tensor_from_numpy
 from dstt.engine.dtensors import held_box, is_dtensor
 from dstt.engine.model_names import canonical_names
 from dstt.errors import DsttWarning, SchemaError
-from dstt.schema import MODEL_KINDS, user_name
+from dstt.schema import (
+    MODEL_KINDS,
+    OPTIM_GROUPS_OBJECT,
+    OPTIM_STATE_OBJECT,
+    SCHEDULER_OBJECT,
+    user_name,
+)
 
 from .catalog import Catalog
 from .naming import canonical_path, listed
 from .optimizers import (
-    GROUPS_OBJECT,
-    STATE_OBJECT,
     canonical_groups,
     check_optimizer,
     live_optimizers,
@@ -44,16 +47,12 @@ if TYPE_CHECKING:
     from dstt.store._internal import CommitHeader, Reader
 
 __all__ = [
-    "GROUPS_OBJECT",
     "PARTS",
-    "SCHEDULER_OBJECT",
-    "STATE_OBJECT",
     "LoadResult",
     "load_step",
     "step_state",
 ]
 
-SCHEDULER_OBJECT = schema.SCHEDULER_OBJECT
 PARTS = ("model", "optimizer", "scheduler")
 
 
@@ -150,7 +149,9 @@ def _read(
     keys = stored_keys(header.objects)
     groups = (
         {
-            k: canonical_groups(src.object(f"{GROUPS_OBJECT}/{k}" if k else GROUPS_OBJECT))
+            k: canonical_groups(
+                src.object(f"{OPTIM_GROUPS_OBJECT}/{k}" if k else OPTIM_GROUPS_OBJECT)
+            )
             for k in keys
         }
         if want & {"model", "optimizer"}
@@ -168,7 +169,7 @@ def _read(
             out["model"][user_name(p)] = read[where]
     if "optimizer" in want:
         opts = {
-            k: optimizer_state(src, g, f"{STATE_OBJECT}/{k}" if k else STATE_OBJECT)
+            k: optimizer_state(src, g, f"{OPTIM_STATE_OBJECT}/{k}" if k else OPTIM_STATE_OBJECT)
             for k, g in groups.items()
         }
         out["optimizer"] = opts.get("", opts) if opts else None

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dstt import schema
-from dstt.schema import user_name
-from dstt.store._internal import SUMMARY_SCALARS, as_float, find_spikes
+from dstt.schema import METRICS_HISTORY_OBJECT, SUMMARY_SCALARS, user_name
+from dstt.store._internal import as_float, find_spikes
 
 from .naming import canonical_path
 
@@ -34,12 +34,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ESTIMATE_NOTE",
-    "SCALAR_FIELDS",
     "Spike",
     "find_spikes",
     "label_updates",
     "metrics_dataset",
-    "rank_tensors",
     "spike_cause",
     "step_coords",
     "summaries_dataset",
@@ -49,7 +47,6 @@ __all__ = [
     "utc_datetimes",
 ]
 
-SCALAR_FIELDS = SUMMARY_SCALARS  # the store's columns: one list of the scalar fields
 SUMMARIES_OBJECT = schema.SUMMARIES_OBJECT
 
 
@@ -63,14 +60,14 @@ def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
     if not (isinstance(obj, dict) and obj.get("columns") == 1):
         return dict(obj)
     paths = list(obj["path"])
-    cols = {f: np.asarray(obj[f]).tolist() for f in SCALAR_FIELDS}
+    cols = {f: np.asarray(obj[f]).tolist() for f in SUMMARY_SCALARS}
     probe = np.asarray(obj["probe"])
     lens = np.asarray(obj["probe_len"]).tolist()
     # (columns written before exact flat-lane updates have no ``update_exact``: estimates)
     exact = np.asarray(obj.get("update_exact", np.zeros(len(paths), bool)), bool).tolist()
     out: dict[str, dict[str, Any]] = {}
     for i, p in enumerate(paths):
-        row: dict[str, Any] = {f: cols[f][i] for f in SCALAR_FIELDS}
+        row: dict[str, Any] = {f: cols[f][i] for f in SUMMARY_SCALARS}
         for f in ("update_l2", "update_ratio"):
             if math.isnan(row[f]):  # unknown (first step, no probe); an inf stays inf
                 row[f] = None
@@ -78,9 +75,6 @@ def summary_rows(obj: Any) -> dict[str, dict[str, Any]]:
         row["update_exact"] = bool(exact[i]) and row["update_l2"] is not None
         out[p] = row
     return out
-
-
-METRICS_HISTORY_OBJECT = schema.METRICS_HISTORY_OBJECT
 
 
 def step_coords(
@@ -176,13 +170,13 @@ def summaries_dataset(
     col = {p: j for j, p in enumerate(paths)}
     n_probe = max((len(v.get("probe") or ()) for s in per_step for v in s.values()), default=0)
     shape = (len(with_sum), len(paths))
-    arrays = {f: np.full(shape, np.nan) for f in SCALAR_FIELDS}
+    arrays = {f: np.full(shape, np.nan) for f in SUMMARY_SCALARS}
     exact = np.zeros(shape, dtype=bool)
     probe = np.full((*shape, n_probe), np.nan)
     for i, s in enumerate(per_step):
         for p, v in s.items():
             j = col[p]
-            for f in SCALAR_FIELDS:
+            for f in SUMMARY_SCALARS:
                 arrays[f][i, j] = as_float(v.get(f))
             exact[i, j] = bool(v.get("update_exact", False))
             pr = [as_float(x) for x in (v.get("probe") or ())]
@@ -358,18 +352,3 @@ def spike_cause(steps: Sequence[int], start: int) -> tuple[int | None, int | Non
     if i >= len(steps) or (i == 0 and steps[0] >= start):
         return None, None
     return (int(steps[i - 1]) if i > 0 else None), int(steps[i])
-
-
-def rank_tensors(summaries: xr.Dataset, steps: Sequence[int]) -> list[tuple[str, float]]:
-    """Tensors by their largest ``update_ratio`` over the commits of ``steps`` (those present
-    in ``summaries``), descending; tensors without a known ratio are left out."""
-    if summaries.sizes.get("step", 0) == 0 or summaries.sizes.get("tensor", 0) == 0:
-        return []
-    rows = np.flatnonzero(np.isin(summaries["step"].values, np.asarray(list(steps))))
-    if rows.size == 0:
-        return []
-    ratio = summaries["update_ratio"].values[rows]
-    best = np.where(np.isnan(ratio), -np.inf, ratio).max(axis=0)
-    order = np.argsort(-best, kind="stable")
-    names = summaries["tensor"].values
-    return [(str(names[j]), float(best[j])) for j in order if np.isfinite(best[j])]

@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from dstt.errors import ConfigError
+from dstt.training.data import Passthrough
 
 __all__ = ["StepRecorder", "attach", "gather_ranks", "skip_error"]
 
@@ -54,23 +55,7 @@ def _flat(idx: Any) -> list[int]:
     return [int(i) for i in (idx if isinstance(idx, Sequence) else [idx])]
 
 
-class _Passthrough:
-    """Delegates everything it does not define to the sampler it stands in for (``len``,
-    ``batch_size``, ``set_epoch``, a shard's ``num_processes``, ...)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-
-class StepRecorder(_Passthrough):
+class StepRecorder(Passthrough):
     """Stands in for a loader's batch sampler: records every index list it yields (``queue``,
     fetch order) and drops the ``skip`` samples from each (see the module docstring)."""
 
@@ -107,7 +92,7 @@ class StepRecorder(_Passthrough):
         self._discard += n
 
 
-class _GlobalCheck(_Passthrough):
+class _GlobalCheck(Passthrough):
     """Under a data-parallel shard: sees every rank's batches and raises on an emptied one
     (on every rank alike); the filtering itself is each rank's recorder's."""
 

@@ -50,21 +50,20 @@ private, version-bound, and it steps the scheduler and the loop counters too.
 
 from __future__ import annotations
 
-import random
 import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from dstt.engine.light import step_loss
+from dstt.engine.torch_state import get_rng, set_rng
 from dstt.errors import ConfigError, ReplayError
 from dstt.inspect.replay import ReplayKit, register_replay_kit
 from dstt.store._internal import Batch, SkipSet
 from dstt.training import Session, open_session
-from dstt.training.data import fingerprint
+from dstt.training.data import Passthrough, fingerprint
 
 from ._attribution import StepRecorder, attach, gather_ranks
 from ._common import numeric_metrics, session_options
@@ -120,7 +119,7 @@ class DsttCallback(Callback):
         self.session: Session | None = None
         self._micro: list[float] | None = []  # the step's micro-batch losses (every="auto")
         self._loops = _Loops()
-        self._rng: tuple[Any, ...] | None = None  # restored RNG, re-applied mid-epoch
+        self._rng: dict[str, Any] | None = None  # restored RNG, re-applied mid-epoch
         self._data = _TrainData()  # the train loader's recorder, and what it still has to do
 
     # -- fit --------------------------------------------------------------------------------
@@ -168,7 +167,7 @@ class DsttCallback(Callback):
         if s.step and restored and restored.get("fit_loop"):
             trainer.fit_loop.load_state_dict(restored["fit_loop"])
             if not restored.get("epoch_end"):  # the loader is re-iterated before the next
-                self._rng = _get_rng()  # batch: that must not move the RNG
+                self._rng = get_rng()  # batch: that must not move the RNG
                 # the batches of the restored epoch already trained on: drawn, not fetched
                 self._data.forward = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
         self._data.wrap(trainer)
@@ -181,7 +180,7 @@ class DsttCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._rng is not None:
-            _set_rng(self._rng)
+            set_rng(self._rng)
             self._rng = None
         s = self.session
         if s is not None:  # this batch feeds the next optimizer step
@@ -275,14 +274,15 @@ def _refuse_whole_batches(s: Session, skips: SkipSet) -> None:
         raise ConfigError(_WHOLE_BATCHES)
 
 
-class _FastForward:
+class _FastForward(Passthrough):
     """Below the recorder, in place of the batch sampler: each new pass (epoch) clears the
     recorder's queue (a stopped fit may have left a prefetched list in it), and the first
     pass after a mid-epoch resume draws, without fetching, the index lists the restored epoch
     had already trained on."""
 
     def __init__(self, inner: Any, forward: int) -> None:
-        self.inner, self.forward = inner, forward
+        super().__init__(inner)
+        self.forward = forward
         self.recorder: StepRecorder | None = None
 
     def __iter__(self) -> Iterator[Any]:
@@ -294,14 +294,6 @@ class _FastForward:
             if next(it, _END) is _END:
                 return
         yield from it
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 _END = object()
@@ -432,20 +424,6 @@ def _step_metrics(trainer: Trainer) -> Mapping[str, Any]:
         return {}
     metrics: Mapping[str, Any] = results.metrics(True)["callback"]
     return metrics
-
-
-def _get_rng() -> tuple[Any, ...]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda, np.random.get_state(), random.getstate()
-
-
-def _set_rng(state: tuple[Any, ...]) -> None:
-    cpu, cuda, npst, py = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-    np.random.set_state(npst)
-    random.setstate(py)
 
 
 # -- replay ----------------------------------------------------------------------------------

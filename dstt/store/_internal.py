@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from .commit.writer import Writer
     from .flusher.parent import Flusher, flusher_supported
     from .format.batches import (
-        BATCHES_OBJECT,
         Batch,
         SkipSet,
         read_batches,
@@ -50,7 +49,6 @@ if TYPE_CHECKING:
     from .format.objects import Encoded, decode_object
     from .format.parts import remove_parts
     from .format.records import ArrayRecord, CommitHeader, Metric
-    from .format.segment import SCALARS as SUMMARY_SCALARS
     from .format.segment import RowSet
     from .format.zarr_meta import dtype_itemsize, numpy_dtype
     from .index.rows import as_float
@@ -85,14 +83,12 @@ if TYPE_CHECKING:
 
 
 __all__ = [
-    "BATCHES_OBJECT",
     "COMMITS_PREFIX",
     "CUR",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_RANK_TIMEOUT",
     "DTENSOR_PREFIX",
     "REFS_PREFIX",
-    "SUMMARY_SCALARS",
     "ArrayRecord",
     "ArraySpec",
     "Batch",
@@ -164,7 +160,6 @@ __all__ = [
 _LAZY: dict[str, tuple[str, str]] = {
     "ArrayRecord": ("format.records", "ArrayRecord"),
     "ArraySpec": ("protocols", "ArraySpec"),
-    "BATCHES_OBJECT": ("format.batches", "BATCHES_OBJECT"),
     "Batch": ("format.batches", "Batch"),
     "Box": ("read.shards", "Box"),
     "COMMITS_PREFIX": ("format.layout", "COMMITS_PREFIX"),
@@ -198,7 +193,6 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Repository": ("repository", "Repository"),
     "Retention": ("maintenance.retention", "Retention"),
     "RowSet": ("format.segment", "RowSet"),
-    "SUMMARY_SCALARS": ("format.segment", "SCALARS"),
     "SkipSet": ("format.batches", "SkipSet"),
     "StepHandle": ("_seam", "StepHandle"),
     "StepSink": ("_seam", "StepSink"),

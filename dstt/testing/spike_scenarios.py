@@ -34,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import dstt
+from dstt.analysis import mechanisms
 from dstt.errors import ConfigError
 
 from .models import TinyGPT, make_batch
@@ -43,14 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MECHANISMS", "Scenario", "Sequences", "scenario"]
 
-MECHANISMS = (
-    "bad_data",
-    "update_too_large",
-    "attention_logit_growth",
-    "adam_second_moment",
-    "numerics",
-    "clean",
-)
+MECHANISMS = (*mechanisms.MECHANISMS, "clean")  # and a run without a spike
 SEQ, VOCAB, BATCH, D, LAYERS, HEADS = 16, 32, 8, 32, 2, 4
 GROWTH_PUSH = 0.1  #: the attention scenario's push on the query/key weights (per step)
 

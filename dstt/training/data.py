@@ -49,13 +49,13 @@ import torch
 
 from dstt.engine.data_position import DataPosition, TrackedData
 from dstt.errors import ConfigError
-from dstt.store._internal import BATCHES_OBJECT, Batch, SkipSet, read_skips, write_skips
+from dstt.store._internal import Batch, SkipSet, read_skips, write_skips
 
 __all__ = [
-    "BATCHES_OBJECT",
     "HASH_LIMIT",
     "Batch",
     "BatchLog",
+    "Passthrough",
     "RecordedData",
     "SkipSet",
     "fingerprint",
@@ -102,6 +102,22 @@ def fingerprint(batch: Any) -> Batch:
 
     feed(batch)
     return Batch(hash=h.hexdigest(), partial=partial[0])
+
+
+class Passthrough:
+    """Delegates everything it does not define to the sampler it stands in for (``len``,
+    ``batch_size``, ``set_epoch``, a shard's ``num_processes``, ...)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 class BatchLog:
@@ -177,14 +193,14 @@ class RecordedData(TrackedData):
         return True
 
 
-class _Tap:
+class _Tap(Passthrough):
     """Stands in for a DataLoader's index sampler: passes its index lists through, recording
     each (``queue``, in the order the loader fetches them: the order its batches come back)
     and dropping the skipped samples and index lists. Everything else (``len``,
     ``set_epoch``, ``state_dict``) is the wrapped sampler's."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.queue: list[list[int]] = []
         self.samples: frozenset[int] = frozenset()
         self.lists: set[tuple[int, ...]] = set()
@@ -210,14 +226,6 @@ class _Tap:
             getattr(it, "load_state_dict", None)
         )
         return (_StatefulTapIter if stateful else _TapIter)(self, it)
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
 
 class _TapIter:

@@ -24,14 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 from dstt import schema
 from dstt.errors import DsttWarning, SchemaError
+from dstt.schema import IMPORT_OBJECT
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-__all__ = ["IMPORT_OBJECT", "imported_gaps"]
-
-#: the object ``dstt.integrations.imports`` writes with every imported step
-IMPORT_OBJECT = schema.IMPORT_OBJECT
+__all__ = ["imported_gaps"]
 
 
 @contextlib.contextmanager

@@ -28,17 +28,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from dstt import schema
 from dstt.errors import DsttWarning
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-__all__ = ["METRICS_HISTORY_OBJECT", "MetricLog", "metric_value"]
+__all__ = ["MetricLog", "metric_value"]
 
-#: commit object carrying the metrics of the steps before it that were not committed (read by
-#: ``dstt.inspect.summaries.metrics_dataset``; declared in ``dstt.schema``)
-METRICS_HISTORY_OBJECT = schema.METRICS_HISTORY_OBJECT
 
 Placement = Literal["before", "after"]
 

@@ -298,16 +298,7 @@ class Session:
         updates a tensor while its copy is in flight."""
         opts = list(self.optimizers.values())
         cap = self._capture
-        if len(opts) <= 1:
-            return [
-                h
-                for o in opts
-                for h in (
-                    o.register_step_pre_hook(lambda *_: cap.before_step()),
-                    o.register_step_post_hook(lambda *_: cap.after_step()),
-                )
-            ]
-        stepped: set[int] = set()
+        stepped: set[int] = set()  # (one optimizer: each of its steps is one step)
 
         def post(opt: torch.optim.Optimizer, *_: Any) -> None:
             stepped.add(id(opt))

@@ -42,13 +42,12 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from dstt.engine.light import LIGHT_OBJECT, light_record
+from dstt.engine.light import light_record
 from dstt.errors import DsttError, RaceError
-from dstt.schema import REPLAY_OBJECT
+from dstt.schema import BATCHES_OBJECT, LIGHT_OBJECT, METRICS_HISTORY_OBJECT, REPLAY_OBJECT
 
 from .checks import capture_error, warn_skipped
-from .data import BATCHES_OBJECT, BatchLog
-from .metrics import METRICS_HISTORY_OBJECT, MetricLog
+from .metrics import MetricLog
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -56,6 +55,7 @@ if TYPE_CHECKING:
     from dstt.engine.pipeline import Flight, Pipeline
     from dstt.engine.torch_state import TorchState
 
+    from .data import BatchLog
     from .options import SessionOptions
     from .retention import RetentionRunner
 

@@ -16,7 +16,8 @@ import dstt
 from dstt.engine.light import LIGHT_OBJECT
 from dstt.engine.torch_state import discover
 from dstt.errors import ConfigError, ReplayError, StepNotFoundError
-from dstt.store._internal import BATCHES_OBJECT, Repository
+from dstt.schema import BATCHES_OBJECT
+from dstt.store._internal import Repository
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage
 from dstt.training import SessionOptions, session
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,14 @@ def _unshadow_deepspeed() -> None:
 @pytest.fixture(scope="session", autouse=True)
 def _real_deepspeed() -> None:
     _unshadow_deepspeed()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One torch thread for the test: bit-exact CPU math needs a fixed reduction order."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -9,19 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import dstt
 from dstt.store._internal import Repository
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # bit-exact CPU math needs a fixed reduction order
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _slow(delay: float) -> tuple[Repository, Repository]:

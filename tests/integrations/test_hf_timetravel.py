@@ -33,12 +33,7 @@ STEPS, K = 32, 28  # 256 samples, 8 per optimizer step: one epoch; K mid-epoch, 
 # for a spike rule to have a baseline (the loss falls fast at first)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # bit-exact CPU math needs a fixed reduction order
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _train(

@@ -10,10 +10,6 @@ process.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +18,7 @@ import torch
 
 pytest.importorskip("lightning")
 
+from children import kill_then_resume
 from pl_setup import (
     Recorder,
     ResumableLoader,
@@ -39,12 +36,7 @@ HERE = Path(__file__).parent
 STEPS = 10  # 6 batches per epoch
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> object:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _fit(
@@ -153,56 +145,8 @@ def test_resume_and_ckpt_path_together_are_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "run").exists()
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(HERE.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path: Path, reference) -> None:
     ref_losses, _, ref_final = reference
-    run, kill_at = tmp_path / "run", 8
-    cmd = [sys.executable, str(HERE / "pl_child.py")]
-    proc = subprocess.Popen(
-        [*cmd, "fresh", str(run), str(STEPS)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=_env(),
-    )
-    lines = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith(f"step {kill_at} "):
-            os.kill(proc.pid, signal.SIGKILL)
-            break
-    proc.wait(60)
-    proc.stdout.close()
-    assert proc.returncode == -signal.SIGKILL, "".join(lines)
-    repo = Repository.open(run)
-    assert repo.verify().problems == []
-    head = repo.reader().head()
-    assert head is not None
-    assert 1 <= head.step <= kill_at
-    done = subprocess.run(
-        [*cmd, "resume", str(run), str(STEPS)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    start, after, final = -1, {}, None
-    for line in done.stdout.splitlines():
-        kind, *rest = line.split() or [""]
-        if kind == "start":
-            start = int(rest[0])
-        elif kind == "step":
-            after[int(rest[0])] = float.fromhex(rest[1])
-        elif kind == "final":
-            final = rest[0]
-    assert start == head.step
-    assert after == {k: ref_losses[k] for k in range(head.step + 1, STEPS + 1)}
+    args = [str(STEPS)]
+    final = kill_then_resume("pl_child.py", tmp_path / "run", args, 8, ref_losses, STEPS)
     assert final == ref_final

@@ -41,13 +41,7 @@ import dstt
 from dstt.errors import ConfigError, ReplayError
 from dstt.integrations.lightning import DsttCallback
 
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> object:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _indices(run: dstt.Run, timeline: str | None = None) -> dict[int, list[list[int]]]:

@@ -10,10 +10,6 @@ way in a fresh process.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +19,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from children import kill_then_resume
 from hf_setup import Recorder, state_hash, tiny_gpt2, trainer
 from transformers import TrainerCallback
 
@@ -34,12 +31,7 @@ HERE = Path(__file__).parent
 STEPS = 10  # 24 samples / batch 4: 6 optimizer steps per epoch, so 10 steps cross one
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> object:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _heads(run: Path) -> list:
@@ -177,62 +169,8 @@ def test_resume_from_on_a_new_run_starts_fresh(tmp_path: Path) -> None:
         DsttCallback(run=tmp_path / "x").resume_from()
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    root = str(HERE.parents[1])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    return env
-
-
-def _parse(text: str) -> tuple[int, dict[int, float], str | None]:
-    start, losses, final = -1, {}, None
-    for line in text.splitlines():
-        kind, *rest = line.split() or [""]
-        if kind == "start":
-            start = int(rest[0])
-        elif kind == "step":
-            losses[int(rest[0])] = float.fromhex(rest[1])
-        elif kind == "final":
-            final = rest[0]
-    return start, losses, final
-
-
 def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path: Path, reference) -> None:
     ref_losses, ref_final = reference
-    run, out, kill_at = tmp_path / "run", str(tmp_path / "out"), 8
-    cmd = [sys.executable, str(HERE / "hf_child.py")]
-    proc = subprocess.Popen(
-        [*cmd, "fresh", str(run), out, str(STEPS)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=_env(),
-    )
-    lines = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith(f"step {kill_at} "):
-            os.kill(proc.pid, signal.SIGKILL)
-            break
-    proc.wait(60)
-    proc.stdout.close()
-    assert proc.returncode == -signal.SIGKILL, "".join(lines)
-    repo = Repository.open(run)
-    assert repo.verify().problems == []
-    head = repo.reader().head()
-    assert head is not None
-    assert 1 <= head.step <= kill_at
-    done = subprocess.run(
-        [*cmd, "resume", str(run), out, str(STEPS)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    start, after, final = _parse(done.stdout)
-    assert start == head.step
-    assert after == {k: ref_losses[k] for k in range(head.step + 1, STEPS + 1)}
+    args = [str(tmp_path / "out"), str(STEPS)]
+    final = kill_then_resume("hf_child.py", tmp_path / "run", args, 8, ref_losses, STEPS)
     assert final == ref_final

@@ -17,11 +17,9 @@ from __future__ import annotations
 from .checkpoint import Checkpoint, NamedOptimizer
 from .importer import Imported, ImportReport, Skipped, import_checkpoints
 from .sources import FORMATS, Source, find_sources
-from .write import SOURCE_OBJECT
 
 __all__ = [
     "FORMATS",
-    "SOURCE_OBJECT",
     "Checkpoint",
     "ImportReport",
     "Imported",

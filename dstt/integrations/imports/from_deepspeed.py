@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any
 from dstt import schema
 from dstt.errors import SourceError
 
-from .checkpoint import Checkpoint, NamedOptimizer, step_in_name
+from .checkpoint import Checkpoint, NamedOptimizer
 from .from_torch import model_checkpoint
 from .loading import deepspeed_globals, load_pickle
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FORMAT", "is_deepspeed_tag", "read_deepspeed", "step_of_deepspeed"]
+__all__ = ["FORMAT", "is_deepspeed_tag", "read_deepspeed"]
 
 FORMAT = "deepspeed"
 
@@ -47,10 +47,6 @@ def _files(path: str, kind: str) -> list[str]:
 
 def is_deepspeed_tag(path: str) -> bool:
     return os.path.isdir(path) and bool(_files(path, "model"))
-
-
-def step_of_deepspeed(path: str) -> int | None:
-    return step_in_name(os.path.basename(os.path.normpath(path)))
 
 
 class _Both(contextlib.ExitStack):

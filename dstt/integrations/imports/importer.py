@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dstt.engine.summaries import SummaryBook
+from dstt.schema import IMPORT_OBJECT
 from dstt.store._internal import DeltaPolicy, Repository
 
 from .checkpoint import Checkpoint
 from .sources import Source, Unknown, find_sources, reader_of
-from .write import SOURCE_OBJECT, write_checkpoint
+from .write import write_checkpoint
 
 if TYPE_CHECKING:
     import torch
@@ -82,9 +83,9 @@ Progress = Callable[[int, int, str], None]
 
 
 def _imported_from(reader: Reader, header: CommitHeader | None) -> str | None:
-    if header is None or header.pruned or SOURCE_OBJECT not in header.objects:
+    if header is None or header.pruned or IMPORT_OBJECT not in header.objects:
         return None
-    obj = reader.read_object(header, SOURCE_OBJECT)
+    obj = reader.read_object(header, IMPORT_OBJECT)
     return obj.get("path") if isinstance(obj, dict) else None
 
 

@@ -22,8 +22,8 @@ import torch
 from dstt import schema
 from dstt.engine._convert import flat_bytes, store_dtype, to_plain
 from dstt.engine.dims import ModelDims
-from dstt.schema import tensor_path
-from dstt.training.metrics import METRICS_HISTORY_OBJECT, metric_value
+from dstt.schema import IMPORT_OBJECT, METRICS_HISTORY_OBJECT, tensor_path
+from dstt.training.metrics import metric_value
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -33,10 +33,7 @@ if TYPE_CHECKING:
 
     from .checkpoint import Checkpoint
 
-__all__ = ["SOURCE_OBJECT", "arrays_of", "write_checkpoint"]
-
-#: the object that says where an imported step came from
-SOURCE_OBJECT = schema.IMPORT_OBJECT
+__all__ = ["arrays_of", "write_checkpoint"]
 
 
 def arrays_of(ck: Checkpoint) -> dict[str, torch.Tensor]:
@@ -119,7 +116,7 @@ def write_checkpoint(
                 "time": [when] * len(history),
                 "metrics": [_metrics(v) for _, v in history],
             }
-        objects[SOURCE_OBJECT] = {
+        objects[IMPORT_OBJECT] = {
             "path": ck.source,
             "format": ck.format,
             "step": ck.step,

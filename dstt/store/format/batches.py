@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dstt import schema
+from dstt.schema import BATCHES_OBJECT
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from .records import RefInfo
 
 __all__ = [
-    "BATCHES_OBJECT",
     "Batch",
     "SkipSet",
     "batches_of",
@@ -33,7 +32,6 @@ __all__ = [
     "write_skips",
 ]
 
-BATCHES_OBJECT = schema.BATCHES_OBJECT
 SKIPS_PREFIX = "_dstt/skips"
 
 

@@ -293,7 +293,6 @@ class FlatImage:
         self._views: list[memoryview] = []
         self._pads: dict[int, bytes] = {}
         self._buf: np.ndarray | None = None
-        self._padded: list[memoryview] = []
         self._entries: list[memoryview] = []  # in place: each chunk's 4-byte trailer
         self._twice: list[memoryview] = []  # each padded chunk twice (both sums)
         self._whole = memoryview(b"")
@@ -344,7 +343,7 @@ class FlatImage:
             padded.append(buf[s : s + full])  # what the crc32c covers
             entries.append(buf[s + full : s + full + 4])  # ... and the CRC-32: its trailer too
         self._buf, self._views = arr, views
-        self._padded, self._entries = padded, entries
+        self._entries = entries
         self._twice = [v for p in padded for v in (p, p)]
         self._whole = buf[: self.nbytes]
         self.iov = [self._whole]

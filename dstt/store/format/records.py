@@ -13,7 +13,7 @@ only passes records around would import the document codecs too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .layout import ChunkPlan
 from .zarr_meta import dtype_itemsize
@@ -58,55 +58,10 @@ class ChunkRecord:
     offset: int = 0
 
     @property
-    def content_crc32c(self) -> int:
-        """crc32c of the chunk's full raw bytes, whatever its encoding."""
-        return self.crc32c if self.raw_crc32c is None else self.raw_crc32c
-
-    @property
     def slots(self) -> tuple[int, ...]:
         """Other slots whose chunks this one is reconstructed from (delta base, inputs)."""
         base = () if self.base is None else (self.base,)
         return base + tuple(s for _, s in self.inputs)
-
-    def as_json(self) -> list[Any]:
-        if self.encoding == "raw":
-            return [self.key, self.offset, self.nbytes, self.crc32c]
-        head = [
-            self.key,
-            self.offset,
-            self.nbytes,
-            self.crc32c,
-            self.encoding,
-            self.base,
-            self.raw_crc32c,
-        ]
-        if self.encoding == "xor1":
-            return head
-        return [*head, self.predictor, [[p, s] for p, s in self.inputs], list(self.coeffs)]
-
-    @classmethod
-    def from_json(cls, v: list[Any]) -> ChunkRecord:
-        if len(v) == 4:
-            return cls(str(v[0]), int(v[2]), int(v[3]), offset=int(v[1]))
-        if len(v) == 7 and v[4] == "xor1":
-            return cls(
-                str(v[0]), int(v[2]), int(v[3]), "xor1", int(v[5]), int(v[6]), offset=int(v[1])
-            )
-        if len(v) == 10 and v[4] == "pred1":
-            inputs = tuple((str(p), int(s)) for p, s in v[8])
-            return cls(
-                str(v[0]),
-                int(v[2]),
-                int(v[3]),
-                "pred1",
-                int(v[5]),
-                int(v[6]),
-                str(v[7]),
-                inputs,
-                tuple(float(c) for c in v[9]),
-                offset=int(v[1]),
-            )
-        raise ValueError(f"unknown chunk record {v!r}")
 
 
 @dataclass(frozen=True)

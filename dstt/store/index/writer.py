@@ -184,10 +184,6 @@ class IndexWriter:
         flush_rows(self.storage, self.reader, self.index, self.pending, self.every)
         self.pending.clear()
 
-    def merge(self) -> None:
-        """While the ``FANOUT`` newest segments are of one size tier, merge them (LSM)."""
-        merge_segments(self.storage, self.index, self.every)
-
 
 def flush_rows(
     st: Storage, reader: IndexedSource, index: Index, pending: dict[int, CommitHeader], every: int

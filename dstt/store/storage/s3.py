@@ -84,7 +84,7 @@ class S3Storage(Storage):
         self.spool_dir = opts.get("spool_dir")
         self.guarded = tuple(guarded)
         self.write_once = DEFAULT_WRITE_ONCE
-        self._cfg, self._allow_http = cfg, allow_http
+        self._cfg = cfg
         self.store = S3Store(
             self.bucket,
             prefix=self.prefix or None,

@@ -23,7 +23,8 @@ import torch
 pytest.importorskip("transformers")
 
 import dstt
-from dstt.integrations.imports import SOURCE_OBJECT, import_checkpoints
+from dstt.integrations.imports import import_checkpoints
+from dstt.schema import IMPORT_OBJECT
 from dstt.store import Repository
 
 
@@ -86,7 +87,7 @@ def test_every_checkpoint_is_its_step_bit_exact(hf_checkpoints: Path, imported: 
         assert stored["torch"] == rng["cpu"].numpy().tobytes()
         assert tuple(stored["python"][1]) == rng["python"][1]
         np.testing.assert_array_equal(stored["numpy"][1], rng["numpy"][1])
-        origin = snap.object(SOURCE_OBJECT)
+        origin = snap.object(IMPORT_OBJECT)
         assert origin["path"] == str(src)
         assert origin["format"] == "hf-trainer"
     # the names the optimizer state was stored under are the model's

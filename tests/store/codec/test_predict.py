@@ -17,8 +17,8 @@ from dstt.store.codec.predict import PREDICTORS, Prediction, adam_predictions, p
 from dstt.store.codec.xor import DeltaPolicy
 from dstt.store.commit.transaction import Transaction
 from dstt.store.format.layout import step_file_key
-from dstt.store.format.manifest import dump_arrays
-from dstt.store.format.records import ChunkRecord
+from dstt.store.format.manifest import arrays_from_json, arrays_json, dump_arrays
+from dstt.store.format.records import ArrayRecord, ChunkRecord
 
 from .._util import (  # noqa: F401  (write_how: a fixture)
     WRITE,
@@ -298,11 +298,14 @@ def test_pred_records_round_trip_and_reject_garbage() -> None:
         (("optim/exp_avg/w", 3), ("optim/exp_avg_sq/w", 3)),
         (0.5, 1.0, 1e-8, 0.1),
     )
-    again = ChunkRecord.from_json(json.loads(json.dumps(rec.as_json())))
+    arr = ArrayRecord("w", "float32", (4,), 4, (rec,))
+    doc = json.loads(json.dumps(arrays_json({"w": arr})))  # the arrays table's columns
+    again = arrays_from_json(doc)["w"].chunks[0]
     assert again == rec
     assert again.slots == (2, 3, 3)
-    with pytest.raises(ValueError, match="unknown chunk record"):
-        ChunkRecord.from_json(["k", 1, 2, "pred9", 1, 2, "adam_p", [], []])
+    doc["codecs"]["0"][0] = "pred9"
+    with pytest.raises(ValueError, match="unknown chunk codec"):
+        arrays_from_json(doc)
 
 
 def test_prediction_specs_are_checked() -> None:
