@@ -22,7 +22,9 @@ Goals: <= 0.3 s for the index-only lines (import, help, ls, log, show, steps, me
 checkpointing, with ``dstt.session(..., every=1)`` (start and close included), and with
 ``torch.save`` of model and optimizer every step; each a fresh process, the loop timed inside
 it from before the session starts to after it closes (the session's start, loop and close
-also apart), the trees and modes interleaved per repeat. Goal: dstt <= none + 0.2 s.
+also apart; and the CPU time of the process and its reaped children, the flusher, which a
+loaded machine inflates less), the trees and modes interleaved per repeat. Goal: dstt <=
+none + 0.2 s.
 
 ``--before DIR`` also times another source tree (e.g. ``git archive main | tar -x -C
 /tmp/main``) on the same runs, each line alternating between the two trees so that a changing
@@ -61,7 +63,7 @@ METRICS = (
     "v = m.column('loss') if hasattr(m, 'column') else m['loss'].values\nassert len(v)"
 )
 SESSION = r"""
-import json, os, sys, tempfile, time
+import json, os, resource, sys, tempfile, time
 import torch
 mode, out = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)
@@ -76,7 +78,11 @@ def step():
     opt.zero_grad()
     return loss
 
-t0 = time.perf_counter()
+def cpu():  # this process's threads and its reaped children (the flusher)
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + ru.ru_utime + ru.ru_stime
+
+t0, c0 = time.perf_counter(), cpu()
 phases = {}
 if mode == "dstt":
     import dstt
@@ -95,7 +101,7 @@ elif mode == "save":
 else:
     for _ in range(8):
         step()
-print(json.dumps({"total": time.perf_counter() - t0, **phases}))
+print(json.dumps({"total": time.perf_counter() - t0, "cpu": cpu() - c0, **phases}))
 """
 SESSION_MODES = ("none", "dstt", "save")
 
@@ -205,10 +211,14 @@ def bench_session(
             times = [r["total"] for r in runs]
             out[f"{mode}_s"] = statistics.median(times)
             out[f"{mode}_all_s"] = times
+            out[f"{mode}_cpu_s"] = statistics.median(r["cpu"] for r in runs)
+            out[f"{mode}_all_cpu_s"] = [r["cpu"] for r in runs]
         for phase in ("start", "loop", "close"):
             out[f"dstt_{phase}_s"] = statistics.median(r[phase] for r in modes["dstt"])
         out["dstt_over_none_s"] = out["dstt_s"] - out["none_s"]
         out["save_over_none_s"] = out["save_s"] - out["none_s"]
+        out["dstt_over_none_cpu_s"] = out["dstt_cpu_s"] - out["none_cpu_s"]
+        out["save_over_none_cpu_s"] = out["save_cpu_s"] - out["none_cpu_s"]
         out["dstt_ratio"] = out["dstt_s"] / out["none_s"]
         out["save_ratio"] = out["save_s"] / out["none_s"]
         res[tree] = out
