@@ -224,3 +224,50 @@ def test_a_flusher_that_waits_is_ready_when_made() -> None:
     finally:
         fl.close()
     assert _gone(pid)
+
+
+SESSION_IMPORTS = """
+import json, sys
+import torch
+import dstt
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with dstt.session(model, opt, run=sys.argv[1]):
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print(json.dumps([m for m in sys.argv[2:] if m in sys.modules]))
+"""
+
+
+def test_a_plain_session_imports_neither_the_multi_rank_sessions_nor_numcodecs(
+    tmp_path: Path,
+) -> None:
+    """A session's start is part of a short run's fixed cost: a plain one loads no
+    DeepSpeed or multi-rank machinery, and no numcodecs (~0.1 s: every codec registers on
+    import) unless it encodes deltas."""
+    import json
+    import subprocess
+    import sys
+
+    unused = ["dstt.training.deepspeed", "dstt.training.distributed", "dstt.engine.zero"]
+    unused += ["dstt.engine.deepspeed", "numcodecs"]
+    got = subprocess.run(
+        [sys.executable, "-c", SESSION_IMPORTS, str(tmp_path / "run"), *unused],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert json.loads(got.stdout.splitlines()[-1]) == []
+    assert Repository.open(tmp_path / "run").reader().head() is not None
+
+
+def test_the_factory_still_picks_the_deepspeed_session_for_a_deepspeed_class() -> None:
+    from dstt.training.factory import _deepspeed_engine
+
+    fake = type("DeepSpeedEngine", (torch.nn.Module,), {"__module__": "deepspeed.runtime.engine"})
+    assert _deepspeed_engine(fake())
+    assert not _deepspeed_engine(torch.nn.Linear(2, 2))
+    other = type("DeepSpeedEngine", (torch.nn.Module,), {"__module__": "mylib.engine"})
+    assert not _deepspeed_engine(other())
