@@ -24,11 +24,12 @@ when the parent dies (``PR_SET_PDEATHSIG``), so no orphan outlives a crashed tra
 commit the steps it had handed over — a resumed run would race it for the ref.
 
 The engine does not wait for the child to start (``wait=False``; its interpreter and imports
-take 0.1 to 0.5 s): until it says "ready", the handle serves each request in the calling thread
-itself — the same bytes and replies; a commit goes back to the writer (``NotHandedOff``) — so
-a short run never waits for a process it barely used, and ``close`` kills a child that never
-got ready (it was sent nothing). The child's first digest of a plan digested here is done
-here too, against this process's copy of the previous step, so updates stay exact.
+take tenths of a second): until it says "ready", the handle serves each request in the
+calling thread itself — the same bytes and replies; a commit goes back to the writer
+(``NotHandedOff``) — so a short run never waits for a process it barely used, and ``close``
+kills a child that never got ready (it was sent nothing). The child's first digest of a plan
+digested here is done here too, against this process's copy of the previous step, so
+updates stay exact.
 
 The child's side — its request loop, writer and commit threads — is ``flusher/child.py``.
 
