@@ -21,7 +21,10 @@ Goals: <= 0.3 s for the index-only lines (import, help, ls, log, show, steps, me
 ``--session``: a session's fixed cost — 8 iterations of a small MLP (AdamW) with no
 checkpointing, with ``dstt.session(..., every=1)`` (start and close included), and with
 ``torch.save`` of model and optimizer every step; each a fresh process, the loop timed inside
-it from before the session starts to after it closes. Goal: dstt <= none + 0.2 s.
+it from before the session starts to after it closes (the session's start, loop and close
+also apart; and the CPU time of the process and its reaped children, the flusher, which a
+loaded machine inflates less), the trees and modes interleaved per repeat. Goal: dstt <=
+none + 0.2 s.
 
 ``--before DIR`` also times another source tree (e.g. ``git archive main | tar -x -C
 /tmp/main``) on the same runs, each line alternating between the two trees so that a changing
@@ -60,7 +63,7 @@ METRICS = (
     "v = m.column('loss') if hasattr(m, 'column') else m['loss'].values\nassert len(v)"
 )
 SESSION = r"""
-import json, os, sys, tempfile, time
+import json, os, resource, sys, tempfile, time
 import torch
 mode, out = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)
@@ -75,12 +78,21 @@ def step():
     opt.zero_grad()
     return loss
 
-t0 = time.perf_counter()
+def cpu():  # this process's threads and its reaped children (the flusher)
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + ru.ru_utime + ru.ru_stime
+
+t0, c0 = time.perf_counter(), cpu()
+phases = {}
 if mode == "dstt":
     import dstt
     with dstt.session(model, opt, run=os.path.join(out, "run"), every=1) as s:
+        phases["start"] = time.perf_counter() - t0
         for _ in range(8):
             s.log(loss=float(step()))
+        t1 = time.perf_counter()
+        phases["loop"] = t1 - t0 - phases["start"]
+    phases["close"] = time.perf_counter() - t1
 elif mode == "save":
     for i in range(8):
         step()
@@ -89,8 +101,9 @@ elif mode == "save":
 else:
     for _ in range(8):
         step()
-print(json.dumps(time.perf_counter() - t0))
+print(json.dumps({"total": time.perf_counter() - t0, "cpu": cpu() - c0, **phases}))
 """
+SESSION_MODES = ("none", "dstt", "save")
 
 
 def child_env(tree: Path) -> dict[str, str]:
@@ -156,31 +169,60 @@ def commands(run: Path, steps: int) -> dict[str, list[str]]:
     }
 
 
-def bench_session(env: dict[str, str], repeats: int, root: Path) -> dict[str, Any]:
-    out: dict[str, Any] = {"iterations": 8, "model": "4 x Linear(128, 128), AdamW"}
-    for mode in ("none", "dstt", "save"):
-        times = []
-        for i in range(repeats + 1):  # the first one warms caches, untimed
-            d = root / f"session-{mode}-{i}"
-            d.mkdir()
-            got = subprocess.run(
-                [sys.executable, "-c", SESSION, mode, str(d)],
-                env=env,
-                cwd=env["PYTHONPATH"],
-                check=True,
-                capture_output=True,
-                text=True,
-                timeout=600,
-            )
-            shutil.rmtree(d)
-            if i:
-                times.append(json.loads(got.stdout.splitlines()[-1]))
-        out[f"{mode}_s"] = statistics.median(times)
-        out[f"{mode}_all_s"] = times
-    out["dstt_over_none_s"] = out["dstt_s"] - out["none_s"]
-    out["dstt_ratio"] = out["dstt_s"] / out["none_s"]
-    out["save_ratio"] = out["save_s"] / out["none_s"]
+def _session_once(env: dict[str, str], mode: str, d: Path) -> dict[str, float]:
+    d.mkdir()
+    try:
+        got = subprocess.run(
+            [sys.executable, "-c", SESSION, mode, str(d)],
+            env=env,
+            cwd=env["PYTHONPATH"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    out: dict[str, float] = json.loads(got.stdout.splitlines()[-1])
     return out
+
+
+def bench_session(
+    trees: dict[str, dict[str, str]], repeats: int, root: Path
+) -> dict[str, dict[str, Any]]:
+    """Per tree: the 8-iteration loop with no checkpointing, under a session and with
+    ``torch.save`` every step, each in a fresh process, in-process wall time from before
+    ``import dstt`` to after the session's close (and, for the session, its start, loop and
+    close). Every repeat runs each tree and mode once, interleaved, so that a changing load
+    hits them alike; one untimed round first (caches)."""
+    got: dict[str, dict[str, list[dict[str, float]]]] = {
+        t: {m: [] for m in SESSION_MODES} for t in trees
+    }
+    for i in range(repeats + 1):
+        for tree, env in trees.items():
+            for mode in SESSION_MODES:
+                r = _session_once(env, mode, root / f"session-{tree}-{mode}-{i}")
+                if i:
+                    got[tree][mode].append(r)
+    res: dict[str, dict[str, Any]] = {}
+    for tree, modes in got.items():
+        out: dict[str, Any] = {"iterations": 8, "model": "4 x Linear(128, 128), AdamW"}
+        for mode, runs in modes.items():
+            times = [r["total"] for r in runs]
+            out[f"{mode}_s"] = statistics.median(times)
+            out[f"{mode}_all_s"] = times
+            out[f"{mode}_cpu_s"] = statistics.median(r["cpu"] for r in runs)
+            out[f"{mode}_all_cpu_s"] = [r["cpu"] for r in runs]
+        for phase in ("start", "loop", "close"):
+            out[f"dstt_{phase}_s"] = statistics.median(r[phase] for r in modes["dstt"])
+        out["dstt_over_none_s"] = out["dstt_s"] - out["none_s"]
+        out["save_over_none_s"] = out["save_s"] - out["none_s"]
+        out["dstt_over_none_cpu_s"] = out["dstt_cpu_s"] - out["none_cpu_s"]
+        out["save_over_none_cpu_s"] = out["save_cpu_s"] - out["none_cpu_s"]
+        out["dstt_ratio"] = out["dstt_s"] / out["none_s"]
+        out["save_ratio"] = out["save_s"] / out["none_s"]
+        res[tree] = out
+    return res
 
 
 def main() -> None:
@@ -246,10 +288,7 @@ def main() -> None:
                 print(f"{n:>6} steps  {name:<15} {'  '.join(line)}", flush=True)
             res["runs"][str(n)] = got
         if args.session:
-            res["session"] = {
-                tree: bench_session(env, repeats, root)
-                for tree, env in zip(trees, envs, strict=True)
-            }
+            res["session"] = bench_session(dict(zip(trees, envs, strict=True)), repeats, root)
             print(json.dumps(res["session"], indent=1), flush=True)
     finally:
         if not keep:

@@ -346,6 +346,12 @@ class DigestPlan:
                 out[k][reg.rows : reg.rows + len(reg.segs.numel)] = v
         return out
 
+    def drop_copy(self) -> None:
+        """Let the last digested step's copy go (another process digests the next steps):
+        the next update here has no copy to compare with."""
+        with self._prev_lock:
+            self._prev, self._prev_token = None, -1
+
     def updates(self, host: np.ndarray, token: int) -> tuple[np.ndarray, int]:
         """Each tensor's squared distance to the previous digested step's copy (NaN where
         there is none) and that step's token (-1 for none); then this step's tensor bytes

@@ -139,7 +139,9 @@ class FlatLane:
             memory = None
             if self.want_flusher:
                 try:
-                    self.flusher = Flusher(nbytes, count)
+                    # not waiting for the child's start: until it is ready, the
+                    # handle serves the writes here (a short run never waits for it)
+                    self.flusher = Flusher(nbytes, count, wait=False)
                     memory = self.flusher.buffers
                 except (OSError, StorageError) as e:  # no memfd, no fork: writer threads
                     warnings.warn(

@@ -20,11 +20,16 @@ package. (It is ``training``, not ``session``: a ``dstt.session`` package would 
 
 from __future__ import annotations
 
-from .deepspeed import DeepSpeedSession
-from .distributed import DistributedSession, RankedSession
+import importlib as _importlib
+from typing import TYPE_CHECKING
+
 from .factory import open_session, session
 from .options import CopyMode, ErrorPolicy, RacePolicy, SessionOptions
 from .session import Session
+
+if TYPE_CHECKING:
+    from .deepspeed import DeepSpeedSession
+    from .distributed import DistributedSession, RankedSession
 
 __all__ = [
     "CopyMode",
@@ -38,3 +43,23 @@ __all__ = [
     "open_session",
     "session",
 ]
+
+#: the multi-rank sessions load on first use: a plain session's start imports neither
+_HOME = {
+    "DeepSpeedSession": "deepspeed",
+    "DistributedSession": "distributed",
+    "RankedSession": "distributed",
+}
+
+
+def __getattr__(name: str) -> object:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'dstt.training' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -5,7 +5,8 @@ same on one rank of several (an initialized process group: DDP, FSDP2, tensor pa
 model holding DTensors, a :class:`~dstt.training.distributed.DistributedSession`; a DeepSpeed
 engine a :class:`~dstt.training.deepspeed.DeepSpeedSession`. The classes live in their own
 modules and this one imports them, so imports flow one way (``factory`` → ``deepspeed`` →
-``distributed`` → ``session``).
+``distributed`` → ``session``); the multi-rank ones only when picked, so a plain session's
+start imports none of their machinery (ranks, sharding, ZeRO).
 Rejected alternative: the factory next to ``Session`` with a function-level import of the
 DeepSpeed subclass — a cycle, hidden from import-time checks.
 """
@@ -14,11 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from dstt.engine.deepspeed import is_deepspeed_engine
 from dstt.engine.dtensors import is_dtensor
 
-from .deepspeed import DeepSpeedSession
-from .distributed import DistributedSession
 from .options import (
     DEFAULT_BUDGET,
     DEFAULT_MAX_GAP,
@@ -155,11 +153,25 @@ def open_session(
     """The session class for what is given (a DeepSpeed engine, or a plain model), built
     from ``options``: what :func:`session` and the framework callbacks call."""
     cls: type[Session] = Session
-    if model is not None and is_deepspeed_engine(model):
+    if model is not None and _deepspeed_engine(model):
+        from .deepspeed import DeepSpeedSession
+
         cls = DeepSpeedSession
     elif model is not None and (_process_group() or any(map(is_dtensor, model.parameters()))):
+        from .distributed import DistributedSession
+
         cls = DistributedSession
     return cls(model, optimizer, options=options, scheduler=scheduler, extra_state=extra_state)
+
+
+def _deepspeed_engine(model: object) -> bool:
+    """Whether ``model`` is a DeepSpeed engine; ``dstt.engine.deepspeed`` (which says so)
+    is imported only for an object of a ``deepspeed`` class."""
+    if not any(c.__module__.startswith("deepspeed") for c in type(model).__mro__):
+        return False
+    from dstt.engine.deepspeed import is_deepspeed_engine
+
+    return is_deepspeed_engine(model)
 
 
 def _process_group() -> bool:

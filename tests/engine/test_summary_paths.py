@@ -69,6 +69,10 @@ def test_summaries_match_the_stored_tensors_at_every_step(
             if encoded and i == 2:
                 s.keyframe()  # one step written whole (raw: by the flusher where one runs)
             train_step(m, opt, *mlp_batch(i, d_in=D_IN))
+            if i == 0 and flusher:  # the later steps go to the child (not served here
+                s.wait()  # while it starts): step 1 copied, the flusher is made
+                fl = s._pipeline.flusher if s._pipeline is not None else None
+                assert fl is None or fl.wait_ready(120), name
         pipe = s._pipeline
         assert pipe is not None
         # the path this case is about is the one that ran

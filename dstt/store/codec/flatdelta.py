@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from numcodecs import blosc
 
 from .flatpredict import groups, predict_residuals
 from .predict import CUR, PRED, Prediction
@@ -184,6 +183,10 @@ class _Settled:
 
 
 def _compress(views: list[Any], cname: str, clevel: int) -> list[bytes]:
+    # imported here: numcodecs registers every codec it has on import (~0.1 s), which a
+    # session that never encodes (the default) should not pay at its start
+    from numcodecs import blosc
+
     return list(
         map(
             blosc.compress,

@@ -23,6 +23,14 @@ bytes at the same places), then writes from its own threads. The kernel kills th
 when the parent dies (``PR_SET_PDEATHSIG``), so no orphan outlives a crashed trainer to
 commit the steps it had handed over — a resumed run would race it for the ref.
 
+The engine does not wait for the child to start (``wait=False``; its interpreter and imports
+take tenths of a second): until it says "ready", the handle serves each request in the
+calling thread itself — the same bytes and replies; a commit goes back to the writer
+(``NotHandedOff``) — so a short run never waits for a process it barely used, and ``close``
+kills a child that never got ready (it was sent nothing). The child's first digest of a plan
+digested here is done here too, against this process's copy of the previous step, so
+updates stay exact.
+
 The child's side — its request loop, writer and commit threads — is ``flusher/child.py``.
 
 Rejected alternatives: ``multiprocessing`` (its spawn start method re-imports the user's
@@ -51,7 +59,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from dstt.analysis.summary_kernel import DigestPlan
-    from dstt.store.format.flat import FlatLayout
+    from dstt.store.format.flat import FlatImage, FlatLayout
     from dstt.store.format.records import CommitHeader
     from dstt.store.format.stepfile import StepState
 
@@ -89,7 +97,11 @@ def _recv(inp: IO[bytes]) -> tuple[Any, ...]:
 class Flusher:
     """The parent's handle: ``count`` shared buffers of ``nbytes`` and the child process."""
 
-    def __init__(self, nbytes: int, count: int, *, sched: str | None = None) -> None:
+    def __init__(
+        self, nbytes: int, count: int, *, sched: str | None = None, wait: bool = True
+    ) -> None:
+        """``wait``: return once the child is ready (else at once: until it is, the requests
+        are served in this process, ``served_here``); ``StorageError`` if it cannot start."""
         sched = sched or os.environ.get("DSTT_FLUSHER_SCHED", "idle")
         if not flusher_supported():
             raise OSError(_errno.ENOSYS, "the flusher needs Linux memfd_create")
@@ -101,6 +113,24 @@ class Flusher:
         self.buffers: list[mmap.mmap] = []
         self.proc: subprocess.Popen[bytes] | None = None
         self._error: BaseException | None = None
+        self._mu = threading.Lock()  # sending (a request and the objects it names)
+        self._sent: dict[int, object] = {}  # id -> the layout/plan object sent under that id
+        self._next = 0
+        self._waiting: dict[int, list[Any]] = {}  # request id -> [event, reply]
+        self._wait_mu = threading.Lock()
+        self.dead = False
+        #: the child's threads at SCHED_IDLE (``urgent`` moves them all; set at "ready")
+        self.idle_threads: list[int] = []
+        self._ready = threading.Event()
+        self._gone_or_ready = threading.Event()
+        #: digest plans whose newest copy is this process's (digested here before "ready")
+        self._copies_here: dict[int, DigestPlan] = {}
+        self._here_mu = threading.Lock()
+        #: requests this process served itself (before the child was ready), and the
+        #: images it filled (as the child keeps them: built once per layout and buffer)
+        self.served_here = 0
+        self._images: dict[tuple[int, int, int], FlatImage] = {}
+        self._bound: dict[int, FlatImage] = {}  # buffer -> the in-place image it holds
         try:
             for i in range(count):
                 fd = os.memfd_create(f"dstt-step-{i}", 0)
@@ -126,25 +156,40 @@ class Flusher:
             assert self.proc.stdin is not None
             assert self.proc.stdout is not None
             self._out, self._in = self.proc.stdin, self.proc.stdout
-            _send(self._out, ("init", [(fd, nbytes) for fd in self._fds]))
-            #: the child's threads at SCHED_IDLE (``urgent`` moves them all)
-            self.idle_threads: list[int] = list(self._expect("ready")[1])
-            for fd in self._fds:  # the child has its copies, the parent its mappings
+            self._child_fds = list(self._fds)  # the same numbers in the child
+            for fd in self._fds:  # the child has its copies (Popen returns after its exec)
                 os.close(fd)
             self._fds = []
+            self._send_init()
+            self._reader = threading.Thread(
+                target=self._read_replies, name="dstt-flusher-replies", daemon=True
+            )
+            self._reader.start()
+            if wait and not self.wait_ready():
+                raise StorageError(
+                    _errno.EIO, f"the flusher process did not start: {self._error or 'it exited'}"
+                )
         except BaseException:
             self.close()
             raise
-        self._mu = threading.Lock()  # sending (a request and the objects it names)
-        self._sent: dict[int, object] = {}  # id -> the layout/plan object sent under that id
-        self._next = 0
-        self._waiting: dict[int, list[Any]] = {}  # request id -> [event, reply]
-        self._wait_mu = threading.Lock()
-        self.dead = False
-        self._reader = threading.Thread(
-            target=self._read_replies, name="dstt-flusher-replies", daemon=True
-        )
-        self._reader.start()
+
+    def _send_init(self) -> None:
+        """Hand the child its shared buffers; it answers "ready" once it can serve."""
+        _send(self._out, ("init", [(fd, self.nbytes) for fd in self._child_fds]))
+
+    @property
+    def ready(self) -> bool:
+        """Whether the child serves requests (it said "ready" and is alive); until then this
+        process serves them itself."""
+        return self._ready.is_set() and not self.dead
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the child is ready (True) or gone (False); None: no time limit."""
+        with self._wait_mu:
+            if self.dead:
+                return False
+        self._gone_or_ready.wait(timeout)
+        return self.ready
 
     def urgent(self, on: bool) -> None:
         """Run the child at normal priority while the engine waits for it (``on``), at
@@ -166,6 +211,13 @@ class Flusher:
         try:
             while True:
                 reply = _recv(self._in)
+                if reply[0] == "ready":
+                    self.idle_threads = list(reply[1])
+                    self._ready.set()
+                    self._gone_or_ready.set()
+                    continue
+                if reply[0] == "err" and reply[1] is None and not self._ready.is_set():
+                    raise EOFError(f"the flusher could not start: {reply[3]}")
                 with self._wait_mu:
                     slot = self._waiting.pop(reply[1], None)
                 if slot is not None:
@@ -177,16 +229,9 @@ class Flusher:
             self.dead = True
             self._error = error
             waiting, self._waiting = self._waiting, {}
+        self._gone_or_ready.set()
         for slot in waiting.values():
             slot[0].set()
-
-    def _expect(self, what: str) -> tuple[Any, ...]:
-        reply = _recv(self._in)
-        if reply[0] == "err":
-            raise StorageError(reply[2] or _errno.EIO, f"flusher: {reply[3]}")
-        if reply[0] != what:
-            raise StorageError(_errno.EPROTO, f"flusher: unexpected reply {reply[0]!r}")
-        return reply
 
     def _ensure(self, kind: str, objs: list[Any]) -> list[int | None]:
         """The child's ids of ``objs`` (None stays None), sending those it lacks."""
@@ -248,12 +293,20 @@ class Flusher:
         against the previous step the child digested with this plan; ``sent``: called once
         the request is in the pipe, so the caller can order digests)."""
 
+        if not self._ready.is_set():
+            return self._write_here(buffer, layout, start, path, plan, token, sent)
+        if self._images:  # the child serves from now on
+            with self._here_mu:
+                self._images.clear()
+                self._bound.clear()
+        here = self._digest_handover(buffer, plan, token)
+
         def request(rid: int) -> tuple[Any, ...]:
             lid, pid = self._ensure("layout", [layout, plan])
             return ("flat", rid, buffer, lid, start, path, pid, token)
 
         reply = self._call(request, sent)
-        return reply[2], reply[3], reply[4]
+        return reply[2], reply[3], reply[4] if here is None else here
 
     def digest(
         self,
@@ -266,11 +319,92 @@ class Flusher:
         process writes itself, encoded: its digest stays off this process's GIL, and its
         exact updates compare with the child's copy of the previous step)."""
 
+        if not self._ready.is_set():
+            stats = self._digest_here(buffer, plan, token)
+            if sent is not None:
+                sent()
+            return stats
+        here = self._digest_handover(buffer, plan, token)
+
         def request(rid: int) -> tuple[Any, ...]:
             (pid,) = self._ensure("layout", [plan])
             return ("digest", rid, buffer, pid, token)
 
-        stats: dict[str, Any] = self._call(request, sent)[2]
+        stats = self._call(request, sent)[2]
+        return stats if here is None else here
+
+    # -- before the child is ready: served here, the same bytes and replies -------------------
+    def _write_here(
+        self,
+        buffer: int,
+        layout: FlatLayout,
+        start: int,
+        path: str,
+        plan: DigestPlan | None,
+        token: int | None,
+        sent: Callable[[], None] | None,
+    ) -> tuple[list[int], bytes, dict[str, Any] | None]:
+        """``write`` in this thread, as the child would: the entries filled in the shared
+        buffer, the digest, the bytes written at ``start`` of ``path``."""
+        from dstt.store.format.flat import FlatImage
+        from dstt.store.storage.posix import pwrite_all, start_writeback
+
+        with self._here_mu:
+            self.served_here += 1
+            key = (id(layout), buffer, start)
+            image = self._images.get(key)
+            if image is None or image.layout is not layout:
+                if len(self._images) >= _SENT_KEPT:
+                    self._images.clear()
+                image = FlatImage(layout, start, memoryview(self.buffers[buffer]))
+                self._images[key] = image
+            elif image.inplace and self._bound.get(buffer) is not image:
+                image.bind(memoryview(self.buffers[buffer]))  # another layout's headers
+            if image.inplace:
+                self._bound[buffer] = image
+        crcs, _ = image.fill()
+        stats = self._digest_here(buffer, plan, token) if plan is not None else None
+        if sent is not None:
+            sent()
+        try:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                pwrite_all(fd, image.iov, start)
+                start_writeback(fd)  # the disk starts now; the commit's barrier waits
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise StorageError(e.errno or _errno.EIO, f"flusher (here): {e}") from e
+        return crcs, bytes(image.directory), stats
+
+    def _digest_here(self, buffer: int, plan: DigestPlan, token: int | None) -> dict[str, Any]:
+        """The digest of shared buffer ``buffer`` in this process; with ``token``, ``plan``
+        keeps this step's copy here (``_digest_handover`` moves it to the child)."""
+        from dstt.analysis.summary_kernel import digest
+
+        stats = digest(plan, memoryview(self.buffers[buffer]), token)
+        if token is not None:
+            with self._here_mu:
+                self._copies_here[id(plan)] = plan
+        return stats
+
+    def _digest_handover(
+        self, buffer: int, plan: DigestPlan | None, token: int | None
+    ) -> dict[str, Any] | None:
+        """The first request the child serves with a ``plan`` whose previous step was
+        digested here: digest it here too, against this process's copy (the child has none:
+        its digest of this step only takes the copy the next step compares with), then let
+        this process's copy go. Returns those stats (None: nothing to hand over)."""
+        if plan is None or token is None:
+            return None
+        with self._here_mu:
+            if self._copies_here.get(id(plan)) is not plan:
+                return None
+            del self._copies_here[id(plan)]
+        from dstt.analysis.summary_kernel import digest
+
+        stats = digest(plan, memoryview(self.buffers[buffer]), token)
+        plan.drop_copy()
         return stats
 
     def commit(
@@ -285,6 +419,8 @@ class Flusher:
         process started; returns its header. ``NotHandedOff`` (nothing sent) where the job
         cannot be pickled; ``StorageError`` where it failed there, or the child died (then
         ``dead``, and the job may be half done: run it here)."""
+        if not self._ready.is_set():  # the child is not serving yet: commit it here
+            raise NotHandedOff("the flusher process is still starting")
         consts = [job.template, job.block, job.consolidated]
         try:
             data = pickle.dumps(
@@ -318,8 +454,14 @@ class Flusher:
         ) from cause
 
     def close(self) -> None:
+        """End the child: it has answered every request by now (the engine drained). One
+        that never got ready was sent none: it is killed rather than waited for while it
+        starts (the fixed cost of a short run)."""
         proc, self.proc = self.proc, None
         if proc is not None:
+            if not self._ready.is_set():
+                with contextlib.suppress(OSError):
+                    proc.kill()
             with contextlib.suppress(OSError, ValueError):
                 _send(proc.stdin, ("exit",))  # type: ignore[arg-type]
             for stream in (proc.stdin, proc.stdout):
@@ -331,6 +473,9 @@ class Flusher:
             except subprocess.TimeoutExpired:  # pragma: no cover - a hung write
                 proc.kill()
                 proc.wait()
+        with self._here_mu:  # (their views of the buffers)
+            self._images.clear()
+            self._bound.clear()
         for b in self.buffers:
             with contextlib.suppress(BufferError):  # views still exported: let gc unmap
                 b.close()
