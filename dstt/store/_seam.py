@@ -13,11 +13,10 @@ Call order per step (several in flight, a handle each; failure semantics: ``Step
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
-
-import numpy as np
 
 from dstt.errors import CaptureError, SegmentError, StorageError
 
@@ -37,10 +36,11 @@ __all__ = ["FlatSegment", "StepHandle", "StepSink", "TransactionSink"]
 
 @dataclass(frozen=True)
 class FlatSegment:
-    """Bytes ``[start, start + len(data))`` of a step laid out by ``layout``. A segment holds
-    whole arrays; ``shared``: the index of the flusher's shared buffer that holds ``data``
-    (a whole step only), so the flusher process writes it. A writable ``data`` of a framed
-    layout (``flat.py``) gets the zip framing written into it (a read-only one is copied)."""
+    """Bytes ``[start, start + len(data))`` of a step laid out by ``layout``: whole chunks
+    (a cut inside an array falls between its chunks, ``layout.chunks``). ``shared``: the
+    index of the flusher's shared buffer holding ``data`` (a whole step only), so the
+    flusher process writes it. A writable ``data`` of a framed layout (``flat.py``) gets
+    the zip framing written into it (a read-only one is copied)."""
 
     layout: FlatLayout
     start: int
@@ -52,11 +52,11 @@ class FlatSegment:
 class StepHandle(Protocol):
     """One step on its way to a commit (the call order: the module docstring).
 
-    Failure semantics: a refused segment (out of order, overlapping, splitting an array,
+    Failure semantics: a refused segment (out of order, overlapping, splitting a chunk,
     another layout) raises ``SegmentError`` and writes nothing; the handle stays open. Any
     other error in ``write`` or ``put_object`` fails the handle: ``commit`` then raises
     ``CaptureError`` and the caller aborts. A step is visible only once ``commit`` returned;
-    it commits whole or not at all (a commit with arrays of its layout unwritten raises
+    it commits whole or not at all (a commit with chunks of its layout unwritten raises
     ``SegmentError``); a commit that raised is aborted by the caller. ``abort`` is idempotent
     and a no-op after a commit, so ``finally: h.abort()`` is safe. A flusher that dies
     mid-step costs nothing: its write or commit is done again here (same bytes, places).
@@ -90,13 +90,22 @@ class TransactionSink:
     def __init__(self, writer: FlatStepWriter, flusher: Flusher | None = None) -> None:
         self.writer, self.flusher = writer, flusher
         self._encodes = writer.encoder is not None
-        #: the layouts of segments, by (layout, start, stop): built once, not per step
-        self.subs: dict[tuple[int, int, int], tuple[FlatLayout, FlatLayout, bool]] = {}
+        #: each layout's chunk starts, by id (segments are cut by bisecting them)
+        self._starts: dict[int, tuple[FlatLayout, list[int]]] = {}
         if flusher is not None and isinstance(writer, OffloadingWriter):
             writer.committer = flusher
 
     def layout(self, arrays: Sequence[ArraySpec]) -> FlatLayout:
         return self.writer.flat_layout(arrays)
+
+    def starts(self, layout: FlatLayout) -> list[int]:
+        """Where each chunk of ``layout`` starts (built once per layout)."""
+        hit = self._starts.get(id(layout))
+        if hit is None or hit[0] is not layout:
+            if len(self._starts) > 16:
+                self._starts.clear()
+            hit = self._starts[id(layout)] = (layout, [c[2] for c in layout.chunks])
+        return hit[1]
 
     def begin(self, step: int, *, encode: bool = True, keyframe: bool = False) -> _Handle:
         txn = self.writer.begin(step)
@@ -112,7 +121,7 @@ class _Handle:
         self._lock = threading.Lock()
         self._layout: FlatLayout | None = None
         self._end = 0  # bytes of the layout written so far (segments come in order)
-        self._arrays = 0  # arrays of the layout written so far
+        self._written = 0  # chunks of the layout written so far
         self._failed: BaseException | None = None
         self._state = "open"
 
@@ -150,56 +159,49 @@ class _Handle:
                     f"segment [{start}, {stop}) of step {self.step} overlaps or precedes the "
                     f"bytes written (up to {self._end}): write segments once, in byte order"
                 )
-            sub, direct = self._sub(layout, start, stop)
+            whole = start == 0 and stop == layout.nbytes
+            lo, hi = (0, len(layout.chunks)) if whole else self._chunks(layout, start, stop)
+            if not whole and self._layout is None:  # written chunk by chunk: declare all
+                for a in layout.arrays:
+                    self._txn.declare(a.path, a.dtype, a.shape, a.dims)
             self._layout, self._end = layout, stop
-            self._arrays += len(sub.arrays)
-        shared = segment.shared
-        if sub is layout and shared is not None and self._via_flusher(layout, shared, view):
+            self._written += hi - lo
+        if not whole:
+            arrays = layout.arrays
+            for k, i, s, e, _, _ in layout.chunks[lo:hi]:
+                self._txn.put_chunk(arrays[k].path, i, view[s - start : e - start])
             return
-        if not direct:
-            data = _gather(sub, layout, start, view)
-        elif sub.framed and view.readonly:  # the zip framing is written into the buffer
-            data = memoryview(bytearray(view))
-        else:
-            data = view
+        shared = segment.shared
+        if shared is not None and self._via_flusher(layout, shared, view):
+            return
+        if layout.framed and view.readonly:  # the zip framing is written into the buffer
+            view = memoryview(bytearray(view))
         if self._encoded:
-            self._txn.put_flat_chunks(sub, data)
+            self._txn.put_flat_chunks(layout, view)
         else:
-            self._txn.put_flat(sub, data)
+            self._txn.put_flat(layout, view)
 
-    def _sub(self, layout: FlatLayout, start: int, stop: int) -> tuple[FlatLayout, bool]:
-        """The layout of the arrays in ``[start, stop)`` and whether the segment's bytes
-        are already laid out that way; ``SegmentError`` where an array straddles an end."""
-        if start == 0 and stop == layout.nbytes:
-            return layout, True
-        subs = self._sink.subs
-        hit = subs.get((id(layout), start, stop))
-        if hit is not None and hit[0] is layout:
-            return hit[1], hit[2]
+    def _chunks(self, layout: FlatLayout, start: int, stop: int) -> tuple[int, int]:
+        """The chunks ``[lo, hi)`` of ``layout`` in bytes ``[start, stop)``; ``SegmentError``
+        where a chunk straddles an end (segments cut an array only between its chunks)."""
         if not 0 <= start < stop <= layout.nbytes:
             raise SegmentError(
                 f"segment [{start}, {stop}) is outside the step's {layout.nbytes} bytes"
             )
-        inside = []
-        for a in layout.arrays:
-            lo, hi = a.offset, a.offset + a.nbytes
-            if start <= lo and hi <= stop and (lo < stop or a.nbytes):  # (an empty one: once)
-                inside.append(a)
-            elif lo < stop and hi > start and a.nbytes:
+        chunks = layout.chunks
+        starts = self._sink.starts(layout)
+        lo, hi = bisect.bisect_left(starts, start), bisect.bisect_left(starts, stop)
+        for j in (lo - 1, hi - 1):
+            if j >= 0 and (chunks[j][3] > start if j < lo else chunks[j][3] > stop):
+                k = chunks[j][0]
                 raise SegmentError(
-                    f"segment [{start}, {stop}) of step {self._txn.step} splits array "
-                    f"{a.path!r} [{lo}, {hi}): cut segments between arrays"
+                    f"segment [{start}, {stop}) of step {self.step} splits a chunk of array "
+                    f"{layout.arrays[k].path!r} [{chunks[j][2]}, {chunks[j][3]}): cut "
+                    "segments between chunks"
                 )
-        if not inside:
-            raise SegmentError(f"segment [{start}, {stop}) holds no array of the step")
-        sub = FlatLayout.build([(a.path, a.dtype, a.plan, a.dims) for a in inside], framed=False)
-        direct = not layout.framed and all(
-            s.offset == a.offset - start for s, a in zip(sub.arrays, inside, strict=True)
-        )
-        if len(subs) > 64:
-            subs.clear()
-        subs[(id(layout), start, stop)] = (layout, sub, direct)
-        return sub, direct
+        if lo == hi:
+            raise SegmentError(f"segment [{start}, {stop}) holds no chunk of the step")
+        return lo, hi
 
     def _via_flusher(self, layout: FlatLayout, shared: int, view: memoryview) -> bool:
         """Write a whole step from the flusher's shared buffer ``shared`` there; if the
@@ -239,9 +241,9 @@ class _Handle:
                     f"step {self.step} failed before its commit ({self._failed!r}): abort it"
                 ) from self._failed
             layout = self._layout
-            if layout is not None and self._arrays < len(layout.arrays):
+            if layout is not None and self._written < len(layout.chunks):
                 raise SegmentError(
-                    f"step {self.step} has {len(layout.arrays) - self._arrays} arrays of its "
+                    f"step {self.step} has {len(layout.chunks) - self._written} chunks of its "
                     "layout unwritten: write the remaining segments, or abort the step"
                 )
             self._state = "committing"
@@ -259,13 +261,3 @@ class _Handle:
                 return
             self._state = "aborted"
         self._txn.abort()
-
-
-def _gather(sub: FlatLayout, layout: FlatLayout, start: int, view: memoryview) -> memoryview:
-    """The arrays of a segment copied to where ``sub`` lays them out."""
-    out = np.zeros(sub.nbytes, dtype=np.uint8)
-    src = layout.index()
-    for s in sub.arrays:
-        lo = src[s.path].offset - start
-        out[s.offset : s.offset + s.nbytes] = np.frombuffer(view[lo : lo + s.nbytes], np.uint8)
-    return byte_view(out)
