@@ -136,8 +136,8 @@ def test_flat_steps_are_committed_by_the_flusher_process(
             after[s.step] = m.l1.weight.detach().clone()
         pipe = s._pipeline
         assert pipe is not None
-        assert pipe.flusher is not None
-        assert not pipe.flusher.dead
+        assert pipe.sink.flusher is not None
+        assert not pipe.sink.flusher.dead
     assert here == ([] if remote else list(range(1, 7)))
     repo = Repository.open(tmp_path / "run")
     assert committed_steps(repo) == list(range(1, 7))
@@ -163,8 +163,8 @@ def test_a_killed_flusher_process_loses_no_step(tmp_path: Path) -> None:
             if i == 5:
                 pipe = s._pipeline
                 assert pipe is not None
-                assert pipe.flusher is not None  # the child is used
-                os.kill(pipe.flusher.proc.pid, signal.SIGKILL)
+                assert pipe.sink.flusher is not None  # the child is used
+                os.kill(pipe.sink.flusher.proc.pid, signal.SIGKILL)
     repo = Repository.open(tmp_path / "run")
     assert committed_steps(repo) == list(range(1, 13))
     for step, w in after.items():

@@ -72,7 +72,7 @@ def test_summaries_match_the_stored_tensors_at_every_step(
         pipe = s._pipeline
         assert pipe is not None
         # the path this case is about is the one that ran
-        assert (pipe.flusher is not None and not pipe.flusher.dead) == flusher, name
+        assert (pipe.sink.flusher is not None and not pipe.sink.flusher.dead) == flusher, name
     assert pipe.steps is not None
     segmented = s.metrics[-1].bytes > pipe.steps.nbytes
     assert segmented == (lane == "segments"), name
