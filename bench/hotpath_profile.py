@@ -51,7 +51,7 @@ HZ = os.sysconf("SC_CLK_TCK")
 #: (owner, method names) timed per call
 TIMED: list[tuple[Any, str]] = [
     (P.Pipeline, "stage _copy"),
-    (CM.Committer, "_finish put_object _flat_summaries"),
+    (CM.Committer, "_finish _flat_summaries"),
     (FW.FlatLane, "write"),
     (TX.Transaction, "commit put_object arrays_table reserve_flat complete_flat"),
     (W.Writer, "_metadata"),

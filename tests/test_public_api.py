@@ -211,8 +211,17 @@ def test_the_public_door_check_catches_an_internal_name(tmp_path: Path) -> None:
 
 #: names of the seam no dstt module imports, each for a reason: the documented whole-array
 #: pair for scripts and other frameworks (docs/store-api.md), the S3 opener
-#: (docs/object-store.md) and the transaction half of the engine's step-writer contract
-STORE_SEAM_EXTRAS = {"save", "load", "StoredStep", "storage_for", "StepTransaction"}
+#: (docs/object-store.md), the transaction half of the step-writer contract and the value
+#: types a ``StepSink`` returns (``dstt.testing.WriterTests`` holds other sinks to them)
+STORE_SEAM_EXTRAS = {
+    "save",
+    "load",
+    "StoredStep",
+    "storage_for",
+    "StepTransaction",
+    "SharedBuffers",
+    "StepStats",
+}
 
 
 def test_the_store_seam_lists_what_dstt_uses_and_nothing_else() -> None:

@@ -14,9 +14,10 @@ Modules (one step's journey through them: docs/architecture.md):
   position), ``predictions`` (which arrays the store may predict);
 * copying it — ``staging`` (batched copies, version guard), ``flatlane`` (the step's flat
   plan, its segments and the buffer ring), ``flight`` (one staged step and its metrics);
-* flushing it — ``pipeline`` (copy thread, writers), ``flatwrite`` (the lane's writes and
-  the flusher), ``committer`` (commits in step order), ``summaries`` (write-time summaries),
-  ``governor`` (encode or write raw), ``light`` (light steps of ``every="auto"``);
+* flushing it — ``pipeline`` (copy thread, writers), ``flatwrite`` (the lane's writes,
+  through the store's ``StepSink``), ``committer`` (commits in step order), ``summaries``
+  (write-time summaries), ``governor`` (encode or write raw), ``light`` (light steps of
+  ``every="auto"``);
 * several ranks — ``ranks`` (rank channel, opening the run together), ``sharding`` (which box
   each rank writes), ``dtensors`` (DTensor local views, restore into any placement),
   ``parallel`` (DDP, FSDP2, tensor parallel);

@@ -5,9 +5,9 @@ takes each staged step in the order it was staged, waits until it is copied, sea
 objects of its boundary, the race check passed) and written, stores its last objects and its
 write-time summaries (``summaries.py``: finished here, in step order, because a step's update
 estimate compares with the previous *committed* step's probe), commits it — or aborts it if
-anything failed — and hands its metrics back (``record``). A flat step's objects are stored
-with its commit (``Transaction.defer_object``), so the flusher process encodes and writes them
-when it commits the step (``store/commit/job.py``).
+anything failed — and hands its metrics back (``record``). A step's objects are stored with
+its commit (``StepHandle.put_object``), so the flusher process encodes and writes them when
+it commits the step (``store/commit/job.py``).
 
 Rejected alternative: committing from whichever writer thread finishes a step's last write —
 commits must follow step order (the store resolves a commit's parent at commit time), and a
@@ -21,13 +21,13 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from dstt.errors import StorageError
 from dstt.store._internal import Encoded
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .flight import Flight
     from .governor import EncodeGovernor
     from .summaries import SummaryBook
@@ -75,43 +75,20 @@ class Committer:
         self._q.put(None)
         self._thread.join()
 
-    def put_object(self, f: Flight, name: str, obj: object) -> None:
-        """Store an object of ``f`` now (tagged JSON; pickle, warned once per name, where
-        JSON cannot hold it). Also what the writer threads call for a chunked step."""
-        try:
-            f.txn.put_object(name, obj)
-        except TypeError:
-            if name not in self._pickled:
-                self._pickled.add(name)
-                warnings.warn(
-                    f"object {name!r} is not plain data; storing it with pickle (reading it "
-                    "back needs trusted=True)",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-            f.txn.put_object(name, obj, encoding="pickle")
-
-    @staticmethod
-    def _defer_object(f: Flight, name: str, obj: object) -> None:
-        f.txn.defer_object(name, obj, or_pickle=True)
-
     def _warn_pickled(self, f: Flight) -> None:
         """Warn once per name of an object the commit had to pickle (not plain data)."""
-        objects = getattr(f.header, "objects", None)  # (a file of a DeepSpeed tag: none)
-        if not isinstance(objects, Mapping):
-            return
-        for d in f.txn.deferred:
-            rec = objects.get(d.name)
+        objects = f.header.objects if f.header is not None else {}
+        for name, obj in (*f.objects.items(), *f.seal_objects.items()):
+            rec = objects.get(name)
             if (
                 rec is not None
                 and rec.encoding == "pickle"
-                and d.encoding != "pickle"
-                and not isinstance(d.value, Encoded)
-                and d.name not in self._pickled
+                and not isinstance(obj, Encoded)
+                and name not in self._pickled
             ):
-                self._pickled.add(d.name)
+                self._pickled.add(name)
                 warnings.warn(
-                    f"object {d.name!r} is not plain data; storing it with pickle (reading "
+                    f"object {name!r} is not plain data; storing it with pickle (reading "
                     "it back needs trusted=True)",
                     RuntimeWarning,
                     stacklevel=2,
@@ -132,69 +109,62 @@ class Committer:
     def _finish(self, f: Flight) -> None:
         f.copied.wait()
         f.wait_sealed()
-        put = self._defer_object if f.flat is not None else self.put_object
+        h = f.handle
         if not f.dead:
+            assert h is not None  # (begun by the copy thread, or the flight failed)
             for name, obj in f.seal_objects.items():
                 try:
-                    put(f, name, obj)
+                    h.put_object(name, obj)
                 except BaseException as e:
                     f.fail(e)
                     break
         f.wait_writes()
         if not f.dead and (f.summaries or f.flat_stats):
+            assert h is not None
             try:
                 if f.flat_stats:
-                    put(f, self.summaries_object, self._flat_summaries(f))
+                    h.put_object(self.summaries_object, self._flat_summaries(f))
                 else:
-                    put(f, self.summaries_object, self._summaries(f))
+                    h.put_object(self.summaries_object, self._summaries(f))
             except BaseException as e:
                 f.fail(e)
         if not f.dead:
+            assert h is not None
             try:
                 metrics = f.metrics_now()
                 t0 = time.perf_counter()
-                f.header = self._commit(f, metrics)
+                f.header = h.commit(metrics, retry=lambda e: self._retry(f, e))
+                f.committed = True
                 if self._book is not None:  # the parent of the next step's update
                     self._book.committed(f.digest_token if f.flat_stats else -1)
                 self._observe(f, time.perf_counter() - t0)
-                if f.flat is not None:
-                    self._warn_pickled(f)
+                self._warn_pickled(f)
             except BaseException as e:
                 f.fail(e)
-        if f.dead and f.txn is not None:
+        if f.dead and h is not None:
             try:
-                f.txn.abort()
+                h.abort()
             except BaseException as e:  # pragma: no cover - abort touches no storage
-                f.error.add_note(f"aborting the transaction also failed: {e!r}")  # type: ignore[union-attr]
+                f.error.add_note(f"aborting the step also failed: {e!r}")  # type: ignore[union-attr]
         self._record(f)
 
-    def _commit(self, f: Flight, metrics: dict[str, Any]) -> Any:  # noqa: ANN401 - a header
-        """``f``'s commit; where the disk has no room for it, again after each newer step
-        ``make_room`` dropped (bounded: a step is dropped once), so that on a filling disk
-        the oldest steps commit and the newest give way."""
-        while True:
-            try:
-                return f.txn.commit(metrics=metrics)
-            except StorageError as e:
-                if not (
-                    out_of_room(e)
-                    and self._make_room is not None
-                    and getattr(f.txn, "retryable", False)  # (a rank's: no retry)
-                    and self._make_room(f)
-                ):
-                    raise
-                f.txn.reopen()
+    def _retry(self, f: Flight, error: BaseException) -> bool:
+        """Run ``f``'s failed commit again? Where the disk had no room for it, after each
+        newer step ``make_room`` dropped (bounded: a step is dropped once), so that on a
+        filling disk the oldest steps commit and the newest give way."""
+        return out_of_room(error) and self._make_room is not None and self._make_room(f)
 
     def _observe(self, f: Flight, commit_s: float) -> None:
         """Tell the encode governor what this step's flush cost (CPU, and waiting for the
         disk: writer time off the CPU plus the commit, whose barrier waits for the disk)."""
         if self._governor is None:
             return
-        st = f.txn.stats
+        assert f.handle is not None
+        st = f.handle.stats
         if f.encode and not (st.deltas or st.dedups):
             return  # keyframes only (a first step, a new chain): says nothing about encoding
         self._governor.observe(
-            f.encode, f.cpu_s, max(0.0, f.wall_s - f.cpu_s) + commit_s, f.txn.bytes_written
+            f.encode, f.cpu_s, max(0.0, f.wall_s - f.cpu_s) + commit_s, st.written_bytes
         )
 
     def _summaries(self, f: Flight) -> dict[str, Any]:

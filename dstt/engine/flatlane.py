@@ -5,8 +5,8 @@ it holds: the store's ``FlatLayout`` (where each tensor sits in the buffer, how 
 entries) plus, per host buffer, the typed views the batched copy writes into. A step then costs
 the training thread a version snapshot and a plan lookup; the copy thread one
 ``torch._foreach_copy_`` (CUDA: on a side stream after an event of the compute stream, into
-pinned memory); a writer thread one ``Transaction.put_flat`` and the write-time summaries over
-the same buffer. Python work per step is O(1) calls into C per *chunk* at most, never a
+pinned memory); a writer thread one ``StepHandle.write`` and the write-time digest of the
+same buffer. Python work per step is O(1) calls into C per *chunk* at most, never a
 Python-level loop over bytes.
 
 ``StepBuffers`` is the bounded host cache of this lane: a ring of whole-step buffers allocated
@@ -29,24 +29,24 @@ import operator
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from dstt.errors import CaptureError
-from dstt.store._internal import CUR
 
 from ._convert import store_dtype
 from .summaries import summarized
 
 if TYPE_CHECKING:
+    import mmap
     from collections.abc import Callable, Mapping, Sequence
 
-    from dstt.store._internal import FlatLayout, FlatStepWriter, Prediction
+    from dstt.store._internal import ArraySpec, FlatLayout
 
     from .dims import DimsOf
 
-__all__ = ["FlatPlan", "Segment", "StepBuffers", "plan_key", "segments", "write_order"]
+__all__ = ["FlatPlan", "Segment", "StepBuffers", "plan_key", "segments"]
 
 
 def plan_key(tensors: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
@@ -85,22 +85,23 @@ class FlatPlan:
     @classmethod
     def build(
         cls,
-        writer: FlatStepWriter,
+        lay_out: Callable[[Sequence[ArraySpec]], FlatLayout],
         tensors: Mapping[str, torch.Tensor],
         dims: DimsOf | None = None,
         order: list[str] | None = None,
     ) -> FlatPlan:
-        """``dims``: store path -> shape to dimension names (``dstt.engine.dims``);
+        """``lay_out``: the sink's ``layout``; ``dims``: store path -> shape to dimension
+        names (``dstt.engine.dims``);
         ``order``: the paths in buffer order (default: parameters first, by dtype)."""
         order = _order(list(tensors), tensors) if order is None else order
-        specs: list[Any] = [
+        specs: list[ArraySpec] = [
             (p, store_dtype(tensors[p].dtype, what=f"tensor {p!r}"), tuple(tensors[p].shape))
             for p in order
         ]
         if dims is not None:
             names = dims({p: tuple(t.shape) for p, t in tensors.items()})
             specs = [(*s, names.get(s[0])) for s in specs]
-        layout = writer.flat_layout(specs)
+        layout = lay_out(specs)
         return cls(
             layout,
             order,
@@ -133,28 +134,6 @@ class FlatPlan:
     def sources(self, tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         # copied under no_grad: no detach needed; a C-level map, no Python line per tensor
         return list(map(tensors.__getitem__, self.order))
-
-
-def write_order(tensors: Mapping[str, Any], predictions: Mapping[str, Prediction]) -> list[str]:
-    """Paths in capture order, except that an array comes after the arrays its prediction
-    reads from the same step: the buffer order of a step written in segments, which are
-    written in order, so an encoding writer finds a prediction's inputs already written."""
-    done: set[str] = set()
-    order: list[str] = []
-
-    def visit(path: str, seen: tuple[str, ...]) -> None:
-        if path in done or path in seen:
-            return
-        pred = predictions.get(path)
-        for role, src in pred.inputs if pred is not None else ():
-            if role == CUR and src in tensors:
-                visit(src, (*seen, path))
-        done.add(path)
-        order.append(path)
-
-    for path in tensors:
-        visit(path, ())
-    return order
 
 
 @dataclass(frozen=True)
@@ -202,7 +181,7 @@ class StepBuffers:
     """A fixed ring of whole-step host buffers (pinned when copying from CUDA)."""
 
     def __init__(
-        self, nbytes: int, count: int, *, pin: bool = False, memory: list[Any] | None = None
+        self, nbytes: int, count: int, *, pin: bool = False, memory: list[mmap.mmap] | None = None
     ) -> None:
         """``memory``: ``count`` writable buffers of ``nbytes`` to use (the flusher's shared
         memory, zero-filled) instead of allocating."""
@@ -226,8 +205,6 @@ class StepBuffers:
             self.buffers = [
                 torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(count)
             ]
-        #: per buffer: the store's prebuilt zip images by start offset (``FlatImage``)
-        self.images: list[dict[int, Any]] = [{} for _ in range(count)]
         self._free = list(range(count))
         self._cond = threading.Condition()
         #: called with True when a step takes the last free buffer (the writer is behind) and

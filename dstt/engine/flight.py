@@ -2,7 +2,7 @@
 
 A flight carries a step from the training thread's ``stage`` to the committer: its tensors
 and version snapshot, its flat plan and step buffer (or, for a step larger than a buffer, the
-byte views its segments are copied from), its objects, its transaction, and the events and
+byte views its segments are copied from), its objects, its ``StepHandle``, and the events and
 counters the pipeline's threads coordinate through. Kept apart from ``pipeline.py`` (the
 threads that move flights) so each module has one job.
 """
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from dstt.store._internal import Prediction, StepTransaction
+    from dstt.store._internal import CommitHeader, Prediction, StepHandle
 
     from .flatlane import FlatPlan
     from .summaries import SummaryAccumulator
@@ -58,12 +58,12 @@ class StepMetrics:
     stored: bool = True
 
 
-def _encode_metrics(txn: Any) -> dict[str, Any]:  # noqa: ANN401 - a writer's or rank writer's txn
-    st = getattr(txn, "stats", None)
-    if st is None:
+def _encode_metrics(handle: StepHandle | None) -> dict[str, Any]:
+    if handle is None:  # failed before its step began
         return {}
+    st = handle.stats
     return {
-        "written_bytes": txn.bytes_written,
+        "written_bytes": st.written_bytes,
         "keyframes": st.keyframes,
         "deltas": st.deltas,
         "dedups": st.dedups,
@@ -108,8 +108,7 @@ class Flight:
             if predictions
             else {}
         )
-        self.txn_predicts = False  # its transaction was given ``predictions``
-        self.segments_done = 0  # segments written, when they go in order
+        self.segments_done = 0  # segments written (they go in byte order)
         # the hot path: nothing per tensor but the version snapshot (verify: a checksum)
         self.tensors = dict(tensors)
         self.nbytes = flat.nbytes if flat is not None else 0
@@ -117,7 +116,9 @@ class Flight:
         self.guard = VersionGuard(self.tensors, sizes, verify=verify)
         self.marks = Copier.mark(self.tensors.values()) if flat is not None and flat.cuda else {}
         self.objects = dict(objects)
-        self.txn: StepTransaction = None  # type: ignore[assignment]  # set by ``begin``
+        #: where the step goes (``dstt.store._seam``; set by the copy thread)
+        self.handle: StepHandle | None = None
+        self.wrote = False  # it wrote bytes that a discard would free
         self.summaries: dict[str, SummaryAccumulator] = {}
         self.copied = threading.Event()
         self.done = threading.Event()
@@ -128,7 +129,8 @@ class Flight:
         self.metrics: dict[str, Any] = {}
         self.error: BaseException | None = None
         self.reported = False  # the training thread already raised/warned about ``error``
-        self.header: Any = None
+        self.header: CommitHeader | None = None  # (None for a share another commits)
+        self.committed = False
         self.t_stage = time.perf_counter()
         self.t_copied = self.t_stage
         self.blocked_s = self.stall_s = 0.0
@@ -142,7 +144,7 @@ class Flight:
     def __repr__(self) -> str:
         state = (
             "committed"
-            if self.header is not None
+            if self.committed
             else f"failed: {self.error!r}"
             if self.error is not None
             else "in flight"

@@ -4,19 +4,19 @@ A staged step is a ``Flight``. The training thread only snapshots references, ve
 objects (``stage``) and later waits for the copies (``wait_copied``); everything else runs on
 background threads:
 
-    copy thread   begin txn → take a buffer of the ring (may block: the byte budget) → one
-                  batched copy of the step into it → hand it to the writers; a step larger
-                  than a buffer: the same per segment of its layout (``flatlane.Segment``);
-                  its objects are stored with its commit (``Transaction.defer_object``)
-    writers       a whole step once sealed: ``flatwrite.FlatLane.write`` (``put_flat``, or the
-                  flusher process); a segment at once: its chunks (``put_chunk``); then the
-                  buffer goes back to the ring
+    copy thread   ``sink.begin`` → take a buffer of the ring (may block: the byte budget) →
+                  one batched copy of the step into it → hand it to the writers; a step
+                  larger than a buffer: the same per segment of its layout
+                  (``flatlane.Segment``); its objects go with its commit (``put_object``)
+    writers       a whole step once sealed, a segment at once: ``handle.write`` of a
+                  ``FlatSegment`` (``flatwrite.py``; the sink writes it by its flusher process
+                  or here); then the buffer goes back to the ring
     committer     (``committer.py``) in step order: wait copied + sealed (boundary objects,
                   metrics, race check passed) + all writes done → write-time summaries
-                  (``summaries.py``) → ``txn.commit`` — or ``txn.abort`` if anything failed
+                  (``summaries.py``) → ``handle.commit`` — or ``handle.abort`` on a failure
 
 A step is never committed unless every chunk and object of it was written and the session
-declared it clean (``seal``); errors are recorded on the flight, the transaction is aborted, and
+declared it clean (``seal``); errors are recorded on the flight, the step is aborted, and
 the error is handed to the training thread via ``take_errors`` — threads never raise into the
 void and never end the process. Commits run strictly in step order (the store resolves a
 commit's parent at commit time, so a failed step simply drops out of the lineage).
@@ -43,16 +43,16 @@ from dstt.errors import CaptureError, ConfigError, RaceError, StorageError
 from dstt.store._internal import (
     EncodingWriter,
     FlatStepWriter,
-    Flusher,
     LocalStorage,
     Prediction,
     StoredWriter,
+    TransactionSink,
     flusher_supported,
 )
 
 from ._convert import flat_bytes
 from .committer import Committer, out_of_room
-from .flatwrite import FlatLane, discard_files
+from .flatwrite import FlatLane, discard
 from .flight import Flight, StepMetrics, _Aborted, _encode_metrics
 from .governor import EncodeGovernor
 from .staging import Copier, RaceReport, VersionGuard
@@ -119,14 +119,15 @@ class Pipeline:
             and isinstance(writer, StoredWriter)
             and isinstance(writer.storage, LocalStorage)
         )
+        #: where the steps go: the one seam to the store (``dstt.store._seam``)
+        self.sink = TransactionSink(writer, start_flusher=self._want_flusher)
         #: the lane (``flatwrite.py``): one batched copy of a step into a buffer of a fixed
         #: ring; ``min_slab_bytes``: buffers at least this large, for callers whose first
         #: step is not the largest (one DeepSpeed checkpoint file per flight)
         self.flat = FlatLane(
-            writer,
+            self.sink,
             budget_bytes=budget_bytes,
             dims=dims,
-            flusher=self._want_flusher,
             book=self._book,
             min_bytes=min(min_slab_bytes, budget_bytes),
         )
@@ -173,11 +174,6 @@ class Pipeline:
     def steps(self) -> StepBuffers | None:
         """The flat lane's ring of step buffers (None until the first flat step)."""
         return self.flat.steps
-
-    @property
-    def flusher(self) -> Flusher | None:
-        """The flat lane's flusher process, if one runs."""
-        return self.flat.flusher
 
     @staticmethod
     def _spawn(target: Callable[[], object], name: str) -> threading.Thread:
@@ -402,22 +398,16 @@ class Pipeline:
                 f.copied.set()
 
     def _copy(self, f: Flight) -> None:
-        f.txn = self.writer.begin(f.step)
         # encoding costs writer CPU: the governor decided at stage time whether this step
         # has it to spare (a raw step is reported as raw_fallback in the metrics)
-        f.txn.encode = f.encode
-        f.txn.keyframe = f.keyframe
-        if f.predictions and self._encoder is not None:
-            f.txn.predict(f.predictions)
-            f.txn_predicts = True
+        f.handle = h = self.sink.begin(
+            f.step, encode=f.encode, keyframe=f.keyframe, predictions=f.predictions
+        )
+        for name, obj in f.objects.items():  # stored with the commit (maybe by the flusher)
+            h.put_object(name, obj)
         plan = f.flat
         if plan is None:  # objects only: nothing to copy
-            for name, obj in f.objects.items():
-                f.add_pending()
-                self._write_q.put((f, "object", name, obj))
             return
-        for name, obj in f.objects.items():  # stored with the commit (maybe by the flusher)
-            f.txn.defer_object(name, obj, or_pickle=True)
         if f.precopied:
             self._queue_flat(f)
             return
@@ -452,12 +442,11 @@ class Pipeline:
         the ring (waiting for a free one: the budget) and hand it to a writer thread."""
         f.whole = False
         steps = self.flat.ensure_steps(plan)
-        plan = f.flat = self.flat.segment_plan(f, plan)
         segs = self.flat.segments(plan, steps.nbytes)
         f.sources = {
             p: flat_bytes(t if t.is_contiguous() else t.contiguous()) for p, t in f.tensors.items()
         }
-        self.flat.declare(f, plan)
+        self.flat.start_summaries(f, plan)
         self._copier.begin(f.marks)
         for n, seg in enumerate(segs):
             if f.dead:
@@ -483,10 +472,8 @@ class Pipeline:
             try:
                 if task[1] == "segment":
                     self.flat.write_segment(f, f.flat, task[2], task[3], task[4])
-                elif task[1] == "flat":
+                else:
                     self.flat.write(f)
-                elif not f.dead:
-                    self._committer.put_object(f, task[2], task[3])
             except BaseException as e:
                 f.fail(e)
                 self._failed(f)
@@ -530,12 +517,12 @@ class Pipeline:
         for g in newer:  # failed already: their writes end, their files go
             if g.dead:
                 g.wait_writes()
-                freed = _holds_files(g) or freed
-                discard_files(g)
+                freed = g.wrote or freed
+                discard(g)
         if freed:
             return True
         for g in reversed(newer):
-            if not g.dead and (g.pending or _holds_files(g)):
+            if not g.dead and (g.pending or g.wrote):
                 g.fail(
                     StorageError(
                         errno.ENOSPC,
@@ -545,7 +532,7 @@ class Pipeline:
                 )
                 self._failed(g)
                 g.wait_writes()
-                discard_files(g)
+                discard(g)
                 return True
         return False
 
@@ -554,7 +541,7 @@ class Pipeline:
         steps = self.steps
         m = StepMetrics(
             step=f.step,
-            committed=f.header is not None,
+            committed=f.committed,
             bytes=f.nbytes,
             blocked_s=f.blocked_s,
             copy_s=f.t_copied - f.t_stage,
@@ -566,7 +553,7 @@ class Pipeline:
             backlog=f.backlog,
             error=None if f.error is None else f"{type(f.error).__name__}: {f.error}",
             writer_cpu_s=f.cpu_s,
-            **_encode_metrics(f.txn),
+            **_encode_metrics(f.handle),
         )
         with self._lock:
             self._metrics.append(m)
@@ -590,12 +577,3 @@ def _verified(f: Flight, plan: FlatPlan, buf: torch.Tensor) -> VersionGuard:
     for path, v in zip(plan.order, plan.views(f.buffer or 0, buf), strict=True):
         guard.add_copy(path, _bytes(v))
     return guard
-
-
-def _holds_files(f: Flight) -> bool:
-    """Whether ``f``'s transaction has unpublished files on the storage."""
-    txn = f.txn
-    return txn is not None and (
-        getattr(getattr(txn, "zip", None), "local_path", None) is not None
-        or bool(getattr(getattr(txn, "side", None), "used", False))
-    )

@@ -16,9 +16,17 @@ import importlib as _importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._seam import FlatSegment, StepHandle, StepSink, TransactionSink
+    from ._seam import (
+        Digest,
+        FlatSegment,
+        SharedBuffers,
+        StepHandle,
+        StepSink,
+        StepStats,
+        TransactionSink,
+    )
     from .api import StoredStep, load, save
-    from .codec.predict import CUR, Prediction, adam_predictions, sgd_predictions
+    from .codec.predict import Prediction, adam_predictions, sgd_predictions
     from .codec.xor import DeltaPolicy
     from .commit.ranks import (
         DEFAULT_RANK_TIMEOUT,
@@ -28,7 +36,7 @@ if TYPE_CHECKING:
         TransactionProxy,
     )
     from .commit.writer import Writer
-    from .flusher.parent import Flusher, flusher_supported
+    from .flusher.parent import flusher_supported
     from .format.batches import (
         Batch,
         SkipSet,
@@ -36,7 +44,7 @@ if TYPE_CHECKING:
         read_skips,
         write_skips,
     )
-    from .format.flat import FlatImage, FlatLayout
+    from .format.flat import FlatLayout
     from .format.layout import (
         COMMITS_PREFIX,
         DEFAULT_CHUNK_BYTES,
@@ -60,7 +68,6 @@ if TYPE_CHECKING:
         ArraySpec,
         EncodingWriter,
         FlatStepWriter,
-        OffloadingWriter,
         StepTransaction,
         StoredWriter,
     )
@@ -84,7 +91,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMMITS_PREFIX",
-    "CUR",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_RANK_TIMEOUT",
     "DTENSOR_PREFIX",
@@ -95,20 +101,18 @@ __all__ = [
     "Box",
     "CommitHeader",
     "DeltaPolicy",
+    "Digest",
     "Encoded",
     "EncodingWriter",
-    "FlatImage",
     "FlatLayout",
     "FlatSegment",
     "FlatStepWriter",
-    "Flusher",
     "GcReport",
     "Index",
     "LocalStorage",
     "LogicalArray",
     "MemoryStorage",
     "Metric",
-    "OffloadingWriter",
     "Piece",
     "Prediction",
     "RankInfo",
@@ -118,9 +122,11 @@ __all__ = [
     "Repository",
     "Retention",
     "RowSet",
+    "SharedBuffers",
     "SkipSet",
     "StepHandle",
     "StepSink",
+    "StepStats",
     "StepTransaction",
     "Storage",
     "StoredStep",
@@ -163,26 +169,23 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Batch": ("format.batches", "Batch"),
     "Box": ("read.shards", "Box"),
     "COMMITS_PREFIX": ("format.layout", "COMMITS_PREFIX"),
-    "CUR": ("codec.predict", "CUR"),
     "CommitHeader": ("format.records", "CommitHeader"),
     "DEFAULT_CHUNK_BYTES": ("format.layout", "DEFAULT_CHUNK_BYTES"),
     "DEFAULT_RANK_TIMEOUT": ("commit.ranks", "DEFAULT_RANK_TIMEOUT"),
     "DTENSOR_PREFIX": ("index.shard_summaries", "DTENSOR_PREFIX"),
     "DeltaPolicy": ("codec.xor", "DeltaPolicy"),
+    "Digest": ("_seam", "Digest"),
     "Encoded": ("format.objects", "Encoded"),
     "EncodingWriter": ("protocols", "EncodingWriter"),
-    "FlatImage": ("format.flat", "FlatImage"),
     "FlatLayout": ("format.flat", "FlatLayout"),
     "FlatSegment": ("_seam", "FlatSegment"),
     "FlatStepWriter": ("protocols", "FlatStepWriter"),
-    "Flusher": ("flusher.parent", "Flusher"),
     "GcReport": ("maintenance.gc", "GcReport"),
     "Index": ("index.view", "Index"),
     "LocalStorage": ("storage.local", "LocalStorage"),
     "LogicalArray": ("read.shards", "LogicalArray"),
     "MemoryStorage": ("storage.memory", "MemoryStorage"),
     "Metric": ("format.records", "Metric"),
-    "OffloadingWriter": ("protocols", "OffloadingWriter"),
     "Piece": ("read.shards", "Piece"),
     "Prediction": ("codec.predict", "Prediction"),
     "REFS_PREFIX": ("format.layout", "REFS_PREFIX"),
@@ -193,9 +196,11 @@ _LAZY: dict[str, tuple[str, str]] = {
     "Repository": ("repository", "Repository"),
     "Retention": ("maintenance.retention", "Retention"),
     "RowSet": ("format.segment", "RowSet"),
+    "SharedBuffers": ("_seam", "SharedBuffers"),
     "SkipSet": ("format.batches", "SkipSet"),
     "StepHandle": ("_seam", "StepHandle"),
     "StepSink": ("_seam", "StepSink"),
+    "StepStats": ("_seam", "StepStats"),
     "StepTransaction": ("protocols", "StepTransaction"),
     "Storage": ("storage.base", "Storage"),
     "StoredStep": ("api", "StoredStep"),

@@ -1,11 +1,12 @@
-"""The contract between the capture engine and whatever writes its steps.
+"""The contract between the step seam and whatever writes its steps.
 
-The engine's pipeline drives one of three writers: the store's ``Writer`` (one rank), the
-``RankWriter`` (several ranks: its transactions prepare or merge parts) and the DeepSpeed
-checkpoint engine's tag writer (several files of one tag share a transaction). They were kept
+``_seam.TransactionSink`` (the engine's one way in) drives one of three writers: the store's
+``Writer`` (one rank), the ``RankWriter`` (several ranks: its transactions prepare or merge
+parts) and the DeepSpeed checkpoint engine's tag writer (several files of one tag share a
+transaction). They were kept
 in step by hand, through ``Any`` and ``getattr``, and drifted: ``RankWriter`` lacked
 ``encoder``, so a one-rank ``DeltaPolicy`` run silently wrote every step raw. These Protocols
-name everything the pipeline uses, typed (no ``Any``); ``tests/engine/test_writer_contract.py``
+name everything the sink uses, typed (no ``Any``); ``tests/engine/test_writer_contract.py``
 runs the same capture through every implementation.
 
 What a writer can do beyond ``begin`` is a *capability*, a ``runtime_checkable`` protocol the
@@ -32,10 +33,10 @@ if TYPE_CHECKING:
 
     from .codec.delta import DeltaEncoder, EncodeStats
     from .codec.predict import Prediction
-    from .commit.job import Deferred, RemoteCommitter
+    from .commit.job import RemoteCommitter
     from .format.layout import ChunkPlan
     from .format.objects import Encoding
-    from .format.records import ChunkRecord, Metric, ObjectRecord
+    from .format.records import ChunkRecord, Metric
     from .format.stepfile import StepFile
     from .storage.base import Storage
 
@@ -58,9 +59,9 @@ ArraySpec: TypeAlias = (
 
 @runtime_checkable
 class StepTransaction(Protocol):
-    """One step on its way to a commit (``commit.transaction.Transaction`` and its proxies)."""
+    """One step on its way to a commit (``commit.transaction.Transaction`` and its proxies):
+    what ``_seam.TransactionSink`` drives; nothing else in dstt drives it."""
 
-    slot: int
     step: int
     encode: bool  # False: write this step raw (the encode governor's decision)
     keyframe: bool  # True: write this step whole
@@ -105,18 +106,9 @@ class StepTransaction(Protocol):
         buf: StepBytes | None = None,
     ) -> None: ...
 
-    def put_object(
-        self, name: str, obj: object, *, encoding: Encoding = "json"
-    ) -> ObjectRecord: ...
-
-    def put_encoded(self, name: str, data: bytes, encoding: Encoding = "json") -> ObjectRecord: ...
-
     def defer_object(
         self, name: str, obj: object, *, encoding: Encoding = "json", or_pickle: bool = False
     ) -> None: ...
-
-    @property
-    def deferred(self) -> Sequence[Deferred]: ...  # the objects stored at commit
 
     def commit(self, metrics: Mapping[str, Metric] | None = None) -> object:
         """The step's ``CommitHeader`` — or what a writer that does not commit this step
@@ -166,8 +158,8 @@ class StoredWriter(Protocol):
 
 @runtime_checkable
 class OffloadingWriter(Protocol):
-    """A writer whose commits can run in another process: the flat lane sets ``committer``
-    to its flusher (``commit.job.RemoteCommitter``) and back to None at close."""
+    """A writer whose commits can run in another process: ``_seam.TransactionSink`` sets
+    ``committer`` to its flusher (``commit.job.RemoteCommitter``) and back to None at close."""
 
     committer: RemoteCommitter | None
 

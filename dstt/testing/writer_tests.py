@@ -78,12 +78,12 @@ class WriterTests:
 
     # -- hooks an implementation may override -------------------------------------------------
     def segment(self, sink: StepSink, layout: FlatLayout, buf: bytes | bytearray) -> FlatSegment:
-        """A whole step as a segment: in the flusher's shared buffer where the sink has one."""
-        fl = sink.flusher if isinstance(sink, TransactionSink) else None
-        if fl is None or fl.dead or len(buf) > fl.nbytes:
+        """A whole step as a segment: in a shared buffer where the sink lends them."""
+        ring = sink.buffers(len(buf), 2)
+        if ring is None:
             return FlatSegment(layout, 0, bytes(buf))
-        self._ring = i = (getattr(self, "_ring", -1) + 1) % fl.count
-        view = np.frombuffer(fl.buffers[i], dtype=np.uint8, count=len(buf))
+        self._ring = i = (getattr(self, "_ring", -1) + 1) % len(ring.buffers)
+        view = np.frombuffer(ring.buffers[i], dtype=np.uint8, count=len(buf))
         view[:] = np.frombuffer(buf, dtype=np.uint8)
         return FlatSegment(layout, 0, view, shared=i)
 
@@ -161,6 +161,40 @@ class WriterTests:
         h.write(FlatSegment(layout, cut, bytes(buf[cut:])))
         h.commit()
         self.check(run_path, 3, data, {})
+
+    def test_a_step_cut_inside_arrays_at_chunk_boundaries_reads_back(
+        self, sink: StepSink, run_path: Path
+    ) -> None:
+        """Segments may cut an array between its chunks (a state larger than a buffer)."""
+        layout = sink.layout(ARRAYS)
+        spans = {p: (lo, hi) for p, lo, hi in layout.spans}
+        lo, hi = spans["params/w"]
+        assert hi - lo > 1, "the test needs an array of several chunks"
+        cuts = [layout.chunks[lo + 1][2], layout.chunks[spans["params/b"][0] + 1][2]]
+        for step in (1, 2):  # the second: against the first, where the sink encodes
+            data = values(step, ARRAYS)
+            buf = flat(layout, data)
+            h = sink.begin(step)
+            for a, b in zip([0, *cuts], [*cuts, layout.nbytes], strict=True):
+                h.write(FlatSegment(layout, a, bytes(buf[a:b])))
+            h.put_object("meta", {"step": step})
+            h.commit()
+            self.check(run_path, step, data, {"meta": {"step": step}})
+        assert Repository.open(run_path).verify().problems == []
+
+    def test_a_segment_cutting_a_chunk_is_refused(self, sink: StepSink, run_path: Path) -> None:
+        layout = sink.layout(ARRAYS)
+        data = values(1, ARRAYS)
+        buf = flat(layout, data)
+        mid = layout.chunks[0][2] + 4  # inside the first chunk
+        h = sink.begin(1)
+        with pytest.raises(SegmentError, match="splits a chunk of array 'params/w'"):
+            h.write(FlatSegment(layout, 0, bytes(buf[:mid])))
+        with pytest.raises(SegmentError, match="outside"):
+            h.write(FlatSegment(layout, layout.nbytes - 4, bytes(8)))
+        h.write(FlatSegment(layout, 0, bytes(buf)))  # a refusal wrote nothing
+        h.commit()
+        self.check(run_path, 1, data, {})
 
     def test_abort_leaves_nothing_visible(self, sink: StepSink, run_path: Path) -> None:
         layout = sink.layout(ARRAYS)
@@ -240,7 +274,7 @@ class WriterTests:
             h.write(FlatSegment(layout, 0, bytes(buf[:a])))  # before what was written
         with pytest.raises(SegmentError, match="byte order"):
             h.write(FlatSegment(layout, a, bytes(buf[a:])))  # over what was written
-        with pytest.raises(SegmentError, match="splits array"):
+        with pytest.raises(SegmentError, match="splits a chunk"):
             h.write(FlatSegment(layout, b + 4, bytes(buf[b + 4 :])))
         with pytest.raises(SegmentError, match="another layout"):
             h.write(FlatSegment(sink.layout(SMALL), 0, bytes(layout.nbytes)))
@@ -257,6 +291,7 @@ class WriterTests:
         assert self.steps(run_path) == [2]
         self.check(run_path, 2, data, {})
 
+    @pytest.mark.filterwarnings("ignore:dstt. the flusher process died:RuntimeWarning")
     def test_a_flusher_that_dies_mid_step_loses_nothing_committed(
         self, sink: StepSink, run_path: Path
     ) -> None:

@@ -139,9 +139,9 @@ def test_flat_steps_are_committed_by_the_flusher_process(
                 s.wait()  # step 1 copied: the flusher is started
                 pipe = s._pipeline
                 assert pipe is not None
-                assert pipe.flusher is not None
-                assert pipe.flusher.wait_ready(120)
-        assert not pipe.flusher.dead
+                assert pipe.sink.flusher is not None
+                assert pipe.sink.flusher.wait_ready(120)
+        assert not pipe.sink.flusher.dead
     assert (set(here) <= {1}) if remote else (here == list(range(1, 7)))
     repo = Repository.open(tmp_path / "run")
     assert committed_steps(repo) == list(range(1, 7))
@@ -167,9 +167,9 @@ def test_a_killed_flusher_process_loses_no_step(tmp_path: Path) -> None:
             if i == 5:
                 pipe = s._pipeline
                 assert pipe is not None
-                assert pipe.flusher is not None  # the child is used
-                assert pipe.flusher.wait_ready(120)
-                os.kill(pipe.flusher.proc.pid, signal.SIGKILL)
+                assert pipe.sink.flusher is not None  # the child is used
+                assert pipe.sink.flusher.wait_ready(120)
+                os.kill(pipe.sink.flusher.proc.pid, signal.SIGKILL)
     repo = Repository.open(tmp_path / "run")
     assert committed_steps(repo) == list(range(1, 13))
     for step, w in after.items():

@@ -40,10 +40,10 @@ class HeldFlusher(Flusher):
 
 @pytest.fixture
 def held(monkeypatch: pytest.MonkeyPatch) -> type[HeldFlusher]:
-    from dstt.engine import flatwrite
+    from dstt.store import _seam
 
     HeldFlusher.made = []
-    monkeypatch.setattr(flatwrite, "Flusher", HeldFlusher)
+    monkeypatch.setattr(_seam, "Flusher", HeldFlusher)
     return HeldFlusher
 
 
@@ -91,7 +91,7 @@ def test_steps_before_the_child_is_ready_are_written_here_then_the_child_takes_o
                 assert pipe is not None
                 pipe.drain()
                 (fl,) = held.made
-                assert pipe.flusher is fl
+                assert pipe.sink.flusher is fl
                 assert not fl.ready
                 assert fl.served_here == 4
                 fl.release()

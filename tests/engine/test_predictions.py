@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from dstt import DeltaPolicy
-from dstt.engine.flatlane import write_order
 from dstt.engine.governor import EncodeGovernor
 from dstt.engine.predictions import optimizer_predictions
 from dstt.schema import tensor_path
@@ -139,20 +138,6 @@ def test_non_fp32_state_gets_none() -> None:
     lin(torch.randn(5, 8, dtype=torch.bfloat16)).float().square().mean().backward()
     opt.step()
     assert _preds(lin, opt) == {}
-
-
-def test_inputs_are_written_before_the_arrays_predicted_from_them() -> None:
-    lin, opt = _stepped(torch.optim.AdamW, lr=1e-3)
-    preds = _preds(lin, opt)
-    tensors = {f"params/{n}": p for n, p in lin.named_parameters()}
-    for key in ("exp_avg", "exp_avg_sq"):
-        tensors.update({f"optim/{key}/{n}": opt.state[p][key] for n, p in lin.named_parameters()})
-    order = write_order(tensors, preds)
-    assert sorted(order) == sorted(tensors)
-    for path, pred in preds.items():
-        for role, src in pred.inputs:
-            if role == "cur":
-                assert order.index(src) < order.index(path), (src, path)
 
 
 def test_governor_encodes_when_it_flushes_faster_and_re_measures() -> None:

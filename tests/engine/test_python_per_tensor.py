@@ -81,7 +81,7 @@ def _lines_per_step(tmp_path: Path, layers: int) -> tuple[float, Counter[tuple[s
                 step()
             s.wait()
             _settle(s, 6)
-            fl = s._pipeline.flusher  # (None: DSTT_FLUSHER=0)
+            fl = s._pipeline.sink.flusher  # (None: DSTT_FLUSHER=0)
             assert fl is None or fl.wait_ready(120)  # its work there, not here while it starts
             counter.on = True
             for _ in range(STEPS):

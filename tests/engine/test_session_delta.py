@@ -172,7 +172,7 @@ def test_steps_the_governor_writes_raw_go_out_whole_and_keep_the_bases(tmp_path:
                 s.wait()
                 time.sleep(0.05)
             assert s._pipeline is not None
-            assert s._pipeline.flusher is not None
+            assert s._pipeline.sink.flusher is not None
             final = m.layers[0].qkv.weight.detach().clone()
     finally:
         EncodeGovernor.decide = orig  # type: ignore[method-assign]

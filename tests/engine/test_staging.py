@@ -160,7 +160,7 @@ def test_an_urgent_flusher_runs_at_normal_priority_until_it_has_caught_up() -> N
     raising only the process id had left the writer thread idle while the engine waited."""
     import os
 
-    from dstt.store._internal import Flusher, flusher_supported
+    from dstt.store.flusher.parent import Flusher, flusher_supported
 
     if not flusher_supported() or not hasattr(os, "SCHED_IDLE"):
         pytest.skip("the flusher process needs Linux")

@@ -71,12 +71,12 @@ def test_summaries_match_the_stored_tensors_at_every_step(
             train_step(m, opt, *mlp_batch(i, d_in=D_IN))
             if i == 0 and flusher:  # the later steps go to the child (not served here
                 s.wait()  # while it starts): step 1 copied, the flusher is made
-                fl = s._pipeline.flusher if s._pipeline is not None else None
+                fl = s._pipeline.sink.flusher if s._pipeline is not None else None
                 assert fl is None or fl.wait_ready(120), name
         pipe = s._pipeline
         assert pipe is not None
         # the path this case is about is the one that ran
-        assert (pipe.flusher is not None and not pipe.flusher.dead) == flusher, name
+        assert (pipe.sink.flusher is not None and not pipe.sink.flusher.dead) == flusher, name
     assert pipe.steps is not None
     segmented = s.metrics[-1].bytes > pipe.steps.nbytes
     assert segmented == (lane == "segments"), name

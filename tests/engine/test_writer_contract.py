@@ -22,11 +22,11 @@ from dstt.engine.pipeline import Pipeline
 from dstt.engine.ranks import RankInfo, open_ranks
 from dstt.store._internal import (
     DeltaPolicy,
-    FlatImage,
     FlatStepWriter,
     Repository,
-    StepTransaction,
+    StepHandle,
 )
+from dstt.store.format.flat import FlatImage
 
 from ._helpers import same_bits, stored
 
@@ -66,7 +66,7 @@ def _capture(writer: Any, steps: int, budget: int) -> dict[int, dict[str, torch.
             seen[step] = {p: t.clone() for p, t in ts.items()}
             f = pipe.stage(step, ts, {"meta": {"step": step}})
             pipe.wait_copied(f)
-            assert isinstance(f.txn, StepTransaction)
+            assert isinstance(f.handle, StepHandle)
             pipe.seal(f, {})
             f.done.wait()
         assert not pipe.take_errors()
@@ -167,7 +167,7 @@ def test_every_transaction_writes_a_reserved_flat_range_again(tmp_path: Path, na
     writer = WRITERS[name](run, None)
     try:
         ts = _tensors(1)
-        plan = FlatPlan.build(writer, ts)
+        plan = FlatPlan.build(writer.flat_layout, ts)
         buf = torch.zeros(plan.nbytes, dtype=torch.uint8)
         with torch.no_grad():
             torch._foreach_copy_(plan.views(0, buf), plan.sources(ts))

@@ -347,7 +347,7 @@ def default_session(
                 for x, y in s.data(SyntheticBatches(steps)):
                     if s.step == 3:  # the defaults: flat steps, written by the flusher
                         assert s._pipeline is not None
-                        assert s._pipeline.flusher is not None
+                        assert s._pipeline.sink.flusher is not None
                     if at_step(s, s.step):
                         break
                     _, loss = model(x, y)

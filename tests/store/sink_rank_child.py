@@ -23,7 +23,8 @@ import numpy as np
 import torch.distributed as dist
 
 from dstt.engine.ranks import RankInfo, open_ranks
-from dstt.store._internal import FlatSegment, Flusher, StepHandle, TransactionSink
+from dstt.store._internal import FlatSegment, StepHandle, TransactionSink
+from dstt.store.flusher.parent import Flusher
 
 _LEN = struct.Struct("<Q")
 

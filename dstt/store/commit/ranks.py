@@ -45,7 +45,6 @@ if TYPE_CHECKING:
     from dstt.store.format.stepfile import StepFile
     from dstt.store.storage.base import Storage
 
-    from .job import Deferred
     from .transaction import Transaction
     from .writer import RunHandle, Writer
 
@@ -63,8 +62,9 @@ class RankInfo:
 
 
 class TransactionProxy:
-    """Passes what the pipeline uses (declare, put_chunk, put_object, defer_object, abort) to
-    a store transaction (or another proxy); subclasses change how the step is committed."""
+    """Passes what ``_seam.TransactionSink`` uses (``protocols.StepTransaction``), and
+    ``put_object``, to a store transaction (or another proxy); subclasses change how the
+    step is committed."""
 
     def __init__(self, txn: Transaction | TransactionProxy) -> None:
         self._txn = txn
@@ -82,17 +82,10 @@ class TransactionProxy:
     def put_object(self, name: str, obj: object, *, encoding: Encoding = "json") -> ObjectRecord:
         return self._txn.put_object(name, obj, encoding=encoding)
 
-    def put_encoded(self, name: str, data: bytes, encoding: Encoding = "json") -> ObjectRecord:
-        return self._txn.put_encoded(name, data, encoding)
-
     def defer_object(
         self, name: str, obj: object, *, encoding: Encoding = "json", or_pickle: bool = False
     ) -> None:
         self._txn.defer_object(name, obj, encoding=encoding, or_pickle=or_pickle)
-
-    @property
-    def deferred(self) -> list[Deferred]:
-        return list(self._txn.deferred)
 
     def put_flat(
         self,
@@ -103,7 +96,7 @@ class TransactionProxy:
         start: int | None = None,
     ) -> None:
         """``start``: a range ``reserve_flat`` reserved, written again here (the flusher
-        died mid-write); passed on, not dropped (``flatwrite.py`` passes it)."""
+        died mid-write); passed on, not dropped (``_seam.py`` passes it)."""
         self._txn.put_flat(layout, buf, images, start=start)
 
     def put_flat_chunks(self, layout: FlatLayout, buf: StepBytes) -> None:

@@ -423,11 +423,6 @@ class Transaction:
         with self._lock:
             self.columns.record_flat(layout, cols, encoded)
 
-    def put_encoded(self, name: str, data: bytes, encoding: Encoding = "json") -> ObjectRecord:
-        """Store an object already encoded (e.g. JSON built by the caller) as ``name``."""
-        self._check()
-        return self._put_object_bytes(name, data, encoding)
-
     def put_object(self, name: str, obj: object, *, encoding: Encoding = "json") -> ObjectRecord:
         """Store a Python object for this step (tagged JSON unless told otherwise; an
         ``Encoded`` value as its bytes, in its own encoding)."""
