@@ -18,7 +18,7 @@ import torch
 
 import dstt
 from dstt.store import Repository
-from dstt.store._internal import Flusher, flusher_supported
+from dstt.store.flusher.parent import Flusher, flusher_supported
 from dstt.training import session
 
 from ._helpers import MLP, committed_steps, mlp_batch, same_bits, stored, train_step
@@ -40,7 +40,7 @@ class HeldFlusher(Flusher):
 
 @pytest.fixture
 def held(monkeypatch: pytest.MonkeyPatch) -> type[HeldFlusher]:
-    from dstt.store import _seam
+    import dstt.store._seam as _seam
 
     HeldFlusher.made = []
     monkeypatch.setattr(_seam, "Flusher", HeldFlusher)

@@ -83,11 +83,15 @@ def _lines_per_step(tmp_path: Path, layers: int) -> tuple[float, Counter[tuple[s
             _settle(s, 6)
             fl = s._pipeline.sink.flusher  # (None: DSTT_FLUSHER=0)
             assert fl is None or fl.wait_ready(120)  # its work there, not here while it starts
+            for _ in range(2):  # the child's first steps: the constants it caches are sent
+                step()
+            s.wait()
+            _settle(s, 8)
             counter.on = True
             for _ in range(STEPS):
                 step()
             s.wait()
-            _settle(s, 6 + STEPS)  # every traced step committed
+            _settle(s, 8 + STEPS)  # every traced step committed
             counter.on = False
     finally:
         sys.settrace(None)
