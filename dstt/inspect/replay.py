@@ -14,6 +14,7 @@ layer). History: docs/decisions.md, "Replay and import".
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import nan
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
     import xarray as xr
 
-    from dstt.store._internal import Reader
+    from dstt.store._internal import CommitHeader, Reader
 
 from .replay_compare import Mismatch, TensorDiff, _compare
 from .replay_data import _step_batches
@@ -217,15 +218,36 @@ def replay_step(
     kit = _kit_of(kit, model, optimizer, scheduler, before_step, loss_fn)
     model, optimizer = kit.model, kit.optimizer
     timeline = timeline or run.timeline
-    head_k, head_prev = _prev_header(reader, run.commits(timeline), int(step))
+    line = run.commits(timeline)
+    light = _light_around(run, line, int(step), timeline)
+    head_k: CommitHeader | None
+    if light is None:
+        head_k, head_prev = _prev_header(reader, line, int(step))
+    else:  # step or the one before it is light (every="auto"): rebuild the one before
+        from .rebuild import rebuild_step
+
+        head_k = next((h for h in line if int(h.step) == int(step)), None)
+        rebuild_step(
+            run,
+            reader,
+            int(step) - 1,
+            kit=kit,
+            loss_fn=loss_fn,
+            batches=batches if callable(batches) else None,
+            dataset=dataset,
+            collate=collate,
+            timeline=timeline,
+            trusted=trusted,
+        )
     loss_fn = loss_fn or _default_loss
     micro, sample_ix, one = _step_batches(
         run, int(step), timeline, batches, dataset, collate, kit.make_batch
     )
-    state = discover(model, optimizer, scheduler=kit.scheduler)
-    source = StoreSource(reader, head_prev, prefetch=True, trusted=trusted)
-    state.step_state.restore(source)
-    state.boundary_state.restore(source)
+    if light is None:
+        state = discover(model, optimizer, scheduler=kit.scheduler)
+        source = StoreSource(reader, head_prev, prefetch=True, trusted=trusted)
+        state.step_state.restore(source)
+        state.boundary_state.restore(source)
     names = param_names(model)
     params = [(names[id(p)], p) for p in model.parameters() if id(p) in names]
     before = {n: p.detach().clone() for n, p in params}
@@ -257,7 +279,10 @@ def replay_step(
     for opt in optimizers_of(optimizer).values():
         opt.step()
     after = {n: p.detach().clone() for n, p in params}
-    mismatch = _compare(reader, head_k, model, optimizer, names, grads)
+    if head_k is not None:
+        mismatch = _compare(reader, head_k, model, optimizer, names, grads)
+    else:  # a light step: no stored tensors; its logged loss is the check
+        mismatch = _light_mismatch(int(step), light, losses)
     sample_fn: LossFn = loss_fn
     if kit.sample_loss is not None:
         sample_loss = kit.sample_loss
@@ -273,11 +298,15 @@ def replay_step(
         else _empty_samples()
     )
     model.train(was_training)
-    table = reader.arrays(head_k)
+    table = reader.arrays(head_k or max((h for h in line if h.step < step), key=_step_of))
     return Replay(
         step=int(step),
         faithful=mismatch is None,
-        max_abs_diff=mismatch.tensors[0].max_abs_diff if mismatch else 0.0,
+        max_abs_diff=(
+            0.0
+            if mismatch is None
+            else max((d.max_abs_diff for d in mismatch.tensors), default=nan)
+        ),
         differs=sorted(d.path for d in mismatch.tensors) if mismatch else [],
         mismatch=mismatch,
         losses=losses,
@@ -288,3 +317,40 @@ def replay_step(
         _table=table,
     )
 
+
+def _step_of(h: Any) -> int:
+    return int(h.step)
+
+
+def _light_around(
+    run: Any, line: Sequence[Any], step: int, timeline: str
+) -> dict[int, str | None] | None:
+    """The run's light steps (``{step: loss fingerprint}``) when ``step`` or the step before
+    it is one (not stored), else None: the plain replay from commit ``step - 1``."""
+    stored = {int(h.step) for h in line}
+    if step in stored and step - 1 in stored:
+        return None
+    light: dict[int, str | None] = run.light_steps(timeline)
+    if (step in light or step in stored) and (step - 1 in light or step - 1 in stored):
+        return light
+    return None
+
+
+def _light_mismatch(step: int, light: dict[int, str | None] | None, losses: list[float]) -> Any:
+    """None when the replayed losses of light ``step`` give the loss it logged, bit for bit;
+    else the :class:`Mismatch` saying so (no stored tensors to compare with)."""
+    from .rebuild import _matches
+
+    bits = (light or {}).get(step)
+    if bits is not None and _matches(bits, losses, None):
+        return None
+    got = losses[-1] if losses else None
+    what = (
+        "logged no loss to check the replay with"
+        if bits is None
+        else f"logged another loss than the replay's {got!r}: it did not train as replayed "
+        "(other data, loss_fn, clipping)"
+    )
+    return Mismatch(
+        [], 0, f"step {step} is a light step (every='auto': no stored tensors); it {what}"
+    )
