@@ -613,7 +613,6 @@ LONG_DOCSTRINGS = frozenset(
         "dstt/engine/staging.py",
         "dstt/engine/torch_state.py",
         "dstt/engine/zero.py",
-        "dstt/inspect/rebuild.py",
         "dstt/integrations/__init__.py",
         "dstt/integrations/_attribution.py",
         "dstt/integrations/lightning.py",

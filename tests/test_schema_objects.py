@@ -54,7 +54,7 @@ NOT_OBJECT_NAMES: dict[str, frozenset[str]] = {
         {
             "dstt/cli/replay.py",
             "dstt/inspect/export_dcp.py",
-            "dstt/inspect/replay.py",
+            "dstt/inspect/replay_kit.py",
             "dstt/inspect/restore.py",
             "dstt/integrations/_common.py",
             "dstt/integrations/imports/from_dcp.py",

@@ -1,24 +1,15 @@
 """Rebuild a light step (``every="auto"``): restore the stored step before it, replay the rest.
 
-A light step's tensors were never written (the engine was busy); its record is its sample
-indices (``data/batches``) and its loss fingerprint (``light/steps``, :mod:`dstt.engine.light`).
-:func:`rebuild_step` restores the nearest stored step *j* < *k* into the given live objects
-(the providers a resume uses: model, optimizer state and hyperparameters, scheduler, RNG),
-then re-executes steps *j+1..k* as the plain loop did — zero the gradients, forward/backward
-on each recorded micro-batch, ``before_step()`` (clipping), ``optimizer.step()``, then
-``scheduler.step()`` when a scheduler is given — and compares each step's recomputed loss
-with its fingerprint **bit for bit** (the loss of its last micro-batch, or their sum or mean;
-``logged=`` says how the loop derived what it logged). The first step that differs ends
-the rebuild with a ``ReplayError`` naming it: that link of the chain is unfaithful (a wrong
-sample record, another loss, clipping not passed, nondeterministic kernels), and so is every
-step after it. A step that logged no loss cannot be checked; :class:`Rebuilt` lists those.
-The live objects end at step *k* (or at the broken step); nothing is written to the run.
-
-The pieces of one replayed step (the live objects, the batches from their indices, the loss)
-are :mod:`dstt.inspect.replay`'s, so a rebuild and ``run.replay`` run a step the same way.
-Rejected alternative: replaying from the *next* stored step backwards — optimizer steps do not
-invert; and caching rebuilt steps as derived commits is left for later (the state is in the
-caller's objects, and a second rebuild costs at most ``max_gap`` steps).
+:func:`rebuild_step` restores the nearest stored step *j* < *k* into live objects and re-runs
+steps *j+1..k* as the loop did (micro-batches from their recorded sample indices, clipping,
+``optimizer.step()``, the scheduler), checking each recomputed loss against the step's
+fingerprint (:mod:`dstt.engine.light`) **bit for bit**; the first that differs ends it with a
+``ReplayError`` naming where the chain broke. A DDP run (2 ranks) replays in one process:
+every rank's recorded samples on its own RNG, their gradients averaged as DDP's reducer does;
+sharded runs (FSDP2, TP, ZeRO) raise "not yet". :func:`rebuilt_commit` turns the result into
+a derived commit (``light/rebuilt``). Rejected: replaying backwards from the next stored step
+(optimizer steps do not invert); a DDP rebuild spawning gloo ranks (a process group and the
+factory per rank, for a sum one process gets bit for bit). docs/decisions.md, "Light steps".
 """
 
 from __future__ import annotations
@@ -30,14 +21,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstt import schema
+from dstt.engine._convert import from_plain, to_plain
 from dstt.engine.light import loss_bits, step_loss
 from dstt.engine.model_names import param_names
 from dstt.engine.optimizers import optimizers_of
 from dstt.engine.providers import StoreSource
-from dstt.engine.torch_state import discover
+from dstt.engine.torch_state import discover, get_rng, set_rng
 from dstt.errors import ConfigError, ReplayError, StepNotFoundError
 
-from .replay import LossFn, ReplayKit, _compare, _default_loss, _kit_of, _step_batches
+from .replay_compare import _compare
+from .replay_data import _step_batches
+from .replay_kit import LossFn, ReplayKit, _default_loss, _kit_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -71,6 +65,9 @@ class Rebuilt:
     losses: dict[int, float] = field(default_factory=dict)
     checked: list[int] = field(default_factory=list)
     unchecked: list[int] = field(default_factory=list)
+    #: a DDP run's light step: each rank's RNG state where the chain last reached (what the
+    #: derived commit stores as ``rng/r<rank>``); empty for one process
+    rank_rng: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def faithful(self) -> bool:
@@ -153,14 +150,9 @@ def rebuild_step(
             f"starts from one{_gc_hint(pruned, k)}"
         )
     j = max(below)
-    if j != k and _ranks(stored[j].objects) > 1:
-        raise ReplayError(
-            f"light step {k} is of a run of several ranks ({_ranks(stored[j].objects)} wrote "
-            f"stored step {j}: DDP, FSDP2 or tensor parallel); rebuilding its light steps is "
-            "not supported yet: a rebuild replays one process, and each rank's step trained "
-            "on its own samples with gradients reduced across ranks. The stored steps open "
-            f"as usual (run.at({j})); store every step (every=1) to reach each one"
-        )
+    world = _ranks(stored[j].objects) if j != k else 1
+    if world > 1:
+        _check_ddp(stored[j].objects, world, k, j)
     gone = [i for i in range(j + 1, k + 1) if i not in light]
     if gone:
         raise ReplayError(
@@ -169,6 +161,7 @@ def rebuild_step(
             f"{_gc_hint(pruned, k)}"
         )
     fn = loss_fn or _default_loss
+    rank_batches = _RankBatches(run, reader, timeline, world)
 
     def chain(upto: int, out: Rebuilt, report: bool = False) -> None:
         """Restore step ``j`` into the live objects and replay ``j+1..upto``, checking each
@@ -177,8 +170,13 @@ def rebuild_step(
         source = StoreSource(reader, stored[j], prefetch=True, trusted=trusted)
         state.step_state.restore(source)
         state.boundary_state.restore(source)
+        rngs = (
+            [from_plain(source.object(f"{schema.RNG_OBJECT}/r{r}")) for r in range(world)]
+            if world > 1
+            else []
+        )
         for i in range(j + 1, upto + 1):
-            micro, _, _ = _step_batches(
+            micro, _, build = _step_batches(
                 run,
                 i,
                 timeline,
@@ -187,7 +185,14 @@ def rebuild_step(
                 collate,
                 kit.make_batch,
             )
-            losses = _one_step(kit, micro, fn)
+            if world > 1:  # DDP: every rank's micro-batches, their gradients averaged
+                assert build is not None
+                per_rank = [micro, *(rank_batches.of(i, r, build) for r in range(1, world))]
+                losses = _ddp_step(kit, per_rank, fn, rngs)
+                out.rank_rng.clear()
+                out.rank_rng.update(enumerate(rngs))
+            else:
+                losses = _one_step(kit, micro, fn)
             out.losses[i] = losses[-1] if losses else float("nan")
             if i in stored:
                 continue
@@ -292,7 +297,12 @@ def rebuilt_commit(
                     for i in range(plan.n_chunks):
                         start, stop = plan.byte_range(i)
                         txn.put_chunk(path, i, flat[start:stop])
-                for name, obj in provider.objects().items():
+                objects = dict(provider.objects())
+                if rebuilt.rank_rng and schema.RNG_OBJECT in objects:  # DDP: each rank's own
+                    del objects[schema.RNG_OBJECT]
+                    for r, rng in sorted(rebuilt.rank_rng.items()):
+                        objects[f"{schema.RNG_OBJECT}/r{r}"] = to_plain(rng)
+                for name, obj in objects.items():
                     try:
                         txn.put_object(name, obj)
                     except TypeError:  # not plain data: as the engine stores it
@@ -320,16 +330,7 @@ def _one_step(kit: ReplayKit, micro: list[Any], loss_fn: LossFn) -> list[float]:
     opts = optimizers_of(kit.optimizer).values()
     for opt in opts:
         opt.zero_grad(set_to_none=True)
-    losses: list[float] = []
-    for b in micro:
-        if kit.backward is not None:
-            loss = kit.backward(b)
-        else:
-            loss = loss_fn(model, b)
-            if loss.dim() > 0:
-                loss = loss.mean()
-            loss.backward()
-        losses.append(float(loss.detach().float().mean()))
+    losses = _backward(kit, micro, loss_fn)
     if kit.before_step is not None:
         kit.before_step()
     for opt in opts:
@@ -337,6 +338,124 @@ def _one_step(kit: ReplayKit, micro: list[Any], loss_fn: LossFn) -> list[float]:
     if kit.scheduler is not None:
         kit.scheduler.step()
     return losses
+
+
+def _ddp_step(
+    kit: ReplayKit, per_rank: list[list[Any]], loss_fn: LossFn, rngs: list[Any]
+) -> list[float]:
+    """One optimizer step of a DDP run in one process: each rank's micro-batches on its own
+    RNG state (``rngs[r]``, advanced in place), then what DDP's reducer hands the optimizer:
+    each rank's gradient times ``1/world``, summed over the ranks (with two ranks, the sum of
+    an allreduce in any order, bit for bit). Rank 0's micro-batch losses."""
+    model = kit.model
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    world = len(per_rank)
+    total: list[torch.Tensor | None] = [None] * len(params)
+    first: list[float] = []
+    for r, micro in enumerate(per_rank):
+        set_rng(rngs[r])
+        for p in params:
+            p.grad = None
+        losses = _backward(kit, micro, loss_fn)
+        rngs[r] = get_rng()
+        first = first if r else losses
+        for n, p in enumerate(params):
+            if p.grad is None:
+                continue
+            part = torch.mul(p.grad, 1.0 / world)  # as the reducer copies it into its bucket
+            acc = total[n]
+            total[n] = part if acc is None else acc + part
+    for p, g in zip(params, total, strict=True):
+        p.grad = g
+    set_rng(rngs[0])  # the process goes on as rank 0
+    if kit.before_step is not None:
+        kit.before_step()
+    for opt in optimizers_of(kit.optimizer).values():
+        opt.step()
+    if kit.scheduler is not None:
+        kit.scheduler.step()
+    return first
+
+
+def _backward(kit: ReplayKit, micro: list[Any], loss_fn: LossFn) -> list[float]:
+    """Forward and backward of each micro-batch (the gradients accumulate); their losses."""
+    losses: list[float] = []
+    for b in micro:
+        if kit.backward is not None:
+            loss = kit.backward(b)
+        else:
+            loss = loss_fn(kit.model, b)
+            if loss.dim() > 0:
+                loss = loss.mean()
+            loss.backward()
+        losses.append(float(loss.detach().float().mean()))
+    return losses
+
+
+class _RankBatches:
+    """The micro-batches another rank of a DDP run trained on at a step: its recorded
+    sample indices (``data/batches/r<rank>``, riding with the commit after the step)."""
+
+    def __init__(self, run: Any, reader: Reader, timeline: str, world: int) -> None:
+        self.run, self.reader, self.timeline, self.world = run, reader, timeline, world
+        self._seen: dict[int, dict[int, list[Any]]] = {}
+
+    def of(self, step: int, rank: int, build: Callable[[Any], Any]) -> list[Any]:
+        got = self._recorded(rank).get(step)
+        if not got or any(b.indices is None for b in got):
+            raise ReplayError(
+                f"rebuilding DDP step {step}: rank {rank}'s samples were not recorded by "
+                f"sample index (no {schema.BATCHES_OBJECT}/r{rank} for it: a run captured "
+                "before every rank recorded its batches, or a loop not drawing from "
+                "s.data(loader) on every rank); store every step (every=1) to reach each one"
+            )
+        return [build(list(b.indices)) for b in got]
+
+    def _recorded(self, rank: int) -> dict[int, list[Any]]:
+        if rank not in self._seen:
+            from dstt.store._internal import Batch
+
+            name = f"{schema.BATCHES_OBJECT}/r{rank}"
+            line = self.run.commits(self.timeline)
+            out: dict[int, list[Any]] = {}
+            for h in self.reader.carrying(line, name):
+                if name in h.objects:
+                    obj = self.reader.read_object(h, name)
+                    for step, fps in zip(obj["steps"], obj["batches"], strict=True):
+                        out[int(step)] = [Batch.from_plain(fp) for fp in fps]
+            self._seen[rank] = out
+        return self._seen[rank]
+
+
+def _check_ddp(objects: Any, world: int, k: int, j: int) -> None:
+    """Refuse, with the reason, a light step of a multi-rank run a one-process replay cannot
+    rebuild bit for bit: sharded state (FSDP2, tensor or pipeline parallel, ZeRO) or DDP
+    over more than two ranks."""
+    sharded = sorted(
+        {
+            n.partition("/r")[0]
+            for n in objects
+            if n.startswith((f"{schema.SHARDS_OBJECT}/", "zero/", "deepspeed/"))
+            or n == schema.LAYOUT_OBJECT
+        }
+    )
+    if sharded:
+        raise ReplayError(
+            f"light step {k} is of a run whose {world} ranks each held a shard of the state "
+            f"(stored step {j} has {', '.join(sharded)}: FSDP2, tensor or pipeline parallel, "
+            "or ZeRO); rebuilding its light steps is not supported yet (only DDP's, whose "
+            f"ranks hold the same state). The stored steps open as usual (run.at({j})); "
+            "store every step (every=1) to reach each one"
+        )
+    if world != 2:
+        raise ReplayError(
+            f"light step {k} is of a DDP run of {world} ranks; rebuilding it is not supported "
+            "yet beyond 2 ranks: one process replays every rank's samples and sums their "
+            "gradients, which equals the allreduce bit for bit only for two (a sum of more "
+            "runs in the collective's own order). The stored steps open as usual "
+            f"(run.at({j})); store every step (every=1) to reach each one"
+        )
 
 
 def _ranks(objects: Any) -> int:

@@ -1,7 +1,8 @@
 """The user-facing front of a committed run: ``dstt.open(path)`` → ``Run`` → ``run.at(step)``
 → ``Snapshot``. Modules, one job each: ``opening`` (``open_run``, ``find_run_root``); ``run``
 (``Run``, the facade composing the rest); ``lines`` (timelines and steps); ``views``
-(trajectories, summaries, diffs); ``rebuilt`` (light steps rebuilt by replay); ``snapshot``
+(trajectories, summaries, diffs); ``rebuilt`` (light steps rebuilt by replay), ``derived``
+(rebuilt steps written to the run); ``snapshot``
 (one step's lazy tensors, export); ``metrics`` (numpy columns, a ``Dataset`` when asked);
 ``diagnose`` (spike causes, non-finite values, divergence); ``explain`` (spike mechanisms).
 

@@ -127,13 +127,10 @@ class Run:
         """The snapshot of ``step`` (default: the head) on ``timeline`` (default: current).
         A step that is not on that timeline raises ``StepNotFoundError`` naming the timelines
         that have it."""
+        from .derived import rebuildable
         from .snapshot import Snapshot
 
-        if (
-            step is not None
-            and self._rebuilder.active
-            and self._lines.is_light(int(step), timeline)
-        ):
+        if step is not None and rebuildable(self, int(step), timeline or self.timeline):
             return self.rebuilt([int(step)], timeline=timeline)[int(step)]
         return Snapshot(self, self._lines.header(step, timeline), timeline or self.timeline)
 
@@ -159,14 +156,19 @@ class Run:
         *,
         timeline: str | None = None,
         progress: Callable[[int, int], None] | None = None,
+        persist: bool = False,
     ) -> dict[int, Snapshot]:
         """``{step: Snapshot}`` of light ``steps`` rebuilt with the objects of
         :meth:`use_replay` (or ``dstt.open(..., replay=)``): the light steps between two
         stored ones are rebuilt in one pass from the stored step before them.
         ``progress(done, total)`` after each step (a progress bar's update). Each snapshot's
         ``rebuilt`` (a :class:`dstt.inspect.rebuild.Rebuilt`) says from which stored step and
-        which losses matched; its commit is derived, held in memory, never in the run."""
-        return self._rebuilder.rebuilt(steps, self._lines, timeline=timeline, progress=progress)
+        which losses matched; its commit is derived, held in memory, never in the run's
+        history. ``persist=True`` also writes it to the run (:mod:`dstt.run.derived`), where
+        a later process's ``at`` reads it without replaying."""
+        from .derived import rebuilt_steps
+
+        return rebuilt_steps(self, self._rebuilder, self._lines, steps, timeline, progress, persist)
 
     def catalog(self, header: CommitHeader) -> Catalog:
         """The names of commit ``header`` (:mod:`dstt.inspect.catalog`; cached): its

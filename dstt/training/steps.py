@@ -74,11 +74,15 @@ class StepCapture:
         batches: BatchLog,
         writes_batches: bool,
         tail_on_error: bool,
+        rank: int = 0,
     ) -> None:
         self.state, self.options, self.scheduler = state, options, scheduler
         self.batches = batches  # per-step batch fingerprints (dstt.training.data)
         #: whether this process's batch fingerprints go with its commits (rank 0's only)
         self.writes_batches = writes_batches
+        #: this process's rank: another rank's batches go under ``data/batches/r<rank>``
+        #: (a DDP light step's rebuild replays every rank's samples, dstt.inspect.rebuild)
+        self.rank = rank
         #: on an exception, commit the last step ``every`` skipped (not with several ranks:
         #: the other ranks may not be there to write their parts)
         self.tail_on_error = tail_on_error
@@ -306,7 +310,9 @@ class StepCapture:
             del self.fingerprints[k]
         batches = self.batches.take(f.step)
         if batches is not None and self.writes_batches:
-            boundary[BATCHES_OBJECT] = batches  # with several ranks: rank 0's batches, once
+            boundary[BATCHES_OBJECT] = batches  # with several ranks: rank 0's batches
+        elif batches is not None and self.rank:  # and each other rank's own, beside them
+            boundary[f"{BATCHES_OBJECT}/r{self.rank}"] = batches
         if self.retainer is not None:  # what background gcs pruned since the last commit
             done = self.retainer.take_metrics()
             if done:

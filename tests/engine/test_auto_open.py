@@ -238,3 +238,32 @@ def test_a_factory_named_at_session_time_rebuilds_with_replay_true(tmp_path: Pat
 def test_a_bad_factory_is_refused_before_training(spec: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         dstt.SessionOptions(run="runs/x", every="auto", replay=spec)
+
+
+def test_persisted_rebuilt_steps_open_without_replay_and_are_not_history() -> None:
+    ref = _reference(True)
+    _, _, inner = _auto_run(max_gap=4, rich=True, min_light=3)
+    run = dstt.open(inner, replay=_objects(rich=True))
+    light = sorted(run.light_steps())
+    steps_before = list(run.steps)
+    written = run.rebuilt(light[:2], persist=True)
+    later = dstt.open(inner)  # a later process: no replay objects
+    for k in light[:2]:
+        snap, want = later.at(k), dstt.open(ref).at(k)
+        assert snap.rebuilt is not None
+        assert snap.rebuilt.base == written[k].rebuilt.base
+        assert snap.rebuilt.checked == written[k].rebuilt.checked
+        for path in want.arrays:
+            assert same_bits(
+                torch.from_numpy(snap.to_numpy(path, native=True)), stored(ref, k, path)
+            )
+        assert _same(snap.object("rng"), want.object("rng"))
+    # a light step not written still needs the objects
+    with pytest.raises(StepNotFoundError, match="replay="):
+        later.at(light[2])
+    # never history: the steps, verify and gc see the run as trained
+    assert later.steps == steps_before
+    assert later.verify().ok
+    later.gc()
+    assert dstt.open(inner).steps == steps_before
+    assert dstt.open(inner).at(light[0]).rebuilt is not None

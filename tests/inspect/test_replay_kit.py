@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 import dstt
-import dstt.inspect.replay as replay_mod
+import dstt.inspect.replay_kit as replay_mod
 from dstt.errors import ConfigError, ReplayError
 from dstt.inspect.replay import ReplayKit, register_replay_kit, replay_kit_for
 from dstt.testing.models import TinyGPT, make_batch

@@ -158,11 +158,7 @@ def _keep_set(
     ms: Any = ()
     mv: Any = ()
     if pol.spike_window and line:
-        rows = r.scalar_rows(line, summaries=False)
-        if pol.spike_metric in rows.m_names:
-            order = np.argsort(rows.step, kind="stable")
-            ms = rows.step[order]
-            mv = rows.m_num[order, rows.m_names.index(pol.spike_metric)]
+        ms, mv = _metric_series(r.scalar_rows(line, summaries=False), pol.spike_metric)
     live_steps = [h.step for h in live]
     if light and pol.keep_light:
         every = sorted({*live_steps, *light})
@@ -174,6 +170,29 @@ def _keep_set(
         return slots, pol.spike_windows(every, ms, mv)
     steps = pol.keep(live_steps, ms, mv)
     return {h.slot for h in live if h.step in steps}, pol.spike_windows(live_steps, ms, mv)
+
+
+def _metric_series(rows: RowSet, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps, values)`` of metric ``name``, ascending: each commit's own value and those of
+    the steps its ``metrics/history`` carries (light steps, the steps ``every=K`` skipped),
+    as ``run.spikes()`` sees them, so a spike at a step that was not stored keeps its window."""
+    by_step: dict[int, float] = {}
+    for i in range(len(rows.step)):
+        hist = rows.m_hist[i] if i < len(rows.m_hist) else None
+        if isinstance(hist, dict):
+            for k, m in zip(hist.get("steps", ()), hist.get("metrics", ()), strict=False):
+                v = m.get(name) if isinstance(m, dict) else None
+                if isinstance(v, int | float) and not isinstance(v, bool):
+                    by_step.setdefault(int(k), float(v))
+    if name in rows.m_names:
+        col = rows.m_num[:, rows.m_names.index(name)]
+        for step, v in zip(rows.step.tolist(), col.tolist(), strict=True):
+            if not np.isnan(v):
+                by_step[int(step)] = float(v)  # a commit's own value over a carried one
+    steps = sorted(by_step)
+    return np.asarray(steps, dtype=np.int64), np.asarray(
+        [by_step[k] for k in steps], dtype=np.float64
+    )
 
 
 def _tombstones(

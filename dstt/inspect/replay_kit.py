@@ -1,0 +1,145 @@
+"""How a step is run for replay: the :class:`ReplayKit` a framework registers, and the kit
+a call runs (a framework's, with the caller's arguments in its place, or a plain loop's).
+
+A kit is the few callables that differ between frameworks (build a micro-batch from sample
+indices, forward + backward, what runs before ``optimizer.step()``); the rest of a replay
+is the same for all. Integrations register theirs here (``register_replay_kit``), so this
+layer never imports them. Rejected: a replay per framework (three copies of the restore,
+the comparison and the per-sample pass, drifting apart).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from dstt.errors import ConfigError
+
+__all__ = ["LossFn", "ReplayKit", "register_replay_kit", "replay_kit_for"]
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ReplayKit:
+    """How a framework runs one optimizer step, for replay.
+
+    ``model``: the module the optimizer updates (unwrapped: no DDP/accelerate wrapper);
+    ``optimizer``: what ``dstt.session`` takes (a torch optimizer, a list or a dict of them);
+    ``scheduler``: its LR scheduler, if any. ``make_batch(indices)``: the dataset indices of
+    ONE micro-batch -> that batch exactly as the framework fed it (collator applied).
+    ``backward(batch)``: forward + backward of one micro-batch exactly as the framework does
+    it (its loss, autocast, loss scaling, division by gradient accumulation), returning the
+    loss (detached); None: ``loss_fn(model, batch).backward()``. ``before_step()``: what runs
+    between the last backward and ``optimizer.step()`` (gradient clipping). ``sample_loss(b)``:
+    the loss of a one-sample batch ``b = make_batch([i])`` (with its graph, so per-sample
+    gradients can be taken), for the per-sample ranking; None: ``loss_fn`` on it.
+    """
+
+    model: torch.nn.Module
+    optimizer: Any
+    scheduler: Any = None
+    make_batch: Callable[[Sequence[int]], Any] | None = None
+    backward: Callable[[Any], torch.Tensor] | None = None
+    before_step: Callable[[], None] | None = None
+    sample_loss: Callable[[Any], torch.Tensor] | None = None
+
+
+KitBuilder = Callable[[object, object | None], ReplayKit]
+_KITS: list[tuple[Callable[[object], bool], KitBuilder]] = []
+
+#: where the kit of a trainer from a known framework is registered (top-level package -> how)
+_KNOWN = {
+    "transformers": "import dstt.integrations.transformers",
+    "lightning": "import dstt.integrations.lightning (and pass module=the LightningModule)",
+    "pytorch_lightning": "import dstt.integrations.lightning (and pass module=the LightningModule)",
+}
+
+
+def register_replay_kit(
+    matches: Callable[[object], bool],
+    build: Callable[[object, object | None], ReplayKit],
+) -> None:
+    """Make ``run.replay(k, trainer=t, module=m)`` use ``build(t, m)`` for every trainer ``t``
+    with ``matches(t)``. The newest registration is asked first (a user's own kit overrides
+    an integration's)."""
+    _KITS.insert(0, (matches, build))
+
+
+def replay_kit_for(trainer: object, module: object | None = None) -> ReplayKit:
+    """The :class:`ReplayKit` of ``trainer`` (and ``module``, for frameworks whose trainer
+    does not hold the model) from the registered builders; ``ConfigError`` naming the
+    trainer's type and which import registers its kit when none matches."""
+    for matches, build in _KITS:
+        if matches(trainer):
+            kit = build(trainer, module)
+            if not isinstance(kit, ReplayKit):
+                raise ConfigError(
+                    f"the replay kit builder for a {_type_name(trainer)} returned a "
+                    f"{type(kit).__name__}, not a dstt.inspect.replay.ReplayKit"
+                )
+            return kit
+    top = type(trainer).__module__.partition(".")[0]
+    how = _KNOWN.get(top)
+    hint = (
+        f"`{how}` registers it"
+        if how
+        else "register one with dstt.inspect.replay.register_replay_kit(matches, build)"
+    )
+    raise ConfigError(
+        f"no replay kit for trainer= of type {_type_name(trainer)}: {hint}; or replay a plain "
+        "loop with run.replay(k, model, optimizer, loss_fn=..., before_step=...)"
+    )
+
+
+def _type_name(obj: object) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def _default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    out = model(**batch) if isinstance(batch, Mapping) else model(batch)
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, tuple) and len(out) == 2:
+        loss = out[1]  # (logits, loss), as dstt.testing.models.TinyGPT
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(
+            "replay needs loss_fn=(model, batch) -> the loss your loop "
+            "back-propagated (the model's output has no .loss)"
+        )
+    return loss
+
+
+def _kit_of(
+    kit: ReplayKit | None,
+    model: torch.nn.Module | None,
+    optimizer: Any,
+    scheduler: Any,
+    before_step: Callable[[], None] | None,
+    loss_fn: LossFn | None,
+) -> ReplayKit:
+    """The kit the replay runs: ``kit`` (a framework's) with the explicit arguments in place
+    of what it supplies, or a plain loop's from ``model`` and ``optimizer``."""
+    if kit is None:
+        if model is None or optimizer is None:
+            raise ConfigError(
+                "replay needs the live objects to replay into: model= and optimizer= (built "
+                "as the training script built them), or trainer= (an HF or Lightning Trainer)"
+            )
+        return ReplayKit(model, optimizer, scheduler, before_step=before_step)
+    if model is not None or optimizer is not None:
+        raise ConfigError(
+            "replay takes either trainer= (its kit supplies the model and optimizer) or "
+            "model= and optimizer=, not both"
+        )
+    changes: dict[str, Any] = {}
+    if scheduler is not None:
+        changes["scheduler"] = scheduler
+    if before_step is not None:
+        changes["before_step"] = before_step
+    if loss_fn is not None:  # the caller's loss replaces the framework's
+        changes.update(backward=None, sample_loss=None)
+    return replace(kit, **changes) if changes else kit
