@@ -761,7 +761,7 @@ class Dstt(Checkpointer):
             "lane": "flat" if steps is not None else "chunk",
             "pinned": bool(getattr(buffers, "pinned", False)),
             "host_buffer_bytes": getattr(buffers, "capacity", 0),
-            "flusher": getattr(pipe, "flusher", None) is not None,
+            "flusher": getattr(getattr(pipe, "sink", None), "flusher", None) is not None,
         }
 
     def report(self) -> dict[str, Any]:
