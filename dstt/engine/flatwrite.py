@@ -177,7 +177,8 @@ class FlatLane:
                     if acc is not None:
                         part = buf[s - seg.start : e - seg.start].view(f.tensors[a.path].dtype)
                         acc.add((s - a.offset) // a.plan.itemsize, part)
-        except BaseException:
+        except BaseException as e:
+            f.fail(e)  # the cause first: an aborted handle refuses the committer's objects
             discard(f)
             raise
         finally:
@@ -212,7 +213,8 @@ class FlatLane:
             )
             if plan is not None and stats is not None:
                 f.flat_stats = {"paths": plan.paths, "numel": plan.numel, **stats}
-        except BaseException:
+        except BaseException as e:
+            f.fail(e)  # the cause first: an aborted handle refuses the committer's objects
             discard(f)
             raise
         finally:

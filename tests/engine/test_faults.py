@@ -5,11 +5,14 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from dstt.engine.pipeline import Pipeline
 from dstt.errors import CaptureError, StorageError
 from dstt.store import Repository
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage
@@ -175,3 +178,49 @@ def test_a_killed_flusher_process_loses_no_step(tmp_path: Path) -> None:
     for step, w in after.items():
         assert same_bits(stored(repo, step, "params/l1/weight"), w), step
     assert repo.verify().problems == []
+
+
+class _FullDiskHandle:
+    """A real step handle whose write finds a full disk. The committer stores a sealed
+    step's objects while its write runs: here it comes just after the write failed, while the
+    abort lingers, so it meets an aborted handle if the flight learns why only later."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.step, self.commit = inner.step, inner.commit
+
+    def put_object(self, name: str, obj: object) -> None:
+        if name == "late":  # the committer, once sealed: let the write fail first
+            time.sleep(0.2)
+        self._inner.put_object(name, obj)
+
+    @property
+    def stats(self) -> Any:
+        return self._inner.stats
+
+    def write(self, segment: Any) -> None:
+        raise StorageError(errno.ENOSPC, "No space left on device")
+
+    def abort(self) -> None:
+        self._inner.abort()
+        time.sleep(0.5)  # the committer's turn
+
+
+def test_a_failed_write_keeps_its_cause_not_the_aborted_handle(tmp_path: Path) -> None:
+    """A step whose write failed reports the disk, never "step N is aborted" (the skip
+    policy's warning once named the aborted handle, racing the committer)."""
+    writer = Repository.create(tmp_path / "run").writer()
+    pipe = Pipeline(writer, budget_bytes=1 << 20, writers=1, flusher=False)
+    begin = pipe.sink.begin
+    pipe.sink.begin = lambda *a, **k: _FullDiskHandle(begin(*a, **k))  # type: ignore[method-assign]
+    try:
+        f = pipe.stage(1, {"params/w": torch.ones(64)}, {})
+        pipe.wait_copied(f)
+        pipe.seal(f, {"late": {"n": 1}})  # stored by the committer while the write runs
+        f.done.wait()
+        assert isinstance(f.error, StorageError), repr(f.error)
+        assert f.error.errno == errno.ENOSPC
+        assert not f.committed
+    finally:
+        pipe.close()
+        writer.close()
