@@ -343,7 +343,8 @@ def test_closed_pipe_exits_quietly(run_dir: Path) -> None:
     assert proc.stdout is not None
     assert proc.stderr is not None
     proc.stdout.close()  # the reader is gone before dstt writes a line (dstt log | true)
-    err = proc.stderr.read()
+    with proc.stderr:
+        err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141
     assert err == b""
     head = subprocess.run(
