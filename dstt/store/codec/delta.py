@@ -15,7 +15,6 @@ encode time (read bandwidth on the hot path; a shadow costs host memory, ``shado
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -47,7 +46,6 @@ class EncodeStats:
     keyframes: int = 0
     deltas: int = 0
     dedups: int = 0
-    encode_seconds: float = 0.0
     raw_fallback: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -58,7 +56,7 @@ class EncodeStats:
             self.keyframes += keyframes
 
     def add_counts(
-        self, raw: int, written: int, *, keyframes: int, deltas: int, dedups: int, seconds: float
+        self, raw: int, written: int, *, keyframes: int, deltas: int, dedups: int
     ) -> None:
         with self._lock:
             self.raw_bytes += raw
@@ -66,7 +64,6 @@ class EncodeStats:
             self.keyframes += keyframes
             self.deltas += deltas
             self.dedups += dedups
-            self.encode_seconds += seconds
 
     @property
     def ratio(self) -> float:
@@ -217,7 +214,6 @@ class DeltaEncoder:
                 base = committed
             if base is None:
                 return None
-            t0 = time.perf_counter()
             out = encode_flat(
                 self.policy,
                 self._flat_states.get(layout),
@@ -227,7 +223,6 @@ class DeltaEncoder:
                 predictions,
                 self._scratch,
             )
-            out.seconds = time.perf_counter() - t0
             return out, base, from_slot
         finally:
             self._pool.leave(epoch)

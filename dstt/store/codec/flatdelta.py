@@ -78,7 +78,6 @@ class FlatEncoded:
     codecs: dict[int, tuple[Any, ...]]  # chunk -> codec entry (deltas and dedups)
     depth: np.ndarray
     deps: set[int] = field(default_factory=set)
-    seconds: float = 0.0
 
 
 def xor_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:

@@ -332,7 +332,6 @@ class Transaction:
             keyframes=got.keyframes,
             deltas=got.deltas,
             dedups=got.dedups,
-            seconds=got.seconds,
         )
         if got.dep is not None:
             with self._lock:
