@@ -72,17 +72,13 @@ def _tier(n: int, every: int) -> int:
 class IndexWriter:
     """The exclusive writer's side of the index: pending rows, segments, merges."""
 
-    def __init__(
-        self, reader: IndexedSource, *, every: int = EVERY, background: bool | None = None
-    ) -> None:
-        """``background``: write segments from a job process (default: for a run on local
-        files, unless ``DSTT_INDEX_JOBS=0``), so the committer never spends the GIL on rows."""
+    def __init__(self, reader: IndexedSource, *, every: int = EVERY) -> None:
         self.reader, self.storage, self.every = reader, reader.storage, max(1, every)
         self.index = reader.index.load()
         self.pending: dict[int, CommitHeader] = {}
-        if background is None:
-            background = IndexJob.supported(self.storage)
-        self.background = background
+        #: write segments from a job process (a run on local files, unless
+        #: ``DSTT_INDEX_JOBS=0``), so the committer never spends the GIL on rows
+        self.background = IndexJob.supported(self.storage)
         self.job: IndexJob | None = None
         self._job_slots: list[int] = []
         self._job_started = -math.inf  # the first segment's worth goes at once
