@@ -27,7 +27,6 @@ from .zipfmt import (
     crc32,
     directory_records,
     end_records,
-    header_size,
     local_header,
 )
 
@@ -55,6 +54,10 @@ class StepFile:
         self._prebuilt: list[tuple[bytes, int]] = []  # (records, how many entries)
         self._names: set[str] = set()
         self._finished = False
+
+    def _check_open(self) -> None:
+        if self._finished:
+            raise DsttError(f"{self.key}: step file already finished")
 
     def _open(self) -> Blob:
         if self._blob is None:
@@ -96,24 +99,12 @@ class StepFile:
     ) -> int:
         """Write entry ``name`` whose bytes are ``parts`` (``size`` bytes, ZIP CRC-32
         ``crc``); returns the offset of its first data byte. Thread-safe."""
-        with self._mu:
-            if self._finished:
-                raise DsttError(f"{self.key}: step file already finished")
-            if name in self._names:
-                raise ValueError(f"{self.key}: entry {name!r} written twice")
-            blob = self._open()
-            off = self._cursor
-            data_off = off + header_size(name, size, off)
-            self._cursor = data_off + size
-            self._names.add(name)
-            self._entries.append(Entry(name, off, size, crc))
-        blob.write_at(off, [local_header(name, size, crc, off), *parts])
-        return data_off
+        return self.add_many([name], [parts], [size], [crc])[0]
 
     def add_many(
         self,
         names: Sequence[str],
-        bodies: Sequence[Sequence[bytes | memoryview]],
+        bodies: Sequence[Sequence[bytes | bytearray | memoryview]],
         sizes: Sequence[int],
         crcs: Sequence[int],
     ) -> list[int]:
@@ -121,15 +112,14 @@ class StepFile:
         offset of each (the batched form of :meth:`add`)."""
         fresh = set(names)
         with self._mu:
-            if self._finished:
-                raise DsttError(f"{self.key}: step file already finished")
+            self._check_open()
             if len(fresh) != len(names) or not fresh.isdisjoint(self._names):
                 dup = sorted(fresh & self._names) or sorted(n for n in fresh if names.count(n) > 1)
                 raise ValueError(f"{self.key}: entry {dup[0]!r} written twice")
             self._names |= fresh
             blob = self._open()
             start = off = self._cursor
-            iov: list[bytes | memoryview] = []
+            iov: list[bytes | bytearray | memoryview] = []
             out: list[int] = []
             entries = self._entries
             for name, body, size, crc in zip(names, bodies, sizes, crcs, strict=True):
@@ -152,8 +142,7 @@ class StepFile:
         """Write a prebuilt run of entries (``Block``) if the file is at ``block.start``;
         False (nothing written) otherwise."""
         with self._mu:
-            if self._finished:
-                raise DsttError(f"{self.key}: step file already finished")
+            self._check_open()
             if self._cursor != block.start or not block.names.isdisjoint(self._names):
                 return False
             self._names |= block.names
@@ -168,8 +157,7 @@ class StepFile:
         image: this thread, or the flusher process): returns where it starts; the range is
         ``nbytes_at(start)`` bytes. Their directory comes later (:meth:`add_directory`)."""
         with self._mu:
-            if self._finished:
-                raise DsttError(f"{self.key}: step file already finished")
+            self._check_open()
             if not names.isdisjoint(self._names):
                 raise ValueError(
                     f"{self.key}: entry {sorted(names & self._names)[0]!r} written twice"
