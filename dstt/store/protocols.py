@@ -24,9 +24,9 @@ from here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from .format.flat import FlatImage, FlatLayout, StepBytes
+from .format.flat import ArraySpec, FlatImage, FlatLayout, StepBytes
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -50,11 +50,6 @@ __all__ = [
     "StepWriter",
     "StoredWriter",
 ]
-
-#: an array of a flat layout: path, dtype, shape and optionally its dimension names
-ArraySpec: TypeAlias = (
-    "tuple[str, str, tuple[int, ...]] | tuple[str, str, tuple[int, ...], Sequence[str] | None]"
-)
 
 
 @runtime_checkable

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from dstt.store.codec.delta import DeltaEncoder, EncodeStats
     from dstt.store.codec.predict import Prediction
-    from dstt.store.format.flat import FlatImage, FlatLayout, StepBytes
+    from dstt.store.format.flat import ArraySpec, FlatImage, FlatLayout, StepBytes
     from dstt.store.format.layout import ChunkPlan
     from dstt.store.format.objects import Encoding
     from dstt.store.format.parts import Part
@@ -286,10 +286,7 @@ class RankWriter:
 
     def flat_layout(
         self,
-        arrays: Sequence[
-            tuple[str, str, tuple[int, ...]]
-            | tuple[str, str, tuple[int, ...], Sequence[str] | None]
-        ],
+        arrays: Sequence[ArraySpec],
     ) -> FlatLayout:
         return self.writer.flat_layout(arrays)
 

@@ -25,7 +25,7 @@ from dstt.store.codec.delta import DeltaEncoder, EncodeStats
 from dstt.store.codec.flatdelta import FlatShadow, seed_shadow
 from dstt.store.codec.predict import Prediction
 from dstt.store.format.envelope import checksum
-from dstt.store.format.flat import FlatImage, FlatLayout, StepBytes, byte_view
+from dstt.store.format.flat import ArraySpec, FlatImage, FlatLayout, StepBytes, byte_view
 from dstt.store.format.layout import ChunkPlan, side_file_key, step_file_key, zarr_chunk_key
 from dstt.store.format.objects import Encoded, Encoding, encode_object
 from dstt.store.format.records import ArrayRecord, ChunkRecord, CommitHeader, Metric, ObjectRecord
@@ -70,10 +70,7 @@ class StepOwner(Protocol):
 
     def flat_layout(
         self,
-        arrays: Sequence[
-            tuple[str, str, tuple[int, ...]]
-            | tuple[str, str, tuple[int, ...], Sequence[str] | None]
-        ],
+        arrays: Sequence[ArraySpec],
     ) -> FlatLayout: ...
 
     def table_template(

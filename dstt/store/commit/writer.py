@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dstt.errors import DsttError, SchemaError, StorageError
 from dstt.store.codec.delta import DeltaEncoder
-from dstt.store.format.flat import FlatLayout
+from dstt.store.format.flat import ArraySpec, FlatLayout
 from dstt.store.format.layout import (
     DEFAULT_CHUNK_BYTES,
     LOCK_KEY,
@@ -333,10 +333,7 @@ class Writer:
 
     def flat_layout(
         self,
-        arrays: Sequence[
-            tuple[str, str, tuple[int, ...]]
-            | tuple[str, str, tuple[int, ...], Sequence[str] | None]
-        ],
+        arrays: Sequence[ArraySpec],
     ) -> FlatLayout:
         """Declare ``arrays`` (path, dtype, shape[, dims]) for this writer and lay them out in
         one flat buffer (``flat.py``); reuse the result while the arrays do not change."""

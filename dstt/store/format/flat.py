@@ -33,11 +33,19 @@ if TYPE_CHECKING:
 #: the two sums of an in-place entry, in the order ``_fill_inplace`` calls them
 _BOTH = (crc32c_raw, crc32_raw)
 
-__all__ = ["FlatArray", "FlatImage", "FlatLayout", "StepBytes", "byte_view"]
+__all__ = ["ArraySpec", "FlatArray", "FlatImage", "FlatLayout", "StepBytes", "byte_view"]
 
 #: the bytes of a chunk or of a whole flat step, as a transaction takes them: a buffer, or a
 #: numpy array's memory (a pinned host slab's ``.numpy()``, a step buffer)
 StepBytes: TypeAlias = "bytes | bytearray | memoryview | npt.NDArray[np.generic]"
+#: an array of a flat layout: path, dtype, shape and optionally its dimension names
+ArraySpec: TypeAlias = (
+    "tuple[str, str, tuple[int, ...]] | tuple[str, str, tuple[int, ...], Sequence[str] | None]"
+)
+#: the same with its chunk plan for the shape (what ``FlatLayout.build`` lays out)
+PlannedSpec: TypeAlias = (
+    "tuple[str, str, ChunkPlan] | tuple[str, str, ChunkPlan, Sequence[str] | None]"
+)
 
 
 def byte_view(data: StepBytes) -> memoryview:
@@ -92,9 +100,7 @@ class FlatLayout:
     @classmethod
     def build(
         cls,
-        arrays: Sequence[
-            tuple[str, str, ChunkPlan] | tuple[str, str, ChunkPlan, Sequence[str] | None]
-        ],
+        arrays: Sequence[PlannedSpec],
         *,
         framed: bool | None = None,
     ) -> FlatLayout:
@@ -152,9 +158,7 @@ class FlatLayout:
     @classmethod
     def _framed(
         cls,
-        arrays: Sequence[
-            tuple[str, str, ChunkPlan] | tuple[str, str, ChunkPlan, Sequence[str] | None]
-        ],
+        arrays: Sequence[PlannedSpec],
     ) -> FlatLayout:
         out: list[FlatArray] = []
         chunks: list[tuple[int, int, int, int, str, int]] = []
