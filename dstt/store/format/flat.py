@@ -266,32 +266,14 @@ class FlatImage:
         self.nbytes = off - start
         self.headers = headers
         self.trailers = bytearray(4 * n)
-        directory = bytearray(directory_records(entries))
-        cd_at, pos = [], 0
-        for e in entries:
-            cd_at.append(pos)
-            pos += (
-                46
-                + len(e.name.encode())
-                + (
-                    0
-                    if e.size < 0xFFFFFFFF and e.offset < 0xFFFFFFFF
-                    else 4
-                    + 8
-                    * ((2 if e.size >= 0xFFFFFFFF else 0) + (1 if e.offset >= 0xFFFFFFFF else 0))
-                )
-            )
-        self.directory = directory
+        records = [directory_records([e]) for e in entries]
+        self.directory = bytearray(b"".join(records))
+        cd_at = np.cumsum([0, *map(len, records)])[:-1]  # where each entry's record starts
         four = np.arange(4, dtype=np.intp)
         self._hdr_idx = (np.asarray(hdr_at, dtype=np.intp) + _HEADER_CRC)[:, None] + four
         self._cd_idx = (np.asarray(cd_at, dtype=np.intp) + _CENTRAL_CRC)[:, None] + four
         #: in place: where each chunk's crc32c trailer sits in the buffer
-        self._trl_idx = (
-            np.asarray(
-                [o + sz - 4 for o, sz in zip(self.offsets, self.sizes, strict=True)], dtype=np.intp
-            )[:, None]
-            + four
-        )
+        self._trl_idx = (np.add(self.offsets, self.sizes, dtype=np.intp) - 4)[:, None] + four
         self.count = n
         self.iov: list[bytes | bytearray | memoryview] = []
         self._views: list[memoryview] = []
