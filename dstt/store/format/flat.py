@@ -111,55 +111,6 @@ class FlatLayout:
         write, and with ``O_DIRECT`` no copy into the page cache."""
         if framed is None:
             framed = bool(arrays) and all(spec[2].n_chunks <= 1 for spec in arrays)
-        if framed:
-            return cls._framed(arrays)
-        out: list[FlatArray] = []
-        chunks: list[tuple[int, int, int, int, str, int]] = []
-        pos = 0
-        for k, spec in enumerate(arrays):
-            path, dtype, plan = spec[0], spec[1], spec[2]
-            dims = spec[3] if len(spec) > 3 else None
-            pos = (pos + ALIGN - 1) // ALIGN * ALIGN
-            out.append(
-                FlatArray(
-                    path,
-                    dtype,
-                    plan,
-                    pos,
-                    None if dims is None else check_dims(path, len(plan.shape), dims),
-                )
-            )
-            for i in range(plan.n_chunks):
-                start, stop = plan.byte_range(i)
-                chunks.append(
-                    (
-                        k,
-                        i,
-                        pos + start,
-                        pos + stop,
-                        zarr_chunk_key(path, plan.index(i)),
-                        plan.chunk_nbytes,
-                    )
-                )
-            pos += plan.nbytes
-        spans, lo = [], 0
-        for a in out:
-            spans.append((a.path, lo, lo + a.plan.n_chunks))
-            lo += a.plan.n_chunks
-        return cls(
-            tuple(out),
-            max(pos, 1),
-            tuple(chunks),
-            tuple(spans),
-            sum(a.nbytes for a in out),
-            frozenset(c[4] for c in chunks),
-        )
-
-    @classmethod
-    def _framed(
-        cls,
-        arrays: Sequence[PlannedSpec],
-    ) -> FlatLayout:
         out: list[FlatArray] = []
         chunks: list[tuple[int, int, int, int, str, int]] = []
         spans: list[tuple[str, int, int]] = []
@@ -169,6 +120,16 @@ class FlatLayout:
             path, dtype, plan = spec[0], spec[1], spec[2]
             given = spec[3] if len(spec) > 3 else None
             dims = None if given is None else check_dims(path, len(plan.shape), given)
+            spans.append((path, len(chunks), len(chunks) + plan.n_chunks))
+            if not framed:
+                pos = (pos + ALIGN - 1) // ALIGN * ALIGN
+                out.append(FlatArray(path, dtype, plan, pos, dims))
+                for i in range(plan.n_chunks):
+                    start, stop = plan.byte_range(i)
+                    name = zarr_chunk_key(path, plan.index(i))
+                    chunks.append((k, i, pos + start, pos + stop, name, plan.chunk_nbytes))
+                pos += plan.nbytes
+                continue
             if plan.n_chunks > 1:
                 raise ValueError(
                     f"a framed layout holds single-chunk arrays; {path!r} has "
@@ -176,14 +137,12 @@ class FlatLayout:
                 )
             if plan.n_chunks == 0:  # empty: no entry, no bytes (an aligned empty view)
                 out.append(FlatArray(path, dtype, plan, 0, dims))
-                spans.append((path, len(chunks), len(chunks)))
                 continue
             name = zarr_chunk_key(path, plan.index(0))
             size = plan.chunk_nbytes + 4
             data = pos + header_size(name, size, pos, align=ALIGN)
             heads.append(pos)
             out.append(FlatArray(path, dtype, plan, data, dims))
-            spans.append((path, len(chunks), len(chunks) + 1))
             chunks.append((k, 0, data, data + plan.nbytes, name, plan.chunk_nbytes))
             pos = data + size
         return cls(
@@ -193,7 +152,7 @@ class FlatLayout:
             tuple(spans),
             sum(a.nbytes for a in out),
             frozenset(c[4] for c in chunks),
-            framed=True,
+            framed=framed,
             heads=tuple(heads),
         )
 
