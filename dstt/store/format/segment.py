@@ -106,41 +106,38 @@ def concat(sets: list[RowSet]) -> RowSet:
     files = sorted({f for s in sets for f in s.files})
     n = sum(len(s) for s in sets)
     k = max((s.s_probe.shape[2] for s in sets), default=0)
+    same_m = all(s.m_names == names for s in sets)  # the usual case: one copy, no NaN fill
+    same_s = all(s.s_paths == paths and s.s_probe.shape[2] == k for s in sets)
     out = RowSet(
-        slot=np.concatenate([s.slot for s in sets]) if sets else np.zeros(0, np.int64),
-        step=np.concatenate([s.step for s in sets]) if sets else np.zeros(0, np.int64),
-        parent=np.concatenate([s.parent for s in sets]) if sets else np.zeros(0, np.int64),
+        slot=np.concatenate([s.slot for s in sets]),
+        step=np.concatenate([s.step for s in sets]),
+        parent=np.concatenate([s.parent for s in sets]),
         timeline=np.concatenate(
             [_remap(s.timelines, tls)[s.timeline] if len(s.timelines) else s.timeline for s in sets]
-        ).astype(np.int32)
-        if sets
-        else np.zeros(0, np.int32),
-        pruned=np.concatenate([s.pruned for s in sets]) if sets else np.zeros(0, np.uint8),
-        time=np.concatenate([s.time for s in sets]) if sets else np.zeros(0),
+        ).astype(np.int32),
+        pruned=np.concatenate([s.pruned for s in sets]),
+        time=np.concatenate([s.time for s in sets]),
         timelines=tls,
         headers=[h for s in sets for h in s.headers],
         m_names=names,
-        m_num=np.empty((0, 0)),
+        m_num=np.concatenate([s.m_num for s in sets])
+        if same_m
+        else np.full((n, len(names)), np.nan),
         m_text=[t for s in sets for t in s.m_text],
         m_hist=[h for s in sets for h in s.m_hist],
         s_paths=paths,
         files=files,
     )
-    if not all(s.m_names == names for s in sets):
-        out.m_num = np.full((n, len(names)), np.nan)
-    if not all(s.s_paths == paths and s.s_probe.shape[2] == k for s in sets):
-        out.s_has = np.zeros(n, np.uint8)
-        out.s_val = np.full((n, len(paths), len(SCALARS)), np.nan)
-        out.s_exact = np.zeros((n, len(paths)), np.uint8)
-        out.s_probe = np.full((n, len(paths), k), np.nan, np.float32)
-    if all(s.m_names == names for s in sets):  # the usual case: one copy, no NaN fill first
-        out.m_num = np.concatenate([s.m_num for s in sets])
-    if all(s.s_paths == paths and s.s_probe.shape[2] == k for s in sets):
+    if same_s:
         out.s_val = np.concatenate([s.s_val for s in sets])
         out.s_exact = np.concatenate([s.s_exact for s in sets])
         out.s_probe = np.concatenate([s.s_probe for s in sets])
         out.s_has = np.concatenate([s.s_has for s in sets])
     else:
+        out.s_has = np.zeros(n, np.uint8)
+        out.s_val = np.full((n, len(paths), len(SCALARS)), np.nan)
+        out.s_exact = np.zeros((n, len(paths)), np.uint8)
+        out.s_probe = np.full((n, len(paths), k), np.nan, np.float32)
         at = 0
         for s in sets:
             rows = slice(at, at + len(s))
@@ -151,7 +148,7 @@ def concat(sets: list[RowSet]) -> RowSet:
                 out.s_exact[rows, cols] = s.s_exact
                 out.s_probe[rows, cols, : s.s_probe.shape[2]] = s.s_probe
             at += len(s)
-    if not all(s.m_names == names for s in sets):
+    if not same_m:
         at = 0
         for s in sets:
             if s.m_names:
