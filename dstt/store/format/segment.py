@@ -34,6 +34,7 @@ __all__ = [
     "RowSet",
     "concat",
     "decode_core",
+    "decode_locations",
     "decode_rest",
     "encode",
     "read_directory",
@@ -278,6 +279,16 @@ def layout_of(x: list[Any]) -> Layout:
     )
 
 
+def decode_locations(path: str, ent: list[Any], raw: bytes, n: int, where: str) -> Locations:
+    """One tensor's locations in ``n`` rows from its ``locdir`` entry and its bytes."""
+    _, nbytes, crc, width, lays = ent
+    if len(raw) != nbytes or checksum(raw) != crc:
+        raise ChecksumError(f"{where}: index locations of {path!r} fail their crc32c")
+    ids = np.frombuffer(raw[: 4 * n], "<i4")
+    crcs = np.frombuffer(raw[4 * n :], "<u4").reshape(n, width)
+    return Locations([layout_of(x) for x in lays], ids, crcs)
+
+
 def read_directory(prefix: bytes, where: str) -> tuple[dict[str, Any], int] | int:
     """The directory and where blobs start, from the first bytes of a segment; or, when
     ``prefix`` is too short, how many bytes are needed."""
@@ -330,14 +341,10 @@ def decode_rest(d: dict[str, Any], core: dict[str, np.ndarray], data: bytes, whe
     text = [extra["text"].get(str(i)) for i in range(n)]
     hist = [extra["hist"].get(str(i)) for i in range(n)]
     locdir = json.loads(blob(d, "locdir", data, 0, where))
-    loc = {}
-    for path, (off, nbytes, crc, width, lays) in locdir.items():
-        raw = data[off : off + nbytes]
-        if len(raw) != nbytes or checksum(raw) != crc:
-            raise ChecksumError(f"{where}: index locations of {path!r} fail their crc32c")
-        ids = np.frombuffer(raw[: 4 * n], "<i4")
-        crcs = np.frombuffer(raw[4 * n :], "<u4").reshape(n, width)
-        loc[path] = Locations([layout_of(x) for x in lays], ids, crcs)
+    loc = {
+        path: decode_locations(path, ent, data[ent[0] : ent[0] + ent[1]], n, where)
+        for path, ent in locdir.items()
+    }
     return RowSet(
         slot=core["slot"],
         step=core["step"],

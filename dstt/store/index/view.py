@@ -24,21 +24,21 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from dstt.errors import ChecksumError, CorruptRunError, DsttError, StepNotFoundError
-from dstt.store.format.envelope import checksum
+from dstt.errors import CorruptRunError, DsttError, StepNotFoundError
 from dstt.store.format.layout import INDEX_PREFIX, commit_key, parse_index_name, step_file_key
 from dstt.store.format.manifest import parse_header
 from dstt.store.format.records import ArrayRecord, ChunkRecord, CommitHeader
 from dstt.store.format.segment import (
     SCALARS,
     Layout,
+    Locations,
     RowSet,
     blob,
     concat,
     core_span,
     decode_core,
+    decode_locations,
     decode_rest,
-    layout_of,
     read_directory,
 )
 
@@ -121,7 +121,7 @@ class _Segment:
         self.core = decode_core(self.d, data, lo, where)
         self.n = int(self.d["n"])
         self.timelines: list[str] = list(self.d["timelines"])
-        self._loc: dict[str, tuple[np.ndarray, np.ndarray, list[Layout]] | None] = {}
+        self._loc: dict[str, Locations | None] = {}
         self._locdir: dict[str, Any] | None = None
         self._lock = threading.Lock()
         self._lists: tuple[list[Any], ...] | None = None
@@ -159,9 +159,7 @@ class _Segment:
             at = raw.find(needle, at + 1)
         return set((np.searchsorted(offs, hits, side="right") - 1).tolist()) if hits else set()
 
-    def locations(
-        self, st: Storage, path: str
-    ) -> tuple[np.ndarray, np.ndarray, list[Layout]] | None:
+    def locations(self, st: Storage, path: str) -> Locations | None:
         with self._lock:
             if path in self._loc:
                 return self._loc[path]
@@ -170,15 +168,8 @@ class _Segment:
             ent = self._locdir.get(path)
             got = None
             if ent is not None:
-                off, nbytes, crc, width, lays = ent
-                raw = st.read_range(self.key, self.base + off, nbytes)
-                if len(raw) != nbytes or checksum(raw) != crc:
-                    raise ChecksumError(
-                        f"{st.location}/{self.key}: index locations of {path!r} fail their crc32c"
-                    )
-                ids = np.frombuffer(raw[: 4 * self.n], "<i4")
-                crcs = np.frombuffer(raw[4 * self.n :], "<u4").reshape(self.n, width)
-                got = (ids, crcs, [layout_of(x) for x in lays])
+                raw = st.read_range(self.key, self.base + ent[0], ent[1])
+                got = decode_locations(path, ent, raw, self.n, f"{st.location}/{self.key}")
             self._loc[path] = got
             return got
 
@@ -378,9 +369,9 @@ class Index:
                     if raw is None
                     else (
                         True,
-                        raw[0].tolist(),
-                        raw[1].tolist(),
-                        raw[2],
+                        raw.ids.tolist(),
+                        raw.crc.tolist(),
+                        raw.layouts,
                         seg.core["pruned"].tolist(),
                     )
                 )
@@ -406,7 +397,7 @@ class Index:
             return None
         if loc is None:
             return None
-        ids, crcs, lays = loc
+        ids, crcs, lays = loc.ids, loc.crc, loc.layouts
         j = int(ids[i])
         if j < 0:
             return None
