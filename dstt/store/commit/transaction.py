@@ -28,7 +28,7 @@ from dstt.store.format.envelope import checksum
 from dstt.store.format.flat import ArraySpec, FlatImage, FlatLayout, StepBytes, byte_view
 from dstt.store.format.layout import ChunkPlan, side_file_key, step_file_key, zarr_chunk_key
 from dstt.store.format.objects import Encoded, Encoding, encode_object
-from dstt.store.format.records import ArrayRecord, ChunkRecord, CommitHeader, Metric, ObjectRecord
+from dstt.store.format.records import ChunkRecord, CommitHeader, Metric, ObjectRecord
 from dstt.store.format.stepfile import SideFile, StepFile
 from dstt.store.format.zipfmt import crc32
 
@@ -39,7 +39,7 @@ from .step_table import Columns, EncodedColumns, StepTable
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-    from dstt.store.format.manifest import TableBuilder, TableTemplate
+    from dstt.store.format.manifest import TableTemplate
     from dstt.store.format.parts import Part
     from dstt.store.storage.base import Storage
 
@@ -552,26 +552,3 @@ class Transaction:
                 self._staged.clear()
             if self.writer.encoder is not None:
                 self.writer.encoder.discard(self.slot)
-
-    # -- this step's arrays table (``step_table.py``) ---------------------------------------
-    @property
-    def paths(self) -> tuple[str, ...]:
-        """The arrays declared in this step, in declaration order."""
-        return tuple(self.columns.plans)
-
-    def table(self) -> TableBuilder:
-        """The columnar arrays table of this step (``manifest.TableBuilder``)."""
-        return self.columns.table()
-
-    def table_parts(self) -> tuple[TableTemplate, list[int], list[int]] | None:
-        """A step written whole from one flat layout: its table as cached columns and this
-        step's offsets and checksums (``StepTable.table_parts``); None for anything else."""
-        return self.columns.table_parts()
-
-    def arrays_table(self) -> bytes:
-        """This step's sealed arrays table (``manifest.dump_arrays``)."""
-        return self.columns.arrays_table()
-
-    def records(self) -> dict[str, ArrayRecord]:
-        """This step's arrays as records (a part's vote, a merge)."""
-        return self.columns.records()

@@ -373,7 +373,7 @@ class Writer:
         per set of arrays and start offset — at every step of a steady run the same bytes
         at the same place) and their consolidated metadata (``job.write_metadata``
         writes them)."""
-        paths = txn.paths
+        paths = tuple(txn.columns.plans)
         start = txn.zip.cursor
         with self._meta_lock:
             cached = self._meta_cache.get((paths, start))
@@ -443,7 +443,7 @@ class Writer:
         with self._commit_lock:
             self.check_open()
             txn.write_deferred()
-            records = txn.records()
+            records = txn.columns.records()
             write_metadata(
                 txn.zip,
                 *self._metadata(txn),
@@ -483,13 +483,13 @@ class Writer:
             st = self.storage
             if parts:
                 txn.write_deferred()
-                records, objects = merge_parts(txn.records(), dict(txn.objects), parts)
+                records, objects = merge_parts(txn.columns.records(), dict(txn.objects), parts)
                 table: bytes | None = dump_arrays(txn.slot, records)
                 spliced = None
             else:
                 objects = dict(txn.objects)
-                spliced = txn.table_parts()
-                table = txn.arrays_table() if spliced is None else None
+                spliced = txn.columns.table_parts()
+                table = txn.columns.arrays_table() if spliced is None else None
             # refs and HEAD change only under the run's lock, which this writer holds: its
             # reader's copy is current (no re-read per commit), and it keeps each timeline's
             # head step itself (no header read per commit)
