@@ -300,10 +300,6 @@ class SideFile:
         self._mu = threading.Lock()
         self._cursor = 0
 
-    @property
-    def used(self) -> bool:
-        return self._blob is not None
-
     def handoff(self) -> StepState | None:
         """What another process needs to append to and publish this file (``adopt``);
         None where its blob is not a local file. Creates the file if nothing was written."""

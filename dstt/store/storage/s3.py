@@ -61,7 +61,6 @@ class S3Storage(Storage):
     default 30), ``spool_dir`` (where blobs are assembled; default the temp folder).
     """
 
-    supports_locking = True
     #: step files are create-only (a new writer numbers its slots past every one there)
     write_once_steps = True
 
