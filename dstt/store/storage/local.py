@@ -126,15 +126,10 @@ class LocalStorage(Storage):
 
     # -- Storage -------------------------------------------------------------------------
     def read(self, key: str) -> bytes:
-        try:
-            with open(self._path(key), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            raise missing(self.location, key) from None
-        except OSError as e:
-            raise self._io_error(e, "read", key) from e
+        return self.read_range(key, 0, -1)
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` -1: to the end of the file."""
         try:
             with open(self._path(key), "rb") as f:
                 f.seek(start)
