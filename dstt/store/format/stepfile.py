@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 import numpy as np
 
@@ -40,8 +40,9 @@ __all__ = ["Block", "SideFile", "StepFile", "StepState"]
 _CD_HEADER_OFFSET = 42  # of the local header's offset in a central directory record
 
 
-class StepFile:
-    """A stored zip written entry by entry at reserved offsets; ``finish`` seals it."""
+class _StepPart:
+    """One of a step's two files, written through one blob that is opened on first use;
+    another process may take it over (``handoff``, ``adopt``, ``handed_off``)."""
 
     def __init__(self, storage: Storage, key: str) -> None:
         self.key = key
@@ -49,20 +50,54 @@ class StepFile:
         self._blob: Blob | None = None
         self._mu = threading.Lock()
         self._cursor = 0
-        self._entries: list[Entry] = []
-        #: central directory records of entries written elsewhere (blocks, flat images)
-        self._prebuilt: list[tuple[bytes, int]] = []  # (records, how many entries)
-        self._names: set[str] = set()
         self._finished = False
-
-    def _check_open(self) -> None:
-        if self._finished:
-            raise DsttError(f"{self.key}: step file already finished")
 
     def _open(self) -> Blob:
         if self._blob is None:
             self._blob = self._storage.open_blob(self.key)
         return self._blob
+
+    @classmethod
+    def adopt(cls, storage: Storage, state: StepState) -> Self:
+        """This process's handle on a file another one started (``handoff``)."""
+        f = cls(storage, state.key)
+        f._resume(state)
+        return f
+
+    def _resume(self, state: StepState) -> None:
+        self._blob = self._storage.adopt_blob(state.key, state.tmp)  # type: ignore[attr-defined]
+        self._cursor = state.cursor
+
+    def _let_go(self) -> Blob | None:
+        with self._mu:
+            blob, self._blob, self._finished = self._blob, None, True
+        return blob
+
+    def handed_off(self) -> None:
+        """The other process published the file: close it here, touch it no more."""
+        blob = self._let_go()
+        if blob is not None:
+            blob.release()  # type: ignore[attr-defined]
+
+    def discard(self) -> None:
+        blob = self._let_go()
+        if blob is not None:
+            blob.discard()
+
+
+class StepFile(_StepPart):
+    """A stored zip written entry by entry at reserved offsets; ``finish`` seals it."""
+
+    def __init__(self, storage: Storage, key: str) -> None:
+        super().__init__(storage, key)
+        self._entries: list[Entry] = []
+        #: central directory records of entries written elsewhere (blocks, flat images)
+        self._prebuilt: list[tuple[bytes, int]] = []  # (records, how many entries)
+        self._names: set[str] = set()
+
+    def _check_open(self) -> None:
+        if self._finished:
+            raise DsttError(f"{self.key}: step file already finished")
 
     # -- handing the file to the flusher process to finish (``commit/job.py``) --------------
     def handoff(self) -> StepState | None:
@@ -74,21 +109,9 @@ class StepFile:
                 return None
             return StepState(self.key, tmp, self._cursor, tuple(self._prebuilt))
 
-    @classmethod
-    def adopt(cls, storage: Storage, state: StepState) -> StepFile:
-        """This process's handle on a file another one started (``handoff``)."""
-        f = cls(storage, state.key)
-        f._blob = storage.adopt_blob(state.key, state.tmp)  # type: ignore[attr-defined]
-        f._cursor = state.cursor
-        f._prebuilt = list(state.prebuilt)
-        return f
-
-    def handed_off(self) -> None:
-        """The other process published the file: close it here, touch it no more."""
-        with self._mu:
-            blob, self._blob, self._finished = self._blob, None, True
-        if blob is not None:
-            blob.release()  # type: ignore[attr-defined]
+    def _resume(self, state: StepState) -> None:
+        super()._resume(state)
+        self._prebuilt = list(state.prebuilt)
 
     @property
     def nbytes(self) -> int:
@@ -209,12 +232,6 @@ class StepFile:
         assert self._blob is not None
         self._blob.publish(durable=durable)
 
-    def discard(self) -> None:
-        with self._mu:
-            blob, self._blob, self._finished = self._blob, None, True
-        if blob is not None:
-            blob.discard()
-
 
 @dataclass(frozen=True)
 class StepState:
@@ -290,48 +307,24 @@ class Block:
         return out
 
 
-class SideFile:
+class SideFile(_StepPart):
     """Checksummed byte ranges appended at reserved offsets; created on the first append."""
-
-    def __init__(self, storage: Storage, key: str) -> None:
-        self.key = key
-        self._storage = storage
-        self._blob: Blob | None = None
-        self._mu = threading.Lock()
-        self._cursor = 0
 
     def handoff(self) -> StepState | None:
         """What another process needs to append to and publish this file (``adopt``);
         None where its blob is not a local file. Creates the file if nothing was written."""
         with self._mu:
-            if self._blob is None:
-                self._blob = self._storage.open_blob(self.key)
-            tmp = getattr(self._blob, "tmp", None)
+            tmp = getattr(self._open(), "tmp", None)
             if not isinstance(tmp, str):
                 return None
             return StepState(self.key, tmp, self._cursor, ())
-
-    @classmethod
-    def adopt(cls, storage: Storage, state: StepState) -> SideFile:
-        f = cls(storage, state.key)
-        f._blob = storage.adopt_blob(state.key, state.tmp)  # type: ignore[attr-defined]
-        f._cursor = state.cursor
-        return f
-
-    def handed_off(self) -> None:
-        with self._mu:
-            blob, self._blob = self._blob, None
-        if blob is not None:
-            blob.release()  # type: ignore[attr-defined]
 
     def append(self, data: Data) -> int:
         """Write ``data`` after everything reserved so far; returns its offset. Thread-safe."""
         parts = as_parts(data)
         n = sum(map(len, parts))
         with self._mu:
-            if self._blob is None:
-                self._blob = self._storage.open_blob(self.key)
-            blob, off = self._blob, self._cursor
+            blob, off = self._open(), self._cursor
             self._cursor += n
         blob.write_at(off, parts)
         return off
@@ -339,9 +332,3 @@ class SideFile:
     def publish(self, *, durable: bool = False) -> None:
         if self._blob is not None:
             self._blob.publish(durable=durable)
-
-    def discard(self) -> None:
-        with self._mu:
-            blob, self._blob = self._blob, None
-        if blob is not None:
-            blob.discard()
