@@ -68,23 +68,18 @@ class IndexedHeader(CommitHeader):
         h: CommitHeader | None = self.__dict__["_h"]
         if h is None:
             h = self.__dict__["_fetch"]()
-            if (h.slot, h.step, h.timeline, h.parent) == (
+            same = (h.slot, h.step, h.timeline, h.parent) == (
                 self.slot,
                 self.step,
                 self.timeline,
                 self.parent,
-            ) and h.pruned > self.pruned:
+            )
+            if same and h.pruned > self.pruned:
                 raise StepNotFoundError(  # a gc elsewhere pruned it since this view was read
                     f"step {self.step} (slot {self.slot}) was pruned by gc after this view of "
                     "the run was opened; refresh it (run.refresh()) to see what is kept"
                 )
-            if (h.slot, h.step, h.timeline, h.parent, h.pruned) != (
-                self.slot,
-                self.step,
-                self.timeline,
-                self.parent,
-                self.pruned,
-            ):
+            if not same or h.pruned != self.pruned:
                 raise CorruptRunError(
                     f"index row of slot {self.slot} disagrees with its "
                     "header bytes; run `dstt index` to rebuild the index"
