@@ -1,22 +1,15 @@
 """The single writer of a run and its transactions (one per committed step).
 
-A ``Writer`` holds the run's lock for its lifetime and hands out ``Transaction`` objects. A
-transaction owns a fresh *slot* and writes its step into two new files no commit references yet
-(``stepfile.py``: the zip of Zarr chunks, and the side file of objects and deltas), so nothing
-visible is ever overwritten. ``commit`` is the only place that makes a step visible, in this
-order: arrays table (into the side file) → zip central directory → publish both files →
-commit header → barrier (files and header durable together) → timeline ref (durable: the
-commit point). A crash anywhere before the ref moves leaves garbage no reader looks at — at
-worst a complete commit that simply is not the head (gc removes such orphans).
+A ``Writer`` holds the run's lock and hands out ``Transaction`` objects, each writing its step
+into two new files of a fresh *slot* (``stepfile.py``), so nothing visible is ever overwritten.
+``commit`` alone makes a step visible: arrays table → zip directory → publish both files →
+header → barrier → timeline ref (durable: the commit point). A crash before the ref moves
+leaves garbage no reader looks at. A part writer (``exclusive=False``) takes no lock and
+``prepare``s a part manifest the exclusive writer merges (``commit/parts.py``).
 
-Several ranks can write one commit (``commit/parts.py``): a writer opened with ``exclusive=False``
-takes no lock, writes only its own arrays into slots it is told, and ``prepare``s a part
-manifest instead of committing; the exclusive writer merges the parts in ``commit(parts=...)``.
-
-The parent of a commit is resolved *at commit time* (the timeline's head then), so the engine
-can stage step k+1 while step k is still flushing, and a step that fails and is skipped does not
-break the chain. Rejected alternative: parent fixed at ``begin`` — a skipped step would leave
-its successor pointing at a slot that never committed.
+The parent is resolved *at commit time*, so step k+1 is staged while step k flushes, and a
+skipped step does not break the chain. Rejected alternative: the parent fixed at ``begin`` — a
+skipped step would leave its successor pointing at a slot that never committed.
 """
 
 from __future__ import annotations

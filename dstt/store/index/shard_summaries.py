@@ -1,21 +1,14 @@
 """Write-time summaries of sharded tensors, folded into one row per logical tensor.
 
-Under PyTorch-native parallelism a rank stores its shard of a DTensor as the array
-``dtensor/w<world>/r<rank>/<logical path>`` (``dstt.store.read.shards``: boxes) and summarises what
-it wrote, so a commit holds one summaries row per *shard*. Readers want one per tensor: the
-rows of a logical tensor's shards are folded here, into the run index's columns:
+A rank stores its shard of a DTensor as ``dtensor/w<world>/r<rank>/<logical path>`` and
+summarises what it wrote, so a commit holds a summaries row per *shard*; the index folds the
+rows of a logical tensor's shards into one column: ``l2`` = sqrt(sum of l2²), ``nan``/``inf``
+sums, ``maxabs`` max; ``rms`` over the element counts (l2 / rms)²; ``update_*`` only when every
+shard has one; ``probe`` the shards' probes in path order, cut to the longest. The logical path
+is read from the shard's own path, so folding needs no shard map.
 
-* ``l2`` = sqrt(sum of l2²), ``nan``/``inf`` = sums, ``maxabs`` = max: exact folds;
-* ``rms`` = sqrt(sum l2² / sum n), each shard's element count n = (l2 / rms)² (a shard of
-  all zeros, whose count is unknown, is left out of n: a slight overestimate then);
-* ``update_l2`` = sqrt(sum of update_l2²) when every shard has one, ``update_ratio`` =
-  update_l2 / l2, ``update_exact`` only if every shard's is;
-* ``probe``: the shards' probes one after the other (ordered by shard path), cut to the
-  longest single probe — the same elements at every step while the layout holds.
-
-The logical path is read from the shard's own path (the naming rule is fixed), so folding
-needs no shard map. Rejected alternative: summarising logical tensors at commit time on rank 0
-— rank 0 would have to read every rank's bytes back, or a collective would run per step.
+Rejected alternative: summarising logical tensors at commit time on rank 0 — rank 0 would have
+to read every rank's bytes back, or a collective would run per step.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
-"""The run's index, reading side: a derived, immutable cache of the commit headers that readers
-open fast.
+"""The run's index, reading side: a derived cache of the commit headers that readers open fast.
 
-The commit headers stay the source of truth. The index is a set of *segments*
-(``format/segment.py``), each a checksummed file of columnar rows for some slots; a reader
-loads every segment's core columns (a few range reads each), and for a slot with no row — the
-*tail* the writer has not indexed yet, a segment lost or damaged — reads the header itself. So
-a missing row costs a header read, never a wrong answer. Rows are facts about headers that
-never change once their ref moved, with one exception, gc's tombstones: while gc's marker
-``_dstt/index/gc.json`` exists, readers distrust the rows of the slots it names and read their
-headers. Where segments overlap, the newer generation's row wins.
+The headers stay the source of truth. The index is a set of checksummed *segments* of columnar
+rows (``format/segment.py``); a reader loads every segment's core columns and, for a slot with
+no row (the unindexed *tail*, a lost segment), reads the header itself: a missing row costs a
+read, never a wrong answer. Rows never change once their ref moved, but for gc's tombstones:
+while gc's marker ``_dstt/index/gc.json`` exists, the rows of the slots it names are distrusted.
+The newer generation's row wins where segments overlap.
 
-Only the reader's view lives here (``Index``, ``IndexedHeader``, ``scalar_rows``); writing
-segments, merging them and the background jobs are ``writer.py``, which imports this module and
-never the other way. Rejected: one module for both sides (two jobs; a reader would load the
-writer's jobs and merges it never runs).
+Rejected: one module for both sides (a reader would load the writer's jobs and merges it never
+runs): writing, merging and the jobs are ``writer.py``, which imports this module.
 """
 
 from __future__ import annotations
