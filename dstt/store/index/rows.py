@@ -379,14 +379,10 @@ def keep_summaries(rows: RowSet, old: dict[int, tuple[RowSet, int]]) -> RowSet:
     ]
     if not fill:
         return rows
-    parts, picks = [rows], []
-    for i in fill:
-        src, j = old[int(rows.slot[i])]
-        parts.append(take(src, np.array([j])))
-        picks.append(i)
-    merged = concat(parts)
+    picked = (old[int(rows.slot[i])] for i in fill)
+    merged = concat([rows, *(take(src, np.array([j])) for src, j in picked)])
     n = len(rows)
-    for k, i in enumerate(picks):
+    for k, i in enumerate(fill):
         r = n + k
         merged.s_has[i] = merged.s_has[r]
         merged.s_val[i] = merged.s_val[r]
