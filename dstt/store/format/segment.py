@@ -157,8 +157,7 @@ def concat(sets: list[RowSet]) -> RowSet:
             at += len(s)
     for path in sorted({p for s in sets for p in s.loc}):
         width = max(s.loc[path].crc.shape[1] for s in sets if path in s.loc)
-        layouts: list[Layout] = []
-        seen: dict[Layout, int] = {}
+        seen: dict[Layout, int] = {}  # each layout once, numbered as first met
         ids = np.full(n, -1, np.int32)
         crc = np.zeros((n, width), np.uint32)
         at = 0
@@ -175,16 +174,12 @@ def concat(sets: list[RowSet]) -> RowSet:
                         tuple((int(fmap[f]) if f >= 0 else f, o, b) for f, o, b in chunks),
                         dims,
                     )
-                    j = seen.get(lay2)
-                    if j is None:
-                        j = seen[lay2] = len(layouts)
-                        layouts.append(lay2)
-                    new_ids.append(j)
+                    new_ids.append(seen.setdefault(lay2, len(seen)))
                 m = np.array([*new_ids, -1], np.int32)
                 ids[at : at + len(s)] = m[got.ids]  # -1 indexes the trailing -1
                 crc[at : at + len(s), : got.crc.shape[1]] = got.crc
             at += len(s)
-        out.loc[path] = Locations(layouts, ids, crc)
+        out.loc[path] = Locations(list(seen), ids, crc)
     return out
 
 

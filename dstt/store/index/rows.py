@@ -230,18 +230,13 @@ class _Locations(FileIds):
         out: dict[str, Locations] = {}
         for path, entries in per.items():
             width = max(e[2].shape[1] for e in entries)
-            lays: list[Layout] = []
-            seen: dict[Layout, int] = {}
+            seen: dict[Layout, int] = {}  # each layout once, numbered as first met
             ids = np.full(self.n, -1, np.int32)
             crc = np.zeros((self.n, width), np.uint32)
             for rows, lay, c in entries:
-                at = seen.get(lay)
-                if at is None:
-                    at = seen[lay] = len(lays)
-                    lays.append(lay)
-                ids[rows] = at
+                ids[rows] = seen.setdefault(lay, len(seen))
                 crc[rows, : c.shape[1]] = c
-            out[path] = Locations(lays, ids, crc)
+            out[path] = Locations(list(seen), ids, crc)
         return out
 
 
