@@ -49,14 +49,8 @@ class EncodeStats:
     raw_fallback: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add_many(self, raw: int, written: int, *, keyframes: int) -> None:
-        with self._lock:
-            self.raw_bytes += raw
-            self.written_bytes += written
-            self.keyframes += keyframes
-
-    def add_counts(
-        self, raw: int, written: int, *, keyframes: int, deltas: int, dedups: int
+    def add_many(
+        self, raw: int, written: int, *, keyframes: int, deltas: int = 0, dedups: int = 0
     ) -> None:
         with self._lock:
             self.raw_bytes += raw

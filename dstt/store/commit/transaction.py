@@ -323,7 +323,7 @@ class Transaction:
             self.stats.raw_fallback = False
             return
         self._record_flat(layout, got.cols, (got.keys, got.codecs))
-        self.stats.add_counts(
+        self.stats.add_many(
             layout.raw_nbytes,
             got.written,
             keyframes=got.keyframes,
