@@ -13,6 +13,7 @@ runs): writing, merging and the jobs are ``writer.py``, which imports this modul
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
@@ -114,19 +115,14 @@ class _Segment:
         self._loc: dict[str, Locations | None] = {}
         self._locdir: dict[str, Any] | None = None
         self._lock = threading.Lock()
-        self._lists: tuple[list[Any], ...] | None = None
 
-    @property
+    @functools.cached_property
     def lists(self) -> tuple[list[Any], ...]:
         """The core columns as Python lists (``slot step parent timeline time pruned``), made
         once: a lineage builds one header per row, and a numpy scalar per field and row cost
         more than the rest of the walk."""
-        got = self._lists
-        if got is None:
-            c = self.core
-            names = ("slot", "step", "parent", "timeline", "time", "pruned")
-            got = self._lists = tuple(c[k].tolist() for k in names)
-        return got
+        names = ("slot", "step", "parent", "timeline", "time", "pruned")
+        return tuple(self.core[k].tolist() for k in names)
 
     def read_blob(self, st: Storage, name: str) -> Any:  # noqa: ANN401 - bytes or an array, by the blob's kind
         off, nbytes = self.d["blobs"][name][:2]
