@@ -118,15 +118,14 @@ class FileIds:
     """File keys numbered in the order they are first seen: a table's ``files`` column."""
 
     def __init__(self) -> None:
-        self.files: list[str] = []
-        self._file_index: dict[str, int] = {}
+        self._file_index: dict[str, int] = {}  # insertion-ordered: key -> its number
 
     def file_id(self, key: str) -> int:
-        i = self._file_index.get(key)
-        if i is None:
-            i = self._file_index[key] = len(self.files)
-            self.files.append(key)
-        return i
+        return self._file_index.setdefault(key, len(self._file_index))
+
+    @property
+    def files(self) -> list[str]:
+        return list(self._file_index)
 
 
 class TableBuilder(FileIds):
