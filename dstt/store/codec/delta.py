@@ -160,7 +160,6 @@ class DeltaEncoder:
         return got
 
     def flat_room(self, nbytes: int, layout: object) -> bool:
-        """Whether a flat shadow of ``nbytes`` fits the shadow budget."""
         with self._mu:
             old = self._flat.get(id(layout))
             held = sum(s.data.nbytes for s in self._flat.values()) - (

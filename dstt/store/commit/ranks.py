@@ -46,8 +46,6 @@ DEFAULT_RANK_TIMEOUT = 600.0
 
 @dataclass(frozen=True)
 class RankInfo:
-    """This process's rank and the world size."""
-
     rank: int
     world: int
 

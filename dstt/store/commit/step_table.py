@@ -72,7 +72,6 @@ class StepTable:
         self.chunks[path] = [None] * plan.n_chunks
 
     def declare_layout(self, layout: FlatLayout) -> dict[str, tuple[str, ChunkPlan]]:
-        """Declare every array of ``layout`` in this step."""
         plans = layout.plans
         if not self.plans.keys().isdisjoint(plans):
             dup = sorted(self.plans.keys() & plans.keys())
@@ -96,7 +95,6 @@ class StepTable:
         )
 
     def table(self) -> TableBuilder:
-        """The columnar arrays table of this step (``manifest.TableBuilder``)."""
         b = TableBuilder()
         zip_id = b.file_id(self.zip_key)
         ids: list[list[int] | None] = [

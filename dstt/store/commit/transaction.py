@@ -415,7 +415,6 @@ class Transaction:
     def _record_flat(
         self, layout: FlatLayout, cols: Columns, encoded: EncodedColumns | None
     ) -> None:
-        """Where a flat write's chunks are (columns) and, encoded, their files and codecs."""
         with self._lock:
             self.columns.record_flat(layout, cols, encoded)
 
