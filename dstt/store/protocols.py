@@ -1,32 +1,22 @@
 """The contract between the step seam and whatever writes its steps.
 
-``_seam.TransactionSink`` (the engine's one way in) drives one of three writers: the store's
-``Writer`` (one rank), the ``RankWriter`` (several ranks: its transactions prepare or merge
-parts) and the DeepSpeed checkpoint engine's tag writer (several files of one tag share a
-transaction). They were kept
-in step by hand, through ``Any`` and ``getattr``, and drifted: ``RankWriter`` lacked
-``encoder``, so a one-rank ``DeltaPolicy`` run silently wrote every step raw. These Protocols
-name everything the sink uses, typed (no ``Any``); ``tests/engine/test_writer_contract.py``
-runs the same capture through every implementation.
+``_seam.TransactionSink`` drives the store's ``Writer``, the ``RankWriter`` and the DeepSpeed
+checkpoint engine's tag writer. Kept in step by hand through ``Any`` and ``getattr``, they
+drifted (``RankWriter`` lacked ``encoder``: a one-rank ``DeltaPolicy`` run wrote every step raw);
+these Protocols name, typed, all the sink uses. What a writer can do beyond ``begin`` is a
+``runtime_checkable`` *capability* the pipeline tests once: ``FlatStepWriter``,
+``EncodingWriter``, ``StoredWriter``, ``OffloadingWriter``. The implementations (``commit/``,
+``dstt.engine``) match them structurally, importing nothing from here.
 
-What a writer can do beyond ``begin`` is a *capability*, a ``runtime_checkable`` protocol the
-pipeline tests with ``isinstance`` once, when it is built: ``FlatStepWriter`` (whole steps from
-one flat buffer: the flat lane), ``EncodingWriter`` (it may encode deltas: the encode
-governor), ``StoredWriter`` (it says where its steps go: the flusher process serves local
-files) and ``OffloadingWriter`` (its commits can run in the flusher process). Rejected
-alternative: ``hasattr``/``getattr`` probes — a renamed attribute silently turned a capability
-off, and the type checker could not see the seam.
-
-Kept at the store's top level, beside the front door: the classes that implement it live in
-the rooms below (``commit/``, ``dstt.engine``) and match it structurally, importing nothing
-from here.
+Rejected alternative: ``hasattr``/``getattr`` probes — a renamed attribute silently turned a
+capability off, and the type checker could not see the seam.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from .format.flat import FlatImage, FlatLayout, StepBytes
+from .format.flat import ArraySpec, FlatImage, FlatLayout, StepBytes
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
@@ -50,11 +40,6 @@ __all__ = [
     "StepWriter",
     "StoredWriter",
 ]
-
-#: an array of a flat layout: path, dtype, shape and optionally its dimension names
-ArraySpec: TypeAlias = (
-    "tuple[str, str, tuple[int, ...]] | tuple[str, str, tuple[int, ...], Sequence[str] | None]"
-)
 
 
 @runtime_checkable

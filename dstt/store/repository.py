@@ -77,19 +77,11 @@ class Repository:
             repo.root_attributes()
             return repo
         storage.check_writable(WRITTEN_PREFIXES)
-        if not _empty_or_interrupted_create(storage):  # before the lock file is made
-            raise NotARunError(
-                f"{storage.location} exists and is not empty but is not a dstt run; "
-                "choose an empty or new directory"
-            )
+        _check_empty(storage)  # before the lock file is made
         with storage.lock(LOCK_KEY):
             if storage.exists("zarr.json"):
                 return repo
-            if not _empty_or_interrupted_create(storage):
-                raise NotARunError(
-                    f"{storage.location} exists and is not empty but is not a dstt run; "
-                    "choose an empty or new directory"
-                )
+            _check_empty(storage)
             # an empty group document keeps zarr from warning about the _dstt folder
             storage.write(group_meta_key("_dstt"), dump(group_document()))
             storage.write_durable(ref_key(MAIN), dump_ref(RefInfo(MAIN, None, created=time.time())))
@@ -270,14 +262,12 @@ class Repository:
             return rebuild(Reader(self.storage))
 
 
-def _empty_or_interrupted_create(storage: Storage) -> bool:
-    """Whether the location holds nothing but what an interrupted ``create`` leaves behind.
-
-    ``create`` writes ``_dstt/`` before the root ``zarr.json``; a crash in
-    between must not make the directory unusable forever.
-    """
-    for n in storage.list(""):
-        if n.startswith(".") or n == "_dstt":
-            continue
-        return False
-    return True
+def _check_empty(storage: Storage) -> None:
+    """``NotARunError`` unless the location holds nothing but what an interrupted ``create``
+    leaves behind (``_dstt/`` is written before the root ``zarr.json``; a crash in between
+    must not make the directory unusable forever)."""
+    if any(not n.startswith(".") and n != "_dstt" for n in storage.list("")):
+        raise NotARunError(
+            f"{storage.location} exists and is not empty but is not a dstt run; "
+            "choose an empty or new directory"
+        )

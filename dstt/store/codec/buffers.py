@@ -1,19 +1,14 @@
 """Reused host buffers for the encoder: per-thread scratch, and recycled shadow copies.
 
-A fresh 16 MiB numpy array costs ~4,000 page faults when it is filled, which made encoding a
-chunk ~2x slower than the arithmetic itself (measured: 21 ms to allocate and fill two 16 MiB
-arrays vs 4.6 ms to refill reused ones, while other large arrays stay alive). So:
+A fresh 16 MiB numpy array costs ~4,000 page faults when it is filled (measured: 21 ms to
+allocate and fill two, 4.6 ms to refill reused ones). ``Scratch`` holds thread-local work arrays
+that live for one call; ``ShadowPool`` recycles a replaced shadow copy once no encode that began
+before the replacement still runs (epoch-based reclamation: ``enter``/``leave`` around each
+encode, ``retire`` at promote time).
 
-* ``Scratch``: thread-local work arrays (a prediction, an XOR) that live for one call.
-* ``ShadowPool``: the shadow copies of committed chunks are replaced every step; the old
-  copy goes back to a pool — but only once no encode that started before the replacement is
-  still running, since such an encode may be reading it as its base (epoch-based reclamation:
-  ``enter``/``leave`` around each encode, ``retire`` at promote time).
-
-Rejected alternative: a size-keyed free list without epochs — an encode of step k+1 that began
-before step k committed reads step k-1's copy, and recycling that copy under it would write a
-delta against bytes that changed mid-encode (caught by the reader's crc32c, but the step would
-be lost).
+Rejected alternative: a size-keyed free list without epochs — an encode of step k+1 begun
+before step k committed reads step k-1's copy; recycled under it, the delta would be written
+against bytes that changed mid-encode.
 """
 
 from __future__ import annotations

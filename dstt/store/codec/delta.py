@@ -15,7 +15,6 @@ encode time (read bandwidth on the hot path; a shadow costs host memory, ``shado
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -47,18 +46,11 @@ class EncodeStats:
     keyframes: int = 0
     deltas: int = 0
     dedups: int = 0
-    encode_seconds: float = 0.0
     raw_fallback: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add_many(self, raw: int, written: int, *, keyframes: int) -> None:
-        with self._lock:
-            self.raw_bytes += raw
-            self.written_bytes += written
-            self.keyframes += keyframes
-
-    def add_counts(
-        self, raw: int, written: int, *, keyframes: int, deltas: int, dedups: int, seconds: float
+    def add_many(
+        self, raw: int, written: int, *, keyframes: int, deltas: int = 0, dedups: int = 0
     ) -> None:
         with self._lock:
             self.raw_bytes += raw
@@ -66,7 +58,6 @@ class EncodeStats:
             self.keyframes += keyframes
             self.deltas += deltas
             self.dedups += dedups
-            self.encode_seconds += seconds
 
     @property
     def ratio(self) -> float:
@@ -169,7 +160,6 @@ class DeltaEncoder:
         return got
 
     def flat_room(self, nbytes: int, layout: object) -> bool:
-        """Whether a flat shadow of ``nbytes`` fits the shadow budget."""
         with self._mu:
             old = self._flat.get(id(layout))
             held = sum(s.data.nbytes for s in self._flat.values()) - (
@@ -217,7 +207,6 @@ class DeltaEncoder:
                 base = committed
             if base is None:
                 return None
-            t0 = time.perf_counter()
             out = encode_flat(
                 self.policy,
                 self._flat_states.get(layout),
@@ -227,7 +216,6 @@ class DeltaEncoder:
                 predictions,
                 self._scratch,
             )
-            out.seconds = time.perf_counter() - t0
             return out, base, from_slot
         finally:
             self._pool.leave(epoch)

@@ -1,18 +1,15 @@
 """The delta codec: a whole flat step decided and encoded at once, as columns.
 
-Every encoded step is a flat step: the engine hands whole flat buffers, and a step fed chunk
-by chunk is staged by its transaction and handed over at commit (``commit/transaction.py``).
-It is encoded against a *flat shadow*, one copy of the last step of the same layout with its
-records as columns: one XOR over the whole buffer, crc32c/Blosc calls mapped over cached
-chunk views (C loops, no Python frame per chunk), vectorised decisions (dedup, chain limits,
-``min_ratio``; ratios and chains per chunk), one append of every delta to the side file, and
-per predicted *group* (one predictor, one set of coefficients) one gathered prediction. A
-prediction that does not pay is a keyframe. ``tests/store/codec/reference.py`` states the same
-rule chunk by chunk; a property test proves this equal to it, byte for byte.
+Every encoded step is a flat step (one fed chunk by chunk is staged by its transaction and
+handed over at commit). It is encoded against a *flat shadow*, a copy of the last step of the
+same layout with its records as columns: one XOR over the whole buffer, C calls mapped over
+cached chunk views, vectorised decisions (dedup, chain limits, ``min_ratio``), one append of
+every delta, one gathered prediction per predicted group. ``tests/store/codec/reference.py``
+states the same rule chunk by chunk; a property test proves the two equal, byte for byte.
 
-Rejected alternatives: a second, chunk-by-chunk encoder for ``put_chunk`` (~75 µs of Python
-per chunk, and it drifted: one step had other bytes per lane), and one Blosc frame per step
-(a chunk would no longer decode on its own).
+Rejected alternatives: a second, chunk-by-chunk encoder for ``put_chunk`` (~75 µs of Python per
+chunk, and it drifted: one step had other bytes per lane), and one Blosc frame per step (a chunk
+would no longer decode on its own).
 """
 
 from __future__ import annotations
@@ -78,7 +75,6 @@ class FlatEncoded:
     codecs: dict[int, tuple[Any, ...]]  # chunk -> codec entry (deltas and dedups)
     depth: np.ndarray
     deps: set[int] = field(default_factory=set)
-    seconds: float = 0.0
 
 
 def xor_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:

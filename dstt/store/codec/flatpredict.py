@@ -1,16 +1,14 @@
 """Predictions of a whole flat step at once (``flatdelta.py``): which chunks each prediction
 ties together, and one predictor run per predictor and set of coefficients.
 
-Predicting chunk by chunk costs seven numpy calls per chunk (the reference in the tests does
-it that way). Here the targets of one predictor with one set of coefficients — every
-``exp_avg_sq`` of a parameter group, say — and their inputs are gathered into contiguous
-float32 arrays and predicted with one run of the predictor: the ops are elementwise IEEE-754
-float32 ops, so every element's bits are those of the per-chunk prediction. Which chunks a
-prediction ties together is cached per layout while the predictions' structure repeats (it
-does at every step of a steady run); a step only regroups by coefficients.
+The targets of one predictor with one set of coefficients (every ``exp_avg_sq`` of a parameter
+group, say) and their inputs are gathered into contiguous float32 arrays and predicted in one
+run: the ops are elementwise IEEE-754 float32, so every element's bits are those of the
+per-chunk prediction. The grouping is cached per layout while the predictions' structure
+repeats (every step of a steady run); a step only regroups by coefficients.
 
-Rejected alternative: predicting each target array in place (no gathers) — seven numpy calls
-per tensor, as many Python calls as the gathers cost in memory traffic.
+Rejected alternative: predicting chunk by chunk (seven numpy calls per chunk, as the tests'
+reference does) or each target array in place (seven per tensor, no gathers).
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """Predictive coding: store a tensor as the XOR of its bytes and a *prediction* of them.
 
-An Adam(W) step is deterministic given the gradient: ``exp_avg`` carries the step's new
-information (it moves by ``(1-beta1)·g``), and ``exp_avg_sq`` and the parameter follow from it
-and their previous values. So instead of an XOR against the previous step (which leaves most of
-a float32's mantissa bits noisy: ~1.2x), ``exp_avg_sq`` and the parameter are predicted from
-the optimizer's update rule and only ``actual XOR predicted`` is written — mostly zero bits,
-often all of them, which Blosc shrinks 15-200x. ``exp_avg`` is written as usual (raw or XOR), so
-a step of fp32 Adam state costs about one tensor's worth of bytes instead of three. SGD with
-momentum is simpler still: ``p -= lr * buf``, so the parameter follows from its momentum buffer.
+An Adam(W) step is deterministic given the gradient, which ``exp_avg`` carries: ``exp_avg_sq``
+and the parameter are predicted from the update rule and only ``actual XOR predicted`` is
+written (mostly zero bits: Blosc shrinks it 15-200x); SGD with momentum predicts the parameter
+from its buffer. Lossless: predictors are fixed sequences of single float32 numpy ops (no FMA,
+coefficients stored as exact float32), so any reader recomputes the same bits; a wrong
+prediction only costs bytes, and every rebuilt chunk is checked against its raw crc32c.
 
-Always lossless: a prediction only has to be *reproducible*, not right. Predictors are fixed
-sequences of single numpy float32 operations (``+ - * / sqrt``, each correctly rounded by
-IEEE 754, no fused multiply-add, no transcendental functions: the coefficients are computed
-once by the writer and stored in the chunk record as exact float32 values), so the reader
-recomputes bit-identical predictions on any machine. A wrong prediction (another optimizer, a
-clipped or scaled step, a different kernel's rounding) only costs bytes. Every reconstructed
-chunk is still checked against the crc32c of its raw bytes.
-
-Rejected alternatives: logging gradients and replaying the optimizer (bit-exact replay needs
-the optimizer's exact kernels on the reader's machine, and the gradient must be captured);
-replaying in torch (kernels differ across CPUs and versions, e.g. FMA in ``lerp``).
+Rejected alternatives: logging gradients and replaying the optimizer (bit-exact replay needs its
+exact kernels on the reader's machine); replaying in torch (kernels differ across CPUs and
+versions, e.g. FMA in ``lerp``). The rules in detail: docs/decisions.md, "Fewer bytes per step".
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Fewer bytes per step: XOR deltas against the previous committed chunk, and dedup.
 
-Consecutive training steps are close: most bits of a float barely move, so ``cur XOR prev``
-is mostly zero bits in the high bytes; a byte shuffle by element size groups those zeros and
-lz4 (or zstd) squeezes them (Blosc does both in one C pass). A chunk that did not change at
-all is not written: its record points at the older file (dedup). Adam(W) state goes further:
-``predict.py`` XORs against a prediction from the update rule instead of the previous step.
-
-Keyframes stay plain Zarr chunk files (``c.<slot>...``); delta files are named ``d.<slot>...``
-so a plain Zarr reader sees a delta slot as missing (fill value NaN) rather than as garbage.
-Reconstructing a delta chunk reads its chain back to a keyframe, so chains are bounded:
-``keyframe_every`` (K) if given, else chosen per array from the measured compression ratio
-``r`` and a read-amplification bound ``A`` (bytes read to reconstruct the worst slot ÷ raw
-bytes): the worst slot reads ``raw · (1 + (K-1)/r)``, so ``K = 1 + (A-1)·r``, clamped
-(predicted groups: ``flatdelta._group_limits``).
+Consecutive steps are close, so ``cur XOR prev`` is mostly zero bits in the high bytes; Blosc
+shuffles by element size and compresses (lz4 or zstd) in one C pass. An unchanged chunk is not
+written: its record points at the older file (dedup); Adam(W) state is XORed against a
+prediction instead (``predict.py``). Chains are bounded: every ``keyframe_every`` (K) slots, else
+``K = 1 + (A-1)·r`` per array from its measured ratio ``r`` and the read-amplification bound
+``A``, clamped (predicted groups: ``flatdelta._group_limits``).
 
 Rejected alternatives: deltas against a fixed base (drift grows, ratios decay), and lossy
 quantised deltas (restores must be bit-exact).

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import struct
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +52,6 @@ class EncodedWrite:
     keyframes: int
     deltas: int
     dedups: int
-    seconds: float
     #: the in-flight slot the deltas are based on (None: a committed base)
     dep: int | None
     raw_crcs: np.ndarray
@@ -74,7 +72,6 @@ def write_encoded(
     files ``zf`` and ``side``: deltas in one append to the side file, keyframes in one batch
     of zip entries, dedups pointing at their older records. None: nothing to encode against
     (the step is a keyframe, to be written whole)."""
-    t0 = time.perf_counter()
     buf = np.frombuffer(view[: layout.nbytes], dtype=np.uint8)
     got = enc.encode_step(layout, buf, slot, timeline, predictions)
     if got is None:
@@ -122,7 +119,6 @@ def write_encoded(
         keyframes=len(k),
         deltas=len(e.delta_idx),
         dedups=len(d),
-        seconds=time.perf_counter() - t0,
         dep=from_slot if from_slot is not None and e.deps else None,
         raw_crcs=raw,
         depth=e.depth,

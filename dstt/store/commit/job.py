@@ -1,22 +1,15 @@
 """The commit of one step as data: a ``CommitJob`` the writer builds, ``run_commit`` does.
 
-``Writer._commit`` decides (the slot's parent, the head check, the new ref) and describes
-everything the commit then writes in one frozen value — objects still to encode, the arrays
-table (or the cached columns it is spliced from), the zarr documents, the header's fields,
-the ref's bytes. ``run_commit`` writes it in the commit order of ``commit/writer.py`` (objects and
-table into the side file → zarr.json documents and central directory into the zip → publish
-both → header → barrier → evict → ref). The same function runs in the writer's thread or, for
-a flat step, in the flusher process (``flusher/parent.py``): there the commit's Python — encoding,
-splicing, a dozen system calls — runs off the training process's interpreter lock, which it
-otherwise takes from the training thread at every step (measured: docs/decisions.md).
+The writer decides (the parent, the head check, the new ref) and describes all the commit
+writes in one frozen value; ``run_commit`` writes it in ``commit/writer.py``'s commit order. The
+same function runs in the writer's thread or, for a flat step, in the flusher process, where
+the commit's Python runs off the training process's interpreter lock. It is idempotent: every
+byte is fixed by the job (the header's time included) and lands at a fixed offset, so a commit
+the flusher died in the middle of is simply run again here.
 
-It is idempotent: every byte it writes is fixed by the job (the header's time included) and
-lands at a fixed offset, so a commit the flusher died in the middle of is simply run again
-here — a file the child already published is recognised as the same file (``LocalStorage``),
-the header and ref are rewritten with the same bytes. Rejected alternative: the child owning
-the whole writer (refs, lock, index) as DCP's async process owns a save — two writers of
-one run's metadata, and every non-flat step (deltas, multi-rank parts) would have to travel
-too.
+Rejected alternative: the child owning the whole writer (refs, lock, index) as DCP's async
+process owns a save — two writers of one run's metadata, and every non-flat step (deltas,
+multi-rank parts) would have to travel too.
 """
 
 from __future__ import annotations

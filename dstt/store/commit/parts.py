@@ -1,20 +1,12 @@
 """A rank's vote in a multi-rank commit (its *part*), and collecting and merging votes.
 
-Training with several ranks (data parallel, ZeRO) gives every rank state that only it holds.
-Each rank writes only the arrays it owns (ownership is disjoint: each rank writes its own step
-file of the slot), makes them durable, and then writes a small **part
-manifest** ``_dstt/parts/<slot>/<rank>.json`` (an envelope of kind ``part``: step, rank, world
-size, session id, its arrays table and object records). The part file is the rank's "prepared"
-vote. Rank 0 — the run's only lock holder and only ref writer — waits for every rank's part of
-the slot, checks that they are votes for the same step of the same session (no mixing of ranks
-from different steps), merges their arrays and objects into one ordinary arrays table
-and commit header, and commits as usual. Readers never look at parts: a merged commit is
-indistinguishable from a single-writer one, and a step is visible only once every rank's bytes
-are durable. Part files of committed slots are deleted after the commit (gc sweeps leftovers).
+Each rank writes only the arrays it owns into its own step file of the slot, makes them
+durable, then writes its part manifest ``_dstt/parts/<slot>/<rank>.json`` (``format/parts.py``):
+its "prepared" vote. Rank 0, the only lock holder and ref writer, waits for every rank's part,
+checks they vote for the same step of the same session, merges them into one ordinary arrays
+table and header, and commits. Readers never look at parts; a step is visible only once every
+rank's bytes are durable. Who calls these, and when: ``ranks.py``.
 
-The part manifest itself (its record, bytes and files) is ``format/parts.py``; this module
-is the vote protocol on top of it. Who calls these, and when, is ``ranks.py`` (the
-``RankWriter`` protocol).
 Rejected alternative: a per-rank arrays table referenced from the header — every reader would
 have to learn a second table kind.
 """

@@ -1,23 +1,14 @@
 """The multi-rank commit: every rank writes its own step file, rank 0 commits once all are durable.
 
-Every rank runs its own capture pipeline against a ``RankWriter`` instead of a plain ``Writer``;
-its transactions behave like store transactions except for ``commit``:
-
-* rank 0 holds the run's lock (the store's exclusive writer). Its ``commit`` waits, on its
-  committer thread, for the *part manifests* of every other rank for the same slot (polling
-  the store, ``parts.collect_parts``), checks they are votes for the same step of the same
-  session, and merges them into one ordinary commit. Refs move only after it.
-* every other rank holds a part writer (no lock) and its ``commit`` *prepares*: barrier, then
-  its part manifest, written durably. Nothing of it is visible until rank 0 merges it.
-
-Slots: each rank's n-th step takes slot ``base + n``, where ``base`` is rank 0's next free slot,
-agreed once when the ranks open the run (the engine's ``open_ranks`` does that with one
-collective on the main thread, before any background thread exists). Afterwards ranks
-coordinate only through the store: background threads never call a collective.
-Rejected alternatives: a gloo barrier per step from the committer thread (a rank that stops
-checkpointing would hang every other rank's committer, and per-step collectives serialise the
-ranks' flushes); this code in the engine (it knows nothing of torch and is the store's commit
-protocol, so it lives beside the single-writer one and is held to the same contract tests).
+Each rank's pipeline writes through a ``RankWriter``: rank 0 holds the run's lock and its
+``commit`` waits (on its committer thread) for every other rank's part manifest of the slot,
+polling the store (``parts.collect_parts``), and merges them into one commit; the other ranks'
+``commit`` *prepares* (barrier, then the part manifest). Each rank's n-th step takes slot
+``base + n``, ``base`` agreed once when the ranks open the run; after that ranks coordinate only
+through the store. Rejected alternatives: a gloo barrier per step from the committer thread (a
+rank that stops checkpointing would hang every other rank's committer, and per-step collectives
+serialise the ranks' flushes); this code in the engine (it knows nothing of torch and is the
+store's commit protocol, held to the same contract tests).
 """
 
 from __future__ import annotations
@@ -37,7 +28,7 @@ if TYPE_CHECKING:
 
     from dstt.store.codec.delta import DeltaEncoder, EncodeStats
     from dstt.store.codec.predict import Prediction
-    from dstt.store.format.flat import FlatImage, FlatLayout, StepBytes
+    from dstt.store.format.flat import ArraySpec, FlatImage, FlatLayout, StepBytes
     from dstt.store.format.layout import ChunkPlan
     from dstt.store.format.objects import Encoding
     from dstt.store.format.parts import Part
@@ -55,8 +46,6 @@ DEFAULT_RANK_TIMEOUT = 600.0
 
 @dataclass(frozen=True)
 class RankInfo:
-    """This process's rank and the world size."""
-
     rank: int
     world: int
 
@@ -286,10 +275,7 @@ class RankWriter:
 
     def flat_layout(
         self,
-        arrays: Sequence[
-            tuple[str, str, tuple[int, ...]]
-            | tuple[str, str, tuple[int, ...], Sequence[str] | None]
-        ],
+        arrays: Sequence[ArraySpec],
     ) -> FlatLayout:
         return self.writer.flat_layout(arrays)
 

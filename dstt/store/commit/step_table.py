@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from dstt.errors import DsttError
 from dstt.store.format.flat import FlatLayout
-from dstt.store.format.manifest import TableBuilder, TableTemplate, dump_arrays
+from dstt.store.format.manifest import TableBuilder, TableTemplate, chunk_record, dump_arrays
 from dstt.store.format.records import ArrayRecord, ChunkRecord
 
 if TYPE_CHECKING:
@@ -33,29 +33,6 @@ Columns = tuple[list[int], list[int], list[int]]
 EncodedColumns = tuple[list[str], Mapping[int, Any]]
 #: a writer's arrays table template of a layout (``Writer.table_template``)
 TemplateOf = Callable[[FlatLayout, Sequence[int] | None], TableTemplate]
-
-
-def _record(
-    key: str, nbytes: int, crc: int, offset: int, codec: Sequence[Any] | None
-) -> ChunkRecord:
-    """A chunk record from a flat step's columns and its codec entry (None: raw)."""
-    if codec is None:
-        return ChunkRecord(key, nbytes, crc, offset=offset)
-    enc, base, raw = codec[0], codec[1], codec[2]
-    if len(codec) == 3:
-        return ChunkRecord(key, nbytes, crc, enc, base, raw, offset=offset)
-    return ChunkRecord(
-        key,
-        nbytes,
-        crc,
-        enc,
-        base,
-        raw,
-        codec[3],
-        tuple((p, int(s)) for p, s in codec[4]),
-        tuple(codec[5]),
-        offset=offset,
-    )
 
 
 class StepTable:
@@ -95,7 +72,6 @@ class StepTable:
         self.chunks[path] = [None] * plan.n_chunks
 
     def declare_layout(self, layout: FlatLayout) -> dict[str, tuple[str, ChunkPlan]]:
-        """Declare every array of ``layout`` in this step."""
         plans = layout.plans
         if not self.plans.keys().isdisjoint(plans):
             dup = sorted(self.plans.keys() & plans.keys())
@@ -119,7 +95,6 @@ class StepTable:
         )
 
     def table(self) -> TableBuilder:
-        """The columnar arrays table of this step (``manifest.TableBuilder``)."""
         b = TableBuilder()
         zip_id = b.file_id(self.zip_key)
         ids: list[list[int] | None] = [
@@ -206,7 +181,7 @@ class StepTable:
             enc = self.flat_enc[span[0]]
             if enc is not None:
                 return [
-                    _record(enc[0][k], sizes[k], crcs[k], offs[k], enc[1].get(k))
+                    chunk_record(enc[0][k], offs[k], sizes[k], crcs[k], enc[1].get(k))
                     for k in range(span[1], span[2])
                 ]
             return [
@@ -223,31 +198,9 @@ class StepTable:
         return chunks  # type: ignore[return-value]
 
     def records(self) -> dict[str, ArrayRecord]:
-        out = {}
-        for path, (dtype, plan) in self.plans.items():
-            if path in self.flat_span:
-                out[path] = ArrayRecord(
-                    path,
-                    dtype,
-                    plan.shape,
-                    plan.rows,
-                    tuple(self._complete(path)),
-                    self.dims.get(path),
-                )
-                continue
-            chunks = self.chunks[path]
-            missing = [i for i, c in enumerate(chunks) if c is None]
-            if missing:
-                raise DsttError(
-                    f"step {self.step}: chunks {missing[:8]} of {path!r} were "
-                    "never written; refusing to commit an incomplete step"
-                )
-            out[path] = ArrayRecord(
-                path,
-                dtype,
-                plan.shape,
-                plan.rows,
-                tuple(c for c in chunks if c is not None),
-                self.dims.get(path),
+        return {
+            path: ArrayRecord(
+                path, dtype, plan.shape, plan.rows, tuple(self._complete(path)), self.dims.get(path)
             )
-        return out
+            for path, (dtype, plan) in self.plans.items()
+        }

@@ -25,10 +25,10 @@ from dstt.store.codec.delta import DeltaEncoder, EncodeStats
 from dstt.store.codec.flatdelta import FlatShadow, seed_shadow
 from dstt.store.codec.predict import Prediction
 from dstt.store.format.envelope import checksum
-from dstt.store.format.flat import FlatImage, FlatLayout, StepBytes, byte_view
+from dstt.store.format.flat import ArraySpec, FlatImage, FlatLayout, StepBytes, byte_view
 from dstt.store.format.layout import ChunkPlan, side_file_key, step_file_key, zarr_chunk_key
 from dstt.store.format.objects import Encoded, Encoding, encode_object
-from dstt.store.format.records import ArrayRecord, ChunkRecord, CommitHeader, Metric, ObjectRecord
+from dstt.store.format.records import ChunkRecord, CommitHeader, Metric, ObjectRecord
 from dstt.store.format.stepfile import SideFile, StepFile
 from dstt.store.format.zipfmt import crc32
 
@@ -39,7 +39,7 @@ from .step_table import Columns, EncodedColumns, StepTable
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
-    from dstt.store.format.manifest import TableBuilder, TableTemplate
+    from dstt.store.format.manifest import TableTemplate
     from dstt.store.format.parts import Part
     from dstt.store.storage.base import Storage
 
@@ -70,10 +70,7 @@ class StepOwner(Protocol):
 
     def flat_layout(
         self,
-        arrays: Sequence[
-            tuple[str, str, tuple[int, ...]]
-            | tuple[str, str, tuple[int, ...], Sequence[str] | None]
-        ],
+        arrays: Sequence[ArraySpec],
     ) -> FlatLayout: ...
 
     def table_template(
@@ -326,13 +323,12 @@ class Transaction:
             self.stats.raw_fallback = False
             return
         self._record_flat(layout, got.cols, (got.keys, got.codecs))
-        self.stats.add_counts(
+        self.stats.add_many(
             layout.raw_nbytes,
             got.written,
             keyframes=got.keyframes,
             deltas=got.deltas,
             dedups=got.dedups,
-            seconds=got.seconds,
         )
         if got.dep is not None:
             with self._lock:
@@ -419,7 +415,6 @@ class Transaction:
     def _record_flat(
         self, layout: FlatLayout, cols: Columns, encoded: EncodedColumns | None
     ) -> None:
-        """Where a flat write's chunks are (columns) and, encoded, their files and codecs."""
         with self._lock:
             self.columns.record_flat(layout, cols, encoded)
 
@@ -556,26 +551,3 @@ class Transaction:
                 self._staged.clear()
             if self.writer.encoder is not None:
                 self.writer.encoder.discard(self.slot)
-
-    # -- this step's arrays table (``step_table.py``) ---------------------------------------
-    @property
-    def paths(self) -> tuple[str, ...]:
-        """The arrays declared in this step, in declaration order."""
-        return tuple(self.columns.plans)
-
-    def table(self) -> TableBuilder:
-        """The columnar arrays table of this step (``manifest.TableBuilder``)."""
-        return self.columns.table()
-
-    def table_parts(self) -> tuple[TableTemplate, list[int], list[int]] | None:
-        """A step written whole from one flat layout: its table as cached columns and this
-        step's offsets and checksums (``StepTable.table_parts``); None for anything else."""
-        return self.columns.table_parts()
-
-    def arrays_table(self) -> bytes:
-        """This step's sealed arrays table (``manifest.dump_arrays``)."""
-        return self.columns.arrays_table()
-
-    def records(self) -> dict[str, ArrayRecord]:
-        """This step's arrays as records (a part's vote, a merge)."""
-        return self.columns.records()

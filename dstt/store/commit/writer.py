@@ -1,22 +1,15 @@
 """The single writer of a run and its transactions (one per committed step).
 
-A ``Writer`` holds the run's lock for its lifetime and hands out ``Transaction`` objects. A
-transaction owns a fresh *slot* and writes its step into two new files no commit references yet
-(``stepfile.py``: the zip of Zarr chunks, and the side file of objects and deltas), so nothing
-visible is ever overwritten. ``commit`` is the only place that makes a step visible, in this
-order: arrays table (into the side file) → zip central directory → publish both files →
-commit header → barrier (files and header durable together) → timeline ref (durable: the
-commit point). A crash anywhere before the ref moves leaves garbage no reader looks at — at
-worst a complete commit that simply is not the head (gc removes such orphans).
+A ``Writer`` holds the run's lock and hands out ``Transaction`` objects, each writing its step
+into two new files of a fresh *slot* (``stepfile.py``), so nothing visible is ever overwritten.
+``commit`` alone makes a step visible: arrays table → zip directory → publish both files →
+header → barrier → timeline ref (durable: the commit point). A crash before the ref moves
+leaves garbage no reader looks at. A part writer (``exclusive=False``) takes no lock and
+``prepare``s a part manifest the exclusive writer merges (``commit/parts.py``).
 
-Several ranks can write one commit (``commit/parts.py``): a writer opened with ``exclusive=False``
-takes no lock, writes only its own arrays into slots it is told, and ``prepare``s a part
-manifest instead of committing; the exclusive writer merges the parts in ``commit(parts=...)``.
-
-The parent of a commit is resolved *at commit time* (the timeline's head then), so the engine
-can stage step k+1 while step k is still flushing, and a step that fails and is skipped does not
-break the chain. Rejected alternative: parent fixed at ``begin`` — a skipped step would leave
-its successor pointing at a slot that never committed.
+The parent is resolved *at commit time*, so step k+1 is staged while step k flushes, and a
+skipped step does not break the chain. Rejected alternative: the parent fixed at ``begin`` — a
+skipped step would leave its successor pointing at a slot that never committed.
 """
 
 from __future__ import annotations
@@ -30,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dstt.errors import DsttError, SchemaError, StorageError
 from dstt.store.codec.delta import DeltaEncoder
-from dstt.store.format.flat import FlatLayout
+from dstt.store.format.flat import ArraySpec, FlatLayout
 from dstt.store.format.layout import (
     DEFAULT_CHUNK_BYTES,
     LOCK_KEY,
@@ -333,10 +326,7 @@ class Writer:
 
     def flat_layout(
         self,
-        arrays: Sequence[
-            tuple[str, str, tuple[int, ...]]
-            | tuple[str, str, tuple[int, ...], Sequence[str] | None]
-        ],
+        arrays: Sequence[ArraySpec],
     ) -> FlatLayout:
         """Declare ``arrays`` (path, dtype, shape[, dims]) for this writer and lay them out in
         one flat buffer (``flat.py``); reuse the result while the arrays do not change."""
@@ -376,7 +366,7 @@ class Writer:
         per set of arrays and start offset — at every step of a steady run the same bytes
         at the same place) and their consolidated metadata (``job.write_metadata``
         writes them)."""
-        paths = txn.paths
+        paths = tuple(txn.columns.plans)
         start = txn.zip.cursor
         with self._meta_lock:
             cached = self._meta_cache.get((paths, start))
@@ -446,7 +436,7 @@ class Writer:
         with self._commit_lock:
             self.check_open()
             txn.write_deferred()
-            records = txn.records()
+            records = txn.columns.records()
             write_metadata(
                 txn.zip,
                 *self._metadata(txn),
@@ -486,13 +476,13 @@ class Writer:
             st = self.storage
             if parts:
                 txn.write_deferred()
-                records, objects = merge_parts(txn.records(), dict(txn.objects), parts)
+                records, objects = merge_parts(txn.columns.records(), dict(txn.objects), parts)
                 table: bytes | None = dump_arrays(txn.slot, records)
                 spliced = None
             else:
                 objects = dict(txn.objects)
-                spliced = txn.table_parts()
-                table = txn.arrays_table() if spliced is None else None
+                spliced = txn.columns.table_parts()
+                table = txn.columns.arrays_table() if spliced is None else None
             # refs and HEAD change only under the run's lock, which this writer holds: its
             # reader's copy is current (no re-read per commit), and it keeps each timeline's
             # head step itself (no header read per commit)

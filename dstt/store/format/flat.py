@@ -33,11 +33,19 @@ if TYPE_CHECKING:
 #: the two sums of an in-place entry, in the order ``_fill_inplace`` calls them
 _BOTH = (crc32c_raw, crc32_raw)
 
-__all__ = ["FlatArray", "FlatImage", "FlatLayout", "StepBytes", "byte_view"]
+__all__ = ["ArraySpec", "FlatArray", "FlatImage", "FlatLayout", "StepBytes", "byte_view"]
 
 #: the bytes of a chunk or of a whole flat step, as a transaction takes them: a buffer, or a
 #: numpy array's memory (a pinned host slab's ``.numpy()``, a step buffer)
 StepBytes: TypeAlias = "bytes | bytearray | memoryview | npt.NDArray[np.generic]"
+#: an array of a flat layout: path, dtype, shape and optionally its dimension names
+ArraySpec: TypeAlias = (
+    "tuple[str, str, tuple[int, ...]] | tuple[str, str, tuple[int, ...], Sequence[str] | None]"
+)
+#: the same with its chunk plan for the shape (what ``FlatLayout.build`` lays out)
+PlannedSpec: TypeAlias = (
+    "tuple[str, str, ChunkPlan] | tuple[str, str, ChunkPlan, Sequence[str] | None]"
+)
 
 
 def byte_view(data: StepBytes) -> memoryview:
@@ -92,9 +100,7 @@ class FlatLayout:
     @classmethod
     def build(
         cls,
-        arrays: Sequence[
-            tuple[str, str, ChunkPlan] | tuple[str, str, ChunkPlan, Sequence[str] | None]
-        ],
+        arrays: Sequence[PlannedSpec],
         *,
         framed: bool | None = None,
     ) -> FlatLayout:
@@ -105,57 +111,6 @@ class FlatLayout:
         write, and with ``O_DIRECT`` no copy into the page cache."""
         if framed is None:
             framed = bool(arrays) and all(spec[2].n_chunks <= 1 for spec in arrays)
-        if framed:
-            return cls._framed(arrays)
-        out: list[FlatArray] = []
-        chunks: list[tuple[int, int, int, int, str, int]] = []
-        pos = 0
-        for k, spec in enumerate(arrays):
-            path, dtype, plan = spec[0], spec[1], spec[2]
-            dims = spec[3] if len(spec) > 3 else None
-            pos = (pos + ALIGN - 1) // ALIGN * ALIGN
-            out.append(
-                FlatArray(
-                    path,
-                    dtype,
-                    plan,
-                    pos,
-                    None if dims is None else check_dims(path, len(plan.shape), dims),
-                )
-            )
-            for i in range(plan.n_chunks):
-                start, stop = plan.byte_range(i)
-                chunks.append(
-                    (
-                        k,
-                        i,
-                        pos + start,
-                        pos + stop,
-                        zarr_chunk_key(path, plan.index(i)),
-                        plan.chunk_nbytes,
-                    )
-                )
-            pos += plan.nbytes
-        spans, lo = [], 0
-        for a in out:
-            spans.append((a.path, lo, lo + a.plan.n_chunks))
-            lo += a.plan.n_chunks
-        return cls(
-            tuple(out),
-            max(pos, 1),
-            tuple(chunks),
-            tuple(spans),
-            sum(a.nbytes for a in out),
-            frozenset(c[4] for c in chunks),
-        )
-
-    @classmethod
-    def _framed(
-        cls,
-        arrays: Sequence[
-            tuple[str, str, ChunkPlan] | tuple[str, str, ChunkPlan, Sequence[str] | None]
-        ],
-    ) -> FlatLayout:
         out: list[FlatArray] = []
         chunks: list[tuple[int, int, int, int, str, int]] = []
         spans: list[tuple[str, int, int]] = []
@@ -165,6 +120,16 @@ class FlatLayout:
             path, dtype, plan = spec[0], spec[1], spec[2]
             given = spec[3] if len(spec) > 3 else None
             dims = None if given is None else check_dims(path, len(plan.shape), given)
+            spans.append((path, len(chunks), len(chunks) + plan.n_chunks))
+            if not framed:
+                pos = (pos + ALIGN - 1) // ALIGN * ALIGN
+                out.append(FlatArray(path, dtype, plan, pos, dims))
+                for i in range(plan.n_chunks):
+                    start, stop = plan.byte_range(i)
+                    name = zarr_chunk_key(path, plan.index(i))
+                    chunks.append((k, i, pos + start, pos + stop, name, plan.chunk_nbytes))
+                pos += plan.nbytes
+                continue
             if plan.n_chunks > 1:
                 raise ValueError(
                     f"a framed layout holds single-chunk arrays; {path!r} has "
@@ -172,14 +137,12 @@ class FlatLayout:
                 )
             if plan.n_chunks == 0:  # empty: no entry, no bytes (an aligned empty view)
                 out.append(FlatArray(path, dtype, plan, 0, dims))
-                spans.append((path, len(chunks), len(chunks)))
                 continue
             name = zarr_chunk_key(path, plan.index(0))
             size = plan.chunk_nbytes + 4
             data = pos + header_size(name, size, pos, align=ALIGN)
             heads.append(pos)
             out.append(FlatArray(path, dtype, plan, data, dims))
-            spans.append((path, len(chunks), len(chunks) + 1))
             chunks.append((k, 0, data, data + plan.nbytes, name, plan.chunk_nbytes))
             pos = data + size
         return cls(
@@ -189,7 +152,7 @@ class FlatLayout:
             tuple(spans),
             sum(a.nbytes for a in out),
             frozenset(c[4] for c in chunks),
-            framed=True,
+            framed=framed,
             heads=tuple(heads),
         )
 
@@ -262,32 +225,14 @@ class FlatImage:
         self.nbytes = off - start
         self.headers = headers
         self.trailers = bytearray(4 * n)
-        directory = bytearray(directory_records(entries))
-        cd_at, pos = [], 0
-        for e in entries:
-            cd_at.append(pos)
-            pos += (
-                46
-                + len(e.name.encode())
-                + (
-                    0
-                    if e.size < 0xFFFFFFFF and e.offset < 0xFFFFFFFF
-                    else 4
-                    + 8
-                    * ((2 if e.size >= 0xFFFFFFFF else 0) + (1 if e.offset >= 0xFFFFFFFF else 0))
-                )
-            )
-        self.directory = directory
+        records = [directory_records([e]) for e in entries]
+        self.directory = bytearray(b"".join(records))
+        cd_at = np.cumsum([0, *map(len, records)])[:-1]  # where each entry's record starts
         four = np.arange(4, dtype=np.intp)
         self._hdr_idx = (np.asarray(hdr_at, dtype=np.intp) + _HEADER_CRC)[:, None] + four
         self._cd_idx = (np.asarray(cd_at, dtype=np.intp) + _CENTRAL_CRC)[:, None] + four
         #: in place: where each chunk's crc32c trailer sits in the buffer
-        self._trl_idx = (
-            np.asarray(
-                [o + sz - 4 for o, sz in zip(self.offsets, self.sizes, strict=True)], dtype=np.intp
-            )[:, None]
-            + four
-        )
+        self._trl_idx = (np.add(self.offsets, self.sizes, dtype=np.intp) - 4)[:, None] + four
         self.count = n
         self.iov: list[bytes | bytearray | memoryview] = []
         self._views: list[memoryview] = []

@@ -94,7 +94,6 @@ def check_timeline_name(name: str) -> str:
 
 
 def array_meta_key(path: str) -> str:
-    """Key of an array's ``zarr.json`` inside a step file."""
     return f"{path}/zarr.json"
 
 

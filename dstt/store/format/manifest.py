@@ -30,6 +30,7 @@ __all__ = [
     "TableTemplate",
     "arrays_from_json",
     "arrays_json",
+    "chunk_record",
     "dump_arrays",
     "dump_header",
     "dump_ref",
@@ -117,15 +118,14 @@ class FileIds:
     """File keys numbered in the order they are first seen: a table's ``files`` column."""
 
     def __init__(self) -> None:
-        self.files: list[str] = []
-        self._file_index: dict[str, int] = {}
+        self._file_index: dict[str, int] = {}  # insertion-ordered: key -> its number
 
     def file_id(self, key: str) -> int:
-        i = self._file_index.get(key)
-        if i is None:
-            i = self._file_index[key] = len(self.files)
-            self.files.append(key)
-        return i
+        return self._file_index.setdefault(key, len(self._file_index))
+
+    @property
+    def files(self) -> list[str]:
+        return list(self._file_index)
 
 
 class TableBuilder(FileIds):
@@ -326,13 +326,10 @@ def arrays_json(arrays: Mapping[str, ArrayRecord]) -> dict[str, Any]:
     return b.json()
 
 
-def _codec_record(
-    key: str,
-    offset: int,
-    nbytes: int,
-    crc: int,
-    codec: list[Any] | None,
+def chunk_record(
+    key: str, offset: int, nbytes: int, crc: int, codec: Sequence[Any] | None
 ) -> ChunkRecord:
+    """A chunk record from a table's chunk columns and its codec entry (None: raw)."""
     if codec is None:
         return ChunkRecord(key, nbytes, crc, offset=offset)
     if codec[0] == "xor1" and len(codec) == 3:
@@ -378,7 +375,7 @@ def arrays_from_json(doc: Mapping[str, Any]) -> dict[str, ArrayRecord]:
         if pos + n > len(offset):
             raise ValueError(f"array {path}: {n} chunks expected, the table ends first")
         chunks = tuple(
-            _codec_record(
+            chunk_record(
                 files[file[k]], int(offset[k]), int(nbytes[k]), int(crc[k]), codecs.get(str(k))
             )
             for k in range(pos, pos + n)

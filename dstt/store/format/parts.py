@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from .records import ArrayRecord, Metric, ObjectRecord
 
-__all__ = ["Part", "dump_part", "parse_part", "part_slots", "remove_parts"]
+__all__ = ["Part", "dump_part", "parse_part", "remove_parts"]
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,3 @@ def remove_parts(storage: Storage, slot: int | None = None) -> int:
     for name in names:
         storage.delete(f"{PARTS_PREFIX}/{name}")
     return len(names)
-
-
-def part_slots(storage: Storage) -> list[int]:
-    """Slots that have a parts folder."""
-    return sorted(int(n) for n in storage.list(PARTS_PREFIX) if n.isdigit())

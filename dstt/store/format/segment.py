@@ -34,6 +34,7 @@ __all__ = [
     "RowSet",
     "concat",
     "decode_core",
+    "decode_locations",
     "decode_rest",
     "encode",
     "read_directory",
@@ -106,41 +107,38 @@ def concat(sets: list[RowSet]) -> RowSet:
     files = sorted({f for s in sets for f in s.files})
     n = sum(len(s) for s in sets)
     k = max((s.s_probe.shape[2] for s in sets), default=0)
+    same_m = all(s.m_names == names for s in sets)  # the usual case: one copy, no NaN fill
+    same_s = all(s.s_paths == paths and s.s_probe.shape[2] == k for s in sets)
     out = RowSet(
-        slot=np.concatenate([s.slot for s in sets]) if sets else np.zeros(0, np.int64),
-        step=np.concatenate([s.step for s in sets]) if sets else np.zeros(0, np.int64),
-        parent=np.concatenate([s.parent for s in sets]) if sets else np.zeros(0, np.int64),
+        slot=np.concatenate([s.slot for s in sets]),
+        step=np.concatenate([s.step for s in sets]),
+        parent=np.concatenate([s.parent for s in sets]),
         timeline=np.concatenate(
             [_remap(s.timelines, tls)[s.timeline] if len(s.timelines) else s.timeline for s in sets]
-        ).astype(np.int32)
-        if sets
-        else np.zeros(0, np.int32),
-        pruned=np.concatenate([s.pruned for s in sets]) if sets else np.zeros(0, np.uint8),
-        time=np.concatenate([s.time for s in sets]) if sets else np.zeros(0),
+        ).astype(np.int32),
+        pruned=np.concatenate([s.pruned for s in sets]),
+        time=np.concatenate([s.time for s in sets]),
         timelines=tls,
         headers=[h for s in sets for h in s.headers],
         m_names=names,
-        m_num=np.empty((0, 0)),
+        m_num=np.concatenate([s.m_num for s in sets])
+        if same_m
+        else np.full((n, len(names)), np.nan),
         m_text=[t for s in sets for t in s.m_text],
         m_hist=[h for s in sets for h in s.m_hist],
         s_paths=paths,
         files=files,
     )
-    if not all(s.m_names == names for s in sets):
-        out.m_num = np.full((n, len(names)), np.nan)
-    if not all(s.s_paths == paths and s.s_probe.shape[2] == k for s in sets):
-        out.s_has = np.zeros(n, np.uint8)
-        out.s_val = np.full((n, len(paths), len(SCALARS)), np.nan)
-        out.s_exact = np.zeros((n, len(paths)), np.uint8)
-        out.s_probe = np.full((n, len(paths), k), np.nan, np.float32)
-    if all(s.m_names == names for s in sets):  # the usual case: one copy, no NaN fill first
-        out.m_num = np.concatenate([s.m_num for s in sets])
-    if all(s.s_paths == paths and s.s_probe.shape[2] == k for s in sets):
+    if same_s:
         out.s_val = np.concatenate([s.s_val for s in sets])
         out.s_exact = np.concatenate([s.s_exact for s in sets])
         out.s_probe = np.concatenate([s.s_probe for s in sets])
         out.s_has = np.concatenate([s.s_has for s in sets])
     else:
+        out.s_has = np.zeros(n, np.uint8)
+        out.s_val = np.full((n, len(paths), len(SCALARS)), np.nan)
+        out.s_exact = np.zeros((n, len(paths)), np.uint8)
+        out.s_probe = np.full((n, len(paths), k), np.nan, np.float32)
         at = 0
         for s in sets:
             rows = slice(at, at + len(s))
@@ -151,7 +149,7 @@ def concat(sets: list[RowSet]) -> RowSet:
                 out.s_exact[rows, cols] = s.s_exact
                 out.s_probe[rows, cols, : s.s_probe.shape[2]] = s.s_probe
             at += len(s)
-    if not all(s.m_names == names for s in sets):
+    if not same_m:
         at = 0
         for s in sets:
             if s.m_names:
@@ -159,8 +157,7 @@ def concat(sets: list[RowSet]) -> RowSet:
             at += len(s)
     for path in sorted({p for s in sets for p in s.loc}):
         width = max(s.loc[path].crc.shape[1] for s in sets if path in s.loc)
-        layouts: list[Layout] = []
-        seen: dict[Layout, int] = {}
+        seen: dict[Layout, int] = {}  # each layout once, numbered as first met
         ids = np.full(n, -1, np.int32)
         crc = np.zeros((n, width), np.uint32)
         at = 0
@@ -177,16 +174,12 @@ def concat(sets: list[RowSet]) -> RowSet:
                         tuple((int(fmap[f]) if f >= 0 else f, o, b) for f, o, b in chunks),
                         dims,
                     )
-                    j = seen.get(lay2)
-                    if j is None:
-                        j = seen[lay2] = len(layouts)
-                        layouts.append(lay2)
-                    new_ids.append(j)
+                    new_ids.append(seen.setdefault(lay2, len(seen)))
                 m = np.array([*new_ids, -1], np.int32)
                 ids[at : at + len(s)] = m[got.ids]  # -1 indexes the trailing -1
                 crc[at : at + len(s), : got.crc.shape[1]] = got.crc
             at += len(s)
-        out.loc[path] = Locations(layouts, ids, crc)
+        out.loc[path] = Locations(list(seen), ids, crc)
     return out
 
 
@@ -281,6 +274,16 @@ def layout_of(x: list[Any]) -> Layout:
     )
 
 
+def decode_locations(path: str, ent: list[Any], raw: bytes, n: int, where: str) -> Locations:
+    """One tensor's locations in ``n`` rows from its ``locdir`` entry and its bytes."""
+    _, nbytes, crc, width, lays = ent
+    if len(raw) != nbytes or checksum(raw) != crc:
+        raise ChecksumError(f"{where}: index locations of {path!r} fail their crc32c")
+    ids = np.frombuffer(raw[: 4 * n], "<i4")
+    crcs = np.frombuffer(raw[4 * n :], "<u4").reshape(n, width)
+    return Locations([layout_of(x) for x in lays], ids, crcs)
+
+
 def read_directory(prefix: bytes, where: str) -> tuple[dict[str, Any], int] | int:
     """The directory and where blobs start, from the first bytes of a segment; or, when
     ``prefix`` is too short, how many bytes are needed."""
@@ -333,14 +336,10 @@ def decode_rest(d: dict[str, Any], core: dict[str, np.ndarray], data: bytes, whe
     text = [extra["text"].get(str(i)) for i in range(n)]
     hist = [extra["hist"].get(str(i)) for i in range(n)]
     locdir = json.loads(blob(d, "locdir", data, 0, where))
-    loc = {}
-    for path, (off, nbytes, crc, width, lays) in locdir.items():
-        raw = data[off : off + nbytes]
-        if len(raw) != nbytes or checksum(raw) != crc:
-            raise ChecksumError(f"{where}: index locations of {path!r} fail their crc32c")
-        ids = np.frombuffer(raw[: 4 * n], "<i4")
-        crcs = np.frombuffer(raw[4 * n :], "<u4").reshape(n, width)
-        loc[path] = Locations([layout_of(x) for x in lays], ids, crcs)
+    loc = {
+        path: decode_locations(path, ent, data[ent[0] : ent[0] + ent[1]], n, where)
+        for path, ent in locdir.items()
+    }
     return RowSet(
         slot=core["slot"],
         step=core["step"],

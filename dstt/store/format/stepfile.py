@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 import numpy as np
 
@@ -27,7 +27,6 @@ from .zipfmt import (
     crc32,
     directory_records,
     end_records,
-    header_size,
     local_header,
 )
 
@@ -41,8 +40,9 @@ __all__ = ["Block", "SideFile", "StepFile", "StepState"]
 _CD_HEADER_OFFSET = 42  # of the local header's offset in a central directory record
 
 
-class StepFile:
-    """A stored zip written entry by entry at reserved offsets; ``finish`` seals it."""
+class _StepPart:
+    """One of a step's two files, written through one blob that is opened on first use;
+    another process may take it over (``handoff``, ``adopt``, ``handed_off``)."""
 
     def __init__(self, storage: Storage, key: str) -> None:
         self.key = key
@@ -50,16 +50,54 @@ class StepFile:
         self._blob: Blob | None = None
         self._mu = threading.Lock()
         self._cursor = 0
-        self._entries: list[Entry] = []
-        #: central directory records of entries written elsewhere (blocks, flat images)
-        self._prebuilt: list[tuple[bytes, int]] = []  # (records, how many entries)
-        self._names: set[str] = set()
         self._finished = False
 
     def _open(self) -> Blob:
         if self._blob is None:
             self._blob = self._storage.open_blob(self.key)
         return self._blob
+
+    @classmethod
+    def adopt(cls, storage: Storage, state: StepState) -> Self:
+        """This process's handle on a file another one started (``handoff``)."""
+        f = cls(storage, state.key)
+        f._resume(state)
+        return f
+
+    def _resume(self, state: StepState) -> None:
+        self._blob = self._storage.adopt_blob(state.key, state.tmp)  # type: ignore[attr-defined]
+        self._cursor = state.cursor
+
+    def _let_go(self) -> Blob | None:
+        with self._mu:
+            blob, self._blob, self._finished = self._blob, None, True
+        return blob
+
+    def handed_off(self) -> None:
+        """The other process published the file: close it here, touch it no more."""
+        blob = self._let_go()
+        if blob is not None:
+            blob.release()  # type: ignore[attr-defined]
+
+    def discard(self) -> None:
+        blob = self._let_go()
+        if blob is not None:
+            blob.discard()
+
+
+class StepFile(_StepPart):
+    """A stored zip written entry by entry at reserved offsets; ``finish`` seals it."""
+
+    def __init__(self, storage: Storage, key: str) -> None:
+        super().__init__(storage, key)
+        self._entries: list[Entry] = []
+        #: central directory records of entries written elsewhere (blocks, flat images)
+        self._prebuilt: list[tuple[bytes, int]] = []  # (records, how many entries)
+        self._names: set[str] = set()
+
+    def _check_open(self) -> None:
+        if self._finished:
+            raise DsttError(f"{self.key}: step file already finished")
 
     # -- handing the file to the flusher process to finish (``commit/job.py``) --------------
     def handoff(self) -> StepState | None:
@@ -71,21 +109,9 @@ class StepFile:
                 return None
             return StepState(self.key, tmp, self._cursor, tuple(self._prebuilt))
 
-    @classmethod
-    def adopt(cls, storage: Storage, state: StepState) -> StepFile:
-        """This process's handle on a file another one started (``handoff``)."""
-        f = cls(storage, state.key)
-        f._blob = storage.adopt_blob(state.key, state.tmp)  # type: ignore[attr-defined]
-        f._cursor = state.cursor
-        f._prebuilt = list(state.prebuilt)
-        return f
-
-    def handed_off(self) -> None:
-        """The other process published the file: close it here, touch it no more."""
-        with self._mu:
-            blob, self._blob, self._finished = self._blob, None, True
-        if blob is not None:
-            blob.release()  # type: ignore[attr-defined]
+    def _resume(self, state: StepState) -> None:
+        super()._resume(state)
+        self._prebuilt = list(state.prebuilt)
 
     @property
     def nbytes(self) -> int:
@@ -96,24 +122,12 @@ class StepFile:
     ) -> int:
         """Write entry ``name`` whose bytes are ``parts`` (``size`` bytes, ZIP CRC-32
         ``crc``); returns the offset of its first data byte. Thread-safe."""
-        with self._mu:
-            if self._finished:
-                raise DsttError(f"{self.key}: step file already finished")
-            if name in self._names:
-                raise ValueError(f"{self.key}: entry {name!r} written twice")
-            blob = self._open()
-            off = self._cursor
-            data_off = off + header_size(name, size, off)
-            self._cursor = data_off + size
-            self._names.add(name)
-            self._entries.append(Entry(name, off, size, crc))
-        blob.write_at(off, [local_header(name, size, crc, off), *parts])
-        return data_off
+        return self.add_many([name], [parts], [size], [crc])[0]
 
     def add_many(
         self,
         names: Sequence[str],
-        bodies: Sequence[Sequence[bytes | memoryview]],
+        bodies: Sequence[Sequence[bytes | bytearray | memoryview]],
         sizes: Sequence[int],
         crcs: Sequence[int],
     ) -> list[int]:
@@ -121,15 +135,14 @@ class StepFile:
         offset of each (the batched form of :meth:`add`)."""
         fresh = set(names)
         with self._mu:
-            if self._finished:
-                raise DsttError(f"{self.key}: step file already finished")
+            self._check_open()
             if len(fresh) != len(names) or not fresh.isdisjoint(self._names):
                 dup = sorted(fresh & self._names) or sorted(n for n in fresh if names.count(n) > 1)
                 raise ValueError(f"{self.key}: entry {dup[0]!r} written twice")
             self._names |= fresh
             blob = self._open()
             start = off = self._cursor
-            iov: list[bytes | memoryview] = []
+            iov: list[bytes | bytearray | memoryview] = []
             out: list[int] = []
             entries = self._entries
             for name, body, size, crc in zip(names, bodies, sizes, crcs, strict=True):
@@ -152,8 +165,7 @@ class StepFile:
         """Write a prebuilt run of entries (``Block``) if the file is at ``block.start``;
         False (nothing written) otherwise."""
         with self._mu:
-            if self._finished:
-                raise DsttError(f"{self.key}: step file already finished")
+            self._check_open()
             if self._cursor != block.start or not block.names.isdisjoint(self._names):
                 return False
             self._names |= block.names
@@ -168,8 +180,7 @@ class StepFile:
         image: this thread, or the flusher process): returns where it starts; the range is
         ``nbytes_at(start)`` bytes. Their directory comes later (:meth:`add_directory`)."""
         with self._mu:
-            if self._finished:
-                raise DsttError(f"{self.key}: step file already finished")
+            self._check_open()
             if not names.isdisjoint(self._names):
                 raise ValueError(
                     f"{self.key}: entry {sorted(names & self._names)[0]!r} written twice"
@@ -220,12 +231,6 @@ class StepFile:
         self.finish()
         assert self._blob is not None
         self._blob.publish(durable=durable)
-
-    def discard(self) -> None:
-        with self._mu:
-            blob, self._blob, self._finished = self._blob, None, True
-        if blob is not None:
-            blob.discard()
 
 
 @dataclass(frozen=True)
@@ -302,52 +307,24 @@ class Block:
         return out
 
 
-class SideFile:
+class SideFile(_StepPart):
     """Checksummed byte ranges appended at reserved offsets; created on the first append."""
-
-    def __init__(self, storage: Storage, key: str) -> None:
-        self.key = key
-        self._storage = storage
-        self._blob: Blob | None = None
-        self._mu = threading.Lock()
-        self._cursor = 0
-
-    @property
-    def used(self) -> bool:
-        return self._blob is not None
 
     def handoff(self) -> StepState | None:
         """What another process needs to append to and publish this file (``adopt``);
         None where its blob is not a local file. Creates the file if nothing was written."""
         with self._mu:
-            if self._blob is None:
-                self._blob = self._storage.open_blob(self.key)
-            tmp = getattr(self._blob, "tmp", None)
+            tmp = getattr(self._open(), "tmp", None)
             if not isinstance(tmp, str):
                 return None
             return StepState(self.key, tmp, self._cursor, ())
-
-    @classmethod
-    def adopt(cls, storage: Storage, state: StepState) -> SideFile:
-        f = cls(storage, state.key)
-        f._blob = storage.adopt_blob(state.key, state.tmp)  # type: ignore[attr-defined]
-        f._cursor = state.cursor
-        return f
-
-    def handed_off(self) -> None:
-        with self._mu:
-            blob, self._blob = self._blob, None
-        if blob is not None:
-            blob.release()  # type: ignore[attr-defined]
 
     def append(self, data: Data) -> int:
         """Write ``data`` after everything reserved so far; returns its offset. Thread-safe."""
         parts = as_parts(data)
         n = sum(map(len, parts))
         with self._mu:
-            if self._blob is None:
-                self._blob = self._storage.open_blob(self.key)
-            blob, off = self._blob, self._cursor
+            blob, off = self._open(), self._cursor
             self._cursor += n
         blob.write_at(off, parts)
         return off
@@ -355,9 +332,3 @@ class SideFile:
     def publish(self, *, durable: bool = False) -> None:
         if self._blob is not None:
             self._blob.publish(durable=durable)
-
-    def discard(self) -> None:
-        with self._mu:
-            blob, self._blob = self._blob, None
-        if blob is not None:
-            blob.discard()

@@ -133,12 +133,9 @@ def array_document(
         if dims is None
         else check_dims(path, len(plan.shape), dims)
     )
-    codecs: list[dict[str, Any]] = []
+    as_bytes: dict[str, Any] = {"name": "bytes"}
     if itemsize > 1:
-        codecs.append({"name": "bytes", "configuration": {"endian": "little"}})
-    else:
-        codecs.append({"name": "bytes"})
-    codecs.append({"name": "crc32c"})
+        as_bytes["configuration"] = {"endian": "little"}
     return {
         "zarr_format": 3,
         "node_type": "array",
@@ -147,7 +144,7 @@ def array_document(
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(plan.chunk_shape)}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": fill,
-        "codecs": codecs,
+        "codecs": [as_bytes, {"name": "crc32c"}],
         "attributes": {"dstt": {"format": FORMAT_VERSION, **(attributes or {})}},
         "dimension_names": list(names),
     }

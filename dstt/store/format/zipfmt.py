@@ -68,13 +68,6 @@ class Entry(NamedTuple):
     size: int
     crc32: int
 
-    @property
-    def data_offset(self) -> int:
-        """Where the entry's bytes start if its local header has no extra field but zip64's
-        (dstt's metadata entries); entries written with alignment padding need
-        :func:`local_data_offset` (their local header says)."""
-        return self.offset + header_size(self.name, self.size, self.offset)
-
 
 def _needs64(size: int, offset: int) -> bool:
     return size >= _MAX32 or offset >= _MAX32

@@ -1,25 +1,15 @@
 """Index segments written by a short-lived job process, so training never pays for them.
 
-Building a segment's rows is Python over every array of every queued commit (the arrays
-tables parsed back, the summaries decoded, the chunk locations collected): at 1,200 tensors
-and 64 commits about a second of interpreter time. On the committer thread it held the GIL
-the training thread needs and stalled the commits behind it (measured: a 360-tensor loop went
-from 2.4x to 7x no checkpointing). So for a run on local files the exclusive writer hands the
-queued slots to ``python -m dstt.store.read._index_main`` (no torch, ``SCHED_IDLE``, one BLAS
-thread) and goes on committing; the job reads the committed headers and files itself, writes
-the segment and any merge, and exits. One job at a time; the writer reaps it on a later
-commit, waits for it before anything else writes the index (its own flush, its close, a gc
-under it), and if a job fails writes those rows itself.
+Building a segment's rows is Python over every array of every queued commit (~1 s at 1,200
+tensors and 64 commits); on the committer thread it held the GIL the training thread needs
+(a 360-tensor loop went from 2.4x to 7x no checkpointing). So for a run on local files the
+writer hands the queued slots to ``python -m dstt.store.read._index_main`` (no torch,
+``SCHED_IDLE``, its own process group) and goes on committing; one job at a time. The job
+writes only rows the index would hold anyway, each segment durable before a merge deletes its
+inputs, so a killed job leaves a valid index.
 
-The job writes only what the index would have held anyway — rows of commits whose refs have
-moved, each segment durable before a merge deletes its inputs — so a job killed midway, or
-outliving a killed writer, leaves a valid index. Rejected alternatives: a thread (the same
-GIL), the flusher process (it serves the hot path one step at a time and knows no run), and
-a job per commit (an interpreter start per step).
-
-The job runs in a process group of its own: a Ctrl-C at the terminal interrupts the training
-process (which decides what to do) but not the job, which finishes its segment quietly
-instead of printing a ``KeyboardInterrupt`` traceback over the user's terminal.
+Rejected alternatives: a thread (the same GIL), the flusher process (it serves the hot path and
+knows no run), and a job per commit (an interpreter start per step).
 """
 
 from __future__ import annotations

@@ -96,11 +96,7 @@ def reachable_headers(reader: IndexedSource, *, lenient: bool = False) -> dict[i
             key = commit_key(slot)
             try:
                 h = parse_header(reader.storage.read(key), f"{reader.storage.location}/{key}")
-            except FileNotFoundError:
-                if not lenient:
-                    raise
-                break
-            except CorruptRunError:
+            except (FileNotFoundError, CorruptRunError):
                 if not lenient:
                     raise
                 break  # damaged: ``verify`` reports it; the commits above it are indexed

@@ -230,18 +230,13 @@ class _Locations(FileIds):
         out: dict[str, Locations] = {}
         for path, entries in per.items():
             width = max(e[2].shape[1] for e in entries)
-            lays: list[Layout] = []
-            seen: dict[Layout, int] = {}
+            seen: dict[Layout, int] = {}  # each layout once, numbered as first met
             ids = np.full(self.n, -1, np.int32)
             crc = np.zeros((self.n, width), np.uint32)
             for rows, lay, c in entries:
-                at = seen.get(lay)
-                if at is None:
-                    at = seen[lay] = len(lays)
-                    lays.append(lay)
-                ids[rows] = at
+                ids[rows] = seen.setdefault(lay, len(seen))
                 crc[rows, : c.shape[1]] = c
-            out[path] = Locations(lays, ids, crc)
+            out[path] = Locations(list(seen), ids, crc)
         return out
 
 
@@ -379,14 +374,10 @@ def keep_summaries(rows: RowSet, old: dict[int, tuple[RowSet, int]]) -> RowSet:
     ]
     if not fill:
         return rows
-    parts, picks = [rows], []
-    for i in fill:
-        src, j = old[int(rows.slot[i])]
-        parts.append(take(src, np.array([j])))
-        picks.append(i)
-    merged = concat(parts)
+    picked = (old[int(rows.slot[i])] for i in fill)
+    merged = concat([rows, *(take(src, np.array([j])) for src, j in picked)])
     n = len(rows)
-    for k, i in enumerate(picks):
+    for k, i in enumerate(fill):
         r = n + k
         merged.s_has[i] = merged.s_has[r]
         merged.s_val[i] = merged.s_val[r]

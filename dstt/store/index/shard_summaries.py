@@ -1,38 +1,30 @@
 """Write-time summaries of sharded tensors, folded into one row per logical tensor.
 
-Under PyTorch-native parallelism a rank stores its shard of a DTensor as the array
-``dtensor/w<world>/r<rank>/<logical path>`` (``dstt.store.read.shards``: boxes) and summarises what
-it wrote, so a commit holds one summaries row per *shard*. Readers want one per tensor: the
-rows of a logical tensor's shards are folded here, where summaries are decoded (a commit's
-rows and the run index's columns alike):
+A rank stores its shard of a DTensor as ``dtensor/w<world>/r<rank>/<logical path>`` and
+summarises what it wrote, so a commit holds a summaries row per *shard*; the index folds the
+rows of a logical tensor's shards into one column: ``l2`` = sqrt(sum of l2²), ``nan``/``inf``
+sums, ``maxabs`` max; ``rms`` over the element counts (l2 / rms)²; ``update_*`` only when every
+shard has one; ``probe`` the shards' probes in path order, cut to the longest. The logical path
+is read from the shard's own path, so folding needs no shard map.
 
-* ``l2`` = sqrt(sum of l2²), ``nan``/``inf`` = sums, ``maxabs`` = max: exact folds;
-* ``rms`` = sqrt(sum l2² / sum n), each shard's element count n = (l2 / rms)² (a shard of
-  all zeros, whose count is unknown, is left out of n: a slight overestimate then);
-* ``update_l2`` = sqrt(sum of update_l2²) when every shard has one, ``update_ratio`` =
-  update_l2 / l2, ``update_exact`` only if every shard's is;
-* ``probe``: the shards' probes one after the other (ordered by shard path), cut to the
-  longest single probe — the same elements at every step while the layout holds.
-
-The logical path is read from the shard's own path (the naming rule is fixed), so folding
-needs no shard map. Rejected alternative: summarising logical tensors at commit time on rank 0
-— rank 0 would have to read every rank's bytes back, or a collective would run per step.
+Rejected alternative: summarising logical tensors at commit time on rank 0 — rank 0 would have
+to read every rank's bytes back, or a collective would run per step.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dstt.store.format.segment import SCALARS
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Sequence
 
-__all__ = ["DTENSOR_PREFIX", "fold_columns", "fold_rows", "logical_of", "shard_source"]
+__all__ = ["DTENSOR_PREFIX", "fold_columns", "logical_of", "shard_source"]
 
 DTENSOR_PREFIX = "dtensor"
 _SHARD = re.compile(rf"^{DTENSOR_PREFIX}/w\d+/r\d+/(.+)$")
@@ -112,33 +104,3 @@ def fold_columns(
             p_out[i, k, : len(flat)] = flat
     order = sorted(range(len(names)), key=lambda j: names[j])
     return ([names[j] for j in order], v_out[:, order], e_out[:, order], p_out[:, order])
-
-
-def fold_rows(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """One commit's summaries rows (``{path: {field: value}}``) with every logical tensor's
-    shard rows folded into one row under the logical path."""
-    groups: dict[str, list[str]] = {}
-    out: dict[str, dict[str, Any]] = {}
-    for p, found in rows.items():
-        logical = logical_of(p)
-        if logical is None:
-            out[p] = dict(found)
-        else:
-            groups.setdefault(logical, []).append(p)
-    for logical, ps in groups.items():
-        ps.sort()
-
-        def num(v: Any) -> float:
-            return math.nan if v is None else float(v)
-
-        vals = np.array([[num(rows[p].get(f)) for f in SCALARS] for p in ps], dtype=np.float64)
-        folded = _fold(vals)
-        row: dict[str, Any] = {
-            f: (None if math.isnan(folded[i]) and f.startswith("update") else float(folded[i]))
-            for i, f in enumerate(SCALARS)
-        }
-        width = max(len(rows[p].get("probe") or ()) for p in ps)
-        row["probe"] = [x for p in ps for x in (rows[p].get("probe") or ())][:width]
-        row["update_exact"] = all(bool(rows[p].get("update_exact")) for p in ps)
-        out[logical] = row
-    return out

@@ -1,44 +1,40 @@
-"""The run's index, reading side: a derived, immutable cache of the commit headers that readers
-open fast.
+"""The run's index, reading side: a derived cache of the commit headers that readers open fast.
 
-The commit headers stay the source of truth. The index is a set of *segments*
-(``format/segment.py``), each a checksummed file of columnar rows for some slots; a reader
-loads every segment's core columns (a few range reads each), and for a slot with no row — the
-*tail* the writer has not indexed yet, a segment lost or damaged — reads the header itself. So
-a missing row costs a header read, never a wrong answer. Rows are facts about headers that
-never change once their ref moved, with one exception, gc's tombstones: while gc's marker
-``_dstt/index/gc.json`` exists, readers distrust the rows of the slots it names and read their
-headers. Where segments overlap, the newer generation's row wins.
+The headers stay the source of truth. The index is a set of checksummed *segments* of columnar
+rows (``format/segment.py``); a reader loads every segment's core columns and, for a slot with
+no row (the unindexed *tail*, a lost segment), reads the header itself: a missing row costs a
+read, never a wrong answer. Rows never change once their ref moved, but for gc's tombstones:
+while gc's marker ``_dstt/index/gc.json`` exists, the rows of the slots it names are distrusted.
+The newer generation's row wins where segments overlap.
 
-Only the reader's view lives here (``Index``, ``IndexedHeader``, ``scalar_rows``); writing
-segments, merging them and the background jobs are ``writer.py``, which imports this module and
-never the other way. Rejected: one module for both sides (two jobs; a reader would load the
-writer's jobs and merges it never runs).
+Rejected: one module for both sides (a reader would load the writer's jobs and merges it never
+runs): writing, merging and the jobs are ``writer.py``, which imports this module.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from dstt.errors import ChecksumError, CorruptRunError, DsttError, StepNotFoundError
-from dstt.store.format.envelope import checksum
+from dstt.errors import CorruptRunError, DsttError, StepNotFoundError
 from dstt.store.format.layout import INDEX_PREFIX, commit_key, parse_index_name, step_file_key
 from dstt.store.format.manifest import parse_header
 from dstt.store.format.records import ArrayRecord, ChunkRecord, CommitHeader
 from dstt.store.format.segment import (
     SCALARS,
     Layout,
+    Locations,
     RowSet,
     blob,
     concat,
     core_span,
     decode_core,
+    decode_locations,
     decode_rest,
-    layout_of,
     read_directory,
 )
 
@@ -68,23 +64,18 @@ class IndexedHeader(CommitHeader):
         h: CommitHeader | None = self.__dict__["_h"]
         if h is None:
             h = self.__dict__["_fetch"]()
-            if (h.slot, h.step, h.timeline, h.parent) == (
+            same = (h.slot, h.step, h.timeline, h.parent) == (
                 self.slot,
                 self.step,
                 self.timeline,
                 self.parent,
-            ) and h.pruned > self.pruned:
+            )
+            if same and h.pruned > self.pruned:
                 raise StepNotFoundError(  # a gc elsewhere pruned it since this view was read
                     f"step {self.step} (slot {self.slot}) was pruned by gc after this view of "
                     "the run was opened; refresh it (run.refresh()) to see what is kept"
                 )
-            if (h.slot, h.step, h.timeline, h.parent, h.pruned) != (
-                self.slot,
-                self.step,
-                self.timeline,
-                self.parent,
-                self.pruned,
-            ):
+            if not same or h.pruned != self.pruned:
                 raise CorruptRunError(
                     f"index row of slot {self.slot} disagrees with its "
                     "header bytes; run `dstt index` to rebuild the index"
@@ -121,22 +112,17 @@ class _Segment:
         self.core = decode_core(self.d, data, lo, where)
         self.n = int(self.d["n"])
         self.timelines: list[str] = list(self.d["timelines"])
-        self._loc: dict[str, tuple[np.ndarray, np.ndarray, list[Layout]] | None] = {}
+        self._loc: dict[str, Locations | None] = {}
         self._locdir: dict[str, Any] | None = None
         self._lock = threading.Lock()
-        self._lists: tuple[list[Any], ...] | None = None
 
-    @property
+    @functools.cached_property
     def lists(self) -> tuple[list[Any], ...]:
         """The core columns as Python lists (``slot step parent timeline time pruned``), made
         once: a lineage builds one header per row, and a numpy scalar per field and row cost
         more than the rest of the walk."""
-        got = self._lists
-        if got is None:
-            c = self.core
-            names = ("slot", "step", "parent", "timeline", "time", "pruned")
-            got = self._lists = tuple(c[k].tolist() for k in names)
-        return got
+        names = ("slot", "step", "parent", "timeline", "time", "pruned")
+        return tuple(self.core[k].tolist() for k in names)
 
     def read_blob(self, st: Storage, name: str) -> Any:  # noqa: ANN401 - bytes or an array, by the blob's kind
         off, nbytes = self.d["blobs"][name][:2]
@@ -159,9 +145,7 @@ class _Segment:
             at = raw.find(needle, at + 1)
         return set((np.searchsorted(offs, hits, side="right") - 1).tolist()) if hits else set()
 
-    def locations(
-        self, st: Storage, path: str
-    ) -> tuple[np.ndarray, np.ndarray, list[Layout]] | None:
+    def locations(self, st: Storage, path: str) -> Locations | None:
         with self._lock:
             if path in self._loc:
                 return self._loc[path]
@@ -170,15 +154,8 @@ class _Segment:
             ent = self._locdir.get(path)
             got = None
             if ent is not None:
-                off, nbytes, crc, width, lays = ent
-                raw = st.read_range(self.key, self.base + off, nbytes)
-                if len(raw) != nbytes or checksum(raw) != crc:
-                    raise ChecksumError(
-                        f"{st.location}/{self.key}: index locations of {path!r} fail their crc32c"
-                    )
-                ids = np.frombuffer(raw[: 4 * self.n], "<i4")
-                crcs = np.frombuffer(raw[4 * self.n :], "<u4").reshape(self.n, width)
-                got = (ids, crcs, [layout_of(x) for x in lays])
+                raw = st.read_range(self.key, self.base + ent[0], ent[1])
+                got = decode_locations(path, ent, raw, self.n, f"{st.location}/{self.key}")
             self._loc[path] = got
             return got
 
@@ -378,9 +355,9 @@ class Index:
                     if raw is None
                     else (
                         True,
-                        raw[0].tolist(),
-                        raw[1].tolist(),
-                        raw[2],
+                        raw.ids.tolist(),
+                        raw.crc.tolist(),
+                        raw.layouts,
                         seg.core["pruned"].tolist(),
                     )
                 )
@@ -406,7 +383,7 @@ class Index:
             return None
         if loc is None:
             return None
-        ids, crcs, lays = loc
+        ids, crcs, lays = loc.ids, loc.crc, loc.layouts
         j = int(ids[i])
         if j < 0:
             return None

@@ -1,25 +1,14 @@
 """The run's index, writing side: pending rows, segments, merges (LSM), background jobs.
 
-The reading side — segments, which rows are trusted, ``Index`` — is ``index/view.py``; this
-module imports it and never the other way. Rejected: one module for both sides (two jobs; a
-reader would load the writer's jobs and merges it never runs).
+After a commit's ref moves its header joins ``pending``; every ``every`` (64) commits they become
+one new durable segment, and when the 8 newest segments are of one size tier they are merged
+(LSM): a run of 100,000 steps has a few dozen. gc keeps every row of the steps it prunes (the
+index is where their scalars live on), in an order where each step is durable before the next
+and a cut leaves rows that agree with the headers or rows readers ignore: marker, tombstones,
+new segment, old segments deleted, marker deleted, step files deleted.
 
-Writing (``IndexWriter``, driven by the exclusive writer): after a commit's ref moves its
-header joins ``pending``; every ``every`` (64) commits the pending rows become one new segment
-(durable), and when the 8 newest segments are of one size tier they are merged into one and
-deleted (LSM), so a run of 100,000 steps has a few dozen segments. A writer opening a run
-queues the tail a crashed session left. Where segments overlap, the newer generation's row wins.
-
-gc (``maintenance.gc``) keeps every row — metrics, write-time summaries, history — of the steps
-it prunes: the index is where the scalars of a pruned step live on after its files are gone.
-Its order, each step durable before the next: (1) a marker ``_dstt/index/gc.json`` naming the
-slots about to be pruned (readers distrust those rows while it exists and read their headers),
-(2) the tombstones, (3) one new segment of every row with the pruned ones marked, (4) delete
-the older segments, (5) delete the marker, (6) delete the step files. A cut anywhere leaves
-rows that agree with the headers or rows a reader ignores; a writer (or ``dstt index``) that
-finds a marker re-indexes the marked slots. ``repair.rebuild`` re-derives the whole
-index from the headers (summaries of pruned steps come from any segment that still holds them);
-``rows`` turns headers into rows.
+The reading side is ``index/view.py``, imported here and never the other way. Rejected: one
+module for both sides (a reader would load the writer's jobs and merges it never runs).
 """
 
 from __future__ import annotations
@@ -72,17 +61,13 @@ def _tier(n: int, every: int) -> int:
 class IndexWriter:
     """The exclusive writer's side of the index: pending rows, segments, merges."""
 
-    def __init__(
-        self, reader: IndexedSource, *, every: int = EVERY, background: bool | None = None
-    ) -> None:
-        """``background``: write segments from a job process (default: for a run on local
-        files, unless ``DSTT_INDEX_JOBS=0``), so the committer never spends the GIL on rows."""
+    def __init__(self, reader: IndexedSource, *, every: int = EVERY) -> None:
         self.reader, self.storage, self.every = reader, reader.storage, max(1, every)
         self.index = reader.index.load()
         self.pending: dict[int, CommitHeader] = {}
-        if background is None:
-            background = IndexJob.supported(self.storage)
-        self.background = background
+        #: write segments from a job process (a run on local files, unless
+        #: ``DSTT_INDEX_JOBS=0``), so the committer never spends the GIL on rows
+        self.background = IndexJob.supported(self.storage)
         self.job: IndexJob | None = None
         self._job_slots: list[int] = []
         self._job_started = -math.inf  # the first segment's worth goes at once

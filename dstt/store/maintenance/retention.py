@@ -1,29 +1,15 @@
 """Which steps a run keeps: the retention policy shared by ``dstt gc`` and a live session.
 
-Per-iteration capture only stays usable for long runs if disk use is bounded while what matters
-stays: the recent past densely (``keep_last``), the old past thinly (``keep_every``), and the
-neighbourhood of every loss spike at full density (``spike_window``). ``Retention`` is a frozen
-policy object; ``Retention.keep`` is a pure function of one timeline's steps and one logged
-metric's values (plain arrays), so the store's gc and the session use the same rule and it
-needs neither torch nor inspection. What the policy never decides away — timeline heads, the
-steps other timelines fork from, the delta bases of kept steps — gc adds itself
-(``maintenance/gc.py``).
+Disk use stays bounded while what matters stays: the recent past densely (``keep_last``), the
+old past thinly (``keep_every``), every loss spike's neighbourhood in full (``spike_window``).
+``Retention.keep`` is a pure function of one timeline's steps and one metric's values, so gc and
+the session share the rule without torch. Spikes are ``run.spikes()``'s (backward-looking, over
+every commit's metrics, pruned ones too: a spike found once is found at every later gc); a
+window holds the live commits just before and at its first flagged step. Heads, fork points and
+kept deltas' bases gc adds itself.
 
-Spikes use the rule of ``run.spikes()`` (``dstt.analysis.find_spikes``, re-exported here, where
-the store imported it from before): a value is flagged when its log is far above the median of
-the few values before it, measured in robust standard deviations of the same residual over the
-steps before. The rule looks only backwards, so a spike found once is found at every later gc;
-and it runs over the metrics of *every* commit, pruned ones included (their tombstones keep
-their metrics), so pruning never moves a baseline. A spike's window runs from ``spike_window``
-steps before its first flagged step to ``spike_window`` steps after its peak, and always holds
-the live commit before the first flagged step (the weights the jump was computed on or, with
-sparser commits, the last commit before the update that caused it: what a replay restores) and
-the first live commit at or after it (what a replay compares against), however sparse the
-commits around it are.
-
-Rejected: a byte budget instead of step counts (what is kept would depend on how well each
-step compressed, and a spike window could be evicted to make room); deleting spike windows once
-they are old (the point of keeping them is to look at them later).
+Rejected: a byte budget (what is kept would depend on compression, and a spike window could be
+evicted to make room); deleting spike windows once they are old (they are kept to be looked at).
 """
 
 from __future__ import annotations

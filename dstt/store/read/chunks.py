@@ -42,7 +42,6 @@ class ChunkReader:
         header: Callable[[int], CommitHeader],
         record: Callable[[CommitHeader, str], ArrayRecord],
         missing: Callable[[CommitHeader, str], NoReturn],
-        decoded_cache_bytes: int = 256 << 20,
     ) -> None:
         """``header``: the commit of a slot; ``record``: an array's record in a commit;
         ``missing``: raise for a file that vanished under a commit (``StepNotFoundError``
@@ -51,7 +50,7 @@ class ChunkReader:
         self.header, self.record, self._missing = header, record, missing
         #: decoded delta chunks (trajectories walk chains in order), bounded in bytes
         self._decoded: LRU[tuple[str, int], np.ndarray] = LRU(
-            1 << 30, weigh=lambda a: int(a.nbytes), max_weight=decoded_cache_bytes
+            1 << 30, weigh=lambda a: int(a.nbytes), max_weight=256 << 20
         )
 
     def read_chunk(self, header: CommitHeader, path: str, index: int) -> memoryview:

@@ -73,7 +73,6 @@ class Reader:
         storage: Storage,
         *,
         table_cache: int = 8,
-        decoded_cache_bytes: int = 256 << 20,
         index: Index | None = None,
         use_index: bool = True,
     ) -> None:
@@ -91,7 +90,6 @@ class Reader:
             header=self.header,
             record=self.record,
             missing=self._raise_missing,
-            decoded_cache_bytes=decoded_cache_bytes,
         )
         self.refresh()
 

@@ -321,14 +321,13 @@ def read_region(
     a = (logical or {}).get(path)
     sizes = tuple(int(n) for n in sizes)
     offsets = tuple(int(o) for o in offsets)
+    # the box within its rows: cut along the other axes
+    inner = (slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:], strict=True)))
     if a is None:
         if not sizes:
             return np.asarray(reader.read_array(header, path))
-        rows = reader.read_rows(header, path, offsets[0], offsets[0] + sizes[0])
-        box: np.ndarray = rows[
-            (slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:], strict=True)))
-        ]
-        return box
+        box: np.ndarray = reader.read_rows(header, path, offsets[0], offsets[0] + sizes[0])
+        return box[inner]
     if a.boxes:
         return _read_boxes(reader, header, a, offsets, sizes)
     shape = a.shape
@@ -336,7 +335,4 @@ def read_region(
         return read_logical(reader, header, a).reshape(())
     row = math.prod(shape[1:])
     block = read_logical(reader, header, a, offsets[0] * row, (offsets[0] + sizes[0]) * row)
-    block = block.reshape(sizes[0], *shape[1:])
-    return block[
-        (slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:], strict=True)))
-    ]
+    return block.reshape(sizes[0], *shape[1:])[inner]

@@ -23,7 +23,7 @@ from dstt.errors import NotARunError, ReadOnlyRunError, RunLockedError, StorageE
 
 from .base import Blob, Data, Durability, Storage, as_parts, missing
 from .local_blob import _FileBlob
-from .posix import _syncfs, fsync_dir
+from .posix import _syncfs, fsync_dir, pwrite_all
 
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
@@ -99,10 +99,7 @@ class LocalStorage(Storage):
         tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            for view in as_parts(data):
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
+            pwrite_all(fd, as_parts(data), 0)
             if fsync:
                 os.fsync(fd)
         except BaseException:
@@ -126,15 +123,10 @@ class LocalStorage(Storage):
 
     # -- Storage -------------------------------------------------------------------------
     def read(self, key: str) -> bytes:
-        try:
-            with open(self._path(key), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            raise missing(self.location, key) from None
-        except OSError as e:
-            raise self._io_error(e, "read", key) from e
+        return self.read_range(key, 0, -1)
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` -1: to the end of the file."""
         try:
             with open(self._path(key), "rb") as f:
                 f.seek(start)

@@ -12,6 +12,7 @@ checkpoint engine fsyncs folders with ``fsync_dir``. Rejected alternative: leavi
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,9 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-_libc: ctypes.CDLL | None = None
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 _SYNC_FILE_RANGE_WRITE = 2
@@ -41,20 +44,14 @@ def start_writeback(fd: int) -> None:
     ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; a no-op elsewhere). The disk then works while
     the commit is still being prepared, and the barrier that follows waits less. It makes
     nothing durable by itself."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(_libc, "sync_file_range", None)
+    fn = getattr(_libc(), "sync_file_range", None)
     if fn is not None:
         fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
         fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # best effort: errors change nothing
 
 
 def _syncfs(fd: int) -> None:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    if _libc.syncfs(fd) != 0:  # pragma: no cover - kernel refused
+    if _libc().syncfs(fd) != 0:  # pragma: no cover - kernel refused
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 

@@ -61,18 +61,10 @@ class S3Storage(Storage):
     default 30), ``spool_dir`` (where blobs are assembled; default the temp folder).
     """
 
-    supports_locking = True
     #: step files are create-only (a new writer numbers its slots past every one there)
     write_once_steps = True
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        create: bool = False,
-        guarded: Sequence[str] = DEFAULT_GUARDED,
-        **storage_options: Any,
-    ) -> None:
+    def __init__(self, url: str, *, create: bool = False, **storage_options: Any) -> None:
         self.url = url.rstrip("/")
         self.options = dict(storage_options)
         opts = self.options
@@ -82,7 +74,7 @@ class S3Storage(Storage):
         self.max_concurrency = int(opts.get("max_concurrency", 8))
         self.lease_ttl = float(opts.get("lease_ttl", 30.0))
         self.spool_dir = opts.get("spool_dir")
-        self.guarded = tuple(guarded)
+        self.guarded = DEFAULT_GUARDED
         self.write_once = DEFAULT_WRITE_ONCE
         self._cfg = cfg
         self.store = S3Store(
@@ -100,7 +92,7 @@ class S3Storage(Storage):
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as its description (URL and options), never its connections or lease: a
         dask task rebuilds it on the worker, with the worker's environment."""
-        return (_rebuild, (self.url, self.guarded, self.options))
+        return (_rebuild, (self.url, self.options))
 
     # -- helpers -------------------------------------------------------------------------
     def _is_guarded(self, key: str) -> bool:
@@ -385,5 +377,5 @@ class S3Storage(Storage):
         )
 
 
-def _rebuild(url: str, guarded: tuple[str, ...], options: dict[str, Any]) -> S3Storage:
-    return S3Storage(url, guarded=guarded, **options)
+def _rebuild(url: str, options: dict[str, Any]) -> S3Storage:
+    return S3Storage(url, **options)

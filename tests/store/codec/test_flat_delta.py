@@ -47,7 +47,8 @@ def test_one_step_holds_deltas_dedups_and_keyframes(tmp_path: Path) -> None:
             written[step] = {k: v.copy() for k, v in arrays.items()}
             txn = w.begin(step)
             put_flat_arrays(txn, arrays)
-            assert txn.arrays_table() == dump_arrays(txn.slot, txn.table())  # spliced
+            table = txn.columns  # spliced from cached columns, as built array by array:
+            assert table.arrays_table() == dump_arrays(txn.slot, table.table())
             txn.commit()
             assert txn.flat_pending is not None  # the batched encoder wrote it
             if step == 2:

@@ -82,7 +82,7 @@ def _put(txn: Transaction, arrays: dict[str, np.ndarray], preds: dict[str, Predi
     if WRITE["how"] == "flat":
         put_flat_arrays(txn, {n: arrays[n] for n in (P, M, V)})
         # an encoded step's spliced table is the table built array by array, byte for byte
-        assert txn.arrays_table() == dump_arrays(txn.slot, txn.table())
+        assert txn.columns.arrays_table() == dump_arrays(txn.slot, txn.columns.table())
         return
     for name in (M, V, P):  # inputs before the arrays predicted from them
         put_array(txn, name, arrays[name])

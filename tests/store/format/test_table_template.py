@@ -53,8 +53,8 @@ def test_spliced_table_is_the_built_table_and_reads_back(chunk_bytes: int) -> No
         layout = _layout(w)  # the engine keeps its layout while the tensors hold
         for step in (1, 2, 3):
             txn, values = _flat_step(w, layout, step, rng)
-            fast = txn.arrays_table()
-            assert fast == dump_arrays(txn.slot, txn.table())
+            fast = txn.columns.arrays_table()
+            assert fast == dump_arrays(txn.slot, txn.columns.table())
             txn.commit()
             table = parse_arrays(fast, "test")
             assert list(table) == [s[0] for s in SPECS]
@@ -70,7 +70,7 @@ def test_a_step_with_other_arrays_builds_its_table() -> None:
     with repo.writer(chunk_bytes=256) as w:
         txn, _ = _flat_step(w, _layout(w), 1, np.random.default_rng(1))
         put_array(txn, "params/extra", np.arange(5, dtype=np.float32))
-        table = parse_arrays(txn.arrays_table(), "test")
+        table = parse_arrays(txn.columns.arrays_table(), "test")
         assert "params/extra" in table
         assert len(table) == len(SPECS) + 1
         assert not w._tables  # no template for a step that is not one flat write

@@ -51,8 +51,6 @@ def test_aligned_entries_read_in_zipfile_and_say_where_their_data_is(align: int)
     for e, at in zip(entries, data_at, strict=True):
         got = listed[e.name]
         assert local_data_offset(blob[got.offset : got.offset + 30 + len(e.name)], got) == at
-        if not align:  # no padding: the directory alone says where the data is
-            assert got.data_offset == at
 
 
 def test_local_data_offset_refuses_a_damaged_header() -> None:
