@@ -1,47 +1,15 @@
 """``DsttCallback`` for the Hugging Face ``Trainer``: every optimizer step captured by a Session.
 
-Design: the callback is a thin adapter over :class:`dstt.Session`, not a second capture path.
-At ``on_train_begin`` the Trainer has created its optimizer and scheduler (and accelerate has
-wrapped them); the callback unwraps them and starts a Session on the model, the torch
-optimizer and the scheduler. The Session's optimizer step hooks then capture each optimizer
-step exactly as in a hand-written loop — once per optimizer step, so gradient accumulation
-commits once per ``gradient_accumulation_steps`` micro-batches. ``on_step_end`` (after the
-scheduler stepped) marks the end of the iteration, ``on_log`` files the Trainer's logged
-values (``loss``, ``learning_rate``, ``grad_norm``, eval metrics) with ``s.log(step=...)``
-under the step just taken, and ``on_train_end`` closes the Session (commits the last step).
-
-Resume goes through the Trainer's own machinery, because only the Trainer knows how to skip
-the batches a step consumed (``skip_first_batches`` in the resumed epoch) and when to restore
-the RNG (after that skip): ``cb.resume_from()`` writes a small directory in the Trainer's
-checkpoint layout — ``trainer_state.json`` (global step, epoch, tokens seen, from the run's
-head commit), ``rng_state.pth`` (the head commit's RNG states) and the weights file the Trainer
-insists on loading — and ``trainer.train(resume_from_checkpoint=cb.resume_from())`` then
-continues. When training begins, the Session (``resume=True``) restores the committed model,
-optimizer and scheduler over what the Trainer loaded. Rejected alternatives: exporting a full
-Trainer checkpoint (``optimizer.pt``, ``scheduler.pt``: a second copy of the largest state,
-which the Session restores bit-exactly anyway), and setting ``state.global_step`` from a
-callback (too late: the Trainer decides the data skip before ``on_train_begin``).
-
-Data attribution goes through the Trainer's loader too (:mod:`._attribution`): at
-``on_train_begin`` the callback stands a recorder in for the train loader's batch sampler,
-which passes every index list through unchanged and keeps it; ``on_step_end`` files the lists
-of the step just taken (its micro-batches, every rank's) in the ``data/batches`` records
-``s.data(loader)`` writes, so ``run.batches()``, ``Spike.samples`` and ``run.replay`` see them.
-A timeline's skipped samples (``rollback(k, skip_samples=...)``) leave their index lists
-before anything is fetched: each batch keeps its place, so the Trainer's count-based resume
-(``skip_first_batches``) stays right. What that count cannot follow (whole-batch skips:
-``skip_data``, ``skip_batches``; a batch with every sample skipped; a loader without sample
-indices) raises a ``ConfigError`` rather than train on the skipped data.
-
-``run.replay(k, trainer=trainer)`` re-executes a step the Trainer's way: the kit registered at
-import (:func:`dstt.inspect.replay.register_replay_kit`) builds micro-batches with the
-Trainer's collator, runs its ``training_step`` (loss kwargs, ``num_items_in_batch``,
-accumulation scaling, autocast as configured) and its gradient clipping before the optimizer
-step. Rejected alternative: a replay loss function re-deriving the Trainer's scaling — it
-drifts with every Trainer release; its own methods do not.
-
-The Trainer has no exception hook: if ``train()`` raises, the Session is closed at the next
-``train()`` or at interpreter exit (committing only complete steps), or by ``cb.close()``.
+A thin adapter over :class:`dstt.Session`, not a second capture path: ``on_train_begin``
+unwraps the Trainer's optimizer and scheduler and starts a Session, whose step hooks capture
+each optimizer step; ``on_step_end`` ends the iteration, ``on_log`` files the logged values
+under the step just taken, ``on_train_end`` closes. Resume goes through the Trainer's own
+machinery: ``cb.resume_from()`` writes a small folder in its checkpoint layout. Data
+attribution taps the train loader's batch sampler (:mod:`._attribution`); the registered
+``ReplayKit`` replays a step with the Trainer's own methods. Rejected: a full Trainer
+checkpoint (a second copy of the largest state), setting ``state.global_step`` from a
+callback (too late for the data skip), a replay loss re-deriving the Trainer's scaling
+(drifts with every release). Details: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations
