@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
     from dstt.engine.ranks import RankInfo
     from dstt.engine.torch_state import Stateful, TorchState
-    from dstt.store._internal import Reader
 
     from .options import SessionOptions
 
@@ -70,7 +69,7 @@ class DeepSpeedSession(RankedSession):
         self._ds = DeepSpeedState(self.engine, self.info, extra_state=extra_state, extra=[data])
         return self._ds.state
 
-    def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:
+    def _restore_state(self, source: StoreSource) -> None:
         assert self._ds is not None
         self._ds.restore(source)
 

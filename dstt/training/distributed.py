@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     import torch
 
     from dstt.engine.torch_state import Stateful, TorchState
-    from dstt.store._internal import Reader
 
     from .options import SessionOptions
 
@@ -214,7 +213,7 @@ class DistributedSession(RankedSession):
         self._parallel.layout.decide(self.channel, self._parallel.names)
         return opened
 
-    def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:
+    def _restore_state(self, source: StoreSource) -> None:
         assert self._parallel is not None
         check_layout(source, self._parallel.layout.params, world=self.info.world)
         self._state.step_state.restore(source)

@@ -266,7 +266,7 @@ class Session:
             raise
         return writer, reader, head
 
-    def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:
+    def _restore_state(self, source: StoreSource) -> None:
         check_layout(source, None, world=1)  # a pipeline's stages resume only as a pipeline
         self._state.step_state.restore(source)
         self._state.boundary_state.restore(source)
@@ -421,7 +421,7 @@ class Session:
             optimizer=bool(self.optimizers),
             scheduler=self.scheduler is not None,
         ):
-            self._restore_state(source, reader, head)
+            self._restore_state(source)
         source.unused_damage()
         self._capture.step = head.step
         ref = reader.ref()
