@@ -152,6 +152,12 @@ def _counter(bar: Any) -> Callable[[int, int], None]:
     return update
 
 
+def _timeline_line(t: dict[str, Any], base: str) -> str:
+    """One timeline of ``dstt ls`` and ``dstt timeline list``; ``base``: where it forked."""
+    rng = f"steps {t['first_step']} … {t['head_step']}" if t["commits"] else "empty"
+    return f"{'*' if t['current'] else ' '} {t['name']:<24} {t['commits']:>7} commits  {rng}{base}"
+
+
 def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
