@@ -140,43 +140,31 @@ class ScrubberModel:
             return
         if name not in self.run.timelines:
             raise TimelineError(f"no timeline {name!r}; have {self.timelines}")
-        old_step, old_ref = self._step, self._reference
         self._timeline = name
-        self._load_timeline()
-        self._step = self._snap(old_step)
-        if old_ref is not None and old_ref not in self.steps:
-            self._reference = None
-        changed = {"timeline", "steps", "metrics", "spikes"}
-        changed |= {"step"} if self._step != old_step else set()
-        changed |= {"reference"} if self._reference != old_ref else set()
-        if self._tensor not in self.tensors:
-            self._tensor = self._default_tensor(self.tensors)
-            changed.add("tensor")
-        self._notify(changed)
+        self._reload({"steps"})
 
     def refresh(self) -> None:
         """Re-read the run (new steps of a live run, after a rollback or gc elsewhere)."""
-        old = (self.steps, self._step, self._reference, self._tensor)
         self.run.refresh()
         self.cache.clear()
         if self._timeline not in self.run.timelines:
             self._timeline = self.run.timeline
+        self._reload(set())
+
+    def _reload(self, changed: set[str]) -> None:
+        """Re-read the timeline, keep the step, reference and tensor where they still exist,
+        and notify what changed (``changed``: said changed whatever the values)."""
+        old = (self.steps, self._step, self._reference, self._tensor)
         self._load_timeline()
         self._step = self._snap(self._step)
         if self._reference is not None and self._reference not in self.steps:
             self._reference = None
         if self._tensor not in self.tensors:
             self._tensor = self._default_tensor(self.tensors)
-        changed = {"timeline", "metrics", "spikes"}
-        for name, before, now in zip(
-            ("steps", "step", "reference", "tensor"),
-            old,
-            (self.steps, self._step, self._reference, self._tensor),
-            strict=True,
-        ):
-            if before != now:
-                changed.add(name)
-        self._notify(changed)
+        now = (self.steps, self._step, self._reference, self._tensor)
+        names = ("steps", "step", "reference", "tensor")
+        changed |= {n for n, a, b in zip(names, old, now, strict=True) if a != b}
+        self._notify(changed | {"timeline", "metrics", "spikes"})
 
     def _snap(self, step: int) -> int:
         """The latest step <= ``step`` on this timeline (the first step if none)."""
