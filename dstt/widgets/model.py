@@ -14,7 +14,7 @@ observer callbacks whose firing order is the widget library's business.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -37,6 +37,20 @@ __all__ = ["LRU", "Mode", "ScrubberModel"]
 
 Mode = Literal["values", "change"]
 Observer = Callable[[set[str]], None]
+
+
+def subsample(da: Any, shape: Sequence[int], max_side: int) -> np.ndarray:  # noqa: ANN401 - a DataArray
+    """The values of ``da`` (a lazy DataArray of ``shape``) every :func:`image_strides` rows
+    and columns of its matrix view; only the rows (and a matrix's columns) kept are read."""
+    rs, cs = image_strides(shape, max_side) if len(shape) >= 2 else (1, 1)
+    if da.ndim >= 1 and rs > 1:
+        da = da.isel({da.dims[0]: slice(None, None, rs)})
+    if da.ndim == 2 and cs > 1:
+        da = da.isel({da.dims[1]: slice(None, None, cs)})
+    v = np.asarray(da.values)
+    if v.ndim > 2 and cs > 1:
+        v = v.reshape(v.shape[0], -1)[:, ::cs]
+    return v
 
 
 def default_metric(metrics: xr.Dataset) -> str | None:
@@ -445,17 +459,8 @@ class ScrubberModel:
         snap: Snapshot = self.cache.get_or_make(
             ("snapshot", timeline, step), lambda: self.run.at(step, timeline)
         )
-        da = snap.tensor(tensor)
         shape = tuple(snap.catalog.table[snap.path(tensor)].shape)
-        rs, cs = image_strides(shape, self.max_side) if len(shape) >= 2 else (1, 1)
-        if da.ndim >= 1 and rs > 1:
-            da = da.isel({da.dims[0]: slice(None, None, rs)})
-        if da.ndim == 2 and cs > 1:
-            da = da.isel({da.dims[1]: slice(None, None, cs)})
-        v = np.asarray(da.values)
-        if v.ndim > 2 and cs > 1:
-            v = v.reshape(v.shape[0], -1)[:, ::cs]
-        return v
+        return subsample(snap.tensor(tensor), shape, self.max_side)
 
     def shown(self) -> tuple[np.ndarray | None, str]:
         """What the tensor view draws now and its title: values, or the change since the
