@@ -30,7 +30,7 @@ from dstt.training import Session, open_session
 from dstt.training.data import Passthrough, fingerprint
 
 from ._attribution import StepRecorder, attach, gather_ranks
-from ._common import numeric_metrics, session_options
+from ._common import numeric_metrics, refuse_whole_batches, session_options
 
 if TYPE_CHECKING:
     import os
@@ -126,7 +126,8 @@ class DsttCallback(Callback):
         skips: SkipSet = s._skips  # noqa: SLF001 - the timeline's skip set, read at the restore
         self._data = _TrainData(skips)
         if s.step:
-            _refuse_whole_batches(s, skips)
+            assert s.repo is not None
+            refuse_whole_batches(s.repo.reader(), skips.batches, "Lightning", _REPLAY)
         restored = self._loops.restored
         if s.step and restored and restored.get("fit_loop"):
             trainer.fit_loop.load_state_dict(restored["fit_loop"])
@@ -219,23 +220,7 @@ class DsttCallback(Callback):
             s.close(exc)
 
 
-_WHOLE_BATCHES = (
-    "this timeline skips whole batches (rollback(..., skip_data=N) or skip_batches=[...]), "
-    "which Lightning cannot follow: it resumes by counting the batches each epoch consumed, "
-    "so every later resume would land on the wrong batch. Roll back with skip_samples=[...] "
-    "instead (e.g. run.replay(k, trainer=trainer, module=module).worst(3)): each batch keeps "
-    "its place and loses only those samples"
-)
-
-
-def _refuse_whole_batches(s: Session, skips: SkipSet) -> None:
-    """Refuse, before Lightning starts, the skips its count-based resume cannot honour."""
-    assert s.repo is not None
-    reader = s.repo.reader()
-    ref, head = reader.ref(), reader.head()
-    fresh = head is not None and ref.skip_data and head.slot == ref.base_slot
-    if skips.batches or fresh:
-        raise ConfigError(_WHOLE_BATCHES)
+_REPLAY = "run.replay(k, trainer=trainer, module=module)"
 
 
 class _FastForward(Passthrough):

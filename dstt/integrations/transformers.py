@@ -36,6 +36,7 @@ from ._attribution import StepRecorder, attach, gather_ranks
 from ._common import (
     PROGRESS_FIELDS,
     numeric_metrics,
+    refuse_whole_batches,
     session_options,
     unwrap_optimizer,
     unwrap_scheduler,
@@ -128,7 +129,8 @@ class DsttCallback(TrainerCallback):
         head = reader.head()
         if head is None:
             return None
-        _check_skips(reader, head)
+        skipped = read_skips(reader.storage, reader.timelines, reader.ref().name).batches
+        refuse_whole_batches(reader, skipped, _TRAINER, _REPLAY)
         rank = int(self._args.process_index)
         progress = _rank_object(reader, head, f"{schema.EXTRA_OBJECT}/transformers", rank) or {}
         rng = from_plain(_rank_object(reader, head, schema.RNG_OBJECT, rank))
@@ -226,7 +228,8 @@ class DsttCallback(TrainerCallback):
                 )
             return
         if skips.batches:
-            raise ConfigError(_WHOLE_BATCHES)
+            assert s.repo is not None  # started
+            refuse_whole_batches(s.repo.reader(), skips.batches, _TRAINER, _REPLAY)
         if state.global_step and not args.ignore_data_skip:
             # the Trainer skips the batches the resumed epoch had consumed (it counts them
             # from the global step, as here); the recorder sees them go by: forget them
@@ -323,22 +326,7 @@ class DsttCallback(TrainerCallback):
             shutil.rmtree(pad, ignore_errors=True)
 
 
-_WHOLE_BATCHES = (
-    "this timeline skips whole batches (rollback(..., skip_data=N) or skip_batches=[...]), "
-    "which the Trainer cannot follow: it resumes by counting the batches it consumed, so "
-    "every later resume would land on the wrong batch. Roll back with "
-    "skip_samples=[...] instead (e.g. run.replay(k, trainer=trainer).worst(3)); each batch "
-    "keeps its place and loses only those samples"
-)
-
-
-def _check_skips(reader: Any, head: Any) -> None:
-    """Refuse, before the Trainer starts, what its count-based resume cannot honour."""
-    ref = reader.ref()
-    if read_skips(reader.storage, reader.timelines, ref.name).batches:
-        raise ConfigError(_WHOLE_BATCHES)
-    if ref.skip_data and head.slot == ref.base_slot:  # a fresh rollback with skip_data
-        raise ConfigError(_WHOLE_BATCHES)
+_TRAINER, _REPLAY = "the Trainer", "run.replay(k, trainer=trainer)"
 
 
 def _rank_object(reader: Any, head: Any, name: str, rank: int) -> Any:
