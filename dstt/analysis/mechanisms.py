@@ -1,34 +1,14 @@
 """Why a loss spiked: one pure check per mechanism the literature names, on plain numpy inputs.
 
-Each check takes what its mechanism leaves behind and returns a :class:`Finding`: a verdict
-(``"likely"``, ``"unlikely"``, or ``"unknown"`` with what was missing — never a guess), a
-``score`` (the measured statistic over its threshold: >= 1 is ``likely``; NaN when
-``unknown``), the numbers behind it (``evidence``), the tensors, layers or samples it points
-at, a hint worded as a hint, and what it read (filled in by the caller, :mod:`dstt.run.explain`).
-The evidence keeps the arrays a check judged (per-sample losses, the update-ratio matrix, the
-logit bounds per layer, ``g²/v`` per tensor), so :mod:`dstt.plots.explain` draws exactly them.
-
-* :func:`bad_data` — a few samples of the step's batch have losses far above the rest
-  (per-sample losses, from replay): a robust z-score against the batch's median.
-* :func:`update_too_large` — the update-to-weight ratio of many tensors jumps at once against
-  each tensor's own trailing baseline (a learning-rate spike, warm-up or schedule error).
-* :func:`attention_logit_growth` — Wortsman et al. 2023 (arXiv 2309.14322): the largest
-  attention logit a layer can produce, ``||W_q^h W_k^hᵀ||₂ / sqrt(d_head)`` per head times
-  ``d`` (inputs of unit RMS after the norm; :func:`logit_bound`), grows over the steps before
-  the spike to a size where attention entropy collapses.
-* :func:`adam_second_moment` — Bai et al. 2025 (arXiv 2506.04805): after a quiet stretch
-  ``g²/v`` of some tensors jumps by orders of magnitude (``v`` decayed by β₂ per step while
-  the gradients were small), so Adam's effective step explodes there; ``g²`` from replay or
-  from the stored ``exp_avg_sq`` recurrence (:func:`g2_from_v`).
-* :func:`numerics` — a non-finite value appears first in some tensor, the loss is non-finite,
-  or the loss scale collapses.
-
-:func:`rank` orders findings: ``likely`` by score, then ``unknown``, then ``unlikely``.
-
+Each check (:func:`bad_data`, :func:`update_too_large`, :func:`attention_logit_growth`,
+:func:`adam_second_moment`, :func:`numerics`) takes what its mechanism leaves behind and
+returns a :class:`Finding`: ``"likely"``, ``"unlikely"`` or ``"unknown"`` with what was
+missing (never a guess), a ``score`` (>= 1 is ``likely``), the evidence arrays it judged (which
+:mod:`dstt.plots.explain` draws), what it points at and a hint; :func:`rank` orders them.
 Why numpy-only functions of arrays: each rule is unit-tested on synthetic arrays, and the run
-layer decides what to read (lazily, only the steps and tensors a check needs). Rejected
-alternative: checks that read the run themselves — every test would need a run on disk, and
-the "what did it read" record would be spread over five places.
+layer decides what to read. Rejected alternative: checks that read the run themselves — every
+test would need a run on disk, and the "what did it read" record would be spread over five
+places. Each rule in detail: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from .common import (
     _counter,
     _emit,
     _resolve_run,
+    _timeline_line,
 )
 
 if TYPE_CHECKING:
@@ -60,25 +61,14 @@ def _few(xs: list[int], n: int = 8) -> str:
 
 
 def _timeline_rows(run: Any) -> list[dict[str, Any]]:
-    rows = []
-    for name, ref in sorted(run.timelines.items()):
-        line = run.commits(name)
-        skips = run.skips(name)  # its rollback's and its ancestors': what a resume drops
-        rows.append(
-            {
-                "name": name,
-                "current": name == run.timeline,
-                "commits": len(line),
-                "first_step": line[0].step if line else None,
-                "head_step": line[-1].step if line else None,
-                "base_timeline": ref.base_timeline,
-                "base_step": ref.base_step,
-                "skip_data": ref.skip_data,
-                "skip_samples": sorted(skips.samples),
-                "skip_batches": [b.plain() for b in skips.batches],
-                "base_exists": ref.base_timeline is None or ref.base_timeline in run.timelines,
-            }
-        )
+    from dstt.inspect.html import timeline_rows
+
+    rows = timeline_rows(run)
+    for t in rows:
+        skips = run.skips(t["name"])  # its rollback's and its ancestors': what a resume drops
+        t["skip_samples"] = sorted(skips.samples)
+        t["skip_batches"] = [b.plain() for b in skips.batches]
+        t["base_exists"] = t["base_timeline"] is None or t["base_timeline"] in run.timelines
     return rows
 
 
@@ -87,7 +77,6 @@ def cmd_timeline_list(args: argparse.Namespace) -> int:
 
     def text() -> Iterator[str]:
         for t in rows:
-            rng = f"steps {t['first_step']} … {t['head_step']}" if t["commits"] else "empty"
             base = (
                 f"  from {t['base_timeline']}@{t['base_step']}"
                 f"{'' if t['base_exists'] else ' (deleted)'}"
@@ -103,10 +92,7 @@ def cmd_timeline_list(args: argparse.Namespace) -> int:
                 base += f" (skip {'; '.join(skip)})"
             elif t["base_timeline"]:
                 base += " (skip nothing)"
-            yield (
-                f"{'*' if t['current'] else ' '} {t['name']:<24} {t['commits']:>7} commits  "
-                f"{rng}{base}"
-            )
+            yield _timeline_line(t, base)
 
     _emit(args, rows, text)
     return EXIT_OK

@@ -58,6 +58,24 @@ class _Parser(argparse.ArgumentParser):
 # -- helpers --------------------------------------------------------------------------------
 
 
+def _command(
+    sub: Any,
+    common: Any,
+    name: str,
+    fn: Callable[[argparse.Namespace], int],
+    help: str,
+    run: bool = True,
+) -> Any:
+    """A subcommand's parser: ``common``'s flags, ``help``, and (``run``) the optional ``RUN``."""
+    sp = sub.add_parser(name, parents=[common], help=help, description=help)
+    sp.set_defaults(func=fn)
+    if run:
+        sp.add_argument(
+            "path", nargs="?", metavar="RUN", help="the run, or a folder inside it (same as --run)"
+        )
+    return sp
+
+
 def _resolve_run(args: argparse.Namespace, *, opener: Any = None) -> Any:
     """The run named by the arguments, opened with ``opener`` (default ``dstt.open``)."""
     if opener is None:
@@ -150,6 +168,12 @@ def _counter(bar: Any) -> Callable[[int, int], None]:
         bar.refresh()
 
     return update
+
+
+def _timeline_line(t: dict[str, Any], base: str) -> str:
+    """One timeline of ``dstt ls`` and ``dstt timeline list``; ``base``: where it forked."""
+    rng = f"steps {t['first_step']} … {t['head_step']}" if t["commits"] else "empty"
+    return f"{'*' if t['current'] else ' '} {t['name']:<24} {t['commits']:>7} commits  {rng}{base}"
 
 
 def _when(t: float) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, TypeVar
 
-from .common import EXIT_OK, _emit, _resolve_run
+from .common import EXIT_OK, _command, _emit, _resolve_run
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -27,11 +27,7 @@ def add_explain(sub: argparse._SubParsersAction[_P], common: _P) -> None:
         "why the loss spiked at a step: each mechanism (bad data, update too large, "
         "attention logit growth, Adam's second moment, numerics) checked and ranked"
     )
-    sp = sub.add_parser("explain", parents=[common], help=what, description=what)
-    sp.set_defaults(func=cmd_explain)
-    sp.add_argument(
-        "path", nargs="?", metavar="RUN", help="the run, or a folder inside it (same as --run)"
-    )
+    sp = _command(sub, common, "explain", cmd_explain, what)
     sp.add_argument(
         "--step",
         type=int,

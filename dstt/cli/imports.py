@@ -14,7 +14,7 @@ import argparse
 import os
 from typing import TYPE_CHECKING, TypeVar
 
-from .common import EXIT_OK, EXIT_PROBLEMS, UsageError, _bar, _emit, _run_root
+from .common import EXIT_OK, EXIT_PROBLEMS, UsageError, _bar, _command, _emit, _run_root
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -30,8 +30,7 @@ def add_import(sub: argparse._SubParsersAction[_P], common: _P) -> None:
         "import checkpoints (HF Trainer folders, torch.save files, DCP folders, DeepSpeed "
         "tags, Lightning .ckpt) as steps of a run"
     )
-    sp = sub.add_parser("import", parents=[common], help=what, description=what)
-    sp.set_defaults(func=cmd_import)
+    sp = _command(sub, common, "import", cmd_import, what, run=False)
     sp.add_argument(
         "sources",
         nargs="+",

@@ -22,6 +22,7 @@ from .common import (
     _fmt,
     _metrics_text,
     _resolve_run,
+    _timeline_line,
     _when,
 )
 
@@ -54,16 +55,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
             f" · {metrics}"
         )
         for t in s["timelines"]:
-            rng = f"steps {t['first_step']} … {t['head_step']}" if t["commits"] else "empty"
             base = (
                 f"  from {t['base_timeline']}@{t['base_step']} (skip {t['skip_data']})"
                 if t["base_timeline"]
                 else ""
             )
-            yield (
-                f"{'*' if t['current'] else ' '} {t['name']:<24} {t['commits']:>7} commits  "
-                f"{rng}{base}"
-            )
+            yield _timeline_line(t, base)
 
     _emit(args, s, text)
     return EXIT_OK

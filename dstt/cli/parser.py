@@ -7,6 +7,7 @@ docstring). The commands themselves are in ``inspect``, ``changes``, ``replay`` 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ from .common import (
     EXIT_INTERNAL,
     EXIT_PIPE,
     EXIT_RUN,
+    _command,
     _Parser,
 )
 from .explain import add_explain
@@ -44,7 +46,7 @@ from .replay import cmd_replay
 from .virtual import add_virtual
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
 __all__ = ["build_parser", "main"]
 
@@ -135,18 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> Any:
-        sp = sub.add_parser(name, parents=[common], help=help, description=help)
-        sp.set_defaults(func=fn)
-        return sp
+    add = functools.partial(_command, sub, common)
 
     def timeline(sp: Any) -> None:
         sp.add_argument("--timeline", help="timeline to read (default: the current one)")
-
-    def run_arg(sp: Any) -> None:
-        sp.add_argument(
-            "path", nargs="?", metavar="RUN", help="the run, or a folder inside it (same as --run)"
-        )
 
     def optim(sp: Any, verb: str) -> None:
         sp.add_argument(
@@ -156,9 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     sp = add("ls", cmd_ls, "overview: timelines, steps, arrays")
-    run_arg(sp)
     sp = add("log", cmd_log, "committed steps, newest first, with logged metrics and spikes")
-    run_arg(sp)
     timeline(sp)
     sp.add_argument("-n", type=_nonneg, default=0, help="show at most N steps (0: all)")
     sp.add_argument(
@@ -182,7 +174,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="show each step's batch: its sample indices or hash (s.data records them)",
     )
     sp = add("show", cmd_show, "tensors of one step: norms, update ratios, bytes on disk")
-    run_arg(sp)
     sp.add_argument("--step", type=int, help="the step (default: the head)")
     sp.add_argument(
         "--select",
@@ -192,7 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
     optim(sp, "list")
     timeline(sp)
     sp = add("diff", cmd_diff, "per-tensor change norms from step A to step B")
-    run_arg(sp)
     sp.add_argument("a", type=int, metavar="A")
     sp.add_argument("b", type=int, metavar="B")
     sp.add_argument("--select", help="restrict to a layer selector")
@@ -205,7 +195,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="timeline of B, to compare two timelines (default: that of A)",
     )
     sp = add("verify", cmd_verify, "check every committed byte against its checksum")
-    run_arg(sp)
     sp.add_argument(
         "--repair",
         action="store_true",
@@ -213,9 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         "headers from the index, refs and HEAD from the headers), then the index",
     )
     sp = add("index", cmd_index, "rebuild the run's index from the commit headers")
-    run_arg(sp)
     sp = add("rollback", cmd_rollback, "start a new timeline at an old step (old one kept)")
-    run_arg(sp)
     sp.add_argument("--to", type=int, required=True, metavar="STEP")
     sp.add_argument(
         "--skip-data",
@@ -248,12 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     tsub = sp.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
     tsub.required = True
 
-    def tadd(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> Any:
-        tp = tsub.add_parser(name, parents=[common], help=help, description=help)
-        tp.set_defaults(func=fn)
-        run_arg(tp)
-        return tp
-
+    tadd = functools.partial(_command, tsub, common)
     tadd(
         "list",
         cmd_timeline_list,
@@ -282,7 +264,6 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--dry-run", action="store_true", help="say what it would free, delete nothing")
     _force(tp)
     sp = add("gc", cmd_gc, "prune old steps (timeline heads are always kept)")
-    run_arg(sp)
     sp.add_argument("--keep-last", type=_nonneg, metavar="N", help="keep the last N steps")
     sp.add_argument("--keep-every", type=_positive, metavar="K", help="keep steps divisible by K")
     sp.add_argument(
@@ -319,7 +300,6 @@ def build_parser() -> argparse.ArgumentParser:
         "re-execute a past step from your script: faithful?, "
         "gradient norms, the samples with the largest loss",
     )
-    run_arg(sp)
     sp.add_argument("--step", type=int, required=True, help="the step to replay")
     sp.add_argument(
         "--script",
@@ -341,7 +321,6 @@ def build_parser() -> argparse.ArgumentParser:
         "write one step as files torch or transformers load: the "
         "model, model + optimizer + scheduler, or a from_pretrained folder",
     )
-    run_arg(sp)
     sp.add_argument("--step", type=int, help="the step (default: the head)")
     sp.add_argument(
         "--format",

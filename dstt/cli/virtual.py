@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, TypeVar
 
-from .common import EXIT_OK, _emit, _resolve_run
+from .common import EXIT_OK, _command, _emit, _resolve_run
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -25,11 +25,7 @@ def add_virtual(sub: argparse._SubParsersAction[_P], common: _P) -> None:
         "write references that present a timeline as one Zarr store (every tensor with a "
         "step dimension, chunks pointing into the step files: no copy); re-run to append"
     )
-    sp = sub.add_parser("virtual", parents=[common], help=what, description=what)
-    sp.set_defaults(func=cmd_virtual)
-    sp.add_argument(
-        "path", nargs="?", metavar="RUN", help="the run, or a folder inside it (same as --run)"
-    )
+    sp = _command(sub, common, "virtual", cmd_virtual, what)
     sp.add_argument("-o", "--output", required=True, metavar="OUT", help="the reference file")
     sp.add_argument("--timeline", help="timeline to present (default: the current one)")
     sp.add_argument(

@@ -15,7 +15,7 @@ from typing import Any
 
 from .sharded import shard_sources
 
-__all__ = ["human_bytes", "run_html", "run_summary"]
+__all__ = ["human_bytes", "run_html", "run_summary", "timeline_rows"]
 
 
 def human_bytes(n: float) -> str:
@@ -28,28 +28,13 @@ def human_bytes(n: float) -> str:
 
 def run_summary(run: Any) -> dict[str, Any]:  # noqa: ANN401 - a Run (run/ sits above inspect/)
     """Facts about a run, JSON-ready. Reads headers and the head's arrays table only."""
-    timelines = []
-    for name, ref in sorted(run.timelines.items()):
-        line = run.commits(name)
-        timelines.append(
-            {
-                "name": name,
-                "current": name == run.timeline,
-                "commits": len(line),
-                "first_step": line[0].step if line else None,
-                "head_step": line[-1].step if line else None,
-                "base_timeline": ref.base_timeline,
-                "base_step": ref.base_step,
-                "skip_data": ref.skip_data,
-            }
-        )
     line = run.commits()
     head = line[-1] if line else None
     table = run.arrays(head) if head is not None else {}
     return {
         "path": run.path,
         "timeline": run.timeline,
-        "timelines": timelines,
+        "timelines": timeline_rows(run),
         "n_steps": len(line),
         "first_step": line[0].step if line else None,
         "last_step": head.step if head is not None else None,
@@ -66,6 +51,26 @@ def run_summary(run: Any) -> dict[str, Any]:  # noqa: ANN401 - a Run (run/ sits 
         # keyframe or at the session's close before the step's s.log)
         **_newest_metrics(line),
     }
+
+
+def timeline_rows(run: Any) -> list[dict[str, Any]]:  # noqa: ANN401 - a Run
+    """Each timeline of ``run`` by name: commits, step range, where it forked."""
+    rows = []
+    for name, ref in sorted(run.timelines.items()):
+        line = run.commits(name)
+        rows.append(
+            {
+                "name": name,
+                "current": name == run.timeline,
+                "commits": len(line),
+                "first_step": line[0].step if line else None,
+                "head_step": line[-1].step if line else None,
+                "base_timeline": ref.base_timeline,
+                "base_step": ref.base_step,
+                "skip_data": ref.skip_data,
+            }
+        )
+    return rows
 
 
 def _newest_metrics(line: list[Any]) -> dict[str, Any]:

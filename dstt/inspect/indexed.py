@@ -1,8 +1,8 @@
 """Metrics and write-time summaries from the run's index rows (``dstt.store.RowSet``).
 
 The index keeps every commit's metrics and summaries as columns, pruned steps included (gc
-frees tensor bytes, never scalars' history). :func:`metrics_from_rows` and
-:func:`summaries_from_rows` build the Datasets straight from those columns;
+frees tensor bytes, never scalars' history). :func:`summaries_from_rows` builds the Dataset
+straight from those columns (``Run.metrics()``, :mod:`dstt.run.metrics`, reads them too);
 :func:`summary_columns` gives the same table as plain numpy (:class:`SummaryColumns`), so
 ``dstt show``, ``dstt log`` and the spike ranking never import xarray (~0.5 s cold).
 
@@ -13,16 +13,15 @@ budget).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dstt.schema import METRICS_HISTORY_OBJECT, SUMMARY_SCALARS
+from dstt.schema import SUMMARY_SCALARS
 
 from .summaries import (
     label_updates,
-    metrics_dataset,
     step_coords,
     tensor_names,
 )
@@ -32,49 +31,7 @@ if TYPE_CHECKING:
 
     from dstt.store._internal import RowSet
 
-__all__ = ["SummaryColumns", "metrics_from_rows", "summaries_from_rows", "summary_columns"]
-
-
-@dataclass
-class _Row:
-    step: int
-    slot: int
-    timeline: str
-    time: float
-    metrics: dict[str, Any]
-    objects: dict[str, Any] = field(default_factory=dict)
-    history: Any = None
-
-
-def metrics_from_rows(rows: RowSet) -> xr.Dataset:
-    """``metrics_dataset`` of the rows (commits in step order), with a ``pruned`` coordinate
-    (True where gc freed the step's tensors; its metrics stay)."""
-    names = rows.m_names
-    num = rows.m_num
-    recs = []
-    for i in range(len(rows)):
-        m: dict[str, Any] = {
-            k: v for k, v in zip(names, num[i].tolist(), strict=True) if v == v
-        }  # NaN: not logged at this step
-        text = rows.m_text[i]
-        if text:
-            m.update(text)
-        hist = rows.m_hist[i]
-        recs.append(
-            _Row(
-                int(rows.step[i]),
-                int(rows.slot[i]),
-                rows.timelines[int(rows.timeline[i])],
-                float(rows.time[i]),
-                m,
-                {METRICS_HISTORY_OBJECT: None} if hist is not None else {},
-                hist,
-            )
-        )
-    ds = metrics_dataset(recs, lambda r, _name: r.history)
-    pruned_of = dict(zip(rows.slot.tolist(), rows.pruned.astype(bool).tolist(), strict=True))
-    pruned = np.array([pruned_of.get(int(s), False) for s in ds["slot"].values], dtype=bool)
-    return ds.assign_coords(pruned=("step", pruned))
+__all__ = ["SummaryColumns", "summaries_from_rows", "summary_columns"]
 
 
 class _Values:
@@ -147,8 +104,13 @@ def summary_columns(rows: RowSet) -> SummaryColumns:
 
 
 def summaries_from_rows(rows: RowSet) -> xr.Dataset:
-    """The ``summaries()`` Dataset of the rows that have summaries (see
-    :func:`dstt.inspect.summaries.summaries_dataset` for the variables), plus ``pruned``."""
+    """The ``summaries()`` Dataset of the rows that have summaries: ``l2 rms maxabs nan inf
+    update_l2 update_ratio`` over ``(step, tensor)`` (float64, NaN where unknown or absent),
+    ``update_exact`` (bool) and ``probe`` over ``(step, tensor, probe_index)``. ``update_l2`` and
+    ``update_ratio`` compare each commit with its parent: exact where ``update_exact``, else
+    estimates from the probed elements (their ``attrs`` say so: :func:`label_updates`).
+    ``tensor`` holds user names; ``store_path`` is a coordinate along it; along ``step`` the
+    coordinates of :func:`step_coords` and ``pruned``."""
     import xarray as xr
 
     t = summary_columns(rows)

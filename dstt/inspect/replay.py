@@ -165,7 +165,7 @@ class Replay:
         )
 
 
-def _prev_header(reader: Reader, line: Sequence[Any], step: int) -> tuple[Any, Any]:
+def _prev_header(line: Sequence[Any], step: int) -> tuple[Any, Any]:
     """(commit of ``step``, commit of ``step - 1``) on the timeline ``line``."""
     by_step = {int(h.step): h for h in line}
     if step not in by_step:
@@ -222,7 +222,7 @@ def replay_step(
     light = _light_around(run, line, int(step), timeline)
     head_k: CommitHeader | None
     if light is None:
-        head_k, head_prev = _prev_header(reader, line, int(step))
+        head_k, head_prev = _prev_header(line, int(step))
     else:  # step or the one before it is light (every="auto"): rebuild the one before
         from .rebuild import rebuild_step
 

@@ -1,7 +1,7 @@
 """Read side of write-time summaries, logged metrics as xarray, and loss-spike detection.
 
-:func:`summaries_dataset` turns each commit's ``summaries`` object (fields:
-:mod:`dstt.analysis.summary_kernel`) into one ``step`` x ``tensor`` Dataset, reading no tensor.
+:func:`summary_rows` reads one commit's ``summaries`` object (fields:
+:mod:`dstt.analysis.summary_kernel`); the coordinates and labels of every per-step view are here.
 :func:`find_spikes` is :mod:`dstt.analysis.spikes`' rule, re-exported. :func:`spike_cause`
 blames the update *into* the weights the jump's loss was computed on: a metric at step *k*
 comes from the weights of *k - 1*, so ``parent -> cause`` is ``(k - 2) -> (k - 1)`` (with
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dstt import schema
-from dstt.schema import METRICS_HISTORY_OBJECT, SUMMARY_SCALARS, user_name
-from dstt.store._internal import as_float, find_spikes
+from dstt.schema import SUMMARY_SCALARS, user_name
+from dstt.store._internal import find_spikes
 
 from .naming import canonical_path
 
@@ -37,10 +37,8 @@ __all__ = [
     "Spike",
     "find_spikes",
     "label_updates",
-    "metrics_dataset",
     "spike_cause",
     "step_coords",
-    "summaries_dataset",
     "summary_rows",
     "tensor_names",
     "update_exactness",
@@ -96,105 +94,6 @@ def utc_datetimes(seconds: Sequence[float]) -> np.ndarray:
     numpy's are), rounded to the microsecond the float holds exactly."""
     us = np.round(np.asarray(seconds, dtype=np.float64) * 1e6)
     return us.astype(np.int64).astype("datetime64[us]").astype("datetime64[ns]")
-
-
-def metrics_dataset(
-    headers: Sequence[Any], read: Callable[[Any, str], Any] | None = None
-) -> xr.Dataset:
-    """Logged metrics of ``headers`` (commits of one timeline in step order) as a Dataset over
-    ``step``.
-
-    Numeric metrics become float64 variables (NaN where a step did not log them); string
-    metrics become object variables ('' where missing). Coordinates (:func:`step_coords`):
-    ``step`` (index, unique and ascending), ``slot``, ``timeline`` and ``time`` (commit
-    wall-clock time, ``datetime64[ns]`` UTC). With ``read(header, name)`` (loads a commit
-    object), the steps a commit carries in ``metrics/history`` (steps that ``every=K`` did not
-    checkpoint) come too, before it: ``slot`` -1 (no commit), the carrying commit's
-    ``timeline``, ``time`` of their first ``s.log``. A step met twice along the lineage keeps
-    its later row (the newer commit's word).
-    """
-    rows: dict[int, tuple[int, str, float, Any]] = {}
-    for h in headers:
-        if read is not None and METRICS_HISTORY_OBJECT in h.objects:
-            hist = read(h, METRICS_HISTORY_OBJECT)
-            for k, t, m in zip(hist["steps"], hist["time"], hist["metrics"], strict=True):
-                rows.pop(int(k), None)
-                rows[int(k)] = (-1, h.timeline, float(t), m)
-        rows.pop(int(h.step), None)
-        rows[int(h.step)] = (h.slot, h.timeline, h.time, h.metrics)
-    steps = sorted(rows)
-    ordered = [rows[k] for k in steps]
-    names = sorted({k for *_, m in ordered for k in m})
-    data: dict[str, Any] = {}
-    for k in names:
-        vals = [m.get(k) for *_, m in ordered]
-        if any(isinstance(v, str) for v in vals):
-            data[k] = ("step", np.array(["" if v is None else str(v) for v in vals], dtype=object))
-        else:
-            data[k] = ("step", np.array([as_float(v) for v in vals], dtype=np.float64))
-    coords = step_coords(
-        steps, [r[0] for r in ordered], [r[1] for r in ordered], [r[2] for r in ordered]
-    )
-    import xarray as xr
-
-    return xr.Dataset(data, coords=coords)
-
-
-def summaries_dataset(
-    headers: Sequence[Any],
-    read: Callable[[Any], dict[str, Any]],
-    progress: Callable[[int, int], None] | None = None,
-) -> xr.Dataset:
-    """Summaries of the commits in ``headers`` (one timeline, ascending steps) that have
-    them (``read(header)`` loads one).
-
-    Variables over ``(step, tensor)``: ``l2 rms maxabs nan inf update_l2 update_ratio`` as
-    float64 (NaN where unknown or absent), ``update_exact`` (bool), and ``probe`` over
-    ``(step, tensor, probe_index)`` (NaN-padded). ``update_l2`` and ``update_ratio`` compare
-    each commit with its parent commit; they are exact where ``update_exact`` is True (the
-    engine compared the parent's whole copy: a step written whole, every step after a
-    session's first) and *estimates* from the probed elements where it is False (a session's
-    first step after a resume, a step written in segments); their ``attrs`` say so
-    (:func:`label_updates`). ``tensor`` holds user names without wrapper components
-    (:func:`tensor_names`); ``store_path`` is a coordinate along it; along ``step`` the
-    coordinates of :func:`step_coords`.
-    """
-    by_step = {int(h.step): h for h in headers if SUMMARIES_OBJECT in h.objects}
-    with_sum = [by_step[k] for k in sorted(by_step)]  # ``step`` stays a unique index
-    per_step: list[dict[str, Any]] = []
-    for i, h in enumerate(with_sum):
-        if progress:
-            progress(i, len(with_sum))
-        per_step.append(read(h))
-    paths = sorted({p for s in per_step for p in s})
-    col = {p: j for j, p in enumerate(paths)}
-    n_probe = max((len(v.get("probe") or ()) for s in per_step for v in s.values()), default=0)
-    shape = (len(with_sum), len(paths))
-    arrays = {f: np.full(shape, np.nan) for f in SUMMARY_SCALARS}
-    exact = np.zeros(shape, dtype=bool)
-    probe = np.full((*shape, n_probe), np.nan)
-    for i, s in enumerate(per_step):
-        for p, v in s.items():
-            j = col[p]
-            for f in SUMMARY_SCALARS:
-                arrays[f][i, j] = as_float(v.get(f))
-            exact[i, j] = bool(v.get("update_exact", False))
-            pr = [as_float(x) for x in (v.get("probe") or ())]
-            probe[i, j, : len(pr)] = pr
-    data: dict[str, Any] = {f: (("step", "tensor"), a) for f, a in arrays.items()}
-    data["update_exact"] = (("step", "tensor"), exact)
-    data["probe"] = (("step", "tensor", "probe_index"), probe)
-    coords = step_coords(
-        [h.step for h in with_sum],
-        [h.slot for h in with_sum],
-        [h.timeline for h in with_sum],
-        [h.time for h in with_sum],
-    )
-    coords["tensor"] = ("tensor", tensor_names(paths))
-    coords["store_path"] = ("tensor", np.array(paths, dtype=object))
-    import xarray as xr
-
-    return label_updates(xr.Dataset(data, coords=coords))
 
 
 def tensor_names(paths: Sequence[str]) -> np.ndarray:

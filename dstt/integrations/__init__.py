@@ -1,11 +1,10 @@
 """Callbacks for training frameworks: the Hugging Face ``Trainer`` and ``lightning.Trainer``.
 
 Each submodule imports its framework, so nothing here is imported by ``import dstt``: import
-``dstt.integrations.transformers`` or ``dstt.integrations.lightning`` where you use it
-(``pip install 'dstt[transformers]'`` / ``'dstt[lightning]'``). Both open a
-:class:`dstt.Session` when training begins and let its optimizer hooks capture every step;
-they add only what the framework's loop needs (its logged values, its step counter, its data
-position on resume).
+``dstt.integrations.transformers`` or ``dstt.integrations.lightning`` where you use it. Both
+open a :class:`dstt.Session` when training begins and let its optimizer hooks capture every
+step; they add only what the framework's loop needs (its logged values, its step counter, its
+data position on resume).
 
 Modules: ``transformers`` the HF ``Trainer`` callback · ``lightning`` the Lightning callback ·
 ``_common`` what both share (options, unwrapping, metrics) · ``_attribution`` data

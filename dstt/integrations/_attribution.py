@@ -1,30 +1,14 @@
 """Data attribution and skip sets for loops a framework owns (the HF Trainer, Lightning).
 
-``s.data(loader)`` sees every batch the user's loop draws; a framework draws its batches
-itself, so a callback cannot wrap the loop. What it can reach is the loader the framework
-built (the Trainer hands it to ``on_train_begin``), and a loader over a map-style dataset
-asks one object for every batch: its *batch sampler*. :func:`attach` stands a
-:class:`StepRecorder` in for it. The recorder passes each index list through unchanged — so
-no batch, no RNG draw and no worker changes — and keeps it in a FIFO queue in the order the
-loader fetches (which is the order the batches come back, ``in_order=True``). The callback
-pops, at the end of each optimizer step, as many lists as that step had micro-batches: the
-framework's prefetch (accelerate reads one batch ahead, workers several) only lengthens the
-queue. With a rollback's skip set the recorder also drops the skipped samples from each
-index list before any of it is fetched: every other sample comes in the same order and in
-the same batch as before, and the number of batches (which the framework counts to resume)
-is unchanged. A batch whose every sample is skipped cannot be dropped without shifting the
-framework's count, so that raises (:class:`~dstt.errors.ConfigError`) instead of training on
-it.
-
-Under accelerate's ``BatchSamplerShard`` (data parallel) the recorder sits above the shard (it
-sees this rank's batches) and a :class:`_GlobalCheck` below it sees every rank's, so an
-emptied batch is found on every rank at once (no rank left waiting in a collective).
-:func:`gather_ranks` brings the ranks' lists to every rank for the one ``data/batches`` record
-(rank-major: rank 0's micro-batches first).
-
-Rejected alternatives: wrapping the framework's iterator (it is a local of the training loop,
-out of a callback's reach); a sampler that re-batches the stream without the skipped samples
-(every later batch would change, and with it the count the framework resumes by).
+A callback cannot wrap a framework's loop, but it can reach the loader the framework built:
+:func:`attach` stands a :class:`StepRecorder` in for its *batch sampler*, which passes each
+index list through unchanged and keeps it in order; the callback takes as many lists as each
+optimizer step had micro-batches. A rollback's skipped samples leave the index lists before
+anything is fetched, so every batch keeps its place and the framework's count-based resume
+stays right; a batch with every sample skipped raises ``ConfigError``. :func:`gather_ranks`
+brings the ranks' lists together. Rejected: wrapping the framework's iterator (out of a
+callback's reach); a sampler re-batching the stream without the skipped samples (every later
+batch would change, and the count the framework resumes by). Details: docs/decisions.md.
 """
 
 from __future__ import annotations

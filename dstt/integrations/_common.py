@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PROGRESS_FIELDS",
     "numeric_metrics",
+    "refuse_whole_batches",
     "session_options",
     "unwrap_optimizer",
     "unwrap_scheduler",
@@ -46,6 +47,20 @@ def session_options(
     if isinstance(run, str | os.PathLike) and not os.fspath(run):
         raise ConfigError("run must name a directory, e.g. DsttCallback(run='runs/exp1')")
     return SessionOptions.of(run, every=every, resume=resume, **options)
+
+
+def refuse_whole_batches(reader: Any, batches: Any, framework: str, replay: str) -> None:
+    """Refuse, before ``framework`` starts, the skips its count-based resume cannot honour:
+    whole ``batches``, or a fresh rollback's ``skip_data``; ``replay``: how to find samples."""
+    ref, head = reader.ref(), reader.head()
+    if batches or (head is not None and ref.skip_data and head.slot == ref.base_slot):
+        raise ConfigError(
+            "this timeline skips whole batches (rollback(..., skip_data=N) or "
+            f"skip_batches=[...]), which {framework} cannot follow: it resumes by counting the "
+            "batches it consumed, so every later resume would land on the wrong batch. Roll back "
+            f"with skip_samples=[...] instead (e.g. {replay}.worst(3)): each batch keeps its "
+            "place and loses only those samples"
+        )
 
 
 def unwrap_optimizer(opt: Any) -> Any:

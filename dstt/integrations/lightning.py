@@ -1,51 +1,15 @@
 """``DsttCallback`` for ``lightning.Trainer``: every optimizer step captured by a Session.
 
-Design: as for the Hugging Face Trainer, a thin adapter over :class:`dstt.Session`. At
-``on_fit_start`` Lightning has configured the optimizer and scheduler; the callback starts a
-Session on the LightningModule, ``trainer.optimizers[0]`` and its scheduler, and the Session's
-optimizer step hooks capture each optimizer step (once per ``accumulate_grad_batches``
-batches, manual optimization included). ``on_train_batch_end`` ends the iteration and files the
-values ``self.log`` produced for that batch (step-level ones) under the step it fed (with
-gradient accumulation the step's last batch has the last word);
-epoch-level and validation values are filed under the step at which Lightning computed them.
-
-Resume uses Lightning's own restore path without a ``.ckpt`` file: each commit carries the fit
-loop's state (``trainer.fit_loop.state_dict()``, taken at ``on_train_batch_end`` — the moment a
-``ModelCheckpoint`` saves), and ``resume=True`` restores model, optimizer, scheduler and RNG
-through the Session, then hands the loop state to ``fit_loop.load_state_dict`` exactly as
-``trainer.fit(ckpt_path=...)`` does. Lightning therefore continues its global step and epoch,
-and resumes the data as its own checkpoints do: bit-exact at an epoch boundary or with a
-stateful train loader (``state_dict``/``load_state_dict``, e.g. torchdata's
-``StatefulDataLoader``); a plain loader resumed mid-epoch restarts that epoch's batches
-(Lightning warns). Rejected alternative: writing a Lightning ``.ckpt`` from the run — a second
-copy of the model and optimizer, in a layout private to each Lightning version.
-
-Data attribution and skip sets: Lightning builds the train loader itself (a ``DataLoader``
-re-created with a ``DistributedSampler`` under DDP), so the callback takes it where the
-strategy hands it back (``strategy.process_dataloader``, wrapped for the fit, before the loop
-creates its iterator) and stands :mod:`._attribution`'s recorder in for its batch sampler:
-each batch's sample indices are filed under the step it feeds (every rank's, gathered at the
-optimizer step), nothing about the batches changes, and a rollback's ``skip_samples`` are
-dropped from the index lists before anything is fetched. Below the recorder a resume draws
-the index lists of the batches the restored epoch had consumed (without loading them), so a
-plain ``DataLoader`` resumes mid-epoch on the very next batch, where Lightning alone would
-restart the epoch. Loaders without sample indices (an ``IterableDataset``, a custom
-iterable) get a hash of each batch and their position in the fit loop's state; a skip set
-they cannot honour raises ``ConfigError``. Rejected alternative: wrapping Lightning's data
-fetcher — a private object re-created every epoch, and its batches are already fetched.
-
-Replay: importing this module registers the Lightning :class:`~dstt.inspect.replay.ReplayKit`
-(``run.replay(k, trainer=trainer, module=module)``). It replays automatic optimization the way
-Lightning runs it: each recorded micro-batch collated by the train loader and moved as
-Lightning moves it (``on_before_batch_transfer``, ``batch_to_device``), the module's own
-``training_step`` in the precision plugin's context, the loss divided by
-``accumulate_grad_batches``, the precision plugin's backward with its hooks, and between the
-last backward and ``optimizer.step()`` what Lightning runs there (``on_before_optimizer_step``
-and ``configure_gradient_clipping`` with ``gradient_clip_val``). ``self.log`` is silenced for
-the replay. Manual optimization steps the optimizer inside ``training_step``, which a replay
-cannot split: it raises ``ReplayError`` (replay it with ``model=``, ``optimizer=`` and
-``loss_fn=``). Rejected alternative: driving Lightning's automatic-optimization loop itself —
-private, version-bound, and it steps the scheduler and the loop counters too.
+A thin adapter over :class:`dstt.Session`, as for the Hugging Face Trainer: ``on_fit_start``
+starts a Session on the LightningModule, ``trainer.optimizers[0]`` and its scheduler;
+``on_train_batch_end`` ends the iteration and files ``self.log``'s step-level values. Resume
+restores through the Session, then hands the fit loop's state kept with each commit to
+``fit_loop.load_state_dict``; the train loader gets :mod:`._attribution`'s recorder where the
+strategy hands it back; importing registers the Lightning ``ReplayKit``. Rejected: a ``.ckpt``
+written from the run (a second copy, in a layout private to each Lightning version);
+wrapping Lightning's data fetcher (private, re-created every epoch); driving its
+automatic-optimization loop for replay (private, and it steps the scheduler and counters too).
+Details: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -66,7 +30,7 @@ from dstt.training import Session, open_session
 from dstt.training.data import Passthrough, fingerprint
 
 from ._attribution import StepRecorder, attach, gather_ranks
-from ._common import numeric_metrics, session_options
+from ._common import numeric_metrics, refuse_whole_batches, session_options
 
 if TYPE_CHECKING:
     import os
@@ -162,7 +126,8 @@ class DsttCallback(Callback):
         skips: SkipSet = s._skips  # noqa: SLF001 - the timeline's skip set, read at the restore
         self._data = _TrainData(skips)
         if s.step:
-            _refuse_whole_batches(s, skips)
+            assert s.repo is not None
+            refuse_whole_batches(s.repo.reader(), skips.batches, "Lightning", _REPLAY)
         restored = self._loops.restored
         if s.step and restored and restored.get("fit_loop"):
             trainer.fit_loop.load_state_dict(restored["fit_loop"])
@@ -255,23 +220,7 @@ class DsttCallback(Callback):
             s.close(exc)
 
 
-_WHOLE_BATCHES = (
-    "this timeline skips whole batches (rollback(..., skip_data=N) or skip_batches=[...]), "
-    "which Lightning cannot follow: it resumes by counting the batches each epoch consumed, "
-    "so every later resume would land on the wrong batch. Roll back with skip_samples=[...] "
-    "instead (e.g. run.replay(k, trainer=trainer, module=module).worst(3)): each batch keeps "
-    "its place and loses only those samples"
-)
-
-
-def _refuse_whole_batches(s: Session, skips: SkipSet) -> None:
-    """Refuse, before Lightning starts, the skips its count-based resume cannot honour."""
-    assert s.repo is not None
-    reader = s.repo.reader()
-    ref, head = reader.ref(), reader.head()
-    fresh = head is not None and ref.skip_data and head.slot == ref.base_slot
-    if skips.batches or fresh:
-        raise ConfigError(_WHOLE_BATCHES)
+_REPLAY = "run.replay(k, trainer=trainer, module=module)"
 
 
 class _FastForward(Passthrough):

@@ -1,47 +1,15 @@
 """``DsttCallback`` for the Hugging Face ``Trainer``: every optimizer step captured by a Session.
 
-Design: the callback is a thin adapter over :class:`dstt.Session`, not a second capture path.
-At ``on_train_begin`` the Trainer has created its optimizer and scheduler (and accelerate has
-wrapped them); the callback unwraps them and starts a Session on the model, the torch
-optimizer and the scheduler. The Session's optimizer step hooks then capture each optimizer
-step exactly as in a hand-written loop — once per optimizer step, so gradient accumulation
-commits once per ``gradient_accumulation_steps`` micro-batches. ``on_step_end`` (after the
-scheduler stepped) marks the end of the iteration, ``on_log`` files the Trainer's logged
-values (``loss``, ``learning_rate``, ``grad_norm``, eval metrics) with ``s.log(step=...)``
-under the step just taken, and ``on_train_end`` closes the Session (commits the last step).
-
-Resume goes through the Trainer's own machinery, because only the Trainer knows how to skip
-the batches a step consumed (``skip_first_batches`` in the resumed epoch) and when to restore
-the RNG (after that skip): ``cb.resume_from()`` writes a small directory in the Trainer's
-checkpoint layout — ``trainer_state.json`` (global step, epoch, tokens seen, from the run's
-head commit), ``rng_state.pth`` (the head commit's RNG states) and the weights file the Trainer
-insists on loading — and ``trainer.train(resume_from_checkpoint=cb.resume_from())`` then
-continues. When training begins, the Session (``resume=True``) restores the committed model,
-optimizer and scheduler over what the Trainer loaded. Rejected alternatives: exporting a full
-Trainer checkpoint (``optimizer.pt``, ``scheduler.pt``: a second copy of the largest state,
-which the Session restores bit-exactly anyway), and setting ``state.global_step`` from a
-callback (too late: the Trainer decides the data skip before ``on_train_begin``).
-
-Data attribution goes through the Trainer's loader too (:mod:`._attribution`): at
-``on_train_begin`` the callback stands a recorder in for the train loader's batch sampler,
-which passes every index list through unchanged and keeps it; ``on_step_end`` files the lists
-of the step just taken (its micro-batches, every rank's) in the ``data/batches`` records
-``s.data(loader)`` writes, so ``run.batches()``, ``Spike.samples`` and ``run.replay`` see them.
-A timeline's skipped samples (``rollback(k, skip_samples=...)``) leave their index lists
-before anything is fetched: each batch keeps its place, so the Trainer's count-based resume
-(``skip_first_batches``) stays right. What that count cannot follow (whole-batch skips:
-``skip_data``, ``skip_batches``; a batch with every sample skipped; a loader without sample
-indices) raises a ``ConfigError`` rather than train on the skipped data.
-
-``run.replay(k, trainer=trainer)`` re-executes a step the Trainer's way: the kit registered at
-import (:func:`dstt.inspect.replay.register_replay_kit`) builds micro-batches with the
-Trainer's collator, runs its ``training_step`` (loss kwargs, ``num_items_in_batch``,
-accumulation scaling, autocast as configured) and its gradient clipping before the optimizer
-step. Rejected alternative: a replay loss function re-deriving the Trainer's scaling — it
-drifts with every Trainer release; its own methods do not.
-
-The Trainer has no exception hook: if ``train()`` raises, the Session is closed at the next
-``train()`` or at interpreter exit (committing only complete steps), or by ``cb.close()``.
+A thin adapter over :class:`dstt.Session`, not a second capture path: ``on_train_begin``
+unwraps the Trainer's optimizer and scheduler and starts a Session, whose step hooks capture
+each optimizer step; ``on_step_end`` ends the iteration, ``on_log`` files the logged values
+under the step just taken, ``on_train_end`` closes. Resume goes through the Trainer's own
+machinery: ``cb.resume_from()`` writes a small folder in its checkpoint layout. Data
+attribution taps the train loader's batch sampler (:mod:`._attribution`); the registered
+``ReplayKit`` replays a step with the Trainer's own methods. Rejected: a full Trainer
+checkpoint (a second copy of the largest state), setting ``state.global_step`` from a
+callback (too late for the data skip), a replay loss re-deriving the Trainer's scaling
+(drifts with every release). Details: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -68,6 +36,7 @@ from ._attribution import StepRecorder, attach, gather_ranks
 from ._common import (
     PROGRESS_FIELDS,
     numeric_metrics,
+    refuse_whole_batches,
     session_options,
     unwrap_optimizer,
     unwrap_scheduler,
@@ -160,7 +129,8 @@ class DsttCallback(TrainerCallback):
         head = reader.head()
         if head is None:
             return None
-        _check_skips(reader, head)
+        skipped = read_skips(reader.storage, reader.timelines, reader.ref().name).batches
+        refuse_whole_batches(reader, skipped, _TRAINER, _REPLAY)
         rank = int(self._args.process_index)
         progress = _rank_object(reader, head, f"{schema.EXTRA_OBJECT}/transformers", rank) or {}
         rng = from_plain(_rank_object(reader, head, schema.RNG_OBJECT, rank))
@@ -258,7 +228,8 @@ class DsttCallback(TrainerCallback):
                 )
             return
         if skips.batches:
-            raise ConfigError(_WHOLE_BATCHES)
+            assert s.repo is not None  # started
+            refuse_whole_batches(s.repo.reader(), skips.batches, _TRAINER, _REPLAY)
         if state.global_step and not args.ignore_data_skip:
             # the Trainer skips the batches the resumed epoch had consumed (it counts them
             # from the global step, as here); the recorder sees them go by: forget them
@@ -355,22 +326,7 @@ class DsttCallback(TrainerCallback):
             shutil.rmtree(pad, ignore_errors=True)
 
 
-_WHOLE_BATCHES = (
-    "this timeline skips whole batches (rollback(..., skip_data=N) or skip_batches=[...]), "
-    "which the Trainer cannot follow: it resumes by counting the batches it consumed, so "
-    "every later resume would land on the wrong batch. Roll back with "
-    "skip_samples=[...] instead (e.g. run.replay(k, trainer=trainer).worst(3)); each batch "
-    "keeps its place and loses only those samples"
-)
-
-
-def _check_skips(reader: Any, head: Any) -> None:
-    """Refuse, before the Trainer starts, what its count-based resume cannot honour."""
-    ref = reader.ref()
-    if read_skips(reader.storage, reader.timelines, ref.name).batches:
-        raise ConfigError(_WHOLE_BATCHES)
-    if ref.skip_data and head.slot == ref.base_slot:  # a fresh rollback with skip_data
-        raise ConfigError(_WHOLE_BATCHES)
+_TRAINER, _REPLAY = "the Trainer", "run.replay(k, trainer=trainer)"
 
 
 def _rank_object(reader: Any, head: Any, name: str, rank: int) -> Any:

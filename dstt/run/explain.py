@@ -2,26 +2,12 @@
 :mod:`dstt.analysis.mechanisms` needs, runs them all and ranks what they found.
 
 Each check reads only what it needs, through the run's lazy views, and records what it read
-(``Finding.read``):
-
-* numerics — the logged loss (and ``loss_scale`` when logged) and the summaries' NaN/Inf
-  counts of the look-back window (``lookback`` commits up to the cause);
-* update too large — the summaries' update ratios of the same window;
-* attention logit growth — the query/key weights (fused ``qkv`` or separate ``q``/``k``
-  projections, recognised by name) at up to ``LOGIT_POINTS`` commits of the window, up to
-  the cause's parent, split into heads by ``heads=``, else the head counts the session
-  recorded (``model/heads``, by module path), else a Hugging Face ``model/config``; a
-  layer whose head count is unknown is taken as one head and says so;
-* Adam's second moment — ``exp_avg_sq`` of every tensor at the last ``ADAM_STEPS`` + 1
-  consecutive commits up to the cause and β₂ from the stored ``param_groups``; ``g²`` from
-  the ``exp_avg_sq`` recurrence, or at the cause from replay's gradients when replay
-  objects are given;
-* bad data — per-sample losses of the spike's step, from ``run.replay`` when replay objects
-  are given; ``unknown`` otherwise.
-
-Rejected alternative: reading a whole snapshot per step of the window — the stored-state
-checks of a 10,000-step run answer in well under a second because they read a few tensors
-of a few commits and the index's rows, not the run.
+(``Finding.read``): the logged loss and the summaries' NaN/Inf counts and update ratios of the
+look-back window, the query/key weights at a few commits, ``exp_avg_sq`` at the last few
+commits, per-sample losses from ``run.replay`` when replay objects are given. Rejected
+alternative: reading a whole snapshot per step of the window — the stored-state checks of a
+10,000-step run answer in well under a second because they read a few tensors of a few
+commits and the index's rows, not the run. What each check reads: docs/decisions.md.
 """
 
 from __future__ import annotations

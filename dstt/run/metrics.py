@@ -1,20 +1,13 @@
 """``Run.metrics()``: the logged metrics per step, read from the run's index as numpy columns,
 an xarray ``Dataset`` only when one is asked for.
 
-A first ``run.metrics()`` used to cost 2 s on a loaded machine: xarray and pandas imported
-(~0.8 s) and a Python record per row (~0.3 s at 10,000 steps) before the first value was seen.
 :class:`Metrics` holds the index's rows; ``names``, ``in``, ``steps`` and ``column(name)``
-are numpy (no xarray), and everything a ``Dataset`` has — ``m["loss"]``, ``.sel``,
-``.to_dataframe()``, the notebook repr — builds that ``Dataset`` once
+are numpy (no xarray), and everything a ``Dataset`` has builds that ``Dataset`` once
 (:meth:`Metrics.to_xarray`) and answers from it, so code written against the ``Dataset``
 keeps working. Rejected alternatives: a ``Dataset`` subclass (xarray forbids adding state to
 one, and its import is what costs); a second method for the fast path (``run.metrics()``
-is what a newcomer types first, and what ``dstt log`` uses).
-
-The columns follow :func:`dstt.inspect.summaries.metrics_dataset`: the steps a commit carries
-in ``metrics/history`` (``every=K``) come before it with ``slot`` -1; a step met twice along
-the lineage keeps its later row; numeric metrics are float64 (NaN: not logged at that step),
-string ones object arrays ('' where missing); variables sorted by name.
+is what a newcomer types first, and what ``dstt log`` uses). The columns, and the 2 s this
+saved: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

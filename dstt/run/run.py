@@ -231,7 +231,7 @@ class Run:
         chunks: Any = None,
     ) -> xr.Dataset:
         """Write-time per-tensor statistics, dims ``step`` x ``tensor`` (see
-        :func:`dstt.inspect.summaries.summaries_dataset`); empty if none were written.
+        :func:`dstt.inspect.indexed.summaries_from_rows`); empty if none were written.
         ``chunks`` (e.g. ``{"step": 1000}``): dask-backed variables, to combine with
         ``trajectory(chunks=)`` on a cluster; the statistics themselves are read from the
         run's index here, in one pass (a few bytes per tensor per step)."""

@@ -174,17 +174,16 @@ class Reference:
     final: str
 
 
-def reference(steps: int, seed: int) -> Reference:
-    out = subprocess.run(
-        _cmd("plain", "-", steps, seed, False),
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=600,
-    )
+def _run_to_end(what: str, cmd: list[str]) -> _Parsed:
+    """Run a child process to its end (no kill); what it printed."""
+    out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=600)
     if out.returncode != 0:
-        raise RuntimeError(f"reference run failed: {out.stderr[-2000:]}")
-    p = _parse(out.stdout.splitlines())
+        raise RuntimeError(f"{what} failed: {out.stderr[-2000:]}")
+    return _parse(out.stdout.splitlines())
+
+
+def reference(steps: int, seed: int) -> Reference:
+    p = _run_to_end("reference run", _cmd("plain", "-", steps, seed, False))
     if sorted(p.losses) != list(range(1, steps + 1)) or p.final is None:
         raise RuntimeError(f"reference run printed {sorted(p.losses)[-3:]} / {p.final}")
     return Reference(p.losses, p.final)
@@ -352,16 +351,7 @@ def kill_once(
 
 def run_child_to_end(run: Path, steps: int, seed: int, *, delta: bool = False) -> str | None:
     """Resume ``run`` and train to the end without a kill; the final parameter hash."""
-    out = subprocess.run(
-        _cmd("child", run, steps, seed, delta),
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=600,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"child failed: {out.stderr[-2000:]}")
-    return _parse(out.stdout.splitlines()).final
+    return _run_to_end("child", _cmd("child", run, steps, seed, delta)).final
 
 
 def main(argv: list[str]) -> None:

@@ -1,28 +1,14 @@
 """Tiny CPU training runs with one loss-spike mechanism planted in each, for the tests and the
 benchmark of ``run.explain`` (issue 40).
 
-:func:`scenario` trains a :class:`~dstt.testing.models.TinyGPT` (no dropout) under
-``dstt.session`` with every step committed, on a map-style dataset of arithmetic sequences
-read in order (so each step's sample indices are recorded and replay finds them), and plants:
-
-* ``bad_data``: a few samples of one step's batch get random targets;
-* ``update_too_large``: the learning rate is multiplied for one optimizer step;
-* ``attention_logit_growth``: the query/key weights train at a high learning rate from the
-  start, with no QK normalisation, and a push on their gradients (``-c sign(W)``) makes
-  their norms grow every step: what a high LR without normalisation does, compressed into
-  a run short enough for a test;
-* ``adam_second_moment``: the gradients of one layer's MLP are scaled down 10⁴ times for a
-  quiet stretch, then restored (Adam with β₂ = 0.999, ε = 1e-12 and β₁ = 0, so the first
-  steps after the stretch are not averaged away by the momentum of a run this short);
-* ``numerics``: one gradient element is NaN at one step (the weight turns NaN);
-* ``clean``: nothing.
-
-:class:`Scenario` says what was planted (``step``: the first step whose logged loss shows
-it; ``points_at``: the planted tensors or sample indices) and :meth:`Scenario.replay` gives
-the replay objects for ``run.explain(..., replay=...)``.
-
+:func:`scenario` trains a :class:`~dstt.testing.models.TinyGPT` under ``dstt.session`` with
+every step committed, on a map-style dataset read in order (so replay finds each step's
+samples), and plants one of ``bad_data``, ``update_too_large``, ``attention_logit_growth``,
+``adam_second_moment``, ``numerics`` (or ``clean``: nothing). :class:`Scenario` says what was
+planted and where; :meth:`Scenario.replay` gives the replay objects for ``run.explain``.
 Rejected alternative: spikes written into a run's metrics directly (fast, but then the
 weights, optimizer state and batches hold no mechanism, and the checks would test nothing).
+How each is planted: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """The training side: the session around a user's loop, and what it captures per kind of
-training (plain PyTorch, PyTorch-native parallelism, DeepSpeed).
-
-* ``factory``   — ``session()`` / ``open_session()``: picks the session class for what it is given;
-* ``options``   — ``SessionOptions``: every knob, frozen and validated once;
-* ``session``   — ``Session``: construction, lifecycle, resume (plain PyTorch);
-* ``steps``     — ``StepCapture``, held by a session: what its hooks do per step;
-* ``distributed`` — ``RankedSession`` (what every multi-rank session shares) and
-  ``DistributedSession``: one rank of DDP, FSDP2, tensor parallel;
-* ``deepspeed`` — ``DeepSpeedSession``: one rank of a DeepSpeed engine;
-* ``stopping`` — ``finish_before_interrupt``: a Ctrl-C while a session closes commits first;
-* ``checks``, ``metrics``, ``retention``, ``data`` — up-front checks and skipped-step
-  reports, ``s.log``, background gc, data attribution;
-* ``imported`` — resuming a step ``dstt import`` brought in: what its source did not hold.
-
-Imports flow store ← engine ← training; nothing in the engine or the store imports this
-package. (It is ``training``, not ``session``: a ``dstt.session`` package would shadow the
-``dstt.session(...)`` function as soon as one of its modules was imported.)
+training (plain PyTorch, PyTorch-native parallelism, DeepSpeed). Modules: ``factory``
+(``session()``, ``open_session()``), ``options`` (``SessionOptions``), ``session``
+(``Session``), ``steps`` (``StepCapture``: what the hooks do per step), ``distributed``
+(``RankedSession``, ``DistributedSession``), ``deepspeed`` (``DeepSpeedSession``),
+``stopping`` (a Ctrl-C while closing), ``checks``, ``metrics``, ``retention``, ``data``
+(up-front checks, ``s.log``, background gc, data attribution), ``imported`` (resuming an
+imported step). Imports flow store ← engine ← training. It is ``training``, not ``session``:
+a ``dstt.session`` package would shadow the ``dstt.session(...)`` function as soon as one of
+its modules was imported. Rejected alternative: importing the multi-rank sessions with the
+package (a plain session's start would import them). Details: docs/decisions.md.
 """
 
 from __future__ import annotations

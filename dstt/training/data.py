@@ -1,41 +1,14 @@
 """Data attribution: which samples each step trained on, and skipping exactly those on resume.
 
-``s.data(loader)`` wraps the loader in :class:`RecordedData`, which records a *fingerprint* of
-every batch it hands out, filed under the optimizer step that batch feeds (``s.step + 1`` when
-it is drawn; gradient accumulation files several under one step):
-
-* the **sample indices** when the loader is a ``torch.utils.data.DataLoader`` (or torchdata's
-  ``StatefulDataLoader``) over a map-style dataset: a tap stands in for its index sampler
-  (:func:`index_tap`) and records each index list as the loader takes it, in the main process
-  before any worker loads it, and pairs them with the batches in order (``in_order=False``
-  loaders fall back to hashes). No batch is read twice and nothing is hashed. The tap keeps
-  the sampler's ``len``, ``set_epoch`` and ``state_dict``, so a stateful loader saves and
-  restores through it; it replaces the loader's sampler attribute for good (idempotently);
-* else a **hash**: blake2b-128 of the batch's CPU tensors, arrays, numbers and strings
-  (shapes and dtypes included), up to :data:`HASH_LIMIT` bytes per batch (beyond that only
-  shapes are hashed: the fingerprint is then ``partial``); device tensors are fingerprinted by
-  shape and dtype only (hashing them would sync the device).
-
-Each commit carries the fingerprints of the steps since the previous commit as the object
-``data/batches`` (``{"steps": [...], "batches": [[fp, ...], ...]}``; an fp is
-``{"indices": [...]}`` or ``{"hash": hex, "partial": bool}``), so ``every=K`` loses none.
-Rejected alternative: the fingerprint in the per-step ``data`` position object — that object
-exists only for committed steps.
-
-Skipping (``run.rollback(to, skip_samples=[...])`` or ``skip_batches=[steps]``): the rollback
-records a *skip set* for the new timeline (:func:`write_skips`), and every session resumed on
-that timeline or one forked from it drops those samples from the index lists before they are
-fetched (a batch left empty is skipped whole) and drops batches whose fingerprint matches a
-skipped batch's (an index list before it is fetched; a hash after the batch was loaded).
-Dropped batches are not training steps; the data position counts what the loader yielded, so
-a later re-reading resume replays the same filtering. A loader with ``state_dict()`` /
-``load_state_dict()`` (``StatefulDataLoader``) is saved with every step and restored on resume
-instead of re-reading the consumed batches.
-
-The skip set is stored next to the run's refs under ``_dstt/skips/`` keyed by the new
-timeline's fork point and creation time (a rename keeps both), because the store's ref has no
-field for it yet; a crash between the rollback and that write leaves the timeline without it
-(``run.skips()`` shows what applies).
+``s.data(loader)`` wraps the loader in :class:`RecordedData`, which files a *fingerprint* of
+every batch under the optimizer step it feeds: the sample indices, through a tap on a
+``DataLoader``'s index sampler (:func:`index_tap`: nothing read twice, nothing hashed), else a
+blake2b hash of the batch (:data:`HASH_LIMIT` bytes at most). Each commit carries the
+fingerprints since the previous one as ``data/batches``. A rollback's *skip set*
+(:func:`write_skips`, under ``_dstt/skips/``) makes every session resumed on that timeline drop
+those samples before they are fetched, and the matching batches. Rejected alternative: the
+fingerprint in the per-step ``data`` position object — that object exists only for committed
+steps. Details: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

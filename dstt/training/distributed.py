@@ -1,25 +1,14 @@
 """Sessions with several ranks: the same ``dstt.session(...)`` call on every rank.
 
-``RankedSession`` is what every multi-rank session shares, whatever the parallelism:
-
-* *opening* — ``dstt.engine.ranks.open_ranks``: the ranks say which run and options they
-  open (they must agree: a ``RankError`` on every rank otherwise, never a hang or a lock
-  message naming a sibling), rank 0 opens the run and takes its lock, the others open part
-  writers; they talk through the process group's store, not its communicator;
-* *committing* — each rank writes its share of a step into its own step file and votes;
-  rank 0 commits the step once every rank's part is durable (``dstt.store.RankWriter``);
-* *metrics* — rank 0's ``s.log`` goes with the commit (other ranks' calls are ignored);
-* *resume* — every rank restores from the commit rank 0 chose, reading only what it holds;
-* *closing* — every rank leaves the block once rank 0 has committed the last step.
-
-``DistributedSession`` is the PyTorch-native one (``dstt.engine.parallel``): DDP, FSDP2
-(``fully_shard``), tensor parallel (``parallelize_module``), and a DTensor model on one
-process. ``dstt.session(model, optimizer, ...)`` picks it whenever a process group is
-initialized or the model holds DTensors; ``DeepSpeedSession`` (``dstt.training.deepspeed``)
-is the DeepSpeed one. The hooks are the plain session's: a wait before each optimizer step,
-a capture after it (``StepCapture``).
-Rejected alternative: a session on rank 0 only, gathering state to it — every step would
-need a collective and rank 0 would write every byte; and a resume would restore rank 0 alone.
+``RankedSession`` is what every multi-rank session shares: the ranks agree on the run and
+options and rank 0 takes the lock (``dstt.engine.ranks.open_ranks``); each rank writes its
+share of a step and votes, rank 0 commits once every part is durable; rank 0's ``s.log`` goes
+with the commit; every rank restores from the commit rank 0 chose, reading only what it
+holds. ``DistributedSession`` is the PyTorch-native one (DDP, FSDP2, tensor parallel, a
+DTensor model on one process); ``DeepSpeedSession`` (``dstt.training.deepspeed``) the
+DeepSpeed one. Rejected alternative: a session on rank 0 only, gathering state to it — every
+step would need a collective and rank 0 would write every byte; and a resume would restore
+rank 0 alone. Details: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -44,7 +33,6 @@ if TYPE_CHECKING:
     import torch
 
     from dstt.engine.torch_state import Stateful, TorchState
-    from dstt.store._internal import Reader
 
     from .options import SessionOptions
 
@@ -225,7 +213,7 @@ class DistributedSession(RankedSession):
         self._parallel.layout.decide(self.channel, self._parallel.names)
         return opened
 
-    def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:
+    def _restore_state(self, source: StoreSource) -> None:
         assert self._parallel is not None
         check_layout(source, self._parallel.layout.params, world=self.info.world)
         self._state.step_state.restore(source)

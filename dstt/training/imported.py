@@ -1,19 +1,12 @@
 """Resuming a step that ``dstt import`` brought in: say what its source did not hold.
 
-An imported step (one with the object ``import/source``) holds what its source held: a
-Lightning or DeepSpeed checkpoint has no RNG state, a ``torch.save`` of a bare state dict no
-optimizer. Resuming it restores everything it holds bit-exactly; for the rest:
-
-* no RNG state: a :class:`~dstt.errors.DsttWarning` names the source, and the process keeps
-  its own RNG (the resumed run is then not bit-exact with the original: dropout and data
-  order draw differently);
-* no optimizer state, or no scheduler state, while the session has an optimizer / a
-  scheduler: a :class:`~dstt.errors.SchemaError` names the source and what to do (load the
-  weights with ``run.at(k).load_into(model)`` and start a new run) — silently starting a
-  fresh optimizer would look like a resume and train differently.
-
-Rejected alternative: storing placeholder state at import time — a resume would "restore"
-values the source never had.
+An imported step (one with the object ``import/source``) holds what its source held, and a
+resume restores that bit-exactly. No RNG state: a ``DsttWarning`` names the source and the
+process keeps its own RNG. No optimizer or scheduler state while the session has one: a
+``SchemaError`` says what to do (``run.at(k).load_into(model)`` and a new run) — silently
+starting a fresh optimizer would look like a resume and train differently. Rejected
+alternative: storing placeholder state at import time — a resume would "restore" values the
+source never had.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Which step an ``s.log(...)`` call belongs to, and the metrics of steps not committed yet.
 
-The rule: a metric belongs to the optimizer step of the iteration that logged it, whichever
-side of ``optimizer.step()`` the call sits. The session cannot see the forward pass, so it
-learns the loop's placement from the *first* ``s.log`` call of the session:
-
-* logged before any optimizer step of this session → *log-before-step*: every later call
-  belongs to the step the next ``optimizer.step()`` takes (``s.step + 1``);
-* otherwise → *log-after-step*: every call belongs to the step just taken (``s.step``).
-
-``s.log(step=k, ...)`` always wins. Both placements of the same loop therefore give the same
-curve, first value included.
-
-Metrics are kept per step until the step's commit is sealed: a captured step commits its own
-metrics in its commit header; steps that are not captured (``every=K``) hand their metrics
-to the next commit, which carries them as the object ``metrics/history``
-(``{"steps": [...], "time": [...], "metrics": [{name: value}, ...]}``); ``Run.metrics()``
-reads both, so every step's metrics stay visible.
-Rejected alternative: packing the history into the commit header's metrics — the header holds
-flat scalars only (``dstt.store.Metric``), and a JSON string there would look like a metric.
+A metric belongs to the optimizer step of the iteration that logged it, whichever side of
+``optimizer.step()`` the call sits: the session learns the loop's placement from the first
+``s.log`` call; ``s.log(step=k, ...)`` always wins. Metrics are kept per step until the step's
+commit is sealed; steps not captured (``every=K``) hand theirs to the next commit, as the
+object ``metrics/history``. Rejected alternative: packing the history into the commit
+header's metrics — the header holds flat scalars only (``dstt.store.Metric``), and a JSON
+string there would look like a metric. Details: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """``SessionOptions``: every knob of a capturing session, in one frozen, validated value.
 
 ``dstt.session(...)``, the Hugging Face and Lightning callbacks and the DeepSpeed checkpoint
-engine all take the same options; each builds one ``SessionOptions`` (``SessionOptions(run=...,
-every=...)`` or ``SessionOptions.of(run, **keywords)``) and hands it to the session class,
-which reads its settings from it and nowhere else. Bad values are refused here, when the
-options are built, with a ``ConfigError`` (a ``ValueError``) or ``TypeError`` that names the
-option — before a run is opened or a process group is touched.
-Rejected alternative: the sixteen keyword arguments repeated in every entry point (five copies
-had drifted: a callback could not pass ``retention``).
-
-The training objects (model, optimizer, scheduler, ``extra_state``) are not options: they are
-what a session captures, and a callback finds them itself.
+engine each build one ``SessionOptions`` (``SessionOptions(run=..., every=...)`` or
+``SessionOptions.of(run, **keywords)``) and hand it to the session class, which reads its
+settings from it and nowhere else. Bad values are refused here with a ``ConfigError`` (a
+``ValueError``) or ``TypeError`` that names the option, before a run is opened. The training
+objects (model, optimizer, scheduler, ``extra_state``) are not options: a session captures
+them, a callback finds them itself. Rejected alternative: the sixteen keyword arguments
+repeated in every entry point (five copies had drifted: a callback could not pass
+``retention``).
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """A session's background retention (``dstt.session(..., retention=dstt.Retention(...))``).
 
 Every ``Retention.every_commits`` captured steps the session hands a gc to one background
-thread, which runs it under the session's own writer (``Writer.gc``: the writer already holds
-the run's exclusive lock, so gc must go through it rather than take a second one). The
-training thread only counts sealed steps and, when a gc finished since, adds what it pruned to
-the next commit's metrics (``retention/pruned_steps``, ``retention/freed_bytes``,
-``retention/gc_s``): so ``dstt log`` and ``Run.metrics()`` say when and how much was pruned.
-
-gc holds the writer's commit lock while it writes tombstones and rewrites the index (commits
-wait, the training thread does not: it blocks only if the host cache or the backlog fills up
-meanwhile), and deletes files after releasing it. A gc still running when the next one is due
-is not queued twice. A gc error is kept and raised at the session's close as a warning: the
-steps stay on disk (nothing is lost), the next gc tries again. Rejected: gc on the committer
-thread between commits (the same wait, and a failing gc would look like a failed commit); gc on
-the training thread (its cost is the point of doing it elsewhere).
+thread, which runs it under the session's own writer (it holds the run's lock); the next
+commit's metrics say what was pruned (``retention/pruned_steps``, ``retention/freed_bytes``,
+``retention/gc_s``). A gc still running when the next is due is not queued twice; a gc error
+is a warning at the session's close (nothing is lost, the next gc tries again). Rejected: gc
+on the committer thread between commits (the same wait, and a failing gc would look like a
+failed commit); gc on the training thread (its cost is the point of doing it elsewhere).
+Details: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

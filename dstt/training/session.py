@@ -1,25 +1,13 @@
 """``Session``: capture every optimizer step of a plain PyTorch loop, lazily, and resume it.
 
-(``dstt.session(...)``, in ``dstt.training``, picks this class or the DeepSpeed subclass in
-``dstt.training.deepspeed``; both import this module, which imports neither.)
-
-The session attaches to the optimizer through its step hooks and drives the capture engine:
-stage step *k* after its optimizer step, snapshot the boundary state at the end of its
-iteration, wait for its copies and seal it before step *k+1*, and at the block's exit commit
-the last step; what each hook does is ``dstt.training.steps`` (``StepCapture``, which a
-``Session`` holds). This module is construction, the public surface, the lifecycle and resume.
-
-Metrics: ``s.log`` files each call under the step of its iteration, whichever side of
-``optimizer.step()`` it sits (``dstt.training.metrics``); steps that are not captured hand
-their metrics to the next commit. With ``every="auto"`` the steps the engine was too busy to
-take are *light* steps: the next commit records them (``dstt.engine.light``), and
-``run.rebuild`` replays them from the stored step before.
-
-Background errors (disk full, ...) surface on the training thread at the next optimizer step
-(``error_policy="raise"``: ``CaptureError`` chained to the cause, before the step runs) or as a
-warning (``"skip"``: the step is not committed, training goes on).
+The session attaches to the optimizer through its step hooks and drives the capture engine;
+what each hook does is ``dstt.training.steps`` (``StepCapture``, which a ``Session`` holds).
+This module is construction, the public surface, the lifecycle and resume; ``s.log`` is
+``dstt.training.metrics``. Background errors surface on the training thread at the next
+optimizer step (``error_policy="raise"``: ``CaptureError``) or as a warning (``"skip"``).
 Rejected alternative: wrapping ``optimizer.step`` — it breaks ``LRScheduler``'s own wrapper,
 ``torch.compile``d steps and anyone else who patches it; the hooks are the supported seam.
+Details: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -278,7 +266,7 @@ class Session:
             raise
         return writer, reader, head
 
-    def _restore_state(self, source: StoreSource, reader: Reader, head: Any) -> None:
+    def _restore_state(self, source: StoreSource) -> None:
         check_layout(source, None, world=1)  # a pipeline's stages resume only as a pipeline
         self._state.step_state.restore(source)
         self._state.boundary_state.restore(source)
@@ -433,7 +421,7 @@ class Session:
             optimizer=bool(self.optimizers),
             scheduler=self.scheduler is not None,
         ):
-            self._restore_state(source, reader, head)
+            self._restore_state(source)
         source.unused_damage()
         self._capture.step = head.step
         ref = reader.ref()

@@ -1,39 +1,14 @@
 """The per-step capture protocol of ``Session``: what its optimizer hooks do.
 
-* post-step hook of step *k* → ``stage(k)``: the pipeline starts copying the model and optimizer
-  tensors into the host cache and returns at once; RNG states, the data position and
-  ``extra_state`` are snapshotted here;
-* end of iteration *k* (the loop asks ``s.data(...)`` for the next batch; without it, the next
-  pre-step hook) → snapshot the *boundary state*: optimizer hyperparameters, LR scheduler
-  (stepped by now) and ``extra_state``;
-* pre-step hook of step *k+1* → wait for step *k*'s copies (the only point that blocks
-  training), run the version guard, then *seal* step *k*: hand it to the committer, which
-  commits it with the metrics ``s.log`` attached once its chunks are on disk;
-* ``every="auto"``: the post-step hook stages step *k* only if the pipeline can take it
-  without blocking training (``Pipeline.can_take``: the backlog under ``max_backlog``, a free
-  host buffer), or after ``max_gap`` light steps in a row; otherwise step *k* is a *light*
-  step, and the next sealed commit carries the light steps before it as one
-  ``light/steps`` object (``dstt.engine.light``) next to their metrics and batches; with
-  several ranks each rank's ``can_take`` is gathered (``agree``) and a step is stored only
-  where every rank can take it, so all ranks store the same steps;
-* leaving the block seals and drains the last step, and commits the last optimizer step
-  even where ``every`` did not select it (its step state was snapshotted after its optimizer
-  step), so training never loses its end. An exception or ``KeyboardInterrupt`` inside the
-  block commits the last step only if its iteration had finished (the loop asked
-  ``s.data(...)`` for the next batch) and no optimizer step was under way; else it drops it
-  whole, and a dstt error of the engine commits nothing more. Already-sealed steps finish
-  committing. What is visible is always a complete, consistent step.
-
-``StepCapture`` is an object a ``Session`` (``dstt.training.session``) holds, which imports
-this module and never the other way: it owns the per-step state (the step counters, the step
-in flight and its boundary state, the last skipped step) and is given, at construction and at
-``start``, what it drives — the torch state, the options, the pipeline, the metric and batch
-logs, the background retention. The session's hooks call its ``before_step``,
-``after_step`` and ``at_boundary`` (``DeepSpeedSession`` installs the same on its engine), and
-``close`` its ``finish``. So the session module stays about construction, the public surface
-and the lifecycle. Rejected alternatives: a base class of ``Session`` (what it was: one class
-split over two files, its attributes declared by hand in the base); module-level functions
-taking the session — the state would still live on the session.
+Post-step hook of step *k*: stage it (the copy starts, step state snapshotted); end of
+iteration *k*: snapshot the boundary state; pre-step hook of step *k+1*: wait for the copies
+(the only point that blocks training), run the version guard, seal step *k* for the committer.
+``every="auto"`` stages a step only when the pipeline can take it, else records it as a light
+step. Leaving the block commits the last step (on an exception only a finished iteration's).
+``StepCapture`` is an object a ``Session`` holds, given what it drives; the session module
+stays about construction, the public surface and the lifecycle. Rejected alternatives: a
+base class of ``Session`` (one class split over two files); module-level functions taking the
+session (the state would still live on it). Details: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """A Ctrl-C while a session closes: the last steps are committed first, then it stops.
 
-Closing a session drains the steps still in flight (copied, not yet durable) and commits
-them. A ``KeyboardInterrupt`` in the middle of that used to abandon them — the session had
-trained 25 steps and the run kept 19 — with a traceback from deep in the store. While
+Closing a session drains the steps still in flight and commits them. While
 :func:`finish_before_interrupt` is active, a first Ctrl-C prints one line and is raised once
 the close has finished; a second one (or the first, when the close itself is the answer to a
-Ctrl-C) interrupts at once, as before: the way out of a close that hangs. Rejected
-alternative: ignoring SIGINT while closing — a hung close (a dead disk) could then not be
-interrupted at all.
-
-Only the main thread can install a signal handler; elsewhere, and when a program installed
-its own SIGINT handler, nothing changes.
+Ctrl-C) interrupts at once: the way out of a close that hangs. Rejected alternative: ignoring
+SIGINT while closing — a hung close (a dead disk) could then not be interrupted at all. Only
+the main thread can install a signal handler; elsewhere, and when a program installed its own
+SIGINT handler, nothing changes. Details: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -20,11 +20,11 @@ import numpy as np
 
 from dstt._optional import require
 from dstt.errors import StepNotFoundError, TensorNotFoundError
-from dstt.plots.draw import draw_bars, draw_curves, draw_tensor, image_strides
+from dstt.plots.draw import draw_bars, draw_curves, draw_tensor
 from dstt.plots.series import diff_headers
 from dstt.schema import user_name
 
-from .model import default_metric
+from .model import default_metric, subsample
 from .views import TOP_BARS, FigureView
 
 if TYPE_CHECKING:
@@ -93,17 +93,8 @@ class CompareModel:
 
     def values(self) -> tuple[np.ndarray, np.ndarray]:
         """The selected tensor at A and at B (subsampled like the scrubber's)."""
-        out = []
-        for snap in (self.a, self.b):
-            da = snap.tensor(self._tensor)
-            rs, cs = image_strides(da.shape, self.max_side) if da.ndim >= 2 else (1, 1)
-            if rs > 1:
-                da = da.isel({da.dims[0]: slice(None, None, rs)})
-            v = np.asarray(da.values)
-            if v.ndim >= 2 and cs > 1:
-                v = v.reshape(v.shape[0], -1)[:, ::cs]
-            out.append(v)
-        return out[0], out[1]
+        a, b = (s.tensor(self._tensor) for s in (self.a, self.b))
+        return subsample(a, a.shape, self.max_side), subsample(b, b.shape, self.max_side)
 
     def label(self) -> str:
         def side(s: Snapshot) -> str:

@@ -14,7 +14,7 @@ observer callbacks whose firing order is the widget library's business.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -37,6 +37,20 @@ __all__ = ["LRU", "Mode", "ScrubberModel"]
 
 Mode = Literal["values", "change"]
 Observer = Callable[[set[str]], None]
+
+
+def subsample(da: Any, shape: Sequence[int], max_side: int) -> np.ndarray:  # noqa: ANN401 - a DataArray
+    """The values of ``da`` (a lazy DataArray of ``shape``) every :func:`image_strides` rows
+    and columns of its matrix view; only the rows (and a matrix's columns) kept are read."""
+    rs, cs = image_strides(shape, max_side) if len(shape) >= 2 else (1, 1)
+    if da.ndim >= 1 and rs > 1:
+        da = da.isel({da.dims[0]: slice(None, None, rs)})
+    if da.ndim == 2 and cs > 1:
+        da = da.isel({da.dims[1]: slice(None, None, cs)})
+    v = np.asarray(da.values)
+    if v.ndim > 2 and cs > 1:
+        v = v.reshape(v.shape[0], -1)[:, ::cs]
+    return v
 
 
 def default_metric(metrics: xr.Dataset) -> str | None:
@@ -140,43 +154,31 @@ class ScrubberModel:
             return
         if name not in self.run.timelines:
             raise TimelineError(f"no timeline {name!r}; have {self.timelines}")
-        old_step, old_ref = self._step, self._reference
         self._timeline = name
-        self._load_timeline()
-        self._step = self._snap(old_step)
-        if old_ref is not None and old_ref not in self.steps:
-            self._reference = None
-        changed = {"timeline", "steps", "metrics", "spikes"}
-        changed |= {"step"} if self._step != old_step else set()
-        changed |= {"reference"} if self._reference != old_ref else set()
-        if self._tensor not in self.tensors:
-            self._tensor = self._default_tensor(self.tensors)
-            changed.add("tensor")
-        self._notify(changed)
+        self._reload({"steps"})
 
     def refresh(self) -> None:
         """Re-read the run (new steps of a live run, after a rollback or gc elsewhere)."""
-        old = (self.steps, self._step, self._reference, self._tensor)
         self.run.refresh()
         self.cache.clear()
         if self._timeline not in self.run.timelines:
             self._timeline = self.run.timeline
+        self._reload(set())
+
+    def _reload(self, changed: set[str]) -> None:
+        """Re-read the timeline, keep the step, reference and tensor where they still exist,
+        and notify what changed (``changed``: said changed whatever the values)."""
+        old = (self.steps, self._step, self._reference, self._tensor)
         self._load_timeline()
         self._step = self._snap(self._step)
         if self._reference is not None and self._reference not in self.steps:
             self._reference = None
         if self._tensor not in self.tensors:
             self._tensor = self._default_tensor(self.tensors)
-        changed = {"timeline", "metrics", "spikes"}
-        for name, before, now in zip(
-            ("steps", "step", "reference", "tensor"),
-            old,
-            (self.steps, self._step, self._reference, self._tensor),
-            strict=True,
-        ):
-            if before != now:
-                changed.add(name)
-        self._notify(changed)
+        now = (self.steps, self._step, self._reference, self._tensor)
+        names = ("steps", "step", "reference", "tensor")
+        changed |= {n for n, a, b in zip(names, old, now, strict=True) if a != b}
+        self._notify(changed | {"timeline", "metrics", "spikes"})
 
     def _snap(self, step: int) -> int:
         """The latest step <= ``step`` on this timeline (the first step if none)."""
@@ -457,17 +459,8 @@ class ScrubberModel:
         snap: Snapshot = self.cache.get_or_make(
             ("snapshot", timeline, step), lambda: self.run.at(step, timeline)
         )
-        da = snap.tensor(tensor)
         shape = tuple(snap.catalog.table[snap.path(tensor)].shape)
-        rs, cs = image_strides(shape, self.max_side) if len(shape) >= 2 else (1, 1)
-        if da.ndim >= 1 and rs > 1:
-            da = da.isel({da.dims[0]: slice(None, None, rs)})
-        if da.ndim == 2 and cs > 1:
-            da = da.isel({da.dims[1]: slice(None, None, cs)})
-        v = np.asarray(da.values)
-        if v.ndim > 2 and cs > 1:
-            v = v.reshape(v.shape[0], -1)[:, ::cs]
-        return v
+        return subsample(snap.tensor(tensor), shape, self.max_side)
 
     def shown(self) -> tuple[np.ndarray | None, str]:
         """What the tensor view draws now and its title: values, or the change since the

@@ -1,22 +1,13 @@
 """One click from a spike to its replay: the scrubber's replay panel.
 
-``scrubber(run, replay=...)`` adds a button under the views. At a step flagged as a loss spike
-it reads "replay the spike at step k"; elsewhere "replay step k". A click re-executes that step
-from the commit before it (:meth:`dstt.Run.replay`: bit-exact against its commit, nothing
-written to the run) and shows what happened inside it: the tensors with the largest gradient
-norms as bars, and the worst samples of the batch (dataset index, micro-batch, loss) as a
-table, under a line that says whether the replay was faithful; for a spike, below them, why
-it happened (:meth:`dstt.Run.explain`'s ranked mechanisms, with the panel's replay objects).
-
-``replay`` is either the keyword arguments of :meth:`dstt.Run.replay` (``model``,
-``optimizer``, ``scheduler``, ``dataset``/``batches``, ``loss_fn``, …: the objects a replay
-restores into) or a callable taking the step (an ``int``, or the ``Spike`` at that step) and
-returning a :class:`~dstt.inspect.replay.Replay`, for anything the mapping cannot say.
-
-The replay runs in the kernel on the click (a step's forward/backward plus one restore: about
-one training step), with the status line saying so; an error (no data attribution, no commit
-before the step) is shown in that line and kept in ``.error``. Rejected alternative: replaying
-every spike when the widget opens — each costs a training step, for spikes nobody looks at.
+``scrubber(run, replay=...)`` adds a button under the views; a click re-executes the step (or
+spike) under the cursor from the commit before it (:meth:`dstt.Run.replay`) and shows the
+tensors with the largest gradient norms, the worst samples of the batch, whether the replay
+was faithful and, for a spike, :meth:`dstt.Run.explain`'s ranked mechanisms. ``replay`` is
+:meth:`dstt.Run.replay`'s keyword arguments, or a callable taking the step and returning a
+:class:`~dstt.inspect.replay.Replay`. Errors show in the status line and stay in ``.error``.
+Rejected alternative: replaying every spike when the widget opens — each costs a training
+step, for spikes nobody looks at. Details: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

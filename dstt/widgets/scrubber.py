@@ -1,19 +1,13 @@
 """``dstt.widgets.scrubber(run)``: travel through a run's steps in JupyterLab.
 
-Layout: a ``Play`` button jslinked to the step ``SelectionSlider``'s index (playback runs in the
-browser, the kernel only sees the steps it lands on), ◀/▶ buttons, timeline and tensor pickers,
-a ⟳ button (re-read a live run), a values/change toggle, reference pin buttons, a one-line
-label, then three views: the loss curve (spikes marked, cursor at the step), the selected
-tensor as a heatmap (histogram for 1-D; or its change since the reference) and per-tensor
-change versus the reference step. With ``replay=`` a replay panel follows
-(:mod:`dstt.widgets.replay_panel`): one click replays the spike (or step) under the cursor and
-shows its gradient norms and worst samples.
-
-All state lives in :class:`~dstt.widgets.model.ScrubberModel`; this class only mirrors it into
-widgets and back. The slider has ``continuous_update=False``: dragging loads one step, on
-release. Rejected alternative: ``interactive_output`` over the slider — it re-runs one big
-function per change, so moving the step would redraw (and re-read) everything, where here the
-model's change set decides which views to redraw.
+A ``Play`` button jslinked to the step slider (playback runs in the browser), pickers, a
+values/change toggle and reference pins over three views: the loss curve, the selected tensor
+and per-tensor change versus the reference; with ``replay=`` a replay panel
+(:mod:`dstt.widgets.replay_panel`). All state lives in
+:class:`~dstt.widgets.model.ScrubberModel`; this class only mirrors it into widgets and back.
+Rejected alternative: ``interactive_output`` over the slider — it re-runs one big function per
+change, so moving the step would redraw (and re-read) everything, where here the model's
+change set decides which views to redraw. Layout in full: docs/decisions.md.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class FigureView:
     (the loss cursor, the heatmap and its colorbar); :meth:`png` renders the rest once, keeps
     those pixels, and later frames paste them back and draw only the moving artists (blitting).
     Every frame goes through that same path, so a frame's bytes depend only on what is shown,
-    not on how the view got there. :meth:`redraw` and :meth:`invalidate` drop the kept pixels.
+    not on how the view got there. :meth:`redraw` drops the kept pixels.
     """
 
     def __init__(self, figsize: tuple[float, float], dpi: int = 80) -> None:
@@ -64,7 +64,6 @@ class FigureView:
         self.fig = figure.Figure(figsize=figsize, dpi=dpi)
         self.canvas = agg.FigureCanvasAgg(self.fig)
         self.artists: dict[str, Any] = {}
-        self.renders = 0
         #: full renders of the static part (a blitted frame does not count)
         self.full_renders = 0
         self._moving: list[Any] = []
@@ -87,10 +86,6 @@ class FigureView:
             a.set_animated(True)
             if a not in self._moving:
                 self._moving.append(a)
-        self._background = None
-
-    def invalidate(self) -> None:
-        """The static part changed (new ticks, labels, bars): render it anew next frame."""
         self._background = None
 
     def fit(self, labels: Sequence[str] | None = None, fontsize: float = 8.0) -> None:
@@ -133,7 +128,6 @@ class FigureView:
         frame = image.frombuffer("RGBA", (w, h), bytes(canvas.buffer_rgba()), "raw", "RGBA", 0, 1)
         buf = io.BytesIO()
         frame.save(buf, format="png", compress_level=1)
-        self.renders += 1
         return buf.getvalue()
 
 

@@ -10,8 +10,9 @@ import torch
 from inspect_helpers import new_repo, small_model, write_steps
 
 import dstt
-from dstt.inspect.summaries import metrics_dataset
 from dstt.run import open_run
+from dstt.run.metrics import Metrics
+from dstt.store._internal import RowSet
 
 
 class Tiny(torch.nn.Module):
@@ -87,24 +88,27 @@ def test_time_is_datetime64_utc(tmp_path: Path) -> None:
     assert run.trajectory("layers.1.mlp.weight")["time"].dtype == np.dtype("datetime64[ns]")
 
 
-class _Header:
-    """The fields of a commit header ``metrics_dataset`` reads (a small real fake)."""
-
-    def __init__(
-        self, step: int, slot: int, metrics: dict[str, float], objects: tuple[str, ...] = ()
-    ) -> None:
-        self.step, self.slot, self.timeline, self.time = step, slot, "main", 1.7e9 + step
-        self.metrics, self.objects = metrics, objects
-
-
 def test_a_step_met_twice_along_the_lineage_keeps_the_newer_row() -> None:
     history = {
         "steps": [3, 4],
         "time": [1.7e9 + 3, 1.7e9 + 4.5],
         "metrics": [{"loss": 3.0}, {"loss": 40.0}],
     }
-    headers = [_Header(4, 0, {"loss": 4.0}), _Header(5, 1, {"loss": 5.0}, ("metrics/history",))]
-    m = metrics_dataset(headers, lambda h, name: history)
+    rows = RowSet(  # the index's rows of commits 4 and 5; 5 carries steps 3 and 4 again
+        slot=np.array([0, 1]),
+        step=np.array([4, 5]),
+        parent=np.array([-1, 0]),
+        timeline=np.array([0, 0]),
+        pruned=np.zeros(2, bool),
+        time=np.array([1.7e9 + 4, 1.7e9 + 5]),
+        timelines=["main"],
+        headers=[b"", b""],
+        m_names=["loss"],
+        m_num=np.array([[4.0], [5.0]]),
+        m_text=[None, None],
+        m_hist=[None, history],
+    )
+    m = Metrics(rows)
     assert m["step"].values.tolist() == [3, 4, 5]
     assert float(m["loss"].sel(step=4)) == 40.0
     assert int(m["slot"].sel(step=4)) == -1
