@@ -103,7 +103,7 @@ def collect_parts(
                 ranks=tuple(missing),
             )
         if lost is not None and time.monotonic() - asked >= _LOST_EVERY_S:
-            asked = -math.inf  # the first poll asks (a rank already known lost fails at once)
+            asked = time.monotonic()
             gone = {r: why for r, why in lost(missing).items() if r in missing}
             if gone:
                 continue  # one more look for their parts before giving up

@@ -8,6 +8,7 @@ across processes; the protocol only goes through the storage.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from pathlib import Path
@@ -134,6 +135,27 @@ def test_collect_can_be_cancelled(tmp_path: Path) -> None:
     threading.Timer(0.05, stop.set).start()
     with pytest.raises(RankError, match="stopped"):
         collect_parts(repo.storage, slot=0, step=1, ranks=[1, 2], world=3, session="s", cancel=stop)
+
+
+def test_lost_ranks_are_asked_about_at_most_every_half_second(tmp_path: Path) -> None:
+    """``lost`` asks the ranks' heartbeats: at most every 0.5 s, not at every poll of the
+    parts (which goes down to every 0.5 ms)."""
+    repo = Repository.create(tmp_path / "run")
+    asked: list[float] = []
+
+    def lost(missing: object) -> dict[int, str]:
+        asked.append(time.monotonic())
+        return {}
+
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match="did not prepare"):
+        collect_parts(
+            repo.storage, slot=0, step=1, ranks=[1], world=2, session="s", timeout=1.2, lost=lost
+        )
+    waited = time.monotonic() - t0
+    assert asked
+    assert len(asked) <= 2 + waited / 0.5, (len(asked), waited)
+    assert all(b - a >= 0.5 for a, b in itertools.pairwise(asked))
 
 
 def test_two_ranks_never_write_one_array(tmp_path: Path) -> None:
