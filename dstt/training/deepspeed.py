@@ -25,9 +25,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dstt import schema
-from dstt.engine.deepspeed import DeepSpeedState, EngineStepHook
-from dstt.engine.dims import DimsOf, ModelDims
-from dstt.engine.providers import RankObject, StoreSource
+from dstt.engine.ds.deepspeed import DeepSpeedState, EngineStepHook
+from dstt.engine.state.dims import DimsOf, ModelDims
+from dstt.engine.state.providers import RankObject, StoreSource
 from dstt.errors import ConfigError
 
 from .distributed import RankedSession
@@ -35,8 +35,8 @@ from .distributed import RankedSession
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from dstt.engine.ranks import RankInfo
-    from dstt.engine.torch_state import Stateful, TorchState
+    from dstt.engine.distributed.ranks import RankInfo
+    from dstt.engine.state.torch_state import Stateful, TorchState
     from dstt.store._internal import Reader
 
     from .options import SessionOptions

@@ -28,11 +28,11 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from dstt import schema
-from dstt.engine.dims import DimsOf, ModelDims
-from dstt.engine.parallel import ParallelState
-from dstt.engine.providers import RankObject, StoreSource
-from dstt.engine.ranks import RankChannel, RankInfo, RankWriter, dist_info, open_ranks
-from dstt.engine.sharding import check_layout
+from dstt.engine.distributed.parallel import ParallelState
+from dstt.engine.distributed.ranks import RankChannel, RankInfo, RankWriter, dist_info, open_ranks
+from dstt.engine.distributed.sharding import check_layout
+from dstt.engine.state.dims import DimsOf, ModelDims
+from dstt.engine.state.providers import RankObject, StoreSource
 from dstt.errors import ConfigError, RankError
 from dstt.store._internal import Repository
 
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from dstt.engine.torch_state import Stateful, TorchState
+    from dstt.engine.state.torch_state import Stateful, TorchState
     from dstt.store._internal import Reader
 
     from .options import SessionOptions

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from dstt.engine.dtensors import is_dtensor
+from dstt.engine.tensors.dtensors import is_dtensor
 
 from .options import (
     DEFAULT_BUDGET,
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from dstt.engine.torch_state import Stateful
+    from dstt.engine.state.torch_state import Stateful
     from dstt.store._internal import DeltaPolicy, Retention
 
 __all__ = ["open_session", "session"]
@@ -169,7 +169,7 @@ def _deepspeed_engine(model: object) -> bool:
     is imported only for an object of a ``deepspeed`` class."""
     if not any(c.__module__.startswith("deepspeed") for c in type(model).__mro__):
         return False
-    from dstt.engine.deepspeed import is_deepspeed_engine
+    from dstt.engine.ds.deepspeed import is_deepspeed_engine
 
     return is_deepspeed_engine(model)
 

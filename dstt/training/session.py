@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstt import schema
-from dstt.engine.data_position import DataPosition, TrackedData
-from dstt.engine.dims import DimsOf, ModelDims
-from dstt.engine.optimizers import optimizers_of
-from dstt.engine.pipeline import SUMMARIES_OBJECT, Pipeline, StepMetrics
-from dstt.engine.providers import RankObject, StoreSource
-from dstt.engine.sharding import check_layout
-from dstt.engine.torch_state import ONE_RANK, Stateful, TorchState, discover
+from dstt.engine.capture.pipeline import SUMMARIES_OBJECT, Pipeline, StepMetrics
+from dstt.engine.distributed.sharding import check_layout
+from dstt.engine.state.data_position import DataPosition, TrackedData
+from dstt.engine.state.dims import DimsOf, ModelDims
+from dstt.engine.state.optimizers import optimizers_of
+from dstt.engine.state.providers import RankObject, StoreSource
+from dstt.engine.state.torch_state import ONE_RANK, Stateful, TorchState, discover
 from dstt.errors import CaptureError, NotARunError, TimelineError
 from dstt.store._internal import DEFAULT_CHUNK_BYTES, GcReport, Repository
 

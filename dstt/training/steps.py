@@ -42,7 +42,7 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from dstt.engine.light import light_record
+from dstt.engine.capture.light import light_record
 from dstt.errors import DsttError, RaceError
 from dstt.schema import BATCHES_OBJECT, LIGHT_OBJECT, METRICS_HISTORY_OBJECT, REPLAY_OBJECT
 
@@ -52,8 +52,8 @@ from .metrics import MetricLog
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from dstt.engine.pipeline import Flight, Pipeline
-    from dstt.engine.torch_state import TorchState
+    from dstt.engine.capture.pipeline import Flight, Pipeline
+    from dstt.engine.state.torch_state import TorchState
 
     from .data import BatchLog
     from .options import SessionOptions

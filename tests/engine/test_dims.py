@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dstt.engine.dims import ModelDims, array_dims, model_dims
+from dstt.engine.state.dims import ModelDims, array_dims, model_dims
 from dstt.inspect.naming import tensor_dims
 from dstt.schema import resolve_dims
 from dstt.store.format.flat import FlatLayout

@@ -130,8 +130,8 @@ def split_by_model(
     """(parameters, buffers, tied names) of a model state dict: by ``model``'s own names when
     given (a tensor it does not have is a ``SourceError``), else by ``split_buffers``; tied
     tensors (sharing storage, or tied in ``model``) once."""
-    from dstt.engine.model_names import param_names, tied_names
-    from dstt.engine.torch_state import model_buffers
+    from dstt.engine.state.model_names import param_names, tied_names
+    from dstt.engine.state.torch_state import model_buffers
     from dstt.schema import user_name
 
     tensors, tied = dedup_tied(tensors)

@@ -14,17 +14,17 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from .ranks import RankTransaction, RankWriter, TransactionProxy
+from dstt.engine.distributed.ranks import RankTransaction, RankWriter, TransactionProxy
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
+    from dstt.engine.capture.pipeline import Flight
     from dstt.store._internal import ArraySpec, FlatLayout, Metric
 
     from ._statedict import SessionPaths
-    from .pipeline import Flight
 
 __all__ = ["_Save", "_TagWriter"]
 

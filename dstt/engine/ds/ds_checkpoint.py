@@ -63,15 +63,15 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from dstt import schema
+from dstt.engine.capture.pipeline import Pipeline
+from dstt.engine.distributed.ranks import DEFAULT_RANK_TIMEOUT, RankWriter, dist_info, open_ranks
+from dstt.engine.tensors._convert import tensor_from_numpy
 from dstt.errors import CaptureError, RaceError, RankError
 from dstt.store._internal import DEFAULT_CHUNK_BYTES, Repository, fsync_dir
 
-from ._convert import tensor_from_numpy
 from ._ds_tags import _Save, _TagWriter
 from ._statedict import SessionPaths, flatten, rebuild, segment
 from .deepspeed import session_tensors
-from .pipeline import Pipeline
-from .ranks import DEFAULT_RANK_TIMEOUT, RankWriter, dist_info, open_ranks
 
 __all__ = ["DsttCheckpointEngine"]
 

@@ -33,18 +33,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dstt.engine.tensors._convert import store_dtype
 from dstt.errors import CaptureError
 
-from ._convert import store_dtype
 from .summaries import summarized
 
 if TYPE_CHECKING:
     import mmap
     from collections.abc import Callable, Mapping, Sequence
 
+    from dstt.engine.state.dims import DimsOf
     from dstt.store._internal import ArraySpec, FlatLayout
-
-    from .dims import DimsOf
 
 __all__ = ["FlatPlan", "Segment", "StepBuffers", "plan_key", "segments"]
 
