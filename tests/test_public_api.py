@@ -463,8 +463,10 @@ def undocumented_modules(mods: dict[str, Path], packages: tuple[str, ...]) -> li
 
 def test_every_module_is_named_in_its_packages_docstring() -> None:
     """A reader finds every module of a package from its ``__init__`` docstring, as for the
-    store's rooms (docs/architecture.md starts there)."""
-    missing = undocumented_modules(_dstt_modules(), DOCUMENTED_PACKAGES)
+    store's rooms (docs/architecture.md starts there); the engine's rooms (``ENGINE_ROOMS``)
+    each name theirs."""
+    rooms = tuple(f"dstt.engine.{r}" for r in ENGINE_ROOMS if r)
+    missing = undocumented_modules(_dstt_modules(), DOCUMENTED_PACKAGES + rooms)
     assert not missing, missing
 
 
@@ -498,31 +500,39 @@ STORE_ROOMS: tuple[str, ...] = (
 
 
 def _store_room(module: str, mods: dict[str, Path]) -> str:
-    """The room of a module of the store (``""``: the top level)."""
+    """The room of a module of a house package, the store's or the engine's (``""``: the
+    package's top level)."""
     parts = module.split(".")
     if len(parts) > 3 or (len(parts) == 3 and mods[module].name == "__init__.py"):
         return parts[2]
     return ""
 
 
-def store_room_arrows(mods: dict[str, Path]) -> list[str]:
-    """Every import inside the store from a room to a higher one."""
-    rank = {r: i for i, r in enumerate(STORE_ROOMS)}
+def room_arrows(
+    mods: dict[str, Path], package: str = "dstt.store", rooms: tuple[str, ...] = STORE_ROOMS
+) -> list[str]:
+    """Every import inside ``package`` from a room to a higher one of ``rooms``."""
+    rank = {r: i for i, r in enumerate(rooms)}
     bad = set()
     for name, path in mods.items():
-        if not name.startswith("dstt.store."):
+        if not name.startswith(f"{package}."):
             continue
         here = _store_room(name, mods)
         pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         for imp in _module_imports(path, pkg, nested=True, type_checking=True):
             while imp and imp not in mods:
                 imp = imp.rsplit(".", 1)[0] if "." in imp else ""
-            if not imp.startswith("dstt.store") or imp == name:
+            if not (imp == package or imp.startswith(f"{package}.")) or imp == name:
                 continue
-            there = "" if imp == "dstt.store" else _store_room(imp, mods)
+            there = "" if imp == package else _store_room(imp, mods)
             if rank[there] > rank[here]:
                 bad.add(f"{name} ({here or 'top'}) imports {imp} ({there or 'top'})")
     return sorted(bad)
+
+
+def store_room_arrows(mods: dict[str, Path]) -> list[str]:
+    """Every import inside the store from a room to a higher one."""
+    return room_arrows(mods, "dstt.store", STORE_ROOMS)
 
 
 def test_store_rooms_import_downward_only() -> None:
@@ -560,6 +570,62 @@ def test_the_room_check_catches_an_upward_import(tmp_path: Path, module: str) ->
     }
     assert store_room_arrows(mods) == [
         "dstt.store.maintenance.gc (maintenance) imports dstt.store.commit.writer (commit)"
+    ]
+
+
+#: the engine's rooms, bottom up (docs/decisions.md, "The engine's rooms"): as in the store, a
+#: module imports modules of its own room or a lower one, never a higher one (function-level
+#: and TYPE_CHECKING imports included); ``""`` is ``dstt.engine`` itself, the lazy facade,
+#: which no room imports
+ENGINE_ROOMS: tuple[str, ...] = ("tensors", "state", "capture", "distributed", "ds", "")
+
+
+def test_engine_rooms_import_downward_only() -> None:
+    """Inside the engine: ``tensors`` knows no provider, ``state`` no pipeline, ``capture``
+    no rank, ``distributed`` no DeepSpeed, and no room imports ``dstt.engine`` (every module
+    of the engine lives in a room)."""
+    mods = _dstt_modules()
+    rooms = {_store_room(m, mods) for m in mods if m.startswith("dstt.engine.")}
+    assert rooms == set(ENGINE_ROOMS) - {""}, f"rooms without a place in ENGINE_ROOMS: {rooms}"
+    bad = room_arrows(mods, "dstt.engine", ENGINE_ROOMS)
+    assert not bad, bad
+
+
+@pytest.mark.parametrize(
+    ("module", "there"),
+    [
+        ("dstt.engine.capture.pipeline", "dstt.engine.capture.pipeline (capture)"),
+        ("..capture.pipeline", "dstt.engine.capture.pipeline (capture)"),
+        ("dstt.engine", "dstt.engine (top)"),
+    ],
+    ids=["absolute", "relative", "top"],
+)
+def test_the_engine_room_check_catches_an_upward_import(
+    tmp_path: Path, module: str, there: str
+) -> None:
+    """The check itself: a provider typed against the pipeline, imported by its full name or
+    relatively, or through the engine's lazy facade; the pipeline's import of a provider
+    (downward) is not reported."""
+    eng = tmp_path / "dstt" / "engine"
+    files = {
+        "dstt.engine": "__init__.py",
+        "dstt.engine.state": "state/__init__.py",
+        "dstt.engine.state.providers": "state/providers.py",
+        "dstt.engine.capture": "capture/__init__.py",
+        "dstt.engine.capture.pipeline": "capture/pipeline.py",
+    }
+    for rel in files.values():
+        (eng / rel).parent.mkdir(parents=True, exist_ok=True)
+        (eng / rel).write_text("")
+    (eng / "state" / "providers.py").write_text(
+        f"from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from {module} import Pipeline\n"
+    )
+    (eng / "capture" / "pipeline.py").write_text(
+        "from dstt.engine.state.providers import StateProvider\n"
+    )
+    mods = {name: eng / rel for name, rel in files.items()}
+    assert room_arrows(mods, "dstt.engine", ENGINE_ROOMS) == [
+        f"dstt.engine.state.providers (state) imports {there}"
     ]
 
 
