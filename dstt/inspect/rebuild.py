@@ -3,8 +3,8 @@
 :func:`rebuild_step` restores the nearest stored step *j* < *k* into live objects and re-runs
 steps *j+1..k* as the loop did (micro-batches from their recorded sample indices, clipping,
 ``optimizer.step()``, the scheduler), checking each recomputed loss against the step's
-fingerprint (:mod:`dstt.engine.light`) **bit for bit**; the first that differs ends it with a
-``ReplayError`` naming where the chain broke. A DDP run (2 ranks) replays in one process:
+fingerprint (:mod:`dstt.engine.capture.light`) **bit for bit**; the first that differs ends it
+with a ``ReplayError`` naming where the chain broke. A DDP run (2 ranks) replays in one process:
 every rank's recorded samples on its own RNG, their gradients averaged as DDP's reducer does;
 sharded runs (FSDP2, TP, ZeRO) raise "not yet". :func:`rebuilt_commit` turns the result into
 a derived commit (``light/rebuilt``). Rejected: replaying backwards from the next stored step

@@ -3,20 +3,20 @@
 The same lifecycle as the plain-PyTorch ``Session`` (stage after step k, wait before step k+1,
 seal, commit in the background), with three differences, each delegated to the engine package:
 
-* *what* — ``dstt.engine.deepspeed`` discovers one rank's state: ZeRO flat partitions of
+* *what* — ``dstt.engine.ds.deepspeed`` discovers one rank's state: ZeRO flat partitions of
   master weights and optimizer state, replicated tensors split among ranks, per-rank RNG and
   data position, and the engine's counters, LR scheduler and loss scaler;
 * *when* — the wait is a pre-step hook on the wrapped torch optimizer and the capture happens
   when ``engine.step()`` has taken a step;
-* *who commits* — ``dstt.engine.ranks``: rank 0 merges every rank's durable part into one
-  commit; no collective runs outside ``start`` (one broadcast, main thread).
+* *who commits* — ``dstt.engine.distributed.ranks``: rank 0 merges every rank's durable part
+  into one commit; no collective runs outside ``start`` (one broadcast, main thread).
 
 Every rank must enter and leave the session together (it is collective at ``start``), with the
 same ``run`` path on a filesystem all ranks share. ``resume=True`` restores every rank from the
 commit rank 0 chose — bit-exact in the same world size and ZeRO stage; ZeRO 1-3 partitions are
 resharded from the logical tensors into another world size or stage.
 Rejected alternative: hooking ``engine.save_checkpoint`` only — it runs synchronously on the
-training thread and at most every few hundred steps; ``dstt.engine.ds_checkpoint`` offers that
+training thread and at most every few hundred steps; ``dstt.engine.ds.ds_checkpoint`` offers that
 path too, for code that already calls it.
 """
 

@@ -2,7 +2,7 @@
 
 ``RankedSession`` is what every multi-rank session shares, whatever the parallelism:
 
-* *opening* — ``dstt.engine.ranks.open_ranks``: the ranks say which run and options they
+* *opening* — ``dstt.engine.distributed.ranks.open_ranks``: the ranks say which run and options they
   open (they must agree: a ``RankError`` on every rank otherwise, never a hang or a lock
   message naming a sibling), rank 0 opens the run and takes its lock, the others open part
   writers; they talk through the process group's store, not its communicator;
@@ -12,7 +12,7 @@
 * *resume* — every rank restores from the commit rank 0 chose, reading only what it holds;
 * *closing* — every rank leaves the block once rank 0 has committed the last step.
 
-``DistributedSession`` is the PyTorch-native one (``dstt.engine.parallel``): DDP, FSDP2
+``DistributedSession`` is the PyTorch-native one (``dstt.engine.distributed.parallel``): DDP, FSDP2
 (``fully_shard``), tensor parallel (``parallelize_module``), and a DTensor model on one
 process. ``dstt.session(model, optimizer, ...)`` picks it whenever a process group is
 initialized or the model holds DTensors; ``DeepSpeedSession`` (``dstt.training.deepspeed``)

@@ -12,7 +12,7 @@ the last step; what each hook does is ``dstt.training.steps`` (``StepCapture``, 
 Metrics: ``s.log`` files each call under the step of its iteration, whichever side of
 ``optimizer.step()`` it sits (``dstt.training.metrics``); steps that are not captured hand
 their metrics to the next commit. With ``every="auto"`` the steps the engine was too busy to
-take are *light* steps: the next commit records them (``dstt.engine.light``), and
+take are *light* steps: the next commit records them (``dstt.engine.capture.light``), and
 ``run.rebuild`` replays them from the stored step before.
 
 Background errors (disk full, ...) surface on the training thread at the next optimizer step
@@ -95,7 +95,7 @@ class Session:
             raise TypeError(f"options must be a dstt.SessionOptions, not {options!r}")
         self.options = options
         self._retainer: RetentionRunner | None = None  # dstt.training.retention
-        #: the optimizers by key (``{"": opt}`` for one; ``engine.torch_state.optimizers_of``)
+        #: the optimizers by key (``{"": opt}`` for one; ``engine.state.torch_state.optimizers_of``)
         self.optimizers = optimizers_of(optimizer)
         self.model, self.scheduler = model, scheduler
         #: the optimizer (the first of several)
@@ -226,7 +226,7 @@ class Session:
     def _fingerprint(self, step: int, loss: float | None) -> None:
         """The loss of light step ``step`` as a framework callback took it (its training
         step's own, which a rebuild recomputes; None: no loss a rebuild can check), recorded
-        in place of the ``loss`` the step logged (``dstt.engine.light``)."""
+        in place of the ``loss`` the step logged (``dstt.engine.capture.light``)."""
         self._capture.fingerprints[int(step)] = loss
 
     def _at_boundary(self) -> None:

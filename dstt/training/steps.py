@@ -13,7 +13,7 @@
   without blocking training (``Pipeline.can_take``: the backlog under ``max_backlog``, a free
   host buffer), or after ``max_gap`` light steps in a row; otherwise step *k* is a *light*
   step, and the next sealed commit carries the light steps before it as one
-  ``light/steps`` object (``dstt.engine.light``) next to their metrics and batches; with
+  ``light/steps`` object (``dstt.engine.capture.light``) next to their metrics and batches; with
   several ranks each rank's ``can_take`` is gathered (``agree``) and a step is stored only
   where every rank can take it, so all ranks store the same steps;
 * leaving the block seals and drains the last step, and commits the last optimizer step
@@ -101,7 +101,8 @@ class StepCapture:
         self.tail: Mapping[str, Any] | None = None
         self.tail_ended = False
         self.sched_offset: int | None = None  # scheduler.last_epoch - step, at start
-        #: ``every="auto"``: light steps not yet recorded in a commit (``dstt.engine.light``)
+        #: ``every="auto"``: light steps not yet recorded in a commit
+        #: (``dstt.engine.capture.light``)
         self.light: list[int] = []
         #: a framework callback's loss of each step (``Session._fingerprint``), for the record
         self.fingerprints: dict[int, float | None] = {}

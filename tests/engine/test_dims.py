@@ -1,4 +1,4 @@
-"""Dimension names from module types (``dstt.engine.dims``), made placeable for xarray
+"""Dimension names from module types (``dstt.engine.state.dims``), made placeable for xarray
 (``dstt.inspect.naming.resolve_dims``), and carried by the store's flat layout and zarr.json."""
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ class FlatPlan:
         order: list[str] | None = None,
     ) -> FlatPlan:
         """``lay_out``: the sink's ``layout``; ``dims``: store path -> shape to dimension
-        names (``dstt.engine.dims``);
+        names (``dstt.engine.state.dims``);
         ``order``: the paths in buffer order (default: parameters first, by dtype)."""
         order = _order(list(tensors), tensors) if order is None else order
         specs: list[ArraySpec] = [

@@ -11,9 +11,10 @@ step), which is exactly the DataStates contract:
   DeepSpeed's own file discovery (``glob`` of model-state files) keeps working;
 * ``commit`` (next step) waits only until the copies are on the host — the optimizer may then
   change the tensors — and checks them for in-place races; flushing continues in background;
-* rank 0 commits the tag once every rank's part is durable (``dstt.engine.ranks``), and only
-  then writes ``<save_dir>/latest`` (tmp + fsync + rename + directory fsync). DeepSpeed is told
-  ``save_latest=False`` so it never moves ``latest`` itself before the data is durable;
+* rank 0 commits the tag once every rank's part is durable
+  (``dstt.engine.distributed.ranks``), and only then writes ``<save_dir>/latest`` (tmp +
+  fsync + rename + directory fsync). DeepSpeed is told ``save_latest=False`` so it never
+  moves ``latest`` itself before the data is durable;
 * ``load(path)`` reads the stub and rebuilds the state dict from the run (waiting for this
   engine's own in-flight saves first), so ``engine.load_checkpoint()`` works unchanged.
 
