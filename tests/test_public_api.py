@@ -64,6 +64,33 @@ def test_import_is_lazy() -> None:
     assert out.stdout.split() == ["False", "False"]
 
 
+def test_the_engine_imports_no_torch_until_a_name_is_used() -> None:
+    """``dstt.engine`` and its rooms' ``__init__`` import nothing: ``capture.light`` (which
+    ``dstt log`` reads) loads no torch; ``dstt.engine.Pipeline`` does."""
+    code = (
+        "import sys, dstt.engine, dstt.engine.capture.light; a = 'torch' in sys.modules; "
+        "dstt.engine.Pipeline; print(a, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]
+
+
+@pytest.mark.parametrize("package", ["dstt.engine", "dstt.training"])
+def test_lazy_names_resolve_from_their_home(package: str) -> None:
+    """Every name of a lazy package (``dstt._lazy``) is the object its home module defines
+    and is in ``dir``; an unknown name is an ``AttributeError`` naming the package."""
+    import importlib
+
+    pkg = importlib.import_module(package)
+    for name in pkg.__all__:
+        home = pkg._HOME.get(name)
+        if home is not None:
+            assert getattr(pkg, name) is getattr(importlib.import_module(f"{package}.{home}"), name)
+        assert name in dir(pkg)
+    with pytest.raises(AttributeError, match=f"module '{package}' has no attribute 'nope'"):
+        pkg.nope  # noqa: B018
+
+
 def _module_imports(
     path: Path, package: str, *, nested: bool = False, type_checking: bool = False
 ) -> set[str]:
@@ -358,7 +385,7 @@ def test_module_imports_have_no_cycles() -> None:
 #: a lower layer (function-level and TYPE_CHECKING imports included); the top-level ``dstt``
 #: module is the lazy facade
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "schema", "_optional"),
+    ("errors", "schema", "_optional", "_lazy"),
     ("_lru", "analysis"),  # analysis: numpy-only metric rules (spikes); raises dstt.errors
     ("store",),
     ("engine",),

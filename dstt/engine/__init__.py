@@ -14,8 +14,9 @@ eager imports here — any submodule's import would cost torch's start (~1 s).
 
 from __future__ import annotations
 
-import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
+
+from dstt._lazy import lazy_names as _lazy_names
 
 if _TYPE_CHECKING:
     from .capture.pipeline import Pipeline, StepMetrics
@@ -66,14 +67,4 @@ _HOME = {
 }
 
 
-def __getattr__(name: str) -> object:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'dstt.engine' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy_names(__name__, _HOME, __all__)
