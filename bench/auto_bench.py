@@ -58,7 +58,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dstt
 from bench._common import disk_bandwidth, finish, source_state
-from dstt.engine.light import LIGHT_OBJECT
+from dstt.engine.capture.light import LIGHT_OBJECT
 
 MODES = ("none", "every1", "everyN", "auto", "dcp")
 BATCH = 64

@@ -109,7 +109,7 @@ def step(engine: Any, size: dict[str, int], i: int) -> None:
 def run_mode(
     mode: str, engine: Any, size: dict[str, int], root: Path, warmup: int, iters: int, rep: int
 ) -> dict[str, Any]:
-    from dstt.engine.ds_checkpoint import DsttCheckpointEngine
+    from dstt.engine.ds.ds_checkpoint import DsttCheckpointEngine
 
     where = root / f"{mode}-{rep}"
     session = None

@@ -39,9 +39,9 @@ import hotpath_bench as hb
 import torch
 
 import dstt
-from dstt.engine import committer as CM
-from dstt.engine import flatwrite as FW
-from dstt.engine import pipeline as P
+from dstt.engine.capture import committer as CM
+from dstt.engine.capture import flatwrite as FW
+from dstt.engine.capture import pipeline as P
 from dstt.store.commit import transaction as TX
 from dstt.store.commit import writer as W
 from dstt.store.flusher import parent as FL

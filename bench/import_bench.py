@@ -126,7 +126,7 @@ def read_phase(src: Path) -> None:
     checksum reads them; memory-mapped tensors are read here), nothing written."""
     import zlib
 
-    from dstt.engine._convert import flat_bytes
+    from dstt.engine.tensors._convert import flat_bytes
     from dstt.integrations.imports.from_hf import read_hf
     from dstt.integrations.imports.write import arrays_of
 

@@ -46,7 +46,7 @@ if _TYPE_CHECKING:
 
 if _TYPE_CHECKING:  # the lazy names, as type checkers see them (``_LAZY`` imports them)
     from . import plots, widgets
-    from .engine.pipeline import StepMetrics
+    from .engine.capture.pipeline import StepMetrics
     from .integrations.imports import import_checkpoints
     from .run.opening import open_run as open
     from .run.run import Run
@@ -104,7 +104,7 @@ _LAZY: dict[str, str] = {
     "DeltaPolicy": "dstt.store.codec:DeltaPolicy",
     "Session": "dstt.training:Session",
     "SessionOptions": "dstt.training:SessionOptions",
-    "StepMetrics": "dstt.engine.pipeline:StepMetrics",
+    "StepMetrics": "dstt.engine.capture.pipeline:StepMetrics",
     "import_checkpoints": "dstt.integrations.imports:import_checkpoints",
     "open": "dstt.run:open_run",
     "plots": "dstt.plots",

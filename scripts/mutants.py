@@ -69,7 +69,7 @@ MUTATIONS = [
     Mutation(
         "flat-summary-other-buffer",
         "the in-process flat lane (no flusher) digests the ring's other step buffer",
-        "dstt/engine/flatwrite.py",
+        "dstt/engine/capture/flatwrite.py",
         "                f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer])\n"
         "                stats = digest(plan, buf.numpy()) if plan is not None else None",
         "                f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer])\n"
@@ -85,7 +85,7 @@ MUTATIONS = [
     Mutation(
         "encoded-summary-other-buffer",
         "an encoded flat step (written chunk by chunk here) digests the other step buffer",
-        "dstt/engine/flatwrite.py",
+        "dstt/engine/capture/flatwrite.py",
         "                f.txn.put_flat_chunks(layout, buf.numpy())\n"
         "                stats = digest(plan, buf.numpy()) if plan is not None else None",
         "                f.txn.put_flat_chunks(layout, buf.numpy())\n"

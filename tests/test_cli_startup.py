@@ -207,7 +207,7 @@ def test_light_steps_are_found_from_the_index_bytes(tmp_path: Path) -> None:
     (no header parsed per step): every commit carrying one is found, indexed or not, and
     none without one is read."""
     import dstt
-    from dstt.engine.light import LIGHT_OBJECT
+    from dstt.engine.capture.light import LIGHT_OBJECT
 
     path = tmp_path / "run"
     carriers = {5: [3, 4], 9: [8], 12: [10, 11]}

@@ -64,6 +64,33 @@ def test_import_is_lazy() -> None:
     assert out.stdout.split() == ["False", "False"]
 
 
+def test_the_engine_imports_no_torch_until_a_name_is_used() -> None:
+    """``dstt.engine`` and its rooms' ``__init__`` import nothing: ``capture.light`` (which
+    ``dstt log`` reads) loads no torch; ``dstt.engine.Pipeline`` does."""
+    code = (
+        "import sys, dstt.engine, dstt.engine.capture.light; a = 'torch' in sys.modules; "
+        "dstt.engine.Pipeline; print(a, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]
+
+
+@pytest.mark.parametrize("package", ["dstt.engine", "dstt.training"])
+def test_lazy_names_resolve_from_their_home(package: str) -> None:
+    """Every name of a lazy package (``dstt._lazy``) is the object its home module defines
+    and is in ``dir``; an unknown name is an ``AttributeError`` naming the package."""
+    import importlib
+
+    pkg = importlib.import_module(package)
+    for name in pkg.__all__:
+        home = pkg._HOME.get(name)
+        if home is not None:
+            assert getattr(pkg, name) is getattr(importlib.import_module(f"{package}.{home}"), name)
+        assert name in dir(pkg)
+    with pytest.raises(AttributeError, match=f"module '{package}' has no attribute 'nope'"):
+        pkg.nope  # noqa: B018
+
+
 def _module_imports(
     path: Path, package: str, *, nested: bool = False, type_checking: bool = False
 ) -> set[str]:
@@ -358,7 +385,7 @@ def test_module_imports_have_no_cycles() -> None:
 #: a lower layer (function-level and TYPE_CHECKING imports included); the top-level ``dstt``
 #: module is the lazy facade
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "schema", "_optional"),
+    ("errors", "schema", "_optional", "_lazy"),
     ("_lru", "analysis"),  # analysis: numpy-only metric rules (spikes); raises dstt.errors
     ("store",),
     ("engine",),
@@ -463,8 +490,10 @@ def undocumented_modules(mods: dict[str, Path], packages: tuple[str, ...]) -> li
 
 def test_every_module_is_named_in_its_packages_docstring() -> None:
     """A reader finds every module of a package from its ``__init__`` docstring, as for the
-    store's rooms (docs/architecture.md starts there)."""
-    missing = undocumented_modules(_dstt_modules(), DOCUMENTED_PACKAGES)
+    store's rooms (docs/architecture.md starts there); the engine's rooms (``ENGINE_ROOMS``)
+    each name theirs."""
+    rooms = tuple(f"dstt.engine.{r}" for r in ENGINE_ROOMS if r)
+    missing = undocumented_modules(_dstt_modules(), DOCUMENTED_PACKAGES + rooms)
     assert not missing, missing
 
 
@@ -498,31 +527,39 @@ STORE_ROOMS: tuple[str, ...] = (
 
 
 def _store_room(module: str, mods: dict[str, Path]) -> str:
-    """The room of a module of the store (``""``: the top level)."""
+    """The room of a module of a house package, the store's or the engine's (``""``: the
+    package's top level)."""
     parts = module.split(".")
     if len(parts) > 3 or (len(parts) == 3 and mods[module].name == "__init__.py"):
         return parts[2]
     return ""
 
 
-def store_room_arrows(mods: dict[str, Path]) -> list[str]:
-    """Every import inside the store from a room to a higher one."""
-    rank = {r: i for i, r in enumerate(STORE_ROOMS)}
+def room_arrows(
+    mods: dict[str, Path], package: str = "dstt.store", rooms: tuple[str, ...] = STORE_ROOMS
+) -> list[str]:
+    """Every import inside ``package`` from a room to a higher one of ``rooms``."""
+    rank = {r: i for i, r in enumerate(rooms)}
     bad = set()
     for name, path in mods.items():
-        if not name.startswith("dstt.store."):
+        if not name.startswith(f"{package}."):
             continue
         here = _store_room(name, mods)
         pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         for imp in _module_imports(path, pkg, nested=True, type_checking=True):
             while imp and imp not in mods:
                 imp = imp.rsplit(".", 1)[0] if "." in imp else ""
-            if not imp.startswith("dstt.store") or imp == name:
+            if not (imp == package or imp.startswith(f"{package}.")) or imp == name:
                 continue
-            there = "" if imp == "dstt.store" else _store_room(imp, mods)
+            there = "" if imp == package else _store_room(imp, mods)
             if rank[there] > rank[here]:
                 bad.add(f"{name} ({here or 'top'}) imports {imp} ({there or 'top'})")
     return sorted(bad)
+
+
+def store_room_arrows(mods: dict[str, Path]) -> list[str]:
+    """Every import inside the store from a room to a higher one."""
+    return room_arrows(mods, "dstt.store", STORE_ROOMS)
 
 
 def test_store_rooms_import_downward_only() -> None:
@@ -563,6 +600,62 @@ def test_the_room_check_catches_an_upward_import(tmp_path: Path, module: str) ->
     ]
 
 
+#: the engine's rooms, bottom up (docs/decisions.md, "The engine's rooms"): as in the store, a
+#: module imports modules of its own room or a lower one, never a higher one (function-level
+#: and TYPE_CHECKING imports included); ``""`` is ``dstt.engine`` itself, the lazy facade,
+#: which no room imports
+ENGINE_ROOMS: tuple[str, ...] = ("tensors", "state", "capture", "distributed", "ds", "")
+
+
+def test_engine_rooms_import_downward_only() -> None:
+    """Inside the engine: ``tensors`` knows no provider, ``state`` no pipeline, ``capture``
+    no rank, ``distributed`` no DeepSpeed, and no room imports ``dstt.engine`` (every module
+    of the engine lives in a room)."""
+    mods = _dstt_modules()
+    rooms = {_store_room(m, mods) for m in mods if m.startswith("dstt.engine.")}
+    assert rooms == set(ENGINE_ROOMS) - {""}, f"rooms without a place in ENGINE_ROOMS: {rooms}"
+    bad = room_arrows(mods, "dstt.engine", ENGINE_ROOMS)
+    assert not bad, bad
+
+
+@pytest.mark.parametrize(
+    ("module", "there"),
+    [
+        ("dstt.engine.capture.pipeline", "dstt.engine.capture.pipeline (capture)"),
+        ("..capture.pipeline", "dstt.engine.capture.pipeline (capture)"),
+        ("dstt.engine", "dstt.engine (top)"),
+    ],
+    ids=["absolute", "relative", "top"],
+)
+def test_the_engine_room_check_catches_an_upward_import(
+    tmp_path: Path, module: str, there: str
+) -> None:
+    """The check itself: a provider typed against the pipeline, imported by its full name or
+    relatively, or through the engine's lazy facade; the pipeline's import of a provider
+    (downward) is not reported."""
+    eng = tmp_path / "dstt" / "engine"
+    files = {
+        "dstt.engine": "__init__.py",
+        "dstt.engine.state": "state/__init__.py",
+        "dstt.engine.state.providers": "state/providers.py",
+        "dstt.engine.capture": "capture/__init__.py",
+        "dstt.engine.capture.pipeline": "capture/pipeline.py",
+    }
+    for rel in files.values():
+        (eng / rel).parent.mkdir(parents=True, exist_ok=True)
+        (eng / rel).write_text("")
+    (eng / "state" / "providers.py").write_text(
+        f"from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from {module} import Pipeline\n"
+    )
+    (eng / "capture" / "pipeline.py").write_text(
+        "from dstt.engine.state.providers import StateProvider\n"
+    )
+    mods = {name: eng / rel for name, rel in files.items()}
+    assert room_arrows(mods, "dstt.engine", ENGINE_ROOMS) == [
+        f"dstt.engine.state.providers (state) imports {there}"
+    ]
+
+
 def test_every_store_module_is_named_in_its_rooms_docstring() -> None:
     """A reader finds every module of the store from its room's ``__init__`` docstring (the
     top level's in docs/decisions.md, "The store's tree")."""
@@ -593,24 +686,23 @@ DOCSTRING_LINES = 12
 #: shrinks: shorten one, then delete its line here (the test fails until you do); never add.
 LONG_DOCSTRINGS = frozenset(
     {
-        "dstt/engine/__init__.py",
-        "dstt/engine/committer.py",
-        "dstt/engine/deepspeed.py",
-        "dstt/engine/dims.py",
-        "dstt/engine/ds_checkpoint.py",
-        "dstt/engine/flatlane.py",
-        "dstt/engine/governor.py",
-        "dstt/engine/light.py",
-        "dstt/engine/optimizers.py",
-        "dstt/engine/parallel.py",
-        "dstt/engine/pipeline.py",
-        "dstt/engine/predictions.py",
-        "dstt/engine/providers.py",
-        "dstt/engine/ranks.py",
-        "dstt/engine/sharding.py",
-        "dstt/engine/staging.py",
-        "dstt/engine/torch_state.py",
-        "dstt/engine/zero.py",
+        "dstt/engine/capture/committer.py",
+        "dstt/engine/capture/flatlane.py",
+        "dstt/engine/capture/governor.py",
+        "dstt/engine/capture/light.py",
+        "dstt/engine/capture/pipeline.py",
+        "dstt/engine/capture/staging.py",
+        "dstt/engine/distributed/parallel.py",
+        "dstt/engine/distributed/ranks.py",
+        "dstt/engine/distributed/sharding.py",
+        "dstt/engine/ds/deepspeed.py",
+        "dstt/engine/ds/ds_checkpoint.py",
+        "dstt/engine/ds/zero.py",
+        "dstt/engine/state/dims.py",
+        "dstt/engine/state/optimizers.py",
+        "dstt/engine/state/predictions.py",
+        "dstt/engine/state/providers.py",
+        "dstt/engine/state/torch_state.py",
         "dstt/schema.py",
         "dstt/store/flusher/parent.py",
     }

@@ -64,7 +64,11 @@ NOT_OBJECT_NAMES: dict[str, frozenset[str]] = {
     ),
     # tagged JSON's and a tensor dict's "data" field; a spike's suspect
     "data": frozenset(
-        {"dstt/engine/_convert.py", "dstt/inspect/diagnose.py", "dstt/store/format/objects.py"}
+        {
+            "dstt/engine/tensors/_convert.py",
+            "dstt/inspect/diagnose.py",
+            "dstt/store/format/objects.py",
+        }
     ),
     # the arrays table's, an index segment's and an import source's or export's file list
     "files": frozenset(

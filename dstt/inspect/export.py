@@ -134,7 +134,7 @@ def export_commit(
     """Write commit ``header`` to ``out``; returns ``{"tensors": n, "bytes": b, "path": p}``
     (``n``: tensors in the file; ``b``: their bytes as stored; ``p``: the file, or the
     folder of an ``hf`` export, which adds ``"files"``)."""
-    from dstt.engine._convert import tensor_from_numpy
+    from dstt.engine.tensors._convert import tensor_from_numpy
 
     from .restore import step_state
 

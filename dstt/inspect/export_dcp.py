@@ -59,7 +59,7 @@ def export_dcp(
     "bytes": b, "path": out}``."""
     import torch.distributed.checkpoint as dcp
 
-    from dstt.engine._convert import from_plain
+    from dstt.engine.tensors._convert import from_plain
 
     from .restore import step_state
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dstt.engine.model_names import param_names
+from dstt.engine.state.model_names import param_names
 from dstt.errors import SchemaError
 from dstt.schema import OPTIM_GROUPS_OBJECT, canonical_name, tensor_path
 

@@ -3,8 +3,8 @@
 :func:`rebuild_step` restores the nearest stored step *j* < *k* into live objects and re-runs
 steps *j+1..k* as the loop did (micro-batches from their recorded sample indices, clipping,
 ``optimizer.step()``, the scheduler), checking each recomputed loss against the step's
-fingerprint (:mod:`dstt.engine.light`) **bit for bit**; the first that differs ends it with a
-``ReplayError`` naming where the chain broke. A DDP run (2 ranks) replays in one process:
+fingerprint (:mod:`dstt.engine.capture.light`) **bit for bit**; the first that differs ends it
+with a ``ReplayError`` naming where the chain broke. A DDP run (2 ranks) replays in one process:
 every rank's recorded samples on its own RNG, their gradients averaged as DDP's reducer does;
 sharded runs (FSDP2, TP, ZeRO) raise "not yet". :func:`rebuilt_commit` turns the result into
 a derived commit (``light/rebuilt``). Rejected: replaying backwards from the next stored step
@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstt import schema
-from dstt.engine._convert import from_plain, to_plain
-from dstt.engine.light import loss_bits, step_loss
-from dstt.engine.model_names import param_names
-from dstt.engine.optimizers import optimizers_of
-from dstt.engine.providers import StoreSource
-from dstt.engine.torch_state import discover, get_rng, set_rng
+from dstt.engine.capture.light import loss_bits, step_loss
+from dstt.engine.state.model_names import param_names
+from dstt.engine.state.optimizers import optimizers_of
+from dstt.engine.state.providers import StoreSource
+from dstt.engine.state.torch_state import discover, get_rng, set_rng
+from dstt.engine.tensors._convert import from_plain, to_plain
 from dstt.errors import ConfigError, ReplayError, StepNotFoundError
 
 from .replay_compare import _compare
@@ -274,7 +274,7 @@ def rebuilt_commit(
     :data:`REBUILT_OBJECT` saying it was rebuilt, from which stored step, and which losses
     were checked. Every view of a stored step reads it the same way (``Snapshot``); nothing
     is written to the run. ``metrics``: what the step logged."""
-    from dstt.engine._convert import flat_bytes, store_dtype
+    from dstt.engine.tensors._convert import flat_bytes, store_dtype
     from dstt.store._internal import MemoryStorage, Repository
 
     state = discover(kit.model, kit.optimizer, scheduler=kit.scheduler)
@@ -472,7 +472,7 @@ def _before(j: int, i: int) -> str:
 
 
 def _loss_text(bits: str) -> str:
-    from dstt.engine.light import loss_of
+    from dstt.engine.capture.light import loss_of
 
     return f"{loss_of(bits)!r} ({bits})"
 

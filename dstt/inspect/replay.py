@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dstt.engine.model_names import param_names
-from dstt.engine.optimizers import optimizers_of
-from dstt.engine.providers import StoreSource
-from dstt.engine.torch_state import discover
+from dstt.engine.state.model_names import param_names
+from dstt.engine.state.optimizers import optimizers_of
+from dstt.engine.state.providers import StoreSource
+from dstt.engine.state.torch_state import discover
 from dstt.errors import ConfigError, ReplayError, StepNotFoundError
 from dstt.schema import tensor_path
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dstt.engine.optimizers import optimizers_of
-from dstt.engine.providers import StoreSource
+from dstt.engine.state.optimizers import optimizers_of
+from dstt.engine.state.providers import StoreSource
 from dstt.schema import tensor_path
 
 if TYPE_CHECKING:

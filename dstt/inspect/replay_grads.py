@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import xarray as xr
 
-from dstt.engine.model_names import canonical_names
+from dstt.engine.state.model_names import canonical_names
 from dstt.errors import ConfigError
 from dstt.schema import tensor_path, tree_location
 

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from dstt.engine._convert import from_plain, tensor_from_numpy
-from dstt.engine.dtensors import held_box, is_dtensor
-from dstt.engine.model_names import canonical_names
+from dstt.engine.state.model_names import canonical_names
+from dstt.engine.tensors._convert import from_plain, tensor_from_numpy
+from dstt.engine.tensors.dtensors import held_box, is_dtensor
 from dstt.errors import DsttWarning, SchemaError
 from dstt.schema import (
     MODEL_KINDS,

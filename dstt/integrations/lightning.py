@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from dstt.engine.light import step_loss
-from dstt.engine.torch_state import get_rng, set_rng
+from dstt.engine.capture.light import step_loss
+from dstt.engine.state.torch_state import get_rng, set_rng
 from dstt.errors import ConfigError, ReplayError
 from dstt.inspect.replay import ReplayKit, register_replay_kit
 from dstt.store._internal import Batch, SkipSet

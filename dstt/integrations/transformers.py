@@ -26,7 +26,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from dstt import schema
-from dstt.engine._convert import from_plain
+from dstt.engine.tensors._convert import from_plain
 from dstt.errors import ConfigError, DsttWarning, NotARunError
 from dstt.inspect.replay import ReplayKit, register_replay_kit
 from dstt.store._internal import Batch, Repository, read_skips

@@ -120,7 +120,7 @@ class Lines:
         """``{step: loss fingerprint}`` of the light steps of ``timeline``."""
         name = timeline or self.timeline
         if name not in self._light:
-            from dstt.engine.light import LIGHT_OBJECT, read_light
+            from dstt.engine.capture.light import LIGHT_OBJECT, read_light
 
             stored = {h.step for h in self.commits(name)}
             carrying = self.reader.carrying(self.commits(name), LIGHT_OBJECT)

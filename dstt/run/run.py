@@ -111,7 +111,7 @@ class Run:
 
     def light_steps(self, timeline: str | None = None) -> dict[int, str | None]:
         """``{step: loss fingerprint}`` of the light steps of ``timeline`` (``every="auto"``:
-        taken, not stored; :mod:`dstt.engine.light`); the fingerprint is the logged loss's
+        taken, not stored; :mod:`dstt.engine.capture.light`); the fingerprint is the logged loss's
         float64 bits in hex (None: no loss logged). ``run.rebuild(k, ...)`` rebuilds one."""
         return self._lines.light_steps(timeline)
 

@@ -13,8 +13,9 @@ package (a plain session's start would import them). Details: docs/decisions.md.
 
 from __future__ import annotations
 
-import importlib as _importlib
 from typing import TYPE_CHECKING
+
+from dstt._lazy import lazy_names as _lazy_names
 
 from .factory import open_session, session
 from .options import CopyMode, ErrorPolicy, RacePolicy, SessionOptions
@@ -45,14 +46,4 @@ _HOME = {
 }
 
 
-def __getattr__(name: str) -> object:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module 'dstt.training' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy_names(__name__, _HOME, __all__)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from dstt.engine.flight import Flight
+    from dstt.engine.capture.flight import Flight
 
 __all__ = ["capture_error", "check_optimizer", "warn_skipped"]
 

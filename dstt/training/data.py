@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dstt.engine.data_position import DataPosition, TrackedData
+from dstt.engine.state.data_position import DataPosition, TrackedData
 from dstt.errors import ConfigError
 from dstt.store._internal import Batch, SkipSet, read_skips, write_skips
 

@@ -1,13 +1,14 @@
 """``dstt.session(engine, run=...)`` for a DeepSpeed engine: every rank captures its share.
 
 The lifecycle of the plain-PyTorch ``Session``, with three differences, each delegated to the
-engine package: *what* (``dstt.engine.deepspeed``: one rank's ZeRO partitions, RNG, data
+engine package: *what* (``dstt.engine.ds.deepspeed``: one rank's ZeRO partitions, RNG, data
 position and the engine's counters), *when* (a pre-step hook on the wrapped torch optimizer,
-the capture once ``engine.step()`` took a step) and *who commits* (``dstt.engine.ranks``:
-rank 0 merges every rank's durable part). Every rank enters and leaves together, on a
-filesystem all ranks share. Rejected alternative: hooking ``engine.save_checkpoint`` only —
-it runs synchronously on the training thread and at most every few hundred steps;
-``dstt.engine.ds_checkpoint`` offers that path too. Details: docs/decisions.md.
+the capture once ``engine.step()`` took a step) and *who commits*
+(``dstt.engine.distributed.ranks``: rank 0 merges every rank's durable part). Every rank enters
+and leaves together, on a filesystem all ranks share. Rejected alternative: hooking
+``engine.save_checkpoint`` only — it runs synchronously on the training thread and at most
+every few hundred steps; ``dstt.engine.ds.ds_checkpoint`` offers that path too. Details:
+docs/decisions.md.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from dstt import schema
-from dstt.engine.deepspeed import DeepSpeedState, EngineStepHook
-from dstt.engine.dims import DimsOf, ModelDims
-from dstt.engine.providers import RankObject, StoreSource
+from dstt.engine.ds.deepspeed import DeepSpeedState, EngineStepHook
+from dstt.engine.state.dims import DimsOf, ModelDims
+from dstt.engine.state.providers import RankObject, StoreSource
 from dstt.errors import ConfigError
 
 from .distributed import RankedSession
@@ -25,8 +26,8 @@ from .distributed import RankedSession
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from dstt.engine.ranks import RankInfo
-    from dstt.engine.torch_state import Stateful, TorchState
+    from dstt.engine.distributed.ranks import RankInfo
+    from dstt.engine.state.torch_state import Stateful, TorchState
 
     from .options import SessionOptions
 

@@ -1,14 +1,14 @@
 """Sessions with several ranks: the same ``dstt.session(...)`` call on every rank.
 
 ``RankedSession`` is what every multi-rank session shares: the ranks agree on the run and
-options and rank 0 takes the lock (``dstt.engine.ranks.open_ranks``); each rank writes its
-share of a step and votes, rank 0 commits once every part is durable; rank 0's ``s.log`` goes
-with the commit; every rank restores from the commit rank 0 chose, reading only what it
-holds. ``DistributedSession`` is the PyTorch-native one (DDP, FSDP2, tensor parallel, a
-DTensor model on one process); ``DeepSpeedSession`` (``dstt.training.deepspeed``) the
-DeepSpeed one. Rejected alternative: a session on rank 0 only, gathering state to it — every
-step would need a collective and rank 0 would write every byte; and a resume would restore
-rank 0 alone. Details: docs/decisions.md, "Module notes".
+options and rank 0 takes the lock (``dstt.engine.distributed.ranks.open_ranks``); each rank
+writes its share of a step and votes, rank 0 commits once every part is durable; rank 0's
+``s.log`` goes with the commit; every rank restores from the commit rank 0 chose, reading only
+what it holds. ``DistributedSession`` is the PyTorch-native one (DDP, FSDP2, tensor parallel, a
+DTensor model on one process); ``DeepSpeedSession`` (``dstt.training.deepspeed``) the DeepSpeed
+one. Rejected alternative: a session on rank 0 only, gathering state to it — every step would
+need a collective and rank 0 would write every byte; and a resume would restore rank 0 alone.
+Details: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from dstt import schema
-from dstt.engine.dims import DimsOf, ModelDims
-from dstt.engine.parallel import ParallelState
-from dstt.engine.providers import RankObject, StoreSource
-from dstt.engine.ranks import RankChannel, RankInfo, RankWriter, dist_info, open_ranks
-from dstt.engine.sharding import check_layout
+from dstt.engine.distributed.parallel import ParallelState
+from dstt.engine.distributed.ranks import RankChannel, RankInfo, RankWriter, dist_info, open_ranks
+from dstt.engine.distributed.sharding import check_layout
+from dstt.engine.state.dims import DimsOf, ModelDims
+from dstt.engine.state.providers import RankObject, StoreSource
 from dstt.errors import ConfigError, RankError
 from dstt.store._internal import Repository
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from dstt.engine.torch_state import Stateful, TorchState
+    from dstt.engine.state.torch_state import Stateful, TorchState
 
     from .options import SessionOptions
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from dstt.engine.dtensors import is_dtensor
+from dstt.engine.tensors.dtensors import is_dtensor
 
 from .options import (
     DEFAULT_BUDGET,
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from dstt.engine.torch_state import Stateful
+    from dstt.engine.state.torch_state import Stateful
     from dstt.store._internal import DeltaPolicy, Retention
 
 __all__ = ["open_session", "session"]
@@ -95,7 +95,7 @@ def session(
     optimizer step, measured in ``s.metrics``) when the disk is slower than training.
     ``writers`` is the number of writer threads (default: one less than the cores, at most 4).
     ``summaries`` stores write-time statistics of every parameter per step (norms, NaN/Inf
-    counts, update norms — exact in the flat lane; see ``dstt.engine.summaries``), computed
+    counts, update norms — exact in the flat lane; see ``dstt.engine.capture.summaries``), computed
     from the host copy by the writer (the flusher process where it runs);
     ``summaries=False`` saves that CPU (docs/performance.md).
     ``encoding=dstt.DeltaPolicy()`` writes fewer bytes: XOR deltas against the previous step,
@@ -165,11 +165,11 @@ def open_session(
 
 
 def _deepspeed_engine(model: object) -> bool:
-    """Whether ``model`` is a DeepSpeed engine; ``dstt.engine.deepspeed`` (which says so)
+    """Whether ``model`` is a DeepSpeed engine; ``dstt.engine.ds.deepspeed`` (which says so)
     is imported only for an object of a ``deepspeed`` class."""
     if not any(c.__module__.startswith("deepspeed") for c in type(model).__mro__):
         return False
-    from dstt.engine.deepspeed import is_deepspeed_engine
+    from dstt.engine.ds.deepspeed import is_deepspeed_engine
 
     return is_deepspeed_engine(model)
 

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dstt.engine.ranks import DEFAULT_START_TIMEOUT
+from dstt.engine.distributed.ranks import DEFAULT_START_TIMEOUT
 from dstt.errors import ConfigError
 from dstt.store._internal import DeltaPolicy, Repository, Retention, Storage
 

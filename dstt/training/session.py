@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstt import schema
-from dstt.engine.data_position import DataPosition, TrackedData
-from dstt.engine.dims import DimsOf, ModelDims
-from dstt.engine.optimizers import optimizers_of
-from dstt.engine.pipeline import SUMMARIES_OBJECT, Pipeline, StepMetrics
-from dstt.engine.providers import RankObject, StoreSource
-from dstt.engine.sharding import check_layout
-from dstt.engine.torch_state import ONE_RANK, Stateful, TorchState, discover
+from dstt.engine.capture.pipeline import SUMMARIES_OBJECT, Pipeline, StepMetrics
+from dstt.engine.distributed.sharding import check_layout
+from dstt.engine.state.data_position import DataPosition, TrackedData
+from dstt.engine.state.dims import DimsOf, ModelDims
+from dstt.engine.state.optimizers import optimizers_of
+from dstt.engine.state.providers import RankObject, StoreSource
+from dstt.engine.state.torch_state import ONE_RANK, Stateful, TorchState, discover
 from dstt.errors import CaptureError, NotARunError, TimelineError
 from dstt.store._internal import DEFAULT_CHUNK_BYTES, GcReport, Repository
 
@@ -83,7 +83,7 @@ class Session:
             raise TypeError(f"options must be a dstt.SessionOptions, not {options!r}")
         self.options = options
         self._retainer: RetentionRunner | None = None  # dstt.training.retention
-        #: the optimizers by key (``{"": opt}`` for one; ``engine.torch_state.optimizers_of``)
+        #: the optimizers by key (``{"": opt}`` for one; ``engine.state.torch_state.optimizers_of``)
         self.optimizers = optimizers_of(optimizer)
         self.model, self.scheduler = model, scheduler
         #: the optimizer (the first of several)
@@ -214,7 +214,7 @@ class Session:
     def _fingerprint(self, step: int, loss: float | None) -> None:
         """The loss of light step ``step`` as a framework callback took it (its training
         step's own, which a rebuild recomputes; None: no loss a rebuild can check), recorded
-        in place of the ``loss`` the step logged (``dstt.engine.light``)."""
+        in place of the ``loss`` the step logged (``dstt.engine.capture.light``)."""
         self._capture.fingerprints[int(step)] = loss
 
     def _at_boundary(self) -> None:

@@ -17,7 +17,7 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from dstt.engine.light import light_record
+from dstt.engine.capture.light import light_record
 from dstt.errors import DsttError, RaceError
 from dstt.schema import BATCHES_OBJECT, LIGHT_OBJECT, METRICS_HISTORY_OBJECT, REPLAY_OBJECT
 
@@ -27,8 +27,8 @@ from .metrics import MetricLog
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from dstt.engine.pipeline import Flight, Pipeline
-    from dstt.engine.torch_state import TorchState
+    from dstt.engine.capture.pipeline import Flight, Pipeline
+    from dstt.engine.state.torch_state import TorchState
 
     from .data import BatchLog
     from .options import SessionOptions
@@ -76,7 +76,8 @@ class StepCapture:
         self.tail: Mapping[str, Any] | None = None
         self.tail_ended = False
         self.sched_offset: int | None = None  # scheduler.last_epoch - step, at start
-        #: ``every="auto"``: light steps not yet recorded in a commit (``dstt.engine.light``)
+        #: ``every="auto"``: light steps not yet recorded in a commit
+        #: (``dstt.engine.capture.light``)
         self.light: list[int] = []
         #: a framework callback's loss of each step (``Session._fingerprint``), for the record
         self.fingerprints: dict[int, float | None] = {}

@@ -173,7 +173,7 @@ def phase_resume(root: Path, stages: list[int], n: int, out: dict[str, Any]) -> 
 def checkpoint_engine_roundtrip(ckdir: Path, stage: int) -> dict[str, Any]:
     """``save_checkpoint`` through dstt, one more step, then ``load_checkpoint`` into a fresh
     engine and the same step again: the losses must be equal."""
-    from dstt.engine.ds_checkpoint import DsttCheckpointEngine
+    from dstt.engine.ds.ds_checkpoint import DsttCheckpointEngine
 
     engine = make_engine(stage)
     ce = DsttCheckpointEngine.attach(engine)
@@ -282,7 +282,7 @@ def phase_world1(root: Path, stages: list[int], out: dict[str, Any]) -> None:
 
 def phase_ckexit(root: Path, stages: list[int], out: dict[str, Any]) -> None:
     """The README's pattern, as a new user writes it: attach, save, exit (no ``close()``)."""
-    from dstt.engine.ds_checkpoint import DsttCheckpointEngine
+    from dstt.engine.ds.ds_checkpoint import DsttCheckpointEngine
 
     for stage in stages:
         engine = make_engine(stage)
@@ -313,7 +313,7 @@ def phase_ckexit(root: Path, stages: list[int], out: dict[str, Any]) -> None:
 
 
 def phase_ckload(root: Path, stages: list[int], out: dict[str, Any]) -> None:
-    from dstt.engine.ds_checkpoint import DsttCheckpointEngine
+    from dstt.engine.ds.ds_checkpoint import DsttCheckpointEngine
 
     for stage in stages:
         engine = make_engine(stage)

@@ -34,7 +34,7 @@ def committed_steps(repo: Repository) -> list[int]:
 
 
 def stored(repo: Repository, step: int, path: str) -> torch.Tensor:
-    from dstt.engine._convert import tensor_from_numpy
+    from dstt.engine.tensors._convert import tensor_from_numpy
 
     r = repo.reader()
     h = r.find(step)

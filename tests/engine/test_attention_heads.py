@@ -13,7 +13,7 @@ from torch import nn
 
 import dstt
 from dstt import schema
-from dstt.engine.model_names import attention_heads
+from dstt.engine.state.model_names import attention_heads
 from dstt.testing.models import TinyGPT
 from dstt.training import session
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import dstt
-from dstt.engine.light import LIGHT_OBJECT
-from dstt.engine.torch_state import discover
+from dstt.engine.capture.light import LIGHT_OBJECT
+from dstt.engine.state.torch_state import discover
 from dstt.errors import ConfigError, ReplayError, StepNotFoundError
 from dstt.schema import BATCHES_OBJECT
 from dstt.store._internal import Repository
@@ -119,7 +119,7 @@ def test_auto_stores_a_fraction_and_every_step_keeps_its_metrics() -> None:
     assert not np.isnan(metrics.column("loss")).any()
     # each light step's fingerprint is the exact bits of the loss it logged
     losses = dict(zip(metrics.steps.tolist(), metrics.column("loss").tolist(), strict=True))
-    from dstt.engine.light import loss_of
+    from dstt.engine.capture.light import loss_of
 
     assert all(bits is not None and loss_of(bits) == losses[k] for k, bits in light.items())
 

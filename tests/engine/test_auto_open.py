@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dstt
-from dstt.engine.torch_state import discover
+from dstt.engine.state.torch_state import discover
 from dstt.errors import ConfigError, ReplayError, StepNotFoundError
 from dstt.store._internal import Repository
 from dstt.store.storage.memory import MemoryStorage

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dstt.engine._statedict import SessionPaths, flatten, rebuild, segment
-from dstt.engine.deepspeed import is_deepspeed_engine
-from dstt.engine.ranks import RankInfo, open_ranks
-from dstt.engine.sharding import owners
+from dstt.engine.distributed.ranks import RankInfo, open_ranks
+from dstt.engine.distributed.sharding import owners
+from dstt.engine.ds._statedict import SessionPaths, flatten, rebuild, segment
+from dstt.engine.ds.deepspeed import is_deepspeed_engine
 from dstt.errors import TimelineError
 from dstt.store._internal import DeltaPolicy, Repository, check_array_path
 

@@ -1,4 +1,4 @@
-"""Dimension names from module types (``dstt.engine.dims``), made placeable for xarray
+"""Dimension names from module types (``dstt.engine.state.dims``), made placeable for xarray
 (``dstt.inspect.naming.resolve_dims``), and carried by the store's flat layout and zarr.json."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dstt.engine.dims import ModelDims, array_dims, model_dims
+from dstt.engine.state.dims import ModelDims, array_dims, model_dims
 from dstt.inspect.naming import tensor_dims
 from dstt.schema import resolve_dims
 from dstt.store.format.flat import FlatLayout

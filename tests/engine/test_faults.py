@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from dstt.engine.pipeline import Pipeline
+from dstt.engine.capture.pipeline import Pipeline
 from dstt.errors import CaptureError, StorageError
 from dstt.store import Repository
 from dstt.store.storage.memory import FaultyStorage, MemoryStorage
@@ -62,7 +62,7 @@ def test_disk_full_raises_capture_error_chained_to_storage_error() -> None:
     ],
 )
 def test_a_capture_failure_names_its_cause_not_the_disk(fault: BaseException, hint: str) -> None:
-    from dstt.engine.flight import Flight
+    from dstt.engine.capture.flight import Flight
     from dstt.training.checks import capture_error
 
     f = Flight.__new__(Flight)

@@ -144,7 +144,7 @@ def test_a_session_that_ends_before_its_flusher_is_ready_does_not_wait_for_it(
 
 
 def _layout() -> tuple[Any, Any]:
-    from dstt.engine.summaries import flat_digest_plan
+    from dstt.engine.capture.summaries import flat_digest_plan
     from dstt.store.format.flat import FlatLayout
     from dstt.store.format.layout import plan_chunks
 
@@ -250,8 +250,8 @@ def test_a_plain_session_imports_neither_the_multi_rank_sessions_nor_numcodecs(
     import subprocess
     import sys
 
-    unused = ["dstt.training.deepspeed", "dstt.training.distributed", "dstt.engine.zero"]
-    unused += ["dstt.engine.deepspeed", "numcodecs"]
+    unused = ["dstt.training.deepspeed", "dstt.training.distributed", "dstt.engine.ds.zero"]
+    unused += ["dstt.engine.ds.deepspeed", "numcodecs"]
     got = subprocess.run(
         [sys.executable, "-c", SESSION_IMPORTS, str(tmp_path / "run"), *unused],
         capture_output=True,

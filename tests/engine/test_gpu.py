@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import dstt
-from dstt.engine._convert import flat_bytes
-from dstt.engine.flatlane import StepBuffers
-from dstt.engine.staging import Copier
+from dstt.engine.capture.flatlane import StepBuffers
+from dstt.engine.capture.staging import Copier
+from dstt.engine.tensors._convert import flat_bytes
 from dstt.errors import RaceError
 from dstt.store import Repository
 from dstt.testing.models import SyntheticBatches, TinyGPT
@@ -126,7 +126,7 @@ def test_auto_capture_on_cuda_rebuilds_a_light_step_bit_for_bit() -> None:
     steps, and replay rebuilds one to the bits an every=1 run stored at that step."""
     import time
 
-    from dstt.engine.torch_state import discover
+    from dstt.engine.state.torch_state import discover
     from dstt.store.storage.memory import FaultyStorage, MemoryStorage
 
     torch.manual_seed(0)

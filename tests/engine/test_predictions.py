@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dstt import DeltaPolicy
-from dstt.engine.governor import EncodeGovernor
-from dstt.engine.predictions import optimizer_predictions
+from dstt.engine.capture.governor import EncodeGovernor
+from dstt.engine.state.predictions import optimizer_predictions
 from dstt.schema import tensor_path
 from dstt.store import Repository
 from dstt.testing.models import SyntheticBatches, TinyGPT
@@ -342,7 +342,7 @@ def test_governor_gives_the_writers_only_the_cores_training_leaves(
 ) -> None:
     from types import SimpleNamespace
 
-    from dstt.engine import governor as gov
+    from dstt.engine.capture import governor as gov
 
     clock = {"wall": 0.0, "cpu": 0.0}
     monkeypatch.setattr(
@@ -369,7 +369,7 @@ def test_governor_measures_the_cores_only_over_raw_steps(monkeypatch: pytest.Mon
     is assumed to run on its torch threads."""
     from types import SimpleNamespace
 
-    from dstt.engine import governor as gov
+    from dstt.engine.capture import governor as gov
 
     assert EncodeGovernor(writers=2, cores=4, train_threads=4).capacity == 0.25
     assert EncodeGovernor(writers=2, cores=4, train_threads=3).capacity == 1.0

@@ -8,18 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from dstt.engine._convert import from_plain, store_dtype, to_plain
-from dstt.engine.model_names import param_names
-from dstt.engine.optimizers import OptimizerStateProvider
-from dstt.engine.pipeline import Pipeline
-from dstt.engine.providers import (
+from dstt.engine.capture.pipeline import Pipeline
+from dstt.engine.state.model_names import param_names
+from dstt.engine.state.optimizers import OptimizerStateProvider
+from dstt.engine.state.providers import (
     CompositeProvider,
     ObjectProvider,
     StateProvider,
     StoreSource,
     TensorProvider,
 )
-from dstt.engine.torch_state import ModelTensors, discover, model_tensors, rng_provider
+from dstt.engine.state.torch_state import ModelTensors, discover, model_tensors, rng_provider
+from dstt.engine.tensors._convert import from_plain, store_dtype, to_plain
 from dstt.errors import SchemaError
 from dstt.store._internal import Encoded, Repository
 from dstt.store.format.objects import decode_object

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dstt.engine.flatlane import segments
+from dstt.engine.capture.flatlane import segments
 from dstt.errors import CaptureError, ConfigError, RaceError
 from dstt.store import DeltaPolicy, Repository
 from dstt.training import session
@@ -126,7 +126,7 @@ def test_verify_mode_checks_the_copy_of_every_segment(tmp_path: Path) -> None:
 
 
 def test_a_writer_without_flat_layout_is_refused(tmp_path: Path) -> None:
-    from dstt.engine.pipeline import Pipeline
+    from dstt.engine.capture.pipeline import Pipeline
 
     class NoLayout:
         encoder = None

@@ -149,8 +149,8 @@ def test_steps_the_governor_writes_raw_go_out_whole_and_keep_the_bases(tmp_path:
     """With a governor that always says raw after the first step, every later step is one
     whole flat write (no deltas), and the session still resumes exactly; the next encoded
     step deltas against the last bases that were committed."""
-    from dstt.engine.governor import EncodeGovernor
-    from dstt.engine.providers import CompositeProvider
+    from dstt.engine.capture.governor import EncodeGovernor
+    from dstt.engine.state.providers import CompositeProvider
 
     decisions = iter([True, True, False, False, False, True])
     orig = EncodeGovernor.decide

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dstt.engine._convert import flat_bytes
-from dstt.engine.flatlane import StepBuffers, segments
-from dstt.engine.staging import Copier, VersionGuard, tensor_checksum
+from dstt.engine.capture.flatlane import StepBuffers, segments
+from dstt.engine.capture.staging import Copier, VersionGuard, tensor_checksum
+from dstt.engine.tensors._convert import flat_bytes
 from dstt.store.format.flat import FlatLayout
 from dstt.store.format.layout import plan_chunks
 
@@ -137,7 +137,7 @@ def test_step_buffers_report_pressure_when_the_last_buffer_goes_and_relief_when_
 ):
     """The flusher runs at SCHED_IDLE until the ring runs low: taking the last free buffer
     says so (it is raised to normal priority), and only a ring that is free again lowers it."""
-    from dstt.engine.flatlane import StepBuffers
+    from dstt.engine.capture.flatlane import StepBuffers
 
     ring = StepBuffers(64, 3)
     calls: list[bool] = []

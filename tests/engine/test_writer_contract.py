@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from dstt.engine.flatlane import FlatPlan
-from dstt.engine.pipeline import Pipeline
-from dstt.engine.ranks import RankInfo, open_ranks
+from dstt.engine.capture.flatlane import FlatPlan
+from dstt.engine.capture.pipeline import Pipeline
+from dstt.engine.distributed.ranks import RankInfo, open_ranks
 from dstt.store._internal import (
     DeltaPolicy,
     FlatStepWriter,

@@ -13,7 +13,7 @@ import torch
 from inspect_helpers import new_repo, write_steps
 
 from dstt.analysis.summary_kernel import probe_indices
-from dstt.engine.summaries import SummaryAccumulator, tensor_summary
+from dstt.engine.capture.summaries import SummaryAccumulator, tensor_summary
 from dstt.errors import CaptureError
 from dstt.inspect.diagnose import rank_by_baseline
 from dstt.inspect.summaries import find_spikes
@@ -264,7 +264,7 @@ def test_without_summaries_spikes_have_no_tensors(tmp_path: Path) -> None:
 
 
 def test_summary_book_carries_probes_between_steps() -> None:
-    from dstt.engine.summaries import SummaryBook
+    from dstt.engine.capture.summaries import SummaryBook
 
     book = SummaryBook()
     w0 = torch.zeros(50, 40)

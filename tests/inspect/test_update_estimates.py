@@ -1,7 +1,7 @@
 """Update ratios from write-time summaries: exact where the engine held the parent's copy,
 estimates elsewhere, and every view says which.
 
-The update of a commit is relative to its parent commit (:mod:`dstt.engine.summaries`). A
+The update of a commit is relative to its parent commit (:mod:`dstt.engine.capture.summaries`). A
 session's flat lane (every state under half the budget) compares each step with its parent's
 whole copy: ``update_exact`` True for every tensor-step after the first, equal to what
 ``run.diff(parent, k)`` computes from the two stored steps — with ``every=1`` and ``every=2``

@@ -53,7 +53,7 @@ def kill(url: str) -> None:
 def rank(rank: int, world: int, port: int, url: str) -> None:
     import torch.distributed as dist
 
-    from dstt.engine.ranks import dist_info, open_ranks
+    from dstt.engine.distributed.ranks import dist_info, open_ranks
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from dstt.engine.ranks import RankInfo, open_ranks
+from dstt.engine.distributed.ranks import RankInfo, open_ranks
 from dstt.store._internal import FlatSegment, StepHandle, TransactionSink
 from dstt.store.flusher.parent import Flusher
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dstt.engine._ds_tags import _Save, _TagWriter
+from dstt.engine.ds._ds_tags import _Save, _TagWriter
 from dstt.store._internal import (
     CommitHeader,
     DeltaPolicy,

@@ -4,7 +4,7 @@ A reader (``from_hf``, ``from_torch``, ``from_dcp``, ``from_deepspeed``, ``from_
 turns its framework's files into a :class:`Checkpoint`: model tensors by canonical dotted name
 (parameters and persistent buffers apart, tied parameters once), the optimizer with its
 parameters *named* (:class:`NamedOptimizer`), the scheduler's ``state_dict``, the RNG states
-in the layout ``dstt.engine.torch_state.get_rng`` writes, the framework's progress objects
+in the layout ``dstt.engine.state.torch_state.get_rng`` writes, the framework's progress objects
 (``extra/transformers``, ``extra/lightning``), the logged metrics, and what the source did not
 hold (``lacks``). ``dstt.integrations.imports.write`` then stores it as the engine would
 store a captured step, so views, export and ``resume=True`` read it like any other commit.
@@ -130,8 +130,8 @@ def split_by_model(
     """(parameters, buffers, tied names) of a model state dict: by ``model``'s own names when
     given (a tensor it does not have is a ``SourceError``), else by ``split_buffers``; tied
     tensors (sharing storage, or tied in ``model``) once."""
-    from dstt.engine.model_names import param_names, tied_names
-    from dstt.engine.torch_state import model_buffers
+    from dstt.engine.state.model_names import param_names, tied_names
+    from dstt.engine.state.torch_state import model_buffers
     from dstt.schema import user_name
 
     tensors, tied = dedup_tied(tensors)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dstt.engine.summaries import SummaryBook
+from dstt.engine.capture.summaries import SummaryBook
 from dstt.schema import IMPORT_OBJECT
 from dstt.store._internal import DeltaPolicy, Repository
 

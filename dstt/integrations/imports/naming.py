@@ -26,7 +26,7 @@ __all__ = ["group_names", "hf_decay_names", "hf_meta_model", "trainable_names"]
 
 def trainable_names(model: torch.nn.Module) -> list[str]:
     """``named_parameters()`` order of the parameters that train (tied ones once)."""
-    from dstt.engine.model_names import canonical_names
+    from dstt.engine.state.model_names import canonical_names
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     canon = canonical_names(model, [n for n, _ in named])

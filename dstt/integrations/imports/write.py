@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstt import schema
-from dstt.engine._convert import flat_bytes, store_dtype, to_plain
-from dstt.engine.dims import ModelDims
+from dstt.engine.state.dims import ModelDims
+from dstt.engine.tensors._convert import flat_bytes, store_dtype, to_plain
 from dstt.schema import IMPORT_OBJECT, METRICS_HISTORY_OBJECT, tensor_path
 from dstt.training.metrics import metric_value
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from dstt.engine.summaries import SummaryBook
+    from dstt.engine.capture.summaries import SummaryBook
     from dstt.store._internal import CommitHeader
 
     from .checkpoint import Checkpoint

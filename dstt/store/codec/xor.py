@@ -49,7 +49,7 @@ class DeltaPolicy:
     #: an array whose deltas stay under ``min_ratio`` is written raw, re-measured every N steps
     retry_every: int = 8
     #: write a step raw when encoding would need more writer CPU than the time between steps
-    #: leaves (``dstt/engine/governor.py``); False: always encode (disk space comes first)
+    #: leaves (``dstt/engine/capture/governor.py``); False: always encode (disk space comes first)
     raw_when_busy: bool = True
     #: host memory for the last committed copy of each chunk (the delta bases)
     shadow_bytes: int = 4 << 30

@@ -1,12 +1,12 @@
 """One DeepSpeed checkpoint tag, one dstt transaction: the tag's file flights share it.
 
-``DsttCheckpointEngine`` (``dstt.engine.ds_checkpoint``) stages each ``save(state_dict, path)``
+``DsttCheckpointEngine`` (``dstt.engine.ds.ds_checkpoint``) stages each ``save(state_dict, path)``
 of a tag as a pipeline flight, and ``commit`` stages a final one (the rank's shard map).
 ``_TagWriter`` hands every flight of the tag the tag's one transaction (``_SharedTxn``: all
 flights share one slot): the first flight begins it, only the final flight's ``commit``
 commits it, the others return ``_FileDone``. So one tag is one dstt commit.
 Rejected alternative: a transaction per file flight — the tag would not be one commit, which
-rank 0 makes once every rank's part is durable (``dstt.engine.ranks``).
+rank 0 makes once every rank's part is durable (``dstt.engine.distributed.ranks``).
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from .ranks import RankTransaction, RankWriter, TransactionProxy
+from dstt.engine.distributed.ranks import RankTransaction, RankWriter, TransactionProxy
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
+    from dstt.engine.capture.pipeline import Flight
     from dstt.store._internal import ArraySpec, FlatLayout, Metric
 
     from ._statedict import SessionPaths
-    from .pipeline import Flight
 
 __all__ = ["_Save", "_TagWriter"]
 

@@ -36,19 +36,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstt import schema
+from dstt.engine.tensors._convert import from_plain, to_plain
 from dstt.errors import RankError, SchemaError
 from dstt.schema import tensor_path
 from dstt.store._internal import LogicalArray, Piece, logical_arrays, read_logical, shard_map
 
-from ._convert import from_plain, to_plain
-
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from dstt.engine.distributed.ranks import RankInfo
+    from dstt.engine.state.providers import RestoreSource
     from dstt.store._internal import CommitHeader, Reader
-
-    from .providers import RestoreSource
-    from .ranks import RankInfo
 
 __all__ = ["ZeroState"]
 

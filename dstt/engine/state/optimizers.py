@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from dstt import schema
+from dstt.engine.tensors._convert import from_plain, to_plain
+from dstt.engine.tensors.dtensors import stored_value
 from dstt.errors import SchemaError
 from dstt.schema import tensor_path
 from dstt.store._internal import Encoded, Prediction
 
-from ._convert import from_plain, to_plain
-from .dtensors import stored_value
 from .predictions import optimizer_predictions
 from .providers import ObjectProvider, RestoreSource
 

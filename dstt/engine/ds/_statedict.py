@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ._convert import from_plain, store_dtype, to_plain
+from dstt.engine.tensors._convert import from_plain, store_dtype, to_plain
 
 __all__ = ["Place", "SessionPaths", "flatten", "rebuild", "segment"]
 

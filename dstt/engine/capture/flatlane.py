@@ -33,18 +33,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dstt.engine.tensors._convert import store_dtype
 from dstt.errors import CaptureError
 
-from ._convert import store_dtype
 from .summaries import summarized
 
 if TYPE_CHECKING:
     import mmap
     from collections.abc import Callable, Mapping, Sequence
 
+    from dstt.engine.state.dims import DimsOf
     from dstt.store._internal import ArraySpec, FlatLayout
-
-    from .dims import DimsOf
 
 __all__ = ["FlatPlan", "Segment", "StepBuffers", "plan_key", "segments"]
 
@@ -91,7 +90,7 @@ class FlatPlan:
         order: list[str] | None = None,
     ) -> FlatPlan:
         """``lay_out``: the sink's ``layout``; ``dims``: store path -> shape to dimension
-        names (``dstt.engine.dims``);
+        names (``dstt.engine.state.dims``);
         ``order``: the paths in buffer order (default: parameters first, by dtype)."""
         order = _order(list(tensors), tensors) if order is None else order
         specs: list[ArraySpec] = [

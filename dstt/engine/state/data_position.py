@@ -5,7 +5,7 @@ restored step had consumed by drawing and dropping them (exact for deterministic
 shuffled ``DataLoader`` must be seeded per epoch for the order to repeat; the session restores
 a loader with ``state_dict()``/``load_state_dict()`` instead). ``on_next`` runs before each
 batch is drawn, the end of the previous iteration: where the session captures its boundary
-state (see ``dstt.engine.torch_state``).
+state (see ``dstt.engine.state.torch_state``).
 Rejected alternative: a subclass with its own copy of the iteration loop — the pass has hooks
 (``_begin_pass``, ``_skipped``, ``_keep``) through which ``dstt.training.data`` records and filters
 batches instead.

@@ -47,13 +47,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dstt import schema
+from dstt.engine.state.providers import CompositeProvider, RestoreSource, StateProvider
+from dstt.engine.tensors._convert import store_dtype
+from dstt.engine.tensors.dtensors import held_box, local_view
 from dstt.errors import CaptureError, SchemaError
 from dstt.schema import LAYOUT_OBJECT
 from dstt.store._internal import DTENSOR_PREFIX, Box, Encoded, LogicalArray, shard_map, shard_source
-
-from ._convert import store_dtype
-from .dtensors import held_box, local_view
-from .providers import CompositeProvider, RestoreSource, StateProvider
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstt import schema
+from dstt.engine.tensors._convert import flat_bytes
 from dstt.errors import CaptureError, ConfigError, RaceError, StorageError
 from dstt.store._internal import (
     EncodingWriter,
@@ -50,7 +51,6 @@ from dstt.store._internal import (
     flusher_supported,
 )
 
-from ._convert import flat_bytes
 from .committer import Committer, out_of_room
 from .flatwrite import FlatLane, discard
 from .flight import Flight, StepMetrics, _Aborted, _encode_metrics
@@ -61,7 +61,8 @@ from .summaries import SummaryBook, summarized
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-    from .dims import DimsOf
+    from dstt.engine.state.dims import DimsOf
+
     from .flatlane import FlatPlan, StepBuffers
 
 __all__ = ["Flight", "Pipeline", "StepMetrics"]

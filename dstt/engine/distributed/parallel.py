@@ -30,11 +30,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .model_names import ModelInfoProvider, param_names
-from .optimizers import OptimizerStateProvider, optimizer_groups_provider, optimizers_of
-from .providers import CompositeProvider, StateProvider, TensorProvider
-from .sharding import OwnedTensors, RankShare, RankZeroObjects, StageLayout
-from .torch_state import (
+from dstt.engine.state.model_names import ModelInfoProvider, param_names
+from dstt.engine.state.optimizers import (
+    OptimizerStateProvider,
+    optimizer_groups_provider,
+    optimizers_of,
+)
+from dstt.engine.state.providers import CompositeProvider, StateProvider, TensorProvider
+from dstt.engine.state.torch_state import (
     ModelTensors,
     Stateful,
     TorchState,
@@ -42,6 +45,8 @@ from .torch_state import (
     rng_provider,
     scheduler_provider,
 )
+
+from .sharding import OwnedTensors, RankShare, RankZeroObjects, StageLayout
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping

@@ -28,9 +28,9 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from dstt.analysis.summary_kernel import DigestPlan
+    from dstt.engine.state.dims import DimsOf
     from dstt.store._internal import FlatLayout, StepSink
 
-    from .dims import DimsOf
     from .flight import Flight
     from .staging import Copier
     from .summaries import SummaryBook

@@ -19,8 +19,8 @@ because the forward of step k+1 consumes it before the next optimizer step.
 Rejected alternative: one snapshot in the post-step hook — a resumed run would redo the
 scheduler step it already took and drift by one LR step.
 
-The optimizer's providers are ``dstt.engine.optimizers``; the model's names (canonical, tied)
-and ``ModelInfoProvider`` are ``dstt.engine.model_names``.
+The optimizer's providers are ``dstt.engine.state.optimizers``; the model's names (canonical, tied)
+and ``ModelInfoProvider`` are ``dstt.engine.state.model_names``.
 """
 
 from __future__ import annotations

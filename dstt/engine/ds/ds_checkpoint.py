@@ -11,9 +11,10 @@ step), which is exactly the DataStates contract:
   DeepSpeed's own file discovery (``glob`` of model-state files) keeps working;
 * ``commit`` (next step) waits only until the copies are on the host — the optimizer may then
   change the tensors — and checks them for in-place races; flushing continues in background;
-* rank 0 commits the tag once every rank's part is durable (``dstt.engine.ranks``), and only
-  then writes ``<save_dir>/latest`` (tmp + fsync + rename + directory fsync). DeepSpeed is told
-  ``save_latest=False`` so it never moves ``latest`` itself before the data is durable;
+* rank 0 commits the tag once every rank's part is durable
+  (``dstt.engine.distributed.ranks``), and only then writes ``<save_dir>/latest`` (tmp +
+  fsync + rename + directory fsync). DeepSpeed is told ``save_latest=False`` so it never
+  moves ``latest`` itself before the data is durable;
 * ``load(path)`` reads the stub and rebuilds the state dict from the run (waiting for this
   engine's own in-flight saves first), so ``engine.load_checkpoint()`` works unchanged.
 
@@ -63,15 +64,15 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from dstt import schema
+from dstt.engine.capture.pipeline import Pipeline
+from dstt.engine.distributed.ranks import DEFAULT_RANK_TIMEOUT, RankWriter, dist_info, open_ranks
+from dstt.engine.tensors._convert import tensor_from_numpy
 from dstt.errors import CaptureError, RaceError, RankError
 from dstt.store._internal import DEFAULT_CHUNK_BYTES, Repository, fsync_dir
 
-from ._convert import tensor_from_numpy
 from ._ds_tags import _Save, _TagWriter
 from ._statedict import SessionPaths, flatten, rebuild, segment
 from .deepspeed import session_tensors
-from .pipeline import Pipeline
-from .ranks import DEFAULT_RANK_TIMEOUT, RankWriter, dist_info, open_ranks
 
 __all__ = ["DsttCheckpointEngine"]
 

@@ -36,21 +36,28 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstt import schema
+from dstt.engine.distributed.sharding import OwnedTensors
+from dstt.engine.state.model_names import param_names
+from dstt.engine.state.optimizers import OptimizerStateProvider
+from dstt.engine.state.providers import CompositeProvider, RankObject, RestoreSource, TensorProvider
+from dstt.engine.state.torch_state import (
+    Stateful,
+    TorchState,
+    extra_state_objects,
+    get_rng,
+    model_buffers,
+    set_rng,
+)
+from dstt.engine.tensors._convert import from_plain, to_plain
 from dstt.errors import CaptureError, RankError, SchemaError
 from dstt.schema import DEEPSPEED_ENGINE_OBJECT, DEEPSPEED_META_OBJECT, tensor_path
 
-from ._convert import from_plain, to_plain
-from .model_names import param_names
-from .optimizers import OptimizerStateProvider
-from .providers import CompositeProvider, RankObject, RestoreSource, TensorProvider
-from .sharding import OwnedTensors
-from .torch_state import Stateful, TorchState, extra_state_objects, get_rng, model_buffers, set_rng
 from .zero import ZeroState
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Mapping
 
-    from .ranks import RankInfo
+    from dstt.engine.distributed.ranks import RankInfo
 
 __all__ = [
     "DeepSpeedState",

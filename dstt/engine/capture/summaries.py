@@ -31,10 +31,9 @@ from dstt.analysis.summary_kernel import (
     segment_stats,
     segment_updates,
 )
+from dstt.engine.tensors._convert import flat_bytes, store_dtype
 from dstt.errors import CaptureError, SchemaError
 from dstt.store._internal import logical_of, numpy_dtype
-
-from ._convert import flat_bytes, store_dtype
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -28,6 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from dstt.engine.tensors._convert import from_plain, store_dtype, tensor_from_numpy, to_plain
+from dstt.engine.tensors.dtensors import restore_tensor
 from dstt.errors import CorruptRunError, DsttWarning, SchemaError
 from dstt.store._internal import (
     CommitHeader,
@@ -41,9 +43,6 @@ from dstt.store._internal import (
     read_logical,
     read_region,
 )
-
-from ._convert import from_plain, store_dtype, tensor_from_numpy, to_plain
-from .dtensors import restore_tensor
 
 __all__ = [
     "CompositeProvider",
