@@ -177,6 +177,9 @@ class TransactionSink:
         #: zip images by (layout, start) without a buffer, and per buffer by start
         self._sizes: dict[tuple[int, int], FlatImage] = {}
         self._images: dict[tuple[int, int], dict[int, FlatImage]] = {}
+        #: each caller's view seen so far, by id: its memory's key in ``_images`` (a ring
+        #: hands the same view of a buffer every step; its address is found once)
+        self._keys: dict[int, tuple[memoryview, tuple[int, int]]] = {}
         if flusher is not None:
             self._attach(flusher)
 
@@ -236,6 +239,7 @@ class TransactionSink:
         if isinstance(w, OffloadingWriter) and w.committer is fl:
             w.committer = None
         self._images.clear()
+        self._keys.clear()
         if self._own:
             fl.close()
 
@@ -263,7 +267,14 @@ class TransactionSink:
         buffer of a ring); None for a read-only one (a caller's bytes, not a ring's)."""
         if view.readonly:
             return None
-        key = (int(np.frombuffer(view, np.uint8).ctypes.data), len(view))
+        hit = self._keys.get(id(view))
+        if hit is not None and hit[0] is view:  # (the view is kept: its id is not reused)
+            key = hit[1]
+        else:
+            key = (int(np.frombuffer(view, np.uint8).ctypes.data), len(view))
+            if len(self._keys) > 16:
+                self._keys.clear()
+            self._keys[id(view)] = (view, key)
         got = self._images.get(key)
         if got is None:
             if len(self._images) > 16:
@@ -329,7 +340,7 @@ class _Handle:
         with self._lock:
             self._open("write a segment")
             layout, start = segment.layout, segment.start
-            view = byte_view(segment.data)
+            view = _bytes(segment.data)
             stop = start + len(view)
             if self._layout is not None and layout is not self._layout:
                 raise SegmentError(
@@ -480,6 +491,14 @@ class _Handle:
                 return
             self._state = "aborted"
         self._txn.abort()
+
+
+def _bytes(data: StepBytes) -> memoryview:
+    """``byte_view(data)``; a view of bytes already (a ring's, kept per buffer) as it is, so
+    ``TransactionSink.images`` finds it by identity rather than by its address each step."""
+    if type(data) is memoryview and data.format == "B" and data.ndim == 1 and data.c_contiguous:
+        return data
+    return byte_view(data)
 
 
 def _digest_here(d: Digest | None, view: memoryview) -> Mapping[str, object] | None:

@@ -409,3 +409,36 @@ def test_a_whole_step_is_digested_where_it_is_written(tmp_path: Path, flusher: b
     finally:
         sink.close()
         writer.close()
+
+
+def test_a_kept_view_finds_the_images_its_address_finds(tmp_path: Path) -> None:
+    """The fast path of ``TransactionSink.images``: a view seen before (a ring hands the
+    same view of a buffer every step) finds its images by identity — the same dict the
+    general path finds by the memory's address — and steps written from it read back."""
+    from dstt.store._seam import _bytes
+
+    writer = Repository.create(tmp_path / "run").writer(chunk_bytes=256)
+    sink = TransactionSink(writer)
+    try:
+        layout = sink.layout(ARRAYS)
+        mem = bytearray(layout.nbytes + 64)
+        kept = memoryview(mem)[: layout.nbytes]
+        assert _bytes(kept) is kept
+        arr = np.arange(6, dtype=np.int16)
+        assert _bytes(arr).tobytes() == byte_view(arr).tobytes()
+        assert _bytes(arr).format == "B"
+        images = sink.images(kept)
+        assert images is not None
+        assert sink.images(kept) is images  # by identity
+        assert sink.images(memoryview(mem)[: layout.nbytes]) is images  # by address
+        assert sink.images(memoryview(mem)[: layout.nbytes - 8]) is not images
+        for step in (1, 2, 3):
+            data = values(step, ARRAYS)
+            kept[:] = flat(layout, data)
+            h = sink.begin(step)
+            h.write(FlatSegment(layout, 0, kept))
+            h.commit()
+            TestWriterSink().check(tmp_path / "run", step, data, {})
+    finally:
+        sink.close()
+        writer.close()

@@ -68,6 +68,8 @@ class FlatLane:
         self.steps: StepBuffers | None = None
         self._plans: dict[tuple[object, ...], FlatPlan] = {}
         self._digests: dict[int, DigestPlan] = {}
+        #: a whole step's bytes in each buffer, by (buffer, step size): one view each, kept
+        self._views: dict[tuple[int, int], memoryview] = {}
         self._alloc = threading.Lock()  # the ring is allocated once
         #: ids of the digested steps (``Flight.digest_token``, from ``ticket``): the
         #: committer calls a step's update exact only where the digest compared it with its
@@ -206,7 +208,7 @@ class FlatLane:
                 if plan is None
                 else Digest(plan, token, lambda: self._wait_turn(token), lambda: self._pass(token))
             )
-            data = self.steps.buffers[f.buffer].numpy()[: layout.nbytes]
+            data = self._view(f.buffer, layout.nbytes)
             f.wrote = True
             stats = f.handle.write(
                 FlatSegment(layout, 0, data, f.buffer if self.shared else None, d)
@@ -221,6 +223,19 @@ class FlatLane:
             self._pass(token)
             index, f.buffer = f.buffer, None
             self.steps.release(index)
+
+    def _view(self, index: int, nbytes: int) -> memoryview:
+        """The first ``nbytes`` of buffer ``index`` as bytes: the same view every step of a
+        size (the sink keys what it keeps per buffer by it, and no view is built per step)."""
+        view = self._views.get((index, nbytes))
+        if view is None:
+            assert self.steps is not None
+            if len(self._views) >= 16:
+                self._views.clear()
+            # (numpy's stubs declare the buffer protocol from Python 3.12 only)
+            view = memoryview(self.steps.buffers[index].numpy()).cast("B")[:nbytes]  # type: ignore[arg-type]
+            self._views[(index, nbytes)] = view
+        return view
 
     def ticket(self) -> int:
         """The next step's digest token: steps take them in the order they are queued for
@@ -247,6 +262,7 @@ class FlatLane:
 
     def close(self) -> None:
         """The ring first (its pinned pages unregistered), then the sink's shared memory."""
+        self._views.clear()
         if self.steps is not None:
             self.steps.close()
         self.sink.close()
