@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import glob
+import importlib
 import itertools
 import json
 import os
@@ -39,12 +40,20 @@ from typing import Any
 
 import dstt  # first: the tree PYTHONPATH names (``hotpath_bench`` puts this one's on the path)
 
-#: (module, class, methods): each engine thread's per-step entry, in old and new trees
+#: (module, class, methods): each engine thread's per-step entry; the module is under
+#: ``dstt.engine.capture`` since the engine has rooms, directly under ``dstt.engine`` before
 ENTRIES = [
-    ("dstt.engine.pipeline", "Pipeline", ["_copy"]),
-    ("dstt.engine.flatwrite", "FlatLane", ["write", "write_segment"]),
-    ("dstt.engine.committer", "Committer", ["_finish"]),
+    ("pipeline", "Pipeline", ["_copy"]),
+    ("flatwrite", "FlatLane", ["write", "write_segment"]),
+    ("committer", "Committer", ["_finish"]),
 ]
+
+
+def _engine_module(name: str) -> Any:
+    try:
+        return importlib.import_module(f"dstt.engine.capture.{name}")
+    except ModuleNotFoundError:  # a tree from before the engine's rooms
+        return importlib.import_module(f"dstt.engine.{name}")
 
 
 def _thread_role(name: str) -> str:
@@ -110,10 +119,8 @@ class _Profiles:
         self._depth = threading.local()
 
     def install(self) -> None:
-        import importlib
-
         for mod, cls, names in ENTRIES:
-            owner = getattr(importlib.import_module(mod), cls)
+            owner = getattr(_engine_module(mod), cls)
             for name in names:
                 orig = getattr(owner, name)
                 setattr(owner, name, self._wrap(orig))
