@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -175,3 +176,38 @@ def test_a_broken_chain_exits_3_and_keeps_what_was_rebuilt_before_it(
     assert later.at(light[0]).rebuilt is not None  # before the break: written
     with pytest.raises(StepNotFoundError):
         later.at(bad)  # not written: still needs a factory
+
+
+def test_the_scrubber_shows_a_rebuilt_light_step_as_available(
+    recorded: Path, tmp_path: Path
+) -> None:
+    from dstt.widgets.model import ScrubberModel
+
+    root = _copy(recorded, tmp_path)
+    run = dstt.open(root)
+    light = sorted(run.light_steps())
+    m = ScrubberModel(dstt.open(root))
+    assert m.steps == run.steps
+    assert m.light == light
+    assert m.rebuilt == {}
+    k = light[0]
+    assert main(["rebuild", root, "--steps", str(k)]) == 0
+    m.refresh()
+    base = _stored_before(run, k)
+    assert m.rebuilt == {k: base}
+    assert m.light == light[1:]
+    assert m.steps == sorted({*run.steps, k})
+    m.step = k
+    assert f"light, rebuilt from stored step {base}" in m.label()
+    want = dstt.open(root).at(k).tensor(m.tensor).values
+    assert np.array_equal(m.values(), want)
+    assert m.reference_step == base
+    m.mode = "change"
+    ch = m.change()
+    assert ch.attrs["reference"] == base
+    assert sorted(ch["tensor"].values.tolist()) == sorted(m.tensors)
+    assert np.isfinite(ch["ratio"].values).all()
+    assert (ch["ratio"].values > 0).all()
+    img, title = m.shown()
+    assert img is not None
+    assert f"@ {k} - @ {base}" in title
