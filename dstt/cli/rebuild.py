@@ -144,7 +144,8 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 
     def text() -> Iterator[str]:
         if not got and not skipped:
-            yield f"nothing to rebuild on timeline {timeline!r}: no light step left"
+            where = "left" if args.steps.strip() == "light" else f"in {args.steps}"
+            yield f"nothing to rebuild on timeline {timeline!r}: no light step {where}"
         for d in doc["rebuilt"]:
             how = (
                 "every replayed loss matched bit for bit"

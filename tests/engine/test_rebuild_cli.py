@@ -114,6 +114,9 @@ def test_a_range_is_rebuilt_written_and_read_back_bit_for_bit(
     assert all("every replayed loss matched bit for bit" in x for x in lines)
     assert main(["rebuild", root]) == 0
     assert "nothing to rebuild" in capsys.readouterr().out
+    assert main(["rebuild", root, "--steps", f"{lo}:{lo}"]) == 2  # one stored step: refused
+    assert main(["rebuild", root, "--steps", f"{run.steps[-1]}:{run.steps[-1] + 5}"]) == 0
+    assert "stored, nothing to rebuild" in capsys.readouterr().out
     # an explicit step written before is read back, no factory needed
     assert main(["rebuild", root, "--steps", str(light[0]), "--script", "nope.py:make"]) == 0
     assert "(written before)" in capsys.readouterr().out
@@ -165,7 +168,12 @@ def test_a_broken_chain_exits_3_and_keeps_what_was_rebuilt_before_it(
     root = _copy(recorded, tmp_path)
     run = dstt.open(root)
     light = sorted(run.light_steps())
-    bad = light[1]  # the samples of step bad on: 4 * (bad - 1) ...
+    gaps: dict[int, list[int]] = {}
+    for k in light:
+        gaps.setdefault(_stored_before(run, k), []).append(k)
+    # break a gap after its first light step when one has two (the steps of that gap before
+    # the break are kept too), else the second gap
+    bad = next((g[1] for g in gaps.values() if len(g) > 1), light[1])
     script = tmp_path / "tampered.py"
     script.write_text(f"START = {4 * (bad - 1)}\n{TAMPERED}")
     capsys.readouterr()
@@ -173,7 +181,8 @@ def test_a_broken_chain_exits_3_and_keeps_what_was_rebuilt_before_it(
     err = capsys.readouterr().err
     assert f"the chain broke at step {bad}" in err
     later = dstt.open(root)
-    assert later.at(light[0]).rebuilt is not None  # before the break: written
+    assert sorted(written_bases(later, later.timeline)) == [k for k in light if k < bad]
+    assert later.at(light[0]).rebuilt is not None  # before the break: written, readable
     with pytest.raises(StepNotFoundError):
         later.at(bad)  # not written: still needs a factory
 
