@@ -188,6 +188,7 @@ def cli_doc() -> str:
         "timeline rename",
         "timeline delete",
         "gc",
+        "rebuild",
         "export",
         "import",
     ]

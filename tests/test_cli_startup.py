@@ -255,6 +255,7 @@ READ_PATH = {
     "dstt.cli.imports",
     "dstt.cli.inspect",
     "dstt.cli.parser",
+    "dstt.cli.rebuild",
     "dstt.cli.replay",
     "dstt.cli.virtual",
     "dstt.errors",

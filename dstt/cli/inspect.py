@@ -90,6 +90,7 @@ def cmd_log(args: argparse.Namespace) -> int:
             "objects": [] if h.pruned else sorted(h.objects),
             "pruned": bool(h.pruned),
             "light": False,
+            "rebuilt": None,
             "spike": spikes.get(h.step),
         }
         for h in line
@@ -105,10 +106,12 @@ def cmd_log(args: argparse.Namespace) -> int:
             if isinstance(h, int):
                 d = light[h]
                 data = "".join(f"  [{b}]" for b in batches.get(h, []))
-                yield (
-                    f"step {h:>8}  light (not stored; run.rebuild({h}, ...))  "
-                    f"{_metrics_text(d['metrics'])}{data}"
+                how = (
+                    f"light (rebuilt from step {d['rebuilt']}; run.at({h}) reads it)"
+                    if d["rebuilt"] is not None
+                    else f"light (not stored; run.rebuild({h}, ...))"
                 )
+                yield f"step {h:>8}  {how}  {_metrics_text(d['metrics'])}{data}"
                 continue
             sp = spikes.get(h.step)
             mark = (
@@ -130,10 +133,14 @@ def cmd_log(args: argparse.Namespace) -> int:
 
 def _light(run: Any, timeline: str | None) -> dict[int, dict[str, Any]]:
     """The light steps of ``every="auto"`` as ``dstt log`` entries, by step, with the
-    metrics they logged (carried by the next commit)."""
+    metrics they logged (carried by the next commit) and, for one ``dstt rebuild`` wrote,
+    the stored step it was rebuilt from (``rebuilt``; else None)."""
+    from dstt.run.derived import written_bases
+
     fingerprints = run.light_steps(timeline)
     if not fingerprints:
         return {}
+    bases = written_bases(run, timeline or run.timeline)
     m = run.metrics(timeline)
     where = {int(k): i for i, k in enumerate(m.steps.tolist())}
     out: dict[int, dict[str, Any]] = {}
@@ -146,7 +153,13 @@ def _light(run: Any, timeline: str | None) -> dict[int, dict[str, Any]]:
             if v == "" or (isinstance(v, float) and math.isnan(v)):
                 continue  # not logged at that step
             values[name] = v
-        out[k] = {"step": k, "light": True, "metrics": values, "loss_bits": bits}
+        out[k] = {
+            "step": k,
+            "light": True,
+            "rebuilt": bases.get(k),
+            "metrics": values,
+            "loss_bits": bits,
+        }
     return out
 
 

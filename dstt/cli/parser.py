@@ -1,7 +1,7 @@
 """The parser of every ``dstt`` command and ``main``: the flags and help texts, and which
 exception becomes which exit code (the codes and how the run is found: the package
-docstring). The commands themselves are in ``inspect``, ``changes``, ``replay`` and
-``imports``: a command is read there, its flags here.
+docstring). The commands themselves are in ``inspect``, ``changes``, ``replay``, ``rebuild``
+and ``imports``: a command is read there, its flags here.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from .inspect import (
     cmd_show,
     cmd_verify,
 )
+from .rebuild import cmd_rebuild
 from .replay import cmd_replay
 from .virtual import add_virtual
 
@@ -313,6 +314,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--sample-grads",
         action="store_true",
         help="also each sample's gradient norm (one backward per sample)",
+    )
+    timeline(sp)
+    sp = add(
+        "rebuild",
+        cmd_rebuild,
+        "rebuild light steps (every='auto') by replay and write them to the run, "
+        "so later reads need no factory",
+    )
+    sp.add_argument(
+        "--steps",
+        default="light",
+        metavar="SPEC",
+        help="a step (12), an inclusive range (10:40; stored steps in it are skipped) or "
+        "'light': every light step not yet rebuilt (default)",
+    )
+    sp.add_argument(
+        "--script",
+        metavar="FILE.py:FUNCTION",
+        help="a function returning the objects training built ('model', 'optimizer', "
+        "'dataset', 'loss_fn', ...; as dstt replay's) (default: the factory the run's "
+        "sessions recorded, dstt.session(..., replay='train.py:make'))",
     )
     timeline(sp)
     sp = add(

@@ -24,7 +24,14 @@ if TYPE_CHECKING:
     from .rebuilt import Rebuilder
     from .snapshot import Snapshot
 
-__all__ = ["REBUILT_PREFIX", "load_rebuilt", "rebuildable", "rebuilt_steps", "save_rebuilt"]
+__all__ = [
+    "REBUILT_PREFIX",
+    "load_rebuilt",
+    "rebuildable",
+    "rebuilt_steps",
+    "save_rebuilt",
+    "written_bases",
+]
 
 #: where rebuilt steps are written in the run's storage
 REBUILT_PREFIX = "_dstt/rebuilt"
@@ -74,6 +81,26 @@ def _written(run: Any, timeline: str) -> set[int]:
         folder = f"{REBUILT_PREFIX}/{quote(timeline, safe='')}"
         seen[timeline] = {int(n) for n in run.repo.storage.list(folder) if n.isdigit()}
     return seen[timeline]
+
+
+def written_bases(run: Any, timeline: str) -> dict[int, int]:
+    """``{step: base}`` of the light steps of ``timeline`` with a rebuilt step written that
+    ``at`` reads (its base still that timeline's): what ``dstt log`` and the scrubber mark.
+    Reads each one's small list of files, not its tensors."""
+    steps = _written(run, timeline)
+    if not steps:
+        return {}
+    slots = {h.step: int(h.slot) for h in run.commits(timeline, pruned=True)}
+    st = run.repo.storage
+    out: dict[int, int] = {}
+    for k in sorted(steps):
+        key = _files(timeline, k)
+        if not st.exists(key):
+            continue  # half written: never read
+        doc = json.loads(st.read(key))
+        if slots.get(doc["base"]) == doc["base_slot"]:
+            out[k] = int(doc["base"])
+    return out
 
 
 def _files(timeline: str, step: int) -> str:

@@ -121,10 +121,22 @@ class ScrubberModel:
 
     # -- timeline -------------------------------------------------------------------------
     def _load_timeline(self) -> None:
+        from dstt.run.derived import written_bases
+
         steps = [h.step for h in self.run.commits(self._timeline)]
         if not steps:
             raise ValueError(f"timeline {self._timeline!r} has no committed steps")
-        self.steps: list[int] = list(steps)
+        light = self.run.light_steps(self._timeline)
+        #: ``{step: base}``: light steps (``every="auto"``) with a rebuilt copy written
+        #: (``dstt rebuild``): shown among the steps, read without replaying
+        self.rebuilt: dict[int, int] = (
+            {k: b for k, b in written_bases(self.run, self._timeline).items() if k in light}
+            if light
+            else {}
+        )
+        #: light steps with none written: not stored, not among the steps
+        self.light: list[int] = sorted(k for k in light if k not in self.rebuilt)
+        self.steps: list[int] = sorted({*steps, *self.rebuilt})
         self.metrics: xr.Dataset = self.run.metrics(self._timeline).to_xarray()
         self.metric = self._metric_arg or default_metric(self.metrics)
         if self.metric is not None and self.metric not in self.metrics:
@@ -482,18 +494,48 @@ class ScrubberModel:
         """Per-parameter change of the current step vs the reference (cached); see
         :func:`dstt.plots.series.step_change`."""
         key = ("change", self._timeline, self._step, self._reference)
-        change: xr.Dataset = self.cache.get_or_make(
+        ref = self.reference_step
+        if self._step in self.rebuilt or ref in self.rebuilt:  # no commit of the run's own
+            change: xr.Dataset = self.cache.get_or_make(key, lambda: self._rebuilt_change(ref))
+            return change
+        change = self.cache.get_or_make(
             key, lambda: step_change(self.run, self._step, self._reference, timeline=self._timeline)
         )
         return change
 
+    def _rebuilt_change(self, ref: int | None) -> xr.Dataset:
+        """:meth:`change` where a side is a rebuilt light step: its own derived commit, read
+        through ``run.diff`` (``at``), never the run's reader; NaN with no reference."""
+        import xarray as xr
+
+        if ref is None:
+            nan = np.full(len(self.tensors), np.nan)
+            return xr.Dataset(
+                {
+                    "delta_l2": ("tensor", nan),
+                    "norm": ("tensor", nan.copy()),
+                    "ratio": ("tensor", nan.copy()),
+                },
+                coords={"tensor": ("tensor", np.array(self.tensors, dtype=object))},
+                attrs={"step": self._step, "reference": None, "source": "none"},
+            )
+        tl = self._timeline
+        params = [p for p in self.snapshot().catalog.model_paths if p.startswith("params/")]
+        ds = self.run.diff(ref, self._step, timeline=tl, timeline_b=tl, paths=params)
+        out = xr.Dataset({"delta_l2": ds["delta_l2"], "norm": ds["a_l2"], "ratio": ds["ratio"]})
+        out.attrs.update(step=self._step, reference=ref, source="tensors", exactness="exact")
+        return out
+
     def label(self) -> str:
-        """One line describing the selection (what the widget's label shows)."""
+        """One line describing the selection (what the widget's label shows); a rebuilt
+        light step says so and from which stored step."""
         parts = [
             f"step {self._step}",
             f"timeline {self._timeline}",
             f"{self.index + 1}/{len(self.steps)}",
         ]
+        if self._step in self.rebuilt:
+            parts.append(f"light, rebuilt from stored step {self.rebuilt[self._step]}")
         v = self.metric_value
         if v is not None:
             parts.append(f"{self.metric} {v:.4g}")
