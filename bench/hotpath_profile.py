@@ -42,6 +42,7 @@ import dstt
 from dstt.engine.capture import committer as CM
 from dstt.engine.capture import flatwrite as FW
 from dstt.engine.capture import pipeline as P
+from dstt.store.commit import step_table as ST
 from dstt.store.commit import transaction as TX
 from dstt.store.commit import writer as W
 from dstt.store.flusher import parent as FL
@@ -53,7 +54,8 @@ TIMED: list[tuple[Any, str]] = [
     (P.Pipeline, "stage _copy"),
     (CM.Committer, "_finish _flat_summaries"),
     (FW.FlatLane, "write"),
-    (TX.Transaction, "commit put_object arrays_table reserve_flat complete_flat"),
+    (TX.Transaction, "commit put_object reserve_flat complete_flat"),
+    (ST.StepTable, "arrays_table"),
     (W.Writer, "_metadata"),
     (L.LocalStorage, "barrier evict write"),
     (FL.Flusher, "write"),
