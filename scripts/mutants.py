@@ -68,13 +68,12 @@ MUTATIONS = [
     ),
     Mutation(
         "flat-summary-other-buffer",
-        "the in-process flat lane (no flusher) digests the ring's other step buffer",
-        "dstt/engine/capture/flatwrite.py",
-        "                f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer])\n"
-        "                stats = digest(plan, buf.numpy()) if plan is not None else None",
-        "                f.txn.put_flat(layout, buf.numpy(), self.steps.images[f.buffer])\n"
-        "                other = self.steps.buffers[(f.buffer + 1) % self.steps.count]\n"
-        "                stats = digest(plan, other.numpy()) if plan is not None else None",
+        "the in-process flat lane (no flusher) digests other bytes than the step it wrote",
+        "dstt/store/_seam.py",
+        "        txn.put_flat(layout, view, sink.images(view))\n"
+        "        return _digest_here(d, view)",
+        "        txn.put_flat(layout, view, sink.images(view))\n"
+        "        return _digest_here(d, memoryview(bytearray(len(view))))",
         (
             "tests/engine/test_summary_paths.py",
             "tests/engine/test_session.py",
@@ -84,13 +83,10 @@ MUTATIONS = [
     ),
     Mutation(
         "encoded-summary-other-buffer",
-        "an encoded flat step (written chunk by chunk here) digests the other step buffer",
-        "dstt/engine/capture/flatwrite.py",
-        "                f.txn.put_flat_chunks(layout, buf.numpy())\n"
-        "                stats = digest(plan, buf.numpy()) if plan is not None else None",
-        "                f.txn.put_flat_chunks(layout, buf.numpy())\n"
-        "                other = self.steps.buffers[(f.buffer + 1) % self.steps.count]\n"
-        "                stats = digest(plan, other.numpy()) if plan is not None else None",
+        "an encoded step (written here, digested by the flusher) digests the other shared buffer",
+        "dstt/store/flusher/child.py",
+        'reply(("ok", rid, digest(objs[pid], maps[buffer], token)))',
+        'reply(("ok", rid, digest(objs[pid], maps[(buffer + 1) % len(maps)], token)))',
         ("tests/engine/test_summary_paths.py", "tests/engine/test_session_delta.py"),
         2,
     ),
@@ -134,8 +130,9 @@ MUTATIONS = [
         "flusher-summary-other-buffer",
         "the flusher process digests the other shared buffer",
         "dstt/store/flusher/child.py",
-        "stats = digest(objs[pid], maps[buffer]) if pid is not None else None",
-        "stats = digest(objs[pid], maps[(buffer + 1) % len(maps)]) if pid is not None else None",
+        "stats = digest(objs[pid], maps[buffer], token) if pid is not None else None",
+        "stats = digest(objs[pid], maps[(buffer + 1) % len(maps)], token)"
+        " if pid is not None else None",
         ("tests/engine/test_summary_paths.py", "tests/engine/test_session.py"),
         2,
     ),
@@ -172,8 +169,8 @@ MUTATIONS = [
         "ref-before-header-durable",
         "a commit moves the ref without the barrier that makes its files and header durable",
         "dstt/store/commit/job.py",
-        "    storage.write(commit_key(job.slot), dump_header(header))\n    storage.barrier()\n",
-        "    storage.write(commit_key(job.slot), dump_header(header))\n",
+        "    storage.create(commit_key(job.slot), dump_header(header))\n    storage.barrier()\n",
+        "    storage.create(commit_key(job.slot), dump_header(header))\n",
         ("tests/store/commit/test_crash.py", "tests/store/commit/test_ranks.py", "-k", "power_cut"),
         2,
     ),
