@@ -124,7 +124,7 @@ class Lines:
 
             stored = {h.step for h in self.commits(name)}
             carrying = self.reader.carrying(self.commits(name), LIGHT_OBJECT)
-            found = read_light(carrying, self.reader.read_object)
+            found = read_light(filter(_still_kept, carrying), self.reader.read_object)
             self._light[name] = {k: v for k, v in sorted(found.items()) if k not in stored}
         return self._light[name]
 
@@ -158,3 +158,13 @@ class Lines:
             lo, hi = step_bounds(steps)
             return [k for k in light if lo <= k <= hi]
         return sorted({int(s) for s in as_steps(steps)} & set(light))
+
+
+def _still_kept(header: Any) -> bool:
+    """Whether ``header``'s full record still reads: False for a step a gc elsewhere pruned
+    after this view was opened (its light records went with it; ``run.refresh()`` sees)."""
+    try:
+        header.objects  # noqa: B018 - the read is the check
+    except StepNotFoundError:
+        return False
+    return True

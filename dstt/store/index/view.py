@@ -42,7 +42,7 @@ from .rows import rows_from_headers, take
 from .source import HeaderSource
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
     from dstt.store.storage.base import Storage
 
@@ -290,11 +290,16 @@ class Index:
     def slots_mentioning(self, needle: bytes) -> set[int]:
         """Slots of the index's rows whose header bytes contain ``needle`` (a superset of
         the commits carrying an object of that name; slots the index has no row for are
-        not answered here: check their headers)."""
+        not answered here: check their headers). A segment that cannot be read (damaged, or
+        deleted by a gc merge after this view loaded it) answers all of its rows."""
         self.ensure()
         out: set[int] = set()
         for seg in self.segments:
-            for i in seg.rows_mentioning(self.storage, needle):
+            try:
+                hits: Iterable[int] = seg.rows_mentioning(self.storage, needle)
+            except (DsttError, OSError, ValueError):  # damaged, or merged away by a gc since
+                hits = range(seg.n)  # every row of it may: a superset, never a miss
+            for i in hits:
                 slot = int(seg.core["slot"][i])
                 if self.rows.get(slot) == (seg, i):  # the row in use (newest generation)
                     out.add(slot)

@@ -439,3 +439,36 @@ def test_background_jobs_are_rate_limited_but_the_tail_stays_bounded(
     more, r = count_jobs(max_tail=2)  # a job whenever 8 rows are pending
     assert more >= N // 8
     assert set(r.index.load().rows) == {h.slot for h in r.lineage()}
+
+
+def test_a_view_opened_before_gc_merged_the_index_still_finds_light_steps(
+    tmp_path: Path,
+) -> None:
+    """A view holds the index segments it loaded; a gc elsewhere merges them into a new
+    generation and deletes them. The view's search of header bytes (light steps, batches)
+    must then answer from the headers, not fail on the vanished segment, and a step the gc
+    pruned is refused as pruned (the CI race of test_gc_from_another_process_…)."""
+    from dstt.engine.capture.light import LIGHT_OBJECT
+    from dstt.errors import StepNotFoundError
+
+    path = tmp_path / "run"
+    repo = Repository.create(path)
+    with repo.writer() as w:
+        for step in (*range(1, 7), 8):
+            txn = w.begin(step)
+            txn.declare("params/w", "float32", (2,))
+            txn.put_chunk("params/w", 0, np.full(2, step, np.float32).view(np.uint8))
+            if step == 8:
+                txn.put_object(LIGHT_OBJECT, {"steps": [7], "loss": [None]})
+            txn.commit({"loss": float(step)})
+    repo.reindex()
+    held = dstt.open(path)
+    loaded = {s.key for s in held.reader.index.ensure().segments}
+    assert loaded
+    Repository.open(path).gc(keep_last=1)
+    assert not any((path / k).exists() for k in loaded)  # merged away under the view
+    assert held.reader.index.slots_mentioning(b'"light/steps"')  # a superset, no error
+    assert sorted(held.light_steps()) == [7]
+    with pytest.raises(StepNotFoundError, match="pruned"):
+        held.at(2)
+    assert sorted(dstt.open(path).light_steps()) == [7]
