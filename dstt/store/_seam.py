@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import numpy as np
 
 from dstt.analysis.summary_kernel import digest
-from dstt.errors import CaptureError, SegmentError, StorageError
+from dstt.errors import CaptureError, ConfigError, SegmentError, StorageError
 
 from .flusher.parent import Flusher
 from .format.flat import FlatImage, FlatLayout, StepBytes, byte_view
@@ -155,6 +155,26 @@ class StepSink(Protocol):
     def close(self) -> None: ...
 
 
+#: seconds after a sink's first step before its flusher process starts (env
+#: ``DSTT_FLUSHER_START_S``): the child's start takes ~0.1-0.2 s of CPU, most of a short
+#: run's fixed cost on a machine whose cores train, and a run shorter than this gains
+#: nothing from it (docs/performance.md, "A session's fixed start and close")
+FLUSHER_START_S = 1.0
+
+
+def flusher_start_s() -> float:
+    """``FLUSHER_START_S``, or ``DSTT_FLUSHER_START_S`` where set (0: at once)."""
+    raw = os.environ.get("DSTT_FLUSHER_START_S")
+    if raw is None:
+        return FLUSHER_START_S
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        raise ConfigError(
+            f"DSTT_FLUSHER_START_S must be a number of seconds, got {raw!r}"
+        ) from None
+
+
 class TransactionSink:
     """``StepSink`` over a ``StepWriter``. ``flusher``: a flusher process to write shared
     buffers (and, where the writer offloads, commit); ``start_flusher``: start one sized
@@ -170,6 +190,7 @@ class TransactionSink:
     ) -> None:
         self.writer, self.flusher = writer, flusher
         self._start, self._own, self._lost = start_flusher, False, False
+        self._start_after = flusher_start_s() if start_flusher else 0.0
         self._encodes = writer.encoder is not None
         self._mu = threading.Lock()
         #: each layout's chunk starts, by id (segments are cut by bisecting them)
@@ -201,8 +222,9 @@ class TransactionSink:
             self._start = False
             try:
                 # not waiting for the child's start: until it is ready, the handle
-                # serves the writes here (a short run never waits for it)
-                self._attach(Flusher(nbytes, count, wait=False))
+                # serves the writes here; started only after FLUSHER_START_S, so a short
+                # run never pays for its interpreter and imports
+                self._attach(Flusher(nbytes, count, wait=False, start_after=self._start_after))
                 self._own = True
             except (OSError, StorageError) as e:  # no memfd, no fork: writer threads
                 warnings.warn(

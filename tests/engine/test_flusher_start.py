@@ -271,3 +271,106 @@ def test_the_factory_still_picks_the_deepspeed_session_for_a_deepspeed_class() -
     assert not _deepspeed_engine(torch.nn.Linear(2, 2))
     other = type("DeepSpeedEngine", (torch.nn.Module,), {"__module__": "mylib.engine"})
     assert not _deepspeed_engine(other())
+
+
+def test_a_short_session_never_starts_its_flusher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, commits_here: list[int]
+) -> None:
+    """The default delay: a run that ends before ``DSTT_FLUSHER_START_S`` has every step
+    written and committed here and starts no process at all (the fixed cost of a short
+    run: the child's interpreter and imports, ~0.1-0.2 s of CPU)."""
+    import dstt.store._seam as _seam
+
+    made: list[Flusher] = []
+
+    class Seen(Flusher):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(_seam, "Flusher", Seen)
+    monkeypatch.setenv("DSTT_FLUSHER_START_S", "600")
+    m = MLP()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    with session(m, opt, run=tmp_path / "run", every=1) as s:
+        for i in range(3):
+            train_step(m, opt, *mlp_batch(i))
+            if i == 0:
+                s.wait()
+                (fl,) = made
+                assert not fl.started
+    assert not fl.started
+    assert not fl.dead
+    assert fl.served_here == 3
+    assert commits_here == [1, 2, 3]
+    assert not fl._starter.is_alive()  # close ended the thread that would have started it
+    repo = Repository.open(tmp_path / "run")
+    assert committed_steps(repo) == [1, 2, 3]
+    assert repo.verify().problems == []
+
+
+def test_a_flusher_starts_once_its_delay_is_up_and_takes_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, commits_here: list[int]
+) -> None:
+    """A run longer than the delay gets its child without asking: it starts by itself and
+    serves the steps after it is ready; every step reads back bit-exactly."""
+    import time
+
+    monkeypatch.setenv("DSTT_FLUSHER_START_S", "0.2")
+    m = MLP()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    after: dict[int, torch.Tensor] = {}
+    with session(m, opt, run=tmp_path / "run", every=1) as s:
+        for i in range(6):
+            train_step(m, opt, *mlp_batch(i))
+            after[s.step] = m.l1.weight.detach().clone()
+            if i == 2:
+                s.wait()
+                pipe = s._pipeline
+                assert pipe is not None
+                fl = pipe.sink.flusher
+                assert fl is not None
+                deadline = time.monotonic() + 120
+                while not fl.ready and time.monotonic() < deadline:  # no wait_ready: by itself
+                    time.sleep(0.01)
+                assert fl.ready
+                pipe.drain()
+                before = fl.served_here
+        assert not fl.dead
+    assert fl.served_here == before  # steps 4-6: the child's
+    assert commits_here == list(range(1, before + 1))
+    repo = Repository.open(tmp_path / "run")
+    assert committed_steps(repo) == list(range(1, 7))
+    for step, w in after.items():
+        assert same_bits(stored(repo, step, "params/l1/weight"), w), step
+
+
+def test_wait_ready_starts_a_delayed_child_at_once_and_close_starts_none() -> None:
+    fl = Flusher(1 << 16, 2, wait=False, start_after=600)
+    try:
+        assert not fl.started
+        assert fl.wait_ready(120)  # (tests and the store's own callers: now)
+        assert fl.proc is not None
+        pid = fl.proc.pid
+    finally:
+        fl.close()
+    assert _gone(pid)
+    idle = Flusher(1 << 16, 2, wait=False, start_after=600)
+    idle.close()
+    assert not idle.started
+    assert not idle._starter.is_alive()
+
+
+def test_a_bad_flusher_delay_is_refused_when_the_session_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dstt.errors import ConfigError
+
+    monkeypatch.setenv("DSTT_FLUSHER_START_S", "soon")
+    m = MLP()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    with (
+        pytest.raises(ConfigError, match="DSTT_FLUSHER_START_S must be a number"),
+        session(m, opt, run=tmp_path / "run", every=1),
+    ):
+        pass

@@ -27,9 +27,11 @@ The engine does not wait for the child to start (``wait=False``; its interpreter
 take tenths of a second): until it says "ready", the handle serves each request in the
 calling thread itself — the same bytes and replies; a commit goes back to the writer
 (``NotHandedOff``) — so a short run never waits for a process it barely used, and ``close``
-kills a child that never got ready (it was sent nothing). The child's first digest of a plan
-digested here is done here too, against this process's copy of the previous step, so
-updates stay exact.
+kills a child that never got ready (it was sent nothing). The engine's sink starts it only
+``start_after`` seconds after its first step (``DSTT_FLUSHER_START_S``), from a thread that
+lives until ``close`` (the child dies with the thread that started it), so a run shorter
+than that starts none. The child's first digest of a plan digested here is done here too,
+against this process's copy of the previous step, so updates stay exact.
 
 The child's side — its request loop, writer and commit threads — is ``flusher/child.py``.
 
@@ -98,10 +100,18 @@ class Flusher:
     """The parent's handle: ``count`` shared buffers of ``nbytes`` and the child process."""
 
     def __init__(
-        self, nbytes: int, count: int, *, sched: str | None = None, wait: bool = True
+        self,
+        nbytes: int,
+        count: int,
+        *,
+        sched: str | None = None,
+        wait: bool = True,
+        start_after: float = 0.0,
     ) -> None:
         """``wait``: return once the child is ready (else at once: until it is, the requests
-        are served in this process, ``served_here``); ``StorageError`` if it cannot start."""
+        are served in this process, ``served_here``); ``StorageError`` if it cannot start.
+        ``start_after``: start the child only after that many seconds (or ``wait_ready``),
+        so a run shorter than that never pays for it; ``close`` before then starts none."""
         sched = sched or os.environ.get("DSTT_FLUSHER_SCHED", "idle")
         if not flusher_supported():
             raise OSError(_errno.ENOSYS, "the flusher needs Linux memfd_create")
@@ -131,40 +141,28 @@ class Flusher:
         self.served_here = 0
         self._images: dict[tuple[int, int, int], FlatImage] = {}
         self._bound: dict[int, FlatImage] = {}  # buffer -> the in-place image it holds
+        self._start_now = threading.Event()  # start the child (``start_after`` is up)
+        self._closing = threading.Event()  # ``close`` began: start no child
+        self._closed = threading.Event()  # ``close`` ended: the starter may end
+        self._tried = threading.Event()  # the starter started the child (or failed to)
+        self._spawn_mu = threading.Lock()
         try:
             for i in range(count):
                 fd = os.memfd_create(f"dstt-step-{i}", 0)
                 self._fds.append(fd)
                 os.ftruncate(fd, nbytes)
                 self.buffers.append(mmap.mmap(fd, nbytes))
-            env = dict(os.environ)
-            env.pop("PYTHONSTARTUP", None)
-            # one thread each: a BLAS/OpenMP pool in the child would spin on the cores
-            # training needs (thread pools are made at import, before SCHED_IDLE applies)
-            env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dstt.store.flusher._main", sched, str(os.getpid())],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                pass_fds=self._fds,
-                env=env,
-                # a terminal's Ctrl-C goes to training, which drains and closes the flusher;
-                # in the terminal's process group the flusher would die mid-write with a
-                # traceback of its own
-                process_group=0,
+            # the child is started by a thread that lives until ``close``: the kernel's
+            # "parent" of PR_SET_PDEATHSIG (child.py) is the thread that started it
+            self._starter = threading.Thread(
+                target=self._start_child,
+                args=(max(0.0, start_after) if not wait else 0.0,),
+                name="dstt-flusher-start",
+                daemon=True,
             )
-            assert self.proc.stdin is not None
-            assert self.proc.stdout is not None
-            self._out, self._in = self.proc.stdin, self.proc.stdout
-            self._child_fds = list(self._fds)  # the same numbers in the child
-            for fd in self._fds:  # the child has its copies (Popen returns after its exec)
-                os.close(fd)
-            self._fds = []
-            self._send_init()
-            self._reader = threading.Thread(
-                target=self._read_replies, name="dstt-flusher-replies", daemon=True
-            )
-            self._reader.start()
+            self._starter.start()
+            if wait or start_after <= 0:  # started when this returns (not ready yet)
+                self._tried.wait()
             if wait and not self.wait_ready():
                 raise StorageError(
                     _errno.EIO, f"the flusher process did not start: {self._error or 'it exited'}"
@@ -172,6 +170,60 @@ class Flusher:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def started(self) -> bool:
+        """Whether the child process was started (it may not be ready yet)."""
+        return self.proc is not None
+
+    def _start_child(self, after: float) -> None:
+        """Start the child after ``after`` seconds (sooner on ``wait_ready``), unless closed
+        first; then stay alive until ``close``, as the child's kernel "parent"."""
+        if after > 0:
+            self._start_now.wait(after)
+        with self._spawn_mu:
+            try:
+                if self._closing.is_set():
+                    return
+                self._spawn()
+            except Exception as e:  # no fork, no interpreter: the requests stay here
+                with self._wait_mu:
+                    self.dead, self._error = True, e
+                self._gone_or_ready.set()
+                return
+            finally:
+                self._tried.set()
+        self._closed.wait()
+
+    def _spawn(self) -> None:
+        env = dict(os.environ)
+        env.pop("PYTHONSTARTUP", None)
+        # one thread each: a BLAS/OpenMP pool in the child would spin on the cores
+        # training needs (thread pools are made at import, before SCHED_IDLE applies)
+        env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dstt.store.flusher._main", self._sched, str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            pass_fds=self._fds,
+            env=env,
+            # a terminal's Ctrl-C goes to training, which drains and closes the flusher;
+            # in the terminal's process group the flusher would die mid-write with a
+            # traceback of its own
+            process_group=0,
+        )
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self._out, self._in = self.proc.stdin, self.proc.stdout
+        self._child_fds = list(self._fds)  # the same numbers in the child
+        for fd in self._fds:  # the child has its copies (Popen returns after its exec)
+            os.close(fd)
+        self._fds = []
+        self._send_init()
+        self._reader = threading.Thread(
+            target=self._read_replies, name="dstt-flusher-replies", daemon=True
+        )
+        self._reader.start()
 
     def _send_init(self) -> None:
         """Hand the child its shared buffers; it answers "ready" once it can serve."""
@@ -184,7 +236,9 @@ class Flusher:
         return self._ready.is_set() and not self.dead
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Wait until the child is ready (True) or gone (False); None: no time limit."""
+        """Wait until the child is ready (True) or gone (False); None: no time limit. Starts
+        it now if ``start_after`` had not come yet."""
+        self._start_now.set()
         with self._wait_mu:
             if self.dead:
                 return False
@@ -456,8 +510,12 @@ class Flusher:
     def close(self) -> None:
         """End the child: it has answered every request by now (the engine drained). One
         that never got ready was sent none: it is killed rather than waited for while it
-        starts (the fixed cost of a short run)."""
-        proc, self.proc = self.proc, None
+        starts (the fixed cost of a short run); one not started yet is not started."""
+        self._closing.set()
+        self._start_now.set()  # (a starter still waiting ends now)
+        with self._spawn_mu:
+            proc, self.proc = self.proc, None
+        self._gone_or_ready.set()
         if proc is not None:
             if not self._ready.is_set():
                 with contextlib.suppress(OSError):
@@ -483,3 +541,7 @@ class Flusher:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds = []
+        self._closed.set()
+        starter = getattr(self, "_starter", None)
+        if starter is not None and starter is not threading.current_thread():
+            starter.join(timeout=5)
