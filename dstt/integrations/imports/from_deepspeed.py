@@ -210,12 +210,6 @@ def _zero(
             f"{path}: {len(groups)} optimizer groups but {len(shapes)} groups "
             "of parameter shapes; import the weights alone"
         )
-    ck.optimizer = NamedOptimizer(
-        [
-            {**{h: v for h, v in g.items() if h != "params"}, "params": list(s)}
-            for g, s in zip(groups, shapes, strict=True)
-        ],
-        state,
-    )
+    ck.optimizer = NamedOptimizer.named(groups, [list(s) for s in shapes], state)
     ck.objects["_stage"] = stage
     return ck
