@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from dstt._optional import require
 
 from .model import Mode, ScrubberModel
-from .replay_panel import ReplayPanel, ReplayWith
+from .replay_panel import ReplayPanel, ReplayWith, error_html
 from .views import (
     FigureView,
     animate_change,
@@ -168,9 +168,7 @@ class Scrubber:
             fn()
         except Exception as e:
             self.error = e
-            self.label.value = (
-                f"<span style='color:#b00'>error: {html.escape(f'{type(e).__name__}: {e}')}</span>"
-            )
+            self.label.value = error_html("error", e)
 
     def _on_model(self, changed: set[str]) -> None:
         m = self.model
