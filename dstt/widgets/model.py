@@ -23,7 +23,7 @@ import numpy as np
 from dstt._lru import LRU
 from dstt.errors import MetricNotFoundError, StepNotFoundError, TensorNotFoundError, TimelineError
 from dstt.plots.draw import image_strides
-from dstt.plots.series import step_change
+from dstt.plots.series import no_change, step_change
 from dstt.schema import user_name
 
 if TYPE_CHECKING:
@@ -509,16 +509,7 @@ class ScrubberModel:
         import xarray as xr
 
         if ref is None:
-            nan = np.full(len(self.tensors), np.nan)
-            return xr.Dataset(
-                {
-                    "delta_l2": ("tensor", nan),
-                    "norm": ("tensor", nan.copy()),
-                    "ratio": ("tensor", nan.copy()),
-                },
-                coords={"tensor": ("tensor", np.array(self.tensors, dtype=object))},
-                attrs={"step": self._step, "reference": None, "source": "none"},
-            )
+            return no_change(self.tensors, self._step)
         tl = self._timeline
         params = [p for p in self.snapshot().catalog.model_paths if p.startswith("params/")]
         ds = self.run.diff(ref, self._step, timeline=tl, timeline_b=tl, paths=params)
