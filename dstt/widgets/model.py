@@ -429,18 +429,9 @@ class ScrubberModel:
             if moved
             else (self._tensor if self._tensor in names else self._default_tensor(names))
         )
-        self._notify(
-            {
-                f
-                for f, b, a in zip(
-                    ("step", "reference", "mode", "tensor"),
-                    before,
-                    (self._step, self._reference, self._mode, self._tensor),
-                    strict=True,
-                )
-                if b != a
-            }
-        )
+        after = (self._step, self._reference, self._mode, self._tensor)
+        fields = ("step", "reference", "mode", "tensor")
+        self._notify({f for f, b, a in zip(fields, before, after, strict=True) if b != a})
 
     def _ranked_change(self) -> list[tuple[str, float]]:
         ds = self.change()
