@@ -86,7 +86,7 @@ def median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float]
 
 def raw_ceiling(run: Any, name: str) -> tuple[float, int]:
     """Seconds to read the trajectory's byte ranges with os.pread, one open per file."""
-    r = run._reader
+    r = run.reader
     ranges = []
     for h in run.commits():
         rec = r.record(h, name)

@@ -247,6 +247,7 @@ def test_light_steps_are_found_from_the_index_bytes(tmp_path: Path) -> None:
 #: these paths fails here by name.
 READ_PATH = {
     "dstt",
+    "dstt._lazy",
     "dstt._lru",
     "dstt.cli",
     "dstt.cli.changes",

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .common import (
-    EXIT_OK,
     UsageError,
     _bar,
     _counter,
@@ -47,8 +46,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
             f"(skip {args.skip_data} batches on resume{skipped}); {old!r} is kept"
         )
 
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, text)
 
 
 def _few(xs: list[int], n: int = 8) -> str:
@@ -94,8 +92,7 @@ def cmd_timeline_list(args: argparse.Namespace) -> int:
                 base += " (skip nothing)"
             yield _timeline_line(t, base)
 
-    _emit(args, rows, text)
-    return EXIT_OK
+    return _emit(args, rows, text)
 
 
 def cmd_timeline_switch(args: argparse.Namespace) -> int:
@@ -109,8 +106,7 @@ def cmd_timeline_switch(args: argparse.Namespace) -> int:
         at = f"its head is step {head}" if head is not None else "it has no commits yet"
         yield f"timeline {args.name!r} is now current (was {old!r}); {at}"
 
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, text)
 
 
 def cmd_timeline_rename(args: argparse.Namespace) -> int:
@@ -118,11 +114,7 @@ def cmd_timeline_rename(args: argparse.Namespace) -> int:
     run.rename_timeline(args.old, args.new, force=args.force)
     doc = {"old": args.old, "new": args.new, "current": run.timeline}
 
-    def text() -> Iterator[str]:
-        yield f"timeline {args.old!r} is now {args.new!r}"
-
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, lambda: [f"timeline {args.old!r} is now {args.new!r}"])
 
 
 def cmd_timeline_delete(args: argparse.Namespace) -> int:
@@ -164,8 +156,7 @@ def cmd_timeline_delete(args: argparse.Namespace) -> int:
             + ("; nothing was deleted (--dry-run)" if rep.dry_run else "")
         )
 
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, text)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -217,5 +208,4 @@ def cmd_gc(args: argparse.Namespace) -> int:
             + ("; nothing was deleted (--dry-run)" if rep.dry_run else "")
         )
 
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, text)

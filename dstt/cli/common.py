@@ -25,7 +25,7 @@ from dstt.errors import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterable, Iterator
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_BAD_INPUT, EXIT_RUN, EXIT_INTERNAL = 0, 1, 2, 3, 4
 EXIT_PIPE = 128 + 13  # SIGPIPE: what a shell reports for a tool stopped by a closed pipe
@@ -137,12 +137,14 @@ def _fmt(x: float | None, spec: str = ".4g") -> str:
     return "—" if x is None or not math.isfinite(x) else format(x, spec)
 
 
-def _emit(args: argparse.Namespace, doc: Any, text: Callable[[], Iterator[str]]) -> None:
+def _emit(args: argparse.Namespace, doc: Any, text: Callable[[], Iterable[str]]) -> int:
+    """Print ``doc`` as JSON (``--json``) or the lines of ``text()``; returns ``EXIT_OK``."""
     if getattr(args, "json", False):
         print(json.dumps(_jsonable(doc), indent=2, default=str))
     else:
         for line in text():
             print(line)
+    return EXIT_OK
 
 
 @contextmanager

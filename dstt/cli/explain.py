@@ -9,12 +9,9 @@ Thin, as every command: parse → :meth:`dstt.Run.explain` → print. Exit codes
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
-from .common import EXIT_OK, _command, _emit, _resolve_run
-
-if TYPE_CHECKING:
-    from collections.abc import Iterator
+from .common import _command, _emit, _resolve_run
 
 __all__ = ["add_explain", "cmd_explain"]
 
@@ -63,9 +60,4 @@ def cmd_explain(args: argparse.Namespace) -> int:
             for f in ex.findings
         ],
     }
-
-    def text() -> Iterator[str]:
-        yield from str(ex).splitlines()
-
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, lambda: str(ex).splitlines())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .common import EXIT_OK, UsageError, _bar, _emit, _resolve_run
+from .common import UsageError, _bar, _emit, _resolve_run
 
 if TYPE_CHECKING:
     import argparse
@@ -157,5 +157,4 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
         if skipped:
             yield f"stored, nothing to rebuild: {', '.join(map(str, skipped))}"
 
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, text)

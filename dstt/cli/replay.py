@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .common import EXIT_OK, UsageError, _emit, _fmt, _resolve_run
+from .common import UsageError, _emit, _fmt, _resolve_run
 
 if TYPE_CHECKING:
     import argparse
@@ -93,5 +93,4 @@ def cmd_replay(args: argparse.Namespace) -> int:
         for d in doc["worst_samples"]:
             yield f"  {_fmt(d['loss']):>10}  sample {d['index']}  (micro-batch {d['micro_batch']})"
 
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, text)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, TypeVar
 
-from .common import EXIT_OK, _command, _emit, _resolve_run
+from .common import _command, _emit, _resolve_run
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -69,5 +69,4 @@ def cmd_virtual(args: argparse.Namespace) -> int:
             "zarr_format=3)"
         )
 
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, text)

@@ -11,11 +11,21 @@ from __future__ import annotations
 
 import html
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .sharded import shard_sources
 
-__all__ = ["human_bytes", "run_html", "run_summary", "timeline_rows"]
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = ["html_rows", "human_bytes", "run_html", "run_summary", "timeline_rows"]
+
+
+def html_rows(rows: Iterable[Iterable[object]]) -> str:
+    """Table rows (``<tr>``) of the cells of ``rows``, each escaped."""
+    return "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows
+    )
 
 
 def human_bytes(n: float) -> str:
@@ -110,19 +120,14 @@ def run_html(s: dict[str, Any]) -> str:
             row("metrics", ", ".join(s["metrics"]) or "—"),
         ]
     )
-    tl_rows = "".join(
-        "<tr>"
-        + "".join(
-            f"<td>{e(str(x))}</td>"
-            for x in (
-                ("● " if t["current"] else "") + t["name"],
-                t["commits"],
-                f"{t['first_step']} … {t['head_step']}" if t["commits"] else "—",
-                f"{t['base_timeline']}@{t['base_step']}" if t["base_timeline"] else "—",
-                t["skip_data"],
-            )
+    tl_rows = html_rows(
+        (
+            ("● " if t["current"] else "") + t["name"],
+            t["commits"],
+            f"{t['first_step']} … {t['head_step']}" if t["commits"] else "—",
+            f"{t['base_timeline']}@{t['base_step']}" if t["base_timeline"] else "—",
+            t["skip_data"],
         )
-        + "</tr>"
         for t in s["timelines"]
     )
     tl_head = "".join(

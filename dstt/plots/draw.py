@@ -26,6 +26,7 @@ __all__ = [
     "draw_bars",
     "draw_curves",
     "draw_heatmap",
+    "draw_message",
     "draw_tensor",
     "image_strides",
 ]
@@ -108,6 +109,12 @@ def draw_curves(
     return out
 
 
+def draw_message(ax: Axes, text: str, **kw: Any) -> Any:  # noqa: ANN401 - a Text
+    """``text`` centred on ``ax`` with its axes hidden: what a view draws instead of a plot."""
+    ax.set_axis_off()
+    return ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, **kw)
+
+
 def draw_tensor(
     ax: Axes, values: np.ndarray, *, title: str = "", diverging: bool = False, bins: int = 50
 ) -> dict[str, Any]:
@@ -116,16 +123,9 @@ def draw_tensor(
     v = np.asarray(values)
     out: dict[str, Any] = {}
     if v.ndim == 0 or v.size == 1:
-        out["text"] = ax.text(
-            0.5,
-            0.5,
-            f"{v.reshape(-1)[0]:.6g}" if v.size else "(empty)",
-            ha="center",
-            va="center",
-            fontsize=20,
-            transform=ax.transAxes,
+        out["text"] = draw_message(
+            ax, f"{v.reshape(-1)[0]:.6g}" if v.size else "(empty)", fontsize=20
         )
-        ax.set_axis_off()
     elif v.ndim == 1:
         finite = v[np.isfinite(v)].astype(np.float64)
         out["hist"] = ax.hist(finite, bins=bins, color="tab:blue", alpha=0.8)[2]

@@ -21,7 +21,7 @@ import numpy as np
 from dstt._optional import require
 from dstt.analysis.mechanisms import UNKNOWN
 
-from .draw import SPIKE_COLOR, draw_bars, draw_heatmap
+from .draw import SPIKE_COLOR, draw_bars, draw_heatmap, draw_message
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -117,19 +117,9 @@ def _missing(f: Finding | None, title: str) -> str | None:
 
 
 def _say_unknown(ax: Axes, title: str, missing: str) -> Text:
-    ax.set_axis_off()
     ax.set_title(f"{title}: unknown", fontsize="medium")
-    return ax.text(
-        0.5,
-        0.5,
-        f"unknown: {missing}",
-        ha="center",
-        va="center",
-        wrap=True,
-        fontsize="small",
-        color="0.35",
-        transform=ax.transAxes,
-    )
+    text: Text = draw_message(ax, f"unknown: {missing}", wrap=True, fontsize="small", color="0.35")
+    return text
 
 
 def _losses(ax: Axes, f: Finding, ex: Explanation) -> dict[str, Any]:

@@ -183,24 +183,23 @@ def step_change(
     else:
         ref = run.at(reference, reference_timeline or timeline).header
     if ref is None:
-        names = param_names(run, step, timeline=timeline)
-        nan = np.full(len(names), np.nan)
-        return xr.Dataset(
-            {
-                "delta_l2": ("tensor", nan),
-                "norm": ("tensor", nan.copy()),
-                "ratio": ("tensor", nan.copy()),
-            },
-            coords={"tensor": ("tensor", np.array(names, dtype=object))},
-            attrs={
-                "step": int(head.step),
-                "reference": None,
-                "source": "none",
-                "exactness": "none",
-            },
-        )
+        return no_change(param_names(run, step, timeline=timeline), int(head.step))
     return diff_headers(
         run, ref, head, timeline=timeline, reference_timeline=reference_timeline or timeline
+    )
+
+
+def no_change(names: list[str], step: int) -> xr.Dataset:
+    """:func:`step_change`'s answer where ``step`` has no reference: NaN for every name."""
+    nan = np.full(len(names), np.nan)
+    return xr.Dataset(
+        {
+            "delta_l2": ("tensor", nan),
+            "norm": ("tensor", nan.copy()),
+            "ratio": ("tensor", nan.copy()),
+        },
+        coords={"tensor": ("tensor", np.array(names, dtype=object))},
+        attrs={"step": step, "reference": None, "source": "none", "exactness": "none"},
     )
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dstt._lazy import lazy_names as _lazy_names
+
 from .metrics import Metrics
 from .opening import find_run_root, open_run
 from .run import Run
@@ -27,11 +29,8 @@ if TYPE_CHECKING:
 __all__ = ["Diagnosis", "Metrics", "Run", "RunDiagnostics", "Snapshot", "find_run_root", "open_run"]
 
 
-def __getattr__(name: str) -> object:
-    """``Diagnosis`` and ``RunDiagnostics`` on first use: their module loads the spike and
-    divergence rules, which opening or listing a run never needs."""
-    if name in ("Diagnosis", "RunDiagnostics"):
-        from . import diagnose
-
-        return getattr(diagnose, name)
-    raise AttributeError(f"module 'dstt.run' has no attribute {name!r}")
+#: on first use: their module loads the spike and divergence rules, which opening or listing a
+#: run never needs
+__getattr__, __dir__ = _lazy_names(
+    __name__, {"Diagnosis": "diagnose", "RunDiagnostics": "diagnose"}, __all__
+)

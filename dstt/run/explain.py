@@ -34,6 +34,7 @@ from dstt.analysis.mechanisms import (
     update_too_large,
 )
 from dstt.errors import ConfigError, DsttError, StepNotFoundError, TensorNotFoundError
+from dstt.inspect.html import html_rows
 from dstt.inspect.summaries import Spike, spike_cause
 
 if TYPE_CHECKING:
@@ -100,31 +101,22 @@ class Explanation:
         return f"<Explanation\n{self}\n>"
 
     def _repr_html_(self) -> str:
-        rows = []
-        for f in self.findings:
-            what = f.missing if f.verdict == UNKNOWN else ", ".join(map(str, f.points_at[:5]))
-            rows.append(
-                "<tr>"
-                + "".join(
-                    f"<td>{html.escape(str(c))}</td>"
-                    for c in (
-                        f.mechanism,
-                        f.verdict,
-                        "" if not np.isfinite(f.score) else f"{f.score:.3g}",
-                        what or "",
-                        f.hint,
-                    )
-                )
-                + "</tr>"
+        rows = html_rows(
+            (
+                f.mechanism,
+                f.verdict,
+                "" if not np.isfinite(f.score) else f"{f.score:.3g}",
+                (f.missing if f.verdict == UNKNOWN else ", ".join(map(str, f.points_at[:5]))) or "",
+                f.hint,
             )
+            for f in self.findings
+        )
         head = "".join(
             f"<th>{h}</th>" for h in ("mechanism", "verdict", "score", "points at", "hint")
         )
         return (
             f"<div><b>Spike at step {self.step}</b> (update {self.parent} &rarr; {self.cause},"
-            f" timeline {html.escape(self.timeline)})<table><tr>{head}</tr>"
-            + "".join(rows)
-            + "</table></div>"
+            f" timeline {html.escape(self.timeline)})<table><tr>{head}</tr>{rows}</table></div>"
         )
 
 

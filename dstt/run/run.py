@@ -83,10 +83,6 @@ class Run:
         return self._lines.reader
 
     @property
-    def _reader(self) -> Reader:  # (the name tests and bench/index_bench.py read it by)
-        return self._lines.reader
-
-    @property
     def timeline(self) -> str:
         """The current timeline (the one training resumes)."""
         return self._lines.timeline

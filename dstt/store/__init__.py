@@ -14,8 +14,9 @@ the API. Names resolve on first use (PEP 562): reading a run loads no writer.
 
 from __future__ import annotations
 
-import importlib as _importlib
 from typing import TYPE_CHECKING
+
+from dstt._lazy import lazy_names as _lazy_names
 
 if TYPE_CHECKING:
     from .api import StoredStep, load, save
@@ -49,37 +50,28 @@ __all__ = [
     "storage_for",
 ]
 
-_LAZY: dict[str, tuple[str, str]] = {
-    "ArrayRecord": ("format.records", "ArrayRecord"),
-    "CommitHeader": ("format.records", "CommitHeader"),
-    "DeltaPolicy": ("codec.xor", "DeltaPolicy"),
-    "GcReport": ("maintenance.gc", "GcReport"),
-    "LocalStorage": ("storage.local", "LocalStorage"),
-    "Reader": ("read.reader", "Reader"),
-    "Repository": ("repository", "Repository"),
-    "Retention": ("maintenance.retention", "Retention"),
-    "Storage": ("storage.base", "Storage"),
-    "StoredStep": ("api", "StoredStep"),
-    "adam_predictions": ("codec.predict", "adam_predictions"),
-    "load": ("api", "load"),
-    "save": ("api", "save"),
-    "sgd_predictions": ("codec.predict", "sgd_predictions"),
-    "storage_for": ("storage.urls", "storage_for"),
+_HOME: dict[str, str] = {
+    "ArrayRecord": "format.records",
+    "CommitHeader": "format.records",
+    "DeltaPolicy": "codec.xor",
+    "GcReport": "maintenance.gc",
+    "LocalStorage": "storage.local",
+    "Reader": "read.reader",
+    "Repository": "repository",
+    "Retention": "maintenance.retention",
+    "Storage": "storage.base",
+    "StoredStep": "api",
+    "adam_predictions": "codec.predict",
+    "load": "api",
+    "save": "api",
+    "sgd_predictions": "codec.predict",
+    "storage_for": "storage.urls",
 }
 
 
-def __getattr__(name: str) -> object:
-    try:
-        module, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(
-            f"module 'dstt.store' has no attribute {name!r}"
-            " (dstt's internal names are in the private dstt.store._internal)"
-        ) from None
-    value = getattr(_importlib.import_module(f".{module}", __name__), attr)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = _lazy_names(
+    __name__,
+    _HOME,
+    __all__,
+    hint=" (dstt's internal names are in the private dstt.store._internal)",
+)

@@ -11,22 +11,13 @@ pytest.
 
 from __future__ import annotations
 
-import importlib as _importlib
 from typing import TYPE_CHECKING
+
+from dstt._lazy import lazy_names as _lazy_names
 
 if TYPE_CHECKING:
     from .writer_tests import WriterTests
 
 __all__ = ["WriterTests"]
 
-
-def __getattr__(name: str) -> object:
-    if name != "WriterTests":
-        raise AttributeError(f"module 'dstt.testing' has no attribute {name!r}")
-    value = _importlib.import_module(".writer_tests", __package__).WriterTests
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | {"WriterTests"})
+__getattr__, __dir__ = _lazy_names(__name__, {"WriterTests": "writer_tests"}, __all__)

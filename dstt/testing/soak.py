@@ -215,9 +215,7 @@ class KillOutcome:
         return "training" if self.trained_to > self.start else "restored"
 
     def as_json(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items()}
-        d["phase"] = self.phase
-        return d
+        return {**self.__dict__, "phase": self.phase}
 
 
 def _verify_cli(run: Path) -> tuple[bool, str]:

@@ -129,8 +129,6 @@ def scenario(
         points = tuple(n for n, _ in model.named_parameters() if n.startswith("layers.1.mlp."))
     elif mechanism == "numerics":
         points = ("layers.0.mlp.0.weight",)
-    elif mechanism == "update_too_large":
-        points = ()
     elif mechanism == "attention_logit_growth":
         points = tuple(f"layers.{i}" for i in range(LAYERS))
     threads = torch.get_num_threads()

@@ -172,15 +172,7 @@ class Compare:
         }
         self.images = {k: w.Image(format="png") for k in self.views}
         self.tensor_picker.observe(self._on_tensor, "value")
-        self.widget = w.VBox(
-            [
-                self.tensor_picker,
-                self.label,
-                self.images["loss"],
-                self.images["ranking"],
-                self.images["tensors"],
-            ]
-        )
+        self.widget = w.VBox([self.tensor_picker, self.label, *self.images.values()])
         self._redraw(set(self.views))
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:  # noqa: ANN401 - ipywidgets' bundle
@@ -192,10 +184,9 @@ class Compare:
 
     def _redraw(self, which: set[str]) -> None:
         m = self.model
-        if "loss" in which:
-            self.views["loss"].redraw(m.draw_loss)
-        if "ranking" in which:
-            self.views["ranking"].redraw(m.draw_ranking)
+        for name, draw in (("loss", m.draw_loss), ("ranking", m.draw_ranking)):
+            if name in which:
+                self.views[name].redraw(draw)
         if "tensors" in which:
             v = self.views["tensors"]
             v.fig.clear()

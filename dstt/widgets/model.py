@@ -23,7 +23,7 @@ import numpy as np
 from dstt._lru import LRU
 from dstt.errors import MetricNotFoundError, StepNotFoundError, TensorNotFoundError, TimelineError
 from dstt.plots.draw import image_strides
-from dstt.plots.series import step_change
+from dstt.plots.series import no_change, step_change
 from dstt.schema import user_name
 
 if TYPE_CHECKING:
@@ -429,18 +429,9 @@ class ScrubberModel:
             if moved
             else (self._tensor if self._tensor in names else self._default_tensor(names))
         )
-        self._notify(
-            {
-                f
-                for f, b, a in zip(
-                    ("step", "reference", "mode", "tensor"),
-                    before,
-                    (self._step, self._reference, self._mode, self._tensor),
-                    strict=True,
-                )
-                if b != a
-            }
-        )
+        after = (self._step, self._reference, self._mode, self._tensor)
+        fields = ("step", "reference", "mode", "tensor")
+        self._notify({f for f, b, a in zip(fields, before, after, strict=True) if b != a})
 
     def _ranked_change(self) -> list[tuple[str, float]]:
         ds = self.change()
@@ -509,16 +500,7 @@ class ScrubberModel:
         import xarray as xr
 
         if ref is None:
-            nan = np.full(len(self.tensors), np.nan)
-            return xr.Dataset(
-                {
-                    "delta_l2": ("tensor", nan),
-                    "norm": ("tensor", nan.copy()),
-                    "ratio": ("tensor", nan.copy()),
-                },
-                coords={"tensor": ("tensor", np.array(self.tensors, dtype=object))},
-                attrs={"step": self._step, "reference": None, "source": "none"},
-            )
+            return no_change(self.tensors, self._step)
         tl = self._timeline
         params = [p for p in self.snapshot().catalog.model_paths if p.startswith("params/")]
         ds = self.run.diff(ref, self._step, timeline=tl, timeline_b=tl, paths=params)

@@ -113,10 +113,7 @@ class ReplayPanel:
                 result = self.replay_with(t)
         except Exception as e:
             self.error, self.result = e, None
-            self.status.value = (
-                f"<span style='color:#b00'>replay of step {step} failed: "
-                f"{html.escape(f'{type(e).__name__}: {e}')}</span>"
-            )
+            self.status.value = error_html(f"replay of step {step} failed", e)
             return None
         self.error, self.result = None, result
         self.show(result)
@@ -135,10 +132,7 @@ class ReplayPanel:
                 target, replay=replay, timeline=self.model.timeline
             )
         except Exception as e:  # shown, as a replay's failure is: the panel stays usable
-            self.why.value = (
-                f"<span style='color:#b00'>explain failed: "
-                f"{html.escape(f'{type(e).__name__}: {e}')}</span>"
-            )
+            self.why.value = error_html("explain failed", e)
             return
         self.why.value = self.explanation._repr_html_()
 
@@ -176,6 +170,11 @@ class ReplayPanel:
         self.table.value = samples_table(result.per_sample, self.samples)
 
 
+def error_html(what: str, e: BaseException) -> str:
+    """``what: <the error>`` in red, for a label or status line."""
+    return f"<span style='color:#b00'>{what}: {html.escape(f'{type(e).__name__}: {e}')}</span>"
+
+
 def samples_table(per_sample: xr.Dataset, n: int) -> str:
     """The ``n`` worst samples of a replay's ``per_sample`` dataset as an HTML table."""
     if "index" not in per_sample or per_sample.sizes.get("sample", 0) == 0:
@@ -186,13 +185,12 @@ def samples_table(per_sample: xr.Dataset, n: int) -> str:
         if c in per_sample and not (c == "grad_norm" and np.all(np.isnan(per_sample[c].values)))
     ]
     head = "".join(f"<th>{c}</th>" for c in cols)
-    rows = []
-    for i in range(min(n, per_sample.sizes["sample"])):
-        cells = []
-        for c in cols:
-            v = per_sample[c].values[i]
-            cells.append(
-                f"<td>{v:.4g}</td>" if isinstance(v, float | np.floating) else f"<td>{int(v)}</td>"
-            )
-        rows.append(f"<tr>{''.join(cells)}</tr>")
-    return f"<b>worst samples</b><table><tr>{head}</tr>{''.join(rows)}</table>"
+
+    def cell(v: Any) -> str:  # noqa: ANN401 - a numpy scalar
+        return f"<td>{v:.4g}</td>" if isinstance(v, float | np.floating) else f"<td>{int(v)}</td>"
+
+    rows = "".join(
+        f"<tr>{''.join(cell(per_sample[c].values[i]) for c in cols)}</tr>"
+        for i in range(min(n, per_sample.sizes["sample"]))
+    )
+    return f"<b>worst samples</b><table><tr>{head}</tr>{rows}</table>"

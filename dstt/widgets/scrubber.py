@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from dstt._optional import require
 
 from .model import Mode, ScrubberModel
-from .replay_panel import ReplayPanel, ReplayWith
+from .replay_panel import ReplayPanel, ReplayWith, error_html
 from .views import (
     FigureView,
     animate_change,
@@ -33,7 +33,6 @@ from .views import (
 )
 
 if TYPE_CHECKING:
-    pass
     from collections.abc import Callable
 
 __all__ = ["Scrubber", "scrubber"]
@@ -144,36 +143,21 @@ class Scrubber:
     def _wire(self) -> None:
         m = self.model
 
-        def from_widget(setter: Callable[[Any], object]) -> Callable[[dict[str, Any]], None]:
-            def handler(change: dict[str, Any]) -> None:
+        def from_widget(field: str) -> Callable[[dict[str, Any]], None]:
+            def handler(change: dict[str, Any]) -> None:  # the model's setter checks the value
                 if not self._syncing:
-                    self._guard(lambda: setter(change["new"]))
+                    self._guard(lambda: setattr(m, field, change["new"]))
 
             return handler
 
-        def set_step(v: int) -> None:
-            m.step = v
-
-        def set_timeline(v: str) -> None:
-            m.timeline = v
-
-        def set_tensor(v: str) -> None:
-            m.tensor = v
-
-        def set_mode(v: Mode) -> None:
-            m.mode = v
-
-        def set_reference(v: int | None) -> None:
-            m.reference = v
-
-        self.slider.observe(from_widget(set_step), "value")
-        self.timeline_picker.observe(from_widget(set_timeline), "value")
-        self.tensor_picker.observe(from_widget(set_tensor), "value")
-        self.mode_picker.observe(from_widget(set_mode), "value")
+        self.slider.observe(from_widget("step"), "value")
+        self.timeline_picker.observe(from_widget("timeline"), "value")
+        self.tensor_picker.observe(from_widget("tensor"), "value")
+        self.mode_picker.observe(from_widget("mode"), "value")
         self.prev_button.on_click(lambda _: self._guard(lambda: m.next(-1)))
         self.next_button.on_click(lambda _: self._guard(lambda: m.next(1)))
-        self.pin_button.on_click(lambda _: self._guard(lambda: set_reference(m.step)))
-        self.unpin_button.on_click(lambda _: self._guard(lambda: set_reference(None)))
+        self.pin_button.on_click(lambda _: self._guard(lambda: setattr(m, "reference", m.step)))
+        self.unpin_button.on_click(lambda _: self._guard(lambda: setattr(m, "reference", None)))
         self.refresh_button.on_click(lambda _: self._guard(m.refresh))
         m.observe(self._on_model)
 
@@ -184,9 +168,7 @@ class Scrubber:
             fn()
         except Exception as e:
             self.error = e
-            self.label.value = (
-                f"<span style='color:#b00'>error: {html.escape(f'{type(e).__name__}: {e}')}</span>"
-            )
+            self.label.value = error_html("error", e)
 
     def _on_model(self, changed: set[str]) -> None:
         m = self.model
@@ -216,30 +198,27 @@ class Scrubber:
         which = set().union(*(_REDRAW.get(c, set()) for c in changed))
         # a step change (its tensor may follow) moves only the loss view's cursor
         moved = changed <= {"step", "tensor"} and "step" in changed
-        if moved and move_cursor(self.views["loss"], m):
-            self.images["loss"].value = self.views["loss"].png()
-            which.discard("loss")
-        if changed == {"step"} and update_shown(self.views["tensor"], m):  # same tensor
-            self.images["tensor"].value = self.views["tensor"].png()
-            which.discard("tensor")
-        if moved and update_change(self.views["change"], m):  # as many bars: same axes
-            self.images["change"].value = self.views["change"].png()
-            which.discard("change")
+        for name, fits, update in (
+            ("loss", moved, move_cursor),
+            ("tensor", changed == {"step"}, update_shown),  # the same tensor
+            ("change", moved, update_change),  # as many bars: the same axes
+        ):
+            if fits and update(self.views[name], m):
+                self.images[name].value = self.views[name].png()
+                which.discard(name)
         self._redraw(which)
 
     def _redraw(self, which: set[str]) -> None:
         m = self.model
-        draw = {"loss": draw_loss, "tensor": draw_shown, "change": draw_change}
-        for name in ("loss", "tensor", "change"):
+        for name, draw, animate in (
+            ("loss", draw_loss, animate_loss),
+            ("tensor", draw_shown, animate_shown),
+            ("change", draw_change, animate_change),
+        ):
             if name in which:
                 view = self.views[name]
-                view.redraw(lambda ax, f=draw[name]: f(ax, m))  # type: ignore[misc]
-                if name == "loss":
-                    animate_loss(view)
-                elif name == "tensor":
-                    animate_shown(view)
-                else:
-                    animate_change(view)
+                view.redraw(lambda ax, f=draw: f(ax, m))  # type: ignore[misc]
+                animate(view)
                 self.images[name].value = view.png()
         if self.replay is not None:
             self.replay.update()

@@ -18,7 +18,14 @@ import numpy as np
 
 from dstt._lru import LRU
 from dstt._optional import require
-from dstt.plots.draw import SPIKE_COLOR, as_matrix, draw_bars, draw_curves, draw_tensor
+from dstt.plots.draw import (
+    SPIKE_COLOR,
+    as_matrix,
+    draw_bars,
+    draw_curves,
+    draw_message,
+    draw_tensor,
+)
 from dstt.plots.series import exactness_label
 
 if TYPE_CHECKING:
@@ -135,15 +142,7 @@ def draw_loss(ax: Axes, model: ScrubberModel) -> dict[str, Any]:
     """The metric of the model's timeline, its spikes (▼ at the loss step, the update that
     caused each shaded: ``parent -> cause``), and the current step's cursor."""
     if model.metric is None:
-        ax.text(
-            0.5,
-            0.5,
-            "no metrics logged (s.log(loss=...))",
-            ha="center",
-            va="center",
-            transform=ax.transAxes,
-        )
-        ax.set_axis_off()
+        draw_message(ax, "no metrics logged (s.log(loss=...))")
         return {}
     ds = model.metrics
     curves = [(model.timeline, ds["step"].values, ds[model.metric].values)]
@@ -210,8 +209,7 @@ def draw_shown(ax: Axes, model: ScrubberModel) -> dict[str, Any]:
     """The current tensor (or its change since the reference) as heatmap or histogram."""
     values, title = model.shown()
     if values is None:
-        ax.text(0.5, 0.5, title, ha="center", va="center", transform=ax.transAxes, wrap=True)
-        ax.set_axis_off()
+        draw_message(ax, title, wrap=True)
         return {}
     return draw_tensor(ax, values, title=title, diverging=model.mode == "change")
 
@@ -269,8 +267,7 @@ def draw_change(ax: Axes, model: ScrubberModel, top: int = TOP_BARS) -> dict[str
     selected tensor is highlighted (and always shown)."""
     bars = _change_bars(model, top)
     if isinstance(bars, str):
-        ax.text(0.5, 0.5, bars, ha="center", va="center", transform=ax.transAxes)
-        ax.set_axis_off()
+        draw_message(ax, bars)
         return {}
     names, ratios, xlabel, title = bars
     out = draw_bars(ax, names, ratios, xlabel=xlabel, highlight=model.tensor, title=title)

@@ -53,7 +53,6 @@ __all__ = [
     "StoreSource",
     "TensorProvider",
     "TensorSpec",
-    "load_into",
 ]
 
 
@@ -175,17 +174,6 @@ class TensorProvider:
 
     def __repr__(self) -> str:
         return f"TensorProvider({len(self._live())} tensors)"
-
-
-def load_into(live: torch.Tensor, stored: torch.Tensor, path: str) -> None:
-    """Copy ``stored`` into ``live`` in place, bit-exactly; ``SchemaError`` on mismatch."""
-    if stored.dtype != live.dtype or tuple(stored.shape) != tuple(live.shape):
-        raise SchemaError(
-            f"array {path!r} is stored as {stored.dtype}{tuple(stored.shape)} but the live "
-            f"tensor is {live.dtype}{tuple(live.shape)}"
-        )
-    with torch.no_grad():
-        live.copy_(stored)
 
 
 class ObjectProvider:

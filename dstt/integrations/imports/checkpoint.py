@@ -49,18 +49,27 @@ class NamedOptimizer:
 
     @staticmethod
     def of(osd: Mapping[str, Any], names: list[list[str]]) -> NamedOptimizer:
-        """From ``optimizer.state_dict()`` and the names of each group's parameters."""
-        groups, state = [], {}
-        raw_state = osd.get("state", {})
+        """From ``optimizer.state_dict()`` and the names of each group's parameters (its
+        ``"params"``: indices, or the names themselves)."""
+        raw, state = osd.get("state") or {}, {}
         for g, group_names in zip(osd["param_groups"], names, strict=True):
             for idx, name in zip(g["params"], group_names, strict=True):
-                st = raw_state.get(idx)
-                if st:
-                    state[name] = dict(st)
-            groups.append(
-                {**{k: v for k, v in g.items() if k != "params"}, "params": list(group_names)}
-            )
-        return NamedOptimizer(groups, state)
+                if raw.get(idx):
+                    state[name] = dict(raw[idx])
+        return NamedOptimizer.named(osd["param_groups"], names, state)
+
+    @staticmethod
+    def named(
+        groups: list[dict[str, Any]], names: list[list[str]], state: dict[str, dict[str, Any]]
+    ) -> NamedOptimizer:
+        """``groups``' hyperparameters with ``names`` as each group's ``"params"``."""
+        return NamedOptimizer(
+            [
+                {**{k: v for k, v in g.items() if k != "params"}, "params": list(n)}
+                for g, n in zip(groups, names, strict=True)
+            ],
+            state,
+        )
 
     @property
     def names(self) -> list[str]:

@@ -165,14 +165,7 @@ def read_dcp(
         sd, None if named else osd, step=k, source=os.path.abspath(path), fmt=FORMAT, model=model
     )
     if named and osd is not None:
-        names = [list(g["params"]) for g in osd["param_groups"]]
-        ck.optimizer = NamedOptimizer(
-            [
-                {**{h: v for h, v in g.items() if h != "params"}, "params": n}
-                for g, n in zip(osd["param_groups"], names, strict=True)
-            ],
-            {n: dict(st) for n, st in (osd.get("state") or {}).items() if st},
-        )
+        ck.optimizer = NamedOptimizer.of(osd, [list(g["params"]) for g in osd["param_groups"]])
         missing = set(ck.optimizer.names) - set(ck.params)
         if missing:
             raise SourceError(

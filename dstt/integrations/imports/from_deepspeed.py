@@ -30,6 +30,8 @@ from .from_torch import model_checkpoint
 from .loading import deepspeed_globals, load_pickle
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     import torch
 
 __all__ = ["FORMAT", "is_deepspeed_tag", "read_deepspeed"]
@@ -49,18 +51,11 @@ def is_deepspeed_tag(path: str) -> bool:
     return os.path.isdir(path) and bool(_files(path, "model"))
 
 
-class _Both(contextlib.ExitStack):
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
     """stdout and stderr muted: ``zero_to_fp32`` prints and draws a progress bar per call."""
-
-    def __enter__(self) -> _Both:
-        super().__enter__()
-        self.enter_context(contextlib.redirect_stdout(io.StringIO()))
-        self.enter_context(contextlib.redirect_stderr(io.StringIO()))
-        return self
-
-
-def _quiet() -> contextlib.AbstractContextManager[Any]:
-    return _Both()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 def _merge(
@@ -210,12 +205,6 @@ def _zero(
             f"{path}: {len(groups)} optimizer groups but {len(shapes)} groups "
             "of parameter shapes; import the weights alone"
         )
-    ck.optimizer = NamedOptimizer(
-        [
-            {**{h: v for h, v in g.items() if h != "params"}, "params": list(s)}
-            for g, s in zip(groups, shapes, strict=True)
-        ],
-        state,
-    )
+    ck.optimizer = NamedOptimizer.named(groups, [list(s) for s in shapes], state)
     ck.objects["_stage"] = stage
     return ck

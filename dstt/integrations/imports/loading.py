@@ -24,7 +24,7 @@ import torch
 from dstt.errors import SourceError, UnsafeObjectError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Sequence
 
 __all__ = ["deepspeed_globals", "load_pickle", "numpy_globals", "read_safetensors"]
 
@@ -51,12 +51,6 @@ def deepspeed_globals() -> list[Any]:
     return out
 
 
-@contextlib.contextmanager
-def _allowed(extra: Sequence[Any]) -> Iterator[None]:
-    with torch.serialization.safe_globals([*numpy_globals(), *extra]):
-        yield
-
-
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 
@@ -69,7 +63,7 @@ def load_pickle(
     try:
         if trusted:
             return torch.load(path, map_location="cpu", weights_only=False)
-        with _allowed(allow):
+        with torch.serialization.safe_globals([*numpy_globals(), *allow]):
             try:
                 return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except RuntimeError as e:  # an old (non-zip) torch.save file cannot be mmapped

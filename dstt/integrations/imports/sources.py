@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from importlib import import_module
+from typing import Any
 
 from dstt.errors import SourceError
 
@@ -23,8 +25,16 @@ from .checkpoint import step_in_name
 
 __all__ = ["FORMATS", "Source", "Unknown", "find_sources", "reader_of"]
 
-#: every format the importer reads
-FORMATS = ("hf-trainer", "torch", "lightning", "dcp", "deepspeed")
+#: every format the importer reads: its module, reading function and step function (None:
+#: the step in the folder's name)
+_MODULES = {
+    "hf-trainer": ("from_hf", "read_hf", "step_of_hf"),
+    "torch": ("from_torch", "read_torch", "step_of_torch"),
+    "lightning": ("from_lightning", "read_lightning", "step_of_lightning"),
+    "dcp": ("from_dcp", "read_dcp", None),
+    "deepspeed": ("from_deepspeed", "read_deepspeed", None),
+}
+FORMATS = tuple(_MODULES)
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".tar", ".safetensors")
 
 
@@ -65,20 +75,19 @@ def _kind(path: str) -> str | None:
     return None
 
 
+def _function(fmt: str, name: str) -> Callable[..., Any]:
+    """A function of a format's module (imported on demand: each pulls its framework)."""
+    fn: Callable[..., Any] = getattr(import_module(f".{_MODULES[fmt][0]}", __package__), name)
+    return fn
+
+
 def _step(path: str, kind: str) -> int | None:
-    if kind == "hf-trainer":
-        from .from_hf import step_of_hf
-
-        return step_of_hf(path) or step_in_name(os.path.basename(os.path.normpath(path)))
-    if kind == "lightning":
-        from .from_lightning import step_of_lightning
-
-        return step_of_lightning(path)
-    if kind == "torch":
-        from .from_torch import step_of_torch
-
-        return step_of_torch(path)
-    return step_in_name(os.path.basename(os.path.normpath(path)))
+    named = step_in_name(os.path.basename(os.path.normpath(path)))
+    step_of = _MODULES[kind][2]
+    if step_of is None:
+        return named
+    found: int | None = _function(kind, step_of)(path)
+    return (found or named) if kind == "hf-trainer" else found
 
 
 def _skippable(name: str) -> bool:
@@ -155,25 +164,7 @@ Reader = Callable[..., object]
 
 
 def reader_of(fmt: str) -> Reader:
-    """The reading function of a format (imported on demand: each pulls its framework)."""
-    if fmt == "hf-trainer":
-        from .from_hf import read_hf
-
-        return read_hf
-    if fmt == "dcp":
-        from .from_dcp import read_dcp
-
-        return read_dcp
-    if fmt == "deepspeed":
-        from .from_deepspeed import read_deepspeed
-
-        return read_deepspeed
-    if fmt == "lightning":
-        from .from_lightning import read_lightning
-
-        return read_lightning
-    if fmt == "torch":
-        from .from_torch import read_torch
-
-        return read_torch
-    raise ValueError(f"unknown checkpoint format {fmt!r}; dstt imports {', '.join(FORMATS)}")
+    """The reading function of a format."""
+    if fmt not in _MODULES:
+        raise ValueError(f"unknown checkpoint format {fmt!r}; dstt imports {', '.join(FORMATS)}")
+    return _function(fmt, _MODULES[fmt][1])

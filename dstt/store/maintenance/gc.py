@@ -38,7 +38,7 @@ from dstt.store.index.writer import IndexWriter, write_segment
 from dstt.store.read.reader import Reader
 
 from .retention import Retention, policy
-from .verify import step_zip_attributes
+from .verify import unreached
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -329,33 +329,15 @@ def _unproven(
     no header, any whose step zip names such a timeline. ``released``: slots the caller
     proved abandoned (``delete_timeline``: the commits of the ref it deleted)."""
     names = set(r.timelines)
-    out: set[int] = set()
-    with_header = set()
-    for slot in r.all_slots():
-        with_header.add(slot)
-        if slot in reachable or slot in released:
-            continue
-        if slot > newest:
+    out = {s for s in r.all_slots() if s > newest and s not in released}  # headers not read
+    for slot, _, what in unreached(r, {*reachable, *out}, released):
+        if slot > newest or isinstance(what, DsttError):
             out.add(slot)
-            continue
-        try:
-            h = r.header(slot)
-        except DsttError:
+        elif isinstance(what, dict):  # a step file without a header: what its zip names
+            if what.get("timeline") not in names:
+                out.add(slot)
+        elif what is not None and what.timeline not in names:
             out.add(slot)
-            continue
-        if h.timeline not in names:
-            out.add(slot)
-    for key in _step_files(r.storage):
-        n = key_slot(key)
-        if n is None or n in with_header or n in released or n in out:
-            continue
-        if n > newest:
-            out.add(n)
-            continue
-        if key.endswith(".zip"):
-            attrs = step_zip_attributes(r.storage, key)
-            if attrs is not None and attrs.get("timeline") not in names:
-                out.add(n)
     return out
 
 

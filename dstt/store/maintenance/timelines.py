@@ -25,9 +25,7 @@ from dstt.store.format.layout import (
     HEAD_KEY,
     LOCK_KEY,
     RELEASED_PREFIX,
-    STEPS_PREFIX,
     check_timeline_name,
-    key_slot,
     ref_key,
 )
 from dstt.store.format.manifest import dump_head, dump_ref
@@ -36,7 +34,7 @@ from dstt.store.storage.base import Storage
 from dstt.store.storage.memory import DelegatingStorage
 
 from .gc import GcReport, RunFiles, gc
-from .verify import step_zip_attributes
+from .verify import unreached
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -171,21 +169,15 @@ def _debris(r: Reader, name: str) -> set[int]:
         with contextlib.suppress(DsttError):
             reached |= {h.slot for h in r.walk(t)}
     out = set()
-    with_header = set(r.all_slots())
-    for slot in with_header - reached:
-        try:
-            h = r.header(slot)
-        except DsttError:
-            continue  # unreadable: nothing proves it abandoned (gc keeps it)
-        if h.timeline == name:
-            out.add(slot)
-    for key in r.storage.list(STEPS_PREFIX):  # cut before its header: the zip names it
-        n = key_slot(f"{STEPS_PREFIX}/{key}")
-        if n is None or n in with_header or not key.endswith(".zip"):
+    for slot, _, what in unreached(r, reached):
+        if isinstance(what, dict):  # cut before its header: its zip names the timeline
+            named = what.get("timeline")
+        elif isinstance(what, DsttError) or what is None:  # nothing proves it abandoned
             continue
-        attrs = step_zip_attributes(r.storage, f"{STEPS_PREFIX}/{key}")
-        if attrs is not None and attrs.get("timeline") == name:
-            out.add(n)
+        else:
+            named = what.timeline
+        if named == name:
+            out.add(slot)
     return out
 
 

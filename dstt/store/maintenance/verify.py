@@ -10,7 +10,7 @@ it checked. Rejected alternative: stopping at the first problem.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,7 +38,15 @@ if TYPE_CHECKING:
     from dstt.store.format.records import ArrayRecord, CommitHeader
     from dstt.store.storage.base import Storage
 
-__all__ = ["Problem", "VerifiedRun", "VerifyReport", "repair", "step_zip_attributes", "verify"]
+__all__ = [
+    "Problem",
+    "VerifiedRun",
+    "VerifyReport",
+    "repair",
+    "step_zip_attributes",
+    "unreached",
+    "verify",
+]
 
 Progress = Callable[[int, int], None] | None
 
@@ -186,37 +194,47 @@ def _verify_unreachable(
     released = r.released()  # a deleted timeline awaits gc: no problem
     names = set(r.timelines) | set(released)
     freed = {s for slots in released.values() for s in slots}
+    for _, key, what in unreached(r, {*reached, *r.bridged}, freed):
+        if isinstance(what, DsttError):
+            problem(key, f"{what}; no ref reaches it, so nothing says whether it was committed")
+        elif isinstance(what, dict):  # None: debris of a commit that died before its header
+            if what.get("timeline") not in names:
+                problem(
+                    key,
+                    f"step {what.get('step')} of timeline {what.get('timeline')!r}: a step "
+                    "file with no commit header, of a timeline with no ref",
+                )
+        elif what is not None and not what.pruned and what.timeline not in names:
+            problem(
+                key,
+                f"step {what.step} of timeline {what.timeline!r}: no ref reaches it and its "
+                "timeline has no ref",
+            )
+
+
+def unreached(
+    r: Reader, reached: Collection[int], released: Collection[int] = ()
+) -> Iterator[tuple[int, str, CommitHeader | DsttError | dict[str, Any] | None]]:
+    """What names each commit no ref reaches, for verify, gc and a timeline's delete:
+    ``(slot, key, its header)`` for every commit header outside ``reached`` and ``released``
+    (the ``DsttError`` in its place where it cannot be read), then ``(slot, key, the step
+    zip's dstt attributes)`` for every step file of a slot with no header, outside
+    ``released`` (None: a side file, or a zip that cannot tell)."""
     with_header = set()
     for slot in r.all_slots():
         with_header.add(slot)
-        if slot in reached or slot in r.bridged or slot in freed:
+        if slot in reached or slot in released:
             continue
-        key = commit_key(slot)
         try:
-            h = r.header(slot)
+            what: CommitHeader | DsttError = r.header(slot)
         except DsttError as e:
-            problem(key, f"{e}; no ref reaches it, so nothing says whether it was committed")
-            continue
-        if not h.pruned and h.timeline not in names:
-            problem(
-                key,
-                f"step {h.step} of timeline {h.timeline!r}: no ref reaches it and its "
-                "timeline has no ref",
-            )
+            what = e
+        yield slot, commit_key(slot), what
     for name in r.storage.list(STEPS_PREFIX):
         key = f"{STEPS_PREFIX}/{name}"
         n = key_slot(key)
-        if n is None or n in with_header or n in freed or not key.endswith(".zip"):
-            continue
-        attrs = step_zip_attributes(r.storage, key)
-        if attrs is None:
-            continue  # debris of a commit that died before its header (gc's to remove)
-        if attrs.get("timeline") not in names:
-            problem(
-                key,
-                f"step {attrs.get('step')} of timeline {attrs.get('timeline')!r}: a step file "
-                "with no commit header, of a timeline with no ref",
-            )
+        if n is not None and n not in with_header and n not in released:
+            yield n, key, step_zip_attributes(r.storage, key) if key.endswith(".zip") else None
 
 
 def step_zip_attributes(st: Storage, key: str) -> dict[str, Any] | None:

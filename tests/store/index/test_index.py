@@ -247,7 +247,7 @@ def test_trajectory_from_the_index_is_exact_and_checked() -> None:
     assert np.array_equal(got, np.stack(want))
     assert np.array_equal(run.trajectory("w")[3:7, 2:4].values, np.stack(want)[3:7, 2:4])
     key = step_file_key(run.commits()[5].slot)
-    rec = run._reader.record(run.commits()[5], "params/w")
+    rec = run.reader.record(run.commits()[5], "params/w")
     data = bytearray(mem.read(key))
     data[rec.chunks[1].offset + 2] ^= 0xFF
     mem.data[key] = bytes(data)
