@@ -114,7 +114,9 @@ def replay_world(
     except Exception as e:
         folder.cleanup()
         raise ReplayError(
-            f"replaying the light steps in a gloo world of {world} ranks failed: {e}"
+            f"replaying the light steps in a gloo world of {world} ranks failed: {e}. The "
+            "ranks are spawned processes that import the calling script: guard its top "
+            "level with `if __name__ == '__main__':`; each rank's traceback is printed above"
         ) from e
     return WorldReplay(folder, len(batches), world)
 
