@@ -7,7 +7,7 @@ stay free of xarray): names — ``naming`` (store paths <-> torch names), ``sele
 tensors), ``virtual`` (a timeline as one virtual Zarr store); numbers — ``summaries``,
 ``indexed``, ``diagnose``, ``compare``, ``html``; out — ``export``, ``export_dcp``,
 ``restore``, ``optimizers``; re-execution — ``replay`` (with ``replay_kit``, ``replay_data``,
-``replay_compare``, ``replay_grads``), ``rebuild`` (a light step from the one before).
+``replay_compare``, ``replay_grads``), ``rebuild`` (a light step; ``rebuild_ddp``: DDP ranks).
 Everything reads through ``dstt.store``; ``dstt.run`` is the front. Rejected: eager imports
 here (``dstt ls`` would pay for xarray). History: docs/decisions.md.
 """

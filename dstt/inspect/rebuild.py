@@ -1,16 +1,14 @@
 """Rebuild a light step (``every="auto"``): restore the stored step before it, replay the rest.
 
-:func:`rebuild_step` restores the nearest stored step *j* < *k* into live objects and re-runs
-steps *j+1..k* as the loop did (micro-batches from their recorded sample indices, clipping,
-``optimizer.step()``, the scheduler), checking each recomputed loss against the step's
-fingerprint (:mod:`dstt.engine.capture.light`) **bit for bit**; the first that differs ends it
-with a ``ReplayError`` naming where the chain broke. A DDP run (2 ranks) replays in one process:
-every rank's recorded samples on its own RNG, their gradients averaged as DDP's reducer does;
-sharded runs (FSDP2, TP, ZeRO) raise "not yet". :func:`rebuilt_commit` turns the result into
-a derived commit (``light/rebuilt``). Rejected: replaying backwards from the next stored step
-(optimizer steps do not invert); a DDP rebuild spawning gloo ranks (a process group and the
-factory per rank, for a sum one process gets bit for bit). docs/decisions.md, "Light steps".
-"""
+:func:`rebuild_step` restores the nearest stored step *j* < *k* and re-runs steps *j+1..k*
+as the loop did (recorded samples, clipping, ``optimizer.step()``, the scheduler), checking
+each recomputed loss against the step's fingerprint **bit for bit**; the first that differs
+ends it with a ``ReplayError`` naming where the chain broke. DDP over 2 ranks replays in one
+process (each rank's samples on its own RNG, gradients averaged: a+b is the allreduce's sum);
+over more, in a gloo world of that size (:mod:`.rebuild_ddp`: the real allreduce's order).
+Sharded runs (FSDP2, TP, ZeRO) raise "not yet". :func:`rebuilt_commit` makes a derived commit.
+Rejected: replaying backwards from the next stored step (optimizer steps do not invert).
+docs/decisions.md, "Light steps"."""
 
 from __future__ import annotations
 
@@ -29,6 +27,7 @@ from dstt.engine.state.torch_state import discover, get_rng, set_rng
 from dstt.engine.tensors._convert import from_plain, to_plain
 from dstt.errors import ConfigError, ReplayError, StepNotFoundError
 
+from .rebuild_ddp import WorldReplay, replay_world
 from .replay_compare import _compare
 from .replay_data import _step_batches
 from .replay_kit import LossFn, ReplayKit, _default_loss, _kit_of
@@ -175,43 +174,69 @@ def rebuild_step(
             if world > 1
             else []
         )
-        for i in range(j + 1, upto + 1):
-            micro, _, build = _step_batches(
-                run,
-                i,
-                timeline,
-                batches if callable(batches) else None,
-                dataset,
-                collate,
-                kit.make_batch,
+        world_run = None
+        if world > 2:  # a gloo world of the recorded size replays the steps (rebuild_ddp)
+            world_run = _world_replay(kit, fn, j, upto, rngs, step_micro, rank_batches)
+        try:
+            for n, i in enumerate(range(j + 1, upto + 1)):
+                if world_run is not None:
+                    rngs = world_run.load(n, kit)
+                    set_rng(rngs[0])  # the process goes on as rank 0
+                    out.rank_rng.clear()
+                    out.rank_rng.update(enumerate(rngs))
+                    losses = world_run.losses[n]
+                else:
+                    losses = replay_one(i, rngs, out)
+                check(i, losses, out, report)
+        finally:
+            if world_run is not None:
+                world_run.close()
+
+    def step_micro(i: int) -> tuple[list[Any], Callable[[Any], Any] | None]:
+        micro, _, build = _step_batches(
+            run,
+            i,
+            timeline,
+            batches if callable(batches) else None,
+            dataset,
+            collate,
+            kit.make_batch,
+        )
+        return micro, build
+
+    def replay_one(i: int, rngs: list[Any], out: Rebuilt) -> list[float]:
+        """Replay step ``i`` in this process."""
+        micro, build = step_micro(i)
+        if world > 1:  # DDP over 2 ranks: every rank's micro-batches, gradients averaged
+            assert build is not None
+            per_rank = [micro, *(rank_batches.of(i, r, build) for r in range(1, world))]
+            losses = _ddp_step(kit, per_rank, fn, rngs)
+            out.rank_rng.clear()
+            out.rank_rng.update(enumerate(rngs))
+            return losses
+        return _one_step(kit, micro, fn)
+
+    def check(i: int, losses: list[float], out: Rebuilt, report: bool) -> None:
+        """Check step ``i``'s replayed loss against its light record."""
+        out.losses[i] = losses[-1] if losses else float("nan")
+        if i in stored:
+            return
+        bits = light[i]
+        if bits is None:
+            out.unchecked.append(i)
+        elif _matches(bits, losses, logged):
+            out.checked.append(i)
+        else:
+            raise ReplayError(
+                f"rebuilding step {k} from stored step {j}: the chain broke at step {i}: "
+                f"its replayed loss {losses[-1] if losses else None!r} differs from the "
+                f"recorded loss {_loss_text(bits)} (bit for bit). The step did not train as "
+                "recorded: a wrong sample record, another loss_fn, a clipping or scheduler "
+                "step not passed (before_step=, scheduler=), or nondeterministic kernels. "
+                f"{_before(j, i)}; the live objects are now at step {i}"
             )
-            if world > 1:  # DDP: every rank's micro-batches, their gradients averaged
-                assert build is not None
-                per_rank = [micro, *(rank_batches.of(i, r, build) for r in range(1, world))]
-                losses = _ddp_step(kit, per_rank, fn, rngs)
-                out.rank_rng.clear()
-                out.rank_rng.update(enumerate(rngs))
-            else:
-                losses = _one_step(kit, micro, fn)
-            out.losses[i] = losses[-1] if losses else float("nan")
-            if i in stored:
-                continue
-            bits = light[i]
-            if bits is None:
-                out.unchecked.append(i)
-            elif _matches(bits, losses, logged):
-                out.checked.append(i)
-            else:
-                raise ReplayError(
-                    f"rebuilding step {k} from stored step {j}: the chain broke at step {i}: "
-                    f"its replayed loss {losses[-1] if losses else None!r} differs from the "
-                    f"recorded loss {_loss_text(bits)} (bit for bit). The step did not train as "
-                    "recorded: a wrong sample record, another loss_fn, a clipping or scheduler "
-                    "step not passed (before_step=, scheduler=), or nondeterministic kernels. "
-                    f"{_before(j, i)}; the live objects are now at step {i}"
-                )
-            if report and on_step is not None:
-                on_step(i, out, kit)
+        if report and on_step is not None:
+            on_step(i, out, kit)
 
     landed = None
     if check_next and k not in stored:
@@ -340,6 +365,30 @@ def _one_step(kit: ReplayKit, micro: list[Any], loss_fn: LossFn) -> list[float]:
     return losses
 
 
+def _world_replay(
+    kit: ReplayKit,
+    loss_fn: LossFn,
+    j: int,
+    upto: int,
+    rngs: list[Any],
+    step_micro: Callable[[int], tuple[list[Any], Callable[[Any], Any] | None]],
+    rank_batches: _RankBatches,
+) -> WorldReplay:
+    """Steps ``j+1..upto`` of a DDP run of ``len(rngs)`` ranks replayed in a gloo world of
+    that size (:mod:`dstt.inspect.rebuild_ddp`), from the live objects restored at ``j``."""
+    per_step = []
+    for i in range(j + 1, upto + 1):
+        micro, build = step_micro(i)
+        if build is None:
+            raise ConfigError(
+                f"rebuilding DDP step {i} needs every rank's batches from their recorded "
+                "sample indices: pass dataset= (and collate=) or batches= a callable from "
+                "indices, not a list of batches"
+            )
+        per_step.append([micro, *(rank_batches.of(i, r, build) for r in range(1, len(rngs)))])
+    return replay_world(kit, loss_fn, per_step, rngs, warm=j >= 1)
+
+
 def _ddp_step(
     kit: ReplayKit, per_rank: list[list[Any]], loss_fn: LossFn, rngs: list[Any]
 ) -> list[float]:
@@ -429,9 +478,8 @@ class _RankBatches:
 
 
 def _check_ddp(objects: Any, world: int, k: int, j: int) -> None:
-    """Refuse, with the reason, a light step of a multi-rank run a one-process replay cannot
-    rebuild bit for bit: sharded state (FSDP2, tensor or pipeline parallel, ZeRO) or DDP
-    over more than two ranks."""
+    """Refuse, with the reason, a light step of a multi-rank run whose ranks each held a
+    shard of the state (FSDP2, tensor or pipeline parallel, ZeRO): not rebuilt yet."""
     sharded = sorted(
         {
             n.partition("/r")[0]
@@ -447,14 +495,6 @@ def _check_ddp(objects: Any, world: int, k: int, j: int) -> None:
             "or ZeRO); rebuilding its light steps is not supported yet (only DDP's, whose "
             f"ranks hold the same state). The stored steps open as usual (run.at({j})); "
             "store every step (every=1) to reach each one"
-        )
-    if world != 2:
-        raise ReplayError(
-            f"light step {k} is of a DDP run of {world} ranks; rebuilding it is not supported "
-            "yet beyond 2 ranks: one process replays every rank's samples and sums their "
-            "gradients, which equals the allreduce bit for bit only for two (a sum of more "
-            "runs in the collective's own order). The stored steps open as usual "
-            f"(run.at({j})); store every step (every=1) to reach each one"
         )
 
 

@@ -33,6 +33,11 @@ def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+def decay(k: int) -> float:
+    """The LR schedule (a module-level function: a 3-rank rebuild pickles the scheduler)."""
+    return 1.0 / (1.0 + 0.3 * k)
+
+
 def plain() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     """The model (same init on every rank), its Adam and LR scheduler, unwrapped."""
     torch.manual_seed(0)
@@ -40,7 +45,7 @@ def plain() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
         torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 4)
     )
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1.0 + 0.3 * k))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, decay)
     return net, opt, sched
 
 
@@ -63,7 +68,7 @@ def main() -> None:
 
             model = fully_shard(net, mesh=init_device_mesh("cpu", (world,)))
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1.0 + 0.3 * k))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, decay)
         torch.manual_seed(100 + rank)  # each rank its own dropout masks
         random.seed(100 + rank)  # and every RNG a step stores seeded, so that two runs
         np.random.seed(100 + rank)  # (the reference and the auto one) store the same

@@ -2,7 +2,8 @@
 (each optimizer step's decision is agreed across ranks); a DDP run's light steps rebuild in
 one process bit for bit against an every=1 reference run (parameters, optimizer state, each
 rank's RNG, the scheduler), from every rank's recorded samples; an FSDP2 run's light steps
-refuse a rebuild with a typed "not yet" error rather than a wrong state."""
+refuse a rebuild with a typed "not yet" error rather than a wrong state. Over 3 ranks the
+rebuild replays in a spawned gloo world of 3, bit for bit too."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import dstt
-from dstt.errors import ReplayError
+from dstt.errors import ConfigError, ReplayError
 
 from .auto_worker import DATA, STEPS, loss_fn, plain
 from .conftest import launch, logs_of, wait
@@ -138,12 +139,64 @@ def test_an_fsdp2_light_step_refuses_a_rebuild_with_a_typed_error(tmp_path: Path
     assert run.at(min(run.steps)).step == min(run.steps)  # the stored steps open as usual
 
 
-def test_a_ddp_light_step_over_three_ranks_refuses_a_rebuild_with_a_typed_error(
-    tmp_path: Path,
-) -> None:
-    """Over more than two ranks the allreduce sums in an order of its own: not yet."""
-    auto, got = _auto(tmp_path, "ddp", world=3)
+@pytest.fixture(scope="module")
+def ddp3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(an every=1 DDP reference run over 3 ranks, the same run under every="auto")."""
+    root = tmp_path_factory.mktemp("ddp3")
+    ref, _ = _train(root, "ddp", "1", "ddp3-ref", world=3)
+    auto, got = _auto(root, "ddp", world=3)
     assert got[0] == got[1] == got[2]
-    run = dstt.open(auto, replay=_objects())
-    with pytest.raises(ReplayError, match=r"DDP run of 3 ranks.*not supported\s+yet"):
-        run.at(min(run.light_steps()))
+    return ref, auto
+
+
+def test_a_ddp_light_step_over_three_ranks_rebuilds_bit_for_bit(ddp3: tuple[Path, Path]) -> None:
+    """Over 3 ranks the rebuild replays in a spawned gloo world of 3: the real allreduce."""
+    ref_dir, auto = ddp3
+    run, ref = dstt.open(auto, replay=_objects()), dstt.open(ref_dir)
+    light = sorted(run.light_steps())
+    for k in light:
+        snap, want = run.at(k), ref.at(k)
+        assert snap.rebuilt is not None
+        assert snap.rebuilt.checked == list(range(snap.rebuilt.base + 1, k + 1))
+        assert sorted(snap.arrays) == sorted(want.arrays)
+        for path in want.arrays:  # parameters and optimizer state
+            got = snap.to_numpy(path, native=True)
+            assert _bits(got) == _bits(want.to_numpy(path, native=True)), (k, path)
+        for name in ("rng/r0", "rng/r1", "rng/r2", "scheduler"):
+            assert _same(snap.object(name), want.object(name)), (k, name)
+    net, opt, sched = plain()  # and the chain lands on the next stored step bit for bit
+    k = light[0]
+    got = run.rebuild(k, net, opt, scheduler=sched, dataset=DATA, loss_fn=loss_fn, check_next=True)
+    assert got.landed == min(s for s in run.steps if s > k)
+
+
+def test_a_ddp_light_step_over_three_ranks_on_other_samples_breaks_the_chain(
+    ddp3: tuple[Path, Path],
+) -> None:
+    _, auto = ddp3
+    run = dstt.open(auto)
+    k = min(run.light_steps())
+    base = max(s for s in run.steps if s < k)
+    net, opt, sched = plain()
+    swapped = {i: DATA[(i + 1) % len(DATA)] for i in range(len(DATA))}
+
+    def shifted(ix: list[int]) -> Any:  # every sample one further on, for every rank
+        from torch.utils.data import default_collate
+
+        return default_collate([swapped[i] for i in ix])
+
+    with pytest.raises(ReplayError, match=rf"the chain broke at step {base + 1}:"):
+        run.rebuild(k, net, opt, scheduler=sched, batches=shifted, loss_fn=loss_fn)
+
+
+def test_a_three_rank_rebuild_of_objects_that_do_not_pickle_says_what_to_pass(
+    ddp3: tuple[Path, Path],
+) -> None:
+    _, auto = ddp3
+    net, opt, _ = plain()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)  # a lambda: not picklable
+    run = dstt.open(auto)
+    with pytest.raises(ConfigError, match=r"cannot be pickled.*top level of an importable"):
+        run.rebuild(
+            min(run.light_steps()), net, opt, scheduler=sched, dataset=DATA, loss_fn=loss_fn
+        )
