@@ -52,9 +52,10 @@ class WorldReplay:
         for name, opt in optimizers_of(kit.optimizer).items():
             opt.load_state_dict(rec["optimizer"][name])
         if kit.scheduler is not None:
-            kit.scheduler.load_state_dict(rec["scheduler"])
+            kit.scheduler.load_state_dict(rec["sched"])
         return [
-            torch.load(root / f"s{n}.r{r}.pt", weights_only=False)["rng"] for r in range(self.world)
+            torch.load(root / f"s{n}.r{r}.pt", weights_only=False)["rng_state"]
+            for r in range(self.world)
         ]
 
     def close(self) -> None:
@@ -85,7 +86,7 @@ def replay_world(
     job = {
         "model": kit.model,
         "optimizer": kit.optimizer,
-        "scheduler": kit.scheduler,
+        "sched": kit.scheduler,
         "before_step": kit.before_step,
         "loss_fn": loss_fn,
         "batches": batches,
@@ -132,7 +133,7 @@ def _rank_main(rank: int, world: int, port: int, blob: str) -> None:
     )
     try:
         job = torch.load(blob, weights_only=False)
-        model, opts, sched = job["model"], optimizers_of(job["optimizer"]), job["scheduler"]
+        model, opts, sched = job["model"], optimizers_of(job["optimizer"]), job["sched"]
         ddp = DistributedDataParallel(model)
         if job["warm"]:  # training's DDP rebuilt its buckets after its first step
             _warm_up(ddp, model, job["loss_fn"], job["batches"][0][rank][0])
@@ -158,11 +159,11 @@ def _rank_main(rank: int, world: int, port: int, blob: str) -> None:
                 opt.step()
             if sched is not None:
                 sched.step()
-            rec: dict[str, Any] = {"losses": losses, "rng": get_rng()}
+            rec: dict[str, Any] = {"losses": losses, "rng_state": get_rng()}
             if rank == 0:
                 rec["model"] = model.state_dict()
                 rec["optimizer"] = {k: o.state_dict() for k, o in opts.items()}
-                rec["scheduler"] = None if sched is None else sched.state_dict()
+                rec["sched"] = None if sched is None else sched.state_dict()
             torch.save(rec, out / f"s{n}.r{rank}.pt")
     finally:
         dist.destroy_process_group()
