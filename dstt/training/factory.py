@@ -65,18 +65,17 @@ def session(
     start_timeout: float = DEFAULT_START_TIMEOUT,
     replay: str | None = None,
 ) -> Session:
-    """Capture every ``every``-th optimizer step of ``model``/``optimizer`` into ``run``, and
-    the last step when the block ends (the metrics of the steps between ride with the next
-    commit). ``every="auto"``: store each step the engine can take without blocking training
-    (on several ranks: every rank) and record the others as light steps (metrics, sample
-    indices, loss fingerprint, rebuilt on demand by ``run.rebuild``), a stored step forced
-    after ``max_gap`` light ones. ``replay="train.py:make"`` records a function returning
-    ``run.rebuild``'s objects as a dict, so ``dstt.open(run, replay=True)`` rebuilds light
-    steps with it. ``optimizer`` may be one optimizer, a list or a dict of them
-    (each holding other parameters: one step is an iteration in which each of them stepped;
-    each one's state is captured and resumed). The optimizers must hold the model's trainable
-    parameters (``ConfigError`` otherwise; trainable ones left out warn with
-    ``DsttWarning``).
+    """Capture every ``every``-th optimizer step of ``model``/``optimizer`` into ``run``, and the
+    last step when the block ends (the metrics of the steps between ride with the next commit).
+    ``every="auto"``: store each step the engine can take without blocking training, within 5 %
+    of its time (on several ranks: every rank) and record the others as light steps (metrics,
+    sample indices, loss fingerprint, rebuilt on demand by ``run.rebuild``), a stored step
+    forced after ``max_gap`` light ones. ``replay="train.py:make"`` records a function returning
+    ``run.rebuild``'s objects as a dict, so ``dstt.open(run, replay=True)`` rebuilds light steps
+    with it. ``optimizer`` may be one optimizer, a list or a dict of them (each holding other
+    parameters: one step is an iteration in which each of them stepped; each one's state is
+    captured and resumed). The optimizers must hold the model's trainable parameters
+    (``ConfigError`` otherwise; trainable ones left out warn with ``DsttWarning``).
 
     Under PyTorch-native parallelism (DDP, FSDP2, tensor parallel: any initialized process
     group) call it on every rank with the same arguments: each rank writes its share (a

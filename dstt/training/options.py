@@ -59,8 +59,9 @@ class SessionOptions:
 
     ``run``: the run's directory, ``s3://`` URL, ``Repository`` or ``Storage``. ``every``:
     capture every ``every``-th optimizer step, or ``"auto"``: every step the engine can take
-    without blocking training, the others recorded as *light* steps (metrics, sample indices,
-    loss fingerprint; rebuilt by replay), at most ``max_gap`` light steps in a row (with
+    without blocking training and within 5 % of its time (``AUTO_OVERHEAD``), the others
+    recorded as *light* steps (metrics, sample indices, loss fingerprint; rebuilt by
+    replay), at most ``max_gap`` light steps in a row (with
     several ranks, agreed across them). ``replay``: ``"FILE.py:FUNCTION"``, a function
     returning ``run.rebuild``'s objects as a dict (as ``dstt replay --script`` takes it),
     recorded in the run so ``dstt.open(run, replay=True)`` rebuilds light steps with it.

@@ -136,13 +136,15 @@ class StepCapture:
 
     def _due(self) -> bool:
         """Is the step just taken captured? ``every=N``: every N-th. ``every="auto"``: when the
-        engine can take it without blocking training (``Pipeline.can_take``), and always
+        engine can take it without blocking training and within its overhead budget
+        (``Pipeline.can_take``), and always
         after ``max_gap`` light steps in a row (then it may block: a rebuild never replays
         more than ``max_gap`` steps)."""
         every = self.options.every
         if every != "auto":
             return self.step % every == 0
         assert self.pipeline is not None
+        self.pipeline.tick()  # the interval that ended, charged to the overhead budget
         if self.step - 1 - self.last_staged >= self.options.max_gap:
             return True  # the same on every rank: they stored the same steps before
         ok = self.pipeline.can_take()

@@ -63,8 +63,8 @@ class Committer:
         self._make_room = make_room
         self._pickled: set[str] = set()  # objects warned about (stored with pickle)
         self._q: queue.SimpleQueue[Flight | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="dstt-commit", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._loop, name="dstt-commit", daemon=True)
+        self.thread.start()
 
     def put(self, f: Flight) -> None:
         """Commit ``f`` after the steps put before it."""
@@ -73,7 +73,7 @@ class Committer:
     def close(self) -> None:
         """Stop after the steps already put."""
         self._q.put(None)
-        self._thread.join()
+        self.thread.join()
 
     def _warn_pickled(self, f: Flight) -> None:
         """Warn once per name of an object the commit had to pickle (not plain data)."""

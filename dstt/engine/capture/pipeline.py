@@ -51,6 +51,7 @@ from dstt.store._internal import (
     flusher_supported,
 )
 
+from .budget import OverheadBudget, cpu_seconds
 from .committer import Committer, out_of_room
 from .flatwrite import FlatLane, discard
 from .flight import Flight, StepMetrics, _Aborted, _encode_metrics
@@ -140,6 +141,10 @@ class Pipeline:
         self._copy_q: queue.SimpleQueue[Flight | None] = queue.SimpleQueue()
         self._write_q: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._closed = False
+        #: what storing may cost training under ``every="auto"`` (``tick``, ``can_take``)
+        self.budget = OverheadBudget()
+        self._waited_s = 0.0  # the training thread's copies at stage and waits for copies
+        self._writer_cpu_s = 0.0  # the writer threads' CPU, where /proc cannot tell
         #: the newest step that failed for want of room while no later step committed
         #: (None: the disk has room). Meanwhile a step starts its copy and write only once
         #: every older step has committed or failed, so steps stop competing for the room
@@ -223,6 +228,7 @@ class Pipeline:
                 raise
             f.buffer, f.stall_s, f.precopied = index, waited, True
             f.blocked_s += time.perf_counter() - t0  # training waited for this copy
+            self._waited_s += time.perf_counter() - t0
             f.guard = VersionGuard({}, {}, verify=False)
             if self.verify:  # the copy is done: compare it with the source now
                 f.guard = _verified(f, plan, steps.buffers[index])
@@ -245,15 +251,31 @@ class Pipeline:
             return False
         return self.copy == "sync" or torch.get_num_threads() >= (os.cpu_count() or 1)
 
+    def tick(self) -> None:
+        """A step ended (``every="auto"``, each optimizer step): charge what storing cost
+        since the last one to the overhead budget."""
+        self.budget.tick(time.perf_counter(), self.engine_cost_s())
+
+    def engine_cost_s(self) -> float:
+        """What storing has cost so far: the CPU of the engine's threads and of the flusher
+        process, and the training thread's copies and waits."""
+        threads = [self._copy_thread, *self._writers, self._committer.thread]
+        fl = self.sink.flusher
+        proc = getattr(fl, "proc", None)
+        cpu = cpu_seconds((t.native_id for t in threads), [] if proc is None else [proc.pid])
+        return self._waited_s + (self._writer_cpu_s if cpu is None else cpu)
+
     def can_take(self) -> bool:
         """Would a step staged now be written without costing training anything? (``every=
         "auto"``.) Yes once every earlier step has committed or failed, and the host memory a
         copy needs is free (a buffer of the ring). So the run stores at the disk's pace, as
-        continuous checkpointing does.
+        continuous checkpointing does — and while storing has cost training no more than
+        its share of the run's time so far (``budget.py``: on cores that all train, a disk's
+        pace alone slowed training 1.3-1.7x).
         Rejected: "fewer than ``max_backlog`` steps pending" — on a machine whose cores train,
         the copies and flushes of a backlog slow every step though none of them blocks
         (measured in bench/auto_bench.py: 1.65x none with every step stored)."""
-        if self._closed or self.pending():
+        if self._closed or self.pending() or not self.budget.allows():
             return False
         steps = self.steps
         return steps is None or steps.in_use < steps.count
@@ -289,6 +311,7 @@ class Pipeline:
             older[0].done.wait()
         blocked = time.perf_counter() - t0
         f.blocked_s += blocked
+        self._waited_s += blocked
         return blocked
 
     def check(self, f: Flight) -> list[RaceReport]:
@@ -539,6 +562,7 @@ class Pipeline:
 
     def _record(self, f: Flight) -> None:
         now = time.perf_counter()
+        self._writer_cpu_s += f.cpu_s
         steps = self.steps
         m = StepMetrics(
             step=f.step,
