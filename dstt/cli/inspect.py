@@ -36,7 +36,16 @@ __all__ = ["cmd_diff", "cmd_export", "cmd_index", "cmd_log", "cmd_ls", "cmd_show
 def cmd_ls(args: argparse.Namespace) -> int:
     from dstt.inspect.html import human_bytes
 
-    s = _resolve_run(args).summary()
+    run = _resolve_run(args)
+    s = run.summary()
+    # every="auto": steps taken but not stored (index only; `dstt log` lists them)
+    light = run.light_steps()
+    s["n_light"] = len(light)
+    s["n_rebuilt"] = 0
+    if light:
+        from dstt.run.derived import written_bases
+
+        s["n_rebuilt"] = len(written_bases(run, run.timeline))
 
     def text() -> Iterator[str]:
         yield f"run {s['path']}  (current timeline: {s['timeline']})"
@@ -54,6 +63,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
             f"{steps} · {s['n_arrays']} arrays · {human_bytes(s['bytes_per_step'])} per step"
             f" · {metrics}"
         )
+        if light:
+            yield (
+                f'{len(light)} light steps (every="auto": taken, not stored; '
+                f"{s['n_rebuilt']} rebuilt) · `dstt log` lists them, `dstt rebuild` writes them"
+            )
         for t in s["timelines"]:
             base = (
                 f"  from {t['base_timeline']}@{t['base_step']} (skip {t['skip_data']})"

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from dstt import schema
 from dstt.errors import CorruptRunError, StepNotFoundError
 
 if TYPE_CHECKING:
@@ -120,11 +121,9 @@ class Lines:
         """``{step: loss fingerprint}`` of the light steps of ``timeline``."""
         name = timeline or self.timeline
         if name not in self._light:
-            from dstt.engine.capture.light import LIGHT_OBJECT, read_light
-
             stored = {h.step for h in self.commits(name)}
-            carrying = self.reader.carrying(self.commits(name), LIGHT_OBJECT)
-            found = read_light(filter(_still_kept, carrying), self.reader.read_object)
+            carrying = self.reader.carrying(self.commits(name), schema.LIGHT_OBJECT)
+            found = _read_light(filter(_still_kept, carrying), self.reader.read_object)
             self._light[name] = {k: v for k, v in sorted(found.items()) if k not in stored}
         return self._light[name]
 
@@ -168,3 +167,18 @@ def _still_kept(header: Any) -> bool:
     except StepNotFoundError:
         return False
     return True
+
+
+def _read_light(line: Iterable[Any], read: Callable[[Any, str], Any]) -> dict[int, str | None]:
+    """``{light step: its loss fingerprint or None}`` from the commits ``line`` that carry
+    the light record (:mod:`dstt.engine.capture.light` writes it), read with ``read``."""
+    out: dict[int, str | None] = {}
+    for h in line:
+        if schema.LIGHT_OBJECT not in getattr(h, "objects", ()):
+            continue
+        rec = read(h, schema.LIGHT_OBJECT)
+        if not isinstance(rec, Mapping):
+            continue
+        for k, bits in zip(rec.get("steps", ()), rec.get("loss", ()), strict=False):
+            out[int(k)] = bits if isinstance(bits, str) else None
+    return out

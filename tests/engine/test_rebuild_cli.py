@@ -107,6 +107,14 @@ def test_a_range_is_rebuilt_written_and_read_back_bit_for_bit(
     assert main(["log", root, "--json"]) == 0
     marks = {d["step"]: d["rebuilt"] for d in json.loads(capsys.readouterr().out) if d["light"]}
     assert marks == {k: (_stored_before(run, k) if k in light[:2] else None) for k in light}
+    # dstt ls counts them, and how many are written
+    assert main(["ls", root]) == 0
+    assert f'{len(light)} light steps (every="auto": taken, not stored; 2 rebuilt)' in (
+        capsys.readouterr().out
+    )
+    assert main(["ls", root, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["n_light"], doc["n_rebuilt"]) == (len(light), 2)
     # the default, 'light': the rest; the written ones are not replayed again
     assert main(["rebuild", root]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -18,10 +18,12 @@ compare equal to a slightly different loss).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dstt import schema
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
 
 __all__ = [
     "LIGHT_OBJECT",
@@ -29,7 +31,6 @@ __all__ = [
     "light_record",
     "loss_bits",
     "loss_of",
-    "read_light",
     "step_loss",
 ]
 
@@ -82,18 +83,3 @@ def light_record(
         for k in steps
     ]
     return {"steps": [int(k) for k in steps], "loss": losses}
-
-
-def read_light(line: Iterable[Any], read: Callable[[Any, str], Any]) -> dict[int, str | None]:
-    """``{light step: its loss fingerprint or None}`` from the commits ``line`` (headers with
-    ``objects``), read with ``read(header, name)``."""
-    out: dict[int, str | None] = {}
-    for h in line:
-        if LIGHT_OBJECT not in getattr(h, "objects", ()):
-            continue
-        rec = read(h, LIGHT_OBJECT)
-        if not isinstance(rec, Mapping):
-            continue
-        for k, bits in zip(rec.get("steps", ()), rec.get("loss", ()), strict=False):
-            out[int(k)] = bits if isinstance(bits, str) else None
-    return out
