@@ -1,26 +1,14 @@
 """Names the training side and the readers agree on: store paths, dimensions, object names.
 
-Every tensor is stored under one **canonical name**: the dotted name a plain, unwrapped
-``model.state_dict()`` would give it. Wrappers add components of their own to the names torch
-reports — ``torch.compile`` ``_orig_mod.``, DDP and ``DataParallel`` ``module.``, FSDP1
-``_fsdp_wrapped_module.``, activation checkpointing ``_checkpoint_wrapped_module.`` — and
-:func:`canonical_name` drops them, as DCP's ``get_state_dict`` does, so a run captured through
-any wrapper opens, loads and exports under the names of the model itself. The store path of a
-tensor (:func:`tensor_path`) is its kind and its canonical name with ``/`` for ``.``:
-``params/<module path>/<name>``, ``buffers/...``, ``optim/<state>/<module path>/<name>``.
-
-A step's **objects** (RNG, scheduler, summaries, ...) are named by the append-only
-``*_OBJECT`` constants below, which every writer and reader imports
-(``tests/test_schema_objects.py`` fails on a literal elsewhere or an undeclared written name).
-Plain ``str`` constants, not an ``Enum``: a member's repr in messages and its type in a
-header's keys would differ from the string a run stores.
-
-This module is the one place both the engine (which writes names) and the readers (which
-resolve what a user types) take them from; it needs nothing but the standard library, so the
-store, the engine and the inspection side all import it without importing each other.
-Rejected alternative: stripping wrapper prefixes at read time only — the export, ``load_into``
-and a resume into an unwrapped model would each need the same rule again, and a run would
-store one model under two spellings depending on how it was launched.
+Every tensor is stored under its **canonical name**, the one a plain unwrapped
+``model.state_dict()`` gives (:func:`canonical_name` drops ``_orig_mod.``, ``module.``, FSDP1
+and activation-checkpointing components, as DCP does), at :func:`tensor_path`. A step's
+objects are named by the append-only ``*_OBJECT`` constants, which every writer and reader
+imports (``tests/test_schema_objects.py`` fails on a literal elsewhere); plain ``str``, not an
+``Enum``, so messages and header keys show what a run stores. Standard library only, so the
+store, the engine and the readers import it without importing each other. Rejected
+alternative: stripping wrapper prefixes at read time only (export, ``load_into`` and resume
+would each need the rule, and one model would be stored under two spellings).
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """The committer thread: in step order, a step's last objects, its summaries and its commit.
 
-The pipeline (``pipeline.py``) stages steps and runs the copy and writer threads; this thread
-takes each staged step in the order it was staged, waits until it is copied, sealed (the
-objects of its boundary, the race check passed) and written, stores its last objects and its
-write-time summaries (``summaries.py``: finished here, in step order, because a step's update
-estimate compares with the previous *committed* step's probe), commits it — or aborts it if
-anything failed — and hands its metrics back (``record``). A step's objects are stored with
-its commit (``StepHandle.put_object``), so the flusher process encodes and writes them when
-it commits the step (``store/commit/job.py``).
-
-Rejected alternative: committing from whichever writer thread finishes a step's last write —
-commits must follow step order (the store resolves a commit's parent at commit time), and a
-second ordering mechanism would be needed.
+It takes each staged step in order, waits until it is copied, sealed (boundary objects, race
+check) and written, stores its last objects and its write-time summaries (finished here, in
+step order, because an update estimate compares with the previous *committed* step), commits
+it or aborts it on any failure, and hands its metrics back. A step's objects go with its
+commit (``StepHandle.put_object``), so the flusher process writes them. Rejected alternative:
+committing from whichever writer finishes a step last (commits must follow step order, and a
+second ordering mechanism would be needed).
 """
 
 from __future__ import annotations

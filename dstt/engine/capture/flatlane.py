@@ -1,24 +1,13 @@
 """The hot path: a whole step copied with one batched copy into one reused host buffer.
 
-A ``FlatPlan`` is made once per set of captured tensors (path, dtype, shape) and reused while
-it holds: the store's ``FlatLayout`` (where each tensor sits in the buffer, how it becomes zip
-entries) plus, per host buffer, the typed views the batched copy writes into. A step then costs
-the training thread a version snapshot and a plan lookup; the copy thread one
-``torch._foreach_copy_`` (CUDA: on a side stream after an event of the compute stream, into
-pinned memory); a writer thread one ``StepHandle.write`` and the write-time digest of the
-same buffer. Python work per step is O(1) calls into C per *chunk* at most, never a
-Python-level loop over bytes.
-
-``StepBuffers`` is the bounded host cache of this lane: a ring of whole-step buffers allocated
-once (so copies land in warm, reused pages: 6-12 GB/s here against ~1 GB/s into fresh ones).
-A buffer is released only once its step is written, so a disk slower than training makes the
-copy thread wait for a free buffer — the honest backpressure — and the training thread waits
-at the next optimizer step only if the copy has not finished by then.
-A step larger than a buffer is a sequence of ``Segment``s of its one layout: contiguous byte
-ranges cut at chunk boundaries, each copied into a ring buffer and written chunk by chunk
-before the next reuses it — the same lane, the same budget, no second cache.
-Rejected alternative: a second, chunk-by-chunk lane with its own host cache for such steps and
-for verify mode — every write feature existed twice (issue 38).
+A ``FlatPlan`` (the store's ``FlatLayout`` plus typed views per buffer) is made once per set of
+captured tensors and reused, so a step costs the training thread a version snapshot and a plan
+lookup, the copy thread one ``torch._foreach_copy_`` (CUDA: a side stream into pinned memory),
+a writer one ``StepHandle.write``. ``StepBuffers`` is the bounded host cache: a ring of
+whole-step buffers allocated once, each released only once its step is written, so a slow
+disk makes the copy thread wait (honest backpressure). A step larger than a buffer is a
+sequence of ``Segment``s of its one layout. Rejected alternative: a second, chunk-by-chunk
+lane for such steps (every write feature existed twice, issue 38).
 """
 
 from __future__ import annotations

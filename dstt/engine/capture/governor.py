@@ -1,38 +1,14 @@
 """Whether the writers encode a step (``DeltaPolicy``) or write it raw: whichever flushes faster.
 
-Encoding trades writer CPU for bytes. A step's flush takes about ``max(writer CPU / cores the
-writers get, time waiting for the disk)``; encoding raises the first and lowers the second. So
-the governor keeps, per mode, running estimates of the writer CPU (``thread_time`` of the
-writer tasks) and of the bytes a step writes, and one pooled estimate of the disk's speed
-(bytes written over the time steps waited for the disk: writer wall time off the CPU plus the
-commit, whose barrier waits for the disk; raw steps' only, once there are any), and encodes a
-step only when the encoded estimate is no worse than the raw one: encoding never makes the
-flush, and so the backpressure on training, worse than writing raw would (issue 8). Every
-``retry_every`` steps it runs the other mode once to re-measure (the disk, the load or the data
-may have changed); while the choice stays the same the interval doubles, up to ``8 *
-retry_every`` — at 1,200 tensors an encoded step costs ~0.2 s of writer time, so re-measuring
-it every 8 steps cost more than the encoding it was looking for saved. It measures encoding
-first: the first encoded step only makes the bases (keyframes, which say nothing about
-encoding), the second is measured, and the steps staged before it committed are written raw.
-
-The CPU the writers get is measured too: ``min(writers, cores - the cores this process
-keeps busy outside its writers)`` (its CPU time over wall time, between observations at
-least ``_SAMPLE_S`` apart, and only over stretches of raw steps — an encoding writer's Python
-takes CPU from training, which would then look as if it needed less), at least a quarter of
-a core. Counting the idle cores alone
-(``cores - 1``, the first version) let a CPU-bound trainer on every core — whose intra-op
-workers spin rather than sleep — look as if a core were free: an encoded step then took 0.2 s
-of writer CPU at 1,200 tensors that training had to give up, and what the writers waited
-for that CPU counted as waiting for the disk, which made raw steps look slow too (dstt +
-DeltaPolicy 10x no checkpointing with 2 torch threads on 2 cores, measured).
-A raw step says so in ``StepMetrics.raw_fallback``; ``DeltaPolicy(raw_when_busy=False)``
-always encodes (disk space first).
-
-Rejected alternatives: (1) the first version fell back whenever an earlier step still had
-chunks to write — a disk slower than training always leaves a backlog, exactly when fewer
-bytes help, and 21 of 24 steps were written raw at 240 MB per step here; (2) "encode while the
-encoded CPU fits between two steps" — the interval grows when encoding slows training, so it
-approved itself (dstt + DeltaPolicy ran 1.4x slower than dstt raw on 2 cores).
+A flush takes about ``max(writer CPU / cores the writers get, time waiting for the disk)``;
+encoding raises the first and lowers the second. The governor keeps running estimates per
+mode (writer CPU, bytes per step) and one of the disk's speed, and encodes only when the
+encoded estimate is no worse, so encoding never makes backpressure worse than raw. It
+re-measures the other mode every ``retry_every`` steps (the interval doubles while the choice
+holds) and measures the cores the writers really get, not the idle ones. A raw step says so
+in ``StepMetrics.raw_fallback``. Rejected alternatives: falling back while a backlog exists
+(a slow disk always has one, exactly when fewer bytes help) and "encode while it fits between
+two steps" (it approved itself). Measurements: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

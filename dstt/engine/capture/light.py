@@ -1,18 +1,12 @@
 """Light steps (``every="auto"``): the record a step the engine did not store leaves behind.
 
-A light step is an optimizer step taken while the engine was busy (``Pipeline.can_take``
-said no): none of its tensors are written. What a rebuild needs beyond the stored step
-before it is already recorded for every step — its metrics (``metrics/history``) and its
-sample indices (``data/batches``) ride with the next commit — so the light record adds only
-which steps were light and each one's **loss fingerprint**: the exact bits of the ``loss``
-it logged (``s.log(loss=...)``) as 16 hex digits of a float64 (a float32 loss converts to it
-exactly), which a rebuild compares bit for bit with the loss it recomputes. The next stored
-commit carries the record of the light steps since the previous one as ONE object,
-:data:`LIGHT_OBJECT` (``{"steps": [k, ...], "loss": ["3fe0...", None, ...]}``), so a light
-step costs some tens of bytes in an existing file, never a file of its own.
-Rejected alternatives: a file per light step (the store's per-file costs, and a directory of
-thousands of tiny files); the loss as a decimal metric only (a rounded print of it would
-compare equal to a slightly different loss).
+A light step is an optimizer step taken while the engine was busy: none of its tensors are
+written. Its metrics and sample indices already ride with the next commit, so the record adds
+only which steps were light and each one's **loss fingerprint** (the logged loss's float64
+bits in hex), which a rebuild compares bit for bit. The next stored commit carries the
+record since the previous one as ONE object, :data:`LIGHT_OBJECT`. Rejected alternatives: a
+file per light step (per-file costs, thousands of tiny files); the loss as a decimal metric
+(a rounded print of it would compare equal to a slightly different loss).
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """The flush pipeline: one copy thread, a pool of writer threads, one committer, per-step metrics.
 
-A staged step is a ``Flight``. The training thread only snapshots references, versions and small
-objects (``stage``) and later waits for the copies (``wait_copied``); everything else runs on
-background threads:
-
-    copy thread   ``sink.begin`` → take a buffer of the ring (may block: the byte budget) →
-                  one batched copy of the step into it → hand it to the writers; a step
-                  larger than a buffer: the same per segment of its layout
-                  (``flatlane.Segment``); its objects go with its commit (``put_object``)
-    writers       a whole step once sealed, a segment at once: ``handle.write`` of a
-                  ``FlatSegment`` (``flatwrite.py``; the sink writes it by its flusher process
-                  or here); then the buffer goes back to the ring
-    committer     (``committer.py``) in step order: wait copied + sealed (boundary objects,
-                  metrics, race check passed) + all writes done → write-time summaries
-                  (``summaries.py``) → ``handle.commit`` — or ``handle.abort`` on a failure
-
-A step is never committed unless every chunk and object of it was written and the session
-declared it clean (``seal``); errors are recorded on the flight, the step is aborted, and
-the error is handed to the training thread via ``take_errors`` — threads never raise into the
-void and never end the process. Commits run strictly in step order (the store resolves a
-commit's parent at commit time, so a failed step simply drops out of the lineage).
-One lane: the buffers, plans and writes are ``flatwrite.py``'s ``FlatLane``.
-Rejected alternative: ``concurrent.futures`` executors — their non-daemon workers keep a process
-with a hung filesystem alive at exit, and ordering the commits would need a second mechanism.
+A staged step is a ``Flight``: the training thread only snapshots references, versions and
+small objects (``stage``) and later waits for the copies (``wait_copied``). The copy thread
+takes a ring buffer and copies the step (a segment at a time when it is larger); writers hand
+each ``FlatSegment`` to ``handle.write``; the committer (``committer.py``) commits in step
+order once a step is copied, sealed and written, or aborts it. Errors are recorded on the
+flight and handed to the training thread (``take_errors``); a thread never raises into the
+void. Rejected alternative: ``concurrent.futures`` executors (non-daemon workers keep a
+process with a hung filesystem alive, and ordered commits need a second mechanism). The walk
+through: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
-"""Staging: batched device→host (or host→host) copies, and the version guard.
+"""Staging: batched device->host (or host->host) copies, and the version guard.
 
-``Copier`` copies a list of source tensors into views of a host buffer of the ring
-(``flatlane.StepBuffers``) with one batched call. CPU: ``torch._foreach_copy_`` on the engine's
-copy thread (torch releases the GIL). CUDA: ``non_blocking`` copies on a side stream that
-first waits on an event recorded on the compute stream at stage time; the copy's events are
-synchronized before a writer touches the bytes.
-Rejected alternative: a copy call per chunk into leases of a slab cache (the old chunk lane):
-a Python call, lease and queue item per chunk.
-
-``VersionGuard`` records every source tensor's ``_version`` at stage time and compares at the
-wait before the next optimizer step; ``verify=True`` adds a wrap-around integer sum of the
-source (at stage and at the wait) and of the copied bytes, which also catches ``.data`` writes
-that bypass the version counter.
+``Copier`` copies source tensors into views of a ring buffer with one batched call: CPU,
+``torch._foreach_copy_`` on the copy thread (the GIL released); CUDA, ``non_blocking`` copies
+on a side stream that waits on an event of the compute stream, synchronized before a writer
+reads. ``VersionGuard`` compares each source's ``_version`` between stage time and the wait
+before the next optimizer step; ``verify=True`` adds wrap-around sums of source and copy,
+which also catch ``.data`` writes. Rejected alternative: a copy call per chunk into leases of
+a slab cache (a Python call, lease and queue item per chunk).
 """
 
 from __future__ import annotations

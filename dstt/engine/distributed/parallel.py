@@ -1,29 +1,13 @@
 """PyTorch-native parallelism: what one rank of a DDP, FSDP2 or tensor-parallel trainer holds.
 
-``ParallelState`` builds the same two provider sets as the plain-PyTorch path (``TorchState``:
-*step state* right after optimizer step k, *boundary state* at the end of iteration k), for
-one rank of a model trained with PyTorch's own parallelism — ``DistributedDataParallel``,
-``fully_shard`` (FSDP2: DTensor parameters), ``parallelize_module`` (tensor parallel), or a
-DTensor model on one process — under the model's canonical names (``dstt.schema``):
-
-* parameters and optimizer state: each rank writes only its share (``RankShare``: a DTensor's
-  local shard, a replicated tensor once across the ranks), planned once and again only when
-  the set of tensors changes;
-* buffers: rank 0's (DDP broadcasts rank 0's buffers; FSDP2 and tensor parallel keep buffers
-  whole on every rank), cloned at capture as on one process;
-* state every rank holds alike — the optimizer's per-parameter structure (``optim/state``),
-  hyperparameters and the LR scheduler — from rank 0; under pipeline parallelism, where each
-  rank holds its own stage, every rank's own (``StageLayout``, decided at open);
-* per rank: RNG, data position and ``extra_state`` (``<name>/r<rank>``).
-
-Restore reads every live tensor's own box from the stored boxes (``dtensors.restore_tensor``):
-the same placements restore bit-exactly, other world sizes and meshes reshard, and a plain
-one-process model takes the whole logical tensors. Optimizer state of a DTensor parameter is
-rebuilt as a DTensor of the parameter's placements before ``optimizer.load_state_dict``.
-Rejected alternative: ``torch.distributed.checkpoint.state_dict.get_state_dict`` per step —
-it builds new state dicts on the training thread at every step (and, for a full state dict,
-gathers), where the providers here hand the engine the live tensors and cache everything
-while nothing changes.
+``ParallelState`` builds the plain-PyTorch path's two provider sets for one rank under the
+model's canonical names: parameters and optimizer state written once across the ranks
+(``RankShare``), buffers from rank 0, optimizer structure, hyperparameters and scheduler from
+rank 0 (every rank's own under pipeline parallelism), RNG, data position and ``extra_state``
+per rank. Restore reads every live tensor's own box: the same placements restore bit-exactly,
+other world sizes and meshes reshard. Rejected alternative: DCP's ``get_state_dict`` per step
+(new state dicts on the training thread every step, a gather for a full one). The details:
+docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

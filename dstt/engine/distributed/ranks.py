@@ -1,24 +1,13 @@
 """Several ranks, one run, from the training side: rank and world size, the ranks' channel,
 and opening the run on every rank together.
 
-The ranks of a session talk through a ``RankChannel``: small JSON messages in the key-value
-store of torch.distributed's default process group (the ``TCPStore`` torchrun and
-``init_process_group`` set up), under a prefix of their own. A message is posted once and
-read by whoever waits for it, with a deadline: a rank that never comes (a session started on
-a subset of ranks) or answers late is a ``RankError`` naming the missing ranks, never a
-hang, and nothing goes through the process group's communicator (no NCCL launch, no device,
-no collective that a sibling could leave waiting).
-
-``open_ranks`` runs on the main thread of every rank at once: every rank says which run and
-options it opens (the ranks must agree: ``RankError`` on every rank otherwise), rank 0 creates
-the run, takes the lock and removes part files a crashed session left, the others open part
-writers, and every rank learns the first slot, the session id and the commit to restore. What
-happens per step — parts, votes, rank 0's merged commit — is the store's multi-rank commit
-protocol (``dstt.store.RankWriter``, store/commit/ranks.py), which needs no torch.
-Rejected alternative: ``broadcast_object_list``/``all_gather_object`` on the default group
-(what this module used first) — a rank that never joins leaves the others in the collective
-until the group's own timeout (30 min), and under NCCL each object collective needs the
-right current device.
+Ranks talk through a ``RankChannel``: small JSON messages in the default group's key-value
+store, each read with a deadline, so a missing or late rank is a ``RankError`` naming it, never
+a hang, and nothing uses the communicator. ``open_ranks`` runs on every rank at once: the
+ranks must agree on the run and options, rank 0 creates and locks it, every rank learns the
+first slot, the session id and the commit to restore. Per step the store's ``RankWriter``
+protocol takes over. Rejected alternative: ``broadcast_object_list`` on the default group (a
+rank that never joins blocks the others for the group's timeout; NCCL needs a device).
 """
 
 from __future__ import annotations

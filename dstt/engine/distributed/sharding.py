@@ -1,43 +1,15 @@
 """Which part of each captured tensor this rank writes, under PyTorch-native parallelism.
 
-Every rank captures the same logical tensors (``params/...``, ``optim/<state>/...``, in
-canonical names), each either a plain tensor (DDP: replicated on every rank) or a DTensor
-(FSDP2 ``Shard(0)``, tensor parallel ``Shard``/``Replicate``, 2-d meshes). A rank *holds* one
-box of each tensor — a plain tensor's box is the whole tensor; a DTensor's is its local shard,
-at the global offsets DTensor computes for it (``compute_local_shape_and_global_offset``, as
-DCP's planner does) — and writes it only if it is that box's *writer*:
-
-* **planning**: every rank tells the others (through the session's ``RankChannel``, no
-  collective on the process group) which boxes it holds; every rank then computes the same
-  assignment: each distinct box gets one writer among its holders, the largest boxes first,
-  each to the least-loaded holder (the rule DCP's ``dedup_save_plans`` applies centrally). So
-  a replicated tensor (DDP, ``Replicate`` placements, a TP shard repeated across data-parallel
-  groups) is written once, and the bytes spread over the ranks. A plan is made at the first
-  capture and again only when the set of tensors changes (optimizer state appearing after the
-  first step): a step whose tensors are the same objects reuses the plan and its views with
-  no Python per tensor;
-* **storing**: a box that is the whole tensor is stored under the tensor's own path, as in a
-  single-process run; any other box is stored, with its local shape, as
-  ``dtensor/w<world>/r<writer>/<path>`` and listed in the writer's shard map (``shards/r<rank>``,
-  format 2: boxes; ``dstt.store.read.shards``), from which every reader assembles the logical
-  tensor. The lazy copy runs on ``to_local()`` views: no gather, no all-reduce, no full copy;
-* **restoring**: ``dtensors.restore_tensor`` reads exactly the live box — a DTensor's local
-  shard, or a whole plain tensor — from whatever boxes are stored (``read_region``), so a
-  resume onto the same placements is bit-exact and one onto others (2 ranks → 1, 1 → 2,
-  another mesh) reshards.
-
-Rank-0 state (objects every rank holds alike: optimizer hyperparameters, scheduler) is
-written by rank 0 alone (``RankZeroObjects``); per-rank state (RNG, data position) goes under
-``<name>/r<rank>`` (``providers.RankObject``). Under pipeline parallelism the ranks hold
-*different* parameters (each stage its own, an optimizer per stage): ``StageLayout`` finds
-that once at open, and then every rank stores its own optimizer structure, hyperparameters
-and scheduler under ``<name>/r<rank>`` and restores its own; ``parallel/layout`` records which
-parameters each rank held, so a resume on another layout is refused before anything is
-restored (``check_layout``).
-Rejected alternatives: gathering full tensors to rank 0 (a collective and a full copy on the
-training path, every byte through one disk queue); deriving the writers from mesh coordinates
-alone (a DTensor on a sub-mesh — TP inside data-parallel groups — cannot see the ranks that
-repeat it).
+A rank *holds* one box of each logical tensor (a plain tensor whole, a DTensor its local
+shard at DTensor's global offsets) and writes it only if it is that box's *writer*: the ranks
+exchange their boxes once (``RankChannel``, no collective) and all compute the same
+assignment, largest boxes first to the least-loaded holder (DCP's ``dedup_save_plans`` rule),
+so replicated bytes are written once. A whole box is stored under the tensor's path, any other
+under ``dtensor/w<world>/r<writer>/<path>`` with a shard map; restore reads the live box from
+whatever boxes are stored, so other placements reshard. Rejected alternatives: gathering full
+tensors to rank 0 (a collective and a full copy on the training path) and writers from mesh
+coordinates alone (a sub-mesh cannot see the ranks that repeat it). More, pipeline stages
+included: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """DeepSpeed: what a DeepSpeed engine holds, per rank, and where its steps begin and end.
 
-``discover_deepspeed(engine, info)`` builds the same two provider sets the plain-PyTorch path
-uses (``TorchState``: *step state* captured right after optimizer step k, *boundary state* at
-the end of iteration k), for one rank of a DeepSpeed engine:
-
-* ZeRO stage 1-3: the rank's flat fp32 partitions and their optimizer state (``zero.py``),
-  owned by the rank by construction;
-* replicated tensors — every parameter and optimizer state under stage 0, frozen parameters
-  under stage 1/2 — are split among the ranks by size (greedy, deterministic: every rank
-  computes the same owners), so each writes only its share;
-* module buffers are rank 0's (DeepSpeed does not synchronise them; rank 0's are the ones a
-  resume puts on every rank, as DDP's ``broadcast_buffers`` would);
-* per rank (objects named ``.../r<rank>``): RNG, data position, user ``extra_state``;
-* from rank 0: ``deepspeed/engine`` (global/micro/skipped steps, samples, the LR scheduler,
-  the wrapped optimizer's hyperparameters, the loss scaler) and ``deepspeed/meta``
-  (world size, ZeRO stage), which every rank reads back on resume.
-
-Steps: the wait for step k's copies is a pre-step hook on the *wrapped torch optimizer*, the
-last moment before the master weights change (after gradient reduction, norms and clipping);
-it fires once per parameter group under ZeRO, and only the first call waits. Capture happens
-when ``engine.step()`` returns having taken a step (``global_steps`` advanced and the step was
-not skipped for overflow): only then are the bit16 weights updated and gathered and the LR
-scheduler stepped. ``engine.step`` is wrapped per instance for that (DeepSpeed has no post-step
-hook). Rejected alternative: the wrapped optimizer's post-step hook — ZeRO calls that optimizer
-once per group (stage 3: per sub-group), so no single call marks the end of a step.
-
-This module never imports ``deepspeed`` (detection is by class name), so ``dstt`` works where
-DeepSpeed is not installed.
+``discover_deepspeed`` builds the plain-PyTorch path's two provider sets for one rank: ZeRO
+1-3 flat fp32 partitions and their optimizer state (``zero.py``); replicated tensors split
+among the ranks by size; module buffers and ``deepspeed/engine``/``deepspeed/meta`` from rank
+0; RNG, data position and ``extra_state`` per rank. The wait for step k's copies is a pre-step
+hook on the wrapped torch optimizer; capture happens when ``engine.step()`` returns having
+taken a step (it is wrapped per instance). Rejected alternative: the wrapped optimizer's
+post-step hook (ZeRO calls it once per group). Never imports ``deepspeed`` (detection by
+class name). The details: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,45 +1,14 @@
 """A DeepSpeed ``CheckpointEngine`` that writes ``engine.save_checkpoint()`` into a dstt run.
 
-DeepSpeed's checkpoint engines receive, per rank, the state dicts of one checkpoint tag
-(``save(state_dict, path)`` per file: model states on data-parallel rank 0, ZeRO optimizer
-partitions on every rank) between ``create(info)`` and ``commit(info)``. This one is
-*decoupled* (DeepSpeed calls ``commit`` at the next ``engine.step()``, before the optimizer
-step), which is exactly the DataStates contract:
-
-* ``save`` stages the file's tensors for lazy copying (no clone: ``preserves_storage_sharing``
-  is False) and writes a small JSON *stub* at ``path`` naming the run, step and file, so
-  DeepSpeed's own file discovery (``glob`` of model-state files) keeps working;
-* ``commit`` (next step) waits only until the copies are on the host — the optimizer may then
-  change the tensors — and checks them for in-place races; flushing continues in background;
-* rank 0 commits the tag once every rank's part is durable
-  (``dstt.engine.distributed.ranks``), and only then writes ``<save_dir>/latest`` (tmp +
-  fsync + rename + directory fsync). DeepSpeed is told ``save_latest=False`` so it never
-  moves ``latest`` itself before the data is durable;
-* ``load(path)`` reads the stub and rebuilds the state dict from the run (waiting for this
-  engine's own in-flight saves first), so ``engine.load_checkpoint()`` works unchanged.
-
-The last tag has no next step. ``attach`` wraps the engine's ``save_checkpoint`` (per
-instance) to learn when a tag is complete, and an ``atexit`` handler commits a complete tag
-still pending at a normal interpreter exit and waits until it is durable (a tag cut short by an
-exception is dropped, loudly). ``close()``/``engine.destroy()`` do the same earlier.
-Rejected alternative: a non-decoupled engine (DeepSpeed calls ``commit`` at the end of
-``save_checkpoint``) — DeepSpeed then writes ``latest`` itself right after ``commit``, before the
-tag is durable, unless ``commit`` blocks training for the whole flush.
-
-Names: a tensor a ``dstt.session`` would capture is stored under the session's array path,
-found by storage identity (``params/l1/weight`` at stage 0; ZeRO partitions as
-``zero/.../fp32`` plus the rank's shard map, so ``l1.weight`` reads as the logical fp32
-master), so ``run.at(k).names()``/``layer("l1")`` speak the model's names; every other tensor
-(ZeRO's bit16 module copy, 0-d counters) keeps its file path ``files/<file>/<keys>``. The
-stored skeleton names whichever path it used, so ``load`` hands DeepSpeed the very dicts it
-saved.
-
-One tag is one dstt commit (step: ``engine.global_steps`` when attached with ``attach``,
-metric ``tag``); the run defaults to ``<save_dir>/dstt``. DeepSpeed's ``zero_to_fp32.py`` does
-not read stubs: use ``dstt export`` instead.
-Rejected alternative: writing ``torch.save`` files from a background thread (DeepSpeed's
-decoupled engine) — a pickle per rank per tag has no checksums, no atomic global commit, and
-cannot be inspected lazily.
+Decoupled (DeepSpeed calls ``commit`` at the next ``engine.step()``), which is the DataStates
+contract: ``save`` stages a file's tensors for the lazy copy and leaves a JSON stub at
+``path``; ``commit`` waits only for the host copies; rank 0 commits the tag once every rank's
+part is durable and only then writes ``<save_dir>/latest``; ``load`` rebuilds the state dict
+from the run. Tensors a session would capture are stored under the model's names, the rest
+under ``files/<file>/<keys>``. Rejected alternatives: a non-decoupled engine (DeepSpeed writes
+``latest`` before the tag is durable) and ``torch.save`` files from a background thread (no
+checksums, no atomic global commit, no lazy inspection). The whole protocol:
+docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,31 +1,14 @@
 """ZeRO stages 1-3: capture a rank's flat fp32 partitions as they are, and map them to names.
 
-A ZeRO optimizer keeps, per parameter group (stage 3: per sub-group), one flat fp32 buffer per
-rank — the master weights of this rank's partition — and the wrapped torch optimizer's state
-(Adam moments) as flat tensors of the same shape. dstt captures exactly those live buffers:
-
-    zero/s<stage>w<world>/r<rank>/g<group>/fp32      the master-weight partition
-    zero/s<stage>w<world>/r<rank>/g<group>/<state>   exp_avg, exp_avg_sq, ... (same shape)
-
-so each rank writes only its own arrays (ownership = array path), copied lazily like any other
-tensor. Stage and world size are part of the path because they decide the partitions' sizes:
-a run resumed with another world size writes new arrays instead of changing the shape of old
-ones. Each rank also stores a shard map (``dstt.store.read.shards``) saying which element ranges
-of its buffers are which parameter: logical ``params/<module path>/<name>`` (fp32 master) and
-``optim/<state>/<module path>/<name>``. Readers assemble those logical tensors lazily, so an
-inspected step looks the same whatever the parallelism.
-
-Where a parameter lives: stage 1/2 partition the concatenated (aligned, padded) parameters of a
-group into equal ranges per rank — a parameter's offset is its position in the group's bit16
-flat buffer, so it may span ranks; stage 3 gives every parameter its own ``ceil(n / world)``
-slice per rank (``ds_tensor``), packed into the sub-group's flat buffer.
-
-Restore: same world, stage and layout → the raw buffers are copied back bit-exactly (padding
-included). Otherwise (another world size) every live piece is read from the stored logical
-tensors — a reshard. Then the bit16 model weights are rebuilt from the master weights, reading
-stored logical tensors, with no collective.
-Rejected alternative: ``optimizer.state_dict()`` per step — it builds new views and nested
-dicts on the training thread, and its layout differs per stage and DeepSpeed version.
+dstt captures the live flat buffers of each group, ``zero/s<stage>w<world>/r<rank>/g<group>/
+fp32`` and ``.../<state>`` (Adam moments, same shape), so each rank writes only its own
+arrays; stage and world size are in the path because they decide the partition sizes. A shard
+map per rank says which element ranges are which parameter (``params/...``, ``optim/<state>/
+...``), so readers assemble the logical tensors lazily. Restore copies the raw buffers back on
+the same world, stage and layout, and reshards from the logical tensors otherwise. Rejected
+alternative: ``optimizer.state_dict()`` per step (new views and dicts on the training thread,
+a layout per stage and version). Where a parameter lives per stage: docs/decisions.md,
+"Module notes".
 """
 
 from __future__ import annotations

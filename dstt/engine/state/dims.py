@@ -1,27 +1,13 @@
 """Dimension names of captured arrays, from what the engine knows: each tensor's module type.
 
-A ``torch.nn.Linear`` weight is ``(out_features, in_features)`` and its bias
-``(out_features,)``; an ``Embedding`` weight ``(num_embeddings, embedding_dim)``; a
-``LayerNorm``/``RMSNorm`` weight or bias ``(normalized_shape,)`` (``normalized_shape_<i>``
-when it normalizes several dims); ``Conv{1,2,3}d`` weights ``(out_channels, in_channels,
-kernel_[d,h,]w)`` (``ConvTranspose``: the two channel dims swapped, as torch stores them) and
-their bias ``(out_channels,)``; BatchNorm/GroupNorm/InstanceNorm tensors ``(num_features,)``
-/ ``(num_channels,)``. Modules of transformers, known by class name so that it need not be
-imported: any ``*RMSNorm`` 1-d weight ``(normalized_shape,)``; GPT-2's ``Conv1D`` weight
-``(in_features, out_features)`` (it stores a Linear's transposed) and bias
-``(out_features,)``; fused MoE experts (a parameter of a ``*Experts`` module whose first dim
-is the number of experts) ``(expert, out_features, in_features)`` (``is_transposed``
-modules: the last two swapped; unknown: ``dim1, dim2``), which ``layer('experts.0')``
-narrows to one expert (:mod:`dstt.inspect.selection`). Optimizer states
-(``optim/<state>/...``: ``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``) take the dims of
-their parameter when their shape is the parameter's; 0-d tensors have none; anything else
-is ``dim0, dim1, ...``.
-
-The names go into each array's ``zarr.json`` ``dimension_names``, so plain zarr/xarray
-readers see them too. Within one step they are made consistent for xarray by
-:func:`dstt.schema.resolve_dims` (a DataTree node, and a node and its ancestors, may
-not use one name for two sizes). Rejected alternative: naming by shape alone at read time —
-a bias-free Linear and an Embedding look the same.
+``Linear``, ``Embedding``, the norms, convolutions, and transformers' ``Conv1D``, ``*RMSNorm``
+and fused ``*Experts`` (known by class name, never imported) name their tensors' dims
+(``out_features``, ``in_features``, ``expert``, ...); optimizer states take their parameter's
+dims when their shape is the parameter's; anything else is ``dim0, dim1, ...``. The names go
+into each array's ``zarr.json`` ``dimension_names``, so plain zarr/xarray readers see them,
+made consistent within a step by :func:`dstt.schema.resolve_dims`. Rejected alternative:
+naming by shape at read time (a bias-free Linear and an Embedding look the same). The table
+per module type: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """An optimizer's state as the engine captures it: per-parameter tensors as arrays, the rest
 packed; hyperparameters per group; several optimizers by key.
 
-``OptimizerStateProvider`` hands the engine every state tensor of the optimizer under
-``optim/<state>/<param path>`` and one object (``optim/state``: which keys of each
-parameter's state are arrays, and the other values), cached while the state's structure
-holds, with no Python per tensor at a steady step. ``optimizer_groups_provider`` snapshots the
-hyperparameters (``optim/param_groups``) at the end of each iteration. A session given several
-optimizers (``optimizers_of``: a list or a dict) names each one's objects ``<base>/<key>``.
-Restore goes through ``optimizer.load_state_dict`` (the optimizer's own casting and device
-rules), built from stored arrays — a DTensor parameter's state as DTensors of its placements.
-Rejected alternative: ``optimizer.state_dict()`` per step — it builds new nested dicts on the
-training thread at every step.
+``OptimizerStateProvider`` hands the engine every state tensor under ``optim/<state>/<param
+path>`` and one object, ``optim/state`` (which keys are arrays, the other values), cached while
+the structure holds; ``optimizer_groups_provider`` snapshots ``optim/param_groups`` at the end
+of each iteration; several optimizers (``optimizers_of``) are named ``<base>/<key>``. Restore
+goes through ``optimizer.load_state_dict``. Rejected alternative: ``optimizer.state_dict()``
+per step (new nested dicts on the training thread every step).
 """
 
 from __future__ import annotations

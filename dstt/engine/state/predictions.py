@@ -1,16 +1,12 @@
 """Which captured arrays the store may encode as predictions (``dstt.store.codec.predict``).
 
-For torch's ``Adam``/``AdamW`` with float32 state, the step's ``exp_avg_sq`` and parameter
-follow from the update rule, and for ``SGD`` with momentum the parameter follows from its
-momentum buffer; this module reads the coefficients the optimizer used in the step just taken
-(learning rate, betas, eps, weight decay, the state's step count) and names the arrays of each
-parameter. It runs on the training thread in the post-step hook, so it only
-reads Python floats and host scalars: an optimizer whose step count or learning rate lives on
-an accelerator (``capturable=True``) gets no predictions rather than a device sync.
-
-Only a hint: a prediction that does not match what the optimizer did costs bytes, never
-correctness. Rejected alternative: predicting any optimizer by fitting a linear model of the
-previous steps at write time — more CPU in the flush path for less than the exact rule gives.
+For ``Adam``/``AdamW`` with float32 state the step's ``exp_avg_sq`` and parameter follow from
+the update rule, for ``SGD`` with momentum the parameter from its momentum buffer: this reads
+the coefficients of the step just taken and names each parameter's arrays, on the training
+thread, from Python floats and host scalars only (``capturable=True`` optimizers get no
+predictions rather than a device sync). Only a hint: a wrong prediction costs bytes, never
+correctness. Rejected alternative: fitting a linear model of earlier steps at write time
+(more flush CPU for less than the exact rule).
 """
 
 from __future__ import annotations

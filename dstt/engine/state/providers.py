@@ -1,20 +1,12 @@
 """What to capture: ``StateProvider``, the seam between a trainer's live state and the engine.
 
-A provider names pieces of training state and can put them back:
-
-* ``tensors()`` — array path → *live* tensor. The engine copies these asynchronously, chunk by
-  chunk, so a provider must hand out the real tensors (not copies) and must not change them
-  until the engine's wait before the next optimizer step.
-* ``objects()`` — object name → a *snapshot* of plain data (dict/list/tuple/numbers/str/bytes/
-  numpy arrays; tensors are allowed and stored as raw bytes). Called synchronously at capture
-  time, so it must be cheap and must return values that later training does not mutate.
-* ``restore(source)`` — load a committed step back into the live objects, bit-exactly.
-
-Three building blocks cover most state: ``TensorProvider`` (a named dict of tensors, static or
-recomputed per step), ``ObjectProvider`` (a getter/setter pair) and ``CompositeProvider``.
-Rejected alternative: one ``state_dict()``-style nested dict per provider — the engine could not
-tell a 4 GiB tensor to stream in chunks from a 40-byte counter to serialize, and nested state
-dicts lose the flat array paths inspection relies on.
+A provider names pieces of state and can put them back: ``tensors()`` (array path -> the
+*live* tensor, copied lazily, unchanged until the engine's wait), ``objects()`` (a cheap
+snapshot of plain data, taken synchronously) and ``restore(source)`` (bit-exact). Three
+building blocks cover most state: ``TensorProvider``, ``ObjectProvider`` (getter/setter) and
+``CompositeProvider``. Rejected alternative: one nested ``state_dict()`` per provider (the
+engine could not tell a tensor to stream from a counter to serialize, and the flat array paths
+inspection relies on would be lost).
 """
 
 from __future__ import annotations

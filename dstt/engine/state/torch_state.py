@@ -1,26 +1,13 @@
 """Discovering providers from plain PyTorch objects: model, optimizer, scheduler, RNG.
 
-Array paths mirror module paths so inspection can rebuild the module tree:
-``params/<module path with '/'>/<name>``, ``buffers/...`` (persistent buffers only) and
-``optim/<state name>/<module path>/<name>`` for per-parameter optimizer tensors. Buffers are
-cloned at capture time (forward legitimately updates BatchNorm statistics in place, which the
-version guard would report as a race); parameters and optimizer state are copied live. Scalar
-optimizer state (Adam's ``step``) is packed into one object, ``optim/state``, because a file per
-0-d tensor per step costs ~1 ms each on this machine; it stays an array only when it lives on
-an accelerator (reading it on the host would force a device sync in the optimizer hook).
-
-Capture happens at two moments (see ``discover``): *step state* right after optimizer step k
-(tensors, optimizer scalars, RNG, data position) and *boundary state* at the end of iteration k
-(optimizer hyperparameters, LR scheduler, user ``extra_state``): when the loop asks
-``TrackedData`` for the next batch, else just before optimizer step k+1. The usual loop calls
-``scheduler.step()`` (and updates its own counters) after ``optimizer.step()``, and the resumed
-step k+1 must see the learning rate the scheduler set for it. RNG stays with the step state
-because the forward of step k+1 consumes it before the next optimizer step.
-Rejected alternative: one snapshot in the post-step hook — a resumed run would redo the
-scheduler step it already took and drift by one LR step.
-
-The optimizer's providers are ``dstt.engine.state.optimizers``; the model's names (canonical, tied)
-and ``ModelInfoProvider`` are ``dstt.engine.state.model_names``.
+Array paths mirror module paths (``params/...``, persistent ``buffers/...``, ``optim/<state>/
+...``); buffers are cloned at capture (forward updates them in place), parameters and optimizer
+state copied live. Capture happens at two moments: *step state* right after optimizer step k
+(tensors, optimizer scalars, RNG, data position) and *boundary state* at the end of iteration
+k (hyperparameters, LR scheduler, ``extra_state``), so a resumed step k+1 sees the learning
+rate its scheduler set. Rejected alternative: one snapshot in the post-step hook (a resume
+would redo a scheduler step and drift by one LR step). Optimizers: ``optimizers.py``; model
+names: ``model_names.py``. More: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,43 +1,14 @@
 """The flusher process: a flat step's checksums, zip entries, digests and writes, off the GIL.
 
-Python threads share one interpreter lock with training, so even a writer thread that only
-calls into C (checksums, ``pwritev``) costs the training thread a GIL hand-off per call, and
-at a thousand tensors per step those hand-offs, not the bytes, are what slows training
-(measured: docs/benchmarks.md). The flusher is a child process (``python -m
-dstt.store.flusher._main``, no torch) that shares the engine's whole-step host buffers through
-``memfd`` shared memory: per step the parent sends one small message (which buffer, which
-layout, where in which temporary zip) and gets back the chunk checksums, the zip central
-directory records and the write-time digests. The child runs at ``SCHED_IDLE`` where the OS
-allows, so it uses CPU that training leaves idle — except while the engine runs out of step
-buffers (``urgent``): then at normal priority until it has caught up. Two requests can be in
-flight: the child checksums one step while its writer thread waits for the disk on another.
-
-What stays in the parent: every decision (slots, parents, the head check, the new ref) and
-the index. The child fills bytes the parent reserved in files the parent created, and —
-where the writer hands it a flat step's commit (``commit/job.py``; a commit thread of the
-child's own, at normal priority) — writes the objects, arrays table and zarr.json
-documents, publishes the files and writes the header and ref the parent decided. If it
-dies, the parent's write or commit fails with a ``StorageError`` while ``dead`` is set, and
-the parent does that step's write or commit again itself (both are idempotent: the same
-bytes at the same places), then writes from its own threads. The kernel kills the child
-when the parent dies (``PR_SET_PDEATHSIG``), so no orphan outlives a crashed trainer to
-commit the steps it had handed over — a resumed run would race it for the ref.
-
-The engine does not wait for the child to start (``wait=False``; its interpreter and imports
-take tenths of a second): until it says "ready", the handle serves each request in the
-calling thread itself — the same bytes and replies; a commit goes back to the writer
-(``NotHandedOff``) — so a short run never waits for a process it barely used, and ``close``
-kills a child that never got ready (it was sent nothing). The engine's sink starts it only
-``start_after`` seconds after its first step (``DSTT_FLUSHER_START_S``), from a thread that
-lives until ``close`` (the child dies with the thread that started it), so a run shorter
-than that starts none. The child's first digest of a plan digested here is done here too,
-against this process's copy of the previous step, so updates stay exact.
-
-The child's side — its request loop, writer and commit threads — is ``flusher/child.py``.
-
-Rejected alternatives: ``multiprocessing`` (its spawn start method re-imports the user's
-``__main__``, i.e. re-runs an unguarded training script) and a C extension (a compiler on
-every user's machine, for the same effect).
+A child process (``python -m dstt.store.flusher._main``, no torch) shares the engine's step
+buffers through ``memfd`` and gets one small message per step, because writer threads in the
+trainer cost a GIL hand-off per C call, which at a thousand tensors slows training. It runs
+at ``SCHED_IDLE`` (normal priority while the ring is short). The parent keeps every decision
+(slots, parents, refs) and the index; a dead child's step is redone here (idempotent). It
+starts ``DSTT_FLUSHER_START_S`` after the first step and dies with the thread that started it
+(``PR_SET_PDEATHSIG``). The child's side is ``flusher/child.py``. Rejected alternatives:
+``multiprocessing`` (re-imports an unguarded ``__main__``) and a C extension (a compiler on
+every machine). The whole story: docs/decisions.md, "Module notes".
 """
 
 from __future__ import annotations
