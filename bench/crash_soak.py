@@ -1,10 +1,10 @@
 """Crash soak: SIGKILL a training process that checkpoints every step, ``--kills`` times.
 
-Each kill starts ``python -m dstt.testing.soak child`` on the current run directory (TinyGPT,
+Each kill starts ``python tests/reliability/soak.py child`` on the current run directory (TinyGPT,
 ``dstt.session(..., resume=True)``, a checkpoint every step, every other kill with
 ``DeltaPolicy``), kills it at a random moment — a random time after spawn (import, restore,
 session start or training), shortly after a random step, or right after a commit was
-announced — and checks (``dstt.testing.soak.kill_once``):
+announced — and checks (``tests/reliability/soak.py``'s ``kill_once``):
 
 * ``dstt verify --run RUN`` (the CLI, its own process) passes;
 * the head is the last commit the child announced, or the one after it (killed between the
@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dstt.testing.soak import KillOutcome, child_env, kill_once, reference
+from tests.reliability.soak import KillOutcome, child_env, kill_once, reference
 
 
 def debris(run: Path) -> dict[str, int]:

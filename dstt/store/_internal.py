@@ -47,14 +47,11 @@ if TYPE_CHECKING:
     )
     from .format.flat import FlatLayout
     from .format.layout import (
-        COMMITS_PREFIX,
         DEFAULT_CHUNK_BYTES,
-        REFS_PREFIX,
         check_array_path,
         key_slot,
         plan_chunks,
     )
-    from .format.manifest import parse_header
     from .format.objects import Encoded, decode_object
     from .format.parts import remove_parts
     from .format.records import ArrayRecord, CommitHeader, Metric
@@ -91,11 +88,9 @@ if TYPE_CHECKING:
 
 
 __all__ = [
-    "COMMITS_PREFIX",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_RANK_TIMEOUT",
     "DTENSOR_PREFIX",
-    "REFS_PREFIX",
     "ArrayRecord",
     "ArraySpec",
     "Batch",
@@ -149,7 +144,6 @@ __all__ = [
     "logical_arrays",
     "logical_of",
     "numpy_dtype",
-    "parse_header",
     "plan_chunks",
     "read_batches",
     "read_logical",
@@ -169,7 +163,6 @@ _HOME: dict[str, str] = {
     "ArraySpec": "protocols",
     "Batch": "format.batches",
     "Box": "read.shards",
-    "COMMITS_PREFIX": "format.layout",
     "CommitHeader": "format.records",
     "DEFAULT_CHUNK_BYTES": "format.layout",
     "DEFAULT_RANK_TIMEOUT": "commit.ranks",
@@ -189,7 +182,6 @@ _HOME: dict[str, str] = {
     "Metric": "format.records",
     "Piece": "read.shards",
     "Prediction": "codec.predict",
-    "REFS_PREFIX": "format.layout",
     "RankInfo": "commit.ranks",
     "RankTransaction": "commit.ranks",
     "RankWriter": "commit.ranks",
@@ -223,7 +215,6 @@ _HOME: dict[str, str] = {
     "logical_arrays": "read.shards",
     "logical_of": "index.shard_summaries",
     "numpy_dtype": "format.zarr_meta",
-    "parse_header": "format.manifest",
     "plan_chunks": "format.layout",
     "read_batches": "format.batches",
     "read_logical": "read.shards",

@@ -1,9 +1,9 @@
 """Small real things for tests, demos and benchmarks (imports torch; not loaded by ``dstt``).
 
 ``models`` a tiny GPT and a deterministic batch stream · ``llama`` a Llama-style decoder at
-real sizes · ``spike_scenarios`` tiny runs with one spike mechanism planted in each · ``soak``
-the crash soak's training process · ``storage`` a conformance suite for ``Storage`` backends
-· ``writer_tests`` the step seam's contract test, ``WriterTests``.
+real sizes · ``spike_scenarios`` tiny runs with one spike mechanism planted in each ·
+``storage`` a conformance suite for ``Storage`` backends · ``writer_tests`` the step seam's
+contract test, ``WriterTests``. (The crash soak's child is test code: tests/reliability.)
 
 ``WriterTests`` resolves on first use (PEP 562): importing ``dstt.testing`` does not import
 pytest.

@@ -31,7 +31,6 @@ from dstt.errors import RunLockedError, StepNotFoundError
 from dstt.store import Repository, save
 from dstt.store.format.envelope import checksum
 from dstt.store.format.layout import key_slot
-from dstt.testing.soak import child_env
 
 from ._helpers import (
     assert_params,
@@ -42,8 +41,10 @@ from ._helpers import (
     stored_params,
     train,
 )
+from .soak import child_env
 
 READER = Path(__file__).with_name("reader_child.py")
+SOAK = str(Path(__file__).with_name("soak.py"))
 TENSOR = "layers.0.qkv.weight"
 
 
@@ -122,7 +123,7 @@ def children() -> Iterator[list[Lines]]:
 def writer(run: Path, steps: int, made: list[Lines]) -> Lines:
     """The crash-soak child: trains TinyGPT, a commit every step, announces each commit."""
     w = Lines(
-        [sys.executable, "-m", "dstt.testing.soak", "child", str(run), str(steps), "3"],
+        [sys.executable, SOAK, "child", str(run), str(steps), "3"],
         environ=child_env(),
     )
     made.append(w)

@@ -2,7 +2,7 @@
 
 Each kill: ``dstt verify`` (CLI) passes, the head is the last announced commit or the next one,
 no committed step is lost, and the next process resumes bit-exactly (every printed loss equals
-the uninterrupted reference). See ``dstt.testing.soak`` for the child and the checks; the long
+the uninterrupted reference). See ``soak.py`` beside it for the child and the checks; the long
 run (50+ kills) and its figures are in docs/reliability.md.
 """
 
@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from dstt.store import Repository
-from dstt.testing.soak import KillOutcome, Reference, kill_once, reference, run_child_to_end
+
+from .soak import KillOutcome, Reference, kill_once, reference, run_child_to_end
 
 STEPS = 30
 SEED = 5

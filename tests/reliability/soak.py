@@ -1,7 +1,7 @@
 """Crash soak: a training process that checkpoints every step, killed at random moments.
 
 Shared by ``bench/crash_soak.py`` and ``tests/reliability/test_crash_soak.py``. The **child**
-(``python -m dstt.testing.soak child RUN STEPS SEED [delta]``; ``plain``: the reference,
+(``python tests/reliability/soak.py child RUN STEPS SEED [delta]``; ``plain``: the reference,
 without dstt) trains ``TinyGPT`` under ``dstt.session(..., resume=True)`` and prints
 ``start``, ``step``, ``committed`` and ``final`` lines; the **parent** (:func:`kill_once`)
 SIGKILLs it at a random moment, then checks that ``dstt verify`` passes, nothing is lost, the
@@ -48,7 +48,9 @@ def _say(line: str) -> None:
 
 
 def _announcing_storage(path: str) -> Any:
-    from dstt.store._internal import COMMITS_PREFIX, REFS_PREFIX, LocalStorage, parse_header
+    from dstt.store._internal import LocalStorage
+    from dstt.store.format.layout import COMMITS_PREFIX, REFS_PREFIX
+    from dstt.store.format.manifest import parse_header
 
     class Announcing(LocalStorage):
         """A real ``LocalStorage`` that prints ``committed <step>`` after each ref write."""
@@ -130,7 +132,7 @@ def child_main(mode: str, run: str, steps: int, seed: int, delta: bool = False) 
 
 
 def child_env() -> dict[str, str]:
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[2])  # the repository: children import its dstt
     env = dict(os.environ)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
@@ -139,7 +141,7 @@ def child_env() -> dict[str, str]:
 
 
 def _cmd(mode: str, run: Path | str, steps: int, seed: int, delta: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "dstt.testing.soak", mode, str(run), str(steps), str(seed)]
+    cmd = [sys.executable, __file__, mode, str(run), str(steps), str(seed)]
     return [*cmd, "delta"] if delta else cmd
 
 
