@@ -21,7 +21,7 @@ import torch
 
 from dstt.engine.state.model_names import canonical_names
 from dstt.engine.tensors._convert import from_plain, tensor_from_numpy
-from dstt.engine.tensors.dtensors import held_box, is_dtensor
+from dstt.engine.tensors.dtensors import as_dtensor_like, held_box, is_dtensor
 from dstt.errors import DsttWarning, SchemaError
 from dstt.schema import (
     MODEL_KINDS,
@@ -250,22 +250,13 @@ def as_live(value: Any, like: Any) -> Any:
         and tuple(value.shape) == tuple(like.shape)
     ):
         return value
-    from torch.distributed.tensor import DTensor
-
     box = held_box(like)
     local = (
         value[tuple(slice(o, o + n) for o, n in zip(*box, strict=True))].contiguous()
         if box is not None
         else torch.empty_like(like.to_local(), device="cpu")
     )
-    return DTensor.from_local(
-        local.to(like.device),
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=like.stride(),
-    )
+    return as_dtensor_like(local, like)
 
 
 def _optimizer_as_live(sd: dict[str, Any], opt: torch.optim.Optimizer) -> dict[str, Any]:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RegionSource",
+    "as_dtensor_like",
     "dtensor_class",
     "held_box",
     "is_dtensor",
@@ -103,17 +104,23 @@ def stored_value(source: RegionSource, path: str, like: torch.Tensor | None = No
             if box is not None
             else torch.empty_like(local_view(like), device="cpu")
         )
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(
-            local.to(like.device),
-            like.device_mesh,
-            like.placements,
-            run_check=False,
-            shape=like.shape,
-            stride=like.stride(),
-        )
+        return as_dtensor_like(local, like)
     return source.array(path)
+
+
+def as_dtensor_like(local: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """``local`` (this rank's box, on any device) as a DTensor of ``like``'s mesh, placements,
+    global shape and stride; no collective."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local.to(like.device),
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
 
 
 def restore_tensor(source: RegionSource, path: str, live: torch.Tensor) -> None:
