@@ -19,8 +19,8 @@ from v_prev, m, m_prev; ``adam_p`` from p_prev, m, v) and written as ``actual XO
 1. **bytes per step** as written/raw, per tensor class: fp32 params, fp32 Adam moments
    (``exp_avg``, ``exp_avg_sq``), the whole fp32 Adam state (the three together), and the same
    params cast to bf16 and fp16 (as a mixed-precision run would hold them):
-   a. *XOR only*: ``dstt.store.codec.xor.xor_encode`` against the previous step with the default
-      policy, per tensor (whatever its ratio). Beside it: plain shuffle + the policy's codec
+   a. *XOR only*: ``xor_encode`` (tests/store/codec/reference.py) against the previous step with the
+      default policy, per tensor (whatever its ratio). Beside it: plain shuffle + the policy's codec
       of the new state (no delta; JSON key ``plain_zstd_ratio``, kept for history), and
       the *XOR bound*: bits / (bits - leading zero bits of cur^prev) per element, near the
       ceiling of any XOR-against-the-previous-step scheme.
@@ -80,8 +80,11 @@ from numcodecs import Blosc
 import dstt
 from dstt.store import DeltaPolicy, Repository
 from dstt.store.codec.predict import CUR, Prediction, adam_predictions, predict
-from dstt.store.codec.xor import chain_limit, xor_decode, xor_encode
+from dstt.store.codec.xor import xor_decode
 from dstt.testing.models import TinyGPT, make_batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the chunk-wise reference codec
+from tests.store.codec.reference import chain_limit, xor_encode
 
 MiB = 1024 * 1024
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

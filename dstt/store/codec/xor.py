@@ -13,12 +13,11 @@ quantised deltas (restores must be bit-exact).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DeltaPolicy", "chain_limit", "xor_decode", "xor_encode"]
+__all__ = ["DeltaPolicy", "xor_decode"]
 
 XOR = "xor1"  # encoding name in the arrays table: a Blosc frame (shuffle) of cur XOR base
 
@@ -74,17 +73,6 @@ class DeltaPolicy:
         return "zstd" if itemsize <= 2 else "lz4"
 
 
-def chain_limit(policy: DeltaPolicy, ratio: float | None) -> int:
-    """K: slots per keyframe (1 = every slot a keyframe)."""
-    if policy.keyframe_every is not None:
-        return policy.keyframe_every
-    if ratio is None or not math.isfinite(ratio) or ratio <= 1.0:
-        return 2  # no evidence yet: try one delta, measure
-    k = int(1 + (policy.read_amplification - 1) * ratio)
-    return max(2, min(policy.max_chain, k))
-
-
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _CNAMES = {"blosclz", "lz4", "lz4hc", "zlib", "zstd"}
 
 
@@ -92,31 +80,9 @@ def _words(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint64) if a.nbytes % 8 == 0 else a
 
 
-def xor_encode(
-    data: np.ndarray,
-    base: np.ndarray,
-    itemsize: int,
-    policy: DeltaPolicy,
-    cname: str | None = None,
-    out: np.ndarray | None = None,
-) -> bytes:
-    """Encode uint8 ``data`` against uint8 ``base`` of the same length (``out``: a uint8
-    work array of that length for the XOR, possibly ``base`` itself)."""
-    from numcodecs import Blosc
-
-    if out is None:
-        x = np.bitwise_xor(_words(data), _words(base)).view(np.uint8)
-    else:
-        x = np.bitwise_xor(_words(data), _words(base), out=_words(out)).view(np.uint8)
-    if x.nbytes % itemsize == 0:  # blosc takes the shuffle's element size from the buffer
-        x = x.view(_UINT.get(itemsize, np.uint8))
-    name = cname or policy.codec_for(itemsize)
-    codec = Blosc(cname=name, clevel=policy.clevel, shuffle=Blosc.SHUFFLE)
-    return bytes(codec.encode(x))
-
-
 def xor_decode(payload: bytes | memoryview, base: np.ndarray) -> np.ndarray:
-    """Inverse of ``xor_encode``: a new uint8 array."""
+    """``payload`` (a Blosc frame of ``cur XOR base``) against ``base``: ``cur``, a new uint8
+    array (the encoder: ``codec/flatdelta.py``)."""
     from numcodecs import Blosc
 
     x = np.frombuffer(Blosc().decode(payload), dtype=np.uint8)

@@ -3,7 +3,7 @@
 dstt has one encoder, ``codec/flatdelta.py``: a whole flat step decided and encoded as columns
 (vectorised decisions, one XOR over the buffer, gathered predictions). This module is the
 readable statement of the same rule, chunk by chunk, with the per-chunk primitives the reader
-mirrors (``xor.xor_encode``, ``predict.predict``); ``test_codec_equivalence.py`` proves the
+mirrors (``xor_encode`` below, ``predict.predict``); ``test_codec_equivalence.py`` proves the
 fast path equal to it, byte for byte (zarr's rule: a fast path only skips work whose result
 is known). The rule, per chunk of a step encoded against the previous step of its layout:
 
@@ -27,10 +27,47 @@ import numpy as np
 from numcodecs import Blosc
 
 from dstt.store.codec.predict import CUR, PRED, Prediction, predict
-from dstt.store.codec.xor import XOR, DeltaPolicy, chain_limit, xor_decode, xor_encode
+from dstt.store.codec.xor import XOR, DeltaPolicy, xor_decode
 from dstt.store.format.envelope import checksum
 
 KEY, DELTA, DEDUP = 0, 1, 2
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def chain_limit(policy: DeltaPolicy, ratio: float | None) -> int:
+    """K: slots per keyframe (1 = every slot a keyframe); ``flatdelta._limits`` is this rule
+    vectorised."""
+    if policy.keyframe_every is not None:
+        return policy.keyframe_every
+    if ratio is None or not math.isfinite(ratio) or ratio <= 1.0:
+        return 2  # no evidence yet: try one delta, measure
+    k = int(1 + (policy.read_amplification - 1) * ratio)
+    return max(2, min(policy.max_chain, k))
+
+
+def xor_encode(
+    data: np.ndarray,
+    base: np.ndarray,
+    itemsize: int,
+    policy: DeltaPolicy,
+    cname: str | None = None,
+    out: np.ndarray | None = None,
+) -> bytes:
+    """Encode uint8 ``data`` against uint8 ``base`` of the same length (``out``: a uint8
+    work array of that length for the XOR, possibly ``base`` itself)."""
+    if out is None:
+        x = np.bitwise_xor(_words(data), _words(base)).view(np.uint8)
+    else:
+        x = np.bitwise_xor(_words(data), _words(base), out=_words(out)).view(np.uint8)
+    if x.nbytes % itemsize == 0:  # blosc takes the shuffle's element size from the buffer
+        x = x.view(_UINT.get(itemsize, np.uint8))
+    name = cname or policy.codec_for(itemsize)
+    codec = Blosc(cname=name, clevel=policy.clevel, shuffle=Blosc.SHUFFLE)
+    return bytes(codec.encode(x))
+
+
+def _words(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint64) if a.nbytes % 8 == 0 else a
 
 
 @dataclass

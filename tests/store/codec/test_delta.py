@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from dstt.store import Repository, load
-from dstt.store.codec.xor import DeltaPolicy, chain_limit
+from dstt.store.codec.xor import DeltaPolicy
 from dstt.store.format.layout import step_file_key
 
 from .._util import WRITE, crash_at_every_write, put_flat_arrays, write_how  # noqa: F401
+from .reference import chain_limit
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
