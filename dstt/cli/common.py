@@ -10,7 +10,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dstt.errors import (
     ConfigError,
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_BAD_INPUT, EXIT_RUN, EXIT_INTERNAL = 0, 1, 2, 3, 4
 EXIT_PIPE = 128 + 13  # SIGPIPE: what a shell reports for a tool stopped by a closed pipe
+_P = TypeVar("_P", bound=argparse.ArgumentParser)  # the parser type ``add_*`` take
 
 
 class UsageError(Exception):

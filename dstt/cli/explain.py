@@ -8,14 +8,14 @@ Thin, as every command: parse → :meth:`dstt.Run.explain` → print. Exit codes
 
 from __future__ import annotations
 
-import argparse
-from typing import TypeVar
+from typing import TYPE_CHECKING
 
-from .common import _command, _emit, _resolve_run
+from .common import _P, _command, _emit, _resolve_run
+
+if TYPE_CHECKING:
+    import argparse
 
 __all__ = ["add_explain", "cmd_explain"]
-
-_P = TypeVar("_P", bound=argparse.ArgumentParser)
 
 
 def add_explain(sub: argparse._SubParsersAction[_P], common: _P) -> None:

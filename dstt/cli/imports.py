@@ -10,18 +10,16 @@ with several sources).
 
 from __future__ import annotations
 
-import argparse
 import os
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
-from .common import EXIT_OK, EXIT_PROBLEMS, UsageError, _bar, _command, _emit, _run_root
+from .common import _P, EXIT_OK, EXIT_PROBLEMS, UsageError, _bar, _command, _emit, _run_root
 
 if TYPE_CHECKING:
+    import argparse
     from collections.abc import Iterator
 
 __all__ = ["add_import", "cmd_import"]
-
-_P = TypeVar("_P", bound=argparse.ArgumentParser)
 
 
 def add_import(sub: argparse._SubParsersAction[_P], common: _P) -> None:

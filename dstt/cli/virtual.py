@@ -6,17 +6,15 @@ already up to date), 2 bad input (not a run, an output that is not this run's re
 
 from __future__ import annotations
 
-import argparse
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
-from .common import _command, _emit, _resolve_run
+from .common import _P, _command, _emit, _resolve_run
 
 if TYPE_CHECKING:
+    import argparse
     from collections.abc import Iterator
 
 __all__ = ["add_virtual", "cmd_virtual"]
-
-_P = TypeVar("_P", bound=argparse.ArgumentParser)
 
 
 def add_virtual(sub: argparse._SubParsersAction[_P], common: _P) -> None:

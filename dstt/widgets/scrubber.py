@@ -258,12 +258,10 @@ def scrubber(
     Spikes of ``metric`` (default ``loss``) use :meth:`dstt.Run.spikes` with
     ``spike_window`` / ``spike_z`` (its ``window``/``z``; None: the rule's defaults).
     ``spike`` (a ``Spike`` from ``run.spikes()``, or the loss step of a detected one) opens
-    on the update that caused it
-    (:meth:`ScrubberModel.open_spike`): the loss of step *k* was computed on the weights of
-    step *k - 1*, so that is the change *(k - 2) -> (k - 1)*. ``replay`` (the keyword
-    arguments of :meth:`dstt.Run.replay` — ``model``, ``optimizer``, ``loss_fn``,
-    ``dataset``, … — or a callable step -> ``Replay``) adds a button that replays the spike
-    or step under the cursor and shows its gradient norms and worst samples
+    on the update that caused it, *(k - 2) -> (k - 1)* (:meth:`ScrubberModel.open_spike`).
+    ``replay`` (the keyword arguments of :meth:`dstt.Run.replay` — ``model``, ``optimizer``,
+    ``loss_fn``, ``dataset``, … — or a callable step -> ``Replay``) adds a button that replays
+    the spike or step under the cursor and shows its gradient norms and worst samples
     (:class:`~dstt.widgets.replay_panel.ReplayPanel`).
     """
     if not hasattr(run, "steps"):
