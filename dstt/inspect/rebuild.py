@@ -22,7 +22,6 @@ from dstt import schema
 from dstt.engine.capture.light import loss_bits, step_loss
 from dstt.engine.state.model_names import param_names
 from dstt.engine.state.optimizers import optimizers_of
-from dstt.engine.state.providers import StoreSource
 from dstt.engine.state.torch_state import discover, get_rng, set_rng
 from dstt.engine.tensors._convert import from_plain, to_plain
 from dstt.errors import ConfigError, ReplayError, StepNotFoundError
@@ -30,7 +29,15 @@ from dstt.errors import ConfigError, ReplayError, StepNotFoundError
 from .rebuild_ddp import WorldReplay, replay_world
 from .replay_compare import _compare
 from .replay_data import _step_batches
-from .replay_kit import LossFn, ReplayKit, _default_loss, _kit_of
+from .replay_kit import (
+    LossFn,
+    ReplayKit,
+    _backward,
+    _default_loss,
+    _kit_of,
+    _optimizer_step,
+    _restore,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -165,10 +172,7 @@ def rebuild_step(
     def chain(upto: int, out: Rebuilt, report: bool = False) -> None:
         """Restore step ``j`` into the live objects and replay ``j+1..upto``, checking each
         light step's loss; a stored step (``upto`` with ``check_next``) is not checked here."""
-        state = discover(kit.model, kit.optimizer, scheduler=kit.scheduler)
-        source = StoreSource(reader, stored[j], prefetch=True, trusted=trusted)
-        state.step_state.restore(source)
-        state.boundary_state.restore(source)
+        source = _restore(kit, reader, stored[j], trusted)
         rngs = (
             [from_plain(source.object(f"{schema.RNG_OBJECT}/r{r}")) for r in range(world)]
             if world > 1
@@ -350,18 +354,11 @@ def rebuilt_commit(
 
 def _one_step(kit: ReplayKit, micro: list[Any], loss_fn: LossFn) -> list[float]:
     """One optimizer step of the plain loop on ``micro``; each micro-batch's loss."""
-    model = kit.model
-    model.train()
-    opts = optimizers_of(kit.optimizer).values()
-    for opt in opts:
+    kit.model.train()
+    for opt in optimizers_of(kit.optimizer).values():
         opt.zero_grad(set_to_none=True)
     losses = _backward(kit, micro, loss_fn)
-    if kit.before_step is not None:
-        kit.before_step()
-    for opt in opts:
-        opt.step()
-    if kit.scheduler is not None:
-        kit.scheduler.step()
+    _optimizer_step(kit)
     return losses
 
 
@@ -418,28 +415,8 @@ def _ddp_step(
     for p, g in zip(params, total, strict=True):
         p.grad = g
     set_rng(rngs[0])  # the process goes on as rank 0
-    if kit.before_step is not None:
-        kit.before_step()
-    for opt in optimizers_of(kit.optimizer).values():
-        opt.step()
-    if kit.scheduler is not None:
-        kit.scheduler.step()
+    _optimizer_step(kit)
     return first
-
-
-def _backward(kit: ReplayKit, micro: list[Any], loss_fn: LossFn) -> list[float]:
-    """Forward and backward of each micro-batch (the gradients accumulate); their losses."""
-    losses: list[float] = []
-    for b in micro:
-        if kit.backward is not None:
-            loss = kit.backward(b)
-        else:
-            loss = loss_fn(kit.model, b)
-            if loss.dim() > 0:
-                loss = loss.mean()
-            loss.backward()
-        losses.append(float(loss.detach().float().mean()))
-    return losses
 
 
 class _RankBatches:

@@ -22,8 +22,6 @@ import torch
 
 from dstt.engine.state.model_names import param_names
 from dstt.engine.state.optimizers import optimizers_of
-from dstt.engine.state.providers import StoreSource
-from dstt.engine.state.torch_state import discover
 from dstt.errors import ConfigError, ReplayError, StepNotFoundError
 from dstt.schema import tensor_path
 
@@ -40,8 +38,10 @@ from .replay_grads import _empty_samples, _grad_tree, _hook_activations, _norms,
 from .replay_kit import (
     LossFn,
     ReplayKit,
+    _backward,
     _default_loss,
     _kit_of,
+    _restore,
     register_replay_kit,
     replay_kit_for,
 )
@@ -244,29 +244,17 @@ def replay_step(
         run, int(step), timeline, batches, dataset, collate, kit.make_batch
     )
     if light is None:
-        state = discover(model, optimizer, scheduler=kit.scheduler)
-        source = StoreSource(reader, head_prev, prefetch=True, trusted=trusted)
-        state.step_state.restore(source)
-        state.boundary_state.restore(source)
+        _restore(kit, reader, head_prev, trusted)
     names = param_names(model)
     params = [(names[id(p)], p) for p in model.parameters() if id(p) in names]
     before = {n: p.detach().clone() for n, p in params}
     hooks, acts = _hook_activations(model, activations)
     was_training = model.training
     model.train()
-    losses: list[float] = []
     try:
         for opt in optimizers_of(optimizer).values():
             opt.zero_grad(set_to_none=True)
-        for b in micro:
-            if kit.backward is not None:
-                loss = kit.backward(b)
-            else:
-                loss = loss_fn(model, b)
-                if loss.dim() > 0:  # per-sample losses: back-propagate their mean
-                    loss = loss.mean()
-                loss.backward()
-            losses.append(float(loss.detach().float().mean()))
+        losses = _backward(kit, micro, loss_fn)
     finally:
         for h in hooks:
             h.remove()
