@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstt import schema
-from dstt.engine.capture.light import loss_bits, step_loss
+from dstt.engine.capture.light import loss_bits, loss_of, step_loss
 from dstt.engine.state.model_names import param_names
 from dstt.engine.state.optimizers import optimizers_of
 from dstt.engine.state.torch_state import discover, get_rng, set_rng
@@ -147,7 +147,8 @@ def rebuild_step(
     if k not in stored and k not in light:
         raise StepNotFoundError(
             f"step {k} is neither stored nor recorded as a light step on timeline "
-            f"{timeline!r}; stored steps near it: {_near(stored, k)}{_gc_hint(pruned, k)}"
+            f"{timeline!r}; stored steps near it: "
+            f"{sorted(stored, key=lambda s: (abs(s - k), s))[:4]}{_gc_hint(pruned, k)}"
         )
     below = [s for s in stored if s <= k]
     if not below:
@@ -209,7 +210,6 @@ def rebuild_step(
         return micro, build
 
     def replay_one(i: int, rngs: list[Any], out: Rebuilt) -> list[float]:
-        """Replay step ``i`` in this process."""
         micro, build = step_micro(i)
         if world > 1:  # DDP over 2 ranks: every rank's micro-batches, gradients averaged
             assert build is not None
@@ -221,7 +221,6 @@ def rebuild_step(
         return _one_step(kit, micro, fn)
 
     def check(i: int, losses: list[float], out: Rebuilt, report: bool) -> None:
-        """Check step ``i``'s replayed loss against its light record."""
         out.losses[i] = losses[-1] if losses else float("nan")
         if i in stored:
             return
@@ -231,13 +230,19 @@ def rebuild_step(
         elif _matches(bits, losses, logged):
             out.checked.append(i)
         else:
+            before = (
+                f"It is the first step after stored step {j}"
+                if i == j + 1
+                else f"Steps {j + 1}..{i - 1} before it replayed faithfully"
+            )
             raise ReplayError(
                 f"rebuilding step {k} from stored step {j}: the chain broke at step {i}: "
                 f"its replayed loss {losses[-1] if losses else None!r} differs from the "
-                f"recorded loss {_loss_text(bits)} (bit for bit). The step did not train as "
-                "recorded: a wrong sample record, another loss_fn, a clipping or scheduler "
-                "step not passed (before_step=, scheduler=), or nondeterministic kernels. "
-                f"{_before(j, i)}; the live objects are now at step {i}"
+                f"recorded loss {loss_of(bits)!r} ({bits}) (bit for bit). The step did not "
+                "train as recorded: a wrong sample record, another loss_fn, a clipping or "
+                "scheduler step not passed (before_step=, scheduler=), or nondeterministic "
+                "kernels. "
+                f"{before}; the live objects are now at step {i}"
             )
         if report and on_step is not None:
             on_step(i, out, kit)
@@ -481,19 +486,6 @@ def _ranks(objects: Any) -> int:
     return max((int(r) + 1 for r in ranks if r.isdigit()), default=1)
 
 
-def _before(j: int, i: int) -> str:
-    """What replayed faithfully before the broken step ``i`` of a chain from stored ``j``."""
-    if i == j + 1:
-        return f"It is the first step after stored step {j}"
-    return f"Steps {j + 1}..{i - 1} before it replayed faithfully"
-
-
-def _loss_text(bits: str) -> str:
-    from dstt.engine.capture.light import loss_of
-
-    return f"{loss_of(bits)!r} ({bits})"
-
-
 def _gc_hint(pruned: list[int], k: int) -> str:
     """Why a light step may have lost its record or its base: gc pruned commits around it."""
     if not pruned:
@@ -504,10 +496,6 @@ def _gc_hint(pruned: list[int], k: int) -> str:
         "rides with the next stored commit and its rebuild starts from the one before, so "
         "pruning them strands it; keep them with Retention(keep_steps=...) or keep_last)"
     )
-
-
-def _near(stored: dict[int, Any], k: int) -> list[int]:
-    return sorted(stored, key=lambda s: (abs(s - k), s))[:4]
 
 
 #: what ``dstt.open(run, replay={...})`` may hold: ``run.rebuild``'s objects and keywords

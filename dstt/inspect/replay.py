@@ -286,7 +286,7 @@ def replay_step(
         else _empty_samples()
     )
     model.train(was_training)
-    table = reader.arrays(head_k or max((h for h in line if h.step < step), key=_step_of))
+    table = reader.arrays(head_k or max((h for h in line if h.step < step), key=lambda h: h.step))
     return Replay(
         step=int(step),
         faithful=mismatch is None,
@@ -304,10 +304,6 @@ def replay_step(
         _grads=grads,
         _table=table,
     )
-
-
-def _step_of(h: Any) -> int:
-    return int(h.step)
 
 
 def _light_around(
