@@ -194,9 +194,9 @@ def segment_stats(
     ``x``'s float type for the squares (``segs.squares`` elements), else allocated."""
     x = as_float(x)
     n = len(segs.numel)
-    sumsq, maxabs = np.zeros(n), np.zeros(n)
+    out = _empty_stats(n, width)
+    sumsq, maxabs, probe = out["sumsq"], out["maxabs"], out["probe"]
     counts = np.zeros((3, n), dtype=np.int64)  # finite, nan, inf
-    probe = np.full((n, width), np.nan)
     probe[segs.probe_rows, segs.probe_cols] = x[segs.probe_index]
     if len(segs.full):
         v = x[: segs.stop]
@@ -212,14 +212,21 @@ def segment_stats(
             r, s = int(rows[k]), int(segs.bounds[2 * k])
             sumsq[r], maxabs[r], *c = _exact(v[s : s + int(segs.numel[r])])
             counts[:, r] = c
+    out["finite"], out["nan"], out["inf"] = counts
+    out["probe_len"] = segs.probe_len.copy()
+    return out
+
+
+def _empty_stats(n: int, width: int) -> dict[str, np.ndarray]:
+    """:func:`segment_stats` columns of ``n`` tensors, zero (probes NaN)."""
     return {
-        "sumsq": sumsq,
-        "maxabs": maxabs,
-        "finite": counts[0],
-        "nan": counts[1],
-        "inf": counts[2],
-        "probe": probe,
-        "probe_len": segs.probe_len.copy(),
+        "sumsq": np.zeros(n),
+        "maxabs": np.zeros(n),
+        "finite": np.zeros(n, np.int64),
+        "nan": np.zeros(n, np.int64),
+        "inf": np.zeros(n, np.int64),
+        "probe": np.full((n, width), np.nan),
+        "probe_len": np.zeros(n, np.int64),
     }
 
 
@@ -325,16 +332,7 @@ class DigestPlan:
 
     def stats(self, host: np.ndarray) -> dict[str, np.ndarray]:
         """:func:`segment_stats` columns over every tensor of the buffer ``host`` (uint8)."""
-        n_all = len(self.paths)
-        out: dict[str, np.ndarray] = {
-            "sumsq": np.zeros(n_all),
-            "maxabs": np.zeros(n_all),
-            "finite": np.zeros(n_all, np.int64),
-            "nan": np.zeros(n_all, np.int64),
-            "inf": np.zeros(n_all, np.int64),
-            "probe": np.full((n_all, self.probe_size), np.nan),
-            "probe_len": np.zeros(n_all, np.int64),
-        }
+        out = _empty_stats(len(self.paths), self.probe_size)
         for reg in self.regions:
             x = self._view(host, reg)
             sq = self._take(reg.segs.squares, x.dtype)
