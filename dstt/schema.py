@@ -174,13 +174,11 @@ def canonical_name(dotted: str, module_wrappers: Collection[str] = ()) -> str:
     if not WRAPPER_ATTRIBUTES.intersection(parts) and not (module_wrappers and "module" in parts):
         return dotted
     kept: list[str] = []
-    raw: list[str] = []
-    for part in parts:
-        if part in WRAPPER_ATTRIBUTES or (part == "module" and ".".join(raw) in module_wrappers):
-            raw.append(part)
-            continue
-        raw.append(part)
-        kept.append(part)
+    for i, part in enumerate(parts):
+        if part not in WRAPPER_ATTRIBUTES and not (
+            part == "module" and ".".join(parts[:i]) in module_wrappers
+        ):
+            kept.append(part)
     return ".".join(kept)
 
 
