@@ -39,25 +39,20 @@ class WorldReplay:
 
     def __init__(self, folder: tempfile.TemporaryDirectory[str], steps: int, world: int) -> None:
         self._folder, self.world = folder, world
-        root = Path(folder.name)
-        self.losses: list[list[float]] = [
-            list(torch.load(root / f"s{n}.r0.pt", weights_only=False)["losses"])
-            for n in range(steps)
-        ]
+        self.losses: list[list[float]] = [list(self._rec(n, 0)["losses"]) for n in range(steps)]
+
+    def _rec(self, n: int, rank: int) -> Any:  # noqa: ANN401 - what the rank saved
+        return torch.load(Path(self._folder.name) / f"s{n}.r{rank}.pt", weights_only=False)
 
     def load(self, n: int, kit: ReplayKit) -> list[Any]:
         """Load the state after step ``n`` into ``kit``'s objects; each rank's RNG there."""
-        root = Path(self._folder.name)
-        rec = torch.load(root / f"s{n}.r0.pt", weights_only=False)
+        rec = self._rec(n, 0)
         kit.model.load_state_dict(rec["model"])
         for name, opt in optimizers_of(kit.optimizer).items():
             opt.load_state_dict(rec["optimizer"][name])
         if kit.scheduler is not None:
             kit.scheduler.load_state_dict(rec["sched"])
-        return [
-            torch.load(root / f"s{n}.r{r}.pt", weights_only=False)["rng_state"]
-            for r in range(self.world)
-        ]
+        return [self._rec(n, r)["rng_state"] for r in range(self.world)]
 
     def close(self) -> None:
         self._folder.cleanup()
