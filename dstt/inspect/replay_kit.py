@@ -141,11 +141,8 @@ def _kit_of(
             "replay takes either trainer= (its kit supplies the model and optimizer) or "
             "model= and optimizer=, not both"
         )
-    changes: dict[str, Any] = {}
-    if scheduler is not None:
-        changes["scheduler"] = scheduler
-    if before_step is not None:
-        changes["before_step"] = before_step
+    given = {"scheduler": scheduler, "before_step": before_step}
+    changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if loss_fn is not None:  # the caller's loss replaces the framework's
         changes.update(backward=None, sample_loss=None)
     return replace(kit, **changes) if changes else kit
