@@ -143,15 +143,9 @@ def export_commit(
                 "an hf export holds the model only; leave include_all (--all) "
                 "out, or export format torch for optimizer states too"
             )
-        cfg = (
-            load_config(config)
-            if config is not None
-            else (
-                reader.read_object(header, CONFIG_OBJECT)
-                if CONFIG_OBJECT in header.objects
-                else None
-            )
-        )
+        cfg = load_config(config) if config is not None else None
+        if cfg is None and CONFIG_OBJECT in header.objects:
+            cfg = reader.read_object(header, CONFIG_OBJECT)
         if cfg is None:
             raise ConfigError(
                 f"step {header.step} has no model config (the session was not over a Hugging "
