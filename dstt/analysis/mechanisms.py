@@ -148,7 +148,6 @@ def _positive(name: str, value: float) -> float:
     return float(value)
 
 
-# -- bad data ------------------------------------------------------------------------------
 def bad_data(
     losses: np.ndarray | None,
     indices: Sequence[int] | np.ndarray | None = None,
@@ -196,7 +195,6 @@ def bad_data(
     return _judged(name, float(score), evidence, points)
 
 
-# -- update too large ----------------------------------------------------------------------
 def update_too_large(
     ratios: np.ndarray | None,
     names: Sequence[str],
@@ -255,7 +253,6 @@ def update_too_large(
     return _judged(name, score, evidence, tuple(names[i] for i in order))
 
 
-# -- attention logit growth ----------------------------------------------------------------
 def logit_bound(wq: np.ndarray, wk: np.ndarray, heads: int) -> float:
     """The largest attention logit a layer can produce for inputs of unit RMS:
     ``max_h ||W_q^h W_k^hᵀ||₂ d / sqrt(d_head)`` over heads (``wq``, ``wk``: torch
@@ -324,7 +321,6 @@ def attention_logit_growth(
     return _judged(name, score, evidence, tuple(layers[i] for i in order if per[i] >= 1.0))
 
 
-# -- Adam's second moment ------------------------------------------------------------------
 def g2_from_v(v_prev: np.ndarray, v_now: np.ndarray, beta2: float) -> np.ndarray:
     """``g²`` of the step from Adam's stored second moments before and after it:
     ``v_t = β₂ v_{t-1} + (1 - β₂) g_t²`` solved for ``g_t²`` (clipped at 0: rounding)."""
@@ -381,7 +377,6 @@ def adam_second_moment(
     return _judged(name, score, evidence, tuple(names[i] for i in order if per[i] >= 1.0))
 
 
-# -- numerics ------------------------------------------------------------------------------
 def numerics(
     steps: Sequence[int] | np.ndarray,
     loss: np.ndarray | None,
