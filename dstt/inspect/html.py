@@ -44,6 +44,8 @@ def run_summary(run: Any) -> dict[str, Any]:  # noqa: ANN401 - a Run (run/ sits 
     # the newest step that logged metrics (the head may have none: a commit made at a
     # keyframe or at the session's close before the step's s.log)
     logged = next((h for h in reversed(line) if h.metrics), None)
+    # logical tensors of sharded runs are views of the flat buffers: not stored bytes
+    stored = [r for r in table.values() if getattr(r, "logical", None) is None]
     return {
         "path": run.path,
         "timeline": run.timeline,
@@ -55,11 +57,8 @@ def run_summary(run: Any) -> dict[str, Any]:  # noqa: ANN401 - a Run (run/ sits 
         # tensors as a user names them: on sharded runs the logical tensors, not also the
         # flat buffers they are views of (``n_stored``: the arrays really on disk)
         "n_arrays": len(table) - len(shard_sources(table)),
-        "n_stored": sum(1 for r in table.values() if getattr(r, "logical", None) is None),
-        # stored bytes: logical tensors of sharded runs are views of the flat buffers
-        "bytes_per_step": sum(
-            r.plan.nbytes for r in table.values() if getattr(r, "logical", None) is None
-        ),
+        "n_stored": len(stored),
+        "bytes_per_step": sum(r.plan.nbytes for r in stored),
         "metrics": sorted(logged.metrics) if logged is not None else [],
         "metrics_step": logged.step if logged is not None else None,
         "metric_values": dict(logged.metrics) if logged is not None else {},
