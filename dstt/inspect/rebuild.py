@@ -169,6 +169,7 @@ def rebuild_step(
         )
     fn = loss_fn or _default_loss
     rank_batches = _RankBatches(run, reader, timeline, world)
+    maker = batches if callable(batches) else None
 
     def chain(upto: int, out: Rebuilt, report: bool = False) -> None:
         """Restore step ``j`` into the live objects and replay ``j+1..upto``, checking each
@@ -187,38 +188,28 @@ def rebuild_step(
                 if world_run is not None:
                     rngs = world_run.load(n, kit)
                     set_rng(rngs[0])  # the process goes on as rank 0
-                    out.rank_rng.clear()
-                    out.rank_rng.update(enumerate(rngs))
                     losses = world_run.losses[n]
                 else:
-                    losses = replay_one(i, rngs, out)
+                    losses = replay_one(i, rngs)
+                if world > 1:
+                    out.rank_rng.clear()
+                    out.rank_rng.update(enumerate(rngs))
                 check(i, losses, out, report)
         finally:
             if world_run is not None:
                 world_run.close()
 
     def step_micro(i: int) -> tuple[list[Any], Callable[[Any], Any] | None]:
-        micro, _, build = _step_batches(
-            run,
-            i,
-            timeline,
-            batches if callable(batches) else None,
-            dataset,
-            collate,
-            kit.make_batch,
-        )
+        micro, _, build = _step_batches(run, i, timeline, maker, dataset, collate, kit.make_batch)
         return micro, build
 
-    def replay_one(i: int, rngs: list[Any], out: Rebuilt) -> list[float]:
+    def replay_one(i: int, rngs: list[Any]) -> list[float]:
         micro, build = step_micro(i)
-        if world > 1:  # DDP over 2 ranks: every rank's micro-batches, gradients averaged
-            assert build is not None
-            per_rank = [micro, *(rank_batches.of(i, r, build) for r in range(1, world))]
-            losses = _ddp_step(kit, per_rank, fn, rngs)
-            out.rank_rng.clear()
-            out.rank_rng.update(enumerate(rngs))
-            return losses
-        return _one_step(kit, micro, fn)
+        if world == 1:
+            return _one_step(kit, micro, fn)
+        assert build is not None  # DDP over 2 ranks: every rank's micro-batches, averaged
+        per_rank = [micro, *(rank_batches.of(i, r, build) for r in range(1, world))]
+        return _ddp_step(kit, per_rank, fn, rngs)
 
     def check(i: int, losses: list[float], out: Rebuilt, report: bool) -> None:
         out.losses[i] = losses[-1] if losses else float("nan")
