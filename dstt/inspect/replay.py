@@ -174,12 +174,11 @@ def _prev_header(line: Sequence[Any], step: int) -> tuple[Any, Any]:
             "the step itself (to check the replay) and the one before it"
         )
     if step - 1 not in by_step:
-        have = sorted(by_step)
         raise ReplayError(
             f"step {step - 1} is not committed (committed steps near {step}: "
-            f"{[s for s in have if abs(s - step) <= 5]}): replaying step {step} starts from "
-            f"the state after step {step - 1}; capture every step (every=1) or replay a step "
-            "whose predecessor was committed"
+            f"{[s for s in sorted(by_step) if abs(s - step) <= 5]}): replaying step {step} "
+            f"starts from the state after step {step - 1}; capture every step (every=1) or "
+            "replay a step whose predecessor was committed"
         )
     prev = by_step[step - 1]
     if getattr(prev, "pruned", False):
