@@ -14,6 +14,7 @@ flusher has no torch) and BLAS ``dot`` (its thread pool spun next to training: m
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import zlib
 from dataclasses import dataclass
@@ -284,12 +285,8 @@ class DigestPlan:
         self.numel = np.array([it[3] for it in items], dtype=np.int64)
         self.regions: list[_Region] = []
         row = 0
-        while row < len(items):
-            dt = np.dtype(items[row][1])
-            end = row
-            while end < len(items) and np.dtype(items[end][1]) == dt:
-                end += 1
-            run = items[row:end]
+        for dt, group in itertools.groupby(items, key=lambda it: np.dtype(it[1])):
+            run = list(group)
             full = [it for it in run if it[3] > 0]
             lo = full[0][2] if full else 0
             hi = full[-1][2] + full[-1][3] * dt.itemsize if full else 0
@@ -299,7 +296,7 @@ class DigestPlan:
                 [p for *_, p in run],
             )
             self.regions.append(_Region(dt, lo, hi, row, segs))
-            row = end
+            row += len(run)
         self._scratch: list[np.ndarray] = []  # float buffers, one per concurrent digest
         self._lock = threading.Lock()
         self._prev: list[np.ndarray] | None = None  # the last digested step's region bytes
