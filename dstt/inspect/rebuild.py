@@ -182,7 +182,7 @@ def rebuild_step(
         )
         world_run = None
         if world > 2:  # a gloo world of the recorded size replays the steps (rebuild_ddp)
-            world_run = _world_replay(kit, fn, j, upto, rngs, step_micro, rank_batches)
+            world_run = world_replay(upto, rngs)
         try:
             for n, i in enumerate(range(j + 1, upto + 1)):
                 if world_run is not None:
@@ -198,6 +198,20 @@ def rebuild_step(
         finally:
             if world_run is not None:
                 world_run.close()
+
+    def world_replay(upto: int, rngs: list[Any]) -> WorldReplay:
+        """Steps ``j+1..upto`` replayed in a gloo world of ``world`` ranks (rebuild_ddp)."""
+        per_step = []
+        for i in range(j + 1, upto + 1):
+            micro, build = step_micro(i)
+            if build is None:
+                raise ConfigError(
+                    f"rebuilding DDP step {i} needs every rank's batches from their recorded "
+                    "sample indices: pass dataset= (and collate=) or batches= a callable from "
+                    "indices, not a list of batches"
+                )
+            per_step.append([micro, *(rank_batches.of(i, r, build) for r in range(1, world))])
+        return replay_world(kit, fn, per_step, rngs, warm=j >= 1)
 
     def step_micro(i: int) -> tuple[list[Any], Callable[[Any], Any] | None]:
         micro, _, build = _step_batches(run, i, timeline, maker, dataset, collate, kit.make_batch)
@@ -356,30 +370,6 @@ def _one_step(kit: ReplayKit, micro: list[Any], loss_fn: LossFn) -> list[float]:
     losses = _backward(kit, micro, loss_fn)
     _optimizer_step(kit)
     return losses
-
-
-def _world_replay(
-    kit: ReplayKit,
-    loss_fn: LossFn,
-    j: int,
-    upto: int,
-    rngs: list[Any],
-    step_micro: Callable[[int], tuple[list[Any], Callable[[Any], Any] | None]],
-    rank_batches: _RankBatches,
-) -> WorldReplay:
-    """Steps ``j+1..upto`` of a DDP run of ``len(rngs)`` ranks replayed in a gloo world of
-    that size (:mod:`dstt.inspect.rebuild_ddp`), from the live objects restored at ``j``."""
-    per_step = []
-    for i in range(j + 1, upto + 1):
-        micro, build = step_micro(i)
-        if build is None:
-            raise ConfigError(
-                f"rebuilding DDP step {i} needs every rank's batches from their recorded "
-                "sample indices: pass dataset= (and collate=) or batches= a callable from "
-                "indices, not a list of batches"
-            )
-        per_step.append([micro, *(rank_batches.of(i, r, build) for r in range(1, len(rngs)))])
-    return replay_world(kit, loss_fn, per_step, rngs, warm=j >= 1)
 
 
 def _ddp_step(
