@@ -123,6 +123,8 @@ def _rank_main(rank: int, world: int, port: int, blob: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from .replay_kit import ReplayKit, _optimizer_step
+
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
@@ -130,6 +132,7 @@ def _rank_main(rank: int, world: int, port: int, blob: str) -> None:
     try:
         job = torch.load(blob, weights_only=False)
         model, opts, sched = job["model"], optimizers_of(job["optimizer"]), job["sched"]
+        kit = ReplayKit(model, job["optimizer"], sched, before_step=job["before_step"])
         ddp = DistributedDataParallel(model)
         if job["warm"]:  # training's DDP rebuilt its buckets after its first step
             _warm_up(ddp, model, job["loss_fn"], job["batches"][0][rank][0])
@@ -149,12 +152,7 @@ def _rank_main(rank: int, world: int, port: int, blob: str) -> None:
                         loss = loss.mean()
                     loss.backward()
                 losses.append(float(loss.detach().float().mean()))
-            if job["before_step"] is not None:
-                job["before_step"]()
-            for opt in opts.values():
-                opt.step()
-            if sched is not None:
-                sched.step()
+            _optimizer_step(kit)
             rec: dict[str, Any] = {"losses": losses, "rng_state": get_rng()}
             if rank == 0:
                 rec["model"] = model.state_dict()
