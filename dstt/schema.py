@@ -150,12 +150,8 @@ SUMMARY_FIELDS: Final = (*SUMMARY_SCALARS, "probe", "update_exact")
 def declared_object(name: str) -> bool:
     """Whether ``name`` is a declared object name or one of its children
     (``rng/r1``, ``optim/state/0``, ``extra/lightning/hparams``)."""
-    while True:
-        if name in _DECLARED:
-            return True
-        name, sep, _ = name.rpartition("/")
-        if not sep:
-            return False
+    parts = name.split("/")
+    return any("/".join(parts[:i]) in _DECLARED for i in range(1, len(parts) + 1))
 
 
 _DECLARED = frozenset(OBJECT_NAMES)
