@@ -105,19 +105,16 @@ def _inline_array(values: np.ndarray, dims: Sequence[str]) -> dict[str, str]:
     return {"zarr.json": doc, "c/0": "base64:" + base64.b64encode(data).decode()}
 
 
+@dataclass
 class _Array:
     """One tensor's trajectory: its per-step metadata (fixed) and its chunk references.
     ``chunks``: the chunk shape past the ``step`` dimension (one chunk grid for all steps)."""
 
-    def __init__(
-        self,
-        path: str,
-        dtype: str,
-        shape: tuple[int, ...],
-        chunks: tuple[int, ...],
-        dims: list[str],
-    ) -> None:
-        self.path, self.dtype, self.shape, self.chunks, self.dims = path, dtype, shape, chunks, dims
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dims: list[str]
 
     @classmethod
     def from_doc(cls, path: str, doc: Mapping[str, Any]) -> _Array:
@@ -129,9 +126,6 @@ class _Array:
             tuple(int(c) for c in chunk[1:]),
             doc["dimension_names"][1:],
         )
-
-    def same(self, dtype: str, shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:
-        return (self.dtype, self.shape, self.chunks) == (dtype, shape, chunks)
 
     def document(self, n: int) -> str:
         itemsize = dtype_itemsize(self.dtype)
@@ -306,7 +300,7 @@ def write_references(
             )
             if a is None:
                 a = arrays[p] = _Array(p, rec.dtype, tuple(rec.shape), grid, dims)
-            elif not a.same(rec.dtype, tuple(rec.shape), grid):
+            elif (a.dtype, a.shape, a.chunks) != (rec.dtype, tuple(rec.shape), grid):
                 dropped[p] = f"its dtype, shape or chunk grid changed at step {h.step}"
                 del arrays[p]
                 purge.add(p)
