@@ -146,17 +146,11 @@ def _read(
     if want - set(PARTS):
         raise ValueError(f"unknown parts {sorted(want - set(PARTS))}; use {', '.join(PARTS)}")
     src = _Step(reader, header, trusted)
-    keys = stored_keys(header.objects)
-    groups = (
-        {
-            k: canonical_groups(
-                src.object(f"{OPTIM_GROUPS_OBJECT}/{k}" if k else OPTIM_GROUPS_OBJECT)
-            )
-            for k in keys
-        }
-        if want & {"model", "optimizer"}
-        else {}
-    )
+    groups: dict[str, list[dict[str, Any]]] = {}
+    if want & {"model", "optimizer"}:
+        for k in stored_keys(header.objects):
+            name = f"{OPTIM_GROUPS_OBJECT}/{k}" if k else OPTIM_GROUPS_OBJECT
+            groups[k] = canonical_groups(src.object(name))
     out: dict[str, Any] = {}
     if "model" in want:
         order = [n for gs in groups.values() for g in gs for n in g["params"]]
