@@ -150,12 +150,8 @@ SUMMARY_FIELDS: Final = (*SUMMARY_SCALARS, "probe", "update_exact")
 def declared_object(name: str) -> bool:
     """Whether ``name`` is a declared object name or one of its children
     (``rng/r1``, ``optim/state/0``, ``extra/lightning/hparams``)."""
-    while True:
-        if name in _DECLARED:
-            return True
-        name, sep, _ = name.rpartition("/")
-        if not sep:
-            return False
+    parts = name.split("/")
+    return any("/".join(parts[:i]) in _DECLARED for i in range(1, len(parts) + 1))
 
 
 _DECLARED = frozenset(OBJECT_NAMES)
@@ -174,13 +170,11 @@ def canonical_name(dotted: str, module_wrappers: Collection[str] = ()) -> str:
     if not WRAPPER_ATTRIBUTES.intersection(parts) and not (module_wrappers and "module" in parts):
         return dotted
     kept: list[str] = []
-    raw: list[str] = []
-    for part in parts:
-        if part in WRAPPER_ATTRIBUTES or (part == "module" and ".".join(raw) in module_wrappers):
-            raw.append(part)
-            continue
-        raw.append(part)
-        kept.append(part)
+    for i, part in enumerate(parts):
+        if part not in WRAPPER_ATTRIBUTES and not (
+            part == "module" and ".".join(parts[:i]) in module_wrappers
+        ):
+            kept.append(part)
     return ".".join(kept)
 
 

@@ -133,12 +133,13 @@ def _unknown(mechanism: str, missing: str, read: Sequence[str] = ()) -> Finding:
     return Finding(mechanism, UNKNOWN, float("nan"), {"missing": missing}, (), "", tuple(read))
 
 
-def _verdict(score: float) -> str:
-    return LIKELY if score >= 1.0 else UNLIKELY
-
-
-def _hint(mechanism: str, verdict: str) -> str:
-    return HINTS[mechanism] if verdict == LIKELY else ""
+def _judged(
+    mechanism: str, score: float, evidence: dict[str, Any], points: tuple[Any, ...]
+) -> Finding:
+    """The finding of a checked mechanism: ``likely`` (with its hint) when ``score >= 1``."""
+    if score >= 1.0:
+        return Finding(mechanism, LIKELY, score, evidence, points, HINTS[mechanism])
+    return Finding(mechanism, UNLIKELY, score, evidence, points)
 
 
 def _positive(name: str, value: float) -> float:
@@ -147,7 +148,6 @@ def _positive(name: str, value: float) -> float:
     return float(value)
 
 
-# -- bad data ------------------------------------------------------------------------------
 def bad_data(
     losses: np.ndarray | None,
     indices: Sequence[int] | np.ndarray | None = None,
@@ -180,7 +180,6 @@ def bad_data(
     share = len(out) / len(loss)
     top = float(np.max(zs[ok]))
     score = top / z if len(out) > 0 and share <= max_share else min(top / z, 0.99)
-    verdict = _verdict(score)
     evidence = {
         "median_loss": med,
         "scale": scale,
@@ -192,11 +191,10 @@ def bad_data(
         "indices": [int(i) for i in idx],
         "losses": [float(x) for x in loss],
     }
-    points = tuple(int(idx[i]) for i in out) if verdict == LIKELY else ()
-    return Finding(name, verdict, float(score), evidence, points, _hint(name, verdict))
+    points = tuple(int(idx[i]) for i in out) if score >= 1.0 else ()
+    return _judged(name, float(score), evidence, points)
 
 
-# -- update too large ----------------------------------------------------------------------
 def update_too_large(
     ratios: np.ndarray | None,
     names: Sequence[str],
@@ -238,7 +236,6 @@ def update_too_large(
     hot = valid & (zs > z) & (factor >= jump)
     frac = float(hot.sum() / valid.sum())
     score = frac / share
-    verdict = _verdict(score)
     order = np.flatnonzero(hot)[np.argsort(-zs[hot], kind="stable")]
     evidence = {
         "jumped": int(hot.sum()),
@@ -253,11 +250,9 @@ def update_too_large(
         "names": list(names),
         "ratios": r.tolist(),
     }
-    points = tuple(names[i] for i in order)
-    return Finding(name, verdict, score, evidence, points, _hint(name, verdict))
+    return _judged(name, score, evidence, tuple(names[i] for i in order))
 
 
-# -- attention logit growth ----------------------------------------------------------------
 def logit_bound(wq: np.ndarray, wk: np.ndarray, heads: int) -> float:
     """The largest attention logit a layer can produce for inputs of unit RMS:
     ``max_h ||W_q^h W_k^hᵀ||₂ d / sqrt(d_head)`` over heads (``wq``, ``wk``: torch
@@ -317,18 +312,15 @@ def attention_logit_growth(
         per = np.where(ok, np.minimum(g / growth, last / level), np.nan)
     order = np.argsort(-np.nan_to_num(per, nan=-np.inf), kind="stable")
     score = float(per[order[0]])
-    verdict = _verdict(score)
     evidence = {
         "steps": [int(s) for s in steps],
         "bound": {layers[i]: [float(x) for x in b[:, i]] for i in range(len(layers))},
         "growth": {layers[i]: float(g[i]) for i in range(len(layers))},
         "level": level,
     }
-    points = tuple(layers[i] for i in order if per[i] >= 1.0)
-    return Finding(name, verdict, score, evidence, points, _hint(name, verdict))
+    return _judged(name, score, evidence, tuple(layers[i] for i in order if per[i] >= 1.0))
 
 
-# -- Adam's second moment ------------------------------------------------------------------
 def g2_from_v(v_prev: np.ndarray, v_now: np.ndarray, beta2: float) -> np.ndarray:
     """``g²`` of the step from Adam's stored second moments before and after it:
     ``v_t = β₂ v_{t-1} + (1 - β₂) g_t²`` solved for ``g_t²`` (clipped at 0: rounding)."""
@@ -372,7 +364,6 @@ def adam_second_moment(
     per = np.where(quiet_ok, peak / level, np.where(ok, np.minimum(peak / level, 0.99), np.nan))
     order = np.argsort(-np.nan_to_num(per, nan=-np.inf), kind="stable")
     score = float(per[order[0]])
-    verdict = _verdict(score)
     evidence = {
         "g_from": source,
         "steps": [int(s) for s in steps],
@@ -383,11 +374,9 @@ def adam_second_moment(
         "names": list(names),
         "rho": r.tolist(),
     }
-    points = tuple(names[i] for i in order if per[i] >= 1.0)
-    return Finding(name, verdict, score, evidence, points, _hint(name, verdict))
+    return _judged(name, score, evidence, tuple(names[i] for i in order if per[i] >= 1.0))
 
 
-# -- numerics ------------------------------------------------------------------------------
 def numerics(
     steps: Sequence[int] | np.ndarray,
     loss: np.ndarray | None,
@@ -438,10 +427,9 @@ def numerics(
             if drop >= scale_drop:
                 hits.append(int(st[int(np.argmax(np.where(ok, peak / ls, 1.0)))]))
     score = 10.0 if hits else 0.0  # a non-finite value is decisive, not a matter of degree
-    verdict = _verdict(score)
     if hits:
         evidence["first_step"] = min(hits)
-    return Finding(name, verdict, score, evidence, points, _hint(name, verdict))
+    return _judged(name, score, evidence, points)
 
 
 def rank(findings: Sequence[Finding]) -> list[Finding]:

@@ -51,8 +51,7 @@ def _trailing(x: np.ndarray, w: int, minp: int, spread: bool) -> tuple[np.ndarra
     """``(median, MAD)`` of ``x[max(0, i - w):i]`` for each ``i`` (NaN with fewer than
     ``minp`` values; the MAD only when ``spread``)."""
     n = len(x)
-    med = np.full(n, np.nan)
-    mad = np.full(n, np.nan)
+    med, mad = np.full((2, n), np.nan)
     for i in range(minp, min(n, w)):  # the first values: the window grows with the run
         prior = x[None, :i]
         m = _lower_median(prior)
@@ -76,9 +75,7 @@ def _scores(
     """``(score, baseline, scale)`` of every value of ``y`` (the log of the metric when
     ``log``, else the metric); NaN where too few values precede it."""
     n = len(y)
-    score = np.full(n, np.nan)
-    base = np.full(n, np.nan)
-    scale = np.full(n, np.nan)
+    score, base, scale = np.full((3, n), np.nan)
     if n < 2:
         return score, base, scale
     level, _ = _trailing(y, SPIKE_LEVEL, 1, spread=False)
@@ -146,19 +143,13 @@ def find_spikes(
         return []
     bad = np.flatnonzero(v <= 0)
     first_bad = int(bad[0]) if bad.size else n  # the log holds for every value before it
-    score = np.full(n, np.nan)
-    base = np.full(n, np.nan)
-    scale = np.full(n, np.nan)
+    score, base, scale = np.full((3, n), np.nan)
     if first_bad:
-        sc, b, s = _scores(np.log(v[:first_bad]), window, minp, log=True)
-        score[:first_bad], base[:first_bad], scale[:first_bad] = sc, b, s
+        got = _scores(np.log(v[:first_bad]), window, minp, log=True)
+        score[:first_bad], base[:first_bad], scale[:first_bad] = got
     if first_bad < n:
-        sc, b, s = _scores(v, window, minp, log=False)
-        score[first_bad:], base[first_bad:], scale[first_bad:] = (
-            sc[first_bad:],
-            b[first_bad:],
-            s[first_bad:],
-        )
+        got = _scores(v, window, minp, log=False)
+        score[first_bad:], base[first_bad:], scale[first_bad:] = (a[first_bad:] for a in got)
     flagged = np.flatnonzero(score > z)  # NaN (too little history) compares False
     events: list[Spike] = []
     last = -2

@@ -14,6 +14,7 @@ flusher has no torch) and BLAS ``dot`` (its thread pool spun next to training: m
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import zlib
 from dataclasses import dataclass
@@ -194,9 +195,9 @@ def segment_stats(
     ``x``'s float type for the squares (``segs.squares`` elements), else allocated."""
     x = as_float(x)
     n = len(segs.numel)
-    sumsq, maxabs = np.zeros(n), np.zeros(n)
+    out = _empty_stats(n, width)
+    sumsq, maxabs, probe = out["sumsq"], out["maxabs"], out["probe"]
     counts = np.zeros((3, n), dtype=np.int64)  # finite, nan, inf
-    probe = np.full((n, width), np.nan)
     probe[segs.probe_rows, segs.probe_cols] = x[segs.probe_index]
     if len(segs.full):
         v = x[: segs.stop]
@@ -212,14 +213,21 @@ def segment_stats(
             r, s = int(rows[k]), int(segs.bounds[2 * k])
             sumsq[r], maxabs[r], *c = _exact(v[s : s + int(segs.numel[r])])
             counts[:, r] = c
+    out["finite"], out["nan"], out["inf"] = counts
+    out["probe_len"] = segs.probe_len.copy()
+    return out
+
+
+def _empty_stats(n: int, width: int) -> dict[str, np.ndarray]:
+    """:func:`segment_stats` columns of ``n`` tensors, zero (probes NaN)."""
     return {
-        "sumsq": sumsq,
-        "maxabs": maxabs,
-        "finite": counts[0],
-        "nan": counts[1],
-        "inf": counts[2],
-        "probe": probe,
-        "probe_len": segs.probe_len.copy(),
+        "sumsq": np.zeros(n),
+        "maxabs": np.zeros(n),
+        "finite": np.zeros(n, np.int64),
+        "nan": np.zeros(n, np.int64),
+        "inf": np.zeros(n, np.int64),
+        "probe": np.full((n, width), np.nan),
+        "probe_len": np.zeros(n, np.int64),
     }
 
 
@@ -277,12 +285,8 @@ class DigestPlan:
         self.numel = np.array([it[3] for it in items], dtype=np.int64)
         self.regions: list[_Region] = []
         row = 0
-        while row < len(items):
-            dt = np.dtype(items[row][1])
-            end = row
-            while end < len(items) and np.dtype(items[end][1]) == dt:
-                end += 1
-            run = items[row:end]
+        for dt, group in itertools.groupby(items, key=lambda it: np.dtype(it[1])):
+            run = list(group)
             full = [it for it in run if it[3] > 0]
             lo = full[0][2] if full else 0
             hi = full[-1][2] + full[-1][3] * dt.itemsize if full else 0
@@ -292,7 +296,7 @@ class DigestPlan:
                 [p for *_, p in run],
             )
             self.regions.append(_Region(dt, lo, hi, row, segs))
-            row = end
+            row += len(run)
         self._scratch: list[np.ndarray] = []  # float buffers, one per concurrent digest
         self._lock = threading.Lock()
         self._prev: list[np.ndarray] | None = None  # the last digested step's region bytes
@@ -325,16 +329,7 @@ class DigestPlan:
 
     def stats(self, host: np.ndarray) -> dict[str, np.ndarray]:
         """:func:`segment_stats` columns over every tensor of the buffer ``host`` (uint8)."""
-        n_all = len(self.paths)
-        out: dict[str, np.ndarray] = {
-            "sumsq": np.zeros(n_all),
-            "maxabs": np.zeros(n_all),
-            "finite": np.zeros(n_all, np.int64),
-            "nan": np.zeros(n_all, np.int64),
-            "inf": np.zeros(n_all, np.int64),
-            "probe": np.full((n_all, self.probe_size), np.nan),
-            "probe_len": np.zeros(n_all, np.int64),
-        }
+        out = _empty_stats(len(self.paths), self.probe_size)
         for reg in self.regions:
             x = self._view(host, reg)
             sq = self._take(reg.segs.squares, x.dtype)

@@ -36,8 +36,7 @@ def _chunk(reader: Reader, header: CommitHeader, rec: Any, i: int) -> np.ndarray
 
 
 def _one(reader: Reader, ha: CommitHeader, ra: Any, hb: CommitHeader, rb: Any) -> tuple[float, ...]:  # noqa: ANN401 - stored or logical records
-    d2 = a2 = b2 = 0.0
-    mx = 0.0
+    d2 = a2 = b2 = mx = 0.0
     for i in range(ra.plan.n_chunks):
         a, b = _chunk(reader, ha, ra, i), _chunk(reader, hb, rb, i)
         d = b - a
@@ -46,8 +45,7 @@ def _one(reader: Reader, ha: CommitHeader, ra: Any, hb: CommitHeader, rb: Any) -
         b2 += float(np.dot(b, b))
         if d.size:
             mx = max(mx, float(np.max(np.abs(d))))
-    da, nb = math.sqrt(a2), math.sqrt(b2)
-    dl = math.sqrt(d2)
+    dl, da, nb = math.sqrt(d2), math.sqrt(a2), math.sqrt(b2)
     return dl, da, nb, (dl / da if da > 0 else math.nan), mx
 
 

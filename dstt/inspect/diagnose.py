@@ -114,11 +114,9 @@ def first_nonfinite(summaries: xr.Dataset) -> NonFinite | None:
     if rows.size == 0:
         return None
     i = int(rows[0])
-    steps = summaries["step"].values
-    names = summaries["tensor"].values
-    cols = np.flatnonzero(bad[i])
+    steps, names = summaries["step"].values, summaries["tensor"].values
     tensors = sorted(
-        ((str(names[j]), int(nan[i, j]), int(inf[i, j])) for j in cols),
+        ((str(names[j]), int(nan[i, j]), int(inf[i, j])) for j in np.flatnonzero(bad[i])),
         key=lambda t: (-(t[1] + t[2]), t[0]),
     )
     return NonFinite(int(steps[i]), int(steps[i - 1]) if i > 0 else None, tensors)

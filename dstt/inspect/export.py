@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from dstt.errors import ConfigError, OutputExistsError, StorageError
@@ -35,23 +36,13 @@ Format = Literal["safetensors", "torch", "hf", "dcp"]
 _EXT = {"safetensors": "safetensors", "torch": "pt"}
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)  # the only portable way to read it is to set it
-    os.umask(mask)
-    return mask
-
-
-def _is_folder(path: str) -> bool:
-    return os.path.isdir(path) or path.endswith(("/", os.sep))
-
-
 def prepare_output(
     out: str | os.PathLike[str], *, overwrite: bool = False, default: str = ""
 ) -> str:
     """Check ``out`` can be written and create its missing folders; returns the file's path
     (``out`` itself, or ``out/default`` when ``out`` names a folder)."""
     path = os.fspath(out)
-    if _is_folder(path):
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
         if not default:
             raise OutputExistsError(
                 f"{path} is a folder; give the export a file name "
@@ -75,13 +66,15 @@ def prepare_output(
     return path
 
 
-def _write(path: str, save: Callable[[str], None]) -> None:
+def _write(path: str, save: Callable[[str], object]) -> None:
     """``save(tmp)``, then ``tmp`` renamed onto ``path`` with ordinary permissions."""
     head, tail = os.path.split(os.path.abspath(path))
     tmp = os.path.join(head, f".{tail}.dstt-export-{os.getpid()}")
     try:
         save(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())
+        mask = os.umask(0o022)  # the only portable way to read it is to set it
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
         os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(OSError):
@@ -150,15 +143,9 @@ def export_commit(
                 "an hf export holds the model only; leave include_all (--all) "
                 "out, or export format torch for optimizer states too"
             )
-        cfg = (
-            load_config(config)
-            if config is not None
-            else (
-                reader.read_object(header, CONFIG_OBJECT)
-                if CONFIG_OBJECT in header.objects
-                else None
-            )
-        )
+        cfg = load_config(config) if config is not None else None
+        if cfg is None and CONFIG_OBJECT in header.objects:
+            cfg = reader.read_object(header, CONFIG_OBJECT)
         if cfg is None:
             raise ConfigError(
                 f"step {header.step} has no model config (the session was not over a Hugging "
@@ -199,7 +186,8 @@ def export_commit(
     }
     if fmt == "hf":
         _write_safetensors(files[0], tensors, meta)
-        _write(files[1], lambda tmp: _dump_json(tmp, config_doc))
+        doc_text = json.dumps(config_doc, indent=2, sort_keys=True) + "\n"
+        _write(files[1], lambda tmp: Path(tmp).write_text(doc_text, encoding="utf-8"))
         return {"tensors": len(tensors), "bytes": nbytes, "path": folder, "files": files}
     if fmt == "safetensors":
         for alias, target in cat.tied.items():  # one tensor per name: no shared storage
@@ -219,8 +207,3 @@ def _write_safetensors(path: str, tensors: dict[str, Any], meta: dict[str, str])
     from safetensors.torch import save_file
 
     _write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
-
-
-def _dump_json(path: str, doc: dict[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")

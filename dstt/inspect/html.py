@@ -41,6 +41,11 @@ def run_summary(run: Any) -> dict[str, Any]:  # noqa: ANN401 - a Run (run/ sits 
     line = run.commits()
     head = line[-1] if line else None
     table = run.arrays(head) if head is not None else {}
+    # the newest step that logged metrics (the head may have none: a commit made at a
+    # keyframe or at the session's close before the step's s.log)
+    logged = next((h for h in reversed(line) if h.metrics), None)
+    # logical tensors of sharded runs are views of the flat buffers: not stored bytes
+    stored = [r for r in table.values() if getattr(r, "logical", None) is None]
     return {
         "path": run.path,
         "timeline": run.timeline,
@@ -52,14 +57,11 @@ def run_summary(run: Any) -> dict[str, Any]:  # noqa: ANN401 - a Run (run/ sits 
         # tensors as a user names them: on sharded runs the logical tensors, not also the
         # flat buffers they are views of (``n_stored``: the arrays really on disk)
         "n_arrays": len(table) - len(shard_sources(table)),
-        "n_stored": sum(1 for r in table.values() if getattr(r, "logical", None) is None),
-        # stored bytes: logical tensors of sharded runs are views of the flat buffers
-        "bytes_per_step": sum(
-            r.plan.nbytes for r in table.values() if getattr(r, "logical", None) is None
-        ),
-        # the newest step that logged metrics (the head may have none: a commit made at a
-        # keyframe or at the session's close before the step's s.log)
-        **_newest_metrics(line),
+        "n_stored": len(stored),
+        "bytes_per_step": sum(r.plan.nbytes for r in stored),
+        "metrics": sorted(logged.metrics) if logged is not None else [],
+        "metrics_step": logged.step if logged is not None else None,
+        "metric_values": dict(logged.metrics) if logged is not None else {},
     }
 
 
@@ -81,19 +83,6 @@ def timeline_rows(run: Any) -> list[dict[str, Any]]:  # noqa: ANN401 - a Run
             }
         )
     return rows
-
-
-def _newest_metrics(line: list[Any]) -> dict[str, Any]:
-    """``metrics`` (names), ``metrics_step`` and ``metric_values`` of the newest commit of
-    ``line`` that has metrics (empty and None when none has)."""
-    h = next((h for h in reversed(line) if h.metrics), None)
-    if h is None:
-        return {"metrics": [], "metrics_step": None, "metric_values": {}}
-    return {
-        "metrics": sorted(h.metrics),
-        "metrics_step": h.step,
-        "metric_values": dict(h.metrics),
-    }
 
 
 def run_html(s: dict[str, Any]) -> str:

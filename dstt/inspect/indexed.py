@@ -79,11 +79,9 @@ def summary_columns(rows: RowSet) -> SummaryColumns:
     exact = rows.s_exact if every_row else rows.s_exact[keep]
     # a tensor a step summarized always has an l2: absent tensors are NaN there
     present = ~np.all(np.isnan(val[:, :, 0]), axis=0) if len(keep) else np.zeros(val.shape[1], bool)
-    if not bool(present.all()):
-        cols = np.flatnonzero(present)
+    cols = np.flatnonzero(present)
+    if len(cols) < val.shape[1]:
         val, probe, exact = val[:, cols], probe[:, cols], exact[:, cols]
-    else:
-        cols = np.arange(val.shape[1])
     width = probe.shape[2]
     while width and np.all(np.isnan(probe[:, :, width - 1])):
         width -= 1

@@ -79,11 +79,6 @@ def suggest(name: str, names: Iterable[str], n: int = 3, cutoff: float = 0.6) ->
     return sorted(best, key=lambda f: (-best[f], len(f), f))[:n]
 
 
-def _typed(name: str) -> str:
-    """What the user typed, without wrapper components."""
-    return canonical_path(name) if "/" in name else canonical_name(name)
-
-
 def array_path(
     name: str,
     available: Iterable[str] | Mapping[str, object],
@@ -103,7 +98,7 @@ def array_path(
     to list every name (``run.at(3).names()``).
     """
     avail = available if isinstance(available, Mapping) else set(available)
-    name = _typed(name)
+    name = canonical_path(name) if "/" in name else canonical_name(name)
     if "/" in name:
         if name in avail:
             return name

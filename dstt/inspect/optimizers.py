@@ -74,16 +74,14 @@ def optimizer_state(src: Any, groups: list[dict[str, Any]], state_object: str) -
         st = {key: src.tensor(tensor_path(f"optim/{key}", name)) for key in entry["arrays"]}
         st.update(entry["values"])
         state[index[name]] = st
-    param_groups, start = [], 0
-    for g in groups:
-        n = len(g["params"])
-        param_groups.append(
-            {
-                **{k: v for k, v in g.items() if k != "params"},
-                "params": list(range(start, start + n)),
-            }
-        )
-        start += n
+    ids = iter(range(len(names)))  # torch numbers the parameters across the groups
+    param_groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [next(ids) for _ in g["params"]],
+        }
+        for g in groups
+    ]
     return {"state": state, "param_groups": param_groups}
 
 

@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dstt import schema
-from dstt.engine.capture.light import loss_bits, step_loss
+from dstt.engine.capture.light import loss_bits, loss_of, step_loss
 from dstt.engine.state.model_names import param_names
 from dstt.engine.state.optimizers import optimizers_of
-from dstt.engine.state.providers import StoreSource
 from dstt.engine.state.torch_state import discover, get_rng, set_rng
 from dstt.engine.tensors._convert import from_plain, to_plain
 from dstt.errors import ConfigError, ReplayError, StepNotFoundError
@@ -30,7 +29,15 @@ from dstt.errors import ConfigError, ReplayError, StepNotFoundError
 from .rebuild_ddp import WorldReplay, replay_world
 from .replay_compare import _compare
 from .replay_data import _step_batches
-from .replay_kit import LossFn, ReplayKit, _default_loss, _kit_of
+from .replay_kit import (
+    LossFn,
+    ReplayKit,
+    _backward,
+    _default_loss,
+    _kit_of,
+    _optimizer_step,
+    _restore,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -140,7 +147,8 @@ def rebuild_step(
     if k not in stored and k not in light:
         raise StepNotFoundError(
             f"step {k} is neither stored nor recorded as a light step on timeline "
-            f"{timeline!r}; stored steps near it: {_near(stored, k)}{_gc_hint(pruned, k)}"
+            f"{timeline!r}; stored steps near it: "
+            f"{sorted(stored, key=lambda s: (abs(s - k), s))[:4]}{_gc_hint(pruned, k)}"
         )
     below = [s for s in stored if s <= k]
     if not below:
@@ -161,14 +169,12 @@ def rebuild_step(
         )
     fn = loss_fn or _default_loss
     rank_batches = _RankBatches(run, reader, timeline, world)
+    maker = batches if callable(batches) else None
 
     def chain(upto: int, out: Rebuilt, report: bool = False) -> None:
         """Restore step ``j`` into the live objects and replay ``j+1..upto``, checking each
         light step's loss; a stored step (``upto`` with ``check_next``) is not checked here."""
-        state = discover(kit.model, kit.optimizer, scheduler=kit.scheduler)
-        source = StoreSource(reader, stored[j], prefetch=True, trusted=trusted)
-        state.step_state.restore(source)
-        state.boundary_state.restore(source)
+        source = _restore(kit, reader, stored[j], trusted)
         rngs = (
             [from_plain(source.object(f"{schema.RNG_OBJECT}/r{r}")) for r in range(world)]
             if world > 1
@@ -176,48 +182,50 @@ def rebuild_step(
         )
         world_run = None
         if world > 2:  # a gloo world of the recorded size replays the steps (rebuild_ddp)
-            world_run = _world_replay(kit, fn, j, upto, rngs, step_micro, rank_batches)
+            world_run = world_replay(upto, rngs)
         try:
             for n, i in enumerate(range(j + 1, upto + 1)):
                 if world_run is not None:
                     rngs = world_run.load(n, kit)
                     set_rng(rngs[0])  # the process goes on as rank 0
-                    out.rank_rng.clear()
-                    out.rank_rng.update(enumerate(rngs))
                     losses = world_run.losses[n]
                 else:
-                    losses = replay_one(i, rngs, out)
+                    losses = replay_one(i, rngs)
+                if world > 1:
+                    out.rank_rng.clear()
+                    out.rank_rng.update(enumerate(rngs))
                 check(i, losses, out, report)
         finally:
             if world_run is not None:
                 world_run.close()
 
+    def world_replay(upto: int, rngs: list[Any]) -> WorldReplay:
+        """Steps ``j+1..upto`` replayed in a gloo world of ``world`` ranks (rebuild_ddp)."""
+        per_step = []
+        for i in range(j + 1, upto + 1):
+            micro, build = step_micro(i)
+            if build is None:
+                raise ConfigError(
+                    f"rebuilding DDP step {i} needs every rank's batches from their recorded "
+                    "sample indices: pass dataset= (and collate=) or batches= a callable from "
+                    "indices, not a list of batches"
+                )
+            per_step.append([micro, *(rank_batches.of(i, r, build) for r in range(1, world))])
+        return replay_world(kit, fn, per_step, rngs, warm=j >= 1)
+
     def step_micro(i: int) -> tuple[list[Any], Callable[[Any], Any] | None]:
-        micro, _, build = _step_batches(
-            run,
-            i,
-            timeline,
-            batches if callable(batches) else None,
-            dataset,
-            collate,
-            kit.make_batch,
-        )
+        micro, _, build = _step_batches(run, i, timeline, maker, dataset, collate, kit.make_batch)
         return micro, build
 
-    def replay_one(i: int, rngs: list[Any], out: Rebuilt) -> list[float]:
-        """Replay step ``i`` in this process."""
+    def replay_one(i: int, rngs: list[Any]) -> list[float]:
         micro, build = step_micro(i)
-        if world > 1:  # DDP over 2 ranks: every rank's micro-batches, gradients averaged
-            assert build is not None
-            per_rank = [micro, *(rank_batches.of(i, r, build) for r in range(1, world))]
-            losses = _ddp_step(kit, per_rank, fn, rngs)
-            out.rank_rng.clear()
-            out.rank_rng.update(enumerate(rngs))
-            return losses
-        return _one_step(kit, micro, fn)
+        if world == 1:
+            return _one_step(kit, micro, fn)
+        assert build is not None  # DDP over 2 ranks: every rank's micro-batches, averaged
+        per_rank = [micro, *(rank_batches.of(i, r, build) for r in range(1, world))]
+        return _ddp_step(kit, per_rank, fn, rngs)
 
     def check(i: int, losses: list[float], out: Rebuilt, report: bool) -> None:
-        """Check step ``i``'s replayed loss against its light record."""
         out.losses[i] = losses[-1] if losses else float("nan")
         if i in stored:
             return
@@ -227,13 +235,19 @@ def rebuild_step(
         elif _matches(bits, losses, logged):
             out.checked.append(i)
         else:
+            before = (
+                f"It is the first step after stored step {j}"
+                if i == j + 1
+                else f"Steps {j + 1}..{i - 1} before it replayed faithfully"
+            )
             raise ReplayError(
                 f"rebuilding step {k} from stored step {j}: the chain broke at step {i}: "
                 f"its replayed loss {losses[-1] if losses else None!r} differs from the "
-                f"recorded loss {_loss_text(bits)} (bit for bit). The step did not train as "
-                "recorded: a wrong sample record, another loss_fn, a clipping or scheduler "
-                "step not passed (before_step=, scheduler=), or nondeterministic kernels. "
-                f"{_before(j, i)}; the live objects are now at step {i}"
+                f"recorded loss {loss_of(bits)!r} ({bits}) (bit for bit). The step did not "
+                "train as recorded: a wrong sample record, another loss_fn, a clipping or "
+                "scheduler step not passed (before_step=, scheduler=), or nondeterministic "
+                "kernels. "
+                f"{before}; the live objects are now at step {i}"
             )
         if report and on_step is not None:
             on_step(i, out, kit)
@@ -350,43 +364,12 @@ def rebuilt_commit(
 
 def _one_step(kit: ReplayKit, micro: list[Any], loss_fn: LossFn) -> list[float]:
     """One optimizer step of the plain loop on ``micro``; each micro-batch's loss."""
-    model = kit.model
-    model.train()
-    opts = optimizers_of(kit.optimizer).values()
-    for opt in opts:
+    kit.model.train()
+    for opt in optimizers_of(kit.optimizer).values():
         opt.zero_grad(set_to_none=True)
     losses = _backward(kit, micro, loss_fn)
-    if kit.before_step is not None:
-        kit.before_step()
-    for opt in opts:
-        opt.step()
-    if kit.scheduler is not None:
-        kit.scheduler.step()
+    _optimizer_step(kit)
     return losses
-
-
-def _world_replay(
-    kit: ReplayKit,
-    loss_fn: LossFn,
-    j: int,
-    upto: int,
-    rngs: list[Any],
-    step_micro: Callable[[int], tuple[list[Any], Callable[[Any], Any] | None]],
-    rank_batches: _RankBatches,
-) -> WorldReplay:
-    """Steps ``j+1..upto`` of a DDP run of ``len(rngs)`` ranks replayed in a gloo world of
-    that size (:mod:`dstt.inspect.rebuild_ddp`), from the live objects restored at ``j``."""
-    per_step = []
-    for i in range(j + 1, upto + 1):
-        micro, build = step_micro(i)
-        if build is None:
-            raise ConfigError(
-                f"rebuilding DDP step {i} needs every rank's batches from their recorded "
-                "sample indices: pass dataset= (and collate=) or batches= a callable from "
-                "indices, not a list of batches"
-            )
-        per_step.append([micro, *(rank_batches.of(i, r, build) for r in range(1, len(rngs)))])
-    return replay_world(kit, loss_fn, per_step, rngs, warm=j >= 1)
 
 
 def _ddp_step(
@@ -418,28 +401,8 @@ def _ddp_step(
     for p, g in zip(params, total, strict=True):
         p.grad = g
     set_rng(rngs[0])  # the process goes on as rank 0
-    if kit.before_step is not None:
-        kit.before_step()
-    for opt in optimizers_of(kit.optimizer).values():
-        opt.step()
-    if kit.scheduler is not None:
-        kit.scheduler.step()
+    _optimizer_step(kit)
     return first
-
-
-def _backward(kit: ReplayKit, micro: list[Any], loss_fn: LossFn) -> list[float]:
-    """Forward and backward of each micro-batch (the gradients accumulate); their losses."""
-    losses: list[float] = []
-    for b in micro:
-        if kit.backward is not None:
-            loss = kit.backward(b)
-        else:
-            loss = loss_fn(kit.model, b)
-            if loss.dim() > 0:
-                loss = loss.mean()
-            loss.backward()
-        losses.append(float(loss.detach().float().mean()))
-    return losses
 
 
 class _RankBatches:
@@ -504,19 +467,6 @@ def _ranks(objects: Any) -> int:
     return max((int(r) + 1 for r in ranks if r.isdigit()), default=1)
 
 
-def _before(j: int, i: int) -> str:
-    """What replayed faithfully before the broken step ``i`` of a chain from stored ``j``."""
-    if i == j + 1:
-        return f"It is the first step after stored step {j}"
-    return f"Steps {j + 1}..{i - 1} before it replayed faithfully"
-
-
-def _loss_text(bits: str) -> str:
-    from dstt.engine.capture.light import loss_of
-
-    return f"{loss_of(bits)!r} ({bits})"
-
-
 def _gc_hint(pruned: list[int], k: int) -> str:
     """Why a light step may have lost its record or its base: gc pruned commits around it."""
     if not pruned:
@@ -527,10 +477,6 @@ def _gc_hint(pruned: list[int], k: int) -> str:
         "rides with the next stored commit and its rebuild starts from the one before, so "
         "pruning them strands it; keep them with Retention(keep_steps=...) or keep_last)"
     )
-
-
-def _near(stored: dict[int, Any], k: int) -> list[int]:
-    return sorted(stored, key=lambda s: (abs(s - k), s))[:4]
 
 
 #: what ``dstt.open(run, replay={...})`` may hold: ``run.rebuild``'s objects and keywords

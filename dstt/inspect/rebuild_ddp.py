@@ -39,25 +39,20 @@ class WorldReplay:
 
     def __init__(self, folder: tempfile.TemporaryDirectory[str], steps: int, world: int) -> None:
         self._folder, self.world = folder, world
-        root = Path(folder.name)
-        self.losses: list[list[float]] = [
-            list(torch.load(root / f"s{n}.r0.pt", weights_only=False)["losses"])
-            for n in range(steps)
-        ]
+        self.losses: list[list[float]] = [list(self._rec(n, 0)["losses"]) for n in range(steps)]
+
+    def _rec(self, n: int, rank: int) -> Any:  # noqa: ANN401 - what the rank saved
+        return torch.load(Path(self._folder.name) / f"s{n}.r{rank}.pt", weights_only=False)
 
     def load(self, n: int, kit: ReplayKit) -> list[Any]:
         """Load the state after step ``n`` into ``kit``'s objects; each rank's RNG there."""
-        root = Path(self._folder.name)
-        rec = torch.load(root / f"s{n}.r0.pt", weights_only=False)
+        rec = self._rec(n, 0)
         kit.model.load_state_dict(rec["model"])
         for name, opt in optimizers_of(kit.optimizer).items():
             opt.load_state_dict(rec["optimizer"][name])
         if kit.scheduler is not None:
             kit.scheduler.load_state_dict(rec["sched"])
-        return [
-            torch.load(root / f"s{n}.r{r}.pt", weights_only=False)["rng_state"]
-            for r in range(self.world)
-        ]
+        return [self._rec(n, r)["rng_state"] for r in range(self.world)]
 
     def close(self) -> None:
         self._folder.cleanup()
@@ -128,6 +123,8 @@ def _rank_main(rank: int, world: int, port: int, blob: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from .replay_kit import ReplayKit, _optimizer_step
+
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
@@ -135,6 +132,7 @@ def _rank_main(rank: int, world: int, port: int, blob: str) -> None:
     try:
         job = torch.load(blob, weights_only=False)
         model, opts, sched = job["model"], optimizers_of(job["optimizer"]), job["sched"]
+        kit = ReplayKit(model, job["optimizer"], sched, before_step=job["before_step"])
         ddp = DistributedDataParallel(model)
         if job["warm"]:  # training's DDP rebuilt its buckets after its first step
             _warm_up(ddp, model, job["loss_fn"], job["batches"][0][rank][0])
@@ -154,12 +152,7 @@ def _rank_main(rank: int, world: int, port: int, blob: str) -> None:
                         loss = loss.mean()
                     loss.backward()
                 losses.append(float(loss.detach().float().mean()))
-            if job["before_step"] is not None:
-                job["before_step"]()
-            for opt in opts.values():
-                opt.step()
-            if sched is not None:
-                sched.step()
+            _optimizer_step(kit)
             rec: dict[str, Any] = {"losses": losses, "rng_state": get_rng()}
             if rank == 0:
                 rec["model"] = model.state_dict()

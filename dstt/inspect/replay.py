@@ -22,8 +22,6 @@ import torch
 
 from dstt.engine.state.model_names import param_names
 from dstt.engine.state.optimizers import optimizers_of
-from dstt.engine.state.providers import StoreSource
-from dstt.engine.state.torch_state import discover
 from dstt.errors import ConfigError, ReplayError, StepNotFoundError
 from dstt.schema import tensor_path
 
@@ -40,8 +38,10 @@ from .replay_grads import _empty_samples, _grad_tree, _hook_activations, _norms,
 from .replay_kit import (
     LossFn,
     ReplayKit,
+    _backward,
     _default_loss,
     _kit_of,
+    _restore,
     register_replay_kit,
     replay_kit_for,
 )
@@ -174,12 +174,11 @@ def _prev_header(line: Sequence[Any], step: int) -> tuple[Any, Any]:
             "the step itself (to check the replay) and the one before it"
         )
     if step - 1 not in by_step:
-        have = sorted(by_step)
         raise ReplayError(
             f"step {step - 1} is not committed (committed steps near {step}: "
-            f"{[s for s in have if abs(s - step) <= 5]}): replaying step {step} starts from "
-            f"the state after step {step - 1}; capture every step (every=1) or replay a step "
-            "whose predecessor was committed"
+            f"{[s for s in sorted(by_step) if abs(s - step) <= 5]}): replaying step {step} "
+            f"starts from the state after step {step - 1}; capture every step (every=1) or "
+            "replay a step whose predecessor was committed"
         )
     prev = by_step[step - 1]
     if getattr(prev, "pruned", False):
@@ -244,29 +243,17 @@ def replay_step(
         run, int(step), timeline, batches, dataset, collate, kit.make_batch
     )
     if light is None:
-        state = discover(model, optimizer, scheduler=kit.scheduler)
-        source = StoreSource(reader, head_prev, prefetch=True, trusted=trusted)
-        state.step_state.restore(source)
-        state.boundary_state.restore(source)
+        _restore(kit, reader, head_prev, trusted)
     names = param_names(model)
     params = [(names[id(p)], p) for p in model.parameters() if id(p) in names]
     before = {n: p.detach().clone() for n, p in params}
     hooks, acts = _hook_activations(model, activations)
     was_training = model.training
     model.train()
-    losses: list[float] = []
     try:
         for opt in optimizers_of(optimizer).values():
             opt.zero_grad(set_to_none=True)
-        for b in micro:
-            if kit.backward is not None:
-                loss = kit.backward(b)
-            else:
-                loss = loss_fn(model, b)
-                if loss.dim() > 0:  # per-sample losses: back-propagate their mean
-                    loss = loss.mean()
-                loss.backward()
-            losses.append(float(loss.detach().float().mean()))
+        losses = _backward(kit, micro, loss_fn)
     finally:
         for h in hooks:
             h.remove()
@@ -298,7 +285,7 @@ def replay_step(
         else _empty_samples()
     )
     model.train(was_training)
-    table = reader.arrays(head_k or max((h for h in line if h.step < step), key=_step_of))
+    table = reader.arrays(head_k or max((h for h in line if h.step < step), key=lambda h: h.step))
     return Replay(
         step=int(step),
         faithful=mismatch is None,
@@ -316,10 +303,6 @@ def replay_step(
         _grads=grads,
         _table=table,
     )
-
-
-def _step_of(h: Any) -> int:
-    return int(h.step)
 
 
 def _light_around(

@@ -9,6 +9,7 @@ so the ranking does not disturb the replayed state. Rejected: per-sample gradien
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -91,20 +92,18 @@ def _per_sample(
             count = len(ix) if ix is not None and one is not None else _batch_size(b)
             for i in range(count):
                 alone = one([ix[i]]) if ix is not None and one is not None else _slice(b, i)
-                if grads:
-                    for _, p in params:
-                        p.grad = None
+                for _, p in params:
+                    p.grad = None
+                with contextlib.nullcontext() if grads else torch.no_grad():
                     loss = loss_fn(model, alone)
                     loss = loss.mean() if loss.dim() else loss
+                if grads:
                     loss.backward()
                     sq = sum(
                         float(p.grad.double().pow(2).sum()) for _, p in params if p.grad is not None
                     )
                     gnorm.append(math.sqrt(sq))
                 else:
-                    with torch.no_grad():
-                        loss = loss_fn(model, alone)
-                        loss = loss.mean() if loss.dim() else loss
                     gnorm.append(math.nan)
                 loss_v.append(float(loss.detach()))
                 index.append(ix[i] if ix is not None else -1)

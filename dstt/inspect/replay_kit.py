@@ -12,11 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dstt.engine.state.optimizers import optimizers_of
+from dstt.engine.state.providers import StoreSource
+from dstt.engine.state.torch_state import discover
 from dstt.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dstt.store._internal import CommitHeader, Reader
 
 __all__ = ["LossFn", "ReplayKit", "register_replay_kit", "replay_kit_for"]
 
@@ -135,11 +141,43 @@ def _kit_of(
             "replay takes either trainer= (its kit supplies the model and optimizer) or "
             "model= and optimizer=, not both"
         )
-    changes: dict[str, Any] = {}
-    if scheduler is not None:
-        changes["scheduler"] = scheduler
-    if before_step is not None:
-        changes["before_step"] = before_step
+    given = {"scheduler": scheduler, "before_step": before_step}
+    changes: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if loss_fn is not None:  # the caller's loss replaces the framework's
         changes.update(backward=None, sample_loss=None)
     return replace(kit, **changes) if changes else kit
+
+
+def _restore(kit: ReplayKit, reader: Reader, header: CommitHeader, trusted: bool) -> StoreSource:
+    """Restore commit ``header`` into the kit's live objects, as a resume does."""
+    state = discover(kit.model, kit.optimizer, scheduler=kit.scheduler)
+    source = StoreSource(reader, header, prefetch=True, trusted=trusted)
+    state.step_state.restore(source)
+    state.boundary_state.restore(source)
+    return source
+
+
+def _backward(kit: ReplayKit, micro: list[Any], loss_fn: LossFn) -> list[float]:
+    """Forward and backward of each micro-batch (the gradients accumulate); their losses."""
+    losses: list[float] = []
+    for b in micro:
+        if kit.backward is not None:
+            loss = kit.backward(b)
+        else:
+            loss = loss_fn(kit.model, b)
+            if loss.dim() > 0:  # per-sample losses: back-propagate their mean
+                loss = loss.mean()
+            loss.backward()
+        losses.append(float(loss.detach().float().mean()))
+    return losses
+
+
+def _optimizer_step(kit: ReplayKit) -> None:
+    """What the loop runs after the last backward: ``before_step``, each optimizer's step,
+    the scheduler's."""
+    if kit.before_step is not None:
+        kit.before_step()
+    for opt in optimizers_of(kit.optimizer).values():
+        opt.step()
+    if kit.scheduler is not None:
+        kit.scheduler.step()

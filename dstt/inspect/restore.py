@@ -146,17 +146,11 @@ def _read(
     if want - set(PARTS):
         raise ValueError(f"unknown parts {sorted(want - set(PARTS))}; use {', '.join(PARTS)}")
     src = _Step(reader, header, trusted)
-    keys = stored_keys(header.objects)
-    groups = (
-        {
-            k: canonical_groups(
-                src.object(f"{OPTIM_GROUPS_OBJECT}/{k}" if k else OPTIM_GROUPS_OBJECT)
-            )
-            for k in keys
-        }
-        if want & {"model", "optimizer"}
-        else {}
-    )
+    groups: dict[str, list[dict[str, Any]]] = {}
+    if want & {"model", "optimizer"}:
+        for k in stored_keys(header.objects):
+            name = f"{OPTIM_GROUPS_OBJECT}/{k}" if k else OPTIM_GROUPS_OBJECT
+            groups[k] = canonical_groups(src.object(name))
     out: dict[str, Any] = {}
     if "model" in want:
         order = [n for gs in groups.values() for g in gs for n in g["params"]]
@@ -203,20 +197,12 @@ def _model_state(
     known = {canon[n] for n in out}
     unexpected = [n for n in stored if n not in known]
     if strict and (missing or unexpected):
+        why = [f"missing from the step: {listed(sorted(missing), 8)}"] if missing else []
+        if unexpected:
+            why.append(f"in the step but not in the model: {listed(sorted(unexpected), 8)}")
         raise SchemaError(
-            f"step {step} does not fit the model: "
-            + "; ".join(
-                s
-                for s in (
-                    f"missing from the step: {listed(sorted(missing), 8)}" if missing else "",
-                    f"in the step but not in the model: {listed(sorted(unexpected), 8)}"
-                    if unexpected
-                    else "",
-                )
-                if s
-            )
-            + ". Was the run written by a different model? load_into(..., strict=False) "
-            "loads the tensors both have"
+            f"step {step} does not fit the model: {'; '.join(why)}. Was the run written by a "
+            "different model? load_into(..., strict=False) loads the tensors both have"
         )
     wrong = [
         f"{n} (stored {out[n].dtype}{tuple(out[n].shape)}, model {t.dtype}{tuple(t.shape)})"

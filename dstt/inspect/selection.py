@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 from dstt.errors import TensorNotFoundError
 
-from .naming import components, suggest
+from .naming import components, listed, suggest
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Iterator
 
 __all__ = ["Pick", "select", "select_layer", "selector_miss"]
 
@@ -50,12 +50,7 @@ def select_layer(
     if _GLOB_CHARS & set(selector):
         match = re.compile(fnmatch.translate(selector)).match
 
-        def hit(c: list[str]) -> bool:
-            return any(
-                match(".".join(c[i:j])) for i in range(len(c)) for j in range(i + 1, len(c) + 1)
-            )
-
-        return [p for p in paths if hit(dotted[p])], {}
+        return [p for p in paths if any(map(match, _runs(dotted[p])))], {}
     want = [s for s in selector.split(".") if s]
     if not want:
         return paths, {}
@@ -69,6 +64,11 @@ def select_layer(
         if picked:
             return list(picked), picked
     return [p for p in paths if set(want) <= set(dotted[p])], {}
+
+
+def _runs(c: list[str]) -> Iterator[str]:
+    """Every run of consecutive components of ``c``, dotted."""
+    return (".".join(c[i:j]) for i in range(len(c)) for j in range(i + 1, len(c) + 1))
 
 
 def _experts(
@@ -102,16 +102,11 @@ def selector_miss(
     components (each a selector that picks something), or the top-level modules when none is
     close."""
     names = {".".join(components(p)) for p in paths}  # optimizer states: their module path
-    runs: set[str] = set()
-    for n in names:
-        c = n.split(".")
-        runs.update(".".join(c[i:j]) for i in range(len(c)) for j in range(i + 1, len(c) + 1))
-    close = suggest(selector, runs)
+    close = suggest(selector, {r for n in names for r in _runs(n.split("."))})
     if close:
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?"
     else:
         tops = sorted({n.split(".")[0] for n in names})
-        more = f" … ({len(tops)} in all)" if len(tops) > 20 else ""
-        hint = f"; top-level modules: {', '.join(tops[:20]) or '—'}{more}"
+        hint = f"; top-level modules: {listed(tops, 20) or '—'}"
     see = f" (all names: {listing})" if listing else ""
     return TensorNotFoundError(f"selector {selector!r} matches no tensor {where}{hint}{see}")

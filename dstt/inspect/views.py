@@ -40,15 +40,6 @@ def _attrs(path: str, record: Any, catalog: Catalog) -> dict[str, Any]:  # noqa:
     return attrs
 
 
-def _commit_attrs(header: CommitHeader) -> dict[str, Any]:
-    return {
-        "step": int(header.step),
-        "slot": int(header.slot),
-        "timeline": header.timeline,
-        "time": float(header.time),
-    }
-
-
 def _variable(
     readers: ReaderPool,
     header: CommitHeader,
@@ -104,7 +95,12 @@ def layer_tree(
     root = xr.Dataset(
         nodes.pop("", {}),
         coords={"step": np.int64(header.step), **coords.pop("", {})},
-        attrs=_commit_attrs(header),
+        attrs={
+            "step": int(header.step),
+            "slot": int(header.slot),
+            "timeline": header.timeline,
+            "time": float(header.time),
+        },
     )
     tree: dict[str, xr.Dataset] = {"/": root}
     for node in sorted(nodes):

@@ -67,43 +67,54 @@ class VirtualReport:
     left_out_arrays: Mapping[str, str] = field(default_factory=dict)
 
 
-def _group() -> str:
-    return json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}})
+def _array_doc(
+    shape: list[int],
+    dtype: str,
+    chunks: list[int],
+    fill: str | int,
+    codecs: list[Any],
+    dims: list[str],
+) -> str:
+    """An array's ``zarr.json`` (regular chunk grid, ``/``-separated keys)."""
+    return json.dumps(
+        {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": shape,
+            "data_type": dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunks}},
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": fill,
+            "codecs": codecs,
+            "attributes": {},
+            "dimension_names": dims,
+        }
+    )
+
+
+_LITTLE = {"name": "bytes", "configuration": {"endian": "little"}}
 
 
 def _inline_array(values: np.ndarray, dims: Sequence[str]) -> dict[str, str]:
     """``zarr.json`` and the single chunk (inline) of a small 1-d array along ``step``."""
     dtype = "int64" if values.dtype.kind in "iu" else "float64"
     fill: Any = 0 if dtype == "int64" else "NaN"
-    doc = {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": [len(values)],
-        "data_type": dtype,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, len(values))]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": fill,
-        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
-        "attributes": {},
-        "dimension_names": list(dims),
-    }
+    n = len(values)
+    doc = _array_doc([n], dtype, [max(1, n)], fill, [_LITTLE], list(dims))
     data = np.ascontiguousarray(values, dtype="<i8" if dtype == "int64" else "<f8").tobytes()
-    return {"zarr.json": json.dumps(doc), "c/0": "base64:" + base64.b64encode(data).decode()}
+    return {"zarr.json": doc, "c/0": "base64:" + base64.b64encode(data).decode()}
 
 
+@dataclass
 class _Array:
     """One tensor's trajectory: its per-step metadata (fixed) and its chunk references.
     ``chunks``: the chunk shape past the ``step`` dimension (one chunk grid for all steps)."""
 
-    def __init__(
-        self,
-        path: str,
-        dtype: str,
-        shape: tuple[int, ...],
-        chunks: tuple[int, ...],
-        dims: list[str],
-    ) -> None:
-        self.path, self.dtype, self.shape, self.chunks, self.dims = path, dtype, shape, chunks, dims
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dims: list[str]
 
     @classmethod
     def from_doc(cls, path: str, doc: Mapping[str, Any]) -> _Array:
@@ -116,35 +127,13 @@ class _Array:
             doc["dimension_names"][1:],
         )
 
-    def same(self, dtype: str, shape: tuple[int, ...], chunks: tuple[int, ...]) -> bool:
-        return (self.dtype, self.shape, self.chunks) == (dtype, shape, chunks)
-
     def document(self, n: int) -> str:
         itemsize = dtype_itemsize(self.dtype)
         # the step files' fill values: NaN for floats (a step without the tensor shows it)
         fill: Any = False if self.dtype == "bool" else "NaN" if "float" in self.dtype else 0
-        codecs: list[dict[str, Any]] = [
-            {"name": "bytes", "configuration": {"endian": "little"}}
-            if itemsize > 1
-            else {"name": "bytes"},
-            {"name": "crc32c"},
-        ]
-        return json.dumps(
-            {
-                "zarr_format": 3,
-                "node_type": "array",
-                "shape": [n, *self.shape],
-                "data_type": self.dtype,
-                "chunk_grid": {
-                    "name": "regular",
-                    "configuration": {"chunk_shape": [1, *self.chunks]},
-                },
-                "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-                "fill_value": fill,
-                "codecs": codecs,
-                "attributes": {},
-                "dimension_names": ["step", *self.dims],
-            }
+        codecs = [_LITTLE if itemsize > 1 else {"name": "bytes"}, {"name": "crc32c"}]
+        return _array_doc(
+            [n, *self.shape], self.dtype, [1, *self.chunks], fill, codecs, ["step", *self.dims]
         )
 
 
@@ -311,7 +300,7 @@ def write_references(
             )
             if a is None:
                 a = arrays[p] = _Array(p, rec.dtype, tuple(rec.shape), grid, dims)
-            elif not a.same(rec.dtype, tuple(rec.shape), grid):
+            elif (a.dtype, a.shape, a.chunks) != (rec.dtype, tuple(rec.shape), grid):
                 dropped[p] = f"its dtype, shape or chunk grid changed at step {h.step}"
                 del arrays[p]
                 purge.add(p)
@@ -341,7 +330,9 @@ def write_references(
         parts = p.split("/")
         groups.update("/".join(parts[:k]) for k in range(1, len(parts)))
     for g in groups - {""}:
-        refs[f"{g}/zarr.json"] = _group()
+        refs[f"{g}/zarr.json"] = json.dumps(
+            {"zarr_format": 3, "node_type": "group", "attributes": {}}
+        )
     for k, v in _inline_array(np.asarray(steps, dtype=np.int64), ["step"]).items():
         refs[f"step/{k}"] = v
     names = {}
