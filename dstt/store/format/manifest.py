@@ -12,6 +12,7 @@ every chunk in it — walking a timeline would parse every chunk of every step.
 
 from __future__ import annotations
 
+from dataclasses import asdict, fields
 from typing import TYPE_CHECKING, Any
 
 from dstt.errors import CorruptRunError
@@ -75,17 +76,7 @@ def object_from_json(o: list[Any]) -> ObjectRecord:
     return ObjectRecord(str(o[0]), int(o[2]), int(o[3]), str(o[4]), int(o[1]))
 
 
-_HEADER_FIELDS = {
-    "slot",
-    "step",
-    "timeline",
-    "parent",
-    "time",
-    "pruned",
-    "metrics",
-    "objects",
-    "arrays",
-}
+_HEADER_FIELDS = {f.name for f in fields(CommitHeader)}
 
 
 def parse_header(data: bytes, where: str) -> CommitHeader:
@@ -395,8 +386,7 @@ def arrays_from_json(doc: Mapping[str, Any]) -> dict[str, ArrayRecord]:
 
 
 def dump_arrays(slot: int, arrays: Mapping[str, ArrayRecord] | TableBuilder) -> bytes:
-    table = arrays if isinstance(arrays, TableBuilder) else None
-    body = table.json() if table is not None else arrays_json(arrays)  # type: ignore[arg-type]
+    body = arrays.json() if isinstance(arrays, TableBuilder) else arrays_json(arrays)
     return _seal("arrays", {"slot": slot, **body})
 
 
@@ -437,28 +427,12 @@ def parse_arrays(data: bytes, where: str, *, verified: bool = False) -> dict[str
 
 
 def dump_ref(r: RefInfo) -> bytes:
-    return _seal(
-        "ref",
-        {
-            "name": r.name,
-            "head": r.head,
-            "base_slot": r.base_slot,
-            "base_step": r.base_step,
-            "base_timeline": r.base_timeline,
-            "skip_data": r.skip_data,
-            "created": r.created,
-        },
-    )
+    return _seal("ref", asdict(r))
 
 
 def parse_ref(data: bytes, where: str) -> RefInfo:
     b = _open(data, "ref", where)
-    _fields(
-        b,
-        {"name", "head", "base_slot", "base_step", "base_timeline", "skip_data", "created"},
-        set(),
-        where,
-    )
+    _fields(b, {f.name for f in fields(RefInfo)}, set(), where)
     try:
         return RefInfo(
             name=str(b["name"]),
