@@ -251,24 +251,9 @@ class TableTemplate:
                 f"a table of {len(self.sizes)} chunks got {len(offsets)} offsets "
                 f"and {len(crcs)} checksums"
             )
-        raw = b"".join(
-            (
-                b'{"arrays":',
-                self._arrays,
-                b',"chunks":{"crc32c":',
-                _canonical(crcs),
-                b',"file":',
-                self._file,
-                b',"nbytes":',
-                self._nbytes,
-                b',"offset":',
-                _canonical(offsets),
-                b'},"codecs":{},"files":',
-                _canonical([key]),
-                b',"format":%d,"kind":"arrays","slot":%d}' % (FORMAT_VERSION, slot),
-            )
+        return self._splice(
+            slot, crcs, self._file, self._nbytes, _canonical(offsets), b"{}", _canonical([key])
         )
-        return b'{"crc32c":%d,"body":' % checksum(raw) + raw + b"}\n"
 
     def dump_columns(
         self,
@@ -287,6 +272,27 @@ class TableTemplate:
                 f"a table of {len(self.sizes)} chunks got columns of "
                 f"{[len(file), len(nbytes), len(offsets), len(crcs)]}"
             )
+        return self._splice(
+            slot,
+            crcs,
+            _canonical(file),
+            _canonical(nbytes),
+            _canonical(offsets),
+            _canonical(codecs),
+            _canonical(files),
+        )
+
+    def _splice(
+        self,
+        slot: int,
+        crcs: Sequence[int],
+        file: bytes,
+        nbytes: bytes,
+        offsets: bytes,
+        codecs: bytes,
+        files: bytes,
+    ) -> bytes:
+        """The sealed table from the other columns' canonical bytes, keys in sorted order."""
         raw = b"".join(
             (
                 b'{"arrays":',
@@ -294,15 +300,15 @@ class TableTemplate:
                 b',"chunks":{"crc32c":',
                 _canonical(crcs),
                 b',"file":',
-                _canonical(file),
+                file,
                 b',"nbytes":',
-                _canonical(nbytes),
+                nbytes,
                 b',"offset":',
-                _canonical(offsets),
+                offsets,
                 b'},"codecs":',
-                _canonical(codecs),
+                codecs,
                 b',"files":',
-                _canonical(files),
+                files,
                 b',"format":%d,"kind":"arrays","slot":%d}' % (FORMAT_VERSION, slot),
             )
         )
