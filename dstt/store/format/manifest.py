@@ -356,10 +356,8 @@ def arrays_from_json(doc: Mapping[str, Any]) -> dict[str, ArrayRecord]:
     if not len(file) == len(offset) == len(nbytes) == len(crc):
         raise ValueError("chunk columns differ in length")
     paths = a["path"]
-    if not len(paths) == len(a["dtype"]) == len(a["shape"]) == len(a["rows"]):
-        raise ValueError("array columns differ in length")
     dims_col = a.get("dims") or [None] * len(paths)
-    if len(dims_col) != len(paths):
+    if not len(paths) == len(a["dtype"]) == len(a["shape"]) == len(a["rows"]) == len(dims_col):
         raise ValueError("array columns differ in length")
     out: dict[str, ArrayRecord] = {}
     pos = 0
