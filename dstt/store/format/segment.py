@@ -215,18 +215,11 @@ def encode(rows: RowSet, gen: int) -> bytes:
     _blob(parts, blobs, "hdr_off", offs, at)
     _blob(parts, blobs, "hdr", b"".join(rows.headers), at)
     _blob(parts, blobs, "m_num", np.asarray(rows.m_num, "<f8"), at)
-    _blob(
-        parts,
-        blobs,
-        "m_extra",
-        _json(
-            {
-                "text": {str(i): t for i, t in enumerate(rows.m_text) if t},
-                "hist": {str(i): h for i, h in enumerate(rows.m_hist) if h is not None},
-            }
-        ),
-        at,
-    )
+    extra = {
+        "text": {str(i): t for i, t in enumerate(rows.m_text) if t},
+        "hist": {str(i): h for i, h in enumerate(rows.m_hist) if h is not None},
+    }
+    _blob(parts, blobs, "m_extra", _json(extra), at)
     for name, dt in _SUMMARY:
         _blob(parts, blobs, name, np.asarray(getattr(rows, name), dtype=dt), at)
     locdir: dict[str, list[Any]] = {}
