@@ -329,7 +329,3 @@ class FlatImage:
         self._buf[self._hdr_idx] = zb
         np.frombuffer(self.directory, dtype=np.uint8)[self._cd_idx] = zb
         return crcs, zips
-
-    @property
-    def names(self) -> frozenset[str]:
-        return self.layout.names

@@ -12,6 +12,7 @@ every chunk in it — walking a timeline would parse every chunk of every step.
 
 from __future__ import annotations
 
+from dataclasses import asdict, fields
 from typing import TYPE_CHECKING, Any
 
 from dstt.errors import CorruptRunError
@@ -75,17 +76,7 @@ def object_from_json(o: list[Any]) -> ObjectRecord:
     return ObjectRecord(str(o[0]), int(o[2]), int(o[3]), str(o[4]), int(o[1]))
 
 
-_HEADER_FIELDS = {
-    "slot",
-    "step",
-    "timeline",
-    "parent",
-    "time",
-    "pruned",
-    "metrics",
-    "objects",
-    "arrays",
-}
+_HEADER_FIELDS = {f.name for f in fields(CommitHeader)}
 
 
 def parse_header(data: bytes, where: str) -> CommitHeader:
@@ -260,24 +251,9 @@ class TableTemplate:
                 f"a table of {len(self.sizes)} chunks got {len(offsets)} offsets "
                 f"and {len(crcs)} checksums"
             )
-        raw = b"".join(
-            (
-                b'{"arrays":',
-                self._arrays,
-                b',"chunks":{"crc32c":',
-                _canonical(crcs),
-                b',"file":',
-                self._file,
-                b',"nbytes":',
-                self._nbytes,
-                b',"offset":',
-                _canonical(offsets),
-                b'},"codecs":{},"files":',
-                _canonical([key]),
-                b',"format":%d,"kind":"arrays","slot":%d}' % (FORMAT_VERSION, slot),
-            )
+        return self._splice(
+            slot, crcs, self._file, self._nbytes, _canonical(offsets), b"{}", _canonical([key])
         )
-        return b'{"crc32c":%d,"body":' % checksum(raw) + raw + b"}\n"
 
     def dump_columns(
         self,
@@ -296,6 +272,27 @@ class TableTemplate:
                 f"a table of {len(self.sizes)} chunks got columns of "
                 f"{[len(file), len(nbytes), len(offsets), len(crcs)]}"
             )
+        return self._splice(
+            slot,
+            crcs,
+            _canonical(file),
+            _canonical(nbytes),
+            _canonical(offsets),
+            _canonical(codecs),
+            _canonical(files),
+        )
+
+    def _splice(
+        self,
+        slot: int,
+        crcs: Sequence[int],
+        file: bytes,
+        nbytes: bytes,
+        offsets: bytes,
+        codecs: bytes,
+        files: bytes,
+    ) -> bytes:
+        """The sealed table from the other columns' canonical bytes, keys in sorted order."""
         raw = b"".join(
             (
                 b'{"arrays":',
@@ -303,15 +300,15 @@ class TableTemplate:
                 b',"chunks":{"crc32c":',
                 _canonical(crcs),
                 b',"file":',
-                _canonical(file),
+                file,
                 b',"nbytes":',
-                _canonical(nbytes),
+                nbytes,
                 b',"offset":',
-                _canonical(offsets),
+                offsets,
                 b'},"codecs":',
-                _canonical(codecs),
+                codecs,
                 b',"files":',
-                _canonical(files),
+                files,
                 b',"format":%d,"kind":"arrays","slot":%d}' % (FORMAT_VERSION, slot),
             )
         )
@@ -359,10 +356,8 @@ def arrays_from_json(doc: Mapping[str, Any]) -> dict[str, ArrayRecord]:
     if not len(file) == len(offset) == len(nbytes) == len(crc):
         raise ValueError("chunk columns differ in length")
     paths = a["path"]
-    if not len(paths) == len(a["dtype"]) == len(a["shape"]) == len(a["rows"]):
-        raise ValueError("array columns differ in length")
     dims_col = a.get("dims") or [None] * len(paths)
-    if len(dims_col) != len(paths):
+    if not len(paths) == len(a["dtype"]) == len(a["shape"]) == len(a["rows"]) == len(dims_col):
         raise ValueError("array columns differ in length")
     out: dict[str, ArrayRecord] = {}
     pos = 0
@@ -395,8 +390,7 @@ def arrays_from_json(doc: Mapping[str, Any]) -> dict[str, ArrayRecord]:
 
 
 def dump_arrays(slot: int, arrays: Mapping[str, ArrayRecord] | TableBuilder) -> bytes:
-    table = arrays if isinstance(arrays, TableBuilder) else None
-    body = table.json() if table is not None else arrays_json(arrays)  # type: ignore[arg-type]
+    body = arrays.json() if isinstance(arrays, TableBuilder) else arrays_json(arrays)
     return _seal("arrays", {"slot": slot, **body})
 
 
@@ -437,28 +431,12 @@ def parse_arrays(data: bytes, where: str, *, verified: bool = False) -> dict[str
 
 
 def dump_ref(r: RefInfo) -> bytes:
-    return _seal(
-        "ref",
-        {
-            "name": r.name,
-            "head": r.head,
-            "base_slot": r.base_slot,
-            "base_step": r.base_step,
-            "base_timeline": r.base_timeline,
-            "skip_data": r.skip_data,
-            "created": r.created,
-        },
-    )
+    return _seal("ref", asdict(r))
 
 
 def parse_ref(data: bytes, where: str) -> RefInfo:
     b = _open(data, "ref", where)
-    _fields(
-        b,
-        {"name", "head", "base_slot", "base_step", "base_timeline", "skip_data", "created"},
-        set(),
-        where,
-    )
+    _fields(b, {f.name for f in fields(RefInfo)}, set(), where)
     try:
         return RefInfo(
             name=str(b["name"]),

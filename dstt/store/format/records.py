@@ -1,9 +1,6 @@
 """The records of a commit: frozen dataclasses of chunks, arrays, objects, the commit header
-and refs, and nothing of how they are sealed into documents.
+and refs, and nothing of how they are sealed into documents (what a commit is: ``manifest``).
 
-A commit is the small *commit header* (step, timeline, parent, objects, metrics, and where the
-*arrays table* sits: a byte range of the step's side file, with its crc32c) plus that table
-(every chunk: file, offset, size, crc32c). The header is written last and is the commit point.
 Their strict, checksummed JSON is ``manifest`` (the documents) over ``envelope`` (the
 checksummed wrapper), which import this module and not the other way. Rejected alternative:
 the dataclasses in ``manifest`` next to their serialization — two jobs, and every module that

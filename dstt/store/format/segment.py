@@ -52,6 +52,7 @@ _CORE = (
     ("pruned", "u1"),
     ("time", "<f8"),
 )
+_SUMMARY = (("s_has", "u1"), ("s_val", "<f8"), ("s_exact", "u1"), ("s_probe", "<f4"))
 
 
 @dataclass
@@ -130,10 +131,8 @@ def concat(sets: list[RowSet]) -> RowSet:
         files=files,
     )
     if same_s:
-        out.s_val = np.concatenate([s.s_val for s in sets])
-        out.s_exact = np.concatenate([s.s_exact for s in sets])
-        out.s_probe = np.concatenate([s.s_probe for s in sets])
-        out.s_has = np.concatenate([s.s_has for s in sets])
+        for name, _ in _SUMMARY:
+            setattr(out, name, np.concatenate([getattr(s, name) for s in sets]))
     else:
         out.s_has = np.zeros(n, np.uint8)
         out.s_val = np.full((n, len(paths), len(SCALARS)), np.nan)
@@ -216,20 +215,12 @@ def encode(rows: RowSet, gen: int) -> bytes:
     _blob(parts, blobs, "hdr_off", offs, at)
     _blob(parts, blobs, "hdr", b"".join(rows.headers), at)
     _blob(parts, blobs, "m_num", np.asarray(rows.m_num, "<f8"), at)
-    _blob(
-        parts,
-        blobs,
-        "m_extra",
-        _json(
-            {
-                "text": {str(i): t for i, t in enumerate(rows.m_text) if t},
-                "hist": {str(i): h for i, h in enumerate(rows.m_hist) if h is not None},
-            }
-        ),
-        at,
-    )
-    for name in ("s_has", "s_val", "s_exact", "s_probe"):
-        dt = {"s_has": "u1", "s_val": "<f8", "s_exact": "u1", "s_probe": "<f4"}[name]
+    extra = {
+        "text": {str(i): t for i, t in enumerate(rows.m_text) if t},
+        "hist": {str(i): h for i, h in enumerate(rows.m_hist) if h is not None},
+    }
+    _blob(parts, blobs, "m_extra", _json(extra), at)
+    for name, dt in _SUMMARY:
         _blob(parts, blobs, name, np.asarray(getattr(rows, name), dtype=dt), at)
     locdir: dict[str, list[Any]] = {}
     for path, lo in rows.loc.items():
@@ -341,12 +332,7 @@ def decode_rest(d: dict[str, Any], core: dict[str, np.ndarray], data: bytes, whe
         for path, ent in locdir.items()
     }
     return RowSet(
-        slot=core["slot"],
-        step=core["step"],
-        parent=core["parent"],
-        timeline=core["timeline"],
-        pruned=core["pruned"],
-        time=core["time"],
+        **{name: core[name] for name, _ in _CORE},
         timelines=list(d["timelines"]),
         headers=[bytes(hdr[offs[i] : offs[i + 1]]) for i in range(n)],
         m_names=list(d["m_names"]),
@@ -354,10 +340,7 @@ def decode_rest(d: dict[str, Any], core: dict[str, np.ndarray], data: bytes, whe
         m_text=text,
         m_hist=hist,
         s_paths=list(d["s_paths"]),
-        s_has=blob(d, "s_has", data, 0, where),
-        s_val=blob(d, "s_val", data, 0, where),
-        s_exact=blob(d, "s_exact", data, 0, where),
-        s_probe=blob(d, "s_probe", data, 0, where),
+        **{name: blob(d, name, data, 0, where) for name, _ in _SUMMARY},
         files=list(d["files"]),
         loc=loc,
     )

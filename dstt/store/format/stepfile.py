@@ -292,13 +292,8 @@ class Block:
             self._cd_at = (np.cumsum(lens) - lens + _CD_HEADER_OFFSET)[:, None] + np.arange(4)
             self._offs = np.fromiter((e.offset for e in entries), np.int64, self.count)
         out = object.__new__(Block)
-        out.start, out.names, out.iov, out.count, out.nbytes = (
-            start,
-            self.names,
-            self.iov,
-            self.count,
-            self.nbytes,
-        )
+        out.start, out.names, out.iov = start, self.names, self.iov
+        out.count, out.nbytes = self.count, self.nbytes
         out._entries, out._shift = self._entries, self._shift + start - self.start
         out._cd_at, out._offs = self._cd_at, self._offs + (start - self.start)
         cd = np.frombuffer(bytearray(self.directory), np.uint8)

@@ -144,7 +144,6 @@ def directory_records(entries: Sequence[Entry]) -> bytes:
     parts: list[bytes] = []
     for e in entries:
         raw = e.name.encode()
-        extra = b""
         size32 = off32 = 0
         fields: list[int] = []
         if e.size >= _MAX32:
@@ -153,10 +152,8 @@ def directory_records(entries: Sequence[Entry]) -> bytes:
         if e.offset >= _MAX32:
             fields.append(e.offset)
             off32 = _MAX32
-        if fields:
-            extra = struct.pack("<HH", 0x0001, 8 * len(fields)) + struct.pack(
-                f"<{len(fields)}Q", *fields
-            )
+        n = len(fields)
+        extra = struct.pack(f"<HH{n}Q", 0x0001, 8 * n, *fields) if fields else b""
         need = 45 if fields else 20
         parts.append(
             _CENTRAL.pack(

@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["Blob", "Data", "Durability", "Storage", "as_parts", "missing"]
 
 Durability = Literal["fsync", "syncfs", "none"]
-Buffer: TypeAlias = "bytes | bytearray | memoryview"
 #: a value to write: one buffer, or several written back to back (no concatenation copy)
 Data: TypeAlias = "bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]"
 

@@ -164,26 +164,24 @@ class LocalStorage(Storage):
         return out
 
     def write(self, key: str, data: Data) -> None:
-        path = self._path(key)
-        try:
-            parent, grown = self._ensure_parent(path)
-            tmp = self._write_tmp(path, data, fsync=False)
-            os.rename(tmp, path)
-        except OSError as e:
-            raise self._io_error(e, "write", key) from e
-        self._published(path, parent, grown)
+        self._write(key, data, durable=False)
 
     def write_durable(self, key: str, data: Data) -> None:
+        self._write(key, data, durable=True)
+
+    def _write(self, key: str, data: Data, *, durable: bool) -> None:
         path = self._path(key)
+        sync = durable and self.durability != "none"
         try:
             parent, grown = self._ensure_parent(path)
-            tmp = self._write_tmp(path, data, fsync=self.durability != "none")
-            os.rename(tmp, path)
-            if self.durability != "none":
+            os.rename(self._write_tmp(path, data, fsync=sync), path)
+            if sync:
                 for d in (parent, *grown):  # a new folder's name lives in its parent
                     fsync_dir(d)
         except OSError as e:
             raise self._io_error(e, "write", key) from e
+        if not durable:
+            self._published(path, parent, grown)
 
     def open_blob(self, key: str) -> Blob:
         return _FileBlob(self, key)
@@ -220,14 +218,12 @@ class LocalStorage(Storage):
 
     def _published(self, path: str, parent: str, grown: list[str]) -> None:
         """A file renamed into place without fsync: the next barrier makes it durable."""
-        if self.durability == "fsync":
-            with self._dirty_lock:
-                self._dirty_files.add(path)
-                self._dirty_dirs.add(parent)
-                self._dirty_dirs.update(grown)
-        elif self.durability == "syncfs":
-            with self._dirty_lock:
-                self._dirty_files.add(path)
+        if self.durability == "none":
+            return
+        with self._dirty_lock:
+            self._dirty_files.add(path)
+            if self.durability == "fsync":
+                self._dirty_dirs.update((parent, *grown))
 
     def barrier(self) -> None:
         with self._dirty_lock:

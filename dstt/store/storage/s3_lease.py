@@ -52,21 +52,16 @@ class _S3Lease:
         self._thread: threading.Thread | None = None
         self._mu = threading.Lock()
 
-    def _record(self, expires: float) -> bytes:
-        return json.dumps(
-            {
-                "owner": self.owner,
-                "pid": os.getpid(),
-                "host": socket.gethostname(),
-                "expires": expires,
-                "ttl": self.ttl,
-            }
-        ).encode()
-
     def _put(self, mode: Any, expires: float | None = None) -> None:  # noqa: ANN401 - obstore's put mode
         t0 = time.monotonic()
-        exp = time.time() + self.ttl if expires is None else expires
-        res = obstore.put(self.storage.store, self.key, self._record(exp), mode=mode)
+        record = {
+            "owner": self.owner,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "expires": time.time() + self.ttl if expires is None else expires,
+            "ttl": self.ttl,
+        }
+        res = obstore.put(self.storage.store, self.key, json.dumps(record).encode(), mode=mode)
         with self._mu:
             self.etag = str(res["e_tag"])
             self.valid_until = t0 + 0.9 * self.ttl
