@@ -61,22 +61,9 @@ def as_float(v: Any) -> float:
 
 
 def _summaries(obj: Any) -> dict[str, tuple[list[float], bool, list[float]]]:
-    """``{path: (scalars, update_exact, probe)}`` of a write-time summaries object (the
-    engine's per-path mapping or its columnar flat-lane form)."""
+    """``{path: (scalars, update_exact, probe)}`` of the engine's per-path summaries mapping
+    (the flat lane's columnar form is decoded by ``_summary_rows`` itself)."""
     out: dict[str, tuple[list[float], bool, list[float]]] = {}
-    if isinstance(obj, dict) and obj.get("columns") == 1:
-        cols = [np.asarray(obj[f], dtype=np.float64) for f in SCALARS]
-        probe = np.asarray(obj["probe"], dtype=np.float64)
-        lens = np.asarray(obj["probe_len"]).tolist()
-        # (written before exact flat-lane updates: no ``update_exact`` column, estimates)
-        exact = np.asarray(obj.get("update_exact", np.zeros(len(lens), bool)), bool).tolist()
-        for i, p in enumerate(obj["path"]):
-            out[str(p)] = (
-                [float(c[i]) for c in cols],
-                bool(exact[i]),
-                probe[i, : int(lens[i])].tolist() if probe.ndim == 2 else [],
-            )
-        return out
     if isinstance(obj, dict):
         for p, v in obj.items():
             if isinstance(v, dict):
