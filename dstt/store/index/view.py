@@ -310,6 +310,11 @@ class Index:
         return sorted(self._segs.values(), key=lambda s: s.gen)
 
     @property
+    def next_gen(self) -> int:
+        """The generation of a new segment: above every segment's, so its rows win."""
+        return max((s.gen for s in self.segments), default=0) + 1
+
+    @property
     def loaded(self) -> bool:
         """Whether the segments were read (``load``) at least once."""
         return self._loaded

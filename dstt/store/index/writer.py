@@ -99,12 +99,9 @@ class IndexWriter:
                     got = take(seg.rows(st), np.array(sel))
                     old.update({int(s): (got, i) for i, s in enumerate(got.slot.tolist())})
             rows = keep_summaries(rows, old)
-            write_segment(st, rows, self._next_gen())
+            write_segment(st, rows, self.index.next_gen)
         st.delete(GC_MARKER)
         self.index.load()
-
-    def _next_gen(self) -> int:
-        return max((s.gen for s in self.index.segments), default=0) + 1
 
     def add(self, header: CommitHeader) -> None:
         """A commit's ref moved: queue its row; write a segment when ``every`` are queued
@@ -184,7 +181,7 @@ def flush_rows(
     if not todo:
         return
     rows = rows_from_headers(reader, todo)
-    write_segment(st, rows, max((s.gen for s in index.segments), default=0) + 1)
+    write_segment(st, rows, index.next_gen)
     index.load()
     merge_segments(st, index, every)
 
@@ -200,7 +197,7 @@ def merge_segments(st: Storage, index: Index, every: int) -> None:
         if len(tiers) != 1:
             return
         rows = concat([s.rows(st) for s in newest])
-        write_segment(st, rows, max((s.gen for s in index.segments), default=0) + 1)
+        write_segment(st, rows, index.next_gen)
         for s in newest:
             st.delete(s.key)
         index.load()

@@ -257,10 +257,9 @@ def _prune_live(
     if unindexed:
         fresh = rows_from_headers(r, unindexed)
         old.update({int(x): (fresh, i) for i, x in enumerate(fresh.slot.tolist())})
-    gen = max((seg.gen for seg in index.segments), default=0) + 1
     st.write_durable(GC_MARKER, json.dumps({"slots": slots}).encode())
     dead = _tombstones(r, prune, progress, total)
-    write_segment(st, keep_summaries(rows_from_headers(r, dead), old), gen)
+    write_segment(st, keep_summaries(rows_from_headers(r, dead), old), index.next_gen)
     st.delete(GC_MARKER)
     if writer.index is not None:  # its queued rows of these slots are stale now
         for s in slots:
