@@ -316,9 +316,7 @@ class Reader:
 
     def lineage(self, timeline: str | None = None) -> list[CommitHeader]:
         """Commits of a timeline, oldest first (pruned tombstones included)."""
-        out = list(self.walk(timeline))
-        out.reverse()
-        return out
+        return list(self.walk(timeline))[::-1]
 
     def head(self, timeline: str | None = None) -> CommitHeader | None:
         slot = self.ref(timeline).head
@@ -470,10 +468,7 @@ class Reader:
                 known = plans.get(id(lay))
                 if known is None:
                     p = ChunkPlan(lay[1], numpy_dtype(lay[0]).itemsize, lay[2])
-                    known = plans[id(lay)] = [
-                        p.n_chunks,
-                        *(b - a for a, b in map(p.byte_range, range(p.n_chunks))),
-                    ]
+                    known = plans[id(lay)] = _sizes(p)
                 sizes += known
                 continue
             rec = self.arrays(h).get(path)  # the tail not indexed yet: its arrays table
@@ -485,10 +480,7 @@ class Reader:
                 return None  # absent, a view of other arrays (ZeRO), or encoded
             want += [(c.key, c.offset, c.nbytes) for c in rec.chunks]
             crcs += [c.crc32c for c in rec.chunks]
-            rec_plan = rec.plan
-            n = rec_plan.n_chunks
-            sizes.append(n)
-            sizes += [b - a for a, b in map(rec_plan.byte_range, range(n))]
+            sizes += _sizes(rec.plan)
         try:
             got_bytes = self.storage.read_ranges(want)
         except FileNotFoundError:  # pruned meanwhile, or damaged: the step-by-step path says
@@ -600,6 +592,11 @@ class Reader:
         if len(data) != rec.nbytes or checksum(data) != rec.crc32c:
             raise ChecksumError(f"{where}: object {name!r} does not match its commit")
         return data
+
+
+def _sizes(plan: ChunkPlan) -> list[int]:
+    """``[chunks, data bytes of each]``: one step's entry in ``_read_many``'s ``sizes``."""
+    return [plan.n_chunks, *(b - a for a, b in map(plan.byte_range, range(plan.n_chunks)))]
 
 
 def _describe(steps: list[int]) -> str:
