@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,9 +37,10 @@ from dstt.store.index.writer import IndexWriter, write_segment
 from dstt.store.read.reader import Reader
 
 from .retention import Retention, policy
-from .verify import unreached
+from .verify import Progress, unreached
 
 if TYPE_CHECKING:
+    from collections.abc import Collection, Iterable
     from contextlib import AbstractContextManager
 
     from dstt.store.format.records import CommitHeader
@@ -48,8 +48,6 @@ if TYPE_CHECKING:
     from dstt.store.storage.base import Storage
 
 __all__ = ["GcReport", "LiveWriter", "RunFiles", "gc"]
-
-Progress = Callable[[int, int], None] | None
 
 
 class RunFiles(Protocol):
@@ -94,13 +92,10 @@ def _delta_bases(r: Reader, reachable: dict[int, CommitHeader], keep: set[int]) 
     return bases
 
 
-def _step_files(st: Storage) -> list[str]:
-    """Every step and side file of the run (temporaries excluded)."""
-    return [
-        f"{STEPS_PREFIX}/{n}"
-        for n in st.list(STEPS_PREFIX)
-        if key_slot(f"{STEPS_PREFIX}/{n}") is not None
-    ]
+def _step_files(st: Storage) -> dict[str, int]:
+    """Every step and side file of the run (temporaries excluded) -> its slot."""
+    keys = (f"{STEPS_PREFIX}/{n}" for n in st.list(STEPS_PREFIX))
+    return {k: s for k in keys if (s := key_slot(k)) is not None}
 
 
 def _files_of(r: Reader, h: CommitHeader) -> set[str]:
@@ -159,17 +154,16 @@ def _keep_set(
     mv: Any = ()
     if pol.spike_window and line:
         ms, mv = _metric_series(r.scalar_rows(line, summaries=False), pol.spike_metric)
-    live_steps = [h.step for h in live]
-    if light and pol.keep_light:
-        every = sorted({*live_steps, *light})
-        steps = pol.keep(every, ms, mv)
-        slots = {h.slot for h in live if h.step in steps}
-        for k, pair in light.items():
-            if k in steps:
-                slots.update(pair)
-        return slots, pol.spike_windows(every, ms, mv)
-    steps = pol.keep(live_steps, ms, mv)
-    return {h.slot for h in live if h.step in steps}, pol.spike_windows(live_steps, ms, mv)
+    light = light if pol.keep_light else {}
+    every = [h.step for h in live]
+    if light:
+        every = sorted({*every, *light})
+    steps = pol.keep(every, ms, mv)
+    slots = {h.slot for h in live if h.step in steps}
+    for k, pair in light.items():
+        if k in steps:
+            slots.update(pair)
+    return slots, pol.spike_windows(every, ms, mv)
 
 
 def _metric_series(rows: RowSet, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -348,7 +342,6 @@ def _gc(
     writer: LiveWriter | None,
     released: Collection[int] = (),
 ) -> GcReport:
-    live_writer = writer is not None
     if writer is not None:
         writer.check_open()
     r = Reader(st)
@@ -385,10 +378,8 @@ def _gc(
     released = {*released, *(s for slots in records.values() for s in slots)}
     unproven = _unproven(r, reachable, newest, released)
 
-    def untouchable(slot: int | None) -> bool:
-        if slot is None:
-            return False
-        return slot in unproven or (live_writer and (slot in busy or slot > newest))
+    def untouchable(slot: int) -> bool:
+        return slot in unproven or (writer is not None and (slot in busy or slot > newest))
 
     orphans = [s for s in r.all_slots() if s not in reachable and not untouchable(s)]
     # files still needed by kept commits (deltas and dedups read older steps' files)
@@ -397,14 +388,13 @@ def _gc(
         kept = reachable.get(s)
         if kept is not None and not kept.pruned:
             needed |= _files_of(r, kept)
-    files = _step_files(st)
     # every file of a kept slot stays, whatever its tensors reference: each rank's zip
     # is that step's plain Zarr hierarchy even where all its chunks are deltas or dedups
     live = {s for s in keep if s in reachable and not reachable[s].pruned}
     doomed = [
         k
-        for k in files
-        if k not in needed and key_slot(k) not in live and not untouchable(key_slot(k))
+        for k, slot in _step_files(st).items()
+        if k not in needed and slot not in live and not untouchable(slot)
     ]
     sizes = {}
     for k in doomed:
