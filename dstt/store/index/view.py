@@ -64,12 +64,8 @@ class IndexedHeader(CommitHeader):
         h: CommitHeader | None = self.__dict__["_h"]
         if h is None:
             h = self.__dict__["_fetch"]()
-            same = (h.slot, h.step, h.timeline, h.parent) == (
-                self.slot,
-                self.step,
-                self.timeline,
-                self.parent,
-            )
+            core = ("slot", "step", "timeline", "parent")
+            same = all(getattr(h, k) == getattr(self, k) for k in core)
             if same and h.pruned > self.pruned:
                 raise StepNotFoundError(  # a gc elsewhere pruned it since this view was read
                     f"step {self.step} (slot {self.slot}) was pruned by gc after this view of "
@@ -323,7 +319,7 @@ class Index:
         return self if self._loaded else self.load()
 
     def header(self, slot: int) -> IndexedHeader | None:
-        got = (self if self._loaded else self.load()).rows.get(slot)
+        got = self.ensure().rows.get(slot)
         if got is None:
             return None
         seg, i = got
@@ -347,35 +343,33 @@ class Index:
         pruned, absent, encoded): ``located`` for many steps, without record objects."""
         idx = self.ensure()
         out: list[tuple[Layout, list[int]] | None] = []
-        cache: dict[str, tuple[Any, ...]] = {}
+        cache: dict[str, tuple[Any, ...] | None] = {}  # per segment: its columns as lists
         for slot in slots:
             got = idx.rows.get(slot)
             if got is None:
                 out.append(None)
                 continue
             seg, i = got
-            loc = cache.get(seg.key)
-            if loc is None:
+            if seg.key not in cache:
                 try:
                     raw = seg.locations(self.storage, path)
                 except (DsttError, OSError, ValueError):
                     raw = None
-                loc = cache[seg.key] = (
-                    (False,)
+                cache[seg.key] = (
+                    None
                     if raw is None
                     else (
-                        True,
                         raw.ids.tolist(),
                         raw.crc.tolist(),
                         raw.layouts,
                         seg.core["pruned"].tolist(),
                     )
                 )
-            if not loc[0] or loc[4][i]:
+            loc = cache[seg.key]
+            if loc is None or loc[3][i] or loc[0][i] < 0:
                 out.append(None)
-                continue
-            j = loc[1][i]
-            out.append(None if j < 0 else (loc[3][j], loc[2][i]))
+            else:
+                out.append((loc[2][loc[0][i]], loc[1][i]))
         return out
 
     def located(self, slot: int, path: str) -> ArrayRecord | None:
@@ -393,15 +387,14 @@ class Index:
             return None
         if loc is None:
             return None
-        ids, crcs, lays = loc.ids, loc.crc, loc.layouts
-        j = int(ids[i])
+        j = int(loc.ids[i])
         if j < 0:
             return None
-        dtype, shape, nrows, chunks, dims = lays[j]
+        dtype, shape, nrows, chunks, dims = loc.layouts[j]
         files = seg.d["files"]
         own = step_file_key(slot)
         recs = tuple(
-            ChunkRecord(own if f < 0 else files[f], b, int(crcs[i, k]), offset=o)
+            ChunkRecord(own if f < 0 else files[f], b, int(loc.crc[i, k]), offset=o)
             for k, (f, o, b) in enumerate(chunks)
         )
         return ArrayRecord(path, dtype, shape, nrows, recs, dims)
