@@ -192,12 +192,10 @@ def _metric_series(rows: RowSet, name: str) -> tuple[np.ndarray, np.ndarray]:
 def _tombstones(
     r: Reader, headers: list[CommitHeader], progress: Progress, total: int
 ) -> list[CommitHeader]:
-    """Rewrite ``headers`` as tombstones, durably, before any file is deleted: from then on
-    no reader looks at the doomed files, so a crash between any two deletes leaves every kept
-    step intact. Newest first, each durable before the next, where one of them is a delta
-    (its bases are older slots: at every cut each live commit's bases are still live);
-    where none is (raw steps, the usual per-iteration capture), all of them durable together
-    with one barrier instead of two syncs each."""
+    """Rewrite ``headers`` as tombstones, durably, before any file is deleted, so a crash
+    between deletes leaves every kept step intact. With a delta among them: newest first,
+    each durable before the next (at every cut each live commit's bases are still live);
+    else (raw steps, the usual case) one barrier for all instead of two syncs each."""
     st = r.storage
     chained = any(c.slots for h in headers for rec in r.arrays(h).values() for c in rec.chunks)
     out = []
@@ -222,11 +220,10 @@ def _prune_live(
     total: int,
 ) -> None:
     """Tombstones and index rows of ``prune`` under a live writer, in gc's order (marker,
-    tombstones, a new segment, marker deleted; the files after), but O(pruned) instead of a
-    rewrite of every row: the new segment holds only the pruned rows and, as the newest
-    generation, wins over their older rows (``index/writer.py``); the writer's merges compact it
-    later. Summaries and history come from each slot's older row, or (slots the writer has
-    not indexed yet) from its files, read before the tombstone is written."""
+    tombstones, a new segment, marker deleted; the files after), but O(pruned): the new
+    segment holds only the pruned rows and, the newest generation, wins over their older
+    rows. Summaries and history come from each slot's older row, or (not indexed yet) from
+    its files, read before the tombstone is written."""
     if not prune:
         return
     slots = [h.slot for h in prune]
@@ -382,15 +379,11 @@ def _gc(
         return slot in unproven or (writer is not None and (slot in busy or slot > newest))
 
     orphans = [s for s in r.all_slots() if s not in reachable and not untouchable(s)]
+    live = {s for s in keep if s in reachable and not reachable[s].pruned}
     # files still needed by kept commits (deltas and dedups read older steps' files)
-    needed: set[str] = set()
-    for s in keep:
-        kept = reachable.get(s)
-        if kept is not None and not kept.pruned:
-            needed |= _files_of(r, kept)
+    needed: set[str] = set().union(*(_files_of(r, reachable[s]) for s in live))
     # every file of a kept slot stays, whatever its tensors reference: each rank's zip
     # is that step's plain Zarr hierarchy even where all its chunks are deltas or dedups
-    live = {s for s in keep if s in reachable and not reachable[s].pruned}
     doomed = [
         k
         for k, slot in _step_files(st).items()
