@@ -286,8 +286,7 @@ class Index:
     def slots_mentioning(self, needle: bytes) -> set[int]:
         """Slots of the index's rows whose header bytes contain ``needle`` (a superset of
         the commits carrying an object of that name; slots the index has no row for are
-        not answered here: check their headers). A segment that cannot be read (damaged, or
-        deleted by a gc merge after this view loaded it) answers all of its rows."""
+        not answered here: check their headers)."""
         self.ensure()
         out: set[int] = set()
         for seg in self.segments:
