@@ -77,9 +77,8 @@ class Reader:
         use_index: bool = True,
     ) -> None:
         self.storage = storage
-        #: the run's index (``index/view.py``, written by ``index/writer.py``): headers and tensor
-        #: locations without a header read per step; loaded on first use, shared by the
-        #: readers of a ``ReaderPool``.
+        #: the run's index (``index/view.py``): headers and tensor locations without a header
+        #: read per step; loaded on first use, shared by a ``ReaderPool``'s readers;
         #: ``use_index=False``: every header from its own file (verify)
         self.index = index if index is not None else Index(storage, enabled=use_index)
         self._headers: dict[int, CommitHeader] = {}
@@ -97,10 +96,9 @@ class Reader:
     def refresh(self) -> None:
         """Re-read HEAD and refs (cheap); drop cached headers that gc may have pruned.
 
-        A missing or damaged ref or HEAD does not hide the run: the problem is recorded
-        (``damaged_refs``, ``head_problem``), and the timelines whose ref is gone are
-        rebuilt in memory from their commit headers (``recover_refs``), which name their
-        step, parent and timeline. ``dstt verify`` reports them; ``--repair`` writes them."""
+        A missing or damaged ref or HEAD does not hide the run: it is recorded
+        (``damaged_refs``, ``head_problem``) and the timelines whose ref is gone are rebuilt
+        in memory from their commit headers (``recover_refs``); ``verify --repair`` writes them."""
         st = self.storage
         #: ref file key -> why it could not be read
         self.damaged_refs: dict[str, str] = {}
@@ -202,7 +200,7 @@ class Reader:
                     base = h
                     break
                 first, below = h, h.parent
-            ref = RefInfo(
+            added[name] = RefInfo(
                 name,
                 top.slot,
                 base_slot=None if base is None else base.slot,
@@ -210,7 +208,6 @@ class Reader:
                 base_timeline=None if base is None else base.timeline,
                 created=first.time,
             )
-            added[name] = ref
         self._refs.update(added)
         self.recovered.update(added)
         return added
