@@ -237,7 +237,7 @@ class Index:
         self.distrusted: set[int] = set()
         #: slot -> (segment, row)
         self.rows: dict[int, tuple[_Segment, int]] = {}
-        self._loaded = False
+        self.loaded = False  # whether the segments were read (``load``) at least once
         self._lock = threading.Lock()
 
     def load(self) -> Index:
@@ -280,7 +280,7 @@ class Index:
                 rows.pop(s, None)
             self._segs, self.rows, self.problems = segs, rows, problems
             self.distrusted = distrusted
-            self._loaded = True
+            self.loaded = True
             return self
 
     def slots_mentioning(self, needle: bytes) -> set[int]:
@@ -309,13 +309,8 @@ class Index:
         """The generation of a new segment: above every segment's, so its rows win."""
         return max((s.gen for s in self.segments), default=0) + 1
 
-    @property
-    def loaded(self) -> bool:
-        """Whether the segments were read (``load``) at least once."""
-        return self._loaded
-
     def ensure(self) -> Index:
-        return self if self._loaded else self.load()
+        return self if self.loaded else self.load()
 
     def header(self, slot: int) -> IndexedHeader | None:
         got = self.ensure().rows.get(slot)
