@@ -315,9 +315,8 @@ def _unproven(
 ) -> set[int]:
     """Unreachable slots gc cannot prove abandoned, so keeps with all their files: any newer
     than every ref's head (a lost ref update cannot be told from a crash before one), any
-    whose header cannot be read, any of a timeline without a ref (its ref lost) and, with
-    no header, any whose step zip names such a timeline. ``released``: slots the caller
-    proved abandoned (``delete_timeline``: the commits of the ref it deleted)."""
+    whose header cannot be read, any of a timeline without a ref (its ref lost), by its
+    header or its step zip. ``released``: slots the caller proved abandoned."""
     names = set(r.timelines)
     out = {s for s in r.all_slots() if s > newest and s not in released}  # headers not read
     for slot, _, what in unreached(r, {*reachable, *out}, released):
