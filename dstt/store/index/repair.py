@@ -53,7 +53,6 @@ def rewrite(
     """Replace the whole index by one segment of ``headers`` (gc, rebuild). With ``reuse``,
     rows of unchanged live steps are copied from ``old`` instead of re-read from step files."""
     index = Index(st).load()
-    gen = max((s.gen for s in index.segments), default=0) + 1
     fresh, copied = [], []
     for h in headers:
         prev = old.get(h.slot)
@@ -70,7 +69,7 @@ def rewrite(
     parts += [take(rs, np.array([i])) for rs, i in copied]
     if parts:
         rows = keep_summaries(concat(parts), old)
-        key = write_segment(st, rows, gen)
+        key = write_segment(st, rows, index.next_gen)
     else:
         key = ""
     for seg in index.segments:

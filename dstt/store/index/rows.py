@@ -13,6 +13,7 @@ not keep them when gc deletes the side files.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -61,22 +62,9 @@ def as_float(v: Any) -> float:
 
 
 def _summaries(obj: Any) -> dict[str, tuple[list[float], bool, list[float]]]:
-    """``{path: (scalars, update_exact, probe)}`` of a write-time summaries object (the
-    engine's per-path mapping or its columnar flat-lane form)."""
+    """``{path: (scalars, update_exact, probe)}`` of the engine's per-path summaries mapping
+    (the flat lane's columnar form is decoded by ``_summary_rows`` itself)."""
     out: dict[str, tuple[list[float], bool, list[float]]] = {}
-    if isinstance(obj, dict) and obj.get("columns") == 1:
-        cols = [np.asarray(obj[f], dtype=np.float64) for f in SCALARS]
-        probe = np.asarray(obj["probe"], dtype=np.float64)
-        lens = np.asarray(obj["probe_len"]).tolist()
-        # (written before exact flat-lane updates: no ``update_exact`` column, estimates)
-        exact = np.asarray(obj.get("update_exact", np.zeros(len(lens), bool)), bool).tolist()
-        for i, p in enumerate(obj["path"]):
-            out[str(p)] = (
-                [float(c[i]) for c in cols],
-                bool(exact[i]),
-                probe[i, : int(lens[i])].tolist() if probe.ndim == 2 else [],
-            )
-        return out
     if isinstance(obj, dict):
         for p, v in obj.items():
             if isinstance(v, dict):
@@ -99,11 +87,9 @@ def rows_from_headers(
     metrics history, summaries and tensor locations (nothing of that for a pruned step);
     ``summaries``/``locations`` False leaves those out (a reader's tail).
 
-    Python work per commit is O(1) in the number of arrays for the steps a steady run
-    writes: the arrays tables are read as columns, commits whose tables differ only in
-    their checksums share one set of layouts (built once) and a checksum matrix, and the
-    flat lane's columnar summaries are scattered into the rows with numpy. (Built array by
-    array it took ~33 ms of interpreter time per commit at 1,600 arrays.)"""
+    O(1) Python per commit in its arrays for a steady run (array by array it took ~33 ms a
+    commit at 1,600 arrays): tables are read as columns, tables that differ only in their
+    checksums share one set of layouts, columnar summaries are scattered with numpy."""
     hs = [h.full() if hasattr(h, "full") else h for h in headers]  # IndexedHeader
     n = len(hs)
     tls = sorted({h.timeline for h in hs})
@@ -341,25 +327,16 @@ def dedup(rows: RowSet) -> RowSet:
 
 def take(rows: RowSet, idx: np.ndarray) -> RowSet:
     il = idx.tolist()
-    return RowSet(
-        slot=rows.slot[idx],
-        step=rows.step[idx],
-        parent=rows.parent[idx],
-        timeline=rows.timeline[idx],
-        pruned=rows.pruned[idx],
-        time=rows.time[idx],
-        timelines=rows.timelines,
+    return dataclasses.replace(
+        rows,
+        **{  # every array column has a row per row; the lists of names do not
+            f.name: v[idx]
+            for f in dataclasses.fields(rows)
+            if isinstance(v := getattr(rows, f.name), np.ndarray)
+        },
         headers=[rows.headers[i] for i in il],
-        m_names=rows.m_names,
-        m_num=rows.m_num[idx],
         m_text=[rows.m_text[i] for i in il],
         m_hist=[rows.m_hist[i] for i in il],
-        s_paths=rows.s_paths,
-        s_has=rows.s_has[idx],
-        s_val=rows.s_val[idx],
-        s_exact=rows.s_exact[idx],
-        s_probe=rows.s_probe[idx],
-        files=rows.files,
         loc={p: Locations(lo.layouts, lo.ids[idx], lo.crc[idx]) for p, lo in rows.loc.items()},
     )
 
@@ -377,11 +354,9 @@ def keep_summaries(rows: RowSet, old: dict[int, tuple[RowSet, int]]) -> RowSet:
     picked = (old[int(rows.slot[i])] for i in fill)
     merged = concat([rows, *(take(src, np.array([j])) for src, j in picked)])
     n = len(rows)
+    for col in (merged.s_has, merged.s_val, merged.s_exact, merged.s_probe):
+        col[fill] = col[n:]
     for k, i in enumerate(fill):
-        r = n + k
-        merged.s_has[i] = merged.s_has[r]
-        merged.s_val[i] = merged.s_val[r]
-        merged.s_exact[i] = merged.s_exact[r]
-        merged.s_probe[i] = merged.s_probe[r]
-        merged.m_hist[i] = merged.m_hist[r] if merged.m_hist[i] is None else merged.m_hist[i]
+        if merged.m_hist[i] is None:
+            merged.m_hist[i] = merged.m_hist[n + k]
     return take(merged, np.arange(n))

@@ -64,12 +64,8 @@ class IndexedHeader(CommitHeader):
         h: CommitHeader | None = self.__dict__["_h"]
         if h is None:
             h = self.__dict__["_fetch"]()
-            same = (h.slot, h.step, h.timeline, h.parent) == (
-                self.slot,
-                self.step,
-                self.timeline,
-                self.parent,
-            )
+            core = ("slot", "step", "timeline", "parent")
+            same = all(getattr(h, k) == getattr(self, k) for k in core)
             if same and h.pruned > self.pruned:
                 raise StepNotFoundError(  # a gc elsewhere pruned it since this view was read
                     f"step {self.step} (slot {self.slot}) was pruned by gc after this view of "
@@ -241,7 +237,7 @@ class Index:
         self.distrusted: set[int] = set()
         #: slot -> (segment, row)
         self.rows: dict[int, tuple[_Segment, int]] = {}
-        self._loaded = False
+        self.loaded = False  # whether the segments were read (``load``) at least once
         self._lock = threading.Lock()
 
     def load(self) -> Index:
@@ -284,14 +280,13 @@ class Index:
                 rows.pop(s, None)
             self._segs, self.rows, self.problems = segs, rows, problems
             self.distrusted = distrusted
-            self._loaded = True
+            self.loaded = True
             return self
 
     def slots_mentioning(self, needle: bytes) -> set[int]:
         """Slots of the index's rows whose header bytes contain ``needle`` (a superset of
         the commits carrying an object of that name; slots the index has no row for are
-        not answered here: check their headers). A segment that cannot be read (damaged, or
-        deleted by a gc merge after this view loaded it) answers all of its rows."""
+        not answered here: check their headers)."""
         self.ensure()
         out: set[int] = set()
         for seg in self.segments:
@@ -310,15 +305,15 @@ class Index:
         return sorted(self._segs.values(), key=lambda s: s.gen)
 
     @property
-    def loaded(self) -> bool:
-        """Whether the segments were read (``load``) at least once."""
-        return self._loaded
+    def next_gen(self) -> int:
+        """The generation of a new segment: above every segment's, so its rows win."""
+        return max((s.gen for s in self.segments), default=0) + 1
 
     def ensure(self) -> Index:
-        return self if self._loaded else self.load()
+        return self if self.loaded else self.load()
 
     def header(self, slot: int) -> IndexedHeader | None:
-        got = (self if self._loaded else self.load()).rows.get(slot)
+        got = self.ensure().rows.get(slot)
         if got is None:
             return None
         seg, i = got
@@ -342,35 +337,33 @@ class Index:
         pruned, absent, encoded): ``located`` for many steps, without record objects."""
         idx = self.ensure()
         out: list[tuple[Layout, list[int]] | None] = []
-        cache: dict[str, tuple[Any, ...]] = {}
+        cache: dict[str, tuple[Any, ...] | None] = {}  # per segment: its columns as lists
         for slot in slots:
             got = idx.rows.get(slot)
             if got is None:
                 out.append(None)
                 continue
             seg, i = got
-            loc = cache.get(seg.key)
-            if loc is None:
+            if seg.key not in cache:
                 try:
                     raw = seg.locations(self.storage, path)
                 except (DsttError, OSError, ValueError):
                     raw = None
-                loc = cache[seg.key] = (
-                    (False,)
+                cache[seg.key] = (
+                    None
                     if raw is None
                     else (
-                        True,
                         raw.ids.tolist(),
                         raw.crc.tolist(),
                         raw.layouts,
                         seg.core["pruned"].tolist(),
                     )
                 )
-            if not loc[0] or loc[4][i]:
+            loc = cache[seg.key]
+            if loc is None or loc[3][i] or loc[0][i] < 0:
                 out.append(None)
-                continue
-            j = loc[1][i]
-            out.append(None if j < 0 else (loc[3][j], loc[2][i]))
+            else:
+                out.append((loc[2][loc[0][i]], loc[1][i]))
         return out
 
     def located(self, slot: int, path: str) -> ArrayRecord | None:
@@ -388,15 +381,14 @@ class Index:
             return None
         if loc is None:
             return None
-        ids, crcs, lays = loc.ids, loc.crc, loc.layouts
-        j = int(ids[i])
+        j = int(loc.ids[i])
         if j < 0:
             return None
-        dtype, shape, nrows, chunks, dims = lays[j]
+        dtype, shape, nrows, chunks, dims = loc.layouts[j]
         files = seg.d["files"]
         own = step_file_key(slot)
         recs = tuple(
-            ChunkRecord(own if f < 0 else files[f], b, int(crcs[i, k]), offset=o)
+            ChunkRecord(own if f < 0 else files[f], b, int(loc.crc[i, k]), offset=o)
             for k, (f, o, b) in enumerate(chunks)
         )
         return ArrayRecord(path, dtype, shape, nrows, recs, dims)

@@ -99,16 +99,13 @@ class IndexWriter:
                     got = take(seg.rows(st), np.array(sel))
                     old.update({int(s): (got, i) for i, s in enumerate(got.slot.tolist())})
             rows = keep_summaries(rows, old)
-            write_segment(st, rows, self._next_gen())
+            write_segment(st, rows, self.index.next_gen)
         st.delete(GC_MARKER)
         self.index.load()
 
-    def _next_gen(self) -> int:
-        return max((s.gen for s in self.index.segments), default=0) + 1
-
     def add(self, header: CommitHeader) -> None:
         """A commit's ref moved: queue its row; write a segment when ``every`` are queued
-        (in the background where a job process can do it: ``background.py``)."""
+        (in the background where a job process can do it: ``job.py``)."""
         self.pending[header.slot] = header
         if self.job is not None and self.job.done():
             self._reap()
@@ -122,12 +119,10 @@ class IndexWriter:
                 self._start_job()
 
     def close(self) -> None:
-        """At the writer's close: write the pending rows if there are ``CLOSE_MIN`` (8) or
-        more (fewer stay the tail, read from their headers and arrays tables: a session of a
-        few commits adds no file). With background jobs (local files) fewer than ``every``
-        stay the tail too — a job for them would cost the close seconds at a thousand
-        tensors; the next writer queues them, a reader reads their headers meanwhile — and
-        ``every`` or more go to one last job, waited for."""
+        """Write the pending rows if there are ``CLOSE_MIN`` (8) or more; fewer stay the tail
+        (a session of a few commits adds no file). With background jobs, fewer than ``every``
+        stay the tail too (a job would cost the close seconds at a thousand tensors; the
+        next writer queues them), and ``every`` or more go to one last job, waited for."""
         self.wait()
         if self.background and len(self.pending) >= self.every:  # a segment's worth: one job
             self._start_job()
@@ -184,7 +179,7 @@ def flush_rows(
     if not todo:
         return
     rows = rows_from_headers(reader, todo)
-    write_segment(st, rows, max((s.gen for s in index.segments), default=0) + 1)
+    write_segment(st, rows, index.next_gen)
     index.load()
     merge_segments(st, index, every)
 
@@ -196,11 +191,10 @@ def merge_segments(st: Storage, index: Index, every: int) -> None:
         if len(segs) < FANOUT:
             return
         newest = segs[-FANOUT:]
-        tiers = {_tier(s.n, every) for s in newest}
-        if len(tiers) != 1:
+        if len({_tier(s.n, every) for s in newest}) != 1:
             return
         rows = concat([s.rows(st) for s in newest])
-        write_segment(st, rows, max((s.gen for s in index.segments), default=0) + 1)
+        write_segment(st, rows, index.next_gen)
         for s in newest:
             st.delete(s.key)
         index.load()

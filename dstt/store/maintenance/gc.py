@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -38,9 +37,10 @@ from dstt.store.index.writer import IndexWriter, write_segment
 from dstt.store.read.reader import Reader
 
 from .retention import Retention, policy
-from .verify import unreached
+from .verify import Progress, unreached
 
 if TYPE_CHECKING:
+    from collections.abc import Collection, Iterable
     from contextlib import AbstractContextManager
 
     from dstt.store.format.records import CommitHeader
@@ -48,8 +48,6 @@ if TYPE_CHECKING:
     from dstt.store.storage.base import Storage
 
 __all__ = ["GcReport", "LiveWriter", "RunFiles", "gc"]
-
-Progress = Callable[[int, int], None] | None
 
 
 class RunFiles(Protocol):
@@ -94,13 +92,10 @@ def _delta_bases(r: Reader, reachable: dict[int, CommitHeader], keep: set[int]) 
     return bases
 
 
-def _step_files(st: Storage) -> list[str]:
-    """Every step and side file of the run (temporaries excluded)."""
-    return [
-        f"{STEPS_PREFIX}/{n}"
-        for n in st.list(STEPS_PREFIX)
-        if key_slot(f"{STEPS_PREFIX}/{n}") is not None
-    ]
+def _step_files(st: Storage) -> dict[str, int]:
+    """Every step and side file of the run (temporaries excluded) -> its slot."""
+    keys = (f"{STEPS_PREFIX}/{n}" for n in st.list(STEPS_PREFIX))
+    return {k: s for k in keys if (s := key_slot(k)) is not None}
 
 
 def _files_of(r: Reader, h: CommitHeader) -> set[str]:
@@ -159,17 +154,16 @@ def _keep_set(
     mv: Any = ()
     if pol.spike_window and line:
         ms, mv = _metric_series(r.scalar_rows(line, summaries=False), pol.spike_metric)
-    live_steps = [h.step for h in live]
-    if light and pol.keep_light:
-        every = sorted({*live_steps, *light})
-        steps = pol.keep(every, ms, mv)
-        slots = {h.slot for h in live if h.step in steps}
-        for k, pair in light.items():
-            if k in steps:
-                slots.update(pair)
-        return slots, pol.spike_windows(every, ms, mv)
-    steps = pol.keep(live_steps, ms, mv)
-    return {h.slot for h in live if h.step in steps}, pol.spike_windows(live_steps, ms, mv)
+    light = light if pol.keep_light else {}
+    every = [h.step for h in live]
+    if light:
+        every = sorted({*every, *light})
+    steps = pol.keep(every, ms, mv)
+    slots = {h.slot for h in live if h.step in steps}
+    for k, pair in light.items():
+        if k in steps:
+            slots.update(pair)
+    return slots, pol.spike_windows(every, ms, mv)
 
 
 def _metric_series(rows: RowSet, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -198,12 +192,10 @@ def _metric_series(rows: RowSet, name: str) -> tuple[np.ndarray, np.ndarray]:
 def _tombstones(
     r: Reader, headers: list[CommitHeader], progress: Progress, total: int
 ) -> list[CommitHeader]:
-    """Rewrite ``headers`` as tombstones, durably, before any file is deleted: from then on
-    no reader looks at the doomed files, so a crash between any two deletes leaves every kept
-    step intact. Newest first, each durable before the next, where one of them is a delta
-    (its bases are older slots: at every cut each live commit's bases are still live);
-    where none is (raw steps, the usual per-iteration capture), all of them durable together
-    with one barrier instead of two syncs each."""
+    """Rewrite ``headers`` as tombstones, durably, before any file is deleted, so a crash
+    between deletes leaves every kept step intact. With a delta among them: newest first,
+    each durable before the next (at every cut each live commit's bases are still live);
+    else (raw steps, the usual case) one barrier for all instead of two syncs each."""
     st = r.storage
     chained = any(c.slots for h in headers for rec in r.arrays(h).values() for c in rec.chunks)
     out = []
@@ -228,11 +220,10 @@ def _prune_live(
     total: int,
 ) -> None:
     """Tombstones and index rows of ``prune`` under a live writer, in gc's order (marker,
-    tombstones, a new segment, marker deleted; the files after), but O(pruned) instead of a
-    rewrite of every row: the new segment holds only the pruned rows and, as the newest
-    generation, wins over their older rows (``index/writer.py``); the writer's merges compact it
-    later. Summaries and history come from each slot's older row, or (slots the writer has
-    not indexed yet) from its files, read before the tombstone is written."""
+    tombstones, a new segment, marker deleted; the files after), but O(pruned): the new
+    segment holds only the pruned rows and, the newest generation, wins over their older
+    rows. Summaries and history come from each slot's older row, or (not indexed yet) from
+    its files, read before the tombstone is written."""
     if not prune:
         return
     slots = [h.slot for h in prune]
@@ -257,10 +248,9 @@ def _prune_live(
     if unindexed:
         fresh = rows_from_headers(r, unindexed)
         old.update({int(x): (fresh, i) for i, x in enumerate(fresh.slot.tolist())})
-    gen = max((seg.gen for seg in index.segments), default=0) + 1
     st.write_durable(GC_MARKER, json.dumps({"slots": slots}).encode())
     dead = _tombstones(r, prune, progress, total)
-    write_segment(st, keep_summaries(rows_from_headers(r, dead), old), gen)
+    write_segment(st, keep_summaries(rows_from_headers(r, dead), old), index.next_gen)
     st.delete(GC_MARKER)
     if writer.index is not None:  # its queued rows of these slots are stale now
         for s in slots:
@@ -325,9 +315,8 @@ def _unproven(
 ) -> set[int]:
     """Unreachable slots gc cannot prove abandoned, so keeps with all their files: any newer
     than every ref's head (a lost ref update cannot be told from a crash before one), any
-    whose header cannot be read, any of a timeline without a ref (its ref lost) and, with
-    no header, any whose step zip names such a timeline. ``released``: slots the caller
-    proved abandoned (``delete_timeline``: the commits of the ref it deleted)."""
+    whose header cannot be read, any of a timeline without a ref (its ref lost), by its
+    header or its step zip. ``released``: slots the caller proved abandoned."""
     names = set(r.timelines)
     out = {s for s in r.all_slots() if s > newest and s not in released}  # headers not read
     for slot, _, what in unreached(r, {*reachable, *out}, released):
@@ -349,7 +338,6 @@ def _gc(
     writer: LiveWriter | None,
     released: Collection[int] = (),
 ) -> GcReport:
-    live_writer = writer is not None
     if writer is not None:
         writer.check_open()
     r = Reader(st)
@@ -386,26 +374,19 @@ def _gc(
     released = {*released, *(s for slots in records.values() for s in slots)}
     unproven = _unproven(r, reachable, newest, released)
 
-    def untouchable(slot: int | None) -> bool:
-        if slot is None:
-            return False
-        return slot in unproven or (live_writer and (slot in busy or slot > newest))
+    def untouchable(slot: int) -> bool:
+        return slot in unproven or (writer is not None and (slot in busy or slot > newest))
 
     orphans = [s for s in r.all_slots() if s not in reachable and not untouchable(s)]
+    live = {s for s in keep if s in reachable and not reachable[s].pruned}
     # files still needed by kept commits (deltas and dedups read older steps' files)
-    needed: set[str] = set()
-    for s in keep:
-        kept = reachable.get(s)
-        if kept is not None and not kept.pruned:
-            needed |= _files_of(r, kept)
-    files = _step_files(st)
+    needed: set[str] = set().union(*(_files_of(r, reachable[s]) for s in live))
     # every file of a kept slot stays, whatever its tensors reference: each rank's zip
     # is that step's plain Zarr hierarchy even where all its chunks are deltas or dedups
-    live = {s for s in keep if s in reachable and not reachable[s].pruned}
     doomed = [
         k
-        for k in files
-        if k not in needed and key_slot(k) not in live and not untouchable(key_slot(k))
+        for k, slot in _step_files(st).items()
+        if k not in needed and slot not in live and not untouchable(slot)
     ]
     sizes = {}
     for k in doomed:

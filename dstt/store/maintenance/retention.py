@@ -44,10 +44,10 @@ class Retention:
     of a spike of ``spike_metric`` (the rule of ``run.spikes()``: robust score above
     ``spike_z`` over the ``spike_baseline`` steps before it, None: the rule's defaults;
     ``spike_window=0``: no spike rule), the commit before each spike and the spike's own
-    commit included. Heads, fork points
-    and the bases of kept deltas are always kept. A session applies it in the background every
-    ``every_commits`` captured steps (``dstt.session(..., retention=...)``); ``dstt gc`` and
-    ``Run.gc(retention=...)`` take the same object.
+    commit included. Heads, fork points and the bases of kept deltas are always kept. A
+    session applies it in the background every ``every_commits`` captured steps
+    (``dstt.session(..., retention=...)``); ``dstt gc`` and ``Run.gc(retention=...)`` take
+    the same object.
 
     Light steps (``every="auto"``: taken, not stored, rebuilt by replay) are steps of the
     policy like stored ones (``keep_last`` counts them, a spike at one keeps its window);
@@ -64,9 +64,6 @@ class Retention:
     spike_baseline: int | None = None
     keep_steps: tuple[int, ...] = field(default=())
     every_commits: int = 50
-    #: light steps (``every="auto"``) count as steps of the policy, and each one kept keeps
-    #: the stored step its rebuild starts from and the commit carrying its record; False:
-    #: the policy looks at stored steps only and gc reports the light steps it strands
     keep_light: bool = True
 
     def __post_init__(self) -> None:

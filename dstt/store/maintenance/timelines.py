@@ -155,9 +155,8 @@ def delete_timeline(
             st.write_durable(current, st.read(current))
     if not sweep or not held:
         return DeleteReport(name, freed, kept, None, dry_run)
-    report = gc(
-        repo if not dry_run else _without_ref(repo, name), dry_run=dry_run, released=released
-    )
+    run = repo if not dry_run else _Run(_HiddenRef(st, ref_key(name)))
+    report = gc(run, dry_run=dry_run, released=released)
     return DeleteReport(name, freed, kept, report, dry_run)
 
 
@@ -216,7 +215,3 @@ class _Run:
     """A run as gc sees it (``gc.RunFiles``)."""
 
     storage: Storage
-
-
-def _without_ref(repo: RunFiles, name: str) -> RunFiles:
-    return _Run(_HiddenRef(repo.storage, ref_key(name)))

@@ -93,7 +93,13 @@ def verify(repo: VerifiedRun, *, progress: Progress = None) -> VerifyReport:
 
     try:
         repo.root_attributes()
-        _verify_root_document(st, problem)
+        wrong = _root_wrong(st)
+        if wrong:
+            problem(
+                "zarr.json",
+                f"the run's root Zarr metadata is damaged ({wrong} wrong): Zarr readers cannot "
+                "open the run; `dstt verify --repair` rewrites it",
+            )
     except FormatVersionError:
         raise
     except DsttError as e:  # the metadata below may still be intact: check it too
@@ -171,17 +177,11 @@ def verify(repo: VerifiedRun, *, progress: Progress = None) -> VerifyReport:
     return rep
 
 
-def _verify_root_document(st: Storage, problem: Callable[[str, str], None]) -> None:
-    """The run's root zarr.json must stay a Zarr v3 group (what zarr and xarray open)."""
+def _root_wrong(st: Storage) -> list[str]:
+    """The fields of the run's root zarr.json that keep it from being the Zarr v3 group
+    zarr and xarray open."""
     doc = json.loads(st.read("zarr.json"))
-    want = group_document()
-    wrong = [k for k in want if doc.get(k) != want[k]]
-    if wrong:
-        problem(
-            "zarr.json",
-            f"the run's root Zarr metadata is damaged ({wrong} wrong): Zarr readers cannot "
-            "open the run; `dstt verify --repair` rewrites it",
-        )
+    return [k for k, v in group_document().items() if doc.get(k) != v]
 
 
 def _verify_unreachable(
@@ -220,11 +220,8 @@ def unreached(
     (the ``DsttError`` in its place where it cannot be read), then ``(slot, key, the step
     zip's dstt attributes)`` for every step file of a slot with no header, outside
     ``released`` (None: a side file, or a zip that cannot tell)."""
-    with_header = set()
-    for slot in r.all_slots():
-        with_header.add(slot)
-        if slot in reached or slot in released:
-            continue
+    with_header = set(r.all_slots())
+    for slot in sorted(with_header.difference(reached, released)):
         try:
             what: CommitHeader | DsttError = r.header(slot)
         except DsttError as e:
@@ -275,8 +272,7 @@ def repair(repo: VerifiedRun) -> list[str]:
     with st.lock(LOCK_KEY):
         try:
             repo.root_attributes()
-            doc = json.loads(st.read("zarr.json"))
-            root_ok = all(doc.get(k) == v for k, v in group_document().items())
+            root_ok = not _root_wrong(st)
         except FormatVersionError:
             raise
         except DsttError:

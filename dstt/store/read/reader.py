@@ -77,9 +77,8 @@ class Reader:
         use_index: bool = True,
     ) -> None:
         self.storage = storage
-        #: the run's index (``index/view.py``, written by ``index/writer.py``): headers and tensor
-        #: locations without a header read per step; loaded on first use, shared by the
-        #: readers of a ``ReaderPool``.
+        #: the run's index (``index/view.py``): headers and tensor locations without a header
+        #: read per step; loaded on first use, shared by a ``ReaderPool``'s readers;
         #: ``use_index=False``: every header from its own file (verify)
         self.index = index if index is not None else Index(storage, enabled=use_index)
         self._headers: dict[int, CommitHeader] = {}
@@ -97,10 +96,9 @@ class Reader:
     def refresh(self) -> None:
         """Re-read HEAD and refs (cheap); drop cached headers that gc may have pruned.
 
-        A missing or damaged ref or HEAD does not hide the run: the problem is recorded
-        (``damaged_refs``, ``head_problem``), and the timelines whose ref is gone are
-        rebuilt in memory from their commit headers (``recover_refs``), which name their
-        step, parent and timeline. ``dstt verify`` reports them; ``--repair`` writes them."""
+        A missing or damaged ref or HEAD does not hide the run: it is recorded
+        (``damaged_refs``, ``head_problem``) and the timelines whose ref is gone are rebuilt
+        in memory from their commit headers (``recover_refs``); ``verify --repair`` writes them."""
         st = self.storage
         #: ref file key -> why it could not be read
         self.damaged_refs: dict[str, str] = {}
@@ -202,7 +200,7 @@ class Reader:
                     base = h
                     break
                 first, below = h, h.parent
-            ref = RefInfo(
+            added[name] = RefInfo(
                 name,
                 top.slot,
                 base_slot=None if base is None else base.slot,
@@ -210,7 +208,6 @@ class Reader:
                 base_timeline=None if base is None else base.timeline,
                 created=first.time,
             )
-            added[name] = ref
         self._refs.update(added)
         self.recovered.update(added)
         return added
@@ -316,9 +313,7 @@ class Reader:
 
     def lineage(self, timeline: str | None = None) -> list[CommitHeader]:
         """Commits of a timeline, oldest first (pruned tombstones included)."""
-        out = list(self.walk(timeline))
-        out.reverse()
-        return out
+        return list(self.walk(timeline))[::-1]
 
     def head(self, timeline: str | None = None) -> CommitHeader | None:
         slot = self.ref(timeline).head
@@ -470,10 +465,7 @@ class Reader:
                 known = plans.get(id(lay))
                 if known is None:
                     p = ChunkPlan(lay[1], numpy_dtype(lay[0]).itemsize, lay[2])
-                    known = plans[id(lay)] = [
-                        p.n_chunks,
-                        *(b - a for a, b in map(p.byte_range, range(p.n_chunks))),
-                    ]
+                    known = plans[id(lay)] = _sizes(p)
                 sizes += known
                 continue
             rec = self.arrays(h).get(path)  # the tail not indexed yet: its arrays table
@@ -485,10 +477,7 @@ class Reader:
                 return None  # absent, a view of other arrays (ZeRO), or encoded
             want += [(c.key, c.offset, c.nbytes) for c in rec.chunks]
             crcs += [c.crc32c for c in rec.chunks]
-            rec_plan = rec.plan
-            n = rec_plan.n_chunks
-            sizes.append(n)
-            sizes += [b - a for a, b in map(rec_plan.byte_range, range(n))]
+            sizes += _sizes(rec.plan)
         try:
             got_bytes = self.storage.read_ranges(want)
         except FileNotFoundError:  # pruned meanwhile, or damaged: the step-by-step path says
@@ -600,6 +589,11 @@ class Reader:
         if len(data) != rec.nbytes or checksum(data) != rec.crc32c:
             raise ChecksumError(f"{where}: object {name!r} does not match its commit")
         return data
+
+
+def _sizes(plan: ChunkPlan) -> list[int]:
+    """``[chunks, data bytes of each]``: one step's entry in ``_read_many``'s ``sizes``."""
+    return [plan.n_chunks, *(b - a for a, b in map(plan.byte_range, range(plan.n_chunks)))]
 
 
 def _describe(steps: list[int]) -> str:

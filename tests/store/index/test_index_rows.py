@@ -5,6 +5,7 @@ for a run that mixes flat steps, a layout change, encoded (delta) steps and prun
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -14,6 +15,25 @@ from dstt.store import Repository
 from dstt.store.format.segment import SCALARS
 from dstt.store.index.rows import SUMMARIES, _summaries, rows_from_headers
 from dstt.testing.models import TinyGPT, make_batch
+
+
+def _want(obj: Any) -> dict[str, tuple[list[float], bool, list[float]]]:
+    """What a summaries object says per path: the oracle for the vectorised rows."""
+    if not (isinstance(obj, dict) and obj.get("columns") == 1):
+        return _summaries(obj)
+    cols = [np.asarray(obj[f], dtype=np.float64) for f in SCALARS]
+    probe = np.asarray(obj["probe"], dtype=np.float64)
+    lens = np.asarray(obj["probe_len"]).tolist()
+    # (written before exact flat-lane updates: no ``update_exact`` column, estimates)
+    exact = np.asarray(obj.get("update_exact", np.zeros(len(lens), bool)), bool).tolist()
+    return {
+        str(p): (
+            [float(c[i]) for c in cols],
+            bool(exact[i]),
+            probe[i, : int(lens[i])].tolist() if probe.ndim == 2 else [],
+        )
+        for i, p in enumerate(obj["path"])
+    }
 
 
 def _train(run: Path, steps: int, *, resume: bool, **options: object) -> None:
@@ -62,7 +82,7 @@ def test_rows_agree_with_every_steps_arrays_table_and_summaries(tmp_path: Path) 
         want: dict[str, tuple[list[float], bool, list[float]]] = {}
         for name in sorted(h.objects) if not h.pruned else ():
             if name == SUMMARIES or name.startswith(f"{SUMMARIES}/"):
-                want.update(_summaries(r.read_object(h, name)))
+                want.update(_want(r.read_object(h, name)))
         assert bool(rows.s_has[i]) == bool(want), h.step
         for path, (vals, exact, probe) in want.items():
             j = rows.s_paths.index(path)
