@@ -169,25 +169,6 @@ class RunDiagnostics:
         line = self.run.commits(name)
         steps = [h.step for h in line]
         causes = [spike_cause(steps, start) for *_, start in found]
-        verdict_z = SUSPECT_Z if z is None else z
-        return self._explain(
-            found, causes, around=around, top=top, z=verdict_z, baseline=baseline, name=name
-        )
-
-    def _explain(
-        self,
-        found: Sequence[tuple[Any, ...]],
-        causes: Sequence[tuple[int | None, int | None]],
-        *,
-        around: int,
-        top: int,
-        z: float,
-        baseline: int,
-        name: str,
-    ) -> list[Spike]:
-        """Spikes with their tensors ranked by baseline deviation, batches and suspect."""
-        line = self.run.commits(name)
-        steps = [h.step for h in line]
         windows: list[list[int]] = []
         need: set[int] = set()
         for _, cause in causes:
@@ -216,7 +197,7 @@ class RunDiagnostics:
             verdict = batches = None
             if top > 0:
                 cause_rank = rank_by_baseline(sums, cause, window=baseline) if cause else []
-                verdict = suspect(cause_rank, z)
+                verdict = suspect(cause_rank, SUSPECT_Z if z is None else z)
                 lo = (parent + 1) if parent is not None else (cause or start)
                 batches = self.batches(slice(min(lo, start), start), timeline=name)
             out.append(
