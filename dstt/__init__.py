@@ -113,24 +113,20 @@ _LAZY: dict[str, str] = {
 }
 
 
-def _version() -> str:
-    from importlib import metadata  # ~30 ms: only when the version is asked for
-
-    try:
-        return metadata.version("dstt")
-    except metadata.PackageNotFoundError:  # a source tree that was never installed
-        return "0+unknown"
-
-
 def __getattr__(name: str) -> object:
     if name == "__version__":
-        globals()[name] = version = _version()
+        from importlib import metadata  # ~30 ms: only when the version is asked for
+
+        try:
+            version = metadata.version("dstt")
+        except metadata.PackageNotFoundError:  # a source tree that was never installed
+            version = "0+unknown"
+        globals()[name] = version
         return version
     if name in _LAZY:
         mod, _, attr = _LAZY[name].partition(":")
         module = _importlib.import_module(mod)
-        value = getattr(module, attr) if attr else module
-        globals()[name] = value
+        globals()[name] = value = getattr(module, attr) if attr else module
         return value
     raise AttributeError(f"module 'dstt' has no attribute {name!r}")
 

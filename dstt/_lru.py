@@ -84,13 +84,6 @@ class LRU(Generic[K, V]):
             self.put(key, value)
         return value
 
-    def pop(self, key: K) -> V | None:
-        with self._lock:
-            value = self._items.pop(key, None)
-            if value is not None and self._weigh is not None:
-                self.weight -= self._weigh(value)
-            return value
-
     def clear(self) -> None:
         with self._lock:
             self._items.clear()

@@ -16,16 +16,13 @@ if TYPE_CHECKING:
 
 __all__ = ["require"]
 
-_EXTRA = {"ipywidgets": "notebook", "matplotlib": "notebook", "IPython": "notebook"}
-
 
 def require(module: str, feature: str) -> ModuleType:
     """Import ``module`` or raise an ``ImportError`` telling how to install it for ``feature``."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        top = module.split(".")[0]
-        extra = _EXTRA.get(top, "notebook")
+        top = module.split(".")[0]  # every optional module comes with the notebook extra
         raise ImportError(
-            f"{feature} needs {top}, which is not installed: pip install 'dstt[{extra}]'"
+            f"{feature} needs {top}, which is not installed: pip install 'dstt[notebook]'"
         ) from e

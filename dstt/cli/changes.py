@@ -3,7 +3,7 @@ parser calls them; each is one call into ``dstt.Run``, then printing)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .common import (
     UsageError,
@@ -58,20 +58,16 @@ def _few(xs: list[int], n: int = 8) -> str:
     )
 
 
-def _timeline_rows(run: Any) -> list[dict[str, Any]]:
+def cmd_timeline_list(args: argparse.Namespace) -> int:
     from dstt.inspect.html import timeline_rows
 
+    run = _resolve_run(args)
     rows = timeline_rows(run)
     for t in rows:
         skips = run.skips(t["name"])  # its rollback's and its ancestors': what a resume drops
         t["skip_samples"] = sorted(skips.samples)
         t["skip_batches"] = [b.plain() for b in skips.batches]
         t["base_exists"] = t["base_timeline"] is None or t["base_timeline"] in run.timelines
-    return rows
-
-
-def cmd_timeline_list(args: argparse.Namespace) -> int:
-    rows = _timeline_rows(_resolve_run(args))
 
     def text() -> Iterator[str]:
         for t in rows:
@@ -113,7 +109,6 @@ def cmd_timeline_rename(args: argparse.Namespace) -> int:
     run = _resolve_run(args)
     run.rename_timeline(args.old, args.new, force=args.force)
     doc = {"old": args.old, "new": args.new, "current": run.timeline}
-
     return _emit(args, doc, lambda: [f"timeline {args.old!r} is now {args.new!r}"])
 
 

@@ -56,9 +56,6 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see: {self.prog} --help)")
 
 
-# -- helpers --------------------------------------------------------------------------------
-
-
 def _command(
     sub: Any,
     common: Any,
@@ -187,6 +184,3 @@ def _metrics_text(m: dict[str, Any]) -> str:
     return "  ".join(
         f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(m.items())
     )
-
-
-# -- commands -------------------------------------------------------------------------------

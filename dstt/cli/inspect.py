@@ -76,8 +76,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             )
             yield _timeline_line(t, base)
 
-    _emit(args, s, text)
-    return EXIT_OK
+    return _emit(args, s, text)
 
 
 def cmd_log(args: argparse.Namespace) -> int:
@@ -141,8 +140,7 @@ def cmd_log(args: argparse.Namespace) -> int:
                 f"{_metrics_text(h.metrics)}{data}{mark}{gone}"
             )
 
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, text)
 
 
 def _light(run: Any, timeline: str | None) -> dict[int, dict[str, Any]]:
@@ -328,8 +326,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         if not args.optim:
             yield "optimizer states not shown (--optim shows them)"
 
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, text)
 
 
 _STORED_AS = {"raw": "raw", "xor1": "xor", "pred1": "pred"}
@@ -402,8 +399,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         if not args.optim:
             yield "optimizer states not compared (--optim compares them)"
 
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, text)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -457,12 +453,11 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     repo = _resolve_run(args, opener=Repository.open)
     rows = repo.reindex()
-    _emit(
+    return _emit(
         args,
         {"rows": rows},
         lambda: iter([f"index rebuilt from the commit headers: {rows} commits"]),
     )
-    return EXIT_OK
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -501,5 +496,4 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"{human_bytes(info['bytes'])} ({args.format}: {what})"
         )
 
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, text)

@@ -52,9 +52,6 @@ if TYPE_CHECKING:
 __all__ = ["build_parser", "main"]
 
 
-# -- parser ---------------------------------------------------------------------------------
-
-
 def _nonneg(s: str) -> int:
     try:
         v = int(s)

@@ -49,8 +49,7 @@ def _wanted(run: Any, args: argparse.Namespace, timeline: str) -> tuple[list[int
     stored = {h.step for h in run.commits(timeline, pruned=True)}
     bounds = parse_steps(args.steps)
     if bounds is None:
-        done = written_bases(run, timeline)
-        return sorted(light - set(done)), []
+        return sorted(light - set(written_bases(run, timeline))), []
     a, b = bounds
     if a == b:
         if a in stored:

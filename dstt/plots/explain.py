@@ -72,7 +72,7 @@ def explanation(ex: Explanation, *, fig: Figure | None = None) -> ExplanationFig
     }
     for title, mechanism in PANELS.items():
         ax = axes[title]
-        f = _finding(ex, mechanism)
+        f = next((f for f in ex.findings if f.mechanism == mechanism), None)
         missing = _missing(f, title)
         if missing is not None:
             out.unknown[title] = missing
@@ -86,13 +86,6 @@ def explanation(ex: Explanation, *, fig: Figure | None = None) -> ExplanationFig
         fontsize="large",
     )
     return out
-
-
-def _finding(ex: Explanation, mechanism: str) -> Finding | None:
-    for f in ex.findings:
-        if f.mechanism == mechanism:
-            return f
-    return None
 
 
 #: panel title → the evidence keys it draws
@@ -145,17 +138,14 @@ def _top_tensors(names: list[str], score: np.ndarray, first: tuple[Any, ...]) ->
     then the highest ``score``."""
     at = [names.index(n) for n in first if n in names]
     rest = [int(i) for i in np.argsort(-np.nan_to_num(score, nan=-np.inf), kind="stable")]
-    keep = list(dict.fromkeys(at + rest))[:MAX_TENSORS]
-    return sorted(keep)
+    return sorted(list(dict.fromkeys(at + rest))[:MAX_TENSORS])
 
 
 def _ratios(ax: Axes, f: Finding, ex: Explanation) -> dict[str, Any]:
     ev = f.evidence
     r = np.asarray(ev["ratios"], dtype=float)  # steps x tensors
     names = [str(n) for n in ev["names"]]
-    with np.errstate(all="ignore"):
-        last = r[-1] if r.size else np.array([])
-    cols = _top_tensors(names, last, f.points_at)
+    cols = _top_tensors(names, r[-1] if r.size else np.array([]), f.points_at)
     shown = [names[i] for i in cols]
     marks = [ex.cause] if ex.cause is not None else []
     art = draw_heatmap(ax, ev["steps"], shown, r[:, cols].T, label="update ratio", marks=marks)

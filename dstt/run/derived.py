@@ -158,8 +158,7 @@ def load_rebuilt(run: Any, timeline: str, step: int) -> Snapshot | None:
     mem = MemoryStorage()
     for f in doc["keys"]:
         mem.write(f, st.read(f"{folder}/{f}"))
-    repo = Repository(mem)
-    derived = _Derived(run, repo, timeline)
+    derived = _Derived(run, Repository(mem), timeline)
     header = derived.reader.head()
     if header is None:
         return None

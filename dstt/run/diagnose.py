@@ -31,6 +31,8 @@ from dstt.inspect.diagnose import (
 from dstt.inspect.summaries import Spike
 from dstt.store._internal import Batch, SkipSet, read_batches, read_skips
 
+from .lines import step_bounds
+
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
@@ -103,8 +105,7 @@ class RunDiagnostics:
         if steps is None:
             return read_batches(line, run.reader.read_object)
         if isinstance(steps, slice):
-            lo = -np.inf if steps.start is None else steps.start
-            hi = np.inf if steps.stop is None else steps.stop
+            lo, hi = step_bounds(steps)
             found = read_batches(_covering(line, lo, hi), run.reader.read_object)
             return {k: v for k, v in found.items() if lo <= k <= hi}
         want = {int(s) for s in steps}
@@ -169,25 +170,6 @@ class RunDiagnostics:
         line = self.run.commits(name)
         steps = [h.step for h in line]
         causes = [spike_cause(steps, start) for *_, start in found]
-        verdict_z = SUSPECT_Z if z is None else z
-        return self._explain(
-            found, causes, around=around, top=top, z=verdict_z, baseline=baseline, name=name
-        )
-
-    def _explain(
-        self,
-        found: Sequence[tuple[Any, ...]],
-        causes: Sequence[tuple[int | None, int | None]],
-        *,
-        around: int,
-        top: int,
-        z: float,
-        baseline: int,
-        name: str,
-    ) -> list[Spike]:
-        """Spikes with their tensors ranked by baseline deviation, batches and suspect."""
-        line = self.run.commits(name)
-        steps = [h.step for h in line]
         windows: list[list[int]] = []
         need: set[int] = set()
         for _, cause in causes:
@@ -216,7 +198,7 @@ class RunDiagnostics:
             verdict = batches = None
             if top > 0:
                 cause_rank = rank_by_baseline(sums, cause, window=baseline) if cause else []
-                verdict = suspect(cause_rank, z)
+                verdict = suspect(cause_rank, SUSPECT_Z if z is None else z)
                 lo = (parent + 1) if parent is not None else (cause or start)
                 batches = self.batches(slice(min(lo, start), start), timeline=name)
             out.append(

@@ -269,8 +269,7 @@ class _Context:
                 if int(s) in by:
                     nonfinite[r] = counts[by[int(s)]]
             read.append(f"summaries' nan/inf of {len(names)} tensors at steps {_span(self.window)}")
-        f = numerics(wst, loss, nonfinite, names, loss_scale=scale)
-        return _with_read(f, read)
+        return _with_read(numerics(wst, loss, nonfinite, names, loss_scale=scale), read)
 
     def update_too_large(self) -> Finding:
         names = self.names()
@@ -436,13 +435,9 @@ class _Context:
                 denom = float(np.mean(prev)) / (1.0 - b2 ** max(t, 1.0))
                 if not denom > 0:
                     continue
-                if s == self.cause and n in grads:
-                    g2 = grads[n]
-                else:
-                    g2 = float(np.mean(g2_from_v(prev, now, b2)))
-                rho[r, c] = g2 / denom
-        f = adam_second_moment(rho, use, rows, source=source)
-        return _with_read(f, read)
+                g2 = grads[n] if s == self.cause and n in grads else g2_from_v(prev, now, b2)
+                rho[r, c] = float(np.mean(g2)) / denom
+        return _with_read(adam_second_moment(rho, use, rows, source=source), read)
 
     def _step_counts(self, names: Sequence[str]) -> dict[str, float]:
         """The optimizer's step count per tensor at the cause (``optim/step``)."""

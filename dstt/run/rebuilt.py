@@ -192,14 +192,8 @@ class Rebuilder:
         """What each of ``steps`` logged (``s.log``), NaN left out."""
         m = self._run.metrics(timeline)
         where = {int(k): i for i, k in enumerate(m.steps.tolist())}
-        out: dict[int, dict[str, Any]] = {}
-        for k in steps:
-            i = where.get(k)
-            if i is None:
-                continue
-            row = {n: float(m.column(n)[i]) for n in m.names}
-            out[k] = {n: v for n, v in row.items() if v == v}
-        return out
+        rows = {k: {n: float(m.column(n)[where[k]]) for n in m.names} for k in steps if k in where}
+        return {k: {n: v for n, v in row.items() if v == v} for k, row in rows.items()}
 
 
 def check_replay(made: Mapping[str, Any], keys: tuple[str, ...]) -> None:

@@ -518,19 +518,16 @@ class ScrubberModel:
         ]
         if self._step in self.rebuilt:
             parts.append(f"light, rebuilt from stored step {self.rebuilt[self._step]}")
-        v = self.metric_value
-        if v is not None:
+        if (v := self.metric_value) is not None:
             parts.append(f"{self.metric} {v:.4g}")
-        sp = self.spike
-        if sp is not None:
+        if (sp := self.spike) is not None:
             why = (
                 f"caused by the update {sp.parent} → {sp.cause}"
                 if sp.update is not None
                 else "cause not captured"
             )
             parts.append(f"SPIKE z={sp.zscore:.1f}, {why}")
-        cause = self.caused
-        if cause is not None:
+        if (cause := self.caused) is not None:
             parts.append(f"this update is the cause of the spike at {cause.step}")
         ref = self.reference_step
         pin = "pinned" if self._reference is not None else "previous"

@@ -151,8 +151,7 @@ def draw_loss(ax: Axes, model: ScrubberModel) -> dict[str, Any]:
     out = draw_curves(
         ax, curves, spikes=spikes, causes=causes, cursor=model.step, ylabel=model.metric
     )
-    ref = model.reference
-    if ref is not None:
+    if (ref := model.reference) is not None:
         out["reference"] = ax.axvline(ref, color="tab:green", ls=":", lw=1.2)
     ax.set_title(f"{model.metric} · step {model.step}", fontsize="medium")
     return out
@@ -271,8 +270,7 @@ def draw_change(ax: Axes, model: ScrubberModel, top: int = TOP_BARS) -> dict[str
         return {}
     names, ratios, xlabel, title = bars
     out = draw_bars(ax, names, ratios, xlabel=xlabel, highlight=model.tensor, title=title)
-    out["names"] = names
-    out["ratios"] = ratios
+    out.update(names=names, ratios=ratios)
     return out
 
 
@@ -289,8 +287,7 @@ class NameStrip:
     def __init__(self, view: FigureView) -> None:
         self.view = view
         self.bitmaps: LRU[tuple[str, int, int], np.ndarray] = LRU(4096)
-        agg = require("matplotlib.backends.backend_agg", "dstt.widgets")
-        self._agg = agg
+        self._agg = require("matplotlib.backends.backend_agg", "dstt.widgets")
         self.image: Any = None
 
     def _bitmap(self, name: str, width: int, height: int, size: float, color: Any) -> np.ndarray:  # noqa: ANN401
