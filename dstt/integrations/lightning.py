@@ -370,10 +370,7 @@ def _step_metrics(trainer: Trainer) -> Mapping[str, Any]:
     """The values ``self.log`` gave this batch at step level (Lightning's own selection for
     its loggers, whatever ``log_every_n_steps`` says)."""
     results = getattr(trainer.fit_loop.epoch_loop, "_results", None)
-    if results is None:
-        return {}
-    metrics: Mapping[str, Any] = results.metrics(True)["callback"]
-    return metrics
+    return {} if results is None else dict(results.metrics(True)["callback"])
 
 
 # -- replay ----------------------------------------------------------------------------------
