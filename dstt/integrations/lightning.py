@@ -15,7 +15,8 @@ Details: docs/decisions.md, "Module notes".
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -34,7 +35,7 @@ from ._common import numeric_metrics, refuse_whole_batches, session_options
 
 if TYPE_CHECKING:
     import os
-    from collections.abc import Callable, Iterator, Sequence
+    from collections.abc import Callable, Sequence
 
     from dstt.store._internal import Repository
 
@@ -369,10 +370,7 @@ def _step_metrics(trainer: Trainer) -> Mapping[str, Any]:
     """The values ``self.log`` gave this batch at step level (Lightning's own selection for
     its loggers, whatever ``log_every_n_steps`` says)."""
     results = getattr(trainer.fit_loop.epoch_loop, "_results", None)
-    if results is None:
-        return {}
-    metrics: Mapping[str, Any] = results.metrics(True)["callback"]
-    return metrics
+    return {} if results is None else dict(results.metrics(True)["callback"])
 
 
 # -- replay ----------------------------------------------------------------------------------
@@ -401,7 +399,7 @@ def replay_kit(trainer: object, module: object | None) -> ReplayKit:
     plugin = trainer.precision_plugin
 
     def loss_of(batch: Any, batch_idx: int) -> torch.Tensor:
-        with _Replaying(trainer, module), plugin.train_step_context():
+        with _replaying(trainer, module), plugin.train_step_context():
             out = module.training_step(batch, batch_idx)
         loss = out.get("loss") if isinstance(out, dict) else out
         if not isinstance(loss, torch.Tensor):
@@ -416,7 +414,7 @@ def replay_kit(trainer: object, module: object | None) -> ReplayKit:
     def backward(batch: Any) -> torch.Tensor:
         loss = loss_of(batch, micro[0]) / accum  # Lightning's closure divides, even by 1
         micro[0] += 1
-        with _Replaying(trainer, module):
+        with _replaying(trainer, module):
             scaled = plugin.pre_backward(loss, module)
             plugin.backward(scaled, module, optimizer)
             plugin.post_backward(scaled, module)
@@ -424,7 +422,7 @@ def replay_kit(trainer: object, module: object | None) -> ReplayKit:
 
     def before_step() -> None:
         micro[0] = 0
-        with _Replaying(trainer, module):
+        with _replaying(trainer, module):
             plugin._after_closure(module, optimizer)  # noqa: SLF001 - Lightning's own: hooks, clipping
 
     def sample_loss(batch: Any) -> torch.Tensor:
@@ -481,7 +479,7 @@ def _replay_batches(
 
     def make(indices: Sequence[int]) -> Any:
         batch = collate([dataset[int(i)] for i in indices])
-        with _Replaying(trainer, module):
+        with _replaying(trainer, module):
             batch = trainer.precision_plugin.convert_input(batch)
             batch = module._on_before_batch_transfer(batch, dataloader_idx=0)  # noqa: SLF001
             return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
@@ -489,25 +487,20 @@ def _replay_batches(
     return make
 
 
-class _Replaying:
+@contextmanager
+def _replaying(trainer: Trainer, module: LightningModule) -> Iterator[None]:
     """The trainer in its training state for Lightning's hooks, ``self.log`` silenced."""
+    from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
-    def __init__(self, trainer: Trainer, module: LightningModule) -> None:
-        self.trainer, self.module = trainer, module
-        self.saved: tuple[Any, Any] | None = None
-
-    def __enter__(self) -> None:
-        from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-
-        state = self.trainer.state
-        self.saved = (state.fn, state.stage)
-        state.fn, state.stage = TrainerFn.FITTING, RunningStage.TRAINING
-        vars(self.module)["log"] = _no_log
-
-    def __exit__(self, *exc: object) -> None:
-        vars(self.module).pop("log", None)
-        if self.saved is not None:
-            self.trainer.state.fn, self.trainer.state.stage = self.saved
+    state = trainer.state
+    saved = (state.fn, state.stage)
+    state.fn, state.stage = TrainerFn.FITTING, RunningStage.TRAINING
+    vars(module)["log"] = _no_log
+    try:
+        yield
+    finally:
+        vars(module).pop("log", None)
+        state.fn, state.stage = saved
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:

@@ -340,8 +340,7 @@ def _rank_object(reader: Any, head: Any, name: str, rank: int) -> Any:
 
 def _trainer_rng(rng: Mapping[str, Any], args: TrainingArguments) -> dict[str, Any]:
     """dstt's RNG object in the layout of the Trainer's ``rng_state.pth``."""
-    py = rng["python"]
-    npst = rng["numpy"]
+    py, npst = rng["python"], rng["numpy"]
     out: dict[str, Any] = {
         "python": (py[0], tuple(py[1]), py[2]),
         "numpy": (npst[0], np.asarray(npst[1]), *npst[2:]),

@@ -66,9 +66,8 @@ def check_optimizer(
 
 
 def capture_error(failed: list[Flight]) -> CaptureError:
-    first = failed[0]
     steps = ", ".join(str(f.step) for f in failed)
-    err = first.error
+    err = failed[0].error
     if isinstance(err, CaptureError):
         err.add_note(f"dstt: steps not checkpointed: {steps}")
         return err

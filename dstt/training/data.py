@@ -133,24 +133,19 @@ class RecordedData(TrackedData):
         self._skip_hashes = {b.hash for b in skips.batches if b.indices is None}
         self._queue: list[list[int]] | None = None  # this pass's tap queue
 
-    def _watch(self) -> _Tap | None:
-        """The index tap on the loader (installed on first use), set up to record and filter
-        this pass; None when the loader does not fetch by index in order."""
-        tap = index_tap(self.loader)
-        if tap is None:
-            if self._skips.samples:
-                raise ConfigError(
-                    "this run's timeline skips samples, but the loader does not expose the "
-                    "sample indices of its batches (a torch DataLoader over a map-style "
-                    "dataset, in_order=True, does); roll back with skip_batches=[steps]"
-                )
-            return None
-        tap.queue.clear()
-        tap.samples, tap.lists = self._skips.samples, self._skip_indices
-        return tap
-
     def _begin_pass(self) -> None:
-        tap = self._watch()
+        """Set the loader's index tap (installed on first use) to record and filter this
+        pass; without one (no fetch by index in order) batches are fingerprinted by hash."""
+        tap = index_tap(self.loader)
+        if tap is None and self._skips.samples:
+            raise ConfigError(
+                "this run's timeline skips samples, but the loader does not expose the "
+                "sample indices of its batches (a torch DataLoader over a map-style "
+                "dataset, in_order=True, does); roll back with skip_batches=[steps]"
+            )
+        if tap is not None:
+            tap.queue.clear()
+            tap.samples, tap.lists = self._skips.samples, self._skip_indices
         self._queue = tap.queue if tap is not None else None
 
     def _skipped(self) -> None:

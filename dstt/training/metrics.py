@@ -69,12 +69,11 @@ class MetricLog:
         self._handed = max(self._handed, step)
         if not earlier:
             return own, None
-        history = {
+        return own, {
             "steps": earlier,
             "time": [self._times.pop(k) for k in earlier],
             "metrics": [self._steps.pop(k) for k in earlier],
         }
-        return own, history
 
     def fold_future(self, step: int) -> None:
         """At close: metrics logged for steps never taken (an eval after the last step in

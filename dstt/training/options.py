@@ -48,11 +48,6 @@ DEFAULT_MAX_GAP = 16
 DEFAULT_RANK_TIMEOUT = 600.0
 
 
-def _default_writers() -> int:
-    # leave a core to training: on 2 cores, more writers only steal CPU from the step
-    return min(4, max(1, (os.cpu_count() or 2) - 1))
-
-
 @dataclass(frozen=True)
 class SessionOptions:
     """How a session captures a run (see :func:`dstt.session` for what each option does).
@@ -169,7 +164,10 @@ class SessionOptions:
     @property
     def writer_threads(self) -> int:
         """``writers``, or the default for this machine."""
-        return self.writers if self.writers is not None else _default_writers()
+        if self.writers is not None:
+            return self.writers
+        # leave a core to training: on 2 cores, more writers only steal CPU from the step
+        return min(4, max(1, (os.cpu_count() or 2) - 1))
 
     def replace(self, **changes: Any) -> SessionOptions:
         """A copy with ``changes`` applied (validated again)."""

@@ -111,7 +111,6 @@ class Session:
             options,
             scheduler=scheduler,
             batches=self._batches,
-            writes_batches=getattr(getattr(self, "info", None), "rank", 0) == 0,
             rank=getattr(getattr(self, "info", None), "rank", 0),
             tail_on_error=self._tail_on_error,
         )

@@ -47,16 +47,13 @@ class StepCapture:
         *,
         scheduler: Any,
         batches: BatchLog,
-        writes_batches: bool,
         tail_on_error: bool,
         rank: int = 0,
     ) -> None:
         self.state, self.options, self.scheduler = state, options, scheduler
         self.batches = batches  # per-step batch fingerprints (dstt.training.data)
-        #: whether this process's batch fingerprints go with its commits (rank 0's only)
-        self.writes_batches = writes_batches
-        #: this process's rank: another rank's batches go under ``data/batches/r<rank>``
-        #: (a DDP light step's rebuild replays every rank's samples, dstt.inspect.rebuild)
+        #: rank 0's batch fingerprints go with the commits, another rank's under
+        #: ``data/batches/r<rank>`` (a DDP light step's rebuild replays every rank's samples)
         self.rank = rank
         #: on an exception, commit the last step ``every`` skipped (not with several ranks:
         #: the other ranks may not be there to write their parts)
@@ -86,7 +83,7 @@ class StepCapture:
         self.agree: Callable[[int, bool], bool] | None = None
         #: ``replay="train.py:make"``: the factory each commit names (``dstt.open(replay=True)``)
         self.factory: dict[str, str] | None = None
-        if options.replay is not None and writes_batches:
+        if options.replay is not None and rank == 0:
             file = options.replay.rpartition(":")[0]
             self.factory = {"factory": options.replay, "path": os.path.abspath(file)}
 
@@ -276,7 +273,7 @@ class StepCapture:
             boundary[METRICS_HISTORY_OBJECT] = history
         light = [k for k in self.light if k < f.step]
         self.light = [k for k in self.light if k > f.step]
-        if light and self.writes_batches:  # every="auto": the light steps since the last
+        if light and self.rank == 0:  # every="auto": the light steps since the last
             # commit, with their losses (with several ranks: rank 0's record, once)
             logged = dict(zip(history["steps"], history["metrics"], strict=True)) if history else {}
             boundary[LIGHT_OBJECT] = light_record(light, logged.get, self.fingerprints)
@@ -287,7 +284,7 @@ class StepCapture:
         for k in [k for k in self.fingerprints if k <= f.step]:
             del self.fingerprints[k]
         batches = self.batches.take(f.step)
-        if batches is not None and self.writes_batches:
+        if batches is not None and self.rank == 0:
             boundary[BATCHES_OBJECT] = batches  # with several ranks: rank 0's batches
         elif batches is not None and self.rank:  # and each other rank's own, beside them
             boundary[f"{BATCHES_OBJECT}/r{self.rank}"] = batches

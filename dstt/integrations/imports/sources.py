@@ -90,13 +90,8 @@ def _step(path: str, kind: str) -> int | None:
     return (found or named) if kind == "hf-trainer" else found
 
 
-def _skippable(name: str) -> bool:
-    """Files a framework writes beside its checkpoints (arguments, RNG, tokenizers)."""
-    return (
-        name.startswith(".")
-        or name in {"training_args.bin", "optimizer.pt", "scheduler.pt"}
-        or name.startswith("rng_state")
-    )
+#: files a framework writes beside its checkpoints (arguments, RNG, tokenizers)
+_BESIDE = {"training_args.bin", "optimizer.pt", "scheduler.pt"}
 
 
 def find_sources(
@@ -129,7 +124,7 @@ def find_sources(
         inner = []
         for name in sorted(os.listdir(path)):
             child = os.path.join(path, name)
-            if _skippable(name):
+            if name.startswith((".", "rng_state")) or name in _BESIDE:
                 continue
             k = _kind(child)
             if k is None:
