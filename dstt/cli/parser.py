@@ -411,11 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BAD_INPUT as e:
         print(f"dstt: {_message(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except DsttError as e:
+    except (DsttError, OSError) as e:  # OSError: reading or writing the run (EIO, EACCES)
         print(f"dstt: {_message(e)}", file=sys.stderr)
-        return EXIT_RUN
-    except OSError as e:  # the operating system's, reading or writing the run (EIO, EACCES)
-        print(f"dstt: {e}", file=sys.stderr)
         return EXIT_RUN
     except KeyboardInterrupt:
         print("dstt: interrupted", file=sys.stderr)
