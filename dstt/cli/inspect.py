@@ -42,7 +42,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     light = run.light_steps()
     s["n_light"] = len(light)
     s["n_rebuilt"] = 0
-    if light:
+    if light:  # dstt.run.derived: imported only then (test_cli_startup pins what ls loads)
         from dstt.run.derived import written_bases
 
         s["n_rebuilt"] = len(written_bases(run, run.timeline))
@@ -76,8 +76,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             )
             yield _timeline_line(t, base)
 
-    _emit(args, s, text)
-    return EXIT_OK
+    return _emit(args, s, text)
 
 
 def cmd_log(args: argparse.Namespace) -> int:
@@ -141,8 +140,7 @@ def cmd_log(args: argparse.Namespace) -> int:
                 f"{_metrics_text(h.metrics)}{data}{mark}{gone}"
             )
 
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, text)
 
 
 def _light(run: Any, timeline: str | None) -> dict[int, dict[str, Any]]:
@@ -328,8 +326,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         if not args.optim:
             yield "optimizer states not shown (--optim shows them)"
 
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, text)
 
 
 _STORED_AS = {"raw": "raw", "xor1": "xor", "pred1": "pred"}
@@ -402,8 +399,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         if not args.optim:
             yield "optimizer states not compared (--optim compares them)"
 
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, text)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -457,12 +453,8 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     repo = _resolve_run(args, opener=Repository.open)
     rows = repo.reindex()
-    _emit(
-        args,
-        {"rows": rows},
-        lambda: iter([f"index rebuilt from the commit headers: {rows} commits"]),
-    )
-    return EXIT_OK
+    text = [f"index rebuilt from the commit headers: {rows} commits"]
+    return _emit(args, {"rows": rows}, lambda: text)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -471,13 +463,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     snap = _resolve_run(args).at(args.step, args.timeline)
     if args.config is not None and args.format != "hf":
         raise UsageError("--config is for --format hf (the config.json of the folder)")
-    default = {
-        "safetensors": f"step{snap.step}.safetensors",
-        "torch": f"step{snap.step}.pt",
-        "hf": f"step{snap.step}-hf",
-        "dcp": f"step{snap.step}",
-    }[args.format]
-    out = args.out or default
+    suffix = {"safetensors": ".safetensors", "torch": ".pt", "hf": "-hf", "dcp": ""}[args.format]
+    out = args.out or f"step{snap.step}{suffix}"
     with _bar(args, sum(r.plan.nbytes for r in snap.arrays.values()), "B") as bar:
         info = snap.export(
             out,
@@ -501,5 +488,4 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"{human_bytes(info['bytes'])} ({args.format}: {what})"
         )
 
-    _emit(args, doc, text)
-    return EXIT_OK
+    return _emit(args, doc, text)
