@@ -122,8 +122,7 @@ def update_heatmap(
     heatmap, labelled ``estimate from probes`` where the update numbers are the summaries'
     estimates (``exact`` where the summaries' are exact or computed from the tensors);
     ``selector`` as in :func:`dstt.plots.series.tensor_stats` (one that picks nothing
-    raises); the updates
-    that caused the spikes of metric ``spikes`` (None: none;
+    raises); the updates that caused the spikes of metric ``spikes`` (None: none;
     ``window``/``z`` as in :func:`loss`) as dashed lines at ``Spike.cause``: the column whose
     weights produced the bad loss, one step before the loss jumped."""
     ds = tensor_stats(run, steps, timeline=timeline, selector=selector)
@@ -132,13 +131,8 @@ def update_heatmap(
     marks: list[int] = []
     if spikes:
         lo, hi = (int(ds["step"].min()), int(ds["step"].max())) if ds.sizes["step"] else (0, -1)
-        marks = sorted(
-            {
-                int(s.cause)
-                for s in _spikes(run, spikes, timeline, window, z)
-                if s.cause is not None and lo <= s.cause <= hi
-            }
-        )
+        found = _spikes(run, spikes, timeline, window, z)
+        marks = sorted({int(s.cause) for s in found if s.cause is not None and lo <= s.cause <= hi})
     label = field if field == "l2" else f"{field} ({exactness_label(ds.attrs['update_exactness'])})"
     draw_heatmap(
         ax, ds["step"].values, names, ds[field].values.T, label=label, log=log, marks=marks
@@ -185,8 +179,7 @@ def layer_change(
 ) -> Axes:
     """Bars of ``||w_step - w_ref|| / ||w||`` per parameter (default reference: the previous
     commit: the summaries' number, exact or an estimate, labelled so; another reference:
-    exact), largest first,
-    at most ``top`` of them."""
+    exact), largest first, at most ``top`` of them."""
     ds = step_change(run, step, reference, timeline=timeline)
     ratio = ds["ratio"].values
     order = np.argsort(-np.where(np.isfinite(ratio), ratio, -np.inf), kind="stable")[:top]
