@@ -135,14 +135,10 @@ class Rebuilder:
 
         name = timeline or lines.timeline
         wanted = sorted({int(k) for k in steps})
-        out: dict[int, Snapshot] = {}
-        todo = []
-        for k in wanted:
-            got = self._rebuilt.get((name, k))
-            if got is None:
-                todo.append(k)
-            else:
-                out[k] = got
+        out: dict[int, Snapshot] = {
+            k: got for k in wanted if (got := self._rebuilt.get((name, k))) is not None
+        }
+        todo = [k for k in wanted if k not in out]
         if not todo:
             return out
         if self.replay is None:
