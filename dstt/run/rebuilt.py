@@ -152,9 +152,6 @@ class Rebuilder:
         trainer, module = kw.pop("trainer", None), kw.pop("module", None)
         kit = None if trainer is None else replay_kit_for(trainer, module)
         stored = {h.step: h for h in lines.commits(name)}
-        groups: dict[int, list[int]] = {}
-        for k in todo:
-            groups.setdefault(max((s for s in stored if s < k), default=-1), []).append(k)
         logged = self._step_metrics(name, todo)
         done = 0
         reader = lines.reader
@@ -179,7 +176,7 @@ class Rebuilder:
             if progress:
                 progress(done, len(todo))
 
-        for _, ks in sorted(groups.items()):
+        for _, ks in sorted(by_base(stored, todo).items()):
             want = set(ks)
             rebuild_step(self._run, reader, max(ks), kit=kit, timeline=name, on_step=keep, **kw)
         return out
@@ -196,6 +193,14 @@ class Rebuilder:
             row = {n: float(m.column(n)[i]) for n in m.names}
             out[k] = {n: v for n, v in row.items() if v == v}
         return out
+
+
+def by_base(stored: Iterable[int], steps: Iterable[int]) -> dict[int, list[int]]:
+    """Light ``steps`` by the stored step before each (-1: none): one replay pass each."""
+    groups: dict[int, list[int]] = {}
+    for k in steps:
+        groups.setdefault(max((s for s in stored if s < k), default=-1), []).append(k)
+    return groups
 
 
 def check_replay(made: Mapping[str, Any], keys: tuple[str, ...]) -> None:
