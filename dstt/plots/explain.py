@@ -72,7 +72,7 @@ def explanation(ex: Explanation, *, fig: Figure | None = None) -> ExplanationFig
     }
     for title, mechanism in PANELS.items():
         ax = axes[title]
-        f = _finding(ex, mechanism)
+        f = next((x for x in ex.findings if x.mechanism == mechanism), None)
         missing = _missing(f, title)
         if missing is not None:
             out.unknown[title] = missing
@@ -86,13 +86,6 @@ def explanation(ex: Explanation, *, fig: Figure | None = None) -> ExplanationFig
         fontsize="large",
     )
     return out
-
-
-def _finding(ex: Explanation, mechanism: str) -> Finding | None:
-    for f in ex.findings:
-        if f.mechanism == mechanism:
-            return f
-    return None
 
 
 #: panel title → the evidence keys it draws
