@@ -22,26 +22,10 @@ from .changes import (
     cmd_timeline_rename,
     cmd_timeline_switch,
 )
-from .common import (
-    BAD_INPUT,
-    EXIT_BAD_INPUT,
-    EXIT_INTERNAL,
-    EXIT_PIPE,
-    EXIT_RUN,
-    _command,
-    _Parser,
-)
+from .common import BAD_INPUT, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_PIPE, EXIT_RUN, _command, _Parser
 from .explain import add_explain
 from .imports import add_import
-from .inspect import (
-    cmd_diff,
-    cmd_export,
-    cmd_index,
-    cmd_log,
-    cmd_ls,
-    cmd_show,
-    cmd_verify,
-)
+from .inspect import cmd_diff, cmd_export, cmd_index, cmd_log, cmd_ls, cmd_show, cmd_verify
 from .rebuild import cmd_rebuild
 from .replay import cmd_replay
 from .virtual import add_virtual
