@@ -271,9 +271,7 @@ def draw_change(ax: Axes, model: ScrubberModel, top: int = TOP_BARS) -> dict[str
         return {}
     names, ratios, xlabel, title = bars
     out = draw_bars(ax, names, ratios, xlabel=xlabel, highlight=model.tensor, title=title)
-    out["names"] = names
-    out["ratios"] = ratios
-    return out
+    return {**out, "names": names, "ratios": ratios}
 
 
 class NameStrip:
@@ -289,8 +287,7 @@ class NameStrip:
     def __init__(self, view: FigureView) -> None:
         self.view = view
         self.bitmaps: LRU[tuple[str, int, int], np.ndarray] = LRU(4096)
-        agg = require("matplotlib.backends.backend_agg", "dstt.widgets")
-        self._agg = agg
+        self._agg = require("matplotlib.backends.backend_agg", "dstt.widgets")
         self.image: Any = None
 
     def _bitmap(self, name: str, width: int, height: int, size: float, color: Any) -> np.ndarray:  # noqa: ANN401
