@@ -26,7 +26,6 @@ from .draw import SPIKE_COLOR, draw_bars, draw_heatmap, draw_message
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
-    from matplotlib.text import Text
 
     from dstt.analysis.mechanisms import Finding
     from dstt.run.explain import Explanation
@@ -76,7 +75,11 @@ def explanation(ex: Explanation, *, fig: Figure | None = None) -> ExplanationFig
         missing = _missing(f, title)
         if missing is not None:
             out.unknown[title] = missing
-            out.artists[title] = {"text": _say_unknown(ax, title, missing)}
+            ax.set_title(f"{title}: unknown", fontsize="medium")
+            text = draw_message(
+                ax, f"unknown: {missing}", wrap=True, fontsize="small", color="0.35"
+            )
+            out.artists[title] = {"text": text}
             continue
         assert f is not None  # _missing said so
         out.artists[title] = draw[title](ax, f, ex)
@@ -109,12 +112,6 @@ def _missing(f: Finding | None, title: str) -> str | None:
     return None
 
 
-def _say_unknown(ax: Axes, title: str, missing: str) -> Text:
-    ax.set_title(f"{title}: unknown", fontsize="medium")
-    text: Text = draw_message(ax, f"unknown: {missing}", wrap=True, fontsize="small", color="0.35")
-    return text
-
-
 def _losses(ax: Axes, f: Finding, ex: Explanation) -> dict[str, Any]:
     ev = f.evidence
     loss = np.asarray(ev["losses"], dtype=float)
@@ -138,16 +135,14 @@ def _top_tensors(names: list[str], score: np.ndarray, first: tuple[Any, ...]) ->
     then the highest ``score``."""
     at = [names.index(n) for n in first if n in names]
     rest = [int(i) for i in np.argsort(-np.nan_to_num(score, nan=-np.inf), kind="stable")]
-    keep = list(dict.fromkeys(at + rest))[:MAX_TENSORS]
-    return sorted(keep)
+    return sorted(list(dict.fromkeys(at + rest))[:MAX_TENSORS])
 
 
 def _ratios(ax: Axes, f: Finding, ex: Explanation) -> dict[str, Any]:
     ev = f.evidence
     r = np.asarray(ev["ratios"], dtype=float)  # steps x tensors
     names = [str(n) for n in ev["names"]]
-    with np.errstate(all="ignore"):
-        last = r[-1] if r.size else np.array([])
+    last = r[-1] if r.size else np.array([])
     cols = _top_tensors(names, last, f.points_at)
     shown = [names[i] for i in cols]
     marks = [ex.cause] if ex.cause is not None else []
