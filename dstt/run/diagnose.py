@@ -31,6 +31,8 @@ from dstt.inspect.diagnose import (
 from dstt.inspect.summaries import Spike
 from dstt.store._internal import Batch, SkipSet, read_batches, read_skips
 
+from .lines import step_bounds
+
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
@@ -96,15 +98,13 @@ class RunDiagnostics:
     def batches(
         self, steps: slice | Iterable[int] | None = None, *, timeline: str | None = None
     ) -> dict[int, list[Batch]]:
-        """Recorded batch fingerprints per step; only the commits carrying ``steps`` are
-        read."""
+        """Recorded batch fingerprints per step; only the commits carrying ``steps`` are read."""
         run = self.run
         line = run.commits(timeline)
         if steps is None:
             return read_batches(line, run.reader.read_object)
         if isinstance(steps, slice):
-            lo = -np.inf if steps.start is None else steps.start
-            hi = np.inf if steps.stop is None else steps.stop
+            lo, hi = step_bounds(steps)
             found = read_batches(_covering(line, lo, hi), run.reader.read_object)
             return {k: v for k, v in found.items() if lo <= k <= hi}
         want = {int(s) for s in steps}
