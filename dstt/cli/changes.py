@@ -5,14 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .common import (
-    UsageError,
-    _bar,
-    _counter,
-    _emit,
-    _resolve_run,
-    _timeline_line,
-)
+from .common import UsageError, _bar, _counter, _emit, _resolve_run, _timeline_line
 
 if TYPE_CHECKING:
     import argparse
@@ -51,11 +44,8 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 def _few(xs: list[int], n: int = 8) -> str:
     """``[1, 2, 3]``, or the first ``n`` and how many there are."""
-    return (
-        ", ".join(map(str, xs))
-        if len(xs) <= n
-        else (f"{', '.join(map(str, xs[:n]))}, ... ({len(xs)})")
-    )
+    shown = ", ".join(map(str, xs[:n]))
+    return shown if len(xs) <= n else f"{shown}, ... ({len(xs)})"
 
 
 def cmd_timeline_list(args: argparse.Namespace) -> int:

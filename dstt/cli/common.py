@@ -163,8 +163,7 @@ def _bar(args: argparse.Namespace, total: int | None, unit: str = "it") -> Itera
 
 def _counter(bar: Any) -> Callable[[int, int], None]:
     def update(n: int, total: int) -> None:
-        bar.total = total
-        bar.n = n
+        bar.total, bar.n = total, n
         bar.refresh()
 
     return update

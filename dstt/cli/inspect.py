@@ -42,7 +42,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     light = run.light_steps()
     s["n_light"] = len(light)
     s["n_rebuilt"] = 0
-    if light:
+    if light:  # dstt.run.derived: imported only then (test_cli_startup pins what ls loads)
         from dstt.run.derived import written_bases
 
         s["n_rebuilt"] = len(written_bases(run, run.timeline))
@@ -453,11 +453,8 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     repo = _resolve_run(args, opener=Repository.open)
     rows = repo.reindex()
-    return _emit(
-        args,
-        {"rows": rows},
-        lambda: iter([f"index rebuilt from the commit headers: {rows} commits"]),
-    )
+    text = [f"index rebuilt from the commit headers: {rows} commits"]
+    return _emit(args, {"rows": rows}, lambda: text)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -466,13 +463,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     snap = _resolve_run(args).at(args.step, args.timeline)
     if args.config is not None and args.format != "hf":
         raise UsageError("--config is for --format hf (the config.json of the folder)")
-    default = {
-        "safetensors": f"step{snap.step}.safetensors",
-        "torch": f"step{snap.step}.pt",
-        "hf": f"step{snap.step}-hf",
-        "dcp": f"step{snap.step}",
-    }[args.format]
-    out = args.out or default
+    suffix = {"safetensors": ".safetensors", "torch": ".pt", "hf": "-hf", "dcp": ""}[args.format]
+    out = args.out or f"step{snap.step}{suffix}"
     with _bar(args, sum(r.plan.nbytes for r in snap.arrays.values()), "B") as bar:
         info = snap.export(
             out,

@@ -22,26 +22,10 @@ from .changes import (
     cmd_timeline_rename,
     cmd_timeline_switch,
 )
-from .common import (
-    BAD_INPUT,
-    EXIT_BAD_INPUT,
-    EXIT_INTERNAL,
-    EXIT_PIPE,
-    EXIT_RUN,
-    _command,
-    _Parser,
-)
+from .common import BAD_INPUT, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_PIPE, EXIT_RUN, _command, _Parser
 from .explain import add_explain
 from .imports import add_import
-from .inspect import (
-    cmd_diff,
-    cmd_export,
-    cmd_index,
-    cmd_log,
-    cmd_ls,
-    cmd_show,
-    cmd_verify,
-)
+from .inspect import cmd_diff, cmd_export, cmd_index, cmd_log, cmd_ls, cmd_show, cmd_verify
 from .rebuild import cmd_rebuild
 from .replay import cmd_replay
 from .virtual import add_virtual
@@ -408,11 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BAD_INPUT as e:
         print(f"dstt: {_message(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except DsttError as e:
+    except (DsttError, OSError) as e:  # OSError: reading or writing the run (EIO, EACCES)
         print(f"dstt: {_message(e)}", file=sys.stderr)
-        return EXIT_RUN
-    except OSError as e:  # the operating system's, reading or writing the run (EIO, EACCES)
-        print(f"dstt: {e}", file=sys.stderr)
         return EXIT_RUN
     except KeyboardInterrupt:
         print("dstt: interrupted", file=sys.stderr)

@@ -85,18 +85,10 @@ def _open_replay(run: Any, args: argparse.Namespace) -> None:
         ) from None
 
 
-def _gaps(run: Any, steps: list[int], timeline: str) -> list[list[int]]:
-    """``steps`` grouped by the stored step before them (one replay pass each)."""
-    stored = sorted(h.step for h in run.commits(timeline, pruned=True))
-    groups: dict[int, list[int]] = {}
-    for k in steps:
-        groups.setdefault(max((s for s in stored if s < k), default=-1), []).append(k)
-    return [groups[b] for b in sorted(groups)]
-
-
 def cmd_rebuild(args: argparse.Namespace) -> int:
     from dstt.errors import ReplayError
     from dstt.run.derived import written_bases
+    from dstt.run.rebuilt import by_base
 
     run = _resolve_run(args)
     timeline = args.timeline or run.timeline
@@ -109,8 +101,9 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     if any(k not in before for k in steps):
         _open_replay(run, args)
     got: dict[int, Any] = {}
+    stored = [h.step for h in run.commits(timeline, pruned=True)]
     with _bar(args, len(steps), unit="step") as bar:
-        for gap in _gaps(run, steps, timeline):
+        for _, gap in sorted(by_base(stored, steps).items()):
             done = 0
 
             def tick(n: int, _total: int) -> None:

@@ -131,13 +131,8 @@ def update_heatmap(
     marks: list[int] = []
     if spikes:
         lo, hi = (int(ds["step"].min()), int(ds["step"].max())) if ds.sizes["step"] else (0, -1)
-        marks = sorted(
-            {
-                int(s.cause)
-                for s in _spikes(run, spikes, timeline, window, z)
-                if s.cause is not None and lo <= s.cause <= hi
-            }
-        )
+        found = _spikes(run, spikes, timeline, window, z)
+        marks = sorted({int(s.cause) for s in found if s.cause is not None and lo <= s.cause <= hi})
     label = field if field == "l2" else f"{field} ({exactness_label(ds.attrs['update_exactness'])})"
     draw_heatmap(
         ax, ds["step"].values, names, ds[field].values.T, label=label, log=log, marks=marks

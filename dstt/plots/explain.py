@@ -26,7 +26,6 @@ from .draw import SPIKE_COLOR, draw_bars, draw_heatmap, draw_message
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
-    from matplotlib.text import Text
 
     from dstt.analysis.mechanisms import Finding
     from dstt.run.explain import Explanation
@@ -76,7 +75,11 @@ def explanation(ex: Explanation, *, fig: Figure | None = None) -> ExplanationFig
         missing = _missing(f, title)
         if missing is not None:
             out.unknown[title] = missing
-            out.artists[title] = {"text": _say_unknown(ax, title, missing)}
+            ax.set_title(f"{title}: unknown", fontsize="medium")
+            text = draw_message(
+                ax, f"unknown: {missing}", wrap=True, fontsize="small", color="0.35"
+            )
+            out.artists[title] = {"text": text}
             continue
         assert f is not None  # _missing said so
         out.artists[title] = draw[title](ax, f, ex)
@@ -107,12 +110,6 @@ def _missing(f: Finding | None, title: str) -> str | None:
     if lacks:
         return f"the finding keeps no {', '.join(lacks)}"
     return None
-
-
-def _say_unknown(ax: Axes, title: str, missing: str) -> Text:
-    ax.set_title(f"{title}: unknown", fontsize="medium")
-    text: Text = draw_message(ax, f"unknown: {missing}", wrap=True, fontsize="small", color="0.35")
-    return text
 
 
 def _losses(ax: Axes, f: Finding, ex: Explanation) -> dict[str, Any]:

@@ -85,17 +85,12 @@ def tensor_stats(
             for j, p in enumerate(ds["store_path"].values)
             if _is_param(str(p))
         }
-        chosen = list(col)
+        chosen, tied = list(col), {}  # tied: a selected tied name -> its stored target
         if selector is not None:
             cat = run.catalog(headers[-1])
             pool = chosen + [a for a, t in cat.tied.items() if t in col and _is_param(a)]
-            chosen = cat.select(selector, paths=pool)[0]
-            cat_tied = cat.tied
-        else:
-            cat_tied = {}
-        out = ds[[*STAT_FIELDS, "update_exact"]].isel(
-            tensor=[col[cat_tied.get(p, p)] for p in chosen]
-        )
+            chosen, tied = cat.select(selector, paths=pool)[0], cat.tied
+        out = ds[[*STAT_FIELDS, "update_exact"]].isel(tensor=[col[tied.get(p, p)] for p in chosen])
         out = out.assign_coords(
             tensor=("tensor", np.array([user_name(p) for p in chosen], dtype=object))
         )

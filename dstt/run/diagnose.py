@@ -98,8 +98,7 @@ class RunDiagnostics:
     def batches(
         self, steps: slice | Iterable[int] | None = None, *, timeline: str | None = None
     ) -> dict[int, list[Batch]]:
-        """Recorded batch fingerprints per step; only the commits carrying ``steps`` are
-        read."""
+        """Recorded batch fingerprints per step; only the commits carrying ``steps`` are read."""
         run = self.run
         line = run.commits(timeline)
         if steps is None:
@@ -192,7 +191,7 @@ class RunDiagnostics:
                     if np.isfinite(score) and score < 0:
                         continue  # moved less than usual: not abnormal (rank_by_baseline)
                     old = best.get(n)
-                    if old is None or _after(old, (score, ratio)):
+                    if old is None or _key((score, ratio)) < _key(old):
                         best[n] = (score, ratio)
             ranked = sorted(best.items(), key=lambda kv: _key(kv[1]))[: max(top, 0)]
             verdict = batches = None
@@ -281,10 +280,6 @@ def _key(v: tuple[float, float]) -> tuple[int, float]:
     """Sort key: tensors with a baseline score first (highest first), then by ratio."""
     score, ratio = v
     return (0, -score) if np.isfinite(score) else (1, -ratio)
-
-
-def _after(old: tuple[float, float], new: tuple[float, float]) -> bool:
-    return _key(new) < _key(old)
 
 
 def _covering(line: Sequence[Any], lo: float, hi: float) -> list[Any]:

@@ -83,16 +83,16 @@ class Metrics:
             from dstt.inspect.summaries import utc_datetimes
 
             coords, data = self._columns()
-            ds = xr.Dataset(
+            self._ds = xr.Dataset(
                 {k: ("step", v) for k, v in data.items()},
                 coords={
                     "step": ("step", coords["step"]),
                     "slot": ("step", coords["slot"]),
                     "timeline": ("step", coords["timeline"]),
                     "time": ("step", utc_datetimes(coords["time"].tolist())),
+                    "pruned": ("step", coords["pruned"]),
                 },
             )
-            self._ds = ds.assign_coords(pruned=("step", coords["pruned"]))
         return self._ds
 
     def __getitem__(self, key: Any) -> Any:

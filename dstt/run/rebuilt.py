@@ -135,14 +135,10 @@ class Rebuilder:
 
         name = timeline or lines.timeline
         wanted = sorted({int(k) for k in steps})
-        out: dict[int, Snapshot] = {}
-        todo = []
-        for k in wanted:
-            got = self._rebuilt.get((name, k))
-            if got is None:
-                todo.append(k)
-            else:
-                out[k] = got
+        out: dict[int, Snapshot] = {
+            k: got for k in wanted if (got := self._rebuilt.get((name, k))) is not None
+        }
+        todo = [k for k in wanted if k not in out]
         if not todo:
             return out
         if self.replay is None:
@@ -156,9 +152,6 @@ class Rebuilder:
         trainer, module = kw.pop("trainer", None), kw.pop("module", None)
         kit = None if trainer is None else replay_kit_for(trainer, module)
         stored = {h.step: h for h in lines.commits(name)}
-        groups: dict[int, list[int]] = {}
-        for k in todo:
-            groups.setdefault(max((s for s in stored if s < k), default=-1), []).append(k)
         logged = self._step_metrics(name, todo)
         done = 0
         reader = lines.reader
@@ -183,7 +176,7 @@ class Rebuilder:
             if progress:
                 progress(done, len(todo))
 
-        for _, ks in sorted(groups.items()):
+        for _, ks in sorted(by_base(stored, todo).items()):
             want = set(ks)
             rebuild_step(self._run, reader, max(ks), kit=kit, timeline=name, on_step=keep, **kw)
         return out
@@ -194,6 +187,14 @@ class Rebuilder:
         where = {int(k): i for i, k in enumerate(m.steps.tolist())}
         rows = {k: {n: float(m.column(n)[where[k]]) for n in m.names} for k in steps if k in where}
         return {k: {n: v for n, v in row.items() if v == v} for k, row in rows.items()}
+
+
+def by_base(stored: Iterable[int], steps: Iterable[int]) -> dict[int, list[int]]:
+    """Light ``steps`` by the stored step before each (-1: none): one replay pass each."""
+    groups: dict[int, list[int]] = {}
+    for k in steps:
+        groups.setdefault(max((s for s in stored if s < k), default=-1), []).append(k)
+    return groups
 
 
 def check_replay(made: Mapping[str, Any], keys: tuple[str, ...]) -> None:

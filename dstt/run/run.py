@@ -169,13 +169,10 @@ class Run:
     def catalog(self, header: CommitHeader) -> Catalog:
         """The names of commit ``header`` (:mod:`dstt.inspect.catalog`; cached): its
         tensors by canonical path and its tied names, and how a typed name resolves."""
-        got = self._catalogs.get(header.slot)
-        if got is None:
-            got = Catalog.of(
-                self.reader, header, listing=f"run.at({header.step}).names(optim=True)"
-            )
-            self._catalogs.put(header.slot, got)
-        return got
+        listing = f"run.at({header.step}).names(optim=True)"
+        return self._catalogs.get_or_make(
+            header.slot, lambda: Catalog.of(self.reader, header, listing=listing)
+        )
 
     def trajectory(
         self,
@@ -341,7 +338,7 @@ class Run:
         Nothing is written to the run; the live objects end at the replayed step. Only the
         state restored into the given objects is decoded; ``trusted=True`` lets a part of it
         stored with pickle load (it runs code from the run). See docs/replay.md."""
-        from dstt.inspect.replay import replay_kit_for, replay_step
+        from dstt.inspect.replay import replay_step
         from dstt.inspect.summaries import Spike
 
         k = (
@@ -349,12 +346,7 @@ class Run:
             if isinstance(step, Spike)
             else int(step)
         )
-        if module is not None and trainer is None:
-            raise ConfigError(
-                "replay's module= goes with trainer= (a lightning.Trainer and its "
-                "LightningModule); for a plain loop pass model= and optimizer="
-            )
-        kit = None if trainer is None else replay_kit_for(trainer, module)
+        kit = _kit("replay", trainer, module)
         return replay_step(
             self,
             self.reader,
@@ -408,14 +400,8 @@ class Run:
         Returns a :class:`dstt.inspect.rebuild.Rebuilt`; nothing is written to the run.
         See docs/replay.md."""
         from dstt.inspect.rebuild import rebuild_step
-        from dstt.inspect.replay import replay_kit_for
 
-        if module is not None and trainer is None:
-            raise ConfigError(
-                "rebuild's module= goes with trainer= (a lightning.Trainer and its "
-                "LightningModule); for a plain loop pass model= and optimizer="
-            )
-        kit = None if trainer is None else replay_kit_for(trainer, module)
+        kit = _kit("rebuild", trainer, module)
         return rebuild_step(
             self,
             self.reader,
@@ -646,3 +632,15 @@ class Run:
 
     def _repr_html_(self) -> str:
         return run_html(self.summary())
+
+
+def _kit(verb: str, trainer: Any, module: Any) -> Any:
+    """The ``ReplayKit`` of ``trainer`` (None without one) for ``replay``/``rebuild``."""
+    if module is not None and trainer is None:
+        raise ConfigError(
+            f"{verb}'s module= goes with trainer= (a lightning.Trainer and its "
+            "LightningModule); for a plain loop pass model= and optimizer="
+        )
+    from dstt.inspect.replay import replay_kit_for
+
+    return None if trainer is None else replay_kit_for(trainer, module)

@@ -140,8 +140,7 @@ def summaries(
             line = [h for h in line if lo <= h.step <= hi][:: steps.step or 1]
     else:
         by_step = {h.step: h for h in lines.lineage(name)}
-        wanted = list(as_steps(steps))
-        line = [by_step.get(int(st)) or lines.header(int(st), name) for st in wanted]
+        line = [by_step.get(int(st)) or lines.header(int(st), name) for st in as_steps(steps)]
     ds = summaries_from_rows(run.reader.scalar_rows(line))
     if progress:
         progress(len(line), len(line))

@@ -100,10 +100,9 @@ class ScrubberModel:
             raise StepNotFoundError(
                 f"reference step {reference} is not on timeline {self._timeline!r}"
             )
-        if mode not in ("values", "change"):
-            raise ValueError(f"mode must be 'values' or 'change', not {mode!r}")
         self._reference = reference
-        self._mode: Mode = mode
+        self._mode: Mode = "values"
+        self.mode = mode  # validates; no observer yet to notify
         self._tensor = (
             self._param(tensor) if tensor is not None else self._default_tensor(self.tensors)
         )
@@ -247,7 +246,7 @@ class ScrubberModel:
                 self.prefetch_error = e
 
     def _warm_step(self, timeline: str, tensor: str, reference: int | None, step: int) -> None:
-        self.cache.get_or_make(("snapshot", timeline, step), lambda: self.run.at(step, timeline))
+        self.snapshot(step, timeline)
         self.cache.get_or_make(
             ("values", timeline, step, tensor, self.max_side),
             lambda: self._load_values(step, tensor, timeline),
@@ -283,11 +282,10 @@ class ScrubberModel:
         self.index = min(max(self.index + n, 0), len(self.steps) - 1)
 
     # -- tensor, reference, mode ----------------------------------------------------------
-    def snapshot(self, step: int | None = None) -> Snapshot:
+    def snapshot(self, step: int | None = None, timeline: str | None = None) -> Snapshot:
         s = self._step if step is None else int(step)
-        snap: Snapshot = self.cache.get_or_make(
-            ("snapshot", self._timeline, s), lambda: self.run.at(s, self._timeline)
-        )
+        tl = timeline or self._timeline
+        snap: Snapshot = self.cache.get_or_make(("snapshot", tl, s), lambda: self.run.at(s, tl))
         return snap
 
     @property
@@ -458,10 +456,7 @@ class ScrubberModel:
         self, step: int, tensor: str | None = None, timeline: str | None = None
     ) -> np.ndarray:
         tensor = self._tensor if tensor is None else tensor
-        timeline = self._timeline if timeline is None else timeline
-        snap: Snapshot = self.cache.get_or_make(
-            ("snapshot", timeline, step), lambda: self.run.at(step, timeline)
-        )
+        snap = self.snapshot(step, timeline)
         shape = tuple(snap.catalog.table[snap.path(tensor)].shape)
         return subsample(snap.tensor(tensor), shape, self.max_side)
 

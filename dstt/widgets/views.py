@@ -270,8 +270,7 @@ def draw_change(ax: Axes, model: ScrubberModel, top: int = TOP_BARS) -> dict[str
         return {}
     names, ratios, xlabel, title = bars
     out = draw_bars(ax, names, ratios, xlabel=xlabel, highlight=model.tensor, title=title)
-    out.update(names=names, ratios=ratios)
-    return out
+    return {**out, "names": names, "ratios": ratios}
 
 
 class NameStrip:
