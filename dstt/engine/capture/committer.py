@@ -117,18 +117,15 @@ class Committer:
         if not f.dead and (f.summaries or f.flat_stats):
             assert h is not None
             try:
-                if f.flat_stats:
-                    h.put_object(self.summaries_object, self._flat_summaries(f))
-                else:
-                    h.put_object(self.summaries_object, self._summaries(f))
+                summaries = self._flat_summaries(f) if f.flat_stats else self._summaries(f)
+                h.put_object(self.summaries_object, summaries)
             except BaseException as e:
                 f.fail(e)
         if not f.dead:
             assert h is not None
             try:
-                metrics = f.metrics_now()
                 t0 = time.perf_counter()
-                f.header = h.commit(metrics, retry=lambda e: self._retry(f, e))
+                f.header = h.commit(f.metrics_now(), retry=lambda e: self._retry(f, e))
                 f.committed = True
                 if self._book is not None:  # the parent of the next step's update
                     self._book.committed(f.digest_token if f.flat_stats else -1)

@@ -62,7 +62,6 @@ class FlatLane:
         this large (a caller whose first step is not its largest, one DeepSpeed file each)."""
         self.sink, self.budget_bytes, self.dims = sink, budget_bytes, dims
         self.book, self.min_bytes = book, min_bytes
-        self.summarize = book is not None
         self.shared = False  # the ring is the sink's shared memory
         self._segments: dict[tuple[int, int], tuple[FlatLayout, list[Segment]]] = {}
         self.steps: StepBuffers | None = None
@@ -202,7 +201,7 @@ class FlatLane:
             if f.dead:
                 return
             layout = f.flat.layout
-            plan = self._digest_plan(f.flat) if self.summarize else None
+            plan = self._digest_plan(f.flat) if self.book is not None else None
             d = (
                 None
                 if plan is None

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -26,12 +27,12 @@ __all__ = ["EncodeGovernor"]
 _SAMPLE_S = 0.25
 
 
+@dataclass
 class _Mode:
     """Running estimates for one mode: writer CPU and bytes written per step."""
 
-    def __init__(self) -> None:
-        self.cpu: float | None = None
-        self.bytes: float | None = None
+    cpu: float | None = None
+    bytes: float | None = None
 
     def add(self, cpu: float, nbytes: int) -> None:
         self.cpu = cpu if self.cpu is None else 0.5 * self.cpu + 0.5 * cpu

@@ -42,7 +42,7 @@ from .committer import Committer, out_of_room
 from .flatwrite import FlatLane, discard
 from .flight import Flight, StepMetrics, _Aborted, _encode_metrics
 from .governor import EncodeGovernor
-from .staging import Copier, RaceReport, VersionGuard
+from .staging import Copier, RaceReport, VersionGuard, byte_view
 from .summaries import SummaryBook, summarized
 
 if TYPE_CHECKING:
@@ -137,8 +137,7 @@ class Pipeline:
         #: left and the oldest take it (``_wait_older``)
         self._full_step: int | None = None
         #: the writer's delta encoder (None: it never encodes), fixed for its life
-        self._encoder = writer.encoder if isinstance(writer, EncodingWriter) else None
-        enc = self._encoder
+        self._encoder = enc = writer.encoder if isinstance(writer, EncodingWriter) else None
         self._governor = (
             EncodeGovernor(
                 max(1, writers),
@@ -219,9 +218,9 @@ class Pipeline:
             if self.verify:  # the copy is done: compare it with the source now
                 f.guard = _verified(f, plan, steps.buffers[index])
         with self._lock:
-            live = [x for x in self._flights if not x.done.is_set()]
-            f.backlog = len(live)
-            self._flights = [x for x in self._flights if not x.done.is_set()] + [f]
+            self._flights = [x for x in self._flights if not x.done.is_set()]
+            f.backlog = len(self._flights)
+            self._flights.append(f)
         f.cache_bytes = self.steps.in_use * self.steps.nbytes if self.steps else 0
         f.encode = encode
         f.keyframe = keyframe
@@ -246,8 +245,7 @@ class Pipeline:
         """What storing has cost so far: the CPU of the engine's threads and of the flusher
         process, and the training thread's copies and waits."""
         threads = [self._copy_thread, *self._writers, self._committer.thread]
-        fl = self.sink.flusher
-        proc = getattr(fl, "proc", None)
+        proc = getattr(self.sink.flusher, "proc", None)
         cpu = cpu_seconds((t.native_id for t in threads), [] if proc is None else [proc.pid])
         return self._waited_s + (self._writer_cpu_s if cpu is None else cpu)
 
@@ -327,7 +325,7 @@ class Pipeline:
                 views[where[path]].copy_(t.detach())
                 f.guard.reset(path, t)
                 if self.verify:
-                    f.guard.add_copy(path, _bytes(views[where[path]]))
+                    f.guard.add_copy(path, byte_view(views[where[path]]))
 
     def seal(self, f: Flight, objects: Mapping[str, Any]) -> None:
         """Declare ``f`` clean and complete; it commits once its writes are done."""
@@ -408,8 +406,6 @@ class Pipeline:
                 f.copied.set()
 
     def _copy(self, f: Flight) -> None:
-        # encoding costs writer CPU: the governor decided at stage time whether this step
-        # has it to spare (a raw step is reported as raw_fallback in the metrics)
         f.handle = h = self.sink.begin(
             f.step, encode=f.encode, keyframe=f.keyframe, predictions=f.predictions
         )
@@ -433,7 +429,7 @@ class Pipeline:
             self._copier.copy_all(dst, plan.sources(f.tensors)).wait()
             if self.verify:
                 for path, v in zip(plan.order, dst, strict=True):
-                    f.guard.add_copy(path, _bytes(v))
+                    f.guard.add_copy(path, byte_view(v))
         except BaseException:
             steps.release(index)  # the step fails; its buffer goes back to the ring
             raise
@@ -574,17 +570,11 @@ class Pipeline:
             self._failed(f)
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A typed view's bytes (what the verify checksum sums)."""
-    flat = t.reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-
-
 def _verified(f: Flight, plan: FlatPlan, buf: torch.Tensor) -> VersionGuard:
     """A verify-mode guard of ``f``, with its copy in ``buf`` accounted (``precopied``)."""
     guard = VersionGuard(
         f.tensors, {p: t.element_size() for p, t in f.tensors.items()}, verify=True
     )
     for path, v in zip(plan.order, plan.views(f.buffer or 0, buf), strict=True):
-        guard.add_copy(path, _bytes(v))
+        guard.add_copy(path, byte_view(v))
     return guard

@@ -21,7 +21,7 @@ import torch
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
-__all__ = ["Copier", "RaceReport", "Ready", "VersionGuard", "tensor_checksum"]
+__all__ = ["Copier", "RaceReport", "Ready", "VersionGuard", "byte_view", "tensor_checksum"]
 
 _MASK = (1 << 64) - 1
 _IS_CUDA = operator.attrgetter("is_cuda")
@@ -69,13 +69,10 @@ class Copier:
         for dev, ev in marks.items():
             self._stream(dev).wait_event(ev)
 
+    @torch.no_grad()
     def copy_all(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Ready:
         """Copy every ``src`` into its ``dst`` (same shapes) with one batched call; CUDA
         sources go through the side stream of their device (``begin`` first)."""
-        with torch.no_grad():
-            return self._copy_all(dst, src)
-
-    def _copy_all(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Ready:
         if not any(map(_IS_CUDA, src)):  # C-level: no Python line per tensor on the host
             torch._foreach_copy_(dst, src)
             return DONE
@@ -151,7 +148,7 @@ class VersionGuard:
         self._lock = threading.Lock()
         if verify:
             for p, t in tensors.items():
-                self._source[p] = tensor_checksum(_flat(t), self.itemsizes[p])
+                self._source[p] = tensor_checksum(byte_view(t), self.itemsizes[p])
 
     def add_copy(self, path: str, view: torch.Tensor) -> None:
         """Account one copied chunk (``verify`` mode; call once its bytes are on the host)."""
@@ -168,7 +165,7 @@ class VersionGuard:
         """Re-arm one tensor after a synchronous recopy."""
         self._before[self._paths.index(path)] = _VERSION(t)
         if self.verify:
-            self._source[path] = tensor_checksum(_flat(t), self.itemsizes[path])
+            self._source[path] = tensor_checksum(byte_view(t), self.itemsizes[path])
             with self._lock:
                 self._copied.pop(path, None)
 
@@ -188,7 +185,7 @@ class VersionGuard:
                 continue
             if self.verify and path in self._source:
                 staged = int(self._source[path]) & _MASK
-                now = int(tensor_checksum(_flat(t), self.itemsizes[path])) & _MASK
+                now = int(tensor_checksum(byte_view(t), self.itemsizes[path])) & _MASK
                 with self._lock:
                     copied = self._copied.get(path, 0)
                 if now != staged or copied != staged:
@@ -206,6 +203,7 @@ class VersionGuard:
 _VERSION = operator.attrgetter("_version")
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 view (what the verify checksums sum)."""
     flat = t.detach().reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)

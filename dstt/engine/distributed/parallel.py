@@ -70,18 +70,15 @@ class ParallelState:
                 self.share,
                 OwnedTensors([buffers], info, rank0=True),
                 RankZeroObjects(ModelInfoProvider(model), info),
+                *extra,
+                rng_provider(info),  # last: restoring it is the final word on RNG
             ]
         )
-        for p in extra:
-            step.add(p)
-        step.add(rng_provider(info))  # last: restoring it is the final word on RNG
-        boundary = CompositeProvider()
-        for key, opt in optimizers.items():
-            boundary.add(
-                RankZeroObjects(optimizer_groups_provider(opt, names, key), info, self.layout)
-            )
+        boundary: list[StateProvider] = [
+            RankZeroObjects(optimizer_groups_provider(opt, names, key), info, self.layout)
+            for key, opt in optimizers.items()
+        ]
         if scheduler is not None:
-            boundary.add(RankZeroObjects(scheduler_provider(scheduler), info, self.layout))
-        for p in extra_state_objects(extra_state, info, required=True):
-            boundary.add(p)
-        self.state = TorchState(step, boundary)
+            boundary.append(RankZeroObjects(scheduler_provider(scheduler), info, self.layout))
+        boundary += extra_state_objects(extra_state, info, required=True)
+        self.state = TorchState(step, CompositeProvider(boundary))

@@ -147,11 +147,12 @@ class RankChannel:
         from the first time it was asked about."""
         if self._store is None or not ranks:
             return {}
-        out: dict[int, str] = {}
         store = self._store
-        left = [r for r in ranks if store.check([f"left/{r}"])]
-        for r in left:
-            out[r] = f"its session ended: {json.loads(store.get(f'left/{r}'))}"
+        out = {
+            r: f"its session ended: {json.loads(store.get(f'left/{r}'))}"
+            for r in ranks
+            if store.check([f"left/{r}"])
+        }
         stale = min(_STALE_S, self.timeout / 2)
         now = time.monotonic()
         for r in ranks:

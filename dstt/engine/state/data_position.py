@@ -13,6 +13,7 @@ batches instead.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,11 +65,7 @@ class TrackedData:
         self._begin_pass()
         it = iter(self.loader)
         skip, self._skip = self._skip, 0
-        for _ in range(skip):
-            try:
-                next(it)
-            except StopIteration:
-                break
+        for _ in itertools.islice(it, skip):
             self._skipped()
         while True:
             if self._on_next is not None:

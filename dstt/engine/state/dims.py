@@ -126,10 +126,7 @@ def model_dims(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
         own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
         for name, t in own:
             dotted = canonical_name(f"{mod_name}.{name}" if mod_name else name, wrappers)
-            if t.dim() == 0:
-                out.setdefault(dotted, ())
-                continue
-            dims = module_tensor_dims(module, name, t.dim(), tuple(t.shape))
+            dims = module_tensor_dims(module, name, t.dim(), tuple(t.shape)) if t.dim() else ()
             if dims is not None:
                 out.setdefault(dotted, dims)  # a tied tensor: its first module names it
     return out

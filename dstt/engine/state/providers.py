@@ -24,6 +24,7 @@ from dstt.engine.tensors._convert import from_plain, store_dtype, tensor_from_nu
 from dstt.engine.tensors.dtensors import restore_tensor
 from dstt.errors import CorruptRunError, DsttWarning, SchemaError
 from dstt.store._internal import (
+    ArrayRecord,
     CommitHeader,
     LogicalArray,
     Prediction,
@@ -265,7 +266,7 @@ class CompositeProvider:
         return self._merge_tensors([p.tensors() for p in self.providers])
 
     def objects(self) -> Mapping[str, Any]:
-        return self._merge_objects([p.objects() for p in self.providers])
+        return _merge([p.objects() for p in self.providers], "object")
 
     def capture(self) -> tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]:
         """``(tensors(), objects())`` at once: a provider with a ``capture`` method of its
@@ -276,7 +277,7 @@ class CompositeProvider:
         ]
         return (
             self._merge_tensors([t for t, _ in both]),
-            self._merge_objects([o for _, o in both]),
+            _merge([o for _, o in both], "object"),
         )
 
     def _merge_tensors(self, got: list[Mapping[str, torch.Tensor]]) -> Mapping[str, torch.Tensor]:
@@ -292,24 +293,8 @@ class CompositeProvider:
             and self.stable
         ):
             return self._merged
-        out: dict[str, torch.Tensor] = {}
-        for part in parts:
-            for path, t in part.items():
-                if path in out:
-                    raise ValueError(f"two providers capture the array {path!r}")
-                out[path] = t
-        self._parts, self._merged = parts, out
-        return out
-
-    @staticmethod
-    def _merge_objects(got: list[Mapping[str, Any]]) -> Mapping[str, Any]:
-        out: dict[str, Any] = {}
-        for part in got:
-            for name, v in part.items():
-                if name in out:
-                    raise ValueError(f"two providers capture the object {name!r}")
-                out[name] = v
-        return out
+        self._parts, self._merged = parts, _merge(parts, "array")
+        return self._merged
 
     def predictions(self) -> Mapping[str, Prediction]:
         """Predictions offered by the providers that have a ``predictions()`` method
@@ -408,17 +393,14 @@ class StoreSource:
     def has_array(self, path: str) -> bool:
         return path in self._arrays or path in self.logical
 
-    def shape(self, path: str) -> tuple[int, ...]:
+    def _record(self, path: str) -> ArrayRecord | LogicalArray:
         rec = self._arrays.get(path) or self.logical.get(path)
         if rec is None:
             raise SchemaError(f"step {self.step} has no array {path!r}")
-        return tuple(rec.shape)
+        return rec
 
-    def _dtype(self, path: str) -> str:
-        rec = self._arrays.get(path) or self.logical.get(path)
-        if rec is None:
-            raise SchemaError(f"step {self.step} has no array {path!r}")
-        return str(rec.dtype)
+    def shape(self, path: str) -> tuple[int, ...]:
+        return tuple(self._record(path).shape)
 
     def array(self, path: str) -> torch.Tensor:
         if path not in self._arrays:
@@ -434,7 +416,7 @@ class StoreSource:
         return tensor_from_numpy(self._reader.read_array(self._header, path), rec.dtype)
 
     def region(self, path: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-        dtype = self._dtype(path)
+        dtype = str(self._record(path).dtype)
         data = read_region(self._reader, self._header, path, offsets, sizes, self.logical)
         return tensor_from_numpy(np.ascontiguousarray(data), dtype)
 
@@ -467,3 +449,13 @@ class StoreSource:
                 stacklevel=2,
             )
         return names
+
+
+def _merge(parts: Iterable[Mapping[str, Any]], what: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for part in parts:
+        for name, v in part.items():
+            if name in out:
+                raise ValueError(f"two providers capture the {what} {name!r}")
+            out[name] = v
+    return out
