@@ -42,7 +42,7 @@ from .committer import Committer, out_of_room
 from .flatwrite import FlatLane, discard
 from .flight import Flight, StepMetrics, _Aborted, _encode_metrics
 from .governor import EncodeGovernor
-from .staging import Copier, RaceReport, VersionGuard, byte_view
+from .staging import Copier, RaceReport, VersionGuard
 from .summaries import SummaryBook, summarized
 
 if TYPE_CHECKING:
@@ -325,7 +325,7 @@ class Pipeline:
                 views[where[path]].copy_(t.detach())
                 f.guard.reset(path, t)
                 if self.verify:
-                    f.guard.add_copy(path, byte_view(views[where[path]]))
+                    f.guard.add_copy(path, flat_bytes(views[where[path]]))
 
     def seal(self, f: Flight, objects: Mapping[str, Any]) -> None:
         """Declare ``f`` clean and complete; it commits once its writes are done."""
@@ -429,7 +429,7 @@ class Pipeline:
             self._copier.copy_all(dst, plan.sources(f.tensors)).wait()
             if self.verify:
                 for path, v in zip(plan.order, dst, strict=True):
-                    f.guard.add_copy(path, byte_view(v))
+                    f.guard.add_copy(path, flat_bytes(v))
         except BaseException:
             steps.release(index)  # the step fails; its buffer goes back to the ring
             raise
@@ -576,5 +576,5 @@ def _verified(f: Flight, plan: FlatPlan, buf: torch.Tensor) -> VersionGuard:
         f.tensors, {p: t.element_size() for p, t in f.tensors.items()}, verify=True
     )
     for path, v in zip(plan.order, plan.views(f.buffer or 0, buf), strict=True):
-        guard.add_copy(path, byte_view(v))
+        guard.add_copy(path, flat_bytes(v))
     return guard

@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from dstt.engine.tensors._convert import flat_bytes
+
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
 
-__all__ = ["Copier", "RaceReport", "Ready", "VersionGuard", "byte_view", "tensor_checksum"]
+__all__ = ["Copier", "RaceReport", "Ready", "VersionGuard", "tensor_checksum"]
 
 _MASK = (1 << 64) - 1
 _IS_CUDA = operator.attrgetter("is_cuda")
@@ -148,7 +150,7 @@ class VersionGuard:
         self._lock = threading.Lock()
         if verify:
             for p, t in tensors.items():
-                self._source[p] = tensor_checksum(byte_view(t), self.itemsizes[p])
+                self._source[p] = tensor_checksum(flat_bytes(t), self.itemsizes[p])
 
     def add_copy(self, path: str, view: torch.Tensor) -> None:
         """Account one copied chunk (``verify`` mode; call once its bytes are on the host)."""
@@ -165,7 +167,7 @@ class VersionGuard:
         """Re-arm one tensor after a synchronous recopy."""
         self._before[self._paths.index(path)] = _VERSION(t)
         if self.verify:
-            self._source[path] = tensor_checksum(byte_view(t), self.itemsizes[path])
+            self._source[path] = tensor_checksum(flat_bytes(t), self.itemsizes[path])
             with self._lock:
                 self._copied.pop(path, None)
 
@@ -185,7 +187,7 @@ class VersionGuard:
                 continue
             if self.verify and path in self._source:
                 staged = int(self._source[path]) & _MASK
-                now = int(tensor_checksum(byte_view(t), self.itemsizes[path])) & _MASK
+                now = int(tensor_checksum(flat_bytes(t), self.itemsizes[path])) & _MASK
                 with self._lock:
                     copied = self._copied.get(path, 0)
                 if now != staged or copied != staged:
@@ -201,9 +203,3 @@ class VersionGuard:
 
 # a tensor's version counter (bumped by every in-place write); torch has no public accessor
 _VERSION = operator.attrgetter("_version")
-
-
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes as a flat uint8 view (what the verify checksums sum)."""
-    flat = t.detach().reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
