@@ -40,7 +40,7 @@ from dstt.store.format.layout import (
 )
 from dstt.store.format.manifest import TableTemplate, dump_arrays, dump_ref
 from dstt.store.format.parts import Part, dump_part, remove_parts
-from dstt.store.format.stepfile import Block
+from dstt.store.format.stepfile import Block, SideFile, StepFile
 from dstt.store.format.zarr_meta import (
     array_document,
     consolidated_metadata,
@@ -398,12 +398,12 @@ class Writer:
         """Write ``job``: in the flusher process where one is attached and the step's files
         can be handed over (``remote``), else — or if the flusher died during it — here."""
         rc = self.committer
+        zs, ss = txn.zip.handoff(), txn.side.handoff()
         if remote and rc is not None and not rc.dead:
             root, durability = (
                 getattr(self.storage, "location", None),
                 getattr(self.storage, "durability", None),
             )
-            zs, ss = txn.zip.handoff(), txn.side.handoff()
             if zs is not None and ss is not None and root is not None:
                 try:
                     header = rc.commit(root, str(durability), zs, ss, job)
@@ -419,6 +419,19 @@ class Writer:
                     if job.lazy_ref:  # written there: this process's next barrier syncs it
                         self.storage.note_written(ref_key(job.timeline))  # type: ignore[attr-defined]
                     return header
+        if zs is not None and ss is not None:
+            # as the child would: on handles of its own, so a failed attempt (a full disk)
+            # leaves the step's files as ``txn`` knows them and ``reopen`` may run it again
+            zf, side = StepFile.adopt(self.storage, zs), SideFile.adopt(self.storage, ss)
+            try:
+                header = run_commit(self.storage, zf, side, job)
+            except BaseException:
+                for f in (zf, side):
+                    f.handed_off()  # (the failed step's files are deleted through ``txn``)
+                raise
+            txn.zip.handed_off()
+            txn.side.handed_off()
+            return header
         txn.ran_here = True  # its files now hold this attempt's writes (no ``reopen``)
         return run_commit(self.storage, txn.zip, txn.side, job)
 
