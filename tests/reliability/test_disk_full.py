@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -395,6 +396,42 @@ def test_defaults_room_for_two_steps_commit_the_two_oldest_then_resume(tmp_path:
         assert committed(run) == list(range(1, 13))
         assert_params(stored_params(run, 12), ref_after[12])
         assert Repository.open(run).verify().ok
+
+
+def test_defaults_a_stalled_older_write_keeps_its_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 4's write stalls (its thread descheduled, as under load) while step 5 is
+    staged: step 5 must not take the room step 4 was due, so the oldest still commit. The
+    flusher child is not started yet (its first second): two writer threads write here."""
+    from dstt.store.storage import posix
+
+    monkeypatch.setenv("DSTT_FLUSHER_START_S", "1000")
+    pwrite_all = posix.pwrite_all
+    step_5_written = threading.Event()
+
+    def stall_step_4(fd: int, views: Any, offset: int) -> None:
+        slot = os.readlink(f"/proc/self/fd/{fd}").rsplit("/", 1)[-1][:12]  # step - 1
+        if slot == "000000000003":  # until step 5 wrote, or a second (written in order)
+            step_5_written.wait(1.0)
+        pwrite_all(fd, views, offset)
+        if slot == "000000000004":
+            step_5_written.set()
+
+    monkeypatch.setattr(posix, "pwrite_all", stall_step_4)
+    with small_fs(tmp_path / "fs", "8m") as fs:
+        run = fs / "run"
+
+        def at_step(s: Any, step: int) -> bool:
+            if step == 3:
+                wait_committed(s, {1, 2})
+                leave_room(fs, step_bytes(run) * 5 // 2)
+            return False
+
+        after, last, raised, _ = default_session(run, 8, "skip", at_step)
+        assert raised is None
+        assert last == 8
+        assert check_intact(run, after) == [1, 2, 3, 4]
 
 
 def test_defaults_skip_commits_again_once_there_is_room_for_one(tmp_path: Path) -> None:

@@ -107,6 +107,9 @@ class Flusher:
         #: digest plans whose newest copy is this process's (digested here before "ready")
         self._copies_here: dict[int, DigestPlan] = {}
         self._here_mu = threading.Lock()
+        #: held from a step's ``sent`` to the end of its write here: writes go in request
+        #: order, as the child's one writer thread does them
+        self._here_io = threading.Lock()
         #: requests this process served itself (before the child was ready), and the
         #: images it filled (as the child keeps them: built once per layout and buffer)
         self.served_here = 0
@@ -389,17 +392,20 @@ class Flusher:
                 self._bound[buffer] = image
         crcs, _ = image.fill()
         stats = self._digest_here(buffer, plan, token) if plan is not None else None
-        if sent is not None:
-            sent()
-        try:
-            fd = os.open(path, os.O_WRONLY)
+        # taken before ``sent`` lets the next step's request go: a stalled older write
+        # keeps the room a full disk has left for it (the oldest steps commit)
+        with self._here_io:
+            if sent is not None:
+                sent()
             try:
-                pwrite_all(fd, image.iov, start)
-                start_writeback(fd)  # the disk starts now; the commit's barrier waits
-            finally:
-                os.close(fd)
-        except OSError as e:
-            raise StorageError(e.errno or _errno.EIO, f"flusher (here): {e}") from e
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    pwrite_all(fd, image.iov, start)
+                    start_writeback(fd)  # the disk starts now; the commit's barrier waits
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise StorageError(e.errno or _errno.EIO, f"flusher (here): {e}") from e
         return crcs, bytes(image.directory), stats
 
     def _digest_here(self, buffer: int, plan: DigestPlan, token: int | None) -> dict[str, Any]:
