@@ -90,7 +90,7 @@ class RetentionRunner:
         }
 
     def wait_idle(self) -> None:
-        """Wait until no gc is due or running (tests, and close)."""
+        """Wait until no gc is due or running (the tests; ``close`` lets a running one end)."""
         with self._cond:
             while self._due or self._busy:
                 self._cond.wait()
