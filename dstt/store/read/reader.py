@@ -59,6 +59,7 @@ from .chunks import ChunkReader
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
+    from dstt.store.format.records import Location, ObjectRecord
     from dstt.store.format.segment import RowSet
     from dstt.store.storage.base import Storage
 
@@ -359,41 +360,42 @@ class Reader:
     # -- arrays ---------------------------------------------------------------------------
     def arrays(self, header: CommitHeader) -> dict[str, ArrayRecord]:
         """The arrays table of a commit (verified against the header's crc32c)."""
-        if header.pruned:
-            raise StepNotFoundError(f"step {header.step} (slot {header.slot}) was pruned by gc")
-        table = self._tables.get(header.slot)
-        if table is not None:
-            return table
-        data, where = self._table_bytes(header)
-        # the header's crc32c covers the whole file, so the envelope's own check is redundant
-        table = parse_arrays(data, where, verified=True)
-        self._tables.put(header.slot, table)
+        table = None if header.pruned else self._tables.get(header.slot)
+        if table is None:
+            # the header's crc32c covers the whole file, so the envelope's own check is redundant
+            table = parse_arrays(*self._table_bytes(header), verified=True)
+            self._tables.put(header.slot, table)
         return table
 
     def table_columns(self, header: CommitHeader) -> dict[str, Any]:
         """The arrays table of a commit as its parsed columns (``manifest.TableBuilder``'s
         layout), verified, not cached: what the index's rows are built from."""
-        if header.pruned:
-            raise StepNotFoundError(f"step {header.step} (slot {header.slot}) was pruned by gc")
-        data, where = self._table_bytes(header)
-        return parse_arrays_columns(data, where, verified=True)
+        return parse_arrays_columns(*self._table_bytes(header), verified=True)
 
     def _table_bytes(self, header: CommitHeader) -> tuple[bytes, str]:
+        """The verified bytes of a commit's arrays table, and where they lie."""
+        if header.pruned:
+            raise StepNotFoundError(f"step {header.step} (slot {header.slot}) was pruned by gc")
         loc = header.arrays
         if loc is None:
             raise CorruptRunError(
                 f"{self.storage.location}: commit of step {header.step} names no arrays table"
             )
+        what = f"arrays table (bytes {loc.offset}-{loc.offset + loc.nbytes})"
+        return self._verified(header, loc, f"{what} does not match its commit header")
+
+    def _verified(
+        self, header: CommitHeader, loc: Location | ObjectRecord, mismatch: str
+    ) -> tuple[bytes, str]:
+        """The bytes ``loc`` names in ``header``'s commit, checked against its size and
+        crc32c (``ChecksumError``: ``mismatch``), and where they lie."""
         where = f"{self.storage.location}/{loc.key}"
         try:
             data = self.storage.read_range(loc.key, loc.offset, loc.nbytes)
         except FileNotFoundError:
             self._raise_missing(header, where)
         if len(data) != loc.nbytes or checksum(data) != loc.crc32c:
-            raise ChecksumError(
-                f"{where}: arrays table (bytes {loc.offset}-"
-                f"{loc.offset + loc.nbytes}) does not match its commit header"
-            )
+            raise ChecksumError(f"{where}: {mismatch}")
         return data, where
 
     def _raise_missing(self, header: CommitHeader, where: str) -> NoReturn:
@@ -581,14 +583,7 @@ class Reader:
             raise StepNotFoundError(
                 f"step {header.step} has no object {name!r}; objects: {sorted(header.objects)}"
             ) from None
-        where = f"{self.storage.location}/{rec.key}"
-        try:
-            data = self.storage.read_range(rec.key, rec.offset, rec.nbytes)
-        except FileNotFoundError:
-            self._raise_missing(header, where)
-        if len(data) != rec.nbytes or checksum(data) != rec.crc32c:
-            raise ChecksumError(f"{where}: object {name!r} does not match its commit")
-        return data
+        return self._verified(header, rec, f"object {name!r} does not match its commit")[0]
 
 
 def _sizes(plan: ChunkPlan) -> list[int]:
