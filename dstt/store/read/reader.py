@@ -323,16 +323,15 @@ class Reader:
     def find(self, step: int, timeline: str | None = None) -> CommitHeader:
         """The commit of ``step`` on a timeline; ``StepNotFoundError`` if unknown or pruned."""
         name = timeline or self.current_timeline
-        for h in self.walk(name):  # newest first: a damaged older header does not hide it
-            if h.step == step:
-                if h.pruned:
-                    line = self.lineage(name)
-                    raise StepNotFoundError(
-                        f"step {step} of timeline {name!r} was pruned by gc; kept steps: "
-                        f"{_describe([x.step for x in line if not x.pruned])}"
-                    )
-                return h
-        line = self.lineage(name)
+        # newest first: a damaged older header does not hide it
+        found = next((h for h in self.walk(name) if h.step == step), None)
+        if found is not None and not found.pruned:
+            return found
+        kept = _describe([x.step for x in self.lineage(name) if not x.pruned])
+        if found is not None:
+            raise StepNotFoundError(
+                f"step {step} of timeline {name!r} was pruned by gc; kept steps: {kept}"
+            )
         if self.bridged:
             keys = ", ".join(commit_key(s) for s in sorted(self.bridged))
             raise CorruptRunError(
@@ -342,16 +341,15 @@ class Reader:
             )
         raise StepNotFoundError(
             f"no committed step {step} on timeline {name!r} of {self.storage.location}; "
-            f"committed steps: {_describe([x.step for x in line if not x.pruned])}"
+            f"committed steps: {kept}"
         )
 
     def max_slot(self) -> int:
         """Highest slot with any commit header (committed, orphaned or pruned) or any step
         file, or -1: the next writer starts above it, so it never overwrites the step files
         of a slot whose header is lost (gc keeps those; ``dstt verify`` reports them)."""
-        slots = [parse_commit_name(n) for n in self.storage.list(COMMITS_PREFIX)]
-        slots += [key_slot(f"{STEPS_PREFIX}/{n}") for n in self.storage.list(STEPS_PREFIX)]
-        return max((s for s in slots if s is not None), default=-1)
+        files = (key_slot(f"{STEPS_PREFIX}/{n}") for n in self.storage.list(STEPS_PREFIX))
+        return max([*self.all_slots(), *(s for s in files if s is not None)], default=-1)
 
     def all_slots(self) -> list[int]:
         slots = (parse_commit_name(n) for n in self.storage.list(COMMITS_PREFIX))
