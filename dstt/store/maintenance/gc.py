@@ -37,7 +37,7 @@ from dstt.store.index.writer import IndexWriter, write_segment
 from dstt.store.read.reader import Reader
 
 from .retention import Retention, policy
-from .verify import Progress, unreached
+from .verify import Progress, named_timeline, unreached
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Iterable
@@ -319,15 +319,13 @@ def _unproven(
     header or its step zip. ``released``: slots the caller proved abandoned."""
     names = set(r.timelines)
     out = {s for s in r.all_slots() if s > newest and s not in released}  # headers not read
-    for slot, _, what in unreached(r, {*reachable, *out}, released):
-        if slot > newest or isinstance(what, DsttError):
-            out.add(slot)
-        elif isinstance(what, dict):  # a step file without a header: what its zip names
-            if what.get("timeline") not in names:
-                out.add(slot)
-        elif what is not None and what.timeline not in names:
-            out.add(slot)
-    return out
+    return out | {
+        slot
+        for slot, _, what in unreached(r, {*reachable, *out}, released)
+        if slot > newest
+        or isinstance(what, DsttError)
+        or (what is not None and named_timeline(what) not in names)
+    }
 
 
 def _gc(

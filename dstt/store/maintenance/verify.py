@@ -42,6 +42,7 @@ __all__ = [
     "Problem",
     "VerifiedRun",
     "VerifyReport",
+    "named_timeline",
     "repair",
     "step_zip_attributes",
     "unreached",
@@ -232,6 +233,11 @@ def unreached(
         n = key_slot(key)
         if n is not None and n not in with_header and n not in released:
             yield n, key, step_zip_attributes(r.storage, key) if key.endswith(".zip") else None
+
+
+def named_timeline(what: CommitHeader | dict[str, Any]) -> Any:  # noqa: ANN401 - as the zip says
+    """The timeline an unreached commit's header, or its step zip's attributes, name."""
+    return what.get("timeline") if isinstance(what, dict) else what.timeline
 
 
 def step_zip_attributes(st: Storage, key: str) -> dict[str, Any] | None:
