@@ -286,16 +286,10 @@ def _read_boxes(
         if hit is None:
             continue
         lo, hi = hit
-        rows = reader.read_rows(header, b.source, lo[0] - b.offsets[0], hi[0] - b.offsets[0])
-        src = rows[
-            (
-                slice(None),
-                *(
-                    slice(ll - o, h - o)
-                    for ll, h, o in zip(lo[1:], hi[1:], b.offsets[1:], strict=True)
-                ),
-            )
-        ]
+        # the overlap in the box's own coordinates: its rows, then a cut along the other axes
+        cut = [slice(ll - o, h - o) for ll, h, o in zip(lo, hi, b.offsets, strict=True)]
+        rows = reader.read_rows(header, b.source, cut[0].start, cut[0].stop)
+        src = rows[(slice(None), *cut[1:])]
         out[tuple(slice(ll - o, h - o) for ll, h, o in zip(lo, hi, offsets, strict=True))] = src
         filled += src.size
     if filled != out.size:
