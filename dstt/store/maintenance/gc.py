@@ -11,6 +11,7 @@ around pruned commits — it would mutate committed headers.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -386,16 +387,14 @@ def _gc(
         for k, slot in _step_files(st).items()
         if k not in needed and slot not in live and not untouchable(slot)
     ]
-    sizes = {}
+    removed = freed = 0
     for k in doomed:
-        try:
-            sizes[k] = st.size(k)
-        except OSError:
-            sizes[k] = -1
-    removed = sum(1 for z in sizes.values() if z >= 0)
-    freed = sum(z for z in sizes.values() if z > 0)
+        with contextlib.suppress(OSError):  # gone meanwhile: neither removed nor freed here
+            freed += st.size(k)
+            removed += 1
     pruned_steps = tuple((reachable[s].timeline, reachable[s].step) for s in prune)
     gone = set(prune)
+    total = len(prune) + len(doomed)  # progress: tombstones, then files
     stranded = tuple(
         sorted((tl, k) for tl, k, (base, carrier) in lights if base in gone or carrier in gone)
     )
@@ -403,9 +402,7 @@ def _gc(
         # the plan above needs no lock: commits meanwhile only add slots past ``newest``,
         # whose parent (the head seen here) is kept; from here commits wait
         with writer.quiesced():  # no index job writes a segment now; the refs are durable
-            _prune_live(
-                st, r, writer, [reachable[s] for s in prune], progress, len(prune) + len(doomed)
-            )
+            _prune_live(st, r, writer, [reachable[s] for s in prune], progress, total)
     elif not dry_run:
         # the index keeps every row of a pruned step (index/writer.py): rows of the steps not
         # indexed yet are read now, while their files still exist
@@ -418,14 +415,14 @@ def _gc(
         if prune:  # readers distrust these rows until the new index is written
             st.write_durable(GC_MARKER, json.dumps({"slots": prune}).encode())
         # tombstones first (durable before the index and any delete: _tombstones)
-        for t in _tombstones(r, [reachable[s] for s in prune], progress, len(prune) + len(doomed)):
+        for t in _tombstones(r, [reachable[s] for s in prune], progress, total):
             reachable[t.slot] = t
         if reindex:  # new segment, old ones deleted, then the marker: before any file
             rewrite(st, r, [reachable[s] for s in sorted(reachable)], old)
     if not dry_run:  # no reader looks at these files any more: commits need not wait
         for n, k in enumerate(doomed):
             if progress:
-                progress(len(prune) + n, len(prune) + len(doomed))
+                progress(len(prune) + n, total)
             st.delete(k)
         for slot in orphans:  # an orphan's header goes last: a crash leaves it findable
             st.delete(commit_key(slot))
