@@ -24,9 +24,7 @@ from dstt.store.format.layout import (
     HEAD_KEY,
     LOCK_KEY,
     RELEASED_PREFIX,
-    STEPS_PREFIX,
     commit_key,
-    key_slot,
     ref_key,
 )
 from dstt.store.format.manifest import dump_header
@@ -91,12 +89,6 @@ def _delta_bases(r: Reader, reachable: dict[int, CommitHeader], keep: set[int]) 
                         bases.add(slot)
                         todo.append(slot)
     return bases
-
-
-def _step_files(st: Storage) -> dict[str, int]:
-    """Every step and side file of the run (temporaries excluded) -> its slot."""
-    keys = (f"{STEPS_PREFIX}/{n}" for n in st.list(STEPS_PREFIX))
-    return {k: s for k in keys if (s := key_slot(k)) is not None}
 
 
 def _files_of(r: Reader, h: CommitHeader) -> set[str]:
@@ -384,7 +376,7 @@ def _gc(
     # is that step's plain Zarr hierarchy even where all its chunks are deltas or dedups
     doomed = [
         k
-        for k, slot in _step_files(st).items()
+        for k, slot in r.step_files().items()
         if k not in needed and slot not in live and not untouchable(slot)
     ]
     removed = freed = 0

@@ -228,10 +228,8 @@ def unreached(
         except DsttError as e:
             what = e
         yield slot, commit_key(slot), what
-    for name in r.storage.list(STEPS_PREFIX):
-        key = f"{STEPS_PREFIX}/{name}"
-        n = key_slot(key)
-        if n is not None and n not in with_header and n not in released:
+    for key, n in r.step_files().items():
+        if n not in with_header and n not in released:
             yield n, key, step_zip_attributes(r.storage, key) if key.endswith(".zip") else None
 
 

@@ -348,12 +348,16 @@ class Reader:
         """Highest slot with any commit header (committed, orphaned or pruned) or any step
         file, or -1: the next writer starts above it, so it never overwrites the step files
         of a slot whose header is lost (gc keeps those; ``dstt verify`` reports them)."""
-        files = (key_slot(f"{STEPS_PREFIX}/{n}") for n in self.storage.list(STEPS_PREFIX))
-        return max([*self.all_slots(), *(s for s in files if s is not None)], default=-1)
+        return max([*self.all_slots(), *self.step_files().values()], default=-1)
 
     def all_slots(self) -> list[int]:
         slots = (parse_commit_name(n) for n in self.storage.list(COMMITS_PREFIX))
         return sorted(s for s in slots if s is not None)
+
+    def step_files(self) -> dict[str, int]:
+        """Every step and side file of the run (temporaries excluded) -> its slot."""
+        keys = (f"{STEPS_PREFIX}/{n}" for n in self.storage.list(STEPS_PREFIX))
+        return {k: s for k in keys if (s := key_slot(k)) is not None}
 
     # -- arrays ---------------------------------------------------------------------------
     def arrays(self, header: CommitHeader) -> dict[str, ArrayRecord]:
