@@ -142,16 +142,21 @@ class _Segment:
         return set((np.searchsorted(offs, hits, side="right") - 1).tolist()) if hits else set()
 
     def locations(self, st: Storage, path: str) -> Locations | None:
+        """The locations of ``path`` in every row; None where it has none, or where the
+        segment is damaged (the arrays tables know them too)."""
         with self._lock:
             if path in self._loc:
                 return self._loc[path]
-            if self._locdir is None:
-                self._locdir = json.loads(self.read_blob(st, "locdir"))
-            ent = self._locdir.get(path)
             got = None
-            if ent is not None:
-                raw = st.read_range(self.key, self.base + ent[0], ent[1])
-                got = decode_locations(path, ent, raw, self.n, f"{st.location}/{self.key}")
+            try:
+                if self._locdir is None:
+                    self._locdir = json.loads(self.read_blob(st, "locdir"))
+                ent = self._locdir.get(path)
+                if ent is not None:
+                    raw = st.read_range(self.key, self.base + ent[0], ent[1])
+                    got = decode_locations(path, ent, raw, self.n, f"{st.location}/{self.key}")
+            except (DsttError, OSError, ValueError):  # damaged, or merged away by a gc since
+                return None
             self._loc[path] = got
             return got
 
@@ -345,10 +350,7 @@ class Index:
                 continue
             seg, i = got
             if seg.key not in cache:
-                try:
-                    raw = seg.locations(self.storage, path)
-                except (DsttError, OSError, ValueError):
-                    raw = None
+                raw = seg.locations(self.storage, path)
                 cache[seg.key] = (
                     None
                     if raw is None
@@ -373,12 +375,7 @@ class Index:
         if got is None:
             return None
         seg, i = got
-        if seg.core["pruned"][i]:
-            return None
-        try:
-            loc = seg.locations(self.storage, path)
-        except (DsttError, OSError, ValueError):  # damaged: the arrays table knows too
-            return None
+        loc = None if seg.core["pruned"][i] else seg.locations(self.storage, path)
         if loc is None:
             return None
         j = int(loc.ids[i])
