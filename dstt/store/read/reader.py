@@ -11,6 +11,7 @@ and row ranges are read by a ``ChunkReader`` (``chunks.py``) the reader holds.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import struct
@@ -164,11 +165,9 @@ class Reader:
         damaged ref or HEAD pay for); returns what it added (also in ``recovered``)."""
         reached: set[int] = set()
         for name in list(self._refs):
-            try:
+            with contextlib.suppress(DsttError):
                 reached |= {h.slot for h in self.walk(name)}
-            except DsttError:
-                continue
-        by_name: dict[str, list[CommitHeader]] = {}
+        tops: dict[str, CommitHeader] = {}  # name -> its newest commit (slots ascend)
         released = self.released()
         freed = {s for slots in released.values() for s in slots}  # any name: a renamed
         for n in self.all_slots():  # timeline's commits carry the name they were written under
@@ -179,14 +178,13 @@ class Reader:
             except DsttError:
                 continue
             if not h.pruned and h.timeline not in self._refs and h.timeline not in released:
-                by_name.setdefault(h.timeline, []).append(h)
+                tops[h.timeline] = h
         added = {}
-        for name, hs in sorted(by_name.items()):
+        for name, top in sorted(tops.items()):
             try:
                 check_timeline_name(name)
             except TimelineError:
                 continue
-            top = max(hs, key=lambda h: h.slot)
             base: CommitHeader | None = None
             first = top
             below = top.parent
