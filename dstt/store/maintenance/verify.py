@@ -20,11 +20,11 @@ from dstt.store.format.layout import (
     HEAD_KEY,
     LOCK_KEY,
     REFS_PREFIX,
-    STEPS_PREFIX,
     array_meta_key,
     commit_key,
     key_slot,
     ref_key,
+    step_file_key,
     zarr_chunk_key,
 )
 from dstt.store.format.manifest import dump_head, dump_ref, parse_header
@@ -356,7 +356,7 @@ def _verify_step_files(
         for i, c in enumerate(rec.chunks):
             if c.encoding == "raw" and key_slot(c.key) == h.slot and c.key.endswith(".zip"):
                 own.setdefault(c.key, []).append((path, rec, i))
-    files = set(own) | {f"{STEPS_PREFIX}/{h.slot:012d}.zip"}
+    files = set(own) | {step_file_key(h.slot)}
     for key in sorted(files):
         try:
             entries = read_directory(st, key)
