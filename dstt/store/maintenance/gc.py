@@ -236,8 +236,7 @@ def _prune_live(
         except (DsttError, OSError, ValueError):  # damaged: the headers' files then
             unindexed += [h for h in prune if h.slot in set(want)]
             continue
-        at = {int(x): i for i, x in enumerate(rows.slot.tolist())}
-        old.update({s: (rows, at[s]) for s in want})
+        old.update({s: (rows, index.rows[s][1]) for s in want})  # (rows in the segment's order)
     if unindexed:
         fresh = rows_from_headers(r, unindexed)
         old.update({int(x): (fresh, i) for i, x in enumerate(fresh.slot.tolist())})
