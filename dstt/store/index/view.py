@@ -203,24 +203,14 @@ class _Segment:
         return decode_rest(self.d, self.core, data, f"{st.location}/{self.key}")
 
 
-class _Fetch:
+def _fetch(st: Storage, seg: _Segment, i: int, slot: int) -> CommitHeader:
     """How an ``IndexedHeader`` reads its full header: from the segment's header bytes, or
     the header file itself when the segment is damaged or gone."""
-
-    __slots__ = ("i", "seg", "slot", "st")
-
-    def __init__(self, st: Storage, seg: _Segment, i: int, slot: int) -> None:
-        self.st, self.seg, self.i, self.slot = st, seg, i, slot
-
-    def __call__(self) -> CommitHeader:
-        st = self.st
-        try:
-            return parse_header(
-                self.seg.header_bytes(st, self.i), f"{st.location}/{self.seg.key} (row {self.i})"
-            )
-        except (DsttError, OSError):  # a damaged or vanished segment: the header itself
-            key = commit_key(self.slot)
-            return parse_header(st.read(key), f"{st.location}/{key}")
+    try:
+        return parse_header(seg.header_bytes(st, i), f"{st.location}/{seg.key} (row {i})")
+    except (DsttError, OSError):  # a damaged or vanished segment: the header itself
+        key = commit_key(slot)
+        return parse_header(st.read(key), f"{st.location}/{key}")
 
 
 def _indexed(fields: dict[str, Any]) -> IndexedHeader:
@@ -332,7 +322,7 @@ class Index:
                 "parent": None if parent < 0 else parent,
                 "time": times[i],
                 "pruned": bool(pruned[i]),
-                "_fetch": _Fetch(self.storage, seg, i, slot),
+                "_fetch": functools.partial(_fetch, self.storage, seg, i, slot),
                 "_h": None,
             }
         )
