@@ -72,12 +72,9 @@ def rewrite(
         key = write_segment(st, rows, index.next_gen)
     else:
         key = ""
-    for seg in index.segments:
-        if seg.key != key:
-            st.delete(seg.key)
-    for name in list(st.list(INDEX_PREFIX)):  # damaged segments the index ignored
+    for name in list(st.list(INDEX_PREFIX)):  # every other segment, damaged ones included
         k = f"{INDEX_PREFIX}/{name}"
-        if parse_index_name(name) is not None and k != key and st.exists(k):
+        if parse_index_name(name) is not None and k != key:
             st.delete(k)
     if st.exists(GC_MARKER):
         st.delete(GC_MARKER)

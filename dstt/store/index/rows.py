@@ -174,13 +174,8 @@ class _Shape:
                 chunks = tuple(
                     (fids[file[j]], int(offset[j]), int(nbytes[j])) for j in range(pos, pos + k)
                 )
-                lay = (
-                    str(dtype),
-                    shape_t,
-                    int(rows),
-                    chunks,
-                    None if dims is None else tuple(str(d) for d in dims),
-                )
+                dims_t = None if dims is None else tuple(str(d) for d in dims)
+                lay = (str(dtype), shape_t, int(rows), chunks, dims_t)
                 self.arrays.append((str(path), lay, pos, pos + k))
             pos += k
         self.rows: list[int] = []
@@ -251,11 +246,7 @@ def _summary_rows(n: int, objs: list[list[Any]]) -> _SummaryRows:
                 if probe.ndim != 2:  # no probes: every row is empty
                     probe = np.zeros((len(ps), 0))
                 lens = np.minimum(lens, probe.shape[1])
-                vals = (
-                    np.stack([np.asarray(obj[f], dtype=np.float64) for f in SCALARS], axis=1)
-                    if ps
-                    else np.zeros((0, len(SCALARS)))
-                )
+                vals = np.asarray([obj[f] for f in SCALARS], dtype=np.float64).T  # (paths, scalars)
                 # (columns from before exact flat-lane updates have no ``update_exact``)
                 ex = np.asarray(obj.get("update_exact", np.zeros(len(ps), bool)), bool)
                 ex = ex & np.isfinite(vals[:, SCALARS.index("update_l2")])

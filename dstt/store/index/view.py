@@ -142,16 +142,21 @@ class _Segment:
         return set((np.searchsorted(offs, hits, side="right") - 1).tolist()) if hits else set()
 
     def locations(self, st: Storage, path: str) -> Locations | None:
+        """The locations of ``path`` in every row; None where it has none, or where the
+        segment is damaged (the arrays tables know them too)."""
         with self._lock:
             if path in self._loc:
                 return self._loc[path]
-            if self._locdir is None:
-                self._locdir = json.loads(self.read_blob(st, "locdir"))
-            ent = self._locdir.get(path)
             got = None
-            if ent is not None:
-                raw = st.read_range(self.key, self.base + ent[0], ent[1])
-                got = decode_locations(path, ent, raw, self.n, f"{st.location}/{self.key}")
+            try:
+                if self._locdir is None:
+                    self._locdir = json.loads(self.read_blob(st, "locdir"))
+                ent = self._locdir.get(path)
+                if ent is not None:
+                    raw = st.read_range(self.key, self.base + ent[0], ent[1])
+                    got = decode_locations(path, ent, raw, self.n, f"{st.location}/{self.key}")
+            except (DsttError, OSError, ValueError):  # damaged, or merged away by a gc since
+                return None
             self._loc[path] = got
             return got
 
@@ -198,24 +203,14 @@ class _Segment:
         return decode_rest(self.d, self.core, data, f"{st.location}/{self.key}")
 
 
-class _Fetch:
+def _fetch(st: Storage, seg: _Segment, i: int, slot: int) -> CommitHeader:
     """How an ``IndexedHeader`` reads its full header: from the segment's header bytes, or
     the header file itself when the segment is damaged or gone."""
-
-    __slots__ = ("i", "seg", "slot", "st")
-
-    def __init__(self, st: Storage, seg: _Segment, i: int, slot: int) -> None:
-        self.st, self.seg, self.i, self.slot = st, seg, i, slot
-
-    def __call__(self) -> CommitHeader:
-        st = self.st
-        try:
-            return parse_header(
-                self.seg.header_bytes(st, self.i), f"{st.location}/{self.seg.key} (row {self.i})"
-            )
-        except (DsttError, OSError):  # a damaged or vanished segment: the header itself
-            key = commit_key(self.slot)
-            return parse_header(st.read(key), f"{st.location}/{key}")
+    try:
+        return parse_header(seg.header_bytes(st, i), f"{st.location}/{seg.key} (row {i})")
+    except (DsttError, OSError):  # a damaged or vanished segment: the header itself
+        key = commit_key(slot)
+        return parse_header(st.read(key), f"{st.location}/{key}")
 
 
 def _indexed(fields: dict[str, Any]) -> IndexedHeader:
@@ -327,7 +322,7 @@ class Index:
                 "parent": None if parent < 0 else parent,
                 "time": times[i],
                 "pruned": bool(pruned[i]),
-                "_fetch": _Fetch(self.storage, seg, i, slot),
+                "_fetch": functools.partial(_fetch, self.storage, seg, i, slot),
                 "_h": None,
             }
         )
@@ -345,10 +340,7 @@ class Index:
                 continue
             seg, i = got
             if seg.key not in cache:
-                try:
-                    raw = seg.locations(self.storage, path)
-                except (DsttError, OSError, ValueError):
-                    raw = None
+                raw = seg.locations(self.storage, path)
                 cache[seg.key] = (
                     None
                     if raw is None
@@ -373,12 +365,7 @@ class Index:
         if got is None:
             return None
         seg, i = got
-        if seg.core["pruned"][i]:
-            return None
-        try:
-            loc = seg.locations(self.storage, path)
-        except (DsttError, OSError, ValueError):  # damaged: the arrays table knows too
-            return None
+        loc = None if seg.core["pruned"][i] else seg.locations(self.storage, path)
         if loc is None:
             return None
         j = int(loc.ids[i])

@@ -11,6 +11,7 @@ around pruned commits — it would mutate committed headers.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -23,9 +24,7 @@ from dstt.store.format.layout import (
     HEAD_KEY,
     LOCK_KEY,
     RELEASED_PREFIX,
-    STEPS_PREFIX,
     commit_key,
-    key_slot,
     ref_key,
 )
 from dstt.store.format.manifest import dump_header
@@ -37,7 +36,7 @@ from dstt.store.index.writer import IndexWriter, write_segment
 from dstt.store.read.reader import Reader
 
 from .retention import Retention, policy
-from .verify import Progress, unreached
+from .verify import Progress, named_timeline, unreached
 
 if TYPE_CHECKING:
     from collections.abc import Collection, Iterable
@@ -90,12 +89,6 @@ def _delta_bases(r: Reader, reachable: dict[int, CommitHeader], keep: set[int]) 
                         bases.add(slot)
                         todo.append(slot)
     return bases
-
-
-def _step_files(st: Storage) -> dict[str, int]:
-    """Every step and side file of the run (temporaries excluded) -> its slot."""
-    keys = (f"{STEPS_PREFIX}/{n}" for n in st.list(STEPS_PREFIX))
-    return {k: s for k in keys if (s := key_slot(k)) is not None}
 
 
 def _files_of(r: Reader, h: CommitHeader) -> set[str]:
@@ -243,8 +236,7 @@ def _prune_live(
         except (DsttError, OSError, ValueError):  # damaged: the headers' files then
             unindexed += [h for h in prune if h.slot in set(want)]
             continue
-        at = {int(x): i for i, x in enumerate(rows.slot.tolist())}
-        old.update({s: (rows, at[s]) for s in want})
+        old.update({s: (rows, index.rows[s][1]) for s in want})  # (rows in the segment's order)
     if unindexed:
         fresh = rows_from_headers(r, unindexed)
         old.update({int(x): (fresh, i) for i, x in enumerate(fresh.slot.tolist())})
@@ -319,15 +311,13 @@ def _unproven(
     header or its step zip. ``released``: slots the caller proved abandoned."""
     names = set(r.timelines)
     out = {s for s in r.all_slots() if s > newest and s not in released}  # headers not read
-    for slot, _, what in unreached(r, {*reachable, *out}, released):
-        if slot > newest or isinstance(what, DsttError):
-            out.add(slot)
-        elif isinstance(what, dict):  # a step file without a header: what its zip names
-            if what.get("timeline") not in names:
-                out.add(slot)
-        elif what is not None and what.timeline not in names:
-            out.add(slot)
-    return out
+    return out | {
+        slot
+        for slot, _, what in unreached(r, {*reachable, *out}, released)
+        if slot > newest
+        or isinstance(what, DsttError)
+        or (what is not None and named_timeline(what) not in names)
+    }
 
 
 def _gc(
@@ -385,19 +375,17 @@ def _gc(
     # is that step's plain Zarr hierarchy even where all its chunks are deltas or dedups
     doomed = [
         k
-        for k, slot in _step_files(st).items()
+        for k, slot in r.step_files().items()
         if k not in needed and slot not in live and not untouchable(slot)
     ]
-    sizes = {}
+    removed = freed = 0
     for k in doomed:
-        try:
-            sizes[k] = st.size(k)
-        except OSError:
-            sizes[k] = -1
-    removed = sum(1 for z in sizes.values() if z >= 0)
-    freed = sum(z for z in sizes.values() if z > 0)
+        with contextlib.suppress(OSError):  # gone meanwhile: neither removed nor freed here
+            freed += st.size(k)
+            removed += 1
     pruned_steps = tuple((reachable[s].timeline, reachable[s].step) for s in prune)
     gone = set(prune)
+    total = len(prune) + len(doomed)  # progress: tombstones, then files
     stranded = tuple(
         sorted((tl, k) for tl, k, (base, carrier) in lights if base in gone or carrier in gone)
     )
@@ -405,9 +393,7 @@ def _gc(
         # the plan above needs no lock: commits meanwhile only add slots past ``newest``,
         # whose parent (the head seen here) is kept; from here commits wait
         with writer.quiesced():  # no index job writes a segment now; the refs are durable
-            _prune_live(
-                st, r, writer, [reachable[s] for s in prune], progress, len(prune) + len(doomed)
-            )
+            _prune_live(st, r, writer, [reachable[s] for s in prune], progress, total)
     elif not dry_run:
         # the index keeps every row of a pruned step (index/writer.py): rows of the steps not
         # indexed yet are read now, while their files still exist
@@ -420,14 +406,14 @@ def _gc(
         if prune:  # readers distrust these rows until the new index is written
             st.write_durable(GC_MARKER, json.dumps({"slots": prune}).encode())
         # tombstones first (durable before the index and any delete: _tombstones)
-        for t in _tombstones(r, [reachable[s] for s in prune], progress, len(prune) + len(doomed)):
+        for t in _tombstones(r, [reachable[s] for s in prune], progress, total):
             reachable[t.slot] = t
         if reindex:  # new segment, old ones deleted, then the marker: before any file
             rewrite(st, r, [reachable[s] for s in sorted(reachable)], old)
     if not dry_run:  # no reader looks at these files any more: commits need not wait
         for n, k in enumerate(doomed):
             if progress:
-                progress(len(prune) + n, len(prune) + len(doomed))
+                progress(len(prune) + n, total)
             st.delete(k)
         for slot in orphans:  # an orphan's header goes last: a crash leaves it findable
             st.delete(commit_key(slot))

@@ -34,7 +34,7 @@ from dstt.store.storage.base import Storage
 from dstt.store.storage.memory import DelegatingStorage
 
 from .gc import GcReport, RunFiles, gc
-from .verify import unreached
+from .verify import named_timeline, unreached
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -167,17 +167,11 @@ def _debris(r: Reader, name: str) -> set[int]:
     for t in r.timelines:
         with contextlib.suppress(DsttError):
             reached |= {h.slot for h in r.walk(t)}
-    out = set()
-    for slot, _, what in unreached(r, reached):
-        if isinstance(what, dict):  # cut before its header: its zip names the timeline
-            named = what.get("timeline")
-        elif isinstance(what, DsttError) or what is None:  # nothing proves it abandoned
-            continue
-        else:
-            named = what.timeline
-        if named == name:
-            out.add(slot)
-    return out
+    return {  # (an unreadable header or zip: nothing proves it abandoned)
+        slot
+        for slot, _, what in unreached(r, reached)
+        if what is not None and not isinstance(what, DsttError) and named_timeline(what) == name
+    }
 
 
 def _release(st: Storage, name: str, slots: set[int]) -> None:

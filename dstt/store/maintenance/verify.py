@@ -20,11 +20,11 @@ from dstt.store.format.layout import (
     HEAD_KEY,
     LOCK_KEY,
     REFS_PREFIX,
-    STEPS_PREFIX,
     array_meta_key,
     commit_key,
     key_slot,
     ref_key,
+    step_file_key,
     zarr_chunk_key,
 )
 from dstt.store.format.manifest import dump_head, dump_ref, parse_header
@@ -42,6 +42,7 @@ __all__ = [
     "Problem",
     "VerifiedRun",
     "VerifyReport",
+    "named_timeline",
     "repair",
     "step_zip_attributes",
     "unreached",
@@ -227,11 +228,14 @@ def unreached(
         except DsttError as e:
             what = e
         yield slot, commit_key(slot), what
-    for name in r.storage.list(STEPS_PREFIX):
-        key = f"{STEPS_PREFIX}/{name}"
-        n = key_slot(key)
-        if n is not None and n not in with_header and n not in released:
+    for key, n in r.step_files().items():
+        if n not in with_header and n not in released:
             yield n, key, step_zip_attributes(r.storage, key) if key.endswith(".zip") else None
+
+
+def named_timeline(what: CommitHeader | dict[str, Any]) -> Any:  # noqa: ANN401 - as the zip says
+    """The timeline an unreached commit's header, or its step zip's attributes, name."""
+    return what.get("timeline") if isinstance(what, dict) else what.timeline
 
 
 def step_zip_attributes(st: Storage, key: str) -> dict[str, Any] | None:
@@ -352,7 +356,7 @@ def _verify_step_files(
         for i, c in enumerate(rec.chunks):
             if c.encoding == "raw" and key_slot(c.key) == h.slot and c.key.endswith(".zip"):
                 own.setdefault(c.key, []).append((path, rec, i))
-    files = set(own) | {f"{STEPS_PREFIX}/{h.slot:012d}.zip"}
+    files = set(own) | {step_file_key(h.slot)}
     for key in sorted(files):
         try:
             entries = read_directory(st, key)

@@ -11,6 +11,7 @@ and row ranges are read by a ``ChunkReader`` (``chunks.py``) the reader holds.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import struct
@@ -59,6 +60,7 @@ from .chunks import ChunkReader
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
+    from dstt.store.format.records import Location, ObjectRecord
     from dstt.store.format.segment import RowSet
     from dstt.store.storage.base import Storage
 
@@ -163,11 +165,9 @@ class Reader:
         damaged ref or HEAD pay for); returns what it added (also in ``recovered``)."""
         reached: set[int] = set()
         for name in list(self._refs):
-            try:
+            with contextlib.suppress(DsttError):
                 reached |= {h.slot for h in self.walk(name)}
-            except DsttError:
-                continue
-        by_name: dict[str, list[CommitHeader]] = {}
+        tops: dict[str, CommitHeader] = {}  # name -> its newest commit (slots ascend)
         released = self.released()
         freed = {s for slots in released.values() for s in slots}  # any name: a renamed
         for n in self.all_slots():  # timeline's commits carry the name they were written under
@@ -178,14 +178,13 @@ class Reader:
             except DsttError:
                 continue
             if not h.pruned and h.timeline not in self._refs and h.timeline not in released:
-                by_name.setdefault(h.timeline, []).append(h)
+                tops[h.timeline] = h
         added = {}
-        for name, hs in sorted(by_name.items()):
+        for name, top in sorted(tops.items()):
             try:
                 check_timeline_name(name)
             except TimelineError:
                 continue
-            top = max(hs, key=lambda h: h.slot)
             base: CommitHeader | None = None
             first = top
             below = top.parent
@@ -322,16 +321,15 @@ class Reader:
     def find(self, step: int, timeline: str | None = None) -> CommitHeader:
         """The commit of ``step`` on a timeline; ``StepNotFoundError`` if unknown or pruned."""
         name = timeline or self.current_timeline
-        for h in self.walk(name):  # newest first: a damaged older header does not hide it
-            if h.step == step:
-                if h.pruned:
-                    line = self.lineage(name)
-                    raise StepNotFoundError(
-                        f"step {step} of timeline {name!r} was pruned by gc; kept steps: "
-                        f"{_describe([x.step for x in line if not x.pruned])}"
-                    )
-                return h
-        line = self.lineage(name)
+        # newest first: a damaged older header does not hide it
+        found = next((h for h in self.walk(name) if h.step == step), None)
+        if found is not None and not found.pruned:
+            return found
+        kept = _describe([x.step for x in self.lineage(name) if not x.pruned])
+        if found is not None:
+            raise StepNotFoundError(
+                f"step {step} of timeline {name!r} was pruned by gc; kept steps: {kept}"
+            )
         if self.bridged:
             keys = ", ".join(commit_key(s) for s in sorted(self.bridged))
             raise CorruptRunError(
@@ -341,59 +339,63 @@ class Reader:
             )
         raise StepNotFoundError(
             f"no committed step {step} on timeline {name!r} of {self.storage.location}; "
-            f"committed steps: {_describe([x.step for x in line if not x.pruned])}"
+            f"committed steps: {kept}"
         )
 
     def max_slot(self) -> int:
         """Highest slot with any commit header (committed, orphaned or pruned) or any step
         file, or -1: the next writer starts above it, so it never overwrites the step files
         of a slot whose header is lost (gc keeps those; ``dstt verify`` reports them)."""
-        slots = [parse_commit_name(n) for n in self.storage.list(COMMITS_PREFIX)]
-        slots += [key_slot(f"{STEPS_PREFIX}/{n}") for n in self.storage.list(STEPS_PREFIX)]
-        return max((s for s in slots if s is not None), default=-1)
+        return max([*self.all_slots(), *self.step_files().values()], default=-1)
 
     def all_slots(self) -> list[int]:
         slots = (parse_commit_name(n) for n in self.storage.list(COMMITS_PREFIX))
         return sorted(s for s in slots if s is not None)
 
+    def step_files(self) -> dict[str, int]:
+        """Every step and side file of the run (temporaries excluded) -> its slot."""
+        keys = (f"{STEPS_PREFIX}/{n}" for n in self.storage.list(STEPS_PREFIX))
+        return {k: s for k in keys if (s := key_slot(k)) is not None}
+
     # -- arrays ---------------------------------------------------------------------------
     def arrays(self, header: CommitHeader) -> dict[str, ArrayRecord]:
         """The arrays table of a commit (verified against the header's crc32c)."""
-        if header.pruned:
-            raise StepNotFoundError(f"step {header.step} (slot {header.slot}) was pruned by gc")
-        table = self._tables.get(header.slot)
-        if table is not None:
-            return table
-        data, where = self._table_bytes(header)
-        # the header's crc32c covers the whole file, so the envelope's own check is redundant
-        table = parse_arrays(data, where, verified=True)
-        self._tables.put(header.slot, table)
+        table = None if header.pruned else self._tables.get(header.slot)
+        if table is None:
+            # the header's crc32c covers the whole file, so the envelope's own check is redundant
+            table = parse_arrays(*self._table_bytes(header), verified=True)
+            self._tables.put(header.slot, table)
         return table
 
     def table_columns(self, header: CommitHeader) -> dict[str, Any]:
         """The arrays table of a commit as its parsed columns (``manifest.TableBuilder``'s
         layout), verified, not cached: what the index's rows are built from."""
-        if header.pruned:
-            raise StepNotFoundError(f"step {header.step} (slot {header.slot}) was pruned by gc")
-        data, where = self._table_bytes(header)
-        return parse_arrays_columns(data, where, verified=True)
+        return parse_arrays_columns(*self._table_bytes(header), verified=True)
 
     def _table_bytes(self, header: CommitHeader) -> tuple[bytes, str]:
+        """The verified bytes of a commit's arrays table, and where they lie."""
+        if header.pruned:
+            raise StepNotFoundError(f"step {header.step} (slot {header.slot}) was pruned by gc")
         loc = header.arrays
         if loc is None:
             raise CorruptRunError(
                 f"{self.storage.location}: commit of step {header.step} names no arrays table"
             )
+        what = f"arrays table (bytes {loc.offset}-{loc.offset + loc.nbytes})"
+        return self._verified(header, loc, f"{what} does not match its commit header")
+
+    def _verified(
+        self, header: CommitHeader, loc: Location | ObjectRecord, mismatch: str
+    ) -> tuple[bytes, str]:
+        """The bytes ``loc`` names in ``header``'s commit, checked against its size and
+        crc32c (``ChecksumError``: ``mismatch``), and where they lie."""
         where = f"{self.storage.location}/{loc.key}"
         try:
             data = self.storage.read_range(loc.key, loc.offset, loc.nbytes)
         except FileNotFoundError:
             self._raise_missing(header, where)
         if len(data) != loc.nbytes or checksum(data) != loc.crc32c:
-            raise ChecksumError(
-                f"{where}: arrays table (bytes {loc.offset}-"
-                f"{loc.offset + loc.nbytes}) does not match its commit header"
-            )
+            raise ChecksumError(f"{where}: {mismatch}")
         return data, where
 
     def _raise_missing(self, header: CommitHeader, where: str) -> NoReturn:
@@ -581,14 +583,7 @@ class Reader:
             raise StepNotFoundError(
                 f"step {header.step} has no object {name!r}; objects: {sorted(header.objects)}"
             ) from None
-        where = f"{self.storage.location}/{rec.key}"
-        try:
-            data = self.storage.read_range(rec.key, rec.offset, rec.nbytes)
-        except FileNotFoundError:
-            self._raise_missing(header, where)
-        if len(data) != rec.nbytes or checksum(data) != rec.crc32c:
-            raise ChecksumError(f"{where}: object {name!r} does not match its commit")
-        return data
+        return self._verified(header, rec, f"object {name!r} does not match its commit")[0]
 
 
 def _sizes(plan: ChunkPlan) -> list[int]:

@@ -162,67 +162,59 @@ def merge_shard_maps(maps: Iterable[tuple[str, Any]]) -> dict[str, LogicalArray]
     }
 
 
-def _check_boxes(a: LogicalArray, table: Mapping[str, Any], where: str) -> None:
+def _boxes_problem(a: LogicalArray, table: Mapping[str, Any]) -> str | None:
     total = 0
     for i, b in enumerate(a.boxes):
         src = table.get(b.source)
         if src is None:
-            raise CorruptRunError(
-                f"{where}: {a.path!r} has a box in {b.source!r}, which this commit does not hold"
-            )
-        if src.dtype != a.dtype or tuple(src.shape) != b.sizes:
-            raise CorruptRunError(
-                f"{where}: box source {b.source!r} is {src.dtype}"
-                f"{tuple(src.shape)}, not {a.dtype}{b.sizes}"
-            )
+            return f"{a.path!r} has a box in {b.source!r}, which this commit does not hold"
+        shape = tuple(src.shape)
+        if src.dtype != a.dtype or shape != b.sizes:
+            return f"box source {b.source!r} is {src.dtype}{shape}, not {a.dtype}{b.sizes}"
         if len(b.offsets) != len(a.shape) or any(
             o < 0 or n <= 0 or o + n > s
             for o, n, s in zip(b.offsets, b.sizes, a.shape, strict=True)
         ):
-            raise CorruptRunError(f"{where}: box {b} of {a.path!r} is out of its bounds {a.shape}")
+            return f"box {b} of {a.path!r} is out of its bounds {a.shape}"
         for other in a.boxes[:i]:
             if b.overlap(other.offsets, other.sizes) is not None:
-                raise CorruptRunError(
-                    f"{where}: boxes {other.source!r} and {b.source!r} of {a.path!r} overlap"
-                )
+                return f"boxes {other.source!r} and {b.source!r} of {a.path!r} overlap"
         total += math.prod(b.sizes)
     if total != a.numel:
-        raise CorruptRunError(
-            f"{where}: the boxes of {a.path!r} cover {total} of its {a.numel} elements"
-        )
+        return f"the boxes of {a.path!r} cover {total} of its {a.numel} elements"
+    return None
 
 
-def _check(a: LogicalArray, table: Mapping[str, Any], where: str) -> None:
+def _problem(a: LogicalArray, table: Mapping[str, Any]) -> str | None:
+    """What keeps ``a`` from tiling its logical tensor with arrays of ``table`` (None:
+    nothing)."""
+    if a.path in table:
+        return f"{a.path!r} is both a stored and a logical array"
     if a.boxes:
-        _check_boxes(a, table, where)
-        return
+        return _boxes_problem(a, table)
     pos = 0
     for p in a.pieces:
         src = table.get(p.source)
         if src is None:
-            raise CorruptRunError(
-                f"{where}: {a.path!r} has a piece in {p.source!r}, which this commit does not hold"
-            )
+            return f"{a.path!r} has a piece in {p.source!r}, which this commit does not hold"
         if src.dtype != a.dtype or len(src.shape) != 1:
-            raise CorruptRunError(
-                f"{where}: piece source {p.source!r} is {src.dtype}"
+            return (
+                f"piece source {p.source!r} is {src.dtype}"
                 f"{tuple(src.shape)}, not a 1-d {a.dtype} array"
             )
         if p.length <= 0 or p.src_start < 0 or p.src_start + p.length > src.shape[0]:
-            raise CorruptRunError(
-                f"{where}: piece {p} of {a.path!r} is out of its source's "
-                f"bounds ({src.shape[0]} elements)"
+            return (
+                f"piece {p} of {a.path!r} is out of its source's bounds ({src.shape[0]} elements)"
             )
         if p.dst_start != pos:
-            raise CorruptRunError(
-                f"{where}: the pieces of {a.path!r} leave a gap or overlap at "
+            return (
+                f"the pieces of {a.path!r} leave a gap or overlap at "
                 f"element {min(pos, p.dst_start)}"
             )
         pos += p.length
     if pos != a.numel:
-        raise CorruptRunError(
-            f"{where}: the pieces of {a.path!r} cover {pos} of its {a.numel} elements"
-        )
+        return f"the pieces of {a.path!r} cover {pos} of its {a.numel} elements"
+    return None
 
 
 def logical_arrays(
@@ -238,9 +230,9 @@ def logical_arrays(
     out = merge_shard_maps(maps)
     table = reader.arrays(header) if table is None else table
     for a in out.values():
-        if a.path in table:
-            raise CorruptRunError(f"{where}: {a.path!r} is both a stored and a logical array")
-        _check(a, table, where)
+        problem = _problem(a, table)
+        if problem is not None:
+            raise CorruptRunError(f"{where}: {problem}")
     return out
 
 
@@ -286,16 +278,10 @@ def _read_boxes(
         if hit is None:
             continue
         lo, hi = hit
-        rows = reader.read_rows(header, b.source, lo[0] - b.offsets[0], hi[0] - b.offsets[0])
-        src = rows[
-            (
-                slice(None),
-                *(
-                    slice(ll - o, h - o)
-                    for ll, h, o in zip(lo[1:], hi[1:], b.offsets[1:], strict=True)
-                ),
-            )
-        ]
+        # the overlap in the box's own coordinates: its rows, then a cut along the other axes
+        cut = [slice(ll - o, h - o) for ll, h, o in zip(lo, hi, b.offsets, strict=True)]
+        rows = reader.read_rows(header, b.source, cut[0].start, cut[0].stop)
+        src = rows[(slice(None), *cut[1:])]
         out[tuple(slice(ll - o, h - o) for ll, h, o in zip(lo, hi, offsets, strict=True))] = src
         filled += src.size
     if filled != out.size:
