@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .common import UsageError, _bar, _counter, _emit, _resolve_run, _timeline_line
+from .common import UsageError, _bar, _counter, _emit, _fields, _resolve_run, _timeline_line
 
 if TYPE_CHECKING:
     import argparse
@@ -114,12 +114,8 @@ def cmd_timeline_delete(args: argparse.Namespace) -> int:
     rep = run.delete_timeline(args.name, dry_run=args.dry_run, force=args.force)
     gc = rep.gc
     doc = {
-        "timeline": rep.timeline,
-        "dry_run": rep.dry_run,
-        "freed_steps": list(rep.freed_steps),
-        "kept_steps": list(rep.kept_steps),
-        "files_removed": gc.files_removed,
-        "bytes_freed": gc.bytes_freed,
+        **_fields(rep, "timeline dry_run freed_steps kept_steps"),
+        **_fields(gc, "files_removed bytes_freed"),
     }
 
     def steps(xs: tuple[int, ...]) -> str:

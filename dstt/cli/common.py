@@ -131,6 +131,12 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+def _fields(obj: Any, names: str) -> dict[str, Any]:
+    """``{name: obj.name}`` for each of the space-separated ``names``: a report's attributes
+    as fields of a ``--json`` document."""
+    return {n: getattr(obj, n) for n in names.split()}
+
+
 def _fmt(x: float | None, spec: str = ".4g") -> str:
     return "—" if x is None or not math.isfinite(x) else format(x, spec)
 

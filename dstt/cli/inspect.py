@@ -19,6 +19,7 @@ from .common import (
     _bar,
     _counter,
     _emit,
+    _fields,
     _fmt,
     _metrics_text,
     _resolve_run,
@@ -95,10 +96,7 @@ def cmd_log(args: argparse.Namespace) -> int:
     )
     doc = [
         {
-            "step": h.step,
-            "slot": h.slot,
-            "timeline": h.timeline,
-            "time": h.time,
+            **_fields(h, "step slot timeline time"),
             "metrics": dict(h.metrics),
             "objects": [] if h.pruned else sorted(h.objects),
             "pruned": bool(h.pruned),
@@ -274,12 +272,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             }
         )
     doc = {
-        "step": snap.step,
-        "slot": snap.slot,
-        "timeline": snap.timeline,
-        "time": snap.time,
-        "metrics": snap.metrics,
-        "objects": snap.objects,
+        **_fields(snap, "step slot timeline time metrics objects"),
         "optim": args.optim,
         "tensors": tensors,
     }
@@ -421,14 +414,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         run = Repository(storage_for(path))
     with _bar(args, None, "commit") as bar:
         rep = run.verify(progress=_counter(bar), repair=args.repair)
-    problems = [{"key": p.key, "message": p.message} for p in rep.problems]
+    problems = [_fields(p, "key message") for p in rep.problems]
     doc = {
         "ok": not problems,
         "problems": problems,
-        "commits": rep.commits,
-        "chunks": rep.chunks,
-        "objects": rep.objects,
-        "bytes": rep.bytes,
+        **_fields(rep, "commits chunks objects bytes"),
         "repaired": bool(args.repair),
         "rebuilt": list(rep.repaired),
     }
