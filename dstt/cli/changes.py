@@ -61,22 +61,17 @@ def cmd_timeline_list(args: argparse.Namespace) -> int:
 
     def text() -> Iterator[str]:
         for t in rows:
-            base = (
-                f"  from {t['base_timeline']}@{t['base_step']}"
-                f"{'' if t['base_exists'] else ' (deleted)'}"
-                if t["base_timeline"]
-                else ""
-            )
             skip = [f"{t['skip_data']} batches on resume"] if t["skip_data"] else []
             if t["skip_samples"]:
                 skip.append(f"samples {_few(t['skip_samples'])}")
             if t["skip_batches"]:
                 skip.append(f"{len(t['skip_batches'])} recorded batches")
+            line = _timeline_line(t, "" if t["base_exists"] else " (deleted)")
             if skip:
-                base += f" (skip {'; '.join(skip)})"
+                line += f" (skip {'; '.join(skip)})"
             elif t["base_timeline"]:
-                base += " (skip nothing)"
-            yield _timeline_line(t, base)
+                line += " (skip nothing)"
+            yield line
 
     return _emit(args, rows, text)
 

@@ -175,9 +175,11 @@ def _counter(bar: Any) -> Callable[[int, int], None]:
     return update
 
 
-def _timeline_line(t: dict[str, Any], base: str) -> str:
-    """One timeline of ``dstt ls`` and ``dstt timeline list``; ``base``: where it forked."""
+def _timeline_line(t: dict[str, Any], fork: str) -> str:
+    """One timeline of ``dstt ls`` and ``dstt timeline list``: where it forked, if it did,
+    then ``fork`` (what that command adds about the fork)."""
     rng = f"steps {t['first_step']} … {t['head_step']}" if t["commits"] else "empty"
+    base = f"  from {t['base_timeline']}@{t['base_step']}{fork}" if t["base_timeline"] else ""
     return f"{'*' if t['current'] else ' '} {t['name']:<24} {t['commits']:>7} commits  {rng}{base}"
 
 

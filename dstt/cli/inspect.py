@@ -70,12 +70,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 f"{s['n_rebuilt']} rebuilt) · `dstt log` lists them, `dstt rebuild` writes them"
             )
         for t in s["timelines"]:
-            base = (
-                f"  from {t['base_timeline']}@{t['base_step']} (skip {t['skip_data']})"
-                if t["base_timeline"]
-                else ""
-            )
-            yield _timeline_line(t, base)
+            yield _timeline_line(t, f" (skip {t['skip_data']})")
 
     return _emit(args, s, text)
 
