@@ -108,29 +108,28 @@ def cmd_log(args: argparse.Namespace) -> int:
             d["batches"] = [b.plain() for b in batches.get(d["step"], [])]
 
     def text() -> Iterator[str]:
-        for h in sorted([*line, *light], key=lambda x: -(x if isinstance(x, int) else x.step)):
-            if isinstance(h, int):
-                d = light[h]
-                data = "".join(f"  [{b}]" for b in batches.get(h, []))
+        for d in doc:
+            k = d["step"]
+            data = "".join(f"  [{b}]" for b in batches.get(k, []))
+            if d["light"]:
                 how = (
-                    f"light (rebuilt from step {d['rebuilt']}; run.at({h}) reads it)"
+                    f"light (rebuilt from step {d['rebuilt']}; run.at({k}) reads it)"
                     if d["rebuilt"] is not None
-                    else f"light (not stored; run.rebuild({h}, ...))"
+                    else f"light (not stored; run.rebuild({k}, ...))"
                 )
-                yield f"step {h:>8}  {how}  {_metrics_text(d['metrics'])}{data}"
+                yield f"step {k:>8}  {how}  {_metrics_text(d['metrics'])}{data}"
                 continue
-            sp = spikes.get(h.step)
+            sp = d["spike"]
             mark = (
                 f"  <- {sp['metric']} spike (z={sp['zscore']:.1f}, baseline "
                 f"{sp['baseline']:.4g}; suspect {sp['suspect']})"
                 if sp
                 else ""
             )
-            data = "".join(f"  [{b}]" for b in batches.get(h.step, []))
-            gone = "  (pruned)" if h.pruned else ""  # gc kept its metrics, not its tensors
+            gone = "  (pruned)" if d["pruned"] else ""  # gc kept its metrics, not its tensors
             yield (
-                f"step {h.step:>8}  {_when(h.time)}  {h.timeline}  "
-                f"{_metrics_text(h.metrics)}{data}{mark}{gone}"
+                f"step {k:>8}  {_when(d['time'])}  {d['timeline']}  "
+                f"{_metrics_text(d['metrics'])}{data}{mark}{gone}"
             )
 
     return _emit(args, doc, text)
