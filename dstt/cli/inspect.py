@@ -217,13 +217,6 @@ def _summary_of(run: Any, snap: Any) -> dict[str, tuple[float | None, float | No
     }
 
 
-def _ratio_text(t: dict[str, Any]) -> str:
-    """An update ratio as shown: ``~`` marks an estimate."""
-    if t["update_ratio"] is None:
-        return "—"
-    return ("" if t["update_exact"] else "~") + _fmt(t["update_ratio"], ".3g")
-
-
 def cmd_show(args: argparse.Namespace) -> int:
     from dstt.inspect.html import human_bytes
     from dstt.inspect.sharded import LogicalRecord, shard_sources
@@ -283,9 +276,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         )
         for t in tensors:
             size = human_bytes(t["bytes"]) if t["stored"] else "—"
+            ratio = ("~" if t["update_exact"] is False else "") + _fmt(t["update_ratio"], ".3g")
             yield (
                 f"  {t['name']:<{width}}  {t['dtype']:<8} {tuple(t['shape'])!s:<18} "
-                f"{_fmt(t['l2']):>10} {_ratio_text(t):>10} {size:>10}  "
+                f"{_fmt(t['l2']):>10} {ratio:>10} {size:>10}  "
                 f"{human_bytes(t['written_bytes']):>10}  {'+'.join(t['stored_as'])}"
             )
         real = [t for t in tensors if t["stored"]]
