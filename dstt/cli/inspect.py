@@ -441,7 +441,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     snap = _resolve_run(args).at(args.step, args.timeline)
     if args.config is not None and args.format != "hf":
         raise UsageError("--config is for --format hf (the config.json of the folder)")
-    suffix = {"safetensors": ".safetensors", "torch": ".pt", "hf": "-hf", "dcp": ""}[args.format]
+    suffix, what = {  # the default output's suffix, what the export holds
+        "safetensors": (".safetensors", "model"),
+        "torch": (".pt", "model, optimizer, scheduler"),
+        "hf": ("-hf", "model.safetensors + config.json: from_pretrained opens it"),
+        "dcp": ("", "a torch.distributed.checkpoint folder: dcp.load opens it"),
+    }[args.format]
     out = args.out or f"step{snap.step}{suffix}"
     with _bar(args, sum(r.plan.nbytes for r in snap.arrays.values()), "B") as bar:
         info = snap.export(
@@ -453,17 +458,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             progress=bar.update,
         )
     doc = {"step": snap.step, "format": args.format, **info}
-    what = {
-        "safetensors": "model",
-        "torch": "model, optimizer, scheduler",
-        "hf": "model.safetensors + config.json: from_pretrained opens it",
-        "dcp": "a torch.distributed.checkpoint folder: dcp.load opens it",
-    }[args.format]
-
-    def text() -> Iterator[str]:
-        yield (
-            f"wrote {info['path']}: step {snap.step}, {info['tensors']} tensors, "
-            f"{human_bytes(info['bytes'])} ({args.format}: {what})"
-        )
-
-    return _emit(args, doc, text)
+    text = (
+        f"wrote {info['path']}: step {snap.step}, {info['tensors']} tensors, "
+        f"{human_bytes(info['bytes'])} ({args.format}: {what})"
+    )
+    return _emit(args, doc, lambda: [text])
