@@ -60,13 +60,15 @@ def _command(
     sub: Any,
     common: Any,
     name: str,
-    fn: Callable[[argparse.Namespace], int],
+    fn: Callable[[argparse.Namespace], int] | None,
     help: str,
     run: bool = True,
 ) -> Any:
-    """A subcommand's parser: ``common``'s flags, ``help``, and (``run``) the optional ``RUN``."""
+    """A subcommand's parser: ``common``'s flags, ``help``, and (``run``) the optional ``RUN``;
+    ``fn`` None: a group, whose subcommands have the functions."""
     sp = sub.add_parser(name, parents=[common], help=help, description=help)
-    sp.set_defaults(func=fn)
+    if fn is not None:
+        sp.set_defaults(func=fn)
     if run:
         sp.add_argument(
             "path", nargs="?", metavar="RUN", help="the run, or a folder inside it (same as --run)"

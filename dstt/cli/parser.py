@@ -208,12 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--timeline", help="timeline STEP is on (default: the current one)")
     _force(sp)
-    sp = sub.add_parser(
-        "timeline",
-        parents=[common],
-        help="list, switch, rename or delete timelines",
-        description="list, switch, rename or delete timelines",
-    )
+    sp = add("timeline", None, "list, switch, rename or delete timelines", run=False)
     tsub = sp.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
     tsub.required = True
 
