@@ -143,14 +143,17 @@ def _fmt(x: float | None, spec: str = ".4g") -> str:
     return "—" if x is None or not math.isfinite(x) else format(x, spec)
 
 
-def _emit(args: argparse.Namespace, doc: Any, text: Callable[[], Iterable[str]]) -> int:
-    """Print ``doc`` as JSON (``--json``) or the lines of ``text()``; returns ``EXIT_OK``."""
+def _emit(
+    args: argparse.Namespace, doc: Any, text: Callable[[], Iterable[str]], *, ok: bool = True
+) -> int:
+    """Print ``doc`` as JSON (``--json``) or the lines of ``text()``; returns ``EXIT_OK``, or
+    ``EXIT_PROBLEMS`` when not ``ok`` (the command found problems and reported them)."""
     if getattr(args, "json", False):
         print(json.dumps(_jsonable(doc), indent=2, default=str))
     else:
         for line in text():
             print(line)
-    return EXIT_OK
+    return EXIT_OK if ok else EXIT_PROBLEMS
 
 
 @contextmanager

@@ -13,17 +13,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from .common import (
-    _P,
-    EXIT_OK,
-    EXIT_PROBLEMS,
-    UsageError,
-    _bar,
-    _command,
-    _emit,
-    _fields,
-    _run_root,
-)
+from .common import _P, UsageError, _bar, _command, _emit, _fields, _run_root
 
 if TYPE_CHECKING:
     import argparse
@@ -119,5 +109,4 @@ def cmd_import(args: argparse.Namespace) -> int:
             f"{report.seconds:.1f} s), {sum(s.problem for s in report.skipped)} skipped"
         )
 
-    _emit(args, doc, text)
-    return EXIT_OK if report.ok else EXIT_PROBLEMS
+    return _emit(args, doc, text, ok=report.ok)

@@ -13,8 +13,6 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from .common import (
-    EXIT_OK,
-    EXIT_PROBLEMS,
     UsageError,
     _bar,
     _counter,
@@ -422,8 +420,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             f"{rep.bytes} bytes checked"
         )
 
-    _emit(args, doc, text)
-    return EXIT_PROBLEMS if problems else EXIT_OK
+    return _emit(args, doc, text, ok=not problems)
 
 
 def cmd_index(args: argparse.Namespace) -> int:
