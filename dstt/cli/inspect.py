@@ -1,10 +1,7 @@
-"""``dstt`` commands that look at a run: ls, log, show, diff, verify, index, export (``dstt.cli``'s
-parser calls them; each is one call into ``dstt.Run`` or the store, then printing).
-
-Kept apart from the parser and the exit-code handling in ``parser.py``, as the commands that
-change a run are in ``changes.py``: a command is read here, its flags there. Rejected
-alternative: one module for the commands, the parser and ``main`` — three jobs in one file.
-"""
+"""``dstt`` commands that look at a run: ls, log, show, diff, verify, index, export; each is one
+call into ``dstt.Run`` or the store, then printing. A command is read here (one that changes a
+run: ``changes.py``), its flags and exit codes in ``parser.py``. Rejected alternative: one
+module for the commands, the parser and ``main`` — three jobs in one file."""
 
 from __future__ import annotations
 
