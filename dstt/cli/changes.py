@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .common import UsageError, _bar, _counter, _emit, _resolve_run, _timeline_line
+from .common import UsageError, _bar, _counter, _emit, _fields, _resolve_run, _timeline_line
 
 if TYPE_CHECKING:
     import argparse
@@ -61,22 +61,17 @@ def cmd_timeline_list(args: argparse.Namespace) -> int:
 
     def text() -> Iterator[str]:
         for t in rows:
-            base = (
-                f"  from {t['base_timeline']}@{t['base_step']}"
-                f"{'' if t['base_exists'] else ' (deleted)'}"
-                if t["base_timeline"]
-                else ""
-            )
             skip = [f"{t['skip_data']} batches on resume"] if t["skip_data"] else []
             if t["skip_samples"]:
                 skip.append(f"samples {_few(t['skip_samples'])}")
             if t["skip_batches"]:
                 skip.append(f"{len(t['skip_batches'])} recorded batches")
+            line = _timeline_line(t, "" if t["base_exists"] else " (deleted)")
             if skip:
-                base += f" (skip {'; '.join(skip)})"
+                line += f" (skip {'; '.join(skip)})"
             elif t["base_timeline"]:
-                base += " (skip nothing)"
-            yield _timeline_line(t, base)
+                line += " (skip nothing)"
+            yield line
 
     return _emit(args, rows, text)
 
@@ -114,12 +109,8 @@ def cmd_timeline_delete(args: argparse.Namespace) -> int:
     rep = run.delete_timeline(args.name, dry_run=args.dry_run, force=args.force)
     gc = rep.gc
     doc = {
-        "timeline": rep.timeline,
-        "dry_run": rep.dry_run,
-        "freed_steps": list(rep.freed_steps),
-        "kept_steps": list(rep.kept_steps),
-        "files_removed": gc.files_removed,
-        "bytes_freed": gc.bytes_freed,
+        **_fields(rep, "timeline dry_run freed_steps kept_steps"),
+        **_fields(gc, "files_removed bytes_freed"),
     }
 
     def steps(xs: tuple[int, ...]) -> str:

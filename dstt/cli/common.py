@@ -60,13 +60,15 @@ def _command(
     sub: Any,
     common: Any,
     name: str,
-    fn: Callable[[argparse.Namespace], int],
+    fn: Callable[[argparse.Namespace], int] | None,
     help: str,
     run: bool = True,
 ) -> Any:
-    """A subcommand's parser: ``common``'s flags, ``help``, and (``run``) the optional ``RUN``."""
+    """A subcommand's parser: ``common``'s flags, ``help``, and (``run``) the optional ``RUN``;
+    ``fn`` None: a group, whose subcommands have the functions."""
     sp = sub.add_parser(name, parents=[common], help=help, description=help)
-    sp.set_defaults(func=fn)
+    if fn is not None:
+        sp.set_defaults(func=fn)
     if run:
         sp.add_argument(
             "path", nargs="?", metavar="RUN", help="the run, or a folder inside it (same as --run)"
@@ -131,18 +133,27 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+def _fields(obj: Any, names: str) -> dict[str, Any]:
+    """``{name: obj.name}`` for each of the space-separated ``names``: a report's attributes
+    as fields of a ``--json`` document."""
+    return {n: getattr(obj, n) for n in names.split()}
+
+
 def _fmt(x: float | None, spec: str = ".4g") -> str:
     return "—" if x is None or not math.isfinite(x) else format(x, spec)
 
 
-def _emit(args: argparse.Namespace, doc: Any, text: Callable[[], Iterable[str]]) -> int:
-    """Print ``doc`` as JSON (``--json``) or the lines of ``text()``; returns ``EXIT_OK``."""
+def _emit(
+    args: argparse.Namespace, doc: Any, text: Callable[[], Iterable[str]], *, ok: bool = True
+) -> int:
+    """Print ``doc`` as JSON (``--json``) or the lines of ``text()``; returns ``EXIT_OK``, or
+    ``EXIT_PROBLEMS`` when not ``ok`` (the command found problems and reported them)."""
     if getattr(args, "json", False):
         print(json.dumps(_jsonable(doc), indent=2, default=str))
     else:
         for line in text():
             print(line)
-    return EXIT_OK
+    return EXIT_OK if ok else EXIT_PROBLEMS
 
 
 @contextmanager
@@ -169,9 +180,11 @@ def _counter(bar: Any) -> Callable[[int, int], None]:
     return update
 
 
-def _timeline_line(t: dict[str, Any], base: str) -> str:
-    """One timeline of ``dstt ls`` and ``dstt timeline list``; ``base``: where it forked."""
+def _timeline_line(t: dict[str, Any], fork: str) -> str:
+    """One timeline of ``dstt ls`` and ``dstt timeline list``: where it forked, if it did,
+    then ``fork`` (what that command adds about the fork)."""
     rng = f"steps {t['first_step']} … {t['head_step']}" if t["commits"] else "empty"
+    base = f"  from {t['base_timeline']}@{t['base_step']}{fork}" if t["base_timeline"] else ""
     return f"{'*' if t['current'] else ' '} {t['name']:<24} {t['commits']:>7} commits  {rng}{base}"
 
 

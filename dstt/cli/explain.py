@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .common import _P, _command, _emit, _resolve_run
+from .common import _P, _command, _emit, _fields, _resolve_run
 
 if TYPE_CHECKING:
     import argparse
@@ -42,22 +42,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     run = _resolve_run(args)
     ex = run.explain(args.step, metric=args.metric, heads=args.heads, timeline=args.timeline)
     doc = {
-        "step": ex.step,
-        "cause": ex.cause,
-        "parent": ex.parent,
-        "timeline": ex.timeline,
-        "seconds": ex.seconds,
+        **_fields(ex, "step cause parent timeline seconds"),
         "findings": [
-            {
-                "mechanism": f.mechanism,
-                "verdict": f.verdict,
-                "score": f.score,
-                "points_at": list(f.points_at),
-                "hint": f.hint,
-                "evidence": f.evidence,
-                "read": list(f.read),
-            }
-            for f in ex.findings
+            _fields(f, "mechanism verdict score points_at hint evidence read") for f in ex.findings
         ],
     }
     return _emit(args, doc, lambda: str(ex).splitlines())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from .common import _P, EXIT_OK, EXIT_PROBLEMS, UsageError, _bar, _command, _emit, _run_root
+from .common import _P, UsageError, _bar, _command, _emit, _fields, _run_root
 
 if TYPE_CHECKING:
     import argparse
@@ -90,24 +90,10 @@ def cmd_import(args: argparse.Namespace) -> int:
             progress=lambda done, total, src: bar.update(1),
         )
     doc = {
-        "run": report.run,
-        "seconds": report.seconds,
-        "bytes_read": report.bytes_read,
-        "imported": [
-            {
-                "step": i.step,
-                "source": i.source,
-                "format": i.format,
-                "slot": i.slot,
-                "lacks": list(i.lacks),
-            }
-            for i in report.imported
-        ],
-        "skipped": [
-            {"source": s.source, "step": s.step, "reason": s.reason, "problem": s.problem}
-            for s in report.skipped
-        ],
-        "ignored": [{"path": u.path, "reason": u.reason} for u in report.ignored],
+        **_fields(report, "run seconds bytes_read"),
+        "imported": [_fields(i, "step source format slot lacks") for i in report.imported],
+        "skipped": [_fields(s, "source step reason problem") for s in report.skipped],
+        "ignored": [_fields(u, "path reason") for u in report.ignored],
     }
 
     def text() -> Iterator[str]:
@@ -123,5 +109,4 @@ def cmd_import(args: argparse.Namespace) -> int:
             f"{report.seconds:.1f} s), {sum(s.problem for s in report.skipped)} skipped"
         )
 
-    _emit(args, doc, text)
-    return EXIT_OK if report.ok else EXIT_PROBLEMS
+    return _emit(args, doc, text, ok=report.ok)

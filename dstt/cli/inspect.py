@@ -1,10 +1,7 @@
-"""``dstt`` commands that look at a run: ls, log, show, diff, verify, index, export (``dstt.cli``'s
-parser calls them; each is one call into ``dstt.Run`` or the store, then printing).
-
-Kept apart from the parser and the exit-code handling in ``parser.py``, as the commands that
-change a run are in ``changes.py``: a command is read here, its flags there. Rejected
-alternative: one module for the commands, the parser and ``main`` — three jobs in one file.
-"""
+"""``dstt`` commands that look at a run: ls, log, show, diff, verify, index, export; each is one
+call into ``dstt.Run`` or the store, then printing. A command is read here (one that changes a
+run: ``changes.py``), its flags and exit codes in ``parser.py``. Rejected alternative: one
+module for the commands, the parser and ``main`` — three jobs in one file."""
 
 from __future__ import annotations
 
@@ -13,12 +10,11 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from .common import (
-    EXIT_OK,
-    EXIT_PROBLEMS,
     UsageError,
     _bar,
     _counter,
     _emit,
+    _fields,
     _fmt,
     _metrics_text,
     _resolve_run,
@@ -69,12 +65,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 f"{s['n_rebuilt']} rebuilt) · `dstt log` lists them, `dstt rebuild` writes them"
             )
         for t in s["timelines"]:
-            base = (
-                f"  from {t['base_timeline']}@{t['base_step']} (skip {t['skip_data']})"
-                if t["base_timeline"]
-                else ""
-            )
-            yield _timeline_line(t, base)
+            yield _timeline_line(t, f" (skip {t['skip_data']})")
 
     return _emit(args, s, text)
 
@@ -95,10 +86,7 @@ def cmd_log(args: argparse.Namespace) -> int:
     )
     doc = [
         {
-            "step": h.step,
-            "slot": h.slot,
-            "timeline": h.timeline,
-            "time": h.time,
+            **_fields(h, "step slot timeline time"),
             "metrics": dict(h.metrics),
             "objects": [] if h.pruned else sorted(h.objects),
             "pruned": bool(h.pruned),
@@ -115,29 +103,28 @@ def cmd_log(args: argparse.Namespace) -> int:
             d["batches"] = [b.plain() for b in batches.get(d["step"], [])]
 
     def text() -> Iterator[str]:
-        for h in sorted([*line, *light], key=lambda x: -(x if isinstance(x, int) else x.step)):
-            if isinstance(h, int):
-                d = light[h]
-                data = "".join(f"  [{b}]" for b in batches.get(h, []))
+        for d in doc:
+            k = d["step"]
+            data = "".join(f"  [{b}]" for b in batches.get(k, []))
+            if d["light"]:
                 how = (
-                    f"light (rebuilt from step {d['rebuilt']}; run.at({h}) reads it)"
+                    f"light (rebuilt from step {d['rebuilt']}; run.at({k}) reads it)"
                     if d["rebuilt"] is not None
-                    else f"light (not stored; run.rebuild({h}, ...))"
+                    else f"light (not stored; run.rebuild({k}, ...))"
                 )
-                yield f"step {h:>8}  {how}  {_metrics_text(d['metrics'])}{data}"
+                yield f"step {k:>8}  {how}  {_metrics_text(d['metrics'])}{data}"
                 continue
-            sp = spikes.get(h.step)
+            sp = d["spike"]
             mark = (
                 f"  <- {sp['metric']} spike (z={sp['zscore']:.1f}, baseline "
                 f"{sp['baseline']:.4g}; suspect {sp['suspect']})"
                 if sp
                 else ""
             )
-            data = "".join(f"  [{b}]" for b in batches.get(h.step, []))
-            gone = "  (pruned)" if h.pruned else ""  # gc kept its metrics, not its tensors
+            gone = "  (pruned)" if d["pruned"] else ""  # gc kept its metrics, not its tensors
             yield (
-                f"step {h.step:>8}  {_when(h.time)}  {h.timeline}  "
-                f"{_metrics_text(h.metrics)}{data}{mark}{gone}"
+                f"step {k:>8}  {_when(d['time'])}  {d['timeline']}  "
+                f"{_metrics_text(d['metrics'])}{data}{mark}{gone}"
             )
 
     return _emit(args, doc, text)
@@ -225,13 +212,6 @@ def _summary_of(run: Any, snap: Any) -> dict[str, tuple[float | None, float | No
     }
 
 
-def _ratio_text(t: dict[str, Any]) -> str:
-    """An update ratio as shown: ``~`` marks an estimate."""
-    if t["update_ratio"] is None:
-        return "—"
-    return ("" if t["update_exact"] else "~") + _fmt(t["update_ratio"], ".3g")
-
-
 def cmd_show(args: argparse.Namespace) -> int:
     from dstt.inspect.html import human_bytes
     from dstt.inspect.sharded import LogicalRecord, shard_sources
@@ -274,12 +254,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             }
         )
     doc = {
-        "step": snap.step,
-        "slot": snap.slot,
-        "timeline": snap.timeline,
-        "time": snap.time,
-        "metrics": snap.metrics,
-        "objects": snap.objects,
+        **_fields(snap, "step slot timeline time metrics objects"),
         "optim": args.optim,
         "tensors": tensors,
     }
@@ -296,9 +271,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         )
         for t in tensors:
             size = human_bytes(t["bytes"]) if t["stored"] else "—"
+            ratio = ("~" if t["update_exact"] is False else "") + _fmt(t["update_ratio"], ".3g")
             yield (
                 f"  {t['name']:<{width}}  {t['dtype']:<8} {tuple(t['shape'])!s:<18} "
-                f"{_fmt(t['l2']):>10} {_ratio_text(t):>10} {size:>10}  "
+                f"{_fmt(t['l2']):>10} {ratio:>10} {size:>10}  "
                 f"{human_bytes(t['written_bytes']):>10}  {'+'.join(t['stored_as'])}"
             )
         real = [t for t in tensors if t["stored"]]
@@ -421,14 +397,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         run = Repository(storage_for(path))
     with _bar(args, None, "commit") as bar:
         rep = run.verify(progress=_counter(bar), repair=args.repair)
-    problems = [{"key": p.key, "message": p.message} for p in rep.problems]
+    problems = [_fields(p, "key message") for p in rep.problems]
     doc = {
         "ok": not problems,
         "problems": problems,
-        "commits": rep.commits,
-        "chunks": rep.chunks,
-        "objects": rep.objects,
-        "bytes": rep.bytes,
+        **_fields(rep, "commits chunks objects bytes"),
         "repaired": bool(args.repair),
         "rebuilt": list(rep.repaired),
     }
@@ -444,8 +417,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             f"{rep.bytes} bytes checked"
         )
 
-    _emit(args, doc, text)
-    return EXIT_PROBLEMS if problems else EXIT_OK
+    return _emit(args, doc, text, ok=not problems)
 
 
 def cmd_index(args: argparse.Namespace) -> int:
@@ -463,7 +435,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     snap = _resolve_run(args).at(args.step, args.timeline)
     if args.config is not None and args.format != "hf":
         raise UsageError("--config is for --format hf (the config.json of the folder)")
-    suffix = {"safetensors": ".safetensors", "torch": ".pt", "hf": "-hf", "dcp": ""}[args.format]
+    suffix, what = {  # the default output's suffix, what the export holds
+        "safetensors": (".safetensors", "model"),
+        "torch": (".pt", "model, optimizer, scheduler"),
+        "hf": ("-hf", "model.safetensors + config.json: from_pretrained opens it"),
+        "dcp": ("", "a torch.distributed.checkpoint folder: dcp.load opens it"),
+    }[args.format]
     out = args.out or f"step{snap.step}{suffix}"
     with _bar(args, sum(r.plan.nbytes for r in snap.arrays.values()), "B") as bar:
         info = snap.export(
@@ -475,17 +452,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             progress=bar.update,
         )
     doc = {"step": snap.step, "format": args.format, **info}
-    what = {
-        "safetensors": "model",
-        "torch": "model, optimizer, scheduler",
-        "hf": "model.safetensors + config.json: from_pretrained opens it",
-        "dcp": "a torch.distributed.checkpoint folder: dcp.load opens it",
-    }[args.format]
-
-    def text() -> Iterator[str]:
-        yield (
-            f"wrote {info['path']}: step {snap.step}, {info['tensors']} tensors, "
-            f"{human_bytes(info['bytes'])} ({args.format}: {what})"
-        )
-
-    return _emit(args, doc, text)
+    text = (
+        f"wrote {info['path']}: step {snap.step}, {info['tensors']} tensors, "
+        f"{human_bytes(info['bytes'])} ({args.format}: {what})"
+    )
+    return _emit(args, doc, lambda: [text])

@@ -208,12 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--timeline", help="timeline STEP is on (default: the current one)")
     _force(sp)
-    sp = sub.add_parser(
-        "timeline",
-        parents=[common],
-        help="list, switch, rename or delete timelines",
-        description="list, switch, rename or delete timelines",
-    )
+    sp = add("timeline", None, "list, switch, rename or delete timelines", run=False)
     tsub = sp.add_subparsers(dest="action", metavar="ACTION", parser_class=_Parser)
     tsub.required = True
 
@@ -363,10 +358,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _message(e: BaseException) -> str:
-    return str(e) or type(e).__name__
-
-
 def _drop_stdout() -> None:
     """After a closed pipe: point stdout at /dev/null so the interpreter's final flush cannot
     fail again (the pattern of the Python docs, "Note on SIGPIPE")."""
@@ -389,12 +380,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # dstt log | head: the reader has all it wants
         _drop_stdout()
         return EXIT_PIPE
-    except BAD_INPUT as e:
-        print(f"dstt: {_message(e)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except (DsttError, OSError) as e:  # OSError: reading or writing the run (EIO, EACCES)
-        print(f"dstt: {_message(e)}", file=sys.stderr)
-        return EXIT_RUN
+    except (*BAD_INPUT, DsttError, OSError) as e:  # OSError: reading or writing the run
+        print(f"dstt: {str(e) or type(e).__name__}", file=sys.stderr)
+        return EXIT_BAD_INPUT if isinstance(e, BAD_INPUT) else EXIT_RUN
     except KeyboardInterrupt:
         print("dstt: interrupted", file=sys.stderr)
         return 130

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dstt.errors import ConfigError, ReplayError, StepNotFoundError, TimelineError
+
 from .common import UsageError, _bar, _emit, _resolve_run
 
 if TYPE_CHECKING:
@@ -42,7 +44,6 @@ def parse_steps(spec: str) -> tuple[int, int] | None:
 
 def _wanted(run: Any, args: argparse.Namespace, timeline: str) -> tuple[list[int], list[int]]:
     """(the light steps ``--steps`` names, the stored steps it names)."""
-    from dstt.errors import StepNotFoundError
     from dstt.run.derived import written_bases
 
     light = set(run.light_steps(timeline))
@@ -70,8 +71,6 @@ def _wanted(run: Any, args: argparse.Namespace, timeline: str) -> tuple[list[int
 
 def _open_replay(run: Any, args: argparse.Namespace) -> None:
     """Give ``run`` its replay factory: ``--script``, else the one its sessions recorded."""
-    from dstt.errors import ConfigError
-
     try:
         run.use_replay(args.script or True)
     except ConfigError as e:
@@ -86,15 +85,12 @@ def _open_replay(run: Any, args: argparse.Namespace) -> None:
 
 
 def cmd_rebuild(args: argparse.Namespace) -> int:
-    from dstt.errors import ReplayError
     from dstt.run.derived import written_bases
     from dstt.run.rebuilt import by_base
 
     run = _resolve_run(args)
     timeline = args.timeline or run.timeline
     if timeline not in run.timelines:
-        from dstt.errors import TimelineError
-
         raise TimelineError(f"no timeline {timeline!r}; have {sorted(run.timelines)}")
     steps, skipped = _wanted(run, args, timeline)
     before = written_bases(run, timeline)

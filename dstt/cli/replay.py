@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .common import UsageError, _emit, _fmt, _resolve_run
+from .common import UsageError, _emit, _fields, _fmt, _resolve_run
 
 if TYPE_CHECKING:
     import argparse
@@ -61,11 +61,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     top = r.top(args.top)
     samples = r.per_sample.isel(sample=slice(0, args.top))
     doc = {
-        "step": r.step,
-        "faithful": r.faithful,
-        "max_abs_diff": r.max_abs_diff,
-        "differs": r.differs,
-        "losses": r.losses,
+        **_fields(r, "step faithful max_abs_diff differs losses"),
         "top_grad_norm": [{"tensor": n, "grad_norm": v} for n, v in top],
         "worst_samples": [
             {"index": int(i), "loss": float(v), "micro_batch": int(m)}
