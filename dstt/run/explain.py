@@ -124,7 +124,7 @@ def _pick(run: Any, spike: Spike | int | None, metric: str, timeline: str) -> in
     """The first flagged step of ``spike``: the largest spike when None, else the first
     non-finite ``metric`` value."""
     if isinstance(spike, Spike):
-        return int(spike.start if spike.start is not None else spike.step)
+        return int(spike.first_step)
     if spike is not None:
         if isinstance(spike, bool) or not isinstance(spike, (int, np.integer)):
             raise ConfigError(f"spike must be a Spike, a step (int) or None, got {spike!r}")
@@ -132,7 +132,7 @@ def _pick(run: Any, spike: Spike | int | None, metric: str, timeline: str) -> in
     found = run.spikes(metric, top=0, timeline=timeline)
     if found:
         best = max(found, key=lambda s: s.zscore)
-        return int(best.start if best.start is not None else best.step)
+        return int(best.first_step)
     ds = run.metrics(timeline)
     if metric in ds.names:
         bad = np.flatnonzero(~np.isfinite(ds.column(metric).astype(np.float64)))

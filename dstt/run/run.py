@@ -341,11 +341,7 @@ class Run:
         from dstt.inspect.replay import replay_step
         from dstt.inspect.summaries import Spike
 
-        k = (
-            (step.start if step.start is not None else step.step)
-            if isinstance(step, Spike)
-            else int(step)
-        )
+        k = step.first_step if isinstance(step, Spike) else int(step)
         kit = _kit("replay", trainer, module)
         return replay_step(
             self,
