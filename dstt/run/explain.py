@@ -12,9 +12,10 @@ commits and the index's rows, not the run. What each check reads: docs/decisions
 
 from __future__ import annotations
 
+import functools
 import html
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -200,46 +201,38 @@ def explain_spike(
         name,
         seconds=time.perf_counter() - t0,
         replayed=replay is not None,
-        notes=ctx.notes,
     )
 
 
 def _with_read(f: Finding, read: Sequence[str]) -> Finding:
-    return Finding(f.mechanism, f.verdict, f.score, f.evidence, f.points_at, f.hint, tuple(read))
+    return replace(f, read=tuple(read))
 
 
 def _span(steps: Sequence[int]) -> str:
     return f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else str(steps[0])
 
 
+@dataclass
 class _Context:
     """What the checks of one spike share: the run, the window, the summaries (read once)."""
 
-    def __init__(
-        self,
-        run: Any,
-        timeline: str,
-        start: int,
-        cause: int,
-        window: list[int],
-        replay: Mapping[str, Any] | None,
-        heads: int | None,
-    ) -> None:
-        self.run, self.timeline, self.start, self.cause = run, timeline, start, cause
-        self.window, self.replay, self.heads = window, replay, heads
-        self.notes: list[str] = []
-        self._sums: Any = None
+    run: Any
+    timeline: str
+    start: int
+    cause: int
+    window: list[int]
+    replay: Mapping[str, Any] | None
+    heads: int | None
 
-    def summaries(self) -> Any:
-        if self._sums is None:
-            self._sums = self.run.summaries(self.window, timeline=self.timeline)
-        return self._sums
+    @functools.cached_property
+    def sums(self) -> Any:
+        return self.run.summaries(self.window, timeline=self.timeline)
 
+    @functools.cached_property
     def names(self) -> list[str]:
-        ds = self.summaries()
-        if ds.sizes.get("tensor", 0) == 0:
+        if self.sums.sizes.get("tensor", 0) == 0:
             return []
-        return [str(n) for n in ds["tensor"].values]
+        return [str(n) for n in self.sums["tensor"].values]
 
     # -- checks ---------------------------------------------------------------------------
     def numerics(self, metric: str) -> Finding:
@@ -257,8 +250,7 @@ class _Context:
                 scale = ds.column(s).astype(np.float64)[keep]
                 read.append(f"metric {s!r} at steps {lo}..{self.start}")
                 break
-        names = self.names()
-        sums = self.summaries()
+        names, sums = self.names, self.sums
         nonfinite = None
         wst = st[keep]
         if names:
@@ -272,16 +264,14 @@ class _Context:
         return _with_read(numerics(wst, loss, nonfinite, names, loss_scale=scale), read)
 
     def update_too_large(self) -> Finding:
-        names = self.names()
-        if not names:
+        if not self.names:
             return update_too_large(None, [])
-        sums = self.summaries()
-        f = update_too_large(sums["update_ratio"].values, names, steps=sums["step"].values)
+        sums = self.sums
+        f = update_too_large(sums["update_ratio"].values, self.names, steps=sums["step"].values)
         return _with_read(f, [f"summaries' update_ratio at steps {_span(self.window)}"])
 
     def attention(self) -> Finding:
-        names = self.names()
-        pairs = _qk_pairs(names)
+        pairs = _qk_pairs(self.names)
         if not pairs:
             return attention_logit_growth(None, [], [])
         upto = self.window[:-1] or self.window  # growth before the bad update
@@ -367,7 +357,7 @@ class _Context:
         return stored, config
 
     def adam(self) -> Finding:
-        names = self.names()
+        names = self.names
         run, tl = self.run, self.timeline
         if not names:
             return adam_second_moment(None, [], [])
@@ -398,15 +388,9 @@ class _Context:
             source = f"replay of step {self.cause} (earlier steps: stored exp_avg_sq)"
             read.append(f"replay of step {self.cause}: gradients")
         if len(consecutive) < 2 and not grads:
-            f = adam_second_moment(None, use, [])
-            return _with_read(
-                Finding(
-                    f.mechanism,
-                    UNKNOWN,
-                    float("nan"),
-                    {"missing": "consecutive commits (g² needs v of two steps in a row) or replay"},
-                ),
-                read,
+            missing = "consecutive commits (g² needs v of two steps in a row) or replay"
+            return Finding(
+                "adam_second_moment", UNKNOWN, float("nan"), {"missing": missing}, read=tuple(read)
             )
         vs: dict[int, dict[str, np.ndarray]] = {}
         for s in consecutive:
