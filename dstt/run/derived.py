@@ -47,7 +47,7 @@ def rebuildable(run: Any, step: int, timeline: str) -> bool:
     and the run has replay objects (``use_replay``) or a rebuild of it written."""
     if not run._rebuilder.active and step not in _written(run, timeline):  # noqa: SLF001
         return False  # nothing to rebuild it with, and none written: as a stored step's lookup
-    return bool(run._lines.is_light(step, timeline))  # noqa: SLF001 - the run's own helper
+    return step in run._lines.light_steps(timeline)  # noqa: SLF001 - the run's own helper
 
 
 def rebuilt_steps(
