@@ -164,7 +164,7 @@ class Run:
         a later process's ``at`` reads it without replaying."""
         from .derived import rebuilt_steps
 
-        return rebuilt_steps(self, self._rebuilder, self._lines, steps, timeline, progress, persist)
+        return rebuilt_steps(self, steps, timeline, progress, persist)
 
     def catalog(self, header: CommitHeader) -> Catalog:
         """The names of commit ``header`` (:mod:`dstt.inspect.catalog`; cached): its
