@@ -50,12 +50,10 @@ class Run:
     def __init__(self, repo: Repository) -> None:
         self.repo = repo
         self.path = repo.storage.location
-        self._readers = ReaderPool(repo.storage)
-        #: each timeline's commits, as read once (``lines.py``; a new one at each refresh)
-        self._lines = Lines(self._readers.primary, self.path)
         self._catalogs: LRU[int, Catalog] = LRU(16)
         #: what rebuilds light steps (``use_replay``), and the steps rebuilt (``rebuilt.py``)
         self._rebuilder = Rebuilder(self)
+        self.refresh()
 
     @functools.cached_property
     def _diagnostics(self) -> RunDiagnostics:
@@ -71,6 +69,7 @@ class Run:
         # fresh readers, not Reader.refresh(): that keeps cached live headers, which gc may
         # have turned into tombstones since (store bug, reported)
         self._readers = ReaderPool(self.repo.storage)
+        #: each timeline's commits, as read once (``lines.py``; a new one at each refresh)
         self._lines = Lines(self._readers.primary, self.path)
         self._catalogs.clear()
         self._rebuilder.clear()
