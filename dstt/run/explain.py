@@ -34,7 +34,7 @@ from dstt.analysis.mechanisms import (
     rank,
     update_too_large,
 )
-from dstt.errors import ConfigError, DsttError, StepNotFoundError, TensorNotFoundError
+from dstt.errors import ConfigError, DsttError, StepNotFoundError
 from dstt.inspect.html import html_rows
 from dstt.inspect.summaries import Spike, spike_cause
 
@@ -285,10 +285,9 @@ class _Context:
                 try:
                     wq = snap.to_numpy(q_name).astype(np.float64)
                     wk = wq if k_name == q_name else snap.to_numpy(k_name).astype(np.float64)
-                except (TensorNotFoundError, DsttError):
+                except DsttError:
                     continue
-                read.add(q_name)
-                read.add(k_name)
+                read.update((q_name, k_name))
                 if k_name == q_name:  # fused: rows q | k | v
                     d = wq.shape[1]
                     if wq.shape[0] != 3 * d:
@@ -297,26 +296,20 @@ class _Context:
                 if not (np.isfinite(wq).all() and np.isfinite(wk).all()):
                     continue
                 if layer not in heads:
-                    h, heads_from[layer] = _heads_of(layer, wq.shape[0], self.heads, stored, config)
-                    heads[layer] = h
-                h = heads[layer]
+                    got = _heads_of(layer, wq.shape[0], self.heads, stored, config)
+                    heads[layer], heads_from[layer] = got
                 try:
-                    bounds[r, c] = logit_bound(wq, wk, h or 1)
+                    bounds[r, c] = logit_bound(wq, wk, heads[layer] or 1)
                 except ConfigError as e:
                     heads[layer] = None
                     heads_from[layer] = f"unknown: {e}; the projection taken as one head"
                     bounds[r, c] = logit_bound(wq, wk, 1)
         f = attention_logit_growth(bounds, layers, pick)
         if f.verdict != UNKNOWN:
-            f.evidence["heads"] = heads
-            f.evidence["heads_from"] = heads_from
+            f.evidence.update(heads=heads, heads_from=heads_from)
         reads = [f"weights {', '.join(sorted(read))} at steps {pick}"]
-        if self.heads is None and (stored or config):
-            what = [
-                o
-                for o, got in ((schema.HEADS_OBJECT, stored), (schema.CONFIG_OBJECT, config))
-                if got
-            ]
+        facts = {schema.HEADS_OBJECT: stored, schema.CONFIG_OBJECT: config}  # empty with heads=
+        if what := [o for o, v in facts.items() if v]:
             reads.append(f"{' and '.join(what)} at step {self.cause}")
         return _with_read(f, reads)
 
@@ -394,7 +387,7 @@ class _Context:
             for n in use:
                 try:
                     vs[s][n] = sn.to_numpy(n, state="exp_avg_sq").astype(np.float64)
-                except (TensorNotFoundError, DsttError):
+                except DsttError:
                     continue
         if not any(vs.values()):
             return _with_read(adam_second_moment(None, use, []), read)
