@@ -152,7 +152,7 @@ def diff(
             ca.table | cb.table,
             where=f"at steps {a} or {b}"
             + ("" if optim else " (optimizer states excluded: optim=True adds them)"),
-            listing=(f"run.at({b}).names(optim=True)"),
+            listing=f"run.at({b}).names(optim=True)",
         ).select(selector, paths=both)[0]
     if paths is not None:  # a tied name is its target's tensor
         paths = list(dict.fromkeys(cb.tied.get(p, ca.tied.get(p, p)) for p in paths))
