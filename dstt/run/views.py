@@ -163,14 +163,8 @@ def diff(
 def _side(run: ViewedRun, step: int, timeline: str | None) -> tuple[Any, Any, Catalog]:
     """(header, reader, catalog) of one side of a diff: a stored step's, or a light
     step's derived commit when the run has replay objects or one written (``dstt rebuild``)."""
-    from .derived import rebuildable
-
-    lines = run._lines  # noqa: SLF001 - the run's own parts (ViewedRun)
-    if rebuildable(run, int(step), timeline or lines.timeline):
-        snap = run.at(step, timeline)
-        return snap.header, snap._reader, snap.catalog  # noqa: SLF001 - the run's own snapshot
-    h = lines.header(step, timeline)
-    return h, run.reader, run.catalog(h)
+    snap = run.at(step, timeline)
+    return snap.header, snap._reader, snap.catalog  # noqa: SLF001 - the run's own snapshot
 
 
 class _Both:
