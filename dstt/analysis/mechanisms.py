@@ -422,10 +422,10 @@ def numerics(
         ok = np.isfinite(ls) & (ls > 0)
         if ok.sum() >= 2:
             peak = np.maximum.accumulate(np.where(ok, ls, 0.0))
-            drop = float(np.max(np.where(ok, peak / np.where(ok, ls, 1.0), 1.0)))
-            evidence["loss_scale_drop"] = drop
-            if drop >= scale_drop:
-                hits.append(int(st[int(np.argmax(np.where(ok, peak / ls, 1.0)))]))
+            fall = np.where(ok, peak / np.where(ok, ls, 1.0), 1.0)  # the peak so far / now
+            evidence["loss_scale_drop"] = float(fall.max())
+            if fall.max() >= scale_drop:
+                hits.append(int(st[int(np.argmax(fall))]))
     score = 10.0 if hits else 0.0  # a non-finite value is decisive, not a matter of degree
     if hits:
         evidence["first_step"] = min(hits)

@@ -192,6 +192,11 @@ class Spike:
         return self.explainer(self, **kwargs)
 
     @property
+    def first_step(self) -> int:
+        """The first flagged step: ``start``, else ``step`` (a spike built without one)."""
+        return self.step if self.start is None else self.start
+
+    @property
     def suspect_steps(self) -> list[int]:
         """The steps whose batches are suspected (see the class docstring)."""
         if self.start is None:

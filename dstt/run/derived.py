@@ -20,8 +20,6 @@ from urllib.parse import quote
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Mapping
 
-    from .lines import Lines
-    from .rebuilt import Rebuilder
     from .snapshot import Snapshot
 
 __all__ = [
@@ -47,24 +45,23 @@ def rebuildable(run: Any, step: int, timeline: str) -> bool:
     and the run has replay objects (``use_replay``) or a rebuild of it written."""
     if not run._rebuilder.active and step not in _written(run, timeline):  # noqa: SLF001
         return False  # nothing to rebuild it with, and none written: as a stored step's lookup
-    return bool(run._lines.is_light(step, timeline))  # noqa: SLF001 - the run's own helper
+    return step in run._lines.light_steps(timeline)  # noqa: SLF001 - the run's own helper
 
 
 def rebuilt_steps(
     run: Any,
-    rebuilder: Rebuilder,
-    lines: Lines,
     steps: Iterable[int],
     timeline: str | None,
     progress: Callable[[int, int], None] | None,
     persist: bool,
 ) -> dict[int, Snapshot]:
-    """``Run.rebuilt``: the written ones read back, the others rebuilt by ``rebuilder``; with
-    ``persist`` every one written."""
-    name = timeline or lines.timeline
+    """``Run.rebuilt``: the written ones read back, the others rebuilt by the run's
+    ``Rebuilder``; with ``persist`` every one written."""
+    name = timeline or run.timeline
     wanted = sorted({int(k) for k in steps})
     found = {k: s for k in wanted if (s := load_rebuilt(run, name, k)) is not None}
     rest = [k for k in wanted if k not in found]
+    rebuilder, lines = run._rebuilder, run._lines  # noqa: SLF001 - the run's own parts
     out = {**found, **rebuilder.rebuilt(rest, lines, timeline=name, progress=progress)}
     return save_rebuilt(run, out) if persist else out
 

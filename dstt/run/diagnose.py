@@ -153,17 +153,9 @@ class RunDiagnostics:
         from dstt.inspect.summaries import find_spikes, spike_cause
 
         name = timeline or self.run.timeline
-        ds = self.run.metrics(name)
-        if metric not in ds.names:
-            raise MetricNotFoundError(
-                f"metric {metric!r} was never logged on timeline {name!r}; logged: {ds.names}"
-            )
-        found = find_spikes(  # numpy columns of the index: no xarray for a run with no spike;
-            ds.steps,  # window/z None: the rule's defaults (dstt.analysis.spikes)
-            ds.column(metric).astype(np.float64),
-            window=window,
-            z=z,
-        )
+        # numpy columns of the index: no xarray for a run with no spike; window/z None: the
+        # rule's defaults (dstt.analysis.spikes)
+        found = find_spikes(*self._logged(metric, name), window=window, z=z)
         if not found:
             return []
         line = self.run.commits(name)
@@ -219,6 +211,16 @@ class RunDiagnostics:
             )
         return out
 
+    def _logged(self, metric: str, timeline: str) -> tuple[np.ndarray, np.ndarray]:
+        """The steps and float64 values of ``metric`` on ``timeline`` (``MetricNotFoundError``
+        naming the logged ones if it never was)."""
+        ds = self.run.metrics(timeline)
+        if metric not in ds.names:
+            raise MetricNotFoundError(
+                f"metric {metric!r} was never logged on timeline {timeline!r}; logged: {ds.names}"
+            )
+        return ds.steps, ds.column(metric).astype(np.float64)
+
     # -- non-finite values and divergence -------------------------------------------------
     def first_nonfinite(self, timeline: str | None = None) -> NonFinite | None:
         """The first commit whose summaries count a NaN or Inf; None if none."""
@@ -235,20 +237,8 @@ class RunDiagnostics:
     ) -> list[Divergence]:
         """Sustained rises of a logged metric, each with the tensors whose norms grew most
         over it."""
-        ds = self.run.metrics(timeline)
-        if metric not in ds:
-            raise MetricNotFoundError(
-                f"metric {metric!r} was never logged on timeline "
-                f"{timeline or self.run.timeline!r}; logged: "
-                f"{sorted(map(str, ds.data_vars))}"
-            )
-        found = find_divergence(
-            ds["step"].values,
-            ds[metric].values.astype(np.float64),
-            window=window,
-            rise=rise,
-            sustain=sustain,
-        )
+        steps, values = self._logged(metric, timeline or self.run.timeline)
+        found = find_divergence(steps, values, window=window, rise=rise, sustain=sustain)
         if not found:
             return []
         sums = self.run.summaries(timeline=timeline)

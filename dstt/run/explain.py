@@ -12,9 +12,10 @@ commits and the index's rows, not the run. What each check reads: docs/decisions
 
 from __future__ import annotations
 
+import functools
 import html
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,7 +34,7 @@ from dstt.analysis.mechanisms import (
     rank,
     update_too_large,
 )
-from dstt.errors import ConfigError, DsttError, StepNotFoundError, TensorNotFoundError
+from dstt.errors import ConfigError, DsttError, StepNotFoundError
 from dstt.inspect.html import html_rows
 from dstt.inspect.summaries import Spike, spike_cause
 
@@ -124,7 +125,7 @@ def _pick(run: Any, spike: Spike | int | None, metric: str, timeline: str) -> in
     """The first flagged step of ``spike``: the largest spike when None, else the first
     non-finite ``metric`` value."""
     if isinstance(spike, Spike):
-        return int(spike.start if spike.start is not None else spike.step)
+        return int(spike.first_step)
     if spike is not None:
         if isinstance(spike, bool) or not isinstance(spike, (int, np.integer)):
             raise ConfigError(f"spike must be a Spike, a step (int) or None, got {spike!r}")
@@ -132,7 +133,7 @@ def _pick(run: Any, spike: Spike | int | None, metric: str, timeline: str) -> in
     found = run.spikes(metric, top=0, timeline=timeline)
     if found:
         best = max(found, key=lambda s: s.zscore)
-        return int(best.start if best.start is not None else best.step)
+        return int(best.first_step)
     ds = run.metrics(timeline)
     if metric in ds.names:
         bad = np.flatnonzero(~np.isfinite(ds.column(metric).astype(np.float64)))
@@ -200,46 +201,38 @@ def explain_spike(
         name,
         seconds=time.perf_counter() - t0,
         replayed=replay is not None,
-        notes=ctx.notes,
     )
 
 
 def _with_read(f: Finding, read: Sequence[str]) -> Finding:
-    return Finding(f.mechanism, f.verdict, f.score, f.evidence, f.points_at, f.hint, tuple(read))
+    return replace(f, read=tuple(read))
 
 
 def _span(steps: Sequence[int]) -> str:
     return f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else str(steps[0])
 
 
+@dataclass
 class _Context:
     """What the checks of one spike share: the run, the window, the summaries (read once)."""
 
-    def __init__(
-        self,
-        run: Any,
-        timeline: str,
-        start: int,
-        cause: int,
-        window: list[int],
-        replay: Mapping[str, Any] | None,
-        heads: int | None,
-    ) -> None:
-        self.run, self.timeline, self.start, self.cause = run, timeline, start, cause
-        self.window, self.replay, self.heads = window, replay, heads
-        self.notes: list[str] = []
-        self._sums: Any = None
+    run: Any
+    timeline: str
+    start: int
+    cause: int
+    window: list[int]
+    replay: Mapping[str, Any] | None
+    heads: int | None
 
-    def summaries(self) -> Any:
-        if self._sums is None:
-            self._sums = self.run.summaries(self.window, timeline=self.timeline)
-        return self._sums
+    @functools.cached_property
+    def sums(self) -> Any:
+        return self.run.summaries(self.window, timeline=self.timeline)
 
+    @functools.cached_property
     def names(self) -> list[str]:
-        ds = self.summaries()
-        if ds.sizes.get("tensor", 0) == 0:
+        if self.sums.sizes.get("tensor", 0) == 0:
             return []
-        return [str(n) for n in ds["tensor"].values]
+        return [str(n) for n in self.sums["tensor"].values]
 
     # -- checks ---------------------------------------------------------------------------
     def numerics(self, metric: str) -> Finding:
@@ -257,31 +250,23 @@ class _Context:
                 scale = ds.column(s).astype(np.float64)[keep]
                 read.append(f"metric {s!r} at steps {lo}..{self.start}")
                 break
-        names = self.names()
-        sums = self.summaries()
+        names, sums = self.names, self.sums
         nonfinite = None
         wst = st[keep]
-        if names:
-            counts = sums["nan"].values + sums["inf"].values  # step x tensor, window only
-            by = {int(s): j for j, s in enumerate(sums["step"].values)}
-            nonfinite = np.zeros((len(wst), len(names)))
-            for r, s in enumerate(wst):
-                if int(s) in by:
-                    nonfinite[r] = counts[by[int(s)]]
+        if names:  # step x tensor, along the metric's steps (0 where no summaries)
+            nonfinite = (sums["nan"] + sums["inf"]).reindex(step=wst, fill_value=0).values
             read.append(f"summaries' nan/inf of {len(names)} tensors at steps {_span(self.window)}")
         return _with_read(numerics(wst, loss, nonfinite, names, loss_scale=scale), read)
 
     def update_too_large(self) -> Finding:
-        names = self.names()
-        if not names:
+        if not self.names:
             return update_too_large(None, [])
-        sums = self.summaries()
-        f = update_too_large(sums["update_ratio"].values, names, steps=sums["step"].values)
+        sums = self.sums
+        f = update_too_large(sums["update_ratio"].values, self.names, steps=sums["step"].values)
         return _with_read(f, [f"summaries' update_ratio at steps {_span(self.window)}"])
 
     def attention(self) -> Finding:
-        names = self.names()
-        pairs = _qk_pairs(names)
+        pairs = _qk_pairs(self.names)
         if not pairs:
             return attention_logit_growth(None, [], [])
         upto = self.window[:-1] or self.window  # growth before the bad update
@@ -300,10 +285,9 @@ class _Context:
                 try:
                     wq = snap.to_numpy(q_name).astype(np.float64)
                     wk = wq if k_name == q_name else snap.to_numpy(k_name).astype(np.float64)
-                except (TensorNotFoundError, DsttError):
+                except DsttError:
                     continue
-                read.add(q_name)
-                read.add(k_name)
+                read.update((q_name, k_name))
                 if k_name == q_name:  # fused: rows q | k | v
                     d = wq.shape[1]
                     if wq.shape[0] != 3 * d:
@@ -312,26 +296,20 @@ class _Context:
                 if not (np.isfinite(wq).all() and np.isfinite(wk).all()):
                     continue
                 if layer not in heads:
-                    h, heads_from[layer] = _heads_of(layer, wq.shape[0], self.heads, stored, config)
-                    heads[layer] = h
-                h = heads[layer]
+                    got = _heads_of(layer, wq.shape[0], self.heads, stored, config)
+                    heads[layer], heads_from[layer] = got
                 try:
-                    bounds[r, c] = logit_bound(wq, wk, h or 1)
+                    bounds[r, c] = logit_bound(wq, wk, heads[layer] or 1)
                 except ConfigError as e:
                     heads[layer] = None
                     heads_from[layer] = f"unknown: {e}; the projection taken as one head"
                     bounds[r, c] = logit_bound(wq, wk, 1)
         f = attention_logit_growth(bounds, layers, pick)
         if f.verdict != UNKNOWN:
-            f.evidence["heads"] = heads
-            f.evidence["heads_from"] = heads_from
+            f.evidence.update(heads=heads, heads_from=heads_from)
         reads = [f"weights {', '.join(sorted(read))} at steps {pick}"]
-        if self.heads is None and (stored or config):
-            what = [
-                o
-                for o, got in ((schema.HEADS_OBJECT, stored), (schema.CONFIG_OBJECT, config))
-                if got
-            ]
+        facts = {schema.HEADS_OBJECT: stored, schema.CONFIG_OBJECT: config}  # empty with heads=
+        if what := [o for o, v in facts.items() if v]:
             reads.append(f"{' and '.join(what)} at step {self.cause}")
         return _with_read(f, reads)
 
@@ -367,7 +345,7 @@ class _Context:
         return stored, config
 
     def adam(self) -> Finding:
-        names = self.names()
+        names = self.names
         run, tl = self.run, self.timeline
         if not names:
             return adam_second_moment(None, [], [])
@@ -398,15 +376,9 @@ class _Context:
             source = f"replay of step {self.cause} (earlier steps: stored exp_avg_sq)"
             read.append(f"replay of step {self.cause}: gradients")
         if len(consecutive) < 2 and not grads:
-            f = adam_second_moment(None, use, [])
-            return _with_read(
-                Finding(
-                    f.mechanism,
-                    UNKNOWN,
-                    float("nan"),
-                    {"missing": "consecutive commits (g² needs v of two steps in a row) or replay"},
-                ),
-                read,
+            missing = "consecutive commits (g² needs v of two steps in a row) or replay"
+            return Finding(
+                "adam_second_moment", UNKNOWN, float("nan"), {"missing": missing}, read=tuple(read)
             )
         vs: dict[int, dict[str, np.ndarray]] = {}
         for s in consecutive:
@@ -415,7 +387,7 @@ class _Context:
             for n in use:
                 try:
                     vs[s][n] = sn.to_numpy(n, state="exp_avg_sq").astype(np.float64)
-                except (TensorNotFoundError, DsttError):
+                except DsttError:
                     continue
         if not any(vs.values()):
             return _with_read(adam_second_moment(None, use, []), read)

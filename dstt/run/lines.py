@@ -127,10 +127,6 @@ class Lines:
             self._light[name] = {k: v for k, v in sorted(found.items()) if k not in stored}
         return self._light[name]
 
-    def is_light(self, step: int, timeline: str | None) -> bool:
-        """Whether ``step`` is a light step of ``timeline`` (taken, not stored)."""
-        return step in self.light_steps(timeline)  # stored steps are left out there
-
     def select(self, steps: Steps, timeline: str | None = None) -> list[Any]:
         """Headers for ``steps``, ascending, each step once (``Run.select_steps``)."""
         line = self.commits(timeline)

@@ -86,11 +86,8 @@ class Metrics:
             self._ds = xr.Dataset(
                 {k: ("step", v) for k, v in data.items()},
                 coords={
-                    "step": ("step", coords["step"]),
-                    "slot": ("step", coords["slot"]),
-                    "timeline": ("step", coords["timeline"]),
-                    "time": ("step", utc_datetimes(coords["time"].tolist())),
-                    "pruned": ("step", coords["pruned"]),
+                    k: ("step", utc_datetimes(v.tolist()) if k == "time" else v)
+                    for k, v in coords.items()
                 },
             )
         return self._ds
@@ -126,17 +123,20 @@ def _columns(rows: RowSet) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]
             for j, k in sorted(enumerate(rows.m_names), key=lambda jk: jk[1])
             if not np.all(np.isnan(num[:, j]))
         }
-        coords = {
-            "step": step,
-            "slot": np.asarray(rows.slot, dtype=np.int64),
-            "timeline": np.array(
-                [rows.timelines[int(t)] for t in rows.timeline.tolist()], dtype=object
-            ),
-            "time": np.asarray(rows.time, dtype=np.float64),
-            "pruned": np.asarray(rows.pruned).astype(bool),
-        }
-        return coords, data
+        timeline = [rows.timelines[int(t)] for t in rows.timeline.tolist()]
+        return _coords(step, rows.slot, timeline, rows.time, rows.pruned), data
     return _general(rows)
+
+
+def _coords(step: Any, slot: Any, timeline: Any, time: Any, pruned: Any) -> dict[str, np.ndarray]:
+    """:class:`Metrics`'s coordinates, one value per step each."""
+    return {
+        "step": np.asarray(step, dtype=np.int64),
+        "slot": np.asarray(slot, dtype=np.int64),
+        "timeline": np.asarray(timeline, dtype=object),
+        "time": np.asarray(time, dtype=np.float64),
+        "pruned": np.asarray(pruned).astype(bool),
+    }
 
 
 def _general(rows: RowSet) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -169,11 +169,5 @@ def _general(rows: RowSet) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]
             data[name] = np.array(["" if v is None else str(v) for v in vals], dtype=object)
         else:
             data[name] = np.array([as_float(v) for v in vals], dtype=np.float64)
-    coords = {
-        "step": np.asarray(steps, dtype=np.int64),
-        "slot": np.asarray([r[0] for r in ordered], dtype=np.int64),
-        "timeline": np.asarray([str(r[1]) for r in ordered], dtype=object),
-        "time": np.asarray([r[2] for r in ordered], dtype=np.float64),
-        "pruned": np.asarray([r[4] for r in ordered], dtype=bool),
-    }
-    return coords, data
+    columns = [[r[i] for r in ordered] for i in (0, 1, 2, 4)]  # slot, timeline, time, pruned
+    return _coords(steps, *columns), data

@@ -50,12 +50,10 @@ class Run:
     def __init__(self, repo: Repository) -> None:
         self.repo = repo
         self.path = repo.storage.location
-        self._readers = ReaderPool(repo.storage)
-        #: each timeline's commits, as read once (``lines.py``; a new one at each refresh)
-        self._lines = Lines(self._readers.primary, self.path)
         self._catalogs: LRU[int, Catalog] = LRU(16)
         #: what rebuilds light steps (``use_replay``), and the steps rebuilt (``rebuilt.py``)
         self._rebuilder = Rebuilder(self)
+        self.refresh()
 
     @functools.cached_property
     def _diagnostics(self) -> RunDiagnostics:
@@ -71,6 +69,7 @@ class Run:
         # fresh readers, not Reader.refresh(): that keeps cached live headers, which gc may
         # have turned into tombstones since (store bug, reported)
         self._readers = ReaderPool(self.repo.storage)
+        #: each timeline's commits, as read once (``lines.py``; a new one at each refresh)
         self._lines = Lines(self._readers.primary, self.path)
         self._catalogs.clear()
         self._rebuilder.clear()
@@ -164,7 +163,7 @@ class Run:
         a later process's ``at`` reads it without replaying."""
         from .derived import rebuilt_steps
 
-        return rebuilt_steps(self, self._rebuilder, self._lines, steps, timeline, progress, persist)
+        return rebuilt_steps(self, steps, timeline, progress, persist)
 
     def catalog(self, header: CommitHeader) -> Catalog:
         """The names of commit ``header`` (:mod:`dstt.inspect.catalog`; cached): its
@@ -341,11 +340,7 @@ class Run:
         from dstt.inspect.replay import replay_step
         from dstt.inspect.summaries import Spike
 
-        k = (
-            (step.start if step.start is not None else step.step)
-            if isinstance(step, Spike)
-            else int(step)
-        )
+        k = step.first_step if isinstance(step, Spike) else int(step)
         kit = _kit("replay", trainer, module)
         return replay_step(
             self,

@@ -145,11 +145,8 @@ class Snapshot:
         """
         from dstt.inspect.views import layer_tree
 
-        paths, picks = self.catalog.select(
-            selector,
-            optim=optim,
-            listing=(f"run.at({self.step}).names({'optim=True' if optim else ''})"),
-        )
+        listing = f"run.at({self.step}).names({'optim=True' if optim else ''})"
+        paths, picks = self.catalog.select(selector, optim=optim, listing=listing)
         return layer_tree(
             self._readers, self.header, self.catalog, paths, picks=picks, chunks=chunks
         )

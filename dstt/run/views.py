@@ -58,63 +58,42 @@ def trajectory(
     chunks: Any,
     progress: Callable[[int, int], None] | None,
 ) -> xr.DataArray:
-    """One tensor over steps (``Run.trajectory``)."""
+    """One tensor over steps (``Run.trajectory``). Light steps among them, with replay
+    objects: rebuilt (one pass per gap), their values read into memory, and the stored
+    steps' (lazy) beside them."""
     from dstt.inspect.views import trajectory_dataarray
 
-    lines = run._lines  # noqa: SLF001 - the run's own parts (ViewedRun)
-    light = lines.light_in(steps, timeline) if run._rebuilder.active else []  # noqa: SLF001
-    if light:
-        return _trajectory_rebuilt(run, name, steps, light, timeline, state, progress)
-    headers = lines.select(steps, timeline)
-    if not headers:
+    # the run's own parts (ViewedRun)
+    lines, rebuilder, readers = run._lines, run._rebuilder, run._readers  # noqa: SLF001
+    light = lines.light_in(steps, timeline) if rebuilder.active else []
+    if steps is None or isinstance(steps, slice):
+        headers = lines.select(steps, timeline)
+    else:  # the stored steps named; the light ones are rebuilt
+        headers = lines.select(sorted({int(s) for s in as_steps(steps)} - set(light)), timeline)
+    if not headers and not light:
         raise StepNotFoundError(
             f"no committed steps match {steps!r} on timeline {timeline or lines.timeline!r}"
         )
-    newest = run.catalog(headers[-1])
-    path = newest.resolve(
-        name, state, where=f"at step {headers[-1].step}, the newest selected step"
-    )
-    return trajectory_dataarray(run._readers, headers, path, newest, chunks=chunks)  # noqa: SLF001
-
-
-def _trajectory_rebuilt(
-    run: ViewedRun,
-    name: str,
-    steps: Steps,
-    light: list[int],
-    timeline: str | None,
-    state: str | None,
-    progress: Callable[[int, int], None] | None,
-) -> xr.DataArray:
-    """A trajectory whose steps include light ones: those rebuilt (one pass per gap),
-    their values read into memory, and the stored steps' (lazy) beside them."""
-    import xarray as xr
-
-    from dstt.inspect.views import trajectory_dataarray
-
-    lines = run._lines  # noqa: SLF001 - the run's own parts (ViewedRun)
-    line = timeline or lines.timeline
-    if steps is not None and not isinstance(steps, slice):
-        wanted = {int(s) for s in as_steps(steps)}
-        headers = lines.select(sorted(wanted - set(light)), timeline)
-    else:
-        headers = lines.select(steps, timeline)
-    snaps = run._rebuilder.rebuilt(light, lines, timeline=timeline, progress=progress)  # noqa: SLF001
-    newest_step = max(light[-1], headers[-1].step if headers else -1)
+    snaps = rebuilder.rebuilt(light, lines, timeline=timeline, progress=progress) if light else {}
+    newest_step = max(light[-1] if light else -1, headers[-1].step if headers else -1)
     if headers and headers[-1].step == newest_step:
         newest = run.catalog(headers[-1])
     else:
         newest = snaps[newest_step].catalog
     path = newest.resolve(name, state, where=f"at step {newest_step}, the newest selected step")
-    parts = []
-    if headers:
-        parts.append(
-            trajectory_dataarray(run._readers, headers, path, run.catalog(headers[-1]))  # noqa: SLF001
-        )
+    if not light:
+        return trajectory_dataarray(readers, headers, path, newest, chunks=chunks)
+    import xarray as xr
+
+    parts = (
+        [trajectory_dataarray(readers, headers, path, run.catalog(headers[-1]))] if headers else []
+    )
     for k in light:
         snap = snaps[k]
         one = trajectory_dataarray(snap._readers, [snap.header], path, snap.catalog).load()  # noqa: SLF001 - the run's own snapshot
-        parts.append(one.assign_coords(slot=("step", [-1]), timeline=("step", [line])))
+        parts.append(
+            one.assign_coords(slot=("step", [-1]), timeline=("step", [timeline or lines.timeline]))
+        )
     out = xr.concat(parts, dim="step", combine_attrs="override").sortby("step")
     out.attrs["rebuilt_steps"] = list(light)
     return out
@@ -173,7 +152,7 @@ def diff(
             ca.table | cb.table,
             where=f"at steps {a} or {b}"
             + ("" if optim else " (optimizer states excluded: optim=True adds them)"),
-            listing=(f"run.at({b}).names(optim=True)"),
+            listing=f"run.at({b}).names(optim=True)",
         ).select(selector, paths=both)[0]
     if paths is not None:  # a tied name is its target's tensor
         paths = list(dict.fromkeys(cb.tied.get(p, ca.tied.get(p, p)) for p in paths))
@@ -184,14 +163,8 @@ def diff(
 def _side(run: ViewedRun, step: int, timeline: str | None) -> tuple[Any, Any, Catalog]:
     """(header, reader, catalog) of one side of a diff: a stored step's, or a light
     step's derived commit when the run has replay objects or one written (``dstt rebuild``)."""
-    from .derived import rebuildable
-
-    lines = run._lines  # noqa: SLF001 - the run's own parts (ViewedRun)
-    if rebuildable(run, int(step), timeline or lines.timeline):
-        snap = run.at(step, timeline)
-        return snap.header, snap._reader, snap.catalog  # noqa: SLF001 - the run's own snapshot
-    h = lines.header(step, timeline)
-    return h, run.reader, run.catalog(h)
+    snap = run.at(step, timeline)
+    return snap.header, snap._reader, snap.catalog  # noqa: SLF001 - the run's own snapshot
 
 
 class _Both:

@@ -102,7 +102,7 @@ class ReplayPanel:
         """Replay the current target and show the result; returns the ``Replay`` (None on
         an error, which the status line shows)."""
         t = self.target()
-        step = t if isinstance(t, int) else (t.start if t.start is not None else t.step)
+        step = t if isinstance(t, int) else t.first_step
         self.status.value = f"replaying step {step}…"
         result: Replay
         try:
