@@ -5,8 +5,8 @@ A callback cannot wrap a framework's loop, but it can reach the loader the frame
 index list through unchanged and keeps it in order; the callback takes as many lists as each
 optimizer step had micro-batches. A rollback's skipped samples leave the index lists before
 anything is fetched, so every batch keeps its place and the framework's count-based resume
-stays right; a batch with every sample skipped raises ``ConfigError``. :func:`gather_ranks`
-brings the ranks' lists together. Rejected: wrapping the framework's iterator (out of a
+stays right; a batch with every sample skipped raises ``ConfigError``. :func:`file_ranks`
+files the ranks' lists together. Rejected: wrapping the framework's iterator (out of a
 callback's reach); a sampler re-batching the stream without the skipped samples (every later
 batch would change, and the count the framework resumes by). Details: docs/decisions.md.
 """
@@ -15,12 +15,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dstt.errors import ConfigError
+from dstt.store._internal import Batch
 from dstt.training.data import Passthrough
 
-__all__ = ["StepRecorder", "attach", "gather_ranks", "skip_error"]
+if TYPE_CHECKING:
+    from dstt.training import Session
+
+__all__ = ["StepRecorder", "attach", "file_ranks", "skip_error"]
 
 
 def skip_error(kept: Sequence[int], dropped: Sequence[int]) -> ConfigError | None:
@@ -127,13 +131,17 @@ def attach(loader: Any, skip: frozenset[int] = frozenset()) -> StepRecorder | No
     return rec
 
 
-def gather_ranks(lists: list[list[int]]) -> list[list[list[int]]]:
-    """Every rank's ``lists`` (one entry per rank, in rank order); ``[lists]`` without a
-    process group. A collective: every rank calls it at the same point."""
+def file_ranks(s: Session, step: int, batches: list[Batch]) -> None:
+    """File every rank's ``batches`` (rank-major) under ``step``; this rank's alone
+    without a process group. A collective: every rank calls it at the same point."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return [lists]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, lists)
-    return [list(x) for x in out]
+    mine = [b.plain() for b in batches]
+    ranks: list[Any] = [mine]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+    log = s._batches  # noqa: SLF001 - the per-step records s.data() fills
+    for plain in ranks:
+        for fp in plain:
+            log.add(step, Batch.from_plain(fp))

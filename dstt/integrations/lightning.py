@@ -30,7 +30,7 @@ from dstt.store._internal import Batch, SkipSet
 from dstt.training import Session, open_session
 from dstt.training.data import Passthrough, fingerprint
 
-from ._attribution import StepRecorder, attach, gather_ranks
+from ._attribution import StepRecorder, attach, file_ranks
 from ._common import numeric_metrics, refuse_whole_batches, session_options
 
 if TYPE_CHECKING:
@@ -352,11 +352,8 @@ class _TrainData:
         (every rank's, rank-major) under it."""
         if not self.pending or s.step < self.pending_step:
             return  # accumulating: the step is not taken yet
-        mine, self.pending = [b.plain() for b in self.pending], []
-        log = s._batches  # noqa: SLF001 - the per-step records s.data() fills
-        for plain in gather_ranks(mine):  # type: ignore[arg-type]
-            for fp in plain:
-                log.add(self.pending_step, Batch.from_plain(fp))  # type: ignore[arg-type]
+        mine, self.pending = self.pending, []
+        file_ranks(s, self.pending_step, mine)
 
 
 def _by_index(loader: torch.utils.data.DataLoader[Any]) -> bool:

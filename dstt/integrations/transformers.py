@@ -32,7 +32,7 @@ from dstt.inspect.replay import ReplayKit, register_replay_kit
 from dstt.store._internal import Batch, Repository, read_skips
 from dstt.training import Session, open_session
 
-from ._attribution import StepRecorder, attach, gather_ranks
+from ._attribution import StepRecorder, attach, file_ranks
 from ._common import (
     PROGRESS_FIELDS,
     numeric_metrics,
@@ -252,13 +252,8 @@ class DsttCallback(TrainerCallback):
     def _file_batches(self, s: Session) -> None:
         """File the index lists of the step just taken (every rank's) under it."""
         n, self._micro = self._micro + 1, 0
-        rec = self._recorder
-        if rec is None:
-            return
-        log = s._batches  # noqa: SLF001 - the per-step records s.data() fills
-        for lists in gather_ranks(rec.take(n)):
-            for ix in lists:
-                log.add(s.step, Batch(indices=tuple(ix)))
+        if self._recorder is not None:
+            file_ranks(s, s.step, [Batch(indices=tuple(ix)) for ix in self._recorder.take(n)])
 
     def on_log(
         self,

@@ -117,18 +117,14 @@ BUFFER_NAMES = frozenset({"running_mean", "running_var", "num_batches_tracked"})
 
 
 def split_buffers(
-    tensors: Mapping[str, torch.Tensor], params: set[str] | None = None
+    tensors: Mapping[str, torch.Tensor],
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(parameters, buffers) of a model state dict. ``params``: the names known to be
-    parameters (a live model's, or the optimizer's); without them a tensor is a buffer when
-    it is not floating point or has a BatchNorm buffer's name."""
+    """(parameters, buffers) of a model state dict without the model: a tensor is a buffer
+    when it is not floating point or has a BatchNorm buffer's name."""
     p: dict[str, torch.Tensor] = {}
     b: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if params is not None:
-            is_param = name in params
-        else:
-            is_param = t.is_floating_point() and name.rpartition(".")[2] not in BUFFER_NAMES
+        is_param = t.is_floating_point() and name.rpartition(".")[2] not in BUFFER_NAMES
         (p if is_param else b)[name] = t
     return p, b
 

@@ -15,6 +15,7 @@ built in another order would be misnamed silently. Details: docs/decisions.md.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from itertools import islice
 from typing import Any
 
 import torch
@@ -81,27 +82,25 @@ def hf_decay_names(model: torch.nn.Module) -> set[str] | None:
     return set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
 
 
-def _fits(
-    names: Sequence[str],
-    ids: Sequence[Any],
+def _misfit(
+    groups: Sequence[Sequence[str]],
+    ids: Sequence[Sequence[Any]],
     state: Mapping[Any, Any],
     shapes: Mapping[str, tuple[int, ...]],
 ) -> str | None:
-    """None when every state tensor (ndim > 0) of ``ids`` has its named parameter's shape;
-    else what disagrees."""
-    for name, idx in zip(names, ids, strict=True):
-        want = shapes.get(name)
-        for key, v in (state.get(idx) or {}).items():
-            if (
-                isinstance(v, torch.Tensor)
-                and v.ndim
-                and want is not None
-                and tuple(v.shape) != tuple(want)
-            ):
-                return (
-                    f"state {key!r} of parameter {idx} has shape {tuple(v.shape)}, but "
-                    f"{name!r} has {tuple(want)}"
-                )
+    """None when every state tensor (ndim > 0) of the param groups' ``ids`` has the shape of
+    the parameter ``groups`` names it by; else what disagrees."""
+    for names, group_ids in zip(groups, ids, strict=True):
+        for name, idx in zip(names, group_ids, strict=True):
+            want = shapes.get(name)
+            for key, v in (state.get(idx) or {}).items():
+                if want is None or not isinstance(v, torch.Tensor) or not v.ndim:
+                    continue
+                if tuple(v.shape) != tuple(want):
+                    return (
+                        f"state {key!r} of parameter {idx} has shape {tuple(v.shape)}, but "
+                        f"{name!r} has {tuple(want)}"
+                    )
     return None
 
 
@@ -141,23 +140,13 @@ def group_names(
         first = [n for n in order if n in decay]
         rest = [n for n in order if n not in decay]
         candidates.append([first, rest])
-    cut, start = [], 0
-    for n in sizes:
-        cut.append(list(order[start : start + n]))
-        start += n
-    candidates.append(cut)
+    runs = iter(order)
+    candidates.append([list(islice(runs, n)) for n in sizes])  # consecutive runs in order
     why = "no grouping fits"
     for cand in candidates:
         if [len(c) for c in cand] != sizes:
             continue
-        bad = next(
-            (
-                w
-                for c, i in zip(cand, ids, strict=True)
-                if (w := _fits(c, i, state, shapes)) is not None
-            ),
-            None,
-        )
+        bad = _misfit(cand, ids, state, shapes)
         if bad is None:
             return cand
         why = bad
