@@ -96,11 +96,7 @@ class ScrubberModel:
         self._timeline = timeline or run.timeline
         self._load_timeline()
         self._step = self._snap(step if step is not None else self.steps[-1])
-        if reference is not None and reference not in self.steps:
-            raise StepNotFoundError(
-                f"reference step {reference} is not on timeline {self._timeline!r}"
-            )
-        self._reference = reference
+        self._reference = None if reference is None else self._committed(reference, "reference")
         self._mode: Mode = "values"
         self.mode = mode  # validates; no observer yet to notify
         self._tensor = (
@@ -203,9 +199,7 @@ class ScrubberModel:
 
     @step.setter
     def step(self, step: int) -> None:
-        step = int(step)
-        if step not in self.steps:
-            raise StepNotFoundError(f"step {step} is not committed on timeline {self._timeline!r}")
+        step = self._committed(step)
         if step != self._step:
             self._step = step
             changed = {"step"}
@@ -214,6 +208,15 @@ class ScrubberModel:
                 changed.add("tensor")
             self._notify(changed)
             self._prefetch_neighbours()
+
+    def _committed(self, step: int, what: str = "step") -> int:
+        """``step`` as an int; ``StepNotFoundError`` if it is not among :attr:`steps`."""
+        step = int(step)
+        if step not in self.steps:
+            raise StepNotFoundError(
+                f"{what} {step} is not committed on timeline {self._timeline!r}"
+            )
+        return step
 
     # -- prefetch ---------------------------------------------------------------------------
     def _prefetch_neighbours(self) -> None:
@@ -336,12 +339,7 @@ class ScrubberModel:
 
     @reference.setter
     def reference(self, step: int | None) -> None:
-        if step is not None:
-            step = int(step)
-            if step not in self.steps:
-                raise StepNotFoundError(
-                    f"step {step} is not committed on timeline {self._timeline!r}"
-                )
+        step = None if step is None else self._committed(step)
         if step != self._reference:
             self._reference = step
             self._notify({"reference"})
