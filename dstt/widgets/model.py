@@ -14,8 +14,9 @@ observer callbacks whose firing order is the widget library's business.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -37,6 +38,8 @@ __all__ = ["LRU", "Mode", "ScrubberModel"]
 
 Mode = Literal["values", "change"]
 Observer = Callable[[set[str]], None]
+#: the selection fields whose change :meth:`ScrubberModel._changes` detects
+_FIELDS = ("steps", "step", "reference", "mode", "tensor")
 
 
 def subsample(da: Any, shape: Sequence[int], max_side: int) -> np.ndarray:  # noqa: ANN401 - a DataArray
@@ -114,6 +117,13 @@ class ScrubberModel:
             for fn in list(self._observers):
                 fn(changed)
 
+    @contextmanager
+    def _changes(self, *said: str) -> Iterator[None]:
+        """Notify, after the block, the fields it changed and ``said`` whatever the values."""
+        before = {f: getattr(self, f) for f in _FIELDS}
+        yield
+        self._notify({*said, *(f for f in _FIELDS if getattr(self, f) != before[f])})
+
     # -- timeline -------------------------------------------------------------------------
     def _load_timeline(self) -> None:
         from dstt.run.derived import written_bases
@@ -162,7 +172,7 @@ class ScrubberModel:
         if name not in self.run.timelines:
             raise TimelineError(f"no timeline {name!r}; have {self.timelines}")
         self._timeline = name
-        self._reload({"steps"})
+        self._reload("steps")
 
     def refresh(self) -> None:
         """Re-read the run (new steps of a live run, after a rollback or gc elsewhere)."""
@@ -170,22 +180,17 @@ class ScrubberModel:
         self.cache.clear()
         if self._timeline not in self.run.timelines:
             self._timeline = self.run.timeline
-        self._reload(set())
+        self._reload()
 
-    def _reload(self, changed: set[str]) -> None:
+    def _reload(self, *said: str) -> None:
         """Re-read the timeline, keep the step, reference and tensor where they still exist,
-        and notify what changed (``changed``: said changed whatever the values)."""
-        old = (self.steps, self._step, self._reference, self._tensor)
-        self._load_timeline()
-        self._step = self._snap(self._step)
-        if self._reference is not None and self._reference not in self.steps:
-            self._reference = None
-        if self._tensor not in self.tensors:
-            self._tensor = self._default_tensor(self.tensors)
-        now = (self.steps, self._step, self._reference, self._tensor)
-        names = ("steps", "step", "reference", "tensor")
-        changed |= {n for n, a, b in zip(names, old, now, strict=True) if a != b}
-        self._notify(changed | {"timeline", "metrics", "spikes"})
+        and notify what changed (``said``: changed whatever the values)."""
+        with self._changes("timeline", "metrics", "spikes", *said):
+            self._load_timeline()
+            self._step = self._snap(self._step)
+            if self._reference is not None and self._reference not in self.steps:
+                self._reference = None
+            self._keep_tensor()
 
     def _snap(self, step: int) -> int:
         """The latest step <= ``step`` on this timeline (the first step if none)."""
@@ -201,12 +206,9 @@ class ScrubberModel:
     def step(self, step: int) -> None:
         step = self._committed(step)
         if step != self._step:
-            self._step = step
-            changed = {"step"}
-            if self._tensor not in self.tensors:
-                self._tensor = self._default_tensor(self.tensors)
-                changed.add("tensor")
-            self._notify(changed)
+            with self._changes():
+                self._step = step
+                self._keep_tensor()
             self._prefetch_neighbours()
 
     def _committed(self, step: int, what: str = "step") -> int:
@@ -321,6 +323,12 @@ class ScrubberModel:
         mats = [n for n in names if len(self._shape(n)) >= 2]
         return (mats or names or [""])[0]
 
+    def _keep_tensor(self) -> None:
+        """The default tensor where the selected one is no parameter at the current step."""
+        names = self.tensors
+        if self._tensor not in names:
+            self._tensor = self._default_tensor(names)
+
     @property
     def tensor(self) -> str:
         return self._tensor
@@ -414,20 +422,16 @@ class ScrubberModel:
                 f"the cause of the spike at {spike.step}, step "
                 f"{spike.cause}, is not committed on {self._timeline!r}"
             )
-        before = (self._step, self._reference, self._mode, self._tensor)
-        self._step, self._reference, self._mode = int(spike.cause), None, "change"
-        names = self.tensors
-        moved = [str(n) for n, _ in spike.tensors if n in names] or [
-            n for n, r in self._ranked_change() if n in names
-        ]
-        self._tensor = (
-            moved[0]
-            if moved
-            else (self._tensor if self._tensor in names else self._default_tensor(names))
-        )
-        after = (self._step, self._reference, self._mode, self._tensor)
-        fields = ("step", "reference", "mode", "tensor")
-        self._notify({f for f, b, a in zip(fields, before, after, strict=True) if b != a})
+        with self._changes():
+            self._step, self._reference, self._mode = int(spike.cause), None, "change"
+            names = self.tensors
+            moved = [str(n) for n, _ in spike.tensors if n in names] or [
+                n for n, r in self._ranked_change() if n in names
+            ]
+            if moved:
+                self._tensor = moved[0]
+            else:
+                self._keep_tensor()
 
     def _ranked_change(self) -> list[tuple[str, float]]:
         ds = self.change()
