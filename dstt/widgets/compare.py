@@ -21,7 +21,7 @@ import numpy as np
 from dstt._optional import require
 from dstt.errors import StepNotFoundError, TensorNotFoundError
 from dstt.plots.draw import draw_bars, draw_curves, draw_tensor
-from dstt.plots.series import diff_headers
+from dstt.plots.series import diff_headers, ranked
 from dstt.schema import user_name
 
 from .model import default_metric, subsample
@@ -88,8 +88,7 @@ class CompareModel:
         """``(tensor, ratio)`` of the parameters in both, largest relative change first."""
         names = [str(n) for n in self.diff["tensor"].values]
         ratio = self.diff["ratio"].values.astype(float)
-        order = np.argsort(-np.where(np.isfinite(ratio), ratio, -np.inf), kind="stable")
-        return [(names[i], float(ratio[i])) for i in order if names[i] in self.tensors]
+        return [(names[i], float(ratio[i])) for i in ranked(ratio) if names[i] in self.tensors]
 
     def values(self) -> tuple[np.ndarray, np.ndarray]:
         """The selected tensor at A and at B (subsampled like the scrubber's)."""

@@ -24,7 +24,7 @@ import numpy as np
 from dstt._lru import LRU
 from dstt.errors import MetricNotFoundError, StepNotFoundError, TensorNotFoundError, TimelineError
 from dstt.plots.draw import image_strides
-from dstt.plots.series import no_change, step_change
+from dstt.plots.series import no_change, ranked, step_change
 from dstt.schema import user_name
 
 if TYPE_CHECKING:
@@ -426,20 +426,18 @@ class ScrubberModel:
             self._step, self._reference, self._mode = int(spike.cause), None, "change"
             names = self.tensors
             moved = [str(n) for n, _ in spike.tensors if n in names] or [
-                n for n, r in self._ranked_change() if n in names
+                n for n in self._ranked_change() if n in names
             ]
             if moved:
                 self._tensor = moved[0]
             else:
                 self._keep_tensor()
 
-    def _ranked_change(self) -> list[tuple[str, float]]:
+    def _ranked_change(self) -> list[str]:
+        """The parameters that changed (finite ratio), most first."""
         ds = self.change()
-        ratio = np.where(np.isfinite(ds["ratio"].values), ds["ratio"].values, -np.inf)
-        order = np.argsort(-ratio, kind="stable")
-        return [
-            (str(ds["tensor"].values[i]), float(ratio[i])) for i in order if np.isfinite(ratio[i])
-        ]
+        ratio = ds["ratio"].values
+        return [str(ds["tensor"].values[i]) for i in ranked(ratio) if np.isfinite(ratio[i])]
 
     def strides(self) -> tuple[int, int]:
         """Subsampling of the tensor's matrix view (1-D tensors are histogrammed whole)."""
