@@ -92,8 +92,8 @@ class CompareModel:
 
     def values(self) -> tuple[np.ndarray, np.ndarray]:
         """The selected tensor at A and at B (subsampled like the scrubber's)."""
-        a, b = (s.tensor(self._tensor) for s in (self.a, self.b))
-        return subsample(a, a.shape, self.max_side), subsample(b, b.shape, self.max_side)
+        a, b = (subsample(s.tensor(self._tensor), self.max_side) for s in (self.a, self.b))
+        return a, b
 
     def label(self) -> str:
         def side(s: Snapshot) -> str:

@@ -14,7 +14,7 @@ observer callbacks whose firing order is the widget library's business.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
@@ -42,10 +42,10 @@ Observer = Callable[[set[str]], None]
 _FIELDS = ("steps", "step", "reference", "mode", "tensor")
 
 
-def subsample(da: Any, shape: Sequence[int], max_side: int) -> np.ndarray:  # noqa: ANN401 - a DataArray
-    """The values of ``da`` (a lazy DataArray of ``shape``) every :func:`image_strides` rows
-    and columns of its matrix view; only the rows (and a matrix's columns) kept are read."""
-    rs, cs = image_strides(shape, max_side) if len(shape) >= 2 else (1, 1)
+def subsample(da: Any, max_side: int) -> np.ndarray:  # noqa: ANN401 - a DataArray
+    """The values of ``da`` (a lazy DataArray) every :func:`image_strides` rows and columns
+    of its matrix view; only the rows (and a matrix's columns) kept are read."""
+    rs, cs = image_strides(da.shape, max_side) if da.ndim >= 2 else (1, 1)
     if da.ndim >= 1 and rs > 1:
         da = da.isel({da.dims[0]: slice(None, None, rs)})
     if da.ndim == 2 and cs > 1:
@@ -252,10 +252,7 @@ class ScrubberModel:
 
     def _warm_step(self, timeline: str, tensor: str, reference: int | None, step: int) -> None:
         self.snapshot(step, timeline)
-        self.cache.get_or_make(
-            ("values", timeline, step, tensor, self.max_side),
-            lambda: self._load_values(step, tensor, timeline),
-        )
+        self._values(timeline, step, tensor)
         self.cache.get_or_make(
             ("change", timeline, step, reference),
             lambda: step_change(self.run, step, reference, timeline=timeline),
@@ -447,18 +444,14 @@ class ScrubberModel:
     def values(self, step: int | None = None) -> np.ndarray:
         """The current tensor's values at ``step`` (default: current), subsampled by
         :meth:`strides` along its matrix view for big tensors; cached."""
-        s = self._step if step is None else int(step)
-        key = ("values", self._timeline, s, self._tensor, self.max_side)
-        values: np.ndarray = self.cache.get_or_make(key, lambda: self._load_values(s))
-        return values
+        return self._values(self._timeline, self._step if step is None else int(step), self._tensor)
 
-    def _load_values(
-        self, step: int, tensor: str | None = None, timeline: str | None = None
-    ) -> np.ndarray:
-        tensor = self._tensor if tensor is None else tensor
-        snap = self.snapshot(step, timeline)
-        shape = tuple(snap.catalog.table[snap.path(tensor)].shape)
-        return subsample(snap.tensor(tensor), shape, self.max_side)
+    def _values(self, timeline: str, step: int, tensor: str) -> np.ndarray:
+        values: np.ndarray = self.cache.get_or_make(
+            ("values", timeline, step, tensor, self.max_side),
+            lambda: subsample(self.snapshot(step, timeline).tensor(tensor), self.max_side),
+        )
+        return values
 
     def shown(self) -> tuple[np.ndarray | None, str]:
         """What the tensor view draws now and its title: values, or the change since the
