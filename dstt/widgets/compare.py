@@ -28,6 +28,8 @@ from .model import default_metric, subsample
 from .views import TOP_BARS, FigureView
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import xarray as xr
     from matplotlib.axes import Axes
 
@@ -136,7 +138,7 @@ class CompareModel:
             title="relative change per parameter",
         )
 
-    def draw_tensors(self, axes: list[Any]) -> dict[str, Any]:
+    def draw_tensors(self, axes: Sequence[Axes]) -> dict[str, Any]:
         va, vb = self.values()
         out = {
             "a": draw_tensor(axes[0], va, title=f"A: {self.a.step}"),
@@ -183,16 +185,14 @@ class Compare:
 
     def _redraw(self, which: set[str]) -> None:
         m = self.model
-        for name, draw in (("loss", m.draw_loss), ("ranking", m.draw_ranking)):
+        for name, draw, ncols in (
+            ("loss", m.draw_loss, 1),
+            ("ranking", m.draw_ranking, 1),
+            ("tensors", m.draw_tensors, 3),
+        ):
             if name in which:
-                self.views[name].redraw(draw)
-        if "tensors" in which:
-            v = self.views["tensors"]
-            v.fig.clear()
-            v.artists = m.draw_tensors(list(v.fig.subplots(1, 3)))
-            v.fit()
-        for k in which:
-            self.images[k].value = self.views[k].png()
+                self.views[name].redraw(draw, ncols)
+                self.images[name].value = self.views[name].png()
         self.label.value = html.escape(m.label())
 
 

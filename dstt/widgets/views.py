@@ -80,11 +80,12 @@ class FigureView:
     def ax(self) -> Axes | None:
         return self.fig.axes[0] if self.fig.axes else None
 
-    def redraw(self, draw: Callable[[Any], dict[str, Any]]) -> None:
-        """Clear the figure, call ``draw(axes)``, keep the artists it returns."""
+    def redraw(self, draw: Callable[[Any], dict[str, Any]], ncols: int = 1) -> None:
+        """Clear the figure, call ``draw(axes)`` (``ncols`` > 1: a row of that many axes),
+        keep the artists it returns."""
         self.fig.clear()
         self._moving, self._background = [], None
-        self.artists = draw(self.fig.add_subplot())
+        self.artists = draw(self.fig.subplots(1, ncols))
         self.fit()
 
     def animate(self, *artists: Any) -> None:
