@@ -23,7 +23,7 @@ from dstt.errors import MetricNotFoundError
 
 from .draw import draw_bars, draw_curves, draw_heatmap, draw_tensor
 from .explain import explanation
-from .series import exactness_label, param_names, step_change, tensor_stats
+from .series import exactness_label, param_names, ranked, step_change, tensor_stats
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -182,7 +182,7 @@ def layer_change(
     exact), largest first, at most ``top`` of them."""
     ds = step_change(run, step, reference, timeline=timeline)
     ratio = ds["ratio"].values
-    order = np.argsort(-np.where(np.isfinite(ratio), ratio, -np.inf), kind="stable")[:top]
+    order = ranked(ratio)[:top]
     ax = _axes(ax, (7, max(2.5, 0.2 * len(order) + 1)))
     ref = ds.attrs.get("reference")
     draw_bars(

@@ -147,6 +147,12 @@ def exactness_label(exactness: str) -> str:
     )
 
 
+def ranked(ratio: Any) -> np.ndarray:  # noqa: ANN401 - array-like
+    """Indices of ``ratio`` largest first, the non-finite ones last (in their order)."""
+    r = np.asarray(ratio, dtype=float)
+    return np.argsort(-np.where(np.isfinite(r), r, -np.inf), kind="stable")
+
+
 def _previous(run: Run, step: int, timeline: str | None) -> CommitHeader | None:
     line = run.commits(timeline)
     idx = next((i for i, h in enumerate(line) if h.step == step), None)

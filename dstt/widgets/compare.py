@@ -21,13 +21,15 @@ import numpy as np
 from dstt._optional import require
 from dstt.errors import StepNotFoundError, TensorNotFoundError
 from dstt.plots.draw import draw_bars, draw_curves, draw_tensor
-from dstt.plots.series import diff_headers
+from dstt.plots.series import diff_headers, ranked
 from dstt.schema import user_name
 
 from .model import default_metric, subsample
 from .views import TOP_BARS, FigureView
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import xarray as xr
     from matplotlib.axes import Axes
 
@@ -88,13 +90,12 @@ class CompareModel:
         """``(tensor, ratio)`` of the parameters in both, largest relative change first."""
         names = [str(n) for n in self.diff["tensor"].values]
         ratio = self.diff["ratio"].values.astype(float)
-        order = np.argsort(-np.where(np.isfinite(ratio), ratio, -np.inf), kind="stable")
-        return [(names[i], float(ratio[i])) for i in order if names[i] in self.tensors]
+        return [(names[i], float(ratio[i])) for i in ranked(ratio) if names[i] in self.tensors]
 
     def values(self) -> tuple[np.ndarray, np.ndarray]:
         """The selected tensor at A and at B (subsampled like the scrubber's)."""
-        a, b = (s.tensor(self._tensor) for s in (self.a, self.b))
-        return subsample(a, a.shape, self.max_side), subsample(b, b.shape, self.max_side)
+        a, b = (subsample(s.tensor(self._tensor), self.max_side) for s in (self.a, self.b))
+        return a, b
 
     def label(self) -> str:
         def side(s: Snapshot) -> str:
@@ -137,7 +138,7 @@ class CompareModel:
             title="relative change per parameter",
         )
 
-    def draw_tensors(self, axes: list[Any]) -> dict[str, Any]:
+    def draw_tensors(self, axes: Sequence[Axes]) -> dict[str, Any]:
         va, vb = self.values()
         out = {
             "a": draw_tensor(axes[0], va, title=f"A: {self.a.step}"),
@@ -184,16 +185,14 @@ class Compare:
 
     def _redraw(self, which: set[str]) -> None:
         m = self.model
-        for name, draw in (("loss", m.draw_loss), ("ranking", m.draw_ranking)):
+        for name, draw, ncols in (
+            ("loss", m.draw_loss, 1),
+            ("ranking", m.draw_ranking, 1),
+            ("tensors", m.draw_tensors, 3),
+        ):
             if name in which:
-                self.views[name].redraw(draw)
-        if "tensors" in which:
-            v = self.views["tensors"]
-            v.fig.clear()
-            v.artists = m.draw_tensors(list(v.fig.subplots(1, 3)))
-            v.fit()
-        for k in which:
-            self.images[k].value = self.views[k].png()
+                self.views[name].redraw(draw, ncols)
+                self.images[name].value = self.views[name].png()
         self.label.value = html.escape(m.label())
 
 

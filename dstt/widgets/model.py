@@ -14,8 +14,9 @@ observer callbacks whose firing order is the widget library's business.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -23,7 +24,7 @@ import numpy as np
 from dstt._lru import LRU
 from dstt.errors import MetricNotFoundError, StepNotFoundError, TensorNotFoundError, TimelineError
 from dstt.plots.draw import image_strides
-from dstt.plots.series import no_change, step_change
+from dstt.plots.series import no_change, ranked, step_change
 from dstt.schema import user_name
 
 if TYPE_CHECKING:
@@ -37,12 +38,14 @@ __all__ = ["LRU", "Mode", "ScrubberModel"]
 
 Mode = Literal["values", "change"]
 Observer = Callable[[set[str]], None]
+#: the selection fields whose change :meth:`ScrubberModel._changes` detects
+_FIELDS = ("steps", "step", "reference", "mode", "tensor")
 
 
-def subsample(da: Any, shape: Sequence[int], max_side: int) -> np.ndarray:  # noqa: ANN401 - a DataArray
-    """The values of ``da`` (a lazy DataArray of ``shape``) every :func:`image_strides` rows
-    and columns of its matrix view; only the rows (and a matrix's columns) kept are read."""
-    rs, cs = image_strides(shape, max_side) if len(shape) >= 2 else (1, 1)
+def subsample(da: Any, max_side: int) -> np.ndarray:  # noqa: ANN401 - a DataArray
+    """The values of ``da`` (a lazy DataArray) every :func:`image_strides` rows and columns
+    of its matrix view; only the rows (and a matrix's columns) kept are read."""
+    rs, cs = image_strides(da.shape, max_side) if da.ndim >= 2 else (1, 1)
     if da.ndim >= 1 and rs > 1:
         da = da.isel({da.dims[0]: slice(None, None, rs)})
     if da.ndim == 2 and cs > 1:
@@ -96,11 +99,7 @@ class ScrubberModel:
         self._timeline = timeline or run.timeline
         self._load_timeline()
         self._step = self._snap(step if step is not None else self.steps[-1])
-        if reference is not None and reference not in self.steps:
-            raise StepNotFoundError(
-                f"reference step {reference} is not on timeline {self._timeline!r}"
-            )
-        self._reference = reference
+        self._reference = None if reference is None else self._committed(reference, "reference")
         self._mode: Mode = "values"
         self.mode = mode  # validates; no observer yet to notify
         self._tensor = (
@@ -117,6 +116,13 @@ class ScrubberModel:
         if changed:
             for fn in list(self._observers):
                 fn(changed)
+
+    @contextmanager
+    def _changes(self, *said: str) -> Iterator[None]:
+        """Notify, after the block, the fields it changed and ``said`` whatever the values."""
+        before = {f: getattr(self, f) for f in _FIELDS}
+        yield
+        self._notify({*said, *(f for f in _FIELDS if getattr(self, f) != before[f])})
 
     # -- timeline -------------------------------------------------------------------------
     def _load_timeline(self) -> None:
@@ -166,7 +172,7 @@ class ScrubberModel:
         if name not in self.run.timelines:
             raise TimelineError(f"no timeline {name!r}; have {self.timelines}")
         self._timeline = name
-        self._reload({"steps"})
+        self._reload("steps")
 
     def refresh(self) -> None:
         """Re-read the run (new steps of a live run, after a rollback or gc elsewhere)."""
@@ -174,22 +180,17 @@ class ScrubberModel:
         self.cache.clear()
         if self._timeline not in self.run.timelines:
             self._timeline = self.run.timeline
-        self._reload(set())
+        self._reload()
 
-    def _reload(self, changed: set[str]) -> None:
+    def _reload(self, *said: str) -> None:
         """Re-read the timeline, keep the step, reference and tensor where they still exist,
-        and notify what changed (``changed``: said changed whatever the values)."""
-        old = (self.steps, self._step, self._reference, self._tensor)
-        self._load_timeline()
-        self._step = self._snap(self._step)
-        if self._reference is not None and self._reference not in self.steps:
-            self._reference = None
-        if self._tensor not in self.tensors:
-            self._tensor = self._default_tensor(self.tensors)
-        now = (self.steps, self._step, self._reference, self._tensor)
-        names = ("steps", "step", "reference", "tensor")
-        changed |= {n for n, a, b in zip(names, old, now, strict=True) if a != b}
-        self._notify(changed | {"timeline", "metrics", "spikes"})
+        and notify what changed (``said``: changed whatever the values)."""
+        with self._changes("timeline", "metrics", "spikes", *said):
+            self._load_timeline()
+            self._step = self._snap(self._step)
+            if self._reference is not None and self._reference not in self.steps:
+                self._reference = None
+            self._keep_tensor()
 
     def _snap(self, step: int) -> int:
         """The latest step <= ``step`` on this timeline (the first step if none)."""
@@ -203,17 +204,21 @@ class ScrubberModel:
 
     @step.setter
     def step(self, step: int) -> None:
+        step = self._committed(step)
+        if step != self._step:
+            with self._changes():
+                self._step = step
+                self._keep_tensor()
+            self._prefetch_neighbours()
+
+    def _committed(self, step: int, what: str = "step") -> int:
+        """``step`` as an int; ``StepNotFoundError`` if it is not among :attr:`steps`."""
         step = int(step)
         if step not in self.steps:
-            raise StepNotFoundError(f"step {step} is not committed on timeline {self._timeline!r}")
-        if step != self._step:
-            self._step = step
-            changed = {"step"}
-            if self._tensor not in self.tensors:
-                self._tensor = self._default_tensor(self.tensors)
-                changed.add("tensor")
-            self._notify(changed)
-            self._prefetch_neighbours()
+            raise StepNotFoundError(
+                f"{what} {step} is not committed on timeline {self._timeline!r}"
+            )
+        return step
 
     # -- prefetch ---------------------------------------------------------------------------
     def _prefetch_neighbours(self) -> None:
@@ -247,10 +252,7 @@ class ScrubberModel:
 
     def _warm_step(self, timeline: str, tensor: str, reference: int | None, step: int) -> None:
         self.snapshot(step, timeline)
-        self.cache.get_or_make(
-            ("values", timeline, step, tensor, self.max_side),
-            lambda: self._load_values(step, tensor, timeline),
-        )
+        self._values(timeline, step, tensor)
         self.cache.get_or_make(
             ("change", timeline, step, reference),
             lambda: step_change(self.run, step, reference, timeline=timeline),
@@ -318,6 +320,12 @@ class ScrubberModel:
         mats = [n for n in names if len(self._shape(n)) >= 2]
         return (mats or names or [""])[0]
 
+    def _keep_tensor(self) -> None:
+        """The default tensor where the selected one is no parameter at the current step."""
+        names = self.tensors
+        if self._tensor not in names:
+            self._tensor = self._default_tensor(names)
+
     @property
     def tensor(self) -> str:
         return self._tensor
@@ -336,12 +344,7 @@ class ScrubberModel:
 
     @reference.setter
     def reference(self, step: int | None) -> None:
-        if step is not None:
-            step = int(step)
-            if step not in self.steps:
-                raise StepNotFoundError(
-                    f"step {step} is not committed on timeline {self._timeline!r}"
-                )
+        step = None if step is None else self._committed(step)
         if step != self._reference:
             self._reference = step
             self._notify({"reference"})
@@ -416,28 +419,22 @@ class ScrubberModel:
                 f"the cause of the spike at {spike.step}, step "
                 f"{spike.cause}, is not committed on {self._timeline!r}"
             )
-        before = (self._step, self._reference, self._mode, self._tensor)
-        self._step, self._reference, self._mode = int(spike.cause), None, "change"
-        names = self.tensors
-        moved = [str(n) for n, _ in spike.tensors if n in names] or [
-            n for n, r in self._ranked_change() if n in names
-        ]
-        self._tensor = (
-            moved[0]
-            if moved
-            else (self._tensor if self._tensor in names else self._default_tensor(names))
-        )
-        after = (self._step, self._reference, self._mode, self._tensor)
-        fields = ("step", "reference", "mode", "tensor")
-        self._notify({f for f, b, a in zip(fields, before, after, strict=True) if b != a})
+        with self._changes():
+            self._step, self._reference, self._mode = int(spike.cause), None, "change"
+            names = self.tensors
+            moved = [str(n) for n, _ in spike.tensors if n in names] or [
+                n for n in self._ranked_change() if n in names
+            ]
+            if moved:
+                self._tensor = moved[0]
+            else:
+                self._keep_tensor()
 
-    def _ranked_change(self) -> list[tuple[str, float]]:
+    def _ranked_change(self) -> list[str]:
+        """The parameters that changed (finite ratio), most first."""
         ds = self.change()
-        ratio = np.where(np.isfinite(ds["ratio"].values), ds["ratio"].values, -np.inf)
-        order = np.argsort(-ratio, kind="stable")
-        return [
-            (str(ds["tensor"].values[i]), float(ratio[i])) for i in order if np.isfinite(ratio[i])
-        ]
+        ratio = ds["ratio"].values
+        return [str(ds["tensor"].values[i]) for i in ranked(ratio) if np.isfinite(ratio[i])]
 
     def strides(self) -> tuple[int, int]:
         """Subsampling of the tensor's matrix view (1-D tensors are histogrammed whole)."""
@@ -447,18 +444,14 @@ class ScrubberModel:
     def values(self, step: int | None = None) -> np.ndarray:
         """The current tensor's values at ``step`` (default: current), subsampled by
         :meth:`strides` along its matrix view for big tensors; cached."""
-        s = self._step if step is None else int(step)
-        key = ("values", self._timeline, s, self._tensor, self.max_side)
-        values: np.ndarray = self.cache.get_or_make(key, lambda: self._load_values(s))
-        return values
+        return self._values(self._timeline, self._step if step is None else int(step), self._tensor)
 
-    def _load_values(
-        self, step: int, tensor: str | None = None, timeline: str | None = None
-    ) -> np.ndarray:
-        tensor = self._tensor if tensor is None else tensor
-        snap = self.snapshot(step, timeline)
-        shape = tuple(snap.catalog.table[snap.path(tensor)].shape)
-        return subsample(snap.tensor(tensor), shape, self.max_side)
+    def _values(self, timeline: str, step: int, tensor: str) -> np.ndarray:
+        values: np.ndarray = self.cache.get_or_make(
+            ("values", timeline, step, tensor, self.max_side),
+            lambda: subsample(self.snapshot(step, timeline).tensor(tensor), self.max_side),
+        )
+        return values
 
     def shown(self) -> tuple[np.ndarray | None, str]:
         """What the tensor view draws now and its title: values, or the change since the

@@ -77,12 +77,12 @@ class Scrubber:
             description="play",
         )
         self.link = w.jslink((self.play, "value"), (self.slider, "index"))
-        self.prev_button = w.Button(
-            description="◀", tooltip="previous step", layout=w.Layout(width="3em")
-        )
-        self.next_button = w.Button(
-            description="▶", tooltip="next step", layout=w.Layout(width="3em")
-        )
+
+        def button(description: str, tooltip: str | None = None, width: str = "3em") -> Any:  # noqa: ANN401 - a Button
+            return w.Button(description=description, tooltip=tooltip, layout=w.Layout(width=width))
+
+        self.prev_button = button("◀", "previous step")
+        self.next_button = button("▶", "next step")
         self.timeline_picker = w.Dropdown(
             options=m.timelines, value=m.timeline, description="timeline"
         )
@@ -94,15 +94,9 @@ class Scrubber:
             value=m.mode,
             tooltips=["the tensor at this step", "this step minus the reference step"],
         )
-        self.refresh_button = w.Button(
-            description="⟳", tooltip="re-read the run (new steps)", layout=w.Layout(width="3em")
-        )
-        self.pin_button = w.Button(
-            description="pin step as reference", layout=w.Layout(width="auto")
-        )
-        self.unpin_button = w.Button(
-            description="reference: previous step", layout=w.Layout(width="auto")
-        )
+        self.refresh_button = button("⟳", "re-read the run (new steps)")
+        self.pin_button = button("pin step as reference", width="auto")
+        self.unpin_button = button("reference: previous step", width="auto")
         self.label = w.HTML()
         self.label.add_class("dstt-scrubber-label")
         self.views = {

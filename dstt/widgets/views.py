@@ -26,7 +26,7 @@ from dstt.plots.draw import (
     draw_message,
     draw_tensor,
 )
-from dstt.plots.series import exactness_label
+from dstt.plots.series import exactness_label, ranked
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -80,11 +80,12 @@ class FigureView:
     def ax(self) -> Axes | None:
         return self.fig.axes[0] if self.fig.axes else None
 
-    def redraw(self, draw: Callable[[Any], dict[str, Any]]) -> None:
-        """Clear the figure, call ``draw(axes)``, keep the artists it returns."""
+    def redraw(self, draw: Callable[[Any], dict[str, Any]], ncols: int = 1) -> None:
+        """Clear the figure, call ``draw(axes)`` (``ncols`` > 1: a row of that many axes),
+        keep the artists it returns."""
         self.fig.clear()
         self._moving, self._background = [], None
-        self.artists = draw(self.fig.add_subplot())
+        self.artists = draw(self.fig.subplots(1, ncols))
         self.fit()
 
     def animate(self, *artists: Any) -> None:
@@ -248,7 +249,7 @@ def _change_bars(model: ScrubberModel, top: int) -> tuple[list[str], np.ndarray,
         return f"step {model.step}: no earlier step to compare with"
     names = [str(n) for n in ds["tensor"].values]
     ratio = ds["ratio"].values.astype(float)
-    order = list(np.argsort(-np.where(np.isfinite(ratio), ratio, -np.inf), kind="stable")[:top])
+    order = list(ranked(ratio)[:top])
     if model.tensor in names and names.index(model.tensor) not in order:
         order[-1] = names.index(model.tensor)
     kind = exactness_label(ds.attrs.get("exactness", ""))
