@@ -380,9 +380,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # dstt log | head: the reader has all it wants
         _drop_stdout()
         return EXIT_PIPE
-    except (*BAD_INPUT, DsttError, OSError) as e:  # OSError: reading or writing the run
+    except BAD_INPUT as e:
         print(f"dstt: {str(e) or type(e).__name__}", file=sys.stderr)
-        return EXIT_BAD_INPUT if isinstance(e, BAD_INPUT) else EXIT_RUN
+        return EXIT_BAD_INPUT
+    except (DsttError, OSError) as e:  # OSError: reading or writing the run (EIO, EACCES)
+        print(f"dstt: {str(e) or type(e).__name__}", file=sys.stderr)
+        return EXIT_RUN
     except KeyboardInterrupt:
         print("dstt: interrupted", file=sys.stderr)
         return 130

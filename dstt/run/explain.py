@@ -274,7 +274,7 @@ class _Context:
         pick = sorted({upto[round(float(j))] for j in np.linspace(0, len(upto) - 1, n)})
         layers = list(pairs)
         bounds = np.full((len(pick), len(layers)), np.nan)
-        read = set()
+        read: set[str] = set()
         stored, config = self._head_facts()
         heads: dict[str, int | None] = {}
         heads_from: dict[str, str] = {}
