@@ -253,8 +253,13 @@ class _Context:
         names, sums = self.names, self.sums
         nonfinite = None
         wst = st[keep]
-        if names:  # step x tensor, along the metric's steps (0 where no summaries)
-            nonfinite = (sums["nan"] + sums["inf"]).reindex(step=wst, fill_value=0).values
+        if names:
+            counts = sums["nan"].values + sums["inf"].values  # step x tensor, window only
+            by = {int(s): j for j, s in enumerate(sums["step"].values)}
+            nonfinite = np.zeros((len(wst), len(names)))
+            for r, s in enumerate(wst):
+                if int(s) in by:
+                    nonfinite[r] = counts[by[int(s)]]
             read.append(f"summaries' nan/inf of {len(names)} tensors at steps {_span(self.window)}")
         return _with_read(numerics(wst, loss, nonfinite, names, loss_scale=scale), read)
 
