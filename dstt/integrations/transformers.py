@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from typing import TYPE_CHECKING, Any, Literal
@@ -422,13 +423,8 @@ def _train_data(trainer: Any) -> tuple[Any, Any]:
             "replay rebuilds a step's batches from their sample indices, and an "
             "IterableDataset has none: pass replay(..., batches=[the step's batches])"
         )
-    try:
-        import datasets  # type: ignore[import-not-found,unused-ignore]
-
-        is_hf = isinstance(dataset, datasets.Dataset)
-    except ImportError:
-        is_hf = False
-    if is_hf:
+    datasets = sys.modules.get("datasets")  # loaded wherever a datasets.Dataset exists
+    if datasets is not None and isinstance(dataset, datasets.Dataset):
         dataset = trainer._remove_unused_columns(dataset, description="training")  # noqa: SLF001
         return dataset, trainer.data_collator
     collate = trainer._get_collator_with_removed_columns(  # noqa: SLF001
