@@ -54,14 +54,13 @@ class _Progress:
 
     def __init__(self) -> None:
         self.state: TrainerState | None = None
-        self.restored: dict[str, Any] = {}
 
     def state_dict(self) -> dict[str, Any]:
         s = self.state
         return {} if s is None else {k: getattr(s, k) for k in PROGRESS_FIELDS}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.restored = dict(state)
+        """Nothing to do: the Trainer restores its progress from ``resume_from()``'s folder."""
 
 
 class _TrainerError(RuntimeError):
