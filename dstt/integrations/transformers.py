@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from typing import TYPE_CHECKING, Any, Literal
@@ -53,14 +54,13 @@ class _Progress:
 
     def __init__(self) -> None:
         self.state: TrainerState | None = None
-        self.restored: dict[str, Any] = {}
 
     def state_dict(self) -> dict[str, Any]:
         s = self.state
         return {} if s is None else {k: getattr(s, k) for k in PROGRESS_FIELDS}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.restored = dict(state)
+        """Nothing to do: the Trainer restores its progress from ``resume_from()``'s folder."""
 
 
 class _TrainerError(RuntimeError):
@@ -422,13 +422,8 @@ def _train_data(trainer: Any) -> tuple[Any, Any]:
             "replay rebuilds a step's batches from their sample indices, and an "
             "IterableDataset has none: pass replay(..., batches=[the step's batches])"
         )
-    try:
-        import datasets  # type: ignore[import-not-found,unused-ignore]
-
-        is_hf = isinstance(dataset, datasets.Dataset)
-    except ImportError:
-        is_hf = False
-    if is_hf:
+    datasets = sys.modules.get("datasets")  # loaded wherever a datasets.Dataset exists
+    if datasets is not None and isinstance(dataset, datasets.Dataset):
         dataset = trainer._remove_unused_columns(dataset, description="training")  # noqa: SLF001
         return dataset, trainer.data_collator
     collate = trainer._get_collator_with_removed_columns(  # noqa: SLF001
